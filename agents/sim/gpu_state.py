@@ -1,0 +1,214 @@
+"""The simulated GPU: one small JSON state file per GPU, shared by every process on the "host".
+
+    <sim_dir>/gpu<index>.json   {"index", "present", "name", "memory_total_bytes",
+                                 "allocations": {"<pid>": bytes, ...}}
+    <sim_dir>/gpu<index>.lock   the fcntl lock every read-modify-write takes
+
+The simulated vLLM server, the simulated trainer and `haru sim` all update the file; every update is
+a read-modify-write under an exclusive `flock` and lands with write-temp + `os.replace`, so a reader
+(which takes no lock) always sees a whole file. Memory used is the sum of the allocations of pids
+that are still alive: a process that was SIGKILLed (or is a zombie nobody reaped yet) holds nothing,
+as a real driver frees a dead process's memory. Dead pids are dropped from the file on the next write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from agents.sim.errors import BadSize, NoSimGpu
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+TiB = 1024**4
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": KiB,
+    "m": 1000**2, "mb": 1000**2, "mib": MiB,
+    "g": 1000**3, "gb": 1000**3, "gib": GiB,
+    "t": 1000**4, "tb": 1000**4, "tib": TiB,
+}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")
+
+DEFAULT_GPU_NAME = "Haru Sim GPU"
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from `4294967296`, `"4GiB"`, `"512MiB"`, `"1.5GB"`. Raises BadSize with the fix."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.fullmatch(str(text))
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise BadSize(f"size {text!r} is not bytes or a number with a unit; write e.g. 4GiB, 512MiB or 1073741824")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_size(n: int) -> str:
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs. A zombie (exited, not yet reaped) counts as dead: its memory is gone."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs (not Linux): os.kill said it exists
+    # The state is the field after the parenthesised command name, which may itself hold spaces.
+    state = stat.rsplit(")", 1)[-1].split()[0]
+    return state not in ("Z", "X")
+
+
+def gpu_path(sim_dir: str | os.PathLike[str], index: int) -> Path:
+    return Path(sim_dir) / f"gpu{index}.json"
+
+
+def gpu_indexes(sim_dir: str | os.PathLike[str]) -> list[int]:
+    """The indexes of the simulated GPUs that exist in `sim_dir`, sorted."""
+    out = []
+    for path in Path(sim_dir).glob("gpu*.json"):
+        digits = path.stem[3:]
+        if digits.isdigit():
+            out.append(int(digits))
+    return sorted(out)
+
+
+class SimGpuState:
+    """Read and update one simulated GPU file (`<sim_dir>/gpu<index>.json`)."""
+
+    def __init__(self, sim_dir: str | os.PathLike[str], index: int) -> None:
+        self.sim_dir = Path(sim_dir)
+        self.index = int(index)
+        self.path = gpu_path(sim_dir, index)
+        self._lock_path = self.sim_dir / f"gpu{self.index}.lock"
+
+    # ------------------------------------------------------------------------------------- public
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def ensure(self, memory_total_bytes: int, name: str = DEFAULT_GPU_NAME) -> dict:
+        """Create the GPU (present, nothing allocated) unless it exists; an existing GPU is left as it is."""
+        self.sim_dir.mkdir(parents=True, exist_ok=True)
+        with self._locked():
+            if self._load() is None:
+                self._store(
+                    {
+                        "index": self.index,
+                        "present": True,
+                        "name": name,
+                        "memory_total_bytes": int(memory_total_bytes),
+                        "allocations": {},
+                    }
+                )
+        return self.read()
+
+    def allocate(self, pid: int, nbytes: int) -> bool:
+        """Set `pid`'s allocation to `nbytes` (replacing what it held). False = out of memory or GPU absent."""
+        with self._locked():
+            raw = self._require()
+            allocations = _live(raw["allocations"])
+            others = sum(n for key, n in allocations.items() if key != str(pid))
+            if not raw.get("present", True) or others + int(nbytes) > int(raw["memory_total_bytes"]):
+                raw["allocations"] = allocations  # a failed allocation leaves what the pid held
+                self._store(raw)
+                return False
+            allocations[str(pid)] = int(nbytes)
+            raw["allocations"] = allocations
+            self._store(raw)
+            return True
+
+    def free(self, pid: int) -> None:
+        """Drop `pid`'s allocation (no error if it held nothing or the GPU does not exist)."""
+        with self._locked():
+            raw = self._load()
+            if raw is None:
+                return
+            allocations = _live(raw["allocations"])
+            allocations.pop(str(pid), None)
+            raw["allocations"] = allocations
+            self._store(raw)
+
+    def set_present(self, present: bool) -> None:
+        """Attach (True) or detach (False) the GPU. Detaching keeps the allocations: the processes still hold them."""
+        with self._locked():
+            raw = self._require()
+            raw["present"] = bool(present)
+            raw["allocations"] = _live(raw["allocations"])
+            self._store(raw)
+
+    def read(self) -> dict:
+        """The GPU as it is now: the file's fields, live allocations only, plus used and free bytes.
+
+        Raises NoSimGpu when the file does not exist.
+        """
+        raw = self._load()
+        if raw is None:
+            raise NoSimGpu(f"simulated GPU {self.index} does not exist ({self.path}); create it with `haru sim add-gpu`")
+        allocations = _live(raw.get("allocations", {}))
+        total = int(raw.get("memory_total_bytes", 0))
+        used = sum(allocations.values())
+        return {
+            "index": int(raw.get("index", self.index)),
+            "present": bool(raw.get("present", True)),
+            "name": str(raw.get("name", DEFAULT_GPU_NAME)),
+            "memory_total_bytes": total,
+            "memory_used_bytes": used,
+            "memory_free_bytes": max(total - used, 0),
+            "allocations": allocations,
+        }
+
+    # ------------------------------------------------------------------------------------ private
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.sim_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _load(self) -> dict | None:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        raw = json.loads(data)
+        raw.setdefault("allocations", {})
+        return raw
+
+    def _require(self) -> dict:
+        raw = self._load()
+        if raw is None:
+            raise NoSimGpu(f"simulated GPU {self.index} does not exist ({self.path}); create it with `haru sim add-gpu`")
+        return raw
+
+    def _store(self, raw: dict) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(raw, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)
+
+
+def _live(allocations: dict) -> dict[str, int]:
+    return {pid: int(n) for pid, n in allocations.items() if pid_alive(int(pid))}

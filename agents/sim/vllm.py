@@ -1,0 +1,538 @@
+"""A simulated vLLM server: a real HTTP process that speaks vLLM's OpenAI-compatible API.
+
+    python -m agents.sim.vllm serve <source> --host 127.0.0.1 --port P --served-model-name NAME \
+        [--enable-sleep-mode] [any other vllm flag, accepted and ignored]
+
+The argv is `vllm serve`'s, so the agent spawns it through the same code path as real vLLM with only
+the binary changed. Configuration comes from the environment (see docs/sim.md): HARU_SIM_DIR,
+HARU_SIM_GPU_INDEX, HARU_SIM_DOMAIN, HARU_SIM_VRAM, HARU_SIM_LOAD_MS, HARU_SIM_WAKE_MS,
+HARU_SIM_SLEEP_MS, HARU_SIM_TOKENS_PER_S, HARU_SIM_RESIDUAL, HARU_SIM_GPU_MEMORY.
+
+Start-up follows real vLLM: the port is bound (not listening) first, so nobody else takes it; the
+model "loads" for HARU_SIM_LOAD_MS holding its VRAM on the simulated GPU; only then does the HTTP
+server listen. While loading, a connection is refused (real vLLM binds its socket before building
+the engine and starts uvicorn after), so "the child is alive but refuses connections" means loading.
+
+Fault injection (loopback only): POST /_sim/crash | evict | hang | oom_on_wake | fail_probe | reset,
+GET /_sim/state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from agents.sim.errors import SimError
+from agents.sim.gpu_state import GiB, MiB, SimGpuState, format_size, parse_size
+from haru.subjects import model_token
+
+VERSION = "0.0.0+haru.sim"
+DEFAULT_GPU_MEMORY = 24 * GiB
+
+
+# ---------------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    source: str
+    names: tuple[str, ...]
+    host: str
+    port: int
+    sleep_mode: bool
+    dev_mode: bool
+    sim_dir: Path
+    gpu_index: int
+    domain: str
+    vram: int
+    residual: int
+    gpu_memory: int
+    load_ms: int
+    wake_ms: int
+    sleep_ms: int
+    tokens_per_s: float
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+def runtime_path(sim_dir: str | os.PathLike[str], model: str) -> Path:
+    """`<sim_dir>/runtime-<model token>.json`: where a running sim server says who and where it is."""
+    return Path(sim_dir) / f"runtime-{model_token(model)}.json"
+
+
+def default_gpu_index(env: dict[str, str]) -> int:
+    if env.get("HARU_SIM_GPU_INDEX"):
+        return int(env["HARU_SIM_GPU_INDEX"])
+    visible = env.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return int(visible) if visible.isdigit() else 0
+
+
+def parse_config(argv: list[str], env: dict[str, str]) -> SimConfig:
+    parser = argparse.ArgumentParser(prog="agents.sim.vllm", description="simulated vLLM server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve")
+    serve.add_argument("source", help="the model (path or hub id) vLLM would load")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", nargs="+", default=None)
+    serve.add_argument("--enable-sleep-mode", action="store_true")
+    args, _ignored = parser.parse_known_args(argv)
+    sim_dir = env.get("HARU_SIM_DIR")
+    if not sim_dir:
+        parser.error("HARU_SIM_DIR is not set; set it to the simulated host's directory (e.g. ~/.haru/sim/a)")
+    return SimConfig(
+        source=args.source,
+        names=tuple(args.served_model_name or [args.source]),
+        host=args.host,
+        port=args.port,
+        sleep_mode=args.enable_sleep_mode,
+        dev_mode=env.get("VLLM_SERVER_DEV_MODE", "0") == "1",
+        sim_dir=Path(sim_dir),
+        gpu_index=default_gpu_index(env),
+        domain=env.get("HARU_SIM_DOMAIN", "sim"),
+        vram=parse_size(env.get("HARU_SIM_VRAM", "4GiB")),
+        residual=parse_size(env.get("HARU_SIM_RESIDUAL", str(256 * MiB))),
+        gpu_memory=parse_size(env.get("HARU_SIM_GPU_MEMORY", str(DEFAULT_GPU_MEMORY))),
+        load_ms=int(env.get("HARU_SIM_LOAD_MS", "300")),
+        wake_ms=int(env.get("HARU_SIM_WAKE_MS", "100")),
+        sleep_ms=int(env.get("HARU_SIM_SLEEP_MS", "50")),
+        tokens_per_s=float(env.get("HARU_SIM_TOKENS_PER_S", "200")),
+    )
+
+
+# ---------------------------------------------------------------------------------------- engine
+
+
+@dataclass
+class Engine:
+    """The simulated engine's state; one per process."""
+
+    config: SimConfig
+    gpu: SimGpuState
+    sleeping: bool = False
+    sleep_level: int = 0
+    evicted: bool = False
+    fail_probe: bool = False
+    oom_on_wake: bool = False
+    hung: bool = False
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def gpu_present(self) -> bool:
+        try:
+            return self.gpu.read()["present"]
+        except SimError:
+            return False
+
+    def oom_message(self, wanted: int) -> str:
+        try:
+            state = self.gpu.read()
+            free, total = state["memory_free_bytes"], state["memory_total_bytes"]
+        except SimError:
+            free = total = 0
+        return (
+            f"CUDA Error: out of memory: tried to allocate {format_size(wanted)}; GPU {self.config.gpu_index} "
+            f"has a total capacity of {format_size(total)} of which {format_size(free)} is free"
+        )
+
+
+ENGINE = web.AppKey("engine", Engine)
+
+
+def error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    """vLLM's (OpenAI's) error shape."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _tokens(domain: str, model: str, max_tokens: int | None, ignore_eos: bool) -> tuple[list[str], str]:
+    """The reply, as tokens, and the finish reason. The first token names the domain."""
+    words = [f"[domain {domain}]", " hello", " from", f" {model}", " on", " the", " simulated", " GPU", "."]
+    filler = [" lorem", " ipsum", " dolor", " sit", " amet"]
+    if ignore_eos and max_tokens:
+        out = [words[i] if i < len(words) else filler[i % len(filler)] for i in range(max_tokens)]
+        return out, "length"
+    if max_tokens is not None and max_tokens < len(words):
+        return words[:max_tokens], "length"
+    return words, "stop"
+
+
+def _prompt_tokens(body: dict) -> int:
+    if "messages" in body:
+        text = " ".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+    else:
+        prompt = body.get("prompt", "")
+        text = " ".join(map(str, prompt)) if isinstance(prompt, list) else str(prompt)
+    return max(len(text.split()), 1)
+
+
+async def _read_json(request: web.Request) -> dict | web.Response:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return error(400, f"request body is not JSON: {exc}", "BadRequestError")
+    if not isinstance(body, dict):
+        return error(400, "request body must be a JSON object", "BadRequestError")
+    return body
+
+
+def _check_engine(engine: Engine, body: dict) -> web.Response | str:
+    """The served name the request asks for, or the error vLLM would answer."""
+    model = body.get("model") or engine.config.name
+    if not isinstance(model, str):
+        return error(400, "`model` must be a string", "BadRequestError", "model")
+    if model not in engine.config.names or engine.evicted:
+        return error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    if not engine.gpu_present():
+        return error(
+            500, f"CUDA error: GPU {engine.config.gpu_index} has fallen off the bus (GPU is lost)", "InternalServerError"
+        )
+    if engine.sleeping:
+        return error(
+            503, f"the engine is sleeping (level {engine.sleep_level}); POST /wake_up before sending requests",
+            "ServiceUnavailableError",
+        )
+    if engine.fail_probe:
+        return error(500, "simulated engine failure (fail_probe injected)", "InternalServerError")
+    return model
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    chat = request.path.endswith("/chat/completions")
+    body = await _read_json(request)
+    if isinstance(body, web.Response):
+        return body
+    if chat and not isinstance(body.get("messages"), list):
+        return error(400, "`messages` is required and must be a list", "BadRequestError", "messages")
+    if not chat and "prompt" not in body:
+        return error(400, "`prompt` is required", "BadRequestError", "prompt")
+    model = _check_engine(engine, body)
+    if isinstance(model, web.Response):
+        return model
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        return error(400, "`max_tokens` must be a positive integer", "BadRequestError", "max_tokens")
+    tokens, finish = _tokens(engine.config.domain, model, max_tokens, bool(body.get("ignore_eos")))
+    prompt_tokens = _prompt_tokens(body)
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + len(tokens),
+        "completion_tokens": len(tokens),
+    }
+    created = int(time.time())
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    delay = 1.0 / engine.config.tokens_per_s if engine.config.tokens_per_s > 0 else 0.0
+
+    if not body.get("stream"):
+        await asyncio.sleep(delay * len(tokens))
+        text = "".join(tokens)
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+        obj = "chat.completion" if chat else "text_completion"
+        return web.json_response(
+            {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage}
+        )
+
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await response.prepare(request)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    async def send(choices: list[dict], extra: dict | None = None) -> None:
+        chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+        if extra:
+            chunk.update(extra)
+        await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    if chat:
+        await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+    for i, token in enumerate(tokens):
+        await asyncio.sleep(delay)
+        last = i == len(tokens) - 1
+        if chat:
+            choice = {"index": 0, "delta": {"content": token}, "logprobs": None, "finish_reason": None}
+        else:
+            choice = {"index": 0, "text": token, "logprobs": None, "finish_reason": finish if last else None}
+        await send([choice])
+    if chat:
+        await send([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": None}])
+    if include_usage:
+        await send([], {"usage": usage})
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    body = await _read_json(request)
+    if isinstance(body, web.Response):
+        return body
+    model = _check_engine(engine, body)
+    if isinstance(model, web.Response):
+        return model
+    inputs = body.get("input")
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if not isinstance(inputs, list) or not inputs:
+        return error(400, "`input` is required: a string or a list of strings", "BadRequestError", "input")
+    data = [{"object": "embedding", "index": i, "embedding": _vector(str(text))} for i, text in enumerate(inputs)]
+    n = sum(max(len(str(text).split()), 1) for text in inputs)
+    return web.json_response(
+        {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()), "model": model,
+         "data": data, "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}}
+    )
+
+
+def _vector(text: str, dim: int = 16) -> list[float]:
+    """A deterministic unit vector for `text`."""
+    digest = hashlib.sha256(text.encode()).digest()
+    raw = [(b - 127.5) / 127.5 for b in digest[:dim]]
+    norm = math.sqrt(sum(x * x for x in raw)) or 1.0
+    return [round(x / norm, 6) for x in raw]
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    created = int(time.time())
+    data = [] if engine.evicted else [
+        {"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": engine.config.source,
+         "parent": None, "max_model_len": 4096, "permission": []}
+        for name in engine.config.names
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if not engine.gpu_present():
+        return web.Response(status=503)  # vLLM: EngineDeadError -> 503
+    return web.Response(status=200)
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": VERSION})
+
+
+# ----------------------------------------------------------------------------- sleep / wake (dev)
+
+
+def _dev_only(engine: Engine) -> web.Response | None:
+    if not engine.config.dev_mode:
+        return web.json_response({"detail": "Not Found"}, status=404)
+    return None
+
+
+async def sleep(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if (refused := _dev_only(engine)) is not None:
+        return refused
+    if not engine.config.sleep_mode:
+        return error(500, "Sleep mode is not enabled; start vllm with --enable-sleep-mode", "InternalServerError")
+    try:
+        level = int(request.query.get("level", "1"))
+    except ValueError:
+        return error(400, "level must be 1 or 2", "BadRequestError", "level")
+    if level not in (1, 2):
+        return error(400, "level must be 1 or 2", "BadRequestError", "level")
+    async with engine.lock:
+        if not engine.sleeping:
+            await asyncio.sleep(engine.config.sleep_ms / 1000)
+            if not engine.evicted:
+                engine.gpu.allocate(os.getpid(), min(engine.config.residual, engine.config.vram))
+            engine.sleeping, engine.sleep_level = True, level
+    return web.Response(status=200)
+
+
+async def wake_up(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if (refused := _dev_only(engine)) is not None:
+        return refused
+    async with engine.lock:
+        if not engine.sleeping:
+            return web.Response(status=200)
+        await asyncio.sleep(engine.config.wake_ms / 1000)
+        if not engine.gpu_present():
+            return error(500, f"CUDA error: GPU {engine.config.gpu_index} is lost", "InternalServerError")
+        if engine.oom_on_wake:
+            engine.oom_on_wake = False
+            return error(500, engine.oom_message(engine.config.vram), "InternalServerError")
+        if not engine.evicted and not engine.gpu.allocate(os.getpid(), engine.config.vram):
+            return error(500, engine.oom_message(engine.config.vram), "InternalServerError")
+        engine.sleeping, engine.sleep_level = False, 0
+    return web.Response(status=200)
+
+
+async def is_sleeping(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if (refused := _dev_only(engine)) is not None:
+        return refused
+    return web.json_response({"is_sleeping": engine.sleeping})
+
+
+# ------------------------------------------------------------------------------- fault injection
+
+
+def _loopback(request: web.Request) -> bool:
+    return request.remote in ("127.0.0.1", "::1", "localhost")
+
+
+async def sim_fault(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if not _loopback(request):
+        return web.json_response({"detail": "Not Found"}, status=404)
+    fault = request.match_info["fault"]
+    if fault == "crash":
+        asyncio.get_running_loop().call_later(0.05, os._exit, 3)
+    elif fault == "evict":
+        engine.evicted = True
+        engine.gpu.free(os.getpid())
+    elif fault == "hang":
+        engine.hung = True
+        engine.released.clear()
+    elif fault == "oom_on_wake":
+        engine.oom_on_wake = True
+    elif fault == "fail_probe":
+        engine.fail_probe = True
+    elif fault == "reset":
+        engine.hung = engine.fail_probe = engine.oom_on_wake = False
+        engine.released.set()
+    else:
+        return web.json_response({"detail": f"no fault {fault!r}"}, status=404)
+    return web.json_response({"ok": True, "fault": fault})
+
+
+async def sim_state(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if not _loopback(request):
+        return web.json_response({"detail": "Not Found"}, status=404)
+    c = engine.config
+    return web.json_response(
+        {"pid": os.getpid(), "model": c.name, "names": list(c.names), "domain": c.domain, "gpu_index": c.gpu_index,
+         "vram": c.vram, "sleeping": engine.sleeping, "evicted": engine.evicted, "hung": engine.hung,
+         "fail_probe": engine.fail_probe, "oom_on_wake": engine.oom_on_wake, "gpu_present": engine.gpu_present()}
+    )
+
+
+@web.middleware
+async def hang_middleware(request: web.Request, handler):
+    engine = request.app[ENGINE]
+    if engine.hung and not request.path.startswith("/_sim/"):
+        await engine.released.wait()
+    return await handler(request)
+
+
+def build_app(engine: Engine) -> web.Application:
+    app = web.Application(middlewares=[hang_middleware])
+    app[ENGINE] = engine
+    app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", generate)
+    app.router.add_post("/v1/completions", generate)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/sleep", sleep)
+    app.router.add_post("/wake_up", wake_up)
+    app.router.add_get("/is_sleeping", is_sleeping)
+    app.router.add_get("/_sim/state", sim_state)
+    app.router.add_post("/_sim/{fault}", sim_fault)
+    return app
+
+
+# ------------------------------------------------------------------------------------ the process
+
+
+def _log(message: str) -> None:
+    print(f"(haru-sim-vllm pid={os.getpid()}) {message}", file=sys.stderr, flush=True)
+
+
+async def serve(config: SimConfig) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    # Bind (do not listen) first, like vLLM: the port is ours, but connections are refused until loaded.
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except OSError as exc:
+        _log(f"ERROR: cannot bind {config.host}:{config.port}: {exc}")
+        return 1
+    port = sock.getsockname()[1]
+
+    pid = os.getpid()
+    gpu = SimGpuState(config.sim_dir, config.gpu_index)
+    gpu.ensure(config.gpu_memory)
+    rt_path = runtime_path(config.sim_dir, config.name)
+    rt_path.write_text(json.dumps({"pid": pid, "port": port, "host": config.host, "model": config.name,
+                                   "names": list(config.names), "domain": config.domain,
+                                   "gpu_index": config.gpu_index}))
+    engine = Engine(config=config, gpu=gpu)
+    runner: web.AppRunner | None = None
+    try:
+        _log(f"loading {config.source} as {config.name!r} for domain {config.domain!r} "
+             f"({format_size(config.vram)} on GPU {config.gpu_index}, {config.load_ms} ms)")
+        if not engine.gpu_present():
+            _log(f"RuntimeError: CUDA error: no CUDA-capable device is detected (GPU {config.gpu_index} is absent)")
+            return 1
+        if not gpu.allocate(pid, config.vram):
+            _log(f"torch.OutOfMemoryError: CUDA out of memory. {engine.oom_message(config.vram)}")
+            return 1
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), config.load_ms / 1000)
+        if stop.is_set():
+            return 0
+        runner = web.AppRunner(build_app(engine), access_log=None, handle_signals=False)
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        _log(f"Started server process; listening on http://{config.host}:{port}")
+        await stop.wait()
+        return 0
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        gpu.free(pid)
+        with contextlib.suppress(FileNotFoundError):
+            rt_path.unlink()
+        sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_config(sys.argv[1:] if argv is None else argv, dict(os.environ))
+    except SimError as exc:
+        print(f"agents.sim.vllm: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
