@@ -1,0 +1,227 @@
+"""`haru sim ...`: inject faults into the simulated GPU hosts by hand.
+
+    haru sim status [<domain>] [--json]
+    haru sim add-gpu <domain> [--gpu N] [--memory 24GiB] [--name NAME]
+    haru sim detach-gpu <domain> [--gpu N]          the provider takes the GPU away
+    haru sim attach-gpu <domain> [--gpu N]          ... and gives it back
+    haru sim kill-runtime <domain> <model>          SIGKILL the runtime process
+    haru sim evict <domain> <model>                 the engine drops the model, the process stays
+    haru sim hang <domain> <model>                  the runtime stops answering
+    haru sim oom-on-wake <domain> <model>           the next wake fails with CUDA out of memory
+    haru sim fail-probe <domain> <model>            completions fail with 500 until reset
+    haru sim reset <domain> <model>                 clear hang, fail-probe and oom-on-wake
+
+Every simulated host (domain) is a directory `<sim root>/<domain>/`; the sim root is --sim-root,
+else $HARU_SIM_ROOT, else $HARU_HOME/sim (HARU_HOME defaults to ~/.haru).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from agents.sim.errors import SimError
+from agents.sim.gpu_state import SimGpuState, format_size, gpu_indexes, parse_size, pid_alive
+from agents.sim.vllm import runtime_path
+from haru.cli.common import ExitStatus, emit_json, fail
+from haru.subjects import check_name, model_from_token
+
+_FAULTS = {"evict": "evict", "hang": "hang", "oom-on-wake": "oom_on_wake", "fail-probe": "fail_probe",
+           "reset": "reset", "crash": "crash"}
+
+
+def default_sim_root() -> Path:
+    if os.environ.get("HARU_SIM_ROOT"):
+        return Path(os.environ["HARU_SIM_ROOT"])
+    home = Path(os.environ.get("HARU_HOME") or Path.home() / ".haru")
+    return home / "sim"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("sim", help="inject faults into simulated GPU hosts",
+                                   description="Inspect and break the simulated GPU hosts (agents/sim).")
+    sub = parser.add_subparsers(dest="sim_command", metavar="<sim command>")
+    sub.required = True
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--sim-root", type=Path, default=None,
+                       help="root of the simulated hosts (env HARU_SIM_ROOT; default $HARU_HOME/sim)")
+
+    status = sub.add_parser("status", help="print simulated GPUs and runtimes")
+    status.add_argument("domain", nargs="?")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    common(status)
+    status.set_defaults(handler=run_status)
+
+    add = sub.add_parser("add-gpu", help="create a simulated GPU (no-op if it exists)")
+    add.add_argument("domain")
+    add.add_argument("--gpu", type=int, default=0)
+    add.add_argument("--memory", default="24GiB", help="total memory (default %(default)s)")
+    add.add_argument("--name", default="Haru Sim GPU")
+    common(add)
+    add.set_defaults(handler=run_add_gpu)
+
+    for verb, present, what in (("detach-gpu", False, "detach a simulated GPU (the provider took it)"),
+                                ("attach-gpu", True, "attach a detached simulated GPU again")):
+        p = sub.add_parser(verb, help=what)
+        p.add_argument("domain")
+        p.add_argument("--gpu", type=int, default=0)
+        common(p)
+        p.set_defaults(handler=run_presence, present=present)
+
+    kill = sub.add_parser("kill-runtime", help="SIGKILL a simulated runtime")
+    kill.add_argument("domain")
+    kill.add_argument("model")
+    common(kill)
+    kill.set_defaults(handler=run_kill)
+
+    helps = {"evict": "the engine drops the model (the process stays alive)",
+             "hang": "the runtime stops answering health and completions",
+             "oom-on-wake": "the next wake fails with CUDA out of memory",
+             "fail-probe": "completions fail with 500 until reset",
+             "reset": "clear hang, fail-probe and oom-on-wake",
+             "crash": "the runtime exits at once with a non-zero status"}
+    for verb, fault in _FAULTS.items():
+        p = sub.add_parser(verb, help=helps[verb])
+        p.add_argument("domain")
+        p.add_argument("model")
+        common(p)
+        p.set_defaults(handler=run_fault, fault=fault)
+
+
+def _host_dir(args: argparse.Namespace, domain: str) -> Path:
+    root = args.sim_root or default_sim_root()
+    return root / check_name("domain", domain)
+
+
+def run_add_gpu(args: argparse.Namespace) -> ExitStatus:
+    try:
+        total = parse_size(args.memory)
+    except SimError as exc:
+        return fail(str(exc), ExitStatus.USAGE)
+    state = SimGpuState(_host_dir(args, args.domain), args.gpu).ensure(total, args.name)
+    print(f"sim GPU {args.gpu} of domain {args.domain}: {state['name']}, {format_size(state['memory_total_bytes'])}")
+    return ExitStatus.OK
+
+
+def run_presence(args: argparse.Namespace) -> ExitStatus:
+    gpu = SimGpuState(_host_dir(args, args.domain), args.gpu)
+    if not gpu.exists():
+        return fail(f"domain {args.domain!r} has no simulated GPU {args.gpu} ({gpu.path}); "
+                    f"check the domain and --gpu, or create it with `haru sim add-gpu {args.domain} --gpu {args.gpu}`",
+                    ExitStatus.NOT_FOUND)
+    gpu.set_present(args.present)
+    print(f"sim GPU {args.gpu} of domain {args.domain} {'attached' if args.present else 'detached'}")
+    return ExitStatus.OK
+
+
+def _runtime(args: argparse.Namespace) -> dict | ExitStatus:
+    path = runtime_path(_host_dir(args, args.domain), args.model)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return fail(f"no simulated runtime serves {args.model!r} in domain {args.domain!r} ({path}); "
+                    f"see `haru sim status {args.domain}`", ExitStatus.NOT_FOUND)
+
+
+def run_kill(args: argparse.Namespace) -> ExitStatus:
+    rt = _runtime(args)
+    if isinstance(rt, ExitStatus):
+        return rt
+    try:
+        os.kill(int(rt["pid"]), signal.SIGKILL)
+    except ProcessLookupError:
+        return fail(f"runtime of {args.model!r} (pid {rt['pid']}) is not running", ExitStatus.NOT_FOUND)
+    print(f"killed runtime of {args.model!r} in domain {args.domain} (pid {rt['pid']}, SIGKILL)")
+    return ExitStatus.OK
+
+
+def _post(rt: dict, path: str, timeout: float = 2.0) -> dict:
+    url = f"http://{rt.get('host', '127.0.0.1')}:{rt['port']}{path}"
+    request = urllib.request.Request(url, method="POST" if not path.endswith("/state") else "GET", data=None)
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read() or b"{}")
+
+
+def run_fault(args: argparse.Namespace) -> ExitStatus:
+    rt = _runtime(args)
+    if isinstance(rt, ExitStatus):
+        return rt
+    try:
+        _post(rt, f"/_sim/{args.fault}")
+    except (urllib.error.URLError, OSError) as exc:
+        return fail(f"runtime of {args.model!r} in domain {args.domain} (port {rt['port']}) did not answer: {exc}; "
+                    "it may still be loading or be dead (see `haru sim status`)", ExitStatus.UNAVAILABLE)
+    print(f"{args.fault} injected into {args.model!r} in domain {args.domain}")
+    return ExitStatus.OK
+
+
+def _status_of(host: Path) -> dict:
+    gpus = []
+    for index in gpu_indexes(host):
+        try:
+            gpus.append(SimGpuState(host, index).read())
+        except (SimError, OSError, ValueError) as exc:
+            gpus.append({"index": index, "error": str(exc)})
+    runtimes = []
+    for path in sorted(host.glob("runtime-*.json")):
+        try:
+            rt = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        rt.setdefault("model", model_from_token(path.stem.removeprefix("runtime-")))
+        rt["alive"] = pid_alive(int(rt.get("pid", 0)))
+        rt["state"] = None
+        if rt["alive"]:
+            try:
+                rt["state"] = _post(rt, "/_sim/state", timeout=0.5)
+            except (urllib.error.URLError, OSError, ValueError):
+                rt["state"] = "loading or not answering"
+        runtimes.append(rt)
+    return {"domain": host.name, "dir": str(host), "gpus": gpus, "runtimes": runtimes}
+
+
+def run_status(args: argparse.Namespace) -> ExitStatus:
+    root = args.sim_root or default_sim_root()
+    if args.domain:
+        hosts = [_host_dir(args, args.domain)]
+        if not hosts[0].is_dir():
+            return fail(f"no simulated host {args.domain!r} under {root}; check the name or --sim-root",
+                        ExitStatus.NOT_FOUND)
+    else:
+        hosts = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    report = [_status_of(host) for host in hosts]
+    if args.json:
+        emit_json(report)
+        return ExitStatus.OK
+    if not report:
+        print(f"no simulated hosts under {root}")
+    for host in report:
+        print(f"domain {host['domain']}  ({host['dir']})")
+        for gpu in host["gpus"]:
+            if "error" in gpu:
+                print(f"  gpu {gpu['index']}: unreadable: {gpu['error']}")
+                continue
+            presence = "present" if gpu["present"] else "DETACHED"
+            print(f"  gpu {gpu['index']}: {gpu['name']}, {presence}, used {format_size(gpu['memory_used_bytes'])} "
+                  f"of {format_size(gpu['memory_total_bytes'])} (free {format_size(gpu['memory_free_bytes'])})")
+            for pid, n in gpu["allocations"].items():
+                print(f"    pid {pid}: {format_size(n)}")
+        for rt in host["runtimes"]:
+            state = rt["state"]
+            if not rt["alive"]:
+                what = "DEAD"
+            elif isinstance(state, dict):
+                flags = [k for k in ("sleeping", "evicted", "hung", "fail_probe", "oom_on_wake") if state.get(k)]
+                what = "serving" if not flags else ", ".join(flags)
+                if not state.get("gpu_present", True):
+                    what += ", GPU lost"
+            else:
+                what = str(state)
+            print(f"  runtime {rt['model']!r}: pid {rt.get('pid')}, port {rt.get('port')}, {what}")
+    return ExitStatus.OK
