@@ -1,0 +1,23 @@
+"""Runtimes: vLLM, llama-server and external endpoints behind one interface (`Runtime`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+
+from agents.runtimes.base import Health, Runtime
+from agents.runtimes.external import ExternalRuntime
+from agents.runtimes.llama_server import LlamaServerRuntime
+from agents.runtimes.vllm import VllmRuntime
+from haru.specs import ModelSpec
+
+__all__ = ["Health", "Runtime", "VllmRuntime", "LlamaServerRuntime", "ExternalRuntime", "make_runtime"]
+
+
+def make_runtime(spec: ModelSpec, *, session: aiohttp.ClientSession, log_dir: Path) -> Runtime:
+    if spec.runtime == "vllm":
+        return VllmRuntime(spec, session=session, log_dir=log_dir)
+    if spec.runtime == "llama_server":
+        return LlamaServerRuntime(spec, session=session, log_dir=log_dir)
+    return ExternalRuntime(spec, session=session)

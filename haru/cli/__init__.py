@@ -1,0 +1,69 @@
+"""The `haru` command line.
+
+Each module in this package that defines `register(subparsers)` adds its own subcommands; the
+dispatcher finds them, so areas of the code base do not edit one shared file. A subcommand's
+handler is `async def run(args) -> ExitStatus` (or a plain function returning one).
+
+Results go to stdout, diagnostics to stderr; a failure is explained in one line with the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import inspect
+import os
+import pkgutil
+import sys
+
+from haru.cli.common import ExitStatus, fail
+from haru.errors import HaruError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="haru",
+        description="Haru: residency truth and hot failover for self-hosted LLM inference fleets.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    sub.required = True
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.startswith("_") or info.name == "common":
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = args.handler
+    try:
+        if inspect.iscoroutinefunction(handler):
+            status = _run_async(handler(args))
+        else:
+            status = handler(args)
+    except KeyboardInterrupt:
+        return int(ExitStatus.INTERRUPTED)
+    except HaruError as exc:
+        return int(fail(str(exc)))
+    return int(status if status is not None else ExitStatus.OK)
+
+
+def _run_async(coro):
+    if os.environ.get("HARU_NO_UVLOOP") != "1":
+        try:
+            import uvloop
+
+            return uvloop.run(coro)
+        except ImportError:
+            pass
+    return asyncio.run(coro)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Haru's exceptions. A leaf module: it imports nothing from the package.
+
+Every message names the thing, the value and the fix, and says whose fault it is:
+a bad layout is the operator's, a reclaimed GPU the provider's, a wrong sequence a race.
+
+    HaruError
+    ├── InvalidName            a fleet/domain/slot name or model id that cannot be used   (operator)
+    ├── LayoutError            a layout that does not validate, with the JSON path         (operator)
+    ├── ConfigError            an agent or service configuration that cannot be used       (operator)
+    ├── EventDecodeError       a body on an event subject that is not a valid event         (writer)
+    ├── IllegalTransition      a residency event that the current state does not allow     (writer)
+    ├── LogError               the event log (JetStream) failed or refused
+    │   ├── Conflict           an optimistic append lost a race: carries the current sequence
+    │   ├── LogUnavailable     no server, no stream leader, or a timeout
+    │   └── HistoryRefused     a delete or purge that the stream forbids
+    └── CommandError           a command to an agent failed (carries its code)
+        └── AgentGone          nobody answers for that domain
+"""
+
+from __future__ import annotations
+
+
+class HaruError(Exception):
+    """Base of every error Haru raises on purpose."""
+
+
+class InvalidName(HaruError, ValueError):
+    """A fleet, domain or slot name (or a model id) that Haru cannot use."""
+
+
+class LayoutError(HaruError, ValueError):
+    """A layout that does not validate. `path` is a JSON path like `$.domains[1].gpus[0].memory`."""
+
+    def __init__(self, message: str, *, path: str = "$", fix: str = "") -> None:
+        self.path = path
+        self.fix = fix
+        text = f"{message} - at `{path}`"
+        if fix:
+            text += f". Fix: {fix}"
+        super().__init__(text)
+
+
+class ConfigError(HaruError, ValueError):
+    """A service or agent configuration that cannot be used."""
+
+
+class EventDecodeError(HaruError, ValueError):
+    """A body that is not a valid Haru event. The message carries msgspec's path."""
+
+
+class IllegalTransition(HaruError):
+    """A residency event that the current state does not allow."""
+
+    def __init__(self, state: str, event: str, subject: str = "") -> None:
+        self.state = state
+        self.event = event
+        self.subject = subject
+        where = f" on {subject}" if subject else ""
+        super().__init__(
+            f"illegal residency transition{where}: `{event}` cannot follow state `{state}`; "
+            f"the writer skipped a step (see the transition table in haru/residency.py)"
+        )
+
+
+class LogError(HaruError):
+    """The event log failed or refused."""
+
+
+class Conflict(LogError):
+    """An optimistic append lost: the subject's last sequence is not the one expected.
+
+    The caller re-reads, re-decides, and tries again or gives up.
+    """
+
+    def __init__(self, subject: str, expected: int, current: int | None) -> None:
+        self.subject = subject
+        self.expected = expected
+        self.current = current
+        now = "unknown" if current is None else str(current)
+        super().__init__(
+            f"conflict on {subject}: expected last sequence {expected}, it is {now} "
+            f"(another writer appended first; re-read and decide again)"
+        )
+
+
+class LogUnavailable(LogError):
+    """No server, no stream leader, or a timeout talking to JetStream."""
+
+
+class HistoryRefused(LogError):
+    """The stream refused to delete or purge history (deny_delete / deny_purge)."""
+
+
+class CommandError(HaruError):
+    """A command sent to an agent failed. `code` is the agent's error code."""
+
+    def __init__(self, message: str, *, code: str = "command_failed") -> None:
+        self.code = code
+        super().__init__(message)
+
+
+class AgentGone(CommandError):
+    """No agent answers for a domain (no responders or no reply in time)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="agent_gone")

@@ -1,0 +1,392 @@
+"""The event catalogue: every fact Haru records, as one tagged union of frozen msgspec Structs.
+
+Every event carries the envelope:
+
+- `v`     schema version of the body,
+- `at`    when the writer observed it (JetStream's own timestamp is when it was recorded:
+          together they make history bi-temporal),
+- `by`    the writer's id (`agent:<fleet>/<domain>@<host>`, `promoter:<host>:<pid>`, `cli:<user>`),
+- `cause` the stream sequence of the event that caused this one (0 = none),
+- `prev`  sha256 hex of the previous message body on the same subject ('' for the first);
+          filled in by `EventLog.append`, so each subject is a hash chain.
+
+Tags are explicit, stable snake_case: an event's tag never changes. New fields get defaults;
+a field's type never changes. Names are past tense; commands (in `haru.commands`) are imperative.
+
+Which subject each event goes to is in `haru.subjects`; who writes it is in DESIGN.md.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal, Union
+
+import msgspec
+
+from haru.errors import EventDecodeError
+from haru.specs import DomainSpec, ModelSpec, Policy, TrainingSpec
+
+SCHEMA_VERSION = 1
+
+LostReason = Literal["evicted", "gpu_detached", "process_exited", "unhealthy"]
+StopHow = Literal["exited", "terminated", "killed"]
+OpKind = Literal["promotion", "demotion"]
+Step = Literal["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active", "sleep", "start_training"]
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """The envelope shared by every event."""
+
+    v: int = SCHEMA_VERSION
+    at: datetime
+    by: str = ""
+    cause: int = 0
+    prev: str = ""
+
+
+# ---------------------------------------------------------------- declarations: haru.evt.<fleet>.decl
+
+
+class FleetDeclared(Event, frozen=True, kw_only=True, tag="fleet_declared"):
+    fleet: str
+    policy: Policy
+
+
+class PolicyChanged(Event, frozen=True, kw_only=True, tag="policy_changed"):
+    policy: Policy
+    previous: Policy | None = None
+
+
+class DomainDeclared(Event, frozen=True, kw_only=True, tag="domain_declared"):
+    spec: DomainSpec
+
+
+class DomainChanged(Event, frozen=True, kw_only=True, tag="domain_changed"):
+    spec: DomainSpec
+
+
+class DomainRetired(Event, frozen=True, kw_only=True, tag="domain_retired"):
+    domain: str
+
+
+class ModelDeclared(Event, frozen=True, kw_only=True, tag="model_declared"):
+    domain: str
+    spec: ModelSpec
+
+
+class ModelChanged(Event, frozen=True, kw_only=True, tag="model_changed"):
+    domain: str
+    spec: ModelSpec
+
+
+class ModelRetired(Event, frozen=True, kw_only=True, tag="model_retired"):
+    domain: str
+    model: str
+
+
+class TrainingDeclared(Event, frozen=True, kw_only=True, tag="training_declared"):
+    domain: str
+    spec: TrainingSpec
+
+
+class TrainingChanged(Event, frozen=True, kw_only=True, tag="training_changed"):
+    domain: str
+    spec: TrainingSpec
+
+
+class TrainingRetired(Event, frozen=True, kw_only=True, tag="training_retired"):
+    domain: str
+    slot: str
+
+
+class AdmissionDecided(Event, frozen=True, kw_only=True, tag="admission_decided"):
+    """The planner's verdict for one model (kind=model) or training slot (kind=training)."""
+
+    domain: str
+    kind: Literal["model", "training"] = "model"
+    name: str  # the model id, or the training slot name
+    gpu_index: int
+    admitted: bool
+    vram_bytes: int
+    short_by_bytes: int = 0
+    capacity_bytes: int = 0  # memory - reserve of that GPU
+
+
+# ------------------------------------------------- residency: haru.evt.<fleet>.<domain>.model.<model>
+
+
+class ModelLoading(Event, frozen=True, kw_only=True, tag="model_loading"):
+    domain: str
+    model: str
+    endpoint: str = ""
+    pid: int = 0
+    attempt: int = 1
+
+
+class ModelResident(Event, frozen=True, kw_only=True, tag="model_resident"):
+    """Loaded AND answering AND accounted for: health passed, listed, and a completion answered."""
+
+    domain: str
+    model: str
+    endpoint: str = ""
+    warmup_ms: int = 0
+
+
+class ModelSleeping(Event, frozen=True, kw_only=True, tag="model_sleeping"):
+    domain: str
+    model: str
+    level: int = 1
+    freed_bytes: int = 0
+
+
+class ModelWaking(Event, frozen=True, kw_only=True, tag="model_waking"):
+    domain: str
+    model: str
+
+
+class ModelLost(Event, frozen=True, kw_only=True, tag="model_lost"):
+    domain: str
+    model: str
+    reason: LostReason
+    detail: str = ""
+    exit_code: int | None = None
+
+
+class ModelFailed(Event, frozen=True, kw_only=True, tag="model_failed"):
+    """The runtime will not load the model; `runtime_said` is what it said."""
+
+    domain: str
+    model: str
+    runtime_said: str
+
+
+class ModelStopped(Event, frozen=True, kw_only=True, tag="model_stopped"):
+    """Unloaded on purpose (agent shutdown, model retired)."""
+
+    domain: str
+    model: str
+    detail: str = ""
+
+
+# -------------------------------------------------------- GPUs: haru.evt.<fleet>.<domain>.gpu.<index>
+
+
+class GpuProcess(msgspec.Struct, frozen=True, kw_only=True):
+    pid: int
+    used_bytes: int = 0
+
+
+class GpuObserved(Event, frozen=True, kw_only=True, tag="gpu_observed"):
+    """A GPU's presence and memory, appended only when it changed.
+
+    `present` is None when the host has no NVML: an honest "we cannot know", never a guess.
+    """
+
+    domain: str
+    index: int
+    present: bool | None
+    name: str = ""
+    memory_total_bytes: int = 0
+    memory_used_bytes: int = 0
+    processes: list[GpuProcess] = []
+    mig: bool = False
+
+
+# ---------------------------------------------------- training: haru.evt.<fleet>.<domain>.training.<slot>
+
+
+class TrainingStarted(Event, frozen=True, kw_only=True, tag="training_started"):
+    domain: str
+    slot: str
+    pid: int
+    gpu_index: int
+
+
+class TrainingStopped(Event, frozen=True, kw_only=True, tag="training_stopped"):
+    domain: str
+    slot: str
+    how: StopHow
+    exit_code: int | None = None
+    ran_ms: int = 0
+
+
+# ------------------------------------------------------------- agent: haru.evt.<fleet>.<domain>.agent
+
+
+class AgentStarted(Event, frozen=True, kw_only=True, tag="agent_started"):
+    domain: str
+    host: str = ""
+    pid: int = 0
+    version: str = ""
+    serving_url: str = ""
+
+
+class AgentStopping(Event, frozen=True, kw_only=True, tag="agent_stopping"):
+    domain: str
+    reason: str = ""
+
+
+# ------------------------------------------------------- liveness: haru.evt.<fleet>.<domain>.liveness
+
+
+class DomainUnreachable(Event, frozen=True, kw_only=True, tag="domain_unreachable"):
+    domain: str
+    silent_ms: int = 0
+
+
+class DomainReachable(Event, frozen=True, kw_only=True, tag="domain_reachable"):
+    domain: str
+
+
+# -------------------------------------------------------------- operations: haru.evt.<fleet>.op
+
+
+class PromotionRequested(Event, frozen=True, kw_only=True, tag="promotion_requested"):
+    op_id: str
+    target: str  # the domain to make active
+    source: str = ""  # the active domain when it was decided ('' = none)
+    reason: str = "manual"  # manual | domain_unreachable | gpu_detached | degraded
+    detail: str = ""
+    route_revision: int = 0
+
+
+class DemotionRequested(Event, frozen=True, kw_only=True, tag="demotion_requested"):
+    op_id: str
+    target: str
+    reason: str = "manual"
+    route_revision: int = 0
+
+
+class StepStarted(Event, frozen=True, kw_only=True, tag="step_started"):
+    op_id: str
+    step: Step
+    attempt: int = 1
+
+
+class StepCompleted(Event, frozen=True, kw_only=True, tag="step_completed"):
+    op_id: str
+    step: Step
+    detail: str = ""
+    took_ms: int = 0
+
+
+class StepFailed(Event, frozen=True, kw_only=True, tag="step_failed"):
+    op_id: str
+    step: Step
+    error_code: str = ""
+    error: str = ""
+    took_ms: int = 0
+
+
+class OperationCompleted(Event, frozen=True, kw_only=True, tag="operation_completed"):
+    op_id: str
+
+
+class OperationAborted(Event, frozen=True, kw_only=True, tag="operation_aborted"):
+    """Failed before the flip: routing did not move."""
+
+    op_id: str
+    step: str = ""
+    error: str = ""
+
+
+class FailoverDeclined(Event, frozen=True, kw_only=True, tag="failover_declined"):
+    """The active failed but no promotion was started, and why (standby unreachable, lost, ...)."""
+
+    domain: str  # the failed active
+    candidate: str = ""
+    why: str
+
+
+class EligibilityChanged(Event, frozen=True, kw_only=True, tag="eligibility_changed"):
+    """Whether a domain may serve as standby (its GPU or agent may be gone)."""
+
+    domain: str
+    eligible: bool
+    why: str = ""
+
+
+# ------------------------------------------------------------------- route: haru.evt.<fleet>.route
+
+
+class RouteMoved(Event, frozen=True, kw_only=True, tag="route_moved"):
+    """The routing pointer. The revision of the route is this event's stream sequence."""
+
+    active: str
+    previous: str = ""
+    op_id: str = ""
+
+
+AnyEvent = Union[
+    FleetDeclared,
+    PolicyChanged,
+    DomainDeclared,
+    DomainChanged,
+    DomainRetired,
+    ModelDeclared,
+    ModelChanged,
+    ModelRetired,
+    TrainingDeclared,
+    TrainingChanged,
+    TrainingRetired,
+    AdmissionDecided,
+    ModelLoading,
+    ModelResident,
+    ModelSleeping,
+    ModelWaking,
+    ModelLost,
+    ModelFailed,
+    ModelStopped,
+    GpuObserved,
+    TrainingStarted,
+    TrainingStopped,
+    AgentStarted,
+    AgentStopping,
+    DomainUnreachable,
+    DomainReachable,
+    PromotionRequested,
+    DemotionRequested,
+    StepStarted,
+    StepCompleted,
+    StepFailed,
+    OperationCompleted,
+    OperationAborted,
+    FailoverDeclined,
+    EligibilityChanged,
+    RouteMoved,
+]
+
+RESIDENCY_EVENTS = (ModelLoading, ModelResident, ModelSleeping, ModelWaking, ModelLost, ModelFailed, ModelStopped)
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(AnyEvent)
+
+
+def tag_of(event: Event) -> str:
+    """The stable tag of an event (`model_lost`)."""
+    return type(event).__struct_config__.tag  # type: ignore[return-value]
+
+
+def encode(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode(body: bytes) -> AnyEvent:
+    """Decode one event body. Raises EventDecodeError carrying msgspec's path."""
+    try:
+        return _decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise EventDecodeError(f"not a valid Haru event: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise EventDecodeError(f"not a valid Haru event (malformed JSON): {exc}") from exc
+
+
+def payload(event: Event) -> dict:
+    """The event's own fields without the envelope: what `haru why` prints after the tag."""
+    out = msgspec.to_builtins(event)
+    for key in ("type", "v", "at", "by", "cause", "prev"):
+        out.pop(key, None)
+    return out
+
+
+ALL_TAGS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in AnyEvent.__args__)  # type: ignore[attr-defined]

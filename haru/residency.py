@@ -1,0 +1,326 @@
+"""Residency: the named state of one declared model on one domain, with its named reason.
+
+Pure: no I/O, no clock. Time arrives as arguments.
+
+States (a tagged union on `state`):
+
+    unknown                      never probed
+    loading{since, attempt}      weights materializing; reports elapsed time, never times out
+    resident{since, warmup_ms}   loaded AND answering AND accounted for
+    sleeping{level}              vLLM level-1 sleep: weights in CPU RAM, VRAM freed
+    waking{since}                coming back from sleep
+    lost{reason, detail}         evicted | gpu_detached | process_exited | unhealthy
+    failed{runtime_said}         will not load, and what the runtime said
+    stopped                      unloaded on purpose
+    not_admitted{short_by_bytes} the planner refused it: the card is that many bytes short
+
+Router answers: ready · warming{for_ms} · asleep · lost{reason} · not_admitted{short_by} · unknown.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal, Union
+
+import msgspec
+
+from haru.errors import IllegalTransition
+
+LostReason = Literal["evicted", "gpu_detached", "process_exited", "unhealthy"]
+
+
+class State(msgspec.Struct, frozen=True, kw_only=True, tag_field="state"):
+    since: datetime | None = None  # when the writer observed the event that made this state
+    seq: int = 0  # stream sequence of that event (0 = not from the log)
+
+
+class Unknown(State, frozen=True, kw_only=True, tag="unknown"):
+    pass
+
+
+class Loading(State, frozen=True, kw_only=True, tag="loading"):
+    attempt: int = 1
+    endpoint: str = ""
+
+
+class Resident(State, frozen=True, kw_only=True, tag="resident"):
+    warmup_ms: int = 0
+    endpoint: str = ""
+
+
+class Sleeping(State, frozen=True, kw_only=True, tag="sleeping"):
+    level: int = 1
+
+
+class Waking(State, frozen=True, kw_only=True, tag="waking"):
+    pass
+
+
+class Lost(State, frozen=True, kw_only=True, tag="lost"):
+    reason: LostReason
+    detail: str = ""
+
+
+class Failed(State, frozen=True, kw_only=True, tag="failed"):
+    runtime_said: str = ""
+
+
+class Stopped(State, frozen=True, kw_only=True, tag="stopped"):
+    detail: str = ""
+
+
+class NotAdmitted(State, frozen=True, kw_only=True, tag="not_admitted"):
+    short_by_bytes: int = 0
+
+
+Residency = Union[Unknown, Loading, Resident, Sleeping, Waking, Lost, Failed, Stopped, NotAdmitted]
+
+UNKNOWN = Unknown()
+
+AnswerKind = Literal["ready", "warming", "asleep", "lost", "not_admitted", "unknown"]
+
+
+class Answer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a router should do about one model. `since` lets a reader recompute `for_ms` later."""
+
+    answer: AnswerKind
+    for_ms: int = 0
+    since: datetime | None = None
+    reason: str = ""
+    short_by_bytes: int = 0
+    detail: str = ""  # lost: the probe's detail; failed: what the runtime said; stopped: why
+
+
+def state_name(state: State) -> str:
+    return type(state).__struct_config__.tag  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------------ the transition table
+#
+# Events as the table sees them: a residency event's tag, or the planner's verdict split in two.
+ADMITTED = "admission_decided:admitted"
+REFUSED = "admission_decided:not_admitted"
+
+RESIDENCY_EVENT_KEYS: tuple[str, ...] = (
+    "model_loading",
+    "model_resident",
+    "model_sleeping",
+    "model_waking",
+    "model_lost",
+    "model_failed",
+    "model_stopped",
+    ADMITTED,
+    REFUSED,
+)
+
+STATE_TAGS: tuple[str, ...] = (
+    "unknown",
+    "loading",
+    "resident",
+    "sleeping",
+    "waking",
+    "lost",
+    "failed",
+    "stopped",
+    "not_admitted",
+)
+
+# (state, event) -> resulting state. Every pair not listed is illegal. The code (`evolve`), the tests
+# (tests/unit/test_residency.py walks it) and the docs (docs/residency.md, generated from it by
+# `transition_table_markdown`) all read this one table.
+TRANSITIONS: dict[tuple[str, str], str] = {
+    # unknown: never probed. The first observation may be anything the agent finds, except a wake
+    # (waking needs a known sleeper). An agent that restarts adopts a running runtime as it finds it.
+    ("unknown", "model_loading"): "loading",
+    ("unknown", "model_resident"): "resident",
+    ("unknown", "model_sleeping"): "sleeping",
+    ("unknown", "model_lost"): "lost",
+    ("unknown", "model_failed"): "failed",
+    ("unknown", "model_stopped"): "stopped",
+    # loading: weights materializing; never fails on a clock, ends in one of these.
+    ("loading", "model_loading"): "loading",  # a new attempt (restart with backoff), reported afresh
+    ("loading", "model_resident"): "resident",
+    ("loading", "model_lost"): "lost",  # the process exited or the GPU went away mid-load
+    ("loading", "model_failed"): "failed",  # the runtime refused, and said why
+    ("loading", "model_stopped"): "stopped",  # unloaded on purpose before it finished
+    # resident: loaded AND answering AND accounted for.
+    ("resident", "model_resident"): "resident",  # re-observed (agent restart): keeps its `since`
+    ("resident", "model_sleeping"): "sleeping",  # demoted to standby
+    ("resident", "model_lost"): "lost",
+    ("resident", "model_stopped"): "stopped",
+    # sleeping: vLLM level-1 sleep, weights in CPU RAM, VRAM freed.
+    ("sleeping", "model_sleeping"): "sleeping",  # re-observed, or a level change
+    ("sleeping", "model_waking"): "waking",
+    ("sleeping", "model_resident"): "resident",  # woke (an agent that restarted finds it awake)
+    ("sleeping", "model_lost"): "lost",
+    ("sleeping", "model_stopped"): "stopped",
+    # waking: coming back from sleep.
+    ("waking", "model_waking"): "waking",  # the promoter retried the (idempotent) wake
+    ("waking", "model_resident"): "resident",
+    ("waking", "model_sleeping"): "sleeping",  # the wake was abandoned and it was put back to sleep
+    ("waking", "model_lost"): "lost",
+    ("waking", "model_failed"): "failed",  # the runtime refused to wake (e.g. out of memory), and said why
+    ("waking", "model_stopped"): "stopped",
+    # lost: the agent restarts it, or it recovers, or the diagnosis is refined.
+    ("lost", "model_loading"): "loading",  # restart
+    ("lost", "model_resident"): "resident",  # recovered (unhealthy answered again; GPU came back)
+    ("lost", "model_lost"): "lost",  # a new or refined reason (unhealthy, then process_exited)
+    ("lost", "model_stopped"): "stopped",
+    # failed: only a new attempt (after the operator changed something) or a stop.
+    ("failed", "model_loading"): "loading",
+    ("failed", "model_stopped"): "stopped",
+    # stopped: unloaded on purpose; only a new load brings it back.
+    ("stopped", "model_loading"): "loading",
+    # not_admitted: the agent must not run it. It may report the stop (or the exit) of a runtime it had
+    # running before a layout change refused the model; anything else is a writer's bug.
+    ("not_admitted", "model_stopped"): "not_admitted",
+    ("not_admitted", "model_lost"): "not_admitted",
+    ("not_admitted", ADMITTED): "unknown",  # a new layout makes it fit: unknown until observed
+    ("not_admitted", REFUSED): "not_admitted",  # still refused; the shortfall may have changed
+}
+# The planner's verdict applies in every state: refused -> not_admitted; admitted keeps what is observed.
+for _s in STATE_TAGS:
+    if _s != "not_admitted":
+        TRANSITIONS[(_s, REFUSED)] = "not_admitted"
+        TRANSITIONS[(_s, ADMITTED)] = _s
+del _s
+
+
+def event_key(event: object) -> str:
+    """The table's name for an event: its tag, or `admission_decided:admitted|not_admitted`."""
+    tag = type(event).__struct_config__.tag  # type: ignore[attr-defined]
+    if tag == "admission_decided":
+        return ADMITTED if event.admitted else REFUSED  # type: ignore[attr-defined]
+    return tag
+
+
+def is_legal(state: str, event: str) -> bool:
+    return (state, event) in TRANSITIONS
+
+
+def to_state(event: object, seq: int = 0) -> Residency:
+    """The state an event establishes, whatever came before (a lenient reader's fallback).
+
+    `model_declared` establishes `unknown`; a refused admission `not_admitted`; an accepted one
+    `unknown` (nothing observed yet). Raises IllegalTransition for events that are not about residency.
+    """
+    key = "model_declared" if type(event).__struct_config__.tag == "model_declared" else event_key(event)  # type: ignore[attr-defined]
+    at = getattr(event, "at", None)
+    if key in ("model_declared", ADMITTED):
+        return Unknown(since=at, seq=seq)
+    if key == REFUSED:
+        return NotAdmitted(since=at, seq=seq, short_by_bytes=event.short_by_bytes)  # type: ignore[attr-defined]
+    if key == "model_loading":
+        return Loading(since=at, seq=seq, attempt=event.attempt, endpoint=event.endpoint)  # type: ignore[attr-defined]
+    if key == "model_resident":
+        return Resident(since=at, seq=seq, warmup_ms=event.warmup_ms, endpoint=event.endpoint)  # type: ignore[attr-defined]
+    if key == "model_sleeping":
+        return Sleeping(since=at, seq=seq, level=event.level)  # type: ignore[attr-defined]
+    if key == "model_waking":
+        return Waking(since=at, seq=seq)
+    if key == "model_lost":
+        return Lost(since=at, seq=seq, reason=event.reason, detail=event.detail)  # type: ignore[attr-defined]
+    if key == "model_failed":
+        return Failed(since=at, seq=seq, runtime_said=event.runtime_said)  # type: ignore[attr-defined]
+    if key == "model_stopped":
+        return Stopped(since=at, seq=seq, detail=event.detail)  # type: ignore[attr-defined]
+    raise IllegalTransition("any", key)
+
+
+def evolve(state: Residency, event: object, *, seq: int = 0, subject: str = "") -> Residency:
+    """The next residency state, by the table. Raises IllegalTransition naming state, event, subject.
+
+    Self-transitions that re-observe the same condition (resident -> resident, sleeping -> sleeping at
+    the same level, an admitted verdict) keep the original `since`, so "resident for 14203s" survives
+    an agent restart. A model that is not admitted stays not admitted when its runtime reports a stop.
+    """
+    current = state_name(state)
+    key = event_key(event)
+    result = TRANSITIONS.get((current, key))
+    if result is None:
+        raise IllegalTransition(current, key, subject)
+    if key == ADMITTED and result == current:
+        return state
+    if result == "not_admitted" and key != REFUSED:
+        return state  # a runtime stopping or exiting changes nothing about the planner's verdict
+    new = to_state(event, seq)
+    if result != state_name(new):  # admitted on not_admitted -> unknown (to_state already gives it)
+        raise IllegalTransition(current, key, subject)  # pragma: no cover - the table and to_state agree
+    if current == result and result == "resident":
+        return msgspec.structs.replace(new, since=state.since, seq=state.seq)
+    if current == result and result == "sleeping" and state.level == new.level:  # type: ignore[attr-defined]
+        return state
+    return new
+
+
+# ------------------------------------------------------------------------------------- diagnosis
+
+
+def classify_probe_failure(process_alive: bool, gpu_present: bool | None, runtime_holds_model: bool) -> LostReason:
+    """The one-bit diagnosis of a failed probe.
+
+    The process is gone: `process_exited`. The GPU is gone (NVML says so): `gpu_detached`, the
+    provider's doing. The GPU is there (or unknown) and the runtime no longer holds the model:
+    `evicted`. Otherwise `unhealthy`. `gpu_present=None` (no NVML) never yields `gpu_detached`:
+    without evidence Haru does not blame the provider.
+    """
+    if not process_alive:
+        return "process_exited"
+    if gpu_present is False:
+        return "gpu_detached"
+    if not runtime_holds_model:
+        return "evicted"
+    return "unhealthy"
+
+
+# --------------------------------------------------------------------------------- router answers
+
+# state -> (answer, what a router should do). Read by `answer` and by the docs.
+ANSWERS: dict[str, tuple[AnswerKind, str]] = {
+    "resident": ("ready", "send it"),
+    "loading": ("warming", "wait (503 + Retry-After) or try elsewhere, but do not fault this node; for_ms says how long"),
+    "waking": ("warming", "as loading: it is coming back from sleep"),
+    "sleeping": ("asleep", "try the active domain; this copy is a standby's (503 + Retry-After)"),
+    "lost": ("lost", "try elsewhere; reason gpu_detached: do not score the operator down; evicted: this box is over-committed"),
+    "failed": ("lost", "try elsewhere; reason `failed`, detail is what the runtime said; it will not come back without the operator"),
+    "stopped": ("lost", "try elsewhere; reason `stopped`: unloaded on purpose, nobody's fault, back only after a new load"),
+    "not_admitted": ("not_admitted", "stop asking (409): it will never fit here; short_by says by how much"),
+    "unknown": ("unknown", "we genuinely do not know yet, and say so (503)"),
+}
+
+
+def answer(state: Residency, now: datetime) -> Answer:
+    """The router answer for one model's state, with `for_ms` computed from `now`."""
+    tag = state_name(state)
+    kind = ANSWERS[tag][0]
+    if kind == "ready":
+        return Answer(answer="ready", since=state.since)
+    if kind == "warming":
+        for_ms = 0
+        if state.since is not None:
+            for_ms = max(0, int((now - state.since).total_seconds() * 1000))
+        return Answer(answer="warming", for_ms=for_ms, since=state.since, reason=tag)
+    if kind == "asleep":
+        return Answer(answer="asleep", since=state.since)
+    if tag == "lost":
+        return Answer(answer="lost", since=state.since, reason=state.reason, detail=state.detail)  # type: ignore[attr-defined]
+    if tag == "failed":
+        return Answer(answer="lost", since=state.since, reason="failed", detail=state.runtime_said)  # type: ignore[attr-defined]
+    if tag == "stopped":
+        return Answer(answer="lost", since=state.since, reason="stopped", detail=state.detail)  # type: ignore[attr-defined]
+    if tag == "not_admitted":
+        return Answer(answer="not_admitted", since=state.since, short_by_bytes=state.short_by_bytes)  # type: ignore[attr-defined]
+    return Answer(answer="unknown", since=state.since)
+
+
+def transition_table_markdown() -> str:
+    """The legal transitions as a Markdown table (state rows, event columns): what the docs show."""
+    events = RESIDENCY_EVENT_KEYS
+    short = {ADMITTED: "admitted", REFUSED: "refused"}
+    head = "| state \\ event | " + " | ".join(short.get(e, e.removeprefix("model_")) for e in events) + " |"
+    rule = "|---" * (len(events) + 1) + "|"
+    rows = [head, rule]
+    for s in STATE_TAGS:
+        cells = [TRANSITIONS.get((s, e), "·") for e in events]
+        rows.append(f"| {s} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)

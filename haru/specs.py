@@ -1,0 +1,112 @@
+"""The declared shape of a fleet, as frozen values.
+
+These are what an operator declares (parsed and validated by `haru.layout`) and what the
+declaration events carry (`haru.events`). Sizes are bytes. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Runtime = Literal["vllm", "llama_server", "external"]
+Provider = Literal["static", "skypilot", "skyserve"]
+Serve = Literal["agent", "direct"]
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
+    """A fleet's policy. Every wait in Haru has its bound here (except Loading, which reports)."""
+
+    auto_failover: bool = True
+    # Heartbeat silence past this makes the promoter write `domain_unreachable`.
+    heartbeat_timeout_ms: int = 5_000
+    # A degraded active (a served model lost for a reason other than gpu_detached) is failed after this.
+    degraded_grace_ms: int = 60_000
+    # Default SIGTERM-to-SIGKILL grace for training slots that do not declare their own.
+    training_grace_ms: int = 10_000
+    # Restart backoff for a runtime whose process exited: initial, doubled per attempt, capped.
+    restart_backoff_ms: int = 1_000
+    restart_backoff_max_ms: int = 30_000
+    # How often an agent probes resident models.
+    probe_interval_ms: int = 5_000
+    # What a sleeping runtime keeps resident on its GPU (CUDA context and allocator residue).
+    sleep_residual_bytes: int = 512 * MiB
+    # Bound on one command round trip from the promoter to an agent.
+    command_timeout_ms: int = 30_000
+    # Bound on waking a runtime (level-1 wake of a 235B model is ~6 s; leave room).
+    wake_timeout_ms: int = 120_000
+    # Bound on a one-token probe completion.
+    probe_timeout_ms: int = 30_000
+
+
+class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    memory_bytes: int
+    reserve_bytes: int = 0
+    name: str = ""
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One model, served by its own runtime process on one GPU."""
+
+    name: str  # the OpenAI model id clients send, matched exactly
+    slot: str
+    gpu_index: int
+    runtime: Runtime = "vllm"
+    vram_bytes: int = 0
+    context_length: int = 0
+    port: int = 0  # the runtime's loopback port (or the remote port for `external`)
+    # What the runtime loads: a HF repo or directory for vLLM, a GGUF path for llama-server.
+    source: str = ""
+    # For `external`: the base URL of an already-running OpenAI-compatible endpoint.
+    url: str = ""
+    # The executable, when not the default (`vllm`, `llama-server`); the simulator is used this way.
+    binary: list[str] = []
+    args: list[str] = []
+    env: dict[str, str] = {}
+
+
+class TrainingSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A preemptible training workload that runs only while its domain is standby."""
+
+    slot: str
+    gpu_index: int
+    command: list[str]
+    checkpoint_dir: str
+    vram_bytes: int = 0
+    grace_ms: int = 0  # 0 = the policy's training_grace_ms
+
+
+class DomainSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One failure domain: its provider, where it serves, and its GPUs (slots are declared apart)."""
+
+    name: str
+    provider: Provider = "static"
+    region: str = ""
+    serving_url: str = ""
+    serve: Serve = "agent"
+    gpus: list[GpuSpec] = []
+
+
+class Domain(msgspec.Struct, frozen=True, kw_only=True):
+    """A domain with its models and training slots, as a layout declares it."""
+
+    spec: DomainSpec
+    models: list[ModelSpec] = []
+    training: list[TrainingSpec] = []
+
+
+class Layout(msgspec.Struct, frozen=True, kw_only=True):
+    fleet: str
+    policy: Policy = Policy()
+    domains: list[Domain] = []
+
+    def domain(self, name: str) -> Domain | None:
+        for d in self.domains:
+            if d.spec.name == name:
+                return d
+        return None

@@ -1,0 +1,30 @@
+"""Shared fixtures: a real nats-server per test on a free loopback port, in a temporary store.
+
+Integration tests use `nats_server` (a started `haru.natsd.NatsServer`) and `event_log`
+(a connected `haru.eventlog.EventLog` with the streams ensured).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from haru.natsd import NatsServer
+
+
+@pytest.fixture
+def nats_server(tmp_path):
+    server = NatsServer(tmp_path / "nats")
+    server.start_sync()
+    try:
+        yield server
+    finally:
+        server.stop_sync()
+
+
+@pytest.fixture
+async def event_log(nats_server):
+    from haru.eventlog import EventLog
+
+    async with EventLog.connect([nats_server.url], writer="test") as log:
+        await log.ensure()
+        yield log
