@@ -1,0 +1,120 @@
+"""`haru apply -f layout.json [--dry-run] [--json]`: validate, plan, and record the differences."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import socket
+import sys
+from datetime import datetime, timezone
+
+from haru.apply import ApplyResult, apply, describe
+from haru.cli.common import ExitStatus, add_nats_options, emit_json, fail, nats_servers
+from haru.errors import Conflict, LayoutError, LogError, LogUnavailable
+from haru.events import payload, tag_of
+from haru.layout import load_layout
+from haru.planner import Plan, format_gib, verdict_line
+from haru.subjects import decl
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "apply",
+        help="validate a fleet layout, plan its VRAM, and record what changed",
+        description=(
+            "Validate a layout, plan admission per GPU (first fit in declaration order), and append only "
+            "the differences to haru.evt.<fleet>.decl. Re-applying the same layout appends nothing. "
+            "Models that do not fit are recorded not_admitted with their shortfall; the rest are admitted."
+        ),
+    )
+    p.add_argument("-f", "--file", required=True, metavar="LAYOUT.json", help="the layout file")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and the differences without writing")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_nats_options(p)
+    p.set_defaults(handler=run)
+
+
+def plan_lines(plan: Plan) -> list[str]:
+    """The plan as hearth prints it: one summary line per GPU, one line per model and training slot."""
+    lines: list[str] = []
+    for d in plan.domains:
+        for g in d.gpus:
+            lines.append(f"domain {d.domain} gpu {g.index}: {g.summary()}")
+            for v in g.models:
+                lines.append("  " + verdict_line(v))
+            for v in g.training:
+                line = "  " + verdict_line(v)
+                if v.admitted:
+                    line += f" beside {format_gib(g.residual_bytes)} kept by sleeping runtimes"
+                lines.append(line)
+    return lines
+
+
+def _result_json(result: ApplyResult) -> dict:
+    verdicts = result.plan.verdicts()
+    return {
+        "fleet": result.fleet,
+        "dry_run": result.dry_run,
+        "subject": decl(result.fleet),
+        "last_seq": result.last_seq,
+        "changes": [{"type": tag_of(e), **payload(e), "seq": s} for e, s in zip(result.events, result.seqs or [0] * len(result.events))],
+        "admitted": [{"domain": v.domain, "kind": v.kind, "name": v.name, "gpu_index": v.gpu_index,
+                      "vram_bytes": v.vram_bytes} for v in verdicts if v.admitted],
+        "not_admitted": [{"domain": v.domain, "kind": v.kind, "name": v.name, "gpu_index": v.gpu_index,
+                          "vram_bytes": v.vram_bytes, "short_by_bytes": v.short_by_bytes} for v in verdicts if not v.admitted],
+        "gpus": [{"domain": g.domain, "index": g.index, "memory_bytes": g.memory_bytes, "reserve_bytes": g.reserve_bytes,
+                  "capacity_bytes": g.capacity_bytes, "held_bytes": g.held_bytes, "residual_bytes": g.residual_bytes,
+                  "training_bytes": g.training_bytes, "declared": g.declared, "admitted": g.admitted}
+                 for d in result.plan.domains for g in d.gpus],
+    }
+
+
+def _writer() -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name is not an error
+        user = "unknown"
+    return f"cli:{user}@{socket.gethostname()}"
+
+
+async def run(args: argparse.Namespace) -> ExitStatus:
+    from haru.eventlog import EventLog
+
+    try:
+        layout = load_layout(args.file)
+    except LayoutError as exc:
+        return fail(f"{args.file}: {exc}")
+    now = datetime.now(timezone.utc)
+    try:
+        async with EventLog.connect(nats_servers(args.nats_url), writer="cli:apply", creds=args.nats_creds) as log:
+            await log.ensure()
+            result = await apply(log, layout, now, dry_run=args.dry_run, by=_writer())
+    except Conflict as exc:
+        return fail(f"{exc}; another apply kept winning the race, run it again", ExitStatus.CONFLICT)
+    except LogUnavailable as exc:
+        return fail(f"cannot reach NATS at {args.nats_url}: {exc}; start it with `haru up` or pass --nats-url",
+                    ExitStatus.UNAVAILABLE)
+    except LogError as exc:
+        return fail(str(exc))
+    if args.json:
+        emit_json(_result_json(result))
+        return ExitStatus.OK
+    out = sys.stdout
+    subject = decl(result.fleet)
+    for line in plan_lines(result.plan):
+        print(line, file=out)
+    if not result.events:
+        print(f"fleet {result.fleet} is up to date: nothing to append (last seq {result.last_seq} on {subject})", file=out)
+    else:
+        if result.dry_run:
+            print(f"dry run: would append {len(result.events)} event(s) to {subject} after seq {result.last_seq}:", file=out)
+        else:
+            print(f"appended {len(result.events)} event(s) to {subject} (seq {result.seqs[0]}..{result.seqs[-1]}):", file=out)
+        for e in result.events:
+            print("  " + describe(e), file=out)
+    refused = result.plan.not_admitted()
+    if refused:
+        names = ", ".join(f"{v.domain}/{v.name} (short by {format_gib(v.short_by_bytes)})" for v in refused)
+        verb = "would be recorded" if result.dry_run else "recorded"
+        print(f"{len(refused)} not admitted ({verb}): {names}", file=out)
+    return ExitStatus.OK

@@ -1,0 +1,399 @@
+"""The declarative fleet layout: JSON in, a validated `haru.specs.Layout` out.
+
+Pure: no I/O except `load_layout`, which only reads the file. Every error is a
+`haru.errors.LayoutError` carrying the JSON path of the offending value (`$.domains[1].gpus[0].memory`)
+and the fix. The shape (documented with examples in docs/residency.md):
+
+    {
+      "_comment": "...",                       keys starting with "_" are comments, anywhere
+      "fleet": "default",
+      "policy": {"auto_failover": true, "sleep_residual_bytes": "512MiB", ...},
+      "domains": [                             exactly two, mirroring the same model ids
+        {"name": "a", "provider": "static", "region": "local-1",
+         "serving_url": "http://127.0.0.1:18601", "serve": "agent",
+         "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB", "name": "L4"}],
+         "slots": [
+           {"name": "chat", "gpu": 0, "models": [
+              {"name": "qwen3.6:27b", "runtime": "vllm", "vram": "20GiB", "context_length": 32768,
+               "port": 18100, "source": "Qwen/...", "url": "", "binary": [...], "args": [...], "env": {}}]},
+           {"name": "lora", "kind": "training", "gpu": 0, "command": ["python", "train.py"],
+            "checkpoint_dir": "~/ckpt", "vram": "8GiB", "grace_ms": 10000}]}]
+    }
+
+Sizes are integers (bytes) or strings with a unit: binary `KiB MiB GiB TiB`, decimal `KB MB GB TB`,
+or `B`; `20GiB`, `44.2 GiB`, `512MiB`, `1.5GB`. Fractions are rounded to the nearest byte.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Literal
+
+import msgspec
+
+from haru.errors import InvalidName, LayoutError
+from haru.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, Policy, TrainingSpec
+from haru.subjects import check_model_id, check_name
+
+__all__ = ["parse_layout", "load_layout", "parse_size", "SIZE_UNITS"]
+
+SIZE_UNITS: dict[str, int] = {
+    "b": 1,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+
+# ----------------------------------------------------------------------------- allowed keys
+
+_TOP_KEYS = ("fleet", "policy", "domains")
+_DOMAIN_KEYS = ("name", "provider", "region", "serving_url", "serve", "gpus", "slots")
+_GPU_KEYS = ("index", "memory", "reserve", "name")
+_INFERENCE_SLOT_KEYS = ("name", "kind", "gpu", "models")
+_TRAINING_SLOT_KEYS = ("name", "kind", "gpu", "command", "checkpoint_dir", "vram", "grace_ms")
+_MODEL_KEYS = ("name", "runtime", "vram", "context_length", "port", "source", "url", "binary", "args", "env")
+_POLICY_KEYS = tuple(Policy.__struct_fields__)
+
+Size = int | str
+
+
+class _Gpu(msgspec.Struct, forbid_unknown_fields=True):
+    index: int
+    memory: Size
+    reserve: Size = 0
+    name: str = ""
+
+
+class _Model(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    runtime: Literal["vllm", "llama_server", "external"] = "vllm"
+    vram: Size = 0
+    context_length: int = 0
+    port: int = 0
+    source: str = ""
+    url: str = ""
+    binary: list[str] | str = []
+    args: list[str] = []
+    env: dict[str, str] = {}
+
+
+class _Slot(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    kind: Literal["inference", "training"] = "inference"
+    gpu: int = 0
+    models: list[_Model] = []
+    command: list[str] = []
+    checkpoint_dir: str = ""
+    vram: Size = 0
+    grace_ms: int = 0
+
+
+class _Domain(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    provider: Literal["static", "skypilot", "skyserve"] = "static"
+    region: str = ""
+    serving_url: str = ""
+    serve: Literal["agent", "direct"] = "agent"
+    gpus: list[_Gpu] = []
+    slots: list[_Slot] = []
+
+
+class _Layout(msgspec.Struct, forbid_unknown_fields=True):
+    fleet: str
+    policy: dict[str, Any] = {}
+    domains: list[_Domain] = []
+
+
+# ---------------------------------------------------------------------------------- sizes
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a string with a unit (`20GiB`, `44.2 GiB`, `512MiB`, `1.5GB`).
+
+    Raises ValueError with a message saying what is accepted.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"size {value!r} is a boolean; give bytes or a string like '20GiB'")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size {value} is negative")
+        return value
+    if isinstance(value, str):
+        m = _SIZE.fullmatch(value)
+        if m is not None:
+            number, unit = m.group(1), m.group(2).lower() or "b"
+            if unit in SIZE_UNITS:
+                return round(float(number) * SIZE_UNITS[unit])
+            raise ValueError(
+                f"size {value!r} has unknown unit {m.group(2)!r}; use one of B, KiB, MiB, GiB, TiB, KB, MB, GB, TB"
+            )
+        raise ValueError(f"size {value!r} is not a number with a unit, like '20GiB', '44.2 GiB' or '512MiB'")
+    raise ValueError(f"size {value!r} must be an integer number of bytes or a string like '20GiB'")
+
+
+def _size(value: object, path: str, what: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise LayoutError(f"bad {what}: {exc}", path=path, fix="write bytes (20000000000) or a size like '20GiB'") from None
+
+
+# ---------------------------------------------------------------------------- unknown keys
+
+
+def _check_keys(obj: object, allowed: tuple[str, ...], path: str, what: str) -> dict:
+    """Refuse keys that are not in `allowed`; drop `_comment`-style keys. Returns the cleaned dict."""
+    if not isinstance(obj, dict):
+        raise LayoutError(f"{what} must be a JSON object, got {type(obj).__name__}", path=path,
+                          fix=f"write {what} as {{...}} with keys {', '.join(allowed)}")
+    out = {}
+    for key, value in obj.items():
+        if isinstance(key, str) and key.startswith("_"):
+            continue  # comments
+        if key not in allowed:
+            raise LayoutError(
+                f"unknown key {key!r} in {what}",
+                path=f"{path}.{key}",
+                fix=f"remove it or use one of: {', '.join(allowed)} (keys starting with '_' are comments)",
+            )
+        out[key] = value
+    return out
+
+
+def _clean(raw: object) -> dict:
+    top = _check_keys(raw, _TOP_KEYS, "$", "the layout")
+    if "policy" in top:
+        top["policy"] = _check_keys(top["policy"], _POLICY_KEYS, "$.policy", "policy")
+    domains = top.get("domains")
+    if isinstance(domains, list):
+        clean_domains = []
+        for i, d in enumerate(domains):
+            dp = f"$.domains[{i}]"
+            d = _check_keys(d, _DOMAIN_KEYS, dp, "a domain")
+            if isinstance(d.get("gpus"), list):
+                d["gpus"] = [_check_keys(g, _GPU_KEYS, f"{dp}.gpus[{j}]", "a GPU") for j, g in enumerate(d["gpus"])]
+            if isinstance(d.get("slots"), list):
+                slots = []
+                for j, s in enumerate(d["slots"]):
+                    sp = f"{dp}.slots[{j}]"
+                    kind = s.get("kind", "inference") if isinstance(s, dict) else "inference"
+                    if kind == "training":
+                        s = _check_keys(s, _TRAINING_SLOT_KEYS, sp, "a training slot")
+                    else:
+                        s = _check_keys(s, _INFERENCE_SLOT_KEYS, sp, "an inference slot")
+                        if isinstance(s.get("models"), list):
+                            s["models"] = [
+                                _check_keys(m, _MODEL_KEYS, f"{sp}.models[{k}]", "a model")
+                                for k, m in enumerate(s["models"])
+                            ]
+                    slots.append(s)
+                d["slots"] = slots
+            clean_domains.append(d)
+        top["domains"] = clean_domains
+    return top
+
+
+def _convert(obj: object, typ: type, path_prefix: str = ""):
+    try:
+        return msgspec.convert(obj, typ)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        message, sep, where = text.rpartition(" - at `")
+        if sep:
+            path = where.rstrip("`")
+            if path_prefix:
+                path = path_prefix + path[1:]
+        else:
+            message, path = text, path_prefix or "$"
+        raise LayoutError(message, path=path, fix="give the value the type named; see docs/residency.md") from None
+
+
+# ------------------------------------------------------------------------------------- parse
+
+
+def parse_layout(data: bytes | str | dict) -> Layout:
+    """Parse and validate a layout. Raises LayoutError(message, path=..., fix=...)."""
+    if isinstance(data, (bytes, bytearray, str)):
+        try:
+            raw = msgspec.json.decode(data)
+        except msgspec.DecodeError as exc:
+            raise LayoutError(f"the layout is not valid JSON: {exc}", path="$",
+                              fix="check the file with `python -m json.tool`") from None
+    else:
+        raw = data
+    cleaned = _clean(raw)
+    doc: _Layout = _convert(cleaned, _Layout)
+    try:
+        fleet = check_name("fleet", doc.fleet)
+    except InvalidName as exc:
+        raise LayoutError(str(exc), path="$.fleet", fix="name the fleet with lowercase letters, digits, '_' or '-'") from None
+    policy = _policy(doc.policy)
+    domains = [_domain(d, i, policy) for i, d in enumerate(doc.domains)]
+    _check_fleet(domains)
+    return Layout(fleet=fleet, policy=policy, domains=domains)
+
+
+def load_layout(path: str | os.PathLike) -> Layout:
+    """Read and parse a layout file. A missing file is a LayoutError naming it."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise LayoutError(f"cannot read layout file {os.fspath(path)!r}: {exc.strerror}", path="$",
+                          fix="pass the path of a layout JSON file, e.g. deploy/examples/demo-fleet.json") from None
+    return parse_layout(data)
+
+
+def _policy(raw: dict) -> Policy:
+    values = dict(raw)
+    for key in values:
+        if key.endswith("_bytes"):
+            values[key] = _size(values[key], f"$.policy.{key}", key)
+    policy = _convert(values, Policy, "$.policy")
+    for key in Policy.__struct_fields__:
+        value = getattr(policy, key)
+        if not isinstance(value, bool) and isinstance(value, int) and value < 0:
+            raise LayoutError(f"policy {key} is negative ({value})", path=f"$.policy.{key}", fix="use 0 or more")
+    return policy
+
+
+def _name(kind: str, value: str, path: str) -> str:
+    try:
+        return check_name(kind, value)
+    except InvalidName as exc:
+        raise LayoutError(str(exc), path=path, fix=f"name the {kind} with lowercase letters, digits, '_' or '-'") from None
+
+
+def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
+    dp = f"$.domains[{i}]"
+    name = _name("domain", d.name, f"{dp}.name")
+    gpus: list[GpuSpec] = []
+    seen_gpus: dict[int, int] = {}
+    for j, g in enumerate(d.gpus):
+        gp = f"{dp}.gpus[{j}]"
+        if g.index < 0:
+            raise LayoutError(f"GPU index {g.index} is negative", path=f"{gp}.index", fix="use the NVML index, 0 or more")
+        if g.index in seen_gpus:
+            raise LayoutError(f"GPU index {g.index} is declared twice on domain {name!r}", path=f"{gp}.index",
+                              fix=f"remove the duplicate or change its index (first at {dp}.gpus[{seen_gpus[g.index]}])")
+        seen_gpus[g.index] = j
+        memory = _size(g.memory, f"{gp}.memory", "GPU memory")
+        reserve = _size(g.reserve, f"{gp}.reserve", "GPU reserve")
+        if memory <= 0:
+            raise LayoutError(f"GPU {g.index} memory is {memory} bytes", path=f"{gp}.memory",
+                              fix="declare the card's memory, e.g. '24GiB'")
+        if reserve > memory:
+            raise LayoutError(f"GPU {g.index} reserve ({reserve} bytes) exceeds its memory ({memory} bytes)",
+                              path=f"{gp}.reserve", fix="lower the reserve below the card's memory")
+        gpus.append(GpuSpec(index=g.index, memory_bytes=memory, reserve_bytes=reserve, name=g.name))
+    if not gpus:
+        raise LayoutError(f"domain {name!r} declares no GPUs", path=f"{dp}.gpus",
+                          fix='add "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB"}]')
+
+    models: list[ModelSpec] = []
+    training: list[TrainingSpec] = []
+    seen_slots: dict[str, str] = {}
+    seen_models: dict[str, str] = {}
+    seen_ports: dict[int, str] = {}
+    for j, s in enumerate(d.slots):
+        sp = f"{dp}.slots[{j}]"
+        slot = _name("slot", s.name, f"{sp}.name")
+        if slot in seen_slots:
+            raise LayoutError(f"slot {slot!r} is declared twice on domain {name!r}", path=f"{sp}.name",
+                              fix=f"give each slot its own name (first at {seen_slots[slot]})")
+        seen_slots[slot] = sp
+        if s.gpu not in seen_gpus:
+            raise LayoutError(
+                f"slot {slot!r} is on GPU {s.gpu}, which domain {name!r} does not declare",
+                path=f"{sp}.gpu",
+                fix=f"use one of the domain's GPU indexes ({', '.join(map(str, sorted(seen_gpus)))}) or declare GPU {s.gpu}",
+            )
+        if s.kind == "training":
+            if not s.command:
+                raise LayoutError(f"training slot {slot!r} has no command", path=f"{sp}.command",
+                                  fix='give the argv to run, e.g. ["python", "train.py"]')
+            if not s.checkpoint_dir.strip():
+                raise LayoutError(f"training slot {slot!r} has no checkpoint_dir", path=f"{sp}.checkpoint_dir",
+                                  fix="give the directory it checkpoints to (passed as HARU_CHECKPOINT_DIR)")
+            if s.grace_ms < 0:
+                raise LayoutError(f"training slot {slot!r} grace_ms is negative", path=f"{sp}.grace_ms",
+                                  fix=f"use 0 (the policy's {policy.training_grace_ms} ms) or more")
+            vram = _size(s.vram, f"{sp}.vram", "training VRAM")
+            if vram <= 0:
+                raise LayoutError(f"training slot {slot!r} declares no VRAM budget", path=f"{sp}.vram",
+                                  fix='declare what it may use, e.g. "vram": "8GiB"')
+            training.append(TrainingSpec(slot=slot, gpu_index=s.gpu, command=list(s.command),
+                                         checkpoint_dir=s.checkpoint_dir, vram_bytes=vram, grace_ms=s.grace_ms))
+            continue
+        if not s.models:
+            raise LayoutError(f"inference slot {slot!r} has no models", path=f"{sp}.models",
+                              fix='add "models": [{"name": "...", "vram": "..."}] or remove the slot')
+        for k, m in enumerate(s.models):
+            mp = f"{sp}.models[{k}]"
+            try:
+                check_model_id(m.name)
+            except InvalidName as exc:
+                raise LayoutError(str(exc), path=f"{mp}.name",
+                                  fix="use the exact OpenAI model id clients send, with no whitespace") from None
+            if m.name in seen_models:
+                raise LayoutError(f"model {m.name!r} is declared twice on domain {name!r}", path=f"{mp}.name",
+                                  fix=f"declare each model once per domain (first at {seen_models[m.name]})")
+            seen_models[m.name] = mp
+            vram = _size(m.vram, f"{mp}.vram", "model VRAM")
+            if m.runtime != "external" and vram <= 0:
+                raise LayoutError(f"model {m.name!r} declares no VRAM", path=f"{mp}.vram",
+                                  fix='declare what its runtime holds on the GPU, e.g. "vram": "20GiB"')
+            if m.runtime == "external" and not m.url:
+                raise LayoutError(f"external model {m.name!r} has no url", path=f"{mp}.url",
+                                  fix='give the base URL of the running endpoint, e.g. "http://10.0.0.5:8000"')
+            if not 0 <= m.port <= 65535:
+                raise LayoutError(f"port {m.port} is out of range", path=f"{mp}.port", fix="use 1..65535 (0 = unset)")
+            if m.port:
+                if m.port in seen_ports and m.runtime != "external":
+                    raise LayoutError(f"port {m.port} is used twice on domain {name!r}", path=f"{mp}.port",
+                                      fix=f"give each runtime its own port (first used by {seen_ports[m.port]})")
+                if m.runtime != "external":
+                    seen_ports[m.port] = mp
+            if m.context_length < 0:
+                raise LayoutError("context_length is negative", path=f"{mp}.context_length", fix="use 0 (runtime default) or more")
+            binary = [m.binary] if isinstance(m.binary, str) else list(m.binary)
+            models.append(ModelSpec(name=m.name, slot=slot, gpu_index=s.gpu, runtime=m.runtime, vram_bytes=vram,
+                                    context_length=m.context_length, port=m.port, source=m.source, url=m.url,
+                                    binary=binary, args=list(m.args), env=dict(m.env)))
+    spec = DomainSpec(name=name, provider=d.provider, region=d.region, serving_url=d.serving_url, serve=d.serve, gpus=gpus)
+    return Domain(spec=spec, models=models, training=training)
+
+
+def _check_fleet(domains: list[Domain]) -> None:
+    if len(domains) != 2:
+        if len(domains) < 2:
+            message = f"a fleet has exactly two failure domains; this layout declares {len(domains)}"
+            fix = "declare a second domain that mirrors the first's models (the standby)"
+        else:
+            message = f"a fleet has exactly two failure domains (an active and a standby); this layout declares {len(domains)}"
+            fix = "split the extra domains into another fleet"
+        raise LayoutError(message, path="$.domains", fix=fix)
+    a, b = domains
+    if a.spec.name == b.spec.name:
+        raise LayoutError(f"both domains are named {a.spec.name!r}", path="$.domains[1].name",
+                          fix="give the two domains different names")
+    ma = [m.name for m in a.models]
+    mb = [m.name for m in b.models]
+    if set(ma) != set(mb):
+        only_a = [m for m in ma if m not in set(mb)]
+        only_b = [m for m in mb if m not in set(ma)]
+        if only_a:
+            message = f"domain {b.spec.name!r} does not mirror {', '.join(map(repr, only_a))} declared on {a.spec.name!r}"
+            path = "$.domains[1].slots"
+        else:
+            message = f"domain {a.spec.name!r} does not mirror {', '.join(map(repr, only_b))} declared on {b.spec.name!r}"
+            path = "$.domains[0].slots"
+        raise LayoutError(message, path=path,
+                          fix="declare the same model ids on both domains: the standby must be able to serve what the active serves")
