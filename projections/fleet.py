@@ -1,0 +1,564 @@
+"""The fleet fold: `HARU_EVENTS` -> one `FleetView` per fleet. Pure: no I/O, no clock, no logging.
+
+    view = evolve(view, event, seq=record.seq, subject=record.subject)
+    views = fold([(seq, subject, event), ...], views)
+
+`evolve` handles every event type in `haru.events.AnyEvent`:
+
+    declarations   fleet_declared, policy_changed, domain_*, model_*, training_* (declared,
+                   changed, retired) and admission_decided build `domains`, their `models` and
+                   `training`, in declaration order
+    residency      model_loading .. model_stopped move `ModelView.residency` through
+                   `haru.residency.evolve`; an illegal transition found in the log is folded
+                   leniently (the state the event establishes, `haru.residency.to_state`) and
+                   counted in `anomalies`: the log is what the agent observed
+    GPUs           gpu_observed -> the observed fields of `GpuView` (a GPU observed but never
+                   declared is added, in index order)
+    training       training_started/stopped -> `TrainingView`
+    agent          agent_started/stopping -> `AgentView`
+    liveness       domain_unreachable/reachable -> `DomainView.reachable`
+    operations     promotion/demotion_requested, step_*, operation_completed/aborted ->
+                   `operation` (in flight) and `last_operation` (finished), with their steps
+    decisions      failover_declined -> `declined`; eligibility_changed -> `eligible`
+    route pointer  route_moved -> `active`, `route_revision` (= its stream sequence), `route_moved_at`
+
+Every event sets `view.seq` (the last stream sequence folded) and `updated_at` (its `at`); events on
+the fleet-level subjects also set `decl_seq`, `op_seq` or `route_seq`.
+
+Events about a domain, model or training slot that is not declared (never declared, or retired)
+are NOT folded into the view: they only bump `seq` and are counted in `anomalies` with
+`last_anomaly` saying which. Creating entries lazily would resurrect a retired model when its
+agent reports it stopped after the retirement, which is the normal order of things.
+A GPU index that was not declared is different: it is an observed fact about the host, and is shown.
+
+Events at or below a view's `seq` are skipped by `fold` (not by `evolve`), so replaying a log
+from before a stored view's sequence is idempotent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import msgspec
+
+from haru import events as ev
+from haru import residency
+from haru.errors import IllegalTransition
+from haru.views import (
+    AgentView,
+    DomainView,
+    FleetView,
+    GpuView,
+    ModelView,
+    OperationView,
+    StepView,
+    TrainingView,
+)
+
+__all__ = ["empty", "evolve", "fold", "fold_one", "fleet_of"]
+
+_replace = msgspec.structs.replace
+
+
+def empty(fleet: str) -> FleetView:
+    """The view of a fleet before any event."""
+    return FleetView(fleet=fleet)
+
+
+def fleet_of(subject: str) -> str:
+    """The fleet an event subject belongs to ('' when the subject is not an event subject)."""
+    parts = subject.split(".", 3)
+    if len(parts) < 4 or parts[0] != "haru" or parts[1] != "evt":
+        return ""
+    return parts[2]
+
+
+def _kind(subject: str) -> str:
+    # The fourth token names the fleet-level subjects; that is all `evolve` needs from a subject.
+    parts = subject.split(".")
+    if len(parts) == 4:
+        return parts[3]
+    return ""
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _anomaly(view: FleetView, why: str) -> FleetView:
+    return _replace(view, anomalies=view.anomalies + 1, last_anomaly=why)
+
+
+def _with_domain(view: FleetView, domain: DomainView) -> FleetView:
+    domains = dict(view.domains)
+    domains[domain.name] = domain
+    return _replace(view, domains=domains)
+
+
+def _missing(view: FleetView, seq: int, tag: str, what: str) -> FleetView:
+    return _anomaly(view, f"seq {seq}: {tag} for {what}, which is not declared")
+
+
+def _gpus_from_spec(spec: ev.DomainSpec, existing: list[GpuView]) -> list[GpuView]:
+    """Declared GPUs in declared order, keeping what was observed; observed-only GPUs are kept."""
+    by_index = {g.index: g for g in existing}
+    declared: list[GpuView] = []
+    for g in spec.gpus:
+        old = by_index.pop(g.index, None)
+        if old is None:
+            declared.append(GpuView(index=g.index, memory_bytes=g.memory_bytes, reserve_bytes=g.reserve_bytes, name=g.name))
+        else:
+            declared.append(
+                _replace(old, memory_bytes=g.memory_bytes, reserve_bytes=g.reserve_bytes, name=g.name or old.name)
+            )
+    # GPUs that are observed but no longer (or never) declared: keep them, without declared sizes.
+    for old in sorted(by_index.values(), key=lambda g: g.index):
+        if old.present is not None or old.observed_at is not None:
+            declared.append(_replace(old, memory_bytes=0, reserve_bytes=0))
+    return declared
+
+
+def _model_from_spec(spec: ev.ModelSpec, old: ModelView | None) -> ModelView:
+    fields = dict(
+        name=spec.name,
+        slot=spec.slot,
+        gpu_index=spec.gpu_index,
+        runtime=spec.runtime,
+        vram_bytes=spec.vram_bytes,
+        port=spec.port,
+        url=spec.url,
+    )
+    if old is None:
+        return ModelView(**fields)
+    return _replace(old, **fields)
+
+
+def _training_from_spec(spec: ev.TrainingSpec, old: TrainingView | None) -> TrainingView:
+    if old is None:
+        return TrainingView(slot=spec.slot, gpu_index=spec.gpu_index, vram_bytes=spec.vram_bytes)
+    return _replace(old, gpu_index=spec.gpu_index, vram_bytes=spec.vram_bytes)
+
+
+# ------------------------------------------------------------------------------ declarations
+
+
+def _fleet_declared(view: FleetView, e: ev.FleetDeclared, seq: int) -> FleetView:
+    return _replace(view, policy=e.policy)
+
+
+def _policy_changed(view: FleetView, e: ev.PolicyChanged, seq: int) -> FleetView:
+    return _replace(view, policy=e.policy)
+
+
+def _domain_declared(view: FleetView, e: ev.DomainDeclared | ev.DomainChanged, seq: int) -> FleetView:
+    spec = e.spec
+    old = view.domains.get(spec.name)
+    if old is None:
+        domain = DomainView(
+            name=spec.name,
+            provider=spec.provider,
+            region=spec.region,
+            serving_url=spec.serving_url,
+            serve=spec.serve,
+            gpus=_gpus_from_spec(spec, []),
+        )
+    else:
+        domain = _replace(
+            old,
+            provider=spec.provider,
+            region=spec.region,
+            serving_url=spec.serving_url,
+            serve=spec.serve,
+            gpus=_gpus_from_spec(spec, old.gpus),
+        )
+    return _with_domain(view, domain)
+
+
+def _domain_retired(view: FleetView, e: ev.DomainRetired, seq: int) -> FleetView:
+    if e.domain not in view.domains:
+        return _missing(view, seq, "domain_retired", f"domain {e.domain!r}")
+    domains = {k: d for k, d in view.domains.items() if k != e.domain}
+    return _replace(view, domains=domains)
+
+
+def _model_declared(view: FleetView, e: ev.ModelDeclared | ev.ModelChanged, seq: int) -> FleetView:
+    domain = view.domains.get(e.domain)
+    if domain is None:
+        return _missing(view, seq, ev.tag_of(e), f"model {e.spec.name!r} on domain {e.domain!r}")
+    models = dict(domain.models)
+    models[e.spec.name] = _model_from_spec(e.spec, models.get(e.spec.name))
+    return _with_domain(view, _replace(domain, models=models))
+
+
+def _model_retired(view: FleetView, e: ev.ModelRetired, seq: int) -> FleetView:
+    domain = view.domains.get(e.domain)
+    if domain is None or e.model not in domain.models:
+        return _missing(view, seq, "model_retired", f"model {e.model!r} on domain {e.domain!r}")
+    models = {k: m for k, m in domain.models.items() if k != e.model}
+    return _with_domain(view, _replace(domain, models=models))
+
+
+def _training_declared(view: FleetView, e: ev.TrainingDeclared | ev.TrainingChanged, seq: int) -> FleetView:
+    domain = view.domains.get(e.domain)
+    if domain is None:
+        return _missing(view, seq, ev.tag_of(e), f"training slot {e.spec.slot!r} on domain {e.domain!r}")
+    training = dict(domain.training)
+    training[e.spec.slot] = _training_from_spec(e.spec, training.get(e.spec.slot))
+    return _with_domain(view, _replace(domain, training=training))
+
+
+def _training_retired(view: FleetView, e: ev.TrainingRetired, seq: int) -> FleetView:
+    domain = view.domains.get(e.domain)
+    if domain is None or e.slot not in domain.training:
+        return _missing(view, seq, "training_retired", f"training slot {e.slot!r} on domain {e.domain!r}")
+    training = {k: t for k, t in domain.training.items() if k != e.slot}
+    return _with_domain(view, _replace(domain, training=training))
+
+
+def _admission_decided(view: FleetView, e: ev.AdmissionDecided, seq: int, subject: str) -> FleetView:
+    domain = view.domains.get(e.domain)
+    if domain is None:
+        return _missing(view, seq, "admission_decided", f"{e.kind} {e.name!r} on domain {e.domain!r}")
+    if e.kind == "training":
+        slot = domain.training.get(e.name)
+        if slot is None:
+            return _missing(view, seq, "admission_decided", f"training slot {e.name!r} on domain {e.domain!r}")
+        training = dict(domain.training)
+        training[e.name] = _replace(
+            slot,
+            gpu_index=e.gpu_index,
+            vram_bytes=e.vram_bytes,
+            admitted=e.admitted,
+            short_by_bytes=0 if e.admitted else e.short_by_bytes,
+        )
+        return _with_domain(view, _replace(domain, training=training))
+    model = domain.models.get(e.name)
+    if model is None:
+        return _missing(view, seq, "admission_decided", f"model {e.name!r} on domain {e.domain!r}")
+    # The planner's verdict is part of the residency table: refused -> not_admitted (with the
+    # shortfall), admitted -> keeps what was observed (or unknown, after a refusal).
+    out = view
+    try:
+        state = residency.evolve(model.residency, e, seq=seq, subject=subject)
+    except IllegalTransition as exc:  # pragma: no cover - the table accepts a verdict in every state
+        state = residency.to_state(e, seq=seq)
+        out = _anomaly(view, f"seq {seq}: {exc}")
+    model = _replace(
+        model,
+        gpu_index=e.gpu_index,
+        vram_bytes=e.vram_bytes,
+        admitted=e.admitted,
+        short_by_bytes=0 if e.admitted else e.short_by_bytes,
+        residency=state,
+    )
+    view = out
+    models = dict(domain.models)
+    models[e.name] = model
+    return _with_domain(view, _replace(domain, models=models))
+
+
+# ---------------------------------------------------------------------------------- residency
+
+
+def _residency(view: FleetView, e: Any, seq: int, subject: str) -> FleetView:
+    domain = view.domains.get(e.domain)
+    model = domain.models.get(e.model) if domain is not None else None
+    if model is None:
+        return _missing(view, seq, ev.tag_of(e), f"model {e.model!r} on domain {e.domain!r}")
+    try:
+        state = residency.evolve(model.residency, e, seq=seq, subject=subject)
+        out = view
+    except IllegalTransition as exc:
+        # The log is what the agent observed: take the state the event establishes, and say so.
+        state = residency.to_state(e, seq=seq)
+        out = _anomaly(view, f"seq {seq}: {exc}")
+    models = dict(domain.models)
+    models[e.model] = _replace(model, residency=state)
+    return _with_domain(out, _replace(domain, models=models))
+
+
+# ------------------------------------------------------------------------------- GPUs, training
+
+
+def _gpu_observed(view: FleetView, e: ev.GpuObserved, seq: int) -> FleetView:
+    domain = view.domains.get(e.domain)
+    if domain is None:
+        return _missing(view, seq, "gpu_observed", f"GPU {e.index} on domain {e.domain!r}")
+    gpus = list(domain.gpus)
+    fields = dict(
+        present=e.present,
+        memory_total_bytes=e.memory_total_bytes,
+        memory_used_bytes=e.memory_used_bytes,
+        processes=[p.pid for p in e.processes],
+        mig=e.mig,
+        observed_at=e.at,
+    )
+    for i, g in enumerate(gpus):
+        if g.index == e.index:
+            gpus[i] = _replace(g, name=g.name or e.name, **fields)
+            break
+    else:
+        gpus.append(GpuView(index=e.index, name=e.name, **fields))
+        gpus.sort(key=lambda g: g.index)
+    return _with_domain(view, _replace(domain, gpus=gpus))
+
+
+def _training_slot(view: FleetView, e: Any) -> tuple[DomainView, TrainingView] | None:
+    domain = view.domains.get(e.domain)
+    if domain is None:
+        return None
+    slot = domain.training.get(e.slot)
+    if slot is None:
+        return None
+    return domain, slot
+
+
+def _training_started(view: FleetView, e: ev.TrainingStarted, seq: int) -> FleetView:
+    found = _training_slot(view, e)
+    if found is None:
+        return _missing(view, seq, "training_started", f"training slot {e.slot!r} on domain {e.domain!r}")
+    domain, slot = found
+    training = dict(domain.training)
+    training[e.slot] = _replace(slot, running=True, pid=e.pid, gpu_index=e.gpu_index, since=e.at)
+    return _with_domain(view, _replace(domain, training=training))
+
+
+def _training_stopped(view: FleetView, e: ev.TrainingStopped, seq: int) -> FleetView:
+    found = _training_slot(view, e)
+    if found is None:
+        return _missing(view, seq, "training_stopped", f"training slot {e.slot!r} on domain {e.domain!r}")
+    domain, slot = found
+    training = dict(domain.training)
+    training[e.slot] = _replace(
+        slot, running=False, pid=0, since=e.at, last_stop=e.how, last_exit_code=e.exit_code
+    )
+    return _with_domain(view, _replace(domain, training=training))
+
+
+# ------------------------------------------------------------------------------ agent, liveness
+
+
+def _agent_started(view: FleetView, e: ev.AgentStarted, seq: int) -> FleetView:
+    domain = view.domains.get(e.domain)
+    if domain is None:
+        return _missing(view, seq, "agent_started", f"domain {e.domain!r}")
+    agent = AgentView(
+        running=True, host=e.host, pid=e.pid, version=e.version, serving_url=e.serving_url, since=e.at
+    )
+    return _with_domain(view, _replace(domain, agent=agent))
+
+
+def _agent_stopping(view: FleetView, e: ev.AgentStopping, seq: int) -> FleetView:
+    domain = view.domains.get(e.domain)
+    if domain is None:
+        return _missing(view, seq, "agent_stopping", f"domain {e.domain!r}")
+    return _with_domain(view, _replace(domain, agent=_replace(domain.agent, running=False, since=e.at)))
+
+
+def _reachability(view: FleetView, e: ev.DomainUnreachable | ev.DomainReachable, seq: int) -> FleetView:
+    domain = view.domains.get(e.domain)
+    if domain is None:
+        return _missing(view, seq, ev.tag_of(e), f"domain {e.domain!r}")
+    reachable = isinstance(e, ev.DomainReachable)
+    return _with_domain(view, _replace(domain, reachable=reachable, reachability_since=e.at))
+
+
+def _eligibility(view: FleetView, e: ev.EligibilityChanged, seq: int) -> FleetView:
+    domain = view.domains.get(e.domain)
+    if domain is None:
+        return _missing(view, seq, "eligibility_changed", f"domain {e.domain!r}")
+    return _with_domain(view, _replace(domain, eligible=e.eligible, ineligible_why="" if e.eligible else e.why))
+
+
+# ----------------------------------------------------------------------------------- operations
+
+
+def _promotion_requested(view: FleetView, e: ev.PromotionRequested, seq: int) -> FleetView:
+    op = OperationView(
+        op_id=e.op_id,
+        kind="promotion",
+        target=e.target,
+        source=e.source,
+        reason=e.reason,
+        detail=e.detail,
+        requested_at=e.at,
+        seq=seq,
+        route_revision=e.route_revision,
+    )
+    return _start_operation(view, op, seq)
+
+
+def _demotion_requested(view: FleetView, e: ev.DemotionRequested, seq: int) -> FleetView:
+    op = OperationView(
+        op_id=e.op_id,
+        kind="demotion",
+        target=e.target,
+        reason=e.reason,
+        requested_at=e.at,
+        seq=seq,
+        route_revision=e.route_revision,
+    )
+    return _start_operation(view, op, seq)
+
+
+def _start_operation(view: FleetView, op: OperationView, seq: int) -> FleetView:
+    if view.operation is not None and view.operation.op_id != op.op_id:
+        # The promoter's sequence checks make this impossible; the newer request wins, and we say so.
+        view = _anomaly(view, f"seq {seq}: {op.kind} {op.op_id} requested while {view.operation.op_id} was in flight")
+    return _replace(view, operation=op)
+
+
+def _current_op(view: FleetView, op_id: str) -> OperationView | None:
+    op = view.operation
+    if op is None or op.op_id != op_id:
+        return None
+    return op
+
+
+def _step_started(view: FleetView, e: ev.StepStarted, seq: int) -> FleetView:
+    op = _current_op(view, e.op_id)
+    if op is None:
+        return _missing(view, seq, "step_started", f"operation {e.op_id!r} (not in flight)")
+    step = StepView(step=e.step, state="started", attempt=e.attempt, at=e.at, seq=seq)
+    return _replace(view, operation=_replace(op, steps=[*op.steps, step]))
+
+
+def _step_ended(view: FleetView, e: ev.StepCompleted | ev.StepFailed, seq: int) -> FleetView:
+    tag = ev.tag_of(e)
+    op = _current_op(view, e.op_id)
+    if op is None:
+        return _missing(view, seq, tag, f"operation {e.op_id!r} (not in flight)")
+    if isinstance(e, ev.StepCompleted):
+        fields: dict[str, Any] = dict(state="completed", detail=e.detail, took_ms=e.took_ms, at=e.at, seq=seq)
+    else:
+        fields = dict(state="failed", error_code=e.error_code, error=e.error, took_ms=e.took_ms, at=e.at, seq=seq)
+    steps = list(op.steps)
+    for i in range(len(steps) - 1, -1, -1):
+        if steps[i].step == e.step and steps[i].state == "started":
+            steps[i] = _replace(steps[i], **fields)
+            break
+    else:
+        steps.append(StepView(step=e.step, **fields))
+    return _replace(view, operation=_replace(op, steps=steps))
+
+
+def _operation_completed(view: FleetView, e: ev.OperationCompleted, seq: int) -> FleetView:
+    op = _current_op(view, e.op_id)
+    if op is None:
+        return _missing(view, seq, "operation_completed", f"operation {e.op_id!r} (not in flight)")
+    done = _replace(op, state="completed", finished_at=e.at)
+    return _replace(view, operation=None, last_operation=done)
+
+
+def _operation_aborted(view: FleetView, e: ev.OperationAborted, seq: int) -> FleetView:
+    op = _current_op(view, e.op_id)
+    if op is None:
+        return _missing(view, seq, "operation_aborted", f"operation {e.op_id!r} (not in flight)")
+    error = f"{e.step}: {e.error}" if e.step and e.error else (e.error or e.step)
+    done = _replace(op, state="aborted", finished_at=e.at, error=error)
+    return _replace(view, operation=None, last_operation=done)
+
+
+def _failover_declined(view: FleetView, e: ev.FailoverDeclined, seq: int) -> FleetView:
+    return _replace(view, declined=e.why)
+
+
+def _route_moved(view: FleetView, e: ev.RouteMoved, seq: int) -> FleetView:
+    return _replace(view, active=e.active, route_revision=seq, route_moved_at=e.at)
+
+
+# --------------------------------------------------------------------------------------- table
+
+# Event type -> how it changes the view. Residency events are handled by `_residency`.
+_HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
+    ev.FleetDeclared: _fleet_declared,
+    ev.PolicyChanged: _policy_changed,
+    ev.DomainDeclared: _domain_declared,
+    ev.DomainChanged: _domain_declared,
+    ev.DomainRetired: _domain_retired,
+    ev.ModelDeclared: _model_declared,
+    ev.ModelChanged: _model_declared,
+    ev.ModelRetired: _model_retired,
+    ev.TrainingDeclared: _training_declared,
+    ev.TrainingChanged: _training_declared,
+    ev.TrainingRetired: _training_retired,
+    ev.GpuObserved: _gpu_observed,
+    ev.TrainingStarted: _training_started,
+    ev.TrainingStopped: _training_stopped,
+    ev.AgentStarted: _agent_started,
+    ev.AgentStopping: _agent_stopping,
+    ev.DomainUnreachable: _reachability,
+    ev.DomainReachable: _reachability,
+    ev.PromotionRequested: _promotion_requested,
+    ev.DemotionRequested: _demotion_requested,
+    ev.StepStarted: _step_started,
+    ev.StepCompleted: _step_ended,
+    ev.StepFailed: _step_ended,
+    ev.OperationCompleted: _operation_completed,
+    ev.OperationAborted: _operation_aborted,
+    ev.FailoverDeclined: _failover_declined,
+    ev.EligibilityChanged: _eligibility,
+    ev.RouteMoved: _route_moved,
+}
+_RESIDENCY = frozenset(ev.RESIDENCY_EVENTS)
+
+HANDLED: frozenset[type] = frozenset(_HANDLERS) | _RESIDENCY | {ev.AdmissionDecided}
+"""Every event type the fold understands (the tests check this is all of `AnyEvent`)."""
+
+
+def evolve(view: FleetView, event: ev.Event, *, seq: int, subject: str) -> FleetView:
+    """The view after one event recorded at stream sequence `seq` on `subject`."""
+    cls = type(event)
+    if cls in _RESIDENCY:
+        out = _residency(view, event, seq, subject)
+    elif cls is ev.AdmissionDecided:
+        out = _admission_decided(view, event, seq, subject)
+    else:
+        handler = _HANDLERS.get(cls)
+        out = handler(view, event, seq) if handler is not None else _anomaly(
+            view, f"seq {seq}: event type {cls.__name__} is not known to this projector"
+        )
+    kind = _kind(subject)
+    if kind == "decl":
+        return _replace(out, seq=seq, updated_at=event.at, decl_seq=seq)
+    if kind == "op":
+        return _replace(out, seq=seq, updated_at=event.at, op_seq=seq)
+    if kind == "route":
+        return _replace(out, seq=seq, updated_at=event.at, route_seq=seq)
+    return _replace(out, seq=seq, updated_at=event.at)
+
+
+def fold_one(
+    views: dict[str, FleetView], event: ev.Event, *, seq: int, subject: str
+) -> FleetView | None:
+    """Fold one event into `views` (a dict of fleet -> view, updated in place).
+
+    Returns the fleet's new view, or None when the event was skipped: its subject names no fleet,
+    or the fleet's view already folded `seq` (a replay from before the view's own checkpoint).
+    """
+    fleet = fleet_of(subject)
+    if not fleet:
+        return None
+    view = views.get(fleet)
+    if view is None:
+        view = empty(fleet)
+    elif seq <= view.seq:
+        return None
+    view = evolve(view, event, seq=seq, subject=subject)
+    views[fleet] = view
+    return view
+
+
+def fold(
+    entries: Iterable[tuple[int, str, ev.Event]], views: Mapping[str, FleetView] | None = None
+) -> dict[str, FleetView]:
+    """Fold `(seq, subject, event)` entries, in stream order, into views keyed by fleet.
+
+    Starts from `views` (not modified) or from nothing. Entries at or below a fleet's view `seq`
+    are skipped, so folding a replay that overlaps the views is idempotent.
+    """
+    out = dict(views) if views else {}
+    for seq, subject, event in entries:
+        fold_one(out, event, seq=seq, subject=subject)
+    return out
+
