@@ -1,0 +1,371 @@
+"""The simulated vLLM server, as a real process on a real socket, behaves like vLLM where the agent looks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from agents.sim.gpu_state import GiB, MiB, SimGpuState
+from agents.sim.vllm import runtime_path
+
+MODEL = "qwen3.6:27b"
+
+
+class SimServer:
+    """One `python -m agents.sim.vllm serve` child, reaped however the test ends."""
+
+    def __init__(self, sim_dir: Path, *, model: str = MODEL, domain: str = "a", dev_mode: bool = True,
+                 sleep_mode: bool = True, **env: str) -> None:
+        self.sim_dir, self.model, self.domain = sim_dir, model, domain
+        self.env = {**os.environ, "HARU_SIM_DIR": str(sim_dir), "HARU_SIM_DOMAIN": domain,
+                    "HARU_SIM_LOAD_MS": "100", "HARU_SIM_WAKE_MS": "30", "HARU_SIM_SLEEP_MS": "10",
+                    "HARU_SIM_VRAM": "4GiB", "HARU_SIM_TOKENS_PER_S": "1000"}
+        self.env.pop("VLLM_SERVER_DEV_MODE", None)
+        if dev_mode:
+            self.env["VLLM_SERVER_DEV_MODE"] = "1"
+        self.env.update(env)
+        self.argv = [sys.executable, "-m", "agents.sim.vllm", "serve", "/models/qwen", "--host", "127.0.0.1",
+                     "--port", "0", "--served-model-name", model, "--gpu-memory-utilization", "0.9"]
+        if sleep_mode:
+            self.argv.append("--enable-sleep-mode")
+        self.proc: asyncio.subprocess.Process | None = None
+        self.stderr_path = sim_dir / f"stderr-{domain}.log"
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text() if self.stderr_path.exists() else ""
+
+    async def start(self, *, wait_ready: bool = True) -> SimServer:
+        self.sim_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.stderr_path, "wb") as err:
+            self.proc = await asyncio.create_subprocess_exec(*self.argv, env=self.env, stdout=err, stderr=err)
+        rt = runtime_path(self.sim_dir, self.model)
+        deadline = time.monotonic() + 20
+        while True:
+            if rt.exists():
+                with contextlib.suppress(ValueError):
+                    info = json.loads(rt.read_text())
+                    if info["pid"] == self.proc.pid:
+                        self.port = info["port"]
+                        break
+            if self.proc.returncode is not None or time.monotonic() > deadline:
+                return self
+            await asyncio.sleep(0.01)
+        if wait_ready:
+            await self.wait_ready()
+        return self
+
+    async def wait_ready(self) -> None:
+        deadline = time.monotonic() + 20
+        async with aiohttp.ClientSession() as s:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(aiohttp.ClientConnectionError):
+                    async with s.get(self.url + "/health") as r:
+                        if r.status == 200:
+                            return
+                await asyncio.sleep(0.02)
+        raise AssertionError(f"sim server never became healthy: {self.stderr}")
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+@pytest.fixture
+async def servers(tmp_path):
+    started: list[SimServer] = []
+
+    async def start(sim_dir: Path | None = None, wait_ready: bool = True, **kw) -> SimServer:
+        server = SimServer(sim_dir or tmp_path / "a", **kw)
+        started.append(server)
+        return await server.start(wait_ready=wait_ready)
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            await server.stop()
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def chat_body(model: str = MODEL, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "say hello"}], **extra}
+
+
+async def test_loading_refuses_connections_then_serves_like_vllm(servers, http, tmp_path):
+    server = await servers(wait_ready=False, HARU_SIM_LOAD_MS="600")
+    assert server.port, server.stderr
+    # While loading the port is bound but nobody listens: vLLM starts its HTTP server after the engine.
+    with pytest.raises(aiohttp.ClientConnectionError):
+        async with http.get(server.url + "/health"):
+            pass
+    gpu = SimGpuState(tmp_path / "a", 0).read()
+    assert gpu["allocations"] == {str(server.proc.pid): 4 * GiB}  # the weights are on the GPU while loading
+    await server.wait_ready()
+    async with http.get(server.url + "/health") as r:
+        assert r.status == 200
+
+
+async def test_chat_json_names_the_domain_and_honours_max_tokens(servers, http):
+    server = await servers(domain="b")
+    async with http.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=3)) as r:
+        assert r.status == 200
+        body = await r.json()
+    assert body["object"] == "chat.completion"
+    assert body["model"] == MODEL
+    assert body["choices"][0]["message"]["content"] == "[domain b] hello from"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 3
+
+    async with http.post(server.url + "/v1/chat/completions", json=chat_body()) as r:
+        body = await r.json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["message"]["content"].startswith("[domain b] ")
+    assert MODEL in body["choices"][0]["message"]["content"]
+
+    async with http.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}) as r:
+        body = await r.json()
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == "[domain b]"
+
+    async with http.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=20, ignore_eos=True)) as r:
+        body = await r.json()
+    assert body["usage"]["completion_tokens"] == 20
+
+
+async def test_models_lists_the_served_name_and_unknown_models_are_404(servers, http):
+    server = await servers()
+    async with http.get(server.url + "/v1/models") as r:
+        assert [m["id"] for m in (await r.json())["data"]] == [MODEL]
+    async with http.post(server.url + "/v1/chat/completions", json=chat_body(model="other")) as r:
+        assert r.status == 404
+        err = (await r.json())["error"]
+    assert err["type"] == "NotFoundError" and "other" in err["message"] and err["code"] == 404
+    async with http.post(server.url + "/v1/chat/completions", data=b"not json") as r:
+        assert r.status == 400
+        assert "error" in await r.json()
+
+
+async def test_chat_sse_streams_chunks_over_time_and_ends_with_done(servers, http):
+    server = await servers(HARU_SIM_TOKENS_PER_S="20")
+    arrivals: list[tuple[float, bytes]] = []
+    body = chat_body(max_tokens=6, stream=True, stream_options={"include_usage": True})
+    async with http.post(server.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        async for line in r.content:
+            if line.strip():
+                arrivals.append((time.monotonic(), line.strip()))
+    assert arrivals[-1][1] == b"data: [DONE]"
+    chunks = [json.loads(line[len(b"data: "):]) for _, line in arrivals[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "[domain a] hello from qwen3.6:27b on the"
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    content_times = [t for t, line in arrivals if b'"content":"' in line and b'"content":""' not in line]
+    assert len(content_times) == 6
+    # Six tokens at 20 tokens/s: the chunks arrive spread over time, not in one burst (5 gaps of 50 ms).
+    assert content_times[-1] - content_times[0] >= 0.2
+
+
+async def test_completions_sse(servers, http):
+    server = await servers()
+    async with http.post(server.url + "/v1/completions",
+                         json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True}) as r:
+        lines = [line.strip() async for line in r.content if line.strip()]
+    assert lines[-1] == b"data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks] == ["[domain a]", " hello"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_embeddings_are_deterministic(servers, http):
+    server = await servers()
+    vectors = []
+    for _ in range(2):
+        async with http.post(server.url + "/v1/embeddings", json={"model": MODEL, "input": ["a", "b"]}) as r:
+            data = (await r.json())["data"]
+        vectors.append([d["embedding"] for d in data])
+    assert vectors[0] == vectors[1]
+    assert vectors[0][0] != vectors[0][1]
+    assert abs(sum(x * x for x in vectors[0][0]) - 1.0) < 1e-3
+
+
+async def test_sleep_wake_round_trip_accounts_vram(servers, http, tmp_path):
+    server = await servers(HARU_SIM_RESIDUAL="256MiB")
+    gpu = SimGpuState(tmp_path / "a", 0)
+    pid = str(server.proc.pid)
+    async with http.get(server.url + "/is_sleeping") as r:
+        assert await r.json() == {"is_sleeping": False}
+    async with http.post(server.url + "/sleep?level=1") as r:
+        assert r.status == 200
+    async with http.get(server.url + "/is_sleeping") as r:
+        assert await r.json() == {"is_sleeping": True}
+    assert gpu.read()["allocations"] == {pid: 256 * MiB}
+    async with http.get(server.url + "/health") as r:
+        assert r.status == 200  # vLLM: health says the engine is alive, not that it is awake
+    async with http.post(server.url + "/v1/chat/completions", json=chat_body()) as r:
+        assert r.status == 503
+        assert "sleeping" in (await r.json())["error"]["message"]
+    async with http.post(server.url + "/wake_up") as r:
+        assert r.status == 200
+    async with http.get(server.url + "/is_sleeping") as r:
+        assert await r.json() == {"is_sleeping": False}
+    assert gpu.read()["allocations"] == {pid: 4 * GiB}
+    async with http.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=1)) as r:
+        assert r.status == 200
+    async with http.post(server.url + "/wake_up") as r:
+        assert r.status == 200  # waking an awake server is a success
+
+
+async def test_dev_endpoints_are_404_without_dev_mode(servers, http):
+    server = await servers(dev_mode=False)
+    for method, path in (("POST", "/sleep?level=1"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
+        async with http.request(method, server.url + path) as r:
+            assert r.status == 404, path
+
+
+async def test_wake_fails_with_cuda_oom_when_the_gpu_is_full_and_stays_asleep(servers, http, tmp_path):
+    gpu = SimGpuState(tmp_path / "a", 0)
+    gpu.ensure(8 * GiB)
+    server = await servers()
+    async with http.post(server.url + "/sleep?level=1") as r:
+        assert r.status == 200
+    # Something else (a trainer) takes the VRAM the sleeping server freed.
+    assert gpu.allocate(os.getpid(), 7 * GiB)
+    async with http.post(server.url + "/wake_up") as r:
+        assert r.status == 500
+        assert "CUDA Error: out of memory" in (await r.json())["error"]["message"]
+    async with http.get(server.url + "/is_sleeping") as r:
+        assert await r.json() == {"is_sleeping": True}
+    gpu.free(os.getpid())
+    async with http.post(server.url + "/wake_up") as r:
+        assert r.status == 200
+    async with http.get(server.url + "/is_sleeping") as r:
+        assert await r.json() == {"is_sleeping": False}
+
+
+async def test_injected_oom_on_wake_fails_the_next_wake_only(servers, http):
+    server = await servers()
+    async with http.post(server.url + "/_sim/oom_on_wake") as r:
+        assert r.status == 200
+    await http.post(server.url + "/sleep?level=1")
+    async with http.post(server.url + "/wake_up") as r:
+        assert r.status == 500 and "CUDA Error: out of memory" in await r.text()
+    async with http.post(server.url + "/wake_up") as r:
+        assert r.status == 200
+
+
+async def test_evict_drops_the_model_but_the_process_lives(servers, http, tmp_path):
+    server = await servers()
+    async with http.post(server.url + "/_sim/evict") as r:
+        assert r.status == 200
+    async with http.get(server.url + "/v1/models") as r:
+        assert (await r.json())["data"] == []
+    async with http.post(server.url + "/v1/chat/completions", json=chat_body()) as r:
+        assert r.status == 404
+    async with http.get(server.url + "/health") as r:
+        assert r.status == 200
+    assert server.proc.returncode is None
+    assert SimGpuState(tmp_path / "a", 0).read()["memory_used_bytes"] == 0
+
+
+async def test_crash_exits_non_zero(servers, http):
+    server = await servers()
+    async with http.post(server.url + "/_sim/crash") as r:
+        assert r.status == 200
+    code = await asyncio.wait_for(server.proc.wait(), 10)
+    assert code != 0
+
+
+async def test_hang_stops_answering_until_reset(servers, http):
+    server = await servers()
+    await http.post(server.url + "/_sim/hang")
+    with pytest.raises(asyncio.TimeoutError):
+        async with http.get(server.url + "/health", timeout=aiohttp.ClientTimeout(total=0.3)):
+            pass
+    with pytest.raises(asyncio.TimeoutError):
+        async with http.post(server.url + "/v1/chat/completions", json=chat_body(),
+                             timeout=aiohttp.ClientTimeout(total=0.3)):
+            pass
+    await http.post(server.url + "/_sim/reset")
+    async with http.get(server.url + "/health") as r:
+        assert r.status == 200
+
+
+async def test_fail_probe_fails_completions_until_reset(servers, http):
+    server = await servers()
+    await http.post(server.url + "/_sim/fail_probe")
+    async with http.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=1)) as r:
+        assert r.status == 500
+    async with http.get(server.url + "/health") as r:
+        assert r.status == 200
+    await http.post(server.url + "/_sim/reset")
+    async with http.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=1)) as r:
+        assert r.status == 200
+
+
+async def test_detached_gpu_fails_completions_with_a_cuda_error_and_health(servers, http, tmp_path):
+    server = await servers()
+    gpu = SimGpuState(tmp_path / "a", 0)
+    gpu.set_present(False)
+    async with http.post(server.url + "/v1/chat/completions", json=chat_body()) as r:
+        assert r.status == 500
+        assert "CUDA error" in (await r.json())["error"]["message"]
+    async with http.get(server.url + "/health") as r:
+        assert r.status != 200
+    gpu.set_present(True)
+    async with http.get(server.url + "/health") as r:
+        assert r.status == 200
+
+
+async def test_load_without_enough_vram_exits_with_cuda_oom(servers, tmp_path):
+    SimGpuState(tmp_path / "a", 0).ensure(2 * GiB)
+    server = await servers(wait_ready=False)
+    code = await asyncio.wait_for(server.proc.wait(), 10)
+    assert code != 0
+    assert "CUDA out of memory" in server.stderr
+
+
+async def test_sigterm_frees_vram_and_removes_the_runtime_file(servers, tmp_path):
+    server = await servers()
+    rt = runtime_path(tmp_path / "a", MODEL)
+    assert json.loads(rt.read_text())["domain"] == "a"
+    server.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(server.proc.wait(), 10) == 0
+    assert not rt.exists()
+    assert SimGpuState(tmp_path / "a", 0).read()["memory_used_bytes"] == 0
+
+
+async def test_two_servers_share_one_gpu_file(servers, http, tmp_path):
+    SimGpuState(tmp_path / "a", 0).ensure(16 * GiB)
+    one = await servers(model="m-one")
+    two = await servers(model="m-two", HARU_SIM_VRAM="6GiB")
+    state = SimGpuState(tmp_path / "a", 0).read()
+    assert state["allocations"] == {str(one.proc.pid): 4 * GiB, str(two.proc.pid): 6 * GiB}
+    # A SIGKILLed server's memory is dropped when the file is read, as a real driver frees it.
+    await one.stop()
+    assert SimGpuState(tmp_path / "a", 0).read()["allocations"] == {str(two.proc.pid): 6 * GiB}
