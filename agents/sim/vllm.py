@@ -510,11 +510,13 @@ async def serve(config: SimConfig) -> int:
             await asyncio.wait_for(stop.wait(), config.load_ms / 1000)
         if stop.is_set():
             return 0
-        runner = web.AppRunner(build_app(engine), access_log=None, handle_signals=False)
+        runner = web.AppRunner(build_app(engine), access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await runner.setup()
         await web.SockSite(runner, sock).start()
         _log(f"Started server process; listening on http://{config.host}:{port}")
         await stop.wait()
+        engine.hung = False
+        engine.released.set()  # let hung requests finish so shutdown is prompt
         return 0
     finally:
         if runner is not None:

@@ -369,3 +369,15 @@ async def test_two_servers_share_one_gpu_file(servers, http, tmp_path):
     # A SIGKILLed server's memory is dropped when the file is read, as a real driver frees it.
     await one.stop()
     assert SimGpuState(tmp_path / "a", 0).read()["allocations"] == {str(two.proc.pid): 6 * GiB}
+
+
+async def test_sigterm_stops_a_hung_server_promptly(servers, http):
+    server = await servers()
+    await http.post(server.url + "/_sim/hang")
+    pending = asyncio.ensure_future(http.get(server.url + "/health"))
+    await asyncio.sleep(0.1)
+    server.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(server.proc.wait(), 10) == 0
+    pending.cancel()
+    with contextlib.suppress(BaseException):
+        await pending
