@@ -14,6 +14,7 @@ from haru.errors import Conflict, LayoutError, LogError, LogUnavailable
 from haru.events import payload, tag_of
 from haru.layout import load_layout
 from haru.planner import Plan, format_gib, verdict_line
+from haru.planner import plan as plan_layout
 from haru.subjects import decl
 
 
@@ -92,8 +93,12 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     except Conflict as exc:
         return fail(f"{exc}; another apply kept winning the race, run it again", ExitStatus.CONFLICT)
     except LogUnavailable as exc:
-        return fail(f"cannot reach NATS at {args.nats_url}: {exc}; start it with `haru up` or pass --nats-url",
-                    ExitStatus.UNAVAILABLE)
+        if args.dry_run and not args.json:
+            # The layout is valid and the plan needs no log: show it, then say what could not be compared.
+            for line in plan_lines(plan_layout(layout)):
+                print(line)
+            return fail(f"{exc} (the plan above is valid; the differences need the log)", ExitStatus.UNAVAILABLE)
+        return fail(str(exc), ExitStatus.UNAVAILABLE)
     except LogError as exc:
         return fail(str(exc))
     if args.json:
