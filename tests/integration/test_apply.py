@@ -14,6 +14,7 @@ import pytest
 
 from haru import subjects
 from haru.apply import apply, diff, fold_declarations
+from haru.eventlog import body_hash
 from haru.events import tag_of
 from haru.layout import load_layout, parse_layout
 from haru.planner import format_gib, plan
@@ -66,7 +67,9 @@ async def test_apply_twice_leaves_the_log_unchanged(event_log):
     assert first.seqs and len(first.seqs) == len(first.events)
     stored = await event_log.history(subject)
     assert [r.seq for r in stored] == first.seqs
-    assert all(r.event is not None and r.event.prev == ("" if i == 0 else r.event.prev) for i, r in enumerate(stored))
+    # a hash chain: each event's prev is the sha256 of the body before it on the subject
+    assert [r.event.prev for r in stored] == [""] + [body_hash(r.data) for r in stored[:-1]]
+    assert {r.event.by for r in stored} == {"test"}  # the log fills `by` with its writer id
     second = await apply(event_log, layout, NOW)
     assert second.events == [] and second.seqs == []
     assert len(await event_log.history(subject)) == len(stored)
