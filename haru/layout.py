@@ -274,6 +274,12 @@ def _name(kind: str, value: str, path: str) -> str:
 def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
     dp = f"$.domains[{i}]"
     name = _name("domain", d.name, f"{dp}.name")
+    if d.serving_url and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", d.serving_url):
+        raise LayoutError(f"serving_url {d.serving_url!r} is not an http(s) URL", path=f"{dp}.serving_url",
+                          fix="write it like 'http://10.0.0.5:8600'")
+    if d.provider == "static" and not d.serving_url:
+        raise LayoutError(f"static domain {name!r} has no serving_url", path=f"{dp}.serving_url",
+                          fix="give the URL its agent serves inference on, e.g. 'http://10.0.0.5:8600'")
     gpus: list[GpuSpec] = []
     seen_gpus: dict[int, int] = {}
     for j, g in enumerate(d.gpus):
@@ -353,6 +359,9 @@ def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
             if m.runtime == "external" and not m.url:
                 raise LayoutError(f"external model {m.name!r} has no url", path=f"{mp}.url",
                                   fix='give the base URL of the running endpoint, e.g. "http://10.0.0.5:8000"')
+            if d.serve == "direct" and m.runtime != "external" and not m.port:
+                raise LayoutError(f"model {m.name!r} has no port, and domain {name!r} serves direct",
+                                  path=f"{mp}.port", fix="give each runtime the port routers reach it on, or use serve: agent")
             if not 0 <= m.port <= 65535:
                 raise LayoutError(f"port {m.port} is out of range", path=f"{mp}.port", fix="use 1..65535 (0 = unset)")
             if m.port:
