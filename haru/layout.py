@@ -277,9 +277,6 @@ def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
     if d.serving_url and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", d.serving_url):
         raise LayoutError(f"serving_url {d.serving_url!r} is not an http(s) URL", path=f"{dp}.serving_url",
                           fix="write it like 'http://10.0.0.5:8600'")
-    if d.provider == "static" and not d.serving_url:
-        raise LayoutError(f"static domain {name!r} has no serving_url", path=f"{dp}.serving_url",
-                          fix="give the URL its agent serves inference on, e.g. 'http://10.0.0.5:8600'")
     gpus: list[GpuSpec] = []
     seen_gpus: dict[int, int] = {}
     for j, g in enumerate(d.gpus):

@@ -158,8 +158,6 @@ CASES = [
      "$.policy.degraded_grace_ms", "negative"),
     ("serving_url not a URL", lambda d: d["domains"][0].__setitem__("serving_url", "127.0.0.1:8600"),
      "$.domains[0].serving_url", "http"),
-    ("static domain without serving_url", lambda d: d["domains"][1].pop("serving_url"),
-     "$.domains[1].serving_url", "serving_url"),
     ("direct serving needs ports", lambda d: (d["domains"][0].__setitem__("serve", "direct"),
                                               d["domains"][0]["slots"][0]["models"][1].pop("port")),
      "$.domains[0].slots[0].models[1].port", "direct"),
