@@ -1,0 +1,195 @@
+"""`haru promoter`, `haru promote <domain>`, `haru demote <domain>`.
+
+    haru promoter [--fleet F ...] [--id ID]         run a promoter replica (any number may run)
+    haru promote <domain> [--fleet F] [--wait] [--json]
+    haru demote  <domain> [--fleet F] [--wait] [--json]
+
+promote/demote print the operation id; `--wait` follows `haru.evt.<fleet>.op` and prints each step
+as it completes, then the outcome. Exit statuses: noop/accepted/joined 0, conflict 4, refused 1,
+not_found 3; with --wait an aborted operation exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import getpass
+import logging
+import os
+import socket
+import sys
+from datetime import datetime, timezone
+
+from haru import subjects
+from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers
+from haru.errors import LogUnavailable
+from haru.eventlog import EventLog, Record
+from haru.events import (
+    DemotionRequested,
+    OperationAborted,
+    OperationCompleted,
+    PromotionRequested,
+    StepCompleted,
+    StepFailed,
+    StepStarted,
+    payload,
+    tag_of,
+)
+
+_STATUS = {
+    "noop": ExitStatus.OK,
+    "accepted": ExitStatus.OK,
+    "joined": ExitStatus.OK,
+    "conflict": ExitStatus.CONFLICT,
+    "refused": ExitStatus.ERROR,
+    "not_found": ExitStatus.NOT_FOUND,
+}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "promoter",
+        help="run a promoter: the failover saga, auto-failover, liveness",
+        description=(
+            "Follow the event log, turn heartbeat silence into domain_unreachable, fail over a failed active "
+            "(policy auto_failover), and drive promotions and demotions step by step. Any number of replicas "
+            "may run: every step is an append with an expected sequence, so exactly one drives each step."
+        ),
+    )
+    p.add_argument("--fleet", action="append", default=None, help="only this fleet (repeatable; default: every fleet)")
+    p.add_argument(
+        "--id",
+        default=os.environ.get("HARU_PROMOTER_ID"),
+        help="this replica's writer id, stable across restarts and unique per replica "
+        "(env HARU_PROMOTER_ID; default promoter:<host>:<pid>)",
+    )
+    add_nats_options(p)
+    p.set_defaults(handler=run_service)
+
+    for kind, verb in (("promotion", "promote"), ("demotion", "demote")):
+        help_text = (
+            "make a standby domain active (stop training, verify GPU, wake, probe, flip, settle the old active)"
+            if kind == "promotion"
+            else "put a standby domain to sleep and start its training (the active cannot be demoted)"
+        )
+        q = subparsers.add_parser(verb, help=help_text, description=help_text)
+        q.add_argument("domain", help="the domain")
+        add_fleet_option(q)
+        q.add_argument("--wait", action="store_true", help="follow the operation and print each step, then the outcome")
+        q.add_argument("--timeout", type=float, default=600.0, help="with --wait: give up after this many seconds")
+        q.add_argument("--json", action="store_true", help="print JSON (with --wait: one object per line)")
+        add_nats_options(q)
+        q.set_defaults(handler=run_request, kind=kind)
+
+
+def _configure_logging() -> None:
+    import structlog
+
+    json_logs = os.environ.get("HARU_LOG_FORMAT", "").lower() == "json" or not sys.stderr.isatty()
+    renderer = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+async def run_service(args: argparse.Namespace) -> ExitStatus:
+    from haru.promoter.service import default_identity, run_promoter
+
+    _configure_logging()
+    identity = args.id or default_identity()
+    try:
+        async with EventLog.connect(nats_servers(args.nats_url), writer=identity, creds=args.nats_creds) as log:
+            await log.ensure()
+            await run_promoter(log, fleets=args.fleet, identity=identity)
+    except LogUnavailable as exc:
+        return fail(str(exc), ExitStatus.UNAVAILABLE)
+    except asyncio.CancelledError:
+        return ExitStatus.INTERRUPTED
+    return ExitStatus.OK
+
+
+def _by() -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name is not worth failing for
+        user = "unknown"
+    return f"cli:{user}@{socket.gethostname()}"
+
+
+async def run_request(args: argparse.Namespace) -> ExitStatus:
+    from haru.promoter.requests import request_operation
+
+    kind = args.kind
+    try:
+        async with EventLog.connect(nats_servers(args.nats_url), writer=_by(), creds=args.nats_creds) as log:
+            now = datetime.now(timezone.utc)
+            result = await request_operation(log, args.fleet, kind, args.domain, by=_by(), now=now)
+            status = _STATUS[result.status]
+            if args.json:
+                emit_json({"status": result.status, "op_id": result.op_id, "message": result.message})
+            elif result.op_id and result.status in ("accepted", "joined"):
+                print(result.op_id)
+                print(f"{result.status}: {result.message}", file=sys.stderr)
+            elif result.status == "noop":
+                print(result.message)
+            else:
+                if result.status == "conflict" and result.op_id:
+                    print(result.op_id)
+                return fail(result.message, status)
+            if not args.wait or result.status not in ("accepted", "joined"):
+                return status
+            return await wait_for(log, args.fleet, result.op_id, json_out=args.json, timeout=args.timeout)
+    except LogUnavailable as exc:
+        return fail(str(exc), ExitStatus.UNAVAILABLE)
+
+
+async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, timeout: float) -> ExitStatus:
+    """Follow the fleet's op subject from the start and print the operation's steps until it ends."""
+    outcome: asyncio.Future[ExitStatus] = asyncio.get_running_loop().create_future()
+
+    def on_record(rec: Record) -> None:
+        ev = rec.event
+        if ev is None or getattr(ev, "op_id", None) != op_id or outcome.done():
+            return
+        if json_out:
+            emit_json({"seq": rec.seq, "type": tag_of(ev), **payload(ev)})
+        elif isinstance(ev, (PromotionRequested, DemotionRequested)):
+            print(f"requested  {ev.reason} {tag_of(ev).split('_')[0]} of {ev.target}")
+        elif isinstance(ev, StepStarted):
+            pass
+        elif isinstance(ev, StepCompleted):
+            detail = f"  {ev.detail}" if ev.detail else ""
+            print(f"{ev.step:<18} ok      {ev.took_ms:>6} ms{detail}")
+        elif isinstance(ev, StepFailed):
+            print(f"{ev.step:<18} FAILED  {ev.took_ms:>6} ms  {ev.error_code}: {ev.error}")
+        elif isinstance(ev, OperationCompleted):
+            print(f"completed  {op_id}")
+        elif isinstance(ev, OperationAborted):
+            print(f"aborted    {op_id} at {ev.step}: {ev.error} (routing did not move)")
+        sys.stdout.flush()
+        if isinstance(ev, OperationCompleted):
+            outcome.set_result(ExitStatus.OK)
+        elif isinstance(ev, OperationAborted):
+            outcome.set_result(ExitStatus.ERROR)
+
+    follower = asyncio.create_task(log.replay(on_record, subject_filter=subjects.op(fleet), follow=True))
+    try:
+        done, _ = await asyncio.wait({outcome, follower}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if outcome.done():
+            return outcome.result()
+        if follower in done:
+            follower.result()
+        return fail(f"operation {op_id} did not finish within {timeout:.0f}s; it goes on: haru promote --wait again", ExitStatus.ERROR)
+    finally:
+        follower.cancel()
+        with contextlib.suppress(BaseException):
+            await follower

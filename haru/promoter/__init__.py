@@ -1,0 +1,31 @@
+"""The promoter: the failover saga, auto-failover, and manual promotions and demotions.
+
+    haru.promoter.decider    pure: the steps table, the transitions table, `decide(view, facts)`
+    haru.promoter.liveness   pure: heartbeat silence -> domain_unreachable / domain_reachable
+    haru.promoter.service    the shell: follows the log, drives steps over request/reply (`run_promoter`)
+    haru.promoter.requests   `request_operation`, used by `haru promote/demote` and the control API
+    haru.promoter.client     commands to agents (`send`)
+
+See docs/promoter.md.
+"""
+
+from haru.promoter.decider import STEPS, TRANSITIONS, decide, flow
+from haru.promoter.decisions import Append, Facts
+from haru.promoter.errors import OperationNotFound, PromoterError
+from haru.promoter.requests import RequestResult, request_operation
+from haru.promoter.service import Promoter, run_promoter
+
+__all__ = [
+    "STEPS",
+    "TRANSITIONS",
+    "Append",
+    "Facts",
+    "OperationNotFound",
+    "Promoter",
+    "PromoterError",
+    "RequestResult",
+    "decide",
+    "flow",
+    "request_operation",
+    "run_promoter",
+]

@@ -1,0 +1,676 @@
+"""The promotion decider: given a fleet's view and a few outside facts, what to do next.
+
+Pure: no asyncio, nats or logging; time, ids and facts (heartbeat silence, which steps this process
+is executing) arrive as arguments. The service (`haru.promoter.service`) folds the log into a
+`FleetView`, calls `decide`, appends what it returns with expected sequences, and runs the step a
+successful `step_started` append gave it.
+
+The saga is data: `STEPS` says what each step does (on which domain, which agent verbs, bounded by
+which policy values) and `TRANSITIONS` says what follows each outcome. The code, the tests and
+docs/promoter.md read the same two tables.
+
+    promotion:  stop_training -> verify_gpu -> wake -> probe -> flip -> settle_old_active -> completed
+                any failure before flip -> aborted (routing never moves)
+                settle_old_active failed -> completed anyway (best effort; the old active is recorded
+                                            as not eligible to be standby until it recovers)
+    demotion:   sleep -> start_training -> completed;   any failure -> aborted
+
+Who decides what, in order (`decide`):
+
+1. liveness: heartbeat silence past `heartbeat_timeout_ms` -> `domain_unreachable`, heard again ->
+   `domain_reachable` (`haru.promoter.liveness`);
+2. the operation in flight, if any: start its next step, re-start a step whose runner died (its lease
+   ran out, or the runner was this promoter before a restart), or finish it;
+3. with no operation in flight: the first route (no `route_moved` yet), auto-failover of a failed
+   active (or `failover_declined`, once per distinct reason), and housekeeping: a recovered
+   ineligible domain and an awake standby are demoted (asleep, training).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
+from typing import Literal
+
+import msgspec
+
+from haru import subjects
+from haru.commands import Command, Reply
+from haru.events import (
+    AnyEvent,
+    DemotionRequested,
+    EligibilityChanged,
+    FailoverDeclined,
+    OperationAborted,
+    OperationCompleted,
+    PromotionRequested,
+    StepCompleted,
+    StepFailed,
+    StepStarted,
+)
+from haru.promoter.decisions import Append, Facts
+from haru.promoter.liveness import judge_liveness
+from haru.residency import Failed, Lost, Resident, Sleeping, Waking, state_name
+from haru.specs import Policy
+from haru.views import DomainView, FleetView, OperationView, StepView
+
+OpKind = Literal["promotion", "demotion"]
+Outcome = Literal["requested", "completed", "failed"]
+
+# ------------------------------------------------------------------------------------ the tables
+
+COMPLETE = "completed"  # the operation ends as completed
+ABORT = "aborted"  # the operation ends as aborted
+
+
+class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What one step does.
+
+    `on`:      which domain the step acts on: the operation's target, or the other domain (the old
+               active for a promotion), or the route (the flip, which sends no command).
+    `verbs`:   the agent commands sent, in order; every one must answer ok.
+    `bound`:   the policy fields whose sum bounds the whole step (its lease: a started step with no
+               outcome after bound + LEASE_MARGIN_MS may be re-started by any promoter).
+    `fatal`:   whether a failure aborts the operation.
+    """
+
+    on: Literal["target", "other", "route"]
+    verbs: tuple[str, ...]
+    bound: tuple[str, ...]
+    fatal: bool = True
+    what: str = ""
+
+
+STEPS: dict[str, StepSpec] = {
+    "stop_training": StepSpec(
+        on="target",
+        verbs=("stop_training",),
+        bound=("training_grace_ms", "command_timeout_ms"),
+        what="stop training on the target: SIGTERM, SIGKILL after the slot's grace",
+    ),
+    "verify_gpu": StepSpec(
+        on="target",
+        verbs=("verify_gpu",),
+        bound=("command_timeout_ms",),
+        what="verify the target's GPUs released the training VRAM (enough free for its models to wake)",
+    ),
+    "wake": StepSpec(
+        on="target",
+        verbs=("wake",),
+        bound=("wake_timeout_ms",),
+        what="wake every runtime on the target (level 1: weights come back from CPU RAM)",
+    ),
+    "probe": StepSpec(
+        on="target",
+        verbs=("probe",),
+        bound=("probe_timeout_ms",),
+        what="probe every model on the target: a real one-token completion, and /is_sleeping false",
+    ),
+    "flip": StepSpec(
+        on="route",
+        verbs=(),
+        bound=("command_timeout_ms",),
+        what="append route_moved with the route revision the operation was decided against",
+    ),
+    "settle_old_active": StepSpec(
+        on="other",
+        verbs=("sleep", "start_training"),
+        bound=("command_timeout_ms", "command_timeout_ms"),
+        fatal=False,
+        what="best effort: put the old active to sleep and start its training",
+    ),
+    "sleep": StepSpec(
+        on="target",
+        verbs=("sleep",),
+        bound=("command_timeout_ms",),
+        what="put every runtime on the target to sleep (level 1)",
+    ),
+    "start_training": StepSpec(
+        on="target",
+        verbs=("start_training",),
+        bound=("command_timeout_ms",),
+        what="start the target's training slots",
+    ),
+}
+
+# (kind, step that finished or None for the request, its outcome) -> the next step, COMPLETE or ABORT
+TRANSITIONS: dict[tuple[OpKind, str | None, Outcome], str] = {
+    ("promotion", None, "requested"): "stop_training",
+    ("promotion", "stop_training", "completed"): "verify_gpu",
+    ("promotion", "stop_training", "failed"): ABORT,
+    ("promotion", "verify_gpu", "completed"): "wake",
+    ("promotion", "verify_gpu", "failed"): ABORT,
+    ("promotion", "wake", "completed"): "probe",
+    ("promotion", "wake", "failed"): ABORT,
+    ("promotion", "probe", "completed"): "flip",
+    ("promotion", "probe", "failed"): ABORT,
+    ("promotion", "flip", "completed"): "settle_old_active",
+    ("promotion", "flip", "failed"): ABORT,
+    ("promotion", "settle_old_active", "completed"): COMPLETE,
+    ("promotion", "settle_old_active", "failed"): COMPLETE,  # best effort: recorded, not fatal
+    ("demotion", None, "requested"): "sleep",
+    ("demotion", "sleep", "completed"): "start_training",
+    ("demotion", "sleep", "failed"): ABORT,
+    ("demotion", "start_training", "completed"): COMPLETE,
+    ("demotion", "start_training", "failed"): ABORT,
+}
+
+
+def flow(kind: OpKind) -> list[str]:
+    """The happy path of an operation kind, read from TRANSITIONS."""
+    out: list[str] = []
+    nxt = TRANSITIONS[(kind, None, "requested")]
+    while nxt not in (COMPLETE, ABORT):
+        out.append(nxt)
+        nxt = TRANSITIONS[(kind, nxt, "completed")]
+    return out
+
+
+LEASE_MARGIN_MS = 2_000
+
+
+def step_bound_ms(step: str, policy: Policy) -> int:
+    """The bound on one step, from policy: the sum of its `bound` fields."""
+    return sum(int(getattr(policy, name)) for name in STEPS[step].bound)
+
+
+def lease_ms(step: str, policy: Policy) -> int:
+    """How long a started step belongs to its runner before another promoter may re-start it."""
+    return step_bound_ms(step, policy) + LEASE_MARGIN_MS
+
+
+def verb_timeout_ms(verb: str, policy: Policy) -> int:
+    """The bound on one agent command of a step."""
+    if verb == "wake":
+        return policy.wake_timeout_ms
+    if verb == "probe":
+        return policy.probe_timeout_ms
+    if verb == "stop_training":
+        return policy.training_grace_ms + policy.command_timeout_ms
+    return policy.command_timeout_ms
+
+
+# ---------------------------------------------------------------------------------- the decisions
+
+
+def decide(view: FleetView, facts: Facts) -> list[Append]:
+    """Everything to append now: liveness verdicts, then at most one append on the op or route subject.
+
+    The service appends them in order and decides again after its view has folded its own appends.
+    """
+    out: list[Append] = list(judge_liveness(view, facts.silent_ms, facts.listening_ms, facts.now))
+    if not view.domains:
+        return out
+    if view.operation is not None and view.operation.state == "running":
+        nxt = drive(view, view.operation, facts)
+    else:
+        nxt = supervise(view, facts)
+    if nxt is not None:
+        out.append(nxt)
+    return out
+
+
+# ------------------------------------------------------------------------ driving the operation
+
+
+def last_step(op: OperationView) -> StepView | None:
+    return op.steps[-1] if op.steps else None
+
+
+def step_record(op: OperationView, step: str) -> StepView | None:
+    """The latest record of `step` in the operation."""
+    for sv in reversed(op.steps):
+        if sv.step == step:
+            return sv
+    return None
+
+
+def probed(op: OperationView) -> bool:
+    """Whether this operation completed the probe step (the flip's precondition)."""
+    sv = step_record(op, "probe")
+    return sv is not None and sv.state == "completed"
+
+
+def other_domain(view: FleetView, op: OperationView) -> str:
+    """The domain that is not the operation's target: the old active of a promotion ('' if none)."""
+    if op.source and op.source != op.target:
+        return op.source
+    for name in view.domains:
+        if name != op.target:
+            return name
+    return ""
+
+
+def step_domain(view: FleetView, op: OperationView, step: str) -> str:
+    on = STEPS[step].on
+    if on == "target":
+        return op.target
+    if on == "other":
+        return other_domain(view, op)
+    return ""
+
+
+def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
+    """The next append for the operation in flight (None: wait, a step is running)."""
+    fleet = view.fleet
+    op_subject = subjects.op(fleet)
+    cur = last_step(op)
+    if cur is None:
+        return _start(op_subject, op, TRANSITIONS[(op.kind, None, "requested")], 1, facts)
+    if cur.state == "started":
+        return _resume(view, op, cur, facts)
+    nxt = TRANSITIONS[(op.kind, cur.step, cur.state)]  # type: ignore[index]
+    if nxt == ABORT:
+        error = cur.error or cur.error_code or "failed"
+        return Append(
+            subject=op_subject,
+            event=OperationAborted(at=facts.now, op_id=op.op_id, step=cur.step, error=error),
+            why=f"{cur.step} failed before the flip: routing does not move",
+        )
+    if nxt == COMPLETE:
+        return _finish(view, op, facts)
+    if nxt == "flip":
+        refusal = _flip_refusal(view, op)
+        if refusal:
+            return Append(
+                subject=op_subject,
+                event=OperationAborted(at=facts.now, op_id=op.op_id, step="flip", error=refusal),
+                why="the flip's precondition does not hold",
+            )
+    return _start(op_subject, op, nxt, 1, facts)
+
+
+def _start(subject: str, op: OperationView, step: str, attempt: int, facts: Facts) -> Append:
+    return Append(
+        subject=subject,
+        event=StepStarted(at=facts.now, op_id=op.op_id, step=step, attempt=attempt),  # type: ignore[arg-type]
+        why=STEPS[step].what,
+    )
+
+
+def _resume(view: FleetView, op: OperationView, cur: StepView, facts: Facts) -> Append | None:
+    """A started step with no outcome: someone runs it, or its runner died."""
+    if (op.op_id, cur.step, cur.attempt) in facts.running:
+        return None
+    if cur.step == "flip" and view.route_revision != op.route_revision:
+        # The runner died between route_moved and step_completed: read the outcome from the route.
+        if view.active == op.target:
+            return Append(
+                subject=subjects.op(view.fleet),
+                event=StepCompleted(
+                    at=facts.now, op_id=op.op_id, step="flip", detail=f"route moved to {op.target} (revision {view.route_revision})"
+                ),
+                why="the route already points at the target",
+            )
+        return Append(
+            subject=subjects.op(view.fleet),
+            event=StepFailed(
+                at=facts.now,
+                op_id=op.op_id,
+                step="flip",
+                error_code="route_moved_elsewhere",
+                error=f"the route moved to {view.active or 'nowhere'} (revision {view.route_revision}) since "
+                f"revision {op.route_revision} this operation was decided against",
+            ),
+            why="another writer moved the route",
+        )
+    mine_before_restart = bool(facts.me) and facts.step_by == facts.me
+    started = cur.at
+    expired = started is None or facts.now - started >= timedelta(milliseconds=lease_ms(cur.step, view.policy))
+    if mine_before_restart or expired:
+        return _start(subjects.op(view.fleet), op, cur.step, cur.attempt + 1, facts)
+    return None
+
+
+def _flip_refusal(view: FleetView, op: OperationView) -> str:
+    """Why the pointer must not move to the target now ('' = it may)."""
+    if not probed(op):
+        return f"{op.target}'s models were not probed in this operation"
+    target = view.domains.get(op.target)
+    if target is None:
+        return f"domain {op.target} is no longer declared"
+    if target.reachable is False:
+        return f"{op.target} became unreachable after its probe"
+    return ""
+
+
+def _finish(view: FleetView, op: OperationView, facts: Facts) -> Append:
+    """The tail of an operation: eligibility, then operation_completed."""
+    subject = subjects.op(view.fleet)
+    if op.kind == "promotion":
+        old = other_domain(view, op)
+        dv = view.domains.get(old) if old else None
+        if dv is not None and dv.eligible:
+            why = _unfit_as_standby(view, dv, step_record(op, "settle_old_active"))
+            if why:
+                return Append(
+                    subject=subject,
+                    event=EligibilityChanged(at=facts.now, domain=old, eligible=False, why=why),
+                    why="the old active cannot be a standby",
+                )
+    else:
+        dv = view.domains.get(op.target)
+        if dv is not None and not dv.eligible:
+            return Append(
+                subject=subject,
+                event=EligibilityChanged(
+                    at=facts.now, domain=op.target, eligible=True, why="recovered: asleep with training started"
+                ),
+                why="the recovered domain is a standby again",
+            )
+    return Append(subject=subject, event=OperationCompleted(at=facts.now, op_id=op.op_id), why="every step done")
+
+
+def _unfit_as_standby(view: FleetView, dv: DomainView, settle: StepView | None) -> str:
+    if dv.reachable is False:
+        return f"agent of {dv.name} unreachable"
+    for gpu in dv.gpus:
+        if gpu.present is False:
+            return f"GPU {gpu.index} of {dv.name} detached"
+    if settle is not None and settle.state == "failed":
+        return f"could not be put to sleep and given training: {settle.error or settle.error_code}"
+    return ""
+
+
+def command_for(view: FleetView, op: OperationView, step: str) -> tuple[str, list[tuple[str, Command, int]]]:
+    """The domain a step acts on and the commands to send it: [(verb, command, timeout_ms)]."""
+    domain = step_domain(view, op, step)
+    cmd = Command(op_id=op.op_id, route_revision=op.route_revision)
+    return domain, [(verb, cmd, verb_timeout_ms(verb, view.policy)) for verb in STEPS[step].verbs]
+
+
+def step_outcome(
+    op: OperationView, step: str, replies: list[tuple[str, Reply]], *, now: datetime, took_ms: int
+) -> StepCompleted | StepFailed:
+    """The record of a step from its agents' replies (stops at the first reply that is not ok)."""
+    details: list[str] = []
+    for verb, reply in replies:
+        if not reply.ok:
+            code = reply.error.code if reply.error else "command_failed"
+            message = reply.error.message if reply.error else (reply.detail or f"{verb} failed")
+            return StepFailed(
+                at=now, op_id=op.op_id, step=step, error_code=code, error=f"{verb}: {message}", took_ms=took_ms  # type: ignore[arg-type]
+            )
+        if reply.detail:
+            details.append(reply.detail if len(replies) == 1 else f"{verb}: {reply.detail}")
+    return StepCompleted(at=now, op_id=op.op_id, step=step, detail="; ".join(details), took_ms=took_ms)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------- no operation in flight
+
+
+Health = Literal["ok", "degraded", "failed"]
+
+
+class ActiveHealth(msgspec.Struct, frozen=True, kw_only=True):
+    health: Health
+    reason: str = ""  # domain_unreachable | gpu_detached | degraded
+    why: str = ""
+    since: datetime | None = None
+
+
+def served(dv: DomainView) -> list[str]:
+    """The models a domain serves: declared and not refused by the planner."""
+    return [name for name, mv in dv.models.items() if mv.admitted is not False]
+
+
+def active_health(view: FleetView, now: datetime) -> ActiveHealth:
+    """Whether the active domain is ok, degraded (and since when), or failed (and why)."""
+    dv = view.domains.get(view.active)
+    if dv is None:
+        return ActiveHealth(health="failed", reason="retired", why=f"active domain {view.active} is not declared")
+    if dv.reachable is False:
+        return ActiveHealth(
+            health="failed", reason="domain_unreachable", why=f"{dv.name} unreachable (heartbeats silent)", since=dv.reachability_since
+        )
+    hosting = {dv.models[m].gpu_index for m in served(dv)}
+    for gpu in dv.gpus:
+        if gpu.present is False and gpu.index in hosting:
+            return ActiveHealth(health="failed", reason="gpu_detached", why=f"GPU {gpu.index} of {dv.name} detached")
+    degraded_since: datetime | None = None
+    why = ""
+    for name in served(dv):
+        state = dv.models[name].residency
+        if isinstance(state, Lost) and state.reason == "gpu_detached":
+            return ActiveHealth(
+                health="failed", reason="gpu_detached", why=f"{name} on {dv.name} lost: gpu_detached", since=state.since
+            )
+        if isinstance(state, (Lost, Failed)):
+            label = f"lost: {state.reason}" if isinstance(state, Lost) else "failed"
+            since = state.since or now
+            if degraded_since is None or since < degraded_since:
+                degraded_since, why = since, f"{name} on {dv.name} {label}"
+    if degraded_since is None:
+        return ActiveHealth(health="ok")
+    grace = timedelta(milliseconds=view.policy.degraded_grace_ms)
+    if now - degraded_since >= grace:
+        return ActiveHealth(
+            health="failed",
+            reason="degraded",
+            why=f"{why} for over degraded_grace_ms ({view.policy.degraded_grace_ms} ms)",
+            since=degraded_since,
+        )
+    return ActiveHealth(health="degraded", reason="degraded", why=why, since=degraded_since)
+
+
+_READY_TO_PROMOTE = (Sleeping, Resident, Waking)
+
+
+def standby_unfit(view: FleetView, candidate: str, serving: DomainView | None) -> str:
+    """Why `candidate` must not be promoted ('' = it may). `serving` is the domain it would replace."""
+    dv = view.domains.get(candidate)
+    if dv is None:
+        return "no standby domain declared"
+    if dv.reachable is None:
+        return f"standby {candidate} has not been heard from"
+    if dv.reachable is False:
+        return f"standby {candidate} is unreachable"
+    if not dv.eligible:
+        return f"standby {candidate} is not eligible: {dv.ineligible_why or 'not recovered'}"
+    wanted = served(serving) if serving is not None else served(dv)
+    for name in wanted:
+        mv = dv.models.get(name)
+        if mv is None:
+            return f"standby {candidate} does not declare model {name}"
+        if mv.admitted is False:
+            return f"standby {candidate} cannot hold model {name} (not admitted)"
+        state = mv.residency
+        if isinstance(state, Lost):
+            return f"standby {candidate}'s model {name} is lost: {state.reason}"
+        if not isinstance(state, _READY_TO_PROMOTE):
+            return f"standby {candidate}'s model {name} is {state_name(state)}"
+    hosting = {dv.models[m].gpu_index for m in served(dv)}
+    for gpu in dv.gpus:
+        if gpu.present is False and gpu.index in hosting:
+            return f"standby {candidate}'s GPU {gpu.index} is detached"
+    return ""
+
+
+def retry_ms(policy: Policy) -> int:
+    """How long an automatic operation that aborted waits before it is requested again."""
+    return max(policy.degraded_grace_ms, policy.heartbeat_timeout_ms)
+
+
+def _backing_off(view: FleetView, kind: str, target: str, now: datetime) -> OperationView | None:
+    last = view.last_operation
+    if last is None or last.state != "aborted" or last.kind != kind or last.target != target:
+        return None
+    if last.finished_at is not None and now - last.finished_at >= timedelta(milliseconds=retry_ms(view.policy)):
+        return None
+    return last
+
+
+def supervise(view: FleetView, facts: Facts) -> Append | None:
+    """With no operation in flight: first route, auto-failover, demotions that keep the standby a standby."""
+    op_subject = subjects.op(view.fleet)
+    now = facts.now
+    if not view.active:
+        return _first_route(view, facts)
+    health = active_health(view, now)
+    if health.health == "failed":
+        if not view.policy.auto_failover:
+            return None
+        candidate = view.standby()
+        why = standby_unfit(view, candidate, view.domains.get(view.active))
+        if not why:
+            aborted = _backing_off(view, "promotion", candidate, now)
+            if aborted is not None:
+                why = (
+                    f"the last promotion onto {candidate} aborted ({aborted.error or 'failed'}); "
+                    f"retrying after {retry_ms(view.policy)} ms"
+                )
+        if why:
+            full = f"{health.why}; {why}"
+            if full == view.declined:
+                return None
+            return Append(
+                subject=op_subject,
+                event=FailoverDeclined(at=now, domain=view.active, candidate=candidate, why=full),
+                why="the active failed and the standby cannot take over",
+            )
+        return Append(
+            subject=op_subject,
+            event=PromotionRequested(
+                at=now,
+                op_id=facts.new_op_id,
+                target=candidate,
+                source=view.active,
+                reason=health.reason,
+                detail=health.why,
+                route_revision=view.route_revision,
+            ),
+            why=f"auto-failover: {health.why}",
+        )
+    for name, dv in view.domains.items():
+        if name == view.active:
+            continue
+        reason = _demotion_reason(view, dv)
+        if reason and _backing_off(view, "demotion", name, now) is None:
+            return Append(
+                subject=op_subject,
+                event=DemotionRequested(
+                    at=now, op_id=facts.new_op_id, target=name, reason=reason, route_revision=view.route_revision
+                ),
+                why=f"keep {name} a standby: {reason}",
+            )
+    return None
+
+
+def _demotion_reason(view: FleetView, dv: DomainView) -> str:
+    """Why a non-active domain should be put to sleep and given training now ('' = it should not)."""
+    if dv.reachable is not True:
+        return ""
+    states = [dv.models[m].residency for m in served(dv)]
+    hosting = {dv.models[m].gpu_index for m in served(dv)}
+    if any(g.present is False and g.index in hosting for g in dv.gpus):
+        return ""
+    if not dv.eligible:
+        if states and all(isinstance(s, (Resident, Sleeping)) for s in states):
+            return "recovered"
+        return ""
+    if any(isinstance(s, Resident) for s in states) and not any(
+        isinstance(s, (Waking,)) or state_name(s) == "loading" for s in states
+    ):
+        return "standby_awake"
+    return ""
+
+
+def _first_route(view: FleetView, facts: Facts) -> Append | None:
+    """No route_moved yet: promote the first declared domain through the normal path, once all are heard."""
+    names = list(view.domains)
+    first = names[0]
+    if any(view.domains[n].reachable is not True for n in names):
+        return None
+    dv = view.domains[first]
+    if not dv.eligible:
+        return None
+    states = [dv.models[m].residency for m in served(dv)]
+    if not states or not all(isinstance(s, _READY_TO_PROMOTE) for s in states):
+        return None
+    if _backing_off(view, "promotion", first, facts.now) is not None:
+        return None
+    return Append(
+        subject=subjects.op(view.fleet),
+        event=PromotionRequested(
+            at=facts.now,
+            op_id=facts.new_op_id,
+            target=first,
+            source="",
+            reason="initial",
+            detail=f"no route yet: {first} is the first declared domain",
+            route_revision=view.route_revision,
+        ),
+        why="first route",
+    )
+
+
+# ------------------------------------------------------------------------------ manual requests
+
+RequestStatus = Literal["noop", "accepted", "joined", "conflict", "refused", "not_found"]
+
+
+class Verdict(msgspec.Struct, frozen=True, kw_only=True):
+    """The answer to a manual request; `event` is what to append when it is accepted."""
+
+    status: RequestStatus
+    op_id: str = ""
+    message: str = ""
+    event: PromotionRequested | DemotionRequested | None = None
+
+
+def judge_request(
+    view: FleetView | None, kind: OpKind, target: str, *, op_id: str, by: str, now: datetime
+) -> Verdict:
+    """Whether a manual promotion/demotion is a no-op, joins, conflicts, is refused, or is accepted."""
+    if view is None or not view.domains:
+        return Verdict(status="not_found", message="no such fleet (or it declares no domains); declare it with `haru apply`")
+    fleet = view.fleet
+    if target not in view.domains:
+        known = ", ".join(view.domains) or "none"
+        return Verdict(status="not_found", message=f"no domain {target!r} in fleet {fleet} (declared: {known})")
+    op = view.operation if view.operation is not None and view.operation.state == "running" else None
+    if op is not None:
+        if op.kind == kind and op.target == target:
+            return Verdict(status="joined", op_id=op.op_id, message=f"joined {op.kind} of {target} already in flight")
+        return Verdict(
+            status="conflict",
+            op_id=op.op_id,
+            message=f"{op.kind} of {op.target} ({op.op_id}) is in flight; wait for it: haru promote --wait",
+        )
+    if kind == "promotion":
+        if view.active == target:
+            return Verdict(status="noop", message=f"{target} is already active in fleet {fleet}")
+        event: PromotionRequested | DemotionRequested = PromotionRequested(
+            at=now,
+            by=by,
+            op_id=op_id,
+            target=target,
+            source=view.active,
+            reason="manual",
+            route_revision=view.route_revision,
+        )
+    else:
+        if view.active == target:
+            return Verdict(
+                status="refused",
+                message=f"{target} is the active domain of fleet {fleet}; promote the standby instead "
+                f"(haru promote {view.standby() or '<standby>'})",
+            )
+        event = DemotionRequested(
+            at=now, by=by, op_id=op_id, target=target, reason="manual", route_revision=view.route_revision
+        )
+    return Verdict(status="accepted", op_id=op_id, message=f"{kind} of {target} accepted", event=event)
+
+
+EvolveFn = Callable[..., FleetView]
+
+
+def fold(fleet: str, records: list, evolve: EvolveFn) -> tuple[FleetView, Mapping[str, int]]:
+    """Fold a fleet's records (seq, subject, event) into a view and the last seq of each subject."""
+    view = FleetView(fleet=fleet)
+    last: dict[str, int] = {}
+    for rec in records:
+        last[rec.subject] = rec.seq
+        if rec.event is not None:
+            view = evolve(view, rec.event, seq=rec.seq, subject=rec.subject)
+    return view, last

@@ -1,0 +1,42 @@
+"""What the decider returns and what it is told: plain frozen values, no behaviour."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import msgspec
+
+from haru.events import AnyEvent
+
+
+class Append(msgspec.Struct, frozen=True, kw_only=True):
+    """Append `event` on `subject`, expecting the subject's last sequence as the service folded it.
+
+    A `step_started` that the service appends successfully is a step for it to run.
+    """
+
+    subject: str
+    event: AnyEvent
+    why: str = ""
+
+
+class Facts(msgspec.Struct, frozen=True, kw_only=True):
+    """What the decider cannot read from the view.
+
+    `silent_ms`:     per domain, ms since its last heartbeat; None = not heard since listening began.
+    `listening_ms`:  how long this promoter has listened to heartbeats (no verdict of silence before
+                     one heartbeat timeout has passed).
+    `running`:       (op_id, step, attempt) this process is executing now.
+    `step_by`:       who appended the operation's latest `step_started` (the service keeps it).
+    `me`:            this promoter's writer id. A started step written by `me` that `me` is not running
+                     is from before a restart: it is re-started at once, without waiting for its lease.
+    `new_op_id`:     the id for an operation this call may request.
+    """
+
+    now: datetime
+    me: str = ""
+    new_op_id: str = ""
+    silent_ms: dict[str, int | None] = {}
+    listening_ms: int = 0
+    running: frozenset[tuple[str, str, int]] = frozenset()
+    step_by: str = ""

@@ -1,0 +1,341 @@
+"""`haru promoter`: the imperative shell around the decider.
+
+    await run_promoter(log, fleets=None, identity="promoter:host-a")
+
+It follows the log (`log.replay(..., follow=True)`) and folds each fleet's events into its own
+`FleetView` with `projections.fleet.evolve`, so every decision is made on exactly the events seen,
+with their sequences; it keeps the last sequence of every subject it folded, which is the `expect`
+of every append it makes. It listens to heartbeats (`haru.hb.*.*`, core NATS) and measures silence.
+
+Each round, per fleet: `decide(view, facts)` -> appends, made in order with the expected sequence;
+after a successful append the promoter waits until its follower has folded it before deciding again.
+A `step_started` it appended is a step it runs (in a task): the step's agent commands over
+request/reply (or, for the flip, `route_moved` on the route subject with the operation's route
+revision as the expected sequence), then `step_completed`/`step_failed` appended with
+expect = the `step_started`'s own sequence. A `Conflict` anywhere means another promoter wrote
+first: nothing is retried blindly; the follower catches up and the decider decides again.
+
+`HARU_PROMOTER_STEP_DELAY_MS` (tests and demos only) sleeps that long after each `step_started`
+before the step runs, so a test can kill a promoter in the middle of any step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import msgspec
+import structlog
+
+from haru import subjects
+from haru.commands import ErrorInfo, Reply
+from haru.errors import CommandError, Conflict, LogError
+from haru.eventlog import EventLog, Record
+from haru.events import RouteMoved, StepCompleted, StepFailed, StepStarted, tag_of
+from haru.promoter.client import send
+from haru.promoter.decider import command_for, decide, step_outcome
+from haru.promoter.decisions import Facts
+from haru.views import FleetView, OperationView
+from projections.fleet import empty, evolve, fleet_of
+
+log_ = structlog.get_logger("haru.promoter")
+
+STEP_DELAY_ENV = "HARU_PROMOTER_STEP_DELAY_MS"
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def default_identity() -> str:
+    return f"promoter:{socket.gethostname()}:{os.getpid()}"
+
+
+def new_op_id() -> str:
+    return f"op-{uuid.uuid4().hex[:12]}"
+
+
+@dataclass
+class FleetState:
+    """What the promoter knows about one fleet: its folded view and the tips of its subjects."""
+
+    view: FleetView
+    last: dict[str, int] = field(default_factory=dict)  # subject -> last seq folded
+    step_by: dict[str, str] = field(default_factory=dict)  # op_id -> `by` of its latest step_started
+    heard: dict[str, float] = field(default_factory=dict)  # domain -> monotonic time of last heartbeat
+    running: set[tuple[str, str, int]] = field(default_factory=set)
+
+
+class Promoter:
+    """One promoter replica. Use `run()` (until cancelled) or `run_promoter(...)`."""
+
+    def __init__(
+        self,
+        log: EventLog,
+        *,
+        fleets: Iterable[str] | None = None,
+        identity: str | None = None,
+        tick_s: float = 0.1,
+        step_delay_ms: int | None = None,
+    ) -> None:
+        self.log = log
+        self.only = set(fleets) if fleets else None
+        # The `by` of every event this replica appends: a restarted replica with the same identity
+        # recognises its own unfinished step and re-runs it at once.
+        self.identity = identity or log.writer or default_identity()
+        self.tick_s = tick_s
+        if step_delay_ms is None:
+            step_delay_ms = int(os.environ.get(STEP_DELAY_ENV, "0") or 0)
+        self.step_delay_ms = step_delay_ms
+        self.fleets: dict[str, FleetState] = {}
+        self.folded = 0
+        self._changed = asyncio.Event()
+        self._advanced = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._listening_since = 0.0
+        self.log_ = log_.bind(promoter=self.identity)
+
+    # ------------------------------------------------------------------------------- following
+
+    def _state(self, fleet: str) -> FleetState:
+        st = self.fleets.get(fleet)
+        if st is None:
+            st = self.fleets[fleet] = FleetState(view=empty(fleet))
+        return st
+
+    def on_record(self, rec: Record) -> None:
+        fleet = fleet_of(rec.subject)
+        if fleet and (self.only is None or fleet in self.only):
+            st = self._state(fleet)
+            st.last[rec.subject] = rec.seq
+            if rec.event is not None:
+                st.view = evolve(st.view, rec.event, seq=rec.seq, subject=rec.subject)
+                if isinstance(rec.event, StepStarted):
+                    st.step_by[rec.event.op_id] = rec.event.by
+        self.folded = rec.seq
+        self._advanced.set()
+        self._changed.set()
+
+    async def wait_folded(self, seq: int, timeout: float = 10.0) -> None:
+        """Until the follower has folded `seq` (our own append) or the bound passes."""
+        deadline = time.monotonic() + timeout
+        while self.folded < seq:
+            self._advanced.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._advanced.wait(), left)
+
+    def on_heartbeat(self, subject: str) -> None:
+        parts = subject.split(".")
+        if len(parts) != 4:
+            return
+        fleet, domain = parts[2], parts[3]
+        st = self.fleets.get(fleet)
+        if st is None:
+            return
+        first = domain not in st.heard or time.monotonic() - st.heard[domain] > 0.5
+        st.heard[domain] = time.monotonic()
+        if first or st.view.domains.get(domain) is not None and st.view.domains[domain].reachable is not True:
+            self._changed.set()
+
+    # ------------------------------------------------------------------------------------ run
+
+    async def run(self, ready: asyncio.Event | None = None) -> None:
+        async def hb(msg) -> None:
+            self.on_heartbeat(msg.subject)
+
+        sub = await self.log.nc.subscribe(subjects.heartbeats("*"), cb=hb)
+        self._listening_since = time.monotonic()
+        follower: asyncio.Task | None = None
+        try:
+            target = await self.log.last_seq()
+            follower = asyncio.create_task(
+                self.log.replay(self.on_record, subject_filter=subjects.ALL_EVENTS, follow=True), name="promoter-follow"
+            )
+            while self.folded < target:
+                self._advanced.clear()
+                if follower.done():
+                    follower.result()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._advanced.wait(), 1.0)
+            self.log_.info("promoter_caught_up", seq=self.folded, fleets=sorted(self.fleets))
+            if ready is not None:
+                ready.set()
+            while True:
+                if follower.done():
+                    follower.result()  # raises what stopped the follower
+                    raise LogError("the promoter's log follower stopped")
+                self._changed.clear()
+                for st in list(self.fleets.values()):
+                    await self.round(st)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), self.tick_s)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            tasks = [t for t in (follower, *self._tasks) if t is not None]
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(BaseException):
+                    await t
+
+    def facts(self, st: FleetState) -> Facts:
+        now_m = time.monotonic()
+        silent: dict[str, int | None] = {}
+        for name in st.view.domains:
+            seen = st.heard.get(name)
+            silent[name] = None if seen is None else int((now_m - seen) * 1000)
+        op = st.view.operation
+        return Facts(
+            now=utcnow(),
+            me=self.identity,
+            new_op_id=new_op_id(),
+            silent_ms=silent,
+            listening_ms=int((now_m - self._listening_since) * 1000),
+            running=frozenset(st.running),
+            step_by=st.step_by.get(op.op_id, "") if op is not None else "",
+        )
+
+    async def round(self, st: FleetState) -> None:
+        """Decide once for a fleet and make the appends, in order; stop at the first that loses a race."""
+        try:
+            appends = decide(st.view, self.facts(st))
+        except Exception:  # a bug in the core must not stop every fleet: say it loudly and go on
+            self.log_.exception("decide_failed", fleet=st.view.fleet)
+            return
+        for a in appends:
+            expect = st.last.get(a.subject, 0)
+            event = a.event if a.event.by else msgspec.structs.replace(a.event, by=self.identity)
+            log = self.log_.bind(fleet=st.view.fleet, event=tag_of(event), subject=a.subject)
+            try:
+                seq = await self.log.append(a.subject, event, expect=expect)
+            except Conflict as exc:
+                log.debug("append_lost_race", expected=expect, current=exc.current)
+                return
+            except LogError as exc:
+                log.warning("append_failed", error=str(exc))
+                return
+            log.info("appended", seq=seq, why=a.why, **_context(event))
+            if isinstance(event, StepStarted):
+                op = st.view.operation
+                if op is not None and op.op_id == event.op_id:
+                    self._spawn_step(st, op, event, seq)
+            await self.wait_folded(seq)
+
+    # ----------------------------------------------------------------------------- the steps
+
+    def _spawn_step(self, st: FleetState, op: OperationView, started: StepStarted, seq: int) -> None:
+        key = (op.op_id, started.step, started.attempt)
+        st.running.add(key)
+        task = asyncio.create_task(self._run_step(st, op, started.step, started.attempt, seq), name=f"step-{started.step}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_step(self, st: FleetState, op: OperationView, step: str, attempt: int, started_seq: int) -> None:
+        fleet = st.view.fleet
+        key = (op.op_id, step, attempt)
+        log = self.log_.bind(fleet=fleet, op_id=op.op_id, step=step, attempt=attempt)
+        try:
+            if self.step_delay_ms:
+                await asyncio.sleep(self.step_delay_ms / 1000)
+            t0 = time.monotonic()
+            if step == "flip":
+                event = await self._flip(st, op)
+            else:
+                domain, commands = command_for(st.view, op, step)
+                if not domain:
+                    event = StepCompleted(at=utcnow(), op_id=op.op_id, step=step, detail="no other domain")  # type: ignore[arg-type]
+                else:
+                    replies: list[tuple[str, Reply]] = []
+                    for verb, command, timeout_ms in commands:
+                        try:
+                            reply = await send(self.log.nc, fleet, domain, verb, command, timeout_ms=timeout_ms)
+                        except CommandError as exc:
+                            reply = Reply(ok=False, error=ErrorInfo(code=exc.code, message=str(exc)))
+                        replies.append((verb, reply))
+                        if not reply.ok:
+                            break
+                    event = step_outcome(op, step, replies, now=utcnow(), took_ms=int((time.monotonic() - t0) * 1000))
+            if isinstance(event, (StepCompleted, StepFailed)) and not event.took_ms:
+                event = msgspec.structs.replace(event, took_ms=int((time.monotonic() - t0) * 1000))
+            try:
+                seq = await self.log.append(subjects.op(fleet), msgspec.structs.replace(event, by=self.identity), expect=started_seq)
+            except Conflict:
+                log.warning("step_taken_over", detail="another promoter re-started this step; its outcome stands")
+                return
+            log.info("step_" + ("completed" if isinstance(event, StepCompleted) else "failed"), seq=seq, **_context(event))
+            await self.wait_folded(seq)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("step_crashed")
+        finally:
+            st.running.discard(key)
+            self._changed.set()
+
+    async def _flip(self, st: FleetState, op: OperationView) -> StepCompleted | StepFailed:
+        """The one compare-and-swap that moves traffic: route_moved with the op's route revision."""
+        fleet = st.view.fleet
+        route = subjects.route(fleet)
+        previous = st.view.active
+        moved = RouteMoved(at=utcnow(), by=self.identity, active=op.target, previous=previous, op_id=op.op_id)
+        try:
+            seq = await self.log.append(route, moved, expect=op.route_revision)
+        except Conflict:
+            rec = await self.log.last(route)
+            ev = rec.event if rec is not None else None
+            if isinstance(ev, RouteMoved) and ev.op_id == op.op_id and ev.active == op.target:
+                seq = rec.seq  # type: ignore[union-attr]
+            else:
+                now_active = ev.active if isinstance(ev, RouteMoved) else "nowhere"
+                return StepFailed(
+                    at=utcnow(),
+                    op_id=op.op_id,
+                    step="flip",
+                    error_code="route_moved_elsewhere",
+                    error=f"the route moved to {now_active} since revision {op.route_revision}, which this "
+                    f"operation was decided against; routing left as it is",
+                )
+        return StepCompleted(
+            at=utcnow(),
+            op_id=op.op_id,
+            step="flip",
+            detail=f"route revision {seq}: {previous or '(none)'} -> {op.target}",
+        )
+
+
+def _context(event) -> dict:
+    out = {}
+    for name in ("op_id", "step", "target", "domain", "active", "error", "why", "attempt"):
+        value = getattr(event, name, None)
+        if value not in (None, ""):
+            out[name] = value
+    return out
+
+
+async def run_promoter(
+    log: EventLog,
+    *,
+    fleets: Iterable[str] | None = None,
+    identity: str | None = None,
+    ready: asyncio.Event | None = None,
+    tick_s: float = 0.1,
+) -> None:
+    """Run one promoter replica on a connected, ensured `EventLog` until cancelled.
+
+    `fleets`: only these fleets (default: every fleet in the log). `identity`: this replica's writer
+    id; give each replica a stable, unique one (e.g. `promoter:<host>`) so that after a restart it
+    resumes its own unfinished step at once instead of waiting for the step's lease to run out.
+    `ready` is set once the promoter has folded everything stored when it started.
+    """
+    await Promoter(log, fleets=fleets, identity=identity, tick_s=tick_s).run(ready)
