@@ -15,6 +15,12 @@ States (a tagged union on `state`):
     not_admitted{short_by_bytes} the planner refused it: the card is that many bytes short
 
 Router answers: ready · warming{for_ms} · asleep · lost{reason} · not_admitted{short_by} · unknown.
+
+The legal transitions are one table, `TRANSITIONS[(state, event_key)] -> state`, read by `evolve`
+(which raises IllegalTransition for any other pair), by tests/unit/test_residency.py (every entry, and
+every pair that is not one) and by docs/residency.md (`transition_table_markdown`). `to_state(event)`
+is the state an event establishes on its own, for lenient readers of odd histories.
+`classify_probe_failure` is the one-bit diagnosis; `answer(state, now)` the router answer, by `ANSWERS`.
 """
 
 from __future__ import annotations
