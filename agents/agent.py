@@ -1,0 +1,974 @@
+"""The agent: one per GPU host (= one domain). Supervises runtimes and training, and tells the truth.
+
+    async with Agent.start(config) as agent:     # claims the domain, loads, heartbeats, serves
+        await agent.stopped()                    # until SIGTERM/SIGINT (agent.request_stop())
+
+What it writes (each append with the subject's expected last sequence, so it extends the chain it
+found, after a crash too):
+
+    haru.evt.<fleet>.<domain>.agent             agent_started / agent_stopping
+    haru.evt.<fleet>.<domain>.model.<model>     residency transitions, from real signals
+    haru.evt.<fleet>.<domain>.gpu.<index>       gpu_observed, only on change
+    haru.evt.<fleet>.<domain>.training.<slot>   training_started / training_stopped
+    haru.hb.<fleet>.<domain>                    a heartbeat every second (core NATS, not history)
+
+One agent per domain: `agent_started` is appended with the expected sequence, after checking that
+no live agent answers the domain's commands or heartbeats; a loser is refused (`AgentRefused`).
+
+Residency: a model is `loading` from the spawn until health passes, `/v1/models` lists it and a
+one-token completion answers (warm-up measured); `resident` then. A child's exit is `lost
+{process_exited}` at once (the exit waiter, not a poll). Periodic probes classify a failure with the
+GPU-present bit (`gpu_detached`, `evicted`, `unhealthy`). Loading never times out. An exited (or
+evicted) runtime is restarted with exponential backoff, every attempt a new `model_loading`; on a
+standby the agent stops the training on that GPU first, reloads, puts the runtime to sleep, and
+resumes the training. State-changing work on a model (supervisor, commands) is serialized by the
+model's lock.
+
+Role: the active domain is the `active` of the fleet's last `route_moved`; before any, the first
+declared domain is active (config `role` may pin it). A standby sleeps its runtimes after they load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import nats.errors
+import structlog
+
+from agents import probes
+from agents.config import AgentConfig, HostSlots, fold_declarations, load_layout_slots, slots_from_host_entry
+from agents.errors import AgentRefused, OutOfMemory, RuntimeProblem, TrainingProblem
+from agents.gpu import GpuReading, Gpus, open_gpus
+from agents.runtimes import Runtime, make_runtime
+from agents.training import Ended, Trainer
+from haru import subjects
+from haru.commands import Command, ErrorInfo, Heartbeat, Reply, heartbeat_decoder
+from haru.errors import ConfigError, Conflict, IllegalTransition
+from haru.eventlog import EventLog
+from haru.events import (
+    AgentStarted,
+    AgentStopping,
+    Event,
+    GpuObserved,
+    ModelFailed,
+    ModelLoading,
+    ModelLost,
+    ModelResident,
+    ModelSleeping,
+    ModelStopped,
+    ModelWaking,
+    RouteMoved,
+    TrainingStarted,
+    TrainingStopped,
+)
+from haru.residency import UNKNOWN, Residency, evolve, is_legal, event_key, state_name, to_state
+from haru.specs import MiB, ModelSpec, TrainingSpec
+
+__all__ = ["Agent", "ModelSlot", "resolve_slots", "VERSION"]
+
+VERSION = "0.1.0"
+GPU_USED_THRESHOLD = 64 * MiB  # memory moves smaller than this are noise, not an observation
+RUNTIME_STOP_GRACE_S = 15.0
+LIVE_STATES = frozenset({"loading", "resident", "sleeping", "waking"})
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+async def resolve_slots(config: AgentConfig, log: EventLog) -> HostSlots:
+    """This host's slots: the layout file, else the fleet's declarations, else the config's `host`."""
+    if config.layout:
+        return load_layout_slots(config.layout, config.fleet, config.domain)
+    records = await log.history(subjects.decl(config.fleet))
+    declared = fold_declarations(config.fleet, config.domain, [r.event for r in records if r.event is not None])
+    if declared is not None:
+        return declared
+    if config.host is not None:
+        return slots_from_host_entry(config.fleet, config.domain, config.host, config.policy)
+    raise ConfigError(
+        f"domain {config.domain!r} is not declared in fleet {config.fleet!r}: run `haru apply <layout>`, "
+        f'or give the agent config a "layout" file or a "host" entry'
+    )
+
+
+class ModelSlot:
+    """One admitted model on this host: its runtime, its residency as recorded, its lock."""
+
+    def __init__(self, spec: ModelSpec, runtime: Runtime, subject: str) -> None:
+        self.spec = spec
+        self.runtime = runtime
+        self.subject = subject
+        self.seq = 0  # the subject's last sequence, as this agent knows it
+        self.state: Residency = UNKNOWN
+        self.lock = asyncio.Lock()  # state-changing work: supervisor transitions, sleep, wake
+        self.append_lock = asyncio.Lock()
+        self.generation = 0  # bumped per spawn; an exit of an older generation is old news
+        self.attempt = 0
+        self.failures = 0
+        self.resident_at = 0.0
+        self.exited = asyncio.Event()
+        self.exit_code: int | None = None
+        self.on_purpose = False  # the agent is stopping this runtime itself
+        self.settled = asyncio.Event()  # the first load attempt has come to rest
+        self.probe_ms = 0
+        self.last_probe: probes.Probe | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def state_tag(self) -> str:
+        return state_name(self.state)
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, slots: HostSlots, log: EventLog, gpus: Gpus, session: aiohttp.ClientSession) -> None:
+        self.config = config
+        self.slots = slots
+        self.policy = slots.policy
+        self.log = log
+        self.gpus = gpus
+        self.session = session
+        self.fleet = config.fleet
+        self.domain = config.domain
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+        self.state_dir = config.state_path()
+        self.logger = structlog.get_logger("haru.agent").bind(fleet=self.fleet, domain=self.domain)
+        self.agent_subject = subjects.agent(self.fleet, self.domain)
+        self.agent_seq = 0
+        self.models: dict[str, ModelSlot] = {}
+        for spec in slots.admitted_models:
+            runtime = make_runtime(spec, session=session, log_dir=self.state_dir)
+            self.models[spec.name] = ModelSlot(spec, runtime, subjects.model(self.fleet, self.domain, spec.name))
+        self.trainers: dict[str, Trainer] = {}
+        self.training_seq: dict[str, int] = {}
+        self.training_lock = asyncio.Lock()
+        for t in slots.admitted_training:
+            self.trainers[t.slot] = Trainer(t, grace_ms=self.policy.training_grace_ms, log_dir=self.state_dir,
+                                            on_exit=self._training_exited_factory(t.slot))
+        self.gpu_seq: dict[int, int] = {}
+        self.gpu_last: dict[int, GpuObserved | None] = {}
+        self.active_domain = ""
+        self.route_revision = 0
+        self.stopping = False
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._service = None
+        self._serving = None
+        self.serving_url = ""
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def start(cls, config: AgentConfig) -> AsyncIterator["Agent"]:
+        writer = f"agent:{config.fleet}/{config.domain}@{socket.gethostname()}"
+        async with EventLog.connect(config.servers(), writer=writer, creds=config.nats_creds) as log:
+            slots = await resolve_slots(config, log)
+            gpus = open_gpus(config.gpus, config.sim_dir or None)
+            connector = aiohttp.TCPConnector(limit=0, force_close=False)
+            async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+                agent = cls(config, slots, log, gpus, session)
+                try:
+                    await agent._claim()
+                    await agent._boot()
+                    yield agent
+                finally:
+                    await agent._shutdown()
+                    gpus.close()
+
+    def request_stop(self, reason: str = "") -> None:
+        self._stop_reason = reason or "requested"
+        self._stop.set()
+
+    async def stopped(self) -> None:
+        await self._stop.wait()
+
+    def _spawn_task(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.append(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.logger.error("agent task failed", task=task.get_name(), error=repr(exc), exc_info=exc)
+
+    async def _claim(self) -> None:
+        """Append agent_started with the expected sequence; refuse if another agent runs this domain."""
+        rec = await self.log.last(self.agent_subject)
+        expect = rec.seq if rec is not None else 0
+        if rec is not None and rec.event is not None and type(rec.event).__struct_config__.tag == "agent_started":
+            who = f"{rec.event.host or '?'} pid {rec.event.pid}"
+            if await self._someone_answers():
+                raise AgentRefused(
+                    f"another agent already runs domain {self.domain!r} of fleet {self.fleet!r} ({who}): it answers "
+                    f"{subjects.commands(self.fleet, self.domain)}.* and heartbeats; stop it first (two writers would "
+                    f"corrupt one history)"
+                )
+        event = AgentStarted(at=now(), domain=self.domain, host=self.host, pid=self.pid, version=VERSION,
+                             serving_url=self._serving_url_guess())
+        try:
+            self.agent_seq = await self.log.append(self.agent_subject, event, expect=expect)
+        except Conflict as exc:
+            raise AgentRefused(
+                f"another agent started for domain {self.domain!r} of fleet {self.fleet!r} at the same moment and won "
+                f"(the agent subject moved to sequence {exc.current}); stop one of them"
+            ) from exc
+        self.logger.info("agent started", seq=self.agent_seq, source=self.slots.source,
+                         models=list(self.models), training=list(self.trainers))
+
+    async def _someone_answers(self) -> bool:
+        nc = self.log.nc
+        try:
+            await nc.request(subjects.command(self.fleet, self.domain, "status"), b"{}", timeout=1.0)
+            return True
+        except nats.errors.NoRespondersError:
+            pass
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            return True  # subscribed but slow: someone is there
+        seen = asyncio.Event()
+
+        async def on_hb(msg) -> None:
+            try:
+                hb = heartbeat_decoder.decode(msg.data)
+            except msgspec.DecodeError:
+                return
+            if hb.pid != self.pid or hb.at is None:
+                seen.set()
+
+        sub = await nc.subscribe(subjects.heartbeat(self.fleet, self.domain), cb=on_hb)
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(seen.wait(), 1.5 * self.config.heartbeat_ms / 1000)
+        finally:
+            await sub.unsubscribe()
+        return seen.is_set()
+
+    def _serving_url_guess(self) -> str:
+        return self.slots.domain.spec.serving_url
+
+    async def _boot(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._sweep_orphans()
+        self._spawn_task(self._heartbeat_loop(), "heartbeat")
+        await self._read_route()
+        self._spawn_task(self._follow_route(), "route")
+        # The tips of every subject this agent writes: it continues their chains.
+        for m in self.models.values():
+            rec = await self.log.last(m.subject)
+            if rec is not None:
+                m.seq = rec.seq
+                if rec.event is not None:
+                    with contextlib.suppress(IllegalTransition):
+                        m.state = to_state(rec.event, rec.seq)
+        for slot in self.trainers:
+            rec = await self.log.last(subjects.training(self.fleet, self.domain, slot))
+            self.training_seq[slot] = rec.seq if rec is not None else 0
+            if rec is not None and rec.event is not None and isinstance(rec.event, TrainingStarted):
+                # The previous agent died with it running: it died too (PDEATHSIG); say so.
+                await self._append_training(slot, TrainingStopped(
+                    at=now(), domain=self.domain, slot=slot, how="killed", exit_code=None, ran_ms=0))
+        for index in self.slots.gpu_indexes():
+            rec = await self.log.last(subjects.gpu(self.fleet, self.domain, index))
+            self.gpu_seq[index] = rec.seq if rec is not None else 0
+            self.gpu_last[index] = rec.event if rec is not None and isinstance(rec.event, GpuObserved) else None
+        from agents.commands import CommandService
+        from agents.serving import ServingProxy
+
+        self._service = CommandService(self)
+        await self._service.start()
+        if self.config.serving.enabled:
+            self._serving = ServingProxy(self)
+            await self._serving.start()
+            self.serving_url = self._serving.url
+        self._spawn_task(self._gpu_loop(), "gpus")
+        for m in self.models.values():
+            self._spawn_task(self._supervise(m), f"model:{m.name}")
+        self._spawn_task(self._initial_training(), "initial-training")
+
+    async def _shutdown(self) -> None:
+        self.stopping = True
+        reason = getattr(self, "_stop_reason", "") or "shutdown"
+        if self.agent_seq:
+            with contextlib.suppress(Exception):
+                self.agent_seq = await self.log.append(
+                    self.agent_subject, AgentStopping(at=now(), domain=self.domain, reason=reason), expect=self.agent_seq)
+        if self._service is not None:
+            with contextlib.suppress(Exception):
+                await self._service.stop()
+        if self._serving is not None:
+            with contextlib.suppress(Exception):
+                await self._serving.stop()
+        # Training first: it holds VRAM the runtimes may need, and it is the cheapest to lose.
+        for slot in list(self.trainers):
+            with contextlib.suppress(Exception):
+                await self._stop_training_slot(slot)
+        hb = [t for t in self._tasks if t.get_name() == "heartbeat"]
+        for task in self._tasks:
+            if task not in hb:
+                task.cancel()
+        for task in self._tasks:
+            if task not in hb:
+                with contextlib.suppress(BaseException):
+                    await task
+        await asyncio.gather(*(self._unload(m) for m in self.models.values()), return_exceptions=True)
+        for task in hb:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        self._write_children()
+        self.logger.info("agent stopped", reason=reason)
+
+    async def _unload(self, m: ModelSlot) -> None:
+        """Stop a runtime on purpose, and record `model_stopped` when there was something to unload."""
+        if m.runtime.kind == "external":
+            return
+        was_alive = m.runtime.alive()
+        m.on_purpose = True
+        await m.runtime.stop(RUNTIME_STOP_GRACE_S)
+        if was_alive and m.state_tag in LIVE_STATES | {"lost"}:
+            with contextlib.suppress(Exception):
+                await self._record(m, ModelStopped(at=now(), domain=self.domain, model=m.name, detail="agent shutdown"))
+
+    # ----------------------------------------------------------------------------- pid file sweep
+
+    def _children_path(self) -> Path:
+        return self.state_dir / "children.json"
+
+    def _write_children(self) -> None:
+        kids = []
+        for m in self.models.values():
+            if m.runtime.alive() and m.runtime.pid:
+                kids.append({"pid": m.runtime.pid, "start": _start_time(m.runtime.pid), "what": f"model:{m.name}"})
+        for t in self.trainers.values():
+            if t.running() and t.pgid:
+                kids.append({"pid": t.pgid, "start": _start_time(t.pgid), "what": f"training:{t.spec.slot}"})
+        with contextlib.suppress(OSError):
+            tmp = self._children_path().with_suffix(".tmp")
+            tmp.write_text(json.dumps(kids))
+            os.replace(tmp, self._children_path())
+
+    def _sweep_orphans(self) -> None:
+        """Kill the process groups a previous agent on this host left behind (if PDEATHSIG did not)."""
+        try:
+            kids = json.loads(self._children_path().read_text())
+        except (OSError, ValueError):
+            return
+        for kid in kids:
+            pid = int(kid.get("pid", 0))
+            if pid > 1 and _start_time(pid) == kid.get("start") and kid.get("start"):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                    self.logger.warning("killed an orphan of the previous agent", pid=pid, what=kid.get("what"))
+
+    # --------------------------------------------------------------------------------------- writes
+
+    async def _append(self, subject: str, event: Event, expect: int) -> int:
+        try:
+            return await self.log.append(subject, event, expect=expect)
+        except Conflict as exc:
+            # Nobody else writes this domain's subjects (the claim made sure): a stale tip of our own.
+            self.logger.error("subject moved under the agent; continuing from its tip", subject=subject,
+                              expected=expect, current=exc.current)
+            return await self.log.append(subject, event, expect=await self.log.last_seq_of(subject))
+
+    async def _record(self, m: ModelSlot, event: Event) -> None:
+        async with m.append_lock:
+            key = event_key(event)
+            if not is_legal(m.state_tag, key):
+                self.logger.error("residency transition outside the table", model=m.name, state=m.state_tag, event=key)
+            m.seq = await self._append(m.subject, event, m.seq)
+            try:
+                m.state = evolve(m.state, event, seq=m.seq, subject=m.subject)
+            except IllegalTransition:
+                m.state = to_state(event, m.seq)
+        self.logger.info(key, model=m.name, **{k: v for k, v in msgspec.to_builtins(event).items()
+                                                if k in ("reason", "detail", "attempt", "warmup_ms", "exit_code", "pid")})
+
+    async def _append_training(self, slot: str, event: Event) -> None:
+        subject = subjects.training(self.fleet, self.domain, slot)
+        self.training_seq[slot] = await self._append(subject, event, self.training_seq.get(slot, 0))
+
+    # ----------------------------------------------------------------------------------------- role
+
+    async def _read_route(self) -> None:
+        rec = await self.log.last(subjects.route(self.fleet))
+        if rec is not None and isinstance(rec.event, RouteMoved):
+            self.active_domain, self.route_revision = rec.event.active, rec.seq
+
+    async def _follow_route(self) -> None:
+        def on(rec) -> None:
+            if isinstance(rec.event, RouteMoved) and rec.seq >= self.route_revision:
+                if rec.event.active != self.active_domain:
+                    self.logger.info("route moved", active=rec.event.active, revision=rec.seq)
+                self.active_domain, self.route_revision = rec.event.active, rec.seq
+
+        while not self.stopping:
+            try:
+                await self.log.replay(on, from_seq=max(1, self.route_revision), subject_filter=subjects.route(self.fleet),
+                                      follow=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the log went away for a while: keep the last known role
+                self.logger.warning("route follower interrupted", error=str(exc))
+                await asyncio.sleep(1.0)
+
+    @property
+    def role(self) -> str:
+        if self.config.role != "auto":
+            return self.config.role
+        active = self.active_domain or self.slots.first_domain
+        return "active" if active == self.domain else "standby"
+
+    # ------------------------------------------------------------------------------------ heartbeat
+
+    def heartbeat(self) -> Heartbeat:
+        states = {name: m.state_tag for name, m in self.models.items()}
+        running = [slot for slot, t in self.trainers.items() if t.running()]
+        counts: dict[str, int] = {}
+        for s in states.values():
+            counts[s] = counts.get(s, 0) + 1
+        summary = f"{self.role}; " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        if running:
+            summary += f"; training {', '.join(running)}"
+        return Heartbeat(fleet=self.fleet, domain=self.domain, at=now(), summary=summary, models=states,
+                         training=running, pid=self.pid)
+
+    async def _heartbeat_loop(self) -> None:
+        subject = subjects.heartbeat(self.fleet, self.domain)
+        encoder = msgspec.json.Encoder()
+        while True:
+            with contextlib.suppress(Exception):
+                await self.log.nc.publish(subject, encoder.encode(self.heartbeat()))
+            await asyncio.sleep(self.config.heartbeat_ms / 1000)
+
+    # ----------------------------------------------------------------------------------------- GPUs
+
+    def read_gpu(self, index: int) -> GpuReading:
+        return self.gpus.read(index)
+
+    async def _gpu_loop(self) -> None:
+        while True:
+            for index in self.slots.gpu_indexes():
+                with contextlib.suppress(Exception):
+                    await self.observe_gpu(index)
+            await asyncio.sleep(self.policy.probe_interval_ms / 1000)
+
+    async def observe_gpu(self, index: int) -> GpuReading:
+        r = self.read_gpu(index)
+        last = self.gpu_last.get(index)
+        if last is None or _gpu_changed(last, r):
+            event = GpuObserved(at=now(), domain=self.domain, index=index, present=r.present, name=r.name,
+                                memory_total_bytes=r.memory_total_bytes, memory_used_bytes=r.memory_used_bytes,
+                                processes=list(r.processes), mig=r.mig)
+            self.gpu_seq[index] = await self._append(subjects.gpu(self.fleet, self.domain, index), event,
+                                                     self.gpu_seq.get(index, 0))
+            self.gpu_last[index] = event
+        return r
+
+    # ---------------------------------------------------------------------------------- supervision
+
+    def _backoff_s(self, failures: int) -> float:
+        ms = self.policy.restart_backoff_ms * (2 ** max(0, failures - 1))
+        return min(ms, self.policy.restart_backoff_max_ms) / 1000
+
+    async def _pause(self, seconds: float) -> bool:
+        """Sleep unless the agent stops first; True if it is stopping."""
+        if self.stopping:
+            return True
+        try:
+            await asyncio.wait_for(self._stop.wait(), seconds)
+            return True
+        except asyncio.TimeoutError:
+            return self.stopping
+
+    async def _supervise(self, m: ModelSlot) -> None:
+        log = self.logger.bind(model=m.name)
+        if m.state_tag in LIVE_STATES and m.runtime.kind != "external":
+            # Its runtime died with the previous agent (PDEATHSIG): the chain says so before we reload.
+            await self._record(m, ModelLost(at=now(), domain=self.domain, model=m.name, reason="process_exited",
+                                            detail="the previous agent stopped without unloading it"))
+        first = True
+        while not self.stopping:
+            if not first and await self._pause(self._backoff_s(m.failures)):
+                return
+            if await self._wait_for_gpu(m):
+                return
+            paused: list[str] = []
+            standby = self.role == "standby"
+            if standby and not first:
+                paused = await self._make_room(m.spec.gpu_index)
+            try:
+                ready = await self._load(m)
+                if ready and self.role == "standby" and m.runtime.can_sleep:
+                    async with m.lock:
+                        if m.state_tag == "resident":
+                            try:
+                                await self._sleep_one(m, 1)
+                            except RuntimeProblem as exc:
+                                log.warning("could not put the standby runtime to sleep", error=str(exc))
+            finally:
+                if paused:
+                    await self._resume_training(paused)
+                if first:
+                    m.settled.set()
+                    first = False
+            if ready:
+                await self._watch(m)
+            if self.stopping:
+                return
+            if m.resident_at and time.monotonic() - m.resident_at >= self.policy.restart_backoff_max_ms / 1000:
+                m.failures = 1
+            else:
+                m.failures += 1
+            if m.runtime.kind == "external":
+                m.failures = max(m.failures, 1)
+
+    async def _wait_for_gpu(self, m: ModelSlot) -> bool:
+        """A detached GPU cannot load anything: wait for it to come back. True if the agent stops."""
+        if m.runtime.kind == "external" or not (m.state_tag == "lost" and getattr(m.state, "reason", "") == "gpu_detached"):
+            return False
+        while self.read_gpu(m.spec.gpu_index).present is False:
+            m.settled.set()
+            if await self._pause(self.policy.probe_interval_ms / 1000):
+                return True
+        return False
+
+    async def _load(self, m: ModelSlot) -> bool:
+        """Spawn (or re-attach to) the runtime and wait until it is resident or gone. Never times out."""
+        async with m.lock:
+            m.attempt += 1
+            m.generation += 1
+            m.exited.clear()
+            m.exit_code = None
+            m.on_purpose = False
+            started = time.monotonic()
+            try:
+                await m.runtime.start()
+            except RuntimeProblem as exc:
+                await self._record(m, ModelFailed(at=now(), domain=self.domain, model=m.name, runtime_said=str(exc)))
+                return False
+            await self._record(m, ModelLoading(at=now(), domain=self.domain, model=m.name, endpoint=m.runtime.base_url,
+                                               pid=m.runtime.pid or 0, attempt=m.attempt))
+            self._write_children()
+            if m.runtime.kind != "external":
+                self._spawn_task(self._exit_waiter(m, m.generation), f"exit:{m.name}:{m.generation}")
+        poll = min(self.policy.probe_interval_ms, 500) / 1000
+        timeout = self.policy.probe_timeout_ms / 1000
+        while not self.stopping:
+            if m.exited.is_set():
+                return False
+            probe = await probes.ready(m.runtime, timeout_s=timeout, check_sleep=False)
+            if probe.ok:
+                async with m.lock:
+                    if m.exited.is_set() or m.state_tag != "loading":
+                        return False
+                    m.last_probe = probe
+                    warmup = int((time.monotonic() - started) * 1000)
+                    await self._record(m, ModelResident(at=now(), domain=self.domain, model=m.name,
+                                                        endpoint=m.runtime.base_url, warmup_ms=warmup))
+                    m.resident_at = time.monotonic()
+                return True
+            if m.runtime.kind != "external" and self.read_gpu(m.spec.gpu_index).present is False:
+                async with m.lock:
+                    await self._record(m, ModelLost(at=now(), domain=self.domain, model=m.name, reason="gpu_detached",
+                                                    detail="the GPU went away while the model was loading"))
+                    m.on_purpose = True
+                    await m.runtime.stop(RUNTIME_STOP_GRACE_S)
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(m.exited.wait(), poll)
+        return False
+
+    async def _exit_waiter(self, m: ModelSlot, generation: int) -> None:
+        code = await m.runtime.wait_exit()
+        if generation != m.generation:
+            return
+        m.exit_code = code
+        if not m.on_purpose and not self.stopping:
+            tail = m.runtime.output_tail(600).strip().splitlines()
+            detail = f"the runtime exited with code {code}"
+            if tail:
+                detail += f"; last output: {tail[-1][:300]}"
+            await self._record(m, ModelLost(at=now(), domain=self.domain, model=m.name, reason="process_exited",
+                                            detail=detail, exit_code=code))
+        self._write_children()
+        m.exited.set()
+
+    async def _watch(self, m: ModelSlot) -> None:
+        """Probe a loaded runtime every probe interval until its process is gone (or must be restarted)."""
+        interval = self.policy.probe_interval_ms / 1000
+        while not self.stopping:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(m.exited.wait(), interval)
+            if m.exited.is_set() or self.stopping:
+                return
+            if m.lock.locked():
+                continue  # a command is changing it: probe next time
+            restart = await self.check(m)
+            if restart:
+                async with m.lock:
+                    m.on_purpose = True
+                    await m.runtime.stop(RUNTIME_STOP_GRACE_S)
+                    m.exited.set()
+                return
+
+    async def check(self, m: ModelSlot) -> bool:
+        """One periodic probe of a model, recording what changed. True = the runtime must be restarted."""
+        async with m.lock:
+            if m.exited.is_set():
+                return False
+            timeout = self.policy.probe_timeout_ms / 1000
+            tag = m.state_tag
+            gpu = self.read_gpu(m.spec.gpu_index) if m.runtime.kind != "external" else None
+            if tag == "sleeping":
+                if gpu is not None and gpu.present is False:
+                    await self._lost(m, "gpu_detached", "the GPU went away while the runtime slept")
+                    return False
+                health = await m.runtime.health(timeout_s=min(timeout, 5.0))
+                if not health.ok:
+                    alive = m.runtime.alive()
+                    reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=True)
+                    await self._lost(m, reason, health.detail or f"/health answered {health.status} while asleep")
+                    return False
+                try:
+                    asleep = await m.runtime.is_sleeping(timeout_s=min(timeout, 5.0))
+                except RuntimeProblem:
+                    asleep = True
+                if asleep is False:  # woken behind our back: find out whether it serves
+                    tag = "lost"
+                else:
+                    return False
+            if tag not in ("resident", "lost"):
+                return False
+            started = time.monotonic()
+            probe = await probes.ready(m.runtime, timeout_s=timeout)
+            m.last_probe = probe
+            m.probe_ms = int((time.monotonic() - started) * 1000)
+            if probe.ok:
+                if tag != "resident" or m.state_tag != "resident":
+                    await self._record(m, ModelResident(at=now(), domain=self.domain, model=m.name,
+                                                        endpoint=m.runtime.base_url, warmup_ms=probe.latency_ms))
+                    m.resident_at = time.monotonic()
+                return False
+            if m.exited.is_set():
+                return False
+            alive = m.runtime.alive()
+            holds = await probes.holds_model(m.runtime) if probe.step != "listed" else False
+            if gpu is None and m.runtime.kind != "external":
+                gpu = self.read_gpu(m.spec.gpu_index)
+            reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=holds)
+            if not alive:
+                return False  # the exit waiter records process_exited
+            prior = m.state
+            if not (state_name(prior) == "lost" and getattr(prior, "reason", "") == reason):
+                await self._lost(m, reason, f"{probe.step}: {probe.detail}"[:500])
+            return reason == "evicted"
+
+    async def _lost(self, m: ModelSlot, reason: str, detail: str) -> None:
+        await self._record(m, ModelLost(at=now(), domain=self.domain, model=m.name, reason=reason, detail=detail))  # type: ignore[arg-type]
+
+    # ---------------------------------------------------------------------------- sleep and wake
+
+    async def _sleep_one(self, m: ModelSlot, level: int) -> None:
+        """Put a resident runtime to sleep (caller holds m.lock). Verified through /is_sleeping."""
+        before = self.read_gpu(m.spec.gpu_index)
+        await m.runtime.sleep(level, self.policy.wake_timeout_ms / 1000)
+        after = self.read_gpu(m.spec.gpu_index)
+        freed = max(0, before.memory_used_bytes - after.memory_used_bytes) if before.present and after.present else 0
+        await self._record(m, ModelSleeping(at=now(), domain=self.domain, model=m.name, level=level, freed_bytes=freed))
+
+    async def sleep_model(self, m: ModelSlot, level: int) -> tuple[bool, str, str]:
+        """Idempotent sleep. Returns (ok, error code, detail)."""
+        if not m.runtime.can_sleep:
+            return True, "", f"a {m.runtime.kind} runtime has no sleep mode; it stays {m.state_tag}"
+        async with m.lock:
+            tag = m.state_tag
+            if tag == "sleeping":
+                try:
+                    if await m.runtime.is_sleeping() is True:
+                        return True, "", "already asleep"
+                except RuntimeProblem as exc:
+                    return False, exc.code, str(exc)
+            elif tag not in ("resident", "waking"):
+                return False, "not_resident", f"{m.name} is {tag}; only a resident model can be put to sleep"
+            try:
+                await self._sleep_one(m, level)
+            except RuntimeProblem as exc:
+                return False, exc.code, str(exc)
+            return True, "", "asleep (verified by /is_sleeping)"
+
+    async def wake_model(self, m: ModelSlot) -> tuple[bool, str, str, int]:
+        """Idempotent wake, verified by /is_sleeping and a real one-token completion.
+
+        Returns (ok, error code, detail, took_ms)."""
+        started = time.monotonic()
+        timeout = self.policy.probe_timeout_ms / 1000
+        async with m.lock:
+            tag = m.state_tag
+            if tag == "resident" or not m.runtime.can_sleep:
+                if tag != "resident":
+                    return False, "not_resident", f"{m.name} is {tag}", 0
+                probe = await probes.ready(m.runtime, timeout_s=timeout)
+                if probe.ok:
+                    return True, "", "already awake; probe answered", int((time.monotonic() - started) * 1000)
+                return False, "probe_failed", f"awake but the probe failed at {probe.step}: {probe.detail}", 0
+            if tag not in ("sleeping", "waking"):
+                return False, "not_sleeping", f"{m.name} is {tag}; there is nothing to wake", 0
+            if tag == "sleeping":
+                await self._record(m, ModelWaking(at=now(), domain=self.domain, model=m.name))
+            gen = m.generation
+            try:
+                await m.runtime.wake(self.policy.wake_timeout_ms / 1000)
+            except OutOfMemory as exc:
+                await self._after_failed_wake(m, gen)
+                return False, "out_of_memory", str(exc), int((time.monotonic() - started) * 1000)
+            except RuntimeProblem as exc:
+                await self._after_failed_wake(m, gen)
+                return False, exc.code, str(exc), int((time.monotonic() - started) * 1000)
+            probe = await probes.ready(m.runtime, timeout_s=timeout)
+            took = int((time.monotonic() - started) * 1000)
+            if gen != m.generation or m.exited.is_set():
+                return False, "process_exited", f"{m.name}'s runtime exited while waking", took
+            if not probe.ok:
+                code = "out_of_memory" if "out of memory" in probe.detail.lower() else "probe_failed"
+                await self._after_failed_wake(m, gen, probe=probe)
+                return False, code, f"woke but the probe failed at {probe.step}: {probe.detail}", took
+            m.last_probe = probe
+            await self._record(m, ModelResident(at=now(), domain=self.domain, model=m.name, endpoint=m.runtime.base_url,
+                                                warmup_ms=took))
+            m.resident_at = time.monotonic()
+            return True, "", f"awake (verified by /is_sleeping and a probe in {probe.latency_ms} ms)", took
+
+    async def _after_failed_wake(self, m: ModelSlot, gen: int, probe: probes.Probe | None = None) -> None:
+        """Record the truth after a wake failed: still asleep, or lost (and why)."""
+        if gen != m.generation or m.exited.is_set() or m.state_tag != "waking":
+            return
+        try:
+            asleep = await m.runtime.is_sleeping()
+        except RuntimeProblem:
+            asleep = None
+        if asleep is True:
+            await self._record(m, ModelSleeping(at=now(), domain=self.domain, model=m.name, level=1))
+            return
+        gpu = self.read_gpu(m.spec.gpu_index)
+        holds = await probes.holds_model(m.runtime)
+        reason = probes.diagnose(process_alive=m.runtime.alive(), gpu=gpu, runtime_holds_model=holds)
+        if reason != "process_exited":
+            detail = f"wake failed: {probe.step}: {probe.detail}" if probe else "wake failed"
+            await self._lost(m, reason, detail[:500])
+
+    # ------------------------------------------------------------------------------------- training
+
+    def _training_exited_factory(self, slot: str):
+        async def on_exit(ended: Ended) -> None:
+            async with self.training_lock:
+                await self._append_training(slot, TrainingStopped(at=now(), domain=self.domain, slot=slot, how=ended.how,
+                                                                  exit_code=ended.exit_code, ran_ms=ended.ran_ms))
+                self._write_children()
+            self.logger.info("training_stopped", slot=slot, how=ended.how, exit_code=ended.exit_code)
+
+        return on_exit
+
+    def gpu_busy_with_inference(self, spec: TrainingSpec) -> list[str]:
+        """Models on the training slot's GPU that are not asleep (training there would fight them for VRAM)."""
+        return [m.name for m in self.models.values()
+                if m.spec.gpu_index == spec.gpu_index and m.runtime.kind != "external"
+                and m.state_tag in ("resident", "loading", "waking")]
+
+    async def start_training_slot(self, slot: str, *, force: bool = False) -> tuple[bool, str, str]:
+        t = self.trainers[slot]
+        async with self.training_lock:
+            if t.running():
+                return True, "", f"already running (pid {t.pid})"
+            busy = self.gpu_busy_with_inference(t.spec)
+            if busy and not force:
+                return False, "gpu_busy", (f"GPU {t.spec.gpu_index} holds awake models ({', '.join(busy)}); put them to "
+                                           f"sleep first (training runs only in VRAM the sleeping runtimes freed)")
+            try:
+                pid = await t.start()
+            except TrainingProblem as exc:
+                return False, exc.code, str(exc)
+            await self._append_training(slot, TrainingStarted(at=now(), domain=self.domain, slot=slot, pid=pid,
+                                                              gpu_index=t.spec.gpu_index))
+            self._write_children()
+        self.logger.info("training_started", slot=slot, pid=pid)
+        return True, "", f"started (pid {pid})"
+
+    async def _stop_training_slot(self, slot: str) -> Ended | None:
+        t = self.trainers[slot]
+        async with self.training_lock:
+            ended = await t.stop()
+            if ended is not None:
+                await self._append_training(slot, TrainingStopped(at=now(), domain=self.domain, slot=slot, how=ended.how,
+                                                                  exit_code=ended.exit_code, ran_ms=ended.ran_ms))
+                self._write_children()
+                self.logger.info("training_stopped", slot=slot, how=ended.how, exit_code=ended.exit_code)
+        return ended
+
+    async def _make_room(self, gpu_index: int) -> list[str]:
+        stopped = []
+        for slot, t in self.trainers.items():
+            if t.spec.gpu_index == gpu_index and t.running():
+                await self._stop_training_slot(slot)
+                stopped.append(slot)
+        return stopped
+
+    async def _resume_training(self, slots: list[str]) -> None:
+        if self.role != "standby":
+            return
+        for slot in slots:
+            ok, code, detail = await self.start_training_slot(slot)
+            if not ok:
+                self.logger.warning("could not resume training", slot=slot, code=code, detail=detail)
+
+    async def _initial_training(self) -> None:
+        await asyncio.gather(*(m.settled.wait() for m in self.models.values()))
+        if not self.config.auto_training or self.role != "standby" or self.stopping:
+            return
+        for slot in self.trainers:
+            ok, code, detail = await self.start_training_slot(slot)
+            if not ok:
+                self.logger.warning("standby training not started", slot=slot, code=code, detail=detail)
+
+    # ------------------------------------------------------------------------------- verbs (facts)
+
+    def selected(self, command: Command) -> tuple[list[ModelSlot], list[str]]:
+        if not command.models:
+            return list(self.models.values()), []
+        found = [self.models[n] for n in command.models if n in self.models]
+        unknown = [n for n in command.models if n not in self.models]
+        return found, unknown
+
+    def status_data(self) -> dict:
+        models = {}
+        for name, m in self.models.items():
+            st = msgspec.to_builtins(m.state)
+            since = getattr(m.state, "since", None)
+            models[name] = {
+                "state": m.state_tag,
+                "since": st.get("since"),
+                "for_ms": int((now() - since).total_seconds() * 1000) if since is not None else 0,
+                "seq": m.seq,
+                "reason": st.get("reason", ""),
+                "detail": st.get("detail", ""),
+                "runtime": m.runtime.kind,
+                "endpoint": m.runtime.base_url,
+                "pid": m.runtime.pid if m.runtime.alive() else None,
+                "gpu_index": m.spec.gpu_index,
+                "attempt": m.attempt,
+                "vram_bytes": m.spec.vram_bytes,
+            }
+        training = {}
+        for slot, t in self.trainers.items():
+            ended = t.ended
+            training[slot] = {
+                "running": t.running(),
+                "pid": t.pid,
+                "gpu_index": t.spec.gpu_index,
+                "ran_ms": t.ran_ms() if t.running() else (ended.ran_ms if ended else 0),
+                "last_stop": None if ended is None else {"how": ended.how, "exit_code": ended.exit_code},
+            }
+        gpus = {}
+        for index in self.slots.gpu_indexes():
+            r = self.read_gpu(index)
+            gpus[str(index)] = {"present": r.present, "name": r.name, "memory_total_bytes": r.memory_total_bytes,
+                                "memory_used_bytes": r.memory_used_bytes, "memory_free_bytes": r.memory_free_bytes,
+                                "processes": [p.pid for p in r.processes], "mig": r.mig}
+        return {
+            "fleet": self.fleet,
+            "domain": self.domain,
+            "role": self.role,
+            "active_domain": self.active_domain or self.slots.first_domain,
+            "route_revision": self.route_revision,
+            "pid": self.pid,
+            "host": self.host,
+            "serving_url": self.serving_url,
+            "source": self.slots.source,
+            "models": models,
+            "not_admitted": dict(self.slots.not_admitted),
+            "training": training,
+            "gpus": gpus,
+        }
+
+    def verify_gpu_data(self, models: list[ModelSlot]) -> tuple[bool, ErrorInfo | None, dict]:
+        """Free VRAM on each inference GPU covers what its asleep models need to wake, and no trainer
+        pid is left on the GPU."""
+        trainer_pids: set[int] = set()
+        for t in self.trainers.values():
+            trainer_pids |= t.group_pids()
+            if t.ended is not None:
+                trainer_pids.add(t.ended.pid)
+        running = [slot for slot, t in self.trainers.items() if t.running()]
+        per_gpu: dict[int, list[ModelSlot]] = {}
+        for m in models:
+            if m.runtime.kind != "external":
+                per_gpu.setdefault(m.spec.gpu_index, []).append(m)
+        out: dict[str, dict] = {}
+        problems: list[tuple[str, str]] = []
+        residual = self.policy.sleep_residual_bytes
+        for index, ms in sorted(per_gpu.items()):
+            r = self.read_gpu(index)
+            needed = sum(max(0, m.spec.vram_bytes - (residual if m.runtime.can_sleep else 0))
+                         for m in ms if m.state_tag in ("sleeping", "waking"))
+            on_gpu = sorted(p.pid for p in r.processes if p.pid in trainer_pids)
+            out[str(index)] = {"present": r.present, "free_bytes": r.memory_free_bytes, "needed_bytes": needed,
+                               "total_bytes": r.memory_total_bytes, "trainer_pids": on_gpu,
+                               "models": [m.name for m in ms]}
+            if r.present is False:
+                problems.append(("gpu_detached", f"GPU {index} is gone (the provider took it)"))
+            elif r.present is None:
+                problems.append(("gpu_unknown", f"GPU {index} cannot be read (no NVML on this host): VRAM is unverified"))
+            else:
+                if on_gpu:
+                    problems.append(("gpu_busy", f"GPU {index} still has trainer processes {on_gpu}"))
+                if r.memory_free_bytes < needed:
+                    problems.append(("gpu_busy", f"GPU {index} has {r.memory_free_bytes} bytes free; its sleeping models "
+                                                  f"need {needed} to wake (short by {needed - r.memory_free_bytes})"))
+        if running:
+            problems.insert(0, ("training_running", f"training still runs: {', '.join(running)}; stop_training first"))
+        data = {"gpus": out, "training_running": running}
+        if problems:
+            return False, ErrorInfo(code=problems[0][0], message="; ".join(p[1] for p in problems)), data
+        return True, None, data
+
+
+def _gpu_changed(last: GpuObserved, r: GpuReading) -> bool:
+    if last.present != r.present or last.memory_total_bytes != r.memory_total_bytes or last.mig != r.mig:
+        return True
+    if abs(last.memory_used_bytes - r.memory_used_bytes) >= GPU_USED_THRESHOLD:
+        return True
+    return {p.pid for p in last.processes} != {p.pid for p in r.processes}
+
+
+def _start_time(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    rest = stat[stat.rfind(")") + 2 :].split()
+    return rest[19] if len(rest) > 19 else ""
+
+
+def reply(ok: bool, detail: str = "", *, took_ms: int = 0, error: ErrorInfo | None = None, data: dict | None = None) -> Reply:
+    return Reply(ok=ok, detail=detail, took_ms=took_ms, error=error, data=data or {})

@@ -1,0 +1,235 @@
+"""The agent's command service: a `nats.micro` service, one endpoint per verb.
+
+    haru.cmd.<fleet>.<domain>.<verb>      body: haru.commands.Command (JSON; empty = all defaults)
+                                          reply: haru.commands.Reply {ok, detail, took_ms, error, data}
+
+Verbs (all idempotent; `models`/`slots` in the command restrict them, empty = all admitted):
+
+    status          data: the agent's view (role, models and states, training, GPUs)
+    sleep           put resident vLLM runtimes to sleep (level `level`), verified by /is_sleeping
+    wake            wake sleeping runtimes, verified by /is_sleeping and a one-token completion;
+                    CUDA out of memory -> ok=false, error.code="out_of_memory"
+    probe           a real one-token completion (and /is_sleeping false) per resident model
+    stop_training   SIGTERM, SIGKILL after the grace; data.slots[slot] = {how, exit_code, ran_ms}
+    start_training  start training slots (refused with gpu_busy while models on that GPU are awake)
+    verify_gpu      free VRAM covers what the asleep models need to wake; no trainer pid on the GPU
+
+The service is named `haru-agent` with metadata fleet/domain, so `$SRV.PING.haru-agent` finds every
+agent. Each request runs in its own task, so a long wake never delays a `status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+import msgspec
+import nats.micro
+import structlog
+from nats.micro.request import Request
+
+from haru import subjects
+from haru.commands import Command, ErrorInfo, Reply, command_decoder
+from haru.errors import HaruError
+
+if TYPE_CHECKING:
+    from agents.agent import Agent
+
+__all__ = ["CommandService", "SERVICE_NAME"]
+
+SERVICE_NAME = "haru-agent"
+_encoder = msgspec.json.Encoder()
+
+
+class CommandService:
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+        self._service = None
+        self._tasks: set[asyncio.Task] = set()
+        self.logger = structlog.get_logger("haru.agent.commands").bind(fleet=agent.fleet, domain=agent.domain)
+        self.verbs: dict[str, Callable[[Command], Awaitable[Reply]]] = {
+            "status": self.status,
+            "sleep": self.sleep,
+            "wake": self.wake,
+            "probe": self.probe,
+            "stop_training": self.stop_training,
+            "start_training": self.start_training,
+            "verify_gpu": self.verify_gpu,
+        }
+
+    async def start(self) -> None:
+        from agents.agent import VERSION
+
+        a = self.agent
+        self._service = await nats.micro.add_service(
+            a.log.nc,
+            name=SERVICE_NAME,
+            version=VERSION,
+            description=f"Haru agent for {a.fleet}/{a.domain}",
+            metadata={"fleet": a.fleet, "domain": a.domain, "host": a.host, "pid": str(a.pid)},
+            # Each agent answers its own subjects; no queue sharing with a (refused) second agent.
+            queue_group=f"haru-agent-{a.fleet}-{a.domain}",
+        )
+        for verb in subjects.COMMAND_VERBS:
+            await self._service.add_endpoint(
+                name=verb, subject=subjects.command(a.fleet, a.domain, verb), handler=self._handler(verb)
+            )
+
+    async def stop(self) -> None:
+        if self._service is not None:
+            await self._service.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _handler(self, verb: str):
+        async def handle(request: Request) -> None:
+            task = asyncio.ensure_future(self._run(verb, request))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        return handle
+
+    async def _run(self, verb: str, request: Request) -> None:
+        started = time.monotonic()
+        try:
+            command = command_decoder.decode(request.data) if request.data.strip() else Command()
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            reply = Reply(ok=False, detail="bad command body",
+                          error=ErrorInfo(code="invalid_command", message=f"not a haru.commands.Command: {exc}"))
+        else:
+            try:
+                reply = await self.verbs[verb](command)
+            except asyncio.CancelledError:
+                raise
+            except HaruError as exc:
+                reply = Reply(ok=False, detail=str(exc), error=ErrorInfo(code=getattr(exc, "code", "failed"), message=str(exc)))
+            except Exception as exc:  # a bug must still answer: the promoter waits for a reply
+                self.logger.exception("command failed", verb=verb)
+                reply = Reply(ok=False, detail="internal error", error=ErrorInfo(code="internal", message=repr(exc)))
+        took = int((time.monotonic() - started) * 1000)
+        reply = msgspec.structs.replace(reply, took_ms=took)
+        self.logger.info("command", verb=verb, op_id=command.op_id if "command" in locals() else "", ok=reply.ok,
+                         code=reply.error.code if reply.error else "", took_ms=took)
+        try:
+            await request.respond(_encoder.encode(reply))
+        except Exception:  # the requester went away
+            pass
+
+    # ------------------------------------------------------------------------------------- verbs
+
+    async def status(self, command: Command) -> Reply:
+        data = self.agent.status_data()
+        states = [m["state"] for m in data["models"].values()]
+        return Reply(ok=True, detail=f"{data['role']}: " + ", ".join(f"{k} {v}" for k, v in _count(states).items()),
+                     data=data)
+
+    def _unknown(self, unknown: list[str]) -> Reply:
+        return Reply(ok=False, detail="unknown models",
+                     error=ErrorInfo(code="model_not_found",
+                                     message=f"domain {self.agent.domain!r} runs no admitted model {', '.join(map(repr, unknown))}"))
+
+    async def sleep(self, command: Command) -> Reply:
+        models, unknown = self.agent.selected(command)
+        if unknown:
+            return self._unknown(unknown)
+        results = await asyncio.gather(*(self.agent.sleep_model(m, command.level or 1) for m in models))
+        return _combine("sleep", [(m.name, *r) for m, r in zip(models, results)], self.agent)
+
+    async def wake(self, command: Command) -> Reply:
+        models, unknown = self.agent.selected(command)
+        if unknown:
+            return self._unknown(unknown)
+        results = await asyncio.gather(*(self.agent.wake_model(m) for m in models))
+        per = [(m.name, ok, code, detail) for m, (ok, code, detail, _took) in zip(models, results)]
+        reply = _combine("wake", per, self.agent)
+        for m, (_ok, _code, _detail, took) in zip(models, results):
+            reply.data["models"][m.name]["took_ms"] = took
+        return reply
+
+    async def probe(self, command: Command) -> Reply:
+        models, unknown = self.agent.selected(command)
+        if unknown:
+            return self._unknown(unknown)
+
+        async def one(m):
+            if m.state_tag != "resident":
+                return False, "not_resident", f"{m.name} is {m.state_tag}", 0
+            from agents import probes
+
+            p = await probes.ready(m.runtime, timeout_s=self.agent.policy.probe_timeout_ms / 1000)
+            if p.ok:
+                return True, "", f"answered in {p.latency_ms} ms", p.latency_ms
+            # A failed probe is news: let the supervisor's diagnosis record it now.
+            await self.agent.check(m)
+            return False, "probe_failed", f"{p.step}: {p.detail}", 0
+
+        results = await asyncio.gather(*(one(m) for m in models))
+        reply = _combine("probe", [(m.name, ok, code, detail) for m, (ok, code, detail, _l) in zip(models, results)], self.agent)
+        for m, (_ok, _c, _d, latency) in zip(models, results):
+            reply.data["models"][m.name]["latency_ms"] = latency
+        return reply
+
+    def _slots(self, command: Command) -> tuple[list[str], list[str]]:
+        names = command.slots or list(self.agent.trainers)
+        return [s for s in names if s in self.agent.trainers], [s for s in names if s not in self.agent.trainers]
+
+    async def stop_training(self, command: Command) -> Reply:
+        slots, unknown = self._slots(command)
+        if unknown:
+            return Reply(ok=False, error=ErrorInfo(code="slot_not_found", message=f"no admitted training slot {unknown}"))
+        out = {}
+        for slot in slots:
+            ended = await self.agent._stop_training_slot(slot)
+            out[slot] = ({"how": ended.how, "exit_code": ended.exit_code, "ran_ms": ended.ran_ms, "was_running": True}
+                         if ended else {"was_running": False})
+        detail = ", ".join(f"{s} {v['how']}" if v["was_running"] else f"{s} not running" for s, v in out.items())
+        return Reply(ok=True, detail=detail or "no training slots", data={"slots": out})
+
+    async def start_training(self, command: Command) -> Reply:
+        slots, unknown = self._slots(command)
+        if unknown:
+            return Reply(ok=False, error=ErrorInfo(code="slot_not_found", message=f"no admitted training slot {unknown}"))
+        out = {}
+        first_error: ErrorInfo | None = None
+        for slot in slots:
+            ok, code, detail = await self.agent.start_training_slot(slot)
+            out[slot] = {"ok": ok, "detail": detail, "pid": self.agent.trainers[slot].pid}
+            if not ok and first_error is None:
+                first_error = ErrorInfo(code=code, message=f"{slot}: {detail}")
+        ok = first_error is None
+        return Reply(ok=ok, detail="; ".join(f"{s}: {v['detail']}" for s, v in out.items()) or "no training slots",
+                     error=first_error, data={"slots": out})
+
+    async def verify_gpu(self, command: Command) -> Reply:
+        models, unknown = self.agent.selected(command)
+        if unknown:
+            return self._unknown(unknown)
+        for index in {m.spec.gpu_index for m in models}:
+            await self.agent.observe_gpu(index)
+        ok, error, data = self.agent.verify_gpu_data(models)
+        detail = "VRAM verified: enough free to wake, no trainer on the GPUs" if ok else (error.message if error else "")
+        return Reply(ok=ok, detail=detail, error=error, data=data)
+
+
+def _count(states: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in states:
+        out[s] = out.get(s, 0) + 1
+    return out
+
+
+def _combine(verb: str, per: list[tuple[str, bool, str, str]], agent: "Agent") -> Reply:
+    data = {"models": {name: {"ok": ok, "state": agent.models[name].state_tag, "detail": detail, **({"code": code} if code else {})}
+                       for name, ok, code, detail in per}}
+    failed = [(name, code, detail) for name, ok, code, detail in per if not ok]
+    if not per:
+        return Reply(ok=True, detail=f"{verb}: no models", data=data)
+    if failed:
+        name, code, detail = failed[0]
+        message = "; ".join(f"{n}: {d}" for n, _c, d in failed)
+        return Reply(ok=False, detail=f"{verb} failed for {', '.join(n for n, _c, _d in failed)}",
+                     error=ErrorInfo(code=code or "failed", message=message), data=data)
+    return Reply(ok=True, detail="; ".join(f"{name}: {detail}" for name, _ok, _c, detail in per), data=data)

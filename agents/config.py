@@ -1,0 +1,255 @@
+"""The agent's configuration file, and what this host runs (its slots), resolved from the layout.
+
+    {
+      "nats_url": "nats://10.0.0.5:4222",        (a string, comma-separated, or a list)
+      "nats_creds": "/etc/haru/agent-a.creds",   (optional)
+      "fleet": "default",
+      "domain": "a",
+      "gpus": "nvml",                            ("nvml" | "sim")
+      "sim_dir": "",                             (with "gpus": "sim": the simulated host's directory)
+      "serving": {"host": "0.0.0.0", "port": 18601},   (port 0/absent: the domain's serving_url port)
+      "layout": "/etc/haru/fleet.json",          (optional: read the slots from this layout file)
+      "host": { ...one domain, as a layout declares it... },  (optional: a host not declared yet)
+      "policy": { ...policy values... },         (optional, with "host")
+      "role": "auto",                            ("auto" | "active" | "standby")
+      "state_dir": "/var/lib/haru/agent-a",      (runtime/trainer logs and the child pid file)
+      "heartbeat_ms": 1000,
+      "auto_training": true                      (a standby starts its training slots by itself)
+    }
+
+Where the slots come from, in order: the `layout` file when given; else the fleet's declarations
+(`haru.evt.<fleet>.decl`, written by `haru apply`): the last declaration of this domain, its models
+and training slots, and the planner's verdicts; else the `host` entry of this file. Only models (and
+training slots) the planner admitted are run. The pure part is `fold_declarations`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from haru import planner
+from haru.errors import ConfigError, LayoutError
+from haru.events import (
+    AdmissionDecided,
+    DomainChanged,
+    DomainDeclared,
+    DomainRetired,
+    FleetDeclared,
+    ModelChanged,
+    ModelDeclared,
+    ModelRetired,
+    PolicyChanged,
+    TrainingChanged,
+    TrainingDeclared,
+    TrainingRetired,
+)
+from haru.layout import load_layout, parse_layout
+from haru.specs import Domain, DomainSpec, Layout, ModelSpec, Policy, TrainingSpec
+from haru.subjects import check_name
+
+__all__ = ["AgentConfig", "ServingConfig", "HostSlots", "load_config", "parse_config", "fold_declarations",
+           "slots_from_layout", "slots_from_host_entry"]
+
+Role = Literal["auto", "active", "standby"]
+
+
+class ServingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: the port of the domain's serving_url; no serving_url either: a free port
+    enabled: bool = True
+
+
+class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    fleet: str
+    domain: str
+    nats_url: str | list[str] = "nats://127.0.0.1:4222"
+    nats_creds: str | None = None
+    gpus: Literal["nvml", "sim"] = "nvml"
+    sim_dir: str = ""
+    serving: ServingConfig = ServingConfig()
+    layout: str = ""
+    host: dict | None = None
+    policy: dict | None = None
+    role: Role = "auto"
+    state_dir: str = ""
+    heartbeat_ms: int = 1000
+    auto_training: bool = True
+
+    def servers(self) -> list[str]:
+        urls = self.nats_url if isinstance(self.nats_url, list) else self.nats_url.split(",")
+        return [u.strip() for u in urls if u.strip()]
+
+    def state_path(self) -> Path:
+        if self.state_dir:
+            return Path(os.path.expanduser(self.state_dir))
+        base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+        return Path(base) / "haru" / f"agent-{self.fleet}-{self.domain}"
+
+
+_config_decoder = msgspec.json.Decoder(AgentConfig)
+
+
+def parse_config(data: bytes | str, *, origin: str = "the agent config") -> AgentConfig:
+    try:
+        config = _config_decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{origin} is not valid: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{origin} is not valid JSON: {exc}") from None
+    try:
+        check_name("fleet", config.fleet)
+        check_name("domain", config.domain)
+    except ValueError as exc:
+        raise ConfigError(f"{origin}: {exc}") from None
+    if config.gpus == "sim" and not config.sim_dir:
+        raise ConfigError(f'{origin}: "gpus": "sim" needs "sim_dir", the simulated host\'s directory')
+    if config.heartbeat_ms <= 0:
+        raise ConfigError(f"{origin}: heartbeat_ms must be positive (got {config.heartbeat_ms})")
+    return config
+
+
+def load_config(path: str | os.PathLike[str]) -> AgentConfig:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the agent config {os.fspath(path)!r}: {exc.strerror}; pass --config <file>") from None
+    config = parse_config(data, origin=f"agent config {os.fspath(path)!r}")
+    if config.layout and not os.path.isabs(config.layout):
+        config = msgspec.structs.replace(config, layout=str(Path(path).parent / config.layout))
+    return config
+
+
+# ----------------------------------------------------------------------------------- host slots
+
+
+class HostSlots(msgspec.Struct, frozen=True, kw_only=True):
+    """What this agent runs: its domain as declared, the planner's verdicts, and the fleet facts it needs."""
+
+    fleet: str
+    domain: Domain
+    policy: Policy
+    admitted_models: list[ModelSpec]
+    admitted_training: list[TrainingSpec]
+    not_admitted: dict[str, int] = {}  # model or slot -> short_by_bytes
+    first_domain: str = ""  # the first declared domain: active until a route_moved says otherwise
+    source: str = ""  # layout:<path> | declared | config
+
+    def model(self, name: str) -> ModelSpec | None:
+        for m in self.admitted_models:
+            if m.name == name:
+                return m
+        return None
+
+    def gpu_indexes(self) -> list[int]:
+        seen: list[int] = [g.index for g in self.domain.spec.gpus]
+        for item in (*self.admitted_models, *self.admitted_training):
+            if item.gpu_index not in seen:
+                seen.append(item.gpu_index)
+        return seen
+
+
+def _from_plan(layout_fleet: str, domain: Domain, policy: Policy, first: str, source: str) -> HostSlots:
+    dplan = planner.plan_domain(domain, policy)
+    admitted_models = {v.name for g in dplan.gpus for v in g.models if v.admitted}
+    admitted_training = {v.name for g in dplan.gpus for v in g.training if v.admitted}
+    short = {v.name: v.short_by_bytes for v in dplan.verdicts() if not v.admitted}
+    return HostSlots(
+        fleet=layout_fleet,
+        domain=domain,
+        policy=policy,
+        admitted_models=[m for m in domain.models if m.name in admitted_models],
+        admitted_training=[t for t in domain.training if t.slot in admitted_training],
+        not_admitted=short,
+        first_domain=first,
+        source=source,
+    )
+
+
+def slots_from_layout(layout: Layout, domain: str, *, source: str = "layout") -> HostSlots:
+    d = layout.domain(domain)
+    if d is None:
+        names = ", ".join(x.spec.name for x in layout.domains)
+        raise ConfigError(f"the layout declares no domain {domain!r} (it declares {names}); fix \"domain\" in the agent config")
+    first = layout.domains[0].spec.name if layout.domains else domain
+    return _from_plan(layout.fleet, d, layout.policy, first, source)
+
+
+def slots_from_host_entry(fleet: str, domain: str, host: dict, policy: dict | None) -> HostSlots:
+    """The config's own `host` entry (one domain in layout form), validated by the layout parser."""
+    entry = dict(host)
+    entry.setdefault("name", domain)
+    if entry["name"] != domain:
+        raise ConfigError(f'the config\'s "host" entry names domain {entry["name"]!r} but "domain" is {domain!r}')
+    mirror = dict(entry, name=f"{domain}-mirror" if not domain.endswith("-mirror") else f"{domain}-x")
+    doc: dict = {"fleet": fleet, "domains": [entry, mirror]}
+    if policy:
+        doc["policy"] = policy
+    try:
+        layout = parse_layout(doc)
+    except LayoutError as exc:
+        raise ConfigError(f'the config\'s "host" entry: {str(exc).replace("$.domains[0]", "$.host")}') from None
+    return slots_from_layout(msgspec.structs.replace(layout, domains=layout.domains[:1]), domain, source="config")
+
+
+def load_layout_slots(path: str, fleet: str, domain: str) -> HostSlots:
+    layout = load_layout(path)
+    if layout.fleet != fleet:
+        raise ConfigError(f"the layout {path!r} is for fleet {layout.fleet!r}, the agent config says {fleet!r}")
+    return slots_from_layout(layout, domain, source=f"layout:{path}")
+
+
+def fold_declarations(fleet: str, domain: str, events: list[object]) -> HostSlots | None:
+    """Fold a fleet's declaration events into this domain's slots. None when the domain is not declared.
+
+    Admission is what the planner said at apply time (`admission_decided`); a model declared without a
+    verdict is not run.
+    """
+    policy = Policy()
+    domains: dict[str, DomainSpec] = {}
+    models: dict[str, ModelSpec] = {}
+    training: dict[str, TrainingSpec] = {}
+    verdicts: dict[tuple[str, str], AdmissionDecided] = {}
+    for ev in events:
+        if isinstance(ev, FleetDeclared):
+            policy = ev.policy
+        elif isinstance(ev, PolicyChanged):
+            policy = ev.policy
+        elif isinstance(ev, (DomainDeclared, DomainChanged)):
+            domains[ev.spec.name] = ev.spec
+        elif isinstance(ev, DomainRetired):
+            domains.pop(ev.domain, None)
+        elif isinstance(ev, (ModelDeclared, ModelChanged)) and ev.domain == domain:
+            models[ev.spec.name] = ev.spec
+        elif isinstance(ev, ModelRetired) and ev.domain == domain:
+            models.pop(ev.model, None)
+            verdicts.pop(("model", ev.model), None)
+        elif isinstance(ev, (TrainingDeclared, TrainingChanged)) and ev.domain == domain:
+            training[ev.spec.slot] = ev.spec
+        elif isinstance(ev, TrainingRetired) and ev.domain == domain:
+            training.pop(ev.slot, None)
+            verdicts.pop(("training", ev.slot), None)
+        elif isinstance(ev, AdmissionDecided) and ev.domain == domain:
+            verdicts[(ev.kind, ev.name)] = ev
+    spec = domains.get(domain)
+    if spec is None:
+        return None
+    d = Domain(spec=spec, models=list(models.values()), training=list(training.values()))
+
+    def admitted(kind: str, name: str) -> bool:
+        v = verdicts.get((kind, name))
+        return v is not None and v.admitted
+
+    return HostSlots(
+        fleet=fleet,
+        domain=d,
+        policy=policy,
+        admitted_models=[m for m in d.models if admitted("model", m.name)],
+        admitted_training=[t for t in d.training if admitted("training", t.slot)],
+        not_admitted={name: v.short_by_bytes for (kind, name), v in verdicts.items() if not v.admitted},
+        first_domain=next(iter(domains), domain),
+        source="declared",
+    )

@@ -1,0 +1,68 @@
+"""Probes: the real signals residency is made of.
+
+    ready(runtime)      -> Probe    health passes, /v1/models lists the model, a one-token completion
+                                    answers (and, for vLLM, /is_sleeping is false)
+    diagnose(...)       -> reason   why a failed probe failed: the one-bit rule of
+                                    `haru.residency.classify_probe_failure` fed with what we can see
+
+A probe never decides what to do about a failure; the agent does.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from agents.errors import RuntimeProblem
+from agents.gpu import GpuReading
+from agents.runtimes.base import Runtime
+from haru.events import LostReason
+from haru.residency import classify_probe_failure
+
+__all__ = ["Probe", "ready", "holds_model", "diagnose"]
+
+
+class Probe(msgspec.Struct, frozen=True, kw_only=True):
+    ok: bool
+    step: str = ""  # which check failed: health | listed | sleeping | completion
+    detail: str = ""
+    latency_ms: int = 0
+    sleeping: bool | None = None
+
+
+async def ready(runtime: Runtime, *, timeout_s: float, check_sleep: bool = True) -> Probe:
+    """The full check: health, listed, not sleeping, and a real one-token completion."""
+    health = await runtime.health(timeout_s=min(timeout_s, 5.0))
+    if not health.ok:
+        return Probe(ok=False, step="health", detail=health.detail or f"/health answered {health.status}")
+    try:
+        models = await runtime.list_models(timeout_s=min(timeout_s, 5.0))
+    except RuntimeProblem as exc:
+        return Probe(ok=False, step="listed", detail=str(exc))
+    if runtime.spec.name not in models:
+        return Probe(ok=False, step="listed", detail=f"/v1/models does not list {runtime.spec.name!r} (it lists {models})")
+    sleeping: bool | None = None
+    if check_sleep and runtime.can_sleep:
+        try:
+            sleeping = await runtime.is_sleeping(timeout_s=min(timeout_s, 5.0))
+        except RuntimeProblem as exc:
+            return Probe(ok=False, step="sleeping", detail=str(exc))
+        if sleeping:
+            return Probe(ok=False, step="sleeping", detail="/is_sleeping says it sleeps", sleeping=True)
+    try:
+        latency = await runtime.probe_completion(timeout_s)
+    except RuntimeProblem as exc:
+        return Probe(ok=False, step="completion", detail=str(exc), sleeping=sleeping)
+    return Probe(ok=True, latency_ms=latency, sleeping=sleeping)
+
+
+async def holds_model(runtime: Runtime, timeout_s: float = 5.0) -> bool:
+    """Does the runtime still list the model? An unanswered question counts as yes (it is not evidence
+    of an eviction: a hung server is `unhealthy`, not `evicted`)."""
+    try:
+        return runtime.spec.name in await runtime.list_models(timeout_s=timeout_s)
+    except RuntimeProblem:
+        return True
+
+
+def diagnose(*, process_alive: bool, gpu: GpuReading | None, runtime_holds_model: bool) -> LostReason:
+    return classify_probe_failure(process_alive, None if gpu is None else gpu.present, runtime_holds_model)

@@ -1,0 +1,328 @@
+"""The runtime seam: one small interface over vLLM, llama-server and an external endpoint.
+
+A runtime is one model served by one OpenAI-compatible HTTP server bound to 127.0.0.1. The agent
+drives every runtime through `Runtime`; the simulator (`agents.sim.vllm`) is driven through the
+vLLM adapter by pointing `ModelSpec.binary` at it, so tests run the same code paths as a GPU host.
+
+Nothing a runtime says is trusted on its own: a 200 from `/sleep` or `/wake_up` is checked against
+`/is_sleeping`, and "ready" means health passed, `/v1/models` lists the model and a one-token
+completion answered (see `agents.probes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Protocol
+
+import aiohttp
+import msgspec
+
+from agents.errors import OutOfMemory, ProbeFailed, RuntimeRefused, RuntimeUnreachable
+from haru.specs import ModelSpec
+
+__all__ = [
+    "Health",
+    "Runtime",
+    "HttpRuntime",
+    "ProcessRuntime",
+    "free_port",
+    "die_with_parent",
+]
+
+
+class Health(msgspec.Struct, frozen=True):
+    ok: bool
+    status: int = 0  # HTTP status (0 = no answer)
+    detail: str = ""
+
+
+class Runtime(Protocol):
+    """What the agent needs from a runtime. One instance = one model = at most one live process."""
+
+    spec: ModelSpec
+    kind: str  # vllm | llama_server | external
+    can_sleep: bool
+
+    @property
+    def base_url(self) -> str: ...
+    @property
+    def pid(self) -> int | None: ...
+    def alive(self) -> bool: ...
+    async def start(self) -> None: ...
+    async def wait_exit(self) -> int | None: ...
+    async def stop(self, grace_s: float) -> int | None: ...
+    async def health(self) -> Health: ...
+    async def list_models(self) -> list[str]: ...
+    async def is_sleeping(self) -> bool | None: ...
+    async def sleep(self, level: int, timeout_s: float) -> None: ...
+    async def wake(self, timeout_s: float) -> None: ...
+    async def probe_completion(self, timeout_s: float) -> int: ...
+    def output_tail(self, limit: int = 2000) -> str: ...
+    async def close(self) -> None: ...
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGKILL when the agent dies, even by SIGKILL (Linux prctl).
+
+    Runtimes and trainers run in their own sessions (so the agent can signal their whole process
+    group); without this an agent killed with SIGKILL would leave them holding ports and VRAM.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the agent's pid file sweep covers it
+        pass
+
+
+def killpg(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+class _Models(msgspec.Struct):
+    data: list[dict] = []
+
+
+_models_decoder = msgspec.json.Decoder(_Models)
+
+
+class _Sleeping(msgspec.Struct):
+    is_sleeping: bool
+
+
+_sleeping_decoder = msgspec.json.Decoder(_Sleeping)
+
+
+class _Choices(msgspec.Struct):
+    choices: list[dict] = []
+
+
+_choices_decoder = msgspec.json.Decoder(_Choices)
+
+_OOM_MARKERS = ("out of memory", "outofmemory", "cuda error: out of memory")
+
+
+class HttpRuntime:
+    """The HTTP half every runtime shares: health, models, sleep/wake (vLLM), probes."""
+
+    kind = "external"
+    can_sleep = False
+    health_path = "/health"
+
+    def __init__(self, spec: ModelSpec, *, session: aiohttp.ClientSession, host: str = "127.0.0.1") -> None:
+        self.spec = spec
+        self._session = session
+        self._host = host
+        self._port = spec.port
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    def alive(self) -> bool:
+        return True
+
+    def output_tail(self, limit: int = 2000) -> str:
+        return ""
+
+    async def close(self) -> None:
+        pass
+
+    async def _request(
+        self, method: str, path: str, *, timeout_s: float, json: object | None = None
+    ) -> tuple[int, bytes]:
+        url = self.base_url + path
+        try:
+            async with self._session.request(
+                method, url, json=json, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                return resp.status, await resp.read()
+        except asyncio.TimeoutError as exc:
+            raise RuntimeUnreachable(f"{self.spec.name}: {method} {path} got no answer in {timeout_s:.1f}s") from exc
+        except aiohttp.ClientError as exc:
+            raise RuntimeUnreachable(f"{self.spec.name}: {method} {path} failed: {exc}") from exc
+
+    async def health(self, timeout_s: float = 5.0) -> Health:
+        try:
+            status, body = await self._request("GET", self.health_path, timeout_s=timeout_s)
+        except RuntimeUnreachable as exc:
+            return Health(ok=False, status=0, detail=str(exc))
+        text = body[:300].decode(errors="replace")
+        return Health(ok=status == 200, status=status, detail="" if status == 200 else text)
+
+    async def list_models(self, timeout_s: float = 5.0) -> list[str]:
+        status, body = await self._request("GET", "/v1/models", timeout_s=timeout_s)
+        if status != 200:
+            raise RuntimeRefused(
+                f"{self.spec.name}: /v1/models answered {status}", status=status, body=body[:300].decode(errors="replace")
+            )
+        try:
+            models = _models_decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            raise RuntimeRefused(f"{self.spec.name}: /v1/models is not an OpenAI model list: {exc}", status=status) from exc
+        return [str(m.get("id", "")) for m in models.data]
+
+    async def is_sleeping(self, timeout_s: float = 5.0) -> bool | None:
+        if not self.can_sleep:
+            return None
+        status, body = await self._request("GET", "/is_sleeping", timeout_s=timeout_s)
+        if status != 200:
+            raise RuntimeRefused(f"{self.spec.name}: /is_sleeping answered {status}", status=status)
+        try:
+            return _sleeping_decoder.decode(body).is_sleeping
+        except msgspec.DecodeError as exc:
+            raise RuntimeRefused(f"{self.spec.name}: /is_sleeping said {body[:100]!r}", status=status) from exc
+
+    async def sleep(self, level: int, timeout_s: float) -> None:
+        raise RuntimeRefused(f"{self.spec.name}: a {self.kind} runtime has no sleep mode")
+
+    async def wake(self, timeout_s: float) -> None:
+        raise RuntimeRefused(f"{self.spec.name}: a {self.kind} runtime has no sleep mode")
+
+    async def probe_completion(self, timeout_s: float) -> int:
+        """A real one-token completion. Returns its latency in ms; raises ProbeFailed."""
+        started = time.monotonic()
+        body = {"model": self.spec.name, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+        try:
+            status, raw = await self._request("POST", "/v1/completions", timeout_s=timeout_s, json=body)
+        except RuntimeUnreachable as exc:
+            raise ProbeFailed(f"{self.spec.name}: probe completion got no answer: {exc}") from exc
+        if status != 200:
+            text = raw[:300].decode(errors="replace")
+            if any(m in text.lower() for m in _OOM_MARKERS):
+                raise OutOfMemory(f"{self.spec.name}: probe completion: {text}", status=status, body=text)
+            raise ProbeFailed(f"{self.spec.name}: probe completion answered {status}: {text}")
+        try:
+            choices = _choices_decoder.decode(raw).choices
+        except msgspec.DecodeError as exc:
+            raise ProbeFailed(f"{self.spec.name}: probe completion body is not a completion: {exc}") from exc
+        if not choices:
+            raise ProbeFailed(f"{self.spec.name}: probe completion returned no choices")
+        return int((time.monotonic() - started) * 1000)
+
+    @staticmethod
+    def _raise_for(name: str, what: str, status: int, body: bytes) -> None:
+        text = body[:500].decode(errors="replace")
+        if any(m in text.lower() for m in _OOM_MARKERS):
+            raise OutOfMemory(f"{name}: {what} failed: {text}", status=status, body=text)
+        raise RuntimeRefused(f"{name}: {what} answered {status}: {text}", status=status, body=text)
+
+
+class ProcessRuntime(HttpRuntime):
+    """A runtime the agent spawns: own session (process group), output to a log file, exit waiter."""
+
+    default_binary: list[str] = []
+
+    def __init__(
+        self, spec: ModelSpec, *, session: aiohttp.ClientSession, log_dir: Path, base_env: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(spec, session=session)
+        self._log_dir = Path(log_dir)
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        self._proc: asyncio.subprocess.Process | None = None
+        self._exit: asyncio.Future[int] | None = None
+        self._log_path = self._log_dir / f"runtime-{_file_token(spec.name)}.log"
+
+    # -- what subclasses define
+    def argv(self) -> list[str]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str]:
+        env = dict(self._base_env)
+        env.update(self.spec.env)
+        return env
+
+    # -- process
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def log_path(self) -> Path:
+        return self._log_path
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    async def start(self) -> None:
+        if self.alive():
+            return
+        if not self.spec.port:
+            self._port = free_port()
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        argv = self.argv()
+        with open(self._log_path, "ab") as log:
+            log.write(f"--- haru agent starting: {' '.join(argv)}\n".encode())
+            log.flush()
+            try:
+                self._proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env=self.env(),
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
+            except OSError as exc:
+                raise RuntimeUnreachable(f"{self.spec.name}: cannot start {argv[0]!r}: {exc}") from exc
+        proc = self._proc
+        self._exit = asyncio.ensure_future(proc.wait())
+
+    async def wait_exit(self) -> int | None:
+        """Resolves when the current process exits, with its exit code (negative = signal)."""
+        if self._exit is None:
+            await asyncio.Future()  # never started: never exits
+        return await asyncio.shield(self._exit)  # type: ignore[arg-type]
+
+    async def stop(self, grace_s: float) -> int | None:
+        """SIGTERM to the process group, SIGKILL after `grace_s`; returns the exit code."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.returncode is None:
+            killpg(proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._exit), grace_s)  # type: ignore[arg-type]
+            except asyncio.TimeoutError:
+                killpg(proc.pid, signal.SIGKILL)
+                await asyncio.shield(self._exit)  # type: ignore[arg-type]
+        killpg(proc.pid, signal.SIGKILL)  # stragglers left in the group
+        return proc.returncode
+
+    def output_tail(self, limit: int = 2000) -> str:
+        try:
+            with open(self._log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - limit))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+
+def _file_token(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:100]
+

@@ -1,0 +1,31 @@
+"""llama-server (llama.cpp, GGUF): `llama-server -m <gguf> --host 127.0.0.1 --port P --alias NAME`.
+
+Its HTTP listener is up before the model: `/health` answers 503 {"error": {"message": "Loading
+model"}} while loading and 200 {"status": "ok"} when ready. It has no sleep mode: on a standby
+domain a llama-server model stays resident.
+"""
+
+from __future__ import annotations
+
+from agents.runtimes.base import ProcessRuntime
+
+
+class LlamaServerRuntime(ProcessRuntime):
+    kind = "llama_server"
+    can_sleep = False
+    default_binary = ["llama-server"]
+
+    def argv(self) -> list[str]:
+        binary = list(self.spec.binary) or self.default_binary
+        return [
+            *binary,
+            "-m",
+            self.spec.source,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self._port),
+            "--alias",
+            self.spec.name,
+            *self.spec.args,
+        ]

@@ -1,0 +1,177 @@
+"""The serving port: the domain's inference traffic, on one port, to the runtimes on 127.0.0.1.
+
+Only these are forwarded, to the runtime chosen by the body's `model` (only `model` is read; the
+body goes upstream byte-identical and the response, JSON or SSE, streams back unbuffered):
+
+    POST /v1/chat/completions   POST /v1/completions   POST /v1/embeddings
+    GET  /v1/models             (answered here: this domain's admitted models and their residency)
+
+Everything else (vLLM's /sleep, /wake_up, /is_sleeping, /health, any other path) is 404, so the
+sleep and wake controls are structurally unreachable from off the host. With HARU_SERVING_TOKEN set,
+every request needs `Authorization: Bearer <token>` (compared in constant time). A client that
+disconnects cancels its upstream request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import time
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+import aiohttp
+import msgspec
+import structlog
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from agents.agent import Agent
+
+__all__ = ["ServingProxy", "FORWARDED"]
+
+FORWARDED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+MAX_BODY = int(os.environ.get("HARU_SERVING_MAX_BODY_BYTES", str(32 * 1024 * 1024)))
+# Request headers that describe the body or the client's wishes; the rest stay at the door.
+_PASS_REQUEST = ("content-type", "accept", "accept-encoding", "user-agent", "x-request-id", "openai-organization")
+_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authenticate",
+                  "proxy-authorization", "content-length", "server", "date"})
+
+
+class _Model(msgspec.Struct):
+    model: str | None = None
+
+
+_model_decoder = msgspec.json.Decoder(_Model)
+
+# residency state -> (status, OpenAI error code) for a model this domain has but cannot serve now
+_NOT_SERVING = {
+    "loading": (503, "model_warming"),
+    "waking": (503, "model_warming"),
+    "sleeping": (503, "model_asleep"),
+    "lost": (503, "model_lost"),
+    "failed": (503, "model_lost"),
+    "stopped": (503, "model_lost"),
+    "unknown": (503, "residency_unknown"),
+}
+
+
+def error(status: int, code: str, message: str, *, kind: str = "", param: str | None = None,
+          headers: dict | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind or ("invalid_request_error" if status < 500 else "server_error"),
+                      "param": param, "code": code}}
+    return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json", headers=headers)
+
+
+class ServingProxy:
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+        self.logger = structlog.get_logger("haru.agent.serving").bind(fleet=agent.fleet, domain=agent.domain)
+        self.token = os.environ.get("HARU_SERVING_TOKEN", "")
+        cfg = agent.config.serving
+        self.host = cfg.host
+        port = cfg.port
+        if not port and agent.slots.domain.spec.serving_url:
+            port = urlsplit(agent.slots.domain.spec.serving_url).port or 0
+        self.port = port
+        self._runner: web.ServerRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        if not self.token and self.host not in ("127.0.0.1", "localhost", "::1"):
+            self.logger.warning("HARU_SERVING_TOKEN is not set: the serving port takes inference requests from anyone "
+                                "who can reach it", host=self.host, port=self.port)
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
+        server = web.Server(self._handle, handler_cancellation=True, access_log=None)
+        self._runner = web.ServerRunner(server, handle_signals=False, access_log=None)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.host, self.port)
+        await self._site.start()
+        if not self.port:
+            sockets = self._site._server.sockets  # type: ignore[union-attr]
+            self.port = sockets[0].getsockname()[1]
+        self.logger.info("serving port open", url=self.url)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    def _authorized(self, request: web.BaseRequest) -> bool:
+        if not self.token:
+            return True
+        header = request.headers.get("Authorization", "")
+        scheme, _, value = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token.encode())
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        path = request.path
+        if path == "/v1/models" and request.method == "GET":
+            if not self._authorized(request):
+                return error(401, "unauthorized", "missing or wrong bearer token (HARU_SERVING_TOKEN)", kind="authentication_error")
+            return self._models()
+        if path not in FORWARDED:
+            return error(404, "not_found", f"{request.method} {path} is not served here; this port serves "
+                         f"POST {', '.join(sorted(FORWARDED))} and GET /v1/models")
+        if request.method != "POST":
+            return error(405, "method_not_allowed", f"{path} takes POST", headers={"Allow": "POST"})
+        if not self._authorized(request):
+            return error(401, "unauthorized", "missing or wrong bearer token (HARU_SERVING_TOKEN)", kind="authentication_error")
+        if request.content_length is not None and request.content_length > MAX_BODY:
+            return error(413, "payload_too_large", f"the body is over {MAX_BODY} bytes")
+        body = await request.read()
+        if len(body) > MAX_BODY:
+            return error(413, "payload_too_large", f"the body is over {MAX_BODY} bytes")
+        try:
+            name = _model_decoder.decode(body).model
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return error(400, "invalid_request", f"the body is not a JSON object with a string `model`: {exc}", param="model")
+        if not name:
+            return error(400, "invalid_request", "`model` is required", param="model")
+        m = self.agent.models.get(name)
+        if m is None:
+            return error(404, "model_not_found", f"the model `{name}` does not exist on domain {self.agent.domain!r}",
+                         param="model")
+        state = m.state_tag
+        if state != "resident":
+            status, code = _NOT_SERVING.get(state, (503, "residency_unknown"))
+            headers = {"Retry-After": "1"} if code in ("model_warming", "model_asleep") else None
+            return error(status, code, f"the model `{name}` is {state} on domain {self.agent.domain!r}", headers=headers)
+        return await self._forward(request, m.runtime.base_url + path, body)
+
+    def _models(self) -> web.Response:
+        created = int(time.time())
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "haru",
+                 "domain": self.agent.domain, "residency": m.state_tag}
+                for name, m in self.agent.models.items()]
+        return web.Response(body=msgspec.json.encode({"object": "list", "data": data}), content_type="application/json")
+
+    async def _forward(self, request: web.BaseRequest, url: str, body: bytes) -> web.StreamResponse:
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASS_REQUEST}
+        try:
+            async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as upstream:
+                out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+                streaming = upstream.content_length is None or "text/event-stream" in upstream.headers.get("Content-Type", "")
+                if not streaming:
+                    data = await upstream.read()
+                    return web.Response(status=upstream.status, body=data, headers=out_headers)
+                response = web.StreamResponse(status=upstream.status, headers=out_headers)
+                await response.prepare(request)  # type: ignore[arg-type]
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            if request.transport is None or request.transport.is_closing():
+                raise asyncio.CancelledError from exc
+            return error(502, "upstream_unreachable", f"the runtime at {url} did not answer: {exc}")

@@ -1,0 +1,86 @@
+"""`haru agent --config host.json`: run this host's agent (one per domain) until SIGTERM/SIGINT.
+
+Exit statuses: 0 after a clean stop; CONFLICT (4) when another agent already runs the domain;
+UNAVAILABLE (6) when NATS cannot be reached; ERROR (1) for a config that cannot be used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+import structlog
+
+from haru.cli.common import ExitStatus, fail
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "agent",
+        help="run the per-host agent: supervise runtimes and training, report residency, serve the domain",
+        description="Run the Haru agent for one domain (one GPU host). See docs/agent.md for the config format.",
+    )
+    p.add_argument("--config", required=True, help="the agent config JSON (fleet, domain, NATS, GPUs, serving port)")
+    p.add_argument("--log-format", choices=("auto", "json", "console"), default=os.environ.get("HARU_LOG_FORMAT", "auto"),
+                   help="log format (default: console on a terminal, JSON otherwise)")
+    p.add_argument("--log-level", default=os.environ.get("HARU_LOG_LEVEL", "info"))
+    p.set_defaults(handler=run)
+
+
+def configure_logging(fmt: str, level: str) -> None:
+    if fmt == "auto":
+        fmt = "console" if sys.stderr.isatty() else "json"
+    renderer = structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+async def run(args: argparse.Namespace) -> ExitStatus:
+    from agents.agent import Agent
+    from agents.config import load_config
+    from agents.errors import AgentRefused
+    from haru.errors import ConfigError, LayoutError, LogUnavailable
+
+    configure_logging(args.log_format, args.log_level)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        return fail(str(exc))
+    loop = asyncio.get_running_loop()
+    stop_signal: list[str] = []
+    agent_box: list[Agent] = []
+
+    def on_signal(name: str) -> None:
+        stop_signal.append(name)
+        if agent_box:
+            agent_box[0].request_stop(f"signal {name}")
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    try:
+        async with Agent.start(config) as agent:
+            agent_box.append(agent)
+            if stop_signal:
+                agent.request_stop(f"signal {stop_signal[0]}")
+            await agent.stopped()
+    except AgentRefused as exc:
+        return fail(str(exc), ExitStatus.CONFLICT)
+    except LogUnavailable as exc:
+        return fail(str(exc), ExitStatus.UNAVAILABLE)
+    except (ConfigError, LayoutError) as exc:
+        return fail(str(exc))
+    return ExitStatus.OK

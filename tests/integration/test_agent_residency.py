@@ -1,0 +1,122 @@
+"""The agent as a real process on the simulator: residency from real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from agents.client import send
+from agents.sim.gpu_state import SimGpuState
+from haru import subjects
+from haru.commands import Command
+from tests.integration.agent_harness import (
+    AgentProcess,
+    agent_env,
+    is_,
+    model_tags,
+    sim_fault,
+    tag,
+    wait_event,
+    write_config,
+    write_layout,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def agents():
+    started: list[AgentProcess] = []
+
+    def start(config, log_path, **env):
+        a = AgentProcess(config, log_path, agent_env(**env))
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.kill()
+
+
+async def start_resident(tmp_path, nats_server, event_log, agents, *, models=None, domain="a", **layout_kw):
+    layout = write_layout(tmp_path / "layout.json", tmp_path, models=models, **layout_kw)
+    cfg = write_config(tmp_path / f"agent-{domain}.json", nats_server.url, tmp_path, domain=domain, layout=layout)
+    agent = agents(cfg, tmp_path / f"agent-{domain}.log")
+    for name in models or {"m1": {}}:
+        await wait_event(event_log, subjects.model("f", domain, name), is_("model_resident"), agent=agent)
+    return agent
+
+
+async def test_loads_to_resident_then_sigterm_records_stopped(tmp_path, nats_server, event_log, agents):
+    agent = await start_resident(tmp_path, nats_server, event_log, agents)
+    recs = await event_log.history(subjects.model("f", "a", "m1"))
+    loading, resident = recs[0].event, recs[1].event
+    assert tag(recs[0]) == "model_loading" and loading.attempt == 1 and loading.pid > 0
+    assert tag(recs[1]) == "model_resident" and resident.warmup_ms >= 200  # measured: the sim loads for 200 ms
+    started = await event_log.last(subjects.agent("f", "a"))
+    assert tag(started) == "agent_started" and started.event.pid == agent.pid
+
+    agent.signal(signal.SIGTERM)
+    assert await agent.wait() == 0
+    assert (await model_tags(event_log, "f", "a", "m1"))[-1] == "model_stopped"
+    assert tag(await event_log.last(subjects.agent("f", "a"))) == "agent_stopping"
+    # every child reaped: the runtime's pid is gone
+    import os
+
+    with pytest.raises(ProcessLookupError):
+        os.kill(loading.pid, 0)
+
+
+async def test_runtime_sigkill_is_lost_process_exited_and_restarted(tmp_path, nats_server, event_log, agents):
+    agent = await start_resident(tmp_path, nats_server, event_log, agents)
+    loading = (await event_log.history(subjects.model("f", "a", "m1")))[0].event
+    import os
+
+    os.kill(loading.pid, signal.SIGKILL)
+    lost = await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_lost"), agent=agent)
+    assert lost.event.reason == "process_exited" and lost.event.exit_code == -9
+    again = await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_loading", attempt=2), agent=agent)
+    assert again.event.pid != loading.pid
+    await wait_event(event_log, subjects.model("f", "a", "m1"), lambda r: tag(r) == "model_resident" and r.seq > again.seq,
+                     agent=agent)
+
+
+async def test_gpu_detached_and_evicted(tmp_path, nats_server, event_log, agents):
+    agent = await start_resident(tmp_path, nats_server, event_log, agents, models={"m1": {}, "m2": {}})
+    subj2 = subjects.model("f", "a", "m2")
+    # Evicted: the engine drops the model, the process lives and the GPU is there.
+    res2 = await wait_event(event_log, subj2, is_("model_resident"))
+    await sim_fault(res2.event.endpoint, "evict")
+    lost = await wait_event(event_log, subj2, is_("model_lost"), agent=agent)
+    assert lost.event.reason == "evicted", lost.event
+    # ... and the agent reloads it.
+    await wait_event(event_log, subj2, lambda r: tag(r) == "model_resident" and r.seq > lost.seq, agent=agent)
+
+    # Detached: the provider takes the GPU.
+    SimGpuState(tmp_path / "sim" / "a", 0).set_present(False)
+    lost1 = await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_lost", reason="gpu_detached"), agent=agent)
+    assert lost1.event.reason == "gpu_detached"
+    gpu = await wait_event(event_log, subjects.gpu("f", "a", 0), is_("gpu_observed", present=False), agent=agent)
+    assert gpu.event.present is False
+
+
+async def test_slow_loading_model_stays_loading_with_growing_elapsed(tmp_path, nats_server, event_log, agents):
+    layout = write_layout(tmp_path / "layout.json", tmp_path, models={"slow": {"load_ms": 600_000}},
+                          policy={"probe_timeout_ms": 500})
+    cfg = write_config(tmp_path / "agent.json", nats_server.url, tmp_path, layout=layout)
+    agent = agents(cfg, tmp_path / "agent.log")
+    subject = subjects.model("f", "a", "slow")
+    await wait_event(event_log, subject, is_("model_loading"), agent=agent)
+    await asyncio.sleep(0.3)
+    reply1 = await send(event_log.nc, "f", "a", "status", Command(), timeout=5)
+    first = reply1.data["models"]["slow"]
+    assert first["state"] == "loading" and first["since"]
+    await asyncio.sleep(3.0)  # well past probe_timeout and several probe intervals
+    reply2 = await send(event_log.nc, "f", "a", "status", Command(), timeout=5)
+    m = reply2.data["models"]["slow"]
+    assert m["state"] == "loading" and m["since"] == first["since"]
+    assert m["for_ms"] >= first["for_ms"] + 2500  # the elapsed time grows; nothing times out
+    assert await model_tags(event_log, "f", "a", "slow") == ["model_loading"]  # nothing failed on a clock
+    assert agent.proc.poll() is None
