@@ -1,0 +1,471 @@
+"""The promotion decider: given events (folded by the real fleet fold), when decide, then appends."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from haru import subjects
+from haru.events import (
+    AdmissionDecided,
+    DemotionRequested,
+    DomainDeclared,
+    DomainReachable,
+    DomainUnreachable,
+    EligibilityChanged,
+    FailoverDeclined,
+    FleetDeclared,
+    GpuObserved,
+    ModelDeclared,
+    ModelLoading,
+    ModelLost,
+    ModelResident,
+    ModelSleeping,
+    OperationAborted,
+    OperationCompleted,
+    PromotionRequested,
+    RouteMoved,
+    StepCompleted,
+    StepFailed,
+    StepStarted,
+)
+from haru.promoter.decider import (
+    ABORT,
+    COMPLETE,
+    LEASE_MARGIN_MS,
+    STEPS,
+    TRANSITIONS,
+    active_health,
+    decide,
+    flow,
+    judge_request,
+    lease_ms,
+    retry_ms,
+)
+from haru.promoter.decisions import Facts
+from haru.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from projections.fleet import evolve
+
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+F = "default"
+OP = subjects.op(F)
+ROUTE = subjects.route(F)
+POLICY = Policy(heartbeat_timeout_ms=1000, degraded_grace_ms=5000, command_timeout_ms=2000, wake_timeout_ms=4000,
+                probe_timeout_ms=3000, training_grace_ms=1000)
+
+
+def at(ms: int) -> datetime:
+    return T0 + timedelta(milliseconds=ms)
+
+
+def given(*events_on: tuple[str, object], policy: Policy = POLICY, models=("m1", "m2"), declare=True):
+    """A view folded from declarations (two domains a, b, each with models) plus `events_on`."""
+    seq = 0
+    view = None
+    from projections.fleet import empty
+
+    view = empty(F)
+    base: list[tuple[str, object]] = []
+    if declare:
+        base.append((subjects.decl(F), FleetDeclared(at=T0, fleet=F, policy=policy)))
+        for d in ("a", "b"):
+            base.append((subjects.decl(F), DomainDeclared(at=T0, spec=DomainSpec(
+                name=d, gpus=[GpuSpec(index=0, memory_bytes=24 << 30)]))))
+            for m in models:
+                base.append((subjects.decl(F), ModelDeclared(at=T0, domain=d, spec=ModelSpec(name=m, slot="chat", gpu_index=0))))
+                base.append((subjects.decl(F), AdmissionDecided(at=T0, domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=1)))
+    for subject, event in [*base, *events_on]:
+        seq += 1
+        view = evolve(view, event, seq=seq, subject=subject)
+    return view
+
+
+def resident(domain: str, model: str, ms: int = 0):
+    return (subjects.model(F, domain, model), ModelResident(at=at(ms), domain=domain, model=model))
+
+
+def sleeping(domain: str, model: str, ms: int = 0):
+    return (subjects.model(F, domain, model), ModelSleeping(at=at(ms), domain=domain, model=model))
+
+
+def reachable(domain: str, ms: int = 0):
+    return (subjects.liveness(F, domain), DomainReachable(at=at(ms), domain=domain))
+
+
+def unreachable(domain: str, ms: int = 0):
+    return (subjects.liveness(F, domain), DomainUnreachable(at=at(ms), domain=domain, silent_ms=1500))
+
+
+def routed(active: str, ms: int = 0, op_id: str = "op-0"):
+    return (ROUTE, RouteMoved(at=at(ms), active=active, op_id=op_id))
+
+
+def healthy_fleet(active: str = "a"):
+    """a active and resident, b standby and asleep, both reachable."""
+    standby = "b" if active == "a" else "a"
+    return [
+        reachable("a"), reachable("b"),
+        resident(active, "m1"), resident(active, "m2"),
+        sleeping(standby, "m1"), sleeping(standby, "m2"),
+        routed(active),
+    ]
+
+
+def facts(ms: int = 10, **kw) -> Facts:
+    kw.setdefault("silent_ms", {"a": 100, "b": 100})
+    kw.setdefault("listening_ms", 60_000)
+    kw.setdefault("me", "promoter:test")
+    kw.setdefault("new_op_id", "op-new")
+    return Facts(now=at(ms), **kw)
+
+
+def op_appends(view, f: Facts | None = None):
+    """The decisions on the op/route subjects (liveness verdicts left out)."""
+    return [a for a in decide(view, f or facts()) if "liveness" not in a.subject]
+
+
+def only(view, f: Facts | None = None):
+    out = op_appends(view, f)
+    assert len(out) <= 1
+    return out[0].event if out else None
+
+
+def requested(target="b", source="a", op_id="op-1", revision=None, ms=1):
+    return (OP, PromotionRequested(at=at(ms), op_id=op_id, target=target, source=source,
+                                   route_revision=revision if revision is not None else 0))
+
+
+# --------------------------------------------------------------------------------------- tables
+
+
+def test_the_promotion_is_the_six_steps_in_design_order():
+    assert flow("promotion") == ["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active"]
+    assert flow("demotion") == ["sleep", "start_training"]
+
+
+def test_every_step_has_both_outcomes_in_the_table():
+    for kind in ("promotion", "demotion"):
+        for step in flow(kind):
+            assert (kind, step, "completed") in TRANSITIONS
+            assert (kind, step, "failed") in TRANSITIONS
+            assert step in STEPS
+
+
+def test_a_failure_before_the_flip_aborts_and_settle_is_best_effort():
+    before_flip = flow("promotion")[: flow("promotion").index("flip") + 1]
+    for step in before_flip:
+        assert TRANSITIONS[("promotion", step, "failed")] == ABORT
+    assert TRANSITIONS[("promotion", "settle_old_active", "failed")] == COMPLETE
+    assert not STEPS["settle_old_active"].fatal
+
+
+def test_lease_is_the_steps_policy_bound_plus_margin():
+    assert lease_ms("wake", POLICY) == POLICY.wake_timeout_ms + LEASE_MARGIN_MS
+    assert lease_ms("stop_training", POLICY) == POLICY.training_grace_ms + POLICY.command_timeout_ms + LEASE_MARGIN_MS
+
+
+# --------------------------------------------------------------------------------- driving
+
+
+def _route_revision(view):
+    return view.route_revision
+
+
+def test_a_requested_promotion_starts_with_stop_training():
+    view = given(*healthy_fleet(), requested())
+    event = only(view)
+    assert isinstance(event, StepStarted) and (event.step, event.attempt, event.op_id) == ("stop_training", 1, "op-1")
+
+
+@pytest.mark.parametrize("done", flow("promotion")[:-1])
+def test_each_completed_step_starts_the_next(done):
+    steps = flow("promotion")
+    history = []
+    for s in steps[: steps.index(done) + 1]:
+        history += [(OP, StepStarted(at=at(2), op_id="op-1", step=s)), (OP, StepCompleted(at=at(3), op_id="op-1", step=s))]
+    base = given(*healthy_fleet())
+    view = given(*healthy_fleet(), requested(revision=base.route_revision), *history)
+    event = only(view)
+    assert isinstance(event, StepStarted)
+    assert event.step == steps[steps.index(done) + 1]
+
+
+@pytest.mark.parametrize("failed", ["stop_training", "verify_gpu", "wake", "probe"])
+def test_a_failed_step_before_the_flip_aborts_with_the_step_and_error(failed):
+    steps = flow("promotion")
+    history = []
+    for s in steps[: steps.index(failed)]:
+        history += [(OP, StepStarted(at=at(2), op_id="op-1", step=s)), (OP, StepCompleted(at=at(3), op_id="op-1", step=s))]
+    history += [(OP, StepStarted(at=at(4), op_id="op-1", step=failed)),
+                (OP, StepFailed(at=at(5), op_id="op-1", step=failed, error_code="out_of_memory", error="wake: CUDA OOM"))]
+    view = given(*healthy_fleet(), requested(), *history)
+    event = only(view)
+    assert isinstance(event, OperationAborted)
+    assert (event.step, event.error) == (failed, "wake: CUDA OOM")
+
+
+def _through(step: str, op_id="op-1"):
+    steps = flow("promotion")
+    out = []
+    for s in steps[: steps.index(step)]:
+        out += [(OP, StepStarted(at=at(2), op_id=op_id, step=s)), (OP, StepCompleted(at=at(3), op_id=op_id, step=s))]
+    return out
+
+
+def test_the_flip_is_refused_when_the_target_became_unreachable_after_its_probe():
+    base = given(*healthy_fleet())
+    view = given(*healthy_fleet(), requested(revision=base.route_revision), *_through("flip"), unreachable("b", 4))
+    event = only(view, facts(silent_ms={"a": 100, "b": 5000}))
+    assert isinstance(event, OperationAborted) and event.step == "flip"
+    assert "unreachable" in event.error
+
+
+def test_a_flip_whose_runner_died_after_route_moved_is_completed_from_the_route():
+    base = given(*healthy_fleet())
+    view = given(*healthy_fleet(), requested(revision=base.route_revision), *_through("flip"),
+                 (OP, StepStarted(at=at(5), op_id="op-1", step="flip")), routed("b", 6, op_id="op-1"))
+    event = only(view)
+    assert isinstance(event, StepCompleted) and event.step == "flip"
+
+
+def test_a_flip_whose_route_moved_elsewhere_fails():
+    base = given(*healthy_fleet())
+    view = given(*healthy_fleet(), requested(revision=base.route_revision), *_through("flip"),
+                 (OP, StepStarted(at=at(5), op_id="op-1", step="flip")), routed("a", 6, op_id="op-other"))
+    event = only(view)
+    assert isinstance(event, StepFailed) and event.error_code == "route_moved_elsewhere"
+
+
+def _started_wake(by_ms=5):
+    base = given(*healthy_fleet())
+    return given(*healthy_fleet(), requested(revision=base.route_revision), *_through("wake"),
+                 (OP, StepStarted(at=at(by_ms), op_id="op-1", step="wake")))
+
+
+def test_a_step_this_promoter_runs_is_left_alone():
+    view = _started_wake()
+    assert only(view, facts(running=frozenset({("op-1", "wake", 1)}), step_by="promoter:test")) is None
+
+
+def test_a_step_another_promoter_runs_is_left_alone_within_its_lease():
+    view = _started_wake()
+    assert only(view, facts(ms=5 + lease_ms("wake", POLICY) - 1, step_by="promoter:other")) is None
+
+
+def test_a_step_whose_lease_ran_out_is_restarted_with_the_next_attempt():
+    view = _started_wake()
+    event = only(view, facts(ms=5 + lease_ms("wake", POLICY), step_by="promoter:other"))
+    assert isinstance(event, StepStarted) and (event.step, event.attempt) == ("wake", 2)
+
+
+def test_my_own_step_from_before_a_restart_is_restarted_at_once():
+    view = _started_wake()
+    event = only(view, facts(ms=6, step_by="promoter:test"))
+    assert isinstance(event, StepStarted) and (event.step, event.attempt) == ("wake", 2)
+
+
+def test_after_settle_the_operation_completes():
+    view = given(*healthy_fleet(), requested(), *_through("settle_old_active"),
+                 (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
+                 (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active")))
+    assert isinstance(only(view), OperationCompleted)
+
+
+def test_a_failed_settle_makes_the_old_active_ineligible_then_completes():
+    view = given(*healthy_fleet(), requested(), *_through("settle_old_active"),
+                 (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
+                 (OP, StepFailed(at=at(7), op_id="op-1", step="settle_old_active", error_code="agent_gone", error="sleep: gone")))
+    event = only(view)
+    assert isinstance(event, EligibilityChanged) and (event.domain, event.eligible) == ("a", False)
+    view = evolve(view, event, seq=view.seq + 1, subject=OP)
+    assert isinstance(only(view), OperationCompleted)
+
+
+def test_an_old_active_whose_gpu_is_gone_is_ineligible_even_when_settle_answered():
+    gone = (subjects.gpu(F, "a", 0), GpuObserved(at=at(4), domain="a", index=0, present=False))
+    view = given(*healthy_fleet(), requested(), gone, *_through("settle_old_active"),
+                 (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
+                 (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active")))
+    event = only(view)
+    assert isinstance(event, EligibilityChanged) and not event.eligible and "GPU 0" in event.why
+
+
+def test_a_demotion_sleeps_then_starts_training_then_restores_eligibility():
+    ineligible = (OP, EligibilityChanged(at=at(1), domain="b", eligible=False, why="GPU 0 of b detached"))
+    dem = (OP, DemotionRequested(at=at(2), op_id="op-d", target="b", reason="recovered"))
+    view = given(*healthy_fleet(), ineligible, dem)
+    assert only(view).step == "sleep"
+    view = given(*healthy_fleet(), ineligible, dem, (OP, StepStarted(at=at(3), op_id="op-d", step="sleep")),
+                 (OP, StepCompleted(at=at(4), op_id="op-d", step="sleep")))
+    assert only(view).step == "start_training"
+    view = given(*healthy_fleet(), ineligible, dem, (OP, StepStarted(at=at(3), op_id="op-d", step="sleep")),
+                 (OP, StepCompleted(at=at(4), op_id="op-d", step="sleep")),
+                 (OP, StepStarted(at=at(5), op_id="op-d", step="start_training")),
+                 (OP, StepCompleted(at=at(6), op_id="op-d", step="start_training")))
+    event = only(view)
+    assert isinstance(event, EligibilityChanged) and event.eligible and event.domain == "b"
+
+
+# ------------------------------------------------------------------------------ auto-failover
+
+
+def test_an_unreachable_active_is_failed_over_at_once():
+    view = given(*healthy_fleet(), unreachable("a", 5))
+    event = only(view, facts(silent_ms={"a": 3000, "b": 100}))
+    assert isinstance(event, PromotionRequested)
+    assert (event.target, event.source, event.reason, event.op_id) == ("b", "a", "domain_unreachable", "op-new")
+    assert event.route_revision == view.route_revision
+
+
+def test_a_served_model_lost_to_gpu_detached_fails_the_active_at_once():
+    lost = (subjects.model(F, "a", "m1"), ModelLost(at=at(5), domain="a", model="m1", reason="gpu_detached"))
+    event = only(given(*healthy_fleet(), lost), facts(ms=6))
+    assert isinstance(event, PromotionRequested) and event.reason == "gpu_detached"
+
+
+def test_other_losses_degrade_and_fail_after_the_grace():
+    lost = (subjects.model(F, "a", "m1"), ModelLost(at=at(5), domain="a", model="m1", reason="process_exited"))
+    view = given(*healthy_fleet(), lost)
+    assert active_health(view, at(6)).health == "degraded"
+    assert only(view, facts(ms=6)) is None
+    late = 5 + POLICY.degraded_grace_ms
+    assert active_health(view, at(late)).health == "failed"
+    event = only(view, facts(ms=late))
+    assert isinstance(event, PromotionRequested) and event.reason == "degraded"
+
+
+def test_a_model_back_resident_clears_the_degradation():
+    lost = (subjects.model(F, "a", "m1"), ModelLost(at=at(5), domain="a", model="m1", reason="evicted"))
+    loading = (subjects.model(F, "a", "m1"), ModelLoading(at=at(6), domain="a", model="m1"))
+    view = given(*healthy_fleet(), lost, loading, resident("a", "m1", 7))
+    assert active_health(view, at(10 + POLICY.degraded_grace_ms)).health == "ok"
+
+
+def test_no_failover_without_auto_failover():
+    view = given(*healthy_fleet(), unreachable("a", 5), policy=Policy(auto_failover=False, heartbeat_timeout_ms=1000))
+    assert only(view, facts(silent_ms={"a": 3000, "b": 100})) is None
+
+
+@pytest.mark.parametrize(
+    "standby_events, needle",
+    [
+        ([unreachable("b", 4)], "unreachable"),
+        ([(OP, EligibilityChanged(at=at(4), domain="b", eligible=False, why="GPU 0 of b detached"))], "not eligible"),
+        ([(subjects.model(F, "b", "m2"), ModelLost(at=at(4), domain="b", model="m2", reason="evicted"))], "lost"),
+    ],
+)
+def test_never_promote_onto_an_unfit_standby_say_why_once(standby_events, needle):
+    view = given(*healthy_fleet(), *standby_events, unreachable("a", 5))
+    f = facts(silent_ms={"a": 3000, "b": 3000 if needle == "unreachable" else 100})
+    event = only(view, f)
+    assert isinstance(event, FailoverDeclined)
+    assert needle in event.why and event.domain == "a" and event.candidate == "b"
+    # once per distinct reason: with the decline folded, nothing more
+    view = evolve(view, event, seq=view.seq + 1, subject=OP)
+    assert only(view, f) is None
+
+
+def test_a_standby_missing_an_admitted_model_is_not_promoted():
+    refused = (subjects.decl(F), AdmissionDecided(at=T0, domain="b", name="m2", gpu_index=0, admitted=False,
+                                                  vram_bytes=1, short_by_bytes=5))
+    view = given(refused, *healthy_fleet(), unreachable("a", 5))
+    event = only(view, facts(silent_ms={"a": 3000, "b": 100}))
+    assert isinstance(event, FailoverDeclined) and "m2" in event.why
+
+
+def test_an_aborted_auto_promotion_is_not_retried_before_the_retry_bound():
+    aborted = [requested(op_id="op-x", revision=0, ms=5), (OP, OperationAborted(at=at(6), op_id="op-x", step="probe", error="500"))]
+    view = given(*healthy_fleet(), unreachable("a", 5), *aborted)
+    f = facts(ms=7, silent_ms={"a": 3000, "b": 100})
+    assert isinstance(only(view, f), FailoverDeclined)
+    later = facts(ms=6 + retry_ms(POLICY), silent_ms={"a": 3000, "b": 100})
+    assert isinstance(only(view, later), PromotionRequested)
+
+
+# ----------------------------------------------------------------------------------- first route
+
+
+def test_the_first_route_promotes_the_first_declared_domain_once_both_are_heard():
+    events = [reachable("a"), reachable("b"), resident("a", "m1"), resident("a", "m2"), resident("b", "m1"), resident("b", "m2")]
+    event = only(given(*events))
+    assert isinstance(event, PromotionRequested)
+    assert (event.target, event.reason, event.route_revision) == ("a", "initial", 0)
+    assert only(given(*events[1:])) is None  # a not heard yet
+
+
+def test_no_first_route_while_the_first_domain_is_loading():
+    events = [reachable("a"), reachable("b"), (subjects.model(F, "a", "m1"), ModelLoading(at=at(0), domain="a", model="m1")),
+              resident("a", "m2")]
+    assert only(given(*events)) is None
+
+
+# ----------------------------------------------------------------------------------- housekeeping
+
+
+def test_an_awake_standby_is_demoted():
+    events = [*healthy_fleet()[:-1], resident("b", "m1", 1), routed("a")]
+    event = only(given(*events))
+    assert isinstance(event, DemotionRequested) and (event.target, event.reason) == ("b", "standby_awake")
+
+
+def test_a_recovered_ineligible_domain_is_demoted():
+    events = [*healthy_fleet(), (OP, EligibilityChanged(at=at(1), domain="b", eligible=False, why="agent gone"))]
+    event = only(given(*events))
+    assert isinstance(event, DemotionRequested) and event.reason == "recovered"
+
+
+def test_an_ineligible_domain_with_its_gpu_still_gone_is_not_demoted():
+    events = [*healthy_fleet(), (OP, EligibilityChanged(at=at(1), domain="b", eligible=False, why="GPU gone")),
+              (subjects.gpu(F, "b", 0), GpuObserved(at=at(2), domain="b", index=0, present=False))]
+    assert only(given(*events)) is None
+
+
+def test_a_healthy_fleet_needs_nothing():
+    assert op_appends(given(*healthy_fleet())) == []
+
+
+# ---------------------------------------------------------------------------------------- liveness
+
+
+def test_silence_past_the_timeout_is_unreachable_and_a_heartbeat_reachable():
+    view = given(*healthy_fleet())
+    out = decide(view, facts(silent_ms={"a": 1500, "b": 100}))
+    live = [a for a in out if "liveness" in a.subject]
+    assert [(a.subject, type(a.event).__name__) for a in live] == [(subjects.liveness(F, "a"), "DomainUnreachable")]
+    view = given(*healthy_fleet(), unreachable("a"))
+    live = [a for a in decide(view, facts(silent_ms={"a": 10, "b": 100})) if "liveness" in a.subject]
+    assert [type(a.event).__name__ for a in live] == ["DomainReachable"]
+
+
+def test_no_silence_verdict_before_listening_for_one_timeout():
+    view = given(*healthy_fleet())
+    out = decide(view, facts(silent_ms={"a": None, "b": None}, listening_ms=500))
+    assert [a for a in out if "liveness" in a.subject] == []
+    out = decide(view, facts(silent_ms={"a": None, "b": 100}, listening_ms=1500))
+    assert [type(a.event).__name__ for a in out if "liveness" in a.subject] == ["DomainUnreachable"]
+
+
+# ----------------------------------------------------------------------------------- requests
+
+
+def _judge(view, kind, target):
+    return judge_request(view, kind, target, op_id="op-r", by="cli:test", now=at(9))
+
+
+def test_request_statuses():
+    view = given(*healthy_fleet())
+    assert _judge(view, "promotion", "a").status == "noop"
+    accepted = _judge(view, "promotion", "b")
+    assert accepted.status == "accepted" and accepted.event.target == "b" and accepted.event.source == "a"
+    assert accepted.event.route_revision == view.route_revision
+    assert _judge(view, "demotion", "a").status == "refused"
+    assert _judge(view, "demotion", "b").status == "accepted"
+    assert _judge(view, "promotion", "zz").status == "not_found"
+    assert _judge(given(declare=False), "promotion", "a").status == "not_found"
+    busy = given(*healthy_fleet(), requested(op_id="op-busy"))
+    joined = _judge(busy, "promotion", "b")
+    assert (joined.status, joined.op_id) == ("joined", "op-busy")
+    conflict = _judge(busy, "demotion", "b")
+    assert (conflict.status, conflict.op_id) == ("conflict", "op-busy")
+    assert _judge(busy, "promotion", "a").status == "conflict"
