@@ -438,7 +438,7 @@ class EventLog:
             if not follow:
                 with _translated("reading the replay consumer"):
                     info = await sub.consumer_info()
-                if info.num_pending == 0 and (info.delivered is None or not info.delivered.stream_seq):
+                if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
                     if not finished.done():
                         finished.set_result(None)
             await finished

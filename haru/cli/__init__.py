@@ -18,7 +18,7 @@ import pkgutil
 import sys
 
 from haru.cli.common import ExitStatus, fail
-from haru.errors import HaruError
+from haru.errors import AgentGone, Conflict, HaruError, LogUnavailable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
             status = handler(args)
     except KeyboardInterrupt:
         return int(ExitStatus.INTERRUPTED)
+    except (LogUnavailable, AgentGone) as exc:
+        return int(fail(str(exc), ExitStatus.UNAVAILABLE))
+    except Conflict as exc:
+        return int(fail(str(exc), ExitStatus.CONFLICT))
     except HaruError as exc:
         return int(fail(str(exc)))
     return int(status if status is not None else ExitStatus.OK)

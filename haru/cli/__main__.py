@@ -1,0 +1,5 @@
+import sys
+
+from haru.cli import main
+
+sys.exit(main())

@@ -1,0 +1,146 @@
+"""`haru verify`, `haru why`, `haru as-of`, `haru history`: reading the log back (hearth's CLI, over JetStream)."""
+
+from __future__ import annotations
+
+import argparse
+from datetime import datetime, timezone
+
+import msgspec
+
+from haru import events as ev
+from haru import history, subjects
+from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers
+from haru.eventlog import EventLog
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="walk every subject's hash chain and say whether history is intact")
+    add_nats_options(p)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(handler=run_verify)
+
+    p = sub.add_parser("why", help="a model's residency history as a causal tree, newest first")
+    p.add_argument("model", help="the model id, exactly as clients send it")
+    add_fleet_option(p)
+    p.add_argument("--domain", default="", help="only this domain")
+    add_nats_options(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=run_why)
+
+    p = sub.add_parser("as-of", help="a model's state as of a stream sequence or an ISO-8601 time")
+    p.add_argument("model")
+    p.add_argument("point", help="a stream sequence (e.g. 1234) or an ISO-8601 time (e.g. 2026-11-29T03:00:00Z)")
+    add_fleet_option(p)
+    p.add_argument("--domain", default="")
+    add_nats_options(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=run_as_of)
+
+    p = sub.add_parser("history", help="raw history, oldest first")
+    p.add_argument("filter", nargs="?", default=subjects.ALL_EVENTS, help="subject filter (default %(default)s)")
+    p.add_argument("--from-seq", type=int, default=1)
+    p.add_argument("--limit", type=int, default=0, help="only the last N events")
+    add_nats_options(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=run_history)
+
+
+def _connect(args: argparse.Namespace, who: str):
+    return EventLog.connect(nats_servers(args.nats_url), writer=f"cli:{who}", creds=args.nats_creds)
+
+
+async def run_verify(args: argparse.Namespace) -> ExitStatus:
+    verifier = history.Verifier()
+    async with _connect(args, "verify") as log:
+        await log.replay(verifier.add)
+    if args.json:
+        emit_json({"ok": verifier.ok, "events": verifier.events, "subjects": verifier.subjects,
+                   "breaks": [{"seq": b.seq, "subject": b.subject, "what": b.what} for b in verifier.breaks]})
+    else:
+        for b in verifier.breaks:
+            print(str(b))
+        print(verifier.summary())
+    return ExitStatus.OK if verifier.ok else ExitStatus.VERIFY_FAILED
+
+
+async def _fleet_records(args: argparse.Namespace, who: str):
+    subjects.check_model_id(args.model)
+    async with _connect(args, who) as log:
+        return await log.history(subjects.fleet_events(args.fleet))
+
+
+async def run_why(args: argparse.Namespace) -> ExitStatus:
+    records = await _fleet_records(args, "why")
+    picked = history.story(records, args.model, domain=args.domain)
+    if not picked:
+        return fail(
+            f"no history for model {args.model!r} in fleet {args.fleet!r}"
+            + (f" on domain {args.domain!r}" if args.domain else "")
+            + " (model ids are matched exactly; `haru status` lists the declared ones)",
+            ExitStatus.NOT_FOUND,
+        )
+    if args.json:
+        emit_json([_record_json(r) for r in reversed(picked)])
+    else:
+        domains = {getattr(r.event, "domain", "") for r in picked} - {""}
+        print(history.render_story(picked, show_domain=len(domains) > 1 or any(
+            not getattr(r.event, "domain", "") for r in picked)))
+    return ExitStatus.OK
+
+
+def _parse_point(point: str) -> tuple[int | None, datetime | None]:
+    if point.isdigit():
+        return int(point), None
+    try:
+        t = datetime.fromisoformat(point.replace("Z", "+00:00"))
+    except ValueError:
+        raise SystemExit(fail(f"{point!r} is neither a stream sequence nor an ISO-8601 time "
+                              "(e.g. 1234 or 2026-11-29T03:00:00Z)", ExitStatus.USAGE))
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=timezone.utc)
+    return None, t
+
+
+async def run_as_of(args: argparse.Namespace) -> ExitStatus:
+    seq, time = _parse_point(args.point)
+    records = await _fleet_records(args, "as-of")
+    states = history.as_of(records, args.model, seq=seq, time=time, domain=args.domain)
+    if not states:
+        return fail(f"model {args.model!r} had no history in fleet {args.fleet!r} as of {args.point}", ExitStatus.NOT_FOUND)
+    point = f"seq {seq}" if seq is not None else time.isoformat()
+    if args.json:
+        emit_json({d: {"state": s.state, "seq": s.seq, "payload": s.payload} for d, s in states.items()})
+        return ExitStatus.OK
+    for d, s in states.items():
+        on = f" on {d}" if len(states) > 1 or args.domain else ""
+        body = msgspec.json.encode(s.payload).decode()
+        print(f"as of {point}: {args.model}{on} was `{s.state}` {body}")
+    return ExitStatus.OK
+
+
+def _record_json(r) -> dict:
+    return {
+        "seq": r.seq,
+        "time": r.time.isoformat(),
+        "subject": r.subject,
+        "type": ev.tag_of(r.event) if r.event is not None else None,
+        "event": msgspec.to_builtins(r.event) if r.event is not None else None,
+        "error": r.error or None,
+    }
+
+
+async def run_history(args: argparse.Namespace) -> ExitStatus:
+    async with _connect(args, "history") as log:
+        records = await log.history(args.filter, from_seq=args.from_seq)
+    if args.limit:
+        records = records[-args.limit:]
+    if args.json:
+        emit_json([_record_json(r) for r in records])
+        return ExitStatus.OK
+    for r in records:
+        if r.event is None:
+            print(f"{r.seq:>7}  {r.time:%Y-%m-%dT%H:%M:%S.%fZ}  {r.subject}  INVALID  {r.error}")
+            continue
+        body = msgspec.json.encode(ev.payload(r.event)).decode()
+        print(f"{r.seq:>7}  {r.time:%Y-%m-%dT%H:%M:%S.%fZ}  {r.subject}  {ev.tag_of(r.event)}  {body}")
+    return ExitStatus.OK

@@ -1,0 +1,231 @@
+"""Reading history back: chain verification, a model's causal story, and its state as of a point.
+
+Pure: these functions take `Record`s (already read from the log) and return values or text.
+
+- `Verifier` walks every subject's hash chain: each body must decode as an event, its `prev` must
+  be the sha256 of the previous body on the same subject ('' for the first), and its Nats-Msg-Id
+  must be the one `EventLog.append` derives, so a message published around `append` is caught.
+- `story(records, model)` selects what explains a model: its declaration and admission, its
+  residency on each domain, and the operations and route moves its losses caused.
+- `as_of(records, model, seq=..., time=...)` is the model's state at that point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import msgspec
+
+from haru import events as ev
+from haru import residency
+from haru.eventlog import MSG_ID, Record, body_hash, msg_id
+
+# ------------------------------------------------------------------------------------------ verify
+
+
+@dataclass(frozen=True, slots=True)
+class Break:
+    """One place where history does not verify."""
+
+    seq: int
+    subject: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"seq {self.seq} on {self.subject}: {self.what}"
+
+
+@dataclass(slots=True)
+class Verifier:
+    """Feed it every record of the event stream in order; then read `breaks`."""
+
+    events: int = 0
+    tips: dict[str, tuple[int, str]] = field(default_factory=dict)  # subject -> (last seq, body hash)
+    breaks: list[Break] = field(default_factory=list)
+
+    def add(self, rec: Record) -> None:
+        self.events += 1
+        prev_seq, prev_hash = self.tips.get(rec.subject, (0, ""))
+        self.tips[rec.subject] = (rec.seq, body_hash(rec.data))
+        if rec.event is None:
+            self.breaks.append(Break(rec.seq, rec.subject, f"the body is not a valid event ({rec.error})"))
+            return
+        if rec.event.prev != prev_hash:
+            if prev_seq == 0:
+                want = "'' (it is the first event on its subject)"
+            else:
+                want = f"sha256 of seq {prev_seq} = {prev_hash[:16]}…"
+            got = rec.event.prev[:16] + "…" if rec.event.prev else "''"
+            self.breaks.append(
+                Break(rec.seq, rec.subject, f"prev is {got}, expected {want}: the chain is broken here")
+            )
+            return
+        expected_id = msg_id(rec.subject, prev_seq, rec.data)
+        got_id = (rec.headers or {}).get(MSG_ID, "")
+        if got_id != expected_id:
+            self.breaks.append(
+                Break(
+                    rec.seq,
+                    rec.subject,
+                    "was not written by an optimistic append (its Nats-Msg-Id "
+                    + ("is missing" if not got_id else "does not match its position and body")
+                    + ")",
+                )
+            )
+
+    @property
+    def subjects(self) -> int:
+        return len(self.tips)
+
+    @property
+    def ok(self) -> bool:
+        return not self.breaks
+
+    def summary(self) -> str:
+        if self.ok:
+            return f"verify ok — {self.events} events on {self.subjects} subjects, history intact"
+        return (
+            f"verify FAILED — {len(self.breaks)} break(s) in {self.events} events on {self.subjects} subjects"
+        )
+
+
+# ------------------------------------------------------------------------------------------- story
+
+# How `haru why` names events: hearth's words where hearth has them.
+SHORT_NAMES: dict[str, str] = {
+    "model_declared": "declared",
+    "model_changed": "changed",
+    "model_retired": "retired",
+    "admission_decided": "admitted",
+    "model_loading": "loading",
+    "model_resident": "resident",
+    "model_sleeping": "asleep",
+    "model_waking": "waking",
+    "model_lost": "lost",
+    "model_failed": "failed",
+    "model_stopped": "unloaded",
+}
+
+_DECL_FOR_MODEL = (ev.ModelDeclared, ev.ModelChanged, ev.ModelRetired)
+
+
+def _concerns_model(rec: Record, model: str, domain: str) -> bool:
+    e = rec.event
+    if e is None:
+        return False
+    if isinstance(e, _DECL_FOR_MODEL):
+        name = e.spec.name if isinstance(e, (ev.ModelDeclared, ev.ModelChanged)) else e.model
+        return name == model and (not domain or e.domain == domain)
+    if isinstance(e, ev.AdmissionDecided):
+        return e.kind == "model" and e.name == model and (not domain or e.domain == domain)
+    if isinstance(e, ev.RESIDENCY_EVENTS):
+        return e.model == model and (not domain or e.domain == domain)
+    return False
+
+
+def story(records: list[Record], model: str, *, domain: str = "") -> list[Record]:
+    """The records that explain `model`, oldest first: its declarations and residency, plus every
+    operation event (and route move) whose cause chain leads back to one of them."""
+    picked: list[Record] = []
+    seqs: set[int] = set()
+    ops: set[str] = set()
+    for rec in records:
+        e = rec.event
+        if e is None:
+            continue
+        if _concerns_model(rec, model, domain):
+            picked.append(rec)
+            seqs.add(rec.seq)
+            continue
+        op_id = getattr(e, "op_id", "")
+        if e.cause and e.cause in seqs:
+            picked.append(rec)
+            seqs.add(rec.seq)
+            if op_id:
+                ops.add(op_id)
+        elif op_id and op_id in ops:
+            picked.append(rec)
+            seqs.add(rec.seq)
+    return picked
+
+
+def _payload_for_display(e: ev.Event) -> dict:
+    out = ev.payload(e)
+    out.pop("model", None)
+    if isinstance(e, (ev.ModelDeclared, ev.ModelChanged)):
+        spec = e.spec
+        out = {"runtime": spec.runtime, "gpu_index": spec.gpu_index, "vram_bytes": spec.vram_bytes}
+    elif isinstance(e, ev.AdmissionDecided):
+        out = {"admitted": e.admitted, "vram_bytes": e.vram_bytes}
+        if not e.admitted:
+            out["short_by_bytes"] = e.short_by_bytes
+    return {k: v for k, v in out.items() if k != "domain" and v not in ("", None, [], {})}
+
+
+def render_story(picked: list[Record], *, show_domain: bool) -> str:
+    """hearth's `why` format, newest first:
+
+        ● seq     3  unloaded       {}
+        └─ seq     2  resident       {"endpoint":"127.0.0.1:18080","warmup_ms":256}
+    """
+    lines: list[str] = []
+    newest_first = list(reversed(picked))
+    for i, rec in enumerate(newest_first):
+        e = rec.event
+        assert e is not None
+        tag = ev.tag_of(e)
+        name = SHORT_NAMES.get(tag, tag)
+        if isinstance(e, ev.AdmissionDecided) and not e.admitted:
+            name = "not_admitted"
+        body = msgspec.json.encode(_payload_for_display(e)).decode()
+        lead = "●" if i == 0 else "└─"
+        where = ""
+        if show_domain:
+            where = f"{getattr(e, 'domain', '') or getattr(e, 'target', '') or '-':<8} "
+        caused = f"  (caused by seq {e.cause})" if e.cause else ""
+        lines.append(f"{lead} seq {rec.seq:>5}  {name:<14} {where}{body}{caused}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- as-of
+
+
+@dataclass(frozen=True, slots=True)
+class AsOf:
+    domain: str
+    state: str
+    seq: int  # the event that made it (0 = none)
+    payload: dict
+
+
+def as_of(
+    records: list[Record], model: str, *, seq: int | None = None, time: datetime | None = None, domain: str = ""
+) -> dict[str, AsOf]:
+    """The model's residency on each domain as of stream sequence `seq` or recorded time `time`."""
+    states: dict[str, AsOf] = {}
+    for rec in records:
+        if seq is not None and rec.seq > seq:
+            break
+        if time is not None and rec.time > time:
+            break
+        e = rec.event
+        if e is None or not _concerns_model(rec, model, domain):
+            continue
+        d = e.domain
+        if isinstance(e, (ev.ModelDeclared, ev.ModelChanged)):
+            states.setdefault(d, AsOf(d, "unknown", rec.seq, {}))
+            continue
+        if isinstance(e, ev.ModelRetired):
+            states[d] = AsOf(d, "retired", rec.seq, {})
+            continue
+        if isinstance(e, ev.AdmissionDecided):
+            if not e.admitted:
+                states[d] = AsOf(d, "not_admitted", rec.seq, _payload_for_display(e))
+            elif d not in states or states[d].state == "not_admitted":
+                states[d] = AsOf(d, "unknown", rec.seq, _payload_for_display(e))
+            continue
+        state = residency.to_state(e, rec.seq)
+        states[d] = AsOf(d, residency.state_name(state), rec.seq, _payload_for_display(e))
+    return states
+

@@ -1,0 +1,89 @@
+"""`haru why`, `haru as-of` and `haru history` on a scripted history: hearth's `stories` example."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from haru import events as ev
+from haru import subjects
+from haru.specs import ModelSpec, Policy
+from tests.support import haru
+
+T0 = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)
+
+
+async def script_stories(log) -> dict[str, int]:
+    """declared -> loading -> resident -> unloaded, as hearth's README shows for `stories`."""
+    decl = subjects.decl("default")
+    s = await log.append(decl, ev.FleetDeclared(at=T0, fleet="default", policy=Policy()), expect=0)
+    s = await log.append(decl, ev.ModelDeclared(at=T0, domain="a", spec=ModelSpec(
+        name="stories", slot="main", gpu_index=0, runtime="llama_server", vram_bytes=1073741824)), expect=s)
+    declared = s = await log.append(decl, ev.AdmissionDecided(
+        at=T0, domain="a", name="stories", gpu_index=0, admitted=True, vram_bytes=1073741824), expect=s)
+    m = subjects.model("default", "a", "stories")
+    loading = await log.append(m, ev.ModelLoading(
+        at=T0 + timedelta(seconds=1), domain="a", model="stories", endpoint="127.0.0.1:18080", pid=10121), expect=0)
+    resident = await log.append(m, ev.ModelResident(
+        at=T0 + timedelta(seconds=2), domain="a", model="stories", endpoint="127.0.0.1:18080", warmup_ms=256,
+        cause=loading), expect=loading)
+    unloaded = await log.append(m, ev.ModelStopped(
+        at=T0 + timedelta(seconds=3), domain="a", model="stories"), expect=resident)
+    return {"declared": declared, "loading": loading, "resident": resident, "unloaded": unloaded}
+
+
+async def test_why_prints_the_causal_story_newest_first(nats_server, event_log):
+    seqs = await script_stories(event_log)
+    out = haru("why", "stories", nats_url=nats_server.url)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"● seq {seqs['unloaded']:>5}  unloaded       {{}}"
+    assert lines[1] == (f"└─ seq {seqs['resident']:>5}  resident       "
+                        f'{{"endpoint":"127.0.0.1:18080","warmup_ms":256}}  (caused by seq {seqs["loading"]})')
+    assert lines[2] == f'└─ seq {seqs["loading"]:>5}  loading        {{"endpoint":"127.0.0.1:18080","pid":10121,"attempt":1}}'
+    assert lines[3] == f'└─ seq {seqs["declared"]:>5}  admitted       {{"admitted":true,"vram_bytes":1073741824}}'
+    assert lines[4].startswith("└─ seq ") and "declared" in lines[4]
+
+
+async def test_as_of_a_sequence_and_a_time(nats_server, event_log):
+    seqs = await script_stories(event_log)
+    out = haru("as-of", "stories", str(seqs["resident"]), nats_url=nats_server.url)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (f"as of seq {seqs['resident']}: stories was `resident` "
+                                  '{"endpoint":"127.0.0.1:18080","warmup_ms":256}')
+    out = haru("as-of", "stories", str(seqs["loading"]), nats_url=nats_server.url)
+    assert "was `loading`" in out.stdout
+    out = haru("as-of", "stories", str(seqs["declared"]), nats_url=nats_server.url)
+    assert "was `unknown`" in out.stdout
+    # a time after everything was recorded
+    later = (datetime.now(timezone.utc) + timedelta(minutes=1)).isoformat()
+    out = haru("as-of", "stories", later, nats_url=nats_server.url)
+    assert "was `stopped`" in out.stdout
+    bad = haru("as-of", "stories", "yesterday-ish", nats_url=nats_server.url)
+    assert bad.returncode == 2 and "neither a stream sequence nor an ISO-8601 time" in bad.stderr
+
+
+async def test_why_for_an_unknown_model_says_so(nats_server, event_log):
+    await script_stories(event_log)
+    out = haru("why", "Stories", nats_url=nats_server.url)
+    assert out.returncode == 3
+    assert "matched exactly" in out.stderr
+
+
+async def test_history_prints_raw_events(nats_server, event_log):
+    seqs = await script_stories(event_log)
+    out = haru("history", "haru.evt.default.a.>", nats_url=nats_server.url)
+    assert out.returncode == 0
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3
+    assert "model_loading" in lines[0] and "haru.evt.default.a.model.stories" in lines[0]
+    out = haru("history", "--limit", "1", "--json", nats_url=nats_server.url)
+    import json
+    (only,) = json.loads(out.stdout)
+    assert only["seq"] == seqs["unloaded"] and only["type"] == "model_stopped"
+
+
+async def test_commands_without_a_server_explain_the_fix():
+    out = haru("verify", nats_url="nats://127.0.0.1:1")
+    assert out.returncode != 0
+    assert "cannot reach NATS" in out.stderr and "--nats-url" in out.stderr
+    assert "Traceback" not in out.stderr
