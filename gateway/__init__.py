@@ -1,0 +1,29 @@
+"""The gateway: an OpenAI-compatible chat proxy whose statuses carry the diagnosis, the control API
+and Prometheus metrics, reading the projected views and route intents from NATS.
+
+    from gateway import Gateway, from_env, run_gateway
+    async with Gateway(from_env(os.environ, port=0), events) as gw: ...
+
+Modules: routing (pure routing table and status table), truth (pure /residency and /v1/models
+bodies), proxy (the chat path), control (the control API), state (the NATS followers), metrics,
+config, server (the HTTP server and lifecycle), errors.
+"""
+
+from gateway.config import GatewayConfig, from_env
+from gateway.errors import ApiError, GatewayError
+from gateway.routing import ANSWER_STATUS, Forward, Refusal, RoutingTable, compile_routes
+from gateway.server import Gateway, run_gateway
+
+__all__ = [
+    "ANSWER_STATUS",
+    "ApiError",
+    "Forward",
+    "Gateway",
+    "GatewayConfig",
+    "GatewayError",
+    "Refusal",
+    "RoutingTable",
+    "compile_routes",
+    "from_env",
+    "run_gateway",
+]

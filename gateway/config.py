@@ -1,0 +1,88 @@
+"""The gateway's configuration: command-line values over environment variables over defaults.
+
+    HARU_API_TOKEN               bearer token for everything but /healthz; unset = bind 127.0.0.1 only
+    HARU_SERVING_TOKEN           bearer token the gateway presents to serving URLs (agents, runtimes)
+    HARU_DEFAULT_FLEET           fleet for requests without X-Haru-Fleet (default "default")
+    HARU_CHAT_MAX_BODY_BYTES     largest request body (default 33554432 = 32 MiB); beyond it: 413
+    HARU_CHAT_HEADER_TIMEOUT_MS  bound on the time to the upstream's response headers (default 30000),
+                                 honored exactly; a streaming body is never cut for going quiet
+    HARU_GATEWAY_HOST / PORT     where to listen (default 0.0.0.0 with a token, 127.0.0.1 without; 8700)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+
+from haru.errors import ConfigError
+
+DEFAULT_PORT = 8700
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_HEADER_TIMEOUT_MS = 30_000
+LOOPBACK = "127.0.0.1"
+_LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
+    host: str = LOOPBACK
+    port: int = DEFAULT_PORT
+    api_token: str = ""
+    serving_token: str = ""
+    default_fleet: str = "default"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    header_timeout_ms: int = DEFAULT_HEADER_TIMEOUT_MS
+    connector_limit: int = 4096  # concurrent upstream connections (the session is shared)
+    # Largest upstream response (with Content-Length) returned as one buffered body; larger
+    # or unsized ones (SSE) are streamed chunk by chunk.
+    buffer_limit_bytes: int = 4 * 1024 * 1024
+
+    @property
+    def open(self) -> bool:
+        """No API token: development mode, loopback only."""
+        return not self.api_token
+
+    def bind_host(self) -> str:
+        """Where to listen: without a token, always loopback, whatever was asked."""
+        if self.open and self.host not in _LOOPBACK_NAMES:
+            return LOOPBACK
+        return self.host
+
+
+def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer; set it to a whole number or unset it") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} is below {minimum}; set a larger value or unset it")
+    return value
+
+
+def from_env(
+    env: Mapping[str, str],
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    **overrides: object,
+) -> GatewayConfig:
+    """The configuration from environment variables, with explicit values (CLI flags) on top."""
+    token = env.get("HARU_API_TOKEN", "")
+    if host is None:
+        host = env.get("HARU_GATEWAY_HOST") or ("0.0.0.0" if token else LOOPBACK)
+    if port is None:
+        port = _int(env, "HARU_GATEWAY_PORT", DEFAULT_PORT)
+    values: dict[str, object] = dict(
+        host=host,
+        port=port,
+        api_token=token,
+        serving_token=env.get("HARU_SERVING_TOKEN", ""),
+        default_fleet=env.get("HARU_DEFAULT_FLEET") or "default",
+        max_body_bytes=_int(env, "HARU_CHAT_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES, 1),
+        header_timeout_ms=_int(env, "HARU_CHAT_HEADER_TIMEOUT_MS", DEFAULT_HEADER_TIMEOUT_MS, 1),
+    )
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return GatewayConfig(**values)  # type: ignore[arg-type]

@@ -1,0 +1,259 @@
+"""The control API: fleet views, route intents, promote/demote, history, residency, models, health.
+
+    GET  /healthz                               liveness (no auth)
+    GET  /metrics                               Prometheus text
+    GET  /residency[?fleet=]                    the whole truth table
+    GET  /v1/models                             the fleet's models with their router answers
+    GET  /v1/fleets                             fleets the gateway knows, with active and revision
+    GET  /v1/fleets/{fleet}                     the FleetView (as stored in KV haru_views)
+    GET  /v1/fleets/{fleet}/route-intent        the last RouteIntent (as published on haru.route.<fleet>)
+    POST /v1/fleets/{fleet}/promote             {"domain": "<name>"}  (or Haru's "targetDomainId")
+    POST /v1/fleets/{fleet}/demote              {"domain": "<name>"}
+    GET  /v1/fleets/{fleet}/history?model=&domain=&limit=   events, newest first
+
+Views and intents are read fresh from NATS here (the control API is not the hot path); when NATS is
+away they come from the gateway's in-memory copy, marked with `X-Haru-Stale: true`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import UTC, datetime
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from gateway.errors import ApiError
+from gateway.metrics import GatewayMetrics
+from gateway.routing import RoutingTable, fleet_not_found
+from gateway.truth import models_list, truth_table
+from haru import subjects
+from haru.errors import HaruError, InvalidName, LogError, LogUnavailable
+from haru.events import payload, tag_of
+from haru.views import view_encoder
+
+log = structlog.get_logger("haru.gateway")
+
+HISTORY_DEFAULT_LIMIT = 100
+HISTORY_MAX_LIMIT = 10_000
+
+_json = msgspec.json.Encoder()
+
+# request_operation's status -> HTTP status (Haru's semantics: 200 no-op, 202 accepted or joined,
+# 409 conflicting, 409 refused (demoting the active), 404 no such fleet or domain)
+OPERATION_STATUS: dict[str, int] = {
+    "noop": 200,
+    "accepted": 202,
+    "joined": 202,
+    "conflict": 409,
+    "refused": 409,
+    "not_found": 404,
+}
+
+
+class _OperationBody(msgspec.Struct, forbid_unknown_fields=False):
+    domain: str | None = None
+    targetDomainId: str | None = None  # noqa: N815 - Haru's own field name, accepted for compatibility
+
+
+_decode_operation = msgspec.json.Decoder(_OperationBody).decode
+
+
+def json_response(value: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=_json.encode(value), status=status, content_type="application/json", headers=headers)
+
+
+def raw_json(data: bytes, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=data, content_type="application/json", headers=headers)
+
+
+def check_fleet(fleet: str) -> str:
+    try:
+        return subjects.check_name("fleet", fleet)
+    except InvalidName as exc:
+        raise ApiError(400, "invalid_request", str(exc), param="fleet") from None
+
+
+class Control:
+    """The control API's handlers. `events` is the EventLog (None: only in-memory answers)."""
+
+    def __init__(self, events, table: RoutingTable, metrics: GatewayMetrics, *, default_fleet: str,
+                 follower=None) -> None:
+        self.events = events
+        self.table = table
+        self.metrics = metrics
+        self.default_fleet = default_fleet
+        self.follower = follower
+        self.started = time.time()
+        self.writer = f"gateway:{socket.gethostname()}:{os.getpid()}"
+
+    # ------------------------------------------------------------------------- read-only
+
+    async def healthz(self, request: web.BaseRequest) -> web.Response:
+        nats_ok = None
+        if self.events is not None:
+            nats_ok = bool(self.events.nc.is_connected)
+        body = {
+            "status": "ok",
+            "uptime_s": round(time.time() - self.started, 3),
+            "nats_connected": nats_ok,
+            "fleets": {
+                f: {"active": r.active, "route_revision": r.revision}
+                for f in self.table.fleets()
+                if (r := self.table.get(f)) is not None
+            },
+        }
+        if self.follower is not None:
+            body["views_seen"] = self.follower.views_seen
+            body["intents_seen"] = self.follower.intents_seen
+        return json_response(body)
+
+    async def metrics_text(self, request: web.BaseRequest) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
+
+    async def residency(self, request: web.BaseRequest) -> web.Response:
+        now = time.time()
+        wanted = request.query.get("fleet")
+        if wanted:
+            routes = self.table.get(wanted)
+            if routes is None:
+                raise _refused(fleet_not_found(wanted, self.table.fleets()))
+            return json_response(truth_table([routes], now))
+        all_routes = [r for f in self.table.fleets() if (r := self.table.get(f)) is not None]
+        return json_response(truth_table(all_routes, now))
+
+    async def models(self, request: web.BaseRequest) -> web.Response:
+        fleet = request.headers.get("X-Haru-Fleet") or self.default_fleet
+        routes = self.table.get(fleet)
+        if routes is None:
+            raise _refused(fleet_not_found(fleet, self.table.fleets()))
+        return json_response(models_list(routes, time.time()))
+
+    async def fleets(self, request: web.BaseRequest) -> web.Response:
+        data = []
+        for f in self.table.fleets():
+            r = self.table.get(f)
+            if r is not None:
+                data.append({"fleet": f, "active": r.active, "route_revision": r.revision,
+                             "models": len(r.entries), "operation": r.intent.operation if r.intent else ""})
+        return json_response({"object": "list", "data": data})
+
+    async def fleet_view(self, request: web.BaseRequest, fleet: str) -> web.Response:
+        check_fleet(fleet)
+        if self.events is not None:
+            try:
+                got = await self.events.get_view(subjects.view_key(fleet))
+            except LogUnavailable as exc:
+                log.warning("gateway.view_read_failed", fleet=fleet, error=str(exc))
+            else:
+                if got is None:
+                    raise _refused(fleet_not_found(fleet, self.table.fleets()))
+                return raw_json(got[0], {"X-Haru-View-Revision": str(got[1])})
+        routes = self.table.get(fleet)
+        if routes is None or routes.view is None:
+            raise _refused(fleet_not_found(fleet, self.table.fleets()))
+        return raw_json(view_encoder.encode(routes.view), {"X-Haru-Stale": "true"})
+
+    async def route_intent(self, request: web.BaseRequest, fleet: str) -> web.Response:
+        check_fleet(fleet)
+        if self.events is not None:
+            try:
+                got = await self.events.last_intent(fleet)
+            except LogUnavailable as exc:
+                log.warning("gateway.intent_read_failed", fleet=fleet, error=str(exc))
+            else:
+                if got is None:
+                    if self.table.get(fleet) is None:
+                        raise _refused(fleet_not_found(fleet, self.table.fleets()))
+                    raise ApiError(404, "route_intent_not_found",
+                                   f"fleet {fleet!r} has no route intent yet (is the projector running?)")
+                return raw_json(got[0], {"X-Haru-Intent-Seq": str(got[1])})
+        routes = self.table.get(fleet)
+        if routes is None or routes.intent is None:
+            raise _refused(fleet_not_found(fleet, self.table.fleets()))
+        return raw_json(view_encoder.encode(routes.intent), {"X-Haru-Stale": "true"})
+
+    async def history(self, request: web.BaseRequest, fleet: str) -> web.Response:
+        check_fleet(fleet)
+        q = request.query
+        model, domain = q.get("model", ""), q.get("domain", "")
+        raw_limit = q.get("limit", "")
+        try:
+            limit = int(raw_limit) if raw_limit else HISTORY_DEFAULT_LIMIT
+        except ValueError:
+            raise ApiError(400, "invalid_request", f"limit={raw_limit!r} is not an integer", param="limit") from None
+        if not 1 <= limit <= HISTORY_MAX_LIMIT:
+            raise ApiError(400, "invalid_request", f"limit must be 1..{HISTORY_MAX_LIMIT}, got {limit}", param="limit")
+        try:
+            if model:
+                subject_filter = subjects.model_events(fleet, model, domain or "*")
+            elif domain:
+                subject_filter = f"{subjects.EVT}.{fleet}.{subjects.check_name('domain', domain)}.>"
+            else:
+                subject_filter = subjects.fleet_events(fleet)
+        except InvalidName as exc:
+            raise ApiError(400, "invalid_request", str(exc), param="model" if model else "domain") from None
+        events = self._need_log()
+        try:
+            records = await events.history(subject_filter)
+        except LogUnavailable as exc:
+            raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
+        if not records and self.table.get(fleet) is None:
+            if not await events.history(subjects.fleet_events(fleet)):
+                raise _refused(fleet_not_found(fleet, self.table.fleets()))
+        out = []
+        for rec in reversed(records[-limit:]):
+            item = {"seq": rec.seq, "time": rec.time.isoformat(), "subject": rec.subject}
+            ev = rec.event
+            if ev is not None:
+                item.update(type=tag_of(ev), at=ev.at.isoformat(), by=ev.by, cause=ev.cause, payload=payload(ev))
+            else:
+                item.update(type=None, error=rec.error, payload=None)
+            out.append(item)
+        return json_response({"fleet": fleet, "filter": subject_filter, "count": len(out), "events": out})
+
+    # ---------------------------------------------------------------------------- writes
+
+    async def operation(self, request: web.BaseRequest, fleet: str, kind: str) -> web.Response:
+        check_fleet(fleet)
+        raw = await request.read()
+        try:
+            body = _decode_operation(raw) if raw.strip() else _OperationBody()
+        except msgspec.ValidationError as exc:
+            raise ApiError(400, "invalid_request", f"invalid request body: {exc}", param="domain") from None
+        except msgspec.DecodeError as exc:
+            raise ApiError(400, "invalid_request", f"request body is not valid JSON: {exc}") from None
+        target = body.domain or body.targetDomainId
+        if not target:
+            raise ApiError(400, "invalid_request",
+                           'the domain to act on is required: {"domain": "<name>"} - at `$.domain`', param="domain")
+        events = self._need_log()
+        from haru.promoter.requests import request_operation  # the promoter's; imported when first used
+
+        try:
+            result = await request_operation(events, fleet, kind, target, by=self.writer, now=datetime.now(UTC))
+        except LogUnavailable as exc:
+            raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
+        except LogError as exc:
+            raise ApiError(503, "log_error", str(exc)) from None
+        except HaruError as exc:
+            raise ApiError(400, "invalid_request", str(exc)) from None
+        status = OPERATION_STATUS.get(result.status, 500)
+        log.info("gateway.operation_requested", fleet=fleet, kind=kind, target=target, status=result.status,
+                 op_id=result.op_id)
+        body_out = {"op_id": result.op_id, "status": result.status, "message": result.message,
+                    "fleet": fleet, "kind": kind, "target": target}
+        headers = {"x-should-retry": "false"} if status >= 400 else None
+        return json_response(body_out, status, headers)
+
+    def _need_log(self):
+        if self.events is None:
+            raise ApiError(503, "log_unavailable", "this gateway runs without an event log")
+        return self.events
+
+
+def _refused(refusal) -> ApiError:
+    return ApiError(refusal.status, refusal.code, refusal.message, param=refusal.param, retry_after=refusal.retry_after)

@@ -1,0 +1,36 @@
+"""The gateway's exceptions. A leaf module: it imports nothing from the `gateway` package.
+
+    GatewayError                (haru.errors.HaruError)
+    └── ApiError                an HTTP answer that is a refusal: status, OpenAI `error.code`, message
+"""
+
+from __future__ import annotations
+
+from haru.errors import HaruError
+
+
+class GatewayError(HaruError):
+    """Base of every error the gateway raises on purpose."""
+
+
+class ApiError(GatewayError):
+    """A request the gateway answers with an error body (OpenAI's shape) instead of a result.
+
+    `retry_after` (seconds) becomes a `Retry-After` header; `param` names the offending field.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+        super().__init__(message)

@@ -1,0 +1,294 @@
+"""The chat proxy: POST /v1/chat/completions, /v1/completions, /v1/embeddings.
+
+Per request: read the body (bounded by HARU_CHAT_MAX_BODY_BYTES, checked from Content-Length before
+reading and again while reading), decode only `model` from it, resolve (fleet, model) in the
+in-memory routing table, and forward the body bytes unchanged to the target with one shared
+ClientSession. The time to the upstream's response headers is bounded by
+HARU_CHAT_HEADER_TIMEOUT_MS and nothing else: the session has no total or sock_read timeout, so a
+stream that goes quiet mid-generation is never cut by the transport.
+
+Responses pass through untouched: a sized response up to `buffer_limit_bytes` that is not SSE is
+returned as one body with Content-Length (cheaper than chunked, NOTES.md); anything else (SSE, or
+unsized) is streamed chunk by chunk as it arrives. A client that disconnects cancels the handler
+(the server runs with handler_cancellation), which closes the upstream connection, so the runtime
+stops generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import msgspec
+import structlog
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway.config import GatewayConfig
+from gateway.metrics import UNKNOWN_MODEL, GatewayMetrics
+from gateway.routing import (
+    INVALID_REQUEST,
+    PAYLOAD_TOO_LARGE,
+    UPSTREAM_TIMEOUT,
+    UPSTREAM_UNREACHABLE,
+    Forward,
+    Refusal,
+    RoutingTable,
+)
+
+log = structlog.get_logger("haru.gateway")
+
+CHAT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+
+# Request headers never forwarded: hop-by-hop, framing (the client library sets them again), the
+# client's credentials for Haru (the serving token replaces them) and Haru's own routing header.
+_DROP_REQUEST = frozenset(
+    {
+        "host", "content-length", "transfer-encoding", "connection", "keep-alive", "proxy-connection",
+        "proxy-authorization", "proxy-authenticate", "te", "trailer", "upgrade", "expect",
+        "authorization", "x-haru-fleet",
+    }
+)
+# Response headers not copied back: hop-by-hop and framing (aiohttp frames the response itself).
+_DROP_RESPONSE = frozenset(
+    {"content-length", "transfer-encoding", "connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade"}
+)
+
+
+class _ModelOnly(msgspec.Struct):
+    """The only part of a request body the gateway reads."""
+
+    model: str
+
+
+_decode_model = msgspec.json.Decoder(_ModelOnly).decode
+
+
+class TooLarge(Exception):
+    pass
+
+
+def error_response(refusal: Refusal, extra: dict[str, str] | None = None) -> web.Response:
+    headers = {"Content-Type": "application/json"}
+    if refusal.retry_after is not None:
+        headers["Retry-After"] = str(refusal.retry_after)
+    if not refusal.retryable:
+        headers["x-should-retry"] = "false"  # the OpenAI SDKs honour it; 409 would be retried otherwise
+    if refusal.domain:
+        headers["X-Haru-Domain"] = refusal.domain
+    if extra:
+        headers.update(extra)
+    return web.Response(body=refusal.body(), status=refusal.status, headers=headers)
+
+
+def model_of(body: bytes) -> str | Refusal:
+    """`model` from a JSON body, or the 400 that names what is wrong and where (msgspec's path)."""
+    status, code = INVALID_REQUEST
+    try:
+        model = _decode_model(body).model
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        param = "model" if "`model`" in text or "$.model" in text else None
+        return Refusal(status, code, f"invalid request body: {text}", None, param)
+    except msgspec.DecodeError as exc:
+        if not body.strip():
+            return Refusal(status, code, "request body is empty: send a JSON object with a `model` field")
+        return Refusal(status, code, f"request body is not valid JSON: {exc}")
+    if not model:
+        return Refusal(status, code, "invalid request body: `model` is empty - at `$.model`", None, "model")
+    return model
+
+
+class Proxy:
+    """Forwards inference requests. One per gateway; owns the shared upstream ClientSession."""
+
+    def __init__(self, config: GatewayConfig, table: RoutingTable, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.table = table
+        self.metrics = metrics
+        self.default_fleet = config.default_fleet
+        self.max_body = config.max_body_bytes
+        self.header_timeout = config.header_timeout_ms / 1000
+        self.buffer_limit = config.buffer_limit_bytes
+        self.auth = f"Bearer {config.serving_token}" if config.serving_token else ""
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Proxy:
+        connector = aiohttp.TCPConnector(
+            limit=self.config.connector_limit,
+            limit_per_host=0,
+            ttl_dns_cache=60,
+            keepalive_timeout=60,
+        )
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            # No total, connect or sock_read timeout: the only bound is the header timeout below,
+            # exact and explicit, and a quiet stream is never cut.
+            timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_read=None, sock_connect=None),
+            auto_decompress=False,  # bytes pass through as the upstream sent them
+            skip_auto_headers=("Accept-Encoding", "User-Agent", "Accept"),
+            cookie_jar=aiohttp.DummyCookieJar(),
+            read_bufsize=2**16,
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    # ------------------------------------------------------------------------------ hot path
+
+    async def handle(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
+        headers = request.headers
+        fleet = headers.get("X-Haru-Fleet") or self.default_fleet
+        try:
+            body = await self._read_body(request)
+        except TooLarge:
+            status, code = PAYLOAD_TOO_LARGE
+            refusal = Refusal(
+                status,
+                code,
+                f"request body is larger than HARU_CHAT_MAX_BODY_BYTES ({self.max_body} bytes); "
+                f"send less, or raise the limit on the gateway",
+            )
+            self.metrics.request(fleet, UNKNOWN_MODEL, status)
+            return error_response(refusal, {"Connection": "close"})
+        model = model_of(body)
+        if type(model) is not str:
+            self.metrics.request(fleet, UNKNOWN_MODEL, model.status)  # type: ignore[union-attr]
+            return error_response(model)  # type: ignore[arg-type]
+        result = self.table.resolve(fleet, model, time.time())
+        if type(result) is not Forward:
+            label = model if result.code != "model_not_found" and result.code != "fleet_not_found" else UNKNOWN_MODEL  # type: ignore[union-attr]
+            self.metrics.request(fleet, label, result.status)  # type: ignore[union-attr]
+            return error_response(result)  # type: ignore[arg-type]
+        return await self._forward(request, path, body, result)  # type: ignore[arg-type]
+
+    async def _read_body(self, request: web.BaseRequest) -> bytes:
+        length = request.content_length
+        content = request.content
+        if length is not None:
+            if length > self.max_body:
+                raise TooLarge
+            if length == 0:
+                return b""
+            return await content.readexactly(length)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            chunk = await content.readany()
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > self.max_body:
+                raise TooLarge
+            chunks.append(chunk)
+
+    def _upstream_headers(self, request: web.BaseRequest) -> CIMultiDict[str]:
+        out: CIMultiDict[str] = CIMultiDict()
+        for key, value in request.headers.items():
+            if key.lower() not in _DROP_REQUEST:
+                out.add(key, value)
+        if "Content-Type" not in out:
+            out["Content-Type"] = "application/json"
+        if self.auth:
+            out["Authorization"] = self.auth
+        return out
+
+    async def _forward(self, request: web.BaseRequest, path: str, body: bytes, fwd: Forward) -> web.StreamResponse:
+        fleet, model = fwd.fleet, fwd.model
+        ttfb_hist, latency_hist = self.metrics.upstream(fleet, fwd.domain)
+        session = self.session
+        assert session is not None, "the proxy is not started"
+        url = fwd.url + path
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.header_timeout):
+                upstream = await session.request("POST", url, data=body, headers=self._upstream_headers(request))
+        except TimeoutError:
+            status, code = UPSTREAM_TIMEOUT
+            self.metrics.request(fleet, model, status)
+            return error_response(
+                Refusal(
+                    status,
+                    code,
+                    f"domain {fwd.domain!r} did not send response headers for model {model!r} within "
+                    f"HARU_CHAT_HEADER_TIMEOUT_MS ({self.config.header_timeout_ms} ms); a long non-streaming "
+                    f"completion only sends headers when it is done: stream it, or raise the timeout",
+                    None,
+                    None,
+                    fwd.domain,
+                )
+            )
+        except (aiohttp.ClientError, OSError) as exc:
+            status, code = UPSTREAM_UNREACHABLE
+            self.metrics.request(fleet, model, status)
+            log.warning("gateway.upstream_unreachable", fleet=fleet, domain=fwd.domain, model=model, url=url, error=repr(exc))
+            return error_response(
+                Refusal(status, code, f"domain {fwd.domain!r} is unreachable at {fwd.url} for model {model!r}: {_why(exc)}",
+                        None, None, fwd.domain)
+            )
+        ttfb_hist.observe(time.perf_counter() - started)
+        try:
+            return await self._respond(request, upstream, fwd, started, latency_hist)
+        finally:
+            upstream.close()  # a no-op after a complete read; otherwise drops the upstream connection
+
+    async def _respond(self, request, upstream, fwd: Forward, started: float, latency_hist) -> web.StreamResponse:
+        out_headers = CIMultiDict[str]()
+        for key, value in upstream.headers.items():
+            if key.lower() not in _DROP_RESPONSE:
+                out_headers.add(key, value)
+        out_headers["X-Haru-Domain"] = fwd.domain
+        length = upstream.content_length
+        ctype = upstream.headers.get("Content-Type", "")
+        status = upstream.status
+        if length is not None and length <= self.buffer_limit and not ctype.startswith("text/event-stream"):
+            try:
+                data = await upstream.read()
+            except (aiohttp.ClientError, OSError) as exc:
+                code_status, code = UPSTREAM_UNREACHABLE
+                self.metrics.request(fwd.fleet, fwd.model, code_status)
+                return error_response(
+                    Refusal(code_status, code, f"domain {fwd.domain!r} broke off its response for model "
+                            f"{fwd.model!r}: {_why(exc)}", None, None, fwd.domain)
+                )
+            latency_hist.observe(time.perf_counter() - started)
+            self.metrics.request(fwd.fleet, fwd.model, status)
+            return web.Response(body=data, status=status, headers=out_headers)
+
+        response = web.StreamResponse(status=status, headers=out_headers)
+        gauge = self.metrics.streams(fwd.fleet)
+        gauge.inc()
+        self.metrics.request(fwd.fleet, fwd.model, status)
+        try:
+            await response.prepare(request)
+            content = upstream.content
+            while True:
+                try:
+                    chunk = await content.readany()
+                except (aiohttp.ClientError, OSError) as exc:
+                    # Headers are gone already: the honest signal is a connection closed without the
+                    # final chunk, so the client sees a truncated stream rather than a clean end.
+                    log.warning("gateway.upstream_broke_stream", fleet=fwd.fleet, domain=fwd.domain,
+                                model=fwd.model, error=repr(exc))
+                    if request.transport is not None:
+                        request.transport.close()
+                    return response
+                if not chunk:
+                    break
+                await response.write(chunk)
+            await response.write_eof()
+            latency_hist.observe(time.perf_counter() - started)
+            return response
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            return response  # the client went away: `finally` in _forward drops the upstream
+        finally:
+            gauge.dec()
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text.replace("\n", " ")

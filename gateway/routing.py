@@ -1,0 +1,426 @@
+"""The gateway's in-memory routing table and the answer for one request. Pure: no I/O, no clock.
+
+`gateway.state` keeps a `RoutingTable` current from the KV watch (FleetViews) and the route-intent
+subscription (RouteIntents). Every update compiles the fleet's routes once (`compile_routes`), so a
+chat request costs two dict look-ups: `table.resolve(fleet, model, now)` returns either
+
+    Forward(url, fleet, domain, model, revision)   proxy the body to `url + request path`
+    Refusal(status, code, message, retry_after)    answer with OpenAI's error shape
+
+The router answers (one per model on the active domain, computed by the projector into the route
+intent) map to HTTP exactly as DESIGN.md's "Router answers" table says; `ANSWER_STATUS` is that
+table, and the tests and docs/gateway.md read the same one:
+
+    ready              proxied
+    warming{for_ms}    503 model_warming       + Retry-After
+    asleep             503 model_asleep        + Retry-After
+    lost{gpu_detached} 503 gpu_detached        (the provider's doing, not the operator's)
+    lost{other}        503 model_lost          (with the reason)
+    not_admitted       409 model_not_admitted  (with short_by; never retryable)
+    unknown            503 residency_unknown
+    no such fleet      404 fleet_not_found
+    no such model      404 model_not_found
+    no active domain   503 no_active_domain
+
+The route intent is the authority for routing (active target, answers, revision); the FleetView
+adds what the intent does not carry: every model declared on every domain, so that a model that
+exists only on the standby is told apart from one that does not exist at all.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+import msgspec
+
+from haru.residency import Answer
+from haru.views import FleetView, RouteIntent, Target
+
+# ------------------------------------------------------------------------------ the status table
+
+# answer (or answer:reason) -> (HTTP status, error.code)
+ANSWER_STATUS: Final[dict[str, tuple[int, str]]] = {
+    "warming": (503, "model_warming"),
+    "asleep": (503, "model_asleep"),
+    "lost:gpu_detached": (503, "gpu_detached"),
+    "lost": (503, "model_lost"),
+    "not_admitted": (409, "model_not_admitted"),
+    "unknown": (503, "residency_unknown"),
+}
+
+# Conditions that are not router answers.
+FLEET_NOT_FOUND: Final = (404, "fleet_not_found")
+MODEL_NOT_FOUND: Final = (404, "model_not_found")
+NO_ACTIVE_DOMAIN: Final = (503, "no_active_domain")
+INVALID_REQUEST: Final = (400, "invalid_request")
+PAYLOAD_TOO_LARGE: Final = (413, "payload_too_large")
+UPSTREAM_TIMEOUT: Final = (504, "upstream_timeout")
+UPSTREAM_UNREACHABLE: Final = (502, "upstream_unreachable")
+
+# OpenAI's `error.type` per HTTP status. The SDKs pick their exception class from the status
+# (400 BadRequestError, 401 AuthenticationError, 404 NotFoundError, 409 ConflictError,
+# 413 APIStatusError, >= 500 InternalServerError); `type` is informative.
+ERROR_TYPES: Final[dict[int, str]] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    502: "upstream_error",
+    503: "service_unavailable_error",
+    504: "upstream_error",
+}
+
+# Statuses a client must not retry: the same request would get the same answer.
+NOT_RETRYABLE: Final = frozenset({400, 401, 404, 405, 409, 413})
+
+# Retry-After bounds (seconds). Warming: a quarter of how long it has been warming, so a level-1
+# wake (0.1-6 s) is retried within a second or two and a cold load (20-100 s) is not hammered.
+RETRY_MIN_S: Final = 1
+RETRY_MAX_S: Final = 30
+ASLEEP_RETRY_S: Final = 5
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status) or ("server_error" if status >= 500 else "invalid_request_error")
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def error_body(status: int, code: str, message: str, param: str | None = None) -> bytes:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    return _encode({"error": {"message": message, "type": error_type(status), "param": param, "code": code}})
+
+
+# ------------------------------------------------------------------------------------- outcomes
+
+
+class Forward(msgspec.Struct, frozen=True):
+    """Proxy the request to `url` + the request's path (`url` has no trailing `/` and no `/v1`)."""
+
+    url: str
+    fleet: str
+    domain: str
+    model: str
+    revision: int
+
+
+class Refusal(msgspec.Struct, frozen=True):
+    """Answer with this error instead of proxying. `retry_after` is whole seconds (None = no header)."""
+
+    status: int
+    code: str
+    message: str
+    retry_after: int | None = None
+    param: str | None = None
+    domain: str = ""
+
+    @property
+    def retryable(self) -> bool:
+        return self.status not in NOT_RETRYABLE
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.code, self.message, self.param)
+
+
+class _Warming(msgspec.Struct, frozen=True):
+    """A warming model: the Retry-After and the elapsed time depend on `now`, so they are made late."""
+
+    fleet: str
+    domain: str
+    model: str
+    since: float  # epoch seconds (0 = unknown)
+    for_ms: int  # as of the intent
+    reason: str
+
+    def at(self, now: float) -> Refusal:
+        for_ms = max(self.for_ms, int((now - self.since) * 1000)) if self.since else self.for_ms
+        retry = retry_after_warming(for_ms)
+        what = f" ({self.reason})" if self.reason else ""
+        status, code = ANSWER_STATUS["warming"]
+        return Refusal(
+            status,
+            code,
+            f"model {self.model!r} is warming on domain {self.domain!r}{what} for {for_ms / 1000:.1f} s; "
+            f"it is not ready yet, retry in {retry} s",
+            retry,
+            "model",
+            self.domain,
+        )
+
+
+def retry_after_warming(for_ms: int) -> int:
+    """Seconds to wait before retrying a warming model: a quarter of its warm-up so far, 1..30."""
+    return max(RETRY_MIN_S, min(RETRY_MAX_S, math.ceil(for_ms / 4000)))
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def refusal_for(fleet: str, domain: str, model: str, answer: Answer, operation: str = "") -> Refusal | _Warming | None:
+    """The refusal a router answer asks for (None for `ready`). Reads ANSWER_STATUS."""
+    kind = answer.answer
+    if kind == "ready":
+        return None
+    if kind == "warming":
+        since = answer.since.timestamp() if answer.since is not None else 0.0
+        return _Warming(fleet, domain, model, since, answer.for_ms, answer.reason)
+    where = f"model {model!r} on domain {domain!r}"
+    if kind == "asleep":
+        status, code = ANSWER_STATUS["asleep"]
+        doing = f"operation {operation} is in progress; " if operation else ""
+        return Refusal(
+            status,
+            code,
+            f"{where} is asleep (vLLM level-1 sleep, weights in CPU RAM); {doing}retry in {ASLEEP_RETRY_S} s",
+            ASLEEP_RETRY_S,
+            "model",
+            domain,
+        )
+    if kind == "lost":
+        reason = answer.reason or "unknown reason"
+        if answer.detail:
+            reason = f"{reason} ({answer.detail})"
+        if answer.reason == "gpu_detached":
+            status, code = ANSWER_STATUS["lost:gpu_detached"]
+            return Refusal(
+                status,
+                code,
+                f"{where} is lost: its GPU was detached by the provider (reclaimed or failed); "
+                f"this is not the operator's doing. Haru fails over to the standby when auto-failover is on",
+                None,
+                "model",
+                domain,
+            )
+        status, code = ANSWER_STATUS["lost"]
+        return Refusal(status, code, f"{where} is lost: {reason}", None, "model", domain)
+    if kind == "not_admitted":
+        status, code = ANSWER_STATUS["not_admitted"]
+        short = answer.short_by_bytes
+        by = f"short by {gib(short)} ({short} bytes)" if short else "short of VRAM"
+        return Refusal(
+            status,
+            code,
+            f"{where} is not admitted: the GPU is {by}; it will never fit there, do not retry "
+            f"(change the layout: a bigger GPU, a smaller model, or fewer models on that GPU)",
+            None,
+            "model",
+            domain,
+        )
+    status, code = ANSWER_STATUS["unknown"]
+    said = f" ({answer.reason})" if answer.reason else ""
+    return Refusal(
+        status,
+        code,
+        f"residency of {where} is unknown{said}: it has not been probed yet, so Haru does not route to it",
+        None,
+        "model",
+        domain,
+    )
+
+
+# ------------------------------------------------------------------------------ compiled routes
+
+
+def base_url(url: str) -> str:
+    """`http://h:p/`, `http://h:p/v1` and `http://h:p` all become `http://h:p` (the path is appended)."""
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    return url
+
+
+class FleetRoutes(msgspec.Struct, frozen=True):
+    """One fleet's routes, compiled from its latest view and route intent."""
+
+    fleet: str
+    view: FleetView | None
+    intent: RouteIntent | None
+    intent_seq: int
+    revision: int
+    active: str
+    entries: dict[str, Forward | Refusal | _Warming]  # one per model known to the fleet
+    declared: dict[str, list[str]]  # model -> domains it is declared on (view order)
+
+    def resolve(self, model: str, now: float) -> Forward | Refusal:
+        entry = self.entries.get(model)
+        if entry is None:
+            return self._missing(model)
+        if type(entry) is _Warming:
+            return entry.at(now)
+        return entry  # type: ignore[return-value]
+
+    def _missing(self, model: str) -> Refusal:
+        if not self.active and (self.view is None or not self.declared):
+            return _no_active(self.fleet, self.view, self.intent)
+        status, code = MODEL_NOT_FOUND
+        known = list(self.declared) or list(self.entries)
+        listed = ", ".join(repr(m) for m in known[:20]) + (", ..." if len(known) > 20 else "")
+        return Refusal(
+            status,
+            code,
+            f"model {model!r} is not declared in fleet {self.fleet!r}"
+            + (f"; it serves {listed}" if known else "; it declares no models")
+            + " (model ids are matched exactly)",
+            None,
+            "model",
+        )
+
+
+def _no_active(fleet: str, view: FleetView | None, intent: RouteIntent | None) -> Refusal:
+    status, code = NO_ACTIVE_DOMAIN
+    if intent is None and view is not None and view.active:
+        status, code = ANSWER_STATUS["unknown"]
+        return Refusal(
+            status,
+            code,
+            f"fleet {fleet!r} has no route intent yet (active domain {view.active!r}); "
+            f"is the projector running?",
+            None,
+            "model",
+            view.active,
+        )
+    return Refusal(
+        status,
+        code,
+        f"fleet {fleet!r} has no active domain: nothing has been promoted yet "
+        f"(POST /v1/fleets/{fleet}/promote, or `haru promote`)",
+    )
+
+
+def _target_url(target: Target, model: str) -> str:
+    if target.serve == "direct":
+        return target.model_urls.get(model, "")
+    return target.serving_url
+
+
+def compile_routes(fleet: str, view: FleetView | None, intent: RouteIntent | None, intent_seq: int = 0) -> FleetRoutes:
+    """Every model's outcome for one fleet, computed once per update."""
+    declared: dict[str, list[str]] = {}
+    if view is not None:
+        active_name = intent.active.domain if intent is not None and intent.active is not None else view.active
+        order = sorted(view.domains, key=lambda d: d != active_name)  # the active domain's models first
+        for dname in order:
+            for mname in view.domains[dname].models:
+                declared.setdefault(mname, []).append(dname)
+
+    entries: dict[str, Forward | Refusal | _Warming] = {}
+    target = intent.active if intent is not None else None
+    revision = intent.revision if intent is not None else (view.route_revision if view is not None else 0)
+    active = target.domain if target is not None else ""
+
+    if target is None:
+        refusal = _no_active(fleet, view, intent)
+        for mname in declared:
+            entries[mname] = refusal
+    else:
+        for mname, answer in intent.answers.items():  # type: ignore[union-attr]
+            refused = refusal_for(fleet, active, mname, answer, intent.operation)  # type: ignore[union-attr]
+            if refused is not None:
+                entries[mname] = refused
+                continue
+            url = _target_url(target, mname)
+            if not url:
+                status, code = UPSTREAM_UNREACHABLE
+                what = (
+                    f"the route intent has no URL for model {mname!r} on `serve: direct` domain {active!r}"
+                    if target.serve == "direct"
+                    else f"active domain {active!r} has no serving URL (has its agent started?)"
+                )
+                entries[mname] = Refusal(status, code, what, None, "model", active)
+                continue
+            entries[mname] = Forward(base_url(url), fleet, active, mname, revision)
+        for mname, domains in declared.items():
+            if mname in entries:
+                continue
+            if active in domains:  # declared on the active domain, but the intent has no answer yet
+                status, code = ANSWER_STATUS["unknown"]
+                entries[mname] = Refusal(
+                    status,
+                    code,
+                    f"residency of model {mname!r} on domain {active!r} is unknown: "
+                    f"the route intent has no answer for it yet",
+                    None,
+                    "model",
+                    active,
+                )
+            else:
+                status, code = MODEL_NOT_FOUND
+                entries[mname] = Refusal(
+                    status,
+                    code,
+                    f"model {mname!r} is declared in fleet {fleet!r} only on domain "
+                    f"{', '.join(repr(d) for d in domains)}, not on the active domain {active!r}",
+                    None,
+                    "model",
+                    active,
+                )
+    return FleetRoutes(fleet, view, intent, intent_seq, revision, active, entries, declared)
+
+
+# ------------------------------------------------------------------------------------- the table
+
+
+class RoutingTable:
+    """The gateway's routes for every fleet it has seen. Updated by the watchers, read per request.
+
+    Updates replace a fleet's compiled routes in one assignment, so a reader never sees half an
+    update, and a pointer move applies to the very next `resolve`.
+    """
+
+    def __init__(self) -> None:
+        self._fleets: dict[str, FleetRoutes] = {}
+
+    def resolve(self, fleet: str, model: str, now: float) -> Forward | Refusal:
+        routes = self._fleets.get(fleet)
+        if routes is None:
+            return fleet_not_found(fleet, list(self._fleets))
+        return routes.resolve(model, now)
+
+    def get(self, fleet: str) -> FleetRoutes | None:
+        return self._fleets.get(fleet)
+
+    def fleets(self) -> list[str]:
+        return sorted(self._fleets)
+
+    def set_view(self, fleet: str, view: FleetView | None) -> bool:
+        """Apply a view (None: the key was deleted). Returns False when it was older than the one held."""
+        old = self._fleets.get(fleet)
+        if view is not None and old is not None and old.view is not None and view.seq < old.view.seq:
+            return False
+        intent = old.intent if old is not None else None
+        seq = old.intent_seq if old is not None else 0
+        self._store(fleet, view, intent, seq)
+        return True
+
+    def set_intent(self, fleet: str, intent: RouteIntent | None, seq: int = 0) -> bool:
+        """Apply a route intent published at stream sequence `seq`. Older ones are ignored."""
+        old = self._fleets.get(fleet)
+        if old is not None and old.intent is not None and seq and seq < old.intent_seq:
+            return False
+        view = old.view if old is not None else None
+        self._store(fleet, view, intent, seq)
+        return True
+
+    def _store(self, fleet: str, view: FleetView | None, intent: RouteIntent | None, seq: int) -> None:
+        if view is None and intent is None:
+            self._fleets.pop(fleet, None)
+        else:
+            self._fleets[fleet] = compile_routes(fleet, view, intent, seq)
+
+
+def fleet_not_found(fleet: str, known: list[str]) -> Refusal:
+    status, code = FLEET_NOT_FOUND
+    names = ", ".join(repr(f) for f in sorted(known)[:20])
+    return Refusal(
+        status,
+        code,
+        f"no fleet named {fleet!r} (choose one with the X-Haru-Fleet header or HARU_DEFAULT_FLEET"
+        + (f"; known fleets: {names})" if names else "; no fleet has been applied yet: `haru apply`)"),
+        None,
+        None,
+    )

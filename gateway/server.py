@@ -1,0 +1,220 @@
+"""The gateway process: one aiohttp low-level `web.Server` serving the chat proxy and the control API.
+
+    async with Gateway(config, events) as gw:       # binds, follows views/intents, serves
+        print(gw.url)
+        await stop.wait()
+
+or, as `haru gateway` does it, `await run_gateway(servers, config)` (connects to NATS, serves until
+SIGINT/SIGTERM).
+
+Why the low-level server: the router Application with its middleware chain costs measurable CPU
+per request at 32 connections (NOTES.md); the gateway has a dozen fixed paths, so one dispatch
+function with a dict look-up for the chat paths does the same job. Handlers run with
+`handler_cancellation`, so a client that disconnects cancels its handler and with it the upstream
+request.
+
+Auth: with HARU_API_TOKEN set, every path but /healthz needs `Authorization: Bearer <token>`,
+compared with hmac.compare_digest. Without it the gateway binds 127.0.0.1 whatever --host says and
+logs a loud warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import signal
+
+import structlog
+from aiohttp import web
+
+from gateway.config import GatewayConfig
+from gateway.control import Control
+from gateway.errors import ApiError
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import CHAT_PATHS, Proxy
+from gateway.routing import Refusal, RoutingTable, error_body
+from gateway.state import RouteFollower
+
+log = structlog.get_logger("haru.gateway")
+
+_FLEET_PREFIX = "/v1/fleets/"
+
+
+def _api_error_response(err: ApiError) -> web.Response:
+    headers = {"Content-Type": "application/json"}
+    if err.retry_after is not None:
+        headers["Retry-After"] = str(err.retry_after)
+    if err.status < 500 and err.status != 429:
+        headers["x-should-retry"] = "false"
+    return web.Response(body=error_body(err.status, err.code, err.message, err.param), status=err.status, headers=headers)
+
+
+class Gateway:
+    """One gateway: routing table, metrics, upstream session, NATS followers and the HTTP server.
+
+    `events` is a connected `haru.eventlog.EventLog` (the caller owns it); None runs the gateway on
+    a routing table the caller fills (`gw.table.set_view/set_intent`), with no control API writes.
+    """
+
+    def __init__(self, config: GatewayConfig, events=None) -> None:
+        self.config = config
+        self.events = events
+        self.table = RoutingTable()
+        self.metrics = GatewayMetrics()
+        self.proxy = Proxy(config, self.table, self.metrics)
+        self.follower = RouteFollower(events, self.table, self.metrics) if events is not None else None
+        self.control = Control(events, self.table, self.metrics, default_fleet=config.default_fleet,
+                               follower=self.follower)
+        self._expected_auth = f"Bearer {config.api_token}".encode() if config.api_token else b""
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._runner: web.ServerRunner | None = None
+        self.host = config.bind_host()
+        self.port = 0
+        self._get_routes = {
+            "/healthz": self.control.healthz,
+            "/metrics": self.control.metrics_text,
+            "/residency": self.control.residency,
+            "/v1/models": self.control.models,
+            "/v1/fleets": self.control.fleets,
+        }
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Gateway:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        cfg = self.config
+        if cfg.open:
+            asked = f" (asked for {cfg.host!r})" if cfg.host != self.host else ""
+            log.warning(
+                "gateway.UNAUTHENTICATED",
+                message="HARU_API_TOKEN is not set: the gateway is OPEN to anyone who can reach it, so it binds "
+                f"{self.host} only{asked}. Set HARU_API_TOKEN to serve beyond this machine.",
+            )
+        stack = contextlib.AsyncExitStack()
+        try:
+            await stack.enter_async_context(self.proxy)
+            if self.follower is not None:
+                await stack.enter_async_context(self.follower)
+            server = web.Server(
+                self.dispatch,
+                handler_cancellation=True,
+                access_log=None,
+                # a request's head only; the body limit is HARU_CHAT_MAX_BODY_BYTES, enforced by the proxy
+                max_field_size=65536,
+            )
+            runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=5.0)
+            await runner.setup()
+            stack.push_async_callback(runner.cleanup)
+            site = web.TCPSite(runner, self.host, cfg.port, backlog=1024, reuse_address=True)
+            await site.start()
+            self._runner = runner
+            self.port = runner.addresses[0][1] if runner.addresses else cfg.port
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+        log.info("gateway.listening", url=self.url, auth=not cfg.open, default_fleet=cfg.default_fleet,
+                 max_body_bytes=cfg.max_body_bytes, header_timeout_ms=cfg.header_timeout_ms)
+
+    async def stop(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.aclose()
+
+    # ------------------------------------------------------------------------------- dispatch
+
+    def _authorized(self, request: web.BaseRequest) -> bool:
+        expected = self._expected_auth
+        if not expected:
+            return True
+        given = request.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(), expected)
+
+    async def dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+        path = request.path
+        method = request.method
+        if path == "/healthz":
+            return await self.control.healthz(request)
+        if not self._authorized(request):
+            return _api_error_response(
+                ApiError(401, "invalid_api_key",
+                         "missing or wrong bearer token: send `Authorization: Bearer <HARU_API_TOKEN>`")
+            )
+        if path in CHAT_PATHS:
+            if method != "POST":
+                return _method_not_allowed(path, "POST")
+            return await self.proxy.handle(request, path)
+        try:
+            return await self._control(request, path, method)
+        except ApiError as err:
+            return _api_error_response(err)
+
+    async def _control(self, request: web.BaseRequest, path: str, method: str) -> web.StreamResponse:
+        handler = self._get_routes.get(path)
+        if handler is not None:
+            if method not in ("GET", "HEAD"):
+                return _method_not_allowed(path, "GET")
+            return await handler(request)
+        if path.startswith(_FLEET_PREFIX):
+            parts = path[len(_FLEET_PREFIX):].split("/")
+            fleet = parts[0]
+            rest = "/".join(parts[1:])
+            if rest == "":
+                return await self._only("GET", method, path) or await self.control.fleet_view(request, fleet)
+            if rest == "route-intent":
+                return await self._only("GET", method, path) or await self.control.route_intent(request, fleet)
+            if rest == "history":
+                return await self._only("GET", method, path) or await self.control.history(request, fleet)
+            if rest in ("promote", "demote"):
+                kind = "promotion" if rest == "promote" else "demotion"
+                return await self._only("POST", method, path) or await self.control.operation(request, fleet, kind)
+        raise ApiError(404, "not_found", f"no such endpoint: {method} {path}")
+
+    @staticmethod
+    async def _only(allowed: str, method: str, path: str) -> web.Response | None:
+        if method == allowed or (allowed == "GET" and method == "HEAD"):
+            return None
+        return _method_not_allowed(path, allowed)
+
+
+def _method_not_allowed(path: str, allowed: str) -> web.Response:
+    refusal = Refusal(405, "method_not_allowed", f"{path} accepts {allowed} only")
+    return web.Response(body=refusal.body(), status=405,
+                        headers={"Content-Type": "application/json", "Allow": allowed, "x-should-retry": "false"})
+
+
+async def run_gateway(servers: list[str], config: GatewayConfig, *, creds: str | None = None,
+                      stop: asyncio.Event | None = None, ready=None) -> None:
+    """Connect to NATS, serve until `stop` is set (or SIGINT/SIGTERM when `stop` is None)."""
+    from haru.eventlog import EventLog
+
+    own_stop = stop is None
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if own_stop:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+    try:
+        async with EventLog.connect(servers, writer=f"gateway:{config.host}:{config.port}", creds=creds) as events:
+            async with Gateway(config, events) as gw:
+                if ready is not None:
+                    ready(gw)
+                await stop.wait()
+                log.info("gateway.stopping", url=gw.url)
+    finally:
+        if own_stop:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.remove_signal_handler(sig)

@@ -1,0 +1,747 @@
+"""The gateway against real sockets: a real nats-server with views and intents published the way the
+projector publishes them, small aiohttp upstreams (deterministic bytes, so a response through the
+gateway can be compared byte for byte with one from the upstream directly), and the official
+`openai` SDK as the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from datetime import UTC, datetime, timedelta
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from gateway import Gateway, GatewayConfig
+from haru import subjects
+from haru.residency import Answer, Loading, Lost, NotAdmitted, Resident, Sleeping
+from haru.views import DomainView, FleetView, ModelView, RouteIntent, Target, view_encoder
+
+MODEL = "qwen3.6:27b"
+SMALL = "meta-llama/Llama-3.1-8B-Instruct"
+TOKEN = "s3cret-token"
+
+
+# ------------------------------------------------------------------------------------ upstream
+
+
+class Upstream:
+    """A tiny vLLM-shaped server on a real socket. Deterministic bodies; records what it received.
+
+    Request body knobs: "stream": true -> SSE with `chunks` chunks `gap` seconds apart (and an
+    optional `pause` before chunk `pause_at`); "header_delay": seconds before the response headers.
+    """
+
+    def __init__(self, domain: str) -> None:
+        self.domain = domain
+        self.received: list[tuple[str, bytes, dict[str, str]]] = []
+        self.cancelled = 0
+        self.completed = 0
+        self.runner: web.ServerRunner | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> Upstream:
+        server = web.Server(self.handle, handler_cancellation=True, access_log=None)
+        self.runner = web.ServerRunner(server, handle_signals=False)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    def json_body(self, path: str, model: str) -> bytes:
+        return json.dumps(
+            {"id": f"cmpl-{self.domain}", "object": "chat.completion", "model": model,
+             "choices": [{"index": 0, "message": {"role": "assistant", "content": f"[domain {self.domain}] hi"},
+                          "finish_reason": "stop"}],
+             "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}, "path": path},
+            separators=(",", ":"),
+        ).encode()
+
+    @staticmethod
+    def chunk(domain: str, model: str, i: int, text: str) -> bytes:
+        obj = {"id": f"chunk-{domain}", "object": "chat.completion.chunk", "created": 1, "model": model,
+               "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        body = await request.read()
+        self.received.append((request.path, body, dict(request.headers)))
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": []})
+        try:
+            req = json.loads(body)
+        except ValueError:
+            return web.json_response({"error": {"message": "bad json upstream"}}, status=400)
+        model = req.get("model", "")
+        try:
+            if req.get("header_delay"):
+                await asyncio.sleep(req["header_delay"])
+            if req.get("upstream_status"):
+                return web.Response(body=b'{"error":{"message":"upstream says no","code":422}}',
+                                    status=req["upstream_status"], content_type="application/json")
+            if not req.get("stream"):
+                self.completed += 1
+                return web.Response(body=self.json_body(request.path, model), content_type="application/json")
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+            await resp.prepare(request)
+            n, gap = int(req.get("chunks", 5)), float(req.get("gap", 0.0))
+            for i in range(n):
+                if i and gap:
+                    await asyncio.sleep(gap)
+                if req.get("pause") and i == req.get("pause_at", 1):
+                    await asyncio.sleep(req["pause"])
+                text = f"[domain {self.domain}]" if i == 0 else f" tok{i}"
+                await resp.write(self.chunk(self.domain, model, i, text))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            self.completed += 1
+            return resp
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+@pytest.fixture
+async def upstreams():
+    started: list[Upstream] = []
+
+    async def make(domain: str) -> Upstream:
+        up = await Upstream(domain).start()
+        started.append(up)
+        return up
+
+    try:
+        yield make
+    finally:
+        for up in started:
+            await up.stop()
+
+
+# ---------------------------------------------------------------------------------- fleet state
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def view_of(fleet: str, urls: dict[str, str], *, active: str, models=(MODEL, SMALL), seq: int = 1,
+            residency=None) -> FleetView:
+    residency = residency or {}
+    domains = {}
+    for name, url in urls.items():
+        domains[name] = DomainView(
+            name=name,
+            serving_url=url,
+            reachable=True,
+            models={m: ModelView(name=m, admitted=True, residency=residency.get((name, m), Resident(since=now())))
+                    for m in models},
+        )
+    return FleetView(fleet=fleet, domains=domains, active=active, route_revision=seq, seq=seq)
+
+
+def intent_of(fleet: str, domain: str, url: str, *, revision: int, answers: dict[str, Answer] | None = None,
+              models=(MODEL, SMALL), serve: str = "agent", model_urls: dict[str, str] | None = None,
+              operation: str = "") -> RouteIntent:
+    if answers is None:
+        answers = {m: Answer(answer="ready") for m in models}
+    return RouteIntent(
+        fleet=fleet,
+        revision=revision,
+        active=Target(domain=domain, serving_url=url, serve=serve, reachable=True, model_urls=model_urls or {}),
+        answers=answers,
+        operation=operation,
+    )
+
+
+class Fleet:
+    """Publishes views and intents into the real log and waits until the gateway routes by them."""
+
+    def __init__(self, log, gw: Gateway, name: str = "default") -> None:
+        self.log, self.gw, self.name = log, gw, name
+        self.view_rev = 0
+        self.intent_seq = 0
+
+    async def put_view(self, view: FleetView) -> None:
+        self.view_rev = await self.log.put_view(subjects.view_key(self.name), view_encoder.encode(view),
+                                                last=self.view_rev)
+        await wait_for(lambda: (r := self.gw.table.get(self.name)) is not None and r.view is not None
+                       and r.view.seq == view.seq)
+
+    async def publish(self, intent: RouteIntent) -> None:
+        self.intent_seq = await self.log.publish_intent(self.name, view_encoder.encode(intent),
+                                                        expect=self.intent_seq)
+        seq = self.intent_seq
+        await wait_for(lambda: (r := self.gw.table.get(self.name)) is not None and r.intent_seq == seq)
+
+
+async def wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.005)
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(log, **config):
+    cfg = GatewayConfig(port=0, **config)
+    async with Gateway(cfg, log) as gw:
+        yield gw
+
+
+@pytest.fixture
+async def gw(event_log):
+    async with running_gateway(event_log) as gw:
+        yield gw
+
+
+@pytest.fixture
+async def two_domains(event_log, gw, upstreams):
+    """Fleet `default`: domains a (active) and b, both ready, each with its own upstream."""
+    a, b = await upstreams("a"), await upstreams("b")
+    fleet = Fleet(event_log, gw)
+    await fleet.put_view(view_of("default", {"a": a.url, "b": b.url}, active="a", seq=1))
+    await fleet.publish(intent_of("default", "a", a.url, revision=1))
+    return fleet, a, b
+
+
+def sdk(gw: Gateway, *, fleet: str | None = None, token: str = "unused", retries: int = 0) -> openai.AsyncOpenAI:
+    headers = {"X-Haru-Fleet": fleet} if fleet else None
+    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=token, max_retries=retries, default_headers=headers)
+
+
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+# ------------------------------------------------------------------------------ the SDK, happy
+
+
+async def test_sdk_chat_goes_to_the_active_domain(gw, two_domains):
+    _, a, b = two_domains
+    async with sdk(gw) as client:
+        reply = await client.chat.completions.create(model=MODEL, messages=CHAT)
+    assert reply.choices[0].message.content == "[domain a] hi"
+    assert len(a.received) == 1 and not b.received
+    path, body, headers = a.received[0]
+    assert path == "/v1/chat/completions"
+    assert json.loads(body)["model"] == MODEL
+    assert "X-Haru-Fleet" not in headers
+
+
+async def test_sdk_streaming_chunks_arrive_as_produced(gw, two_domains):
+    _, a, _ = two_domains
+    arrivals: list[float] = []
+    texts: list[str] = []
+    async with sdk(gw) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=CHAT, stream=True, extra_body={"chunks": 6, "gap": 0.12}
+        )
+        async for chunk in stream:
+            arrivals.append(time.monotonic())
+            texts.append(chunk.choices[0].delta.content or "")
+    assert "".join(texts) == "[domain a] tok1 tok2 tok3 tok4 tok5"
+    # produced 0.12 s apart: a buffering proxy would deliver them together at the end
+    spread = arrivals[-1] - arrivals[0]
+    assert spread >= 0.45, f"chunks arrived within {spread:.3f} s: buffered"
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert sum(1 for g in gaps if g > 0.05) >= 4, gaps
+
+
+async def test_sdk_models_list_carries_router_answers(event_log, gw, upstreams):
+    up = await upstreams("a")
+    fleet = Fleet(event_log, gw)
+    since = now() - timedelta(seconds=20)
+    await fleet.put_view(view_of("default", {"a": up.url}, active="a",
+                                 residency={("a", SMALL): Loading(since=since)}))
+    await fleet.publish(intent_of("default", "a", up.url, revision=1, answers={
+        MODEL: Answer(answer="ready"), SMALL: Answer(answer="warming", since=since)}))
+    async with sdk(gw) as client:
+        page = await client.models.list()
+    models = {m.id: m for m in page.data}
+    assert list(models) == [MODEL, SMALL]
+    ready, warming = models[MODEL].model_extra["haru"], models[SMALL].model_extra["haru"]
+    assert ready["routable"] is True and ready["answer"]["answer"] == "ready" and ready["active"] == "a"
+    assert warming["routable"] is False and warming["status"] == 503 and warming["code"] == "model_warming"
+    assert warming["answer"]["for_ms"] >= 20_000
+
+
+# ---------------------------------------------------------------------- each status, via the SDK
+
+
+def _answers(kind: Answer) -> dict[str, Answer]:
+    return {MODEL: kind, SMALL: Answer(answer="ready")}
+
+
+@pytest.mark.parametrize(
+    "answer, exc_class, status, code, words",
+    [
+        (Answer(answer="asleep"), openai.InternalServerError, 503, "model_asleep", "asleep"),
+        (Answer(answer="lost", reason="gpu_detached"), openai.InternalServerError, 503, "gpu_detached",
+         "not the operator's doing"),
+        (Answer(answer="lost", reason="evicted", detail="runtime no longer lists the model"),
+         openai.InternalServerError, 503, "model_lost", "evicted"),
+        (Answer(answer="not_admitted", short_by_bytes=int(14.8 * 2**30)), openai.ConflictError, 409,
+         "model_not_admitted", "short by 14.8 GiB"),
+        (Answer(answer="unknown"), openai.InternalServerError, 503, "residency_unknown", "unknown"),
+    ],
+)
+async def test_sdk_raises_the_matching_exception_with_our_message(gw, two_domains, answer, exc_class, status, code,
+                                                                  words):
+    fleet, a, _ = two_domains
+    await fleet.publish(intent_of("default", "a", a.url, revision=1, answers=_answers(answer)))
+    async with sdk(gw) as client:
+        with pytest.raises(exc_class) as info:
+            await client.chat.completions.create(model=MODEL, messages=CHAT)
+    err = info.value
+    assert err.status_code == status
+    assert err.code == code
+    assert words in err.body["message"] and MODEL in err.body["message"]
+    assert err.response.headers["X-Haru-Domain"] == "a"
+    assert not a.received, "a refused request must not reach the upstream"
+    if code == "model_asleep":
+        assert err.response.headers["Retry-After"] == "5"
+    if code == "model_not_admitted":
+        assert err.response.headers["x-should-retry"] == "false"
+        assert err.body["type"] == "conflict_error"
+
+
+async def test_warming_is_503_with_retry_after_from_how_long(gw, two_domains):
+    fleet, a, _ = two_domains
+    since = now() - timedelta(seconds=38)
+    await fleet.publish(intent_of("default", "a", a.url, revision=1,
+                                  answers=_answers(Answer(answer="warming", since=since, reason="loading"))))
+    async with sdk(gw) as client:
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.chat.completions.create(model=MODEL, messages=CHAT)
+    err = info.value
+    assert err.code == "model_warming"
+    assert err.response.headers["Retry-After"] == "10"  # a quarter of 38 s, rounded up
+    assert "warming" in err.body["message"] and "loading" in err.body["message"]
+
+
+async def test_not_admitted_is_never_retried_by_the_sdk(gw, two_domains):
+    fleet, a, _ = two_domains
+    await fleet.publish(intent_of("default", "a", a.url, revision=1,
+                                  answers=_answers(Answer(answer="not_admitted", short_by_bytes=2**30))))
+    async with sdk(gw, retries=3) as client:
+        with pytest.raises(openai.ConflictError):
+            await client.chat.completions.create(model=MODEL, messages=CHAT)
+    text = await _get_text(gw, "/metrics")
+    assert f'haru_gateway_requests_total{{fleet="default",model="{MODEL}",status="409"}} 1.0' in text
+
+
+async def test_sdk_not_found_for_unknown_model_and_fleet(event_log, gw, two_domains):
+    async with sdk(gw) as client:
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.chat.completions.create(model="no-such-model", messages=CHAT)
+    assert info.value.code == "model_not_found" and "no-such-model" in info.value.body["message"]
+    async with sdk(gw, fleet="nowhere") as client:
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.chat.completions.create(model=MODEL, messages=CHAT)
+    assert info.value.code == "fleet_not_found" and "nowhere" in info.value.body["message"]
+
+
+async def test_model_only_on_the_standby_is_404_saying_where(event_log, gw, upstreams):
+    a, b = await upstreams("a"), await upstreams("b")
+    fleet = Fleet(event_log, gw)
+    view = view_of("default", {"a": a.url, "b": b.url}, active="a")
+    extra = ModelView(name="only-b", admitted=True, residency=Resident(since=now()))
+    domains = dict(view.domains)
+    domains["b"] = DomainView(name="b", serving_url=b.url, models={**view.domains["b"].models, "only-b": extra})
+    await fleet.put_view(FleetView(fleet="default", domains=domains, active="a", route_revision=1, seq=1))
+    await fleet.publish(intent_of("default", "a", a.url, revision=1))
+    async with sdk(gw) as client:
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.chat.completions.create(model="only-b", messages=CHAT)
+    assert "only on domain 'b'" in info.value.body["message"]
+
+
+async def test_no_active_domain_is_503(event_log, gw, upstreams):
+    a = await upstreams("a")
+    fleet = Fleet(event_log, gw)
+    await fleet.put_view(view_of("default", {"a": a.url}, active=""))
+    await fleet.publish(RouteIntent(fleet="default", revision=0, active=None, answers={}))
+    async with sdk(gw) as client:
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.chat.completions.create(model=MODEL, messages=CHAT)
+    assert info.value.code == "no_active_domain" and "promote" in info.value.body["message"]
+
+
+async def test_bad_bodies_are_400_naming_the_problem(gw, two_domains):
+    async with aiohttp.ClientSession() as s:
+        for body, words in [
+            (b'{"model": 7, "messages": []}', "Expected `str`, got `int` - at `$.model`"),
+            (b'{"messages": []}', "missing required field `model`"),
+            (b'{"model": "x", "messages": [', "not valid JSON"),
+            (b"[1, 2]", "Expected `object`, got `array`"),
+            (b"", "empty"),
+        ]:
+            async with s.post(gw.url + "/v1/chat/completions", data=body,
+                              headers={"Content-Type": "application/json"}) as r:
+                err = (await r.json())["error"]
+                assert r.status == 400, body
+                assert err["code"] == "invalid_request" and err["type"] == "invalid_request_error"
+                assert words in err["message"], (body, err["message"])
+    async with sdk(gw) as client:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"model": 7})
+    assert "`$.model`" in info.value.body["message"] and info.value.body["param"] == "model"
+
+
+async def test_payload_too_large_by_header_and_while_reading(event_log, upstreams):
+    up = await upstreams("a")
+    async with running_gateway(event_log, max_body_bytes=1000) as gw:
+        fleet = Fleet(event_log, gw)
+        await fleet.put_view(view_of("default", {"a": up.url}, active="a"))
+        await fleet.publish(intent_of("default", "a", up.url, revision=1))
+        big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 2000}]}).encode()
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.url + "/v1/chat/completions", data=big) as r:
+                assert r.status == 413
+                assert (await r.json())["error"]["code"] == "payload_too_large"
+
+            async def chunked():
+                for i in range(0, len(big), 100):
+                    yield big[i:i + 100]
+
+            async with s.post(gw.url + "/v1/chat/completions", data=chunked()) as r:
+                assert r.status == 413
+                assert "HARU_CHAT_MAX_BODY_BYTES (1000 bytes)" in (await r.json())["error"]["message"]
+            small = json.dumps({"model": MODEL, "messages": CHAT}).encode()
+            async with s.post(gw.url + "/v1/chat/completions", data=small) as r:
+                assert r.status == 200
+        async with sdk(gw) as client:
+            with pytest.raises(openai.APIStatusError) as info:
+                await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "y" * 2000}])
+        assert info.value.status_code == 413
+        assert not any(len(b) > 1000 for _, b, _ in up.received)
+
+
+# ------------------------------------------------------------------------------ byte identity
+
+
+async def _raw(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes, list[bytes]]:
+    chunks: list[bytes] = []
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, data=body, headers={"Content-Type": "application/json", **(headers or {})}) as r:
+            async for chunk in r.content.iter_any():
+                chunks.append(chunk)
+            return r.status, b"".join(chunks), chunks
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+async def test_request_and_response_bytes_are_identical_to_direct(gw, two_domains, path):
+    _, a, _ = two_domains
+    # odd spacing, key order, unicode, vendor extensions: nothing may be re-encoded
+    body = ('{ "messages":[{"role":"user","content":"h\\u00e9llo ☃"}],  "model" : "%s", '
+            '"top_k": 7, "vendor_ext": {"x": [1.50, 2e3]} }' % MODEL).encode()
+    s1, via_gateway, _ = await _raw(gw.url + path, body)
+    s2, direct, _ = await _raw(a.url + path, body)
+    assert s1 == s2 == 200
+    assert via_gateway == direct
+    assert a.received[0][1] == body and a.received[1][1] == body
+    assert a.received[0][0] == path
+
+
+async def test_sse_bytes_are_identical_to_direct(gw, two_domains):
+    _, a, _ = two_domains
+    body = json.dumps({"model": MODEL, "messages": CHAT, "stream": True, "chunks": 8}).encode()
+    s1, via_gateway, _ = await _raw(gw.url + "/v1/chat/completions", body)
+    s2, direct, _ = await _raw(a.url + "/v1/chat/completions", body)
+    assert s1 == s2 == 200
+    assert via_gateway == direct and via_gateway.endswith(b"data: [DONE]\n\n")
+    assert a.received[0][1] == body
+
+
+async def test_upstream_errors_pass_through_untouched(gw, two_domains):
+    _, a, _ = two_domains
+    body = json.dumps({"model": MODEL, "messages": CHAT, "upstream_status": 422}).encode()
+    status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+    assert status == 422 and data == b'{"error":{"message":"upstream says no","code":422}}'
+
+
+# ------------------------------------------------------------------------- routing and failover
+
+
+async def test_promotion_during_traffic(gw, two_domains):
+    fleet, a, b = two_domains
+    # a long stream on a, in flight while the pointer moves
+    body = json.dumps({"model": MODEL, "messages": CHAT, "stream": True, "chunks": 12, "gap": 0.05}).encode()
+    old_stream = asyncio.create_task(_raw(gw.url + "/v1/chat/completions", body))
+    await wait_for(lambda: len(a.received) == 1)
+
+    seen: list[str] = []
+    stop = asyncio.Event()
+
+    async def traffic() -> None:
+        async with aiohttp.ClientSession() as s:
+            while not stop.is_set():
+                async with s.post(gw.url + "/v1/chat/completions",
+                                  json={"model": SMALL, "messages": CHAT}) as r:
+                    assert r.status == 200
+                    seen.append(r.headers["X-Haru-Domain"])
+
+    load = asyncio.create_task(traffic())
+    await wait_for(lambda: len(seen) >= 5)
+    await fleet.publish(intent_of("default", "b", b.url, revision=7))
+    # the very next request goes to b
+    status, data, _ = await _raw(gw.url + "/v1/chat/completions", json.dumps({"model": MODEL, "messages": CHAT}).encode())
+    assert status == 200 and b"[domain b]" in data
+    n = len(seen)
+    await wait_for(lambda: len(seen) >= n + 5)
+    stop.set()
+    await load
+    # once b answered, a never did again
+    first_b = seen.index("b")
+    assert set(seen[:first_b]) == {"a"} and set(seen[first_b:]) == {"b"}
+    # the stream that started on a finished there, whole
+    status, data, _ = await old_stream
+    assert status == 200
+    assert data.count(b"data: ") == 13 and b"[domain a]" in data and data.endswith(b"data: [DONE]\n\n")
+    assert a.cancelled == 0
+    metrics = await _get_text(gw, "/metrics")
+    assert 'haru_gateway_route_revision{fleet="default"} 7.0' in metrics
+
+
+async def test_serve_direct_uses_the_models_own_url(event_log, gw, upstreams):
+    a, direct = await upstreams("a"), await upstreams("a-direct")
+    fleet = Fleet(event_log, gw)
+    await fleet.put_view(view_of("default", {"a": a.url}, active="a"))
+    await fleet.publish(intent_of("default", "a", a.url, revision=1, serve="direct",
+                                  model_urls={MODEL: direct.url + "/v1", SMALL: a.url}))
+    status, data, _ = await _raw(gw.url + "/v1/chat/completions", json.dumps({"model": MODEL, "messages": CHAT}).encode())
+    assert status == 200 and b"[domain a-direct]" in data
+    assert direct.received[0][0] == "/v1/chat/completions"
+
+
+async def test_serving_token_replaces_the_clients_credentials(event_log, upstreams):
+    up = await upstreams("a")
+    async with running_gateway(event_log, api_token=TOKEN, serving_token="serve-tok") as gw:
+        fleet = Fleet(event_log, gw)
+        await fleet.put_view(view_of("default", {"a": up.url}, active="a"))
+        await fleet.publish(intent_of("default", "a", up.url, revision=1))
+        async with sdk(gw, token=TOKEN) as client:
+            await client.chat.completions.create(model=MODEL, messages=CHAT)
+    headers = up.received[0][2]
+    assert headers["Authorization"] == "Bearer serve-tok"
+    assert TOKEN not in json.dumps(headers)
+
+
+# -------------------------------------------------------------------------- timeouts, failures
+
+
+async def test_header_timeout_is_504_and_honored_exactly(event_log, upstreams):
+    up = await upstreams("a")
+    async with running_gateway(event_log, header_timeout_ms=300) as gw:
+        fleet = Fleet(event_log, gw)
+        await fleet.put_view(view_of("default", {"a": up.url}, active="a"))
+        await fleet.publish(intent_of("default", "a", up.url, revision=1))
+        t0 = time.monotonic()
+        async with sdk(gw) as client:
+            with pytest.raises(openai.InternalServerError) as info:
+                await client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"header_delay": 2})
+        took = time.monotonic() - t0
+        assert info.value.status_code == 504 and info.value.code == "upstream_timeout"
+        assert "HARU_CHAT_HEADER_TIMEOUT_MS (300 ms)" in info.value.body["message"]
+        assert 0.25 <= took < 1.5
+        await wait_for(lambda: up.cancelled == 1)  # the upstream request was dropped, not left running
+        # a quiet stream is not cut: 1 s of silence mid-generation, well past the header timeout
+        async with sdk(gw) as client:
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=CHAT, stream=True, extra_body={"chunks": 3, "pause": 1.0, "pause_at": 1})
+            texts = [c.choices[0].delta.content async for c in stream]
+        assert texts == ["[domain a]", " tok1", " tok2"]
+    async with running_gateway(event_log, header_timeout_ms=1500) as gw:
+        await wait_for(lambda: gw.table.get("default") is not None and gw.table.get("default").intent is not None)
+        async with sdk(gw) as client:  # headers after 0.8 s: within a 1.5 s bound, so served
+            reply = await client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"header_delay": 0.8})
+        assert reply.choices[0].message.content == "[domain a] hi"
+
+
+async def test_unreachable_upstream_is_502(event_log, gw, upstreams):
+    up = await upstreams("a")
+    dead = up.url
+    await up.stop()
+    fleet = Fleet(event_log, gw)
+    await fleet.put_view(view_of("default", {"a": dead}, active="a"))
+    await fleet.publish(intent_of("default", "a", dead, revision=1))
+    async with sdk(gw) as client:
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.chat.completions.create(model=MODEL, messages=CHAT)
+    assert info.value.status_code == 502 and info.value.code == "upstream_unreachable"
+    assert "'a'" in info.value.body["message"] and dead in info.value.body["message"]
+
+
+async def test_client_disconnect_cancels_the_upstream_request(gw, two_domains):
+    _, a, _ = two_domains
+    body = json.dumps({"model": MODEL, "messages": CHAT, "stream": True, "chunks": 50, "gap": 0.1}).encode()
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(gw.url + "/v1/chat/completions", data=body)
+        first = await r.content.readany()
+        assert b"[domain a]" in first
+        await wait_for(lambda: 'haru_gateway_inflight_streams{fleet="default"} 1.0' in gw.metrics.render().decode())
+        r.close()  # drop the connection mid-stream
+    await wait_for(lambda: a.cancelled == 1, timeout=3)
+    assert a.completed == 0
+    await wait_for(lambda: 'haru_gateway_inflight_streams{fleet="default"} 0.0' in gw.metrics.render().decode())
+
+
+async def test_a_waiting_client_that_leaves_cancels_the_upstream(gw, two_domains):
+    _, a, _ = two_domains
+    body = json.dumps({"model": MODEL, "messages": CHAT, "header_delay": 5}).encode()
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", data=body))
+        await wait_for(lambda: len(a.received) == 1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await wait_for(lambda: a.cancelled == 1, timeout=3)
+
+
+# ------------------------------------------------------------------------------------- auth
+
+
+async def _get(gw_url: str, path: str, token: str | None = None) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw_url + path, headers=headers) as r:
+            return r.status, await r.json(content_type=None)
+
+
+async def _get_text(gw: Gateway, path: str, token: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.url + path, headers=headers) as r:
+            return await r.text()
+
+
+async def test_auth_on_guards_everything_but_healthz(event_log, upstreams):
+    up = await upstreams("a")
+    async with running_gateway(event_log, api_token=TOKEN, host="0.0.0.0") as gw:
+        assert gw.host == "0.0.0.0"  # with a token the requested host is honoured
+        fleet = Fleet(event_log, gw)
+        await fleet.put_view(view_of("default", {"a": up.url}, active="a"))
+        await fleet.publish(intent_of("default", "a", up.url, revision=1))
+        url = f"http://127.0.0.1:{gw.port}"
+        assert (await _get(url, "/healthz"))[0] == 200
+        for path in ("/v1/models", "/residency", "/metrics", "/v1/fleets/default", "/v1/fleets/default/route-intent"):
+            status, body = await _get(url, path)
+            assert status == 401 and body["error"]["code"] == "invalid_api_key", path
+            assert (await _get(url, path, "wrong"))[0] == 401
+        assert (await _get(url, "/v1/fleets/default", TOKEN))[0] == 200
+        gw_client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+        async with gw_client as client:
+            with pytest.raises(openai.AuthenticationError):
+                await client.chat.completions.create(model=MODEL, messages=CHAT)
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0) as client:
+            reply = await client.chat.completions.create(model=MODEL, messages=CHAT)
+        assert reply.choices[0].message.content == "[domain a] hi"
+        assert len(up.received) == 1
+
+
+async def test_auth_off_binds_loopback_whatever_host_says(event_log):
+    async with running_gateway(event_log, host="0.0.0.0") as gw:
+        assert gw.host == "127.0.0.1"
+        status, _ = await _get(gw.url, "/v1/fleets")
+        assert status == 200
+
+
+# ------------------------------------------------------------------------------ control API
+
+
+async def test_residency_truth_table(event_log, gw, upstreams):
+    a, b = await upstreams("a"), await upstreams("b")
+    fleet = Fleet(event_log, gw)
+    t = now() - timedelta(seconds=30)
+    residency = {
+        ("a", SMALL): Lost(reason="gpu_detached", since=t),
+        ("b", MODEL): Sleeping(since=t),
+        ("b", SMALL): NotAdmitted(short_by_bytes=2**31, since=t),
+    }
+    await fleet.put_view(view_of("default", {"a": a.url, "b": b.url}, active="a", residency=residency))
+    await fleet.publish(intent_of("default", "a", a.url, revision=1, answers={
+        MODEL: Answer(answer="ready"), SMALL: Answer(answer="lost", reason="gpu_detached")}))
+    status, table = await _get(gw.url, "/residency")
+    assert status == 200
+    f = table["fleets"]["default"]
+    assert f["active"] == "a" and f["route_revision"] == 1
+    lost = f["domains"]["a"]["models"][SMALL]
+    assert lost["residency"]["state"] == "lost" and lost["residency"]["reason"] == "gpu_detached"
+    assert lost["residency"]["for_ms"] >= 30_000 and lost["code"] == "gpu_detached" and lost["status"] == 503
+    assert f["domains"]["a"]["models"][MODEL]["routable"] is True
+    assert f["domains"]["b"]["models"][MODEL]["residency"]["summary"].startswith("sleeping (level 1) for 3")
+    assert f["domains"]["b"]["models"][SMALL]["residency"]["summary"] == "not admitted — short by 2.0 GiB"
+    assert "routable" not in f["domains"]["b"]["models"][MODEL]  # the standby is not routed to
+    status, one = await _get(gw.url, "/residency?fleet=nope")
+    assert status == 404 and one["error"]["code"] == "fleet_not_found"
+
+
+async def test_fleet_view_and_route_intent_endpoints(event_log, gw, two_domains):
+    status, view = await _get(gw.url, "/v1/fleets/default")
+    assert status == 200 and view["fleet"] == "default" and set(view["domains"]) == {"a", "b"}
+    status, intent = await _get(gw.url, "/v1/fleets/default/route-intent")
+    assert status == 200 and intent["active"]["domain"] == "a" and intent["revision"] == 1
+    status, err = await _get(gw.url, "/v1/fleets/nope")
+    assert status == 404 and err["error"]["code"] == "fleet_not_found"
+    status, err = await _get(gw.url, "/v1/fleets/Bad.Name")
+    assert status == 400 and "fleet name" in err["error"]["message"]
+    status, err = await _get(gw.url, "/v1/nothing-here")
+    assert status == 404
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.url + "/v1/chat/completions") as r:
+            assert r.status == 405 and r.headers["Allow"] == "POST"
+
+
+async def test_metrics_exposition(gw, two_domains):
+    async with sdk(gw) as client:
+        await client.chat.completions.create(model=MODEL, messages=CHAT)
+        stream = await client.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
+        async for _ in stream:
+            pass
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="nope", messages=CHAT)
+    text = await _get_text(gw, "/metrics")
+    assert f'haru_gateway_requests_total{{fleet="default",model="{MODEL}",status="200"}} 2.0' in text
+    assert 'haru_gateway_requests_total{fleet="default",model="(unknown)",status="404"} 1.0' in text
+    assert 'haru_gateway_upstream_ttfb_seconds_count{domain="a",fleet="default"} 2.0' in text
+    assert 'haru_gateway_upstream_latency_seconds_count{domain="a",fleet="default"} 2.0' in text
+    assert 'haru_gateway_inflight_streams{fleet="default"} 0.0' in text
+    assert 'haru_gateway_route_revision{fleet="default"} 1.0' in text
+
+
+async def test_two_gateways_in_one_process_keep_their_own_metrics(event_log, gw, two_domains):
+    async with running_gateway(event_log) as other:
+        await wait_for(lambda: other.table.get("default") is not None and other.table.get("default").intent is not None)
+        async with sdk(gw) as client:
+            await client.chat.completions.create(model=MODEL, messages=CHAT)
+        assert "status=\"200\"" in gw.metrics.render().decode()
+        assert "status=\"200\"" not in other.metrics.render().decode()
+
+
+async def test_gateway_started_after_the_projector_sees_current_state(event_log, upstreams):
+    up = await upstreams("a")
+    await event_log.put_view(subjects.view_key("late"), view_encoder.encode(view_of("late", {"a": up.url}, active="a")),
+                             last=0)
+    await event_log.publish_intent("late", view_encoder.encode(intent_of("late", "a", up.url, revision=3)), expect=0)
+    async with running_gateway(event_log) as gw:
+        await wait_for(lambda: gw.table.get("late") is not None and gw.table.get("late").revision == 3)
+        async with sdk(gw, fleet="late") as client:
+            reply = await client.chat.completions.create(model=MODEL, messages=CHAT)
+        assert reply.choices[0].message.content == "[domain a] hi"
+        status, health = await _get(gw.url, "/healthz")
+        assert status == 200 and health["fleets"]["late"] == {"active": "a", "route_revision": 3}
+        assert health["nats_connected"] is True
