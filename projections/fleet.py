@@ -56,7 +56,7 @@ from haru.views import (
     TrainingView,
 )
 
-__all__ = ["empty", "evolve", "fold", "fold_one", "fleet_of"]
+__all__ = ["HANDLED", "empty", "evolve", "fleet_of", "fold", "fold_one", "invalid"]
 
 _replace = msgspec.structs.replace
 
@@ -528,11 +528,18 @@ def evolve(view: FleetView, event: ev.Event, *, seq: int, subject: str) -> Fleet
     return _replace(out, seq=seq, updated_at=event.at)
 
 
+def invalid(view: FleetView, *, seq: int, subject: str, error: str) -> FleetView:
+    """The view after a body on one of its subjects that is not a valid event: skipped, counted."""
+    first = error.splitlines()[0] if error else "not a valid event"
+    return _replace(_anomaly(view, f"seq {seq}: body on {subject} skipped: {first}"), seq=seq)
+
+
 def fold_one(
-    views: dict[str, FleetView], event: ev.Event, *, seq: int, subject: str
+    views: dict[str, FleetView], event: ev.Event | None, *, seq: int, subject: str, error: str = ""
 ) -> FleetView | None:
     """Fold one event into `views` (a dict of fleet -> view, updated in place).
 
+    `event=None` is a body that did not decode (`error` says why): it is counted, not folded.
     Returns the fleet's new view, or None when the event was skipped: its subject names no fleet,
     or the fleet's view already folded `seq` (a replay from before the view's own checkpoint).
     """
@@ -544,7 +551,10 @@ def fold_one(
         view = empty(fleet)
     elif seq <= view.seq:
         return None
-    view = evolve(view, event, seq=seq, subject=subject)
+    if event is None:
+        view = invalid(view, seq=seq, subject=subject, error=error)
+    else:
+        view = evolve(view, event, seq=seq, subject=subject)
     views[fleet] = view
     return view
 

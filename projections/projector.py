@@ -1,0 +1,331 @@
+"""The projector service: `HARU_EVENTS` -> fleet views in KV `haru_views` and route intents on
+`haru.route.<fleet>`. The imperative shell around the pure folds in `projections.fleet` and
+`projections.route`.
+
+    async with EventLog.connect(servers, writer="projector:host:pid") as log:
+        await log.ensure()
+        await Projector(log).run()          # until cancelled
+
+Start. The fleets of the log are the fleets that have declarations (`haru.evt.*.decl`). Each one's
+stored view is read from KV; the replay resumes from the smallest stored `seq` + 1 (from 1 when
+a declared fleet has no stored view yet). Events at or below a fleet's own view `seq` are skipped
+for that fleet (`projections.fleet.fold_one`), so fleets whose views are further ahead are not
+folded twice. A fleet first met during the replay (events but no declaration) starts empty.
+
+Fold. The replay handler is synchronous: it decodes nothing itself (the log did), folds the record
+into the in-memory views, marks the fleet dirty, and when the record moved the route pointer it
+snapshots the route intent at that very sequence, so every pointer move becomes an intent even
+when writes are coalesced. A body that is not a valid event is logged, counted in the view's
+`anomalies`, and skipped.
+
+Write. A single flusher task wakes whenever the handler folded something and the handler yields
+(nats-py runs the handler back to back while messages are queued, so a replay is naturally
+batched: one write per fleet per batch, not per event). For each dirty fleet, in this order:
+
+1. publish the intents snapshotted at route moves, then the current intent if it `changed`, each
+   with `expect` = the last intent's stream sequence. On Conflict: read the last intent; if it was
+   computed from a view at or after ours (`view_seq`), or says the same, ours is not published;
+   otherwise retry on top of it. Intents therefore never go backwards, and two projectors publish
+   each pointer move once.
+2. write the view with `put_view(key, data, last=revision read)`. On Conflict: read the stored
+   view; if its `seq` is at or after ours, adopt it (a view never overwrites a newer one) and the
+   fold skips what it covers; otherwise retry on its revision.
+
+Intents go before the view: a crash between the two replays those events on restart, and intents
+already published are recognised by `view_seq` and not repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from haru import subjects
+from haru.errors import Conflict
+from haru.eventlog import EventLog, Record
+from haru.events import RouteMoved
+from haru.views import FleetView, RouteIntent, intent_decoder, view_decoder, view_encoder
+from projections.fleet import empty, fleet_of, fold_one
+from projections.route import changed, intent
+
+log_ = structlog.get_logger("haru.projector")
+
+
+@dataclass
+class Stats:
+    """What a projector did, for logs, tests and the benchmark."""
+
+    resumed_from: int = 0  # the replay's first sequence
+    handled: int = 0  # records folded (skipped ones not counted)
+    invalid: int = 0  # bodies that were not valid events
+    skipped: int = 0  # records at or below their fleet's view seq, or not on a fleet subject
+    view_writes: int = 0
+    view_conflicts: int = 0
+    views_adopted: int = 0
+    intents_published: int = 0
+    intent_conflicts: int = 0
+    last_seq: int = 0  # the last sequence handled
+    flushes: int = 0
+    failures: int = 0  # records the fold raised on (a bug): logged and skipped
+    fleets: set[str] = field(default_factory=set)
+
+
+class Projector:
+    """Folds the log into views and intents. One instance per process; many processes may race."""
+
+    def __init__(self, log: EventLog, *, batch_max: int = 20_000) -> None:
+        self.log = log
+        self.batch_max = batch_max  # yield to the flusher at least this often during a replay
+        self.views: dict[str, FleetView] = {}
+        self.stats = Stats()
+        self._revs: dict[str, int] = {}  # KV revision of each fleet's view as last read or written
+        self._stored: dict[str, int] = {}  # seq of the view stored in KV, as far as we know
+        self._dirty: set[str] = set()
+        self._pending: dict[str, list[RouteIntent]] = {}  # intents snapshotted at route moves
+        self._intents: dict[str, tuple[RouteIntent | None, int]] = {}  # last known intent, its seq
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # set whenever everything folded is written
+        self._idle.set()
+        self._since_yield = 0
+        self._caught_up_at = 0  # the stream's last seq when we started; logged once reached
+        self._started = 0.0
+
+    # ------------------------------------------------------------------------------- start
+
+    async def load(self) -> int:
+        """Read the stored views of every declared fleet; return the sequence to replay from."""
+        fleets: set[str] = set()
+        for rec in await self.log.history("haru.evt.*.decl"):
+            fleet = fleet_of(rec.subject)
+            if fleet:
+                fleets.add(fleet)
+        for fleet in sorted(fleets):
+            await self._load_view(fleet)
+        from_seq = min((v.seq for v in self.views.values()), default=0) + 1
+        self.stats.resumed_from = from_seq
+        return from_seq
+
+    async def _load_view(self, fleet: str) -> FleetView:
+        key = subjects.view_key(fleet)
+        got = await self.log.get_view(key)
+        view = empty(fleet)
+        rev = 0
+        if got is not None:
+            data, rev = got
+            try:
+                view = view_decoder.decode(data)
+            except Exception as exc:  # a view written by an incompatible version: rebuild it
+                log_.warning("projector.view_unreadable", fleet=fleet, revision=rev, error=str(exc))
+                view = empty(fleet)
+        self.views[fleet] = view
+        self._revs[fleet] = rev
+        self._stored[fleet] = view.seq
+        return view
+
+    async def run(self, *, from_seq: int | None = None) -> None:
+        """Load, replay from the checkpoint and follow the log until cancelled."""
+        self._started = time.monotonic()
+        if from_seq is None:
+            from_seq = await self.load()
+        else:
+            self.stats.resumed_from = from_seq
+        self._caught_up_at = await self.log.last_seq()
+        log_.info(
+            "projector.resume",
+            from_seq=from_seq,
+            fleets=sorted(self.views),
+            views={f: v.seq for f, v in sorted(self.views.items())},
+            stream_last_seq=self._caught_up_at,
+        )
+        if self._caught_up_at < from_seq:
+            self._log_caught_up()
+        flusher = asyncio.create_task(self._flusher(), name="projector-flusher")
+        replay = asyncio.create_task(self.log.replay(self._handle, from_seq=from_seq, follow=True), name="projector-replay")
+        try:
+            done, _ = await asyncio.wait({flusher, replay}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # raise what ended it
+        finally:
+            for task in (replay, flusher):
+                task.cancel()
+            await asyncio.gather(replay, flusher, return_exceptions=True)
+            # Whatever was folded and not yet written: write it (best effort, bounded).
+            try:
+                await asyncio.wait_for(self.flush(), 5.0)
+            except Exception as exc:  # noqa: BLE001 - leaving anyway; the next start replays it
+                log_.warning("projector.final_flush_failed", error=str(exc))
+            log_.info("projector.stopped", **self._stats_dict())
+
+    # -------------------------------------------------------------------------------- fold
+
+    async def _handle(self, rec: Record) -> None:
+        """The replay handler: fold, mark dirty, let the flusher run now and then."""
+        self.fold_record(rec)
+        self._since_yield += 1
+        if self._since_yield >= self.batch_max:
+            # A long replay: give the flusher a turn so views move forward while we catch up.
+            self._since_yield = 0
+            await asyncio.sleep(0)
+
+    def fold_record(self, rec: Record) -> None:
+        seq = rec.seq
+        self.stats.last_seq = seq
+        event = rec.event
+        try:
+            view = fold_one(self.views, event, seq=seq, subject=rec.subject, error=rec.error)
+        except Exception as exc:  # a bug in the fold must not stop projection of everything else
+            self.stats.failures += 1
+            log_.exception("projector.fold_failed", seq=seq, subject=rec.subject, error=str(exc))
+            view = None
+        if event is None and (view is not None or not fleet_of(rec.subject)):
+            self.stats.invalid += 1
+            log_.warning("projector.invalid_event", seq=seq, subject=rec.subject, error=rec.error)
+        if view is None:
+            self.stats.skipped += 1
+        else:
+            fleet = view.fleet
+            self.stats.handled += 1
+            if fleet not in self._dirty:
+                self._dirty.add(fleet)
+                self.stats.fleets.add(fleet)
+            if type(event) is RouteMoved:
+                self._pending.setdefault(fleet, []).append(intent(view))
+            self._idle.clear()
+            self._wake.set()
+        if self._caught_up_at and seq >= self._caught_up_at:
+            self._log_caught_up()
+
+    def _log_caught_up(self) -> None:
+        self._caught_up_at = 0
+        log_.info(
+            "projector.caught_up",
+            took_ms=int((time.monotonic() - self._started) * 1000),
+            **self._stats_dict(),
+        )
+
+    def _stats_dict(self) -> dict:
+        s = self.stats
+        return dict(
+            resumed_from=s.resumed_from,
+            last_seq=s.last_seq,
+            handled=s.handled,
+            skipped=s.skipped,
+            invalid=s.invalid,
+            failures=s.failures,
+            view_writes=s.view_writes,
+            view_conflicts=s.view_conflicts,
+            views_adopted=s.views_adopted,
+            intents_published=s.intents_published,
+            intent_conflicts=s.intent_conflicts,
+            flushes=s.flushes,
+        )
+
+    # ------------------------------------------------------------------------------- write
+
+    async def _flusher(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Write every dirty fleet: its intents, then its view."""
+        while self._dirty:
+            self.stats.flushes += 1
+            for fleet in sorted(self._dirty):
+                self._dirty.discard(fleet)
+                pending = self._pending.pop(fleet, [])
+                for ri in pending:
+                    await self._publish(fleet, ri)
+                view = self.views[fleet]
+                await self._publish(fleet, intent(view))
+                await self._write_view(fleet, view)
+        if not self._dirty:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float | None = None) -> None:
+        """Wait until everything folded so far is written (tests, benchmark)."""
+        await asyncio.wait_for(self._idle.wait(), timeout)
+
+    async def _last_intent(self, fleet: str) -> tuple[RouteIntent | None, int]:
+        known = self._intents.get(fleet)
+        if known is None:
+            got = await self.log.last_intent(fleet)
+            known = (None, 0) if got is None else (self._decode_intent(fleet, got[0]), got[1])
+            self._intents[fleet] = known
+        return known
+
+    @staticmethod
+    def _decode_intent(fleet: str, body: bytes) -> RouteIntent | None:
+        try:
+            return intent_decoder.decode(body)
+        except Exception as exc:  # noqa: BLE001 - an unreadable last intent is superseded by ours
+            log_.warning("projector.intent_unreadable", fleet=fleet, error=str(exc))
+            return None
+
+    async def _publish(self, fleet: str, ri: RouteIntent) -> None:
+        last, seq = await self._last_intent(fleet)
+        while True:
+            if last is not None and (last.view_seq >= ri.view_seq or not changed(last, ri)):
+                return
+            data = view_encoder.encode(ri)
+            try:
+                new_seq = await self.log.publish_intent(fleet, data, expect=seq)
+            except Conflict:
+                self.stats.intent_conflicts += 1
+                got = await self.log.last_intent(fleet)
+                if got is None:  # pragma: no cover - a conflict means something is there
+                    last, seq = None, 0
+                else:
+                    last, seq = self._decode_intent(fleet, got[0]), got[1]
+                self._intents[fleet] = (last, seq)
+                continue
+            self._intents[fleet] = (ri, new_seq)
+            self.stats.intents_published += 1
+            log_.info(
+                "projector.intent_published",
+                fleet=fleet,
+                seq=new_seq,
+                revision=ri.revision,
+                active=ri.active.domain if ri.active else "",
+                view_seq=ri.view_seq,
+            )
+            return
+
+    async def _write_view(self, fleet: str, view: FleetView) -> None:
+        key = subjects.view_key(fleet)
+        if self._stored.get(fleet, 0) >= view.seq and self._revs.get(fleet, 0):
+            return  # already stored (or a newer one was adopted)
+        data = view_encoder.encode(view)
+        rev = self._revs.get(fleet, 0)
+        while True:
+            try:
+                self._revs[fleet] = await self.log.put_view(key, data, last=rev)
+                self._stored[fleet] = view.seq
+                self.stats.view_writes += 1
+                return
+            except Conflict:
+                self.stats.view_conflicts += 1
+                got = await self.log.get_view(key)
+                if got is None:
+                    rev = 0
+                    continue
+                body, rev = got
+                self._revs[fleet] = rev
+                try:
+                    stored = view_decoder.decode(body)
+                except Exception:  # noqa: BLE001 - unreadable: ours replaces it
+                    continue
+                self._stored[fleet] = stored.seq
+                if stored.seq >= view.seq:
+                    current = self.views.get(fleet)
+                    if current is None or stored.seq > current.seq:
+                        self.views[fleet] = stored  # adopt: the fold now skips what it covers
+                        self.stats.views_adopted += 1
+                    return
+
+
+__all__ = ["Projector", "Stats"]

@@ -1,0 +1,324 @@
+"""The projector against a real nats-server: views in KV, route intents, restarts, races, bad bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from haru import events as ev
+from haru import subjects as sj
+from haru.eventlog import EventLog
+from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.views import intent_decoder, view_decoder
+from projections.fleet import fold
+from projections.projector import Projector
+
+F = "default"
+MODELS = ("qwen3.6:27b", "llama-8b")
+HARU = str(Path(sys.executable).parent / "haru")
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+async def declare(log: EventLog, fleet: str = F) -> None:
+    s = sj.decl(fleet)
+    seq = await log.last_seq_of(s)
+    seq = await log.append(s, ev.FleetDeclared(at=now(), fleet=fleet, policy=Policy()), expect=seq)
+    for d in ("a", "b"):
+        spec = DomainSpec(name=d, serving_url=f"http://{d}:9000", gpus=[GpuSpec(index=0, memory_bytes=48 * GiB, reserve_bytes=2 * GiB)])
+        seq = await log.append(s, ev.DomainDeclared(at=now(), spec=spec), expect=seq)
+        for i, m in enumerate(MODELS):
+            spec_m = ModelSpec(name=m, slot=f"m{i}", gpu_index=0, vram_bytes=10 * GiB, port=8000 + i)
+            seq = await log.append(s, ev.ModelDeclared(at=now(), domain=d, spec=spec_m), expect=seq)
+            seq = await log.append(s, ev.AdmissionDecided(at=now(), domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=10 * GiB), expect=seq)
+
+
+class Writer:
+    """Appends residency and route events with the right expected sequences."""
+
+    def __init__(self, log: EventLog, fleet: str = F) -> None:
+        self.log = log
+        self.fleet = fleet
+        self.tips: dict[str, int] = {}
+
+    async def put(self, subject: str, event: ev.Event) -> int:
+        if subject not in self.tips:
+            self.tips[subject] = await self.log.last_seq_of(subject)
+        seq = await self.log.append(subject, event, expect=self.tips[subject])
+        self.tips[subject] = seq
+        return seq
+
+    async def move(self, active: str) -> int:
+        return await self.put(sj.route(self.fleet), ev.RouteMoved(at=now(), active=active))
+
+    async def churn(self, n: int, domain: str = "b") -> int:
+        """n residency events on `domain`: loading/resident alternating (legal: loading->resident->... via lost)."""
+        seq = 0
+        cycle = ("model_loading", "model_resident", "model_lost")
+        for i in range(n):
+            m = MODELS[i % len(MODELS)]
+            tag = cycle[(i // len(MODELS)) % 3]
+            s = sj.model(self.fleet, domain, m)
+            if tag == "model_loading":
+                e = ev.ModelLoading(at=now(), domain=domain, model=m)
+            elif tag == "model_resident":
+                e = ev.ModelResident(at=now(), domain=domain, model=m)
+            else:
+                e = ev.ModelLost(at=now(), domain=domain, model=m, reason="unhealthy")
+            seq = await self.put(s, e)
+        return seq
+
+
+async def stored_view(log: EventLog, fleet: str = F):
+    got = await log.get_view(sj.view_key(fleet))
+    return None if got is None else view_decoder.decode(got[0])
+
+
+async def wait_view_seq(log: EventLog, seq: int, fleet: str = F, timeout: float = 20.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        view = await stored_view(log, fleet)
+        if view is not None and view.seq >= seq:
+            return view
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"view of {fleet} did not reach seq {seq} (at {None if view is None else view.seq})")
+        await asyncio.sleep(0.02)
+
+
+async def expected_views(log: EventLog):
+    return fold((r.seq, r.subject, r.event) for r in await log.history() if r.event is not None)
+
+
+class ProjectorProcess:
+    """`haru projector` as a real child process, with its JSON logs captured."""
+
+    def __init__(self, url: str, log_path: Path) -> None:
+        self.url = url
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "ProjectorProcess":
+        self.log_file = open(self.log_path, "ab")
+        env = {**os.environ, "HARU_NO_UVLOOP": os.environ.get("HARU_NO_UVLOOP", "0")}
+        self.proc = subprocess.Popen(
+            [HARU, "projector", "--nats-url", self.url, "--log-format", "json"],
+            stdout=subprocess.DEVNULL, stderr=self.log_file, env=env,
+        )
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log_file.close()
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log_file.close()
+        return self.proc.returncode
+
+    def lines(self) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+
+@pytest.fixture
+def projector_processes(nats_server, tmp_path):
+    started: list[ProjectorProcess] = []
+
+    def start(name: str = "p") -> ProjectorProcess:
+        p = ProjectorProcess(nats_server.url, tmp_path / f"{name}.log").start()
+        started.append(p)
+        return p
+
+    try:
+        yield start
+    finally:
+        for p in started:
+            p.kill()
+
+
+# ------------------------------------------------------------------------------------- in process
+
+
+async def test_projector_writes_views_and_intents(event_log):
+    await declare(event_log)
+    w = Writer(event_log)
+    r1 = await w.move("a")
+    await w.churn(9, domain="a")
+    projector = Projector(event_log)
+    task = asyncio.create_task(projector.run())
+    try:
+        last = await event_log.last_seq()
+        view = await wait_view_seq(event_log, last)
+        assert view == (await expected_views(event_log))[F]
+        assert view.active == "a" and view.route_revision == r1
+        body, _ = await event_log.last_intent(F)
+        ri = intent_decoder.decode(body)
+        assert ri.revision == r1 and ri.active.domain == "a" and ri.view_seq == last
+        assert set(ri.answers) == set(MODELS)
+        # Following: a new pointer move becomes a new intent.
+        r2 = await w.move("b")
+        await wait_view_seq(event_log, r2)
+        await projector.wait_idle(5)
+        ri = intent_decoder.decode((await event_log.last_intent(F))[0])
+        assert ri.revision == r2 and ri.active.domain == "b"
+        assert projector.stats.resumed_from == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_an_invalid_body_is_skipped_and_projection_continues(event_log):
+    await declare(event_log)
+    w = Writer(event_log)
+    await w.move("a")
+    bad_subject = sj.model(F, "a", MODELS[0])
+    await event_log.js.publish(bad_subject, b'{"type": "model_loading", "at": "not a time"}')
+    await event_log.js.publish(sj.agent(F, "a"), b"\x00 not json at all")
+    w.tips.pop(bad_subject, None)
+    good = await w.put(bad_subject, ev.ModelLoading(at=now(), domain="a", model=MODELS[0]))
+    projector = Projector(event_log)
+    task = asyncio.create_task(projector.run())
+    try:
+        view = await wait_view_seq(event_log, good)
+        assert view.anomalies == 2 and "skipped" in view.last_anomaly
+        assert view.domains["a"].models[MODELS[0]].residency.seq == good
+        assert projector.stats.invalid == 2
+        # And it goes on following.
+        r = await w.move("b")
+        assert (await wait_view_seq(event_log, r)).active == "b"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+# ------------------------------------------------------------------------------- child processes
+
+
+def events_named(p: ProjectorProcess, name: str) -> list[dict]:
+    return [line for line in p.lines() if line.get("event") == name]
+
+
+async def wait_for_log(p: ProjectorProcess, name: str, timeout: float = 20.0) -> dict:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        found = events_named(p, name)
+        if found:
+            return found[-1]
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"no {name} in the projector's log:\n{p.log_path.read_text()[-3000:]}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+async def test_sigkilled_projector_resumes_from_its_stored_view(event_log, projector_processes):
+    await declare(event_log)
+    w = Writer(event_log)
+    await w.move("a")
+    await w.churn(60)
+    first = projector_processes("first")
+    last = await event_log.last_seq()
+    before = await wait_view_seq(event_log, last)
+    assert events_named(first, "projector.resume")[0]["from_seq"] == 1
+    first.kill()  # SIGKILL: no final flush, no goodbye
+
+    await w.churn(30)
+    r2 = await w.move("b")
+    await w.churn(12, domain="a")
+    last = await event_log.last_seq()
+
+    second = projector_processes("second")
+    resume = await wait_for_log(second, "projector.resume")
+    caught_up = await wait_for_log(second, "projector.caught_up")
+    view = await wait_view_seq(event_log, last)
+    assert view == (await expected_views(event_log))[F]
+    assert view.active == "b" and view.route_revision == r2
+    # It resumed where the stored view stopped, and folded only what came after.
+    assert resume["from_seq"] == before.seq + 1 > 1
+    assert caught_up["handled"] == last - before.seq
+    ri = intent_decoder.decode((await event_log.last_intent(F))[0])
+    assert ri.revision == r2
+    assert second.stop() == 0
+    stopped = events_named(second, "projector.stopped")
+    assert stopped and stopped[-1]["last_seq"] == last
+
+
+@pytest.mark.timeout(90)
+async def test_two_projectors_racing_never_go_backwards(event_log, projector_processes):
+    await declare(event_log)
+    w = Writer(event_log)
+    racers = [projector_processes("p1"), projector_processes("p2")]
+    for p in racers:
+        await wait_for_log(p, "projector.caught_up")
+
+    views: list[tuple[int, int]] = []  # (kv revision, view seq)
+    intents: list[tuple[int, int, int]] = []  # (stream seq, view_seq, revision)
+
+    async def watch_views():
+        async for key, value, rev in event_log.watch_views(sj.view_key(F)):
+            if value is not None:
+                views.append((rev, view_decoder.decode(value).seq))
+
+    async def watch_intents():
+        async for _, body, seq in event_log.watch_intents(F):
+            ri = intent_decoder.decode(body)
+            intents.append((seq, ri.view_seq, ri.revision))
+
+    watchers = [asyncio.create_task(watch_views()), asyncio.create_task(watch_intents())]
+    try:
+        moves = []
+        for i in range(8):
+            moves.append(await w.move("ab"[i % 2]))
+            for _ in range(5):
+                await w.churn(5, domain="ab"[(i + 1) % 2])
+                await asyncio.sleep(0.005)
+        last = await event_log.last_seq()
+        view = await wait_view_seq(event_log, last)
+        deadline = asyncio.get_running_loop().time() + 10
+        while not intents or intents[-1][2] != moves[-1]:
+            assert asyncio.get_running_loop().time() < deadline, intents[-5:]
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # let any late writer try (and fail) to go backwards
+    finally:
+        for t in watchers:
+            t.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+
+    assert view == (await expected_views(event_log))[F]
+    assert len(views) > 1
+    for (r0, s0), (r1, s1) in zip(views, views[1:]):
+        assert r1 > r0 and s1 >= s0, f"view went backwards: {views}"
+    for (q0, v0, rev0), (q1, v1, rev1) in zip(intents, intents[1:]):
+        assert q1 > q0 and v1 > v0 and rev1 >= rev0, f"intent went backwards: {intents}"
+    # Every pointer move was published, once.
+    revisions = [rev for _, _, rev in intents]
+    deduped = [r for i, r in enumerate(revisions) if i == 0 or r != revisions[i - 1]]
+    assert [r for r in deduped if r] == moves
+    # Both raced: each wrote views or found the other's.
+    for p in racers:
+        p.stop()
+        stats = events_named(p, "projector.stopped")[-1]
+        assert stats["view_writes"] + stats["views_adopted"] + stats["view_conflicts"] > 0
