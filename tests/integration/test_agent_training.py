@@ -1,0 +1,92 @@
+"""Training on a standby agent: started after its runtimes sleep, stopped by SIGTERM then SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from agents.client import send
+from haru import subjects
+from haru.commands import Command
+from tests.integration.agent_harness import AgentProcess, agent_env, is_, tag, wait_event, write_config, write_layout
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def agents():
+    started: list[AgentProcess] = []
+
+    def start(config, log_path, env=None):
+        a = AgentProcess(config, log_path, env or agent_env())
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.kill()
+
+
+async def start_standby(tmp_path, nats_server, event_log, agents, *, training: dict, env=None):
+    layout = write_layout(tmp_path / "layout.json", tmp_path, training=training)
+    cfg = write_config(tmp_path / "agent-b.json", nats_server.url, tmp_path, domain="b", layout=layout)
+    agent = agents(cfg, tmp_path / "agent-b.log", env)
+    # standby: loaded, then put to sleep, then training started in the freed VRAM
+    await wait_event(event_log, subjects.model("f", "b", "m1"), is_("model_sleeping"), agent=agent)
+    started = await wait_event(event_log, subjects.training("f", "b", "lora"), is_("training_started"), agent=agent)
+    log = tmp_path / "state" / "b" / "training-lora.log"  # the trainer is up once it says it trains
+    await wait_event(event_log, subjects.training("f", "b", "lora"),
+                     lambda r: log.exists() and "training on GPU" in log.read_text(), agent=agent)
+    return agent, started
+
+
+async def test_standby_sleeps_then_trains_with_exactly_two_added_variables(tmp_path, nats_server, event_log, agents):
+    env = agent_env(HARU_TEST_MARKER="x y z")
+    agent, started = await start_standby(tmp_path, nats_server, event_log, agents, training={}, env=env)
+    env_file = tmp_path / "ckpt" / "b" / "env.json"
+    await wait_event(event_log, subjects.training("f", "b", "lora"), lambda r: env_file.exists(), agent=agent)
+    seen = json.loads(env_file.read_text())
+    expected = dict(env, HARU_CHECKPOINT_DIR=str(tmp_path / "ckpt" / "b"), HARU_GPU_INDEX="0")
+    assert seen == expected
+    assert set(seen) - set(env) == {"HARU_CHECKPOINT_DIR", "HARU_GPU_INDEX"}
+    # its own process group
+    assert os.getpgid(started.event.pid) == started.event.pid
+
+
+async def test_trainer_that_exits_on_sigterm_is_terminated(tmp_path, nats_server, event_log, agents):
+    agent, started = await start_standby(tmp_path, nats_server, event_log, agents, training={})
+    reply = await send(event_log.nc, "f", "b", "stop_training", Command(op_id="op1"), timeout=10)
+    assert reply.ok, reply
+    assert reply.data["slots"]["lora"]["how"] == "terminated"
+    stopped = await event_log.last(subjects.training("f", "b", "lora"))
+    assert tag(stopped) == "training_stopped" and stopped.event.how == "terminated" and stopped.event.exit_code == 0
+    # idempotent: stopping stopped training is ok and records nothing new
+    again = await send(event_log.nc, "f", "b", "stop_training", Command(op_id="op1"), timeout=10)
+    assert again.ok and again.data["slots"]["lora"]["was_running"] is False
+    assert (await event_log.last(subjects.training("f", "b", "lora"))).seq == stopped.seq
+    # verify_gpu: the trainer's pid is gone from the GPU and its VRAM is free for the wake
+    verify = await send(event_log.nc, "f", "b", "verify_gpu", Command(op_id="op1"), timeout=10)
+    assert verify.ok, verify
+    assert verify.data["gpus"]["0"]["trainer_pids"] == []
+    assert verify.data["gpus"]["0"]["free_bytes"] >= verify.data["gpus"]["0"]["needed_bytes"] > 0
+
+
+async def test_trainer_ignoring_sigterm_is_killed_after_grace(tmp_path, nats_server, event_log, agents):
+    agent, started = await start_standby(tmp_path, nats_server, event_log, agents,
+                                         training={"extra": ["--ignore-sigterm"], "grace_ms": 700})
+    # while it runs, verify_gpu refuses: training holds the GPU
+    busy = await send(event_log.nc, "f", "b", "verify_gpu", Command(), timeout=10)
+    assert not busy.ok and busy.error.code == "training_running"
+    reply = await send(event_log.nc, "f", "b", "stop_training", Command(), timeout=10)
+    assert reply.ok and reply.data["slots"]["lora"]["how"] == "killed"
+    assert reply.took_ms >= 700  # the grace was given before SIGKILL
+    stopped = await event_log.last(subjects.training("f", "b", "lora"))
+    assert stopped.event.how == "killed" and stopped.event.exit_code == -9
+    with pytest.raises(ProcessLookupError):
+        os.kill(started.event.pid, 0)
+    # start_training while the models sleep: runs again
+    again = await send(event_log.nc, "f", "b", "start_training", Command(), timeout=10)
+    assert again.ok, again
+    assert tag(await event_log.last(subjects.training("f", "b", "lora"))) == "training_started"
