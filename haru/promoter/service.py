@@ -176,7 +176,12 @@ class Promoter:
                     raise LogError("the promoter's log follower stopped")
                 self._changed.clear()
                 for st in list(self.fleets.values()):
-                    await self.round(st)
+                    try:
+                        await self.round(st)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception:  # a bug must not stop every fleet: say it loudly, go on
+                        self.log_.exception("round_failed", fleet=st.view.fleet)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), self.tick_s)
         finally:
@@ -316,10 +321,10 @@ class Promoter:
 
 def _context(event) -> dict:
     out = {}
-    for name in ("op_id", "step", "target", "domain", "active", "error", "why", "attempt"):
+    for name in ("op_id", "step", "target", "domain", "active", "error", "why", "attempt", "eligible"):
         value = getattr(event, name, None)
         if value not in (None, ""):
-            out[name] = value
+            out["reason" if name == "why" else name] = value
     return out
 
 

@@ -1,0 +1,129 @@
+"""Helpers for the promoter's integration tests: reading the fleet back, waiting, running promoters."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+
+from haru import subjects
+from haru.eventlog import EventLog
+from haru.events import OperationAborted, OperationCompleted, RouteMoved, tag_of
+from haru.promoter.decider import fold
+from haru.promoter.service import run_promoter
+from projections.fleet import evolve
+
+
+async def view_of(log: EventLog, fleet: str = "default"):
+    view, _ = fold(fleet, await log.history(subjects.fleet_events(fleet)), evolve)
+    return view
+
+
+async def wait_until(check: Callable[[], Awaitable[object]], timeout: float = 15.0, every: float = 0.05, what: str = ""):
+    """Poll `check` until it returns something truthy; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or check}; last: {last!r}")
+
+
+async def wait_view(log: EventLog, predicate, timeout: float = 15.0, what: str = "", fleet: str = "default"):
+    async def check():
+        v = await view_of(log, fleet)
+        return v if predicate(v) else None
+
+    return await wait_until(check, timeout, what=what)
+
+
+async def op_events(log: EventLog, fleet: str = "default", op_id: str | None = None) -> list:
+    recs = await log.history(subjects.op(fleet))
+    return [r.event for r in recs if r.event is not None and (op_id is None or getattr(r.event, "op_id", None) == op_id)]
+
+
+async def route_moves(log: EventLog, fleet: str = "default") -> list[RouteMoved]:
+    return [r.event for r in await log.history(subjects.route(fleet)) if isinstance(r.event, RouteMoved)]
+
+
+async def wait_op_end(log: EventLog, op_id: str, timeout: float = 20.0, fleet: str = "default"):
+    async def check():
+        for e in await op_events(log, fleet, op_id):
+            if isinstance(e, (OperationCompleted, OperationAborted)):
+                return e
+        return None
+
+    return await wait_until(check, timeout, what=f"the end of {op_id}")
+
+
+def describe(events) -> list[str]:
+    return [f"{tag_of(e)}:{getattr(e, 'step', '')}" for e in events]
+
+
+@contextlib.asynccontextmanager
+async def promoters(url: str, n: int = 1, *, fleets=None, step_delay_ms: int = 0):
+    """n promoter replicas in this process, each with its own connection and identity."""
+    from haru.promoter.service import Promoter
+
+    logs, tasks = [], []
+    try:
+        for i in range(n):
+            log = await EventLog.open([url], writer=f"promoter:test-{i}")
+            logs.append(log)
+            p = Promoter(log, fleets=fleets, identity=f"promoter:test-{i}", step_delay_ms=step_delay_ms, tick_s=0.05)
+            ready = asyncio.Event()
+            tasks.append(asyncio.create_task(p.run(ready)))
+            await asyncio.wait_for(ready.wait(), 10)
+        yield tasks
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise AssertionError("a promoter replica died") from t.exception()
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        for log in logs:
+            await log.close()
+
+
+class PromoterProcess:
+    """`haru promoter` as a real child process (for crash tests): start, SIGKILL, restart."""
+
+    def __init__(self, url: str, identity: str, *, env: dict | None = None, log_path=None) -> None:
+        self.url = url
+        self.identity = identity
+        self.env = {**os.environ, "HARU_NO_UVLOOP": "1", "HARU_LOG_FORMAT": "json", **(env or {})}
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "haru.cli", "promoter", "--id", self.identity, "--nats-url", self.url],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        if out is not subprocess.DEVNULL:
+            out.close()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.kill()

@@ -1,0 +1,236 @@
+"""The promoter against a real nats-server and in-test agents speaking the agent contract (promoter_fake).
+
+Covers the saga end to end: the first route, auto-failover (unreachable, gpu_detached, degraded),
+aborts before the flip (probe failure, wake out of memory) with the pointer unchanged, eligibility
+and rejoining as standby, racing replicas, and manual promote/demote with every status.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+
+from haru import subjects
+from haru.apply import apply
+from haru.events import (
+    EligibilityChanged,
+    FailoverDeclined,
+    OperationAborted,
+    OperationCompleted,
+    PromotionRequested,
+    StepCompleted,
+    StepFailed,
+    StepStarted,
+)
+from haru.promoter import request_operation
+from haru.residency import Resident, Sleeping
+from promoter_fake import FakeAgent, layout
+from promoter_support import describe, op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view
+
+pytestmark = pytest.mark.timeout(60)
+MODELS = ["m1", "m2"]
+
+
+def now():
+    return datetime.now(timezone.utc)
+
+
+@pytest.fixture
+async def fleet(nats_server, event_log):
+    await apply(event_log, layout(), now())
+    async with FakeAgent(nats_server.url, "default", "a", MODELS) as a, FakeAgent(nats_server.url, "default", "b", MODELS) as b:
+        yield event_log, a, b
+
+
+def asleep_and_training(view, domain: str) -> bool:
+    dv = view.domains[domain]
+    return all(isinstance(m.residency, Sleeping) for m in dv.models.values()) and all(t.running for t in dv.training.values())
+
+
+def serving(view, domain: str) -> bool:
+    return view.active == domain and all(isinstance(m.residency, Resident) for m in view.domains[domain].models.values())
+
+
+async def routed_to_a(log):
+    """Wait for the first route (a), with b demoted; return the view."""
+    return await wait_view(
+        log, lambda v: v.active == "a" and v.operation is None and asleep_and_training(v, "b"), what="first route to a"
+    )
+
+
+# ------------------------------------------------------------------------------------ first route
+
+
+async def test_first_route_promotes_the_first_declared_domain_through_the_saga(fleet, nats_server):
+    log, a, b = fleet
+    async with promoters(nats_server.url):
+        view = await routed_to_a(log)
+    assert serving(view, "a")
+    assert [m.active for m in await route_moves(log)] == ["a"]
+    ops = await op_events(log)
+    first = next(e for e in ops if isinstance(e, PromotionRequested))
+    assert (first.target, first.reason) == ("a", "initial")
+    steps = [e.step for e in ops if isinstance(e, StepCompleted) and e.op_id == first.op_id]
+    assert steps == ["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active"]
+    assert [v for v, _ in b.calls] == ["sleep", "start_training"]
+
+
+# --------------------------------------------------------------------------------- auto-failover
+
+
+async def test_unreachable_active_fails_over_then_rejoins_as_standby(fleet, nats_server):
+    log, a, b = fleet
+    async with promoters(nats_server.url):
+        await routed_to_a(log)
+        await a.unserve()  # the agent process is gone: no heartbeats, no responders
+        view = await wait_view(log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible,
+                               what="failover to b, a ineligible")
+        assert serving(view, "b")
+        assert view.domains["a"].reachable is False
+        assert "unreachable" in view.domains["a"].ineligible_why or "agent" in view.domains["a"].ineligible_why
+        promo = view.last_operation
+        assert (promo.kind, promo.reason, promo.state) == ("promotion", "domain_unreachable", "completed")
+        settle = [s for s in promo.steps if s.step == "settle_old_active"][-1]
+        assert settle.state == "failed" and settle.error_code == "agent_gone"
+        # the agent comes back (a restarted process: models reloaded, resident)
+        async with FakeAgent(nats_server.url, "default", "a", MODELS) as a2:
+            view = await wait_view(log, lambda v: v.domains["a"].eligible and asleep_and_training(v, "a")
+                                   and v.operation is None, what="a rejoins as standby")
+            assert view.active == "b"
+            assert [v for v, _ in a2.calls] == ["sleep", "start_training"]
+    assert [m.active for m in await route_moves(log)] == ["a", "b"]
+
+
+async def test_gpu_detached_on_the_active_fails_over_and_attach_makes_it_standby(fleet, nats_server):
+    log, a, b = fleet
+    async with promoters(nats_server.url):
+        await routed_to_a(log)
+        await a.detach_gpu()
+        view = await wait_view(log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible,
+                               what="failover to b")
+        assert view.last_operation.reason == "gpu_detached"
+        assert "GPU 0" in view.domains["a"].ineligible_why or "gpu" in view.domains["a"].ineligible_why.lower()
+        # still ineligible a moment later: nothing demotes a domain whose GPU is gone
+        await wait_until(lambda: _settled(log), timeout=5)
+        assert not (await view_of(log)).domains["a"].eligible
+        await a.attach_gpu()
+        view = await wait_view(log, lambda v: v.domains["a"].eligible and asleep_and_training(v, "a") and v.operation is None,
+                               what="a standby after attach")
+        assert view.active == "b" and serving(view, "b")
+    assert [m.active for m in await route_moves(log)] == ["a", "b"]
+
+
+async def _settled(log):
+    v = await view_of(log)
+    return v.operation is None
+
+
+async def test_a_degraded_active_fails_over_after_the_grace(fleet, nats_server):
+    log, a, b = fleet
+    async with promoters(nats_server.url):
+        await routed_to_a(log)
+        await a.lose("m1", "process_exited")
+        view = await wait_view(log, lambda v: v.active == "b" and v.operation is None, what="failover after grace")
+        promo = view.last_operation
+        assert promo.reason == "degraded" and "process_exited" in promo.detail
+        lost_at = view.domains["a"].models["m1"].residency.since
+        assert (promo.requested_at - lost_at).total_seconds() * 1000 >= view.policy.degraded_grace_ms
+
+
+# ------------------------------------------------------------------------------- aborts
+
+
+@pytest.mark.parametrize("fault, step, code", [("fail_probe", "probe", "probe_failed"), ("oom_on_wake", "wake", "out_of_memory")])
+async def test_a_failure_before_the_flip_aborts_and_routing_never_moves(fleet, nats_server, fault, step, code):
+    log, a, b = fleet
+    async with promoters(nats_server.url):
+        await routed_to_a(log)
+        setattr(b, fault, True)
+        await a.unserve()
+        aborted = await wait_until(lambda: _first(log, OperationAborted), what="the abort")
+        view = await view_of(log)
+    assert aborted.step == step and code in aborted.error or aborted.step == step
+    failed = [e for e in await op_events(log, op_id=aborted.op_id) if isinstance(e, StepFailed)]
+    assert [(f.step, f.error_code) for f in failed] == [(step, code)]
+    assert view.active == "a"
+    assert [m.active for m in await route_moves(log)] == ["a"]
+
+
+async def _first(log, kind):
+    for e in await op_events(log):
+        if isinstance(e, kind):
+            return e
+    return None
+
+
+async def test_an_unfit_standby_is_declined_once_with_the_reason(fleet, nats_server):
+    log, a, b = fleet
+    async with promoters(nats_server.url):
+        await routed_to_a(log)
+        await b.lose("m2", "evicted")
+        await a.unserve()
+        declined = await wait_until(lambda: _first(log, FailoverDeclined), what="failover_declined")
+        assert declined.candidate == "b" and "m2" in declined.why and "lost" in declined.why
+        await wait_until(lambda: _settled(log), timeout=2)
+        import asyncio
+
+        await asyncio.sleep(0.5)
+    declines = [e for e in await op_events(log) if isinstance(e, FailoverDeclined)]
+    assert len(declines) == 1
+    assert [m.active for m in await route_moves(log)] == ["a"]
+
+
+# ------------------------------------------------------------------------------- replicas
+
+
+async def test_five_promoters_racing_one_failure_move_the_route_once(fleet, nats_server):
+    log, a, b = fleet
+    async with promoters(nats_server.url, 5):
+        await routed_to_a(log)
+        await a.unserve()
+        await wait_view(log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible, what="failover")
+    assert [m.active for m in await route_moves(log)] == ["a", "b"]
+    ops = await op_events(log)
+    requests = [e for e in ops if isinstance(e, PromotionRequested)]
+    assert len(requests) == 2  # the first route, and the failover
+    for op in requests:
+        started = [e.step for e in ops if isinstance(e, StepStarted) and e.op_id == op.op_id]
+        assert len(started) == len(set(started)), f"a step was started twice: {describe(ops)}"
+    # each wake was sent once: exactly one promoter drove each step
+    assert [v for v, _ in b.calls].count("wake") == 1
+    ends = [e for e in ops if isinstance(e, (OperationCompleted, OperationAborted))]
+    assert len(ends) == len({e.op_id for e in ends})
+    assert len([e for e in ops if isinstance(e, EligibilityChanged)]) == 1
+
+
+# ------------------------------------------------------------------------------- manual
+
+
+async def test_manual_promote_and_demote_every_status(fleet, nats_server):
+    log, a, b = fleet
+    assert (await request_operation(log, "nope", "promotion", "a", by="t", now=now())).status == "not_found"
+    assert (await request_operation(log, "default", "promotion", "zz", by="t", now=now())).status == "not_found"
+    assert (await request_operation(log, "default", "promotion", "BAD", by="t", now=now())).status == "not_found"
+    async with promoters(nats_server.url, step_delay_ms=150):
+        await routed_to_a(log)
+        assert (await request_operation(log, "default", "promotion", "a", by="t", now=now())).status == "noop"
+        refused = await request_operation(log, "default", "demotion", "a", by="t", now=now())
+        assert refused.status == "refused" and "active" in refused.message
+        accepted = await request_operation(log, "default", "promotion", "b", by="cli:t", now=now())
+        assert accepted.status == "accepted" and accepted.op_id
+        joined = await request_operation(log, "default", "promotion", "b", by="t", now=now())
+        assert (joined.status, joined.op_id) == ("joined", accepted.op_id)
+        conflict = await request_operation(log, "default", "demotion", "a", by="t", now=now())
+        assert (conflict.status, conflict.op_id) == ("conflict", accepted.op_id)
+        end = await wait_op_end(log, accepted.op_id)
+        assert isinstance(end, OperationCompleted)
+        view = await view_of(log)
+        assert serving(view, "b") and asleep_and_training(view, "a")
+        req = next(e for e in await op_events(log, op_id=accepted.op_id) if isinstance(e, PromotionRequested))
+        assert req.by == "cli:t" and req.reason == "manual"
+        # a standby can be demoted by hand (idempotent: asleep and training again)
+        demoted = await request_operation(log, "default", "demotion", "a", by="t", now=now())
+        assert demoted.status == "accepted"
+        assert isinstance(await wait_op_end(log, demoted.op_id), OperationCompleted)
+    assert [m.active for m in await route_moves(log)] == ["a", "b"]
