@@ -236,11 +236,13 @@ class Projector:
         while self._dirty:
             self.stats.flushes += 1
             for fleet in sorted(self._dirty):
+                # Take the pending pointer moves and the view together (no await in between):
+                # a move folded while we publish is after this view, and is published next pass.
                 self._dirty.discard(fleet)
                 pending = self._pending.pop(fleet, [])
+                view = self.views[fleet]
                 for ri in pending:
                     await self._publish(fleet, ri)
-                view = self.views[fleet]
                 await self._publish(fleet, intent(view))
                 await self._write_view(fleet, view)
         if not self._dirty:
