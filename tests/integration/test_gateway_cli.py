@@ -1,0 +1,186 @@
+"""`haru gateway` and `haru run` as real processes, in front of the simulated vLLM server
+(`python -m agents.sim.vllm serve`, a real process that names its domain in every answer)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from agents.sim.vllm import runtime_path
+from haru import subjects
+from haru.residency import Answer, Resident
+from haru.views import DomainView, FleetView, ModelView, RouteIntent, Target, view_encoder
+
+MODEL = "qwen3.6:27b"
+
+
+@contextlib.asynccontextmanager
+async def sim_vllm(sim_dir: Path, domain: str, *, tokens_per_s: int = 1000):
+    """One simulated vLLM server for `domain`; yields its URL; killed however the test ends."""
+    sim_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HARU_SIM_DIR": str(sim_dir), "HARU_SIM_DOMAIN": domain, "HARU_SIM_LOAD_MS": "50",
+           "HARU_SIM_VRAM": "1GiB", "HARU_SIM_TOKENS_PER_S": str(tokens_per_s)}
+    err = open(sim_dir / "stderr.log", "wb")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "agents.sim.vllm", "serve", "/models/qwen", "--host", "127.0.0.1", "--port", "0",
+        "--served-model-name", MODEL, env=env, stdout=err, stderr=err)
+    try:
+        rt = runtime_path(sim_dir, MODEL)
+        deadline = time.monotonic() + 20
+        port = 0
+        while not port:
+            assert time.monotonic() < deadline and proc.returncode is None, (sim_dir / "stderr.log").read_text()
+            with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+                info = json.loads(rt.read_text())
+                if info["pid"] == proc.pid:
+                    port = info["port"]
+            await asyncio.sleep(0.01)
+        url = f"http://127.0.0.1:{port}"
+        while True:  # listening only once "loaded"
+            with contextlib.suppress(OSError):
+                _, w = await asyncio.open_connection("127.0.0.1", port)
+                w.close()
+                break
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        yield url
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        err.close()
+
+
+@contextlib.asynccontextmanager
+async def haru_gateway(nats_url: str, tmp_path: Path, **env: str):
+    """`haru gateway --port 0` as a child process; yields (url, process)."""
+    log_path = tmp_path / "gateway.log"
+    out = open(log_path, "wb")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "haru.cli", "gateway", "--port", "0", "--nats-url", nats_url, "--log-format", "json",
+        env={**os.environ, "HARU_NO_UVLOOP": "0", **env}, stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 20
+        url = ""
+        while not url:
+            assert time.monotonic() < deadline and proc.returncode is None, log_path.read_text()
+            for line in log_path.read_text().splitlines():
+                if line.startswith("haru gateway listening on "):
+                    url = line.rsplit(" ", 1)[1]
+            await asyncio.sleep(0.02)
+        yield url, proc, log_path
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        out.close()
+
+
+async def publish(log, fleet: str, url: str, answer: Answer, *, view_rev: int = 0, intent_seq: int = 0,
+                  revision: int = 1) -> tuple[int, int]:
+    model = ModelView(name=MODEL, admitted=True, residency=Resident())
+    view = FleetView(fleet=fleet, domains={"a": DomainView(name="a", serving_url=url, models={MODEL: model})},
+                     active="a", route_revision=revision, seq=revision)
+    intent = RouteIntent(fleet=fleet, revision=revision, active=Target(domain="a", serving_url=url),
+                         answers={MODEL: answer})
+    rev = await log.put_view(subjects.view_key(fleet), view_encoder.encode(view), last=view_rev)
+    seq = await log.publish_intent(fleet, view_encoder.encode(intent), expect=intent_seq)
+    return rev, seq
+
+
+async def until_ok(client: openai.AsyncOpenAI) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            page = await client.models.list()
+            if page.data and page.data[0].model_extra["haru"]["routable"]:
+                return
+        except openai.APIError:
+            pass
+        assert time.monotonic() < deadline, "the gateway never routed the model"
+        await asyncio.sleep(0.05)
+
+
+async def run_repl(url: str, stdin: str, *extra: str, env: dict | None = None) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "haru.cli", "run", MODEL, "--url", url, "--fleet", "cli", *extra,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **(env or {})})
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.mark.timeout(90)
+async def test_haru_gateway_and_haru_run_against_the_simulator(event_log, nats_server, tmp_path):
+    async with sim_vllm(tmp_path / "sim", "a", tokens_per_s=25) as sim_url, \
+            haru_gateway(nats_server.url, tmp_path, HARU_API_TOKEN="tok", HARU_DEFAULT_FLEET="cli") as (gw_url, proc, log_path):
+        view_rev, intent_seq = await publish(event_log, "cli", sim_url, Answer(answer="ready"))
+        async with openai.AsyncOpenAI(base_url=gw_url + "/v1", api_key="tok", max_retries=0) as client:
+            await until_ok(client)
+            # chat and streaming chat through the real process, the simulator answering
+            reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+            assert reply.choices[0].message.content.startswith("[domain a] hello from qwen3.6:27b")
+            arrivals, texts = [], []
+            stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                          stream=True)
+            async for chunk in stream:
+                arrivals.append(time.monotonic())
+                if chunk.choices:
+                    texts.append(chunk.choices[0].delta.content or "")
+            assert "".join(texts) == "[domain a] hello from qwen3.6:27b on the simulated GPU."
+            assert arrivals[-1] - arrivals[0] >= 0.2  # 9 tokens at 25/s: spread out, not buffered
+
+        # the REPL: streamed answers, /clear, /exit
+        code, out, err = await run_repl(gw_url, "hello\n/clear\nagain\n/exit\nnever sent\n", env={"HARU_API_TOKEN": "tok"})
+        assert code == 0, err
+        assert out.count("[domain a] hello from qwen3.6:27b on the simulated GPU.") == 2
+        assert "(conversation cleared)" in err
+
+        # a refusal shows the gateway's own message; the REPL goes on
+        await publish(event_log, "cli", sim_url, Answer(answer="not_admitted", short_by_bytes=3 * 2**30),
+                      view_rev=view_rev, intent_seq=intent_seq, revision=2)
+        deadline = time.monotonic() + 10
+        while True:
+            code, out, err = await run_repl(gw_url, "hello\n", env={"HARU_API_TOKEN": "tok"})
+            if "model_not_admitted" in err or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert code == 1
+        assert "short by 3.0 GiB" in err and "(model_not_admitted, HTTP 409)" in err
+
+        # without the token
+        code, out, err = await run_repl(gw_url, "hello\n", env={"HARU_API_TOKEN": ""})
+        assert code == 1 and "invalid_api_key" in err
+
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    logged = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+    assert any(e["event"] == "gateway.listening" and e["auth"] is True for e in logged)
+
+
+async def test_haru_gateway_without_token_warns_and_binds_loopback(nats_server, tmp_path):
+    async with haru_gateway(nats_server.url, tmp_path, HARU_API_TOKEN="", HARU_GATEWAY_HOST="0.0.0.0") as (url, proc, log):
+        assert url.startswith("http://127.0.0.1:")
+        text = log.read_text()
+        assert "gateway.UNAUTHENTICATED" in text and "asked for '0.0.0.0'" in text
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+async def test_haru_run_says_when_the_gateway_is_not_there():
+    code, out, err = await run_repl("http://127.0.0.1:9", "hello\n")
+    assert code == 6 and "cannot reach the gateway at http://127.0.0.1:9" in err
