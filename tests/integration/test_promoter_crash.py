@@ -1,0 +1,122 @@
+"""Promoters as real processes, SIGKILLed in the middle of each step.
+
+`HARU_PROMOTER_STEP_DELAY_MS` makes every step last long enough to kill the promoter while it is
+running it. After a restart (same --id) the operation completes or aborts cleanly, and the routing
+pointer never points at a domain whose models were not probed in the operation that moved it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+
+import pytest
+
+from haru import subjects
+from haru.apply import apply
+from haru.eventlog import EventLog
+from haru.events import OperationCompleted, PromotionRequested, RouteMoved, StepCompleted, StepStarted
+from haru.promoter import request_operation
+from haru.promoter.decider import flow
+from promoter_fake import FakeAgent, layout
+from promoter_support import PromoterProcess, describe, op_events, view_of, wait_op_end, wait_until
+
+pytestmark = pytest.mark.timeout(90)
+MODELS = ["m1", "m2"]
+DELAY_MS = 600
+
+
+def now():
+    return datetime.now(timezone.utc)
+
+
+async def assert_pointer_only_at_probed_domains(log: EventLog, fleet: str = "default") -> None:
+    """Every route_moved points at the target of the operation that moved it, after that operation's probe."""
+    records = await log.history(subjects.fleet_events(fleet))
+    for rec in records:
+        if not isinstance(rec.event, RouteMoved) or not rec.event.op_id:
+            continue
+        moved = rec.event
+        before = [r.event for r in records if r.seq < rec.seq and getattr(r.event, "op_id", None) == moved.op_id]
+        request = next(e for e in before if isinstance(e, PromotionRequested))
+        assert request.target == moved.active
+        assert any(isinstance(e, StepCompleted) and e.step == "probe" for e in before), (
+            f"route moved to {moved.active} (seq {rec.seq}) without a completed probe in {moved.op_id}"
+        )
+
+
+@pytest.fixture
+async def routed_fleet(nats_server, event_log):
+    """a active (resident, routed), b standby (asleep): set up by hand, no promoter needed."""
+    await apply(event_log, layout(), now())
+    async with FakeAgent(nats_server.url, "default", "a", MODELS) as a, \
+            FakeAgent(nats_server.url, "default", "b", MODELS, start="sleeping") as b:
+        await event_log.append(subjects.route("default"), RouteMoved(at=now(), active="a"), expect=0)
+        yield event_log, a, b
+
+
+@pytest.fixture
+def spawn(nats_server, tmp_path):
+    procs: list[PromoterProcess] = []
+
+    def make(identity: str) -> PromoterProcess:
+        p = PromoterProcess(nats_server.url, identity, env={"HARU_PROMOTER_STEP_DELAY_MS": str(DELAY_MS)},
+                            log_path=tmp_path / f"{identity.replace(':', '_')}.log")
+        procs.append(p)
+        return p
+
+    try:
+        yield make
+    finally:
+        for p in procs:
+            p.kill()
+
+
+async def _started(log, op_id: str, step: str):
+    for e in await op_events(log, op_id=op_id):
+        if isinstance(e, StepStarted) and e.step == step:
+            return e
+    return None
+
+
+@pytest.mark.parametrize("step", flow("promotion"))
+async def test_sigkill_at_each_step_then_restart_finishes_cleanly(routed_fleet, spawn, step):
+    log, a, b = routed_fleet
+    p = spawn("promoter:crash")
+    p.start()
+    accepted = await request_operation(log, "default", "promotion", "b", by="test", now=now())
+    assert accepted.status == "accepted"
+    await wait_until(lambda: _started(log, accepted.op_id, step), timeout=20, what=f"step {step} started")
+    p.kill()
+    await assert_pointer_only_at_probed_domains(log)
+    p.start()
+    end = await wait_op_end(log, accepted.op_id, timeout=30)
+    events = await op_events(log, op_id=accepted.op_id)
+    assert isinstance(end, OperationCompleted), describe(events)
+    # the killed step was re-run with the next attempt, every other step ran once
+    restarted = [e for e in events if isinstance(e, StepStarted) and e.step == step]
+    assert [e.attempt for e in restarted] == [1, 2], describe(events)
+    await assert_pointer_only_at_probed_domains(log)
+    moves = [r.event for r in await log.history(subjects.route("default"))]
+    assert [m.active for m in moves] == ["a", "b"]
+    view = await view_of(log)
+    assert view.active == "b" and view.operation is None
+
+
+async def test_another_replica_takes_over_a_dead_runners_step_after_its_lease(routed_fleet, spawn):
+    log, a, b = routed_fleet
+    one, two = spawn("promoter:one"), spawn("promoter:two")
+    one.start()
+    two.start()
+    await asyncio.sleep(1.5)  # both caught up
+    accepted = await request_operation(log, "default", "promotion", "b", by="test", now=now())
+    started = await wait_until(lambda: _started(log, accepted.op_id, "wake"), timeout=20, what="wake started")
+    runner, other = (one, two) if started.by == "promoter:one" else (two, one)
+    runner.kill()
+    end = await wait_op_end(log, accepted.op_id, timeout=30)
+    assert isinstance(end, OperationCompleted)
+    events = await op_events(log, op_id=accepted.op_id)
+    wakes = [e for e in events if isinstance(e, StepStarted) and e.step == "wake"]
+    assert [(e.attempt, e.by) for e in wakes] == [(1, runner.identity), (2, other.identity)]
+    await assert_pointer_only_at_probed_domains(log)
+    assert (await view_of(log)).active == "b"
