@@ -34,11 +34,48 @@ def emit_json(value: object) -> None:
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
+def default_nats_url() -> str:
+    """$HARU_NATS_URL, else the URL a running `haru up` wrote to $HARU_HOME/nats.url, else 127.0.0.1:4222."""
+    explicit = os.environ.get("HARU_NATS_URL")
+    if explicit:
+        return explicit
+    home = os.path.expanduser(os.environ.get("HARU_HOME") or "~/.haru")
+    try:
+        with open(os.path.join(home, "nats.url")) as f:
+            url = f.read().strip()
+        if url:
+            return url
+    except OSError:
+        pass
+    return DEFAULT_NATS_URL
+
+
+def configure_logging(fmt: str = "console", level: str = "info") -> None:
+    """structlog for the services: JSON in production, readable in a terminal; always to stderr."""
+    import logging
+
+    import structlog
+
+    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
 def add_nats_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nats-url",
-        default=os.environ.get("HARU_NATS_URL", DEFAULT_NATS_URL),
-        help="NATS server URL(s), comma-separated (env HARU_NATS_URL; default %(default)s)",
+        default=default_nats_url(),
+        help="NATS server URL(s), comma-separated (env HARU_NATS_URL, else the one `haru up` runs; default %(default)s)",
     )
     parser.add_argument(
         "--nats-creds",

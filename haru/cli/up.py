@@ -1,0 +1,56 @@
+"""`haru up [--demo]`: the control plane (and a demo fleet) in one command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+from haru.cli.common import ExitStatus, configure_logging, fail
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="run the whole control plane here (embedded NATS, projector, promoter, gateway)")
+    p.add_argument("--demo", action="store_true",
+                   help="also apply the demo fleet and run two agents on simulated GPUs")
+    p.add_argument("--nats-url", default=os.environ.get("HARU_NATS_URL"),
+                   help="use this NATS (or cluster, comma-separated) instead of starting one (env HARU_NATS_URL)")
+    p.add_argument("--nats-port", type=int, default=4222,
+                   help="port of the embedded nats-server (default %(default)s; a free one if it is taken)")
+    p.add_argument("--home", default=None, help="state directory (env HARU_HOME, default ~/.haru)")
+    p.add_argument("--host", default=None, help="gateway listen address (env HARU_GATEWAY_HOST)")
+    p.add_argument("--port", type=int, default=None, help="gateway port (env HARU_GATEWAY_PORT, default 8700)")
+    p.add_argument("--layout", default=None, help="with --demo: the layout to apply (default deploy/examples/demo-fleet.json)")
+    p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--log-format", choices=("console", "json"), default="console")
+    p.add_argument("--log-level", default="warning", help="log level on stderr (default %(default)s)")
+    p.set_defaults(handler=run)
+
+
+async def run(args: argparse.Namespace) -> ExitStatus:
+    from haru.up import DEMO_LAYOUT, UpOptions, haru_home, up
+
+    configure_logging(args.log_format, args.log_level)
+    opts = UpOptions(
+        home=haru_home(args.home),
+        nats_url=args.nats_url,
+        nats_port=args.nats_port,
+        demo=args.demo,
+        gateway_host=args.host,
+        gateway_port=args.port,
+        layout_path=Path(args.layout) if args.layout else DEMO_LAYOUT,
+        ready_file=Path(args.ready_file) if args.ready_file else None,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await up(opts, stop)
+    except OSError as exc:
+        return fail(f"cannot start: {exc.strerror or exc} (is the gateway port in use? pass --port)")
+    return ExitStatus.OK
