@@ -20,7 +20,6 @@ import asyncio
 import time
 
 import aiohttp
-import msgspec
 import structlog
 from aiohttp import web
 from multidict import CIMultiDict
@@ -28,13 +27,13 @@ from multidict import CIMultiDict
 from gateway.config import GatewayConfig
 from gateway.metrics import UNKNOWN_MODEL, GatewayMetrics
 from gateway.routing import (
-    INVALID_REQUEST,
     PAYLOAD_TOO_LARGE,
     UPSTREAM_TIMEOUT,
     UPSTREAM_UNREACHABLE,
     Forward,
     Refusal,
     RoutingTable,
+    model_of,
 )
 
 log = structlog.get_logger("haru.gateway")
@@ -56,15 +55,6 @@ _DROP_RESPONSE = frozenset(
 )
 
 
-class _ModelOnly(msgspec.Struct):
-    """The only part of a request body the gateway reads."""
-
-    model: str
-
-
-_decode_model = msgspec.json.Decoder(_ModelOnly).decode
-
-
 class TooLarge(Exception):
     pass
 
@@ -80,24 +70,6 @@ def error_response(refusal: Refusal, extra: dict[str, str] | None = None) -> web
     if extra:
         headers.update(extra)
     return web.Response(body=refusal.body(), status=refusal.status, headers=headers)
-
-
-def model_of(body: bytes) -> str | Refusal:
-    """`model` from a JSON body, or the 400 that names what is wrong and where (msgspec's path)."""
-    status, code = INVALID_REQUEST
-    try:
-        model = _decode_model(body).model
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        param = "model" if "`model`" in text or "$.model" in text else None
-        return Refusal(status, code, f"invalid request body: {text}", None, param)
-    except msgspec.DecodeError as exc:
-        if not body.strip():
-            return Refusal(status, code, "request body is empty: send a JSON object with a `model` field")
-        return Refusal(status, code, f"request body is not valid JSON: {exc}")
-    if not model:
-        return Refusal(status, code, "invalid request body: `model` is empty - at `$.model`", None, "model")
-    return model
 
 
 class Proxy:

@@ -223,6 +223,36 @@ def refusal_for(fleet: str, domain: str, model: str, answer: Answer, operation: 
     )
 
 
+# ----------------------------------------------------------------------------- the request body
+
+
+class _ModelOnly(msgspec.Struct):
+    """The only part of a request body the gateway reads."""
+
+    model: str
+
+
+_decode_model = msgspec.json.Decoder(_ModelOnly).decode
+
+
+def model_of(body: bytes) -> str | Refusal:
+    """`model` from a JSON body, or the 400 that names what is wrong and where (msgspec's path)."""
+    status, code = INVALID_REQUEST
+    try:
+        model = _decode_model(body).model
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        param = "model" if "`model`" in text or "$.model" in text else None
+        return Refusal(status, code, f"invalid request body: {text}", None, param)
+    except msgspec.DecodeError as exc:
+        if not body.strip():
+            return Refusal(status, code, "request body is empty: send a JSON object with a `model` field")
+        return Refusal(status, code, f"request body is not valid JSON: {exc}")
+    if not model:
+        return Refusal(status, code, "invalid request body: `model` is empty - at `$.model`", None, "model")
+    return model
+
+
 # ------------------------------------------------------------------------------ compiled routes
 
 
