@@ -162,6 +162,7 @@ class Agent:
                                             on_exit=self._training_exited_factory(t.slot))
         self.gpu_seq: dict[int, int] = {}
         self.gpu_last: dict[int, GpuObserved | None] = {}
+        self.gpu_seen: set[int] = set()
         self.active_domain = ""
         self.route_revision = 0
         self.stopping = False
@@ -464,7 +465,14 @@ class Agent:
     # ----------------------------------------------------------------------------------------- GPUs
 
     def read_gpu(self, index: int) -> GpuReading:
-        return self.gpus.read(index)
+        r = self.gpus.read(index)
+        if r.present:
+            self.gpu_seen.add(index)
+        return r
+
+    def gpu_went_away(self, index: int) -> bool:
+        """The GPU was there (this agent saw it) and now is not: the provider took it."""
+        return self.read_gpu(index).present is False and index in self.gpu_seen
 
     async def _gpu_loop(self) -> None:
         while True:
@@ -588,7 +596,7 @@ class Agent:
                                                         endpoint=m.runtime.base_url, warmup_ms=warmup))
                     m.resident_at = time.monotonic()
                 return True
-            if m.runtime.kind != "external" and self.read_gpu(m.spec.gpu_index).present is False:
+            if m.runtime.kind != "external" and self.gpu_went_away(m.spec.gpu_index):
                 async with m.lock:
                     await self._record(m, ModelLost(at=now(), domain=self.domain, model=m.name, reason="gpu_detached",
                                                     detail="the GPU went away while the model was loading"))

@@ -33,22 +33,9 @@ import msgspec
 
 from haru import planner
 from haru.errors import ConfigError, LayoutError
-from haru.events import (
-    AdmissionDecided,
-    DomainChanged,
-    DomainDeclared,
-    DomainRetired,
-    FleetDeclared,
-    ModelChanged,
-    ModelDeclared,
-    ModelRetired,
-    PolicyChanged,
-    TrainingChanged,
-    TrainingDeclared,
-    TrainingRetired,
-)
+from haru.apply import fold_declarations as fold_decl
 from haru.layout import load_layout, parse_layout
-from haru.specs import Domain, DomainSpec, Layout, ModelSpec, Policy, TrainingSpec
+from haru.specs import Domain, Layout, ModelSpec, Policy, TrainingSpec
 from haru.subjects import check_name
 
 __all__ = ["AgentConfig", "ServingConfig", "HostSlots", "load_config", "parse_config", "fold_declarations",
@@ -205,51 +192,28 @@ def load_layout_slots(path: str, fleet: str, domain: str) -> HostSlots:
 def fold_declarations(fleet: str, domain: str, events: list[object]) -> HostSlots | None:
     """Fold a fleet's declaration events into this domain's slots. None when the domain is not declared.
 
-    Admission is what the planner said at apply time (`admission_decided`); a model declared without a
-    verdict is not run.
+    The fold is `haru apply`'s own (`haru.apply.fold_declarations`), so the agent and `apply` read the
+    decl subject the same way. Admission is what the planner said at apply time (`admission_decided`);
+    a model declared without an admitting verdict is not run.
     """
-    policy = Policy()
-    domains: dict[str, DomainSpec] = {}
-    models: dict[str, ModelSpec] = {}
-    training: dict[str, TrainingSpec] = {}
-    verdicts: dict[tuple[str, str], AdmissionDecided] = {}
-    for ev in events:
-        if isinstance(ev, FleetDeclared):
-            policy = ev.policy
-        elif isinstance(ev, PolicyChanged):
-            policy = ev.policy
-        elif isinstance(ev, (DomainDeclared, DomainChanged)):
-            domains[ev.spec.name] = ev.spec
-        elif isinstance(ev, DomainRetired):
-            domains.pop(ev.domain, None)
-        elif isinstance(ev, (ModelDeclared, ModelChanged)) and ev.domain == domain:
-            models[ev.spec.name] = ev.spec
-        elif isinstance(ev, ModelRetired) and ev.domain == domain:
-            models.pop(ev.model, None)
-            verdicts.pop(("model", ev.model), None)
-        elif isinstance(ev, (TrainingDeclared, TrainingChanged)) and ev.domain == domain:
-            training[ev.spec.slot] = ev.spec
-        elif isinstance(ev, TrainingRetired) and ev.domain == domain:
-            training.pop(ev.slot, None)
-            verdicts.pop(("training", ev.slot), None)
-        elif isinstance(ev, AdmissionDecided) and ev.domain == domain:
-            verdicts[(ev.kind, ev.name)] = ev
-    spec = domains.get(domain)
+    d = fold_decl(events)  # type: ignore[arg-type]
+    spec = d.domains.get(domain)
     if spec is None:
         return None
-    d = Domain(spec=spec, models=list(models.values()), training=list(training.values()))
+    dom = Domain(spec=spec, models=[m for (dn, _), m in d.models.items() if dn == domain],
+                 training=[t for (dn, _), t in d.training.items() if dn == domain])
 
     def admitted(kind: str, name: str) -> bool:
-        v = verdicts.get((kind, name))
+        v = d.admissions.get((domain, kind, name))
         return v is not None and v.admitted
 
     return HostSlots(
         fleet=fleet,
-        domain=d,
-        policy=policy,
-        admitted_models=[m for m in d.models if admitted("model", m.name)],
-        admitted_training=[t for t in d.training if admitted("training", t.slot)],
-        not_admitted={name: v.short_by_bytes for (kind, name), v in verdicts.items() if not v.admitted},
-        first_domain=next(iter(domains), domain),
+        domain=dom,
+        policy=d.policy or Policy(),
+        admitted_models=[m for m in dom.models if admitted("model", m.name)],
+        admitted_training=[t for t in dom.training if admitted("training", t.slot)],
+        not_admitted={name: v.short_by_bytes for (dn, _kind, name), v in d.admissions.items() if dn == domain and not v.admitted},
+        first_domain=next(iter(d.domains), domain),
         source="declared",
     )

@@ -90,3 +90,21 @@ async def test_trainer_ignoring_sigterm_is_killed_after_grace(tmp_path, nats_ser
     again = await send(event_log.nc, "f", "b", "start_training", Command(), timeout=10)
     assert again.ok, again
     assert tag(await event_log.last(subjects.training("f", "b", "lora"))) == "training_started"
+
+
+async def test_standby_restart_makes_room_reloads_sleeps_and_resumes_training(tmp_path, nats_server, event_log, agents):
+    agent, started = await start_standby(tmp_path, nats_server, event_log, agents, training={})
+    model = subjects.model("f", "b", "m1")
+    loading = (await event_log.history(model))[0].event
+    os.kill(loading.pid, 9)
+    lost = await wait_event(event_log, model, is_("model_lost", reason="process_exited"), agent=agent)
+    slept = await wait_event(event_log, model, lambda r: tag(r) == "model_sleeping" and r.seq > lost.seq, agent=agent)
+    resumed = await wait_event(event_log, subjects.training("f", "b", "lora"),
+                               lambda r: tag(r) == "training_started" and r.seq > slept.seq, agent=agent)
+    # The order, across subjects (stream sequences are global): lost, training stopped, loading, resident,
+    # sleeping, training started again.
+    recs = [r for r in await event_log.history("haru.evt.f.b.>") if r.seq > lost.seq and r.seq <= resumed.seq
+            and (".model." in r.subject or ".training." in r.subject)]
+    assert [tag(r) for r in recs] == ["training_stopped", "model_loading", "model_resident", "model_sleeping",
+                                      "training_started"]
+    assert recs[0].event.how == "terminated" and recs[1].event.attempt == 2

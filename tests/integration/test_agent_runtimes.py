@@ -1,0 +1,126 @@
+"""The runtime seam, one contract per implementation: vLLM (through the simulator), llama-server, external."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from agents import probes
+from agents.errors import OutOfMemory, RuntimeRefused
+from agents.runtimes import ExternalRuntime, LlamaServerRuntime, VllmRuntime
+from agents.sim.gpu_state import GiB, SimGpuState
+from haru.specs import ModelSpec
+from tests.integration.agent_harness import SIM_VLLM, sim_fault
+
+pytestmark = pytest.mark.timeout(60)
+FAKE_LLAMA = [sys.executable, str(Path(__file__).parent / "agent_fakes" / "fake_llama_server.py")]
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+@pytest.fixture
+def reap():
+    runtimes = []
+    yield runtimes.append
+    for rt in runtimes:
+        if rt.pid:
+            try:
+                os.killpg(rt.pid, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+async def until_ready(rt, timeout=20.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    seen = []
+    while True:
+        p = await probes.ready(rt, timeout_s=2.0, check_sleep=False)
+        seen.append(p)
+        if p.ok:
+            return seen
+        assert asyncio.get_running_loop().time() < deadline, seen[-3:]
+        await asyncio.sleep(0.1)
+
+
+async def test_vllm_runtime_on_the_simulator(tmp_path, session, reap):
+    sim = tmp_path / "sim"
+    sim.mkdir()
+    SimGpuState(sim, 0).ensure(24 * GiB)
+    spec = ModelSpec(name="qwen3.6:27b", slot="chat", gpu_index=0, vram_bytes=4 * GiB, source="Qwen/x",
+                     binary=SIM_VLLM, args=["--max-model-len", "4096"],
+                     env={"HARU_SIM_DIR": str(sim), "HARU_SIM_VRAM": "4GiB", "HARU_SIM_LOAD_MS": "300"})
+    rt = VllmRuntime(spec, session=session, log_dir=tmp_path / "logs")
+    argv = rt.argv()
+    assert argv[len(SIM_VLLM):len(SIM_VLLM) + 2] == ["serve", "Qwen/x"]
+    for flag in ("--enable-sleep-mode", "--served-model-name", "--host", "--port", "--max-model-len"):
+        assert flag in argv
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and rt.env()["VLLM_SERVER_DEV_MODE"] == "1"
+    await rt.start()
+    reap(rt)
+    seen = await until_ready(rt)
+    assert not seen[0].ok and seen[0].step == "health"  # loading: connection refused, not a failure of the model
+    assert await rt.is_sleeping() is False
+    await rt.sleep(1, 10)  # verified by /is_sleeping inside
+    assert await rt.is_sleeping() is True
+    sleeping_probe = await probes.ready(rt, timeout_s=2)
+    assert not sleeping_probe.ok and sleeping_probe.step == "sleeping"
+    await rt.wake(10)
+    assert (await probes.ready(rt, timeout_s=2)).ok
+    await rt.sleep(1, 10)
+    await sim_fault(rt.base_url, "oom_on_wake")
+    with pytest.raises(OutOfMemory):
+        await rt.wake(10)
+    assert await rt.is_sleeping() is True
+    waiter = asyncio.ensure_future(rt.wait_exit())
+    code = await rt.stop(5)
+    assert code == 0 and await waiter == 0 and not rt.alive()
+
+
+async def test_llama_server_runtime_reports_loading_then_ready(tmp_path, session, reap):
+    argv_file = tmp_path / "argv.json"
+    spec = ModelSpec(name="gemma:2b", slot="chat", gpu_index=0, runtime="llama_server", source="/models/gemma.gguf",
+                     binary=FAKE_LLAMA, args=["-c", "4096"], env={"FAKE_ARGV_FILE": str(argv_file), "FAKE_LOAD_MS": "800"})
+    rt = LlamaServerRuntime(spec, session=session, log_dir=tmp_path / "logs")
+    await rt.start()
+    reap(rt)
+    seen = await until_ready(rt)
+    loading = [p for p in seen if not p.ok and "Loading model" in p.detail]
+    assert loading, seen  # 503 "Loading model" while loading
+    args = json.loads(argv_file.read_text())
+    assert args[:2] == ["-m", "/models/gemma.gguf"] and args[args.index("--alias") + 1] == "gemma:2b"
+    assert args[args.index("--host") + 1] == "127.0.0.1" and args[-2:] == ["-c", "4096"]
+    assert not rt.can_sleep and await rt.is_sleeping() is None
+    with pytest.raises(RuntimeRefused, match="no sleep mode"):
+        await rt.sleep(1, 5)
+    assert await rt.stop(5) is not None and not rt.alive()
+
+
+async def test_external_runtime_is_probed_not_spawned(tmp_path, session, reap):
+    sim = tmp_path / "sim"
+    sim.mkdir()
+    spec = ModelSpec(name="ext", slot="chat", gpu_index=0, binary=SIM_VLLM,
+                     env={"HARU_SIM_DIR": str(sim), "HARU_SIM_LOAD_MS": "100"})
+    served = VllmRuntime(spec, session=session, log_dir=tmp_path / "logs")  # someone else's server
+    await served.start()
+    reap(served)
+    await until_ready(served)
+    ext = ExternalRuntime(ModelSpec(name="ext", slot="chat", gpu_index=0, runtime="external", url=served.base_url + "/v1"),
+                          session=session)
+    assert ext.base_url == served.base_url and ext.pid is None and ext.alive()
+    await ext.start()
+    assert (await probes.ready(ext, timeout_s=2)).ok
+    assert await ext.stop(1) is None
+    assert served.alive()  # not ours to stop
+    await served.stop(5)
+    p = await probes.ready(ext, timeout_s=2)
+    assert not p.ok

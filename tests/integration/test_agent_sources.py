@@ -1,0 +1,108 @@
+"""Where the agent's slots come from: the fleet's declarations (haru apply), or its own config."""
+
+from __future__ import annotations
+
+import json
+import signal
+from datetime import datetime, timezone
+
+import pytest
+
+from agents.client import send
+from haru import subjects
+from haru.apply import apply
+from haru.commands import Command
+from haru.layout import load_layout
+from tests.integration.agent_harness import (
+    AgentProcess,
+    agent_env,
+    is_,
+    sim_model,
+    tag,
+    wait_event,
+    write_config,
+    write_layout,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def agents():
+    started: list[AgentProcess] = []
+
+    def start(config, log_path, env=None):
+        a = AgentProcess(config, log_path, env or agent_env())
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.kill()
+
+
+async def test_agent_reads_declared_layout_and_runs_only_admitted_models(tmp_path, nats_server, event_log, agents):
+    # "big" does not fit on the 24 GiB card after "m1" and "m2": the planner refuses it at apply time.
+    layout_path = write_layout(tmp_path / "layout.json", tmp_path,
+                               models={"m1": {}, "m2": {}, "big": {"vram": "20GiB"}})
+    await apply(event_log, load_layout(layout_path), datetime.now(timezone.utc))
+    cfg = write_config(tmp_path / "agent-a.json", nats_server.url, tmp_path, domain="a")  # no layout: the log's
+    agent = agents(cfg, tmp_path / "agent-a.log")
+    for name in ("m1", "m2"):
+        await wait_event(event_log, subjects.model("f", "a", name), is_("model_resident"), agent=agent)
+    status = await send(event_log.nc, "f", "a", "status", Command(), timeout=10)
+    assert status.data["source"] == "declared"
+    assert sorted(status.data["models"]) == ["m1", "m2"]
+    assert status.data["not_admitted"]["big"] > 0
+    assert await event_log.history(subjects.model("f", "a", "big")) == []  # never loaded
+    assert status.data["role"] == "active"  # no route_moved yet: the first declared domain is active
+
+
+async def test_undeclared_host_runs_from_its_config(tmp_path, nats_server, event_log, agents):
+    sim_dir = tmp_path / "sim" / "a"
+    sim_dir.mkdir(parents=True)
+    host = {"gpus": [{"index": 0, "memory": "24GiB"}],
+            "slots": [{"name": "chat", "gpu": 0, "models": [sim_model("solo", sim_dir, "a")]}]}
+    cfg = write_config(tmp_path / "agent-a.json", nats_server.url, tmp_path, domain="a", host=host,
+                       policy={"probe_interval_ms": 200}, role="active")
+    agent = agents(cfg, tmp_path / "agent-a.log")
+    await wait_event(event_log, subjects.model("f", "a", "solo"), is_("model_resident"), agent=agent)
+    status = await send(event_log.nc, "f", "a", "status", Command(), timeout=10)
+    assert status.data["source"] == "config" and status.data["role"] == "active"
+    agent.signal(signal.SIGINT)
+    assert await agent.wait() == 0
+
+
+async def test_role_follows_the_route_pointer(tmp_path, nats_server, event_log, agents):
+    from haru.events import RouteMoved
+
+    layout_path = write_layout(tmp_path / "layout.json", tmp_path)
+    await event_log.append(subjects.route("f"), RouteMoved(at=datetime.now(timezone.utc), active="b"), expect=0)
+    cfg = write_config(tmp_path / "agent-a.json", nats_server.url, tmp_path, domain="a", layout=layout_path)
+    agent = agents(cfg, tmp_path / "agent-a.log")
+    # a is standby by the route: it loads, then sleeps
+    await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_sleeping"), agent=agent)
+    status = await send(event_log.nc, "f", "a", "status", Command(), timeout=10)
+    assert status.data["role"] == "standby" and status.data["active_domain"] == "b"
+    last = await event_log.last(subjects.route("f"))
+    await event_log.append(subjects.route("f"), RouteMoved(at=datetime.now(timezone.utc), active="a", previous="b"),
+                           expect=last.seq)
+    for _ in range(50):
+        status = await send(event_log.nc, "f", "a", "status", Command(), timeout=10)
+        if status.data["role"] == "active":
+            break
+        import asyncio
+
+        await asyncio.sleep(0.1)
+    assert status.data["role"] == "active" and status.data["route_revision"] > last.seq
+
+
+async def test_bad_config_fails_with_one_line(tmp_path, nats_server):
+    cfg = tmp_path / "bad.json"
+    cfg.write_text(json.dumps({"fleet": "f", "domain": "A!", "nats_url": nats_server.url}))
+    agent = AgentProcess(cfg, tmp_path / "bad.log", agent_env())
+    try:
+        assert await agent.wait(20) == 1
+        assert "domain name 'A!'" in agent.output()
+    finally:
+        agent.kill()
