@@ -1,0 +1,183 @@
+"""The control API on a fleet declared with `haru apply`'s code and projected by the real projector:
+promote/demote with Haru's codes (request_operation), history newest first, and routing that
+follows residency events as the projector folds them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from datetime import UTC, datetime
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway import Forward, Gateway, GatewayConfig
+from haru import subjects
+from haru.apply import apply
+from haru.events import ModelLoading, ModelLost, ModelResident, RouteMoved
+from haru.layout import parse_layout
+from projections.projector import Projector
+
+MODEL = "qwen3.6:27b"
+
+
+def layout(url_a: str, url_b: str):
+    def domain(name: str, url: str) -> dict:
+        return {"name": name, "serving_url": url,
+                "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB"}],
+                "slots": [{"name": "chat", "gpu": 0, "models": [{"name": MODEL, "vram": "10GiB", "port": 18100}]}]}
+
+    return parse_layout({"fleet": "ops", "domains": [domain("a", url_a), domain("b", url_b)]})
+
+
+async def echo_upstream(domain: str):
+    async def handle(request: web.BaseRequest) -> web.Response:
+        await request.read()
+        return web.json_response({"choices": [{"message": {"content": f"[domain {domain}]"}}]})
+
+    runner = web.ServerRunner(web.Server(handle), handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+@pytest.fixture
+async def ops(event_log):
+    """Fleet `ops` declared (a and b), a active, the real projector running, a gateway in front."""
+    runners = []
+    ra, url_a = await echo_upstream("a")
+    rb, url_b = await echo_upstream("b")
+    runners += [ra, rb]
+    now = datetime.now(UTC)
+    await apply(event_log, layout(url_a, url_b), now)
+    await event_log.append(subjects.route("ops"), RouteMoved(at=now, active="a"), expect=0)
+    projector = asyncio.create_task(Projector(event_log).run())
+    try:
+        async with Gateway(GatewayConfig(port=0), event_log) as gw:
+            await wait_for(lambda: (r := gw.table.get("ops")) is not None and r.active == "a")
+            yield gw, event_log
+    finally:
+        projector.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await projector
+        for r in runners:
+            await r.cleanup()
+
+
+async def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def call(gw: Gateway, method: str, path: str, body: bytes | None = None, **headers: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s:
+        async with s.request(method, gw.url + path, data=body, headers=headers) as r:
+            return r.status, await r.json(content_type=None)
+
+
+def code_now(gw: Gateway) -> str:
+    """The error code the gateway would answer for MODEL right now ('' = it would forward)."""
+    result = gw.table.resolve("ops", MODEL, time.time())
+    return "" if isinstance(result, Forward) else result.code
+
+
+async def chat(gw: Gateway) -> tuple[int, dict]:
+    return await call(gw, "POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode(),
+                      **{"X-Haru-Fleet": "ops"})
+
+
+async def test_routing_follows_residency_as_the_projector_folds_it(ops):
+    gw, log = ops
+    status, body = await chat(gw)
+    assert status == 503 and body["error"]["code"] == "residency_unknown"  # never probed
+    subject = subjects.model("ops", "a", MODEL)
+    now = datetime.now(UTC)
+    seq = await log.append(subject, ModelLoading(at=now, domain="a", model=MODEL), expect=0)
+    await wait_for(lambda: code_now(gw) == "model_warming")
+    status, body = await chat(gw)
+    assert status == 503 and body["error"]["code"] == "model_warming"
+    seq = await log.append(subject, ModelResident(at=now, domain="a", model=MODEL, warmup_ms=5), expect=seq)
+    await wait_for(lambda: code_now(gw) == "")
+    status, body = await chat(gw)
+    assert status == 200 and body["choices"][0]["message"]["content"] == "[domain a]"
+    await log.append(subject, ModelLost(at=now, domain="a", model=MODEL, reason="gpu_detached"), expect=seq)
+    await wait_for(lambda: code_now(gw) == "gpu_detached")
+    status, body = await chat(gw)
+    assert status == 503 and "not the operator's doing" in body["error"]["message"]
+
+
+async def test_promote_and_demote_with_harus_codes(ops):
+    gw, _ = ops
+    post = lambda path, body: call(gw, "POST", f"/v1/fleets/ops/{path}", json.dumps(body).encode())  # noqa: E731
+    status, body = await post("promote", {"domain": "a"})
+    assert status == 200 and body["status"] == "noop" and body["target"] == "a"
+    status, body = await post("demote", {"targetDomainId": "a"})  # Haru's field name
+    assert status == 409 and body["status"] == "refused" and "active" in body["message"]
+    status, body = await post("promote", {"domain": "zzz"})
+    assert status == 404 and body["status"] == "not_found"
+    status, accepted = await post("promote", {"domain": "b"})
+    assert status == 202 and accepted["status"] == "accepted" and accepted["op_id"]
+    assert accepted["kind"] == "promotion" and accepted["fleet"] == "ops"
+    status, joined = await post("promote", {"targetDomainId": "b"})
+    assert status == 202 and joined["status"] == "joined" and joined["op_id"] == accepted["op_id"]
+    status, conflict = await post("demote", {"domain": "b"})
+    assert status == 409 and conflict["status"] == "conflict" and conflict["op_id"] == accepted["op_id"]
+    status, body = await post("promote", {})
+    assert status == 400 and "`$.domain`" in body["error"]["message"]
+    status, body = await call(gw, "POST", "/v1/fleets/ops/promote", b"{nope")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = await post("promote", {"domain": 3})
+    assert status == 400 and "Expected `str | null`, got `int` - at `$.domain`" in body["error"]["message"]
+    status, body = await call(gw, "GET", "/v1/fleets/ops/promote")
+    assert status == 405
+
+    # the request is history now, newest first
+    status, hist = await call(gw, "GET", "/v1/fleets/ops/history?limit=2")
+    assert status == 200 and hist["count"] == 2
+    first = hist["events"][0]
+    assert first["type"] == "promotion_requested" and first["payload"]["target"] == "b"
+    assert first["payload"]["op_id"] == accepted["op_id"] and first["subject"] == "haru.evt.ops.op"
+    assert first["by"].startswith("gateway:")
+    assert hist["events"][0]["seq"] > hist["events"][1]["seq"]
+
+
+async def test_history_filters(ops):
+    gw, log = ops
+    now = datetime.now(UTC)
+    await log.append(subjects.model("ops", "a", MODEL), ModelLoading(at=now, domain="a", model=MODEL), expect=0)
+    await log.append(subjects.model("ops", "b", MODEL), ModelLoading(at=now, domain="b", model=MODEL, attempt=2),
+                     expect=0)
+    status, hist = await call(gw, "GET", f"/v1/fleets/ops/history?model={MODEL}&domain=b")
+    assert status == 200 and [e["type"] for e in hist["events"]] == ["model_loading"]
+    assert hist["events"][0]["payload"]["attempt"] == 2 and hist["events"][0]["subject"].endswith("qwen3~2e6~3a27b")
+    status, hist = await call(gw, "GET", f"/v1/fleets/ops/history?model={MODEL}")
+    assert [e["payload"]["domain"] for e in hist["events"]] == ["b", "a"]
+    status, hist = await call(gw, "GET", "/v1/fleets/ops/history?domain=a")
+    assert {e["subject"] for e in hist["events"]} == {subjects.model("ops", "a", MODEL)}
+    status, hist = await call(gw, "GET", "/v1/fleets/ops/history")
+    types = [e["type"] for e in hist["events"]]
+    assert types[-1] == "fleet_declared" and "route_moved" in types and "model_declared" in types
+    times = [e["time"] for e in hist["events"]]
+    assert times == sorted(times, reverse=True)
+    status, err = await call(gw, "GET", "/v1/fleets/ops/history?limit=0")
+    assert status == 400 and err["error"]["param"] == "limit"
+    status, err = await call(gw, "GET", "/v1/fleets/ops/history?domain=Nope!")
+    assert status == 400
+    status, err = await call(gw, "GET", "/v1/fleets/ghost/history")
+    assert status == 404 and err["error"]["code"] == "fleet_not_found"
+
+
+async def test_view_and_intent_come_from_the_projector(ops):
+    gw, _ = ops
+    status, view = await call(gw, "GET", "/v1/fleets/ops")
+    assert status == 200 and view["active"] == "a" and set(view["domains"]) == {"a", "b"}
+    status, intent = await call(gw, "GET", "/v1/fleets/ops/route-intent")
+    assert status == 200 and intent["active"]["domain"] == "a" and MODEL in intent["answers"]
+    status, models = await call(gw, "GET", "/v1/models", **{"X-Haru-Fleet": "ops"})
+    assert status == 200 and models["data"][0]["id"] == MODEL
+    assert models["data"][0]["haru"]["declared_on"] == ["a", "b"]
