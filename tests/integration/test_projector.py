@@ -322,3 +322,46 @@ async def test_two_projectors_racing_never_go_backwards(event_log, projector_pro
         p.stop()
         stats = events_named(p, "projector.stopped")[-1]
         assert stats["view_writes"] + stats["views_adopted"] + stats["view_conflicts"] > 0
+
+
+# ------------------------------------------------------------------------------------ haru status
+
+
+def run_cli(*args: str, url: str) -> subprocess.CompletedProcess:
+    return subprocess.run([HARU, *args, "--nats-url", url], capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.timeout(60)
+async def test_haru_status_and_route_print_the_view_and_intent(nats_server, event_log):
+    missing = await asyncio.to_thread(run_cli, "status", "--fleet", "nope", url=nats_server.url)
+    assert missing.returncode == 3 and "haru projector" in missing.stderr
+    await declare(event_log)
+    w = Writer(event_log)
+    r = await w.move("a")
+    await w.put(sj.model(F, "a", MODELS[0]), ev.ModelResident(at=now(), domain="a", model=MODELS[0]))
+    last = await w.put(sj.model(F, "a", MODELS[1]), ev.ModelLoading(at=now(), domain="a", model=MODELS[1]))
+    projector = Projector(event_log)
+    task = asyncio.create_task(projector.run())
+    try:
+        await wait_view_seq(event_log, last)
+        await projector.wait_idle(5)
+        out = await asyncio.to_thread(run_cli, "status", url=nats_server.url)
+        assert out.returncode == 0, out.stderr
+        assert f"route revision {r} → a" in out.stdout
+        assert "GPU 0: 20.0 / 46.0 GiB held  (2 declared, 2 admitted)" in out.stdout
+        assert f"    {MODELS[0]:<28} resident for " in out.stdout
+        assert f"    {MODELS[1]:<28} loading for " in out.stdout
+        js = await asyncio.to_thread(run_cli, "status", "--json", url=nats_server.url)
+        assert view_decoder.decode(js.stdout.encode()) == await stored_view(event_log)
+        route = await asyncio.to_thread(run_cli, "route", url=nats_server.url)
+        assert route.returncode == 0, route.stderr
+        assert route.stdout.startswith(f"fleet {F}  ·  route revision {r} → a")
+        assert f"  {MODELS[0]:<28} ready" in route.stdout and "warming for" in route.stdout
+        rj = await asyncio.to_thread(run_cli, "route", "--json", url=nats_server.url)
+        ri = intent_decoder.decode(rj.stdout.encode())
+        assert ri.revision == r and ri.answers[MODELS[1]].answer == "warming"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    nothing = await asyncio.to_thread(run_cli, "route", "--fleet", "other", url=nats_server.url)
+    assert nothing.returncode == 3 and "no route intent" in nothing.stderr

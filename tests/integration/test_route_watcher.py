@@ -144,3 +144,33 @@ async def test_watcher_starts_with_the_current_intent_and_can_connect_itself(nat
         assert w.current == second and w.seq == seq
         assert await asyncio.wait_for(w.__anext__(), 5) == second
         assert refresh(w.current, now()) == second
+
+
+@pytest.mark.timeout(60)
+async def test_haru_route_watch_prints_every_move(nats_server, event_log, start_projector):
+    tips = await declare(event_log)
+    _, log_path = start_projector("p")
+    await wait_logged(log_path, "projector.caught_up")
+    watch = await asyncio.create_subprocess_exec(
+        HARU, "route", "--watch", "--json", "--nats-url", nats_server.url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        from haru.views import intent_decoder
+
+        first = intent_decoder.decode(await asyncio.wait_for(watch.stdout.readline(), 20))
+        assert first.revision == 0
+        moves = []
+        route = sj.route(F)
+        for active in ("a", "b", "a"):
+            seq = await event_log.append(route, ev.RouteMoved(at=now(), active=active), expect=tips.get(route, 0))
+            tips[route] = seq
+            moves.append(seq)
+        got = []
+        while not got or got[-1] != moves[-1]:
+            ri = intent_decoder.decode(await asyncio.wait_for(watch.stdout.readline(), 20))
+            got.append(ri.revision)
+        assert [r for i, r in enumerate(got) if i == 0 or r != got[i - 1]] == moves
+    finally:
+        watch.terminate()
+        await watch.wait()

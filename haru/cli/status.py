@@ -1,0 +1,57 @@
+"""`haru status [--fleet F] [--json]`: the fleet's view, in hearth's format."""
+
+from __future__ import annotations
+
+import argparse
+from datetime import datetime, timezone
+
+from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "status",
+        help="residency of every model on every GPU, the active domain, training and operations",
+        description=(
+            "Print the fleet's view as the projector last wrote it (KV haru_views): per domain and GPU "
+            "what is held and admitted, each model's residency and for how long or why, the active domain "
+            "and route revision, training slots, and the operation in flight."
+        ),
+    )
+    add_nats_options(p)
+    add_fleet_option(p)
+    p.add_argument("--json", action="store_true", help="print the FleetView as JSON")
+    p.set_defaults(handler=run)
+
+
+async def run(args: argparse.Namespace) -> ExitStatus:
+    from haru import subjects
+    from haru.errors import InvalidName, LogUnavailable
+    from haru.eventlog import EventLog
+    from haru.views import view_decoder
+    from projections.status import render
+
+    try:
+        key = subjects.view_key(args.fleet)
+    except InvalidName as exc:
+        return fail(str(exc), ExitStatus.USAGE)
+    try:
+        async with EventLog.connect(nats_servers(args.nats_url), writer="cli:status", creds=args.nats_creds) as log:
+            got = await log.get_view(key)
+    except LogUnavailable as exc:
+        return fail(str(exc), ExitStatus.UNAVAILABLE)
+    if got is None:
+        return fail(
+            f"no view for fleet {args.fleet!r}: declare it with `haru apply`, and make sure `haru projector` runs "
+            f"(`haru up` starts one)",
+            ExitStatus.NOT_FOUND,
+        )
+    try:
+        view = view_decoder.decode(got[0])
+    except Exception as exc:  # noqa: BLE001 - a view from another version of Haru
+        return fail(f"the stored view of fleet {args.fleet!r} cannot be read by this version: {exc}")
+    if args.json:
+        emit_json(view)
+    else:
+        print(render(view, datetime.now(timezone.utc)))
+    return ExitStatus.OK

@@ -1,0 +1,254 @@
+"""`haru status` as text: a pure function of a `FleetView` and the reader's clock.
+
+    print(render(view, now))
+
+hearth's format, per domain and GPU:
+
+    fleet default  ·  route revision 1234 → a  ·  view seq 1240
+    a  ◀ active (route revision 1234)  ·  static  ·  http://10.0.0.1:9000  ·  agent up on gpu-a  ·  reachable
+      GPU 0 (A6000): 42.0 / 44.2 GiB held  (5 declared, 2 admitted)
+        muse-local:latest            resident for 14203s
+        deepseek-r1:32b              loading for 47s
+        gemma4:26b                   not admitted — short by 14.8 GiB
+      training lora (GPU 0)          running for 300s (pid 4242)
+
+`held` is the VRAM of the admitted models on that GPU; the second figure is what can be planned
+into: the declared memory minus the reserve (hearth's "44.2 GiB"). The per-line formats come from
+`haru.planner` (`format_gib`, `gpu_summary_line`), so `haru apply` and `haru status` agree.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from haru.planner import format_gib, gpu_summary_line
+from haru.residency import Answer, Failed, Loading, Lost, NotAdmitted, Resident, Sleeping, Stopped, Unknown, Waking
+from haru.views import DomainView, FleetView, GpuView, ModelView, OperationView, RouteIntent, Target, TrainingView
+
+__all__ = ["answer_text", "model_line", "model_state", "render", "render_intent", "training_state"]
+
+WIDTH = 28
+_WHOSE = {
+    "gpu_detached": "provider",
+    "evicted": "over-committed",
+}
+
+
+def _secs(since: datetime | None, now: datetime) -> str:
+    if since is None:
+        return "?s"
+    return f"{max(0, int((now - since).total_seconds()))}s"
+
+
+def model_state(model: ModelView, now: datetime) -> str:
+    """`resident for 14203s`, `loading for 47s`, `not admitted — short by 14.8 GiB`, `asleep`..."""
+    s = model.residency
+    if model.admitted is False or isinstance(s, NotAdmitted):
+        short = s.short_by_bytes if isinstance(s, NotAdmitted) and s.short_by_bytes else model.short_by_bytes
+        return f"not admitted — short by {format_gib(short)}"
+    if isinstance(s, Resident):
+        return f"resident for {_secs(s.since, now)}"
+    if isinstance(s, Loading):
+        extra = f" (attempt {s.attempt})" if s.attempt > 1 else ""
+        return f"loading for {_secs(s.since, now)}{extra}"
+    if isinstance(s, Waking):
+        return f"waking for {_secs(s.since, now)}"
+    if isinstance(s, Sleeping):
+        return "asleep" if s.level == 1 else f"asleep (level {s.level})"
+    if isinstance(s, Lost):
+        text = f"lost: {s.reason.replace('_', ' ')}"
+        whose = _WHOSE.get(s.reason)
+        if whose:
+            text += f" ({whose})"
+        if s.detail:
+            text += f" — {s.detail}"
+        return text
+    if isinstance(s, Failed):
+        return f"failed: {s.runtime_said}" if s.runtime_said else "failed"
+    if isinstance(s, Stopped):
+        return f"stopped — {s.detail}" if s.detail else "stopped"
+    if isinstance(s, Unknown):
+        return "unknown (never probed)" if model.admitted else "unknown (not planned yet)"
+    return type(s).__name__.lower()  # pragma: no cover - every state is named above
+
+
+def model_line(model: ModelView, now: datetime) -> str:
+    return f"{model.name:<{WIDTH}} {model_state(model, now)}"
+
+
+def training_state(slot: TrainingView, now: datetime) -> str:
+    if slot.admitted is False:
+        return f"not admitted — short by {format_gib(slot.short_by_bytes)}"
+    if slot.running:
+        return f"running for {_secs(slot.since, now)} (pid {slot.pid})"
+    if slot.last_stop:
+        code = f", exit {slot.last_exit_code}" if slot.last_exit_code is not None else ""
+        return f"stopped: {slot.last_stop}{code}, {_secs(slot.since, now)} ago"
+    return "idle"
+
+
+def _capacity(gpu: GpuView) -> int:
+    if gpu.memory_bytes:
+        return max(0, gpu.memory_bytes - gpu.reserve_bytes)
+    return gpu.memory_total_bytes
+
+
+def _gpu_line(gpu: GpuView, models: list[ModelView]) -> str:
+    held = sum(m.vram_bytes for m in models if m.admitted)
+    admitted = sum(1 for m in models if m.admitted)
+    name = f" ({gpu.name})" if gpu.name else ""
+    line = f"GPU {gpu.index}{name}: " + gpu_summary_line(held, _capacity(gpu), len(models), admitted)
+    if gpu.present is False:
+        line += "  — NOT PRESENT (detached by the provider)"
+    elif gpu.present is True and gpu.memory_total_bytes:
+        line += f"  · {format_gib(gpu.memory_used_bytes)} used now"
+    elif gpu.present is None and gpu.observed_at is not None:
+        line += "  · presence unknown (no NVML)"
+    return line
+
+
+def _domain_header(view: FleetView, d: DomainView, now: datetime) -> str:
+    parts = [d.name]
+    if d.name == view.active:
+        parts[0] += f"  ◀ active (route revision {view.route_revision})"
+    elif view.active:
+        parts[0] += "  (standby)"
+    parts.append(d.provider + (f" {d.region}" if d.region else ""))
+    url = d.serving_url or d.agent.serving_url
+    if url:
+        parts.append(url + ("  (serve: direct)" if d.serve == "direct" else ""))
+    if d.agent.running:
+        parts.append(f"agent up on {d.agent.host or '?'} for {_secs(d.agent.since, now)}")
+    elif d.agent.since is not None:
+        parts.append(f"agent stopped {_secs(d.agent.since, now)} ago")
+    else:
+        parts.append("no agent yet")
+    if d.reachable is True:
+        parts.append("reachable")
+    elif d.reachable is False:
+        parts.append(f"UNREACHABLE for {_secs(d.reachability_since, now)}")
+    if not d.eligible:
+        parts.append(f"ineligible: {d.ineligible_why or 'no reason given'}")
+    return "  ·  ".join(parts)
+
+
+def _operation(op: OperationView, now: datetime, *, finished: bool) -> str:
+    verb = "promotion of" if op.kind == "promotion" else "demotion of"
+    head = f"{verb} {op.target}"
+    if op.source:
+        head += f" over {op.source}"
+    head += f" ({op.op_id}, {op.reason}"
+    head += f", {op.detail})" if op.detail else ")"
+    if finished:
+        head += f": {op.state}"
+        if op.finished_at is not None:
+            head += f" {_secs(op.finished_at, now)} ago"
+        if op.error:
+            head += f" — {op.error}"
+    else:
+        head += f", running for {_secs(op.requested_at, now)}"
+    steps = [f"{s.step}{'' if s.attempt == 1 else f'#{s.attempt}'} {s.state}" for s in op.steps]
+    if steps:
+        head += "\n    steps: " + ", ".join(steps)
+    return head
+
+
+def render(view: FleetView, now: datetime) -> str:
+    """The whole status of one fleet, as lines of text (no trailing newline)."""
+    lines: list[str] = []
+    head = f"fleet {view.fleet}"
+    if view.active:
+        head += f"  ·  route revision {view.route_revision} → {view.active}"
+    else:
+        head += "  ·  not routed yet (no route_moved)"
+    head += f"  ·  view seq {view.seq}"
+    if view.updated_at is not None:
+        head += f" ({_secs(view.updated_at, now)} ago)"
+    lines.append(head)
+    if view.active and view.active not in view.domains:
+        lines.append(f"  the route points at {view.active!r}, which is not declared")
+    if not view.domains:
+        lines.append("  no domains declared (run `haru apply`)")
+    for d in view.domains.values():
+        lines.append(_domain_header(view, d, now))
+        by_gpu: dict[int, list[ModelView]] = {}
+        for m in d.models.values():
+            by_gpu.setdefault(m.gpu_index, []).append(m)
+        gpus = list(d.gpus)
+        known = {g.index for g in gpus}
+        gpus += [GpuView(index=i) for i in sorted(by_gpu) if i not in known]
+        for g in gpus:
+            models = by_gpu.get(g.index, [])
+            lines.append("  " + _gpu_line(g, models))
+            for m in models:
+                lines.append("    " + model_line(m, now))
+        for t in d.training.values():
+            label = f"training {t.slot} (GPU {t.gpu_index})"
+            lines.append(f"  {label:<{WIDTH + 2}} {training_state(t, now)}")
+    if view.operation is not None:
+        lines.append("operation in flight: " + _operation(view.operation, now, finished=False))
+    if view.last_operation is not None:
+        lines.append("last operation: " + _operation(view.last_operation, now, finished=True))
+    if view.declined:
+        lines.append(f"failover declined: {view.declined}")
+    if view.anomalies:
+        lines.append(f"anomalies in the log: {view.anomalies} (last: {view.last_anomaly})")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- route intents
+
+
+def answer_text(a: Answer, now: datetime) -> str:
+    """One router answer in words: `ready`, `warming for 47s`, `lost: gpu detached (provider)`."""
+    if a.answer == "warming":
+        secs = _secs(a.since, now) if a.since is not None else f"{a.for_ms // 1000}s"
+        return f"warming for {secs}" + (" (waking)" if a.reason == "waking" else "")
+    if a.answer == "lost":
+        text = f"lost: {a.reason.replace('_', ' ')}"
+        whose = _WHOSE.get(a.reason)
+        if whose:
+            text += f" ({whose})"
+        if a.detail:
+            text += f" — {a.detail}"
+        return text
+    if a.answer == "not_admitted":
+        return f"not admitted — short by {format_gib(a.short_by_bytes)}"
+    return a.answer
+
+
+def _target_line(role: str, t: Target | None) -> str:
+    if t is None:
+        return f"{role:<8} none"
+    parts = [f"{role:<8} {t.domain}"]
+    if t.serving_url:
+        parts.append(t.serving_url)
+    if t.reachable is False:
+        parts.append("unreachable")
+    if t.degraded:
+        parts.append("DEGRADED" + (f" since {t.degraded_since.isoformat()}" if t.degraded_since else ""))
+    parts.append("eligible" if t.eligible else f"not eligible: {t.why}")
+    if t.degraded and t.eligible and t.why:
+        parts[-1] += f" ({t.why})"
+    line = "  ".join(parts)
+    for model, url in t.model_urls.items():
+        line += f"\n{'':<9}{model} → {url}"
+    return line
+
+
+def render_intent(ri: RouteIntent, now: datetime) -> str:
+    """`haru route`: a fleet's route intent as text."""
+    head = f"fleet {ri.fleet}  ·  "
+    if ri.revision and ri.active is not None:
+        head += f"route revision {ri.revision} → {ri.active.domain}"
+    else:
+        head += "no active domain (never routed)"
+    head += f"  ·  view seq {ri.view_seq}"
+    lines = [head, _target_line("active", ri.active), _target_line("standby", ri.standby)]
+    if ri.operation:
+        lines.append(f"operation in flight: {ri.operation}")
+    if ri.answers:
+        lines.append(f"answers on {ri.active.domain if ri.active else '?'}:")
+        for model, a in ri.answers.items():
+            lines.append(f"  {model:<{WIDTH}} {answer_text(a, now)}")
+    return "\n".join(lines)
