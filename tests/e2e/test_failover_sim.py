@@ -1,0 +1,145 @@
+"""Failover end to end: real agents (subprocesses) on the simulator, a real nats-server, the promoter.
+
+The faults are the simulator's own (`haru sim kill-runtime | detach-gpu | attach-gpu | fail-probe |
+oom-on-wake`), so what the promoter sees is what the agent really observed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import datetime, timezone
+
+import pytest
+
+from haru import subjects
+from haru.apply import apply
+from haru.events import OperationAborted, PromotionRequested, StepFailed, StepStarted
+from haru.layout import load_layout
+from haru.residency import Resident, Sleeping
+from tests.integration.agent_harness import AgentProcess, agent_env, sim_fault, write_config, write_layout
+from tests.integration.promoter_support import op_events, promoters, route_moves, view_of, wait_until, wait_view
+from tests.support import haru
+
+pytestmark = pytest.mark.timeout(120)
+FLEET = "f"
+POLICY = {
+    "heartbeat_timeout_ms": 2500,
+    "degraded_grace_ms": 300,
+    "restart_backoff_ms": 1500,
+    "restart_backoff_max_ms": 3000,
+    "command_timeout_ms": 10000,
+    "training_grace_ms": 500,
+}
+
+
+STEP_DELAY_MS = 300
+
+
+def now():
+    return datetime.now(timezone.utc)
+
+
+def asleep_and_training(view, domain: str) -> bool:
+    dv = view.domains[domain]
+    return (all(isinstance(m.residency, Sleeping) for m in dv.models.values())
+            and all(t.running for t in dv.training.values()))
+
+
+def serving(view, domain: str) -> bool:
+    return view.active == domain and all(isinstance(m.residency, Resident) for m in view.domains[domain].models.values())
+
+
+def steady(view, active: str) -> bool:
+    standby = "b" if active == "a" else "a"
+    return (view.operation is None and serving(view, active) and asleep_and_training(view, standby)
+            and view.domains[standby].eligible)
+
+
+@pytest.fixture
+async def sim_fleet(tmp_path, nats_server, event_log):
+    """Two sim domains with agents, declared, and a promoter; the first route settled (a active)."""
+    layout_path = write_layout(tmp_path / "layout.json", tmp_path, models={"m1": {}, "m2": {"vram": "2GiB"}},
+                               training={"vram": "8GiB"}, policy=POLICY, fleet=FLEET)
+    await apply(event_log, load_layout(layout_path), now())
+    procs = []
+    try:
+        for d in ("a", "b"):
+            cfg = write_config(tmp_path / f"agent-{d}.json", nats_server.url, tmp_path, domain=d, layout=layout_path,
+                               fleet=FLEET)
+            procs.append(AgentProcess(cfg, tmp_path / f"agent-{d}.log", agent_env()))
+        # A short delay before each step leaves room to inject a fault between two steps.
+        async with promoters(nats_server.url, step_delay_ms=STEP_DELAY_MS):
+            await wait_view(event_log, lambda v: steady(v, "a"), timeout=40, fleet=FLEET, what="first route, a active")
+            yield event_log, tmp_path
+    finally:
+        for p in procs:
+            with contextlib.suppress(Exception):
+                p.kill()
+
+
+def sim(tmp_path, *args: str) -> None:
+    haru("sim", *args, "--sim-root", str(tmp_path / "sim"), check=True)
+
+
+async def test_killing_the_active_runtime_promotes_the_standby_and_the_old_active_rejoins(sim_fleet):
+    log, tmp = sim_fleet
+    sim(tmp, "kill-runtime", "a", "m1")
+    view = await wait_view(log, lambda v: steady(v, "b"), timeout=60, fleet=FLEET, what="b active, a standby again")
+    assert [m.active for m in await route_moves(log, FLEET)] == ["a", "b"]
+    promo = view.last_operation if view.last_operation.kind == "promotion" else None
+    ops = await op_events(log, FLEET)
+    reasons = [e.reason for e in ops if type(e).__name__ == "PromotionRequested"]
+    assert reasons == ["initial", "degraded"]
+    assert promo is None or promo.state == "completed"
+
+
+async def test_detaching_the_active_gpu_promotes_and_attach_makes_it_the_standby(sim_fleet):
+    log, tmp = sim_fleet
+    sim(tmp, "detach-gpu", "a")
+    view = await wait_view(log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible,
+                           timeout=40, fleet=FLEET, what="b active, a ineligible")
+    assert serving(view, "b")
+    reasons = [e.reason for e in await op_events(log, FLEET) if type(e).__name__ == "PromotionRequested"]
+    assert reasons[-1] == "gpu_detached"
+    sim(tmp, "attach-gpu", "a")
+    await wait_view(log, lambda v: steady(v, "b"), timeout=60, fleet=FLEET, what="a standby after attach-gpu")
+    assert [m.active for m in await route_moves(log, FLEET)] == ["a", "b"]
+
+
+async def _inject_when_started(log, step: str, fault: str) -> None:
+    """Inject `fault` into b's m1 runtime as soon as `step` has started (before it runs)."""
+
+    async def started():
+        events = await op_events(log, FLEET)
+        failover = [e.op_id for e in events if isinstance(e, PromotionRequested) and e.reason != "initial"]
+        return bool(failover) and any(
+            isinstance(e, StepStarted) and e.step == step and e.op_id == failover[0] for e in events)
+
+    await wait_until(started, timeout=30, every=0.02, what=f"{step} started")
+    await sim_fault(await _endpoint(log), fault)
+
+
+async def _endpoint(log):
+    for rec in reversed(await log.history(subjects.model(FLEET, "b", "m1"))):
+        if getattr(rec.event, "endpoint", ""):
+            return rec.event.endpoint
+    raise AssertionError("no endpoint recorded for b/m1")
+
+
+@pytest.mark.parametrize("fault, step", [("fail_probe", "probe"), ("oom_on_wake", "wake")])
+async def test_a_standby_that_fails_before_the_flip_aborts_and_the_pointer_stays(sim_fleet, fault, step):
+    log, tmp = sim_fleet
+    sim(tmp, "kill-runtime", "a", "m1")
+    await _inject_when_started(log, step, fault)
+
+    async def aborted():
+        return next((e for e in await op_events(log, FLEET) if isinstance(e, OperationAborted)), None)
+
+    end = await wait_until(aborted, timeout=40, what="the aborted promotion")
+    assert end.step == step, end
+    failed = [e for e in await op_events(log, FLEET, end.op_id) if isinstance(e, StepFailed)]
+    assert [f.step for f in failed] == [step]
+    print("why:", failed[0].error_code, failed[0].error)
+    assert failed[0].error
+    assert [m.active for m in await route_moves(log, FLEET)] == ["a"]
+    assert (await view_of(log, FLEET)).active == "a"
