@@ -54,7 +54,7 @@ from agents.runtimes import Runtime, make_runtime
 from agents.training import Ended, Trainer
 from haru import subjects
 from haru.commands import Command, ErrorInfo, Heartbeat, Reply, heartbeat_decoder
-from haru.errors import ConfigError, Conflict, IllegalTransition
+from haru.errors import ConfigError, Conflict, IllegalTransition, LogUnavailable
 from haru.eventlog import EventLog
 from haru.events import (
     AgentStarted,
@@ -308,6 +308,8 @@ class Agent:
 
     async def _shutdown(self) -> None:
         self.stopping = True
+        if not self.agent_seq:
+            return  # refused or never claimed: nothing of ours runs, and the pid file is another agent's
         reason = getattr(self, "_stop_reason", "") or "shutdown"
         if self.agent_seq:
             with contextlib.suppress(Exception):
@@ -384,6 +386,20 @@ class Agent:
     # --------------------------------------------------------------------------------------- writes
 
     async def _append(self, subject: str, event: Event, expect: int) -> int:
+        """Append with the expected sequence. The truth is recorded late rather than never: while NATS is
+        unreachable the append is retried (bounded only when the agent is stopping)."""
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                return await self._append_once(subject, event, expect)
+            except LogUnavailable as exc:
+                if self.stopping and tries >= 3:
+                    raise
+                self.logger.warning("event log unavailable; retrying the append", subject=subject, error=str(exc))
+                await asyncio.sleep(min(0.5 * tries, 5.0))
+
+    async def _append_once(self, subject: str, event: Event, expect: int) -> int:
         try:
             return await self.log.append(subject, event, expect=expect)
         except Conflict as exc:
@@ -572,7 +588,9 @@ class Agent:
             started = time.monotonic()
             try:
                 await m.runtime.start()
-            except RuntimeProblem as exc:
+            except RuntimeProblem as exc:  # the attempt is recorded, and what the runtime (or the OS) said
+                await self._record(m, ModelLoading(at=now(), domain=self.domain, model=m.name,
+                                                   endpoint=m.runtime.base_url, pid=0, attempt=m.attempt))
                 await self._record(m, ModelFailed(at=now(), domain=self.domain, model=m.name, runtime_said=str(exc)))
                 return False
             await self._record(m, ModelLoading(at=now(), domain=self.domain, model=m.name, endpoint=m.runtime.base_url,
@@ -808,6 +826,9 @@ class Agent:
         async with self.training_lock:
             if t.running():
                 return True, "", f"already running (pid {t.pid})"
+            if self.role == "active" and not force:
+                return False, "domain_active", (f"domain {self.domain!r} is the active domain (route revision "
+                                                f"{self.route_revision}); training runs only on a standby")
             busy = self.gpu_busy_with_inference(t.spec)
             if busy and not force:
                 return False, "gpu_busy", (f"GPU {t.spec.gpu_index} holds awake models ({', '.join(busy)}); put them to "
@@ -848,6 +869,11 @@ class Agent:
             ok, code, detail = await self.start_training_slot(slot)
             if not ok:
                 self.logger.warning("could not resume training", slot=slot, code=code, detail=detail)
+
+    async def refresh_route(self, revision: int) -> None:
+        """A command decided against a newer route than we have seen: read the pointer now."""
+        if revision > self.route_revision:
+            await self._read_route()
 
     async def _initial_training(self) -> None:
         await asyncio.gather(*(m.settled.wait() for m in self.models.values()))

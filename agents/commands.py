@@ -189,6 +189,7 @@ class CommandService:
         return Reply(ok=True, detail=detail or "no training slots", data={"slots": out})
 
     async def start_training(self, command: Command) -> Reply:
+        await self.agent.refresh_route(command.route_revision)
         slots, unknown = self._slots(command)
         if unknown:
             return Reply(ok=False, error=ErrorInfo(code="slot_not_found", message=f"no admitted training slot {unknown}"))

@@ -240,3 +240,17 @@ async def test_client_disconnect_cancels_upstream(tmp_path, nats_server, event_l
         async with s.post(serving + "/v1/completions",
                           data=json.dumps({"model": "m1", "prompt": "x", "max_tokens": 1}).encode()) as r:
             assert r.status == 200
+
+
+async def test_two_agents_started_at_once_exactly_one_wins(tmp_path, nats_server, event_log, agents):
+    layout = write_layout(tmp_path / "layout.json", tmp_path)
+    cfg = write_config(tmp_path / "agent-a.json", nats_server.url, tmp_path, domain="a", layout=layout)
+    one, two = agents(cfg, tmp_path / "one.log"), agents(cfg, tmp_path / "two.log")
+    await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_resident"))
+    await asyncio.sleep(0.5)
+    codes = [p.proc.poll() for p in (one, two)]
+    assert sorted(codes, key=lambda c: c is None) == [4, None], codes  # one refused (CONFLICT), one running
+    starts = [r for r in await event_log.history(subjects.agent("f", "a")) if tag(r) == "agent_started"]
+    assert len(starts) == 1
+    winner = one if one.proc.poll() is None else two
+    assert starts[0].event.pid == winner.pid

@@ -120,3 +120,32 @@ async def test_slow_loading_model_stays_loading_with_growing_elapsed(tmp_path, n
     assert m["for_ms"] >= first["for_ms"] + 2500  # the elapsed time grows; nothing times out
     assert await model_tags(event_log, "f", "a", "slow") == ["model_loading"]  # nothing failed on a clock
     assert agent.proc.poll() is None
+
+
+async def test_hung_runtime_is_unhealthy_and_recovers(tmp_path, nats_server, event_log, agents):
+    agent = await start_resident(tmp_path, nats_server, event_log, agents)
+    subject = subjects.model("f", "a", "m1")
+    res = await event_log.last(subject)
+    await sim_fault(res.event.endpoint, "hang")
+    lost = await wait_event(event_log, subject, is_("model_lost"), agent=agent)
+    assert lost.event.reason == "unhealthy"  # alive, GPU present, and no proof it dropped the model
+    await sim_fault(res.event.endpoint, "reset")
+    back = await wait_event(event_log, subject, lambda r: tag(r) == "model_resident" and r.seq > lost.seq, agent=agent)
+    assert back.event.endpoint == res.event.endpoint  # recovered in place: same process, not a restart
+    assert [t for t in await model_tags(event_log, "f", "a", "m1")].count("model_loading") == 1
+
+
+async def test_missing_binary_is_failed_with_what_the_os_said_and_retried(tmp_path, nats_server, event_log, agents):
+    layout = write_layout(tmp_path / "layout.json", tmp_path, models={"m1": {}})
+    import json as _json
+
+    doc = _json.loads(layout.read_text())
+    for d in doc["domains"]:
+        d["slots"][0]["models"][0]["binary"] = ["/nonexistent/vllm"]
+    layout.write_text(_json.dumps(doc))
+    cfg = write_config(tmp_path / "agent.json", nats_server.url, tmp_path, layout=layout)
+    agent = agents(cfg, tmp_path / "agent.log")
+    subject = subjects.model("f", "a", "m1")
+    failed = await wait_event(event_log, subject, is_("model_failed"), agent=agent)
+    assert "/nonexistent/vllm" in failed.event.runtime_said
+    await wait_event(event_log, subject, is_("model_loading", attempt=2), agent=agent)  # retried with backoff

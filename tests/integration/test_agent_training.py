@@ -108,3 +108,40 @@ async def test_standby_restart_makes_room_reloads_sleeps_and_resumes_training(tm
     assert [tag(r) for r in recs] == ["training_stopped", "model_loading", "model_resident", "model_sleeping",
                                       "training_started"]
     assert recs[0].event.how == "terminated" and recs[1].event.attempt == 2
+
+
+async def test_promotion_steps_against_a_training_standby(tmp_path, nats_server, event_log, agents):
+    """What the promoter does to a standby: stop training, verify the VRAM, wake, probe. Then demote it back."""
+    agent, started = await start_standby(tmp_path, nats_server, event_log, agents, training={"vram": "16GiB"})
+    nc = event_log.nc
+    # the trainer holds 16 GiB of the 24: the sleeping 4 GiB model could not wake now
+    busy = await send(nc, "f", "b", "verify_gpu", Command(op_id="p"), timeout=10)
+    assert not busy.ok and busy.error.code == "training_running"
+    assert busy.data["gpus"]["0"]["trainer_pids"] == [started.event.pid]
+    refused = await send(nc, "f", "b", "start_training", Command(op_id="p"), timeout=10)
+    assert refused.ok  # already running: idempotent
+    assert (await send(nc, "f", "b", "stop_training", Command(op_id="p"), timeout=10)).ok
+    verified = await send(nc, "f", "b", "verify_gpu", Command(op_id="p"), timeout=10)
+    assert verified.ok, verified
+    wake = await send(nc, "f", "b", "wake", Command(op_id="p"), timeout=10)
+    assert wake.ok, wake
+    probe = await send(nc, "f", "b", "probe", Command(op_id="p"), timeout=10)
+    assert probe.ok, probe
+    # while its model is awake, training on that GPU is refused
+    no = await send(nc, "f", "b", "start_training", Command(op_id="p"), timeout=10)
+    assert not no.ok and no.error.code == "gpu_busy"
+    # demote: sleep, then training resumes from its checkpoint
+    assert (await send(nc, "f", "b", "sleep", Command(op_id="d"), timeout=10)).ok
+    yes = await send(nc, "f", "b", "start_training", Command(op_id="d"), timeout=10)
+    assert yes.ok, yes
+
+
+async def test_start_training_refused_on_the_active_domain(tmp_path, nats_server, event_log, agents):
+    layout = write_layout(tmp_path / "layout.json", tmp_path, training={})
+    cfg = write_config(tmp_path / "agent-a.json", nats_server.url, tmp_path, domain="a", layout=layout)
+    agent = agents(cfg, tmp_path / "agent-a.log")
+    await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_resident"), agent=agent)
+    assert (await send(event_log.nc, "f", "a", "sleep", Command(), timeout=10)).ok
+    no = await send(event_log.nc, "f", "a", "start_training", Command(), timeout=10)
+    assert not no.ok and no.error.code == "domain_active"
+    assert await event_log.history(subjects.training("f", "a", "lora")) == []
