@@ -270,7 +270,11 @@ class Promoter:
                         replies.append((verb, reply))
                         if not reply.ok:
                             break
-                    event = step_outcome(op, step, replies, now=utcnow(), took_ms=int((time.monotonic() - t0) * 1000))
+                    # took_ms is the agents' own measure of the work (their replies' took_ms); the
+                    # promoter's wall time is in the step's started/completed `at`s.
+                    agent_ms = sum(r.took_ms for _, r in replies)
+                    wall_ms = int((time.monotonic() - t0) * 1000)
+                    event = step_outcome(op, step, replies, now=utcnow(), took_ms=agent_ms or wall_ms)
             if isinstance(event, (StepCompleted, StepFailed)) and not event.took_ms:
                 event = msgspec.structs.replace(event, took_ms=int((time.monotonic() - t0) * 1000))
             try:

@@ -1,0 +1,269 @@
+"""Failover latency: from the active's loss being appended to `route_moved` acked.
+
+    .venv/bin/python bench/failover.py [--runs 5] [--wake-ms 400] [--stop-ms 300] [--probe-tokens-per-s 20]
+
+Real nats-server, two real agents (subprocesses) on the simulator, the promoter in this process.
+The simulated work has set durations: training ignores SIGTERM so stopping it takes exactly the
+grace (`--stop-ms`), a level-1 wake takes `--wake-ms`, a probe is one token at
+`--probe-tokens-per-s`. Each run detaches the active's GPU (a `gpu_detached` loss fails the active
+at once), measures, then gives the GPU back and waits for the old active to be the standby again.
+
+Printed per run and as medians: each step's wall time (its step_started to its step_completed) and
+the agents' own took_ms, the total (loss recorded -> route_moved recorded, both JetStream
+timestamps), and the control-plane overhead = total - the agents' took_ms for the steps before the
+flip (target: <= 50 ms). Heartbeat-silence detection is reported separately: the active's agent is
+SIGKILLed and the time from its last heartbeat to `domain_unreachable` is measured, then that
+failover's total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from agents.sim.gpu_state import GiB, SimGpuState  # noqa: E402
+from haru import subjects  # noqa: E402
+from haru.apply import apply  # noqa: E402
+from haru.eventlog import EventLog  # noqa: E402
+from haru.events import (  # noqa: E402
+    DomainUnreachable,
+    GpuObserved,
+    ModelLost,
+    PromotionRequested,
+    RouteMoved,
+    StepCompleted,
+    StepStarted,
+)
+from haru.layout import load_layout  # noqa: E402
+from haru.natsd import NatsServer  # noqa: E402
+from haru.promoter.decider import fold  # noqa: E402
+from haru.promoter.service import Promoter  # noqa: E402
+from haru.residency import Resident, Sleeping  # noqa: E402
+from projections.fleet import evolve  # noqa: E402
+
+FLEET = "bench"
+PY = sys.executable
+BEFORE_FLIP = ("stop_training", "verify_gpu", "wake", "probe")
+
+
+def write_layout(root: Path, args) -> Path:
+    domains = []
+    for d in ("a", "b"):
+        sim = root / "sim" / d
+        sim.mkdir(parents=True, exist_ok=True)
+        SimGpuState(sim, 0).ensure(24 * GiB)
+        env = {"HARU_SIM_DIR": str(sim), "HARU_SIM_DOMAIN": d, "HARU_SIM_VRAM": "4GiB", "HARU_SIM_LOAD_MS": "200",
+               "HARU_SIM_WAKE_MS": str(args.wake_ms), "HARU_SIM_SLEEP_MS": "50",
+               "HARU_SIM_TOKENS_PER_S": str(args.probe_tokens_per_s), "HARU_SIM_GPU_INDEX": "0"}
+        domains.append({
+            "name": d,
+            "gpus": [{"index": 0, "memory": "24GiB", "reserve": "1GiB"}],
+            "slots": [
+                {"name": "chat", "gpu": 0, "models": [
+                    {"name": "m1", "runtime": "vllm", "vram": "4GiB", "source": "sim/m1",
+                     "binary": [PY, "-m", "agents.sim.vllm"], "env": env}]},
+                {"name": "lora", "kind": "training", "gpu": 0, "vram": "8GiB", "grace_ms": args.stop_ms,
+                 "command": [PY, "-m", "agents.sim.trainer", "--vram", "8GiB", "--sim-dir", str(sim), "--ignore-sigterm"],
+                 "checkpoint_dir": str(root / "ckpt" / d)},
+            ],
+        })
+    doc = {"fleet": FLEET, "policy": {"heartbeat_timeout_ms": 1500, "degraded_grace_ms": 60000,
+                                      "probe_interval_ms": 100, "restart_backoff_ms": 200, "training_grace_ms": args.stop_ms},
+           "domains": domains}
+    path = root / "layout.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def start_agent(root: Path, url: str, domain: str, layout: Path) -> subprocess.Popen:
+    cfg = {"nats_url": url, "fleet": FLEET, "domain": domain, "gpus": "sim", "sim_dir": str(root / "sim" / domain),
+           "serving": {"host": "127.0.0.1", "port": 0}, "state_dir": str(root / "state" / domain), "layout": str(layout)}
+    path = root / f"agent-{domain}.json"
+    path.write_text(json.dumps(cfg))
+    log = open(root / f"agent-{domain}.log", "ab")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HARU_NO_UVLOOP": "1"}
+    return subprocess.Popen([PY, "-m", "haru.cli", "agent", "--config", str(path), "--log-format", "json"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO), start_new_session=True)
+
+
+async def view_of(log):
+    return fold(FLEET, await log.history(subjects.fleet_events(FLEET)), evolve)[0]
+
+
+def steady(view, active: str) -> bool:
+    standby = "b" if active == "a" else "a"
+    if view.operation is not None or view.active != active or not view.domains[standby].eligible:
+        return False
+    act, sb = view.domains[active], view.domains[standby]
+    return (all(isinstance(m.residency, Resident) for m in act.models.values())
+            and all(isinstance(m.residency, Sleeping) for m in sb.models.values())
+            and all(t.running for t in sb.training.values()))
+
+
+async def wait_for(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = await check()
+        if got:
+            return got
+        await asyncio.sleep(0.05)
+    raise SystemExit(f"bench: timed out after {timeout}s waiting for {what}")
+
+
+async def measure(log, from_seq: int, loss_type) -> dict:
+    """The failover after `from_seq`: the loss record, the steps, and route_moved."""
+    recs = await log.history(subjects.fleet_events(FLEET), from_seq=from_seq)
+    # The first sign of the loss: a GPU observed gone, or the model lost / the domain unreachable.
+    loss = next(r for r in recs if isinstance(r.event, loss_type)
+                or (isinstance(r.event, GpuObserved) and r.event.present is False))
+    route = next(r for r in recs if isinstance(r.event, RouteMoved))
+    op_id = route.event.op_id
+    request = next(r for r in recs if isinstance(r.event, PromotionRequested) and r.event.op_id == op_id)
+    steps: dict[str, dict] = {}
+    for r in recs:
+        e = r.event
+        if isinstance(e, StepStarted) and e.op_id == op_id:
+            steps.setdefault(e.step, {})["started"] = r.time
+        elif isinstance(e, StepCompleted) and e.op_id == op_id:
+            steps.setdefault(e.step, {}).update(completed=r.time, took_ms=e.took_ms, detail=e.detail)
+    total = (route.time - loss.time).total_seconds() * 1000
+    work = sum(steps[s].get("took_ms", 0) for s in BEFORE_FLIP if s in steps)
+    return {
+        "total_ms": total,
+        "work_ms": work,
+        "overhead_ms": total - work,
+        "decide_ms": (request.time - loss.time).total_seconds() * 1000,
+        "steps": {s: {"wall_ms": (v["completed"] - v["started"]).total_seconds() * 1000, "agent_ms": v.get("took_ms", 0),
+                      "detail": v.get("detail", "")}
+                  for s, v in steps.items() if "completed" in v and "started" in v},
+        "route_seq": route.seq,
+        "active": route.event.active,
+    }
+
+
+async def main(args) -> None:
+    root = Path(tempfile.mkdtemp(prefix="haru-bench-failover-"))
+    agents: dict[str, subprocess.Popen] = {}
+    async with NatsServer(root / "nats") as server:
+        async with EventLog.connect([server.url], writer="bench") as log:
+            await log.ensure()
+            layout = write_layout(root, args)
+            await apply(log, load_layout(layout), datetime.now(timezone.utc))
+            for d in ("a", "b"):
+                agents[d] = start_agent(root, server.url, d, layout)
+            plog = await EventLog.open([server.url], writer="promoter:bench")
+            promoter = Promoter(plog, identity="promoter:bench")
+            task = asyncio.create_task(promoter.run())
+            heard: dict[str, float] = {}
+
+            async def on_hb(msg) -> None:
+                heard[msg.subject.rsplit(".", 1)[1]] = time.time()
+
+            await log.nc.subscribe(subjects.heartbeats(FLEET), cb=on_hb)
+            try:
+                async def is_steady(active):
+                    return steady(await view_of(log), active)
+
+                await wait_for(lambda: is_steady("a"), 60, "the first route")
+                # Baseline: one NATS request/reply round trip to an agent (status), the floor of a step.
+                from haru.commands import Command
+                from haru.promoter.client import send
+                rtts = []
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    await send(log.nc, FLEET, "b", "status", Command(), timeout_ms=5000)
+                    rtts.append((time.perf_counter() - t0) * 1000)
+                rtt = statistics.median(rtts)
+
+                runs = []
+                active = "a"
+                for i in range(args.runs):
+                    standby = "b" if active == "a" else "a"
+                    start = await log.last_seq()
+                    gpu = SimGpuState(root / "sim" / active, 0)
+                    gpu.set_present(False)
+                    await wait_for(lambda: is_steady_route(log, standby), 30, f"run {i}: route to {standby}")
+                    m = await measure(log, start + 1, ModelLost)
+                    runs.append(m)
+                    print_run(i, active, standby, m)
+                    gpu.set_present(True)
+                    await wait_for(lambda: is_steady(standby), 60, f"run {i}: {active} standby again")
+                    active = standby
+
+                # Heartbeat silence: SIGKILL the active's agent.
+                standby = "b" if active == "a" else "a"
+                start = await log.last_seq()
+                os.killpg(agents[active].pid, signal.SIGKILL)
+                agents[active].wait()
+                killed_at = time.time()
+                await wait_for(lambda: is_steady_route(log, standby), 30, "failover after heartbeat silence")
+                recs = await log.history(subjects.fleet_events(FLEET), from_seq=start + 1)
+                unreachable = next(r for r in recs if isinstance(r.event, DomainUnreachable))
+                hb = measure_hb = await measure(log, start + 1, DomainUnreachable)
+                silent_ms = (unreachable.time.timestamp() - heard.get(active, killed_at)) * 1000
+
+                print()
+                print("median over", len(runs), "gpu_detached failovers:")
+                for step in ("stop_training", "verify_gpu", "wake", "probe", "flip"):
+                    walls = [r["steps"][step]["wall_ms"] for r in runs if step in r["steps"]]
+                    agent = [r["steps"][step]["agent_ms"] for r in runs if step in r["steps"]]
+                    if walls:
+                        print(f"  {step:<14} wall {statistics.median(walls):7.1f} ms   agent {statistics.median(agent):7.1f} ms")
+                total = statistics.median(r["total_ms"] for r in runs)
+                work = statistics.median(r["work_ms"] for r in runs)
+                over = statistics.median(r["overhead_ms"] for r in runs)
+                decide = statistics.median(r["decide_ms"] for r in runs)
+                print(f"  loss -> route_moved      {total:7.1f} ms")
+                print(f"  simulated work (agents)  {work:7.1f} ms   (stop {args.stop_ms} + wake {args.wake_ms} + probe + verify)")
+                print(f"  control-plane overhead   {over:7.1f} ms   target <= 50 ms: {'met' if over <= 50 else 'NOT met'}")
+                print(f"    of which loss -> promotion_requested {decide:.1f} ms")
+                print(f"  baseline: agent request/reply round trip {rtt:.2f} ms; overhead = {over / rtt:.1f} round trips; "
+                      f"total / work = {total / work:.3f}")
+                print()
+                print("heartbeat silence (active's agent SIGKILLed):")
+                print(f"  last heartbeat -> domain_unreachable   {silent_ms:7.1f} ms   (heartbeat_timeout_ms 1500)")
+                print(f"  domain_unreachable -> route_moved       {hb['total_ms']:7.1f} ms   overhead {hb['overhead_ms']:.1f} ms")
+            finally:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                await plog.close()
+                for p in agents.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+
+
+async def is_steady_route(log, active: str) -> bool:
+    rec = await log.last(subjects.route(FLEET))
+    return rec is not None and isinstance(rec.event, RouteMoved) and rec.event.active == active
+
+
+def print_run(i: int, old: str, new: str, m: dict) -> None:
+    steps = "  ".join(f"{s} {v['wall_ms']:.0f}/{v['agent_ms']}" for s, v in m["steps"].items() if s in (*BEFORE_FLIP, "flip"))
+    print(f"run {i}: {old} -> {new}: total {m['total_ms']:.1f} ms, work {m['work_ms']} ms, "
+          f"overhead {m['overhead_ms']:.1f} ms  [wall/agent ms: {steps}]")
+    print(f"        stop_training: {m['steps'].get('stop_training', {}).get('detail', '')}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--wake-ms", type=int, default=400)
+    parser.add_argument("--stop-ms", type=int, default=300)
+    parser.add_argument("--probe-tokens-per-s", type=float, default=20)
+    asyncio.run(main(parser.parse_args()))
