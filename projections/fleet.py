@@ -76,7 +76,7 @@ def fleet_of(subject: str) -> str:
 
 def _kind(subject: str) -> str:
     # The fourth token names the fleet-level subjects; that is all `evolve` needs from a subject.
-    parts = subject.split(".")
+    parts = subject.split(".", 4)
     if len(parts) == 4:
         return parts[3]
     return ""
@@ -261,20 +261,27 @@ def _admission_decided(view: FleetView, e: ev.AdmissionDecided, seq: int, subjec
 
 
 def _residency(view: FleetView, e: Any, seq: int, subject: str) -> FleetView:
+    # The hot path of a replay (most events are residency): one replace per level, seq included.
     domain = view.domains.get(e.domain)
     model = domain.models.get(e.model) if domain is not None else None
     if model is None:
-        return _missing(view, seq, ev.tag_of(e), f"model {e.model!r} on domain {e.domain!r}")
+        return _replace(
+            _missing(view, seq, ev.tag_of(e), f"model {e.model!r} on domain {e.domain!r}"), seq=seq, updated_at=e.at
+        )
     try:
         state = residency.evolve(model.residency, e, seq=seq, subject=subject)
-        out = view
+        anomalies, last_anomaly = view.anomalies, view.last_anomaly
     except IllegalTransition as exc:
         # The log is what the agent observed: take the state the event establishes, and say so.
         state = residency.to_state(e, seq=seq)
-        out = _anomaly(view, f"seq {seq}: {exc}")
+        anomalies, last_anomaly = view.anomalies + 1, f"seq {seq}: {exc}"
     models = dict(domain.models)
     models[e.model] = _replace(model, residency=state)
-    return _with_domain(out, _replace(domain, models=models))
+    domains = dict(view.domains)
+    domains[domain.name] = _replace(domain, models=models)
+    return _replace(
+        view, domains=domains, seq=seq, updated_at=e.at, anomalies=anomalies, last_anomaly=last_anomaly
+    )
 
 
 # ------------------------------------------------------------------------------- GPUs, training
@@ -508,17 +515,20 @@ HANDLED: frozenset[type] = frozenset(_HANDLERS) | _RESIDENCY | {ev.AdmissionDeci
 
 def evolve(view: FleetView, event: ev.Event, *, seq: int, subject: str) -> FleetView:
     """The view after one event recorded at stream sequence `seq` on `subject`."""
+    return _evolve(view, event, seq, subject, _kind(subject))
+
+
+def _evolve(view: FleetView, event: ev.Event, seq: int, subject: str, kind: str) -> FleetView:
     cls = type(event)
     if cls in _RESIDENCY:
-        out = _residency(view, event, seq, subject)
-    elif cls is ev.AdmissionDecided:
+        return _residency(view, event, seq, subject)  # sets seq and updated_at itself
+    if cls is ev.AdmissionDecided:
         out = _admission_decided(view, event, seq, subject)
     else:
         handler = _HANDLERS.get(cls)
         out = handler(view, event, seq) if handler is not None else _anomaly(
             view, f"seq {seq}: event type {cls.__name__} is not known to this projector"
         )
-    kind = _kind(subject)
     if kind == "decl":
         return _replace(out, seq=seq, updated_at=event.at, decl_seq=seq)
     if kind == "op":
@@ -543,9 +553,10 @@ def fold_one(
     Returns the fleet's new view, or None when the event was skipped: its subject names no fleet,
     or the fleet's view already folded `seq` (a replay from before the view's own checkpoint).
     """
-    fleet = fleet_of(subject)
-    if not fleet:
+    parts = subject.split(".", 4)
+    if len(parts) < 4 or parts[0] != "haru" or parts[1] != "evt":
         return None
+    fleet = parts[2]
     view = views.get(fleet)
     if view is None:
         view = empty(fleet)
@@ -554,7 +565,7 @@ def fold_one(
     if event is None:
         view = invalid(view, seq=seq, subject=subject, error=error)
     else:
-        view = evolve(view, event, seq=seq, subject=subject)
+        view = _evolve(view, event, seq, subject, parts[3] if len(parts) == 4 else "")
     views[fleet] = view
     return view
 

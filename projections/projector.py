@@ -76,9 +76,8 @@ class Stats:
 class Projector:
     """Folds the log into views and intents. One instance per process; many processes may race."""
 
-    def __init__(self, log: EventLog, *, batch_max: int = 20_000) -> None:
+    def __init__(self, log: EventLog) -> None:
         self.log = log
-        self.batch_max = batch_max  # yield to the flusher at least this often during a replay
         self.views: dict[str, FleetView] = {}
         self.stats = Stats()
         self._revs: dict[str, int] = {}  # KV revision of each fleet's view as last read or written
@@ -89,7 +88,6 @@ class Projector:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # set whenever everything folded is written
         self._idle.set()
-        self._since_yield = 0
         self._caught_up_at = 0  # the stream's last seq when we started; logged once reached
         self._started = 0.0
 
@@ -143,7 +141,7 @@ class Projector:
         if self._caught_up_at < from_seq:
             self._log_caught_up()
         flusher = asyncio.create_task(self._flusher(), name="projector-flusher")
-        replay = asyncio.create_task(self.log.replay(self._handle, from_seq=from_seq, follow=True), name="projector-replay")
+        replay = asyncio.create_task(self.log.replay(self.fold_record, from_seq=from_seq, follow=True), name="projector-replay")
         try:
             done, _ = await asyncio.wait({flusher, replay}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -161,16 +159,9 @@ class Projector:
 
     # -------------------------------------------------------------------------------- fold
 
-    async def _handle(self, rec: Record) -> None:
-        """The replay handler: fold, mark dirty, let the flusher run now and then."""
-        self.fold_record(rec)
-        self._since_yield += 1
-        if self._since_yield >= self.batch_max:
-            # A long replay: give the flusher a turn so views move forward while we catch up.
-            self._since_yield = 0
-            await asyncio.sleep(0)
-
     def fold_record(self, rec: Record) -> None:
+        """The replay handler (synchronous: nats-py calls it back to back while messages are
+        queued, and the flusher runs whenever the queue is drained)."""
         seq = rec.seq
         self.stats.last_seq = seq
         event = rec.event
