@@ -234,3 +234,52 @@ async def test_manual_promote_and_demote_every_status(fleet, nats_server):
         assert demoted.status == "accepted"
         assert isinstance(await wait_op_end(log, demoted.op_id), OperationCompleted)
     assert [m.active for m in await route_moves(log)] == ["a", "b"]
+
+
+# ------------------------------------------------------------------------------------ the CLI
+
+
+async def test_the_cli_prints_the_op_id_waits_for_the_steps_and_exits_by_status(fleet, nats_server):
+    import asyncio
+    import json
+
+    from haru.cli.common import ExitStatus
+    from support import haru
+
+    log, a, b = fleet
+
+    def cli(*args):
+        return asyncio.to_thread(haru, *args, nats_url=nats_server.url)
+
+    missing = await cli("promote", "zz")
+    assert missing.returncode == ExitStatus.NOT_FOUND and "no domain 'zz'" in missing.stderr
+    async with promoters(nats_server.url, step_delay_ms=100):
+        await routed_to_a(log)
+        noop = await cli("promote", "a")
+        assert noop.returncode == ExitStatus.OK and "already active" in noop.stdout
+        refused = await cli("demote", "a", "--json")
+        assert refused.returncode == ExitStatus.ERROR and json.loads(refused.stdout)["status"] == "refused"
+        waited = await cli("promote", "b", "--wait")
+        assert waited.returncode == ExitStatus.OK, waited.stderr
+        lines = waited.stdout.splitlines()
+        op_id = lines[0]
+        assert op_id.startswith("op-")
+        assert [ln.split()[0] for ln in lines[1:]] == [
+            "requested", "stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active", "completed"]
+        assert isinstance(await wait_op_end(log, op_id), OperationCompleted)
+        # another operation in flight -> conflict (exit 4), printing the op in the way
+        a.delay_s["sleep"] = 3.0
+        accepted = await request_operation(log, "default", "demotion", "a", by="t", now=now())
+        conflict = await cli("promote", "a")
+        assert conflict.returncode == ExitStatus.CONFLICT and conflict.stdout.strip() == accepted.op_id
+        joined = await cli("demote", "a", "--json")
+        assert joined.returncode == ExitStatus.OK and json.loads(joined.stdout) == {
+            "status": "joined", "op_id": accepted.op_id, "message": json.loads(joined.stdout)["message"]}
+        await wait_op_end(log, accepted.op_id)
+    a.delay_s.clear()
+    # --wait on an aborted operation exits 1 and says where it stopped
+    a.fail_probe = True
+    async with promoters(nats_server.url):
+        aborted = await cli("promote", "a", "--wait")
+    assert aborted.returncode == ExitStatus.ERROR
+    assert "aborted" in aborted.stdout and "probe" in aborted.stdout and "routing did not move" in aborted.stdout
