@@ -196,8 +196,8 @@ async def test_an_invalid_body_is_skipped_and_projection_continues(event_log):
     w = Writer(event_log)
     await w.move("a")
     bad_subject = sj.model(F, "a", MODELS[0])
-    await event_log.js.publish(bad_subject, b'{"type": "model_loading", "at": "not a time"}')
-    await event_log.js.publish(sj.agent(F, "a"), b"\x00 not json at all")
+    bad1 = (await event_log.js.publish(bad_subject, b'{"type": "model_loading", "at": "not a time"}')).seq
+    bad2 = (await event_log.js.publish(sj.agent(F, "a"), b"\x00 not json at all")).seq
     w.tips.pop(bad_subject, None)
     good = await w.put(bad_subject, ev.ModelLoading(at=now(), domain="a", model=MODELS[0]))
     projector = Projector(event_log)
@@ -213,6 +213,12 @@ async def test_an_invalid_body_is_skipped_and_projection_continues(event_log):
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+    # `haru verify` flags both bodies.
+    url = event_log.nc.connected_url
+    out = await asyncio.to_thread(run_cli, "verify", "--json", url=f"nats://{url.hostname}:{url.port}")
+    assert out.returncode == 5, out.stderr
+    flagged = {b["seq"]: b["what"] for b in json.loads(out.stdout)["breaks"]}
+    assert "not a valid event" in flagged[bad1] and "not a valid event" in flagged[bad2]
 
 
 # ------------------------------------------------------------------------------- child processes
