@@ -140,6 +140,10 @@ class FleetView(msgspec.Struct, frozen=True, kw_only=True):
     # an undeclared model): folded leniently or skipped, and counted here so `haru status` says so.
     anomalies: int = 0
     last_anomaly: str = ""
+    # The stream sequence up to which this view is complete (0 = just `seq`). A projector advances
+    # it on idle fleets now and then, so a restart resumes from min(max(seq, checkpoint)) + 1
+    # across fleets instead of from the last event of the quietest fleet.
+    checkpoint: int = 0
 
     def standby(self) -> str:
         """The domain that is not active ('' when there is no active or no second domain)."""
