@@ -3,6 +3,7 @@
     haru promoter [--fleet F ...] [--id ID]         run a promoter replica (any number may run)
     haru promote <domain> [--fleet F] [--wait] [--json]
     haru demote  <domain> [--fleet F] [--wait] [--json]
+    haru op [<op_id>] [--fleet F] [--json]          list operations, or one operation's steps
 
 promote/demote print the operation id; `--wait` follows `haru.evt.<fleet>.op` and prints each step
 as it completes, then the outcome. Exit statuses: noop/accepted/joined 0, conflict 4, refused 1,
@@ -81,6 +82,17 @@ def register(subparsers) -> None:
         q.add_argument("--json", action="store_true", help="print JSON (with --wait: one object per line)")
         add_nats_options(q)
         q.set_defaults(handler=run_request, kind=kind)
+
+    o = subparsers.add_parser(
+        "op",
+        help="list a fleet's promotions and demotions, or show one operation's steps",
+        description="Read haru.evt.<fleet>.op: every operation (newest last), or the steps of one.",
+    )
+    o.add_argument("op_id", nargs="?", help="an operation id (op-...); omit to list them all")
+    add_fleet_option(o)
+    o.add_argument("--json", action="store_true", help="print JSON")
+    add_nats_options(o)
+    o.set_defaults(handler=run_op)
 
 
 def _configure_logging() -> None:
@@ -193,3 +205,59 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
         follower.cancel()
         with contextlib.suppress(BaseException):
             await follower
+
+
+async def run_op(args: argparse.Namespace) -> ExitStatus:
+    """List operations, or print one operation's steps, from the fleet's op subject."""
+    try:
+        async with EventLog.connect(nats_servers(args.nats_url), writer=_by(), creds=args.nats_creds) as log:
+            records = await log.history(subjects.op(args.fleet))
+    except LogUnavailable as exc:
+        return fail(str(exc), ExitStatus.UNAVAILABLE)
+    ops: dict[str, dict] = {}
+    for rec in records:
+        ev = rec.event
+        op_id = getattr(ev, "op_id", None) if ev is not None else None
+        if not op_id:
+            continue
+        if isinstance(ev, (PromotionRequested, DemotionRequested)):
+            ops[op_id] = {"op_id": op_id, "kind": tag_of(ev).split("_")[0],
+                          "target": ev.target, "reason": ev.reason, "state": "running",
+                          "requested_at": ev.at.isoformat(), "by": ev.by, "error": "", "steps": []}
+        op = ops.get(op_id)
+        if op is None:
+            continue
+        if isinstance(ev, (StepStarted, StepCompleted, StepFailed)):
+            op["steps"].append({"seq": rec.seq, "type": tag_of(ev), **payload(ev)})
+        elif isinstance(ev, OperationCompleted):
+            op["state"] = "completed"
+        elif isinstance(ev, OperationAborted):
+            op["state"], op["error"] = "aborted", f"{ev.step}: {ev.error}"
+    if args.op_id:
+        op = ops.get(args.op_id)
+        if op is None:
+            return fail(f"no operation {args.op_id!r} in fleet {args.fleet}; list them with `haru op --fleet {args.fleet}`",
+                        ExitStatus.NOT_FOUND)
+        if args.json:
+            emit_json(op)
+            return ExitStatus.OK
+        print(f"{op['op_id']}  {op['kind']} of {op['target']} ({op['reason']}, by {op['by']})  {op['state']}")
+        for st in op["steps"]:
+            if st["type"] == "step_started":
+                print(f"  {st['step']:<18} started (attempt {st.get('attempt', 1)})")
+            elif st["type"] == "step_completed":
+                print(f"  {st['step']:<18} ok      {st.get('took_ms', 0):>6} ms  {st.get('detail', '')}")
+            else:
+                print(f"  {st['step']:<18} FAILED  {st.get('took_ms', 0):>6} ms  {st.get('error_code', '')}: {st.get('error', '')}")
+        if op["error"]:
+            print(f"  aborted at {op['error']} (routing did not move)")
+        return ExitStatus.OK
+    if args.json:
+        emit_json([{k: v for k, v in op.items() if k != "steps"} for op in ops.values()])
+        return ExitStatus.OK
+    if not ops:
+        print(f"no operations in fleet {args.fleet}")
+    for op in ops.values():
+        tail = f"  {op['error']}" if op["error"] else ""
+        print(f"{op['op_id']}  {op['requested_at'][:23]}  {op['kind']:<9} {op['target']:<12} {op['reason']:<18} {op['state']}{tail}")
+    return ExitStatus.OK

@@ -338,6 +338,15 @@ def _finish(view: FleetView, op: OperationView, facts: Facts) -> Append:
     """The tail of an operation: eligibility, then operation_completed."""
     subject = subjects.op(view.fleet)
     if op.kind == "promotion":
+        target = view.domains.get(op.target)
+        if target is not None and not target.eligible:
+            return Append(
+                subject=subject,
+                event=EligibilityChanged(
+                    at=facts.now, domain=op.target, eligible=True, why="promoted: probed and serving"
+                ),
+                why="a domain that was probed and now serves is healthy",
+            )
         old = other_domain(view, op)
         dv = view.domains.get(old) if old else None
         if dv is not None and dv.eligible:

@@ -276,6 +276,12 @@ async def test_the_cli_prints_the_op_id_waits_for_the_steps_and_exits_by_status(
         assert joined.returncode == ExitStatus.OK and json.loads(joined.stdout) == {
             "status": "joined", "op_id": accepted.op_id, "message": json.loads(joined.stdout)["message"]}
         await wait_op_end(log, accepted.op_id)
+        listed = await cli("op")
+        assert listed.returncode == ExitStatus.OK
+        assert [ln.split()[0] for ln in listed.stdout.splitlines()][-2:] == [op_id, accepted.op_id]
+        shown = await cli("op", op_id)
+        assert "promotion of b (manual" in shown.stdout and "settle_old_active" in shown.stdout
+        assert (await cli("op", "op-nope")).returncode == ExitStatus.NOT_FOUND
     a.delay_s.clear()
     # --wait on an aborted operation exits 1 and says where it stopped
     a.fail_probe = True

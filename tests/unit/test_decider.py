@@ -469,3 +469,12 @@ def test_request_statuses():
     conflict = _judge(busy, "demotion", "b")
     assert (conflict.status, conflict.op_id) == ("conflict", "op-busy")
     assert _judge(busy, "promotion", "a").status == "conflict"
+
+
+def test_promoting_an_ineligible_domain_by_hand_restores_its_eligibility_when_done():
+    events = [*healthy_fleet(), (OP, EligibilityChanged(at=at(1), domain="b", eligible=False, why="agent gone")),
+              requested(), *_through("settle_old_active"),
+              (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
+              (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active"))]
+    event = only(given(*events))
+    assert isinstance(event, EligibilityChanged) and (event.domain, event.eligible) == ("b", True)
