@@ -41,6 +41,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 
 from haru import subjects
@@ -52,6 +53,13 @@ from projections.fleet import empty, fleet_of, fold_one
 from projections.route import changed, intent
 
 log_ = structlog.get_logger("haru.projector")
+
+CHECKPOINT_LAG = 10_000  # advance an idle fleet's checkpoint when it is this many events behind
+
+
+def position(view: FleetView) -> int:
+    """The stream sequence up to which a view is complete."""
+    return max(view.seq, view.checkpoint)
 
 
 @dataclass
@@ -76,8 +84,9 @@ class Stats:
 class Projector:
     """Folds the log into views and intents. One instance per process; many processes may race."""
 
-    def __init__(self, log: EventLog) -> None:
+    def __init__(self, log: EventLog, *, checkpoint_lag: int = CHECKPOINT_LAG) -> None:
         self.log = log
+        self.checkpoint_lag = checkpoint_lag
         self.views: dict[str, FleetView] = {}
         self.stats = Stats()
         self._revs: dict[str, int] = {}  # KV revision of each fleet's view as last read or written
@@ -102,7 +111,7 @@ class Projector:
                 fleets.add(fleet)
         for fleet in sorted(fleets):
             await self._load_view(fleet)
-        from_seq = min((v.seq for v in self.views.values()), default=0) + 1
+        from_seq = min((position(v) for v in self.views.values()), default=0) + 1
         self.stats.resumed_from = from_seq
         return from_seq
 
@@ -120,7 +129,7 @@ class Projector:
                 view = empty(fleet)
         self.views[fleet] = view
         self._revs[fleet] = rev
-        self._stored[fleet] = view.seq
+        self._stored[fleet] = position(view)
         return view
 
     async def run(self, *, from_seq: int | None = None) -> None:
@@ -135,7 +144,7 @@ class Projector:
             "projector.resume",
             from_seq=from_seq,
             fleets=sorted(self.views),
-            views={f: v.seq for f, v in sorted(self.views.items())},
+            views={f: position(v) for f, v in sorted(self.views.items())},
             stream_last_seq=self._caught_up_at,
         )
         if self._caught_up_at < from_seq:
@@ -236,8 +245,24 @@ class Projector:
                     await self._publish(fleet, ri)
                 await self._publish(fleet, intent(view))
                 await self._write_view(fleet, view)
+        await self._checkpoint_idle_fleets()
         if not self._dirty:
             self._idle.set()
+
+    async def _checkpoint_idle_fleets(self) -> None:
+        """Move the checkpoint of fleets that saw no event for a while, so they do not pin the
+        resume point of a restart to their last event. Everything up to `done` is folded, and a
+        fleet that is not dirty has nothing unwritten: its view is complete up to `done`."""
+        done = self.stats.last_seq
+        for fleet in list(self.views):
+            if fleet in self._dirty or done - self._stored.get(fleet, 0) < self.checkpoint_lag:
+                continue
+            view = self.views[fleet]
+            if position(view) >= done:
+                continue
+            view = msgspec.structs.replace(view, checkpoint=done)
+            self.views[fleet] = view
+            await self._write_view(fleet, view)
 
     async def wait_idle(self, timeout: float | None = None) -> None:
         """Wait until everything folded so far is written (tests, benchmark)."""
@@ -290,14 +315,15 @@ class Projector:
 
     async def _write_view(self, fleet: str, view: FleetView) -> None:
         key = subjects.view_key(fleet)
-        if self._stored.get(fleet, 0) >= view.seq and self._revs.get(fleet, 0):
+        pos = position(view)
+        if self._stored.get(fleet, 0) >= pos and self._revs.get(fleet, 0):
             return  # already stored (or a newer one was adopted)
         data = view_encoder.encode(view)
         rev = self._revs.get(fleet, 0)
         while True:
             try:
                 self._revs[fleet] = await self.log.put_view(key, data, last=rev)
-                self._stored[fleet] = view.seq
+                self._stored[fleet] = pos
                 self.stats.view_writes += 1
                 return
             except Conflict:
@@ -312,10 +338,11 @@ class Projector:
                     stored = view_decoder.decode(body)
                 except Exception:  # noqa: BLE001 - unreadable: ours replaces it
                     continue
-                self._stored[fleet] = stored.seq
-                if stored.seq >= view.seq:
+                stored_pos = position(stored)
+                self._stored[fleet] = stored_pos
+                if stored_pos >= pos:
                     current = self.views.get(fleet)
-                    if current is None or stored.seq > current.seq:
+                    if current is None or stored_pos > position(current):
                         self.views[fleet] = stored  # adopt: the fold now skips what it covers
                         self.stats.views_adopted += 1
                     return

@@ -11,6 +11,7 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from haru import events as ev
@@ -371,3 +372,29 @@ async def test_haru_status_and_route_print_the_view_and_intent(nats_server, even
         await asyncio.gather(task, return_exceptions=True)
     nothing = await asyncio.to_thread(run_cli, "route", "--fleet", "other", url=nats_server.url)
     assert nothing.returncode == 3 and "no route intent" in nothing.stderr
+
+
+async def test_an_idle_fleet_does_not_pin_the_resume_point(event_log):
+    await declare(event_log, "edge")  # declared, then quiet
+    edge_last = await event_log.last_seq()
+    await declare(event_log)
+    w = Writer(event_log)
+    await w.move("a")
+    await w.churn(40)
+    last = await event_log.last_seq()
+    projector = Projector(event_log, checkpoint_lag=10)
+    task = asyncio.create_task(projector.run())
+    try:
+        await wait_view_seq(event_log, last)
+        await projector.wait_idle(5)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    edge = await stored_view(event_log, "edge")
+    assert edge.seq == edge_last and edge.checkpoint == last
+    expected = (await expected_views(event_log))["edge"]
+    assert edge == msgspec.structs.replace(expected, checkpoint=last)
+    # A restart resumes after both fleets' positions, not after the quiet fleet's last event.
+    again = Projector(event_log)
+    assert await again.load() == last + 1
+    assert again.views["edge"].seq == edge_last
