@@ -26,6 +26,8 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from haru.errors import ConfigError
+
 if TYPE_CHECKING:
     from agents.agent import Agent
 
@@ -94,7 +96,13 @@ class ServingProxy:
         self._runner = web.ServerRunner(server, handle_signals=False, access_log=None)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port)
-        await self._site.start()
+        try:
+            await self._site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            await self._session.close()
+            raise ConfigError(f"cannot open the serving port {self.host}:{self.port}: {exc.strerror}; free it or set "
+                              f'"serving": {{"port": ...}} in the agent config') from exc
         if not self.port:
             sockets = self._site._server.sockets  # type: ignore[union-attr]
             self.port = sockets[0].getsockname()[1]

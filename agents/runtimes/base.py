@@ -250,7 +250,14 @@ class ProcessRuntime(HttpRuntime):
         raise NotImplementedError
 
     def env(self) -> dict[str, str]:
+        """The agent's environment, the runtime pinned to its GPU, then the model's own `env` (which wins).
+
+        CUDA numbers devices fastest-first unless told PCI order; NVML (and so the layout's `gpu` index)
+        uses PCI order. Both are set, so the index an operator declares is the card the runtime uses.
+        """
         env = dict(self._base_env)
+        env["CUDA_VISIBLE_DEVICES"] = str(self.spec.gpu_index)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env.update(self.spec.env)
         return env
 

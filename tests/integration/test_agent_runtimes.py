@@ -65,6 +65,7 @@ async def test_vllm_runtime_on_the_simulator(tmp_path, session, reap):
     for flag in ("--enable-sleep-mode", "--served-model-name", "--host", "--port", "--max-model-len"):
         assert flag in argv
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and rt.env()["VLLM_SERVER_DEV_MODE"] == "1"
+    assert rt.env()["CUDA_VISIBLE_DEVICES"] == "0" and rt.env()["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # pinned
     await rt.start()
     reap(rt)
     seen = await until_ready(rt)
