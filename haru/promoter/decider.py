@@ -683,3 +683,19 @@ def fold(fleet: str, records: list, evolve: EvolveFn) -> tuple[FleetView, Mappin
         if rec.event is not None:
             view = evolve(view, rec.event, seq=rec.seq, subject=rec.subject)
     return view, last
+
+
+def tables_markdown() -> str:
+    """The two tables as Markdown, for docs/promoter.md (a unit test checks the doc carries them)."""
+    lines = ["| step | acts on | agent verbs | bounded by (policy) | on failure |", "|---|---|---|---|---|"]
+    for kind in ("promotion", "demotion"):
+        for step in flow(kind):
+            spec = STEPS[step]
+            verbs = ", ".join(f"`{v}`" for v in spec.verbs) or "(route_moved CAS)"
+            bound = " + ".join(f"`{b}`" for b in spec.bound)
+            failure = TRANSITIONS[(kind, step, "failed")]
+            lines.append(f"| {kind}: `{step}` | {spec.on} | {verbs} | {bound} | {failure} |")
+    lines += ["", "| kind | after | outcome | next |", "|---|---|---|---|"]
+    for (kind, step, outcome), nxt in TRANSITIONS.items():
+        lines.append(f"| {kind} | {step or '(request)'} | {outcome} | {nxt} |")
+    return "\n".join(lines)

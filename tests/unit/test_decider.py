@@ -478,3 +478,12 @@ def test_promoting_an_ineligible_domain_by_hand_restores_its_eligibility_when_do
               (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active"))]
     event = only(given(*events))
     assert isinstance(event, EligibilityChanged) and (event.domain, event.eligible) == ("b", True)
+
+
+def test_the_docs_carry_the_steps_and_transitions_tables():
+    from pathlib import Path
+
+    from haru.promoter.decider import tables_markdown
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "promoter.md").read_text()
+    assert tables_markdown() in doc, "regenerate the tables in docs/promoter.md from decider.tables_markdown()"
