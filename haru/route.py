@@ -12,6 +12,13 @@ publishes one intent per route pointer move). `w.current` is always the newest i
 even when nobody iterates. Intents are published with `for_ms=0` on warming answers:
 `w.current_at(now)` (or `projections.route.at`) recomputes it from `since`.
 
+Start: the watcher reads the last intent, subscribes, and waits for the subscription's first
+delivery (the last intent again, or a newer one), so `current` is the newest intent once the
+subscription is live. A fleet with no intent at all cannot be waited for: if two intents are
+published in the milliseconds before the subscription is live, only the second is delivered. The
+projector publishes an intent for each fleet as soon as it folds its declaration, so this only
+concerns a watcher started before the fleet was ever projected.
+
 A watcher may be given an `EventLog` it shares (not closed on exit) or server URLs (it connects
 and closes its own). Several iterators over one watcher are not supported: one consumer a watcher.
 """
