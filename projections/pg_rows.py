@@ -31,6 +31,7 @@ Everything else advances the position and writes nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
@@ -94,10 +95,13 @@ class Writes:
         )
 
 
+_UTC = timezone.utc
+
+
 def utc(t: datetime | None) -> datetime | None:
     """Aware UTC; a naive time is taken to be UTC already (Haru writes UTC)."""
-    if t is None:
-        return None
+    if t is None or t.tzinfo is _UTC:
+        return t
     if t.tzinfo is None:
         return t.replace(tzinfo=timezone.utc)
     return t.astimezone(timezone.utc)
@@ -108,6 +112,15 @@ def millis(start: datetime | None, end: datetime | None) -> int | None:
         return None
     delta = end - start
     return delta.days * 86_400_000 + delta.seconds * 1000 + delta.microseconds // 1000
+
+
+@lru_cache(maxsize=65536)
+def fleet_of(subject: str) -> tuple[str, str]:
+    """(fleet, '') for a Haru event subject, ('', why) for anything else. Cached: subjects repeat."""
+    try:
+        return parse(subject).fleet, ""
+    except InvalidName as exc:
+        return "", str(exc)
 
 
 _STATE = {
@@ -125,15 +138,16 @@ def transition_row(seq: int, fleet: str, recorded_at: datetime, e: Any) -> tuple
     """One residency event as a `residency_transitions` row (TRANSITION_COLUMNS order)."""
     kind = type(e)
     state = _STATE[kind]
-    reason = e.reason if kind is ev.ModelLost else None
-    if kind is ev.ModelLost or kind is ev.ModelStopped:
+    reason = warmup_ms = exit_code = None
+    detail = ""
+    if kind is ev.ModelResident:
+        warmup_ms = e.warmup_ms
+    elif kind is ev.ModelLost:
+        reason, detail, exit_code = e.reason, e.detail, e.exit_code
+    elif kind is ev.ModelStopped:
         detail = e.detail
     elif kind is ev.ModelFailed:
         detail = e.runtime_said
-    else:
-        detail = ""
-    warmup_ms = e.warmup_ms if kind is ev.ModelResident else None
-    exit_code = e.exit_code if kind is ev.ModelLost else None
     return (
         seq, fleet, e.domain, e.model, state, reason, detail,
         utc(e.at), recorded_at, e.by, warmup_ms, exit_code,
@@ -177,31 +191,32 @@ def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
             skipped.append((seq, rec.subject, error))
             skipped_rows.append((seq, rec.subject, error, recorded_at, bytes(rec.data or b"")))
             continue
-        try:
-            fleet = parse(rec.subject).fleet
-        except InvalidName as exc:
-            skipped.append((seq, rec.subject, str(exc)))
-            skipped_rows.append((seq, rec.subject, str(exc), recorded_at, bytes(rec.data or b"")))
+        fleet, bad_subject = fleet_of(rec.subject)
+        if bad_subject:
+            skipped.append((seq, rec.subject, bad_subject))
+            skipped_rows.append((seq, rec.subject, bad_subject, recorded_at, bytes(rec.data or b"")))
             continue
         kind = type(e)
 
         if kind in _STATE:
-            transitions.append(transition_row(seq, fleet, recorded_at, e))
-            key = (fleet, e.domain, e.model)
-            at = utc(e.at)
+            row = transition_row(seq, fleet, recorded_at, e)
+            transitions.append(row)
             if kind is ev.ModelLost:
+                key = (fleet, e.domain, e.model)
+                at = row[7]
                 if key not in incidents:
                     incidents[key] = OpenSpan(seq, at)
                     new_incidents[seq] = [
                         seq, fleet, e.domain, e.model, e.reason, e.detail, at, None, None, None,
                     ]  # fmt: skip
-            elif kind is ev.ModelResident:
-                span = incidents.pop(key, None)
+            elif kind is ev.ModelResident and incidents:
+                span = incidents.pop((fleet, e.domain, e.model), None)
                 if span is not None:
+                    at = row[7]
                     duration = millis(span.at, at)
-                    row = new_incidents.get(span.seq)
-                    if row is not None:
-                        row[7:10] = [seq, at, duration]
+                    new_row = new_incidents.get(span.seq)
+                    if new_row is not None:
+                        new_row[7:10] = [seq, at, duration]
                     else:
                         close_incidents.append((span.seq, seq, at, duration))
 

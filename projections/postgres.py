@@ -301,6 +301,10 @@ class _Writer:
             try:
                 batch = await asyncio.wait_for(batcher.queue.get(), self.sink.flush_interval)
             except asyncio.TimeoutError:
+                # A full batch may have been queued while the wait was being cancelled: it holds
+                # older records than the buffer, so it goes first.
+                if not batcher.queue.empty():
+                    continue
                 batch = batcher.take()
                 if not batch:
                     continue
@@ -310,6 +314,11 @@ class _Writer:
 
     async def write(self, batch: list) -> None:
         sink = self.sink
+        if batch[0].seq <= sink.position:
+            raise SinkError(
+                f"records out of order: sequence {batch[0].seq} after position {sink.position} (a bug; "
+                f"nothing was written, restart the sink)"
+            )
         writes, carry = plan(self.carry, batch)
         await write_batch(self.conn, sink.stream, sink.position, writes)
         sink.position = writes.last_seq

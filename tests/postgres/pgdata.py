@@ -69,7 +69,7 @@ def fleet_history(
             model = rnd.choice(MODELS)
             key = (fleet, domain, model)
             items.append(_next_residency(key, state.get(key, "unknown"), state, tick(), rnd))
-        elif roll < 0.95:
+        elif roll < 0.985:
             index = rnd.randint(0, 1)
             gkey = (fleet, domain, index)
             present = gpu_present.get(gkey, True)
