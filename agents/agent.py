@@ -818,7 +818,7 @@ class Agent:
     def gpu_busy_with_inference(self, spec: TrainingSpec) -> list[str]:
         """Models on the training slot's GPU that are not asleep (training there would fight them for VRAM)."""
         return [m.name for m in self.models.values()
-                if m.spec.gpu_index == spec.gpu_index and m.runtime.kind != "external"
+                if m.spec.gpu_index == spec.gpu_index and m.runtime.can_sleep
                 and m.state_tag in ("resident", "loading", "waking")]
 
     async def start_training_slot(self, slot: str, *, force: bool = False) -> tuple[bool, str, str]:
@@ -826,6 +826,8 @@ class Agent:
         async with self.training_lock:
             if t.running():
                 return True, "", f"already running (pid {t.pid})"
+            if self.role == "active" and not force:
+                await self._read_route()  # the pointer may have just moved (a settle right after a flip)
             if self.role == "active" and not force:
                 return False, "domain_active", (f"domain {self.domain!r} is the active domain (route revision "
                                                 f"{self.route_revision}); training runs only on a standby")

@@ -258,3 +258,24 @@ async def test_two_agents_started_at_once_exactly_one_wins(tmp_path, nats_server
     assert len(starts) == 1
     winner = one if one.proc.poll() is None else two
     assert starts[0].event.pid == winner.pid
+
+
+async def test_heartbeat_micro_discovery_and_gpu_observed_only_on_change(tmp_path, nats_server, event_log, agents):
+    from haru.commands import heartbeat_decoder
+
+    agent, _cfg, _endpoint = await start_active(tmp_path, nats_server, event_log, agents)
+    nc = event_log.nc
+    sub = await nc.subscribe(subjects.heartbeat("f", "a"))
+    msg = await sub.next_msg(timeout=3)
+    hb = heartbeat_decoder.decode(msg.data)
+    assert hb.fleet == "f" and hb.domain == "a" and hb.pid == agent.pid and hb.models == {"m1": "resident"}
+    assert "active" in hb.summary
+    await sub.unsubscribe()
+    ping = await nc.request("$SRV.PING.haru-agent", b"", timeout=2)
+    info = json.loads(ping.data)
+    assert info["name"] == "haru-agent" and info["metadata"]["domain"] == "a" and info["metadata"]["fleet"] == "f"
+    # the GPU is observed on change only: a steady host writes nothing new over many probe intervals
+    await asyncio.sleep(0.6)
+    before = len(await event_log.history(subjects.gpu("f", "a", 0)))
+    await asyncio.sleep(1.5)
+    assert len(await event_log.history(subjects.gpu("f", "a", 0))) == before
