@@ -253,7 +253,7 @@ class Agent:
                 hb = heartbeat_decoder.decode(msg.data)
             except msgspec.DecodeError:
                 return
-            if hb.pid != self.pid or hb.at is None:
+            if hb.pid != self.pid:
                 seen.set()
 
         sub = await nc.subscribe(subjects.heartbeat(self.fleet, self.domain), cb=on_hb)
