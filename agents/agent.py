@@ -163,6 +163,7 @@ class Agent:
         self.gpu_seq: dict[int, int] = {}
         self.gpu_last: dict[int, GpuObserved | None] = {}
         self.gpu_seen: set[int] = set()
+        self.gpu_lock = asyncio.Lock()
         self.active_domain = ""
         self.route_revision = 0
         self.stopping = False
@@ -498,6 +499,10 @@ class Agent:
             await asyncio.sleep(self.policy.probe_interval_ms / 1000)
 
     async def observe_gpu(self, index: int) -> GpuReading:
+        async with self.gpu_lock:  # the GPU loop and verify_gpu both observe: one append per change
+            return await self._observe_gpu(index)
+
+    async def _observe_gpu(self, index: int) -> GpuReading:
         r = self.read_gpu(index)
         last = self.gpu_last.get(index)
         if last is None or _gpu_changed(last, r):

@@ -14,6 +14,7 @@ from agents.client import send
 from haru import subjects
 from haru.commands import Command
 from haru.errors import AgentGone
+from tests.support import haru
 from tests.integration.agent_harness import (
     AgentProcess,
     agent_env,
@@ -198,6 +199,8 @@ async def test_restart_after_sigkill_continues_every_chain(tmp_path, nats_server
     assert set(by_subject) >= {subjects.agent("f", "a"), model, subjects.gpu("f", "a", 0)}
     for records in by_subject.values():
         walk_chain(records)
+    verify = haru("verify", "--json", nats_url=nats_server.url)  # the project's own verifier agrees
+    assert verify.returncode == 0, verify.stdout + verify.stderr
     assert [tag(r) for r in by_subject[subjects.agent("f", "a")]] == ["agent_started", "agent_started", "agent_stopping"]
 
 
