@@ -45,7 +45,7 @@ import msgspec
 import structlog
 
 from haru import subjects
-from haru.errors import Conflict
+from haru.errors import Conflict, LogError
 from haru.eventlog import EventLog, Record
 from haru.events import RouteMoved
 from haru.views import FleetView, RouteIntent, intent_decoder, view_decoder, view_encoder
@@ -78,15 +78,25 @@ class Stats:
     last_seq: int = 0  # the last sequence handled
     flushes: int = 0
     failures: int = 0  # records the fold raised on (a bug): logged and skipped
+    replay_restarts: int = 0  # stalled replays restarted (after a NATS restart)
     fleets: set[str] = field(default_factory=set)
 
 
 class Projector:
     """Folds the log into views and intents. One instance per process; many processes may race."""
 
-    def __init__(self, log: EventLog, *, checkpoint_lag: int = CHECKPOINT_LAG) -> None:
+    def __init__(
+        self,
+        log: EventLog,
+        *,
+        checkpoint_lag: int = CHECKPOINT_LAG,
+        stall_interval: float = 1.0,
+        stall_checks: int = 2,
+    ) -> None:
         self.log = log
         self.checkpoint_lag = checkpoint_lag
+        self.stall_interval = stall_interval
+        self.stall_checks = stall_checks
         self.views: dict[str, FleetView] = {}
         self.stats = Stats()
         self._revs: dict[str, int] = {}  # KV revision of each fleet's view as last read or written
@@ -149,8 +159,9 @@ class Projector:
         )
         if self._caught_up_at < from_seq:
             self._log_caught_up()
+        self.stats.last_seq = max(self.stats.last_seq, from_seq - 1)
         flusher = asyncio.create_task(self._flusher(), name="projector-flusher")
-        replay = asyncio.create_task(self.log.replay(self.fold_record, from_seq=from_seq, follow=True), name="projector-replay")
+        replay = asyncio.create_task(self._replay(from_seq), name="projector-replay")
         try:
             done, _ = await asyncio.wait({flusher, replay}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -165,6 +176,48 @@ class Projector:
             except Exception as exc:  # noqa: BLE001 - leaving anyway; the next start replays it
                 log_.warning("projector.final_flush_failed", error=str(exc))
             log_.info("projector.stopped", **self._stats_dict())
+
+    async def _replay(self, from_seq: int) -> None:
+        """Follow the log; restart the replay when it stalls.
+
+        After NATS restarts, nats-py's ordered consumer takes ~20 s of missed heartbeats to notice.
+        A stall is the stream holding messages past the last one handled, with no progress for
+        `stall_checks` checks `stall_interval` apart: the replay is restarted after the last
+        sequence handled (the fold skips anything it already has).
+        """
+        while True:
+            task = asyncio.create_task(self.log.replay(self.fold_record, from_seq=from_seq, follow=True))
+            try:
+                await self._until_stalled(task)
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            from_seq = self.stats.last_seq + 1
+            self.stats.replay_restarts += 1
+            log_.warning("projector.replay_restarted", from_seq=from_seq, reason="no progress while the stream is ahead")
+
+    async def _until_stalled(self, task: asyncio.Task) -> None:
+        seen = self.stats.last_seq
+        strikes = 0
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=self.stall_interval)
+            if done:
+                task.result()  # a replay that ended raises what ended it (or returns: follow ended)
+                return
+            now_seen = self.stats.last_seq
+            if now_seen != seen:
+                seen, strikes = now_seen, 0
+                continue
+            try:
+                last = await asyncio.wait_for(self.log.last_seq(), self.stall_interval)
+            except (LogError, asyncio.TimeoutError):
+                continue  # NATS is away: nothing to conclude yet
+            if last > self.stats.last_seq and self.stats.last_seq == seen:
+                strikes += 1
+                if strikes >= self.stall_checks:
+                    return
+            else:
+                strikes = 0
 
     # -------------------------------------------------------------------------------- fold
 
@@ -221,15 +274,25 @@ class Projector:
             intents_published=s.intents_published,
             intent_conflicts=s.intent_conflicts,
             flushes=s.flushes,
+            replay_restarts=s.replay_restarts,
         )
 
     # ------------------------------------------------------------------------------- write
 
     async def _flusher(self) -> None:
+        backoff = 0.25
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await self.flush()
+            try:
+                await self.flush()
+                backoff = 0.25
+            except LogError as exc:
+                # NATS restarting, a stream leader election: keep folding, write when it is back.
+                log_.warning("projector.write_failed", error=str(exc), retry_in_s=backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                self._wake.set()
 
     async def flush(self) -> None:
         """Write every dirty fleet: its intents, then its view."""
@@ -241,10 +304,16 @@ class Projector:
                 self._dirty.discard(fleet)
                 pending = self._pending.pop(fleet, [])
                 view = self.views[fleet]
-                for ri in pending:
-                    await self._publish(fleet, ri)
-                await self._publish(fleet, intent(view))
-                await self._write_view(fleet, view)
+                try:
+                    for ri in pending:
+                        await self._publish(fleet, ri)
+                    await self._publish(fleet, intent(view))
+                    await self._write_view(fleet, view)
+                except BaseException:
+                    # Not written: put it back (publishing is idempotent by view_seq) and let the caller retry.
+                    self._dirty.add(fleet)
+                    self._pending[fleet] = pending + self._pending.get(fleet, [])
+                    raise
         await self._checkpoint_idle_fleets()
         if not self._dirty:
             self._idle.set()

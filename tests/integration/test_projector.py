@@ -398,3 +398,32 @@ async def test_an_idle_fleet_does_not_pin_the_resume_point(event_log):
     again = Projector(event_log)
     assert await again.load() == last + 1
     assert again.views["edge"].seq == edge_last
+
+
+@pytest.mark.timeout(90)
+async def test_projector_rides_out_a_nats_restart(nats_server, event_log):
+    await declare(event_log)
+    w = Writer(event_log)
+    await w.move("a")
+    projector = Projector(event_log)
+    task = asyncio.create_task(projector.run())
+    try:
+        await wait_view_seq(event_log, await event_log.last_seq())
+        await asyncio.to_thread(nats_server.stop_sync)
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(nats_server.start_sync)
+        deadline = asyncio.get_running_loop().time() + 20
+        while True:  # the client reconnects on its own
+            try:
+                r = await w.move("b")
+                break
+            except Exception:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.2)
+        view = await wait_view_seq(event_log, r, timeout=30)
+        assert view.active == "b" and not task.done()
+        intent_after = intent_decoder.decode((await event_log.last_intent(F))[0])
+        assert intent_after.revision == r
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
