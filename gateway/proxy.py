@@ -2,16 +2,16 @@
 
 Per request: read the body (bounded by HARU_CHAT_MAX_BODY_BYTES, checked from Content-Length before
 reading and again while reading), decode only `model` from it, resolve (fleet, model) in the
-in-memory routing table, and forward the body bytes unchanged to the target with one shared
-ClientSession. The time to the upstream's response headers is bounded by
-HARU_CHAT_HEADER_TIMEOUT_MS and nothing else: the session has no total or sock_read timeout, so a
-stream that goes quiet mid-generation is never cut by the transport.
+in-memory routing table, and forward the body bytes unchanged to the target over a pooled
+keep-alive connection (`gateway.upstream`). The time to the upstream's response headers is bounded
+by HARU_CHAT_HEADER_TIMEOUT_MS and nothing else: no timer runs on a body, so a stream that goes
+quiet mid-generation is never cut by the transport.
 
 Responses pass through untouched: a sized response up to `buffer_limit_bytes` that is not SSE is
 returned as one body with Content-Length (cheaper than chunked, NOTES.md); anything else (SSE, or
 unsized) is streamed chunk by chunk as it arrives. A client that disconnects cancels the handler
 (the server runs with handler_cancellation), which closes the upstream connection, so the runtime
-stops generating.
+stops generating. A response the client did not take whole is never put back in the pool.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiohttp
 import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.config import GatewayConfig
+from gateway.upstream import Connection, Pool, UpstreamError
 from gateway.metrics import UNKNOWN_MODEL, GatewayMetrics
 from gateway.routing import (
     PAYLOAD_TOO_LARGE,
@@ -73,7 +73,7 @@ def error_response(refusal: Refusal, extra: dict[str, str] | None = None) -> web
 
 
 class Proxy:
-    """Forwards inference requests. One per gateway; owns the shared upstream ClientSession."""
+    """Forwards inference requests. One per gateway; owns the upstream connection pool."""
 
     def __init__(self, config: GatewayConfig, table: RoutingTable, metrics: GatewayMetrics) -> None:
         self.config = config
@@ -83,32 +83,17 @@ class Proxy:
         self.max_body = config.max_body_bytes
         self.header_timeout = config.header_timeout_ms / 1000
         self.buffer_limit = config.buffer_limit_bytes
-        self.auth = f"Bearer {config.serving_token}" if config.serving_token else ""
-        self.session: aiohttp.ClientSession | None = None
+        self.auth = f"Authorization: Bearer {config.serving_token}\r\n" if config.serving_token else ""
+        self.pool: Pool | None = None
 
     async def __aenter__(self) -> Proxy:
-        connector = aiohttp.TCPConnector(
-            limit=self.config.connector_limit,
-            limit_per_host=0,
-            ttl_dns_cache=60,
-            keepalive_timeout=60,
-        )
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            # No total, connect or sock_read timeout: the only bound is the header timeout below,
-            # exact and explicit, and a quiet stream is never cut.
-            timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_read=None, sock_connect=None),
-            auto_decompress=False,  # bytes pass through as the upstream sent them
-            skip_auto_headers=("Accept-Encoding", "User-Agent", "Accept"),
-            cookie_jar=aiohttp.DummyCookieJar(),
-            read_bufsize=2**16,
-        )
+        self.pool = Pool(max_idle_per_host=self.config.connector_limit)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     # ------------------------------------------------------------------------------ hot path
 
@@ -158,27 +143,33 @@ class Proxy:
                 raise TooLarge
             chunks.append(chunk)
 
-    def _upstream_headers(self, request: web.BaseRequest) -> CIMultiDict[str]:
-        out: CIMultiDict[str] = CIMultiDict()
+    def _header_block(self, request: web.BaseRequest) -> str:
+        """The client's headers minus hop-by-hop, framing and credentials, plus the serving token."""
+        lines = []
+        content_type = False
         for key, value in request.headers.items():
-            if key.lower() not in _DROP_REQUEST:
-                out.add(key, value)
-        if "Content-Type" not in out:
-            out["Content-Type"] = "application/json"
+            lower = key.lower()
+            if lower in _DROP_REQUEST:
+                continue
+            if lower == "content-type":
+                content_type = True
+            lines.append(f"{key}: {value}\r\n")
+        if not content_type:
+            lines.append("Content-Type: application/json\r\n")
         if self.auth:
-            out["Authorization"] = self.auth
-        return out
+            lines.append(self.auth)
+        return "".join(lines)
 
     async def _forward(self, request: web.BaseRequest, path: str, body: bytes, fwd: Forward) -> web.StreamResponse:
         fleet, model = fwd.fleet, fwd.model
         ttfb_hist, latency_hist = self.metrics.upstream(fleet, fwd.domain)
-        session = self.session
-        assert session is not None, "the proxy is not started"
-        url = fwd.url + path
+        pool = self.pool
+        assert pool is not None, "the proxy is not started"
         started = time.perf_counter()
         try:
+            target = pool.target(fwd.url)
             async with asyncio.timeout(self.header_timeout):
-                upstream = await session.request("POST", url, data=body, headers=self._upstream_headers(request))
+                conn = await pool.request(target, path, self._header_block(request), body)
         except TimeoutError:
             status, code = UPSTREAM_TIMEOUT
             self.metrics.request(fleet, model, status)
@@ -194,58 +185,67 @@ class Proxy:
                     fwd.domain,
                 )
             )
-        except (aiohttp.ClientError, OSError) as exc:
+        except UpstreamError as exc:
             status, code = UPSTREAM_UNREACHABLE
             self.metrics.request(fleet, model, status)
-            log.warning("gateway.upstream_unreachable", fleet=fleet, domain=fwd.domain, model=model, url=url, error=repr(exc))
+            log.warning("gateway.upstream_unreachable", fleet=fleet, domain=fwd.domain, model=model, url=fwd.url,
+                        error=str(exc))
             return error_response(
-                Refusal(status, code, f"domain {fwd.domain!r} is unreachable at {fwd.url} for model {model!r}: {_why(exc)}",
+                Refusal(status, code, f"domain {fwd.domain!r} is unreachable at {fwd.url} for model {model!r}: {exc}",
                         None, None, fwd.domain)
             )
         ttfb_hist.observe(time.perf_counter() - started)
         try:
-            return await self._respond(request, upstream, fwd, started, latency_hist)
+            return await self._respond(request, conn, fwd, started, latency_hist)
         finally:
-            upstream.close()  # a no-op after a complete read; otherwise drops the upstream connection
+            conn.release()  # back to the pool when read whole; otherwise closed, which stops the upstream
 
-    async def _respond(self, request, upstream, fwd: Forward, started: float, latency_hist) -> web.StreamResponse:
+    async def _respond(self, request: web.BaseRequest, conn: Connection, fwd: Forward, started: float,
+                       latency_hist) -> web.StreamResponse:
         out_headers = CIMultiDict[str]()
-        for key, value in upstream.headers.items():
-            if key.lower() not in _DROP_RESPONSE:
-                out_headers.add(key, value)
+        length: int | None = None
+        sse = False
+        for key, value in conn.headers:
+            lower = key.lower()
+            if lower in _DROP_RESPONSE:
+                if lower == "content-length":
+                    length = int(value)
+                continue
+            if lower == "content-type" and value.startswith("text/event-stream"):
+                sse = True
+            out_headers.add(key, value)
         out_headers["X-Haru-Domain"] = fwd.domain
-        length = upstream.content_length
-        ctype = upstream.headers.get("Content-Type", "")
-        status = upstream.status
-        if length is not None and length <= self.buffer_limit and not ctype.startswith("text/event-stream"):
+        status = conn.status
+        if length is not None and length <= self.buffer_limit and not sse:
             try:
-                data = await upstream.read()
-            except (aiohttp.ClientError, OSError) as exc:
+                data = await conn.read()
+            except UpstreamError as exc:
                 code_status, code = UPSTREAM_UNREACHABLE
                 self.metrics.request(fwd.fleet, fwd.model, code_status)
                 return error_response(
                     Refusal(code_status, code, f"domain {fwd.domain!r} broke off its response for model "
-                            f"{fwd.model!r}: {_why(exc)}", None, None, fwd.domain)
+                            f"{fwd.model!r}: {exc}", None, None, fwd.domain)
                 )
             latency_hist.observe(time.perf_counter() - started)
             self.metrics.request(fwd.fleet, fwd.model, status)
             return web.Response(body=data, status=status, headers=out_headers)
 
         response = web.StreamResponse(status=status, headers=out_headers)
+        if length is not None:
+            response.content_length = length  # keep the upstream's framing: no chunking of a sized body
         gauge = self.metrics.streams(fwd.fleet)
         gauge.inc()
         self.metrics.request(fwd.fleet, fwd.model, status)
         try:
             await response.prepare(request)
-            content = upstream.content
             while True:
                 try:
-                    chunk = await content.readany()
-                except (aiohttp.ClientError, OSError) as exc:
+                    chunk = await conn.next()
+                except UpstreamError as exc:
                     # Headers are gone already: the honest signal is a connection closed without the
                     # final chunk, so the client sees a truncated stream rather than a clean end.
                     log.warning("gateway.upstream_broke_stream", fleet=fwd.fleet, domain=fwd.domain,
-                                model=fwd.model, error=repr(exc))
+                                model=fwd.model, error=str(exc))
                     if request.transport is not None:
                         request.transport.close()
                     return response
@@ -255,8 +255,8 @@ class Proxy:
             await response.write_eof()
             latency_hist.observe(time.perf_counter() - started)
             return response
-        except (ConnectionError, aiohttp.ClientConnectionResetError):
-            return response  # the client went away: `finally` in _forward drops the upstream
+        except ConnectionError:
+            return response  # the client went away: release() in _forward closes the upstream
         finally:
             gauge.dec()
 

@@ -745,3 +745,142 @@ async def test_gateway_started_after_the_projector_sees_current_state(event_log,
         status, health = await _get(gw.url, "/healthz")
         assert status == 200 and health["fleets"]["late"] == {"active": "a", "route_revision": 3}
         assert health["nats_connected"] is True
+
+
+# ------------------------------------------------------------------------ the upstream pool
+
+
+class RawUpstream:
+    """An asyncio server speaking HTTP/1.1 by hand, to produce framings and closes on purpose.
+
+    Per connection it answers requests with `answer(n)` (n = the request's number on that
+    connection); `answer` returning None closes the connection without a byte.
+    """
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> RawUpstream:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        n = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                await reader.readexactly(length)
+                n += 1
+                parts = self.answer(n)
+                if parts is None:
+                    writer.close()
+                    return
+                for part in parts:
+                    writer.write(part)
+                    await writer.drain()
+                    await asyncio.sleep(0.02)
+                if parts and b"Connection: close" in parts[0]:
+                    writer.close()
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            writer.close()
+
+    async def stop(self) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
+OK_JSON = [b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}"]
+
+
+async def _point_at(event_log, gw, url: str) -> None:
+    fleet = Fleet(event_log, gw)
+    await fleet.put_view(view_of("default", {"a": url}, active="a"))
+    await fleet.publish(intent_of("default", "a", url, revision=1))
+
+
+async def test_upstream_connections_are_kept_alive_and_reused(event_log, gw, two_domains):
+    body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
+    for _ in range(5):
+        status, _, _ = await _raw(gw.url + "/v1/chat/completions", body)
+        assert status == 200
+    sse = json.dumps({"model": MODEL, "messages": CHAT, "stream": True}).encode()
+    for _ in range(3):
+        status, _, _ = await _raw(gw.url + "/v1/chat/completions", sse)
+        assert status == 200
+    assert gw.proxy.pool.opened == 1
+
+
+async def test_a_kept_alive_connection_closed_by_the_upstream_is_retried_fresh(event_log, gw):
+    up = await RawUpstream(lambda n: OK_JSON if n == 1 else None).start()
+    try:
+        await _point_at(event_log, gw, up.url)
+        body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
+        for _ in range(3):
+            status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+            assert (status, data) == (200, b'{"ok":true}')
+        assert up.connections == 3 and gw.proxy.pool.opened == 3
+    finally:
+        await up.stop()
+
+
+async def test_until_close_and_large_sized_bodies_stream_through(event_log, upstreams):
+    big = b"x" * 5000
+    answers = {
+        1: [b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n", b"part one, ", b"part two"],
+        2: [b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: 5000\r\n\r\n",
+            big[:2000], big[2000:]],
+    }
+    count = iter(range(1, 100))
+    up = await RawUpstream(lambda n: answers.get(next(count))).start()
+    try:
+        async with running_gateway(event_log, buffer_limit_bytes=1000) as gw:
+            await _point_at(event_log, gw, up.url)
+            body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
+            status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+            assert (status, data) == (200, b"part one, part two")
+            async with aiohttp.ClientSession() as s:
+                async with s.post(gw.url + "/v1/chat/completions", data=body) as r:
+                    assert r.headers["Content-Length"] == "5000" and "Transfer-Encoding" not in r.headers
+                    assert await r.read() == big
+    finally:
+        await up.stop()
+
+
+async def test_an_upstream_that_breaks_off_mid_stream_gives_a_truncated_stream(event_log, gw):
+    def answer(n):
+        return [b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n",
+                b"7\r\ndata: 1\r\n", b"garbage that is not a chunk\r\n"]
+
+    up = await RawUpstream(answer).start()
+    try:
+        await _point_at(event_log, gw, up.url)
+        body = json.dumps({"model": MODEL, "messages": CHAT, "stream": True}).encode()
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.url + "/v1/chat/completions", data=body) as r:
+                assert r.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await r.read()
+    finally:
+        await up.stop()
+
+
+async def test_a_malformed_upstream_head_is_502(event_log, gw):
+    up = await RawUpstream(lambda n: [b"SSH-2.0-OpenSSH_9.6\r\n\r\n"]).start()
+    try:
+        await _point_at(event_log, gw, up.url)
+        async with sdk(gw) as client:
+            with pytest.raises(openai.InternalServerError) as info:
+                await client.chat.completions.create(model=MODEL, messages=CHAT)
+        assert info.value.status_code == 502 and "malformed response" in info.value.body["message"]
+    finally:
+        await up.stop()

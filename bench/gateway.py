@@ -1,0 +1,385 @@
+"""Gateway overhead: the same upstream called directly and through `haru gateway`, in one run.
+
+    .venv/bin/python bench/gateway.py [--duration 4] [--upstream fast|sim] [--client raw|aiohttp]
+
+Processes (each its own, as in production): a nats-server with the fleet's view and route intent
+published; one upstream (`fast`: a minimal uvloop server returning a fixed chat completion or a
+16-chunk SSE stream; `sim`: the vLLM simulator, `python -m agents.sim.vllm serve`); `haru gateway`
+(uvloop, as the CLI runs it); and the load generator (uvloop; `raw`: a minimal keep-alive HTTP/1.1
+client, so the client's own CPU distorts little; `aiohttp`: aiohttp's client).
+
+For JSON and SSE at 1 and 32 connections it measures direct and via the gateway back to back and
+prints: throughput ratio (gateway / direct), added p50 and p99 latency, and for SSE the
+time-to-first-token ratio. Targets (issue 7): added p50 <= 0.5 ms at 1 connection, throughput >=
+0.5x direct at 32 connections. Ratios, not absolute numbers, are the result: the machine is shared
+by every process here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MODEL = "bench-model"
+CHAT_BODY = json.dumps({
+    "model": MODEL,
+    "messages": [{"role": "system", "content": "You are a helpful assistant."},
+                 {"role": "user", "content": "Summarise the plot of a long novel in three sentences, please."}],
+    "max_tokens": 64, "temperature": 0.7,
+}).encode()
+SSE_BODY = json.dumps({**json.loads(CHAT_BODY), "stream": True}).encode()
+SSE_CHUNKS = 16
+
+
+# ------------------------------------------------------------------------------------ upstream
+
+
+def _completion() -> bytes:
+    return json.dumps({
+        "id": "chatcmpl-bench", "object": "chat.completion", "created": 1, "model": MODEL,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "A long novel, summarised. " * 6},
+                     "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 30, "completion_tokens": 40, "total_tokens": 70},
+    }, separators=(",", ":")).encode()
+
+
+def _chunk(i: int) -> bytes:
+    return b"data: " + json.dumps({
+        "id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+        "choices": [{"index": 0, "delta": {"content": f" tok{i}"}, "finish_reason": None}],
+    }, separators=(",", ":")).encode() + b"\n\n"
+
+
+def run_fast_upstream(port_file: str) -> None:
+    import uvloop
+    from aiohttp import web
+
+    completion = _completion()
+    chunks = [_chunk(i) for i in range(SSE_CHUNKS)] + [b"data: [DONE]\n\n"]
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        body = await request.read()
+        if b'"stream": true' not in body:
+            return web.Response(body=completion, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for c in chunks:
+            await resp.write(c)
+        await resp.write_eof()
+        return resp
+
+    async def main() -> None:
+        runner = web.ServerRunner(web.Server(handle, access_log=None), handle_signals=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0, backlog=1024).start()
+        Path(port_file).write_text(str(runner.addresses[0][1]))
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
+# ------------------------------------------------------------------------------ load generator
+
+
+class RawClient:
+    """One keep-alive HTTP/1.1 connection; parses Content-Length and chunked responses."""
+
+    def __init__(self, host: str, port: int, path: str, body: bytes) -> None:
+        self.host, self.port = host, port
+        self.request = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    async def close(self) -> None:
+        self.writer.close()
+
+    async def once(self) -> tuple[float, float]:
+        """(time to first body byte, total) in seconds."""
+        reader = self.reader
+        t0 = time.perf_counter()
+        self.writer.write(self.request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(head.decode(errors="replace").splitlines()[0])
+        lower = head.lower()
+        i = lower.find(b"content-length:")
+        if i >= 0:
+            n = int(lower[i + 15:lower.index(b"\r\n", i)])
+            await reader.readexactly(n)
+            t = time.perf_counter() - t0
+            return t, t
+        first = 0.0
+        while True:
+            size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+            if size == 0:
+                await reader.readuntil(b"\r\n")
+                break
+            await reader.readexactly(size + 2)
+            if not first:
+                first = time.perf_counter() - t0
+        return first, time.perf_counter() - t0
+
+
+class AiohttpClient:
+    def __init__(self, host: str, port: int, path: str, body: bytes) -> None:
+        self.url, self.body = f"http://{host}:{port}{path}", body
+
+    async def open(self) -> None:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def once(self) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        async with self.session.post(self.url, data=self.body, headers={"Content-Type": "application/json"}) as r:
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}")
+            first = 0.0
+            async for _ in r.content.iter_any():
+                if not first:
+                    first = time.perf_counter() - t0
+        return first, time.perf_counter() - t0
+
+
+async def load(url: str, path: str, body: bytes, conns: int, duration: float, warmup: float, client: str) -> dict:
+    host, port = url.removeprefix("http://").split(":")
+    cls = RawClient if client == "raw" else AiohttpClient
+    ttfb: list[float] = []
+    total: list[float] = []
+    errors = 0
+    start = time.perf_counter()
+    measure_from = start + warmup
+    end = measure_from + duration
+
+    async def worker() -> None:
+        nonlocal errors
+        c = cls(host, int(port), path, body)
+        await c.open()
+        try:
+            while True:
+                now = time.perf_counter()
+                if now >= end:
+                    return
+                try:
+                    first, t = await c.once()
+                except Exception:
+                    errors += 1
+                    await c.close()
+                    await c.open()
+                    continue
+                if now >= measure_from:
+                    ttfb.append(first)
+                    total.append(t)
+        finally:
+            await c.close()
+
+    await asyncio.gather(*(worker() for _ in range(conns)))
+    return {"n": len(total), "rps": len(total) / duration, "errors": errors,
+            "p50": _pct(total, 50), "p99": _pct(total, 99), "ttft_p50": _pct(ttfb, 50), "ttft_p99": _pct(ttfb, 99)}
+
+
+def _pct(values: list[float], p: int) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * p / 100))]
+
+
+def run_load(args: argparse.Namespace) -> None:
+    import uvloop
+
+    body = SSE_BODY if args.kind == "sse" else CHAT_BODY
+    result = uvloop.run(load(args.url, "/v1/chat/completions", body, args.conns, args.duration, args.warmup,
+                             args.client))
+    print(json.dumps(result))
+
+
+# --------------------------------------------------------------------------------------- driver
+
+
+def _wait_file(path: Path, proc: subprocess.Popen, what: str, timeout: float = 20) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode}")
+        time.sleep(0.02)
+    raise SystemExit(f"{what} did not start in {timeout} s")
+
+
+def start_upstream(kind: str, tmp: Path) -> tuple[subprocess.Popen, str]:
+    if kind == "fast":
+        port_file = tmp / "upstream.port"
+        proc = subprocess.Popen([sys.executable, __file__, "--_upstream", str(port_file)], cwd=ROOT)
+        return proc, f"http://127.0.0.1:{_wait_file(port_file, proc, 'the upstream')}"
+    from agents.sim.vllm import runtime_path
+
+    env = {**os.environ, "HARU_SIM_DIR": str(tmp / "sim"), "HARU_SIM_DOMAIN": "a", "HARU_SIM_LOAD_MS": "10",
+           "HARU_SIM_VRAM": "1GiB", "HARU_SIM_TOKENS_PER_S": "0"}
+    (tmp / "sim").mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "agents.sim.vllm", "serve", "/m", "--port", "0",
+                             "--served-model-name", MODEL], cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+    info = json.loads(_wait_file(runtime_path(tmp / "sim", MODEL), proc, "the simulator"))
+    time.sleep(0.5)
+    return proc, f"http://127.0.0.1:{info['port']}"
+
+
+async def publish_fleet(nats_url: str, upstream: str) -> None:
+    from haru import subjects
+    from haru.eventlog import EventLog
+    from haru.residency import Answer, Resident
+    from haru.views import DomainView, FleetView, ModelView, RouteIntent, Target, view_encoder
+
+    async with EventLog.connect([nats_url], writer="bench") as log:
+        await log.ensure()
+        view = FleetView(fleet="default", active="a", route_revision=1, seq=1, domains={
+            "a": DomainView(name="a", serving_url=upstream,
+                            models={MODEL: ModelView(name=MODEL, admitted=True, residency=Resident())})})
+        intent = RouteIntent(fleet="default", revision=1, active=Target(domain="a", serving_url=upstream),
+                             answers={MODEL: Answer(answer="ready")})
+        await log.put_view(subjects.view_key("default"), view_encoder.encode(view), last=0)
+        await log.publish_intent("default", view_encoder.encode(intent), expect=0)
+
+
+def start_gateway(nats_url: str, tmp: Path) -> tuple[subprocess.Popen, str]:
+    log_path = tmp / "gateway.log"
+    out = open(log_path, "wb")
+    env = {**os.environ, "HARU_API_TOKEN": "", "HARU_NO_UVLOOP": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "haru.cli", "gateway", "--port", "0", "--nats-url", nats_url,
+                             "--log-format", "json"], cwd=ROOT, env=env, stdout=out, stderr=out)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        for line in log_path.read_text().splitlines():
+            if line.startswith("haru gateway listening on "):
+                return proc, line.rsplit(" ", 1)[1]
+        if proc.poll() is not None:
+            raise SystemExit(f"haru gateway exited: {log_path.read_text()}")
+        time.sleep(0.02)
+    raise SystemExit("haru gateway did not start")
+
+
+def wait_routable(gw: str) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(gw + "/v1/models") as r:
+                data = json.loads(r.read())["data"]
+                if data and data[0]["haru"]["routable"]:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise SystemExit("the gateway never routed the model")
+
+
+def measure(url: str, kind: str, conns: int, args: argparse.Namespace) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, "--_load", "--url", url, "--kind", kind, "--conns", str(conns),
+         "--duration", str(args.duration), "--warmup", str(args.warmup), "--client", args.client],
+        cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=4.0, help="seconds measured per scenario")
+    p.add_argument("--warmup", type=float, default=1.0)
+    p.add_argument("--upstream", choices=("fast", "sim"), default="fast")
+    p.add_argument("--client", choices=("raw", "aiohttp"), default="raw")
+    p.add_argument("--rounds", type=int, default=1, help="repeat direct/gateway pairs; the median is shown")
+    p.add_argument("--_upstream", metavar="PORT_FILE", help=argparse.SUPPRESS)
+    p.add_argument("--_load", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--kind", help=argparse.SUPPRESS)
+    p.add_argument("--conns", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args._upstream:
+        return run_fast_upstream(args._upstream)
+    if args._load:
+        return run_load(args)
+
+    from haru.natsd import NatsServer
+
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        nats = NatsServer(tmp / "nats")
+        nats.start_sync()
+        try:
+            up_proc, upstream = start_upstream(args.upstream, tmp)
+            procs.append(up_proc)
+            asyncio.run(publish_fleet(nats.url, upstream))
+            gw_proc, gw = start_gateway(nats.url, tmp)
+            procs.append(gw_proc)
+            wait_routable(gw)
+            print(f"upstream={args.upstream} client={args.client} duration={args.duration}s/scenario "
+                  f"cpus={os.cpu_count()} rounds={args.rounds}")
+            print(f"{'scenario':<14}{'target':<9}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'ttft50':>9}{'err':>5}")
+            results: dict[tuple[str, int], dict[str, list[dict]]] = {}
+            for kind in ("json", "sse"):
+                for conns in (1, 32):
+                    pair: dict[str, list[dict]] = {"direct": [], "gateway": []}
+                    for _ in range(args.rounds):
+                        for target, url in (("direct", upstream), ("gateway", gw)):
+                            r = measure(url, kind, conns, args)
+                            pair[target].append(r)
+                            print(f"{kind + ' x' + str(conns):<14}{target:<9}{r['rps']:>9.0f}{r['p50'] * 1e3:>9.3f}"
+                                  f"{r['p99'] * 1e3:>9.3f}{r['ttft_p50'] * 1e3:>9.3f}{r['errors']:>5}", flush=True)
+                    results[(kind, conns)] = pair
+            print()
+            print("gateway vs direct (median of rounds)")
+            verdicts = []
+            for (kind, conns), pair in results.items():
+                d = {k: statistics.median(r[k] for r in pair["direct"]) for k in ("rps", "p50", "p99", "ttft_p50")}
+                g = {k: statistics.median(r[k] for r in pair["gateway"]) for k in ("rps", "p50", "p99", "ttft_p50")}
+                line = (f"  {kind:<4} x{conns:<3} throughput {g['rps'] / d['rps']:.2f}x   "
+                        f"added p50 {(g['p50'] - d['p50']) * 1e3:+.3f} ms   added p99 {(g['p99'] - d['p99']) * 1e3:+.3f} ms")
+                if kind == "sse":
+                    line += (f"   TTFT {g['ttft_p50'] / d['ttft_p50']:.2f}x "
+                             f"({(g['ttft_p50'] - d['ttft_p50']) * 1e3:+.3f} ms)")
+                print(line)
+                if kind == "json" and conns == 1:
+                    added = (g["p50"] - d["p50"]) * 1e3
+                    verdicts.append(f"added p50 at 1 connection {added:.3f} ms (target <= 0.5): "
+                                    f"{'met' if added <= 0.5 else 'MISSED'}")
+                if kind == "json" and conns == 32:
+                    ratio = g["rps"] / d["rps"]
+                    verdicts.append(f"throughput at 32 connections {ratio:.2f}x direct (target >= 0.5): "
+                                    f"{'met' if ratio >= 0.5 else 'MISSED'}")
+            print()
+            for v in verdicts:
+                print(v)
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            nats.stop_sync()
+
+
+if __name__ == "__main__":
+    main()

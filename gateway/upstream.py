@@ -1,0 +1,296 @@
+"""The proxy's upstream client: keep-alive HTTP/1.1 connections over asyncio protocols, pooled per
+(scheme, host, port), with the response body handed over piece by piece as it arrives.
+
+    pool = Pool()
+    resp = await pool.request(target, head_lines, body)   # returns at the response head
+    data = await resp.read()                              # or: while piece := await resp.next(): ...
+    resp.release()                                        # back to the pool when complete, else closed
+
+No timeouts of its own: the caller bounds the wait for the head (HARU_CHAT_HEADER_TIMEOUT_MS) and
+nothing bounds a body, so a quiet stream is never cut. Cancelling a waiter closes the connection, so
+the upstream sees the client go. Reading pauses while more than `HIGH_WATER` bytes wait unread (a
+slow client slows the upstream instead of filling memory).
+
+Idle connections are reused for at most `IDLE_REUSE_S` (uvicorn, under vLLM, closes idle ones after
+5 s); a reused connection that closes before answering a single byte is retried once on a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+import ssl as ssl_module
+import time
+from urllib.parse import urlsplit
+
+from gateway.http1 import Headers, ProtocolError, ResponseParser
+
+HIGH_WATER = 1 << 20
+LOW_WATER = 1 << 18
+IDLE_REUSE_S = 2.0
+
+
+class UpstreamError(Exception):
+    """The upstream could not be reached, or broke off: the message says how."""
+
+
+class Target:
+    """Where to send: parsed once per distinct URL and cached by the pool."""
+
+    __slots__ = ("key", "host", "port", "ssl", "path_prefix", "host_header")
+
+    def __init__(self, base: str) -> None:
+        parts = urlsplit(base)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UpstreamError(f"{base!r} is not an http(s) URL")
+        self.ssl = parts.scheme == "https"
+        self.host = parts.hostname
+        self.port = parts.port or (443 if self.ssl else 80)
+        self.key = (self.ssl, self.host, self.port)
+        self.path_prefix = parts.path.rstrip("/")
+        default = 443 if self.ssl else 80
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.host_header = host if self.port == default else f"{host}:{self.port}"
+
+
+class Connection(asyncio.Protocol):
+    """One upstream connection carrying one request at a time."""
+
+    def __init__(self, pool: Pool, key: tuple) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser: ResponseParser | None = None
+        self.head: asyncio.Future | None = None
+        self.status = 0
+        self.headers: Headers = []
+        self.keep_alive = False
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.waiter: asyncio.Future | None = None
+        self.complete = False
+        self.error: BaseException | None = None
+        self.closed = False
+        self.paused = False
+        self.reused = False
+        self.idle_since = 0.0
+
+    # --------------------------------------------------------------------------- protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except (OSError, AttributeError):
+                pass
+
+    def data_received(self, data: bytes) -> None:
+        parser = self.parser
+        if parser is None:  # bytes on an idle connection: it cannot be trusted any more
+            self.close()
+            return
+        try:
+            parser.feed(data)
+        except ProtocolError as exc:
+            self._fail(UpstreamError(f"the upstream sent a malformed response: {exc}"))
+            self.close()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool._forget(self)
+        parser = self.parser
+        if parser is not None and not parser.done:
+            try:
+                parser.eof()
+            except ProtocolError as err:
+                e = UpstreamError(str(err))
+                e.retryable = self.reused and not parser.started  # type: ignore[attr-defined]
+                self._fail(e)
+
+    # ------------------------------------------------------------------------- callbacks
+
+    def _on_head(self, status: int, headers: Headers, keep_alive: bool) -> None:
+        self.status, self.headers, self.keep_alive = status, headers, keep_alive
+        if self.head is not None and not self.head.done():
+            self.head.set_result(None)
+
+    def _on_data(self, data: bytes) -> None:
+        self.chunks.append(data)
+        self.buffered += len(data)
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def _on_end(self) -> None:
+        self.complete = True
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(exc)
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # -------------------------------------------------------------------------- request
+
+    def send(self, data: bytes) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        self.parser = ResponseParser(self._on_head, self._on_data, self._on_end)
+        self.head = loop.create_future()
+        self.status, self.headers, self.keep_alive = 0, [], False
+        self.complete = False
+        self.error = None
+        self.chunks.clear()
+        self.buffered = 0
+        assert self.transport is not None
+        self.transport.write(data)
+        return self.head
+
+    async def next(self) -> bytes:
+        """The next piece of the body; b'' at its end. Raises UpstreamError if it breaks off."""
+        while True:
+            if self.chunks:
+                piece = self.chunks.popleft()
+                self.buffered -= len(piece)
+                if self.paused and self.buffered < LOW_WATER and self.transport is not None:
+                    self.paused = False
+                    self.transport.resume_reading()
+                return piece
+            if self.complete:
+                return b""
+            if self.error is not None:
+                raise self.error
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+    async def read(self) -> bytes:
+        pieces = []
+        while piece := await self.next():
+            pieces.append(piece)
+        return b"".join(pieces)
+
+    def release(self) -> None:
+        """Back to the pool if the response was read whole and the connection may be kept; else closed."""
+        if self.complete and self.keep_alive and not self.closed and self.error is None and not self.chunks:
+            self.parser = None
+            self.head = None
+            self.pool._put(self)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+            self.pool._forget(self)
+
+
+class Pool:
+    """Idle keep-alive connections per (ssl, host, port), most recently used first."""
+
+    def __init__(self, *, max_idle_per_host: int = 1024) -> None:
+        self.max_idle_per_host = max_idle_per_host
+        self._idle: dict[tuple, list[Connection]] = {}
+        self._targets: dict[str, Target] = {}
+        self._ssl: ssl_module.SSLContext | None = None
+        self.opened = 0  # connections opened, for tests and /healthz
+
+    def target(self, base: str) -> Target:
+        t = self._targets.get(base)
+        if t is None:
+            t = self._targets[base] = Target(base)
+        return t
+
+    async def request(self, target: Target, path: str, header_block: str, body: bytes) -> Connection:
+        """Send `POST path` with the given header lines (each ending in CRLF); return at the response head."""
+        head = (
+            f"POST {target.path_prefix}{path} HTTP/1.1\r\nHost: {target.host_header}\r\n{header_block}"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode("utf-8", "surrogateescape")  # the bytes aiohttp decoded the client's headers from
+        data = head + body
+        for attempt in (0, 1):
+            conn = self._get(target.key)
+            if conn is None:
+                conn = await self._open(target)
+            waiter = conn.send(data)
+            try:
+                await waiter
+                return conn
+            except UpstreamError as exc:
+                conn.close()
+                if attempt == 0 and getattr(exc, "retryable", False):
+                    continue  # a kept-alive connection the upstream had closed: once more, fresh
+                raise
+            except BaseException:
+                conn.close()  # cancelled (client gone, or the header timeout): the upstream sees it
+                raise
+        raise AssertionError("unreachable")
+
+    async def _open(self, target: Target) -> Connection:
+        loop = asyncio.get_running_loop()
+        ssl_ctx = None
+        if target.ssl:
+            if self._ssl is None:
+                self._ssl = ssl_module.create_default_context()
+            ssl_ctx = self._ssl
+        try:
+            _, conn = await loop.create_connection(
+                lambda: Connection(self, target.key), target.host, target.port, ssl=ssl_ctx,
+                server_hostname=target.host if ssl_ctx else None)
+        except OSError as exc:
+            raise UpstreamError(f"cannot connect to {target.host_header}: {exc.strerror or exc}") from exc
+        self.opened += 1
+        return conn
+
+    def _get(self, key: tuple) -> Connection | None:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if conn.closed:
+                continue
+            if now - conn.idle_since > IDLE_REUSE_S:
+                conn.close()
+                continue
+            conn.reused = True
+            return conn
+        return None
+
+    def _put(self, conn: Connection) -> None:
+        idle = self._idle.setdefault(conn.key, [])
+        if len(idle) >= self.max_idle_per_host:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    def _forget(self, conn: Connection) -> None:
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    def idle_count(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    def close(self) -> None:
+        for idle in list(self._idle.values()):
+            for conn in list(idle):
+                conn.close()
+        self._idle.clear()
