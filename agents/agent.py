@@ -151,8 +151,10 @@ class Agent:
         self.agent_subject = subjects.agent(self.fleet, self.domain)
         self.agent_seq = 0
         self.models: dict[str, ModelSlot] = {}
+        self.direct = slots.domain.spec.serve == "direct"
+        bind_host = config.serving.host if self.direct else "127.0.0.1"
         for spec in slots.admitted_models:
-            runtime = make_runtime(spec, session=session, log_dir=self.state_dir)
+            runtime = make_runtime(spec, session=session, log_dir=self.state_dir, bind_host=bind_host)
             self.models[spec.name] = ModelSlot(spec, runtime, subjects.model(self.fleet, self.domain, spec.name))
         self.trainers: dict[str, Trainer] = {}
         self.training_seq: dict[str, int] = {}
@@ -298,7 +300,7 @@ class Agent:
 
         self._service = CommandService(self)
         await self._service.start()
-        if self.config.serving.enabled:
+        if self.config.serving.enabled and not self.direct:
             self._serving = ServingProxy(self)
             await self._serving.start()
             self.serving_url = self._serving.url

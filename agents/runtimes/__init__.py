@@ -15,9 +15,9 @@ from haru.specs import ModelSpec
 __all__ = ["Health", "Runtime", "VllmRuntime", "LlamaServerRuntime", "ExternalRuntime", "make_runtime"]
 
 
-def make_runtime(spec: ModelSpec, *, session: aiohttp.ClientSession, log_dir: Path) -> Runtime:
+def make_runtime(spec: ModelSpec, *, session: aiohttp.ClientSession, log_dir: Path, bind_host: str = "127.0.0.1") -> Runtime:
     if spec.runtime == "vllm":
-        return VllmRuntime(spec, session=session, log_dir=log_dir)
+        return VllmRuntime(spec, session=session, log_dir=log_dir, bind_host=bind_host)
     if spec.runtime == "llama_server":
-        return LlamaServerRuntime(spec, session=session, log_dir=log_dir)
+        return LlamaServerRuntime(spec, session=session, log_dir=log_dir, bind_host=bind_host)
     return ExternalRuntime(spec, session=session)

@@ -236,9 +236,18 @@ class ProcessRuntime(HttpRuntime):
     default_binary: list[str] = []
 
     def __init__(
-        self, spec: ModelSpec, *, session: aiohttp.ClientSession, log_dir: Path, base_env: dict[str, str] | None = None
+        self,
+        spec: ModelSpec,
+        *,
+        session: aiohttp.ClientSession,
+        log_dir: Path,
+        base_env: dict[str, str] | None = None,
+        bind_host: str = "127.0.0.1",
     ) -> None:
-        super().__init__(spec, session=session)
+        # Loopback unless the domain serves `direct` (a firewalled private network): then the runtime
+        # binds where routers reach it, and the agent talks to it there (0.0.0.0 is reached on loopback).
+        super().__init__(spec, session=session, host="127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host)
+        self.bind_host = bind_host or "127.0.0.1"
         self._log_dir = Path(log_dir)
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._proc: asyncio.subprocess.Process | None = None

@@ -22,7 +22,7 @@ class LlamaServerRuntime(ProcessRuntime):
             "-m",
             self.spec.source,
             "--host",
-            "127.0.0.1",
+            self.bind_host,
             "--port",
             str(self._port),
             "--alias",

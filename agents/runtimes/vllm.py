@@ -25,7 +25,7 @@ class VllmRuntime(ProcessRuntime):
             "serve",
             source,
             "--host",
-            "127.0.0.1",
+            self.bind_host,
             "--port",
             str(self._port),
             "--served-model-name",

@@ -125,3 +125,15 @@ async def test_external_runtime_is_probed_not_spawned(tmp_path, session, reap):
     await served.stop(5)
     p = await probes.ready(ext, timeout_s=2)
     assert not p.ok
+
+
+async def test_direct_domains_bind_where_routers_reach_them(tmp_path, session):
+    spec = ModelSpec(name="m", slot="chat", gpu_index=1, port=18100, source="s")
+    loop = VllmRuntime(spec, session=session, log_dir=tmp_path)
+    assert loop.argv()[loop.argv().index("--host") + 1] == "127.0.0.1"  # the default: loopback only
+    direct = VllmRuntime(spec, session=session, log_dir=tmp_path, bind_host="0.0.0.0")
+    assert direct.argv()[direct.argv().index("--host") + 1] == "0.0.0.0"
+    assert direct.base_url == "http://127.0.0.1:18100"  # probed over loopback
+    private = LlamaServerRuntime(spec, session=session, log_dir=tmp_path, bind_host="10.1.2.3")
+    assert private.argv()[private.argv().index("--host") + 1] == "10.1.2.3" and private.base_url == "http://10.1.2.3:18100"
+    assert direct.env()["CUDA_VISIBLE_DEVICES"] == "1"
