@@ -149,3 +149,36 @@ async def test_missing_binary_is_failed_with_what_the_os_said_and_retried(tmp_pa
     failed = await wait_event(event_log, subject, is_("model_failed"), agent=agent)
     assert "/nonexistent/vllm" in failed.event.runtime_said
     await wait_event(event_log, subject, is_("model_loading", attempt=2), agent=agent)  # retried with backoff
+
+
+async def test_truth_is_recorded_late_rather_than_never_across_a_nats_outage(tmp_path, nats_server, agents):
+    from haru.eventlog import EventLog
+    from tests.support import haru
+
+    async with EventLog.connect([nats_server.url], writer="test") as log:
+        await log.ensure()
+        agent = await start_resident(tmp_path, nats_server, log, agents)
+        loading = (await log.history(subjects.model("f", "a", "m1")))[0].event
+    await asyncio.to_thread(nats_server.stop_sync)
+    import os
+
+    os.kill(loading.pid, signal.SIGKILL)  # happens while nobody can record it
+    await asyncio.sleep(1.5)
+    await asyncio.to_thread(nats_server.start_sync)
+    async with EventLog.connect([nats_server.url], writer="test") as log:
+        subject = subjects.model("f", "a", "m1")
+        lost = await wait_event(log, subject, is_("model_lost"), agent=agent, timeout=30)
+        assert lost.event.reason == "process_exited" and lost.event.exit_code == -9
+        await wait_event(log, subject, lambda r: tag(r) == "model_resident" and r.seq > lost.seq, agent=agent, timeout=30)
+    verify = haru("verify", nats_url=nats_server.url)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+async def test_nats_unreachable_exits_6(tmp_path, agents):
+    from haru.natsd import free_port
+
+    layout = write_layout(tmp_path / "layout.json", tmp_path)
+    cfg = write_config(tmp_path / "agent.json", f"nats://127.0.0.1:{free_port()}", tmp_path, layout=layout)
+    agent = agents(cfg, tmp_path / "agent.log")
+    assert await agent.wait(20) == 6
+    assert "cannot reach NATS" in agent.output()
