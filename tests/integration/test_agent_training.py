@@ -145,3 +145,14 @@ async def test_start_training_refused_on_the_active_domain(tmp_path, nats_server
     no = await send(event_log.nc, "f", "a", "start_training", Command(), timeout=10)
     assert not no.ok and no.error.code == "domain_active"
     assert await event_log.history(subjects.training("f", "a", "lora")) == []
+
+
+async def test_trainer_that_finishes_by_itself_is_exited(tmp_path, nats_server, event_log, agents):
+    layout = write_layout(tmp_path / "layout.json", tmp_path, training={"extra": ["--exit-after-ms", "300"]})
+    cfg = write_config(tmp_path / "agent-b.json", nats_server.url, tmp_path, domain="b", layout=layout)
+    agent = agents(cfg, tmp_path / "agent-b.log")
+    stopped = await wait_event(event_log, subjects.training("f", "b", "lora"), is_("training_stopped"), agent=agent)
+    assert stopped.event.how == "exited" and stopped.event.exit_code == 0 and stopped.event.ran_ms >= 300
+    status = await send(event_log.nc, "f", "b", "status", Command(), timeout=10)
+    assert status.data["training"]["lora"]["running"] is False
+    assert status.data["training"]["lora"]["last_stop"] == {"how": "exited", "exit_code": 0}
