@@ -567,18 +567,20 @@ class Agent:
                 await self._watch(m)
             if self.stopping:
                 return
+            # Consecutive failures double the backoff; a runtime that stayed up for a while starts afresh.
             if m.resident_at and time.monotonic() - m.resident_at >= self.policy.restart_backoff_max_ms / 1000:
                 m.failures = 1
             else:
                 m.failures += 1
+            m.resident_at = 0.0
             if m.runtime.kind == "external":
                 m.failures = max(m.failures, 1)
 
     async def _wait_for_gpu(self, m: ModelSlot) -> bool:
         """A detached GPU cannot load anything: wait for it to come back. True if the agent stops."""
-        if m.runtime.kind == "external" or not (m.state_tag == "lost" and getattr(m.state, "reason", "") == "gpu_detached"):
+        if m.runtime.kind == "external":
             return False
-        while self.read_gpu(m.spec.gpu_index).present is False:
+        while self.gpu_went_away(m.spec.gpu_index):
             m.settled.set()
             if await self._pause(self.policy.probe_interval_ms / 1000):
                 return True

@@ -100,6 +100,15 @@ async def test_gpu_detached_and_evicted(tmp_path, nats_server, event_log, agents
     assert lost1.event.reason == "gpu_detached"
     gpu = await wait_event(event_log, subjects.gpu("f", "a", 0), is_("gpu_observed", present=False), agent=agent)
     assert gpu.event.present is False
+    # The provider gives it back: the same runtime answers again, resident without a reload.
+    SimGpuState(tmp_path / "sim" / "a", 0).set_present(True)
+    back = await wait_event(event_log, subjects.model("f", "a", "m1"),
+                            lambda r: tag(r) == "model_resident" and r.seq > lost1.seq, agent=agent)
+    assert back.event.endpoint == lost1_endpoint(await event_log.history(subjects.model("f", "a", "m1")))
+
+
+def lost1_endpoint(records) -> str:
+    return [r.event.endpoint for r in records if tag(r) == "model_loading"][-1]
 
 
 async def test_slow_loading_model_stays_loading_with_growing_elapsed(tmp_path, nats_server, event_log, agents):

@@ -137,3 +137,12 @@ def test_training_env_adds_exactly_two_variables():
     env = training_env(base, spec)
     assert env == {**base, "HARU_CHECKPOINT_DIR": "/ckpt/lora", "HARU_GPU_INDEX": "1"}
     assert base == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1", "X": "1"}  # not mutated
+
+
+def test_restart_backoff_doubles_and_caps():
+    from types import SimpleNamespace
+
+    from agents.agent import Agent
+
+    fake = SimpleNamespace(policy=Policy(restart_backoff_ms=1000, restart_backoff_max_ms=5000))
+    assert [Agent._backoff_s(fake, n) for n in (1, 2, 3, 4, 5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
