@@ -190,41 +190,59 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
+async def rebuild_round(store: Path, bodies: list[tuple[str, bytes]]) -> tuple[int, dict[str, float], Projector]:
+    """One round on a fresh server: load, then each reader over the same stream."""
+    async with NatsServer(store) as server:
+        async with EventLog.connect([server.url], writer="bench") as log:
+            await log.ensure()
+            last = await load(log, bodies)
+            times = {
+                "raw": await raw_drain(log, last),
+                "noop": await replay_noop(log),
+                "fold": await replay_fold(log),
+            }
+            times["rebuild"], projector = await rebuild(log, last)
+            # A second raw drain after, so a drifting machine load shows up in the baseline too.
+            times["raw"] = min(times["raw"], await raw_drain(log, last))
+    return last, times, projector
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=100_000)
     ap.add_argument("--moves", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=3, help="fresh-server rounds of the rebuild (best of)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp)
-        async with NatsServer(store / "nats") as server:
+        bodies = history(args.events)
+        best: dict[str, float] = {}
+        for r in range(args.rounds):
+            last, times, projector = await rebuild_round(store / f"round{r}", bodies)
+            for k, v in times.items():
+                best[k] = min(best.get(k, v), v)
+            print(f"round {r + 1}: " + "  ".join(f"{k} {v:.2f}s" for k, v in times.items()))
+        raw, noop, folded, built = best["raw"], best["noop"], best["fold"], best["rebuild"]
+        s = projector.stats
+        print()
+        print(f"rebuild of {last} events ({len(FLEETS)} fleets), best of {args.rounds} fresh-server rounds")
+        print(f"  raw ordered-consumer drain    {raw:5.2f}s  {last / raw:9,.0f} ev/s   1.00x (baseline)")
+        print(f"  EventLog.replay, no-op        {noop:5.2f}s  {last / noop:9,.0f} ev/s   {raw / noop:.2f}x")
+        print(f"  EventLog.replay + fold        {folded:5.2f}s  {last / folded:9,.0f} ev/s   {raw / folded:.2f}x")
+        print(f"  projector rebuild (KV+route)  {built:5.2f}s  {last / built:9,.0f} ev/s   {raw / built:.2f}x   (target >= 0.6x)")
+        print(f"    last round: view writes {s.view_writes}, intents published {s.intents_published}, flushes {s.flushes}")
+
+        async with NatsServer(store / "propagation") as server:
             async with EventLog.connect([server.url], writer="bench") as log:
                 await log.ensure()
-                bodies = history(args.events)
-                t0 = time.perf_counter()
-                last = await load(log, bodies)
-                print(f"loaded {last} events in {time.perf_counter() - t0:.1f}s")
-
-                raw = min([await raw_drain(log, last) for _ in range(3)])
-                noop = min([await replay_noop(log) for _ in range(3)])
-                folded = min([await replay_fold(log) for _ in range(3)])
-                built, projector = await rebuild(log, last)
-                s = projector.stats
-                print()
-                print(f"rebuild of {last} events ({len(FLEETS)} fleets)")
-                print(f"  raw ordered-consumer drain  {raw:6.2f}s  {last / raw:9,.0f} ev/s   1.00x (baseline)")
-                print(f"  EventLog.replay, no-op      {noop:6.2f}s  {last / noop:9,.0f} ev/s   {raw / noop:.2f}x")
-                print(f"  EventLog.replay + fold      {folded:6.2f}s  {last / folded:9,.0f} ev/s   {raw / folded:.2f}x")
-                print(f"  projector rebuild (KV+route) {built:5.2f}s  {last / built:9,.0f} ev/s   {raw / built:.2f}x   (target >= 0.6x)")
-                print(f"    view writes {s.view_writes}, intents published {s.intents_published}, flushes {s.flushes}")
-
+                await load(log, bodies[: 4 * (1 + 2 + 2 * 2 * len(MODELS)) + 8])
                 lat = await propagation(server.url, log, args.moves, store)
-                print()
-                print(f"route-intent propagation, route_moved ack -> RouteWatcher, {len(lat)} moves, idle")
-                print(
-                    f"  p50 {statistics.median(lat):.2f} ms   p90 {pct(lat, 90):.2f} ms   p99 {pct(lat, 99):.2f} ms   "
-                    f"max {max(lat):.2f} ms   (target p99 <= 10 ms)"
-                )
+        print()
+        print(f"route-intent propagation, route_moved ack -> RouteWatcher, {len(lat)} moves, idle")
+        print(
+            f"  p50 {statistics.median(lat):.2f} ms   p90 {pct(lat, 90):.2f} ms   p99 {pct(lat, 99):.2f} ms   "
+            f"max {max(lat):.2f} ms   (target p99 <= 10 ms)"
+        )
 
 
 if __name__ == "__main__":
