@@ -211,7 +211,7 @@ class PostgresSink:
         servers: list[str],
         *,
         creds: str | None = None,
-        batch_size: int = 2000,
+        batch_size: int = 5000,
         flush_interval: float = 0.2,
         retry: bool = True,
         retry_max: float = 30.0,

@@ -40,7 +40,7 @@ def register(subparsers) -> None:
         help="PostgreSQL DSN, e.g. postgresql://haru@db/haru (env HARU_DATABASE_URL or DATABASE_URL)",
     )
     add_nats_options(pg)
-    pg.add_argument("--batch-size", type=int, default=2000, help="events per transaction at most (default %(default)s)")
+    pg.add_argument("--batch-size", type=int, default=5000, help="events per transaction at most (default %(default)s)")
     pg.add_argument(
         "--flush-ms", type=int, default=200, help="write a partial batch after this long (default %(default)s ms)"
     )

@@ -162,10 +162,26 @@ def _promotion(fleet: str, op_id: str, target: str, rnd: random.Random, tick) ->
 
 
 async def store(log, items: list[Item], *, window: int = 2000, timeout: float = 60.0) -> int:
-    """Append raw bodies to HARU_EVENTS as fast as JetStream takes them; returns the last sequence."""
+    """Append raw bodies to HARU_EVENTS as fast as JetStream takes them; returns the last sequence.
+
+    Each message carries the two headers `EventLog.append` writes (an expected-sequence check and a
+    Msg-Id), so a replay of this history costs what a replay of a real log does; the check is
+    `Nats-Expected-Last-Subject-Sequence` of the subject's previous message, so it always passes.
+    """
+    from haru.eventlog import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, msg_id
+
     js = log.js
+    first = await log.last_seq()
+    last_on: dict[str, int] = {}
+    seq = first
     for i in range(0, len(items), window):
         for subject, data in items[i : i + window]:
-            await js.publish_async(subject, data, stream=subjects.EVENTS_STREAM)
+            seq += 1
+            expect = last_on.get(subject, 0)
+            headers = {MSG_ID: msg_id(subject, seq, data)}  # unique: repeated bodies are not duplicates
+            if first == 0:  # the per-subject sequences are known only when this fills the stream
+                headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expect)
+            last_on[subject] = seq
+            await js.publish_async(subject, data, headers=headers)
         await asyncio.wait_for(js.publish_async_completed(), timeout)
     return await log.last_seq()
