@@ -7,10 +7,17 @@
         await Projector(log).run()          # until cancelled
 
 Start. The fleets of the log are the fleets that have declarations (`haru.evt.*.decl`). Each one's
-stored view is read from KV; the replay resumes from the smallest stored `seq` + 1 (from 1 when
-a declared fleet has no stored view yet). Events at or below a fleet's own view `seq` are skipped
-for that fleet (`projections.fleet.fold_one`), so fleets whose views are further ahead are not
-folded twice. A fleet first met during the replay (events but no declaration) starts empty.
+stored view is read from KV; the replay resumes from the smallest stored `position` + 1, where
+position = max(view.seq, view.checkpoint) (from 1 when a declared fleet has no stored view yet).
+Events at or below a fleet's own view `seq` are skipped for that fleet
+(`projections.fleet.fold_one`), so fleets whose views are further ahead are not folded twice. A
+fleet first met during the replay (events but no declaration) starts empty. The checkpoint of a
+fleet that has been quiet for `checkpoint_lag` events is advanced (its view rewritten), so one idle
+fleet does not pin every restart to its last event.
+
+Follow. The replay follows the log until cancelled; when the stream holds messages past the last
+one handled and the replay makes no progress for a couple of seconds (nats-py's ordered consumer
+takes ~20 s to notice a NATS restart), it is restarted after the last sequence handled.
 
 Fold. The replay handler is synchronous: it decodes nothing itself (the log did), folds the record
 into the in-memory views, marks the fleet dirty, and when the record moved the route pointer it
@@ -28,11 +35,12 @@ batched: one write per fleet per batch, not per event). For each dirty fleet, in
    otherwise retry on top of it. Intents therefore never go backwards, and two projectors publish
    each pointer move once.
 2. write the view with `put_view(key, data, last=revision read)`. On Conflict: read the stored
-   view; if its `seq` is at or after ours, adopt it (a view never overwrites a newer one) and the
+   view; if its position is at or after ours, adopt it (a view never overwrites a newer one) and the
    fold skips what it covers; otherwise retry on its revision.
 
 Intents go before the view: a crash between the two replays those events on restart, and intents
-already published are recognised by `view_seq` and not repeated.
+already published are recognised by `view_seq` and not repeated. A failed write (NATS away) is
+retried with backoff while folding goes on.
 """
 
 from __future__ import annotations
@@ -100,7 +108,7 @@ class Projector:
         self.views: dict[str, FleetView] = {}
         self.stats = Stats()
         self._revs: dict[str, int] = {}  # KV revision of each fleet's view as last read or written
-        self._stored: dict[str, int] = {}  # seq of the view stored in KV, as far as we know
+        self._stored: dict[str, int] = {}  # position of the view stored in KV, as far as we know
         self._dirty: set[str] = set()
         self._pending: dict[str, list[RouteIntent]] = {}  # intents snapshotted at route moves
         self._intents: dict[str, tuple[RouteIntent | None, int]] = {}  # last known intent, its seq
