@@ -152,16 +152,36 @@ class LocalPostgres:
         if not self.durable:
             options |= {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
         options |= self.settings
-        opts = " ".join(f"-c {k}={v}" for k, v in options.items())
+        self._options = " ".join(f"-c {k}={v}" for k, v in options.items())
+        self._launch()
+        return self
+
+    def _launch(self) -> None:
         self._run(
             [
                 os.path.join(self.bindir, "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "postgres.log"),
-                "-o", opts, "-w", "-t", "60", "start",
+                "-o", self._options, "-w", "-t", "60", "start",
             ],
             timeout=90,
         )  # fmt: skip
         self.started = True
-        return self
+
+    def _shutdown(self, mode: str = "fast") -> None:
+        pg_ctl = os.path.join(self.bindir, "pg_ctl")
+        try:
+            self._run([pg_ctl, "-D", str(self.data), "-m", mode, "-w", "-t", "30", "stop"], timeout=45)
+        except (ConfigError, subprocess.TimeoutExpired):
+            self._run([pg_ctl, "-D", str(self.data), "-m", "immediate", "-w", "stop"], timeout=30)
+        self.started = False
+
+    def restart(self, *, mode: str = "fast", down_for: float = 0.0) -> None:
+        """Stop the server (`fast` disconnects every client, `immediate` is a crash) and start it again."""
+        self._shutdown(mode)
+        if down_for:
+            import time
+
+            time.sleep(down_for)
+        self._launch()
 
     def _as_owner(self, make) -> None:
         make()
@@ -174,12 +194,7 @@ class LocalPostgres:
             return
         try:
             if self.started:
-                pg_ctl = os.path.join(self.bindir, "pg_ctl")
-                try:
-                    self._run([pg_ctl, "-D", str(self.data), "-m", "fast", "-w", "-t", "30", "stop"], timeout=45)
-                except (ConfigError, subprocess.TimeoutExpired):
-                    self._run([pg_ctl, "-D", str(self.data), "-m", "immediate", "-w", "stop"], timeout=30)
-                self.started = False
+                self._shutdown("fast")
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
             self.root = None

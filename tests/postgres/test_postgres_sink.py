@@ -288,3 +288,58 @@ def _expected_event_rows(items: list[tuple[str, bytes]]) -> dict[str, int]:
         "steps_finished": tags["step_completed"] + tags["step_failed"],
         "losses_that_opened": opened,
     }
+
+
+@pytest.mark.timeout(120)
+async def test_a_following_sink_survives_a_postgres_restart_and_resumes_exactly_once(event_log, nats_server, tmp_path):
+    """Its own server (the session's is shared): crash Postgres under the sink, start it again."""
+    from projections.pg_local import LocalPostgres
+
+    pg_server = LocalPostgres()
+    await asyncio.to_thread(pg_server.start)
+    try:
+        dsn = pg_server.dsn("postgres")
+        first = await pgdata.store(event_log, pgdata.fleet_history(2000, seed=3))
+        sink = PostgresSink(dsn, [nats_server.url], batch_size=300, flush_interval=0.05, retry=True, retry_max=0.5)
+        task = asyncio.create_task(sink.run(follow=True))
+        try:
+            await _wait_position(dsn, first, task)
+            await asyncio.to_thread(pg_server.restart, mode="immediate", down_for=1.0)  # a crash, then back
+            subject = subjects.model(F, "a", M)
+            last = 0
+            for i in range(3):
+                await put(event_log, subject, ev.ModelLoading(at=t(i), domain="a", model=M))
+                last = await put(event_log, subject, ev.ModelResident(at=t(i + 0.5), domain="a", model=M))
+            await _wait_position(dsn, last, task)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        conn = await asyncpg.connect(dsn)
+        try:
+            expected = _expected_event_rows(pgdata.fleet_history(2000, seed=3))
+            got = await _event_rows(conn)
+            assert got["residency_transitions"] == expected["residency_transitions"] + 6
+            assert got["gpu_observations"] == expected["gpu_observations"]
+            seqs = [r[0] for r in await conn.fetch("SELECT seq FROM haru.residency_transitions")]
+            assert len(seqs) == len(set(seqs))
+        finally:
+            await conn.close()
+    finally:
+        await asyncio.to_thread(pg_server.stop)
+
+
+async def _wait_position(dsn: str, target: int, task: asyncio.Task, timeout: float = 40) -> None:
+    async with asyncio.timeout(timeout):
+        while True:
+            assert not task.done(), task
+            try:
+                conn = await asyncpg.connect(dsn)
+                try:
+                    if await _position(conn) == target:
+                        return
+                finally:
+                    await conn.close()
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+                pass  # the server is restarting
+            await asyncio.sleep(0.05)
