@@ -1,0 +1,330 @@
+#!/usr/bin/env python3
+"""Write the NATS users and subject permissions of a Haru deployment (deploy/nats/accounts.conf).
+
+    python deploy/nats/gen_users.py deploy/examples/demo-fleet.json > deploy/nats/accounts.conf
+    python deploy/nats/gen_users.py fleet-prod.json fleet-lab.json --agent lab:gpu-9 -o accounts.conf
+    python deploy/nats/gen_users.py fleet.json --env-secrets /etc/haru/nats.env   # random passwords, mode 0600
+    python deploy/nats/gen_users.py fleet.json --nsc                              # nsc commands (JWT mode)
+
+Plain nats-server users have no permission templates (`{{name()}}` exists only in JWT/operator mode),
+so an agent's permissions name its fleet and domain literally: one user per domain, generated here
+from the layout files (only "fleet" and "domains[].name" are read). Every password is a reference
+to an environment variable (`password: $HARU_NATS_PASSWORD_...`): nats-server resolves it when it
+starts and refuses to start when one is missing, so no secret lives in this file.
+
+The roles (DESIGN.md "Security"):
+  agent.<fleet>.<domain>  publishes only its own domain's events (agent, model.*, gpu.*, training.*:
+                          not liveness, which the promoter writes) and heartbeat; answers only its own
+                          commands (haru.cmd.<fleet>.<domain>.>, nats.micro's $SRV.>); reads the event
+                          log through consumers and message gets; appends use expected sequences.
+  promoter                writes op, route and liveness events of any fleet; requests haru.cmd.>;
+                          reads events, views and intents; subscribes haru.hb.>.
+  projector               reads events; writes the KV bucket haru_views and haru.route.>.
+  gateway                 reads views, intents and events; writes haru.evt.*.op (promote/demote requests).
+  control                 projector + promoter + gateway in one process (`haru up --nats-url`).
+  operator                the `haru` CLI: declarations (haru apply), op requests, commands; reads all.
+  router                  may only subscribe haru.route.> and read stream HARU_ROUTE.
+  admin                   everything, including creating streams (`ensure(replicas=3)`).
+Nobody but admin may use the stream/consumer DELETE, PURGE or UPDATE APIs, nor STREAM.MSG.DELETE.
+
+Standard library only, so it runs on a NATS host without Haru installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import sys
+from dataclasses import dataclass, field
+
+EVENTS = "HARU_EVENTS"
+ROUTE = "HARU_ROUTE"
+VIEWS = "KV_haru_views"  # the stream behind the KV bucket haru_views
+NAME = re.compile(r"[a-z0-9_-]{1,64}")
+RESERVED_DOMAINS = {"decl", "route", "op"}
+ACCOUNT = "HARU"
+
+# The JetStream API subjects nobody but admin may publish to (deny beats allow in nats-server: this
+# list is a second fence behind the allow lists, which never name these anyway).
+DESTRUCTIVE = [
+    "$JS.API.STREAM.CREATE.>",
+    "$JS.API.STREAM.UPDATE.>",
+    "$JS.API.STREAM.DELETE.>",
+    "$JS.API.STREAM.PURGE.>",
+    "$JS.API.STREAM.MSG.DELETE.>",
+    "$JS.API.STREAM.SNAPSHOT.>",
+    "$JS.API.STREAM.RESTORE.>",
+    "$JS.API.CONSUMER.DELETE.>",
+    "$JS.API.CONSUMER.PAUSE.>",
+    "$JS.API.CONSUMER.UNPIN.>",
+]
+
+
+def read_stream(stream: str) -> list[str]:
+    """Publish subjects a client needs to read `stream` the way nats-py does: stream info, last-by-subject
+    and by-sequence gets (STREAM.MSG.GET and DIRECT.GET), ephemeral ordered push consumers
+    (CONSUMER.CREATE, with or without the name/filter suffix, their info, and flow-control replies)."""
+    return [
+        f"$JS.API.STREAM.INFO.{stream}",
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+        f"$JS.API.CONSUMER.CREATE.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.INFO.{stream}.*",
+        f"$JS.FC.{stream}.>",
+    ]
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    comment: str
+    publish: list[str]
+    subscribe: list[str]
+    deny_publish: list[str] = field(default_factory=lambda: list(DESTRUCTIVE))
+    allow_responses: bool = False
+
+    @property
+    def env(self) -> str:
+        return "HARU_NATS_PASSWORD_" + re.sub(r"[^A-Z0-9]", "_", self.name.upper())
+
+
+INBOX = "_INBOX.>"  # replies to this client's own requests and JetStream acks / deliveries
+
+
+def fixed_users() -> list[User]:
+    events, route, views = read_stream(EVENTS), read_stream(ROUTE), read_stream(VIEWS)
+    promoter_pub = [
+        "haru.evt.*.op", "haru.evt.*.route", "haru.evt.*.*.liveness",
+        "haru.cmd.>", "$SRV.>",
+        *events, *views, *route,
+    ]
+    projector_pub = ["$KV.haru_views.>", "haru.route.>", *events, *views, *route]
+    gateway_pub = ["haru.evt.*.op", *events, *views, *route]
+    return [
+        User("admin", "everything: stream creation (ensure), repairs, `nats` CLI administration",
+             publish=[">"], subscribe=[">"], deny_publish=[]),
+        User("promoter", "the failover saga: op/route/liveness events, agent commands, heartbeats",
+             publish=promoter_pub, subscribe=["haru.hb.>", INBOX]),
+        User("projector", "folds events into the KV views and route intents",
+             publish=projector_pub, subscribe=["haru.hb.>", INBOX]),
+        User("gateway", "reads views, intents and history; requests promotions/demotions (op events)",
+             publish=gateway_pub, subscribe=["haru.hb.>", "haru.route.>", INBOX]),
+        User("control", "projector + promoter + gateway in one process (`haru up --nats-url`)",
+             publish=_union(promoter_pub, projector_pub, gateway_pub), subscribe=["haru.hb.>", "haru.route.>", INBOX]),
+        User("operator", "the haru CLI: apply (decl), promote/demote (op), agent commands, reads",
+             publish=["haru.evt.*.decl", "haru.evt.*.op", "haru.cmd.>", "$SRV.>", *events, *views, *route],
+             subscribe=["haru.hb.>", "haru.route.>", INBOX]),
+        User("router", "may only subscribe haru.route.> and read stream HARU_ROUTE",
+             publish=read_stream(ROUTE), subscribe=["haru.route.>", INBOX]),
+    ]
+
+
+def agent_user(fleet: str, domain: str) -> User:
+    own = f"haru.evt.{fleet}.{domain}"
+    return User(
+        f"agent.{fleet}.{domain}",
+        f"the agent of fleet {fleet!r} domain {domain!r}: its own events, heartbeat and commands only",
+        publish=[
+            f"{own}.agent", f"{own}.model.*", f"{own}.gpu.*", f"{own}.training.*",
+            f"haru.hb.{fleet}.{domain}",
+            *read_stream(EVENTS),
+        ],
+        subscribe=[f"haru.cmd.{fleet}.{domain}.>", "$SRV.>", INBOX],
+        allow_responses=True,
+    )
+
+
+def _union(*lists: list[str]) -> list[str]:
+    out: list[str] = []
+    for items in lists:
+        out += [s for s in items if s not in out]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ render
+
+
+def _q(s: str) -> str:
+    return json.dumps(s)
+
+
+def _list(items: list[str], indent: str) -> str:
+    return "[\n" + "".join(f"{indent}  {_q(s)}\n" for s in items) + f"{indent}]"
+
+
+def render_user(u: User) -> str:
+    ind = "        "
+    lines = [f"      # {u.comment}", "      {", f"{ind}user: {_q(u.name)}", f"{ind}password: ${u.env}"]
+    lines.append(f"{ind}permissions: {{")
+    pub = f"{ind}  publish: {{ allow: {_list(u.publish, ind + '  ')}"
+    if u.deny_publish:
+        pub += f", deny: {_list(u.deny_publish, ind + '  ')}"
+    lines.append(pub + " }")
+    lines.append(f"{ind}  subscribe: {{ allow: {_list(u.subscribe, ind + '  ')} }}")
+    if u.allow_responses:
+        lines.append(f"{ind}  allow_responses: true")
+    lines.append(f"{ind}}}")
+    lines.append("      }")
+    return "\n".join(lines)
+
+
+def render(users: list[User], sources: list[str]) -> str:
+    head = f"""\
+# Haru NATS users and subject permissions. GENERATED by deploy/nats/gen_users.py from:
+#   {', '.join(sources) or '(no layout)'}
+# Regenerate after adding a fleet or a domain; do not edit by hand.
+#
+# EXAMPLE: every password is an environment variable reference ($HARU_NATS_PASSWORD_*), resolved by
+# nats-server at start (it refuses to start when one is missing). Put them in /etc/haru/nats.env
+# (mode 0600, see deploy/nats/nats.env.example) for the nats-server unit's EnvironmentFile, or
+# create them with `gen_users.py --env-secrets /etc/haru/nats.env`.
+# Clients log in with nats://<user>:<password>@host:4222. Switching to nkeys/JWT: deploy/README.md.
+
+accounts {{
+  {ACCOUNT} {{
+    jetstream: enabled
+    users: [
+"""
+    body = "\n".join(render_user(u) for u in users)
+    tail = """
+    ]
+  }
+  # The system account: `nats server report jetstream`, `nats server list` (--user sys).
+  SYS {
+    users: [
+      { user: "sys", password: $HARU_NATS_PASSWORD_SYS }
+    ]
+  }
+}
+system_account: SYS
+"""
+    return head + body + tail
+
+
+def env_lines(users: list[User], *, generate: bool) -> str:
+    out = ["# Secrets of the Haru NATS cluster (the nats-server units' EnvironmentFile). Mode 0600, owner root."]
+    if not generate:
+        out.append("# EXAMPLE with placeholder values: replace every one (`gen_users.py --env-secrets FILE` does).")
+
+    def secret(name: str) -> str:
+        if generate:
+            # nats-server parses a variable's value as a config value: a leading digit makes it a number
+            # (and "true", "no"... booleans). A letter, then hex: a string, and URL-safe as it must be in
+            # nats://user:password@host URLs.
+            return "s" + secrets.token_hex(20)
+        return "change-me-" + name.lower().removeprefix("haru_nats_password_").removeprefix("haru_nats_").replace("_", "-")
+
+    for n in [u.env for u in users] + ["HARU_NATS_PASSWORD_SYS"]:
+        out.append(f"{n}={secret(n)}")
+    route = secret("HARU_NATS_ROUTE_PASSWORD")
+    out += [
+        "# Routes between the three nodes. Outgoing routes do not reuse the cluster's authorization block and a",
+        "# URL cannot interpolate a variable, so each route is one variable holding its whole URL. Replace the",
+        "# host names with the nodes' private addresses.",
+        f"HARU_NATS_ROUTE_PASSWORD={route}",
+    ]
+    for i in (1, 2, 3):
+        out.append(f"HARU_NATS_ROUTE_{i}=nats-route://route:{route}@nats-{i}.haru.internal:6222")
+    return "\n".join(out) + "\n"
+
+
+def nsc_commands(users: list[User]) -> str:
+    """The same users for JWT/operator mode (nsc), where clients log in with a .creds file."""
+    out = ["# Run after `nsc add operator haru --sys` and `nsc add account HARU` (JetStream enabled with",
+           "# `nsc edit account HARU --js-disk-storage -1 --js-mem-storage -1 --js-streams -1 --js-consumer -1`)."]
+    for u in users:
+        if u.name == "admin":
+            out.append("nsc add user --account HARU --name admin")
+            continue
+        args = [f"--allow-pub {_q(','.join(u.publish))}", f"--allow-sub {_q(','.join(u.subscribe))}"]
+        if u.deny_publish:
+            args.append(f"--deny-pub {_q(','.join(u.deny_publish))}")
+        if u.allow_responses:
+            args.append("--allow-pub-response")
+        out.append(f"nsc add user --account HARU --name {u.name.replace('.', '-')} " + " ".join(args))
+    out.append("# then: nsc generate creds --account HARU --name <user> > <user>.creds   (agent config: \"nats_creds\")")
+    return "\n".join(out) + "\n"
+
+
+# -------------------------------------------------------------------------------------------- main
+
+
+def domains_of(path: str) -> list[tuple[str, str]]:
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    fleet = doc.get("fleet")
+    names = [d.get("name") for d in doc.get("domains", []) if isinstance(d, dict)]
+    if not isinstance(fleet, str) or not names:
+        raise SystemExit(f"{path}: a layout needs \"fleet\" and \"domains\": [{{\"name\": ...}}, ...]")
+    return [(fleet, d) for d in names]
+
+
+def check(fleet: str, domain: str) -> None:
+    for kind, v in (("fleet", fleet), ("domain", domain)):
+        if not isinstance(v, str) or not NAME.fullmatch(v):
+            raise SystemExit(f"{kind} name {v!r} is not a Haru name (lowercase [a-z0-9_-], 1..64)")
+    if domain in RESERVED_DOMAINS:
+        raise SystemExit(f"domain name {domain!r} is reserved")
+
+
+def build(pairs: list[tuple[str, str]]) -> list[User]:
+    users = fixed_users()
+    seen: set[tuple[str, str]] = set()
+    for fleet, domain in pairs:
+        check(fleet, domain)
+        if (fleet, domain) not in seen:
+            seen.add((fleet, domain))
+            users.append(agent_user(fleet, domain))
+    envs: dict[str, str] = {}
+    for u in users:
+        if u.env in envs:
+            raise SystemExit(f"users {envs[u.env]!r} and {u.name!r} would share {u.env}; rename one domain")
+        envs[u.env] = u.name
+    return users
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("layouts", nargs="*", help="layout JSON files (fleet + domains)")
+    p.add_argument("--agent", action="append", default=[], metavar="FLEET:DOMAIN", help="an extra agent user")
+    p.add_argument("-o", "--output", help="write the accounts file here (default: stdout)")
+    p.add_argument("--env-example", metavar="FILE", help="write an EnvironmentFile with placeholder passwords")
+    p.add_argument("--env-secrets", metavar="FILE", help="write an EnvironmentFile with random passwords (mode 0600)")
+    p.add_argument("--nsc", action="store_true", help="print nsc commands for JWT/operator mode instead")
+    args = p.parse_args(argv)
+
+    pairs: list[tuple[str, str]] = []
+    for path in args.layouts:
+        pairs += domains_of(path)
+    for item in args.agent:
+        fleet, _, domain = item.partition(":")
+        pairs.append((fleet, domain))
+    users = build(pairs)
+
+    if args.nsc:
+        sys.stdout.write(nsc_commands(users))
+        return 0
+    text = render(users, [os.path.relpath(s) if os.path.isabs(s) else s for s in args.layouts]
+                  + [f"--agent {a}" for a in args.agent])
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    if args.env_example:
+        with open(args.env_example, "w", encoding="utf-8") as f:
+            f.write(env_lines(users, generate=False))
+    if args.env_secrets:
+        fd = os.open(args.env_secrets, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(env_lines(users, generate=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,575 @@
+"""The deploy cluster: three nats-servers on loopback, configured by the SHIPPED deploy/nats files.
+
+Each node runs its own `deploy/nats/nats-N.conf`, rewritten only where a laptop must differ from
+production (loopback ports instead of :4222/:6222/:8222, a temporary store directory, and the path of the `include ./haru-common.conf` line, which in turn includes the shipped
+`accounts.conf` unchanged). Every rewrite must match exactly once, so a change to the shipped files
+fails here instead of silently testing something else. Passwords are random per run and, with the
+route URLs, reach nats-server through the environment variables the shipped files reference.
+
+What is asserted is what an operator relies on: the cluster forms; `EventLog.ensure(replicas=3)`
+makes R3 streams; an agent's credentials cannot write another domain's (or the promoter's) events
+nor delete, purge or update anything, yet can do its own job; a router's credentials can only read
+route intents; killing the stream leader keeps sequence-checked appends working.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+import nats
+import nats.errors
+import nats.js.errors
+import pytest
+from nats.js import api
+from nats.micro import add_service
+
+from haru import subjects
+from haru.errors import Conflict, LogError, LogUnavailable
+from haru.eventlog import EventLog
+from haru.events import AgentStarted, FleetDeclared, ModelLoading, PromotionRequested, RouteMoved
+from haru.natsd import find_binary, free_port
+from haru.specs import Policy
+
+pytestmark = pytest.mark.timeout(90)
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy" / "nats"
+FLEET = "default"
+STREAMS = (subjects.EVENTS_STREAM, subjects.ROUTE_STREAM, "KV_" + subjects.VIEWS_BUCKET)
+DENIED = "permissions violation"  # nats-py lowercases the whole -ERR text, subject included
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def read_env(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            k, v = line.split("=", 1)
+            out[k] = v
+    return out
+
+
+def generated_secrets(root: Path) -> dict[str, str]:
+    """Fresh secrets from `gen_users.py --env-secrets`, as an operator makes them."""
+    path = root / "nats.env"
+    subprocess.run(
+        [sys.executable, str(DEPLOY / "gen_users.py"), "deploy/examples/demo-fleet.json", "-o", os.devnull, "--env-secrets", str(path)],
+        cwd=REPO, check=True,
+    )
+    assert path.stat().st_mode & 0o077 == 0, "the secrets file must be private to its owner"
+    env = read_env(path)
+    assert env.keys() == read_env(DEPLOY / "nats.env.example").keys()
+    return env
+
+
+def rewrite(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, f"the shipped node config no longer has exactly one {old!r}; update this test"
+    return text.replace(old, new)
+
+
+class Node:
+    def __init__(self, index: int, root: Path) -> None:
+        self.index = index
+        self.name = f"haru-nats-{index}"
+        self.dir = root / f"node-{index}"
+        self.port, self.http_port, self.cluster_port = free_port(), free_port(), free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def config(self) -> Path:
+        text = (DEPLOY / f"nats-{self.index}.conf").read_text()
+        text = rewrite(text, "listen: 0.0.0.0:4222", f"listen: 127.0.0.1:{self.port}")
+        text = rewrite(text, "http: 127.0.0.1:8222", f"http: 127.0.0.1:{self.http_port}")
+        text = rewrite(text, "listen: 0.0.0.0:6222", f"listen: 127.0.0.1:{self.cluster_port}")
+        text = rewrite(text, "store_dir: /var/lib/nats/jetstream", f"store_dir: {json.dumps(str(self.dir / 'js'))}")
+        common = os.path.relpath(DEPLOY / "haru-common.conf", self.dir)
+        text = rewrite(text, "include ./haru-common.conf", f"include {json.dumps(common)}")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / "nats.conf"
+        path.write_text(text)
+        return path
+
+    def start(self, env: dict[str, str]) -> None:
+        config = self.config()
+        with open(self.dir / "nats-server.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [find_binary(), "-c", str(config)], stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+            )
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited at start: {(self.dir / 'nats-server.log').read_text()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.settimeout(0.5)
+                    if s.recv(4).startswith(b"INFO"):
+                        return
+            except OSError:
+                time.sleep(0.02)
+        raise AssertionError(f"{self.name} did not listen in time")
+
+    def monitor(self, path: str) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=2) as r:
+            return json.loads(r.read())
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive:
+            assert self.proc is not None
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.alive:
+            assert self.proc is not None
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Cluster:
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.passwords = generated_secrets(root)
+        self.nodes = [Node(i, root) for i in (1, 2, 3)]
+
+    def start(self) -> None:
+        env = dict(os.environ, **self.passwords)
+        for node in self.nodes:  # the routes, as the shipped environment file spells them, on loopback
+            env[f"HARU_NATS_ROUTE_{node.index}"] = (
+                f"nats-route://route:{self.passwords['HARU_NATS_ROUTE_PASSWORD']}@127.0.0.1:{node.cluster_port}"
+            )
+        for node in self.nodes:
+            node.start(env)
+        deadline = time.monotonic() + 20
+        for node in self.nodes:
+            node.wait_ready(deadline)
+        while time.monotonic() < deadline:  # every node routed to both others
+            if all(n.monitor("/routez")["num_routes"] >= 2 for n in self.nodes):
+                return
+            time.sleep(0.05)
+        raise AssertionError("the three nodes did not form a cluster within 20 s")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def password(self, user: str) -> str:
+        return self.passwords["HARU_NATS_PASSWORD_" + user.upper().replace(".", "_").replace("-", "_")]
+
+    def urls(self, user: str | None) -> list[str]:
+        auth = "" if user is None else f"{user}:{self.password(user)}@"
+        return [f"nats://{auth}127.0.0.1:{n.port}" for n in self.nodes if n.alive]
+
+    def log(self, user: str, writer: str | None = None):
+        return EventLog.connect(self.urls(user), writer=writer or user)
+
+    async def raw(self, user: str | None, errors: list[str] | None = None) -> nats.NATS:
+        async def on_error(exc: Exception) -> None:
+            if errors is not None:
+                errors.append(str(exc))
+
+        return await nats.connect(
+            servers=self.urls(user), error_cb=on_error, connect_timeout=2, allow_reconnect=False, name=user or "anonymous"
+        )
+
+
+def start_cluster(root: Path) -> Cluster:
+    cluster = Cluster(root)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp("deploy-cluster"))
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+async def ensure_r3(c: Cluster) -> None:
+    """Create the R3 streams as admin, waiting (bounded) for JetStream's meta leader on a fresh cluster."""
+    deadline = time.monotonic() + 30
+    async with c.log("admin") as log:
+        while True:
+            try:
+                await log.ensure(replicas=3)
+                return
+            except (LogUnavailable, LogError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.25)
+
+
+@pytest.fixture
+async def admin(cluster):
+    await ensure_r3(cluster)
+    async with cluster.log("admin") as log:
+        yield log
+
+
+async def violation(errors: list[str], what: str, *, within: float = 3.0) -> str:
+    """Wait for the server's permissions violation naming `what` (asynchronous -ERR), return it."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        for e in errors:
+            if DENIED in e.lower() and what.lower() in e.lower():
+                return e
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no permissions violation for {what!r}; errors seen: {errors}")
+
+
+async def request_until(nc: nats.NATS, subject: str, data: bytes, *, within: float = 5.0):
+    """A request, retried while nobody answers yet: in a cluster a new subscription's interest reaches
+    the other nodes a moment after the subscriber's flush."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return await nc.request(subject, data, timeout=2)
+        except nats.errors.NoRespondersError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+async def stored_on(js, stream: str, subject: str) -> int:
+    """The last sequence stored on `subject` (0 when none), read with admin rights."""
+    try:
+        return (await js.get_msg(stream, subject=subject)).seq
+    except nats.js.errors.NotFoundError:
+        return 0
+
+
+# ------------------------------------------------------------------------------- the shipped files
+
+
+def test_shipped_node_configs_are_valid_with_the_example_environment():
+    env = dict(os.environ, **read_env(DEPLOY / "nats.env.example"))
+    for i in (1, 2, 3):
+        done = subprocess.run([find_binary(), "-t", "-c", str(DEPLOY / f"nats-{i}.conf")], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+    # A missing secret is fatal: nats-server refuses to start rather than run with an empty password.
+    env.pop("HARU_NATS_PASSWORD_ROUTER")
+    done = subprocess.run([find_binary(), "-t", "-c", str(DEPLOY / "nats-1.conf")], env=env, capture_output=True, text=True)
+    assert done.returncode != 0 and "HARU_NATS_PASSWORD_ROUTER" in done.stdout + done.stderr
+
+
+def test_accounts_file_is_what_gen_users_writes_for_the_example_fleet(tmp_path):
+    out = tmp_path / "accounts.conf"
+    env_out = tmp_path / "nats.env.example"
+    subprocess.run(
+        [sys.executable, str(DEPLOY / "gen_users.py"), "deploy/examples/demo-fleet.json", "-o", str(out), "--env-example", str(env_out)],
+        cwd=REPO, check=True,
+    )
+    assert out.read_text() == (DEPLOY / "accounts.conf").read_text(), "regenerate deploy/nats/accounts.conf with gen_users.py"
+    assert env_out.read_text() == (DEPLOY / "nats.env.example").read_text()
+    # A new domain gets its own user with its own subjects only.
+    more = subprocess.run(
+        [sys.executable, str(DEPLOY / "gen_users.py"), "--agent", "lab:gpu-9"], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout
+    assert '"agent.lab.gpu-9"' in more and "$HARU_NATS_PASSWORD_AGENT_LAB_GPU_9" in more
+    assert '"haru.evt.lab.gpu-9.model.*"' in more and '"haru.cmd.lab.gpu-9.>"' in more
+
+
+# --------------------------------------------------------------------------- cluster and streams
+
+
+async def test_three_nodes_form_a_cluster_and_the_streams_are_r3(cluster, admin):
+    names = {n.name for n in cluster.nodes}
+    for node in cluster.nodes:
+        routed = {r.get("remote_name") or r.get("remote_id") for r in node.monitor("/routez")["routes"]}
+        assert names - {node.name} <= routed, (node.name, routed)
+    deadline = time.monotonic() + 15
+    for stream in STREAMS:
+        while True:
+            info = await admin.js.stream_info(stream)
+            peers = info.cluster.replicas or []
+            if info.cluster.leader and len(peers) == 2 and all(p.current for p in peers):
+                break
+            assert time.monotonic() < deadline, f"{stream} replicas never caught up: {info.cluster}"
+            await asyncio.sleep(0.1)
+        assert info.config.num_replicas == 3
+        assert {info.cluster.leader, *(p.name for p in peers)} == names
+    events = await admin.js.stream_info(subjects.EVENTS_STREAM)
+    assert events.config.deny_delete and events.config.deny_purge
+
+
+async def test_no_anonymous_or_wrong_password_clients(cluster):
+    with pytest.raises((nats.errors.Error, OSError)):
+        nc = await cluster.raw(None)
+        await nc.close()
+    bad = [u.replace(cluster.password("admin"), "wrong") for u in cluster.urls("admin")]
+    with pytest.raises((nats.errors.Error, OSError)):
+        nc = await nats.connect(servers=bad, connect_timeout=2, allow_reconnect=False)
+        await nc.close()
+
+
+# --------------------------------------------------------------------------------------- agents
+
+
+async def test_an_agent_writes_only_its_own_domain(cluster, admin):
+    decl = subjects.decl(FLEET)
+    await admin.append(decl, FleetDeclared(at=now(), fleet=FLEET, policy=Policy()), expect=await admin.last_seq_of(decl))
+
+    # What an agent needs works: read the fleet's declarations, append its own events with expected sequences.
+    async with cluster.log("agent.default.a", "agent:default/a") as agent:
+        assert [r.subject for r in await agent.history(decl)][-1] == decl
+        assert (await agent.last(decl)) is not None
+        own = subjects.agent(FLEET, "a")
+        seq = await agent.append(own, AgentStarted(at=now(), domain="a"), expect=await agent.last_seq_of(own))
+        model = subjects.model(FLEET, "a", "qwen3.6:27b")
+        await agent.append(model, ModelLoading(at=now(), domain="a", model="qwen3.6:27b"), expect=await agent.last_seq_of(model))
+        assert (await agent.last(own)).seq == seq
+        # A stale expectation is a Conflict, not a permission problem.
+        with pytest.raises(Conflict):
+            await agent.append(own, AgentStarted(at=now(), domain="a"), expect=0)
+
+    # Another domain's events through JetStream: the server drops the publish (no ack ever comes).
+    errors: list[str] = []
+    nc = await cluster.raw("agent.default.a", errors)
+    try:
+        other = subjects.model(FLEET, "b", "x")
+        js = nc.jetstream(timeout=1.0)
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.publish(other, b"{}", headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+        await violation(errors, f'"{other}"')
+        assert await stored_on(admin.js, subjects.EVENTS_STREAM, other) == 0
+
+        # Nor the promoter's subjects (even its own domain's liveness), the fleet's, or another fleet's.
+        forbidden = [
+            subjects.agent(FLEET, "b"), subjects.liveness(FLEET, "a"), subjects.route(FLEET), subjects.op(FLEET),
+            subjects.decl(FLEET), subjects.agent("other", "a"), subjects.heartbeat(FLEET, "b"), subjects.intent(FLEET),
+            "$KV.haru_views.fleet.default",
+        ]
+        before = {s: await stored_on(admin.js, subjects.EVENTS_STREAM, s) for s in forbidden if s.startswith("haru.evt.")}
+        for subject in forbidden:
+            await nc.publish(subject, b"{}")
+        await nc.flush()
+        for subject in forbidden:
+            await violation(errors, f'"{subject}"')
+        after = {s: await stored_on(admin.js, subjects.EVENTS_STREAM, s) for s in before}
+        assert after == before
+    finally:
+        await nc.close()
+
+
+async def test_an_agent_cannot_delete_purge_or_update_the_log(cluster, admin):
+    own = subjects.agent(FLEET, "b")
+    await admin.append(own, AgentStarted(at=now(), domain="b"), expect=await admin.last_seq_of(own))
+    before = {s: (await admin.js.stream_info(s)).state.messages for s in STREAMS}
+
+    config = (await admin.js.stream_info(subjects.EVENTS_STREAM)).config
+
+    async def try_everything(user: str) -> None:
+        errors: list[str] = []
+        nc = await cluster.raw(user, errors)
+        try:
+            js = nc.jetstream(timeout=1.0)
+            attempts = {
+                "$JS.API.STREAM.DELETE.HARU_EVENTS": js.delete_stream(subjects.EVENTS_STREAM),
+                "$JS.API.STREAM.PURGE.HARU_EVENTS": js.purge_stream(subjects.EVENTS_STREAM),
+                "$JS.API.STREAM.MSG.DELETE.HARU_EVENTS": js.delete_msg(subjects.EVENTS_STREAM, 1),
+                "$JS.API.STREAM.UPDATE.HARU_EVENTS": js.update_stream(config),
+                "$JS.API.STREAM.DELETE.HARU_ROUTE": js.delete_stream(subjects.ROUTE_STREAM),
+                "$JS.API.STREAM.PURGE.KV_haru_views": js.purge_stream("KV_" + subjects.VIEWS_BUCKET),
+                "$JS.API.CONSUMER.DELETE.HARU_EVENTS": js.delete_consumer(subjects.EVENTS_STREAM, "anyone"),
+            }
+            outcomes = await asyncio.gather(*attempts.values(), return_exceptions=True)
+            for api_subject, outcome in zip(attempts, outcomes):
+                assert isinstance(outcome, nats.errors.TimeoutError), (user, api_subject, outcome)
+                await violation(errors, api_subject)
+        finally:
+            await nc.close()
+
+    await asyncio.gather(*(try_everything(u) for u in
+                           ("agent.default.a", "router", "promoter", "projector", "gateway", "control", "operator")))
+
+    after = {s: (await admin.js.stream_info(s)).state.messages for s in STREAMS}
+    assert after == before and await stored_on(admin.js, subjects.EVENTS_STREAM, own) > 0
+    # Contrast: the same request from admin reaches JetStream and gets an answer (refused by the stream's
+    # own deny_purge), so the silence above was the permissions, not a dead server.
+    with pytest.raises(nats.js.errors.APIError):
+        await admin.js.purge_stream(subjects.EVENTS_STREAM)
+
+
+async def test_an_agent_answers_only_its_own_commands(cluster, admin):
+    errors_a: list[str] = []
+    agent_a = await cluster.raw("agent.default.a", errors_a)
+    promoter = await cluster.raw("promoter")
+    try:
+        async def status(req) -> None:
+            await req.respond(b'{"ok": true, "detail": "a"}')
+
+        svc = await add_service(agent_a, name="haru-agent", version="0.0.0", description="default/a")
+        await svc.add_endpoint(name="status", subject=subjects.command(FLEET, "a", "status"), handler=status)
+        reply = await request_until(promoter, subjects.command(FLEET, "a", "status"), b"{}")
+        assert json.loads(reply.data) == {"ok": True, "detail": "a"}
+        # nats.micro discovery works across the cluster with these permissions.
+        ping = await request_until(promoter, "$SRV.PING.haru-agent", b"")
+        assert json.loads(ping.data)["name"] == "haru-agent"
+
+        # Domain b's commands: the subscription is refused, so nobody answers them.
+        await agent_a.subscribe(subjects.commands(FLEET, "b") + ".>", cb=status)
+        await agent_a.flush()
+        await violation(errors_a, "haru.cmd.default.b.>")
+        with pytest.raises(nats.errors.NoRespondersError):
+            await promoter.request(subjects.command(FLEET, "b", "status"), b"{}", timeout=2)
+        # Nor may an agent send commands.
+        await agent_a.publish(subjects.command(FLEET, "b", "sleep"), b"{}")
+        await violation(errors_a, "haru.cmd.default.b.sleep")
+        await svc.stop()
+    finally:
+        await agent_a.close()
+        await promoter.close()
+
+
+# --------------------------------------------------------------------------------------- routers
+
+
+async def test_a_router_can_only_read_route_intents(cluster, admin):
+    async with cluster.log("projector", "projector:test") as projector:
+        last = await projector.last_intent(FLEET)
+        first_seq = await projector.publish_intent(FLEET, b'{"active": "a", "n": 1}', expect=0 if last is None else last[1])
+
+    errors: list[str] = []
+    router = await cluster.raw("router", errors)
+    try:
+        live = asyncio.Queue()
+
+        async def on_intent(msg) -> None:
+            live.put_nowait(msg.data)
+
+        await router.subscribe(subjects.intent(FLEET), cb=on_intent)
+        await router.subscribe("haru.evt.>", cb=on_intent)  # refused
+        await router.flush()
+        await violation(errors, '"haru.evt.>"')
+
+        # Live intents. The router's interest reaches the projector's node a moment after its flush, so
+        # publish until one arrives (bounded); it must be the last one published, and nothing else.
+        second_seq, second, received = first_seq, b"", None
+        async with cluster.log("projector", "projector:test") as projector:
+            for n in range(2, 30):
+                second = json.dumps({"active": "b", "n": n}).encode()
+                second_seq = await projector.publish_intent(FLEET, second, expect=second_seq)
+                try:
+                    received = await asyncio.wait_for(live.get(), 0.3)
+                    break
+                except asyncio.TimeoutError:
+                    continue
+        assert received == second
+        # By now the router's interest is known cluster-wide: an event must still not reach it.
+        op = subjects.op(FLEET)
+        request = PromotionRequested(at=now(), op_id="op-router-test", target="b")
+        await admin.append(op, request, expect=await admin.last_seq_of(op))
+        await asyncio.sleep(0.3)
+        assert live.empty(), "a router received something besides route intents"
+
+        # The last intent on start, through JetStream, with the router's own credentials.
+        async with cluster.log("router", "router:test") as log:
+            assert await log.last_intent(FLEET) == (second, second_seq)
+            watch = log.watch_intents(FLEET)
+            assert await asyncio.wait_for(anext(watch), 5) == (FLEET, second, second_seq)
+            await watch.aclose()
+
+        # Nothing else: no publishing (core or JetStream), no events, no views.
+        js = router.jetstream(timeout=0.5)
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.publish(subjects.intent(FLEET), b'{"active": "evil"}')
+        await violation(errors, f'"{subjects.intent(FLEET)}"')
+        for subject in (subjects.op(FLEET), subjects.route(FLEET), subjects.command(FLEET, "a", "sleep"), "haru.hb.default.a"):
+            await router.publish(subject, b"{}")
+        await router.flush()
+        for subject in (subjects.op(FLEET), subjects.route(FLEET), "haru.cmd.default.a.sleep", "haru.hb.default.a"):
+            await violation(errors, f'"{subject}"')
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.get_msg(subjects.EVENTS_STREAM, subject=op)
+        await violation(errors, "$JS.API.STREAM.MSG.GET.HARU_EVENTS")
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.key_value(subjects.VIEWS_BUCKET)
+        await violation(errors, "$JS.API.STREAM.INFO.KV_haru_views")
+        assert (await admin.js.get_msg(subjects.ROUTE_STREAM, subject=subjects.intent(FLEET))).seq == second_seq
+    finally:
+        await router.close()
+
+
+# ------------------------------------------------------------------------------ losing a node
+
+
+async def keep_trying(call, *, within: float = 40.0, retry: tuple[type[Exception], ...] = (LogUnavailable,)):
+    """What a promoter or projector does with LogUnavailable: try again, bounded. EventLog.append
+    already retries 503s for up to 10 s; when the killed node led both the JetStream meta group and
+    the stream, electing both can take longer on a loaded 2-core machine. Retrying is safe: the
+    retried append carries the same Nats-Msg-Id and expected sequence."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return await call()
+        except retry:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.25)
+
+
+async def test_killing_the_stream_leader_keeps_appends_and_failover_working(tmp_path):
+    c = start_cluster(tmp_path / "kill")
+    try:
+        await ensure_r3(c)
+        route = subjects.route(FLEET)
+        async with c.log("admin") as admin, c.log("promoter", "promoter:1") as promoter, \
+                c.log("agent.default.b", "agent:default/b") as agent, c.log("projector", "projector:1") as projector:
+            first = await promoter.append(route, RouteMoved(at=now(), active="a"), expect=0)
+            rev = await projector.put_view(subjects.view_key(FLEET), b'{"active": "a"}', last=0)
+            leader = (await admin.js.stream_info(subjects.EVENTS_STREAM)).cluster.leader
+            victim = next(n for n in c.nodes if n.name == leader)
+            victim.kill()
+
+            # The promoter flips the pointer with an expected sequence: JetStream answers 503 while it
+            # elects a new leader (NOTES.md: 3-6 s).
+            flip = RouteMoved(at=now(), active="b", previous="a", op_id="op-1")
+            second = await keep_trying(lambda: promoter.append(route, flip, expect=first))
+            assert second > first
+            # A second promoter deciding from the old pointer still loses the race after the failover.
+            with pytest.raises(Conflict) as lost:
+                await keep_trying(lambda: promoter.append(route, RouteMoved(at=now(), active="a"), expect=first))
+            assert lost.value.current == second
+            # Agents and projectors keep writing too (put_view does not retry 503s itself; the KV
+            # stream is its own raft group and may still be electing).
+            model = subjects.model(FLEET, "b", "qwen3.6:27b")
+            loading = ModelLoading(at=now(), domain="b", model="qwen3.6:27b")
+            await keep_trying(lambda: agent.append(model, loading, expect=0))
+            await keep_trying(lambda: projector.put_view(subjects.view_key(FLEET), b'{"active": "b"}', last=rev))
+
+            history = [r.event for r in await keep_trying(lambda: admin.history(route))]
+            assert [e.active for e in history] == ["a", "b"]
+            # (test instrumentation, raw nats-py: the meta group may still be electing too)
+            info = await keep_trying(lambda: admin.js.stream_info(subjects.EVENTS_STREAM), retry=(nats.errors.Error,))
+            assert info.cluster.leader and info.cluster.leader != leader
+            assert info.config.num_replicas == 3
+    finally:
+        c.stop()
