@@ -100,6 +100,8 @@ class Promoter:
         self._advanced = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._listening_since = 0.0
+        self._was_connected = True
+        self._refollow = asyncio.Event()
         self.log_ = log_.bind(promoter=self.identity)
 
     # ------------------------------------------------------------------------------- following
@@ -111,6 +113,8 @@ class Promoter:
         return st
 
     def on_record(self, rec: Record) -> None:
+        if rec.seq <= self.folded:
+            return  # a redelivery after the follower was restarted
         fleet = fleet_of(rec.subject)
         if fleet and (self.only is None or fleet in self.only):
             st = self._state(fleet)
@@ -158,9 +162,7 @@ class Promoter:
         follower: asyncio.Task | None = None
         try:
             target = await self.log.last_seq()
-            follower = asyncio.create_task(
-                self.log.replay(self.on_record, subject_filter=subjects.ALL_EVENTS, follow=True), name="promoter-follow"
-            )
+            follower = asyncio.create_task(self._follow(), name="promoter-follow")
             while self.folded < target:
                 self._advanced.clear()
                 if follower.done():
@@ -172,10 +174,10 @@ class Promoter:
                 ready.set()
             while True:
                 if follower.done():
-                    follower.result()  # raises what stopped the follower
+                    follower.result()  # raises what stopped the follower (a bug: it restarts on log errors)
                     raise LogError("the promoter's log follower stopped")
                 self._changed.clear()
-                for st in list(self.fleets.values()):
+                for st in list(self.fleets.values()) if self._connected() else ():
                     try:
                         await self.round(st)
                     except asyncio.CancelledError:
@@ -193,6 +195,44 @@ class Promoter:
             for t in tasks:
                 with contextlib.suppress(BaseException):
                     await t
+
+    async def _follow(self) -> None:
+        """Follow the log from where the views are; a follower that fails is restarted after a pause."""
+        while True:
+            self._refollow.clear()
+            replay = asyncio.create_task(
+                self.log.replay(self.on_record, from_seq=self.folded + 1, subject_filter=subjects.ALL_EVENTS, follow=True)
+            )
+            refollow = asyncio.create_task(self._refollow.wait())
+            try:
+                await asyncio.wait({replay, refollow}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in (replay, refollow):
+                    t.cancel()
+                    with contextlib.suppress(BaseException):
+                        await t
+            if replay.done() and not replay.cancelled() and replay.exception() is not None:
+                exc = replay.exception()
+                if not isinstance(exc, LogError):
+                    raise exc
+                self.log_.warning("follower_interrupted", error=str(exc), seq=self.folded)
+                await asyncio.sleep(1.0)
+            else:
+                # After a reconnect an ordered consumer notices its gap only after missed idle
+                # heartbeats (seconds): start a fresh one from where the views are instead.
+                self.log_.info("follower_restarted", seq=self.folded)
+
+    def _connected(self) -> bool:
+        """Whether NATS is connected; after a reconnect, silence is measured afresh (we heard nothing)."""
+        connected = bool(getattr(self.log.nc, "is_connected", True))
+        if connected and not self._was_connected:
+            self._listening_since = time.monotonic()
+            for st in self.fleets.values():
+                st.heard.clear()
+            self._refollow.set()
+            self.log_.info("reconnected", detail="heartbeat silence is measured afresh; following the log afresh")
+        self._was_connected = connected
+        return connected
 
     def facts(self, st: FleetState) -> Facts:
         now_m = time.monotonic()

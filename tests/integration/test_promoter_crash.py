@@ -23,7 +23,7 @@ from promoter_support import PromoterProcess, describe, op_events, view_of, wait
 
 pytestmark = pytest.mark.timeout(90)
 MODELS = ["m1", "m2"]
-DELAY_MS = 600
+DELAY_MS = 400
 
 
 def now():

@@ -289,3 +289,30 @@ async def test_the_cli_prints_the_op_id_waits_for_the_steps_and_exits_by_status(
         aborted = await cli("promote", "a", "--wait")
     assert aborted.returncode == ExitStatus.ERROR
     assert "aborted" in aborted.stdout and "probe" in aborted.stdout and "routing did not move" in aborted.stdout
+
+
+async def test_a_nats_restart_is_not_mistaken_for_dead_domains(fleet, nats_server):
+    import asyncio
+
+    log, a, b = fleet
+    async with promoters(nats_server.url) as tasks:
+        await routed_to_a(log)
+        before = await log.last_seq()
+        await asyncio.to_thread(nats_server.stop_sync)
+        await asyncio.sleep(1.5)  # longer than heartbeat_timeout_ms: nobody heard anybody
+        await asyncio.to_thread(nats_server.start_sync)
+        await asyncio.sleep(2.0)
+        assert not any(t.done() for t in tasks)
+        # the promoter still works after the restart: a manual promotion goes through
+        accepted = await wait_until(lambda: _request(log, "b"), timeout=10, what="a request after the restart")
+        assert isinstance(await wait_op_end(log, accepted.op_id), OperationCompleted)
+    recs = await log.history(subjects.fleet_events("default"), from_seq=before + 1)
+    assert not [r for r in recs if type(r.event).__name__ == "DomainUnreachable"], [type(r.event).__name__ for r in recs]
+
+
+async def _request(log, target):
+    try:
+        res = await request_operation(log, "default", "promotion", target, by="t", now=now())
+    except Exception:  # the test's own connection may still be reconnecting
+        return None
+    return res if res.status == "accepted" else None
