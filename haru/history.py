@@ -124,12 +124,16 @@ def _concerns_model(rec: Record, model: str, domain: str) -> bool:
     return False
 
 
+# Operation-level facts that concern every model of the fleet: a promotion moves the route for all.
+_FLEET_STORY = (ev.PromotionRequested, ev.DemotionRequested, ev.OperationCompleted, ev.OperationAborted,
+                ev.FailoverDeclined, ev.RouteMoved)
+
+
 def story(records: list[Record], model: str, *, domain: str = "") -> list[Record]:
-    """The records that explain `model`, oldest first: its declarations and residency, plus every
-    operation event (and route move) whose cause chain leads back to one of them."""
+    """The records that explain `model`, oldest first: its declarations and residency, the fleet's
+    operations and route moves once the model exists, and any other event caused by one of those."""
     picked: list[Record] = []
     seqs: set[int] = set()
-    ops: set[str] = set()
     for rec in records:
         e = rec.event
         if e is None:
@@ -137,14 +141,7 @@ def story(records: list[Record], model: str, *, domain: str = "") -> list[Record
         if _concerns_model(rec, model, domain):
             picked.append(rec)
             seqs.add(rec.seq)
-            continue
-        op_id = getattr(e, "op_id", "")
-        if e.cause and e.cause in seqs:
-            picked.append(rec)
-            seqs.add(rec.seq)
-            if op_id:
-                ops.add(op_id)
-        elif op_id and op_id in ops:
+        elif seqs and (isinstance(e, _FLEET_STORY) or (e.cause and e.cause in seqs)):
             picked.append(rec)
             seqs.add(rec.seq)
     return picked
