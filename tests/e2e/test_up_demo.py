@@ -1,0 +1,174 @@
+"""End to end: `haru up --demo` as a user runs it, a GPU the provider takes back, and the failover.
+
+One real process tree: haru up (embedded nats-server, projector, promoter, gateway) and two agents,
+each with three simulated vLLM servers and a simulated trainer. Ports are chosen free so the test
+does not collide with a demo the developer may be running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from haru.natsd import free_port
+from tests.support import haru
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def demo_layout_with_free_ports(dst: Path) -> Path:
+    doc = json.loads((REPO / "deploy" / "examples" / "demo-fleet.json").read_text())
+    for domain in doc["domains"]:
+        domain["serving_url"] = f"http://127.0.0.1:{free_port()}"
+        for slot in domain["slots"]:
+            for model in slot.get("models", []):
+                model["port"] = free_port()
+    dst.write_text(json.dumps(doc))
+    return dst
+
+
+def wait_for(what: str, check, timeout: float = 60.0, every: float = 0.25):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except Exception as exc:  # noqa: BLE001 - keep polling; report the last failure
+            last = exc
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+def descendants(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        p, pp = map(int, line.split())
+        children.setdefault(pp, []).append(p)
+    found, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in found:
+                found.add(c)
+                todo.append(c)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is not alive
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+@pytest.fixture
+def demo(tmp_path):
+    home = tmp_path / "home"
+    ready = tmp_path / "ready.json"
+    layout = demo_layout_with_free_ports(tmp_path / "demo.json")
+    env = {**os.environ, "HARU_HOME": str(home), "HARU_NO_UVLOOP": "1"}
+    env.pop("HARU_NATS_URL", None)
+    env.pop("HARU_API_TOKEN", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--port", str(free_port()),
+         "--layout", str(layout), "--ready-file", str(ready), "--log-level", "info"],
+        stdout=open(tmp_path / "up.out", "wb"), stderr=open(tmp_path / "up.err", "wb"), env=env, cwd=REPO,
+    )
+    tree: set[int] = set()
+    try:
+        info = wait_for("haru up to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 60)
+        info["home"] = home
+        info["env"] = env
+        info["proc"] = proc
+        info["tree"] = tree
+        yield info
+    finally:
+        tree |= descendants(proc.pid)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for pid in tree:  # never leave a child behind, even when the test failed
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def chat(client: OpenAI, model: str) -> str:
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=16)
+    return out.choices[0].message.content
+
+
+def test_demo_chats_fails_over_and_stops_cleanly(demo):
+    env, nats_url = demo["env"], demo["nats_url"]
+    client = OpenAI(base_url=demo["gateway_url"] + "/v1", api_key="unused", max_retries=0, timeout=20)
+
+    # Within seconds the first domain is probed and routed: chat works, from domain a.
+    first = wait_for("chat through the gateway", lambda: chat(client, "qwen3-0.6b"), 60)
+    assert first.startswith("[domain a]"), first
+    assert chat(client, "Qwen/Qwen3-4B-Instruct").startswith("[domain a]")
+
+    # `haru status` shows the active resident and the standby asleep and training.
+    def standby_settled():
+        out = haru("status", "--json", nats_url=nats_url, env=env)
+        view = json.loads(out.stdout)
+        b = view["domains"]["b"]
+        asleep = all(m["residency"]["state"] == "sleeping" for m in b["models"].values())
+        training = any(t["running"] for t in b["training"].values())
+        return asleep and training and view["active"] == "a"
+
+    wait_for("the standby asleep and training", standby_settled, 60)
+    status = haru("status", nats_url=nats_url, env=env)
+    assert status.returncode == 0, status.stderr
+    assert "resident for" in status.stdout and "asleep" in status.stdout
+
+    # The provider takes back domain a's GPU.
+    detach = haru("sim", "detach-gpu", "a", env=env)
+    assert detach.returncode == 0, detach.stderr
+
+    answer = wait_for("chat answered by the other domain",
+                      lambda: (lambda a: a if a.startswith("[domain b]") else None)(chat(client, "qwen3-0.6b")), 60, 0.5)
+    assert answer.startswith("[domain b]")
+
+    # `haru why` tells the story: lost (gpu detached) -> promotion -> resident on b.
+    why = haru("why", "qwen3-0.6b", nats_url=nats_url, env=env)
+    assert why.returncode == 0, why.stderr
+    text = why.stdout
+    lost = text.index('"reason":"gpu_detached"')
+    promotion = text.index("promotion_requested")
+    assert promotion < lost, text  # newest first: the promotion came after the loss
+    assert "route_moved" in text
+    lines = text.splitlines()
+    resident_b = [ln for ln in lines if " resident " in ln and " b " in ln]
+    assert resident_b, text
+
+    verify = haru("verify", nats_url=nats_url, env=env)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "history intact" in verify.stdout
+
+    # SIGTERM leaves no process behind.
+    proc = demo["proc"]
+    tree = descendants(proc.pid)
+    demo["tree"] |= tree
+    assert len(tree) >= 2 + 6  # two agents and their six runtimes at least (plus nats-server and trainers)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    time.sleep(0.5)
+    left = [pid for pid in tree if alive(pid)]
+    assert left == [], f"left behind: {left}"
