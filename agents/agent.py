@@ -708,7 +708,7 @@ class Agent:
             if m.exited.is_set():
                 return False
             alive = m.runtime.alive()
-            holds = await probes.holds_model(m.runtime) if probe.step != "listed" else False
+            holds = await probes.holds_model(m.runtime, min(timeout, 5.0)) if probe.step != "listed" else False
             if gpu is None and m.runtime.kind != "external":
                 gpu = self.read_gpu(m.spec.gpu_index)
             reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=holds)
@@ -806,7 +806,7 @@ class Agent:
             await self._record(m, ModelSleeping(at=now(), domain=self.domain, model=m.name, level=1))
             return
         gpu = self.read_gpu(m.spec.gpu_index)
-        holds = await probes.holds_model(m.runtime)
+        holds = await probes.holds_model(m.runtime, min(self.policy.probe_timeout_ms / 1000, 5.0))
         reason = probes.diagnose(process_alive=m.runtime.alive(), gpu=gpu, runtime_holds_model=holds)
         if reason != "process_exited":
             detail = f"wake failed: {probe.step}: {probe.detail}" if probe else "wake failed"

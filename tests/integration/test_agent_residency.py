@@ -132,7 +132,7 @@ async def test_slow_loading_model_stays_loading_with_growing_elapsed(tmp_path, n
 
 
 async def test_hung_runtime_is_unhealthy_and_recovers(tmp_path, nats_server, event_log, agents):
-    agent = await start_resident(tmp_path, nats_server, event_log, agents)
+    agent = await start_resident(tmp_path, nats_server, event_log, agents, policy={"probe_timeout_ms": 700})
     subject = subjects.model("f", "a", "m1")
     res = await event_log.last(subject)
     await sim_fault(res.event.endpoint, "hang")
