@@ -37,7 +37,7 @@ import asyncpg
 import structlog
 
 from haru import subjects
-from haru.errors import HaruError, LogUnavailable
+from haru.errors import HaruError, LogError, LogUnavailable
 from projections import pg_schema as S
 from projections.pg_rows import Carry, Writes, carry_from_rows, plan
 
@@ -185,8 +185,10 @@ class _Batcher:
         self.size = size
         self.buf: list = []
         self.queue: asyncio.Queue[list | None] = asyncio.Queue(maxsize=2)
+        self.received = 0  # the last sequence the replay handed over
 
     async def add(self, record) -> None:
+        self.received = record.seq
         self.buf.append(record)
         if len(self.buf) >= self.size:
             batch, self.buf = self.buf, []
@@ -215,6 +217,8 @@ class PostgresSink:
         flush_interval: float = 0.2,
         retry: bool = True,
         retry_max: float = 30.0,
+        stall_interval: float = 1.0,
+        stall_checks: int = 3,
         stream: str = subjects.EVENTS_STREAM,
     ) -> None:
         self.dsn = dsn
@@ -224,6 +228,8 @@ class PostgresSink:
         self.flush_interval = flush_interval
         self.retry = retry
         self.retry_max = retry_max
+        self.stall_interval = stall_interval
+        self.stall_checks = stall_checks
         self.stream = stream
         self.position = 0
         self.written = 0  # events written by this process (all sessions)
@@ -236,11 +242,14 @@ class PostgresSink:
         """
         delay = 0.5
         while True:
+            written = self.written
             try:
                 return await self._session(follow)
             except (SinkUnavailable, LogUnavailable) as exc:
                 if not self.retry:
                     raise
+                if self.written != written:  # that session got somewhere: start the backoff again
+                    delay = 0.5
                 log.warning("sink_unavailable", error=str(exc), retry_in_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.retry_max)
@@ -269,7 +278,9 @@ class PostgresSink:
                 try:
                     async with asyncio.TaskGroup() as tg:
                         tg.create_task(writer.loop(batcher))
-                        tg.create_task(self._replay(elog, batcher, position, follow))
+                        replay = tg.create_task(self._replay(elog, batcher, position, follow))
+                        if follow:
+                            tg.create_task(self._watch(elog, batcher, replay))
                 except BaseExceptionGroup as group:
                     raise _first(group) from None
             return self.position
@@ -282,8 +293,35 @@ class PostgresSink:
                 conn.terminate()
 
     async def _replay(self, elog, batcher: _Batcher, position: int, follow: bool) -> None:
+        batcher.received = position
         await elog.replay(batcher.add, from_seq=position + 1, follow=follow, headers=False)
         await batcher.close()
+
+    async def _watch(self, elog, batcher: _Batcher, replay: asyncio.Task) -> None:
+        """End the session when the replay stalls, so `run` starts a new one from the position.
+
+        After a NATS restart nats-py's ordered consumer can take ~20 s of missed heartbeats to
+        notice. A stall: the stream holds messages past the last one received, nothing new arrived
+        for `stall_checks` checks `stall_interval` apart, and the handler is not simply waiting
+        for Postgres (a full queue is the writer's backpressure, not a stall).
+        """
+        seen, strikes = batcher.received, 0
+        while not replay.done():
+            await asyncio.sleep(self.stall_interval)
+            now = batcher.received
+            if now != seen or batcher.queue.full():
+                seen, strikes = now, 0
+                continue
+            try:
+                head = await asyncio.wait_for(elog.last_seq(), self.stall_interval)
+            except (LogError, asyncio.TimeoutError):
+                continue  # NATS is away: nothing to conclude yet
+            strikes = strikes + 1 if head > now else 0
+            if strikes >= self.stall_checks:
+                raise LogUnavailable(
+                    f"the replay made no progress for {strikes * self.stall_interval:.0f} s while "
+                    f"{self.stream} is at {head} and the sink at {now} (NATS restarted?); replaying again"
+                )
 
 
 class _Writer:

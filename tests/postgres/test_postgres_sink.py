@@ -343,3 +343,38 @@ async def _wait_position(dsn: str, target: int, task: asyncio.Task, timeout: flo
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
                 pass  # the server is restarting
             await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+async def test_a_following_sink_rides_out_a_nats_restart(event_log, nats_server, pg_dsn):
+    first = await pgdata.store(event_log, pgdata.fleet_history(1000, seed=5))
+    sink = PostgresSink(pg_dsn, [nats_server.url], batch_size=300, flush_interval=0.05, retry=True, retry_max=0.5,
+                        stall_interval=0.3, stall_checks=2)
+    task = asyncio.create_task(sink.run(follow=True))
+    try:
+        await _wait_position(pg_dsn, first, task)
+        await asyncio.to_thread(nats_server.stop_sync)
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(nats_server.start_sync)
+        subject = subjects.model(F, "b", M2)
+        last = 0
+        async with asyncio.timeout(30):  # the test's own connection reconnects too
+            while True:
+                try:
+                    await put(event_log, subject, ev.ModelLoading(at=t(1), domain="b", model=M2))
+                    last = await put(event_log, subject, ev.ModelResident(at=t(2), domain="b", model=M2))
+                    break
+                except Exception:
+                    await asyncio.sleep(0.2)
+        await _wait_position(pg_dsn, last, task, timeout=12)  # nats-py alone takes ~20 s to notice
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        seqs = [r[0] for r in await conn.fetch("SELECT seq FROM haru.residency_transitions")]
+        assert len(seqs) == len(set(seqs))
+        assert last in seqs
+    finally:
+        await conn.close()
