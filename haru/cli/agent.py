@@ -28,6 +28,9 @@ def register(subparsers) -> None:
     p.add_argument("--log-format", choices=("auto", "json", "console"), default=os.environ.get("HARU_LOG_FORMAT", "auto"),
                    help="log format (default: console on a terminal, JSON otherwise)")
     p.add_argument("--log-level", default=os.environ.get("HARU_LOG_LEVEL", "info"))
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what this host would run (source, role, admitted models and training slots) and exit")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
     p.set_defaults(handler=run)
 
 
@@ -60,6 +63,8 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         config = load_config(args.config)
     except ConfigError as exc:
         return fail(str(exc))
+    if args.dry_run:
+        return await dry_run(config, as_json=args.json)
     loop = asyncio.get_running_loop()
     stop_signal: list[str] = []
     agent_box: list[Agent] = []
@@ -83,4 +88,47 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
     except (ConfigError, LayoutError) as exc:
         return fail(str(exc))
+    return ExitStatus.OK
+
+
+async def dry_run(config, *, as_json: bool) -> ExitStatus:
+    """Resolve the slots exactly as the agent would, without claiming the domain or starting anything."""
+    from agents.agent import resolve_slots
+    from haru import subjects
+    from haru.cli.common import emit_json
+    from haru.errors import ConfigError, LayoutError, LogUnavailable
+    from haru.eventlog import EventLog
+    from haru.events import RouteMoved
+
+    try:
+        async with EventLog.connect(config.servers(), writer=f"agent-dry-run:{config.fleet}/{config.domain}",
+                                    creds=config.nats_creds) as log:
+            slots = await resolve_slots(config, log)
+            route = await log.last(subjects.route(config.fleet))
+    except LogUnavailable as exc:
+        return fail(str(exc), ExitStatus.UNAVAILABLE)
+    except (ConfigError, LayoutError) as exc:
+        return fail(str(exc))
+    active = route.event.active if route is not None and isinstance(route.event, RouteMoved) else slots.first_domain
+    role = config.role if config.role != "auto" else ("active" if active == config.domain else "standby")
+    out = {
+        "fleet": config.fleet,
+        "domain": config.domain,
+        "source": slots.source,
+        "role": role,
+        "models": [{"name": m.name, "runtime": m.runtime, "gpu": m.gpu_index, "vram_bytes": m.vram_bytes}
+                   for m in slots.admitted_models],
+        "training": [{"slot": t.slot, "gpu": t.gpu_index, "command": t.command} for t in slots.admitted_training],
+        "not_admitted": slots.not_admitted,
+    }
+    if as_json:
+        emit_json(out)
+        return ExitStatus.OK
+    print(f"{config.fleet}/{config.domain}: {role}, slots from {slots.source}")
+    for m in out["models"]:
+        print(f"  model    {m['name']:<32} {m['runtime']:<13} gpu {m['gpu']}  {m['vram_bytes'] / 1024**3:.1f} GiB")
+    for t in out["training"]:
+        print(f"  training {t['slot']:<32} gpu {t['gpu']}  {' '.join(t['command'])}")
+    for name, short in slots.not_admitted.items():
+        print(f"  not admitted {name} (short by {short / 1024**3:.1f} GiB)")
     return ExitStatus.OK

@@ -106,3 +106,18 @@ async def test_bad_config_fails_with_one_line(tmp_path, nats_server):
         assert "domain name 'A!'" in agent.output()
     finally:
         agent.kill()
+
+
+async def test_dry_run_prints_what_would_run(tmp_path, nats_server):
+    from tests.support import haru
+
+    layout = write_layout(tmp_path / "layout.json", tmp_path, models={"m1": {}, "big": {"vram": "22GiB"}}, training={})
+    cfg = write_config(tmp_path / "agent-b.json", nats_server.url, tmp_path, domain="b", layout=layout)
+    out = haru("agent", "--config", str(cfg), "--dry-run", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["role"] == "standby" and plan["source"].startswith("layout:")
+    assert [m["name"] for m in plan["models"]] == ["m1"] and "big" in plan["not_admitted"]
+    assert [t["slot"] for t in plan["training"]] == ["lora"]
+    text = haru("agent", "--config", str(cfg), "--dry-run")
+    assert text.returncode == 0 and "not admitted big" in text.stdout
