@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Write the NATS users and subject permissions of a Haru deployment (deploy/nats/accounts.conf).
 
-    python deploy/nats/gen_users.py deploy/examples/demo-fleet.json > deploy/nats/accounts.conf
+    python deploy/nats/gen_users.py deploy/examples/demo-fleet.json deploy/examples/hearth.json \
+        --agent edge:box-1 -o deploy/nats/accounts.conf --env-example deploy/nats/nats.env.example
     python deploy/nats/gen_users.py fleet-prod.json fleet-lab.json --agent lab:gpu-9 -o accounts.conf
     python deploy/nats/gen_users.py fleet.json --env-secrets /etc/haru/nats.env   # random passwords, mode 0600
     python deploy/nats/gen_users.py fleet.json --nsc                              # nsc commands (JWT mode)
@@ -15,14 +16,16 @@ starts and refuses to start when one is missing, so no secret lives in this file
 The roles (DESIGN.md "Security"):
   agent.<fleet>.<domain>  publishes only its own domain's events (agent, model.*, gpu.*, training.*:
                           not liveness, which the promoter writes) and heartbeat; answers only its own
-                          commands (haru.cmd.<fleet>.<domain>.>, nats.micro's $SRV.>); reads the event
-                          log through consumers and message gets; appends use expected sequences.
+                          commands (haru.cmd.<fleet>.<domain>.>, nats.micro's $SRV.>) and may ask its own
+                          status (the duplicate-agent check); reads the event log through consumers and
+                          message gets; appends use expected sequences.
   promoter                writes op, route and liveness events of any fleet; requests haru.cmd.>;
                           reads events, views and intents; subscribes haru.hb.>.
   projector               reads events; writes the KV bucket haru_views and haru.route.>.
   gateway                 reads views, intents and events; writes haru.evt.*.op (promote/demote requests).
   control                 projector + promoter + gateway in one process (`haru up --nats-url`).
   operator                the `haru` CLI: declarations (haru apply), op requests, commands; reads all.
+  sink                    reads the event log (the Postgres read model).
   router                  may only subscribe haru.route.> and read stream HARU_ROUTE.
   admin                   everything, including creating streams (`ensure(replicas=3)`).
 Nobody but admin may use the stream/consumer DELETE, PURGE or UPDATE APIs, nor STREAM.MSG.DELETE.
@@ -119,6 +122,8 @@ def fixed_users() -> list[User]:
         User("operator", "the haru CLI: apply (decl), promote/demote (op), agent commands, reads",
              publish=["haru.evt.*.decl", "haru.evt.*.op", "haru.cmd.>", "$SRV.>", *events, *views, *route],
              subscribe=["haru.hb.>", "haru.route.>", INBOX]),
+        User("sink", "`haru sink postgres`: reads the event log, writes nothing to NATS",
+             publish=list(events), subscribe=[INBOX]),
         User("router", "may only subscribe haru.route.> and read stream HARU_ROUTE",
              publish=read_stream(ROUTE), subscribe=["haru.route.>", INBOX]),
     ]
@@ -132,9 +137,12 @@ def agent_user(fleet: str, domain: str) -> User:
         publish=[
             f"{own}.agent", f"{own}.model.*", f"{own}.gpu.*", f"{own}.training.*",
             f"haru.hb.{fleet}.{domain}",
+            # At start an agent asks its own status command (and listens to its own heartbeat subject)
+            # to refuse to run beside a second agent of the same domain.
+            f"haru.cmd.{fleet}.{domain}.status",
             *read_stream(EVENTS),
         ],
-        subscribe=[f"haru.cmd.{fleet}.{domain}.>", "$SRV.>", INBOX],
+        subscribe=[f"haru.cmd.{fleet}.{domain}.>", f"haru.hb.{fleet}.{domain}", "$SRV.>", INBOX],
         allow_responses=True,
     )
 

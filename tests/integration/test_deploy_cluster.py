@@ -45,6 +45,8 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "nats"
 FLEET = "default"
 STREAMS = (subjects.EVENTS_STREAM, subjects.ROUTE_STREAM, "KV_" + subjects.VIEWS_BUCKET)
+# How the shipped accounts.conf and nats.env.example were generated (their header says so too).
+GEN_ARGS = ["deploy/examples/demo-fleet.json", "deploy/examples/hearth.json", "--agent", "edge:box-1"]
 DENIED = "permissions violation"  # nats-py lowercases the whole -ERR text, subject included
 
 
@@ -65,7 +67,7 @@ def generated_secrets(root: Path) -> dict[str, str]:
     """Fresh secrets from `gen_users.py --env-secrets`, as an operator makes them."""
     path = root / "nats.env"
     subprocess.run(
-        [sys.executable, str(DEPLOY / "gen_users.py"), "deploy/examples/demo-fleet.json", "-o", os.devnull, "--env-secrets", str(path)],
+        [sys.executable, str(DEPLOY / "gen_users.py"), *GEN_ARGS, "-o", os.devnull, "--env-secrets", str(path)],
         cwd=REPO, check=True,
     )
     assert path.stat().st_mode & 0o077 == 0, "the secrets file must be private to its owner"
@@ -284,7 +286,7 @@ def test_accounts_file_is_what_gen_users_writes_for_the_example_fleet(tmp_path):
     out = tmp_path / "accounts.conf"
     env_out = tmp_path / "nats.env.example"
     subprocess.run(
-        [sys.executable, str(DEPLOY / "gen_users.py"), "deploy/examples/demo-fleet.json", "-o", str(out), "--env-example", str(env_out)],
+        [sys.executable, str(DEPLOY / "gen_users.py"), *GEN_ARGS, "-o", str(out), "--env-example", str(env_out)],
         cwd=REPO, check=True,
     )
     assert out.read_text() == (DEPLOY / "accounts.conf").read_text(), "regenerate deploy/nats/accounts.conf with gen_users.py"
@@ -295,6 +297,24 @@ def test_accounts_file_is_what_gen_users_writes_for_the_example_fleet(tmp_path):
     ).stdout
     assert '"agent.lab.gpu-9"' in more and "$HARU_NATS_PASSWORD_AGENT_LAB_GPU_9" in more
     assert '"haru.evt.lab.gpu-9.model.*"' in more and '"haru.cmd.lab.gpu-9.>"' in more
+
+
+def test_example_agent_configs_load_and_have_their_nats_users():
+    from agents.config import load_config, slots_from_host_entry
+
+    accounts = (DEPLOY / "accounts.conf").read_text()
+    configs = sorted((REPO / "deploy" / "agents").glob("*.json"))
+    assert {p.name for p in configs} >= {"vllm-host.json", "llama-server-host.json"}
+    for path in configs:
+        config = load_config(path)
+        user = f"agent.{config.fleet}.{config.domain}"
+        assert f'user: "{user}"' in accounts, f"{path.name}: no NATS user {user}; add it with gen_users.py"
+        assert all(url.startswith(f"nats://{user}:") for url in config.servers()), path.name
+        if config.host is not None:
+            slots = slots_from_host_entry(config.fleet, config.domain, config.host, config.policy)
+            assert slots.admitted_models and not slots.not_admitted, (path.name, slots.not_admitted)
+    runtimes = {m["runtime"] for m in json.loads((REPO / "deploy/agents/llama-server-host.json").read_text())["host"]["slots"][0]["models"]}
+    assert runtimes == {"llama_server"}
 
 
 # --------------------------------------------------------------------------- cluster and streams
@@ -375,6 +395,16 @@ async def test_an_agent_writes_only_its_own_domain(cluster, admin):
             await violation(errors, f'"{subject}"')
         after = {s: await stored_on(admin.js, subjects.EVENTS_STREAM, s) for s in before}
         assert after == before
+
+        # The duplicate-agent check at start is allowed: ask its own status (nobody answers here: "no
+        # responders", where a refused publish would time out) and hear its own heartbeat.
+        with pytest.raises(nats.errors.NoRespondersError):
+            await nc.request(subjects.command(FLEET, "a", "status"), b"{}", timeout=2)
+        hb = await nc.subscribe(subjects.heartbeat(FLEET, "a"))
+        await nc.publish(subjects.heartbeat(FLEET, "a"), b'{"pid": 1}')
+        assert (await hb.next_msg(timeout=2)).data == b'{"pid": 1}'
+        own = ("haru.cmd.default.a", "haru.hb.default.a\"")
+        assert not [e for e in errors if any(o in e for o in own)], errors
     finally:
         await nc.close()
 
