@@ -707,6 +707,10 @@ class Agent:
                 return False
             if m.exited.is_set():
                 return False
+            if tag == "lost" and probe.step == "sleeping":
+                # A lost runtime found healthy but asleep (its GPU came back while it slept): the table has
+                # no lost -> sleeping, so it is reloaded (lost -> loading), and a standby puts it back to sleep.
+                return True
             alive = m.runtime.alive()
             holds = await probes.holds_model(m.runtime, min(timeout, 5.0)) if probe.step != "listed" else False
             if gpu is None and m.runtime.kind != "external":

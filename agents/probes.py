@@ -23,7 +23,7 @@ __all__ = ["Probe", "ready", "holds_model", "diagnose"]
 
 class Probe(msgspec.Struct, frozen=True, kw_only=True):
     ok: bool
-    step: str = ""  # which check failed: health | listed | sleeping | completion
+    step: str = ""  # which check failed: health | models (no answer) | listed (answered without it) | sleeping | completion
     detail: str = ""
     latency_ms: int = 0
     sleeping: bool | None = None
@@ -36,8 +36,8 @@ async def ready(runtime: Runtime, *, timeout_s: float, check_sleep: bool = True)
         return Probe(ok=False, step="health", detail=health.detail or f"/health answered {health.status}")
     try:
         models = await runtime.list_models(timeout_s=min(timeout_s, 5.0))
-    except RuntimeProblem as exc:
-        return Probe(ok=False, step="listed", detail=str(exc))
+    except RuntimeProblem as exc:  # no answer is not evidence of an eviction
+        return Probe(ok=False, step="models", detail=str(exc))
     if runtime.spec.name not in models:
         return Probe(ok=False, step="listed", detail=f"/v1/models does not list {runtime.spec.name!r} (it lists {models})")
     sleeping: bool | None = None

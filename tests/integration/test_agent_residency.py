@@ -191,3 +191,18 @@ async def test_nats_unreachable_exits_6(tmp_path, agents):
     agent = agents(cfg, tmp_path / "agent.log")
     assert await agent.wait(20) == 6
     assert "cannot reach NATS" in agent.output()
+
+
+async def test_standby_gpu_detached_while_asleep_comes_back_asleep(tmp_path, nats_server, event_log, agents):
+    layout = write_layout(tmp_path / "layout.json", tmp_path)
+    cfg = write_config(tmp_path / "agent-b.json", nats_server.url, tmp_path, domain="b", layout=layout)
+    agent = agents(cfg, tmp_path / "agent-b.log")
+    subject = subjects.model("f", "b", "m1")
+    await wait_event(event_log, subject, is_("model_sleeping"), agent=agent)
+    gpu = SimGpuState(tmp_path / "sim" / "b", 0)
+    gpu.set_present(False)
+    lost = await wait_event(event_log, subject, is_("model_lost", reason="gpu_detached"), agent=agent)
+    gpu.set_present(True)
+    back = await wait_event(event_log, subject, lambda r: tag(r) == "model_sleeping" and r.seq > lost.seq, agent=agent)
+    tags = [tag(r) for r in await event_log.history(subject) if lost.seq < r.seq <= back.seq]
+    assert tags == ["model_loading", "model_resident", "model_sleeping"]
