@@ -66,8 +66,10 @@ class RouteWatcher:
         *,
         creds: str | None = None,
         writer: str = "route-watcher",
+        stall_interval: float = 1.0,
     ) -> None:
         self.fleet = check_name("fleet", fleet)
+        self.stall_interval = stall_interval  # 0 = never check for a stalled subscription
         self._source = source
         self._creds = creds
         self._writer = writer
@@ -76,9 +78,11 @@ class RouteWatcher:
         self.current: RouteIntent | None = None
         self.seq = 0  # stream sequence of `current` on HARU_ROUTE
         self.invalid = 0  # bodies on the subject that were not route intents (skipped)
+        self.resubscribed = 0  # times a stalled subscription was replaced (after a NATS restart)
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self._first = asyncio.Event()  # the subscription delivered something: it is live
 
@@ -99,17 +103,56 @@ class RouteWatcher:
                     self._accept(last[0], last[1])
                 if self._error is not None:
                     raise self._error
+            if self.stall_interval > 0:
+                self._watchdog = asyncio.create_task(self._watch_for_stalls(), name=f"route-watchdog-{self.fleet}")
         except BaseException:
             await self.__aexit__(None, None, None)
             raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        for task in (self._watchdog, self._task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         await self._close_log()
+
+    async def _watch_for_stalls(self) -> None:
+        """Replace the subscription when the subject holds a newer intent and nothing arrives.
+
+        After a NATS restart nats-py's ordered consumer takes ~20 s of missed heartbeats to
+        resubscribe on its own; this notices in ~2 s. The new subscription starts at the newest
+        intent: intents published in between, other than the newest, are not replayed (routing
+        follows the newest; `resubscribed` counts these events).
+        """
+        assert self._log is not None
+        seen, strikes = self.seq, 0
+        while True:
+            await asyncio.sleep(self.stall_interval)
+            if self.seq != seen:
+                seen, strikes = self.seq, 0
+                continue
+            try:
+                last = await asyncio.wait_for(self._log.last_intent(self.fleet), self.stall_interval)
+            except (HaruError, asyncio.TimeoutError):
+                continue  # NATS is away: nothing to conclude yet
+            if last is None or last[1] <= self.seq:
+                strikes = 0
+                continue
+            strikes += 1
+            if strikes < 2:
+                continue
+            strikes = 0
+            old = self._task
+            if old is not None:
+                old.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await old
+            self.resubscribed += 1
+            self._task = asyncio.create_task(
+                self._follow(self._log.watch_intents(self.fleet)), name=f"route-watcher-{self.fleet}"
+            )
 
     async def _close_log(self) -> None:
         if self._owns_log and self._log is not None:

@@ -17,6 +17,7 @@ import pytest
 from haru import events as ev
 from haru import subjects as sj
 from haru.eventlog import EventLog
+from haru.route import RouteWatcher
 from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.views import intent_decoder, view_decoder
 from projections.fleet import fold
@@ -407,8 +408,11 @@ async def test_projector_rides_out_a_nats_restart(nats_server, event_log):
     await w.move("a")
     projector = Projector(event_log)
     task = asyncio.create_task(projector.run())
+    watcher = RouteWatcher([nats_server.url], F)
     try:
         await wait_view_seq(event_log, await event_log.last_seq())
+        await watcher.__aenter__()
+        await watcher.wait_for(lambda ri: ri.revision > 0, 10)
         await asyncio.to_thread(nats_server.stop_sync)
         await asyncio.sleep(0.5)
         await asyncio.to_thread(nats_server.start_sync)
@@ -424,6 +428,10 @@ async def test_projector_rides_out_a_nats_restart(nats_server, event_log):
         assert view.active == "b" and not task.done()
         intent_after = intent_decoder.decode((await event_log.last_intent(F))[0])
         assert intent_after.revision == r
+        # A router's watcher notices its subscription stalled and follows again (nats-py alone
+        # would take ~20 s of missed heartbeats).
+        assert (await watcher.wait_for(lambda ri: ri.revision == r, 15)).active.domain == "b"
     finally:
+        await watcher.__aexit__(None, None, None)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
