@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -299,6 +300,31 @@ def test_accounts_file_is_what_gen_users_writes_for_the_example_fleet(tmp_path):
     assert '"haru.evt.lab.gpu-9.model.*"' in more and '"haru.cmd.lab.gpu-9.>"' in more
 
 
+async def test_the_root_single_node_config_runs_haru(tmp_path):
+    """nats.conf at the repository root, for `haru up --nats-url` users: loopback, JetStream, R1 log."""
+    port, http_port = free_port(), free_port()
+    text = (REPO / "nats.conf").read_text()
+    text = rewrite(text, "listen: 127.0.0.1:4222", f"listen: 127.0.0.1:{port}")
+    text = rewrite(text, "http: 127.0.0.1:8222", f"http: 127.0.0.1:{http_port}")
+    text = rewrite(text, 'store_dir: "./.haru-nats"', f"store_dir: {json.dumps(str(tmp_path / 'js'))}")
+    (tmp_path / "nats.conf").write_text(text)
+    with open(tmp_path / "log", "wb") as log:
+        proc = subprocess.Popen([find_binary(), "-c", str(tmp_path / "nats.conf")], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        node = Node(0, tmp_path)
+        node.port, node.proc = port, proc
+        node.wait_ready(time.monotonic() + 15)
+        async with EventLog.connect([f"nats://127.0.0.1:{port}"], writer="test") as log:
+            await log.ensure()
+            subject = subjects.agent(FLEET, "a")
+            assert await log.append(subject, AgentStarted(at=now(), domain="a"), expect=0) == 1
+            assert (await log.js.stream_info(subjects.EVENTS_STREAM)).config.num_replicas == 1
+            assert log.nc.max_payload == 4 * 1024 * 1024
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_example_agent_configs_load_and_have_their_nats_users():
     from agents.config import load_config, slots_from_host_entry
 
@@ -315,6 +341,29 @@ def test_example_agent_configs_load_and_have_their_nats_users():
             assert slots.admitted_models and not slots.not_admitted, (path.name, slots.not_admitted)
     runtimes = {m["runtime"] for m in json.loads((REPO / "deploy/agents/llama-server-host.json").read_text())["host"]["slots"][0]["models"]}
     assert runtimes == {"llama_server"}
+
+
+def test_systemd_units_verify_and_point_at_shipped_examples():
+    units = sorted((REPO / "deploy" / "systemd").glob("*.service"))
+    names = {u.name for u in units}
+    assert {"haru-agent.service", "haru-control-plane.service", "nats-server@.service"} <= names
+    for unit in units:
+        text = unit.read_text()
+        lines = [line.strip() for line in text.splitlines()]
+        assert "NoNewPrivileges=yes" in lines and "ProtectSystem=strict" in lines, unit.name
+        for line in lines:
+            if line.startswith("EnvironmentFile=/etc/haru/"):
+                name = line.rsplit("/", 1)[1]
+                shipped = [REPO / "deploy/systemd" / f"{Path(name).stem}.env.example", DEPLOY / f"{Path(name).stem}.env.example"]
+                assert any(p.exists() for p in shipped), f"{unit.name}: no example for {name}"
+    agent = (REPO / "deploy/systemd/haru-agent.service").read_text().splitlines()
+    assert "KillMode=mixed" in agent and "KillSignal=SIGTERM" in agent
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    done = subprocess.run(["systemd-analyze", "verify", "--man=no", *map(str, units)], capture_output=True, text=True)
+    problems = [line for line in (done.stdout + done.stderr).splitlines()
+                if line.strip() and "is not executable" not in line and "No such file" not in line]
+    assert not problems, problems
 
 
 # --------------------------------------------------------------------------- cluster and streams
