@@ -211,6 +211,13 @@ def start_cluster(root: Path) -> Cluster:
 def cluster(tmp_path_factory):
     c = start_cluster(tmp_path_factory.mktemp("deploy-cluster"))
     try:
+        # The streams, as an operator creates them on a new cluster: the shipped script, as admin.
+        done = subprocess.run(
+            [sys.executable, str(DEPLOY / "ensure_streams.py"), "--nats-url", ",".join(c.urls("admin")), "--wait", "30"],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.count("replicas 3") == 3, done.stdout
         yield c
     finally:
         c.stop()
