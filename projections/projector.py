@@ -306,7 +306,8 @@ class Projector:
         """Write every dirty fleet: its intents, then its view."""
         while self._dirty:
             self.stats.flushes += 1
-            for fleet in sorted(self._dirty):
+            # Fleets with a pointer move first: routers wait on those, views can wait a write longer.
+            for fleet in sorted(self._dirty, key=lambda f: (f not in self._pending, f)):
                 # Take the pending pointer moves and the view together (no await in between):
                 # a move folded while we publish is after this view, and is published next pass.
                 self._dirty.discard(fleet)
