@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import msgspec
-import pytest
 
 from haru import events as ev
 from haru import residency
@@ -16,12 +15,6 @@ from projections.fleet import HANDLED, empty, evolve, fold
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 F = "default"
-
-needs_residency = pytest.mark.skipif(
-    not (hasattr(residency, "evolve") and hasattr(residency, "to_state")),
-    reason="haru.residency.evolve/to_state not committed yet",
-)
-
 
 def at(s: float) -> datetime:
     return T0 + timedelta(seconds=s)
@@ -199,7 +192,6 @@ def test_fold_skips_what_a_view_already_folded_and_separates_fleets():
     assert fold([(5, "not.a.subject", ev.RouteMoved(at=at(0), active="a"))]) == {}
 
 
-@needs_residency
 def test_residency_moves_and_illegal_transitions_are_lenient():
     items = declarations()
     m = "qwen3.6:27b"
@@ -216,7 +208,8 @@ def test_residency_moves_and_illegal_transitions_are_lenient():
     view = run(items)
     state = view.domains["a"].models[m].residency
     assert state == residency.to_state(items[-1][1], seq=len(items))
-    assert view.anomalies >= 0  # lenient whether or not the table calls this illegal
+    assert not residency.is_legal("resident", "model_waking")
+    assert view.anomalies == 1 and "model_waking" in view.last_anomaly and f"seq {len(items)}" in view.last_anomaly
 
 
 def test_evolve_stamps_seq_and_time_on_every_event():
