@@ -39,6 +39,7 @@ from haru.eventlog import EventLog
 from haru.events import AgentStarted, FleetDeclared, ModelLoading, PromotionRequested, RouteMoved
 from haru.natsd import find_binary, free_port
 from haru.specs import Policy
+from haru.views import RouteIntent, Target, view_encoder
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -538,10 +539,14 @@ async def test_an_agent_answers_only_its_own_commands(cluster, admin):
 # --------------------------------------------------------------------------------------- routers
 
 
+def intent_body(revision: int, active: str) -> bytes:
+    return view_encoder.encode(RouteIntent(fleet=FLEET, revision=revision, active=Target(domain=active)))
+
+
 async def test_a_router_can_only_read_route_intents(cluster, admin):
     async with cluster.log("projector", "projector:test") as projector:
         last = await projector.last_intent(FLEET)
-        first_seq = await projector.publish_intent(FLEET, b'{"active": "a", "n": 1}', expect=0 if last is None else last[1])
+        first_seq = await projector.publish_intent(FLEET, intent_body(1, "a"), expect=0 if last is None else last[1])
 
     errors: list[str] = []
     router = await cluster.raw("router", errors)
@@ -561,7 +566,7 @@ async def test_a_router_can_only_read_route_intents(cluster, admin):
         second_seq, second, received = first_seq, b"", None
         async with cluster.log("projector", "projector:test") as projector:
             for n in range(2, 30):
-                second = json.dumps({"active": "b", "n": n}).encode()
+                second = intent_body(n, "b")
                 second_seq = await projector.publish_intent(FLEET, second, expect=second_seq)
                 try:
                     received = await asyncio.wait_for(live.get(), 0.3)
@@ -582,6 +587,16 @@ async def test_a_router_can_only_read_route_intents(cluster, admin):
             watch = log.watch_intents(FLEET)
             assert await asyncio.wait_for(anext(watch), 5) == (FLEET, second, second_seq)
             await watch.aclose()
+
+        # Haru's own router tool works with these credentials.
+        env = dict(os.environ, HARU_NATS_URL=",".join(cluster.urls("router")))
+        done = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "haru.cli", "route", "--fleet", FLEET, "--json"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=30,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        shown = json.loads(done.stdout)
+        assert shown["active"]["domain"] == "b" and shown["revision"] == json.loads(second)["revision"]
 
         # Nothing else: no publishing (core or JetStream), no events, no views.
         js = router.jetstream(timeout=0.5)
