@@ -225,8 +225,8 @@ def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
 
         elif kind is ev.PromotionRequested or kind is ev.DemotionRequested:
             key2 = (fleet, e.op_id)
-            if key2 in operations:
-                continue  # a second request for an operation in flight adds nothing
+            if key2 in operations or key2 in new_operations:
+                continue  # a second request for an operation already recorded adds nothing
             at = utc(e.at)
             operations[key2] = OpenSpan(seq, at)
             if kind is ev.PromotionRequested:

@@ -68,6 +68,8 @@ async def connect(dsn: str, *, timeout: float = 10.0) -> asyncpg.Connection:
     """A connection, with the failures an operator can fix said in one line."""
     try:
         return await asyncpg.connect(dsn, timeout=timeout)
+    except asyncpg.ClientConfigurationError as exc:
+        raise SinkError(f"--dsn is not a usable PostgreSQL URL: {exc}; e.g. postgresql://haru@db/haru") from exc
     except (OSError, asyncio.TimeoutError, asyncpg.CannotConnectNowError) as exc:
         raise SinkUnavailable(f"cannot reach Postgres ({_redact(dsn)}): {exc}; check --dsn") from exc
     except asyncpg.InvalidCatalogNameError as exc:
@@ -266,7 +268,15 @@ class PostgresSink:
             position, carry = await load_state(conn, self.stream)
             self.position = position
             async with EventLog.connect(self.servers, writer=self.writer_id, creds=self.creds) as elog:
-                head = await elog.last_seq()
+                try:
+                    head = await elog.last_seq()
+                except LogError as exc:
+                    if "10059" not in str(exc):  # stream not found
+                        raise
+                    raise LogUnavailable(
+                        f"the stream {self.stream} does not exist yet: start Haru (`haru up`) or point "
+                        f"--nats-url at its NATS"
+                    ) from exc
                 if position > head:
                     raise SinkError(
                         f"the database has events up to sequence {position} but {self.stream} ends at {head}: "

@@ -254,3 +254,15 @@ def test_batching_does_not_change_the_incidents(steps, batch):
         elif isinstance(r.event, ev.ModelResident) and key in open_:
             expected[open_.pop(key)][1] = r.seq
     assert {k: [v[0], v[7]] for k, v in whole.items()} == expected
+
+
+def test_a_request_repeated_for_an_operation_already_recorded_in_the_batch_changes_nothing():
+    s = subjects.op(F)
+    writes, carry = plan(Carry(), [
+        rec(1, s, ev.PromotionRequested(at=at(0), op_id="op", target="b")),
+        rec(2, s, ev.OperationCompleted(at=at(10), op_id="op")),
+        rec(3, s, ev.PromotionRequested(at=at(20), op_id="op", target="a")),
+    ])
+    ops = [dict(zip(S.OPERATION_COLUMNS, r)) for r in writes.insert_operations]
+    assert [(o["target"], o["outcome"], o["duration_ms"]) for o in ops] == [("b", "completed", 10)]
+    assert carry.operations == {}

@@ -378,3 +378,17 @@ async def test_a_following_sink_rides_out_a_nats_restart(event_log, nats_server,
         assert last in seqs
     finally:
         await conn.close()
+
+
+async def test_cli_with_a_malformed_dsn_says_what_a_dsn_looks_like():
+    out = subprocess.run([*HARU, "sink", "postgres", "--dsn", "db.internal/haru", "--migrate-only"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert "not a usable PostgreSQL URL" in out.stderr and "postgresql://" in out.stderr
+
+
+async def test_cli_once_before_the_stream_exists_says_to_start_haru(nats_server, pg_dsn):
+    out = subprocess.run([*HARU, "sink", "postgres", "--dsn", pg_dsn, "--once", "--nats-url", nats_server.url],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 6, out.stderr
+    assert "HARU_EVENTS does not exist yet" in out.stderr
