@@ -237,12 +237,11 @@ def _admission_decided(view: FleetView, e: ev.AdmissionDecided, seq: int, subjec
         return _missing(view, seq, "admission_decided", f"model {e.name!r} on domain {e.domain!r}")
     # The planner's verdict is part of the residency table: refused -> not_admitted (with the
     # shortfall), admitted -> keeps what was observed (or unknown, after a refusal).
-    out = view
     try:
         state = residency.evolve(model.residency, e, seq=seq, subject=subject)
     except IllegalTransition as exc:  # pragma: no cover - the table accepts a verdict in every state
         state = residency.to_state(e, seq=seq)
-        out = _anomaly(view, f"seq {seq}: {exc}")
+        view = _anomaly(view, f"seq {seq}: {exc}")
     model = _replace(
         model,
         gpu_index=e.gpu_index,
@@ -251,7 +250,6 @@ def _admission_decided(view: FleetView, e: ev.AdmissionDecided, seq: int, subjec
         short_by_bytes=0 if e.admitted else e.short_by_bytes,
         residency=state,
     )
-    view = out
     models = dict(domain.models)
     models[e.name] = model
     return _with_domain(view, _replace(domain, models=models))
