@@ -1,10 +1,11 @@
 """Gateway overhead: the same upstream called directly and through `haru gateway`, in one run.
 
-    .venv/bin/python bench/gateway.py [--duration 4] [--upstream fast|sim] [--client raw|aiohttp]
+    .venv/bin/python bench/gateway.py [--duration 4] [--rounds 1] [--upstream both|sim|fast] [--client raw|aiohttp]
 
 Processes (each its own, as in production): a nats-server with the fleet's view and route intent
-published; one upstream (`fast`: a minimal uvloop server returning a fixed chat completion or a
-16-chunk SSE stream; `sim`: the vLLM simulator, `python -m agents.sim.vllm serve`); `haru gateway`
+published; one upstream (`sim`: the vLLM simulator, `python -m agents.sim.vllm serve`, with no token
+delay; `fast`: a minimal uvloop server returning a fixed chat completion or a 16-chunk SSE stream,
+the stricter baseline since its own CPU per request is smallest); `haru gateway`
 (uvloop, as the CLI runs it); and the load generator (uvloop; `raw`: a minimal keep-alive HTTP/1.1
 client, so the client's own CPU distorts little; `aiohttp`: aiohttp's client).
 
@@ -305,7 +306,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=4.0, help="seconds measured per scenario")
     p.add_argument("--warmup", type=float, default=1.0)
-    p.add_argument("--upstream", choices=("fast", "sim"), default="fast")
+    p.add_argument("--upstream", choices=("both", "sim", "fast"), default="both",
+                   help="sim: the vLLM simulator (the issue's baseline); fast: a minimal upstream (stricter); both")
     p.add_argument("--client", choices=("raw", "aiohttp"), default="raw")
     p.add_argument("--rounds", type=int, default=1, help="repeat direct/gateway pairs; the median is shown")
     p.add_argument("--_upstream", metavar="PORT_FILE", help=argparse.SUPPRESS)
@@ -321,64 +323,67 @@ def main() -> None:
 
     from haru.natsd import NatsServer
 
-    procs: list[subprocess.Popen] = []
-    with tempfile.TemporaryDirectory() as tmpdir:
-        tmp = Path(tmpdir)
-        nats = NatsServer(tmp / "nats")
-        nats.start_sync()
-        try:
-            up_proc, upstream = start_upstream(args.upstream, tmp)
-            procs.append(up_proc)
-            asyncio.run(publish_fleet(nats.url, upstream))
-            gw_proc, gw = start_gateway(nats.url, tmp)
-            procs.append(gw_proc)
-            wait_routable(gw)
-            print(f"upstream={args.upstream} client={args.client} duration={args.duration}s/scenario "
-                  f"cpus={os.cpu_count()} rounds={args.rounds}")
-            print(f"{'scenario':<14}{'target':<9}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'ttft50':>9}{'err':>5}")
-            results: dict[tuple[str, int], dict[str, list[dict]]] = {}
-            for kind in ("json", "sse"):
-                for conns in (1, 32):
-                    pair: dict[str, list[dict]] = {"direct": [], "gateway": []}
-                    for _ in range(args.rounds):
-                        for target, url in (("direct", upstream), ("gateway", gw)):
-                            r = measure(url, kind, conns, args)
-                            pair[target].append(r)
-                            print(f"{kind + ' x' + str(conns):<14}{target:<9}{r['rps']:>9.0f}{r['p50'] * 1e3:>9.3f}"
-                                  f"{r['p99'] * 1e3:>9.3f}{r['ttft_p50'] * 1e3:>9.3f}{r['errors']:>5}", flush=True)
-                    results[(kind, conns)] = pair
-            print()
-            print("gateway vs direct (median of rounds)")
-            verdicts = []
-            for (kind, conns), pair in results.items():
-                d = {k: statistics.median(r[k] for r in pair["direct"]) for k in ("rps", "p50", "p99", "ttft_p50")}
-                g = {k: statistics.median(r[k] for r in pair["gateway"]) for k in ("rps", "p50", "p99", "ttft_p50")}
-                line = (f"  {kind:<4} x{conns:<3} throughput {g['rps'] / d['rps']:.2f}x   "
-                        f"added p50 {(g['p50'] - d['p50']) * 1e3:+.3f} ms   added p99 {(g['p99'] - d['p99']) * 1e3:+.3f} ms")
-                if kind == "sse":
-                    line += (f"   TTFT {g['ttft_p50'] / d['ttft_p50']:.2f}x "
-                             f"({(g['ttft_p50'] - d['ttft_p50']) * 1e3:+.3f} ms)")
-                print(line)
-                if kind == "json" and conns == 1:
-                    added = (g["p50"] - d["p50"]) * 1e3
-                    verdicts.append(f"added p50 at 1 connection {added:.3f} ms (target <= 0.5): "
-                                    f"{'met' if added <= 0.5 else 'MISSED'}")
-                if kind == "json" and conns == 32:
-                    ratio = g["rps"] / d["rps"]
-                    verdicts.append(f"throughput at 32 connections {ratio:.2f}x direct (target >= 0.5): "
-                                    f"{'met' if ratio >= 0.5 else 'MISSED'}")
-            print()
-            for v in verdicts:
-                print(v)
-        finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-            nats.stop_sync()
+    kinds = ("sim", "fast") if args.upstream == "both" else (args.upstream,)
+    for kind in kinds:
+        with tempfile.TemporaryDirectory() as tmpdir:
+            tmp = Path(tmpdir)
+            nats = NatsServer(tmp / "nats")
+            nats.start_sync()
+            procs: list[subprocess.Popen] = []
+            try:
+                up_proc, upstream = start_upstream(kind, tmp)
+                procs.append(up_proc)
+                asyncio.run(publish_fleet(nats.url, upstream))
+                gw_proc, gw = start_gateway(nats.url, tmp)
+                procs.append(gw_proc)
+                wait_routable(gw)
+                bench_one(kind, upstream, gw, args)
+            finally:
+                for proc in procs:
+                    proc.terminate()
+                for proc in procs:
+                    try:
+                        proc.wait(10)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                nats.stop_sync()
+        print()
+
+
+def bench_one(kind: str, upstream: str, gw: str, args: argparse.Namespace) -> None:
+    print(f"== upstream={kind} client={args.client} duration={args.duration}s/scenario "
+          f"cpus={os.cpu_count()} rounds={args.rounds} load={os.getloadavg()[0]:.1f}")
+    print(f"{'scenario':<14}{'target':<9}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'ttft50':>9}{'err':>5}")
+    results: dict[tuple[str, int], dict[str, list[dict]]] = {}
+    for body_kind in ("json", "sse"):
+        for conns in (1, 32):
+            pair: dict[str, list[dict]] = {"direct": [], "gateway": []}
+            for _ in range(args.rounds):
+                for target, url in (("direct", upstream), ("gateway", gw)):
+                    r = measure(url, body_kind, conns, args)
+                    pair[target].append(r)
+                    print(f"{body_kind + ' x' + str(conns):<14}{target:<9}{r['rps']:>9.0f}{r['p50'] * 1e3:>9.3f}"
+                          f"{r['p99'] * 1e3:>9.3f}{r['ttft_p50'] * 1e3:>9.3f}{r['errors']:>5}", flush=True)
+            results[(body_kind, conns)] = pair
+    print(f"gateway vs direct, upstream={kind} (median of rounds)")
+    verdicts = []
+    for (body_kind, conns), pair in results.items():
+        d = {k: statistics.median(r[k] for r in pair["direct"]) for k in ("rps", "p50", "p99", "ttft_p50")}
+        g = {k: statistics.median(r[k] for r in pair["gateway"]) for k in ("rps", "p50", "p99", "ttft_p50")}
+        line = (f"  {body_kind:<4} x{conns:<3} throughput {g['rps'] / d['rps']:.2f}x   "
+                f"added p50 {(g['p50'] - d['p50']) * 1e3:+.3f} ms   added p99 {(g['p99'] - d['p99']) * 1e3:+.3f} ms")
+        if body_kind == "sse":
+            line += f"   TTFT {g['ttft_p50'] / d['ttft_p50']:.2f}x ({(g['ttft_p50'] - d['ttft_p50']) * 1e3:+.3f} ms)"
+        print(line)
+        if body_kind == "json" and conns == 1:
+            added = (g["p50"] - d["p50"]) * 1e3
+            verdicts.append(f"added p50 at 1 connection {added:.3f} ms (target <= 0.5): {'met' if added <= 0.5 else 'MISSED'}")
+        if body_kind == "json" and conns == 32:
+            ratio = g["rps"] / d["rps"]
+            verdicts.append(f"throughput at 32 connections {ratio:.2f}x direct (target >= 0.5): "
+                            f"{'met' if ratio >= 0.5 else 'MISSED'}")
+    for v in verdicts:
+        print(f"  [{kind}] {v}")
 
 
 if __name__ == "__main__":
