@@ -40,6 +40,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import sys
 from dataclasses import dataclass, field
 
@@ -249,11 +250,11 @@ def nsc_commands(users: list[User]) -> str:
         if u.name == "admin":
             out.append("nsc add user --account HARU --name admin")
             continue
-        args = [f"--allow-pub {_q(','.join(u.publish))}", f"--allow-sub {_q(','.join(u.subscribe))}"]
+        args = [f"--allow-pub {shlex.quote(','.join(u.publish))}", f"--allow-sub {shlex.quote(','.join(u.subscribe))}"]
         if u.deny_publish:
-            args.append(f"--deny-pub {_q(','.join(u.deny_publish))}")
+            args.append(f"--deny-pub {shlex.quote(','.join(u.deny_publish))}")
         if u.allow_responses:
-            args.append("--allow-pub-response")
+            args.append("--allow-pub-response=1")
         out.append(f"nsc add user --account HARU --name {u.name.replace('.', '-')} " + " ".join(args))
     out.append("# then: nsc generate creds --account HARU --name <user> > <user>.creds   (agent config: \"nats_creds\")")
     return "\n".join(out) + "\n"
