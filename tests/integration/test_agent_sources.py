@@ -121,3 +121,28 @@ async def test_dry_run_prints_what_would_run(tmp_path, nats_server):
     assert [t["slot"] for t in plan["training"]] == ["lora"]
     text = haru("agent", "--config", str(cfg), "--dry-run")
     assert text.returncode == 0 and "not admitted big" in text.stdout
+
+
+async def test_llama_server_model_under_the_agent(tmp_path, nats_server, event_log, agents):
+    import sys
+    from pathlib import Path
+
+    fake = [sys.executable, str(Path(__file__).parent / "agent_fakes" / "fake_llama_server.py")]
+    layout = write_layout(tmp_path / "layout.json", tmp_path, training={"vram": "4GiB"})
+    doc = json.loads(layout.read_text())
+    for d in doc["domains"]:
+        d["slots"][0]["models"] = [{"name": "gemma:2b", "runtime": "llama_server", "vram": "3GiB",
+                                    "source": "/m/gemma.gguf", "binary": fake, "env": {"FAKE_LOAD_MS": "300"}}]
+    layout.write_text(json.dumps(doc))
+    cfg = write_config(tmp_path / "agent-b.json", nats_server.url, tmp_path, domain="b", layout=layout)
+    agent = agents(cfg, tmp_path / "agent-b.log")
+    subject = subjects.model("f", "b", "gemma:2b")
+    res = await wait_event(event_log, subject, is_("model_resident"), agent=agent)
+    assert res.event.warmup_ms >= 300  # measured through the 503 "Loading model" phase
+    # a standby: llama-server cannot sleep, stays resident, and training runs beside it
+    await wait_event(event_log, subjects.training("f", "b", "lora"), is_("training_started"), agent=agent)
+    reply = await send(event_log.nc, "f", "b", "sleep", Command(), timeout=10)
+    assert reply.ok and "no sleep mode" in reply.data["models"]["gemma:2b"]["detail"]
+    assert tag(await event_log.last(subject)) == "model_resident"
+    wake = await send(event_log.nc, "f", "b", "wake", Command(), timeout=10)
+    assert wake.ok, wake
