@@ -536,6 +536,65 @@ async def test_an_agent_answers_only_its_own_commands(cluster, admin):
         await promoter.close()
 
 
+# ------------------------------------------------------------------------------ the control plane
+
+
+def haru_cli(args: list[str], env: dict[str, str], **kwargs) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "haru.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60, **kwargs)
+
+
+async def test_the_control_plane_and_the_cli_run_under_their_own_users(cluster, admin, tmp_path):
+    """`haru up --nats-url` as `control` (projector, promoter, gateway in one process), `haru apply`
+    as `operator`: the view and the route intent appear, so every write they need is permitted."""
+    layout = json.loads((REPO / "deploy/examples/demo-fleet.json").read_text())
+    layout["fleet"] = "ctl"
+    (tmp_path / "layout.json").write_text(json.dumps(layout))
+    env = dict(os.environ, HARU_NATS_URL=",".join(cluster.urls("control")), HARU_HOME=str(tmp_path / "home"))
+    env.pop("HARU_API_TOKEN", None)
+    port = free_port()
+    with open(tmp_path / "up.log", "wb") as out:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "haru.cli", "up", "--nats-url", env["HARU_NATS_URL"], "--port", str(port),
+             "--ready-file", str(tmp_path / "ready.json"), "--log-level", "info"],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 40
+        while not (tmp_path / "ready.json").exists():
+            assert up.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "haru up did not get ready: " + (tmp_path / "up.log").read_text()[-3000:]
+            await asyncio.sleep(0.1)
+
+        operator = dict(env, HARU_NATS_URL=",".join(cluster.urls("operator")))
+        done = await asyncio.to_thread(haru_cli, ["apply", "-f", str(tmp_path / "layout.json")], operator)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+        # The projector (as control) wrote the view and the route intent; the gateway (as control) serves it.
+        async with cluster.log("router", "router:test") as router:
+            while (await router.last_intent("ctl")) is None:
+                assert time.monotonic() < deadline + 20, "no route intent: " + (tmp_path / "up.log").read_text()[-3000:]
+                await asyncio.sleep(0.2)
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/fleets", timeout=2) as r:
+                    if "ctl" in r.read().decode():
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline + 20, "the gateway never showed fleet ctl"
+            await asyncio.sleep(0.2)
+        status = await asyncio.to_thread(haru_cli, ["status", "--fleet", "ctl", "--json"], operator)
+        assert status.returncode == 0 and '"ctl"' in status.stdout, status.stdout + status.stderr
+    finally:
+        up.terminate()
+        try:
+            up.wait(20)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+
+
 # --------------------------------------------------------------------------------------- routers
 
 
