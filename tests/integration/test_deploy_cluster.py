@@ -36,8 +36,9 @@ from nats.micro import add_service
 from haru import subjects
 from haru.errors import Conflict, LogError, LogUnavailable
 from haru.eventlog import EventLog
-from haru.events import AgentStarted, FleetDeclared, ModelLoading, PromotionRequested, RouteMoved
+from haru.events import AgentStarted, AgentStopping, FleetDeclared, ModelLoading, PromotionRequested, RouteMoved
 from haru.natsd import find_binary, free_port
+from haru.commands import reply_decoder
 from haru.specs import Policy
 from haru.views import RouteIntent, Target, view_encoder
 
@@ -452,6 +453,8 @@ async def test_an_agent_writes_only_its_own_domain(cluster, admin):
             await violation(errors, f'"{subject}"')
         after = {s: await stored_on(admin.js, subjects.EVENTS_STREAM, s) for s in before}
         assert after == before
+        # The servers name the user and the subject in their log (what an operator greps for).
+        assert any(other in line for line in server_violations(cluster, "agent.default.a"))
 
         # The duplicate-agent check at start is allowed: ask its own status (nobody answers here: "no
         # responders", where a refused publish would time out) and hear its own heartbeat.
@@ -586,6 +589,7 @@ async def test_the_control_plane_and_the_cli_run_under_their_own_users(cluster, 
             await asyncio.sleep(0.2)
         status = await asyncio.to_thread(haru_cli, ["status", "--fleet", "ctl", "--json"], operator)
         assert status.returncode == 0 and '"ctl"' in status.stdout, status.stdout + status.stderr
+        assert server_violations(cluster, "control") == [] and server_violations(cluster, "operator") == []
     finally:
         up.terminate()
         try:
@@ -593,6 +597,100 @@ async def test_the_control_plane_and_the_cli_run_under_their_own_users(cluster, 
         except subprocess.TimeoutExpired:
             up.kill()
             up.wait()
+
+
+def server_violations(c: Cluster, user: str) -> list[str]:
+    """What the nodes logged about `user`'s refused publishes and subscriptions."""
+    out = []
+    for node in c.nodes:
+        for line in (node.dir / "nats-server.log").read_text(errors="replace").splitlines():
+            if "Violation" in line and f'user:{user}"' in line:
+                out.append(line)
+    return out
+
+
+async def test_a_real_agent_runs_under_its_domain_user(tmp_path):
+    """`haru agent` (sim GPU, sim vLLM) as agent.default.b on a fresh cluster: it claims its domain,
+    heartbeats, reports GPU and residency, answers the promoter's commands, stops cleanly, and the
+    servers log not one permissions violation for its user."""
+    from agents.sim.gpu_state import SimGpuState
+
+    c = start_cluster(tmp_path / "agent-cluster")
+    agent_proc: subprocess.Popen[bytes] | None = None
+    try:
+        await ensure_r3(c)
+        # The demo layout, runnable here (this interpreter, free ports), applied as `operator`.
+        doc = json.loads((REPO / "deploy/examples/demo-fleet.json").read_text())
+        for domain in doc["domains"]:
+            domain["serving_url"] = f"http://127.0.0.1:{free_port()}"
+            for slot in domain["slots"]:
+                if slot.get("kind") == "training":
+                    slot["command"] = [sys.executable, *slot["command"][1:]]
+                    slot["checkpoint_dir"] = str(tmp_path / "ckpt" / domain["name"])
+                for model in slot.get("models", []):
+                    model["binary"] = [sys.executable, *model["binary"][1:]]
+                    model["port"] = free_port()
+        (tmp_path / "layout.json").write_text(json.dumps(doc))
+        operator = dict(os.environ, HARU_NATS_URL=",".join(c.urls("operator")))
+        done = await asyncio.to_thread(haru_cli, ["apply", "-f", str(tmp_path / "layout.json")], operator)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+        sim_dir = tmp_path / "sim" / "b"
+        sim_dir.mkdir(parents=True)
+        gpu = next(d for d in doc["domains"] if d["name"] == "b")["gpus"][0]
+        state = SimGpuState(sim_dir, 0)
+        state.ensure(24 * 1024**3, gpu["name"])
+        state.set_present(True)
+        config = {
+            "fleet": FLEET, "domain": "b", "nats_url": c.urls("agent.default.b"), "gpus": "sim",
+            "sim_dir": str(sim_dir), "state_dir": str(tmp_path / "state-b"), "serving": {"host": "127.0.0.1", "port": free_port()},
+        }
+        (tmp_path / "agent.json").write_text(json.dumps(config))
+        env = dict(os.environ, HARU_SIM_DIR=str(sim_dir), HARU_SIM_DOMAIN="b", HARU_SIM_LOAD_MS="200")
+        with open(tmp_path / "agent.log", "wb") as out:
+            agent_proc = subprocess.Popen(
+                [sys.executable, "-m", "haru.cli", "agent", "--config", str(tmp_path / "agent.json"), "--log-format", "json"],
+                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+
+        def agent_log() -> str:
+            return (tmp_path / "agent.log").read_text(errors="replace")[-3000:]
+
+        async with c.log("admin") as admin:
+            promoter = await c.raw("promoter")
+            try:
+                beats = await promoter.subscribe(subjects.heartbeats(FLEET))
+                deadline = time.monotonic() + 40
+                # It claims its domain (agent_started, an append with an expected sequence) ...
+                while (await keep_trying(lambda: admin.last(subjects.agent(FLEET, "b")))) is None:
+                    assert agent_proc.poll() is None, agent_log()
+                    assert time.monotonic() < deadline, "no agent_started: " + agent_log()
+                    await asyncio.sleep(0.2)
+                # ... heartbeats on its own subject ...
+                beat = await beats.next_msg(timeout=10)
+                assert beat.subject == subjects.heartbeat(FLEET, "b")
+                # ... answers the promoter's commands ...
+                reply = reply_decoder.decode((await request_until(promoter, subjects.command(FLEET, "b", "status"), b"{}")).data)
+                assert reply.ok, reply
+                # ... and reports its GPU and its models' residency.
+                model = subjects.model(FLEET, "b", "qwen3-0.6b")
+                while (await admin.last(subjects.gpu(FLEET, "b", 0))) is None or (await admin.last(model)) is None:
+                    assert agent_proc.poll() is None, agent_log()
+                    assert time.monotonic() < deadline, "no gpu/model events: " + agent_log()
+                    await asyncio.sleep(0.2)
+            finally:
+                await promoter.close()
+
+            agent_proc.terminate()
+            assert await asyncio.to_thread(agent_proc.wait, 60) == 0, agent_log()
+            last = await admin.last(subjects.agent(FLEET, "b"))
+            assert last is not None and isinstance(last.event, AgentStopping), last
+        assert server_violations(c, "agent.default.b") == []
+    finally:
+        if agent_proc is not None and agent_proc.poll() is None:
+            os.killpg(agent_proc.pid, 9)
+            agent_proc.wait()
+        c.stop()
 
 
 # --------------------------------------------------------------------------------------- routers
