@@ -86,7 +86,15 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     import asyncpg
 
     from haru.errors import LogUnavailable
-    from projections.postgres import PostgresSink, SinkError, SinkUnavailable, connect, migrate, schema_version
+    from projections.postgres import (
+        PostgresSink,
+        SinkError,
+        SinkUnavailable,
+        connect,
+        migrate,
+        schema_version,
+        tune_gc,
+    )
 
     if args.migrate_only:
         try:
@@ -108,6 +116,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
             print(f"schema at version {version}" + (f" (applied {', '.join(map(str, applied))})" if applied else " (nothing to apply)"))
         return ExitStatus.OK
 
+    tune_gc()
     sink = PostgresSink(
         args.dsn,
         nats_servers(args.nats_url),
