@@ -547,56 +547,77 @@ def haru_cli(args: list[str], env: dict[str, str], **kwargs) -> subprocess.Compl
                           text=True, timeout=60, **kwargs)
 
 
-async def test_the_control_plane_and_the_cli_run_under_their_own_users(cluster, admin, tmp_path):
-    """`haru up --nats-url` as `control` (projector, promoter, gateway in one process), `haru apply`
-    as `operator`: the view and the route intent appear, so every write they need is permitted."""
+@pytest.mark.parametrize("shape", ["together", "apart"])
+async def test_the_control_plane_and_the_cli_run_under_their_own_users(cluster, admin, tmp_path, shape):
+    """The control plane as haru-control-plane.service runs it (`haru up --nats-url` as `control`) or as
+    the three separate units (`haru projector`, `haru promoter`, `haru gateway`, each as its own user),
+    with `haru apply` and `haru status` as `operator`: the view and the route intent appear and the
+    servers log no permissions violation for any of these users."""
+    fleet = f"ctl-{shape}"
     layout = json.loads((REPO / "deploy/examples/demo-fleet.json").read_text())
-    layout["fleet"] = "ctl"
+    layout["fleet"] = fleet
     (tmp_path / "layout.json").write_text(json.dumps(layout))
-    env = dict(os.environ, HARU_NATS_URL=",".join(cluster.urls("control")), HARU_HOME=str(tmp_path / "home"))
-    env.pop("HARU_API_TOKEN", None)
-    port = free_port()
-    with open(tmp_path / "up.log", "wb") as out:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "haru.cli", "up", "--nats-url", env["HARU_NATS_URL"], "--port", str(port),
-             "--ready-file", str(tmp_path / "ready.json"), "--log-level", "info"],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + 40
-        while not (tmp_path / "ready.json").exists():
-            assert up.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "haru up did not get ready: " + (tmp_path / "up.log").read_text()[-3000:]
-            await asyncio.sleep(0.1)
+    base = {k: v for k, v in os.environ.items() if k not in ("HARU_API_TOKEN", "HARU_NATS_URL")}
+    base["HARU_HOME"] = str(tmp_path / "home")
 
-        operator = dict(env, HARU_NATS_URL=",".join(cluster.urls("operator")))
-        done = await asyncio.to_thread(haru_cli, ["apply", "-f", str(tmp_path / "layout.json")], operator)
+    def as_user(user: str) -> dict[str, str]:
+        return dict(base, HARU_NATS_URL=",".join(cluster.urls(user)))
+
+    port = free_port()
+    if shape == "together":
+        commands = {"control": ["up", "--nats-url", as_user("control")["HARU_NATS_URL"], "--port", str(port), "--log-level", "info"]}
+    else:
+        commands = {"projector": ["projector"], "promoter": ["promoter"], "gateway": ["gateway", "--port", str(port)]}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def logs() -> str:
+        return "\n".join(f"--- {u}\n" + (tmp_path / f"{u}.log").read_text(errors="replace")[-2000:] for u in procs)
+
+    try:
+        for user, args in commands.items():
+            with open(tmp_path / f"{user}.log", "wb") as out:
+                procs[user] = subprocess.Popen(
+                    [sys.executable, "-m", "haru.cli", *args], cwd=REPO, env=as_user(user),
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                )
+        deadline = time.monotonic() + 40
+
+        async def gateway_shows(path: str, needle: str) -> None:
+            while True:
+                for user, proc in procs.items():
+                    assert proc.poll() is None, f"{user} exited\n" + logs()
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
+                        if needle in r.read().decode():
+                            return
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, f"the gateway never showed {needle!r} at {path}\n" + logs()
+                await asyncio.sleep(0.2)
+
+        await gateway_shows("/healthz", "")
+        done = await asyncio.to_thread(haru_cli, ["apply", "-f", str(tmp_path / "layout.json")], as_user("operator"))
         assert done.returncode == 0, done.stdout + done.stderr
 
-        # The projector (as control) wrote the view and the route intent; the gateway (as control) serves it.
+        # The projector wrote the view and the route intent; the gateway serves the view.
         async with cluster.log("router", "router:test") as router:
-            while (await router.last_intent("ctl")) is None:
-                assert time.monotonic() < deadline + 20, "no route intent: " + (tmp_path / "up.log").read_text()[-3000:]
+            while (await router.last_intent(fleet)) is None:
+                assert time.monotonic() < deadline, "no route intent\n" + logs()
                 await asyncio.sleep(0.2)
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/fleets", timeout=2) as r:
-                    if "ctl" in r.read().decode():
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline + 20, "the gateway never showed fleet ctl"
-            await asyncio.sleep(0.2)
-        status = await asyncio.to_thread(haru_cli, ["status", "--fleet", "ctl", "--json"], operator)
-        assert status.returncode == 0 and '"ctl"' in status.stdout, status.stdout + status.stderr
-        assert server_violations(cluster, "control") == [] and server_violations(cluster, "operator") == []
+        await gateway_shows("/v1/fleets", f'"{fleet}"')
+        status = await asyncio.to_thread(haru_cli, ["status", "--fleet", fleet, "--json"], as_user("operator"))
+        assert status.returncode == 0 and f'"{fleet}"' in status.stdout, status.stdout + status.stderr
+        for user in [*commands, "operator"]:
+            assert server_violations(cluster, user) == [], user
     finally:
-        up.terminate()
-        try:
-            up.wait(20)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
 
 
 def server_violations(c: Cluster, user: str) -> list[str]:
