@@ -30,7 +30,6 @@ import nats
 import nats.errors
 import nats.js.errors
 import pytest
-from nats.js import api
 from nats.micro import add_service
 
 from haru import subjects
