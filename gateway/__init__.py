@@ -10,7 +10,7 @@ config, server (the HTTP server and lifecycle), errors.
 """
 
 from gateway.config import GatewayConfig, from_env
-from gateway.errors import ApiError, GatewayError
+from gateway.errors import ApiError, GatewayError, UpstreamError
 from gateway.routing import ANSWER_STATUS, Forward, Refusal, RoutingTable, compile_routes
 from gateway.server import Gateway, run_gateway
 
@@ -26,4 +26,5 @@ __all__ = [
     "compile_routes",
     "from_env",
     "run_gateway",
+    "UpstreamError",
 ]

@@ -1,7 +1,9 @@
 """The gateway's exceptions. A leaf module: it imports nothing from the `gateway` package.
 
     GatewayError                (haru.errors.HaruError)
-    └── ApiError                an HTTP answer that is a refusal: status, OpenAI `error.code`, message
+    ├── ApiError                an HTTP answer that is a refusal: status, OpenAI `error.code`, message
+    └── UpstreamError           an upstream could not be reached, or broke off           (the domain's)
+        └── ProtocolError       what an upstream sent is not an HTTP/1.1 response         (the domain's)
 """
 
 from __future__ import annotations
@@ -34,3 +36,17 @@ class ApiError(GatewayError):
         self.param = param
         self.retry_after = retry_after
         super().__init__(message)
+
+
+class UpstreamError(GatewayError):
+    """An upstream could not be reached or broke off; the message says how.
+
+    `retryable` is True only for a reused keep-alive connection that closed before a single byte of
+    the response: the request may not have been seen, and is sent once more on a fresh connection.
+    """
+
+    retryable = False
+
+
+class ProtocolError(UpstreamError):
+    """An upstream sent something that is not an HTTP/1.1 response."""

@@ -19,14 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gateway.errors import ProtocolError
+
 MAX_HEAD_BYTES = 64 * 1024
 MAX_CHUNK_LINE = 4096
 
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
-
-
-class ProtocolError(Exception):
-    """The upstream sent something that is not an HTTP/1.1 response."""
 
 
 Headers = list[tuple[str, str]]

@@ -24,7 +24,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.config import GatewayConfig
-from gateway.upstream import Connection, Pool, UpstreamError
+from gateway.errors import UpstreamError
 from gateway.metrics import UNKNOWN_MODEL, GatewayMetrics
 from gateway.routing import (
     PAYLOAD_TOO_LARGE,
@@ -35,12 +35,13 @@ from gateway.routing import (
     RoutingTable,
     model_of,
 )
+from gateway.upstream import Connection, Pool
 
 log = structlog.get_logger("haru.gateway")
 
 CHAT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 
-# Request headers never forwarded: hop-by-hop, framing (the client library sets them again), the
+# Request headers never forwarded: hop-by-hop, framing (set again for the upstream), the
 # client's credentials for Haru (the serving token replaces them) and Haru's own routing header.
 _DROP_REQUEST = frozenset(
     {
@@ -55,8 +56,8 @@ _DROP_RESPONSE = frozenset(
 )
 
 
-class TooLarge(Exception):
-    pass
+class _TooLarge(Exception):
+    """The body is over HARU_CHAT_MAX_BODY_BYTES (control flow inside the proxy, answered with a 413)."""
 
 
 def error_response(refusal: Refusal, extra: dict[str, str] | None = None) -> web.Response:
@@ -102,7 +103,7 @@ class Proxy:
         fleet = headers.get("X-Haru-Fleet") or self.default_fleet
         try:
             body = await self._read_body(request)
-        except TooLarge:
+        except _TooLarge:
             status, code = PAYLOAD_TOO_LARGE
             refusal = Refusal(
                 status,
@@ -128,7 +129,7 @@ class Proxy:
         content = request.content
         if length is not None:
             if length > self.max_body:
-                raise TooLarge
+                raise _TooLarge
             if length == 0:
                 return b""
             return await content.readexactly(length)
@@ -140,7 +141,7 @@ class Proxy:
                 return b"".join(chunks)
             size += len(chunk)
             if size > self.max_body:
-                raise TooLarge
+                raise _TooLarge
             chunks.append(chunk)
 
     def _header_block(self, request: web.BaseRequest) -> str:

@@ -24,15 +24,12 @@ import ssl as ssl_module
 import time
 from urllib.parse import urlsplit
 
-from gateway.http1 import Headers, ProtocolError, ResponseParser
+from gateway.errors import ProtocolError, UpstreamError
+from gateway.http1 import Headers, ResponseParser
 
 HIGH_WATER = 1 << 20
 LOW_WATER = 1 << 18
 IDLE_REUSE_S = 2.0
-
-
-class UpstreamError(Exception):
-    """The upstream could not be reached, or broke off: the message says how."""
 
 
 class Target:
@@ -110,7 +107,7 @@ class Connection(asyncio.Protocol):
                 parser.eof()
             except ProtocolError as err:
                 e = UpstreamError(str(err))
-                e.retryable = self.reused and not parser.started  # type: ignore[attr-defined]
+                e.retryable = self.reused and not parser.started
                 self._fail(e)
 
     # ------------------------------------------------------------------------- callbacks
@@ -241,7 +238,7 @@ class Pool:
                 return conn
             except UpstreamError as exc:
                 conn.close()
-                if attempt == 0 and getattr(exc, "retryable", False):
+                if attempt == 0 and exc.retryable:
                     continue  # a kept-alive connection the upstream had closed: once more, fresh
                 raise
             except BaseException:

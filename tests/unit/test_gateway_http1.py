@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.http1 import ProtocolError, ResponseParser
+from gateway.errors import ProtocolError
+from gateway.http1 import ResponseParser
 
 
 class Sink:
