@@ -7,7 +7,8 @@ Loopback only (listen_addresses=127.0.0.1, a free port, the unix socket inside t
 trust authentication, durability off unless `durable=True`. The binaries are found through
 `$HARU_PG_BINDIR`, PATH, `/usr/lib/postgresql/<version>/bin` (the newest) or `pg_config --bindir`.
 PostgreSQL refuses to run as root: when we are root the cluster is owned by, and run as, an
-unprivileged user (`$HARU_PG_USER`, else `nobody`) through `runuser`.
+unprivileged user (`$HARU_PG_USER`, else `nobody`) through `runuser` (or, without util-linux, by
+dropping privileges in the child), in a directory that user can reach.
 """
 
 from __future__ import annotations
@@ -61,6 +62,16 @@ def _version_key(path: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split(".") if p.isdigit()) or (0,)
 
 
+def _traversable_tmp() -> str:
+    """A temporary directory base that an unprivileged user can reach: $TMPDIR when every
+    ancestor is world-searchable, else /tmp (pytest's and some CI's TMPDIRs are root-only)."""
+    base = Path(tempfile.gettempdir()).resolve()
+    for d in (base, *base.parents):
+        if not os.stat(d).st_mode & 0o001:
+            return "/tmp"
+    return str(base)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -105,13 +116,15 @@ class LocalPostgres:
     def dsn(self, database: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
 
-    def _as_user(self, argv: list[str]) -> list[str]:
-        if self.user is None:
-            return argv
-        return ["runuser", "-u", self.user, "--", *argv]
-
     def _run(self, argv: list[str], timeout: float) -> None:
-        out = subprocess.run(self._as_user(argv), capture_output=True, text=True, timeout=timeout)
+        kwargs: dict = {}
+        if self.user is not None:
+            if shutil.which("runuser"):
+                argv = ["runuser", "-u", self.user, "--", *argv]
+            else:  # no util-linux: drop privileges in the child directly
+                entry = pwd.getpwnam(self.user)
+                kwargs = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)
         if out.returncode != 0:
             log = self.root / "postgres.log" if self.root else None
             tail = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
@@ -120,8 +133,9 @@ class LocalPostgres:
             )
 
     def start(self) -> "LocalPostgres":
-        self.root = Path(tempfile.mkdtemp(prefix="haru-pg-"))
-        if os.geteuid() == 0:
+        as_root = os.geteuid() == 0
+        self.root = Path(tempfile.mkdtemp(prefix="haru-pg-", dir=_traversable_tmp() if as_root else None))
+        if as_root:
             self.user = os.environ.get("HARU_PG_USER", "nobody")
             try:
                 entry = pwd.getpwnam(self.user)
