@@ -119,7 +119,7 @@ async def run_service(args: argparse.Namespace) -> ExitStatus:
     _configure_logging()
     identity = args.id or default_identity()
     try:
-        async with EventLog.connect(nats_servers(args.nats_url), writer=identity, creds=args.nats_creds) as log:
+        async with EventLog.connect(_servers(args), writer=identity, creds=args.nats_creds) as log:
             await log.ensure()
             await run_promoter(log, fleets=args.fleet, identity=identity)
     except LogUnavailable as exc:
@@ -127,6 +127,15 @@ async def run_service(args: argparse.Namespace) -> ExitStatus:
     except asyncio.CancelledError:
         return ExitStatus.INTERRUPTED
     return ExitStatus.OK
+
+
+def _servers(args: argparse.Namespace) -> list[str]:
+    servers = nats_servers(args.nats_url or "")
+    if not servers:
+        from haru.errors import ConfigError
+
+        raise ConfigError("--nats-url is empty; pass the NATS URL (e.g. nats://127.0.0.1:4222) or set HARU_NATS_URL")
+    return servers
 
 
 def _by() -> str:
@@ -142,7 +151,7 @@ async def run_request(args: argparse.Namespace) -> ExitStatus:
 
     kind = args.kind
     try:
-        async with EventLog.connect(nats_servers(args.nats_url), writer=_by(), creds=args.nats_creds) as log:
+        async with EventLog.connect(_servers(args), writer=_by(), creds=args.nats_creds) as log:
             now = datetime.now(timezone.utc)
             result = await request_operation(log, args.fleet, kind, args.domain, by=_by(), now=now)
             status = _STATUS[result.status]
@@ -210,7 +219,7 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
 async def run_op(args: argparse.Namespace) -> ExitStatus:
     """List operations, or print one operation's steps, from the fleet's op subject."""
     try:
-        async with EventLog.connect(nats_servers(args.nats_url), writer=_by(), creds=args.nats_creds) as log:
+        async with EventLog.connect(_servers(args), writer=_by(), creds=args.nats_creds) as log:
             records = await log.history(subjects.op(args.fleet))
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)

@@ -585,10 +585,16 @@ def _demotion_reason(view: FleetView, dv: DomainView) -> str:
 
 
 def _first_route(view: FleetView, facts: Facts) -> Append | None:
-    """No route_moved yet: promote the first declared domain through the normal path, once all are heard."""
+    """No route_moved yet: promote the first declared domain through the normal path.
+
+    Once the first domain is reachable with its models resident or asleep, and every other domain
+    has been heard from (or found silent) and has finished loading (bounded by degraded_grace_ms).
+    """
     names = list(view.domains)
     first = names[0]
-    if any(view.domains[n].reachable is not True for n in names):
+    # Every domain heard from (reachable), or known silent: a dead standby does not keep a fleet
+    # from serving; the settle step then records it not eligible, and it rejoins when it recovers.
+    if view.domains[first].reachable is not True or any(view.domains[n].reachable is None for n in names):
         return None
     dv = view.domains[first]
     if not dv.eligible:
@@ -598,6 +604,19 @@ def _first_route(view: FleetView, facts: Facts) -> Append | None:
         return None
     if _backing_off(view, "promotion", first, facts.now) is not None:
         return None
+    # Let the other domains' runtimes finish loading first, so the settle step can put them to sleep
+    # (bounded: a model loading for longer than degraded_grace_ms does not hold the first route back).
+    grace = timedelta(milliseconds=view.policy.degraded_grace_ms)
+    for name in names[1:]:
+        other = view.domains[name]
+        if other.reachable is False:
+            continue
+        for m in served(other):
+            state = other.models[m].residency
+            if state_name(state) == "unknown":
+                return None
+            if state_name(state) == "loading" and (state.since is None or facts.now - state.since < grace):
+                return None
     return Append(
         subject=subjects.op(view.fleet),
         event=PromotionRequested(

@@ -487,3 +487,17 @@ def test_the_docs_carry_the_steps_and_transitions_tables():
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "promoter.md").read_text()
     assert tables_markdown() in doc, "regenerate the tables in docs/promoter.md from decider.tables_markdown()"
+
+
+def test_the_first_route_waits_for_the_other_domain_to_finish_loading_within_the_grace():
+    loading_b = (subjects.model(F, "b", "m1"), ModelLoading(at=at(0), domain="b", model="m1"))
+    events = [reachable("a"), reachable("b"), resident("a", "m1"), resident("a", "m2"), loading_b, resident("b", "m2")]
+    assert only(given(*events), facts(ms=10)) is None
+    late = only(given(*events), facts(ms=POLICY.degraded_grace_ms + 1))
+    assert isinstance(late, PromotionRequested) and late.target == "a"
+
+
+def test_a_silent_second_domain_does_not_keep_the_fleet_from_its_first_route():
+    events = [reachable("a"), unreachable("b"), resident("a", "m1"), resident("a", "m2")]
+    event = only(given(*events), facts(silent_ms={"a": 10, "b": 5000}))
+    assert isinstance(event, PromotionRequested) and event.target == "a"
