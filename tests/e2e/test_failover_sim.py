@@ -55,9 +55,9 @@ def steady(view, active: str) -> bool:
             and view.domains[standby].eligible)
 
 
-@pytest.fixture
-async def sim_fleet(tmp_path, nats_server, event_log):
-    """Two sim domains with agents, declared, and a promoter; the first route settled (a active)."""
+@contextlib.asynccontextmanager
+async def sim_agents(tmp_path, nats_server, event_log):
+    """Two sim domains, declared, each with its agent (a real subprocess)."""
     layout_path = write_layout(tmp_path / "layout.json", tmp_path, models={"m1": {}, "m2": {"vram": "2GiB"}},
                                training={"vram": "8GiB"}, policy=POLICY, fleet=FLEET)
     await apply(event_log, load_layout(layout_path), now())
@@ -67,14 +67,21 @@ async def sim_fleet(tmp_path, nats_server, event_log):
             cfg = write_config(tmp_path / f"agent-{d}.json", nats_server.url, tmp_path, domain=d, layout=layout_path,
                                fleet=FLEET)
             procs.append(AgentProcess(cfg, tmp_path / f"agent-{d}.log", agent_env()))
-        # A short delay before each step leaves room to inject a fault between two steps.
-        async with promoters(nats_server.url, step_delay_ms=STEP_DELAY_MS):
-            await wait_view(event_log, lambda v: steady(v, "a"), timeout=40, fleet=FLEET, what="first route, a active")
-            yield event_log, tmp_path
+        yield procs
     finally:
         for p in procs:
             with contextlib.suppress(Exception):
                 p.kill()
+
+
+@pytest.fixture
+async def sim_fleet(tmp_path, nats_server, event_log):
+    """Two sim domains with agents, declared, and a promoter; the first route settled (a active)."""
+    async with sim_agents(tmp_path, nats_server, event_log):
+        # A short delay before each step leaves room to inject a fault between two steps.
+        async with promoters(nats_server.url, step_delay_ms=STEP_DELAY_MS):
+            await wait_view(event_log, lambda v: steady(v, "a"), timeout=40, fleet=FLEET, what="first route, a active")
+            yield event_log, tmp_path
 
 
 def sim(tmp_path, *args: str) -> None:
@@ -143,3 +150,29 @@ async def test_a_standby_that_fails_before_the_flip_aborts_and_the_pointer_stays
     assert failed[0].error
     assert [m.active for m in await route_moves(log, FLEET)] == ["a"]
     assert (await view_of(log, FLEET)).active == "a"
+
+
+async def test_five_promoter_processes_racing_a_failure_move_the_route_once(tmp_path, nats_server, event_log):
+    from tests.integration.promoter_support import PromoterProcess
+
+    async with sim_agents(tmp_path, nats_server, event_log):
+        procs = [PromoterProcess(nats_server.url, f"promoter:race-{i}", log_path=tmp_path / f"promoter-{i}.log")
+                 for i in range(5)]
+        try:
+            for p in procs:
+                p.start()
+            await wait_view(event_log, lambda v: steady(v, "a"), timeout=40, fleet=FLEET, what="first route, a active")
+            sim(tmp_path, "kill-runtime", "a", "m1")
+            await wait_view(event_log, lambda v: steady(v, "b"), timeout=60, fleet=FLEET, what="b active, a standby")
+        finally:
+            for p in procs:
+                p.kill()
+    assert [m.active for m in await route_moves(event_log, FLEET)] == ["a", "b"]
+    ops = await op_events(event_log, FLEET)
+    promotions = [e for e in ops if isinstance(e, PromotionRequested)]
+    assert [p.reason for p in promotions] == ["initial", "degraded"]
+    for op in promotions:
+        started = [(e.step, e.attempt) for e in ops if isinstance(e, StepStarted) and e.op_id == op.op_id]
+        assert len(started) == len(set(started)) == 6, started
+    drivers = {e.by for e in ops if isinstance(e, StepStarted)}
+    assert drivers <= {f"promoter:race-{i}" for i in range(5)}
