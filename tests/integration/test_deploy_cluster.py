@@ -562,6 +562,7 @@ async def test_the_control_plane_and_the_cli_run_under_their_own_users(cluster, 
     def as_user(user: str) -> dict[str, str]:
         return dict(base, HARU_NATS_URL=",".join(cluster.urls(user)))
 
+    mark = log_marks(cluster)  # other tests provoke violations on purpose in this cluster
     port = free_port()
     if shape == "together":
         commands = {"control": ["up", "--nats-url", as_user("control")["HARU_NATS_URL"], "--port", str(port), "--log-level", "info"]}
@@ -607,7 +608,7 @@ async def test_the_control_plane_and_the_cli_run_under_their_own_users(cluster, 
         status = await asyncio.to_thread(haru_cli, ["status", "--fleet", fleet, "--json"], as_user("operator"))
         assert status.returncode == 0 and f'"{fleet}"' in status.stdout, status.stdout + status.stderr
         for user in [*commands, "operator"]:
-            assert server_violations(cluster, user) == [], user
+            assert server_violations(cluster, user, mark) == [], user
     finally:
         for proc in procs.values():
             proc.terminate()
@@ -619,13 +620,19 @@ async def test_the_control_plane_and_the_cli_run_under_their_own_users(cluster, 
                 proc.wait()
 
 
-def server_violations(c: Cluster, user: str) -> list[str]:
-    """What the nodes logged about `user`'s refused publishes and subscriptions."""
+def log_marks(c: Cluster) -> dict[int, int]:
+    """How far each node's log goes now: pass to `server_violations` to see only what follows."""
+    return {n.index: (n.dir / "nats-server.log").stat().st_size for n in c.nodes}
+
+
+def server_violations(c: Cluster, user: str, since: dict[int, int] | None = None) -> list[str]:
+    """What the nodes logged about `user`'s refused publishes and subscriptions (after `since`)."""
     out = []
     for node in c.nodes:
-        for line in (node.dir / "nats-server.log").read_text(errors="replace").splitlines():
-            if "Violation" in line and f'user:{user}"' in line:
-                out.append(line)
+        with open(node.dir / "nats-server.log", "rb") as f:
+            f.seek((since or {}).get(node.index, 0))
+            text = f.read().decode(errors="replace")
+        out += [line for line in text.splitlines() if "Violation" in line and f'user:{user}"' in line]
     return out
 
 
