@@ -62,8 +62,8 @@ CREATE TABLE haru.residency_transitions (
     observed_at  timestamptz NOT NULL,   -- event.at: when the writer observed it
     recorded_at  timestamptz NOT NULL,   -- JetStream's timestamp: when the log recorded it
     writer       text NOT NULL DEFAULT '',
-    warmup_ms    integer,          -- resident
-    exit_code    integer           -- lost{process_exited}
+    warmup_ms    bigint,           -- resident
+    exit_code    bigint            -- lost{process_exited}
 );
 CREATE INDEX residency_transitions_model ON haru.residency_transitions (fleet, domain, model, seq);
 CREATE INDEX residency_transitions_lost ON haru.residency_transitions (observed_at)
@@ -89,12 +89,12 @@ CREATE TABLE haru.gpu_observations (
     seq                 bigint PRIMARY KEY,
     fleet               text NOT NULL,
     domain              text NOT NULL,
-    gpu_index           integer NOT NULL,
+    gpu_index           bigint NOT NULL,
     present             boolean,           -- NULL: the host has no NVML, presence unknowable
     name                text NOT NULL DEFAULT '',
     memory_total_bytes  bigint NOT NULL DEFAULT 0,
     memory_used_bytes   bigint NOT NULL DEFAULT 0,
-    processes           integer NOT NULL DEFAULT 0,
+    processes           bigint NOT NULL DEFAULT 0,
     mig                 boolean NOT NULL DEFAULT false,
     observed_at         timestamptz NOT NULL,
     recorded_at         timestamptz NOT NULL
@@ -139,7 +139,7 @@ CREATE TABLE haru.operation_steps (
     fleet         text NOT NULL,
     op_id         text NOT NULL,
     step          text NOT NULL,
-    attempt       integer NOT NULL DEFAULT 1,
+    attempt       bigint NOT NULL DEFAULT 1,
     started_at    timestamptz,
     outcome       text CHECK (outcome IN ('completed', 'failed', 'restarted')),   -- NULL: running
     finished_seq  bigint,
@@ -166,7 +166,7 @@ CREATE TABLE haru.domains (
     region       text,
     serving_url  text,
     serve        text,
-    gpus         integer,
+    gpus         bigint,
     seq          bigint NOT NULL,          -- the last declaration event applied
     changed_at   timestamptz NOT NULL,
     retired_at   timestamptz,

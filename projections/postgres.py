@@ -38,6 +38,7 @@ import structlog
 
 from haru import subjects
 from haru.errors import HaruError, LogError, LogUnavailable
+from haru.eventlog import EventLog
 from projections import pg_schema as S
 from projections.pg_rows import Carry, Writes, carry_from_rows, plan
 
@@ -257,8 +258,6 @@ class PostgresSink:
                 delay = min(delay * 2, self.retry_max)
 
     async def _session(self, follow: bool) -> int:
-        from haru.eventlog import EventLog
-
         conn = await connect(self.dsn)
         try:
             await migrate(conn)
@@ -368,7 +367,13 @@ class _Writer:
                 f"nothing was written, restart the sink)"
             )
         writes, carry = plan(self.carry, batch)
-        await write_batch(self.conn, sink.stream, sink.position, writes)
+        try:
+            await write_batch(self.conn, sink.stream, sink.position, writes)
+        except (asyncpg.DataError, OverflowError) as exc:  # client-side: a value the column cannot hold
+            raise SinkError(
+                f"events {batch[0].seq}..{batch[-1].seq} hold a value Postgres cannot store ({exc}); nothing "
+                f"of them was written. Find it with `nats stream get {sink.stream} <seq>`"
+            ) from exc
         sink.position = writes.last_seq
         sink.written += len(batch)
         self.carry = carry

@@ -392,3 +392,20 @@ async def test_cli_once_before_the_stream_exists_says_to_start_haru(nats_server,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 6, out.stderr
     assert "HARU_EVENTS does not exist yet" in out.stderr
+
+
+async def test_huge_values_are_stored_and_an_unstorable_one_stops_the_sink_saying_where(event_log, nats_server, pg_dsn):
+    subject = subjects.model(F, "a", M)
+    big = await put(event_log, subject, ev.ModelResident(at=t(1), domain="a", model=M, warmup_ms=2**40))
+    await once(pg_dsn, nats_server.url)
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT warmup_ms FROM haru.residency_transitions WHERE seq = $1", big) == 2**40
+        bad = await put(event_log, subject, ev.ModelResident(at=t(2), domain="a", model=M, warmup_ms=2**63))
+        from projections.postgres import SinkError
+
+        with pytest.raises(SinkError, match=f"events {bad}..{bad} hold a value Postgres cannot store"):
+            await once(pg_dsn, nats_server.url)
+        assert await _position(conn) == big  # nothing of the batch was written, the position did not move
+    finally:
+        await conn.close()
