@@ -28,6 +28,7 @@ from aiohttp import web
 
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
+from gateway.proxy import continue_if_expected
 from gateway.routing import RoutingTable, fleet_not_found
 from gateway.truth import models_list, truth_table
 from haru import subjects
@@ -219,6 +220,7 @@ class Control:
 
     async def operation(self, request: web.BaseRequest, fleet: str, kind: str) -> web.Response:
         check_fleet(fleet)
+        await continue_if_expected(request)
         raw = await request.read()
         try:
             body = _decode_operation(raw) if raw.strip() else _OperationBody()

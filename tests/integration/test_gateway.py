@@ -884,3 +884,19 @@ async def test_a_malformed_upstream_head_is_502(event_log, gw):
         assert info.value.status_code == 502 and "malformed response" in info.value.body["message"]
     finally:
         await up.stop()
+
+
+async def test_expect_100_continue_is_answered(gw, two_domains):
+    """curl sends `Expect: 100-continue` for bodies over 1 KiB and waits a second for the go-ahead."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 2000}]}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 0.5)
+        assert interim.startswith(b"HTTP/1.1 100 Continue")
+        writer.write(body)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200")
+    finally:
+        writer.close()
