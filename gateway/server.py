@@ -81,7 +81,11 @@ class Gateway:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """A URL that reaches this gateway from this machine (loopback when bound to every address)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(self.host, self.host)
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
 
     # ------------------------------------------------------------------------------ lifecycle
 
