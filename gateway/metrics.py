@@ -7,8 +7,8 @@
     haru_gateway_route_revision{fleet}                       the route revision the gateway routes by
     haru_gateway_route_updates_total{fleet, kind}            views and intents applied
 
-`model` is only a label for models the fleet declares; anything else counts as "(unknown)", so a
-client cannot grow the label set.
+`fleet` and `model` are labels only for fleets and models that exist; anything else a client sends
+counts as "(unknown)", so clients cannot grow the label set.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 UNKNOWN_MODEL = "(unknown)"
-NO_FLEET = "(none)"
+UNKNOWN_FLEET = "(unknown)"
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 

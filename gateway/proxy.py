@@ -25,7 +25,7 @@ from multidict import CIMultiDict
 
 from gateway.config import GatewayConfig
 from gateway.errors import UpstreamError
-from gateway.metrics import UNKNOWN_MODEL, GatewayMetrics
+from gateway.metrics import UNKNOWN_FLEET, UNKNOWN_MODEL, GatewayMetrics
 from gateway.routing import (
     PAYLOAD_TOO_LARGE,
     UPSTREAM_TIMEOUT,
@@ -121,18 +121,22 @@ class Proxy:
                 f"request body is larger than HARU_CHAT_MAX_BODY_BYTES ({self.max_body} bytes); "
                 f"send less, or raise the limit on the gateway",
             )
-            self.metrics.request(fleet, UNKNOWN_MODEL, status)
+            self.metrics.request(self._fleet_label(fleet), UNKNOWN_MODEL, status)
             return error_response(refusal, {"Connection": "close"})
         model = model_of(body)
         if type(model) is not str:
-            self.metrics.request(fleet, UNKNOWN_MODEL, model.status)  # type: ignore[union-attr]
+            self.metrics.request(self._fleet_label(fleet), UNKNOWN_MODEL, model.status)  # type: ignore[union-attr]
             return error_response(model)  # type: ignore[arg-type]
         result = self.table.resolve(fleet, model, time.time())
         if type(result) is not Forward:
             label = model if result.code != "model_not_found" and result.code != "fleet_not_found" else UNKNOWN_MODEL  # type: ignore[union-attr]
-            self.metrics.request(fleet, label, result.status)  # type: ignore[union-attr]
+            self.metrics.request(self._fleet_label(fleet), label, result.status)  # type: ignore[union-attr]
             return error_response(result)  # type: ignore[arg-type]
         return await self._forward(request, path, body, result)  # type: ignore[arg-type]
+
+    def _fleet_label(self, fleet: str) -> str:
+        """The fleet as a metric label: only fleets that exist, so clients cannot grow the label set."""
+        return fleet if self.table.get(fleet) is not None else UNKNOWN_FLEET
 
     async def _read_body(self, request: web.BaseRequest) -> bytes:
         length = request.content_length

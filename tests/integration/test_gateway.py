@@ -717,6 +717,12 @@ async def test_metrics_exposition(gw, two_domains):
     text = await _get_text(gw, "/metrics")
     assert f'haru_gateway_requests_total{{fleet="default",model="{MODEL}",status="200"}} 2.0' in text
     assert 'haru_gateway_requests_total{fleet="default",model="(unknown)",status="404"} 1.0' in text
+    async with sdk(gw, fleet="made-up-fleet") as client:
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model=MODEL, messages=CHAT)
+    text = await _get_text(gw, "/metrics")
+    assert 'haru_gateway_requests_total{fleet="(unknown)",model="(unknown)",status="404"} 1.0' in text
+    assert "made-up-fleet" not in text
     assert 'haru_gateway_upstream_ttfb_seconds_count{domain="a",fleet="default"} 2.0' in text
     assert 'haru_gateway_upstream_latency_seconds_count{domain="a",fleet="default"} 2.0' in text
     assert 'haru_gateway_inflight_streams{fleet="default"} 0.0' in text
