@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 import nats
+import structlog
 import nats.errors
 import nats.js.errors
 from nats.js import api
@@ -37,6 +38,7 @@ EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 MSG_ID = "Nats-Msg-Id"
 DUPLICATE_WINDOW_S = 120.0
 _CONFLICT_CODES = (10071, 10164)
+_log = structlog.get_logger("haru.eventlog")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,11 +47,16 @@ class Record:
 
     seq: int
     subject: str
-    time: datetime  # when JetStream recorded it (the event's `at` is when the writer observed it)
+    time_ns: int  # when JetStream recorded it, ns since the epoch (the event's `at` is when the writer observed it)
     data: bytes
     event: AnyEvent | None  # None when the body is not a valid event
     error: str = ""  # why it is not, with msgspec's path
     headers: dict[str, str] | None = None
+
+    @property
+    def time(self) -> datetime:
+        """When JetStream recorded it (computed on demand: replay hot paths rarely need it)."""
+        return datetime.fromtimestamp(self.time_ns / 1e9, timezone.utc)
 
 
 def body_hash(data: bytes) -> str:
@@ -65,12 +72,16 @@ def msg_id(subject: str, expect: int, data: bytes) -> str:
     return h.hexdigest()[:40]
 
 
-def _decode_record(seq: int, subject: str, time: datetime, data: bytes, headers: dict | None) -> Record:
+def _decode_record(seq: int, subject: str, time_ns: int, data: bytes, headers: dict | None) -> Record:
     try:
         event = decode(data)
     except EventDecodeError as exc:
-        return Record(seq, subject, time, data, None, str(exc), headers)
-    return Record(seq, subject, time, data, event, "", headers)
+        return Record(seq, subject, time_ns, data, None, str(exc), headers)
+    return Record(seq, subject, time_ns, data, event, "", headers)
+
+
+def _datetime_to_ns(t: datetime) -> int:
+    return int(t.timestamp() * 1_000_000) * 1000
 
 
 def _parse_ack_reply(reply: str) -> tuple[int, int, int]:
@@ -84,10 +95,6 @@ def _parse_ack_reply(reply: str) -> tuple[int, int, int]:
     if len(t) == 9:
         return int(t[5]), int(t[7]), int(t[8])
     return int(t[7]), int(t[9]), int(t[10])
-
-
-def _ns_to_datetime(ns: int) -> datetime:
-    return datetime.fromtimestamp(ns / 1e9, timezone.utc)
 
 
 @contextlib.contextmanager
@@ -137,8 +144,13 @@ class EventLog:
         if isinstance(servers, str):
             servers = [s.strip() for s in servers.split(",") if s.strip()]
 
-        async def _quiet(exc: Exception) -> None:  # nats-py logs reconnect noise otherwise
-            return None
+        async def _quiet(exc: Exception) -> None:
+            # Reconnect noise is expected while a server restarts; anything else (a permissions
+            # violation, a slow consumer) is worth a line in the service's log.
+            if isinstance(exc, (OSError, asyncio.TimeoutError, nats.errors.UnexpectedEOF,
+                                nats.errors.StaleConnectionError, nats.errors.ConnectionClosedError)):
+                return
+            _log.warning("nats.error", writer=writer, error=str(exc) or type(exc).__name__)
 
         kwargs: dict[str, Any] = dict(
             servers=servers,
@@ -178,8 +190,22 @@ class EventLog:
 
     # -------------------------------------------------------------------------------- streams
 
-    async def ensure(self, *, replicas: int = 1) -> None:
-        """Create (or check and update) HARU_EVENTS, HARU_ROUTE and the KV bucket haru_views."""
+    def cluster_size(self) -> int:
+        """How many servers the connected one says its cluster has (1 when standalone)."""
+        info = getattr(self.nc, "_server_info", None) or {}
+        if not info.get("cluster"):
+            return 1
+        return max(1, len(set(info.get("connect_urls") or [])))
+
+    async def ensure(self, *, replicas: int | None = None) -> None:
+        """Create (or check and update) HARU_EVENTS, HARU_ROUTE and the KV bucket haru_views.
+
+        `replicas` defaults to 3 on a cluster of three or more servers, else 1: a stream created
+        unreplicated on a cluster would quietly lose the point of the cluster. An existing stream
+        keeps its replicas (changing them is an operator's decision).
+        """
+        if replicas is None:
+            replicas = 3 if self.cluster_size() >= 3 else 1
         events = api.StreamConfig(
             name=subjects.EVENTS_STREAM,
             subjects=[subjects.ALL_EVENTS],
@@ -324,13 +350,19 @@ class EventLog:
             try:
                 ack = await self.js.publish(subject, data, timeout=self.timeout, headers=headers)
                 return ack.seq
+            except nats.js.errors.NoStreamResponseError as exc:
+                # Not an APIError: the 503 while a stream leader is elected (3-6 s on R3, NOTES.md).
+                if loop.time() >= deadline:
+                    raise LogUnavailable(f"appending to {subject}: no stream leader answered in time") from exc
+                await asyncio.sleep(min(0.25 * attempts, 1.0))
+                continue
             except nats.js.errors.APIError as exc:
                 if exc.err_code in _CONFLICT_CODES:
                     last = await self._last_raw(stream, subject)
                     if last is not None and (last[2] or {}).get(MSG_ID) == mid:
                         return last[0]  # our own message, stored before the ack was lost
                     raise Conflict(subject, expect, None if last is None else last[0]) from exc
-                if isinstance(exc, (nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)):
+                if isinstance(exc, nats.js.errors.ServiceUnavailableError):
                     if loop.time() >= deadline:
                         raise LogUnavailable(f"appending to {subject}: no stream leader answered in time") from exc
                     await asyncio.sleep(min(0.25 * attempts, 1.0))
@@ -364,7 +396,7 @@ class EventLog:
             return None
         seq, data, headers, time = last
         self._tips[subject] = (seq, body_hash(data))
-        return _decode_record(seq, subject, time, data, headers)
+        return _decode_record(seq, subject, _datetime_to_ns(time), data, headers)
 
     async def last_seq_of(self, subject: str) -> int:
         """The last sequence on `subject` (0 when empty): what to pass as `expect`."""
@@ -406,7 +438,7 @@ class EventLog:
                 seq, ts, pending = _parse_ack_reply(msg.reply)
                 if seq <= last_handled:
                     return  # redelivered after an ordered-consumer reset
-                rec = _decode_record(seq, msg.subject, _ns_to_datetime(ts), msg.data, msg.headers if headers else None)
+                rec = _decode_record(seq, msg.subject, ts, msg.data, msg.headers if headers else None)
                 if is_async:
                     await handler(rec)
                 else:

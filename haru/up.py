@@ -270,9 +270,16 @@ async def _cancel_all(tasks: list[asyncio.Task]) -> None:
             await t
 
 
+def redact(urls: str) -> str:
+    """NATS URLs without their passwords, for printing."""
+    import re
+
+    return re.sub(r"//([^:/@,]+):[^@/,]*@", r"//\1:***@", urls)
+
+
 def _banner(running: Running, opts: UpOptions, layout: Layout | None) -> None:
     out = sys.stdout
-    out.write(f"haru up: NATS {running.nats_url}" + ("" if opts.nats_url else f" (embedded, store {opts.home / 'nats'})") + "\n")
+    out.write(f"haru up: NATS {redact(running.nats_url)}" + ("" if opts.nats_url else f" (embedded, store {opts.home / 'nats'})") + "\n")
     if running.gateway_url:
         out.write(f"haru up: gateway {running.gateway_url}  (OpenAI-compatible: {running.gateway_url}/v1)\n")
     if layout is not None:

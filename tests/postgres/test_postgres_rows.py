@@ -22,9 +22,13 @@ def at(ms: int) -> datetime:
     return T0 + timedelta(milliseconds=ms)
 
 
+def ns(ms: int) -> int:
+    return int(at(ms).timestamp() * 1000) * 1_000_000
+
+
 def rec(seq: int, subject: str, event, *, recorded_ms: int | None = None) -> Record:
     data = ev.encode(event)
-    return Record(seq, subject, at(recorded_ms if recorded_ms is not None else seq * 1000 + 5), data, event, "")
+    return Record(seq, subject, ns(recorded_ms if recorded_ms is not None else seq * 1000 + 5), data, event, "")
 
 
 def model_rec(seq: int, event, domain: str = "a", model: str = "qwen3.6:27b") -> Record:
@@ -183,7 +187,7 @@ def test_domain_declarations_carry_provider_and_region_and_retirement():
 
 
 def test_invalid_bodies_are_skipped_but_advance_the_position():
-    bad = Record(80, subjects.model(F, "a", "m"), at(1), b'{"type":"model_lost"}', None, "Object missing field `at`")
+    bad = Record(80, subjects.model(F, "a", "m"), ns(1), b'{"type":"model_lost"}', None, "Object missing field `at`")
     weird = rec(81, "haru.evt.default", ev.ModelWaking(at=at(2), domain="a", model="m"))  # no such subject shape
     ignored = rec(82, subjects.agent(F, "a"), ev.AgentStarted(at=at(3), domain="a"))
     writes, _ = plan(Carry(), [bad, weird, ignored])
