@@ -42,6 +42,7 @@ class Upstream:
         self.received: list[tuple[str, bytes, dict[str, str]]] = []
         self.cancelled = 0
         self.completed = 0
+        self.written = 0
         self.runner: web.ServerRunner | None = None
         self.port = 0
 
@@ -98,6 +99,14 @@ class Upstream:
                 return web.Response(body=self.json_body(request.path, model), content_type="application/json")
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
             await resp.prepare(request)
+            if req.get("blob_mib"):  # a flood: as fast as the reader takes it
+                piece = b"data: " + b"x" * (64 * 1024 - 8) + b"\n\n"
+                for _ in range(req["blob_mib"] * 16):
+                    await resp.write(piece)
+                    self.written += len(piece)
+                await resp.write_eof()
+                self.completed += 1
+                return resp
             n, gap = int(req.get("chunks", 5)), float(req.get("gap", 0.0))
             for i in range(n):
                 if i and gap:
@@ -904,5 +913,27 @@ async def test_expect_100_continue_is_answered(gw, two_domains):
         writer.write(body)
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         assert head.startswith(b"HTTP/1.1 200")
+    finally:
+        writer.close()
+
+
+async def test_a_slow_reader_slows_the_upstream_instead_of_filling_memory(gw, two_domains):
+    _, a, _ = two_domains
+    body = json.dumps({"model": MODEL, "messages": CHAT, "stream": True, "blob_mib": 96}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        await wait_for(lambda: a.written > 0)
+        await asyncio.sleep(1.0)  # the client reads nothing meanwhile
+        stalled = a.written
+        # what is in flight is bounded by socket buffers and the gateway's high-water mark, not 96 MiB
+        assert stalled < 48 * 2**20, stalled
+        total = 0
+        while chunk := await reader.read(2**20):
+            total += len(chunk)
+            if total > 96 * 2**20:
+                break
+        assert a.written == 96 * 2**20 and a.completed == 1
     finally:
         writer.close()
