@@ -91,6 +91,7 @@ class FakeAgent:
         self.fail_probe = False
         self.hang = False
         self.delay_s: dict[str, float] = {}
+        self.hold: dict[str, asyncio.Event] = {}  # a verb waits for its event to be set before answering
         self.calls: list[tuple[str, str]] = []  # (verb, op_id)
         self.gpu_present = True
         self._tasks: list[asyncio.Task] = []
@@ -175,6 +176,8 @@ class FakeAgent:
             self.calls.append((verb, cmd.op_id if cmd else ""))
             if self.delay_s.get(verb):
                 await asyncio.sleep(self.delay_s[verb])
+            if verb in self.hold:
+                await self.hold[verb].wait()
             reply = await getattr(self, f"do_{verb}")()
             await req.respond(msgspec.json.encode(reply))
 

@@ -268,13 +268,14 @@ async def test_the_cli_prints_the_op_id_waits_for_the_steps_and_exits_by_status(
             "requested", "stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active", "completed"]
         assert isinstance(await wait_op_end(log, op_id), OperationCompleted)
         # another operation in flight -> conflict (exit 4), printing the op in the way
-        a.delay_s["sleep"] = 3.0
+        a.hold["sleep"] = asyncio.Event()  # the demotion stays in flight until released
         accepted = await request_operation(log, "default", "demotion", "a", by="t", now=now())
         conflict = await cli("promote", "a")
         assert conflict.returncode == ExitStatus.CONFLICT and conflict.stdout.strip() == accepted.op_id
         joined = await cli("demote", "a", "--json")
         assert joined.returncode == ExitStatus.OK and json.loads(joined.stdout) == {
             "status": "joined", "op_id": accepted.op_id, "message": json.loads(joined.stdout)["message"]}
+        a.hold.pop("sleep").set()
         await wait_op_end(log, accepted.op_id)
         listed = await cli("op")
         assert listed.returncode == ExitStatus.OK
@@ -282,7 +283,6 @@ async def test_the_cli_prints_the_op_id_waits_for_the_steps_and_exits_by_status(
         shown = await cli("op", op_id)
         assert "promotion of b (manual" in shown.stdout and "settle_old_active" in shown.stdout
         assert (await cli("op", "op-nope")).returncode == ExitStatus.NOT_FOUND
-    a.delay_s.clear()
     # --wait on an aborted operation exits 1 and says where it stopped
     a.fail_probe = True
     async with promoters(nats_server.url):
