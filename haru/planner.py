@@ -12,7 +12,8 @@ capacity - residuals of the admitted runtimes; those that do not fit carry their
 
 `format_gib` and `gpu_summary_line` are the one formatting of these numbers that `haru apply`,
 `haru status` and the docs share: `42.0 / 44.2 GiB held  (5 declared, 2 admitted)`, where "held" is
-the VRAM of the admitted models and the second number is the card's declared memory.
+the VRAM of the admitted models and the second number is what can be held: the card's memory minus
+its reserve (hearth's A6000 is 48 GiB with a 3.8 GiB reserve).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class GpuPlan(msgspec.Struct, frozen=True, kw_only=True):
         return sum(1 for v in self.models if v.admitted)
 
     def summary(self) -> str:
-        return gpu_summary_line(self.held_bytes, self.memory_bytes, self.declared, self.admitted)
+        return gpu_summary_line(self.held_bytes, self.capacity_bytes, self.declared, self.admitted)
 
 
 class DomainPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -190,9 +191,9 @@ def format_gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def gpu_summary_line(held_bytes: int, memory_bytes: int, declared: int, admitted: int) -> str:
-    """hearth's status line: `42.0 / 44.2 GiB held  (5 declared, 2 admitted)`."""
-    return f"{held_bytes / GiB:.1f} / {format_gib(memory_bytes)} held  ({declared} declared, {admitted} admitted)"
+def gpu_summary_line(held_bytes: int, capacity_bytes: int, declared: int, admitted: int) -> str:
+    """hearth's status line: `42.0 / 44.2 GiB held  (5 declared, 2 admitted)` (held / memory - reserve)."""
+    return f"{held_bytes / GiB:.1f} / {format_gib(capacity_bytes)} held  ({declared} declared, {admitted} admitted)"
 
 
 def verdict_line(v: Verdict, width: int = 28) -> str:
