@@ -36,6 +36,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Largest upstream response (with Content-Length) returned as one buffered body; larger
     # or unsized ones (SSE) are streamed chunk by chunk.
     buffer_limit_bytes: int = 4 * 1024 * 1024
+    # How often the followers check the log for what their watches may have missed (state.py).
+    resync_ms: int = 2_000
 
     @property
     def open(self) -> bool:

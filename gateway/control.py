@@ -144,7 +144,7 @@ class Control:
 
     async def fleet_view(self, request: web.BaseRequest, fleet: str) -> web.Response:
         check_fleet(fleet)
-        if self.events is not None:
+        if self._nats_up():
             try:
                 got = await self.events.get_view(subjects.view_key(fleet))
             except LogUnavailable as exc:
@@ -160,7 +160,7 @@ class Control:
 
     async def route_intent(self, request: web.BaseRequest, fleet: str) -> web.Response:
         check_fleet(fleet)
-        if self.events is not None:
+        if self._nats_up():
             try:
                 got = await self.events.last_intent(fleet)
             except LogUnavailable as exc:
@@ -250,6 +250,10 @@ class Control:
                     "fleet": fleet, "kind": kind, "target": target}
         headers = {"x-should-retry": "false"} if status >= 400 else None
         return json_response(body_out, status, headers)
+
+    def _nats_up(self) -> bool:
+        """Connected now: while NATS is away, answer from memory at once instead of timing out."""
+        return self.events is not None and bool(self.events.nc.is_connected)
 
     def _need_log(self):
         if self.events is None:

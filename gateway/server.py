@@ -63,7 +63,11 @@ class Gateway:
         self.table = RoutingTable()
         self.metrics = GatewayMetrics()
         self.proxy = Proxy(config, self.table, self.metrics)
-        self.follower = RouteFollower(events, self.table, self.metrics) if events is not None else None
+        self.follower = (
+            RouteFollower(events, self.table, self.metrics, resync_s=config.resync_ms / 1000)
+            if events is not None
+            else None
+        )
         self.control = Control(events, self.table, self.metrics, default_fleet=config.default_fleet,
                                follower=self.follower)
         self._expected_auth = f"Bearer {config.api_token}".encode() if config.api_token else b""

@@ -4,6 +4,13 @@ ahead of requests: a request never waits for NATS.
 
 Each follower survives the log going away: it logs, waits (0.2 s doubling to 5 s) and watches
 again, and the gateway keeps routing by the last state it saw meanwhile.
+
+A watch can also go quiet without failing: nats-py's ordered consumers notice a restarted server
+only after missing two idle heartbeats (~10-20 s), and give up for good if the server is still away
+when they try to recover. So a resync loop checks every `resync_s`: when the connection came back
+after being down, both watches are restarted at once (they deliver the current values first); and
+for every known fleet the last intent and view are read, anything newer than what the watches
+delivered is applied, and if a watch is still behind on the next check it is restarted.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import structlog
 
 from gateway.metrics import GatewayMetrics
 from gateway.routing import RoutingTable
+from haru import subjects
 from haru.errors import HaruError
 from haru.eventlog import EventLog
 from haru.views import intent_decoder, view_decoder
@@ -31,30 +39,102 @@ class RouteFollower:
     """Two tasks (views, intents) applying what they see to `table`. An async context manager."""
 
     def __init__(self, events: EventLog, table: RoutingTable, metrics: GatewayMetrics,
-                 on_change: Callable[[str], None] | None = None) -> None:
+                 on_change: Callable[[str], None] | None = None, *, resync_s: float = 2.0) -> None:
         self.events = events
         self.table = table
         self.metrics = metrics
         self.on_change = on_change
+        self.resync_s = resync_s
         self.views_seen = 0
         self.intents_seen = 0
         self.errors = 0
+        self.restarts = 0
+        self._view_revs: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._resync_task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> RouteFollower:
+        self._start_watches()
+        self._resync_task = asyncio.create_task(self._resync(), name="gateway-resync")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._resync_task is not None:
+            self._resync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._resync_task
+            self._resync_task = None
+        await self._stop_watches()
+
+    def _start_watches(self) -> None:
         self._tasks = [
             asyncio.create_task(self._follow("views", self._views), name="gateway-views"),
             asyncio.create_task(self._follow("intents", self._intents), name="gateway-intents"),
         ]
-        return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def _stop_watches(self) -> None:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+
+    async def restart(self, why: str) -> None:
+        self.restarts += 1
+        log.warning("gateway.watch_restarted", why=why)
+        await self._stop_watches()
+        self._start_watches()
+
+    async def _resync(self) -> None:
+        was_connected = True
+        behind: dict[tuple[str, str], int] = {}
+        while True:
+            await asyncio.sleep(self.resync_s)
+            connected = bool(self.events.nc.is_connected)
+            if not connected:
+                was_connected = False
+                continue
+            if not was_connected:
+                was_connected = True
+                behind.clear()
+                await self.restart("the NATS connection came back")
+                continue
+            try:
+                still_behind = await self._catch_up(behind)
+            except HaruError as exc:
+                log.warning("gateway.resync_failed", error=str(exc))
+                continue
+            if still_behind:
+                behind.clear()
+                await self.restart(f"watch behind the log for {', '.join(still_behind)}")
+
+    async def _catch_up(self, behind: dict[tuple[str, str], int]) -> list[str]:
+        """Apply newer intents and views than the watches delivered; return the fleets behind twice."""
+        twice: list[str] = []
+        for fleet in self.table.fleets():
+            routes = self.table.get(fleet)
+            if routes is None:
+                continue
+            got = await self.events.last_intent(fleet)
+            if got is not None and got[1] > routes.intent_seq:
+                if behind.get((fleet, "intent"), -1) >= 0:
+                    twice.append(f"{fleet} (intent)")
+                behind[(fleet, "intent")] = got[1]
+                with contextlib.suppress(msgspec.DecodeError):
+                    self._apply_intent(fleet, intent_decoder.decode(got[0]), got[1])
+            else:
+                behind.pop((fleet, "intent"), None)
+            view = await self.events.get_view(subjects.view_key(fleet))
+            if view is not None and view[1] > self._view_revs.get(fleet, 0):
+                if behind.get((fleet, "view"), -1) >= 0:
+                    twice.append(f"{fleet} (view)")
+                behind[(fleet, "view")] = view[1]
+                with contextlib.suppress(msgspec.DecodeError):
+                    self._apply_view(fleet, view_decoder.decode(view[0]), view[1])
+            else:
+                behind.pop((fleet, "view"), None)
+        return twice
 
     async def _follow(self, what: str, watch: Callable[[], object]) -> None:
         delay = _BACKOFF_MIN_S
@@ -74,22 +154,29 @@ class RouteFollower:
             delay = min(delay * 2, _BACKOFF_MAX_S)
 
     async def _views(self) -> None:
-        async for key, data, _rev in self.events.watch_views():
+        async for key, data, rev in self.events.watch_views():
             fleet = key.removeprefix("fleet.")
             if data is None:
                 self.table.set_view(fleet, None)
+                self._view_revs.pop(fleet, None)
                 log.info("gateway.view_deleted", fleet=fleet)
-            else:
-                try:
-                    view = view_decoder.decode(data)
-                except msgspec.DecodeError as exc:
-                    self.errors += 1
-                    log.error("gateway.bad_view", fleet=fleet, error=str(exc))
-                    continue
-                if not self.table.set_view(fleet, view):
-                    continue
-            self.views_seen += 1
-            self._changed(fleet, "view")
+                self.views_seen += 1
+                self._changed(fleet, "view")
+                continue
+            try:
+                view = view_decoder.decode(data)
+            except msgspec.DecodeError as exc:
+                self.errors += 1
+                log.error("gateway.bad_view", fleet=fleet, error=str(exc))
+                continue
+            self._apply_view(fleet, view, rev)
+
+    def _apply_view(self, fleet: str, view, rev: int) -> None:
+        if rev < self._view_revs.get(fleet, 0) or not self.table.set_view(fleet, view):
+            return
+        self._view_revs[fleet] = rev
+        self.views_seen += 1
+        self._changed(fleet, "view")
 
     async def _intents(self) -> None:
         async for fleet, data, seq in self.events.watch_intents("*"):
@@ -99,16 +186,18 @@ class RouteFollower:
                 self.errors += 1
                 log.error("gateway.bad_intent", fleet=fleet, seq=seq, error=str(exc))
                 continue
-            routes = self.table.get(fleet)
-            before = routes.active if routes is not None else None
-            if not self.table.set_intent(fleet, intent, seq):
-                continue
-            self.intents_seen += 1
-            after = self.table.get(fleet)
-            if after is not None and after.active != before:
-                log.info("gateway.route_moved", fleet=fleet, active=after.active, previous=before,
-                         revision=after.revision)
-            self._changed(fleet, "intent")
+            self._apply_intent(fleet, intent, seq)
+
+    def _apply_intent(self, fleet: str, intent, seq: int) -> None:
+        routes = self.table.get(fleet)
+        before = routes.active if routes is not None else None
+        if not self.table.set_intent(fleet, intent, seq):
+            return
+        self.intents_seen += 1
+        after = self.table.get(fleet)
+        if after is not None and after.active != before:
+            log.info("gateway.route_moved", fleet=fleet, active=after.active, previous=before, revision=after.revision)
+        self._changed(fleet, "intent")
 
     def _changed(self, fleet: str, kind: str) -> None:
         routes = self.table.get(fleet)

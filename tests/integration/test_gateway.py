@@ -937,3 +937,35 @@ async def test_a_slow_reader_slows_the_upstream_instead_of_filling_memory(gw, tw
         assert a.written == 96 * 2**20 and a.completed == 1
     finally:
         writer.close()
+
+
+@pytest.mark.timeout(90)
+async def test_routing_survives_a_nats_restart(event_log, nats_server, gw, two_domains):
+    fleet, a, b = two_domains
+    nats_server.kill()
+    # NATS is gone: requests are still routed from memory, and the view is served stale
+    status, data, _ = await _raw(gw.url + "/v1/chat/completions", json.dumps({"model": MODEL, "messages": CHAT}).encode())
+    assert status == 200 and b"[domain a]" in data
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.url + "/v1/fleets/default") as r:
+            assert r.status == 200 and r.headers.get("X-Haru-Stale") == "true"
+    from haru.natsd import NatsServer
+
+    again = NatsServer(nats_server.store_dir, port=nats_server.port)
+    again.start_sync()
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the test's own client reconnects too
+            try:
+                await fleet.log.publish_intent("default", view_encoder.encode(intent_of("default", "b", b.url, revision=9)),
+                                               expect=fleet.intent_seq)
+                break
+            except Exception:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+        await wait_for(lambda: gw.table.get("default").active == "b", timeout=10)  # resync: every 2 s
+        status, data, _ = await _raw(gw.url + "/v1/chat/completions",
+                                     json.dumps({"model": MODEL, "messages": CHAT}).encode())
+        assert status == 200 and b"[domain b]" in data
+    finally:
+        again.stop_sync()
