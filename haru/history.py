@@ -168,6 +168,8 @@ def render_story(picked: list[Record], *, show_domain: bool) -> str:
     """
     lines: list[str] = []
     newest_first = list(reversed(picked))
+    names = [SHORT_NAMES.get(ev.tag_of(r.event), ev.tag_of(r.event)) for r in newest_first if r.event is not None]
+    width = max([14, *(len(n) for n in names)])
     for i, rec in enumerate(newest_first):
         e = rec.event
         assert e is not None
@@ -181,7 +183,7 @@ def render_story(picked: list[Record], *, show_domain: bool) -> str:
         if show_domain:
             where = f"{getattr(e, 'domain', '') or getattr(e, 'target', '') or '-':<8} "
         caused = f"  (caused by seq {e.cause})" if e.cause else ""
-        lines.append(f"{lead} seq {rec.seq:>5}  {name:<14} {where}{body}{caused}")
+        lines.append(f"{lead} seq {rec.seq:>5}  {name:<{width}} {where}{body}{caused}")
     return "\n".join(lines)
 
 

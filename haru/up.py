@@ -80,6 +80,10 @@ def demo_layout(home: Path, path: Path = DEMO_LAYOUT) -> Layout:
                 binary = model.get("binary", [])
                 if binary and binary[0] == "python":
                     model["binary"] = [py, *binary[1:]]
+                if "agents.sim.vllm" in binary and "vram" in model:
+                    # the simulated runtime holds what the model declares, so the sim GPU's numbers
+                    # are the planner's: the standby cannot wake its models with training still running
+                    model["env"] = {"HARU_SIM_VRAM": str(model["vram"]), **model.get("env", {})}
     return parse_layout(doc)
 
 

@@ -49,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
             status = handler(args)
     except KeyboardInterrupt:
         return int(ExitStatus.INTERRUPTED)
+    except BrokenPipeError:
+        # stdout went away (`haru history | head`): not an error worth a traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return int(ExitStatus.OK)
     except (LogUnavailable, AgentGone) as exc:
         return int(fail(str(exc), ExitStatus.UNAVAILABLE))
     except Conflict as exc:
