@@ -50,6 +50,8 @@ class RouteFollower:
         self.errors = 0
         self.restarts = 0
         self._view_revs: dict[str, int] = {}
+        self._view_delivered: dict[str, int] = {}  # by the watch, not by a resync
+        self._intent_delivered: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._resync_task: asyncio.Task[None] | None = None
 
@@ -101,40 +103,48 @@ class RouteFollower:
                 await self.restart("the NATS connection came back")
                 continue
             try:
-                still_behind = await self._catch_up(behind)
+                stuck = await self._catch_up(behind)
             except HaruError as exc:
                 log.warning("gateway.resync_failed", error=str(exc))
                 continue
-            if still_behind:
+            except Exception as exc:  # a surprise must not end the resync loop
+                log.error("gateway.resync_crashed", error=repr(exc))
+                continue
+            if stuck:
                 behind.clear()
-                await self.restart(f"watch behind the log for {', '.join(still_behind)}")
+                await self.restart(f"a watch did not deliver what the log holds: {', '.join(stuck)}")
 
     async def _catch_up(self, behind: dict[tuple[str, str], int]) -> list[str]:
-        """Apply newer intents and views than the watches delivered; return the fleets behind twice."""
-        twice: list[str] = []
+        """Apply intents and views newer than the watches delivered; return what a watch left behind.
+
+        `behind` holds, per (fleet, kind), the sequence found newer than the watch at the last
+        check. A watch that has still not delivered it one check later is stuck.
+        """
+        stuck: list[str] = []
         for fleet in self.table.fleets():
-            routes = self.table.get(fleet)
-            if routes is None:
-                continue
             got = await self.events.last_intent(fleet)
-            if got is not None and got[1] > routes.intent_seq:
-                if behind.get((fleet, "intent"), -1) >= 0:
-                    twice.append(f"{fleet} (intent)")
-                behind[(fleet, "intent")] = got[1]
+            delivered = self._intent_delivered.get(fleet, 0)
+            key = (fleet, "intent")
+            if key in behind and delivered < behind[key]:
+                stuck.append(f"{fleet} intent")
+            if got is not None and got[1] > delivered:
+                behind[key] = got[1]
                 with contextlib.suppress(msgspec.DecodeError):
                     self._apply_intent(fleet, intent_decoder.decode(got[0]), got[1])
             else:
-                behind.pop((fleet, "intent"), None)
+                behind.pop(key, None)
             view = await self.events.get_view(subjects.view_key(fleet))
-            if view is not None and view[1] > self._view_revs.get(fleet, 0):
-                if behind.get((fleet, "view"), -1) >= 0:
-                    twice.append(f"{fleet} (view)")
-                behind[(fleet, "view")] = view[1]
+            delivered = self._view_delivered.get(fleet, 0)
+            key = (fleet, "view")
+            if key in behind and delivered < behind[key]:
+                stuck.append(f"{fleet} view")
+            if view is not None and view[1] > delivered:
+                behind[key] = view[1]
                 with contextlib.suppress(msgspec.DecodeError):
                     self._apply_view(fleet, view_decoder.decode(view[0]), view[1])
             else:
-                behind.pop((fleet, "view"), None)
-        return twice
+                behind.pop(key, None)
+        return stuck
 
     async def _follow(self, what: str, watch: Callable[[], object]) -> None:
         delay = _BACKOFF_MIN_S
@@ -156,6 +166,7 @@ class RouteFollower:
     async def _views(self) -> None:
         async for key, data, rev in self.events.watch_views():
             fleet = key.removeprefix("fleet.")
+            self._view_delivered[fleet] = max(rev, self._view_delivered.get(fleet, 0))
             if data is None:
                 self.table.set_view(fleet, None)
                 self._view_revs.pop(fleet, None)
@@ -180,6 +191,7 @@ class RouteFollower:
 
     async def _intents(self) -> None:
         async for fleet, data, seq in self.events.watch_intents("*"):
+            self._intent_delivered[fleet] = max(seq, self._intent_delivered.get(fleet, 0))
             try:
                 intent = intent_decoder.decode(data)
             except msgspec.DecodeError as exc:

@@ -969,3 +969,21 @@ async def test_routing_survives_a_nats_restart(event_log, nats_server, gw, two_d
         assert status == 200 and b"[domain b]" in data
     finally:
         again.stop_sync()
+
+
+async def test_a_watch_that_stops_delivering_is_caught_up_and_restarted(event_log, upstreams):
+    a, b = await upstreams("a"), await upstreams("b")
+    async with running_gateway(event_log, resync_ms=200) as gw:
+        fleet = Fleet(event_log, gw)
+        await fleet.put_view(view_of("default", {"a": a.url, "b": b.url}, active="a"))
+        await fleet.publish(intent_of("default", "a", a.url, revision=1))
+        gw.follower._tasks[1].cancel()  # the intent watch dies quietly, as a stalled consumer would
+        await asyncio.sleep(0.05)
+        fleet.intent_seq = await event_log.publish_intent(
+            "default", view_encoder.encode(intent_of("default", "b", b.url, revision=5)), expect=fleet.intent_seq)
+        await wait_for(lambda: gw.table.get("default").active == "b")  # applied by the resync loop
+        await wait_for(lambda: gw.follower.restarts == 1)  # and the watch restarted
+        fleet.intent_seq = await event_log.publish_intent(
+            "default", view_encoder.encode(intent_of("default", "a", a.url, revision=6)), expect=fleet.intent_seq)
+        await wait_for(lambda: gw.table.get("default").active == "a")
+        assert gw.follower.restarts == 1
