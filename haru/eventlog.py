@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -38,12 +37,20 @@ EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 MSG_ID = "Nats-Msg-Id"
 DUPLICATE_WINDOW_S = 120.0
 _CONFLICT_CODES = (10071, 10164)
+# The decoder of haru.events.decode (same type, no hooks), called directly on the replay's hot path;
+# a body it refuses goes through haru.events.decode for the error text.
+_event_decoder = msgspec.json.Decoder(AnyEvent)
 _log = structlog.get_logger("haru.eventlog")
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
-    """One stored message: its stream sequence, subject, recorded time, raw body and decoded event."""
+class Record(msgspec.Struct, frozen=True, gc=False):
+    """One stored message: its stream sequence, subject, recorded time, raw body and decoded event.
+
+    A frozen msgspec Struct rather than a frozen dataclass: a replay builds one per message, and
+    a frozen dataclass's __init__ (one object.__setattr__ per field) cost ~0.8 us of the ~10 us a
+    replayed message takes; this costs ~0.08 us. gc=False: a Record refers to no container that
+    could refer back to it, so the collector need not track 100k of them during a replay.
+    """
 
     seq: int
     subject: str
@@ -430,21 +437,34 @@ class EventLog:
         finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         is_async = inspect.iscoroutinefunction(handler)
 
+        # The hot path of every follower (~100k messages/s): _parse_ack_reply and _decode_record
+        # inlined, the pending count compared as text (the server writes it without leading zeros).
+        decode_event = _event_decoder.decode
+        invalid = msgspec.DecodeError  # ValidationError is a subclass
+
         async def on_msg(msg: Any) -> None:
             nonlocal last_handled
             if finished.done():
                 return
             try:
-                seq, ts, pending = _parse_ack_reply(msg.reply)
+                t = msg.reply.split(".")
+                if len(t) == 9:  # v1: $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+                    seq, ts, drained = int(t[5]), t[7], t[8] == "0"
+                else:  # v2: $JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>.<token>
+                    seq, ts, drained = int(t[7]), t[9], t[10] == "0"
                 if seq <= last_handled:
                     return  # redelivered after an ordered-consumer reset
-                rec = _decode_record(seq, msg.subject, ts, msg.data, msg.headers if headers else None)
+                data = msg.data
+                try:
+                    rec = Record(seq, msg.subject, int(ts), data, decode_event(data), "", msg.headers if headers else None)
+                except invalid:  # not a valid event: the slow path, for haru.events.decode's error text
+                    rec = _decode_record(seq, msg.subject, int(ts), data, msg.headers if headers else None)
                 if is_async:
                     await handler(rec)
                 else:
                     handler(rec)
                 last_handled = seq
-                if not follow and pending == 0:
+                if drained and not follow:
                     finished.set_result(None)
             except BaseException as exc:  # the handler's failure ends the replay, raised to the caller
                 if not finished.done():
