@@ -50,6 +50,18 @@ log_ = structlog.get_logger("haru.promoter")
 STEP_DELAY_ENV = "HARU_PROMOTER_STEP_DELAY_MS"
 
 
+async def wait_event(event: asyncio.Event, timeout: float) -> None:
+    """Wait for `event`, at most `timeout` seconds.
+
+    Not `asyncio.wait_for(event.wait(), t)`: on Python 3.11 that can swallow a cancellation that
+    arrives as the event fires (cpython#86296), and a promoter that ignores its cancellation never
+    stops. `asyncio.timeout` does not.
+    """
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await event.wait()
+
+
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -135,8 +147,7 @@ class Promoter:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._advanced.wait(), left)
+            await wait_event(self._advanced, left)
 
     def on_heartbeat(self, subject: str) -> None:
         parts = subject.split(".")
@@ -167,8 +178,7 @@ class Promoter:
                 self._advanced.clear()
                 if follower.done():
                     follower.result()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._advanced.wait(), 1.0)
+                await wait_event(self._advanced, 1.0)
             self.log_.info("promoter_caught_up", seq=self.folded, fleets=sorted(self.fleets))
             if ready is not None:
                 ready.set()
@@ -184,8 +194,7 @@ class Promoter:
                         raise
                     except Exception:  # a bug must not stop every fleet: say it loudly, go on
                         self.log_.exception("round_failed", fleet=st.view.fleet)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), self.tick_s)
+                await wait_event(self._changed, self.tick_s)
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

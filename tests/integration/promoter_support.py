@@ -29,7 +29,10 @@ async def wait_until(check: Callable[[], Awaitable[object]], timeout: float = 15
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
-        last = await check()
+        try:
+            last = await asyncio.wait_for(check(), max(0.5, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise AssertionError(f"a read of the log hung while waiting for {what or check}") from None
         if last:
             return last
         await asyncio.sleep(every)
