@@ -435,7 +435,9 @@ def active_health(view: FleetView, now: datetime) -> ActiveHealth:
     hosting = {dv.models[m].gpu_index for m in served(dv)}
     for gpu in dv.gpus:
         if gpu.present is False and gpu.index in hosting:
-            return ActiveHealth(health="failed", reason="gpu_detached", why=f"GPU {gpu.index} of {dv.name} detached")
+            return ActiveHealth(
+                health="failed", reason="gpu_detached", why=f"GPU {gpu.index} of {dv.name} detached", since=gpu.observed_at
+            )
     degraded_since: datetime | None = None
     why = ""
     for name in served(dv):
@@ -529,7 +531,9 @@ def supervise(view: FleetView, facts: Facts) -> Append | None:
                     f"retrying after {retry_ms(view.policy)} ms"
                 )
         if why:
-            full = f"{health.why}; {why}"
+            # Once per distinct reason and incident: the failure's onset is part of the reason.
+            onset = f" since {health.since.isoformat(timespec='milliseconds')}" if health.since else ""
+            full = f"{health.why}{onset}; {why}"
             if full == view.declined:
                 return None
             return Append(

@@ -501,3 +501,15 @@ def test_a_silent_second_domain_does_not_keep_the_fleet_from_its_first_route():
     events = [reachable("a"), unreachable("b"), resident("a", "m1"), resident("a", "m2")]
     event = only(given(*events), facts(silent_ms={"a": 10, "b": 5000}))
     assert isinstance(event, PromotionRequested) and event.target == "a"
+
+
+def test_a_new_incident_with_the_same_unfit_standby_is_declined_again():
+    first = given(*healthy_fleet(), unreachable("b", 4), unreachable("a", 5))
+    f = facts(silent_ms={"a": 3000, "b": 3000})
+    declined = only(first, f)
+    assert isinstance(declined, FailoverDeclined)
+    # a came back, then failed again later: a new incident, said again
+    later = given(*healthy_fleet(), unreachable("b", 4), unreachable("a", 5), (OP, declined),
+                  reachable("a", 6), unreachable("a", 900))
+    again = only(later, facts(ms=1000, silent_ms={"a": 3000, "b": 3000}))
+    assert isinstance(again, FailoverDeclined) and again.why != declined.why
