@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from haru import subjects
 from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers
 from haru.errors import LogUnavailable
+from haru.promoter.errors import OperationNotFound
 from haru.eventlog import EventLog, Record
 from haru.events import (
     DemotionRequested,
@@ -245,8 +246,7 @@ async def run_op(args: argparse.Namespace) -> ExitStatus:
     if args.op_id:
         op = ops.get(args.op_id)
         if op is None:
-            return fail(f"no operation {args.op_id!r} in fleet {args.fleet}; list them with `haru op --fleet {args.fleet}`",
-                        ExitStatus.NOT_FOUND)
+            return fail(str(OperationNotFound(args.fleet, args.op_id)), ExitStatus.NOT_FOUND)
         if args.json:
             emit_json(op)
             return ExitStatus.OK

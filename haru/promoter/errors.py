@@ -1,7 +1,7 @@
 """The promoter's exceptions. A leaf module: it imports nothing from the package.
 
     PromoterError (haru.errors.HaruError)
-    └── OperationNotFound   --wait on an operation id that the fleet's op subject never saw   (operator)
+    └── OperationNotFound   an operation id that the fleet's op subject never saw (`haru op <id>`)  (operator)
 
 Everything else the promoter meets is already in `haru.errors`: a lost race is `Conflict` (the
 promoter re-reads and decides again), an agent that does not answer is `AgentGone`.
@@ -23,5 +23,5 @@ class OperationNotFound(PromoterError):
         self.fleet = fleet
         self.op_id = op_id
         super().__init__(
-            f"no operation {op_id!r} in fleet {fleet!r}; list them with `nats sub haru.evt.{fleet}.op --all`"
+            f"no operation {op_id!r} in fleet {fleet!r}; list them with `haru op --fleet {fleet}`"
         )
