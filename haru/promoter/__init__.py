@@ -6,14 +6,38 @@
     haru.promoter.requests   `request_operation`, used by `haru promote/demote` and the control API
     haru.promoter.client     commands to agents (`send`)
 
+The shell's names are imported lazily, so importing the pure decider loads no nats or asyncio.
 See docs/promoter.md.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from haru.promoter.decider import STEPS, TRANSITIONS, decide, flow
 from haru.promoter.decisions import Append, Facts
 from haru.promoter.errors import OperationNotFound, PromoterError
-from haru.promoter.requests import RequestResult, request_operation
-from haru.promoter.service import Promoter, run_promoter
+
+if TYPE_CHECKING:
+    from haru.promoter.requests import RequestResult, request_operation
+    from haru.promoter.service import Promoter, run_promoter
+
+_LAZY = {
+    "RequestResult": "haru.promoter.requests",
+    "request_operation": "haru.promoter.requests",
+    "Promoter": "haru.promoter.service",
+    "run_promoter": "haru.promoter.service",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'haru.promoter' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "STEPS",

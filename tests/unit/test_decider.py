@@ -513,3 +513,13 @@ def test_a_new_incident_with_the_same_unfit_standby_is_declined_again():
                   reachable("a", 6), unreachable("a", 900))
     again = only(later, facts(ms=1000, silent_ms={"a": 3000, "b": 3000}))
     assert isinstance(again, FailoverDeclined) and again.why != declined.why
+
+
+def test_the_decider_and_liveness_are_pure():
+    import subprocess
+    import sys
+
+    code = ("import sys, haru.promoter.decider, haru.promoter.liveness; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'asyncio', 'aiohttp', 'structlog'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
