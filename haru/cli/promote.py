@@ -18,6 +18,7 @@ import contextlib
 import getpass
 import logging
 import os
+import signal
 import socket
 import sys
 from datetime import datetime, timezone
@@ -122,7 +123,13 @@ async def run_service(args: argparse.Namespace) -> ExitStatus:
     try:
         async with EventLog.connect(_servers(args), writer=identity, creds=args.nats_creds) as log:
             await log.ensure()
-            await run_promoter(log, fleets=args.fleet, identity=identity)
+            service = asyncio.create_task(run_promoter(log, fleets=args.fleet, identity=identity))
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(NotImplementedError):
+                    loop.add_signal_handler(sig, service.cancel)  # a clean stop: the step in flight is resumed
+            with contextlib.suppress(asyncio.CancelledError):
+                await service
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
     except asyncio.CancelledError:
