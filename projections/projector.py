@@ -27,7 +27,9 @@ when writes are coalesced. A body that is not a valid event is logged, counted i
 
 Write. A single flusher task wakes whenever the handler folded something and the handler yields
 (nats-py runs the handler back to back while messages are queued, so a replay is naturally
-batched: one write per fleet per batch, not per event). For each dirty fleet, in this order:
+batched: one write per fleet per batch, not per event). The dirty fleets are written
+concurrently (their subjects and keys are independent: during a rebuild the acks of one fleet's
+intents no longer wait behind another's), each fleet's writes in this order:
 
 1. publish the intents snapshotted at route moves, then the current intent if it `changed`, each
    with `expect` = the last intent's stream sequence. On Conflict: read the last intent; if it was
@@ -303,29 +305,38 @@ class Projector:
                 self._wake.set()
 
     async def flush(self) -> None:
-        """Write every dirty fleet: its intents, then its view."""
+        """Write every dirty fleet: its intents, then its view. Fleets are written concurrently
+        (their subjects and keys are independent), each one's own writes in order."""
         while self._dirty:
             self.stats.flushes += 1
             # Fleets with a pointer move first: routers wait on those, views can wait a write longer.
+            # Take the pending pointer moves and the view of every fleet together (no await in
+            # between): a move folded while we publish is after this view, and is published next pass.
+            work = []
             for fleet in sorted(self._dirty, key=lambda f: (f not in self._pending, f)):
-                # Take the pending pointer moves and the view together (no await in between):
-                # a move folded while we publish is after this view, and is published next pass.
-                self._dirty.discard(fleet)
-                pending = self._pending.pop(fleet, [])
-                view = self.views[fleet]
-                try:
-                    for ri in pending:
-                        await self._publish(fleet, ri)
-                    await self._publish(fleet, intent(view))
-                    await self._write_view(fleet, view)
-                except BaseException:
-                    # Not written: put it back (publishing is idempotent by view_seq) and let the caller retry.
-                    self._dirty.add(fleet)
-                    self._pending[fleet] = pending + self._pending.get(fleet, [])
-                    raise
+                work.append((fleet, self._pending.pop(fleet, []), self.views[fleet]))
+            self._dirty.clear()
+            # return_exceptions: every fleet's writes end (written, or put back) before a failure
+            # is raised, so no write of this pass is still running when the flusher retries.
+            results = await asyncio.gather(*(self._flush_fleet(*w) for w in work), return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
         await self._checkpoint_idle_fleets()
         if not self._dirty:
             self._idle.set()
+
+    async def _flush_fleet(self, fleet: str, pending: list[RouteIntent], view: FleetView) -> None:
+        try:
+            for ri in pending:
+                await self._publish(fleet, ri)
+            await self._publish(fleet, intent(view))
+            await self._write_view(fleet, view)
+        except BaseException:
+            # Not written: put it back (publishing is idempotent by view_seq) and let the caller retry.
+            self._dirty.add(fleet)
+            self._pending[fleet] = pending + self._pending.get(fleet, [])
+            raise
 
     async def _checkpoint_idle_fleets(self) -> None:
         """Move the checkpoint of fleets that saw no event for a while, so they do not pin the
