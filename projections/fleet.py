@@ -259,27 +259,29 @@ def _admission_decided(view: FleetView, e: ev.AdmissionDecided, seq: int, subjec
 
 
 def _residency(view: FleetView, e: Any, seq: int, subject: str) -> FleetView:
-    # The hot path of a replay (most events are residency): one replace per level, seq included.
-    domain = view.domains.get(e.domain)
+    # The hot path of a replay (most events are residency): one replace per level, seq included,
+    # and none below the view when the state did not change (a re-observed sleeping, a retried wake).
+    domains = view.domains
+    domain = domains.get(e.domain)
     model = domain.models.get(e.model) if domain is not None else None
     if model is None:
         return _replace(
             _missing(view, seq, ev.tag_of(e), f"model {e.model!r} on domain {e.domain!r}"), seq=seq, updated_at=e.at
         )
+    old = model.residency
     try:
-        state = residency.evolve(model.residency, e, seq=seq, subject=subject)
-        anomalies, last_anomaly = view.anomalies, view.last_anomaly
+        state = residency.evolve(old, e, seq=seq, subject=subject)
     except IllegalTransition as exc:
         # The log is what the agent observed: take the state the event establishes, and say so.
         state = residency.to_state(e, seq=seq)
-        anomalies, last_anomaly = view.anomalies + 1, f"seq {seq}: {exc}"
+        view = _replace(view, anomalies=view.anomalies + 1, last_anomaly=f"seq {seq}: {exc}")
+    if state is old:
+        return _replace(view, seq=seq, updated_at=e.at)
     models = dict(domain.models)
     models[e.model] = _replace(model, residency=state)
-    domains = dict(view.domains)
+    domains = dict(domains)
     domains[domain.name] = _replace(domain, models=models)
-    return _replace(
-        view, domains=domains, seq=seq, updated_at=e.at, anomalies=anomalies, last_anomaly=last_anomaly
-    )
+    return _replace(view, domains=domains, seq=seq, updated_at=e.at)
 
 
 # ------------------------------------------------------------------------------- GPUs, training
@@ -562,6 +564,8 @@ def fold_one(
         return None
     if event is None:
         view = invalid(view, seq=seq, subject=subject, error=error)
+    elif type(event) in _RESIDENCY:
+        view = _residency(view, event, seq, subject)  # the common case, without _evolve's dispatch
     else:
         view = _evolve(view, event, seq, subject, parts[3] if len(parts) == 4 else "")
     views[fleet] = view
