@@ -384,7 +384,9 @@ def _unfit_as_standby(view: FleetView, dv: DomainView, settle: StepView | None) 
 def command_for(view: FleetView, op: OperationView, step: str) -> tuple[str, list[tuple[str, Command, int]]]:
     """The domain a step acts on and the commands to send it: [(verb, command, timeout_ms)]."""
     domain = step_domain(view, op, step)
-    cmd = Command(op_id=op.op_id, route_revision=op.route_revision)
+    # The route revision the step is decided against: after the flip, the new one, so the old
+    # active's agent learns it is now the standby before it is told to train.
+    cmd = Command(op_id=op.op_id, route_revision=max(op.route_revision, view.route_revision))
     return domain, [(verb, cmd, verb_timeout_ms(verb, view.policy)) for verb in STEPS[step].verbs]
 
 

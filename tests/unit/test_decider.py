@@ -523,3 +523,16 @@ def test_the_decider_and_liveness_are_pure():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'asyncio', 'aiohttp', 'structlog'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_settle_commands_carry_the_route_revision_after_the_flip():
+    from haru.promoter.decider import command_for
+
+    base = given(*healthy_fleet())
+    view = given(*healthy_fleet(), requested(revision=base.route_revision), *_through("settle_old_active"),
+                 routed("b", 6, op_id="op-1"))
+    domain, commands = command_for(view, view.operation, "settle_old_active")
+    assert domain == "a" and [v for v, _, _ in commands] == ["sleep", "start_training"]
+    assert all(c.route_revision == view.route_revision > base.route_revision for _, c, _ in commands)
+    domain, commands = command_for(base, view.operation, "wake")
+    assert domain == "b" and commands[0][1].route_revision == base.route_revision
