@@ -262,7 +262,8 @@ class Agent:
         sub = await nc.subscribe(subjects.heartbeat(self.fleet, self.domain), cb=on_hb)
         try:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(seen.wait(), 1.5 * self.config.heartbeat_ms / 1000)
+                async with asyncio.timeout(1.5 * self.config.heartbeat_ms / 1000):
+                    await seen.wait()
         finally:
             await sub.unsubscribe()
         return seen.is_set()
@@ -527,7 +528,8 @@ class Agent:
         if self.stopping:
             return True
         try:
-            await asyncio.wait_for(self._stop.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await self._stop.wait()
             return True
         except asyncio.TimeoutError:
             return self.stopping
@@ -631,7 +633,8 @@ class Agent:
                     await m.runtime.stop(RUNTIME_STOP_GRACE_S)
                 return False
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(m.exited.wait(), poll)
+                async with asyncio.timeout(poll):
+                    await m.exited.wait()
         return False
 
     async def _exit_waiter(self, m: ModelSlot, generation: int) -> None:
@@ -654,7 +657,8 @@ class Agent:
         interval = self.policy.probe_interval_ms / 1000
         while not self.stopping:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(m.exited.wait(), interval)
+                async with asyncio.timeout(interval):
+                    await m.exited.wait()
             if m.exited.is_set() or self.stopping:
                 return
             if m.lock.locked():

@@ -143,7 +143,8 @@ class Trainer:
         killpg(proc.pid, signal.SIGTERM)
         how: StopHow = "terminated"
         try:
-            await asyncio.wait_for(proc.wait(), self.grace_ms / 1000)
+            async with asyncio.timeout(self.grace_ms / 1000):
+                await proc.wait()
         except asyncio.TimeoutError:
             how = "killed"
             killpg(proc.pid, signal.SIGKILL)

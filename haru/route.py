@@ -98,7 +98,8 @@ class RouteWatcher:
                 # The subscription delivers the last intent first: once it has, it is live and the
                 # watcher has started. Anything newer than `last` by then is what `current` shows.
                 try:
-                    await asyncio.wait_for(self._first.wait(), self._log.timeout)
+                    async with asyncio.timeout(self._log.timeout):
+                        await self._first.wait()
                 except asyncio.TimeoutError:
                     self._accept(last[0], last[1])
                 if self._error is not None:
@@ -134,7 +135,8 @@ class RouteWatcher:
                 seen, strikes = self.seq, 0
                 continue
             try:
-                last = await asyncio.wait_for(self._log.last_intent(self.fleet), self.stall_interval)
+                async with asyncio.timeout(self.stall_interval):
+                    last = await self._log.last_intent(self.fleet)
             except (HaruError, asyncio.TimeoutError):
                 continue  # NATS is away: nothing to conclude yet
             if last is None or last[1] <= self.seq:
@@ -222,4 +224,5 @@ class RouteWatcher:
                     await self._changed.wait()
                 return self.current
 
-        return await asyncio.wait_for(until(), timeout)
+        async with asyncio.timeout(timeout):
+            return await until()

@@ -297,7 +297,8 @@ class PostgresSink:
             raise SinkUnavailable(f"lost Postgres ({_redact(self.dsn)}): {exc}") from exc
         finally:
             try:
-                await asyncio.wait_for(conn.close(), 5)
+                async with asyncio.timeout(5):
+                    await conn.close()
             except Exception:
                 conn.terminate()
 
@@ -322,7 +323,8 @@ class PostgresSink:
                 seen, strikes = now, 0
                 continue
             try:
-                head = await asyncio.wait_for(elog.last_seq(), self.stall_interval)
+                async with asyncio.timeout(self.stall_interval):
+                    head = await elog.last_seq()
             except (LogError, asyncio.TimeoutError):
                 continue  # NATS is away: nothing to conclude yet
             strikes = strikes + 1 if head > now else 0
@@ -346,7 +348,8 @@ class _Writer:
     async def loop(self, batcher: _Batcher) -> None:
         while True:
             try:
-                batch = await asyncio.wait_for(batcher.queue.get(), self.sink.flush_interval)
+                async with asyncio.timeout(self.sink.flush_interval):
+                    batch = await batcher.queue.get()
             except asyncio.TimeoutError:
                 # A full batch may have been queued while the wait was being cancelled: it holds
                 # older records than the buffer, so it goes first.

@@ -321,7 +321,8 @@ class ProcessRuntime(HttpRuntime):
         if proc.returncode is None:
             killpg(proc.pid, signal.SIGTERM)
             try:
-                await asyncio.wait_for(asyncio.shield(self._exit), grace_s)  # type: ignore[arg-type]
+                async with asyncio.timeout(grace_s):
+                    await asyncio.shield(self._exit)  # type: ignore[arg-type]
             except asyncio.TimeoutError:
                 killpg(proc.pid, signal.SIGKILL)
                 await asyncio.shield(self._exit)  # type: ignore[arg-type]

@@ -507,7 +507,8 @@ async def serve(config: SimConfig) -> int:
             _log(f"torch.OutOfMemoryError: CUDA out of memory. {engine.oom_message(config.vram)}")
             return 1
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), config.load_ms / 1000)
+            async with asyncio.timeout(config.load_ms / 1000):
+                await stop.wait()
         if stop.is_set():
             return 0
         runner = web.AppRunner(build_app(engine), access_log=None, handle_signals=False, shutdown_timeout=1.0)
