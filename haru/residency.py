@@ -25,8 +25,9 @@ is the state an event establishes on its own, for lenient readers of odd histori
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import msgspec
 
@@ -97,8 +98,22 @@ class Answer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     detail: str = ""  # lost: the probe's detail; failed: what the runtime said; stopped: why
 
 
+def _tag(value: object) -> str:
+    """The tag of a tagged Struct (a state or an event), cached per class: reading
+    `__struct_config__` builds a new config object each time, and the fold reads it several
+    times per event."""
+    cls = type(value)
+    tag = _TAGS.get(cls)
+    if tag is None:
+        tag = _TAGS[cls] = cls.__struct_config__.tag  # type: ignore[attr-defined]
+    return tag
+
+
+_TAGS: dict[type, str] = {}
+
+
 def state_name(state: State) -> str:
-    return type(state).__struct_config__.tag  # type: ignore[return-value]
+    return _tag(state)
 
 
 # ------------------------------------------------------------------------------ the transition table
@@ -194,7 +209,7 @@ del _s
 
 def event_key(event: object) -> str:
     """The table's name for an event: its tag, or `admission_decided:admitted|not_admitted`."""
-    tag = type(event).__struct_config__.tag  # type: ignore[attr-defined]
+    tag = _tag(event)
     if tag == "admission_decided":
         return ADMITTED if event.admitted else REFUSED  # type: ignore[attr-defined]
     return tag
@@ -210,27 +225,29 @@ def to_state(event: object, seq: int = 0) -> Residency:
     `model_declared` establishes `unknown`; a refused admission `not_admitted`; an accepted one
     `unknown` (nothing observed yet). Raises IllegalTransition for events that are not about residency.
     """
-    key = "model_declared" if type(event).__struct_config__.tag == "model_declared" else event_key(event)  # type: ignore[attr-defined]
-    at = getattr(event, "at", None)
-    if key in ("model_declared", ADMITTED):
-        return Unknown(since=at, seq=seq)
-    if key == REFUSED:
-        return NotAdmitted(since=at, seq=seq, short_by_bytes=event.short_by_bytes)  # type: ignore[attr-defined]
-    if key == "model_loading":
-        return Loading(since=at, seq=seq, attempt=event.attempt, endpoint=event.endpoint)  # type: ignore[attr-defined]
-    if key == "model_resident":
-        return Resident(since=at, seq=seq, warmup_ms=event.warmup_ms, endpoint=event.endpoint)  # type: ignore[attr-defined]
-    if key == "model_sleeping":
-        return Sleeping(since=at, seq=seq, level=event.level)  # type: ignore[attr-defined]
-    if key == "model_waking":
-        return Waking(since=at, seq=seq)
-    if key == "model_lost":
-        return Lost(since=at, seq=seq, reason=event.reason, detail=event.detail)  # type: ignore[attr-defined]
-    if key == "model_failed":
-        return Failed(since=at, seq=seq, runtime_said=event.runtime_said)  # type: ignore[attr-defined]
-    if key == "model_stopped":
-        return Stopped(since=at, seq=seq, detail=event.detail)  # type: ignore[attr-defined]
-    raise IllegalTransition("any", key)
+    return _to_state(event, seq, event_key(event))
+
+
+def _to_state(event: object, seq: int, key: str) -> Residency:
+    build = _ESTABLISHES.get(key)
+    if build is None:
+        raise IllegalTransition("any", key)
+    return build(event, getattr(event, "at", None), seq)
+
+
+# event key -> the state it establishes (read by to_state; one dict lookup instead of a chain of ifs)
+_ESTABLISHES: dict[str, Callable[[Any, datetime | None, int], Residency]] = {
+    "model_declared": lambda e, at, seq: Unknown(since=at, seq=seq),
+    ADMITTED: lambda e, at, seq: Unknown(since=at, seq=seq),
+    REFUSED: lambda e, at, seq: NotAdmitted(since=at, seq=seq, short_by_bytes=e.short_by_bytes),
+    "model_loading": lambda e, at, seq: Loading(since=at, seq=seq, attempt=e.attempt, endpoint=e.endpoint),
+    "model_resident": lambda e, at, seq: Resident(since=at, seq=seq, warmup_ms=e.warmup_ms, endpoint=e.endpoint),
+    "model_sleeping": lambda e, at, seq: Sleeping(since=at, seq=seq, level=e.level),
+    "model_waking": lambda e, at, seq: Waking(since=at, seq=seq),
+    "model_lost": lambda e, at, seq: Lost(since=at, seq=seq, reason=e.reason, detail=e.detail),
+    "model_failed": lambda e, at, seq: Failed(since=at, seq=seq, runtime_said=e.runtime_said),
+    "model_stopped": lambda e, at, seq: Stopped(since=at, seq=seq, detail=e.detail),
+}
 
 
 def evolve(state: Residency, event: object, *, seq: int = 0, subject: str = "") -> Residency:
@@ -240,7 +257,7 @@ def evolve(state: Residency, event: object, *, seq: int = 0, subject: str = "") 
     the same level, an admitted verdict) keep the original `since`, so "resident for 14203s" survives
     an agent restart. A model that is not admitted stays not admitted when its runtime reports a stop.
     """
-    current = state_name(state)
+    current = _tag(state)
     key = event_key(event)
     result = TRANSITIONS.get((current, key))
     if result is None:
@@ -249,8 +266,8 @@ def evolve(state: Residency, event: object, *, seq: int = 0, subject: str = "") 
         return state
     if result == "not_admitted" and key != REFUSED:
         return state  # a runtime stopping or exiting changes nothing about the planner's verdict
-    new = to_state(event, seq)
-    if result != state_name(new):  # admitted on not_admitted -> unknown (to_state already gives it)
+    new = _to_state(event, seq, key)
+    if result != _tag(new):  # admitted on not_admitted -> unknown (to_state already gives it)
         raise IllegalTransition(current, key, subject)  # pragma: no cover - the table and to_state agree
     if current == result and result == "resident":
         return msgspec.structs.replace(new, since=state.since, seq=state.seq)
