@@ -213,7 +213,7 @@ async def main(args) -> None:
                 await wait_for(lambda: is_steady_route(log, standby), 30, "failover after heartbeat silence")
                 recs = await log.history(subjects.fleet_events(FLEET), from_seq=start + 1)
                 unreachable = next(r for r in recs if isinstance(r.event, DomainUnreachable))
-                hb = measure_hb = await measure(log, start + 1, DomainUnreachable)
+                hb = await measure(log, start + 1, DomainUnreachable)
                 silent_ms = (unreachable.time.timestamp() - heard.get(active, killed_at)) * 1000
 
                 print()

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-import msgspec
 import structlog
 
 from haru import apply as apply_mod

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import os
 import signal
-import sys
 
-import structlog
 
-from haru.cli.common import ExitStatus, fail
+from haru.cli.common import ExitStatus, fail, add_log_options, configure_logging
 
 
 def register(subparsers) -> None:
@@ -25,31 +21,11 @@ def register(subparsers) -> None:
         description="Run the Haru agent for one domain (one GPU host). See docs/agent.md for the config format.",
     )
     p.add_argument("--config", required=True, help="the agent config JSON (fleet, domain, NATS, GPUs, serving port)")
-    p.add_argument("--log-format", choices=("auto", "json", "console"), default=os.environ.get("HARU_LOG_FORMAT", "auto"),
-                   help="log format (default: console on a terminal, JSON otherwise)")
-    p.add_argument("--log-level", default=os.environ.get("HARU_LOG_LEVEL", "info"))
+    add_log_options(p)
     p.add_argument("--dry-run", action="store_true",
                    help="print what this host would run (source, role, admitted models and training slots) and exit")
     p.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
     p.set_defaults(handler=run)
-
-
-def configure_logging(fmt: str, level: str) -> None:
-    if fmt == "auto":
-        fmt = "console" if sys.stderr.isatty() else "json"
-    renderer = structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
 
 
 async def run(args: argparse.Namespace) -> ExitStatus:

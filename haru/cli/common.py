@@ -50,12 +50,29 @@ def default_nats_url() -> str:
     return DEFAULT_NATS_URL
 
 
-def configure_logging(fmt: str = "console", level: str = "info") -> None:
+def add_log_options(parser: argparse.ArgumentParser, *, default_level: str = "info") -> None:
+    """--log-format and --log-level, for the commands that run a service."""
+    parser.add_argument(
+        "--log-format",
+        choices=("auto", "console", "json"),
+        default=os.environ.get("HARU_LOG_FORMAT", "auto"),
+        help="diagnostics on stderr: console, json, or auto (console on a terminal) (env HARU_LOG_FORMAT)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("HARU_LOG_LEVEL", default_level),
+        help="debug, info, warning or error (env HARU_LOG_LEVEL; default %(default)s)",
+    )
+
+
+def configure_logging(fmt: str = "auto", level: str = "info") -> None:
     """structlog for the services: JSON in production, readable in a terminal; always to stderr."""
     import logging
 
     import structlog
 
+    if fmt == "auto":
+        fmt = "console" if sys.stderr.isatty() else "json"
     renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[

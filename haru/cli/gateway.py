@@ -7,7 +7,7 @@ import gc
 import os
 import sys
 
-from haru.cli.common import ExitStatus, add_nats_options, fail, nats_servers
+from haru.cli.common import ExitStatus, add_nats_options, fail, nats_servers, add_log_options, configure_logging
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,39 +29,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--default-fleet", default=None,
                    help="fleet for requests without X-Haru-Fleet (env HARU_DEFAULT_FLEET; default 'default')")
     add_nats_options(p)
-    p.add_argument(
-        "--log-format",
-        choices=("auto", "console", "json"),
-        default=os.environ.get("HARU_LOG_FORMAT", "auto"),
-        help="diagnostics on stderr: console, json, or auto (console on a terminal) (env HARU_LOG_FORMAT)",
-    )
+    add_log_options(p)
     p.set_defaults(handler=run)
 
 
-def configure_logging(fmt: str) -> None:
-    import logging
-
-    import structlog
-
-    if fmt == "auto":
-        fmt = "console" if sys.stderr.isatty() else "json"
-    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer()
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
-    )
-
-
 async def run(args: argparse.Namespace) -> ExitStatus:
-    configure_logging(args.log_format)
+    configure_logging(args.log_format, args.log_level)
     from gateway import from_env, run_gateway
     from haru.errors import ConfigError, LogUnavailable
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import socket
-import sys
 
-from haru.cli.common import ExitStatus, add_nats_options, fail, nats_servers
+from haru.cli.common import ExitStatus, add_nats_options, fail, nats_servers, add_log_options, configure_logging
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,37 +28,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=int(os.environ.get("HARU_REPLICAS", "1")),
         help="replicas for the streams and bucket if this projector creates them (env HARU_REPLICAS; default %(default)s)",
     )
-    p.add_argument(
-        "--log-format",
-        choices=("auto", "console", "json"),
-        default=os.environ.get("HARU_LOG_FORMAT", "auto"),
-        help="diagnostics on stderr: console, json, or auto (console on a terminal) (env HARU_LOG_FORMAT)",
-    )
+    add_log_options(p)
     p.set_defaults(handler=run)
 
 
-def configure_logging(fmt: str) -> None:
-    import structlog
-
-    if fmt == "auto":
-        fmt = "console" if sys.stderr.isatty() else "json"
-    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer()
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
-    )
-
-
 async def run(args: argparse.Namespace) -> ExitStatus:
-    configure_logging(args.log_format)
+    configure_logging(args.log_format, args.log_level)
     import structlog
 
     from haru.errors import LogUnavailable

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import contextlib
 import getpass
-import logging
 import os
 import signal
 import socket
@@ -24,7 +23,7 @@ import sys
 from datetime import datetime, timezone
 
 from haru import subjects
-from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers
+from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers, add_log_options, configure_logging
 from haru.errors import LogUnavailable
 from haru.promoter.errors import OperationNotFound
 from haru.eventlog import EventLog, Record
@@ -68,6 +67,7 @@ def register(subparsers) -> None:
         "(env HARU_PROMOTER_ID; default promoter:<host>:<pid>)",
     )
     add_nats_options(p)
+    add_log_options(p)
     p.set_defaults(handler=run_service)
 
     for kind, verb in (("promotion", "promote"), ("demotion", "demote")):
@@ -97,28 +97,10 @@ def register(subparsers) -> None:
     o.set_defaults(handler=run_op)
 
 
-def _configure_logging() -> None:
-    import structlog
-
-    json_logs = os.environ.get("HARU_LOG_FORMAT", "").lower() == "json" or not sys.stderr.isatty()
-    renderer = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer()
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
-
-
 async def run_service(args: argparse.Namespace) -> ExitStatus:
     from haru.promoter.service import default_identity, run_promoter
 
-    _configure_logging()
+    configure_logging(args.log_format, args.log_level)
     identity = args.id or default_identity()
     try:
         async with EventLog.connect(_servers(args), writer=identity, creds=args.nats_creds) as log:

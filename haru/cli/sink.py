@@ -9,11 +9,9 @@ migrations first. `--once` writes what is stored now and exits; `--migrate-only`
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
 
-from haru.cli.common import ExitStatus, add_nats_options, emit_json, fail, nats_servers
+from haru.cli.common import ExitStatus, add_nats_options, emit_json, fail, nats_servers, add_log_options, configure_logging
 
 
 def register(subparsers) -> None:
@@ -47,31 +45,8 @@ def register(subparsers) -> None:
     pg.add_argument("--once", action="store_true", help="write what the log holds now, then exit")
     pg.add_argument("--migrate-only", action="store_true", help="apply the schema migrations and exit")
     pg.add_argument("--json", action="store_true", help="print the result (--once, --migrate-only) as JSON")
-    pg.add_argument(
-        "--log-format",
-        choices=("auto", "console", "json"),
-        default=os.environ.get("HARU_LOG_FORMAT", "auto"),
-        help="diagnostics on stderr: console, json, or auto (console on a terminal) (env HARU_LOG_FORMAT)",
-    )
+    add_log_options(pg)
     pg.set_defaults(handler=run)
-
-
-def _configure_logging(fmt: str) -> None:
-    import structlog
-
-    if fmt == "auto":
-        fmt = "console" if sys.stderr.isatty() else "json"
-    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer()
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
-    )
 
 
 async def run(args: argparse.Namespace) -> ExitStatus:
@@ -81,7 +56,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         )
     if args.batch_size < 1 or args.flush_ms < 1:
         return fail("--batch-size and --flush-ms must be positive", ExitStatus.USAGE)
-    _configure_logging(args.log_format)
+    configure_logging(args.log_format, args.log_level)
 
     import asyncpg
 

@@ -9,7 +9,7 @@ import os
 import signal
 from pathlib import Path
 
-from haru.cli.common import ExitStatus, configure_logging, fail
+from haru.cli.common import ExitStatus, add_log_options, configure_logging, fail
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,8 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None, help="gateway port (env HARU_GATEWAY_PORT, default 8700)")
     p.add_argument("--layout", default=None, help="with --demo: the layout to apply (default deploy/examples/demo-fleet.json)")
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--log-format", choices=("console", "json"), default="console")
-    p.add_argument("--log-level", default="warning", help="log level on stderr (default %(default)s)")
+    add_log_options(p, default_level="warning")
     p.set_defaults(handler=run)
 
 

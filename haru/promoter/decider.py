@@ -37,7 +37,6 @@ import msgspec
 from haru import subjects
 from haru.commands import Command, Reply
 from haru.events import (
-    AnyEvent,
     DemotionRequested,
     EligibilityChanged,
     FailoverDeclined,

@@ -17,7 +17,6 @@ import itertools
 from datetime import datetime, timezone
 
 import msgspec
-import nats
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 

@@ -15,7 +15,6 @@ from haru import subjects
 from haru.eventlog import EventLog
 from haru.events import OperationAborted, OperationCompleted, RouteMoved, tag_of
 from haru.promoter.decider import fold
-from haru.promoter.service import run_promoter
 from projections.fleet import evolve
 
 

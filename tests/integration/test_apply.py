@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from haru import subjects

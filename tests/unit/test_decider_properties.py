@@ -10,15 +10,11 @@ only after this operation's probe completed; an aborted promotion leaves the poi
 
 from __future__ import annotations
 
-from datetime import timedelta
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from haru import subjects
 from haru.events import (
-    OperationAborted,
-    OperationCompleted,
     PromotionRequested,
     RouteMoved,
     StepCompleted,
@@ -28,7 +24,7 @@ from haru.events import (
 from haru.promoter.decider import decide, lease_ms
 from haru.promoter.decisions import Facts
 from projections.fleet import evolve
-from test_decider import F, OP, POLICY, ROUTE, at, given as given_view, healthy_fleet
+from test_decider import OP, POLICY, ROUTE, at, given as given_view, healthy_fleet
 
 OUTCOMES = st.sampled_from(["complete", "complete", "complete", "fail", "crash", "crash_after_flip"])
 

@@ -8,7 +8,6 @@ then 200 {"status": "ok"}. It writes its argv to FAKE_ARGV_FILE when set.
 """
 
 import argparse
-import asyncio
 import json
 import os
 import sys
