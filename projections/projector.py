@@ -235,29 +235,33 @@ class Projector:
         """The replay handler (synchronous: nats-py calls it back to back while messages are
         queued, and the flusher runs whenever the queue is drained)."""
         seq = rec.seq
-        self.stats.last_seq = seq
+        stats = self.stats
+        stats.last_seq = seq
         event = rec.event
         try:
             view = fold_one(self.views, event, seq=seq, subject=rec.subject, error=rec.error)
         except Exception as exc:  # a bug in the fold must not stop projection of everything else
-            self.stats.failures += 1
+            stats.failures += 1
             log_.exception("projector.fold_failed", seq=seq, subject=rec.subject, error=str(exc))
             view = None
         if event is None and (view is not None or not fleet_of(rec.subject)):
-            self.stats.invalid += 1
+            stats.invalid += 1
             log_.warning("projector.invalid_event", seq=seq, subject=rec.subject, error=rec.error)
         if view is None:
-            self.stats.skipped += 1
+            stats.skipped += 1
         else:
             fleet = view.fleet
-            self.stats.handled += 1
+            stats.handled += 1
             if fleet not in self._dirty:
+                # Only when the fleet becomes dirty: while it is dirty the flusher has not taken it
+                # yet, so `_idle` is still clear and `_wake` still set (the flusher clears `_wake`
+                # before it takes the dirty fleets, with no await in between).
                 self._dirty.add(fleet)
-                self.stats.fleets.add(fleet)
+                stats.fleets.add(fleet)
+                self._idle.clear()
+                self._wake.set()
             if type(event) is RouteMoved:
                 self._pending.setdefault(fleet, []).append(intent(view))
-            self._idle.clear()
-            self._wake.set()
         if self._caught_up_at and seq >= self._caught_up_at:
             self._log_caught_up()
 
