@@ -257,8 +257,11 @@ def evolve(state: Residency, event: object, *, seq: int = 0, subject: str = "") 
     the same level, an admitted verdict) keep the original `since`, so "resident for 14203s" survives
     an agent restart. A model that is not admitted stays not admitted when its runtime reports a stop.
     """
-    current = _tag(state)
-    key = event_key(event)
+    # event_key and _tag inlined: this runs once per residency event of every replay.
+    current = _TAGS.get(type(state)) or _tag(state)
+    key = _TAGS.get(type(event)) or _tag(event)
+    if key == "admission_decided":
+        key = ADMITTED if event.admitted else REFUSED  # type: ignore[attr-defined]
     result = TRANSITIONS.get((current, key))
     if result is None:
         raise IllegalTransition(current, key, subject)
@@ -267,7 +270,7 @@ def evolve(state: Residency, event: object, *, seq: int = 0, subject: str = "") 
     if result == "not_admitted" and key != REFUSED:
         return state  # a runtime stopping or exiting changes nothing about the planner's verdict
     new = _to_state(event, seq, key)
-    if result != _tag(new):  # admitted on not_admitted -> unknown (to_state already gives it)
+    if result != (_TAGS.get(type(new)) or _tag(new)):  # admitted on not_admitted -> unknown (to_state already gives it)
         raise IllegalTransition(current, key, subject)  # pragma: no cover - the table and to_state agree
     if current == result and result == "resident":
         return msgspec.structs.replace(new, since=state.since, seq=state.seq)
