@@ -39,6 +39,7 @@ EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 MSG_ID = "Nats-Msg-Id"
 DUPLICATE_WINDOW_S = 120.0
 _CONFLICT_CODES = (10071, 10164)
+_SUBJECTS_PAGE = 100_000  # nats-server's limit on the subjects one stream-info answer lists
 # The decoder of haru.events.decode (same type, no hooks), called directly on the replay's hot path;
 # a body it refuses goes through haru.events.decode for the error text.
 _event_decoder = msgspec.json.Decoder(AnyEvent)
@@ -351,6 +352,26 @@ class EventLog:
         with _translated("reading the event stream's state"):
             info = await self.js.stream_info(subjects.EVENTS_STREAM)
         return info.state.last_seq
+
+    async def subject_counts(self, subject_filter: str = subjects.ALL_EVENTS) -> dict[str, int]:
+        """The event subjects matching the filter that hold messages, with how many each.
+
+        One stream-info request (~0.5 ms) instead of reading the messages (a filtered replay of a
+        100k-event stream takes 2-11 ms). The server lists at most _SUBJECTS_PAGE subjects per
+        answer and nats-py cannot ask for the next page: a list that long is counted from a replay.
+        """
+        with _translated(f"listing the subjects {subject_filter}"):
+            info = await self.js.stream_info(subjects.EVENTS_STREAM, subjects_filter=subject_filter)
+        found = dict(info.state.subjects or {})
+        if len(found) < _SUBJECTS_PAGE:
+            return found
+        counts: dict[str, int] = {}
+
+        def count(rec: Record) -> None:
+            counts[rec.subject] = counts.get(rec.subject, 0) + 1
+
+        await self.replay(count, subject_filter=subject_filter, headers=False)
+        return counts
 
     # --------------------------------------------------------------------------------- append
 

@@ -124,11 +124,8 @@ class Projector:
 
     async def load(self) -> int:
         """Read the stored views of every declared fleet; return the sequence to replay from."""
-        fleets: set[str] = set()
-        for rec in await self.log.history("haru.evt.*.decl"):
-            fleet = fleet_of(rec.subject)
-            if fleet:
-                fleets.add(fleet)
+        fleets = {fleet_of(subject) for subject in await self.log.subject_counts("haru.evt.*.decl")}
+        fleets.discard("")
         for fleet in sorted(fleets):
             await self._load_view(fleet)
         from_seq = min((position(v) for v in self.views.values()), default=0) + 1
