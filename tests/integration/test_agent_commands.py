@@ -16,7 +16,6 @@ from haru.commands import Command
 from haru.errors import AgentGone
 from tests.support import haru
 from tests.integration.agent_harness import (
-    AgentProcess,
     agent_env,
     get_json,
     is_,
@@ -28,20 +27,6 @@ from tests.integration.agent_harness import (
 )
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture
-def agents():
-    started: list[AgentProcess] = []
-
-    def start(config, log_path, env=None):
-        a = AgentProcess(config, log_path, env or agent_env())
-        started.append(a)
-        return a
-
-    yield start
-    for a in started:
-        a.kill()
 
 
 async def start_active(tmp_path, nats_server, event_log, agents, env=None, models=None):

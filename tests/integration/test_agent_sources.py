@@ -27,20 +27,6 @@ from tests.integration.agent_harness import (
 pytestmark = pytest.mark.timeout(90)
 
 
-@pytest.fixture
-def agents():
-    started: list[AgentProcess] = []
-
-    def start(config, log_path, env=None):
-        a = AgentProcess(config, log_path, env or agent_env())
-        started.append(a)
-        return a
-
-    yield start
-    for a in started:
-        a.kill()
-
-
 async def test_agent_reads_declared_layout_and_runs_only_admitted_models(tmp_path, nats_server, event_log, agents):
     # "big" does not fit on the 24 GiB card after "m1" and "m2": the planner refuses it at apply time.
     layout_path = write_layout(tmp_path / "layout.json", tmp_path,

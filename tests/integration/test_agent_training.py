@@ -10,23 +10,9 @@ import pytest
 from agents.client import send
 from haru import subjects
 from haru.commands import Command
-from tests.integration.agent_harness import AgentProcess, agent_env, is_, tag, wait_event, write_config, write_layout
+from tests.integration.agent_harness import agent_env, is_, tag, wait_event, write_config, write_layout
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture
-def agents():
-    started: list[AgentProcess] = []
-
-    def start(config, log_path, env=None):
-        a = AgentProcess(config, log_path, env or agent_env())
-        started.append(a)
-        return a
-
-    yield start
-    for a in started:
-        a.kill()
 
 
 async def start_standby(tmp_path, nats_server, event_log, agents, *, training: dict, env=None):
