@@ -66,7 +66,10 @@ def demo_layout(home: Path, path: Path = DEMO_LAYOUT) -> Layout:
     try:
         doc = json.loads(path.read_text())
     except OSError as exc:
-        raise ConfigError(f"cannot read the demo layout {path}: {exc.strerror}") from None
+        raise ConfigError(
+            f"cannot read the demo layout {path}: {exc.strerror}; run from a checkout installed with "
+            "`pip install -e .`, or pass --layout deploy/examples/demo-fleet.json"
+        ) from None
     py = sys.executable
     for domain in doc.get("domains", []):
         for slot in domain.get("slots", []):
