@@ -227,7 +227,8 @@ class EventLog:
         if creds:
             kwargs["user_credentials"] = creds
         try:
-            nc = await asyncio.wait_for(nats.connect(**kwargs), connect_timeout)
+            async with asyncio.timeout(connect_timeout):
+                nc = await nats.connect(**kwargs)
         except (asyncio.TimeoutError, nats.errors.NoServersError, OSError) as exc:
             raise LogUnavailable(
                 f"cannot reach NATS at {', '.join(servers)}: start it (`haru up` runs one) or pass --nats-url"

@@ -179,7 +179,8 @@ class Projector:
             await asyncio.gather(replay, flusher, return_exceptions=True)
             # Whatever was folded and not yet written: write it (best effort, bounded).
             try:
-                await asyncio.wait_for(self.flush(), 5.0)
+                async with asyncio.timeout(5.0):
+                    await self.flush()
             except Exception as exc:  # noqa: BLE001 - leaving anyway; the next start replays it
                 log_.warning("projector.final_flush_failed", error=str(exc))
             log_.info("projector.stopped", **self._stats_dict())
@@ -216,7 +217,8 @@ class Projector:
                 seen, strikes = now_seen, 0
                 continue
             try:
-                last = await asyncio.wait_for(self.log.last_seq(), self.stall_interval)
+                async with asyncio.timeout(self.stall_interval):
+                    last = await self.log.last_seq()
             except (LogError, asyncio.TimeoutError):
                 continue  # NATS is away: nothing to conclude yet
             if last > self.stats.last_seq and self.stats.last_seq == seen:
@@ -356,7 +358,8 @@ class Projector:
 
     async def wait_idle(self, timeout: float | None = None) -> None:
         """Wait until everything folded so far is written (tests, benchmark)."""
-        await asyncio.wait_for(self._idle.wait(), timeout)
+        async with asyncio.timeout(timeout):
+            await self._idle.wait()
 
     async def _last_intent(self, fleet: str) -> tuple[RouteIntent | None, int]:
         known = self._intents.get(fleet)
