@@ -179,6 +179,29 @@ def _translated(what: str):
         raise LogError(f"{what}: {exc}") from exc
 
 
+def _history_stream(name: str, subject: str, replicas: int, description: str) -> api.StreamConfig:
+    """A stream that keeps everything: file storage, no limit that drops history, no delete, no purge,
+    no rollups, a 2-minute duplicate window, and direct gets for fast reads of a subject's last message."""
+    return api.StreamConfig(
+        name=name,
+        subjects=[subject],
+        retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE,
+        max_msgs=-1,
+        max_bytes=-1,
+        max_age=0,
+        max_msgs_per_subject=-1,
+        discard=api.DiscardPolicy.OLD,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        deny_delete=True,
+        deny_purge=True,
+        allow_rollup_hdrs=False,
+        allow_direct=True,
+        num_replicas=replicas,
+        description=description,
+    )
+
+
 class EventLog:
     """A connection to the log. Create with `EventLog.connect(...)` (async context) or `EventLog.open`."""
 
@@ -270,40 +293,13 @@ class EventLog:
         """
         if replicas is None:
             replicas = 3 if self.cluster_size() >= 3 else 1
-        events = api.StreamConfig(
-            name=subjects.EVENTS_STREAM,
-            subjects=[subjects.ALL_EVENTS],
-            retention=api.RetentionPolicy.LIMITS,
-            storage=api.StorageType.FILE,
-            max_msgs=-1,
-            max_bytes=-1,
-            max_age=0,
-            max_msgs_per_subject=-1,
-            discard=api.DiscardPolicy.OLD,
-            duplicate_window=DUPLICATE_WINDOW_S,
-            deny_delete=True,
-            deny_purge=True,
-            allow_rollup_hdrs=False,
-            allow_direct=True,
-            num_replicas=replicas,
-            description="Haru event log: every fact, hash-chained per subject. Never deleted, never purged.",
+        events = _history_stream(
+            subjects.EVENTS_STREAM, subjects.ALL_EVENTS, replicas,
+            "Haru event log: every fact, hash-chained per subject. Never deleted, never purged.",
         )
-        route = api.StreamConfig(
-            name=subjects.ROUTE_STREAM,
-            subjects=[subjects.ALL_INTENTS],
-            retention=api.RetentionPolicy.LIMITS,
-            storage=api.StorageType.FILE,
-            max_msgs=-1,
-            max_bytes=-1,
-            max_age=0,
-            max_msgs_per_subject=-1,
-            discard=api.DiscardPolicy.OLD,
-            duplicate_window=DUPLICATE_WINDOW_S,
-            deny_delete=True,
-            deny_purge=True,
-            allow_direct=True,
-            num_replicas=replicas,
-            description="Haru route intents per fleet, history kept per subject.",
+        route = _history_stream(
+            subjects.ROUTE_STREAM, subjects.ALL_INTENTS, replicas,
+            "Haru route intents per fleet, history kept per subject.",
         )
         for config in (events, route):
             await self._ensure_stream(config)
