@@ -33,7 +33,7 @@ from haru.eventlog import EventLog
 from haru.natsd import NatsServer
 from haru.route import RouteWatcher
 from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
-from projections.fleet import fold_one
+from projections.fleet import add_one
 from projections.projector import Projector
 
 FLEETS = ("default", "edge", "lab", "eu")
@@ -127,14 +127,18 @@ async def replay_noop(log: EventLog) -> float:
 
 
 async def replay_fold(log: EventLog) -> float:
-    views: dict = {}
+    """The replay with the projector's fold (its `Folder`s), the views materialized at the end."""
+    folders: dict = {}
 
     def handler(rec):
-        fold_one(views, rec.event, seq=rec.seq, subject=rec.subject, error=rec.error)
+        add_one(folders, rec.event, seq=rec.seq, subject=rec.subject, error=rec.error)
 
     t0 = time.perf_counter()
     await log.replay(handler)
-    return time.perf_counter() - t0
+    views = {f: folder.view() for f, folder in folders.items()}
+    dt = time.perf_counter() - t0
+    assert len(views) == len(FLEETS)
+    return dt
 
 
 async def rebuild(log: EventLog, last: int) -> tuple[float, Projector]:

@@ -10,7 +10,7 @@ Start. The fleets of the log are the fleets that have declarations (`haru.evt.*.
 stored view is read from KV; the replay resumes from the smallest stored `position` + 1, where
 position = max(view.seq, view.checkpoint) (from 1 when a declared fleet has no stored view yet).
 Events at or below a fleet's own view `seq` are skipped for that fleet
-(`projections.fleet.fold_one`), so fleets whose views are further ahead are not folded twice. A
+(`projections.fleet.add_one`), so fleets whose views are further ahead are not folded twice. A
 fleet first met during the replay (events but no declaration) starts empty. The checkpoint of a
 fleet that has been quiet for `checkpoint_lag` events is advanced (its view rewritten), so one idle
 fleet does not pin every restart to its last event.
@@ -20,10 +20,11 @@ one handled and the replay makes no progress for a couple of seconds (nats-py's 
 takes ~20 s to notice a NATS restart), it is restarted after the last sequence handled.
 
 Fold. The replay handler is synchronous: it decodes nothing itself (the log did), folds the record
-into the in-memory views, marks the fleet dirty, and when the record moved the route pointer it
-snapshots the route intent at that very sequence, so every pointer move becomes an intent even
-when writes are coalesced. A body that is not a valid event is logged, counted in the view's
-`anomalies`, and skipped.
+into the fleet's `projections.fleet.Folder` (an incremental fold, equal to `evolve`, that builds the
+frozen view only when something reads it: a write, a route move's intent), marks the fleet dirty,
+and when the record moved the route pointer it snapshots the route intent at that very sequence,
+so every pointer move becomes an intent even when writes are coalesced. A body that is not a valid
+event is logged, counted in the view's `anomalies`, and skipped.
 
 Write. A single flusher task wakes whenever the handler folded something and the handler yields
 (nats-py runs the handler back to back while messages are queued, so a replay is naturally
@@ -59,7 +60,7 @@ from haru.errors import Conflict, LogError
 from haru.eventlog import EventLog, Record
 from haru.events import RouteMoved
 from haru.views import FleetView, RouteIntent, intent_decoder, view_decoder, view_encoder
-from projections.fleet import empty, fleet_of, fold_one
+from projections.fleet import Folder, add_one, empty, fleet_of
 from projections.route import changed, intent
 
 log_ = structlog.get_logger("haru.projector")
@@ -107,7 +108,7 @@ class Projector:
         self.checkpoint_lag = checkpoint_lag
         self.stall_interval = stall_interval
         self.stall_checks = stall_checks
-        self.views: dict[str, FleetView] = {}
+        self._folders: dict[str, Folder] = {}  # each fleet's view, folded incrementally
         self.stats = Stats()
         self._revs: dict[str, int] = {}  # KV revision of each fleet's view as last read or written
         self._stored: dict[str, int] = {}  # position of the view stored in KV, as far as we know
@@ -119,6 +120,11 @@ class Projector:
         self._idle.set()
         self._caught_up_at = 0  # the stream's last seq when we started; logged once reached
         self._started = 0.0
+
+    @property
+    def views(self) -> dict[str, FleetView]:
+        """The current view of every fleet (materialized now: for tests and logs, not the hot path)."""
+        return {fleet: folder.view() for fleet, folder in self._folders.items()}
 
     # ------------------------------------------------------------------------------- start
 
@@ -144,7 +150,7 @@ class Projector:
             except Exception as exc:  # a view written by an incompatible version: rebuild it
                 log_.warning("projector.view_unreadable", fleet=fleet, revision=rev, error=str(exc))
                 view = empty(fleet)
-        self.views[fleet] = view
+        self._folders[fleet] = Folder(view)
         self._revs[fleet] = rev
         self._stored[fleet] = position(view)
         return view
@@ -160,7 +166,7 @@ class Projector:
         log_.info(
             "projector.resume",
             from_seq=from_seq,
-            fleets=sorted(self.views),
+            fleets=sorted(self._folders),
             views={f: position(v) for f, v in sorted(self.views.items())},
             stream_last_seq=self._caught_up_at,
         )
@@ -238,18 +244,18 @@ class Projector:
         stats.last_seq = seq
         event = rec.event
         try:
-            view = fold_one(self.views, event, seq=seq, subject=rec.subject, error=rec.error)
+            folder = add_one(self._folders, event, seq=seq, subject=rec.subject, error=rec.error)
         except Exception as exc:  # a bug in the fold must not stop projection of everything else
             stats.failures += 1
             log_.exception("projector.fold_failed", seq=seq, subject=rec.subject, error=str(exc))
-            view = None
-        if event is None and (view is not None or not fleet_of(rec.subject)):
+            folder = None
+        if event is None and (folder is not None or not fleet_of(rec.subject)):
             stats.invalid += 1
             log_.warning("projector.invalid_event", seq=seq, subject=rec.subject, error=rec.error)
-        if view is None:
+        if folder is None:
             stats.skipped += 1
         else:
-            fleet = view.fleet
+            fleet = folder.fleet
             stats.handled += 1
             if fleet not in self._dirty:
                 # Only when the fleet becomes dirty: while it is dirty the flusher has not taken it
@@ -260,7 +266,7 @@ class Projector:
                 self._idle.clear()
                 self._wake.set()
             if type(event) is RouteMoved:
-                self._pending.setdefault(fleet, []).append(intent(view))
+                self._pending.setdefault(fleet, []).append(intent(folder.view()))
         if self._caught_up_at and seq >= self._caught_up_at:
             self._log_caught_up()
 
@@ -317,7 +323,7 @@ class Projector:
             # between): a move folded while we publish is after this view, and is published next pass.
             work = []
             for fleet in sorted(self._dirty, key=lambda f: (f not in self._pending, f)):
-                work.append((fleet, self._pending.pop(fleet, []), self.views[fleet]))
+                work.append((fleet, self._pending.pop(fleet, []), self._folders[fleet].view()))
             self._dirty.clear()
             # return_exceptions: every fleet's writes end (written, or put back) before a failure
             # is raised, so no write of this pass is still running when the flusher retries.
@@ -346,14 +352,15 @@ class Projector:
         resume point of a restart to their last event. Everything up to `done` is folded, and a
         fleet that is not dirty has nothing unwritten: its view is complete up to `done`."""
         done = self.stats.last_seq
-        for fleet in list(self.views):
+        for fleet in list(self._folders):
             if fleet in self._dirty or done - self._stored.get(fleet, 0) < self.checkpoint_lag:
                 continue
-            view = self.views[fleet]
+            folder = self._folders[fleet]
+            view = folder.view()
             if position(view) >= done:
                 continue
             view = msgspec.structs.replace(view, checkpoint=done)
-            self.views[fleet] = view
+            folder.reset(view)
             await self._write_view(fleet, view)
 
     async def wait_idle(self, timeout: float | None = None) -> None:
@@ -434,9 +441,9 @@ class Projector:
                 stored_pos = position(stored)
                 self._stored[fleet] = stored_pos
                 if stored_pos >= pos:
-                    current = self.views.get(fleet)
-                    if current is None or stored_pos > position(current):
-                        self.views[fleet] = stored  # adopt: the fold now skips what it covers
+                    current = self._folders.get(fleet)
+                    if current is None or stored_pos > position(current.view()):
+                        self._folders[fleet] = Folder(stored)  # adopt: the fold now skips what it covers
                         self.stats.views_adopted += 1
                     return
 
