@@ -18,7 +18,8 @@ Router answers: ready · warming{for_ms} · asleep · lost{reason} · not_admitt
 
 The legal transitions are one table, `TRANSITIONS[(state, event_key)] -> state`, read by `evolve`
 (which raises IllegalTransition for any other pair), by tests/unit/test_residency.py (every entry, and
-every pair that is not one) and by docs/residency.md (`transition_table_markdown`). `to_state(event)`
+every pair that is not one) and by docs/residency.md (`transition_table_markdown`); `evolve`
+memoizes, per (state class, event class), the branch the table takes (`_step`). `to_state(event)`
 is the state an event establishes on its own, for lenient readers of odd histories.
 `classify_probe_failure` is the one-bit diagnosis; `answer(state, now)` the router answer, by `ANSWERS`.
 """
@@ -257,7 +258,16 @@ def evolve(state: Residency, event: object, *, seq: int = 0, subject: str = "") 
     the same level, an admitted verdict) keep the original `since`, so "resident for 14203s" survives
     an agent restart. A model that is not admitted stays not admitted when its runtime reports a stop.
     """
-    # event_key and _tag inlined: this runs once per residency event of every replay.
+    # The hot path of every replay: a legal (state, residency event) pair has its step memoized.
+    step = _STEPS[type(state), type(event)]
+    if step is not None:
+        return step(state, event, seq)
+    return _evolve(state, event, seq, subject)
+
+
+def _evolve(state: Residency, event: object, seq: int, subject: str) -> Residency:
+    """`evolve`, read from the table (every pair; `_step` memoizes the legal residency ones)."""
+    # event_key and _tag inlined.
     current = _TAGS.get(type(state)) or _tag(state)
     key = _TAGS.get(type(event)) or _tag(event)
     if key == "admission_decided":
@@ -277,6 +287,37 @@ def evolve(state: Residency, event: object, *, seq: int = 0, subject: str = "") 
     if current == result and result == "sleeping" and state.level == new.level:  # type: ignore[attr-defined]
         return state
     return new
+
+
+def _step(state_cls: type, event_cls: type) -> Callable[[Any, Any, int], Residency] | None:
+    """What `_evolve` does for a (state class, event class) pair, decided once from the table: the
+    same branches, taken ahead of time. None for pairs `evolve` leaves to `_evolve`: illegal ones
+    (it raises) and the planner's verdict (its outcome depends on `admitted`)."""
+    current = state_cls.__struct_config__.tag  # type: ignore[attr-defined]
+    key = event_cls.__struct_config__.tag  # type: ignore[attr-defined]
+    result = TRANSITIONS.get((current, key))
+    build = _ESTABLISHES.get(key)
+    if result is None or build is None or key == "admission_decided":
+        return None
+    if result == "not_admitted":
+        return lambda state, e, seq: state  # a stop or exit changes nothing about the verdict
+    if current == result == "resident":
+        return lambda state, e, seq: msgspec.structs.replace(build(e, e.at, seq), since=state.since, seq=state.seq)
+    if current == result == "sleeping":
+        return lambda state, e, seq: state if state.level == e.level else build(e, e.at, seq)
+    return lambda state, e, seq: build(e, e.at, seq)
+
+
+class _Steps(dict):
+    """(state class, event class) -> step, filled on first use; None cached for the pairs left to
+    `_evolve`, so a lookup never rebuilds one."""
+
+    def __missing__(self, pair: tuple[type, type]) -> Callable[[Any, Any, int], Residency] | None:
+        step = self[pair] = _step(*pair) if all(hasattr(c, "__struct_config__") for c in pair) else None
+        return step
+
+
+_STEPS: dict[tuple[type, type], Callable[[Any, Any, int], Residency] | None] = _Steps()
 
 
 # ------------------------------------------------------------------------------------- diagnosis
