@@ -122,29 +122,29 @@ class RouteFollower:
         """
         stuck: list[str] = []
         for fleet in self.table.fleets():
-            got = await self.events.last_intent(fleet)
-            delivered = self._intent_delivered.get(fleet, 0)
-            key = (fleet, "intent")
-            if key in behind and delivered < behind[key]:
-                stuck.append(f"{fleet} intent")
-            if got is not None and got[1] > delivered:
-                behind[key] = got[1]
-                with contextlib.suppress(msgspec.DecodeError):
-                    self._apply_intent(fleet, intent_decoder.decode(got[0]), got[1])
-            else:
-                behind.pop(key, None)
+            intent = await self.events.last_intent(fleet)
+            self._check(behind, stuck, fleet, "intent", intent, self._intent_delivered,
+                        lambda body, seq: self._apply_intent(fleet, intent_decoder.decode(body), seq))
             view = await self.events.get_view(subjects.view_key(fleet))
-            delivered = self._view_delivered.get(fleet, 0)
-            key = (fleet, "view")
-            if key in behind and delivered < behind[key]:
-                stuck.append(f"{fleet} view")
-            if view is not None and view[1] > delivered:
-                behind[key] = view[1]
-                with contextlib.suppress(msgspec.DecodeError):
-                    self._apply_view(fleet, view_decoder.decode(view[0]), view[1])
-            else:
-                behind.pop(key, None)
+            self._check(behind, stuck, fleet, "view", view, self._view_delivered,
+                        lambda body, rev: self._apply_view(fleet, view_decoder.decode(body), rev))
         return stuck
+
+    @staticmethod
+    def _check(behind: dict[tuple[str, str], int], stuck: list[str], fleet: str, kind: str,
+               got: tuple[bytes, int] | None, delivered_by_watch: dict[str, int], apply) -> None:
+        """One (fleet, kind): apply what the log holds beyond what the watch delivered, and call the
+        watch stuck if it still has not delivered what the previous check found."""
+        delivered = delivered_by_watch.get(fleet, 0)
+        key = (fleet, kind)
+        if key in behind and delivered < behind[key]:
+            stuck.append(f"{fleet} {kind}")
+        if got is not None and got[1] > delivered:
+            behind[key] = got[1]
+            with contextlib.suppress(msgspec.DecodeError):
+                apply(got[0], got[1])
+        else:
+            behind.pop(key, None)
 
     async def _follow(self, what: str, watch: Callable[[], object]) -> None:
         delay = _BACKOFF_MIN_S
