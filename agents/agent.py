@@ -74,6 +74,7 @@ from haru.events import (
 )
 from haru.residency import UNKNOWN, Residency, evolve, is_legal, event_key, state_name, to_state
 from haru.specs import MiB, ModelSpec, TrainingSpec
+from haru.tasks import cancel_and_wait
 
 __all__ = ["Agent", "ModelSlot", "resolve_slots", "VERSION"]
 
@@ -330,18 +331,9 @@ class Agent:
             with contextlib.suppress(Exception):
                 await self._stop_training_slot(slot)
         hb = [t for t in self._tasks if t.get_name() == "heartbeat"]
-        for task in self._tasks:
-            if task not in hb:
-                task.cancel()
-        for task in self._tasks:
-            if task not in hb:
-                with contextlib.suppress(BaseException):
-                    await task
+        await cancel_and_wait(*(t for t in self._tasks if t not in hb))
         await asyncio.gather(*(self._unload(m) for m in self.models.values()), return_exceptions=True)
-        for task in hb:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        await cancel_and_wait(*hb)
         self._write_children()
         self.logger.info("agent stopped", reason=reason)
 

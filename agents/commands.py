@@ -32,6 +32,7 @@ from nats.micro.request import Request
 from haru import subjects
 from haru.commands import Command, ErrorInfo, Reply, command_decoder
 from haru.errors import HaruError
+from haru.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from agents.agent import Agent
@@ -79,10 +80,7 @@ class CommandService:
     async def stop(self) -> None:
         if self._service is not None:
             await self._service.stop()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
 
     def _handler(self, verb: str):
         async def handle(request: Request) -> None:

@@ -27,6 +27,7 @@ from gateway.routing import RoutingTable
 from haru import subjects
 from haru.errors import HaruError
 from haru.eventlog import EventLog
+from haru.tasks import cancel_and_wait
 from haru.views import intent_decoder, view_decoder
 
 log = structlog.get_logger("haru.gateway")
@@ -61,11 +62,8 @@ class RouteFollower:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._resync_task is not None:
-            self._resync_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._resync_task
-            self._resync_task = None
+        await cancel_and_wait(self._resync_task)
+        self._resync_task = None
         await self._stop_watches()
 
     def _start_watches(self) -> None:
@@ -75,11 +73,7 @@ class RouteFollower:
         ]
 
     async def _stop_watches(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
         self._tasks = []
 
     async def restart(self, why: str) -> None:

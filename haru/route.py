@@ -36,6 +36,7 @@ import msgspec
 from haru.errors import HaruError
 from haru.eventlog import EventLog
 from haru.subjects import check_name
+from haru.tasks import cancel_and_wait
 from haru.views import RouteIntent, intent_decoder
 
 __all__ = ["RouteWatcher", "refresh"]
@@ -112,11 +113,7 @@ class RouteWatcher:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for task in (self._watchdog, self._task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        await cancel_and_wait(self._watchdog, self._task)
         await self._close_log()
 
     async def _watch_for_stalls(self) -> None:
@@ -147,10 +144,7 @@ class RouteWatcher:
                 continue
             strikes = 0
             old = self._task
-            if old is not None:
-                old.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await old
+            await cancel_and_wait(old)
             self.resubscribed += 1
             self._task = asyncio.create_task(
                 self._follow(self._log.watch_intents(self.fleet)), name=f"route-watcher-{self.fleet}"

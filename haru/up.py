@@ -33,6 +33,7 @@ from haru.eventlog import EventLog
 from haru.layout import parse_layout
 from haru.natsd import NatsServer, free_port
 from haru.specs import Layout
+from haru.tasks import cancel_and_wait
 
 log = structlog.get_logger("haru.up")
 
@@ -269,11 +270,7 @@ async def up(opts: UpOptions, stop: asyncio.Event) -> Running:
 
 
 async def _cancel_all(tasks: list[asyncio.Task]) -> None:
-    for t in tasks:
-        t.cancel()
-    for t in tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await t
+    await cancel_and_wait(*tasks)
 
 
 def redact(urls: str) -> str:

@@ -59,6 +59,7 @@ from haru import subjects
 from haru.errors import Conflict, LogError
 from haru.eventlog import EventLog, Record
 from haru.events import RouteMoved
+from haru.tasks import cancel_and_wait
 from haru.views import FleetView, RouteIntent, intent_decoder, view_decoder, view_encoder
 from projections.fleet import Folder, add_one, empty, fleet_of
 from projections.route import changed, intent
@@ -180,9 +181,7 @@ class Projector:
             for task in done:
                 task.result()  # raise what ended it
         finally:
-            for task in (replay, flusher):
-                task.cancel()
-            await asyncio.gather(replay, flusher, return_exceptions=True)
+            await cancel_and_wait(replay, flusher)
             # Whatever was folded and not yet written: write it (best effort, bounded).
             try:
                 async with asyncio.timeout(5.0):
@@ -204,8 +203,7 @@ class Projector:
             try:
                 await self._until_stalled(task)
             finally:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                await cancel_and_wait(task)
             from_seq = self.stats.last_seq + 1
             self.stats.replay_restarts += 1
             log_.warning("projector.replay_restarted", from_seq=from_seq, reason="no progress while the stream is ahead")

@@ -26,6 +26,7 @@ from haru import subjects
 from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers, add_log_options, configure_logging
 from haru.errors import LogUnavailable
 from haru.promoter.errors import OperationNotFound
+from haru.tasks import cancel_and_wait
 from haru.eventlog import EventLog, Record
 from haru.events import (
     DemotionRequested,
@@ -201,9 +202,7 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
             follower.result()
         return fail(f"operation {op_id} did not finish within {timeout:.0f}s; it goes on: haru promote --wait again", ExitStatus.ERROR)
     finally:
-        follower.cancel()
-        with contextlib.suppress(BaseException):
-            await follower
+        await cancel_and_wait(follower)
 
 
 async def run_op(args: argparse.Namespace) -> ExitStatus:

@@ -42,6 +42,7 @@ from haru.events import RouteMoved, StepCompleted, StepFailed, StepStarted, tag_
 from haru.promoter.client import send
 from haru.promoter.decider import command_for, decide, step_outcome
 from haru.promoter.decisions import Facts
+from haru.tasks import cancel_and_wait
 from haru.views import FleetView, OperationView
 from projections.fleet import empty, evolve, fleet_of
 
@@ -198,12 +199,7 @@ class Promoter:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-            tasks = [t for t in (follower, *self._tasks) if t is not None]
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(BaseException):
-                    await t
+            await cancel_and_wait(follower, *self._tasks)
 
     async def _follow(self) -> None:
         """Follow the log from where the views are; a follower that fails is restarted after a pause."""
@@ -216,10 +212,7 @@ class Promoter:
             try:
                 await asyncio.wait({replay, refollow}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for t in (replay, refollow):
-                    t.cancel()
-                    with contextlib.suppress(BaseException):
-                        await t
+                await cancel_and_wait(replay, refollow)
             if replay.done() and not replay.cancelled() and replay.exception() is not None:
                 exc = replay.exception()
                 if not isinstance(exc, LogError):
