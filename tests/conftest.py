@@ -10,6 +10,8 @@ import pytest
 
 from haru.natsd import NatsServer
 
+pytest_plugins = ["tests.hangdump"]
+
 
 @pytest.fixture
 def nats_server(tmp_path):
