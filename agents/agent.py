@@ -507,6 +507,12 @@ class Agent:
             self.gpu_seq[index] = await self._append(subjects.gpu(self.fleet, self.domain, index), event,
                                                      self.gpu_seq.get(index, 0))
             self.gpu_last[index] = event
+            if last is not None and last.present and not r.present:
+                # The provider took the GPU: say so for every model on it now, not at each one's next
+                # probe, before a failover's demotion can ask one of them to sleep.
+                for m in self.models.values():
+                    if m.spec.gpu_index == index and m.runtime.kind != "external":
+                        self._spawn_task(self.check(m), f"gpu-gone:{m.name}")
         return r
 
     # ---------------------------------------------------------------------------------- supervision
@@ -737,6 +743,11 @@ class Agent:
         if not m.runtime.can_sleep:
             return True, "", f"a {m.runtime.kind} runtime has no sleep mode; it stays {m.state_tag}"
         async with m.lock:
+            if self.gpu_went_away(m.spec.gpu_index):
+                # A runtime may well answer /sleep on a GPU that is gone; its weights are not in VRAM to free.
+                if m.state_tag != "lost":
+                    await self._lost(m, "gpu_detached", "the GPU went away; asked to sleep")
+                return False, "gpu_detached", f"GPU {m.spec.gpu_index} is gone (the provider took it): {m.name} is lost, not asleep"
             tag = m.state_tag
             if tag == "sleeping":
                 try:

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 from agents.client import send
+from agents.sim.gpu_state import SimGpuState
 from haru import subjects
 from haru.commands import Command
 from haru.errors import AgentGone
@@ -62,6 +63,23 @@ async def test_sleep_wake_round_trip_checked_by_is_sleeping_and_probe(tmp_path, 
     assert status.ok and status.data["role"] == "active" and status.data["models"]["m1"]["state"] == "resident"
     unknown = await send(nc, "f", "a", "wake", Command(models=["nope"]), timeout=10)
     assert not unknown.ok and unknown.error.code == "model_not_found"
+
+
+async def test_sleep_on_a_gpu_the_provider_took_is_refused_and_recorded_lost(tmp_path, nats_server, event_log, agents):
+    """A failover demotes the old active by asking it to sleep. If its GPU is gone, a runtime may still
+    answer /sleep; the truth is that the model is lost, and the reply says why."""
+    layout = write_layout(tmp_path / "layout.json", tmp_path, policy={"probe_interval_ms": 60_000})
+    cfg = write_config(tmp_path / "agent-a.json", nats_server.url, tmp_path, domain="a", layout=layout)
+    agent = agents(cfg, tmp_path / "agent-a.log")
+    subject = subjects.model("f", "a", "m1")
+    res = await wait_event(event_log, subject, is_("model_resident"), agent=agent)
+    SimGpuState(tmp_path / "sim" / "a", 0).set_present(False)  # no probe runs for a minute: only the command sees it
+    reply = await send(event_log.nc, "f", "a", "sleep", Command(op_id="demote"), timeout=10)
+    assert not reply.ok
+    assert reply.error.code == "gpu_detached" and "lost, not asleep" in reply.error.message, reply
+    last = await event_log.last(subject)
+    assert tag(last) == "model_lost" and last.event.reason == "gpu_detached"
+    assert (await get_json(res.event.endpoint + "/is_sleeping"))[1] == {"is_sleeping": False}
 
 
 async def test_wake_with_oom_reports_out_of_memory(tmp_path, nats_server, event_log, agents):
