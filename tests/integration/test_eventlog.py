@@ -195,3 +195,67 @@ async def test_views_and_intents_are_compare_and_swap(event_log):
         await event_log.publish_intent("default", b"two", expect=0)
     i2 = await event_log.publish_intent("default", b"two", expect=i1)
     assert await event_log.last_intent("default") == (b"two", i2)
+
+
+# ------------------------------------------------------------------- the appends' ack inbox
+
+
+async def test_ack_inbox_answers_times_out_and_reports_no_responders(event_log):
+    """What `nc.request` would do, through the inbox appends use: a reply, a timeout (with one
+    50 ms slot of slack), no responders; nothing is left waiting afterwards."""
+    acks = event_log._acks
+
+    async def echo(msg) -> None:
+        await msg.respond(b"pong:" + msg.data)
+
+    async def ignore(msg) -> None:
+        pass
+
+    await event_log.nc.subscribe("test.echo", cb=echo)
+    await event_log.nc.subscribe("test.silent", cb=ignore)
+    assert await acks.request("test.echo", b"1", {"X": "y"}, 2.0) == b"pong:1"
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(nats.errors.TimeoutError):
+        await acks.request("test.silent", b"", {}, 0.3)
+    assert 0.3 <= loop.time() - started < 1.5
+    with pytest.raises(nats.errors.NoRespondersError):
+        await acks.request("test.nobody", b"", {}, 2.0)
+    replies = await asyncio.gather(*(acks.request("test.echo", b"%d" % i, {}, 5.0) for i in range(300)))
+    assert replies == [b"pong:%d" % i for i in range(300)]
+    assert not acks._waiting
+    assert not any(acks._expiring.values())
+
+
+async def test_ack_inbox_forgets_a_caller_that_went_away(event_log):
+    async def ignore(msg) -> None:
+        pass
+
+    await event_log.nc.subscribe("test.silent2", cb=ignore)
+    waiting = asyncio.create_task(event_log._acks.request("test.silent2", b"", {}, 30.0))
+    await asyncio.sleep(0.1)
+    assert len(event_log._acks._waiting) == 1
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert not event_log._acks._waiting
+
+
+async def test_an_append_with_no_stream_to_answer_is_unavailable_not_lost(nats_server, tmp_path):
+    """No stream holds the subject (JetStream answers nobody): the append retries until its deadline,
+    then says the log is unavailable; it never reports a sequence it did not get."""
+    from haru.errors import LogUnavailable
+
+    async with EventLog.connect([nats_server.url], writer="w", timeout=0.2) as log:  # no ensure(): no streams
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(LogUnavailable, match="no stream leader answered"):
+            await log.append(SUBJECT, loading(), expect=0)
+        assert asyncio.get_running_loop().time() - started >= 10.0
+
+
+async def test_many_appends_in_flight_on_distinct_subjects_each_get_their_own_sequence(event_log):
+    subjects_ = [subjects.model("default", "a", f"m{i}") for i in range(400)]
+    seqs = await asyncio.gather(*(event_log.append(s, loading(), expect=0) for s in subjects_))
+    assert len(set(seqs)) == 400
+    for s, seq in zip(subjects_[:20], seqs[:20]):
+        assert (await event_log.last(s)).seq == seq
