@@ -11,8 +11,10 @@ never stopped, on a loaded 2-core machine, once in about a hundred runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 
-__all__ = ["cancel_and_wait"]
+__all__ = ["cancel_and_wait", "run_until_signal"]
 
 
 async def cancel_and_wait(*tasks: asyncio.Future | None, retry_s: float = 1.0) -> None:
@@ -29,3 +31,32 @@ async def cancel_and_wait(*tasks: asyncio.Future | None, retry_s: float = 1.0) -
     for task in given:
         if not task.cancelled():
             task.exception()  # retrieved, so asyncio does not log "exception was never retrieved"
+
+
+async def run_until_signal(task: asyncio.Task, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> bool:
+    """Await a service's `task` until it ends or one of `signals` arrives; then stop it for certain.
+
+    Returns True when a signal stopped it. What the task raised propagates (a cancellation from
+    elsewhere, too). A bare `add_signal_handler(sig, task.cancel)` leaves a process running after
+    SIGTERM when the one cancellation is swallowed (see cancel_and_wait).
+    """
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    installed = []
+    for sig in signals:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        await cancel_and_wait(stopper)
+        if not task.done():  # a signal, or the caller itself is being cancelled
+            await cancel_and_wait(task)
+    if stop.is_set():
+        return True
+    task.result()
+    return False

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
-import signal
 import socket
 
 from haru.cli.common import ExitStatus, add_nats_options, fail, nats_servers, add_log_options, configure_logging
+from haru.tasks import run_until_signal
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,13 +47,8 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         async with EventLog.connect(nats_servers(args.nats_url), writer=writer, creds=args.nats_creds) as log:
             await log.ensure(replicas=args.replicas)
             task = asyncio.create_task(Projector(log).run())
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, task.cancel)
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            with contextlib.suppress(asyncio.CancelledError):
+                await run_until_signal(task)
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
     return ExitStatus.OK

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import getpass
 import os
-import signal
 import socket
 import sys
 from datetime import datetime, timezone
@@ -26,7 +25,7 @@ from haru import subjects
 from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers, add_log_options, configure_logging
 from haru.errors import LogUnavailable
 from haru.promoter.errors import OperationNotFound
-from haru.tasks import cancel_and_wait
+from haru.tasks import cancel_and_wait, run_until_signal
 from haru.eventlog import EventLog, Record
 from haru.events import (
     DemotionRequested,
@@ -107,12 +106,9 @@ async def run_service(args: argparse.Namespace) -> ExitStatus:
         async with EventLog.connect(_servers(args), writer=identity, creds=args.nats_creds) as log:
             await log.ensure()
             service = asyncio.create_task(run_promoter(log, fleets=args.fleet, identity=identity))
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                with contextlib.suppress(NotImplementedError):
-                    loop.add_signal_handler(sig, service.cancel)  # a clean stop: the step in flight is resumed
+            # SIGTERM/SIGINT stop it cleanly: the step in flight is resumed by the next promoter.
             with contextlib.suppress(asyncio.CancelledError):
-                await service
+                await run_until_signal(service)
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
     except asyncio.CancelledError:

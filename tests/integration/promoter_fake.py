@@ -33,6 +33,7 @@ from haru.events import (
     TrainingStopped,
 )
 from haru.layout import parse_layout
+from haru.tasks import cancel_and_wait
 
 _pids = itertools.count(40_000)
 
@@ -107,11 +108,7 @@ class FakeAgent:
         await self.stop()
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        await cancel_and_wait(*self._tasks)
         self._tasks.clear()
         with contextlib.suppress(Exception):
             await self.service.stop()

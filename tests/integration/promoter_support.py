@@ -15,6 +15,7 @@ from haru import subjects
 from haru.eventlog import EventLog
 from haru.events import OperationAborted, OperationCompleted, RouteMoved, tag_of
 from haru.promoter.decider import fold
+from haru.tasks import cancel_and_wait
 from projections.fleet import evolve
 
 
@@ -88,11 +89,7 @@ async def promoters(url: str, n: int = 1, *, fleets=None, step_delay_ms: int = 0
             if t.done() and not t.cancelled() and t.exception() is not None:
                 raise AssertionError("a promoter replica died") from t.exception()
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        await cancel_and_wait(*tasks)
         for log in logs:
             await log.close()
 

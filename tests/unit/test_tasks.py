@@ -74,3 +74,35 @@ async def test_the_callers_own_cancellation_propagates():
         await stopper
     await cancel_and_wait(stubborn, retry_s=0.05)
     assert stubborn.cancelled()
+
+
+async def test_a_signal_stops_a_service_that_swallows_its_first_cancellation():
+    import os
+    import signal
+
+    from haru.tasks import run_until_signal
+
+    started = asyncio.Event()
+    service = asyncio.create_task(_swallows_one_cancel(started))
+    await started.wait()
+    asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), signal.SIGUSR1)
+    assert await run_until_signal(service, signals=(signal.SIGUSR1,)) is True
+    assert service.done()
+
+
+async def test_a_service_that_fails_on_its_own_raises_through_run_until_signal():
+    import signal
+
+    from haru.tasks import run_until_signal
+
+    async def fails() -> None:
+        await asyncio.sleep(0.01)
+        raise RuntimeError("the log follower stopped")
+
+    with pytest.raises(RuntimeError, match="follower stopped"):
+        await run_until_signal(asyncio.create_task(fails()), signals=(signal.SIGUSR1,))
+
+    async def returns() -> None:
+        return None
+
+    assert await run_until_signal(asyncio.create_task(returns()), signals=(signal.SIGUSR1,)) is False
