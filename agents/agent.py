@@ -727,6 +727,9 @@ class Agent:
 
     async def _lost(self, m: ModelSlot, reason: str, detail: str) -> None:
         await self._record(m, ModelLost(at=now(), domain=self.domain, model=m.name, reason=reason, detail=detail))  # type: ignore[arg-type]
+        if reason == "gpu_detached":
+            # Record the GPU's absence now: that checks the other models on it (see _observe_gpu).
+            self._spawn_task(self.observe_gpu(m.spec.gpu_index), f"gpu-check:{m.spec.gpu_index}")
 
     # ---------------------------------------------------------------------------- sleep and wake
 
