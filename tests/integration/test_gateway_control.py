@@ -5,7 +5,6 @@ follows residency events as the projector folds them."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from datetime import UTC, datetime
@@ -19,6 +18,7 @@ from haru import subjects
 from haru.apply import apply
 from haru.events import ModelLoading, ModelLost, ModelResident, RouteMoved
 from haru.layout import parse_layout
+from haru.tasks import cancel_and_wait
 from projections.projector import Projector
 
 MODEL = "qwen3.6:27b"
@@ -60,9 +60,7 @@ async def ops(event_log):
             await wait_for(lambda: (r := gw.table.get("ops")) is not None and r.active == "a")
             yield gw, event_log
     finally:
-        projector.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await projector
+        await cancel_and_wait(projector)
         for r in runners:
             await r.cleanup()
 

@@ -20,6 +20,7 @@ from haru.eventlog import EventLog
 from haru.route import RouteWatcher
 from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.views import intent_decoder, view_decoder
+from haru.tasks import cancel_and_wait
 from projections.fleet import fold
 from projections.projector import Projector
 
@@ -189,8 +190,7 @@ async def test_projector_writes_views_and_intents(event_log):
         assert ri.revision == r2 and ri.active.domain == "b"
         assert projector.stats.resumed_from == 1
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
 
 
 async def test_an_invalid_body_is_skipped_and_projection_continues(event_log):
@@ -213,8 +213,7 @@ async def test_an_invalid_body_is_skipped_and_projection_continues(event_log):
         r = await w.move("b")
         assert (await wait_view_seq(event_log, r)).active == "b"
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
     # `haru verify` flags both bodies.
     url = event_log.nc.connected_url
     out = await asyncio.to_thread(run_cli, "verify", "--json", url=f"nats://{url.hostname}:{url.port}")
@@ -311,9 +310,7 @@ async def test_two_projectors_racing_never_go_backwards(event_log, projector_pro
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.3)  # let any late writer try (and fail) to go backwards
     finally:
-        for t in watchers:
-            t.cancel()
-        await asyncio.gather(*watchers, return_exceptions=True)
+        await cancel_and_wait(*watchers)
 
     assert view == (await expected_views(event_log))[F]
     assert len(views) > 1
@@ -369,8 +366,7 @@ async def test_haru_status_and_route_print_the_view_and_intent(nats_server, even
         ri = intent_decoder.decode(rj.stdout.encode())
         assert ri.revision == r and ri.answers[MODELS[1]].answer == "warming"
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
     nothing = await asyncio.to_thread(run_cli, "route", "--fleet", "other", url=nats_server.url)
     assert nothing.returncode == 3 and "no route intent" in nothing.stderr
 
@@ -389,8 +385,7 @@ async def test_an_idle_fleet_does_not_pin_the_resume_point(event_log):
         await wait_view_seq(event_log, last)
         await projector.wait_idle(5)
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
     edge = await stored_view(event_log, "edge")
     assert edge.seq == edge_last and edge.checkpoint == last
     expected = (await expected_views(event_log))["edge"]
@@ -433,5 +428,4 @@ async def test_projector_rides_out_a_nats_restart(nats_server, event_log):
         assert (await watcher.wait_for(lambda ri: ri.revision == r, 15)).active.domain == "b"
     finally:
         await watcher.__aexit__(None, None, None)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)

@@ -18,6 +18,7 @@ from haru import subjects as sj
 from haru.route import RouteWatcher, refresh
 from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.views import view_encoder
+from haru.tasks import cancel_and_wait
 from projections.route import intent as compute_intent
 
 F = "default"
@@ -120,8 +121,7 @@ async def test_watcher_sees_every_pointer_move_in_order_across_a_projector_resta
                 await move("ba"[i % 2])
             final = await w.wait_for(lambda ri: ri.revision == moves[-1], 10)
         finally:
-            collector.cancel()
-            await asyncio.gather(collector, return_exceptions=True)
+            await cancel_and_wait(collector)
     assert final.active.domain == ("b", "a")[4 % 2]
     deduped = [r for i, r in enumerate(seen) if i == 0 or r != seen[i - 1]]
     assert [r for r in deduped if r] == moves, f"seen {seen}, moves {moves}"

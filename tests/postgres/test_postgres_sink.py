@@ -19,6 +19,7 @@ from haru import events as ev
 from haru import subjects
 from haru.eventlog import EventLog
 from haru.specs import DomainSpec
+from haru.tasks import cancel_and_wait
 from projections import pg_schema as S
 from projections.postgres import PostgresSink
 
@@ -117,9 +118,8 @@ async def test_the_sink_follows_new_events_and_flushes_partial_batches(event_log
                 await asyncio.sleep(0.02)
         assert await conn.fetchval("SELECT count(*) FROM haru.residency_transitions") == 10
     finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)
+        assert task.cancelled()
         await conn.close()
 
 
@@ -312,9 +312,8 @@ async def test_a_following_sink_survives_a_postgres_restart_and_resumes_exactly_
                 last = await put(event_log, subject, ev.ModelResident(at=t(i + 0.5), domain="a", model=M))
             await _wait_position(dsn, last, task)
         finally:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
+            assert task.cancelled()
         conn = await asyncpg.connect(dsn)
         try:
             expected = _expected_event_rows(pgdata.fleet_history(2000, seed=3))
@@ -368,9 +367,8 @@ async def test_a_following_sink_rides_out_a_nats_restart(event_log, nats_server,
                     await asyncio.sleep(0.2)
         await _wait_position(pg_dsn, last, task, timeout=12)  # nats-py alone takes ~20 s to notice
     finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)
+        assert task.cancelled()
     conn = await asyncpg.connect(pg_dsn)
     try:
         seqs = [r[0] for r in await conn.fetch("SELECT seq FROM haru.residency_transitions")]
