@@ -154,8 +154,10 @@ class Agent:
         self.models: dict[str, ModelSlot] = {}
         self.direct = slots.domain.spec.serve == "direct"
         bind_host = config.serving.host if self.direct else "127.0.0.1"
+        gpu_memory = {g.index: g.memory_bytes for g in slots.domain.spec.gpus}
         for spec in slots.admitted_models:
-            runtime = make_runtime(spec, session=session, log_dir=self.state_dir, bind_host=bind_host)
+            runtime = make_runtime(spec, session=session, log_dir=self.state_dir, bind_host=bind_host,
+                                   gpu_memory_bytes=gpu_memory.get(spec.gpu_index, 0))
             self.models[spec.name] = ModelSlot(spec, runtime, subjects.model(self.fleet, self.domain, spec.name))
         self.trainers: dict[str, Trainer] = {}
         self.training_seq: dict[str, int] = {}
