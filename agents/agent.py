@@ -973,7 +973,12 @@ class Agent:
 
     def verify_gpu_data(self, models: list[ModelSlot]) -> tuple[bool, ErrorInfo | None, dict]:
         """Free VRAM on each inference GPU covers what its asleep models need to wake, and no trainer
-        pid is left on the GPU."""
+        pid is left on the GPU.
+
+        On a host without NVML (present None) the VRAM cannot be read: what can be verified is, and the
+        rest is said in `data["unverified"]` instead of aborting every promotion. The trainers' processes
+        must be gone as the OS reports it (/proc), since the driver frees an exited process's device memory.
+        """
         trainer_pids: set[int] = set()
         for t in self.trainers.values():
             trainer_pids |= t.group_pids()
@@ -986,6 +991,7 @@ class Agent:
                 per_gpu.setdefault(m.spec.gpu_index, []).append(m)
         out: dict[str, dict] = {}
         problems: list[tuple[str, str]] = []
+        unverified: list[str] = []
         residual = self.policy.sleep_residual_bytes
         for index, ms in sorted(per_gpu.items()):
             r = self.read_gpu(index)
@@ -998,7 +1004,14 @@ class Agent:
             if r.present is False:
                 problems.append(("gpu_detached", f"GPU {index} is gone (the provider took it)"))
             elif r.present is None:
-                problems.append(("gpu_unknown", f"GPU {index} cannot be read (no NVML on this host): VRAM is unverified"))
+                alive = sorted(p for p in trainer_pids if _pid_alive(p))
+                out[str(index)].update(nvml=False, trainer_pids=alive)
+                if alive:
+                    problems.append(("gpu_busy", f"trainer processes {alive} still run (GPU {index} cannot be read: "
+                                                  f"no NVML on this host)"))
+                else:
+                    unverified.append(f"GPU {index}: NVML absent on this host, so free VRAM is unverified "
+                                      f"(needed {needed} bytes to wake); trainer processes gone as the OS reports it")
             else:
                 if on_gpu:
                     problems.append(("gpu_busy", f"GPU {index} still has trainer processes {on_gpu}"))
@@ -1007,7 +1020,7 @@ class Agent:
                                                   f"need {needed} to wake (short by {needed - r.memory_free_bytes})"))
         if running:
             problems.insert(0, ("training_running", f"training still runs: {', '.join(running)}; stop_training first"))
-        data = {"gpus": out, "training_running": running}
+        data = {"gpus": out, "training_running": running, "unverified": unverified}
         if problems:
             return False, ErrorInfo(code=problems[0][0], message="; ".join(p[1] for p in problems)), data
         return True, None, data
@@ -1019,6 +1032,16 @@ def _gpu_changed(last: GpuObserved, r: GpuReading) -> bool:
     if abs(last.memory_used_bytes - r.memory_used_bytes) >= GPU_USED_THRESHOLD:
         return True
     return {p.pid for p in last.processes} != {p.pid for p in r.processes}
+
+
+def _pid_alive(pid: int) -> bool:
+    """The OS still has the process (a zombie counts as gone: its memory is released)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
 
 
 def _start_time(pid: int) -> str:
