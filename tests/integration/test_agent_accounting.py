@@ -54,3 +54,24 @@ async def test_a_runtime_above_its_plan_and_a_foreign_process_are_recorded(tmp_p
         neighbour.wait()
     # it ends: the next observation has no foreign usage
     await wait_event(event_log, gpu_subject, lambda r: r.seq > rec.seq and r.event.foreign == [], agent=agent, timeout=30)
+
+
+def test_a_runtimes_tree_includes_its_children_as_proc_reports_them():
+    """vLLM's engine core is a child of `vllm serve`: the memory it holds is the runtime's."""
+    from agents.gpu import process_tree, read_parents
+
+    code = ("import subprocess, sys, time\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print(p.pid, flush=True)\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        child = int(parent.stdout.readline())
+        tree = process_tree({parent.pid}, read_parents())
+        assert {parent.pid, child} <= tree and len(tree) == 2
+    finally:
+        import os
+        import signal
+
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+        parent.stdout.close()
