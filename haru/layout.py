@@ -414,10 +414,11 @@ def _check_launch(spec: ModelSpec, named: str, mp: str, gpu_memory_bytes: int) -
             raise LayoutError(f"adapter {adapter!r} -> {path!r} needs a name without spaces or '=' and a path",
                               path=f"{mp}.adapters", fix='write "adapters": {"sql-lora": "/srv/loras/sql"}')
     visible = spec.env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and spec.runtime != "external" and visible != str(spec.gpu_index):
-        raise LayoutError(f"env CUDA_VISIBLE_DEVICES={visible!r} contradicts the plan's GPU {spec.gpu_index} "
+    if visible is not None and spec.runtime != "external" and str(spec.gpu_index) not in [v.strip() for v in visible.split(",")]:
+        # A tensor-parallel model may name several GPUs, but the plan's GPU must be one of them.
+        raise LayoutError(f"env CUDA_VISIBLE_DEVICES={visible!r} does not include the plan's GPU {spec.gpu_index} "
                           f"(the slot's gpu)", path=f"{mp}.env.CUDA_VISIBLE_DEVICES",
-                          fix="remove it: the agent pins the runtime to its slot's GPU; move the slot to another gpu instead")
+                          fix="remove it (the agent pins the runtime to its slot's GPU), or move the slot to the GPU it names")
     try:
         check_args(spec, gpu_memory_bytes)
     except ArgConflict as exc:

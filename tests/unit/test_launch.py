@@ -187,6 +187,9 @@ def test_harmless_extra_flags_and_agreeing_copies_pass():
 def test_env_cannot_move_the_runtime_off_its_gpu():
     err = refusal({**VLLM, "env": {"CUDA_VISIBLE_DEVICES": "1"}})
     assert err.path.endswith(".env.CUDA_VISIBLE_DEVICES") and "GPU 0" in str(err)
+    # a tensor-parallel model spanning GPUs names several, the plan's among them
+    tp = parse_layout(layout({**VLLM, "env": {"CUDA_VISIBLE_DEVICES": "0,1"}})).domains[0].models[0]
+    assert launch(tp, gpu_memory_bytes=24 * GiB, port=1, base_env={}).env["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 
 # ----------------------------------------------------------------------------- format -> runtime
