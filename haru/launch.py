@@ -37,6 +37,7 @@ from typing import Literal
 
 import msgspec
 
+from haru.errors import ArgConflict
 from haru.specs import GiB, ModelSpec
 
 __all__ = [
@@ -63,15 +64,6 @@ class Launch(msgspec.Struct, frozen=True, kw_only=True):
 
     argv: list[str]
     env: dict[str, str]
-
-
-class ArgConflict(ValueError):
-    """An operator `args` entry that contradicts the plan. `index` is its position in `args`."""
-
-    def __init__(self, *, flag: str, given: str, planned: str, index: int, fix: str) -> None:
-        self.flag, self.given, self.planned, self.index, self.fix = flag, given, planned, index, fix
-        given_text = f"{flag} {given}".rstrip()
-        super().__init__(f"args give {given_text!r}, which contradicts the plan's {planned}")
 
 
 # --------------------------------------------------------------------------------- formats
