@@ -49,7 +49,7 @@ import structlog
 from agents import probes
 from agents.config import AgentConfig, HostSlots, fold_declarations, load_layout_slots, slots_from_host_entry
 from agents.errors import AgentRefused, OutOfMemory, RuntimeProblem, TrainingProblem
-from agents.gpu import GpuReading, Gpus, open_gpus
+from agents.gpu import GpuReading, Gpus, Owner, account, open_gpus, process_tree, read_parents
 from agents.runtimes import Runtime, make_runtime
 from agents.training import Ended, Trainer
 from haru import subjects
@@ -154,8 +154,10 @@ class Agent:
         self.models: dict[str, ModelSlot] = {}
         self.direct = slots.domain.spec.serve == "direct"
         bind_host = config.serving.host if self.direct else "127.0.0.1"
+        gpu_memory = {g.index: g.memory_bytes for g in slots.domain.spec.gpus}
         for spec in slots.admitted_models:
-            runtime = make_runtime(spec, session=session, log_dir=self.state_dir, bind_host=bind_host)
+            runtime = make_runtime(spec, session=session, log_dir=self.state_dir, bind_host=bind_host,
+                                   gpu_memory_bytes=gpu_memory.get(spec.gpu_index, 0))
             self.models[spec.name] = ModelSlot(spec, runtime, subjects.model(self.fleet, self.domain, spec.name))
         self.trainers: dict[str, Trainer] = {}
         self.training_seq: dict[str, int] = {}
@@ -497,13 +499,46 @@ class Agent:
         async with self.gpu_lock:  # the GPU loop and verify_gpu both observe: one append per change
             return await self._observe_gpu(index)
 
+    def owners(self, index: int) -> list[Owner]:
+        """What Haru started on GPU `index`: each runtime's and trainer's process tree, with its plan.
+
+        A sleeping runtime is planned at the policy's sleep residual (what sleep should leave behind)."""
+        parents = read_parents()
+        out: list[Owner] = []
+        for m in self.models.values():
+            if m.spec.gpu_index != index or m.runtime.kind == "external":
+                continue
+            pid = m.runtime.pid if m.runtime.alive() else None
+            asleep = m.runtime.can_sleep and m.state_tag == "sleeping"
+            planned = min(self.policy.sleep_residual_bytes, m.spec.vram_bytes) if asleep else m.spec.vram_bytes
+            out.append(Owner(name=m.name, kind="model", pids=process_tree({pid} if pid else set(), parents),
+                             planned_bytes=planned))
+        for slot, t in self.trainers.items():
+            if t.spec.gpu_index != index:
+                continue
+            roots = set(t.group_pids()) | ({t.pid} if t.running() and t.pid else set())
+            out.append(Owner(name=slot, kind="training", pids=process_tree(roots, parents), planned_bytes=t.spec.vram_bytes))
+        return out
+
+    def gpu_accounting(self, r: GpuReading) -> tuple[list, list]:
+        """(usage, foreign) for a reading: empty when it carries no per-process figures."""
+        if not r.present or not r.accounted:
+            return [], []
+        return account(r.processes, self.owners(r.index), exclude=frozenset({self.pid}))
+
     async def _observe_gpu(self, index: int) -> GpuReading:
         r = self.read_gpu(index)
         last = self.gpu_last.get(index)
-        if last is None or _gpu_changed(last, r):
+        usage, foreign = self.gpu_accounting(r)
+        if last is None or _gpu_changed(last, r, usage, foreign):
+            for u in usage:
+                if u.over_plan and not any(x.name == u.name and x.over_plan for x in (last.usage if last else [])):
+                    self.logger.warning("over_plan", gpu=index, owner=u.name, kind=u.kind, used_bytes=u.used_bytes,
+                                        planned_bytes=u.planned_bytes, pids=u.pids)
             event = GpuObserved(at=now(), domain=self.domain, index=index, present=r.present, name=r.name,
                                 memory_total_bytes=r.memory_total_bytes, memory_used_bytes=r.memory_used_bytes,
-                                processes=list(r.processes), mig=r.mig)
+                                processes=list(r.processes), mig=r.mig, usage=usage, foreign=foreign,
+                                accounted=r.accounted)
             self.gpu_seq[index] = await self._append(subjects.gpu(self.fleet, self.domain, index), event,
                                                      self.gpu_seq.get(index, 0))
             self.gpu_last[index] = event
@@ -953,6 +988,9 @@ class Agent:
             gpus[str(index)] = {"present": r.present, "name": r.name, "memory_total_bytes": r.memory_total_bytes,
                                 "memory_used_bytes": r.memory_used_bytes, "memory_free_bytes": r.memory_free_bytes,
                                 "processes": [p.pid for p in r.processes], "mig": r.mig}
+            usage, foreign = self.gpu_accounting(r)
+            gpus[str(index)].update(accounted=r.accounted, usage=msgspec.to_builtins(usage),
+                                    foreign=msgspec.to_builtins(foreign))
         return {
             "fleet": self.fleet,
             "domain": self.domain,
@@ -971,7 +1009,12 @@ class Agent:
 
     def verify_gpu_data(self, models: list[ModelSlot]) -> tuple[bool, ErrorInfo | None, dict]:
         """Free VRAM on each inference GPU covers what its asleep models need to wake, and no trainer
-        pid is left on the GPU."""
+        pid is left on the GPU.
+
+        On a host without NVML (present None) the VRAM cannot be read: what can be verified is, and the
+        rest is said in `data["unverified"]` instead of aborting every promotion. The trainers' processes
+        must be gone as the OS reports it (/proc), since the driver frees an exited process's device memory.
+        """
         trainer_pids: set[int] = set()
         for t in self.trainers.values():
             trainer_pids |= t.group_pids()
@@ -984,6 +1027,7 @@ class Agent:
                 per_gpu.setdefault(m.spec.gpu_index, []).append(m)
         out: dict[str, dict] = {}
         problems: list[tuple[str, str]] = []
+        unverified: list[str] = []
         residual = self.policy.sleep_residual_bytes
         for index, ms in sorted(per_gpu.items()):
             r = self.read_gpu(index)
@@ -996,7 +1040,14 @@ class Agent:
             if r.present is False:
                 problems.append(("gpu_detached", f"GPU {index} is gone (the provider took it)"))
             elif r.present is None:
-                problems.append(("gpu_unknown", f"GPU {index} cannot be read (no NVML on this host): VRAM is unverified"))
+                alive = sorted(p for p in trainer_pids if _pid_alive(p))
+                out[str(index)].update(nvml=False, trainer_pids=alive)
+                if alive:
+                    problems.append(("gpu_busy", f"trainer processes {alive} still run (GPU {index} cannot be read: "
+                                                  f"no NVML on this host)"))
+                else:
+                    unverified.append(f"GPU {index}: NVML absent on this host, so free VRAM is unverified "
+                                      f"(needed {needed} bytes to wake); trainer processes gone as the OS reports it")
             else:
                 if on_gpu:
                     problems.append(("gpu_busy", f"GPU {index} still has trainer processes {on_gpu}"))
@@ -1005,18 +1056,34 @@ class Agent:
                                                   f"need {needed} to wake (short by {needed - r.memory_free_bytes})"))
         if running:
             problems.insert(0, ("training_running", f"training still runs: {', '.join(running)}; stop_training first"))
-        data = {"gpus": out, "training_running": running}
+        data = {"gpus": out, "training_running": running, "unverified": unverified}
         if problems:
             return False, ErrorInfo(code=problems[0][0], message="; ".join(p[1] for p in problems)), data
         return True, None, data
 
 
-def _gpu_changed(last: GpuObserved, r: GpuReading) -> bool:
+def _gpu_changed(last: GpuObserved, r: GpuReading, usage: list | None = None, foreign: list | None = None) -> bool:
     if last.present != r.present or last.memory_total_bytes != r.memory_total_bytes or last.mig != r.mig:
+        return True
+    if last.accounted != r.accounted:
+        return True
+    if {u.name for u in last.usage if u.over_plan} != {u.name for u in usage or [] if u.over_plan}:
+        return True  # an anomaly began or ended
+    if {p.pid for p in last.foreign} != {p.pid for p in foreign or []}:
         return True
     if abs(last.memory_used_bytes - r.memory_used_bytes) >= GPU_USED_THRESHOLD:
         return True
     return {p.pid for p in last.processes} != {p.pid for p in r.processes}
+
+
+def _pid_alive(pid: int) -> bool:
+    """The OS still has the process (a zombie counts as gone: its memory is released)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
 
 
 def _start_time(pid: int) -> str:

@@ -209,7 +209,12 @@ class CommandService:
         for index in {m.spec.gpu_index for m in models}:
             await self.agent.observe_gpu(index)
         ok, error, data = self.agent.verify_gpu_data(models)
-        detail = "VRAM verified: enough free to wake, no trainer on the GPUs" if ok else (error.message if error else "")
+        if not ok:
+            detail = error.message if error else ""
+        elif data.get("unverified"):
+            detail = "; ".join(data["unverified"])
+        else:
+            detail = "VRAM verified: enough free to wake, no trainer on the GPUs"
         return Reply(ok=ok, detail=detail, error=error, data=data)
 
 

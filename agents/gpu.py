@@ -10,6 +10,13 @@
 not found, or no such index), None (this host cannot know: no NVML library or driver). Nothing
 here guesses. A MIG-partitioned GPU is read per MIG instance (memory and processes summed over
 the instances) instead of failing, and says `mig=True`.
+
+Per-process memory comes from `nvmlDeviceGetComputeRunningProcesses_v3`, else `_v2` on a driver
+without v3 (pynvml's unversioned name raises a library-mismatch error there, not an NVMLError).
+`accounted` says the figures are usable: NVML answered and attributed every process's memory.
+
+    account(processes, owners, exclude) -> (usage, foreign)    pure: per owner's process tree, vs plan
+    process_tree(roots, parents) -> set of pids                 pure; `read_parents()` reads /proc
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import msgspec
 from agents.sim.errors import SimError
 from agents.sim.gpu_state import SimGpuState
 from haru.errors import ConfigError
-from haru.events import GpuProcess
+from haru.events import GpuProcess, GpuUsage
 
 
 class GpuReading(msgspec.Struct, frozen=True):
@@ -35,6 +42,7 @@ class GpuReading(msgspec.Struct, frozen=True):
     memory_free_bytes: int = 0
     processes: list[GpuProcess] = []
     mig: bool = False
+    accounted: bool = False  # per-process memory was read and attributed (see the module docstring)
 
 
 class Gpus(Protocol):
@@ -86,7 +94,7 @@ class NvmlGpus:
             mig = self._mig_enabled(handle)
             units = self._mig_handles(handle) if mig else [handle]
             total, used, free = self._memory(handle, units, mig)
-            processes = [p for unit in units for p in self._processes(unit)]
+            per_unit = [self._processes(unit) for unit in units]
         except nvml.NVMLError as exc:
             return GpuReading(index=index, present=presence_from_nvml_error(exc.value))
         return GpuReading(
@@ -96,8 +104,9 @@ class NvmlGpus:
             memory_total_bytes=total,
             memory_used_bytes=used,
             memory_free_bytes=free,
-            processes=processes,
+            processes=[p for procs, _known in per_unit for p in procs],
             mig=mig,
+            accounted=all(known for _procs, known in per_unit),
         )
 
     def close(self) -> None:
@@ -141,16 +150,25 @@ class NvmlGpus:
         free = sum(int(i.free) for i in infos)
         return total, used, free
 
-    def _processes(self, handle) -> list[GpuProcess]:
+    def _processes(self, handle) -> tuple[list[GpuProcess], bool]:
+        """The compute processes on `handle`, and whether their memory is known (attributed)."""
         nvml = self._nvml
-        try:
-            procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        except nvml.NVMLError as exc:
-            if exc.value == nvml.NVML_ERROR_NOT_SUPPORTED:
-                return []
-            raise
+        procs = None
+        for fn in ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"):
+            try:
+                procs = getattr(nvml, fn)(handle)
+                break
+            except nvml.NVMLError as exc:
+                if exc.value == nvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+                    continue  # an older driver: try the previous version
+                if exc.value == nvml.NVML_ERROR_NOT_SUPPORTED:
+                    return [], False
+                raise
+        if procs is None:
+            return [], False
         # usedGpuMemory is None when NVML cannot attribute memory (e.g. Windows WDDM, some MIG setups).
-        return [GpuProcess(pid=int(p.pid), used_bytes=int(p.usedGpuMemory or 0)) for p in procs]
+        known = all(p.usedGpuMemory is not None for p in procs)
+        return [GpuProcess(pid=int(p.pid), used_bytes=int(p.usedGpuMemory or 0)) for p in procs], known
 
 
 # ------------------------------------------------------------------------------------------ sim
@@ -178,10 +196,80 @@ class SimGpus:
             processes=[GpuProcess(pid=int(pid), used_bytes=n) for pid, n in sorted(state["allocations"].items(), key=lambda kv: int(kv[0]))]
             if present
             else [],
+            accounted=bool(present),
         )
 
     def close(self) -> None:
         pass
+
+
+# ------------------------------------------------------------------------------ accounting
+
+
+class Owner(msgspec.Struct, frozen=True, kw_only=True):
+    """Something Haru started on a GPU: a model's runtime or a training slot, its process tree and plan."""
+
+    name: str
+    kind: str = "model"  # model | training
+    pids: frozenset[int] = frozenset()
+    planned_bytes: int = 0
+
+
+def account(processes: list[GpuProcess], owners: list[Owner], exclude: frozenset[int] = frozenset()
+            ) -> tuple[list[GpuUsage], list[GpuProcess]]:
+    """Each owner's memory on the GPU (summed over its tree's processes) against its plan, and the
+    processes nobody Haru started owns (`foreign`, minus `exclude`, e.g. the agent itself). Pure."""
+    by_pid = {}
+    for p in processes:
+        by_pid[p.pid] = by_pid.get(p.pid, 0) + p.used_bytes
+    usage: list[GpuUsage] = []
+    owned: set[int] = set()
+    for o in owners:
+        pids = sorted(pid for pid in by_pid if pid in o.pids)
+        owned.update(pids)
+        used = sum(by_pid[pid] for pid in pids)
+        usage.append(GpuUsage(name=o.name, kind=o.kind, pids=pids, used_bytes=used,  # type: ignore[arg-type]
+                              planned_bytes=o.planned_bytes, over_plan=used > o.planned_bytes))
+    foreign = [GpuProcess(pid=pid, used_bytes=n) for pid, n in sorted(by_pid.items())
+               if pid not in owned and pid not in exclude]
+    return usage, foreign
+
+
+def process_tree(roots: set[int] | frozenset[int], parents: dict[int, int]) -> frozenset[int]:
+    """`roots` and all their descendants, given pid -> parent pid. Pure."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    out: set[int] = set()
+    todo = [r for r in roots if r]
+    while todo:
+        pid = todo.pop()
+        if pid in out:
+            continue
+        out.add(pid)
+        todo.extend(children.get(pid, ()))
+    return frozenset(out)
+
+
+def read_parents() -> dict[int, int]:
+    """pid -> parent pid for every process, from /proc (empty where there is no /proc)."""
+    out: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        rest = stat[stat.rfind(")") + 2 :].split()
+        if len(rest) > 1 and rest[1].isdigit():
+            out[int(entry)] = int(rest[1])
+    return out
 
 
 def open_gpus(kind: Literal["nvml", "sim"], sim_dir: str | os.PathLike[str] | None = None) -> Gpus:

@@ -6,6 +6,7 @@ a bad layout is the operator's, a reclaimed GPU the provider's, a wrong sequence
     HaruError
     ├── InvalidName            a fleet/domain/slot name or model id that cannot be used   (operator)
     ├── LayoutError            a layout that does not validate, with the JSON path         (operator)
+    ├── ArgConflict            a model's `args` flag that contradicts its plan (haru.launch) (operator)
     ├── ConfigError            an agent or service configuration that cannot be used       (operator)
     ├── EventDecodeError       a body on an event subject that is not a valid event         (writer)
     ├── IllegalTransition      a residency event that the current state does not allow     (writer)
@@ -38,6 +39,16 @@ class LayoutError(HaruError, ValueError):
         if fix:
             text += f". Fix: {fix}"
         super().__init__(text)
+
+
+class ArgConflict(HaruError, ValueError):
+    """An operator `args` entry that contradicts the plan (haru.launch). `index` is its position in `args`;
+    the layout parser turns it into a LayoutError at `...args[index]`."""
+
+    def __init__(self, *, flag: str, given: str, planned: str, index: int, fix: str) -> None:
+        self.flag, self.given, self.planned, self.index, self.fix = flag, given, planned, index, fix
+        given_text = f"{flag} {given}".rstrip()
+        super().__init__(f"args give {given_text!r}, which contradicts the plan's {planned}")
 
 
 class ConfigError(HaruError, ValueError):

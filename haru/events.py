@@ -176,10 +176,28 @@ class GpuProcess(msgspec.Struct, frozen=True, kw_only=True):
     used_bytes: int = 0
 
 
+class GpuUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """What one thing Haru started holds on a GPU (its whole process tree), against its plan.
+
+    `planned_bytes` is the model's declared VRAM (its sleep residual while it sleeps), or a training
+    slot's budget. `over_plan` (used above planned) is an anomaly, recorded with the figures.
+    """
+
+    name: str  # the model id, or the training slot
+    kind: Literal["model", "training"] = "model"
+    pids: list[int] = []  # the processes of its tree that hold memory on this GPU
+    used_bytes: int = 0
+    planned_bytes: int = 0
+    over_plan: bool = False
+
+
 class GpuObserved(Event, frozen=True, kw_only=True, tag="gpu_observed"):
     """A GPU's presence and memory, appended only when it changed.
 
     `present` is None when the host has no NVML: an honest "we cannot know", never a guess.
+    `usage` accounts the per-process memory (NVML's compute processes) to the runtimes and trainers
+    Haru started; `foreign` is what processes Haru did not start hold (a neighbour on a rented GPU).
+    `accounted` says the per-process figures were read (False: no NVML, or it cannot attribute memory).
     """
 
     domain: str
@@ -190,6 +208,9 @@ class GpuObserved(Event, frozen=True, kw_only=True, tag="gpu_observed"):
     memory_used_bytes: int = 0
     processes: list[GpuProcess] = []
     mig: bool = False
+    usage: list[GpuUsage] = []
+    foreign: list[GpuProcess] = []
+    accounted: bool = False
 
 
 # ---------------------------------------------------- training: haru.evt.<fleet>.<domain>.training.<slot>

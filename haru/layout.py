@@ -33,6 +33,7 @@ from typing import Any, Literal
 import msgspec
 
 from haru.errors import InvalidName, LayoutError
+from haru.launch import ArgConflict, check_args, format_refusal, runtime_for
 from haru.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, Policy, TrainingSpec
 from haru.subjects import check_model_id, check_name
 
@@ -58,7 +59,8 @@ _DOMAIN_KEYS = ("name", "provider", "region", "serving_url", "serve", "gpus", "s
 _GPU_KEYS = ("index", "memory", "reserve", "name")
 _INFERENCE_SLOT_KEYS = ("name", "kind", "gpu", "models")
 _TRAINING_SLOT_KEYS = ("name", "kind", "gpu", "command", "checkpoint_dir", "vram", "grace_ms")
-_MODEL_KEYS = ("name", "runtime", "vram", "context_length", "port", "source", "url", "binary", "args", "env")
+_MODEL_KEYS = ("name", "runtime", "vram", "context_length", "port", "source", "url", "binary", "args", "env",
+               "adapters", "gpu_layers")
 _POLICY_KEYS = tuple(Policy.__struct_fields__)
 
 Size = int | str
@@ -73,7 +75,7 @@ class _Gpu(msgspec.Struct, forbid_unknown_fields=True):
 
 class _Model(msgspec.Struct, forbid_unknown_fields=True):
     name: str
-    runtime: Literal["vllm", "llama_server", "external"] = "vllm"
+    runtime: Literal["vllm", "llama_server", "external", ""] = ""  # "": follows the source's format
     vram: Size = 0
     context_length: int = 0
     port: int = 0
@@ -82,6 +84,8 @@ class _Model(msgspec.Struct, forbid_unknown_fields=True):
     binary: list[str] | str = []
     args: list[str] = []
     env: dict[str, str] = {}
+    adapters: dict[str, str] = {}
+    gpu_layers: int = -1
 
 
 class _Slot(msgspec.Struct, forbid_unknown_fields=True):
@@ -300,6 +304,7 @@ def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
         raise LayoutError(f"domain {name!r} declares no GPUs", path=f"{dp}.gpus",
                           fix='add "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB"}]')
 
+    gpu_memory = {g.index: g.memory_bytes for g in gpus}
     models: list[ModelSpec] = []
     training: list[TrainingSpec] = []
     seen_slots: dict[str, str] = {}
@@ -349,32 +354,75 @@ def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
                 raise LayoutError(f"model {m.name!r} is declared twice on domain {name!r}", path=f"{mp}.name",
                                   fix=f"declare each model once per domain (first at {seen_models[m.name]})")
             seen_models[m.name] = mp
+            runtime = m.runtime or runtime_for(m.source, m.url)
             vram = _size(m.vram, f"{mp}.vram", "model VRAM")
-            if m.runtime != "external" and vram <= 0:
+            if runtime != "external" and vram <= 0:
                 raise LayoutError(f"model {m.name!r} declares no VRAM", path=f"{mp}.vram",
                                   fix='declare what its runtime holds on the GPU, e.g. "vram": "20GiB"')
-            if m.runtime == "external" and not m.url:
+            if runtime == "external" and not m.url:
                 raise LayoutError(f"external model {m.name!r} has no url", path=f"{mp}.url",
                                   fix='give the base URL of the running endpoint, e.g. "http://10.0.0.5:8000"')
-            if d.serve == "direct" and m.runtime != "external" and not m.port:
+            if d.serve == "direct" and runtime != "external" and not m.port:
                 raise LayoutError(f"model {m.name!r} has no port, and domain {name!r} serves direct",
                                   path=f"{mp}.port", fix="give each runtime the port routers reach it on, or use serve: agent")
             if not 0 <= m.port <= 65535:
                 raise LayoutError(f"port {m.port} is out of range", path=f"{mp}.port", fix="use 1..65535 (0 = unset)")
             if m.port:
-                if m.port in seen_ports and m.runtime != "external":
+                if m.port in seen_ports and runtime != "external":
                     raise LayoutError(f"port {m.port} is used twice on domain {name!r}", path=f"{mp}.port",
                                       fix=f"give each runtime its own port (first used by {seen_ports[m.port]})")
-                if m.runtime != "external":
+                if runtime != "external":
                     seen_ports[m.port] = mp
             if m.context_length < 0:
                 raise LayoutError("context_length is negative", path=f"{mp}.context_length", fix="use 0 (runtime default) or more")
             binary = [m.binary] if isinstance(m.binary, str) else list(m.binary)
-            models.append(ModelSpec(name=m.name, slot=slot, gpu_index=s.gpu, runtime=m.runtime, vram_bytes=vram,
-                                    context_length=m.context_length, port=m.port, source=m.source, url=m.url,
-                                    binary=binary, args=list(m.args), env=dict(m.env)))
+            spec = ModelSpec(name=m.name, slot=slot, gpu_index=s.gpu, runtime=runtime, vram_bytes=vram,
+                             context_length=m.context_length, port=m.port, source=m.source, url=m.url,
+                             binary=binary, args=list(m.args), env=dict(m.env), adapters=dict(m.adapters),
+                             gpu_layers=m.gpu_layers)
+            _check_launch(spec, m.runtime, mp, gpu_memory.get(s.gpu, 0))
+            models.append(spec)
     spec = DomainSpec(name=name, provider=d.provider, region=d.region, serving_url=d.serving_url, serve=d.serve, gpus=gpus)
     return Domain(spec=spec, models=models, training=training)
+
+
+def _check_launch(spec: ModelSpec, named: str, mp: str, gpu_memory_bytes: int) -> None:
+    """The runtime can serve the model's format, and the model's args do not contradict its plan."""
+    why = format_refusal(spec.runtime, spec.source, spec.name)
+    if why:
+        other = runtime_for(spec.source, spec.url) if spec.source else ""
+        if spec.runtime == "vllm" and not spec.source:
+            fix = "set source to the model directory or Hugging Face repository id vLLM loads"
+        elif other and other != spec.runtime:
+            fix = f'use "runtime": "{other}", or a source that {spec.runtime} serves'
+        else:
+            fix = "set source to the .gguf file llama-server loads" if spec.runtime == "llama_server" else \
+                "set source to a model directory or a Hugging Face repository id"
+        path = f"{mp}.runtime" if named and spec.source else f"{mp}.source"
+        raise LayoutError(f"model {spec.name!r} cannot run on {spec.runtime}: {why}", path=path, fix=fix)
+    if spec.gpu_layers < -1:
+        raise LayoutError(f"gpu_layers {spec.gpu_layers} is negative", path=f"{mp}.gpu_layers",
+                          fix="use -1 (every layer, the default), 0 (CPU only) or a layer count")
+    if spec.gpu_layers >= 0 and spec.runtime != "llama_server":
+        raise LayoutError(f"gpu_layers is a llama-server setting; model {spec.name!r} runs on {spec.runtime}",
+                          path=f"{mp}.gpu_layers", fix="remove it")
+    for adapter, path in spec.adapters.items():
+        if spec.runtime not in ("vllm", "llama_server"):
+            raise LayoutError(f"model {spec.name!r} runs on {spec.runtime}, which Haru does not launch, so it "
+                              "cannot load adapters", path=f"{mp}.adapters", fix="remove them")
+        if not adapter.strip() or not path.strip() or "=" in adapter or " " in adapter:
+            raise LayoutError(f"adapter {adapter!r} -> {path!r} needs a name without spaces or '=' and a path",
+                              path=f"{mp}.adapters", fix='write "adapters": {"sql-lora": "/srv/loras/sql"}')
+    visible = spec.env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and spec.runtime != "external" and str(spec.gpu_index) not in [v.strip() for v in visible.split(",")]:
+        # A tensor-parallel model may name several GPUs, but the plan's GPU must be one of them.
+        raise LayoutError(f"env CUDA_VISIBLE_DEVICES={visible!r} does not include the plan's GPU {spec.gpu_index} "
+                          f"(the slot's gpu)", path=f"{mp}.env.CUDA_VISIBLE_DEVICES",
+                          fix="remove it (the agent pins the runtime to its slot's GPU), or move the slot to the GPU it names")
+    try:
+        check_args(spec, gpu_memory_bytes)
+    except ArgConflict as exc:
+        raise LayoutError(f"model {spec.name!r}: {exc}", path=f"{mp}.args[{exc.index}]", fix=exc.fix) from None
 
 
 def _check_fleet(domains: list[Domain]) -> None:

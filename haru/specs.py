@@ -56,7 +56,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     name: str  # the OpenAI model id clients send, matched exactly
     slot: str
     gpu_index: int
-    runtime: Runtime = "vllm"
+    runtime: Runtime = "vllm"  # the layout infers it from `source` when not named (haru.launch.runtime_for)
     vram_bytes: int = 0
     context_length: int = 0
     port: int = 0  # the runtime's loopback port (or the remote port for `external`)
@@ -68,6 +68,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     binary: list[str] = []
     args: list[str] = []
     env: dict[str, str] = {}
+    # LoRA adapters served beside the base model: adapter name (a model id clients may send) -> path.
+    adapters: dict[str, str] = {}
+    # llama-server: how many layers to offload to the GPU; -1 = all of them (`-ngl 999`).
+    gpu_layers: int = -1
 
 
 class TrainingSpec(msgspec.Struct, frozen=True, kw_only=True):

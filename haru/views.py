@@ -17,6 +17,7 @@ from typing import Literal
 
 import msgspec
 
+from haru.events import GpuProcess, GpuUsage
 from haru.residency import UNKNOWN, Answer, Residency
 from haru.specs import Policy
 
@@ -34,6 +35,9 @@ class GpuView(msgspec.Struct, frozen=True, kw_only=True):
     processes: list[int] = []  # observed compute PIDs
     mig: bool = False
     observed_at: datetime | None = None
+    usage: list[GpuUsage] = []  # observed: what each runtime/trainer holds vs its plan (over_plan = anomaly)
+    foreign: list[GpuProcess] = []  # observed: memory held by processes Haru did not start
+    accounted: bool = False  # the per-process figures were read (False: no NVML or not attributable)
 
 
 class ModelView(msgspec.Struct, frozen=True, kw_only=True):

@@ -306,6 +306,9 @@ def _gpu_observed(view: FleetView, e: ev.GpuObserved, seq: int) -> FleetView:
         processes=[p.pid for p in e.processes],
         mig=e.mig,
         observed_at=e.at,
+        usage=list(e.usage),
+        foreign=list(e.foreign),
+        accounted=e.accounted,
     )
     for i, g in enumerate(gpus):
         if g.index == e.index:

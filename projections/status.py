@@ -107,6 +107,26 @@ def _gpu_line(gpu: GpuView, models: list[ModelView]) -> str:
     return line
 
 
+def accounting_lines(gpu: GpuView) -> list[str]:
+    """The anomalies of a GPU's per-process accounting: whoever holds more than planned, and foreign usage.
+
+    `OVER PLAN  qwen3-8b holds 9.5 GiB, planned 7.0 GiB (pids 4242, 4250)`
+    `FOREIGN    pid 9001 holds 2.0 GiB (a process Haru did not start)`
+    """
+    if gpu.present is not True:
+        return []
+    lines = []
+    for u in gpu.usage:
+        if u.over_plan:
+            what = u.name if u.kind == "model" else f"training {u.name}"
+            pids = ", ".join(map(str, u.pids))
+            lines.append(f"OVER PLAN  {what} holds {format_gib(u.used_bytes)}, planned {format_gib(u.planned_bytes)}"
+                         f" (pid{'s' if len(u.pids) != 1 else ''} {pids})")
+    for p in gpu.foreign:
+        lines.append(f"FOREIGN    pid {p.pid} holds {format_gib(p.used_bytes)} (a process Haru did not start)")
+    return lines
+
+
 def _domain_header(view: FleetView, d: DomainView, now: datetime) -> str:
     parts = [d.name]
     if d.name == view.active:
@@ -182,6 +202,7 @@ def render(view: FleetView, now: datetime) -> str:
             lines.append("  " + _gpu_line(g, models))
             for m in models:
                 lines.append("    " + model_line(m, now))
+            lines.extend("    " + line for line in accounting_lines(g))
         for t in d.training.values():
             label = f"training {t.slot} (GPU {t.gpu_index})"
             lines.append(f"  {label:<{WIDTH + 2}} {training_state(t, now)}")

@@ -24,6 +24,8 @@ import aiohttp
 import msgspec
 
 from agents.errors import OutOfMemory, ProbeFailed, RuntimeRefused, RuntimeUnreachable
+from haru.launch import ArgConflict, Launch
+from haru.launch import launch as plan_launch
 from haru.specs import ModelSpec
 
 __all__ = [
@@ -243,6 +245,7 @@ class ProcessRuntime(HttpRuntime):
         log_dir: Path,
         base_env: dict[str, str] | None = None,
         bind_host: str = "127.0.0.1",
+        gpu_memory_bytes: int = 0,
     ) -> None:
         # Loopback unless the domain serves `direct` (a firewalled private network): then the runtime
         # binds where routers reach it, and the agent talks to it there (0.0.0.0 is reached on loopback).
@@ -253,10 +256,23 @@ class ProcessRuntime(HttpRuntime):
         self._proc: asyncio.subprocess.Process | None = None
         self._exit: asyncio.Future[int] | None = None
         self._log_path = self._log_dir / f"runtime-{_file_token(spec.name)}.log"
+        self.gpu_memory_bytes = gpu_memory_bytes  # the GPU's declared memory: vLLM's fraction is of it
 
-    # -- what subclasses define
-    def argv(self) -> list[str]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    # -- the command line: the plan's (haru.launch), never hand-written
+    def launch(self) -> Launch:
+        """The exact argv and environment, from the plan (`haru.launch.launch`). Raises RuntimeRefused
+        when the model's args contradict its plan (a log declared before `haru apply` checked them)."""
+        try:
+            spec = self.spec if self.spec.runtime == self.kind else msgspec.structs.replace(self.spec, runtime=self.kind)
+            return plan_launch(spec, gpu_memory_bytes=self.gpu_memory_bytes, port=self._port,
+                               bind_host=self.bind_host, base_env=self._base_env)
+        except ArgConflict as exc:
+            raise RuntimeRefused(f"{self.spec.name}: {exc}; fix: {exc.fix}") from exc
+        except ValueError as exc:
+            raise RuntimeRefused(f"{self.spec.name}: cannot plan its command line: {exc}") from exc
+
+    def argv(self) -> list[str]:
+        return self.launch().argv
 
     def env(self) -> dict[str, str]:
         """The agent's environment, the runtime pinned to its GPU, then the model's own `env` (which wins).
@@ -264,11 +280,7 @@ class ProcessRuntime(HttpRuntime):
         CUDA numbers devices fastest-first unless told PCI order; NVML (and so the layout's `gpu` index)
         uses PCI order. Both are set, so the index an operator declares is the card the runtime uses.
         """
-        env = dict(self._base_env)
-        env["CUDA_VISIBLE_DEVICES"] = str(self.spec.gpu_index)
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env.update(self.spec.env)
-        return env
+        return self.launch().env
 
     # -- process
     @property
@@ -288,7 +300,8 @@ class ProcessRuntime(HttpRuntime):
         if not self.spec.port:
             self._port = free_port()
         self._log_dir.mkdir(parents=True, exist_ok=True)
-        argv = self.argv()
+        planned = self.launch()
+        argv = planned.argv
         with open(self._log_path, "ab") as log:
             log.write(f"--- haru agent starting: {' '.join(argv)}\n".encode())
             log.flush()
@@ -298,7 +311,7 @@ class ProcessRuntime(HttpRuntime):
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=log,
                     stderr=asyncio.subprocess.STDOUT,
-                    env=self.env(),
+                    env=planned.env,
                     start_new_session=True,
                     preexec_fn=die_with_parent,
                 )

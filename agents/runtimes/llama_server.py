@@ -1,4 +1,7 @@
-"""llama-server (llama.cpp, GGUF): `llama-server -m <gguf> --host 127.0.0.1 --port P --alias NAME`.
+"""llama-server (llama.cpp, GGUF): `llama-server -m <gguf> --host 127.0.0.1 --port P --alias NAME -c N -ngl L`.
+
+The command line is the plan's (`haru.launch`): `-c` from context_length, `-ngl` from gpu_layers
+(every layer unless declared), the GPU by CUDA_VISIBLE_DEVICES.
 
 Its HTTP listener is up before the model: `/health` answers 503 {"error": {"message": "Loading
 model"}} while loading and 200 {"status": "ok"} when ready. It has no sleep mode: on a standby
@@ -14,18 +17,3 @@ class LlamaServerRuntime(ProcessRuntime):
     kind = "llama_server"
     can_sleep = False
     default_binary = ["llama-server"]
-
-    def argv(self) -> list[str]:
-        binary = list(self.spec.binary) or self.default_binary
-        return [
-            *binary,
-            "-m",
-            self.spec.source,
-            "--host",
-            self.bind_host,
-            "--port",
-            str(self._port),
-            "--alias",
-            self.spec.name,
-            *self.spec.args,
-        ]

@@ -1,4 +1,6 @@
-"""vLLM: `vllm serve <source> --host 127.0.0.1 --port P --served-model-name NAME --enable-sleep-mode`.
+"""vLLM: `vllm serve <source> --host 127.0.0.1 --port P --served-model-name NAME
+--gpu-memory-utilization F --max-model-len N --enable-sleep-mode`, its command line the plan's
+(`haru.launch`: F is the model's planned VRAM over the GPU's memory, rounded down).
 
 The sleep/wake endpoints are development-mode endpoints, so the child gets VLLM_SERVER_DEV_MODE=1.
 `POST /sleep?level=1` and `POST /wake_up` answer a bare 200 that proves nothing: both are checked
@@ -16,28 +18,6 @@ class VllmRuntime(ProcessRuntime):
     kind = "vllm"
     can_sleep = True
     default_binary = ["vllm"]
-
-    def argv(self) -> list[str]:
-        binary = list(self.spec.binary) or self.default_binary
-        source = self.spec.source or self.spec.name
-        return [
-            *binary,
-            "serve",
-            source,
-            "--host",
-            self.bind_host,
-            "--port",
-            str(self._port),
-            "--served-model-name",
-            self.spec.name,
-            "--enable-sleep-mode",
-            *self.spec.args,
-        ]
-
-    def env(self) -> dict[str, str]:
-        env = super().env()
-        env["VLLM_SERVER_DEV_MODE"] = "1"
-        return env
 
     async def sleep(self, level: int, timeout_s: float) -> None:
         status, body = await self._request("POST", f"/sleep?level={int(level)}", timeout_s=timeout_s)

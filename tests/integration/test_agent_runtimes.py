@@ -57,13 +57,16 @@ async def test_vllm_runtime_on_the_simulator(tmp_path, session, reap):
     sim.mkdir()
     SimGpuState(sim, 0).ensure(24 * GiB)
     spec = ModelSpec(name="qwen3.6:27b", slot="chat", gpu_index=0, vram_bytes=4 * GiB, source="Qwen/x",
-                     binary=SIM_VLLM, args=["--max-model-len", "4096"],
+                     context_length=4096, binary=SIM_VLLM, args=["--max-num-seqs", "8"],
                      env={"HARU_SIM_DIR": str(sim), "HARU_SIM_VRAM": "4GiB", "HARU_SIM_LOAD_MS": "300"})
-    rt = VllmRuntime(spec, session=session, log_dir=tmp_path / "logs")
+    rt = VllmRuntime(spec, session=session, log_dir=tmp_path / "logs", gpu_memory_bytes=24 * GiB)
     argv = rt.argv()
     assert argv[len(SIM_VLLM):len(SIM_VLLM) + 2] == ["serve", "Qwen/x"]
-    for flag in ("--enable-sleep-mode", "--served-model-name", "--host", "--port", "--max-model-len"):
+    for flag in ("--enable-sleep-mode", "--served-model-name", "--host", "--port"):
         assert flag in argv
+    # the plan's flags: 4 GiB of a 24 GiB GPU is 0.1666..., rounded down; the operator's extra flag passes through
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.166"
+    assert argv[argv.index("--max-model-len") + 1] == "4096" and argv[-2:] == ["--max-num-seqs", "8"]
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and rt.env()["VLLM_SERVER_DEV_MODE"] == "1"
     assert rt.env()["CUDA_VISIBLE_DEVICES"] == "0" and rt.env()["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # pinned
     await rt.start()
@@ -90,7 +93,8 @@ async def test_vllm_runtime_on_the_simulator(tmp_path, session, reap):
 async def test_llama_server_runtime_reports_loading_then_ready(tmp_path, session, reap):
     argv_file = tmp_path / "argv.json"
     spec = ModelSpec(name="gemma:2b", slot="chat", gpu_index=0, runtime="llama_server", source="/models/gemma.gguf",
-                     binary=FAKE_LLAMA, args=["-c", "4096"], env={"FAKE_ARGV_FILE": str(argv_file), "FAKE_LOAD_MS": "800"})
+                     context_length=4096, binary=FAKE_LLAMA, args=["--parallel", "2"],
+                     env={"FAKE_ARGV_FILE": str(argv_file), "FAKE_LOAD_MS": "800"})
     rt = LlamaServerRuntime(spec, session=session, log_dir=tmp_path / "logs")
     await rt.start()
     reap(rt)
@@ -99,7 +103,8 @@ async def test_llama_server_runtime_reports_loading_then_ready(tmp_path, session
     assert loading, seen  # 503 "Loading model" while loading
     args = json.loads(argv_file.read_text())
     assert args[:2] == ["-m", "/models/gemma.gguf"] and args[args.index("--alias") + 1] == "gemma:2b"
-    assert args[args.index("--host") + 1] == "127.0.0.1" and args[-2:] == ["-c", "4096"]
+    assert args[args.index("--host") + 1] == "127.0.0.1" and args[-2:] == ["--parallel", "2"]
+    assert args[args.index("-c") + 1] == "4096" and args[args.index("-ngl") + 1] == "999"  # the plan's: every layer
     assert not rt.can_sleep and await rt.is_sleeping() is None
     with pytest.raises(RuntimeRefused, match="no sleep mode"):
         await rt.sleep(1, 5)
@@ -111,7 +116,7 @@ async def test_external_runtime_is_probed_not_spawned(tmp_path, session, reap):
     sim.mkdir()
     spec = ModelSpec(name="ext", slot="chat", gpu_index=0, binary=SIM_VLLM,
                      env={"HARU_SIM_DIR": str(sim), "HARU_SIM_LOAD_MS": "100"})
-    served = VllmRuntime(spec, session=session, log_dir=tmp_path / "logs")  # someone else's server
+    served = VllmRuntime(spec, session=session, log_dir=tmp_path / "logs", gpu_memory_bytes=24 * GiB)  # someone else's
     await served.start()
     reap(served)
     await until_ready(served)
@@ -129,11 +134,25 @@ async def test_external_runtime_is_probed_not_spawned(tmp_path, session, reap):
 
 async def test_direct_domains_bind_where_routers_reach_them(tmp_path, session):
     spec = ModelSpec(name="m", slot="chat", gpu_index=1, port=18100, source="s")
-    loop = VllmRuntime(spec, session=session, log_dir=tmp_path)
+    loop = VllmRuntime(spec, session=session, log_dir=tmp_path, gpu_memory_bytes=24 * GiB)
     assert loop.argv()[loop.argv().index("--host") + 1] == "127.0.0.1"  # the default: loopback only
-    direct = VllmRuntime(spec, session=session, log_dir=tmp_path, bind_host="0.0.0.0")
+    direct = VllmRuntime(spec, session=session, log_dir=tmp_path, bind_host="0.0.0.0", gpu_memory_bytes=24 * GiB)
     assert direct.argv()[direct.argv().index("--host") + 1] == "0.0.0.0"
     assert direct.base_url == "http://127.0.0.1:18100"  # probed over loopback
     private = LlamaServerRuntime(spec, session=session, log_dir=tmp_path, bind_host="10.1.2.3")
     assert private.argv()[private.argv().index("--host") + 1] == "10.1.2.3" and private.base_url == "http://10.1.2.3:18100"
     assert direct.env()["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+async def test_a_spec_whose_args_contradict_its_plan_is_refused_at_start(tmp_path, session):
+    """A log declared before `haru apply` checked args: the runtime refuses to start, naming the flag."""
+    spec = ModelSpec(name="m", slot="chat", gpu_index=0, vram_bytes=4 * GiB, source="Qwen/x", binary=SIM_VLLM,
+                     args=["--gpu-memory-utilization=0.9"])
+    rt = VllmRuntime(spec, session=session, log_dir=tmp_path, gpu_memory_bytes=24 * GiB)
+    with pytest.raises(RuntimeRefused, match=r"--gpu-memory-utilization 0\.9.*0\.166"):
+        await rt.start()
+    assert rt.pid is None and not rt.alive()
+    unplanned = VllmRuntime(spec.__class__(name="m", slot="chat", gpu_index=0, vram_bytes=GiB, source="Qwen/x"),
+                            session=session, log_dir=tmp_path)  # no GPU memory known: no fraction to give
+    with pytest.raises(RuntimeRefused, match="GPU memory"):
+        await unplanned.start()

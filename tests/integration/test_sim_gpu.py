@@ -113,7 +113,7 @@ def test_detach_keeps_memory_but_sim_gpus_reports_absent(tmp_path, children):
     gpus = SimGpus(tmp_path)
     assert gpus.read(1) == GpuReading(index=1, present=True, name="Sim L4", memory_total_bytes=24 * GiB,
                                       memory_used_bytes=3 * GiB, memory_free_bytes=21 * GiB,
-                                      processes=[GpuProcess(pid=holder.pid, used_bytes=3 * GiB)])
+                                      processes=[GpuProcess(pid=holder.pid, used_bytes=3 * GiB)], accounted=True)
     gpu.set_present(False)
     reading = gpus.read(1)
     assert reading.present is False and reading.processes == []
