@@ -83,6 +83,10 @@ VERSION = "0.1.0"
 GPU_USED_THRESHOLD = 64 * MiB  # memory moves smaller than this are noise, not an observation
 RUNTIME_STOP_GRACE_S = 15.0
 LIVE_STATES = frozenset({"loading", "resident", "sleeping", "waking"})
+# While a model loads, its /health is asked this often (one loopback GET; a 503 or a refused
+# connection costs well under a millisecond), so `resident` is recorded within ~this of the runtime
+# turning ready. bench/runtime.py measures it against a real llama-server.
+LOADING_POLL_S = 0.02
 
 
 def now() -> datetime:
@@ -608,7 +612,7 @@ class Agent:
             self._write_children()
             if m.runtime.kind != "external":
                 self._spawn_task(self._exit_waiter(m, m.generation), f"exit:{m.name}:{m.generation}")
-        poll = min(self.policy.probe_interval_ms, 500) / 1000
+        poll = LOADING_POLL_S
         timeout = self.policy.probe_timeout_ms / 1000
         while not self.stopping:
             if m.exited.is_set():
