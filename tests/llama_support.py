@@ -5,8 +5,10 @@ $HARU_LLAMA_SERVER). Tests never build it themselves (a build is ~10 minutes, fa
 timeout): `.ci/run` builds or reuses it before pytest and sets HARU_REQUIRE_LLAMA=1, so in CI a
 missing binary FAILS the tests; elsewhere they are skipped with the command that builds it.
 
-Every llama-server here runs with one compute thread and one HTTP thread (`args`), so two domains
-of them leave the 2 cores of a CI machine to everything else.
+Every llama-server here runs with one compute thread (`args: --threads 1`), so two domains of them
+leave the 2 cores of a CI machine to everything else. Not `--threads-http 1`: one HTTP thread serves
+one keep-alive connection at a time, and a second client (the agent's probe beside a chat) waits
+for the first connection's 5 s keep-alive timeout (measured: a 5 s stall in bench/runtime.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 from agents.runtimes.llama_build import ensure_binary, find_binary
 from agents.runtimes.tiny_model import write_tiny_model
 
-LLAMA_ARGS = ["--threads", "1", "--threads-http", "1"]
+LLAMA_ARGS = ["--threads", "1"]
 REAL_POLICY = {
     "probe_interval_ms": 500,
     "restart_backoff_ms": 500,
