@@ -126,7 +126,8 @@ def _locked(lock) -> bool:
 def _run(argv: list[str], what: str, **kw) -> None:
     _say(f"{what}: {' '.join(argv)}")
     try:
-        subprocess.run(argv, check=True, stdin=subprocess.DEVNULL, **kw)
+        # progress (pip's, cmake's, the compiler's) goes to stderr: stdout is the binary's path alone
+        subprocess.run(argv, check=True, stdin=subprocess.DEVNULL, stdout=sys.stderr, **kw)
     except FileNotFoundError as exc:
         raise BuildError(f"{what}: {argv[0]} is not installed ({exc.strerror}); install it (cmake and a C++ "
                          f"compiler are needed to build llama-server) or set {ENV_BINARY}") from exc
