@@ -58,32 +58,42 @@ def start_agent(agents, tmp_path, nats_server, layout, domain="a"):
 
 
 async def test_llama_servers_own_health_says_loading_then_ok(tmp_path, llama, gguf):
-    """The runtime adapter against the real /health: 503 "Loading model" (or no answer yet), then 200."""
+    """The runtime adapter against the real /health: no answer, 503 "Loading model", then 200.
+
+    The 503 window (listener up, model not yet loaded) is a few milliseconds for a 600 KB model, so
+    the server is started up to three times to catch it; every answer seen must be one of the three.
+    """
     spec = ModelSpec(name=MODEL, slot="chat", gpu_index=0, runtime="llama_server", source=str(gguf["a"]),
                      binary=[str(llama)], args=list(LLAMA_ARGS))
-    seen: list[tuple[int, str]] = []
+    loading_seen = 0
     async with aiohttp.ClientSession() as session:
-        rt = LlamaServerRuntime(spec, session=session, log_dir=tmp_path)
-        await rt.start()
-        try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                h = await rt.health(timeout_s=2)
-                seen.append((h.status, h.detail))
-                if h.ok:
-                    break
-                await asyncio.sleep(0.002)
-            assert seen[-1][0] == 200, seen[-3:]
-            for status, detail in seen[:-1]:
-                assert status in (0, 503), (status, detail)
-                if status == 503:
-                    assert json.loads(detail)["error"]["message"] == "Loading model"
-            assert await rt.list_models() == [MODEL]  # --alias is the model id
-            assert await rt.probe_completion(timeout_s=10) >= 0
-            print(f"health answers before ready: {[s for s, _ in seen[:-1]].count(503)} x 503, "
-                  f"{[s for s, _ in seen[:-1]].count(0)} x no answer")
-        finally:
-            await rt.stop(5)
+        for _ in range(3):
+            seen: list[tuple[int, str]] = []
+            rt = LlamaServerRuntime(spec, session=session, log_dir=tmp_path)
+            await rt.start()
+            try:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    h = await rt.health(timeout_s=2)
+                    seen.append((h.status, h.detail))
+                    if h.ok:
+                        break
+                    await asyncio.sleep(0.001)
+                assert seen[-1][0] == 200, seen[-3:]
+                for status, detail in seen[:-1]:
+                    assert status in (0, 503), (status, detail)
+                    if status == 503:
+                        assert json.loads(detail)["error"]["message"] == "Loading model"
+                        loading_seen += 1
+                assert await rt.list_models() == [MODEL]  # --alias is the model id
+                assert await rt.probe_completion(timeout_s=10) >= 0
+                print(f"health answers before ready: {[s for s, _ in seen[:-1]].count(503)} x 503, "
+                      f"{[s for s, _ in seen[:-1]].count(0)} x no answer")
+            finally:
+                await rt.stop(5)
+            if loading_seen:
+                break
+    assert loading_seen, "llama-server never answered 503 Loading model while loading"
 
 
 async def test_loading_then_resident_under_the_agent(tmp_path, nats_server, event_log, agents, llama, gguf):
