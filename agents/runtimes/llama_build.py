@@ -106,7 +106,8 @@ def ensure_binary(*, build: bool = True) -> Path:
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     with open(root / "build.lock", "w") as lock:
-        _say(f"waiting for the build lock {root / 'build.lock'}") if _locked(lock) else None
+        if _locked(lock):
+            _say(f"another build holds {root / 'build.lock'}; waiting for it")
         fcntl.flock(lock, fcntl.LOCK_EX)
         found = find_binary()  # someone else built it while we waited
         if found is not None:
