@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -82,6 +83,10 @@ VERSION = "0.1.0"
 GPU_USED_THRESHOLD = 64 * MiB  # memory moves smaller than this are noise, not an observation
 RUNTIME_STOP_GRACE_S = 15.0
 LIVE_STATES = frozenset({"loading", "resident", "sleeping", "waking"})
+# While a model loads, its /health is asked this often (one loopback GET; a 503 or a refused
+# connection costs well under a millisecond), so `resident` is recorded within ~this of the runtime
+# turning ready. bench/runtime.py measures it against a real llama-server.
+LOADING_POLL_S = 0.02
 
 
 def now() -> datetime:
@@ -642,7 +647,7 @@ class Agent:
             self._write_children()
             if m.runtime.kind != "external":
                 self._spawn_task(self._exit_waiter(m, m.generation), f"exit:{m.name}:{m.generation}")
-        poll = min(self.policy.probe_interval_ms, 500) / 1000
+        poll = LOADING_POLL_S
         timeout = self.policy.probe_timeout_ms / 1000
         while not self.stopping:
             if m.exited.is_set():
@@ -675,7 +680,13 @@ class Agent:
         if generation != m.generation:
             return
         m.exit_code = code
-        if not m.on_purpose and not self.stopping:
+        if not m.on_purpose and not self.stopping and m.state_tag == "loading" and code is not None and code > 0:
+            # It quit on its own before it ever answered: it refused the model (a corrupt or truncated
+            # file, an unknown architecture). That is `failed`, in the runtime's own words; the
+            # supervisor retries with the growing backoff, never in a tight loop.
+            said = runtime_said(m.runtime.output_tail(8000), code)
+            await self._record(m, ModelFailed(at=now(), domain=self.domain, model=m.name, runtime_said=said))
+        elif not m.on_purpose and not self.stopping:
             tail = m.runtime.output_tail(600).strip().splitlines()
             detail = f"the runtime exited with code {code}"
             if tail:
@@ -1060,6 +1071,24 @@ class Agent:
         if problems:
             return False, ErrorInfo(code=problems[0][0], message="; ".join(p[1] for p in problems)), data
         return True, None, data
+
+
+_LOG_PREFIX = re.compile(r"^[\d.:]+\s+[A-Z]\s+")
+_ERROR_MARKERS = ("error", "failed", "invalid", "cannot", "unable", "exception", "not found", "no such")
+
+
+def runtime_said(output: str, code: int, limit: int = 1000) -> str:
+    """What a runtime that exited while loading said: its error lines from this attempt's output."""
+    attempt = output.rsplit("--- haru agent starting:", 1)[-1]
+    lines = [ln.strip() for ln in attempt.splitlines()[1:] if ln.strip()]
+    picked: list[str] = []
+    for ln in (ln for ln in lines if any(m in ln.lower() for m in _ERROR_MARKERS)):
+        ln = _LOG_PREFIX.sub("", ln)  # llama.cpp's "0.00.002.891 E " timestamp and level
+        if ln not in picked:
+            picked.append(ln)
+    # The first errors say what went wrong, the last one how it ended.
+    said = " | ".join(picked[:2] + picked[-1:] if len(picked) > 3 else picked or lines[-3:])
+    return f"exited with code {code} while loading: {said}"[:limit] if said else f"exited with code {code} while loading"
 
 
 def _gpu_changed(last: GpuObserved, r: GpuReading, usage: list | None = None, foreign: list | None = None) -> bool:

@@ -8,7 +8,8 @@
     │   │   └── OutOfMemory        CUDA out of memory (a wake with the VRAM taken by someone else)
     │   ├── ProbeFailed            a one-token completion did not answer as it must
     │   └── Unverified             it said 200 but the truth (/is_sleeping) disagrees
-    └── TrainingProblem            a training command could not be started            (operator)
+    ├── TrainingProblem            a training command could not be started            (operator)
+    └── RuntimeBuildFailed         llama-server could not be found or built (`agents.runtimes.llama_build`)
 """
 
 from __future__ import annotations
@@ -59,3 +60,9 @@ class Unverified(RuntimeProblem):
 
 class TrainingProblem(AgentError):
     code = "training_failed"
+
+
+class RuntimeBuildFailed(AgentError):
+    """llama-server could not be found or built; the message names the step and the fix."""
+
+    code = "runtime_build_failed"

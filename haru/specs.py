@@ -11,6 +11,16 @@ from typing import Literal
 import msgspec
 
 Runtime = Literal["vllm", "llama_server", "external"]
+
+# Which runtimes have a sleep mode (weights out of VRAM, process kept). One without it serves the
+# standby role resident: asking it to sleep is a no-op, and an awake model of such a runtime is not a
+# reason to demote a standby. `agents.runtimes` classes carry the same bit (`can_sleep`; a unit test
+# holds them to this table).
+SLEEP_MODE: dict[str, bool] = {"vllm": True, "llama_server": False, "external": False}
+
+
+def can_sleep(runtime: str) -> bool:
+    return SLEEP_MODE.get(runtime, False)
 Provider = Literal["static", "skypilot", "skyserve"]
 Serve = Literal["agent", "direct"]
 

@@ -5,6 +5,8 @@
     haru up --nats-url URL      the same against an existing NATS (or cluster)
     haru up --demo              also applies deploy/examples/demo-fleet.json and runs two agents
                                 (domains a and b) on simulated GPUs, as child processes
+    haru up --demo --real       the same fleet shape on real llama-servers (CPU, tiny generated
+                                models): deploy/examples/demo-fleet-real.json
 
 Ctrl-C or SIGTERM stops everything in order (agents first, so they record what they unload and reap
 their runtimes; then the services; then nats-server) and leaves no child process behind.
@@ -39,6 +41,7 @@ log = structlog.get_logger("haru.up")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_LAYOUT = REPO_ROOT / "deploy" / "examples" / "demo-fleet.json"
+REAL_DEMO_LAYOUT = REPO_ROOT / "deploy" / "examples" / "demo-fleet-real.json"
 DEFAULT_NATS_PORT = 4222
 NATS_URL_FILE = "nats.url"  # `haru status` and friends read it when no --nats-url is given
 AGENT_STOP_S = 20.0
@@ -87,7 +90,28 @@ def demo_layout(home: Path, path: Path = DEMO_LAYOUT) -> Layout:
                     # the simulated runtime holds what the model declares, so the sim GPU's numbers
                     # are the planner's: the standby cannot wake its models with training still running
                     model["env"] = {"HARU_SIM_VRAM": str(model["vram"]), **model.get("env", {})}
+                if model.get("runtime") == "llama_server":
+                    _real_llama_model(model, home)
     return parse_layout(doc)
+
+
+def _real_llama_model(model: dict, home: Path) -> None:
+    """A llama-server model of a demo layout made runnable here: the binary built (or found) by
+    `agents.runtimes.llama_build`, and a relative `.gguf` source written as a tiny seeded model
+    under $HARU_HOME/demo/models (the file name picks the seed: both domains get the same weights)."""
+    import zlib
+
+    from agents.runtimes.llama_build import ensure_binary
+    from agents.runtimes.tiny_model import write_tiny_model
+
+    if model.get("binary", ["llama-server"]) in ([], ["llama-server"]):
+        model["binary"] = [str(ensure_binary(build=True))]
+    source = str(model.get("source", ""))
+    if source.endswith(".gguf") and not os.path.isabs(source):
+        path = home / "demo" / "models" / source
+        if not path.exists():
+            write_tiny_model(path, seed=zlib.crc32(source.encode()) & 0xFFFF, name=Path(source).stem)
+        model["source"] = str(path)
 
 
 @dataclass

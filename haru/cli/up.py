@@ -16,6 +16,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="run the whole control plane here (embedded NATS, projector, promoter, gateway)")
     p.add_argument("--demo", action="store_true",
                    help="also apply the demo fleet and run two agents on simulated GPUs")
+    p.add_argument("--real", action="store_true",
+                   help="with --demo: real llama-servers on the CPU with tiny generated models (the first run "
+                        "builds llama-server, ~10 min on 2 cores, cached)")
     p.add_argument("--nats-url", default=os.environ.get("HARU_NATS_URL"),
                    help="use this NATS (or cluster, comma-separated) instead of starting one (env HARU_NATS_URL)")
     p.add_argument("--nats-port", type=int, default=4222,
@@ -30,9 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 async def run(args: argparse.Namespace) -> ExitStatus:
-    from haru.up import DEMO_LAYOUT, UpOptions, haru_home, up
+    from haru.up import DEMO_LAYOUT, REAL_DEMO_LAYOUT, UpOptions, haru_home, up
 
     configure_logging(args.log_format, args.log_level)
+    if args.real and not args.demo:
+        return fail("--real goes with --demo: `haru up --demo --real`")
     opts = UpOptions(
         home=haru_home(args.home),
         nats_url=args.nats_url,
@@ -40,7 +45,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         demo=args.demo,
         gateway_host=args.host,
         gateway_port=args.port,
-        layout_path=Path(args.layout) if args.layout else DEMO_LAYOUT,
+        layout_path=Path(args.layout) if args.layout else (REAL_DEMO_LAYOUT if args.real else DEMO_LAYOUT),
         ready_file=Path(args.ready_file) if args.ready_file else None,
     )
     stop = asyncio.Event()

@@ -23,7 +23,9 @@ Who decides what, in order (`decide`):
    ran out, or the runner was this promoter before a restart), or finish it;
 3. with no operation in flight: the first route (no `route_moved` yet), auto-failover of a failed
    active (or `failover_declined`, once per distinct reason), and housekeeping: a recovered
-   ineligible domain and an awake standby are demoted (asleep, training).
+   ineligible domain and an awake standby are demoted (asleep, training). A model whose runtime has
+   no sleep mode (llama-server) is a standby resident, not an awake one; and a demotion that
+   completed is never requested again while none of its inputs changed (`_already_done`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from haru.events import (
 from haru.promoter.decisions import Append, Facts
 from haru.promoter.liveness import judge_liveness
 from haru.residency import Failed, Lost, Resident, Sleeping, Waking, state_name
-from haru.specs import Policy
+from haru.specs import Policy, can_sleep
 from haru.views import DomainView, FleetView, OperationView, StepView
 
 OpKind = Literal["promotion", "demotion"]
@@ -559,7 +561,7 @@ def supervise(view: FleetView, facts: Facts) -> Append | None:
         if name == view.active:
             continue
         reason = _demotion_reason(view, dv)
-        if reason and _backing_off(view, "demotion", name, now) is None:
+        if reason and _backing_off(view, "demotion", name, now) is None and not _already_done(view, dv, reason):
             return Append(
                 subject=op_subject,
                 event=DemotionRequested(
@@ -582,11 +584,35 @@ def _demotion_reason(view: FleetView, dv: DomainView) -> str:
         if states and all(isinstance(s, (Resident, Sleeping)) for s in states):
             return "recovered"
         return ""
-    if any(isinstance(s, Resident) for s in states) and not any(
-        isinstance(s, (Waking,)) or state_name(s) == "loading" for s in states
-    ):
+    # Awake only counts for a runtime that can sleep: one without a sleep mode (llama-server) serves
+    # the standby role resident, and asking it to sleep would change nothing.
+    awake = [
+        m for m in served(dv) if isinstance(dv.models[m].residency, Resident) and can_sleep(dv.models[m].runtime)
+    ]
+    if awake and not any(isinstance(s, (Waking,)) or state_name(s) == "loading" for s in states):
         return "standby_awake"
     return ""
+
+
+def _already_done(view: FleetView, dv: DomainView, reason: str) -> bool:
+    """Whether the last operation was this same demotion, and none of its inputs changed since.
+
+    The inputs of `_demotion_reason` are the domain's reachability, eligibility, GPU presence and its
+    models' residency (a completed demotion leaves the domain eligible, and a GPU that went away
+    shows in its models' residency). A demotion that finished without changing any of them would only finish the
+    same way again: it is not requested twice (whatever made it change nothing is in its record).
+    """
+    last = view.last_operation
+    if last is None or last.kind != "demotion" or last.target != dv.name or last.reason != reason:
+        return False
+    if last.state != "completed":
+        return False  # an aborted one is retried after its backoff (`_backing_off`)
+    if dv.reachability_since is not None and last.requested_at is not None and dv.reachability_since > last.requested_at:
+        return False
+    for m in served(dv):
+        if dv.models[m].residency.seq > last.seq:
+            return False
+    return True  # (a GPU that went away or came back shows in its models' residency)
 
 
 def _first_route(view: FleetView, facts: Facts) -> Append | None:

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[2]
 
 
-def demo_layout_with_free_ports(dst: Path) -> Path:
-    doc = json.loads((REPO / "deploy" / "examples" / "demo-fleet.json").read_text())
+def demo_layout_with_free_ports(dst: Path, src: str = "demo-fleet.json") -> Path:
+    doc = json.loads((REPO / "deploy" / "examples" / src).read_text())
     for domain in doc["domains"]:
         domain["serving_url"] = f"http://127.0.0.1:{free_port()}"
         for slot in domain["slots"]:
@@ -180,3 +180,40 @@ def test_demo_chats_fails_over_and_stops_cleanly(demo):
     time.sleep(0.5)
     left = [pid for pid in tree if alive(pid)]
     assert left == [], f"left behind: {left}"
+
+
+def view_seq(env, nats_url) -> int:
+    """The last event of the demo fleet that the projector folded (every event lands in one view)."""
+    out = haru("status", "--json", nats_url=nats_url, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["seq"]
+
+
+def events_left_alone(env, nats_url, seconds: float = 30.0) -> list[str]:
+    """What the fleet appended in `seconds` with nobody touching it: `haru history` of those events."""
+    before = view_seq(env, nats_url)
+    time.sleep(seconds)
+    after = view_seq(env, nats_url)
+    if after == before:
+        return []
+    out = haru("history", "--from-seq", str(before + 1), "--json", nats_url=nats_url, env=env)
+    assert out.returncode == 0, out.stderr
+    return [f"{r['seq']} {r['subject']} {r['type']}" for r in json.loads(out.stdout) if r["seq"] > before]
+
+
+def test_the_demo_left_alone_settles(demo):
+    """Once the standby is asleep and training, 30 s alone append at most 4 events (issue 12)."""
+    env, nats_url = demo["env"], demo["nats_url"]
+
+    def settled():
+        view = json.loads(haru("status", "--json", nats_url=nats_url, env=env).stdout)
+        b = view["domains"]["b"]
+        return (view["active"] == "a" and view.get("operation") is None
+                and all(m["residency"]["state"] == "sleeping" for m in b["models"].values())
+                and any(t["running"] for t in b["training"].values()))
+
+    wait_for("the standby asleep and training", settled, 90)
+    time.sleep(2)
+    appended = events_left_alone(env, nats_url)
+    print("appended while left alone:", appended)
+    assert len(appended) <= 4, appended
