@@ -155,7 +155,8 @@ def misplaced_at(place: Where | None, event: object) -> str:
         return "its subject is not a Haru event subject (haru.evt.<fleet>.<kind>...)"
     if place.kind != kind:
         p = _BY_KIND[kind]
-        return f"{ev.tag_of(event)} belongs on {p.subject} (written by {', '.join(p.writers)}), not on a {place.kind} subject"  # type: ignore[arg-type]
+        here = _BY_KIND[place.kind].subject
+        return f"{ev.tag_of(event)} belongs on {p.subject} (written by {', '.join(p.writers)}), not on {here}"  # type: ignore[arg-type]
     for field, part in checks:
         said = getattr(event, field)
         if said != getattr(place, part):
