@@ -109,7 +109,7 @@ STEPS: dict[str, StepSpec] = {
         on="route",
         verbs=(),
         bound=("command_timeout_ms",),
-        what="append route_moved with the route revision the operation was decided against",
+        what="append route_moved on the route subject, expecting its real last sequence, if the route has not moved since",
     ),
     "settle_old_active": StepSpec(
         on="other",
