@@ -44,6 +44,7 @@ __all__ = [
     "kind_of",
     "misplaced",
     "misplaced_at",
+    "table_markdown",
     "where",
     "writers_of",
 ]
@@ -175,3 +176,15 @@ def anomaly(seq: int, subject: str, event: object, why: str) -> str:
     tag = ev.tag_of(event) if isinstance(event, ev.Event) else type(event).__name__  # type: ignore[arg-type]
     by = getattr(event, "by", "") or "an unnamed writer"
     return f"seq {seq}: {tag} on {subject} by {by} not applied: {why}"
+
+
+def table_markdown() -> str:
+    """The table as Markdown, for docs/security.md (a unit test checks the doc carries it)."""
+    lines = ["| subject | written by (NATS role) | events | a body's fields that must equal the subject's |",
+             "|---|---|---|---|"]
+    for p in PLACES:
+        writers = ", ".join(f"`{w}`" + (" of that domain" if w == "agent" else "") for w in p.writers)
+        tags = ", ".join(f"`{cls.__struct_config__.tag}`" for cls in p.events)
+        fields = ", ".join(f"`{_BODY_FIELD[part]}`" for part in _PARTS[p.kind])
+        lines.append(f"| `{p.subject}` | {writers} | {tags} | {fields} (where the body has them) |")
+    return "\n".join(lines)

@@ -171,3 +171,10 @@ def test_a_body_that_names_anything_else_than_its_subject_is_misplaced(cls, data
         field = data.draw(st.sampled_from(carried))
         other = dict(mine, **{field: 2 if field == "index" else mine[field] + "x"})
         assert authority.misplaced(subject, build(cls, **other)) != ""
+
+
+def test_the_threat_model_carries_the_table():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    assert authority.table_markdown() in doc, "regenerate the table in docs/security.md from authority.table_markdown()"
