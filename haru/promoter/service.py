@@ -42,7 +42,7 @@ from haru.errors import CommandError, Conflict, LogError
 from haru.eventlog import EventLog, Record
 from haru.events import RouteMoved, StepCompleted, StepFailed, StepStarted, tag_of
 from haru.promoter.client import send
-from haru.promoter.decider import command_for, decide, step_outcome
+from haru.promoter.decider import command_for, decide, flip_refusal, step_outcome
 from haru.promoter.decisions import Facts
 from haru.tasks import cancel_and_wait
 from haru.views import FleetView, OperationView
@@ -306,7 +306,11 @@ class Promoter:
                 await asyncio.sleep(self.step_delay_ms / 1000)
             t0 = time.monotonic()
             if step == "flip":
-                event = await self._flip(st, op)
+                refusal = flip_refusal(st.view, op)
+                if refusal:  # a flip started by someone else, before the probe: never moves the route
+                    event = StepFailed(at=utcnow(), op_id=op.op_id, step="flip", error_code="flip_refused", error=refusal)
+                else:
+                    event = await self._flip(st, op)
             else:
                 domain, commands = command_for(st.view, op, step)
                 if not domain:

@@ -19,7 +19,8 @@ import pytest
 from haru import authority, subjects
 from haru.apply import apply
 from haru.eventlog import EventLog
-from haru.events import ModelLost, OperationCompleted, RouteMoved, StepCompleted
+from haru.errors import Conflict
+from haru.events import ModelLost, OperationAborted, OperationCompleted, RouteMoved, StepCompleted, StepFailed, StepStarted
 from haru.history import misplaced_records
 from haru.promoter import request_operation
 from promoter_fake import FakeAgent, layout
@@ -138,3 +139,31 @@ async def test_production_writers_append_only_what_the_table_allows(fleet, nats_
             assert subject.startswith(f"haru.evt.{fleet}.{domain}."), (writer, subject)
     assert {"decl", "op", "route", "liveness", "model", "training"} <= kinds, kinds
     assert misplaced_records(await log.history()) == []
+
+
+async def test_a_flip_started_by_another_op_writer_before_the_probe_never_moves_the_route(fleet, nats_server):
+    """The gateway's credentials may write the op subject (promote/demote requests). A `step_started`
+    for the flip recorded there mid-operation is resumed by the promoter when its lease runs out,
+    and refused when run: no probe completed in the operation, so the route does not move."""
+    log, a, b = fleet
+    op = subjects.op("default")
+    async with promoters(nats_server.url, step_delay_ms=300), \
+            EventLog.connect([nats_server.url], writer="gateway:127.0.0.1:0") as gateway:
+        await routed_to_a(log)
+        accepted = await request_operation(gateway, "default", "promotion", "b", by=gateway.writer, now=now())
+        assert accepted.status == "accepted"
+        await wait_view(log, lambda v: v.operation is not None and v.operation.steps, what="the first step started")
+        while True:  # the op subject moves under us while the promoter works: append on its tip
+            try:
+                await gateway.append(op, StepStarted(at=now(), op_id=accepted.op_id, step="flip"),
+                                     expect=await gateway.last_seq_of(op))
+                break
+            except Conflict:
+                continue
+        end = await wait_op_end(log, accepted.op_id, timeout=30)
+        assert isinstance(end, OperationAborted) and end.step == "flip", end
+        failed = [e for e in await op_events(log, op_id=accepted.op_id) if isinstance(e, StepFailed)]
+        assert failed and failed[-1].error_code == "flip_refused" and "not probed" in failed[-1].error
+        assert [m.active for m in await route_moves(log)] == ["a"]
+        await promote(log, "b")  # the next genuine promotion probes b and flips
+    assert [m.active for m in await route_moves(log)] == ["a", "b"]
