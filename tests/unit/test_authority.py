@@ -178,3 +178,13 @@ def test_the_threat_model_carries_the_table():
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
     assert authority.table_markdown() in doc, "regenerate the table in docs/security.md from authority.table_markdown()"
+
+
+def test_the_authority_and_the_fold_are_pure():
+    import subprocess
+    import sys
+
+    code = ("import sys, haru.authority, projections.fleet; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'asyncio', 'aiohttp', 'structlog', 'logging'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
