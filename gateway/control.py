@@ -33,6 +33,7 @@ from gateway.routing import RoutingTable, fleet_not_found
 from gateway.truth import models_list, truth_table
 from haru import subjects
 from haru.errors import HaruError, InvalidName, LogError, LogUnavailable
+from haru.authority import misplaced
 from haru.events import payload, tag_of
 from haru.views import view_encoder
 
@@ -210,7 +211,8 @@ class Control:
             item = {"seq": rec.seq, "time": rec.time.isoformat(), "subject": rec.subject}
             ev = rec.event
             if ev is not None:
-                item.update(type=tag_of(ev), at=ev.at.isoformat(), by=ev.by, cause=ev.cause, payload=payload(ev))
+                item.update(type=tag_of(ev), at=ev.at.isoformat(), by=ev.by, cause=ev.cause, payload=payload(ev),
+                            misplaced=misplaced(rec.subject, ev) or None)
             else:
                 item.update(type=None, error=rec.error, payload=None)
             out.append(item)

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Iterable
 
 from haru import subjects
+from haru.authority import misplaced
 from haru.errors import Conflict
 from haru.events import (
     AdmissionDecided,
@@ -223,7 +224,9 @@ async def apply(log, layout: Layout, now: datetime, *, dry_run: bool = False, re
         attempt += 1
         records = await log.history(subject)
         last = records[-1].seq if records else 0
-        current = fold_declarations(r.event for r in records)
+        # The subject is the authority: an event that may not stand on the decl subject (a
+        # fleet_declared naming another fleet, anything but a declaration) is not a declaration.
+        current = fold_declarations(r.event for r in records if r.event is not None and not misplaced(r.subject, r.event))
         events = diff(current, layout, the_plan, now, by=by)
         if dry_run or not events:
             return ApplyResult(layout.fleet, the_plan, events, [], last, dry_run=dry_run, attempts=attempt)

@@ -5,9 +5,16 @@ Pure: these functions take `Record`s (already read from the log) and return valu
 - `Verifier` walks every subject's hash chain: each body must decode as an event, its `prev` must
   be the sha256 of the previous body on the same subject ('' for the first), and its Nats-Msg-Id
   must be the one `EventLog.append` derives, so a message published around `append` is caught.
+  It also reports every event that may not stand on its subject (`haru.authority`: a
+  `route_moved` on an agent's subject, a body naming another domain than its subject) as
+  `misplaced`, with its sequence, subject and writer: intact chains of misplaced events are still
+  a failed verify, because no fold applies them.
 - `story(records, model)` selects what explains a model: its declaration and admission, its
   residency on each domain, and the operations and route moves its losses caused.
 - `as_of(records, model, seq=..., time=...)` is the model's state at that point.
+- `misplaced_records(records)` are the records every fold skips, with why, for the CLI to report.
+
+Misplaced events are never part of a story nor of a state as of a point: the folds do not apply them.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from datetime import datetime
 
 import msgspec
 
+from haru import authority
 from haru import events as ev
 from haru import residency
 from haru.eventlog import MSG_ID, Record, body_hash, msg_id
@@ -36,13 +44,44 @@ class Break:
         return f"seq {self.seq} on {self.subject}: {self.what}"
 
 
+@dataclass(frozen=True, slots=True)
+class Misplaced:
+    """An event stored on a subject it may not stand on (`haru.authority`): no fold applies it."""
+
+    seq: int
+    subject: str
+    type: str
+    by: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"seq {self.seq} on {self.subject}: {self.type} by {self.by or 'an unnamed writer'} is misplaced: {self.why}"
+
+
+def misplaced_of(rec: Record) -> Misplaced | None:
+    """The record as a `Misplaced`, or None when its event may stand on its subject (or did not decode)."""
+    e = rec.event
+    if e is None:
+        return None
+    why = authority.misplaced(rec.subject, e)
+    if not why:
+        return None
+    return Misplaced(rec.seq, rec.subject, ev.tag_of(e), e.by, why)
+
+
+def misplaced_records(records: list[Record]) -> list[Misplaced]:
+    """Every record whose event may not stand on its subject, in order."""
+    return [m for m in map(misplaced_of, records) if m is not None]
+
+
 @dataclass(slots=True)
 class Verifier:
-    """Feed it every record of the event stream in order; then read `breaks`."""
+    """Feed it every record of the event stream in order; then read `breaks` and `misplaced`."""
 
     events: int = 0
     tips: dict[str, tuple[int, str]] = field(default_factory=dict)  # subject -> (last seq, body hash)
     breaks: list[Break] = field(default_factory=list)
+    misplaced: list[Misplaced] = field(default_factory=list)
 
     def add(self, rec: Record) -> None:
         self.events += 1
@@ -51,6 +90,9 @@ class Verifier:
         if rec.event is None:
             self.breaks.append(Break(rec.seq, rec.subject, f"the body is not a valid event ({rec.error})"))
             return
+        wrong = misplaced_of(rec)
+        if wrong is not None:
+            self.misplaced.append(wrong)
         if rec.event.prev != prev_hash:
             if prev_seq == 0:
                 want = "'' (it is the first event on its subject)"
@@ -80,14 +122,17 @@ class Verifier:
 
     @property
     def ok(self) -> bool:
-        return not self.breaks
+        return not self.breaks and not self.misplaced
 
     def summary(self) -> str:
         if self.ok:
             return f"verify ok — {self.events} events on {self.subjects} subjects, history intact"
-        return (
-            f"verify FAILED — {len(self.breaks)} break(s) in {self.events} events on {self.subjects} subjects"
-        )
+        found = []
+        if self.breaks:
+            found.append(f"{len(self.breaks)} break(s)")
+        if self.misplaced:
+            found.append(f"{len(self.misplaced)} misplaced event(s), not applied by any fold")
+        return f"verify FAILED — {' and '.join(found)} in {self.events} events on {self.subjects} subjects"
 
 
 # ------------------------------------------------------------------------------------------- story
@@ -136,7 +181,7 @@ def story(records: list[Record], model: str, *, domain: str = "") -> list[Record
     seqs: set[int] = set()
     for rec in records:
         e = rec.event
-        if e is None:
+        if e is None or authority.misplaced(rec.subject, e):
             continue
         if _concerns_model(rec, model, domain):
             picked.append(rec)
@@ -209,7 +254,7 @@ def as_of(
         if time is not None and rec.time > time:
             break
         e = rec.event
-        if e is None or not _concerns_model(rec, model, domain):
+        if e is None or not _concerns_model(rec, model, domain) or authority.misplaced(rec.subject, e):
             continue
         d = e.domain
         if isinstance(e, (ev.ModelDeclared, ev.ModelChanged)):

@@ -25,6 +25,12 @@
 Every event sets `view.seq` (the last stream sequence folded) and `updated_at` (its `at`); events on
 the fleet-level subjects also set `decl_seq`, `op_seq` or `route_seq`.
 
+An event that may not stand on the subject it was stored on (`haru.authority`: a `route_moved`
+anywhere but `haru.evt.<fleet>.route`, a `model_lost` whose body names another domain than its
+subject) is NOT applied: it only bumps `seq` (and `decl_seq`/`op_seq`/`route_seq` on those
+subjects, which are the subjects' real last sequences) and is counted in `anomalies`, with
+`last_anomaly` naming its sequence, subject and writer. The subject is the authority, not the body.
+
 Events about a domain, model or training slot that is not declared (never declared, or retired)
 are NOT folded into the view: they only bump `seq` and are counted in `anomalies` with
 `last_anomaly` saying which. Creating entries lazily would resurrect a retired model when its
@@ -49,6 +55,7 @@ from typing import Any
 
 import msgspec
 
+from haru import authority
 from haru import events as ev
 from haru import residency
 from haru.errors import IllegalTransition
@@ -63,7 +70,9 @@ from haru.views import (
     TrainingView,
 )
 
-__all__ = ["HANDLED", "Folder", "add_one", "empty", "evolve", "fleet_of", "fold", "fold_one", "invalid"]
+__all__ = [
+    "HANDLED", "Folder", "add_one", "empty", "evolve", "fleet_of", "fold", "fold_one", "invalid", "misplaced",
+]
 
 _replace = msgspec.structs.replace
 
@@ -524,7 +533,11 @@ HANDLED: frozenset[type] = frozenset(_HANDLERS) | _RESIDENCY | {ev.AdmissionDeci
 
 
 def evolve(view: FleetView, event: ev.Event, *, seq: int, subject: str) -> FleetView:
-    """The view after one event recorded at stream sequence `seq` on `subject`."""
+    """The view after one event recorded at stream sequence `seq` on `subject` (a misplaced one is
+    not applied: see `misplaced`)."""
+    why = authority.misplaced(subject, event)
+    if why:
+        return misplaced(view, event, seq=seq, subject=subject, why=why)
     return _evolve(view, event, seq, subject, _kind(subject))
 
 
@@ -548,10 +561,28 @@ def _evolve(view: FleetView, event: ev.Event, seq: int, subject: str, kind: str)
     return _replace(out, seq=seq, updated_at=event.at)
 
 
+def _stored_on(view: FleetView, seq: int, kind: str) -> FleetView:
+    # Something was stored at `seq` on a subject of `kind` without being applied: the view's
+    # position moves, and so does the fleet-level subject's last sequence (what a writer expects).
+    if kind == "decl":
+        return _replace(view, seq=seq, decl_seq=seq)
+    if kind == "op":
+        return _replace(view, seq=seq, op_seq=seq)
+    if kind == "route":
+        return _replace(view, seq=seq, route_seq=seq)
+    return _replace(view, seq=seq)
+
+
 def invalid(view: FleetView, *, seq: int, subject: str, error: str) -> FleetView:
     """The view after a body on one of its subjects that is not a valid event: skipped, counted."""
     first = error.splitlines()[0] if error else "not a valid event"
-    return _replace(_anomaly(view, f"seq {seq}: body on {subject} skipped: {first}"), seq=seq)
+    return _stored_on(_anomaly(view, f"seq {seq}: body on {subject} skipped: {first}"), seq, _kind(subject))
+
+
+def misplaced(view: FleetView, event: ev.Event, *, seq: int, subject: str, why: str) -> FleetView:
+    """The view after an event that may not stand on `subject` (`haru.authority.misplaced` said
+    `why`): not applied, counted, and named in `last_anomaly` with its sequence, subject and writer."""
+    return _stored_on(_anomaly(view, authority.anomaly(seq, subject, event, why)), seq, _kind(subject))
 
 
 def fold_one(
@@ -570,7 +601,7 @@ def fold_one(
         where = _WHERE[subject] = _where(subject)
     if not where:
         return None
-    fleet, kind = where
+    fleet, kind, place = where
     view = views.get(fleet)
     if view is None:
         view = empty(fleet)
@@ -579,24 +610,29 @@ def fold_one(
     if event is None:
         view = invalid(view, seq=seq, subject=subject, error=error)
     elif type(event) in _RESIDENCY:
-        view = _residency(view, event, seq, subject)  # the common case, without _evolve's dispatch
+        # The common case, without _evolve's dispatch, and the authority check inlined.
+        if place is not None and place.kind == "model" and event.domain == place.domain and event.model == place.model:  # type: ignore[attr-defined]
+            view = _residency(view, event, seq, subject)
+        else:
+            view = misplaced(view, event, seq=seq, subject=subject, why=authority.misplaced_at(place, event))
     else:
-        view = _evolve(view, event, seq, subject, kind)
+        why = authority.misplaced_at(place, event)
+        view = misplaced(view, event, seq=seq, subject=subject, why=why) if why else _evolve(view, event, seq, subject, kind)
     views[fleet] = view
     return view
 
 
-def _where(subject: str) -> tuple[str, str] | tuple[()]:
-    """(fleet, fleet-level kind or '') of an event subject; () when it is not one."""
+def _where(subject: str) -> tuple[str, str, Any] | tuple[()]:
+    """(fleet, fleet-level kind or '', `authority.where`) of an event subject; () when it is not one."""
     parts = subject.split(".", 4)
     if len(parts) < 4 or parts[0] != "haru" or parts[1] != "evt":
         return ()
-    return parts[2], parts[3] if len(parts) == 4 else ""
+    return parts[2], parts[3] if len(parts) == 4 else "", authority.where(subject)
 
 
 # A memo of `_where` (a replay meets the same few thousand subjects over and over; a dict hit is
 # ~120 ns cheaper than the split). Bounded: cleared when it reaches _WHERE_MAX subjects.
-_WHERE: dict[str, tuple[str, str] | tuple[()]] = {}
+_WHERE: dict[str, tuple[str, str, Any] | tuple[()]] = {}
 _WHERE_MAX = 100_000
 
 
@@ -628,10 +664,11 @@ class Folder:
     equal to `evolve`'s, event for event.
     """
 
-    __slots__ = ("fleet", "seq", "_view", "_staged", "_at", "_anomalies", "_last_anomaly", "_dirty")
+    __slots__ = ("fleet", "seq", "misplaced_seq", "_view", "_staged", "_at", "_anomalies", "_last_anomaly", "_dirty")
 
     def __init__(self, view: FleetView) -> None:
         self.fleet = view.fleet
+        self.misplaced_seq = 0  # the sequence of the last misplaced event added (for the shell's log)
         self._reset(view)
 
     def _reset(self, view: FleetView) -> None:
@@ -661,13 +698,21 @@ class Folder:
 
     def add(self, event: ev.Event, *, seq: int, subject: str) -> None:
         """Fold one event recorded at `seq` on `subject` (like `evolve`: no skipping here)."""
-        if type(event) in _RESIDENCY:
+        why = authority.misplaced(subject, event)
+        if why:
+            self.add_misplaced(event, seq=seq, subject=subject, why=why)
+        elif type(event) in _RESIDENCY:
             self._residency(event, seq, subject)
         else:
             self._other(event, seq, subject, _kind(subject))
 
     def _other(self, event: ev.Event, seq: int, subject: str, kind: str) -> None:
         self._set(_evolve(self.view(), event, seq, subject, kind))
+
+    def add_misplaced(self, event: ev.Event, *, seq: int, subject: str, why: str) -> None:
+        """An event that may not stand on `subject` (see `misplaced`): counted, not applied."""
+        self._set(misplaced(self.view(), event, seq=seq, subject=subject, why=why))
+        self.misplaced_seq = seq
 
     def add_invalid(self, *, seq: int, subject: str, error: str) -> None:
         """A body on one of the fleet's subjects that is not a valid event (see `invalid`)."""
@@ -736,7 +781,7 @@ def add_one(
         where = _WHERE[subject] = _where(subject)
     if not where:
         return None
-    fleet, kind = where
+    fleet, kind, place = where
     folder = folders.get(fleet)
     if folder is None:
         folder = folders[fleet] = Folder(empty(fleet))
@@ -745,7 +790,15 @@ def add_one(
     if event is None:
         folder.add_invalid(seq=seq, subject=subject, error=error)
     elif type(event) in _RESIDENCY:
-        folder._residency(event, seq, subject)  # the common case, without `add`'s dispatch
+        # The common case, without `add`'s dispatch, and the authority check inlined.
+        if place is not None and place.kind == "model" and event.domain == place.domain and event.model == place.model:  # type: ignore[attr-defined]
+            folder._residency(event, seq, subject)
+        else:
+            folder.add_misplaced(event, seq=seq, subject=subject, why=authority.misplaced_at(place, event))
     else:
-        folder._other(event, seq, subject, kind)
+        why = authority.misplaced_at(place, event)
+        if why:
+            folder.add_misplaced(event, seq=seq, subject=subject, why=why)
+        else:
+            folder._other(event, seq, subject, kind)
     return folder

@@ -24,6 +24,9 @@ Mapping (fleet comes from the subject; every time is timezone-aware UTC):
     step_completed/step_failed -> closes the running step, with its duration and outcome
     domain_declared/domain_changed/domain_retired -> domains (provider, region, ...)
     a body that is not a valid event (or an unparseable subject) -> skipped_events
+    an event that may not stand on its subject (`haru.authority`: a route_moved on an agent's
+    subject, a body naming another domain than its subject) -> skipped_events, error
+    "misplaced: seq N: <type> on <subject> by <writer> not applied: <why>", and no other row
 
 Everything else advances the position and writes nothing.
 """
@@ -35,6 +38,7 @@ from functools import lru_cache
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
+from haru import authority
 from haru import events as ev
 from haru.errors import InvalidName
 from haru.subjects import parse
@@ -195,6 +199,12 @@ def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
         if bad_subject:
             skipped.append((seq, rec.subject, bad_subject))
             skipped_rows.append((seq, rec.subject, bad_subject, recorded_at, bytes(rec.data or b"")))
+            continue
+        why = authority.misplaced(rec.subject, e)
+        if why:  # the subject is the authority: not applied, kept with the skipped bodies
+            error = "misplaced: " + authority.anomaly(seq, rec.subject, e, why)
+            skipped.append((seq, rec.subject, error))
+            skipped_rows.append((seq, rec.subject, error, recorded_at, bytes(rec.data or b"")))
             continue
         kind = type(e)
 

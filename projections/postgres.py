@@ -17,7 +17,8 @@ The imperative shell around `projections.pg_rows.plan` (the pure mapping) and
   anyone else moved it, the transaction rolls back). A crash anywhere leaves rows and position
   consistent, so a restart neither duplicates nor skips an event.
 - Replay and writing overlap: while one batch is in Postgres the next is being received.
-- Invalid bodies are logged, stored in `haru.skipped_events`, and advance the position.
+- Invalid bodies, and events that may not stand on their subject (`haru.authority`), are logged,
+  stored in `haru.skipped_events`, and advance the position; no other row comes from them.
 
 Errors (`SinkError`, a `HaruError`): the database belongs to another log, its schema is newer
 than this sink, or another writer moved the position. Postgres or NATS going away ends `run` with

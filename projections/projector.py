@@ -24,7 +24,9 @@ into the fleet's `projections.fleet.Folder` (an incremental fold, equal to `evol
 frozen view only when something reads it: a write, a route move's intent), marks the fleet dirty,
 and when the record moved the route pointer it snapshots the route intent at that very sequence,
 so every pointer move becomes an intent even when writes are coalesced. A body that is not a valid
-event is logged, counted in the view's `anomalies`, and skipped.
+event is logged, counted in the view's `anomalies`, and skipped; so is an event that may not stand
+on the subject it was stored on (`haru.authority`: a `route_moved` on an agent's subject, a body
+naming another domain than its subject), which is never applied.
 
 Write. A single flusher task wakes whenever the handler folded something and the handler yields
 (nats-py runs the handler back to back while messages are queued, so a replay is naturally
@@ -81,6 +83,7 @@ class Stats:
     resumed_from: int = 0  # the replay's first sequence
     handled: int = 0  # records folded (skipped ones not counted)
     invalid: int = 0  # bodies that were not valid events
+    misplaced: int = 0  # events that may not stand on their subject (haru.authority): not applied
     skipped: int = 0  # records at or below their fleet's view seq, or not on a fleet subject
     view_writes: int = 0
     view_conflicts: int = 0
@@ -263,7 +266,11 @@ class Projector:
                 stats.fleets.add(fleet)
                 self._idle.clear()
                 self._wake.set()
-            if type(event) is RouteMoved:
+            if folder.misplaced_seq == seq:
+                stats.misplaced += 1
+                log_.warning("projector.misplaced_event", seq=seq, subject=rec.subject, by=getattr(event, "by", ""),
+                             anomaly=folder.view().last_anomaly)
+            elif type(event) is RouteMoved:
                 self._pending.setdefault(fleet, []).append(intent(folder.view()))
         if self._caught_up_at and seq >= self._caught_up_at:
             self._log_caught_up()
@@ -284,6 +291,7 @@ class Projector:
             handled=s.handled,
             skipped=s.skipped,
             invalid=s.invalid,
+            misplaced=s.misplaced,
             failures=s.failures,
             view_writes=s.view_writes,
             view_conflicts=s.view_conflicts,

@@ -18,6 +18,7 @@ class ExitStatus(enum.IntEnum):
     CONFLICT = 4  # another operation is in flight, or a race was lost
     VERIFY_FAILED = 5  # history does not verify
     UNAVAILABLE = 6  # NATS or an agent cannot be reached
+    MISPLACED = 8  # the chains are intact, but events stand on subjects they may not (haru.authority)
     INTERRUPTED = 130
 
 

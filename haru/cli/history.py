@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from datetime import datetime, timezone
 
 import msgspec
@@ -14,7 +15,10 @@ from haru.eventlog import EventLog
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="walk every subject's hash chain and say whether history is intact")
+    p = sub.add_parser(
+        "verify",
+        help="walk every subject's hash chain and check every event stands on a subject it may; say whether history is intact",
+    )
     add_nats_options(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(handler=run_verify)
@@ -55,12 +59,28 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
         await log.replay(verifier.add)
     if args.json:
         emit_json({"ok": verifier.ok, "events": verifier.events, "subjects": verifier.subjects,
-                   "breaks": [{"seq": b.seq, "subject": b.subject, "what": b.what} for b in verifier.breaks]})
+                   "breaks": [{"seq": b.seq, "subject": b.subject, "what": b.what} for b in verifier.breaks],
+                   "misplaced": [{"seq": m.seq, "subject": m.subject, "type": m.type, "by": m.by, "why": m.why}
+                                 for m in verifier.misplaced]})
     else:
         for b in verifier.breaks:
             print(str(b))
+        for m in verifier.misplaced:
+            print(str(m))
         print(verifier.summary())
-    return ExitStatus.OK if verifier.ok else ExitStatus.VERIFY_FAILED
+    if verifier.breaks:
+        return ExitStatus.VERIFY_FAILED
+    return ExitStatus.MISPLACED if verifier.misplaced else ExitStatus.OK
+
+
+def _report_misplaced(records, fleet: str) -> None:
+    """Say on stderr which events of the fleet no fold applied (they are left out of the answer)."""
+    wrong = history.misplaced_records(records)
+    if wrong:
+        print(f"haru: {len(wrong)} misplaced event(s) in fleet {fleet} not applied "
+              "(the subject is the authority; `haru verify` fails on them):", file=sys.stderr)
+        for m in wrong:
+            print(f"haru:   {m}", file=sys.stderr)
 
 
 async def _fleet_records(args: argparse.Namespace, who: str):
@@ -71,6 +91,7 @@ async def _fleet_records(args: argparse.Namespace, who: str):
 
 async def run_why(args: argparse.Namespace) -> ExitStatus:
     records = await _fleet_records(args, "why")
+    _report_misplaced(records, args.fleet)
     picked = history.story(records, args.model, domain=args.domain)
     if not picked:
         return fail(
@@ -104,6 +125,7 @@ def _parse_point(point: str) -> tuple[int | None, datetime | None]:
 async def run_as_of(args: argparse.Namespace) -> ExitStatus:
     seq, time = _parse_point(args.point)
     records = await _fleet_records(args, "as-of")
+    _report_misplaced(records if seq is None else [r for r in records if r.seq <= seq], args.fleet)
     states = history.as_of(records, args.model, seq=seq, time=time, domain=args.domain)
     if not states:
         return fail(f"model {args.model!r} had no history in fleet {args.fleet!r} as of {args.point}", ExitStatus.NOT_FOUND)
@@ -119,6 +141,7 @@ async def run_as_of(args: argparse.Namespace) -> ExitStatus:
 
 
 def _record_json(r) -> dict:
+    wrong = history.misplaced_of(r)
     return {
         "seq": r.seq,
         "time": r.time.isoformat(),
@@ -126,6 +149,7 @@ def _record_json(r) -> dict:
         "type": ev.tag_of(r.event) if r.event is not None else None,
         "event": msgspec.to_builtins(r.event) if r.event is not None else None,
         "error": r.error or None,
+        "misplaced": wrong.why if wrong is not None else None,
     }
 
 
@@ -142,5 +166,7 @@ async def run_history(args: argparse.Namespace) -> ExitStatus:
             print(f"{r.seq:>7}  {r.time:%Y-%m-%dT%H:%M:%S.%fZ}  {r.subject}  INVALID  {r.error}")
             continue
         body = msgspec.json.encode(ev.payload(r.event)).decode()
-        print(f"{r.seq:>7}  {r.time:%Y-%m-%dT%H:%M:%S.%fZ}  {r.subject}  {ev.tag_of(r.event)}  {body}")
+        wrong = history.misplaced_of(r)
+        note = f"  MISPLACED by {r.event.by or '?'}, not applied: {wrong.why}" if wrong is not None else ""
+        print(f"{r.seq:>7}  {r.time:%Y-%m-%dT%H:%M:%S.%fZ}  {r.subject}  {ev.tag_of(r.event)}  {body}{note}")
     return ExitStatus.OK

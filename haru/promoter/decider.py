@@ -111,7 +111,7 @@ STEPS: dict[str, StepSpec] = {
         on="route",
         verbs=(),
         bound=("command_timeout_ms",),
-        what="append route_moved with the route revision the operation was decided against",
+        what="append route_moved on the route subject, expecting its real last sequence, if the route has not moved since",
     ),
     "settle_old_active": StepSpec(
         on="other",
@@ -258,6 +258,16 @@ def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
     cur = last_step(op)
     if cur is None:
         return _start(op_subject, op, TRANSITIONS[(op.kind, None, "requested")], 1, facts)
+    if cur.step not in flow(op.kind):
+        # Only a writer of the op subject could have recorded it (the promoter, the gateway, the
+        # operator): a step this kind of operation does not have is not run, and does not wedge
+        # the fleet either (every later decision would fail on the missing transition).
+        return Append(
+            subject=op_subject,
+            event=OperationAborted(at=facts.now, op_id=op.op_id, step=cur.step,
+                                   error=f"{cur.step} is not a step of a {op.kind}"),
+            why="a step that does not belong to this operation was recorded",
+        )
     if cur.state == "started":
         return _resume(view, op, cur, facts)
     nxt = TRANSITIONS[(op.kind, cur.step, cur.state)]  # type: ignore[index]
@@ -271,7 +281,7 @@ def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
     if nxt == COMPLETE:
         return _finish(view, op, facts)
     if nxt == "flip":
-        refusal = _flip_refusal(view, op)
+        refusal = flip_refusal(view, op)
         if refusal:
             return Append(
                 subject=op_subject,
@@ -323,8 +333,12 @@ def _resume(view: FleetView, op: OperationView, cur: StepView, facts: Facts) -> 
     return None
 
 
-def _flip_refusal(view: FleetView, op: OperationView) -> str:
-    """Why the pointer must not move to the target now ('' = it may)."""
+def flip_refusal(view: FleetView, op: OperationView) -> str:
+    """Why the pointer must not move to the target now ('' = it may). The decider asks before it
+    starts the flip, and the promoter asks again before it appends `route_moved`: a `step_started`
+    for the flip that someone else recorded is not a probe."""
+    if op.kind != "promotion":
+        return f"a {op.kind} never moves the route"
     if not probed(op):
         return f"{op.target}'s models were not probed in this operation"
     target = view.domains.get(op.target)

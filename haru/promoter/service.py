@@ -5,13 +5,15 @@
 It follows the log (`log.replay(..., follow=True)`) and folds each fleet's events into its own
 `FleetView` with `projections.fleet.evolve`, so every decision is made on exactly the events seen,
 with their sequences; it keeps the last sequence of every subject it folded, which is the `expect`
-of every append it makes. It listens to heartbeats (`haru.hb.*.*`, core NATS) and measures silence.
+of every append it makes. An event that may not stand on its subject (`haru.authority`) is not
+applied (the fold counts it as an anomaly) and is logged. It listens to heartbeats (`haru.hb.*.*`, core NATS) and measures silence.
 
 Each round, per fleet: `decide(view, facts)` -> appends, made in order with the expected sequence;
 after a successful append the promoter waits until its follower has folded it before deciding again.
 A `step_started` it appended is a step it runs (in a task): the step's agent commands over
-request/reply (or, for the flip, `route_moved` on the route subject with the operation's route
-revision as the expected sequence), then `step_completed`/`step_failed` appended with
+request/reply (or, for the flip, `route_moved` on the route subject with the route subject's real
+last sequence as the expected one, provided the route has not moved since the operation's route
+revision), then `step_completed`/`step_failed` appended with
 expect = the `step_started`'s own sequence. A `Conflict` anywhere means another promoter wrote
 first: nothing is retried blindly; the follower catches up and the decider decides again.
 
@@ -40,11 +42,13 @@ from haru.errors import CommandError, Conflict, LogError
 from haru.eventlog import EventLog, Record
 from haru.events import RouteMoved, StepCompleted, StepFailed, StepStarted, tag_of
 from haru.promoter.client import send
-from haru.promoter.decider import command_for, decide, step_outcome
+from haru.promoter.decider import command_for, decide, flip_refusal, step_outcome
 from haru.promoter.decisions import Facts
 from haru.tasks import cancel_and_wait
 from haru.views import FleetView, OperationView
+from haru.authority import misplaced
 from projections.fleet import empty, evolve, fleet_of
+from projections.fleet import misplaced as evolve_misplaced
 
 log_ = structlog.get_logger("haru.promoter")
 
@@ -133,9 +137,14 @@ class Promoter:
             st = self._state(fleet)
             st.last[rec.subject] = rec.seq
             if rec.event is not None:
-                st.view = evolve(st.view, rec.event, seq=rec.seq, subject=rec.subject)
-                if isinstance(rec.event, StepStarted):
-                    st.step_by[rec.event.op_id] = rec.event.by
+                why = misplaced(rec.subject, rec.event)
+                if why:  # not applied (the subject is the authority): say so, once, where it is read
+                    st.view = evolve_misplaced(st.view, rec.event, seq=rec.seq, subject=rec.subject, why=why)
+                    self.log_.warning("misplaced_event", fleet=fleet, anomaly=st.view.last_anomaly)
+                else:
+                    st.view = evolve(st.view, rec.event, seq=rec.seq, subject=rec.subject)
+                    if isinstance(rec.event, StepStarted):
+                        st.step_by[rec.event.op_id] = rec.event.by
         self.folded = rec.seq
         self._advanced.set()
         self._changed.set()
@@ -297,7 +306,11 @@ class Promoter:
                 await asyncio.sleep(self.step_delay_ms / 1000)
             t0 = time.monotonic()
             if step == "flip":
-                event = await self._flip(st, op)
+                refusal = flip_refusal(st.view, op)
+                if refusal:  # a flip started by someone else, before the probe: never moves the route
+                    event = StepFailed(at=utcnow(), op_id=op.op_id, step="flip", error_code="flip_refused", error=refusal)
+                else:
+                    event = await self._flip(st, op)
             else:
                 domain, commands = command_for(st.view, op, step)
                 if not domain:
@@ -335,34 +348,72 @@ class Promoter:
             self._changed.set()
 
     async def _flip(self, st: FleetState, op: OperationView) -> StepCompleted | StepFailed:
-        """The one compare-and-swap that moves traffic: route_moved with the op's route revision."""
+        """The one compare-and-swap that moves traffic: `route_moved` on the route subject.
+
+        The operation was decided against `op.route_revision`, the sequence of the last route move
+        the fold applied, which only a `route_moved` on the route subject can be
+        (`haru.authority`). If the view has applied a move since, the flip fails at once. The
+        append's `expect` is the route subject's REAL last sequence as followed (`st.last`): the
+        same number, unless something that is not a route move was stored there (a body that does
+        not decode, a misplaced event), which must not make every future flip abort. On Conflict the
+        route subject is re-read from there: a route move by someone else fails the flip (routing
+        stays as it is), our own stored move is success, anything else is stepped over.
+        """
         fleet = st.view.fleet
         route = subjects.route(fleet)
         previous = st.view.active
+        if st.view.route_revision != op.route_revision:
+            return _moved_elsewhere(op, st.view.active, st.view.route_revision)
+        expect = max(st.last.get(route, 0), op.route_revision)
         moved = RouteMoved(at=utcnow(), by=self.identity, active=op.target, previous=previous, op_id=op.op_id)
-        try:
-            seq = await self.log.append(route, moved, expect=op.route_revision)
-        except Conflict:
-            rec = await self.log.last(route)
-            ev = rec.event if rec is not None else None
-            if isinstance(ev, RouteMoved) and ev.op_id == op.op_id and ev.active == op.target:
-                seq = rec.seq  # type: ignore[union-attr]
-            else:
-                now_active = ev.active if isinstance(ev, RouteMoved) else "nowhere"
-                return StepFailed(
-                    at=utcnow(),
-                    op_id=op.op_id,
-                    step="flip",
-                    error_code="route_moved_elsewhere",
-                    error=f"the route moved to {now_active} since revision {op.route_revision}, which this "
-                    f"operation was decided against; routing left as it is",
-                )
+        for _ in range(FLIP_TRIES):
+            try:
+                seq = await self.log.append(route, moved, expect=expect)
+                break
+            except Conflict as exc:
+                since = await self.log.history(route, from_seq=expect + 1)
+                moves = [r for r in since if isinstance(r.event, RouteMoved) and not misplaced(r.subject, r.event)]
+                if moves:
+                    last = moves[-1]
+                    ev = last.event
+                    assert isinstance(ev, RouteMoved)
+                    if ev.op_id == op.op_id and ev.active == op.target:
+                        seq = last.seq
+                        break
+                    return _moved_elsewhere(op, ev.active, last.seq)
+                skipped = since[-1].seq if since else (exc.current or expect)
+                self.log_.warning("flip_steps_over", fleet=fleet, op_id=op.op_id, expected=expect, now=skipped,
+                                  detail="the route subject holds something that is not a route move; expecting past it")
+                expect = skipped
+        else:
+            return StepFailed(
+                at=utcnow(),
+                op_id=op.op_id,
+                step="flip",
+                error_code="route_unsettled",
+                error=f"the route subject of {fleet} kept changing without a route move ({FLIP_TRIES} tries); "
+                f"routing left as it is",
+            )
         return StepCompleted(
             at=utcnow(),
             op_id=op.op_id,
             step="flip",
             detail=f"route revision {seq}: {previous or '(none)'} -> {op.target}",
         )
+
+
+FLIP_TRIES = 5
+
+
+def _moved_elsewhere(op: OperationView, active: str, revision: int) -> StepFailed:
+    return StepFailed(
+        at=utcnow(),
+        op_id=op.op_id,
+        step="flip",
+        error_code="route_moved_elsewhere",
+        error=f"the route moved to {active or 'nowhere'} (revision {revision}) since revision {op.route_revision}, "
+        f"which this operation was decided against; routing left as it is",
+    )
 
 
 def _context(event) -> dict:

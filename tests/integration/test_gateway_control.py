@@ -162,6 +162,11 @@ async def test_history_filters(ops):
     assert types[-1] == "fleet_declared" and "route_moved" in types and "model_declared" in types
     times = [e["time"] for e in hist["events"]]
     assert times == sorted(times, reverse=True)
+    assert all(e["misplaced"] is None for e in hist["events"])
+    # A residency event naming another domain than its subject: listed, and said to be misplaced.
+    await log.append(subjects.model("ops", "a", MODEL), ModelLoading(at=now, domain="b", model=MODEL), expect=await log.last_seq_of(subjects.model("ops", "a", MODEL)))
+    status, hist = await call(gw, "GET", "/v1/fleets/ops/history?domain=a&limit=1")
+    assert hist["events"][0]["misplaced"] == "its body says domain 'b', its subject says 'a'"
     status, err = await call(gw, "GET", "/v1/fleets/ops/history?limit=0")
     assert status == 400 and err["error"]["param"] == "limit"
     status, err = await call(gw, "GET", "/v1/fleets/ops/history?domain=Nope!")

@@ -270,3 +270,25 @@ def test_a_request_repeated_for_an_operation_already_recorded_in_the_batch_chang
     ops = [dict(zip(S.OPERATION_COLUMNS, r)) for r in writes.insert_operations]
     assert [(o["target"], o["outcome"], o["duration_ms"]) for o in ops] == [("b", "completed", 10)]
     assert carry.operations == {}
+
+
+def test_a_misplaced_event_makes_no_row_but_a_skipped_one_naming_it():
+    forger = "agent:default/a@h"
+    records = [
+        model_rec(1, ev.ModelLost(at=at(100), domain="b", model="qwen3.6:27b", reason="gpu_detached", by=forger)),
+        rec(2, subjects.agent(F, "a"), ev.RouteMoved(at=at(200), active="b", by=forger)),
+        rec(3, subjects.agent(F, "a"), ev.PromotionRequested(at=at(300), op_id="op-x", target="b", by=forger)),
+        rec(4, subjects.gpu(F, "a", 0), ev.GpuObserved(at=at(400), domain="a", index=1, present=False, by=forger)),
+    ]
+    writes, carry = plan(Carry(), records)
+    assert writes.last_seq == 4 and carry == Carry()
+    for table in ("residency_transitions", "incidents", "gpu_observations", "operation_steps"):
+        assert writes.copies[table] == [], table
+    assert writes.insert_operations == [] and writes.upsert_domains == []
+    skipped = rows("skipped_events", writes)
+    assert [r["seq"] for r in skipped] == [1, 2, 3, 4]
+    assert skipped[0]["error"] == (f"misplaced: seq 1: model_lost on {subjects.model(F, 'a', 'qwen3.6:27b')} by {forger} "
+                                   "not applied: its body says domain 'b', its subject says 'a'")
+    assert "route_moved belongs on haru.evt.<fleet>.route" in skipped[1]["error"]
+    assert skipped[3]["body"] == ev.encode(records[3].event)
+    assert [s[0] for s in writes.skipped] == [1, 2, 3, 4]

@@ -3,7 +3,9 @@ for event, however often its view is materialized, and through the JSON round tr
 
 Histories are the legal ones of test_fold_properties with odd events spliced in: illegal residency
 transitions, events about undeclared or retired models and domains, bodies that did not decode,
-events of a fleet that was never declared: everything that moves `anomalies` and `last_anomaly`.
+events of a fleet that was never declared, events on subjects they may not stand on (a route move on
+an agent subject, a residency event naming another domain or model than its subject): everything
+that moves `anomalies` and `last_anomaly`.
 """
 
 from __future__ import annotations
@@ -33,8 +35,16 @@ def odd_histories(draw) -> list[tuple[int, str, ev.Event | None]]:
         d = draw(st.sampled_from([*DOMAINS, "zz"]))
         m = draw(st.sampled_from([*MODELS, "ghost"]))
         at = T1 + timedelta(seconds=draw(st.integers(0, 10**6)))
-        kind = draw(st.sampled_from(["residency", "residency", "residency", "invalid", "retire_model", "retire_domain", "admission", "redeclare"]))
-        if kind == "residency":  # any residency event, legal in its place or not, declared or not
+        kind = draw(st.sampled_from(["residency", "residency", "residency", "invalid", "retire_model", "retire_domain",
+                                     "admission", "redeclare", "misplaced_route", "misplaced_residency"]))
+        if kind == "misplaced_route":  # a route move anywhere but the route subject
+            other = draw(st.sampled_from([sj.agent(fleet, d), sj.model(fleet, d, m), sj.op(fleet), sj.decl(fleet)]))
+            item = (other, ev.RouteMoved(at=at, active=d, by="agent:forger"))
+        elif kind == "misplaced_residency":  # a residency event whose body names another domain or model
+            tag = draw(st.sampled_from(sorted(_RESIDENCY_EVENTS)))
+            body_d, body_m = draw(st.sampled_from([(d + "x", m), (d, m + "x")]))
+            item = (sj.model(fleet, d, m), _RESIDENCY_EVENTS[tag](at, body_d, body_m, draw))
+        elif kind == "residency":  # any residency event, legal in its place or not, declared or not
             tag = draw(st.sampled_from(sorted(_RESIDENCY_EVENTS)))
             item = (sj.model(fleet, d, m), _RESIDENCY_EVENTS[tag](at, d, m, draw))
         elif kind == "invalid":
