@@ -18,6 +18,9 @@ class ExitStatus(enum.IntEnum):
     CONFLICT = 4  # another operation is in flight, or a race was lost
     VERIFY_FAILED = 5  # history does not verify
     UNAVAILABLE = 6  # NATS or an agent cannot be reached
+    # 7-9 left for other failure kinds of `verify` (e.g. a misplaced event)
+    LOG_DAMAGED = 10  # the event store cannot serve some sequences (a damaged block): stderr names them
+    LOG_TRUNCATED = 11  # the event store ends before what the views folded, or was cut and written on
     INTERRUPTED = 130
 
 
@@ -98,6 +101,16 @@ def add_nats_options(parser: argparse.ArgumentParser) -> None:
         "--nats-creds",
         default=os.environ.get("HARU_NATS_CREDS"),
         help="NATS credentials file (env HARU_NATS_CREDS)",
+    )
+
+
+def add_replay_timeout_option(parser: argparse.ArgumentParser) -> None:
+    """--timeout: how long a command may take to read the log back (its replay's deadline)."""
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=float(os.environ.get("HARU_REPLAY_TIMEOUT", "120")),
+        help="seconds to read the log back before giving up (env HARU_REPLAY_TIMEOUT; default %(default)g)",
     )
 
 

@@ -26,6 +26,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
+class LinkReporter:
+    """Says on stderr when the control plane went away and when it came back, so a watch never
+    shows the last state as if it were live: `haru: control plane unreachable since <t> (<url>):
+    what is shown may be stale`, then `haru: control plane reachable again at <t> (away <s> s)`."""
+
+    def __init__(self, url: str, what: str) -> None:
+        self.url = url
+        self.what = what
+        self.since: datetime | None = None
+
+    def __call__(self, up: bool) -> None:
+        now = datetime.now(timezone.utc)
+        if not up and self.since is None:
+            self.since = now
+            print(f"haru: control plane unreachable since {now:%Y-%m-%dT%H:%M:%SZ} ({self.url}): "
+                  f"{self.what} may be stale; retrying", file=sys.stderr, flush=True)
+        elif up and self.since is not None:
+            away = (now - self.since).total_seconds()
+            self.since = None
+            print(f"haru: control plane reachable again at {now:%Y-%m-%dT%H:%M:%SZ} (away {away:.1f} s)",
+                  file=sys.stderr, flush=True)
+
+
 def _print(ri, as_json: bool) -> None:
     from haru.route import refresh
     from projections.status import render_intent
@@ -58,6 +81,8 @@ async def run(args: argparse.Namespace) -> ExitStatus:
                     )
                 _print(w.current, args.json)
                 return ExitStatus.OK
+            if w.log is not None:
+                w.log.on_link_change(LinkReporter(args.nats_url, "the route shown"))
             if w.current is None and not args.json:
                 print(f"(no route intent for fleet {args.fleet!r} yet; waiting)", file=sys.stderr)
             first = True
