@@ -6,6 +6,7 @@ import argparse
 import enum
 import os
 import sys
+from datetime import datetime, timezone
 
 import msgspec
 
@@ -125,3 +126,26 @@ def add_fleet_option(parser: argparse.ArgumentParser) -> None:
 def nats_servers(url: str) -> list[str]:
     """nats-py wants a list, not a comma-separated string."""
     return [u.strip() for u in url.split(",") if u.strip()]
+
+
+class LinkReporter:
+    """Says on stderr when the control plane went away and when it came back, so a watch never
+    shows the last state as if it were live: `haru: control plane unreachable since <t> (<url>):
+    what is shown may be stale`, then `haru: control plane reachable again at <t> (away <s> s)`."""
+
+    def __init__(self, url: str, what: str) -> None:
+        self.url = url
+        self.what = what
+        self.since: datetime | None = None
+
+    def __call__(self, up: bool) -> None:
+        now = datetime.now(timezone.utc)
+        if not up and self.since is None:
+            self.since = now
+            print(f"haru: control plane unreachable since {now:%Y-%m-%dT%H:%M:%SZ} ({self.url}): "
+                  f"{self.what} may be stale; retrying", file=sys.stderr, flush=True)
+        elif up and self.since is not None:
+            away = (now - self.since).total_seconds()
+            self.since = None
+            print(f"haru: control plane reachable again at {now:%Y-%m-%dT%H:%M:%SZ} (away {away:.1f} s)",
+                  file=sys.stderr, flush=True)

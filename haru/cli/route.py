@@ -6,7 +6,7 @@ import argparse
 import sys
 from datetime import datetime, timezone
 
-from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers
+from haru.cli.common import LinkReporter, ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,29 +24,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--watch", action="store_true", help="keep printing every new intent, in order")
     p.add_argument("--json", action="store_true", help="one JSON RouteIntent per line (for_ms as of printing)")
     p.set_defaults(handler=run)
-
-
-class LinkReporter:
-    """Says on stderr when the control plane went away and when it came back, so a watch never
-    shows the last state as if it were live: `haru: control plane unreachable since <t> (<url>):
-    what is shown may be stale`, then `haru: control plane reachable again at <t> (away <s> s)`."""
-
-    def __init__(self, url: str, what: str) -> None:
-        self.url = url
-        self.what = what
-        self.since: datetime | None = None
-
-    def __call__(self, up: bool) -> None:
-        now = datetime.now(timezone.utc)
-        if not up and self.since is None:
-            self.since = now
-            print(f"haru: control plane unreachable since {now:%Y-%m-%dT%H:%M:%SZ} ({self.url}): "
-                  f"{self.what} may be stale; retrying", file=sys.stderr, flush=True)
-        elif up and self.since is not None:
-            away = (now - self.since).total_seconds()
-            self.since = None
-            print(f"haru: control plane reachable again at {now:%Y-%m-%dT%H:%M:%SZ} (away {away:.1f} s)",
-                  file=sys.stderr, flush=True)
 
 
 def _print(ri, as_json: bool) -> None:
