@@ -162,6 +162,8 @@ def _decode_record(seq: int, subject: str, time_ns: int, data: bytes, headers: d
         event = decode(data)
     except EventDecodeError as exc:
         return Record(seq, subject, time_ns, data, None, str(exc), headers)
+    except RecursionError:  # a body nested thousands deep: msgspec refuses it this way
+        return Record(seq, subject, time_ns, data, None, "not a valid Haru event: nested too deeply to decode", headers)
     return Record(seq, subject, time_ns, data, event, "", headers)
 
 
@@ -700,7 +702,7 @@ class EventLog:
         # The hot path of every follower (~100k messages/s): _parse_ack_reply and _decode_record
         # inlined, the pending count compared as text (the server writes it without leading zeros).
         decode_event = _event_decoder.decode
-        invalid = msgspec.DecodeError  # ValidationError is a subclass
+        invalid = (msgspec.DecodeError, RecursionError)  # ValidationError is a subclass of DecodeError
 
         async def on_msg(msg: Any) -> None:
             nonlocal last_handled, last_tokens

@@ -111,6 +111,17 @@ async def test_a_flipped_byte_ends_every_replay_and_names_the_sequence(nats_serv
                 await log.history(sj.model(F, "a", MODELS[0]), timeout=BOUND_S)
         assert caught.value.missing == [v]
         assert caught.value.records and v not in [r.seq for r in caught.value.records]
+        # A follower (projector, promoter, sink) is told of the hole and goes on.
+        gaps: list[list[int]] = []
+        handled: list[int] = []
+        follower = asyncio.create_task(log.replay(lambda r: handled.append(r.seq), follow=True, on_gap=gaps.append))
+        try:
+            async with asyncio.timeout(BOUND_S):
+                while not handled or handled[-1] < built["last"]:
+                    await asyncio.sleep(0.02)
+        finally:
+            await cancel_and_wait(follower)
+        assert gaps == [[v]]
         # Filtered on subjects the damage is not on: complete, no false alarm.
         other = await log.history(sj.fleet_events(F).replace(">", "b.>"), timeout=BOUND_S, strict=True)
         assert other and all(r.subject.startswith("haru.evt.default.b.") for r in other)
@@ -174,3 +185,15 @@ async def test_cutting_the_newest_events_is_caught_against_the_views(nats_server
     out = await asyncio.to_thread(haru, "verify", nats_url=cut.url, timeout=BOUND_S)
     assert out.returncode == LOG_TRUNCATED, out.stdout + out.stderr
     assert f"seq {last} is not the event view fleet.{F} (last folded) folded" in out.stderr
+
+
+async def test_a_body_nested_10000_deep_is_an_invalid_event_not_the_end_of_the_replay(nats_server, event_log):
+    await declare(event_log)
+    deep = await event_log.js.publish(sj.decl(F), b'{"a":' * 10_000 + b"1" + b"}" * 10_000)
+    after = await Writer(event_log).move("a")
+    records = await event_log.history(timeout=BOUND_S)
+    bad = [r for r in records if r.seq == deep.seq]
+    assert bad and bad[0].event is None and "nested too deeply" in bad[0].error
+    assert records[-1].seq == after  # the replay went on past it
+    out = await asyncio.to_thread(haru, "verify", nats_url=nats_server.url, timeout=BOUND_S)
+    assert out.returncode == 5 and f"seq {deep.seq} on {sj.decl(F)}: the body is not a valid event" in out.stdout
