@@ -813,7 +813,8 @@ class EventLog:
         if missing:
             what = f"cannot serve sequence{'s' if len(missing) > 1 else ''} {seq_ranges(missing)}"
             if not unfiltered:
-                what += f" (their subjects cannot be read: they may belong to {subject_filter})"
+                what += (f" (their subjects cannot be read: they may belong to {subject_filter})" if len(missing) > 1
+                         else f" (its subject cannot be read: it may belong to {subject_filter})")
         else:
             what = f"counted {undelivered} message(s) matching {subject_filter} that it could not deliver"
         raise LogDamaged(

@@ -11,7 +11,7 @@ from haru import events as ev
 from haru import history, subjects
 from haru.cli.common import (ExitStatus, add_fleet_option, add_nats_options, add_replay_timeout_option, emit_json,
                              fail, nats_servers)
-from haru.errors import LogDamaged
+from haru.errors import LogDamaged, seq_ranges
 from haru.eventlog import EventLog
 
 
@@ -104,7 +104,15 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
             print(str(b))
         for f in findings:
             print(str(f))
-        print(verifier.summary())
+        if damaged is not None:
+            print(f"verify FAILED — {verifier.events} events read on {verifier.subjects} subjects; the store cannot "
+                  f"serve sequence(s) {seq_ranges(missing) or f'({damaged.uncounted} uncounted)'}"
+                  + (f"; {len(verifier.breaks)} break(s)" if verifier.breaks else ""))
+        elif findings:
+            print(f"verify FAILED — the chains of {verifier.events} events on {verifier.subjects} subjects "
+                  f"{'hold' if verifier.ok else 'have breaks'}, but the store was cut: newest events are missing")
+        else:
+            print(verifier.summary())
     if damaged is not None:
         return fail(str(damaged), ExitStatus.LOG_DAMAGED)
     if findings:
