@@ -33,7 +33,7 @@ from gateway.routing import RoutingTable, fleet_not_found
 from gateway.truth import models_list, truth_table
 from haru import subjects
 from haru.httpguard import TOO_DEEP
-from haru.errors import HaruError, InvalidName, LogError, LogUnavailable
+from haru.errors import HaruError, InvalidName, LogDamaged, LogError, LogUnavailable
 from haru.events import payload, tag_of
 from haru.views import view_encoder
 
@@ -207,6 +207,8 @@ class Control:
             records = await events.history(subject_filter)
         except LogUnavailable as exc:
             raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
+        except LogDamaged as exc:
+            raise ApiError(500, "log_damaged", str(exc)) from None
         if not records and self.table.get(fleet) is None:
             if not await events.history(subjects.fleet_events(fleet)):
                 raise _refused(fleet_not_found(fleet, self.table.fleets()))
