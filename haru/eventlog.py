@@ -292,11 +292,32 @@ class _AckInbox:
             expiring.discard(future)
 
 
+class _Link:
+    """Who wants to know when the connection to NATS is lost and when it is back (nats-py's
+    disconnected/reconnected callbacks, which exist before the EventLog does)."""
+
+    def __init__(self) -> None:
+        self.listeners: list[Callable[[bool], None]] = []
+
+    def _tell(self, up: bool) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(up)
+            except Exception as exc:  # noqa: BLE001 - a listener's bug must not break the client
+                _log.warning("eventlog.link_listener_failed", error=str(exc))
+
+    async def down(self) -> None:
+        self._tell(False)
+
+    async def up(self) -> None:
+        self._tell(True)
+
+
 class EventLog:
     """A connection to the log. Create with `EventLog.connect(...)` (async context) or `EventLog.open`."""
 
     def __init__(self, nc: nats.NATS, *, writer: str, timeout: float = 5.0,
-                 replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S) -> None:
+                 replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S, link: "_Link | None" = None) -> None:
         self.nc = nc
         self.replay_timeout = replay_timeout  # the deadline of a replay that does not follow
         self.js = nc.jetstream(timeout=timeout)
@@ -306,8 +327,7 @@ class EventLog:
         self._tips: dict[str, tuple[int, str]] = {}
         self._kv: Any = None
         self._acks = _AckInbox(nc)
-        if not hasattr(self, "_link_listeners"):
-            self._link_listeners: list[Callable[[bool], None]] = []
+        self._link = link if link is not None else _Link()
 
     # ------------------------------------------------------------------------ connection state
 
@@ -315,15 +335,9 @@ class EventLog:
         """Call `listener(False)` when the connection to NATS is lost and `listener(True)` when it
         is back (for watches that must not show the last state as if it were live). Returns a
         function that removes the listener. Only for logs made by `open`/`connect`."""
-        self._link_listeners.append(listener)
-        return lambda: self._link_listeners.remove(listener) if listener in self._link_listeners else None
-
-    def _link_changed(self, up: bool) -> None:
-        for listener in list(self._link_listeners):
-            try:
-                listener(up)
-            except Exception as exc:  # noqa: BLE001 - a listener's bug must not break the client
-                _log.warning("eventlog.link_listener_failed", error=str(exc))
+        listeners = self._link.listeners
+        listeners.append(listener)
+        return lambda: listeners.remove(listener) if listener in listeners else None
 
     @property
     def connected(self) -> bool:
@@ -346,7 +360,11 @@ class EventLog:
         if isinstance(servers, str):
             servers = [s.strip() for s in servers.split(",") if s.strip()]
 
+        first_errors: list[BaseException] = []  # what the first connection's attempts ran into
+
         async def _quiet(exc: Exception) -> None:
+            if len(first_errors) < 16:
+                first_errors.append(exc)
             # Reconnect noise is expected while a server restarts; anything else (a permissions
             # violation, a slow consumer) is worth a line in the service's log.
             if isinstance(exc, (OSError, asyncio.TimeoutError, nats.errors.UnexpectedEOF,
@@ -354,15 +372,7 @@ class EventLog:
                 return
             _log.warning("nats.error", writer=writer, error=str(exc) or type(exc).__name__)
 
-        log = cls.__new__(cls)  # the connection callbacks below report to it once it exists
-        log._link_listeners = []
-
-        async def _disconnected() -> None:
-            log._link_changed(False)
-
-        async def _reconnected() -> None:
-            log._link_changed(True)
-
+        link = _Link()
         # The first connection tries each server twice, 50 ms apart, and gives up: with
         # `max_reconnect_attempts=-1` nats-py's connect() loops over refused servers until our
         # timeout (every CLI command waited the whole connect_timeout, ~5.5 s, to say NATS was
@@ -376,8 +386,8 @@ class EventLog:
             max_reconnect_attempts=_FIRST_CONNECT_ATTEMPTS,
             reconnect_time_wait=_FIRST_CONNECT_WAIT_S,
             error_cb=_quiet,
-            disconnected_cb=_disconnected,
-            reconnected_cb=_reconnected,
+            disconnected_cb=link.down,
+            reconnected_cb=link.up,
         )
         if creds:
             kwargs["user_credentials"] = creds
@@ -385,8 +395,13 @@ class EventLog:
             async with asyncio.timeout(connect_timeout):
                 nc = await nats.connect(**kwargs)
         except (asyncio.TimeoutError, nats.errors.NoServersError, OSError) as exc:
-            refused = isinstance(exc, ConnectionRefusedError) or isinstance(exc.__context__, ConnectionRefusedError)
-            why = "connection refused" if refused or isinstance(exc, nats.errors.NoServersError) else "no answer"
+            seen = first_errors or [exc]
+            if all(isinstance(e, ConnectionRefusedError) for e in seen):
+                why = "connection refused"
+            elif any(isinstance(e, (asyncio.TimeoutError, nats.errors.TimeoutError)) for e in seen):
+                why = "no answer"
+            else:
+                why = str(seen[-1]) or type(seen[-1]).__name__
             raise LogUnavailable(
                 f"cannot reach NATS at {', '.join(servers)} ({why}): start it (`haru up` runs one) "
                 f"or pass --nats-url / set HARU_NATS_URL"
@@ -395,8 +410,7 @@ class EventLog:
             raise LogUnavailable(f"cannot connect to NATS at {', '.join(servers)}: {exc}") from exc
         nc.options["max_reconnect_attempts"] = -1
         nc.options["reconnect_time_wait"] = _RECONNECT_WAIT_S
-        log.__init__(nc, writer=writer, timeout=timeout, replay_timeout=replay_timeout)
-        return log
+        return cls(nc, writer=writer, timeout=timeout, replay_timeout=replay_timeout, link=link)
 
     @classmethod
     @contextlib.asynccontextmanager
