@@ -18,8 +18,9 @@ from datetime import datetime
 import msgspec
 
 from haru import events as ev
-from haru import residency
+from haru import residency, subjects
 from haru.eventlog import MSG_ID, Record, body_hash, msg_id
+from haru.views import FleetView, RouteIntent
 
 # ------------------------------------------------------------------------------------------ verify
 
@@ -118,11 +119,9 @@ class Finding:
         return self.what
 
 
-def view_witnesses(key: str, view) -> list[Witness]:
+def view_witnesses(key: str, view: FleetView) -> list[Witness]:
     """What a FleetView (haru.views) says it folded."""
-    from haru import subjects
-
-    prefix = f"haru.evt.{view.fleet}."
+    prefix = f"{subjects.EVT}.{view.fleet}."
     out = [Witness(f"view {key} (last folded)", view.seq, prefix, view.updated_at)] if view.seq else []
     for name, seq, subject in (("decl_seq", view.decl_seq, subjects.decl(view.fleet)),
                                ("op_seq", view.op_seq, subjects.op(view.fleet)),
@@ -135,15 +134,13 @@ def view_witnesses(key: str, view) -> list[Witness]:
     return out
 
 
-def intent_witnesses(intent) -> list[Witness]:
+def intent_witnesses(intent: RouteIntent) -> list[Witness]:
     """What a RouteIntent says: the route_moved it follows and the view it was computed from."""
-    from haru import subjects
-
     out = []
     if intent.revision:
         out.append(Witness(f"route intent of {intent.fleet} (revision)", intent.revision, subjects.route(intent.fleet)))
     if intent.view_seq:
-        out.append(Witness(f"route intent of {intent.fleet} (view_seq)", intent.view_seq, f"haru.evt.{intent.fleet}."))
+        out.append(Witness(f"route intent of {intent.fleet} (view_seq)", intent.view_seq, f"{subjects.EVT}.{intent.fleet}."))
     return out
 
 
