@@ -43,6 +43,9 @@ _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "traile
                   "proxy-authorization", "content-length", "server", "date"})
 
 
+_DIAGNOSIS_REUSE_S = 0.25  # how long one diagnosis of a failing runtime answers for the next failures
+
+
 class _Model(msgspec.Struct):
     model: str | None = None
 
@@ -74,6 +77,7 @@ class ServingProxy:
         self.logger = structlog.get_logger("haru.agent.serving").bind(fleet=agent.fleet, domain=agent.domain)
         self.token = os.environ.get("HARU_SERVING_TOKEN", "")
         self.limits = ClientLimits.from_env(os.environ)
+        self._diagnosed: dict[str, tuple[float, str]] = {}  # model -> (when, reason) of the last diagnosis
         cfg = agent.config.serving
         self.host = cfg.host
         port = cfg.port
@@ -182,13 +186,19 @@ class ServingProxy:
         The one-bit diagnosis, now: the residency answer when the model is gone, None otherwise."""
         if m.state_tag != "resident":
             return self._not_serving(m)  # the agent recorded the change while the request ran
-        external = m.runtime.kind == "external"
-        gpu = None if external else self.agent.read_gpu(m.spec.gpu_index)
-        alive = m.runtime.alive()
-        holds = True
-        if alive and (gpu is None or gpu.present is not False):
-            holds = await probes.holds_model(m.runtime, timeout_s=min(2.0, self.agent.policy.probe_timeout_ms / 1000))
-        reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=holds)
+        now = time.monotonic()
+        cached = self._diagnosed.get(m.name)
+        if cached is not None and now - cached[0] < _DIAGNOSIS_REUSE_S:
+            reason = cached[1]  # a burst of failing requests asks the runtime once, not once each
+        else:
+            external = m.runtime.kind == "external"
+            gpu = None if external else self.agent.read_gpu(m.spec.gpu_index)
+            alive = m.runtime.alive()
+            holds = True
+            if alive and (gpu is None or gpu.present is not False):
+                holds = await probes.holds_model(m.runtime, timeout_s=min(2.0, self.agent.policy.probe_timeout_ms / 1000))
+            reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=holds)
+            self._diagnosed[m.name] = (time.monotonic(), reason)
         if reason == "unhealthy":
             return None  # the runtime's own answer: passed through
         self.agent.recheck(m)  # record it now, not at the next probe
