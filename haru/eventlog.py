@@ -708,10 +708,25 @@ class EventLog:
                 _log.error("eventlog.unreadable_sequences", seqs=seq_ranges(seqs), filter=subject_filter,
                            fix="restore the store from a backup or a cluster peer (docs/operations.md)")
 
+        budget = self.replay_timeout if timeout is None else timeout
+        deadline = None if budget is None else loop.time() + budget  # None: no deadline (asked for)
+
+        def too_late() -> ReplayTimeout:
+            end = "unknown" if stream_state is None else stream_state.last_seq
+            return ReplayTimeout(
+                f"replaying {subject_filter} from {from_seq}: not finished after {budget:g} s (read up to "
+                f"seq {last_handled}, the stream ends at {end}); NATS is slow or unreachable: "
+                f"retry, or allow longer with --timeout / HARU_REPLAY_TIMEOUT"
+            )
+
         stream_state = None
         if not follow:
-            with _translated("reading the event stream's state"):
-                stream_state = (await self.js.stream_info(subjects.EVENTS_STREAM)).state
+            try:
+                async with asyncio.timeout_at(deadline):
+                    with _translated("reading the event stream's state"):
+                        stream_state = (await self.js.stream_info(subjects.EVENTS_STREAM)).state
+            except TimeoutError:
+                raise too_late() from None
 
         # The hot path of every follower (~100k messages/s): _parse_ack_reply and _decode_record
         # inlined, the pending count compared as text (the server writes it without leading zeros).
@@ -756,42 +771,41 @@ class EventLog:
         else:
             policy, start = api.DeliverPolicy.BY_START_SEQUENCE, from_seq
         config = api.ConsumerConfig(opt_start_seq=start, headers_only=False)
-        with _translated(f"replaying {subject_filter} from {from_seq}"):
-            sub = await self.js.subscribe(
-                subject_filter,
-                cb=on_msg,
-                stream=subjects.EVENTS_STREAM,
-                ordered_consumer=True,
-                deliver_policy=policy,
-                config=config,
-                pending_msgs_limit=-1,
-                pending_bytes_limit=-1,
-            )
+        try:
+            async with asyncio.timeout_at(None if follow else deadline):
+                with _translated(f"replaying {subject_filter} from {from_seq}"):
+                    sub = await self.js.subscribe(
+                        subject_filter,
+                        cb=on_msg,
+                        stream=subjects.EVENTS_STREAM,
+                        ordered_consumer=True,
+                        deliver_policy=policy,
+                        config=config,
+                        pending_msgs_limit=-1,
+                        pending_bytes_limit=-1,
+                    )
+        except TimeoutError:
+            raise too_late() from None
         first_pending = 0
         watchdog: asyncio.Task[None] | None = None
         try:
             if follow:
                 await finished
                 return last_handled
-            with _translated("reading the replay consumer"):
-                info = await sub.consumer_info()
+            async with asyncio.timeout_at(deadline):
+                with _translated("reading the replay consumer"):
+                    info = await sub.consumer_info()
             first_pending = info.num_pending + (info.delivered.consumer_seq if info.delivered else 0)
             if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
                 if not finished.done():
                     finished.set_result(None)
             watchdog = asyncio.create_task(self._end_of_replay(sub, finished, lambda: last_tokens))
-            budget = self.replay_timeout if timeout is None else timeout
-            try:
-                async with asyncio.timeout(budget):
-                    await finished
-            except TimeoutError:
-                if finished.done() and finished.exception() is not None:
-                    raise finished.exception() from None
-                raise ReplayTimeout(
-                    f"replaying {subject_filter} from {from_seq}: not finished after {budget:g} s (read up to "
-                    f"seq {last_handled}, the stream ends at {stream_state.last_seq}); NATS is slow or unreachable: "
-                    f"retry, or allow longer with --timeout / HARU_REPLAY_TIMEOUT"
-                ) from None
+            async with asyncio.timeout_at(deadline):
+                await finished
+        except TimeoutError:
+            if finished.done() and not finished.cancelled() and finished.exception() is not None:
+                raise finished.exception() from None
+            raise too_late() from None
         finally:
             if watchdog is not None:
                 watchdog.cancel()
@@ -818,7 +832,7 @@ class EventLog:
                 missing.extend(range(max(last_handled + 1, from_seq), end + 1))
         elif span and (undelivered > 0 or (strict and holes_in_state > 0)):
             try:
-                await self.replay(_ignore, from_seq=from_seq, headers=False, timeout=timeout)
+                await self.replay(_ignore, from_seq=from_seq, headers=False, timeout=None if deadline is None else max(0.1, deadline - loop.time()))
             except LogDamaged as exc:
                 missing = [q for q in exc.missing if q <= end]
         if not missing and not undelivered:

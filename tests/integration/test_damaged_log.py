@@ -197,3 +197,20 @@ async def test_a_body_nested_10000_deep_is_an_invalid_event_not_the_end_of_the_r
     assert records[-1].seq == after  # the replay went on past it
     out = await asyncio.to_thread(haru, "verify", nats_url=nats_server.url, timeout=BOUND_S)
     assert out.returncode == 5 and f"seq {deep.seq} on {sj.decl(F)}: the body is not a valid event" in out.stdout
+
+
+async def test_a_replay_against_a_server_that_stopped_answering_ends_at_its_deadline(nats_server, event_log):
+    import os
+    import signal
+
+    from haru.errors import ReplayTimeout
+
+    await declare(event_log)
+    os.kill(nats_server.proc.pid, signal.SIGSTOP)  # the server hangs: no answer, no refusal
+    try:
+        with pytest.raises(ReplayTimeout) as caught:
+            async with asyncio.timeout(BOUND_S):  # a replay without a deadline would hit this instead
+                await event_log.history(timeout=1.0)
+        assert "not finished after 1 s" in str(caught.value) and "HARU_REPLAY_TIMEOUT" in str(caught.value)
+    finally:
+        os.kill(nats_server.proc.pid, signal.SIGCONT)
