@@ -143,6 +143,7 @@ class ModelSlot:
 class Agent:
     def __init__(self, config: AgentConfig, slots: HostSlots, log: EventLog, gpus: Gpus, session: aiohttp.ClientSession) -> None:
         self.config = config
+        self._rechecking: set[str] = set()  # models the serving port asked to probe now
         self.slots = slots
         self.policy = slots.policy
         self.log = log
@@ -209,6 +210,20 @@ class Agent:
 
     async def stopped(self) -> None:
         await self._stop.wait()
+
+    def recheck(self, m: "ModelSlot") -> None:
+        """Probe `m` now (the serving port saw its runtime fail a request), once at a time."""
+        if m.name in self._rechecking or self.stopping:
+            return
+        self._rechecking.add(m.name)
+
+        async def run() -> None:
+            try:
+                await self.check(m)  # records the loss; restarting an evicted one is the periodic probe's job
+            finally:
+                self._rechecking.discard(m.name)
+
+        self._spawn_task(run(), f"recheck:{m.name}")
 
     def _spawn_task(self, coro, name: str) -> asyncio.Task:
         task = asyncio.ensure_future(coro)

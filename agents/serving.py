@@ -26,7 +26,9 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from agents import probes
 from haru.errors import ConfigError
+from haru.httpguard import TOO_DEEP, BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
 
 if TYPE_CHECKING:
     from agents.agent import Agent
@@ -39,6 +41,9 @@ MAX_BODY = int(os.environ.get("HARU_SERVING_MAX_BODY_BYTES", str(32 * 1024 * 102
 _PASS_REQUEST = ("content-type", "accept", "accept-encoding", "user-agent", "x-request-id", "openai-organization")
 _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authenticate",
                   "proxy-authorization", "content-length", "server", "date"})
+
+
+_DIAGNOSIS_REUSE_S = 0.25  # how long one diagnosis of a failing runtime answers for the next failures
 
 
 class _Model(msgspec.Struct):
@@ -71,6 +76,8 @@ class ServingProxy:
         self.agent = agent
         self.logger = structlog.get_logger("haru.agent.serving").bind(fleet=agent.fleet, domain=agent.domain)
         self.token = os.environ.get("HARU_SERVING_TOKEN", "")
+        self.limits = ClientLimits.from_env(os.environ)
+        self._diagnosed: dict[str, tuple[float, str]] = {}  # model -> (when, reason) of the last diagnosis
         cfg = agent.config.serving
         self.host = cfg.host
         port = cfg.port
@@ -92,7 +99,8 @@ class ServingProxy:
                                 "who can reach it", host=self.host, port=self.port)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
-        server = web.Server(self._handle, handler_cancellation=True, access_log=None)
+        server = GuardedServer(self._handle, limits=self.limits, handler_cancellation=True, access_log=None)
+        self.server = server
         self._runner = web.ServerRunner(server, handle_signals=False, access_log=None)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port)
@@ -134,27 +142,68 @@ class ServingProxy:
             return error(405, "method_not_allowed", f"{path} takes POST", headers={"Allow": "POST"})
         if not self._authorized(request):
             return error(401, "unauthorized", "missing or wrong bearer token (HARU_SERVING_TOKEN)", kind="authentication_error")
-        if request.content_length is not None and request.content_length > MAX_BODY:
-            return error(413, "payload_too_large", f"the body is over {MAX_BODY} bytes")
-        body = await request.read()
-        if len(body) > MAX_BODY:
-            return error(413, "payload_too_large", f"the body is over {MAX_BODY} bytes")
+        try:
+            body = await read_body(request, self.limits, MAX_BODY)
+        except BodyTooLarge:
+            return error(413, "payload_too_large", f"the body is over {MAX_BODY} bytes", headers={"Connection": "close"})
+        except BodyTimeout:
+            return error(408, "request_timeout", f"the body did not arrive within HARU_CLIENT_BODY_TIMEOUT_MS "
+                         f"({int(self.limits.body_timeout_s * 1000)} ms)", headers={"Connection": "close"})
         try:
             name = _model_decoder.decode(body).model
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return error(400, "invalid_request", f"the body is not a JSON object with a string `model`: {exc}", param="model")
+        except RecursionError:
+            return error(400, "invalid_request", TOO_DEEP)
         if not name:
             return error(400, "invalid_request", "`model` is required", param="model")
         m = self.agent.models.get(name)
         if m is None:
             return error(404, "model_not_found", f"the model `{name}` does not exist on domain {self.agent.domain!r}",
                          param="model")
-        state = m.state_tag
-        if state != "resident":
-            status, code = _NOT_SERVING.get(state, (503, "residency_unknown"))
-            headers = {"Retry-After": "1"} if code in ("model_warming", "model_asleep") else None
-            return error(status, code, f"the model `{name}` is {state} on domain {self.agent.domain!r}", headers=headers)
-        return await self._forward(request, m.runtime.base_url + path, body)
+        if m.state_tag != "resident":
+            return self._not_serving(m)
+        return await self._forward(request, m, m.runtime.base_url + path, body)
+
+    def _not_serving(self, m, reason: str = "", detail: str = "") -> web.Response:
+        state = m.state_tag if not reason else "lost"
+        reason = reason or getattr(m.state, "reason", "")
+        status, code = _NOT_SERVING.get(state, (503, "residency_unknown"))
+        headers = {"Retry-After": "1"} if code in ("model_warming", "model_asleep") else None
+        where = f"on domain {self.agent.domain!r}"
+        if state == "lost" and reason == "gpu_detached":
+            return error(503, "gpu_detached", f"the model `{m.name}` is lost {where}: its GPU "
+                         f"{m.spec.gpu_index} was detached by the provider (not the operator's doing); try "
+                         f"another domain" + (f" ({detail})" if detail else ""))
+        said = f" ({reason})" if state == "lost" and reason else ""
+        return error(status, code, f"the model `{m.name}` is {state}{said} {where}" + (f": {detail}" if detail else ""),
+                     headers=headers)
+
+    async def _diagnose(self, m, status: int) -> web.Response | None:
+        """The runtime answered `status` (5xx, or 404) for a model the agent held resident: is it the
+        runtime's own answer to this request, or was the model just lost (a detached GPU makes vLLM
+        say 500 "CUDA error", an eviction 404 "does not exist") before the periodic probe noticed?
+        The one-bit diagnosis, now: the residency answer when the model is gone, None otherwise."""
+        if m.state_tag != "resident":
+            return self._not_serving(m)  # the agent recorded the change while the request ran
+        now = time.monotonic()
+        cached = self._diagnosed.get(m.name)
+        if cached is not None and now - cached[0] < _DIAGNOSIS_REUSE_S:
+            reason = cached[1]  # a burst of failing requests asks the runtime once, not once each
+        else:
+            external = m.runtime.kind == "external"
+            gpu = None if external else self.agent.read_gpu(m.spec.gpu_index)
+            alive = m.runtime.alive()
+            holds = True
+            if alive and (gpu is None or gpu.present is not False):
+                holds = await probes.holds_model(m.runtime, timeout_s=min(2.0, self.agent.policy.probe_timeout_ms / 1000))
+            reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=holds)
+            self._diagnosed[m.name] = (time.monotonic(), reason)
+        if reason == "unhealthy":
+            return None  # the runtime's own answer: passed through
+        self.agent.recheck(m)  # record it now, not at the next probe
+        self.logger.info("runtime error translated", model=m.name, runtime_status=status, reason=reason)
+        return self._not_serving(m, reason, f"the runtime answered {status}")
 
     def _models(self) -> web.Response:
         created = int(time.time())
@@ -163,11 +212,15 @@ class ServingProxy:
                 for name, m in self.agent.models.items()]
         return web.Response(body=msgspec.json.encode({"object": "list", "data": data}), content_type="application/json")
 
-    async def _forward(self, request: web.BaseRequest, url: str, body: bytes) -> web.StreamResponse:
+    async def _forward(self, request: web.BaseRequest, m, url: str, body: bytes) -> web.StreamResponse:
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASS_REQUEST}
         try:
             async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as upstream:
+                if upstream.status >= 500 or upstream.status == 404:
+                    translated = await self._diagnose(m, upstream.status)
+                    if translated is not None:
+                        return translated
                 out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
                 streaming = upstream.content_length is None or "text/event-stream" in upstream.headers.get("Content-Type", "")
                 if not streaming:
@@ -182,4 +235,7 @@ class ServingProxy:
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             if request.transport is None or request.transport.is_closing():
                 raise asyncio.CancelledError from exc
+            translated = await self._diagnose(m, 502)
+            if translated is not None:
+                return translated
             return error(502, "upstream_unreachable", f"the runtime at {url} did not answer: {exc}")

@@ -6,6 +6,12 @@
     HARU_CHAT_MAX_BODY_BYTES     largest request body (default 33554432 = 32 MiB); beyond it: 413
     HARU_CHAT_HEADER_TIMEOUT_MS  bound on the time to the upstream's response headers (default 30000),
                                  honored exactly; a streaming body is never cut for going quiet
+    HARU_CLIENT_HEADER_TIMEOUT_MS  a client's time to send a whole request head, and a kept-alive
+                                 connection's idle time (default 15000); then it is closed
+    HARU_CLIENT_BODY_TIMEOUT_MS  a client's time to send the whole body once the head is in (default
+                                 30000); then a 408 and the connection is closed
+    HARU_CLIENT_MAX_IDLE         connections waiting for a request head at once (default 512); a new
+                                 one beyond it closes the one that waited longest (haru/httpguard.py)
     HARU_GATEWAY_HOST / PORT     where to listen (default 0.0.0.0 with a token, 127.0.0.1 without; 8700)
 """
 
@@ -16,6 +22,8 @@ from collections.abc import Mapping
 import msgspec
 
 from haru.errors import ConfigError
+from haru.httpguard import DEFAULT_BODY_TIMEOUT_MS, DEFAULT_HEADER_TIMEOUT_MS as DEFAULT_CLIENT_HEADER_TIMEOUT_MS
+from haru.httpguard import DEFAULT_MAX_IDLE, ClientLimits
 
 DEFAULT_PORT = 8700
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -38,6 +46,15 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     buffer_limit_bytes: int = 4 * 1024 * 1024
     # How often the followers check the log for what their watches may have missed (state.py).
     resync_ms: int = 2_000
+    # Slow and idle clients (haru/httpguard.py)
+    client_header_timeout_ms: int = DEFAULT_CLIENT_HEADER_TIMEOUT_MS
+    client_body_timeout_ms: int = DEFAULT_BODY_TIMEOUT_MS
+    client_max_idle: int = DEFAULT_MAX_IDLE
+
+    @property
+    def client_limits(self) -> ClientLimits:
+        return ClientLimits(self.client_header_timeout_ms / 1000, self.client_body_timeout_ms / 1000,
+                            self.client_max_idle)
 
     @property
     def open(self) -> bool:
@@ -85,6 +102,9 @@ def from_env(
         default_fleet=env.get("HARU_DEFAULT_FLEET") or "default",
         max_body_bytes=_int(env, "HARU_CHAT_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES, 1),
         header_timeout_ms=_int(env, "HARU_CHAT_HEADER_TIMEOUT_MS", DEFAULT_HEADER_TIMEOUT_MS, 1),
+        client_header_timeout_ms=_int(env, "HARU_CLIENT_HEADER_TIMEOUT_MS", DEFAULT_CLIENT_HEADER_TIMEOUT_MS, 1),
+        client_body_timeout_ms=_int(env, "HARU_CLIENT_BODY_TIMEOUT_MS", DEFAULT_BODY_TIMEOUT_MS, 1),
+        client_max_idle=_int(env, "HARU_CLIENT_MAX_IDLE", DEFAULT_MAX_IDLE, 1),
     )
     values.update({k: v for k, v in overrides.items() if v is not None})
     return GatewayConfig(**values)  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ from gateway.errors import UpstreamError
 from gateway.metrics import UNKNOWN_FLEET, UNKNOWN_MODEL, GatewayMetrics
 from gateway.routing import (
     PAYLOAD_TOO_LARGE,
+    REQUEST_TIMEOUT,
     UPSTREAM_TIMEOUT,
     UPSTREAM_UNREACHABLE,
     Forward,
@@ -54,6 +55,10 @@ _DROP_REQUEST = frozenset(
 _DROP_RESPONSE = frozenset(
     {"content-length", "transfer-encoding", "connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade"}
 )
+
+
+class _TooSlow(Exception):
+    """The body did not arrive within HARU_CLIENT_BODY_TIMEOUT_MS (answered with a 408)."""
 
 
 class _TooLarge(Exception):
@@ -93,6 +98,7 @@ class Proxy:
         self.default_fleet = config.default_fleet
         self.max_body = config.max_body_bytes
         self.header_timeout = config.header_timeout_ms / 1000
+        self.body_timeout = config.client_body_timeout_ms / 1000
         self.buffer_limit = config.buffer_limit_bytes
         self.auth = f"Authorization: Bearer {config.serving_token}\r\n" if config.serving_token else ""
         self.pool: Pool | None = None
@@ -113,6 +119,14 @@ class Proxy:
         fleet = headers.get("X-Haru-Fleet") or self.default_fleet
         try:
             body = await self._read_body(request)
+        except _TooSlow:
+            status, code = REQUEST_TIMEOUT
+            self.metrics.request(self._fleet_label(fleet), UNKNOWN_MODEL, status)
+            return error_response(Refusal(
+                status, code,
+                f"the request body did not arrive within HARU_CLIENT_BODY_TIMEOUT_MS "
+                f"({self.config.client_body_timeout_ms} ms); send it at once, or raise the limit on the gateway",
+            ), {"Connection": "close"})
         except _TooLarge:
             status, code = PAYLOAD_TOO_LARGE
             refusal = Refusal(
@@ -143,6 +157,15 @@ class Proxy:
         content = request.content
         if length is not None and length > self.max_body:
             raise _TooLarge  # before "100 Continue": a client that asked will not send the body at all
+        if length is not None and content.is_eof():
+            return await content.readexactly(length) if length else b""  # all here: no timer to set
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                return await self._read_body_slowly(request, length, content)
+        except TimeoutError:
+            raise _TooSlow from None
+
+    async def _read_body_slowly(self, request: web.BaseRequest, length: int | None, content) -> bytes:
         await continue_if_expected(request)
         if length is not None:
             if length == 0:

@@ -34,6 +34,8 @@ from typing import Final
 
 import msgspec
 
+from haru.httpguard import TOO_DEEP
+
 from haru.residency import Answer
 from haru.views import FleetView, RouteIntent, Target
 
@@ -54,6 +56,7 @@ FLEET_NOT_FOUND: Final = (404, "fleet_not_found")
 MODEL_NOT_FOUND: Final = (404, "model_not_found")
 NO_ACTIVE_DOMAIN: Final = (503, "no_active_domain")
 INVALID_REQUEST: Final = (400, "invalid_request")
+REQUEST_TIMEOUT: Final = (408, "request_timeout")
 PAYLOAD_TOO_LARGE: Final = (413, "payload_too_large")
 UPSTREAM_TIMEOUT: Final = (504, "upstream_timeout")
 UPSTREAM_UNREACHABLE: Final = (502, "upstream_unreachable")
@@ -66,6 +69,7 @@ ERROR_TYPES: Final[dict[int, str]] = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     502: "upstream_error",
@@ -248,6 +252,8 @@ def model_of(body: bytes) -> str | Refusal:
         if not body.strip():
             return Refusal(status, code, "request body is empty: send a JSON object with a `model` field")
         return Refusal(status, code, f"request body is not valid JSON: {exc}")
+    except RecursionError:  # msgspec refuses a body nested thousands deep this way
+        return Refusal(status, code, TOO_DEEP)
     if not model:
         return Refusal(status, code, "invalid request body: `model` is empty - at `$.model`", None, "model")
     return model

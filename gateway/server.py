@@ -35,6 +35,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import CHAT_PATHS, Proxy
 from gateway.routing import Refusal, RoutingTable, error_body
 from gateway.state import RouteFollower
+from haru.httpguard import GuardedServer
 
 log = structlog.get_logger("haru.gateway")
 
@@ -70,9 +71,11 @@ class Gateway:
         )
         self.control = Control(events, self.table, self.metrics, default_fleet=config.default_fleet,
                                follower=self.follower)
-        self._expected_auth = f"Bearer {config.api_token}".encode() if config.api_token else b""
+        self.control.authorized = self._authorized
+        self._expected_auth = config.api_token.encode() if config.api_token else b""
         self._stack: contextlib.AsyncExitStack | None = None
         self._runner: web.ServerRunner | None = None
+        self._server: GuardedServer | None = None
         self.host = config.bind_host()
         self.port = 0
         self._get_routes = {
@@ -114,8 +117,9 @@ class Gateway:
             await stack.enter_async_context(self.proxy)
             if self.follower is not None:
                 await stack.enter_async_context(self.follower)
-            server = web.Server(
+            server = GuardedServer(
                 self.dispatch,
+                limits=cfg.client_limits,
                 handler_cancellation=True,
                 access_log=None,
                 # a request's head only; the body limit is HARU_CHAT_MAX_BODY_BYTES, enforced by the proxy
@@ -133,7 +137,9 @@ class Gateway:
             raise
         self._stack = stack
         log.info("gateway.listening", url=self.url, auth=not cfg.open, default_fleet=cfg.default_fleet,
-                 max_body_bytes=cfg.max_body_bytes, header_timeout_ms=cfg.header_timeout_ms)
+                 max_body_bytes=cfg.max_body_bytes, header_timeout_ms=cfg.header_timeout_ms,
+                 client_limits=str(cfg.client_limits))
+        self._server = server
 
     async def stop(self) -> None:
         stack, self._stack = self._stack, None
@@ -143,11 +149,12 @@ class Gateway:
     # ------------------------------------------------------------------------------- dispatch
 
     def _authorized(self, request: web.BaseRequest) -> bool:
+        """`Authorization: Bearer <token>`, the scheme in any case (RFC 9110 says it is case-insensitive)."""
         expected = self._expected_auth
         if not expected:
             return True
-        given = request.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), expected)
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
 
     async def dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.path

@@ -13,6 +13,9 @@ a bad layout is the operator's, a reclaimed GPU the provider's, a wrong sequence
     ├── LogError               the event log (JetStream) failed or refused
     │   ├── Conflict           an optimistic append lost a race: carries the current sequence
     │   ├── LogUnavailable     no server, no stream leader, or a timeout
+    │   │   └── ReplayTimeout  a replay that did not finish within its deadline
+    │   ├── LogDamaged         the store cannot serve sequences it should hold (a damaged
+    │   │                      block), or ends before what was derived from it (truncated)
     │   └── HistoryRefused     a delete or purge that the stream forbids
     └── CommandError           a command to an agent failed (carries its code)
         └── AgentGone          nobody answers for that domain
@@ -96,6 +99,40 @@ class Conflict(LogError):
 
 class LogUnavailable(LogError):
     """No server, no stream leader, or a timeout talking to JetStream."""
+
+
+class ReplayTimeout(LogUnavailable):
+    """A replay that did not finish within its deadline (the server is slow, overloaded or gone)."""
+
+
+class LogDamaged(LogError):
+    """The event store cannot serve sequences it should hold.
+
+    `missing` lists the sequence numbers (sorted; empty when the store counted messages it could
+    not deliver but the scan could not name them: `uncounted` says how many). Raised by a replay
+    after its handler has seen every readable event, so what was read is still usable.
+    """
+
+    def __init__(self, message: str, *, missing: list[int], last: int = 0, uncounted: int = 0) -> None:
+        self.missing = missing
+        self.last = last  # the stream's last sequence when the replay started
+        self.uncounted = uncounted
+        self.records: list | None = None  # what a history() read before the damage was reported
+        super().__init__(message)
+
+
+def seq_ranges(seqs: list[int], limit: int = 20) -> str:
+    """`[3, 4, 5, 9]` -> `3-5, 9` (at most `limit` ranges, then `… (N more)`)."""
+    spans: list[tuple[int, int]] = []
+    for s in sorted(set(seqs)):
+        if spans and s == spans[-1][1] + 1:
+            spans[-1] = (spans[-1][0], s)
+        else:
+            spans.append((s, s))
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans[:limit])
+    if len(spans) > limit:
+        text += f" … ({len(spans) - limit} more ranges)"
+    return text
 
 
 class HistoryRefused(LogError):

@@ -32,13 +32,19 @@ import nats.js.errors
 from nats.js import api
 
 from haru import subjects
-from haru.errors import Conflict, EventDecodeError, LogError, LogUnavailable
+from haru.errors import (Conflict, EventDecodeError, LogDamaged, LogError, LogUnavailable, ReplayTimeout,
+                         seq_ranges)
 from haru.events import AnyEvent, Event, decode, encode
 
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 MSG_ID = "Nats-Msg-Id"
 DUPLICATE_WINDOW_S = 120.0
 _CONFLICT_CODES = (10071, 10164)
+_FIRST_CONNECT_ATTEMPTS = 1  # nats-py: a server is dropped after this many failed retries (so: 2 tries)
+_FIRST_CONNECT_WAIT_S = 0.05  # between those tries
+_RECONNECT_WAIT_S = 0.5  # between reconnect attempts once connected
+_STALL_CHECK_S = 0.5  # a non-follow replay without progress this long asks its consumer whether it is done
+DEFAULT_REPLAY_TIMEOUT_S = 300.0  # a non-follow replay's deadline unless the caller gives one
 _SUBJECTS_PAGE = 100_000  # nats-server's limit on the subjects one stream-info answer lists
 # The decoder of haru.events.decode (same type, no hooks), called directly on the replay's hot path;
 # a body it refuses goes through haru.events.decode for the error text.
@@ -134,6 +140,10 @@ class Record(msgspec.Struct, frozen=True, gc=False):
         return datetime.fromtimestamp(self.time_ns / 1e9, timezone.utc)
 
 
+def _ignore(rec: Record) -> None:
+    return None
+
+
 def body_hash(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -152,6 +162,8 @@ def _decode_record(seq: int, subject: str, time_ns: int, data: bytes, headers: d
         event = decode(data)
     except EventDecodeError as exc:
         return Record(seq, subject, time_ns, data, None, str(exc), headers)
+    except RecursionError:  # a body nested thousands deep: msgspec refuses it this way
+        return Record(seq, subject, time_ns, data, None, "not a valid Haru event: nested too deeply to decode", headers)
     return Record(seq, subject, time_ns, data, event, "", headers)
 
 
@@ -280,11 +292,34 @@ class _AckInbox:
             expiring.discard(future)
 
 
+class _Link:
+    """Who wants to know when the connection to NATS is lost and when it is back (nats-py's
+    disconnected/reconnected callbacks, which exist before the EventLog does)."""
+
+    def __init__(self) -> None:
+        self.listeners: list[Callable[[bool], None]] = []
+
+    def _tell(self, up: bool) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(up)
+            except Exception as exc:  # noqa: BLE001 - a listener's bug must not break the client
+                _log.warning("eventlog.link_listener_failed", error=str(exc))
+
+    async def down(self) -> None:
+        self._tell(False)
+
+    async def up(self) -> None:
+        self._tell(True)
+
+
 class EventLog:
     """A connection to the log. Create with `EventLog.connect(...)` (async context) or `EventLog.open`."""
 
-    def __init__(self, nc: nats.NATS, *, writer: str, timeout: float = 5.0) -> None:
+    def __init__(self, nc: nats.NATS, *, writer: str, timeout: float = 5.0,
+                 replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S, link: "_Link | None" = None) -> None:
         self.nc = nc
+        self.replay_timeout = replay_timeout  # the deadline of a replay that does not follow
         self.js = nc.jetstream(timeout=timeout)
         self.writer = writer
         self.timeout = timeout
@@ -292,6 +327,21 @@ class EventLog:
         self._tips: dict[str, tuple[int, str]] = {}
         self._kv: Any = None
         self._acks = _AckInbox(nc)
+        self._link = link if link is not None else _Link()
+
+    # ------------------------------------------------------------------------ connection state
+
+    def on_link_change(self, listener: Callable[[bool], None]) -> Callable[[], None]:
+        """Call `listener(False)` when the connection to NATS is lost and `listener(True)` when it
+        is back (for watches that must not show the last state as if it were live). Returns a
+        function that removes the listener. Only for logs made by `open`/`connect`."""
+        listeners = self._link.listeners
+        listeners.append(listener)
+        return lambda: listeners.remove(listener) if listener in listeners else None
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.nc.is_connected)
 
     # ------------------------------------------------------------------------------- connection
 
@@ -305,11 +355,16 @@ class EventLog:
         name: str | None = None,
         timeout: float = 5.0,
         connect_timeout: float = 5.0,
+        replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S,
     ) -> "EventLog":
         if isinstance(servers, str):
             servers = [s.strip() for s in servers.split(",") if s.strip()]
 
+        first_errors: list[BaseException] = []  # what the first connection's attempts ran into
+
         async def _quiet(exc: Exception) -> None:
+            if len(first_errors) < 16:
+                first_errors.append(exc)
             # Reconnect noise is expected while a server restarts; anything else (a permissions
             # violation, a slow consumer) is worth a line in the service's log.
             if isinstance(exc, (OSError, asyncio.TimeoutError, nats.errors.UnexpectedEOF,
@@ -317,14 +372,22 @@ class EventLog:
                 return
             _log.warning("nats.error", writer=writer, error=str(exc) or type(exc).__name__)
 
+        link = _Link()
+        # The first connection tries each server twice, 50 ms apart, and gives up: with
+        # `max_reconnect_attempts=-1` nats-py's connect() loops over refused servers until our
+        # timeout (every CLI command waited the whole connect_timeout, ~5.5 s, to say NATS was
+        # down). Once connected, the client reconnects forever (the options are read at each
+        # reconnect).
         kwargs: dict[str, Any] = dict(
             servers=servers,
             name=name or writer,
             connect_timeout=min(2.0, connect_timeout),
             allow_reconnect=True,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
+            max_reconnect_attempts=_FIRST_CONNECT_ATTEMPTS,
+            reconnect_time_wait=_FIRST_CONNECT_WAIT_S,
             error_cb=_quiet,
+            disconnected_cb=link.down,
+            reconnected_cb=link.up,
         )
         if creds:
             kwargs["user_credentials"] = creds
@@ -332,12 +395,22 @@ class EventLog:
             async with asyncio.timeout(connect_timeout):
                 nc = await nats.connect(**kwargs)
         except (asyncio.TimeoutError, nats.errors.NoServersError, OSError) as exc:
+            seen = first_errors or [exc]
+            if all(isinstance(e, ConnectionRefusedError) for e in seen):
+                why = "connection refused"
+            elif any(isinstance(e, (asyncio.TimeoutError, nats.errors.TimeoutError)) for e in seen):
+                why = "no answer"
+            else:
+                why = str(seen[-1]) or type(seen[-1]).__name__
             raise LogUnavailable(
-                f"cannot reach NATS at {', '.join(servers)}: start it (`haru up` runs one) or pass --nats-url"
+                f"cannot reach NATS at {', '.join(servers)} ({why}): start it (`haru up` runs one) "
+                f"or pass --nats-url / set HARU_NATS_URL"
             ) from exc
         except nats.errors.Error as exc:
             raise LogUnavailable(f"cannot connect to NATS at {', '.join(servers)}: {exc}") from exc
-        return cls(nc, writer=writer, timeout=timeout)
+        nc.options["max_reconnect_attempts"] = -1
+        nc.options["reconnect_time_wait"] = _RECONNECT_WAIT_S
+        return cls(nc, writer=writer, timeout=timeout, replay_timeout=replay_timeout, link=link)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -574,10 +647,15 @@ class EventLog:
         rec = await self.last(subject)
         return 0 if rec is None else rec.seq
 
-    async def history(self, subject_filter: str = subjects.ALL_EVENTS, *, from_seq: int = 1) -> list[Record]:
-        """Every stored event matching the filter, from `from_seq`, in order."""
+    async def history(self, subject_filter: str = subjects.ALL_EVENTS, *, from_seq: int = 1, **kwargs: Any) -> list[Record]:
+        """Every stored event matching the filter, from `from_seq`, in order (`kwargs`: `replay`'s
+        `timeout` and `strict`). On `LogDamaged` the records read are in the exception's `records`."""
         out: list[Record] = []
-        await self.replay(out.append, from_seq=from_seq, subject_filter=subject_filter)
+        try:
+            await self.replay(out.append, from_seq=from_seq, subject_filter=subject_filter, **kwargs)
+        except LogDamaged as exc:
+            exc.records = out  # what could be read, for a caller that shows it with the damage
+            raise
         return out
 
     async def replay(
@@ -588,6 +666,9 @@ class EventLog:
         subject_filter: str = subjects.ALL_EVENTS,
         follow: bool = False,
         headers: bool = True,
+        timeout: float | None = None,
+        strict: bool = False,
+        on_gap: Callable[[list[int]], Any] | None = None,
     ) -> int:
         """Call `handler(record)` for each stored message matching the filter, in order.
 
@@ -596,18 +677,64 @@ class EventLog:
         `follow` it goes on with new messages until cancelled. Returns the last sequence handled
         (from_seq - 1 when nothing matched). An exception from the handler stops the replay and
         is raised here.
+
+        A replay never hangs on a damaged store and never passes over a hole in silence
+        (docs/operations.md, "Damaged or truncated log"). The stream denies deletes and purges
+        and has no limits, so its sequences are dense: a hole is damage.
+
+        - Without `follow` it ends within `timeout` seconds (default: the log's `replay_timeout`)
+          or raises `ReplayTimeout`. When a stored message cannot be read (a flipped byte in a
+          block file), nats-server skips it but still counts it as pending, so the last delivery
+          never says "0 pending": a check every `_STALL_CHECK_S` without progress asks the
+          consumer, and when the server has nothing more to send the replay ends.
+        - Unfiltered (`haru.evt.>`), every sequence must follow the one before: a jump is a hole.
+          Filtered, the sequences in between belong to other subjects, so holes are found from
+          the counts instead: messages the consumer counted but never delivered, or (`strict`)
+          messages the stream state says it lacks (first..last minus the messages it holds).
+          Either way an unfiltered, header-only scan of the range names the sequences.
+        - Without `follow`, holes raise `LogDamaged` (with the sequence numbers) after the
+          handler has seen every readable event. With `follow`, each hole found is passed to
+          `on_gap(seqs)` (default: an error in the log) and following goes on.
         """
+        unfiltered = subject_filter == subjects.ALL_EVENTS
+        loop = asyncio.get_running_loop()
         last_handled = from_seq - 1
-        finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        finished: asyncio.Future[None] = loop.create_future()
         is_async = inspect.iscoroutinefunction(handler)
+        gaps: list[tuple[int, int]] = []  # (first, last) missing, inclusive
+        last_tokens: list[str] = []  # the reply subject tokens of the last message handled
+        if on_gap is None:
+            def on_gap(seqs: list[int]) -> None:
+                _log.error("eventlog.unreadable_sequences", seqs=seq_ranges(seqs), filter=subject_filter,
+                           fix="restore the store from a backup or a cluster peer (docs/operations.md)")
+
+        budget = self.replay_timeout if timeout is None else timeout
+        deadline = None if budget is None else loop.time() + budget  # None: no deadline (asked for)
+
+        def too_late() -> ReplayTimeout:
+            end = "unknown" if stream_state is None else stream_state.last_seq
+            return ReplayTimeout(
+                f"replaying {subject_filter} from {from_seq}: not finished after {budget:g} s (read up to "
+                f"seq {last_handled}, the stream ends at {end}); NATS is slow or unreachable: "
+                f"retry, or allow longer with --timeout / HARU_REPLAY_TIMEOUT"
+            )
+
+        stream_state = None
+        if not follow:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    with _translated("reading the event stream's state"):
+                        stream_state = (await self.js.stream_info(subjects.EVENTS_STREAM)).state
+            except TimeoutError:
+                raise too_late() from None
 
         # The hot path of every follower (~100k messages/s): _parse_ack_reply and _decode_record
         # inlined, the pending count compared as text (the server writes it without leading zeros).
         decode_event = _event_decoder.decode
-        invalid = msgspec.DecodeError  # ValidationError is a subclass
+        invalid = (msgspec.DecodeError, RecursionError)  # ValidationError is a subclass of DecodeError
 
         async def on_msg(msg: Any) -> None:
-            nonlocal last_handled
+            nonlocal last_handled, last_tokens
             if finished.done():
                 return
             try:
@@ -618,6 +745,10 @@ class EventLog:
                     seq, ts, drained = int(t[7]), t[9], t[10] == "0"
                 if seq <= last_handled:
                     return  # redelivered after an ordered-consumer reset
+                if unfiltered and seq != last_handled + 1:
+                    gaps.append((last_handled + 1, seq - 1))
+                    if follow:
+                        on_gap(list(range(last_handled + 1, seq)))
                 data = msg.data
                 try:
                     rec = Record(seq, msg.subject, int(ts), data, decode_event(data), "", msg.headers if headers else None)
@@ -628,6 +759,7 @@ class EventLog:
                 else:
                     handler(rec)
                 last_handled = seq
+                last_tokens = t
                 if drained and not follow:
                     finished.set_result(None)
             except BaseException as exc:  # the handler's failure ends the replay, raised to the caller
@@ -639,29 +771,106 @@ class EventLog:
         else:
             policy, start = api.DeliverPolicy.BY_START_SEQUENCE, from_seq
         config = api.ConsumerConfig(opt_start_seq=start, headers_only=False)
-        with _translated(f"replaying {subject_filter} from {from_seq}"):
-            sub = await self.js.subscribe(
-                subject_filter,
-                cb=on_msg,
-                stream=subjects.EVENTS_STREAM,
-                ordered_consumer=True,
-                deliver_policy=policy,
-                config=config,
-                pending_msgs_limit=-1,
-                pending_bytes_limit=-1,
-            )
         try:
-            if not follow:
+            async with asyncio.timeout_at(None if follow else deadline):
+                with _translated(f"replaying {subject_filter} from {from_seq}"):
+                    sub = await self.js.subscribe(
+                        subject_filter,
+                        cb=on_msg,
+                        stream=subjects.EVENTS_STREAM,
+                        ordered_consumer=True,
+                        deliver_policy=policy,
+                        config=config,
+                        pending_msgs_limit=-1,
+                        pending_bytes_limit=-1,
+                    )
+        except TimeoutError:
+            raise too_late() from None
+        first_pending = 0
+        watchdog: asyncio.Task[None] | None = None
+        try:
+            if follow:
+                await finished
+                return last_handled
+            async with asyncio.timeout_at(deadline):
                 with _translated("reading the replay consumer"):
                     info = await sub.consumer_info()
-                if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
-                    if not finished.done():
-                        finished.set_result(None)
-            await finished
+            first_pending = info.num_pending + (info.delivered.consumer_seq if info.delivered else 0)
+            if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
+                if not finished.done():
+                    finished.set_result(None)
+            watchdog = asyncio.create_task(self._end_of_replay(sub, finished, lambda: last_tokens))
+            async with asyncio.timeout_at(deadline):
+                await finished
+        except TimeoutError:
+            if finished.done() and not finished.cancelled() and finished.exception() is not None:
+                raise finished.exception() from None
+            raise too_late() from None
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
+                with contextlib.suppress(BaseException):
+                    await watchdog
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        return last_handled
+
+        # What the consumer counted but never delivered (messages it could not read).
+        if last_tokens:
+            undelivered = int(last_tokens[8] if len(last_tokens) == 9 else last_tokens[10])
+        else:
+            undelivered = first_pending
+        assert stream_state is not None
+        end = stream_state.last_seq
+        first = stream_state.first_seq if stream_state.messages else end + 1
+        span = max(0, end - max(from_seq, 1) + 1)
+        holes_in_state = max(0, end - first + 1 - stream_state.messages) + max(0, min(first, end + 1) - max(from_seq, 1))
+        missing: list[int] = []
+        if unfiltered:
+            for a, b in gaps:
+                missing.extend(range(a, b + 1))
+            if last_handled < end:  # the newest sequences the stream has could not be read
+                missing.extend(range(max(last_handled + 1, from_seq), end + 1))
+        elif span and (undelivered > 0 or (strict and holes_in_state > 0)):
+            try:
+                await self.replay(_ignore, from_seq=from_seq, headers=False, timeout=None if deadline is None else max(0.1, deadline - loop.time()))
+            except LogDamaged as exc:
+                missing = [q for q in exc.missing if q <= end]
+        if not missing and not undelivered:
+            return last_handled
+        where = f"{subject_filter} from seq {from_seq}" if from_seq > 1 else subject_filter
+        if missing:
+            what = f"cannot serve sequence{'s' if len(missing) > 1 else ''} {seq_ranges(missing)}"
+            if not unfiltered:
+                what += (f" (their subjects cannot be read: they may belong to {subject_filter})" if len(missing) > 1
+                         else f" (its subject cannot be read: it may belong to {subject_filter})")
+        else:
+            what = f"counted {undelivered} message(s) matching {subject_filter} that it could not deliver"
+        raise LogDamaged(
+            f"the event store {what}, while replaying {where} (the stream holds 1..{end}); every other event "
+            f"was read. Its files are damaged: restore the store from a backup or a cluster peer "
+            f"(docs/operations.md, 'Damaged or truncated log')",
+            missing=sorted(set(missing)), last=end, uncounted=0 if missing else undelivered,
+        )
+
+    async def _end_of_replay(self, sub: Any, finished: asyncio.Future[None], last: Callable[[], list[str]]) -> None:
+        """Ends a replay whose consumer has nothing more to send although its last delivery said
+        some was pending (nats-server skips a message it cannot read but keeps it in the count)."""
+        seen = None
+        while not finished.done():
+            await asyncio.sleep(_STALL_CHECK_S)
+            tokens = last()
+            if tokens is not seen:
+                seen = tokens
+                continue
+            try:
+                async with asyncio.timeout(max(_STALL_CHECK_S, 1.0)):
+                    info = await sub.consumer_info()
+            except Exception:  # noqa: BLE001 - NATS is away: the replay's deadline decides
+                continue
+            cseq = 0 if not tokens else int(tokens[6] if len(tokens) == 9 else tokens[8])
+            delivered = info.delivered.consumer_seq if info.delivered else 0
+            if info.num_pending == 0 and delivered <= cseq and last() is tokens and not finished.done():
+                finished.set_result(None)
 
     # ----------------------------------------------------------------------------- KV: views
 
@@ -684,6 +893,31 @@ class EventLog:
         if entry.value is None:
             return None
         return entry.value, entry.revision
+
+    async def views(self) -> dict[str, bytes]:
+        """Every view stored now, by key (empty when there is none)."""
+        kv = await self._views()
+        out: dict[str, bytes] = {}
+        with _translated("listing views"):
+            try:
+                keys = await kv.keys()
+            except nats.js.errors.NoKeysError:
+                return out
+        for key in keys:
+            got = await self.get_view(key)
+            if got is not None:
+                out[key] = got[0]
+        return out
+
+    async def read_seq(self, seq: int) -> Record | None:
+        """The event stored at stream sequence `seq` (None when the store cannot serve it)."""
+        with _translated(f"reading sequence {seq}"):
+            try:
+                raw = await self.js.get_msg(subjects.EVENTS_STREAM, seq=seq)
+            except nats.js.errors.NotFoundError:
+                return None
+        time = raw.time if isinstance(raw.time, datetime) else datetime.now(timezone.utc)
+        return _decode_record(raw.seq, raw.subject, _datetime_to_ns(time), raw.data or b"", raw.headers)
 
     async def put_view(self, key: str, data: bytes, *, last: int) -> int:
         """Compare-and-swap a view: `last` is the revision read (0 = the key must not exist)."""

@@ -26,8 +26,9 @@ import msgspec
 
 from haru import authority
 from haru import events as ev
-from haru import residency
+from haru import residency, subjects
 from haru.eventlog import MSG_ID, Record, body_hash, msg_id
+from haru.views import FleetView, RouteIntent
 
 # ------------------------------------------------------------------------------------------ verify
 
@@ -133,6 +134,93 @@ class Verifier:
         if self.misplaced:
             found.append(f"{len(self.misplaced)} misplaced event(s), not applied by any fold")
         return f"verify FAILED — {' and '.join(found)} in {self.events} events on {self.subjects} subjects"
+
+
+# ------------------------------------------------------------------------------ truncation witnesses
+#
+# The chains prove nothing was rewritten in the middle; they cannot prove the newest events were not
+# cut off (a cut stream is a shorter valid stream). The projector's views and route intents live
+# outside HARU_EVENTS (KV haru_views, stream HARU_ROUTE) and name the HARU_EVENTS sequences they
+# folded: they are the witnesses `haru verify` holds the stream against.
+
+
+@dataclass(frozen=True, slots=True)
+class Witness:
+    """A HARU_EVENTS sequence recorded outside the stream, and what the event there must be."""
+
+    source: str  # e.g. "view fleet.default (last folded)"
+    seq: int
+    subject: str = ""  # the subject the event must be on; ending in "." = any subject under it
+    at: datetime | None = None  # the event's `at`, when the witness kept it
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    kind: str  # "truncated" | "replaced"
+    seq: int
+    what: str
+
+    def __str__(self) -> str:
+        return self.what
+
+
+def view_witnesses(key: str, view: FleetView) -> list[Witness]:
+    """What a FleetView (haru.views) says it folded."""
+    prefix = f"{subjects.EVT}.{view.fleet}."
+    out = [Witness(f"view {key} (last folded)", view.seq, prefix, view.updated_at)] if view.seq else []
+    for name, seq, subject in (("decl_seq", view.decl_seq, subjects.decl(view.fleet)),
+                               ("op_seq", view.op_seq, subjects.op(view.fleet)),
+                               ("route_seq", view.route_seq, subjects.route(view.fleet)),
+                               ("route_revision", view.route_revision, subjects.route(view.fleet))):
+        if seq:
+            out.append(Witness(f"view {key} ({name})", seq, subject))
+    if view.checkpoint:
+        out.append(Witness(f"view {key} (checkpoint)", view.checkpoint))
+    return out
+
+
+def intent_witnesses(intent: RouteIntent) -> list[Witness]:
+    """What a RouteIntent says: the route_moved it follows and the view it was computed from."""
+    out = []
+    if intent.revision:
+        out.append(Witness(f"route intent of {intent.fleet} (revision)", intent.revision, subjects.route(intent.fleet)))
+    if intent.view_seq:
+        out.append(Witness(f"route intent of {intent.fleet} (view_seq)", intent.view_seq, f"{subjects.EVT}.{intent.fleet}."))
+    return out
+
+
+def check_witnesses(stream_last: int, witnesses: list[Witness],
+                    stored: dict[int, tuple[str, datetime | None]]) -> list[Finding]:
+    """Hold the stream against its witnesses. `stored` maps each witnessed sequence the stream has
+    to (subject, `at` of its event or None when unreadable). A witness past the stream's end means
+    the newest events were cut; a witnessed sequence holding another event means they were cut and
+    the stream written on (a chain can be intact across such a cut)."""
+    findings: list[Finding] = []
+    ahead = [w for w in witnesses if w.seq > stream_last]
+    if ahead:
+        top = max(ahead, key=lambda w: w.seq)
+        first = stream_last + 1
+        span = f"{first}..{top.seq}" if top.seq > first else str(first)
+        findings.append(Finding(
+            "truncated", top.seq,
+            f"the store ends at {stream_last} but the views have folded up to {top.seq} ({top.source}): "
+            f"events {span} are missing; the newest events were cut from the store",
+        ))
+    for w in witnesses:
+        if w.seq > stream_last or w.seq not in stored or not w.subject and w.at is None:
+            continue
+        subject, at = stored[w.seq]
+        wrong_subject = bool(w.subject) and (
+            not subject.startswith(w.subject) if w.subject.endswith(".") else subject != w.subject)
+        wrong_time = w.at is not None and at is not None and at != w.at
+        if wrong_subject or wrong_time:
+            findings.append(Finding(
+                "replaced", w.seq,
+                f"seq {w.seq} is not the event {w.source} folded (it is on {subject}"
+                + (f" at {at.isoformat()}, the view's was at {w.at.isoformat()}" if wrong_time else "")
+                + "): events were cut from the store and others written in their place",
+            ))
+    return findings
 
 
 # ------------------------------------------------------------------------------------------- story

@@ -191,6 +191,11 @@ class RouteWatcher:
         self._queue.put_nowait(ri)
         return True
 
+    @property
+    def log(self) -> EventLog | None:
+        """The connection the watcher reads through (for `EventLog.on_link_change`)."""
+        return self._log
+
     def current_at(self, now: datetime) -> RouteIntent | None:
         """`current` with `for_ms` recomputed at `now`."""
         return None if self.current is None else refresh(self.current, now)

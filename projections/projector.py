@@ -108,6 +108,7 @@ class Projector:
         stall_interval: float = 1.0,
         stall_checks: int = 2,
     ) -> None:
+        self._unreadable_tail: tuple[int, int] | None = None
         self.log = log
         self.checkpoint_lag = checkpoint_lag
         self.stall_interval = stall_interval
@@ -174,6 +175,17 @@ class Projector:
             views={f: position(v) for f, v in sorted(self.views.items())},
             stream_last_seq=self._caught_up_at,
         )
+        if self._caught_up_at < from_seq - 1:
+            # The views have folded events the stream no longer has: it was cut (or restored from an
+            # older copy). Following from here would skip the next events written at those numbers.
+            log_.error(
+                "projector.store_behind_views",
+                stream_last_seq=self._caught_up_at,
+                views_folded_up_to=from_seq - 1,
+                message=f"the store ends at {self._caught_up_at} but the views have folded up to {from_seq - 1}: "
+                        f"events {self._caught_up_at + 1}..{from_seq - 1} are missing; run `haru verify` and "
+                        f"restore the store (docs/operations.md, 'Damaged or truncated log')",
+            )
         if self._caught_up_at < from_seq:
             self._log_caught_up()
         self.stats.last_seq = max(self.stats.last_seq, from_seq - 1)
@@ -229,11 +241,32 @@ class Projector:
             except (LogError, asyncio.TimeoutError):
                 continue  # NATS is away: nothing to conclude yet
             if last > self.stats.last_seq and self.stats.last_seq == seen:
+                if await self._next_unreadable(last):
+                    strikes = 0  # not a stall: the store cannot serve what comes next (logged once)
+                    continue
                 strikes += 1
                 if strikes >= self.stall_checks:
                     return
             else:
                 strikes = 0
+
+    async def _next_unreadable(self, last: int) -> bool:
+        """True when every sequence after the last one folded, up to `last`, is one the store cannot
+        serve (a damaged block at the tail): restarting the replay would not get past it."""
+        first = self.stats.last_seq + 1
+        if last - first > 16:
+            return False  # more than a damaged tail: a real stall, restart
+        try:
+            for seq in range(first, last + 1):
+                if await self.log.read_seq(seq) is not None:
+                    return False
+        except LogError:
+            return False
+        if self._unreadable_tail != (first, last):
+            self._unreadable_tail = (first, last)
+            log_.error("projector.unreadable_sequences", seqs=f"{first}..{last}" if last > first else str(first),
+                       fix="restore the store from a backup or a cluster peer (docs/operations.md)")
+        return True
 
     # -------------------------------------------------------------------------------- fold
 

@@ -18,7 +18,7 @@ import pkgutil
 import sys
 
 from haru.cli.common import ExitStatus, fail
-from haru.errors import AgentGone, Conflict, HaruError, LogUnavailable
+from haru.errors import AgentGone, Conflict, HaruError, LogDamaged, LogUnavailable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitStatus.OK)
     except (LogUnavailable, AgentGone) as exc:
         return int(fail(str(exc), ExitStatus.UNAVAILABLE))
+    except LogDamaged as exc:
+        return int(fail(str(exc), ExitStatus.LOG_DAMAGED))
     except Conflict as exc:
         return int(fail(str(exc), ExitStatus.CONFLICT))
     except HaruError as exc:

@@ -6,6 +6,7 @@ import argparse
 import enum
 import os
 import sys
+from datetime import datetime, timezone
 
 import msgspec
 
@@ -19,6 +20,8 @@ class ExitStatus(enum.IntEnum):
     VERIFY_FAILED = 5  # history does not verify
     UNAVAILABLE = 6  # NATS or an agent cannot be reached
     MISPLACED = 8  # the chains are intact, but events stand on subjects they may not (haru.authority)
+    LOG_DAMAGED = 10  # the event store cannot serve some sequences (a damaged block): stderr names them
+    LOG_TRUNCATED = 11  # the event store ends before what the views folded, or was cut and written on
     INTERRUPTED = 130
 
 
@@ -102,6 +105,16 @@ def add_nats_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_replay_timeout_option(parser: argparse.ArgumentParser) -> None:
+    """--timeout: how long a command may take to read the log back (its replay's deadline)."""
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=float(os.environ.get("HARU_REPLAY_TIMEOUT", "120")),
+        help="seconds to read the log back before giving up (env HARU_REPLAY_TIMEOUT; default %(default)g)",
+    )
+
+
 def add_fleet_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fleet",
@@ -113,3 +126,26 @@ def add_fleet_option(parser: argparse.ArgumentParser) -> None:
 def nats_servers(url: str) -> list[str]:
     """nats-py wants a list, not a comma-separated string."""
     return [u.strip() for u in url.split(",") if u.strip()]
+
+
+class LinkReporter:
+    """Says on stderr when the control plane went away and when it came back, so a watch never
+    shows the last state as if it were live: `haru: control plane unreachable since <t> (<url>):
+    what is shown may be stale`, then `haru: control plane reachable again at <t> (away <s> s)`."""
+
+    def __init__(self, url: str, what: str) -> None:
+        self.url = url
+        self.what = what
+        self.since: datetime | None = None
+
+    def __call__(self, up: bool) -> None:
+        now = datetime.now(timezone.utc)
+        if not up and self.since is None:
+            self.since = now
+            print(f"haru: control plane unreachable since {now:%Y-%m-%dT%H:%M:%SZ} ({self.url}): "
+                  f"{self.what} may be stale; retrying", file=sys.stderr, flush=True)
+        elif up and self.since is not None:
+            away = (now - self.since).total_seconds()
+            self.since = None
+            print(f"haru: control plane reachable again at {now:%Y-%m-%dT%H:%M:%SZ} (away {away:.1f} s)",
+                  file=sys.stderr, flush=True)

@@ -10,7 +10,9 @@ import msgspec
 
 from haru import events as ev
 from haru import history, subjects
-from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers
+from haru.cli.common import (ExitStatus, add_fleet_option, add_nats_options, add_replay_timeout_option, emit_json,
+                             fail, nats_servers)
+from haru.errors import LogDamaged, seq_ranges
 from haru.eventlog import EventLog
 
 
@@ -21,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_nats_options(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_replay_timeout_option(p)
     p.set_defaults(handler=run_verify)
 
     p = sub.add_parser("why", help="a model's residency history as a causal tree, newest first")
@@ -29,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--domain", default="", help="only this domain")
     add_nats_options(p)
     p.add_argument("--json", action="store_true")
+    add_replay_timeout_option(p)
     p.set_defaults(handler=run_why)
 
     p = sub.add_parser("as-of", help="a model's state as of a stream sequence or an ISO-8601 time")
@@ -38,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--domain", default="")
     add_nats_options(p)
     p.add_argument("--json", action="store_true")
+    add_replay_timeout_option(p)
     p.set_defaults(handler=run_as_of)
 
     p = sub.add_parser("history", help="raw history, oldest first")
@@ -46,28 +51,84 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=0, help="only the last N events")
     add_nats_options(p)
     p.add_argument("--json", action="store_true")
+    add_replay_timeout_option(p)
     p.set_defaults(handler=run_history)
 
 
 def _connect(args: argparse.Namespace, who: str):
-    return EventLog.connect(nats_servers(args.nats_url), writer=f"cli:{who}", creds=args.nats_creds)
+    return EventLog.connect(nats_servers(args.nats_url), writer=f"cli:{who}", creds=args.nats_creds,
+                            replay_timeout=args.timeout)
+
+
+async def _witnesses(log: EventLog) -> list[history.Witness]:
+    """What the views and route intents (outside HARU_EVENTS) say they folded."""
+    from haru.views import intent_decoder, view_decoder
+
+    out: list[history.Witness] = []
+    for key, data in sorted((await log.views()).items()):
+        try:
+            view = view_decoder.decode(data)
+        except msgspec.DecodeError:
+            continue  # a view of another version: the projector rebuilds it; it witnesses nothing
+        out += history.view_witnesses(key, view)
+        intent = await log.last_intent(view.fleet)
+        if intent is not None:
+            try:
+                out += history.intent_witnesses(intent_decoder.decode(intent[0]))
+            except msgspec.DecodeError:
+                pass
+    return out
 
 
 async def run_verify(args: argparse.Namespace) -> ExitStatus:
     verifier = history.Verifier()
+    damaged: LogDamaged | None = None
     async with _connect(args, "verify") as log:
-        await log.replay(verifier.add)
+        try:
+            await log.replay(verifier.add)
+        except LogDamaged as exc:
+            damaged = exc
+        stream_last = await log.last_seq()
+        witnesses = await _witnesses(log)
+        stored: dict[int, tuple[str, datetime | None]] = {}
+        for seq in sorted({w.seq for w in witnesses if w.seq <= stream_last and (w.subject or w.at)}):
+            rec = await log.read_seq(seq)
+            if rec is not None:
+                stored[seq] = (rec.subject, rec.event.at if rec.event is not None else None)
+    findings = history.check_witnesses(stream_last, witnesses, stored)
+    missing = damaged.missing if damaged is not None else []
     if args.json:
-        emit_json({"ok": verifier.ok, "events": verifier.events, "subjects": verifier.subjects,
+        emit_json({"ok": verifier.ok and damaged is None and not findings and not verifier.misplaced,
+                   "events": verifier.events, "subjects": verifier.subjects, "stream_last_seq": stream_last,
                    "breaks": [{"seq": b.seq, "subject": b.subject, "what": b.what} for b in verifier.breaks],
                    "misplaced": [{"seq": m.seq, "subject": m.subject, "type": m.type, "by": m.by, "why": m.why}
-                                 for m in verifier.misplaced]})
+                                 for m in verifier.misplaced],
+                   "unreadable": missing, "damage": str(damaged) if damaged is not None else None,
+                   "truncation": [{"kind": f.kind, "seq": f.seq, "what": f.what} for f in findings]})
     else:
         for b in verifier.breaks:
             print(str(b))
         for m in verifier.misplaced:
             print(str(m))
-        print(verifier.summary())
+        for f in findings:
+            print(str(f))
+        if damaged is not None:
+            print(f"verify FAILED — {verifier.events} events read on {verifier.subjects} subjects; the store cannot "
+                  f"serve sequence(s) {seq_ranges(missing) or f'({damaged.uncounted} uncounted)'}"
+                  + (f"; {len(verifier.breaks)} break(s)" if verifier.breaks else ""))
+        elif findings:
+            print(f"verify FAILED — the chains of {verifier.events} events on {verifier.subjects} subjects "
+                  f"{'hold' if verifier.ok else 'have breaks'}, but the store was cut: newest events are missing")
+        else:
+            print(verifier.summary())
+    if damaged is not None:
+        return fail(str(damaged), ExitStatus.LOG_DAMAGED)
+    if findings:
+        return fail(
+            f"{findings[0]}. Acknowledged history is gone from this store: restore it from a backup or a "
+            f"cluster peer (docs/operations.md, 'Damaged or truncated log')",
+            ExitStatus.LOG_TRUNCATED,
+        )
     if verifier.breaks:
         return ExitStatus.VERIFY_FAILED
     return ExitStatus.MISPLACED if verifier.misplaced else ExitStatus.OK
@@ -84,15 +145,28 @@ def _report_misplaced(records, fleet: str) -> None:
 
 
 async def _fleet_records(args: argparse.Namespace, who: str):
+    """The fleet's records; on damage, what could be read and the LogDamaged to report after it."""
     subjects.check_model_id(args.model)
     async with _connect(args, who) as log:
-        return await log.history(subjects.fleet_events(args.fleet))
+        try:
+            return await log.history(subjects.fleet_events(args.fleet), strict=True), None
+        except LogDamaged as exc:
+            return exc.records or [], exc
+
+
+def _damaged(exc: LogDamaged | None, status: ExitStatus) -> ExitStatus:
+    """After printing what could be read: the damage, if any, decides the exit status."""
+    if exc is None:
+        return status
+    return fail(f"the answer above may be incomplete: {exc}", ExitStatus.LOG_DAMAGED)
 
 
 async def run_why(args: argparse.Namespace) -> ExitStatus:
-    records = await _fleet_records(args, "why")
+    records, damaged = await _fleet_records(args, "why")
     _report_misplaced(records, args.fleet)
     picked = history.story(records, args.model, domain=args.domain)
+    if not picked and damaged is not None:
+        return fail(str(damaged), ExitStatus.LOG_DAMAGED)
     if not picked:
         return fail(
             f"no history for model {args.model!r} in fleet {args.fleet!r}"
@@ -106,7 +180,7 @@ async def run_why(args: argparse.Namespace) -> ExitStatus:
         domains = {getattr(r.event, "domain", "") for r in picked} - {""}
         print(history.render_story(picked, show_domain=len(domains) > 1 or any(
             not getattr(r.event, "domain", "") for r in picked)))
-    return ExitStatus.OK
+    return _damaged(damaged, ExitStatus.OK)
 
 
 def _parse_point(point: str) -> tuple[int | None, datetime | None]:
@@ -124,20 +198,22 @@ def _parse_point(point: str) -> tuple[int | None, datetime | None]:
 
 async def run_as_of(args: argparse.Namespace) -> ExitStatus:
     seq, time = _parse_point(args.point)
-    records = await _fleet_records(args, "as-of")
+    records, damaged = await _fleet_records(args, "as-of")
     _report_misplaced(records if seq is None else [r for r in records if r.seq <= seq], args.fleet)
     states = history.as_of(records, args.model, seq=seq, time=time, domain=args.domain)
+    if not states and damaged is not None:
+        return fail(str(damaged), ExitStatus.LOG_DAMAGED)
     if not states:
         return fail(f"model {args.model!r} had no history in fleet {args.fleet!r} as of {args.point}", ExitStatus.NOT_FOUND)
     point = f"seq {seq}" if seq is not None else time.isoformat()
     if args.json:
         emit_json({d: {"state": s.state, "seq": s.seq, "payload": s.payload} for d, s in states.items()})
-        return ExitStatus.OK
+        return _damaged(damaged, ExitStatus.OK)
     for d, s in states.items():
         on = f" on {d}" if len(states) > 1 or args.domain else ""
         body = msgspec.json.encode(s.payload).decode()
         print(f"as of {point}: {args.model}{on} was `{s.state}` {body}")
-    return ExitStatus.OK
+    return _damaged(damaged, ExitStatus.OK)
 
 
 def _record_json(r) -> dict:
@@ -154,13 +230,17 @@ def _record_json(r) -> dict:
 
 
 async def run_history(args: argparse.Namespace) -> ExitStatus:
+    damaged: LogDamaged | None = None
     async with _connect(args, "history") as log:
-        records = await log.history(args.filter, from_seq=args.from_seq)
+        try:
+            records = await log.history(args.filter, from_seq=args.from_seq, strict=True)
+        except LogDamaged as exc:
+            records, damaged = exc.records or [], exc
     if args.limit:
         records = records[-args.limit:]
     if args.json:
         emit_json([_record_json(r) for r in records])
-        return ExitStatus.OK
+        return _damaged(damaged, ExitStatus.OK)
     for r in records:
         if r.event is None:
             print(f"{r.seq:>7}  {r.time:%Y-%m-%dT%H:%M:%S.%fZ}  {r.subject}  INVALID  {r.error}")
@@ -169,4 +249,4 @@ async def run_history(args: argparse.Namespace) -> ExitStatus:
         wrong = history.misplaced_of(r)
         note = f"  MISPLACED by {r.event.by or '?'}, not applied: {wrong.why}" if wrong is not None else ""
         print(f"{r.seq:>7}  {r.time:%Y-%m-%dT%H:%M:%S.%fZ}  {r.subject}  {ev.tag_of(r.event)}  {body}{note}")
-    return ExitStatus.OK
+    return _damaged(damaged, ExitStatus.OK)

@@ -189,6 +189,10 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
         elif isinstance(ev, OperationAborted):
             outcome.set_result(ExitStatus.ERROR)
 
+    from haru.cli.common import LinkReporter
+
+    url = ", ".join(u.geturl() for u in log.nc.servers) or "NATS"
+    log.on_link_change(LinkReporter(url, f"operation {op_id}'s progress"))
     follower = asyncio.create_task(log.replay(on_record, subject_filter=subjects.op(fleet), follow=True))
     try:
         done, _ = await asyncio.wait({outcome, follower}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)

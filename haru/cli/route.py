@@ -6,7 +6,7 @@ import argparse
 import sys
 from datetime import datetime, timezone
 
-from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers
+from haru.cli.common import LinkReporter, ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,6 +58,8 @@ async def run(args: argparse.Namespace) -> ExitStatus:
                     )
                 _print(w.current, args.json)
                 return ExitStatus.OK
+            if w.log is not None:
+                w.log.on_link_change(LinkReporter(args.nats_url, "the route shown"))
             if w.current is None and not args.json:
                 print(f"(no route intent for fleet {args.fleet!r} yet; waiting)", file=sys.stderr)
             first = True
