@@ -582,10 +582,7 @@ def invalid(view: FleetView, *, seq: int, subject: str, error: str) -> FleetView
 def misplaced(view: FleetView, event: ev.Event, *, seq: int, subject: str, why: str) -> FleetView:
     """The view after an event that may not stand on `subject` (`haru.authority.misplaced` said
     `why`): not applied, counted, and named in `last_anomaly` with its sequence, subject and writer."""
-    # `updated_at` is the stored event's own `at`, as for an applied one: `haru verify` holds a view's
-    # (seq, updated_at) against the event the store has at that sequence to catch a cut store.
-    out = _stored_on(_anomaly(view, authority.anomaly(seq, subject, event, why)), seq, _kind(subject))
-    return _replace(out, updated_at=event.at)
+    return _stored_on(_anomaly(view, authority.anomaly(seq, subject, event, why)), seq, _kind(subject))
 
 
 def fold_one(

@@ -12,6 +12,7 @@ from haru import events as ev
 from haru import history, subjects
 from haru.cli.common import (ExitStatus, add_fleet_option, add_nats_options, add_replay_timeout_option, emit_json,
                              fail, nats_servers)
+from haru.authority import misplaced
 from haru.errors import LogDamaged, seq_ranges
 from haru.eventlog import EventLog
 
@@ -94,7 +95,10 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
         for seq in sorted({w.seq for w in witnesses if w.seq <= stream_last and (w.subject or w.at)}):
             rec = await log.read_seq(seq)
             if rec is not None:
-                stored[seq] = (rec.subject, rec.event.at if rec.event is not None else None)
+                # A misplaced event moves a view's position but not its `updated_at` (a forgery changes
+                # nothing else): its time is no witness, its subject still is.
+                placed = rec.event is not None and not misplaced(rec.subject, rec.event)
+                stored[seq] = (rec.subject, rec.event.at if placed else None)
     findings = history.check_witnesses(stream_last, witnesses, stored)
     missing = damaged.missing if damaged is not None else []
     if args.json:

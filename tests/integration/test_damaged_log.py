@@ -214,3 +214,27 @@ async def test_a_replay_against_a_server_that_stopped_answering_ends_at_its_dead
         assert "not finished after 1 s" in str(caught.value) and "HARU_REPLAY_TIMEOUT" in str(caught.value)
     finally:
         os.kill(nats_server.proc.pid, signal.SIGCONT)
+
+
+async def test_a_forgery_the_views_folded_last_is_misplaced_not_a_cut_store(nats_server, event_log):
+    # A misplaced event moves a view's position but not its `updated_at`; verify's truncation
+    # witness must not take the forgery at the view's last sequence for a replaced event.
+    await declare(event_log)
+    w = Writer(event_log)
+    await w.move("a")
+    await w.churn(3, domain="a")
+    agent = sj.agent(F, "a")
+    forged = await event_log.append(
+        agent, ev.RouteMoved(at=now(), active="b", by="agent:default/a@host"), expect=await event_log.last_seq_of(agent)
+    )
+    projector = Projector(event_log)
+    task = asyncio.create_task(projector.run())
+    try:
+        await wait_view_seq(event_log, forged)
+        await projector.wait_idle(10)
+    finally:
+        await cancel_and_wait(task)
+    out = await asyncio.to_thread(haru, "verify", nats_url=nats_server.url, timeout=BOUND_S)
+    assert out.returncode == 8, out.stdout + out.stderr  # MISPLACED, not LOG_TRUNCATED (11)
+    assert f"seq {forged} on {agent}: route_moved" in out.stdout
+    assert "store was cut" not in out.stdout + out.stderr
