@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +29,22 @@ from tests.support import haru
 
 TOKEN = "console-test-token"
 FLEET = "default"
+CHROMIUM = os.environ.get("HARU_CHROMIUM", "/usr/bin/chromium")
+# Chromium as root in a container, with nothing reaching off the machine.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+# Where screenshots go (CI keeps this directory as the tests' artifacts; default: the test's tmp dir).
+ARTIFACTS = os.environ.get("HARU_TEST_ARTIFACTS", "")
+
+
+def need_chromium() -> None:
+    """Skip without Chromium, saying how to get it; with HARU_REQUIRE_BROWSER=1 (CI) fail instead."""
+    if os.access(CHROMIUM, os.X_OK):
+        return
+    reason = f"Chromium not found at {CHROMIUM}: apt-get install chromium (or set HARU_CHROMIUM)"
+    if os.environ.get("HARU_REQUIRE_BROWSER") == "1":
+        pytest.fail(reason + " [HARU_REQUIRE_BROWSER=1]")
+    pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +53,12 @@ def demo(tmp_path_factory):
     home = tmp / "home"
     ready = tmp / "ready.json"
     layout = demo_layout_with_free_ports(tmp / "demo.json")
-    env = {**os.environ, "HARU_HOME": str(home), "HARU_NO_UVLOOP": "1", "HARU_API_TOKEN": TOKEN}
+    env = {**os.environ, "HARU_HOME": str(home), "HARU_NO_UVLOOP": "1", "HARU_API_TOKEN": TOKEN,
+           "HARU_PROMOTER_STEP_DELAY_MS": "300"}
     env.pop("HARU_NATS_URL", None)
     env.pop("HARU_METRICS_PORT", None)
     proc = subprocess.Popen(
+        # steps that last a moment, so a browser can watch them advance (tests and demos only)
         [sys.executable, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--host", "127.0.0.1",
          "--port", str(free_port()), "--metrics-port", "0", "--layout", str(layout), "--ready-file", str(ready),
          "--log-level", "info"],
@@ -131,6 +150,153 @@ def value(samples: dict[str, list], name: str, **labels) -> float:
     found = [v for lab, v in samples.get(name, []) if all(lab.get(k) == w for k, w in labels.items())]
     assert len(found) == 1, f"{name}{labels}: {found} in {samples.get(name)}"
     return found[0]
+
+
+# ------------------------------------------------------------------------------------------ console
+
+
+def http_status(url: str, token: str | None = None) -> int:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+# Records every (step, state) the page shows, and every route text, as the DOM changes.
+WATCH_JS = """
+() => {
+  window.__seen = [];
+  window.__routes = [];
+  window.__notReloaded = true;
+  const note = () => {
+    for (const el of document.querySelectorAll('[data-testid^="step-"]')) {
+      const key = el.dataset.testid.slice(5) + ':' + el.dataset.state;
+      if (window.__seen[window.__seen.length - 1] !== key && !window.__seen.includes(key)) window.__seen.push(key);
+    }
+    const r = document.getElementById('route').textContent;
+    if (window.__routes[window.__routes.length - 1] !== r) window.__routes.push(r);
+  };
+  new MutationObserver(note).observe(document.body, {subtree: true, childList: true, attributes: true});
+  note();
+}
+"""
+
+
+@pytest.mark.timeout(300)
+def test_console_shows_a_failover_live_and_promotes_through_the_control_api(demo):
+    need_chromium()
+    from playwright.sync_api import expect, sync_playwright
+
+    gw = demo["gateway_url"]
+    shots = Path(ARTIFACTS) if ARTIFACTS else demo["tmp"] / "screenshots"
+    shots.mkdir(parents=True, exist_ok=True)
+
+    # The token is required for everything with data; the page itself holds none.
+    assert http_status(gw + "/ui") == 200
+    assert http_status(gw + "/ui/app.js") == 200
+    assert http_status(gw + "/ui/events") == 401
+    assert http_status(gw + f"/ui/api/operations?fleet={FLEET}") == 401
+    assert http_status(gw + f"/ui/api/why?fleet={FLEET}&model=qwen3-0.6b") == 401
+    assert http_status(gw + f"/ui/api/operations?fleet={FLEET}", TOKEN) == 200
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.set_default_timeout(60_000)
+            page.goto(gw + "/ui")
+
+            # No token: the page asks for one, refuses a wrong one, connects with the right one.
+            expect(page.locator("#login")).to_be_visible()
+            page.fill("#token", "wrong")
+            page.click("#login-ok")
+            expect(page.locator("#login-error")).to_have_text("That token was refused.")
+            page.fill("#token", TOKEN)
+            page.click("#login-ok")
+            expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+
+            # The fleet at a glance: a active with its models resident, b standby asleep and training.
+            expect(page.locator('[data-testid="domain-a"] .badge.active')).to_be_visible()
+            for model in ("qwen3-0.6b", "Qwen/Qwen3-4B-Instruct", "qwen3.6:27b-sim"):
+                expect(page.locator(f'[data-testid="model-a-{model}"]')).to_have_attribute("data-state", "resident")
+                expect(page.locator(f'[data-testid="model-b-{model}"]')).to_have_attribute("data-state", "sleeping")
+            expect(page.locator('[data-testid="training-b-lora"]')).to_contain_text("running")
+            expect(page.locator('[data-testid="gpu-a-0"]')).to_contain_text("held 21.0 GiB")
+            expect(page.locator("#route")).to_contain_text("→ a")
+            page.screenshot(path=str(shots / "console-1280x800-before.png"))
+
+            # The provider takes a's GPU back: the page follows without a reload.
+            page.evaluate(WATCH_JS)
+            assert haru("sim", "detach-gpu", "a", env=demo["env"]).returncode == 0
+            expect(page.locator('[data-testid="model-a-qwen3-0.6b"]')).to_have_attribute("data-state", "lost")
+            expect(page.locator('[data-testid="model-a-qwen3-0.6b"]')).to_contain_text("gpu_detached")
+            expect(page.locator('[data-testid="gpu-a-0"]')).to_contain_text("detached")
+            expect(page.locator('[data-testid="op-current"]')).to_contain_text("promotion of b")
+            expect(page.locator("#route")).to_contain_text("→ b", timeout=90_000)
+            expect(page.locator('[data-testid="op-current"] .badge')).to_have_text("completed", timeout=90_000)
+            expect(page.locator('[data-testid="domain-b"] .badge.active')).to_be_visible()
+            for model in ("qwen3-0.6b", "Qwen/Qwen3-4B-Instruct", "qwen3.6:27b-sim"):
+                expect(page.locator(f'[data-testid="model-b-{model}"]')).to_have_attribute("data-state", "resident")
+            seen = page.evaluate("window.__seen")
+            routes = page.evaluate("window.__routes")
+            assert page.evaluate("window.__notReloaded") is True
+            # the six steps advanced one by one: each seen running, then completed, in the flow's order
+            flow = ["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active"]
+            for step in flow[:-1]:
+                assert f"{step}:completed" in seen, seen
+            # settling the old active is best effort: its GPU is gone, so putting it to sleep fails
+            assert "settle_old_active:failed" in seen or "settle_old_active:completed" in seen, seen
+            started = [k.split(":")[0] for k in seen if k.endswith(":started")]
+            assert len(started) >= 4 and started == [s for s in flow if s in started], seen
+            assert any("→ a" in r for r in routes) and "→ b" in routes[-1], routes
+            page.screenshot(path=str(shots / "console-1280x800-after-failover.png"))
+
+            # Past operations list the failover with its steps and durations.
+            past = page.locator('[data-testid="op-past"] details.op').first
+            expect(past).to_contain_text("promotion of b")
+            expect(past).to_contain_text("gpu_detached")
+            past.locator("summary").click()
+            expect(past.locator("tbody tr")).to_have_count(6)
+
+            # A model's history, newest first, with sequences; and verify's verdict.
+            page.locator('[data-testid="model-a-qwen3-0.6b"] td.model button').click()
+            items = page.locator('[data-testid="timeline"] li[data-seq]')
+            expect(items.first).to_be_visible()
+            seqs = [int(s) for s in items.evaluate_all("els => els.map(e => e.dataset.seq)")]
+            types = items.evaluate_all("els => els.map(e => e.dataset.type)")
+            assert seqs == sorted(seqs, reverse=True) and len(seqs) >= 5, seqs
+            assert "model_lost" in types and "route_moved" in types and "model_resident" in types, types
+            page.click("#verify-btn")
+            expect(page.locator('[data-testid="verify"]')).to_contain_text("history intact")
+            page.click("#tl-close")
+
+            # Promote a through the control API, with a confirmation: 202, the operation starts.
+            page.click('[data-testid="promote-a"]')
+            expect(page.locator("#confirm")).to_be_visible()
+            page.click('[data-testid="confirm-ok"]')
+            expect(page.locator('[data-testid="toast-code"]')).to_have_text("202")
+            expect(page.locator('[data-testid="toast"]')).to_contain_text("accepted")
+            expect(page.locator('[data-testid="op-current"]')).to_contain_text("promotion of a")
+            # a's GPU is still gone: the operation aborts and routing stays on b
+            expect(page.locator('[data-testid="op-current"]')).to_contain_text("aborted", timeout=90_000)
+            expect(page.locator("#route")).to_contain_text("→ b")
+            page.screenshot(path=str(shots / "console-1280x800-promote.png"))
+
+            # A phone-sized screen gets the same page in one column.
+            phone = browser.new_page(viewport={"width": 390, "height": 844})
+            phone.goto(gw + f"/ui#token={TOKEN}")
+            expect(phone.locator("#conn")).to_have_attribute("data-state", "live", timeout=60_000)
+            expect(phone.locator('[data-testid="domain-b"] .badge.active')).to_be_visible(timeout=60_000)
+            width = phone.evaluate("document.documentElement.scrollWidth")
+            assert width <= 390, f"the page is {width}px wide on a 390px screen"
+            phone.screenshot(path=str(shots / "console-390x844.png"), full_page=True)
+            assert errors == [], errors
+        finally:
+            browser.close()
 
 
 # ------------------------------------------------------------------------------------------ metrics
