@@ -10,6 +10,7 @@ happen itself when it has not happened yet.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -393,3 +394,67 @@ def test_every_process_metrics_agree_with_the_event_log_after_a_failover(demo):
         return True
 
     wait_for("the agents' metrics to match the fleet view", agents_agree, 30, 0.5)
+
+
+# ------------------------------------------------------------------------------- dashboards, alerts
+
+DEPLOY = REPO / "deploy"
+METRIC = re.compile(r"\bharu_[a-z0-9_]+")
+SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created")
+
+
+def exposed_names(demo) -> set[str]:
+    """Every family and sample name the demo's processes expose (gateway, haru up, both agents)."""
+    names: set[str] = set()
+    pages = [(url, None) for url in demo["metrics"].values()] + [(demo["gateway_url"] + "/metrics", TOKEN)]
+    for url, token in pages:
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            for family in text_string_to_metric_families(resp.read().decode()):
+                names.add(family.name)
+                names.update(s.name for s in family.samples)
+    return names
+
+
+def known(name: str, names: set[str]) -> bool:
+    if name in names:
+        return True
+    return any(name.endswith(sfx) and name[: -len(sfx)] in names for sfx in SUFFIXES)
+
+
+def dashboard_exprs(dash: dict) -> list[str]:
+    exprs = []
+    for panel in dash["panels"]:
+        exprs += [t["expr"] for t in panel.get("targets", [])]
+    exprs += [a["expr"] for a in dash["annotations"]["list"] if "expr" in a]
+    for var in dash["templating"]["list"]:
+        q = var.get("query")
+        exprs.append(q["query"] if isinstance(q, dict) else str(q or ""))
+    return exprs
+
+
+def test_grafana_dashboard_and_alert_rules_reference_only_metrics_that_exist(demo):
+    dash = json.loads((DEPLOY / "grafana" / "haru-fleet.json").read_text())
+    # What Grafana needs to import it: a title and uid, an integer schema version, panels with unique
+    # ids, a type, a grid position inside 24 columns, and queries on the chosen Prometheus data source.
+    assert dash["title"] and dash["uid"] and isinstance(dash["schemaVersion"], int)
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        g = p["gridPos"]
+        assert p["type"] and g["w"] > 0 and g["h"] > 0 and g["x"] + g["w"] <= 24, p["title"]
+        if p["type"] != "row":
+            assert p["targets"], p["title"]
+            for t in p["targets"]:
+                assert t["expr"].strip() and t["refId"] and t["datasource"]["uid"] == "${datasource}", p["title"]
+    assert {v["name"] for v in dash["templating"]["list"]} >= {"datasource", "fleet"}
+
+    rules = (DEPLOY / "prometheus" / "haru-alerts.yml").read_text()
+    used_by_dashboard = {m for e in dashboard_exprs(dash) for m in METRIC.findall(e)}
+    used_by_rules = set(METRIC.findall(rules))
+    assert len(used_by_dashboard) >= 25 and len(used_by_rules) >= 8
+
+    detach_active_and_wait(demo)  # so that failover counters have children
+    names = exposed_names(demo)
+    missing = sorted(m for m in used_by_dashboard | used_by_rules if not known(m, names))
+    assert missing == [], f"referenced but not exposed by any Haru process: {missing}"
