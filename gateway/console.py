@@ -161,8 +161,8 @@ class Console:
                 frames, sub.pending = list(sub.pending.values()), {}
                 await resp.write(b"".join(frames))
                 self.frames_sent += len(frames)
-        except (ConnectionResetError, asyncio.CancelledError):
-            pass
+        except ConnectionResetError:
+            pass  # the browser went away mid-write (a disconnect otherwise cancels this handler)
         finally:
             self.subscribers.discard(sub)
         return resp
