@@ -291,7 +291,7 @@ function renderDomain(snap, view, d) {
       h("span", { class: "reason" }, " · " + gib(t.vram_bytes) + " on GPU " + t.gpu_index)));
   const agent = d.agent || {};
   return h("article", { class: "domain" + (active ? " active" : ""), dataset: { testid: "domain-" + d.name } },
-    h("div", { class: "domain-head" }, h("h2", {}, d.name), ...badges, h("span", { class: "spacer" }), ...buttons),
+    h("div", { class: "domain-head" }, h("h2", {}, d.name), ...badges, buttons.length ? h("span", { class: "btns" }, ...buttons) : null),
     h("div", { class: "sub" }, [d.provider, d.region, agent.host ? "agent " + agent.host + (agent.running ? "" : " (stopped)") : "no agent"].filter(Boolean).join(" · ")),
     ...(d.gpus || []).map((g) => renderGpu(view, d, g)),
     h("table", {}, h("thead", {}, h("tr", {}, h("th", {}, "model"), h("th", {}, "state"), h("th", {}, "for"), h("th", { class: "col-vram" }, "VRAM"))),
@@ -322,7 +322,7 @@ function renderOperation(view) {
       h("b", {}, s.step.replace(/_/g, " ")),
       s.state === "pending" ? "waiting" : s.state === "started" ? "running" + (s.attempt > 1 ? " (attempt " + s.attempt + ")" : "")
         : s.state + " · " + ms(s.took_ms), s.error ? h("div", { class: "error", title: s.error }, s.error) : null)));
-  fill(box, head, steps, op.error ? h("p", { class: "error" }, "aborted: " + op.error + " (routing did not move)") : null);
+  fill(box, head, steps, op.error ? h("p", { class: "error" }, "aborted: " + op.error.replace(/^(\w+): \1: /, "$1: ") + " (routing did not move)") : null);
 }
 
 async function loadOperations() {

@@ -273,6 +273,7 @@ def test_console_shows_a_failover_live_and_promotes_through_the_control_api(demo
             assert "model_lost" in types and "route_moved" in types and "model_resident" in types, types
             page.click("#verify-btn")
             expect(page.locator('[data-testid="verify"]')).to_contain_text("history intact")
+            page.screenshot(path=str(shots / "console-1280x800-timeline.png"))
             page.click("#tl-close")
 
             # Promote a through the control API, with a confirmation: 202, the operation starts.
