@@ -14,8 +14,8 @@ count nothing for it.
     haru_agent_gpu_memory_held_bytes{gpu}             what this agent's children hold by declaration:
                                                       loading/resident/waking models' VRAM, sleeping
                                                       models' residual, running training budgets
-    haru_agent_gpu_memory_foreign_bytes{gpu}          used by processes that are not this agent's
-                                                      (only when the GPU reading reports it)
+    haru_agent_gpu_memory_foreign_bytes{gpu}          used by processes Haru did not start (only when the
+                                                      GPU observation accounts per process: `accounted`)
     haru_agent_training_running{slot}                 1 while the slot's process runs
     haru_agent_training_run_seconds{slot}             how long the running (or last) process ran
     haru_agent_role{role}                             1 for active or standby
@@ -53,6 +53,14 @@ def held_bytes(agent, gpu_index: int) -> int:
         if t.spec.gpu_index == gpu_index and t.running():
             held += t.spec.vram_bytes
     return held
+
+
+def foreign_of(observed) -> int | None:
+    """Bytes held on the GPU by processes Haru did not start, when the observation accounts for them
+    (`accounted` and `foreign: [{pid, used_bytes}]`, issue 12's per-process accounting); else None."""
+    if not getattr(observed, "accounted", False):
+        return None
+    return sum(p.used_bytes for p in getattr(observed, "foreign", ()) or ())
 
 
 class AgentCollector:
@@ -104,7 +112,7 @@ class AgentCollector:
                     present.add_metric(base + g, 1 if last.present else 0)
                 total.add_metric(base + g, last.memory_total_bytes)
                 used.add_metric(base + g, last.memory_used_bytes)
-                foreign_bytes = getattr(last, "foreign_bytes", None)  # reported once GPU readings carry it
+                foreign_bytes = foreign_of(last)
                 if foreign_bytes is not None:
                     foreign.add_metric(base + g, foreign_bytes)
             held.add_metric(base + g, held_bytes(agent, index))

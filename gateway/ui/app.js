@@ -223,7 +223,9 @@ function renderGpu(view, d, g) {
   // declared: what the layout puts on this card (admitted models; the planner's figures)
   const declared = Object.values(d.models || {}).filter((m) => m.gpu_index === g.index && m.admitted !== false)
     .reduce((n, m) => n + m.vram_bytes, 0);
-  const foreign = g.foreign_bytes;  // issue 10: GPU memory of processes that are not Haru's, when reported
+  // Memory held by processes Haru did not start (a neighbour on a rented GPU), when the agent accounts
+  // per process (GpuView.accounted, foreign: [{pid, used_bytes}]); drawn only then.
+  const foreign = g.accounted && Array.isArray(g.foreign) ? g.foreign.reduce((n, p) => n + (p.used_bytes || 0), 0) : 0;
   const pct = (n) => Math.min(100, (100 * n) / total).toFixed(2) + "%";
   const detached = g.present === false;
   const bar = h("div", { class: "bar" + (detached ? " detached" : ""), title: detached ? "detached" : "" },
@@ -243,7 +245,8 @@ function renderGpu(view, d, g) {
       h("span", {}, h("i", { style: "background:var(--ok)" }), "held by Haru"),
       h("span", {}, h("i", { style: "background:#2e5f8f" }), "used (observed)"),
       h("span", {}, h("i", { style: "background:#e3e8ee" }), "declared"),
-      foreign ? h("span", {}, h("i", { style: "background:#a3423b" }), "foreign " + gib(foreign)) : null,
+      foreign ? h("span", { dataset: { testid: "foreign-" + d.name + "-" + g.index } }, h("i", { style: "background:#a3423b" }),
+        "foreign " + gib(foreign) + " (" + g.foreign.length + " process" + (g.foreign.length === 1 ? "" : "es") + ")") : null,
       h("span", {}, h("i", { style: "background:#2a313a" }), "reserve " + gib(g.reserve_bytes || 0))));
 }
 

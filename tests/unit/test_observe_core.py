@@ -76,3 +76,32 @@ def test_metrics_address_flag_over_env_and_errors_name_the_fix():
         metrics_address(None, None, {"HARU_METRICS_PORT": "x"})
     with pytest.raises(ConfigError, match="out of range"):
         metrics_address(70000, None, {})
+
+
+def test_held_bytes_counts_what_the_agents_children_hold_by_declaration():
+    from types import SimpleNamespace as NS
+
+    from agents.metrics import foreign_of, held_bytes
+    from haru.residency import Loading, Lost, Resident, Sleeping
+    from haru.specs import GiB, ModelSpec, Policy
+
+    def model(name, vram, state, gpu=0, runtime="vllm"):
+        spec = ModelSpec(name=name, slot="s", gpu_index=gpu, vram_bytes=vram * GiB, runtime=runtime, port=1)
+        return NS(spec=spec, state=state, runtime=NS(kind=runtime))
+
+    agent = NS(
+        policy=Policy(sleep_residual_bytes=GiB // 2),
+        models={"a": model("a", 2, Resident()), "b": model("b", 9, Sleeping()), "c": model("c", 10, Lost(reason="evicted")),
+                "d": model("d", 3, Loading()), "e": model("e", 5, Resident(), gpu=1),
+                "f": model("f", 4, Sleeping(), runtime="llama_server")},
+        trainers={"lora": NS(spec=NS(gpu_index=0, vram_bytes=8 * GiB), running=lambda: True),
+                  "idle": NS(spec=NS(gpu_index=0, vram_bytes=6 * GiB), running=lambda: False)},
+    )
+    # resident 2 + loading 3 + vLLM asleep 0.5 + llama-server asleep keeps all 4 + training 8; lost holds nothing
+    assert held_bytes(agent, 0) == 2 * GiB + 3 * GiB + GiB // 2 + 4 * GiB + 8 * GiB
+    assert held_bytes(agent, 1) == 5 * GiB
+
+    assert foreign_of(NS(present=True)) is None  # this branch's observations carry no accounting
+    assert foreign_of(NS(accounted=False, foreign=[NS(pid=1, used_bytes=5)])) is None
+    assert foreign_of(NS(accounted=True, foreign=[NS(pid=1, used_bytes=5), NS(pid=2, used_bytes=7)])) == 12
+    assert foreign_of(NS(accounted=True, foreign=[])) == 0
