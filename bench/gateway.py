@@ -497,8 +497,44 @@ class consoles_open:
         self.stats.update(json.loads(out.strip().splitlines()[-1]))
 
 
+def fanout_cost_us(consoles: int, upstream: str, rounds: int = 2000) -> float:
+    """CPU per view change of the console fan-out itself (snapshot encoded once, offered to every
+    console), measured in this process on the bench's own view: the part of a change the proxy shares
+    its core with. Writing to the sockets is the event loop's, and is in the side-by-side figures."""
+    from gateway.console import Console, _Subscriber
+    from gateway.routing import RoutingTable
+    from haru.residency import Answer, Resident
+    from haru.views import DomainView, FleetView, ModelView, RouteIntent, Target
+
+    table = RoutingTable()
+    view = FleetView(fleet="default", active="a", route_revision=1, seq=1, domains={
+        "a": DomainView(name="a", serving_url=upstream,
+                        models={MODEL: ModelView(name=MODEL, admitted=True, residency=Resident())})})
+    table.set_view("default", view)
+    table.set_intent("default", RouteIntent(fleet="default", revision=1, active=Target(domain="a", serving_url=upstream),
+                                            answers={MODEL: Answer(answer="ready")}), 1)
+
+    async def run() -> float:
+        console = Console(table, None)
+        subs = [_Subscriber() for _ in range(consoles)]
+        console.subscribers.update(subs)
+        t0 = time.process_time()
+        for _ in range(rounds):
+            console._dirty.add("default")
+            console._send()
+            for sub in subs:
+                sub.pending.clear()
+                sub.wake.clear()
+        return (time.process_time() - t0) / rounds * 1e6
+
+    return asyncio.run(run())
+
+
 def print_side_by_side(kind: str, args: argparse.Namespace, quiet: dict, busy: dict, stats: dict) -> None:
     frames = stats.get("frames", [])
+    cost = fanout_cost_us(args.consoles, "http://127.0.0.1:1")
+    print(f"console fan-out: {cost:.1f} us of CPU per view change with {args.consoles} consoles "
+          f"({cost * args.churn_hz / 1e4:.4f}% of a core at {args.churn_hz:g} changes/s)")
     print(f"consoles: {len(frames)} open, {stats.get('changes', 0)} view changes, frames received per console "
           f"min {min(frames, default=0)} max {max(frames, default=0)}")
     print(f"gateway vs direct, upstream={kind}: no console | {args.consoles} consoles live")

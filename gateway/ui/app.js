@@ -183,7 +183,7 @@ function render() {
   const opsKey = state.fleet + "|" + (view.operation ? view.operation.op_id + ":" + (view.operation.steps || []).length : "") +
     "|" + (view.last_operation ? view.last_operation.op_id + ":" + view.last_operation.state : "");
   if (opsKey !== state.lastOps) { state.lastOps = opsKey; loadOperations(); }
-  if (state.timelineModel && !$("timeline").hidden) loadTimeline(state.timelineModel, true);
+  if (state.timelineModel && !$("timeline").hidden) refreshTimeline();
 }
 
 function renderBanner(snap, view) {
@@ -366,6 +366,16 @@ function openTimeline(model) {
   $("tl-list").replaceChildren(h("li", {}, "Loading…"));
   $("timeline").hidden = false;
   loadTimeline(model, false);
+}
+// An open timeline follows the fleet, at most one reload a second (it reads the fleet's history).
+let timelineTimer = null, timelineAt = 0;
+function refreshTimeline() {
+  if (timelineTimer) return;
+  const wait = Math.max(0, 1000 - (Date.now() - timelineAt));
+  timelineTimer = setTimeout(() => {
+    timelineTimer = null; timelineAt = Date.now();
+    if (state.timelineModel && !$("timeline").hidden) loadTimeline(state.timelineModel, true);
+  }, wait);
 }
 let timelineBusy = false;
 async function loadTimeline(model, quiet) {

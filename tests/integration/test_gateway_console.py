@@ -137,3 +137,41 @@ async def test_operations_why_and_verify(fleet):
         async with s.get(gw.url + "/ui/api/verify?fleet=ops", headers=AUTH) as r:
             verdict = await r.json()
         assert verdict["ok"] is True and "history intact" in verdict["summary"] and verdict["events"] >= 5
+
+
+@pytest.mark.timeout(120)
+async def test_the_page_says_when_it_is_disconnected_and_reconnects_by_itself(fleet, tmp_path):
+    """The second (and last) browser test: the gateway goes away under an open console and comes back."""
+    from tests.e2e.test_observe_demo import CHROMIUM, CHROMIUM_ARGS, need_chromium
+
+    need_chromium()
+    from playwright.async_api import async_playwright, expect
+
+    gw, log = fleet
+    port = gw.port
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page(viewport={"width": 1280, "height": 800})
+            await page.goto(gw.url + f"/ui#token={TOKEN}")
+            await expect(page.locator("#conn")).to_have_attribute("data-state", "live", timeout=30_000)
+            await expect(page.locator('[data-testid="domain-a"] .badge.active')).to_be_visible(timeout=30_000)
+            await page.evaluate("window.__notReloaded = true")
+
+            await gw.stop()  # the gateway goes away: the page says so, with the time
+            await expect(page.locator("#conn")).to_have_attribute("data-state", "disconnected", timeout=30_000)
+            await expect(page.locator("#conn")).to_contain_text("disconnected since")
+            await page.screenshot(path=str(tmp_path / "disconnected.png"))
+
+            # Something changes while it is away; a gateway comes back on the same address.
+            now = datetime.now(UTC)
+            subject = subjects.model("ops", "a", MODEL)
+            seq = await log.append(subject, ModelLoading(at=now, domain="a", model=MODEL), expect=0)
+            await log.append(subject, ModelResident(at=now, domain="a", model=MODEL, warmup_ms=3), expect=seq)
+            async with Gateway(GatewayConfig(host="127.0.0.1", port=port, api_token=TOKEN), log):
+                await expect(page.locator("#conn")).to_have_attribute("data-state", "live", timeout=30_000)
+                await expect(page.locator(f'[data-testid="model-a-{MODEL}"]')).to_have_attribute(
+                    "data-state", "resident", timeout=30_000)
+            assert await page.evaluate("window.__notReloaded") is True
+        finally:
+            await browser.close()
