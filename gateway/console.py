@@ -124,6 +124,8 @@ class Console:
         if method not in ("GET", "HEAD"):
             raise ApiError(405, "method_not_allowed", f"{path} accepts GET only")
         if path == "/ui/events":
+            if method == "HEAD":
+                return web.Response(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache, no-store"})
             return await self.stream(request)
         if path == "/ui/api/operations":
             return await self.operations(request)

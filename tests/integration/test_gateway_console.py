@@ -108,6 +108,10 @@ async def test_the_page_is_public_its_data_needs_the_token(fleet):
                 assert (await r.json())["error"]["code"] == "invalid_api_key"
         async with s.get(gw.url + "/ui/api/nope", headers=AUTH) as r:
             assert r.status == 404
+        async with s.head(gw.url + "/ui/events", headers=AUTH) as r:
+            assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
+        async with s.post(gw.url + "/ui/events", headers=AUTH) as r:
+            assert r.status == 405
         async with s.get(gw.url + "/ui/api/operations?fleet=No.Such", headers=AUTH) as r:
             body = await r.json()
             assert r.status == 400 and body["error"]["param"] == "fleet"
