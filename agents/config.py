@@ -65,6 +65,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     state_dir: str = ""
     heartbeat_ms: int = 1000
     auto_training: bool = True
+    # Prometheus metrics at http://<metrics_host>:<metrics_port>/metrics (agents/metrics.py); None = off
+    # unless --metrics-port / HARU_METRICS_PORT say otherwise, 0 = a free port.
+    metrics_port: int | None = None
+    metrics_host: str = ""
 
     def servers(self) -> list[str]:
         urls = self.nats_url if isinstance(self.nats_url, list) else self.nats_url.split(",")

@@ -1,6 +1,7 @@
 """Gateway overhead: the same upstream called directly and through `haru gateway`, in one run.
 
     .venv/bin/python bench/gateway.py [--duration 4] [--slices 6] [--upstream both|sim|fast] [--client raw|aiohttp]
+                                      [--consoles 20] [--churn-hz 5]
 
 Processes (each its own, as in production): a nats-server with the fleet's view and route intent
 published; one upstream (`sim`: the vLLM simulator, `python -m agents.sim.vllm serve`, with no token
@@ -14,6 +15,11 @@ slices (so both see the same background load on a shared machine) and prints: th
 time-to-first-token ratio. Targets (issue 7): added p50 <= 0.5 ms at 1 connection, throughput >=
 0.5x direct at 32 connections. Ratios, not absolute numbers, are the result: the machine is shared
 by every process here.
+
+`--consoles N` (issue 18) measures everything twice in the same run: first as above, then with N web
+consoles open on /ui/events (a process of their own) while the fleet's view changes `--churn-hz`
+times a second (each change a real KV write the gateway's watch applies and fans out to every
+console), and prints both sets of ratios side by side: the console must not cost the proxy.
 """
 
 from __future__ import annotations
@@ -336,11 +342,18 @@ def main() -> None:
     p.add_argument("--url2", help=argparse.SUPPRESS)
     p.add_argument("--kind", help=argparse.SUPPRESS)
     p.add_argument("--conns", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--consoles", type=int, default=0,
+                   help="measure again with this many consoles open and live, and print both (issue 18: 20)")
+    p.add_argument("--churn-hz", type=float, default=5.0, help="with --consoles: fleet view changes per second")
+    p.add_argument("--_consoles", metavar="STOP_FILE", help=argparse.SUPPRESS)
+    p.add_argument("--nats", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args._upstream:
         return run_fast_upstream(args._upstream)
     if args._load:
         return run_load(args)
+    if args._consoles:
+        return asyncio.run(run_consoles(args))
 
     from haru.natsd import NatsServer
 
@@ -358,7 +371,12 @@ def main() -> None:
                 gw_proc, gw = start_gateway(nats.url, tmp)
                 procs.append(gw_proc)
                 wait_routable(gw)
-                bench_one(kind, upstream, gw, args)
+                quiet = bench_one(kind, upstream, gw, args)
+                if args.consoles:
+                    with consoles_open(args, gw, nats.url, upstream, tmp) as stats:
+                        busy = bench_one(kind, upstream, gw, args,
+                                         note=f"with {args.consoles} consoles open, view changing {args.churn_hz:g}/s")
+                    print_side_by_side(kind, args, quiet, busy, stats)
             finally:
                 for proc in procs:
                     proc.terminate()
@@ -371,9 +389,9 @@ def main() -> None:
         print()
 
 
-def bench_one(kind: str, upstream: str, gw: str, args: argparse.Namespace) -> None:
+def bench_one(kind: str, upstream: str, gw: str, args: argparse.Namespace, note: str = "") -> dict:
     print(f"== upstream={kind} client={args.client} {args.duration}s per target and scenario, in {args.slices} "
-          f"alternating slices; cpus={os.cpu_count()} load={os.getloadavg()[0]:.1f}")
+          f"alternating slices; cpus={os.cpu_count()} load={os.getloadavg()[0]:.1f}" + (f"; {note}" if note else ""))
     print(f"{'scenario':<14}{'target':<9}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'ttft50':>9}{'err':>5}")
     results: dict[tuple[str, int], dict[str, dict]] = {}
     for body_kind in ("json", "sse"):
@@ -402,6 +420,130 @@ def bench_one(kind: str, upstream: str, gw: str, args: argparse.Namespace) -> No
                             f"{'met' if ratio >= 0.5 else 'MISSED'}")
     for v in verdicts:
         print(f"  [{kind}] {v}")
+    return results
+
+
+# ---------------------------------------------------------------------------------- consoles open
+
+
+async def run_consoles(args: argparse.Namespace) -> None:
+    """N consoles reading /ui/events, and a writer changing the fleet view, until STOP_FILE appears.
+    Prints {"frames": [...per console], "changes": n} on stdout."""
+    import aiohttp
+    import msgspec
+
+    from haru import subjects
+    from haru.eventlog import EventLog
+    from haru.views import view_decoder, view_encoder
+
+    stop_file = Path(args._consoles)
+    frames = [0] * args.consoles
+    opened = [0]
+
+    async def console(i: int, session: aiohttp.ClientSession) -> None:
+        async with session.get(args.url + "/ui/events") as resp:
+            assert resp.status == 200, resp.status
+            opened[0] += 1
+            async for chunk in resp.content.iter_any():
+                frames[i] += chunk.count(b"event: fleet")
+
+    changes = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session, \
+            EventLog.connect([args.nats], writer="bench-consoles") as log:
+        tasks = [asyncio.create_task(console(i, session)) for i in range(args.consoles)]
+        key = subjects.view_key("default")
+        while opened[0] < args.consoles:
+            await asyncio.sleep(0.05)
+        print("open", flush=True)
+        period = 1 / args.churn_hz if args.churn_hz > 0 else None
+        while not stop_file.exists():
+            if period is None:
+                await asyncio.sleep(0.1)
+                continue
+            data, rev = await log.get_view(key)
+            view = view_decoder.decode(data)
+            view = msgspec.structs.replace(view, seq=view.seq + 1)  # a newer view: applied and fanned out
+            await log.put_view(key, view_encoder.encode(view), last=rev)
+            changes += 1
+            await asyncio.sleep(period)
+        await asyncio.sleep(0.5)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    print(json.dumps({"frames": frames, "changes": changes}), flush=True)
+
+
+class consoles_open:
+    """Context manager: the console process runs inside it; `stats` is filled when it ends."""
+
+    def __init__(self, args: argparse.Namespace, gw: str, nats_url: str, upstream: str, tmp: Path) -> None:
+        self.args, self.gw, self.nats_url, self.tmp = args, gw, nats_url, tmp
+        self.stats: dict = {}
+
+    def __enter__(self) -> dict:
+        self.stop = self.tmp / "consoles.stop"
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--_consoles", str(self.stop), "--consoles", str(self.args.consoles),
+             "--churn-hz", str(self.args.churn_hz), "--url", self.gw, "--nats", self.nats_url],
+            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if line.strip() != "open":
+            raise SystemExit(f"the consoles did not open: {line!r}")
+        return self.stats
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.write_text("stop")
+        out, _ = self.proc.communicate(timeout=30)
+        self.stats.update(json.loads(out.strip().splitlines()[-1]))
+
+
+def fanout_cost_us(consoles: int, upstream: str, rounds: int = 2000) -> float:
+    """CPU per view change of the console fan-out itself (snapshot encoded once, offered to every
+    console), measured in this process on the bench's own view: the part of a change the proxy shares
+    its core with. Writing to the sockets is the event loop's, and is in the side-by-side figures."""
+    from gateway.console import Console, _Subscriber
+    from gateway.routing import RoutingTable
+    from haru.residency import Answer, Resident
+    from haru.views import DomainView, FleetView, ModelView, RouteIntent, Target
+
+    table = RoutingTable()
+    view = FleetView(fleet="default", active="a", route_revision=1, seq=1, domains={
+        "a": DomainView(name="a", serving_url=upstream,
+                        models={MODEL: ModelView(name=MODEL, admitted=True, residency=Resident())})})
+    table.set_view("default", view)
+    table.set_intent("default", RouteIntent(fleet="default", revision=1, active=Target(domain="a", serving_url=upstream),
+                                            answers={MODEL: Answer(answer="ready")}), 1)
+
+    async def run() -> float:
+        console = Console(table, None)
+        subs = [_Subscriber() for _ in range(consoles)]
+        console.subscribers.update(subs)
+        t0 = time.process_time()
+        for _ in range(rounds):
+            console._dirty.add("default")
+            console._send()
+            for sub in subs:
+                sub.pending.clear()
+                sub.wake.clear()
+        return (time.process_time() - t0) / rounds * 1e6
+
+    return asyncio.run(run())
+
+
+def print_side_by_side(kind: str, args: argparse.Namespace, quiet: dict, busy: dict, stats: dict) -> None:
+    frames = stats.get("frames", [])
+    cost = fanout_cost_us(args.consoles, "http://127.0.0.1:1")
+    print(f"console fan-out: {cost:.1f} us of CPU per view change with {args.consoles} consoles "
+          f"({cost * args.churn_hz / 1e4:.4f}% of a core at {args.churn_hz:g} changes/s)")
+    print(f"consoles: {len(frames)} open, {stats.get('changes', 0)} view changes, frames received per console "
+          f"min {min(frames, default=0)} max {max(frames, default=0)}")
+    print(f"gateway vs direct, upstream={kind}: no console | {args.consoles} consoles live")
+    for key, q in quiet.items():
+        b = busy[key]
+        body_kind, conns = key
+        qr, br = q["gateway"]["rps"] / q["direct"]["rps"], b["gateway"]["rps"] / b["direct"]["rps"]
+        qa, ba = (q["gateway"]["p50"] - q["direct"]["p50"]) * 1e3, (b["gateway"]["p50"] - b["direct"]["p50"]) * 1e3
+        print(f"  {body_kind:<4} x{conns:<3} throughput {qr:.2f}x | {br:.2f}x   added p50 {qa:+.3f} | {ba:+.3f} ms")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import structlog
 from aiohttp import web
 
 from gateway.config import GatewayConfig
+from gateway.console import Console
 from gateway.control import Control
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
@@ -73,6 +74,10 @@ class Gateway:
                                follower=self.follower)
         self.control.authorized = self._authorized
         self._expected_auth = config.api_token.encode() if config.api_token else b""
+        # The web console (/ui) is fed by the follower's changes: one fan-out for every open console.
+        self.console = Console(self.table, events)
+        if self.follower is not None:
+            self.follower.on_change = self.console.changed
         self._stack: contextlib.AsyncExitStack | None = None
         self._runner: web.ServerRunner | None = None
         self._server: GuardedServer | None = None
@@ -128,6 +133,7 @@ class Gateway:
             runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=5.0)
             await runner.setup()
             stack.push_async_callback(runner.cleanup)
+            stack.callback(self.console.close)  # open event streams end before the runner waits for them
             site = web.TCPSite(runner, self.host, cfg.port, backlog=1024, reuse_address=True)
             await site.start()
             self._runner = runner
@@ -161,6 +167,8 @@ class Gateway:
         method = request.method
         if path == "/healthz":
             return await self.control.healthz(request)
+        if path.startswith("/ui") and (page := self.console.static(path)) is not None:
+            return page  # the console's own files carry no data: the data behind them needs the token
         if not self._authorized(request):
             return _api_error_response(
                 ApiError(401, "invalid_api_key",
@@ -181,6 +189,8 @@ class Gateway:
             if method not in ("GET", "HEAD"):
                 return _method_not_allowed(path, "GET")
             return await handler(request)
+        if path.startswith("/ui/"):
+            return await self.console.handle(request, path, method)
         if path.startswith(_FLEET_PREFIX):
             parts = path[len(_FLEET_PREFIX):].split("/")
             fleet = parts[0]

@@ -119,10 +119,15 @@ class AgentProcess:
     domain: str
     proc: subprocess.Popen
     log_path: Path
+    metrics_port: int | None = None
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else ""
 
 
-def _agent_config(layout: Layout, domain: str, nats_url: str, home: Path) -> dict:
-    return {
+def _agent_config(layout: Layout, domain: str, nats_url: str, home: Path, metrics_port: int | None = None) -> dict:
+    conf = {
         "fleet": layout.fleet,
         "domain": domain,
         "nats_url": nats_url,
@@ -130,6 +135,9 @@ def _agent_config(layout: Layout, domain: str, nats_url: str, home: Path) -> dic
         "sim_dir": str(home / "sim" / domain),
         "state_dir": str(home / "demo" / "agents" / domain),
     }
+    if metrics_port is not None:
+        conf["metrics_port"] = metrics_port
+    return conf
 
 
 def _prepare_sim_host(layout: Layout, domain: str, home: Path) -> None:
@@ -145,12 +153,12 @@ def _prepare_sim_host(layout: Layout, domain: str, home: Path) -> None:
         state.set_present(True)  # a new demo starts with every GPU attached
 
 
-def start_agent(layout: Layout, domain: str, nats_url: str, home: Path) -> AgentProcess:
+def start_agent(layout: Layout, domain: str, nats_url: str, home: Path, metrics_port: int | None = None) -> AgentProcess:
     _prepare_sim_host(layout, domain, home)
     conf_dir = home / "demo" / "agents"
     conf_dir.mkdir(parents=True, exist_ok=True)
     conf = conf_dir / f"{domain}.json"
-    conf.write_text(json.dumps(_agent_config(layout, domain, nats_url, home), indent=2))
+    conf.write_text(json.dumps(_agent_config(layout, domain, nats_url, home, metrics_port), indent=2))
     log_path = conf_dir / f"{domain}.log"
     env = {
         **os.environ,
@@ -158,6 +166,7 @@ def start_agent(layout: Layout, domain: str, nats_url: str, home: Path) -> Agent
         "HARU_SIM_DOMAIN": domain,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])),
     }
+    env.pop("HARU_METRICS_PORT", None)  # haru up's own port: each agent's is in its config
     out = open(log_path, "ab")
     try:
         proc = subprocess.Popen(
@@ -171,7 +180,7 @@ def start_agent(layout: Layout, domain: str, nats_url: str, home: Path) -> Agent
         )
     finally:
         out.close()
-    return AgentProcess(domain, proc, log_path)
+    return AgentProcess(domain, proc, log_path, metrics_port)
 
 
 async def stop_agents(agents: list[AgentProcess], timeout: float = AGENT_STOP_S) -> None:
@@ -208,12 +217,15 @@ class UpOptions:
     layout_path: Path = DEMO_LAYOUT
     ready_file: Path | None = None  # written (JSON) once everything is up: for scripts and tests
     services: tuple[str, ...] = ("projector", "promoter", "gateway")
+    metrics_port: int | None = None  # None: HARU_METRICS_PORT, else 9400 (a free port when taken)
+    metrics_host: str | None = None
 
 
 @dataclass
 class Running:
     nats_url: str
     gateway_url: str = ""
+    metrics_url: str = ""  # projector + promoter (haru/metrics.py)
     agents: list[AgentProcess] = field(default_factory=list)
 
 
@@ -221,7 +233,7 @@ async def up(opts: UpOptions, stop: asyncio.Event) -> Running:
     """Run until `stop` is set; return what ran. Raises HaruError subclasses for what cannot start."""
     from gateway.config import from_env
     from gateway.server import Gateway
-    from haru.promoter.service import run_promoter
+    from haru.promoter.service import Promoter
     from projections.projector import Projector
 
     opts.home.mkdir(parents=True, exist_ok=True)
@@ -256,13 +268,19 @@ async def up(opts: UpOptions, stop: asyncio.Event) -> Running:
 
         tasks: list[asyncio.Task] = []
         stack.push_async_callback(_cancel_all, tasks)
+        registries, refresh = [], []
         if "projector" in opts.services:
-            tasks.append(asyncio.create_task(Projector(events).run(), name="projector"))
+            projector = Projector(events)
+            registries.append(_projector_registry(projector, refresh))
+            tasks.append(asyncio.create_task(projector.run(), name="projector"))
         if "promoter" in opts.services:
             promoter_ready = asyncio.Event()
-            tasks.append(asyncio.create_task(
-                run_promoter(events, identity=f"promoter:{socket.gethostname()}:up", ready=promoter_ready),
-                name="promoter"))
+            promoter = Promoter(events, identity=f"promoter:{socket.gethostname()}:up")
+            registries.append(promoter.metrics.registry)
+            tasks.append(asyncio.create_task(promoter.run(promoter_ready), name="promoter"))
+        if registries:
+            metrics = await stack.enter_async_context(_serve_metrics(opts, registries, refresh))
+            running.metrics_url = metrics.url
         if "gateway" in opts.services:
             config = from_env(os.environ, host=opts.gateway_host, port=opts.gateway_port)
             gw = Gateway(config, events)
@@ -271,14 +289,15 @@ async def up(opts: UpOptions, stop: asyncio.Event) -> Running:
 
         if opts.demo and layout is not None:
             for d in layout.domains:
-                running.agents.append(start_agent(layout, d.spec.name, nats_url, opts.home))
+                running.agents.append(start_agent(layout, d.spec.name, nats_url, opts.home, free_port()))
             stack.push_async_callback(stop_agents, running.agents)
 
         _banner(running, opts, layout)
         if opts.ready_file:
             opts.ready_file.write_text(json.dumps({
                 "nats_url": running.nats_url, "gateway_url": running.gateway_url,
-                "agents": {a.domain: a.proc.pid for a in running.agents}, "pid": os.getpid()}))
+                "agents": {a.domain: a.proc.pid for a in running.agents}, "pid": os.getpid(),
+                "metrics": {"up": running.metrics_url, **{a.domain: a.metrics_url for a in running.agents}}}))
 
         watchers = [asyncio.create_task(stop.wait(), name="stop")] + tasks
         done, _ = await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
@@ -291,6 +310,33 @@ async def up(opts: UpOptions, stop: asyncio.Event) -> Running:
                 log.warning("up.agent_exited", domain=a.domain, status=a.proc.returncode, log=str(a.log_path))
         log.info("up.stopping")
     return running
+
+
+def _projector_registry(projector, refresh: list):
+    from prometheus_client import CollectorRegistry
+
+    from projections.metrics import register
+
+    registry = CollectorRegistry()
+    refresh.append(register(registry, projector).refresh)
+    return registry
+
+
+@contextlib.asynccontextmanager
+async def _serve_metrics(opts: UpOptions, registries: list, refresh: list):
+    """The projector's and promoter's metrics on one endpoint; the default port moves when taken."""
+    from haru.metrics import DOCUMENTED_PORTS, MetricsServer, metrics_address
+
+    address = metrics_address(opts.metrics_port, opts.metrics_host, default_port=DOCUMENTED_PORTS["up"])
+    assert address is not None
+    host, port = address
+    explicit = opts.metrics_port is not None or os.environ.get("HARU_METRICS_PORT", "").strip()
+    if port and not explicit and not _port_free(port):
+        chosen = free_port()
+        log.warning("up.metrics_port_busy", port=port, using=chosen)
+        port = chosen
+    async with MetricsServer(registries, host=host, port=port, refresh=refresh) as server:
+        yield server
 
 
 async def _cancel_all(tasks: list[asyncio.Task]) -> None:
@@ -308,7 +354,11 @@ def _banner(running: Running, opts: UpOptions, layout: Layout | None) -> None:
     out = sys.stdout
     out.write(f"haru up: NATS {redact(running.nats_url)}" + ("" if opts.nats_url else f" (embedded, store {opts.home / 'nats'})") + "\n")
     if running.gateway_url:
-        out.write(f"haru up: gateway {running.gateway_url}  (OpenAI-compatible: {running.gateway_url}/v1)\n")
+        out.write(f"haru up: gateway {running.gateway_url}  (OpenAI-compatible: {running.gateway_url}/v1; "
+                  f"console: {running.gateway_url}/ui)\n")
+    if running.metrics_url:
+        agents = "".join(f", agent {a.domain} {a.metrics_url}" for a in running.agents if a.metrics_url)
+        out.write(f"haru up: metrics {running.metrics_url} (projector + promoter){agents}\n")
     if layout is not None:
         models = ", ".join(m.name for m in layout.domains[0].models)
         out.write(f"haru up: demo fleet {layout.fleet!r}: domains {', '.join(d.spec.name for d in layout.domains)}; "

@@ -91,6 +91,7 @@ class Stats:
     intents_published: int = 0
     intent_conflicts: int = 0
     last_seq: int = 0  # the last sequence handled
+    last_time_ns: int = 0  # when JetStream recorded it (the metrics' lag in seconds)
     flushes: int = 0
     failures: int = 0  # records the fold raised on (a bug): logged and skipped
     replay_restarts: int = 0  # stalled replays restarted (after a NATS restart)
@@ -125,6 +126,7 @@ class Projector:
         self._idle.set()
         self._caught_up_at = 0  # the stream's last seq when we started; logged once reached
         self._started = 0.0
+        self.started_wall = time.time()
 
     @property
     def views(self) -> dict[str, FleetView]:
@@ -276,6 +278,7 @@ class Projector:
         seq = rec.seq
         stats = self.stats
         stats.last_seq = seq
+        stats.last_time_ns = rec.time_ns
         event = rec.event
         try:
             folder = add_one(self._folders, event, seq=seq, subject=rec.subject, error=rec.error)

@@ -12,6 +12,7 @@ import signal
 
 
 from haru.cli.common import ExitStatus, fail, add_log_options, configure_logging
+from haru.metrics import add_metrics_options
 
 
 def register(subparsers) -> None:
@@ -25,6 +26,7 @@ def register(subparsers) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="print what this host would run (source, role, admitted models and training slots) and exit")
     p.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
+    add_metrics_options(p)
     p.set_defaults(handler=run)
 
 
@@ -32,7 +34,9 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     from agents.agent import Agent
     from agents.config import load_config
     from agents.errors import AgentRefused
+    from agents.metrics import registry_for
     from haru.errors import ConfigError, LayoutError, LogUnavailable
+    from haru.metrics import maybe_serve, metrics_address
 
     configure_logging(args.log_format, args.log_level)
     try:
@@ -53,11 +57,14 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
     try:
+        metrics = metrics_address(args.metrics_port if args.metrics_port is not None else config.metrics_port,
+                                  args.metrics_host or config.metrics_host or None)
         async with Agent.start(config) as agent:
             agent_box.append(agent)
             if stop_signal:
                 agent.request_stop(f"signal {stop_signal[0]}")
-            await agent.stopped()
+            async with maybe_serve([registry_for(agent)], metrics):
+                await agent.stopped()
     except AgentRefused as exc:
         return fail(str(exc), ExitStatus.CONFLICT)
     except LogUnavailable as exc:

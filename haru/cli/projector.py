@@ -9,6 +9,7 @@ import os
 import socket
 
 from haru.cli.common import ExitStatus, add_nats_options, fail, nats_servers, add_log_options, configure_logging
+from haru.metrics import add_metrics_options
 from haru.tasks import run_until_signal
 
 
@@ -30,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="replicas for the streams and bucket if this projector creates them (env HARU_REPLICAS; default %(default)s)",
     )
     add_log_options(p)
+    add_metrics_options(p)
     p.set_defaults(handler=run)
 
 
@@ -39,16 +41,25 @@ async def run(args: argparse.Namespace) -> ExitStatus:
 
     from haru.errors import LogUnavailable
     from haru.eventlog import EventLog
+    from prometheus_client import CollectorRegistry
+
+    from haru.metrics import maybe_serve, metrics_address
+    from projections.metrics import register as register_metrics
     from projections.projector import Projector
 
+    metrics = metrics_address(args.metrics_port, args.metrics_host)
     writer = f"projector:{socket.gethostname()}:{os.getpid()}"
     structlog.contextvars.bind_contextvars(projector=writer)
     try:
         async with EventLog.connect(nats_servers(args.nats_url), writer=writer, creds=args.nats_creds) as log:
             await log.ensure(replicas=args.replicas)
-            task = asyncio.create_task(Projector(log).run())
-            with contextlib.suppress(asyncio.CancelledError):
-                await run_until_signal(task)
+            projector = Projector(log)
+            registry = CollectorRegistry()
+            lag = register_metrics(registry, projector)
+            async with maybe_serve([registry], metrics, refresh=[lag.refresh]):
+                task = asyncio.create_task(projector.run())
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run_until_signal(task)
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
     return ExitStatus.OK

@@ -26,6 +26,7 @@ from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit
 from haru.errors import LogUnavailable
 from haru.promoter.errors import OperationNotFound
 from haru.tasks import cancel_and_wait, run_until_signal
+from haru.metrics import add_metrics_options
 from haru.eventlog import EventLog, Record
 from haru.events import (
     DemotionRequested,
@@ -68,6 +69,7 @@ def register(subparsers) -> None:
     )
     add_nats_options(p)
     add_log_options(p)
+    add_metrics_options(p)
     p.set_defaults(handler=run_service)
 
     for kind, verb in (("promotion", "promote"), ("demotion", "demote")):
@@ -98,14 +100,17 @@ def register(subparsers) -> None:
 
 
 async def run_service(args: argparse.Namespace) -> ExitStatus:
+    from haru.metrics import metrics_address
     from haru.promoter.service import default_identity, run_promoter
 
     configure_logging(args.log_format, args.log_level)
     identity = args.id or default_identity()
+    metrics = metrics_address(args.metrics_port, args.metrics_host)
     try:
         async with EventLog.connect(_servers(args), writer=identity, creds=args.nats_creds) as log:
             await log.ensure()
-            service = asyncio.create_task(run_promoter(log, fleets=args.fleet, identity=identity))
+            service = asyncio.create_task(run_promoter(log, fleets=args.fleet, identity=identity,
+                                                       metrics=metrics))
             # SIGTERM/SIGINT stop it cleanly: the step in flight is resumed by the next promoter.
             with contextlib.suppress(asyncio.CancelledError):
                 await run_until_signal(service)

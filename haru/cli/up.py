@@ -28,6 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None, help="gateway port (env HARU_GATEWAY_PORT, default 8700)")
     p.add_argument("--layout", default=None, help="with --demo: the layout to apply (default deploy/examples/demo-fleet.json)")
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus metrics of the projector and promoter (env HARU_METRICS_PORT; default 9400, "
+                   "a free port when taken; demo agents get free ports, printed at start)")
+    p.add_argument("--metrics-host", default=None, help="address of the metrics endpoint (env HARU_METRICS_HOST; default 127.0.0.1)")
     add_log_options(p, default_level="warning")
     p.set_defaults(handler=run)
 
@@ -47,6 +51,8 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         gateway_port=args.port,
         layout_path=Path(args.layout) if args.layout else (REAL_DEMO_LAYOUT if args.real else DEMO_LAYOUT),
         ready_file=Path(args.ready_file) if args.ready_file else None,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -44,6 +44,7 @@ from haru.events import RouteMoved, StepCompleted, StepFailed, StepStarted, tag_
 from haru.promoter.client import send
 from haru.promoter.decider import command_for, decide, flip_refusal, step_outcome
 from haru.promoter.decisions import Facts
+from haru.promoter.metrics import PromoterMetrics
 from haru.tasks import cancel_and_wait
 from haru.views import FleetView, OperationView
 from haru.authority import misplaced
@@ -120,6 +121,7 @@ class Promoter:
         self._was_connected = True
         self._refollow = asyncio.Event()
         self.log_ = log_.bind(promoter=self.identity)
+        self.metrics = PromoterMetrics(self)  # counted from the records folded below (metrics.py)
 
     # ------------------------------------------------------------------------------- following
 
@@ -145,6 +147,7 @@ class Promoter:
                     st.view = evolve(st.view, rec.event, seq=rec.seq, subject=rec.subject)
                     if isinstance(rec.event, StepStarted):
                         st.step_by[rec.event.op_id] = rec.event.by
+                    self.metrics.record(fleet, rec, st.view)  # a misplaced event counts for nothing
         self.folded = rec.seq
         self._advanced.set()
         self._changed.set()
@@ -432,12 +435,18 @@ async def run_promoter(
     identity: str | None = None,
     ready: asyncio.Event | None = None,
     tick_s: float = 0.1,
+    metrics: tuple[str, int] | None = None,
 ) -> None:
     """Run one promoter replica on a connected, ensured `EventLog` until cancelled.
 
     `fleets`: only these fleets (default: every fleet in the log). `identity`: this replica's writer
     id; give each replica a stable, unique one (e.g. `promoter:<host>`) so that after a restart it
     resumes its own unfinished step at once instead of waiting for the step's lease to run out.
-    `ready` is set once the promoter has folded everything stored when it started.
+    `ready` is set once the promoter has folded everything stored when it started. `metrics`:
+    (host, port) to serve Prometheus metrics on (haru/promoter/metrics.py), None for none.
     """
-    await Promoter(log, fleets=fleets, identity=identity, tick_s=tick_s).run(ready)
+    from haru.metrics import maybe_serve
+
+    promoter = Promoter(log, fleets=fleets, identity=identity, tick_s=tick_s)
+    async with maybe_serve([promoter.metrics.registry], metrics):
+        await promoter.run(ready)

@@ -1,0 +1,216 @@
+"""The web console at /ui: static files from the package, and live fleet state over server-sent events.
+
+    GET /ui, /ui/app.js, /ui/app.css       the page (plain HTML/CSS/JS in gateway/ui/, no build, no CDN);
+                                           no token needed: they hold no data
+    GET /ui/events                         SSE: `event: fleet` with one fleet's snapshot, at once for every
+                                           fleet and then on every change; `: keepalive` every 15 s
+    GET /ui/api/operations?fleet=          past and running operations with their steps and durations
+    GET /ui/api/why?fleet=&model=          a model's story (haru why), newest first
+    GET /ui/api/verify?fleet=              haru verify over the fleet's subjects
+
+Everything but the static files sits behind the same bearer token as the control API (the page asks
+for it and keeps it in the tab's sessionStorage); promote/demote go through the control API itself.
+
+One fan-out, no watch per client: the gateway's `RouteFollower` calls `changed(fleet)` when it
+applies a view or an intent. With no console open that is one length check. With consoles open,
+changes are coalesced for `coalesce_s` and each fleet's snapshot is encoded once per flush; every
+subscriber keeps only the newest snapshot per fleet, so a slow browser costs one pending snapshot
+per fleet, never a growing queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from importlib import resources
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from gateway.console_core import hello, operations, snapshot, story_items
+from gateway.errors import ApiError
+from haru import subjects
+from haru.errors import InvalidName, LogUnavailable
+
+log = structlog.get_logger("haru.gateway")
+
+KEEPALIVE_S = 15.0
+_STATIC = {
+    "/ui": ("index.html", "text/html; charset=utf-8"),
+    "/ui/": ("index.html", "text/html; charset=utf-8"),
+    "/ui/app.js": ("app.js", "text/javascript; charset=utf-8"),
+    "/ui/app.css": ("app.css", "text/css; charset=utf-8"),
+}
+_json = msgspec.json.Encoder()
+
+
+class _Subscriber:
+    __slots__ = ("pending", "wake")
+
+    def __init__(self) -> None:
+        self.pending: dict[str, bytes] = {}
+        self.wake = asyncio.Event()
+
+    def offer(self, fleet: str, frame: bytes) -> None:
+        self.pending[fleet] = frame  # the newest snapshot replaces an unsent older one
+        self.wake.set()
+
+
+def _frame(data: dict) -> bytes:
+    return b"event: fleet\ndata: " + _json.encode(data) + b"\n\n"
+
+
+class Console:
+    def __init__(self, table, events, *, coalesce_s: float = 0.05) -> None:
+        self.table = table
+        self.events = events
+        self.coalesce_s = coalesce_s
+        self.subscribers: set[_Subscriber] = set()
+        self.frames_sent = 0
+        self._dirty: set[str] = set()
+        self._flush: asyncio.TimerHandle | None = None
+        self._closing = False
+        self._static: dict[str, tuple[bytes, str]] = {}
+        ui = resources.files("gateway") / "ui"
+        for path, (name, ctype) in _STATIC.items():
+            self._static[path] = ((ui / name).read_bytes(), ctype)
+
+    # ------------------------------------------------------------------------------ the fan-out
+
+    def changed(self, fleet: str) -> None:
+        """Called by the route follower for every view or intent it applies."""
+        if not self.subscribers:
+            return
+        self._dirty.add(fleet)
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(self.coalesce_s, self._send)
+
+    def _send(self) -> None:
+        self._flush = None
+        dirty, self._dirty = self._dirty, set()
+        now = time.time()
+        for fleet in dirty:
+            frame = _frame(snapshot(fleet, self.table.get(fleet), now))
+            for sub in self.subscribers:
+                sub.offer(fleet, frame)
+
+    def close(self) -> None:
+        """Let every open stream end (the server is stopping)."""
+        self._closing = True
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        for sub in self.subscribers:
+            sub.wake.set()
+
+    # ------------------------------------------------------------------------------- handlers
+
+    def static(self, path: str) -> web.Response | None:
+        got = self._static.get(path)
+        if got is None:
+            return None
+        body, ctype = got
+        return web.Response(body=body, headers={
+            "Content-Type": ctype,
+            "Cache-Control": "no-cache",
+            "X-Content-Type-Options": "nosniff",
+            # the page loads only its own files and talks only to this gateway
+            "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+        })
+
+    async def handle(self, request: web.BaseRequest, path: str, method: str) -> web.StreamResponse:
+        if method not in ("GET", "HEAD"):
+            raise ApiError(405, "method_not_allowed", f"{path} accepts GET only")
+        if path == "/ui/events":
+            if method == "HEAD":
+                return web.Response(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache, no-store"})
+            return await self.stream(request)
+        if path == "/ui/api/operations":
+            return await self.operations(request)
+        if path == "/ui/api/why":
+            return await self.why(request)
+        if path == "/ui/api/verify":
+            return await self.verify(request)
+        raise ApiError(404, "not_found", f"no such console endpoint: {path} (the console is at /ui)")
+
+    async def stream(self, request: web.BaseRequest) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache, no-store",
+            "X-Accel-Buffering": "no",
+        })
+        await resp.prepare(request)
+        await resp.write(b"event: hello\ndata: " + _json.encode(hello()) + b"\n\n")
+        sub = _Subscriber()
+        now = time.time()
+        for fleet in self.table.fleets():
+            sub.offer(fleet, _frame(snapshot(fleet, self.table.get(fleet), now)))
+        if not sub.pending:
+            await resp.write(b"event: empty\ndata: {}\n\n")
+        self.subscribers.add(sub)
+        try:
+            while not self._closing:
+                if not sub.pending:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(KEEPALIVE_S):
+                            await sub.wake.wait()
+                    sub.wake.clear()
+                    if not sub.pending:
+                        await resp.write(b": keepalive\n\n")
+                        continue
+                frames, sub.pending = list(sub.pending.values()), {}
+                await resp.write(b"".join(frames))
+                self.frames_sent += len(frames)
+        except ConnectionResetError:
+            pass  # the browser went away mid-write (a disconnect otherwise cancels this handler)
+        finally:
+            self.subscribers.discard(sub)
+        return resp
+
+    def _fleet(self, request: web.BaseRequest) -> str:
+        fleet = request.query.get("fleet", "")
+        try:
+            return subjects.check_name("fleet", fleet)
+        except InvalidName as exc:
+            raise ApiError(400, "invalid_request", f"{exc} (pass ?fleet=<name>)", param="fleet") from None
+
+    async def _records(self, subject_filter: str):
+        if self.events is None:
+            raise ApiError(503, "log_unavailable", "this gateway runs without an event log")
+        try:
+            return await self.events.history(subject_filter)
+        except LogUnavailable as exc:
+            raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
+
+    async def operations(self, request: web.BaseRequest) -> web.Response:
+        fleet = self._fleet(request)
+        records = await self._records(subjects.op(fleet))
+        return _json_response({"fleet": fleet, "operations": operations(records)})
+
+    async def why(self, request: web.BaseRequest) -> web.Response:
+        from haru.history import story
+
+        fleet = self._fleet(request)
+        model = request.query.get("model", "")
+        if not model:
+            raise ApiError(400, "invalid_request", "the model is required: ?model=<id>", param="model")
+        records = await self._records(subjects.fleet_events(fleet))
+        picked = story(records, model, domain=request.query.get("domain", ""))
+        return _json_response({"fleet": fleet, "model": model, "events": story_items(picked)})
+
+    async def verify(self, request: web.BaseRequest) -> web.Response:
+        from haru.history import Verifier
+
+        fleet = self._fleet(request)
+        verifier = Verifier()
+        for rec in await self._records(subjects.fleet_events(fleet)):
+            verifier.add(rec)
+        return _json_response({"fleet": fleet, "ok": verifier.ok, "summary": verifier.summary(),
+                               "subjects": verifier.subjects, "events": verifier.events,
+                               "breaks": [str(b) for b in verifier.breaks[:50]]})
+
+
+def _json_response(value: object) -> web.Response:
+    return web.Response(body=_json.encode(value), content_type="application/json")
