@@ -209,7 +209,8 @@ class Console:
             verifier.add(rec)
         return _json_response({"fleet": fleet, "ok": verifier.ok, "summary": verifier.summary(),
                                "subjects": verifier.subjects, "events": verifier.events,
-                               "breaks": [str(b) for b in verifier.breaks[:50]]})
+                               "breaks": [str(b) for b in verifier.breaks[:50]],
+                               "misplaced": [str(m) for m in verifier.misplaced[:50]]})
 
 
 def _json_response(value: object) -> web.Response:

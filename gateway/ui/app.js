@@ -420,7 +420,8 @@ $("verify-btn").addEventListener("click", async () => {
     const data = await resp.json();
     if (!resp.ok) throw new Error((data.error && data.error.message) || "HTTP " + resp.status);
     out.className = data.ok ? "verify-ok" : "verify-bad";
-    out.textContent = data.summary + (data.breaks && data.breaks.length ? " — first: " + data.breaks[0] : "");
+    const first = (data.breaks && data.breaks[0]) || (data.misplaced && data.misplaced[0]);
+    out.textContent = data.summary + (first ? " — first: " + first : "");
   } catch (err) { out.className = "verify-bad"; out.textContent = "could not verify: " + err.message; }
 });
 
