@@ -7,11 +7,13 @@ a bad layout is the operator's, a reclaimed GPU the provider's, a wrong sequence
     ├── InvalidName            a fleet/domain/slot name or model id that cannot be used   (operator)
     ├── LayoutError            a layout that does not validate, with the JSON path         (operator)
     ├── ConfigError            an agent or service configuration that cannot be used       (operator)
+    │   └── AlreadyRunning     `haru up` on a home another live `haru up` holds             (operator)
     ├── EventDecodeError       a body on an event subject that is not a valid event         (writer)
     ├── IllegalTransition      a residency event that the current state does not allow     (writer)
     ├── LogError               the event log (JetStream) failed or refused
     │   ├── Conflict           an optimistic append lost a race: carries the current sequence
     │   ├── LogUnavailable     no server, no stream leader, or a timeout
+    │   │   └── StoreBusy      a nats-server store directory another live server holds
     │   └── HistoryRefused     a delete or purge that the stream forbids
     └── CommandError           a command to an agent failed (carries its code)
         └── AgentGone          nobody answers for that domain
@@ -42,6 +44,10 @@ class LayoutError(HaruError, ValueError):
 
 class ConfigError(HaruError, ValueError):
     """A service or agent configuration that cannot be used."""
+
+
+class AlreadyRunning(ConfigError):
+    """A second `haru up` on a home that a live one holds."""
 
 
 class EventDecodeError(HaruError, ValueError):
@@ -85,6 +91,10 @@ class Conflict(LogError):
 
 class LogUnavailable(LogError):
     """No server, no stream leader, or a timeout talking to JetStream."""
+
+
+class StoreBusy(LogUnavailable):
+    """A nats-server store directory that another live nats-server holds."""
 
 
 class HistoryRefused(LogError):
