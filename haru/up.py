@@ -217,8 +217,11 @@ def _spawn_python(args: list[str], *, name: str, home: Path, log_path: Path, env
     log_path.parent.mkdir(parents=True, exist_ok=True)
     out = open(log_path, "ab")
     try:
+        # SIGKILL when haru up dies: NATS dies with it, so nothing could be recorded on the way out, and
+        # each of these is built to be killed (the log is the truth; the next start reconciles). A
+        # SIGTERM would leave an agent retrying its last appends against a log that is gone.
         return children.spawn(
-            [sys.executable, "-m", "haru.cli", *args],
+            [sys.executable, "-m", "haru.cli", *args], death_signal=signal.SIGKILL,
             pidfile=home / RUN_DIR / f"{name.replace(' ', '-')}.pid", what=name,
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=str(REPO_ROOT),
         )
