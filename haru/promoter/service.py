@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 import msgspec
 import structlog
 
-from haru import subjects
+from haru import alive, subjects
 from haru.commands import ErrorInfo, Reply
 from haru.errors import CommandError, Conflict, LogError
 from haru.eventlog import EventLog, Record
@@ -115,6 +115,7 @@ class Promoter:
         self._listening_since = 0.0
         self._was_connected = True
         self._refollow = asyncio.Event()
+        self.peers = alive.Heard()  # promoters heard on haru.alive.promoter.*, this one included
         self.log_ = log_.bind(promoter=self.identity)
 
     # ------------------------------------------------------------------------------- following
@@ -170,8 +171,11 @@ class Promoter:
             self.on_heartbeat(msg.subject)
 
         sub = await self.log.nc.subscribe(subjects.heartbeats("*"), cb=hb)
+        await self.peers.listen(self.log.nc, subjects.alive("promoter"))
         self._listening_since = time.monotonic()
         follower: asyncio.Task | None = None
+        # this replica's own heartbeat: a peer that hears it stop takes over its step (haru/alive.py)
+        beating = asyncio.create_task(alive.beat(self.log.nc, "promoter", self.identity), name="promoter-alive")
         try:
             target = await self.log.last_seq()
             follower = asyncio.create_task(self._follow(), name="promoter-follow")
@@ -199,7 +203,8 @@ class Promoter:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-            await cancel_and_wait(follower, *self._tasks)
+            await self.peers.stop()
+            await cancel_and_wait(beating, follower, *self._tasks)
 
     async def _follow(self) -> None:
         """Follow the log from where the views are; a follower that fails is restarted after a pause."""
@@ -231,6 +236,7 @@ class Promoter:
             self._listening_since = time.monotonic()
             for st in self.fleets.values():
                 st.heard.clear()
+            self.peers.last.clear()  # nor did we hear our peers while away
             self._refollow.set()
             self.log_.info("reconnected", detail="heartbeat silence is measured afresh; following the log afresh")
         self._was_connected = connected
@@ -243,6 +249,8 @@ class Promoter:
             seen = st.heard.get(name)
             silent[name] = None if seen is None else int((now_m - seen) * 1000)
         op = st.view.operation
+        runner = st.step_by.get(op.op_id, "") if op is not None else ""
+        runner_silent = self.peers.silent_s("promoter", runner) if runner else None
         return Facts(
             now=utcnow(),
             me=self.identity,
@@ -250,7 +258,9 @@ class Promoter:
             silent_ms=silent,
             listening_ms=int((now_m - self._listening_since) * 1000),
             running=frozenset(st.running),
-            step_by=st.step_by.get(op.op_id, "") if op is not None else "",
+            step_by=runner,
+            runner_silent_ms=None if runner_silent is None else int(runner_silent * 1000),
+            runner_timeout_ms=int(alive.SILENT_AFTER_S * 1000),
         )
 
     async def round(self, st: FleetState) -> None:
