@@ -49,6 +49,7 @@ from projections.fleet import empty, evolve, fleet_of
 log_ = structlog.get_logger("haru.promoter")
 
 STEP_DELAY_ENV = "HARU_PROMOTER_STEP_DELAY_MS"
+STALL_CHECK_S = 2.0
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> None:
@@ -214,11 +215,15 @@ class Promoter:
                 self.log.replay(self.on_record, from_seq=self.folded + 1, subject_filter=subjects.ALL_EVENTS, follow=True)
             )
             refollow = asyncio.create_task(self._refollow.wait())
+            stalled = asyncio.create_task(self._until_stalled())
             try:
-                await asyncio.wait({replay, refollow}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({replay, refollow, stalled}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                await cancel_and_wait(replay, refollow)
-            if replay.done() and not replay.cancelled() and replay.exception() is not None:
+                await cancel_and_wait(replay, refollow, stalled)
+            if stalled.done() and not stalled.cancelled():
+                self.log_.warning("follower_stalled", seq=self.folded,
+                                  detail="the log holds events the follower has not delivered; following afresh")
+            elif replay.done() and not replay.cancelled() and replay.exception() is not None:
                 exc = replay.exception()
                 if not isinstance(exc, LogError):
                     raise exc
@@ -228,6 +233,29 @@ class Promoter:
                 # After a reconnect an ordered consumer notices its gap only after missed idle
                 # heartbeats (seconds): start a fresh one from where the views are instead.
                 self.log_.info("follower_restarted", seq=self.folded)
+
+    async def _until_stalled(self, every_s: float = STALL_CHECK_S, strikes_needed: int = 2) -> None:
+        """Return when the follower has made no progress for `strikes_needed` checks while the stream
+        holds events past the last one folded. A follower that stops delivering (after a store
+        episode: appends timing out, a server restarted) would otherwise leave every later append
+        conflicting with what it has not folded, and the operation in flight `running` for ever."""
+        seen, strikes = self.folded, 0
+        while True:
+            await asyncio.sleep(every_s)
+            if self.folded != seen:
+                seen, strikes = self.folded, 0
+                continue
+            try:
+                async with asyncio.timeout(every_s):
+                    last = await self.log.last_seq()
+            except (LogError, TimeoutError):
+                continue  # the store is away: nothing to conclude yet
+            if last > self.folded:
+                strikes += 1
+                if strikes >= strikes_needed:
+                    return
+            else:
+                strikes = 0
 
     def _connected(self) -> bool:
         """Whether NATS is connected; after a reconnect, silence is measured afresh (we heard nothing)."""
