@@ -314,7 +314,8 @@ async def stop_agents(agents: list[Child], timeout: float = AGENT_STOP_S) -> Non
     await stop_children(agents, timeout)
 
 
-async def supervise(child: Child, running: "Running", policy: RestartPolicy = POLICY) -> None:
+async def supervise(child: Child, running: "Running", policy: RestartPolicy = POLICY,
+                    on_restart: Callable[[], None] | None = None) -> None:
     """Restart `child` whenever it dies (until `running.stopping`), with backoff, saying why."""
     failures = 0
     started = time.monotonic()
@@ -344,6 +345,8 @@ async def supervise(child: Child, running: "Running", policy: RestartPolicy = PO
             continue
         child.restarts += 1
         log.warning("up.child_restarted", child=child.name, pid=child.proc.pid, restarts=child.restarts)
+        if on_restart is not None:
+            on_restart()
 
 
 # ------------------------------------------------------------------------------------------- up
@@ -447,7 +450,10 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
                 running.agents.append(start_agent(layout, d.spec.name, nats_url, opts.home))
         stack.push_async_callback(stop_agents, running.agents)
 
-        supervisors = [asyncio.create_task(supervise(c, running), name=f"supervise {c.name}")
+        def publish() -> None:  # up.json names every child's current pid
+            lock.publish(nats_url=nats_url, gateway_url=running.gateway_url, children=running.children())
+
+        supervisors = [asyncio.create_task(supervise(c, running, on_restart=publish), name=f"supervise {c.name}")
                        for c in ([nats_child] if nats_child else []) + running.services + running.agents]
         stack.push_async_callback(_cancel_all, supervisors)
 
@@ -457,7 +463,7 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
         stack.callback(stopping)  # runs first: nothing is restarted once stopping began
 
         _banner(running, opts, layout)
-        lock.publish(nats_url=nats_url, gateway_url=running.gateway_url, children=running.children())
+        publish()
         if opts.ready_file:
             opts.ready_file.write_text(json.dumps({
                 "nats_url": running.nats_url, "gateway_url": running.gateway_url,
