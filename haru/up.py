@@ -276,11 +276,12 @@ def start_agent(layout: Layout, domain: str, nats_url: str, home: Path) -> Child
 def start_service(kind: str, nats_url: str, home: Path) -> Child:
     """The projector or the promoter, as `haru projector` / `haru promoter` children."""
     log_path = home / "logs" / f"{kind}.log"
-    args = [kind, "--nats-url", nats_url, "--log-format", "json"]
+    args = [kind, "--log-format", "json"]
     if kind == "promoter":
         # stable across restarts: a restarted promoter resumes its own unfinished step at once
         args += ["--id", f"promoter:{socket.gethostname()}:up"]
-    env = _child_env()
+    # the URL by environment, not argv: a URL with a password would be readable in `ps` otherwise
+    env = _child_env({"HARU_NATS_URL": nats_url})
 
     async def restart() -> subprocess.Popen:
         return _spawn_python(args, name=kind, home=home, log_path=log_path, env=env)
