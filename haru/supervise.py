@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    first_s: float = 0.5
+    first_s: float = 0.2
     max_s: float = 30.0
     stable_s: float = 30.0
     loop_after: int = 3
