@@ -397,7 +397,7 @@ async def up(opts: UpOptions, stop: asyncio.Event) -> Running:
 async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Gateway) -> Running:
     url_file = opts.home / NATS_URL_FILE
     embedded = not opts.nats_url
-    stop_leftovers(opts.home, embedded=embedded)
+    await asyncio.to_thread(stop_leftovers, opts.home, embedded=embedded)  # waits for them to stop
     async with contextlib.AsyncExitStack() as stack:
         nats_child: Child | None = None
         if opts.nats_url:
