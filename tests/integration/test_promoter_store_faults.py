@@ -63,16 +63,16 @@ async def test_an_operation_behind_a_failing_store_ends_once_the_store_answers(n
             accepted = await request_operation(event_log, "default", "promotion", "b", by="test", now=now())
             await wait_until(lambda: _started(event_log, accepted.op_id, "wake"), timeout=20, what="wake started")
             if fault == "frozen":
-                os.kill(nats_server.proc.pid, signal.SIGSTOP)  # every append and command times out
-                await asyncio.sleep(8)
+                os.kill(nats_server.proc.pid, signal.SIGSTOP)  # every append (5 s bound) and command times out
+                await asyncio.sleep(6)
                 os.kill(nats_server.proc.pid, signal.SIGCONT)
             elif fault == "refusing":
                 await refuse_writes(event_log, True)
-                await asyncio.sleep(8)
+                await asyncio.sleep(6)
                 await refuse_writes(event_log, False)
             else:
                 nats_server.kill()
-                await asyncio.sleep(6)
+                await asyncio.sleep(4)
                 again = NatsServer(nats_server.store_dir, port=nats_server.port)
                 again.start_sync()
             end = await wait_op_end(event_log, accepted.op_id, timeout=90)
