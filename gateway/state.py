@@ -147,6 +147,9 @@ class RouteFollower:
             if not was_connected:
                 was_connected = True
                 behind.clear()
+                if not self.alive.listening():
+                    with contextlib.suppress(Exception):
+                        await self.alive.listen(self.events.nc)
                 await self.restart("the NATS connection came back")
                 continue
             try:

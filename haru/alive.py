@@ -66,6 +66,9 @@ class Heard:
         self.since = time.monotonic()
         self._sub = await nc.subscribe(subject, cb=on_msg)
 
+    def listening(self) -> bool:
+        return self._sub is not None
+
     async def stop(self) -> None:
         sub, self._sub = self._sub, None
         if sub is not None:
