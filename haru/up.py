@@ -498,5 +498,8 @@ def _banner(running: Running, opts: UpOptions, layout: Layout | None) -> None:
         out.write(f"haru up: demo fleet {layout.fleet!r}: domains {', '.join(d.spec.name for d in layout.domains)}; "
                   f"models {models}\n")
         out.write(f"haru up: agent logs in {opts.home / 'demo' / 'agents'}; try `haru status` in another terminal\n")
+    if running.services:
+        out.write(f"haru up: {', '.join(c.name for c in running.services)} logs in {opts.home / 'logs'}; "
+                  f"children are restarted if they die (see {opts.home / 'up.json'})\n")
     out.write("haru up: Ctrl-C stops everything\n")
     out.flush()
