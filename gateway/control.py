@@ -1,6 +1,6 @@
 """The control API: fleet views, route intents, promote/demote, history, residency, models, health.
 
-    GET  /healthz                               liveness (no auth)
+    GET  /healthz[?strict=1]                    ok or degraded, naming what is down (no auth); strict: 503 when degraded
     GET  /metrics                               Prometheus text
     GET  /residency[?fleet=]                    the whole truth table
     GET  /v1/models                             the fleet's models with their router answers
@@ -31,7 +31,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import continue_if_expected
 from gateway.routing import RoutingTable, fleet_not_found
 from gateway.truth import models_list, truth_table
-from haru import subjects
+from haru import alive, subjects
 from haru.authority import misplaced
 from haru.errors import HaruError, InvalidName, LogDamaged, LogError, LogUnavailable
 from haru.httpguard import TOO_DEEP
@@ -97,12 +97,40 @@ class Control:
 
     # ------------------------------------------------------------------------- read-only
 
+    def control_plane(self) -> tuple[list[str], dict[str, object]]:
+        """What is down (in a fixed order: nats, projector, promoter) and what was heard of each.
+
+        NATS is down when this gateway's connection is; the projector and the promoter are down
+        when no replica of them has been heard on haru.alive.> for alive.SILENT_AFTER_S (a gateway
+        that has listened for less than that gives them the benefit of the doubt)."""
+        if self.events is None or self.follower is None:
+            return [], {}
+        down: list[str] = []
+        connected = bool(self.events.nc.is_connected)
+        if not connected:
+            down.append("nats")
+        detail: dict[str, object] = {"nats": {"connected": connected}}
+        heard = self.follower.alive
+        for role in subjects.CONTROL_ROLES:
+            replicas = heard.alive(role)
+            last = heard.last_heard_s(role)
+            if not replicas and heard.listening_s() >= alive.SILENT_AFTER_S:
+                down.append(role)
+            detail[role] = {"alive": len(replicas),
+                            "last_heard_s": None if last is None else round(last, 1)}
+        return down, detail
+
     async def healthz(self, request: web.BaseRequest) -> web.Response:
         nats_ok = None
         if self.events is not None:
             nats_ok = bool(self.events.nc.is_connected)
+        down, detail = self.control_plane()
+        strict = request.query.get("strict", "0").lower() not in ("0", "false", "no")
+        status = 503 if strict and down else 200
         body = {
-            "status": "ok",
+            "status": "degraded" if down else "ok",
+            "down": down,
+            "control_plane": detail,
             "uptime_s": round(time.time() - self.started, 3),
             "nats_connected": nats_ok,
             "fleets": {
@@ -114,9 +142,10 @@ class Control:
         if self.follower is not None:
             body["views_seen"] = self.follower.views_seen
             body["intents_seen"] = self.follower.intents_seen
+            body["route_moves_seen"] = self.follower.moves_seen
         if not self.authorized(request):
             body.pop("fleets", None)  # /healthz needs no token: without one it names no fleet
-        return json_response(body)
+        return json_response(body, status=status)
 
     async def metrics_text(self, request: web.BaseRequest) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})

@@ -1,6 +1,19 @@
-"""Keeps the gateway's routing table current: a KV watch on the fleet views and a subscription to
-the route intents. This is the only NATS traffic the chat path depends on, and it happens here,
-ahead of requests: a request never waits for NATS.
+"""Keeps the gateway's routing table current: a KV watch on the fleet views, a subscription to
+the route intents, and a follower of the route subjects themselves (`haru.evt.<fleet>.route`).
+This is the only NATS traffic the chat path depends on, and it happens here, ahead of requests: a
+request never waits for NATS.
+
+The route intents come from the projector. A failover must not wait for it: the promoter's
+`route_moved` on the route subject is the routing pointer itself, so the gateway follows that
+subject too (only `route_moved` events, only on `haru.evt.<fleet>.route`, which is where the
+subject table of haru/subjects.py allows them). When the log holds a newer route revision than the
+last intent, the gateway routes by `intent_after_move`: the intent recomputed from the last view
+with the pointer moved, and, when the move was made by an operation (which probed every model on
+the target before the flip), the target's models answered `ready`. The projector's next intent
+at that revision or later replaces it. So a failover reaches clients with the projector dead.
+
+The follower also hears the control plane's heartbeats (`haru.alive.>`, haru/alive.py): /healthz
+reads them to say whether a projector and a promoter are alive.
 
 Each follower survives the log going away: it logs, waits (0.2 s doubling to 5 s) and watches
 again, and the gateway keeps routing by the last state it saw meanwhile.
@@ -24,16 +37,49 @@ import structlog
 
 from gateway.metrics import GatewayMetrics
 from gateway.routing import RoutingTable
-from haru import subjects
+from haru import alive, subjects
 from haru.errors import HaruError
-from haru.eventlog import EventLog
+from haru.eventlog import EventLog, Record
+from haru.authority import misplaced
+from haru.events import RouteMoved
+from haru.residency import Answer
 from haru.tasks import cancel_and_wait
-from haru.views import intent_decoder, view_decoder
+from haru.views import FleetView, RouteIntent, intent_decoder, view_decoder
+from projections.route import intent as intent_of_view
 
 log = structlog.get_logger("haru.gateway")
 
 _BACKOFF_MIN_S = 0.2
 _BACKOFF_MAX_S = 5.0
+_READY = Answer(answer="ready")
+
+
+def route_fleet(subject: str) -> str:
+    """The fleet of a route subject `haru.evt.<fleet>.route` ('' for any other subject)."""
+    parts = subject.split(".")
+    if len(parts) == 4 and parts[0] == "haru" and parts[1] == "evt" and parts[3] == "route":
+        return parts[2]
+    return ""
+
+
+def intent_after_move(view: FleetView | None, intent: RouteIntent | None, moved: RouteMoved, revision: int) -> RouteIntent | None:
+    """The intent a router should follow once the route subject says `moved` at `revision`, when the
+    intent it holds is older: the view's intent with the pointer moved. None when it cannot be
+    routed (no view, or the view does not know the target domain).
+
+    A move made by an operation was preceded by that operation's probe of every model on the target,
+    so those models answer `ready` (a stale view may still say they are asleep); models that can
+    never fit stay `not_admitted`."""
+    if view is None or moved.active not in view.domains:
+        return None
+    if intent is not None and intent.revision >= revision:
+        return intent
+    moved_view = msgspec.structs.replace(view, active=moved.active, route_revision=revision)
+    out = intent_of_view(moved_view)
+    if moved.op_id:
+        answers = {m: (a if a.answer == "not_admitted" else _READY) for m, a in out.answers.items()}
+        out = msgspec.structs.replace(out, answers=answers, operation="")
+    return out
 
 
 class RouteFollower:
@@ -53,10 +99,16 @@ class RouteFollower:
         self._view_revs: dict[str, int] = {}
         self._view_delivered: dict[str, int] = {}  # by the watch, not by a resync
         self._intent_delivered: dict[str, int] = {}
+        self._moves: dict[str, tuple[int, RouteMoved]] = {}  # fleet -> the newest route_moved in the log
+        self._route_seq = 0  # the last route-subject sequence handled
+        self.moves_seen = 0
+        self.alive = alive.Heard()
         self._tasks: list[asyncio.Task[None]] = []
         self._resync_task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> RouteFollower:
+        with contextlib.suppress(Exception):  # NATS away at start: /healthz says so, routing goes on
+            await self.alive.listen(self.events.nc)
         self._start_watches()
         self._resync_task = asyncio.create_task(self._resync(), name="gateway-resync")
         return self
@@ -65,11 +117,13 @@ class RouteFollower:
         await cancel_and_wait(self._resync_task)
         self._resync_task = None
         await self._stop_watches()
+        await self.alive.stop()
 
     def _start_watches(self) -> None:
         self._tasks = [
             asyncio.create_task(self._follow("views", self._views), name="gateway-views"),
             asyncio.create_task(self._follow("intents", self._intents), name="gateway-intents"),
+            asyncio.create_task(self._follow("route moves", self._routes), name="gateway-routes"),
         ]
 
     async def _stop_watches(self) -> None:
@@ -94,6 +148,9 @@ class RouteFollower:
             if not was_connected:
                 was_connected = True
                 behind.clear()
+                if not self.alive.listening():
+                    with contextlib.suppress(Exception):
+                        await self.alive.listen(self.events.nc)
                 await self.restart("the NATS connection came back")
                 continue
             try:
@@ -122,6 +179,9 @@ class RouteFollower:
             view = await self.events.get_view(subjects.view_key(fleet))
             self._check(behind, stuck, fleet, "view", view, self._view_delivered,
                         lambda body, rev: self._apply_view(fleet, view_decoder.decode(body), rev))
+            last_move = await self.events.last(subjects.route(fleet))
+            if last_move is not None and last_move.seq > self._route_seq:
+                self.on_route_record(last_move)  # the follower will deliver it too: applying twice is a no-op
         return stuck
 
     @staticmethod
@@ -182,6 +242,45 @@ class RouteFollower:
         self._view_revs[fleet] = rev
         self.views_seen += 1
         self._changed(fleet, "view")
+        self._apply_move(fleet)  # a view arriving after a move the intents have not caught up with
+
+    async def _routes(self) -> None:
+        await self.events.replay(self.on_route_record, from_seq=self._route_seq + 1,
+                                 subject_filter=f"{subjects.EVT}.*.route", follow=True)
+
+    def on_route_record(self, rec: Record) -> None:
+        """A record of a route subject: keep the newest `route_moved` per fleet and route by it if the
+        intents are behind. Anything else on a route subject is not a move (and not ours to judge)."""
+        self._route_seq = max(self._route_seq, rec.seq)
+        fleet = route_fleet(rec.subject)
+        if not fleet or not isinstance(rec.event, RouteMoved) or misplaced(rec.subject, rec.event):
+            return  # a move only as the authority table allows it (haru.authority), like every fold
+        known = self._moves.get(fleet)
+        if known is not None and known[0] >= rec.seq:
+            return
+        self._moves[fleet] = (rec.seq, rec.event)
+        self.moves_seen += 1
+        self._apply_move(fleet)
+
+    def _apply_move(self, fleet: str) -> None:
+        move = self._moves.get(fleet)
+        routes = self.table.get(fleet)
+        if move is None or routes is None:
+            return
+        seq, moved = move
+        held = routes.intent
+        if held is not None and held.revision >= seq:
+            return
+        moved_intent = intent_after_move(routes.view, held, moved, seq)
+        if moved_intent is None or moved_intent is held:
+            return
+        before = routes.active
+        if not self.table.set_intent(fleet, moved_intent, routes.intent_seq):
+            return
+        after = self.table.get(fleet)
+        log.info("gateway.route_moved", fleet=fleet, active=after.active if after else "", previous=before,
+                 revision=seq, source="route subject (the intents are behind)")
+        self._changed(fleet, "route")
 
     async def _intents(self) -> None:
         async for fleet, data, seq in self.events.watch_intents("*"):
@@ -197,6 +296,11 @@ class RouteFollower:
     def _apply_intent(self, fleet: str, intent, seq: int) -> None:
         routes = self.table.get(fleet)
         before = routes.active if routes is not None else None
+        move = self._moves.get(fleet)
+        if move is not None and intent is not None and intent.revision < move[0]:
+            # an intent from before the newest move (a projector catching up): keep the move
+            patched = intent_after_move(routes.view if routes is not None else None, intent, move[1], move[0])
+            intent = patched if patched is not None else intent
         if not self.table.set_intent(fleet, intent, seq):
             return
         self.intents_seen += 1

@@ -8,12 +8,14 @@ a bad layout is the operator's, a reclaimed GPU the provider's, a wrong sequence
     ├── LayoutError            a layout that does not validate, with the JSON path         (operator)
     ├── ArgConflict            a model's `args` flag that contradicts its plan (haru.launch) (operator)
     ├── ConfigError            an agent or service configuration that cannot be used       (operator)
+    │   └── AlreadyRunning     `haru up` on a home another live `haru up` holds             (operator)
     ├── EventDecodeError       a body on an event subject that is not a valid event         (writer)
     ├── IllegalTransition      a residency event that the current state does not allow     (writer)
     ├── LogError               the event log (JetStream) failed or refused
     │   ├── Conflict           an optimistic append lost a race: carries the current sequence
     │   ├── LogUnavailable     no server, no stream leader, or a timeout
-    │   │   └── ReplayTimeout  a replay that did not finish within its deadline
+    │   │   ├── ReplayTimeout  a replay that did not finish within its deadline
+    │   │   └── StoreBusy      a nats-server store directory another live server holds
     │   ├── LogDamaged         the store cannot serve sequences it should hold (a damaged
     │   │                      block), or ends before what was derived from it (truncated)
     │   └── HistoryRefused     a delete or purge that the stream forbids
@@ -56,6 +58,10 @@ class ArgConflict(HaruError, ValueError):
 
 class ConfigError(HaruError, ValueError):
     """A service or agent configuration that cannot be used."""
+
+
+class AlreadyRunning(ConfigError):
+    """A second `haru up` on a home that a live one holds."""
 
 
 class EventDecodeError(HaruError, ValueError):
@@ -133,6 +139,10 @@ def seq_ranges(seqs: list[int], limit: int = 20) -> str:
     if len(spans) > limit:
         text += f" … ({len(spans) - limit} more ranges)"
     return text
+
+
+class StoreBusy(LogUnavailable):
+    """A nats-server store directory that another live nats-server holds."""
 
 
 class HistoryRefused(LogError):

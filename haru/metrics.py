@@ -80,8 +80,10 @@ class MetricsServer:
     """A tiny aiohttp server: GET /metrics renders `registries` (after the `refresh` callables)."""
 
     def __init__(self, registries: list[CollectorRegistry], *, host: str = DEFAULT_HOST, port: int = 0,
-                 refresh: list[Callable[[], Awaitable[None]]] | None = None, refresh_timeout_s: float = 2.0) -> None:
+                 refresh: list[Callable[[], Awaitable[None]]] | None = None, refresh_timeout_s: float = 2.0,
+                 sources: list[tuple[str, Callable[[], Awaitable[bytes]]]] | None = None) -> None:
         self.registries = list(registries)
+        self.sources = list(sources or [])  # (name, fetch): other processes' exposition text, appended
         self.host = host
         self.port = port
         self.refresh = list(refresh or [])
@@ -123,8 +125,22 @@ class MetricsServer:
         if request.method not in ("GET", "HEAD"):
             return web.Response(status=405, text="/metrics accepts GET only\n", headers={"Allow": "GET"})
         await self.render_ready()
-        body = b"".join(generate_latest(r) for r in self.registries)
+        body = b"".join(generate_latest(r) for r in self.registries) + await self._gathered()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _gathered(self) -> bytes:
+        """The `sources`' text, fetched together; one that fails is left out of this scrape and logged."""
+        if not self.sources:
+            return b""
+        names = [name for name, _ in self.sources]
+        texts = await asyncio.gather(*(fetch() for _, fetch in self.sources), return_exceptions=True)
+        out = []
+        for name, text in zip(names, texts):
+            if isinstance(text, BaseException):
+                log.warning("metrics.source_failed", source=name, error=repr(text))
+            elif text:
+                out.append(text if text.endswith(b"\n") else text + b"\n")
+        return b"".join(out)
 
     async def render_ready(self) -> None:
         for refresh in self.refresh:

@@ -6,11 +6,21 @@
 Used by the test fixture and by `haru up`. JetStream on, a store directory, a free loopback port
 (or a given one), a readiness wait bounded by `start_timeout`, and a clean stop (SIGTERM, then
 SIGKILL after `stop_timeout`).
+
+One server per store. nats-server itself does not lock its store directory: two servers on one
+store each report a corrupt block and acknowledged events vanish. So the store is locked here:
+`<store>/haru-nats.lock` is flock()ed and the locked file is inherited by the nats-server child, so
+the lock lives exactly as long as that server does (the OS releases it when the last holder dies,
+however it dies). A second start on a held store raises `StoreBusy` naming the holder's pid from
+`<store>/haru-nats.pid` (pid and /proc start time). The child runs in its own session and gets
+SIGTERM when the process that started it dies (`haru.children`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -20,7 +30,11 @@ import sys
 import time
 from pathlib import Path
 
-from haru.errors import ConfigError, LogUnavailable
+from haru import children
+from haru.errors import ConfigError, LogUnavailable, StoreBusy
+
+LOCK_FILE = "haru-nats.lock"
+PID_FILE = "haru-nats.pid"
 
 
 def find_binary() -> str:
@@ -82,15 +96,47 @@ class NatsServer:
         args += ["-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port)]
         return args + self.extra_args
 
-    def start_sync(self) -> None:
+    @property
+    def pid_file(self) -> Path:
+        return self.store_dir / PID_FILE
+
+    def holder(self) -> dict | None:
+        """The live nats-server recorded on this store (its pid file record), or None."""
+        return children.holder(self.pid_file)
+
+    def spawn(self) -> None:
+        """Lock the store and start the child (no wait). Call from a thread that lives as long as
+        this process (the parent-death signal follows the thread that forked)."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_file, "ab")
+        fd = os.open(self.store_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            self.proc = subprocess.Popen(
-                self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held = self.holder()
+                who = f"nats-server pid {held['pid']}" if held else "another process"
+                raise StoreBusy(
+                    f"the NATS store {self.store_dir} is held by {who}: two servers on one store lose "
+                    f"acknowledged events; stop that one first"
+                    + (f" (kill {held['pid']})" if held else "") + ", or use another store directory"
+                ) from None
+            log = open(self.log_file, "ab")
+            try:
+                self.proc = children.spawn(
+                    self.argv(), pidfile=self.pid_file, what="nats-server",
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(fd,),
+                )
+            finally:
+                log.close()
         finally:
-            log.close()
+            os.close(fd)  # the child holds the lock now (or nobody does, if it did not start)
+
+    def start_sync(self) -> None:
+        self.spawn()
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -112,14 +158,22 @@ class NatsServer:
 
     def stop_sync(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(self.stop_timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._forget(proc.pid)
+
+    def _forget(self, pid: int) -> None:
+        doc = children.read_pidfile(self.pid_file)
+        if doc is not None and doc.get("pid") == pid:
+            with contextlib.suppress(OSError):
+                self.pid_file.unlink()
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: nothing is flushed on the way out."""
@@ -129,7 +183,8 @@ class NatsServer:
             proc.wait()
 
     async def start(self) -> None:
-        await asyncio.to_thread(self.start_sync)
+        self.spawn()  # on the loop's thread: see spawn()
+        await asyncio.to_thread(self.wait_ready)
 
     async def stop(self) -> None:
         await asyncio.to_thread(self.stop_sync)

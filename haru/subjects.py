@@ -16,6 +16,7 @@ share a token.
     haru.evt.<fleet>.<domain>.gpu.<index>          GPU presence and memory
     haru.evt.<fleet>.<domain>.training.<slot>      training started/stopped
     haru.hb.<fleet>.<domain>                       heartbeats (core NATS, not history)
+    haru.alive.<role>.<id>                         the control plane's own heartbeats (projector, promoter)
     haru.cmd.<fleet>.<domain>.<verb>               commands to an agent (request/reply)
     haru.route.<fleet>                             route intents (stream HARU_ROUTE)
 """
@@ -161,6 +162,17 @@ def heartbeat(fleet: str, domain: str) -> str:
 def heartbeats(fleet: str = "*") -> str:
     f = "*" if fleet == "*" else check_name("fleet", fleet)
     return f"haru.hb.{f}.*"
+
+
+CONTROL_ROLES = ("projector", "promoter")
+ALL_ALIVE = "haru.alive.>"
+
+
+def alive(role: str, identity: str = "*") -> str:
+    """A control-plane replica's heartbeat subject; its writer id escaped like a model id."""
+    if role not in CONTROL_ROLES:
+        raise InvalidName(f"unknown control-plane role {role!r}; one of {', '.join(CONTROL_ROLES)}")
+    return f"haru.alive.{role}.{'*' if identity == '*' else model_token(identity)}"
 
 
 COMMAND_VERBS = ("status", "sleep", "wake", "probe", "stop_training", "start_training", "verify_gpu")

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
-from haru import subjects
+from haru import alive, subjects
 from haru.errors import Conflict, LogError
 from haru.eventlog import EventLog, Record
 from haru.events import RouteMoved
@@ -193,12 +193,14 @@ class Projector:
         self.stats.last_seq = max(self.stats.last_seq, from_seq - 1)
         flusher = asyncio.create_task(self._flusher(), name="projector-flusher")
         replay = asyncio.create_task(self._replay(from_seq), name="projector-replay")
+        # the gateway's /healthz hears this (haru/alive.py): a projector that is not running is down
+        beating = asyncio.create_task(alive.beat(self.log.nc, "projector", self.log.writer), name="projector-alive")
         try:
             done, _ = await asyncio.wait({flusher, replay}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # raise what ended it
         finally:
-            await cancel_and_wait(replay, flusher)
+            await cancel_and_wait(replay, flusher, beating)
             # Whatever was folded and not yet written: write it (best effort, bounded).
             try:
                 async with asyncio.timeout(5.0):

@@ -20,9 +20,12 @@ The roles (DESIGN.md "Security"):
                           status (the duplicate-agent check); reads the event log through consumers and
                           message gets; appends use expected sequences.
   promoter                writes op, route and liveness events of any fleet; requests haru.cmd.>;
-                          reads events, views and intents; subscribes haru.hb.>.
-  projector               reads events; writes the KV bucket haru_views and haru.route.>.
-  gateway                 reads views, intents and events; writes haru.evt.*.op (promote/demote requests).
+                          reads events, views and intents; subscribes haru.hb.>; beats on
+                          haru.alive.promoter.> and hears its peers there.
+  projector               reads events; writes the KV bucket haru_views and haru.route.>; beats on
+                          haru.alive.projector.>.
+  gateway                 reads views, intents and events; writes haru.evt.*.op (promote/demote requests);
+                          hears haru.alive.> for /healthz.
   control                 projector + promoter + gateway in one process (`haru up --nats-url`).
   operator                the `haru` CLI: declarations (haru apply), op requests, commands; reads all.
   sink                    reads the event log (the Postgres read model).
@@ -107,22 +110,25 @@ def fixed_users() -> list[User]:
         "haru.cmd.>", "$SRV.>",
         *events, *views, *route,
     ]
-    projector_pub = ["$KV.haru_views.>", "haru.route.>", *events, *views, *route]
+    # haru.alive.<role>.<id>: the control plane's own heartbeats (haru/alive.py), read by gateways and promoters
+    promoter_pub.append("haru.alive.promoter.>")
+    projector_pub = ["$KV.haru_views.>", "haru.route.>", "haru.alive.projector.>", *events, *views, *route]
     gateway_pub = ["haru.evt.*.op", *events, *views, *route]
     return [
         User("admin", "everything: stream creation (ensure), repairs, `nats` CLI administration",
              publish=[">"], subscribe=[">"], deny_publish=[]),
         User("promoter", "the failover saga: op/route/liveness events, agent commands, heartbeats",
-             publish=promoter_pub, subscribe=["haru.hb.>", INBOX]),
+             publish=promoter_pub, subscribe=["haru.hb.>", "haru.alive.promoter.>", INBOX]),
         User("projector", "folds events into the KV views and route intents",
              publish=projector_pub, subscribe=["haru.hb.>", INBOX]),
         User("gateway", "reads views, intents and history; requests promotions/demotions (op events)",
-             publish=gateway_pub, subscribe=["haru.hb.>", "haru.route.>", INBOX]),
+             publish=gateway_pub, subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", INBOX]),
         User("control", "projector + promoter + gateway in one process (`haru up --nats-url`)",
-             publish=_union(promoter_pub, projector_pub, gateway_pub), subscribe=["haru.hb.>", "haru.route.>", INBOX]),
+             publish=_union(promoter_pub, projector_pub, gateway_pub),
+             subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", INBOX]),
         User("operator", "the haru CLI: apply (decl), promote/demote (op), agent commands, reads",
              publish=["haru.evt.*.decl", "haru.evt.*.op", "haru.cmd.>", "$SRV.>", *events, *views, *route],
-             subscribe=["haru.hb.>", "haru.route.>", INBOX]),
+             subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", INBOX]),
         User("sink", "`haru sink postgres`: reads the event log, writes nothing to NATS",
              publish=list(events), subscribe=[INBOX]),
         User("router", "may only subscribe haru.route.> and read stream HARU_ROUTE",

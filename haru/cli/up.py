@@ -59,8 +59,12 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    from haru.errors import AlreadyRunning
+
     try:
         await up(opts, stop)
+    except AlreadyRunning as exc:
+        return fail(str(exc), ExitStatus.CONFLICT)
     except OSError as exc:
         return fail(f"cannot start: {exc.strerror or exc} (is the gateway port in use? pass --port)")
     return ExitStatus.OK

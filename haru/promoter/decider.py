@@ -328,9 +328,20 @@ def _resume(view: FleetView, op: OperationView, cur: StepView, facts: Facts) -> 
     mine_before_restart = bool(facts.me) and facts.step_by == facts.me
     started = cur.at
     expired = started is None or facts.now - started >= timedelta(milliseconds=lease_ms(cur.step, view.policy))
-    if mine_before_restart or expired:
+    if mine_before_restart or expired or runner_gone(facts):
         return _start(subjects.op(view.fleet), op, cur.step, cur.attempt + 1, facts)
     return None
+
+
+def runner_gone(facts: Facts) -> bool:
+    """Whether the promoter running the started step is dead by its silence on haru.alive: not heard
+    for `runner_timeout_ms`, or never heard since we have listened that long."""
+    timeout = facts.runner_timeout_ms
+    if not timeout or not facts.step_by or facts.step_by == facts.me:
+        return False
+    if facts.runner_silent_ms is None:
+        return facts.listening_ms >= timeout
+    return facts.runner_silent_ms >= timeout
 
 
 def flip_refusal(view: FleetView, op: OperationView) -> str:

@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 import msgspec
 import structlog
 
-from haru import subjects
+from haru import alive, subjects
 from haru.commands import ErrorInfo, Reply
 from haru.errors import CommandError, Conflict, LogError
 from haru.eventlog import EventLog, Record
@@ -54,6 +54,7 @@ from projections.fleet import misplaced as evolve_misplaced
 log_ = structlog.get_logger("haru.promoter")
 
 STEP_DELAY_ENV = "HARU_PROMOTER_STEP_DELAY_MS"
+STALL_CHECK_S = 2.0
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> None:
@@ -120,6 +121,7 @@ class Promoter:
         self._listening_since = 0.0
         self._was_connected = True
         self._refollow = asyncio.Event()
+        self.peers = alive.Heard()  # promoters heard on haru.alive.promoter.*, this one included
         self.log_ = log_.bind(promoter=self.identity)
         self.metrics = PromoterMetrics(self)  # counted from the records folded below (metrics.py)
 
@@ -182,8 +184,11 @@ class Promoter:
             self.on_heartbeat(msg.subject)
 
         sub = await self.log.nc.subscribe(subjects.heartbeats("*"), cb=hb)
+        await self.peers.listen(self.log.nc, subjects.alive("promoter"))
         self._listening_since = time.monotonic()
         follower: asyncio.Task | None = None
+        # this replica's own heartbeat: a peer that hears it stop takes over its step (haru/alive.py)
+        beating = asyncio.create_task(alive.beat(self.log.nc, "promoter", self.identity), name="promoter-alive")
         try:
             target = await self.log.last_seq()
             follower = asyncio.create_task(self._follow(), name="promoter-follow")
@@ -211,7 +216,8 @@ class Promoter:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-            await cancel_and_wait(follower, *self._tasks)
+            await self.peers.stop()
+            await cancel_and_wait(beating, follower, *self._tasks)
 
     async def _follow(self) -> None:
         """Follow the log from where the views are; a follower that fails is restarted after a pause."""
@@ -221,11 +227,15 @@ class Promoter:
                 self.log.replay(self.on_record, from_seq=self.folded + 1, subject_filter=subjects.ALL_EVENTS, follow=True)
             )
             refollow = asyncio.create_task(self._refollow.wait())
+            stalled = asyncio.create_task(self._until_stalled())
             try:
-                await asyncio.wait({replay, refollow}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({replay, refollow, stalled}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                await cancel_and_wait(replay, refollow)
-            if replay.done() and not replay.cancelled() and replay.exception() is not None:
+                await cancel_and_wait(replay, refollow, stalled)
+            if stalled.done() and not stalled.cancelled():
+                self.log_.warning("follower_stalled", seq=self.folded,
+                                  detail="the log holds events the follower has not delivered; following afresh")
+            elif replay.done() and not replay.cancelled() and replay.exception() is not None:
                 exc = replay.exception()
                 if not isinstance(exc, LogError):
                     raise exc
@@ -236,6 +246,29 @@ class Promoter:
                 # heartbeats (seconds): start a fresh one from where the views are instead.
                 self.log_.info("follower_restarted", seq=self.folded)
 
+    async def _until_stalled(self, every_s: float = STALL_CHECK_S, strikes_needed: int = 2) -> None:
+        """Return when the follower has made no progress for `strikes_needed` checks while the stream
+        holds events past the last one folded. A follower that stops delivering (after a store
+        episode: appends timing out, a server restarted) would otherwise leave every later append
+        conflicting with what it has not folded, and the operation in flight `running` for ever."""
+        seen, strikes = self.folded, 0
+        while True:
+            await asyncio.sleep(every_s)
+            if self.folded != seen:
+                seen, strikes = self.folded, 0
+                continue
+            try:
+                async with asyncio.timeout(every_s):
+                    last = await self.log.last_seq()
+            except (LogError, TimeoutError):
+                continue  # the store is away: nothing to conclude yet
+            if last > self.folded:
+                strikes += 1
+                if strikes >= strikes_needed:
+                    return
+            else:
+                strikes = 0
+
     def _connected(self) -> bool:
         """Whether NATS is connected; after a reconnect, silence is measured afresh (we heard nothing)."""
         connected = bool(getattr(self.log.nc, "is_connected", True))
@@ -243,6 +276,7 @@ class Promoter:
             self._listening_since = time.monotonic()
             for st in self.fleets.values():
                 st.heard.clear()
+            self.peers.last.clear()  # nor did we hear our peers while away
             self._refollow.set()
             self.log_.info("reconnected", detail="heartbeat silence is measured afresh; following the log afresh")
         self._was_connected = connected
@@ -255,6 +289,8 @@ class Promoter:
             seen = st.heard.get(name)
             silent[name] = None if seen is None else int((now_m - seen) * 1000)
         op = st.view.operation
+        runner = st.step_by.get(op.op_id, "") if op is not None else ""
+        runner_silent = self.peers.silent_s("promoter", runner) if runner else None
         return Facts(
             now=utcnow(),
             me=self.identity,
@@ -262,7 +298,9 @@ class Promoter:
             silent_ms=silent,
             listening_ms=int((now_m - self._listening_since) * 1000),
             running=frozenset(st.running),
-            step_by=st.step_by.get(op.op_id, "") if op is not None else "",
+            step_by=runner,
+            runner_silent_ms=None if runner_silent is None else int(runner_silent * 1000),
+            runner_timeout_ms=int(alive.SILENT_AFTER_S * 1000),
         )
 
     async def round(self, st: FleetState) -> None:

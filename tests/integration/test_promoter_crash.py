@@ -120,3 +120,37 @@ async def test_another_replica_takes_over_a_dead_runners_step_after_its_lease(ro
     assert [(e.attempt, e.by) for e in wakes] == [(1, runner.identity), (2, other.identity)]
     await assert_pointer_only_at_probed_domains(log)
     assert (await view_of(log)).active == "b"
+
+
+@pytest.fixture
+async def long_leased_fleet(nats_server, event_log):
+    """As routed_fleet, with the step bounds of a real fleet: a step's lease is minutes long."""
+    await apply(event_log, layout(command_timeout_ms=60_000, wake_timeout_ms=120_000, probe_timeout_ms=120_000), now())
+    async with FakeAgent(nats_server.url, "default", "a", MODELS) as a, \
+            FakeAgent(nats_server.url, "default", "b", MODELS, start="sleeping") as b:
+        await event_log.append(subjects.route("default"), RouteMoved(at=now(), active="a"), expect=0)
+        yield event_log, a, b
+
+
+@pytest.mark.parametrize("step", ["wake", "probe"])
+async def test_a_replica_takes_over_a_killed_runners_step_when_it_falls_silent_not_after_the_lease(long_leased_fleet, spawn, step):
+    from haru.promoter.decider import lease_ms
+
+    log, a, b = long_leased_fleet
+    lease_s = lease_ms(step, (await view_of(log)).policy) / 1000
+    assert lease_s > 120  # the bound below is well inside it: only the runner's silence can explain a takeover
+    one, two = spawn("promoter:one"), spawn("promoter:two")
+    one.start()
+    two.start()
+    await asyncio.sleep(1.5)  # both caught up and heard each other
+    accepted = await request_operation(log, "default", "promotion", "b", by="test", now=now())
+    started = await wait_until(lambda: _started(log, accepted.op_id, step), timeout=20, what=f"{step} started")
+    runner, other = (one, two) if started.by == "promoter:one" else (two, one)
+    runner.kill()
+    end = await wait_op_end(log, accepted.op_id, timeout=60)
+    events = await op_events(log, op_id=accepted.op_id)
+    assert isinstance(end, OperationCompleted), describe(events)
+    restarted = [e for e in events if isinstance(e, StepStarted) and e.step == step]
+    assert [(e.attempt, e.by) for e in restarted] == [(1, runner.identity), (2, other.identity)], describe(events)
+    await assert_pointer_only_at_probed_domains(log)
+    assert (await view_of(log)).active == "b"

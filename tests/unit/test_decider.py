@@ -536,3 +536,19 @@ def test_settle_commands_carry_the_route_revision_after_the_flip():
     assert all(c.route_revision == view.route_revision > base.route_revision for _, c, _ in commands)
     domain, commands = command_for(base, view.operation, "wake")
     assert domain == "b" and commands[0][1].route_revision == base.route_revision
+
+
+def test_a_runner_is_gone_when_silent_past_the_timeout_or_never_heard_while_we_listened_that_long():
+    from datetime import datetime, timezone
+
+    from haru.promoter.decider import runner_gone
+    from haru.promoter.decisions import Facts
+
+    base = dict(now=datetime(2026, 1, 1, tzinfo=timezone.utc), me="promoter:two", step_by="promoter:one", runner_timeout_ms=3500)
+    assert not runner_gone(Facts(**base, runner_silent_ms=1000, listening_ms=10_000))
+    assert runner_gone(Facts(**base, runner_silent_ms=3500, listening_ms=10_000))
+    assert not runner_gone(Facts(**base, runner_silent_ms=None, listening_ms=1000))  # too early to say
+    assert runner_gone(Facts(**base, runner_silent_ms=None, listening_ms=3500))
+    # our own step is never judged by silence (it has its own rule), nor anyone's when the timeout is off
+    assert not runner_gone(Facts(**{**base, "step_by": "promoter:two"}, runner_silent_ms=None, listening_ms=99_999))
+    assert not runner_gone(Facts(**{**base, "runner_timeout_ms": 0}, runner_silent_ms=99_999, listening_ms=99_999))

@@ -1,0 +1,197 @@
+"""`haru up` killed with SIGKILL under load, started again on the same home: nothing acknowledged is
+lost, the history verifies, and no process of the first run is left; and a second `haru up` on a
+home that a live one holds is refused.
+
+Real processes throughout: `haru up --demo` (embedded nats-server, projector, promoter, gateway, two
+agents with simulated runtimes), a load client appending events with expected sequences, `kill -9`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from haru import subjects
+from haru.children import alive, start_time
+from haru.errors import LogError
+from haru.eventlog import EventLog
+from haru.events import AgentStopping
+from haru.natsd import free_port
+from tests.e2e.test_up_demo import demo_layout_with_free_ports, descendants, wait_for
+from tests.support import haru
+
+REPO = Path(__file__).resolve().parents[2]
+LOAD_FLEET = "load"
+WRITERS = 4
+
+
+def up_env(home: Path, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "HARU_HOME": str(home), "HARU_NO_UVLOOP": "1", **extra}
+    for name in ("HARU_NATS_URL", "HARU_API_TOKEN", "HARU_NO_PDEATHSIG"):
+        if name not in extra:
+            env.pop(name, None)
+    return env
+
+
+def start_up(tmp_path: Path, name: str, env: dict[str, str], layout: Path) -> tuple[subprocess.Popen, Path]:
+    ready = tmp_path / f"{name}.ready.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--port", str(free_port()),
+         "--layout", str(layout), "--ready-file", str(ready), "--log-level", "info"],
+        stdout=open(tmp_path / f"{name}.out", "wb"), stderr=open(tmp_path / f"{name}.err", "wb"),
+        env=env, cwd=REPO,
+    )
+    return proc, ready
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "?"
+
+
+def stop(proc: subprocess.Popen, tree: set[int]) -> None:
+    tree |= descendants(proc.pid)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    for pid in tree:  # never leave a child behind, even when the test failed
+        if alive(pid, start_time(pid)):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def load(nats_url: str, acked: dict[int, tuple[str, bytes]], stop: asyncio.Event) -> None:
+    """WRITERS chains of appends, each expecting the last sequence it wrote; every acknowledged
+    sequence is recorded with its subject and body. Ends at `stop` or at the first failure (the log
+    went away), bounded to 3000 appends a writer."""
+    log = await EventLog.open(nats_url, writer="load", timeout=2.0)
+
+    async def writer(i: int) -> None:
+        subject = subjects.agent(LOAD_FLEET, f"w{i}")
+        expect = 0
+        for n in range(3000):
+            if stop.is_set():
+                return
+            event = AgentStopping(at=datetime.now(timezone.utc), by="load", domain=f"w{i}", reason=f"append {n}")
+            try:
+                expect = await log.append(subject, event, expect=expect)
+            except LogError:
+                return
+            acked[expect] = (subject, f'"append {n}"'.encode())
+
+    try:
+        await asyncio.gather(*(writer(i) for i in range(WRITERS)))
+    finally:
+        try:
+            async with asyncio.timeout(5):
+                await log.close()
+        except (TimeoutError, Exception):  # noqa: BLE001 - the server may be gone
+            pass
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("death_signal", [True, False], ids=["children-die-with-it", "leftovers-stopped-on-restart"])
+async def test_kill_9_under_load_then_restart_loses_nothing_and_leaves_no_orphans(tmp_path, death_signal):
+    home = tmp_path / "home"
+    layout = demo_layout_with_free_ports(tmp_path / "demo.json")
+    first_env = up_env(home, **({} if death_signal else {"HARU_NO_PDEATHSIG": "1"}))
+    tree: set[int] = set()
+    first, ready = start_up(tmp_path, "first", first_env, layout)
+    second = None
+    try:
+        info = await asyncio.to_thread(wait_for, "haru up to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 90)
+        nats_url = info["nats_url"]
+        # every agent's runtimes up too: the tree to account for is the whole demo
+        await asyncio.to_thread(wait_for, "the demo's runtimes", lambda: len(descendants(first.pid)) >= 2 + 2 + 1 + 6, 90)
+
+        acked: dict[int, tuple[str, bytes]] = {}
+        stop_load = asyncio.Event()
+        loader = asyncio.create_task(load(nats_url, acked, stop_load))
+        await asyncio.sleep(1.5)
+        assert acked, "the load client was acknowledged nothing before the crash"
+        old = {pid: start_time(pid) for pid in descendants(first.pid)}
+        tree |= set(old)
+
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        await asyncio.sleep(0.5)
+        stop_load.set()
+        await asyncio.wait_for(loader, 30)
+
+        survivors = lambda: [p for p, st in old.items() if alive(p, st)]  # noqa: E731
+        if death_signal:
+            # nats-server, projector, promoter and agents get SIGTERM from the kernel; runtimes follow their agent
+            try:
+                await asyncio.to_thread(wait_for, "every child to die with haru up", lambda: not survivors() or None, 60)
+            except AssertionError:
+                raise AssertionError(f"still alive: {[(p, cmdline(p)[:120]) for p in survivors()]}") from None
+        else:
+            assert survivors(), "without the parent-death signal the children should have outlived haru up"
+
+        second, ready2 = start_up(tmp_path, "second", up_env(home), layout)
+        info2 = await asyncio.to_thread(wait_for, "the second haru up to be ready",
+                                        lambda: ready2.exists() and json.loads(ready2.read_text()), 90)
+        assert survivors() == [], f"processes of the first run still alive: {survivors()}"
+        err = (tmp_path / "second.err").read_text()
+        if not death_signal:
+            assert "up.leftover_stopped" in err and "nats-server" in err, err
+
+        # zero acknowledged events lost: every acked sequence is stored, on its subject, with its body
+        async with EventLog.connect([info2["nats_url"]], writer="check") as log:
+            stored = {r.seq: r for r in await log.history(subjects.fleet_events(LOAD_FLEET))}
+        lost = [seq for seq, (subject, body) in acked.items()
+                if seq not in stored or stored[seq].subject != subject or body not in stored[seq].data]
+        assert lost == [], f"{len(lost)} of {len(acked)} acknowledged events lost: {lost[:10]}"
+        print(f"{len(acked)} acknowledged appends, all stored after the restart")
+
+        verify = await asyncio.to_thread(haru, "verify", nats_url=info2["nats_url"], env=up_env(home))
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+        assert "history intact" in verify.stdout
+    finally:
+        if second is not None:
+            stop(second, tree)
+        stop(first, tree)
+
+
+@pytest.mark.timeout(180)
+def test_a_second_haru_up_on_the_same_home_is_refused(tmp_path):
+    home = tmp_path / "home"
+    layout = demo_layout_with_free_ports(tmp_path / "demo.json")
+    env = up_env(home)
+    tree: set[int] = set()
+    first, ready = start_up(tmp_path, "first", env, layout)
+    try:
+        info = wait_for("haru up to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 90)
+        servers_before = [p for p in descendants(first.pid) if "nats-server" in cmdline(p)]
+        again = subprocess.run(
+            [sys.executable, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--port", str(free_port()),
+             "--layout", str(layout)],
+            capture_output=True, text=True, env=env, cwd=REPO, timeout=60,
+        )
+        assert again.returncode == 4, again.stdout + again.stderr  # ExitStatus.CONFLICT
+        line = again.stderr.strip()
+        assert len(line.splitlines()) == 1, line
+        assert "already running" in line and f"pid {first.pid}" in line, line
+        assert info["nats_url"] in line and info["gateway_url"] in line, line
+        assert f"kill {first.pid}" in line and "--home" in line, line
+        # nothing was started by the refused one: still exactly one nats-server, and it is the first's
+        every_server = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                        and "nats-server" in cmdline(int(p.name)) and str(home / "nats") in cmdline(int(p.name))]
+        assert every_server == servers_before, (every_server, servers_before)
+        # and the first one still serves
+        status = haru("status", nats_url=info["nats_url"], env=env)
+        assert status.returncode == 0, status.stderr
+    finally:
+        stop(first, tree)

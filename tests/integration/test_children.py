@@ -1,0 +1,91 @@
+"""Children that die with their parent, pid files that tell a live child from a reused pid, and one
+nats-server per store. Real processes throughout."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import pytest
+
+from haru import children
+from haru.errors import StoreBusy
+from haru.natsd import NatsServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def wait_gone(pid: int, start: int | None, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not children.alive(pid, start):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+PARENT = """
+import sys, time
+from pathlib import Path
+from haru import children
+proc = children.spawn([sys.executable, "-c", "import time; time.sleep(60)"], pidfile=Path(sys.argv[1]), what="sleeper",
+                      death_signal=int(sys.argv[2]) or None)
+print(proc.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("death_signal", [signal.SIGTERM, 0], ids=["with-death-signal", "without"])
+def test_a_child_dies_with_its_sigkilled_parent_or_is_found_by_its_pid_file(tmp_path, death_signal):
+    pidfile = tmp_path / "run" / "sleeper.pid"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(pidfile), str(int(death_signal))],
+                              stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    record = json.loads(pidfile.read_text())
+    assert record["pid"] == child and record["start"] == children.start_time(child)
+    assert children.holder(pidfile) is not None and not children.orphaned(record)  # its parent lives
+    parent.kill()
+    parent.wait()
+    if death_signal:
+        assert wait_gone(child, record["start"]), "the child outlived its SIGKILLed parent"
+        assert children.holder(pidfile) is None
+        return
+    try:
+        time.sleep(0.5)
+        assert children.alive(child, record["start"])  # a real orphan
+        assert children.orphaned(children.holder(pidfile))
+        stopped = children.stop_leftover(pidfile, timeout=5)
+        assert stopped is not None and stopped["ended"] == "terminated"
+        assert not children.alive(child, record["start"]) and not pidfile.exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_pid_file_naming_a_reused_pid_names_nobody(tmp_path):
+    pidfile = tmp_path / "x.pid"
+    pidfile.write_text(json.dumps({"pid": 1, "start": -5, "what": "impostor"}))  # pid 1 lives, but not since then
+    assert children.holder(pidfile) is None
+    assert children.stop_leftover(pidfile) is None and not pidfile.exists()
+
+
+def test_a_second_nats_server_on_a_held_store_is_refused_naming_the_holder(tmp_path):
+    first = NatsServer(tmp_path / "store")
+    first.start_sync()
+    try:
+        second = NatsServer(tmp_path / "store")
+        with pytest.raises(StoreBusy) as err:
+            second.start_sync()
+        message = str(err.value)
+        assert f"nats-server pid {first.proc.pid}" in message and f"kill {first.proc.pid}" in message, message
+        assert second.proc is None
+        # the lock lives as long as the server: once it is gone (even by SIGKILL) the store is free
+        first.kill()
+        second.start_sync()
+        second.stop_sync()
+    finally:
+        first.stop_sync()
