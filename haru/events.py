@@ -112,6 +112,37 @@ class AdmissionDecided(Event, frozen=True, kw_only=True, tag="admission_decided"
     capacity_bytes: int = 0  # memory - reserve of that GPU
 
 
+# ------------------------------------------------- model files: haru.evt.<fleet>.decl (haru.models)
+
+
+class FetchedFile(msgspec.Struct, frozen=True, kw_only=True):
+    name: str  # the file's name in the materialized model
+    digest: str  # sha256:<hex> (or gitsha1:<hex> for a small Hugging Face file kept in git)
+    size: int
+    fetched: bool = True  # False: it was already in the store and re-hashed right
+
+
+class ModelFetched(Event, frozen=True, kw_only=True, tag="model_fetched"):
+    """`haru pull` (or an agent pulling a layout's reference) put a model's files, verified, in a store.
+
+    Where a model's files came from: `haru why` shows it. On the fleet's decl subject: a fetch is a
+    fact about what was declared, not about one runtime's residency."""
+
+    reference: str  # canonical: `ollama:library/qwen3:0.6b`, `hf:ORG/REPO:Q4_K_M@<commit>`
+    model: str = ""  # the model id (or the reference as typed) it was pulled for
+    domain: str = ""  # the agent's domain that pulled it ('' = the CLI)
+    origin: str = ""  # the registry's base URL
+    revision: str = ""  # the Ollama tag, or the Hugging Face commit
+    format: str = ""  # gguf | safetensors
+    path: str = ""  # the materialized path on `host`
+    host: str = ""
+    files: list[FetchedFile] = []
+    fetched_bytes: int = 0
+    reused_bytes: int = 0
+    healed: list[str] = []  # digests found corrupt in the store and fetched again
+    took_ms: int = 0
+
+
 # ------------------------------------------------- residency: haru.evt.<fleet>.<domain>.model.<model>
 
 
@@ -330,6 +361,7 @@ AnyEvent = Union[
     TrainingChanged,
     TrainingRetired,
     AdmissionDecided,
+    ModelFetched,
     ModelLoading,
     ModelResident,
     ModelSleeping,
