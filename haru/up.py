@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -121,12 +122,12 @@ class AgentProcess:
     log_path: Path
 
 
-def _agent_config(layout: Layout, domain: str, nats_url: str, home: Path) -> dict:
+def _agent_config(layout: Layout, domain: str, nats_url: str, home: Path, gpus: str = "sim") -> dict:
     return {
         "fleet": layout.fleet,
         "domain": domain,
         "nats_url": nats_url,
-        "gpus": "sim",
+        "gpus": gpus,
         "sim_dir": str(home / "sim" / domain),
         "state_dir": str(home / "demo" / "agents" / domain),
     }
@@ -145,12 +146,13 @@ def _prepare_sim_host(layout: Layout, domain: str, home: Path) -> None:
         state.set_present(True)  # a new demo starts with every GPU attached
 
 
-def start_agent(layout: Layout, domain: str, nats_url: str, home: Path) -> AgentProcess:
-    _prepare_sim_host(layout, domain, home)
+def start_agent(layout: Layout, domain: str, nats_url: str, home: Path, gpus: str = "sim") -> AgentProcess:
+    if gpus == "sim":
+        _prepare_sim_host(layout, domain, home)
     conf_dir = home / "demo" / "agents"
     conf_dir.mkdir(parents=True, exist_ok=True)
     conf = conf_dir / f"{domain}.json"
-    conf.write_text(json.dumps(_agent_config(layout, domain, nats_url, home), indent=2))
+    conf.write_text(json.dumps(_agent_config(layout, domain, nats_url, home, gpus), indent=2))
     log_path = conf_dir / f"{domain}.log"
     env = {
         **os.environ,
@@ -208,6 +210,11 @@ class UpOptions:
     layout_path: Path = DEMO_LAYOUT
     ready_file: Path | None = None  # written (JSON) once everything is up: for scripts and tests
     services: tuple[str, ...] = ("projector", "promoter", "gateway")
+    # `haru serve`: this fleet instead of the demo's, its agents' GPUs ("sim" or "nvml"), and a hook run
+    # once the fleet is applied (it records the pulls that preceded it)
+    layout: Layout | None = None
+    agent_gpus: str = "sim"
+    after_apply: Any = None
 
 
 @dataclass
@@ -248,11 +255,15 @@ async def up(opts: UpOptions, stop: asyncio.Event) -> Running:
         stack.push_async_callback(events.close)
         await events.ensure()
 
-        layout = None
+        layout = opts.layout
         if opts.demo:
             layout = demo_layout(opts.home, opts.layout_path)
-            result = await apply_mod.apply(events, layout, datetime.now(timezone.utc), by="up:demo")
-            log.info("up.demo_applied", fleet=layout.fleet, events=len(result.events))
+        if layout is not None:
+            result = await apply_mod.apply(events, layout, datetime.now(timezone.utc),
+                                           by="up:demo" if opts.demo else "up:serve")
+            log.info("up.applied", fleet=layout.fleet, events=len(result.events))
+            if opts.after_apply is not None:
+                await opts.after_apply(events, layout)
 
         tasks: list[asyncio.Task] = []
         stack.push_async_callback(_cancel_all, tasks)
@@ -269,9 +280,9 @@ async def up(opts: UpOptions, stop: asyncio.Event) -> Running:
             await stack.enter_async_context(gw)
             running.gateway_url = gw.url
 
-        if opts.demo and layout is not None:
+        if layout is not None:
             for d in layout.domains:
-                running.agents.append(start_agent(layout, d.spec.name, nats_url, opts.home))
+                running.agents.append(start_agent(layout, d.spec.name, nats_url, opts.home, opts.agent_gpus))
             stack.push_async_callback(stop_agents, running.agents)
 
         _banner(running, opts, layout)
@@ -311,7 +322,7 @@ def _banner(running: Running, opts: UpOptions, layout: Layout | None) -> None:
         out.write(f"haru up: gateway {running.gateway_url}  (OpenAI-compatible: {running.gateway_url}/v1)\n")
     if layout is not None:
         models = ", ".join(m.name for m in layout.domains[0].models)
-        out.write(f"haru up: demo fleet {layout.fleet!r}: domains {', '.join(d.spec.name for d in layout.domains)}; "
+        out.write(f"haru up: {'demo ' if opts.demo else ''}fleet {layout.fleet!r}: domains {', '.join(d.spec.name for d in layout.domains)}; "
                   f"models {models}\n")
         out.write(f"haru up: agent logs in {opts.home / 'demo' / 'agents'}; try `haru status` in another terminal\n")
     out.write("haru up: Ctrl-C stops everything\n")

@@ -18,6 +18,7 @@ class ExitStatus(enum.IntEnum):
     CONFLICT = 4  # another operation is in flight, or a race was lost
     VERIFY_FAILED = 5  # history does not verify
     UNAVAILABLE = 6  # NATS or an agent cannot be reached
+    REFUSED = 7  # the planner admits none of what was asked (`haru serve`: every model is short of VRAM)
     INTERRUPTED = 130
 
 

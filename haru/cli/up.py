@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None, help="gateway port (env HARU_GATEWAY_PORT, default 8700)")
     p.add_argument("--layout", default=None, help="with --demo: the layout to apply (default deploy/examples/demo-fleet.json)")
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+    from haru.cli.serve import add_model_options
+
+    add_model_options(p)  # `haru up --model …` is `haru serve --model …`
     add_log_options(p, default_level="warning")
     p.set_defaults(handler=run)
 
@@ -35,6 +38,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 async def run(args: argparse.Namespace) -> ExitStatus:
     from haru.up import DEMO_LAYOUT, REAL_DEMO_LAYOUT, UpOptions, haru_home, up
 
+    if args.model:
+        if args.demo or args.nats_url or args.layout:
+            return fail("--model runs a fleet of its own: it goes without --demo, --nats-url and --layout")
+        from haru.cli import serve
+
+        return await serve.run(args)
     configure_logging(args.log_format, args.log_level)
     if args.real and not args.demo:
         return fail("--real goes with --demo: `haru up --demo --real`")
