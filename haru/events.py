@@ -146,6 +146,21 @@ class ModelFetched(Event, frozen=True, kw_only=True, tag="model_fetched"):
 # ------------------------------------------------- residency: haru.evt.<fleet>.<domain>.model.<model>
 
 
+class ModelPulling(Event, frozen=True, kw_only=True, tag="model_pulling"):
+    """The agent fetches a layout's reference into its store before starting the runtime (haru.models).
+
+    Appended when the pull starts, every few seconds of progress, and once every file is verified
+    (`files` then says which, with their digests: where the model's files came from)."""
+
+    domain: str
+    model: str
+    reference: str
+    done_bytes: int = 0
+    total_bytes: int = 0
+    origin: str = ""
+    files: list[FetchedFile] = []
+
+
 class ModelLoading(Event, frozen=True, kw_only=True, tag="model_loading"):
     domain: str
     model: str
@@ -362,6 +377,7 @@ AnyEvent = Union[
     TrainingRetired,
     AdmissionDecided,
     ModelFetched,
+    ModelPulling,
     ModelLoading,
     ModelResident,
     ModelSleeping,
@@ -388,7 +404,7 @@ AnyEvent = Union[
     RouteMoved,
 ]
 
-RESIDENCY_EVENTS = (ModelLoading, ModelResident, ModelSleeping, ModelWaking, ModelLost, ModelFailed, ModelStopped)
+RESIDENCY_EVENTS = (ModelPulling, ModelLoading, ModelResident, ModelSleeping, ModelWaking, ModelLost, ModelFailed, ModelStopped)
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(AnyEvent)

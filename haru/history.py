@@ -98,6 +98,7 @@ SHORT_NAMES: dict[str, str] = {
     "model_changed": "changed",
     "model_retired": "retired",
     "admission_decided": "admitted",
+    "model_pulling": "pulling",
     "model_loading": "loading",
     "model_resident": "resident",
     "model_sleeping": "asleep",
