@@ -51,6 +51,7 @@ from agents import probes
 from agents.config import AgentConfig, HostSlots, fold_declarations, load_layout_slots, slots_from_host_entry
 from agents.errors import AgentRefused, OutOfMemory, RuntimeProblem, TrainingProblem
 from agents.gpu import GpuReading, Gpus, open_gpus
+from agents.pulling import needs_pull, pull_for
 from agents.runtimes import Runtime, make_runtime
 from agents.training import Ended, Trainer
 from haru import subjects
@@ -589,6 +590,8 @@ class Agent:
 
     async def _load(self, m: ModelSlot) -> bool:
         """Spawn (or re-attach to) the runtime and wait until it is resident or gone. Never times out."""
+        if needs_pull(m.runtime.spec.source, m.runtime.kind) and not await pull_for(self, m):
+            return False  # a layout's reference: pulled first (`pulling`), or failed in the registry's words
         async with m.lock:
             m.attempt += 1
             m.generation += 1

@@ -158,6 +158,7 @@ def start_agent(layout: Layout, domain: str, nats_url: str, home: Path, gpus: st
         **os.environ,
         "HARU_SIM_DIR": str(home / "sim" / domain),
         "HARU_SIM_DOMAIN": domain,
+        "HARU_HOME": str(home),  # the agent's model store is $HARU_HOME/models (layouts may name references)
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])),
     }
     out = open(log_path, "ab")
