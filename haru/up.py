@@ -115,6 +115,36 @@ def _real_llama_model(model: dict, home: Path) -> None:
         model["source"] = str(path)
 
 
+FRESH_PARTS = ("nats", "sim", "demo")  # what `haru up --demo` keeps between runs under $HARU_HOME
+
+
+def fresh_start(home: Path, now: datetime | None = None) -> Path | None:
+    """`haru up --demo --fresh`: move the state a previous demo left (its event log, simulated GPUs, agents)
+    to `$HARU_HOME/previous/<UTC time>/`, never deleting it. None when there was nothing to move.
+    Raises ConfigError when a `haru up` is running on this home."""
+    url_file = home / NATS_URL_FILE
+    if url_file.exists():
+        url = url_file.read_text().strip()
+        try:
+            host, port = url.rsplit("//", 1)[-1].rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=0.5):
+                pass
+        except (OSError, ValueError):
+            pass  # a stale file from an up that was killed
+        else:
+            raise ConfigError(f"a `haru up` is running on {home} (NATS at {url}); stop it before --fresh, or pass "
+                              "--home for another state directory")
+    parts = [home / p for p in FRESH_PARTS if (home / p).exists()]
+    if not parts:
+        return None
+    stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+    dest = home / "previous" / stamp
+    dest.mkdir(parents=True, exist_ok=True)
+    for p in parts:
+        os.replace(p, dest / p.name)
+    return dest
+
+
 @dataclass
 class AgentProcess:
     domain: str

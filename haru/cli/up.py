@@ -19,6 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--real", action="store_true",
                    help="with --demo: real llama-servers on the CPU with tiny generated models (the first run "
                         "builds llama-server, ~10 min on 2 cores, cached)")
+    p.add_argument("--fresh", action="store_true",
+                   help="with --demo: start the walk-through from a clean state (the previous demo's log and "
+                        "hosts are moved to $HARU_HOME/previous/<time>/, not deleted)")
     p.add_argument("--nats-url", default=os.environ.get("HARU_NATS_URL"),
                    help="use this NATS (or cluster, comma-separated) instead of starting one (env HARU_NATS_URL)")
     p.add_argument("--nats-port", type=int, default=4222,
@@ -47,6 +50,18 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     configure_logging(args.log_format, args.log_level)
     if args.real and not args.demo:
         return fail("--real goes with --demo: `haru up --demo --real`")
+    if args.fresh:
+        from haru.errors import ConfigError
+        from haru.up import fresh_start
+
+        if not args.demo or args.nats_url:
+            return fail("--fresh goes with --demo (and the embedded NATS): `haru up --demo --fresh`")
+        try:
+            moved = fresh_start(haru_home(args.home))
+        except ConfigError as exc:
+            return fail(str(exc), ExitStatus.CONFLICT)
+        if moved is not None:
+            print(f"haru up: --fresh: the previous demo's state is in {moved}", flush=True)
     opts = UpOptions(
         home=haru_home(args.home),
         nats_url=args.nats_url,
