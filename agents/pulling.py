@@ -1,4 +1,5 @@
-"""A layout's model that names a reference (`"source": "qwen3:0.6b"`, `"hf:ORG/REPO:Q4_K_M"`): the agent
+"""A layout's model that names a reference with its prefix (`"source": "ollama:qwen3:0.6b"`,
+`"hf:ORG/REPO:Q4_K_M"`; a bare `Qwen/Qwen3-0.6B` stays what it was, an id vLLM fetches itself): the agent
 pulls it into the store (`haru.models`, under the agent's $HARU_HOME) before starting the runtime.
 
 On the model's own subject, so an agent writes only its domain's subjects:
@@ -37,7 +38,7 @@ class _Counted(Progress):
 
 
 def needs_pull(source: str, runtime_kind: str) -> bool:
-    return runtime_kind != "external" and bool(source) and refs.is_reference(source)
+    return runtime_kind != "external" and refs.is_explicit_reference(source)
 
 
 async def pull_for(agent, m) -> bool:

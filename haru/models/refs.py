@@ -58,9 +58,18 @@ class Ref:
         return f"hf:{self.repo}{':' + self.quant if self.quant else ''}{'@' + self.revision if self.revision else ''}"
 
 
+EXPLICIT_PREFIXES = ("hf:", "ollama:", "hf.co/", "huggingface.co/")
+
+
+def is_explicit_reference(text: str) -> bool:
+    """A layout's `source` is pulled only when it says so with a prefix: a bare `Qwen/Qwen3-0.6B` there is
+    a Hugging Face id vLLM fetches itself, and `sim/m1` the simulator's name, not Ollama models."""
+    return text.startswith(EXPLICIT_PREFIXES)
+
+
 def is_reference(text: str) -> bool:
     """True when `text` names a registry model rather than a file or directory on this host."""
-    if text.startswith(("hf:", "ollama:", "hf.co/", "huggingface.co/")):
+    if is_explicit_reference(text):
         return True
     if text.startswith(("/", "./", "../", "~", "file:")) or text in (".", ".."):
         return False

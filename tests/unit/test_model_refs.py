@@ -68,3 +68,12 @@ def test_safetensors_package_is_the_top_level_model_files():
                                           "model-00002-of-00002.safetensors", "model.safetensors.index.json",
                                           "tokenizer.json"]
     assert safetensors_package(["model.safetensors"]) == []  # no config.json: not a package vLLM can load
+
+
+def test_a_layout_pulls_only_prefixed_references():
+    from agents.pulling import needs_pull
+
+    assert needs_pull("hf:Qwen/Qwen3-0.6B-GGUF", "llama_server") and needs_pull("ollama:qwen3:0.6b", "llama_server")
+    assert not needs_pull("Qwen/Qwen3-0.6B", "vllm")  # an id vLLM fetches itself
+    assert not needs_pull("sim/m1", "vllm") and not needs_pull("/models/x.gguf", "llama_server")
+    assert not needs_pull("hf:a/b", "external")
