@@ -73,12 +73,20 @@ def ensure_env(env: Path, *, say=print) -> Path:
 
 
 def _run(argv: list[str], what: str, **kw) -> None:
+    """Run a step; its own output goes to stderr (stdout is the result: the GGUF's path)."""
     try:
-        subprocess.run(argv, check=True, stdin=subprocess.DEVNULL, **kw)
+        subprocess.run(argv, check=True, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(), **kw)
     except FileNotFoundError as exc:
         raise ConvertError(f"{what}: {argv[0]} is missing ({exc.strerror})") from exc
     except subprocess.CalledProcessError as exc:
         raise ConvertError(f"{what} failed with exit status {exc.returncode}: {' '.join(argv[:6])} ...") from exc
+
+
+def _converter_env(script: Path) -> dict[str, str]:
+    """The tree's own gguf-py, not a gguf from anywhere else (the script adds it unless NO_LOCAL_GGUF is set)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_LOCAL_GGUF", "PYTHONPATH")}
+    env["PYTHONPATH"] = str(script.parent / "gguf-py")
+    return env
 
 
 def model_dir(source: Path) -> Path:
@@ -120,7 +128,7 @@ def convert(source: Path, *, outtype: str = "f16", quant: str = "", output: Path
     try:
         say(f"haru convert: {d} -> {outtype} with {script.name}")
         _run([str(py), str(script), str(d), "--outtype", outtype, "--outfile", str(stage)],
-             "convert_hf_to_gguf.py", env={**os.environ, "NO_LOCAL_GGUF": ""})
+             "convert_hf_to_gguf.py", env=_converter_env(script))
         if quant:
             say(f"haru convert: quantizing to {quant} with llama-quantize")
             _run([str(quantizer), str(stage), str(tmp), quant], "llama-quantize")
@@ -132,3 +140,22 @@ def convert(source: Path, *, outtype: str = "f16", quant: str = "", output: Path
         for p in (tmp, stage):
             p.unlink(missing_ok=True)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m haru.models.convert --make-env DIR`: make (or check) the converter's environment there."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m haru.models.convert")
+    p.add_argument("--make-env", required=True, metavar="DIR")
+    args = p.parse_args(argv)
+    try:
+        print(ensure_env(Path(args.make_env), say=lambda line: print(line, file=sys.stderr)))
+    except ConvertError as exc:
+        print(f"haru: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -182,27 +182,34 @@ async def _fetch_once(blob: Blob, part: Path, store: Store, settings: Settings, 
                 mode = "ab" if offset else "wb"
                 with open(part, mode) as out:
                     written = offset
+                    # Writing and hashing a chunk happen in one worker thread (hashlib and file writes
+                    # release the GIL) while the next chunk arrives: one chunk in flight, order kept.
+                    sink = _Sink(out, hasher)
                     try:
                         async for chunk in resp.content.iter_chunked(CHUNK):
                             written += len(chunk)
                             if written > blob.size:
+                                await sink.drain()
                                 out.close()
                                 part.unlink(missing_ok=True)
                                 raise Truncated(f"{blob.name}: {resp.url} sent more than the {blob.size} bytes the "
                                                 "registry promised; nothing was kept")
-                            out.write(chunk)
-                            hasher.update(chunk)
+                            await sink.put(chunk)
                             fetched += len(chunk)
                             if progress:
                                 progress.advance(len(chunk))
+                        await sink.drain()
                     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                        await sink.drain()
                         out.flush()
                         raise FetchError(
                             f"{blob.name}: the download from {_host(blob.url)} broke off after "
                             f"{written} of {blob.size} bytes ({type(exc).__name__}: {exc}); run the same pull again "
                             f"to resume from byte {written}") from exc
+                    finally:
+                        sink.close()
                     out.flush()
-                    os.fsync(out.fileno())
+                    await asyncio.to_thread(os.fsync, out.fileno())
                 if written < blob.size:
                     raise Truncated(f"{blob.name}: {resp.url} ended the response after {written} of {blob.size} "
                                     f"bytes; run the same pull again to resume from byte {written}")
@@ -215,6 +222,34 @@ async def _fetch_once(blob: Blob, part: Path, store: Store, settings: Settings, 
                              "sent other bytes; try again, and if it persists the registry's metadata is wrong)")
     await asyncio.to_thread(store.commit_blob, part, blob.digest)
     return fetched, resumed
+
+
+class _Sink:
+    """Write + hash chunks in order on one worker thread, at most one chunk behind the network."""
+
+    def __init__(self, out, hasher: Hasher) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.out, self.hasher = out, hasher
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="haru-pull")
+        self.pending: asyncio.Future | None = None
+
+    def _take(self, chunk: bytes) -> None:
+        self.out.write(chunk)
+        self.hasher.update(chunk)
+
+    async def put(self, chunk: bytes) -> None:
+        if self.pending is not None:
+            await self.pending
+        self.pending = asyncio.get_running_loop().run_in_executor(self.pool, self._take, chunk)
+
+    async def drain(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            await pending
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 def _range_start(content_range: str) -> int:
