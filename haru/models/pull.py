@@ -225,31 +225,31 @@ async def _fetch_once(blob: Blob, part: Path, store: Store, settings: Settings, 
 
 
 class _Sink:
-    """Write + hash chunks in order on one worker thread, at most one chunk behind the network."""
+    """Write and hash chunks in order, each on its own worker thread (file writes and hashlib release the
+    GIL), at most one chunk behind the network: the three overlap."""
 
     def __init__(self, out, hasher: Hasher) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.out, self.hasher = out, hasher
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="haru-pull")
-        self.pending: asyncio.Future | None = None
-
-    def _take(self, chunk: bytes) -> None:
-        self.out.write(chunk)
-        self.hasher.update(chunk)
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="haru-pull-write")
+        self.hashing = ThreadPoolExecutor(1, thread_name_prefix="haru-pull-hash")
+        self.pending: list[asyncio.Future] = []
 
     async def put(self, chunk: bytes) -> None:
-        if self.pending is not None:
-            await self.pending
-        self.pending = asyncio.get_running_loop().run_in_executor(self.pool, self._take, chunk)
+        await self.drain()
+        loop = asyncio.get_running_loop()
+        self.pending = [loop.run_in_executor(self.writer, self.out.write, chunk),
+                        loop.run_in_executor(self.hashing, self.hasher.update, chunk)]
 
     async def drain(self) -> None:
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            await pending
+        pending, self.pending = self.pending, []
+        for f in pending:
+            await f
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        self.writer.shutdown(wait=True)
+        self.hashing.shutdown(wait=True)
 
 
 def _range_start(content_range: str) -> int:

@@ -72,6 +72,10 @@ def test_serve_pulls_a_reference_and_a_real_llama_server_answers(registry_url, t
         assert "model.gguf" in why.stdout
         verify = haru("verify", nats_url=nats)
         assert verify.returncode == 0, verify.stdout + verify.stderr
+        run = subprocess.run([sys.executable, "-m", "haru.cli", "run", "tiny", "--url", info["gateway_url"],
+                              "--max-tokens", "4"], input="hello\n/exit\n", capture_output=True, text=True,
+                             timeout=60, env=env)
+        assert run.returncode == 0 and run.stdout.strip(), run.stderr
         # the model file the runtime reads is the store's, verified, under HARU_HOME
         snapshot = next((home / "models" / "snapshots").iterdir())
         assert (snapshot / "model.gguf").resolve().parent == home / "models" / "blobs"
