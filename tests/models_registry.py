@@ -16,7 +16,7 @@ HF repositories (file name -> path, LFS or not, commit). What it speaks, as the 
 - faults, set per run by `registry.json`'s `faults`: `token` (401 without `Authorization: Bearer
   <token>`), `corrupt` (digest -> serve other bytes of the same size), `short` (digest -> claim the
   full Content-Length and close after N bytes), `truncate` (digest -> a shorter body, honestly
-  labelled), `missing` (digest -> 404);
+  labelled), `missing` (digest -> 404), `info_sha256` (file -> the model info's lfs sha256, '' = none);
 - every request is one JSON line in `--log` (method, path, range), so a test sees what was fetched;
 - `--rate` throttles bodies (bytes a second), so a test can kill the server mid-download.
 """
@@ -47,7 +47,7 @@ class Registry:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.doc: dict = {"blobs": {}, "ollama": {}, "hf": {}, "faults": {}}
+        self.doc: dict = {"blobs": {}, "ollama": {}, "hf": {}, "faults": {}, "aliases": {}}
         if (root / "registry.json").exists():
             self.doc = json.loads((root / "registry.json").read_text())
 
@@ -90,6 +90,10 @@ class Registry:
             entries[name] = entry
         self.doc["hf"][repo] = {"sha": commit, "files": entries}
         return commit
+
+    def alias(self, old: str, new: str) -> None:
+        """`old` was renamed to `new`: both endpoints redirect (relative), as the Hub does."""
+        self.doc.setdefault("aliases", {})[old] = new
 
     def fault(self, kind: str, value) -> None:
         self.doc["faults"][kind] = value
@@ -142,14 +146,18 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
         if not authorized(request, d):
             return web.json_response({"error": "Invalid credentials in Authorization header"}, status=401)
         repo = f"{request.match_info['org']}/{request.match_info['repo']}"
+        if repo in d.get("aliases", {}):  # a renamed repository: the Hub answers with a relative redirect
+            raise web.HTTPTemporaryRedirect(f"/api/models/{d['aliases'][repo]}/revision/{request.match_info['rev']}"
+                                            f"?{request.query_string}")
         r = d["hf"].get(repo)
         if r is None:
             return web.json_response({"error": "Repository not found"}, status=404)
         siblings = []
         for name, e in sorted(r["files"].items()):
             s = {"rfilename": name, "size": e["size"], "blobId": e["blob_id"]}
-            if e["lfs"]:
-                s["lfs"] = {"sha256": e["sha256"], "size": e["size"], "pointerSize": 134}
+            info = d["faults"].get("info_sha256", {})  # the model info says another digest than the file
+            if e["lfs"] and info.get(name) != "":
+                s["lfs"] = {"sha256": info.get(name, e["sha256"]), "size": e["size"], "pointerSize": 134}
             siblings.append(s)
         return web.json_response({"id": repo, "sha": r["sha"], "siblings": siblings})
 
@@ -159,6 +167,9 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
         if not authorized(request, d):
             return web.Response(status=401, text="Invalid credentials")
         repo = f"{request.match_info['org']}/{request.match_info['repo']}"
+        if repo in d.get("aliases", {}):
+            raise web.HTTPTemporaryRedirect(f"/{d['aliases'][repo]}/resolve/{request.match_info['rev']}/"
+                                            f"{request.match_info['file']}")
         r = d["hf"].get(repo)
         name = request.match_info["file"]
         e = (r or {}).get("files", {}).get(name)
@@ -167,6 +178,8 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
         if e["lfs"]:
             headers = {"X-Linked-Etag": f'"{e["sha256"]}"', "X-Linked-Size": str(e["size"]),
                        "ETag": f'"{e["blob_id"]}"', "X-Repo-Commit": r["sha"], "Location": f"/cdn/sha256:{e['sha256']}"}
+            # absolute, to "another host" (the real Hub sends its CDN's URL): a resolver stops here and reads X-Linked-*
+            headers["Location"] = f"{request.url.origin()}/cdn/sha256:{e['sha256']}"
             return web.Response(status=302, headers=headers)
         return await _body(request, Path(e["path"]), f"gitsha1:{e['blob_id']}", d,
                            {"ETag": f'"{e["blob_id"]}"', "X-Repo-Commit": r["sha"]})

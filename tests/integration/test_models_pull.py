@@ -45,6 +45,7 @@ def build_registry(root: Path) -> Registry:
         "notes/extra.safetensors": files / "model.safetensors",  # not at the top: not part of the package
     })
     reg.add_hf("acme/empty", {"README.md": files / "README.md"})
+    reg.alias("acme/old-tiny-GGUF", "acme/tiny-GGUF")
     reg.save()
     return reg
 
@@ -108,6 +109,27 @@ async def test_hf_gguf_quant_preference_explicit_quant_and_revision(registry):
     assert b.url == f"{registry.url}/acme/tiny-GGUF/resolve/{default.revision}/tiny-Q4_K_M.gguf"
     assert b.digest.startswith("sha256:") and b.size == (registry.root / "files/q4.gguf").stat().st_size
     assert default.entry == "tiny-Q4_K_M.gguf" and default.runtime == "llama_server"
+
+
+async def test_hf_digest_comes_from_x_linked_etag_and_a_renamed_repository_is_followed(registry, tmp_path):
+    """The file's digest and size come from the HEAD's X-Linked-Etag/X-Linked-Size (the model info's lfs
+    block is only a cross-check), the absolute redirect to the CDN is not followed at resolve time, and a
+    renamed repository's relative redirects are."""
+    import hashlib
+
+    reg = registry.registry
+    want = hashlib.sha256((reg.root / "files/q8.gguf").read_bytes()).hexdigest()
+    entry = reg.doc["hf"]["acme/tiny-GGUF"]["files"]["tiny-Q8_0.gguf"]
+    s = settings_for(registry.url)
+    reg.fault("info_sha256", {"tiny-Q8_0.gguf": ""})  # no lfs block: the headers alone must say it
+    async with R.session(s) as http:
+        res = await R.resolve("hf:acme/old-tiny-GGUF:Q8_0", s, http)
+        assert res.blobs[0].digest == f"sha256:{want}" and res.blobs[0].size == entry["size"]
+        reg.fault("info_sha256", {"tiny-Q8_0.gguf": "0" * 64})  # the model info disagrees with the headers
+        with pytest.raises(E.RegistryError, match="disagrees with itself"):
+            await R.resolve("hf:acme/tiny-GGUF:Q8_0", s, http)
+    heads = [r for r in requests(tmp_path / "requests.jsonl") if r["method"] == "HEAD"]
+    assert heads and not any(r["path"].startswith("/cdn/") for r in heads)  # X-Linked-* read from the 302
 
 
 async def test_hf_without_gguf_is_a_safetensors_package_for_vllm(registry):
