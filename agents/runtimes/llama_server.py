@@ -16,7 +16,7 @@ class LlamaServerRuntime(ProcessRuntime):
     default_binary = ["llama-server"]
 
     def argv(self) -> list[str]:
-        binary = list(self.spec.binary) or self.default_binary
+        binary = list(self.spec.binary) or managed_binary() or self.default_binary
         return [
             *binary,
             "-m",
@@ -29,3 +29,15 @@ class LlamaServerRuntime(ProcessRuntime):
             self.spec.name,
             *self.spec.args,
         ]
+
+
+def managed_binary() -> list[str]:
+    """A layout naming no binary gets the managed build (`haru runtime llama`: $HARU_LLAMA_SERVER or the
+    cache) when there is one, else `llama-server` from PATH."""
+    from agents.runtimes.llama_build import BuildError, find_binary
+
+    try:
+        found = find_binary()
+    except BuildError:
+        return []
+    return [str(found)] if found is not None else []

@@ -45,3 +45,10 @@ def test_fresh_is_refused_while_an_up_runs_on_that_home(tmp_path):
     assert (home / "nats").exists()
     alone = haru("up", "--fresh", "--home", str(home))
     assert alone.returncode == 1 and "--fresh goes with --demo" in alone.stderr
+
+
+def test_up_model_is_serve_and_goes_alone(tmp_path):
+    proc = haru("up", "--demo", "--model", "x=/m.gguf:1", "--home", str(tmp_path))
+    assert proc.returncode == 1 and "--model runs a fleet of its own" in proc.stderr
+    bad = haru("up", "--model", "x=./missing.gguf:1", "--gpu-memory", "8", "--home", str(tmp_path))
+    assert bad.returncode == 2 and "missing.gguf does not exist" in bad.stderr  # the serve path, via up

@@ -25,3 +25,18 @@ def test_runtime_llama_check_without_a_binary_says_how_to_get_one(tmp_path):
     proc = haru("runtime", "llama", "--check", env={"XDG_CACHE_HOME": str(tmp_path), "HARU_LLAMA_SERVER": ""})
     assert proc.returncode == 3
     assert "llama-server    not built (`haru runtime llama`)" in proc.stdout
+
+
+def test_a_llama_server_model_without_a_binary_runs_the_managed_build(tmp_path, monkeypatch):
+    from agents.runtimes.llama_server import LlamaServerRuntime
+    from haru.specs import ModelSpec
+
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("HARU_LLAMA_SERVER", str(fake))
+    spec = ModelSpec(name="m", slot="chat", gpu_index=0, runtime="llama_server", source="/m.gguf")
+    assert LlamaServerRuntime(spec, session=None, log_dir=tmp_path).argv()[0] == str(fake)  # type: ignore[arg-type]
+    named = ModelSpec(name="m", slot="chat", gpu_index=0, runtime="llama_server", source="/m.gguf",
+                      binary=["/opt/llama-server"])
+    assert LlamaServerRuntime(named, session=None, log_dir=tmp_path).argv()[0] == "/opt/llama-server"  # type: ignore[arg-type]

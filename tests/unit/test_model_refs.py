@@ -77,3 +77,38 @@ def test_a_layout_pulls_only_prefixed_references():
     assert not needs_pull("Qwen/Qwen3-0.6B", "vllm")  # an id vLLM fetches itself
     assert not needs_pull("sim/m1", "vllm") and not needs_pull("/models/x.gguf", "llama_server")
     assert not needs_pull("hf:a/b", "external")
+
+
+def test_the_progress_bar_shows_bytes_rate_and_eta_on_a_terminal_only():
+    import io
+
+    from haru.models.pull import Progress
+
+    out = io.StringIO()
+    bar = Progress(10 << 20, label="model.gguf", stream=out, enabled=True)
+    bar.advance(5 << 20)
+    bar.close()
+    text = out.getvalue()
+    assert text.startswith("\rmodel.gguf") and "50.0%" in text and "5.0 MiB/10.0 MiB" in text
+    assert "/s ETA " in text and text.endswith("\n")
+    quiet = io.StringIO()  # not a terminal: nothing at all
+    bar = Progress(10, label="x", stream=quiet)
+    bar.advance(10)
+    bar.close()
+    assert quiet.getvalue() == ""
+
+
+def test_serve_model_flags():
+    from haru.serve import ServeError, parse_model_flag
+    from haru.specs import GiB
+
+    f = parse_model_flag("chat=hf:Qwen/Qwen3-0.6B-GGUF:Q8_0:2.5@8192")
+    assert (f.name, f.source, f.vram_bytes, f.context, f.format) == ("chat", "hf:Qwen/Qwen3-0.6B-GGUF:Q8_0",
+                                                                      int(2.5 * GiB), 8192, "")
+    g = parse_model_flag("big=gguf:/models/big.gguf:20GiB")
+    assert (g.source, g.format, g.vram_bytes, g.context) == ("/models/big.gguf", "gguf", 20 * GiB, 0)
+    assert parse_model_flag("q=qwen3:0.6b:1").source == "qwen3:0.6b" and parse_model_flag("q=qwen3:0.6b:1").is_reference
+    for bad, says in (("x", "NAME="), ("x=/m.gguf", "no VRAM size"), ("x=/m.gguf:lots", "not a VRAM size"),
+                      ("x=/m.gguf:1@big", "not a context length"), ("x=/m.gguf:0", "more than 0")):
+        with pytest.raises(ServeError, match=says):
+            parse_model_flag(bad)
