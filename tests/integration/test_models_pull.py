@@ -226,7 +226,7 @@ async def test_a_same_size_corruption_in_the_store_is_caught_and_healed(registry
     assert first.path.read_bytes() == (registry.root / "files/q4.gguf").read_bytes()
 
 
-async def test_wrong_digest_404_and_truncated_each_fail_clearly_and_leave_nothing_in_place(registry, tmp_path):
+async def test_wrong_digest_404_401_and_truncated_each_fail_clearly_and_leave_nothing_in_place(registry, tmp_path):
     s = settings_for(registry.url)
     store = Store(tmp_path / "models")
     async with R.session(s) as http:
@@ -239,6 +239,10 @@ async def test_wrong_digest_404_and_truncated_each_fail_clearly_and_leave_nothin
         registry.registry.clear_faults()
         registry.registry.fault("missing", [digest])
         with pytest.raises(E.NotFound, match="model.gguf .* not found \\(404"):
+            await pull(res, store, s, http)
+        registry.registry.clear_faults()
+        registry.registry.fault("token", "s3cret")  # the registry wants a token it was not given
+        with pytest.raises(E.Unauthorized, match="model.gguf .*: 401 from"):
             await pull(res, store, s, http)
         registry.registry.clear_faults()
         registry.registry.fault("truncate", {digest: 5000})
