@@ -53,9 +53,9 @@ def status_of(exc: Exception) -> ExitStatus:
 
 
 def _size(n: int) -> str:
-    from haru.models.pull import _size as size
+    from haru.models.pull import format_size
 
-    return size(n)
+    return format_size(n)
 
 
 def print_resolution(res, out=sys.stdout) -> None:

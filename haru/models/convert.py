@@ -22,16 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-from haru.models.errors import ModelsError
+from haru.models.errors import ConvertError
 
 CONVERT_REQUIREMENTS = ("torch==2.13.0", "numpy>=1.26,<2.3", "sentencepiece>=0.1.98,<0.3.0", "transformers==4.57.6",
                         "protobuf>=4.21.0,<5.0.0", "safetensors")
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "tq1_0", "tq2_0", "auto")
 STAMP = "haru-convert.json"
-
-
-class ConvertError(ModelsError):
-    pass
 
 
 def env_dir(home: str | os.PathLike | None = None) -> Path:

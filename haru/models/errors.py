@@ -8,7 +8,8 @@
     ├── FetchError                   a download broke off or sent other bytes than promised    (network)
     │   ├── Truncated                fewer (or more) bytes than the resolution said
     │   └── DigestMismatch           the bytes do not hash to the expected digest
-    └── StoreError                   the store under $HARU_HOME cannot be written or read      (host)
+    ├── StoreError                   the store under $HARU_HOME cannot be written or read      (host)
+    └── ConvertError                 `haru convert`: a bad input, a missing tool, a failed step   (operator/host)
 """
 
 from __future__ import annotations
@@ -52,4 +53,8 @@ class DigestMismatch(FetchError):
 
 
 class StoreError(ModelsError):
+    pass
+
+
+class ConvertError(ModelsError):
     pass

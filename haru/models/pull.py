@@ -80,7 +80,7 @@ class Progress:
         width = 24
         fill = int(width * pct / 100)
         self.stream.write(f"\r{self.label[:32]:<32} [{'#' * fill}{'.' * (width - fill)}] {pct:5.1f}% "
-                          f"{_size(self.done)}/{_size(self.total)} {_size(rate)}/s ETA {eta}   ")
+                          f"{format_size(self.done)}/{format_size(self.total)} {format_size(rate)}/s ETA {eta}   ")
         self.stream.flush()
 
     def close(self) -> None:
@@ -90,7 +90,7 @@ class Progress:
             self.stream.flush()
 
 
-def _size(n: float) -> str:
+def format_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -18,12 +18,14 @@ as a bearer token to the Hub only), `HARU_OLLAMA_REGISTRY` (default https://regi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
 from urllib.parse import quote, urljoin, urlsplit
 
 import aiohttp
+import msgspec
 
 from haru.models import refs
 from haru.models.errors import BadReference, NotFound, RegistryError, Unauthorized
@@ -107,8 +109,6 @@ async def _resolve_ollama(ref: Ref, settings: Settings, http: aiohttp.ClientSess
             raise registry_error(url, resp.status, text, f"Ollama model {ref.repo}:{ref.tag}",
                                  hint=f"check the name and tag on {base}")
     try:
-        import json
-
         manifest = json.loads(text)
     except ValueError as exc:
         raise RegistryError(f"the manifest at {url} is not JSON ({exc})", url=url, status=200) from exc
@@ -126,8 +126,6 @@ async def _resolve_hf(ref: Ref, settings: Settings, http: aiohttp.ClientSession)
         if resp.status != 200:
             raise registry_error(url, resp.status, text, f"Hugging Face repository {ref.repo}@{revision}",
                                  hint="check the ORG/REPO spelling and the revision")
-    import json
-
     try:
         info = json.loads(text)
         commit = str(info.get("sha") or "")
@@ -151,16 +149,10 @@ async def _resolve_hf(ref: Ref, settings: Settings, http: aiohttp.ClientSession)
     blobs = [await _hf_blob(ref, commit, name, siblings[name], settings, http) for name in chosen]
     entry = ""
     if fmt == "gguf":
-        blobs = [msgspec_replace(b, name=b.name.rsplit("/", 1)[-1]) for b in blobs]  # shards side by side
+        blobs = [msgspec.structs.replace(b, name=b.name.rsplit("/", 1)[-1]) for b in blobs]  # shards side by side
         entry = blobs[0].name
     return Resolution(reference=str(ref), registry="hf", origin=ep, repository=ref.repo, revision=commit, format=fmt,
                       runtime=refs.RUNTIME_OF[fmt], quant=quant if fmt == "gguf" else "", entry=entry, blobs=blobs)
-
-
-def msgspec_replace(b: Blob, **changes) -> Blob:
-    import msgspec
-
-    return msgspec.structs.replace(b, **changes)
 
 
 def _unquote_etag(value: str) -> str:
