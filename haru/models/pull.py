@@ -30,7 +30,7 @@ from typing import Callable
 
 import aiohttp
 
-from haru.models.errors import DigestMismatch, FetchError, RegistryError, Truncated
+from haru.models.errors import DigestMismatch, FetchError, Truncated
 from haru.models.refs import Blob, Resolution
 from haru.models.resolve import Settings, registry_error
 from haru.models.store import CHUNK, Hasher, Store, hash_file
@@ -280,4 +280,4 @@ async def _locked(path: Path):
         os.close(fd)
 
 
-__all__ = ["Progress", "PullResult", "fetch_blob", "pull", "RegistryError"]
+__all__ = ["Progress", "PullResult", "fetch_blob", "format_size", "pull"]
