@@ -174,6 +174,11 @@ def test_haru_resolve_json_and_text(registry_proc):
     assert text.returncode == 0 and "format gguf -> runtime llama_server" in text.stdout
     bad = haru("resolve", "hf:acme/nope", env=env)
     assert bad.returncode == 3 and "not found (404" in bad.stderr
+    usage = haru("resolve", "Not A Ref", env=env)
+    assert usage.returncode == 2 and "hf:ORG/REPO[:QUANT][@REVISION]" in usage.stderr
+    closed = f"http://127.0.0.1:{free_port()}"
+    gone = haru("resolve", "tiny:1b", env={"HARU_OLLAMA_REGISTRY": closed})
+    assert gone.returncode == 6 and "cannot reach the registry" in gone.stderr
 
 
 # --------------------------------------------------------------------------------------------- pull
