@@ -343,6 +343,11 @@ class Agent:
         """Stop a runtime on purpose, and record `model_stopped` when there was something to unload."""
         if m.runtime.kind == "external":
             return
+        if m.state_tag == "pulling":  # stopped mid-pull: nothing runs; the .part stays for the next start
+            with contextlib.suppress(Exception):
+                await self._record(m, ModelStopped(at=now(), domain=self.domain, model=m.name,
+                                                   detail="agent shutdown during the pull (the next start resumes it)"))
+            return
         was_alive = m.runtime.alive()
         m.on_purpose = True
         await m.runtime.stop(RUNTIME_STOP_GRACE_S)

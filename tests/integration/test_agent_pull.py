@@ -71,3 +71,39 @@ async def test_the_agent_pulls_a_reference_then_serves_it(tmp_path, nats_server,
             # (resident means the real llama-server answered a completion on the pulled file; the first
             # route waits for every model of the domain, so chat through the gateway is test_serve's)
             del gw
+
+
+async def test_an_agent_stopped_mid_pull_records_stopped_and_keeps_the_partial(tmp_path, nats_server, event_log,
+                                                                              monkeypatch):
+    import signal
+
+    binary = llama_binary()
+    reg = build_registry(tmp_path / "reg")
+    async with Server(reg.root, rate=60_000) as registry:  # ~600 KB at 60 KB/s: ~10 s, time to stop it
+        home = tmp_path / "agent-home"
+        for k, v in {"HF_ENDPOINT": registry.url, "HARU_OLLAMA_REGISTRY": registry.url, "HARU_HOME": str(home)}.items():
+            monkeypatch.setenv(k, v)
+        model = llama_model("tiny", binary, tmp_path / "unused.gguf")
+        model["source"] = "ollama:tiny:1b"
+        layout = real_layout(tmp_path / "layout.json", tmp_path, {"solo": [model]})
+        async with real_fleet(tmp_path, nats_server, event_log, layout) as gw:
+            async def started():
+                evs = await events_of(event_log, "default", "solo", "tiny")
+                return [e for e in evs if isinstance(e, ModelPulling)]
+
+            await wait_for(started)
+            parts = home / "models" / "partial"
+
+            async def some_bytes():
+                return any(p.stat().st_size > 0 for p in parts.glob("*.part")) if parts.exists() else False
+
+            await wait_for(some_bytes, 30)
+            agent = gw.agents[0]
+            agent.signal(signal.SIGTERM)
+            assert await agent.wait(30) == 0
+            evs = await events_of(event_log, "default", "solo", "tiny")
+            last = evs[-1]
+            assert type(last).__name__ == "ModelStopped" and "during the pull" in last.detail, evs
+            assert not any(isinstance(e, ModelLoading) for e in evs)
+            assert any(p.stat().st_size > 0 for p in parts.glob("*.part"))  # kept, to resume
+            assert not list((home / "models" / "snapshots").iterdir())
