@@ -112,5 +112,13 @@ def test_serve_refuses_what_cannot_fit_before_starting_anything(tmp_path):
     assert not (tmp_path / "home" / "nats").exists()  # nothing was started
     bad = haru("serve", "--model", "x=./nope.gguf:2", "--gpu-memory", "8", env=env)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
+    from agents.gpu import NvmlGpus
+
+    gpus = NvmlGpus()
+    has_gpu = gpus.read(0).present is True
+    gpus.close()
+    if not has_gpu:  # this machine: no GPU, so --gpu-memory is the way, and the message says so
+        nogpu = haru("serve", "--model", f"m=gguf:{gguf}:1", env=env)
+        assert nogpu.returncode == 2 and "pass --gpu-memory GiB" in nogpu.stderr
     syntax = haru("serve", "--model", "x", env=env)
     assert syntax.returncode == 2 and "NAME=[gguf:|safetensors:]PATH_OR_REF:GiB[@CTX]" in syntax.stderr
