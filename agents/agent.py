@@ -51,6 +51,7 @@ from agents import probes
 from agents.config import AgentConfig, HostSlots, fold_declarations, load_layout_slots, slots_from_host_entry
 from agents.errors import AgentRefused, OutOfMemory, RuntimeProblem, TrainingProblem
 from agents.gpu import GpuReading, Gpus, Owner, account, open_gpus, process_tree, read_parents
+from agents.pulling import needs_pull, pull_for
 from agents.runtimes import Runtime, make_runtime
 from agents.training import Ended, Trainer
 from haru import subjects
@@ -363,6 +364,11 @@ class Agent:
         """Stop a runtime on purpose, and record `model_stopped` when there was something to unload."""
         if m.runtime.kind == "external":
             return
+        if m.state_tag == "pulling":  # stopped mid-pull: nothing runs; the .part stays for the next start
+            with contextlib.suppress(Exception):
+                await self._record(m, ModelStopped(at=now(), domain=self.domain, model=m.name,
+                                                   detail="agent shutdown during the pull (the next start resumes it)"))
+            return
         was_alive = m.runtime.alive()
         m.on_purpose = True
         await m.runtime.stop(RUNTIME_STOP_GRACE_S)
@@ -643,6 +649,8 @@ class Agent:
 
     async def _load(self, m: ModelSlot) -> bool:
         """Spawn (or re-attach to) the runtime and wait until it is resident or gone. Never times out."""
+        if needs_pull(m.runtime.spec.source, m.runtime.kind) and not await pull_for(self, m):
+            return False  # a layout's reference: pulled first (`pulling`), or failed in the registry's words
         async with m.lock:
             m.attempt += 1
             m.generation += 1

@@ -68,7 +68,7 @@ PLACES: tuple[Place, ...] = (
         (
             ev.FleetDeclared, ev.PolicyChanged, ev.DomainDeclared, ev.DomainChanged, ev.DomainRetired,
             ev.ModelDeclared, ev.ModelChanged, ev.ModelRetired, ev.TrainingDeclared, ev.TrainingChanged,
-            ev.TrainingRetired, ev.AdmissionDecided,
+            ev.TrainingRetired, ev.AdmissionDecided, ev.ModelFetched,
         ),
     ),  # fmt: skip
     Place("route", "haru.evt.<fleet>.route", ("promoter",), (ev.RouteMoved,)),

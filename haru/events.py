@@ -112,7 +112,53 @@ class AdmissionDecided(Event, frozen=True, kw_only=True, tag="admission_decided"
     capacity_bytes: int = 0  # memory - reserve of that GPU
 
 
+# ------------------------------------------------- model files: haru.evt.<fleet>.decl (haru.models)
+
+
+class FetchedFile(msgspec.Struct, frozen=True, kw_only=True):
+    name: str  # the file's name in the materialized model
+    digest: str  # sha256:<hex> (or gitsha1:<hex> for a small Hugging Face file kept in git)
+    size: int
+    fetched: bool = True  # False: it was already in the store and re-hashed right
+
+
+class ModelFetched(Event, frozen=True, kw_only=True, tag="model_fetched"):
+    """`haru pull` (or an agent pulling a layout's reference) put a model's files, verified, in a store.
+
+    Where a model's files came from: `haru why` shows it. On the fleet's decl subject: a fetch is a
+    fact about what was declared, not about one runtime's residency."""
+
+    reference: str  # canonical: `ollama:library/qwen3:0.6b`, `hf:ORG/REPO:Q4_K_M@<commit>`
+    model: str = ""  # the model id (or the reference as typed) it was pulled for
+    domain: str = ""  # the agent's domain that pulled it ('' = the CLI)
+    origin: str = ""  # the registry's base URL
+    revision: str = ""  # the Ollama tag, or the Hugging Face commit
+    format: str = ""  # gguf | safetensors
+    path: str = ""  # the materialized path on `host`
+    host: str = ""
+    files: list[FetchedFile] = []
+    fetched_bytes: int = 0
+    reused_bytes: int = 0
+    healed: list[str] = []  # digests found corrupt in the store and fetched again
+    took_ms: int = 0
+
+
 # ------------------------------------------------- residency: haru.evt.<fleet>.<domain>.model.<model>
+
+
+class ModelPulling(Event, frozen=True, kw_only=True, tag="model_pulling"):
+    """The agent fetches a layout's reference into its store before starting the runtime (haru.models).
+
+    Appended when the pull starts, every few seconds of progress, and once every file is verified
+    (`files` then says which, with their digests: where the model's files came from)."""
+
+    domain: str
+    model: str
+    reference: str
+    done_bytes: int = 0
+    total_bytes: int = 0
+    origin: str = ""
+    files: list[FetchedFile] = []
 
 
 class ModelLoading(Event, frozen=True, kw_only=True, tag="model_loading"):
@@ -351,6 +397,8 @@ AnyEvent = Union[
     TrainingChanged,
     TrainingRetired,
     AdmissionDecided,
+    ModelFetched,
+    ModelPulling,
     ModelLoading,
     ModelResident,
     ModelSleeping,
@@ -377,7 +425,7 @@ AnyEvent = Union[
     RouteMoved,
 ]
 
-RESIDENCY_EVENTS = (ModelLoading, ModelResident, ModelSleeping, ModelWaking, ModelLost, ModelFailed, ModelStopped)
+RESIDENCY_EVENTS = (ModelPulling, ModelLoading, ModelResident, ModelSleeping, ModelWaking, ModelLost, ModelFailed, ModelStopped)
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(AnyEvent)

@@ -231,6 +231,7 @@ SHORT_NAMES: dict[str, str] = {
     "model_changed": "changed",
     "model_retired": "retired",
     "admission_decided": "admitted",
+    "model_pulling": "pulling",
     "model_loading": "loading",
     "model_resident": "resident",
     "model_sleeping": "asleep",
@@ -238,6 +239,7 @@ SHORT_NAMES: dict[str, str] = {
     "model_lost": "lost",
     "model_failed": "failed",
     "model_stopped": "unloaded",
+    "model_fetched": "fetched",
 }
 
 _DECL_FOR_MODEL = (ev.ModelDeclared, ev.ModelChanged, ev.ModelRetired)
@@ -254,6 +256,8 @@ def _concerns_model(rec: Record, model: str, domain: str) -> bool:
         return e.kind == "model" and e.name == model and (not domain or e.domain == domain)
     if isinstance(e, ev.RESIDENCY_EVENTS):
         return e.model == model and (not domain or e.domain == domain)
+    if isinstance(e, ev.ModelFetched):  # where its files came from (haru.models)
+        return model in (e.model, e.reference) and (not domain or e.domain in ("", domain))
     return False
 
 
@@ -286,6 +290,9 @@ def _payload_for_display(e: ev.Event) -> dict:
     if isinstance(e, (ev.ModelDeclared, ev.ModelChanged)):
         spec = e.spec
         out = {"runtime": spec.runtime, "gpu_index": spec.gpu_index, "vram_bytes": spec.vram_bytes}
+    elif isinstance(e, ev.ModelFetched):
+        out = {"reference": e.reference, "origin": e.origin, "fetched_bytes": e.fetched_bytes,
+               "files": [f"{f.name} {f.digest[:19]} {f.size}" for f in e.files], "took_ms": e.took_ms}
     elif isinstance(e, ev.AdmissionDecided):
         out = {"admitted": e.admitted, "vram_bytes": e.vram_bytes}
         if not e.admitted:

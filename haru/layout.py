@@ -8,7 +8,7 @@ and the fix. The shape (documented with examples in docs/residency.md):
       "_comment": "...",                       keys starting with "_" are comments, anywhere
       "fleet": "default",
       "policy": {"auto_failover": true, "sleep_residual_bytes": "512MiB", ...},
-      "domains": [                             exactly two, mirroring the same model ids
+      "domains": [                             two, mirroring the same model ids (or one: no failover)
         {"name": "a", "provider": "static", "region": "local-1",
          "serving_url": "http://127.0.0.1:18601", "serve": "agent",
          "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB", "name": "L4"}],
@@ -426,10 +426,12 @@ def _check_launch(spec: ModelSpec, named: str, mp: str, gpu_memory_bytes: int) -
 
 
 def _check_fleet(domains: list[Domain]) -> None:
+    if len(domains) == 1:
+        return  # a single-domain fleet (`haru serve`): routed to its one domain, with nothing to fail over to
     if len(domains) != 2:
         if len(domains) < 2:
-            message = f"a fleet has exactly two failure domains; this layout declares {len(domains)}"
-            fix = "declare a second domain that mirrors the first's models (the standby)"
+            message = f"a fleet has one or two failure domains; this layout declares {len(domains)}"
+            fix = "declare a domain with its GPUs and models (and a second that mirrors it, for failover)"
         else:
             message = f"a fleet has exactly two failure domains (an active and a standby); this layout declares {len(domains)}"
             fix = "split the extra domains into another fleet"

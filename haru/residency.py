@@ -5,6 +5,7 @@ Pure: no I/O, no clock. Time arrives as arguments.
 States (a tagged union on `state`):
 
     unknown                      never probed
+    pulling{since, done, total}  a layout's reference being fetched into the store (haru.models); reports bytes
     loading{since, attempt}      weights materializing; reports elapsed time, never times out
     resident{since, warmup_ms}   loaded AND answering AND accounted for
     sleeping{level}              vLLM level-1 sleep: weights in CPU RAM, VRAM freed
@@ -46,6 +47,12 @@ class Unknown(State, frozen=True, kw_only=True, tag="unknown"):
     pass
 
 
+class Pulling(State, frozen=True, kw_only=True, tag="pulling"):
+    reference: str = ""
+    done_bytes: int = 0
+    total_bytes: int = 0
+
+
 class Loading(State, frozen=True, kw_only=True, tag="loading"):
     attempt: int = 1
     endpoint: str = ""
@@ -81,7 +88,7 @@ class NotAdmitted(State, frozen=True, kw_only=True, tag="not_admitted"):
     short_by_bytes: int = 0
 
 
-Residency = Union[Unknown, Loading, Resident, Sleeping, Waking, Lost, Failed, Stopped, NotAdmitted]
+Residency = Union[Unknown, Pulling, Loading, Resident, Sleeping, Waking, Lost, Failed, Stopped, NotAdmitted]
 
 UNKNOWN = Unknown()
 
@@ -124,6 +131,7 @@ ADMITTED = "admission_decided:admitted"
 REFUSED = "admission_decided:not_admitted"
 
 RESIDENCY_EVENT_KEYS: tuple[str, ...] = (
+    "model_pulling",
     "model_loading",
     "model_resident",
     "model_sleeping",
@@ -137,6 +145,7 @@ RESIDENCY_EVENT_KEYS: tuple[str, ...] = (
 
 STATE_TAGS: tuple[str, ...] = (
     "unknown",
+    "pulling",
     "loading",
     "resident",
     "sleeping",
@@ -159,6 +168,15 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     ("unknown", "model_lost"): "lost",
     ("unknown", "model_failed"): "failed",
     ("unknown", "model_stopped"): "stopped",
+    # pulling: a layout's reference is fetched into the store before the runtime starts (haru.models).
+    ("unknown", "model_pulling"): "pulling",
+    ("pulling", "model_pulling"): "pulling",  # progress: bytes done of total, and the files once verified
+    ("pulling", "model_loading"): "loading",  # every file verified: the runtime starts
+    ("pulling", "model_failed"): "failed",  # the registry said no (404, 401, a digest mismatch): its words
+    ("pulling", "model_stopped"): "stopped",  # the agent stopped mid-pull (the .part stays, to resume)
+    ("failed", "model_pulling"): "pulling",  # a new attempt (backoff) resumes the pull
+    ("lost", "model_pulling"): "pulling",
+    ("stopped", "model_pulling"): "pulling",
     # loading: weights materializing; never fails on a clock, ends in one of these.
     ("loading", "model_loading"): "loading",  # a new attempt (restart with backoff), reported afresh
     ("loading", "model_resident"): "resident",
@@ -239,6 +257,8 @@ def _to_state(event: object, seq: int, key: str) -> Residency:
 # event key -> the state it establishes (read by to_state; one dict lookup instead of a chain of ifs)
 _ESTABLISHES: dict[str, Callable[[Any, datetime | None, int], Residency]] = {
     "model_declared": lambda e, at, seq: Unknown(since=at, seq=seq),
+    "model_pulling": lambda e, at, seq: Pulling(since=at, seq=seq, reference=e.reference, done_bytes=e.done_bytes,
+                                                total_bytes=e.total_bytes),
     ADMITTED: lambda e, at, seq: Unknown(since=at, seq=seq),
     REFUSED: lambda e, at, seq: NotAdmitted(since=at, seq=seq, short_by_bytes=e.short_by_bytes),
     "model_loading": lambda e, at, seq: Loading(since=at, seq=seq, attempt=e.attempt, endpoint=e.endpoint),
@@ -284,6 +304,8 @@ def _evolve(state: Residency, event: object, seq: int, subject: str) -> Residenc
         raise IllegalTransition(current, key, subject)  # pragma: no cover - the table and to_state agree
     if current == result and result == "resident":
         return msgspec.structs.replace(new, since=state.since, seq=state.seq)
+    if current == result == "pulling":  # progress of the same pull: "pulling for 47s" keeps counting
+        return msgspec.structs.replace(new, since=state.since)
     if current == result and result == "sleeping" and state.level == new.level:  # type: ignore[attr-defined]
         return state
     return new
@@ -305,6 +327,8 @@ def _step(state_cls: type, event_cls: type) -> Callable[[Any, Any, int], Residen
         return lambda state, e, seq: msgspec.structs.replace(build(e, e.at, seq), since=state.since, seq=state.seq)
     if current == result == "sleeping":
         return lambda state, e, seq: state if state.level == e.level else build(e, e.at, seq)
+    if current == result == "pulling":
+        return lambda state, e, seq: msgspec.structs.replace(build(e, e.at, seq), since=state.since)
     return lambda state, e, seq: build(e, e.at, seq)
 
 
@@ -345,6 +369,7 @@ def classify_probe_failure(process_alive: bool, gpu_present: bool | None, runtim
 # state -> (answer, what a router should do). Read by `answer` and by the docs.
 ANSWERS: dict[str, tuple[AnswerKind, str]] = {
     "resident": ("ready", "send it"),
+    "pulling": ("warming", "wait (503 + Retry-After): its files are being fetched; for_ms says how long"),
     "loading": ("warming", "wait (503 + Retry-After) or try elsewhere, but do not fault this node; for_ms says how long"),
     "waking": ("warming", "as loading: it is coming back from sleep"),
     "sleeping": ("asleep", "try the active domain; this copy is a standby's (503 + Retry-After)"),

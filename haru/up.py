@@ -37,6 +37,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -210,6 +211,29 @@ def stop_leftovers(home: Path, *, embedded: bool) -> list[dict]:
     return stopped
 
 
+FRESH_PARTS = ("nats", "sim", "demo")  # what `haru up --demo` keeps between runs under $HARU_HOME
+
+
+def fresh_start(home: Path, now: datetime | None = None) -> Path | None:
+    """`haru up --demo --fresh`: move the state a previous demo left (its event log, simulated GPUs, agents)
+    to `$HARU_HOME/previous/<UTC time>/`, never deleting it. None when there was nothing to move.
+    Raises AlreadyRunning (a ConfigError) when a `haru up` holds this home."""
+    lock = HomeLock(home)
+    lock.acquire()  # the same lock `haru up` holds: never move a live store away
+    try:
+        parts = [home / p for p in FRESH_PARTS if (home / p).exists()]
+        if not parts:
+            return None
+        stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+        dest = home / "previous" / stamp
+        dest.mkdir(parents=True, exist_ok=True)
+        for p in parts:
+            os.replace(p, dest / p.name)
+        return dest
+    finally:
+        lock.release()
+
+
 # ----------------------------------------------------------------------------- the children
 
 
@@ -258,12 +282,13 @@ def _spawn_python(args: list[str], *, name: str, home: Path, log_path: Path, env
         out.close()
 
 
-def _agent_config(layout: Layout, domain: str, nats_url: str, home: Path, metrics_port: int | None = None) -> dict:
+def _agent_config(layout: Layout, domain: str, nats_url: str, home: Path, metrics_port: int | None = None,
+                  gpus: str = "sim") -> dict:
     conf = {
         "fleet": layout.fleet,
         "domain": domain,
         "nats_url": nats_url,
-        "gpus": "sim",
+        "gpus": gpus,
         "sim_dir": str(home / "sim" / domain),
         "state_dir": str(home / "demo" / "agents" / domain),
     }
@@ -285,14 +310,20 @@ def _prepare_sim_host(layout: Layout, domain: str, home: Path) -> None:
         state.set_present(True)  # a new demo starts with every GPU attached
 
 
-def start_agent(layout: Layout, domain: str, nats_url: str, home: Path, metrics_port: int | None = None) -> Child:
-    _prepare_sim_host(layout, domain, home)
+def start_agent(layout: Layout, domain: str, nats_url: str, home: Path, metrics_port: int | None = None,
+                gpus: str = "sim") -> Child:
+    if gpus == "sim":
+        _prepare_sim_host(layout, domain, home)
     conf_dir = home / "demo" / "agents"
     conf_dir.mkdir(parents=True, exist_ok=True)
     conf = conf_dir / f"{domain}.json"
-    conf.write_text(json.dumps(_agent_config(layout, domain, nats_url, home, metrics_port), indent=2))
+    conf.write_text(json.dumps(_agent_config(layout, domain, nats_url, home, metrics_port, gpus), indent=2))
     log_path = conf_dir / f"{domain}.log"
-    env = _child_env({"HARU_SIM_DIR": str(home / "sim" / domain), "HARU_SIM_DOMAIN": domain})
+    env = _child_env({
+        "HARU_SIM_DIR": str(home / "sim" / domain),
+        "HARU_SIM_DOMAIN": domain,
+        "HARU_HOME": str(home),  # the agent's model store is $HARU_HOME/models (layouts may name references)
+    })
     env.pop("HARU_METRICS_PORT", None)  # haru up's own port: each agent's is in its config
     name = f"agent {domain}"
 
@@ -404,6 +435,11 @@ class UpOptions:
     services: tuple[str, ...] = ("projector", "promoter", "gateway")
     metrics_port: int | None = None  # None: HARU_METRICS_PORT, else 9400 (a free port when taken)
     metrics_host: str | None = None
+    # `haru serve`: this fleet instead of the demo's, its agents' GPUs ("sim" or "nvml"), and a hook run
+    # once the fleet is applied (it records the pulls that preceded it)
+    layout: Layout | None = None
+    agent_gpus: str = "sim"
+    after_apply: Any = None
 
 
 @dataclass
@@ -470,11 +506,15 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
         stack.push_async_callback(events.close)
         await events.ensure()
 
-        layout = None
+        layout = opts.layout
         if opts.demo:
             layout = demo_layout(opts.home, opts.layout_path)
-            result = await apply_mod.apply(events, layout, datetime.now(timezone.utc), by="up:demo")
-            log.info("up.demo_applied", fleet=layout.fleet, events=len(result.events))
+        if layout is not None:
+            result = await apply_mod.apply(events, layout, datetime.now(timezone.utc),
+                                           by="up:demo" if opts.demo else "up:serve")
+            log.info("up.applied", fleet=layout.fleet, events=len(result.events))
+            if opts.after_apply is not None:
+                await opts.after_apply(events, layout)
 
         # Unwound in reverse: the supervisors stop first, then the agents, the gateway, the services.
         for kind in ("projector", "promoter"):
@@ -490,9 +530,9 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
             await stack.enter_async_context(gw)
             running.gateway_url = gw.url
 
-        if opts.demo and layout is not None:
+        if layout is not None:
             for d in layout.domains:
-                running.agents.append(start_agent(layout, d.spec.name, nats_url, opts.home, free_port()))
+                running.agents.append(start_agent(layout, d.spec.name, nats_url, opts.home, free_port(), opts.agent_gpus))
         stack.push_async_callback(stop_agents, running.agents)
 
         def publish() -> None:  # up.json names every child's current pid
@@ -596,7 +636,7 @@ def _banner(running: Running, opts: UpOptions, layout: Layout | None) -> None:
         out.write(f"haru up: metrics {running.metrics_url} (projector + promoter){agents}\n")
     if layout is not None:
         models = ", ".join(m.name for m in layout.domains[0].models)
-        out.write(f"haru up: demo fleet {layout.fleet!r}: domains {', '.join(d.spec.name for d in layout.domains)}; "
+        out.write(f"haru up: {'demo ' if opts.demo else ''}fleet {layout.fleet!r}: domains {', '.join(d.spec.name for d in layout.domains)}; "
                   f"models {models}\n")
         out.write(f"haru up: agent logs in {opts.home / 'demo' / 'agents'}; try `haru status` in another terminal\n")
     if running.services:

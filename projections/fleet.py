@@ -525,6 +525,7 @@ _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
     ev.FailoverDeclined: _failover_declined,
     ev.EligibilityChanged: _eligibility,
     ev.RouteMoved: _route_moved,
+    ev.ModelFetched: lambda view, e, seq: view,  # provenance of model files: history (`haru why`), not state
 }
 _RESIDENCY = frozenset(ev.RESIDENCY_EVENTS)
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 from datetime import datetime
 
 from haru.planner import format_gib, gpu_summary_line
-from haru.residency import Answer, Failed, Loading, Lost, NotAdmitted, Resident, Sleeping, Stopped, Unknown, Waking
+from haru.residency import (Answer, Failed, Loading, Lost, NotAdmitted, Pulling, Resident, Sleeping, Stopped, Unknown,
+                            Waking)
 from haru.views import DomainView, FleetView, GpuView, ModelView, OperationView, RouteIntent, Target, TrainingView
 
 __all__ = ["answer_text", "model_line", "model_state", "render", "render_intent", "training_state"]
@@ -48,6 +49,9 @@ def model_state(model: ModelView, now: datetime) -> str:
         return f"not admitted — short by {format_gib(short)}"
     if isinstance(s, Resident):
         return f"resident for {_secs(s.since, now)}"
+    if isinstance(s, Pulling):
+        of = f" {_mib(s.done_bytes)} of {_mib(s.total_bytes)}" if s.total_bytes else ""
+        return f"pulling {s.reference}{of} for {_secs(s.since, now)}"
     if isinstance(s, Loading):
         extra = f" (attempt {s.attempt})" if s.attempt > 1 else ""
         return f"loading for {_secs(s.since, now)}{extra}"
@@ -70,6 +74,10 @@ def model_state(model: ModelView, now: datetime) -> str:
     if isinstance(s, Unknown):
         return "unknown (never probed)" if model.admitted else "unknown (not planned yet)"
     return type(s).__name__.lower()  # pragma: no cover - every state is named above
+
+
+def _mib(n: int) -> str:
+    return f"{n / 1024**2:.1f} MiB"
 
 
 def model_line(model: ModelView, now: datetime) -> str:
@@ -224,7 +232,7 @@ def answer_text(a: Answer, now: datetime) -> str:
     """One router answer in words: `ready`, `warming for 47s`, `lost: gpu detached (provider)`."""
     if a.answer == "warming":
         secs = _secs(a.since, now) if a.since is not None else f"{a.for_ms // 1000}s"
-        return f"warming for {secs}" + (" (waking)" if a.reason == "waking" else "")
+        return f"warming for {secs}" + (f" ({a.reason})" if a.reason in ("waking", "pulling") else "")
     if a.answer == "lost":
         text = f"lost: {a.reason.replace('_', ' ')}"
         whose = _WHOSE.get(a.reason)

@@ -264,12 +264,18 @@ class ProcessRuntime(HttpRuntime):
         when the model's args contradict its plan (a log declared before `haru apply` checked them)."""
         try:
             spec = self.spec if self.spec.runtime == self.kind else msgspec.structs.replace(self.spec, runtime=self.kind)
+            if not spec.binary and (managed := self.managed_binary()):
+                spec = msgspec.structs.replace(spec, binary=managed)
             return plan_launch(spec, gpu_memory_bytes=self.gpu_memory_bytes, port=self._port,
                                bind_host=self.bind_host, base_env=self._base_env)
         except ArgConflict as exc:
             raise RuntimeRefused(f"{self.spec.name}: {exc}; fix: {exc.fix}") from exc
         except ValueError as exc:
             raise RuntimeRefused(f"{self.spec.name}: cannot plan its command line: {exc}") from exc
+
+    def managed_binary(self) -> list[str]:
+        """The binary to run when the layout names none, if Haru manages one ([] = the plan's default)."""
+        return []
 
     def argv(self) -> list[str]:
         return self.launch().argv

@@ -17,3 +17,14 @@ class LlamaServerRuntime(ProcessRuntime):
     kind = "llama_server"
     can_sleep = False
     default_binary = ["llama-server"]
+
+    def managed_binary(self) -> list[str]:
+        """A layout naming no binary gets the managed build (`haru runtime llama`: $HARU_LLAMA_SERVER or
+        the cache) when there is one, else `llama-server` from PATH (the plan's default)."""
+        from agents.runtimes.llama_build import BuildError, find_binary
+
+        try:
+            found = find_binary()
+        except BuildError:
+            return []
+        return [str(found)] if found is not None else []

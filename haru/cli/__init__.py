@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="haru",
         description="Haru: residency truth and hot failover for self-hosted LLM inference fleets.",
     )
+    parser.add_argument("--version", action="version", version=f"haru {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     sub.required = True
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
@@ -36,6 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
         if register is not None:
             register(sub)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("haru")
+    except PackageNotFoundError:
+        return "0.1.0 (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,6 +66,33 @@ class Chat:
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
         return cls(self.host, self.port, timeout=None)
 
+    def check(self) -> tuple[ExitStatus, str]:
+        """Before the REPL opens: is the model one the gateway knows? (OK, its answer) or (status, why not).
+        Raises OSError when the gateway cannot be reached."""
+        conn = self._connection()
+        try:
+            headers = {k: v for k, v in self.headers.items() if k != "Accept"}
+            conn.request("GET", self.base + "/v1/models", headers=headers)
+            resp = conn.getresponse()
+            body = resp.read()
+        finally:
+            conn.close()
+        if resp.status != 200:
+            status = ExitStatus.NOT_FOUND if resp.status == 404 else ExitStatus.ERROR
+            return status, describe_error(resp.status, body, None)
+        try:
+            data = json.loads(body)["data"]
+            known = {m["id"]: m for m in data}
+        except (ValueError, KeyError, TypeError) as exc:
+            return ExitStatus.ERROR, f"{self.url}/v1/models is not a model list ({exc}); is --url a Haru gateway?"
+        if self.model not in known:
+            listed = ", ".join(sorted(known)) or "none"
+            return ExitStatus.NOT_FOUND, (f"no model {self.model!r} behind {self.url} (model ids match exactly); "
+                                          f"it serves: {listed}")
+        answer = (known[self.model].get("haru") or {}).get("answer")
+        said = answer.get("answer") if isinstance(answer, dict) else answer
+        return ExitStatus.OK, said if isinstance(said, str) else ""
+
     def send(self, messages: list[dict], out) -> str:
         """Stream one answer to `out`; returns its text. Raises Refused or OSError."""
         body: dict = {"model": self.model, "messages": messages, "stream": True}
@@ -126,7 +153,15 @@ def run(args: argparse.Namespace) -> ExitStatus:
         return fail(str(exc), ExitStatus.USAGE)
     interactive = sys.stdin.isatty()
     fleet = f", fleet {args.fleet}" if args.fleet else ""
-    print(f"haru run: {args.model} through {args.url}{fleet}; {HELP}", file=sys.stderr)
+    try:
+        checked, said = chat.check()  # an unknown model is said now, not after the first message
+    except (OSError, http.client.HTTPException) as exc:
+        return fail(f"cannot reach the gateway at {args.url}: {getattr(exc, 'strerror', None) or exc}; is `haru "
+                    f"gateway` (or `haru up`, `haru serve`) running? pass --url", ExitStatus.UNAVAILABLE)
+    if checked != ExitStatus.OK:
+        return fail(said, checked)
+    state = f" ({said})" if said and said != "ready" else ""
+    print(f"haru run: {args.model}{state} through {args.url}{fleet}; {HELP}", file=sys.stderr)
     start: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
     status = ExitStatus.OK
@@ -134,6 +169,9 @@ def run(args: argparse.Namespace) -> ExitStatus:
         try:
             line = input(">>> " if interactive else "")
         except EOFError:
+            if interactive:  # Ctrl-D: the shell's prompt starts on a line of its own (input() without
+                sys.stderr.write("\n")  # readline writes its prompt to stderr: end that line)
+                sys.stderr.flush()
             break
         except KeyboardInterrupt:
             print(file=sys.stderr)

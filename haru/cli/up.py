@@ -19,6 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--real", action="store_true",
                    help="with --demo: real llama-servers on the CPU with tiny generated models (the first run "
                         "builds llama-server, ~10 min on 2 cores, cached)")
+    p.add_argument("--fresh", action="store_true",
+                   help="with --demo: start the walk-through from a clean state (the previous demo's log and "
+                        "hosts are moved to $HARU_HOME/previous/<time>/, not deleted)")
     p.add_argument("--nats-url", default=os.environ.get("HARU_NATS_URL"),
                    help="use this NATS (or cluster, comma-separated) instead of starting one (env HARU_NATS_URL)")
     p.add_argument("--nats-port", type=int, default=4222,
@@ -32,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Prometheus metrics of the projector and promoter (env HARU_METRICS_PORT; default 9400, "
                    "a free port when taken; demo agents get free ports, printed at start)")
     p.add_argument("--metrics-host", default=None, help="address of the metrics endpoint (env HARU_METRICS_HOST; default 127.0.0.1)")
+    from haru.cli.serve import add_model_options
+
+    add_model_options(p)  # `haru up --model …` is `haru serve --model …`
     add_log_options(p, default_level="warning")
     p.set_defaults(handler=run)
 
@@ -39,9 +45,27 @@ def register(sub: argparse._SubParsersAction) -> None:
 async def run(args: argparse.Namespace) -> ExitStatus:
     from haru.up import DEMO_LAYOUT, REAL_DEMO_LAYOUT, UpOptions, haru_home, up
 
+    if args.model:
+        if args.demo or args.nats_url or args.layout:
+            return fail("--model runs a fleet of its own: it goes without --demo, --nats-url and --layout")
+        from haru.cli import serve
+
+        return await serve.run(args)
     configure_logging(args.log_format, args.log_level)
     if args.real and not args.demo:
         return fail("--real goes with --demo: `haru up --demo --real`")
+    if args.fresh:
+        from haru.errors import ConfigError
+        from haru.up import fresh_start
+
+        if not args.demo or args.nats_url:
+            return fail("--fresh goes with --demo (and the embedded NATS): `haru up --demo --fresh`")
+        try:
+            moved = fresh_start(haru_home(args.home))
+        except ConfigError as exc:
+            return fail(str(exc), ExitStatus.CONFLICT)
+        if moved is not None:
+            print(f"haru up: --fresh: the previous demo's state is in {moved}", flush=True)
     opts = UpOptions(
         home=haru_home(args.home),
         nats_url=args.nats_url,

@@ -499,6 +499,8 @@ def standby_unfit(view: FleetView, candidate: str, serving: DomainView | None) -
     """Why `candidate` must not be promoted ('' = it may). `serving` is the domain it would replace."""
     dv = view.domains.get(candidate)
     if dv is None:
+        if len(view.domains) == 1:
+            return "a single-domain fleet: there is nothing to fail over to"
         return "no standby domain declared"
     if dv.reachable is None:
         return f"standby {candidate} has not been heard from"

@@ -121,7 +121,7 @@ CASES = [
      "$.domains[1].slots", "Meta/Llama-3.1-8B"),
     ("three domains", lambda d: d["domains"].append(copy.deepcopy(d["domains"][0]) | {"name": "c"}),
      "$.domains", "exactly two"),
-    ("one domain", lambda d: d["domains"].pop(), "$.domains", "exactly two"),
+    ("no domain", lambda d: d["domains"].clear(), "$.domains", "one or two failure domains"),
     ("same domain name", lambda d: d["domains"][1].__setitem__("name", "a"), "$.domains[1].name", "both"),
     ("empty model id", lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("name", ""),
      "$.domains[0].slots[0].models[0].name", "empty"),
@@ -202,3 +202,10 @@ def test_comments_anywhere_are_ignored():
     doc["domains"][0]["_note"] = "east"
     doc["domains"][0]["gpus"][0]["_note"] = "A6000"
     assert parse_layout(doc).domain("a") is not None
+
+
+def test_a_single_domain_fleet_is_a_layout():
+    """`haru serve`'s fleet: one domain, routed to, with nothing to fail over to."""
+    doc = mutate(lambda d: d["domains"].pop())
+    layout = parse_layout(doc)
+    assert [d.spec.name for d in layout.domains] == ["a"]

@@ -19,6 +19,7 @@ from haru.residency import (
     Failed,
     Loading,
     Lost,
+    Pulling,
     NotAdmitted,
     Resident,
     Sleeping,
@@ -41,6 +42,8 @@ T1 = T0 + timedelta(seconds=47)
 def make_event(key: str, at: datetime = T1) -> ev.Event:
     common = dict(at=at, domain="a", model="qwen3.6:27b")
     return {
+        "model_pulling": lambda: ev.ModelPulling(**common, reference="hf:Qwen/Qwen3-0.6B-GGUF", done_bytes=5,
+                                                 total_bytes=10),
         "model_loading": lambda: ev.ModelLoading(**common, pid=10, attempt=2, endpoint="127.0.0.1:18080"),
         "model_resident": lambda: ev.ModelResident(**common, warmup_ms=256, endpoint="127.0.0.1:18080"),
         "model_sleeping": lambda: ev.ModelSleeping(**common, level=1),
@@ -57,6 +60,7 @@ def make_event(key: str, at: datetime = T1) -> ev.Event:
 
 SAMPLE_STATES = {
     "unknown": Unknown(),
+    "pulling": Pulling(since=T0, seq=3, reference="qwen3:0.6b", done_bytes=1, total_bytes=10),
     "loading": Loading(since=T0, seq=3, attempt=1),
     "resident": Resident(since=T0, seq=4, warmup_ms=100),
     "sleeping": Sleeping(since=T0, seq=5, level=1),

@@ -1,0 +1,124 @@
+"""`haru serve --model NAME=[gguf:|safetensors:]PATH_OR_REF:GiB[@CTX] …`: one box, one command (see haru/serve.py).
+
+Exit statuses: 0 stopped cleanly, 1 a pull or start-up error, 2 a bad flag, 6 a registry that cannot be
+reached, 7 refused (the planner admits none of the models: each is printed `short by` how much).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from pathlib import Path
+
+from haru.cli.common import ExitStatus, add_log_options, configure_logging, fail
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", action="append", default=[], metavar="NAME=[gguf:|safetensors:]PATH_OR_REF:GiB[@CTX]",
+                   help="a model to serve (repeat it): its id, a path or a reference (qwen3:0.6b, "
+                        "hf:ORG/REPO[:QUANT]) pulled first, the VRAM to book and the context length")
+    p.add_argument("--gpu-memory", default=None, metavar="GiB",
+                   help="plan against a simulated GPU of this size (runtimes on the CPU); default: NVML's GPU 0")
+    p.add_argument("--reserve", default="1", metavar="GiB", help="VRAM never planned into (default %(default)s GiB)")
+    p.add_argument("--fleet-name", default=os.environ.get("HARU_DEFAULT_FLEET", "default"), help="fleet name")
+    p.add_argument("--quant", default="", help="GGUF quantization preference for references (env HARU_GGUF_QUANTS)")
+    p.add_argument("--runtime-args", default=os.environ.get("HARU_RUNTIME_ARGS", ""),
+                   help="extra arguments for every runtime, one string (e.g. \"--threads 4\")")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="one box: pull the models, plan a single-domain fleet, and run everything here")
+    add_model_options(p)
+    p.add_argument("--nats-port", type=int, default=4222, help="port of the embedded nats-server (a free one if taken)")
+    p.add_argument("--home", default=None, help="state directory (env HARU_HOME, default ~/.haru)")
+    p.add_argument("--host", default=None, help="gateway listen address (env HARU_GATEWAY_HOST)")
+    p.add_argument("--port", type=int, default=None, help="gateway port (env HARU_GATEWAY_PORT, default 8700)")
+    p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+    add_log_options(p, default_level="warning")
+    p.set_defaults(handler=run)
+
+
+def _size(text: str, what: str) -> int:
+    from haru.serve import ServeError, parse_model_flag
+
+    try:
+        return parse_model_flag(f"x=/dev/null:{text}").vram_bytes
+    except ServeError:
+        raise ServeError(f"{what} {text!r} is not a size; write GiB as a number (24) or with a unit (24GiB)") from None
+
+
+async def run(args: argparse.Namespace) -> ExitStatus | int:
+    from haru.cli.apply import plan_lines
+    from haru.cli.models import status_of
+    from haru.models.errors import ModelsError
+    from haru.natsd import free_port
+    from haru.planner import plan as plan_layout
+    from haru.serve import ServeError, fleet_layout, gpu_memory_from_nvml, parse_model_flag, prepare, split_args
+    from haru.up import UpOptions, haru_home, up
+
+    configure_logging(args.log_format, args.log_level)
+    if not args.model:
+        return fail("no --model given; write e.g. haru serve --model chat=qwen3:0.6b:2@8192", ExitStatus.USAGE)
+    home = haru_home(args.home)
+    try:
+        flags = [parse_model_flag(m) for m in args.model]
+        gpus = "sim" if args.gpu_memory else "nvml"
+        memory = _size(args.gpu_memory, "--gpu-memory") if args.gpu_memory else gpu_memory_from_nvml()
+        reserve = _size(args.reserve, "--reserve")
+        prepared, pulls = await prepare(flags, home=str(home), quants=args.quant, say=_say)
+    except ServeError as exc:
+        return fail(str(exc), ExitStatus.USAGE)
+    except ModelsError as exc:
+        return fail(str(exc), status_of(exc))
+    binary = ""
+    if any(p.runtime == "llama_server" for p in prepared):
+        from agents.errors import RuntimeBuildFailed
+        from agents.runtimes.llama_build import find_binary
+
+        try:
+            found = find_binary()
+        except RuntimeBuildFailed as exc:
+            return fail(str(exc))
+        if found is None:
+            return fail("no llama-server for the GGUF models: `haru runtime llama` builds it (~10 min on 2 cores, "
+                        "once) or set HARU_LLAMA_SERVER to one")
+        binary = str(found)
+    layout = fleet_layout(prepared, fleet=args.fleet_name, gpu_memory=memory, reserve=reserve,
+                          serving_url=f"http://127.0.0.1:{free_port()}", llama_binary=binary,
+                          runtime_args=split_args(args.runtime_args))
+    plan = plan_layout(layout)
+    for line in plan_lines(plan):
+        _say(line)
+    refused = plan.not_admitted()
+    if len(refused) == len(plan.verdicts()):
+        return fail(f"refused: none of the {len(refused)} model(s) fits on this GPU; give them less VRAM, or a "
+                    "bigger --gpu-memory", ExitStatus.REFUSED)
+    _say("haru serve: a single-domain fleet: requests go to this box; there is nothing to fail over to")
+
+    async def record_pulls(events, layout) -> None:
+        from haru.models.record import fetched_event, record_fetch
+
+        for flag, result in pulls:
+            await record_fetch(events, layout.fleet, fetched_event(result, model=flag.name, domain="local",
+                                                                   by="up:serve"))
+
+    opts = UpOptions(home=home, nats_port=args.nats_port, gateway_host=args.host, gateway_port=args.port,
+                     ready_file=Path(args.ready_file) if args.ready_file else None, layout=layout, agent_gpus=gpus,
+                     after_apply=record_pulls)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await up(opts, stop)
+    except OSError as exc:
+        return fail(f"cannot start: {exc.strerror or exc} (is the gateway port in use? pass --port)")
+    return ExitStatus.OK
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stdout, flush=True)

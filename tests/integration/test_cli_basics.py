@@ -1,0 +1,54 @@
+"""What a newcomer trips on: `haru --version`, `haru up --demo --fresh` (the previous demo's state moved
+aside, never deleted; refused while a `haru up` runs on that home)."""
+
+from __future__ import annotations
+
+import socket
+from datetime import datetime, timezone
+
+import pytest
+
+from haru.errors import ConfigError
+from haru.up import fresh_start
+from tests.support import haru
+
+
+def test_version():
+    proc = haru("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("haru ") and proc.stdout.strip() != "haru"
+
+
+def test_fresh_moves_the_previous_demo_aside(tmp_path):
+    home = tmp_path / "home"
+    for part in ("nats/jetstream", "sim/a", "demo/agents"):
+        (home / part).mkdir(parents=True)
+    (home / "nats" / "jetstream" / "data").write_text("history")
+    (home / "models").mkdir()  # pulled models are not demo state: they stay
+    moved = fresh_start(home, datetime(2026, 11, 30, 22, 0, tzinfo=timezone.utc))
+    assert moved == home / "previous" / "20261130T220000Z"
+    assert (moved / "nats" / "jetstream" / "data").read_text() == "history"
+    assert not (home / "nats").exists() and not (home / "sim").exists() and (home / "models").exists()
+    assert fresh_start(home) is None  # nothing left to move
+
+
+def test_fresh_is_refused_while_an_up_runs_on_that_home(tmp_path):
+    home = tmp_path / "home"
+    (home / "nats").mkdir(parents=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        (home / "nats.url").write_text(f"nats://127.0.0.1:{s.getsockname()[1]}\n")
+        with pytest.raises(ConfigError, match="a `haru up` is running on"):
+            fresh_start(home)
+        proc = haru("up", "--demo", "--fresh", "--home", str(home), "--nats-port", "0")
+    assert proc.returncode == 4 and "stop it before --fresh" in proc.stderr
+    assert (home / "nats").exists()
+    alone = haru("up", "--fresh", "--home", str(home))
+    assert alone.returncode == 1 and "--fresh goes with --demo" in alone.stderr
+
+
+def test_up_model_is_serve_and_goes_alone(tmp_path):
+    proc = haru("up", "--demo", "--model", "x=/m.gguf:1", "--home", str(tmp_path))
+    assert proc.returncode == 1 and "--model runs a fleet of its own" in proc.stderr
+    bad = haru("up", "--model", "x=./missing.gguf:1", "--gpu-memory", "8", "--home", str(tmp_path))
+    assert bad.returncode == 2 and "missing.gguf does not exist" in bad.stderr  # the serve path, via up
