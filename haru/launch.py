@@ -38,6 +38,8 @@ from typing import Literal
 import msgspec
 
 from haru.errors import ArgConflict
+from haru.models.errors import BadReference
+from haru.models.refs import is_explicit_reference, parse_reference
 from haru.specs import GiB, ModelSpec
 
 __all__ = [
@@ -56,7 +58,7 @@ __all__ = [
 
 ALL_LAYERS = 999  # llama-server's "offload every layer" (more than any model has)
 
-Format = Literal["gguf", "directory", "hf_repo", "unknown"]
+Format = Literal["gguf", "directory", "hf_repo", "gguf_ref", "hf_ref", "unknown"]
 
 
 class Launch(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,6 +82,8 @@ def source_format(source: str) -> Format:
     s = source.strip()
     if not s:
         return "unknown"
+    if is_explicit_reference(s):
+        return _reference_format(s)
     if s.lower().endswith(".gguf"):
         return "gguf"
     if s.startswith(("/", "./", "../", "~")):
@@ -89,12 +93,23 @@ def source_format(source: str) -> Format:
     return "unknown"
 
 
+def _reference_format(source: str) -> Format:
+    """A registry reference the agent pulls (haru.models): the Ollama registry serves GGUF only, and a
+    Hugging Face reference with a quantization (`hf:ORG/REPO:Q4_K_M`) names a GGUF file; a Hugging Face
+    reference without one is GGUF or safetensors, which only resolution tells (`hf_ref`)."""
+    try:
+        ref = parse_reference(source)
+    except BadReference:
+        return "unknown"
+    return "gguf_ref" if ref.registry == "ollama" or ref.quant else "hf_ref"
+
+
 def runtime_for(source: str, url: str = "") -> str:
     """The runtime that serves a source when the layout names none: GGUF → llama_server, an endpoint
     URL with no source → external, anything else (a directory, a repository id) → vllm."""
     if not source and url:
         return "external"
-    return "llama_server" if source_format(source) == "gguf" else "vllm"
+    return "llama_server" if source_format(source) in ("gguf", "gguf_ref") else "vllm"
 
 
 def format_refusal(runtime: str, source: str, name: str) -> str:
@@ -108,11 +123,14 @@ def format_refusal(runtime: str, source: str, name: str) -> str:
         if fmt == "gguf":
             return (f"source {what!r} is a GGUF file, which runs on llama-server; vLLM serves a directory with "
                     f"config.json and safetensors, or a Hugging Face repository id")
+        if fmt == "gguf_ref":
+            return (f"source {what!r} names GGUF weights (an Ollama model, or a Hugging Face GGUF quantization), "
+                    f"which run on llama-server; vLLM serves safetensors (`hf:ORG/REPO` without a quantization)")
         return ""  # a directory, a repository id, or a spelling only the host can judge: vLLM says
     if runtime == "llama_server":
         if not source:
             return "llama-server needs a GGUF file to load and this model has no source"
-        if source_format(source) != "gguf":
+        if source_format(source) not in ("gguf", "gguf_ref", "hf_ref"):  # hf_ref: resolution prefers GGUF
             return (f"source {source!r} is not a .gguf file; llama-server loads GGUF files only "
                     f"(a model directory or a Hugging Face repository id runs on vllm)")
         return ""

@@ -3,13 +3,12 @@ aside, never deleted; refused while a `haru up` runs on that home)."""
 
 from __future__ import annotations
 
-import socket
 from datetime import datetime, timezone
 
 import pytest
 
 from haru.errors import ConfigError
-from haru.up import fresh_start
+from haru.up import HomeLock, fresh_start
 from tests.support import haru
 
 
@@ -34,15 +33,18 @@ def test_fresh_moves_the_previous_demo_aside(tmp_path):
 def test_fresh_is_refused_while_an_up_runs_on_that_home(tmp_path):
     home = tmp_path / "home"
     (home / "nats").mkdir(parents=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        (home / "nats.url").write_text(f"nats://127.0.0.1:{s.getsockname()[1]}\n")
-        with pytest.raises(ConfigError, match="a `haru up` is running on"):
+    running = HomeLock(home)  # the lock a live `haru up` holds on its home
+    running.acquire()
+    try:
+        with pytest.raises(ConfigError, match="haru up is already running on"):
             fresh_start(home)
         proc = haru("up", "--demo", "--fresh", "--home", str(home), "--nats-port", "0")
-    assert proc.returncode == 4 and "stop it before --fresh" in proc.stderr
-    assert (home / "nats").exists()
+    finally:
+        running.release()
+    assert proc.returncode == 4 and "haru up is already running on" in proc.stderr
+    assert (home / "nats").exists()  # nothing was moved away from under it
+    moved = fresh_start(home)  # once it is gone, the state moves aside (never deleted)
+    assert moved is not None and (moved / "nats").is_dir() and not (home / "nats").exists()
     alone = haru("up", "--fresh", "--home", str(home))
     assert alone.returncode == 1 and "--fresh goes with --demo" in alone.stderr
 

@@ -199,13 +199,23 @@ def test_env_cannot_move_the_runtime_off_its_gpu():
     "source, fmt, runtime",
     [("/srv/m/qwen-q4.gguf", "gguf", "llama_server"), ("~/m.GGUF", "gguf", "llama_server"),
      ("/srv/models/Qwen3-8B", "directory", "vllm"), ("./m", "directory", "vllm"),
-     ("Qwen/Qwen3-8B", "hf_repo", "vllm"), ("gpt2", "hf_repo", "vllm"), ("qwen3.6:27b", "unknown", "vllm")],
+     ("Qwen/Qwen3-8B", "hf_repo", "vllm"), ("gpt2", "hf_repo", "vllm"), ("qwen3.6:27b", "unknown", "vllm"),
+     # registry references the agent pulls (haru.models): Ollama and a GGUF quantization are GGUF
+     ("ollama:qwen3:0.6b", "gguf_ref", "llama_server"), ("hf:Qwen/Qwen3-0.6B-GGUF:Q4_K_M", "gguf_ref", "llama_server"),
+     ("hf:Qwen/Qwen3-0.6B", "hf_ref", "vllm")],
 )
 def test_the_format_of_the_source_names_the_runtime(source, fmt, runtime):
     assert source_format(source) == fmt
     assert runtime_for(source) == runtime
     parsed = parse_layout(layout({"name": "m", "vram": "1GiB", "source": source}))
     assert parsed.domains[0].models[0].runtime == runtime
+
+
+def test_a_hugging_face_reference_without_a_quantization_may_run_on_either_runtime():
+    # GGUF or safetensors is known only once it is resolved: llama-server takes the preferred GGUF
+    for runtime in ("llama_server", "vllm"):
+        parsed = parse_layout(layout({"name": "m", "vram": "1GiB", "runtime": runtime, "source": "hf:Qwen/Qwen3-0.6B"}))
+        assert parsed.domains[0].models[0].runtime == runtime
 
 
 def test_no_source_and_a_url_is_external_and_the_layout_may_name_the_runtime():
@@ -222,6 +232,8 @@ def test_no_source_and_a_url_is_external_and_the_layout_may_name_the_runtime():
          ["cannot run on vllm", "GGUF file, which runs on llama-server", 'use "runtime": "llama_server"']),
         ({"name": "m", "vram": "1GiB", "runtime": "llama_server", "source": "Qwen/Qwen3-8B"}, "runtime",
          ["cannot run on llama_server", "not a .gguf file", 'use "runtime": "vllm"']),
+        ({"name": "m", "vram": "1GiB", "runtime": "vllm", "source": "ollama:qwen3:0.6b"}, "runtime",
+         ["cannot run on vllm", "names GGUF weights", 'use "runtime": "llama_server"']),
         ({"name": "m", "vram": "1GiB", "runtime": "llama_server"}, "source",
          ["llama-server needs a GGUF file", "set source to the .gguf file"]),
         ({"name": "m", "vram": "1GiB", "source": "Qwen/x", "gpu_layers": 10}, "gpu_layers", ["llama-server setting"]),
