@@ -79,14 +79,22 @@ async def may_publish(cluster, user: str, subject_list: list[str]) -> dict[str, 
         js = nc.jetstream(timeout=2.0)
 
         async def probe(subject: str) -> bool:
-            try:
-                await js.publish(subject, b"{}", headers={"Nats-Expected-Last-Subject-Sequence": UNUSED_SEQ})
-            except nats.errors.TimeoutError:
-                return False
-            except nats.js.errors.APIError as exc:
-                assert exc.err_code in (10071, 10164), (user, subject, exc)
-                return True
-            raise AssertionError(f"{user} stored a body on {subject} despite the expected sequence")
+            settle = time.monotonic() + 15
+            while True:
+                try:
+                    await js.publish(subject, b"{}", headers={"Nats-Expected-Last-Subject-Sequence": UNUSED_SEQ})
+                except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
+                    # the stream has no leader this instant (an election on a loaded machine): no
+                    # answer about permissions either way, so ask again
+                    assert time.monotonic() < settle, (user, subject, "the stream never had a leader")
+                    await asyncio.sleep(0.2)
+                    continue
+                except nats.errors.TimeoutError:
+                    return False
+                except nats.js.errors.APIError as exc:
+                    assert exc.err_code in (10071, 10164), (user, subject, exc)
+                    return True
+                raise AssertionError(f"{user} stored a body on {subject} despite the expected sequence")
 
         out = dict(zip(subject_list, await asyncio.gather(*(probe(s) for s in subject_list))))
         await nc.flush()
