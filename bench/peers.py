@@ -257,6 +257,24 @@ def start_vllm_router(binary: str, upstream: str, tmp: Path) -> tuple[subprocess
     return proc, url
 
 
+def start_gateway_from(tree: Path, nats_url: str, tmp: Path, name: str) -> tuple[subprocess.Popen, str]:
+    """`haru gateway` run from another source tree (its modules first on the path), same interpreter."""
+    log_path = tmp / f"gateway-{name}.log"
+    out = open(log_path, "wb")
+    env = {**os.environ, "HARU_API_TOKEN": "", "HARU_NO_UVLOOP": "0", "PYTHONPATH": str(tree.resolve())}
+    proc = subprocess.Popen([sys.executable, "-m", "haru.cli", "gateway", "--port", "0", "--nats-url", nats_url,
+                             "--log-format", "json"], cwd=tree, env=env, stdout=out, stderr=out)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        for line in log_path.read_text().splitlines():
+            if line.startswith("haru gateway listening on "):
+                return proc, line.rsplit(" ", 1)[1]
+        if proc.poll() is not None:
+            raise SystemExit(f"haru gateway from {tree} exited: {log_path.read_text()}")
+        time.sleep(0.02)
+    raise SystemExit(f"haru gateway from {tree} did not start")
+
+
 def find_vllm_router(given: str | None) -> str | None:
     if given:
         return given
@@ -362,6 +380,9 @@ def main() -> None:
     p.add_argument("--nginx", default=shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
                                                                    else None))
     p.add_argument("--vllm-router", default=None)
+    p.add_argument("--haru-tree", action="append", default=[], metavar="NAME=PATH",
+                   help="also run `haru gateway` from another source tree (e.g. `git archive` of an older commit) "
+                        "as target NAME: what a change bought, in the same run")
     p.add_argument("--only", default="", help="comma-separated targets to run besides direct (default: all)")
     p.add_argument("--_sse", metavar="URL", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -388,6 +409,12 @@ def main() -> None:
                 procs.append(gw_proc)
                 gbench.wait_routable(gw)
                 targets["haru"] = (gw, _descendants(gw_proc.pid))
+            for spec in args.haru_tree:
+                name, _, tree = spec.partition("=")
+                gw_proc, gw = start_gateway_from(Path(tree), nats.url, tmp, name)
+                procs.append(gw_proc)
+                gbench.wait_routable(gw)
+                targets[name] = (gw, _descendants(gw_proc.pid))
             if not only or "nginx" in only:
                 if args.nginx and Path(args.nginx).exists():
                     proc, url = start_nginx(args.nginx, upstream, tmp)

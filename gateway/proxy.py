@@ -102,9 +102,11 @@ class Proxy:
         self.buffer_limit = config.buffer_limit_bytes
         self.auth = f"Authorization: Bearer {config.serving_token}\r\n" if config.serving_token else ""
         self.pool: Pool | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def __aenter__(self) -> Proxy:
         self.pool = Pool(max_idle_per_host=self.config.connector_limit)
+        self._loop = asyncio.get_running_loop()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -207,8 +209,8 @@ class Proxy:
         started = time.perf_counter()
         try:
             target = pool.target(fwd.url)
-            async with asyncio.timeout(self.header_timeout):
-                conn = await pool.request(target, path, self._header_block(request), body)
+            head = pool.head(target, path, self._header_block(request))
+            conn = await pool.request(target, head, body, self._loop.time() + self.header_timeout)
         except TimeoutError:
             status, code = UPSTREAM_TIMEOUT
             self.metrics.request(fleet, model, status)
