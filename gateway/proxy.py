@@ -261,19 +261,22 @@ class Proxy:
             try:
                 data = await conn.read()
             except UpstreamError as exc:
-                code_status, code = UPSTREAM_UNREACHABLE
-                self.metrics.request(fwd.fleet, fwd.model, code_status)
-                return error_response(
-                    Refusal(code_status, code, f"domain {fwd.domain!r} broke off its response for model "
-                            f"{fwd.model!r}: {exc}", None, None, fwd.domain)
-                )
+                return self._broke_off(fwd, exc)
             latency_hist.observe(time.perf_counter() - started)
             self.metrics.request(fwd.fleet, fwd.model, status)
             return web.Response(body=data, status=status, headers=out_headers)
 
+        if conn.error is not None and not conn.chunks:
+            # The body was malformed from its first bytes and nothing has gone to the client yet: an
+            # honest 502 rather than a 200 that breaks off.
+            return self._broke_off(fwd, conn.error)
         response = web.StreamResponse(status=status, headers=out_headers)
         if length is not None:
             response.content_length = length  # keep the upstream's framing: no chunking of a sized body
+        if conn.chunks or conn.complete:
+            # Body bytes came with the head: aiohttp holds the head back and sends it with them, one
+            # write instead of two (with none waiting, the head goes at once, as the upstream sent it).
+            response._send_headers_immediately = False
         gauge = self.metrics.streams(fwd.fleet)
         gauge.inc()
         self.metrics.request(fwd.fleet, fwd.model, status)
@@ -291,15 +294,26 @@ class Proxy:
                         request.transport.close()
                     return response
                 if not chunk:
+                    await response.write_eof()
+                    break
+                if conn.complete and not conn.chunks:
+                    await response.write_eof(chunk)  # the last bytes and the terminator in one write
                     break
                 await response.write(chunk)
-            await response.write_eof()
             latency_hist.observe(time.perf_counter() - started)
             return response
         except ConnectionError:
             return response  # the client went away: release() in _forward closes the upstream
         finally:
             gauge.dec()
+
+    def _broke_off(self, fwd: Forward, exc: BaseException) -> web.Response:
+        status, code = UPSTREAM_UNREACHABLE
+        self.metrics.request(fwd.fleet, fwd.model, status)
+        return error_response(
+            Refusal(status, code, f"domain {fwd.domain!r} broke off its response for model {fwd.model!r}: {exc}",
+                    None, None, fwd.domain)
+        )
 
 
 def _why(exc: BaseException) -> str:

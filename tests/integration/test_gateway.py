@@ -901,6 +901,33 @@ async def test_a_malformed_upstream_head_is_502(event_log, gw):
         await up.stop()
 
 
+_H = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+_CH = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize("raw", [
+    _CH + b"0x5\r\nhello\r\n0\r\n\r\n",                            # chunk size is HEXDIG only
+    _CH + b"+5\r\nhello\r\n0\r\n\r\n",
+    _CH + b" 5\r\nhello\r\n0\r\n\r\n",
+    _H + b"Bad Name: x\r\nContent-Length: 2\r\n\r\n{}",                # a header name is a token
+    _H + b"Content-Length: 2\r\nContent-Length: 2\r\n\r\n{}",           # one Content-Length
+    _H + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",  # not both framings
+    _H + b"X-A: a\r\n b\r\nContent-Length: 2\r\n\r\n{}",                 # no obs-fold
+], ids=["chunk-0x", "chunk-plus", "chunk-space", "header-space", "two-lengths", "both-framings", "obs-fold"])
+async def test_an_invalid_upstream_response_is_a_502(event_log, gw, raw):
+    """RFC 9112, strictly (issue 20): what llhttp refuses reaches the client as a 502 naming it."""
+    up = await RawUpstream(lambda n: [raw]).start()
+    try:
+        await _point_at(event_log, gw, up.url)
+        body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
+        status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+        assert status == 502, data
+        error = json.loads(data)["error"]
+        assert error["code"] == "upstream_unreachable" and "malformed response" in error["message"], error
+    finally:
+        await up.stop()
+
+
 async def test_expect_100_continue_is_answered(gw, two_domains):
     """curl sends `Expect: 100-continue` for bodies over 1 KiB and waits a second for the go-ahead."""
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 2000}]}).encode()
