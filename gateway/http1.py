@@ -54,6 +54,19 @@ class ResponseParser:
         self.status = 0
         self.keep_alive = False
 
+    def reset(self) -> None:
+        """Ready for the next response on the same keep-alive connection (llhttp carries on from the
+        end of the last one): one parser per connection, not one per request."""
+        if self._state != _DONE:
+            raise ProtocolError("a response parser reused before its response ended")
+        self._state = _HEAD
+        self._fed = 0
+        self._headers = []
+        self._length = self._chunked = False
+        self._error = None
+        self.status = 0
+        self.keep_alive = False
+
     @property
     def done(self) -> bool:
         return self._state == _DONE

@@ -64,7 +64,8 @@ class Connection(asyncio.Protocol):
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
-        self.parser: ResponseParser | None = None
+        self.parser: ResponseParser | None = None  # the response in progress; None while idle
+        self._spare: ResponseParser | None = None  # reused for the next response on this connection
         self.head: asyncio.Future | None = None
         self.status = 0
         self.headers: Headers = []
@@ -151,7 +152,12 @@ class Connection(asyncio.Protocol):
 
     def send(self, data: bytes) -> asyncio.Future:
         loop = asyncio.get_running_loop()
-        self.parser = ResponseParser(self._on_head, self._on_data, self._on_end)
+        parser = self._spare
+        if parser is None:
+            parser = self._spare = ResponseParser(self._on_head, self._on_data, self._on_end)
+        else:
+            parser.reset()
+        self.parser = parser
         self.head = loop.create_future()
         self.status, self.headers, self.keep_alive = 0, [], False
         self.complete = False

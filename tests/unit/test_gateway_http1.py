@@ -157,3 +157,20 @@ def test_a_large_body_in_the_heads_packet_is_not_a_large_head():
     body = b"x" * 200_000
     sink = feed_split(b"HTTP/1.1 200 OK\r\nContent-Length: 200000\r\n\r\n" + body, [])
     assert sink.body == body and sink.ends == 1
+
+
+def test_one_parser_reads_response_after_response():
+    sink = Sink()
+    for i in range(3):
+        if i:
+            sink.parser.reset()
+        sink.parser.feed(SIZED[:30])
+        sink.parser.feed(SIZED[30:])
+        assert sink.parser.done and sink.ends == i + 1
+    sink.parser.reset()
+    sink.parser.feed(CHUNKED)
+    assert sink.ends == 4 and sink.body.endswith(CHUNKED_BODY)
+    sink.parser.reset()
+    sink.parser.feed(SIZED[:10])
+    with pytest.raises(ProtocolError, match="reused before its response ended"):
+        sink.parser.reset()
