@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from http import HTTPStatus
 
 import structlog
 from aiohttp import web
+from aiohttp.helpers import rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
 from multidict import CIMultiDict
 
 from gateway.config import GatewayConfig
@@ -55,6 +58,53 @@ _DROP_REQUEST = frozenset(
 _DROP_RESPONSE = frozenset(
     {"content-length", "transfer-encoding", "connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade"}
 )
+
+# Response headers aiohttp adds when the upstream sent none (Date, Server, a Content-Type for a body).
+_DEFAULTED = {"date": 1, "server": 2, "content-type": 4}
+_REASONS = {int(s): s.phrase for s in HTTPStatus}
+
+
+class _Whole(web.StreamResponse):
+    """A whole sized response, head and body serialised by the proxy and sent in one transport write.
+
+    What aiohttp's `web.Response` would send, header for header (Date, Server and Content-Type
+    defaulted the same way, `Connection: close` when the client asked for it), without its
+    per-response header preparation, which was ~8% of the gateway's CPU at 32 connections (issue
+    20). Only for HTTP/1.1 clients and statuses that carry a body; everything else takes
+    `web.Response`. aiohttp's request handler sees a response whose EOF is already sent.
+    """
+
+    def __init__(self, status: int, headers: list[tuple[str, str]], defaults: int, domain: str, body: bytes,
+                 keep_alive: bool) -> None:
+        super().__init__(status=status)
+        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n"]
+        lines.extend([f"{k}: {v}\r\n" for k, v in headers])
+        lines.append(f"X-Haru-Domain: {domain}\r\nContent-Length: {len(body)}\r\n")
+        if defaults != 7:
+            if body and not defaults & 4:
+                lines.append("Content-Type: application/octet-stream\r\n")
+            if not defaults & 1:
+                lines.append(f"Date: {rfc822_formatted_time()}\r\n")
+            if not defaults & 2:
+                lines.append(f"Server: {SERVER_SOFTWARE}\r\n")
+        if not keep_alive:
+            lines.append("Connection: close\r\n")
+        lines.append("\r\n")
+        self._data = "".join(lines).encode("utf-8") + body
+        self._keep_alive = keep_alive
+
+    async def prepare(self, request: web.BaseRequest):  # type: ignore[override]
+        if self._eof_sent:
+            return None
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        transport.write(self._data)
+        writer = request.writer
+        writer.output_size += len(self._data)  # type: ignore[attr-defined]
+        self._eof_sent = True
+        await writer.drain()
+        return None
 
 
 class _TooSlow(Exception):
@@ -243,19 +293,23 @@ class Proxy:
 
     async def _respond(self, request: web.BaseRequest, conn: Connection, fwd: Forward, started: float,
                        latency_hist) -> web.StreamResponse:
-        out_headers = CIMultiDict[str]()
+        kept: list[tuple[str, str]] = []
         length: int | None = None
         sse = False
+        defaults = 0  # which of Date, Server, Content-Type the upstream sent (bits 1, 2, 4)
         for key, value in conn.headers:
             lower = key.lower()
             if lower in _DROP_RESPONSE:
                 if lower == "content-length":
                     length = int(value)
                 continue
-            if lower == "content-type" and value.startswith("text/event-stream"):
-                sse = True
-            out_headers.add(key, value)
-        out_headers["X-Haru-Domain"] = fwd.domain
+            if lower in _DEFAULTED:
+                if lower == "content-type" and value.startswith("text/event-stream"):
+                    sse = True
+                defaults |= _DEFAULTED[lower]
+            elif lower == "x-haru-domain":
+                continue  # ours, set below
+            kept.append((key, value))
         status = conn.status
         if length is not None and length <= self.buffer_limit and not sse:
             try:
@@ -264,8 +318,14 @@ class Proxy:
                 return self._broke_off(fwd, exc)
             latency_hist.observe(time.perf_counter() - started)
             self.metrics.request(fwd.fleet, fwd.model, status)
+            if request.version == HttpVersion11 and 200 <= status and status not in (204, 304):
+                return _Whole(status, kept, defaults, fwd.domain, data, request.keep_alive)
+            out_headers = CIMultiDict(kept)
+            out_headers["X-Haru-Domain"] = fwd.domain
             return web.Response(body=data, status=status, headers=out_headers)
 
+        out_headers = CIMultiDict(kept)
+        out_headers["X-Haru-Domain"] = fwd.domain
         if conn.error is not None and not conn.chunks:
             # The body was malformed from its first bytes and nothing has gone to the client yet: an
             # honest 502 rather than a 200 that breaks off.
