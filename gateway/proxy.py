@@ -75,13 +75,16 @@ class _Whole(web.StreamResponse):
     """
 
     def __init__(self, status: int, headers: list[tuple[str, str]], defaults: int, domain: str, body: bytes,
-                 keep_alive: bool) -> None:
+                 keep_alive: bool, chunked: bool = False) -> None:
         super().__init__(status=status)
         lines = [f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n"]
         lines.extend([f"{k}: {v}\r\n" for k, v in headers])
-        lines.append(f"X-Haru-Domain: {domain}\r\nContent-Length: {len(body)}\r\n")
+        if chunked:  # as aiohttp streams an unsized body: chunked, here in one chunk and the terminator
+            lines.append(f"X-Haru-Domain: {domain}\r\nTransfer-Encoding: chunked\r\n")
+        else:
+            lines.append(f"X-Haru-Domain: {domain}\r\nContent-Length: {len(body)}\r\n")
         if defaults != 7:
-            if body and not defaults & 4:
+            if (body or chunked) and not defaults & 4:
                 lines.append("Content-Type: application/octet-stream\r\n")
             if not defaults & 1:
                 lines.append(f"Date: {rfc822_formatted_time()}\r\n")
@@ -90,7 +93,13 @@ class _Whole(web.StreamResponse):
         if not keep_alive:
             lines.append("Connection: close\r\n")
         lines.append("\r\n")
-        self._data = "".join(lines).encode("utf-8") + body
+        head = "".join(lines).encode("utf-8")
+        if not chunked:
+            self._data = head + body
+        elif body:
+            self._data = b"%b%x\r\n%b\r\n0\r\n\r\n" % (head, len(body), body)
+        else:
+            self._data = head + b"0\r\n\r\n"
         self._keep_alive = keep_alive
 
     async def prepare(self, request: web.BaseRequest):  # type: ignore[override]
@@ -323,6 +332,16 @@ class Proxy:
             out_headers = CIMultiDict(kept)
             out_headers["X-Haru-Domain"] = fwd.domain
             return web.Response(body=data, status=status, headers=out_headers)
+
+        if conn.complete and conn.error is None and request.version == HttpVersion11 and 200 <= status \
+                and status not in (204, 304):
+            # The whole stream came with the head (a short answer, or a fast upstream): one write,
+            # framed as it would have been streamed (chunked, or the upstream's Content-Length).
+            data = await conn.read()
+            latency_hist.observe(time.perf_counter() - started)
+            self.metrics.request(fwd.fleet, fwd.model, status)
+            self.metrics.streams(fwd.fleet)  # the fleet's in-flight series exists, at 0: nothing is left to stream
+            return _Whole(status, kept, defaults, fwd.domain, data, request.keep_alive, chunked=length is None)
 
         out_headers = CIMultiDict(kept)
         out_headers["X-Haru-Domain"] = fwd.domain
