@@ -300,6 +300,8 @@ def one_rep(targets: dict[str, tuple[str, list[int]]], order: list[str], up_pids
         r: dict = {}
         m = Meter(meter_pids, ours)
         r["json x1"] = wrk(url, 1, args.duration, tmp, m)
+        if os.environ.get("PEERS_DEBUG"):
+            print(name, {k: (v["errors"] if isinstance(v, dict) else v) for k, v in r.items()})
         other = [m.other_cores]
         m = Meter(meter_pids, ours)
         j = wrk(url, 32, args.duration, tmp, m)
@@ -457,6 +459,8 @@ def main() -> None:
                 medians = report(reps, names, f"no quiet rep (other processes took > {QUIET_CORES} cores in every "
                                  "one): all reps")
             print(f"load average at end {os.getloadavg()[0]:.2f}")
+            if os.environ.get("PEERS_DEBUG") and (tmp / "nginx" / "error.log").exists():
+                print((tmp / "nginx" / "error.log").read_text()[-2000:])
             verdicts(medians)
         finally:
             for proc in procs:
