@@ -219,7 +219,13 @@ class Proxy:
         if length is not None and length > self.max_body:
             raise _TooLarge  # before "100 Continue": a client that asked will not send the body at all
         if length is not None and content.is_eof():
-            return await content.readexactly(length) if length else b""  # all here: no timer to set
+            # all here: no timer to set, nothing to wait for (read_nowait: no coroutine chain)
+            if not length:
+                return b""
+            data = content.read_nowait()
+            if len(data) == length:
+                return data
+            return data + await content.readexactly(length - len(data))  # raises as before on a short body
         try:
             async with asyncio.timeout(self.body_timeout):
                 return await self._read_body_slowly(request, length, content)
