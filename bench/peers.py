@@ -22,6 +22,8 @@ nor the load generator used is "other". Reps where other processes took more tha
 measurement are reported apart from the quiet ones; the verdicts use quiet reps (all reps, said so,
 when none was quiet). Medians and [min..max] ranges over reps.
 
+`PEERS_DEBUG=1` prints each target's errors per scenario and nginx's error log.
+
 Goals (issue 20), as ratios in one run: added p50 at 1 connection <= vllm-router's; JSON x32 >= 0.8x
 direct and >= vllm-router's ratio; CPU per request <= 1.1x vllm-router's; SSE TTFB added <=
 vllm-router's.
@@ -226,9 +228,10 @@ http {{
     access_log off;
     client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fcgi;
     uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;
-    upstream up {{ server {up}; keepalive 64; }}
+    upstream up {{ server {up}; keepalive 64; keepalive_requests 1000000; }}
     server {{
         listen 127.0.0.1:{port};
+        keepalive_requests 1000000;  # the default, 1000, closes a client connection every 1000 requests
         location / {{
             proxy_pass http://up;
             proxy_http_version 1.1;
