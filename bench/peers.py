@@ -260,12 +260,13 @@ def start_vllm_router(binary: str, upstream: str, tmp: Path) -> tuple[subprocess
     return proc, url
 
 
-def start_gateway_from(tree: Path, nats_url: str, tmp: Path, name: str) -> tuple[subprocess.Popen, str]:
-    """`haru gateway` run from another source tree (its modules first on the path), same interpreter."""
+def start_gateway_from(tree: Path, nats_url: str, tmp: Path, name: str,
+                       python: str = sys.executable) -> tuple[subprocess.Popen, str]:
+    """`haru gateway` run from a source tree (its modules first on the path) by an interpreter."""
     log_path = tmp / f"gateway-{name}.log"
     out = open(log_path, "wb")
     env = {**os.environ, "HARU_API_TOKEN": "", "HARU_NO_UVLOOP": "0", "PYTHONPATH": str(tree.resolve())}
-    proc = subprocess.Popen([sys.executable, "-m", "haru.cli", "gateway", "--port", "0", "--nats-url", nats_url,
+    proc = subprocess.Popen([python, "-m", "haru.cli", "gateway", "--port", "0", "--nats-url", nats_url,
                              "--log-format", "json"], cwd=tree, env=env, stdout=out, stderr=out)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -388,6 +389,9 @@ def main() -> None:
     p.add_argument("--haru-tree", action="append", default=[], metavar="NAME=PATH",
                    help="also run `haru gateway` from another source tree (e.g. `git archive` of an older commit) "
                         "as target NAME: what a change bought, in the same run")
+    p.add_argument("--haru-python", action="append", default=[], metavar="NAME=PYTHON",
+                   help="also run this tree's `haru gateway` under another interpreter (one with the project's "
+                        "dependencies installed, e.g. Python 3.12, where aiohttp starts handlers eagerly) as NAME")
     p.add_argument("--only", default="", help="comma-separated targets to run besides direct (default: all)")
     p.add_argument("--_sse", metavar="URL", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -414,6 +418,12 @@ def main() -> None:
                 procs.append(gw_proc)
                 gbench.wait_routable(gw)
                 targets["haru"] = (gw, _descendants(gw_proc.pid))
+            for spec in args.haru_python:
+                name, _, python = spec.partition("=")
+                gw_proc, gw = start_gateway_from(ROOT, nats.url, tmp, name, python)
+                procs.append(gw_proc)
+                gbench.wait_routable(gw)
+                targets[name] = (gw, _descendants(gw_proc.pid))
             for spec in args.haru_tree:
                 name, _, tree = spec.partition("=")
                 gw_proc, gw = start_gateway_from(Path(tree), nats.url, tmp, name)
