@@ -1,11 +1,16 @@
-"""A small HTTP/1.1 response parser for the upstream side of the proxy. Pure: no I/O.
+"""The upstream side's HTTP/1.1 response parser: llhttp (through `httptools`), strict. Pure: no I/O.
 
 The proxy talks to a handful of known upstreams (the agent's serving port, vLLM's uvicorn,
 llama-server) and only ever sends POST; what it needs from a response is the status, the headers,
 and the body framing (Content-Length, chunked, or until close), with the body handed on piece by
-piece as it arrives. aiohttp's client does all that and much more, for ~90 µs of CPU a request
-here (NOTES.md, bench/gateway.py); this parser and `gateway.upstream` do the part the proxy needs
-for a fraction of it.
+piece as it arrives. The parsing itself is llhttp's, in C (the parser Node.js uses; aiohttp's own
+C parser is llhttp too): a pure-Python parser cost ~15% of the gateway's CPU under SSE (issue 20).
+
+Strict per RFC 9112, as llhttp is without its lenient flags (tests/unit/test_gateway_http1.py
+pins each): a chunk size is HEXDIG only (no sign, no `0x`, no spaces), lines end in CRLF, header
+names are tokens, no obs-fold, no control characters in values, one Content-Length of digits only,
+never both Content-Length and Transfer-Encoding. Anything else is a `ProtocolError`, which the
+proxy answers with a 502 (or, once the head has gone to the client, a truncated stream).
 
     parser = ResponseParser(on_head, on_data, on_end)
     parser.feed(bytes)        # as data arrives; raises ProtocolError on a malformed response
@@ -19,32 +24,48 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import httptools
+
 from gateway.errors import ProtocolError
 
 MAX_HEAD_BYTES = 64 * 1024
-MAX_CHUNK_LINE = 4096
-
-_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
-
 
 Headers = list[tuple[str, str]]
 
+_HEAD, _BODY, _DONE = range(3)
+
 
 class ResponseParser:
-    __slots__ = ("_state", "_buf", "_remaining", "_on_head", "_on_data", "_on_end", "status", "keep_alive",
-                 "no_body")
+    __slots__ = ("_state", "_parser", "_fed", "_headers", "_length", "_chunked", "_on_head", "_on_data",
+                 "_on_end", "_error", "status", "keep_alive")
 
     def __init__(self, on_head: Callable[[int, Headers, bool], None], on_data: Callable[[bytes], None],
-                 on_end: Callable[[], None], *, no_body: bool = False) -> None:
+                 on_end: Callable[[], None]) -> None:
         self._state = _HEAD
-        self._buf = b""
-        self._remaining = 0
+        self._parser = httptools.HttpResponseParser(self)
+        self._fed = 0  # bytes fed while the head is incomplete (llhttp sets no bound on a head)
+        self._headers: Headers = []
+        self._length = False
+        self._chunked = False
         self._on_head = on_head
         self._on_data = on_data
         self._on_end = on_end
+        self._error: ProtocolError | None = None
         self.status = 0
         self.keep_alive = False
-        self.no_body = no_body  # a response to HEAD
+
+    def reset(self) -> None:
+        """Ready for the next response on the same keep-alive connection (llhttp carries on from the
+        end of the last one): one parser per connection, not one per request."""
+        if self._state != _DONE:
+            raise ProtocolError("a response parser reused before its response ended")
+        self._state = _HEAD
+        self._fed = 0
+        self._headers = []
+        self._length = self._chunked = False
+        self._error = None
+        self.status = 0
+        self.keep_alive = False
 
     @property
     def done(self) -> bool:
@@ -53,168 +74,77 @@ class ResponseParser:
     @property
     def started(self) -> bool:
         """Any byte of a response seen (a reused connection that dies before this may be retried)."""
-        return self._state != _HEAD or bool(self._buf)
+        return self._state != _HEAD or self._fed > 0
 
     def feed(self, data: bytes) -> None:
-        while data:
-            state = self._state
-            if state == _LENGTH:
-                n = self._remaining
-                if len(data) < n:
-                    self._remaining = n - len(data)
-                    self._on_data(data)
-                    return
-                piece, data = data[:n], data[n:]
-                self._remaining = 0
-                if piece:
-                    self._on_data(piece)
-                self._finish()
-                if data:
-                    raise ProtocolError("data after the end of a response")
-                return
-            if state == _UNTIL_CLOSE:
-                self._on_data(data)
-                return
-            if state == _CHUNK_DATA:
-                n = self._remaining
-                if len(data) <= n:
-                    self._remaining = n - len(data)
-                    if self._remaining == 0:
-                        self._state = _CHUNK_CRLF
-                    self._on_data(data)
-                    return
-                piece, data = data[:n], data[n:]
-                self._remaining = 0
-                self._state = _CHUNK_CRLF
-                self._on_data(piece)
-                continue
-            if state == _DONE:
-                raise ProtocolError("data after the end of a response")
-            # line-oriented states: head, chunk size, chunk CRLF, trailers
-            buf = self._buf + data if self._buf else data
-            self._buf = b""
-            data = self._line_state(buf)
-
-    def _line_state(self, buf: bytes) -> bytes:
-        """Consume what a line-oriented state can from `buf`; return the rest (b'' when more is needed)."""
-        state = self._state
-        if state == _HEAD:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buf) > MAX_HEAD_BYTES:
-                    raise ProtocolError(f"response head larger than {MAX_HEAD_BYTES} bytes")
-                self._buf = buf
-                return b""
-            self._head(buf[:end])
-            return buf[end + 4:]
-        if state == _CHUNK_CRLF:
-            if len(buf) < 2:
-                self._buf = buf
-                return b""
-            if buf[:2] != b"\r\n":
-                raise ProtocolError("chunk data not followed by CRLF")
-            self._state = _CHUNK_SIZE
-            return buf[2:]
-        if state == _CHUNK_SIZE:
-            end = buf.find(b"\r\n")
-            if end < 0:
-                if len(buf) > MAX_CHUNK_LINE:
-                    raise ProtocolError("chunk size line too long")
-                self._buf = buf
-                return b""
-            line = buf[:end].split(b";", 1)[0].strip()
-            try:
-                size = int(line, 16)
-            except ValueError:
-                raise ProtocolError(f"bad chunk size {line[:20]!r}") from None
-            if size < 0:
-                raise ProtocolError("negative chunk size")
-            if size == 0:
-                self._state = _TRAILERS
-            else:
-                self._remaining = size
-                self._state = _CHUNK_DATA
-            return buf[end + 2:]
-        if state == _TRAILERS:
-            end = buf.find(b"\r\n")
-            if end < 0:
-                if len(buf) > MAX_HEAD_BYTES:
-                    raise ProtocolError("trailers too large")
-                self._buf = buf
-                return b""
-            rest = buf[end + 2:]
-            if end == 0:  # the empty line after the last trailer
-                self._finish()
-                if rest:
-                    raise ProtocolError("data after the end of a response")
-                return b""
-            return rest  # a trailer line, dropped
-        raise AssertionError(state)
-
-    def _head(self, head: bytes) -> None:
-        lines = head.decode("latin-1").split("\r\n")
-        status_line = lines[0]
-        parts = status_line.split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
-            raise ProtocolError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
+        if self._state == _DONE:
+            raise ProtocolError("data after the end of a response")
         try:
-            status = int(parts[1])
-        except ValueError:
-            raise ProtocolError(f"bad status in {status_line[:80]!r}") from None
-        headers: Headers = []
-        length: int | None = None
-        chunked = False
-        connection = ""
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep or not name or name[-1] in " \t":
-                raise ProtocolError(f"bad header line {line[:80]!r}")
-            value = value.strip()
-            lname = name.lower()
-            if lname == "content-length":
-                try:
-                    n = int(value)
-                except ValueError:
-                    raise ProtocolError(f"bad Content-Length {value[:40]!r}") from None
-                if n < 0 or (length is not None and length != n):
-                    raise ProtocolError(f"bad Content-Length {value[:40]!r}")
-                length = n
-            elif lname == "transfer-encoding":
-                chunked = value.lower().split(",")[-1].strip() == "chunked"
-            elif lname == "connection":
-                connection = value.lower()
-            headers.append((name, value))
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            raise ProtocolError("the upstream switched protocols (an upgrade the proxy never asked for)") from None
+        except httptools.HttpParserError as exc:
+            if self._error is not None:
+                raise self._error from None
+            cause = exc.__context__
+            if isinstance(cause, ProtocolError):
+                raise cause from None
+            if self._state == _DONE:
+                raise ProtocolError("data after the end of a response") from None
+            raise ProtocolError(str(exc) or type(exc).__name__) from None
+        if self._state == _HEAD:
+            self._fed += len(data)
+            if self._fed > MAX_HEAD_BYTES:
+                raise ProtocolError(f"response head larger than {MAX_HEAD_BYTES} bytes")
+
+    def eof(self) -> None:
+        """The connection closed. Ends an until-close body; anything else unfinished is an error."""
+        state = self._state
+        if state == _BODY and not self._length and not self._chunked:
+            self._finish()
+        elif state != _DONE:
+            what = "before the response head" if state == _HEAD else "in the middle of the response body"
+            raise ProtocolError(f"the upstream closed the connection {what}")
+
+    # --------------------------------------------------------------------- llhttp callbacks
+
+    def on_message_begin(self) -> None:
+        if self._state == _DONE:
+            self._error = ProtocolError("data after the end of a response")
+            raise self._error
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._state != _HEAD:
+            return  # a trailer: dropped
+        lname = name.lower()
+        if lname == b"content-length":
+            self._length = True
+        elif lname == b"transfer-encoding":
+            self._chunked = value.lower().rsplit(b",", 1)[-1].strip() == b"chunked"
+        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        status = parser.get_status_code()
         if 100 <= status < 200:  # informational: the real head follows
+            self._headers = []
+            self._length = self._chunked = False
             return
         self.status = status
-        http10 = parts[0] == "HTTP/1.0"
-        self.keep_alive = ("keep-alive" in connection) if http10 else ("close" not in connection)
-        if self.no_body or status in (204, 304):
-            self._state = _LENGTH
-            self._remaining = 0
-            self._on_head(status, headers, self.keep_alive)
-            self._finish()
-            return
-        if chunked:
-            self._state = _CHUNK_SIZE
-        elif length is not None:
-            self._state = _LENGTH
-            self._remaining = length
-        else:
-            self._state = _UNTIL_CLOSE
-            self.keep_alive = False
-        self._on_head(status, headers, self.keep_alive)
-        if self._state == _LENGTH and self._remaining == 0:
+        keep_alive = parser.should_keep_alive()
+        if not self._length and not self._chunked and status not in (204, 304):
+            keep_alive = False  # until close
+        self.keep_alive = keep_alive
+        self._state = _BODY
+        self._on_head(status, self._headers, keep_alive)
+
+    def on_body(self, body: bytes) -> None:
+        self._on_data(body)
+
+    def on_message_complete(self) -> None:
+        if self._state == _BODY:
             self._finish()
 
     def _finish(self) -> None:
         self._state = _DONE
         self._on_end()
-
-    def eof(self) -> None:
-        """The connection closed. Ends an until-close body; anything else unfinished is an error."""
-        if self._state == _UNTIL_CLOSE:
-            self._finish()
-        elif self._state != _DONE:
-            what = "before the response head" if self._state == _HEAD else "in the middle of the response body"
-            raise ProtocolError(f"the upstream closed the connection {what}")

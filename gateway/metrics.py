@@ -13,6 +13,8 @@ counts as "(unknown)", so clients cannot grow the label set.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -22,11 +24,64 @@ UNKNOWN_FLEET = "(unknown)"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
+class _Deferred:
+    """A histogram child whose observations are counted into buckets here and added to the
+    prometheus child when the registry is collected: a C bisect and two additions a request instead of
+    prometheus_client's locked per-bucket loop (issue 20). What a scrape sees is the same."""
+
+    __slots__ = ("child", "bounds", "counts", "sum", "n")
+
+    def __init__(self, child: Histogram) -> None:
+        self.child = child
+        self.bounds = list(child._upper_bounds)  # type: ignore[attr-defined]
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.n += 1
+
+    def flush(self) -> None:
+        if not self.n:
+            return
+        child = self.child
+        child._sum.inc(self.sum)  # type: ignore[attr-defined]
+        buckets = child._buckets  # type: ignore[attr-defined]
+        counts = self.counts
+        for i, n in enumerate(counts):
+            if n:
+                buckets[i].inc(n)
+                counts[i] = 0
+        self.sum = 0.0
+        self.n = 0
+
+
+def _deferrable(child: Histogram) -> bool:
+    return all(hasattr(child, a) for a in ("_upper_bounds", "_buckets", "_sum"))
+
+
+class _Flush:
+    """Registered first: collecting the registry first adds what the hot path counted."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list:
+        self.metrics.flush()
+        return []
+
+
 class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_Flush(self))  # type: ignore[arg-type]
         self.requests = Counter(
             "haru_gateway_requests",
             "Requests on the inference paths, by fleet, model and HTTP status.",
@@ -65,25 +120,40 @@ class GatewayMetrics:
             ["fleet", "kind"],
             registry=self.registry,
         )
-        # label children cached: .labels() costs a lock and a tuple per call on the hot path
-        self._requests: dict[tuple[str, str, int], Counter] = {}
-        self._upstream: dict[tuple[str, str], tuple[Histogram, Histogram]] = {}
+        # Label children resolved once, and the request counts and histogram observations of the hot
+        # path kept in plain ints here until the registry is collected (`flush`): prometheus_client
+        # takes a lock per increment and loops over the buckets in Python (issue 20).
+        self._counts: dict[tuple[str, str, int], int] = {}
+        self._upstream: dict[tuple[str, str], tuple] = {}
+        self._deferred: list[_Deferred] = []
         self._inflight: dict[str, Gauge] = {}
 
     def request(self, fleet: str, model: str, status: int) -> None:
         key = (fleet, model, status)
-        child = self._requests.get(key)
-        if child is None:
-            child = self._requests[key] = self.requests.labels(fleet, model, str(status))
-        child.inc()
+        counts = self._counts
+        counts[key] = counts.get(key, 0) + 1
 
-    def upstream(self, fleet: str, domain: str) -> tuple[Histogram, Histogram]:
-        """(ttfb, latency) histogram children for one upstream."""
+    def upstream(self, fleet: str, domain: str) -> tuple:
+        """(ttfb, latency) for one upstream: objects with `observe(seconds)`."""
         key = (fleet, domain)
         pair = self._upstream.get(key)
         if pair is None:
-            pair = self._upstream[key] = (self.ttfb.labels(fleet, domain), self.latency.labels(fleet, domain))
+            ttfb, latency = self.ttfb.labels(fleet, domain), self.latency.labels(fleet, domain)
+            if _deferrable(ttfb) and _deferrable(latency):
+                pair = (_Deferred(ttfb), _Deferred(latency))
+                self._deferred.extend(pair)
+            else:  # a prometheus_client without the internals: observe directly
+                pair = (ttfb, latency)
+            self._upstream[key] = pair
         return pair
+
+    def flush(self) -> None:
+        """Add what the hot path counted to the prometheus metrics (collecting the registry does it)."""
+        counts, self._counts = self._counts, {}
+        for (fleet, model, status), n in counts.items():
+            self.requests.labels(fleet, model, str(status)).inc(n)
+        for d in self._deferred:
+            d.flush()
 
     def streams(self, fleet: str) -> Gauge:
         child = self._inflight.get(fleet)

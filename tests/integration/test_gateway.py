@@ -848,6 +848,75 @@ async def test_a_kept_alive_connection_closed_by_the_upstream_is_retried_fresh(e
         await up.stop()
 
 
+async def _exchange(url: str, requests: list[bytes]) -> list[bytes]:
+    """Send each request on one connection and read its whole answer (by Content-Length or chunked)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    answers = []
+    try:
+        for req in requests:
+            writer.write(req)
+            head = await reader.readuntil(b"\r\n\r\n")
+            lower = head.lower()
+            if b"content-length:" in lower:
+                i = lower.index(b"content-length:")
+                n = int(lower[i + 15:lower.index(b"\r\n", i)])
+                answers.append(head + await reader.readexactly(n))
+                continue
+            body = b""
+            while True:
+                size_line = await reader.readuntil(b"\r\n")
+                size = int(size_line[:-2], 16)
+                body += size_line + await reader.readexactly(size + 2)
+                if size == 0:
+                    break
+            answers.append(head + body)
+        answers.append(await asyncio.wait_for(reader.read(), 5) if b"Connection: close" in requests[-1] else b"")
+    finally:
+        writer.close()
+    return answers
+
+
+def _headers_of(answer: bytes) -> dict[str, str]:
+    lines = answer.split(b"\r\n\r\n")[0].decode().split("\r\n")
+    return {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+
+
+async def test_whole_responses_go_out_as_aiohttp_would_send_them(event_log, gw):
+    """A whole response is serialised by the proxy in one write (issue 20): the same headers as
+    web.Response gives (its defaults included), keep-alive kept, `Connection: close` honoured, and an
+    HTTP/1.0 client still answered by web.Response."""
+    sized = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}"
+    bare = b"HTTP/1.1 201 Created\r\nX-Up: 1\r\nX-Haru-Domain: forged\r\nContent-Length: 2\r\n\r\nhi"
+    sse = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"d\r\ndata: hello\n\n\r\n0\r\n\r\n")
+    answers = iter([sized, bare, sse, sized, sized] * 2)
+    up = await RawUpstream(lambda n: [next(answers)]).start()
+    try:
+        await _point_at(event_log, gw, up.url)
+        body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
+
+        def req(extra: bytes = b"", version: bytes = b"1.1") -> bytes:
+            return (b"POST /v1/chat/completions HTTP/" + version + b"\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    + extra + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+        a, b, c, d, closed = await _exchange(gw.url, [req(), req(), req(), req(b"Connection: close\r\n")])
+        ha, hb, hc, hd = (_headers_of(x) for x in (a, b, c, d))
+        assert a.startswith(b"HTTP/1.1 200 OK\r\n") and a.endswith(b'\r\n\r\n{"ok":true}')
+        assert ha["content-length"] == "11" and ha["content-type"] == "application/json"
+        assert ha["x-haru-domain"] == "a" and "date" in ha and "server" in ha and "connection" not in ha
+        assert b.startswith(b"HTTP/1.1 201 Created\r\n") and b.endswith(b"\r\n\r\nhi")
+        assert hb["content-type"] == "application/octet-stream" and hb["x-up"] == "1" and hb["x-haru-domain"] == "a"
+        assert hc["transfer-encoding"] == "chunked" and hc["content-type"] == "text/event-stream"
+        assert c.endswith(b"\r\n\r\nd\r\ndata: hello\n\n\r\n0\r\n\r\n")
+        assert hd["connection"] == "close" and closed == b""  # and the gateway closed the connection
+        (old,) = (await _exchange(gw.url, [req(b"Connection: keep-alive\r\n", b"1.0")]))[:1]
+        assert old.startswith(b"HTTP/1.0 200 OK\r\n") and old.endswith(b'{"ok":true}')
+        assert _headers_of(old)["connection"] == "keep-alive"
+    finally:
+        await up.stop()
+
+
 async def test_until_close_and_large_sized_bodies_stream_through(event_log, upstreams):
     big = b"x" * 5000
     answers = {
@@ -897,6 +966,33 @@ async def test_a_malformed_upstream_head_is_502(event_log, gw):
             with pytest.raises(openai.InternalServerError) as info:
                 await client.chat.completions.create(model=MODEL, messages=CHAT)
         assert info.value.status_code == 502 and "malformed response" in info.value.body["message"]
+    finally:
+        await up.stop()
+
+
+_H = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+_CH = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize("raw", [
+    _CH + b"0x5\r\nhello\r\n0\r\n\r\n",                            # chunk size is HEXDIG only
+    _CH + b"+5\r\nhello\r\n0\r\n\r\n",
+    _CH + b" 5\r\nhello\r\n0\r\n\r\n",
+    _H + b"Bad Name: x\r\nContent-Length: 2\r\n\r\n{}",                # a header name is a token
+    _H + b"Content-Length: 2\r\nContent-Length: 2\r\n\r\n{}",           # one Content-Length
+    _H + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",  # not both framings
+    _H + b"X-A: a\r\n b\r\nContent-Length: 2\r\n\r\n{}",                 # no obs-fold
+], ids=["chunk-0x", "chunk-plus", "chunk-space", "header-space", "two-lengths", "both-framings", "obs-fold"])
+async def test_an_invalid_upstream_response_is_a_502(event_log, gw, raw):
+    """RFC 9112, strictly (issue 20): what llhttp refuses reaches the client as a 502 naming it."""
+    up = await RawUpstream(lambda n: [raw]).start()
+    try:
+        await _point_at(event_log, gw, up.url)
+        body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
+        status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+        assert status == 502, data
+        error = json.loads(data)["error"]
+        assert error["code"] == "upstream_unreachable" and "malformed response" in error["message"], error
     finally:
         await up.stop()
 

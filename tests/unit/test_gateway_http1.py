@@ -97,13 +97,36 @@ def test_no_body_statuses_and_empty_bodies_end_at_the_head():
 @pytest.mark.parametrize(
     "raw, words",
     [
-        (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP/1.x status line"),
-        (b"HTTP/1.1 abc OK\r\n\r\n", "bad status"),
-        (b"HTTP/1.1 200 OK\r\nno-colon\r\n\r\n", "bad header line"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", "bad Content-Length"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabX\r\n", "not followed by CRLF"),
+        (b"SSH-2.0-OpenSSH\r\n\r\n", "Expected HTTP/"),
+        (b"HTTP/1.1 abc OK\r\n\r\n", "Invalid status code"),
+        (b"HTTP/1.1 200 OK\r\nno-colon\r\n\r\n", "Invalid header token"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", "Invalid character in Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "Invalid character in chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabX\r\n", "Expected LF after chunk data"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nab", "data after the end"),
+        # RFC 9112, strictly (issue 20): a chunk size is HEXDIG only
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x5\r\nhello\r\n0\r\n\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n+5\r\nhello\r\n0\r\n\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n 5\r\nhello\r\n0\r\n\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5 \r\nhello\r\n0\r\n\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\nhello\r\n0\r\n\r\n", "CR after chunk size"),
+        # header names are tokens; no obs-fold; no control characters in values; CRLF line ends
+        (b"HTTP/1.1 200 OK\r\nBad Name: x\r\nContent-Length: 0\r\n\r\n", "Invalid header token"),
+        (b"HTTP/1.1 200 OK\r\nBad : x\r\nContent-Length: 0\r\n\r\n", "Invalid header token"),
+        (b"HTTP/1.1 200 OK\r\nX@A: a\r\nContent-Length: 0\r\n\r\n", "Invalid header token"),
+        (b"HTTP/1.1 200 OK\r\n: x\r\nContent-Length: 0\r\n\r\n", "Invalid header token"),
+        (b"HTTP/1.1 200 OK\r\nX-A: a\r\n b\r\nContent-Length: 0\r\n\r\n", "whitespace"),
+        (b"HTTP/1.1 200 OK\r\nX-A: a\x01b\r\nContent-Length: 0\r\n\r\n", "Invalid header value char"),
+        (b"HTTP/1.1 200 OK\nContent-Length: 0\n\n", "CR"),
+        # one Content-Length, digits only; never both framings
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nhi", "Duplicate Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nhi", "Duplicate Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nhi", "Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\nhi", "Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+         "Transfer-Encoding can't be present with Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+         "Content-Length"),
     ],
 )
 def test_malformed_responses_raise(raw, words):
@@ -120,3 +143,34 @@ def test_eof_in_the_middle_is_an_error_that_says_where():
         sink.parser.eof()
     with pytest.raises(ProtocolError, match="before the response head"):
         Sink().parser.eof()
+
+
+def test_an_endless_head_is_refused():
+    sink = Sink()
+    sink.parser.feed(b"HTTP/1.1 200 OK\r\n")
+    with pytest.raises(ProtocolError, match="response head larger than"):
+        for _ in range(100):
+            sink.parser.feed(b"X-Filler: " + b"a" * 1000 + b"\r\n")
+
+
+def test_a_large_body_in_the_heads_packet_is_not_a_large_head():
+    body = b"x" * 200_000
+    sink = feed_split(b"HTTP/1.1 200 OK\r\nContent-Length: 200000\r\n\r\n" + body, [])
+    assert sink.body == body and sink.ends == 1
+
+
+def test_one_parser_reads_response_after_response():
+    sink = Sink()
+    for i in range(3):
+        if i:
+            sink.parser.reset()
+        sink.parser.feed(SIZED[:30])
+        sink.parser.feed(SIZED[30:])
+        assert sink.parser.done and sink.ends == i + 1
+    sink.parser.reset()
+    sink.parser.feed(CHUNKED)
+    assert sink.ends == 4 and sink.body.endswith(CHUNKED_BODY)
+    sink.parser.reset()
+    sink.parser.feed(SIZED[:10])
+    with pytest.raises(ProtocolError, match="reused before its response ended"):
+        sink.parser.reset()
