@@ -52,6 +52,7 @@ from agents.config import AgentConfig, HostSlots, fold_declarations, load_layout
 from agents.errors import AgentRefused, OutOfMemory, RuntimeProblem, TrainingProblem
 from agents.gpu import GpuReading, Gpus, Owner, account, open_gpus, process_tree, read_parents
 from agents.runtimes import Runtime, make_runtime
+from agents.runtimes.base import runtimes_die_with_agent
 from agents.training import Ended, Trainer
 from haru import subjects
 from haru.commands import Command, ErrorInfo, Heartbeat, Reply, heartbeat_decoder
@@ -67,6 +68,7 @@ from haru.events import (
     ModelLost,
     ModelResident,
     ModelSleeping,
+    ModelAdopted,
     ModelStopped,
     ModelWaking,
     RouteMoved,
@@ -75,6 +77,8 @@ from haru.events import (
 )
 from haru.residency import UNKNOWN, Residency, evolve, is_legal, event_key, state_name, to_state
 from haru.specs import MiB, ModelSpec, TrainingSpec
+from haru.children import alive as proc_alive
+from haru.children import stop_group
 from haru.tasks import cancel_and_wait
 
 __all__ = ["Agent", "ModelSlot", "resolve_slots", "VERSION"]
@@ -183,6 +187,9 @@ class Agent:
         self._service = None
         self._serving = None
         self.serving_url = ""
+        self.keep_runtimes = False
+        self.adoptable: dict[str, dict] = {}  # model -> the identity of a live runtime found at boot
+        self.away: dict[str, str] = {}  # model -> what is known of a runtime that died while no agent watched
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -204,8 +211,11 @@ class Agent:
                     await agent._shutdown()
                     gpus.close()
 
-    def request_stop(self, reason: str = "") -> None:
+    def request_stop(self, reason: str = "", *, keep_runtimes: bool = False) -> None:
+        """Stop. `keep_runtimes`: leave every runtime serving for the next agent to adopt (a restart or an
+        upgrade: SIGTERM); otherwise unload them all (SIGINT, `haru up` stopping)."""
         self._stop_reason = reason or "requested"
+        self.keep_runtimes = keep_runtimes and not runtimes_die_with_agent()
         self._stop.set()
 
     async def stopped(self) -> None:
@@ -296,7 +306,7 @@ class Agent:
 
     async def _boot(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self._sweep_orphans()
+        self._swept_training: dict[str, str] = await asyncio.to_thread(self._sweep_orphans)
         self._spawn_task(self._heartbeat_loop(), "heartbeat")
         await self._read_route()
         self._spawn_task(self._follow_route(), "route")
@@ -308,13 +318,16 @@ class Agent:
                 if rec.event is not None:
                     with contextlib.suppress(IllegalTransition):
                         m.state = to_state(rec.event, rec.seq)
+        await self._find_runtimes()
         for slot in self.trainers:
             rec = await self.log.last(subjects.training(self.fleet, self.domain, slot))
             self.training_seq[slot] = rec.seq if rec is not None else 0
             if rec is not None and rec.event is not None and isinstance(rec.event, TrainingStarted):
-                # The previous agent died with it running: it died too (PDEATHSIG); say so.
+                # The previous agent died with it running: it got SIGTERM then (its parent-death signal),
+                # and the sweep above stopped whatever ignored it, with the slot's grace; say so.
+                how = self._swept_training.get(slot, "terminated")
                 await self._append_training(slot, TrainingStopped(
-                    at=now(), domain=self.domain, slot=slot, how="killed", exit_code=None, ran_ms=0))
+                    at=now(), domain=self.domain, slot=slot, how=how, exit_code=None, ran_ms=0))  # type: ignore[arg-type]
         for index in self.slots.gpu_indexes():
             rec = await self.log.last(subjects.gpu(self.fleet, self.domain, index))
             self.gpu_seq[index] = rec.seq if rec is not None else 0
@@ -354,7 +367,14 @@ class Agent:
                 await self._stop_training_slot(slot)
         hb = [t for t in self._tasks if t.get_name() == "heartbeat"]
         await cancel_and_wait(*(t for t in self._tasks if t not in hb))
-        await asyncio.gather(*(self._unload(m) for m in self.models.values()), return_exceptions=True)
+        if self.keep_runtimes:
+            # A restart: every runtime keeps serving; its identity file stays for the next agent.
+            for m in self.models.values():
+                self._write_identity(m)
+            self.logger.info("runtimes kept for the next agent", models=[m.name for m in self.models.values()
+                                                                         if m.runtime.alive() and m.runtime.pid])
+        else:
+            await asyncio.gather(*(self._unload(m) for m in self.models.values()), return_exceptions=True)
         await cancel_and_wait(*hb)
         self._write_children()
         self.logger.info("agent stopped", reason=reason)
@@ -366,6 +386,7 @@ class Agent:
         was_alive = m.runtime.alive()
         m.on_purpose = True
         await m.runtime.stop(RUNTIME_STOP_GRACE_S)
+        self._drop_identity(m.name)
         if was_alive and m.state_tag in LIVE_STATES | {"lost"}:
             with contextlib.suppress(Exception):
                 await self._record(m, ModelStopped(at=now(), domain=self.domain, model=m.name, detail="agent shutdown"))
@@ -376,30 +397,157 @@ class Agent:
         return self.state_dir / "children.json"
 
     def _write_children(self) -> None:
+        """The trainers' pid file (runtimes have identity files of their own: they outlive the agent)."""
         kids = []
-        for m in self.models.values():
-            if m.runtime.alive() and m.runtime.pid:
-                kids.append({"pid": m.runtime.pid, "start": _start_time(m.runtime.pid), "what": f"model:{m.name}"})
         for t in self.trainers.values():
             if t.running() and t.pgid:
-                kids.append({"pid": t.pgid, "start": _start_time(t.pgid), "what": f"training:{t.spec.slot}"})
+                kids.append({"pid": t.pgid, "start": _start_time(t.pgid), "what": f"training:{t.spec.slot}",
+                             "grace_ms": t.grace_ms})
         with contextlib.suppress(OSError):
             tmp = self._children_path().with_suffix(".tmp")
             tmp.write_text(json.dumps(kids))
             os.replace(tmp, self._children_path())
 
-    def _sweep_orphans(self) -> None:
-        """Kill the process groups a previous agent on this host left behind (if PDEATHSIG did not)."""
+    def _sweep_orphans(self) -> dict[str, str]:
+        """Stop the trainers a previous agent on this host left running (their parent-death SIGTERM did not
+        end them), with their grace: training is never left unsupervised. Returns slot -> how it ended.
+        (A pid file from an agent before issue 14 also lists runtimes: they are stopped the same way.)"""
+        swept: dict[str, str] = {}
         try:
             kids = json.loads(self._children_path().read_text())
         except (OSError, ValueError):
-            return
+            return swept
         for kid in kids:
             pid = int(kid.get("pid", 0))
-            if pid > 1 and _start_time(pid) == kid.get("start") and kid.get("start"):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-                    self.logger.warning("killed an orphan of the previous agent", pid=pid, what=kid.get("what"))
+            start = kid.get("start")
+            if pid > 1 and start and _start_time(pid) == start:
+                grace = int(kid.get("grace_ms") or self.policy.training_grace_ms) / 1000
+                ended = stop_group(pid, int(start), grace)
+                what = str(kid.get("what", ""))
+                if what.startswith("training:"):
+                    swept[what.split(":", 1)[1]] = "killed" if ended == "killed" else "terminated"
+                self.logger.warning("stopped a child the previous agent left", pid=pid, what=what, how=ended)
+        return swept
+
+    # ------------------------------------------------------------- runtimes that outlive the agent
+
+    def _identity_dir(self) -> Path:
+        return self.state_dir / "runtimes"
+
+    def _identity_path(self, name: str) -> Path:
+        return self._identity_dir() / f"{_file_token(name)}.json"
+
+    def _write_identity(self, m: ModelSlot) -> None:
+        """Record who the runtime is (pid, kernel start time, argv, port, model, plan), for the next agent."""
+        identity = getattr(m.runtime, "identity", None)
+        doc = identity() if identity is not None else None
+        if doc is None:
+            return
+        with contextlib.suppress(OSError):
+            self._identity_dir().mkdir(parents=True, exist_ok=True)
+            path = self._identity_path(m.name)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, path)
+
+    def _drop_identity(self, name: str) -> None:
+        with contextlib.suppress(OSError):
+            self._identity_path(name).unlink()
+
+    async def _find_runtimes(self) -> None:
+        """Read the identity files a previous agent left: adopt what still matches the layout and answers,
+        stop what the layout no longer wants, and note what died while no agent watched (recorded `lost`
+        once, by the model's supervisor). A pid now held by another process is never touched."""
+        try:
+            files = sorted(self._identity_dir().glob("*.json"))
+        except OSError:
+            return
+        for path in files:
+            try:
+                doc = json.loads(path.read_text())
+                name, pid, start, port = str(doc["model"]), int(doc["pid"]), int(doc["start"]), int(doc["port"])
+            except (OSError, ValueError, KeyError, TypeError):
+                self.logger.warning("unreadable runtime identity file; ignored", path=str(path))
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            log = self.logger.bind(model=name, pid=pid)
+            m = self.models.get(name)
+            if not proc_alive(pid, start):
+                # Gone while no agent watched (or its pid now belongs to someone else: never adopted, never
+                # signalled).
+                reused = _start_time(pid) not in ("", str(start))
+                self.away[name] = (f"the runtime (pid {pid}) exited while no agent was watching it"
+                                   + ("; its pid now belongs to an unrelated process, left alone" if reused else ""))
+                path.unlink(missing_ok=True)
+                log.warning("runtime died while no agent watched it", pid_reused=reused)
+                continue
+            wanted = (m is not None and m.runtime.kind == doc.get("runtime")
+                      and getattr(m.runtime, "planned_argv", lambda _p: None)(port) == doc.get("argv")
+                      and (not m.spec.port or m.spec.port == port))
+            if not wanted:
+                why = "the layout no longer has this model" if m is None else "the layout changed this model"
+                log.info("stopping a runtime the layout no longer wants", why=why)
+                await asyncio.to_thread(stop_group, pid, start, RUNTIME_STOP_GRACE_S)
+                path.unlink(missing_ok=True)
+                await self._record_unwanted(name, why)
+                continue
+            assert m is not None
+            if not m.runtime.adopt(pid, start, port, list(doc.get("argv") or [])):  # type: ignore[attr-defined]
+                self.away[name] = f"the runtime (pid {pid}) exited while the agent was starting"
+                path.unlink(missing_ok=True)
+                continue
+            timeout = self.policy.probe_timeout_ms / 1000
+            health = await m.runtime.health(timeout_s=min(timeout, 5.0))
+            listed = False
+            asleep: bool | None = None
+            if health.ok:
+                with contextlib.suppress(RuntimeProblem):
+                    listed = m.name in await m.runtime.list_models(timeout_s=min(timeout, 5.0))
+                with contextlib.suppress(RuntimeProblem):
+                    asleep = await m.runtime.is_sleeping(timeout_s=min(timeout, 5.0))
+            if not (health.ok and listed):
+                why = health.detail or f"/health answered {health.status}" if not health.ok else "it no longer lists the model"
+                log.warning("not adopting a runtime that does not answer; stopping it", why=why)
+                m.on_purpose = True
+                await m.runtime.stop(RUNTIME_STOP_GRACE_S)
+                m.on_purpose = False
+                path.unlink(missing_ok=True)
+                self.away[name] = f"the runtime (pid {pid}) outlived its agent but did not answer ({why[:200]}); stopped"
+                continue
+            self.adoptable[name] = {"pid": pid, "asleep": bool(asleep), "endpoint": m.runtime.base_url}
+
+    async def _record_unwanted(self, name: str, why: str) -> None:
+        """`model_stopped` on the model's subject for a runtime stopped because the layout changed."""
+        m = self.models.get(name)
+        if m is not None:
+            if m.state_tag in LIVE_STATES | {"lost"}:
+                await self._record(m, ModelStopped(at=now(), domain=self.domain, model=name, detail=why))
+            return
+        subject = subjects.model(self.fleet, self.domain, name)
+        rec = await self.log.last(subject)
+        if rec is None or rec.event is None:
+            return
+        with contextlib.suppress(IllegalTransition):
+            if state_name(to_state(rec.event, rec.seq)) in LIVE_STATES | {"lost"}:
+                await self._append(subject, ModelStopped(at=now(), domain=self.domain, model=name, detail=why), rec.seq)
+
+    async def _adopt(self, m: ModelSlot) -> bool:
+        """Take over the runtime `_find_runtimes` found: `model_adopted`, then watch it like one we loaded."""
+        found = self.adoptable.pop(m.name)
+        async with m.lock:
+            m.generation += 1
+            m.exited.clear()
+            m.exit_code = None
+            m.on_purpose = False
+            level = getattr(m.state, "level", 1) or 1
+            await self._record(m, ModelAdopted(at=now(), domain=self.domain, model=m.name, pid=found["pid"],
+                                               endpoint=found["endpoint"], asleep=found["asleep"], level=level,
+                                               detail="kept serving through the agent's restart"))
+            self._spawn_task(self._exit_waiter(m, m.generation), f"exit:{m.name}:{m.generation}")
+            if not found["asleep"]:
+                m.resident_at = time.monotonic()
+        return True
 
     # --------------------------------------------------------------------------------------- writes
 
@@ -589,10 +737,12 @@ class Agent:
 
     async def _supervise(self, m: ModelSlot) -> None:
         log = self.logger.bind(model=m.name)
-        if m.state_tag in LIVE_STATES and m.runtime.kind != "external":
-            # Its runtime died with the previous agent (PDEATHSIG): the chain says so before we reload.
+        adopted = m.name in self.adoptable
+        if not adopted and m.state_tag in LIVE_STATES and m.runtime.kind != "external":
+            # Its runtime is gone (it died while no agent watched, or an agent before issue 14 took it
+            # along): the chain says so, once, before we reload.
             await self._record(m, ModelLost(at=now(), domain=self.domain, model=m.name, reason="process_exited",
-                                            detail="the previous agent stopped without unloading it"))
+                                            detail=self.away.pop(m.name, "the previous agent stopped without unloading it")))
         first = True
         while not self.stopping:
             if not first and await self._pause(self._backoff_s(m.failures)):
@@ -604,7 +754,8 @@ class Agent:
             if standby and not first:
                 paused = await self._make_room(m.spec.gpu_index)
             try:
-                ready = await self._load(m)
+                ready = await (self._adopt(m) if adopted else self._load(m))
+                adopted = False
                 if ready and self.role == "standby" and m.runtime.can_sleep:
                     async with m.lock:
                         if m.state_tag == "resident":
@@ -659,7 +810,7 @@ class Agent:
                 return False
             await self._record(m, ModelLoading(at=now(), domain=self.domain, model=m.name, endpoint=m.runtime.base_url,
                                                pid=m.runtime.pid or 0, attempt=m.attempt))
-            self._write_children()
+            self._write_identity(m)
             if m.runtime.kind != "external":
                 self._spawn_task(self._exit_waiter(m, m.generation), f"exit:{m.name}:{m.generation}")
         poll = LOADING_POLL_S
@@ -703,12 +854,13 @@ class Agent:
             await self._record(m, ModelFailed(at=now(), domain=self.domain, model=m.name, runtime_said=said))
         elif not m.on_purpose and not self.stopping:
             tail = m.runtime.output_tail(600).strip().splitlines()
-            detail = f"the runtime exited with code {code}"
+            detail = (f"the runtime exited with code {code}" if code is not None else
+                      f"the adopted runtime (pid {m.runtime.pid}) exited; its exit status went to its reaper")
             if tail:
                 detail += f"; last output: {tail[-1][:300]}"
             await self._record(m, ModelLost(at=now(), domain=self.domain, model=m.name, reason="process_exited",
                                             detail=detail, exit_code=code))
-        self._write_children()
+        self._drop_identity(m.name)  # it is gone: nothing to adopt
         m.exited.set()
 
     async def _watch(self, m: ModelSlot) -> None:
@@ -1118,6 +1270,10 @@ def _gpu_changed(last: GpuObserved, r: GpuReading, usage: list | None = None, fo
     if abs(last.memory_used_bytes - r.memory_used_bytes) >= GPU_USED_THRESHOLD:
         return True
     return {p.pid for p in last.processes} != {p.pid for p in r.processes}
+
+
+def _file_token(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:100]
 
 
 def _pid_alive(pid: int) -> bool:

@@ -238,6 +238,7 @@ SHORT_NAMES: dict[str, str] = {
     "model_lost": "lost",
     "model_failed": "failed",
     "model_stopped": "unloaded",
+    "model_adopted": "adopted",
 }
 
 _DECL_FOR_MODEL = (ev.ModelDeclared, ev.ModelChanged, ev.ModelRetired)

@@ -1,5 +1,8 @@
 """`haru agent --config host.json`: run this host's agent (one per domain) until SIGTERM/SIGINT.
 
+SIGTERM (a restart, an upgrade: what `systemctl restart` sends) stops the agent and leaves every
+runtime serving for the next agent to adopt; SIGINT (Ctrl-C, `haru up` stopping) unloads them first.
+
 Exit statuses: 0 after a clean stop; CONFLICT (4) when another agent already runs the domain;
 UNAVAILABLE (6) when NATS cannot be reached; ERROR (1) for a config that cannot be used.
 """
@@ -52,7 +55,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     def on_signal(name: str) -> None:
         stop_signal.append(name)
         if agent_box:
-            agent_box[0].request_stop(f"signal {name}")
+            agent_box[0].request_stop(f"signal {name}", keep_runtimes=name == "SIGTERM")
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
@@ -62,7 +65,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         async with Agent.start(config) as agent:
             agent_box.append(agent)
             if stop_signal:
-                agent.request_stop(f"signal {stop_signal[0]}")
+                agent.request_stop(f"signal {stop_signal[0]}", keep_runtimes=stop_signal[0] == "SIGTERM")
             async with maybe_serve([registry_for(agent)], metrics):
                 await agent.stopped()
     except AgentRefused as exc:
