@@ -227,27 +227,53 @@ class ServingProxy:
     async def _forward(self, request: web.BaseRequest, m, url: str, body: bytes) -> web.StreamResponse:
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASS_REQUEST}
-        try:
-            async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as upstream:
-                if upstream.status >= 500 or upstream.status == 404:
-                    translated = await self._diagnose(m, upstream.status)
-                    if translated is not None:
-                        return translated
-                out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
-                streaming = upstream.content_length is None or "text/event-stream" in upstream.headers.get("Content-Type", "")
-                if not streaming:
-                    data = await upstream.read()
-                    return web.Response(status=upstream.status, body=data, headers=out_headers)
-                response = web.StreamResponse(status=upstream.status, headers=out_headers)
-                await response.prepare(request)  # type: ignore[arg-type]
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
-                return response
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-            if request.transport is None or request.transport.is_closing():
-                raise asyncio.CancelledError from exc
-            translated = await self._diagnose(m, 502)
-            if translated is not None:
-                return translated
-            return error(502, "upstream_unreachable", f"the runtime at {url} did not answer: {exc}")
+        for attempt in (0, 1):
+            head = [False]
+            try:
+                return await self._forward_once(request, m, url, body, headers, head)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt == 0 and not head[0] and _not_sent(exc) and not (request.transport is None
+                                                                              or request.transport.is_closing()):
+                    continue  # a kept-alive connection the runtime had closed (llama-server: after 100 requests)
+                return await self._unreachable(request, m, url, exc)
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                return await self._unreachable(request, m, url, exc)
+        raise AssertionError("unreachable")
+
+    async def _unreachable(self, request: web.BaseRequest, m, url: str, exc: BaseException) -> web.StreamResponse:
+        if request.transport is None or request.transport.is_closing():
+            raise asyncio.CancelledError from exc
+        translated = await self._diagnose(m, 502)
+        if translated is not None:
+            return translated
+        return error(502, "upstream_unreachable", f"the runtime at {url} did not answer: {exc}")
+
+    async def _forward_once(self, request: web.BaseRequest, m, url: str, body: bytes, headers: dict,
+                            head: list[bool]) -> web.StreamResponse:
+        assert self._session is not None
+        async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as upstream:
+            head[0] = True
+            if upstream.status >= 500 or upstream.status == 404:
+                translated = await self._diagnose(m, upstream.status)
+                if translated is not None:
+                    return translated
+            out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+            streaming = upstream.content_length is None or "text/event-stream" in upstream.headers.get("Content-Type", "")
+            if not streaming:
+                data = await upstream.read()
+                return web.Response(status=upstream.status, body=data, headers=out_headers)
+            response = web.StreamResponse(status=upstream.status, headers=out_headers)
+            await response.prepare(request)  # type: ignore[arg-type]
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+
+def _not_sent(exc: BaseException) -> bool:
+    """Whether the runtime cannot have acted on the request: the connection (a kept-alive one the runtime
+    closed) failed before any byte of a response, while the body was being written or before the runtime
+    said anything. Such a request is sent once more on a fresh connection; never one that got an answer."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and "write request body" in str(exc)
