@@ -458,35 +458,23 @@ class Agent:
         """Read the identity files a previous agent left: adopt what still matches the layout and answers,
         stop what the layout no longer wants, and note what died while no agent watched (recorded `lost`
         once, by the model's supervisor). A pid now held by another process is never touched."""
-        try:
-            files = sorted(self._identity_dir().glob("*.json"))
-        except OSError:
-            return
-        for path in files:
-            try:
-                doc = json.loads(path.read_text())
-                name, pid, start, port = str(doc["model"]), int(doc["pid"]), int(doc["start"]), int(doc["port"])
-            except (OSError, ValueError, KeyError, TypeError):
+        for name, (path, doc) in read_identities(self.state_dir).items():
+            if doc is None:
                 self.logger.warning("unreadable runtime identity file; ignored", path=str(path))
-                with contextlib.suppress(OSError):
-                    path.unlink()
+                path.unlink(missing_ok=True)
                 continue
+            pid, start, port = int(doc["pid"]), int(doc["start"]), int(doc["port"])
             log = self.logger.bind(model=name, pid=pid)
             m = self.models.get(name)
-            if not proc_alive(pid, start):
+            verdict, why = runtime_on_start(doc, m.runtime if m else None, m.spec if m else None)
+            if verdict == "start":
                 # Gone while no agent watched (or its pid now belongs to someone else: never adopted, never
                 # signalled).
-                reused = _start_time(pid) not in ("", str(start))
-                self.away[name] = (f"the runtime (pid {pid}) exited while no agent was watching it"
-                                   + ("; its pid now belongs to an unrelated process, left alone" if reused else ""))
+                self.away[name] = why
                 path.unlink(missing_ok=True)
-                log.warning("runtime died while no agent watched it", pid_reused=reused)
+                log.warning("runtime died while no agent watched it", why=why)
                 continue
-            wanted = (m is not None and m.runtime.kind == doc.get("runtime")
-                      and getattr(m.runtime, "planned_argv", lambda _p: None)(port) == doc.get("argv")
-                      and (not m.spec.port or m.spec.port == port))
-            if not wanted:
-                why = "the layout no longer has this model" if m is None else "the layout changed this model"
+            if verdict in ("stop", "replace"):
                 log.info("stopping a runtime the layout no longer wants", why=why)
                 await asyncio.to_thread(stop_group, pid, start, RUNTIME_STOP_GRACE_S)
                 path.unlink(missing_ok=True)
@@ -1270,6 +1258,42 @@ def _gpu_changed(last: GpuObserved, r: GpuReading, usage: list | None = None, fo
     if abs(last.memory_used_bytes - r.memory_used_bytes) >= GPU_USED_THRESHOLD:
         return True
     return {p.pid for p in last.processes} != {p.pid for p in r.processes}
+
+
+def runtime_on_start(doc: dict | None, runtime, spec: ModelSpec | None) -> tuple[str, str]:
+    """What a starting agent does with the runtime an identity file names: ("adopt" | "replace" | "stop" |
+    "start", why). `runtime` is the model's Runtime under the current layout (None: the layout dropped
+    it). Whether the adopted process answers is checked at start, not here."""
+    if doc is None:
+        return "start", "no runtime of a previous agent"
+    pid, start, port = int(doc.get("pid", 0)), doc.get("start"), int(doc.get("port", 0))
+    if not proc_alive(pid, start):
+        reused = _start_time(pid) not in ("", str(start))
+        return "start", (f"the runtime (pid {pid}) exited while no agent was watching it"
+                         + ("; its pid now belongs to an unrelated process, left alone" if reused else ""))
+    if runtime is None or spec is None:
+        return "stop", "the layout no longer has this model"
+    planned = getattr(runtime, "planned_argv", lambda _p: None)(port)
+    if runtime.kind != doc.get("runtime") or planned != doc.get("argv") or (spec.port and spec.port != port):
+        return "replace", f"the layout changed this model (pid {pid} runs another command line)"
+    return "adopt", f"pid {pid} still runs the planned command line on port {port}"
+
+
+def read_identities(state_dir: Path) -> dict[str, tuple[Path, dict | None]]:
+    """model -> (identity file, its document or None if unreadable)."""
+    out: dict[str, tuple[Path, dict | None]] = {}
+    try:
+        files = sorted((state_dir / "runtimes").glob("*.json"))
+    except OSError:
+        return out
+    for path in files:
+        try:
+            doc = json.loads(path.read_text())
+            int(doc["pid"]), int(doc["start"]), int(doc["port"])
+            out[str(doc["model"])] = (path, doc)
+        except (OSError, ValueError, KeyError, TypeError):
+            out[f"?{path.name}"] = (path, None)
+    return out
 
 
 def _file_token(name: str) -> str:

@@ -106,6 +106,7 @@ async def dry_run(config, *, as_json: bool) -> ExitStatus:
                    for m in slots.admitted_models],
         "training": [{"slot": t.slot, "gpu": t.gpu_index, "command": t.command} for t in slots.admitted_training],
         "not_admitted": slots.not_admitted,
+        "runtimes": _runtimes_on_start(config, slots),
     }
     if as_json:
         emit_json(out)
@@ -117,4 +118,33 @@ async def dry_run(config, *, as_json: bool) -> ExitStatus:
         print(f"  training {t['slot']:<32} gpu {t['gpu']}  {' '.join(t['command'])}")
     for name, short in slots.not_admitted.items():
         print(f"  not admitted {name} (short by {short / 1024**3:.1f} GiB)")
+    for name, (verdict, why) in out["runtimes"].items():
+        print(f"  on start {verdict:<8} {name}: {why}")
     return ExitStatus.OK
+
+
+def _runtimes_on_start(config, slots) -> dict[str, tuple[str, str]]:
+    """Per model, what a starting agent would do with the runtime a previous agent left (adopt, replace,
+    stop, start), from the identity files in the state directory."""
+    from agents.agent import read_identities, runtime_on_start
+    from agents.runtimes import make_runtime
+
+    state_dir = config.state_path()
+    found = read_identities(state_dir)
+    gpu_memory = {g.index: g.memory_bytes for g in slots.domain.spec.gpus}
+    direct = slots.domain.spec.serve == "direct"
+    out: dict[str, tuple[str, str]] = {}
+    for spec in slots.admitted_models:
+        runtime = make_runtime(spec, session=None, log_dir=state_dir,  # type: ignore[arg-type]
+                               bind_host=config.serving.host if direct else "127.0.0.1",
+                               gpu_memory_bytes=gpu_memory.get(spec.gpu_index, 0))
+        doc = found.get(spec.name, (None, None))[1]
+        if runtime.kind == "external":
+            out[spec.name] = ("probe", "an external endpoint: never started or stopped")
+        else:
+            out[spec.name] = runtime_on_start(doc, runtime, spec)
+    for name, (_path, doc) in found.items():
+        if name not in out and doc is not None:
+            verdict, why = runtime_on_start(doc, None, None)
+            out[name] = (verdict, why)
+    return out

@@ -354,3 +354,38 @@ async def test_real_llama_servers_survive_agent_restarts_under_load(tmp_path, na
         # the two SIGTERMs fail nothing; the SIGKILL may end what was being forwarded at that instant
         assert all(t >= load.killed_at for t, _ in load.failed), load.failed
         assert len(load.failed) <= load.clients and load.ok > 20, (load.ok, load.failed[:5])
+
+
+@pytest.mark.timeout(120)
+async def test_a_restart_on_a_changed_layout_replaces_only_the_changed_model(fleet, event_log, tmp_path):
+    """The agent is restarted on a layout where m2's context changed: `haru agent --dry-run` says m1 is
+    adopted and m2 replaced; m1 keeps its pid and serves throughout, m2 is stopped and loaded anew."""
+    agent = fleet.agents["a"]
+    before = identities(fleet.state_dir("a"))
+    since = {m: len(await residency_tags(event_log, "a", m)) for m in MODELS}
+    doc = json.loads(fleet.layout.read_text())
+    for d in doc["domains"]:
+        for slot in d["slots"]:
+            for model in slot.get("models", []):
+                if model["name"] == "m2":
+                    model["context_length"] = 4096
+    fleet.layout.write_text(json.dumps(doc))
+    async with ChatLoad(fleet.gw.url, models=("m1",)) as load:
+        await asyncio.sleep(0.3)
+        agent.signal(signal.SIGTERM)
+        await agent.wait(30)
+        dry = subprocess.run([os.sys.executable, "-m", "haru.cli", "agent", "--config", str(agent.config), "--dry-run",
+                              "--json"], capture_output=True, text=True, env=outliving_env(), cwd=str(REPO), timeout=60)
+        assert dry.returncode == 0, dry.stderr
+        plan = json.loads(dry.stdout)["runtimes"]
+        assert plan["m1"][0] == "adopt" and plan["m2"][0] == "replace", plan
+        new = fleet.start("a")
+        await wait_adopted(event_log, "a", "m1", 1, new)
+        tags = await _new_tags_once_reloaded(event_log, "m2", since["m2"], new)
+        await asyncio.sleep(0.3)
+    assert tags == ["model_stopped", "model_loading", "model_resident"], tags
+    assert (await residency_tags(event_log, "a", "m1"))[since["m1"]:] == ["model_adopted"]
+    after = identities(fleet.state_dir("a"))
+    assert after["m1"]["pid"] == before["m1"]["pid"] and after["m2"]["pid"] != before["m2"]["pid"]
+    assert "--max-model-len" in after["m2"]["argv"] and "4096" in after["m2"]["argv"]
+    assert load.failed == [] and load.ok > 10, (load.ok, load.failed[:5])
