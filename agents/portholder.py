@@ -40,10 +40,24 @@ def _control_path(state_dir: Path) -> Path:
     return Path(state_dir) / HOLDER_SOCKET
 
 
+@contextlib.contextmanager
+def _short(path: Path):
+    """A path to `path` short enough for a unix socket address (108 bytes): through /proc/self/fd and
+    an O_PATH descriptor of its directory when the real path is longer (deep state directories)."""
+    if len(str(path).encode()) < 100:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
 def _ask(path: Path, what: bytes, timeout: float = 5.0) -> tuple[dict, list[int]]:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c, _short(path) as addr:
         c.settimeout(timeout)
-        c.connect(str(path))
+        c.connect(addr)
         c.sendall(what)
         msg, fds, _flags, _addr = socket.recv_fds(c, 4096, 1)
     return json.loads(msg or b"{}"), fds
@@ -128,7 +142,8 @@ def main(argv: list[str]) -> int:
     bound = listener.getsockname()[1]
     control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = path.with_name(path.name + f".{os.getpid()}")
-    control.bind(str(tmp))
+    with _short(tmp) as addr:
+        control.bind(addr)
     control.listen(8)
     os.replace(tmp, path)  # appears only once it answers
     answer = json.dumps({"host": host, "port": bound, "pid": os.getpid()}).encode()
