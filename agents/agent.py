@@ -48,7 +48,14 @@ import nats.errors
 import structlog
 
 from agents import probes
-from agents.config import AgentConfig, HostSlots, fold_declarations, load_layout_slots, slots_from_host_entry
+from agents.config import (
+    AgentConfig,
+    HostSlots,
+    diff_models,
+    fold_declarations,
+    load_layout_slots,
+    slots_from_host_entry,
+)
 from agents.errors import AgentRefused, OutOfMemory, RuntimeProblem, TrainingProblem
 from agents.gpu import GpuReading, Gpus, Owner, account, open_gpus, process_tree, read_parents
 from agents.runtimes import Runtime, make_runtime
@@ -75,6 +82,7 @@ from haru.events import (
     TrainingStarted,
     TrainingStopped,
 )
+from haru.events import tag_of
 from haru.residency import UNKNOWN, Residency, evolve, is_legal, event_key, state_name, to_state
 from haru.specs import MiB, ModelSpec, TrainingSpec
 from haru.children import alive as proc_alive
@@ -91,6 +99,7 @@ LIVE_STATES = frozenset({"loading", "resident", "sleeping", "waking"})
 # connection costs well under a millisecond), so `resident` is recorded within ~this of the runtime
 # turning ready. bench/runtime.py measures it against a real llama-server.
 LOADING_POLL_S = 0.02
+DECL_SETTLE_S = 0.3  # a live apply waits this long after the last declaration before it folds them
 
 
 def now() -> datetime:
@@ -164,11 +173,9 @@ class Agent:
         self.models: dict[str, ModelSlot] = {}
         self.direct = slots.domain.spec.serve == "direct"
         bind_host = config.serving.host if self.direct else "127.0.0.1"
-        gpu_memory = {g.index: g.memory_bytes for g in slots.domain.spec.gpus}
+        self._bind_host = bind_host
         for spec in slots.admitted_models:
-            runtime = make_runtime(spec, session=session, log_dir=self.state_dir, bind_host=bind_host,
-                                   gpu_memory_bytes=gpu_memory.get(spec.gpu_index, 0))
-            self.models[spec.name] = ModelSlot(spec, runtime, subjects.model(self.fleet, self.domain, spec.name))
+            self.models[spec.name] = self._new_slot(spec)
         self.trainers: dict[str, Trainer] = {}
         self.training_seq: dict[str, int] = {}
         self.training_lock = asyncio.Lock()
@@ -188,6 +195,9 @@ class Agent:
         self._serving = None
         self.serving_url = ""
         self.keep_runtimes = False
+        self.supervisors: dict[str, asyncio.Task] = {}  # model -> its supervisor task
+        self.pending: dict[str, ModelSpec] = {}  # changes applied live that wait for this domain to be standby
+        self._reconcile_lock = asyncio.Lock()
         self.adoptable: dict[str, dict] = {}  # model -> the identity of a live runtime found at boot
         self.away: dict[str, str] = {}  # model -> what is known of a runtime that died while no agent watched
 
@@ -343,8 +353,10 @@ class Agent:
             self.serving_url = self._serving.url
         self._spawn_task(self._gpu_loop(), "gpus")
         for m in self.models.values():
-            self._spawn_task(self._supervise(m), f"model:{m.name}")
+            self.supervisors[m.name] = self._spawn_task(self._supervise(m), f"model:{m.name}")
         self._spawn_task(self._initial_training(), "initial-training")
+        if self.slots.source == "declared":
+            self._spawn_task(self._follow_declarations(), "declarations")
 
     async def _shutdown(self) -> None:
         self.stopping = True
@@ -537,6 +549,133 @@ class Agent:
                 m.resident_at = time.monotonic()
         return True
 
+    # ------------------------------------------------------------------ layouts applied live
+
+    def _new_slot(self, spec: ModelSpec) -> ModelSlot:
+        gpu_memory = {g.index: g.memory_bytes for g in self.slots.domain.spec.gpus}
+        runtime = make_runtime(spec, session=self.session, log_dir=self.state_dir, bind_host=self._bind_host,
+                               gpu_memory_bytes=gpu_memory.get(spec.gpu_index, 0))
+        return ModelSlot(spec, runtime, subjects.model(self.fleet, self.domain, spec.name))
+
+    async def _follow_declarations(self) -> None:
+        """Follow `haru apply`'s declarations (the agent's slots came from them) and apply a changed
+        layout to this host live: a new model started, a removed one stopped, a changed one replaced;
+        every other model untouched. A change that would interrupt a model this domain serves as the
+        active one waits (`pending`) until the domain is the standby."""
+        events: list = []
+        changed = asyncio.Event()
+
+        def on(rec) -> None:
+            if rec.event is not None:
+                events.append(rec.event)
+                changed.set()
+
+        async def follow() -> None:
+            while not self.stopping:
+                events.clear()
+                try:
+                    await self.log.replay(on, from_seq=1, subject_filter=subjects.decl(self.fleet), follow=True)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the log went away for a while: keep what runs
+                    self.logger.warning("declaration follower interrupted", error=str(exc))
+                    await asyncio.sleep(1.0)
+
+        follower = asyncio.ensure_future(follow())
+        try:
+            while not self.stopping:
+                await changed.wait()
+                await asyncio.sleep(DECL_SETTLE_S)  # `haru apply` appends a batch: fold once it is written
+                changed.clear()
+                new = fold_declarations(self.fleet, self.domain, list(events))
+                if new is not None:
+                    await self.apply_slots(new)
+        finally:
+            await cancel_and_wait(follower)
+
+    async def apply_slots(self, new: HostSlots) -> dict[str, list[str]]:
+        """Move this host from its slots to `new` without a restart. Returns what was done, by path."""
+        async with self._reconcile_lock:
+            diff = diff_models(self.slots.admitted_models, new.admitted_models)
+            self.slots, self.policy = new, new.policy
+            done: dict[str, list[str]] = {"started": [], "stopped": [], "replaced": [], "pending": []}
+            for name in diff.removed:
+                self.pending.pop(name, None)
+                await self._retire(name, "the layout no longer has this model")
+                done["stopped"].append(name)
+            for spec in diff.added:
+                m = self.models[spec.name] = self._new_slot(spec)
+                rec = await self.log.last(m.subject)
+                if rec is not None:
+                    m.seq = rec.seq
+                    if rec.event is not None:
+                        with contextlib.suppress(IllegalTransition):
+                            m.state = to_state(rec.event, rec.seq)
+                self.supervisors[spec.name] = self._spawn_task(self._supervise(m), f"model:{spec.name}")
+                done["started"].append(spec.name)
+            for spec in diff.changed:
+                if self.role == "active" and self.models[spec.name].state_tag in LIVE_STATES:
+                    self.pending[spec.name] = spec
+                    done["pending"].append(spec.name)
+                else:
+                    await self._replace(spec)
+                    done["replaced"].append(spec.name)
+            for name in diff.unchanged:
+                self.pending.pop(name, None)  # changed back before it was applied
+            if any(done.values()):
+                self.logger.info("layout applied live", **{k: v for k, v in done.items() if v})
+            if done["pending"]:
+                self.logger.warning("changes wait for this domain to be the standby (they would interrupt models it "
+                                    "serves as the active domain): promote the other domain to apply them",
+                                    models=done["pending"])
+            return done
+
+    async def apply_pending(self) -> None:
+        """The domain is the standby now: replace the models whose change waited, once the operation that
+        moved the route has finished (its last step settles this domain: the change comes after it)."""
+        deadline = time.monotonic() + self.policy.command_timeout_ms / 1000 * 6
+        while time.monotonic() < deadline and not self.stopping:
+            rec = await self.log.last(subjects.op(self.fleet))
+            if rec is None or rec.event is None or tag_of(rec.event) in ("operation_completed", "operation_aborted", "failover_declined",
+                                                    "eligibility_changed"):
+                break
+            await asyncio.sleep(0.2)
+        async with self._reconcile_lock:
+            for name, spec in list(self.pending.items()):
+                if self.role != "standby":
+                    return
+                del self.pending[name]
+                await self._replace(spec)
+
+    async def _retire(self, name: str, why: str) -> None:
+        m = self.models.get(name)
+        if m is None:
+            return
+        task = self.supervisors.pop(name, None)
+        if task is not None:
+            await cancel_and_wait(task)
+        async with m.lock:
+            was_alive = m.runtime.alive()
+            m.on_purpose = True
+            if m.runtime.kind != "external":
+                await m.runtime.stop(RUNTIME_STOP_GRACE_S)
+            self._drop_identity(name)
+            if (was_alive or m.runtime.kind == "external") and m.state_tag in LIVE_STATES | {"lost"}:
+                await self._record(m, ModelStopped(at=now(), domain=self.domain, model=name, detail=why))
+        m.exited.set()
+        del self.models[name]
+
+    async def _replace(self, spec: ModelSpec) -> None:
+        await self._retire(spec.name, "the layout changed this model")
+        m = self.models[spec.name] = self._new_slot(spec)
+        rec = await self.log.last(m.subject)
+        if rec is not None:
+            m.seq = rec.seq
+            if rec.event is not None:
+                with contextlib.suppress(IllegalTransition):
+                    m.state = to_state(rec.event, rec.seq)
+        self.supervisors[spec.name] = self._spawn_task(self._supervise(m), f"model:{spec.name}")
+
     # --------------------------------------------------------------------------------------- writes
 
     async def _append(self, subject: str, event: Event, expect: int) -> int:
@@ -592,6 +731,8 @@ class Agent:
                 if rec.event.active != self.active_domain:
                     self.logger.info("route moved", active=rec.event.active, revision=rec.seq)
                 self.active_domain, self.route_revision = rec.event.active, rec.seq
+                if self.pending and self.role == "standby":
+                    self._spawn_task(self.apply_pending(), "apply-pending")
 
         while not self.stopping:
             try:
@@ -1168,6 +1309,9 @@ class Agent:
             "serving_url": self.serving_url,
             "source": self.slots.source,
             "models": models,
+            # changes applied live that wait for this domain to be the standby (they would interrupt a model
+            # it serves as the active domain)
+            "pending_layout": sorted(self.pending),
             "not_admitted": dict(self.slots.not_admitted),
             "training": training,
             "gpus": gpus,

@@ -80,22 +80,23 @@ def kill_leftovers(state_dir: Path) -> None:
 
 
 class Fleet:
-    def __init__(self, tmp: Path, nats_url: str, layout: Path, gw) -> None:
-        self.tmp, self.nats_url, self.layout, self.gw = tmp, nats_url, layout, gw
+    def __init__(self, tmp: Path, nats_url: str, layout: Path, gw, declared: bool = False) -> None:
+        self.tmp, self.nats_url, self.layout, self.gw, self.declared = tmp, nats_url, layout, gw, declared
         self.agents: dict[str, AgentProcess] = {}
 
     def state_dir(self, d: str) -> Path:
         return self.tmp / "state" / d
 
     def start(self, d: str) -> AgentProcess:
-        cfg = write_config(self.tmp / f"agent-{d}.json", self.nats_url, self.tmp, domain=d, layout=self.layout,
+        cfg = write_config(self.tmp / f"agent-{d}.json", self.nats_url, self.tmp, domain=d,
+                           layout=None if self.declared else self.layout,
                            fleet=FLEET, serving={"host": "127.0.0.1", "port": 0})
         self.agents[d] = AgentProcess(cfg, self.tmp / f"agent-{d}.log", outliving_env())
         return self.agents[d]
 
 
 @contextlib.asynccontextmanager
-async def sim_fleet(tmp_path, nats_server, event_log, layout: Path):
+async def sim_fleet(tmp_path, nats_server, event_log, layout: Path, *, declared: bool = False):
     from gateway.config import GatewayConfig
     from gateway.server import Gateway
     from haru.apply import apply
@@ -110,7 +111,7 @@ async def sim_fleet(tmp_path, nats_server, event_log, layout: Path):
     try:
         async with promoters(nats_server.url):
             async with Gateway(GatewayConfig(port=0), event_log) as gw:
-                fleet = Fleet(tmp_path, nats_server.url, layout, gw)
+                fleet = Fleet(tmp_path, nats_server.url, layout, gw, declared)
                 for d in ("a", "b"):
                     fleet.start(d)
                 yield fleet
