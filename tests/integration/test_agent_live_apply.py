@@ -91,3 +91,32 @@ async def test_apply_reaches_running_agents_model_by_model(tmp_path, nats_server
         assert "StepFailed" not in ops, ops
         reply = await send(event_log.nc, FLEET, "a", "status", timeout=10)
         assert reply.data["pending_layout"] == [], reply.data
+
+
+@pytest.mark.timeout(60)
+async def test_apply_dry_run_says_the_path_each_change_takes(tmp_path, nats_server, event_log):
+    from tests.support import haru
+
+    layout = sim_layout(tmp_path / "layout.json", tmp_path)
+    await apply(event_log, load_layout(layout), datetime.now(timezone.utc))
+
+    def change(d, ms):
+        ms[:] = [m for m in ms if m["name"] != "m1"]
+        ms.append(sim_model("m3", tmp_path / "sim" / d, d, vram="4GiB"))
+        for m in ms:
+            if m["name"] == "m2":
+                m["context_length"] = 4096
+    edit_layout(layout, change)
+    declared = len(await event_log.history(subjects.decl(FLEET)))
+    out = await asyncio.to_thread(haru, "apply", "-f", str(layout), "--dry-run", "--json", nats_url=nats_server.url)
+    assert out.returncode == 0, out.stderr
+    paths = json.loads(out.stdout)["paths"]
+    by = {line.split(":", 1)[0]: line for line in paths}
+    assert "started live" in by["a/m3"] and "started live" in by["b/m3"]
+    assert "stopped live" in by["a/m1"] and "stopped live" in by["b/m1"]
+    # before any route_moved the first declared domain is the active one
+    assert "ACTIVE" in by["a/m2"] and "promote" in by["a/m2"]
+    assert "replaced live" in by["b/m2"]
+    assert len(await event_log.history(subjects.decl(FLEET))) == declared  # the dry run appended nothing
+    text = await asyncio.to_thread(haru, "apply", "-f", str(layout), "--dry-run", nats_url=nats_server.url)
+    assert "how each change reaches the running agents (active domain: a" in text.stdout, text.stdout
