@@ -48,11 +48,19 @@ import nats.errors
 import structlog
 
 from agents import probes
-from agents.config import AgentConfig, HostSlots, fold_declarations, load_layout_slots, slots_from_host_entry
+from agents.config import (
+    AgentConfig,
+    HostSlots,
+    diff_models,
+    fold_declarations,
+    load_layout_slots,
+    slots_from_host_entry,
+)
 from agents.errors import AgentRefused, OutOfMemory, RuntimeProblem, TrainingProblem
 from agents.gpu import GpuReading, Gpus, Owner, account, open_gpus, process_tree, read_parents
 from agents.pulling import needs_pull, pull_for
 from agents.runtimes import Runtime, make_runtime
+from agents.runtimes.base import runtimes_die_with_agent
 from agents.training import Ended, Trainer
 from haru import subjects
 from haru.commands import Command, ErrorInfo, Heartbeat, Reply, heartbeat_decoder
@@ -68,14 +76,18 @@ from haru.events import (
     ModelLost,
     ModelResident,
     ModelSleeping,
+    ModelAdopted,
     ModelStopped,
     ModelWaking,
     RouteMoved,
     TrainingStarted,
     TrainingStopped,
 )
+from haru.events import tag_of
 from haru.residency import UNKNOWN, Residency, evolve, is_legal, event_key, state_name, to_state
 from haru.specs import MiB, ModelSpec, TrainingSpec
+from haru.children import alive as proc_alive
+from haru.children import stop_group
 from haru.tasks import cancel_and_wait
 
 __all__ = ["Agent", "ModelSlot", "resolve_slots", "VERSION"]
@@ -88,6 +100,7 @@ LIVE_STATES = frozenset({"loading", "resident", "sleeping", "waking"})
 # connection costs well under a millisecond), so `resident` is recorded within ~this of the runtime
 # turning ready. bench/runtime.py measures it against a real llama-server.
 LOADING_POLL_S = 0.02
+DECL_SETTLE_S = 0.3  # a live apply waits this long after the last declaration before it folds them
 
 
 def now() -> datetime:
@@ -161,11 +174,9 @@ class Agent:
         self.models: dict[str, ModelSlot] = {}
         self.direct = slots.domain.spec.serve == "direct"
         bind_host = config.serving.host if self.direct else "127.0.0.1"
-        gpu_memory = {g.index: g.memory_bytes for g in slots.domain.spec.gpus}
+        self._bind_host = bind_host
         for spec in slots.admitted_models:
-            runtime = make_runtime(spec, session=session, log_dir=self.state_dir, bind_host=bind_host,
-                                   gpu_memory_bytes=gpu_memory.get(spec.gpu_index, 0))
-            self.models[spec.name] = ModelSlot(spec, runtime, subjects.model(self.fleet, self.domain, spec.name))
+            self.models[spec.name] = self._new_slot(spec)
         self.trainers: dict[str, Trainer] = {}
         self.training_seq: dict[str, int] = {}
         self.training_lock = asyncio.Lock()
@@ -184,6 +195,12 @@ class Agent:
         self._service = None
         self._serving = None
         self.serving_url = ""
+        self.keep_runtimes = False
+        self.supervisors: dict[str, asyncio.Task] = {}  # model -> its supervisor task
+        self.pending: dict[str, ModelSpec] = {}  # changes applied live that wait for this domain to be standby
+        self._reconcile_lock = asyncio.Lock()
+        self.adoptable: dict[str, dict] = {}  # model -> the identity of a live runtime found at boot
+        self.away: dict[str, str] = {}  # model -> what is known of a runtime that died while no agent watched
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -205,8 +222,11 @@ class Agent:
                     await agent._shutdown()
                     gpus.close()
 
-    def request_stop(self, reason: str = "") -> None:
+    def request_stop(self, reason: str = "", *, keep_runtimes: bool = False) -> None:
+        """Stop. `keep_runtimes`: leave every runtime serving for the next agent to adopt (a restart or an
+        upgrade: SIGTERM); otherwise unload them all (SIGINT, `haru up` stopping)."""
         self._stop_reason = reason or "requested"
+        self.keep_runtimes = keep_runtimes and not runtimes_die_with_agent()
         self._stop.set()
 
     async def stopped(self) -> None:
@@ -297,7 +317,7 @@ class Agent:
 
     async def _boot(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self._sweep_orphans()
+        self._swept_training: dict[str, str] = await asyncio.to_thread(self._sweep_orphans)
         self._spawn_task(self._heartbeat_loop(), "heartbeat")
         await self._read_route()
         self._spawn_task(self._follow_route(), "route")
@@ -309,13 +329,16 @@ class Agent:
                 if rec.event is not None:
                     with contextlib.suppress(IllegalTransition):
                         m.state = to_state(rec.event, rec.seq)
+        await self._find_runtimes()
         for slot in self.trainers:
             rec = await self.log.last(subjects.training(self.fleet, self.domain, slot))
             self.training_seq[slot] = rec.seq if rec is not None else 0
             if rec is not None and rec.event is not None and isinstance(rec.event, TrainingStarted):
-                # The previous agent died with it running: it died too (PDEATHSIG); say so.
+                # The previous agent died with it running: it got SIGTERM then (its parent-death signal),
+                # and the sweep above stopped whatever ignored it, with the slot's grace; say so.
+                how = self._swept_training.get(slot, "terminated")
                 await self._append_training(slot, TrainingStopped(
-                    at=now(), domain=self.domain, slot=slot, how="killed", exit_code=None, ran_ms=0))
+                    at=now(), domain=self.domain, slot=slot, how=how, exit_code=None, ran_ms=0))  # type: ignore[arg-type]
         for index in self.slots.gpu_indexes():
             rec = await self.log.last(subjects.gpu(self.fleet, self.domain, index))
             self.gpu_seq[index] = rec.seq if rec is not None else 0
@@ -331,8 +354,10 @@ class Agent:
             self.serving_url = self._serving.url
         self._spawn_task(self._gpu_loop(), "gpus")
         for m in self.models.values():
-            self._spawn_task(self._supervise(m), f"model:{m.name}")
+            self.supervisors[m.name] = self._spawn_task(self._supervise(m), f"model:{m.name}")
         self._spawn_task(self._initial_training(), "initial-training")
+        if self.slots.source == "declared":
+            self._spawn_task(self._follow_declarations(), "declarations")
 
     async def _shutdown(self) -> None:
         self.stopping = True
@@ -355,7 +380,14 @@ class Agent:
                 await self._stop_training_slot(slot)
         hb = [t for t in self._tasks if t.get_name() == "heartbeat"]
         await cancel_and_wait(*(t for t in self._tasks if t not in hb))
-        await asyncio.gather(*(self._unload(m) for m in self.models.values()), return_exceptions=True)
+        if self.keep_runtimes:
+            # A restart: every runtime keeps serving; its identity file stays for the next agent.
+            for m in self.models.values():
+                self._write_identity(m)
+            self.logger.info("runtimes kept for the next agent", models=[m.name for m in self.models.values()
+                                                                         if m.runtime.alive() and m.runtime.pid])
+        else:
+            await asyncio.gather(*(self._unload(m) for m in self.models.values()), return_exceptions=True)
         await cancel_and_wait(*hb)
         self._write_children()
         self.logger.info("agent stopped", reason=reason)
@@ -372,6 +404,7 @@ class Agent:
         was_alive = m.runtime.alive()
         m.on_purpose = True
         await m.runtime.stop(RUNTIME_STOP_GRACE_S)
+        self._drop_identity(m.name)
         if was_alive and m.state_tag in LIVE_STATES | {"lost"}:
             with contextlib.suppress(Exception):
                 await self._record(m, ModelStopped(at=now(), domain=self.domain, model=m.name, detail="agent shutdown"))
@@ -382,30 +415,272 @@ class Agent:
         return self.state_dir / "children.json"
 
     def _write_children(self) -> None:
+        """The trainers' pid file (runtimes have identity files of their own: they outlive the agent)."""
         kids = []
-        for m in self.models.values():
-            if m.runtime.alive() and m.runtime.pid:
-                kids.append({"pid": m.runtime.pid, "start": _start_time(m.runtime.pid), "what": f"model:{m.name}"})
         for t in self.trainers.values():
             if t.running() and t.pgid:
-                kids.append({"pid": t.pgid, "start": _start_time(t.pgid), "what": f"training:{t.spec.slot}"})
+                kids.append({"pid": t.pgid, "start": _start_time(t.pgid), "what": f"training:{t.spec.slot}",
+                             "grace_ms": t.grace_ms})
         with contextlib.suppress(OSError):
             tmp = self._children_path().with_suffix(".tmp")
             tmp.write_text(json.dumps(kids))
             os.replace(tmp, self._children_path())
 
-    def _sweep_orphans(self) -> None:
-        """Kill the process groups a previous agent on this host left behind (if PDEATHSIG did not)."""
+    def _sweep_orphans(self) -> dict[str, str]:
+        """Stop the trainers a previous agent on this host left running (their parent-death SIGTERM did not
+        end them), with their grace: training is never left unsupervised. Returns slot -> how it ended.
+        (A pid file from an agent before issue 14 also lists runtimes: they are stopped the same way.)"""
+        swept: dict[str, str] = {}
         try:
             kids = json.loads(self._children_path().read_text())
         except (OSError, ValueError):
-            return
+            return swept
         for kid in kids:
             pid = int(kid.get("pid", 0))
-            if pid > 1 and _start_time(pid) == kid.get("start") and kid.get("start"):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-                    self.logger.warning("killed an orphan of the previous agent", pid=pid, what=kid.get("what"))
+            start = kid.get("start")
+            if pid > 1 and start and _start_time(pid) == start:
+                grace = int(kid.get("grace_ms") or self.policy.training_grace_ms) / 1000
+                ended = stop_group(pid, int(start), grace)
+                what = str(kid.get("what", ""))
+                if what.startswith("training:"):
+                    swept[what.split(":", 1)[1]] = "killed" if ended == "killed" else "terminated"
+                self.logger.warning("stopped a child the previous agent left", pid=pid, what=what, how=ended)
+        return swept
+
+    # ------------------------------------------------------------- runtimes that outlive the agent
+
+    def _identity_dir(self) -> Path:
+        return self.state_dir / "runtimes"
+
+    def _identity_path(self, name: str) -> Path:
+        return self._identity_dir() / f"{_file_token(name)}.json"
+
+    def _write_identity(self, m: ModelSlot) -> None:
+        """Record who the runtime is (pid, kernel start time, argv, port, model, plan), for the next agent."""
+        identity = getattr(m.runtime, "identity", None)
+        doc = identity() if identity is not None else None
+        if doc is None:
+            return
+        with contextlib.suppress(OSError):
+            self._identity_dir().mkdir(parents=True, exist_ok=True)
+            path = self._identity_path(m.name)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, path)
+
+    def _drop_identity(self, name: str) -> None:
+        with contextlib.suppress(OSError):
+            self._identity_path(name).unlink()
+
+    async def _find_runtimes(self) -> None:
+        """Read the identity files a previous agent left: adopt what still matches the layout and answers,
+        stop what the layout no longer wants, and note what died while no agent watched (recorded `lost`
+        once, by the model's supervisor). A pid now held by another process is never touched."""
+        for name, (path, doc) in read_identities(self.state_dir).items():
+            if doc is None:
+                self.logger.warning("unreadable runtime identity file; ignored", path=str(path))
+                path.unlink(missing_ok=True)
+                continue
+            pid, start, port = int(doc["pid"]), int(doc["start"]), int(doc["port"])
+            log = self.logger.bind(model=name, pid=pid)
+            m = self.models.get(name)
+            verdict, why = runtime_on_start(doc, m.runtime if m else None, m.spec if m else None)
+            if verdict == "start":
+                # Gone while no agent watched (or its pid now belongs to someone else: never adopted, never
+                # signalled).
+                self.away[name] = why
+                path.unlink(missing_ok=True)
+                log.warning("runtime died while no agent watched it", why=why)
+                continue
+            if verdict in ("stop", "replace"):
+                log.info("stopping a runtime the layout no longer wants", why=why)
+                await asyncio.to_thread(stop_group, pid, start, RUNTIME_STOP_GRACE_S)
+                path.unlink(missing_ok=True)
+                await self._record_unwanted(name, why)
+                continue
+            assert m is not None
+            if not m.runtime.adopt(pid, start, port, list(doc.get("argv") or [])):  # type: ignore[attr-defined]
+                self.away[name] = f"the runtime (pid {pid}) exited while the agent was starting"
+                path.unlink(missing_ok=True)
+                continue
+            timeout = self.policy.probe_timeout_ms / 1000
+            health = await m.runtime.health(timeout_s=min(timeout, 5.0))
+            listed = False
+            asleep: bool | None = None
+            if health.ok:
+                with contextlib.suppress(RuntimeProblem):
+                    listed = m.name in await m.runtime.list_models(timeout_s=min(timeout, 5.0))
+                with contextlib.suppress(RuntimeProblem):
+                    asleep = await m.runtime.is_sleeping(timeout_s=min(timeout, 5.0))
+            if not (health.ok and listed):
+                why = health.detail or f"/health answered {health.status}" if not health.ok else "it no longer lists the model"
+                log.warning("not adopting a runtime that does not answer; stopping it", why=why)
+                m.on_purpose = True
+                await m.runtime.stop(RUNTIME_STOP_GRACE_S)
+                m.on_purpose = False
+                path.unlink(missing_ok=True)
+                self.away[name] = f"the runtime (pid {pid}) outlived its agent but did not answer ({why[:200]}); stopped"
+                continue
+            self.adoptable[name] = {"pid": pid, "asleep": bool(asleep), "endpoint": m.runtime.base_url}
+
+    async def _record_unwanted(self, name: str, why: str) -> None:
+        """`model_stopped` on the model's subject for a runtime stopped because the layout changed."""
+        m = self.models.get(name)
+        if m is not None:
+            if m.state_tag in LIVE_STATES | {"lost"}:
+                await self._record(m, ModelStopped(at=now(), domain=self.domain, model=name, detail=why))
+            return
+        subject = subjects.model(self.fleet, self.domain, name)
+        rec = await self.log.last(subject)
+        if rec is None or rec.event is None:
+            return
+        with contextlib.suppress(IllegalTransition):
+            if state_name(to_state(rec.event, rec.seq)) in LIVE_STATES | {"lost"}:
+                await self._append(subject, ModelStopped(at=now(), domain=self.domain, model=name, detail=why), rec.seq)
+
+    async def _adopt(self, m: ModelSlot) -> bool:
+        """Take over the runtime `_find_runtimes` found: `model_adopted`, then watch it like one we loaded."""
+        found = self.adoptable.pop(m.name)
+        async with m.lock:
+            m.generation += 1
+            m.exited.clear()
+            m.exit_code = None
+            m.on_purpose = False
+            level = getattr(m.state, "level", 1) or 1
+            await self._record(m, ModelAdopted(at=now(), domain=self.domain, model=m.name, pid=found["pid"],
+                                               endpoint=found["endpoint"], asleep=found["asleep"], level=level,
+                                               detail="kept serving through the agent's restart"))
+            self._spawn_task(self._exit_waiter(m, m.generation), f"exit:{m.name}:{m.generation}")
+            if not found["asleep"]:
+                m.resident_at = time.monotonic()
+        return True
+
+    # ------------------------------------------------------------------ layouts applied live
+
+    def _new_slot(self, spec: ModelSpec) -> ModelSlot:
+        gpu_memory = {g.index: g.memory_bytes for g in self.slots.domain.spec.gpus}
+        runtime = make_runtime(spec, session=self.session, log_dir=self.state_dir, bind_host=self._bind_host,
+                               gpu_memory_bytes=gpu_memory.get(spec.gpu_index, 0))
+        return ModelSlot(spec, runtime, subjects.model(self.fleet, self.domain, spec.name))
+
+    async def _follow_declarations(self) -> None:
+        """Follow `haru apply`'s declarations (the agent's slots came from them) and apply a changed
+        layout to this host live: a new model started, a removed one stopped, a changed one replaced;
+        every other model untouched. A change that would interrupt a model this domain serves as the
+        active one waits (`pending`) until the domain is the standby."""
+        events: list = []
+        changed = asyncio.Event()
+
+        def on(rec) -> None:
+            if rec.event is not None:
+                events.append(rec.event)
+                changed.set()
+
+        async def follow() -> None:
+            while not self.stopping:
+                events.clear()
+                try:
+                    await self.log.replay(on, from_seq=1, subject_filter=subjects.decl(self.fleet), follow=True)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the log went away for a while: keep what runs
+                    self.logger.warning("declaration follower interrupted", error=str(exc))
+                    await asyncio.sleep(1.0)
+
+        follower = asyncio.ensure_future(follow())
+        try:
+            while not self.stopping:
+                await changed.wait()
+                await asyncio.sleep(DECL_SETTLE_S)  # `haru apply` appends a batch: fold once it is written
+                changed.clear()
+                new = fold_declarations(self.fleet, self.domain, list(events))
+                if new is not None:
+                    await self.apply_slots(new)
+        finally:
+            await cancel_and_wait(follower)
+
+    async def apply_slots(self, new: HostSlots) -> dict[str, list[str]]:
+        """Move this host from its slots to `new` without a restart. Returns what was done, by path."""
+        async with self._reconcile_lock:
+            diff = diff_models(self.slots.admitted_models, new.admitted_models)
+            self.slots, self.policy = new, new.policy
+            done: dict[str, list[str]] = {"started": [], "stopped": [], "replaced": [], "pending": []}
+            for name in diff.removed:
+                self.pending.pop(name, None)
+                await self._retire(name, "the layout no longer has this model")
+                done["stopped"].append(name)
+            for spec in diff.added:
+                m = self.models[spec.name] = self._new_slot(spec)
+                rec = await self.log.last(m.subject)
+                if rec is not None:
+                    m.seq = rec.seq
+                    if rec.event is not None:
+                        with contextlib.suppress(IllegalTransition):
+                            m.state = to_state(rec.event, rec.seq)
+                self.supervisors[spec.name] = self._spawn_task(self._supervise(m), f"model:{spec.name}")
+                done["started"].append(spec.name)
+            for spec in diff.changed:
+                if self.role == "active" and self.models[spec.name].state_tag in LIVE_STATES:
+                    self.pending[spec.name] = spec
+                    done["pending"].append(spec.name)
+                else:
+                    await self._replace(spec)
+                    done["replaced"].append(spec.name)
+            for name in diff.unchanged:
+                self.pending.pop(name, None)  # changed back before it was applied
+            if any(done.values()):
+                self.logger.info("layout applied live", **{k: v for k, v in done.items() if v})
+            if done["pending"]:
+                self.logger.warning("changes wait for this domain to be the standby (they would interrupt models it "
+                                    "serves as the active domain): promote the other domain to apply them",
+                                    models=done["pending"])
+            return done
+
+    async def apply_pending(self) -> None:
+        """The domain is the standby now: replace the models whose change waited, once the operation that
+        moved the route has finished (its last step settles this domain: the change comes after it)."""
+        deadline = time.monotonic() + self.policy.command_timeout_ms / 1000 * 6
+        while time.monotonic() < deadline and not self.stopping:
+            rec = await self.log.last(subjects.op(self.fleet))
+            if rec is None or rec.event is None or tag_of(rec.event) in ("operation_completed", "operation_aborted", "failover_declined",
+                                                    "eligibility_changed"):
+                break
+            await asyncio.sleep(0.2)
+        async with self._reconcile_lock:
+            for name, spec in list(self.pending.items()):
+                if self.role != "standby":
+                    return
+                del self.pending[name]
+                await self._replace(spec)
+
+    async def _retire(self, name: str, why: str) -> None:
+        m = self.models.get(name)
+        if m is None:
+            return
+        task = self.supervisors.pop(name, None)
+        if task is not None:
+            await cancel_and_wait(task)
+        async with m.lock:
+            was_alive = m.runtime.alive()
+            m.on_purpose = True
+            if m.runtime.kind != "external":
+                await m.runtime.stop(RUNTIME_STOP_GRACE_S)
+            self._drop_identity(name)
+            if (was_alive or m.runtime.kind == "external") and m.state_tag in LIVE_STATES | {"lost"}:
+                await self._record(m, ModelStopped(at=now(), domain=self.domain, model=name, detail=why))
+        m.exited.set()
+        del self.models[name]
+
+    async def _replace(self, spec: ModelSpec) -> None:
+        await self._retire(spec.name, "the layout changed this model")
+        m = self.models[spec.name] = self._new_slot(spec)
+        rec = await self.log.last(m.subject)
+        if rec is not None:
+            m.seq = rec.seq
+            if rec.event is not None:
+                with contextlib.suppress(IllegalTransition):
+                    m.state = to_state(rec.event, rec.seq)
+        self.supervisors[spec.name] = self._spawn_task(self._supervise(m), f"model:{spec.name}")
 
     # --------------------------------------------------------------------------------------- writes
 
@@ -462,6 +737,8 @@ class Agent:
                 if rec.event.active != self.active_domain:
                     self.logger.info("route moved", active=rec.event.active, revision=rec.seq)
                 self.active_domain, self.route_revision = rec.event.active, rec.seq
+                if self.pending and self.role == "standby":
+                    self._spawn_task(self.apply_pending(), "apply-pending")
 
         while not self.stopping:
             try:
@@ -595,10 +872,12 @@ class Agent:
 
     async def _supervise(self, m: ModelSlot) -> None:
         log = self.logger.bind(model=m.name)
-        if m.state_tag in LIVE_STATES and m.runtime.kind != "external":
-            # Its runtime died with the previous agent (PDEATHSIG): the chain says so before we reload.
+        adopted = m.name in self.adoptable
+        if not adopted and m.state_tag in LIVE_STATES and m.runtime.kind != "external":
+            # Its runtime is gone (it died while no agent watched, or an agent before issue 14 took it
+            # along): the chain says so, once, before we reload.
             await self._record(m, ModelLost(at=now(), domain=self.domain, model=m.name, reason="process_exited",
-                                            detail="the previous agent stopped without unloading it"))
+                                            detail=self.away.pop(m.name, "the previous agent stopped without unloading it")))
         first = True
         while not self.stopping:
             if not first and await self._pause(self._backoff_s(m.failures)):
@@ -610,7 +889,8 @@ class Agent:
             if standby and not first:
                 paused = await self._make_room(m.spec.gpu_index)
             try:
-                ready = await self._load(m)
+                ready = await (self._adopt(m) if adopted else self._load(m))
+                adopted = False
                 if ready and self.role == "standby" and m.runtime.can_sleep:
                     async with m.lock:
                         if m.state_tag == "resident":
@@ -667,7 +947,7 @@ class Agent:
                 return False
             await self._record(m, ModelLoading(at=now(), domain=self.domain, model=m.name, endpoint=m.runtime.base_url,
                                                pid=m.runtime.pid or 0, attempt=m.attempt))
-            self._write_children()
+            self._write_identity(m)
             if m.runtime.kind != "external":
                 self._spawn_task(self._exit_waiter(m, m.generation), f"exit:{m.name}:{m.generation}")
         poll = LOADING_POLL_S
@@ -711,12 +991,13 @@ class Agent:
             await self._record(m, ModelFailed(at=now(), domain=self.domain, model=m.name, runtime_said=said))
         elif not m.on_purpose and not self.stopping:
             tail = m.runtime.output_tail(600).strip().splitlines()
-            detail = f"the runtime exited with code {code}"
+            detail = (f"the runtime exited with code {code}" if code is not None else
+                      f"the adopted runtime (pid {m.runtime.pid}) exited; its exit status went to its reaper")
             if tail:
                 detail += f"; last output: {tail[-1][:300]}"
             await self._record(m, ModelLost(at=now(), domain=self.domain, model=m.name, reason="process_exited",
                                             detail=detail, exit_code=code))
-        self._write_children()
+        self._drop_identity(m.name)  # it is gone: nothing to adopt
         m.exited.set()
 
     async def _watch(self, m: ModelSlot) -> None:
@@ -1036,6 +1317,9 @@ class Agent:
             "serving_url": self.serving_url,
             "source": self.slots.source,
             "models": models,
+            # changes applied live that wait for this domain to be the standby (they would interrupt a model
+            # it serves as the active domain)
+            "pending_layout": sorted(self.pending),
             "not_admitted": dict(self.slots.not_admitted),
             "training": training,
             "gpus": gpus,
@@ -1126,6 +1410,46 @@ def _gpu_changed(last: GpuObserved, r: GpuReading, usage: list | None = None, fo
     if abs(last.memory_used_bytes - r.memory_used_bytes) >= GPU_USED_THRESHOLD:
         return True
     return {p.pid for p in last.processes} != {p.pid for p in r.processes}
+
+
+def runtime_on_start(doc: dict | None, runtime, spec: ModelSpec | None) -> tuple[str, str]:
+    """What a starting agent does with the runtime an identity file names: ("adopt" | "replace" | "stop" |
+    "start", why). `runtime` is the model's Runtime under the current layout (None: the layout dropped
+    it). Whether the adopted process answers is checked at start, not here."""
+    if doc is None:
+        return "start", "no runtime of a previous agent"
+    pid, start, port = int(doc.get("pid", 0)), doc.get("start"), int(doc.get("port", 0))
+    if not proc_alive(pid, start):
+        reused = _start_time(pid) not in ("", str(start))
+        return "start", (f"the runtime (pid {pid}) exited while no agent was watching it"
+                         + ("; its pid now belongs to an unrelated process, left alone" if reused else ""))
+    if runtime is None or spec is None:
+        return "stop", "the layout no longer has this model"
+    planned = getattr(runtime, "planned_argv", lambda _p: None)(port)
+    if runtime.kind != doc.get("runtime") or planned != doc.get("argv") or (spec.port and spec.port != port):
+        return "replace", f"the layout changed this model (pid {pid} runs another command line)"
+    return "adopt", f"pid {pid} still runs the planned command line on port {port}"
+
+
+def read_identities(state_dir: Path) -> dict[str, tuple[Path, dict | None]]:
+    """model -> (identity file, its document or None if unreadable)."""
+    out: dict[str, tuple[Path, dict | None]] = {}
+    try:
+        files = sorted((state_dir / "runtimes").glob("*.json"))
+    except OSError:
+        return out
+    for path in files:
+        try:
+            doc = json.loads(path.read_text())
+            int(doc["pid"]), int(doc["start"]), int(doc["port"])
+            out[str(doc["model"])] = (path, doc)
+        except (OSError, ValueError, KeyError, TypeError):
+            out[f"?{path.name}"] = (path, None)
+    return out
+
+
+def _file_token(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:100]
 
 
 def _pid_alive(pid: int) -> bool:

@@ -221,3 +221,24 @@ def fold_declarations(fleet: str, domain: str, events: list[object]) -> HostSlot
         first_domain=next(iter(d.domains), domain),
         source="declared",
     )
+
+
+class ModelsDiff(msgspec.Struct, frozen=True, kw_only=True):
+    """How one host's admitted models change from one layout to the next (by name)."""
+
+    added: list[ModelSpec] = []
+    removed: list[str] = []
+    changed: list[ModelSpec] = []  # same name, another spec (source, VRAM, context, args, ...): replaced
+    unchanged: list[str] = []
+
+
+def diff_models(old: list[ModelSpec], new: list[ModelSpec]) -> ModelsDiff:
+    """Pure: what a live apply does to each model. A model whose spec is equal is untouched."""
+    before = {m.name: m for m in old}
+    after = {m.name: m for m in new}
+    return ModelsDiff(
+        added=[m for n, m in after.items() if n not in before],
+        removed=[n for n in before if n not in after],
+        changed=[m for n, m in after.items() if n in before and before[n] != m],
+        unchanged=[n for n, m in after.items() if n in before and before[n] == m],
+    )

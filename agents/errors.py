@@ -58,6 +58,10 @@ class Unverified(RuntimeProblem):
     code = "unverified"
 
 
+class PortHolderError(AgentError):
+    """The serving port's holder (agents/portholder.py) could not be started or reached."""
+
+
 class TrainingProblem(AgentError):
     code = "training_failed"
 

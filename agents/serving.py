@@ -26,7 +26,9 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from agents import probes
+from agents import portholder, probes
+from agents.errors import PortHolderError
+from agents.runtimes.base import runtimes_die_with_agent
 from haru.errors import ConfigError
 from haru.httpguard import TOO_DEEP, BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
 
@@ -43,6 +45,7 @@ _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "traile
                   "proxy-authorization", "content-length", "server", "date"})
 
 
+SERVING_DRAIN_S = 60.0  # an agent stopping lets the requests in flight (streams too) finish, this long at most
 _DIAGNOSIS_REUSE_S = 0.25  # how long one diagnosis of a failing runtime answers for the next failures
 
 
@@ -103,24 +106,33 @@ class ServingProxy:
         self.server = server
         self._runner = web.ServerRunner(server, handle_signals=False, access_log=None)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.host, self.port)
+        # The listening socket comes from the port holder, which outlives this agent: a restart never
+        # closes the port (agents/portholder.py says how, docs/architecture.md why).
         try:
+            sock = await asyncio.to_thread(portholder.listening_socket, self.agent.state_dir, self.host or "127.0.0.1",
+                                           self.port, die_with_agent=runtimes_die_with_agent())
+            self._site = web.SockSite(self._runner, sock, backlog=portholder.BACKLOG,
+                                      shutdown_timeout=SERVING_DRAIN_S)
             await self._site.start()
-        except OSError as exc:
+        except (OSError, PortHolderError) as exc:
             await self._runner.cleanup()
             await self._session.close()
-            raise ConfigError(f"cannot open the serving port {self.host}:{self.port}: {exc.strerror}; free it or set "
+            raise ConfigError(f"cannot open the serving port {self.host}:{self.port}: "
+                              f"{getattr(exc, 'strerror', None) or exc}; free it or set "
                               f'"serving": {{"port": ...}} in the agent config') from exc
-        if not self.port:
-            sockets = self._site._server.sockets  # type: ignore[union-attr]
-            self.port = sockets[0].getsockname()[1]
+        self.port = sock.getsockname()[1]
         self.logger.info("serving port open", url=self.url)
 
     async def stop(self) -> None:
+        """Stop accepting, let the requests in flight finish (streams included, up to SERVING_DRAIN_S),
+        close idle kept-alive connections (the gateway resends what it had not yet sent on one). The
+        port stays open in its holder unless the agent stops for good."""
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
+        if not self.agent.keep_runtimes:
+            await asyncio.to_thread(portholder.stop_holder, self.agent.state_dir)
 
     def _authorized(self, request: web.BaseRequest) -> bool:
         if not self.token:
@@ -215,27 +227,53 @@ class ServingProxy:
     async def _forward(self, request: web.BaseRequest, m, url: str, body: bytes) -> web.StreamResponse:
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASS_REQUEST}
-        try:
-            async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as upstream:
-                if upstream.status >= 500 or upstream.status == 404:
-                    translated = await self._diagnose(m, upstream.status)
-                    if translated is not None:
-                        return translated
-                out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
-                streaming = upstream.content_length is None or "text/event-stream" in upstream.headers.get("Content-Type", "")
-                if not streaming:
-                    data = await upstream.read()
-                    return web.Response(status=upstream.status, body=data, headers=out_headers)
-                response = web.StreamResponse(status=upstream.status, headers=out_headers)
-                await response.prepare(request)  # type: ignore[arg-type]
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
-                return response
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-            if request.transport is None or request.transport.is_closing():
-                raise asyncio.CancelledError from exc
-            translated = await self._diagnose(m, 502)
-            if translated is not None:
-                return translated
-            return error(502, "upstream_unreachable", f"the runtime at {url} did not answer: {exc}")
+        for attempt in (0, 1):
+            head = [False]
+            try:
+                return await self._forward_once(request, m, url, body, headers, head)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt == 0 and not head[0] and _not_sent(exc) and not (request.transport is None
+                                                                              or request.transport.is_closing()):
+                    continue  # a kept-alive connection the runtime had closed (llama-server: after 100 requests)
+                return await self._unreachable(request, m, url, exc)
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                return await self._unreachable(request, m, url, exc)
+        raise AssertionError("unreachable")
+
+    async def _unreachable(self, request: web.BaseRequest, m, url: str, exc: BaseException) -> web.StreamResponse:
+        if request.transport is None or request.transport.is_closing():
+            raise asyncio.CancelledError from exc
+        translated = await self._diagnose(m, 502)
+        if translated is not None:
+            return translated
+        return error(502, "upstream_unreachable", f"the runtime at {url} did not answer: {exc}")
+
+    async def _forward_once(self, request: web.BaseRequest, m, url: str, body: bytes, headers: dict,
+                            head: list[bool]) -> web.StreamResponse:
+        assert self._session is not None
+        async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as upstream:
+            head[0] = True
+            if upstream.status >= 500 or upstream.status == 404:
+                translated = await self._diagnose(m, upstream.status)
+                if translated is not None:
+                    return translated
+            out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+            streaming = upstream.content_length is None or "text/event-stream" in upstream.headers.get("Content-Type", "")
+            if not streaming:
+                data = await upstream.read()
+                return web.Response(status=upstream.status, body=data, headers=out_headers)
+            response = web.StreamResponse(status=upstream.status, headers=out_headers)
+            await response.prepare(request)  # type: ignore[arg-type]
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+
+def _not_sent(exc: BaseException) -> bool:
+    """Whether the runtime cannot have acted on the request: the connection (a kept-alive one the runtime
+    closed) failed before any byte of a response, while the body was being written or before the runtime
+    said anything. Such a request is sent once more on a fresh connection; never one that got an answer."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and "write request body" in str(exc)

@@ -11,8 +11,9 @@ chat is steady again. Printed per fault: requests sent and failed in the window,
 events lost (stored events checked against the writer's acks after each fault). Goals from issue
 16: 0 lost; a failure window <= 2 s for every fault.
 
-`agent a` is the active domain's agent: its runtimes die with it, so chat fails until the promoter
-fails over (heartbeat silence past the demo policy's 3 s) or the agent restarts and reloads.
+`agent a` is the active domain's agent: its runtimes and its serving port outlive it (issue 14), so
+chat waits for `haru up` to restart it and the new agent to adopt them; only requests it was
+forwarding at the kill can fail.
 """
 
 from __future__ import annotations

@@ -240,3 +240,34 @@ async def apply(log, layout: Layout, now: datetime, *, dry_run: bool = False, re
                 raise
             continue
         return ApplyResult(layout.fleet, the_plan, events, seqs, last, attempts=attempt)
+
+
+def change_paths(events: list[Event], active: str) -> list[str]:
+    """Pure: the path each declared change takes to the running agents (`haru apply --dry-run` says it).
+
+    Agents that read the declarations apply model changes live (docs/agent.md, "Layouts applied live"):
+    a new model is started, a retired one stopped, a changed one replaced at once on the standby; on the
+    `active` domain a changed model keeps serving its old spec until that domain is the standby (a
+    promotion of the other domain rolls it). Everything else is read when an agent starts.
+    """
+    lines = []
+    for e in events:
+        tag = type(e).__struct_config__.tag  # type: ignore[attr-defined]
+        domain = getattr(e, "domain", "")
+        if tag == "model_declared":
+            lines.append(f"{domain}/{e.spec.name}: new: started live (no restart; the other models see no event)")
+        elif tag == "model_retired":
+            lines.append(f"{domain}/{e.model}: retired: stopped live (model_stopped)")
+        elif tag == "model_changed":
+            if domain == active:
+                lines.append(f"{domain}/{e.spec.name}: changed on the ACTIVE domain: keeps serving as it is until "
+                             f"{domain} is the standby, then replaced there (promote the other domain to roll it: "
+                             f"its copy is replaced first, as a standby)")
+            else:
+                lines.append(f"{domain}/{e.spec.name}: changed on a standby: replaced live (stopped, loaded, put "
+                             f"back to sleep)")
+        elif tag.startswith("training_") or tag.startswith("domain_") or tag in ("policy_changed", "fleet_declared"):
+            what = getattr(e, "name", "") or getattr(getattr(e, "spec", None), "name", "") or getattr(e, "slot", "")
+            lines.append(f"{domain or 'fleet'}{'/' + what if what else ''}: {tag}: read when the agent starts "
+                         f"(restart it: its runtimes are adopted)")
+    return lines

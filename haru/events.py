@@ -206,6 +206,23 @@ class ModelFailed(Event, frozen=True, kw_only=True, tag="model_failed"):
     runtime_said: str
 
 
+class ModelAdopted(Event, frozen=True, kw_only=True, tag="model_adopted"):
+    """A starting agent found the runtime its predecessor started still serving, and kept it: no load.
+
+    Adopted only when the process is the one recorded (pid and kernel start time), its command line is
+    the plan's, `/health` passes and `/v1/models` lists the model. `asleep` says how it was found (a
+    sleeping vLLM stays asleep): the model is `sleeping` (at `level`) after it, else `resident`.
+    """
+
+    domain: str
+    model: str
+    pid: int = 0
+    endpoint: str = ""
+    asleep: bool = False
+    level: int = 1
+    detail: str = ""
+
+
 class ModelStopped(Event, frozen=True, kw_only=True, tag="model_stopped"):
     """Unloaded on purpose (agent shutdown, model retired)."""
 
@@ -406,6 +423,7 @@ AnyEvent = Union[
     ModelLost,
     ModelFailed,
     ModelStopped,
+    ModelAdopted,
     GpuObserved,
     TrainingStarted,
     TrainingStopped,
@@ -425,7 +443,10 @@ AnyEvent = Union[
     RouteMoved,
 ]
 
-RESIDENCY_EVENTS = (ModelPulling, ModelLoading, ModelResident, ModelSleeping, ModelWaking, ModelLost, ModelFailed, ModelStopped)
+RESIDENCY_EVENTS = (
+    ModelPulling, ModelLoading, ModelResident, ModelSleeping, ModelWaking, ModelLost, ModelFailed, ModelStopped,
+    ModelAdopted,
+)
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(AnyEvent)

@@ -240,6 +240,7 @@ SHORT_NAMES: dict[str, str] = {
     "model_failed": "failed",
     "model_stopped": "unloaded",
     "model_fetched": "fetched",
+    "model_adopted": "adopted",
 }
 
 _DECL_FOR_MODEL = (ev.ModelDeclared, ev.ModelChanged, ev.ModelRetired)

@@ -10,6 +10,7 @@ States (a tagged union on `state`):
     resident{since, warmup_ms}   loaded AND answering AND accounted for
     sleeping{level}              vLLM level-1 sleep: weights in CPU RAM, VRAM freed
     waking{since}                coming back from sleep
+    (model_adopted keeps a runtime that outlived its agent: resident, or sleeping if found asleep)
     lost{reason, detail}         evicted | gpu_detached | process_exited | unhealthy
     failed{runtime_said}         will not load, and what the runtime said
     stopped                      unloaded on purpose
@@ -129,6 +130,9 @@ def state_name(state: State) -> str:
 # Events as the table sees them: a residency event's tag, or the planner's verdict split in two.
 ADMITTED = "admission_decided:admitted"
 REFUSED = "admission_decided:not_admitted"
+# A runtime a starting agent adopted (haru.events.ModelAdopted), split by how it was found.
+ADOPTED_AWAKE = "model_adopted:awake"
+ADOPTED_ASLEEP = "model_adopted:asleep"
 
 RESIDENCY_EVENT_KEYS: tuple[str, ...] = (
     "model_pulling",
@@ -139,6 +143,8 @@ RESIDENCY_EVENT_KEYS: tuple[str, ...] = (
     "model_lost",
     "model_failed",
     "model_stopped",
+    ADOPTED_AWAKE,
+    ADOPTED_ASLEEP,
     ADMITTED,
     REFUSED,
 )
@@ -218,6 +224,11 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     ("not_admitted", ADMITTED): "unknown",  # a new layout makes it fit: unknown until observed
     ("not_admitted", REFUSED): "not_admitted",  # still refused; the shortfall may have changed
 }
+# A runtime that outlived its agent, adopted by the next one (no load): whatever the previous agent last
+# recorded while the process lived (it may have died mid-load or mid-wake), the state is what is found.
+for _s in ("unknown", "loading", "resident", "sleeping", "waking", "lost"):
+    TRANSITIONS[(_s, ADOPTED_AWAKE)] = "resident"
+    TRANSITIONS[(_s, ADOPTED_ASLEEP)] = "sleeping"
 # The planner's verdict applies in every state: refused -> not_admitted; admitted keeps what is observed.
 for _s in STATE_TAGS:
     if _s != "not_admitted":
@@ -231,6 +242,8 @@ def event_key(event: object) -> str:
     tag = _tag(event)
     if tag == "admission_decided":
         return ADMITTED if event.admitted else REFUSED  # type: ignore[attr-defined]
+    if tag == "model_adopted":
+        return ADOPTED_ASLEEP if event.asleep else ADOPTED_AWAKE  # type: ignore[attr-defined]
     return tag
 
 
@@ -268,6 +281,8 @@ _ESTABLISHES: dict[str, Callable[[Any, datetime | None, int], Residency]] = {
     "model_lost": lambda e, at, seq: Lost(since=at, seq=seq, reason=e.reason, detail=e.detail),
     "model_failed": lambda e, at, seq: Failed(since=at, seq=seq, runtime_said=e.runtime_said),
     "model_stopped": lambda e, at, seq: Stopped(since=at, seq=seq, detail=e.detail),
+    ADOPTED_AWAKE: lambda e, at, seq: Resident(since=at, seq=seq, endpoint=e.endpoint),
+    ADOPTED_ASLEEP: lambda e, at, seq: Sleeping(since=at, seq=seq, level=e.level),
 }
 
 
@@ -292,6 +307,8 @@ def _evolve(state: Residency, event: object, seq: int, subject: str) -> Residenc
     key = _TAGS.get(type(event)) or _tag(event)
     if key == "admission_decided":
         key = ADMITTED if event.admitted else REFUSED  # type: ignore[attr-defined]
+    elif key == "model_adopted":
+        key = ADOPTED_ASLEEP if event.asleep else ADOPTED_AWAKE  # type: ignore[attr-defined]
     result = TRANSITIONS.get((current, key))
     if result is None:
         raise IllegalTransition(current, key, subject)
@@ -319,7 +336,7 @@ def _step(state_cls: type, event_cls: type) -> Callable[[Any, Any, int], Residen
     key = event_cls.__struct_config__.tag  # type: ignore[attr-defined]
     result = TRANSITIONS.get((current, key))
     build = _ESTABLISHES.get(key)
-    if result is None or build is None or key == "admission_decided":
+    if result is None or build is None or key in ("admission_decided", "model_adopted"):
         return None
     if result == "not_admitted":
         return lambda state, e, seq: state  # a stop or exit changes nothing about the verdict
@@ -408,7 +425,7 @@ def answer(state: Residency, now: datetime) -> Answer:
 def transition_table_markdown() -> str:
     """The legal transitions as a Markdown table (state rows, event columns): what the docs show."""
     events = RESIDENCY_EVENT_KEYS
-    short = {ADMITTED: "admitted", REFUSED: "refused"}
+    short = {ADMITTED: "admitted", REFUSED: "refused", ADOPTED_AWAKE: "adopted", ADOPTED_ASLEEP: "adopted asleep"}
     head = "| state \\ event | " + " | ".join(short.get(e, e.removeprefix("model_")) for e in events) + " |"
     rule = "|---" * (len(events) + 1) + "|"
     rows = [head, rule]

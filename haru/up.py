@@ -358,13 +358,13 @@ def start_service(kind: str, nats_url: str, home: Path, metrics_port: int | None
                  metrics_port=metrics_port)
 
 
-async def stop_children(kids: list[Child], timeout: float) -> None:
+async def stop_children(kids: list[Child], timeout: float, sig: int = signal.SIGTERM) -> None:
     """SIGTERM each child (an agent records what it unloads and reaps its runtimes), then SIGKILL the
     stragglers' process groups; whatever a child left in its group goes with it."""
     for c in kids:
         if c.proc is not None and c.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                c.proc.send_signal(signal.SIGTERM)
+                c.proc.send_signal(sig)
     deadline = time.monotonic() + timeout
     for c in kids:
         if c.proc is None:
@@ -381,7 +381,8 @@ async def stop_children(kids: list[Child], timeout: float) -> None:
 
 
 async def stop_agents(agents: list[Child], timeout: float = AGENT_STOP_S) -> None:
-    await stop_children(agents, timeout)
+    """SIGINT: an agent stopping for good unloads its runtimes (SIGTERM would leave them for a next agent)."""
+    await stop_children(agents, timeout, sig=signal.SIGINT)
 
 
 async def supervise(child: Child, running: "Running", policy: RestartPolicy = POLICY,

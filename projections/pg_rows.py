@@ -141,9 +141,13 @@ _STATE = {
 def transition_row(seq: int, fleet: str, recorded_at: datetime, e: Any) -> tuple:
     """One residency event as a `residency_transitions` row (TRANSITION_COLUMNS order)."""
     kind = type(e)
-    state = _STATE[kind]
     reason = warmup_ms = exit_code = None
     detail = ""
+    if kind is ev.ModelAdopted:  # a runtime kept through an agent restart: its state is how it was found
+        state = "sleeping" if e.asleep else "resident"
+        detail = e.detail
+    else:
+        state = _STATE[kind]
     if kind is ev.ModelResident:
         warmup_ms = e.warmup_ms
     elif kind is ev.ModelLost:
@@ -208,7 +212,7 @@ def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
             continue
         kind = type(e)
 
-        if kind in _STATE:
+        if kind in _STATE or kind is ev.ModelAdopted:
             row = transition_row(seq, fleet, recorded_at, e)
             transitions.append(row)
             if kind is ev.ModelLost:

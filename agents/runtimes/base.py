@@ -16,6 +16,7 @@ import ctypes
 import os
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +25,7 @@ import aiohttp
 import msgspec
 
 from agents.errors import OutOfMemory, ProbeFailed, RuntimeRefused, RuntimeUnreachable
+from haru.children import start_time
 from haru.launch import ArgConflict, Launch
 from haru.launch import launch as plan_launch
 from haru.specs import ModelSpec
@@ -79,15 +81,33 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """preexec_fn: the child gets SIGKILL when the agent dies, even by SIGKILL (Linux prctl).
+    """preexec_fn for trainers: SIGTERM (their grace to checkpoint) when the agent dies, even by SIGKILL.
 
-    Runtimes and trainers run in their own sessions (so the agent can signal their whole process
-    group); without this an agent killed with SIGKILL would leave them holding ports and VRAM.
+    Trainers run in their own sessions (so the agent can signal their whole process group); the next
+    agent stops whatever ignored the signal, with the slot's grace, and records it. Runtimes do NOT get
+    this: they outlive the agent, and the next agent adopts them (`ProcessRuntime.adopt`).
     """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: the agent's pid file sweep covers it
+        pass
+
+
+RUNTIMES_DIE_ENV = "HARU_RUNTIMES_DIE_WITH_AGENT"
+
+
+def runtimes_die_with_agent() -> bool:
+    """Tests written before issue 14 only: `HARU_RUNTIMES_DIE_WITH_AGENT=1` gives runtimes SIGKILL when
+    their agent dies, and makes the agent's SIGTERM unload them (as SIGINT does), so a test that kills
+    an agent leaves nothing behind. Never in production: it brings back the outage issue 14 removed."""
+    return os.environ.get(RUNTIMES_DIE_ENV, "") == "1"
+
+
+def _runtime_die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
         pass
 
 
@@ -253,8 +273,12 @@ class ProcessRuntime(HttpRuntime):
         self.bind_host = bind_host or "127.0.0.1"
         self._log_dir = Path(log_dir)
         self._base_env = dict(os.environ if base_env is None else base_env)
-        self._proc: asyncio.subprocess.Process | None = None
-        self._exit: asyncio.Future[int] | None = None
+        self._popen: subprocess.Popen | None = None  # ours; None for an adopted runtime
+        self._pid: int | None = None
+        self._start: int | None = None  # kernel start time of `_pid` (/proc/<pid>/stat)
+        self._exit: asyncio.Future[int | None] | None = None
+        self._adopted = False  # taken over from a previous agent, not our child
+        self._argv: list[str] = []
         self._log_path = self._log_dir / f"runtime-{_file_token(spec.name)}.log"
         self.gpu_memory_bytes = gpu_memory_bytes  # the GPU's declared memory: vLLM's fraction is of it
 
@@ -289,16 +313,24 @@ class ProcessRuntime(HttpRuntime):
         return self.launch().env
 
     # -- process
+    #
+    # The runtime is a plain Popen child (not an asyncio subprocess: asyncio kills a child whose
+    # transport it closes, and a runtime must outlive the agent). Its exit is watched through a pidfd,
+    # the same way for a child of ours and for a runtime adopted from a previous agent.
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._pid
+
+    @property
+    def adopted(self) -> bool:
+        return self._adopted
 
     @property
     def log_path(self) -> Path:
         return self._log_path
 
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.returncode is None
+        return self._pid is not None and self._exit is not None and not self._exit.done()
 
     async def start(self) -> None:
         if self.alive():
@@ -312,41 +344,103 @@ class ProcessRuntime(HttpRuntime):
             log.write(f"--- haru agent starting: {' '.join(argv)}\n".encode())
             log.flush()
             try:
-                self._proc = await asyncio.create_subprocess_exec(
-                    *argv,
-                    stdin=asyncio.subprocess.DEVNULL,
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
                     stdout=log,
-                    stderr=asyncio.subprocess.STDOUT,
+                    stderr=subprocess.STDOUT,
                     env=planned.env,
+                    # Its own session, and no parent-death signal: it outlives the agent (a restart, an
+                    # upgrade, a crash) and the next agent adopts it from its identity file.
                     start_new_session=True,
-                    preexec_fn=die_with_parent,
+                    preexec_fn=_runtime_die_with_parent if runtimes_die_with_agent() else None,
                 )
             except OSError as exc:
                 raise RuntimeUnreachable(f"{self.spec.name}: cannot start {argv[0]!r}: {exc}") from exc
-        proc = self._proc
-        self._exit = asyncio.ensure_future(proc.wait())
+        self._popen = proc
+        self._argv = list(argv)
+        self._watch(proc.pid, start_time(proc.pid), child=proc)
+
+    def _watch(self, pid: int, start: int | None, child: subprocess.Popen | None) -> bool:
+        """Watch `pid`'s exit through a pidfd. False if it is not the process started at `start` any more."""
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            fd = -1
+        if fd < 0 or (child is None and start_time(pid) != start):  # gone, or its pid reused
+            if fd >= 0:
+                os.close(fd)
+            if child is None:
+                return False
+        done: asyncio.Future = loop.create_future()
+
+        def exited() -> None:
+            if fd >= 0:
+                loop.remove_reader(fd)
+                os.close(fd)
+            if not done.done():
+                # Our child: its status (negative = signal). An adopted one is not ours to reap.
+                done.set_result(child.wait() if child is not None else None)
+
+        if fd >= 0:
+            loop.add_reader(fd, exited)
+        else:
+            exited()
+        self._pid, self._start, self._adopted, self._exit = pid, start, child is None, done
+        return True
+
+    # -- a runtime that outlived its agent
+    def identity(self) -> dict | None:
+        """What the next agent needs to adopt this process: pid, kernel start time, argv, port, model, plan."""
+        if not self.alive() or self._pid is None:
+            return None
+        return {"pid": self._pid, "start": self._start, "argv": self._argv, "port": self._port,
+                "model": self.spec.name, "runtime": self.kind, "plan": msgspec.to_builtins(self.spec)}
+
+    def planned_argv(self, port: int) -> list[str] | None:
+        """The argv this runtime would be started with on `port` (None: the plan cannot be built)."""
+        saved = self._port
+        self._port = port
+        try:
+            return self.launch().argv
+        except RuntimeRefused:
+            return None
+        finally:
+            self._port = saved
+
+    def adopt(self, pid: int, start: int, port: int, argv: list[str]) -> bool:
+        """Take over a live runtime a previous agent started. False if it is not that process any more
+        (gone, or its pid reused by an unrelated process: never signalled then)."""
+        if self.alive():
+            return False
+        self._port = port
+        self._argv = list(argv)
+        self._popen = None
+        return self._watch(pid, start, child=None)
 
     async def wait_exit(self) -> int | None:
-        """Resolves when the current process exits, with its exit code (negative = signal)."""
+        """Resolves when the current process exits, with its exit code (negative = signal; None for an
+        adopted runtime, whose status goes to its reaper)."""
         if self._exit is None:
             await asyncio.Future()  # never started: never exits
         return await asyncio.shield(self._exit)  # type: ignore[arg-type]
 
     async def stop(self, grace_s: float) -> int | None:
         """SIGTERM to the process group, SIGKILL after `grace_s`; returns the exit code."""
-        proc = self._proc
-        if proc is None:
+        pid, done = self._pid, self._exit
+        if pid is None or done is None:
             return None
-        if proc.returncode is None:
-            killpg(proc.pid, signal.SIGTERM)
+        if not done.done():
+            killpg(pid, signal.SIGTERM)
             try:
                 async with asyncio.timeout(grace_s):
-                    await asyncio.shield(self._exit)  # type: ignore[arg-type]
+                    await asyncio.shield(done)
             except asyncio.TimeoutError:
-                killpg(proc.pid, signal.SIGKILL)
-                await asyncio.shield(self._exit)  # type: ignore[arg-type]
-        killpg(proc.pid, signal.SIGKILL)  # stragglers left in the group
-        return proc.returncode
+                killpg(pid, signal.SIGKILL)
+                await asyncio.shield(done)
+        killpg(pid, signal.SIGKILL)  # stragglers left in the group (a pgid is not reused while it has members)
+        return done.result()
 
     def output_tail(self, limit: int = 2000) -> str:
         try:

@@ -1,5 +1,8 @@
 """`haru agent --config host.json`: run this host's agent (one per domain) until SIGTERM/SIGINT.
 
+SIGTERM (a restart, an upgrade: what `systemctl restart` sends) stops the agent and leaves every
+runtime serving for the next agent to adopt; SIGINT (Ctrl-C, `haru up` stopping) unloads them first.
+
 Exit statuses: 0 after a clean stop; CONFLICT (4) when another agent already runs the domain;
 UNAVAILABLE (6) when NATS cannot be reached; ERROR (1) for a config that cannot be used.
 """
@@ -52,7 +55,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     def on_signal(name: str) -> None:
         stop_signal.append(name)
         if agent_box:
-            agent_box[0].request_stop(f"signal {name}")
+            agent_box[0].request_stop(f"signal {name}", keep_runtimes=name == "SIGTERM")
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
@@ -62,7 +65,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         async with Agent.start(config) as agent:
             agent_box.append(agent)
             if stop_signal:
-                agent.request_stop(f"signal {stop_signal[0]}")
+                agent.request_stop(f"signal {stop_signal[0]}", keep_runtimes=stop_signal[0] == "SIGTERM")
             async with maybe_serve([registry_for(agent)], metrics):
                 await agent.stopped()
     except AgentRefused as exc:
@@ -103,6 +106,7 @@ async def dry_run(config, *, as_json: bool) -> ExitStatus:
                    for m in slots.admitted_models],
         "training": [{"slot": t.slot, "gpu": t.gpu_index, "command": t.command} for t in slots.admitted_training],
         "not_admitted": slots.not_admitted,
+        "runtimes": _runtimes_on_start(config, slots),
     }
     if as_json:
         emit_json(out)
@@ -114,4 +118,33 @@ async def dry_run(config, *, as_json: bool) -> ExitStatus:
         print(f"  training {t['slot']:<32} gpu {t['gpu']}  {' '.join(t['command'])}")
     for name, short in slots.not_admitted.items():
         print(f"  not admitted {name} (short by {short / 1024**3:.1f} GiB)")
+    for name, (verdict, why) in out["runtimes"].items():
+        print(f"  on start {verdict:<8} {name}: {why}")
     return ExitStatus.OK
+
+
+def _runtimes_on_start(config, slots) -> dict[str, tuple[str, str]]:
+    """Per model, what a starting agent would do with the runtime a previous agent left (adopt, replace,
+    stop, start), from the identity files in the state directory."""
+    from agents.agent import read_identities, runtime_on_start
+    from agents.runtimes import make_runtime
+
+    state_dir = config.state_path()
+    found = read_identities(state_dir)
+    gpu_memory = {g.index: g.memory_bytes for g in slots.domain.spec.gpus}
+    direct = slots.domain.spec.serve == "direct"
+    out: dict[str, tuple[str, str]] = {}
+    for spec in slots.admitted_models:
+        runtime = make_runtime(spec, session=None, log_dir=state_dir,  # type: ignore[arg-type]
+                               bind_host=config.serving.host if direct else "127.0.0.1",
+                               gpu_memory_bytes=gpu_memory.get(spec.gpu_index, 0))
+        doc = found.get(spec.name, (None, None))[1]
+        if runtime.kind == "external":
+            out[spec.name] = ("probe", "an external endpoint: never started or stopped")
+        else:
+            out[spec.name] = runtime_on_start(doc, runtime, spec)
+    for name, (_path, doc) in found.items():
+        if name not in out and doc is not None:
+            verdict, why = runtime_on_start(doc, None, None)
+            out[name] = (verdict, why)
+    return out

@@ -8,7 +8,7 @@ import socket
 import sys
 from datetime import datetime, timezone
 
-from haru.apply import ApplyResult, apply, describe
+from haru.apply import ApplyResult, apply, change_paths, describe
 from haru.cli.common import ExitStatus, add_nats_options, emit_json, fail, nats_servers
 from haru.errors import Conflict, LayoutError, LogError, LogUnavailable
 from haru.events import payload, tag_of
@@ -70,6 +70,17 @@ def _result_json(result: ApplyResult) -> dict:
     }
 
 
+async def _active_domain(log, layout) -> str:
+    """The fleet's active domain: the last route_moved, else the first declared domain."""
+    from haru.events import RouteMoved
+    from haru.subjects import route
+
+    rec = await log.last(route(layout.fleet))
+    if rec is not None and isinstance(rec.event, RouteMoved) and rec.event.active:
+        return rec.event.active
+    return layout.domains[0].spec.name if layout.domains else ""
+
+
 def _writer() -> str:
     try:
         user = getpass.getuser()
@@ -90,6 +101,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         async with EventLog.connect(nats_servers(args.nats_url), writer="cli:apply", creds=args.nats_creds) as log:
             await log.ensure()
             result = await apply(log, layout, now, dry_run=args.dry_run, by=_writer())
+            active = await _active_domain(log, layout) if args.dry_run else ""
     except Conflict as exc:
         return fail(f"{exc}; another apply kept winning the race, run it again", ExitStatus.CONFLICT)
     except LogUnavailable as exc:
@@ -102,7 +114,10 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     except LogError as exc:
         return fail(str(exc))
     if args.json:
-        emit_json(_result_json(result))
+        doc = _result_json(result)
+        if result.dry_run:
+            doc["paths"] = change_paths(result.events, active)
+        emit_json(doc)
         return ExitStatus.OK
     out = sys.stdout
     subject = decl(result.fleet)
@@ -117,6 +132,13 @@ async def run(args: argparse.Namespace) -> ExitStatus:
             print(f"appended {len(result.events)} event(s) to {subject} (seq {result.seqs[0]}..{result.seqs[-1]}):", file=out)
         for e in result.events:
             print("  " + describe(e), file=out)
+        if result.dry_run:
+            paths = change_paths(result.events, active)
+            if paths:
+                print(f"how each change reaches the running agents (active domain: {active}; agents that read a "
+                      f"layout file of their own pick changes up when restarted):", file=out)
+                for line in paths:
+                    print("  " + line, file=out)
     refused = result.plan.not_admitted()
     if refused:
         names = ", ".join(f"{v.domain}/{v.name} (short by {format_gib(v.short_by_bytes)})" for v in refused)

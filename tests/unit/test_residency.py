@@ -10,6 +10,8 @@ from haru import events as ev
 from haru.errors import IllegalTransition
 from haru.residency import (
     ADMITTED,
+    ADOPTED_ASLEEP,
+    ADOPTED_AWAKE,
     ANSWERS,
     REFUSED,
     RESIDENCY_EVENT_KEYS,
@@ -51,6 +53,8 @@ def make_event(key: str, at: datetime = T1) -> ev.Event:
         "model_lost": lambda: ev.ModelLost(**common, reason="gpu_detached", detail="NVML: GPU is lost"),
         "model_failed": lambda: ev.ModelFailed(**common, runtime_said="CUDA out of memory"),
         "model_stopped": lambda: ev.ModelStopped(**common, detail="agent stopping"),
+        ADOPTED_AWAKE: lambda: ev.ModelAdopted(**common, pid=10, endpoint="127.0.0.1:18080"),
+        ADOPTED_ASLEEP: lambda: ev.ModelAdopted(**common, pid=10, endpoint="127.0.0.1:18080", asleep=True, level=1),
         ADMITTED: lambda: ev.AdmissionDecided(at=at, domain="a", name="qwen3.6:27b", gpu_index=0, admitted=True,
                                               vram_bytes=1),
         REFUSED: lambda: ev.AdmissionDecided(at=at, domain="a", name="qwen3.6:27b", gpu_index=0, admitted=False,
@@ -143,6 +147,19 @@ def test_to_state_is_lenient():
     assert to_state(ev.ModelDeclared(at=T0, domain="a", spec=ev.ModelSpec(name="m", slot="s", gpu_index=0))) == Unknown(since=T0)
     with pytest.raises(IllegalTransition):
         to_state(ev.RouteMoved(at=T0, active="a"))
+
+
+def test_an_adopted_runtime_keeps_its_residency_and_its_since():
+    """An agent restart that adopts a runtime is not a new residency: resident stays resident since
+    the same moment, a sleeping runtime stays asleep (issue 14)."""
+    resident = evolve(Unknown(since=T0), make_event("model_resident", T0), seq=3)
+    after = evolve(resident, make_event(ADOPTED_AWAKE, T1), seq=4)
+    assert state_name(after) == "resident" and after.since == T0
+    asleep = evolve(evolve(resident, make_event("model_sleeping", T0), seq=5), make_event(ADOPTED_ASLEEP, T1), seq=6)
+    assert state_name(asleep) == "sleeping" and asleep.since == T0
+    assert event_key(make_event(ADOPTED_ASLEEP)) == ADOPTED_ASLEEP
+    for state in ("stopped", "failed", "not_admitted"):  # no runtime there to adopt
+        assert (state, ADOPTED_AWAKE) not in TRANSITIONS and (state, ADOPTED_ASLEEP) not in TRANSITIONS
 
 
 def test_event_key():
