@@ -35,7 +35,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -62,6 +61,7 @@ from agents.pulling import needs_pull, pull_for
 from agents.runtimes import Runtime, make_runtime
 from agents.runtimes.base import runtimes_die_with_agent
 from agents.training import Ended, Trainer
+from haru import procfs
 from haru import subjects
 from haru.commands import Command, ErrorInfo, Heartbeat, Reply, heartbeat_decoder
 from haru.errors import ConfigError, Conflict, IllegalTransition, LogUnavailable
@@ -1454,22 +1454,14 @@ def _file_token(name: str) -> str:
 
 def _pid_alive(pid: int) -> bool:
     """The OS still has the process (a zombie counts as gone: its memory is released)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
+    st = procfs.stat(pid)
+    return st is not None and not st.zombie
 
 
 def _start_time(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
-        return ""
-    rest = stat[stat.rfind(")") + 2 :].split()
-    return rest[19] if len(rest) > 19 else ""
+    """The process's start time as identity files record it ('' when it is gone)."""
+    st = procfs.stat(pid)
+    return str(st.start) if st is not None else ""
 
 
 def reply(ok: bool, detail: str = "", *, took_ms: int = 0, error: ErrorInfo | None = None, data: dict | None = None) -> Reply:

@@ -29,6 +29,7 @@ import msgspec
 
 from agents.sim.errors import SimError
 from agents.sim.gpu_state import SimGpuState
+from haru import procfs
 from haru.errors import ConfigError
 from haru.events import GpuProcess, GpuUsage
 
@@ -253,23 +254,7 @@ def process_tree(roots: set[int] | frozenset[int], parents: dict[int, int]) -> f
 
 def read_parents() -> dict[int, int]:
     """pid -> parent pid for every process, from /proc (empty where there is no /proc)."""
-    out: dict[int, int] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return out
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        rest = stat[stat.rfind(")") + 2 :].split()
-        if len(rest) > 1 and rest[1].isdigit():
-            out[int(entry)] = int(rest[1])
-    return out
+    return {st.pid: st.ppid for st in procfs.every()}
 
 
 def open_gpus(kind: Literal["nvml", "sim"], sim_dir: str | os.PathLike[str] | None = None) -> Gpus:

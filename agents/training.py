@@ -26,6 +26,7 @@ import msgspec
 
 from agents.errors import TrainingProblem
 from agents.runtimes.base import die_with_parent, killpg
+from haru import procfs
 from haru.events import StopHow
 from haru.specs import TrainingSpec
 
@@ -162,21 +163,4 @@ class Trainer:
 
 
 def pids_in_group(pgid: int) -> set[int]:
-    out: set[int] = set()
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return out
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after the last ')'
-        rest = stat[stat.rfind(")") + 2 :].split()
-        if len(rest) > 2 and rest[2] == str(pgid) and rest[0] != "Z":
-            out.add(int(entry))
-    return out
+    return {st.pid for st in procfs.every() if st.pgrp == pgid and not st.zombie}

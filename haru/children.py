@@ -30,32 +30,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from haru import procfs
+
 _PR_SET_PDEATHSIG = 1
 
 
 def start_time(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22); None if gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    try:
-        return int(raw.rsplit(")", 1)[1].split()[19])
-    except (IndexError, ValueError):
-        return None
+    """The process's start time (clock ticks since boot, haru.procfs); None if gone."""
+    st = procfs.stat(pid)
+    return st.start if st is not None else None
 
 
 def alive(pid: int, start: int | None) -> bool:
     """Whether `pid` is still the process that was started at `start` (and not a zombie)."""
     if pid <= 1 or start is None:
         return False
-    if start_time(pid) != start:
-        return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+    st = procfs.stat(pid)
+    return st is not None and st.start == start and not st.zombie
 
 
 def die_with_parent(sig: int) -> Any:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from agents.sim.errors import BadSize, NoSimGpu
+from haru import procfs
 
 KiB = 1024
 MiB = 1024**2
@@ -68,13 +69,8 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         pass
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no procfs (not Linux): os.kill said it exists
-    # The state is the field after the parenthesised command name, which may itself hold spaces.
-    state = stat.rsplit(")", 1)[-1].split()[0]
-    return state not in ("Z", "X")
+    st = procfs.stat(pid)
+    return True if st is None else not st.zombie  # no procfs (not Linux): os.kill said it exists
 
 
 def gpu_path(sim_dir: str | os.PathLike[str], index: int) -> Path:

@@ -1,0 +1,80 @@
+"""What Linux's /proc says about a process: one reader of `/proc/<pid>/stat` for the whole tree.
+
+    st = stat(pid)          # Stat(pid, state, ppid, pgrp, start) or None when it is gone
+    gone(pid)               # no such process, or a zombie (its memory is already released)
+    for st in every():      # every process the OS lists
+
+`start` is the process's start time in clock ticks since boot (field 22): with the pid, it names
+one process for good, so a pid the kernel reused for something else is never taken for the one a
+pid file or an identity file recorded. The command name (field 2) is in parentheses and may hold
+spaces or parentheses itself, so the fields are read after the last ')'.
+
+Off Linux there is no /proc: `stat` answers None and `every` nothing, and callers say so.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = ["Stat", "every", "gone", "parse", "stat"]
+
+
+@dataclass(frozen=True, slots=True)
+class Stat:
+    pid: int
+    state: str  # R, S, D, Z, X, ...
+    ppid: int
+    pgrp: int
+    start: int  # clock ticks since boot
+
+    @property
+    def zombie(self) -> bool:
+        return self.state in ("Z", "X")
+
+
+def parse(pid: int, raw: str) -> Stat | None:
+    """A `/proc/<pid>/stat` line, or None when it is not one."""
+    rest = raw[raw.rfind(")") + 2 :].split()
+    try:
+        return Stat(pid=pid, state=rest[0], ppid=int(rest[1]), pgrp=int(rest[2]), start=int(rest[19]))
+    except (IndexError, ValueError):
+        return None
+
+
+def stat(pid: int) -> Stat | None:
+    """The process `pid` as /proc has it now; None when it is gone (or there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return parse(pid, raw)
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie. Without /proc, asks the kernel whether the pid exists."""
+    st = stat(pid)
+    if st is not None:
+        return st.zombie
+    if os.path.isdir("/proc"):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def every() -> Iterator[Stat]:
+    """Every process /proc lists (those that exit while it is read are left out)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return
+    for entry in entries:
+        if entry.isdigit() and (st := stat(int(entry))) is not None:
+            yield st

@@ -1,0 +1,36 @@
+"""haru.procfs: the one reader of /proc/<pid>/stat (pid identity, parents, groups, zombies)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from haru import procfs
+
+
+def test_a_command_name_with_spaces_and_parentheses_does_not_shift_the_fields():
+    fields = " ".join(["S", "41", "42"] + ["0"] * 16 + ["987654"])  # state ppid pgrp ... starttime (field 22)
+    st = procfs.parse(7, f"7 (evil) name (x) {fields} 1 2 3")
+    assert st == procfs.Stat(pid=7, state="S", ppid=41, pgrp=42, start=987654)
+    assert procfs.parse(7, "7 (cut") is None
+
+
+def test_this_process_as_proc_has_it():
+    st = procfs.stat(os.getpid())
+    assert st is not None and st.ppid == os.getppid() and st.pgrp == os.getpgrp() and not st.zombie
+    assert st.start == procfs.stat(os.getpid()).start  # stable: it names this process for good
+    assert any(s.pid == os.getpid() for s in procfs.every())
+
+
+def test_an_exited_child_is_gone_while_a_zombie_and_after_it_is_reaped():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while not procfs.gone(child.pid):  # exited, not yet reaped: a zombie
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.01)
+    st = procfs.stat(child.pid)
+    assert st is None or st.zombie
+    child.wait()
+    assert procfs.stat(child.pid) is None and procfs.gone(child.pid)
