@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from openai import OpenAI
 
 from haru.models.convert import env_python
 from haru.natsd import free_port
-from tests.e2e.test_up_demo import REPO, alive, descendants, wait_for
+from tests.e2e.test_up_demo import REPO, stop_and_reap, wait_for
 from tests.llama_support import llama_binary
 from tests.support import haru
 
@@ -80,13 +79,4 @@ def test_convert_quantize_and_serve(tmp_path):
             model="converted", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0), 90)
         assert reply.model == "converted" and reply.choices[0].finish_reason in ("length", "stop")
     finally:
-        tree |= descendants(proc.pid)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for pid in tree:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_and_reap(proc, tree, wait_s=60)

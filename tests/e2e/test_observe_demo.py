@@ -12,10 +12,8 @@ from __future__ import annotations
 import json
 import re
 import os
-import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from datetime import datetime
@@ -25,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from haru.natsd import free_port
-from tests.e2e.test_up_demo import REPO, alive, demo_layout_with_free_ports, descendants, wait_for
+from tests.e2e.test_up_demo import REPO, demo_layout_with_free_ports, stop_and_reap, wait_for
 from tests.support import haru
 
 TOKEN = "console-test-token"
@@ -73,16 +71,7 @@ def demo(tmp_path_factory):
         wait_for("the first route and a settled standby", lambda: _settled(info), 90, 0.5)
         yield info
     finally:
-        tree |= descendants(proc.pid)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for pid in tree:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_and_reap(proc, tree, wait_s=60)
 
 
 def _status(demo) -> dict:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ import pytest
 from openai import OpenAI
 
 from haru.natsd import free_port
-from tests.e2e.test_up_demo import REPO, alive, descendants, wait_for
+from tests.e2e.test_up_demo import REPO, descendants, stop_and_reap, wait_for
 from tests.integration.test_models_pull import build_registry
 from tests.llama_support import llama_binary
 from tests.support import haru
@@ -79,16 +78,7 @@ def test_serve_pulls_a_reference_and_a_real_llama_server_answers(registry_url, t
         snapshot = next((home / "models" / "snapshots").iterdir())
         assert (snapshot / "model.gguf").resolve().parent == home / "models" / "blobs"
     finally:
-        tree |= descendants(proc.pid)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        left = [p for p in tree if alive(p)]
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+        left = stop_and_reap(proc, tree, wait_s=60)
     assert proc.returncode == 0, (tmp_path / "serve.err").read_text()[-2000:]
     assert not left
 

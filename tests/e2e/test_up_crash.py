@@ -25,7 +25,7 @@ from haru.errors import LogError
 from haru.eventlog import EventLog
 from haru.events import AgentStopping
 from haru.natsd import free_port
-from tests.e2e.test_up_demo import demo_layout_with_free_ports, descendants, wait_for
+from tests.e2e.test_up_demo import demo_layout_with_free_ports, descendants, stop_and_reap, wait_for
 from tests.support import haru
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,16 +60,7 @@ def cmdline(pid: int) -> str:
 
 
 def stop(proc: subprocess.Popen, tree: set[int]) -> None:
-    tree |= descendants(proc.pid)
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    for pid in tree:  # never leave a child behind, even when the test failed
-        if alive(pid, start_time(pid)):
-            os.kill(pid, signal.SIGKILL)
+    stop_and_reap(proc, tree)
 
 
 async def load(nats_url: str, acked: dict[int, tuple[str, bytes]], stop: asyncio.Event) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
+from haru import procfs
 from haru.natsd import free_port
 from tests.support import haru
 
@@ -67,13 +68,23 @@ def descendants(pid: int) -> set[int]:
 
 
 def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is not alive
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
+    return not procfs.gone(pid)  # a zombie is not alive
+
+
+def stop_and_reap(proc: subprocess.Popen, tree: set[int], wait_s: float = 60) -> list[int]:
+    """SIGTERM `proc` (haru up / serve: it stops its children in order), then SIGKILL whatever of its
+    process tree is still alive, even when the test failed. Returns the pids that had to be killed."""
+    tree |= descendants(proc.pid)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    left = [pid for pid in tree if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
 
 
 @pytest.fixture
@@ -98,16 +109,7 @@ def demo(tmp_path):
         info["tree"] = tree
         yield info
     finally:
-        tree |= descendants(proc.pid)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for pid in tree:  # never leave a child behind, even when the test failed
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_and_reap(proc, tree, wait_s=60)
 
 
 def chat(client: OpenAI, model: str) -> str:

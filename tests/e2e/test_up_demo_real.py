@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 
 from haru.natsd import free_port
-from tests.e2e.test_up_demo import REPO, alive, demo_layout_with_free_ports, descendants, events_left_alone, wait_for
+from tests.e2e.test_up_demo import REPO, alive, demo_layout_with_free_ports, descendants, events_left_alone, stop_and_reap, wait_for
 from tests.llama_support import llama_binary
 from tests.support import haru
 
@@ -44,16 +44,7 @@ def real_demo(tmp_path):
         info = wait_for("haru up --demo --real to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 60)
         yield {**info, "home": home, "env": env, "proc": proc, "tree": tree}
     finally:
-        tree |= descendants(proc.pid)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for pid in tree:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_and_reap(proc, tree, wait_s=60)
 
 
 def exe(pid: int) -> str:
