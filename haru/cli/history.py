@@ -148,14 +148,72 @@ def _report_misplaced(records, fleet: str) -> None:
             print(f"haru:   {m}", file=sys.stderr)
 
 
-async def _fleet_records(args: argparse.Namespace, who: str):
-    """The fleet's records; on damage, what could be read and the LogDamaged to report after it."""
+async def _read(log: EventLog, subject_filter: str, damage: list[LogDamaged], **kwargs) -> list:
+    """A filtered read; on damage, what could be read (the damage kept to report after the answer)."""
+    try:
+        return await log.history(subject_filter, strict=True, **kwargs)
+    except LogDamaged as exc:
+        damage.append(exc)
+        return exc.records or []
+
+
+async def model_records(log: EventLog, fleet: str, model: str, domain: str, damage: list[LogDamaged]) -> list:
+    """The model's own records: its residency subjects on every domain (one subject-filtered consumer)
+    and its declarations and admissions on the decl subject. Never the rest of the fleet's history:
+    the cost grows with this model's life, not with the log's."""
+    residency = await _read(log, subjects.model_events(fleet, model, args_domain(domain)), damage)
+    decl = [r for r in await _read(log, subjects.decl(fleet), damage) if history.concerns_model(r, model, domain)]
+    return sorted(decl + residency, key=lambda r: r.seq)
+
+
+def args_domain(domain: str) -> str:
+    return domain or "*"
+
+
+async def _model_records(args: argparse.Namespace, who: str):
+    """The model's records; on damage, what could be read and the LogDamaged to report after it."""
     subjects.check_model_id(args.model)
+    damage: list[LogDamaged] = []
     async with _connect(args, who) as log:
-        try:
-            return await log.history(subjects.fleet_events(args.fleet), strict=True), None
-        except LogDamaged as exc:
-            return exc.records or [], exc
+        records = await model_records(log, args.fleet, args.model, args.domain, damage)
+    return records, (damage[0] if damage else None)
+
+
+WHY_MAX_EVENTS = 10_000  # a tree bigger than this is cut (and says so)
+
+
+async def why_records(log: EventLog, fleet: str, model: str, domain: str, damage: list[LogDamaged],
+                      skipped: list | None = None) -> dict:
+    """What `haru why` draws: the model's own events, every event they name as a cause (read one by
+    one by sequence, up the chain), and the operations and route moves those caused (the op and route
+    subjects from the model's first event on). Reads grow with the model's and the fleet's operations'
+    history, never with the whole log."""
+    mine = await model_records(log, fleet, model, domain, damage)
+    if skipped is not None:
+        skipped.extend(mine)
+    own = [r for r in mine if r.event is not None and not misplaced(r.subject, r.event)]
+    have = {r.seq: r for r in own}
+    if not have:
+        return have
+    wanted = [r.event.cause for r in own if r.event.cause and r.event.cause not in have]
+    while wanted and len(have) < WHY_MAX_EVENTS:
+        seq = wanted.pop()
+        if seq in have:
+            continue
+        rec = await log.read_seq(seq)
+        if rec is None or rec.event is None or misplaced(rec.subject, rec.event):
+            continue  # the tree says the link is broken (history.missing_link)
+        have[seq] = rec
+        if rec.event.cause and rec.event.cause not in have:
+            wanted.append(rec.event.cause)
+    first = min(have)
+    later = await _read(log, subjects.op(fleet), damage, from_seq=first)
+    later += await _read(log, subjects.route(fleet), damage, from_seq=first)
+    for rec in sorted(later, key=lambda r: r.seq):
+        e = rec.event
+        if e is not None and e.cause in have and not misplaced(rec.subject, e) and len(have) < WHY_MAX_EVENTS:
+            have[rec.seq] = rec
+    return have
 
 
 def _damaged(exc: LogDamaged | None, status: ExitStatus) -> ExitStatus:
@@ -166,24 +224,27 @@ def _damaged(exc: LogDamaged | None, status: ExitStatus) -> ExitStatus:
 
 
 async def run_why(args: argparse.Namespace) -> ExitStatus:
-    records, damaged = await _fleet_records(args, "why")
-    _report_misplaced(records, args.fleet)
-    picked = history.story(records, args.model, domain=args.domain)
-    if not picked and damaged is not None:
+    subjects.check_model_id(args.model)
+    damage: list[LogDamaged] = []
+    read: list = []
+    async with _connect(args, "why") as log:
+        have = await why_records(log, args.fleet, args.model, args.domain, damage, read)
+    _report_misplaced(read, args.fleet)
+    damaged = damage[0] if damage else None
+    if not have and damaged is not None:
         return fail(str(damaged), ExitStatus.LOG_DAMAGED)
-    if not picked:
+    if not have:
         return fail(
             f"no history for model {args.model!r} in fleet {args.fleet!r}"
             + (f" on domain {args.domain!r}" if args.domain else "")
             + " (model ids are matched exactly; `haru status` lists the declared ones)",
             ExitStatus.NOT_FOUND,
         )
+    roots = history.causal_tree(have)
     if args.json:
-        emit_json([_record_json(r) for r in reversed(picked)])
+        emit_json(history.tree_json(roots))
     else:
-        domains = {getattr(r.event, "domain", "") for r in picked} - {""}
-        print(history.render_story(picked, show_domain=len(domains) > 1 or any(
-            not getattr(r.event, "domain", "") for r in picked)))
+        print(history.render_tree(roots))
     return _damaged(damaged, ExitStatus.OK)
 
 
@@ -202,7 +263,7 @@ def _parse_point(point: str) -> tuple[int | None, datetime | None]:
 
 async def run_as_of(args: argparse.Namespace) -> ExitStatus:
     seq, time = _parse_point(args.point)
-    records, damaged = await _fleet_records(args, "as-of")
+    records, damaged = await _model_records(args, "as-of")
     _report_misplaced(records if seq is None else [r for r in records if r.seq <= seq], args.fleet)
     states = history.as_of(records, args.model, seq=seq, time=time, domain=args.domain)
     if not states and damaged is not None:
