@@ -525,6 +525,7 @@ _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
     ev.FailoverDeclined: _failover_declined,
     ev.EligibilityChanged: _eligibility,
     ev.RouteMoved: _route_moved,
+    ev.Checkpoint: lambda view, e, seq: view,  # a record of where history stood: it changes no fact
 }
 _RESIDENCY = frozenset(ev.RESIDENCY_EVENTS)
 

@@ -14,7 +14,7 @@ from haru.cli.common import (ExitStatus, add_fleet_option, add_nats_options, add
                              fail, nats_servers)
 from haru.authority import misplaced
 from haru.errors import LogDamaged, seq_ranges
-from haru.eventlog import EventLog
+from haru.eventlog import EventLog, body_hash
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,6 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_nats_options(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--since-checkpoint", action="store_true",
+                   help="start each fleet's chains at its newest checkpoint (its heads checked against the store) "
+                        "instead of at sequence 1; without it every event is walked")
     add_replay_timeout_option(p)
     p.set_defaults(handler=run_verify)
 
@@ -81,12 +84,53 @@ async def _witnesses(log: EventLog) -> list[history.Witness]:
     return out
 
 
+async def checkpoint_start(log: EventLog) -> tuple[int, dict[str, tuple[int, str]], dict[str, int], list[history.Break]]:
+    """Where `verify --since-checkpoint` starts: (first sequence to walk, the chain heads to start
+    from, fleet -> the checkpoint's `upto`, heads that do not match the store). A fleet without a
+    checkpoint is walked from sequence 1."""
+    from haru import checkpoints
+
+    fleets = {checkpoints.fleet_of(s) for s in await log.subject_counts(subjects.ALL_EVENTS)} - {""}
+    tips: dict[str, tuple[int, str]] = {}
+    covered: dict[str, int] = {}
+    for fleet in sorted(fleets):
+        rec = await log.last(subjects.checkpoint(fleet))
+        e = rec.event if rec is not None else None
+        if not isinstance(e, ev.Checkpoint) or misplaced(rec.subject, e):
+            continue
+        covered[fleet] = e.upto
+        tips.update(checkpoints.heads_of(e))
+    bad: list[history.Break] = []
+    for subject, (seq, digest) in sorted(tips.items(), key=lambda t: t[1][0]):
+        rec = await log.read_seq(seq)
+        if rec is None or rec.subject != subject or body_hash(rec.data) != digest:
+            got = "nothing" if rec is None else f"{rec.subject} (body sha256 {body_hash(rec.data)[:16]}…)"
+            bad.append(history.Break(seq, subject, f"the checkpoint names seq {seq} as this subject's head "
+                                     f"(sha256 {digest[:16]}…), the store holds {got} there: "
+                                     "history before the checkpoint was changed; run a full `haru verify`"))
+    start = min((covered.get(f, 0) for f in fleets), default=0) + 1
+    return start, tips, covered, bad
+
+
 async def run_verify(args: argparse.Namespace) -> ExitStatus:
     verifier = history.Verifier()
     damaged: LogDamaged | None = None
+    since: dict[str, int] = {}
     async with _connect(args, "verify") as log:
+        start = 1
+        handler = verifier.add
+        if args.since_checkpoint:
+            from haru.checkpoints import fleet_of
+
+            start, tips, since, bad = await checkpoint_start(log)
+            verifier.tips.update(tips)
+            verifier.breaks.extend(bad)
+
+            def handler(rec, add=verifier.add) -> None:
+                if rec.seq > since.get(fleet_of(rec.subject), 0):
+                    add(rec)
         try:
-            await log.replay(verifier.add)
+            await log.replay(handler, from_seq=start)
         except LogDamaged as exc:
             damaged = exc
         stream_last = await log.last_seq()
@@ -108,7 +152,8 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
                    "misplaced": [{"seq": m.seq, "subject": m.subject, "type": m.type, "by": m.by, "why": m.why}
                                  for m in verifier.misplaced],
                    "unreadable": missing, "damage": str(damaged) if damaged is not None else None,
-                   "truncation": [{"kind": f.kind, "seq": f.seq, "what": f.what} for f in findings]})
+                   "truncation": [{"kind": f.kind, "seq": f.seq, "what": f.what} for f in findings],
+                   "since_checkpoint": since if args.since_checkpoint else None})
     else:
         for b in verifier.breaks:
             print(str(b))
@@ -125,6 +170,9 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
                   f"{'hold' if verifier.ok else 'have breaks'}, but the store was cut: newest events are missing")
         else:
             print(verifier.summary())
+        if args.since_checkpoint:
+            print("from checkpoints: " + (", ".join(f"{f} after seq {u}" for f, u in sorted(since.items()))
+                                          or "none yet (every event was walked)"))
     if damaged is not None:
         return fail(str(damaged), ExitStatus.LOG_DAMAGED)
     if findings:
