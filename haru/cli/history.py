@@ -14,7 +14,8 @@ from haru.cli.common import (ExitStatus, add_fleet_option, add_nats_options, add
                              fail, nats_servers)
 from haru.authority import misplaced
 from haru.errors import LogDamaged, seq_ranges
-from haru.eventlog import EventLog, body_hash
+from haru.eventlog import EventLog
+from haru.reads import checkpoint_start, model_records, why_records
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -82,34 +83,6 @@ async def _witnesses(log: EventLog) -> list[history.Witness]:
             except msgspec.DecodeError:
                 pass
     return out
-
-
-async def checkpoint_start(log: EventLog) -> tuple[int, dict[str, tuple[int, str]], dict[str, int], list[history.Break]]:
-    """Where `verify --since-checkpoint` starts: (first sequence to walk, the chain heads to start
-    from, fleet -> the checkpoint's `upto`, heads that do not match the store). A fleet without a
-    checkpoint is walked from sequence 1."""
-    from haru import checkpoints
-
-    fleets = {checkpoints.fleet_of(s) for s in await log.subject_counts(subjects.ALL_EVENTS)} - {""}
-    tips: dict[str, tuple[int, str]] = {}
-    covered: dict[str, int] = {}
-    for fleet in sorted(fleets):
-        rec = await log.last(subjects.checkpoint(fleet))
-        e = rec.event if rec is not None else None
-        if not isinstance(e, ev.Checkpoint) or misplaced(rec.subject, e):
-            continue
-        covered[fleet] = e.upto
-        tips.update(checkpoints.heads_of(e))
-    bad: list[history.Break] = []
-    for subject, (seq, digest) in sorted(tips.items(), key=lambda t: t[1][0]):
-        rec = await log.read_seq(seq)
-        if rec is None or rec.subject != subject or body_hash(rec.data) != digest:
-            got = "nothing" if rec is None else f"{rec.subject} (body sha256 {body_hash(rec.data)[:16]}…)"
-            bad.append(history.Break(seq, subject, f"the checkpoint names seq {seq} as this subject's head "
-                                     f"(sha256 {digest[:16]}…), the store holds {got} there: "
-                                     "history before the checkpoint was changed; run a full `haru verify`"))
-    start = min((covered.get(f, 0) for f in fleets), default=0) + 1
-    return start, tips, covered, bad
 
 
 async def run_verify(args: argparse.Namespace) -> ExitStatus:
@@ -196,28 +169,6 @@ def _report_misplaced(records, fleet: str) -> None:
             print(f"haru:   {m}", file=sys.stderr)
 
 
-async def _read(log: EventLog, subject_filter: str, damage: list[LogDamaged], **kwargs) -> list:
-    """A filtered read; on damage, what could be read (the damage kept to report after the answer)."""
-    try:
-        return await log.history(subject_filter, strict=True, **kwargs)
-    except LogDamaged as exc:
-        damage.append(exc)
-        return exc.records or []
-
-
-async def model_records(log: EventLog, fleet: str, model: str, domain: str, damage: list[LogDamaged]) -> list:
-    """The model's own records: its residency subjects on every domain (one subject-filtered consumer)
-    and its declarations and admissions on the decl subject. Never the rest of the fleet's history:
-    the cost grows with this model's life, not with the log's."""
-    residency = await _read(log, subjects.model_events(fleet, model, args_domain(domain)), damage)
-    decl = [r for r in await _read(log, subjects.decl(fleet), damage) if history.concerns_model(r, model, domain)]
-    return sorted(decl + residency, key=lambda r: r.seq)
-
-
-def args_domain(domain: str) -> str:
-    return domain or "*"
-
-
 async def _model_records(args: argparse.Namespace, who: str):
     """The model's records; on damage, what could be read and the LogDamaged to report after it."""
     subjects.check_model_id(args.model)
@@ -225,43 +176,6 @@ async def _model_records(args: argparse.Namespace, who: str):
     async with _connect(args, who) as log:
         records = await model_records(log, args.fleet, args.model, args.domain, damage)
     return records, (damage[0] if damage else None)
-
-
-WHY_MAX_EVENTS = 10_000  # a tree bigger than this is cut (and says so)
-
-
-async def why_records(log: EventLog, fleet: str, model: str, domain: str, damage: list[LogDamaged],
-                      skipped: list | None = None) -> dict:
-    """What `haru why` draws: the model's own events, every event they name as a cause (read one by
-    one by sequence, up the chain), and the operations and route moves those caused (the op and route
-    subjects from the model's first event on). Reads grow with the model's and the fleet's operations'
-    history, never with the whole log."""
-    mine = await model_records(log, fleet, model, domain, damage)
-    if skipped is not None:
-        skipped.extend(mine)
-    own = [r for r in mine if r.event is not None and not misplaced(r.subject, r.event)]
-    have = {r.seq: r for r in own}
-    if not have:
-        return have
-    wanted = [r.event.cause for r in own if r.event.cause and r.event.cause not in have]
-    while wanted and len(have) < WHY_MAX_EVENTS:
-        seq = wanted.pop()
-        if seq in have:
-            continue
-        rec = await log.read_seq(seq)
-        if rec is None or rec.event is None or misplaced(rec.subject, rec.event):
-            continue  # the tree says the link is broken (history.missing_link)
-        have[seq] = rec
-        if rec.event.cause and rec.event.cause not in have:
-            wanted.append(rec.event.cause)
-    first = min(have)
-    later = await _read(log, subjects.op(fleet), damage, from_seq=first)
-    later += await _read(log, subjects.route(fleet), damage, from_seq=first)
-    for rec in sorted(later, key=lambda r: r.seq):
-        e = rec.event
-        if e is not None and e.cause in have and not misplaced(rec.subject, e) and len(have) < WHY_MAX_EVENTS:
-            have[rec.seq] = rec
-    return have
 
 
 def _damaged(exc: LogDamaged | None, status: ExitStatus) -> ExitStatus:
@@ -288,6 +202,10 @@ async def run_why(args: argparse.Namespace) -> ExitStatus:
             + " (model ids are matched exactly; `haru status` lists the declared ones)",
             ExitStatus.NOT_FOUND,
         )
+    from haru.reads import WHY_MAX_EVENTS
+
+    if len(have) >= WHY_MAX_EVENTS:
+        print(f"haru: the tree was cut at {WHY_MAX_EVENTS} events; narrow it with --domain", file=sys.stderr)
     roots = history.causal_tree(have)
     if args.json:
         emit_json(history.tree_json(roots))
@@ -346,7 +264,10 @@ async def run_history(args: argparse.Namespace) -> ExitStatus:
     damaged: LogDamaged | None = None
     async with _connect(args, "history") as log:
         try:
-            records = await log.history(args.filter, from_seq=args.from_seq, strict=True)
+            if args.limit and args.from_seq <= 1:  # the last N: read back from the end, not from 1
+                records = await log.tail(args.filter, args.limit, strict=True)
+            else:
+                records = await log.history(args.filter, from_seq=args.from_seq, strict=True)
         except LogDamaged as exc:
             records, damaged = exc.records or [], exc
     if args.limit:
