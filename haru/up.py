@@ -231,10 +231,15 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     domain: str = ""  # agents only
+    metrics_port: int | None = None  # its Prometheus endpoint (haru/metrics.py), if it has one
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else ""
 
 
 def _spawn_python(args: list[str], *, name: str, home: Path, log_path: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -251,11 +256,6 @@ def _spawn_python(args: list[str], *, name: str, home: Path, log_path: Path, env
         )
     finally:
         out.close()
-    metrics_port: int | None = None  # its Prometheus endpoint (haru/metrics.py), if it has one
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else ""
 
 
 def _agent_config(layout: Layout, domain: str, nats_url: str, home: Path, metrics_port: int | None = None) -> dict:
