@@ -1,7 +1,8 @@
 """Every producer writes `cause`: real agents on the simulator, a real promoter, `haru apply`.
 
 A fleet lives through a first route, a detached GPU on the active (failover), the GPU coming back
-(the old active demoted to standby), a manual promotion back and a shutdown of both agents. Then,
+(the old active demoted to standby), a manual promotion back, a standby runtime killed (restarted),
+a promotion that fails at the wake (aborted) and a shutdown of both agents. Then,
 for every event production code wrote: the cause is set where one exists (`haru.causes.expects_cause`)
 and names an event of the right kind (`haru.causes.EXPECTED`) that is the right one (same domain,
 same operation and step, the GPU observation that showed the GPU gone, the probe the flip relied
@@ -20,8 +21,9 @@ from haru import causes, subjects
 from haru import events as ev
 from haru.promoter.decider import STEPS
 from haru.promoter.requests import request_operation
-from tests.e2e.test_failover_sim import FLEET, serving, sim, sim_agents, steady
-from tests.integration.promoter_support import promoters, view_of, wait_view
+from tests.e2e.test_failover_sim import FLEET, _endpoint, serving, sim, sim_agents, steady
+from tests.integration.agent_harness import sim_fault
+from tests.integration.promoter_support import op_events, promoters, view_of, wait_until, wait_view
 from tests.support import haru
 
 pytestmark = pytest.mark.timeout(240)
@@ -29,8 +31,8 @@ pytestmark = pytest.mark.timeout(240)
 SEEN_AT_LEAST = {
     "admission_decided", "model_loading", "model_resident", "model_sleeping", "model_waking", "model_lost",
     "model_stopped", "training_started", "training_stopped", "domain_reachable", "promotion_requested",
-    "demotion_requested", "step_started", "step_completed", "operation_completed", "eligibility_changed",
-    "route_moved",
+    "demotion_requested", "step_started", "step_completed", "step_failed", "operation_completed",
+    "operation_aborted", "eligibility_changed", "route_moved",
 }
 
 
@@ -49,12 +51,11 @@ def right_cause(rec, cause_rec) -> str:
             return "a gpu_detached loss must cite the observation of its domain's GPU gone"
     if isinstance(c, ev.StepStarted) and tag.startswith(("model_", "training_")):
         verbs = STEPS[c.step].verbs
-        verb = {"model_waking": "wake", "model_sleeping": "sleep", "training_started": "start_training",
-                "training_stopped": "stop_training"}.get(tag)
-        if tag == "model_resident":
-            verb = "wake"
-        if verb and verb not in verbs:
-            return f"{tag} cites step {c.step}, which does not send {verb}"
+        # (a wake that fails leaves the model asleep: that `model_sleeping` answers the wake)
+        wanted = {"model_waking": {"wake"}, "model_sleeping": {"sleep", "wake"}, "model_resident": {"wake"},
+                  "training_started": {"start_training"}, "training_stopped": {"stop_training"}}.get(tag)
+        if wanted and not wanted & set(verbs):
+            return f"{tag} cites step {c.step}, which sends none of {sorted(wanted)}"
     elif _domain_of(e) and _domain_of(c) and tag.startswith(("model_", "training_", "domain_")):
         if _domain_of(e) != _domain_of(c):
             return f"{tag} on {_domain_of(e)} cites an event of {_domain_of(c)}"
@@ -95,6 +96,17 @@ async def test_every_producer_cites_the_event_that_caused_it(tmp_path, nats_serv
             sim(tmp_path, "kill-runtime", "b", "m1")
             await wait_view(event_log, lambda v: steady(v, "a") and v.domains["b"].models["m1"].residency.seq > before + 2,
                             timeout=60, fleet=FLEET, what="b's m1 restarted and asleep again")
+            # a promotion that fails at the wake (CUDA out of memory) and is aborted
+            await sim_fault(await _endpoint(event_log), "oom_on_wake")
+            failing = await request_operation(event_log, FLEET, "promotion", "b", by="cli:test",
+                                              now=datetime.now(timezone.utc))
+            assert failing.status == "accepted", failing
+
+            async def aborted():
+                return any(isinstance(e, ev.OperationAborted) for e in await op_events(event_log, FLEET, failing.op_id))
+
+            await wait_until(aborted, timeout=60, what="the abort")
+            await wait_view(event_log, lambda v: v.operation is None, timeout=60, fleet=FLEET, what="no operation in flight")
         for p in procs:
             p.signal(signal.SIGTERM)
         for p in procs:
@@ -132,6 +144,9 @@ async def test_every_producer_cites_the_event_that_caused_it(tmp_path, nats_serv
     assert manual and manual[0].cause == 0  # the operator's request is a root
     restarts = [r.event for r in records if isinstance(r.event, ev.ModelLoading) and r.event.attempt > 1]
     assert restarts and all(isinstance(by_seq[e.cause].event, (ev.ModelLost, ev.ModelFailed)) for e in restarts)
+    aborted = [r.event for r in records if isinstance(r.event, ev.OperationAborted)]
+    assert aborted and all(isinstance(by_seq[a.cause].event, ev.StepFailed) and by_seq[a.cause].event.op_id == a.op_id
+                           for a in aborted)
     stopped = [r.event for r in records if isinstance(r.event, ev.ModelStopped)]
     assert stopped and all(isinstance(by_seq[s.cause].event, ev.AgentStopping) for s in stopped)
 
