@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import msgspec
+
 from haru import causes, history, subjects
 from haru import events as ev
 from haru.eventlog import Record
@@ -33,6 +35,8 @@ def test_the_agent_cites_the_exit_a_restart_answers_and_the_command_a_wake_answe
     assert rule(lost, prev_tag="resident", prev_seq=41, command=77, gpu_gone=90, agent=3, stopping=False) == 90
     exited = ev.ModelLost(at=T, domain="a", model="m", reason="process_exited")
     assert rule(exited, prev_tag="resident", prev_seq=41, command=77, gpu_gone=90, agent=3, stopping=False) == 0
+    failed = ev.ModelFailed(at=T, domain="a", model="m", runtime_said="unknown architecture")
+    assert rule(failed, prev_tag="loading", prev_seq=42, command=0, gpu_gone=0, agent=3, stopping=False) == 42
     stopped = ev.ModelStopped(at=T, domain="a", model="m")
     assert rule(stopped, prev_tag="resident", prev_seq=41, command=0, gpu_gone=0, agent=99, stopping=True) == 99
 
@@ -60,6 +64,12 @@ def test_the_promoter_cites_the_loss_the_step_before_and_the_probe():
     fresh = _view(operation=OperationView(op_id="o", kind="promotion", target="b", seq=63))
     assert causes.decided_cause(fresh, ev.StepStarted(at=T, op_id="o", step="stop_training"), {}) == 63
     assert causes.flip_cause(op) == 76
+    declined = ev.FailoverDeclined(at=T, domain="a", candidate="b", why="GPU 0 of a detached; standby b is lost")
+    assert causes.decided_cause(view, declined, {}) == 61
+    silent = _view().domains["a"]
+    away = msgspec.structs.replace(view, domains={**view.domains, "a": msgspec.structs.replace(silent, reachable=False)})
+    declined_silent = ev.FailoverDeclined(at=T, domain="a", candidate="b", why="a unreachable; standby b is lost")
+    assert causes.decided_cause(away, declined_silent, {subjects.liveness("f", "a"): 55}) == 55
     back = ev.DomainReachable(at=T, domain="a")
     assert causes.decided_cause(view, back, {subjects.liveness("f", "a"): 55}) == 55
 
