@@ -69,6 +69,10 @@ from projections.route import changed, intent
 
 log_ = structlog.get_logger("haru.projector")
 
+class _ScanDone(Exception):
+    """Ends a heads scan at the follower's start."""
+
+
 CHECKPOINT_LAG = 10_000  # advance an idle fleet's checkpoint when it is this many events behind
 
 
@@ -128,6 +132,7 @@ class Projector:
         self._cp_events: dict[str, int] = {}
         self._cp_seq: dict[str, int] = {}
         self._heads_ok: set[str] = set()
+        self._scans: list[tuple[str, int, int]] = []  # (fleet, first, end): heads to read, see `load`
         self.checkpoints_written = 0
         self.stats = Stats()
         self._revs: dict[str, int] = {}  # KV revision of each fleet's view as last read or written
@@ -159,7 +164,9 @@ class Projector:
         from_seq = min((position(v) for v in self.views.values()), default=0) + 1
         self.stats.resumed_from = from_seq
         # The chain heads a checkpoint needs: the last checkpoint's, then what lies between it and
-        # where the replay starts (at most about `checkpoint_every` events of the fleet).
+        # where the replay starts (about `checkpoint_every` events of the fleet; the whole fleet once,
+        # the first time a fleet without any checkpoint is met), read by `run` beside the follower.
+        self._scans = []
         for fleet, cp in cps.items():
             start = 1
             if cp is not None:
@@ -167,10 +174,37 @@ class Projector:
                 self._cp_events[fleet] = cp.events
                 start = cp.upto + 1
             if start < from_seq:
-                await self.log.replay(self._track_heads, from_seq=start, subject_filter=subjects.fleet_events(fleet),
-                                      headers=False)
-            self._heads_ok.add(fleet)
+                self._scans.append((fleet, start, from_seq))
+            else:
+                self._heads_ok.add(fleet)
         return from_seq
+
+    async def _scan_heads(self) -> None:
+        """For each fleet whose heads are incomplete: read its events from its last checkpoint up to
+        where the follower started (the follower counts the rest), then the fleet may checkpoint."""
+        for fleet, start, end in self._scans:
+            heads = self._heads.setdefault(fleet, {})
+
+            def track(rec: Record, heads=heads, fleet=fleet, end=end) -> None:
+                if rec.seq >= end:
+                    raise _ScanDone
+                prior = heads.get(rec.subject)
+                if prior is None or prior[0] < rec.seq:
+                    heads[rec.subject] = (rec.seq, rec.data)
+                self._cp_count[fleet] = self._cp_count.get(fleet, 0) + 1
+
+            try:
+                await self.log.replay(track, from_seq=start, subject_filter=subjects.fleet_events(fleet), headers=False)
+            except _ScanDone:
+                pass
+            except LogError as exc:
+                log_.warning("projector.heads_scan_failed", fleet=fleet, error=str(exc),
+                             detail="no checkpoint for this fleet until the projector restarts")
+                continue
+            self._heads_ok.add(fleet)
+            log_.info("projector.heads_scanned", fleet=fleet, from_seq=start, to_seq=end - 1, subjects=len(heads))
+        self._scans = []
+        self._wake.set()  # a checkpoint may be due now
 
     async def _last_checkpoint(self, fleet: str) -> Checkpoint | None:
         rec = await self.log.last(subjects.checkpoint(fleet))
@@ -253,12 +287,13 @@ class Projector:
         replay = asyncio.create_task(self._replay(from_seq), name="projector-replay")
         # the gateway's /healthz hears this (haru/alive.py): a projector that is not running is down
         beating = asyncio.create_task(alive.beat(self.log.nc, "projector", self.log.writer), name="projector-alive")
+        scanning = asyncio.create_task(self._scan_heads(), name="projector-heads")
         try:
             done, _ = await asyncio.wait({flusher, replay}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # raise what ended it
         finally:
-            await cancel_and_wait(replay, flusher, beating)
+            await cancel_and_wait(replay, flusher, beating, scanning)
             # Whatever was folded and not yet written: write it (best effort, bounded).
             try:
                 async with asyncio.timeout(5.0):
@@ -473,8 +508,8 @@ class Projector:
         for fleet, count in list(self._cp_count.items()):
             if count < self.checkpoint_every or fleet in self._dirty or fleet not in self._folders:
                 continue
-            if fleet not in self._heads_ok and self.stats.resumed_from != 1:
-                continue  # met during the replay, which did not start at 1: its older heads are unknown
+            if fleet not in self._heads_ok and (self.stats.resumed_from != 1 or fleet in self._folders_scanning()):
+                continue  # heads not complete yet (being read, or met during a replay that did not start at 1)
             # One snapshot, no await in between: the view, the heads and the position agree.
             upto = self.stats.last_seq
             view = self._folders[fleet].view()
@@ -500,6 +535,9 @@ class Projector:
             self.checkpoints_written += 1
             log_.info("projector.checkpoint", fleet=fleet, upto=upto, seq=self._cp_seq[fleet], events=events,
                       subjects=len(heads))
+
+    def _folders_scanning(self) -> set[str]:
+        return {fleet for fleet, _, _ in self._scans}
 
     async def wait_idle(self, timeout: float | None = None) -> None:
         """Wait until everything folded so far is written (tests, benchmark)."""

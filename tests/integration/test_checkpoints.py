@@ -116,3 +116,33 @@ async def test_a_projector_rebuild_starts_from_the_checkpoint(event_log):
     expected = fold((r.seq, r.subject, r.event) for r in await event_log.history() if r.event is not None)[F]
     assert view.active == "b"
     assert msgspec.structs.replace(view, checkpoint=0) == msgspec.structs.replace(expected, checkpoint=0)
+
+
+async def test_a_restarted_projector_reads_the_heads_since_the_checkpoint_and_checkpoints_again(event_log):
+    await declare(event_log)
+    w = Writer(event_log)
+    await w.move("a")
+    await w.churn(60)
+    await project(event_log, checkpoint_every=25)
+    first_seq, first = await last_checkpoint(event_log)
+    await w.churn(20)  # folded into the stored view, not enough for a checkpoint
+    await project(event_log, checkpoint_every=25)
+    assert (await last_checkpoint(event_log))[0] == first_seq
+    await w.churn(10)
+    # a restart resumes after the view: the 20 events between the checkpoint and the view are read
+    # for their heads beside the follower, and the next checkpoint is whole
+    projector = Projector(event_log, checkpoint_every=25)
+    task = asyncio.create_task(projector.run())
+    try:
+        for _ in range(500):
+            seq, cp = await last_checkpoint(event_log)
+            if seq != first_seq:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        await cancel_and_wait(task)
+    assert seq != first_seq, "no second checkpoint"
+    assert projector.stats.resumed_from > first.upto + 1
+    upto = [r for r in await event_log.history(sj.fleet_events(F)) if r.seq <= cp.upto]
+    assert checkpoints.heads_of(cp) == {r.subject: (r.seq, body_hash(r.data)) for r in upto}
+    assert cp.events == len(upto)
