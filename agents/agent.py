@@ -61,8 +61,8 @@ from agents.pulling import needs_pull, pull_for
 from agents.runtimes import Runtime, make_runtime
 from agents.runtimes.base import runtimes_die_with_agent
 from agents.training import Ended, Trainer
-from haru import procfs
-from haru import subjects
+from agents.commands import COMMAND_CAUSE
+from haru import causes, procfs, subjects
 from haru.commands import Command, ErrorInfo, Heartbeat, Reply, heartbeat_decoder
 from haru.errors import ConfigError, Conflict, IllegalTransition, LogUnavailable
 from haru.eventlog import EventLog
@@ -708,7 +708,14 @@ class Agent:
             return await self.log.append(subject, event, expect=await self.log.last_seq_of(subject))
 
     async def _record(self, m: ModelSlot, event: Event) -> None:
+        if isinstance(event, ModelLost) and event.reason == "gpu_detached" and not self._gpu_gone_seq(m):
+            # Record the GPU's absence first, so the loss can cite the observation that showed it.
+            with contextlib.suppress(Exception):
+                await self.observe_gpu(m.spec.gpu_index)
         async with m.append_lock:
+            event = causes.with_cause(event, causes.residency_cause(
+                event, prev_tag=m.state_tag, prev_seq=m.seq, command=COMMAND_CAUSE.get(), gpu_gone=self._gpu_gone_seq(m),
+                agent=self.agent_seq, stopping=self.stopping))
             key = event_key(event)
             if not is_legal(m.state_tag, key):
                 self.logger.error("residency transition outside the table", model=m.name, state=m.state_tag, event=key)
@@ -722,6 +729,8 @@ class Agent:
 
     async def _append_training(self, slot: str, event: Event) -> None:
         subject = subjects.training(self.fleet, self.domain, slot)
+        event = causes.with_cause(event, causes.training_cause(event, command=COMMAND_CAUSE.get(), agent=self.agent_seq,
+                                                               stopping=self.stopping))
         self.training_seq[slot] = await self._append(subject, event, self.training_seq.get(slot, 0))
 
     # ----------------------------------------------------------------------------------------- role
@@ -887,7 +896,11 @@ class Agent:
             paused: list[str] = []
             standby = self.role == "standby"
             if standby and not first:
-                paused = await self._make_room(m.spec.gpu_index)
+                answering = COMMAND_CAUSE.set(m.seq)  # the loss this restart answers: what the pause cites
+                try:
+                    paused = await self._make_room(m.spec.gpu_index)
+                finally:
+                    COMMAND_CAUSE.reset(answering)
             try:
                 ready = await (self._adopt(m) if adopted else self._load(m))
                 adopted = False
@@ -1074,6 +1087,11 @@ class Agent:
             if not (state_name(prior) == "lost" and getattr(prior, "reason", "") == reason):
                 await self._lost(m, reason, f"{probe.step}: {probe.detail}"[:500])
             return reason == "evicted"
+
+    def _gpu_gone_seq(self, m: ModelSlot) -> int:
+        """The recorded observation that the model's GPU is gone (0 = none)."""
+        last = self.gpu_last.get(m.spec.gpu_index)
+        return self.gpu_seq.get(m.spec.gpu_index, 0) if last is not None and last.present is False else 0
 
     async def _lost(self, m: ModelSlot, reason: str, detail: str) -> None:
         await self._record(m, ModelLost(at=now(), domain=self.domain, model=m.name, reason=reason, detail=detail))  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ agent. Each request runs in its own task, so a long wake never delays a `status`
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from typing import TYPE_CHECKING, Awaitable, Callable
 
@@ -40,6 +41,10 @@ if TYPE_CHECKING:
 __all__ = ["CommandService", "SERVICE_NAME"]
 
 SERVICE_NAME = "haru-agent"
+# The event the current work answers: the `step_started` of the command this task runs
+# (haru.commands.Command.cause), or the loss a restart answers. What the residency and training
+# events it records cite (haru.causes). Set per request task.
+COMMAND_CAUSE: contextvars.ContextVar[int] = contextvars.ContextVar("haru_command_cause", default=0)
 _encoder = msgspec.json.Encoder()
 
 
@@ -98,6 +103,7 @@ class CommandService:
             reply = Reply(ok=False, detail="bad command body",
                           error=ErrorInfo(code="invalid_command", message=f"not a haru.commands.Command: {exc}"))
         else:
+            COMMAND_CAUSE.set(command.cause)
             try:
                 reply = await self.verbs[verb](command)
             except asyncio.CancelledError:

@@ -190,24 +190,45 @@ class Console:
         return _json_response({"fleet": fleet, "operations": operations(records)})
 
     async def why(self, request: web.BaseRequest) -> web.Response:
-        from haru.history import story
 
         fleet = self._fleet(request)
         model = request.query.get("model", "")
         if not model:
             raise ApiError(400, "invalid_request", "the model is required: ?model=<id>", param="model")
-        records = await self._records(subjects.fleet_events(fleet))
-        picked = story(records, model, domain=request.query.get("domain", ""))
+        from haru.reads import why_records
+
+        if self.events is None:
+            raise ApiError(503, "log_unavailable", "this gateway runs without an event log")
+        try:
+            subjects.check_model_id(model)
+            have = await why_records(self.events, fleet, model, request.query.get("domain", ""), [])
+        except InvalidName as exc:
+            raise ApiError(400, "invalid_request", str(exc), param="model") from None
+        except LogUnavailable as exc:
+            raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
+        picked = [have[seq] for seq in sorted(have)]
         return _json_response({"fleet": fleet, "model": model, "events": story_items(picked)})
 
     async def verify(self, request: web.BaseRequest) -> web.Response:
         from haru.history import Verifier
 
+        from haru.reads import fleet_checkpoint
+
         fleet = self._fleet(request)
         verifier = Verifier()
-        for rec in await self._records(subjects.fleet_events(fleet)):
+        if self.events is None:
+            raise ApiError(503, "log_unavailable", "this gateway runs without an event log")
+        try:  # from the fleet's newest checkpoint (its heads checked against the store), not from 1
+            upto, heads, bad = await fleet_checkpoint(self.events, fleet)
+            verifier.tips.update(heads)
+            verifier.breaks.extend(bad)
+            records = await self.events.history(subjects.fleet_events(fleet), from_seq=upto + 1)
+        except LogUnavailable as exc:
+            raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
+        for rec in records:
             verifier.add(rec)
         return _json_response({"fleet": fleet, "ok": verifier.ok, "summary": verifier.summary(),
+                               "since_checkpoint": upto,
                                "subjects": verifier.subjects, "events": verifier.events,
                                "breaks": [str(b) for b in verifier.breaks[:50]],
                                "misplaced": [str(m) for m in verifier.misplaced[:50]]})

@@ -234,14 +234,15 @@ class Control:
             raise ApiError(400, "invalid_request", str(exc), param="model" if model else "domain") from None
         events = self._need_log()
         try:
-            records = await events.history(subject_filter)
+            records = await events.tail(subject_filter, limit)
+            known = bool(records) or self.table.get(fleet) is not None or bool(
+                await events.subject_counts(subjects.fleet_events(fleet)))
         except LogUnavailable as exc:
             raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
         except LogDamaged as exc:
             raise ApiError(500, "log_damaged", str(exc)) from None
-        if not records and self.table.get(fleet) is None:
-            if not await events.history(subjects.fleet_events(fleet)):
-                raise _refused(fleet_not_found(fleet, self.table.fleets()))
+        if not known:
+            raise _refused(fleet_not_found(fleet, self.table.fleets()))
         out = []
         for rec in reversed(records[-limit:]):
             item = {"seq": rec.seq, "time": rec.time.isoformat(), "subject": rec.subject}

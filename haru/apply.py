@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Iterable
 
 from haru import subjects
+from haru.causes import admission_cause, declaration_seqs, with_cause
 from haru.authority import misplaced
 from haru.errors import Conflict
 from haru.events import (
@@ -232,8 +233,11 @@ async def apply(log, layout: Layout, now: datetime, *, dry_run: bool = False, re
             return ApplyResult(layout.fleet, the_plan, events, [], last, dry_run=dry_run, attempts=attempt)
         seqs: list[int] = []
         try:
+            declared = declaration_seqs((r.seq, r.event) for r in records if r.event is not None)
             for e in events:
+                e = with_cause(e, admission_cause(e, declared))
                 last = await log.append(subject, e, expect=last)
+                declared.update(declaration_seqs([(last, e)]))
                 seqs.append(last)
         except Conflict:
             if attempt > retries:

@@ -9,6 +9,7 @@ the subject's. Pure: no I/O.
     kind       subject                                    written by (NATS role)          events
     decl       haru.evt.<fleet>.decl                      operator (`haru apply`)         declarations, admission
     route      haru.evt.<fleet>.route                     promoter                        route_moved
+    checkpoint haru.evt.<fleet>.checkpoint                projector                       checkpoint
     op         haru.evt.<fleet>.op                        promoter, gateway, operator     operations, decisions
     agent      haru.evt.<fleet>.<domain>.agent            that domain's agent             agent_started/stopping
     liveness   haru.evt.<fleet>.<domain>.liveness         promoter                        domain_(un)reachable
@@ -72,6 +73,7 @@ PLACES: tuple[Place, ...] = (
         ),
     ),  # fmt: skip
     Place("route", "haru.evt.<fleet>.route", ("promoter",), (ev.RouteMoved,)),
+    Place("checkpoint", "haru.evt.<fleet>.checkpoint", ("projector",), (ev.Checkpoint,)),
     Place(
         "op",
         "haru.evt.<fleet>.op",
@@ -100,6 +102,7 @@ _BY_KIND: dict[str, Place] = {p.kind: p for p in PLACES}
 _PARTS: dict[str, tuple[str, ...]] = {
     "decl": ("fleet",),
     "route": ("fleet",),
+    "checkpoint": ("fleet",),
     "op": ("fleet",),
     "agent": ("fleet", "domain"),
     "liveness": ("fleet", "domain"),

@@ -23,6 +23,8 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     models: list[str] = []  # restrict to these models ('' = all the domain's admitted models)
     slots: list[str] = []  # restrict to these training slots (all when empty)
     level: int = 1  # sleep level
+    step: str = ""  # the operation's step this command carries out
+    cause: int = 0  # the stream sequence of that step's `step_started`: what the agent's events cite
 
 
 class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -658,6 +658,19 @@ class EventLog:
             raise
         return out
 
+    async def tail(self, subject_filter: str, limit: int, **kwargs: Any) -> list[Record]:
+        """The last `limit` stored events matching the filter, oldest first, without reading the
+        stream from its start: windows back from the end, four times wider each time, until one holds
+        `limit` matches or reaches sequence 1 (`kwargs`: `history`'s)."""
+        last = await self.last_seq()
+        window = max(4 * limit, 256)
+        while True:
+            start = max(1, last - window + 1)
+            records = await self.history(subject_filter, from_seq=start, **kwargs)
+            if len(records) >= limit or start == 1:
+                return records[-limit:] if limit else records
+            window *= 4
+
     async def replay(
         self,
         handler: Callable[[Record], Any | Awaitable[Any]],

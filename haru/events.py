@@ -390,6 +390,32 @@ class EligibilityChanged(Event, frozen=True, kw_only=True, tag="eligibility_chan
     why: str = ""
 
 
+# ------------------------------------------------------------- checkpoints: haru.evt.<fleet>.checkpoint
+
+
+class ChainHead(msgspec.Struct, frozen=True, kw_only=True):
+    """The last event on one subject at a checkpoint: its sequence and the sha256 of its body."""
+
+    subject: str
+    seq: int
+    hash: str
+
+
+class Checkpoint(Event, frozen=True, kw_only=True, tag="checkpoint"):
+    """Where a fleet's history stood, so readers can start here instead of at sequence 1.
+
+    Every event of the fleet at or below `upto` is folded into `view` (the projector's FleetView,
+    as stored in KV, JSON), and `heads` holds every subject's chain head at `upto`: `haru verify
+    --since-checkpoint` takes them as the chains' starting points, a projector rebuild takes
+    `view` as its starting view. Written by the projector every `checkpoint_every` events."""
+
+    fleet: str
+    upto: int
+    events: int = 0  # events of the fleet at or below `upto`
+    heads: list[ChainHead] = []
+    view: dict = {}
+
+
 # ------------------------------------------------------------------- route: haru.evt.<fleet>.route
 
 
@@ -441,6 +467,7 @@ AnyEvent = Union[
     FailoverDeclined,
     EligibilityChanged,
     RouteMoved,
+    Checkpoint,
 ]
 
 RESIDENCY_EVENTS = (

@@ -369,3 +369,116 @@ def as_of(
         states[d] = AsOf(d, residency.state_name(state), rec.seq, _payload_for_display(e))
     return states
 
+
+
+# ------------------------------------------------------------------------------------- causal tree
+
+
+@dataclass(slots=True)
+class Node:
+    """One event of a causal tree: its record, the events it caused, and what is wrong with its link."""
+
+    rec: Record
+    children: list["Node"] = field(default_factory=list)
+    missing: str = ""  # '' = its link is whole; else why it is not
+
+
+def missing_link(rec: Record, have: dict[int, Record]) -> str:
+    """Why the record's link to its cause is not whole ('' when it is, or when it is a root)."""
+    from haru import causes
+
+    e = rec.event
+    if e is None:
+        return ""
+    if not e.cause:
+        return "no cause recorded, though this kind of event has one: a link is missing" if causes.expects_cause(e) else ""
+    cause = have.get(e.cause)
+    if cause is None:
+        return f"its cause, seq {e.cause}, could not be read"
+    if cause.event is None:
+        return f"its cause, seq {e.cause}, is not a valid event"
+    want = causes.EXPECTED.get(ev.tag_of(e), ())
+    if want and ev.tag_of(cause.event) not in want:
+        return f"its cause, seq {e.cause}, is a {ev.tag_of(cause.event)}, not one of {', '.join(want)}"
+    return ""
+
+
+def causal_tree(records: dict[int, Record]) -> list[Node]:
+    """The records as a forest: each event under the event it names as its cause; roots (no cause, or a
+    cause not among `records`) newest first, children oldest first."""
+    nodes = {seq: Node(rec, missing=missing_link(rec, records)) for seq, rec in sorted(records.items())}
+    roots: list[Node] = []
+    for seq, node in nodes.items():
+        e = node.rec.event
+        parent = nodes.get(e.cause) if e is not None and e.cause and e.cause != seq else None
+        if parent is not None and e.cause < seq:
+            parent.children.append(node)
+        else:
+            roots.append(node)
+    return list(reversed(roots))
+
+
+def _name(e: ev.Event) -> str:
+    tag = ev.tag_of(e)
+    if isinstance(e, ev.AdmissionDecided) and not e.admitted:
+        return "not_admitted"
+    if isinstance(e, (ev.StepStarted, ev.StepCompleted, ev.StepFailed)):
+        return f"{tag}:{e.step}"
+    return SHORT_NAMES.get(tag, tag)
+
+
+def _line(rec: Record, width: int) -> str:
+    e = rec.event
+    assert e is not None
+    where = getattr(e, "domain", "") or getattr(e, "target", "") or getattr(e, "active", "") or "-"
+    body = msgspec.json.encode(_payload_for_display(e)).decode()
+    return f"seq {rec.seq:>7}  {_name(e):<{width}} {where:<8} {body}"
+
+
+def render_tree(roots: list[Node]) -> str:
+    """The forest, one event a line: a root with `●`, what it caused beneath it with `├─`/`└─`, and a
+    `! ` line under any event whose link to its cause is missing or broken."""
+    widths: list[int] = []
+
+    def walk(n: Node) -> None:
+        if n.rec.event is not None:
+            widths.append(len(_name(n.rec.event)))
+        for c in n.children:
+            walk(c)
+
+    for r in roots:
+        walk(r)
+    width = max([14, *widths])
+    lines: list[str] = []
+
+    def emit(n: Node, lead: str, rest: str) -> None:
+        lines.append(lead + _line(n.rec, width))
+        if n.missing:
+            lines.append(rest + "   ! " + n.missing)
+        for i, c in enumerate(n.children):
+            last = i == len(n.children) - 1
+            emit(c, rest + ("└─ " if last else "├─ "), rest + ("   " if last else "│  "))
+
+    for r in roots:
+        emit(r, "● ", "  ")
+    return "\n".join(lines)
+
+
+def tree_json(roots: list[Node]) -> list[dict]:
+    def one(n: Node) -> dict:
+        r = n.rec
+        return {
+            "seq": r.seq, "time": r.time.isoformat(), "subject": r.subject,
+            "type": ev.tag_of(r.event) if r.event is not None else None,
+            "cause": r.event.cause if r.event is not None else 0,
+            "event": msgspec.to_builtins(r.event) if r.event is not None else None,
+            "missing_link": n.missing or None,
+            "caused": [one(c) for c in n.children],
+        }
+
+    return [one(n) for n in roots]
+
+
+def concerns_model(rec: Record, model: str, domain: str = "") -> bool:
+    """Whether the record is the model's own: its declaration, admission or residency."""
+    return _concerns_model(rec, model, domain)

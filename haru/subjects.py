@@ -10,6 +10,7 @@ share a token.
     haru.evt.<fleet>.decl                          declarations and admission
     haru.evt.<fleet>.route                         route_moved (the routing pointer)
     haru.evt.<fleet>.op                            promotions and demotions, step by step
+    haru.evt.<fleet>.checkpoint                    checkpoints: chain heads and the folded view (projector)
     haru.evt.<fleet>.<domain>.agent                agent started/stopping
     haru.evt.<fleet>.<domain>.liveness             domain unreachable/reachable
     haru.evt.<fleet>.<domain>.model.<model>        residency transitions
@@ -42,7 +43,7 @@ _NAME = re.compile(r"[a-z0-9_-]+")
 _SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789_-")
 
 # Reserved words in the fourth token of a domain subject: a domain may not be called these.
-_FLEET_LEVEL = frozenset({"decl", "route", "op"})
+_FLEET_LEVEL = frozenset({"decl", "route", "op", "checkpoint"})
 
 
 def check_name(kind: str, value: str) -> str:
@@ -112,6 +113,13 @@ def route(fleet: str) -> str:
 
 def op(fleet: str) -> str:
     return f"{EVT}.{check_name('fleet', fleet)}.op"
+
+
+def checkpoint(fleet: str) -> str:
+    return f"{EVT}.{check_name('fleet', fleet)}.checkpoint"
+
+
+ALL_CHECKPOINTS = "haru.evt.*.checkpoint"
 
 
 def _domain(fleet: str, domain: str) -> str:
@@ -201,7 +209,7 @@ def view_key(fleet: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Where:
-    """What an event subject addresses. `kind` is decl|route|op|agent|liveness|model|gpu|training."""
+    """What an event subject addresses. `kind` is decl|route|op|checkpoint|agent|liveness|model|gpu|training."""
 
     fleet: str
     kind: str

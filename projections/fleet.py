@@ -526,6 +526,7 @@ _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
     ev.EligibilityChanged: _eligibility,
     ev.RouteMoved: _route_moved,
     ev.ModelFetched: lambda view, e, seq: view,  # provenance of model files: history (`haru why`), not state
+    ev.Checkpoint: lambda view, e, seq: view,  # a record of where history stood: it changes no fact
 }
 _RESIDENCY = frozenset(ev.RESIDENCY_EVENTS)
 

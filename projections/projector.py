@@ -52,21 +52,26 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import datetime, timezone
 from dataclasses import dataclass, field
 
 import msgspec
 import structlog
 
-from haru import alive, subjects
+from haru import alive, checkpoints, subjects
 from haru.errors import Conflict, LogError
-from haru.eventlog import EventLog, Record
-from haru.events import RouteMoved
+from haru.eventlog import EventLog, Record, body_hash
+from haru.events import Checkpoint, RouteMoved
 from haru.tasks import cancel_and_wait
 from haru.views import FleetView, RouteIntent, intent_decoder, view_decoder, view_encoder
 from projections.fleet import Folder, add_one, empty, fleet_of
 from projections.route import changed, intent
 
 log_ = structlog.get_logger("haru.projector")
+
+class _ScanDone(Exception):
+    """Ends a heads scan at the follower's start."""
+
 
 CHECKPOINT_LAG = 10_000  # advance an idle fleet's checkpoint when it is this many events behind
 
@@ -108,6 +113,8 @@ class Projector:
         checkpoint_lag: int = CHECKPOINT_LAG,
         stall_interval: float = 1.0,
         stall_checks: int = 2,
+        checkpoint_every: int = checkpoints.CHECKPOINT_EVERY,
+        from_checkpoint: bool = False,
     ) -> None:
         self._unreadable_tail: tuple[int, int] | None = None
         self.log = log
@@ -115,6 +122,18 @@ class Projector:
         self.stall_interval = stall_interval
         self.stall_checks = stall_checks
         self._folders: dict[str, Folder] = {}  # each fleet's view, folded incrementally
+        # Checkpoints (haru/checkpoints.py): every subject's chain head per fleet, as (seq, body or its
+        # hash); events of the fleet since its last checkpoint; its count there; the checkpoint
+        # subject's last sequence; the fleets whose heads are complete (known since sequence 1).
+        self.checkpoint_every = checkpoint_every
+        self.from_checkpoint = from_checkpoint
+        self._heads: dict[str, dict[str, tuple[int, bytes | str]]] = {}
+        self._cp_count: dict[str, int] = {}
+        self._cp_events: dict[str, int] = {}
+        self._cp_seq: dict[str, int] = {}
+        self._heads_ok: set[str] = set()
+        self._scans: list[tuple[str, int, int]] = []  # (fleet, first, end): heads to read, see `load`
+        self.checkpoints_written = 0
         self.stats = Stats()
         self._revs: dict[str, int] = {}  # KV revision of each fleet's view as last read or written
         self._stored: dict[str, int] = {}  # position of the view stored in KV, as far as we know
@@ -139,24 +158,97 @@ class Projector:
         """Read the stored views of every declared fleet; return the sequence to replay from."""
         fleets = {fleet_of(subject) for subject in await self.log.subject_counts("haru.evt.*.decl")}
         fleets.discard("")
+        cps = {fleet: await self._last_checkpoint(fleet) for fleet in sorted(fleets)}
         for fleet in sorted(fleets):
-            await self._load_view(fleet)
+            await self._load_view(fleet, cps[fleet])
         from_seq = min((position(v) for v in self.views.values()), default=0) + 1
         self.stats.resumed_from = from_seq
+        # The chain heads a checkpoint needs: the last checkpoint's, then what lies between it and
+        # where the replay starts (about `checkpoint_every` events of the fleet; the whole fleet once,
+        # the first time a fleet without any checkpoint is met), read by `run` beside the follower.
+        self._scans = []
+        for fleet, cp in cps.items():
+            start = 1
+            if cp is not None:
+                self._heads[fleet] = {s: (q, h) for s, (q, h) in checkpoints.heads_of(cp).items()}
+                self._cp_events[fleet] = cp.events
+                start = cp.upto + 1
+            if start < from_seq:
+                self._scans.append((fleet, start, from_seq))
+            else:
+                self._heads_ok.add(fleet)
         return from_seq
 
-    async def _load_view(self, fleet: str) -> FleetView:
+    async def _scan_heads(self) -> None:
+        """For each fleet whose heads are incomplete: read its events from its last checkpoint up to
+        where the follower started (the follower counts the rest), then the fleet may checkpoint."""
+        for fleet, start, end in self._scans:
+            heads = self._heads.setdefault(fleet, {})
+
+            def track(rec: Record, heads=heads, fleet=fleet, end=end) -> None:
+                if rec.seq >= end:
+                    raise _ScanDone
+                prior = heads.get(rec.subject)
+                if prior is None or prior[0] < rec.seq:
+                    heads[rec.subject] = (rec.seq, rec.data)
+                self._cp_count[fleet] = self._cp_count.get(fleet, 0) + 1
+
+            try:
+                await self.log.replay(track, from_seq=start, subject_filter=subjects.fleet_events(fleet), headers=False)
+            except _ScanDone:
+                pass
+            except LogError as exc:
+                log_.warning("projector.heads_scan_failed", fleet=fleet, error=str(exc),
+                             detail="no checkpoint for this fleet until the projector restarts")
+                continue
+            self._heads_ok.add(fleet)
+            log_.info("projector.heads_scanned", fleet=fleet, from_seq=start, to_seq=end - 1, subjects=len(heads))
+        self._scans = []
+        self._wake.set()  # a checkpoint may be due now
+
+    async def _last_checkpoint(self, fleet: str) -> Checkpoint | None:
+        rec = await self.log.last(subjects.checkpoint(fleet))
+        if rec is None:
+            return None
+        self._cp_seq[fleet] = rec.seq
+        e = rec.event
+        if not isinstance(e, Checkpoint) or e.fleet != fleet:
+            log_.warning("projector.checkpoint_unreadable", fleet=fleet, seq=rec.seq, error=rec.error or "not a checkpoint")
+            return None
+        return e
+
+    def _track_heads(self, rec: Record) -> None:
+        """Remember the record as its subject's chain head, and count it towards the next checkpoint."""
+        fleet = fleet_of(rec.subject)
+        if not fleet:
+            return
+        heads = self._heads.get(fleet)
+        if heads is None:
+            heads = self._heads[fleet] = {}
+        prior = heads.get(rec.subject)
+        if prior is None or prior[0] < rec.seq:
+            heads[rec.subject] = (rec.seq, rec.data)
+            self._cp_count[fleet] = self._cp_count.get(fleet, 0) + 1
+
+    async def _load_view(self, fleet: str, cp: Checkpoint | None = None) -> FleetView:
         key = subjects.view_key(fleet)
         got = await self.log.get_view(key)
         view = empty(fleet)
         rev = 0
+        stored = False
         if got is not None:
             data, rev = got
             try:
                 view = view_decoder.decode(data)
+                stored = True
             except Exception as exc:  # a view written by an incompatible version: rebuild it
                 log_.warning("projector.view_unreadable", fleet=fleet, revision=rev, error=str(exc))
                 view = empty(fleet)
+        if cp is not None and (self.from_checkpoint or not stored):
+            from_cp = checkpoints.view_of(cp)
+            if from_cp is not None:
+                log_.info("projector.from_checkpoint", fleet=fleet, upto=cp.upto, events=cp.events)
+                view = from_cp
         self._folders[fleet] = Folder(view)
         self._revs[fleet] = rev
         self._stored[fleet] = position(view)
@@ -195,12 +287,13 @@ class Projector:
         replay = asyncio.create_task(self._replay(from_seq), name="projector-replay")
         # the gateway's /healthz hears this (haru/alive.py): a projector that is not running is down
         beating = asyncio.create_task(alive.beat(self.log.nc, "projector", self.log.writer), name="projector-alive")
+        scanning = asyncio.create_task(self._scan_heads(), name="projector-heads")
         try:
             done, _ = await asyncio.wait({flusher, replay}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # raise what ended it
         finally:
-            await cancel_and_wait(replay, flusher, beating)
+            await cancel_and_wait(replay, flusher, beating, scanning)
             # Whatever was folded and not yet written: write it (best effort, bounded).
             try:
                 async with asyncio.timeout(5.0):
@@ -310,6 +403,7 @@ class Projector:
                              anomaly=folder.view().last_anomaly)
             elif type(event) is RouteMoved:
                 self._pending.setdefault(fleet, []).append(intent(folder.view()))
+        self._track_heads(rec)
         if self._caught_up_at and seq >= self._caught_up_at:
             self._log_caught_up()
 
@@ -376,6 +470,7 @@ class Projector:
                 if isinstance(result, BaseException):
                     raise result
         await self._checkpoint_idle_fleets()
+        await self._write_checkpoints()
         if not self._dirty:
             self._idle.set()
 
@@ -406,6 +501,43 @@ class Projector:
             view = msgspec.structs.replace(view, checkpoint=done)
             folder.reset(view)
             await self._write_view(fleet, view)
+
+    async def _write_checkpoints(self) -> None:
+        """A `checkpoint` for every fleet with `checkpoint_every` events since its last one, whose
+        view is written and whose chain heads are complete (haru/checkpoints.py)."""
+        for fleet, count in list(self._cp_count.items()):
+            if count < self.checkpoint_every or fleet in self._dirty or fleet not in self._folders:
+                continue
+            if fleet not in self._heads_ok and (self.stats.resumed_from != 1 or fleet in self._folders_scanning()):
+                continue  # heads not complete yet (being read, or met during a replay that did not start at 1)
+            # One snapshot, no await in between: the view, the heads and the position agree.
+            upto = self.stats.last_seq
+            view = self._folders[fleet].view()
+            raw = dict(self._heads.get(fleet, {}))
+            events = self._cp_events.get(fleet, 0) + count
+            self._cp_count[fleet] = 0
+            heads = {s: (q, d if isinstance(d, str) else body_hash(d)) for s, (q, d) in raw.items()}
+            cp = checkpoints.build(fleet, upto=upto, events=events, heads=heads, view=view,
+                                   now=datetime.now(timezone.utc))
+            subject = subjects.checkpoint(fleet)
+            try:
+                expect = self._cp_seq.get(fleet)
+                if expect is None:
+                    expect = await self.log.last_seq_of(subject)
+                self._cp_seq[fleet] = await self.log.append(subject, cp, expect=expect)
+            except Conflict as exc:  # another projector wrote one: ours is not needed
+                self._cp_seq[fleet] = exc.current or 0
+                continue
+            except LogError:
+                self._cp_count[fleet] = self._cp_count.get(fleet, 0) + count  # try again next flush
+                raise
+            self._cp_events[fleet] = events
+            self.checkpoints_written += 1
+            log_.info("projector.checkpoint", fleet=fleet, upto=upto, seq=self._cp_seq[fleet], events=events,
+                      subjects=len(heads))
+
+    def _folders_scanning(self) -> set[str]:
+        return {fleet for fleet, _, _ in self._scans}
 
     async def wait_idle(self, timeout: float | None = None) -> None:
         """Wait until everything folded so far is written (tests, benchmark)."""

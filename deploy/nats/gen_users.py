@@ -22,7 +22,8 @@ The roles (DESIGN.md "Security"):
   promoter                writes op, route and liveness events of any fleet; requests haru.cmd.>;
                           reads events, views and intents; subscribes haru.hb.>; beats on
                           haru.alive.promoter.> and hears its peers there.
-  projector               reads events; writes the KV bucket haru_views and haru.route.>; beats on
+  projector               reads events; writes the KV bucket haru_views, haru.route.> and checkpoints
+                          (haru.evt.*.checkpoint); beats on
                           haru.alive.projector.>.
   gateway                 reads views, intents and events; writes haru.evt.*.op (promote/demote requests);
                           hears haru.alive.> for /healthz.
@@ -112,7 +113,7 @@ def fixed_users() -> list[User]:
     ]
     # haru.alive.<role>.<id>: the control plane's own heartbeats (haru/alive.py), read by gateways and promoters
     promoter_pub.append("haru.alive.promoter.>")
-    projector_pub = ["$KV.haru_views.>", "haru.route.>", "haru.alive.projector.>", *events, *views, *route]
+    projector_pub = ["haru.evt.*.checkpoint", "$KV.haru_views.>", "haru.route.>", "haru.alive.projector.>", *events, *views, *route]
     gateway_pub = ["haru.evt.*.op", *events, *views, *route]
     return [
         User("admin", "everything: stream creation (ensure), repairs, `nats` CLI administration",

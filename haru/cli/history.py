@@ -15,6 +15,7 @@ from haru.cli.common import (ExitStatus, add_fleet_option, add_nats_options, add
 from haru.authority import misplaced
 from haru.errors import LogDamaged, seq_ranges
 from haru.eventlog import EventLog
+from haru.reads import checkpoint_start, model_records, why_records
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,6 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_nats_options(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--since-checkpoint", action="store_true",
+                   help="start each fleet's chains at its newest checkpoint (its heads checked against the store) "
+                        "instead of at sequence 1; without it every event is walked")
     add_replay_timeout_option(p)
     p.set_defaults(handler=run_verify)
 
@@ -84,9 +88,22 @@ async def _witnesses(log: EventLog) -> list[history.Witness]:
 async def run_verify(args: argparse.Namespace) -> ExitStatus:
     verifier = history.Verifier()
     damaged: LogDamaged | None = None
+    since: dict[str, int] = {}
     async with _connect(args, "verify") as log:
+        start = 1
+        handler = verifier.add
+        if args.since_checkpoint:
+            from haru.checkpoints import fleet_of
+
+            start, tips, since, bad = await checkpoint_start(log)
+            verifier.tips.update(tips)
+            verifier.breaks.extend(bad)
+
+            def handler(rec, add=verifier.add) -> None:
+                if rec.seq > since.get(fleet_of(rec.subject), 0):
+                    add(rec)
         try:
-            await log.replay(verifier.add)
+            await log.replay(handler, from_seq=start)
         except LogDamaged as exc:
             damaged = exc
         stream_last = await log.last_seq()
@@ -108,7 +125,8 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
                    "misplaced": [{"seq": m.seq, "subject": m.subject, "type": m.type, "by": m.by, "why": m.why}
                                  for m in verifier.misplaced],
                    "unreadable": missing, "damage": str(damaged) if damaged is not None else None,
-                   "truncation": [{"kind": f.kind, "seq": f.seq, "what": f.what} for f in findings]})
+                   "truncation": [{"kind": f.kind, "seq": f.seq, "what": f.what} for f in findings],
+                   "since_checkpoint": since if args.since_checkpoint else None})
     else:
         for b in verifier.breaks:
             print(str(b))
@@ -125,6 +143,9 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
                   f"{'hold' if verifier.ok else 'have breaks'}, but the store was cut: newest events are missing")
         else:
             print(verifier.summary())
+        if args.since_checkpoint:
+            print("from checkpoints: " + (", ".join(f"{f} after seq {u}" for f, u in sorted(since.items()))
+                                          or "none yet (every event was walked)"))
     if damaged is not None:
         return fail(str(damaged), ExitStatus.LOG_DAMAGED)
     if findings:
@@ -148,14 +169,13 @@ def _report_misplaced(records, fleet: str) -> None:
             print(f"haru:   {m}", file=sys.stderr)
 
 
-async def _fleet_records(args: argparse.Namespace, who: str):
-    """The fleet's records; on damage, what could be read and the LogDamaged to report after it."""
+async def _model_records(args: argparse.Namespace, who: str):
+    """The model's records; on damage, what could be read and the LogDamaged to report after it."""
     subjects.check_model_id(args.model)
+    damage: list[LogDamaged] = []
     async with _connect(args, who) as log:
-        try:
-            return await log.history(subjects.fleet_events(args.fleet), strict=True), None
-        except LogDamaged as exc:
-            return exc.records or [], exc
+        records = await model_records(log, args.fleet, args.model, args.domain, damage)
+    return records, (damage[0] if damage else None)
 
 
 def _damaged(exc: LogDamaged | None, status: ExitStatus) -> ExitStatus:
@@ -166,24 +186,31 @@ def _damaged(exc: LogDamaged | None, status: ExitStatus) -> ExitStatus:
 
 
 async def run_why(args: argparse.Namespace) -> ExitStatus:
-    records, damaged = await _fleet_records(args, "why")
-    _report_misplaced(records, args.fleet)
-    picked = history.story(records, args.model, domain=args.domain)
-    if not picked and damaged is not None:
+    subjects.check_model_id(args.model)
+    damage: list[LogDamaged] = []
+    read: list = []
+    async with _connect(args, "why") as log:
+        have = await why_records(log, args.fleet, args.model, args.domain, damage, read)
+    _report_misplaced(read, args.fleet)
+    damaged = damage[0] if damage else None
+    if not have and damaged is not None:
         return fail(str(damaged), ExitStatus.LOG_DAMAGED)
-    if not picked:
+    if not have:
         return fail(
             f"no history for model {args.model!r} in fleet {args.fleet!r}"
             + (f" on domain {args.domain!r}" if args.domain else "")
             + " (model ids are matched exactly; `haru status` lists the declared ones)",
             ExitStatus.NOT_FOUND,
         )
+    from haru.reads import WHY_MAX_EVENTS
+
+    if len(have) >= WHY_MAX_EVENTS:
+        print(f"haru: the tree was cut at {WHY_MAX_EVENTS} events; narrow it with --domain", file=sys.stderr)
+    roots = history.causal_tree(have)
     if args.json:
-        emit_json([_record_json(r) for r in reversed(picked)])
+        emit_json(history.tree_json(roots))
     else:
-        domains = {getattr(r.event, "domain", "") for r in picked} - {""}
-        print(history.render_story(picked, show_domain=len(domains) > 1 or any(
-            not getattr(r.event, "domain", "") for r in picked)))
+        print(history.render_tree(roots))
     return _damaged(damaged, ExitStatus.OK)
 
 
@@ -202,7 +229,7 @@ def _parse_point(point: str) -> tuple[int | None, datetime | None]:
 
 async def run_as_of(args: argparse.Namespace) -> ExitStatus:
     seq, time = _parse_point(args.point)
-    records, damaged = await _fleet_records(args, "as-of")
+    records, damaged = await _model_records(args, "as-of")
     _report_misplaced(records if seq is None else [r for r in records if r.seq <= seq], args.fleet)
     states = history.as_of(records, args.model, seq=seq, time=time, domain=args.domain)
     if not states and damaged is not None:
@@ -237,7 +264,10 @@ async def run_history(args: argparse.Namespace) -> ExitStatus:
     damaged: LogDamaged | None = None
     async with _connect(args, "history") as log:
         try:
-            records = await log.history(args.filter, from_seq=args.from_seq, strict=True)
+            if args.limit and args.from_seq <= 1:  # the last N: read back from the end, not from 1
+                records = await log.tail(args.filter, args.limit, strict=True)
+            else:
+                records = await log.history(args.filter, from_seq=args.from_seq, strict=True)
         except LogDamaged as exc:
             records, damaged = exc.records or [], exc
     if args.limit:

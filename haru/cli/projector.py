@@ -30,6 +30,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=int(os.environ.get("HARU_REPLICAS", "1")),
         help="replicas for the streams and bucket if this projector creates them (env HARU_REPLICAS; default %(default)s)",
     )
+    p.add_argument(
+        "--from-checkpoint", action="store_true",
+        help="rebuild: start each fleet from its newest checkpoint's view instead of the stored one "
+             "(a fleet without a stored view always starts from its checkpoint)",
+    )
+    p.add_argument(
+        "--checkpoint-every", type=int, default=int(os.environ.get("HARU_CHECKPOINT_EVERY", "10000")),
+        help="write a checkpoint every N events of a fleet (env HARU_CHECKPOINT_EVERY; default %(default)s)",
+    )
     add_log_options(p)
     add_metrics_options(p)
     p.set_defaults(handler=run)
@@ -53,7 +62,9 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     try:
         async with EventLog.connect(nats_servers(args.nats_url), writer=writer, creds=args.nats_creds) as log:
             await log.ensure(replicas=args.replicas)
-            projector = Projector(log)
+            if args.checkpoint_every < 1:
+                return fail(f"--checkpoint-every {args.checkpoint_every}: give a positive number of events", ExitStatus.USAGE)
+            projector = Projector(log, checkpoint_every=args.checkpoint_every, from_checkpoint=args.from_checkpoint)
             registry = CollectorRegistry()
             lag = register_metrics(registry, projector)
             async with maybe_serve([registry], metrics, refresh=[lag.refresh]):

@@ -160,13 +160,16 @@ async def run_request(args: argparse.Namespace) -> ExitStatus:
                 return fail(result.message, status)
             if not args.wait or result.status not in ("accepted", "joined"):
                 return status
-            return await wait_for(log, args.fleet, result.op_id, json_out=args.json, timeout=args.timeout)
+            return await wait_for(log, args.fleet, result.op_id, json_out=args.json, timeout=args.timeout,
+                                  from_seq=result.seq or 1)
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
 
 
-async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, timeout: float) -> ExitStatus:
-    """Follow the fleet's op subject from the start and print the operation's steps until it ends."""
+async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, timeout: float,
+                   from_seq: int = 1) -> ExitStatus:
+    """Follow the fleet's op subject from `from_seq` (the request's own sequence when it is known: the
+    operations before it are not read) and print the operation's steps until it ends."""
     outcome: asyncio.Future[ExitStatus] = asyncio.get_running_loop().create_future()
 
     def on_record(rec: Record) -> None:
@@ -198,7 +201,8 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
 
     url = ", ".join(u.geturl() for u in log.nc.servers) or "NATS"
     log.on_link_change(LinkReporter(url, f"operation {op_id}'s progress"))
-    follower = asyncio.create_task(log.replay(on_record, subject_filter=subjects.op(fleet), follow=True))
+    follower = asyncio.create_task(log.replay(on_record, subject_filter=subjects.op(fleet), from_seq=from_seq,
+                                              follow=True))
     try:
         done, _ = await asyncio.wait({outcome, follower}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if outcome.done():

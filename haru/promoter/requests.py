@@ -4,13 +4,14 @@
     result.status   # noop | accepted | joined | conflict | refused | not_found
     result.op_id    # the operation accepted or joined (or the one in the way, for conflict)
 
-It reads the fleet's current state by folding the fleet's history (`haru.evt.<fleet>.>`) with
-`projections.fleet.evolve`: correctness over speed. A fleet's history grows with every residency
-and step event, so this costs one replay per request (milliseconds for thousands of events); a
-control API under load could start from the projected KV view plus the op subject's last sequence
-instead, at the price of trusting the projector's lag. The append is sequence-checked on the op
-subject, so a request can never slip in beside an operation in flight: on a Conflict it reads
-and decides again, a few times.
+It reads the fleet's current state without replaying its history: the projector's view of the
+fleet (KV `haru_views`, `fleet.<fleet>`) plus the fleet's events stored after the view's position
+(`from_seq` = position + 1: as many as the projector lags behind, usually none), folded onto it
+with `projections.fleet.evolve`. The cost does not grow with the log. Only when there is no view
+(no projector has ever run for this fleet) does it fold the fleet's whole history. The append is
+sequence-checked on the op subject (its real last sequence, from the view's `op_seq` or the events
+after it), so a request can never slip in beside an operation in flight, however stale the view:
+on a Conflict it reads and decides again, a few times.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from haru import subjects
 from haru.errors import Conflict, InvalidName
 from haru.promoter.decider import fold, judge_request
 from haru.promoter.service import new_op_id
+from haru.views import FleetView, view_decoder
 from projections.fleet import evolve
 
 RETRIES = 5
@@ -49,15 +51,15 @@ async def request_operation(
     op_id = new_op_id()
     verdict = None
     for _ in range(RETRIES):
-        records = await log.history(subjects.fleet_events(fleet))
-        if not records:
+        current = await current_view(log, fleet)
+        if current is None:
             return RequestResult(status="not_found", message=f"no fleet {fleet!r}; declare it with `haru apply`")
-        view, last = fold(fleet, records, evolve)
+        view, op_last = current
         verdict = judge_request(view, kind, target, op_id=op_id, by=by, now=now)
         if verdict.event is None:
             return RequestResult(status=verdict.status, op_id=verdict.op_id, message=verdict.message)
         try:
-            seq = await log.append(op_subject, verdict.event, expect=last.get(op_subject, 0))
+            seq = await log.append(op_subject, verdict.event, expect=op_last)
         except Conflict:
             continue
         return RequestResult(status="accepted", op_id=op_id, message=verdict.message, seq=seq)
@@ -65,3 +67,37 @@ async def request_operation(
         status="conflict",
         message=f"the op subject of fleet {fleet} kept moving while deciding ({RETRIES} tries); try again",
     )
+
+
+async def stored_view(log, fleet: str) -> FleetView | None:
+    """The projector's view of `fleet` from KV, or None (none stored, or of another version)."""
+    got = await log.get_view(subjects.view_key(fleet))
+    if got is None:
+        return None
+    try:
+        view = view_decoder.decode(got[0])
+    except msgspec.DecodeError:
+        return None
+    return view if view.fleet == fleet else None
+
+
+async def current_view(log, fleet: str) -> tuple[FleetView, int] | None:
+    """(the fleet's view as of now, the op subject's last sequence), or None for no such fleet.
+
+    The stored view plus the fleet's events after its position; the whole history only when no view
+    was ever stored."""
+    op_subject = subjects.op(fleet)
+    view = await stored_view(log, fleet)
+    if view is None:
+        records = await log.history(subjects.fleet_events(fleet))
+        if not records:
+            return None
+        view, last = fold(fleet, records, evolve)
+        return view, last.get(op_subject, 0)
+    op_last = view.op_seq
+    for rec in await log.history(subjects.fleet_events(fleet), from_seq=max(view.seq, view.checkpoint) + 1):
+        if rec.subject == op_subject:
+            op_last = rec.seq
+        if rec.event is not None:
+            view = evolve(view, rec.event, seq=rec.seq, subject=rec.subject)
+    return view, op_last

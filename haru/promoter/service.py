@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 import msgspec
 import structlog
 
-from haru import alive, subjects
+from haru import alive, causes, subjects
 from haru.commands import ErrorInfo, Reply
 from haru.errors import CommandError, Conflict, LogError
 from haru.eventlog import EventLog, Record
@@ -313,6 +313,7 @@ class Promoter:
         for a in appends:
             expect = st.last.get(a.subject, 0)
             event = a.event if a.event.by else msgspec.structs.replace(a.event, by=self.identity)
+            event = causes.with_cause(event, causes.decided_cause(st.view, event, st.last))
             log = self.log_.bind(fleet=st.view.fleet, event=tag_of(event), subject=a.subject)
             try:
                 seq = await self.log.append(a.subject, event, expect=expect)
@@ -359,6 +360,7 @@ class Promoter:
                 else:
                     replies: list[tuple[str, Reply]] = []
                     for verb, command, timeout_ms in commands:
+                        command = msgspec.structs.replace(command, step=step, cause=started_seq)
                         try:
                             reply = await send(self.log.nc, fleet, domain, verb, command, timeout_ms=timeout_ms)
                         except CommandError as exc:
@@ -374,7 +376,8 @@ class Promoter:
             if isinstance(event, (StepCompleted, StepFailed)) and not event.took_ms:
                 event = msgspec.structs.replace(event, took_ms=int((time.monotonic() - t0) * 1000))
             try:
-                seq = await self.log.append(subjects.op(fleet), msgspec.structs.replace(event, by=self.identity), expect=started_seq)
+                seq = await self.log.append(subjects.op(fleet), msgspec.structs.replace(event, by=self.identity, cause=started_seq),
+                                            expect=started_seq)
             except Conflict:
                 log.warning("step_taken_over", detail="another promoter re-started this step; its outcome stands")
                 return
@@ -406,7 +409,8 @@ class Promoter:
         if st.view.route_revision != op.route_revision:
             return _moved_elsewhere(op, st.view.active, st.view.route_revision)
         expect = max(st.last.get(route, 0), op.route_revision)
-        moved = RouteMoved(at=utcnow(), by=self.identity, active=op.target, previous=previous, op_id=op.op_id)
+        moved = RouteMoved(at=utcnow(), by=self.identity, active=op.target, previous=previous, op_id=op.op_id,
+                           cause=causes.flip_cause(op))
         for _ in range(FLIP_TRIES):
             try:
                 seq = await self.log.append(route, moved, expect=expect)

@@ -154,7 +154,18 @@ def test_demo_chats_fails_over_and_stops_cleanly(demo):
     why = haru("why", "qwen3-0.6b", nats_url=nats_url, env=env)
     assert why.returncode == 0, why.stderr
     assert '"reason":"gpu_detached"' in why.stdout and "promotion_requested" in why.stdout
-    story = json.loads(haru("why", "qwen3-0.6b", "--json", nats_url=nats_url, env=env).stdout)
+    tree = json.loads(haru("why", "qwen3-0.6b", "--json", nats_url=nats_url, env=env).stdout)
+
+    def flatten(nodes):
+        for n in nodes:
+            yield n
+            yield from flatten(n["caused"])
+
+    story = list(flatten(tree))
+    # the tree is causal: b's wake hangs under the promotion, which hangs under a's loss
+    failover = next(n for n in story if n["type"] == "promotion_requested" and n["event"]["reason"] == "gpu_detached")
+    assert any(n["type"] == "model_waking" and n["event"]["domain"] == "b" for n in flatten(failover["caused"])), why.stdout
+    assert not [n for n in story if n["missing_link"]], why.stdout
 
     def seq_of(kind, **match):
         return [r["seq"] for r in story if r["type"] == kind

@@ -56,7 +56,7 @@ def role_writes(role: str, kind: str, domain: str, own_domain: str) -> bool:
 
 
 def fleet_subjects(fleet: str, domains: tuple[str, ...], model: str = "m1", slot: str = "lora") -> list[str]:
-    out = [subjects.decl(fleet), subjects.route(fleet), subjects.op(fleet)]
+    out = [subjects.decl(fleet), subjects.route(fleet), subjects.checkpoint(fleet), subjects.op(fleet)]
     for d in domains:
         out += [subjects.agent(fleet, d), subjects.liveness(fleet, d), subjects.model(fleet, d, model),
                 subjects.gpu(fleet, d, 0), subjects.training(fleet, d, slot)]
@@ -124,12 +124,13 @@ async def test_every_role_may_write_exactly_what_the_table_says_and_the_rest_is_
         want = {s: role_writes(role, authority.where(s).kind, authority.where(s).domain, own) for s in everything}
         assert got == want, {s: (got[s], want[s]) for s in everything if got[s] != want[s]}
         allowed[role] = [s for s in everything if got[s]]
-    assert allowed["projector"] == allowed["sink"] == allowed["router"] == []
+    assert allowed["sink"] == allowed["router"] == []
+    assert allowed["projector"] == [subjects.checkpoint(fleet)]  # its checkpoints, nothing else
 
     # What the servers let through, every event type on it, appended as that role (chains intact).
     expected_misplaced: set[int] = set()
     placed = 0
-    for role in ("agent", "promoter", "gateway", "control", "operator"):
+    for role in ("agent", "promoter", "projector", "gateway", "control", "operator"):
         async with cluster.log(users[role], f"{role}:authority-test") as log:
             for subject in allowed[role]:
                 w = authority.where(subject)

@@ -132,7 +132,10 @@ async def test_operations_why_and_verify(fleet):
 
         subject = subjects.model("ops", "a", MODEL)
         now = datetime.now(UTC)
-        seq = await log.append(subject, ModelLoading(at=now, domain="a", model=MODEL), expect=0)
+        # The story is causal: the loading names the request as its cause (as an agent's events name
+        # the step of the command they answer), so the request is in the model's story.
+        request = await log.last(subjects.op("ops"))
+        seq = await log.append(subject, ModelLoading(at=now, domain="a", model=MODEL, cause=request.seq), expect=0)
         async with s.get(gw.url + f"/ui/api/why?fleet=ops&model={MODEL}", headers=AUTH) as r:
             story = (await r.json())["events"]
         seqs = [e["seq"] for e in story]

@@ -16,10 +16,11 @@ async def script_stories(log) -> dict[str, int]:
     """declared -> loading -> resident -> unloaded, as hearth's README shows for `stories`."""
     decl = subjects.decl("default")
     s = await log.append(decl, ev.FleetDeclared(at=T0, fleet="default", policy=Policy()), expect=0)
-    s = await log.append(decl, ev.ModelDeclared(at=T0, domain="a", spec=ModelSpec(
+    model_declared = s = await log.append(decl, ev.ModelDeclared(at=T0, domain="a", spec=ModelSpec(
         name="stories", slot="main", gpu_index=0, runtime="llama_server", vram_bytes=1073741824)), expect=s)
     declared = s = await log.append(decl, ev.AdmissionDecided(
-        at=T0, domain="a", name="stories", gpu_index=0, admitted=True, vram_bytes=1073741824), expect=s)
+        at=T0, domain="a", name="stories", gpu_index=0, admitted=True, vram_bytes=1073741824,
+        cause=model_declared), expect=s)
     m = subjects.model("default", "a", "stories")
     loading = await log.append(m, ev.ModelLoading(
         at=T0 + timedelta(seconds=1), domain="a", model="stories", endpoint="127.0.0.1:18080", pid=10121), expect=0)
@@ -28,20 +29,33 @@ async def script_stories(log) -> dict[str, int]:
         cause=loading), expect=loading)
     unloaded = await log.append(m, ev.ModelStopped(
         at=T0 + timedelta(seconds=3), domain="a", model="stories"), expect=resident)
-    return {"declared": declared, "loading": loading, "resident": resident, "unloaded": unloaded}
+    return {"model_declared": model_declared, "declared": declared, "loading": loading, "resident": resident,
+            "unloaded": unloaded}
 
 
-async def test_why_prints_the_causal_story_newest_first(nats_server, event_log):
+async def test_why_draws_the_causal_tree_and_says_where_a_link_is_missing(nats_server, event_log):
     seqs = await script_stories(event_log)
     out = haru("why", "stories", nats_url=nats_server.url)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0] == f"● seq {seqs['unloaded']:>5}  unloaded       {{}}"
-    assert lines[1] == (f"└─ seq {seqs['resident']:>5}  resident       "
-                        f'{{"endpoint":"127.0.0.1:18080","warmup_ms":256}}  (caused by seq {seqs["loading"]})')
-    assert lines[2] == f'└─ seq {seqs["loading"]:>5}  loading        {{"endpoint":"127.0.0.1:18080","pid":10121,"attempt":1}}'
-    assert lines[3] == f'└─ seq {seqs["declared"]:>5}  admitted       {{"admitted":true,"vram_bytes":1073741824}}'
-    assert lines[4].startswith("└─ seq ") and "declared" in lines[4]
+    missing = "     ! no cause recorded, though this kind of event has one: a link is missing"
+    assert lines == [
+        f"● seq {seqs['unloaded']:>7}  unloaded       a        {{}}",
+        missing,
+        f'● seq {seqs["loading"]:>7}  loading        a        {{"endpoint":"127.0.0.1:18080","pid":10121,"attempt":1}}',
+        missing,
+        f'  └─ seq {seqs["resident"]:>7}  resident       a        {{"endpoint":"127.0.0.1:18080","warmup_ms":256}}',
+        f'● seq {seqs["model_declared"]:>7}  declared       a        '
+        '{"runtime":"llama_server","gpu_index":0,"vram_bytes":1073741824}',
+        f'  └─ seq {seqs["declared"]:>7}  admitted       a        {{"admitted":true,"vram_bytes":1073741824}}',
+    ]
+    out = haru("why", "stories", "--json", nats_url=nats_server.url)
+    import json
+    tree = json.loads(out.stdout)
+    assert [n["seq"] for n in tree] == [seqs["unloaded"], seqs["loading"], seqs["model_declared"]]
+    assert tree[1]["missing_link"] and tree[1]["caused"][0]["seq"] == seqs["resident"]
+    assert tree[1]["caused"][0]["cause"] == seqs["loading"] and tree[1]["caused"][0]["missing_link"] is None
+    assert tree[2]["missing_link"] is None and tree[2]["caused"][0]["type"] == "admission_decided"
 
 
 async def test_as_of_a_sequence_and_a_time(nats_server, event_log):

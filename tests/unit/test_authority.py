@@ -17,7 +17,7 @@ from haru.specs import Policy
 
 T = datetime(2026, 11, 30, tzinfo=UTC)
 EVENT_TYPES: tuple[type, ...] = ev.AnyEvent.__args__  # type: ignore[attr-defined]
-KINDS = ("decl", "route", "op", "agent", "liveness", "model", "gpu", "training")
+KINDS = ("decl", "route", "checkpoint", "op", "agent", "liveness", "model", "gpu", "training")
 
 
 def build(cls: type, *, fleet: str = "default", domain: str = "a", model: str = "qwen3.6:27b", index: int = 0,
@@ -35,7 +35,7 @@ def build(cls: type, *, fleet: str = "default", domain: str = "a", model: str = 
         "index": index, "slot": slot, "policy": msgspec.to_builtins(Policy()), "spec": spec, "name": model,
         "gpu_index": index, "admitted": True, "vram_bytes": 1, "reason": "unhealthy", "runtime_said": "no",
         "present": True, "pid": 1, "how": "exited", "op_id": "op-1", "target": domain, "step": "wake", "why": "x",
-        "eligible": True, "active": domain, "reference": "ollama:library/qwen3:0.6b",
+        "eligible": True, "active": domain, "reference": "ollama:library/qwen3:0.6b", "upto": 1,
     }  # fmt: skip
     return msgspec.convert(fields, cls)
 
@@ -46,6 +46,7 @@ def subject_of(kind: str, *, fleet: str = "default", domain: str = "a", model: s
     return {
         "decl": lambda: sj.decl(fleet),
         "route": lambda: sj.route(fleet),
+        "checkpoint": lambda: sj.checkpoint(fleet),
         "op": lambda: sj.op(fleet),
         "agent": lambda: sj.agent(fleet, domain),
         "liveness": lambda: sj.liveness(fleet, domain),
@@ -141,7 +142,7 @@ def test_something_that_is_not_an_event_subject_holds_no_event():
 
 # ----------------------------------------------------------------------------------- properties
 
-names = st.from_regex(r"[a-z0-9_-]{1,12}", fullmatch=True).filter(lambda n: n not in ("decl", "route", "op"))
+names = st.from_regex(r"[a-z0-9_-]{1,12}", fullmatch=True).filter(lambda n: n not in ("decl", "route", "op", "checkpoint"))
 model_ids = st.text(st.characters(blacklist_categories=("Cs", "Zs", "Zl", "Zp", "Cc")), min_size=1, max_size=20)
 
 
@@ -162,7 +163,7 @@ def test_a_body_that_names_anything_else_than_its_subject_is_misplaced(cls, data
     kind = authority.ALLOWED[cls]
     mine = dict(fleet="f", domain="d", model="m", index=1, slot="s")
     carried = [k for k in ("fleet", "domain", "model", "index", "slot") if k in cls.__struct_fields__
-               and k in {"decl": ("fleet",), "route": ("fleet",), "op": ("fleet",), "agent": ("fleet", "domain"),
+               and k in {"decl": ("fleet",), "route": ("fleet",), "checkpoint": ("fleet",), "op": ("fleet",), "agent": ("fleet", "domain"),
                          "liveness": ("fleet", "domain"), "model": ("fleet", "domain", "model"),
                          "gpu": ("fleet", "domain", "index"), "training": ("fleet", "domain", "slot")}[kind]]
     subject = subject_of(kind, **mine)

@@ -1,0 +1,43 @@
+"""Reads that do not grow with the log (haru/reads.py, EventLog.tail) against a real nats-server."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from haru import events as ev
+from haru import history, reads
+from haru import subjects as sj
+
+T = datetime(2026, 11, 30, tzinfo=UTC)
+
+
+async def test_tail_reads_the_last_matches_back_from_the_end(event_log):
+    x, y = sj.model("f", "a", "x"), sj.model("f", "a", "y")
+    seq_x = seq_y = 0
+    kinds = (ev.ModelSleeping, ev.ModelWaking, ev.ModelResident)
+    ys = []
+    for i in range(1500):  # y is sparse: 12 events among 1,500, most of them early
+        seq_x = await event_log.append(x, kinds[i % 3](at=T, domain="a", model="x"), expect=seq_x)
+        if i % 100 == 0 and i < 1200:
+            seq_y = await event_log.append(y, kinds[i % 3](at=T, domain="a", model="y"), expect=seq_y)
+            ys.append(seq_y)
+    got = await event_log.tail(y, 5)
+    assert [r.seq for r in got] == ys[-5:]
+    assert [r.seq for r in await event_log.tail(y, 50)] == ys  # fewer than asked: all of them
+    assert [r.seq for r in await event_log.tail(x, 3)] == [seq_x - 2, seq_x - 1, seq_x]  # no y among the last 300
+
+
+async def test_why_reads_the_models_links_not_the_fleets_other_operations(event_log):
+    op, m = sj.op("f"), sj.model("f", "b", "m")
+    other = await event_log.append(op, ev.PromotionRequested(at=T, op_id="o1", target="b", reason="manual"), expect=0)
+    unrelated = await event_log.append(op, ev.OperationAborted(at=T, op_id="o1", cause=other), expect=other)
+    request = await event_log.append(op, ev.PromotionRequested(at=T, op_id="o2", target="b", reason="manual"),
+                                     expect=unrelated)
+    started = await event_log.append(op, ev.StepStarted(at=T, op_id="o2", step="wake", cause=request), expect=request)
+    waking = await event_log.append(m, ev.ModelWaking(at=T, domain="b", model="m", cause=started), expect=0)
+    done = await event_log.append(op, ev.StepCompleted(at=T, op_id="o2", step="wake", cause=started), expect=started)
+    have = await reads.why_records(event_log, "f", "m", "", [])
+    assert set(have) == {request, started, waking, done}  # up the links, then what they caused; not o1
+    (root,) = history.causal_tree(have)
+    assert root.rec.seq == request and [c.rec.seq for c in root.children] == [started]
+    assert [c.rec.seq for c in root.children[0].children] == [waking, done]
