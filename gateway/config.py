@@ -21,9 +21,8 @@ from collections.abc import Mapping
 
 import msgspec
 
-from haru.errors import ConfigError
 from haru.httpguard import DEFAULT_BODY_TIMEOUT_MS, DEFAULT_HEADER_TIMEOUT_MS as DEFAULT_CLIENT_HEADER_TIMEOUT_MS
-from haru.httpguard import DEFAULT_MAX_IDLE, ClientLimits
+from haru.httpguard import DEFAULT_MAX_IDLE, ClientLimits, env_int
 
 DEFAULT_PORT = 8700
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -68,19 +67,6 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.host
 
 
-def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer; set it to a whole number or unset it") from None
-    if value < minimum:
-        raise ConfigError(f"{name}={value} is below {minimum}; set a larger value or unset it")
-    return value
-
-
 def from_env(
     env: Mapping[str, str],
     *,
@@ -93,18 +79,18 @@ def from_env(
     if host is None:
         host = env.get("HARU_GATEWAY_HOST") or ("0.0.0.0" if token else LOOPBACK)
     if port is None:
-        port = _int(env, "HARU_GATEWAY_PORT", DEFAULT_PORT)
+        port = env_int(env, "HARU_GATEWAY_PORT", DEFAULT_PORT)
     values: dict[str, object] = dict(
         host=host,
         port=port,
         api_token=token,
         serving_token=env.get("HARU_SERVING_TOKEN", ""),
         default_fleet=env.get("HARU_DEFAULT_FLEET") or "default",
-        max_body_bytes=_int(env, "HARU_CHAT_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES, 1),
-        header_timeout_ms=_int(env, "HARU_CHAT_HEADER_TIMEOUT_MS", DEFAULT_HEADER_TIMEOUT_MS, 1),
-        client_header_timeout_ms=_int(env, "HARU_CLIENT_HEADER_TIMEOUT_MS", DEFAULT_CLIENT_HEADER_TIMEOUT_MS, 1),
-        client_body_timeout_ms=_int(env, "HARU_CLIENT_BODY_TIMEOUT_MS", DEFAULT_BODY_TIMEOUT_MS, 1),
-        client_max_idle=_int(env, "HARU_CLIENT_MAX_IDLE", DEFAULT_MAX_IDLE, 1),
+        max_body_bytes=env_int(env, "HARU_CHAT_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES, 1),
+        header_timeout_ms=env_int(env, "HARU_CHAT_HEADER_TIMEOUT_MS", DEFAULT_HEADER_TIMEOUT_MS, 1),
+        client_header_timeout_ms=env_int(env, "HARU_CLIENT_HEADER_TIMEOUT_MS", DEFAULT_CLIENT_HEADER_TIMEOUT_MS, 1),
+        client_body_timeout_ms=env_int(env, "HARU_CLIENT_BODY_TIMEOUT_MS", DEFAULT_BODY_TIMEOUT_MS, 1),
+        client_max_idle=env_int(env, "HARU_CLIENT_MAX_IDLE", DEFAULT_MAX_IDLE, 1),
     )
     values.update({k: v for k, v in overrides.items() if v is not None})
     return GatewayConfig(**values)  # type: ignore[arg-type]

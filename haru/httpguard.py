@@ -30,7 +30,7 @@ from aiohttp import web
 
 from haru.errors import ConfigError
 
-__all__ = ["ClientLimits", "GuardedServer", "BodyTimeout", "BodyTooLarge", "read_body", "TOO_DEEP"]
+__all__ = ["ClientLimits", "GuardedServer", "BodyTimeout", "BodyTooLarge", "read_body", "env_int", "TOO_DEEP"]
 
 DEFAULT_HEADER_TIMEOUT_MS = 15_000
 DEFAULT_BODY_TIMEOUT_MS = 30_000
@@ -50,13 +50,15 @@ class ClientLimits:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "ClientLimits":
         return cls(
-            header_timeout_s=_int(env, "HARU_CLIENT_HEADER_TIMEOUT_MS", DEFAULT_HEADER_TIMEOUT_MS, 1) / 1000,
-            body_timeout_s=_int(env, "HARU_CLIENT_BODY_TIMEOUT_MS", DEFAULT_BODY_TIMEOUT_MS, 1) / 1000,
-            max_idle=_int(env, "HARU_CLIENT_MAX_IDLE", DEFAULT_MAX_IDLE, 1),
+            header_timeout_s=env_int(env, "HARU_CLIENT_HEADER_TIMEOUT_MS", DEFAULT_HEADER_TIMEOUT_MS, 1) / 1000,
+            body_timeout_s=env_int(env, "HARU_CLIENT_BODY_TIMEOUT_MS", DEFAULT_BODY_TIMEOUT_MS, 1) / 1000,
+            max_idle=env_int(env, "HARU_CLIENT_MAX_IDLE", DEFAULT_MAX_IDLE, 1),
         )
 
 
-def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+def env_int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
+    """An integer setting from the environment: `default` when unset, a ConfigError naming it when not a
+    whole number or below `minimum`."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
