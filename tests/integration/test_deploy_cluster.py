@@ -198,14 +198,23 @@ class Cluster:
         )
 
 
-def start_cluster(root: Path) -> Cluster:
-    cluster = Cluster(root)
-    try:
-        cluster.start()
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+def start_cluster(root: Path, attempts: int = 3) -> Cluster:
+    """Three nodes on free loopback ports. `free_port` only says a port was free a moment ago: when
+    another process took one before the node bound it ("address already in use"), start again on
+    fresh ports (bounded); any other failure is the test's."""
+    for attempt in range(1, attempts + 1):
+        cluster = Cluster(root / f"try-{attempt}" if attempt > 1 else root)
+        try:
+            cluster.start()
+            return cluster
+        except AssertionError as exc:
+            cluster.stop()
+            if "address already in use" not in str(exc) or attempt == attempts:
+                raise
+        except BaseException:
+            cluster.stop()
+            raise
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")
