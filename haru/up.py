@@ -597,10 +597,6 @@ async def _serve_metrics(opts: UpOptions, running: Running):
     assert address is not None
     host, port = address
     explicit = opts.metrics_port is not None or os.environ.get("HARU_METRICS_PORT", "").strip()
-    if port and not explicit and not _port_free(port):
-        chosen = free_port()
-        log.warning("up.metrics_port_busy", port=port, using=chosen)
-        port = chosen
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
 
         def gather(child: Child):
@@ -611,8 +607,20 @@ async def _serve_metrics(opts: UpOptions, running: Running):
             return scrape
 
         sources = [(c.name, gather(c)) for c in running.services if c.metrics_url]
-        async with MetricsServer([_children_registry(running)], host=host, port=port, sources=sources) as server:
+        server = MetricsServer([_children_registry(running)], host=host, port=port, sources=sources)
+        try:
+            await server.__aenter__()
+        except ConfigError:
+            if explicit or not port:
+                raise
+            # the default port is taken (another haru up, or one that was free a moment ago): any free one
+            server = MetricsServer([_children_registry(running)], host=host, port=0, sources=sources)
+            await server.__aenter__()
+            log.warning("up.metrics_port_busy", port=port, using=server.port)
+        try:
             yield server
+        finally:
+            await server.__aexit__(None, None, None)
 
 
 async def _cancel_all(tasks: list[asyncio.Task]) -> None:
