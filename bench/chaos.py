@@ -66,6 +66,37 @@ def demo_layout(dst: Path) -> Path:
     return dst
 
 
+@contextlib.asynccontextmanager
+async def demo_up(root: Path, layout: Path | None = None):
+    """`haru up --demo` on free ports, its home under `root`, until it is ready: yields (ready-file
+    info, home). SIGTERM on the way out (after the caller's own clean-up). chaos, rolling and growth
+    share it."""
+    home, ready = root / "home", root / "ready.json"
+    env = {**os.environ, "HARU_HOME": str(home)}
+    for name in ("HARU_NATS_URL", "HARU_API_TOKEN", "HARU_NO_PDEATHSIG", "HARU_RUNTIMES_DIE_WITH_AGENT"):
+        env.pop(name, None)  # the real behaviour: no test-only switches
+    up = subprocess.Popen(
+        [sys.executable, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--port", str(free_port()),
+         "--layout", str(layout or demo_layout(root / "demo.json")), "--ready-file", str(ready),
+         "--log-format", "json"],
+        stdout=subprocess.DEVNULL, stderr=open(root / "up.err", "wb"), env=env, cwd=REPO,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists():
+            if time.monotonic() > deadline or up.poll() is not None:
+                raise SystemExit(f"haru up did not start:\n{(root / 'up.err').read_text()[-3000:]}")
+            await asyncio.sleep(0.2)
+        yield json.loads(ready.read_text()), home
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+
+
 async def chat_client(url: str, load: Load) -> None:
     timeout = aiohttp.ClientTimeout(total=10)
     async with aiohttp.ClientSession(timeout=timeout) as s:
@@ -138,53 +169,37 @@ async def main() -> None:
     ap.add_argument("--faults", default="agent a,projector,promoter,nats-server")
     args = ap.parse_args()
 
+    load = Load()
+    tasks: list[asyncio.Task] = []
     with tempfile.TemporaryDirectory(prefix="haru-chaos-") as tmp:
-        root = Path(tmp)
-        home, ready = root / "home", root / "ready.json"
-        env = {**os.environ, "HARU_HOME": str(home)}
-        for name in ("HARU_NATS_URL", "HARU_API_TOKEN", "HARU_NO_PDEATHSIG"):
-            env.pop(name, None)
-        up = subprocess.Popen(
-            [sys.executable, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--port", str(free_port()),
-             "--layout", str(demo_layout(root / "demo.json")), "--ready-file", str(ready), "--log-format", "json"],
-            stdout=subprocess.DEVNULL, stderr=open(root / "up.err", "wb"), env=env, cwd=REPO,
-        )
-        load = Load()
-        tasks: list[asyncio.Task] = []
-        try:
-            deadline = time.monotonic() + 90
-            while not ready.exists():
-                if time.monotonic() > deadline or up.poll() is not None:
-                    raise SystemExit(f"haru up did not start; see {root / 'up.err'}")
-                await asyncio.sleep(0.2)
-            info = json.loads(ready.read_text())
-            tasks = [asyncio.create_task(chat_client(info["gateway_url"], load)) for _ in range(args.clients)]
-            tasks.append(asyncio.create_task(writer(info["nats_url"], load)))
-            if not await steady(load, 3.0, 120):
-                raise SystemExit("chat never became steady")
-            print(f"haru up --demo steady: {args.clients} chat clients, 1 event writer", flush=True)
-            print(f"{'fault':<14} {'requests':>8} {'failed':>7} {'window_s':>9} {'acked':>7} {'lost':>5}  recovered")
-            for fault in [f.strip() for f in args.faults.split(",") if f.strip()]:
-                pid = json.loads((home / "up.json").read_text())["children"][fault]
-                t0 = time.monotonic()
-                os.kill(pid, signal.SIGKILL)
-                await asyncio.sleep(args.observe_s)
-                recovered = await steady(load, 3.0, 120)
-                sent, failed, span = window(load, t0, t0 + args.observe_s)
-                lost = await lost_events(info["nats_url"], dict(load.acked))
-                print(f"{fault:<14} {sent:>8} {failed:>7} {span:>9.2f} {len(load.acked):>7} {lost:>5}  "
-                      f"{'yes' if recovered else 'NO'}", flush=True)
-        finally:
-            load.stop.set()
-            for t in tasks:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(t, 15)
-            if up.poll() is None:
-                up.send_signal(signal.SIGTERM)
-                try:
-                    up.wait(60)
-                except subprocess.TimeoutExpired:
-                    up.kill()
+        async with demo_up(Path(tmp)) as (info, home):
+            try:
+                tasks = [asyncio.create_task(chat_client(info["gateway_url"], load)) for _ in range(args.clients)]
+                tasks.append(asyncio.create_task(writer(info["nats_url"], load)))
+                if not await steady(load, 3.0, 120):
+                    raise SystemExit("chat never became steady")
+                print(f"haru up --demo steady: {args.clients} chat clients, 1 event writer", flush=True)
+                print(f"{'fault':<14} {'requests':>8} {'failed':>7} {'window_s':>9} {'acked':>7} {'lost':>5}  recovered")
+                for fault in [f.strip() for f in args.faults.split(",") if f.strip()]:
+                    pid = json.loads((home / "up.json").read_text())["children"][fault]
+                    t0 = time.monotonic()
+                    os.kill(pid, signal.SIGKILL)
+                    await asyncio.sleep(args.observe_s)
+                    recovered = await steady(load, 3.0, 120)
+                    sent, failed, span = window(load, t0, t0 + args.observe_s)
+                    lost = await lost_events(info["nats_url"], dict(load.acked))
+                    print(f"{fault:<14} {sent:>8} {failed:>7} {span:>9.2f} {len(load.acked):>7} {lost:>5}  "
+                          f"{'yes' if recovered else 'NO'}", flush=True)
+            finally:
+                await stop_load(load, tasks)
+
+
+async def stop_load(load: Load, tasks: list[asyncio.Task]) -> None:
+    """Stop the chat clients and writer, waiting a bounded time for each."""
+    load.stop.set()
+    for t in tasks:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(t, 15)
 
 
 if __name__ == "__main__":

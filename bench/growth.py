@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from chaos import demo_layout, free_port  # noqa: E402
+from chaos import demo_up  # noqa: E402
 
 from haru import subjects  # noqa: E402
 from haru.eventlog import EventLog  # noqa: E402
@@ -85,23 +85,8 @@ async def main() -> None:
     ap.add_argument("--fault-every-s", type=float, default=120.0)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="haru-growth-") as tmp:
-        root = Path(tmp)
-        home, ready = root / "home", root / "ready.json"
-        env = {**os.environ, "HARU_HOME": str(home)}
-        for name in ("HARU_NATS_URL", "HARU_API_TOKEN", "HARU_NO_PDEATHSIG"):
-            env.pop(name, None)
-        up = subprocess.Popen(
-            [sys.executable, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--port", str(free_port()),
-             "--layout", str(demo_layout(root / "demo.json")), "--ready-file", str(ready), "--log-format", "json"],
-            stdout=subprocess.DEVNULL, stderr=open(root / "up.err", "wb"), env=env, cwd=REPO,
-        )
-        try:
-            deadline = time.monotonic() + 90
-            while not ready.exists():
-                if time.monotonic() > deadline or up.poll() is not None:
-                    raise SystemExit(f"haru up did not start:\n{(root / 'up.err').read_text()[-3000:]}")
-                await asyncio.sleep(0.2)
-            nats_url = json.loads(ready.read_text())["nats_url"]
+        async with demo_up(Path(tmp)) as (info, home):
+            nats_url = info["nats_url"]
             await asyncio.sleep(20)  # the first route settles
             base = await census(nats_url)
             print(f"baseline once up: {base[2]} events, {base[1] / 1e6:.2f} MB", flush=True)
@@ -133,13 +118,6 @@ async def main() -> None:
                     next_report += 300
                 await asyncio.sleep(1.0)
             report(f"end, {faults} faults", time.monotonic() - t0, *await census(nats_url), base)
-        finally:
-            if up.poll() is None:
-                up.send_signal(signal.SIGTERM)
-                try:
-                    up.wait(60)
-                except subprocess.TimeoutExpired:
-                    up.kill()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,14 +33,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import aiohttp  # noqa: E402
 
 from haru import subjects  # noqa: E402
 from haru.eventlog import EventLog  # noqa: E402
-from haru.natsd import free_port  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
-from chaos import Load, chat_client, demo_layout, steady  # noqa: E402
+from chaos import Load, chat_client, demo_layout, demo_up, steady, stop_load  # noqa: E402
 
 
 def pct(values: list[float], p: float) -> float:
@@ -75,69 +72,46 @@ async def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="haru-rolling-") as tmp:
         root = Path(tmp)
-        home, ready = root / "home", root / "ready.json"
-        env = {**os.environ, "HARU_HOME": str(home)}
-        for name in ("HARU_NATS_URL", "HARU_API_TOKEN", "HARU_NO_PDEATHSIG", "HARU_RUNTIMES_DIE_WITH_AGENT"):
-            env.pop(name, None)
         layout = demo_layout(root / "demo.json")
         fleet = json.loads(layout.read_text())["fleet"]
-        up = subprocess.Popen(
-            [sys.executable, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--port", str(free_port()),
-             "--layout", str(layout), "--ready-file", str(ready), "--log-format", "json"],
-            stdout=subprocess.DEVNULL, stderr=open(root / "up.err", "wb"), env=env, cwd=REPO,
-        )
         load = Load()
         tasks: list[asyncio.Task] = []
-        try:
-            deadline = time.monotonic() + 90
-            while not ready.exists():
-                if time.monotonic() > deadline or up.poll() is not None:
-                    raise SystemExit(f"haru up did not start; see {root / 'up.err'}")
-                await asyncio.sleep(0.2)
-            info = json.loads(ready.read_text())
-            tasks = [asyncio.create_task(chat_client(info["gateway_url"], load)) for _ in range(args.clients)]
-            if not await steady(load, 3.0, 120):
-                raise SystemExit("chat never became steady")
-            nats_url = info["nats_url"]
-            print(f"haru up --demo steady: {args.clients} chat clients", flush=True)
-            print(f"{'phase':<9} {'requests':>8} {'failed':>7} {'p50_ms':>7} {'p99_ms':>7} {'p99_x':>6} {'loading':>8} "
-                  f"{'failovers':>9}")
-            base_p99 = None
-            for name in ("baseline", "sigterm", "sigkill"):
-                before = await counts(nats_url, fleet, "a")
-                t0 = time.monotonic()
-                if name == "baseline":
-                    await asyncio.sleep(args.phase_s)
-                else:
-                    sig = signal.SIGTERM if name == "sigterm" else signal.SIGKILL
-                    for _ in range(args.restarts):
-                        pid = json.loads((home / "up.json").read_text())["children"]["agent a"]
-                        os.kill(pid, sig)
-                        # haru up restarts it; wait for the new one before the next signal
-                        while True:
-                            await asyncio.sleep(0.2)
-                            with contextlib.suppress(OSError, ValueError, KeyError):
-                                now_pid = json.loads((home / "up.json").read_text())["children"]["agent a"]
-                                if now_pid != pid:
-                                    break
-                        await asyncio.sleep(args.phase_s / args.restarts)
-                t1 = time.monotonic()
-                sent, failed, p50, p99 = phase(load, t0, t1)
-                base_p99 = base_p99 or p99
-                after = await counts(nats_url, fleet, "a")
-                print(f"{name:<9} {sent:>8} {failed:>7} {p50:>7.1f} {p99:>7.1f} {p99 / base_p99:>6.2f} "
-                      f"{after[0] - before[0]:>8} {after[1] - before[1]:>9}", flush=True)
-        finally:
-            load.stop.set()
-            for t in tasks:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(t, 15)
-            if up.poll() is None:
-                up.send_signal(signal.SIGTERM)
-                try:
-                    up.wait(60)
-                except subprocess.TimeoutExpired:
-                    up.kill()
+        async with demo_up(root, layout) as (info, home):
+            try:
+                tasks = [asyncio.create_task(chat_client(info["gateway_url"], load)) for _ in range(args.clients)]
+                if not await steady(load, 3.0, 120):
+                    raise SystemExit("chat never became steady")
+                nats_url = info["nats_url"]
+                print(f"haru up --demo steady: {args.clients} chat clients", flush=True)
+                print(f"{'phase':<9} {'requests':>8} {'failed':>7} {'p50_ms':>7} {'p99_ms':>7} {'p99_x':>6} {'loading':>8} "
+                      f"{'failovers':>9}")
+                base_p99 = None
+                for name in ("baseline", "sigterm", "sigkill"):
+                    before = await counts(nats_url, fleet, "a")
+                    t0 = time.monotonic()
+                    if name == "baseline":
+                        await asyncio.sleep(args.phase_s)
+                    else:
+                        sig = signal.SIGTERM if name == "sigterm" else signal.SIGKILL
+                        for _ in range(args.restarts):
+                            pid = json.loads((home / "up.json").read_text())["children"]["agent a"]
+                            os.kill(pid, sig)
+                            # haru up restarts it; wait for the new one before the next signal
+                            while True:
+                                await asyncio.sleep(0.2)
+                                with contextlib.suppress(OSError, ValueError, KeyError):
+                                    now_pid = json.loads((home / "up.json").read_text())["children"]["agent a"]
+                                    if now_pid != pid:
+                                        break
+                            await asyncio.sleep(args.phase_s / args.restarts)
+                    t1 = time.monotonic()
+                    sent, failed, p50, p99 = phase(load, t0, t1)
+                    base_p99 = base_p99 or p99
+                    after = await counts(nats_url, fleet, "a")
+                    print(f"{name:<9} {sent:>8} {failed:>7} {p50:>7.1f} {p99:>7.1f} {p99 / base_p99:>6.2f} "
+                          f"{after[0] - before[0]:>8} {after[1] - before[1]:>9}", flush=True)
+            finally:
+                await stop_load(load, tasks)
 
 
 if __name__ == "__main__":
