@@ -250,7 +250,9 @@ class Pool:
         loop = asyncio.get_running_loop()
         data = b"%b%d\r\n\r\n%b" % (head, len(body), body)
         for attempt in (0, 1):
-            conn = self._get(target.key)
+            # The retry never takes another idle connection: an upstream that closed one (a restart,
+            # an agent draining) has usually closed all it had, and they fail the same way.
+            conn = self._get(target.key) if attempt == 0 else None
             if conn is None:
                 try:
                     async with asyncio.timeout_at(deadline):

@@ -848,6 +848,23 @@ async def test_a_kept_alive_connection_closed_by_the_upstream_is_retried_fresh(e
         await up.stop()
 
 
+async def test_the_retry_of_a_closed_kept_alive_connection_never_takes_another_idle_one(event_log, gw):
+    """An upstream that restarts (an agent draining on SIGTERM) closes every kept-alive connection at
+    once: the retry goes on a new connection, not on the next idle one, which is just as dead."""
+    up = await RawUpstream(lambda n: OK_JSON if n == 1 else None).start()
+    try:
+        await _point_at(event_log, gw, up.url)
+        body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
+        answers = await asyncio.gather(*(_raw(gw.url + "/v1/chat/completions", body) for _ in range(3)))
+        assert [(s, d) for s, d, _ in answers] == [(200, b'{"ok":true}')] * 3
+        assert gw.proxy.pool.idle_count() == 3
+        status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+        assert (status, data) == (200, b'{"ok":true}')
+        assert up.connections == 4
+    finally:
+        await up.stop()
+
+
 async def _exchange(url: str, requests: list[bytes]) -> list[bytes]:
     """Send each request on one connection and read its whole answer (by Content-Length or chunked)."""
     host, port = url.removeprefix("http://").split(":")
