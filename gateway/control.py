@@ -34,8 +34,8 @@ from gateway.truth import models_list, truth_table
 from haru import alive, subjects
 from haru.authority import misplaced
 from haru.errors import HaruError, InvalidName, LogDamaged, LogError, LogUnavailable
-from haru.httpguard import TOO_DEEP
 from haru.events import payload, tag_of
+from haru.openai_errors import TOO_DEEP
 from haru.views import view_encoder
 
 log = structlog.get_logger("haru.gateway")

@@ -30,16 +30,13 @@ from gateway.config import GatewayConfig
 from gateway.errors import UpstreamError
 from gateway.metrics import UNKNOWN_FLEET, UNKNOWN_MODEL, GatewayMetrics
 from gateway.routing import (
-    PAYLOAD_TOO_LARGE,
-    REQUEST_TIMEOUT,
-    UPSTREAM_TIMEOUT,
-    UPSTREAM_UNREACHABLE,
     Forward,
     Refusal,
     RoutingTable,
     model_of,
 )
 from gateway.upstream import Connection, Pool
+from haru.openai_errors import PAYLOAD_TOO_LARGE, REQUEST_TIMEOUT, UPSTREAM_TIMEOUT, UPSTREAM_UNREACHABLE
 
 log = structlog.get_logger("haru.gateway")
 

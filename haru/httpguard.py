@@ -30,15 +30,13 @@ from aiohttp import web
 
 from haru.errors import ConfigError
 
-__all__ = ["ClientLimits", "GuardedServer", "BodyTimeout", "BodyTooLarge", "read_body", "env_int", "TOO_DEEP"]
+__all__ = ["ClientLimits", "GuardedServer", "BodyTimeout", "BodyTooLarge", "read_body", "env_int"]
 
 DEFAULT_HEADER_TIMEOUT_MS = 15_000
 DEFAULT_BODY_TIMEOUT_MS = 30_000
 DEFAULT_MAX_IDLE = 512
 LINGER_S = 1.0
 
-TOO_DEEP = ("request body is nested too deeply to be read (more levels than the JSON decoder allows); "
-            "send a flatter JSON object")
 
 
 @dataclass(frozen=True, slots=True)
