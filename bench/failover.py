@@ -53,7 +53,7 @@ from haru.natsd import NatsServer  # noqa: E402
 from haru.promoter.decider import fold  # noqa: E402
 from haru.promoter.service import Promoter  # noqa: E402
 from haru.residency import Resident, Sleeping  # noqa: E402
-from projections.fleet import evolve  # noqa: E402
+from haru.fold import evolve  # noqa: E402
 
 FLEET = "bench"
 PY = sys.executable

@@ -9,8 +9,8 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import TYPE_CHECKING
 
-from haru.eventlog import Record
 from haru.events import (
     DemotionRequested,
     OperationAborted,
@@ -23,6 +23,9 @@ from haru.events import (
     tag_of,
 )
 from haru.promoter.decider import flow
+
+if TYPE_CHECKING:
+    from haru.eventlog import Record  # the type only: this module reads records, it never reads the log
 
 # Each kind's steps in order, read from the promoter's transition table (the stepper's columns).
 FLOWS: dict[str, list[str]] = {"promotion": flow("promotion"), "demotion": flow("demotion")}

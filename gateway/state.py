@@ -45,7 +45,7 @@ from haru.events import RouteMoved
 from haru.residency import Answer
 from haru.tasks import cancel_and_wait
 from haru.views import FleetView, RouteIntent, intent_decoder, view_decoder
-from projections.route import intent as intent_of_view
+from haru.intents import intent as intent_of_view
 
 log = structlog.get_logger("haru.gateway")
 

@@ -20,7 +20,7 @@ the subject's. Pure: no I/O.
     why = misplaced(subject, event)     # '' when the event may stand there, else why not
     line = anomaly(seq, subject, event, why)   # "seq 12: route_moved on ... by ... not applied: ..."
 
-Every fold (`projections.fleet`, the promoter, `haru apply`, the Postgres rows, `haru why` and
+Every fold (`haru.fold`, the promoter, `haru apply`, the Postgres rows, `haru why` and
 `as-of`) and `haru verify` call `misplaced` before applying an event: a misplaced event is not
 applied, and is reported with its sequence, subject and writer (`by`). A follower that reads an
 event subject directly (a router following `haru.evt.<fleet>.route`) calls it too.

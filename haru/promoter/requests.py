@@ -7,7 +7,7 @@
 It reads the fleet's current state without replaying its history: the projector's view of the
 fleet (KV `haru_views`, `fleet.<fleet>`) plus the fleet's events stored after the view's position
 (`from_seq` = position + 1: as many as the projector lags behind, usually none), folded onto it
-with `projections.fleet.evolve`. The cost does not grow with the log. Only when there is no view
+with `haru.fold.evolve`. The cost does not grow with the log. Only when there is no view
 (no projector has ever run for this fleet) does it fold the fleet's whole history. The append is
 sequence-checked on the op subject (its real last sequence, from the view's `op_seq` or the events
 after it), so a request can never slip in beside an operation in flight, however stale the view:
@@ -26,7 +26,7 @@ from haru.errors import Conflict, InvalidName
 from haru.promoter.decider import fold, judge_request
 from haru.promoter.service import new_op_id
 from haru.views import FleetView, view_decoder
-from projections.fleet import evolve
+from haru.fold import evolve
 
 RETRIES = 5
 

@@ -3,7 +3,7 @@
     await run_promoter(log, fleets=None, identity="promoter:host-a")
 
 It follows the log (`log.replay(..., follow=True)`) and folds each fleet's events into its own
-`FleetView` with `projections.fleet.evolve`, so every decision is made on exactly the events seen,
+`FleetView` with `haru.fold.evolve`, so every decision is made on exactly the events seen,
 with their sequences; it keeps the last sequence of every subject it folded, which is the `expect`
 of every append it makes. An event that may not stand on its subject (`haru.authority`) is not
 applied (the fold counts it as an anomaly) and is logged. It listens to heartbeats (`haru.hb.*.*`, core NATS) and measures silence.
@@ -48,8 +48,8 @@ from haru.promoter.metrics import PromoterMetrics
 from haru.tasks import cancel_and_wait
 from haru.views import FleetView, OperationView
 from haru.authority import misplaced
-from projections.fleet import empty, evolve, fleet_of
-from projections.fleet import misplaced as evolve_misplaced
+from haru.fold import empty, evolve, fleet_of
+from haru.fold import misplaced as evolve_misplaced
 
 log_ = structlog.get_logger("haru.promoter")
 

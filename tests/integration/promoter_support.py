@@ -16,7 +16,7 @@ from haru.eventlog import EventLog
 from haru.events import OperationAborted, OperationCompleted, RouteMoved, tag_of
 from haru.promoter.decider import fold
 from haru.tasks import cancel_and_wait
-from projections.fleet import evolve
+from haru.fold import evolve
 
 
 async def view_of(log: EventLog, fleet: str = "default"):

@@ -32,7 +32,7 @@ from haru.promoter import request_operation
 from haru.residency import Sleeping
 from haru.tasks import cancel_and_wait
 from haru.views import intent_decoder
-from projections.fleet import fold
+from haru.fold import fold
 from projections.projector import Projector
 from promoter_fake import FakeAgent, layout
 from promoter_support import op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view

@@ -185,7 +185,7 @@ def test_the_authority_and_the_fold_are_pure():
     import subprocess
     import sys
 
-    code = ("import sys, haru.authority, projections.fleet; "
+    code = ("import sys, haru.authority, haru.fold; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'asyncio', 'aiohttp', 'structlog', 'logging'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"

@@ -10,7 +10,7 @@ from haru import subjects as sj
 from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
 from haru.residency import Lost, Sleeping
-from projections.fleet import Folder, add_one, empty, evolve, fold, fold_one
+from haru.fold import Folder, add_one, empty, evolve, fold, fold_one
 from tests.unit.test_fold import F, at, declarations
 
 FORGER = "agent:default/a@host-a"

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from haru import events as ev
 from haru import subjects as sj
 from haru.views import FleetView, view_decoder, view_encoder
-from projections.fleet import Folder, add_one, empty, evolve, fold, fold_one
+from haru.fold import Folder, add_one, empty, evolve, fold, fold_one
 from tests.unit.test_fold_properties import _RESIDENCY_EVENTS, DOMAINS, MODELS, histories
 
 T1 = datetime(2026, 11, 30, tzinfo=UTC)
