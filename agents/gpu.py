@@ -220,7 +220,7 @@ def account(processes: list[GpuProcess], owners: list[Owner], exclude: frozenset
             ) -> tuple[list[GpuUsage], list[GpuProcess]]:
     """Each owner's memory on the GPU (summed over its tree's processes) against its plan, and the
     processes nobody Haru started owns (`foreign`, minus `exclude`, e.g. the agent itself). Pure."""
-    by_pid = {}
+    by_pid: dict[int, int] = {}
     for p in processes:
         by_pid[p.pid] = by_pid.get(p.pid, 0) + p.used_bytes
     usage: list[GpuUsage] = []

@@ -84,7 +84,7 @@ class ServingProxy:
             port = urlsplit(agent.slots.domain.spec.serving_url).port or 0
         self.port = port
         self._runner: web.ServerRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._site: web.BaseSite | None = None
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -259,7 +259,7 @@ class ServingProxy:
                 data = await upstream.read()
                 return web.Response(status=upstream.status, body=data, headers=out_headers)
             response = web.StreamResponse(status=upstream.status, headers=out_headers)
-            await response.prepare(request)  # type: ignore[arg-type]
+            await response.prepare(request)
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
             await response.write_eof()

@@ -183,7 +183,7 @@ def fleet_of(subject: str) -> tuple[str, str]:
     return (read.where.fleet, "") if read.where is not None else ("", read.problem)
 
 
-_STATE = {
+_STATE: dict[type, str] = {
     ev.ModelLoading: "loading",
     ev.ModelResident: "resident",
     ev.ModelSleeping: "sleeping",

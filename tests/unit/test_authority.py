@@ -137,7 +137,7 @@ def test_a_model_id_with_escapes_is_compared_as_the_id():
 def test_something_that_is_not_an_event_subject_holds_no_event():
     assert "not a Haru event subject" in authority.misplaced("haru.evt.default.a.bogus", build(ev.AgentStarted))
     assert "not a Haru event subject" in authority.misplaced("haru.evt.default.a.model.~zz", build(ev.ModelLost))
-    assert authority.where("haru.evt.default.a.bogus") is None
+    assert sj.where("haru.evt.default.a.bogus") is None
 
 
 # ----------------------------------------------------------------------------------- properties
