@@ -25,6 +25,7 @@ from haru.events import (
 from haru.promoter.decider import flow
 
 if TYPE_CHECKING:
+    from gateway.routing import FleetRoutes
     from haru.eventlog import Record  # the type only: this module reads records, it never reads the log
 
 # Each kind's steps in order, read from the promoter's transition table (the stepper's columns).
@@ -42,8 +43,8 @@ OPERATION_MEANING: dict[int, str] = {
 }
 
 
-def snapshot(fleet: str, routes, now: float) -> dict:
-    """The live state of one fleet as the console draws it (`routes`: gateway.routing.FleetRoutes)."""
+def snapshot(fleet: str, routes: FleetRoutes | None, now: float) -> dict[str, Any]:
+    """The live state of one fleet as the console draws it."""
     if routes is None:
         return {"fleet": fleet, "deleted": True, "server_time": now}
     return {
@@ -57,7 +58,7 @@ def snapshot(fleet: str, routes, now: float) -> dict:
     }
 
 
-def hello() -> dict:
+def hello() -> dict[str, Any]:
     """Sent once when a stream opens: the tables the page reads (steps per kind, status meanings)."""
     return {"flows": FLOWS, "meanings": {str(k): v for k, v in OPERATION_MEANING.items()}}
 
@@ -68,7 +69,7 @@ def _ms_between(a: datetime | None, b: datetime | None) -> int | None:
     return max(0, int((b - a).total_seconds() * 1000))
 
 
-def operations(records: list[Record]) -> list[dict]:
+def operations(records: list[Record]) -> list[dict[str, Any]]:
     """Operations on one fleet's op subject, newest first, each with its steps in order: when each
     started, when it ended, its wall duration (event times) and the agents' own `took_ms`."""
     ops: dict[str, dict[str, Any]] = {}
@@ -132,7 +133,7 @@ def operations(records: list[Record]) -> list[dict]:
     return out
 
 
-def story_items(picked: list[Record]) -> list[dict]:
+def story_items(picked: list[Record]) -> list[dict[str, Any]]:
     """A model's story (haru.history.story's records) as items, newest first."""
     items = []
     for rec in reversed(picked):

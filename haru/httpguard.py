@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -79,7 +80,7 @@ def _waiting_for_head(handler: web.RequestHandler) -> bool:
 class GuardedServer(web.Server):
     """aiohttp's low-level `web.Server` with the header timeout and the idle cap of `limits`."""
 
-    def __init__(self, handler, *, limits: ClientLimits, **kwargs) -> None:
+    def __init__(self, handler: Any, *, limits: ClientLimits, **kwargs: Any) -> None:
         # lingering_time: after an answer sent before the body was read whole (a 408, a 413) aiohttp
         # reads and drops what the client still sends before closing, 10 s by default: long enough
         # for a slow body to hold the connection again. One second still lets a fast client that is
