@@ -627,10 +627,10 @@ class Folder:
 
     def add(self, event: ev.Event, *, seq: int, subject: str) -> None:
         """Fold one event recorded at `seq` on `subject` (like `evolve`: no skipping here)."""
-        self._add(event, seq, subject, subjects.read(subject))
+        _, level, place, _ = subjects.read(subject)
+        self._add(event, seq, subject, level, place)
 
-    def _add(self, event: ev.Event, seq: int, subject: str, read: subjects.EventSubject) -> None:
-        place = read.where
+    def _add(self, event: ev.Event, seq: int, subject: str, level: str, place: subjects.Where | None) -> None:
         if type(event) in _RESIDENCY:
             # The common case, the authority check inlined: a residency event stands on its own
             # model's subject (`authority.misplaced_at` says why when it does not).
@@ -643,7 +643,7 @@ class Folder:
         if why:
             self.add_misplaced(event, seq=seq, subject=subject, why=why)
         else:
-            self._set(_evolve(self.view(), event, seq, subject, read.level))
+            self._set(_evolve(self.view(), event, seq, subject, level))
 
     def add_misplaced(self, event: ev.Event, *, seq: int, subject: str, why: str) -> None:
         """An event that may not stand on `subject` (see `misplaced`): counted, not applied."""
@@ -711,8 +711,7 @@ def add_one(
     the fleet already folded `seq` (a replay from before the view's own checkpoint). `event=None` is
     a body that did not decode (`error` says why): it is counted, not folded.
     """
-    read = subjects.read(subject)
-    fleet = read.fleet
+    fleet, level, place, _ = subjects.read(subject)
     if not fleet:
         return None
     folder = folders.get(fleet)
@@ -723,7 +722,7 @@ def add_one(
     if event is None:
         folder.add_invalid(seq=seq, subject=subject, error=error)
     else:
-        folder._add(event, seq, subject, read)
+        folder._add(event, seq, subject, level, place)
     return folder
 
 
