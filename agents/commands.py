@@ -51,7 +51,7 @@ _encoder = msgspec.json.Encoder()
 class CommandService:
     def __init__(self, agent: "Agent") -> None:
         self.agent = agent
-        self._service = None
+        self._service: nats.micro.Service | None = None
         self._tasks: set[asyncio.Task] = set()
         self.logger = structlog.get_logger("haru.agent.commands").bind(fleet=agent.fleet, domain=agent.domain)
         self.verbs: dict[str, Callable[[Command], Awaitable[Reply]]] = {

@@ -137,7 +137,8 @@ class HostSlots(msgspec.Struct, frozen=True, kw_only=True):
 
     def gpu_indexes(self) -> list[int]:
         seen: list[int] = [g.index for g in self.domain.spec.gpus]
-        for item in (*self.admitted_models, *self.admitted_training):
+        items: list[ModelSpec | TrainingSpec] = [*self.admitted_models, *self.admitted_training]
+        for item in items:
             if item.gpu_index not in seen:
                 seen.append(item.gpu_index)
         return seen

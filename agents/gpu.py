@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -55,7 +55,7 @@ class Gpus(Protocol):
 # ------------------------------------------------------------------------------------------ NVML
 
 
-def _pynvml():
+def _pynvml() -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # the `pynvml` shim warns that it is deprecated
         import pynvml
@@ -118,15 +118,15 @@ class NvmlGpus:
                 pass
             self.unavailable = "closed"
 
-    def _mig_enabled(self, handle) -> bool:
+    def _mig_enabled(self, handle: Any) -> bool:
         nvml = self._nvml
         try:
             current, _pending = nvml.nvmlDeviceGetMigMode(handle)
         except nvml.NVMLError:
             return False  # NOT_SUPPORTED: a GPU without MIG
-        return current == nvml.NVML_DEVICE_MIG_ENABLE
+        return bool(current == nvml.NVML_DEVICE_MIG_ENABLE)
 
-    def _mig_handles(self, handle) -> list:
+    def _mig_handles(self, handle: Any) -> list[Any]:
         nvml = self._nvml
         out = []
         for i in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
@@ -137,7 +137,7 @@ class NvmlGpus:
                     raise
         return out
 
-    def _memory(self, handle, units: list, mig: bool) -> tuple[int, int, int]:
+    def _memory(self, handle: Any, units: list[Any], mig: bool) -> tuple[int, int, int]:
         nvml = self._nvml
         if not mig:
             info = nvml.nvmlDeviceGetMemoryInfo(handle)
@@ -151,7 +151,7 @@ class NvmlGpus:
         free = sum(int(i.free) for i in infos)
         return total, used, free
 
-    def _processes(self, handle) -> tuple[list[GpuProcess], bool]:
+    def _processes(self, handle: Any) -> tuple[list[GpuProcess], bool]:
         """The compute processes on `handle`, and whether their memory is known (attributed)."""
         nvml = self._nvml
         procs = None
@@ -220,7 +220,7 @@ def account(processes: list[GpuProcess], owners: list[Owner], exclude: frozenset
             ) -> tuple[list[GpuUsage], list[GpuProcess]]:
     """Each owner's memory on the GPU (summed over its tree's processes) against its plan, and the
     processes nobody Haru started owns (`foreign`, minus `exclude`, e.g. the agent itself). Pure."""
-    by_pid = {}
+    by_pid: dict[int, int] = {}
     for p in processes:
         by_pid[p.pid] = by_pid.get(p.pid, 0) + p.used_bytes
     usage: list[GpuUsage] = []

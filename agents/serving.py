@@ -30,7 +30,9 @@ from agents import portholder, probes
 from agents.errors import PortHolderError
 from agents.runtimes.base import runtimes_die_with_agent
 from haru.errors import ConfigError
-from haru.httpguard import TOO_DEEP, BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
+from haru.httpguard import BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
+from haru.openai_errors import TOO_DEEP, answer_status, error_body
+from haru.residency import ANSWERS
 
 if TYPE_CHECKING:
     from agents.agent import Agent
@@ -55,23 +57,17 @@ class _Model(msgspec.Struct):
 
 _model_decoder = msgspec.json.Decoder(_Model)
 
-# residency state -> (status, OpenAI error code) for a model this domain has but cannot serve now
-_NOT_SERVING = {
-    "loading": (503, "model_warming"),
-    "waking": (503, "model_warming"),
-    "sleeping": (503, "model_asleep"),
-    "lost": (503, "model_lost"),
-    "failed": (503, "model_lost"),
-    "stopped": (503, "model_lost"),
-    "unknown": (503, "residency_unknown"),
-}
+def _not_serving_status(state: str, reason: str) -> tuple[int, str]:
+    """(status, OpenAI error code) for a model this domain has but cannot serve now: the row of its
+    router answer (`haru.residency.ANSWERS`) in the status table the gateway answers from."""
+    return answer_status(ANSWERS.get(state, ("unknown", ""))[0], reason)
 
 
-def error(status: int, code: str, message: str, *, kind: str = "", param: str | None = None,
-          headers: dict | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind or ("invalid_request_error" if status < 500 else "server_error"),
-                      "param": param, "code": code}}
-    return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json", headers=headers)
+def error(status: int, code: str, message: str, *, param: str | None = None,
+          headers: dict[str, str] | None = None) -> web.Response:
+    """OpenAI's error shape (`haru.openai_errors`, the gateway's too)."""
+    return web.Response(status=status, body=error_body(status, code, message, param), content_type="application/json",
+                        headers=headers)
 
 
 class ServingProxy:
@@ -88,7 +84,7 @@ class ServingProxy:
             port = urlsplit(agent.slots.domain.spec.serving_url).port or 0
         self.port = port
         self._runner: web.ServerRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._site: web.BaseSite | None = None
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -145,7 +141,7 @@ class ServingProxy:
         path = request.path
         if path == "/v1/models" and request.method == "GET":
             if not self._authorized(request):
-                return error(401, "unauthorized", "missing or wrong bearer token (HARU_SERVING_TOKEN)", kind="authentication_error")
+                return error(401, "unauthorized", "missing or wrong bearer token (HARU_SERVING_TOKEN)")
             return self._models()
         if path not in FORWARDED:
             return error(404, "not_found", f"{request.method} {path} is not served here; this port serves "
@@ -153,7 +149,7 @@ class ServingProxy:
         if request.method != "POST":
             return error(405, "method_not_allowed", f"{path} takes POST", headers={"Allow": "POST"})
         if not self._authorized(request):
-            return error(401, "unauthorized", "missing or wrong bearer token (HARU_SERVING_TOKEN)", kind="authentication_error")
+            return error(401, "unauthorized", "missing or wrong bearer token (HARU_SERVING_TOKEN)")
         try:
             body = await read_body(request, self.limits, MAX_BODY)
         except BodyTooLarge:
@@ -180,7 +176,7 @@ class ServingProxy:
     def _not_serving(self, m, reason: str = "", detail: str = "") -> web.Response:
         state = m.state_tag if not reason else "lost"
         reason = reason or getattr(m.state, "reason", "")
-        status, code = _NOT_SERVING.get(state, (503, "residency_unknown"))
+        status, code = _not_serving_status(state, reason)
         headers = {"Retry-After": "1"} if code in ("model_warming", "model_asleep") else None
         where = f"on domain {self.agent.domain!r}"
         if state == "lost" and reason == "gpu_detached":
@@ -263,7 +259,7 @@ class ServingProxy:
                 data = await upstream.read()
                 return web.Response(status=upstream.status, body=data, headers=out_headers)
             response = web.StreamResponse(status=upstream.status, headers=out_headers)
-            await response.prepare(request)  # type: ignore[arg-type]
+            await response.prepare(request)
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
             await response.write_eof()

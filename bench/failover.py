@@ -50,10 +50,9 @@ from haru.events import (  # noqa: E402
 )
 from haru.layout import load_layout  # noqa: E402
 from haru.natsd import NatsServer  # noqa: E402
-from haru.promoter.decider import fold  # noqa: E402
 from haru.promoter.service import Promoter  # noqa: E402
 from haru.residency import Resident, Sleeping  # noqa: E402
-from projections.fleet import evolve  # noqa: E402
+from haru.fold import empty, fold  # noqa: E402
 
 FLEET = "bench"
 PY = sys.executable
@@ -101,7 +100,8 @@ def start_agent(root: Path, url: str, domain: str, layout: Path) -> subprocess.P
 
 
 async def view_of(log):
-    return fold(FLEET, await log.history(subjects.fleet_events(FLEET)), evolve)[0]
+    records = await log.history(subjects.fleet_events(FLEET))
+    return fold((r.seq, r.subject, r.event) for r in records).get(FLEET, empty(FLEET))
 
 
 def steady(view, active: str) -> bool:

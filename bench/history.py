@@ -226,7 +226,7 @@ async def prepared(size: int, after: int):
                     assert v.ok, v.summary()
 
                 async def verify_cp() -> None:
-                    from haru.checkpoints import fleet_of
+                    from haru.subjects import fleet_of
                     start, tips, since, bad = await reads.checkpoint_start(log)
                     v = history.Verifier()
                     v.tips.update(tips)

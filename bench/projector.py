@@ -33,7 +33,7 @@ from haru.eventlog import EventLog
 from haru.natsd import NatsServer
 from haru.route import RouteWatcher
 from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
-from projections.fleet import add_one
+from haru.fold import add_one
 from projections.projector import Projector
 
 FLEETS = ("default", "edge", "lab", "eu")

@@ -9,8 +9,8 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
-from haru.eventlog import Record
 from haru.events import (
     DemotionRequested,
     OperationAborted,
@@ -23,6 +23,10 @@ from haru.events import (
     tag_of,
 )
 from haru.promoter.decider import flow
+
+if TYPE_CHECKING:
+    from gateway.routing import FleetRoutes
+    from haru.eventlog import Record  # the type only: this module reads records, it never reads the log
 
 # Each kind's steps in order, read from the promoter's transition table (the stepper's columns).
 FLOWS: dict[str, list[str]] = {"promotion": flow("promotion"), "demotion": flow("demotion")}
@@ -39,8 +43,8 @@ OPERATION_MEANING: dict[int, str] = {
 }
 
 
-def snapshot(fleet: str, routes, now: float) -> dict:
-    """The live state of one fleet as the console draws it (`routes`: gateway.routing.FleetRoutes)."""
+def snapshot(fleet: str, routes: FleetRoutes | None, now: float) -> dict[str, Any]:
+    """The live state of one fleet as the console draws it."""
     if routes is None:
         return {"fleet": fleet, "deleted": True, "server_time": now}
     return {
@@ -54,7 +58,7 @@ def snapshot(fleet: str, routes, now: float) -> dict:
     }
 
 
-def hello() -> dict:
+def hello() -> dict[str, Any]:
     """Sent once when a stream opens: the tables the page reads (steps per kind, status meanings)."""
     return {"flows": FLOWS, "meanings": {str(k): v for k, v in OPERATION_MEANING.items()}}
 
@@ -65,21 +69,20 @@ def _ms_between(a: datetime | None, b: datetime | None) -> int | None:
     return max(0, int((b - a).total_seconds() * 1000))
 
 
-def operations(records: list[Record]) -> list[dict]:
+def operations(records: list[Record]) -> list[dict[str, Any]]:
     """Operations on one fleet's op subject, newest first, each with its steps in order: when each
     started, when it ended, its wall duration (event times) and the agents' own `took_ms`."""
-    ops: dict[str, dict] = {}
-    open_steps: dict[tuple[str, str], dict] = {}
+    ops: dict[str, dict[str, Any]] = {}
+    open_steps: dict[tuple[str, str], dict[str, Any]] = {}
     for rec in records:
         ev = rec.event
         op_id = getattr(ev, "op_id", "") if ev is not None else ""
         if not op_id:
             continue
-        t = type(ev)
-        if t is PromotionRequested or t is DemotionRequested:
+        if isinstance(ev, (PromotionRequested, DemotionRequested)):
             ops[op_id] = {
                 "op_id": op_id,
-                "kind": "promotion" if t is PromotionRequested else "demotion",
+                "kind": "promotion" if isinstance(ev, PromotionRequested) else "demotion",
                 "target": ev.target,
                 "source": getattr(ev, "source", ""),
                 "reason": ev.reason,
@@ -98,26 +101,28 @@ def operations(records: list[Record]) -> list[dict]:
         op = ops.get(op_id)
         if op is None:
             continue
-        if t is StepStarted:
-            step = {"step": ev.step, "attempt": ev.attempt, "state": "started", "seq": rec.seq,
+        if isinstance(ev, StepStarted):
+            step: dict[str, Any] = {"step": ev.step, "attempt": ev.attempt, "state": "started", "seq": rec.seq,
                     "started_at": ev.at.isoformat(), "finished_at": None, "duration_ms": None, "took_ms": None,
                     "detail": "", "error": "", "_at": ev.at}
             op["steps"].append(step)
             open_steps[(op_id, ev.step)] = step
-        elif t is StepCompleted or t is StepFailed:
-            step = open_steps.pop((op_id, ev.step), None)
-            if step is None:  # an outcome without its start (the start was before the records read)
+        elif isinstance(ev, (StepCompleted, StepFailed)):
+            started = open_steps.pop((op_id, ev.step), None)
+            if started is not None:
+                step = started
+            else:  # an outcome without its start (the start was before the records read)
                 step = {"step": ev.step, "attempt": 1, "seq": rec.seq, "started_at": None, "_at": None}
                 op["steps"].append(step)
-            step.update(state="completed" if t is StepCompleted else "failed", finished_at=ev.at.isoformat(),
+            step.update(state="completed" if isinstance(ev, StepCompleted) else "failed", finished_at=ev.at.isoformat(),
                         duration_ms=_ms_between(step.get("_at"), ev.at), took_ms=ev.took_ms,
                         detail=getattr(ev, "detail", ""),
-                        error=(f"{ev.error_code}: {ev.error}" if t is StepFailed else ""))
-        elif t is OperationCompleted or t is OperationAborted:
-            op["state"] = "completed" if t is OperationCompleted else "aborted"
+                        error=(f"{ev.error_code}: {ev.error}" if isinstance(ev, StepFailed) else ""))
+        elif isinstance(ev, (OperationCompleted, OperationAborted)):
+            op["state"] = "completed" if isinstance(ev, OperationCompleted) else "aborted"
             op["finished_at"] = ev.at.isoformat()
             op["duration_ms"] = _ms_between(op["_at"], ev.at)
-            if t is OperationAborted:
+            if isinstance(ev, OperationAborted):
                 op["error"] = ev.error if not ev.step or ev.error.startswith(ev.step) else f"{ev.step}: {ev.error}"
     out = []
     for op in reversed(list(ops.values())):
@@ -128,7 +133,7 @@ def operations(records: list[Record]) -> list[dict]:
     return out
 
 
-def story_items(picked: list[Record]) -> list[dict]:
+def story_items(picked: list[Record]) -> list[dict[str, Any]]:
     """A model's story (haru.history.story's records) as items, newest first."""
     items = []
     for rec in reversed(picked):

@@ -34,8 +34,8 @@ from gateway.truth import models_list, truth_table
 from haru import alive, subjects
 from haru.authority import misplaced
 from haru.errors import HaruError, InvalidName, LogDamaged, LogError, LogUnavailable
-from haru.httpguard import TOO_DEEP
 from haru.events import payload, tag_of
+from haru.openai_errors import TOO_DEEP
 from haru.views import view_encoder
 
 log = structlog.get_logger("haru.gateway")
@@ -277,7 +277,7 @@ class Control:
         from haru.promoter.requests import request_operation  # the promoter's; imported when first used
 
         try:
-            result = await request_operation(events, fleet, kind, target, by=self.writer, now=datetime.now(UTC))
+            result = await request_operation(events, fleet, kind, target, by=self.writer, now=datetime.now(UTC))  # type: ignore[arg-type]  # kind checked against the route above
         except LogUnavailable as exc:
             raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
         except LogError as exc:

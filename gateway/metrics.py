@@ -33,7 +33,7 @@ class _Deferred:
 
     def __init__(self, child: Histogram) -> None:
         self.child = child
-        self.bounds = list(child._upper_bounds)  # type: ignore[attr-defined]
+        self.bounds = list(child._upper_bounds)
         self.counts = [0] * len(self.bounds)
         self.sum = 0.0
         self.n = 0
@@ -47,8 +47,8 @@ class _Deferred:
         if not self.n:
             return
         child = self.child
-        child._sum.inc(self.sum)  # type: ignore[attr-defined]
-        buckets = child._buckets  # type: ignore[attr-defined]
+        child._sum.inc(self.sum)
+        buckets = child._buckets
         counts = self.counts
         for i, n in enumerate(counts):
             if n:
@@ -81,7 +81,7 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_Flush(self))  # type: ignore[arg-type]
+        self.registry.register(_Flush(self))
         self.requests = Counter(
             "haru_gateway_requests",
             "Requests on the inference paths, by fleet, model and HTTP status.",

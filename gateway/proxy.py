@@ -30,16 +30,13 @@ from gateway.config import GatewayConfig
 from gateway.errors import UpstreamError
 from gateway.metrics import UNKNOWN_FLEET, UNKNOWN_MODEL, GatewayMetrics
 from gateway.routing import (
-    PAYLOAD_TOO_LARGE,
-    REQUEST_TIMEOUT,
-    UPSTREAM_TIMEOUT,
-    UPSTREAM_UNREACHABLE,
     Forward,
     Refusal,
     RoutingTable,
     model_of,
 )
 from gateway.upstream import Connection, Pool
+from haru.openai_errors import PAYLOAD_TOO_LARGE, REQUEST_TIMEOUT, UPSTREAM_TIMEOUT, UPSTREAM_UNREACHABLE
 
 log = structlog.get_logger("haru.gateway")
 
@@ -102,7 +99,7 @@ class _Whole(web.StreamResponse):
             self._data = head + b"0\r\n\r\n"
         self._keep_alive = keep_alive
 
-    async def prepare(self, request: web.BaseRequest):  # type: ignore[override]
+    async def prepare(self, request: web.BaseRequest):
         if self._eof_sent:
             return None
         transport = request.transport
@@ -110,7 +107,7 @@ class _Whole(web.StreamResponse):
             raise ConnectionResetError("the client closed the connection")
         transport.write(self._data)
         writer = request.writer
-        writer.output_size += len(self._data)  # type: ignore[attr-defined]
+        writer.output_size += len(self._data)
         self._eof_sent = True
         await writer.drain()
         return None
@@ -207,7 +204,7 @@ class Proxy:
             label = model if result.code != "model_not_found" and result.code != "fleet_not_found" else UNKNOWN_MODEL  # type: ignore[union-attr]
             self.metrics.request(self._fleet_label(fleet), label, result.status)  # type: ignore[union-attr]
             return error_response(result)  # type: ignore[arg-type]
-        return await self._forward(request, path, body, result)  # type: ignore[arg-type]
+        return await self._forward(request, path, body, result)
 
     def _fleet_label(self, fleet: str) -> str:
         """The fleet as a metric label: only fleets that exist, so clients cannot grow the label set."""
@@ -270,7 +267,7 @@ class Proxy:
         fleet, model = fwd.fleet, fwd.model
         ttfb_hist, latency_hist = self.metrics.upstream(fleet, fwd.domain)
         pool = self.pool
-        assert pool is not None, "the proxy is not started"
+        assert pool is not None and self._loop is not None, "the proxy is not started"
         started = time.perf_counter()
         try:
             target = pool.target(fwd.url)

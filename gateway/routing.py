@@ -8,8 +8,8 @@ chat request costs two dict look-ups: `table.resolve(fleet, model, now)` returns
     Refusal(status, code, message, retry_after)    answer with OpenAI's error shape
 
 The router answers (one per model on the active domain, computed by the projector into the route
-intent) map to HTTP exactly as DESIGN.md's "Router answers" table says; `ANSWER_STATUS` is that
-table, and the tests and docs/gateway.md read the same one:
+intent) map to HTTP exactly as DESIGN.md's "Router answers" table says; `ANSWER_STATUS` (in
+`haru.openai_errors`, shared with the agent's serving port) is that table, and the tests and docs/gateway.md read the same one:
 
     ready              proxied
     warming{for_ms}    503 model_warming       + Retry-After
@@ -34,69 +34,28 @@ from typing import Final
 
 import msgspec
 
-from haru.httpguard import TOO_DEEP
-
+from haru.openai_errors import (
+    ANSWER_STATUS,
+    FLEET_NOT_FOUND,
+    INVALID_REQUEST,
+    MODEL_NOT_FOUND,
+    NO_ACTIVE_DOMAIN,
+    NOT_RETRYABLE,
+    TOO_DEEP,
+    UPSTREAM_UNREACHABLE,
+    error_body,
+)
 from haru.residency import Answer
 from haru.views import FleetView, RouteIntent, Target
 
-# ------------------------------------------------------------------------------ the status table
-
-# answer (or answer:reason) -> (HTTP status, error.code)
-ANSWER_STATUS: Final[dict[str, tuple[int, str]]] = {
-    "warming": (503, "model_warming"),
-    "asleep": (503, "model_asleep"),
-    "lost:gpu_detached": (503, "gpu_detached"),
-    "lost": (503, "model_lost"),
-    "not_admitted": (409, "model_not_admitted"),
-    "unknown": (503, "residency_unknown"),
-}
-
-# Conditions that are not router answers.
-FLEET_NOT_FOUND: Final = (404, "fleet_not_found")
-MODEL_NOT_FOUND: Final = (404, "model_not_found")
-NO_ACTIVE_DOMAIN: Final = (503, "no_active_domain")
-INVALID_REQUEST: Final = (400, "invalid_request")
-REQUEST_TIMEOUT: Final = (408, "request_timeout")
-PAYLOAD_TOO_LARGE: Final = (413, "payload_too_large")
-UPSTREAM_TIMEOUT: Final = (504, "upstream_timeout")
-UPSTREAM_UNREACHABLE: Final = (502, "upstream_unreachable")
-
-# OpenAI's `error.type` per HTTP status. The SDKs pick their exception class from the status
-# (400 BadRequestError, 401 AuthenticationError, 404 NotFoundError, 409 ConflictError,
-# 413 APIStatusError, >= 500 InternalServerError); `type` is informative.
-ERROR_TYPES: Final[dict[int, str]] = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    502: "upstream_error",
-    503: "service_unavailable_error",
-    504: "upstream_error",
-}
-
-# Statuses a client must not retry: the same request would get the same answer.
-NOT_RETRYABLE: Final = frozenset({400, 401, 404, 405, 409, 413})
+# The status table (`ANSWER_STATUS`) and OpenAI's error shape are `haru.openai_errors`, shared with
+# the agent's serving port.
 
 # Retry-After bounds (seconds). Warming: a quarter of how long it has been warming, so a level-1
 # wake (0.1-6 s) is retried within a second or two and a cold load (20-100 s) is not hammered.
 RETRY_MIN_S: Final = 1
 RETRY_MAX_S: Final = 30
 ASLEEP_RETRY_S: Final = 5
-
-
-def error_type(status: int) -> str:
-    return ERROR_TYPES.get(status) or ("server_error" if status >= 500 else "invalid_request_error")
-
-
-_encode = msgspec.json.Encoder().encode
-
-
-def error_body(status: int, code: str, message: str, param: str | None = None) -> bytes:
-    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-    return _encode({"error": {"message": message, "type": error_type(status), "param": param, "code": code}})
 
 
 # ------------------------------------------------------------------------------------- outcomes

@@ -34,9 +34,10 @@ from gateway.control import Control
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import CHAT_PATHS, Proxy
-from gateway.routing import Refusal, RoutingTable, error_body
+from gateway.routing import Refusal, RoutingTable
 from gateway.state import RouteFollower
 from haru.httpguard import GuardedServer
+from haru.openai_errors import error_body
 
 log = structlog.get_logger("haru.gateway")
 

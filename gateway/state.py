@@ -45,7 +45,7 @@ from haru.events import RouteMoved
 from haru.residency import Answer
 from haru.tasks import cancel_and_wait
 from haru.views import FleetView, RouteIntent, intent_decoder, view_decoder
-from projections.route import intent as intent_of_view
+from haru.intents import intent as intent_of_view
 
 log = structlog.get_logger("haru.gateway")
 
@@ -56,10 +56,8 @@ _READY = Answer(answer="ready")
 
 def route_fleet(subject: str) -> str:
     """The fleet of a route subject `haru.evt.<fleet>.route` ('' for any other subject)."""
-    parts = subject.split(".")
-    if len(parts) == 4 and parts[0] == "haru" and parts[1] == "evt" and parts[3] == "route":
-        return parts[2]
-    return ""
+    place = subjects.where(subject)
+    return place.fleet if place is not None and place.kind == "route" else ""
 
 
 def intent_after_move(view: FleetView | None, intent: RouteIntent | None, moved: RouteMoved, revision: int) -> RouteIntent | None:

@@ -5,6 +5,7 @@ field of `GET /v1/models`. Pure: built from compiled routes and a `now` (epoch s
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 import msgspec
 
@@ -41,7 +42,7 @@ def _span(ms: int | None) -> str:
     return f" for {s / 3600:.1f}h"
 
 
-def describe_state(state: Residency, now: float) -> dict:
+def describe_state(state: Residency, now: float) -> dict[str, Any]:
     """One model's residency as a JSON object: the state's own fields plus state, reason, for_ms, summary."""
     name = state_name(state)
     for_ms = _for_ms(state.since, now)
@@ -70,22 +71,22 @@ def describe_state(state: Residency, now: float) -> dict:
         summary = "unknown (never probed)"
     else:
         summary = f"{name}{_span(for_ms)}"
-    out = msgspec.to_builtins(state)
+    out: dict[str, Any] = msgspec.to_builtins(state)
     out.update(state=name, reason=reason, for_ms=for_ms, summary=summary)
     return out
 
 
-def describe_answer(answer: Answer | None, now: float) -> dict | None:
+def describe_answer(answer: Answer | None, now: float) -> dict[str, Any] | None:
     """A router answer with `for_ms` brought up to `now` when it carries `since`."""
     if answer is None:
         return None
-    out = msgspec.to_builtins(answer)
+    out: dict[str, Any] = msgspec.to_builtins(answer)
     if answer.since is not None and answer.answer == "warming":
         out["for_ms"] = max(answer.for_ms, _for_ms(answer.since, now) or 0)
     return out
 
 
-def outcome(result: Forward | Refusal) -> dict:
+def outcome(result: Forward | Refusal) -> dict[str, Any]:
     if isinstance(result, Forward):
         return {"routable": True, "status": 200, "code": None, "message": "", "domain": result.domain}
     return {
@@ -105,7 +106,7 @@ def model_ids(routes: FleetRoutes) -> list[str]:
     return ids
 
 
-def models_list(routes: FleetRoutes, now: float) -> dict:
+def models_list(routes: FleetRoutes, now: float) -> dict[str, Any]:
     """`GET /v1/models`: OpenAI's list shape, plus a `haru` field per model with its router answer."""
     created = 0
     if routes.view is not None and routes.view.route_moved_at is not None:
@@ -126,7 +127,7 @@ def models_list(routes: FleetRoutes, now: float) -> dict:
     return {"object": "list", "data": data}
 
 
-def _domain(d: DomainView, routes: FleetRoutes, now: float) -> dict:
+def _domain(d: DomainView, routes: FleetRoutes, now: float) -> dict[str, Any]:
     is_active = d.name == routes.active
     answers = routes.intent.answers if routes.intent is not None and is_active else {}
     models = {}
@@ -161,9 +162,9 @@ def _domain(d: DomainView, routes: FleetRoutes, now: float) -> dict:
     }
 
 
-def fleet_truth(routes: FleetRoutes, now: float) -> dict:
+def fleet_truth(routes: FleetRoutes, now: float) -> dict[str, Any]:
     view = routes.view
-    out: dict = {
+    out: dict[str, Any] = {
         "fleet": routes.fleet,
         "active": routes.active,
         "route_revision": routes.revision,
@@ -187,7 +188,7 @@ def fleet_truth(routes: FleetRoutes, now: float) -> dict:
     return out
 
 
-def truth_table(all_routes: list[FleetRoutes], now: float) -> dict:
+def truth_table(all_routes: list[FleetRoutes], now: float) -> dict[str, Any]:
     """`GET /residency`: every fleet, every domain, every model: state, reason, for how long, answer."""
     return {
         "at": datetime.fromtimestamp(now, UTC).isoformat(),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from haru import subjects
 from haru.causes import admission_cause, declaration_seqs, with_cause
@@ -35,6 +35,9 @@ from haru.events import (
 )
 from haru.planner import Plan, Verdict, plan as plan_layout
 from haru.specs import DomainSpec, Layout, ModelSpec, Policy, TrainingSpec
+
+if TYPE_CHECKING:
+    from haru.eventlog import EventLog  # the type only: the shell hands the log in
 
 __all__ = ["Declarations", "fold_declarations", "diff", "ApplyResult", "apply", "describe", "DEFAULT_RETRIES"]
 
@@ -68,8 +71,8 @@ def fold_declarations(events: Iterable[Event | None]) -> Declarations:
             for table in (d.models, d.training):
                 for key in [k for k in table if k[0] == e.domain]:
                     del table[key]
-            for key in [k for k in d.admissions if k[0] == e.domain]:
-                del d.admissions[key]
+            for verdict in [k for k in d.admissions if k[0] == e.domain]:
+                del d.admissions[verdict]
         elif isinstance(e, (ModelDeclared, ModelChanged)):
             d.models[(e.domain, e.spec.name)] = e.spec
         elif isinstance(e, ModelRetired):
@@ -211,7 +214,7 @@ class ApplyResult:
     attempts: int = 1
 
 
-async def apply(log, layout: Layout, now: datetime, *, dry_run: bool = False, retries: int = DEFAULT_RETRIES,
+async def apply(log: EventLog, layout: Layout, now: datetime, *, dry_run: bool = False, retries: int = DEFAULT_RETRIES,
                 by: str = "") -> ApplyResult:
     """Append the differences between the log and `layout` to `haru.evt.<fleet>.decl`.
 
@@ -256,13 +259,13 @@ def change_paths(events: list[Event], active: str) -> list[str]:
     """
     lines = []
     for e in events:
-        tag = type(e).__struct_config__.tag  # type: ignore[attr-defined]
+        tag = tag_of(e)
         domain = getattr(e, "domain", "")
-        if tag == "model_declared":
+        if isinstance(e, ModelDeclared):
             lines.append(f"{domain}/{e.spec.name}: new: started live (no restart; the other models see no event)")
-        elif tag == "model_retired":
+        elif isinstance(e, ModelRetired):
             lines.append(f"{domain}/{e.model}: retired: stopped live (model_stopped)")
-        elif tag == "model_changed":
+        elif isinstance(e, ModelChanged):
             if domain == active:
                 lines.append(f"{domain}/{e.spec.name}: changed on the ACTIVE domain: keeps serving as it is until "
                              f"{domain} is the standby, then replaced there (promote the other domain to roll it: "

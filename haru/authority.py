@@ -20,7 +20,7 @@ the subject's. Pure: no I/O.
     why = misplaced(subject, event)     # '' when the event may stand there, else why not
     line = anomaly(seq, subject, event, why)   # "seq 12: route_moved on ... by ... not applied: ..."
 
-Every fold (`projections.fleet`, the promoter, `haru apply`, the Postgres rows, `haru why` and
+Every fold (`haru.fold`, the promoter, `haru apply`, the Postgres rows, `haru why` and
 `as-of`) and `haru verify` call `misplaced` before applying an event: a misplaced event is not
 applied, and is reported with its sequence, subject and writer (`by`). A follower that reads an
 event subject directly (a router following `haru.evt.<fleet>.route`) calls it too.
@@ -34,8 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from haru import events as ev
-from haru.errors import InvalidName
-from haru.subjects import Where, parse
+from haru.subjects import Where, where
 
 __all__ = [
     "ALLOWED",
@@ -46,7 +45,6 @@ __all__ = [
     "misplaced",
     "misplaced_at",
     "table_markdown",
-    "where",
     "writers_of",
 ]
 
@@ -115,7 +113,7 @@ _NOUN = {"fleet": "fleet", "domain": "domain", "model": "model", "gpu_index": "G
 
 # Event type -> (its kind, ((body field, Where attribute), ...)): what `misplaced_at` compares.
 _RULES: dict[type, tuple[str, tuple[tuple[str, str], ...]]] = {
-    cls: (kind, tuple((_BODY_FIELD[part], part) for part in _PARTS[kind] if _BODY_FIELD[part] in cls.__struct_fields__))
+    cls: (kind, tuple((_BODY_FIELD[part], part) for part in _PARTS[kind] if _BODY_FIELD[part] in getattr(cls, "__struct_fields__", ())))
     for cls, kind in ALLOWED.items()
 }
 
@@ -128,25 +126,6 @@ def kind_of(event_type: type) -> str:
 def writers_of(kind: str) -> tuple[str, ...]:
     """The NATS roles that may write subjects of `kind`."""
     return _BY_KIND[kind].writers
-
-
-# A memo of `parse` (a replay meets the same few thousand subjects over and over). Bounded.
-_WHERE: dict[str, Where | None] = {}
-_WHERE_MAX = 100_000
-
-
-def where(subject: str) -> Where | None:
-    """What an event subject addresses (None when it is not a Haru event subject). Memoized."""
-    got = _WHERE.get(subject, False)
-    if got is False:
-        try:
-            got = parse(subject)
-        except (InvalidName, UnicodeDecodeError):
-            got = None
-        if len(_WHERE) >= _WHERE_MAX:
-            _WHERE.clear()
-        _WHERE[subject] = got
-    return got  # type: ignore[return-value]
 
 
 def misplaced_at(place: Where | None, event: object) -> str:
@@ -176,7 +155,7 @@ def misplaced(subject: str, event: object) -> str:
 
 def anomaly(seq: int, subject: str, event: object, why: str) -> str:
     """The one line that reports a misplaced event: its sequence, type, subject, writer, and why."""
-    tag = ev.tag_of(event) if isinstance(event, ev.Event) else type(event).__name__  # type: ignore[arg-type]
+    tag = ev.tag_of(event) if isinstance(event, ev.Event) else type(event).__name__
     by = getattr(event, "by", "") or "an unnamed writer"
     return f"seq {seq}: {tag} on {subject} by {by} not applied: {why}"
 

@@ -54,6 +54,3 @@ def view_of(cp: ev.Checkpoint) -> FleetView | None:
     return view if view.fleet == cp.fleet else None
 
 
-def fleet_of(subject: str) -> str:
-    parts = subject.split(".", 3)
-    return parts[2] if len(parts) >= 4 and parts[0] == "haru" and parts[1] == "evt" else ""

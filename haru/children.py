@@ -66,7 +66,7 @@ def die_with_parent(sig: int) -> Any:
 
 
 def spawn(argv: list[str], *, pidfile: Path | None = None, what: str = "", death_signal: int | None = signal.SIGTERM,
-          **popen: Any) -> subprocess.Popen:
+          **popen: Any) -> subprocess.Popen[Any]:
     """Popen in a new session, with a parent-death signal (None: none), recorded in `pidfile`."""
     if death_signal is not None and not no_death_signal():
         popen["preexec_fn"] = die_with_parent(death_signal)
@@ -94,7 +94,7 @@ def write_pidfile(path: Path, pid: int, what: str) -> None:
     os.replace(tmp, path)
 
 
-def read_pidfile(path: Path) -> dict | None:
+def read_pidfile(path: Path) -> dict[str, Any] | None:
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -102,7 +102,7 @@ def read_pidfile(path: Path) -> dict | None:
     return doc if isinstance(doc, dict) and isinstance(doc.get("pid"), int) else None
 
 
-def holder(path: Path) -> dict | None:
+def holder(path: Path) -> dict[str, Any] | None:
     """The live process a pid file names (its record), or None if it is gone or was never written."""
     doc = read_pidfile(path)
     if doc is None or not alive(doc["pid"], doc.get("start")):
@@ -110,7 +110,7 @@ def holder(path: Path) -> dict | None:
     return doc
 
 
-def orphaned(doc: dict) -> bool:
+def orphaned(doc: dict[str, Any]) -> bool:
     """Whether the process a pid file names outlived the process that started it."""
     return not alive(int(doc.get("parent") or 0), doc.get("parent_start"))
 
@@ -141,7 +141,7 @@ def stop_group(pid: int, start: int | None, timeout: float) -> str:
     return "killed"
 
 
-def stop_leftover(path: Path, timeout: float = 10.0) -> dict | None:
+def stop_leftover(path: Path, timeout: float = 10.0) -> dict[str, Any] | None:
     """Stop the live process a pid file names (and its group); remove the file. Returns its record
     with `"ended"` set, or None when there was nothing alive to stop."""
     doc = holder(path)

@@ -10,7 +10,7 @@ Verbs: status, sleep, wake, probe, stop_training, start_training, verify_gpu.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -37,7 +37,7 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""
     took_ms: int = 0
     error: ErrorInfo | None = None
-    data: dict = {}  # verb-specific facts (status: models and states; verify_gpu: free bytes)
+    data: dict[str, Any] = {}  # verb-specific facts (status: models and states; verify_gpu: free bytes)
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):

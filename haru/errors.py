@@ -25,6 +25,8 @@ a bad layout is the operator's, a reclaimed GPU the provider's, a wrong sequence
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class HaruError(Exception):
     """Base of every error Haru raises on purpose."""
@@ -123,7 +125,7 @@ class LogDamaged(LogError):
         self.missing = missing
         self.last = last  # the stream's last sequence when the replay started
         self.uncounted = uncounted
-        self.records: list | None = None  # what a history() read before the damage was reported
+        self.records: list[Any] | None = None  # what a history() read before the damage was reported
         super().__init__(message)
 
 

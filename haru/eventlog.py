@@ -20,7 +20,7 @@ import hashlib
 import importlib.metadata
 import inspect
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import datetime, timezone
 from typing import Any
 
@@ -109,8 +109,8 @@ def _install_header_parser() -> bool:
     original = nats_client.Client.__dict__.get("_parse_header_lines")
     if version != "2.16.0" or getattr(nats_client, "parse_email", None) is not None or original is None:
         return False
-    nats_client.Client._nats_parse_header_lines = original  # the original, for the equivalence test
-    nats_client.Client._parse_header_lines = staticmethod(_parse_header_lines_fast)
+    setattr(nats_client.Client, "_nats_parse_header_lines", original)  # the original, for the equivalence test
+    setattr(nats_client.Client, "_parse_header_lines", staticmethod(_parse_header_lines_fast))
     return True
 
 
@@ -157,7 +157,7 @@ def msg_id(subject: str, expect: int, data: bytes) -> str:
     return h.hexdigest()[:40]
 
 
-def _decode_record(seq: int, subject: str, time_ns: int, data: bytes, headers: dict | None) -> Record:
+def _decode_record(seq: int, subject: str, time_ns: int, data: bytes, headers: dict[str, str] | None) -> Record:
     try:
         event = decode(data)
     except EventDecodeError as exc:
@@ -185,7 +185,7 @@ def _parse_ack_reply(reply: str) -> tuple[int, int, int]:
 
 
 @contextlib.contextmanager
-def _translated(what: str):
+def _translated(what: str) -> Iterator[None]:
     """Map nats-py exceptions onto Haru's (httpx's map_httpcore_exceptions, in spirit)."""
     try:
         yield
@@ -470,7 +470,7 @@ class EventLog:
     async def _ensure_stream(self, config: api.StreamConfig) -> None:
         with _translated(f"ensuring stream {config.name}"):
             try:
-                info = await self.js.stream_info(config.name)
+                info = await self.js.stream_info(config.name or "")
             except nats.js.errors.NotFoundError:
                 await self.js.add_stream(config)
                 return
@@ -532,7 +532,7 @@ class EventLog:
         ack was lost returns the stored message's sequence instead of writing a second event.
         """
         tip = self._tips.get(subject)
-        stored_last: tuple[int, bytes, dict | None, datetime] | None = None
+        stored_last: tuple[int, bytes, dict[str, str] | None, datetime] | None = None
         if expect == 0:
             prev = ""
         elif tip is not None and tip[0] == expect:
@@ -581,7 +581,7 @@ class EventLog:
                 raw = await self.js.get_msg(stream, seq=seq)
             except nats.js.errors.NotFoundError:
                 return None
-        return raw.subject, raw.data or b""
+        return raw.subject or "", raw.data or b""
 
     async def _publish_checked(self, stream: str, subject: str, data: bytes, expect: int, mid: str) -> int:
         """Publish with the expected-sequence check; a lost ack whose message was stored is a success."""
@@ -624,14 +624,14 @@ class EventLog:
 
     # ----------------------------------------------------------------------------------- reads
 
-    async def _last_raw(self, stream: str, subject: str) -> tuple[int, bytes, dict | None, datetime] | None:
+    async def _last_raw(self, stream: str, subject: str) -> tuple[int, bytes, dict[str, str] | None, datetime] | None:
         with _translated(f"reading the last message on {subject}"):
             try:
                 raw = await self.js.get_msg(stream, subject=subject)
             except nats.js.errors.NotFoundError:
                 return None
         time = raw.time if isinstance(raw.time, datetime) else datetime.now(timezone.utc)
-        return raw.seq, raw.data or b"", raw.headers, time
+        return raw.seq or 0, raw.data or b"", raw.headers, time
 
     async def last(self, subject: str) -> Record | None:
         """The last event on `subject`, or None when the subject is empty."""
@@ -808,7 +808,7 @@ class EventLog:
             async with asyncio.timeout_at(deadline):
                 with _translated("reading the replay consumer"):
                     info = await sub.consumer_info()
-            first_pending = info.num_pending + (info.delivered.consumer_seq if info.delivered else 0)
+            first_pending = (info.num_pending or 0) + ((info.delivered.consumer_seq or 0) if info.delivered else 0)
             if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
                 if not finished.done():
                     finished.set_result(None)
@@ -816,8 +816,9 @@ class EventLog:
             async with asyncio.timeout_at(deadline):
                 await finished
         except TimeoutError:
-            if finished.done() and not finished.cancelled() and finished.exception() is not None:
-                raise finished.exception() from None
+            failure = finished.exception() if finished.done() and not finished.cancelled() else None
+            if failure is not None:
+                raise failure from None
             raise too_late() from None
         finally:
             if watchdog is not None:
@@ -930,7 +931,7 @@ class EventLog:
             except nats.js.errors.NotFoundError:
                 return None
         time = raw.time if isinstance(raw.time, datetime) else datetime.now(timezone.utc)
-        return _decode_record(raw.seq, raw.subject, _datetime_to_ns(time), raw.data or b"", raw.headers)
+        return _decode_record(raw.seq or 0, raw.subject or "", _datetime_to_ns(time), raw.data or b"", raw.headers)
 
     async def put_view(self, key: str, data: bytes, *, last: int) -> int:
         """Compare-and-swap a view: `last` is the revision read (0 = the key must not exist)."""
@@ -938,8 +939,8 @@ class EventLog:
         with _translated(f"writing view {key}"):
             try:
                 if last == 0:
-                    return await kv.create(key, data)
-                return await kv.update(key, data, last=last)
+                    return int(await kv.create(key, data))
+                return int(await kv.update(key, data, last=last))
             except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError) as exc:
                 if isinstance(exc, nats.js.errors.KeyWrongLastSequenceError) or exc.err_code in _CONFLICT_CODES:
                     current = await self.get_view(key)

@@ -19,7 +19,7 @@ Which subject each event goes to is in `haru.subjects`; who writes it is in DESI
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import msgspec
 
@@ -413,7 +413,7 @@ class Checkpoint(Event, frozen=True, kw_only=True, tag="checkpoint"):
     upto: int
     events: int = 0  # events of the fleet at or below `upto`
     heads: list[ChainHead] = []
-    view: dict = {}
+    view: dict[str, Any] = {}
 
 
 # ------------------------------------------------------------------- route: haru.evt.<fleet>.route
@@ -498,9 +498,9 @@ def decode(body: bytes) -> AnyEvent:
         raise EventDecodeError(f"not a valid Haru event (malformed JSON): {exc}") from exc
 
 
-def payload(event: Event) -> dict:
+def payload(event: Event) -> dict[str, Any]:
     """The event's own fields without the envelope: what `haru why` prints after the tag."""
-    out = msgspec.to_builtins(event)
+    out: dict[str, Any] = msgspec.to_builtins(event)
     for key in ("type", "v", "at", "by", "cause", "prev"):
         out.pop(key, None)
     return out

@@ -217,7 +217,7 @@ def check_witnesses(stream_last: int, witnesses: list[Witness],
             findings.append(Finding(
                 "replaced", w.seq,
                 f"seq {w.seq} is not the event {w.source} folded (it is on {subject}"
-                + (f" at {at.isoformat()}, the view's was at {w.at.isoformat()}" if wrong_time else "")
+                + (f" at {at.isoformat()}, the view's was at {w.at.isoformat()}" if wrong_time and at and w.at else "")
                 + "): events were cut from the store and others written in their place",
             ))
     return findings
@@ -352,7 +352,7 @@ def as_of(
         e = rec.event
         if e is None or not _concerns_model(rec, model, domain) or authority.misplaced(rec.subject, e):
             continue
-        d = e.domain
+        d: str = getattr(e, "domain")  # every event `_concerns_model` keeps names its domain
         if isinstance(e, (ev.ModelDeclared, ev.ModelChanged)):
             states.setdefault(d, AsOf(d, "unknown", rec.seq, {}))
             continue
@@ -411,7 +411,7 @@ def causal_tree(records: dict[int, Record]) -> list[Node]:
     for seq, node in nodes.items():
         e = node.rec.event
         parent = nodes.get(e.cause) if e is not None and e.cause and e.cause != seq else None
-        if parent is not None and e.cause < seq:
+        if parent is not None and e is not None and e.cause < seq:
             parent.children.append(node)
         else:
             roots.append(node)

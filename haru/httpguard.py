@@ -25,20 +25,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
 from haru.errors import ConfigError
 
-__all__ = ["ClientLimits", "GuardedServer", "BodyTimeout", "BodyTooLarge", "read_body", "env_int", "TOO_DEEP"]
+__all__ = ["ClientLimits", "GuardedServer", "BodyTimeout", "BodyTooLarge", "read_body", "env_int"]
 
 DEFAULT_HEADER_TIMEOUT_MS = 15_000
 DEFAULT_BODY_TIMEOUT_MS = 30_000
 DEFAULT_MAX_IDLE = 512
 LINGER_S = 1.0
 
-TOO_DEEP = ("request body is nested too deeply to be read (more levels than the JSON decoder allows); "
-            "send a flatter JSON object")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +80,7 @@ def _waiting_for_head(handler: web.RequestHandler) -> bool:
 class GuardedServer(web.Server):
     """aiohttp's low-level `web.Server` with the header timeout and the idle cap of `limits`."""
 
-    def __init__(self, handler, *, limits: ClientLimits, **kwargs) -> None:
+    def __init__(self, handler: Any, *, limits: ClientLimits, **kwargs: Any) -> None:
         # lingering_time: after an answer sent before the body was read whole (a 408, a 413) aiohttp
         # reads and drops what the client still sends before closing, 10 s by default: long enough
         # for a slow body to hold the connection again. One second still lets a fast client that is

@@ -33,6 +33,7 @@ Both spellings are read: `--flag value` and `--flag=value`.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Literal
 
 import msgspec
@@ -40,7 +41,7 @@ import msgspec
 from haru.errors import ArgConflict
 from haru.models.errors import BadReference
 from haru.models.refs import is_explicit_reference, parse_reference
-from haru.specs import GiB, ModelSpec
+from haru.specs import GiB, ModelSpec, Runtime
 
 __all__ = [
     "Launch",
@@ -104,7 +105,7 @@ def _reference_format(source: str) -> Format:
     return "gguf_ref" if ref.registry == "ollama" or ref.quant else "hf_ref"
 
 
-def runtime_for(source: str, url: str = "") -> str:
+def runtime_for(source: str, url: str = "") -> Runtime:
     """The runtime that serves a source when the layout names none: GGUF → llama_server, an endpoint
     URL with no source → external, anything else (a directory, a repository id) → vllm."""
     if not source and url:
@@ -203,7 +204,9 @@ _FIXES = {
 }
 
 
-def _split(args: list[str], table: dict[str, tuple[str, bool, str]]):
+def _split(
+    args: list[str], table: dict[str, tuple[str, bool, str]]
+) -> Iterator[tuple[int, str | None, str | None, str | None, int]]:
     """Yield (index, spelling, canonical, value or None, tokens consumed) for owned flags, and
     (index, None, None, None, 1) for a token that passes through."""
     i = 0

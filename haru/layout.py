@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -38,6 +38,8 @@ from haru.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, Policy, T
 from haru.subjects import check_model_id, check_name
 
 __all__ = ["parse_layout", "load_layout", "parse_size", "SIZE_UNITS"]
+
+_T = TypeVar("_T")
 
 SIZE_UNITS: dict[str, int] = {
     "b": 1,
@@ -152,7 +154,7 @@ def _size(value: object, path: str, what: str) -> int:
 # ---------------------------------------------------------------------------- unknown keys
 
 
-def _check_keys(obj: object, allowed: tuple[str, ...], path: str, what: str) -> dict:
+def _check_keys(obj: object, allowed: tuple[str, ...], path: str, what: str) -> dict[str, Any]:
     """Refuse keys that are not in `allowed`; drop `_comment`-style keys. Returns the cleaned dict."""
     if not isinstance(obj, dict):
         raise LayoutError(f"{what} must be a JSON object, got {type(obj).__name__}", path=path,
@@ -171,7 +173,7 @@ def _check_keys(obj: object, allowed: tuple[str, ...], path: str, what: str) -> 
     return out
 
 
-def _clean(raw: object) -> dict:
+def _clean(raw: object) -> dict[str, Any]:
     top = _check_keys(raw, _TOP_KEYS, "$", "the layout")
     if "policy" in top:
         top["policy"] = _check_keys(top["policy"], _POLICY_KEYS, "$.policy", "policy")
@@ -204,7 +206,7 @@ def _clean(raw: object) -> dict:
     return top
 
 
-def _convert(obj: object, typ: type, path_prefix: str = ""):
+def _convert(obj: object, typ: type[_T], path_prefix: str = "") -> _T:
     try:
         return msgspec.convert(obj, typ)
     except msgspec.ValidationError as exc:
@@ -222,7 +224,7 @@ def _convert(obj: object, typ: type, path_prefix: str = ""):
 # ------------------------------------------------------------------------------------- parse
 
 
-def parse_layout(data: bytes | str | dict) -> Layout:
+def parse_layout(data: bytes | str | dict[str, Any]) -> Layout:
     """Parse and validate a layout. Raises LayoutError(message, path=..., fix=...)."""
     if isinstance(data, (bytes, bytearray, str)):
         try:
@@ -244,7 +246,7 @@ def parse_layout(data: bytes | str | dict) -> Layout:
     return Layout(fleet=fleet, policy=policy, domains=domains)
 
 
-def load_layout(path: str | os.PathLike) -> Layout:
+def load_layout(path: str | os.PathLike[str]) -> Layout:
     """Read and parse a layout file. A missing file is a LayoutError naming it."""
     try:
         with open(path, "rb") as fh:
@@ -255,7 +257,7 @@ def load_layout(path: str | os.PathLike) -> Layout:
     return parse_layout(data)
 
 
-def _policy(raw: dict) -> Policy:
+def _policy(raw: dict[str, Any]) -> Policy:
     values = dict(raw)
     for key in values:
         if key.endswith("_bytes"):
@@ -376,12 +378,12 @@ def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
             if m.context_length < 0:
                 raise LayoutError("context_length is negative", path=f"{mp}.context_length", fix="use 0 (runtime default) or more")
             binary = [m.binary] if isinstance(m.binary, str) else list(m.binary)
-            spec = ModelSpec(name=m.name, slot=slot, gpu_index=s.gpu, runtime=runtime, vram_bytes=vram,
+            model = ModelSpec(name=m.name, slot=slot, gpu_index=s.gpu, runtime=runtime, vram_bytes=vram,
                              context_length=m.context_length, port=m.port, source=m.source, url=m.url,
                              binary=binary, args=list(m.args), env=dict(m.env), adapters=dict(m.adapters),
                              gpu_layers=m.gpu_layers)
-            _check_launch(spec, m.runtime, mp, gpu_memory.get(s.gpu, 0))
-            models.append(spec)
+            _check_launch(model, m.runtime, mp, gpu_memory.get(s.gpu, 0))
+            models.append(model)
     spec = DomainSpec(name=name, provider=d.provider, region=d.region, serving_url=d.serving_url, serve=d.serve, gpus=gpus)
     return Domain(spec=spec, models=models, training=training)
 

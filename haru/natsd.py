@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from haru import children
 from haru.errors import ConfigError, LogUnavailable, StoreBusy
@@ -57,7 +58,7 @@ def find_binary() -> str:
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 class NatsServer:
@@ -100,7 +101,7 @@ class NatsServer:
     def pid_file(self) -> Path:
         return self.store_dir / PID_FILE
 
-    def holder(self) -> dict | None:
+    def holder(self) -> dict[str, Any] | None:
         """The live nats-server recorded on this store (its pid file record), or None."""
         return children.holder(self.pid_file)
 

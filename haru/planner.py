@@ -18,6 +18,7 @@ its reserve (hearth's A6000 is 48 GiB with a 3.8 GiB reserve).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -139,7 +140,8 @@ def plan_domain(domain: Domain, policy: Policy) -> DomainPlan:
     indexes = list(gpus)
     # A model or training slot on a GPU the domain lacks (the layout refuses that; a hand-built Domain
     # may not) is planned against a capacity of 0, so it is never admitted.
-    for item in (*domain.models, *domain.training):
+    items: list[ModelSpec | TrainingSpec] = [*domain.models, *domain.training]
+    for item in items:
         if item.gpu_index not in gpus and item.gpu_index not in indexes:
             indexes.append(item.gpu_index)
     out: list[GpuPlan] = []
@@ -172,7 +174,7 @@ def plan_domain(domain: Domain, policy: Policy) -> DomainPlan:
 
 
 def _verdicts(
-    domain: str, kind: Literal["model", "training"], items: list[ModelSpec] | list[TrainingSpec], room: int, capacity: int
+    domain: str, kind: Literal["model", "training"], items: Sequence[ModelSpec | TrainingSpec], room: int, capacity: int
 ) -> list[Verdict]:
     names = [i.name if isinstance(i, ModelSpec) else i.slot for i in items]
     fits = first_fit([i.vram_bytes for i in items], room)

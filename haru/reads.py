@@ -102,7 +102,7 @@ async def checkpoint_start(log: EventLog) -> tuple[int, dict[str, tuple[int, str
     checkpoint is walked from sequence 1."""
     from haru import checkpoints
 
-    fleets = {checkpoints.fleet_of(s) for s in await log.subject_counts(subjects.ALL_EVENTS)} - {""}
+    fleets = {subjects.fleet_of(s) for s in await log.subject_counts(subjects.ALL_EVENTS)} - {""}
     tips: dict[str, tuple[int, str]] = {}
     covered: dict[str, int] = {}
     bad: list[history.Break] = []

@@ -323,7 +323,7 @@ def _evolve(state: Residency, event: object, seq: int, subject: str) -> Residenc
         return msgspec.structs.replace(new, since=state.since, seq=state.seq)
     if current == result == "pulling":  # progress of the same pull: "pulling for 47s" keeps counting
         return msgspec.structs.replace(new, since=state.since)
-    if current == result and result == "sleeping" and state.level == new.level:  # type: ignore[attr-defined]
+    if isinstance(state, Sleeping) and isinstance(new, Sleeping) and state.level == new.level:
         return state
     return new
 
@@ -349,7 +349,7 @@ def _step(state_cls: type, event_cls: type) -> Callable[[Any, Any, int], Residen
     return lambda state, e, seq: build(e, e.at, seq)
 
 
-class _Steps(dict):
+class _Steps(dict[tuple[type, type], "Callable[[Any, Any, int], Residency] | None"]):
     """(state class, event class) -> step, filled on first use; None cached for the pairs left to
     `_evolve`, so a lookup never rebuilds one."""
 
@@ -411,14 +411,14 @@ def answer(state: Residency, now: datetime) -> Answer:
         return Answer(answer="warming", for_ms=for_ms, since=state.since, reason=tag)
     if kind == "asleep":
         return Answer(answer="asleep", since=state.since)
-    if tag == "lost":
-        return Answer(answer="lost", since=state.since, reason=state.reason, detail=state.detail)  # type: ignore[attr-defined]
-    if tag == "failed":
-        return Answer(answer="lost", since=state.since, reason="failed", detail=state.runtime_said)  # type: ignore[attr-defined]
-    if tag == "stopped":
-        return Answer(answer="lost", since=state.since, reason="stopped", detail=state.detail)  # type: ignore[attr-defined]
-    if tag == "not_admitted":
-        return Answer(answer="not_admitted", since=state.since, short_by_bytes=state.short_by_bytes)  # type: ignore[attr-defined]
+    if isinstance(state, Lost):
+        return Answer(answer="lost", since=state.since, reason=state.reason, detail=state.detail)
+    if isinstance(state, Failed):
+        return Answer(answer="lost", since=state.since, reason="failed", detail=state.runtime_said)
+    if isinstance(state, Stopped):
+        return Answer(answer="lost", since=state.since, reason="stopped", detail=state.detail)
+    if isinstance(state, NotAdmitted):
+        return Answer(answer="not_admitted", since=state.since, short_by_bytes=state.short_by_bytes)
     return Answer(answer="unknown", since=state.since)
 
 

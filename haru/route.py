@@ -10,7 +10,7 @@ ordered consumer (`EventLog.watch_intents`), so a router sees every published in
 order with no gap, across projector restarts (the stream keeps the history; the projector
 publishes one intent per route pointer move). `w.current` is always the newest intent received,
 even when nobody iterates. Intents are published with `for_ms=0` on warming answers:
-`w.current_at(now)` (or `projections.route.at`) recomputes it from `since`.
+`w.current_at(now)` (or `haru.intents.at`) recomputes it from `since`.
 
 Start: the watcher reads the last intent, subscribes, and waits for the subscription's first
 delivery (the last intent again, or a newer one), so `current` is the newest intent once the

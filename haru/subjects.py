@@ -20,12 +20,19 @@ share a token.
     haru.alive.<role>.<id>                         the control plane's own heartbeats (projector, promoter)
     haru.cmd.<fleet>.<domain>.<verb>               commands to an agent (request/reply)
     haru.route.<fleet>                             route intents (stream HARU_ROUTE)
+
+Reading one back is done here too, once: `read(subject)` (memoized) says what an event subject
+names (`EventSubject`: its fleet token, its fleet-level kind, the whole `Where` or None), with
+`where(subject)` and `fleet_of(subject)` its two common questions, `parse` the strict form that
+raises, and `heartbeat_of` for `haru.hb.<fleet>.<domain>`.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from haru.errors import InvalidName
 
@@ -172,6 +179,14 @@ def heartbeats(fleet: str = "*") -> str:
     return f"haru.hb.{f}.*"
 
 
+def heartbeat_of(subject: str) -> tuple[str, str] | None:
+    """(fleet, domain) of a heartbeat subject `haru.hb.<fleet>.<domain>`; None for anything else."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[0] != "haru" or parts[1] != "hb":
+        return None
+    return parts[2], parts[3]
+
+
 CONTROL_ROLES = ("projector", "promoter")
 ALL_ALIVE = "haru.alive.>"
 
@@ -239,3 +254,51 @@ def parse(subject: str) -> Where:
         if kind == "training":
             return Where(fleet=fleet, kind="training", domain=domain, slot=token)
     raise InvalidName(f"{subject!r} is not a Haru event subject")
+
+
+class EventSubject(NamedTuple):
+    """What an event subject names, read once (`read`)."""
+
+    fleet: str  # the <fleet> token of haru.evt.<fleet>.<...>, whether or not the rest is well formed
+    level: str  # the kind of a fleet-level subject (its fourth and last token: decl, route, op, checkpoint), else ''
+    where: Where | None  # the whole subject parsed; None when it is not a Haru event subject
+    problem: str = ""  # why `where` is None
+
+
+def _read(subject: str) -> EventSubject:
+    parts = subject.split(".", 4)
+    fleet, level = "", ""
+    if len(parts) >= 4 and parts[0] == "haru" and parts[1] == "evt":
+        fleet, level = parts[2], parts[3] if len(parts) == 4 else ""
+    try:
+        return EventSubject(fleet, level, parse(subject))
+    except (InvalidName, UnicodeDecodeError) as exc:
+        return EventSubject(fleet, level, None, str(exc))
+
+
+class _Memo(dict[str, EventSubject]):
+    """The memo of `read`: a replay meets the same few thousand subjects over and over. A hit is the
+    dict's own lookup (no Python call); a miss reads the subject. Bounded: cleared at _READ_MAX."""
+
+    def __missing__(self, subject: str) -> EventSubject:
+        if len(self) >= _READ_MAX:
+            self.clear()
+        got = self[subject] = _read(subject)
+        return got
+
+
+_READ_MAX = 100_000
+_READ = _Memo()
+
+read: Callable[[str], EventSubject] = _READ.__getitem__
+"""What an event subject names (an empty `fleet` and no `where` for any other subject). Memoized."""
+
+
+def where(subject: str) -> Where | None:
+    """What an event subject addresses (None when it is not a Haru event subject). Memoized."""
+    return read(subject).where
+
+
+def fleet_of(subject: str) -> str:
+    """The fleet of an event subject `haru.evt.<fleet>.<...>` ('' for any other subject). Memoized."""
+    return read(subject).fleet

@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from typing import Any
 
 __all__ = ["cancel_and_wait", "run_until_signal"]
 
 
-async def cancel_and_wait(*tasks: asyncio.Future | None, retry_s: float = 1.0) -> None:
+async def cancel_and_wait(*tasks: asyncio.Future[Any] | None, retry_s: float = 1.0) -> None:
     """Cancel `tasks` and return once every one has ended, cancelling again each `retry_s` a task
     is still running. What the tasks ended with (a result, an exception) is retrieved and dropped:
     the caller is shutting them down. `None` entries are skipped, so optional tasks can be passed
@@ -33,7 +34,7 @@ async def cancel_and_wait(*tasks: asyncio.Future | None, retry_s: float = 1.0) -
             task.exception()  # retrieved, so asyncio does not log "exception was never retrieved"
 
 
-async def run_until_signal(task: asyncio.Task, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> bool:
+async def run_until_signal(task: asyncio.Task[Any], signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> bool:
     """Await a service's `task` until it ends or one of `signals` arrives; then stop it for certain.
 
     Returns True when a signal stopped it. What the task raised propagates (a cancellation from

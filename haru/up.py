@@ -283,8 +283,8 @@ def _spawn_python(args: list[str], *, name: str, home: Path, log_path: Path, env
 
 
 def _agent_config(layout: Layout, domain: str, nats_url: str, home: Path, metrics_port: int | None = None,
-                  gpus: str = "sim") -> dict:
-    conf = {
+                  gpus: str = "sim") -> dict[str, object]:
+    conf: dict[str, object] = {
         "fleet": layout.fleet,
         "domain": domain,
         "nats_url": nats_url,

@@ -1,9 +1,9 @@
 """The projected read side: `FleetView` (stored in KV `haru_views`, key `fleet.<slug>`) and
 `RouteIntent` (published on `haru.route.<fleet>`, stream HARU_ROUTE).
 
-A FleetView is a fact sheet folded from the log by `projections.fleet.evolve`; it carries `seq`,
+A FleetView is a fact sheet folded from the log by `haru.fold` (the `Folder`; `evolve` specifies it); it carries `seq`,
 the last HARU_EVENTS sequence it folded, so a stale projector cannot overwrite a newer view.
-A RouteIntent is a pure function of a FleetView (`projections.route.intent`): the provider-neutral
+A RouteIntent is a pure function of a FleetView (`haru.intents.intent`): the provider-neutral
 answer that routers act on.
 
 All values are frozen msgspec Structs, JSON on the wire, so `nats kv get haru_views fleet.default`

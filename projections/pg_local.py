@@ -171,6 +171,7 @@ class LocalPostgres:
         return self
 
     def _launch(self) -> None:
+        assert self.root is not None, "start() makes the cluster's directory first"
         self._run(
             [
                 os.path.join(self.bindir, "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "postgres.log"),

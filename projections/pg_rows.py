@@ -33,15 +33,13 @@ Everything else advances the position and writes nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
+from collections.abc import Sequence
 from typing import Any, Protocol
 
-from haru import authority
+from haru import authority, subjects
 from haru import events as ev
-from haru.errors import InvalidName
-from haru.subjects import parse
 
 
 class LogRecord(Protocol):
@@ -73,18 +71,79 @@ class Carry:
     steps: dict[Key, OpenSpan] = field(default_factory=dict)  # (fleet, op_id, step)
 
 
+# Rows a later event of the same batch may still close, by name (a COPY takes them as `row()`, in
+# their table's column order: `pg_schema.INCIDENT_COLUMNS`, `STEP_COLUMNS`, `OPERATION_COLUMNS`).
+
+
+@dataclass(slots=True)
+class _Row:
+    def row(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass(slots=True)
+class IncidentRow(_Row):
+    opened_seq: int
+    fleet: str
+    domain: str
+    model: str
+    reason: str
+    detail: str
+    opened_at: datetime | None
+    closed_seq: int | None = None
+    closed_at: datetime | None = None
+    duration_ms: int | None = None
+
+
+@dataclass(slots=True)
+class StepRow(_Row):
+    seq: int
+    fleet: str
+    op_id: str
+    step: str
+    attempt: int
+    started_at: datetime | None
+    outcome: str | None = None
+    finished_seq: int | None = None
+    finished_at: datetime | None = None
+    duration_ms: int | None = None
+    took_ms: int | None = None
+    detail: str = ""
+    error_code: str = ""
+    error: str = ""
+
+
+@dataclass(slots=True)
+class OperationRow(_Row):
+    fleet: str
+    op_id: str
+    kind: str | None
+    target: str
+    source: str
+    reason: str
+    detail: str
+    requested_seq: int | None
+    requested_at: datetime | None
+    outcome: str | None = None
+    finished_seq: int | None = None
+    finished_at: datetime | None = None
+    duration_ms: int | None = None
+    failed_step: str = ""
+    error: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class Writes:
     """One batch's output. `copies` are new rows per table (columns in `pg_schema.COPY_TABLES`
     order); the rest are argument tuples for the statements named after them in `pg_schema`."""
 
     last_seq: int
-    copies: dict[str, list[tuple]]
-    close_incidents: list[tuple]  # CLOSE_INCIDENT (opened_seq, closed_seq, closed_at, duration_ms)
-    insert_operations: list[tuple]  # INSERT_OPERATION
-    finish_operations: list[tuple]  # FINISH_OPERATION
-    finish_steps: list[tuple]  # FINISH_STEP
-    upsert_domains: list[tuple]  # UPSERT_DOMAIN
+    copies: dict[str, list[tuple[Any, ...]]]
+    close_incidents: list[tuple[Any, ...]]  # CLOSE_INCIDENT (opened_seq, closed_seq, closed_at, duration_ms)
+    insert_operations: list[tuple[Any, ...]]  # INSERT_OPERATION
+    finish_operations: list[tuple[Any, ...]]  # FINISH_OPERATION
+    finish_steps: list[tuple[Any, ...]]  # FINISH_STEP
+    upsert_domains: list[tuple[Any, ...]]  # UPSERT_DOMAIN
     skipped: list[tuple[int, str, str]]  # (seq, subject, error), for the shell to log
 
     @property
@@ -118,16 +177,13 @@ def millis(start: datetime | None, end: datetime | None) -> int | None:
     return delta.days * 86_400_000 + delta.seconds * 1000 + delta.microseconds // 1000
 
 
-@lru_cache(maxsize=65536)
 def fleet_of(subject: str) -> tuple[str, str]:
-    """(fleet, '') for a Haru event subject, ('', why) for anything else. Cached: subjects repeat."""
-    try:
-        return parse(subject).fleet, ""
-    except InvalidName as exc:
-        return "", str(exc)
+    """(fleet, '') for a Haru event subject, ('', why) for anything else (`haru.subjects.read`, memoized)."""
+    read = subjects.read(subject)
+    return (read.where.fleet, "") if read.where is not None else ("", read.problem)
 
 
-_STATE = {
+_STATE: dict[type, str] = {
     ev.ModelLoading: "loading",
     ev.ModelResident: "resident",
     ev.ModelSleeping: "sleeping",
@@ -138,7 +194,7 @@ _STATE = {
 }
 
 
-def transition_row(seq: int, fleet: str, recorded_at: datetime, e: Any) -> tuple:
+def transition_row(seq: int, fleet: str, recorded_at: datetime | None, e: Any) -> tuple[Any, ...]:
     """One residency event as a `residency_transitions` row (TRANSITION_COLUMNS order)."""
     kind = type(e)
     reason = warmup_ms = exit_code = None
@@ -162,7 +218,7 @@ def transition_row(seq: int, fleet: str, recorded_at: datetime, e: Any) -> tuple
     )  # fmt: skip
 
 
-def gpu_row(seq: int, fleet: str, recorded_at: datetime, e: ev.GpuObserved) -> tuple:
+def gpu_row(seq: int, fleet: str, recorded_at: datetime | None, e: ev.GpuObserved) -> tuple[Any, ...]:
     return (
         seq, fleet, e.domain, e.index, e.present, e.name, e.memory_total_bytes,
         e.memory_used_bytes, len(e.processes), e.mig, utc(e.at), recorded_at,
@@ -175,18 +231,18 @@ def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
     operations = dict(carry.operations)
     steps = dict(carry.steps)
 
-    transitions: list[tuple] = []
-    gpus: list[tuple] = []
-    skipped_rows: list[tuple] = []
+    transitions: list[tuple[Any, ...]] = []
+    gpus: list[tuple[Any, ...]] = []
+    skipped_rows: list[tuple[Any, ...]] = []
     skipped: list[tuple[int, str, str]] = []
-    # Rows new in this batch that a later event of the same batch may still close: kept as lists.
-    new_incidents: dict[int, list] = {}
-    new_steps: dict[int, list] = {}
-    new_operations: dict[tuple[str, str], list] = {}
-    close_incidents: list[tuple] = []
-    finish_operations: list[tuple] = []
-    finish_steps: list[tuple] = []
-    domains: list[tuple] = []
+    # Rows new in this batch that a later event of the same batch may still close.
+    new_incidents: dict[int, IncidentRow] = {}
+    new_steps: dict[int, StepRow] = {}
+    new_operations: dict[tuple[str, str], OperationRow] = {}
+    close_incidents: list[tuple[Any, ...]] = []
+    finish_operations: list[tuple[Any, ...]] = []
+    finish_steps: list[tuple[Any, ...]] = []
+    domains: list[tuple[Any, ...]] = []
     last_seq = 0
 
     for rec in records:
@@ -213,24 +269,21 @@ def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
         kind = type(e)
 
         if kind in _STATE or kind is ev.ModelAdopted:
-            row = transition_row(seq, fleet, recorded_at, e)
-            transitions.append(row)
+            transitions.append(transition_row(seq, fleet, recorded_at, e))
             if kind is ev.ModelLost:
                 key = (fleet, e.domain, e.model)
-                at = row[7]
+                at = utc(e.at)
                 if key not in incidents:
                     incidents[key] = OpenSpan(seq, at)
-                    new_incidents[seq] = [
-                        seq, fleet, e.domain, e.model, e.reason, e.detail, at, None, None, None,
-                    ]  # fmt: skip
+                    new_incidents[seq] = IncidentRow(seq, fleet, e.domain, e.model, e.reason, e.detail, at)
             elif kind is ev.ModelResident and incidents:
                 span = incidents.pop((fleet, e.domain, e.model), None)
                 if span is not None:
-                    at = row[7]
+                    at = utc(e.at)
                     duration = millis(span.at, at)
-                    new_row = new_incidents.get(span.seq)
-                    if new_row is not None:
-                        new_row[7:10] = [seq, at, duration]
+                    incident = new_incidents.get(span.seq)
+                    if incident is not None:
+                        incident.closed_seq, incident.closed_at, incident.duration_ms = seq, at, duration
                     else:
                         close_incidents.append((span.seq, seq, at, duration))
 
@@ -244,10 +297,9 @@ def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
             at = utc(e.at)
             operations[key2] = OpenSpan(seq, at)
             if kind is ev.PromotionRequested:
-                row = [fleet, e.op_id, "promotion", e.target, e.source, e.reason, e.detail]
+                new_operations[key2] = OperationRow(fleet, e.op_id, "promotion", e.target, e.source, e.reason, e.detail, seq, at)
             else:
-                row = [fleet, e.op_id, "demotion", e.target, "", e.reason, ""]
-            new_operations[key2] = row + [seq, at, None, None, None, None, "", ""]
+                new_operations[key2] = OperationRow(fleet, e.op_id, "demotion", e.target, "", e.reason, "", seq, at)
 
         elif kind is ev.OperationCompleted or kind is ev.OperationAborted:
             key2 = (fleet, e.op_id)
@@ -258,15 +310,17 @@ def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
             error = e.error if aborted else ""
             span = operations.pop(key2, None)
             duration = millis(span.at, at) if span is not None else None
-            if key2 in new_operations:
-                new_operations[key2][9:15] = [outcome, seq, at, duration, failed_step, error]
+            op = new_operations.get(key2)
+            if op is not None:
+                op.outcome, op.finished_seq, op.finished_at, op.duration_ms = outcome, seq, at, duration
+                op.failed_step, op.error = failed_step, error
             elif span is not None:
                 finish_operations.append((fleet, e.op_id, outcome, seq, at, duration, failed_step, error))
             else:  # its request predates what this read model saw: record what is known
-                new_operations[key2] = [
+                new_operations[key2] = OperationRow(
                     fleet, e.op_id, None, "", "", "", "", None, None,
-                    outcome, seq, at, None, failed_step, error,
-                ]  # fmt: skip
+                    outcome=outcome, finished_seq=seq, finished_at=at, failed_step=failed_step, error=error,
+                )
 
         elif kind is ev.StepStarted:
             key3 = (fleet, e.op_id, e.step)
@@ -275,9 +329,7 @@ def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
             if previous is not None:  # restarted: close the abandoned attempt
                 _finish_step(new_steps, finish_steps, previous, "restarted", seq, at, None, "", "", "")
             steps[key3] = OpenSpan(seq, at)
-            new_steps[seq] = [
-                seq, fleet, e.op_id, e.step, e.attempt, at, None, None, None, None, None, "", "", "",
-            ]  # fmt: skip
+            new_steps[seq] = StepRow(seq, fleet, e.op_id, e.step, e.attempt, at)
 
         elif kind is ev.StepCompleted or kind is ev.StepFailed:
             key3 = (fleet, e.op_id, e.step)
@@ -289,10 +341,10 @@ def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
             error = e.error if failed else ""
             span = steps.pop(key3, None)
             if span is None:  # no start seen: a row of its own, keyed by this event
-                new_steps[seq] = [
-                    seq, fleet, e.op_id, e.step, 1, None, outcome, seq, at, None, e.took_ms,
-                    detail, code, error,
-                ]  # fmt: skip
+                new_steps[seq] = StepRow(
+                    seq, fleet, e.op_id, e.step, 1, None, outcome=outcome, finished_seq=seq, finished_at=at,
+                    took_ms=e.took_ms, detail=detail, error_code=code, error=error,
+                )
             else:
                 _finish_step(new_steps, finish_steps, span, outcome, seq, at, e.took_ms, detail, code, error)
 
@@ -310,12 +362,12 @@ def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
         copies={
             "residency_transitions": transitions,
             "gpu_observations": gpus,
-            "incidents": [tuple(r) for r in new_incidents.values()],
-            "operation_steps": [tuple(r) for r in new_steps.values()],
+            "incidents": [r.row() for r in new_incidents.values()],
+            "operation_steps": [r.row() for r in new_steps.values()],
             "skipped_events": skipped_rows,
         },
         close_incidents=close_incidents,
-        insert_operations=[tuple(r) for r in new_operations.values()],
+        insert_operations=[r.row() for r in new_operations.values()],
         finish_operations=finish_operations,
         finish_steps=finish_steps,
         upsert_domains=domains,
@@ -325,8 +377,8 @@ def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
 
 
 def _finish_step(
-    new_steps: dict[int, list],
-    finish_steps: list[tuple],
+    new_steps: dict[int, StepRow],
+    finish_steps: list[tuple[Any, ...]],
     span: OpenSpan,
     outcome: str,
     seq: int,
@@ -339,12 +391,15 @@ def _finish_step(
     duration = millis(span.at, at)
     row = new_steps.get(span.seq)
     if row is not None:
-        row[6:14] = [outcome, seq, at, duration, took_ms, detail, code, error]
+        row.outcome, row.finished_seq, row.finished_at, row.duration_ms = outcome, seq, at, duration
+        row.took_ms, row.detail, row.error_code, row.error = took_ms, detail, code, error
     else:
         finish_steps.append((span.seq, outcome, seq, at, duration, took_ms, detail, code, error))
 
 
-def carry_from_rows(incidents: list, operations: list, steps: list) -> Carry:
+def carry_from_rows(
+    incidents: list[Sequence[Any]], operations: list[Sequence[Any]], steps: list[Sequence[Any]]
+) -> Carry:
     """The carry from the `OPEN_INCIDENTS`, `OPEN_OPERATIONS` and `RUNNING_STEPS` rows."""
     return Carry(
         incidents={(r[0], r[1], r[2]): OpenSpan(r[3], r[4]) for r in incidents},

@@ -1,6 +1,6 @@
 """The projector service: `HARU_EVENTS` -> fleet views in KV `haru_views` and route intents on
-`haru.route.<fleet>`. The imperative shell around the pure folds in `projections.fleet` and
-`projections.route`.
+`haru.route.<fleet>`. The imperative shell around the pure folds in `haru.fold` and
+`haru.intents`.
 
     async with EventLog.connect(servers, writer="projector:host:pid") as log:
         await log.ensure()
@@ -10,7 +10,7 @@ Start. The fleets of the log are the fleets that have declarations (`haru.evt.*.
 stored view is read from KV; the replay resumes from the smallest stored `position` + 1, where
 position = max(view.seq, view.checkpoint) (from 1 when a declared fleet has no stored view yet).
 Events at or below a fleet's own view `seq` are skipped for that fleet
-(`projections.fleet.add_one`), so fleets whose views are further ahead are not folded twice. A
+(`haru.fold.add_one`), so fleets whose views are further ahead are not folded twice. A
 fleet first met during the replay (events but no declaration) starts empty. The checkpoint of a
 fleet that has been quiet for `checkpoint_lag` events is advanced (its view rewritten), so one idle
 fleet does not pin every restart to its last event.
@@ -20,7 +20,7 @@ one handled and the replay makes no progress for a couple of seconds (nats-py's 
 takes ~20 s to notice a NATS restart), it is restarted after the last sequence handled.
 
 Fold. The replay handler is synchronous: it decodes nothing itself (the log did), folds the record
-into the fleet's `projections.fleet.Folder` (an incremental fold, equal to `evolve`, that builds the
+into the fleet's `haru.fold.Folder` (an incremental fold, equal to `evolve`, that builds the
 frozen view only when something reads it: a write, a route move's intent), marks the fleet dirty,
 and when the record moved the route pointer it snapshots the route intent at that very sequence,
 so every pointer move becomes an intent even when writes are coalesced. A body that is not a valid
@@ -64,8 +64,8 @@ from haru.eventlog import EventLog, Record, body_hash
 from haru.events import Checkpoint, RouteMoved
 from haru.tasks import cancel_and_wait
 from haru.views import FleetView, RouteIntent, intent_decoder, view_decoder, view_encoder
-from projections.fleet import Folder, add_one, empty, fleet_of
-from projections.route import changed, intent
+from haru.fold import Folder, add_one, empty, fleet_of
+from haru.intents import changed, intent
 
 log_ = structlog.get_logger("haru.projector")
 

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 import msgspec
@@ -61,9 +61,9 @@ class Runtime(Protocol):
     async def start(self) -> None: ...
     async def wait_exit(self) -> int | None: ...
     async def stop(self, grace_s: float) -> int | None: ...
-    async def health(self) -> Health: ...
-    async def list_models(self) -> list[str]: ...
-    async def is_sleeping(self) -> bool | None: ...
+    async def health(self, timeout_s: float = 5.0) -> Health: ...
+    async def list_models(self, timeout_s: float = 5.0) -> list[str]: ...
+    async def is_sleeping(self, timeout_s: float = 5.0) -> bool | None: ...
     async def sleep(self, level: int, timeout_s: float) -> None: ...
     async def wake(self, timeout_s: float) -> None: ...
     async def probe_completion(self, timeout_s: float) -> int: ...
@@ -74,7 +74,7 @@ class Runtime(Protocol):
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 _PR_SET_PDEATHSIG = 1
@@ -120,7 +120,7 @@ def killpg(pgid: int, sig: int) -> bool:
 
 
 class _Models(msgspec.Struct):
-    data: list[dict] = []
+    data: list[dict[str, Any]] = []
 
 
 _models_decoder = msgspec.json.Decoder(_Models)
@@ -134,7 +134,7 @@ _sleeping_decoder = msgspec.json.Decoder(_Sleeping)
 
 
 class _Choices(msgspec.Struct):
-    choices: list[dict] = []
+    choices: list[dict[str, Any]] = []
 
 
 _choices_decoder = msgspec.json.Decoder(_Choices)
@@ -273,7 +273,7 @@ class ProcessRuntime(HttpRuntime):
         self.bind_host = bind_host or "127.0.0.1"
         self._log_dir = Path(log_dir)
         self._base_env = dict(os.environ if base_env is None else base_env)
-        self._popen: subprocess.Popen | None = None  # ours; None for an adopted runtime
+        self._popen: subprocess.Popen[Any] | None = None  # ours; None for an adopted runtime
         self._pid: int | None = None
         self._start: int | None = None  # kernel start time of `_pid` (/proc/<pid>/stat)
         self._exit: asyncio.Future[int | None] | None = None
@@ -361,7 +361,7 @@ class ProcessRuntime(HttpRuntime):
         self._argv = list(argv)
         self._watch(proc.pid, start_time(proc.pid), child=proc)
 
-    def _watch(self, pid: int, start: int | None, child: subprocess.Popen | None) -> bool:
+    def _watch(self, pid: int, start: int | None, child: subprocess.Popen[Any] | None) -> bool:
         """Watch `pid`'s exit through a pidfd. False if it is not the process started at `start` any more."""
         loop = asyncio.get_running_loop()
         try:
@@ -373,7 +373,7 @@ class ProcessRuntime(HttpRuntime):
                 os.close(fd)
             if child is None:
                 return False
-        done: asyncio.Future = loop.create_future()
+        done: asyncio.Future[Any] = loop.create_future()
 
         def exited() -> None:
             if fd >= 0:
@@ -391,7 +391,7 @@ class ProcessRuntime(HttpRuntime):
         return True
 
     # -- a runtime that outlived its agent
-    def identity(self) -> dict | None:
+    def identity(self) -> dict[str, Any] | None:
         """What the next agent needs to adopt this process: pid, kernel start time, argv, port, model, plan."""
         if not self.alive() or self._pid is None:
             return None

@@ -320,7 +320,7 @@ def _vector(text: str, dim: int = 16) -> list[float]:
 async def models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     created = int(time.time())
-    data = [] if engine.evicted else [
+    data: list[dict[str, object]] = [] if engine.evicted else [
         {"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": engine.config.source,
          "parent": None, "max_model_len": 4096, "permission": []}
         for name in engine.config.names

@@ -93,7 +93,7 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
         start = 1
         handler = verifier.add
         if args.since_checkpoint:
-            from haru.checkpoints import fleet_of
+            from haru.subjects import fleet_of
 
             start, tips, since, bad = await checkpoint_start(log)
             verifier.tips.update(tips)
@@ -236,7 +236,7 @@ async def run_as_of(args: argparse.Namespace) -> ExitStatus:
         return fail(str(damaged), ExitStatus.LOG_DAMAGED)
     if not states:
         return fail(f"model {args.model!r} had no history in fleet {args.fleet!r} as of {args.point}", ExitStatus.NOT_FOUND)
-    point = f"seq {seq}" if seq is not None else time.isoformat()
+    point = f"seq {seq}" if seq is not None or time is None else time.isoformat()
     if args.json:
         emit_json({d: {"state": s.state, "seq": s.seq, "payload": s.payload} for d, s in states.items()})
         return _damaged(damaged, ExitStatus.OK)

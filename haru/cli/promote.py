@@ -20,6 +20,7 @@ import os
 import socket
 import sys
 from datetime import datetime, timezone
+from typing import Any
 
 from haru import subjects
 from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers, add_log_options, configure_logging
@@ -204,7 +205,8 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
     follower = asyncio.create_task(log.replay(on_record, subject_filter=subjects.op(fleet), from_seq=from_seq,
                                               follow=True))
     try:
-        done, _ = await asyncio.wait({outcome, follower}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        waiting: set[asyncio.Future[Any]] = {outcome, follower}
+        done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if outcome.done():
             return outcome.result()
         if follower in done:

@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-async def run(args: argparse.Namespace) -> ExitStatus:
+async def run(args: argparse.Namespace) -> ExitStatus | int:
     from haru.up import DEMO_LAYOUT, REAL_DEMO_LAYOUT, UpOptions, haru_home, up
 
     if args.model:

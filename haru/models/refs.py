@@ -20,7 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import msgspec
 
@@ -252,7 +253,7 @@ OLLAMA_LAYER_NAMES: dict[str, tuple[str, str]] = {
 }
 
 
-def ollama_blobs(manifest: dict, blob_url) -> list[Blob]:
+def ollama_blobs(manifest: dict[str, Any], blob_url: Callable[[str], str]) -> list[Blob]:
     """The blobs of an Ollama v2 manifest, named for the materialized directory. `blob_url(digest)` gives
     each one's URL. Raises BadReference when the manifest holds no model layer."""
     layers = [manifest.get("config") or {}, *(manifest.get("layers") or [])]

@@ -196,7 +196,7 @@ async def _hf_blob(ref: Ref, commit: str, name: str, sibling: dict, settings: Se
         raise RegistryError(f"the Hub disagrees with itself about {name}: model info says sha256 {lfs['sha256']}, "
                             f"the file's headers {digest}", url=head_url, status=status)
     try:
-        size = int(size_text) if size_text else int(lfs.get("size", sibling.get("size")))
+        size = int(size_text) if size_text else int(lfs.get("size", sibling.get("size")))  # type: ignore[arg-type]  # None -> TypeError, below
     except (TypeError, ValueError):
         raise RegistryError(f"{head_url} gave no size for {name} (no X-Linked-Size or Content-Length)",
                             url=head_url, status=status) from None

@@ -30,7 +30,6 @@ Who decides what, in order (`decide`):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -270,7 +269,7 @@ def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
         )
     if cur.state == "started":
         return _resume(view, op, cur, facts)
-    nxt = TRANSITIONS[(op.kind, cur.step, cur.state)]  # type: ignore[index]
+    nxt = TRANSITIONS[(op.kind, cur.step, cur.state)]
     if nxt == ABORT:
         error = cur.error or cur.error_code or "failed"
         return Append(
@@ -748,20 +747,6 @@ def judge_request(
     return Verdict(status="accepted", op_id=op_id, message=f"{kind} of {target} accepted", event=event)
 
 
-EvolveFn = Callable[..., FleetView]
-
-
-def fold(fleet: str, records: list, evolve: EvolveFn) -> tuple[FleetView, Mapping[str, int]]:
-    """Fold a fleet's records (seq, subject, event) into a view and the last seq of each subject."""
-    view = FleetView(fleet=fleet)
-    last: dict[str, int] = {}
-    for rec in records:
-        last[rec.subject] = rec.seq
-        if rec.event is not None:
-            view = evolve(view, rec.event, seq=rec.seq, subject=rec.subject)
-    return view, last
-
-
 def tables_markdown() -> str:
     """The two tables as Markdown, for docs/promoter.md (a unit test checks the doc carries them)."""
     lines = ["| step | acts on | agent verbs | bounded by (policy) | on failure |", "|---|---|---|---|---|"]
@@ -773,6 +758,6 @@ def tables_markdown() -> str:
             failure = TRANSITIONS[(kind, step, "failed")]
             lines.append(f"| {kind}: `{step}` | {spec.on} | {verbs} | {bound} | {failure} |")
     lines += ["", "| kind | after | outcome | next |", "|---|---|---|---|"]
-    for (kind, step, outcome), nxt in TRANSITIONS.items():
-        lines.append(f"| {kind} | {step or '(request)'} | {outcome} | {nxt} |")
+    for (op_kind, after, outcome), nxt in TRANSITIONS.items():
+        lines.append(f"| {op_kind} | {after or '(request)'} | {outcome} | {nxt} |")
     return "\n".join(lines)

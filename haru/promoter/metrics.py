@@ -106,31 +106,30 @@ class PromoterMetrics:
     def record(self, fleet: str, rec: Record, view: FleetView) -> None:
         """One folded record; `view` is the fleet's view after folding it."""
         ev = rec.event
-        t = type(ev)
-        if t is StepStarted:
+        if isinstance(ev, StepStarted):
             self._step_started[(ev.op_id, ev.step, ev.attempt)] = ev.at
-        elif t is StepCompleted or t is StepFailed:
+        elif isinstance(ev, (StepCompleted, StepFailed)):
             started = self._pop_started(ev.op_id, ev.step)
             seconds = (ev.at - started).total_seconds() if started is not None else ev.took_ms / 1000
-            self.step_duration.labels(fleet, ev.step, "completed" if t is StepCompleted else "failed").observe(
+            self.step_duration.labels(fleet, ev.step, "completed" if isinstance(ev, StepCompleted) else "failed").observe(
                 max(0.0, seconds))
-        elif t is OperationCompleted or t is OperationAborted:
+        elif isinstance(ev, (OperationCompleted, OperationAborted)):
             op = view.last_operation
             if op is None or op.op_id != ev.op_id:
                 return
-            outcome = "completed" if t is OperationCompleted else "aborted"
+            outcome = "completed" if isinstance(ev, OperationCompleted) else "aborted"
             self.operations.labels(fleet, op.kind, op.reason, outcome).inc()
-            seconds = op_duration_s(op)
-            if seconds is not None:
-                self.op_duration.labels(fleet, op.kind, outcome).observe(seconds)
-                self._last_op[(fleet, op.kind)] = (outcome, seconds)
+            op_seconds = op_duration_s(op)
+            if op_seconds is not None:
+                self.op_duration.labels(fleet, op.kind, outcome).observe(op_seconds)
+                self._last_op[(fleet, op.kind)] = (outcome, op_seconds)
             if op.kind == "promotion" and outcome == "completed" and op.reason not in NOT_FAILOVER_REASONS:
                 self.failovers.labels(fleet, op.reason).inc()
-                if seconds is not None:
-                    self.failover_duration.labels(fleet, op.reason).observe(seconds)
+                if op_seconds is not None:
+                    self.failover_duration.labels(fleet, op.reason).observe(op_seconds)
             for key in [k for k in self._step_started if k[0] == ev.op_id]:
                 del self._step_started[key]
-        elif t is FailoverDeclined:
+        elif isinstance(ev, FailoverDeclined):
             self.declined.labels(fleet, decline_reason(ev.why)).inc()
 
     def _pop_started(self, op_id: str, step: str) -> datetime | None:

@@ -7,7 +7,7 @@
 It reads the fleet's current state without replaying its history: the projector's view of the
 fleet (KV `haru_views`, `fleet.<fleet>`) plus the fleet's events stored after the view's position
 (`from_seq` = position + 1: as many as the projector lags behind, usually none), folded onto it
-with `projections.fleet.evolve`. The cost does not grow with the log. Only when there is no view
+with the one fold (`haru.fold.Folder`). The cost does not grow with the log. Only when there is no view
 (no projector has ever run for this fleet) does it fold the fleet's whole history. The append is
 sequence-checked on the op subject (its real last sequence, from the view's `op_seq` or the events
 after it), so a request can never slip in beside an operation in flight, however stale the view:
@@ -23,10 +23,10 @@ import msgspec
 
 from haru import subjects
 from haru.errors import Conflict, InvalidName
-from haru.promoter.decider import fold, judge_request
+from haru.promoter.decider import judge_request
 from haru.promoter.service import new_op_id
 from haru.views import FleetView, view_decoder
-from projections.fleet import evolve
+from haru.fold import Folder, empty
 
 RETRIES = 5
 
@@ -92,12 +92,14 @@ async def current_view(log, fleet: str) -> tuple[FleetView, int] | None:
         records = await log.history(subjects.fleet_events(fleet))
         if not records:
             return None
-        view, last = fold(fleet, records, evolve)
-        return view, last.get(op_subject, 0)
+        view = empty(fleet)
+    else:
+        records = await log.history(subjects.fleet_events(fleet), from_seq=max(view.seq, view.checkpoint) + 1)
+    folder = Folder(view)
     op_last = view.op_seq
-    for rec in await log.history(subjects.fleet_events(fleet), from_seq=max(view.seq, view.checkpoint) + 1):
+    for rec in records:
         if rec.subject == op_subject:
             op_last = rec.seq
         if rec.event is not None:
-            view = evolve(view, rec.event, seq=rec.seq, subject=rec.subject)
-    return view, op_last
+            folder.add(rec.event, seq=rec.seq, subject=rec.subject)
+    return folder.view(), op_last

@@ -3,7 +3,7 @@
     await run_promoter(log, fleets=None, identity="promoter:host-a")
 
 It follows the log (`log.replay(..., follow=True)`) and folds each fleet's events into its own
-`FleetView` with `projections.fleet.evolve`, so every decision is made on exactly the events seen,
+`FleetView` with the one fold (`haru.fold.Folder`, whose specification is `evolve`), so every decision is made on exactly the events seen,
 with their sequences; it keeps the last sequence of every subject it folded, which is the `expect`
 of every append it makes. An event that may not stand on its subject (`haru.authority`) is not
 applied (the fold counts it as an anomaly) and is logged. It listens to heartbeats (`haru.hb.*.*`, core NATS) and measures silence.
@@ -40,7 +40,7 @@ from haru import alive, causes, subjects
 from haru.commands import ErrorInfo, Reply
 from haru.errors import CommandError, Conflict, LogError
 from haru.eventlog import EventLog, Record
-from haru.events import RouteMoved, StepCompleted, StepFailed, StepStarted, tag_of
+from haru.events import Event, RouteMoved, StepCompleted, StepFailed, StepStarted, tag_of
 from haru.promoter.client import send
 from haru.promoter.decider import command_for, decide, flip_refusal, step_outcome
 from haru.promoter.decisions import Facts
@@ -48,8 +48,7 @@ from haru.promoter.metrics import PromoterMetrics
 from haru.tasks import cancel_and_wait
 from haru.views import FleetView, OperationView
 from haru.authority import misplaced
-from projections.fleet import empty, evolve, fleet_of
-from projections.fleet import misplaced as evolve_misplaced
+from haru.fold import Folder, empty, fleet_of
 
 log_ = structlog.get_logger("haru.promoter")
 
@@ -85,11 +84,15 @@ def new_op_id() -> str:
 class FleetState:
     """What the promoter knows about one fleet: its folded view and the tips of its subjects."""
 
-    view: FleetView
+    folder: Folder  # the fleet's view, folded incrementally (`view`)
     last: dict[str, int] = field(default_factory=dict)  # subject -> last seq folded
     step_by: dict[str, str] = field(default_factory=dict)  # op_id -> `by` of its latest step_started
     heard: dict[str, float] = field(default_factory=dict)  # domain -> monotonic time of last heartbeat
     running: set[tuple[str, str, int]] = field(default_factory=set)
+
+    @property
+    def view(self) -> FleetView:
+        return self.folder.view()
 
 
 class Promoter:
@@ -130,7 +133,7 @@ class Promoter:
     def _state(self, fleet: str) -> FleetState:
         st = self.fleets.get(fleet)
         if st is None:
-            st = self.fleets[fleet] = FleetState(view=empty(fleet))
+            st = self.fleets[fleet] = FleetState(folder=Folder(empty(fleet)))
         return st
 
     def on_record(self, rec: Record) -> None:
@@ -141,12 +144,10 @@ class Promoter:
             st = self._state(fleet)
             st.last[rec.subject] = rec.seq
             if rec.event is not None:
-                why = misplaced(rec.subject, rec.event)
-                if why:  # not applied (the subject is the authority): say so, once, where it is read
-                    st.view = evolve_misplaced(st.view, rec.event, seq=rec.seq, subject=rec.subject, why=why)
+                st.folder.add(rec.event, seq=rec.seq, subject=rec.subject)
+                if st.folder.misplaced_seq == rec.seq:  # not applied (the subject is the authority): say so, once
                     self.log_.warning("misplaced_event", fleet=fleet, anomaly=st.view.last_anomaly)
                 else:
-                    st.view = evolve(st.view, rec.event, seq=rec.seq, subject=rec.subject)
                     if isinstance(rec.event, StepStarted):
                         st.step_by[rec.event.op_id] = rec.event.by
                     self.metrics.record(fleet, rec, st.view)  # a misplaced event counts for nothing
@@ -165,10 +166,10 @@ class Promoter:
             await wait_event(self._advanced, left)
 
     def on_heartbeat(self, subject: str) -> None:
-        parts = subject.split(".")
-        if len(parts) != 4:
+        heard = subjects.heartbeat_of(subject)
+        if heard is None:
             return
-        fleet, domain = parts[2], parts[3]
+        fleet, domain = heard
         st = self.fleets.get(fleet)
         if st is None:
             return
@@ -235,8 +236,7 @@ class Promoter:
             if stalled.done() and not stalled.cancelled():
                 self.log_.warning("follower_stalled", seq=self.folded,
                                   detail="the log holds events the follower has not delivered; following afresh")
-            elif replay.done() and not replay.cancelled() and replay.exception() is not None:
-                exc = replay.exception()
+            elif replay.done() and not replay.cancelled() and (exc := replay.exception()) is not None:
                 if not isinstance(exc, LogError):
                     raise exc
                 self.log_.warning("follower_interrupted", error=str(exc), seq=self.folded)
@@ -312,7 +312,7 @@ class Promoter:
             return
         for a in appends:
             expect = st.last.get(a.subject, 0)
-            event = a.event if a.event.by else msgspec.structs.replace(a.event, by=self.identity)
+            event: Event = a.event if a.event.by else msgspec.structs.replace(a.event, by=self.identity)
             event = causes.with_cause(event, causes.decided_cause(st.view, event, st.last))
             log = self.log_.bind(fleet=st.view.fleet, event=tag_of(event), subject=a.subject)
             try:
@@ -347,6 +347,7 @@ class Promoter:
             if self.step_delay_ms:
                 await asyncio.sleep(self.step_delay_ms / 1000)
             t0 = time.monotonic()
+            event: StepCompleted | StepFailed
             if step == "flip":
                 refusal = flip_refusal(st.view, op)
                 if refusal:  # a flip started by someone else, before the probe: never moves the route

@@ -14,13 +14,13 @@ from collections.abc import Awaitable, Callable
 from haru import subjects
 from haru.eventlog import EventLog
 from haru.events import OperationAborted, OperationCompleted, RouteMoved, tag_of
-from haru.promoter.decider import fold
 from haru.tasks import cancel_and_wait
-from projections.fleet import evolve
+from haru.fold import empty, fold
 
 
 async def view_of(log: EventLog, fleet: str = "default"):
-    view, _ = fold(fleet, await log.history(subjects.fleet_events(fleet)), evolve)
+    records = await log.history(subjects.fleet_events(fleet))
+    view = fold((r.seq, r.subject, r.event) for r in records).get(fleet, empty(fleet))
     return view
 
 

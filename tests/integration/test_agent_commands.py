@@ -149,12 +149,16 @@ async def test_serving_port_forwards_byte_identically_and_refuses_the_rest(tmp_p
                 assert r.status == 404, (method, path, r.status)
                 assert (await r.json())["error"]["code"] == "not_found"
         async with s.post(serving + "/v1/chat/completions", data=body) as r:
-            assert r.status == 401
+            assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
         async with s.post(serving + "/v1/chat/completions", data=body, headers={"Authorization": "Bearer nope"}) as r:
             assert r.status == 401
         async with s.post(serving + "/v1/chat/completions", headers=auth,
                           data=json.dumps({"model": "other", "messages": []}).encode()) as r:
-            assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+            assert r.status == 404
+            # the gateway's answer for the same condition, from the same table (haru.openai_errors)
+            assert (await r.json())["error"] == {
+                "message": "the model `other` does not exist on domain 'a'", "type": "invalid_request_error",
+                "param": "model", "code": "model_not_found"}
         async with s.post(serving + "/v1/chat/completions", headers=auth, data=b"not json") as r:
             assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_request"
         async with s.get(serving + "/v1/models", headers=auth) as r:

@@ -14,7 +14,7 @@ from haru import events as ev
 from haru import subjects as sj
 from haru.eventlog import body_hash
 from haru.tasks import cancel_and_wait
-from projections.fleet import fold
+from haru.fold import fold
 from projections.projector import Projector
 from tests.integration.test_projector import F, Writer, declare, stored_view, wait_view_seq
 from tests.support import haru

@@ -32,7 +32,7 @@ from haru.promoter import request_operation
 from haru.residency import Sleeping
 from haru.tasks import cancel_and_wait
 from haru.views import intent_decoder
-from projections.fleet import fold
+from haru.fold import fold
 from projections.projector import Projector
 from promoter_fake import FakeAgent, layout
 from promoter_support import op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view
@@ -121,7 +121,7 @@ async def test_every_role_may_write_exactly_what_the_table_says_and_the_rest_is_
     allowed: dict[str, list[str]] = {}
     probed = await asyncio.gather(*(may_publish(cluster, user, everything) for user in users.values()))
     for (role, user), got in zip(users.items(), probed):
-        want = {s: role_writes(role, authority.where(s).kind, authority.where(s).domain, own) for s in everything}
+        want = {s: role_writes(role, subjects.where(s).kind, subjects.where(s).domain, own) for s in everything}
         assert got == want, {s: (got[s], want[s]) for s in everything if got[s] != want[s]}
         allowed[role] = [s for s in everything if got[s]]
     assert allowed["sink"] == allowed["router"] == []
@@ -133,7 +133,7 @@ async def test_every_role_may_write_exactly_what_the_table_says_and_the_rest_is_
     for role in ("agent", "promoter", "projector", "gateway", "control", "operator"):
         async with cluster.log(users[role], f"{role}:authority-test") as log:
             for subject in allowed[role]:
-                w = authority.where(subject)
+                w = subjects.where(subject)
                 for cls in EVENT_TYPES:
                     event = build(cls, fleet=fleet, domain=w.domain or own, model="m1", index=0, slot="lora",
                                   by=f"{role}:authority-test")

@@ -358,6 +358,8 @@ async def test_sdk_not_found_for_unknown_model_and_fleet(event_log, gw, two_doma
         with pytest.raises(openai.NotFoundError) as info:
             await client.chat.completions.create(model="no-such-model", messages=CHAT)
     assert info.value.code == "model_not_found" and "no-such-model" in info.value.body["message"]
+    # OpenAI's type for a 404, as the agent's serving port says it (one table: haru.openai_errors)
+    assert info.value.body["type"] == "invalid_request_error" and info.value.body["param"] == "model"
     async with sdk(gw, fleet="nowhere") as client:
         with pytest.raises(openai.NotFoundError) as info:
             await client.chat.completions.create(model=MODEL, messages=CHAT)

@@ -21,7 +21,7 @@ from haru.route import RouteWatcher
 from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.views import intent_decoder, view_decoder
 from haru.tasks import cancel_and_wait
-from projections.fleet import fold
+from haru.fold import fold
 from projections.projector import Projector
 
 F = "default"

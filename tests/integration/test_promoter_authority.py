@@ -130,7 +130,7 @@ async def test_production_writers_append_only_what_the_table_allows(fleet, nats_
     kinds = set()
     for writer, subject, event in appended:
         assert authority.misplaced(subject, event) == "", (writer, subject, event)
-        kind = authority.where(subject).kind
+        kind = subjects.where(subject).kind
         kinds.add(kind)
         role = ROLE_OF_WRITER[writer.split(":")[0]]
         assert role in authority.writers_of(kind), f"{writer} ({role}) wrote {subject}"

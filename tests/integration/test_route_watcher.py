@@ -19,7 +19,7 @@ from haru.route import RouteWatcher, refresh
 from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.views import view_encoder
 from haru.tasks import cancel_and_wait
-from projections.route import intent as compute_intent
+from haru.intents import intent as compute_intent
 
 F = "default"
 M = "qwen3.6:27b"

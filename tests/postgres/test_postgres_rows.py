@@ -292,3 +292,14 @@ def test_a_misplaced_event_makes_no_row_but_a_skipped_one_naming_it():
     assert "route_moved belongs on haru.evt.<fleet>.route" in skipped[1]["error"]
     assert skipped[3]["body"] == ev.encode(records[3].event)
     assert [s[0] for s in writes.skipped] == [1, 2, 3, 4]
+
+
+def test_the_named_rows_are_their_tables_columns_in_order():
+    """The planner patches rows by name; a COPY or INSERT takes them in the table's column order."""
+    from dataclasses import fields
+
+    from projections.pg_rows import IncidentRow, OperationRow, StepRow
+
+    assert [f.name for f in fields(IncidentRow)] == list(S.INCIDENT_COLUMNS)
+    assert [f.name for f in fields(StepRow)] == list(S.STEP_COLUMNS)
+    assert [f.name for f in fields(OperationRow)] == list(S.OPERATION_COLUMNS)

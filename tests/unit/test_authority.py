@@ -137,7 +137,7 @@ def test_a_model_id_with_escapes_is_compared_as_the_id():
 def test_something_that_is_not_an_event_subject_holds_no_event():
     assert "not a Haru event subject" in authority.misplaced("haru.evt.default.a.bogus", build(ev.AgentStarted))
     assert "not a Haru event subject" in authority.misplaced("haru.evt.default.a.model.~zz", build(ev.ModelLost))
-    assert authority.where("haru.evt.default.a.bogus") is None
+    assert sj.where("haru.evt.default.a.bogus") is None
 
 
 # ----------------------------------------------------------------------------------- properties
@@ -185,7 +185,7 @@ def test_the_authority_and_the_fold_are_pure():
     import subprocess
     import sys
 
-    code = ("import sys, haru.authority, projections.fleet; "
+    code = ("import sys, haru.authority, haru.fold; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'asyncio', 'aiohttp', 'structlog', 'logging'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"

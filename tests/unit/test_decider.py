@@ -45,7 +45,7 @@ from haru.promoter.decider import (
 )
 from haru.promoter.decisions import Facts
 from haru.specs import DomainSpec, GpuSpec, ModelSpec, Policy
-from projections.fleet import evolve
+from haru.fold import evolve
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 F = "default"
@@ -63,7 +63,7 @@ def given(*events_on: tuple[str, object], policy: Policy = POLICY, models=("m1",
     """A view folded from declarations (two domains a, b, each with models) plus `events_on`."""
     seq = 0
     view = None
-    from projections.fleet import empty
+    from haru.fold import empty
 
     view = empty(F)
     base: list[tuple[str, object]] = []

@@ -11,7 +11,7 @@ from haru import residency
 from haru import subjects as sj
 from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
 from haru.views import FleetView, view_decoder, view_encoder
-from projections.fleet import HANDLED, empty, evolve, fold
+from haru.fold import HANDLED, empty, evolve, fold
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 F = "default"
@@ -224,11 +224,14 @@ def test_view_survives_its_json_round_trip():
 
 
 def test_an_invalid_body_is_counted_and_moves_the_checkpoint():
-    from projections.fleet import fold_one
+    from haru.fold import Folder, add_one
 
     views = fold((i + 1, s, e) for i, (s, e) in enumerate(declarations()))
     n = len(declarations())
-    out = fold_one(views, None, seq=n + 1, subject=sj.model(F, "a", "x"), error="not a valid Haru event: Expected `object`")
-    assert out is views[F] and out.seq == n + 1 and out.anomalies == 1
+    folders = {F: Folder(views[F])}
+    folder = add_one(folders, None, seq=n + 1, subject=sj.model(F, "a", "x"), error="not a valid Haru event: Expected `object`")
+    assert folder is folders[F]
+    out = folder.view()
+    assert out.seq == n + 1 and out.anomalies == 1
     assert "skipped" in out.last_anomaly and "Expected `object`" in out.last_anomaly
     assert out.domains == fold((i + 1, s, e) for i, (s, e) in enumerate(declarations()))[F].domains

@@ -10,7 +10,7 @@ from haru import subjects as sj
 from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
 from haru.residency import Lost, Sleeping
-from projections.fleet import Folder, add_one, empty, evolve, fold, fold_one
+from haru.fold import Folder, add_one, empty, evolve, fold
 from tests.unit.test_fold import F, at, declarations
 
 FORGER = "agent:default/a@host-a"
@@ -80,13 +80,12 @@ def test_a_misplaced_event_on_the_route_subject_moves_its_real_last_sequence_not
     assert not isinstance(view.domains["a"].models["qwen3.6:27b"].residency, Lost)
 
 
-def test_evolve_fold_one_and_the_folder_agree_on_a_forgery():
+def test_evolve_fold_and_the_folder_agree_on_a_forgery():
     items = base()
     n = len(items)
     for subject, forged, _ in FORGERIES:
         one = evolve(views(items), forged, seq=n + 1, subject=subject)
-        by_fold = dict(fold((i + 1, s, e) for i, (s, e) in enumerate(items)))
-        fold_one(by_fold, forged, seq=n + 1, subject=subject)
+        by_fold = fold([*((i + 1, s, e) for i, (s, e) in enumerate(items)), (n + 1, subject, forged)])
         folders: dict[str, Folder] = {}
         for i, (s, e) in enumerate(items):
             add_one(folders, e, seq=i + 1, subject=s)

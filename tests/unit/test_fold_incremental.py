@@ -1,5 +1,5 @@
-"""Property: the incremental `Folder` (what the projector folds with) equals `evolve`/`fold`, event
-for event, however often its view is materialized, and through the JSON round trip of stored views.
+"""Property: the incremental `Folder` (what every service folds with, and `fold` too) equals its
+specification, `evolve` (and `invalid` for a bad body) applied event by event, however often its view is materialized, and through the JSON round trip of stored views.
 
 Histories are the legal ones of test_fold_properties with odd events spliced in: illegal residency
 transitions, events about undeclared or retired models and domains, bodies that did not decode,
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from haru import events as ev
 from haru import subjects as sj
 from haru.views import FleetView, view_decoder, view_encoder
-from projections.fleet import Folder, add_one, empty, evolve, fold, fold_one
+from haru.fold import Folder, add_one, empty, evolve, fleet_of, fold, invalid
 from tests.unit.test_fold_properties import _RESIDENCY_EVENTS, DOMAINS, MODELS, histories
 
 T1 = datetime(2026, 11, 30, tzinfo=UTC)
@@ -66,11 +66,23 @@ def views_of(folders: dict[str, Folder]) -> dict[str, FleetView]:
     return {f: folder.view() for f, folder in folders.items()}
 
 
-def folded(history) -> dict[str, FleetView]:
-    """The reference: `fold_one` (that is, `evolve`) over the history, bad bodies included."""
+def folded(history, error: str = ERROR) -> dict[str, FleetView]:
+    """The specification: `evolve` (`invalid` for a bad body) event by event, per fleet, skipping what
+    a fleet's view already folded. No Folder in it."""
     views: dict[str, FleetView] = {}
     for seq, subject, event in history:
-        fold_one(views, event, seq=seq, subject=subject, error=ERROR if event is None else "")
+        fleet = fleet_of(subject)
+        if not fleet:
+            continue
+        view = views.get(fleet)
+        if view is None:
+            view = empty(fleet)
+        elif seq <= view.seq:
+            continue
+        if event is None:
+            views[fleet] = invalid(view, seq=seq, subject=subject, error=error)
+        else:
+            views[fleet] = evolve(view, event, seq=seq, subject=subject)
     return views
 
 
@@ -81,6 +93,7 @@ def round_trip(view: FleetView) -> FleetView:
 @settings(max_examples=200, deadline=None)
 @given(history=odd_histories(), data=st.data())
 def test_folders_materialized_anywhere_equal_folding_with_evolve(history, data):
+    assert fold(history) == folded(history, error="")  # `fold` is the Folder's too (it has no error text)
     cuts = set(data.draw(st.lists(st.integers(0, len(history)), max_size=10)))
     stored_at = set(data.draw(st.lists(st.integers(0, len(history)), max_size=4)))
     folders: dict[str, Folder] = {}

@@ -13,7 +13,7 @@ from haru import residency
 from haru import subjects as sj
 from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
 from haru.views import view_decoder, view_encoder
-from projections.fleet import empty, evolve, fold
+from haru.fold import empty, evolve, fold
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 FLEETS = ("default", "edge")

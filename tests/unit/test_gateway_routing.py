@@ -12,14 +12,13 @@ from gateway.config import from_env
 from haru.errors import ConfigError
 from gateway.routing import (
     model_of,
-    ANSWER_STATUS,
     Forward,
     Refusal,
     RoutingTable,
     base_url,
-    error_body,
     retry_after_warming,
 )
+from haru.openai_errors import ANSWER_STATUS, answer_status, error_body
 from gateway.truth import describe_state, models_list, truth_table
 from haru.residency import Answer, Loading, Lost, NotAdmitted, Resident, Unknown
 from haru.views import DomainView, FleetView, ModelView, RouteIntent, Target
@@ -212,6 +211,20 @@ def test_error_body_is_openais_shape():
     assert body == {"error": {"message": "no", "type": "conflict_error", "param": "model", "code": "model_not_admitted"}}
     assert msgspec.json.decode(error_body(503, "x", "m"))["error"]["type"] == "service_unavailable_error"
     assert msgspec.json.decode(error_body(504, "x", "m"))["error"]["type"] == "upstream_error"
+    # a 404 is OpenAI's invalid_request_error (what api.openai.com says for an unknown model)
+    assert msgspec.json.decode(error_body(404, "model_not_found", "m", "model"))["error"]["type"] == "invalid_request_error"
+
+
+def test_every_residency_state_the_serving_port_refuses_reads_the_gateways_row():
+    from haru.residency import ANSWERS
+
+    for state, (answer, _meaning) in ANSWERS.items():
+        if answer == "ready":
+            continue
+        assert answer_status(answer) == ANSWER_STATUS[answer], state
+    assert answer_status("lost", "gpu_detached") == (503, "gpu_detached")
+    assert answer_status("lost", "evicted") == (503, "model_lost")
+    assert answer_status("no-such-answer") == (503, "residency_unknown")
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from haru import events as ev
 from haru import subjects as sj
 from haru.events import GpuProcess, GpuUsage
 from haru.specs import GiB, MiB
-from projections.fleet import fold
+from haru.fold import fold
 from projections.status import render
 from tests.unit.test_status import F, NOW, hearth_fleet
 

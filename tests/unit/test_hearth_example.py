@@ -8,7 +8,8 @@ from pathlib import Path
 
 from haru import apply, planner, subjects
 from haru.layout import load_layout
-from projections import fleet, status
+from haru import fold as fleet
+from projections import status
 
 NOW = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)
 HEARTH = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "hearth.json"

@@ -9,8 +9,8 @@ from haru import subjects as sj
 from haru.residency import Answer
 from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.views import intent_decoder, view_encoder
-from projections.fleet import fold
-from projections.route import at, changed, intent
+from haru.fold import fold
+from haru.intents import at, changed, intent
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 F = "default"

@@ -7,7 +7,7 @@ from haru import subjects
 from haru.events import (AdmissionDecided, DomainDeclared, FailoverDeclined, FleetDeclared, GpuObserved, ModelDeclared,
                          PromotionRequested)
 from haru.specs import DomainSpec, GpuSpec, ModelSpec
-from projections.fleet import empty, evolve
+from haru.fold import empty, evolve
 from tests.unit.test_decider import POLICY, T0, F, at, facts, only, reachable, resident, routed
 
 

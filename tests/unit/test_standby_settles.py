@@ -30,7 +30,7 @@ from haru.events import (
 from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
 from haru.specs import SLEEP_MODE, DomainSpec, GpuSpec, ModelSpec
-from projections.fleet import empty, evolve
+from haru.fold import empty, evolve
 from test_decider import F, OP, POLICY, ROUTE, at, reachable, routed
 
 RUNTIMES = ("vllm", "llama_server")

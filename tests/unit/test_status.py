@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 from haru import events as ev
 from haru import subjects as sj
 from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
-from projections.fleet import fold
+from haru.fold import fold
 from projections.status import render
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
@@ -107,7 +107,7 @@ def test_an_empty_fleet_says_what_to_do():
 
 
 def test_route_intent_in_words():
-    from projections.route import intent
+    from haru.intents import intent
     from projections.status import render_intent
 
     text = render_intent(intent(view()), NOW)

@@ -85,6 +85,28 @@ def test_every_subject_parses_back():
         subjects.parse("haru.route.f")
 
 
+
+def test_read_is_the_one_parser_and_keeps_the_fleet_of_a_malformed_event_subject():
+    model = subjects.model("f", "a", "Qwen/Qwen3-4B")
+    got = subjects.read(model)
+    assert got.fleet == "f" and got.level == "" and got.where == subjects.parse(model) and not got.problem
+    assert subjects.read(model) is got  # memoized
+    assert subjects.read(subjects.op("f")).level == "op" and subjects.where(subjects.op("f")).kind == "op"
+    # a subject under haru.evt.<fleet> that is no event subject: its fleet still counts it (the fold
+    # reports it there as misplaced), but it addresses nothing, and says why
+    bogus = subjects.read("haru.evt.f.a.bogus")
+    assert bogus.fleet == "f" and bogus.where is None and "not a Haru event subject" in bogus.problem
+    for other in ("haru.route.f", "haru.evt.f", "x.evt.f.decl", ""):
+        assert subjects.fleet_of(other) == "" and subjects.where(other) is None, other
+        assert subjects.read(other).problem, other
+
+
+def test_heartbeat_of_reads_fleet_and_domain_back():
+    assert subjects.heartbeat_of(subjects.heartbeat("f", "a")) == ("f", "a")
+    for other in ("haru.hb.f", "haru.hb.f.a.b", "haru.alive.promoter.x", subjects.agent("f", "a")):
+        assert subjects.heartbeat_of(other) is None, other
+
+
 def test_events_round_trip_with_stable_tags():
     e = ev.ModelLost(at=NOW, domain="a", model="qwen3.6:27b", reason="gpu_detached", detail="nvml: gpu lost")
     body = ev.encode(e)

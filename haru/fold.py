@@ -40,12 +40,14 @@ A GPU index that was not declared is different: it is an observed fact about the
 Events at or below a view's `seq` are skipped by `fold` (not by `evolve`), so replaying a log
 from before a stored view's sequence is idempotent.
 
-`Folder` is the same fold, incremental, for the projector's hot loop: `add` stages residency
+There is one fold: `Folder`, incremental, and `evolve` is its specification. `add` stages residency
 events (the bulk of a log) per (domain, model) in a mutable accumulator instead of building a new
 frozen view per event, and `view()` materializes the view only when something reads it. Every
-other event materializes first and goes through `evolve`. `Folder(v).add(...)...view()` equals
-folding the same events with `evolve` (tests/unit/test_fold_incremental.py proves it on random
-histories, legal and not, materialized at random points).
+other event materializes first and goes through `evolve`. The projector, the promoter, `haru
+promote`'s reads and `fold` all fold with it (`add_one` for a dict of fleets); `evolve` is what the
+tests hold it to: `Folder(v).add(...)...view()` equals folding the same events with `evolve`, event
+by event (tests/unit/test_fold_incremental.py proves it on random histories, legal and not,
+materialized at random points). Subjects are read by `haru.subjects.read` (memoized).
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ import msgspec
 
 from haru import authority
 from haru import events as ev
-from haru import residency
+from haru import residency, subjects
+from haru.subjects import fleet_of
 from haru.errors import IllegalTransition
+from haru.specs import DomainSpec, ModelSpec, TrainingSpec
 from haru.views import (
     AgentView,
     DomainView,
@@ -71,7 +75,7 @@ from haru.views import (
 )
 
 __all__ = [
-    "HANDLED", "Folder", "add_one", "empty", "evolve", "fleet_of", "fold", "fold_one", "invalid", "misplaced",
+    "HANDLED", "Folder", "add_one", "empty", "evolve", "fleet_of", "fold", "invalid", "misplaced",
 ]
 
 _replace = msgspec.structs.replace
@@ -82,20 +86,9 @@ def empty(fleet: str) -> FleetView:
     return FleetView(fleet=fleet)
 
 
-def fleet_of(subject: str) -> str:
-    """The fleet an event subject belongs to ('' when the subject is not an event subject)."""
-    parts = subject.split(".", 3)
-    if len(parts) < 4 or parts[0] != "haru" or parts[1] != "evt":
-        return ""
-    return parts[2]
-
-
 def _kind(subject: str) -> str:
     # The fourth token names the fleet-level subjects; that is all `evolve` needs from a subject.
-    parts = subject.split(".", 4)
-    if len(parts) == 4:
-        return parts[3]
-    return ""
+    return subjects.read(subject).level
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -115,7 +108,7 @@ def _missing(view: FleetView, seq: int, tag: str, what: str) -> FleetView:
     return _anomaly(view, f"seq {seq}: {tag} for {what}, which is not declared")
 
 
-def _gpus_from_spec(spec: ev.DomainSpec, existing: list[GpuView]) -> list[GpuView]:
+def _gpus_from_spec(spec: DomainSpec, existing: list[GpuView]) -> list[GpuView]:
     """Declared GPUs in declared order, keeping what was observed; observed-only GPUs are kept."""
     by_index = {g.index: g for g in existing}
     declared: list[GpuView] = []
@@ -134,8 +127,8 @@ def _gpus_from_spec(spec: ev.DomainSpec, existing: list[GpuView]) -> list[GpuVie
     return declared
 
 
-def _model_from_spec(spec: ev.ModelSpec, old: ModelView | None) -> ModelView:
-    fields = dict(
+def _model_from_spec(spec: ModelSpec, old: ModelView | None) -> ModelView:
+    fields: dict[str, Any] = dict(
         name=spec.name,
         slot=spec.slot,
         gpu_index=spec.gpu_index,
@@ -149,7 +142,7 @@ def _model_from_spec(spec: ev.ModelSpec, old: ModelView | None) -> ModelView:
     return _replace(old, **fields)
 
 
-def _training_from_spec(spec: ev.TrainingSpec, old: TrainingView | None) -> TrainingView:
+def _training_from_spec(spec: TrainingSpec, old: TrainingView | None) -> TrainingView:
     if old is None:
         return TrainingView(slot=spec.slot, gpu_index=spec.gpu_index, vram_bytes=spec.vram_bytes)
     return _replace(old, gpu_index=spec.gpu_index, vram_bytes=spec.vram_bytes)
@@ -280,7 +273,7 @@ def _residency(view: FleetView, e: Any, seq: int, subject: str) -> FleetView:
     domains = view.domains
     domain = domains.get(e.domain)
     model = domain.models.get(e.model) if domain is not None else None
-    if model is None:
+    if domain is None or model is None:
         return _replace(
             _missing(view, seq, ev.tag_of(e), f"model {e.model!r} on domain {e.domain!r}"), seq=seq, updated_at=e.at
         )
@@ -308,7 +301,7 @@ def _gpu_observed(view: FleetView, e: ev.GpuObserved, seq: int) -> FleetView:
     if domain is None:
         return _missing(view, seq, "gpu_observed", f"GPU {e.index} on domain {e.domain!r}")
     gpus = list(domain.gpus)
-    fields = dict(
+    fields: dict[str, Any] = dict(
         present=e.present,
         memory_total_bytes=e.memory_total_bytes,
         memory_used_bytes=e.memory_used_bytes,
@@ -547,7 +540,7 @@ def _evolve(view: FleetView, event: ev.Event, seq: int, subject: str, kind: str)
     cls = type(event)
     if cls in _RESIDENCY:
         return _residency(view, event, seq, subject)  # sets seq and updated_at itself
-    if cls is ev.AdmissionDecided:
+    if isinstance(event, ev.AdmissionDecided):
         out = _admission_decided(view, event, seq, subject)
     else:
         handler = _HANDLERS.get(cls)
@@ -585,72 +578,6 @@ def misplaced(view: FleetView, event: ev.Event, *, seq: int, subject: str, why: 
     """The view after an event that may not stand on `subject` (`haru.authority.misplaced` said
     `why`): not applied, counted, and named in `last_anomaly` with its sequence, subject and writer."""
     return _stored_on(_anomaly(view, authority.anomaly(seq, subject, event, why)), seq, _kind(subject))
-
-
-def fold_one(
-    views: dict[str, FleetView], event: ev.Event | None, *, seq: int, subject: str, error: str = ""
-) -> FleetView | None:
-    """Fold one event into `views` (a dict of fleet -> view, updated in place).
-
-    `event=None` is a body that did not decode (`error` says why): it is counted, not folded.
-    Returns the fleet's new view, or None when the event was skipped: its subject names no fleet,
-    or the fleet's view already folded `seq` (a replay from before the view's own checkpoint).
-    """
-    where = _WHERE.get(subject)
-    if where is None:
-        if len(_WHERE) >= _WHERE_MAX:
-            _WHERE.clear()
-        where = _WHERE[subject] = _where(subject)
-    if not where:
-        return None
-    fleet, kind, place = where
-    view = views.get(fleet)
-    if view is None:
-        view = empty(fleet)
-    elif seq <= view.seq:
-        return None
-    if event is None:
-        view = invalid(view, seq=seq, subject=subject, error=error)
-    elif type(event) in _RESIDENCY:
-        # The common case, without _evolve's dispatch, and the authority check inlined.
-        if place is not None and place.kind == "model" and event.domain == place.domain and event.model == place.model:  # type: ignore[attr-defined]
-            view = _residency(view, event, seq, subject)
-        else:
-            view = misplaced(view, event, seq=seq, subject=subject, why=authority.misplaced_at(place, event))
-    else:
-        why = authority.misplaced_at(place, event)
-        view = misplaced(view, event, seq=seq, subject=subject, why=why) if why else _evolve(view, event, seq, subject, kind)
-    views[fleet] = view
-    return view
-
-
-def _where(subject: str) -> tuple[str, str, Any] | tuple[()]:
-    """(fleet, fleet-level kind or '', `authority.where`) of an event subject; () when it is not one."""
-    parts = subject.split(".", 4)
-    if len(parts) < 4 or parts[0] != "haru" or parts[1] != "evt":
-        return ()
-    return parts[2], parts[3] if len(parts) == 4 else "", authority.where(subject)
-
-
-# A memo of `_where` (a replay meets the same few thousand subjects over and over; a dict hit is
-# ~120 ns cheaper than the split). Bounded: cleared when it reaches _WHERE_MAX subjects.
-_WHERE: dict[str, tuple[str, str, Any] | tuple[()]] = {}
-_WHERE_MAX = 100_000
-
-
-def fold(
-    entries: Iterable[tuple[int, str, ev.Event]], views: Mapping[str, FleetView] | None = None
-) -> dict[str, FleetView]:
-    """Fold `(seq, subject, event)` entries, in stream order, into views keyed by fleet.
-
-    Starts from `views` (not modified) or from nothing. Entries at or below a fleet's view `seq`
-    are skipped, so folding a replay that overlaps the views is idempotent.
-    """
-    out = dict(views) if views else {}
-    for seq, subject, event in entries:
-        fold_one(out, event, seq=seq, subject=subject)
-    return out
-
 
 
 # ------------------------------------------------------------------------- incremental folding
@@ -700,16 +627,23 @@ class Folder:
 
     def add(self, event: ev.Event, *, seq: int, subject: str) -> None:
         """Fold one event recorded at `seq` on `subject` (like `evolve`: no skipping here)."""
-        why = authority.misplaced(subject, event)
+        _, level, place, _ = subjects.read(subject)
+        self._add(event, seq, subject, level, place)
+
+    def _add(self, event: ev.Event, seq: int, subject: str, level: str, place: subjects.Where | None) -> None:
+        if type(event) in _RESIDENCY:
+            # The common case, the authority check inlined: a residency event stands on its own
+            # model's subject (`authority.misplaced_at` says why when it does not).
+            if place is not None and place.kind == "model" and event.domain == place.domain and event.model == place.model:  # type: ignore[attr-defined]
+                self._residency(event, seq, subject)
+            else:
+                self.add_misplaced(event, seq=seq, subject=subject, why=authority.misplaced_at(place, event))
+            return
+        why = authority.misplaced_at(place, event)
         if why:
             self.add_misplaced(event, seq=seq, subject=subject, why=why)
-        elif type(event) in _RESIDENCY:
-            self._residency(event, seq, subject)
         else:
-            self._other(event, seq, subject, _kind(subject))
-
-    def _other(self, event: ev.Event, seq: int, subject: str, kind: str) -> None:
-        self._set(_evolve(self.view(), event, seq, subject, kind))
+            self._set(_evolve(self.view(), event, seq, subject, level))
 
     def add_misplaced(self, event: ev.Event, *, seq: int, subject: str, why: str) -> None:
         """An event that may not stand on `subject` (see `misplaced`): counted, not applied."""
@@ -771,19 +705,15 @@ class Folder:
 def add_one(
     folders: dict[str, Folder], event: ev.Event | None, *, seq: int, subject: str, error: str = ""
 ) -> Folder | None:
-    """`fold_one` for folders: fold one event into `folders` (fleet -> Folder, updated in place).
+    """Fold one event into `folders` (fleet -> Folder, updated in place): what every service folds with.
 
     Returns the fleet's folder, or None when the event was skipped: its subject names no fleet, or
-    the fleet already folded `seq`. `event=None` is a body that did not decode (`error` says why).
+    the fleet already folded `seq` (a replay from before the view's own checkpoint). `event=None` is
+    a body that did not decode (`error` says why): it is counted, not folded.
     """
-    where = _WHERE.get(subject)
-    if where is None:
-        if len(_WHERE) >= _WHERE_MAX:
-            _WHERE.clear()
-        where = _WHERE[subject] = _where(subject)
-    if not where:
+    fleet, level, place, _ = subjects.read(subject)
+    if not fleet:
         return None
-    fleet, kind, place = where
     folder = folders.get(fleet)
     if folder is None:
         folder = folders[fleet] = Folder(empty(fleet))
@@ -791,16 +721,23 @@ def add_one(
         return None
     if event is None:
         folder.add_invalid(seq=seq, subject=subject, error=error)
-    elif type(event) in _RESIDENCY:
-        # The common case, without `add`'s dispatch, and the authority check inlined.
-        if place is not None and place.kind == "model" and event.domain == place.domain and event.model == place.model:  # type: ignore[attr-defined]
-            folder._residency(event, seq, subject)
-        else:
-            folder.add_misplaced(event, seq=seq, subject=subject, why=authority.misplaced_at(place, event))
     else:
-        why = authority.misplaced_at(place, event)
-        if why:
-            folder.add_misplaced(event, seq=seq, subject=subject, why=why)
-        else:
-            folder._other(event, seq, subject, kind)
+        folder._add(event, seq, subject, level, place)
     return folder
+
+
+def fold(
+    entries: Iterable[tuple[int, str, ev.Event | None]], views: Mapping[str, FleetView] | None = None
+) -> dict[str, FleetView]:
+    """Fold `(seq, subject, event)` entries, in stream order, into views keyed by fleet.
+
+    Starts from `views` (not modified) or from nothing. Entries at or below a fleet's view `seq`
+    are skipped, so folding a replay that overlaps the views is idempotent. An entry whose event is
+    None (a body that did not decode) is counted in its fleet's anomalies.
+    """
+    out = dict(views) if views else {}
+    folders = {fleet: Folder(view) for fleet, view in out.items()}
+    for seq, subject, event in entries:
+        add_one(folders, event, seq=seq, subject=subject)
+    out.update((fleet, folder.view()) for fleet, folder in folders.items())
+    return out
