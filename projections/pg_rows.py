@@ -184,6 +184,7 @@ def fleet_of(subject: str) -> tuple[str, str]:
 
 
 _STATE: dict[type, str] = {
+    ev.ModelPulling: "pulling",
     ev.ModelLoading: "loading",
     ev.ModelResident: "resident",
     ev.ModelSleeping: "sleeping",
@@ -197,7 +198,7 @@ _STATE: dict[type, str] = {
 def transition_row(seq: int, fleet: str, recorded_at: datetime | None, e: Any) -> tuple[Any, ...]:
     """One residency event as a `residency_transitions` row (TRANSITION_COLUMNS order)."""
     kind = type(e)
-    reason = warmup_ms = exit_code = None
+    reason = warmup_ms = exit_code = reference = done_bytes = total_bytes = None
     detail = ""
     if kind is ev.ModelAdopted:  # a runtime kept through an agent restart: its state is how it was found
         state = "sleeping" if e.asleep else "resident"
@@ -212,9 +213,11 @@ def transition_row(seq: int, fleet: str, recorded_at: datetime | None, e: Any) -
         detail = e.detail
     elif kind is ev.ModelFailed:
         detail = e.runtime_said
+    elif kind is ev.ModelPulling:  # where the files came from, once every one is verified
+        reference, done_bytes, total_bytes, detail = e.reference, e.done_bytes, e.total_bytes, e.origin
     return (
         seq, fleet, e.domain, e.model, state, reason, detail,
-        utc(e.at), recorded_at, e.by, warmup_ms, exit_code,
+        utc(e.at), recorded_at, e.by, warmup_ms, exit_code, reference, done_bytes, total_bytes,
     )  # fmt: skip
 
 

@@ -175,6 +175,19 @@ CREATE TABLE haru.domains (
 );
 """,
     ),
+    Migration(
+        4,
+        "pulling: a model's files fetched into the agent's store",
+        """
+ALTER TABLE haru.residency_transitions DROP CONSTRAINT residency_transitions_state_check;
+ALTER TABLE haru.residency_transitions ADD CONSTRAINT residency_transitions_state_check CHECK (state IN
+    ('pulling', 'loading', 'resident', 'sleeping', 'waking', 'lost', 'failed', 'stopped'));
+ALTER TABLE haru.residency_transitions
+    ADD COLUMN reference    text,      -- pulling: the layout's reference (hf:..., ollama:..., a URL)
+    ADD COLUMN done_bytes   bigint,    -- pulling: bytes in the store so far
+    ADD COLUMN total_bytes  bigint;    -- pulling: bytes of every file
+""",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version
@@ -192,7 +205,8 @@ CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (
 
 TRANSITION_COLUMNS = (
     "seq", "fleet", "domain", "model", "state", "reason", "detail",
-    "observed_at", "recorded_at", "writer", "warmup_ms", "exit_code",
+    "observed_at", "recorded_at", "writer", "warmup_ms", "exit_code", "reference", "done_bytes",
+    "total_bytes",
 )  # fmt: skip
 GPU_COLUMNS = (
     "seq", "fleet", "domain", "gpu_index", "present", "name", "memory_total_bytes",

@@ -73,6 +73,21 @@ async def test_a_newer_sink_on_an_older_schema_applies_only_the_missing_migratio
     assert await pg.fetchval("SELECT last_seq FROM haru.sink_position") == 7
 
 
+async def test_the_pulling_migration_keeps_older_rows_and_takes_pulling_ones(pg):
+    assert await migrate(pg, upto=3) == [1, 2, 3]
+    insert = ("INSERT INTO haru.residency_transitions (seq, fleet, domain, model, state, observed_at, recorded_at) "
+              "VALUES ($1, 'default', 'a', 'm', $2, now(), now())")
+    await pg.execute(insert, 1, "resident")
+    with pytest.raises(asyncpg.CheckViolationError):
+        await pg.execute(insert, 2, "pulling")
+    assert await migrate(pg) == [4]
+    await pg.execute(insert, 2, "pulling")
+    assert [tuple(r) for r in await pg.fetch("SELECT seq, state, done_bytes FROM haru.residency_transitions "
+                                             "ORDER BY seq")] == [(1, "resident", None), (2, "pulling", None)]
+    with pytest.raises(asyncpg.CheckViolationError):
+        await pg.execute(insert, 3, "dreaming")
+
+
 async def test_an_upgraded_schema_equals_a_fresh_one(pg_server):
     names = ("upgraded", "fresh")
     admin = await asyncpg.connect(pg_server.dsn())

@@ -102,6 +102,32 @@ async def test_incidents_match_the_events_and_survive_a_restart(event_log, nats_
         await conn.close()
 
 
+async def test_a_pull_is_stored_with_its_progress_and_where_the_files_came_from(event_log, nats_server, pg_dsn):
+    """model_pulling rows (issue 13): the read model says a model was being fetched, how far, and from
+    where once every file was verified, before it loaded."""
+    log = event_log
+    a = subjects.model(F, "a", M)
+    ref = "hf:Qwen/Qwen3-0.6B-GGUF:Q4_K_M"
+    await put(log, a, ev.ModelPulling(at=t(1), domain="a", model=M, reference=ref, total_bytes=4096))
+    await put(log, a, ev.ModelPulling(at=t(6), domain="a", model=M, reference=ref, done_bytes=1024, total_bytes=4096))
+    await put(log, a, ev.ModelPulling(at=t(9), domain="a", model=M, reference=ref, done_bytes=4096, total_bytes=4096,
+                                      origin="https://huggingface.co/Qwen/Qwen3-0.6B-GGUF@abc123"))
+    await put(log, a, ev.ModelLoading(at=t(10), domain="a", model=M))
+    await once(pg_dsn, nats_server.url)
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        rows = await conn.fetch("SELECT state, reference, done_bytes, total_bytes, detail FROM haru.residency_transitions "
+                                "WHERE domain = 'a' ORDER BY seq")
+        assert [tuple(r) for r in rows] == [
+            ("pulling", ref, 0, 4096, ""),
+            ("pulling", ref, 1024, 4096, ""),
+            ("pulling", ref, 4096, 4096, "https://huggingface.co/Qwen/Qwen3-0.6B-GGUF@abc123"),
+            ("loading", None, None, None, ""),
+        ]
+    finally:
+        await conn.close()
+
+
 async def test_the_sink_follows_new_events_and_flushes_partial_batches(event_log, nats_server, pg_dsn):
     sink = PostgresSink(pg_dsn, [nats_server.url], batch_size=1000, flush_interval=0.05, retry=False)
     task = asyncio.create_task(sink.run(follow=True))
