@@ -30,8 +30,9 @@ SCHEMA_VERSION = 1
 
 LostReason = Literal["evicted", "gpu_detached", "process_exited", "unhealthy"]
 StopHow = Literal["exited", "terminated", "killed"]
-OpKind = Literal["promotion", "demotion"]
-Step = Literal["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active", "sleep", "start_training"]
+OpKind = Literal["promotion", "demotion", "rolling"]
+Step = Literal["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active", "sleep", "start_training",
+               "apply_standby", "apply_old_active"]
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -355,6 +356,19 @@ class DemotionRequested(OperationRequested, frozen=True, kw_only=True, tag="demo
     route_revision: int = 0
 
 
+class RollingRequested(OperationRequested, frozen=True, kw_only=True, tag="rolling_requested"):
+    """A layout change that would interrupt a model the active domain serves, rolled through the standby:
+    the standby (`target`) applies the declarations up to `decl_seq`, is woken, probed and promoted
+    (the usual saga), then the old active (`source`) applies them and becomes the standby."""
+
+    kind: ClassVar[str] = "rolling"
+    source: str = ""  # the active domain when it was requested
+    reason: str = "manual"  # manual | layout_changed (`haru apply` requested it)
+    detail: str = ""  # which changes wait on the active domain (`a/m2`)
+    route_revision: int = 0
+    decl_seq: int = 0  # the last sequence on haru.evt.<fleet>.decl it rolls out (0: whatever is declared)
+
+
 class StepStarted(Event, frozen=True, kw_only=True, tag="step_started"):
     op_id: str
     step: Step
@@ -473,6 +487,7 @@ AnyEvent = Union[
     DomainReachable,
     PromotionRequested,
     DemotionRequested,
+    RollingRequested,
     StepStarted,
     StepCompleted,
     StepFailed,

@@ -122,6 +122,7 @@ class OperationView(msgspec.Struct, frozen=True, kw_only=True):
     finished_at: datetime | None = None
     seq: int = 0  # sequence of the request event
     route_revision: int = 0  # the route revision it was decided against
+    decl_seq: int = 0  # a rolling change: the declarations it rolls out
 
 
 class FleetView(msgspec.Struct, frozen=True, kw_only=True):

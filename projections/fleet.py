@@ -411,6 +411,7 @@ def _operation_requested(view: FleetView, e: ev.OperationRequested, seq: int) ->
         requested_at=e.at,
         seq=seq,
         route_revision=getattr(e, "route_revision", 0),
+        decl_seq=getattr(e, "decl_seq", 0),
     )
     return _start_operation(view, op, seq)
 

@@ -3,6 +3,7 @@
     haru promoter [--fleet F ...] [--id ID]         run a promoter replica (any number may run)
     haru promote <domain> [--fleet F] [--wait] [--json]
     haru demote  <domain> [--fleet F] [--wait] [--json]
+    haru roll [<standby>] [--fleet F] [--wait] [--json]  roll the declared layout through the standby
     haru op [<op_id>] [--fleet F] [--json]          list operations, or one operation's steps
     haru op abort [<op_id>] [--fleet F] [--json]    abort the operation in flight (before its point of no return)
 
@@ -73,14 +74,19 @@ def register(subparsers) -> None:
     add_metrics_options(p)
     p.set_defaults(handler=run_service)
 
-    for kind, verb in (("promotion", "promote"), ("demotion", "demote")):
-        help_text = (
-            "make a standby domain active (stop training, verify GPU, wake, probe, flip, settle the old active)"
-            if kind == "promotion"
-            else "put a standby domain to sleep and start its training (the active cannot be demoted)"
-        )
+    helps = {
+        "promotion": "make a standby domain active (stop training, verify GPU, wake, probe, flip, settle the old active)",
+        "demotion": "put a standby domain to sleep and start its training (the active cannot be demoted)",
+        "rolling": "roll the declared layout through the standby: it applies the changes, is woken, probed and "
+        "promoted, then the old active applies them (haru apply requests this itself for a change on the active)",
+    }
+    for kind, verb in (("promotion", "promote"), ("demotion", "demote"), ("rolling", "roll")):
+        help_text = helps[kind]
         q = subparsers.add_parser(verb, help=help_text, description=help_text)
-        q.add_argument("domain", help="the domain")
+        if kind == "rolling":
+            q.add_argument("domain", nargs="?", default="", help="the standby to roll through (default: the standby)")
+        else:
+            q.add_argument("domain", help="the domain")
         add_fleet_option(q)
         q.add_argument("--wait", action="store_true", help="follow the operation and print each step, then the outcome")
         q.add_argument("--timeout", type=float, default=600.0, help="with --wait: give up after this many seconds")

@@ -17,6 +17,11 @@ new `STEPS`, and a request rule (`REQUEST_RULES`): docs/promoter.md, "Adding an 
                 settle_old_active failed -> completed anyway (best effort; the old active is recorded
                                             as not eligible to be standby until it recovers)
     demotion:   sleep -> start_training -> completed;   any failure -> aborted
+    rolling:    apply_standby -> stop_training -> verify_gpu -> wake -> probe -> flip -> apply_old_active
+                -> settle_old_active -> completed
+                any failure before flip -> aborted (routing never moves; the old active keeps serving
+                the old spec, its changes still waiting); apply_old_active failed -> settle_old_active
+                anyway, and the old active is recorded not eligible to be standby
 
 Who decides what, in order (`decide`):
 
@@ -51,6 +56,7 @@ from haru.events import (
     OperationAborted,
     OperationCompleted,
     PromotionRequested,
+    RollingRequested,
     StepCompleted,
     StepFailed,
     StepStarted,
@@ -131,6 +137,19 @@ STEPS: dict[str, StepSpec] = {
         fatal=False,
         what="best effort: put the old active to sleep and start its training",
     ),
+    "apply_standby": StepSpec(
+        on="target",
+        verbs=("apply_layout",),
+        bound=("apply_timeout_ms", "command_timeout_ms"),
+        what="the standby applies the declarations the change rolls out: changed models replaced, each come to rest",
+    ),
+    "apply_old_active": StepSpec(
+        on="other",
+        verbs=("apply_layout",),
+        bound=("apply_timeout_ms", "command_timeout_ms"),
+        fatal=False,
+        what="the old active, now the standby, applies the changes that waited for it: changed models replaced",
+    ),
     "sleep": StepSpec(
         on="target",
         verbs=("sleep",),
@@ -160,6 +179,23 @@ TRANSITIONS: dict[tuple[OpKind, str | None, Outcome], str] = {
     ("promotion", "flip", "failed"): ABORT,
     ("promotion", "settle_old_active", "completed"): COMPLETE,
     ("promotion", "settle_old_active", "failed"): COMPLETE,  # best effort: recorded, not fatal
+    ("rolling", None, "requested"): "apply_standby",
+    ("rolling", "apply_standby", "completed"): "stop_training",
+    ("rolling", "apply_standby", "failed"): ABORT,
+    ("rolling", "stop_training", "completed"): "verify_gpu",
+    ("rolling", "stop_training", "failed"): ABORT,
+    ("rolling", "verify_gpu", "completed"): "wake",
+    ("rolling", "verify_gpu", "failed"): ABORT,
+    ("rolling", "wake", "completed"): "probe",
+    ("rolling", "wake", "failed"): ABORT,
+    ("rolling", "probe", "completed"): "flip",
+    ("rolling", "probe", "failed"): ABORT,
+    ("rolling", "flip", "completed"): "apply_old_active",
+    ("rolling", "flip", "failed"): ABORT,
+    ("rolling", "apply_old_active", "completed"): "settle_old_active",
+    ("rolling", "apply_old_active", "failed"): "settle_old_active",  # best effort: recorded, not fatal
+    ("rolling", "settle_old_active", "completed"): COMPLETE,
+    ("rolling", "settle_old_active", "failed"): COMPLETE,
     ("demotion", None, "requested"): "sleep",
     ("demotion", "sleep", "completed"): "start_training",
     ("demotion", "sleep", "failed"): ABORT,
@@ -192,6 +228,12 @@ KINDS: dict[str, KindSpec] = {
     "demotion": KindSpec(
         request=DemotionRequested,
         what="put a standby domain to sleep and start its training",
+    ),
+    "rolling": KindSpec(
+        request=RollingRequested,
+        no_abort_from="flip",
+        what="roll a layout change through the standby: apply it there, wake, probe and promote it, then apply it "
+        "to the old active",
     ),
 }
 
@@ -234,6 +276,8 @@ def verb_timeout_ms(verb: str, policy: Policy) -> int:
         return policy.wake_timeout_ms
     if verb == "probe":
         return policy.probe_timeout_ms
+    if verb == "apply_layout":
+        return policy.apply_timeout_ms + policy.command_timeout_ms
     if verb == "stop_training":
         return policy.training_grace_ms + policy.command_timeout_ms
     return policy.command_timeout_ms
@@ -426,7 +470,7 @@ def _finish(view: FleetView, op: OperationView, facts: Facts) -> Append:
         old = other_domain(view, op)
         dv = view.domains.get(old) if old else None
         if dv is not None and dv.eligible:
-            why = _unfit_as_standby(view, dv, step_record(op, "settle_old_active"))
+            why = _unfit_as_standby(view, dv, step_record(op, "settle_old_active"), step_record(op, "apply_old_active"))
             if why:
                 return Append(
                     subject=subject,
@@ -446,12 +490,14 @@ def _finish(view: FleetView, op: OperationView, facts: Facts) -> Append:
     return Append(subject=subject, event=OperationCompleted(at=facts.now, op_id=op.op_id), why="every step done")
 
 
-def _unfit_as_standby(view: FleetView, dv: DomainView, settle: StepView | None) -> str:
+def _unfit_as_standby(view: FleetView, dv: DomainView, settle: StepView | None, applied: StepView | None = None) -> str:
     if dv.reachable is False:
         return f"agent of {dv.name} unreachable"
     for gpu in dv.gpus:
         if gpu.present is False:
             return f"GPU {gpu.index} of {dv.name} detached"
+    if applied is not None and applied.state == "failed":
+        return f"could not apply the layout change: {applied.error or applied.error_code}"
     if settle is not None and settle.state == "failed":
         return f"could not be put to sleep and given training: {settle.error or settle.error_code}"
     return ""
@@ -462,7 +508,7 @@ def command_for(view: FleetView, op: OperationView, step: str) -> tuple[str, lis
     domain = step_domain(view, op, step)
     # The route revision the step is decided against: after the flip, the new one, so the old
     # active's agent learns it is now the standby before it is told to train.
-    cmd = Command(op_id=op.op_id, route_revision=max(op.route_revision, view.route_revision))
+    cmd = Command(op_id=op.op_id, route_revision=max(op.route_revision, view.route_revision), decl_seq=op.decl_seq)
     return domain, [(verb, cmd, verb_timeout_ms(verb, view.policy)) for verb in STEPS[step].verbs]
 
 
@@ -779,7 +825,25 @@ def _demotion_rule(view: FleetView, target: str, op_id: str, by: str, now: datet
     return Verdict(status="accepted", op_id=op_id, message=f"demotion of {target} accepted", event=event)
 
 
-REQUEST_RULES: dict[str, RequestRule] = {"promotion": _promotion_rule, "demotion": _demotion_rule}
+def _rolling_rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Verdict:
+    if not view.active:
+        return Verdict(status="refused", message=f"fleet {view.fleet} has no route yet: there is nothing to roll through; "
+                       f"the agents apply the declarations as they start")
+    if view.active == target:
+        return Verdict(status="refused", message=f"{target} is the active domain of fleet {view.fleet}: a rolling change goes "
+                       f"through the standby (haru roll {view.standby() or '<standby>'})")
+    dv = view.domains[target]
+    if dv.reachable is not True:
+        return Verdict(status="refused", message=f"standby {target} is {'unreachable' if dv.reachable is False else 'not heard from yet'}: "
+                       f"a rolling change needs it to take over")
+    if not dv.eligible:
+        return Verdict(status="refused", message=f"standby {target} is not eligible: {dv.ineligible_why or 'not recovered'}")
+    event = RollingRequested(at=now, by=by, op_id=op_id, target=target, source=view.active, reason="manual",
+                             route_revision=view.route_revision, decl_seq=view.decl_seq)
+    return Verdict(status="accepted", op_id=op_id, message=f"rolling change through {target} accepted", event=event)
+
+
+REQUEST_RULES: dict[str, RequestRule] = {"promotion": _promotion_rule, "demotion": _demotion_rule, "rolling": _rolling_rule}
 """Per kind, whether a manual request is a no-op, refused, or accepted (and its request event)."""
 
 

@@ -41,17 +41,32 @@ class RequestResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 async def request_operation(
-    log, fleet: str, kind: str, target: str, *, by: str, now: datetime
+    log, fleet: str, kind: str, target: str, *, by: str, now: datetime, reason: str = "", detail: str = "",
+    cause: int = 0,
 ) -> RequestResult:
-    """Request an operation of `kind` (a key of `decider.KINDS`) on `target` in `fleet`; see the module docstring."""
+    """Request an operation of `kind` (a key of `decider.KINDS`) on `target` in `fleet`; see the module docstring.
+
+    `reason`/`detail` replace the request event's own (when it has such fields; default: manual), and
+    `cause` is the event it answers (a rolling change cites the declaration that asked for it)."""
     try:
         subjects.check_name("fleet", fleet)
-        subjects.check_name("domain", target)
+        if target:
+            subjects.check_name("domain", target)
     except InvalidName as exc:
         return RequestResult(status="not_found", message=str(exc))
     op_id = new_op_id()
-    return await _judged_append(
-        log, fleet, lambda view: judge_request(view, kind, target, op_id=op_id, by=by, now=now))
+
+    def judge(view):
+        # no target: the standby (a rolling change goes through it)
+        verdict = judge_request(view, kind, target or view.standby(), op_id=op_id, by=by, now=now)
+        if verdict.event is None:
+            return verdict
+        fields = {k: v for k, v in (("reason", reason), ("detail", detail)) if v and hasattr(verdict.event, k)}
+        if cause:
+            fields["cause"] = cause
+        return msgspec.structs.replace(verdict, event=msgspec.structs.replace(verdict.event, **fields)) if fields else verdict
+
+    return await _judged_append(log, fleet, judge)
 
 
 async def abort_operation(log, fleet: str, op_id: str = "", *, by: str, now: datetime, why: str = "") -> RequestResult:
