@@ -17,11 +17,12 @@ new `STEPS`, and a request rule (`REQUEST_RULES`): docs/promoter.md, "Adding an 
                 settle_old_active failed -> completed anyway (best effort; the old active is recorded
                                             as not eligible to be standby until it recovers)
     demotion:   sleep -> start_training -> completed;   any failure -> aborted
-    rolling:    apply_standby -> stop_training -> verify_gpu -> wake -> probe -> flip -> apply_old_active
+    rolling:    stop_training -> apply_standby -> verify_gpu -> wake -> probe -> flip -> apply_old_active
                 -> settle_old_active -> completed
                 any failure before flip -> aborted (routing never moves; the old active keeps serving
                 the old spec, its changes still waiting); apply_old_active failed -> settle_old_active
-                anyway, and the old active is recorded not eligible to be standby
+                anyway, and the old active is recorded not eligible to be standby; the active failing
+                before the flip -> aborted, so that auto-failover is not held up by a long reload
 
 Who decides what, in order (`decide`):
 
@@ -179,11 +180,11 @@ TRANSITIONS: dict[tuple[OpKind, str | None, Outcome], str] = {
     ("promotion", "flip", "failed"): ABORT,
     ("promotion", "settle_old_active", "completed"): COMPLETE,
     ("promotion", "settle_old_active", "failed"): COMPLETE,  # best effort: recorded, not fatal
-    ("rolling", None, "requested"): "apply_standby",
-    ("rolling", "apply_standby", "completed"): "stop_training",
-    ("rolling", "apply_standby", "failed"): ABORT,
-    ("rolling", "stop_training", "completed"): "verify_gpu",
+    ("rolling", None, "requested"): "stop_training",
+    ("rolling", "stop_training", "completed"): "apply_standby",
     ("rolling", "stop_training", "failed"): ABORT,
+    ("rolling", "apply_standby", "completed"): "verify_gpu",
+    ("rolling", "apply_standby", "failed"): ABORT,
     ("rolling", "verify_gpu", "completed"): "wake",
     ("rolling", "verify_gpu", "failed"): ABORT,
     ("rolling", "wake", "completed"): "probe",
@@ -211,11 +212,14 @@ class KindSpec:
     `request`:   its request event on the op subject (a subclass of `OperationRequested`).
     `no_abort_from`: the step from which an operator can no longer abort it (`haru op abort`): once
                that step has started, routing may be moving ('' = abortable until it ends).
+    `yields_to_failover`: a failed active aborts it before `no_abort_from` (the promoter drives one
+               operation at a time, so a long one would otherwise hold auto-failover back).
     `what`:      one line for `haru op` and the docs.
     """
 
     request: type[OperationRequested]
     no_abort_from: str = ""
+    yields_to_failover: bool = False
     what: str = ""
 
 
@@ -232,6 +236,7 @@ KINDS: dict[str, KindSpec] = {
     "rolling": KindSpec(
         request=RollingRequested,
         no_abort_from="flip",
+        yields_to_failover=True,
         what="roll a layout change through the standby: apply it there, wake, probe and promote it, then apply it "
         "to the old active",
     ),
@@ -362,6 +367,16 @@ def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
                                    error=f"{cur.step} is not a step of a {op.kind}"),
             why="a step that does not belong to this operation was recorded",
         )
+    spec = KINDS[op.kind]
+    if spec.yields_to_failover and view.policy.auto_failover and not any(s.step == spec.no_abort_from for s in op.steps):
+        health = active_health(view, facts.now)
+        if health.health == "failed":
+            return Append(
+                subject=op_subject,
+                event=OperationAborted(at=facts.now, op_id=op.op_id, step=cur.step,
+                                       error=f"the active failed ({health.why}): abandoned so that failover can go on"),
+                why="auto-failover goes before a rolling change",
+            )
     if cur.state == "started":
         return _resume(view, op, cur, facts)
     nxt = TRANSITIONS[(op.kind, cur.step, cur.state)]  # type: ignore[index]

@@ -17,7 +17,7 @@ from haru.events import (
 from haru.promoter.decider import ABORT, KINDS, STEPS, TRANSITIONS, command_for, flow, judge_abort, judge_request
 from tests.unit.test_decider import OP, ROUTE, at, facts, given, healthy_fleet, only
 
-ROLL_FLOW = ["apply_standby", "stop_training", "verify_gpu", "wake", "probe", "flip", "apply_old_active",
+ROLL_FLOW = ["stop_training", "apply_standby", "verify_gpu", "wake", "probe", "flip", "apply_old_active",
              "settle_old_active"]
 
 
@@ -45,7 +45,10 @@ def test_a_rolling_change_applies_to_the_standby_first_and_to_the_old_active_aft
         assert TRANSITIONS[("rolling", step, "failed")] == ABORT
     view = given(*healthy_fleet(), rolling())
     first = only(view)
-    assert isinstance(first, StepStarted) and first.step == "apply_standby"
+    assert isinstance(first, StepStarted) and first.step == "stop_training"  # no training beside a reload
+    view = given(*healthy_fleet(), rolling(), *done("stop_training"))
+    second = only(view)
+    assert isinstance(second, StepStarted) and second.step == "apply_standby"
     domain, commands = command_for(view, view.operation, "apply_standby")
     assert domain == "b" and [(verb, cmd.decl_seq) for verb, cmd, _ in commands] == [("apply_layout", 7)]
     before_apply_old = [e for s in ROLL_FLOW[:6] for e in done(s)]
@@ -97,12 +100,12 @@ def test_a_rolling_change_is_requested_through_the_standby_only():
 
 
 def test_abort_before_the_flip_is_an_operation_aborted_naming_who_and_the_step():
-    view = given(*healthy_fleet(), rolling(), *done("apply_standby"), (OP, StepStarted(at=at(3), op_id="op-r", step="stop_training")))
+    view = given(*healthy_fleet(), rolling(), *done("stop_training"), (OP, StepStarted(at=at(3), op_id="op-r", step="apply_standby")))
     verdict = judge_abort(view, "", by="cli:alice", now=at(4), why="wrong context length")
     assert verdict.status == "accepted" and isinstance(verdict.event, OperationAborted)
-    assert verdict.event.op_id == "op-r" and verdict.event.step == "stop_training"
+    assert verdict.event.op_id == "op-r" and verdict.event.step == "apply_standby"
     assert verdict.event.error == "aborted by cli:alice: wrong context length"
-    folded = given(*healthy_fleet(), rolling(), *done("apply_standby"), (OP, verdict.event))
+    folded = given(*healthy_fleet(), rolling(), *done("stop_training"), (OP, verdict.event))
     assert folded.operation is None and folded.last_operation.state == "aborted"
     assert judge_abort(folded, "op-r", by="cli:alice", now=at(5)).status == "noop"
 
@@ -131,3 +134,21 @@ def test_a_completed_rolling_change_ends_with_operation_completed():
     steps = [e for s in ROLL_FLOW for e in done(s)]
     view = given(*healthy_fleet(), rolling(), *steps, (ROUTE, RouteMoved(at=at(3), active="b", op_id="op-r")))
     assert isinstance(only(view, facts(ms=20)), OperationCompleted)
+
+
+def test_a_failed_active_abandons_a_rolling_change_before_its_flip_so_failover_can_go_on():
+    from tests.unit.test_decider import unreachable
+
+    running = [*done("stop_training"), (OP, StepStarted(at=at(3), op_id="op-r", step="apply_standby"))]
+    view = given(*healthy_fleet(), rolling(), *running, unreachable("a", ms=4))
+    out = only(view, facts(ms=5, silent_ms={"a": 5000, "b": 100}))
+    assert isinstance(out, OperationAborted) and out.step == "apply_standby" and "failover" in out.error
+    after = given(*healthy_fleet(), rolling(), *running, unreachable("a", ms=4), (OP, out))
+    nxt = only(after, facts(ms=6, silent_ms={"a": 5000, "b": 100}))
+    assert isinstance(nxt, PromotionRequested) and nxt.target == "b" and nxt.reason == "domain_unreachable"
+    # past the flip it goes on: the route already moved to b
+    flipped = [e for s in ROLL_FLOW[:6] for e in done(s)]
+    view = given(*healthy_fleet(), rolling(), *flipped, (ROUTE, RouteMoved(at=at(3), active="b", op_id="op-r")),
+                 unreachable("a", ms=4))
+    nxt = only(view, facts(ms=5, silent_ms={"a": 5000, "b": 100}))
+    assert isinstance(nxt, StepStarted) and nxt.step == "apply_old_active"
