@@ -49,13 +49,13 @@ import msgspec
 from haru import subjects
 from haru.commands import Command, Reply
 from haru.events import (
-    Event,
     DemotionRequested,
     EligibilityChanged,
-    OperationRequested,
+    Event,
     FailoverDeclined,
     OperationAborted,
     OperationCompleted,
+    OperationRequested,
     PromotionRequested,
     RollingRequested,
     StepCompleted,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from haru.events import (
+    OPERATION_REQUESTS,
+    EligibilityChanged,
     OperationAborted,
     OperationCompleted,
     PromotionRequested,
@@ -11,8 +13,6 @@ from haru.events import (
     StepCompleted,
     StepFailed,
     StepStarted,
-    EligibilityChanged,
-    OPERATION_REQUESTS,
 )
 from haru.promoter.decider import ABORT, KINDS, STEPS, TRANSITIONS, command_for, flow, judge_abort, judge_request
 from tests.unit.test_decider import OP, ROUTE, at, facts, given, healthy_fleet, only
