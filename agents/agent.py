@@ -626,6 +626,7 @@ class Agent:
                     self.pending[spec.name] = spec
                     done["pending"].append(spec.name)
                 else:
+                    self.pending.pop(spec.name, None)  # applied now: it waits no more
                     await self._replace(spec)
                     done["replaced"].append(spec.name)
             for name in diff.unchanged:
@@ -656,13 +657,8 @@ class Agent:
         new = fold_declarations(self.fleet, self.domain, [r.event for r in records if r.event is not None])
         if new is None:
             return False, "domain_retired", f"domain {self.domain} is no longer declared in fleet {self.fleet}", {}
+        # The diff is against what the runtimes run, so on the standby it replaces what waited too.
         done = await self.apply_slots(new)
-        async with self._reconcile_lock:
-            if self.role == "standby":
-                for name, spec in list(self.pending.items()):
-                    del self.pending[name]
-                    await self._replace(spec)
-                    done["replaced"].append(name)
         if self.pending:
             return (False, "domain_active",
                     f"{self.domain} is the active domain: its changes to {', '.join(sorted(self.pending))} wait until it is "

@@ -160,8 +160,9 @@ async def run(args: argparse.Namespace) -> ExitStatus:
                 for line in paths:
                     print("  " + line, file=out)
     if rolling is not None:
-        if rolling.status == "accepted":
-            print(f"rolling change {rolling.op_id} requested for {', '.join(waiting)} (changed on the active domain "
+        if rolling.status in ("accepted", "joined"):
+            verb = "requested" if rolling.status == "accepted" else "already in flight, joined"
+            print(f"rolling change {rolling.op_id} {verb} for {', '.join(waiting)} (changed on the active domain "
                   f"{active}): follow it with `haru op {rolling.op_id} --fleet {result.fleet}`", file=out)
         else:
             print(f"haru: the changes to {', '.join(waiting)} wait on the active domain {active}: the rolling change was "

@@ -128,6 +128,9 @@ async def test_haru_apply_rolls_a_change_on_the_active_through_the_standby_under
         a_m2 = (await residency_tags(event_log, "a", "m2"))[before[("a", "m2")]:]
         assert "model_stopped" in a_m2 and a_m2[a_m2.index("model_stopped"):][:3] == [
             "model_stopped", "model_loading", "model_resident"], a_m2
+        assert a_m2.count("model_loading") == 1 and b_m2.count("model_loading") == 1, (a_m2, b_m2)  # once each
+        assert "replaced m2" in next(e.detail for e in events if getattr(e, "step", "") == "apply_old_active"
+                                     and type(e).__name__ == "StepCompleted")
         # the untouched model: no residency event anywhere but the promotion's own sleep/wake, and no failed request
         for d in ("a", "b"):
             got = (await residency_tags(event_log, d, "m1"))[before[(d, "m1")]:]
