@@ -602,7 +602,9 @@ class Agent:
     async def apply_slots(self, new: HostSlots) -> dict[str, list[str]]:
         """Move this host from its slots to `new` without a restart. Returns what was done, by path."""
         async with self._reconcile_lock:
-            diff = diff_models(self.slots.admitted_models, new.admitted_models)
+            # Against what the runtimes run, not the last declarations: a change that waits (`pending`) is
+            # still a change, and one changed back before it was applied is none.
+            diff = diff_models([m.spec for m in self.models.values()], new.admitted_models)
             self.slots, self.policy = new, new.policy
             done: dict[str, list[str]] = {"started": [], "stopped": [], "replaced": [], "pending": []}
             for name in diff.removed:
@@ -624,6 +626,7 @@ class Agent:
                     self.pending[spec.name] = spec
                     done["pending"].append(spec.name)
                 else:
+                    self.pending.pop(spec.name, None)  # applied now: it waits no more
                     await self._replace(spec)
                     done["replaced"].append(spec.name)
             for name in diff.unchanged:
@@ -635,6 +638,51 @@ class Agent:
                                     "serves as the active domain): promote the other domain to apply them",
                                     models=done["pending"])
             return done
+
+    async def apply_declared(self, decl_seq: int, timeout_s: float) -> tuple[bool, str, str, dict]:
+        """The `apply_layout` verb (a rolling change's apply steps): bring this host to the declarations
+        (at least up to `decl_seq`) now rather than when the follower gets to them; on the standby, also
+        replace the changes that waited while this domain was the active one; then wait, at most
+        `timeout_s`, until every model has come to rest. Idempotent: run twice, it changes nothing the
+        second time and waits the same way. Returns (ok, error code, detail, data)."""
+        if self.slots.source != "declared":
+            return (False, "layout_not_declared",
+                    f"the agent of {self.domain} reads its slots from its {self.slots.source} file, not from `haru apply`'s "
+                    f"declarations: change that file and restart the agent (its runtimes are adopted)", {})
+        records = await self.log.history(subjects.decl(self.fleet))
+        last = records[-1].seq if records else 0
+        if last < decl_seq:
+            return (False, "declarations_behind",
+                    f"the decl subject ends at seq {last}, before seq {decl_seq} the operation rolls out", {})
+        new = fold_declarations(self.fleet, self.domain, [r.event for r in records if r.event is not None])
+        if new is None:
+            return False, "domain_retired", f"domain {self.domain} is no longer declared in fleet {self.fleet}", {}
+        # The diff is against what the runtimes run, so on the standby it replaces what waited too.
+        done = await self.apply_slots(new)
+        if self.pending:
+            return (False, "domain_active",
+                    f"{self.domain} is the active domain: its changes to {', '.join(sorted(self.pending))} wait until it is "
+                    f"the standby", {"pending_layout": sorted(self.pending)})
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    waiting = [m for m in self.models.values() if not m.settled.is_set()]
+                    if not waiting:
+                        break
+                    await asyncio.gather(*(m.settled.wait() for m in waiting))
+        except TimeoutError:
+            loading = sorted(m.name for m in self.models.values() if not m.settled.is_set())
+            return (False, "timeout", f"still loading after {timeout_s:.0f} s (policy apply_timeout_ms): {', '.join(loading)}",
+                    {"decl_seq": last})
+        unready = {name: f"{m.state_tag}" + (f" ({getattr(m.state, 'detail', '') or getattr(m.state, 'reason', '')})"
+                                              if m.state_tag in ("failed", "lost") else "")
+                   for name, m in self.models.items() if m.state_tag not in ("resident", "sleeping", "waking")}
+        data = {"decl_seq": last, **{k: v for k, v in done.items() if v},
+                "models": {name: m.state_tag for name, m in self.models.items()}}
+        if unready:
+            return (False, "model_not_ready", "; ".join(f"{n} {s}" for n, s in sorted(unready.items())), data)
+        changed = [f"{k} {', '.join(v)}" for k, v in done.items() if v and k != "pending"]
+        return True, "", (("; ".join(changed) + "; ") if changed else "") + f"declarations up to seq {last} applied", data
 
     async def apply_pending(self) -> None:
         """The domain is the standby now: replace the models whose change waited, once the operation that

@@ -13,6 +13,9 @@ Verbs (all idempotent; `models`/`slots` in the command restrict them, empty = al
     stop_training   SIGTERM, SIGKILL after the grace; data.slots[slot] = {how, exit_code, ran_ms}
     start_training  start training slots (refused with gpu_busy while models on that GPU are awake)
     verify_gpu      free VRAM covers what the asleep models need to wake; no trainer pid on the GPU
+    apply_layout    apply the declarations (at least up to `decl_seq`) now, and on the standby the
+                    changes that waited while the domain was active; answer once every model has
+                    come to rest (a rolling change's apply steps); policy apply_timeout_ms bounds it
 
 The service is named `haru-agent` with metadata fleet/domain, so `$SRV.PING.haru-agent` finds every
 agent. Each request runs in its own task, so a long wake never delays a `status`.
@@ -62,6 +65,7 @@ class CommandService:
             "stop_training": self.stop_training,
             "start_training": self.start_training,
             "verify_gpu": self.verify_gpu,
+            "apply_layout": self.apply_layout,
         }
 
     async def start(self) -> None:
@@ -222,6 +226,12 @@ class CommandService:
         else:
             detail = "VRAM verified: enough free to wake, no trainer on the GPUs"
         return Reply(ok=ok, detail=detail, error=error, data=data)
+
+    async def apply_layout(self, command: Command) -> Reply:
+        await self.agent.refresh_route(command.route_revision)
+        ok, code, detail, data = await self.agent.apply_declared(command.decl_seq,
+                                                                 self.agent.policy.apply_timeout_ms / 1000)
+        return Reply(ok=ok, detail=detail, error=None if ok else ErrorInfo(code=code, message=detail), data=data)
 
 
 def _count(states: list[str]) -> dict[str, int]:

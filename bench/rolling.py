@@ -1,6 +1,7 @@
-"""Change without an outage: chat through `haru up --demo` while the active domain's agent restarts.
+"""Change without an outage: chat through `haru up --demo` while the active domain's agent restarts,
+and while a layout change rolls through the standby.
 
-    .venv/bin/python bench/rolling.py [--clients 8] [--phase-s 10] [--restarts 3]
+    .venv/bin/python bench/rolling.py [--clients 8] [--phase-s 10] [--restarts 3] [--skip-restarts]
 
 One real `haru up --demo` (its own home and free ports; simulated vLLM runtimes); `--clients` chat
 clients through the gateway, each one request at a time. Phases, in one run and on the same load:
@@ -9,12 +10,18 @@ clients through the gateway, each one request at a time. Phases, in one run and 
     sigterm    the active domain's agent gets SIGTERM --restarts times (haru up restarts it; the new
                agent adopts the runtimes and takes the serving port from its holder)
     sigkill    the same with SIGKILL (an agent that crashed)
+    rolling    a layout change that would interrupt the chatted model on the active domain (its
+               context length, on both domains), applied as `haru apply` does it: the declarations,
+               then a `rolling` operation through the standby (apply there, wake, probe, flip, apply
+               to the old active, settle); the phase lasts until the operation ends
 
 Printed per phase: requests, failed, p50 and p99 latency, p99 / baseline p99, the model_loading
 events the phase caused on the active domain (0 = nothing reloaded), and the promotions requested
 (`haru up` backs off restarting an agent that keeps dying: 0.2 s doubling, so a later restart can
-outlast the demo's 3 s heartbeat timeout and the promoter fails over to the standby meanwhile). Goals (issue 14): 0 failed, p99
-within 2x of the baseline. The rolling layout change (issue 14 item 3) is not built: not measured here.
+outlast the demo's 3 s heartbeat timeout and the promoter fails over to the standby meanwhile). For
+the rolling phase, `loading` counts the changed model reloading on the old active (expected: 1) and
+`failovers` the promotions requested beside the rolling operation (expected: 0); its outcome and
+duration are printed after the table. Goals (issue 14): 0 failed, p99 within 2x of the baseline.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import signal
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +46,7 @@ from haru import subjects  # noqa: E402
 from haru.eventlog import EventLog  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
-from chaos import Load, chat_client, demo_layout, demo_up, steady, stop_load  # noqa: E402
+from chaos import MODEL, Load, chat_client, demo_layout, demo_up, steady, stop_load  # noqa: E402
 
 
 def pct(values: list[float], p: float) -> float:
@@ -63,11 +71,53 @@ async def counts(nats_url: str, fleet: str, domain: str) -> tuple[int, int]:
             sum(1 for r in ops if r.event is not None and type(r.event).__name__ == "PromotionRequested"))
 
 
+async def roll_a_change(nats_url: str, home: Path, layout_path: Path, *, timeout_s: float) -> str:
+    """Change the chatted model's context length on both domains, as `haru apply` does (the declarations,
+    then the rolling operation it requests), and wait for the operation to end. Returns one line on it."""
+    import msgspec
+
+    from haru.apply import apply, waits_on_active
+    from haru.promoter.requests import request_operation
+    from haru.up import demo_layout as runnable
+
+    layout = runnable(home, layout_path)  # the layout as `haru up` applied it (interpreter, checkpoints)
+    domains = []
+    for d in layout.domains:
+        models = [msgspec.structs.replace(m, context_length=(m.context_length or 8192) * 2) if m.name == MODEL else m
+                  for m in d.models]
+        domains.append(msgspec.structs.replace(d, models=models))
+    changed = msgspec.structs.replace(layout, domains=domains)
+    async with EventLog.connect([nats_url], writer="cli:bench-rolling") as log:
+        now = datetime.now(timezone.utc)
+        route = await log.last(subjects.route(layout.fleet))
+        active = route.event.active if route is not None and route.event is not None else ""
+        result = await apply(log, changed, now, by="cli:bench-rolling")
+        waiting = waits_on_active(result.events, active)
+        if not waiting:
+            return f"rolling: nothing waits on the active domain {active!r} ({len(result.events)} declaration(s))"
+        t0 = time.monotonic()
+        req = await request_operation(log, layout.fleet, "rolling", "", by="cli:bench-rolling", now=now,
+                                      reason="layout_changed", detail=", ".join(waiting))
+        if req.status != "accepted":
+            return f"rolling: not requested ({req.status}: {req.message})"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for rec in reversed(await log.history(subjects.op(layout.fleet), from_seq=req.seq)):
+                if getattr(rec.event, "op_id", "") == req.op_id and type(rec.event).__name__ in (
+                        "OperationCompleted", "OperationAborted"):
+                    outcome = type(rec.event).__name__.removeprefix("Operation").lower()
+                    return (f"rolling {req.op_id}: {outcome} in {time.monotonic() - t0:.1f} s "
+                            f"({', '.join(waiting)} changed; active {active} -> the standby)")
+            await asyncio.sleep(0.2)
+        return f"rolling {req.op_id}: not finished after {timeout_s:.0f} s"
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--phase-s", type=float, default=10.0)
     ap.add_argument("--restarts", type=int, default=3)
+    ap.add_argument("--skip-restarts", action="store_true", help="only the baseline and the rolling phase")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="haru-rolling-") as tmp:
@@ -86,11 +136,15 @@ async def main() -> None:
                 print(f"{'phase':<9} {'requests':>8} {'failed':>7} {'p50_ms':>7} {'p99_ms':>7} {'p99_x':>6} {'loading':>8} "
                       f"{'failovers':>9}")
                 base_p99 = None
-                for name in ("baseline", "sigterm", "sigkill"):
+                rolled = ""
+                phases = ("baseline", "rolling") if args.skip_restarts else ("baseline", "sigterm", "sigkill", "rolling")
+                for name in phases:
                     before = await counts(nats_url, fleet, "a")
                     t0 = time.monotonic()
                     if name == "baseline":
                         await asyncio.sleep(args.phase_s)
+                    elif name == "rolling":
+                        rolled = await roll_a_change(nats_url, home, layout, timeout_s=300)
                     else:
                         sig = signal.SIGTERM if name == "sigterm" else signal.SIGKILL
                         for _ in range(args.restarts):
@@ -110,6 +164,8 @@ async def main() -> None:
                     after = await counts(nats_url, fleet, "a")
                     print(f"{name:<9} {sent:>8} {failed:>7} {p50:>7.1f} {p99:>7.1f} {p99 / base_p99:>6.2f} "
                           f"{after[0] - before[0]:>8} {after[1] - before[1]:>9}", flush=True)
+                if rolled:
+                    print(rolled, flush=True)
             finally:
                 await stop_load(load, tasks)
 

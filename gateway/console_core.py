@@ -12,24 +12,23 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from haru.events import (
-    DemotionRequested,
     OperationAborted,
     OperationCompleted,
-    PromotionRequested,
+    OperationRequested,
     StepCompleted,
     StepFailed,
     StepStarted,
     payload,
     tag_of,
 )
-from haru.promoter.decider import flow
+from haru.promoter.decider import KINDS, flow
 
 if TYPE_CHECKING:
     from gateway.routing import FleetRoutes
     from haru.eventlog import Record  # the type only: this module reads records, it never reads the log
 
 # Each kind's steps in order, read from the promoter's transition table (the stepper's columns).
-FLOWS: dict[str, list[str]] = {"promotion": flow("promotion"), "demotion": flow("demotion")}
+FLOWS: dict[str, list[str]] = {kind: flow(kind) for kind in KINDS}
 
 # The console says what a promote/demote answer means, not only its number.
 OPERATION_MEANING: dict[int, str] = {
@@ -79,13 +78,13 @@ def operations(records: list[Record]) -> list[dict[str, Any]]:
         op_id = getattr(ev, "op_id", "") if ev is not None else ""
         if not op_id:
             continue
-        if isinstance(ev, (PromotionRequested, DemotionRequested)):
+        if isinstance(ev, OperationRequested):
             ops[op_id] = {
                 "op_id": op_id,
-                "kind": "promotion" if isinstance(ev, PromotionRequested) else "demotion",
+                "kind": ev.kind,
                 "target": ev.target,
                 "source": getattr(ev, "source", ""),
-                "reason": ev.reason,
+                "reason": getattr(ev, "reason", "manual"),
                 "detail": getattr(ev, "detail", ""),
                 "by": ev.by,
                 "seq": rec.seq,

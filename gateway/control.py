@@ -277,7 +277,7 @@ class Control:
         from haru.promoter.requests import request_operation  # the promoter's; imported when first used
 
         try:
-            result = await request_operation(events, fleet, kind, target, by=self.writer, now=datetime.now(UTC))  # type: ignore[arg-type]  # kind checked against the route above
+            result = await request_operation(events, fleet, kind, target, by=self.writer, now=datetime.now(UTC))  # kind checked against the route above
         except LogUnavailable as exc:
             raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
         except LogError as exc:

@@ -249,13 +249,19 @@ async def apply(log: EventLog, layout: Layout, now: datetime, *, dry_run: bool =
         return ApplyResult(layout.fleet, the_plan, events, seqs, last, attempts=attempt)
 
 
+def waits_on_active(events: list[Event], active: str) -> list[str]:
+    """Pure: the `domain/model` changes that would interrupt a model the active domain serves (they roll
+    through the standby)."""
+    return [f"{e.domain}/{e.spec.name}" for e in events if isinstance(e, ModelChanged) and e.domain == active]
+
+
 def change_paths(events: list[Event], active: str) -> list[str]:
     """Pure: the path each declared change takes to the running agents (`haru apply --dry-run` says it).
 
     Agents that read the declarations apply model changes live (docs/agent.md, "Layouts applied live"):
     a new model is started, a retired one stopped, a changed one replaced at once on the standby; on the
-    `active` domain a changed model keeps serving its old spec until that domain is the standby (a
-    promotion of the other domain rolls it). Everything else is read when an agent starts.
+    `active` domain a changed model keeps serving its old spec until that domain is the standby: `haru
+    apply` requests a rolling change, which promotes the standby and then replaces it there. Everything else is read when an agent starts.
     """
     lines = []
     for e in events:
@@ -267,9 +273,9 @@ def change_paths(events: list[Event], active: str) -> list[str]:
             lines.append(f"{domain}/{e.model}: retired: stopped live (model_stopped)")
         elif isinstance(e, ModelChanged):
             if domain == active:
-                lines.append(f"{domain}/{e.spec.name}: changed on the ACTIVE domain: keeps serving as it is until "
-                             f"{domain} is the standby, then replaced there (promote the other domain to roll it: "
-                             f"its copy is replaced first, as a standby)")
+                lines.append(f"{domain}/{e.spec.name}: changed on the ACTIVE domain: rolls through the standby (haru "
+                             f"apply requests a rolling change: the standby applies it, is woken, probed and promoted, "
+                             f"then {domain}, the standby now, is replaced); it keeps serving as it is until then")
             else:
                 lines.append(f"{domain}/{e.spec.name}: changed on a standby: replaced live (stopped, loaded, put "
                              f"back to sleep)")

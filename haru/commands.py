@@ -4,7 +4,7 @@ Commands go over request/reply on `haru.cmd.<fleet>.<domain>.<verb>` (a `nats.mi
 agent, so `$SRV.PING` finds them). Every command is idempotent, carries the operation id and the
 route revision it was decided against, and gets a typed `Reply`. No responders = the agent is gone.
 
-Verbs: status, sleep, wake, probe, stop_training, start_training, verify_gpu.
+Verbs: status, sleep, wake, probe, stop_training, start_training, verify_gpu, apply_layout.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
-Verb = Literal["status", "sleep", "wake", "probe", "stop_training", "start_training", "verify_gpu"]
+Verb = Literal["status", "sleep", "wake", "probe", "stop_training", "start_training", "verify_gpu", "apply_layout"]
 
 
 class Command(msgspec.Struct, frozen=True, kw_only=True):
@@ -25,6 +25,7 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     level: int = 1  # sleep level
     step: str = ""  # the operation's step this command carries out
     cause: int = 0  # the stream sequence of that step's `step_started`: what the agent's events cite
+    decl_seq: int = 0  # apply_layout: the declarations (haru.evt.<fleet>.decl) up to this sequence, at least
 
 
 class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -19,7 +19,7 @@ Which subject each event goes to is in `haru.subjects`; who writes it is in DESI
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import msgspec
 
@@ -30,8 +30,9 @@ SCHEMA_VERSION = 1
 
 LostReason = Literal["evicted", "gpu_detached", "process_exited", "unhealthy"]
 StopHow = Literal["exited", "terminated", "killed"]
-OpKind = Literal["promotion", "demotion"]
-Step = Literal["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active", "sleep", "start_training"]
+OpKind = Literal["promotion", "demotion", "rolling"]
+Step = Literal["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active", "sleep", "start_training",
+               "apply_standby", "apply_old_active"]
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -325,20 +326,47 @@ class DomainReachable(Event, frozen=True, kw_only=True, tag="domain_reachable"):
 # -------------------------------------------------------------- operations: haru.evt.<fleet>.op
 
 
-class PromotionRequested(Event, frozen=True, kw_only=True, tag="promotion_requested"):
+class OperationRequested(Event, frozen=True, kw_only=True):
+    """The base of every operation's request event: one subclass per operation kind (`kind`).
+
+    An operation is requested by one event on `haru.evt.<fleet>.op` naming its id and its target
+    domain; its steps (`step_started`/`step_completed`/`step_failed`) and its end
+    (`operation_completed`/`operation_aborted`) follow on the same subject. Which steps a kind has
+    is the promoter's table (`haru.promoter.decider.KINDS`, `TRANSITIONS`). A new kind is a new
+    subclass here, listed in `AnyEvent`; the fold, `haru op`, the console and the Postgres sink
+    find it through `OPERATION_REQUESTS`.
+    """
+
+    kind: ClassVar[str] = ""
     op_id: str
-    target: str  # the domain to make active
+    target: str  # the domain the operation acts on (the one to make active, for a promotion)
+
+
+class PromotionRequested(OperationRequested, frozen=True, kw_only=True, tag="promotion_requested"):
+    kind: ClassVar[str] = "promotion"
     source: str = ""  # the active domain when it was decided ('' = none)
     reason: str = "manual"  # manual | domain_unreachable | gpu_detached | degraded
     detail: str = ""
     route_revision: int = 0
 
 
-class DemotionRequested(Event, frozen=True, kw_only=True, tag="demotion_requested"):
-    op_id: str
-    target: str
+class DemotionRequested(OperationRequested, frozen=True, kw_only=True, tag="demotion_requested"):
+    kind: ClassVar[str] = "demotion"
     reason: str = "manual"
     route_revision: int = 0
+
+
+class RollingRequested(OperationRequested, frozen=True, kw_only=True, tag="rolling_requested"):
+    """A layout change that would interrupt a model the active domain serves, rolled through the standby:
+    the standby (`target`) applies the declarations up to `decl_seq`, is woken, probed and promoted
+    (the usual saga), then the old active (`source`) applies them and becomes the standby."""
+
+    kind: ClassVar[str] = "rolling"
+    source: str = ""  # the active domain when it was requested
+    reason: str = "manual"  # manual | layout_changed (`haru apply` requested it)
+    detail: str = ""  # which changes wait on the active domain (`a/m2`)
+    route_revision: int = 0
+    decl_seq: int = 0  # the last sequence on haru.evt.<fleet>.decl it rolls out (0: whatever is declared)
 
 
 class StepStarted(Event, frozen=True, kw_only=True, tag="step_started"):
@@ -459,6 +487,7 @@ AnyEvent = Union[
     DomainReachable,
     PromotionRequested,
     DemotionRequested,
+    RollingRequested,
     StepStarted,
     StepCompleted,
     StepFailed,
@@ -504,6 +533,17 @@ def payload(event: Event) -> dict[str, Any]:
     for key in ("type", "v", "at", "by", "cause", "prev"):
         out.pop(key, None)
     return out
+
+
+OPERATION_REQUESTS: dict[str, type[OperationRequested]] = {
+    cls.kind: cls for cls in AnyEvent.__args__ if issubclass(cls, OperationRequested)  # type: ignore[attr-defined]
+}
+"""Operation kind -> its request event, read from `AnyEvent`."""
+
+
+def operation_kind(event: Event) -> str:
+    """The kind of operation a request event asks for ('' for any other event)."""
+    return event.kind if isinstance(event, OperationRequested) else ""
 
 
 ALL_TAGS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in AnyEvent.__args__)  # type: ignore[attr-defined]

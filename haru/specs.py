@@ -51,6 +51,9 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     wake_timeout_ms: int = 120_000
     # Bound on a one-token probe completion.
     probe_timeout_ms: int = 30_000
+    # Bound on a rolling change's apply steps: a domain reloading the models the layout changed
+    # (a cold load of a real vLLM model took 21-98 s here; leave room).
+    apply_timeout_ms: int = 600_000
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):

@@ -198,7 +198,7 @@ def alive(role: str, identity: str = "*") -> str:
     return f"haru.alive.{role}.{'*' if identity == '*' else model_token(identity)}"
 
 
-COMMAND_VERBS = ("status", "sleep", "wake", "probe", "stop_training", "start_training", "verify_gpu")
+COMMAND_VERBS = ("status", "sleep", "wake", "probe", "stop_training", "start_training", "verify_gpu", "apply_layout")
 
 
 def command(fleet: str, domain: str, verb: str) -> str:

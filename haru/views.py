@@ -110,7 +110,7 @@ class StepView(msgspec.Struct, frozen=True, kw_only=True):
 
 class OperationView(msgspec.Struct, frozen=True, kw_only=True):
     op_id: str
-    kind: Literal["promotion", "demotion"]
+    kind: str  # promotion | demotion | ... (haru.events.OPERATION_REQUESTS)
     target: str
     source: str = ""
     reason: str = "manual"
@@ -122,6 +122,7 @@ class OperationView(msgspec.Struct, frozen=True, kw_only=True):
     finished_at: datetime | None = None
     seq: int = 0  # sequence of the request event
     route_revision: int = 0  # the route revision it was decided against
+    decl_seq: int = 0  # a rolling change: the declarations it rolls out
 
 
 class FleetView(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,4 +1,8 @@
-"""`haru apply -f layout.json [--dry-run] [--json]`: validate, plan, and record the differences."""
+"""`haru apply -f layout.json [--dry-run] [--no-roll] [--json]`: validate, plan, and record the differences.
+
+A change that would interrupt a model the active domain serves (a changed model there) is then rolled
+through the standby: `haru apply` requests a `rolling` operation (the promoter drives it; `haru op`
+shows it), unless `--no-roll`."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import socket
 import sys
 from datetime import datetime, timezone
 
-from haru.apply import ApplyResult, apply, change_paths, describe
+from haru.apply import ApplyResult, apply, change_paths, describe, waits_on_active
 from haru.cli.common import ExitStatus, add_nats_options, emit_json, fail, nats_servers
 from haru.errors import Conflict, LayoutError, LogError, LogUnavailable
 from haru.events import payload, tag_of
@@ -30,6 +34,9 @@ def register(subparsers) -> None:
     )
     p.add_argument("-f", "--file", required=True, metavar="LAYOUT.json", help="the layout file")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the differences without writing")
+    p.add_argument("--no-roll", action="store_true",
+                   help="record the changes only: a change on the active domain waits until it is the standby "
+                   "(request the rolling change later with `haru roll`)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_nats_options(p)
     p.set_defaults(handler=run)
@@ -101,7 +108,18 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         async with EventLog.connect(nats_servers(args.nats_url), writer="cli:apply", creds=args.nats_creds) as log:
             await log.ensure()
             result = await apply(log, layout, now, dry_run=args.dry_run, by=_writer())
-            active = await _active_domain(log, layout) if args.dry_run else ""
+            active = await _active_domain(log, layout)
+            rolling = None
+            waiting = waits_on_active(result.events, active)
+            if waiting and not args.dry_run and not args.no_roll and len(layout.domains) > 1:
+                from haru.events import ModelChanged
+                from haru.promoter.requests import request_operation
+
+                cause = next(s for e, s in zip(result.events, result.seqs) if isinstance(e, ModelChanged)
+                             and f"{e.domain}/{e.spec.name}" in waiting)
+                rolling = await request_operation(log, layout.fleet, "rolling", "", by=_writer(), now=now,
+                                                  reason="layout_changed", detail=f"changed on the active domain: "
+                                                  f"{', '.join(waiting)}", cause=cause)
     except Conflict as exc:
         return fail(f"{exc}; another apply kept winning the race, run it again", ExitStatus.CONFLICT)
     except LogUnavailable as exc:
@@ -117,6 +135,8 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         doc = _result_json(result)
         if result.dry_run:
             doc["paths"] = change_paths(result.events, active)
+        if rolling is not None:
+            doc["rolling"] = {"status": rolling.status, "op_id": rolling.op_id, "message": rolling.message}
         emit_json(doc)
         return ExitStatus.OK
     out = sys.stdout
@@ -139,6 +159,18 @@ async def run(args: argparse.Namespace) -> ExitStatus:
                       f"layout file of their own pick changes up when restarted):", file=out)
                 for line in paths:
                     print("  " + line, file=out)
+    if rolling is not None:
+        if rolling.status in ("accepted", "joined"):
+            verb = "requested" if rolling.status == "accepted" else "already in flight, joined"
+            print(f"rolling change {rolling.op_id} {verb} for {', '.join(waiting)} (changed on the active domain "
+                  f"{active}): follow it with `haru op {rolling.op_id} --fleet {result.fleet}`", file=out)
+        else:
+            print(f"haru: the changes to {', '.join(waiting)} wait on the active domain {active}: the rolling change was "
+                  f"not requested ({rolling.status}: {rolling.message}); request it with `haru roll --fleet {result.fleet}`",
+                  file=sys.stderr)
+    elif waiting and not result.dry_run:
+        print(f"the changes to {', '.join(waiting)} wait on the active domain {active} until it is the standby "
+              f"(request the rolling change with `haru roll --fleet {result.fleet}`)", file=out)
     refused = result.plan.not_admitted()
     if refused:
         names = ", ".join(f"{v.domain}/{v.name} (short by {format_gib(v.short_by_bytes)})" for v in refused)

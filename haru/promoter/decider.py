@@ -5,15 +5,24 @@ is executing) arrive as arguments. The service (`haru.promoter.service`) folds t
 `FleetView`, calls `decide`, appends what it returns with expected sequences, and runs the step a
 successful `step_started` append gave it.
 
-The saga is data: `STEPS` says what each step does (on which domain, which agent verbs, bounded by
-which policy values) and `TRANSITIONS` says what follows each outcome. The code, the tests and
-docs/promoter.md read the same two tables.
+The sagas are data: `KINDS` says what each kind of operation is (its request event, the step
+from which it can no longer be aborted), `STEPS` says what each step does (on which domain, which
+agent verbs or which runner, bounded by which policy values) and `TRANSITIONS` says what follows
+each outcome, per kind. The code, the tests and docs/promoter.md read the same tables. A new kind
+is a request event (`haru.events.OperationRequested`), a `KINDS` row, its `TRANSITIONS` rows, any
+new `STEPS`, and a request rule (`REQUEST_RULES`): docs/promoter.md, "Adding an operation kind".
 
     promotion:  stop_training -> verify_gpu -> wake -> probe -> flip -> settle_old_active -> completed
                 any failure before flip -> aborted (routing never moves)
                 settle_old_active failed -> completed anyway (best effort; the old active is recorded
                                             as not eligible to be standby until it recovers)
     demotion:   sleep -> start_training -> completed;   any failure -> aborted
+    rolling:    stop_training -> apply_standby -> verify_gpu -> wake -> probe -> flip -> apply_old_active
+                -> settle_old_active -> completed
+                any failure before flip -> aborted (routing never moves; the old active keeps serving
+                the old spec, its changes still waiting); apply_old_active failed -> settle_old_active
+                anyway, and the old active is recorded not eligible to be standby; the active failing
+                before the flip -> aborted, so that auto-failover is not held up by a long reload
 
 Who decides what, in order (`decide`):
 
@@ -30,6 +39,8 @@ Who decides what, in order (`decide`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -40,10 +51,13 @@ from haru.commands import Command, Reply
 from haru.events import (
     DemotionRequested,
     EligibilityChanged,
+    Event,
     FailoverDeclined,
     OperationAborted,
     OperationCompleted,
+    OperationRequested,
     PromotionRequested,
+    RollingRequested,
     StepCompleted,
     StepFailed,
     StepStarted,
@@ -54,7 +68,7 @@ from haru.residency import Failed, Lost, Resident, Sleeping, Waking, state_name
 from haru.specs import Policy, can_sleep
 from haru.views import DomainView, FleetView, OperationView, StepView
 
-OpKind = Literal["promotion", "demotion"]
+OpKind = str  # a key of KINDS
 Outcome = Literal["requested", "completed", "failed"]
 
 # ------------------------------------------------------------------------------------ the tables
@@ -72,6 +86,9 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     `bound`:   the policy fields whose sum bounds the whole step (its lease: a started step with no
                outcome after bound + LEASE_MARGIN_MS may be re-started by any promoter).
     `fatal`:   whether a failure aborts the operation.
+    `run`:     which runner of the service executes it: `agent` sends `verbs` to the domain's agent
+               over request/reply; `flip` moves the route (compare-and-swap on the route subject).
+               A new runner is a method registered in `Promoter.runners` under a new name.
     """
 
     on: Literal["target", "other", "route"]
@@ -79,6 +96,7 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     bound: tuple[str, ...]
     fatal: bool = True
     what: str = ""
+    run: str = "agent"
 
 
 STEPS: dict[str, StepSpec] = {
@@ -110,6 +128,7 @@ STEPS: dict[str, StepSpec] = {
         on="route",
         verbs=(),
         bound=("command_timeout_ms",),
+        run="flip",
         what="append route_moved on the route subject, expecting its real last sequence, if the route has not moved since",
     ),
     "settle_old_active": StepSpec(
@@ -118,6 +137,19 @@ STEPS: dict[str, StepSpec] = {
         bound=("command_timeout_ms", "command_timeout_ms"),
         fatal=False,
         what="best effort: put the old active to sleep and start its training",
+    ),
+    "apply_standby": StepSpec(
+        on="target",
+        verbs=("apply_layout",),
+        bound=("apply_timeout_ms", "command_timeout_ms"),
+        what="the standby applies the declarations the change rolls out: changed models replaced, each come to rest",
+    ),
+    "apply_old_active": StepSpec(
+        on="other",
+        verbs=("apply_layout",),
+        bound=("apply_timeout_ms", "command_timeout_ms"),
+        fatal=False,
+        what="the old active, now the standby, applies the changes that waited for it: changed models replaced",
     ),
     "sleep": StepSpec(
         on="target",
@@ -148,11 +180,66 @@ TRANSITIONS: dict[tuple[OpKind, str | None, Outcome], str] = {
     ("promotion", "flip", "failed"): ABORT,
     ("promotion", "settle_old_active", "completed"): COMPLETE,
     ("promotion", "settle_old_active", "failed"): COMPLETE,  # best effort: recorded, not fatal
+    ("rolling", None, "requested"): "stop_training",
+    ("rolling", "stop_training", "completed"): "apply_standby",
+    ("rolling", "stop_training", "failed"): ABORT,
+    ("rolling", "apply_standby", "completed"): "verify_gpu",
+    ("rolling", "apply_standby", "failed"): ABORT,
+    ("rolling", "verify_gpu", "completed"): "wake",
+    ("rolling", "verify_gpu", "failed"): ABORT,
+    ("rolling", "wake", "completed"): "probe",
+    ("rolling", "wake", "failed"): ABORT,
+    ("rolling", "probe", "completed"): "flip",
+    ("rolling", "probe", "failed"): ABORT,
+    ("rolling", "flip", "completed"): "apply_old_active",
+    ("rolling", "flip", "failed"): ABORT,
+    ("rolling", "apply_old_active", "completed"): "settle_old_active",
+    ("rolling", "apply_old_active", "failed"): "settle_old_active",  # best effort: recorded, not fatal
+    ("rolling", "settle_old_active", "completed"): COMPLETE,
+    ("rolling", "settle_old_active", "failed"): COMPLETE,
     ("demotion", None, "requested"): "sleep",
     ("demotion", "sleep", "completed"): "start_training",
     ("demotion", "sleep", "failed"): ABORT,
     ("demotion", "start_training", "completed"): COMPLETE,
     ("demotion", "start_training", "failed"): ABORT,
+}
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """What one kind of operation is.
+
+    `request`:   its request event on the op subject (a subclass of `OperationRequested`).
+    `no_abort_from`: the step from which an operator can no longer abort it (`haru op abort`): once
+               that step has started, routing may be moving ('' = abortable until it ends).
+    `yields_to_failover`: a failed active aborts it before `no_abort_from` (the promoter drives one
+               operation at a time, so a long one would otherwise hold auto-failover back).
+    `what`:      one line for `haru op` and the docs.
+    """
+
+    request: type[OperationRequested]
+    no_abort_from: str = ""
+    yields_to_failover: bool = False
+    what: str = ""
+
+
+KINDS: dict[str, KindSpec] = {
+    "promotion": KindSpec(
+        request=PromotionRequested,
+        no_abort_from="flip",
+        what="make a standby domain active: stop its training, wake and probe it, flip the route, settle the old active",
+    ),
+    "demotion": KindSpec(
+        request=DemotionRequested,
+        what="put a standby domain to sleep and start its training",
+    ),
+    "rolling": KindSpec(
+        request=RollingRequested,
+        no_abort_from="flip",
+        yields_to_failover=True,
+        what="roll a layout change through the standby: apply it there, wake, probe and promote it, then apply it "
+        "to the old active",
+    ),
 }
 
 
@@ -163,6 +250,15 @@ def flow(kind: OpKind) -> list[str]:
     while nxt not in (COMPLETE, ABORT):
         out.append(nxt)
         nxt = TRANSITIONS[(kind, nxt, "completed")]
+    return out
+
+
+def steps_of(kind: OpKind) -> set[str]:
+    """Every step an operation of `kind` can run, on any path of TRANSITIONS."""
+    out: set[str] = set()
+    for (k, step, _), nxt in TRANSITIONS.items():
+        if k == kind:
+            out |= {s for s in (step, nxt) if s is not None and s in STEPS}
     return out
 
 
@@ -185,6 +281,8 @@ def verb_timeout_ms(verb: str, policy: Policy) -> int:
         return policy.wake_timeout_ms
     if verb == "probe":
         return policy.probe_timeout_ms
+    if verb == "apply_layout":
+        return policy.apply_timeout_ms + policy.command_timeout_ms
     if verb == "stop_training":
         return policy.training_grace_ms + policy.command_timeout_ms
     return policy.command_timeout_ms
@@ -254,10 +352,12 @@ def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
     """The next append for the operation in flight (None: wait, a step is running)."""
     fleet = view.fleet
     op_subject = subjects.op(fleet)
+    if op.kind not in KINDS:
+        return None  # a kind this promoter does not know (a newer one's): that promoter drives it
     cur = last_step(op)
     if cur is None:
         return _start(op_subject, op, TRANSITIONS[(op.kind, None, "requested")], 1, facts)
-    if cur.step not in flow(op.kind):
+    if cur.step not in steps_of(op.kind):
         # Only a writer of the op subject could have recorded it (the promoter, the gateway, the
         # operator): a step this kind of operation does not have is not run, and does not wedge
         # the fleet either (every later decision would fail on the missing transition).
@@ -267,6 +367,16 @@ def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
                                    error=f"{cur.step} is not a step of a {op.kind}"),
             why="a step that does not belong to this operation was recorded",
         )
+    spec = KINDS[op.kind]
+    if spec.yields_to_failover and view.policy.auto_failover and not any(s.step == spec.no_abort_from for s in op.steps):
+        health = active_health(view, facts.now)
+        if health.health == "failed":
+            return Append(
+                subject=op_subject,
+                event=OperationAborted(at=facts.now, op_id=op.op_id, step=cur.step,
+                                       error=f"the active failed ({health.why}): abandoned so that failover can go on"),
+                why="auto-failover goes before a rolling change",
+            )
     if cur.state == "started":
         return _resume(view, op, cur, facts)
     nxt = TRANSITIONS[(op.kind, cur.step, cur.state)]
@@ -347,7 +457,7 @@ def flip_refusal(view: FleetView, op: OperationView) -> str:
     """Why the pointer must not move to the target now ('' = it may). The decider asks before it
     starts the flip, and the promoter asks again before it appends `route_moved`: a `step_started`
     for the flip that someone else recorded is not a probe."""
-    if op.kind != "promotion":
+    if "flip" not in flow(op.kind):
         return f"a {op.kind} never moves the route"
     if not probed(op):
         return f"{op.target}'s models were not probed in this operation"
@@ -362,7 +472,7 @@ def flip_refusal(view: FleetView, op: OperationView) -> str:
 def _finish(view: FleetView, op: OperationView, facts: Facts) -> Append:
     """The tail of an operation: eligibility, then operation_completed."""
     subject = subjects.op(view.fleet)
-    if op.kind == "promotion":
+    if "flip" in flow(op.kind):  # the route moved to the target: the target serves, the other is the standby
         target = view.domains.get(op.target)
         if target is not None and not target.eligible:
             return Append(
@@ -375,7 +485,7 @@ def _finish(view: FleetView, op: OperationView, facts: Facts) -> Append:
         old = other_domain(view, op)
         dv = view.domains.get(old) if old else None
         if dv is not None and dv.eligible:
-            why = _unfit_as_standby(view, dv, step_record(op, "settle_old_active"))
+            why = _unfit_as_standby(view, dv, step_record(op, "settle_old_active"), step_record(op, "apply_old_active"))
             if why:
                 return Append(
                     subject=subject,
@@ -395,12 +505,14 @@ def _finish(view: FleetView, op: OperationView, facts: Facts) -> Append:
     return Append(subject=subject, event=OperationCompleted(at=facts.now, op_id=op.op_id), why="every step done")
 
 
-def _unfit_as_standby(view: FleetView, dv: DomainView, settle: StepView | None) -> str:
+def _unfit_as_standby(view: FleetView, dv: DomainView, settle: StepView | None, applied: StepView | None = None) -> str:
     if dv.reachable is False:
         return f"agent of {dv.name} unreachable"
     for gpu in dv.gpus:
         if gpu.present is False:
             return f"GPU {gpu.index} of {dv.name} detached"
+    if applied is not None and applied.state == "failed":
+        return f"could not apply the layout change: {applied.error or applied.error_code}"
     if settle is not None and settle.state == "failed":
         return f"could not be put to sleep and given training: {settle.error or settle.error_code}"
     return ""
@@ -411,7 +523,7 @@ def command_for(view: FleetView, op: OperationView, step: str) -> tuple[str, lis
     domain = step_domain(view, op, step)
     # The route revision the step is decided against: after the flip, the new one, so the old
     # active's agent learns it is now the standby before it is told to train.
-    cmd = Command(op_id=op.op_id, route_revision=max(op.route_revision, view.route_revision))
+    cmd = Command(op_id=op.op_id, route_revision=max(op.route_revision, view.route_revision), decl_seq=op.decl_seq)
     return domain, [(verb, cmd, verb_timeout_ms(verb, view.policy)) for verb in STEPS[step].verbs]
 
 
@@ -700,13 +812,64 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     status: RequestStatus
     op_id: str = ""
     message: str = ""
-    event: PromotionRequested | DemotionRequested | None = None
+    event: Event | None = None
+
+
+RequestRule = Callable[[FleetView, str, str, str, datetime], Verdict]
+"""(view, target, op_id, by, now) -> the verdict on a request of one kind, once the generic checks
+(a known fleet and target, no other operation in flight) have passed."""
+
+
+def _promotion_rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Verdict:
+    if view.active == target:
+        return Verdict(status="noop", message=f"{target} is already active in fleet {view.fleet}")
+    event = PromotionRequested(at=now, by=by, op_id=op_id, target=target, source=view.active, reason="manual",
+                               route_revision=view.route_revision)
+    return Verdict(status="accepted", op_id=op_id, message=f"promotion of {target} accepted", event=event)
+
+
+def _demotion_rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Verdict:
+    if view.active == target:
+        return Verdict(
+            status="refused",
+            message=f"{target} is the active domain of fleet {view.fleet}; promote the standby instead "
+            f"(haru promote {view.standby() or '<standby>'})",
+        )
+    event = DemotionRequested(at=now, by=by, op_id=op_id, target=target, reason="manual",
+                              route_revision=view.route_revision)
+    return Verdict(status="accepted", op_id=op_id, message=f"demotion of {target} accepted", event=event)
+
+
+def _rolling_rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Verdict:
+    if not view.active:
+        return Verdict(status="refused", message=f"fleet {view.fleet} has no route yet: there is nothing to roll through; "
+                       f"the agents apply the declarations as they start")
+    if view.active == target:
+        return Verdict(status="refused", message=f"{target} is the active domain of fleet {view.fleet}: a rolling change goes "
+                       f"through the standby (haru roll {view.standby() or '<standby>'})")
+    dv = view.domains[target]
+    if dv.reachable is not True:
+        return Verdict(status="refused", message=f"standby {target} is {'unreachable' if dv.reachable is False else 'not heard from yet'}: "
+                       f"a rolling change needs it to take over")
+    if not dv.eligible:
+        return Verdict(status="refused", message=f"standby {target} is not eligible: {dv.ineligible_why or 'not recovered'}")
+    event = RollingRequested(at=now, by=by, op_id=op_id, target=target, source=view.active, reason="manual",
+                             route_revision=view.route_revision, decl_seq=view.decl_seq)
+    return Verdict(status="accepted", op_id=op_id, message=f"rolling change through {target} accepted", event=event)
+
+
+REQUEST_RULES: dict[str, RequestRule] = {"promotion": _promotion_rule, "demotion": _demotion_rule, "rolling": _rolling_rule}
+"""Per kind, whether a manual request is a no-op, refused, or accepted (and its request event)."""
 
 
 def judge_request(
     view: FleetView | None, kind: OpKind, target: str, *, op_id: str, by: str, now: datetime
 ) -> Verdict:
-    """Whether a manual promotion/demotion is a no-op, joins, conflicts, is refused, or is accepted."""
+    """Whether a manual request of `kind` on `target` is a no-op, joins, conflicts, is refused, or is accepted."""
+    rule = REQUEST_RULES.get(kind)
+    if rule is None:
+        known = ", ".join(REQUEST_RULES)
+        return Verdict(status="refused", message=f"no operation kind {kind!r} can be requested (known: {known})")
     if view is None or not view.domains:
         return Verdict(status="not_found", message="no such fleet (or it declares no domains); declare it with `haru apply`")
     fleet = view.fleet
@@ -720,37 +883,47 @@ def judge_request(
         return Verdict(
             status="conflict",
             op_id=op.op_id,
-            message=f"{op.kind} of {op.target} ({op.op_id}) is in flight; wait for it: haru promote --wait",
+            message=f"{op.kind} of {op.target} ({op.op_id}) is in flight: one operation at a time per fleet; "
+            f"follow it with `haru op {op.op_id} --fleet {fleet}`, or abort it with `haru op abort {op.op_id}`",
         )
-    if kind == "promotion":
-        if view.active == target:
-            return Verdict(status="noop", message=f"{target} is already active in fleet {fleet}")
-        event: PromotionRequested | DemotionRequested = PromotionRequested(
-            at=now,
-            by=by,
-            op_id=op_id,
-            target=target,
-            source=view.active,
-            reason="manual",
-            route_revision=view.route_revision,
+    return rule(view, target, op_id, by, now)
+
+
+def judge_abort(view: FleetView | None, op_id: str, *, by: str, now: datetime, why: str = "") -> Verdict:
+    """Whether the operator may abort the operation in flight (`op_id` '' = whichever is in flight).
+
+    Refused once the kind's `no_abort_from` step has started (the route may be moving: the operation
+    finishes, its later steps are best effort). The abort is `operation_aborted` on the op subject,
+    appended against the op subject's last sequence: a step started meanwhile makes it conflict, and
+    the request is judged again on the newer view."""
+    if view is None or not view.domains:
+        return Verdict(status="not_found", message="no such fleet (or it declares no domains)")
+    op = view.operation if view.operation is not None and view.operation.state == "running" else None
+    if op is None or (op_id and op.op_id != op_id):
+        last = view.last_operation
+        if op_id and last is not None and last.op_id == op_id:
+            return Verdict(status="noop", op_id=op_id, message=f"{op_id} already {last.state}")
+        what = f"operation {op_id} is not in flight" if op_id else "no operation is in flight"
+        return Verdict(status="not_found", op_id=op_id, message=f"{what} in fleet {view.fleet}; list them with `haru op`")
+    spec = KINDS.get(op.kind)
+    stop = spec.no_abort_from if spec is not None else ""
+    if stop and any(s.step == stop for s in op.steps):
+        return Verdict(
+            status="refused",
+            op_id=op.op_id,
+            message=f"{op.kind} {op.op_id} has started its {stop} step: it can no longer be aborted (routing may be "
+            f"moving); follow it with `haru op {op.op_id}`",
         )
-    else:
-        if view.active == target:
-            return Verdict(
-                status="refused",
-                message=f"{target} is the active domain of fleet {fleet}; promote the standby instead "
-                f"(haru promote {view.standby() or '<standby>'})",
-            )
-        event = DemotionRequested(
-            at=now, by=by, op_id=op_id, target=target, reason="manual", route_revision=view.route_revision
-        )
-    return Verdict(status="accepted", op_id=op_id, message=f"{kind} of {target} accepted", event=event)
+    cur = last_step(op)
+    error = f"aborted by {by or 'the operator'}" + (f": {why}" if why else "")
+    event = OperationAborted(at=now, by=by, op_id=op.op_id, step=cur.step if cur is not None else "", error=error)
+    return Verdict(status="accepted", op_id=op.op_id, message=f"{op.kind} {op.op_id} aborted", event=event)
 
 
 def tables_markdown() -> str:
     """The two tables as Markdown, for docs/promoter.md (a unit test checks the doc carries them)."""
     lines = ["| step | acts on | agent verbs | bounded by (policy) | on failure |", "|---|---|---|---|---|"]
-    for kind in ("promotion", "demotion"):
+    for kind in KINDS:
         for step in flow(kind):
             spec = STEPS[step]
             verbs = ", ".join(f"`{v}`" for v in spec.verbs) or "(route_moved CAS)"

@@ -1,6 +1,6 @@
 """A small in-test agent on nats.micro: the agent seam's contract as the promoter relies on it.
 
-It answers the seven verbs on `haru.cmd.<fleet>.<domain>.<verb>` with `haru.commands.Reply`,
+It answers the eight verbs on `haru.cmd.<fleet>.<domain>.<verb>` with `haru.commands.Reply`,
 publishes heartbeats, and appends the residency and training events a real agent would (sleeping,
 waking, resident; training started/stopped), each with the subject's expected sequence. Faults:
 `oom_on_wake`, `fail_probe`, `hang` (no heartbeats, no replies: the agent is gone), per-verb delays.
@@ -227,6 +227,10 @@ class FakeAgent:
             elif state != "sleeping":
                 return self._fail("not_resident", f"{m} is {state}")
         return Reply(ok=True, detail="asleep")
+
+    async def do_apply_layout(self) -> Reply:
+        # The fake runs no runtimes: its models are as declared already (a rolling change's apply steps).
+        return Reply(ok=True, detail="declarations applied")
 
     async def do_start_training(self) -> Reply:
         for slot in self.slots:

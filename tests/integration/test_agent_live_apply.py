@@ -115,7 +115,7 @@ async def test_apply_dry_run_says_the_path_each_change_takes(tmp_path, nats_serv
     assert "started live" in by["a/m3"] and "started live" in by["b/m3"]
     assert "stopped live" in by["a/m1"] and "stopped live" in by["b/m1"]
     # before any route_moved the first declared domain is the active one
-    assert "ACTIVE" in by["a/m2"] and "promote" in by["a/m2"]
+    assert "ACTIVE" in by["a/m2"] and "rolling change" in by["a/m2"]
     assert "replaced live" in by["b/m2"]
     assert len(await event_log.history(subjects.decl(FLEET))) == declared  # the dry run appended nothing
     text = await asyncio.to_thread(haru, "apply", "-f", str(layout), "--dry-run", nats_url=nats_server.url)

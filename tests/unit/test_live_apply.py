@@ -8,7 +8,7 @@ import msgspec
 
 from agents.config import diff_models
 from haru import events as ev
-from haru.apply import change_paths
+from haru.apply import change_paths, waits_on_active
 from haru.specs import ModelSpec
 
 T = datetime(2026, 11, 30, tzinfo=timezone.utc)
@@ -36,4 +36,5 @@ def test_change_paths_name_the_active_domain_as_the_one_that_waits():
     by = {line.split(":", 1)[0]: line for line in lines}
     assert "started live" in by["a/m4"] and "stopped live" in by["b/m3"]
     assert "replaced live" in by["a/m2"]  # a is the standby here
-    assert "ACTIVE" in by["b/m2"] and "promote the other domain" in by["b/m2"]
+    assert "ACTIVE" in by["b/m2"] and "rolls through the standby" in by["b/m2"] and "then b" in by["b/m2"]
+    assert waits_on_active([*changed], "b") == ["b/m2"] and waits_on_active([*changed], "") == []
