@@ -12,20 +12,19 @@ from datetime import datetime
 
 from haru.eventlog import Record
 from haru.events import (
-    DemotionRequested,
     OperationAborted,
     OperationCompleted,
-    PromotionRequested,
+    OperationRequested,
     StepCompleted,
     StepFailed,
     StepStarted,
     payload,
     tag_of,
 )
-from haru.promoter.decider import flow
+from haru.promoter.decider import KINDS, flow
 
 # Each kind's steps in order, read from the promoter's transition table (the stepper's columns).
-FLOWS: dict[str, list[str]] = {"promotion": flow("promotion"), "demotion": flow("demotion")}
+FLOWS: dict[str, list[str]] = {kind: flow(kind) for kind in KINDS}
 
 # The console says what a promote/demote answer means, not only its number.
 OPERATION_MEANING: dict[int, str] = {
@@ -76,13 +75,13 @@ def operations(records: list[Record]) -> list[dict]:
         if not op_id:
             continue
         t = type(ev)
-        if t is PromotionRequested or t is DemotionRequested:
+        if isinstance(ev, OperationRequested):
             ops[op_id] = {
                 "op_id": op_id,
-                "kind": "promotion" if t is PromotionRequested else "demotion",
+                "kind": ev.kind,
                 "target": ev.target,
                 "source": getattr(ev, "source", ""),
-                "reason": ev.reason,
+                "reason": getattr(ev, "reason", "manual"),
                 "detail": getattr(ev, "detail", ""),
                 "by": ev.by,
                 "seq": rec.seq,

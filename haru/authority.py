@@ -79,7 +79,7 @@ PLACES: tuple[Place, ...] = (
         "haru.evt.<fleet>.op",
         ("promoter", "gateway", "operator"),
         (
-            ev.PromotionRequested, ev.DemotionRequested, ev.StepStarted, ev.StepCompleted, ev.StepFailed,
+            *ev.OPERATION_REQUESTS.values(), ev.StepStarted, ev.StepCompleted, ev.StepFailed,
             ev.OperationCompleted, ev.OperationAborted, ev.FailoverDeclined, ev.EligibilityChanged,
         ),
     ),  # fmt: skip

@@ -75,8 +75,8 @@ def expects_cause(event: ev.Event) -> bool:
         return False
     if isinstance(event, ev.ModelLost):
         return event.reason == "gpu_detached"
-    if isinstance(event, (ev.PromotionRequested, ev.DemotionRequested)):
-        return event.reason != "manual"
+    if isinstance(event, ev.OperationRequested):
+        return getattr(event, "reason", "manual") != "manual"
     if isinstance(event, ev.TrainingStopped):
         return event.how != "exited"  # a trainer that ended on its own is a root
     if isinstance(event, ev.TrainingStarted):

@@ -19,7 +19,7 @@ Which subject each event goes to is in `haru.subjects`; who writes it is in DESI
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
 import msgspec
 
@@ -325,18 +325,32 @@ class DomainReachable(Event, frozen=True, kw_only=True, tag="domain_reachable"):
 # -------------------------------------------------------------- operations: haru.evt.<fleet>.op
 
 
-class PromotionRequested(Event, frozen=True, kw_only=True, tag="promotion_requested"):
+class OperationRequested(Event, frozen=True, kw_only=True):
+    """The base of every operation's request event: one subclass per operation kind (`kind`).
+
+    An operation is requested by one event on `haru.evt.<fleet>.op` naming its id and its target
+    domain; its steps (`step_started`/`step_completed`/`step_failed`) and its end
+    (`operation_completed`/`operation_aborted`) follow on the same subject. Which steps a kind has
+    is the promoter's table (`haru.promoter.decider.KINDS`, `TRANSITIONS`). A new kind is a new
+    subclass here, listed in `AnyEvent`; the fold, `haru op`, the console and the Postgres sink
+    find it through `OPERATION_REQUESTS`.
+    """
+
+    kind: ClassVar[str] = ""
     op_id: str
-    target: str  # the domain to make active
+    target: str  # the domain the operation acts on (the one to make active, for a promotion)
+
+
+class PromotionRequested(OperationRequested, frozen=True, kw_only=True, tag="promotion_requested"):
+    kind: ClassVar[str] = "promotion"
     source: str = ""  # the active domain when it was decided ('' = none)
     reason: str = "manual"  # manual | domain_unreachable | gpu_detached | degraded
     detail: str = ""
     route_revision: int = 0
 
 
-class DemotionRequested(Event, frozen=True, kw_only=True, tag="demotion_requested"):
-    op_id: str
-    target: str
+class DemotionRequested(OperationRequested, frozen=True, kw_only=True, tag="demotion_requested"):
+    kind: ClassVar[str] = "demotion"
     reason: str = "manual"
     route_revision: int = 0
 
@@ -504,6 +518,17 @@ def payload(event: Event) -> dict:
     for key in ("type", "v", "at", "by", "cause", "prev"):
         out.pop(key, None)
     return out
+
+
+OPERATION_REQUESTS: dict[str, type[OperationRequested]] = {
+    cls.kind: cls for cls in AnyEvent.__args__ if issubclass(cls, OperationRequested)  # type: ignore[attr-defined]
+}
+"""Operation kind -> its request event, read from `AnyEvent`."""
+
+
+def operation_kind(event: Event) -> str:
+    """The kind of operation a request event asks for ('' for any other event)."""
+    return event.kind if isinstance(event, OperationRequested) else ""
 
 
 ALL_TAGS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in AnyEvent.__args__)  # type: ignore[attr-defined]

@@ -263,7 +263,7 @@ def _concerns_model(rec: Record, model: str, domain: str) -> bool:
 
 
 # Operation-level facts that concern every model of the fleet: a promotion moves the route for all.
-_FLEET_STORY = (ev.PromotionRequested, ev.DemotionRequested, ev.OperationCompleted, ev.OperationAborted,
+_FLEET_STORY = (ev.OperationRequested, ev.OperationCompleted, ev.OperationAborted,
                 ev.FailoverDeclined, ev.RouteMoved)
 
 

@@ -110,7 +110,7 @@ class StepView(msgspec.Struct, frozen=True, kw_only=True):
 
 class OperationView(msgspec.Struct, frozen=True, kw_only=True):
     op_id: str
-    kind: Literal["promotion", "demotion"]
+    kind: str  # promotion | demotion | ... (haru.events.OPERATION_REQUESTS)
     target: str
     source: str = ""
     reason: str = "manual"

@@ -17,7 +17,7 @@
     training       training_started/stopped -> `TrainingView`
     agent          agent_started/stopping -> `AgentView`
     liveness       domain_unreachable/reachable -> `DomainView.reachable`
-    operations     promotion/demotion_requested, step_*, operation_completed/aborted ->
+    operations     every kind's request (ev.OPERATION_REQUESTS), step_*, operation_completed/aborted ->
                    `operation` (in flight) and `last_operation` (finished), with their steps
     decisions      failover_declined -> `declined`; eligibility_changed -> `eligible`
     route pointer  route_moved -> `active`, `route_revision` (= its stream sequence), `route_moved_at`
@@ -399,30 +399,18 @@ def _eligibility(view: FleetView, e: ev.EligibilityChanged, seq: int) -> FleetVi
 # ----------------------------------------------------------------------------------- operations
 
 
-def _promotion_requested(view: FleetView, e: ev.PromotionRequested, seq: int) -> FleetView:
+def _operation_requested(view: FleetView, e: ev.OperationRequested, seq: int) -> FleetView:
+    """Any kind's request (`ev.OPERATION_REQUESTS`): the fields a kind does not have stay empty."""
     op = OperationView(
         op_id=e.op_id,
-        kind="promotion",
+        kind=e.kind,
         target=e.target,
-        source=e.source,
-        reason=e.reason,
-        detail=e.detail,
+        source=getattr(e, "source", ""),
+        reason=getattr(e, "reason", "manual"),
+        detail=getattr(e, "detail", ""),
         requested_at=e.at,
         seq=seq,
-        route_revision=e.route_revision,
-    )
-    return _start_operation(view, op, seq)
-
-
-def _demotion_requested(view: FleetView, e: ev.DemotionRequested, seq: int) -> FleetView:
-    op = OperationView(
-        op_id=e.op_id,
-        kind="demotion",
-        target=e.target,
-        reason=e.reason,
-        requested_at=e.at,
-        seq=seq,
-        route_revision=e.route_revision,
+        route_revision=getattr(e, "route_revision", 0),
     )
     return _start_operation(view, op, seq)
 
@@ -515,8 +503,7 @@ _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
     ev.AgentStopping: _agent_stopping,
     ev.DomainUnreachable: _reachability,
     ev.DomainReachable: _reachability,
-    ev.PromotionRequested: _promotion_requested,
-    ev.DemotionRequested: _demotion_requested,
+    **{cls: _operation_requested for cls in ev.OPERATION_REQUESTS.values()},
     ev.StepStarted: _step_started,
     ev.StepCompleted: _step_ended,
     ev.StepFailed: _step_ended,

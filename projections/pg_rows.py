@@ -237,16 +237,14 @@ def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
         elif kind is ev.GpuObserved:
             gpus.append(gpu_row(seq, fleet, recorded_at, e))
 
-        elif kind is ev.PromotionRequested or kind is ev.DemotionRequested:
+        elif issubclass(kind, ev.OperationRequested):
             key2 = (fleet, e.op_id)
             if key2 in operations or key2 in new_operations:
                 continue  # a second request for an operation already recorded adds nothing
             at = utc(e.at)
             operations[key2] = OpenSpan(seq, at)
-            if kind is ev.PromotionRequested:
-                row = [fleet, e.op_id, "promotion", e.target, e.source, e.reason, e.detail]
-            else:
-                row = [fleet, e.op_id, "demotion", e.target, "", e.reason, ""]
+            row = [fleet, e.op_id, e.kind, e.target, getattr(e, "source", ""), getattr(e, "reason", "manual"),
+                   getattr(e, "detail", "")]
             new_operations[key2] = row + [seq, at, None, None, None, None, "", ""]
 
         elif kind is ev.OperationCompleted or kind is ev.OperationAborted:

@@ -161,8 +161,7 @@ def _domain_header(view: FleetView, d: DomainView, now: datetime) -> str:
 
 
 def _operation(op: OperationView, now: datetime, *, finished: bool) -> str:
-    verb = "promotion of" if op.kind == "promotion" else "demotion of"
-    head = f"{verb} {op.target}"
+    head = f"{op.kind} of {op.target}"
     if op.source:
         head += f" over {op.source}"
     head += f" ({op.op_id}, {op.reason}"

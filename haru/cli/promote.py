@@ -4,10 +4,12 @@
     haru promote <domain> [--fleet F] [--wait] [--json]
     haru demote  <domain> [--fleet F] [--wait] [--json]
     haru op [<op_id>] [--fleet F] [--json]          list operations, or one operation's steps
+    haru op abort [<op_id>] [--fleet F] [--json]    abort the operation in flight (before its point of no return)
 
 promote/demote print the operation id; `--wait` follows `haru.evt.<fleet>.op` and prints each step
 as it completes, then the outcome. Exit statuses: noop/accepted/joined 0, conflict 4, refused 1,
-not_found 3; with --wait an aborted operation exits 1.
+not_found 3; with --wait an aborted operation exits 1. `haru op abort` exits the same way (refused:
+the operation has passed the step from which it cannot be aborted, e.g. a promotion's flip).
 """
 
 from __future__ import annotations
@@ -29,10 +31,9 @@ from haru.tasks import cancel_and_wait, run_until_signal
 from haru.metrics import add_metrics_options
 from haru.eventlog import EventLog, Record
 from haru.events import (
-    DemotionRequested,
     OperationAborted,
     OperationCompleted,
-    PromotionRequested,
+    OperationRequested,
     StepCompleted,
     StepFailed,
     StepStarted,
@@ -89,10 +90,16 @@ def register(subparsers) -> None:
 
     o = subparsers.add_parser(
         "op",
-        help="list a fleet's promotions and demotions, or show one operation's steps",
-        description="Read haru.evt.<fleet>.op: every operation (newest last), or the steps of one.",
+        help="list a fleet's operations (promotions, demotions, ...), show one's steps, or abort the one in flight",
+        description=(
+            "Read haru.evt.<fleet>.op: every operation (newest last), or the steps of one (`haru op <op_id>`). "
+            "`haru op abort [<op_id>]` aborts the operation in flight (one at a time per fleet), unless it has "
+            "passed its point of no return (a promotion's flip)."
+        ),
     )
-    o.add_argument("op_id", nargs="?", help="an operation id (op-...); omit to list them all")
+    o.add_argument("words", nargs="*", metavar="[abort] [op_id]",
+                   help="nothing: list; an operation id (op-...): its steps; abort [op_id]: abort the one in flight")
+    o.add_argument("--why", default="", help="with abort: a reason, recorded in operation_aborted")
     add_fleet_option(o)
     o.add_argument("--json", action="store_true", help="print JSON")
     add_nats_options(o)
@@ -178,8 +185,8 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
             return
         if json_out:
             emit_json({"seq": rec.seq, "type": tag_of(ev), **payload(ev)})
-        elif isinstance(ev, (PromotionRequested, DemotionRequested)):
-            print(f"requested  {ev.reason} {tag_of(ev).split('_')[0]} of {ev.target}")
+        elif isinstance(ev, OperationRequested):
+            print(f"requested  {getattr(ev, 'reason', 'manual')} {ev.kind} of {ev.target}")
         elif isinstance(ev, StepStarted):
             pass
         elif isinstance(ev, StepCompleted):
@@ -190,7 +197,7 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
         elif isinstance(ev, OperationCompleted):
             print(f"completed  {op_id}")
         elif isinstance(ev, OperationAborted):
-            print(f"aborted    {op_id} at {ev.step}: {ev.error} (routing did not move)")
+            print(f"aborted    {op_id} at {ev.step or '(no step)'}: {ev.error} (routing did not move)")
         sys.stdout.flush()
         if isinstance(ev, OperationCompleted):
             outcome.set_result(ExitStatus.OK)
@@ -215,7 +222,16 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
 
 
 async def run_op(args: argparse.Namespace) -> ExitStatus:
-    """List operations, or print one operation's steps, from the fleet's op subject."""
+    """List operations, print one operation's steps, or abort the one in flight."""
+    words = list(args.words)
+    if words and words[0] == "abort":
+        if len(words) > 2:
+            return fail(f"haru op abort takes at most one operation id, got {' '.join(words[1:])}", ExitStatus.USAGE)
+        return await run_abort(args, words[1] if len(words) == 2 else "")
+    if len(words) > 1:
+        return fail(f"haru op takes at most one operation id, got {' '.join(words)} (to abort: haru op abort <op_id>)",
+                    ExitStatus.USAGE)
+    args.op_id = words[0] if words else None
     try:
         async with EventLog.connect(_servers(args), writer=_by(), creds=args.nats_creds) as log:
             records = await log.history(subjects.op(args.fleet))
@@ -227,9 +243,9 @@ async def run_op(args: argparse.Namespace) -> ExitStatus:
         op_id = getattr(ev, "op_id", None) if ev is not None else None
         if not op_id:
             continue
-        if isinstance(ev, (PromotionRequested, DemotionRequested)):
-            ops[op_id] = {"op_id": op_id, "kind": tag_of(ev).split("_")[0],
-                          "target": ev.target, "reason": ev.reason, "state": "running",
+        if isinstance(ev, OperationRequested):
+            ops[op_id] = {"op_id": op_id, "kind": ev.kind,
+                          "target": ev.target, "reason": getattr(ev, "reason", "manual"), "state": "running",
                           "requested_at": ev.at.isoformat(), "by": ev.by, "error": "", "steps": []}
         op = ops.get(op_id)
         if op is None:
@@ -239,7 +255,7 @@ async def run_op(args: argparse.Namespace) -> ExitStatus:
         elif isinstance(ev, OperationCompleted):
             op["state"] = "completed"
         elif isinstance(ev, OperationAborted):
-            op["state"], op["error"] = "aborted", f"{ev.step}: {ev.error}"
+            op["state"], op["error"] = "aborted", f"{ev.step or '(no step)'}: {ev.error}"
     if args.op_id:
         op = ops.get(args.op_id)
         if op is None:
@@ -267,3 +283,20 @@ async def run_op(args: argparse.Namespace) -> ExitStatus:
         tail = f"  {op['error']}" if op["error"] else ""
         print(f"{op['op_id']}  {op['requested_at'][:23]}  {op['kind']:<9} {op['target']:<12} {op['reason']:<18} {op['state']}{tail}")
     return ExitStatus.OK
+
+
+async def run_abort(args: argparse.Namespace, op_id: str) -> ExitStatus:
+    from haru.promoter.requests import abort_operation
+
+    try:
+        async with EventLog.connect(_servers(args), writer=_by(), creds=args.nats_creds) as log:
+            result = await abort_operation(log, args.fleet, op_id, by=_by(), now=datetime.now(timezone.utc), why=args.why)
+    except LogUnavailable as exc:
+        return fail(str(exc), ExitStatus.UNAVAILABLE)
+    if args.json:
+        emit_json({"status": result.status, "op_id": result.op_id, "message": result.message})
+        return _STATUS[result.status]
+    if result.status in ("accepted", "noop"):
+        print(result.message)
+        return ExitStatus.OK
+    return fail(result.message, _STATUS[result.status])

@@ -1,9 +1,9 @@
-"""The promoter: the failover saga, auto-failover, and manual promotions and demotions.
+"""The promoter: operations (promotions, demotions, ...), auto-failover, liveness.
 
     haru.promoter.decider    pure: the steps table, the transitions table, `decide(view, facts)`
     haru.promoter.liveness   pure: heartbeat silence -> domain_unreachable / domain_reachable
     haru.promoter.service    the shell: follows the log, drives steps over request/reply (`run_promoter`)
-    haru.promoter.requests   `request_operation`, used by `haru promote/demote` and the control API
+    haru.promoter.requests   `request_operation`, `abort_operation`: `haru promote/demote/op abort`, the control API
     haru.promoter.client     commands to agents (`send`)
 
 The shell's names are imported lazily, so importing the pure decider loads no nats or asyncio.
@@ -14,17 +14,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from haru.promoter.decider import STEPS, TRANSITIONS, decide, flow
+from haru.promoter.decider import KINDS, STEPS, TRANSITIONS, decide, flow
 from haru.promoter.decisions import Append, Facts
 from haru.promoter.errors import OperationNotFound, PromoterError
 
 if TYPE_CHECKING:
-    from haru.promoter.requests import RequestResult, request_operation
+    from haru.promoter.requests import RequestResult, abort_operation, request_operation
     from haru.promoter.service import Promoter, run_promoter
 
 _LAZY = {
     "RequestResult": "haru.promoter.requests",
     "request_operation": "haru.promoter.requests",
+    "abort_operation": "haru.promoter.requests",
     "Promoter": "haru.promoter.service",
     "run_promoter": "haru.promoter.service",
 }
@@ -40,12 +41,14 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "KINDS",
     "STEPS",
     "TRANSITIONS",
     "Append",
     "Facts",
     "OperationNotFound",
     "Promoter",
+    "abort_operation",
     "PromoterError",
     "RequestResult",
     "decide",

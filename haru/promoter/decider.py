@@ -5,9 +5,12 @@ is executing) arrive as arguments. The service (`haru.promoter.service`) folds t
 `FleetView`, calls `decide`, appends what it returns with expected sequences, and runs the step a
 successful `step_started` append gave it.
 
-The saga is data: `STEPS` says what each step does (on which domain, which agent verbs, bounded by
-which policy values) and `TRANSITIONS` says what follows each outcome. The code, the tests and
-docs/promoter.md read the same two tables.
+The sagas are data: `KINDS` says what each kind of operation is (its request event, the step
+from which it can no longer be aborted), `STEPS` says what each step does (on which domain, which
+agent verbs or which runner, bounded by which policy values) and `TRANSITIONS` says what follows
+each outcome, per kind. The code, the tests and docs/promoter.md read the same tables. A new kind
+is a request event (`haru.events.OperationRequested`), a `KINDS` row, its `TRANSITIONS` rows, any
+new `STEPS`, and a request rule (`REQUEST_RULES`): docs/promoter.md, "Adding an operation kind".
 
     promotion:  stop_training -> verify_gpu -> wake -> probe -> flip -> settle_old_active -> completed
                 any failure before flip -> aborted (routing never moves)
@@ -31,6 +34,7 @@ Who decides what, in order (`decide`):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -39,8 +43,10 @@ import msgspec
 from haru import subjects
 from haru.commands import Command, Reply
 from haru.events import (
+    Event,
     DemotionRequested,
     EligibilityChanged,
+    OperationRequested,
     FailoverDeclined,
     OperationAborted,
     OperationCompleted,
@@ -55,7 +61,7 @@ from haru.residency import Failed, Lost, Resident, Sleeping, Waking, state_name
 from haru.specs import Policy, can_sleep
 from haru.views import DomainView, FleetView, OperationView, StepView
 
-OpKind = Literal["promotion", "demotion"]
+OpKind = str  # a key of KINDS
 Outcome = Literal["requested", "completed", "failed"]
 
 # ------------------------------------------------------------------------------------ the tables
@@ -73,6 +79,9 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     `bound`:   the policy fields whose sum bounds the whole step (its lease: a started step with no
                outcome after bound + LEASE_MARGIN_MS may be re-started by any promoter).
     `fatal`:   whether a failure aborts the operation.
+    `run`:     which runner of the service executes it: `agent` sends `verbs` to the domain's agent
+               over request/reply; `flip` moves the route (compare-and-swap on the route subject).
+               A new runner is a method registered in `Promoter.runners` under a new name.
     """
 
     on: Literal["target", "other", "route"]
@@ -80,6 +89,7 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     bound: tuple[str, ...]
     fatal: bool = True
     what: str = ""
+    run: str = "agent"
 
 
 STEPS: dict[str, StepSpec] = {
@@ -111,6 +121,7 @@ STEPS: dict[str, StepSpec] = {
         on="route",
         verbs=(),
         bound=("command_timeout_ms",),
+        run="flip",
         what="append route_moved on the route subject, expecting its real last sequence, if the route has not moved since",
     ),
     "settle_old_active": StepSpec(
@@ -157,6 +168,34 @@ TRANSITIONS: dict[tuple[OpKind, str | None, Outcome], str] = {
 }
 
 
+@dataclass(frozen=True)
+class KindSpec:
+    """What one kind of operation is.
+
+    `request`:   its request event on the op subject (a subclass of `OperationRequested`).
+    `no_abort_from`: the step from which an operator can no longer abort it (`haru op abort`): once
+               that step has started, routing may be moving ('' = abortable until it ends).
+    `what`:      one line for `haru op` and the docs.
+    """
+
+    request: type[OperationRequested]
+    no_abort_from: str = ""
+    what: str = ""
+
+
+KINDS: dict[str, KindSpec] = {
+    "promotion": KindSpec(
+        request=PromotionRequested,
+        no_abort_from="flip",
+        what="make a standby domain active: stop its training, wake and probe it, flip the route, settle the old active",
+    ),
+    "demotion": KindSpec(
+        request=DemotionRequested,
+        what="put a standby domain to sleep and start its training",
+    ),
+}
+
+
 def flow(kind: OpKind) -> list[str]:
     """The happy path of an operation kind, read from TRANSITIONS."""
     out: list[str] = []
@@ -164,6 +203,15 @@ def flow(kind: OpKind) -> list[str]:
     while nxt not in (COMPLETE, ABORT):
         out.append(nxt)
         nxt = TRANSITIONS[(kind, nxt, "completed")]
+    return out
+
+
+def steps_of(kind: OpKind) -> set[str]:
+    """Every step an operation of `kind` can run, on any path of TRANSITIONS."""
+    out: set[str] = set()
+    for (k, step, _), nxt in TRANSITIONS.items():
+        if k == kind:
+            out |= {s for s in (step, nxt) if s is not None and s in STEPS}
     return out
 
 
@@ -255,10 +303,12 @@ def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
     """The next append for the operation in flight (None: wait, a step is running)."""
     fleet = view.fleet
     op_subject = subjects.op(fleet)
+    if op.kind not in KINDS:
+        return None  # a kind this promoter does not know (a newer one's): that promoter drives it
     cur = last_step(op)
     if cur is None:
         return _start(op_subject, op, TRANSITIONS[(op.kind, None, "requested")], 1, facts)
-    if cur.step not in flow(op.kind):
+    if cur.step not in steps_of(op.kind):
         # Only a writer of the op subject could have recorded it (the promoter, the gateway, the
         # operator): a step this kind of operation does not have is not run, and does not wedge
         # the fleet either (every later decision would fail on the missing transition).
@@ -348,7 +398,7 @@ def flip_refusal(view: FleetView, op: OperationView) -> str:
     """Why the pointer must not move to the target now ('' = it may). The decider asks before it
     starts the flip, and the promoter asks again before it appends `route_moved`: a `step_started`
     for the flip that someone else recorded is not a probe."""
-    if op.kind != "promotion":
+    if "flip" not in flow(op.kind):
         return f"a {op.kind} never moves the route"
     if not probed(op):
         return f"{op.target}'s models were not probed in this operation"
@@ -363,7 +413,7 @@ def flip_refusal(view: FleetView, op: OperationView) -> str:
 def _finish(view: FleetView, op: OperationView, facts: Facts) -> Append:
     """The tail of an operation: eligibility, then operation_completed."""
     subject = subjects.op(view.fleet)
-    if op.kind == "promotion":
+    if "flip" in flow(op.kind):  # the route moved to the target: the target serves, the other is the standby
         target = view.domains.get(op.target)
         if target is not None and not target.eligible:
             return Append(
@@ -701,13 +751,46 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     status: RequestStatus
     op_id: str = ""
     message: str = ""
-    event: PromotionRequested | DemotionRequested | None = None
+    event: Event | None = None
+
+
+RequestRule = Callable[[FleetView, str, str, str, datetime], Verdict]
+"""(view, target, op_id, by, now) -> the verdict on a request of one kind, once the generic checks
+(a known fleet and target, no other operation in flight) have passed."""
+
+
+def _promotion_rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Verdict:
+    if view.active == target:
+        return Verdict(status="noop", message=f"{target} is already active in fleet {view.fleet}")
+    event = PromotionRequested(at=now, by=by, op_id=op_id, target=target, source=view.active, reason="manual",
+                               route_revision=view.route_revision)
+    return Verdict(status="accepted", op_id=op_id, message=f"promotion of {target} accepted", event=event)
+
+
+def _demotion_rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Verdict:
+    if view.active == target:
+        return Verdict(
+            status="refused",
+            message=f"{target} is the active domain of fleet {view.fleet}; promote the standby instead "
+            f"(haru promote {view.standby() or '<standby>'})",
+        )
+    event = DemotionRequested(at=now, by=by, op_id=op_id, target=target, reason="manual",
+                              route_revision=view.route_revision)
+    return Verdict(status="accepted", op_id=op_id, message=f"demotion of {target} accepted", event=event)
+
+
+REQUEST_RULES: dict[str, RequestRule] = {"promotion": _promotion_rule, "demotion": _demotion_rule}
+"""Per kind, whether a manual request is a no-op, refused, or accepted (and its request event)."""
 
 
 def judge_request(
     view: FleetView | None, kind: OpKind, target: str, *, op_id: str, by: str, now: datetime
 ) -> Verdict:
-    """Whether a manual promotion/demotion is a no-op, joins, conflicts, is refused, or is accepted."""
+    """Whether a manual request of `kind` on `target` is a no-op, joins, conflicts, is refused, or is accepted."""
+    rule = REQUEST_RULES.get(kind)
+    if rule is None:
+        known = ", ".join(REQUEST_RULES)
+        return Verdict(status="refused", message=f"no operation kind {kind!r} can be requested (known: {known})")
     if view is None or not view.domains:
         return Verdict(status="not_found", message="no such fleet (or it declares no domains); declare it with `haru apply`")
     fleet = view.fleet
@@ -721,31 +804,41 @@ def judge_request(
         return Verdict(
             status="conflict",
             op_id=op.op_id,
-            message=f"{op.kind} of {op.target} ({op.op_id}) is in flight; wait for it: haru promote --wait",
+            message=f"{op.kind} of {op.target} ({op.op_id}) is in flight: one operation at a time per fleet; "
+            f"follow it with `haru op {op.op_id} --fleet {fleet}`, or abort it with `haru op abort {op.op_id}`",
         )
-    if kind == "promotion":
-        if view.active == target:
-            return Verdict(status="noop", message=f"{target} is already active in fleet {fleet}")
-        event: PromotionRequested | DemotionRequested = PromotionRequested(
-            at=now,
-            by=by,
-            op_id=op_id,
-            target=target,
-            source=view.active,
-            reason="manual",
-            route_revision=view.route_revision,
+    return rule(view, target, op_id, by, now)
+
+
+def judge_abort(view: FleetView | None, op_id: str, *, by: str, now: datetime, why: str = "") -> Verdict:
+    """Whether the operator may abort the operation in flight (`op_id` '' = whichever is in flight).
+
+    Refused once the kind's `no_abort_from` step has started (the route may be moving: the operation
+    finishes, its later steps are best effort). The abort is `operation_aborted` on the op subject,
+    appended against the op subject's last sequence: a step started meanwhile makes it conflict, and
+    the request is judged again on the newer view."""
+    if view is None or not view.domains:
+        return Verdict(status="not_found", message="no such fleet (or it declares no domains)")
+    op = view.operation if view.operation is not None and view.operation.state == "running" else None
+    if op is None or (op_id and op.op_id != op_id):
+        last = view.last_operation
+        if op_id and last is not None and last.op_id == op_id:
+            return Verdict(status="noop", op_id=op_id, message=f"{op_id} already {last.state}")
+        what = f"operation {op_id} is not in flight" if op_id else "no operation is in flight"
+        return Verdict(status="not_found", op_id=op_id, message=f"{what} in fleet {view.fleet}; list them with `haru op`")
+    spec = KINDS.get(op.kind)
+    stop = spec.no_abort_from if spec is not None else ""
+    if stop and any(s.step == stop for s in op.steps):
+        return Verdict(
+            status="refused",
+            op_id=op.op_id,
+            message=f"{op.kind} {op.op_id} has started its {stop} step: it can no longer be aborted (routing may be "
+            f"moving); follow it with `haru op {op.op_id}`",
         )
-    else:
-        if view.active == target:
-            return Verdict(
-                status="refused",
-                message=f"{target} is the active domain of fleet {fleet}; promote the standby instead "
-                f"(haru promote {view.standby() or '<standby>'})",
-            )
-        event = DemotionRequested(
-            at=now, by=by, op_id=op_id, target=target, reason="manual", route_revision=view.route_revision
-        )
-    return Verdict(status="accepted", op_id=op_id, message=f"{kind} of {target} accepted", event=event)
+    cur = last_step(op)
+    error = f"aborted by {by or 'the operator'}" + (f": {why}" if why else "")
+    event = OperationAborted(at=now, by=by, op_id=op.op_id, step=cur.step if cur is not None else "", error=error)
+    return Verdict(status="accepted", op_id=op.op_id, message=f"{op.kind} {op.op_id} aborted", event=event)
 
 
 EvolveFn = Callable[..., FleetView]
@@ -765,7 +858,7 @@ def fold(fleet: str, records: list, evolve: EvolveFn) -> tuple[FleetView, Mappin
 def tables_markdown() -> str:
     """The two tables as Markdown, for docs/promoter.md (a unit test checks the doc carries them)."""
     lines = ["| step | acts on | agent verbs | bounded by (policy) | on failure |", "|---|---|---|---|---|"]
-    for kind in ("promotion", "demotion"):
+    for kind in KINDS:
         for step in flow(kind):
             spec = STEPS[step]
             verbs = ", ".join(f"`{v}`" for v in spec.verbs) or "(route_moved CAS)"

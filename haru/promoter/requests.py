@@ -1,8 +1,10 @@
-"""Manual promotions and demotions: what `haru promote`/`haru demote` and the control API call.
+"""Manual requests of any operation kind, and aborts: what `haru promote`/`demote`/`op abort` and
+the control API call.
 
     result = await request_operation(log, "default", "promotion", "b", by="cli:alice", now=now)
     result.status   # noop | accepted | joined | conflict | refused | not_found
     result.op_id    # the operation accepted or joined (or the one in the way, for conflict)
+    result = await abort_operation(log, "default", "op-...", by="cli:alice", now=now)
 
 It reads the fleet's current state without replaying its history: the projector's view of the
 fleet (KV `haru_views`, `fleet.<fleet>`) plus the fleet's events stored after the view's position
@@ -23,7 +25,7 @@ import msgspec
 
 from haru import subjects
 from haru.errors import Conflict, InvalidName
-from haru.promoter.decider import fold, judge_request
+from haru.promoter.decider import Verdict, fold, judge_abort, judge_request
 from haru.promoter.service import new_op_id
 from haru.views import FleetView, view_decoder
 from projections.fleet import evolve
@@ -39,30 +41,49 @@ class RequestResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 async def request_operation(
-    log, fleet: str, kind: Literal["promotion", "demotion"], target: str, *, by: str, now: datetime
+    log, fleet: str, kind: str, target: str, *, by: str, now: datetime
 ) -> RequestResult:
-    """Request a promotion or demotion of `target` in `fleet`; see the module docstring."""
+    """Request an operation of `kind` (a key of `decider.KINDS`) on `target` in `fleet`; see the module docstring."""
     try:
         subjects.check_name("fleet", fleet)
         subjects.check_name("domain", target)
     except InvalidName as exc:
         return RequestResult(status="not_found", message=str(exc))
-    op_subject = subjects.op(fleet)
     op_id = new_op_id()
-    verdict = None
+    return await _judged_append(
+        log, fleet, lambda view: judge_request(view, kind, target, op_id=op_id, by=by, now=now))
+
+
+async def abort_operation(log, fleet: str, op_id: str = "", *, by: str, now: datetime, why: str = "") -> RequestResult:
+    """Abort the operation in flight in `fleet` (`op_id` '' = whichever it is) if it has not reached the
+    step from which its kind cannot be aborted (the flip, for a promotion): `operation_aborted` on
+    the op subject, appended against its last sequence, so it never lands after a step that started
+    meanwhile. The promoter then drives nothing more of it; a step already running finishes, and its
+    outcome is refused by the log (the abort took its place)."""
+    try:
+        subjects.check_name("fleet", fleet)
+    except InvalidName as exc:
+        return RequestResult(status="not_found", message=str(exc))
+    return await _judged_append(log, fleet, lambda view: judge_abort(view, op_id, by=by, now=now, why=why))
+
+
+async def _judged_append(log, fleet: str, judge) -> RequestResult:
+    """Read the fleet's view, judge, append the verdict's event against the op subject's last
+    sequence; on a Conflict read and judge again, a few times."""
+    op_subject = subjects.op(fleet)
     for _ in range(RETRIES):
         current = await current_view(log, fleet)
         if current is None:
             return RequestResult(status="not_found", message=f"no fleet {fleet!r}; declare it with `haru apply`")
         view, op_last = current
-        verdict = judge_request(view, kind, target, op_id=op_id, by=by, now=now)
+        verdict: Verdict = judge(view)
         if verdict.event is None:
             return RequestResult(status=verdict.status, op_id=verdict.op_id, message=verdict.message)
         try:
             seq = await log.append(op_subject, verdict.event, expect=op_last)
         except Conflict:
             continue
-        return RequestResult(status="accepted", op_id=op_id, message=verdict.message, seq=seq)
+        return RequestResult(status="accepted", op_id=verdict.op_id, message=verdict.message, seq=seq)
     return RequestResult(
         status="conflict",
         message=f"the op subject of fleet {fleet} kept moving while deciding ({RETRIES} tries); try again",

@@ -29,7 +29,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -42,7 +42,7 @@ from haru.errors import CommandError, Conflict, LogError
 from haru.eventlog import EventLog, Record
 from haru.events import RouteMoved, StepCompleted, StepFailed, StepStarted, tag_of
 from haru.promoter.client import send
-from haru.promoter.decider import command_for, decide, flip_refusal, step_outcome
+from haru.promoter.decider import STEPS, command_for, decide, flip_refusal, step_outcome
 from haru.promoter.decisions import Facts
 from haru.promoter.metrics import PromoterMetrics
 from haru.tasks import cancel_and_wait
@@ -79,6 +79,10 @@ def default_identity() -> str:
 
 def new_op_id() -> str:
     return f"op-{uuid.uuid4().hex[:12]}"
+
+
+StepRunner = Callable[["FleetState", OperationView, str, int], Awaitable[StepCompleted | StepFailed]]
+"""(fleet state, operation, step, seq of its step_started) -> the step's outcome, to be appended."""
 
 
 @dataclass
@@ -124,6 +128,9 @@ class Promoter:
         self.peers = alive.Heard()  # promoters heard on haru.alive.promoter.*, this one included
         self.log_ = log_.bind(promoter=self.identity)
         self.metrics = PromoterMetrics(self)  # counted from the records folded below (metrics.py)
+        # STEPS[step].run -> the coroutine that executes such a step and returns its outcome event.
+        # A new kind of step work (e.g. provisioning) registers its runner here.
+        self.runners: dict[str, StepRunner] = {"agent": self._agent_step, "flip": self._flip_step}
 
     # ------------------------------------------------------------------------------- following
 
@@ -347,39 +354,20 @@ class Promoter:
             if self.step_delay_ms:
                 await asyncio.sleep(self.step_delay_ms / 1000)
             t0 = time.monotonic()
-            if step == "flip":
-                refusal = flip_refusal(st.view, op)
-                if refusal:  # a flip started by someone else, before the probe: never moves the route
-                    event = StepFailed(at=utcnow(), op_id=op.op_id, step="flip", error_code="flip_refused", error=refusal)
-                else:
-                    event = await self._flip(st, op)
+            runner = self.runners.get(STEPS[step].run) if step in STEPS else None
+            if runner is None:
+                event = StepFailed(at=utcnow(), op_id=op.op_id, step=step, error_code="no_runner",  # type: ignore[arg-type]
+                                   error=f"this promoter has no runner {STEPS[step].run if step in STEPS else step!r}")
             else:
-                domain, commands = command_for(st.view, op, step)
-                if not domain:
-                    event = StepCompleted(at=utcnow(), op_id=op.op_id, step=step, detail="no other domain")  # type: ignore[arg-type]
-                else:
-                    replies: list[tuple[str, Reply]] = []
-                    for verb, command, timeout_ms in commands:
-                        command = msgspec.structs.replace(command, step=step, cause=started_seq)
-                        try:
-                            reply = await send(self.log.nc, fleet, domain, verb, command, timeout_ms=timeout_ms)
-                        except CommandError as exc:
-                            reply = Reply(ok=False, error=ErrorInfo(code=exc.code, message=str(exc)))
-                        replies.append((verb, reply))
-                        if not reply.ok:
-                            break
-                    # took_ms is the agents' own measure of the work (their replies' took_ms); the
-                    # promoter's wall time is in the step's started/completed `at`s.
-                    agent_ms = sum(r.took_ms for _, r in replies)
-                    wall_ms = int((time.monotonic() - t0) * 1000)
-                    event = step_outcome(op, step, replies, now=utcnow(), took_ms=agent_ms or wall_ms)
+                event = await runner(st, op, step, started_seq)
             if isinstance(event, (StepCompleted, StepFailed)) and not event.took_ms:
                 event = msgspec.structs.replace(event, took_ms=int((time.monotonic() - t0) * 1000))
             try:
                 seq = await self.log.append(subjects.op(fleet), msgspec.structs.replace(event, by=self.identity, cause=started_seq),
                                             expect=started_seq)
             except Conflict:
-                log.warning("step_taken_over", detail="another promoter re-started this step; its outcome stands")
+                log.warning("step_taken_over", detail="the op subject moved past this step (another promoter re-started "
+                            "it, or the operation was aborted): what was recorded stands")
                 return
             log.info("step_" + ("completed" if isinstance(event, StepCompleted) else "failed"), seq=seq, **_context(event))
             await self.wait_folded(seq)
@@ -390,6 +378,36 @@ class Promoter:
         finally:
             st.running.discard(key)
             self._changed.set()
+
+    async def _agent_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+        """Runner `agent`: the step's verbs, in order, to the domain it acts on; stops at the first not ok."""
+        t0 = time.monotonic()
+        fleet = st.view.fleet
+        domain, commands = command_for(st.view, op, step)
+        if not domain:
+            return StepCompleted(at=utcnow(), op_id=op.op_id, step=step, detail="no other domain")  # type: ignore[arg-type]
+        replies: list[tuple[str, Reply]] = []
+        for verb, command, timeout_ms in commands:
+            command = msgspec.structs.replace(command, step=step, cause=started_seq)
+            try:
+                reply = await send(self.log.nc, fleet, domain, verb, command, timeout_ms=timeout_ms)
+            except CommandError as exc:
+                reply = Reply(ok=False, error=ErrorInfo(code=exc.code, message=str(exc)))
+            replies.append((verb, reply))
+            if not reply.ok:
+                break
+        # took_ms is the agents' own measure of the work (their replies' took_ms); the
+        # promoter's wall time is in the step's started/completed `at`s.
+        agent_ms = sum(r.took_ms for _, r in replies)
+        wall_ms = int((time.monotonic() - t0) * 1000)
+        return step_outcome(op, step, replies, now=utcnow(), took_ms=agent_ms or wall_ms)
+
+    async def _flip_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+        """Runner `flip`: the route's compare-and-swap, unless the flip's precondition does not hold."""
+        refusal = flip_refusal(st.view, op)
+        if refusal:  # a flip started by someone else, before the probe: never moves the route
+            return StepFailed(at=utcnow(), op_id=op.op_id, step="flip", error_code="flip_refused", error=refusal)
+        return await self._flip(st, op)
 
     async def _flip(self, st: FleetState, op: OperationView) -> StepCompleted | StepFailed:
         """The one compare-and-swap that moves traffic: `route_moved` on the route subject.
