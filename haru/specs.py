@@ -51,6 +51,18 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     wake_timeout_ms: int = 120_000
     # Bound on a one-token probe completion.
     probe_timeout_ms: int = 30_000
+    # Provisioning (docs/provisioning.md). After a failover, replace the failed domain's host (a
+    # skypilot/skyserve domain) with a new one, made the standby. Off by default.
+    auto_replace: bool = False
+    # At most this many automatic launches per fleet in any hour (0 = no cap). Manual requests are not capped.
+    max_launches_per_hour: int = 0
+    # After a provisioning operation aborted, no automatic replace for this long (0 = the usual retry backoff).
+    launch_cooldown_ms: int = 0
+    # Bounds of the provisioning steps: launch (every placement tried), join (agent heard, models
+    # loaded), down (every cluster of the domain torn down).
+    launch_timeout_ms: int = 3_600_000
+    join_timeout_ms: int = 1_800_000
+    teardown_timeout_ms: int = 900_000
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):

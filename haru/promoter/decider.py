@@ -17,6 +17,11 @@ new `STEPS`, and a request rule (`REQUEST_RULES`): docs/promoter.md, "Adding an 
                 settle_old_active failed -> completed anyway (best effort; the old active is recorded
                                             as not eligible to be standby until it recovers)
     demotion:   sleep -> start_training -> completed;   any failure -> aborted
+    provision:  launch -> join -> sleep -> start_training -> completed;   any failure -> aborted
+    teardown:   down -> completed;   failure -> aborted (and asked again after the backoff: never forgotten)
+    replace:    down -> launch -> join -> sleep -> start_training -> completed;   any failure -> aborted
+                (the failed host goes first: the new one's agent takes over the same domain name, and
+                one domain has one agent)
 
 Who decides what, in order (`decide`):
 
@@ -46,6 +51,9 @@ from haru.events import (
     Event,
     DemotionRequested,
     EligibilityChanged,
+    ProvisionRequested,
+    ReplaceRequested,
+    TeardownRequested,
     OperationRequested,
     FailoverDeclined,
     OperationAborted,
@@ -143,6 +151,28 @@ STEPS: dict[str, StepSpec] = {
         bound=("command_timeout_ms",),
         what="start the target's training slots",
     ),
+    "launch": StepSpec(
+        on="target",
+        verbs=(),
+        bound=("launch_timeout_ms",),
+        run="launch",
+        what="launch the target's cluster (sky launch, each placement in order) or service (sky serve up); "
+             "one already up is found, not launched again",
+    ),
+    "join": StepSpec(
+        on="target",
+        verbs=(),
+        bound=("join_timeout_ms",),
+        run="join",
+        what="wait for the launched host's agent to start and its models to load",
+    ),
+    "down": StepSpec(
+        on="target",
+        verbs=(),
+        bound=("teardown_timeout_ms",),
+        run="down",
+        what="tear down every cluster (sky down) or service (sky serve down) of the target, recording its cost",
+    ),
 }
 
 # (kind, step that finished or None for the request, its outcome) -> the next step, COMPLETE or ABORT
@@ -165,6 +195,29 @@ TRANSITIONS: dict[tuple[OpKind, str | None, Outcome], str] = {
     ("demotion", "sleep", "failed"): ABORT,
     ("demotion", "start_training", "completed"): COMPLETE,
     ("demotion", "start_training", "failed"): ABORT,
+    ("provision", None, "requested"): "launch",
+    ("provision", "launch", "completed"): "join",
+    ("provision", "launch", "failed"): ABORT,
+    ("provision", "join", "completed"): "sleep",
+    ("provision", "join", "failed"): ABORT,
+    ("provision", "sleep", "completed"): "start_training",
+    ("provision", "sleep", "failed"): ABORT,
+    ("provision", "start_training", "completed"): COMPLETE,
+    ("provision", "start_training", "failed"): ABORT,
+    ("teardown", None, "requested"): "down",
+    ("teardown", "down", "completed"): COMPLETE,
+    ("teardown", "down", "failed"): ABORT,
+    ("replace", None, "requested"): "down",
+    ("replace", "down", "completed"): "launch",
+    ("replace", "down", "failed"): ABORT,
+    ("replace", "launch", "completed"): "join",
+    ("replace", "launch", "failed"): ABORT,
+    ("replace", "join", "completed"): "sleep",
+    ("replace", "join", "failed"): ABORT,
+    ("replace", "sleep", "completed"): "start_training",
+    ("replace", "sleep", "failed"): ABORT,
+    ("replace", "start_training", "completed"): COMPLETE,
+    ("replace", "start_training", "failed"): ABORT,
 }
 
 
@@ -193,7 +246,21 @@ KINDS: dict[str, KindSpec] = {
         request=DemotionRequested,
         what="put a standby domain to sleep and start its training",
     ),
+    "provision": KindSpec(
+        request=ProvisionRequested,
+        what="launch a skypilot/skyserve domain's host, wait for its agent and models, make it the standby",
+    ),
+    "teardown": KindSpec(
+        request=TeardownRequested,
+        what="tear down every cluster or service of a skypilot/skyserve domain",
+    ),
+    "replace": KindSpec(
+        request=ReplaceRequested,
+        what="replace a failed domain's host: tear it down, launch a new one, make it the standby",
+    ),
 }
+
+PROVISIONING_KINDS = ("provision", "teardown", "replace")
 
 
 def flow(kind: OpKind) -> list[str]:
@@ -433,6 +500,15 @@ def _finish(view: FleetView, op: OperationView, facts: Facts) -> Append:
                     event=EligibilityChanged(at=facts.now, domain=old, eligible=False, why=why),
                     why="the old active cannot be a standby",
                 )
+    elif op.kind == "teardown":
+        dv = view.domains.get(op.target)
+        if dv is not None and dv.eligible:
+            return Append(
+                subject=subject,
+                event=EligibilityChanged(at=facts.now, domain=op.target, eligible=False,
+                                         why="torn down: no host until it is provisioned again"),
+                why="a domain with no host cannot be the standby",
+            )
     else:
         dv = view.domains.get(op.target)
         if dv is not None and not dv.eligible:
@@ -634,6 +710,9 @@ def supervise(view: FleetView, facts: Facts) -> Append | None:
             ),
             why=f"auto-failover: {health.why}",
         )
+    provisioning = _provisioning(view, facts)
+    if provisioning is not None:
+        return provisioning
     for name, dv in view.domains.items():
         if name == view.active:
             continue
@@ -646,6 +725,48 @@ def supervise(view: FleetView, facts: Facts) -> Append | None:
                 ),
                 why=f"keep {name} a standby: {reason}",
             )
+    return None
+
+
+def _provisioning(view: FleetView, facts: Facts) -> Append | None:
+    """A failed teardown asked again (never forgotten), then the fleet's auto-replace of a failed domain.
+
+    Auto-replace (policy `auto_replace`, off by default): a skypilot/skyserve domain that is not the
+    active and is not eligible as standby (the failover recorded why: its GPU detached, its agent
+    unreachable) gets a `replace`, unless the last provisioning operation aborted less than
+    `launch_cooldown_ms` (or the usual retry backoff) ago, or `max_launches_per_hour` launches were
+    started in the last hour (the service counts them: `facts.launches_last_hour`)."""
+    now = facts.now
+    last = view.last_operation
+    op_subject = subjects.op(view.fleet)
+    if last is not None and last.state == "aborted" and last.kind in ("teardown", "replace") \
+            and any(s.step == "down" and s.state == "failed" for s in last.steps) and last.target in view.domains:
+        if last.finished_at is None or now - last.finished_at >= timedelta(milliseconds=retry_ms(view.policy)):
+            return Append(
+                subject=op_subject,
+                event=TeardownRequested(at=now, op_id=facts.new_op_id, target=last.target, reason="teardown_failed",
+                                        detail=f"the teardown in {last.op_id} failed: {last.error}"),
+                why=f"a failed teardown of {last.target} is asked again: its host may still be running and billed",
+            )
+        return None
+    policy = view.policy
+    if not policy.auto_replace:
+        return None
+    for name, dv in view.domains.items():
+        if name == view.active or dv.provider not in ("skypilot", "skyserve") or dv.eligible:
+            continue
+        if last is not None and last.state == "aborted" and last.kind in PROVISIONING_KINDS and last.target == name:
+            cool = max(policy.launch_cooldown_ms, retry_ms(policy))
+            if last.finished_at is not None and now - last.finished_at < timedelta(milliseconds=cool):
+                continue  # cooling down after a failed launch
+        if policy.max_launches_per_hour and facts.launches_last_hour >= policy.max_launches_per_hour:
+            continue  # over the fleet's launch budget for this hour
+        return Append(
+            subject=op_subject,
+            event=ReplaceRequested(at=now, op_id=facts.new_op_id, target=name, reason="auto_replace",
+                                   detail=f"{name} is not fit to be the standby: {dv.ineligible_why or 'ineligible'}"),
+            why=f"auto_replace: {name} failed ({dv.ineligible_why or 'ineligible'}); a new host replaces it",
+        )
     return None
 
 
@@ -779,7 +900,28 @@ def _demotion_rule(view: FleetView, target: str, op_id: str, by: str, now: datet
     return Verdict(status="accepted", op_id=op_id, message=f"demotion of {target} accepted", event=event)
 
 
-REQUEST_RULES: dict[str, RequestRule] = {"promotion": _promotion_rule, "demotion": _demotion_rule}
+def _provisioning_rule(kind: str) -> RequestRule:
+    request = KINDS[kind].request
+
+    def rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Verdict:
+        dv = view.domains[target]
+        if dv.provider not in ("skypilot", "skyserve"):
+            return Verdict(status="refused", message=f"{target} is a {dv.provider} domain: Haru launches and tears down "
+                           "only skypilot/skyserve domains (set its provider and provision block, then `haru apply`)")
+        if view.active == target:
+            return Verdict(status="refused", message=f"{target} is the active domain of fleet {view.fleet}: promote "
+                           f"the standby first (haru promote {view.standby() or '<standby>'}), then {kind} {target}")
+        if kind == "provision" and dv.reachable is True:
+            return Verdict(status="noop", message=f"{target} already has a running agent; to move it to a new host, "
+                           f"use `haru replace {target}`")
+        event = request(at=now, by=by, op_id=op_id, target=target)
+        return Verdict(status="accepted", op_id=op_id, message=f"{kind} of {target} accepted", event=event)
+
+    return rule
+
+
+REQUEST_RULES: dict[str, RequestRule] = {"promotion": _promotion_rule, "demotion": _demotion_rule,
+                                         **{kind: _provisioning_rule(kind) for kind in PROVISIONING_KINDS}}
 """Per kind, whether a manual request is a no-op, refused, or accepted (and its request event)."""
 
 

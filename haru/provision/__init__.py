@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 
-def submitted_yaml(fleet: str, spec, *, generation: int = 0) -> str:
+def submitted_yaml(fleet: str, spec, *, generation: str = "") -> str:
     """What `haru provision --dry-run` prints: the task YAML (skypilot, first placement) or the service YAML."""
     provision_of(spec)
     if spec.provider == "skyserve":

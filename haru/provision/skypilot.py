@@ -110,11 +110,17 @@ def provision_of(spec: DomainSpec) -> ProvisionSpec:
     return spec.provision
 
 
-def cluster_name(fleet: str, spec: DomainSpec, generation: int = 0) -> str:
-    """The cluster (or service) name: declared, else haru-<fleet>-<domain>; a replacement's has -g<N>."""
+def cluster_name(fleet: str, spec: DomainSpec, generation: str = "") -> str:
+    """The cluster (or service) name: declared, else haru-<fleet>-<domain>; a replacement's ends in
+    -r<generation> (six hex digits: the replace operation's)."""
     base = (spec.provision.cluster if spec.provision and spec.provision.cluster else f"haru-{fleet}-{spec.name}")
     base = re.sub(r"[^a-z0-9-]", "-", base.lower()).strip("-")
-    return f"{base}-g{generation}" if generation else base
+    return f"{base}-r{generation}" if generation else base
+
+
+def owns(fleet: str, spec: DomainSpec, name: str) -> bool:
+    """Whether a cluster (or service) name is one of this domain's: its base name or a replacement's."""
+    return re.fullmatch(re.escape(cluster_name(fleet, spec)) + r"(-r[0-9a-f]{6})?", name) is not None
 
 
 def placements(spec: DomainSpec, *, avoid: tuple[str, ...] = ()) -> list[Placement]:
@@ -163,7 +169,7 @@ def agent_config(fleet: str, spec: DomainSpec) -> dict:
     return config
 
 
-def task_config(fleet: str, spec: DomainSpec, placement: Placement | None = None, *, generation: int = 0) -> dict:
+def task_config(fleet: str, spec: DomainSpec, placement: Placement | None = None, *, generation: str = "") -> dict:
     """The SkyPilot task for the domain, pinned to `placement` (default: the first one)."""
     p = provision_of(spec)
     placement = placement or placements(spec)[0]
@@ -193,7 +199,7 @@ def task_config(fleet: str, spec: DomainSpec, placement: Placement | None = None
     return task
 
 
-def task_yaml(fleet: str, spec: DomainSpec, placement: Placement | None = None, *, generation: int = 0) -> str:
+def task_yaml(fleet: str, spec: DomainSpec, placement: Placement | None = None, *, generation: str = "") -> str:
     return yamltext.dump(task_config(fleet, spec, placement, generation=generation))
 
 
@@ -224,7 +230,13 @@ class SkyPilot:
 
     async def status(self, cluster: str, *, timeout_s: float = 120) -> ClusterStatus | None:
         """The cluster as SkyPilot knows it, or None when it knows no such cluster."""
-        argv = [*self.sky, "status", "-o", "json", cluster]
+        for c in await self._status([cluster], timeout_s):
+            if c.name == cluster:
+                return c
+        return None
+
+    async def _status(self, names: list[str], timeout_s: float) -> list[ClusterStatus]:
+        argv = [*self.sky, "status", "-o", "json", *names]
         result = await self.exec(argv, timeout_s=timeout_s)
         if result.returncode != 0:
             raise SkyFailed(result.summary("sky status"), argv=argv, returncode=result.returncode,
@@ -234,17 +246,19 @@ class SkyPilot:
         except ValueError:
             raise SkyFailed(f"sky status -o json printed no JSON: {result.stdout[:200]!r}", argv=argv,
                             returncode=result.returncode, output=result.output) from None
+        out = []
         for r in records if isinstance(records, list) else []:
-            if isinstance(r, dict) and r.get("name") == cluster:
-                status = r.get("status")
-                if status in (None, "TERMINATED"):
-                    return None
-                return ClusterStatus(name=cluster, status=str(status), region=_region_of(r),
-                                     resources=str(r.get("resources_str") or ""),
-                                     launched_at=int(r.get("launched_at") or 0))
-        return None
+            if isinstance(r, dict) and isinstance(r.get("name"), str) and r.get("status") not in (None, "TERMINATED"):
+                out.append(ClusterStatus(name=r["name"], status=str(r["status"]), region=_region_of(r),
+                                         resources=str(r.get("resources_str") or ""),
+                                         launched_at=int(r.get("launched_at") or 0)))
+        return out
 
-    async def launch(self, fleet: str, spec: DomainSpec, *, generation: int = 0,
+    async def clusters(self, *, timeout_s: float = 120) -> list[ClusterStatus]:
+        """Every cluster SkyPilot knows (`sky status -o json`)."""
+        return await self._status([], timeout_s)
+
+    async def launch(self, fleet: str, spec: DomainSpec, *, generation: str = "",
                      avoid: tuple[str, ...] = (), on_attempt: Callable[[Attempt], None] | None = None) -> LaunchResult:
         """Launch the domain's cluster, trying each placement in order; found, not repeated, when up."""
         p = provision_of(spec)

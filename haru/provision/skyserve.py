@@ -43,7 +43,7 @@ class ServeResult(msgspec.Struct, frozen=True, kw_only=True):
     endpoint: str = ""
 
 
-def service_config(fleet: str, spec: DomainSpec, *, generation: int = 0) -> dict:
+def service_config(fleet: str, spec: DomainSpec, *, generation: str = "") -> dict:
     """The SkyServe service: the domain's task plus replicas and a readiness probe on the agent's port.
 
     SkyServe places (and re-places) replicas itself, so where the domain declares several placements
@@ -65,7 +65,7 @@ def service_config(fleet: str, spec: DomainSpec, *, generation: int = 0) -> dict
     return {"service": service, **task}
 
 
-def service_yaml(fleet: str, spec: DomainSpec, *, generation: int = 0) -> str:
+def service_yaml(fleet: str, spec: DomainSpec, *, generation: str = "") -> str:
     return yamltext.dump(service_config(fleet, spec, generation=generation))
 
 
@@ -107,6 +107,15 @@ class SkyServe:
         self.environ = os.environ if environ is None else environ
         self.clock = clock
 
+    async def services(self, *, timeout_s: float = 120) -> list[ServiceStatus]:
+        """Every service SkyServe knows (`sky serve status`)."""
+        argv = [*self.sky, "serve", "status"]
+        result = await self.exec(argv, timeout_s=timeout_s)
+        if result.returncode != 0:
+            raise SkyFailed(result.summary("sky serve status"), argv=argv, returncode=result.returncode,
+                            output=result.output)
+        return list(parse_service_table(result.stdout).values())
+
     async def status(self, service: str, *, timeout_s: float = 120) -> ServiceStatus | None:
         argv = [*self.sky, "serve", "status", service]
         result = await self.exec(argv, timeout_s=timeout_s)
@@ -117,7 +126,7 @@ class SkyServe:
                             output=result.output)
         return parse_service_table(result.stdout).get(service)
 
-    async def up(self, fleet: str, spec: DomainSpec, *, generation: int = 0) -> ServeResult:
+    async def up(self, fleet: str, spec: DomainSpec, *, generation: str = "") -> ServeResult:
         """Submit the service; found, not repeated, when SkyServe already has it (and it is not going away)."""
         p = provision_of(spec)
         name = cluster_name(fleet, spec, generation)

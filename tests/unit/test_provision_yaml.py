@@ -107,7 +107,10 @@ def test_placements_follow_the_declared_order_and_put_the_failed_region_last():
 
 def test_a_generation_names_a_replacement_cluster():
     a = domain(example(), 0)
-    assert task_config("cloud", a, generation=3)["name"] == "haru-cloud-a-g3"
+    assert task_config("cloud", a, generation="0a1b2c")["name"] == "haru-cloud-a-r0a1b2c"
+    from haru.provision.skypilot import owns
+    assert owns("cloud", a, "haru-cloud-a") and owns("cloud", a, "haru-cloud-a-r0a1b2c")
+    assert not owns("cloud", a, "haru-cloud-a-b") and not owns("cloud", a, "haru-cloud-ab")
 
 
 def test_no_creds_secret_no_creds_path_and_a_declared_run_is_used_as_is():
