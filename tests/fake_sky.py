@@ -9,6 +9,12 @@ downs and serve-ups do is scripted in its state file:
     "capacity"  fail as SkyPilot does when a region has no capacity (ResourcesUnavailableError)
     "hang"      leave an INIT cluster, start a grandchild `sleep`, and hang (the caller's timeout kills it)
     "fail"      fail with some other error (a bad argument)
+    "slow"      succeed, but only exit after `slow_s` seconds (the cluster is UP meanwhile)
+
+A launched cluster can be a host: when the state's "hosts" has an entry for the cluster's domain (keyed by
+the domain's base cluster name), a successful launch marks that host's simulated GPU present (a new
+machine) and starts its command (a real `haru agent` on the simulator) in its own session; `sky down`
+stops it (SIGINT, then SIGKILL) as the cloud would take the machine away.
 
 Every invocation is appended to calls.jsonl: its argv, and which of the watched environment variables
 it saw (names only, and a hash of the value, never the value).
@@ -58,6 +64,46 @@ def region_of(text):
     m = re.search(r'^\s*region:\s*"?([A-Za-z0-9_.-]+)"?\s*$', text, re.M)
     return m.group(1) if m else ""
 
+def host_for(name):
+    for base, host in state.get("hosts", {{}}).items():
+        if name == base or re.fullmatch(re.escape(base) + r"-r[0-9a-f]{{6}}", name):
+            return host
+    return None
+
+def start_host(name):
+    host = host_for(name)
+    if host is None:
+        return 0
+    if host.get("sim_dir"):
+        from agents.sim.gpu_state import SimGpuState
+        SimGpuState(host["sim_dir"], 0).set_present(True)
+    out = open(host["log"], "ab")
+    proc = subprocess.Popen(host["argv"], env={{**os.environ, **host.get("env", {{}})}}, cwd=host.get("cwd"),
+                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc.pid
+
+def alive(pid):
+    try:
+        with open(f"/proc/{{pid}}/stat") as fh:
+            return fh.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return False
+
+def stop_host(pid):
+    if not pid:
+        return
+    import signal
+    for sig, wait in ((signal.SIGINT, 15.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + wait
+        while time.time() < deadline and alive(pid):
+            time.sleep(0.05)
+        if not alive(pid):
+            return
+
 def hang(name, kind):
     state[kind][name] = {{"status": "INIT", "region": "", "yaml": ""}}
     save()
@@ -94,9 +140,11 @@ elif cmd == "launch":
     if outcome == "fail":
         print("ValueError: Invalid accelerator for this cloud", file=sys.stderr)
         sys.exit(1)
-    state["clusters"][name] = {{"status": "UP", "region": region, "yaml": text}}
+    state["clusters"][name] = {{"status": "UP", "region": region, "yaml": text, "pid": start_host(name)}}
     state.setdefault("launched", []).append({{"cluster": name, "region": region, "yaml": text}})
     save()
+    if outcome == "slow":
+        time.sleep(state.get("slow_s", 5))
     print(f"Cluster {{name}} launched in {{region}}.")
 elif cmd == "down":
     name = argv[-1]
@@ -104,7 +152,10 @@ elif cmd == "down":
     if outcome != "ok":
         print(f"sky.exceptions.ClusterStatusFetchingError: failed to terminate {{name}}: cloud API error", file=sys.stderr)
         sys.exit(1)
-    state["clusters"].pop(name, None)
+    gone = state["clusters"].pop(name, None)
+    save()
+    stop_host((gone or {{}}).get("pid", 0))
+    state.setdefault("downed", []).append(name)
     save()
     print(f"Terminating cluster {{name}}...done.")
 elif cmd == "cost-report":
@@ -194,6 +245,30 @@ class FakeSky:
             argv = c["argv"]
             out.append(" ".join(argv[:2]) if argv and argv[0] == "serve" else (argv[0] if argv else ""))
         return out
+
+    def add_host(self, base: str, argv: list[str], log: Path, *, env: dict | None = None, cwd: str | None = None,
+                 sim_dir: str = "") -> None:
+        """A launch of `base` (or a replacement of it) starts `argv` as the launched host."""
+        state = self.state()
+        state.setdefault("hosts", {})[base] = {"argv": argv, "log": str(log), "env": env or {}, "cwd": cwd,
+                                               "sim_dir": sim_dir}
+        self.write_state(state)
+
+    def launched(self) -> list[dict]:
+        return self.state().get("launched", [])
+
+    def host_pids(self) -> list[int]:
+        return [c.get("pid", 0) for c in self.state()["clusters"].values() if c.get("pid")]
+
+    def kill_hosts(self) -> None:
+        """Every host a launch started and no down stopped (the tests' clean-up)."""
+        import signal
+
+        for pid in self.host_pids():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def hang_pid(self) -> int | None:
         path = self.home / "hang.pid"

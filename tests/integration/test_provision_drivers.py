@@ -4,6 +4,7 @@ hang past the timeout, a cluster already up after a crash, a failed teardown, a 
 
 from __future__ import annotations
 
+import json
 import time
 
 import msgspec
@@ -176,3 +177,25 @@ async def test_skyserve_up_that_hangs_is_killed(layout, fake):
         await serve.up(layout.fleet, b)
     pid = fake.hang_pid()
     assert pid is not None and not pid_alive(pid)
+
+
+def test_the_cli_dry_run_prints_what_it_would_submit_and_submits_nothing(fake):
+    from haru.cli.common import ExitStatus
+    from tests.support import haru
+
+    env = {"HARU_SKY": str(fake.path)}
+    out = haru("provision", "a", "--dry-run", "--layout", str(EXAMPLE), env=env, check=True)
+    head, _, body = out.stdout.partition("\n")
+    assert head == "# sky launch --yes --detach-run --cluster haru-cloud-a --secret HARU_NATS_CREDS --secret HF_TOKEN <this file>"
+    assert yaml.safe_load(body)["resources"]["region"] == "us-east-1"
+    out = haru("provision", "b", "--dry-run", "--layout", str(EXAMPLE), "--json", env=env, check=True)
+    assert yaml.safe_load(json.loads(out.stdout)["submit"].partition("\n")[2])["service"]["replicas"] == 1
+    out = haru("teardown", "a", "--dry-run", "--layout", str(EXAMPLE), env=env, check=True)
+    assert "sky down --yes haru-cloud-a" in out.stdout
+    out = haru("replace", "a", "--dry-run", "--layout", str(EXAMPLE), env=env, check=True)
+    assert out.stdout.index("sky down") < out.stdout.index("sky launch")
+    missing = haru("provision", "zz", "--dry-run", "--layout", str(EXAMPLE), env=env)
+    assert missing.returncode == ExitStatus.NOT_FOUND and "declared: a, b" in missing.stderr
+    static = haru("provision", "a6000-east", "--dry-run", "--layout", str(EXAMPLE.parent / "hearth.json"), env=env)
+    assert static.returncode == ExitStatus.ERROR and "static host" in static.stderr
+    assert fake.calls() == []  # nothing ran sky
