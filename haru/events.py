@@ -32,7 +32,7 @@ LostReason = Literal["evicted", "gpu_detached", "process_exited", "unhealthy"]
 StopHow = Literal["exited", "terminated", "killed"]
 OpKind = Literal["promotion", "demotion"]
 Step = Literal["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active", "sleep", "start_training",
-               "launch", "join", "down"]
+               "launch", "join", "settle", "down"]
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):

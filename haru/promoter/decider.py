@@ -17,9 +17,11 @@ new `STEPS`, and a request rule (`REQUEST_RULES`): docs/promoter.md, "Adding an 
                 settle_old_active failed -> completed anyway (best effort; the old active is recorded
                                             as not eligible to be standby until it recovers)
     demotion:   sleep -> start_training -> completed;   any failure -> aborted
-    provision:  launch -> join -> sleep -> start_training -> completed;   any failure -> aborted
+    provision:  launch -> join -> settle -> completed;   launch/join failed -> aborted
+                settle (sleep, start_training) failed -> completed anyway (best effort: with no route yet
+                the first route decides the new host's role; an awake standby is demoted by housekeeping)
     teardown:   down -> completed;   failure -> aborted (and asked again after the backoff: never forgotten)
-    replace:    down -> launch -> join -> sleep -> start_training -> completed;   any failure -> aborted
+    replace:    down -> launch -> join -> settle -> completed;   down/launch/join failed -> aborted
                 (the failed host goes first: the new one's agent takes over the same domain name, and
                 one domain has one agent)
 
@@ -166,6 +168,14 @@ STEPS: dict[str, StepSpec] = {
         run="join",
         what="wait for the launched host's agent to start and its models to load",
     ),
+    "settle": StepSpec(
+        on="target",
+        verbs=("sleep", "start_training"),
+        bound=("command_timeout_ms", "command_timeout_ms"),
+        fatal=False,
+        what="best effort: put the new host to sleep and start its training (with no route yet the first route "
+             "decides its role; an awake standby is demoted later by housekeeping)",
+    ),
     "down": StepSpec(
         on="target",
         verbs=(),
@@ -198,12 +208,10 @@ TRANSITIONS: dict[tuple[OpKind, str | None, Outcome], str] = {
     ("provision", None, "requested"): "launch",
     ("provision", "launch", "completed"): "join",
     ("provision", "launch", "failed"): ABORT,
-    ("provision", "join", "completed"): "sleep",
+    ("provision", "join", "completed"): "settle",
     ("provision", "join", "failed"): ABORT,
-    ("provision", "sleep", "completed"): "start_training",
-    ("provision", "sleep", "failed"): ABORT,
-    ("provision", "start_training", "completed"): COMPLETE,
-    ("provision", "start_training", "failed"): ABORT,
+    ("provision", "settle", "completed"): COMPLETE,
+    ("provision", "settle", "failed"): COMPLETE,  # best effort: housekeeping demotes an awake standby later
     ("teardown", None, "requested"): "down",
     ("teardown", "down", "completed"): COMPLETE,
     ("teardown", "down", "failed"): ABORT,
@@ -212,12 +220,10 @@ TRANSITIONS: dict[tuple[OpKind, str | None, Outcome], str] = {
     ("replace", "down", "failed"): ABORT,
     ("replace", "launch", "completed"): "join",
     ("replace", "launch", "failed"): ABORT,
-    ("replace", "join", "completed"): "sleep",
+    ("replace", "join", "completed"): "settle",
     ("replace", "join", "failed"): ABORT,
-    ("replace", "sleep", "completed"): "start_training",
-    ("replace", "sleep", "failed"): ABORT,
-    ("replace", "start_training", "completed"): COMPLETE,
-    ("replace", "start_training", "failed"): ABORT,
+    ("replace", "settle", "completed"): COMPLETE,
+    ("replace", "settle", "failed"): COMPLETE,  # best effort: housekeeping demotes an awake standby later
 }
 
 
