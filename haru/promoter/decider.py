@@ -677,6 +677,9 @@ def supervise(view: FleetView, facts: Facts) -> Append | None:
     """With no operation in flight: first route, auto-failover, demotions that keep the standby a standby."""
     op_subject = subjects.op(view.fleet)
     now = facts.now
+    retry = _teardown_retry(view, facts)  # a host that may still be billed comes first, route or not
+    if retry is not None:
+        return retry
     if not view.active:
         return _first_route(view, facts)
     health = active_health(view, now)
@@ -734,8 +737,26 @@ def supervise(view: FleetView, facts: Facts) -> Append | None:
     return None
 
 
+def _teardown_retry(view: FleetView, facts: Facts) -> Append | None:
+    """A teardown that failed (its `down` step, in a teardown or a replace) is asked again after the
+    retry backoff, until one succeeds: a host that may still be running and billed is never forgotten."""
+    now = facts.now
+    last = view.last_operation
+    if last is None or last.state != "aborted" or last.kind not in ("teardown", "replace") \
+            or not any(s.step == "down" and s.state == "failed" for s in last.steps) or last.target not in view.domains:
+        return None
+    if last.finished_at is not None and now - last.finished_at < timedelta(milliseconds=retry_ms(view.policy)):
+        return None
+    return Append(
+        subject=subjects.op(view.fleet),
+        event=TeardownRequested(at=now, op_id=facts.new_op_id, target=last.target, reason="teardown_failed",
+                                detail=f"the teardown in {last.op_id} failed: {last.error}"),
+        why=f"a failed teardown of {last.target} is asked again: its host may still be running and billed",
+    )
+
+
 def _provisioning(view: FleetView, facts: Facts) -> Append | None:
-    """A failed teardown asked again (never forgotten), then the fleet's auto-replace of a failed domain.
+    """The fleet's auto-replace of a failed domain.
 
     Auto-replace (policy `auto_replace`, off by default): a skypilot/skyserve domain that is not the
     active and is not eligible as standby (the failover recorded why: its GPU detached, its agent
@@ -745,16 +766,6 @@ def _provisioning(view: FleetView, facts: Facts) -> Append | None:
     now = facts.now
     last = view.last_operation
     op_subject = subjects.op(view.fleet)
-    if last is not None and last.state == "aborted" and last.kind in ("teardown", "replace") \
-            and any(s.step == "down" and s.state == "failed" for s in last.steps) and last.target in view.domains:
-        if last.finished_at is None or now - last.finished_at >= timedelta(milliseconds=retry_ms(view.policy)):
-            return Append(
-                subject=op_subject,
-                event=TeardownRequested(at=now, op_id=facts.new_op_id, target=last.target, reason="teardown_failed",
-                                        detail=f"the teardown in {last.op_id} failed: {last.error}"),
-                why=f"a failed teardown of {last.target} is asked again: its host may still be running and billed",
-            )
-        return None
     policy = view.policy
     if not policy.auto_replace:
         return None
