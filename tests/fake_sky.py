@@ -27,6 +27,7 @@ import json
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 
 SCRIPT = r'''#!{python}
@@ -118,6 +119,9 @@ if cmd == "status":
     for name, c in state["clusters"].items():
         if names and name not in names:
             continue
+        if c["status"] == "INIT" and c.get("up_at") and time.time() >= c["up_at"]:
+            c["status"] = "UP"
+            save()
         out.append({{"name": name, "status": c["status"], "launched_at": 1764547200, "last_creation_yaml": c["yaml"],
                      "resources_str": "1x AWS(g6.xlarge, {{'L4': 1}})", "autostop": -1, "to_down": False,
                      "cluster_hash": "h", "cluster_ever_up": True, "user_hash": "u", "user_name": "haru",
@@ -227,9 +231,13 @@ class FakeSky:
         state.update(scripts)
         self.write_state(state)
 
-    def add_cluster(self, name: str, status: str = "UP", region: str = "us-east-1") -> None:
+    def add_cluster(self, name: str, status: str = "UP", region: str = "us-east-1", *, up_after_s: float = 0) -> None:
+        """A cluster SkyPilot knows; an INIT one with `up_after_s` turns UP that long from now (a launch
+        still running elsewhere)."""
         state = self.state()
         state["clusters"][name] = {"status": status, "region": region, "yaml": f'resources:\n  region: "{region}"\n'}
+        if up_after_s:
+            state["clusters"][name]["up_at"] = time.time() + up_after_s
         self.write_state(state)
 
     def calls(self) -> list[dict]:

@@ -7,7 +7,8 @@ image, ports) and the agent (setup installs Haru, run starts `haru agent` with i
 CLI, one bounded command at a time:
 
 - `launch` first asks `sky status` whether the cluster is already there (a launch that happened
-  before a crash is found, not repeated), then tries each placement in order: a capacity error or a
+  before a crash is found, not repeated; one still under way, INIT, is waited for; a STOPPED one is
+  taken down), then tries each placement in order: a capacity error or a
   timeout moves to the next (after taking down whatever the failed attempt left), any other failure
   stops. Every attempt is returned, with its duration.
 - `status` reads `sky status -o json` (SkyPilot's machine-readable output).
@@ -17,6 +18,7 @@ CLI, one bounded command at a time:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -222,11 +224,13 @@ class SkyPilot:
     """`sky launch / status / down` through one injectable `Exec`, every command bounded."""
 
     def __init__(self, exec: Exec | None = None, *, sky: str | list[str] = "sky",
-                 environ: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 environ: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic,
+                 poll_s: float = 10.0) -> None:
         self.exec = exec or SubprocessExec()
         self.sky = [sky] if isinstance(sky, str) else list(sky)
         self.environ = os.environ if environ is None else environ
         self.clock = clock
+        self.poll_s = poll_s  # how often an INIT cluster (a launch still running elsewhere) is looked at again
 
     async def status(self, cluster: str, *, timeout_s: float = 120) -> ClusterStatus | None:
         """The cluster as SkyPilot knows it, or None when it knows no such cluster."""
@@ -272,6 +276,20 @@ class SkyPilot:
                 on_attempt(a)
 
         existing = await self.status(name, timeout_s=p.status_timeout_s)
+        if existing is not None and existing.status == "INIT":
+            # A launch of this cluster is under way (one started before a crash, whose `sky launch` runs
+            # on): wait for it, within the launch bound, rather than launch the task a second time.
+            deadline = self.clock() + p.launch_timeout_s
+            while existing is not None and existing.status == "INIT" and self.clock() < deadline:
+                await asyncio.sleep(self.poll_s)
+                existing = await self.status(name, timeout_s=p.status_timeout_s)
+            if existing is not None and existing.status != "UP":
+                await self.down(name, timeout_s=p.down_timeout_s, status_timeout_s=p.status_timeout_s)
+                existing = None
+        elif existing is not None and existing.status != "UP":
+            # STOPPED: not ours to restart half-configured; take it down and launch afresh
+            await self.down(name, timeout_s=p.down_timeout_s, status_timeout_s=p.status_timeout_s)
+            existing = None
         if existing is not None and existing.status == "UP":
             where = Placement(cloud=p.cloud, region=existing.region)
             record(Attempt(placement=where, outcome="found", duration_s=0.0,

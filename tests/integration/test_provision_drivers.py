@@ -123,6 +123,21 @@ async def test_a_cluster_already_up_after_a_crash_is_found_not_launched_again(la
     assert "launch" not in fake.commands()
 
 
+async def test_a_launch_still_under_way_is_waited_for_not_repeated(layout, fake):
+    fake.add_cluster("haru-cloud-a", "INIT", region="us-east-1", up_after_s=1.0)
+    sky = SkyPilot(SubprocessExec(kill_grace_s=1), sky=str(fake.path), environ=ENV, poll_s=0.2)
+    result = await sky.launch(layout.fleet, layout.domains[0].spec)
+    assert result.found is True and [a.outcome for a in result.attempts] == ["found"]
+    assert "launch" not in fake.commands() and "down" not in fake.commands()
+
+
+async def test_a_stopped_cluster_is_taken_down_and_launched_afresh(layout, fake):
+    fake.add_cluster("haru-cloud-a", "STOPPED", region="us-west-2")
+    result = await driver(fake).launch(layout.fleet, layout.domains[0].spec)
+    assert result.found is False and result.placement.region == "us-east-1"
+    assert fake.commands() == ["status", "status", "down", "launch"]
+
+
 async def test_a_missing_secret_is_named_before_anything_launches(layout, fake):
     with pytest.raises(SecretMissing, match="HF_TOKEN is not set"):
         await driver(fake, env={"HARU_NATS_CREDS": "x"}).launch(layout.fleet, layout.domains[0].spec)
