@@ -267,6 +267,9 @@ KINDS: dict[str, KindSpec] = {
 }
 
 PROVISIONING_KINDS = ("provision", "teardown", "replace")
+# Why a domain an operator tore down is not eligible; auto-replace leaves such a domain alone (the
+# operator wanted it gone: `haru provision` brings it back).
+TORN_DOWN = "torn down: no host until it is provisioned again"
 
 
 def flow(kind: OpKind) -> list[str]:
@@ -511,8 +514,7 @@ def _finish(view: FleetView, op: OperationView, facts: Facts) -> Append:
         if dv is not None and dv.eligible:
             return Append(
                 subject=subject,
-                event=EligibilityChanged(at=facts.now, domain=op.target, eligible=False,
-                                         why="torn down: no host until it is provisioned again"),
+                event=EligibilityChanged(at=facts.now, domain=op.target, eligible=False, why=TORN_DOWN),
                 why="a domain with no host cannot be the standby",
             )
     else:
@@ -770,7 +772,8 @@ def _provisioning(view: FleetView, facts: Facts) -> Append | None:
     if not policy.auto_replace:
         return None
     for name, dv in view.domains.items():
-        if name == view.active or dv.provider not in ("skypilot", "skyserve") or dv.eligible:
+        if name == view.active or dv.provider not in ("skypilot", "skyserve") or dv.eligible \
+                or dv.ineligible_why == TORN_DOWN:
             continue
         if last is not None and last.state == "aborted" and last.kind in PROVISIONING_KINDS and last.target == name:
             cool = max(policy.launch_cooldown_ms, retry_ms(policy))

@@ -143,6 +143,13 @@ def test_a_replace_runs_its_steps_in_order_and_ends_with_the_domain_eligible():
     assert isinstance(appended(given(*events)), OperationCompleted)
 
 
+def test_a_domain_the_operator_tore_down_is_not_replaced_automatically():
+    from haru.promoter.decider import TORN_DOWN
+
+    view = given((OP, EligibilityChanged(at=at(1), domain="a", eligible=False, why=TORN_DOWN)))
+    assert appended(view) is None
+
+
 def test_a_teardown_leaves_the_domain_ineligible():
     events = [(OP, EligibilityChanged(at=at(0), domain="a", eligible=True, why="x")),
               (OP, TeardownRequested(at=at(1), op_id="op-t", target="a")),
