@@ -1023,7 +1023,9 @@ def tables_markdown() -> str:
     for kind in KINDS:
         for step in flow(kind):
             spec = STEPS[step]
-            verbs = ", ".join(f"`{v}`" for v in spec.verbs) or "(route_moved CAS)"
+            verbs = ", ".join(f"`{v}`" for v in spec.verbs) or \
+                ("(route_moved CAS)" if spec.run == "flip" else f"(runner `{spec.run}`: sky, docs/provisioning.md)"
+                 if spec.run in ("launch", "down") else f"(runner `{spec.run}`)")
             bound = " + ".join(f"`{b}`" for b in spec.bound)
             failure = TRANSITIONS[(kind, step, "failed")]
             lines.append(f"| {kind}: `{step}` | {spec.on} | {verbs} | {bound} | {failure} |")
