@@ -190,7 +190,9 @@ elif cmd == "serve":
         if outcome != "ok":
             print("sky.exceptions.ResourcesUnavailableError: no capacity for the service", file=sys.stderr)
             sys.exit(1)
-        state["services"][name] = {{"status": "READY", "endpoint": "34.1.2.3:30001", "yaml": Path(argv[-1]).read_text()}}
+        state["services"][name] = {{"status": "READY", "endpoint": "34.1.2.3:30001", "yaml": Path(argv[-1]).read_text(),
+                                   "pid": start_host(name)}}
+        state.setdefault("launched", []).append({{"service": name}})
         save()
         print(f"Service {{name!r}} is spinning up.")
     elif sub == "down":
@@ -199,7 +201,10 @@ elif cmd == "serve":
         if outcome != "ok":
             print("failed to tear down the service", file=sys.stderr)
             sys.exit(1)
-        state["services"].pop(name, None)
+        gone = state["services"].pop(name, None)
+        save()
+        stop_host((gone or {{}}).get("pid", 0))
+        state.setdefault("downed", []).append(name)
         save()
         print(f"Service {{name!r}} is scheduled to be terminated.")
 else:
@@ -266,7 +271,8 @@ class FakeSky:
         return self.state().get("launched", [])
 
     def host_pids(self) -> list[int]:
-        return [c.get("pid", 0) for c in self.state()["clusters"].values() if c.get("pid")]
+        state = self.state()
+        return [c.get("pid", 0) for c in [*state["clusters"].values(), *state["services"].values()] if c.get("pid")]
 
     def kill_hosts(self) -> None:
         """Every host a launch started and no down stopped (the tests' clean-up)."""

@@ -10,6 +10,7 @@ is SIGKILLed while the replacement's `sky launch` runs; the restarted one finds 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -132,3 +133,53 @@ async def test_failover_then_auto_replace_with_a_promoter_killed_mid_launch(tmp_
 
 async def _async(value):
     return value
+
+
+@pytest.mark.timeout(180)
+async def test_a_skyserve_domain_provisioned_and_torn_down_through_the_promoter(tmp_path, nats_server, event_log):
+    from haru.promoter.decider import TORN_DOWN
+    from tests.fake_sky import pid_alive
+
+    url = nats_server.url
+    path = cloud_layout(tmp_path, url, auto_replace=True)
+    doc = json.loads(path.read_text())
+    b = doc["domains"][1]
+    b["provider"] = "skyserve"
+    b["provision"]["service"] = {"replicas": 1, "readiness_path": "/health", "initial_delay_s": 600}
+    path.write_text(json.dumps(doc))
+    await apply(event_log, load_layout(path), now())
+    fake = FakeSky(tmp_path / "sky")
+    config = write_config(tmp_path / "agent-b.json", url, tmp_path, domain="b", fleet=F)
+    fake.add_host(f"haru-{F}-b", [sys.executable, "-m", "haru.cli", "agent", "--config", str(config),
+                                  "--log-format", "json"],
+                  tmp_path / "host-b.log", env={"PYTHONPATH": str(REPO), "HARU_NO_UVLOOP": "1"}, cwd=str(REPO),
+                  sim_dir=str(tmp_path / "sim" / "b"))
+    promoter = PromoterProcess(url, "promoter:p1", env={"HARU_SKY": str(fake.path)}, log_path=tmp_path / "promoter.log")
+    promoter.start()
+    try:
+        result = await request_operation(event_log, F, "provision", "b", by="test", now=now())
+        assert result.status == "accepted", result.message
+        assert isinstance(await wait_op_end(event_log, result.op_id, timeout=90, fleet=F), OperationCompleted), \
+            (tmp_path / "promoter.log").read_text()[-3000:]
+        launch = [e for e in await op_events(event_log, F, result.op_id) if isinstance(e, StepCompleted)]
+        assert "service haru-f-b submitted (sky serve up); endpoint 34.1.2.3:30001" in launch[0].detail
+        assert set(fake.state()["services"]) == {f"haru-{F}-b"}
+        (pid,) = fake.host_pids()
+        view = await view_of(event_log, F)
+        assert view.domains["b"].agent.running and view.domains["b"].reachable is True
+
+        await wait_view(event_log, lambda v: v.operation is None, timeout=30, what="no operation in flight", fleet=F)
+        result = await request_operation(event_log, F, "teardown", "b", by="test", now=now())
+        assert result.status == "accepted", result.message
+        assert isinstance(await wait_op_end(event_log, result.op_id, timeout=60, fleet=F), OperationCompleted)
+        assert fake.state()["services"] == {} and fake.state()["downed"] == [f"haru-{F}-b"]
+        assert not pid_alive(pid)
+        view = await wait_view(event_log, lambda v: not v.domains["b"].eligible, timeout=30,
+                               what="b not eligible", fleet=F)
+        assert view.domains["b"].ineligible_why == TORN_DOWN
+        # torn down on purpose: auto_replace (on in this fleet) leaves it alone, round after round
+        await asyncio.sleep(2)
+        assert not [e for e in await op_events(event_log, F) if isinstance(e, ReplaceRequested)]
+    finally:
+        promoter.stop()
+        fake.kill_hosts()
