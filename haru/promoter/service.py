@@ -561,13 +561,19 @@ async def run_promoter(
         await promoter.run(ready)
 
 
+# An agent's `agent_started` carries its host's clock, the request the control plane's: a launched
+# host's clock a little behind must not keep its agent from counting as started since the request.
+JOIN_CLOCK_SKEW = timedelta(seconds=60)
+
+
 def join_pending(view: FleetView, op: OperationView) -> str:
     """Why the launched host has not joined yet ('' = it has): its agent, heard, with its models loaded."""
     dv = view.domains.get(op.target)
     if dv is None:
         return f"domain {op.target} is no longer declared"
     started = dv.agent.since
-    if not dv.agent.running or started is None or (op.requested_at is not None and started < op.requested_at):
+    if not dv.agent.running or started is None or (
+            op.requested_at is not None and started < op.requested_at - JOIN_CLOCK_SKEW):
         return f"no agent of {op.target} has started since the operation was requested"
     if dv.reachable is not True:
         return f"the agent of {op.target} is not heard yet"
