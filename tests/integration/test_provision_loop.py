@@ -126,6 +126,13 @@ async def test_failover_then_auto_replace_with_a_promoter_killed_mid_launch(tmp_
         assert "replace of a" in shown and "auto_replace" in shown
         for step in ("down", "launch", "join", "settle"):
             assert step in shown
+        # `haru why` follows the causes: the GPU reading, the failover, the replace it led to, its steps
+        why = haru("why", "m1", "--domain", "a", "--fleet", F, nats_url=url, check=True).stdout
+        chain = ["gpu_observed", "promotion_requested", "step_failed:settle_old_active", "replace_requested",
+                 "step_completed:down", "step_completed:launch", "step_completed:join", "step_completed:settle"]
+        positions = [why.index(word) for word in chain]
+        assert positions == sorted(positions), why
+        assert "found already UP (not launched again)" in why
     finally:
         promoter.stop()
         fake.kill_hosts()
