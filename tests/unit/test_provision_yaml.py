@@ -12,7 +12,9 @@ import json
 from pathlib import Path
 
 import pytest
+import sky  # the skypilot package, a test dependency: SkyPilot's own schema and task parser
 import yaml
+from sky.utils import common_utils, schemas
 
 from haru.errors import LayoutError
 from haru.layout import load_layout, parse_layout
@@ -24,8 +26,6 @@ from haru.provision.skypilot import DEFAULT_RUN, agent_config
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "examples" / "cloud-fleet.json"
 
-sky = pytest.importorskip("sky", reason="skypilot is a test dependency: pip install -e '.[test]'")
-from sky.utils import common_utils, schemas  # noqa: E402
 
 
 def sky_validates_task(config: dict) -> "sky.Task":
