@@ -48,16 +48,16 @@ DEFAULT_SETUP = """command -v haru >/dev/null 2>&1 || {
 }
 """
 # Writes the agent config (from $HARU_AGENT_CONFIG; "__HOME__" becomes the host's $HOME) and the
-# NATS credentials (from the secret $HARU_NATS_CREDS, when declared), then becomes the agent.
+# NATS credentials (from the secret $HARU_AGENT_NATS_CREDS, when declared), then becomes the agent.
 DEFAULT_RUN = """set -eu
 mkdir -p "$HOME/.haru"
 printf '%s\\n' "$HARU_AGENT_CONFIG" | sed "s|__HOME__|$HOME|g" > "$HOME/.haru/agent.json"
-if [ -n "${HARU_NATS_CREDS:-}" ]; then
-  (umask 077 && printf '%s\\n' "$HARU_NATS_CREDS" > "$HOME/.haru/agent.creds")
+if [ -n "${HARU_AGENT_NATS_CREDS:-}" ]; then
+  (umask 077 && printf '%s\\n' "$HARU_AGENT_NATS_CREDS" > "$HOME/.haru/agent.creds")
 fi
 exec haru agent --config "$HOME/.haru/agent.json" --log-format json
 """
-CREDS_SECRET = "HARU_NATS_CREDS"
+CREDS_SECRET = "HARU_AGENT_NATS_CREDS"
 
 _CAPACITY = re.compile(
     r"ResourcesUnavailableError|Failed to provision all possible launchable resources|InsufficientInstanceCapacity"

@@ -18,7 +18,7 @@ from haru.provision.errors import TeardownFailed
 from tests.fake_sky import FakeSky, pid_alive, sha12
 from tests.unit.test_provision_yaml import EXAMPLE
 
-ENV = {"HARU_NATS_CREDS": "-----BEGIN NATS USER JWT-----\nfake\n", "HF_TOKEN": "hf_fake"}
+ENV = {"HARU_AGENT_NATS_CREDS": "-----BEGIN NATS USER JWT-----\nfake\n", "HF_TOKEN": "hf_fake"}
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def layout():
 
 @pytest.fixture
 def fake(tmp_path):
-    return FakeSky(tmp_path / "sky", watch_env=("HARU_NATS_CREDS", "HF_TOKEN"))
+    return FakeSky(tmp_path / "sky", watch_env=("HARU_AGENT_NATS_CREDS", "HF_TOKEN"))
 
 
 def with_provision(spec, **changes):
@@ -48,7 +48,7 @@ async def test_launch_status_cost_down(layout, fake):
     assert fake.commands() == ["status", "launch"]
     launch = fake.calls()[1]
     assert launch["argv"][:6] == ["launch", "--yes", "--cluster", "haru-cloud-a", "--detach-run", "--secret"]
-    assert "HARU_NATS_CREDS" in launch["argv"] and "HF_TOKEN" in launch["argv"]
+    assert "HARU_AGENT_NATS_CREDS" in launch["argv"] and "HF_TOKEN" in launch["argv"]
     # the secrets' values reach `sky` in its environment, never on its command line or in the YAML
     assert launch["env"] == {k: sha12(v) for k, v in ENV.items()}
     assert not any(v in " ".join(launch["argv"]) for v in ENV.values())
@@ -140,7 +140,7 @@ async def test_a_stopped_cluster_is_taken_down_and_launched_afresh(layout, fake)
 
 async def test_a_missing_secret_is_named_before_anything_launches(layout, fake):
     with pytest.raises(SecretMissing, match="HF_TOKEN is not set"):
-        await driver(fake, env={"HARU_NATS_CREDS": "x"}).launch(layout.fleet, layout.domains[0].spec)
+        await driver(fake, env={"HARU_AGENT_NATS_CREDS": "x"}).launch(layout.fleet, layout.domains[0].spec)
     assert "launch" not in fake.commands()
 
 
@@ -201,7 +201,7 @@ def test_the_cli_dry_run_prints_what_it_would_submit_and_submits_nothing(fake):
     env = {"HARU_SKY": str(fake.path)}
     out = haru("provision", "a", "--dry-run", "--layout", str(EXAMPLE), env=env, check=True)
     head, _, body = out.stdout.partition("\n")
-    assert head == "# sky launch --yes --detach-run --cluster haru-cloud-a --secret HARU_NATS_CREDS --secret HF_TOKEN <this file>"
+    assert head == "# sky launch --yes --detach-run --cluster haru-cloud-a --secret HARU_AGENT_NATS_CREDS --secret HF_TOKEN <this file>"
     assert yaml.safe_load(body)["resources"]["region"] == "us-east-1"
     out = haru("provision", "b", "--dry-run", "--layout", str(EXAMPLE), "--json", env=env, check=True)
     assert yaml.safe_load(json.loads(out.stdout)["submit"].partition("\n")[2])["service"]["replicas"] == 1

@@ -60,7 +60,7 @@ def test_the_examples_yaml_is_what_skypilot_accepts():
         "serving": {"host": "0.0.0.0", "port": 8600}, "role": "auto", "state_dir": "__HOME__/.haru/state",
         "nats_creds": "__HOME__/.haru/agent.creds"}
     # secrets are named, never valued, in what Haru writes
-    assert yaml.safe_load(text)["secrets"] == {"HARU_NATS_CREDS": None, "HF_TOKEN": None}
+    assert yaml.safe_load(text)["secrets"] == {"HARU_AGENT_NATS_CREDS": None, "HF_TOKEN": None}
 
     text = service_yaml(layout.fleet, b)
     config = yaml.safe_load(text)
@@ -169,3 +169,13 @@ def test_the_yaml_writer_round_trips_awkward_strings():
              "e": ["", "yes", "null", "0123", "é"], "f": {}, "g": [], "h": None, "i": [{"k": 1}, {"k": [True]}],
              "j": "two\nnewlines\n\n", "k": "no newline\nat end", "weird key": 1.5}
     assert yaml.safe_load(yamltext.dump(value)) == value
+
+
+def test_the_docs_show_the_yaml_the_examples_produce():
+    from haru.provision import dry_run_text
+
+    doc = (ROOT / "docs" / "provisioning.md").read_text()
+    layout = load_layout(EXAMPLE)
+    for d in layout.domains:
+        assert dry_run_text("provision", layout.fleet, d.spec).rstrip("\n") in doc, \
+            f"regenerate docs/provisioning.md's YAML with `haru provision {d.spec.name} --dry-run --layout {EXAMPLE.name}`"
