@@ -2,7 +2,7 @@
 
 The pure half (`placements`, `agent_config`, `task_config`) turns a `DomainSpec` with a provision
 block into the task SkyPilot runs: the resources (cloud, region or zone, accelerators, spot, disk,
-image, ports) and the agent (setup installs Haru, run starts `haru agent` with its config in
+image, ports) and the agent (the operator's setup installs Haru, run starts `haru agent` with its config in
 `$HARU_AGENT_CONFIG` and its credentials as SkyPilot secrets). The shell half (`SkyPilot`) runs the
 CLI, one bounded command at a time:
 
@@ -32,7 +32,7 @@ import msgspec
 from haru.provision import yamltext
 from haru.provision.errors import (CapacityError, LaunchFailed, NotProvisionable, SecretMissing, SkyFailed,
                                    SkyTimeout, TeardownFailed)
-from haru.provision.execs import Exec, ExecResult, SubprocessExec
+from haru.provision.execs import Exec, SubprocessExec
 from haru.specs import DomainSpec, ProvisionSpec
 
 __all__ = ["Placement", "Attempt", "ClusterStatus", "LaunchResult", "SkyPilot", "placements", "cluster_name",

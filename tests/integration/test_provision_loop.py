@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 from datetime import datetime, timezone
 
 import pytest
