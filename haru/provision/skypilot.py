@@ -319,7 +319,7 @@ class SkyPilot:
         raise LaunchFailed(f"no placement launched {name}: tried {tried}; add regions or zones to the domain's "
                            "provision block, or try again later", attempts)
 
-    async def _launch_once(self, name: str, fleet: str, spec: DomainSpec, placement: Placement, generation: int,
+    async def _launch_once(self, name: str, fleet: str, spec: DomainSpec, placement: Placement, generation: str,
                            secrets: dict[str, str], timeout_s: float) -> None:
         text = task_yaml(fleet, spec, placement, generation=generation)
         with tempfile.TemporaryDirectory(prefix="haru-sky-") as tmp:
