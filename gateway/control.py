@@ -9,6 +9,10 @@
     GET  /v1/fleets/{fleet}/route-intent        the last RouteIntent (as published on haru.route.<fleet>)
     POST /v1/fleets/{fleet}/promote             {"domain": "<name>"}  (or Haru's "targetDomainId")
     POST /v1/fleets/{fleet}/demote              {"domain": "<name>"}
+    POST /v1/fleets/{fleet}/provision           {"domain": "<name>", "dry_run": false}  (skypilot/skyserve domains)
+    POST /v1/fleets/{fleet}/teardown            {"domain": "<name>", "dry_run": false}
+    POST /v1/fleets/{fleet}/replace             {"domain": "<name>", "dry_run": false}
+                                                dry_run: 200 {"submit": <the YAML / sky commands>}, nothing requested
     GET  /v1/fleets/{fleet}/history?model=&domain=&limit=   events, newest first
 
 Views and intents are read fresh from NATS here (the control API is not the hot path); when NATS is
@@ -60,6 +64,7 @@ OPERATION_STATUS: dict[str, int] = {
 class _OperationBody(msgspec.Struct, forbid_unknown_fields=False):
     domain: str | None = None
     targetDomainId: str | None = None  # noqa: N815 - Haru's own field name, accepted for compatibility
+    dry_run: bool = False  # provision/teardown/replace: answer with what would be submitted, request nothing
 
 
 _decode_operation = msgspec.json.Decoder(_OperationBody).decode
@@ -274,6 +279,8 @@ class Control:
             raise ApiError(400, "invalid_request",
                            'the domain to act on is required: {"domain": "<name>"} - at `$.domain`', param="domain")
         events = self._need_log()
+        if body.dry_run:
+            return await self._dry_run(events, fleet, kind, target)
         from haru.promoter.requests import request_operation  # the promoter's; imported when first used
 
         try:
@@ -291,6 +298,30 @@ class Control:
                     "fleet": fleet, "kind": kind, "target": target}
         headers = {"x-should-retry": "false"} if status >= 400 else None
         return json_response(body_out, status, headers)
+
+    async def _dry_run(self, events, fleet: str, kind: str, target: str) -> web.Response:
+        """What a provisioning operation would submit to `sky`, from the fleet's declarations."""
+        from haru.apply import fold_declarations
+        from haru.provision import NotProvisionable, dry_run_text
+
+        if kind not in ("provision", "teardown", "replace"):
+            raise ApiError(400, "invalid_request", f"dry_run is for provision, teardown and replace, not {kind}",
+                           param="dry_run")
+        try:
+            records = await events.history(subjects.decl(fleet))
+        except LogUnavailable as exc:
+            raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
+        declared = fold_declarations(r.event for r in records if r.event is not None and not misplaced(r.subject, r.event))
+        spec = declared.domains.get(target)
+        if spec is None:
+            known = ", ".join(declared.domains) or "none"
+            raise ApiError(404, "not_found", f"no domain {target!r} in fleet {fleet} (declared: {known})", param="domain")
+        try:
+            text = dry_run_text(kind, fleet, spec)
+        except NotProvisionable as exc:
+            raise ApiError(409, "not_provisionable", str(exc), param="domain") from None
+        return json_response({"fleet": fleet, "kind": kind, "target": target, "provider": spec.provider,
+                              "dry_run": True, "submit": text})
 
     def _nats_up(self) -> bool:
         """Connected now: while NATS is away, answer from memory at once instead of timing out."""

@@ -21,6 +21,7 @@ found and adopted, a pull it started), an operator's request, a declaration, an 
 | `domain_reachable` | the `domain_unreachable` it ends (or `agent_started`, the first time) |
 | `promotion_requested`, `failover_declined` | the loss: `domain_unreachable`, the `model_lost` / `gpu_observed` of a detached GPU, the degraded model's `lost`/`failed`; for the first route, the event that made the first domain ready; manual requests are roots |
 | `demotion_requested` (automatic) | the residency event that made the standby awake or recovered |
+| `replace_requested` (automatic), `teardown_requested` (a retry) | the last step of the operation before it (the failover's, or the failed teardown's) |
 | `step_started` | the step event before it, or the request |
 | `step_completed`, `step_failed` | their `step_started` |
 | `operation_completed`, `operation_aborted`, `eligibility_changed` (settle) | the last step event |
@@ -57,12 +58,15 @@ EXPECTED: dict[str, tuple[str, ...]] = {
                             "model_sleeping", "model_waking", "domain_reachable"),
     "failover_declined": ("domain_unreachable", "model_lost", "model_failed", "gpu_observed"),
     "demotion_requested": ("model_resident", "model_sleeping", "model_loading", "model_waking"),
-    "step_started": ("promotion_requested", "demotion_requested", "step_completed", "step_failed", "step_started"),
+    "replace_requested": ("step_completed", "step_failed"),
+    "teardown_requested": ("step_completed", "step_failed"),
+    "step_started": ("promotion_requested", "demotion_requested", "provision_requested", "teardown_requested",
+                     "replace_requested", "step_completed", "step_failed", "step_started"),
     "step_completed": ("step_started",),
     "step_failed": ("step_started",),
     "operation_completed": ("step_completed", "step_failed", "step_started"),
     "operation_aborted": ("step_completed", "step_failed", "step_started", "promotion_requested",
-                          "demotion_requested"),
+                          "demotion_requested", "provision_requested", "teardown_requested", "replace_requested"),
     "eligibility_changed": ("step_completed", "step_failed", "step_started"),
     "route_moved": ("step_completed",),
 }
@@ -217,6 +221,8 @@ def decided_cause(view: FleetView, event: ev.Event, last: Mapping[str, int]) -> 
         return 0
     if isinstance(event, ev.DemotionRequested):
         return 0 if event.reason == "manual" else _newest_model_seq(view, event.target)
+    if isinstance(event, (ev.ReplaceRequested, ev.TeardownRequested, ev.ProvisionRequested)):
+        return 0 if event.reason == "manual" else _last_step_seq(view.last_operation)
     if isinstance(event, (ev.StepStarted, ev.OperationCompleted, ev.OperationAborted, ev.EligibilityChanged)):
         op = view.operation
         if op is not None and (not hasattr(event, "op_id") or op.op_id == event.op_id):

@@ -30,9 +30,9 @@ SCHEMA_VERSION = 1
 
 LostReason = Literal["evicted", "gpu_detached", "process_exited", "unhealthy"]
 StopHow = Literal["exited", "terminated", "killed"]
-OpKind = Literal["promotion", "demotion", "rolling"]
+OpKind = Literal["promotion", "demotion", "rolling", "provision", "teardown", "replace"]
 Step = Literal["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active", "sleep", "start_training",
-               "apply_standby", "apply_old_active"]
+               "apply_standby", "apply_old_active", "launch", "join", "settle", "down"]
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -369,6 +369,30 @@ class RollingRequested(OperationRequested, frozen=True, kw_only=True, tag="rolli
     decl_seq: int = 0  # the last sequence on haru.evt.<fleet>.decl it rolls out (0: whatever is declared)
 
 
+class ProvisionRequested(OperationRequested, frozen=True, kw_only=True, tag="provision_requested"):
+    """Launch the target's cluster (SkyPilot) or service (SkyServe), wait for its agent, make it the standby."""
+
+    kind: ClassVar[str] = "provision"
+    reason: str = "manual"
+    detail: str = ""
+
+
+class TeardownRequested(OperationRequested, frozen=True, kw_only=True, tag="teardown_requested"):
+    """Tear down every cluster (or service) of the target domain."""
+
+    kind: ClassVar[str] = "teardown"
+    reason: str = "manual"  # manual | teardown_failed (a failed teardown, asked again)
+    detail: str = ""
+
+
+class ReplaceRequested(OperationRequested, frozen=True, kw_only=True, tag="replace_requested"):
+    """Replace a failed domain's host: tear the old one down, launch a new one, make it the standby."""
+
+    kind: ClassVar[str] = "replace"
+    reason: str = "manual"  # manual | auto_replace (the fleet's policy, after a failover)
+    detail: str = ""
+
+
 class StepStarted(Event, frozen=True, kw_only=True, tag="step_started"):
     op_id: str
     step: Step
@@ -488,6 +512,9 @@ AnyEvent = Union[
     PromotionRequested,
     DemotionRequested,
     RollingRequested,
+    ProvisionRequested,
+    TeardownRequested,
+    ReplaceRequested,
     StepStarted,
     StepCompleted,
     StepFailed,

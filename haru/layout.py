@@ -34,7 +34,7 @@ import msgspec
 
 from haru.errors import InvalidName, LayoutError
 from haru.launch import ArgConflict, check_args, format_refusal, runtime_for
-from haru.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, Policy, TrainingSpec
+from haru.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, Policy, ProvisionSpec, ServiceSpec, TrainingSpec
 from haru.subjects import check_model_id, check_name
 
 __all__ = ["parse_layout", "load_layout", "parse_size", "SIZE_UNITS"]
@@ -57,7 +57,9 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 # ----------------------------------------------------------------------------- allowed keys
 
 _TOP_KEYS = ("fleet", "policy", "domains")
-_DOMAIN_KEYS = ("name", "provider", "region", "serving_url", "serve", "gpus", "slots")
+_DOMAIN_KEYS = ("name", "provider", "region", "serving_url", "serve", "gpus", "slots", "provision")
+_PROVISION_KEYS = tuple(ProvisionSpec.__struct_fields__)
+_SERVICE_KEYS = tuple(ServiceSpec.__struct_fields__)
 _GPU_KEYS = ("index", "memory", "reserve", "name")
 _INFERENCE_SLOT_KEYS = ("name", "kind", "gpu", "models")
 _TRAINING_SLOT_KEYS = ("name", "kind", "gpu", "command", "checkpoint_dir", "vram", "grace_ms")
@@ -109,6 +111,7 @@ class _Domain(msgspec.Struct, forbid_unknown_fields=True):
     serve: Literal["agent", "direct"] = "agent"
     gpus: list[_Gpu] = []
     slots: list[_Slot] = []
+    provision: dict[str, Any] | None = None
 
 
 class _Layout(msgspec.Struct, forbid_unknown_fields=True):
@@ -201,6 +204,11 @@ def _clean(raw: object) -> dict[str, Any]:
                             ]
                     slots.append(s)
                 d["slots"] = slots
+            if "provision" in d:
+                d["provision"] = _check_keys(d["provision"], _PROVISION_KEYS, f"{dp}.provision", "provision")
+                if "service" in d["provision"]:
+                    d["provision"]["service"] = _check_keys(d["provision"]["service"], _SERVICE_KEYS,
+                                                            f"{dp}.provision.service", "provision.service")
             clean_domains.append(d)
         top["domains"] = clean_domains
     return top
@@ -384,8 +392,78 @@ def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
                              gpu_layers=m.gpu_layers)
             _check_launch(model, m.runtime, mp, gpu_memory.get(s.gpu, 0))
             models.append(model)
-    spec = DomainSpec(name=name, provider=d.provider, region=d.region, serving_url=d.serving_url, serve=d.serve, gpus=gpus)
+    provision = _provision(d, name, dp) if d.provision is not None else None
+    spec = DomainSpec(name=name, provider=d.provider, region=d.region, serving_url=d.serving_url, serve=d.serve,
+                      gpus=gpus, provision=provision)
     return Domain(spec=spec, models=models, training=training)
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ACCELERATORS = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(:\d+(\.\d+)?)?")
+_CLUSTER = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_PLACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# What the default run command reads (haru.provision.skypilot): an operator's env may not shadow it.
+RESERVED_ENVS = ("HARU_AGENT_CONFIG",)
+
+
+def _provision(d: _Domain, name: str, dp: str) -> ProvisionSpec:
+    """The `provision` block of a skypilot/skyserve domain, checked where the mistake is made."""
+    pp = f"{dp}.provision"
+    if d.provider == "static":
+        raise LayoutError(f"domain {name!r} is static but declares provision", path=pp,
+                          fix='set "provider": "skypilot" (or "skyserve") to launch it, or remove provision')
+    raw = dict(d.provision or {})
+    service_given = "service" in raw
+    p: ProvisionSpec = _convert(raw, ProvisionSpec, pp)
+    if service_given and d.provider != "skyserve":
+        raise LayoutError(f"domain {name!r} declares provision.service but its provider is {d.provider}",
+                          path=f"{pp}.service", fix='use "provider": "skyserve", or remove service')
+    if p.accelerators and not _ACCELERATORS.fullmatch(p.accelerators):
+        raise LayoutError(f"accelerators {p.accelerators!r} is not SkyPilot's NAME[:COUNT]", path=f"{pp}.accelerators",
+                          fix='write it like "L4:1" or "A100-80GB:8"')
+    for key in ("regions", "zones"):
+        for i, value in enumerate(getattr(p, key)):
+            if not _PLACE.fullmatch(value):
+                raise LayoutError(f"{key[:-1]} {value!r} is not a region or zone name", path=f"{pp}.{key}[{i}]",
+                                  fix="write the cloud's name for it, e.g. us-east-1 or us-east-1a")
+    if p.regions and p.zones:
+        raise LayoutError("provision gives both regions and zones", path=f"{pp}.zones",
+                          fix="give zones (tried in order) or regions (tried in order), not both")
+    if d.region and p.regions and d.region not in p.regions:
+        raise LayoutError(f"the domain's region {d.region!r} is not among provision.regions {p.regions}",
+                          path=f"{pp}.regions", fix=f"add {d.region!r} to regions or change the domain's region")
+    for i, port in enumerate(p.ports):
+        if not 1 <= port <= 65535:
+            raise LayoutError(f"port {port} is out of range", path=f"{pp}.ports[{i}]", fix="use 1..65535")
+    for key in ("disk_size_gb", "launch_timeout_s", "status_timeout_s", "down_timeout_s"):
+        value = getattr(p, key)
+        if value < 0 or (value == 0 and key != "disk_size_gb"):
+            raise LayoutError(f"{key} is {value}", path=f"{pp}.{key}",
+                              fix="use a positive number" + (" (0 = SkyPilot's default)" if key == "disk_size_gb" else ""))
+    for key in p.envs:
+        if not _ENV_NAME.fullmatch(key) or key in RESERVED_ENVS:
+            raise LayoutError(f"env name {key!r} cannot be used", path=f"{pp}.envs.{key}",
+                              fix="use letters, digits and '_', not starting with a digit, and not "
+                                  + ", ".join(RESERVED_ENVS) + " (the run command reads it)")
+    for i, key in enumerate(p.secrets):
+        if not _ENV_NAME.fullmatch(key) or key in RESERVED_ENVS:
+            raise LayoutError(f"secret name {key!r} cannot be used", path=f"{pp}.secrets[{i}]",
+                              fix="name an environment variable of the launching process (letters, digits, '_')")
+        if key in p.envs:
+            raise LayoutError(f"{key!r} is both an env and a secret", path=f"{pp}.secrets[{i}]",
+                              fix="declare it once: as a secret when it is a credential")
+    if p.cluster and not _CLUSTER.fullmatch(p.cluster):
+        raise LayoutError(f"cluster name {p.cluster!r} is not a valid SkyPilot cluster name", path=f"{pp}.cluster",
+                          fix="use lowercase letters, digits and '-', starting with a letter")
+    if not p.run and not p.nats_url:
+        raise LayoutError(f"domain {name!r} launches an agent but gives no NATS URL for it", path=f"{pp}.nats_url",
+                          fix='add "nats_url": "nats://<control plane>:4222", the address the launched host reaches')
+    if p.service.replicas < 1:
+        raise LayoutError(f"service replicas is {p.service.replicas}", path=f"{pp}.service.replicas", fix="use 1 or more")
+    if not p.service.readiness_path.startswith("/"):
+        raise LayoutError(f"readiness_path {p.service.readiness_path!r} is not a path", path=f"{pp}.service.readiness_path",
+                          fix='write it like "/health"')
+    return p
 
 
 def _check_launch(spec: ModelSpec, named: str, mp: str, gpu_memory_bytes: int) -> None:

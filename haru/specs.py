@@ -54,6 +54,18 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     # Bound on a rolling change's apply steps: a domain reloading the models the layout changed
     # (a cold load of a real vLLM model took 21-98 s here; leave room).
     apply_timeout_ms: int = 600_000
+    # Provisioning (docs/provisioning.md). After a failover, replace the failed domain's host (a
+    # skypilot/skyserve domain) with a new one, made the standby. Off by default.
+    auto_replace: bool = False
+    # At most this many automatic launches per fleet in any hour (0 = no cap). Manual requests are not capped.
+    max_launches_per_hour: int = 0
+    # After a provisioning operation aborted, no automatic replace for this long (0 = the usual retry backoff).
+    launch_cooldown_ms: int = 0
+    # Bounds of the provisioning steps: launch (every placement tried), join (agent heard, models
+    # loaded), down (every cluster of the domain torn down).
+    launch_timeout_ms: int = 3_600_000
+    join_timeout_ms: int = 1_800_000
+    teardown_timeout_ms: int = 900_000
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -98,6 +110,45 @@ class TrainingSpec(msgspec.Struct, frozen=True, kw_only=True):
     grace_ms: int = 0  # 0 = the policy's training_grace_ms
 
 
+class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """SkyServe's part of a `provider: skyserve` domain: replicas and the readiness probe."""
+
+    replicas: int = 1
+    readiness_path: str = "/health"
+    # How long SkyServe waits before probing a new replica: the agent's set-up and model loads.
+    initial_delay_s: int = 1200
+
+
+class ProvisionSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """How a `provider: skypilot | skyserve` domain is launched (haru.provision turns it into YAML).
+
+    Clouds, regions and zones are placement constraints handed to SkyPilot; Haru calls no cloud SDK.
+    Secrets are named here, never valued: their values come from the launching process's
+    environment at launch time and reach SkyPilot as `--secret NAME`.
+    """
+
+    cloud: str = ""  # "aws", "gcp", ...; "" = any cloud SkyPilot has credentials for
+    regions: list[str] = []  # tried in order (a capacity error moves to the next); [] = the domain's region
+    zones: list[str] = []  # tried in order instead of regions when given
+    accelerators: str = ""  # SkyPilot's form: "L4:1", "A100-80GB:8"
+    use_spot: bool = False
+    disk_size_gb: int = 0  # 0 = SkyPilot's default
+    image_id: str = ""  # e.g. "docker:vllm/vllm-openai:v0.8.5" or a cloud image id
+    cpus: str = ""  # "8", "8+"
+    memory: str = ""  # GB: "32", "32+"
+    ports: list[int] = []  # [] = the agent's serving port
+    setup: str = ""  # "" = install haru (haru.provision.skypilot.DEFAULT_SETUP)
+    run: str = ""  # "" = write the agent config from $HARU_AGENT_CONFIG and exec `haru agent`
+    envs: dict[str, str] = {}
+    secrets: list[str] = []  # names of environment variables passed as SkyPilot secrets
+    nats_url: str = ""  # the NATS URL(s) as the launched host reaches them (the agent's nats_url)
+    cluster: str = ""  # "" = haru-<fleet>-<domain>; the SkyServe service name for skyserve
+    launch_timeout_s: int = 1800
+    status_timeout_s: int = 120
+    down_timeout_s: int = 900
+    service: ServiceSpec = ServiceSpec()
+
+
 class DomainSpec(msgspec.Struct, frozen=True, kw_only=True):
     """One failure domain: its provider, where it serves, and its GPUs (slots are declared apart)."""
 
@@ -107,6 +158,9 @@ class DomainSpec(msgspec.Struct, frozen=True, kw_only=True):
     serving_url: str = ""
     serve: Serve = "agent"
     gpus: list[GpuSpec] = []
+    # For provider skypilot/skyserve: how to launch it (None for static hosts, and for a cloud domain
+    # declared before provisioning was wired in: `haru provision` then says what to add).
+    provision: ProvisionSpec | None = None
 
 
 class Domain(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,6 +23,13 @@ new `STEPS`, and a request rule (`REQUEST_RULES`): docs/promoter.md, "Adding an 
                 the old spec, its changes still waiting); apply_old_active failed -> settle_old_active
                 anyway, and the old active is recorded not eligible to be standby; the active failing
                 before the flip -> aborted, so that auto-failover is not held up by a long reload
+    provision:  launch -> join -> settle -> completed;   launch/join failed -> aborted
+                settle (sleep, start_training) failed -> completed anyway (best effort: with no route yet
+                the first route decides the new host's role; an awake standby is demoted by housekeeping)
+    teardown:   down -> completed;   failure -> aborted (and asked again after the backoff: never forgotten)
+    replace:    down -> launch -> join -> settle -> completed;   down/launch/join failed -> aborted
+                (the failed host goes first: the new one's agent takes over the same domain name, and
+                one domain has one agent)
 
 Who decides what, in order (`decide`):
 
@@ -52,6 +59,10 @@ from haru.events import (
     DemotionRequested,
     EligibilityChanged,
     Event,
+    OperationRequested,
+    ProvisionRequested,
+    ReplaceRequested,
+    TeardownRequested,
     FailoverDeclined,
     OperationAborted,
     OperationCompleted,
@@ -163,6 +174,36 @@ STEPS: dict[str, StepSpec] = {
         bound=("command_timeout_ms",),
         what="start the target's training slots",
     ),
+    "launch": StepSpec(
+        on="target",
+        verbs=(),
+        bound=("launch_timeout_ms",),
+        run="launch",
+        what="launch the target's cluster (sky launch, each placement in order) or service (sky serve up); "
+             "one already up is found, not launched again",
+    ),
+    "join": StepSpec(
+        on="target",
+        verbs=(),
+        bound=("join_timeout_ms",),
+        run="join",
+        what="wait for the launched host's agent to start and its models to load",
+    ),
+    "settle": StepSpec(
+        on="target",
+        verbs=("sleep", "start_training"),
+        bound=("command_timeout_ms", "command_timeout_ms"),
+        fatal=False,
+        what="best effort: put the new host to sleep and start its training (with no route yet the first route "
+             "decides its role; an awake standby is demoted later by housekeeping)",
+    ),
+    "down": StepSpec(
+        on="target",
+        verbs=(),
+        bound=("teardown_timeout_ms",),
+        run="down",
+        what="tear down every cluster (sky down) or service (sky serve down) of the target, recording its cost",
+    ),
 }
 
 # (kind, step that finished or None for the request, its outcome) -> the next step, COMPLETE or ABORT
@@ -202,6 +243,25 @@ TRANSITIONS: dict[tuple[OpKind, str | None, Outcome], str] = {
     ("demotion", "sleep", "failed"): ABORT,
     ("demotion", "start_training", "completed"): COMPLETE,
     ("demotion", "start_training", "failed"): ABORT,
+    ("provision", None, "requested"): "launch",
+    ("provision", "launch", "completed"): "join",
+    ("provision", "launch", "failed"): ABORT,
+    ("provision", "join", "completed"): "settle",
+    ("provision", "join", "failed"): ABORT,
+    ("provision", "settle", "completed"): COMPLETE,
+    ("provision", "settle", "failed"): COMPLETE,  # best effort: housekeeping demotes an awake standby later
+    ("teardown", None, "requested"): "down",
+    ("teardown", "down", "completed"): COMPLETE,
+    ("teardown", "down", "failed"): ABORT,
+    ("replace", None, "requested"): "down",
+    ("replace", "down", "completed"): "launch",
+    ("replace", "down", "failed"): ABORT,
+    ("replace", "launch", "completed"): "join",
+    ("replace", "launch", "failed"): ABORT,
+    ("replace", "join", "completed"): "settle",
+    ("replace", "join", "failed"): ABORT,
+    ("replace", "settle", "completed"): COMPLETE,
+    ("replace", "settle", "failed"): COMPLETE,  # best effort: housekeeping demotes an awake standby later
 }
 
 
@@ -239,8 +299,26 @@ KINDS: dict[str, KindSpec] = {
         yields_to_failover=True,
         what="roll a layout change through the standby: apply it there, wake, probe and promote it, then apply it "
         "to the old active",
+
+    ),
+    "provision": KindSpec(
+        request=ProvisionRequested,
+        what="launch a skypilot/skyserve domain's host, wait for its agent and models, make it the standby",
+    ),
+    "teardown": KindSpec(
+        request=TeardownRequested,
+        what="tear down every cluster or service of a skypilot/skyserve domain",
+    ),
+    "replace": KindSpec(
+        request=ReplaceRequested,
+        what="replace a failed domain's host: tear it down, launch a new one, make it the standby",
     ),
 }
+
+PROVISIONING_KINDS = ("provision", "teardown", "replace")
+# Why a domain an operator tore down is not eligible; auto-replace leaves such a domain alone (the
+# operator wanted it gone: `haru provision` brings it back).
+TORN_DOWN = "torn down: no host until it is provisioned again"
 
 
 def flow(kind: OpKind) -> list[str]:
@@ -492,6 +570,14 @@ def _finish(view: FleetView, op: OperationView, facts: Facts) -> Append:
                     event=EligibilityChanged(at=facts.now, domain=old, eligible=False, why=why),
                     why="the old active cannot be a standby",
                 )
+    elif op.kind == "teardown":
+        dv = view.domains.get(op.target)
+        if dv is not None and dv.eligible:
+            return Append(
+                subject=subject,
+                event=EligibilityChanged(at=facts.now, domain=op.target, eligible=False, why=TORN_DOWN),
+                why="a domain with no host cannot be the standby",
+            )
     else:
         dv = view.domains.get(op.target)
         if dv is not None and not dv.eligible:
@@ -656,6 +742,9 @@ def supervise(view: FleetView, facts: Facts) -> Append | None:
     """With no operation in flight: first route, auto-failover, demotions that keep the standby a standby."""
     op_subject = subjects.op(view.fleet)
     now = facts.now
+    retry = _teardown_retry(view, facts)  # a host that may still be billed comes first, route or not
+    if retry is not None:
+        return retry
     if not view.active:
         return _first_route(view, facts)
     health = active_health(view, now)
@@ -695,6 +784,9 @@ def supervise(view: FleetView, facts: Facts) -> Append | None:
             ),
             why=f"auto-failover: {health.why}",
         )
+    provisioning = _provisioning(view, facts)
+    if provisioning is not None:
+        return provisioning
     for name, dv in view.domains.items():
         if name == view.active:
             continue
@@ -707,6 +799,57 @@ def supervise(view: FleetView, facts: Facts) -> Append | None:
                 ),
                 why=f"keep {name} a standby: {reason}",
             )
+    return None
+
+
+def _teardown_retry(view: FleetView, facts: Facts) -> Append | None:
+    """A teardown that failed (its `down` step, in a teardown or a replace) is asked again after the
+    retry backoff, until one succeeds: a host that may still be running and billed is never forgotten."""
+    now = facts.now
+    last = view.last_operation
+    if last is None or last.state != "aborted" or last.kind not in ("teardown", "replace") \
+            or not any(s.step == "down" and s.state == "failed" for s in last.steps) or last.target not in view.domains:
+        return None
+    if last.finished_at is not None and now - last.finished_at < timedelta(milliseconds=retry_ms(view.policy)):
+        return None
+    return Append(
+        subject=subjects.op(view.fleet),
+        event=TeardownRequested(at=now, op_id=facts.new_op_id, target=last.target, reason="teardown_failed",
+                                detail=f"the teardown in {last.op_id} failed: {last.error}"),
+        why=f"a failed teardown of {last.target} is asked again: its host may still be running and billed",
+    )
+
+
+def _provisioning(view: FleetView, facts: Facts) -> Append | None:
+    """The fleet's auto-replace of a failed domain.
+
+    Auto-replace (policy `auto_replace`, off by default): a skypilot/skyserve domain that is not the
+    active and is not eligible as standby (the failover recorded why: its GPU detached, its agent
+    unreachable) gets a `replace`, unless the last provisioning operation aborted less than
+    `launch_cooldown_ms` (or the usual retry backoff) ago, or `max_launches_per_hour` launches were
+    started in the last hour (the service counts them: `facts.launches_last_hour`)."""
+    now = facts.now
+    last = view.last_operation
+    op_subject = subjects.op(view.fleet)
+    policy = view.policy
+    if not policy.auto_replace:
+        return None
+    for name, dv in view.domains.items():
+        if name == view.active or dv.provider not in ("skypilot", "skyserve") or dv.eligible \
+                or dv.ineligible_why == TORN_DOWN:
+            continue
+        if last is not None and last.state == "aborted" and last.kind in PROVISIONING_KINDS and last.target == name:
+            cool = max(policy.launch_cooldown_ms, retry_ms(policy))
+            if last.finished_at is not None and now - last.finished_at < timedelta(milliseconds=cool):
+                continue  # cooling down after a failed launch
+        if policy.max_launches_per_hour and facts.launches_last_hour >= policy.max_launches_per_hour:
+            continue  # over the fleet's launch budget for this hour
+        return Append(
+            subject=op_subject,
+            event=ReplaceRequested(at=now, op_id=facts.new_op_id, target=name, reason="auto_replace",
+                                   detail=f"{name} is not fit to be the standby: {dv.ineligible_why or 'ineligible'}"),
+            why=f"auto_replace: {name} failed ({dv.ineligible_why or 'ineligible'}); a new host replaces it",
+        )
     return None
 
 
@@ -858,7 +1001,28 @@ def _rolling_rule(view: FleetView, target: str, op_id: str, by: str, now: dateti
     return Verdict(status="accepted", op_id=op_id, message=f"rolling change through {target} accepted", event=event)
 
 
-REQUEST_RULES: dict[str, RequestRule] = {"promotion": _promotion_rule, "demotion": _demotion_rule, "rolling": _rolling_rule}
+def _provisioning_rule(kind: str) -> RequestRule:
+    request = KINDS[kind].request
+
+    def rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Verdict:
+        dv = view.domains[target]
+        if dv.provider not in ("skypilot", "skyserve"):
+            return Verdict(status="refused", message=f"{target} is a {dv.provider} domain: Haru launches and tears down "
+                           "only skypilot/skyserve domains (set its provider and provision block, then `haru apply`)")
+        if view.active == target:
+            return Verdict(status="refused", message=f"{target} is the active domain of fleet {view.fleet}: promote "
+                           f"the standby first (haru promote {view.standby() or '<standby>'}), then {kind} {target}")
+        if kind == "provision" and dv.reachable is True:
+            return Verdict(status="noop", message=f"{target} already has a running agent; to move it to a new host, "
+                           f"use `haru replace {target}`")
+        event = request(at=now, by=by, op_id=op_id, target=target)
+        return Verdict(status="accepted", op_id=op_id, message=f"{kind} of {target} accepted", event=event)
+
+    return rule
+
+
+REQUEST_RULES: dict[str, RequestRule] = {"promotion": _promotion_rule, "demotion": _demotion_rule, "rolling": _rolling_rule,
+                                         **{kind: _provisioning_rule(kind) for kind in PROVISIONING_KINDS}}
 """Per kind, whether a manual request is a no-op, refused, or accepted (and its request event)."""
 
 
@@ -926,7 +1090,9 @@ def tables_markdown() -> str:
     for kind in KINDS:
         for step in flow(kind):
             spec = STEPS[step]
-            verbs = ", ".join(f"`{v}`" for v in spec.verbs) or "(route_moved CAS)"
+            verbs = ", ".join(f"`{v}`" for v in spec.verbs) or \
+                ("(route_moved CAS)" if spec.run == "flip" else f"(runner `{spec.run}`: sky, docs/provisioning.md)"
+                 if spec.run in ("launch", "down") else f"(runner `{spec.run}`)")
             bound = " + ".join(f"`{b}`" for b in spec.bound)
             failure = TRANSITIONS[(kind, step, "failed")]
             lines.append(f"| {kind}: `{step}` | {spec.on} | {verbs} | {bound} | {failure} |")

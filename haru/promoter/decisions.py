@@ -35,6 +35,7 @@ class Facts(msgspec.Struct, frozen=True, kw_only=True):
     `runner_timeout_ms`: silence after which that promoter is taken for dead: its started step is
                      re-started at once instead of after the step's lease.
     `new_op_id`:     the id for an operation this call may request.
+    `launches_last_hour`: launch steps started in the fleet in the last hour (the service counts them).
     """
 
     now: datetime
@@ -46,3 +47,4 @@ class Facts(msgspec.Struct, frozen=True, kw_only=True):
     step_by: str = ""
     runner_silent_ms: int | None = None
     runner_timeout_ms: int = 0  # 0: runners are never judged by silence, only by their lease
+    launches_last_hour: int = 0  # `launch` steps started in this fleet in the last hour (policy max_launches_per_hour)

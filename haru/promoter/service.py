@@ -17,6 +17,10 @@ revision), then `step_completed`/`step_failed` appended with
 expect = the `step_started`'s own sequence. A `Conflict` anywhere means another promoter wrote
 first: nothing is retried blindly; the follower catches up and the decider decides again.
 
+Provisioning steps (`launch`, `down`: haru.promoter.provisioning; `join`: here) run the `sky` CLI
+named by `HARU_SKY` (default `sky`) with the promoter's environment, where the secrets a domain's
+provision block names must be set.
+
 `HARU_PROMOTER_STEP_DELAY_MS` (tests and demos only) sleeps that long after each `step_started`
 before the step runs, so a test can kill a promoter in the middle of any step.
 """
@@ -31,7 +35,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import msgspec
 import structlog
@@ -40,11 +44,15 @@ from haru import alive, causes, subjects
 from haru.commands import ErrorInfo, Reply
 from haru.errors import CommandError, Conflict, LogError
 from haru.eventlog import EventLog, Record
-from haru.events import Event, RouteMoved, StepCompleted, StepFailed, StepStarted, tag_of
+from haru.events import (DomainChanged, DomainDeclared, DomainRetired, Event, RouteMoved, StepCompleted, StepFailed,
+                         StepStarted, tag_of)
 from haru.promoter.client import send
 from haru.promoter.decider import STEPS, command_for, decide, flip_refusal, step_outcome
 from haru.promoter.decisions import Facts
 from haru.promoter.metrics import PromoterMetrics
+from haru.promoter.provisioning import Provisioning
+from haru.residency import Resident, Sleeping
+from haru.specs import DomainSpec
 from haru.tasks import cancel_and_wait
 from haru.views import FleetView, OperationView
 from haru.authority import misplaced
@@ -93,6 +101,8 @@ class FleetState:
     step_by: dict[str, str] = field(default_factory=dict)  # op_id -> `by` of its latest step_started
     heard: dict[str, float] = field(default_factory=dict)  # domain -> monotonic time of last heartbeat
     running: set[tuple[str, str, int]] = field(default_factory=set)
+    specs: dict[str, DomainSpec] = field(default_factory=dict)  # domain -> its declaration (provision block included)
+    launches: list[datetime] = field(default_factory=list)  # `at` of every launch step started (the hourly budget)
 
     @property
     def view(self) -> FleetView:
@@ -110,6 +120,7 @@ class Promoter:
         identity: str | None = None,
         tick_s: float = 0.1,
         step_delay_ms: int | None = None,
+        provisioning: Provisioning | None = None,
     ) -> None:
         self.log = log
         self.only = set(fleets) if fleets else None
@@ -133,7 +144,10 @@ class Promoter:
         self.metrics = PromoterMetrics(self)  # counted from the records folded below (metrics.py)
         # STEPS[step].run -> the coroutine that executes such a step and returns its outcome event.
         # A new kind of step work (e.g. provisioning) registers its runner here.
-        self.runners: dict[str, StepRunner] = {"agent": self._agent_step, "flip": self._flip_step}
+        self.runners: dict[str, StepRunner] = {"agent": self._agent_step, "flip": self._flip_step,
+                                               "launch": self._launch_step, "join": self._join_step,
+                                               "down": self._down_step}
+        self.provisioning = provisioning or Provisioning(sky=os.environ.get("HARU_SKY") or "sky")
 
     # ------------------------------------------------------------------------------- following
 
@@ -157,6 +171,12 @@ class Promoter:
                 else:
                     if isinstance(rec.event, StepStarted):
                         st.step_by[rec.event.op_id] = rec.event.by
+                        if rec.event.step == "launch":
+                            st.launches.append(rec.event.at)
+                    elif isinstance(rec.event, (DomainDeclared, DomainChanged)):
+                        st.specs[rec.event.spec.name] = rec.event.spec
+                    elif isinstance(rec.event, DomainRetired):
+                        st.specs.pop(rec.event.domain, None)
                     self.metrics.record(fleet, rec, st.view)  # a misplaced event counts for nothing
         self.folded = rec.seq
         self._advanced.set()
@@ -298,8 +318,12 @@ class Promoter:
         op = st.view.operation
         runner = st.step_by.get(op.op_id, "") if op is not None else ""
         runner_silent = self.peers.silent_s("promoter", runner) if runner else None
+        now = utcnow()
+        hour_ago = now - timedelta(hours=1)
+        st.launches = [t for t in st.launches if t >= hour_ago]
         return Facts(
-            now=utcnow(),
+            now=now,
+            launches_last_hour=len(st.launches),
             me=self.identity,
             new_op_id=new_op_id(),
             silent_ms=silent,
@@ -402,6 +426,32 @@ class Promoter:
         agent_ms = sum(r.took_ms for _, r in replies)
         wall_ms = int((time.monotonic() - t0) * 1000)
         return step_outcome(op, step, replies, now=utcnow(), took_ms=agent_ms or wall_ms)
+
+    async def _launch_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+        """Runner `launch`: the target's cluster or service, found when it is already up (haru.promoter.provisioning)."""
+        return await self.provisioning.launch(st.view.fleet, st.specs.get(op.target), op, step)
+
+    async def _down_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+        """Runner `down`: every cluster or service of the target, with what each cost."""
+        return await self.provisioning.down(st.view.fleet, st.specs.get(op.target), op, step)
+
+    async def _join_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+        """Runner `join`: until the target's agent started after the operation was requested, is heard, and
+        has every served model loaded (resident, or asleep); bounded by the policy's join_timeout_ms."""
+        t0 = time.monotonic()
+        bound_s = st.view.policy.join_timeout_ms / 1000
+        while True:
+            why = join_pending(st.view, op)
+            if not why:
+                dv = st.view.domains[op.target]
+                return StepCompleted(at=utcnow(), op_id=op.op_id, step=step,  # type: ignore[arg-type]
+                                     detail=f"agent {dv.agent.host or '?'} (pid {dv.agent.pid}) joined with "
+                                            f"{len(dv.models)} model(s) loaded after {time.monotonic() - t0:.1f} s")
+            if time.monotonic() - t0 >= bound_s:
+                return StepFailed(at=utcnow(), op_id=op.op_id, step=step, error_code="join_timeout",  # type: ignore[arg-type]
+                                  error=f"{why} after join_timeout_ms ({st.view.policy.join_timeout_ms} ms)")
+            # polled: the view is folded by the follower; the main loop's wake-up event is not ours to clear
+            await asyncio.sleep(min(0.2, max(0.01, bound_s - (time.monotonic() - t0))))
 
     async def _flip_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
         """Runner `flip`: the route's compare-and-swap, unless the flip's precondition does not hold."""
@@ -511,3 +561,26 @@ async def run_promoter(
     promoter = Promoter(log, fleets=fleets, identity=identity, tick_s=tick_s)
     async with maybe_serve([promoter.metrics.registry], metrics):
         await promoter.run(ready)
+
+
+# An agent's `agent_started` carries its host's clock, the request the control plane's: a launched
+# host's clock a little behind must not keep its agent from counting as started since the request.
+JOIN_CLOCK_SKEW = timedelta(seconds=60)
+
+
+def join_pending(view: FleetView, op: OperationView) -> str:
+    """Why the launched host has not joined yet ('' = it has): its agent, heard, with its models loaded."""
+    dv = view.domains.get(op.target)
+    if dv is None:
+        return f"domain {op.target} is no longer declared"
+    started = dv.agent.since
+    if not dv.agent.running or started is None or (
+            op.requested_at is not None and started < op.requested_at - JOIN_CLOCK_SKEW):
+        return f"no agent of {op.target} has started since the operation was requested"
+    if dv.reachable is not True:
+        return f"the agent of {op.target} is not heard yet"
+    waiting = [name for name, mv in dv.models.items()
+               if mv.admitted is not False and not isinstance(mv.residency, (Resident, Sleeping))]
+    if waiting:
+        return f"{len(waiting)} model(s) of {op.target} not loaded yet ({', '.join(waiting[:3])})"
+    return ""
