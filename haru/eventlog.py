@@ -17,9 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import importlib.metadata
 import inspect
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any
@@ -62,59 +60,6 @@ class _PubAck(msgspec.Struct):
 
 
 _ack_decoder = msgspec.json.Decoder(_PubAck)
-
-
-# ------------------------------------------------------------------- nats-py header parsing
-#
-# nats-py 2.16.0 parses the headers of every delivered message (`Client._process_headers`, in the
-# read loop, whether or not the subscriber looks at them) with `Client._parse_header_lines`, whose
-# per-name whitespace check is a generator over the name's characters: ~3.3 us of the ~10 us a
-# replayed message costs when it carries the two headers every `append` writes (bench/postgres.py).
-# `_parse_header_lines_fast` is the same function with that check done by one compiled regex:
-# `\s` on a str pattern is Py_UNICODE_ISSPACE, exactly what `str.isspace` tests, so it returns the
-# same dict for every input (tests/unit/test_eventlog_headers.py compares the two on arbitrary
-# bytes); ~1.2 us. It is installed only over the exact function it replaces (nats-py 2.16.0, no
-# fast_mail_parser, which nats-py would use instead); any other nats-py keeps its own.
-_HEADER_NAME_SPACE = re.compile(r"\s")
-_CRLF = b"\r\n"
-
-
-def _parse_header_lines_fast(raw: bytes) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for line in raw.split(_CRLF):
-        if not line:
-            continue
-        name, sep, value = line.partition(b":")
-        if not sep:
-            continue
-        try:
-            key = name.strip().decode("ascii")
-        except UnicodeDecodeError:
-            continue
-        if _HEADER_NAME_SPACE.search(key) is not None:
-            continue
-        out[key] = value.strip().decode("utf-8", "replace")
-    return out
-
-
-def _install_header_parser() -> bool:
-    import nats.aio.client as nats_client
-
-    try:
-        version = importlib.metadata.version("nats-py")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - nats-py without metadata
-        return False
-    if "_nats_parse_header_lines" in nats_client.Client.__dict__:
-        return True  # already installed (the module was imported again)
-    original = nats_client.Client.__dict__.get("_parse_header_lines")
-    if version != "2.16.0" or getattr(nats_client, "parse_email", None) is not None or original is None:
-        return False
-    nats_client.Client._nats_parse_header_lines = original  # the original, for the equivalence test
-    nats_client.Client._parse_header_lines = staticmethod(_parse_header_lines_fast)
-    return True
-
-
-HEADER_PARSER_INSTALLED = _install_header_parser()
 
 
 class Record(msgspec.Struct, frozen=True, gc=False):
