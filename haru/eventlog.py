@@ -20,7 +20,7 @@ import hashlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import nats
@@ -33,6 +33,10 @@ from haru import subjects
 from haru.errors import (Conflict, EventDecodeError, LogDamaged, LogError, LogUnavailable, ReplayTimeout,
                          seq_ranges)
 from haru.events import AnyEvent, Event, decode, encode
+
+if TYPE_CHECKING:
+    from haru.bus import NatsBus
+    from haru.follow import Follower
 
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 MSG_ID = "Nats-Msg-Id"
@@ -273,6 +277,7 @@ class EventLog:
         self._kv: Any = None
         self._acks = _AckInbox(nc)
         self._link = link if link is not None else _Link()
+        self._bus: Any = None
 
     # ------------------------------------------------------------------------ connection state
 
@@ -287,6 +292,15 @@ class EventLog:
     @property
     def connected(self) -> bool:
         return bool(self.nc.is_connected)
+
+    @property
+    def bus(self) -> "NatsBus":
+        """Core NATS on this log's connection (heartbeats, liveness, commands): haru.bus."""
+        if self._bus is None:
+            from haru.bus import NatsBus
+
+            self._bus = NatsBus(self.nc)
+        return self._bus
 
     # ------------------------------------------------------------------------------- connection
 
@@ -446,6 +460,24 @@ class EventLog:
         with _translated("reading the event stream's state"):
             info = await self.js.stream_info(subjects.EVENTS_STREAM)
         return info.state.last_seq
+
+    async def last_seq_matching(self, subject_filter: str) -> int:
+        """The last sequence of any event subject matching the filter (wildcards allowed; 0 when none)."""
+        if subject_filter == subjects.ALL_EVENTS:
+            return await self.last_seq()
+        last = await self._last_raw(subjects.EVENTS_STREAM, subject_filter)
+        return 0 if last is None else last[0]
+
+    def follower(self, handler: Callable[[Record], Any | Awaitable[Any]], *, from_seq: int = 1, **kwargs: Any) -> "Follower":
+        """A `haru.follow.Follower` of this log: catch-up, stall detection, reconnect and resume
+        (`kwargs`: its `subject_filter`, `headers`, `name`, `stall_interval`, `stall_checks`, `busy`...)."""
+        from haru.follow import Follower
+
+        return Follower(self, handler, from_seq=from_seq, **kwargs)
+
+    async def follow(self, handler: Callable[[Record], Any | Awaitable[Any]], *, from_seq: int = 1, **kwargs: Any) -> None:
+        """Follow the log from `from_seq` until cancelled (`follower(...).run()`)."""
+        await self.follower(handler, from_seq=from_seq, **kwargs).run()
 
     async def subject_counts(self, subject_filter: str = subjects.ALL_EVENTS) -> dict[str, int]:
         """The event subjects matching the filter that hold messages, with how many each.
