@@ -146,8 +146,21 @@ class _Stream:
         return rec
 
 
+class _Kv:
+    """The views' bucket: values with one revision counter, and who waits for a change."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, tuple[bytes, int]] = {}
+        self.revision = 0
+        self.changed = asyncio.Event()
+
+
 class MemoryLog:
-    """The event log in memory (see the module docstring); the methods are `EventLog`'s."""
+    """The event log in memory (see the module docstring); the methods are `EventLog`'s.
+
+    `connect(writer)` is another client of the same log (its own `writer`, the same streams, views
+    and bus), as a second process's `EventLog.connect` would be.
+    """
 
     def __init__(self, *, writer: str = "memory", timeout: float = 5.0) -> None:
         self.writer = writer
@@ -155,11 +168,15 @@ class MemoryLog:
         self.bus = MemoryBus()
         self._events = _Stream()
         self._intents = _Stream()
-        self._views: dict[str, tuple[bytes, int]] = {}
-        self._view_revision = 0
-        self._view_changed = asyncio.Event()
+        self._kv = _Kv()
         self._listeners: list[Callable[[bool], None]] = []
-        self.appends = 0  # appends stored (for tests: what a decision wrote)
+
+    def connect(self, writer: str) -> MemoryLog:
+        """Another client of this log, appending as `writer`."""
+        other = MemoryLog.__new__(MemoryLog)
+        other.__dict__.update(self.__dict__)
+        other.writer = writer
+        return other
 
     # ------------------------------------------------------------------------ connection state
 
@@ -214,7 +231,6 @@ class MemoryLog:
             raise Conflict(subject, expect, current)
         headers = {EXPECTED_LAST_SUBJECT_SEQ: str(expect), MSG_ID: mid}
         rec = await self._events.add(subject, data, headers, event)
-        self.appends += 1
         return rec.seq
 
     async def append_raw(self, subject: str, data: bytes) -> int:
@@ -313,28 +329,29 @@ class MemoryLog:
 
     async def get_view(self, key: str) -> tuple[bytes, int] | None:
         self._up(f"reading view {key}")
-        return self._views.get(key)
+        return self._kv.values.get(key)
 
     async def views(self) -> dict[str, bytes]:
         self._up("listing views")
-        return {k: v for k, (v, _) in self._views.items()}
+        return {k: v for k, (v, _) in self._kv.values.items()}
 
     async def put_view(self, key: str, data: bytes, *, last: int) -> int:
         self._up(f"writing view {key}")
-        current = self._views.get(key)
+        kv = self._kv
+        current = kv.values.get(key)
         if (0 if current is None else current[1]) != last:
             raise Conflict(f"kv:{key}", last, None if current is None else current[1])
-        self._view_revision += 1
-        self._views[key] = (data, self._view_revision)
-        changed, self._view_changed = self._view_changed, asyncio.Event()
+        kv.revision += 1
+        kv.values[key] = (data, kv.revision)
+        changed, kv.changed = kv.changed, asyncio.Event()
         changed.set()
-        return self._view_revision
+        return kv.revision
 
     async def watch_views(self, pattern: str = "fleet.*") -> AsyncIterator[tuple[str, bytes | None, int]]:
         seen: dict[str, int] = {}
         while True:
-            changed = self._view_changed  # taken before the scan: a change while the caller works is not missed
-            for key, (data, rev) in sorted(self._views.items(), key=lambda kv: kv[1][1]):
+            changed = self._kv.changed  # taken before the scan: a change while the caller works is not missed
+            for key, (data, rev) in sorted(self._kv.values.items(), key=lambda kv: kv[1][1]):
                 if subject_matches(pattern, key) and seen.get(key, 0) < rev:
                     seen[key] = rev
                     yield key, data, rev
