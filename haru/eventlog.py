@@ -293,6 +293,10 @@ class EventLog:
     def connected(self) -> bool:
         return bool(self.nc.is_connected)
 
+    def server_urls(self) -> list[str]:
+        """The NATS servers this connection knows (for messages that say where it is connected)."""
+        return [u.geturl() for u in self.nc.servers]
+
     @property
     def bus(self) -> "NatsBus":
         """Core NATS on this log's connection (heartbeats, liveness, commands): haru.bus."""

@@ -202,10 +202,10 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
 
     from haru.cli.common import LinkReporter
 
-    url = ", ".join(u.geturl() for u in log.nc.servers) or "NATS"
+    url = ", ".join(log.server_urls()) or "NATS"
     log.on_link_change(LinkReporter(url, f"operation {op_id}'s progress"))
-    follower = asyncio.create_task(log.replay(on_record, subject_filter=subjects.op(fleet), from_seq=from_seq,
-                                              follow=True))
+    follower = asyncio.create_task(log.follow(on_record, subject_filter=subjects.op(fleet), from_seq=from_seq,
+                                              name="promote-wait"))
     try:
         done, _ = await asyncio.wait({outcome, follower}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if outcome.done():
