@@ -799,8 +799,8 @@ class Agent:
 
         while not self.stopping:
             try:
-                await self.log.replay(on, from_seq=max(1, self.route_revision), subject_filter=subjects.route(self.fleet),
-                                      follow=True)
+                await self.log.follow(on, from_seq=max(1, self.route_revision), subject_filter=subjects.route(self.fleet),
+                                      name="agent-route")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the log went away for a while: keep the last known role

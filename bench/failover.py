@@ -173,7 +173,7 @@ async def main(args) -> None:
             async def on_hb(msg) -> None:
                 heard[msg.subject.rsplit(".", 1)[1]] = time.time()
 
-            await log.nc.subscribe(subjects.heartbeats(FLEET), cb=on_hb)
+            await log.bus.subscribe(subjects.heartbeats(FLEET), on_hb)
             try:
                 async def is_steady(active):
                     return steady(await view_of(log), active)
@@ -185,7 +185,7 @@ async def main(args) -> None:
                 rtts = []
                 for _ in range(20):
                     t0 = time.perf_counter()
-                    await send(log.nc, FLEET, "b", "status", Command(), timeout_ms=5000)
+                    await send(log.bus, FLEET, "b", "status", Command(), timeout=5.0)
                     rtts.append((time.perf_counter() - t0) * 1000)
                 rtt = statistics.median(rtts)
 

@@ -35,6 +35,9 @@ from haru.route import RouteWatcher
 from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.fold import add_one
 from projections.projector import Projector
+from haru.nats_headers import enable_fast_header_parse  # noqa: E402
+
+enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)
 
 FLEETS = ("default", "edge", "lab", "eu")
 DOMAINS = ("a", "b")

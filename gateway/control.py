@@ -111,7 +111,7 @@ class Control:
         if self.events is None or self.follower is None:
             return [], {}
         down: list[str] = []
-        connected = bool(self.events.nc.is_connected)
+        connected = self.events.connected
         if not connected:
             down.append("nats")
         detail: dict[str, object] = {"nats": {"connected": connected}}
@@ -128,7 +128,7 @@ class Control:
     async def healthz(self, request: web.BaseRequest) -> web.Response:
         nats_ok = None
         if self.events is not None:
-            nats_ok = bool(self.events.nc.is_connected)
+            nats_ok = self.events.connected
         down, detail = self.control_plane()
         strict = request.query.get("strict", "0").lower() not in ("0", "false", "no")
         status = 503 if strict and down else 200
@@ -325,7 +325,7 @@ class Control:
 
     def _nats_up(self) -> bool:
         """Connected now: while NATS is away, answer from memory at once instead of timing out."""
-        return self.events is not None and bool(self.events.nc.is_connected)
+        return self.events is not None and self.events.connected
 
     def _need_log(self):
         if self.events is None:

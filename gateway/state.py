@@ -12,8 +12,10 @@ with the pointer moved, and, when the move was made by an operation (which probe
 the target before the flip), the target's models answered `ready`. The projector's next intent
 at that revision or later replaces it. So a failover reaches clients with the projector dead.
 
-The follower also hears the control plane's heartbeats (`haru.alive.>`, haru/alive.py): /healthz
-reads them to say whether a projector and a promoter are alive.
+The route subjects are followed by `log.follow` (haru/follow.py: it resumes after the last route
+record handled, and replays afresh when the connection comes back or it stalls). The gateway also
+hears the control plane's heartbeats (`haru.alive.>` on the bus, haru/alive.py): /healthz reads
+them to say whether a projector and a promoter are alive.
 
 Each follower survives the log going away: it logs, waits (0.2 s doubling to 5 s) and watches
 again, and the gateway keeps routing by the last state it saw meanwhile.
@@ -106,7 +108,7 @@ class RouteFollower:
 
     async def __aenter__(self) -> RouteFollower:
         with contextlib.suppress(Exception):  # NATS away at start: /healthz says so, routing goes on
-            await self.alive.listen(self.events.nc)
+            await self.alive.listen(self.events.bus)
         self._start_watches()
         self._resync_task = asyncio.create_task(self._resync(), name="gateway-resync")
         return self
@@ -139,7 +141,7 @@ class RouteFollower:
         behind: dict[tuple[str, str], int] = {}
         while True:
             await asyncio.sleep(self.resync_s)
-            connected = bool(self.events.nc.is_connected)
+            connected = self.events.connected
             if not connected:
                 was_connected = False
                 continue
@@ -148,7 +150,7 @@ class RouteFollower:
                 behind.clear()
                 if not self.alive.listening():
                     with contextlib.suppress(Exception):
-                        await self.alive.listen(self.events.nc)
+                        await self.alive.listen(self.events.bus)
                 await self.restart("the NATS connection came back")
                 continue
             try:
@@ -243,8 +245,8 @@ class RouteFollower:
         self._apply_move(fleet)  # a view arriving after a move the intents have not caught up with
 
     async def _routes(self) -> None:
-        await self.events.replay(self.on_route_record, from_seq=self._route_seq + 1,
-                                 subject_filter=f"{subjects.EVT}.*.route", follow=True)
+        await self.events.follow(self.on_route_record, from_seq=self._route_seq + 1,
+                                 subject_filter=f"{subjects.EVT}.*.route", name="gateway-routes")
 
     def on_route_record(self, rec: Record) -> None:
         """A record of a route subject: keep the newest `route_moved` per fleet and route by it if the

@@ -1,7 +1,7 @@
 """The control plane's own heartbeats: projectors and promoters say they are alive.
 
-    task = asyncio.create_task(beat(nc, "promoter", identity))     # every INTERVAL_S, until cancelled
-    heard = Heard(); await heard.listen(nc)                         # who is alive, by role and id
+    task = asyncio.create_task(beat(log.bus, "promoter", identity)) # every INTERVAL_S, until cancelled
+    heard = Heard(); await heard.listen(log.bus)                    # who is alive, by role and id
     heard.silent_s("promoter", "promoter:host-a")                   # None: never heard
 
 Like the agents' `haru.hb.<fleet>.<domain>`, this is not history: core NATS, `haru.alive.<role>.<id>`
@@ -23,8 +23,11 @@ import os
 import time
 
 import msgspec
+import structlog
 
 from haru import subjects
+from haru.bus import Bus, Msg, Subscription
+from haru.errors import BusError
 
 INTERVAL_S = 1.0
 SILENT_AFTER_S = 3.5
@@ -38,16 +41,21 @@ class Beat(msgspec.Struct, frozen=True):
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(Beat).decode
+_log = structlog.get_logger("haru.alive")
 
 
-async def beat(nc, role: str, identity: str, interval: float = INTERVAL_S) -> None:
-    """Publish this replica's heartbeat every `interval` seconds until cancelled."""
+async def beat(bus: Bus, role: str, identity: str, interval: float = INTERVAL_S) -> None:
+    """Publish this replica's heartbeat on the bus every `interval` seconds until cancelled."""
     identity = identity or role
     subject = subjects.alive(role, identity)
     body = _encode(Beat(role=role, id=identity, pid=os.getpid()))
     while True:
-        with contextlib.suppress(Exception):  # NATS away: nats-py buffers or refuses; next beat retries
-            await nc.publish(subject, body)
+        try:
+            await bus.publish(subject, body)
+        except BusError:
+            pass  # NATS away: nats-py buffers or refuses; the next beat retries
+        except Exception:  # a bug: say it with its traceback, keep beating
+            _log.exception("alive.beat_failed", role=role, id=identity)
         await asyncio.sleep(interval)
 
 
@@ -57,14 +65,14 @@ class Heard:
     def __init__(self) -> None:
         self.last: dict[tuple[str, str], float] = {}
         self.since = time.monotonic()
-        self._sub = None
+        self._sub: Subscription | None = None
 
-    async def listen(self, nc, subject: str = subjects.ALL_ALIVE) -> None:
-        async def on_msg(msg) -> None:
+    async def listen(self, bus: Bus, subject: str = subjects.ALL_ALIVE) -> None:
+        def on_msg(msg: Msg) -> None:
             self.heard_body(msg.data)
 
         self.since = time.monotonic()
-        self._sub = await nc.subscribe(subject, cb=on_msg)
+        self._sub = await bus.subscribe(subject, on_msg)
 
     def listening(self) -> bool:
         return self._sub is not None

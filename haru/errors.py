@@ -19,8 +19,11 @@ a bad layout is the operator's, a reclaimed GPU the provider's, a wrong sequence
     │   ├── LogDamaged         the store cannot serve sequences it should hold (a damaged
     │   │                      block), or ends before what was derived from it (truncated)
     │   └── HistoryRefused     a delete or purge that the stream forbids
-    └── CommandError           a command to an agent failed (carries its code)
-        └── AgentGone          nobody answers for that domain
+    ├── CommandError           a command to an agent failed (carries its code)
+    │   └── AgentGone          nobody answers for that domain
+    └── BusError               a core-NATS publish or request failed (haru.bus)
+        ├── NoResponders       nothing is subscribed to the request's subject
+        └── RequestTimeout     no reply within the request's bound
 """
 
 from __future__ import annotations
@@ -164,3 +167,15 @@ class AgentGone(CommandError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="agent_gone")
+
+
+class BusError(HaruError):
+    """A publish or request on the bus (core NATS, haru.bus) failed: the connection is closed, or refused."""
+
+
+class NoResponders(BusError):
+    """A request that nothing is subscribed to answer."""
+
+
+class RequestTimeout(BusError):
+    """A request with no reply within its bound."""

@@ -17,12 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import importlib.metadata
 import inspect
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import nats
@@ -35,6 +33,10 @@ from haru import subjects
 from haru.errors import (Conflict, EventDecodeError, LogDamaged, LogError, LogUnavailable, ReplayTimeout,
                          seq_ranges)
 from haru.events import AnyEvent, Event, decode, encode
+
+if TYPE_CHECKING:
+    from haru.bus import NatsBus
+    from haru.follow import Follower
 
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 MSG_ID = "Nats-Msg-Id"
@@ -62,59 +64,6 @@ class _PubAck(msgspec.Struct):
 
 
 _ack_decoder = msgspec.json.Decoder(_PubAck)
-
-
-# ------------------------------------------------------------------- nats-py header parsing
-#
-# nats-py 2.16.0 parses the headers of every delivered message (`Client._process_headers`, in the
-# read loop, whether or not the subscriber looks at them) with `Client._parse_header_lines`, whose
-# per-name whitespace check is a generator over the name's characters: ~3.3 us of the ~10 us a
-# replayed message costs when it carries the two headers every `append` writes (bench/postgres.py).
-# `_parse_header_lines_fast` is the same function with that check done by one compiled regex:
-# `\s` on a str pattern is Py_UNICODE_ISSPACE, exactly what `str.isspace` tests, so it returns the
-# same dict for every input (tests/unit/test_eventlog_headers.py compares the two on arbitrary
-# bytes); ~1.2 us. It is installed only over the exact function it replaces (nats-py 2.16.0, no
-# fast_mail_parser, which nats-py would use instead); any other nats-py keeps its own.
-_HEADER_NAME_SPACE = re.compile(r"\s")
-_CRLF = b"\r\n"
-
-
-def _parse_header_lines_fast(raw: bytes) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for line in raw.split(_CRLF):
-        if not line:
-            continue
-        name, sep, value = line.partition(b":")
-        if not sep:
-            continue
-        try:
-            key = name.strip().decode("ascii")
-        except UnicodeDecodeError:
-            continue
-        if _HEADER_NAME_SPACE.search(key) is not None:
-            continue
-        out[key] = value.strip().decode("utf-8", "replace")
-    return out
-
-
-def _install_header_parser() -> bool:
-    import nats.aio.client as nats_client
-
-    try:
-        version = importlib.metadata.version("nats-py")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - nats-py without metadata
-        return False
-    if "_nats_parse_header_lines" in nats_client.Client.__dict__:
-        return True  # already installed (the module was imported again)
-    original = nats_client.Client.__dict__.get("_parse_header_lines")
-    if version != "2.16.0" or getattr(nats_client, "parse_email", None) is not None or original is None:
-        return False
-    setattr(nats_client.Client, "_nats_parse_header_lines", original)  # the original, for the equivalence test
-    setattr(nats_client.Client, "_parse_header_lines", staticmethod(_parse_header_lines_fast))
-    return True
-
-
-HEADER_PARSER_INSTALLED = _install_header_parser()
 
 
 class Record(msgspec.Struct, frozen=True, gc=False):
@@ -328,6 +277,7 @@ class EventLog:
         self._kv: Any = None
         self._acks = _AckInbox(nc)
         self._link = link if link is not None else _Link()
+        self._bus: "NatsBus | None" = None
 
     # ------------------------------------------------------------------------ connection state
 
@@ -342,6 +292,19 @@ class EventLog:
     @property
     def connected(self) -> bool:
         return bool(self.nc.is_connected)
+
+    def server_urls(self) -> list[str]:
+        """The NATS servers this connection knows (for messages that say where it is connected)."""
+        return [u.geturl() for u in self.nc.servers]
+
+    @property
+    def bus(self) -> "NatsBus":
+        """Core NATS on this log's connection (heartbeats, liveness, commands): haru.bus."""
+        if self._bus is None:
+            from haru.bus import NatsBus
+
+            self._bus = NatsBus(self.nc)
+        return self._bus
 
     # ------------------------------------------------------------------------------- connection
 
@@ -501,6 +464,24 @@ class EventLog:
         with _translated("reading the event stream's state"):
             info = await self.js.stream_info(subjects.EVENTS_STREAM)
         return info.state.last_seq
+
+    async def last_seq_matching(self, subject_filter: str) -> int:
+        """The last sequence of any event subject matching the filter (wildcards allowed; 0 when none)."""
+        if subject_filter == subjects.ALL_EVENTS:
+            return await self.last_seq()
+        last = await self._last_raw(subjects.EVENTS_STREAM, subject_filter)
+        return 0 if last is None else last[0]
+
+    def follower(self, handler: Callable[[Record], Any | Awaitable[Any]], *, from_seq: int = 1, **kwargs: Any) -> "Follower":
+        """A `haru.follow.Follower` of this log: catch-up, stall detection, reconnect and resume
+        (`kwargs`: its `subject_filter`, `headers`, `name`, `stall_interval`, `stall_checks`, `busy`...)."""
+        from haru.follow import Follower
+
+        return Follower(self, handler, from_seq=from_seq, **kwargs)
+
+    async def follow(self, handler: Callable[[Record], Any | Awaitable[Any]], *, from_seq: int = 1, **kwargs: Any) -> None:
+        """Follow the log from `from_seq` until cancelled (`follower(...).run()`)."""
+        await self.follower(handler, from_seq=from_seq, **kwargs).run()
 
     async def subject_counts(self, subject_filter: str = subjects.ALL_EVENTS) -> dict[str, int]:
         """The event subjects matching the filter that hold messages, with how many each.

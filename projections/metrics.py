@@ -9,7 +9,7 @@
     haru_projector_views_adopted_total             newer views written by another projector, adopted
     haru_projector_intents_published_total         route intents published on haru.route.<fleet>
     haru_projector_intent_conflicts_total          intent publishes that lost the expected-sequence check
-    haru_projector_replay_restarts_total           stalled replays restarted
+    haru_projector_replay_restarts_total           replays started again (stalled, reconnected, interrupted)
     haru_projector_last_seq                        the last HARU_EVENTS sequence handled
     haru_projector_stream_last_seq                 the stream's last sequence, read at scrape time
     haru_projector_lag_events                      stream_last_seq - last_seq
@@ -37,7 +37,7 @@ _COUNTERS = (
     ("haru_projector_views_adopted", "views_adopted", "Newer views written by another projector, adopted."),
     ("haru_projector_intents_published", "intents_published", "Route intents published on haru.route.<fleet>."),
     ("haru_projector_intent_conflicts", "intent_conflicts", "Intent publishes that lost the expected-sequence check."),
-    ("haru_projector_replay_restarts", "replay_restarts", "Stalled replays restarted (after a NATS restart)."),
+    ("haru_projector_replay_restarts", "replay_restarts", "Replays started again (stalled, after a NATS reconnect, or interrupted)."),
 )
 
 

@@ -288,9 +288,7 @@ class PostgresSink:
                 try:
                     async with asyncio.TaskGroup() as tg:
                         tg.create_task(writer.loop(batcher))
-                        replay = tg.create_task(self._replay(elog, batcher, position, follow))
-                        if follow:
-                            tg.create_task(self._watch(elog, batcher, replay))
+                        tg.create_task(self._replay(elog, batcher, position, follow))
                 except BaseExceptionGroup as group:
                     raise _first(group) from None
             return self.position
@@ -304,36 +302,18 @@ class PostgresSink:
                 conn.terminate()
 
     async def _replay(self, elog, batcher: _Batcher, position: int, follow: bool) -> None:
+        """Hand the log's records to the batcher from `position` + 1: what is stored (follow=False),
+        or, following, until cancelled (haru/follow.py: a stalled replay, or one a NATS restart left
+        behind, is started again after the last record handed over; a full queue is the writer's
+        backpressure, not a stall)."""
         batcher.received = position
-        await elog.replay(batcher.add, from_seq=position + 1, follow=follow, headers=False)
+        if follow:
+            await elog.follow(batcher.add, from_seq=position + 1, headers=False, name="sink",
+                              stall_interval=self.stall_interval, stall_checks=self.stall_checks,
+                              busy=batcher.queue.full)
+        else:
+            await elog.replay(batcher.add, from_seq=position + 1, headers=False)
         await batcher.close()
-
-    async def _watch(self, elog, batcher: _Batcher, replay: asyncio.Task) -> None:
-        """End the session when the replay stalls, so `run` starts a new one from the position.
-
-        After a NATS restart nats-py's ordered consumer can take ~20 s of missed heartbeats to
-        notice. A stall: the stream holds messages past the last one received, nothing new arrived
-        for `stall_checks` checks `stall_interval` apart, and the handler is not simply waiting
-        for Postgres (a full queue is the writer's backpressure, not a stall).
-        """
-        seen, strikes = batcher.received, 0
-        while not replay.done():
-            await asyncio.sleep(self.stall_interval)
-            now = batcher.received
-            if now != seen or batcher.queue.full():
-                seen, strikes = now, 0
-                continue
-            try:
-                async with asyncio.timeout(self.stall_interval):
-                    head = await elog.last_seq()
-            except (LogError, asyncio.TimeoutError):
-                continue  # NATS is away: nothing to conclude yet
-            strikes = strikes + 1 if head > now else 0
-            if strikes >= self.stall_checks:
-                raise LogUnavailable(
-                    f"the replay made no progress for {strikes * self.stall_interval:.0f} s while "
-                    f"{self.stream} is at {head} and the sink at {now} (NATS restarted?); replaying again"
-                )
 
 
 class _Writer:

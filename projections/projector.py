@@ -15,9 +15,10 @@ fleet first met during the replay (events but no declaration) starts empty. The 
 fleet that has been quiet for `checkpoint_lag` events is advanced (its view rewritten), so one idle
 fleet does not pin every restart to its last event.
 
-Follow. The replay follows the log until cancelled; when the stream holds messages past the last
-one handled and the replay makes no progress for a couple of seconds (nats-py's ordered consumer
-takes ~20 s to notice a NATS restart), it is restarted after the last sequence handled.
+Follow. A `haru.follow.Follower` follows the log until cancelled: when the stream holds messages
+past the last one handled and the replay makes no progress for a couple of seconds (nats-py's
+ordered consumer takes ~20 s to notice a NATS restart), or the connection comes back, the replay is
+restarted after the last sequence handled.
 
 Fold. The replay handler is synchronous: it decodes nothing itself (the log did), folds the record
 into the fleet's `haru.fold.Folder` (an incremental fold, equal to `evolve`, that builds the
@@ -61,6 +62,7 @@ import structlog
 from haru import alive, checkpoints, subjects
 from haru.errors import Conflict, LogError
 from haru.eventlog import EventLog, Record, body_hash
+from haru.follow import Follower
 from haru.events import Checkpoint, RouteMoved
 from haru.tasks import cancel_and_wait
 from haru.views import FleetView, RouteIntent, intent_decoder, view_decoder, view_encoder
@@ -99,7 +101,7 @@ class Stats:
     last_time_ns: int = 0  # when JetStream recorded it (the metrics' lag in seconds)
     flushes: int = 0
     failures: int = 0  # records the fold raised on (a bug): logged and skipped
-    replay_restarts: int = 0  # stalled replays restarted (after a NATS restart)
+    replay_restarts: int = 0  # replays started again (stalled, after a NATS reconnect, interrupted)
     fleets: set[str] = field(default_factory=set)
 
 
@@ -116,7 +118,7 @@ class Projector:
         checkpoint_every: int = checkpoints.CHECKPOINT_EVERY,
         from_checkpoint: bool = False,
     ) -> None:
-        self._unreadable_tail: tuple[int, int] | None = None
+        self.follower: Follower | None = None
         self.log = log
         self.checkpoint_lag = checkpoint_lag
         self.stall_interval = stall_interval
@@ -286,7 +288,7 @@ class Projector:
         flusher = asyncio.create_task(self._flusher(), name="projector-flusher")
         replay = asyncio.create_task(self._replay(from_seq), name="projector-replay")
         # the gateway's /healthz hears this (haru/alive.py): a projector that is not running is down
-        beating = asyncio.create_task(alive.beat(self.log.nc, "projector", self.log.writer), name="projector-alive")
+        beating = asyncio.create_task(alive.beat(self.log.bus, "projector", self.log.writer), name="projector-alive")
         scanning = asyncio.create_task(self._scan_heads(), name="projector-heads")
         try:
             done, _ = await asyncio.wait({flusher, replay}, return_when=asyncio.FIRST_COMPLETED)
@@ -303,67 +305,15 @@ class Projector:
             log_.info("projector.stopped", **self._stats_dict())
 
     async def _replay(self, from_seq: int) -> None:
-        """Follow the log; restart the replay when it stalls.
+        """Follow the log from `from_seq` (haru/follow.py: a stalled replay, or one that NATS's restart
+        left behind, is started again after the last sequence folded; a damaged tail is logged once)."""
+        self.follower = self.log.follower(
+            self.fold_record, from_seq=from_seq, name="projector", stall_interval=self.stall_interval,
+            stall_checks=self.stall_checks, on_restart=self._replay_restarted)
+        await self.follower.run()
 
-        After NATS restarts, nats-py's ordered consumer takes ~20 s of missed heartbeats to notice.
-        A stall is the stream holding messages past the last one handled, with no progress for
-        `stall_checks` checks `stall_interval` apart: the replay is restarted after the last
-        sequence handled (the fold skips anything it already has).
-        """
-        while True:
-            task = asyncio.create_task(self.log.replay(self.fold_record, from_seq=from_seq, follow=True))
-            try:
-                await self._until_stalled(task)
-            finally:
-                await cancel_and_wait(task)
-            from_seq = self.stats.last_seq + 1
-            self.stats.replay_restarts += 1
-            log_.warning("projector.replay_restarted", from_seq=from_seq, reason="no progress while the stream is ahead")
-
-    async def _until_stalled(self, task: asyncio.Task) -> None:
-        seen = self.stats.last_seq
-        strikes = 0
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=self.stall_interval)
-            if done:
-                task.result()  # a replay that ended raises what ended it (or returns: follow ended)
-                return
-            now_seen = self.stats.last_seq
-            if now_seen != seen:
-                seen, strikes = now_seen, 0
-                continue
-            try:
-                async with asyncio.timeout(self.stall_interval):
-                    last = await self.log.last_seq()
-            except (LogError, asyncio.TimeoutError):
-                continue  # NATS is away: nothing to conclude yet
-            if last > self.stats.last_seq and self.stats.last_seq == seen:
-                if await self._next_unreadable(last):
-                    strikes = 0  # not a stall: the store cannot serve what comes next (logged once)
-                    continue
-                strikes += 1
-                if strikes >= self.stall_checks:
-                    return
-            else:
-                strikes = 0
-
-    async def _next_unreadable(self, last: int) -> bool:
-        """True when every sequence after the last one folded, up to `last`, is one the store cannot
-        serve (a damaged block at the tail): restarting the replay would not get past it."""
-        first = self.stats.last_seq + 1
-        if last - first > 16:
-            return False  # more than a damaged tail: a real stall, restart
-        try:
-            for seq in range(first, last + 1):
-                if await self.log.read_seq(seq) is not None:
-                    return False
-        except LogError:
-            return False
-        if self._unreadable_tail != (first, last):
-            self._unreadable_tail = (first, last)
-            log_.error("projector.unreadable_sequences", seqs=f"{first}..{last}" if last > first else str(first),
-                       fix="restore the store from a backup or a cluster peer (docs/operations.md)")
-        return True
+    def _replay_restarted(self, why: str) -> None:
+        self.stats.replay_restarts += 1
 
     # -------------------------------------------------------------------------------- fold
 

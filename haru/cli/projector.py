@@ -56,6 +56,9 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     from projections.metrics import register as register_metrics
     from projections.projector import Projector
 
+    from haru.nats_headers import enable_fast_header_parse
+
+    enable_fast_header_parse()  # a replay of the whole log: the faster per-message header parse
     metrics = metrics_address(args.metrics_port, args.metrics_host)
     writer = f"projector:{socket.gethostname()}:{os.getpid()}"
     structlog.contextvars.bind_contextvars(projector=writer)

@@ -117,7 +117,10 @@ async def run_service(args: argparse.Namespace) -> ExitStatus:
     from haru.metrics import metrics_address
     from haru.promoter.service import default_identity, run_promoter
 
+    from haru.nats_headers import enable_fast_header_parse
+
     configure_logging(args.log_format, args.log_level)
+    enable_fast_header_parse()  # follows the whole log: the faster per-message header parse
     identity = args.id or default_identity()
     metrics = metrics_address(args.metrics_port, args.metrics_host)
     try:
@@ -213,10 +216,10 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
 
     from haru.cli.common import LinkReporter
 
-    url = ", ".join(u.geturl() for u in log.nc.servers) or "NATS"
+    url = ", ".join(log.server_urls()) or "NATS"
     log.on_link_change(LinkReporter(url, f"operation {op_id}'s progress"))
-    follower = asyncio.create_task(log.replay(on_record, subject_filter=subjects.op(fleet), from_seq=from_seq,
-                                              follow=True))
+    follower = asyncio.create_task(log.follow(on_record, subject_filter=subjects.op(fleet), from_seq=from_seq,
+                                              name="promote-wait"))
     try:
         waiting: set[asyncio.Future[Any]] = {outcome, follower}
         done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)

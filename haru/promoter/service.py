@@ -2,11 +2,12 @@
 
     await run_promoter(log, fleets=None, identity="promoter:host-a")
 
-It follows the log (`log.replay(..., follow=True)`) and folds each fleet's events into its own
+It follows the log (`log.follower(...)`, haru/follow.py: catch-up, stall detection, reconnect and
+resume) and folds each fleet's events into its own
 `FleetView` with the one fold (`haru.fold.Folder`, whose specification is `evolve`), so every decision is made on exactly the events seen,
 with their sequences; it keeps the last sequence of every subject it folded, which is the `expect`
 of every append it makes. An event that may not stand on its subject (`haru.authority`) is not
-applied (the fold counts it as an anomaly) and is logged. It listens to heartbeats (`haru.hb.*.*`, core NATS) and measures silence.
+applied (the fold counts it as an anomaly) and is logged. It listens to heartbeats (`haru.hb.*.*`, on the bus: haru/bus.py) and measures silence.
 
 Each round, per fleet: `decide(view, facts)` -> appends, made in order with the expected sequence;
 after a successful append the promoter waits until its follower has folded it before deciding again.
@@ -41,11 +42,13 @@ import msgspec
 import structlog
 
 from haru import alive, causes, subjects
+from haru.bus import Msg
 from haru.commands import ErrorInfo, Reply
 from haru.errors import CommandError, Conflict, LogError
 from haru.eventlog import EventLog, Record
 from haru.events import (DomainChanged, DomainDeclared, DomainRetired, Event, RouteMoved, StepCompleted, StepFailed,
                          StepStarted, tag_of)
+from haru.follow import Follower
 from haru.promoter.client import send
 from haru.promoter.decider import STEPS, command_for, decide, flip_refusal, step_outcome
 from haru.promoter.decisions import Facts
@@ -138,7 +141,7 @@ class Promoter:
         self._tasks: set[asyncio.Task] = set()
         self._listening_since = 0.0
         self._was_connected = True
-        self._refollow = asyncio.Event()
+        self.follower: Follower | None = None
         self.peers = alive.Heard()  # promoters heard on haru.alive.promoter.*, this one included
         self.log_ = log_.bind(promoter=self.identity)
         self.metrics = PromoterMetrics(self)  # counted from the records folded below (metrics.py)
@@ -208,15 +211,15 @@ class Promoter:
     # ------------------------------------------------------------------------------------ run
 
     async def run(self, ready: asyncio.Event | None = None) -> None:
-        async def hb(msg) -> None:
+        def hb(msg: Msg) -> None:
             self.on_heartbeat(msg.subject)
 
-        sub = await self.log.nc.subscribe(subjects.heartbeats("*"), cb=hb)
-        await self.peers.listen(self.log.nc, subjects.alive("promoter"))
+        sub = await self.log.bus.subscribe(subjects.heartbeats("*"), hb)
+        await self.peers.listen(self.log.bus, subjects.alive("promoter"))
         self._listening_since = time.monotonic()
         follower: asyncio.Task | None = None
         # this replica's own heartbeat: a peer that hears it stop takes over its step (haru/alive.py)
-        beating = asyncio.create_task(alive.beat(self.log.nc, "promoter", self.identity), name="promoter-alive")
+        beating = asyncio.create_task(alive.beat(self.log.bus, "promoter", self.identity), name="promoter-alive")
         try:
             target = await self.log.last_seq()
             follower = asyncio.create_task(self._follow(), name="promoter-follow")
@@ -248,64 +251,23 @@ class Promoter:
             await cancel_and_wait(beating, follower, *self._tasks)
 
     async def _follow(self) -> None:
-        """Follow the log from where the views are; a follower that fails is restarted after a pause."""
-        while True:
-            self._refollow.clear()
-            replay = asyncio.create_task(
-                self.log.replay(self.on_record, from_seq=self.folded + 1, subject_filter=subjects.ALL_EVENTS, follow=True)
-            )
-            refollow = asyncio.create_task(self._refollow.wait())
-            stalled = asyncio.create_task(self._until_stalled())
-            try:
-                await asyncio.wait({replay, refollow, stalled}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                await cancel_and_wait(replay, refollow, stalled)
-            if stalled.done() and not stalled.cancelled():
-                self.log_.warning("follower_stalled", seq=self.folded,
-                                  detail="the log holds events the follower has not delivered; following afresh")
-            elif replay.done() and not replay.cancelled() and (exc := replay.exception()) is not None:
-                if not isinstance(exc, LogError):
-                    raise exc
-                self.log_.warning("follower_interrupted", error=str(exc), seq=self.folded)
-                await asyncio.sleep(1.0)
-            else:
-                # After a reconnect an ordered consumer notices its gap only after missed idle
-                # heartbeats (seconds): start a fresh one from where the views are instead.
-                self.log_.info("follower_restarted", seq=self.folded)
-
-    async def _until_stalled(self, every_s: float = STALL_CHECK_S, strikes_needed: int = 2) -> None:
-        """Return when the follower has made no progress for `strikes_needed` checks while the stream
-        holds events past the last one folded. A follower that stops delivering (after a store
-        episode: appends timing out, a server restarted) would otherwise leave every later append
-        conflicting with what it has not folded, and the operation in flight `running` for ever."""
-        seen, strikes = self.folded, 0
-        while True:
-            await asyncio.sleep(every_s)
-            if self.folded != seen:
-                seen, strikes = self.folded, 0
-                continue
-            try:
-                async with asyncio.timeout(every_s):
-                    last = await self.log.last_seq()
-            except (LogError, TimeoutError):
-                continue  # the store is away: nothing to conclude yet
-            if last > self.folded:
-                strikes += 1
-                if strikes >= strikes_needed:
-                    return
-            else:
-                strikes = 0
+        """Follow the log from where the views are (haru.follow: catch-up, stall detection, reconnect
+        and resume). A follower that stops delivering (after a store episode: appends timing out, a
+        server restarted) would otherwise leave every later append conflicting with what it has not
+        folded, and the operation in flight `running` for ever."""
+        self.follower = self.log.follower(self.on_record, from_seq=self.folded + 1, name="promoter",
+                                          stall_interval=STALL_CHECK_S, stall_checks=2)
+        await self.follower.run()
 
     def _connected(self) -> bool:
         """Whether NATS is connected; after a reconnect, silence is measured afresh (we heard nothing)."""
-        connected = bool(getattr(self.log.nc, "is_connected", True))
+        connected = self.log.connected
         if connected and not self._was_connected:
             self._listening_since = time.monotonic()
             for st in self.fleets.values():
                 st.heard.clear()
             self.peers.last.clear()  # nor did we hear our peers while away
-            self._refollow.set()
-            self.log_.info("reconnected", detail="heartbeat silence is measured afresh; following the log afresh")
+            self.log_.info("reconnected", detail="heartbeat silence is measured afresh (the follower replays afresh)")
         self._was_connected = connected
         return connected
 
@@ -415,7 +377,7 @@ class Promoter:
         for verb, command, timeout_ms in commands:
             command = msgspec.structs.replace(command, step=step, cause=started_seq)
             try:
-                reply = await send(self.log.nc, fleet, domain, verb, command, timeout_ms=timeout_ms)
+                reply = await send(self.log.bus, fleet, domain, verb, command, timeout=timeout_ms / 1000)
             except CommandError as exc:
                 reply = Reply(ok=False, error=ErrorInfo(code=exc.code, message=str(exc)))
             replies.append((verb, reply))

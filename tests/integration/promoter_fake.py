@@ -1,7 +1,8 @@
 """A small in-test agent on nats.micro: the agent seam's contract as the promoter relies on it.
 
-It answers the eight verbs on `haru.cmd.<fleet>.<domain>.<verb>` with `haru.commands.Reply`,
-publishes heartbeats, and appends the residency and training events a real agent would (sleeping,
+It answers the eight verbs on `haru.cmd.<fleet>.<domain>.<verb>` with `haru.commands.Reply`
+(on nats.micro against a real server, as the real agent does; on the bus against an in-memory log,
+`FakeAgent(None, ..., log=memory_log.connect(...))`), publishes heartbeats on the bus, and appends the residency and training events a real agent would (sleeping,
 waking, resident; training started/stopped), each with the subject's expected sequence. Faults:
 `oom_on_wake`, `fail_probe`, `hang` (no heartbeats, no replies: the agent is gone), per-verb delays.
 
@@ -79,8 +80,9 @@ class FakeAgent:
     """One fake domain agent. `async with FakeAgent(url, fleet, domain, models) as agent: ...`"""
 
     def __init__(self, url: str, fleet: str, domain: str, models: list[str], *, slots=("lora",),
-                 start: str = "resident", hb_interval: float = 0.1) -> None:
+                 start: str = "resident", hb_interval: float = 0.1, log=None) -> None:
         self.url = url
+        self._given_log = log  # an in-memory log (haru.memory): served on its bus instead of nats.micro
         self.fleet = fleet
         self.domain = domain
         self.models = {m: start for m in models}
@@ -97,8 +99,10 @@ class FakeAgent:
         self._tasks: list[asyncio.Task] = []
 
     async def __aenter__(self) -> "FakeAgent":
-        self.log = await EventLog.open([self.url], writer=f"agent:{self.fleet}/{self.domain}@fake")
-        self.nc = self.log.nc
+        if self._given_log is not None:
+            self.log = self._given_log
+        else:
+            self.log = await EventLog.open([self.url], writer=f"agent:{self.fleet}/{self.domain}@fake")
         await self.announce()
         await self.serve()
         self._tasks.append(asyncio.create_task(self._beat()))
@@ -112,10 +116,15 @@ class FakeAgent:
         self._tasks.clear()
         with contextlib.suppress(Exception):
             await self.service.stop()
-        await self.log.close()
+        if self._given_log is None:
+            await self.log.close()
 
     async def serve(self) -> None:
-        self.service = await add_service(self.nc, ServiceConfig(name=f"haru-agent-{self.domain}", version="0.0.1"))
+        if self._given_log is not None:
+            self.service = _BusService(self)
+            await self.service.start()
+            return
+        self.service = await add_service(self.log.nc, ServiceConfig(name=f"haru-agent-{self.domain}", version="0.0.1"))
         for verb in subjects.COMMAND_VERBS:
             await self.service.add_endpoint(
                 EndpointConfig(name=verb, subject=subjects.command(self.fleet, self.domain, verb), handler=self._handler(verb))
@@ -141,7 +150,7 @@ class FakeAgent:
             if not self.hang:
                 hb = Heartbeat(fleet=self.fleet, domain=self.domain, at=now(), models=dict(self.models),
                                training=list(self.training))
-                await self.nc.publish(subjects.heartbeat(self.fleet, self.domain), msgspec.json.encode(hb))
+                await self.log.bus.publish(subjects.heartbeat(self.fleet, self.domain), msgspec.json.encode(hb))
             await asyncio.sleep(self.hb_interval)
 
     async def lose(self, model: str, reason: str) -> None:
@@ -239,3 +248,35 @@ class FakeAgent:
                 await self.append(subjects.training(self.fleet, self.domain, slot),
                                   TrainingStarted(at=now(), domain=self.domain, slot=slot, pid=self.training[slot], gpu_index=0))
         return Reply(ok=True, detail="training running")
+
+
+class _BusService:
+    """The fake agent's verbs on a bus (haru.bus.Bus) rather than nats.micro: a request's reply goes
+    to its reply subject, as nats.micro's `respond` does."""
+
+    def __init__(self, agent: FakeAgent) -> None:
+        self.agent = agent
+        self.subs: list = []
+
+    async def start(self) -> None:
+        bus = self.agent.log.bus
+        for verb in subjects.COMMAND_VERBS:
+            handle = self.agent._handler(verb)
+
+            async def on(msg, handle=handle) -> None:
+                await handle(_Request(bus, msg))
+
+            self.subs.append(await bus.subscribe(subjects.command(self.agent.fleet, self.agent.domain, verb), on))
+
+    async def stop(self) -> None:
+        for sub in self.subs:
+            await sub.unsubscribe()
+        self.subs = []
+
+
+class _Request:
+    def __init__(self, bus, msg) -> None:
+        self.bus, self.data, self.reply = bus, msg.data, msg.reply
+
+    async def respond(self, data: bytes) -> None:
+        await self.bus.publish(self.reply, data)

@@ -40,7 +40,7 @@ async def start_active(tmp_path, nats_server, event_log, agents, env=None, model
 
 async def test_sleep_wake_round_trip_checked_by_is_sleeping_and_probe(tmp_path, nats_server, event_log, agents):
     agent, _cfg, endpoint = await start_active(tmp_path, nats_server, event_log, agents)
-    nc = event_log.nc
+    nc = event_log.bus
     reply = await send(nc, "f", "a", "sleep", Command(op_id="o1"), timeout=10)
     assert reply.ok, reply
     assert (await get_json(endpoint + "/is_sleeping"))[1] == {"is_sleeping": True}
@@ -74,7 +74,7 @@ async def test_sleep_on_a_gpu_the_provider_took_is_refused_and_recorded_lost(tmp
     subject = subjects.model("f", "a", "m1")
     res = await wait_event(event_log, subject, is_("model_resident"), agent=agent)
     SimGpuState(tmp_path / "sim" / "a", 0).set_present(False)  # no probe runs for a minute: only the command sees it
-    reply = await send(event_log.nc, "f", "a", "sleep", Command(op_id="demote"), timeout=10)
+    reply = await send(event_log.bus, "f", "a", "sleep", Command(op_id="demote"), timeout=10)
     assert not reply.ok
     assert reply.error.code == "gpu_detached" and "lost, not asleep" in reply.error.message, reply
     last = await event_log.last(subject)
@@ -84,7 +84,7 @@ async def test_sleep_on_a_gpu_the_provider_took_is_refused_and_recorded_lost(tmp
 
 async def test_wake_with_oom_reports_out_of_memory(tmp_path, nats_server, event_log, agents):
     agent, _cfg, endpoint = await start_active(tmp_path, nats_server, event_log, agents)
-    nc = event_log.nc
+    nc = event_log.bus
     assert (await send(nc, "f", "a", "sleep", Command(), timeout=10)).ok
     await sim_fault(endpoint, "oom_on_wake")
     wake = await send(nc, "f", "a", "wake", Command(op_id="o3"), timeout=10)
@@ -99,7 +99,7 @@ async def test_wake_with_oom_reports_out_of_memory(tmp_path, nats_server, event_
 async def test_serving_port_forwards_byte_identically_and_refuses_the_rest(tmp_path, nats_server, event_log, agents):
     env = agent_env(HARU_SERVING_TOKEN="s3cret")
     agent, _cfg, endpoint = await start_active(tmp_path, nats_server, event_log, agents, env=env)
-    status = await send(event_log.nc, "f", "a", "status", Command(), timeout=10)
+    status = await send(event_log.bus, "f", "a", "status", Command(), timeout=10)
     serving = status.data["serving_url"]
     auth = {"Authorization": "Bearer s3cret"}
     body = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
@@ -190,7 +190,7 @@ async def test_restart_after_sigkill_continues_every_chain(tmp_path, nats_server
     first.signal(signal.SIGKILL)
     await first.wait(10)
     with pytest.raises(AgentGone):
-        await send(event_log.nc, "f", "a", "status", Command(), timeout=2)
+        await send(event_log.bus, "f", "a", "status", Command(), timeout=2)
     second = agents(cfg, tmp_path / "agent-a-2.log")
     await wait_event(event_log, subjects.agent("f", "a"), lambda r: tag(r) == "agent_started" and r.event.pid == second.pid,
                      agent=second)
@@ -230,7 +230,7 @@ async def test_client_disconnect_cancels_upstream(tmp_path, nats_server, event_l
     agent, _cfg, endpoint = await start_active(tmp_path, nats_server, event_log, agents,
                                                models={"m1": {"HARU_SIM_TOKENS_PER_S": "5"}})
     port = int(endpoint.rsplit(":", 1)[1])
-    status = await send(event_log.nc, "f", "a", "status", Command(), timeout=10)
+    status = await send(event_log.bus, "f", "a", "status", Command(), timeout=10)
     serving = status.data["serving_url"]
     body = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
                        "stream": True, "ignore_eos": True}).encode()
@@ -274,7 +274,7 @@ async def test_heartbeat_micro_discovery_and_gpu_observed_only_on_change(tmp_pat
     from haru.commands import heartbeat_decoder
 
     agent, _cfg, _endpoint = await start_active(tmp_path, nats_server, event_log, agents)
-    nc = event_log.nc
+    nc = event_log.nc  # nats.micro discovery: a real-server fact
     sub = await nc.subscribe(subjects.heartbeat("f", "a"))
     msg = await sub.next_msg(timeout=3)
     hb = heartbeat_decoder.decode(msg.data)

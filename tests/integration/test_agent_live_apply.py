@@ -69,7 +69,7 @@ async def test_apply_reaches_running_agents_model_by_model(tmp_path, nats_server
             await asyncio.sleep(1.0)
         # the active serves m2 as before: its change waits for the domain to be the standby
         assert (await residency_tags(event_log, "a", "m2"))[before[("a", "m2")]:] == []
-        reply = await send(event_log.nc, FLEET, "a", "status", timeout=10)
+        reply = await send(event_log.bus, FLEET, "a", "status", timeout=10)
         assert reply.data["pending_layout"] == ["m2"], reply.data
         # m1 was never touched, anywhere, and served throughout
         for d in ("a", "b"):
@@ -89,7 +89,7 @@ async def test_apply_reaches_running_agents_model_by_model(tmp_path, nats_server
         assert got[0] == "model_sleeping"  # settled as the old active first: the change came after the saga
         ops = [type(r.event).__name__ for r in await event_log.history(subjects.op(FLEET))]
         assert "StepFailed" not in ops, ops
-        reply = await send(event_log.nc, FLEET, "a", "status", timeout=10)
+        reply = await send(event_log.bus, FLEET, "a", "status", timeout=10)
         assert reply.data["pending_layout"] == [], reply.data
 
 

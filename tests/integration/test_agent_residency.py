@@ -119,11 +119,11 @@ async def test_slow_loading_model_stays_loading_with_growing_elapsed(tmp_path, n
     subject = subjects.model("f", "a", "slow")
     await wait_event(event_log, subject, is_("model_loading"), agent=agent)
     await asyncio.sleep(0.3)
-    reply1 = await send(event_log.nc, "f", "a", "status", Command(), timeout=5)
+    reply1 = await send(event_log.bus, "f", "a", "status", Command(), timeout=5)
     first = reply1.data["models"]["slow"]
     assert first["state"] == "loading" and first["since"]
     await asyncio.sleep(3.0)  # well past probe_timeout and several probe intervals
-    reply2 = await send(event_log.nc, "f", "a", "status", Command(), timeout=5)
+    reply2 = await send(event_log.bus, "f", "a", "status", Command(), timeout=5)
     m = reply2.data["models"]["slow"]
     assert m["state"] == "loading" and m["since"] == first["since"]
     assert m["for_ms"] >= first["for_ms"] + 2500  # the elapsed time grows; nothing times out

@@ -36,7 +36,7 @@ async def test_agent_reads_declared_layout_and_runs_only_admitted_models(tmp_pat
     agent = agents(cfg, tmp_path / "agent-a.log")
     for name in ("m1", "m2"):
         await wait_event(event_log, subjects.model("f", "a", name), is_("model_resident"), agent=agent)
-    status = await send(event_log.nc, "f", "a", "status", Command(), timeout=10)
+    status = await send(event_log.bus, "f", "a", "status", Command(), timeout=10)
     assert status.data["source"] == "declared"
     assert sorted(status.data["models"]) == ["m1", "m2"]
     assert status.data["not_admitted"]["big"] > 0
@@ -53,7 +53,7 @@ async def test_undeclared_host_runs_from_its_config(tmp_path, nats_server, event
                        policy={"probe_interval_ms": 200}, role="active")
     agent = agents(cfg, tmp_path / "agent-a.log")
     await wait_event(event_log, subjects.model("f", "a", "solo"), is_("model_resident"), agent=agent)
-    status = await send(event_log.nc, "f", "a", "status", Command(), timeout=10)
+    status = await send(event_log.bus, "f", "a", "status", Command(), timeout=10)
     assert status.data["source"] == "config" and status.data["role"] == "active"
     agent.signal(signal.SIGINT)
     assert await agent.wait() == 0
@@ -68,13 +68,13 @@ async def test_role_follows_the_route_pointer(tmp_path, nats_server, event_log, 
     agent = agents(cfg, tmp_path / "agent-a.log")
     # a is standby by the route: it loads, then sleeps
     await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_sleeping"), agent=agent)
-    status = await send(event_log.nc, "f", "a", "status", Command(), timeout=10)
+    status = await send(event_log.bus, "f", "a", "status", Command(), timeout=10)
     assert status.data["role"] == "standby" and status.data["active_domain"] == "b"
     last = await event_log.last(subjects.route("f"))
     await event_log.append(subjects.route("f"), RouteMoved(at=datetime.now(timezone.utc), active="a", previous="b"),
                            expect=last.seq)
     for _ in range(50):
-        status = await send(event_log.nc, "f", "a", "status", Command(), timeout=10)
+        status = await send(event_log.bus, "f", "a", "status", Command(), timeout=10)
         if status.data["role"] == "active":
             break
         import asyncio
@@ -127,8 +127,8 @@ async def test_llama_server_model_under_the_agent(tmp_path, nats_server, event_l
     assert res.event.warmup_ms >= 300  # measured through the 503 "Loading model" phase
     # a standby: llama-server cannot sleep, stays resident, and training runs beside it
     await wait_event(event_log, subjects.training("f", "b", "lora"), is_("training_started"), agent=agent)
-    reply = await send(event_log.nc, "f", "b", "sleep", Command(), timeout=10)
+    reply = await send(event_log.bus, "f", "b", "sleep", Command(), timeout=10)
     assert reply.ok and "no sleep mode" in reply.data["models"]["gemma:2b"]["detail"]
     assert tag(await event_log.last(subject)) == "model_resident"
-    wake = await send(event_log.nc, "f", "b", "wake", Command(), timeout=10)
+    wake = await send(event_log.bus, "f", "b", "wake", Command(), timeout=10)
     assert wake.ok, wake

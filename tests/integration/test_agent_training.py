@@ -43,17 +43,17 @@ async def test_standby_sleeps_then_trains_with_exactly_two_added_variables(tmp_p
 
 async def test_trainer_that_exits_on_sigterm_is_terminated(tmp_path, nats_server, event_log, agents):
     agent, started = await start_standby(tmp_path, nats_server, event_log, agents, training={})
-    reply = await send(event_log.nc, "f", "b", "stop_training", Command(op_id="op1"), timeout=10)
+    reply = await send(event_log.bus, "f", "b", "stop_training", Command(op_id="op1"), timeout=10)
     assert reply.ok, reply
     assert reply.data["slots"]["lora"]["how"] == "terminated"
     stopped = await event_log.last(subjects.training("f", "b", "lora"))
     assert tag(stopped) == "training_stopped" and stopped.event.how == "terminated" and stopped.event.exit_code == 0
     # idempotent: stopping stopped training is ok and records nothing new
-    again = await send(event_log.nc, "f", "b", "stop_training", Command(op_id="op1"), timeout=10)
+    again = await send(event_log.bus, "f", "b", "stop_training", Command(op_id="op1"), timeout=10)
     assert again.ok and again.data["slots"]["lora"]["was_running"] is False
     assert (await event_log.last(subjects.training("f", "b", "lora"))).seq == stopped.seq
     # verify_gpu: the trainer's pid is gone from the GPU and its VRAM is free for the wake
-    verify = await send(event_log.nc, "f", "b", "verify_gpu", Command(op_id="op1"), timeout=10)
+    verify = await send(event_log.bus, "f", "b", "verify_gpu", Command(op_id="op1"), timeout=10)
     assert verify.ok, verify
     assert verify.data["gpus"]["0"]["trainer_pids"] == []
     assert verify.data["gpus"]["0"]["free_bytes"] >= verify.data["gpus"]["0"]["needed_bytes"] > 0
@@ -63,9 +63,9 @@ async def test_trainer_ignoring_sigterm_is_killed_after_grace(tmp_path, nats_ser
     agent, started = await start_standby(tmp_path, nats_server, event_log, agents,
                                          training={"extra": ["--ignore-sigterm"], "grace_ms": 700})
     # while it runs, verify_gpu refuses: training holds the GPU
-    busy = await send(event_log.nc, "f", "b", "verify_gpu", Command(), timeout=10)
+    busy = await send(event_log.bus, "f", "b", "verify_gpu", Command(), timeout=10)
     assert not busy.ok and busy.error.code == "training_running"
-    reply = await send(event_log.nc, "f", "b", "stop_training", Command(), timeout=10)
+    reply = await send(event_log.bus, "f", "b", "stop_training", Command(), timeout=10)
     assert reply.ok and reply.data["slots"]["lora"]["how"] == "killed"
     assert reply.took_ms >= 700  # the grace was given before SIGKILL
     stopped = await event_log.last(subjects.training("f", "b", "lora"))
@@ -73,7 +73,7 @@ async def test_trainer_ignoring_sigterm_is_killed_after_grace(tmp_path, nats_ser
     with pytest.raises(ProcessLookupError):
         os.kill(started.event.pid, 0)
     # start_training while the models sleep: runs again
-    again = await send(event_log.nc, "f", "b", "start_training", Command(), timeout=10)
+    again = await send(event_log.bus, "f", "b", "start_training", Command(), timeout=10)
     assert again.ok, again
     assert tag(await event_log.last(subjects.training("f", "b", "lora"))) == "training_started"
 
@@ -99,7 +99,7 @@ async def test_standby_restart_makes_room_reloads_sleeps_and_resumes_training(tm
 async def test_promotion_steps_against_a_training_standby(tmp_path, nats_server, event_log, agents):
     """What the promoter does to a standby: stop training, verify the VRAM, wake, probe. Then demote it back."""
     agent, started = await start_standby(tmp_path, nats_server, event_log, agents, training={"vram": "16GiB"})
-    nc = event_log.nc
+    nc = event_log.bus
     # the trainer holds 16 GiB of the 24: the sleeping 4 GiB model could not wake now
     busy = await send(nc, "f", "b", "verify_gpu", Command(op_id="p"), timeout=10)
     assert not busy.ok and busy.error.code == "training_running"
@@ -127,8 +127,8 @@ async def test_start_training_refused_on_the_active_domain(tmp_path, nats_server
     cfg = write_config(tmp_path / "agent-a.json", nats_server.url, tmp_path, domain="a", layout=layout)
     agent = agents(cfg, tmp_path / "agent-a.log")
     await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_resident"), agent=agent)
-    assert (await send(event_log.nc, "f", "a", "sleep", Command(), timeout=10)).ok
-    no = await send(event_log.nc, "f", "a", "start_training", Command(), timeout=10)
+    assert (await send(event_log.bus, "f", "a", "sleep", Command(), timeout=10)).ok
+    no = await send(event_log.bus, "f", "a", "start_training", Command(), timeout=10)
     assert not no.ok and no.error.code == "domain_active"
     assert await event_log.history(subjects.training("f", "a", "lora")) == []
 
@@ -139,6 +139,6 @@ async def test_trainer_that_finishes_by_itself_is_exited(tmp_path, nats_server, 
     agent = agents(cfg, tmp_path / "agent-b.log")
     stopped = await wait_event(event_log, subjects.training("f", "b", "lora"), is_("training_stopped"), agent=agent)
     assert stopped.event.how == "exited" and stopped.event.exit_code == 0 and stopped.event.ran_ms >= 300
-    status = await send(event_log.nc, "f", "b", "status", Command(), timeout=10)
+    status = await send(event_log.bus, "f", "b", "status", Command(), timeout=10)
     assert status.data["training"]["lora"]["running"] is False
     assert status.data["training"]["lora"]["last_stop"] == {"how": "exited", "exit_code": 0}

@@ -32,7 +32,7 @@ async def start(tmp_path, nats_server, event_log, agents, env=None):
     cfg = write_config(tmp_path / "agent-a.json", nats_server.url, tmp_path, domain="a", layout=layout)
     agent = agents(cfg, tmp_path / "agent-a.log", env)
     res = await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_resident"), agent=agent)
-    status = await send(event_log.nc, "f", "a", "status", Command(), timeout=10)
+    status = await send(event_log.bus, "f", "a", "status", Command(), timeout=10)
     return agent, res.event.endpoint, status.data["serving_url"]
 
 
