@@ -15,7 +15,7 @@ from haru.memory import MemoryLog
 from haru.tasks import cancel_and_wait
 from haru.views import intent_decoder
 from projections.projector import Projector
-from projections.route import changed
+from haru.intents import changed
 from tests.integration.test_projector import F, MODELS, Writer, declare, expected_views, now, wait_view_seq
 
 pytestmark = pytest.mark.timeout(60)
