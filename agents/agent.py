@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -44,7 +43,6 @@ import msgspec
 import nats.errors
 import structlog
 
-from agents import probes
 from agents.config import (
     AgentConfig,
     HostSlots,
@@ -53,54 +51,38 @@ from agents.config import (
     load_layout_slots,
     slots_from_host_entry,
 )
-from agents.errors import AgentRefused, OutOfMemory, RuntimeProblem, TrainingProblem
+from agents.errors import AgentRefused, RuntimeProblem
 from agents.gpu import GpuReading, Gpus, Owner, open_gpus, process_tree, read_parents
-from agents.pulling import needs_pull, pull_for
 from agents.runtimes import make_runtime
 from agents.runtimes.base import runtimes_die_with_agent
 from agents.training import Ended, Trainer
 from agents.appender import Appender
-from agents.cause import COMMAND_CAUSE, VERSION
+from agents.cause import VERSION
 from agents.gpu_watch import GPU_USED_THRESHOLD, GpuWatcher
 from agents.gpu_watch import gpu_changed as _gpu_changed
 from agents.heartbeat import Heartbeats, heartbeat_of
-from agents.loops import LoopErrors, survive
+from agents.loops import LoopErrors
 from agents.commands import CommandService
 from agents.model_slot import ModelSlot
 from agents.ports import GpuVerdict, Outcome
 from agents.runtime_files import RuntimeFiles, pid_alive, read_identities, runtime_on_start
+from agents.recorder import Recorder
 from agents.serving import ServingProxy
-from haru import causes, subjects
+from agents.training_slots import TrainingSlots
+from agents.supervisor import RUNTIME_STOP_GRACE_S, ModelSupervisor, SupervisorContext, backoff_s
+from haru import subjects
 from haru.commands import Command, ErrorInfo, Heartbeat, Reply, heartbeat_decoder
 from haru.errors import ConfigError, Conflict, IllegalTransition
 from haru.eventlog import EventLog
-from agents.observe import (
-    Adopted,
-    Answered,
-    Exited,
-    GpuGone,
-    Observation,
-    ProbeFailed,
-    PullInterrupted,
-    Slept,
-    Spawned,
-    SpawnRefused,
-    StillAsleep,
-    Unloaded,
-    Vanished,
-    WakeBegun,
-    observe,
-)
+from agents.observe import Observation, PullInterrupted, Unloaded, observe
 from haru.events import (
     AgentStarted,
     AgentStopping,
     Event,
     RouteMoved,
-    TrainingStarted,
-    TrainingStopped,
 )
 from haru.events import tag_of
-from haru.residency import evolve, event_key, to_state
+from haru.residency import to_state
 from haru.specs import ModelSpec, TrainingSpec
 from haru.children import stop_group
 from haru.tasks import cancel_and_wait
@@ -108,12 +90,7 @@ from haru.tasks import cancel_and_wait
 # GPU_USED_THRESHOLD, _gpu_changed: kept importable from here (agents/gpu_watch.py has them)
 __all__ = ["Agent", "ModelSlot", "resolve_slots", "VERSION", "GPU_USED_THRESHOLD", "_gpu_changed"]
 
-RUNTIME_STOP_GRACE_S = 15.0
 LIVE_STATES = frozenset({"loading", "resident", "sleeping", "waking"})
-# While a model loads, its /health is asked this often (one loopback GET; a 503 or a refused
-# connection costs well under a millisecond), so `resident` is recorded within ~this of the runtime
-# turning ready. bench/runtime.py measures it against a real llama-server.
-LOADING_POLL_S = 0.02
 DECL_SETTLE_S = 0.3  # a live apply waits this long after the last declaration before it folds them
 
 
@@ -140,7 +117,6 @@ async def resolve_slots(config: AgentConfig, log: EventLog) -> HostSlots:
 class Agent:
     def __init__(self, config: AgentConfig, slots: HostSlots, log: EventLog, gpus: Gpus, session: aiohttp.ClientSession) -> None:
         self.config = config
-        self._rechecking: set[str] = set()  # models the serving port asked to probe now
         self.slots = slots
         self.policy = slots.policy
         self.log = log
@@ -160,27 +136,33 @@ class Agent:
         self._bind_host = bind_host
         for spec in slots.admitted_models:
             self.models[spec.name] = self._new_slot(spec)
-        self.trainers: dict[str, Trainer] = {}
-        self.training_seq: dict[str, int] = {}
-        self.training_lock = asyncio.Lock()
-        for t in slots.admitted_training:
-            self.trainers[t.slot] = Trainer(t, grace_ms=self.policy.training_grace_ms, log_dir=self.state_dir,
-                                            on_exit=self._training_exited_factory(t.slot))
+        self.stopping = False
+        self._stop = asyncio.Event()
         self.files = RuntimeFiles(self.state_dir, logger=self.logger)
         self.loop_errors = LoopErrors()  # haru_agent_loop_errors_total{loop}
         self.append = Appender(log, stopping=lambda: self.stopping, logger=self.logger)
         self.gpu_watch = GpuWatcher(fleet=self.fleet, domain=self.domain, gpus=gpus, append=self.append, owners=self.owners,
                                     on_gone=self._gpu_went_away, exclude_pid=self.pid, logger=self.logger)
+        self.training = TrainingSlots(slots.admitted_training, fleet=self.fleet, domain=self.domain,
+                                      grace_ms=self.policy.training_grace_ms, log_dir=self.state_dir, append=self.append,
+                                      files=self.files, agent_seq=lambda: self.agent_seq, stopping=lambda: self.stopping,
+                                      logger=self.logger)
+        self.recorder = Recorder(domain=self.domain, append=self.append, gpu=self.gpu_watch,
+                                 agent_seq=lambda: self.agent_seq, stopping=lambda: self.stopping, logger=self.logger)
+        self._supervisor_context = SupervisorContext(
+            domain=self.domain, record=self.recorder.record, about=self.recorder.about, gpu=self.gpu_watch,
+            files=self.files, role=lambda: self.role, policy=lambda: self.policy, stopping=lambda: self.stopping,
+            stop_event=self._stop, spawn=self._spawn_task, make_room=self._make_room,
+            resume_training=self._resume_training, errors=self.loop_errors, logger=self.logger)
         self.active_domain = ""
         self.route_revision = 0
-        self.stopping = False
-        self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._service = None
         self._serving = None
         self.serving_url = ""
         self.keep_runtimes = False
-        self.supervisors: dict[str, asyncio.Task] = {}  # model -> its supervisor task
+        self.supervisors: dict[str, ModelSupervisor] = {}  # model -> its supervisor
+        self._supervising: dict[str, asyncio.Task] = {}  # model -> its supervisor's task
         self.pending: dict[str, ModelSpec] = {}  # changes applied live that wait for this domain to be standby
         self._reconcile_lock = asyncio.Lock()
         self.adoptable: dict[str, dict] = {}  # model -> the identity of a live runtime found at boot
@@ -216,19 +198,22 @@ class Agent:
     async def stopped(self) -> None:
         await self._stop.wait()
 
-    def recheck(self, m: "ModelSlot") -> None:
+    def recheck(self, m: ModelSlot) -> None:
         """Probe `m` now (the serving port saw its runtime fail a request), once at a time."""
-        if m.name in self._rechecking or self.stopping:
-            return
-        self._rechecking.add(m.name)
+        supervisor = self.supervisors.get(m.name)
+        if supervisor is not None and supervisor.m is m:
+            supervisor.recheck()
 
-        async def run() -> None:
-            try:
-                await self.check(m)  # records the loss; restarting an evicted one is the periodic probe's job
-            finally:
-                self._rechecking.discard(m.name)
+    async def check(self, m: ModelSlot) -> bool:
+        """One probe of `m` now, recording what changed (its supervisor's). True = it must be restarted."""
+        return await self.supervisors[m.name].check()
 
-        self._spawn_task(run(), f"recheck:{m.name}")
+    def _supervise(self, m: ModelSlot) -> None:
+        """Start `m`'s supervisor (adopting the runtime a previous agent left, if one was found)."""
+        supervisor = ModelSupervisor(m, self._supervisor_context, found=self.adoptable.pop(m.name, None),
+                                     away=self.away.pop(m.name, ""))
+        self.supervisors[m.name] = supervisor
+        self._supervising[m.name] = self._spawn_task(supervisor.run(), f"model:{m.name}")
 
     def _spawn_task(self, coro, name: str) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -318,15 +303,7 @@ class Agent:
                     with contextlib.suppress(IllegalTransition):
                         m.state = to_state(rec.event, rec.seq)
         await self._find_runtimes()
-        for slot in self.trainers:
-            rec = await self.log.last(subjects.training(self.fleet, self.domain, slot))
-            self.training_seq[slot] = rec.seq if rec is not None else 0
-            if rec is not None and rec.event is not None and isinstance(rec.event, TrainingStarted):
-                # The previous agent died with it running: it got SIGTERM then (its parent-death signal),
-                # and the sweep above stopped whatever ignored it, with the slot's grace; say so.
-                how = self._swept_training.get(slot, "terminated")
-                await self._append_training(slot, TrainingStopped(
-                    at=now(), domain=self.domain, slot=slot, how=how, exit_code=None, ran_ms=0))  # type: ignore[arg-type]
+        await self.training.load_tips(self.log, self._swept_training)
         await self.gpu_watch.load_tips(self.log, self.slots.gpu_indexes())
         self._service = CommandService(self, self.log.nc)
         await self._service.start()
@@ -338,7 +315,7 @@ class Agent:
         self._spawn_task(self.gpu_watch.run(self.slots.gpu_indexes, lambda: self.policy.probe_interval_ms / 1000,
                                             self.loop_errors), "gpus")
         for m in self.models.values():
-            self.supervisors[m.name] = self._spawn_task(self._supervise(m), f"model:{m.name}")
+            self._supervise(m)
         self._spawn_task(self._initial_training(), "initial-training")
         if self.slots.source == "declared":
             self._spawn_task(self._follow_declarations(), "declarations")
@@ -373,7 +350,7 @@ class Agent:
         else:
             await asyncio.gather(*(self._unload(m) for m in self.models.values()), return_exceptions=True)
         await cancel_and_wait(*hb)
-        self._write_children()
+        self.files.write_children(self.trainers.values())
         self.logger.info("agent stopped", reason=reason)
 
     async def _unload(self, m: ModelSlot) -> None:
@@ -398,9 +375,6 @@ class Agent:
             self.logger.exception("could not record on the way out", model=m.name, observation=type(observation).__name__)
 
     # ------------------------------------------------------------- runtimes that outlive the agent
-
-    def _write_children(self) -> None:
-        self.files.write_children(self.trainers.values())
 
     def _write_identity(self, m: ModelSlot) -> None:
         self.files.write_identity(m.name, m.runtime)
@@ -479,23 +453,6 @@ class Agent:
         if event is not None:
             await self.append(subject, event, rec.seq)
 
-    async def _adopt(self, m: ModelSlot) -> bool:
-        """Take over the runtime `_find_runtimes` found: `model_adopted`, then watch it like one we loaded."""
-        found = self.adoptable.pop(m.name)
-        async with m.lock:
-            m.generation += 1
-            m.exited.clear()
-            m.exit_code = None
-            m.on_purpose = False
-            level = getattr(m.state, "level", 1) or 1
-            await self._record(m, Adopted(**self._about(m), pid=found["pid"], endpoint=found["endpoint"],
-                                          asleep=found["asleep"], level=level,
-                                          detail="kept serving through the agent's restart"))
-            self._spawn_task(self._exit_waiter(m, m.generation), f"exit:{m.name}:{m.generation}")
-            if not found["asleep"]:
-                m.resident_at = time.monotonic()
-        return True
-
     # ------------------------------------------------------------------ layouts applied live
 
     def _new_slot(self, spec: ModelSpec) -> ModelSlot:
@@ -559,7 +516,7 @@ class Agent:
                     if rec.event is not None:
                         with contextlib.suppress(IllegalTransition):
                             m.state = to_state(rec.event, rec.seq)
-                self.supervisors[spec.name] = self._spawn_task(self._supervise(m), f"model:{spec.name}")
+                self._supervise(m)
                 done["started"].append(spec.name)
             for spec in diff.changed:
                 if self.role == "active" and self.models[spec.name].state_tag in LIVE_STATES:
@@ -599,7 +556,8 @@ class Agent:
         m = self.models.get(name)
         if m is None:
             return
-        task = self.supervisors.pop(name, None)
+        self.supervisors.pop(name, None)
+        task = self._supervising.pop(name, None)
         if task is not None:
             await cancel_and_wait(task)
         async with m.lock:
@@ -621,42 +579,15 @@ class Agent:
             if rec.event is not None:
                 with contextlib.suppress(IllegalTransition):
                     m.state = to_state(rec.event, rec.seq)
-        self.supervisors[spec.name] = self._spawn_task(self._supervise(m), f"model:{spec.name}")
+        self._supervise(m)
 
     # --------------------------------------------------------------------------------------- writes
 
     def _about(self, m: ModelSlot) -> dict:
-        """The fields every observation of `m` carries: when, which domain, which model."""
-        return {"at": now(), "domain": self.domain, "model": m.name}
+        return self.recorder.about(m)
 
     async def _record(self, m: ModelSlot, observation: Observation) -> Event | None:
-        """Ask the decision table (agents/observe.py) what `observation` means for `m` as recorded, and
-        append that event (None: nothing to write). A pair the table refuses raises IllegalObservation:
-        nothing is appended."""
-        if isinstance(observation, GpuGone) and not self._gpu_gone_seq(m):
-            # Record the GPU's absence first, so the loss can cite the observation that showed it.
-            try:
-                await self.observe_gpu(m.spec.gpu_index)
-            except Exception:
-                self.logger.exception("could not record the GPU's absence before the loss", model=m.name)
-        async with m.append_lock:
-            event = observe(m.state, observation)
-            if event is None:
-                return None
-            event = causes.with_cause(event, causes.residency_cause(
-                event, prev_tag=m.state_tag, prev_seq=m.seq, command=COMMAND_CAUSE.get(), gpu_gone=self._gpu_gone_seq(m),
-                agent=self.agent_seq, stopping=self.stopping))
-            m.seq = await self.append(m.subject, event, m.seq)
-            m.state = evolve(m.state, event, seq=m.seq, subject=m.subject)  # the table wrote only legal events
-        self.logger.info(event_key(event), model=m.name, **{k: v for k, v in msgspec.to_builtins(event).items()
-                                                            if k in ("reason", "detail", "attempt", "warmup_ms", "exit_code", "pid")})
-        return event
-
-    async def _append_training(self, slot: str, event: Event) -> None:
-        subject = subjects.training(self.fleet, self.domain, slot)
-        event = causes.with_cause(event, causes.training_cause(event, command=COMMAND_CAUSE.get(), agent=self.agent_seq,
-                                                               stopping=self.stopping))
-        self.training_seq[slot] = await self.append(subject, event, self.training_seq.get(slot, 0))
+        return await self.recorder.record(m, observation)
 
     # ----------------------------------------------------------------------------------------- role
 
@@ -744,369 +675,23 @@ class Agent:
     # ---------------------------------------------------------------------------------- supervision
 
     def _backoff_s(self, failures: int) -> float:
-        ms = self.policy.restart_backoff_ms * (2 ** max(0, failures - 1))
-        return min(ms, self.policy.restart_backoff_max_ms) / 1000
-
-    async def _pause(self, seconds: float) -> bool:
-        """Sleep unless the agent stops first; True if it is stopping."""
-        if self.stopping:
-            return True
-        try:
-            async with asyncio.timeout(seconds):
-                await self._stop.wait()
-            return True
-        except asyncio.TimeoutError:
-            return self.stopping
-
-    async def _supervise(self, m: ModelSlot) -> None:
-        """Load (or adopt) the model, watch it, and restart it with backoff, until the agent stops. An
-        attempt that raises (a bug) is logged with its traceback and counted (`loop_errors["supervise"]`);
-        what it started is stopped, and the next attempt comes after the backoff."""
-        adopted = m.name in self.adoptable
-        if not adopted and m.runtime.kind != "external":
-            # Its runtime is gone (it died while no agent watched, or an agent before issue 14 took it
-            # along): if the chain says live, it says so, once, before we reload.
-            await survive(lambda: self._record(m, Vanished(**self._about(m), detail=self.away.pop(
-                m.name, "the previous agent stopped without unloading it"))), name="supervise",
-                errors=self.loop_errors, logger=self.logger, model=m.name)
-        first = True
-        while not self.stopping:
-            if not first and await self._pause(self._backoff_s(m.failures)):
-                return
-            try:
-                if await self._attempt(m, first=first, adopted=adopted):
-                    return
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                n = self.loop_errors.count("supervise")
-                self.logger.exception("supervision attempt failed; retrying after the backoff", model=m.name, errors=n)
-                m.settled.set()
-                if m.runtime.kind != "external" and m.runtime.alive():
-                    m.on_purpose = True
-                    await m.runtime.stop(RUNTIME_STOP_GRACE_S)
-            adopted = first = False
-            if self.stopping:
-                return
-            # Consecutive failures double the backoff; a runtime that stayed up for a while starts afresh.
-            if m.resident_at and time.monotonic() - m.resident_at >= self.policy.restart_backoff_max_ms / 1000:
-                m.failures = 1
-            else:
-                m.failures += 1
-            m.resident_at = 0.0
-            if m.runtime.kind == "external":
-                m.failures = max(m.failures, 1)
-
-    async def _attempt(self, m: ModelSlot, *, first: bool, adopted: bool) -> bool:
-        """One load (or adoption) of `m`, watched until its runtime is gone. True if the agent stops."""
-        if await self._wait_for_gpu(m):
-            return True
-        paused: list[str] = []
-        if self.role == "standby" and not first:
-            answering = COMMAND_CAUSE.set(m.seq)  # the loss this restart answers: what the pause cites
-            try:
-                paused = await self._make_room(m.spec.gpu_index)
-            finally:
-                COMMAND_CAUSE.reset(answering)
-        try:
-            ready = await (self._adopt(m) if adopted else self._load(m))
-            if ready and self.role == "standby" and m.runtime.can_sleep:
-                async with m.lock:
-                    if m.state_tag == "resident":
-                        try:
-                            await self._sleep_one(m, 1)
-                        except RuntimeProblem as exc:
-                            self.logger.warning("could not put the standby runtime to sleep", model=m.name, error=str(exc))
-        finally:
-            if paused:
-                await self._resume_training(paused)
-            if first:
-                m.settled.set()
-        if ready:
-            await self._watch(m)
-        return False
-
-    async def _wait_for_gpu(self, m: ModelSlot) -> bool:
-        """A detached GPU cannot load anything: wait for it to come back. True if the agent stops."""
-        if m.runtime.kind == "external":
-            return False
-        while self.gpu_went_away(m.spec.gpu_index):
-            m.settled.set()
-            if await self._pause(self.policy.probe_interval_ms / 1000):
-                return True
-        return False
-
-    async def _load(self, m: ModelSlot) -> bool:
-        """Spawn (or re-attach to) the runtime and wait until it is resident or gone. Never times out."""
-        if needs_pull(m.runtime.spec.source, m.runtime.kind) and not await pull_for(m, self._record, self._about):
-            return False  # a layout's reference: pulled first (`pulling`), or failed in the registry's words
-        async with m.lock:
-            m.attempt += 1
-            m.generation += 1
-            m.exited.clear()
-            m.exit_code = None
-            m.on_purpose = False
-            started = time.monotonic()
-            try:
-                await m.runtime.start()
-            except RuntimeProblem as exc:  # the attempt is recorded, and what the runtime (or the OS) said
-                await self._record(m, Spawned(**self._about(m), endpoint=m.runtime.base_url, pid=0, attempt=m.attempt))
-                await self._record(m, SpawnRefused(**self._about(m), said=str(exc)))
-                return False
-            await self._record(m, Spawned(**self._about(m), endpoint=m.runtime.base_url, pid=m.runtime.pid or 0,
-                                          attempt=m.attempt))
-            self._write_identity(m)
-            if m.runtime.kind != "external":
-                self._spawn_task(self._exit_waiter(m, m.generation), f"exit:{m.name}:{m.generation}")
-        poll = LOADING_POLL_S
-        timeout = self.policy.probe_timeout_ms / 1000
-        while not self.stopping:
-            if m.exited.is_set():
-                return False
-            probe = await probes.ready(m.runtime, timeout_s=timeout, check_sleep=False)
-            if probe.ok:
-                async with m.lock:
-                    if m.exited.is_set() or m.state_tag != "loading":
-                        return False
-                    m.last_probe = probe
-                    warmup = int((time.monotonic() - started) * 1000)
-                    await self._record(m, Answered(**self._about(m), endpoint=m.runtime.base_url, warmup_ms=warmup))
-                    m.resident_at = time.monotonic()
-                return True
-            if m.runtime.kind != "external" and self.gpu_went_away(m.spec.gpu_index):
-                async with m.lock:
-                    await self._record(m, GpuGone(**self._about(m), detail="the GPU went away while the model was loading"))
-                    m.on_purpose = True
-                    await m.runtime.stop(RUNTIME_STOP_GRACE_S)
-                return False
-            with contextlib.suppress(asyncio.TimeoutError):
-                async with asyncio.timeout(poll):
-                    await m.exited.wait()
-        return False
-
-    async def _exit_waiter(self, m: ModelSlot, generation: int) -> None:
-        code = await m.runtime.wait_exit()
-        if generation != m.generation:
-            return
-        m.exit_code = code
-        try:
-            if m.on_purpose or self.stopping:
-                await self._record(m, Exited(**self._about(m), code=code, expected=True))
-            else:
-                # A nonzero exit before it ever answered is the runtime refusing the model (a corrupt or
-                # truncated file, an unknown architecture): `failed`, in its own words (the table decides);
-                # the supervisor retries with the growing backoff, never in a tight loop.
-                said = runtime_said(m.runtime.output_tail(8000), code) if code is not None and code > 0 else ""
-                tail = m.runtime.output_tail(600).strip().splitlines()
-                detail = (f"the runtime exited with code {code}" if code is not None else
-                          f"the adopted runtime (pid {m.runtime.pid}) exited; its exit status went to its reaper")
-                if tail:
-                    detail += f"; last output: {tail[-1][:300]}"
-                await self._record(m, Exited(**self._about(m), code=code, said=said, detail=detail))
-        finally:
-            self._drop_identity(m.name)  # it is gone: nothing to adopt
-            m.exited.set()
-
-    async def _watch(self, m: ModelSlot) -> None:
-        """Probe a loaded runtime every probe interval until its process is gone (or must be restarted)."""
-        interval = self.policy.probe_interval_ms / 1000
-        while not self.stopping:
-            with contextlib.suppress(asyncio.TimeoutError):
-                async with asyncio.timeout(interval):
-                    await m.exited.wait()
-            if m.exited.is_set() or self.stopping:
-                return
-            if m.lock.locked():
-                continue  # a command is changing it: probe next time
-            restart = await self.check(m)
-            if restart:
-                async with m.lock:
-                    m.on_purpose = True
-                    await m.runtime.stop(RUNTIME_STOP_GRACE_S)
-                    m.exited.set()
-                return
-
-    async def check(self, m: ModelSlot) -> bool:
-        """One periodic probe of a model, recording what changed. True = the runtime must be restarted."""
-        async with m.lock:
-            if m.exited.is_set():
-                return False
-            timeout = self.policy.probe_timeout_ms / 1000
-            tag = m.state_tag
-            gpu = self.read_gpu(m.spec.gpu_index) if m.runtime.kind != "external" else None
-            if tag == "sleeping":
-                if gpu is not None and gpu.present is False:
-                    await self._gpu_gone(m, "the GPU went away while the runtime slept")
-                    return False
-                health = await m.runtime.health(timeout_s=min(timeout, 5.0))
-                if not health.ok:
-                    alive = m.runtime.alive()
-                    reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=True)
-                    await self._lost(m, reason, health.detail or f"/health answered {health.status} while asleep")
-                    return False
-                try:
-                    asleep = await m.runtime.is_sleeping(timeout_s=min(timeout, 5.0))
-                except RuntimeProblem:
-                    asleep = True
-                if asleep is False:  # woken behind our back: find out whether it serves
-                    tag = "lost"
-                else:
-                    return False
-            if tag not in ("resident", "lost"):
-                return False
-            started = time.monotonic()
-            probe = await probes.ready(m.runtime, timeout_s=timeout)
-            m.last_probe = probe
-            m.probe_ms = int((time.monotonic() - started) * 1000)
-            if probe.ok:
-                if tag != "resident" or m.state_tag != "resident":
-                    await self._record(m, Answered(**self._about(m), endpoint=m.runtime.base_url,
-                                                   warmup_ms=probe.latency_ms))
-                    m.resident_at = time.monotonic()
-                return False
-            if m.exited.is_set():
-                return False
-            if tag == "lost" and probe.step == "sleeping":
-                # A lost runtime found healthy but asleep (its GPU came back while it slept): the table has
-                # no lost -> sleeping, so it is reloaded (lost -> loading), and a standby puts it back to sleep.
-                return True
-            alive = m.runtime.alive()
-            holds = await probes.holds_model(m.runtime, min(timeout, 5.0)) if probe.step != "listed" else False
-            if gpu is None and m.runtime.kind != "external":
-                gpu = self.read_gpu(m.spec.gpu_index)
-            reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=holds)
-            if not alive:
-                return False  # the exit waiter records process_exited
-            await self._lost(m, reason, f"{probe.step}: {probe.detail}"[:500])  # the table: no news if already so
-            return reason == "evicted"
-
-    def _gpu_gone_seq(self, m: ModelSlot) -> int:
-        """The recorded observation that the model's GPU is gone (0 = none)."""
-        return self.gpu_watch.gone_seq(m.spec.gpu_index)
-
-    async def _lost(self, m: ModelSlot, reason: str, detail: str) -> None:
-        if reason == "gpu_detached":
-            await self._gpu_gone(m, detail)
-            return
-        await self._record(m, ProbeFailed(**self._about(m), reason=reason, detail=detail))  # type: ignore[arg-type]
-
-    async def _gpu_gone(self, m: ModelSlot, detail: str) -> None:
-        if await self._record(m, GpuGone(**self._about(m), detail=detail)) is not None:
-            # Record the GPU's absence now: that checks the other models on it (see _observe_gpu).
-            self._spawn_task(self.observe_gpu(m.spec.gpu_index), f"gpu-check:{m.spec.gpu_index}")
+        return backoff_s(self.policy, failures)
 
     # ---------------------------------------------------------------------------- sleep and wake
 
-    async def _sleep_one(self, m: ModelSlot, level: int) -> None:
-        """Put a resident runtime to sleep (caller holds m.lock). Verified through /is_sleeping."""
-        before = self.read_gpu(m.spec.gpu_index)
-        await m.runtime.sleep(level, self.policy.wake_timeout_ms / 1000)
-        after = self.read_gpu(m.spec.gpu_index)
-        freed = max(0, before.memory_used_bytes - after.memory_used_bytes) if before.present and after.present else 0
-        await self._record(m, Slept(**self._about(m), level=level, freed_bytes=freed))
-
     async def sleep_model(self, m: ModelSlot, level: int) -> Outcome:
-        """Idempotent sleep."""
-        if not m.runtime.can_sleep:
-            return Outcome(ok=True, detail=f"a {m.runtime.kind} runtime has no sleep mode; it stays {m.state_tag}")
-        async with m.lock:
-            if self.gpu_went_away(m.spec.gpu_index):
-                # A runtime may well answer /sleep on a GPU that is gone; its weights are not in VRAM to free.
-                await self._gpu_gone(m, "the GPU went away; asked to sleep")  # the table: no news if already lost
-                return Outcome(ok=False, code="gpu_detached", detail=f"GPU {m.spec.gpu_index} is gone (the provider took it): {m.name} is lost, not asleep")
-            tag = m.state_tag
-            if tag == "sleeping":
-                try:
-                    if await m.runtime.is_sleeping() is True:
-                        return Outcome(ok=True, detail="already asleep")
-                except RuntimeProblem as exc:
-                    return Outcome(ok=False, code=exc.code, detail=str(exc))
-            elif tag not in ("resident", "waking"):
-                return Outcome(ok=False, code="not_resident", detail=f"{m.name} is {tag}; only a resident model can be put to sleep")
-            try:
-                await self._sleep_one(m, level)
-            except RuntimeProblem as exc:
-                return Outcome(ok=False, code=exc.code, detail=str(exc))
-            return Outcome(ok=True, detail="asleep (verified by /is_sleeping)")
+        """Idempotent sleep, verified by /is_sleeping."""
+        return await self.supervisors[m.name].sleep(level)
 
     async def wake_model(self, m: ModelSlot) -> Outcome:
         """Idempotent wake, verified by /is_sleeping and a real one-token completion (`took_ms`)."""
-        started = time.monotonic()
-        timeout = self.policy.probe_timeout_ms / 1000
-        async with m.lock:
-            tag = m.state_tag
-            if tag == "resident" or not m.runtime.can_sleep:
-                if tag != "resident":
-                    return Outcome(ok=False, code="not_resident", detail=f"{m.name} is {tag}", took_ms=0)
-                probe = await probes.ready(m.runtime, timeout_s=timeout)
-                if probe.ok:
-                    return Outcome(ok=True, detail="already awake; probe answered", took_ms=int((time.monotonic() - started) * 1000))
-                return Outcome(ok=False, code="probe_failed", detail=f"awake but the probe failed at {probe.step}: {probe.detail}", took_ms=0)
-            if tag not in ("sleeping", "waking"):
-                return Outcome(ok=False, code="not_sleeping", detail=f"{m.name} is {tag}; there is nothing to wake", took_ms=0)
-            await self._record(m, WakeBegun(**self._about(m)))  # sleeping -> waking; a retried wake: no news
-            gen = m.generation
-            try:
-                await m.runtime.wake(self.policy.wake_timeout_ms / 1000)
-            except OutOfMemory as exc:
-                await self._after_failed_wake(m, gen)
-                return Outcome(ok=False, code="out_of_memory", detail=str(exc), took_ms=int((time.monotonic() - started) * 1000))
-            except RuntimeProblem as exc:
-                await self._after_failed_wake(m, gen)
-                return Outcome(ok=False, code=exc.code, detail=str(exc), took_ms=int((time.monotonic() - started) * 1000))
-            probe = await probes.ready(m.runtime, timeout_s=timeout)
-            took = int((time.monotonic() - started) * 1000)
-            if gen != m.generation or m.exited.is_set():
-                return Outcome(ok=False, code="process_exited", detail=f"{m.name}'s runtime exited while waking", took_ms=took)
-            if not probe.ok:
-                code = "out_of_memory" if "out of memory" in probe.detail.lower() else "probe_failed"
-                await self._after_failed_wake(m, gen, probe=probe)
-                return Outcome(ok=False, code=code, detail=f"woke but the probe failed at {probe.step}: {probe.detail}", took_ms=took)
-            m.last_probe = probe
-            await self._record(m, Answered(**self._about(m), endpoint=m.runtime.base_url, warmup_ms=took))
-            m.resident_at = time.monotonic()
-            return Outcome(ok=True, detail=f"awake (verified by /is_sleeping and a probe in {probe.latency_ms} ms)", took_ms=took)
+        return await self.supervisors[m.name].wake()
 
     async def probe_model(self, m: ModelSlot) -> Outcome:
-        """A real one-token completion of a resident model (`latency_ms`); a failed one is news: the
-        supervisor's diagnosis records it now."""
-        if m.state_tag != "resident":
-            return Outcome(ok=False, code="not_resident", detail=f"{m.name} is {m.state_tag}")
-        p = await probes.ready(m.runtime, timeout_s=self.policy.probe_timeout_ms / 1000)
-        if p.ok:
-            return Outcome(ok=True, detail=f"answered in {p.latency_ms} ms", latency_ms=p.latency_ms)
-        await self.check(m)
-        return Outcome(ok=False, code="probe_failed", detail=f"{p.step}: {p.detail}")
-
-    async def _after_failed_wake(self, m: ModelSlot, gen: int, probe: probes.Probe | None = None) -> None:
-        """Record the truth after a wake failed: still asleep, or lost (and why)."""
-        if gen != m.generation or m.exited.is_set() or m.state_tag != "waking":
-            return
-        try:
-            asleep = await m.runtime.is_sleeping()
-        except RuntimeProblem:
-            asleep = None
-        if asleep is True:
-            await self._record(m, StillAsleep(**self._about(m), level=1))
-            return
-        gpu = self.read_gpu(m.spec.gpu_index)
-        holds = await probes.holds_model(m.runtime, min(self.policy.probe_timeout_ms / 1000, 5.0))
-        reason = probes.diagnose(process_alive=m.runtime.alive(), gpu=gpu, runtime_holds_model=holds)
-        if reason != "process_exited":
-            detail = f"wake failed: {probe.step}: {probe.detail}" if probe else "wake failed"
-            await self._lost(m, reason, detail[:500])
+        """A real one-token completion of a resident model (`latency_ms`); a failure is recorded now."""
+        return await self.supervisors[m.name].probe()
 
     # ------------------------------------------------------------------------------------- training
-
-    def _training_exited_factory(self, slot: str):
-        async def on_exit(ended: Ended) -> None:
-            async with self.training_lock:
-                await self._append_training(slot, TrainingStopped(at=now(), domain=self.domain, slot=slot, how=ended.how,
-                                                                  exit_code=ended.exit_code, ran_ms=ended.ran_ms))
-                self._write_children()
-            self.logger.info("training_stopped", slot=slot, how=ended.how, exit_code=ended.exit_code)
-
-        return on_exit
 
     def gpu_busy_with_inference(self, spec: TrainingSpec) -> list[str]:
         """Models on the training slot's GPU that are not asleep (training there would fight them for VRAM)."""
@@ -1114,48 +699,36 @@ class Agent:
                 if m.spec.gpu_index == spec.gpu_index and m.runtime.can_sleep
                 and m.state_tag in ("resident", "loading", "waking")]
 
+    @property
+    def trainers(self) -> dict[str, Trainer]:
+        return self.training.trainers
+
     async def start_training_slot(self, slot: str, *, force: bool = False) -> Outcome:
-        t = self.trainers[slot]
-        async with self.training_lock:
-            if t.running():
-                return Outcome(ok=True, detail=f"already running (pid {t.pid})")
-            if self.role == "active" and not force:
+        """Start a slot's trainer, unless this domain is the active one or models on its GPU are awake
+        (`force`: regardless)."""
+
+        async def admit(spec: TrainingSpec) -> Outcome | None:
+            if force:
+                return None
+            if self.role == "active":
                 await self._read_route()  # the pointer may have just moved (a settle right after a flip)
-            if self.role == "active" and not force:
-                return Outcome(ok=False, code="domain_active", detail=f"domain {self.domain!r} is the active domain (route revision "
-                                                f"{self.route_revision}); training runs only on a standby")
-            busy = self.gpu_busy_with_inference(t.spec)
-            if busy and not force:
-                return Outcome(ok=False, code="gpu_busy", detail=f"GPU {t.spec.gpu_index} holds awake models ({', '.join(busy)}); put them to "
-                                           f"sleep first (training runs only in VRAM the sleeping runtimes freed)")
-            try:
-                pid = await t.start()
-            except TrainingProblem as exc:
-                return Outcome(ok=False, code=exc.code, detail=str(exc))
-            await self._append_training(slot, TrainingStarted(at=now(), domain=self.domain, slot=slot, pid=pid,
-                                                              gpu_index=t.spec.gpu_index))
-            self._write_children()
-        self.logger.info("training_started", slot=slot, pid=pid)
-        return Outcome(ok=True, detail=f"started (pid {pid})")
+            if self.role == "active":
+                return Outcome(ok=False, code="domain_active", detail=f"domain {self.domain!r} is the active domain "
+                               f"(route revision {self.route_revision}); training runs only on a standby")
+            busy = self.gpu_busy_with_inference(spec)
+            if busy:
+                return Outcome(ok=False, code="gpu_busy", detail=f"GPU {spec.gpu_index} holds awake models "
+                               f"({', '.join(busy)}); put them to sleep first (training runs only in VRAM the sleeping "
+                               f"runtimes freed)")
+            return None
+
+        return await self.training.start(slot, admit)
 
     async def stop_training_slot(self, slot: str) -> Ended | None:
-        t = self.trainers[slot]
-        async with self.training_lock:
-            ended = await t.stop()
-            if ended is not None:
-                await self._append_training(slot, TrainingStopped(at=now(), domain=self.domain, slot=slot, how=ended.how,
-                                                                  exit_code=ended.exit_code, ran_ms=ended.ran_ms))
-                self._write_children()
-                self.logger.info("training_stopped", slot=slot, how=ended.how, exit_code=ended.exit_code)
-        return ended
+        return await self.training.stop(slot)
 
     async def _make_room(self, gpu_index: int) -> list[str]:
-        stopped = []
-        for slot, t in self.trainers.items():
-            if t.spec.gpu_index == gpu_index and t.running():
-                await self.stop_training_slot(slot)
-                stopped.append(slot)
-        return stopped
+        return await self.training.make_room(gpu_index)
 
     async def _resume_training(self, slots: list[str]) -> None:
         if self.role != "standby":
@@ -1305,24 +878,6 @@ class Agent:
             return GpuVerdict(ok=False, error=ErrorInfo(code=problems[0][0], message="; ".join(p[1] for p in problems)),
                               data=data)
         return GpuVerdict(ok=True, data=data)
-
-
-_LOG_PREFIX = re.compile(r"^[\d.:]+\s+[A-Z]\s+")
-_ERROR_MARKERS = ("error", "failed", "invalid", "cannot", "unable", "exception", "not found", "no such")
-
-
-def runtime_said(output: str, code: int, limit: int = 1000) -> str:
-    """What a runtime that exited while loading said: its error lines from this attempt's output."""
-    attempt = output.rsplit("--- haru agent starting:", 1)[-1]
-    lines = [ln.strip() for ln in attempt.splitlines()[1:] if ln.strip()]
-    picked: list[str] = []
-    for ln in (ln for ln in lines if any(m in ln.lower() for m in _ERROR_MARKERS)):
-        ln = _LOG_PREFIX.sub("", ln)  # llama.cpp's "0.00.002.891 E " timestamp and level
-        if ln not in picked:
-            picked.append(ln)
-    # The first errors say what went wrong, the last one how it ended.
-    said = " | ".join(picked[:2] + picked[-1:] if len(picked) > 3 else picked or lines[-3:])
-    return f"exited with code {code} while loading: {said}"[:limit] if said else f"exited with code {code} while loading"
 
 
 def reply(ok: bool, detail: str = "", *, took_ms: int = 0, error: ErrorInfo | None = None, data: dict | None = None) -> Reply:
