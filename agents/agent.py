@@ -325,20 +325,19 @@ class Agent:
         if not self.agent_seq:
             return  # refused or never claimed: nothing of ours runs, and the pid file is another agent's
         reason = getattr(self, "_stop_reason", "") or "shutdown"
-        if self.agent_seq:
-            with contextlib.suppress(Exception):
-                self.agent_seq = await self.log.append(
-                    self.agent_subject, AgentStopping(at=now(), domain=self.domain, reason=reason), expect=self.agent_seq)
+        # Each step is tried whatever the one before did: a failure is logged with its traceback.
+        async def stopping_append() -> None:
+            self.agent_seq = await self.log.append(
+                self.agent_subject, AgentStopping(at=now(), domain=self.domain, reason=reason), expect=self.agent_seq)
+
+        await self._on_the_way_out("agent_stopping", stopping_append())
         if self._service is not None:
-            with contextlib.suppress(Exception):
-                await self._service.stop()
+            await self._on_the_way_out("the command service", self._service.stop())
         if self._serving is not None:
-            with contextlib.suppress(Exception):
-                await self._serving.stop()
+            await self._on_the_way_out("the serving port", self._serving.stop())
         # Training first: it holds VRAM the runtimes may need, and it is the cheapest to lose.
         for slot in list(self.trainers):
-            with contextlib.suppress(Exception):
-                await self.stop_training_slot(slot)
+            await self._on_the_way_out(f"training {slot}", self.stop_training_slot(slot))
         hb = [t for t in self._tasks if t.get_name() == "heartbeat"]
         await cancel_and_wait(*(t for t in self._tasks if t not in hb))
         if self.keep_runtimes:
@@ -348,7 +347,8 @@ class Agent:
             self.logger.info("runtimes kept for the next agent", models=[m.name for m in self.models.values()
                                                                          if m.runtime.alive() and m.runtime.pid])
         else:
-            await asyncio.gather(*(self._unload(m) for m in self.models.values()), return_exceptions=True)
+            await asyncio.gather(*(self._on_the_way_out(f"unloading {m.name}", self._unload(m))
+                                   for m in self.models.values()))
         await cancel_and_wait(*hb)
         self.files.write_children(self.trainers.values())
         self.logger.info("agent stopped", reason=reason)
@@ -366,6 +366,13 @@ class Agent:
         await m.runtime.stop(RUNTIME_STOP_GRACE_S)
         self._drop_identity(m.name)
         await self._record_on_the_way_out(m, Unloaded(**self._about(m), ran=was_alive, detail="agent shutdown"))
+
+    async def _on_the_way_out(self, what: str, step) -> None:
+        """One step of the shutdown: awaited; a failure is logged with its traceback, and the shutdown goes on."""
+        try:
+            await step
+        except Exception:
+            self.logger.exception("a shutdown step failed; going on", step=what)
 
     async def _record_on_the_way_out(self, m: ModelSlot, observation: Observation) -> None:
         """Record while stopping: a failure (the log gone) is logged with its traceback, never raised."""

@@ -382,7 +382,8 @@ class ModelSupervisor:
             if self.ctx.gpu.went_away(m.spec.gpu_index):
                 # A runtime may well answer /sleep on a GPU that is gone; its weights are not in VRAM to free.
                 await self._gpu_gone("the GPU went away; asked to sleep")  # the table: no news if already lost
-                return Outcome(ok=False, code="gpu_detached", detail=f"GPU {m.spec.gpu_index} is gone (the provider took it): {m.name} is lost, not asleep")
+                return Outcome(ok=False, code="gpu_detached",
+                               detail=f"GPU {m.spec.gpu_index} is gone (the provider took it): {m.name} is lost, not asleep")
             tag = m.state_tag
             if tag == "sleeping":
                 try:
@@ -391,7 +392,8 @@ class ModelSupervisor:
                 except RuntimeProblem as exc:
                     return Outcome(ok=False, code=exc.code, detail=str(exc))
             elif tag not in ("resident", "waking"):
-                return Outcome(ok=False, code="not_resident", detail=f"{m.name} is {tag}; only a resident model can be put to sleep")
+                return Outcome(ok=False, code="not_resident",
+                               detail=f"{m.name} is {tag}; only a resident model can be put to sleep")
             try:
                 await self._sleep_one(level)
             except RuntimeProblem as exc:
@@ -410,32 +412,39 @@ class ModelSupervisor:
                     return Outcome(ok=False, code="not_resident", detail=f"{m.name} is {tag}", took_ms=0)
                 probe = await probes.ready(m.runtime, timeout_s=timeout)
                 if probe.ok:
-                    return Outcome(ok=True, detail="already awake; probe answered", took_ms=int((time.monotonic() - started) * 1000))
-                return Outcome(ok=False, code="probe_failed", detail=f"awake but the probe failed at {probe.step}: {probe.detail}", took_ms=0)
+                    return Outcome(ok=True,
+                                   detail="already awake; probe answered", took_ms=int((time.monotonic() - started) * 1000))
+                return Outcome(ok=False, code="probe_failed",
+                               detail=f"awake but the probe failed at {probe.step}: {probe.detail}", took_ms=0)
             if tag not in ("sleeping", "waking"):
-                return Outcome(ok=False, code="not_sleeping", detail=f"{m.name} is {tag}; there is nothing to wake", took_ms=0)
+                return Outcome(ok=False, code="not_sleeping",
+                               detail=f"{m.name} is {tag}; there is nothing to wake", took_ms=0)
             await self.ctx.record(m, WakeBegun(**self.ctx.about(m)))  # sleeping -> waking; a retried wake: no news
             gen = m.generation
             try:
                 await m.runtime.wake(self.ctx.policy().wake_timeout_ms / 1000)
             except OutOfMemory as exc:
                 await self._after_failed_wake(gen)
-                return Outcome(ok=False, code="out_of_memory", detail=str(exc), took_ms=int((time.monotonic() - started) * 1000))
+                return Outcome(ok=False, code="out_of_memory",
+                               detail=str(exc), took_ms=int((time.monotonic() - started) * 1000))
             except RuntimeProblem as exc:
                 await self._after_failed_wake(gen)
                 return Outcome(ok=False, code=exc.code, detail=str(exc), took_ms=int((time.monotonic() - started) * 1000))
             probe = await probes.ready(m.runtime, timeout_s=timeout)
             took = int((time.monotonic() - started) * 1000)
             if gen != m.generation or m.exited.is_set():
-                return Outcome(ok=False, code="process_exited", detail=f"{m.name}'s runtime exited while waking", took_ms=took)
+                return Outcome(ok=False, code="process_exited",
+                               detail=f"{m.name}'s runtime exited while waking", took_ms=took)
             if not probe.ok:
                 code = "out_of_memory" if "out of memory" in probe.detail.lower() else "probe_failed"
                 await self._after_failed_wake(gen, probe=probe)
-                return Outcome(ok=False, code=code, detail=f"woke but the probe failed at {probe.step}: {probe.detail}", took_ms=took)
+                return Outcome(ok=False, code=code,
+                               detail=f"woke but the probe failed at {probe.step}: {probe.detail}", took_ms=took)
             m.last_probe = probe
             await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url, warmup_ms=took))
             m.resident_at = time.monotonic()
-            return Outcome(ok=True, detail=f"awake (verified by /is_sleeping and a probe in {probe.latency_ms} ms)", took_ms=took)
+            return Outcome(ok=True,
+                           detail=f"awake (verified by /is_sleeping and a probe in {probe.latency_ms} ms)", took_ms=took)
 
     async def probe(self) -> Outcome:
         """A real one-token completion of a resident model (`latency_ms`); a failed one is news: the

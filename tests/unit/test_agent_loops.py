@@ -123,3 +123,81 @@ def test_loop_errors_are_exported_per_loop():
     assert 'haru_agent_loop_errors_total{domain="a",fleet="f",loop="gpus"} 2.0' in text
     assert 'haru_agent_loop_errors_total{domain="a",fleet="f",loop="heartbeat"} 1.0' in text
     assert 'haru_agent_loop_errors_total{domain="a",fleet="f",loop="supervise"} 0.0' in text
+
+
+async def test_a_supervisor_survives_a_raising_append_counts_it_and_loads_on_the_next_attempt(tmp_path):
+    """The model's supervisor, its recorder and the decision table for real, against the vLLM simulator
+    served in-process (an `external` runtime in front of it); the event log's append raises once."""
+    import aiohttp
+    from aiohttp import web
+
+    from agents.model_slot import ModelSlot
+    from agents.recorder import Recorder
+    from agents.runtime_files import RuntimeFiles
+    from agents.runtimes import make_runtime
+    from agents.sim import vllm as sim
+    from agents.supervisor import ModelSupervisor, SupervisorContext
+    from haru.specs import ModelSpec
+
+    SimGpuState(tmp_path, 0).ensure(24 * GiB)
+    config = sim.SimConfig(source="m", names=("m",), host="127.0.0.1", port=0, sleep_mode=False, dev_mode=False,
+                           sim_dir=tmp_path, gpu_index=0, domain="a", vram=GiB, residual=0, gpu_memory=24 * GiB,
+                           load_ms=0, wake_ms=0, sleep_ms=0, tokens_per_s=1000.0)
+    runner = web.AppRunner(sim.build_app(sim.Engine(config=config, gpu=SimGpuState(tmp_path, 0))))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    appended: list[tuple[str, object]] = []
+    raised = []
+
+    async def append(subject: str, event, expect: int) -> int:
+        if not raised:
+            raised.append(event)
+            raise RuntimeError("a bug in the log adapter")
+        appended.append((subject, event))
+        return len(appended)
+
+    logger = structlog.get_logger("test")
+    errors = LoopErrors()
+    stop = asyncio.Event()
+    tasks: list[asyncio.Task] = []
+    policy = Policy(restart_backoff_ms=10, restart_backoff_max_ms=20, probe_interval_ms=50)
+
+    def spawn(coro, name: str) -> asyncio.Task:
+        tasks.append(asyncio.ensure_future(coro))
+        return tasks[-1]
+
+    async def no_training(*_args):
+        return []
+
+    gpus = SimGpus(tmp_path)
+    watcher = GpuWatcher(fleet="f", domain="a", gpus=gpus, append=append, owners=lambda index: [],
+                         on_gone=lambda index: None, exclude_pid=0, logger=logger)
+    recorder = Recorder(domain="a", append=append, gpu=watcher, agent_seq=lambda: 1, stopping=stop.is_set,
+                        logger=logger)
+    async with aiohttp.ClientSession() as session:
+        spec = ModelSpec(name="m", slot="s", gpu_index=0, vram_bytes=GiB, runtime="external",
+                         url=f"http://127.0.0.1:{port}")
+        m = ModelSlot(spec, make_runtime(spec, session=session, log_dir=tmp_path, bind_host="127.0.0.1",
+                                         gpu_memory_bytes=24 * GiB), "haru.evt.f.a.model.m")
+        ctx = SupervisorContext(domain="a", record=recorder.record, about=recorder.about, gpu=watcher,
+                                files=RuntimeFiles(tmp_path, logger=logger), role=lambda: "active",
+                                policy=lambda: policy, stopping=stop.is_set, stop_event=stop, spawn=spawn,
+                                make_room=no_training, resume_training=no_training, errors=errors, logger=logger)
+        with structlog.testing.capture_logs() as logs:
+            task = asyncio.create_task(ModelSupervisor(m, ctx).run())
+            try:
+                await until(lambda: m.state_tag == "resident", timeout_s=15)
+            finally:
+                stop.set()
+                task.cancel()
+                await asyncio.gather(task, *tasks, return_exceptions=True)
+    await runner.cleanup()
+    assert errors["supervise"] == 1  # the attempt whose append raised: counted, and supervision went on
+    assert type(raised[0]).__struct_config__.tag == "model_loading"
+    assert [type(e).__struct_config__.tag for _s, e in appended] == ["model_loading", "model_resident"]
+    assert appended[0][1].attempt == 2  # a new attempt after the backoff, recorded afresh
+    failed = [e for e in logs if e["event"].startswith("supervision attempt failed")]
+    assert len(failed) == 1 and failed[0]["exc_info"] is True and failed[0]["errors"] == 1
