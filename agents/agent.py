@@ -51,11 +51,12 @@ from agents.config import (
     load_layout_slots,
     slots_from_host_entry,
 )
-from agents.errors import AgentRefused, RuntimeProblem
+from agents.errors import AgentRefused
 from agents.gpu import GpuReading, Gpus, Owner, open_gpus, process_tree, read_parents
 from agents.runtimes import make_runtime
 from agents.runtimes.base import runtimes_die_with_agent
 from agents.training import Ended, Trainer
+from agents.adoption import Adoptable, find_runtimes
 from agents.appender import Appender
 from agents.cause import VERSION
 from agents.gpu_watch import GPU_USED_THRESHOLD, GpuWatcher
@@ -65,11 +66,12 @@ from agents.loops import LoopErrors
 from agents.commands import CommandService
 from agents.model_slot import ModelSlot
 from agents.ports import GpuVerdict, Outcome
-from agents.runtime_files import RuntimeFiles, pid_alive, read_identities, runtime_on_start
+from agents.runtime_files import RuntimeFiles, pid_alive
 from agents.recorder import Recorder
 from agents.serving import ServingProxy
 from agents.training_slots import TrainingSlots
-from agents.supervisor import RUNTIME_STOP_GRACE_S, ModelSupervisor, SupervisorContext, backoff_s
+from agents.model_slot import RUNTIME_STOP_GRACE_S
+from agents.supervisor import ModelSupervisor, SupervisorContext, backoff_s
 from haru import subjects
 from haru.commands import Command, ErrorInfo, Heartbeat, Reply, heartbeat_decoder
 from haru.errors import ConfigError, Conflict, IllegalTransition
@@ -84,7 +86,6 @@ from haru.events import (
 from haru.events import tag_of
 from haru.residency import to_state
 from haru.specs import ModelSpec, TrainingSpec
-from haru.children import stop_group
 from haru.tasks import cancel_and_wait
 
 # GPU_USED_THRESHOLD, _gpu_changed: kept importable from here (agents/gpu_watch.py has them)
@@ -165,7 +166,7 @@ class Agent:
         self._supervising: dict[str, asyncio.Task] = {}  # model -> its supervisor's task
         self.pending: dict[str, ModelSpec] = {}  # changes applied live that wait for this domain to be standby
         self._reconcile_lock = asyncio.Lock()
-        self.adoptable: dict[str, dict] = {}  # model -> the identity of a live runtime found at boot
+        self.adoptable: dict[str, Adoptable] = {}  # model -> the identity of a live runtime found at boot
         self.away: dict[str, str] = {}  # model -> what is known of a runtime that died while no agent watched
 
     # ------------------------------------------------------------------------------------ lifecycle
@@ -390,56 +391,10 @@ class Agent:
         self.files.drop_identity(name)
 
     async def _find_runtimes(self) -> None:
-        """Read the identity files a previous agent left: adopt what still matches the layout and answers,
-        stop what the layout no longer wants, and note what died while no agent watched (recorded `lost`
-        once, by the model's supervisor). A pid now held by another process is never touched."""
-        for name, (path, doc) in read_identities(self.state_dir).items():
-            if doc is None:
-                self.logger.warning("unreadable runtime identity file; ignored", path=str(path))
-                path.unlink(missing_ok=True)
-                continue
-            pid, start, port = int(doc["pid"]), int(doc["start"]), int(doc["port"])
-            log = self.logger.bind(model=name, pid=pid)
-            m = self.models.get(name)
-            on_start = runtime_on_start(doc, m.runtime if m else None, m.spec if m else None)
-            verdict, why = on_start.action, on_start.why
-            if verdict == "start":
-                # Gone while no agent watched (or its pid now belongs to someone else: never adopted, never
-                # signalled).
-                self.away[name] = why
-                path.unlink(missing_ok=True)
-                log.warning("runtime died while no agent watched it", why=why)
-                continue
-            if verdict in ("stop", "replace"):
-                log.info("stopping a runtime the layout no longer wants", why=why)
-                await asyncio.to_thread(stop_group, pid, start, RUNTIME_STOP_GRACE_S)
-                path.unlink(missing_ok=True)
-                await self._record_unwanted(name, why)
-                continue
-            assert m is not None
-            if not m.runtime.adopt(pid, start, port, list(doc.get("argv") or [])):  # type: ignore[attr-defined]
-                self.away[name] = f"the runtime (pid {pid}) exited while the agent was starting"
-                path.unlink(missing_ok=True)
-                continue
-            timeout = self.policy.probe_timeout_ms / 1000
-            health = await m.runtime.health(timeout_s=min(timeout, 5.0))
-            listed = False
-            asleep: bool | None = None
-            if health.ok:
-                with contextlib.suppress(RuntimeProblem):
-                    listed = m.name in await m.runtime.list_models(timeout_s=min(timeout, 5.0))
-                with contextlib.suppress(RuntimeProblem):
-                    asleep = await m.runtime.is_sleeping(timeout_s=min(timeout, 5.0))
-            if not (health.ok and listed):
-                why = health.detail or f"/health answered {health.status}" if not health.ok else "it no longer lists the model"
-                log.warning("not adopting a runtime that does not answer; stopping it", why=why)
-                m.on_purpose = True
-                await m.runtime.stop(RUNTIME_STOP_GRACE_S)
-                m.on_purpose = False
-                path.unlink(missing_ok=True)
-                self.away[name] = f"the runtime (pid {pid}) outlived its agent but did not answer ({why[:200]}); stopped"
-                continue
-            self.adoptable[name] = {"pid": pid, "asleep": bool(asleep), "endpoint": m.runtime.base_url}
+        found = await find_runtimes(self.state_dir, self.models, probe_timeout_s=self.policy.probe_timeout_ms / 1000,
+                                    unwanted=self._record_unwanted, logger=self.logger)
+        self.adoptable.update(found.adoptable)
+        self.away.update(found.away)
 
     async def _record_unwanted(self, name: str, why: str) -> None:
         """`model_stopped` on the model's subject for a runtime stopped because the layout changed."""

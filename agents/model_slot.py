@@ -11,7 +11,9 @@ from agents.runtimes import Runtime
 from haru.residency import UNKNOWN, Residency, state_name
 from haru.specs import ModelSpec
 
-__all__ = ["ModelSlot"]
+__all__ = ["ModelSlot", "RUNTIME_STOP_GRACE_S"]
+
+RUNTIME_STOP_GRACE_S = 15.0  # a runtime stopped on purpose: SIGTERM to its group, SIGKILL after this
 
 
 class ModelSlot:

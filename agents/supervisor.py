@@ -29,7 +29,8 @@ from agents.cause import COMMAND_CAUSE
 from agents.errors import OutOfMemory, RuntimeProblem
 from agents.gpu_watch import GpuWatcher
 from agents.loops import LoopErrors, survive
-from agents.model_slot import ModelSlot
+from agents.adoption import Adoptable
+from agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
 from agents.observe import (
     Adopted,
     Answered,
@@ -50,9 +51,8 @@ from agents.runtime_files import RuntimeFiles
 from haru.events import Event
 from haru.specs import Policy
 
-__all__ = ["ModelSupervisor", "SupervisorContext", "backoff_s", "runtime_said", "RUNTIME_STOP_GRACE_S"]
+__all__ = ["ModelSupervisor", "SupervisorContext", "backoff_s", "runtime_said"]
 
-RUNTIME_STOP_GRACE_S = 15.0
 # While a model loads, its /health is asked this often (one loopback GET; a 503 or a refused
 # connection costs well under a millisecond), so `resident` is recorded within ~this of the runtime
 # turning ready. bench/runtime.py measures it against a real llama-server.
@@ -86,8 +86,9 @@ class SupervisorContext:
 
 
 class ModelSupervisor:
-    def __init__(self, m: ModelSlot, ctx: SupervisorContext, *, found: dict | None = None, away: str = "") -> None:
-        """`found`: the live runtime a previous agent left (pid, asleep, endpoint), to adopt; `away`: what is
+    def __init__(self, m: ModelSlot, ctx: SupervisorContext, *, found: Adoptable | None = None, away: str = "") -> None:
+        """`found`: the live runtime a previous agent left (pid, asleep, endpoint),
+        to adopt; `away`: what is
         known of one that died while no agent watched (said once in `lost` before the reload)."""
         self.m = m
         self.ctx = ctx
@@ -488,11 +489,11 @@ class ModelSupervisor:
             m.exit_code = None
             m.on_purpose = False
             level = getattr(m.state, "level", 1) or 1
-            await self.ctx.record(m, Adopted(**self.ctx.about(m), pid=found["pid"], endpoint=found["endpoint"],
-                                          asleep=found["asleep"], level=level,
-                                          detail="kept serving through the agent's restart"))
+            await self.ctx.record(m, Adopted(**self.ctx.about(m), pid=found.pid, endpoint=found.endpoint,
+                                             asleep=found.asleep, level=level,
+                                             detail="kept serving through the agent's restart"))
             self.ctx.spawn(self._exit_waiter(m.generation), f"exit:{m.name}:{m.generation}")
-            if not found["asleep"]:
+            if not found.asleep:
                 m.resident_at = time.monotonic()
         return True
 
