@@ -59,6 +59,7 @@ from agents.training import Ended, Trainer
 from agents.adoption import Adoptable, find_runtimes
 from agents.appender import Appender
 from agents.cause import VERSION
+from agents.gpu_verdict import gpus_of, judge_gpus
 from agents.gpu_watch import GPU_USED_THRESHOLD, GpuWatcher
 from agents.gpu_watch import gpu_changed as _gpu_changed
 from agents.heartbeat import Heartbeats, heartbeat_of
@@ -787,60 +788,10 @@ class Agent:
         return self.verify_gpu_data(models)
 
     def verify_gpu_data(self, models: list[ModelSlot]) -> GpuVerdict:
-        """Free VRAM on each inference GPU covers what its asleep models need to wake, and no trainer
-        pid is left on the GPU.
-
-        On a host without NVML (present None) the VRAM cannot be read: what can be verified is, and the
-        rest is said in `data["unverified"]` instead of aborting every promotion. The trainers' processes
-        must be gone as the OS reports it (/proc), since the driver frees an exited process's device memory.
-        """
-        trainer_pids: set[int] = set()
-        for t in self.trainers.values():
-            trainer_pids |= t.group_pids()
-            if t.ended is not None:
-                trainer_pids.add(t.ended.pid)
-        running = [slot for slot, t in self.trainers.items() if t.running()]
-        per_gpu: dict[int, list[ModelSlot]] = {}
-        for m in models:
-            if m.runtime.kind != "external":
-                per_gpu.setdefault(m.spec.gpu_index, []).append(m)
-        out: dict[str, dict] = {}
-        problems: list[tuple[str, str]] = []
-        unverified: list[str] = []
-        residual = self.policy.sleep_residual_bytes
-        for index, ms in sorted(per_gpu.items()):
-            r = self.read_gpu(index)
-            needed = sum(max(0, m.spec.vram_bytes - (residual if m.runtime.can_sleep else 0))
-                         for m in ms if m.state_tag in ("sleeping", "waking"))
-            on_gpu = sorted(p.pid for p in r.processes if p.pid in trainer_pids)
-            out[str(index)] = {"present": r.present, "free_bytes": r.memory_free_bytes, "needed_bytes": needed,
-                               "total_bytes": r.memory_total_bytes, "trainer_pids": on_gpu,
-                               "models": [m.name for m in ms]}
-            if r.present is False:
-                problems.append(("gpu_detached", f"GPU {index} is gone (the provider took it)"))
-            elif r.present is None:
-                alive = sorted(p for p in trainer_pids if pid_alive(p))
-                out[str(index)].update(nvml=False, trainer_pids=alive)
-                if alive:
-                    problems.append(("gpu_busy", f"trainer processes {alive} still run (GPU {index} cannot be read: "
-                                                  f"no NVML on this host)"))
-                else:
-                    unverified.append(f"GPU {index}: NVML absent on this host, so free VRAM is unverified "
-                                      f"(needed {needed} bytes to wake); trainer processes gone as the OS reports it")
-            else:
-                if on_gpu:
-                    problems.append(("gpu_busy", f"GPU {index} still has trainer processes {on_gpu}"))
-                if r.memory_free_bytes < needed:
-                    problems.append(("gpu_busy", f"GPU {index} has {r.memory_free_bytes} bytes free; its sleeping models "
-                                                  f"need {needed} to wake (short by {needed - r.memory_free_bytes})"))
-        if running:
-            problems.insert(0, ("training_running", f"training still runs: {', '.join(running)}; stop_training first"))
-        data = {"gpus": out, "training_running": running, "unverified": unverified}
-        if problems:
-            return GpuVerdict(ok=False, error=ErrorInfo(code=problems[0][0], message="; ".join(p[1] for p in problems)),
-                              data=data)
-        return GpuVerdict(ok=True, data=data)
-
+        """The judgment on the models' GPUs as they read now (agents/gpu_verdict.py)."""
+        readings = {index: self.read_gpu(index) for index in gpus_of(models)}
+        return judge_gpus(models, self.trainers, readings, residual_bytes=self.policy.sleep_residual_bytes,
+                          pid_alive=pid_alive)
 
 def reply(ok: bool, detail: str = "", *, took_ms: int = 0, error: ErrorInfo | None = None, data: dict | None = None) -> Reply:
     return Reply(ok=ok, detail=detail, took_ms=took_ms, error=error, data=data or {})

@@ -1,13 +1,17 @@
 """The agent package's shape: its modules import each other without a cycle (module level and inside
-functions alike), the command service and the serving port import nothing from agents/agent.py, and
-docs/agent.md carries the decision table as the code has it."""
+functions alike), the command service and the serving port import nothing from agents/agent.py,
+docs/agent.md carries the decision table as the code has it, and verify_gpu judges the readings it is given."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+from types import SimpleNamespace as NS
+
+from agents.gpu import GpuReading
 from agents.observe import decision_table_markdown
+from haru.specs import GiB
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,3 +85,27 @@ def test_the_outer_units_do_not_import_the_agent():
 def test_docs_carry_the_decision_table_as_the_code_has_it():
     assert decision_table_markdown() in (ROOT / "docs" / "agent.md").read_text(), \
         "docs/agent.md must carry agents.observe.decision_table_markdown() as it prints"
+
+
+def test_the_gpu_verdict_from_readings_passed_in():
+    from agents.gpu_verdict import gpus_of, judge_gpus
+    from haru.residency import Resident
+
+    def model(name, gpu, state, kind="vllm"):
+        return NS(name=name, state_tag=state, spec=NS(gpu_index=gpu, vram_bytes=10 * GiB),
+                  runtime=NS(kind=kind, can_sleep=kind == "vllm"), state=Resident())
+
+    idle = NS(group_pids=lambda: set(), ended=None, running=lambda: False)
+    models = [model("a", 0, "sleeping"), model("b", 1, "sleeping"), model("x", 2, "resident", kind="external")]
+    assert gpus_of(models) == [0, 1]
+    readings = {0: GpuReading(index=0, present=True, memory_free_bytes=4 * GiB, memory_total_bytes=24 * GiB),
+                1: GpuReading(index=1, present=None)}
+    verdict = judge_gpus(models, {"lora": idle}, readings, residual_bytes=GiB, pid_alive=lambda pid: False)
+    assert not verdict.ok and verdict.error.code == "gpu_busy"
+    assert "GPU 0 has 4294967296 bytes free; its sleeping models need 9663676416 to wake" in verdict.error.message
+    assert verdict.data["gpus"]["1"]["nvml"] is False and verdict.data["unverified"][0].startswith("GPU 1: NVML absent")
+    readings[0] = GpuReading(index=0, present=True, memory_free_bytes=20 * GiB, memory_total_bytes=24 * GiB)
+    assert judge_gpus(models, {"lora": idle}, readings, residual_bytes=GiB, pid_alive=lambda pid: False).ok
+    running = NS(group_pids=lambda: {4242}, ended=None, running=lambda: True)
+    verdict = judge_gpus(models, {"lora": running}, readings, residual_bytes=GiB, pid_alive=lambda pid: pid == 4242)
+    assert verdict.error.code == "training_running" and "trainer processes [4242] still run" in verdict.error.message
