@@ -19,7 +19,7 @@ from agents.appender import Append
 from agents.cause import COMMAND_CAUSE
 from agents.gpu_watch import GpuWatcher
 from agents.model_slot import ModelSlot
-from agents.observe import GpuGone, Observation, observe
+from agents.observe import GpuGone, Observation, ProbeFailed, observe
 from haru import causes
 from haru.events import Event
 from haru.residency import event_key, evolve
@@ -46,7 +46,9 @@ class Recorder:
     async def record(self, m: ModelSlot, observation: Observation) -> Event | None:
         """Append what the table decides for `observation` of `m` (None: nothing to write)."""
         index = m.spec.gpu_index
-        if isinstance(observation, GpuGone) and not self.gpu.gone_seq(index):
+        gpu_detached = isinstance(observation, GpuGone) or (isinstance(observation, ProbeFailed)
+                                                              and observation.reason == "gpu_detached")
+        if gpu_detached and not self.gpu.gone_seq(index):
             # Record the GPU's absence first, so the loss can cite the observation that showed it.
             try:
                 await self.gpu.observe(index)

@@ -353,17 +353,23 @@ class ModelSupervisor:
             return reason == "evicted"
 
     async def _lost(self, reason: str, detail: str) -> None:
+        """A probe's diagnosis: `lost{reason}`, unless the loss is recorded for that reason already (a
+        loss for another reason is refined: unhealthy, then gpu_detached)."""
         m = self.m
-        if reason == "gpu_detached":
-            await self._gpu_gone(detail)
-            return
-        await self.ctx.record(m, ProbeFailed(**self.ctx.about(m), reason=reason, detail=detail))  # type: ignore[arg-type]
+        recorded = await self.ctx.record(m, ProbeFailed(**self.ctx.about(m), reason=reason, detail=detail))  # type: ignore[arg-type]
+        if recorded is not None and reason == "gpu_detached":
+            self._check_the_gpu()
 
     async def _gpu_gone(self, detail: str) -> None:
+        """The GPU is gone: a live model is lost{gpu_detached}; one already lost (for any reason) stays so."""
         m = self.m
         if await self.ctx.record(m, GpuGone(**self.ctx.about(m), detail=detail)) is not None:
-            # Record the GPU's absence now: that checks the other models on it (GpuWatcher's on_gone).
-            self.ctx.spawn(self.ctx.gpu.observe(m.spec.gpu_index), f"gpu-check:{m.spec.gpu_index}")
+            self._check_the_gpu()
+
+    def _check_the_gpu(self) -> None:
+        """Record the GPU's absence now: that checks the other models on it (GpuWatcher's on_gone)."""
+        index = self.m.spec.gpu_index
+        self.ctx.spawn(self.ctx.gpu.observe(index), f"gpu-check:{index}")
 
     async def _sleep_one(self, level: int) -> None:
         """Put a resident runtime to sleep (caller holds m.lock). Verified through /is_sleeping."""

@@ -220,3 +220,11 @@ def test_the_markdown_table_names_every_observation_and_refusal():
     for key in OBSERVATION_KEYS:
         assert f"| `{key}` |" in md
     assert "| `spawned` | loading | loading | loading | refused | refused | refused | loading | loading | loading |" in md
+
+
+def test_a_probe_that_finds_the_gpu_gone_refines_a_loss_but_a_gone_gpu_alone_does_not():
+    # the periodic probe's diagnosis: lost{unhealthy} -> lost{gpu_detached}
+    refined = observe(Lost(reason="unhealthy"), ProbeFailed(**ABOUT, reason="gpu_detached", detail="health: 503"))
+    assert isinstance(refined, ModelLost) and refined.reason == "gpu_detached"
+    # asked to sleep on a GPU that is gone: a model already lost (for any reason) stays as recorded
+    assert observe(Lost(reason="unhealthy"), EXAMPLES["gpu_gone"]) is None
