@@ -15,14 +15,13 @@ found, after a crash too):
 One agent per domain: `agent_started` is appended with the expected sequence, after checking that
 no live agent answers the domain's commands or heartbeats; a loser is refused (`AgentRefused`).
 
-Residency: a model is `loading` from the spawn until health passes, `/v1/models` lists it and a
-one-token completion answers (warm-up measured); `resident` then. A child's exit is `lost
-{process_exited}` at once (the exit waiter, not a poll). Periodic probes classify a failure with the
-GPU-present bit (`gpu_detached`, `evicted`, `unhealthy`). Loading never times out. An exited (or
-evicted) runtime is restarted with exponential backoff, every attempt a new `model_loading`; on a
-standby the agent stops the training on that GPU first, reloads, puts the runtime to sleep, and
-resumes the training. State-changing work on a model (supervisor, commands) is serialized by the
-model's lock.
+This module wires the agent's parts (docs/agent.md, "Architecture"): each model's supervisor
+(agents/supervisor.py) loads, watches, restarts, sleeps and wakes it, and writes what it sees through
+the recorder and the decision table (agents/recorder.py, agents/observe.py); the GPU watcher, the
+training slots, the heartbeat, the runtime files and adoption, the command service and the serving port
+are units of their own. What stays here: claiming the domain, booting and shutting down, the role (the
+route follower), layouts applied live, the status answer, and the training policy (a slot starts only
+on a standby whose models on that GPU sleep).
 
 Role: the active domain is the `active` of the fleet's last `route_moved`; before any, the first
 declared domain is active (config `role` may pin it). A standby sleeps its runtimes after they load.
@@ -43,6 +42,10 @@ import msgspec
 import nats.errors
 import structlog
 
+from agents.adoption import Adoptable, find_runtimes
+from agents.appender import Appender
+from agents.cause import VERSION
+from agents.commands import CommandService
 from agents.config import (
     AgentConfig,
     HostSlots,
@@ -53,38 +56,27 @@ from agents.config import (
 )
 from agents.errors import AgentRefused
 from agents.gpu import GpuReading, Gpus, Owner, open_gpus, process_tree, read_parents
-from agents.runtimes import make_runtime
-from agents.runtimes.base import runtimes_die_with_agent
-from agents.training import Ended, Trainer
-from agents.adoption import Adoptable, find_runtimes
-from agents.appender import Appender
-from agents.cause import VERSION
 from agents.gpu_verdict import gpus_of, judge_gpus
 from agents.gpu_watch import GPU_USED_THRESHOLD, GpuWatcher
 from agents.gpu_watch import gpu_changed as _gpu_changed
 from agents.heartbeat import Heartbeats, heartbeat_of
 from agents.loops import LoopErrors
-from agents.commands import CommandService
-from agents.model_slot import ModelSlot
+from agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
+from agents.observe import Observation, PullInterrupted, Unloaded, observe
 from agents.ports import GpuVerdict, Outcome
-from agents.runtime_files import RuntimeFiles, pid_alive
 from agents.recorder import Recorder
+from agents.runtime_files import RuntimeFiles, pid_alive
+from agents.runtimes import make_runtime
+from agents.runtimes.base import runtimes_die_with_agent
 from agents.serving import ServingProxy
-from agents.training_slots import TrainingSlots
-from agents.model_slot import RUNTIME_STOP_GRACE_S
 from agents.supervisor import ModelSupervisor, SupervisorContext, backoff_s
+from agents.training import Ended, Trainer
+from agents.training_slots import TrainingSlots
 from haru import subjects
 from haru.commands import Command, ErrorInfo, Heartbeat, Reply, heartbeat_decoder
 from haru.errors import ConfigError, Conflict, IllegalTransition
 from haru.eventlog import EventLog
-from agents.observe import Observation, PullInterrupted, Unloaded, observe
-from haru.events import (
-    AgentStarted,
-    AgentStopping,
-    Event,
-    RouteMoved,
-)
-from haru.events import tag_of
+from haru.events import AgentStarted, AgentStopping, Event, RouteMoved, tag_of
 from haru.residency import to_state
 from haru.specs import ModelSpec, TrainingSpec
 from haru.tasks import cancel_and_wait
