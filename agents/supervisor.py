@@ -146,7 +146,7 @@ class ModelSupervisor:
                 raise
             except Exception:
                 n = self.ctx.errors.count("supervise")
-                self.logger.exception("supervision attempt failed; retrying after the backoff", model=m.name, errors=n)
+                self.logger.exception("supervision attempt failed; retrying after the backoff", errors=n)
                 m.settled.set()
                 if m.runtime.kind != "external" and m.runtime.alive():
                     m.on_purpose = True
@@ -289,7 +289,12 @@ class ModelSupervisor:
                 return
             if m.lock.locked():
                 continue  # a command is changing it: probe next time
-            restart = await self.check()
+            try:
+                restart = await self.check()
+            except Exception:  # a bug in one probe must not restart a runtime that serves: probe again next time
+                n = self.ctx.errors.count("supervise")
+                self.logger.exception("a probe of the runtime failed; watching on", errors=n)
+                continue
             if restart:
                 async with m.lock:
                     m.on_purpose = True
