@@ -63,7 +63,7 @@ from agents.heartbeat import Heartbeats, heartbeat_of
 from agents.loops import LoopErrors
 from agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
 from agents.observe import Observation, PullInterrupted, Unloaded, observe
-from agents.ports import GpuVerdict, Outcome
+from agents.ports import GpuVerdict, Outcome, Selection
 from agents.recorder import Recorder
 from agents.runtime_files import RuntimeFiles, pid_alive
 from agents.runtimes import make_runtime
@@ -709,12 +709,11 @@ class Agent:
 
     # ------------------------------------------------------------------------------- verbs (facts)
 
-    def selected(self, command: Command) -> tuple[list[ModelSlot], list[str]]:
+    def selected(self, command: Command) -> Selection:
         if not command.models:
-            return list(self.models.values()), []
-        found = [self.models[n] for n in command.models if n in self.models]
-        unknown = [n for n in command.models if n not in self.models]
-        return found, unknown
+            return Selection(models=list(self.models.values()))
+        return Selection(models=[self.models[n] for n in command.models if n in self.models],
+                         unknown=[n for n in command.models if n not in self.models])
 
     def status_data(self) -> dict:
         models = {}

@@ -129,16 +129,18 @@ class CommandService:
                                      message=f"domain {self.agent.domain!r} runs no admitted model {', '.join(map(repr, unknown))}"))
 
     async def sleep(self, command: Command) -> Reply:
-        models, unknown = self.agent.selected(command)
-        if unknown:
-            return self._unknown(unknown)
+        selection = self.agent.selected(command)
+        models = selection.models
+        if selection.unknown:
+            return self._unknown(selection.unknown)
         results = await asyncio.gather(*(self.agent.sleep_model(m, command.level or 1) for m in models))
         return _combine("sleep", dict(zip((m.name for m in models), results)), self.agent)
 
     async def wake(self, command: Command) -> Reply:
-        models, unknown = self.agent.selected(command)
-        if unknown:
-            return self._unknown(unknown)
+        selection = self.agent.selected(command)
+        models = selection.models
+        if selection.unknown:
+            return self._unknown(selection.unknown)
         results = await asyncio.gather(*(self.agent.wake_model(m) for m in models))
         reply = _combine("wake", dict(zip((m.name for m in models), results)), self.agent)
         for m, outcome in zip(models, results):
@@ -146,9 +148,10 @@ class CommandService:
         return reply
 
     async def probe(self, command: Command) -> Reply:
-        models, unknown = self.agent.selected(command)
-        if unknown:
-            return self._unknown(unknown)
+        selection = self.agent.selected(command)
+        models = selection.models
+        if selection.unknown:
+            return self._unknown(selection.unknown)
         results = await asyncio.gather(*(self.agent.probe_model(m) for m in models))
         reply = _combine("probe", dict(zip((m.name for m in models), results)), self.agent)
         for m, outcome in zip(models, results):
@@ -188,9 +191,10 @@ class CommandService:
                      error=first_error, data={"slots": out})
 
     async def verify_gpu(self, command: Command) -> Reply:
-        models, unknown = self.agent.selected(command)
-        if unknown:
-            return self._unknown(unknown)
+        selection = self.agent.selected(command)
+        models = selection.models
+        if selection.unknown:
+            return self._unknown(selection.unknown)
         verdict = await self.agent.verify_gpus(models)
         if not verdict.ok:
             detail = verdict.error.message if verdict.error else ""

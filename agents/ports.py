@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from agents.training import Ended, Trainer
     from haru.specs import Policy
 
-__all__ = ["Outcome", "GpuVerdict", "CommandTarget", "ServingTarget"]
+__all__ = ["Outcome", "GpuVerdict", "Selection", "CommandTarget", "ServingTarget"]
 
 
 class Outcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,6 +45,13 @@ class GpuVerdict(msgspec.Struct, frozen=True, kw_only=True):
     data: dict = {}
 
 
+class Selection(msgspec.Struct, frozen=True, kw_only=True):
+    """The models a command names (all admitted ones when it names none), and the names this domain lacks."""
+
+    models: list = []  # list[ModelSlot]
+    unknown: list[str] = []
+
+
 class CommandTarget(Protocol):
     """What the command service asks of the agent."""
 
@@ -61,7 +68,7 @@ class CommandTarget(Protocol):
     def policy(self) -> "Policy": ...
 
     def status_data(self) -> dict: ...
-    def selected(self, command: Command) -> tuple[list["ModelSlot"], list[str]]: ...
+    def selected(self, command: Command) -> Selection: ...
     async def sleep_model(self, m: "ModelSlot", level: int) -> Outcome: ...
     async def wake_model(self, m: "ModelSlot") -> Outcome: ...
     async def probe_model(self, m: "ModelSlot") -> Outcome: ...
