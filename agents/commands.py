@@ -24,36 +24,31 @@ agent. Each request runs in its own task, so a long wake never delays a `status`
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import time
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import msgspec
 import nats.micro
 import structlog
 from nats.micro.request import Request
 
+from agents.cause import COMMAND_CAUSE, VERSION
+from agents.ports import CommandTarget, Outcome
 from haru import subjects
 from haru.commands import Command, ErrorInfo, Reply, command_decoder
 from haru.errors import HaruError
 from haru.tasks import cancel_and_wait
 
-if TYPE_CHECKING:
-    from agents.agent import Agent
-
-__all__ = ["CommandService", "SERVICE_NAME"]
+__all__ = ["CommandService", "SERVICE_NAME", "COMMAND_CAUSE"]
 
 SERVICE_NAME = "haru-agent"
-# The event the current work answers: the `step_started` of the command this task runs
-# (haru.commands.Command.cause), or the loss a restart answers. What the residency and training
-# events it records cite (haru.causes). Set per request task.
-COMMAND_CAUSE: contextvars.ContextVar[int] = contextvars.ContextVar("haru_command_cause", default=0)
 _encoder = msgspec.json.Encoder()
 
 
 class CommandService:
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: CommandTarget, nc) -> None:
         self.agent = agent
+        self.nc = nc  # the NATS connection the service answers on
         self._service: nats.micro.Service | None = None
         self._tasks: set[asyncio.Task] = set()
         self.logger = structlog.get_logger("haru.agent.commands").bind(fleet=agent.fleet, domain=agent.domain)
@@ -69,11 +64,9 @@ class CommandService:
         }
 
     async def start(self) -> None:
-        from agents.agent import VERSION
-
         a = self.agent
         self._service = await nats.micro.add_service(
-            a.log.nc,
+            self.nc,
             name=SERVICE_NAME,
             version=VERSION,
             description=f"Haru agent for {a.fleet}/{a.domain}",
@@ -140,44 +133,33 @@ class CommandService:
                                      message=f"domain {self.agent.domain!r} runs no admitted model {', '.join(map(repr, unknown))}"))
 
     async def sleep(self, command: Command) -> Reply:
-        models, unknown = self.agent.selected(command)
-        if unknown:
-            return self._unknown(unknown)
+        selection = self.agent.selected(command)
+        models = selection.models
+        if selection.unknown:
+            return self._unknown(selection.unknown)
         results = await asyncio.gather(*(self.agent.sleep_model(m, command.level or 1) for m in models))
-        return _combine("sleep", [(m.name, *r) for m, r in zip(models, results)], self.agent)
+        return _combine("sleep", dict(zip((m.name for m in models), results)), self.agent)
 
     async def wake(self, command: Command) -> Reply:
-        models, unknown = self.agent.selected(command)
-        if unknown:
-            return self._unknown(unknown)
+        selection = self.agent.selected(command)
+        models = selection.models
+        if selection.unknown:
+            return self._unknown(selection.unknown)
         results = await asyncio.gather(*(self.agent.wake_model(m) for m in models))
-        per = [(m.name, ok, code, detail) for m, (ok, code, detail, _took) in zip(models, results)]
-        reply = _combine("wake", per, self.agent)
-        for m, (_ok, _code, _detail, took) in zip(models, results):
-            reply.data["models"][m.name]["took_ms"] = took
+        reply = _combine("wake", dict(zip((m.name for m in models), results)), self.agent)
+        for m, outcome in zip(models, results):
+            reply.data["models"][m.name]["took_ms"] = outcome.took_ms
         return reply
 
     async def probe(self, command: Command) -> Reply:
-        models, unknown = self.agent.selected(command)
-        if unknown:
-            return self._unknown(unknown)
-
-        async def one(m):
-            if m.state_tag != "resident":
-                return False, "not_resident", f"{m.name} is {m.state_tag}", 0
-            from agents import probes
-
-            p = await probes.ready(m.runtime, timeout_s=self.agent.policy.probe_timeout_ms / 1000)
-            if p.ok:
-                return True, "", f"answered in {p.latency_ms} ms", p.latency_ms
-            # A failed probe is news: let the supervisor's diagnosis record it now.
-            await self.agent.check(m)
-            return False, "probe_failed", f"{p.step}: {p.detail}", 0
-
-        results = await asyncio.gather(*(one(m) for m in models))
-        reply = _combine("probe", [(m.name, ok, code, detail) for m, (ok, code, detail, _l) in zip(models, results)], self.agent)
-        for m, (_ok, _c, _d, latency) in zip(models, results):
-            reply.data["models"][m.name]["latency_ms"] = latency
+        selection = self.agent.selected(command)
+        models = selection.models
+        if selection.unknown:
+            return self._unknown(selection.unknown)
+        results = await asyncio.gather(*(self.agent.probe_model(m) for m in models))
+        reply = _combine("probe", dict(zip((m.name for m in models), results)), self.agent)
+        for m, outcome in zip(models, results):
+            reply.data["models"][m.name]["latency_ms"] = outcome.latency_ms
         return reply
 
     def _slots(self, command: Command) -> tuple[list[str], list[str]]:
@@ -190,7 +172,7 @@ class CommandService:
             return Reply(ok=False, error=ErrorInfo(code="slot_not_found", message=f"no admitted training slot {unknown}"))
         out = {}
         for slot in slots:
-            ended = await self.agent._stop_training_slot(slot)
+            ended = await self.agent.stop_training_slot(slot)
             out[slot] = ({"how": ended.how, "exit_code": ended.exit_code, "ran_ms": ended.ran_ms, "was_running": True}
                          if ended else {"was_running": False})
         detail = ", ".join(f"{s} {v['how']}" if v["was_running"] else f"{s} not running" for s, v in out.items())
@@ -204,34 +186,33 @@ class CommandService:
         out = {}
         first_error: ErrorInfo | None = None
         for slot in slots:
-            ok, code, detail = await self.agent.start_training_slot(slot)
-            out[slot] = {"ok": ok, "detail": detail, "pid": self.agent.trainers[slot].pid}
-            if not ok and first_error is None:
-                first_error = ErrorInfo(code=code, message=f"{slot}: {detail}")
+            started = await self.agent.start_training_slot(slot)
+            out[slot] = {"ok": started.ok, "detail": started.detail, "pid": self.agent.trainers[slot].pid}
+            if not started.ok and first_error is None:
+                first_error = ErrorInfo(code=started.code, message=f"{slot}: {started.detail}")
         ok = first_error is None
         return Reply(ok=ok, detail="; ".join(f"{s}: {v['detail']}" for s, v in out.items()) or "no training slots",
                      error=first_error, data={"slots": out})
 
     async def verify_gpu(self, command: Command) -> Reply:
-        models, unknown = self.agent.selected(command)
-        if unknown:
-            return self._unknown(unknown)
-        for index in {m.spec.gpu_index for m in models}:
-            await self.agent.observe_gpu(index)
-        ok, error, data = self.agent.verify_gpu_data(models)
-        if not ok:
-            detail = error.message if error else ""
-        elif data.get("unverified"):
-            detail = "; ".join(data["unverified"])
+        selection = self.agent.selected(command)
+        models = selection.models
+        if selection.unknown:
+            return self._unknown(selection.unknown)
+        verdict = await self.agent.verify_gpus(models)
+        if not verdict.ok:
+            detail = verdict.error.message if verdict.error else ""
+        elif verdict.data.get("unverified"):
+            detail = "; ".join(verdict.data["unverified"])
         else:
             detail = "VRAM verified: enough free to wake, no trainer on the GPUs"
-        return Reply(ok=ok, detail=detail, error=error, data=data)
+        return Reply(ok=verdict.ok, detail=detail, error=verdict.error, data=verdict.data)
 
     async def apply_layout(self, command: Command) -> Reply:
         await self.agent.refresh_route(command.route_revision)
-        ok, code, detail, data = await self.agent.apply_declared(command.decl_seq,
-                                                                 self.agent.policy.apply_timeout_ms / 1000)
-        return Reply(ok=ok, detail=detail, error=None if ok else ErrorInfo(code=code, message=detail), data=data)
+        applied = await self.agent.apply_declared(command.decl_seq, self.agent.policy.apply_timeout_ms / 1000)
+        return Reply(ok=applied.ok, detail=applied.detail, data=applied.data,
+                     error=None if applied.ok else ErrorInfo(code=applied.code, message=applied.detail))
 
 
 def _count(states: list[str]) -> dict[str, int]:
@@ -241,15 +222,16 @@ def _count(states: list[str]) -> dict[str, int]:
     return out
 
 
-def _combine(verb: str, per: list[tuple[str, bool, str, str]], agent: "Agent") -> Reply:
-    data = {"models": {name: {"ok": ok, "state": agent.models[name].state_tag, "detail": detail, **({"code": code} if code else {})}
-                       for name, ok, code, detail in per}}
-    failed = [(name, code, detail) for name, ok, code, detail in per if not ok]
+def _combine(verb: str, per: dict[str, Outcome], agent: CommandTarget) -> Reply:
+    data = {"models": {name: {"ok": o.ok, "state": agent.models[name].state_tag, "detail": o.detail,
+                              **({"code": o.code} if o.code else {})}
+                       for name, o in per.items()}}
+    failed = {name: o for name, o in per.items() if not o.ok}
     if not per:
         return Reply(ok=True, detail=f"{verb}: no models", data=data)
     if failed:
-        name, code, detail = failed[0]
-        message = "; ".join(f"{n}: {d}" for n, _c, d in failed)
-        return Reply(ok=False, detail=f"{verb} failed for {', '.join(n for n, _c, _d in failed)}",
-                     error=ErrorInfo(code=code or "failed", message=message), data=data)
-    return Reply(ok=True, detail="; ".join(f"{name}: {detail}" for name, _ok, _c, detail in per), data=data)
+        first = next(iter(failed.values()))
+        message = "; ".join(f"{n}: {o.detail}" for n, o in failed.items())
+        return Reply(ok=False, detail=f"{verb} failed for {', '.join(failed)}",
+                     error=ErrorInfo(code=first.code or "failed", message=message), data=data)
+    return Reply(ok=True, detail="; ".join(f"{name}: {o.detail}" for name, o in per.items()), data=data)

@@ -2,6 +2,7 @@
 
     AgentError                     (haru.errors.HaruError)
     ├── AgentRefused               another agent already runs this domain                     (operator)
+    ├── IllegalObservation         the agent's decision table has no entry for what it saw     (a bug here)
     ├── RuntimeProblem             a runtime (vLLM, llama-server, external) misbehaved
     │   ├── RuntimeUnreachable     its HTTP port does not answer (not up yet, crashed, hung)
     │   ├── RuntimeRefused         it answered with an error status; carries status and body
@@ -23,6 +24,22 @@ class AgentError(HaruError):
 
 class AgentRefused(AgentError):
     """A second agent for a domain that already has one: refused so two writers never share a history."""
+
+
+class IllegalObservation(AgentError):
+    """The agent saw something its decision table (agents/observe.py) has no entry for in the model's
+    recorded state: writing anyway would append a history the fleet refuses. The agent's own bug."""
+
+    code = "illegal_transition"
+
+    def __init__(self, model: str, state: str, observation: str) -> None:
+        self.model = model
+        self.state = state
+        self.observation = observation
+        super().__init__(
+            f"the agent has no residency event for `{observation}` of model {model!r} recorded `{state}`: "
+            f"nothing is written (the pair is not in agents/observe.py DECISIONS; a writer skipped a step)"
+        )
 
 
 class RuntimeProblem(AgentError):

@@ -20,6 +20,9 @@ count nothing for it.
     haru_agent_training_run_seconds{slot}             how long the running (or last) process ran
     haru_agent_role{role}                             1 for active or standby
     haru_agent_route_revision                         the route revision the agent follows
+    haru_agent_loop_errors_total{loop}                steps of a long-running loop (heartbeat, gpus, supervise,
+                                                      route, declarations) that raised: logged with the
+                                                      traceback, and the loop went on
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from haru.residency import state_name
 
 # Every residency state, so a dashboard can show 0 for the states a model is not in.
 STATES = ("unknown", "loading", "resident", "sleeping", "waking", "lost", "failed", "stopped", "not_admitted")
+LOOPS = ("heartbeat", "gpus", "supervise", "route", "declarations")  # the agent's loops, each counted
 _HOLDING = frozenset({"loading", "resident", "waking"})
 
 
@@ -106,7 +110,7 @@ class AgentCollector:
                                     labels=labels + ["gpu"])
         for index in agent.slots.gpu_indexes():
             g = [str(index)]
-            last = agent.gpu_last.get(index)  # the last observation the agent recorded: no NVML call here
+            last = agent.gpu_watch.last.get(index)  # the last observation the agent recorded: no NVML call here
             if last is not None:
                 if last.present is not None:
                     present.add_metric(base + g, 1 if last.present else 0)
@@ -140,6 +144,12 @@ class AgentCollector:
                                labels=labels)
         up.add_metric(base, _STARTED)
         yield from (role, revision, up)
+
+        errors = CounterMetricFamily("haru_agent_loop_errors", "Loop steps that raised (logged; the loop went on).",
+                                     labels=labels + ["loop"])
+        for loop in LOOPS:
+            errors.add_metric(base + [loop], agent.loop_errors[loop])
+        yield errors
 
 
 _STARTED = time.time()

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import datetime, timezone
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 
-from haru.events import FetchedFile, ModelFailed, ModelPulling
+from agents.observe import Observation, PullProgressed, PullRefused
+from haru.events import FetchedFile
 from haru.models import refs
 from haru.models.errors import ModelsError
 from haru.models.pull import Progress, pull
@@ -30,6 +32,7 @@ from haru.models.resolve import Settings, resolve, session
 from haru.models.store import Store, default_root
 
 PROGRESS_S = 5.0
+Record = Callable[[Any, Observation], Awaitable[object]]
 
 
 class _Counted(Progress):
@@ -41,22 +44,23 @@ def needs_pull(source: str, runtime_kind: str) -> bool:
     return runtime_kind != "external" and refs.is_explicit_reference(source)
 
 
-async def pull_for(agent, m) -> bool:
-    """Pull `m`'s reference, recording `pulling` and its outcome; True when the runtime may start."""
+async def pull_for(m, record: Record, about: Callable[[Any], dict]) -> bool:
+    """Pull `m`'s reference, recording `pulling` and its outcome; True when the runtime may start.
+
+    `record(m, observation)` is the agent's one way to write what it saw (agents/observe.py decides the
+    event); `about(m)` gives the fields every observation carries."""
     spec = m.runtime.spec
     reference = spec.source
     settings = Settings.from_env()
     store = Store(default_root())
 
-    def pulling(done: int, total: int, **kw) -> ModelPulling:
-        return ModelPulling(at=datetime.now(timezone.utc), domain=agent.domain, model=m.name, reference=reference,
-                            done_bytes=done, total_bytes=total, **kw)
+    def pulling(done: int, total: int, **kw) -> PullProgressed:
+        return PullProgressed(**about(m), reference=reference, done_bytes=done, total_bytes=total, **kw)
 
     async def failed(why: str) -> bool:
         if m.state_tag != "pulling":
-            await agent._record(m, pulling(0, 0))
-        await agent._record(m, ModelFailed(at=datetime.now(timezone.utc), domain=agent.domain, model=m.name,
-                                           runtime_said=f"pull {reference}: {why}"))
+            await record(m, pulling(0, 0))
+        await record(m, PullRefused(**about(m), reference=reference, why=why))
         return False
 
     async with session(settings) as http:
@@ -68,7 +72,7 @@ async def pull_for(agent, m) -> bool:
         if want != m.runtime.kind:
             return await failed(f"it is a {res.format} model, served by {want}, but the layout declares runtime "
                                 f"{m.runtime.kind!r}; declare \"runtime\": \"{want}\" for it")
-        await agent._record(m, pulling(0, res.total_bytes, origin=res.origin))
+        await record(m, pulling(0, res.total_bytes, origin=res.origin))
         progress = _Counted(res.total_bytes)
 
         async def report() -> None:
@@ -77,7 +81,7 @@ async def pull_for(agent, m) -> bool:
                 await asyncio.sleep(PROGRESS_S)
                 if progress.done != last:
                     last = progress.done
-                    await agent._record(m, pulling(max(0, min(last, res.total_bytes)), res.total_bytes))
+                    await record(m, pulling(max(0, min(last, res.total_bytes)), res.total_bytes))
 
         reporter = asyncio.create_task(report(), name=f"pull-progress:{m.name}")
         try:
@@ -89,7 +93,7 @@ async def pull_for(agent, m) -> bool:
             with contextlib.suppress(asyncio.CancelledError):
                 await reporter
     fetched = set(result.fetched)
-    await agent._record(m, pulling(res.total_bytes, res.total_bytes, origin=res.origin, files=[
+    await record(m, pulling(res.total_bytes, res.total_bytes, origin=res.origin, files=[
         FetchedFile(name=b.name, digest=b.digest, size=b.size, fetched=b.digest in fetched) for b in res.blobs]))
     m.runtime.spec = msgspec.structs.replace(spec, source=str(result.path))
     return True

@@ -18,7 +18,6 @@ import asyncio
 import hmac
 import os
 import time
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -28,14 +27,12 @@ from aiohttp import web
 
 from agents import portholder, probes
 from agents.errors import PortHolderError
+from agents.ports import ServingTarget
 from agents.runtimes.base import runtimes_die_with_agent
 from haru.errors import ConfigError
 from haru.httpguard import BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
 from haru.openai_errors import TOO_DEEP, answer_status, error_body
 from haru.residency import ANSWERS
-
-if TYPE_CHECKING:
-    from agents.agent import Agent
 
 __all__ = ["ServingProxy", "FORWARDED"]
 
@@ -71,17 +68,17 @@ def error(status: int, code: str, message: str, *, param: str | None = None,
 
 
 class ServingProxy:
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: ServingTarget, *, host: str, port: int, declared_url: str = "") -> None:
+        """`host`/`port`: the agent config's `serving`; port 0 takes the port of the domain's declared
+        serving URL (`declared_url`), else any free one."""
         self.agent = agent
         self.logger = structlog.get_logger("haru.agent.serving").bind(fleet=agent.fleet, domain=agent.domain)
         self.token = os.environ.get("HARU_SERVING_TOKEN", "")
         self.limits = ClientLimits.from_env(os.environ)
         self._diagnosed: dict[str, tuple[float, str]] = {}  # model -> (when, reason) of the last diagnosis
-        cfg = agent.config.serving
-        self.host = cfg.host
-        port = cfg.port
-        if not port and agent.slots.domain.spec.serving_url:
-            port = urlsplit(agent.slots.domain.spec.serving_url).port or 0
+        self.host = host
+        if not port and declared_url:
+            port = urlsplit(declared_url).port or 0
         self.port = port
         self._runner: web.ServerRunner | None = None
         self._site: web.BaseSite | None = None

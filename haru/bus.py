@@ -100,7 +100,8 @@ class NatsBus:
                 handler(msg)
 
         try:
-            return await self.nc.subscribe(subject, cb=on_msg)
+            sub: Subscription = await self.nc.subscribe(subject, cb=on_msg)
+            return sub
         except nats.errors.Error as exc:
             raise BusError(f"subscribing to {subject}: {exc or type(exc).__name__}") from exc
 

@@ -22,6 +22,8 @@ and `enable_fast_header_parse()` returns False.
 
 from __future__ import annotations
 
+from typing import Any
+
 import importlib.metadata
 import re
 
@@ -50,7 +52,7 @@ def _parse_header_lines_fast(raw: bytes) -> dict[str, str]:
     return out
 
 
-def _client():  # nats-py's Client class, imported when asked for
+def _client() -> Any:  # nats-py's client module, imported when asked for
     import nats.aio.client as nats_client
 
     return nats_client

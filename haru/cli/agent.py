@@ -126,7 +126,7 @@ async def dry_run(config, *, as_json: bool) -> ExitStatus:
 def _runtimes_on_start(config, slots) -> dict[str, tuple[str, str]]:
     """Per model, what a starting agent would do with the runtime a previous agent left (adopt, replace,
     stop, start), from the identity files in the state directory."""
-    from agents.agent import read_identities, runtime_on_start
+    from agents.runtime_files import read_identities, runtime_on_start
     from agents.runtimes import make_runtime
 
     state_dir = config.state_path()
@@ -142,9 +142,10 @@ def _runtimes_on_start(config, slots) -> dict[str, tuple[str, str]]:
         if runtime.kind == "external":
             out[spec.name] = ("probe", "an external endpoint: never started or stopped")
         else:
-            out[spec.name] = runtime_on_start(doc, runtime, spec)
+            verdict = runtime_on_start(doc, runtime, spec)
+            out[spec.name] = (verdict.action, verdict.why)
     for name, (_path, doc) in found.items():
         if name not in out and doc is not None:
-            verdict, why = runtime_on_start(doc, None, None)
-            out[name] = (verdict, why)
+            verdict = runtime_on_start(doc, None, None)
+            out[name] = (verdict.action, verdict.why)
     return out

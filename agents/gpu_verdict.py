@@ -1,0 +1,78 @@
+"""verify_gpu's judgment: given the models, the trainers and a reading of each of their GPUs, is it safe
+to wake the sleeping models there (free VRAM covers them, no trainer process is left)? No GPU read and no
+append here: the agent reads the GPUs (recording what changed) and passes the readings in. (The trainers'
+process groups and `pid_alive` do read /proc.)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from agents.gpu import GpuReading
+from agents.model_slot import ModelSlot
+from agents.ports import GpuVerdict
+from agents.training import Trainer
+from haru.commands import ErrorInfo
+
+__all__ = ["judge_gpus", "gpus_of"]
+
+
+def gpus_of(models: Sequence[ModelSlot]) -> list[int]:
+    """The GPUs the judgment reads: those of the models that are not external endpoints."""
+    return sorted({m.spec.gpu_index for m in models if m.runtime.kind != "external"})
+
+
+def judge_gpus(models: Sequence[ModelSlot], trainers: Mapping[str, Trainer], readings: Mapping[int, GpuReading], *,
+           residual_bytes: int, pid_alive: Callable[[int], bool]) -> GpuVerdict:
+    """Free VRAM on each inference GPU covers what its asleep models need to wake, and no trainer
+    pid is left on the GPU.
+
+    On a host without NVML (present None) the VRAM cannot be read: what can be verified is, and the
+    rest is said in `data["unverified"]` instead of aborting every promotion. The trainers' processes
+    must be gone as the OS reports it (/proc), since the driver frees an exited process's device memory.
+    """
+    trainer_pids: set[int] = set()
+    for t in trainers.values():
+        trainer_pids |= t.group_pids()
+        if t.ended is not None:
+            trainer_pids.add(t.ended.pid)
+    running = [slot for slot, t in trainers.items() if t.running()]
+    per_gpu: dict[int, list[ModelSlot]] = {}
+    for m in models:
+        if m.runtime.kind != "external":
+            per_gpu.setdefault(m.spec.gpu_index, []).append(m)
+    out: dict[str, dict] = {}
+    problems: list[tuple[str, str]] = []
+    unverified: list[str] = []
+    residual = residual_bytes
+    for index, ms in sorted(per_gpu.items()):
+        r = readings[index]
+        needed = sum(max(0, m.spec.vram_bytes - (residual if m.runtime.can_sleep else 0))
+                     for m in ms if m.state_tag in ("sleeping", "waking"))
+        on_gpu = sorted(p.pid for p in r.processes if p.pid in trainer_pids)
+        out[str(index)] = {"present": r.present, "free_bytes": r.memory_free_bytes, "needed_bytes": needed,
+                           "total_bytes": r.memory_total_bytes, "trainer_pids": on_gpu,
+                           "models": [m.name for m in ms]}
+        if r.present is False:
+            problems.append(("gpu_detached", f"GPU {index} is gone (the provider took it)"))
+        elif r.present is None:
+            alive = sorted(p for p in trainer_pids if pid_alive(p))
+            out[str(index)].update(nvml=False, trainer_pids=alive)
+            if alive:
+                problems.append(("gpu_busy", f"trainer processes {alive} still run (GPU {index} cannot be read: "
+                                              f"no NVML on this host)"))
+            else:
+                unverified.append(f"GPU {index}: NVML absent on this host, so free VRAM is unverified "
+                                  f"(needed {needed} bytes to wake); trainer processes gone as the OS reports it")
+        else:
+            if on_gpu:
+                problems.append(("gpu_busy", f"GPU {index} still has trainer processes {on_gpu}"))
+            if r.memory_free_bytes < needed:
+                problems.append(("gpu_busy", f"GPU {index} has {r.memory_free_bytes} bytes free; its sleeping models "
+                                              f"need {needed} to wake (short by {needed - r.memory_free_bytes})"))
+    if running:
+        problems.insert(0, ("training_running", f"training still runs: {', '.join(running)}; stop_training first"))
+    data = {"gpus": out, "training_running": running, "unverified": unverified}
+    if problems:
+        return GpuVerdict(ok=False, error=ErrorInfo(code=problems[0][0], message="; ".join(p[1] for p in problems)),
+                          data=data)
+    return GpuVerdict(ok=True, data=data)

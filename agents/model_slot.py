@@ -1,0 +1,47 @@
+"""One admitted model on this host, as the agent's units share it: its runtime, its residency as
+recorded, its lock. A data holder: the supervisor (agents/agent.py) changes it, the command service and
+the serving port read it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from agents import probes
+from agents.runtimes import Runtime
+from haru.residency import UNKNOWN, Residency, state_name
+from haru.specs import ModelSpec
+
+__all__ = ["ModelSlot", "RUNTIME_STOP_GRACE_S"]
+
+RUNTIME_STOP_GRACE_S = 15.0  # a runtime stopped on purpose: SIGTERM to its group, SIGKILL after this
+
+
+class ModelSlot:
+    """One admitted model on this host: its runtime, its residency as recorded, its lock."""
+
+    def __init__(self, spec: ModelSpec, runtime: Runtime, subject: str) -> None:
+        self.spec = spec
+        self.runtime = runtime
+        self.subject = subject
+        self.seq = 0  # the subject's last sequence, as this agent knows it
+        self.state: Residency = UNKNOWN
+        self.lock = asyncio.Lock()  # state-changing work: supervisor transitions, sleep, wake
+        self.append_lock = asyncio.Lock()
+        self.generation = 0  # bumped per spawn; an exit of an older generation is old news
+        self.attempt = 0
+        self.failures = 0
+        self.resident_at = 0.0
+        self.exited = asyncio.Event()
+        self.exit_code: int | None = None
+        self.on_purpose = False  # the agent is stopping this runtime itself
+        self.settled = asyncio.Event()  # the first load attempt has come to rest
+        self.probe_ms = 0
+        self.last_probe: probes.Probe | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def state_tag(self) -> str:
+        return state_name(self.state)

@@ -1,0 +1,527 @@
+"""One model's supervisor: loads (or adopts) its runtime, watches it, restarts it with backoff, and
+puts it to sleep and wakes it when a command asks. One `ModelSupervisor` per admitted model.
+
+    loading   spawn, then poll /health, /v1/models and a one-token completion until it answers
+              (never times out: Loading reports progress instead); an exit is waited on, not polled
+    watching  a probe every probe interval, classified with the GPU-present bit (gpu_detached,
+              evicted, unhealthy); an evicted runtime is restarted
+    restarts  exponential backoff (`backoff_s`); on a standby, the training on that GPU is paused for
+              the reload and resumed after, and the reloaded runtime is put back to sleep
+
+What it writes, it writes as observations through `ctx.record` (agents/recorder.py -> the decision
+table in agents/observe.py). State-changing work on the model is serialized by `m.lock`. It reaches
+the rest of the agent only through `SupervisorContext`: the recorder, the GPU watcher, the runtime
+files, the role and policy as they are now, and two training callables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from agents import probes
+from agents.cause import COMMAND_CAUSE
+from agents.errors import OutOfMemory, RuntimeProblem
+from agents.gpu_watch import GpuWatcher
+from agents.loops import LoopErrors, survive
+from agents.adoption import Adoptable
+from agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
+from agents.observe import (
+    Adopted,
+    Answered,
+    Exited,
+    GpuGone,
+    Observation,
+    ProbeFailed,
+    Slept,
+    Spawned,
+    SpawnRefused,
+    StillAsleep,
+    Vanished,
+    WakeBegun,
+)
+from agents.ports import Outcome
+from agents.pulling import needs_pull, pull_for
+from agents.runtime_files import RuntimeFiles
+from haru.events import Event
+from haru.specs import Policy
+
+__all__ = ["ModelSupervisor", "SupervisorContext", "backoff_s", "runtime_said"]
+
+# While a model loads, its /health is asked this often (one loopback GET; a 503 or a refused
+# connection costs well under a millisecond), so `resident` is recorded within ~this of the runtime
+# turning ready. bench/runtime.py measures it against a real llama-server.
+LOADING_POLL_S = 0.02
+
+
+def backoff_s(policy: Policy, failures: int) -> float:
+    """The pause before restart attempt `failures` (1, 2, ...): doubling from restart_backoff_ms, capped."""
+    ms = policy.restart_backoff_ms * (2 ** max(0, failures - 1))
+    return min(ms, policy.restart_backoff_max_ms) / 1000
+
+
+@dataclass(frozen=True)
+class SupervisorContext:
+    """What a model's supervisor may use of the agent around it."""
+
+    domain: str
+    record: Callable[[ModelSlot, Observation], Awaitable[Event | None]]
+    about: Callable[[ModelSlot], dict]
+    gpu: GpuWatcher
+    files: RuntimeFiles
+    role: Callable[[], str]
+    policy: Callable[[], Policy]
+    stopping: Callable[[], bool]
+    stop_event: asyncio.Event
+    spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task]
+    make_room: Callable[[int], Awaitable[list[str]]]  # stop the training on a GPU; the slots stopped
+    resume_training: Callable[[list[str]], Awaitable[None]]
+    errors: LoopErrors
+    logger: Any
+
+
+class ModelSupervisor:
+    def __init__(self, m: ModelSlot, ctx: SupervisorContext, *, found: Adoptable | None = None, away: str = "") -> None:
+        """`found`: the live runtime a previous agent left (pid, asleep, endpoint),
+        to adopt; `away`: what is
+        known of one that died while no agent watched (said once in `lost` before the reload)."""
+        self.m = m
+        self.ctx = ctx
+        self.found = found
+        self.away = away
+        self.logger = ctx.logger.bind(model=m.name)
+        self._rechecking = False
+
+    def recheck(self) -> None:
+        """Probe now (the serving port saw the runtime fail a request), once at a time."""
+        if self._rechecking or self.ctx.stopping():
+            return
+        self._rechecking = True
+
+        async def run() -> None:
+            try:
+                await self.check()  # records the loss; restarting an evicted one is the periodic probe's job
+            finally:
+                self._rechecking = False
+
+        self.ctx.spawn(run(), f"recheck:{self.m.name}")
+
+    async def _pause(self, seconds: float) -> bool:
+        """Sleep unless the agent stops first; True if it is stopping."""
+        if self.ctx.stopping():
+            return True
+        try:
+            async with asyncio.timeout(seconds):
+                await self.ctx.stop_event.wait()
+            return True
+        except asyncio.TimeoutError:
+            return self.ctx.stopping()
+
+    async def run(self) -> None:
+        """Load (or adopt) the model, watch it, and restart it with backoff, until the agent stops. An
+        attempt that raises (a bug) is logged with its traceback and counted (`errors["supervise"]`);
+        what it started is stopped, and the next attempt comes after the backoff."""
+        m = self.m
+        adopted = self.found is not None
+        if not adopted and m.runtime.kind != "external":
+            # Its runtime is gone (it died while no agent watched, or an agent before issue 14 took it
+            # along): if the chain says live, it says so, once, before we reload.
+            why = self.away or "the previous agent stopped without unloading it"
+            self.away = ""
+            await survive(lambda: self.ctx.record(m, Vanished(**self.ctx.about(m), detail=why)), name="supervise",
+                          errors=self.ctx.errors, logger=self.logger, model=m.name)
+        first = True
+        while not self.ctx.stopping():
+            if not first and await self._pause(backoff_s(self.ctx.policy(), m.failures)):
+                return
+            try:
+                if await self._attempt(first=first, adopted=adopted):
+                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                n = self.ctx.errors.count("supervise")
+                self.logger.exception("supervision attempt failed; retrying after the backoff", errors=n)
+                m.settled.set()
+                if m.runtime.kind != "external" and m.runtime.alive():
+                    m.on_purpose = True
+                    await m.runtime.stop(RUNTIME_STOP_GRACE_S)
+            adopted = first = False
+            if self.ctx.stopping():
+                return
+            # Consecutive failures double the backoff; a runtime that stayed up for a while starts afresh.
+            if m.resident_at and time.monotonic() - m.resident_at >= self.ctx.policy().restart_backoff_max_ms / 1000:
+                m.failures = 1
+            else:
+                m.failures += 1
+            m.resident_at = 0.0
+            if m.runtime.kind == "external":
+                m.failures = max(m.failures, 1)
+
+    async def _attempt(self, *, first: bool, adopted: bool) -> bool:
+        """One load (or adoption) of `m`, watched until its runtime is gone. True if the agent stops."""
+        m = self.m
+        if await self._wait_for_gpu():
+            return True
+        paused: list[str] = []
+        if self.ctx.role() == "standby" and not first:
+            answering = COMMAND_CAUSE.set(m.seq)  # the loss this restart answers: what the pause cites
+            try:
+                paused = await self.ctx.make_room(m.spec.gpu_index)
+            finally:
+                COMMAND_CAUSE.reset(answering)
+        try:
+            ready = await (self._adopt() if adopted else self._load())
+            if ready and self.ctx.role() == "standby" and m.runtime.can_sleep:
+                async with m.lock:
+                    if m.state_tag == "resident":
+                        try:
+                            await self._sleep_one(1)
+                        except RuntimeProblem as exc:
+                            self.logger.warning("could not put the standby runtime to sleep", model=m.name, error=str(exc))
+        finally:
+            if paused:
+                await self.ctx.resume_training(paused)
+            if first:
+                m.settled.set()
+        if ready:
+            await self._watch()
+        return False
+
+    async def _wait_for_gpu(self) -> bool:
+        """A detached GPU cannot load anything: wait for it to come back. True if the agent stops."""
+        m = self.m
+        if m.runtime.kind == "external":
+            return False
+        while self.ctx.gpu.went_away(m.spec.gpu_index):
+            m.settled.set()
+            if await self._pause(self.ctx.policy().probe_interval_ms / 1000):
+                return True
+        return False
+
+    async def _load(self) -> bool:
+        """Spawn (or re-attach to) the runtime and wait until it is resident or gone. Never times out."""
+        m = self.m
+        if needs_pull(m.runtime.spec.source, m.runtime.kind) and not await pull_for(m, self.ctx.record, self.ctx.about):
+            return False  # a layout's reference: pulled first (`pulling`), or failed in the registry's words
+        async with m.lock:
+            m.attempt += 1
+            m.generation += 1
+            m.exited.clear()
+            m.exit_code = None
+            m.on_purpose = False
+            started = time.monotonic()
+            try:
+                await m.runtime.start()
+            except RuntimeProblem as exc:  # the attempt is recorded, and what the runtime (or the OS) said
+                await self.ctx.record(m, Spawned(**self.ctx.about(m), endpoint=m.runtime.base_url, pid=0, attempt=m.attempt))
+                await self.ctx.record(m, SpawnRefused(**self.ctx.about(m), said=str(exc)))
+                return False
+            await self.ctx.record(m, Spawned(**self.ctx.about(m), endpoint=m.runtime.base_url, pid=m.runtime.pid or 0,
+                                          attempt=m.attempt))
+            self.ctx.files.write_identity(m.name, m.runtime)
+            if m.runtime.kind != "external":
+                self.ctx.spawn(self._exit_waiter(m.generation), f"exit:{m.name}:{m.generation}")
+        poll = LOADING_POLL_S
+        timeout = self.ctx.policy().probe_timeout_ms / 1000
+        while not self.ctx.stopping():
+            if m.exited.is_set():
+                return False
+            probe = await probes.ready(m.runtime, timeout_s=timeout, check_sleep=False)
+            if probe.ok:
+                async with m.lock:
+                    if m.exited.is_set() or m.state_tag != "loading":
+                        return False
+                    m.last_probe = probe
+                    warmup = int((time.monotonic() - started) * 1000)
+                    await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url, warmup_ms=warmup))
+                    m.resident_at = time.monotonic()
+                return True
+            if m.runtime.kind != "external" and self.ctx.gpu.went_away(m.spec.gpu_index):
+                async with m.lock:
+                    await self.ctx.record(m, GpuGone(**self.ctx.about(m), detail="the GPU went away while the model was loading"))
+                    m.on_purpose = True
+                    await m.runtime.stop(RUNTIME_STOP_GRACE_S)
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                async with asyncio.timeout(poll):
+                    await m.exited.wait()
+        return False
+
+    async def _exit_waiter(self, generation: int) -> None:
+        m = self.m
+        code = await m.runtime.wait_exit()
+        if generation != m.generation:
+            return
+        m.exit_code = code
+        try:
+            if m.on_purpose or self.ctx.stopping():
+                await self.ctx.record(m, Exited(**self.ctx.about(m), code=code, expected=True))
+            else:
+                # A nonzero exit before it ever answered is the runtime refusing the model (a corrupt or
+                # truncated file, an unknown architecture): `failed`, in its own words (the table decides);
+                # the supervisor retries with the growing backoff, never in a tight loop.
+                said = runtime_said(m.runtime.output_tail(8000), code) if code is not None and code > 0 else ""
+                tail = m.runtime.output_tail(600).strip().splitlines()
+                detail = (f"the runtime exited with code {code}" if code is not None else
+                          f"the adopted runtime (pid {m.runtime.pid}) exited; its exit status went to its reaper")
+                if tail:
+                    detail += f"; last output: {tail[-1][:300]}"
+                await self.ctx.record(m, Exited(**self.ctx.about(m), code=code, said=said, detail=detail))
+        finally:
+            self.ctx.files.drop_identity(m.name)  # it is gone: nothing to adopt
+            m.exited.set()
+
+    async def _watch(self) -> None:
+        """Probe a loaded runtime every probe interval until its process is gone (or must be restarted)."""
+        m = self.m
+        interval = self.ctx.policy().probe_interval_ms / 1000
+        while not self.ctx.stopping():
+            with contextlib.suppress(asyncio.TimeoutError):
+                async with asyncio.timeout(interval):
+                    await m.exited.wait()
+            if m.exited.is_set() or self.ctx.stopping():
+                return
+            if m.lock.locked():
+                continue  # a command is changing it: probe next time
+            try:
+                restart = await self.check()
+            except Exception:  # a bug in one probe must not restart a runtime that serves: probe again next time
+                n = self.ctx.errors.count("supervise")
+                self.logger.exception("a probe of the runtime failed; watching on", errors=n)
+                continue
+            if restart:
+                async with m.lock:
+                    m.on_purpose = True
+                    await m.runtime.stop(RUNTIME_STOP_GRACE_S)
+                    m.exited.set()
+                return
+
+    async def check(self) -> bool:
+        """One periodic probe of a model, recording what changed. True = the runtime must be restarted."""
+        m = self.m
+        async with m.lock:
+            if m.exited.is_set():
+                return False
+            timeout = self.ctx.policy().probe_timeout_ms / 1000
+            tag = m.state_tag
+            gpu = self.ctx.gpu.read(m.spec.gpu_index) if m.runtime.kind != "external" else None
+            if tag == "sleeping":
+                if gpu is not None and gpu.present is False:
+                    await self._gpu_gone("the GPU went away while the runtime slept")
+                    return False
+                health = await m.runtime.health(timeout_s=min(timeout, 5.0))
+                if not health.ok:
+                    alive = m.runtime.alive()
+                    reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=True)
+                    await self._lost(reason, health.detail or f"/health answered {health.status} while asleep")
+                    return False
+                try:
+                    asleep = await m.runtime.is_sleeping(timeout_s=min(timeout, 5.0))
+                except RuntimeProblem:
+                    asleep = True
+                if asleep is False:  # woken behind our back: find out whether it serves
+                    tag = "lost"
+                else:
+                    return False
+            if tag not in ("resident", "lost"):
+                return False
+            started = time.monotonic()
+            probe = await probes.ready(m.runtime, timeout_s=timeout)
+            m.last_probe = probe
+            m.probe_ms = int((time.monotonic() - started) * 1000)
+            if probe.ok:
+                if tag != "resident" or m.state_tag != "resident":
+                    await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url,
+                                                   warmup_ms=probe.latency_ms))
+                    m.resident_at = time.monotonic()
+                return False
+            if m.exited.is_set():
+                return False
+            if tag == "lost" and probe.step == "sleeping":
+                # A lost runtime found healthy but asleep (its GPU came back while it slept): the table has
+                # no lost -> sleeping, so it is reloaded (lost -> loading), and a standby puts it back to sleep.
+                return True
+            alive = m.runtime.alive()
+            holds = await probes.holds_model(m.runtime, min(timeout, 5.0)) if probe.step != "listed" else False
+            if gpu is None and m.runtime.kind != "external":
+                gpu = self.ctx.gpu.read(m.spec.gpu_index)
+            reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=holds)
+            if not alive:
+                return False  # the exit waiter records process_exited
+            await self._lost(reason, f"{probe.step}: {probe.detail}"[:500])  # the table: no news if already so
+            return reason == "evicted"
+
+    async def _lost(self, reason: str, detail: str) -> None:
+        """A probe's diagnosis: `lost{reason}`, unless the loss is recorded for that reason already (a
+        loss for another reason is refined: unhealthy, then gpu_detached)."""
+        m = self.m
+        recorded = await self.ctx.record(m, ProbeFailed(**self.ctx.about(m), reason=reason, detail=detail))  # type: ignore[arg-type]
+        if recorded is not None and reason == "gpu_detached":
+            self._check_the_gpu()
+
+    async def _gpu_gone(self, detail: str) -> None:
+        """The GPU is gone: a live model is lost{gpu_detached}; one already lost (for any reason) stays so."""
+        m = self.m
+        if await self.ctx.record(m, GpuGone(**self.ctx.about(m), detail=detail)) is not None:
+            self._check_the_gpu()
+
+    def _check_the_gpu(self) -> None:
+        """Record the GPU's absence now: that checks the other models on it (GpuWatcher's on_gone)."""
+        index = self.m.spec.gpu_index
+        self.ctx.spawn(self.ctx.gpu.observe(index), f"gpu-check:{index}")
+
+    async def _sleep_one(self, level: int) -> None:
+        """Put a resident runtime to sleep (caller holds m.lock). Verified through /is_sleeping."""
+        m = self.m
+        before = self.ctx.gpu.read(m.spec.gpu_index)
+        await m.runtime.sleep(level, self.ctx.policy().wake_timeout_ms / 1000)
+        after = self.ctx.gpu.read(m.spec.gpu_index)
+        freed = max(0, before.memory_used_bytes - after.memory_used_bytes) if before.present and after.present else 0
+        await self.ctx.record(m, Slept(**self.ctx.about(m), level=level, freed_bytes=freed))
+
+    async def sleep(self, level: int) -> Outcome:
+        """Idempotent sleep."""
+        m = self.m
+        if not m.runtime.can_sleep:
+            return Outcome(ok=True, detail=f"a {m.runtime.kind} runtime has no sleep mode; it stays {m.state_tag}")
+        async with m.lock:
+            if self.ctx.gpu.went_away(m.spec.gpu_index):
+                # A runtime may well answer /sleep on a GPU that is gone; its weights are not in VRAM to free.
+                await self._gpu_gone("the GPU went away; asked to sleep")  # the table: no news if already lost
+                return Outcome(ok=False, code="gpu_detached",
+                               detail=f"GPU {m.spec.gpu_index} is gone (the provider took it): {m.name} is lost, not asleep")
+            tag = m.state_tag
+            if tag == "sleeping":
+                try:
+                    if await m.runtime.is_sleeping() is True:
+                        return Outcome(ok=True, detail="already asleep")
+                except RuntimeProblem as exc:
+                    return Outcome(ok=False, code=exc.code, detail=str(exc))
+            elif tag not in ("resident", "waking"):
+                return Outcome(ok=False, code="not_resident",
+                               detail=f"{m.name} is {tag}; only a resident model can be put to sleep")
+            try:
+                await self._sleep_one(level)
+            except RuntimeProblem as exc:
+                return Outcome(ok=False, code=exc.code, detail=str(exc))
+            return Outcome(ok=True, detail="asleep (verified by /is_sleeping)")
+
+    async def wake(self) -> Outcome:
+        """Idempotent wake, verified by /is_sleeping and a real one-token completion (`took_ms`)."""
+        m = self.m
+        started = time.monotonic()
+        timeout = self.ctx.policy().probe_timeout_ms / 1000
+        async with m.lock:
+            tag = m.state_tag
+            if tag == "resident" or not m.runtime.can_sleep:
+                if tag != "resident":
+                    return Outcome(ok=False, code="not_resident", detail=f"{m.name} is {tag}", took_ms=0)
+                probe = await probes.ready(m.runtime, timeout_s=timeout)
+                if probe.ok:
+                    return Outcome(ok=True,
+                                   detail="already awake; probe answered", took_ms=int((time.monotonic() - started) * 1000))
+                return Outcome(ok=False, code="probe_failed",
+                               detail=f"awake but the probe failed at {probe.step}: {probe.detail}", took_ms=0)
+            if tag not in ("sleeping", "waking"):
+                return Outcome(ok=False, code="not_sleeping",
+                               detail=f"{m.name} is {tag}; there is nothing to wake", took_ms=0)
+            await self.ctx.record(m, WakeBegun(**self.ctx.about(m)))  # sleeping -> waking; a retried wake: no news
+            gen = m.generation
+            try:
+                await m.runtime.wake(self.ctx.policy().wake_timeout_ms / 1000)
+            except OutOfMemory as exc:
+                await self._after_failed_wake(gen)
+                return Outcome(ok=False, code="out_of_memory",
+                               detail=str(exc), took_ms=int((time.monotonic() - started) * 1000))
+            except RuntimeProblem as exc:
+                await self._after_failed_wake(gen)
+                return Outcome(ok=False, code=exc.code, detail=str(exc), took_ms=int((time.monotonic() - started) * 1000))
+            probe = await probes.ready(m.runtime, timeout_s=timeout)
+            took = int((time.monotonic() - started) * 1000)
+            if gen != m.generation or m.exited.is_set():
+                return Outcome(ok=False, code="process_exited",
+                               detail=f"{m.name}'s runtime exited while waking", took_ms=took)
+            if not probe.ok:
+                code = "out_of_memory" if "out of memory" in probe.detail.lower() else "probe_failed"
+                await self._after_failed_wake(gen, probe=probe)
+                return Outcome(ok=False, code=code,
+                               detail=f"woke but the probe failed at {probe.step}: {probe.detail}", took_ms=took)
+            m.last_probe = probe
+            await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url, warmup_ms=took))
+            m.resident_at = time.monotonic()
+            return Outcome(ok=True,
+                           detail=f"awake (verified by /is_sleeping and a probe in {probe.latency_ms} ms)", took_ms=took)
+
+    async def probe(self) -> Outcome:
+        """A real one-token completion of a resident model (`latency_ms`); a failed one is news: the
+        supervisor's diagnosis records it now."""
+        m = self.m
+        if m.state_tag != "resident":
+            return Outcome(ok=False, code="not_resident", detail=f"{m.name} is {m.state_tag}")
+        p = await probes.ready(m.runtime, timeout_s=self.ctx.policy().probe_timeout_ms / 1000)
+        if p.ok:
+            return Outcome(ok=True, detail=f"answered in {p.latency_ms} ms", latency_ms=p.latency_ms)
+        await self.check()
+        return Outcome(ok=False, code="probe_failed", detail=f"{p.step}: {p.detail}")
+
+    async def _after_failed_wake(self, gen: int, probe: probes.Probe | None = None) -> None:
+        """Record the truth after a wake failed: still asleep, or lost (and why)."""
+        m = self.m
+        if gen != m.generation or m.exited.is_set() or m.state_tag != "waking":
+            return
+        try:
+            asleep = await m.runtime.is_sleeping()
+        except RuntimeProblem:
+            asleep = None
+        if asleep is True:
+            await self.ctx.record(m, StillAsleep(**self.ctx.about(m), level=1))
+            return
+        gpu = self.ctx.gpu.read(m.spec.gpu_index)
+        holds = await probes.holds_model(m.runtime, min(self.ctx.policy().probe_timeout_ms / 1000, 5.0))
+        reason = probes.diagnose(process_alive=m.runtime.alive(), gpu=gpu, runtime_holds_model=holds)
+        if reason != "process_exited":
+            detail = f"wake failed: {probe.step}: {probe.detail}" if probe else "wake failed"
+            await self._lost(reason, detail[:500])
+
+    async def _adopt(self) -> bool:
+        """Take over the runtime `_find_runtimes` found: `model_adopted`, then watch it like one we loaded."""
+        m = self.m
+        found, self.found = self.found, None
+        assert found is not None
+        async with m.lock:
+            m.generation += 1
+            m.exited.clear()
+            m.exit_code = None
+            m.on_purpose = False
+            level = getattr(m.state, "level", 1) or 1
+            await self.ctx.record(m, Adopted(**self.ctx.about(m), pid=found.pid, endpoint=found.endpoint,
+                                             asleep=found.asleep, level=level,
+                                             detail="kept serving through the agent's restart"))
+            self.ctx.spawn(self._exit_waiter(m.generation), f"exit:{m.name}:{m.generation}")
+            if not found.asleep:
+                m.resident_at = time.monotonic()
+        return True
+
+
+_LOG_PREFIX = re.compile(r"^[\d.:]+\s+[A-Z]\s+")
+_ERROR_MARKERS = ("error", "failed", "invalid", "cannot", "unable", "exception", "not found", "no such")
+
+
+def runtime_said(output: str, code: int, limit: int = 1000) -> str:
+    """What a runtime that exited while loading said: its error lines from this attempt's output."""
+    attempt = output.rsplit("--- haru agent starting:", 1)[-1]
+    lines = [ln.strip() for ln in attempt.splitlines()[1:] if ln.strip()]
+    picked: list[str] = []
+    for ln in (ln for ln in lines if any(m in ln.lower() for m in _ERROR_MARKERS)):
+        ln = _LOG_PREFIX.sub("", ln)  # llama.cpp's "0.00.002.891 E " timestamp and level
+        if ln not in picked:
+            picked.append(ln)
+    # The first errors say what went wrong, the last one how it ended.
+    said = " | ".join(picked[:2] + picked[-1:] if len(picked) > 3 else picked or lines[-3:])
+    return f"exited with code {code} while loading: {said}"[:limit] if said else f"exited with code {code} while loading"
