@@ -253,6 +253,9 @@ async def test_the_cli_prints_the_op_id_waits_for_the_steps_and_exits_by_status(
 
     missing = await cli("promote", "zz")
     assert missing.returncode == ExitStatus.NOT_FOUND and "no domain 'zz'" in missing.stderr
+    # The demotion below is held at its sleep while two CLI processes start (~1 s each, more on a loaded
+    # machine): the command bound must outlast them, or the held step fails before they ask.
+    await apply(log, layout(command_timeout_ms=20_000), now())
     async with promoters(nats_server.url, step_delay_ms=100):
         await routed_to_a(log)
         noop = await cli("promote", "a")
