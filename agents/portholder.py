@@ -270,11 +270,18 @@ class Holder:
                 conn, _addr = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return  # the agent took it, or none waits
-            except OSError:
+            except OSError:  # out of descriptors (EMFILE): pause rather than spin on a readable socket
+                loop = asyncio.get_running_loop()
+                loop.remove_reader(self.listener.fileno())
+                loop.call_later(0.1, self._resume)
                 return
             conn.setblocking(False)
             self.stats["bridge_connections"] += 1
             self._spawn_task(self._serve(conn))
+
+    def _resume(self) -> None:
+        if self.bridging:  # add_reader replaces a registration: never two
+            asyncio.get_running_loop().add_reader(self.listener.fileno(), self._accept)
 
     def _spawn_task(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -285,7 +292,11 @@ class Holder:
     async def control(self, control: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(control)
+            try:
+                conn, _ = await loop.sock_accept(control)
+            except OSError:  # out of descriptors: the control socket must outlive it
+                await asyncio.sleep(0.1)
+                continue
             conn.setblocking(False)
             self._spawn_task(self._command(conn))
 
@@ -348,6 +359,9 @@ class Holder:
             await self._forward(reader, writer, port, name, path, headers, body)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             pass  # the client went away or sent no HTTP: nothing to answer
+        except Exception as exc:  # a bug here must not take the port down: this connection ends, the rest go on
+            with contextlib.suppress(OSError, ValueError):
+                print(f"portholder: {type(exc).__name__}: {exc}", file=sys.stderr)
         finally:
             writer.close()
             with contextlib.suppress(Exception):

@@ -114,6 +114,7 @@ class ServingProxy:
             await self._site.start()
         except (OSError, PortHolderError) as exc:
             self._release()
+            self._site = None
             await self._runner.cleanup()
             await self._session.close()
             raise ConfigError(f"cannot open the serving port {self.host}:{self.port}: "
