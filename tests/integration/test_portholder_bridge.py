@@ -164,8 +164,9 @@ async def test_the_bridge_forwards_by_model_streams_and_refuses_the_rest(tmp_pat
         assert stats["bridged"] == 2 and sent == 2 and stats["bridge_refused"] == 7, stats
 
 
-async def test_a_token_in_the_holders_environment_is_required(tmp_path, monkeypatch):
+async def test_a_token_in_the_holders_environment_is_required_and_sizes_are_bounded(tmp_path, monkeypatch):
     monkeypatch.setenv("HARU_SERVING_TOKEN", "s3cret")  # the holder inherits the agent's environment
+    monkeypatch.setenv("HARU_SERVING_MAX_BODY_BYTES", "1000")
     state = tmp_path / "state"
     async with Upstream() as up, holder(state) as (_sock, _lease, url), aiohttp.ClientSession() as s:
         write_identity(state, "m1", up.port)
@@ -180,6 +181,12 @@ async def test_a_token_in_the_holders_environment_is_required(tmp_path, monkeypa
         async with s.post(url + "/v1/chat/completions", json=body,
                           headers={"Authorization": "Bearer s3cret"}) as r:
             assert r.status == 200 and (await r.json())["echo"] == body
+        auth = {"Authorization": "Bearer s3cret"}
+        async with s.post(url + "/v1/chat/completions", json={**body, "pad": "x" * 2000}, headers=auth) as r:
+            assert r.status == 413 and (await r.json())["error"]["code"] == "payload_too_large"
+        async with s.post(url + "/v1/chat/completions", json=body, headers={**auth, "X-Big": "y" * 70_000}) as r:
+            assert r.status == 400 and "head is over" in (await r.json())["error"]["message"]
+        assert len(up.requests) == 1
 
 
 async def test_an_attaching_agent_stops_the_bridge_which_finishes_its_streams(tmp_path):
