@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
+import socket
 import time
 from urllib.parse import urlsplit
 
@@ -83,6 +84,7 @@ class ServingProxy:
         self._runner: web.ServerRunner | None = None
         self._site: web.BaseSite | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._lease: socket.socket | None = None  # the connection to the port holder that keeps its bridge off
 
     @property
     def url(self) -> str:
@@ -102,12 +104,17 @@ class ServingProxy:
         # The listening socket comes from the port holder, which outlives this agent: a restart never
         # closes the port (agents/portholder.py says how, docs/architecture.md why).
         try:
-            sock = await asyncio.to_thread(portholder.listening_socket, self.agent.state_dir, self.host or "127.0.0.1",
-                                           self.port, die_with_agent=runtimes_die_with_agent())
+            # `fd` also stops the holder's bridge; the lease it returns, open while this agent runs, starts
+            # it again when this process exits however it exits (SIGKILL too).
+            sock, self._lease = await asyncio.to_thread(
+                portholder.listening_socket, self.agent.state_dir, self.host or "127.0.0.1", self.port,
+                die_with_agent=runtimes_die_with_agent())
             self._site = web.SockSite(self._runner, sock, backlog=portholder.BACKLOG,
                                       shutdown_timeout=SERVING_DRAIN_S)
             await self._site.start()
         except (OSError, PortHolderError) as exc:
+            self._release()
+            self._site = None
             await self._runner.cleanup()
             await self._session.close()
             raise ConfigError(f"cannot open the serving port {self.host}:{self.port}: "
@@ -119,13 +126,25 @@ class ServingProxy:
     async def stop(self) -> None:
         """Stop accepting, let the requests in flight finish (streams included, up to SERVING_DRAIN_S),
         close idle kept-alive connections (the gateway resends what it had not yet sent on one). The
-        port stays open in its holder unless the agent stops for good."""
+        port stays open in its holder unless the agent stops for good; when a restart is expected the
+        holder bridges (accepts and forwards to the runtimes) from the moment this agent stops accepting."""
+        if self._site is not None and self._runner is not None and self.agent.keep_runtimes:
+            await self._site.stop()  # stops accepting (closes this process's copy of the listening socket)
+            if not await asyncio.to_thread(portholder.bridge, self.agent.state_dir):
+                self.logger.warning("the serving port holder did not answer `bridge`: requests wait for the next "
+                                    "agent in the port's accept queue", state_dir=str(self.agent.state_dir))
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
         if not self.agent.keep_runtimes:
             await asyncio.to_thread(portholder.stop_holder, self.agent.state_dir)
+        self._release()
+
+    def _release(self) -> None:
+        if self._lease is not None:
+            self._lease.close()
+            self._lease = None
 
     def _authorized(self, request: web.BaseRequest) -> bool:
         if not self.token:

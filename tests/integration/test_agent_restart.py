@@ -79,6 +79,13 @@ def kill_leftovers(state_dir: Path) -> None:
     stop_holder(state_dir)
 
 
+def bridged_requests(fleet) -> int:
+    """Requests the active domain's serving port holder forwarded to a runtime while no agent accepted."""
+    from agents.portholder import holder_stats
+
+    return holder_stats(fleet.state_dir("a"))["bridged"]
+
+
 class Fleet:
     def __init__(self, tmp: Path, nats_url: str, layout: Path, gw, declared: bool = False) -> None:
         self.tmp, self.nats_url, self.layout, self.gw, self.declared = tmp, nats_url, layout, gw, declared
@@ -233,7 +240,9 @@ async def _restart_under_load(fleet, event_log, sig: int | list[int], times: int
 async def test_sigterm_restarts_keep_runtimes_and_fail_no_request(fleet, event_log):
     load = await _restart_under_load(fleet, event_log, signal.SIGTERM, times=5)
     assert load.failed == [] and load.ok > 50, (load.ok, load.failed[:5])
-    print(f"SIGTERM x5: {load.ok} answered, {len(load.failed)} failed")
+    bridged = bridged_requests(fleet)
+    print(f"SIGTERM x5: {load.ok} answered ({bridged} by the port holder's bridge), {len(load.failed)} failed")
+    assert bridged > 0  # the gaps between agents were bridged, not waited out in the accept queue
     stops = [r.event for r in await event_log.history(subjects.agent(FLEET, "a")) if tag(r) == "agent_stopping"]
     assert len(stops) == 5
 
@@ -244,7 +253,9 @@ async def test_sigkill_of_the_agent_keeps_runtimes_and_the_next_agent_adopts_the
     # A SIGKILL ends the requests the agent was forwarding at that instant (it cannot tell whether the
     # runtime saw them, so they are never resent): at most one per client per kill. Every other request,
     # including all those that arrived while no agent ran, is answered.
-    print(f"SIGKILL x2: {load.ok} answered, {len(load.failed)} failed")
+    bridged = bridged_requests(fleet)
+    print(f"SIGKILL x2: {load.ok} answered ({bridged} by the port holder's bridge), {len(load.failed)} failed")
+    assert bridged > 0  # the killed agent's lease closed: the holder bridged without being told
     assert len(load.failed) <= 2 * load.clients and load.ok > 30, (load.ok, load.failed[:5])
 
 
