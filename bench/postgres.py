@@ -48,7 +48,8 @@ from projections.pg_rows import Carry, plan  # noqa: E402
 from projections.postgres import PostgresSink, migrate, tune_gc  # noqa: E402
 from haru.nats_headers import enable_fast_header_parse  # noqa: E402
 
-enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)
+if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
+    enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)
 
 
 CPU: dict[str, list[float]] = {"sink": [], "copy": [], "replay": []}  # this process's CPU seconds

@@ -71,6 +71,31 @@ async def counts(nats_url: str, fleet: str, domain: str) -> tuple[int, int]:
             sum(1 for r in ops if r.event is not None and type(r.event).__name__ == "PromotionRequested"))
 
 
+async def settled(nats_url: str, fleet: str, timeout_s: float) -> str:
+    """Wait (outside any timed phase) until no operation is in flight and the standby may take over: a
+    SIGKILL phase can end in a failover whose old active is recovered and demoted only seconds later,
+    and a rolling change through an ineligible standby is refused. Returns '' or what still waits."""
+    from haru.promoter.requests import current_view
+
+    deadline = time.monotonic() + timeout_s
+    why = "no view"
+    async with EventLog.connect([nats_url], writer="rolling-check") as log:
+        while time.monotonic() < deadline:
+            got = await current_view(log, fleet)
+            if got is not None:
+                view = got[0]
+                standby = view.standby()
+                dv = view.domains.get(standby) if standby else None
+                if view.operation is not None and view.operation.state == "running":
+                    why = f"{view.operation.kind} {view.operation.op_id} in flight"
+                elif dv is None or not dv.eligible or dv.reachable is not True:
+                    why = f"standby {standby or '?'} not eligible or not reachable"
+                else:
+                    return ""
+            await asyncio.sleep(0.5)
+    return why
+
+
 async def roll_a_change(nats_url: str, home: Path, layout_path: Path, *, timeout_s: float) -> str:
     """Change the chatted model's context length on both domains, as `haru apply` does (the declarations,
     then the rolling operation it requests), and wait for the operation to end. Returns one line on it."""
@@ -139,6 +164,10 @@ async def main() -> None:
                 rolled = ""
                 phases = ("baseline", "rolling") if args.skip_restarts else ("baseline", "sigterm", "sigkill", "rolling")
                 for name in phases:
+                    if name == "rolling":
+                        waits = await settled(nats_url, fleet, 120)
+                        if waits:
+                            print(f"rolling: the fleet did not settle in 120 s ({waits}); requesting anyway", flush=True)
                     before = await counts(nats_url, fleet, "a")
                     t0 = time.monotonic()
                     if name == "baseline":
