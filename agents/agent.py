@@ -39,7 +39,6 @@ from datetime import datetime, timezone
 
 import aiohttp
 import msgspec
-import nats.errors
 import structlog
 
 from agents.adoption import Adoptable, find_runtimes
@@ -74,7 +73,8 @@ from agents.training import Ended, Trainer
 from agents.training_slots import TrainingSlots
 from haru import subjects
 from haru.commands import Command, ErrorInfo, Heartbeat, Reply, heartbeat_decoder
-from haru.errors import ConfigError, Conflict, IllegalTransition
+from haru.bus import Msg
+from haru.errors import ConfigError, Conflict, IllegalTransition, NoResponders, RequestTimeout
 from haru.eventlog import EventLog
 from haru.events import AgentStarted, AgentStopping, Event, RouteMoved, tag_of
 from haru.residency import to_state
@@ -248,17 +248,17 @@ class Agent:
                          models=list(self.models), training=list(self.trainers))
 
     async def _someone_answers(self) -> bool:
-        nc = self.log.nc
+        bus = self.log.bus
         try:
-            await nc.request(subjects.command(self.fleet, self.domain, "status"), b"{}", timeout=1.0)
+            await bus.request(subjects.command(self.fleet, self.domain, "status"), b"{}", timeout=1.0)
             return True
-        except nats.errors.NoRespondersError:
+        except NoResponders:
             pass
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        except RequestTimeout:
             return True  # subscribed but slow: someone is there
         seen = asyncio.Event()
 
-        async def on_hb(msg) -> None:
+        def on_hb(msg: Msg) -> None:
             try:
                 hb = heartbeat_decoder.decode(msg.data)
             except msgspec.DecodeError:
@@ -266,7 +266,7 @@ class Agent:
             if hb.pid != self.pid:
                 seen.set()
 
-        sub = await nc.subscribe(subjects.heartbeat(self.fleet, self.domain), cb=on_hb)
+        sub = await bus.subscribe(subjects.heartbeat(self.fleet, self.domain), on_hb)
         try:
             with contextlib.suppress(asyncio.TimeoutError):
                 async with asyncio.timeout(1.5 * self.config.heartbeat_ms / 1000):
@@ -283,7 +283,7 @@ class Agent:
         self._swept_training: dict[str, str] = await asyncio.to_thread(self.files.sweep_children,
                                                                         self.policy.training_grace_ms)
         heartbeat_subject = subjects.heartbeat(self.fleet, self.domain)
-        heartbeats = Heartbeats(lambda data: self.log.nc.publish(heartbeat_subject, data), self.heartbeat,
+        heartbeats = Heartbeats(lambda data: self.log.bus.publish(heartbeat_subject, data), self.heartbeat,
                                 interval_s=self.config.heartbeat_ms / 1000, errors=self.loop_errors, logger=self.logger)
         self._spawn_task(heartbeats.run(), "heartbeat")
         await self._read_route()
@@ -430,13 +430,15 @@ class Agent:
                 changed.set()
 
         async def follow() -> None:
+            # haru/follow.py: catch-up, stall detection, a fresh replay after a reconnect (each
+            # declaration handled once); a LogError is retried there, anything else is a bug
+            follower = self.log.follower(on, from_seq=1, subject_filter=subjects.decl(self.fleet), name="declarations")
             while not self.stopping:
-                events.clear()
                 try:
-                    await self.log.replay(on, from_seq=1, subject_filter=subjects.decl(self.fleet), follow=True)
+                    await follower.run()  # resumes after the last declaration it handled
                 except asyncio.CancelledError:
                     raise
-                except Exception:  # the log went away for a while (or a bug): keep what runs
+                except Exception:  # a bug in `on` (or one the follower raised): logged, counted, followed again
                     n = self.loop_errors.count("declarations")
                     self.logger.warning("declaration follower interrupted", errors=n, exc_info=True)
                     await asyncio.sleep(1.0)
