@@ -94,7 +94,10 @@ def start_agent(root: Path, url: str, domain: str, layout: Path) -> subprocess.P
     path = root / f"agent-{domain}.json"
     path.write_text(json.dumps(cfg))
     log = open(root / f"agent-{domain}.log", "ab")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HARU_NO_UVLOOP": "1"}
+    # The bench SIGKILLs the active's agent and never restarts it: its runtimes and port holder die with it
+    # (HARU_RUNTIMES_DIE_WITH_AGENT), or they would outlive the bench, holding ports, as they outlive a
+    # restarted agent in production.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HARU_NO_UVLOOP": "1", "HARU_RUNTIMES_DIE_WITH_AGENT": "1"}
     return subprocess.Popen([PY, "-m", "haru.cli", "agent", "--config", str(path), "--log-format", "json"],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO), start_new_session=True)
 
