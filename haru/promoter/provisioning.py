@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 
 from haru.events import StepCompleted, StepFailed
 from haru.provision import ProvisionError, SkyPilot, SkyServe
-from haru.provision.errors import LaunchFailed, SkyTimeout, TeardownFailed
+from haru.provision.errors import SkyTimeout
 from haru.provision.execs import Exec
 from haru.provision.skypilot import cluster_name, owns, provision_of
 from haru.specs import DomainSpec
@@ -72,15 +72,9 @@ class Provisioning:
                                      detail=f"service {served.service} {how} (sky serve up); endpoint "
                                             f"{served.endpoint or 'not yet known'}; took {served.duration_s:.1f} s")
             result = await self.skypilot.launch(fleet, spec, generation=generation, avoid=_old_regions(op))
-        except LaunchFailed as exc:
-            return StepFailed(at=_now(), op_id=op.op_id, step=step, error_code="launch_failed",  # type: ignore[arg-type]
-                              error=str(exc))
-        except SkyTimeout as exc:
-            return StepFailed(at=_now(), op_id=op.op_id, step=step, error_code="launch_timeout",  # type: ignore[arg-type]
-                              error=str(exc))
-        except ProvisionError as exc:
-            return StepFailed(at=_now(), op_id=op.op_id, step=step, error_code="launch_failed",  # type: ignore[arg-type]
-                              error=str(exc))
+        except ProvisionError as exc:  # LaunchFailed, a timeout, sky missing, a secret missing...
+            code = "launch_timeout" if isinstance(exc, SkyTimeout) else "launch_failed"
+            return StepFailed(at=_now(), op_id=op.op_id, step=step, error_code=code, error=str(exc))  # type: ignore[arg-type]
         attempts = "; ".join(f"{a.placement.describe()}: {a.outcome} {a.duration_s:.1f} s" for a in result.attempts)
         what = "found already UP (not launched again)" if result.found else \
             f"launched in {result.placement.describe()}"
@@ -110,10 +104,7 @@ class Provisioning:
                     where = f"region {c.region}, " if c.region else ""
                     spent = f"cost ${cost:.2f} per SkyPilot's cost report" if cost is not None else "cost not reported"
                     done.append(f"{c.name} ({where}{spent})")
-        except TeardownFailed as exc:
-            return StepFailed(at=_now(), op_id=op.op_id, step=step, error_code="teardown_failed",  # type: ignore[arg-type]
-                              error=str(exc))
-        except ProvisionError as exc:
+        except ProvisionError as exc:  # TeardownFailed, a timeout, sky missing...
             return StepFailed(at=_now(), op_id=op.op_id, step=step, error_code="teardown_failed",  # type: ignore[arg-type]
                               error=str(exc))
         if not done:

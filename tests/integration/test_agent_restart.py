@@ -101,6 +101,17 @@ class Fleet:
         self.agents[d] = AgentProcess(cfg, self.tmp / f"agent-{d}.log", outliving_env())
         return self.agents[d]
 
+    async def stop(self) -> None:
+        """Every agent stopped for good (SIGINT unloads its runtimes and closes its port holder), and
+        whatever an agent killed earlier left behind killed."""
+        for p in self.agents.values():
+            p.signal(signal.SIGINT)
+        for d, p in self.agents.items():
+            with contextlib.suppress(Exception):
+                await p.wait(30)
+            p.kill()
+            kill_leftovers(self.state_dir(d))
+
 
 @contextlib.asynccontextmanager
 async def sim_fleet(tmp_path, nats_server, event_log, layout: Path, *, declared: bool = False):
@@ -124,13 +135,7 @@ async def sim_fleet(tmp_path, nats_server, event_log, layout: Path, *, declared:
                 yield fleet
     finally:
         if fleet is not None:
-            for p in fleet.agents.values():
-                p.signal(signal.SIGINT)
-            for d, p in fleet.agents.items():
-                with contextlib.suppress(Exception):
-                    await p.wait(30)
-                p.kill()
-                kill_leftovers(fleet.state_dir(d))
+            await fleet.stop()
         await cancel_and_wait(projector)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import signal
 from datetime import datetime, timezone
 
 import pytest
@@ -27,7 +26,6 @@ from tests.integration.test_agent_restart import (
     FLEET,
     ChatLoad,
     Fleet,
-    kill_leftovers,
     residency_tags,
     sim_layout,
     steady,
@@ -71,13 +69,7 @@ async def rolling_fleet(tmp_path, nats_server, event_log, *, step_delay_ms: int 
     finally:
         promoter.kill()
         if fleet is not None:
-            for p in fleet.agents.values():
-                p.signal(signal.SIGINT)
-            for d, p in fleet.agents.items():
-                with contextlib.suppress(Exception):
-                    await p.wait(30)
-                p.kill()
-                kill_leftovers(fleet.state_dir(d))
+            await fleet.stop()
         await cancel_and_wait(projector)
 
 
