@@ -290,12 +290,7 @@ class Agent:
         self._spawn_task(self._follow_route(), "route")
         # The tips of every subject this agent writes: it continues their chains.
         for m in self.models.values():
-            rec = await self.log.last(m.subject)
-            if rec is not None:
-                m.seq = rec.seq
-                if rec.event is not None:
-                    with contextlib.suppress(IllegalTransition):
-                        m.state = to_state(rec.event, rec.seq)
+            await self._load_tip(m)
         await self._find_runtimes()
         await self.training.load_tips(self.log, self._swept_training)
         await self.gpu_watch.load_tips(self.log, self.slots.gpu_indexes())
@@ -469,12 +464,7 @@ class Agent:
                 done["stopped"].append(name)
             for spec in diff.added:
                 m = self.models[spec.name] = self._new_slot(spec)
-                rec = await self.log.last(m.subject)
-                if rec is not None:
-                    m.seq = rec.seq
-                    if rec.event is not None:
-                        with contextlib.suppress(IllegalTransition):
-                            m.state = to_state(rec.event, rec.seq)
+                await self._load_tip(m)
                 self._supervise(m)
                 done["started"].append(spec.name)
             for spec in diff.changed:
@@ -580,13 +570,18 @@ class Agent:
     async def _replace(self, spec: ModelSpec) -> None:
         await self._retire(spec.name, "the layout changed this model")
         m = self.models[spec.name] = self._new_slot(spec)
+        await self._load_tip(m)
+        self._supervise(m)
+
+    async def _load_tip(self, m: ModelSlot) -> None:
+        """Continue the model subject's chain from its last event (the sequence the next append expects),
+        and take the state it records as the model's last known one."""
         rec = await self.log.last(m.subject)
         if rec is not None:
             m.seq = rec.seq
             if rec.event is not None:
                 with contextlib.suppress(IllegalTransition):
                     m.state = to_state(rec.event, rec.seq)
-        self._supervise(m)
 
     # --------------------------------------------------------------------------------------- writes
 
