@@ -257,17 +257,18 @@ async def test_sdk_streaming_chunks_arrive_as_produced(gw, two_domains):
     texts: list[str] = []
     async with sdk(gw) as client:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=CHAT, stream=True, extra_body={"chunks": 6, "gap": 0.12}
+            model=MODEL, messages=CHAT, stream=True, extra_body={"chunks": 6, "gap": 0.2}
         )
         async for chunk in stream:
             arrivals.append(time.monotonic())
             texts.append(chunk.choices[0].delta.content or "")
     assert "".join(texts) == "[domain a] tok1 tok2 tok3 tok4 tok5"
-    # produced 0.12 s apart: a buffering proxy would deliver them together at the end
+    # produced 0.2 s apart (1 s in all): a buffering proxy would deliver them together at the end. The
+    # bounds leave room for this process being descheduled a moment (two test workers, two cores).
     spread = arrivals[-1] - arrivals[0]
-    assert spread >= 0.45, f"chunks arrived within {spread:.3f} s: buffered"
+    assert spread >= 0.5, f"chunks arrived within {spread:.3f} s: buffered"
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    assert sum(1 for g in gaps if g > 0.05) >= 4, gaps
+    assert sum(1 for g in gaps if g > 0.05) >= 3, gaps
 
 
 async def test_sdk_models_list_carries_router_answers(event_log, gw, upstreams):
