@@ -285,21 +285,26 @@ async def publish_fleet(nats_url: str, upstream: str) -> None:
         await log.publish_intent("default", view_encoder.encode(intent), expect=0)
 
 
-def start_gateway(nats_url: str, tmp: Path) -> tuple[subprocess.Popen, str]:
-    log_path = tmp / "gateway.log"
+def start_gateway(nats_url: str, tmp: Path, *, tree: Path = ROOT, python: str = sys.executable,
+                  name: str = "") -> tuple[subprocess.Popen, str]:
+    """`haru gateway` as the CLI runs it, from a source tree (its modules first on the path; this one by
+    default) under an interpreter: (process, URL) once it listens."""
+    log_path = tmp / (f"gateway-{name}.log" if name else "gateway.log")
     out = open(log_path, "wb")
     env = {**os.environ, "HARU_API_TOKEN": "", "HARU_NO_UVLOOP": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "haru.cli", "gateway", "--port", "0", "--nats-url", nats_url,
-                             "--log-format", "json"], cwd=ROOT, env=env, stdout=out, stderr=out)
+    if tree != ROOT or python != sys.executable:
+        env["PYTHONPATH"] = str(tree.resolve())
+    proc = subprocess.Popen([python, "-m", "haru.cli", "gateway", "--port", "0", "--nats-url", nats_url,
+                             "--log-format", "json"], cwd=tree, env=env, stdout=out, stderr=out)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         for line in log_path.read_text().splitlines():
             if line.startswith("haru gateway listening on "):
                 return proc, line.rsplit(" ", 1)[1]
         if proc.poll() is not None:
-            raise SystemExit(f"haru gateway exited: {log_path.read_text()}")
+            raise SystemExit(f"haru gateway from {tree} exited: {log_path.read_text()}")
         time.sleep(0.02)
-    raise SystemExit("haru gateway did not start")
+    raise SystemExit(f"haru gateway from {tree} did not start")
 
 
 def wait_routable(gw: str) -> None:

@@ -260,25 +260,6 @@ def start_vllm_router(binary: str, upstream: str, tmp: Path) -> tuple[subprocess
     return proc, url
 
 
-def start_gateway_from(tree: Path, nats_url: str, tmp: Path, name: str,
-                       python: str = sys.executable) -> tuple[subprocess.Popen, str]:
-    """`haru gateway` run from a source tree (its modules first on the path) by an interpreter."""
-    log_path = tmp / f"gateway-{name}.log"
-    out = open(log_path, "wb")
-    env = {**os.environ, "HARU_API_TOKEN": "", "HARU_NO_UVLOOP": "0", "PYTHONPATH": str(tree.resolve())}
-    proc = subprocess.Popen([python, "-m", "haru.cli", "gateway", "--port", "0", "--nats-url", nats_url,
-                             "--log-format", "json"], cwd=tree, env=env, stdout=out, stderr=out)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        for line in log_path.read_text().splitlines():
-            if line.startswith("haru gateway listening on "):
-                return proc, line.rsplit(" ", 1)[1]
-        if proc.poll() is not None:
-            raise SystemExit(f"haru gateway from {tree} exited: {log_path.read_text()}")
-        time.sleep(0.02)
-    raise SystemExit(f"haru gateway from {tree} did not start")
-
-
 def find_vllm_router(given: str | None) -> str | None:
     if given:
         return given
@@ -420,13 +401,13 @@ def main() -> None:
                 targets["haru"] = (gw, _descendants(gw_proc.pid))
             for spec in args.haru_python:
                 name, _, python = spec.partition("=")
-                gw_proc, gw = start_gateway_from(ROOT, nats.url, tmp, name, python)
+                gw_proc, gw = gbench.start_gateway(nats.url, tmp, name=name, python=python)
                 procs.append(gw_proc)
                 gbench.wait_routable(gw)
                 targets[name] = (gw, _descendants(gw_proc.pid))
             for spec in args.haru_tree:
                 name, _, tree = spec.partition("=")
-                gw_proc, gw = start_gateway_from(Path(tree), nats.url, tmp, name)
+                gw_proc, gw = gbench.start_gateway(nats.url, tmp, tree=Path(tree), name=name)
                 procs.append(gw_proc)
                 gbench.wait_routable(gw)
                 targets[name] = (gw, _descendants(gw_proc.pid))

@@ -126,3 +126,21 @@ class PromoterProcess:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
             self.kill()
+
+
+async def assert_one_failover_each_step_once(log, standby) -> list:
+    """After replicas raced one failure: the route moved once (a, then b), two promotions (the first
+    route and the failover), no step of either started twice, and the standby was woken once. Returns
+    the op subject's events."""
+    from haru.events import PromotionRequested, StepStarted
+
+    assert [m.active for m in await route_moves(log)] == ["a", "b"]
+    ops = await op_events(log)
+    requests = [e for e in ops if isinstance(e, PromotionRequested)]
+    assert len(requests) == 2  # the first route, and the failover
+    for op in requests:
+        started = [e.step for e in ops if isinstance(e, StepStarted) and e.op_id == op.op_id]
+        assert len(started) == len(set(started)), f"a step was started twice: {describe(ops)}"
+    # each wake was sent once: exactly one promoter drove each step
+    assert [v for v, _ in standby.calls].count("wake") == 1
+    return ops

@@ -21,12 +21,11 @@ from haru.events import (
     PromotionRequested,
     StepCompleted,
     StepFailed,
-    StepStarted,
 )
 from haru.promoter import request_operation
 from haru.residency import Resident, Sleeping
 from promoter_fake import FakeAgent, layout
-from promoter_support import describe, op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view
+from promoter_support import assert_one_failover_each_step_once, op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view
 
 pytestmark = pytest.mark.timeout(60)
 MODELS = ["m1", "m2"]
@@ -190,15 +189,7 @@ async def test_five_promoters_racing_one_failure_move_the_route_once(fleet, nats
         await routed_to_a(log)
         await a.unserve()
         await wait_view(log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible, what="failover")
-    assert [m.active for m in await route_moves(log)] == ["a", "b"]
-    ops = await op_events(log)
-    requests = [e for e in ops if isinstance(e, PromotionRequested)]
-    assert len(requests) == 2  # the first route, and the failover
-    for op in requests:
-        started = [e.step for e in ops if isinstance(e, StepStarted) and e.op_id == op.op_id]
-        assert len(started) == len(set(started)), f"a step was started twice: {describe(ops)}"
-    # each wake was sent once: exactly one promoter drove each step
-    assert [v for v, _ in b.calls].count("wake") == 1
+    ops = await assert_one_failover_each_step_once(log, b)
     ends = [e for e in ops if isinstance(e, (OperationCompleted, OperationAborted))]
     assert len(ends) == len({e.op_id for e in ends})
     assert len([e for e in ops if isinstance(e, EligibilityChanged)]) == 1

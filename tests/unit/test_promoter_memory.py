@@ -18,7 +18,7 @@ from haru.promoter.service import Promoter
 from haru.residency import Resident, Sleeping
 from haru.tasks import cancel_and_wait
 from tests.integration.promoter_fake import FakeAgent, layout
-from tests.integration.promoter_support import describe, op_events, route_moves, view_of, wait_until, wait_view
+from tests.integration.promoter_support import assert_one_failover_each_step_once, op_events, route_moves, view_of, wait_until, wait_view
 
 pytestmark = pytest.mark.timeout(60)
 MODELS = ["m1", "m2"]
@@ -128,14 +128,7 @@ async def test_three_replicas_racing_one_failure_run_each_step_once(fleet):
         await routed_to_a(log)
         await a.unserve()
         await wait_view(log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible, what="failover")
-    assert [m.active for m in await route_moves(log)] == ["a", "b"]
-    ops = await op_events(log)
-    requests = [e for e in ops if isinstance(e, PromotionRequested)]
-    assert len(requests) == 2  # the first route, and the failover
-    for op in requests:
-        started = [e.step for e in ops if isinstance(e, StepStarted) and e.op_id == op.op_id]
-        assert len(started) == len(set(started)), f"a step was started twice: {describe(ops)}"
-    assert [v for v, _ in b.calls].count("wake") == 1
+    await assert_one_failover_each_step_once(log, b)
 
 
 async def test_after_a_lost_link_the_follower_replays_afresh_and_the_promoter_acts_again(fleet):
