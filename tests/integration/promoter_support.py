@@ -144,3 +144,23 @@ async def assert_one_failover_each_step_once(log, standby) -> list:
     # each wake was sent once: exactly one promoter drove each step
     assert [v for v, _ in standby.calls].count("wake") == 1
     return ops
+
+
+def asleep_and_training(view, domain: str) -> bool:
+    from haru.residency import Sleeping
+
+    dv = view.domains[domain]
+    return all(isinstance(m.residency, Sleeping) for m in dv.models.values()) and all(t.running for t in dv.training.values())
+
+
+def serving(view, domain: str) -> bool:
+    from haru.residency import Resident
+
+    return view.active == domain and all(isinstance(m.residency, Resident) for m in view.domains[domain].models.values())
+
+
+async def routed_to_a(log):
+    """Wait for the first route (a), with b demoted; return the view."""
+    return await wait_view(
+        log, lambda v: v.active == "a" and v.operation is None and asleep_and_training(v, "b"), what="first route to a"
+    )

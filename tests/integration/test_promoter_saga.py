@@ -23,9 +23,8 @@ from haru.events import (
     StepFailed,
 )
 from haru.promoter import request_operation
-from haru.residency import Resident, Sleeping
 from promoter_fake import FakeAgent, layout
-from promoter_support import assert_one_failover_each_step_once, op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view
+from promoter_support import asleep_and_training, assert_one_failover_each_step_once, routed_to_a, serving, op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view
 
 pytestmark = pytest.mark.timeout(60)
 MODELS = ["m1", "m2"]
@@ -40,22 +39,6 @@ async def fleet(nats_server, event_log):
     await apply(event_log, layout(), now())
     async with FakeAgent(nats_server.url, "default", "a", MODELS) as a, FakeAgent(nats_server.url, "default", "b", MODELS) as b:
         yield event_log, a, b
-
-
-def asleep_and_training(view, domain: str) -> bool:
-    dv = view.domains[domain]
-    return all(isinstance(m.residency, Sleeping) for m in dv.models.values()) and all(t.running for t in dv.training.values())
-
-
-def serving(view, domain: str) -> bool:
-    return view.active == domain and all(isinstance(m.residency, Resident) for m in view.domains[domain].models.values())
-
-
-async def routed_to_a(log):
-    """Wait for the first route (a), with b demoted; return the view."""
-    return await wait_view(
-        log, lambda v: v.active == "a" and v.operation is None and asleep_and_training(v, "b"), what="first route to a"
-    )
 
 
 # ------------------------------------------------------------------------------------ first route

@@ -15,10 +15,9 @@ from haru.apply import apply
 from haru.events import OperationAborted, PromotionRequested, StepCompleted, StepFailed, StepStarted
 from haru.memory import MemoryLog
 from haru.promoter.service import Promoter
-from haru.residency import Resident, Sleeping
 from haru.tasks import cancel_and_wait
 from tests.integration.promoter_fake import FakeAgent, layout
-from tests.integration.promoter_support import assert_one_failover_each_step_once, op_events, route_moves, view_of, wait_until, wait_view
+from tests.integration.promoter_support import assert_one_failover_each_step_once, routed_to_a, serving, op_events, route_moves, view_of, wait_until, wait_view
 
 pytestmark = pytest.mark.timeout(60)
 MODELS = ["m1", "m2"]
@@ -54,20 +53,6 @@ async def promoters(log: MemoryLog, n: int = 1):
                 raise AssertionError("a promoter replica died") from t.exception()
     finally:
         await cancel_and_wait(*tasks)
-
-
-def asleep_and_training(view, domain: str) -> bool:
-    dv = view.domains[domain]
-    return all(isinstance(m.residency, Sleeping) for m in dv.models.values()) and all(t.running for t in dv.training.values())
-
-
-def serving(view, domain: str) -> bool:
-    return view.active == domain and all(isinstance(m.residency, Resident) for m in view.domains[domain].models.values())
-
-
-async def routed_to_a(log):
-    return await wait_view(log, lambda v: v.active == "a" and v.operation is None and asleep_and_training(v, "b"),
-                           what="first route to a")
 
 
 async def test_first_route_runs_every_step_of_the_saga_in_order(fleet):
