@@ -13,7 +13,7 @@ client, so the client's own CPU distorts little; `aiohttp`: aiohttp's client).
 For JSON and SSE at 1 and 32 connections it measures direct and via the gateway in alternating
 slices (so both see the same background load on a shared machine) and prints: throughput ratio (gateway / direct), added p50 and p99 latency, and for SSE the
 time-to-first-token ratio. Targets (issue 7): added p50 <= 0.5 ms at 1 connection, throughput >=
-0.5x direct at 32 connections. Ratios, not absolute numbers, are the result: the machine is shared
+0.5x direct at 32 connections (>= 0.6x with the `fast` upstream, issue 20). Ratios, not absolute numbers, are the result: the machine is shared
 by every process here.
 
 `--consoles N` (issue 18) measures everything twice in the same run: first as above, then with N web
@@ -421,8 +421,9 @@ def bench_one(kind: str, upstream: str, gw: str, args: argparse.Namespace, note:
             verdicts.append(f"added p50 at 1 connection {added:.3f} ms (target <= 0.5): {'met' if added <= 0.5 else 'MISSED'}")
         if body_kind == "json" and conns == 32:
             ratio = g["rps"] / d["rps"]
-            verdicts.append(f"throughput at 32 connections {ratio:.2f}x direct (target >= 0.5): "
-                            f"{'met' if ratio >= 0.5 else 'MISSED'}")
+            goal = 0.6 if kind == "fast" else 0.5  # issue 20 raised the fast upstream's from issue 7's 0.5
+            verdicts.append(f"throughput at 32 connections {ratio:.2f}x direct (target >= {goal}): "
+                            f"{'met' if ratio >= goal else 'MISSED'}")
     for v in verdicts:
         print(f"  [{kind}] {v}")
     return results

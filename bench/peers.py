@@ -150,7 +150,7 @@ def wrk(url: str, conns: int, duration: float, tmp: Path, meter: Meter) -> dict:
     scale = {"us": 1e-6, "ms": 1e-3, "s": 1.0}[p50.group(2)] if p50 else 0
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     return {"rps": n / seconds, "n": n, "p50": float(p50.group(1)) * scale if p50 else float("nan"),
-            "errors": int(errors.group(1)) if errors else 0}
+            "errors": int(errors.group(1)) if errors else 0, "wrk_us": wrk_cpu / max(1, n) * 1e6}
 
 
 _child_seen = [0.0]
@@ -316,7 +316,7 @@ def report(reps: list[dict], names: list[str], label: str) -> dict:
           f"{'SSE TTFB added ms':>24}")
     out: dict[str, dict] = {}
     for name in names:
-        added, ratio, cpu, user, sys_, ttfb = [], [], [], [], [], []
+        added, ratio, cpu, user, sys_, ttfb, rps, wrk_us = [], [], [], [], [], [], [], []
         for rep in reps:
             d, t = rep["direct"], rep[name]
             added.append((t["json x1"]["p50"] - d["json x1"]["p50"]) * 1e3)
@@ -325,8 +325,11 @@ def report(reps: list[dict], names: list[str], label: str) -> dict:
             user.append(t["json x32"]["user_us"])
             sys_.append(t["json x32"]["sys_us"])
             ttfb.append((t["sse ttfb"]["ttfb"] - d["sse ttfb"]["ttfb"]) * 1e3)
+            rps.append(t["json x32"]["rps"])
+            wrk_us.append(t["json x32"]["wrk_us"])
         out[name] = {k: statistics.median(v) for k, v in
-                     (("added", added), ("ratio", ratio), ("cpu", cpu), ("ttfb", ttfb))}
+                     (("added", added), ("ratio", ratio), ("cpu", cpu), ("ttfb", ttfb), ("rps", rps),
+                      ("wrk_us", wrk_us))}
 
         def cell(v: list[float], fmt: str) -> str:
             return f"{statistics.median(v):{fmt}} [{min(v):{fmt}}..{max(v):{fmt}}]"
@@ -340,6 +343,13 @@ def report(reps: list[dict], names: list[str], label: str) -> dict:
     return out
 
 
+def cpu_budget(cores: int, rps: float, upstream_us: float, wrk_us: float) -> float:
+    """CPU a request that is left for a proxy when the machine's cores serve `rps` through it, the
+    upstream and the load generator taking theirs (loopback's softirq time, counted nowhere, makes the
+    true budget smaller still)."""
+    return cores * 1e6 / rps - upstream_us - wrk_us
+
+
 def verdicts(med_: dict) -> None:
     h = med_.get("haru")
     v = med_.get("vllm-router")
@@ -347,6 +357,13 @@ def verdicts(med_: dict) -> None:
         return
     print("\ngoals (issue 20):")
     print(f"  JSON x32 >= 0.8x direct: {h['ratio']:.2f}x -> {'met' if h['ratio'] >= 0.8 else 'MISSED'}")
+    d = med_["direct"]
+    budget = cpu_budget(os.cpu_count() or 1, 0.8 * d["rps"], d["cpu"], h["wrk_us"])
+    print(f"    what 0.8x leaves a proxy here: {budget:.0f} us of CPU a request ({os.cpu_count()} cores / "
+          f"(0.8 x direct's {d['rps']:.0f} req/s) - the upstream's {d['cpu']:.0f} us - wrk's {h['wrk_us']:.0f} us); "
+          f"the upstream is aiohttp's low-level server answering by itself, so a proxy on aiohttp would have "
+          f"{budget - d['cpu']:+.0f} us beyond that for the whole upstream leg; haru takes {h['cpu']:.0f} us"
+          + (f", the Rust vllm-router {v['cpu']:.0f} us" if v is not None else ""))
     if v is None:
         print("  the vllm-router goals need vllm-router: skipped")
         return
