@@ -50,7 +50,7 @@ from haru.events import (DomainChanged, DomainDeclared, DomainRetired, Event, Ro
                          StepStarted, tag_of)
 from haru.follow import Follower
 from haru.promoter.client import send
-from haru.promoter.decider import STEPS, command_for, decide, flip_refusal, step_outcome
+from haru.promoter.decider import STEPS, command_for, decide, flip_refusal, step_outcome, step_record
 from haru.promoter.decisions import Facts
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
@@ -151,6 +151,10 @@ class Promoter:
                                                "launch": self._launch_step, "join": self._join_step,
                                                "down": self._down_step}
         self.provisioning = provisioning or Provisioning(sky=os.environ.get("HARU_SKY") or "sky")
+        # Sequences of the probe completions this process appended itself. The op subject also takes
+        # the gateway's and the operator's requests, so a `step_completed` for a probe there may be
+        # theirs: the flip trusts only a probe in this set, and probes again otherwise.
+        self._own_probes: set[int] = set()
 
     # ------------------------------------------------------------------------------- following
 
@@ -356,6 +360,8 @@ class Promoter:
                 log.warning("step_taken_over", detail="the op subject moved past this step (another promoter re-started "
                             "it, or the operation was aborted): what was recorded stands")
                 return
+            if step == "probe" and isinstance(event, StepCompleted):
+                self._own_probes.add(seq)
             log.info("step_" + ("completed" if isinstance(event, StepCompleted) else "failed"), seq=seq, **_context(event))
             await self.wait_folded(seq)
         except asyncio.CancelledError:
@@ -420,6 +426,19 @@ class Promoter:
         refusal = flip_refusal(st.view, op)
         if refusal:  # a flip started by someone else, before the probe: never moves the route
             return StepFailed(at=utcnow(), op_id=op.op_id, step="flip", error_code="flip_refused", error=refusal)
+        probe = step_record(op, "probe")
+        if probe is None or probe.seq not in self._own_probes:
+            # The probe's completion is not one this process appended: a promoter restarted since
+            # (SIGKILL, a replica taking over), or a record someone else wrote on the op subject. The
+            # route only moves to a domain this process has probed, so: probe again, now.
+            again = await self._agent_step(st, op, "probe", started_seq)
+            if isinstance(again, StepFailed):
+                return StepFailed(at=utcnow(), op_id=op.op_id, step="flip", error_code=again.error_code,
+                                  error=f"probed again before the flip (the probe's completion at seq "
+                                        f"{probe.seq if probe else 0} was not appended by this promoter) and it "
+                                        f"failed: {again.error}")
+            self.log_.info("probed_again_before_flip", fleet=st.view.fleet, op_id=op.op_id,
+                           probe_seq=probe.seq if probe else 0, detail=again.detail)
         return await self._flip(st, op)
 
     async def _flip(self, st: FleetState, op: OperationView) -> StepCompleted | StepFailed:

@@ -167,3 +167,40 @@ async def test_a_flip_started_by_another_op_writer_before_the_probe_never_moves_
         assert [m.active for m in await route_moves(log)] == ["a"]
         await promote(log, "b")  # the next genuine promotion probes b and flips
     assert [m.active for m in await route_moves(log)] == ["a", "b"]
+
+
+async def test_a_probe_completion_forged_by_another_op_writer_is_probed_again_before_the_flip(fleet, nats_server):
+    """The gateway's credentials may write the op subject. A `step_started` + `step_completed` for
+    the probe recorded there early in a promotion make the decider skip the probe step, but not the
+    probe: the flip moves the route only to a domain this promoter process probed itself, so it
+    probes b again, b fails it, and routing stays on a."""
+    log, a, b = fleet
+    op = subjects.op("default")
+    b.fail_probe = True
+    async with promoters(nats_server.url, step_delay_ms=300), \
+            EventLog.connect([nats_server.url], writer="gateway:127.0.0.1:0") as gateway:
+        await routed_to_a(log)
+        accepted = await request_operation(gateway, "default", "promotion", "b", by=gateway.writer, now=now())
+        assert accepted.status == "accepted"
+        await wait_view(log, lambda v: v.operation is not None and v.operation.steps, what="the first step started")
+        for forged in (StepStarted(at=now(), op_id=accepted.op_id, step="probe", by="promoter:forged"),
+                       StepCompleted(at=now(), op_id=accepted.op_id, step="probe", detail="all models answered",
+                                     by="promoter:forged")):
+            while True:  # the op subject moves under us while the promoter works: append on its tip
+                try:
+                    await gateway.append(op, forged, expect=await gateway.last_seq_of(op))
+                    break
+                except Conflict:
+                    continue
+        end = await wait_op_end(log, accepted.op_id, timeout=30)
+        records = await op_events(log, op_id=accepted.op_id)
+        assert isinstance(end, OperationAborted) and end.step == "flip", [str(e) for e in records]
+        # the decider took the forged completion as the probe step: the promoter never started one
+        assert [e.by for e in records if isinstance(e, StepStarted) and e.step == "probe"] == ["promoter:forged"]
+        failed = [e for e in records if isinstance(e, StepFailed)]
+        assert failed and failed[-1].step == "flip" and failed[-1].error_code == "probe_failed", failed
+        assert "probed again before the flip" in failed[-1].error and "was not appended by this promoter" in failed[-1].error
+        assert [m.active for m in await route_moves(log)] == ["a"]
+        b.fail_probe = False
+        await promote(log, "b")  # a genuine promotion probes b and flips
+    assert [m.active for m in await route_moves(log)] == ["a", "b"]
