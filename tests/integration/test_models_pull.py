@@ -9,9 +9,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
 
@@ -289,6 +291,75 @@ async def test_a_corrupt_partial_is_caught_after_resume_and_fetched_again_whole(
         store.partial(b.digest).write_bytes(good[:100] + bytes(64) + good[164:150_000])  # a bad prefix on disk
         got = await pull(res, store, s, http)
     assert got.path.read_bytes() == good
+
+
+async def test_credentials_go_to_the_registry_and_never_to_a_cdn_on_another_origin(registry, tmp_path):
+    registry.registry.fault("token", "s3cret")
+    cdn_log = tmp_path / "cdn.jsonl"
+    async with Server(registry.root, log=cdn_log) as cdn:  # the same files, served from another origin
+        registry.registry.cdn(cdn.url)
+        s = settings_for(registry.url, hf_token="s3cret")
+        store = Store(tmp_path / "models")
+        async with R.session(s) as http:
+            res = await R.resolve("hf:acme/old-tiny-GGUF:Q8_0", s, http)  # renamed: one more hop on the Hub
+            got = await pull(res, store, s, http)
+    assert got.path.read_bytes() == (registry.root / "files/q8.gguf").read_bytes()
+    hops = [(r["path"], r["auth"]) for r in requests(tmp_path / "requests.jsonl") if r["method"] == "GET"
+            and "/resolve/" in r["path"]]
+    assert hops == [("/acme/old-tiny-GGUF/resolve/" + res.revision + "/tiny-Q8_0.gguf", True),
+                    ("/acme/tiny-GGUF/resolve/" + res.revision + "/tiny-Q8_0.gguf", True)]
+    assert {(r["path"], r["auth"]) for r in requests(cdn_log)} == {(f"/cdn/{res.blobs[0].digest}", False)}
+
+
+async def test_a_stalled_download_fails_after_the_read_timeout_and_resumes(registry, tmp_path):
+    s = settings_for(registry.url)
+    store = Store(tmp_path / "models")
+    stalled = aiohttp.ClientTimeout(total=None, connect=5, sock_read=0.5)
+    async with aiohttp.ClientSession(timeout=stalled) as http:
+        res = await R.resolve("hf:acme/tiny-GGUF:Q8_0", s, http)
+        b = res.blobs[0]
+        registry.registry.fault("stall", {b.digest: 100_000})
+        with pytest.raises(E.FetchError, match=r"broke off after 100000 of \d+ bytes \(TimeoutError.*resume from byte "
+                                               r"100000"):
+            await pull(res, store, s, http)
+    registry.registry.clear_faults()
+    async with R.session(s) as http:
+        got = await pull(res, store, s, http)
+    assert (got.fetched_bytes, got.reused_bytes) == (b.size - 100_000, 100_000)
+    assert got.path.read_bytes() == (registry.root / "files/q8.gguf").read_bytes()
+
+
+async def test_a_cancelled_pull_stops_its_threads_and_keeps_the_partial_to_resume(registry, tmp_path):
+    log = tmp_path / "slow.jsonl"
+    async with Server(registry.root, rate=100_000, log=log) as slow:  # ~600 KB at 100 KB/s: ~6 s
+        s = settings_for(slow.url)
+        store = Store(tmp_path / "models")
+        async with R.session(s) as http:
+            res = await R.resolve("hf:acme/tiny-GGUF:Q8_0", s, http)
+            b = res.blobs[0]
+            task = asyncio.create_task(pull(res, store, s, http))
+            part = store.partial(b.digest)
+            while not (part.exists() and part.stat().st_size > 0):
+                assert not task.done(), task
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(100):  # the receiver thread returns just after it hands over its result
+                if not [t for t in threading.enumerate() if t.name.startswith("haru-pull")]:
+                    break
+                await asyncio.sleep(0.01)
+            assert [t.name for t in threading.enumerate() if t.name.startswith("haru-pull")] == []
+            kept = part.stat().st_size
+            await asyncio.sleep(0.3)  # at 100 KB/s a writer still running would add ~30 KB
+            assert part.stat().st_size == kept and 0 < kept < b.size
+    s = settings_for(registry.url)
+    async with R.session(s) as http:
+        got = await pull(await R.resolve("hf:acme/tiny-GGUF:Q8_0", s, http), store, s, http)
+    cdn = [r for r in requests(tmp_path / "requests.jsonl") if r["path"].startswith("/cdn/") and "served" in r]
+    assert [(r["range"], r["served"]) for r in cdn] == [(f"bytes={kept}-", b.size - kept)]
+    assert (got.fetched_bytes, got.reused_bytes) == (b.size - kept, kept)
+    assert got.path.read_bytes() == (registry.root / "files/q8.gguf").read_bytes()
 
 
 # ------------------------------------------------------------ a server killed mid-download, the CLI
