@@ -17,8 +17,10 @@ HF repositories (file name -> path, LFS or not, commit). What it speaks, as the 
 - faults, set per run by `registry.json`'s `faults`: `token` (401 without `Authorization: Bearer
   <token>`), `corrupt` (digest -> serve other bytes of the same size), `short` (digest -> claim the
   full Content-Length and close after N bytes), `stall` (digest -> send N bytes, then nothing, until
-  the client hangs up), `truncate` (digest -> a shorter body, honestly labelled), `missing` (digest ->
-  404), `info_sha256` (file -> the model info's lfs sha256, '' = none);
+  the client hangs up), `truncate` (digest -> a shorter body, honestly labelled), `ignore_range`
+  (digests answered 200 and the whole body whatever the Range), `chunked` (digests sent with chunked
+  transfer encoding, no Content-Length), `missing` (digest -> 404), `info_sha256` (file -> the model
+  info's lfs sha256, '' = none);
 - every request is one JSON line in `--log` (method, path, range, whether it carried an
   `Authorization`), so a test sees what was fetched and who was given credentials;
 - `--rate` throttles bodies (bytes a second), so a test can kill the server mid-download.
@@ -110,6 +112,9 @@ class Registry:
     def clear_faults(self) -> None:
         self.doc["faults"] = {}
         self.save()
+
+
+FAULTS_ON_BODIES = ("corrupt", "truncate", "short", "stall", "ignore_range", "chunked")
 
 
 def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Application:
@@ -204,8 +209,7 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
 
     async def _body(request: web.Request, path: Path, digest: str, d: dict, headers: dict) -> web.StreamResponse:
         faults = d["faults"]
-        if not headers and not rate and not any(digest in faults.get(k, {}) for k in ("corrupt", "truncate", "short",
-                                                                                      "stall")):
+        if not headers and not rate and not any(digest in faults.get(k, {}) for k in FAULTS_ON_BODIES):
             # A CDN's blob (no headers of the registry's own to keep: aiohttp sets its ETag) is served as a CDN
             # serves it: sendfile, Range and HEAD by aiohttp, no Python loop over the bytes (which took a
             # core of its own from a 2-core machine in bench/pull.py, curl's and Haru's alike).
@@ -224,7 +228,7 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
         if request.method == "HEAD":
             return web.Response(status=200, headers={**headers, "Content-Length": str(total)})
         start = 0
-        rng = request.headers.get("Range", "")
+        rng = request.headers.get("Range", "") if digest not in faults.get("ignore_range", []) else ""
         status = 200
         if rng.startswith("bytes=") and rng.endswith("-"):
             start = int(rng[6:-1])
@@ -242,6 +246,9 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
         hold = int(stall[digest]) if digest in stall else None
         resp = web.StreamResponse(status=status, headers={**headers, "Content-Length": str(len(body)),
                                                           "Accept-Ranges": "bytes"})
+        if digest in faults.get("chunked", []):
+            del resp.headers["Content-Length"]
+            resp.enable_chunked_encoding()  # no length: the client learns the size at the last chunk
         await resp.prepare(request)
         step = 65536
         sent = 0

@@ -20,6 +20,7 @@ import pytest
 from agents.runtimes.tiny_model import write_tiny_model
 from haru.models import errors as E
 from haru.models import resolve as R
+from haru.models.download import WRITE_BEHIND
 from haru.models.pull import pull
 from haru.models.store import Store
 from haru.natsd import free_port
@@ -291,6 +292,46 @@ async def test_a_corrupt_partial_is_caught_after_resume_and_fetched_again_whole(
         store.partial(b.digest).write_bytes(good[:100] + bytes(64) + good[164:150_000])  # a bad prefix on disk
         got = await pull(res, store, s, http)
     assert got.path.read_bytes() == good
+
+
+async def test_a_server_that_ignores_range_or_sends_no_length_still_gives_the_whole_verified_file(registry, tmp_path):
+    s = settings_for(registry.url)
+    good = (registry.root / "files/q8.gguf").read_bytes()
+    async with R.session(s) as http:
+        res = await R.resolve("hf:acme/tiny-GGUF:Q8_0", s, http)
+        b = res.blobs[0]
+        resumed = Store(tmp_path / "resumed")
+        resumed.ensure_dirs()
+        resumed.partial(b.digest).write_bytes(good[:150_000] + b"x" * 100)  # the 100 bytes would not survive
+        registry.registry.fault("ignore_range", [b.digest])
+        restarted = await pull(res, resumed, s, http)
+        registry.registry.clear_faults()
+        registry.registry.fault("chunked", [b.digest])
+        chunked = await pull(res, Store(tmp_path / "chunked"), s, http)
+    assert restarted.path.read_bytes() == good and (restarted.fetched_bytes, restarted.reused_bytes) == (b.size, 0)
+    assert chunked.path.read_bytes() == good and chunked.fetched_bytes == b.size
+    cdn = [r for r in requests(tmp_path / "requests.jsonl") if r["path"].startswith("/cdn/") and "served" in r]
+    assert [(r["range"], r["served"]) for r in cdn] == [("bytes=150100-", b.size), ("", b.size)]
+
+
+async def test_a_blob_of_several_write_behind_windows_is_cut_resumed_and_verified(registry, tmp_path):
+    big = tmp_path / "big.gguf"
+    big.write_bytes(os.urandom(3 * WRITE_BEHIND + 12345))  # the .part is written back and dropped window by window
+    registry.registry.add_hf("acme/big-GGUF", {"big-Q4_K_M.gguf": big})
+    registry.registry.save()
+    cut = WRITE_BEHIND + 4097
+    s = settings_for(registry.url)
+    store = Store(tmp_path / "models")
+    async with R.session(s) as http:
+        res = await R.resolve("hf:acme/big-GGUF", s, http)
+        b = res.blobs[0]
+        registry.registry.fault("short", {b.digest: cut})
+        with pytest.raises(E.FetchError, match=f"broke off after {cut} of {b.size} bytes"):
+            await pull(res, store, s, http)
+        registry.registry.clear_faults()
+        got = await pull(res, store, s, http)
+    assert (got.fetched_bytes, got.reused_bytes) == (b.size - cut, cut)
+    assert got.path.read_bytes() == big.read_bytes()
 
 
 async def test_credentials_go_to_the_registry_and_never_to_a_cdn_on_another_origin(registry, tmp_path):
