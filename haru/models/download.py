@@ -16,7 +16,7 @@ had received, bar the last segment.
 
 Why not aiohttp (still used for resolution): on the event loop, the receive, its 1 MiB joins and the
 hand-offs to the write and hash threads cost as much CPU as the sha256 itself; on two cores that made
-`haru pull` 0.58–0.82x of curl in bench/pull.py, and this layout (docs/models.md#benchmark) ~1x.
+`haru pull` 0.58–0.82x of curl in bench/pull.py, and this layout 0.81–1.09x (docs/models.md#benchmark).
 
 What the transfer keeps from the aiohttp session it replaced for blob bodies: its timeouts (`connect`
 for the TCP and TLS handshake, `sock_read` for every read: a stalled server fails the pull, it never
@@ -85,7 +85,7 @@ class Download:
         self.read_s = timeout.sock_read or TIMEOUT.sock_read
         self.start = offset
         self.written = offset  # bytes in the .part, counted by the writer
-        self._state = threading.Lock()  # guards _stopping, _sock and _fd against `_stop` on the loop
+        self._state = threading.Lock()  # guards _stopping, _sock and _part against `_stop` on the loop
         self._stopping = False
         self._sock: socket.socket | None = None
         self._part: _PartFile | None = None
