@@ -99,6 +99,8 @@ def main() -> int:
     print(f"  of which the fetch (no resolve) {fe:5.3f} s  {mib / fe:8.1f} MiB/s")
     print(f"  ratio curl_s / pull_s         {c / pl:7.2f}x  (goal >= 0.8x)")
     print(f"  ratio curl_s / fetch_s        {c / fe:7.2f}x")
+    print(f"  each round, curl: {' '.join(f'{x:.3f}' for x in curl_s)}")
+    print(f"  each round, pull: {' '.join(f'{x:.3f}' for x in pull_s)}")
     return 0
 
 

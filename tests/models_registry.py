@@ -7,7 +7,8 @@ DIR holds `registry.json` (written by `Registry.save`): Ollama models (manifest 
 HF repositories (file name -> path, LFS or not, commit). What it speaks, as the real ones do:
 
 - `GET /v2/<ns>/<name>/manifests/<tag>`  the v2 manifest (config + layers with digests and sizes);
-- `GET /v2/<ns>/<name>/blobs/<digest>`   307 to `/cdn/<digest>` (a CDN elsewhere, in real life);
+- `GET /v2/<ns>/<name>/blobs/<digest>`   307 to `/cdn/<digest>` (a CDN elsewhere, in real life: `Registry.cdn`
+  names another server's origin for it, e.g. a second `Server` on the same DIR);
 - `GET /api/models/<org>/<repo>/revision/<rev>?blobs=true`  `{id, sha, siblings[{rfilename, size,
   blobId, lfs{sha256,size}}]}`;
 - `HEAD|GET /<org>/<repo>/resolve/<rev>/<file>`  an LFS file: 302 to `/cdn/<sha256>` with
@@ -15,9 +16,13 @@ HF repositories (file name -> path, LFS or not, commit). What it speaks, as the 
 - `GET /cdn/<digest>`  the bytes, honouring `Range: bytes=N-` (206 + Content-Range);
 - faults, set per run by `registry.json`'s `faults`: `token` (401 without `Authorization: Bearer
   <token>`), `corrupt` (digest -> serve other bytes of the same size), `short` (digest -> claim the
-  full Content-Length and close after N bytes), `truncate` (digest -> a shorter body, honestly
-  labelled), `missing` (digest -> 404), `info_sha256` (file -> the model info's lfs sha256, '' = none);
-- every request is one JSON line in `--log` (method, path, range), so a test sees what was fetched;
+  full Content-Length and close after N bytes), `stall` (digest -> send N bytes, then nothing, until
+  the client hangs up), `truncate` (digest -> a shorter body, honestly labelled), `ignore_range`
+  (digests answered 200 and the whole body whatever the Range), `chunked` (digests sent with chunked
+  transfer encoding, no Content-Length), `missing` (digest -> 404), `info_sha256` (file -> the model
+  info's lfs sha256, '' = none);
+- every request is one JSON line in `--log` (method, path, range, whether it carried an
+  `Authorization`), so a test sees what was fetched and who was given credentials;
 - `--rate` throttles bodies (bytes a second), so a test can kill the server mid-download.
 """
 
@@ -95,6 +100,11 @@ class Registry:
         """`old` was renamed to `new`: both endpoints redirect (relative), as the Hub does."""
         self.doc.setdefault("aliases", {})[old] = new
 
+    def cdn(self, origin: str) -> None:
+        """Blob redirects point at `origin` (another server serving the same DIR) instead of this one."""
+        self.doc["cdn"] = origin
+        self.save()
+
     def fault(self, kind: str, value) -> None:
         self.doc["faults"][kind] = value
         self.save()
@@ -102,6 +112,9 @@ class Registry:
     def clear_faults(self) -> None:
         self.doc["faults"] = {}
         self.save()
+
+
+FAULTS_ON_BODIES = ("corrupt", "truncate", "short", "stall", "ignore_range", "chunked")
 
 
 def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Application:
@@ -114,7 +127,8 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
         if log is not None:
             with open(log, "a") as f:
                 f.write(json.dumps({"method": request.method, "path": request.path,
-                                    "range": request.headers.get("Range", ""), **extra}) + "\n")
+                                    "range": request.headers.get("Range", ""),
+                                    "auth": "Authorization" in request.headers, **extra}) + "\n")
 
     def authorized(request: web.Request, d: dict) -> bool:
         token = d["faults"].get("token")
@@ -138,7 +152,7 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
         note(request)
         if not authorized(request, d):
             return web.json_response({"errors": [{"code": "UNAUTHORIZED"}]}, status=401)
-        raise web.HTTPTemporaryRedirect(f"/cdn/{request.match_info['digest']}")
+        raise web.HTTPTemporaryRedirect(f"{d.get('cdn', '')}/cdn/{request.match_info['digest']}")
 
     async def model_info(request: web.Request) -> web.StreamResponse:
         d = doc()
@@ -179,7 +193,7 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
             headers = {"X-Linked-Etag": f'"{e["sha256"]}"', "X-Linked-Size": str(e["size"]),
                        "ETag": f'"{e["blob_id"]}"', "X-Repo-Commit": r["sha"], "Location": f"/cdn/sha256:{e['sha256']}"}
             # absolute, to "another host" (the real Hub sends its CDN's URL): a resolver stops here and reads X-Linked-*
-            headers["Location"] = f"{request.url.origin()}/cdn/sha256:{e['sha256']}"
+            headers["Location"] = f"{d.get('cdn') or request.url.origin()}/cdn/sha256:{e['sha256']}"
             return web.Response(status=302, headers=headers)
         return await _body(request, Path(e["path"]), f"gitsha1:{e['blob_id']}", d,
                            {"ETag": f'"{e["blob_id"]}"', "X-Repo-Commit": r["sha"]})
@@ -195,7 +209,7 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
 
     async def _body(request: web.Request, path: Path, digest: str, d: dict, headers: dict) -> web.StreamResponse:
         faults = d["faults"]
-        if not headers and not rate and not any(digest in faults.get(k, {}) for k in ("corrupt", "truncate", "short")):
+        if not headers and not rate and not any(digest in faults.get(k, {}) for k in FAULTS_ON_BODIES):
             # A CDN's blob (no headers of the registry's own to keep: aiohttp sets its ETag) is served as a CDN
             # serves it: sendfile, Range and HEAD by aiohttp, no Python loop over the bytes (which took a
             # core of its own from a 2-core machine in bench/pull.py, curl's and Haru's alike).
@@ -214,7 +228,7 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
         if request.method == "HEAD":
             return web.Response(status=200, headers={**headers, "Content-Length": str(total)})
         start = 0
-        rng = request.headers.get("Range", "")
+        rng = request.headers.get("Range", "") if digest not in faults.get("ignore_range", []) else ""
         status = 200
         if rng.startswith("bytes=") and rng.endswith("-"):
             start = int(rng[6:-1])
@@ -228,8 +242,13 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
             body = body[: int(truncate[digest])]
         short = d["faults"].get("short", {})
         cut = int(short[digest]) if digest in short else None
+        stall = d["faults"].get("stall", {})
+        hold = int(stall[digest]) if digest in stall else None
         resp = web.StreamResponse(status=status, headers={**headers, "Content-Length": str(len(body)),
                                                           "Accept-Ranges": "bytes"})
+        if digest in faults.get("chunked", []):
+            del resp.headers["Content-Length"]
+            resp.enable_chunked_encoding()  # no length: the client learns the size at the last chunk
         await resp.prepare(request)
         step = 65536
         sent = 0
@@ -238,6 +257,11 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
             if cut is not None and sent + len(chunk) > cut:
                 await resp.write(chunk[: cut - sent])
                 request.transport.close()  # the connection drops mid-body
+                return resp
+            if hold is not None and sent + len(chunk) > hold:
+                await resp.write(chunk[: hold - sent])
+                while request.transport is not None and not request.transport.is_closing():
+                    await asyncio.sleep(0.05)  # the server goes quiet, the connection stays open
                 return resp
             await resp.write(chunk)
             sent += len(chunk)

@@ -1,5 +1,6 @@
 """From a model reference to files on disk: parse (`refs`), ask the registry (`resolve`), fetch into the
-content-addressed store (`pull`, `store`), and record the fetch (`record`). See docs/models.md."""
+content-addressed store (`pull`, its transfers in `download`, `store`), and record the fetch (`record`).
+See docs/models.md."""
 
 from haru.models.errors import (BadReference, DigestMismatch, FetchError, ModelsError, NotFound, RegistryError,
                                 StoreError, Truncated, Unauthorized)

@@ -5,25 +5,26 @@ Per blob:
    -> removed and fetched again ("healed");
 2. a `partial/<digest>.part` left by an interrupted pull is hashed up to its length and continued
    with `Range: bytes=<length>-` (a 200 instead of 206 means the server ignored the range: start over);
-3. the bytes stream into the `.part` while being hashed; a connection that breaks off leaves the
-   `.part` for the next pull to resume, and the error says how far it got;
+3. the bytes stream into the `.part` while being hashed, on three threads off the event loop
+   (`haru.models.download`: receive, write, hash side by side); a connection that breaks off leaves
+   the `.part` for the next pull to resume, and the error says how far it got; a cancelled pull stops
+   those threads and keeps the `.part` too;
 4. at the promised size the digest is checked: wrong -> the `.part` is deleted (if it had been
    resumed, the whole blob is fetched once more from zero first); right -> fsync, read-only, renamed
    into `blobs/`. More bytes than promised, or a response that ends short, is `Truncated`.
 
-Credentials go only to the registry's own origin; redirects to a CDN carry none (aiohttp drops
-`Authorization` across origins, and `Settings.headers_for` adds it only for the registry).
-A `.lock` beside each `.part` (flock) keeps two pullers of the same blob from writing it together.
+Credentials go only to the registry's own origin; redirects to a CDN carry none (the download asks
+`Settings.headers_for` again at every redirect, and it adds them only for the registry). The aiohttp
+session resolves; for blob bodies only its timeouts are used. A `.lock` beside each `.part` (flock)
+keeps two pullers of the same blob from writing it together.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import fcntl
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,10 +32,11 @@ from typing import Callable
 
 import aiohttp
 
-from haru.models.errors import DigestMismatch, FetchError, Truncated
+from haru.models.download import Download
+from haru.models.errors import DigestMismatch
 from haru.models.refs import Blob, Resolution
-from haru.models.resolve import Settings, registry_error
-from haru.models.store import CHUNK, Hasher, Store, hash_file
+from haru.models.resolve import Settings
+from haru.models.store import Hasher, Store, hash_file
 
 ProgressFn = Callable[[int], None]
 
@@ -158,146 +160,20 @@ async def _fetch_once(blob: Blob, part: Path, store: Store, settings: Settings, 
         progress.advance(offset, fetched=False)
     fetched = 0
     if offset < blob.size:
-        headers = settings.headers_for(blob.url)
-        if offset:
-            headers["Range"] = f"bytes={offset}-"
-        try:
-            async with http.get(blob.url, headers=headers) as resp:
-                if resp.status == 416 and offset:
-                    part.unlink(missing_ok=True)
-                    raise FetchError(f"{blob.url} refused the range bytes={offset}- (416); the partial download "
-                                     "was removed, run the pull again to start that file over")
-                if resp.status not in (200, 206):
-                    raise registry_error(str(resp.url), resp.status, await resp.text(errors="replace"),
-                                         f"{blob.name} ({blob.digest})")
-                if offset and resp.status == 200:
-                    if progress:
-                        progress.advance(-offset, fetched=False)
-                    offset, resumed = 0, 0  # the server ignored Range: the whole body comes again
-                    hasher = Hasher(blob.digest, blob.size)
-                elif resp.status == 206:
-                    start = _range_start(resp.headers.get("Content-Range", ""))
-                    if start != offset:
-                        raise FetchError(f"{resp.url} answered Range bytes={offset}- with Content-Range "
-                                         f"{resp.headers.get('Content-Range')!r}; cannot resume from that")
-                mode = "ab" if offset else "wb"
-                with open(part, mode) as out:
-                    written = offset
-                    # Writing and hashing a chunk happen in one worker thread (hashlib and file writes
-                    # release the GIL) while the next chunk arrives: one chunk in flight, order kept.
-                    sink = _Sink(out, hasher)
-                    try:
-                        async for chunk in resp.content.iter_chunked(CHUNK):
-                            written += len(chunk)
-                            if written > blob.size:
-                                await sink.drain()
-                                out.close()
-                                part.unlink(missing_ok=True)
-                                raise Truncated(f"{blob.name}: {resp.url} sent more than the {blob.size} bytes the "
-                                                "registry promised; nothing was kept")
-                            await sink.put(chunk)
-                            fetched += len(chunk)
-                            if progress:
-                                progress.advance(len(chunk))
-                        await sink.drain()
-                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                        await sink.drain()
-                        out.flush()
-                        raise FetchError(
-                            f"{blob.name}: the download from {_host(blob.url)} broke off after "
-                            f"{written} of {blob.size} bytes ({type(exc).__name__}: {exc}); run the same pull again "
-                            f"to resume from byte {written}") from exc
-                    finally:
-                        sink.close()
-                    out.flush()
-                    await asyncio.to_thread(os.fsync, out.fileno())
-                if written < blob.size:
-                    raise Truncated(f"{blob.name}: {resp.url} ended the response after {written} of {blob.size} "
-                                    f"bytes; run the same pull again to resume from byte {written}")
-        except aiohttp.ClientConnectionError as exc:
-            raise FetchError(f"{blob.name}: cannot fetch {blob.url}: {exc}; check the network or the registry URL, "
-                             "then run the pull again (it resumes)") from exc
+        download = Download(blob, part, offset, hasher, settings, http.timeout)
+
+        def advance(n: int) -> None:  # negative once if a server ignored the Range: the .part starts over
+            if progress:
+                progress.advance(n, fetched=n > 0)
+
+        await download.run(advance)
+        hasher, resumed, fetched = download.hasher, download.start, download.written - download.start
     if not hasher.ok():
         raise DigestMismatch(f"{blob.name}: the bytes from {_host(blob.url)} hash to {hasher.algo}:{hasher.hexdigest()}, "
                              f"not the expected {blob.digest}; they were discarded (the registry or something between "
                              "sent other bytes; try again, and if it persists the registry's metadata is wrong)")
     await asyncio.to_thread(store.commit_blob, part, blob.digest)
     return fetched, resumed
-
-
-class _Sink:
-    """Write and hash chunks in order, each on its own single-thread executor (file writes and hashlib
-    release the GIL; one thread each keeps the order), up to IN_FLIGHT chunks behind the network: the
-    receive, the write and the hash overlap instead of taking turns. Every WRITEBACK_BYTES written,
-    the writer asks the kernel to start writing them to disk (`sync_file_range`, Linux), so the
-    fsync before the rename waits for the tail only, not for the whole file (bench/pull.py)."""
-
-    IN_FLIGHT = 4
-    WRITEBACK_BYTES = 32 << 20
-
-    def __init__(self, out, hasher: Hasher) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.out, self.hasher = out, hasher
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix="haru-pull-write")
-        self.hashing = ThreadPoolExecutor(1, thread_name_prefix="haru-pull-hash")
-        self.pending: collections.deque[asyncio.Future] = collections.deque()
-        self._unsynced = 0
-        self._synced_to = out.tell()
-
-    def _write(self, chunk: bytes) -> None:
-        self.out.write(chunk)
-        self._unsynced += len(chunk)
-        if self._unsynced >= self.WRITEBACK_BYTES:
-            self.out.flush()
-            end = self.out.tell()
-            _start_writeback(self.out.fileno(), self._synced_to, end - self._synced_to)
-            self._synced_to, self._unsynced = end, 0
-
-    async def put(self, chunk: bytes) -> None:
-        while len(self.pending) >= 2 * self.IN_FLIGHT:
-            await self.pending.popleft()
-        loop = asyncio.get_running_loop()
-        self.pending.append(loop.run_in_executor(self.writer, self._write, chunk))
-        self.pending.append(loop.run_in_executor(self.hashing, self.hasher.update, chunk))
-
-    async def drain(self) -> None:
-        while self.pending:
-            await self.pending.popleft()
-
-    def close(self) -> None:
-        self.writer.shutdown(wait=True)
-        self.hashing.shutdown(wait=True)
-
-
-def _load_sync_file_range():
-    """libc's sync_file_range (Linux), or None: start writing a file range back, without waiting."""
-    try:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _load_sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """A hint: the fsync before the rename is what makes the file durable, whatever this did."""
-    if _sync_file_range is not None and nbytes > 0:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-
-
-def _range_start(content_range: str) -> int:
-    m = re.match(r"bytes (\d+)-", content_range.strip())
-    return int(m.group(1)) if m else -1
 
 
 def _host(url: str) -> str:

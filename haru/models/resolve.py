@@ -70,8 +70,8 @@ def _same_origin(a: str, b: str) -> bool:
 
 
 def session(settings: Settings | None = None) -> aiohttp.ClientSession:
-    # a 4 MiB read buffer: with the default 64 KiB, aiohttp pauses the socket long before a disk write waits
-    return aiohttp.ClientSession(timeout=TIMEOUT, headers={"User-Agent": USER_AGENT}, read_bufsize=1 << 22)
+    """For resolution (blob bodies go through `haru.models.download`, with this session's timeouts)."""
+    return aiohttp.ClientSession(timeout=TIMEOUT, headers={"User-Agent": USER_AGENT})
 
 
 def registry_error(url: str, status: int, body: str, what: str, *, hint: str = "") -> RegistryError:

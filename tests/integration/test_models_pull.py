@@ -9,15 +9,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
 
 from agents.runtimes.tiny_model import write_tiny_model
 from haru.models import errors as E
 from haru.models import resolve as R
+from haru.models.download import WRITE_BEHIND
 from haru.models.pull import pull
 from haru.models.store import Store
 from haru.natsd import free_port
@@ -289,6 +292,115 @@ async def test_a_corrupt_partial_is_caught_after_resume_and_fetched_again_whole(
         store.partial(b.digest).write_bytes(good[:100] + bytes(64) + good[164:150_000])  # a bad prefix on disk
         got = await pull(res, store, s, http)
     assert got.path.read_bytes() == good
+
+
+async def test_a_server_that_ignores_range_or_sends_no_length_still_gives_the_whole_verified_file(registry, tmp_path):
+    s = settings_for(registry.url)
+    good = (registry.root / "files/q8.gguf").read_bytes()
+    async with R.session(s) as http:
+        res = await R.resolve("hf:acme/tiny-GGUF:Q8_0", s, http)
+        b = res.blobs[0]
+        resumed = Store(tmp_path / "resumed")
+        resumed.ensure_dirs()
+        resumed.partial(b.digest).write_bytes(good[:150_000] + b"x" * 100)  # the 100 bytes would not survive
+        registry.registry.fault("ignore_range", [b.digest])
+        restarted = await pull(res, resumed, s, http)
+        registry.registry.clear_faults()
+        registry.registry.fault("chunked", [b.digest])
+        chunked = await pull(res, Store(tmp_path / "chunked"), s, http)
+    assert restarted.path.read_bytes() == good and (restarted.fetched_bytes, restarted.reused_bytes) == (b.size, 0)
+    assert chunked.path.read_bytes() == good and chunked.fetched_bytes == b.size
+    cdn = [r for r in requests(tmp_path / "requests.jsonl") if r["path"].startswith("/cdn/") and "served" in r]
+    assert [(r["range"], r["served"]) for r in cdn] == [("bytes=150100-", b.size), ("", b.size)]
+
+
+async def test_a_blob_of_several_write_behind_windows_is_cut_resumed_and_verified(registry, tmp_path):
+    big = tmp_path / "big.gguf"
+    big.write_bytes(os.urandom(3 * WRITE_BEHIND + 12345))  # the .part is written back and dropped window by window
+    registry.registry.add_hf("acme/big-GGUF", {"big-Q4_K_M.gguf": big})
+    registry.registry.save()
+    cut = WRITE_BEHIND + 4097
+    s = settings_for(registry.url)
+    store = Store(tmp_path / "models")
+    async with R.session(s) as http:
+        res = await R.resolve("hf:acme/big-GGUF", s, http)
+        b = res.blobs[0]
+        registry.registry.fault("short", {b.digest: cut})
+        with pytest.raises(E.FetchError, match=f"broke off after {cut} of {b.size} bytes"):
+            await pull(res, store, s, http)
+        registry.registry.clear_faults()
+        got = await pull(res, store, s, http)
+    assert (got.fetched_bytes, got.reused_bytes) == (b.size - cut, cut)
+    assert got.path.read_bytes() == big.read_bytes()
+
+
+async def test_credentials_go_to_the_registry_and_never_to_a_cdn_on_another_origin(registry, tmp_path):
+    registry.registry.fault("token", "s3cret")
+    cdn_log = tmp_path / "cdn.jsonl"
+    async with Server(registry.root, log=cdn_log) as cdn:  # the same files, served from another origin
+        registry.registry.cdn(cdn.url)
+        s = settings_for(registry.url, hf_token="s3cret")
+        store = Store(tmp_path / "models")
+        async with R.session(s) as http:
+            res = await R.resolve("hf:acme/old-tiny-GGUF:Q8_0", s, http)  # renamed: one more hop on the Hub
+            got = await pull(res, store, s, http)
+    assert got.path.read_bytes() == (registry.root / "files/q8.gguf").read_bytes()
+    hops = [(r["path"], r["auth"]) for r in requests(tmp_path / "requests.jsonl") if r["method"] == "GET"
+            and "/resolve/" in r["path"]]
+    assert hops == [("/acme/old-tiny-GGUF/resolve/" + res.revision + "/tiny-Q8_0.gguf", True),
+                    ("/acme/tiny-GGUF/resolve/" + res.revision + "/tiny-Q8_0.gguf", True)]
+    assert {(r["path"], r["auth"]) for r in requests(cdn_log)} == {(f"/cdn/{res.blobs[0].digest}", False)}
+
+
+async def test_a_stalled_download_fails_after_the_read_timeout_and_resumes(registry, tmp_path):
+    s = settings_for(registry.url)
+    store = Store(tmp_path / "models")
+    stalled = aiohttp.ClientTimeout(total=None, connect=5, sock_read=0.5)
+    async with aiohttp.ClientSession(timeout=stalled) as http:
+        res = await R.resolve("hf:acme/tiny-GGUF:Q8_0", s, http)
+        b = res.blobs[0]
+        registry.registry.fault("stall", {b.digest: 100_000})
+        with pytest.raises(E.FetchError, match=r"broke off after 100000 of \d+ bytes \(TimeoutError.*resume from byte "
+                                               r"100000"):
+            await pull(res, store, s, http)
+    registry.registry.clear_faults()
+    async with R.session(s) as http:
+        got = await pull(res, store, s, http)
+    assert (got.fetched_bytes, got.reused_bytes) == (b.size - 100_000, 100_000)
+    assert got.path.read_bytes() == (registry.root / "files/q8.gguf").read_bytes()
+
+
+async def test_a_cancelled_pull_stops_its_threads_and_keeps_the_partial_to_resume(registry, tmp_path):
+    log = tmp_path / "slow.jsonl"
+    async with Server(registry.root, rate=100_000, log=log) as slow:  # ~600 KB at 100 KB/s: ~6 s
+        s = settings_for(slow.url)
+        store = Store(tmp_path / "models")
+        async with R.session(s) as http:
+            res = await R.resolve("hf:acme/tiny-GGUF:Q8_0", s, http)
+            b = res.blobs[0]
+            task = asyncio.create_task(pull(res, store, s, http))
+            part = store.partial(b.digest)
+            while not (part.exists() and part.stat().st_size > 0):
+                assert not task.done(), task
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(100):  # the receiver thread returns just after it hands over its result
+                if not [t for t in threading.enumerate() if t.name.startswith("haru-pull")]:
+                    break
+                await asyncio.sleep(0.01)
+            assert [t.name for t in threading.enumerate() if t.name.startswith("haru-pull")] == []
+            kept = part.stat().st_size
+            await asyncio.sleep(0.3)  # at 100 KB/s a writer still running would add ~30 KB
+            assert part.stat().st_size == kept and 0 < kept < b.size
+    s = settings_for(registry.url)
+    async with R.session(s) as http:
+        got = await pull(await R.resolve("hf:acme/tiny-GGUF:Q8_0", s, http), store, s, http)
+    cdn = [r for r in requests(tmp_path / "requests.jsonl") if r["path"].startswith("/cdn/") and "served" in r]
+    assert [(r["range"], r["served"]) for r in cdn] == [(f"bytes={kept}-", b.size - kept)]
+    assert (got.fetched_bytes, got.reused_bytes) == (b.size - kept, kept)
+    assert got.path.read_bytes() == (registry.root / "files/q8.gguf").read_bytes()
 
 
 # ------------------------------------------------------------ a server killed mid-download, the CLI
