@@ -161,9 +161,10 @@ _HEADS: dict[tuple, bytes] = {}
 
 def _head(status: int, headers: tuple[tuple[str, str], ...], defaults: int, domain: str, keep_alive: bool,
           chunked: bool, typed: bool) -> bytes:
-    """A `_Whole` response's head, up to `Content-Length: ` (or through `Transfer-Encoding: chunked` and
-    the blank line). Cached: an upstream repeats its header set from response to response, the Date
-    changing once a second (~3 us a response saved, issue 20); a Date the proxy adds is in the key."""
+    """The head of a `_Whole` or `_Stream` response, up to `Content-Length: ` (or through
+    `Transfer-Encoding: chunked` and the blank line). Cached: an upstream repeats its header set from
+    response to response, its Date changing once a second (`_Whole` 1.57 -> 1.10 us, issue 20); a
+    Date the proxy adds is in the key."""
     date = rfc822_formatted_time() if not defaults & 1 else ""
     key = (status, headers, defaults, domain, keep_alive, chunked, typed, date)
     head = _HEADS.get(key)
