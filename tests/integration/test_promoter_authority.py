@@ -46,6 +46,16 @@ async def routed_to_a(log):
                            and v.last_operation.state == "completed", what="first route to a")
 
 
+async def append_on_tip(writer: EventLog, subject: str, event) -> None:
+    """Append where the subject is now: the op subject moves under a forger while the promoter works."""
+    while True:
+        try:
+            await writer.append(subject, event, expect=await writer.last_seq_of(subject))
+            return
+        except Conflict:
+            continue
+
+
 async def promote(log, target: str) -> OperationCompleted:
     accepted = await request_operation(log, "default", "promotion", target, by="cli:test", now=now())
     assert accepted.status == "accepted", accepted
@@ -153,13 +163,7 @@ async def test_a_flip_started_by_another_op_writer_before_the_probe_never_moves_
         accepted = await request_operation(gateway, "default", "promotion", "b", by=gateway.writer, now=now())
         assert accepted.status == "accepted"
         await wait_view(log, lambda v: v.operation is not None and v.operation.steps, what="the first step started")
-        while True:  # the op subject moves under us while the promoter works: append on its tip
-            try:
-                await gateway.append(op, StepStarted(at=now(), op_id=accepted.op_id, step="flip"),
-                                     expect=await gateway.last_seq_of(op))
-                break
-            except Conflict:
-                continue
+        await append_on_tip(gateway, op, StepStarted(at=now(), op_id=accepted.op_id, step="flip"))
         end = await wait_op_end(log, accepted.op_id, timeout=30)
         assert isinstance(end, OperationAborted) and end.step == "flip", end
         failed = [e for e in await op_events(log, op_id=accepted.op_id) if isinstance(e, StepFailed)]
@@ -186,12 +190,7 @@ async def test_a_probe_completion_forged_by_another_op_writer_is_probed_again_be
         for forged in (StepStarted(at=now(), op_id=accepted.op_id, step="probe", by="promoter:forged"),
                        StepCompleted(at=now(), op_id=accepted.op_id, step="probe", detail="all models answered",
                                      by="promoter:forged")):
-            while True:  # the op subject moves under us while the promoter works: append on its tip
-                try:
-                    await gateway.append(op, forged, expect=await gateway.last_seq_of(op))
-                    break
-                except Conflict:
-                    continue
+            await append_on_tip(gateway, op, forged)
         end = await wait_op_end(log, accepted.op_id, timeout=30)
         records = await op_events(log, op_id=accepted.op_id)
         assert isinstance(end, OperationAborted) and end.step == "flip", [str(e) for e in records]
