@@ -64,6 +64,8 @@ def free_port() -> int:
 class NatsServer:
     """One nats-server child process with JetStream, bound to loopback."""
 
+    LOCK_WAIT_S = 5.0  # how long a store lock held by no recorded live server is waited for (_lock)
+
     def __init__(
         self,
         store_dir: str | os.PathLike[str],
@@ -111,16 +113,7 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.store_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                held = self.holder()
-                who = f"nats-server pid {held['pid']}" if held else "another process"
-                raise StoreBusy(
-                    f"the NATS store {self.store_dir} is held by {who}: two servers on one store lose "
-                    f"acknowledged events; stop that one first"
-                    + (f" (kill {held['pid']})" if held else "") + ", or use another store directory"
-                ) from None
+            self._lock(fd)
             log = open(self.log_file, "ab")
             try:
                 self.proc = children.spawn(
@@ -131,6 +124,28 @@ class NatsServer:
                 log.close()
         finally:
             os.close(fd)  # the child holds the lock now (or nobody does, if it did not start)
+
+    def _lock(self, fd: int) -> None:
+        """The store's lock, or StoreBusy naming who holds it. A live server recorded on the store is
+        refused at once. With none recorded, the holder is most likely a server that was just stopped
+        and is still exiting (a Go process shows as a zombie once its first thread is done, while
+        its other threads still hold its files): that is waited for, up to LOCK_WAIT_S."""
+        deadline = time.monotonic() + self.LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                held = self.holder()
+                if held is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                who = f"nats-server pid {held['pid']}" if held else "another process"
+                raise StoreBusy(
+                    f"the NATS store {self.store_dir} is held by {who}: two servers on one store lose "
+                    f"acknowledged events; stop that one first"
+                    + (f" (kill {held['pid']})" if held else "") + ", or use another store directory"
+                ) from None
 
     def start_sync(self) -> None:
         self.spawn()

@@ -14,7 +14,7 @@ import pytest
 
 from haru import children
 from haru.errors import StoreBusy
-from haru.natsd import NatsServer
+from haru.natsd import LOCK_FILE, NatsServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,3 +89,34 @@ def test_a_second_nats_server_on_a_held_store_is_refused_naming_the_holder(tmp_p
         second.stop_sync()
     finally:
         first.stop_sync()
+
+
+def test_a_store_lock_held_by_no_recorded_server_is_waited_for_then_refused(tmp_path):
+    """A server just stopped may hold the store's lock for a moment while its threads exit, with its pid
+    record already gone: the next server waits for the lock (up to LOCK_WAIT_S) instead of refusing at
+    once, and refuses, naming no pid, if it is still held after that."""
+    store = tmp_path / "store"
+    store.mkdir()
+    holder = [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+              "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(float(sys.argv[2]))"]
+    brief = subprocess.Popen([*holder, str(store / LOCK_FILE), "0.6"], stdout=subprocess.PIPE, text=True)
+    assert brief.stdout.readline().strip() == "held"
+    server = NatsServer(store)
+    try:
+        started = time.monotonic()
+        server.start_sync()  # waits for the brief holder to let go
+        assert time.monotonic() - started >= 0.3
+    finally:
+        server.stop_sync()
+        brief.wait()
+    stubborn = subprocess.Popen([*holder, str(store / LOCK_FILE), "30"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert stubborn.stdout.readline().strip() == "held"
+        late = NatsServer(store)
+        late.LOCK_WAIT_S = 0.5
+        with pytest.raises(StoreBusy) as err:
+            late.start_sync()
+        assert "is held by another process" in str(err.value) and late.proc is None
+    finally:
+        stubborn.kill()
+        stubborn.wait()
