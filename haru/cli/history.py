@@ -85,6 +85,26 @@ async def _witnesses(log: EventLog) -> list[history.Witness]:
     return out
 
 
+async def witnessed_findings(log) -> tuple[int, list[history.Finding]]:
+    """The stream's last sequence, and what the views and route intents say is missing from it.
+
+    The witnesses are read first and the stream's end after them: on a live fleet the projector
+    folds events as they are stored, so a view read after the stream's end could be ahead of it by
+    the events stored in between, and a healthy store would be reported cut (exit 11). Read in this
+    order, a witness past the end read after it is a real cut."""
+    witnesses = await _witnesses(log)
+    stream_last = await log.last_seq()
+    stored: dict[int, tuple[str, datetime | None]] = {}
+    for seq in sorted({w.seq for w in witnesses if w.seq <= stream_last and (w.subject or w.at)}):
+        rec = await log.read_seq(seq)
+        if rec is not None:
+            # A misplaced event moves a view's position but not its `updated_at` (a forgery changes
+            # nothing else): its time is no witness, its subject still is.
+            placed = rec.event is not None and not misplaced(rec.subject, rec.event)
+            stored[seq] = (rec.subject, rec.event.at if placed else None)
+    return stream_last, history.check_witnesses(stream_last, witnesses, stored)
+
+
 async def run_verify(args: argparse.Namespace) -> ExitStatus:
     verifier = history.Verifier()
     damaged: LogDamaged | None = None
@@ -106,17 +126,7 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
             await log.replay(handler, from_seq=start)
         except LogDamaged as exc:
             damaged = exc
-        stream_last = await log.last_seq()
-        witnesses = await _witnesses(log)
-        stored: dict[int, tuple[str, datetime | None]] = {}
-        for seq in sorted({w.seq for w in witnesses if w.seq <= stream_last and (w.subject or w.at)}):
-            rec = await log.read_seq(seq)
-            if rec is not None:
-                # A misplaced event moves a view's position but not its `updated_at` (a forgery changes
-                # nothing else): its time is no witness, its subject still is.
-                placed = rec.event is not None and not misplaced(rec.subject, rec.event)
-                stored[seq] = (rec.subject, rec.event.at if placed else None)
-    findings = history.check_witnesses(stream_last, witnesses, stored)
+        stream_last, findings = await witnessed_findings(log)
     missing = damaged.missing if damaged is not None else []
     if args.json:
         emit_json({"ok": verifier.ok and damaged is None and not findings and not verifier.misplaced,

@@ -238,3 +238,35 @@ async def test_a_forgery_the_views_folded_last_is_misplaced_not_a_cut_store(nats
     assert out.returncode == 8, out.stdout + out.stderr  # MISPLACED, not LOG_TRUNCATED (11)
     assert f"seq {forged} on {agent}: route_moved" in out.stdout
     assert "store was cut" not in out.stdout + out.stderr
+
+
+async def test_verify_on_a_live_fleet_is_not_fooled_by_events_folded_while_it_reads(nats_server, event_log):
+    """On a live fleet the projector folds events as they are stored. Verify reads the views, then the
+    stream's end: an event stored and folded between the two reads is no cut. Read the other way
+    round it was one: exit 11, "the newest events were cut", on a healthy demo (seen twice in CI)."""
+    from haru.cli.history import witnessed_findings
+
+    await declare(event_log)
+    w = Writer(event_log)
+    await w.move("a")
+    projector = Projector(event_log)
+    task = asyncio.create_task(projector.run())
+    try:
+        await wait_view_seq(event_log, await event_log.last_seq())
+
+        class Live:
+            """The log, with one more event stored and folded while its views are being read."""
+
+            def __getattr__(self, name):
+                return getattr(event_log, name)
+
+            async def views(self):
+                await wait_view_seq(event_log, await w.churn(1, domain="a"))
+                return await event_log.views()
+
+        for _ in range(3):
+            stream_last, findings = await witnessed_findings(Live())
+            assert findings == [], [str(f) for f in findings]
+            assert stream_last == await event_log.last_seq()
+    finally:
+        await cancel_and_wait(task)
