@@ -12,6 +12,7 @@ promoters, in-test agents (promoter_fake).
 
 from __future__ import annotations
 
+import contextlib
 from datetime import datetime, timezone
 
 import pytest
@@ -44,6 +45,19 @@ async def fleet(nats_server, event_log):
 async def routed_to_a(log):
     return await wait_view(log, lambda v: v.active == "a" and v.operation is None and v.last_operation is not None
                            and v.last_operation.state == "completed", what="first route to a")
+
+
+@contextlib.asynccontextmanager
+async def promotion_requested_by_the_gateway(log, nats_server):
+    """Promoters (slowed, so a forger can write between steps) routing to a, and a promotion of b that
+    the gateway's credentials requested, under way: (the gateway's log, the accepted request)."""
+    async with promoters(nats_server.url, step_delay_ms=300), \
+            EventLog.connect([nats_server.url], writer="gateway:127.0.0.1:0") as gateway:
+        await routed_to_a(log)
+        accepted = await request_operation(gateway, "default", "promotion", "b", by=gateway.writer, now=now())
+        assert accepted.status == "accepted"
+        await wait_view(log, lambda v: v.operation is not None and v.operation.steps, what="the first step started")
+        yield gateway, accepted
 
 
 async def append_on_tip(writer: EventLog, subject: str, event) -> None:
@@ -157,12 +171,7 @@ async def test_a_flip_started_by_another_op_writer_before_the_probe_never_moves_
     and refused when run: no probe completed in the operation, so the route does not move."""
     log, a, b = fleet
     op = subjects.op("default")
-    async with promoters(nats_server.url, step_delay_ms=300), \
-            EventLog.connect([nats_server.url], writer="gateway:127.0.0.1:0") as gateway:
-        await routed_to_a(log)
-        accepted = await request_operation(gateway, "default", "promotion", "b", by=gateway.writer, now=now())
-        assert accepted.status == "accepted"
-        await wait_view(log, lambda v: v.operation is not None and v.operation.steps, what="the first step started")
+    async with promotion_requested_by_the_gateway(log, nats_server) as (gateway, accepted):
         await append_on_tip(gateway, op, StepStarted(at=now(), op_id=accepted.op_id, step="flip"))
         end = await wait_op_end(log, accepted.op_id, timeout=30)
         assert isinstance(end, OperationAborted) and end.step == "flip", end
@@ -181,12 +190,7 @@ async def test_a_probe_completion_forged_by_another_op_writer_is_probed_again_be
     log, a, b = fleet
     op = subjects.op("default")
     b.fail_probe = True
-    async with promoters(nats_server.url, step_delay_ms=300), \
-            EventLog.connect([nats_server.url], writer="gateway:127.0.0.1:0") as gateway:
-        await routed_to_a(log)
-        accepted = await request_operation(gateway, "default", "promotion", "b", by=gateway.writer, now=now())
-        assert accepted.status == "accepted"
-        await wait_view(log, lambda v: v.operation is not None and v.operation.steps, what="the first step started")
+    async with promotion_requested_by_the_gateway(log, nats_server) as (gateway, accepted):
         for forged in (StepStarted(at=now(), op_id=accepted.op_id, step="probe", by="promoter:forged"),
                        StepCompleted(at=now(), op_id=accepted.op_id, step="probe", detail="all models answered",
                                      by="promoter:forged")):
