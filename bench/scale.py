@@ -57,7 +57,8 @@ sys.path.insert(0, str(REPO))
 
 from agents.sim.hosts import SimHosts  # noqa: E402
 from haru.core import subjects  # noqa: E402
-from haru.core.events import GpuObserved, ModelLost, RouteMoved, StepCompleted, StepStarted  # noqa: E402
+from haru.core.events import (GpuObserved, ModelLost, PromotionRequested, RouteMoved, StepCompleted,  # noqa: E402
+                              StepStarted)
 from haru.core.views import FleetView, view_decoder  # noqa: E402
 from haru.host.natsd import NatsServer, free_port  # noqa: E402
 from haru.log.eventlog import EventLog  # noqa: E402
@@ -93,8 +94,8 @@ class Plane:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     others: dict[str, int] = field(default_factory=dict)  # processes measured but not ours to stop (nats-server)
 
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
-        env = {**os.environ, "HARU_NATS_URL": self.url, "PYTHONPATH": str(REPO)}
+    def start(self, name: str, args: list[str], url: str = "") -> subprocess.Popen:
+        env = {**os.environ, "HARU_NATS_URL": url or self.url, "PYTHONPATH": str(REPO)}
         log = open(self.root / f"{name}.log", "ab")
         p = subprocess.Popen([sys.executable, "-m", "haru.cli", *args, "--log-format", "json"], env=env, cwd=REPO,
                              stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
@@ -259,7 +260,7 @@ async def until_steady(log: EventLog, hosts: SimHosts, timeout: float, fleets=No
 
 
 async def churn(log: EventLog, hosts: SimHosts, fleets: list[str], every_s: float, stop: asyncio.Event,
-                counts: dict[str, int], rng: random.Random) -> None:
+                counts: dict[str, int], rng: random.Random, detached: list[tuple[str, float, str]] | None = None) -> None:
     """growth.py's faults in turn, one fleet at a time, each fleet about once per `every_s`."""
     if not fleets:
         await stop.wait()
@@ -280,6 +281,8 @@ async def churn(log: EventLog, hosts: SimHosts, fleets: list[str], every_s: floa
             turn[f] = kind + 1
             if kind == 0:
                 counts["gpu_detached"] += 1
+                if detached is not None:
+                    detached.append((f, time.time(), active))
                 await hosts.host(f, active).detach_gpu()
                 await asyncio.sleep(10)
                 await hosts.host(f, active).attach_gpu()
@@ -335,13 +338,15 @@ async def failover_once(log: EventLog, hosts: SimHosts, fleet: str) -> dict | No
     loss = next(r for r in recs if isinstance(r.event, ModelLost)
                 or (isinstance(r.event, GpuObserved) and r.event.present is False))
     op_id = route.event.op_id  # type: ignore[union-attr]
+    request = next((r for r in recs if isinstance(r.event, PromotionRequested) and r.event.op_id == op_id), route)
     work = 0
     for r in recs:
         e = r.event
         if isinstance(e, StepCompleted) and e.op_id == op_id and e.step in BEFORE_FLIP:
             work += e.took_ms
     total = (route.time - loss.time).total_seconds() * 1000
-    return {"total_ms": total, "work_ms": work, "overhead_ms": total - work}
+    return {"total_ms": total, "work_ms": work, "overhead_ms": total - work,
+            "decide_ms": (request.time - loss.time).total_seconds() * 1000}
 
 
 # ------------------------------------------------------------------------------------ one level
@@ -407,6 +412,10 @@ async def level(n: int, args, log: EventLog, hosts: SimHosts, plane: Plane, rng:
         "gateway_us_per_event": cpu["gateway"] / max(1, events) * 1e6,
         "nats_us_per_event": cpu["nats-server"] / max(1, events) * 1e6 if "nats-server" in cpu else float("nan"),
         "cpu_share": {k: v / window for k, v in cpu.items()},
+        "promoter_ms_per_fleet_s": cpu["promoter"] / window / n * 1000,
+        "projector_ms_per_fleet_s": cpu["projector"] / window / n * 1000,
+        "gateway_ms_per_fleet_s": cpu["gateway"] / window / n * 1000,
+        "failover_decide": statistics.median(f["decide_ms"] for f in failovers) if failovers else float("nan"),
         "rss": rss,
         "view_bytes": view_bytes,
     }
@@ -425,7 +434,11 @@ ROWS = [
     ("route -> gateway p99 (ms)", "route_gw_p99", "{:.1f}"),
     ("route -> gateway p50 (ms)", "route_gw_p50", "{:.1f}"),
     ("f000 failover overhead (ms)", "failover_overhead", "{:.0f}"),
+    ("  of which loss -> promotion_requested", "failover_decide", "{:.0f}"),
     ("promoter CPU per heartbeat (us)", "promoter_us_per_hb", "{:.0f}"),
+    ("promoter CPU per fleet (ms/s)", "promoter_ms_per_fleet_s", "{:.2f}"),
+    ("projector CPU per fleet (ms/s)", "projector_ms_per_fleet_s", "{:.2f}"),
+    ("gateway CPU per fleet (ms/s)", "gateway_ms_per_fleet_s", "{:.2f}"),
     ("projector CPU per event (us)", "projector_us_per_event", "{:.0f}"),
     ("gateway CPU per event (us)", "gateway_us_per_event", "{:.0f}"),
     ("nats-server CPU per event (us)", "nats_us_per_event", "{:.0f}"),
@@ -532,6 +545,114 @@ async def takeover(args, log: EventLog, hosts: SimHosts, plane: Plane) -> None:
         h.wake_ms = args.wake_ms
 
 
+# ------------------------------------------------------------------------------------ the cluster
+
+
+async def cluster_run(args) -> None:
+    """The 3-node cluster of deploy/nats (its shipped configs, per-role users; R3 streams), the services
+    with their own users, `--cluster-fleets` fleets churning, and the HARU_EVENTS stream leader killed a
+    third into the window: every append the agents had acknowledged is in the stream afterwards, every
+    failover due (an active's GPU detached) moved the route, and the figures during the election
+    (the `--election-s` after the kill) are printed beside the rest of the window's."""
+    from tests.integration.test_deploy_cluster import ensure_r3, start_cluster
+
+    root = Path(tempfile.mkdtemp(prefix="haru-bench-scale-cluster-"))
+    n = args.cluster_fleets
+    print(f"bench/scale.py --cluster: 3 nodes (deploy/nats), R3, {n} fleets, window {args.window_s:.0f} s, logs in {root}",
+          flush=True)
+    cluster = start_cluster(root / "cluster")
+    plane = Plane("", root, free_port())
+    try:
+        await ensure_r3(cluster)
+        urls = {u: ",".join(cluster.urls(u)) for u in ("projector", "promoter", "gateway")}
+        # The simulated hosts share one connection, so they use the admin user (each real agent has
+        # its own user, which may publish only its own domain's subjects: tests/integration/test_deploy_cluster.py).
+        async with EventLog.connect(cluster.urls("admin"), writer="sim:hosts") as log:
+            async with SimHosts(log, heartbeat_timeout_ms=args.heartbeat_timeout_ms, wake_ms=args.wake_ms,
+                                keep_acks=True) as hosts:
+                await hosts.grow(n)
+                plane.start("projector", ["projector"], urls["projector"])
+                plane.start("promoter", ["promoter", "--id", "promoter:bench-1"], urls["promoter"])
+                plane.start("gateway", ["gateway", "--port", str(plane.gateway_port)], urls["gateway"])
+                settle = await until_steady(log, hosts, 120 + 2 * n)
+                print(f"[cluster] {n} fleets steady after {settle:.1f} s", flush=True)
+                watch = Watch()
+                await watch.start(log)
+                assert hosts.acked is not None
+                acked_before = len(hosts.acked)
+                stop = asyncio.Event()
+                counts = {"gpu_detached": 0, "runtime_killed": 0, "agent_killed": 0, "fault_errors": 0}
+                detached: list[tuple[str, float, str]] = []
+                churning = asyncio.create_task(churn(log, hosts, hosts.fleets, args.fault_every_s, stop, counts,
+                                                     random.Random(31), detached))
+                w0 = time.monotonic()
+                await asyncio.sleep(args.window_s / 3)
+                info = await log.js.stream_info(subjects.EVENTS_STREAM)
+                leader = info.cluster.leader if info.cluster else None
+                node = next(x for x in cluster.nodes if x.name == leader)
+                t_kill = time.time()
+                node.kill()
+                print(f"[cluster] killed {leader}, the {subjects.EVENTS_STREAM} stream leader", flush=True)
+                t_led = None
+                while time.time() - t_kill < 30:
+                    with contextlib.suppress(Exception):
+                        info = await log.js.stream_info(subjects.EVENTS_STREAM)
+                        if info.cluster and info.cluster.leader and info.cluster.leader != leader:
+                            t_led = time.time()
+                            break
+                    await asyncio.sleep(0.1)
+                print(f"[cluster] new stream leader "
+                      f"{info.cluster.leader if info.cluster else '?'} after {(t_led or time.time()) - t_kill:.1f} s", flush=True)
+                await asyncio.sleep(max(0.0, w0 + args.window_s - time.monotonic()))
+                stop.set()
+                await churning
+                # every detached GPU given back; the failovers due finish
+                await asyncio.sleep(10)
+                await watch.stop()
+                # 1. nothing acknowledged lost
+                stored = {(r.seq, r.subject) for r in await log.history(subjects.ALL_EVENTS, timeout=120)}
+                acked = hosts.acked
+                lost = [(subj, seq) for subj, seq in acked if (seq, subj) not in stored]
+                # 2. every failover due was decided: a route move of that fleet after its detach
+                moves = {}
+                for f, seq, ts in watch.moves:
+                    moves.setdefault(f, []).append(ts / 1e9)
+                late = [(f, t, a) for f, t, a in detached if not any(ts > t for ts in moves.get(f, []))]
+                # 3. the figures during the election and outside it
+                lags_in, lags_out = [], []
+                election_end = t_kill + args.election_s
+                for fleet, evs in watch.events.items():
+                    views = sorted(watch.views.get(fleet, []), key=lambda v: v[1])
+                    for seq, ts in evs:
+                        first = next((vt for vs, vt in views if vs >= seq and vt >= ts), None)
+                        if first is None:
+                            continue
+                        (lags_in if t_kill <= ts / 1e9 <= election_end else lags_out).append((first - ts) / 1e6)
+                _, rmissing = route_lags_ms(watch.moves, gateway_route_times(root / "gateway.log"))
+                gw = gateway_route_times(root / "gateway.log")
+                r_in, r_out = [], []
+                for f, seq, ts in watch.moves:
+                    seen = [t for rev, t in gw.get(f, []) if rev >= seq]
+                    if seen:
+                        (r_in if t_kill <= ts / 1e9 <= election_end else r_out).append((min(seen) - ts / 1e9) * 1000)
+                print(f"[cluster] faults {counts}; agents' appends acknowledged in the window: {len(acked) - acked_before} "
+                      f"(all runs: {len(acked)}); of them missing from the stream: {len(lost)}"
+                      + (f" {lost[:5]}" if lost else ""))
+                print(f"[cluster] failovers due (an active's GPU detached): {len(detached)}; route moved after: "
+                      f"{len(detached) - len(late)}" + (f"; NOT moved: {late[:5]}" if late else ""))
+                print(f"[cluster] projector lag  during the election ({args.election_s:.0f} s after the kill): "
+                      f"p50 {pct(lags_in, 50):.1f} p99 {pct(lags_in, 99):.1f} max {max(lags_in, default=float('nan')):.1f} ms "
+                      f"({len(lags_in)} events); rest of the window p50 {pct(lags_out, 50):.1f} p99 {pct(lags_out, 99):.1f} ms "
+                      f"({len(lags_out)} events)")
+                print(f"[cluster] route -> gateway during the election: p50 {pct(r_in, 50):.1f} p99 {pct(r_in, 99):.1f} ms "
+                      f"({len(r_in)} moves); rest: p50 {pct(r_out, 50):.1f} p99 {pct(r_out, 99):.1f} ms ({len(r_out)} moves); "
+                      f"{rmissing} moves the gateway never logged")
+    finally:
+        plane.stop()
+        cluster.stop()
+    print(f"\nlogs: {root}")
+
+
 # ------------------------------------------------------------------------------------------- main
 
 
@@ -576,6 +697,9 @@ if __name__ == "__main__":
     ap.add_argument("--takeover-timeout-s", type=float, default=90.0)
     ap.add_argument("--no-takeover", dest="takeover", action="store_false")
     ap.add_argument("--quick", action="store_true", help="levels 1,10,50, 20 s windows, 2 failovers")
+    ap.add_argument("--cluster", action="store_true", help="the second mode: the 3-node cluster, its stream leader killed")
+    ap.add_argument("--cluster-fleets", type=int, default=50)
+    ap.add_argument("--election-s", type=float, default=10.0, help="--cluster: how long after the kill counts as the election")
     a = ap.parse_args()
     if a.quick:
         a.levels, a.window_s, a.failovers = "1,10,50", 20.0, 2
@@ -584,4 +708,4 @@ if __name__ == "__main__":
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    asyncio.run(main(a))
+    asyncio.run(cluster_run(a) if a.cluster else main(a))

@@ -56,7 +56,8 @@ from agents.recorder import Recorder
 from haru.core import subjects
 from haru.core.apply import apply as apply_layout
 from haru.core.commands import Command, ErrorInfo, Heartbeat
-from haru.core.events import AgentStarted, GpuObserved
+from haru.core.errors import LogUnavailable
+from haru.core.events import AgentStarted, Event, GpuObserved
 from haru.core.layout import parse_layout
 from haru.core.residency import Resident, Sleeping, Waking, state_name
 from haru.core.specs import GiB, ModelSpec, Policy
@@ -119,7 +120,8 @@ class SimHost:
     """One simulated agent: a `CommandTarget` for the real command service (agents/ports.py)."""
 
     def __init__(self, log: EventLog, fleet: str, domain: str, specs: list[ModelSpec], *, policy: Policy,
-                 serving_url: str, heartbeat_ms: int, load_ms: int, wake_ms: int, sleep_ms: int, probe_ms: int) -> None:
+                 serving_url: str, heartbeat_ms: int, load_ms: int, wake_ms: int, sleep_ms: int, probe_ms: int,
+                 acked: list[tuple[str, int]] | None = None) -> None:
         self.log = log
         self.fleet = fleet
         self.domain = domain
@@ -133,7 +135,8 @@ class SimHost:
         self.logger = structlog.get_logger("haru.sim.hosts").bind(fleet=fleet, domain=domain)
         self._models = {s.name: ModelSlot(s, _NoRuntime(), subjects.model(fleet, domain, s.name)) for s in specs}  # type: ignore[arg-type]
         self.gpu = _SimGpu(self)
-        self.append = Appender(log, stopping=lambda: False, logger=self.logger)
+        self._appender = Appender(log, stopping=lambda: False, logger=self.logger)
+        self.acked = acked  # (subject, seq) of every append acknowledged, when the caller keeps them
         self.agent_seq = 0
         self.recorder = Recorder(domain=domain, append=self.append, gpu=self.gpu, agent_seq=lambda: self.agent_seq,  # type: ignore[arg-type]
                                  stopping=lambda: False, logger=self.logger)
@@ -142,6 +145,13 @@ class SimHost:
         self.running = False
         self.heartbeats_sent = 0
         self.loop_errors = LoopErrors()
+
+    async def append(self, subject: str, event: Event, expect: int) -> int:
+        """The agent's append (agents/appender.py: expected sequence, retried while the log is away)."""
+        seq = await self._appender(subject, event, expect)
+        if self.acked is not None:
+            self.acked.append((subject, seq))
+        return seq
 
     # ------------------------------------------------------------------------- CommandTarget
 
@@ -292,11 +302,21 @@ class SimHost:
             await self.record(m, Exited, code=None, detail="killed by signal 9")
         await self.load(m)
 
-    async def restart(self, down_s: float) -> None:
-        """The agent is SIGKILLed, silent for `down_s`, then started again, adopting its runtimes."""
+    async def restart(self, down_s: float, *, give_up_s: float = 120.0) -> None:
+        """The agent is SIGKILLed, silent for `down_s`, then started again, adopting its runtimes; a start
+        that finds the log away (a cluster electing a leader) is tried again, as its supervisor would."""
         await self.stop()
         await asyncio.sleep(down_s)
-        await self.start(adopt=True)
+        deadline = time.monotonic() + give_up_s
+        while True:
+            try:
+                await self.start(adopt=True)
+                return
+            except LogUnavailable:
+                await self.stop()
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(1.0)
 
 
 class SimHosts:
@@ -306,8 +326,10 @@ class SimHosts:
     """
 
     def __init__(self, log: EventLog, *, heartbeat_ms: int = 1000, heartbeat_timeout_ms: int = 3000,
-                 load_ms: int = 300, wake_ms: int = 200, sleep_ms: int = 50, probe_ms: int = 20) -> None:
+                 load_ms: int = 300, wake_ms: int = 200, sleep_ms: int = 50, probe_ms: int = 20,
+                 keep_acks: bool = False) -> None:
         self.log = log
+        self.acked: list[tuple[str, int]] | None = [] if keep_acks else None  # every agent append acknowledged
         self.heartbeat_ms = heartbeat_ms
         self.heartbeat_timeout_ms = heartbeat_timeout_ms
         self.timing = dict(load_ms=load_ms, wake_ms=wake_ms, sleep_ms=sleep_ms, probe_ms=probe_ms)
@@ -349,7 +371,7 @@ class SimHosts:
             for dom in layout.domains:
                 self.hosts[(fleet, dom.spec.name)] = SimHost(
                     self.log, fleet, dom.spec.name, list(dom.models), policy=layout.policy,
-                    serving_url=dom.spec.serving_url, heartbeat_ms=self.heartbeat_ms, **self.timing)
+                    serving_url=dom.spec.serving_url, heartbeat_ms=self.heartbeat_ms, acked=self.acked, **self.timing)
             self.fleets.append(fleet)
         await asyncio.gather(*(self.hosts[(f, d)].start() for f in added for d in DOMAINS))
         return added
