@@ -93,11 +93,12 @@ class Plane:
     gateway_port: int = 0
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     others: dict[str, int] = field(default_factory=dict)  # processes measured but not ours to stop (nats-server)
+    src: Path | None = None  # where the services' code comes from (--plane-src: another tree, for a before/after)
 
     def start(self, name: str, args: list[str], url: str = "") -> subprocess.Popen:
-        env = {**os.environ, "HARU_NATS_URL": url or self.url, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "HARU_NATS_URL": url or self.url, "PYTHONPATH": str(self.src or REPO)}
         log = open(self.root / f"{name}.log", "ab")
-        p = subprocess.Popen([sys.executable, "-m", "haru.cli", *args, "--log-format", "json"], env=env, cwd=REPO,
+        p = subprocess.Popen([sys.executable, "-m", "haru.cli", *args, "--log-format", "json"], env=env, cwd=self.src or REPO,
                              stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
         self.procs[name] = p
         return p
@@ -318,8 +319,14 @@ async def churn(log: EventLog, hosts: SimHosts, fleets: list[str], every_s: floa
 
 async def failover_once(log: EventLog, hosts: SimHosts, fleet: str) -> dict | None:
     """Detach `fleet`'s active GPU; measure loss -> route_moved and the steps; give the GPU back."""
-    views = await views_of(log)
-    v = views[fleet]
+    v = None
+    for _ in range(50):  # a view being rewritten can be missing from one read of the bucket
+        v = (await views_of(log)).get(fleet)
+        if v is not None and v.active:
+            break
+        await asyncio.sleep(0.1)
+    if v is None or not v.active:
+        return None
     active = v.active
     standby = "b" if active == "a" else "a"
     start = await log.last_seq()
@@ -666,7 +673,7 @@ async def main(args) -> None:
     async with NatsServer(root / "nats") as server:
         async with EventLog.connect([server.url], writer="sim:hosts") as log:
             await log.ensure()
-            plane = Plane(server.url, root, free_port())
+            plane = Plane(server.url, root, free_port(), src=args.plane_src)
             assert server.proc is not None
             plane.others["nats-server"] = server.proc.pid
             try:
@@ -697,6 +704,9 @@ if __name__ == "__main__":
     ap.add_argument("--takeover-timeout-s", type=float, default=90.0)
     ap.add_argument("--no-takeover", dest="takeover", action="store_false")
     ap.add_argument("--quick", action="store_true", help="levels 1,10,50, 20 s windows, 2 failovers")
+    ap.add_argument("--plane-src", type=Path, default=None,
+                    help="run the projector, promoter and gateway from this source tree (e.g. an export of an older "
+                         "commit), to compare before and after a change; the simulated hosts stay this tree's")
     ap.add_argument("--cluster", action="store_true", help="the second mode: the 3-node cluster, its stream leader killed")
     ap.add_argument("--cluster-fleets", type=int, default=50)
     ap.add_argument("--election-s", type=float, default=10.0, help="--cluster: how long after the kill counts as the election")
