@@ -55,6 +55,7 @@ from pathlib import Path
 import msgspec
 
 from agents.errors import PortHolderError
+from haru.host.children import die_with_parent
 from haru.core.openai_errors import TOO_DEEP, error_body
 
 __all__ = ["listening_socket", "bridge", "stop_holder", "holder_stats", "HOLDER_SOCKET"]
@@ -161,13 +162,6 @@ def stop_holder(state_dir: Path) -> None:
         _ask(_control_path(state_dir), b"stop", timeout=2.0)
 
 
-def _die_with_parent() -> None:  # tests before issue 14 only (HARU_RUNTIMES_DIE_WITH_AGENT=1)
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-
-
 def _spawn(path: Path, host: str, port: int, die_with_agent: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
@@ -177,7 +171,7 @@ def _spawn(path: Path, host: str, port: int, die_with_agent: bool) -> None:
             [sys.executable, "-m", "agents.portholder", str(path), host, str(port)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             start_new_session=True,  # it outlives the agent, like the runtimes
-            preexec_fn=_die_with_parent if die_with_agent else None,
+            preexec_fn=die_with_parent(signal.SIGKILL) if die_with_agent else None,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                         os.environ.get("PYTHONPATH", "")]))},
         )

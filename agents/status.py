@@ -21,9 +21,9 @@ from agents.model_slot import ModelSlot
 from agents.model_slots import ModelSlots
 from agents.ports import GpuVerdict
 from agents.role import Role
-from agents.runtime_files import pid_alive
 from agents.training_slots import TrainingSlots
 from haru.core.commands import Heartbeat
+from haru.host.procfs import pid_alive
 
 __all__ = ["Status"]
 

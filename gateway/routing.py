@@ -46,6 +46,7 @@ from haru.core.openai_errors import (
     error_body,
 )
 from haru.core.residency import Answer
+from haru.core.sizes import format_gib
 from haru.core.views import FleetView, RouteIntent, Target
 
 # The status table (`ANSWER_STATUS`) and OpenAI's error shape are `haru.core.openai_errors`, shared with
@@ -120,10 +121,6 @@ def retry_after_warming(for_ms: int) -> int:
     return max(RETRY_MIN_S, min(RETRY_MAX_S, math.ceil(for_ms / 4000)))
 
 
-def gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
 def refusal_for(fleet: str, domain: str, model: str, answer: Answer, operation: str = "") -> Refusal | _Warming | None:
     """The refusal a router answer asks for (None for `ready`). Reads ANSWER_STATUS."""
     kind = answer.answer
@@ -164,7 +161,7 @@ def refusal_for(fleet: str, domain: str, model: str, answer: Answer, operation: 
     if kind == "not_admitted":
         status, code = ANSWER_STATUS["not_admitted"]
         short = answer.short_by_bytes
-        by = f"short by {gib(short)} ({short} bytes)" if short else "short of VRAM"
+        by = f"short by {format_gib(short)} ({short} bytes)" if short else "short of VRAM"
         return Refusal(
             status,
             code,

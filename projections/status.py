@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from haru.core.planner import format_gib, gpu_summary_line
+from haru.core.planner import gpu_summary_line
+from haru.core.sizes import format_gib
 from haru.core.residency import (Answer, Failed, Loading, Lost, NotAdmitted, Pulling, Resident, Sleeping, Stopped, Unknown,
                             Waking)
 from haru.core.views import DomainView, FleetView, GpuView, ModelView, OperationView, RouteIntent, Target, TrainingView

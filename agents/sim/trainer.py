@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 from agents.sim.errors import SimError
-from agents.sim.gpu_state import SimGpuState, format_size, parse_size
+from agents.sim.gpu_state import SimGpuState, parse_size
+from haru.core.sizes import format_size
 
 
 def _log(message: str) -> None:

@@ -17,7 +17,8 @@ from haru.cli.common import ExitStatus, add_nats_options, emit_json, fail, nats_
 from haru.core.errors import Conflict, LayoutError, LogError, LogUnavailable
 from haru.core.events import payload, tag_of
 from haru.core.layout import load_layout
-from haru.core.planner import Plan, format_gib, verdict_line
+from haru.core.planner import Plan, verdict_line
+from haru.core.sizes import format_gib
 from haru.core.planner import plan as plan_layout
 from haru.core.subjects import decl
 

@@ -33,26 +33,15 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from haru.core.errors import InvalidName, LayoutError
+from haru.core.sizes import parse_size
 from haru.core.launch import ArgConflict, check_args, format_refusal, runtime_for
 from haru.core.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, Policy, ProvisionSpec, ServiceSpec, TrainingSpec
 from haru.core.subjects import check_model_id, check_name
 
-__all__ = ["parse_layout", "load_layout", "parse_size", "SIZE_UNITS"]
+__all__ = ["parse_layout", "load_layout"]
 
 _T = TypeVar("_T")
 
-SIZE_UNITS: dict[str, int] = {
-    "b": 1,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 
 # ----------------------------------------------------------------------------- allowed keys
 
@@ -121,30 +110,6 @@ class _Layout(msgspec.Struct, forbid_unknown_fields=True):
 
 
 # ---------------------------------------------------------------------------------- sizes
-
-
-def parse_size(value: object) -> int:
-    """Bytes from an int or a string with a unit (`20GiB`, `44.2 GiB`, `512MiB`, `1.5GB`).
-
-    Raises ValueError with a message saying what is accepted.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"size {value!r} is a boolean; give bytes or a string like '20GiB'")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"size {value} is negative")
-        return value
-    if isinstance(value, str):
-        m = _SIZE.fullmatch(value)
-        if m is not None:
-            number, unit = m.group(1), m.group(2).lower() or "b"
-            if unit in SIZE_UNITS:
-                return round(float(number) * SIZE_UNITS[unit])
-            raise ValueError(
-                f"size {value!r} has unknown unit {m.group(2)!r}; use one of B, KiB, MiB, GiB, TiB, KB, MB, GB, TB"
-            )
-        raise ValueError(f"size {value!r} is not a number with a unit, like '20GiB', '44.2 GiB' or '512MiB'")
-    raise ValueError(f"size {value!r} must be an integer number of bytes or a string like '20GiB'")
 
 
 def _size(value: object, path: str, what: str) -> int:

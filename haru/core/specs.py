@@ -10,6 +10,8 @@ from typing import Literal
 
 import msgspec
 
+from haru.core.sizes import GiB, MiB
+
 Runtime = Literal["vllm", "llama_server", "external"]
 
 # Which runtimes have a sleep mode (weights out of VRAM, process kept). One without it serves the
@@ -21,11 +23,10 @@ SLEEP_MODE: dict[str, bool] = {"vllm": True, "llama_server": False, "external": 
 
 def can_sleep(runtime: str) -> bool:
     return SLEEP_MODE.get(runtime, False)
+
+
 Provider = Literal["static", "skypilot", "skyserve"]
 Serve = Literal["agent", "direct"]
-
-GiB = 1024**3
-MiB = 1024**2
 
 
 class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):

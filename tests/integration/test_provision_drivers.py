@@ -15,7 +15,8 @@ from haru.core.layout import load_layout
 from haru.provision import (CapacityError, LaunchFailed, SecretMissing, SkyPilot, SkyServe, SkyTimeout,
                             SkyUnavailable, SubprocessExec, task_config)
 from haru.provision.errors import TeardownFailed
-from tests.fake_sky import FakeSky, pid_alive, sha12
+from haru.host.procfs import pid_alive
+from tests.fake_sky import FakeSky, sha12
 from tests.unit.test_provision_yaml import EXAMPLE
 
 ENV = {"HARU_AGENT_NATS_CREDS": "-----BEGIN NATS USER JWT-----\nfake\n", "HF_TOKEN": "hf_fake"}

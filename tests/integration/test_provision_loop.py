@@ -144,7 +144,7 @@ async def _async(value):
 @pytest.mark.timeout(180)
 async def test_a_skyserve_domain_provisioned_and_torn_down_through_the_promoter(tmp_path, nats_server, event_log):
     from haru.promoter.decider import TORN_DOWN
-    from tests.fake_sky import pid_alive
+    from haru.host.procfs import pid_alive
 
     url = nats_server.url
     path = cloud_layout(tmp_path, url, auto_replace=True)

@@ -16,7 +16,8 @@ import pytest
 from haru.core import events as ev
 from haru.core import subjects as sj
 from haru.log.route import RouteWatcher, refresh
-from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.sizes import GiB
 from haru.core.views import view_encoder
 from haru.host.tasks import cancel_and_wait
 from haru.core.intents import intent as compute_intent

@@ -24,7 +24,8 @@ from haru.core.events import (
     TrainingDeclared,
 )
 from haru.core.layout import parse_layout
-from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.sizes import GiB
 
 T = datetime(2026, 1, 1, tzinfo=timezone.utc)
 

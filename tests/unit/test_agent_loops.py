@@ -21,7 +21,8 @@ from agents.metrics import registry_for
 from agents.sim.gpu_state import SimGpuState
 from haru.core.commands import Heartbeat
 from haru.core.events import GpuObserved
-from haru.core.specs import GiB, Policy
+from haru.core.specs import Policy
+from haru.core.sizes import GiB
 
 pytestmark = pytest.mark.timeout(30)
 

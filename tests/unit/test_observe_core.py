@@ -83,7 +83,8 @@ def test_held_bytes_counts_what_the_agents_children_hold_by_declaration():
 
     from agents.metrics import foreign_of, held_bytes
     from haru.core.residency import Loading, Lost, Resident, Sleeping
-    from haru.core.specs import GiB, ModelSpec, Policy
+    from haru.core.specs import ModelSpec, Policy
+    from haru.core.sizes import GiB
 
     def model(name, vram, state, gpu=0, runtime="vllm"):
         spec = ModelSpec(name=name, slot="s", gpu_index=gpu, vram_bytes=vram * GiB, runtime=runtime, port=1)
