@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from haru.core import authority, subjects
 from haru.core import events as ev
+from haru.core.operations import ms_between
 
 
 class LogRecord(Protocol):
@@ -170,13 +171,6 @@ def utc(t: datetime | None) -> datetime | None:
     return t.astimezone(timezone.utc)
 
 
-def millis(start: datetime | None, end: datetime | None) -> int | None:
-    if start is None or end is None:
-        return None
-    delta = end - start
-    return delta.days * 86_400_000 + delta.seconds * 1000 + delta.microseconds // 1000
-
-
 def fleet_of(subject: str) -> tuple[str, str]:
     """(fleet, '') for a Haru event subject, ('', why) for anything else (`haru.core.subjects.read`, memoized)."""
     read = subjects.read(subject)
@@ -283,7 +277,7 @@ def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
                 span = incidents.pop((fleet, e.domain, e.model), None)
                 if span is not None:
                     at = utc(e.at)
-                    duration = millis(span.at, at)
+                    duration = ms_between(span.at, at)
                     incident = new_incidents.get(span.seq)
                     if incident is not None:
                         incident.closed_seq, incident.closed_at, incident.duration_ms = seq, at, duration
@@ -310,7 +304,7 @@ def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
             failed_step = e.step if aborted else ""
             error = e.error if aborted else ""
             span = operations.pop(key2, None)
-            duration = millis(span.at, at) if span is not None else None
+            duration = ms_between(span.at, at) if span is not None else None
             op = new_operations.get(key2)
             if op is not None:
                 op.outcome, op.finished_seq, op.finished_at, op.duration_ms = outcome, seq, at, duration
@@ -389,7 +383,7 @@ def _finish_step(
     code: str,
     error: str,
 ) -> None:
-    duration = millis(span.at, at)
+    duration = ms_between(span.at, at)
     row = new_steps.get(span.seq)
     if row is not None:
         row.outcome, row.finished_seq, row.finished_at, row.duration_ms = outcome, seq, at, duration

@@ -137,7 +137,7 @@ async def test_haru_apply_rolls_a_change_on_the_active_through_the_standby_under
         shown = await asyncio.to_thread(haru, "op", op_id, "--json", nats_url=nats_server.url)
         doc = json.loads(shown.stdout)
         assert doc["kind"] == "rolling" and doc["state"] == "completed"
-        assert [s["step"] for s in doc["steps"] if s["type"] == "step_completed"] == flow("rolling")
+        assert [s["step"] for s in doc["steps"] if s["state"] == "completed"] == flow("rolling")
         status = await asyncio.to_thread(haru, "status", "--fleet", FLEET, nats_url=nats_server.url)
         assert f"rolling of b over a ({op_id}" in status.stdout, status.stdout
 
