@@ -380,7 +380,7 @@ def decide(view: FleetView, facts: Facts) -> list[Append]:
     if view.operation is not None and view.operation.state == "running":
         nxt = drive(view, view.operation, facts)
     else:
-        nxt = supervise(view, facts)
+        nxt = next_operation(view, facts)
     if nxt is not None:
         out.append(nxt)
     return out
@@ -738,7 +738,7 @@ def _backing_off(view: FleetView, kind: str, target: str, now: datetime) -> Oper
     return last
 
 
-def supervise(view: FleetView, facts: Facts) -> Append | None:
+def next_operation(view: FleetView, facts: Facts) -> Append | None:
     """With no operation in flight: first route, auto-failover, demotions that keep the standby a standby."""
     op_subject = subjects.op(view.fleet)
     now = facts.now

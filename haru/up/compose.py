@@ -10,8 +10,8 @@
 
 The gateway runs in this process; nats-server, the projector, the promoter and the agents are child
 processes, each in a session of its own with a parent-death signal (`haru.host.children`), and each
-supervised: a child that dies is restarted with backoff, and the log says why it died and when a
-crash loop is being backed off (`haru.core.supervise`).
+kept running: a child that dies is restarted with backoff, and the log says why it died and when a
+crash loop is being backed off (`haru.core.restarts`).
 
 One `haru up` per home. The home is locked (`$HARU_HOME/up.lock`, flock: the OS releases it when
 this process dies, however it dies) and `$HARU_HOME/up.json` says who holds it; a second `haru up`
@@ -50,7 +50,7 @@ from haru.log.eventlog import EventLog
 from haru.core.layout import parse_layout
 from haru.host.natsd import NatsServer, free_port
 from haru.core.specs import Layout
-from haru.core.supervise import POLICY, RestartPolicy, exit_reason, next_restart
+from haru.core.restarts import POLICY, RestartPolicy, exit_reason, next_restart
 from haru.host.tasks import cancel_and_wait
 
 log = structlog.get_logger("haru.up.compose")
@@ -247,7 +247,7 @@ def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 @dataclass
 class Child:
-    """A supervised child process: how to (re)start it, and the one running now."""
+    """A child process kept running: how to (re)start it, and the one running now."""
 
     name: str  # "agent a", "projector", "promoter", "nats-server"
     log_path: Path
@@ -385,7 +385,7 @@ async def stop_agents(agents: list[Child], timeout: float = AGENT_STOP_S) -> Non
     await stop_children(agents, timeout, sig=signal.SIGINT)
 
 
-async def supervise(child: Child, running: "Running", policy: RestartPolicy = POLICY,
+async def keep_running(child: Child, running: "Running", policy: RestartPolicy = POLICY,
                     on_restart: Callable[[], None] | None = None) -> None:
     """Restart `child` whenever it dies (until `running.stopping`), with backoff, saying why."""
     failures = 0
@@ -517,7 +517,7 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
             if opts.after_apply is not None:
                 await opts.after_apply(events, layout)
 
-        # Unwound in reverse: the supervisors stop first, then the agents, the gateway, the services.
+        # Unwound in reverse: the restart loops stop first, then the agents, the gateway, the services.
         for kind in ("projector", "promoter"):
             if kind in opts.services:
                 running.services.append(start_service(kind, nats_url, opts.home, metrics_port=free_port()))
@@ -539,9 +539,9 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
         def publish() -> None:  # up.json names every child's current pid
             lock.publish(nats_url=nats_url, gateway_url=running.gateway_url, children=running.children())
 
-        supervisors = [asyncio.create_task(supervise(c, running, on_restart=publish), name=f"supervise {c.name}")
+        keepers = [asyncio.create_task(keep_running(c, running, on_restart=publish), name=f"keep {c.name} running")
                        for c in ([nats_child] if nats_child else []) + running.services + running.agents]
-        stack.push_async_callback(_cancel_all, supervisors)
+        stack.push_async_callback(_cancel_all, keepers)
 
         def stopping() -> None:
             running.stopping = True
@@ -564,14 +564,14 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
 
 
 def _children_registry(running: Running):
-    """haru up's own figures: each supervised child, whether it runs and how often it was restarted."""
+    """haru up's own figures: each child it keeps running, whether it runs and how often it was restarted."""
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     class Children:
         def collect(self):
             kids = ([running.nats] if running.nats else []) + running.services + running.agents
-            up = GaugeMetricFamily("haru_up_child_running", "1 while the supervised child process runs", labels=["child"])
+            up = GaugeMetricFamily("haru_up_child_running", "1 while the child process runs", labels=["child"])
             restarts = CounterMetricFamily("haru_up_child_restarts", "times haru up restarted the child", labels=["child"])
             for c in kids:
                 up.add_metric([c.name], 1.0 if c.proc is not None and c.proc.poll() is None else 0.0)
