@@ -56,7 +56,7 @@ import msgspec
 
 from agents.errors import PortHolderError
 from haru.host.children import die_with_parent
-from haru.core.openai_errors import TOO_DEEP, error_body
+from haru.core.openai_errors import BadBody, error_body, model_of
 
 __all__ = ["listening_socket", "bridge", "stop_holder", "holder_stats", "HOLDER_SOCKET"]
 
@@ -203,11 +203,6 @@ _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found"
             503: "Service Unavailable"}
 
 
-class _Model(msgspec.Struct):
-    model: str | None = None
-
-
-_model_decoder = msgspec.json.Decoder(_Model)
 
 
 class _Refused(Exception):
@@ -421,15 +416,9 @@ class Holder:
     def _route(self, path: str, headers: dict[str, str], body: bytes) -> tuple[int | None, str]:
         if path == "/v1/models":
             return None, ""
-        try:
-            name = _model_decoder.decode(body).model
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise _Refused(400, "invalid_request", f"the body is not a JSON object with a string `model`: {exc}",
-                           "model") from None
-        except RecursionError:
-            raise _Refused(400, "invalid_request", TOO_DEEP) from None
-        if not name:
-            raise _Refused(400, "invalid_request", "`model` is required", "model")
+        name = model_of(body)
+        if isinstance(name, BadBody):
+            raise _Refused(400, "invalid_request", name.message, name.param)
         ident = self._identities().get(name)
         if ident is None:
             raise _Refused(503, "agent_restarting", f"the model `{name}` has no runtime this port can reach while "

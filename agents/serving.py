@@ -35,7 +35,7 @@ from agents.model_slots import ModelSlots
 from agents.runtimes.base import runtimes_die_with_agent
 from haru.core.errors import ConfigError
 from haru.host.httpguard import BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
-from haru.core.openai_errors import TOO_DEEP, answer_status, error_body
+from haru.core.openai_errors import BadBody, answer_status, error_body, model_of
 from haru.core.residency import ANSWERS
 from haru.core.specs import Policy
 
@@ -53,11 +53,6 @@ SERVING_DRAIN_S = 60.0  # an agent stopping lets the requests in flight (streams
 _DIAGNOSIS_REUSE_S = 0.25  # how long one diagnosis of a failing runtime answers for the next failures
 
 
-class _Model(msgspec.Struct):
-    model: str | None = None
-
-
-_model_decoder = msgspec.json.Decoder(_Model)
 
 def _not_serving_status(state: str, reason: str) -> tuple[int, str]:
     """(status, OpenAI error code) for a model this domain has but cannot serve now: the row of its
@@ -183,14 +178,9 @@ class ServingProxy:
         except BodyTimeout:
             return error(408, "request_timeout", f"the body did not arrive within HARU_CLIENT_BODY_TIMEOUT_MS "
                          f"({int(self.limits.body_timeout_s * 1000)} ms)", headers={"Connection": "close"})
-        try:
-            name = _model_decoder.decode(body).model
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            return error(400, "invalid_request", f"the body is not a JSON object with a string `model`: {exc}", param="model")
-        except RecursionError:
-            return error(400, "invalid_request", TOO_DEEP)
-        if not name:
-            return error(400, "invalid_request", "`model` is required", param="model")
+        name = model_of(body)
+        if isinstance(name, BadBody):
+            return error(400, "invalid_request", name.message, param=name.param)
         m = self.slots.models.get(name)
         if m is None:
             return error(404, "model_not_found", f"the model `{name}` does not exist on domain {self.slots.domain!r}",

@@ -41,10 +41,11 @@ from haru.core.openai_errors import (
     MODEL_NOT_FOUND,
     NO_ACTIVE_DOMAIN,
     NOT_RETRYABLE,
-    TOO_DEEP,
     UPSTREAM_UNREACHABLE,
+    BadBody,
     error_body,
 )
+from haru.core.openai_errors import model_of as read_model
 from haru.core.residency import Answer
 from haru.core.sizes import format_gib
 from haru.core.views import FleetView, RouteIntent, Target
@@ -186,33 +187,13 @@ def refusal_for(fleet: str, domain: str, model: str, answer: Answer, operation: 
 # ----------------------------------------------------------------------------- the request body
 
 
-class _ModelOnly(msgspec.Struct):
-    """The only part of a request body the gateway reads."""
-
-    model: str
-
-
-_decode_model = msgspec.json.Decoder(_ModelOnly).decode
-
-
 def model_of(body: bytes) -> str | Refusal:
-    """`model` from a JSON body, or the 400 that names what is wrong and where (msgspec's path)."""
-    status, code = INVALID_REQUEST
-    try:
-        model = _decode_model(body).model
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        param = "model" if "`model`" in text or "$.model" in text else None
-        return Refusal(status, code, f"invalid request body: {text}", None, param)
-    except msgspec.DecodeError as exc:
-        if not body.strip():
-            return Refusal(status, code, "request body is empty: send a JSON object with a `model` field")
-        return Refusal(status, code, f"request body is not valid JSON: {exc}")
-    except RecursionError:  # msgspec refuses a body nested thousands deep this way
-        return Refusal(status, code, TOO_DEEP)
-    if not model:
-        return Refusal(status, code, "invalid request body: `model` is empty - at `$.model`", None, "model")
-    return model
+    """`model` from a JSON body, or the 400 that names what is wrong and where (haru.core.openai_errors)."""
+    got = read_model(body)
+    if isinstance(got, BadBody):
+        status, code = INVALID_REQUEST
+        return Refusal(status, code, got.message, None, got.param)
+    return got
 
 
 # ------------------------------------------------------------------------------ compiled routes
