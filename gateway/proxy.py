@@ -479,7 +479,3 @@ class Proxy:
                     None, None, fwd.domain)
         )
 
-
-def _why(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text.replace("\n", " ")

@@ -568,9 +568,4 @@ OPERATION_REQUESTS: dict[str, type[OperationRequested]] = {
 """Operation kind -> its request event, read from `AnyEvent`."""
 
 
-def operation_kind(event: Event) -> str:
-    """The kind of operation a request event asks for ('' for any other event)."""
-    return event.kind if isinstance(event, OperationRequested) else ""
-
-
 ALL_TAGS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in AnyEvent.__args__)  # type: ignore[attr-defined]

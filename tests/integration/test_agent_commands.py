@@ -10,7 +10,7 @@ import signal
 import aiohttp
 import pytest
 
-from agents.client import send
+from haru.log.bus import send
 from agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.commands import Command

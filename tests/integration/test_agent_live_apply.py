@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from agents.client import send
+from haru.log.bus import send
 from haru.core import subjects
 from haru.core.apply import apply
 from haru.core.layout import load_layout

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from agents.client import send
+from haru.log.bus import send
 from agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.commands import Command

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from agents.client import send
+from haru.log.bus import send
 from haru.core import subjects
 from haru.core.events import OperationAborted, OperationCompleted, RollingRequested, StepStarted
 from haru.promoter.decider import flow
