@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
-from agents.errors import OutOfMemory, ProbeFailed, RuntimeRefused, RuntimeUnreachable
+from agents.errors import OutOfMemory, ProbeUnanswered, RuntimeRefused, RuntimeUnreachable
 from haru.host.children import die_with_parent, start_time
 from haru.host.natsd import free_port
 from haru.core.launch import ArgConflict, Launch
@@ -191,24 +191,24 @@ class HttpRuntime:
         raise RuntimeRefused(f"{self.spec.name}: a {self.kind} runtime has no sleep mode")
 
     async def probe_completion(self, timeout_s: float) -> int:
-        """A real one-token completion. Returns its latency in ms; raises ProbeFailed."""
+        """A real one-token completion. Returns its latency in ms; raises ProbeUnanswered."""
         started = time.monotonic()
         body = {"model": self.spec.name, "prompt": "ping", "max_tokens": 1, "temperature": 0}
         try:
             status, raw = await self._request("POST", "/v1/completions", timeout_s=timeout_s, json=body)
         except RuntimeUnreachable as exc:
-            raise ProbeFailed(f"{self.spec.name}: probe completion got no answer: {exc}") from exc
+            raise ProbeUnanswered(f"{self.spec.name}: probe completion got no answer: {exc}") from exc
         if status != 200:
             text = raw[:300].decode(errors="replace")
             if any(m in text.lower() for m in _OOM_MARKERS):
                 raise OutOfMemory(f"{self.spec.name}: probe completion: {text}", status=status, body=text)
-            raise ProbeFailed(f"{self.spec.name}: probe completion answered {status}: {text}")
+            raise ProbeUnanswered(f"{self.spec.name}: probe completion answered {status}: {text}")
         try:
             choices = _choices_decoder.decode(raw).choices
         except msgspec.DecodeError as exc:
-            raise ProbeFailed(f"{self.spec.name}: probe completion body is not a completion: {exc}") from exc
+            raise ProbeUnanswered(f"{self.spec.name}: probe completion body is not a completion: {exc}") from exc
         if not choices:
-            raise ProbeFailed(f"{self.spec.name}: probe completion returned no choices")
+            raise ProbeUnanswered(f"{self.spec.name}: probe completion returned no choices")
         return int((time.monotonic() - started) * 1000)
 
     @staticmethod

@@ -30,7 +30,6 @@ SCHEMA_VERSION = 1
 
 LostReason = Literal["evicted", "gpu_detached", "process_exited", "unhealthy"]
 StopHow = Literal["exited", "terminated", "killed"]
-OpKind = Literal["promotion", "demotion", "rolling", "provision", "teardown", "replace"]
 Step = Literal["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active", "sleep", "start_training",
                "apply_standby", "apply_old_active", "launch", "join", "settle", "down"]
 
