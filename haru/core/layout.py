@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 from haru.core.errors import InvalidName, LayoutError
 from haru.core.sizes import parse_size
 from haru.core.launch import ArgConflict, check_args, format_refusal, runtime_for
-from haru.core.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, Policy, ProvisionSpec, ServiceSpec, TrainingSpec
+from haru.core.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, NonNegative, Policy, ProvisionSpec, ServiceSpec, TrainingSpec
 from haru.core.subjects import check_model_id, check_name
 
 __all__ = ["parse_layout", "load_layout"]
@@ -60,7 +60,7 @@ Size = int | str
 
 
 class _Gpu(msgspec.Struct, forbid_unknown_fields=True):
-    index: int
+    index: NonNegative  # the NVML index
     memory: Size
     reserve: Size = 0
     name: str = ""
@@ -70,8 +70,8 @@ class _Model(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     runtime: Literal["vllm", "llama_server", "external", ""] = ""  # "": follows the source's format
     vram: Size = 0
-    context_length: int = 0
-    port: int = 0
+    context_length: NonNegative = 0  # 0: the runtime's default
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0: unset
     source: str = ""
     url: str = ""
     binary: list[str] | str = []
@@ -84,12 +84,12 @@ class _Model(msgspec.Struct, forbid_unknown_fields=True):
 class _Slot(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     kind: Literal["inference", "training"] = "inference"
-    gpu: int = 0
+    gpu: NonNegative = 0
     models: list[_Model] = []
     command: list[str] = []
     checkpoint_dir: str = ""
     vram: Size = 0
-    grace_ms: int = 0
+    grace_ms: NonNegative = 0
 
 
 class _Domain(msgspec.Struct, forbid_unknown_fields=True):
@@ -191,7 +191,9 @@ def _convert(obj: object, typ: type[_T], path_prefix: str = "") -> _T:
                 path = path_prefix + path[1:]
         else:
             message, path = text, path_prefix or "$"
-        raise LayoutError(message, path=path, fix="give the value the type named; see docs/residency.md") from None
+        fix = ("give a value in the range named" if any(op in message for op in (">=", "<=", "> ", "< "))
+               else "give the value the type named")
+        raise LayoutError(message, path=path, fix=f"{fix}; see docs/residency.md") from None
 
 
 # ------------------------------------------------------------------------------------- parse
@@ -236,10 +238,6 @@ def _policy(raw: dict[str, Any]) -> Policy:
         if key.endswith("_bytes"):
             values[key] = _size(values[key], f"$.policy.{key}", key)
     policy = _convert(values, Policy, "$.policy")
-    for key in Policy.__struct_fields__:
-        value = getattr(policy, key)
-        if not isinstance(value, bool) and isinstance(value, int) and value < 0:
-            raise LayoutError(f"policy {key} is negative ({value})", path=f"$.policy.{key}", fix="use 0 or more")
     return policy
 
 
@@ -260,8 +258,6 @@ def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
     seen_gpus: dict[int, int] = {}
     for j, g in enumerate(d.gpus):
         gp = f"{dp}.gpus[{j}]"
-        if g.index < 0:
-            raise LayoutError(f"GPU index {g.index} is negative", path=f"{gp}.index", fix="use the NVML index, 0 or more")
         if g.index in seen_gpus:
             raise LayoutError(f"GPU index {g.index} is declared twice on domain {name!r}", path=f"{gp}.index",
                               fix=f"remove the duplicate or change its index (first at {dp}.gpus[{seen_gpus[g.index]}])")
@@ -305,9 +301,6 @@ def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
             if not s.checkpoint_dir.strip():
                 raise LayoutError(f"training slot {slot!r} has no checkpoint_dir", path=f"{sp}.checkpoint_dir",
                                   fix="give the directory it checkpoints to (passed as HARU_CHECKPOINT_DIR)")
-            if s.grace_ms < 0:
-                raise LayoutError(f"training slot {slot!r} grace_ms is negative", path=f"{sp}.grace_ms",
-                                  fix=f"use 0 (the policy's {policy.training_grace_ms} ms) or more")
             vram = _size(s.vram, f"{sp}.vram", "training VRAM")
             if vram <= 0:
                 raise LayoutError(f"training slot {slot!r} declares no VRAM budget", path=f"{sp}.vram",
@@ -340,16 +333,12 @@ def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
             if d.serve == "direct" and runtime != "external" and not m.port:
                 raise LayoutError(f"model {m.name!r} has no port, and domain {name!r} serves direct",
                                   path=f"{mp}.port", fix="give each runtime the port routers reach it on, or use serve: agent")
-            if not 0 <= m.port <= 65535:
-                raise LayoutError(f"port {m.port} is out of range", path=f"{mp}.port", fix="use 1..65535 (0 = unset)")
             if m.port:
                 if m.port in seen_ports and runtime != "external":
                     raise LayoutError(f"port {m.port} is used twice on domain {name!r}", path=f"{mp}.port",
                                       fix=f"give each runtime its own port (first used by {seen_ports[m.port]})")
                 if runtime != "external":
                     seen_ports[m.port] = mp
-            if m.context_length < 0:
-                raise LayoutError("context_length is negative", path=f"{mp}.context_length", fix="use 0 (runtime default) or more")
             binary = [m.binary] if isinstance(m.binary, str) else list(m.binary)
             model = ModelSpec(name=m.name, slot=slot, gpu_index=s.gpu, runtime=runtime, vram_bytes=vram,
                              context_length=m.context_length, port=m.port, source=m.source, url=m.url,
@@ -397,14 +386,6 @@ def _provision(d: _Domain, name: str, dp: str) -> ProvisionSpec:
     if d.region and p.regions and d.region not in p.regions:
         raise LayoutError(f"the domain's region {d.region!r} is not among provision.regions {p.regions}",
                           path=f"{pp}.regions", fix=f"add {d.region!r} to regions or change the domain's region")
-    for i, port in enumerate(p.ports):
-        if not 1 <= port <= 65535:
-            raise LayoutError(f"port {port} is out of range", path=f"{pp}.ports[{i}]", fix="use 1..65535")
-    for key in ("disk_size_gb", "launch_timeout_s", "status_timeout_s", "down_timeout_s"):
-        value = getattr(p, key)
-        if value < 0 or (value == 0 and key != "disk_size_gb"):
-            raise LayoutError(f"{key} is {value}", path=f"{pp}.{key}",
-                              fix="use a positive number" + (" (0 = SkyPilot's default)" if key == "disk_size_gb" else ""))
     for key in p.envs:
         if not _ENV_NAME.fullmatch(key) or key in RESERVED_ENVS:
             raise LayoutError(f"env name {key!r} cannot be used", path=f"{pp}.envs.{key}",
