@@ -382,23 +382,7 @@ class Proxy:
 
     async def _respond(self, request: web.BaseRequest, conn: Connection, fwd: Forward, started: float,
                        latency_hist) -> web.StreamResponse:
-        kept: list[tuple[str, str]] = []
-        length: int | None = None
-        sse = False
-        defaults = 0  # which of Date, Server, Content-Type the upstream sent (bits 1, 2, 4)
-        for key, value in conn.headers:
-            lower = key.lower()
-            if lower in _DROP_RESPONSE:
-                if lower == "content-length":
-                    length = int(value)
-                continue
-            if lower in _DEFAULTED:
-                if lower == "content-type" and value.startswith("text/event-stream"):
-                    sse = True
-                defaults |= _DEFAULTED[lower]
-            elif lower == "x-haru-domain":
-                continue  # ours, set below
-            kept.append((key, value))
+        kept, length, sse, defaults = _response_headers(conn.headers)
         status = conn.status
         if length is not None and length <= self.buffer_limit and not sse:
             try:
@@ -446,25 +430,8 @@ class Proxy:
         self.metrics.request(fwd.fleet, fwd.model, status)
         try:
             await response.prepare(request)
-            while True:
-                try:
-                    chunk = await conn.next()
-                except UpstreamError as exc:
-                    # Headers are gone already: the honest signal is a connection closed without the
-                    # final chunk, so the client sees a truncated stream rather than a clean end.
-                    log.warning("gateway.upstream_broke_stream", fleet=fwd.fleet, domain=fwd.domain,
-                                model=fwd.model, error=str(exc))
-                    if request.transport is not None:
-                        request.transport.close()
-                    return response
-                if not chunk:
-                    await response.write_eof()
-                    break
-                if conn.complete and not conn.chunks:
-                    await response.write_eof(chunk)  # the last bytes and the terminator in one write
-                    break
-                await response.write(chunk)
-            latency_hist.observe(time.perf_counter() - started)
+            if await _pump(request, response, conn, fwd):
+                latency_hist.observe(time.perf_counter() - started)
             return response
         except ConnectionError:
             return response  # the client went away: release() in _forward closes the upstream
@@ -479,3 +446,47 @@ class Proxy:
                     None, None, fwd.domain)
         )
 
+
+def _response_headers(headers: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], int | None, bool, int]:
+    """The upstream's headers a client gets (hop-by-hop and ours dropped), its Content-Length, whether
+    it is an event stream, and which of Date, Server, Content-Type it sent (bits 1, 2, 4)."""
+    kept: list[tuple[str, str]] = []
+    length: int | None = None
+    sse = False
+    defaults = 0
+    for key, value in headers:
+        lower = key.lower()
+        if lower in _DROP_RESPONSE:
+            if lower == "content-length":
+                length = int(value)
+            continue
+        if lower in _DEFAULTED:
+            if lower == "content-type" and value.startswith("text/event-stream"):
+                sse = True
+            defaults |= _DEFAULTED[lower]
+        elif lower == "x-haru-domain":
+            continue  # ours, set by the response
+        kept.append((key, value))
+    return kept, length, sse, defaults
+
+
+async def _pump(request: web.BaseRequest, response: web.StreamResponse, conn: Connection, fwd: Forward) -> bool:
+    """Stream the upstream's body to the client until its end (True), or until the upstream breaks
+    off (False: the client's connection is closed without the final chunk, a truncated stream rather
+    than a clean end, since the headers are gone already)."""
+    while True:
+        try:
+            chunk = await conn.next()
+        except UpstreamError as exc:
+            log.warning("gateway.upstream_broke_stream", fleet=fwd.fleet, domain=fwd.domain,
+                        model=fwd.model, error=str(exc))
+            if request.transport is not None:
+                request.transport.close()
+            return False
+        if not chunk:
+            await response.write_eof()
+            return True
+        if conn.complete and not conn.chunks:
+            await response.write_eof(chunk)  # the last bytes and the terminator in one write
+            return True
+        await response.write(chunk)

@@ -216,7 +216,7 @@ def parse_layout(data: bytes | str | dict[str, Any]) -> Layout:
     except InvalidName as exc:
         raise LayoutError(str(exc), path="$.fleet", fix="name the fleet with lowercase letters, digits, '_' or '-'") from None
     policy = _policy(doc.policy)
-    domains = [_domain(d, i, policy) for i, d in enumerate(doc.domains)]
+    domains = [_domain(d, i) for i, d in enumerate(doc.domains)]
     _check_fleet(domains)
     return Layout(fleet=fleet, policy=policy, domains=domains)
 
@@ -248,12 +248,59 @@ def _name(kind: str, value: str, path: str) -> str:
         raise LayoutError(str(exc), path=path, fix=f"name the {kind} with lowercase letters, digits, '_' or '-'") from None
 
 
-def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
+def _domain(d: _Domain, i: int) -> Domain:
     dp = f"$.domains[{i}]"
     name = _name("domain", d.name, f"{dp}.name")
     if d.serving_url and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", d.serving_url):
         raise LayoutError(f"serving_url {d.serving_url!r} is not an http(s) URL", path=f"{dp}.serving_url",
                           fix="write it like 'http://10.0.0.5:8600'")
+    gpus = _gpus(d, name, dp)
+    gpu_memory = {g.index: g.memory_bytes for g in gpus}
+    models: list[ModelSpec] = []
+    training: list[TrainingSpec] = []
+    seen_slots: dict[str, str] = {}
+    seen_models: dict[str, str] = {}
+    seen_ports: dict[int, str] = {}
+    for j, s in enumerate(d.slots):
+        sp = f"{dp}.slots[{j}]"
+        slot = _name("slot", s.name, f"{sp}.name")
+        if slot in seen_slots:
+            raise LayoutError(f"slot {slot!r} is declared twice on domain {name!r}", path=f"{sp}.name",
+                              fix=f"give each slot its own name (first at {seen_slots[slot]})")
+        seen_slots[slot] = sp
+        if s.gpu not in gpu_memory:
+            raise LayoutError(
+                f"slot {slot!r} is on GPU {s.gpu}, which domain {name!r} does not declare",
+                path=f"{sp}.gpu",
+                fix=f"use one of the domain's GPU indexes ({', '.join(map(str, sorted(gpu_memory)))}) or declare GPU {s.gpu}",
+            )
+        if s.kind == "training":
+            training.append(_training(s, slot, sp))
+            continue
+        if not s.models:
+            raise LayoutError(f"inference slot {slot!r} has no models", path=f"{sp}.models",
+                              fix='add "models": [{"name": "...", "vram": "..."}] or remove the slot')
+        for k, m in enumerate(s.models):
+            mp = f"{sp}.models[{k}]"
+            if m.name in seen_models:
+                raise LayoutError(f"model {m.name!r} is declared twice on domain {name!r}", path=f"{mp}.name",
+                                  fix=f"declare each model once per domain (first at {seen_models[m.name]})")
+            seen_models[m.name] = mp
+            model = _model(m, slot, s.gpu, mp, direct=d.serve == "direct", domain=name)
+            if model.port and model.runtime != "external":
+                if model.port in seen_ports:
+                    raise LayoutError(f"port {m.port} is used twice on domain {name!r}", path=f"{mp}.port",
+                                      fix=f"give each runtime its own port (first used by {seen_ports[m.port]})")
+                seen_ports[model.port] = mp
+            _check_launch(model, m.runtime, mp, gpu_memory.get(s.gpu, 0))
+            models.append(model)
+    provision = _provision(d, name, dp) if d.provision is not None else None
+    spec = DomainSpec(name=name, provider=d.provider, region=d.region, serving_url=d.serving_url, serve=d.serve,
+                      gpus=gpus, provision=provision)
+    return Domain(spec=spec, models=models, training=training)
+
+
+def _gpus(d: _Domain, name: str, dp: str) -> list[GpuSpec]:
     gpus: list[GpuSpec] = []
     seen_gpus: dict[int, int] = {}
     for j, g in enumerate(d.gpus):
@@ -274,82 +321,45 @@ def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
     if not gpus:
         raise LayoutError(f"domain {name!r} declares no GPUs", path=f"{dp}.gpus",
                           fix='add "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB"}]')
+    return gpus
 
-    gpu_memory = {g.index: g.memory_bytes for g in gpus}
-    models: list[ModelSpec] = []
-    training: list[TrainingSpec] = []
-    seen_slots: dict[str, str] = {}
-    seen_models: dict[str, str] = {}
-    seen_ports: dict[int, str] = {}
-    for j, s in enumerate(d.slots):
-        sp = f"{dp}.slots[{j}]"
-        slot = _name("slot", s.name, f"{sp}.name")
-        if slot in seen_slots:
-            raise LayoutError(f"slot {slot!r} is declared twice on domain {name!r}", path=f"{sp}.name",
-                              fix=f"give each slot its own name (first at {seen_slots[slot]})")
-        seen_slots[slot] = sp
-        if s.gpu not in seen_gpus:
-            raise LayoutError(
-                f"slot {slot!r} is on GPU {s.gpu}, which domain {name!r} does not declare",
-                path=f"{sp}.gpu",
-                fix=f"use one of the domain's GPU indexes ({', '.join(map(str, sorted(seen_gpus)))}) or declare GPU {s.gpu}",
-            )
-        if s.kind == "training":
-            if not s.command:
-                raise LayoutError(f"training slot {slot!r} has no command", path=f"{sp}.command",
-                                  fix='give the argv to run, e.g. ["python", "train.py"]')
-            if not s.checkpoint_dir.strip():
-                raise LayoutError(f"training slot {slot!r} has no checkpoint_dir", path=f"{sp}.checkpoint_dir",
-                                  fix="give the directory it checkpoints to (passed as HARU_CHECKPOINT_DIR)")
-            vram = _size(s.vram, f"{sp}.vram", "training VRAM")
-            if vram <= 0:
-                raise LayoutError(f"training slot {slot!r} declares no VRAM budget", path=f"{sp}.vram",
-                                  fix='declare what it may use, e.g. "vram": "8GiB"')
-            training.append(TrainingSpec(slot=slot, gpu_index=s.gpu, command=list(s.command),
-                                         checkpoint_dir=s.checkpoint_dir, vram_bytes=vram, grace_ms=s.grace_ms))
-            continue
-        if not s.models:
-            raise LayoutError(f"inference slot {slot!r} has no models", path=f"{sp}.models",
-                              fix='add "models": [{"name": "...", "vram": "..."}] or remove the slot')
-        for k, m in enumerate(s.models):
-            mp = f"{sp}.models[{k}]"
-            try:
-                check_model_id(m.name)
-            except InvalidName as exc:
-                raise LayoutError(str(exc), path=f"{mp}.name",
-                                  fix="use the exact OpenAI model id clients send, with no whitespace") from None
-            if m.name in seen_models:
-                raise LayoutError(f"model {m.name!r} is declared twice on domain {name!r}", path=f"{mp}.name",
-                                  fix=f"declare each model once per domain (first at {seen_models[m.name]})")
-            seen_models[m.name] = mp
-            runtime = m.runtime or runtime_for(m.source, m.url)
-            vram = _size(m.vram, f"{mp}.vram", "model VRAM")
-            if runtime != "external" and vram <= 0:
-                raise LayoutError(f"model {m.name!r} declares no VRAM", path=f"{mp}.vram",
-                                  fix='declare what its runtime holds on the GPU, e.g. "vram": "20GiB"')
-            if runtime == "external" and not m.url:
-                raise LayoutError(f"external model {m.name!r} has no url", path=f"{mp}.url",
-                                  fix='give the base URL of the running endpoint, e.g. "http://10.0.0.5:8000"')
-            if d.serve == "direct" and runtime != "external" and not m.port:
-                raise LayoutError(f"model {m.name!r} has no port, and domain {name!r} serves direct",
-                                  path=f"{mp}.port", fix="give each runtime the port routers reach it on, or use serve: agent")
-            if m.port:
-                if m.port in seen_ports and runtime != "external":
-                    raise LayoutError(f"port {m.port} is used twice on domain {name!r}", path=f"{mp}.port",
-                                      fix=f"give each runtime its own port (first used by {seen_ports[m.port]})")
-                if runtime != "external":
-                    seen_ports[m.port] = mp
-            binary = [m.binary] if isinstance(m.binary, str) else list(m.binary)
-            model = ModelSpec(name=m.name, slot=slot, gpu_index=s.gpu, runtime=runtime, vram_bytes=vram,
-                             context_length=m.context_length, port=m.port, source=m.source, url=m.url,
-                             binary=binary, args=list(m.args), env=dict(m.env), adapters=dict(m.adapters),
-                             gpu_layers=m.gpu_layers)
-            _check_launch(model, m.runtime, mp, gpu_memory.get(s.gpu, 0))
-            models.append(model)
-    provision = _provision(d, name, dp) if d.provision is not None else None
-    spec = DomainSpec(name=name, provider=d.provider, region=d.region, serving_url=d.serving_url, serve=d.serve,
-                      gpus=gpus, provision=provision)
-    return Domain(spec=spec, models=models, training=training)
+
+def _training(s: _Slot, slot: str, sp: str) -> TrainingSpec:
+    if not s.command:
+        raise LayoutError(f"training slot {slot!r} has no command", path=f"{sp}.command",
+                          fix='give the argv to run, e.g. ["python", "train.py"]')
+    if not s.checkpoint_dir.strip():
+        raise LayoutError(f"training slot {slot!r} has no checkpoint_dir", path=f"{sp}.checkpoint_dir",
+                          fix="give the directory it checkpoints to (passed as HARU_CHECKPOINT_DIR)")
+    vram = _size(s.vram, f"{sp}.vram", "training VRAM")
+    if vram <= 0:
+        raise LayoutError(f"training slot {slot!r} declares no VRAM budget", path=f"{sp}.vram",
+                          fix='declare what it may use, e.g. "vram": "8GiB"')
+    return TrainingSpec(slot=slot, gpu_index=s.gpu, command=list(s.command), checkpoint_dir=s.checkpoint_dir,
+                        vram_bytes=vram, grace_ms=s.grace_ms)
+
+
+def _model(m: _Model, slot: str, gpu: int, mp: str, *, direct: bool, domain: str) -> ModelSpec:
+    try:
+        check_model_id(m.name)
+    except InvalidName as exc:
+        raise LayoutError(str(exc), path=f"{mp}.name",
+                          fix="use the exact OpenAI model id clients send, with no whitespace") from None
+    runtime = m.runtime or runtime_for(m.source, m.url)
+    vram = _size(m.vram, f"{mp}.vram", "model VRAM")
+    if runtime != "external" and vram <= 0:
+        raise LayoutError(f"model {m.name!r} declares no VRAM", path=f"{mp}.vram",
+                          fix='declare what its runtime holds on the GPU, e.g. "vram": "20GiB"')
+    if runtime == "external" and not m.url:
+        raise LayoutError(f"external model {m.name!r} has no url", path=f"{mp}.url",
+                          fix='give the base URL of the running endpoint, e.g. "http://10.0.0.5:8000"')
+    if direct and runtime != "external" and not m.port:
+        raise LayoutError(f"model {m.name!r} has no port, and domain {domain!r} serves direct",
+                          path=f"{mp}.port", fix="give each runtime the port routers reach it on, or use serve: agent")
+    binary = [m.binary] if isinstance(m.binary, str) else list(m.binary)
+    return ModelSpec(name=m.name, slot=slot, gpu_index=gpu, runtime=runtime, vram_bytes=vram,
+                     context_length=m.context_length, port=m.port, source=m.source, url=m.url, binary=binary,
+                     args=list(m.args), env=dict(m.env), adapters=dict(m.adapters), gpu_layers=m.gpu_layers)
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

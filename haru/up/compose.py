@@ -477,29 +477,7 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
     embedded = not opts.nats_url
     await asyncio.to_thread(stop_leftovers, opts.home, embedded=embedded)  # waits for them to stop
     async with contextlib.AsyncExitStack() as stack:
-        nats_child: Child | None = None
-        if opts.nats_url:
-            nats_url = opts.nats_url
-        else:
-            port = opts.nats_port
-            if port and not _port_free(port):
-                chosen = free_port()
-                log.warning("up.nats_port_busy", port=port, using=chosen,
-                            hint="another nats-server is using it; this one uses a free port")
-                port = chosen
-            server = NatsServer(opts.home / "nats", port=port)
-            await server.start()
-            stack.push_async_callback(server.stop)
-            nats_url = server.url
-            url_file.write_text(nats_url + "\n")
-            stack.callback(lambda: url_file.unlink(missing_ok=True))
-
-            async def restart_nats() -> subprocess.Popen:
-                await server.start()
-                assert server.proc is not None
-                return server.proc
-
-            nats_child = Child("nats-server", server.log_file, restart_nats, server.proc)
+        nats_url, nats_child = (opts.nats_url, None) if opts.nats_url else await _start_nats(opts, stack, url_file)
         running = Running(nats_url=nats_url, nats=nats_child)
         lock.publish(nats_url=nats_url)
 
@@ -561,6 +539,28 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
         running.stopping = True
         log.info("up.stopping")
     return running
+
+
+async def _start_nats(opts: UpOptions, stack: contextlib.AsyncExitStack, url_file: Path) -> tuple[str, Child]:
+    """The embedded nats-server (on a free port when the asked one is busy), stopped with `stack`."""
+    port = opts.nats_port
+    if port and not _port_free(port):
+        chosen = free_port()
+        log.warning("up.nats_port_busy", port=port, using=chosen,
+                    hint="another nats-server is using it; this one uses a free port")
+        port = chosen
+    server = NatsServer(opts.home / "nats", port=port)
+    await server.start()
+    stack.push_async_callback(server.stop)
+    url_file.write_text(server.url + "\n")
+    stack.callback(lambda: url_file.unlink(missing_ok=True))
+
+    async def restart_nats() -> subprocess.Popen:
+        await server.start()
+        assert server.proc is not None
+        return server.proc
+
+    return server.url, Child("nats-server", server.log_file, restart_nats, server.proc)
 
 
 def _children_registry(running: Running):
