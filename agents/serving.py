@@ -172,7 +172,7 @@ class ServingProxy:
         if not self._authorized(request):
             return error(401, "unauthorized", "missing or wrong bearer token (HARU_SERVING_TOKEN)")
         try:
-            body = await read_body(request, self.limits, MAX_BODY)
+            body = await read_body(request, self.limits.body_timeout_s, MAX_BODY)
         except BodyTooLarge:
             return error(413, "payload_too_large", f"the body is over {MAX_BODY} bytes", headers={"Connection": "close"})
         except BodyTimeout:

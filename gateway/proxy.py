@@ -37,6 +37,7 @@ from gateway.routing import (
     model_of,
 )
 from gateway.upstream import Connection, Pool
+from haru.host.httpguard import BodyTimeout, BodyTooLarge, read_body
 from haru.core.openai_errors import PAYLOAD_TOO_LARGE, REQUEST_TIMEOUT, UPSTREAM_TIMEOUT, UPSTREAM_UNREACHABLE
 
 log = structlog.get_logger("haru.gateway")
@@ -190,24 +191,6 @@ def _head(status: int, headers: tuple[tuple[str, str], ...], defaults: int, doma
     return head
 
 
-class _TooSlow(Exception):
-    """The body did not arrive within HARU_CLIENT_BODY_TIMEOUT_MS (answered with a 408)."""
-
-
-class _TooLarge(Exception):
-    """The body is over HARU_CHAT_MAX_BODY_BYTES (control flow inside the proxy, answered with a 413)."""
-
-
-async def continue_if_expected(request: web.BaseRequest) -> None:
-    """Answer `Expect: 100-continue` (curl sends it for bodies over 1 KiB and waits 1 s otherwise).
-
-    aiohttp's router does this for its routes; the low-level server leaves it to the handler.
-    """
-    if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0
-
-
 def error_response(refusal: Refusal, extra: dict[str, str] | None = None) -> web.Response:
     headers = {"Content-Type": "application/json"}
     if refusal.retry_after is not None:
@@ -253,8 +236,8 @@ class Proxy:
         headers = request.headers
         fleet = headers.get("X-Haru-Fleet") or self.default_fleet
         try:
-            body = await self._read_body(request)
-        except _TooSlow:
+            body = await read_body(request, self.body_timeout, self.max_body)
+        except BodyTimeout:
             status, code = REQUEST_TIMEOUT
             self.metrics.request(self._fleet_label(fleet), UNKNOWN_MODEL, status)
             return error_response(Refusal(
@@ -262,7 +245,7 @@ class Proxy:
                 f"the request body did not arrive within HARU_CLIENT_BODY_TIMEOUT_MS "
                 f"({self.config.client_body_timeout_ms} ms); send it at once, or raise the limit on the gateway",
             ), {"Connection": "close"})
-        except _TooLarge:
+        except BodyTooLarge:
             status, code = PAYLOAD_TOO_LARGE
             refusal = Refusal(
                 status,
@@ -286,42 +269,6 @@ class Proxy:
     def _fleet_label(self, fleet: str) -> str:
         """The fleet as a metric label: only fleets that exist, so clients cannot grow the label set."""
         return fleet if self.table.get(fleet) is not None else UNKNOWN_FLEET
-
-    async def _read_body(self, request: web.BaseRequest) -> bytes:
-        length = request.content_length
-        content = request.content
-        if length is not None and length > self.max_body:
-            raise _TooLarge  # before "100 Continue": a client that asked will not send the body at all
-        if length is not None and content.is_eof():
-            # all here: no timer to set, nothing to wait for (read_nowait: no coroutine chain)
-            if not length:
-                return b""
-            data = content.read_nowait()
-            if len(data) == length:
-                return data
-            return data + await content.readexactly(length - len(data))  # raises as before on a short body
-        try:
-            async with asyncio.timeout(self.body_timeout):
-                return await self._read_body_slowly(request, length, content)
-        except TimeoutError:
-            raise _TooSlow from None
-
-    async def _read_body_slowly(self, request: web.BaseRequest, length: int | None, content) -> bytes:
-        await continue_if_expected(request)
-        if length is not None:
-            if length == 0:
-                return b""
-            return await content.readexactly(length)
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            chunk = await content.readany()
-            if not chunk:
-                return b"".join(chunks)
-            size += len(chunk)
-            if size > self.max_body:
-                raise _TooLarge
-            chunks.append(chunk)
 
     def _header_block(self, request: web.BaseRequest) -> str:
         """The client's headers minus hop-by-hop, framing and credentials, plus the serving token."""
