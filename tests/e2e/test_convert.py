@@ -20,7 +20,7 @@ from openai import OpenAI
 from haru.up.convert import env_python
 from haru.host.natsd import free_port
 from tests.e2e.test_up_demo import REPO, stop_and_reap, wait_for
-from tests.llama_support import llama_binary
+from tests.support.llama import llama_binary
 from tests.support import haru
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(240)]

@@ -16,7 +16,7 @@ from haru.core import subjects
 from haru.core.commands import Command
 from haru.core.errors import AgentGone
 from tests.support import haru
-from tests.integration.agent_harness import (
+from tests.support.agent_harness import (
     agent_env,
     get_json,
     is_,

@@ -11,7 +11,7 @@ from haru.log.bus import send
 from agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.commands import Command
-from tests.integration.agent_harness import (
+from tests.support.agent_harness import (
     AgentProcess,
     agent_env,
     is_,

@@ -13,7 +13,7 @@ from haru.core import subjects
 from haru.core.apply import apply
 from haru.core.commands import Command
 from haru.core.layout import load_layout
-from tests.integration.agent_harness import (
+from tests.support.agent_harness import (
     AgentProcess,
     agent_env,
     is_,

@@ -1,4 +1,4 @@
-"""The SkyPilot and SkyServe drivers against a fake `sky` executable (tests/fake_sky.py), run as a real
+"""The SkyPilot and SkyServe drivers against a fake `sky` executable (tests/support/fake_sky.py), run as a real
 child process through the real `SubprocessExec`: success, a capacity error then the next region, a
 hang past the timeout, a cluster already up after a crash, a failed teardown, a missing secret."""
 
@@ -16,7 +16,7 @@ from haru.provision import (CapacityError, LaunchFailed, SecretMissing, SkyPilot
                             SkyUnavailable, SubprocessExec, task_config)
 from haru.provision.errors import TeardownFailed
 from haru.host.procfs import pid_alive
-from tests.fake_sky import FakeSky, sha12
+from tests.support.fake_sky import FakeSky, sha12
 from tests.unit.test_provision_yaml import EXAMPLE
 
 ENV = {"HARU_AGENT_NATS_CREDS": "-----BEGIN NATS USER JWT-----\nfake\n", "HF_TOKEN": "hf_fake"}

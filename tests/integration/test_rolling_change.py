@@ -20,7 +20,7 @@ from haru.log.bus import send
 from haru.core import subjects
 from haru.core.events import OperationAborted, OperationCompleted, RollingRequested, StepStarted
 from haru.promoter.decider import flow
-from tests.integration.promoter_support import PromoterProcess, describe, op_events, wait_op_end, wait_until, wait_view
+from tests.support.promoter import PromoterProcess, describe, op_events, wait_op_end, wait_until, wait_view
 from tests.integration.test_agent_live_apply import edit_layout, tags_become
 from tests.integration.test_agent_restart import (
     FLEET,
