@@ -8,7 +8,7 @@ by HARU_CHAT_HEADER_TIMEOUT_MS and nothing else: no timer runs on a body, so a s
 quiet mid-generation is never cut by the transport.
 
 Responses pass through untouched: a sized response up to `buffer_limit_bytes` that is not SSE is
-returned as one body with Content-Length (cheaper than chunked, NOTES.md); anything else (SSE, or
+returned as one body with Content-Length (cheaper than chunked, docs/design.md); anything else (SSE, or
 unsized) is streamed chunk by chunk as it arrives. A client that disconnects cancels the handler
 (the server runs with handler_cancellation), which closes the upstream connection, so the runtime
 stops generating. A response the client did not take whole is never put back in the pool.

@@ -8,7 +8,7 @@ chat request costs two dict look-ups: `table.resolve(fleet, model, now)` returns
     Refusal(status, code, message, retry_after)    answer with OpenAI's error shape
 
 The router answers (one per model on the active domain, computed by the projector into the route
-intent) map to HTTP exactly as DESIGN.md's "Router answers" table says; `ANSWER_STATUS` (in
+intent) map to HTTP exactly as docs/design.md's "What a client is told" table says; `ANSWER_STATUS` (in
 `haru.core.openai_errors`, shared with the agent's serving port) is that table, and the tests and docs/gateway.md read the same one:
 
     ready              proxied

@@ -13,7 +13,7 @@ Every event carries the envelope:
 Tags are explicit, stable snake_case: an event's tag never changes. New fields get defaults;
 a field's type never changes. Names are past tense; commands (in `haru.core.commands`) are imperative.
 
-Which subject each event goes to is in `haru.core.subjects`; who writes it is in DESIGN.md.
+Which subject each event goes to is in `haru.core.subjects`; who writes it is in docs/design.md.
 """
 
 from __future__ import annotations

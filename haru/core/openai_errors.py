@@ -7,7 +7,7 @@
 Pure: no I/O. Both surfaces that answer OpenAI clients (the gateway's proxy and control API, the
 agent's serving port) build every error body here, so a client sees the same `type` and `code` for the
 same condition wherever it asked. `ANSWER_STATUS` maps a router answer (`haru.core.residency.ANSWERS`) to
-an HTTP status and OpenAI `error.code`: DESIGN.md's "Router answers" table, read by code, tests and
+an HTTP status and OpenAI `error.code`: docs/design.md's "What a client is told" table, read by code, tests and
 docs alike.
 """
 
