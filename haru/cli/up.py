@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--home", default=None, help="state directory (env HARU_HOME, default ~/.haru)")
     p.add_argument("--host", default=None, help="gateway listen address (env HARU_GATEWAY_HOST)")
     p.add_argument("--port", type=int, default=None, help="gateway port (env HARU_GATEWAY_PORT, default 8700)")
-    p.add_argument("--layout", default=None, help="with --demo: the layout to apply (default deploy/examples/demo-fleet.json)")
+    p.add_argument("--layout", default=None, help="with --demo: the layout to apply (default: the demo layout haru ships, as in deploy/examples/demo-fleet.json)")
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus metrics of the projector and promoter (env HARU_METRICS_PORT; default 9400, "

@@ -3,10 +3,10 @@
     haru up                     embedded nats-server (store under $HARU_HOME, default ~/.haru), streams
                                 ensured, then projector + promoter + gateway in this process
     haru up --nats-url URL      the same against an existing NATS (or cluster)
-    haru up --demo              also applies deploy/examples/demo-fleet.json and runs two agents
+    haru up --demo              also applies the demo layout (haru/up/demo/demo-fleet.json) and runs two agents
                                 (domains a and b) on simulated GPUs, as child processes
     haru up --demo --real       the same fleet shape on real llama-servers (CPU, tiny generated
-                                models): deploy/examples/demo-fleet-real.json
+                                models): haru/up/demo/demo-fleet-real.json
 
 The gateway runs in this process; nats-server, the projector, the promoter and the agents are child
 processes, each in a session of its own with a parent-death signal (`haru.host.children`), and each
@@ -55,9 +55,12 @@ from haru.host.tasks import cancel_and_wait
 
 log = structlog.get_logger("haru.up.compose")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEMO_LAYOUT = REPO_ROOT / "deploy" / "examples" / "demo-fleet.json"
-REAL_DEMO_LAYOUT = REPO_ROOT / "deploy" / "examples" / "demo-fleet-real.json"
+# The folder that holds the `haru` package (a checkout's root, or site-packages): the children's PYTHONPATH.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The demo layouts ship inside the package (haru/up/demo/, package data), so `haru up --demo` runs
+# from an installed wheel; deploy/examples/ keeps the same files for operators to copy.
+DEMO_LAYOUT = Path(__file__).resolve().parent / "demo" / "demo-fleet.json"
+REAL_DEMO_LAYOUT = Path(__file__).resolve().parent / "demo" / "demo-fleet-real.json"
 DEFAULT_NATS_PORT = 4222
 NATS_URL_FILE = "nats.url"  # `haru status` and friends read it when no --nats-url is given
 AGENT_STOP_S = 20.0
@@ -93,8 +96,8 @@ def demo_layout(home: Path, path: Path = DEMO_LAYOUT) -> Layout:
         doc = json.loads(path.read_text())
     except OSError as exc:
         raise ConfigError(
-            f"cannot read the demo layout {path}: {exc.strerror}; run from a checkout installed with "
-            "`pip install -e .`, or pass --layout deploy/examples/demo-fleet.json"
+            f"cannot read the demo layout {path}: {exc.strerror}; reinstall haru (the demo layouts are its "
+            "package data), or pass --layout with a layout of your own"
         ) from None
     py = sys.executable
     for domain in doc.get("domains", []):
