@@ -28,21 +28,12 @@ from typing import Any
 from haru.core import subjects
 from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers, add_log_options, configure_logging
 from haru.core.errors import LogUnavailable
-from haru.core.operations import abort_words, as_doc, fold_operations
+from haru.core.operations import as_doc, fold_operations, progress_line
 from haru.promoter.errors import OperationNotFound
 from haru.host.tasks import cancel_and_wait, run_until_signal
 from haru.host.metrics import add_metrics_options
 from haru.log.eventlog import EventLog, Record
-from haru.core.events import (
-    OperationAborted,
-    OperationCompleted,
-    OperationRequested,
-    StepCompleted,
-    StepFailed,
-    StepStarted,
-    payload,
-    tag_of,
-)
+from haru.core.events import OperationAborted, OperationCompleted, payload, tag_of
 
 _STATUS = {
     "noop": ExitStatus.OK,
@@ -196,19 +187,8 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
             return
         if json_out:
             emit_json({"seq": rec.seq, "type": tag_of(ev), **payload(ev)})
-        elif isinstance(ev, OperationRequested):
-            print(f"requested  {getattr(ev, 'reason', 'manual')} {ev.kind} of {ev.target}")
-        elif isinstance(ev, StepStarted):
-            pass
-        elif isinstance(ev, StepCompleted):
-            detail = f"  {ev.detail}" if ev.detail else ""
-            print(f"{ev.step:<18} ok      {ev.took_ms:>6} ms{detail}")
-        elif isinstance(ev, StepFailed):
-            print(f"{ev.step:<18} FAILED  {ev.took_ms:>6} ms  {ev.error_code}: {ev.error}")
-        elif isinstance(ev, OperationCompleted):
-            print(f"completed  {op_id}")
-        elif isinstance(ev, OperationAborted):
-            print(f"aborted    {op_id} at {abort_words(ev.step, ev.error) or '(no step)'} (routing did not move)")
+        elif (line := progress_line(op_id, ev)) is not None:
+            print(line)
         sys.stdout.flush()
         if isinstance(ev, OperationCompleted):
             outcome.set_result(ExitStatus.OK)

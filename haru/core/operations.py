@@ -3,6 +3,7 @@
     ops = fold_operations(records)      stream order; every operation on one fleet's op subject
     as_doc(op)                          the JSON document `haru op --json` prints and the console sends
     abort_words(step, error)            how an abort is worded, everywhere: `verify_gpu: GPU 0 gone`
+    progress_line(op_id, event)         one event of an operation as `haru promote --wait` prints it
 
 Each operation is requested once (an `OperationRequested`), then its steps start and end
 (`step_started`, `step_completed`/`step_failed`; a restarted step is a new attempt), then it ends
@@ -27,7 +28,7 @@ from haru.core.events import (
     StepStarted,
 )
 
-__all__ = ["OpStep", "Operation", "fold_operations", "as_doc", "abort_words", "ms_between"]
+__all__ = ["OpStep", "Operation", "fold_operations", "as_doc", "abort_words", "ms_between", "progress_line"]
 
 
 class _Record(Protocol):
@@ -122,6 +123,22 @@ def _evolve(op: Operation, seq: int, ev: Any) -> Operation:
     if isinstance(ev, OperationAborted):
         return replace(op, state="aborted", finished_at=ev.at, error=abort_words(ev.step, ev.error))
     return op
+
+
+def progress_line(op_id: str, ev: Any) -> str | None:
+    """One event of operation `op_id` as a line for a person following it (None: nothing to say)."""
+    if isinstance(ev, OperationRequested):
+        return f"requested  {getattr(ev, 'reason', 'manual')} {ev.kind} of {ev.target}"
+    if isinstance(ev, StepCompleted):
+        detail = f"  {ev.detail}" if ev.detail else ""
+        return f"{ev.step:<18} ok      {ev.took_ms:>6} ms{detail}"
+    if isinstance(ev, StepFailed):
+        return f"{ev.step:<18} FAILED  {ev.took_ms:>6} ms  {ev.error_code}: {ev.error}"
+    if isinstance(ev, OperationCompleted):
+        return f"completed  {op_id}"
+    if isinstance(ev, OperationAborted):
+        return f"aborted    {op_id} at {abort_words(ev.step, ev.error) or '(no step)'} (routing did not move)"
+    return None
 
 
 def as_doc(op: Operation) -> dict[str, Any]:

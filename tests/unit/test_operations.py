@@ -46,3 +46,13 @@ def test_a_restarted_step_is_a_second_attempt_and_an_outcome_without_its_start_s
     doc = as_doc(first)
     assert doc["duration_ms"] == 70 and doc["steps"][1]["duration_ms"] == 30
     assert doc["steps"][1]["error"] == "out_of_memory: CUDA OOM" and doc["requested_at"] == T0.isoformat()
+
+
+def test_haru_promote_wait_words_each_event_and_the_abort_as_haru_op_does():
+    from haru.core.operations import progress_line
+
+    assert progress_line("op-1", PromotionRequested(at=at(0), op_id="op-1", target="b", reason="manual")) == \
+        "requested  manual promotion of b"
+    assert progress_line("op-1", StepStarted(at=at(0), op_id="op-1", step="wake")) is None
+    assert progress_line("op-1", OperationAborted(at=at(0), op_id="op-1", step="wake", error="CUDA OOM")) == \
+        "aborted    op-1 at wake: CUDA OOM (routing did not move)"
