@@ -108,7 +108,7 @@ async def test_every_producer_cites_the_event_that_caused_it(tmp_path, nats_serv
             await wait_until(aborted, timeout=60, what="the abort")
             await wait_view(event_log, lambda v: v.operation is None, timeout=60, fleet=FLEET, what="no operation in flight")
         for p in procs:
-            p.signal(signal.SIGTERM)
+            p.signal(signal.SIGINT)  # stopping for good: each unloads its runtimes (model_stopped)
         for p in procs:
             await p.wait(30)
 
