@@ -60,7 +60,8 @@ from haru.core.errors import LogUnavailable
 from haru.core.events import AgentStarted, Event, GpuObserved
 from haru.core.layout import parse_layout
 from haru.core.residency import Resident, Sleeping, Waking, state_name
-from haru.core.specs import GiB, ModelSpec, Policy
+from haru.core.sizes import GiB
+from haru.core.specs import ModelSpec, Policy
 from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import EventLog
 
@@ -116,8 +117,45 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+class _Slots:
+    """What the command service reads of the host's slots: no training slot, the fleet's policy."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.trainers: dict[str, Any] = {}
+        self.policy = policy
+
+    async def stop(self, slot: str) -> None:
+        return None
+
+
+class _Training:
+    def __init__(self, slots: _Slots) -> None:
+        self.slots = slots
+
+    async def start(self, slot: str, *, force: bool = False) -> Outcome:
+        return Outcome(ok=True, detail="no training slot here")
+
+
+class _Supervisor:
+    """One model's sleep, wake and probe, as the command service asks the agent's supervisor."""
+
+    def __init__(self, host: SimHost, m: ModelSlot) -> None:
+        self.host, self.m = host, m
+
+    async def sleep(self, level: int) -> Outcome:
+        return await self.host.sleep_model(self.m, level)
+
+    async def wake(self) -> Outcome:
+        return await self.host.wake_model(self.m)
+
+    async def probe(self) -> Outcome:
+        return await self.host.probe_model(self.m)
+
+
 class SimHost:
-    """One simulated agent: a `CommandTarget` for the real command service (agents/ports.py)."""
+    """One simulated agent. To the real command service (agents/commands.py) it is the agent's parts:
+    its model slots (`selected`, `supervisor`), its role (`refresh`), its live apply (`apply_declared`,
+    `slots`) and its status (`data`, `verify_gpus`); training is `_Training` over no slots."""
 
     def __init__(self, log: EventLog, fleet: str, domain: str, specs: list[ModelSpec], *, policy: Policy,
                  serving_url: str, heartbeat_ms: int, load_ms: int, wake_ms: int, sleep_ms: int, probe_ms: int,
@@ -130,6 +168,7 @@ class SimHost:
         self.writer = f"agent:{self.host}"
         self.serving_url = serving_url
         self._policy = policy
+        self._slots = _Slots(policy)
         self.heartbeat_ms = heartbeat_ms
         self.load_ms, self.wake_ms, self.sleep_ms, self.probe_ms = load_ms, wake_ms, sleep_ms, probe_ms
         self.logger = structlog.get_logger("haru.sim.hosts").bind(fleet=fleet, domain=domain)
@@ -153,21 +192,27 @@ class SimHost:
             self.acked.append((subject, seq))
         return seq
 
-    # ------------------------------------------------------------------------- CommandTarget
+    # ------------------------------------------------------------- what the command service asks
 
     @property
     def models(self) -> Mapping[str, ModelSlot]:
         return self._models
 
     @property
-    def trainers(self) -> Mapping[str, Any]:
-        return {}
-
-    @property
     def policy(self) -> Policy:
         return self._policy
 
-    def status_data(self) -> dict:
+    @property
+    def slots(self) -> _Slots:
+        return self._slots
+
+    def supervisor(self, m: ModelSlot) -> _Supervisor:
+        return _Supervisor(self, m)
+
+    async def refresh(self, revision: int) -> None:
+        return None
+
+    def data(self) -> dict:
         return {"role": "sim", "models": {n: {"state": m.state_tag} for n, m in self._models.items()},
                 "training": {}, "gpus": [{"index": 0, "present": self.gpu.present}]}
 
@@ -207,15 +252,6 @@ class SimHost:
             return Outcome(ok=False, code="not_ready", detail=f"{m.name} is {m.state_tag}")
         return Outcome(ok=True, detail="one token", latency_ms=self.probe_ms)
 
-    async def stop_training_slot(self, slot: str) -> None:
-        return None
-
-    async def start_training_slot(self, slot: str, *, force: bool = False) -> Outcome:
-        return Outcome(ok=True, detail="no such slot here")
-
-    async def refresh_route(self, revision: int) -> None:
-        return None
-
     async def verify_gpus(self, models: list[ModelSlot]) -> GpuVerdict:
         if not self.gpu.present:
             return GpuVerdict(ok=False, error=ErrorInfo(code="gpu_detached", message="GPU 0 is detached"))
@@ -246,7 +282,8 @@ class SimHost:
             await self.gpu.observe(0)
             for m in self._models.values():
                 m.seq = await self.log.last_seq_of(m.subject)
-        self.service = CommandService(self, self.log.nc)
+        self.service = CommandService(self.log.nc, models=self, training=_Training(self._slots), role=self,  # type: ignore[arg-type]
+                                      live=self, status=self)  # type: ignore[arg-type]
         await self.service.start()
         hb = subjects.heartbeat(self.fleet, self.domain)
         beats = Heartbeats(lambda data: self.log.bus.publish(hb, data), self.heartbeat, interval_s=self.heartbeat_ms / 1000,
