@@ -113,9 +113,11 @@ def operations(records: list[Record]) -> list[dict[str, Any]]:
             else:  # an outcome without its start (the start was before the records read)
                 step = {"step": ev.step, "attempt": 1, "seq": rec.seq, "started_at": None, "_at": None}
                 op["steps"].append(step)
-            step.update(state="completed" if isinstance(ev, StepCompleted) else "failed", finished_at=ev.at.isoformat(),
+            skipped = ev.skipped if isinstance(ev, StepCompleted) else ""
+            step.update(state="skipped" if skipped else "completed" if isinstance(ev, StepCompleted) else "failed",
+                        finished_at=ev.at.isoformat(),
                         duration_ms=_ms_between(step.get("_at"), ev.at), took_ms=ev.took_ms,
-                        detail=getattr(ev, "detail", ""),
+                        detail=skipped or getattr(ev, "detail", ""),
                         error=(f"{ev.error_code}: {ev.error}" if isinstance(ev, StepFailed) else ""))
         elif isinstance(ev, (OperationCompleted, OperationAborted)):
             op["state"] = "completed" if isinstance(ev, OperationCompleted) else "aborted"

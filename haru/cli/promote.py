@@ -278,6 +278,8 @@ async def run_op(args: argparse.Namespace) -> ExitStatus:
         for st in op["steps"]:
             if st["type"] == "step_started":
                 print(f"  {st['step']:<18} started (attempt {st.get('attempt', 1)})")
+            elif st["type"] == "step_completed" and st.get("skipped"):
+                print(f"  {st['step']:<18} skipped {st.get('took_ms', 0):>6} ms  {st['skipped']}")
             elif st["type"] == "step_completed":
                 print(f"  {st['step']:<18} ok      {st.get('took_ms', 0):>6} ms  {st.get('detail', '')}")
             else:

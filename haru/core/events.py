@@ -404,6 +404,9 @@ class StepCompleted(Event, frozen=True, kw_only=True, tag="step_completed"):
     step: Step
     detail: str = ""
     took_ms: int = 0
+    # A best-effort step that did not apply, and why (the old active's GPU is gone: the reason for
+    # the failover). Shown as skipped, not as a failure; what follows is what follows a completion.
+    skipped: str = ""
 
 
 class StepFailed(Event, frozen=True, kw_only=True, tag="step_failed"):
