@@ -460,7 +460,7 @@ class Agent:
             done: dict[str, list[str]] = {"started": [], "stopped": [], "replaced": [], "pending": []}
             for name in diff.removed:
                 self.pending.pop(name, None)
-                await self._retire(name, "the layout no longer has this model")
+                await self._retire(name, new.retire_why(name))
                 done["stopped"].append(name)
             for spec in diff.added:
                 m = self.models[spec.name] = self._new_slot(spec)

@@ -199,6 +199,8 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
             print(f"requested  {getattr(ev, 'reason', 'manual')} {ev.kind} of {ev.target}")
         elif isinstance(ev, StepStarted):
             pass
+        elif isinstance(ev, StepCompleted) and ev.skipped:
+            print(f"{ev.step:<18} skipped {ev.took_ms:>6} ms  {ev.skipped}")
         elif isinstance(ev, StepCompleted):
             detail = f"  {ev.detail}" if ev.detail else ""
             print(f"{ev.step:<18} ok      {ev.took_ms:>6} ms{detail}")
@@ -217,7 +219,7 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
     from haru.cli.common import LinkReporter
 
     url = ", ".join(log.server_urls()) or "NATS"
-    log.on_link_change(LinkReporter(url, f"operation {op_id}'s progress"))
+    forget = log.on_link_change(LinkReporter(url, f"operation {op_id}'s progress"))
     follower = asyncio.create_task(log.follow(on_record, subject_filter=subjects.op(fleet), from_seq=from_seq,
                                               name="promote-wait"))
     try:
@@ -229,6 +231,7 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
             follower.result()
         return fail(f"operation {op_id} did not finish within {timeout:.0f}s; it goes on: haru promote --wait again", ExitStatus.ERROR)
     finally:
+        forget()  # before the connection closes: a clean exit is not the control plane going away
         await cancel_and_wait(follower)
 
 

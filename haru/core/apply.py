@@ -33,13 +33,16 @@ from haru.core.events import (
     TrainingRetired,
     tag_of,
 )
-from haru.core.planner import Plan, Verdict, plan as plan_layout
+from haru.core.planner import Plan, Verdict, format_gib, plan as plan_layout
+from haru.core.residency import state_name
 from haru.core.specs import DomainSpec, Layout, ModelSpec, Policy, TrainingSpec
 
 if TYPE_CHECKING:
+    from haru.core.views import FleetView
     from haru.log.eventlog import EventLog  # the type only: the shell hands the log in
 
-__all__ = ["Declarations", "fold_declarations", "diff", "ApplyResult", "apply", "describe", "DEFAULT_RETRIES"]
+__all__ = ["Declarations", "fold_declarations", "diff", "ApplyResult", "apply", "describe", "running_at_risk",
+           "DEFAULT_RETRIES"]
 
 DEFAULT_RETRIES = 5
 
@@ -284,3 +287,38 @@ def change_paths(events: list[Event], active: str) -> list[str]:
             lines.append(f"{domain or 'fleet'}{'/' + what if what else ''}: {tag}: read when the agent starts "
                          f"(restart it: its runtimes are adopted)")
     return lines
+
+
+# The residency states of a model that runs (or is coming up) on its host: what a change can take away.
+_RUNNING = frozenset({"loading", "resident", "sleeping", "waking", "pulling"})
+
+
+def running_at_risk(events: list[Event], view: FleetView | None, active: str) -> list[str]:
+    """Pure: every running model (per the fleet `view`) that the declared changes `events` would stop,
+    unload or leave unadmitted, and why (`haru apply --dry-run` names them; nothing when `view` is None:
+    the running state was not read)."""
+    if view is None:
+        return []
+    out: list[str] = []
+    retired_domains = {e.domain for e in events if isinstance(e, DomainRetired)}
+    for dname, dv in view.domains.items():
+        where = "the ACTIVE domain " + dname if dname == active else dname
+        for mname, mv in dv.models.items():
+            state = state_name(mv.residency)
+            if state not in _RUNNING:
+                continue
+            serving = "serving" if dname == active and state == "resident" else state
+            if dname in retired_domains:
+                out.append(f"{dname}/{mname} ({serving}) stops: the domain is retired from the layout")
+                continue
+            for e in events:
+                if isinstance(e, ModelRetired) and (e.domain, e.model) == (dname, mname):
+                    out.append(f"{dname}/{mname} ({serving}) stops: retired from the layout")
+                elif (isinstance(e, AdmissionDecided) and e.kind == "model" and (e.domain, e.name) == (dname, mname)
+                      and not e.admitted):
+                    out.append(
+                        f"{dname}/{mname} ({serving}) is unloaded and left unadmitted on {where}: no longer admitted, "
+                        f"short by {format_gib(e.short_by_bytes)} on GPU {e.gpu_index} (first fit in declaration "
+                        f"order: what is declared before it now takes the room); requests get 409 model_not_admitted"
+                    )
+    return out

@@ -146,3 +146,20 @@ def test_restart_backoff_doubles_and_caps():
 
     fake = SimpleNamespace(policy=Policy(restart_backoff_ms=1000, restart_backoff_max_ms=5000))
     assert [Agent._backoff_s(fake, n) for n in (1, 2, 3, 4, 5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+def test_the_config_is_inline_json_or_a_path_and_the_environment_names_it(tmp_path):
+    """Haru's supervisor took its config as inline JSON or a path (HARU_SUPERVISOR_CONFIG): so does the agent."""
+    from agents.config import config_from_env
+
+    doc = {"fleet": "f", "domain": "a"}
+    inline = load_config(json.dumps(doc))
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(doc))
+    assert inline == load_config(str(path)) and (inline.fleet, inline.domain) == ("f", "a")
+    assert config_from_env({"HARU_AGENT_CONFIG": str(path)}) == str(path)
+    assert config_from_env({"HARU_SUPERVISOR_CONFIG": json.dumps(doc)}) == json.dumps(doc)
+    assert config_from_env({"HARU_AGENT_CONFIG": "a.json", "HARU_SUPERVISOR_CONFIG": "b.json"}) == "a.json"
+    assert config_from_env({}) == ""
+    with pytest.raises(ConfigError, match="inline agent config"):
+        load_config('{"fleet": "f"}')

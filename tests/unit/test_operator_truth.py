@@ -167,3 +167,36 @@ def test_an_unreachable_old_active_is_skipped_too():
     view = evolve(view, DomainUnreachable(at=at(8), domain="a", silent_ms=5000), seq=view.seq + 1,
                   subject=subjects.liveness(F, "a"))
     assert "a is unreachable" in not_applicable(view, view.operation, "settle_old_active")
+
+
+# ------------------------------------------------------------------ haru apply --dry-run: what it takes away
+
+
+def test_the_dry_run_names_every_running_model_a_change_stops_or_leaves_unadmitted():
+    from haru.core.apply import running_at_risk
+    from haru.core.events import AdmissionDecided, ModelRetired
+
+    view = given(*healthy_fleet())  # a serves m1, m2 (resident); b keeps them asleep
+    events = [
+        AdmissionDecided(at=at(1), domain="a", name="m2", gpu_index=0, admitted=False, vram_bytes=8 << 30,
+                         short_by_bytes=3 << 30),
+        ModelRetired(at=at(1), domain="b", model="m1"),
+    ]
+    lines = running_at_risk(events, view, "a")
+    assert lines == [
+        "a/m2 (serving) is unloaded and left unadmitted on the ACTIVE domain a: no longer admitted, short by 3.0 GiB "
+        "on GPU 0 (first fit in declaration order: what is declared before it now takes the room); requests get 409 "
+        "model_not_admitted",
+        "b/m1 (sleeping) stops: retired from the layout",
+    ]
+    assert running_at_risk(events, None, "a") == [], "without the running state nothing is claimed"
+
+
+def test_a_model_the_planner_no_longer_admits_is_stopped_with_the_shortfall_as_its_reason():
+    from agents.config import HostSlots
+    from haru.core.specs import Domain, DomainSpec, Policy
+
+    slots = HostSlots(fleet=F, domain=Domain(spec=DomainSpec(name="a")), policy=Policy(), admitted_models=[],
+                      admitted_training=[], not_admitted={"m2": 3 << 30})
+    assert slots.retire_why("m2") == "no longer admitted: short by 3.0 GiB (the layout still declares it)"
+    assert slots.retire_why("gone") == "the layout no longer has this model"
