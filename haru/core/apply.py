@@ -110,7 +110,7 @@ def diff(current: Declarations, layout: Layout, plan: Plan, now: datetime, *, by
     """
     out: list[Event] = []
     if current.fleet is None:
-        out.append(FleetDeclared(at=now, by=by, fleet=layout.fleet, policy=layout.policy))
+        out.append(FleetDeclared(at=now, by=by, fleet=layout.fleet, policy=layout.policy, uuid=layout.uuid))
     elif current.policy != layout.policy:
         out.append(PolicyChanged(at=now, by=by, policy=layout.policy, previous=current.policy))
 

@@ -51,6 +51,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 class FleetDeclared(Event, frozen=True, kw_only=True, tag="fleet_declared"):
     fleet: str
     policy: Policy
+    uuid: str = ""  # the fleet's stable UUID (declared, or derived from its name); '' in older logs
 
 
 class PolicyChanged(Event, frozen=True, kw_only=True, tag="policy_changed"):

@@ -62,7 +62,7 @@ from haru.core import events as ev
 from haru.core import residency, subjects
 from haru.core.subjects import fleet_of
 from haru.core.errors import IllegalTransition
-from haru.core.specs import DomainSpec, ModelSpec, TrainingSpec
+from haru.core.specs import DomainSpec, ModelSpec, TrainingSpec, fleet_uuid
 from haru.core.views import (
     AgentView,
     DomainView,
@@ -187,7 +187,7 @@ def _training_from_spec(spec: TrainingSpec, old: TrainingView | None) -> Trainin
 
 
 def _fleet_declared(view: FleetView, e: ev.FleetDeclared, seq: int) -> FleetView:
-    return _replace(view, policy=e.policy)
+    return _replace(view, policy=e.policy, uuid=e.uuid or fleet_uuid(view.fleet))
 
 
 def _policy_changed(view: FleetView, e: ev.PolicyChanged, seq: int) -> FleetView:

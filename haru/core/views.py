@@ -130,6 +130,7 @@ class OperationView(msgspec.Struct, frozen=True, kw_only=True):
 
 class FleetView(msgspec.Struct, frozen=True, kw_only=True):
     fleet: str
+    uuid: str = ""  # the fleet's stable UUID (fleet_declared's, else derived from the name)
     policy: Policy = _EMPTY_POLICY
     domains: dict[str, DomainView] = {}
     active: str = ""  # the routing pointer ('' = no route_moved yet)

@@ -83,6 +83,19 @@ def test_a_refused_nats_is_unavailable(capsys, name):
     assert REFUSED in err and "connection refused" in err
 
 
+def test_up_and_route_watch_refused_by_nats_are_unavailable(capsys, tmp_path):
+    rc, _, err = cli(capsys, "up", "--nats-url", REFUSED, "--home", str(tmp_path / "home"), "--port", "0")
+    assert rc == ExitStatus.UNAVAILABLE and REFUSED in err, err
+    rc, _, err = cli(capsys, "route", "--watch", "--nats-url", REFUSED)
+    assert rc == ExitStatus.UNAVAILABLE and REFUSED in err, err
+
+
+def test_a_simulated_domain_that_is_not_there_is_not_found(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HARU_HOME", str(tmp_path))
+    rc, _, err = cli(capsys, "sim", "detach-gpu", "zz")
+    assert rc == ExitStatus.NOT_FOUND and "'zz'" in err, err
+
+
 def test_a_refused_gateway_or_registry_is_unavailable(capsys, monkeypatch, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     rc, _, err = cli(capsys, "run", "m", "--url", dead)
@@ -125,6 +138,30 @@ async def test_what_is_not_there_is_not_found(nats_server, event_log, capsys):
     for argv in cases:
         rc, _, err = await asyncio.to_thread(cli, capsys, *argv, "--nats-url", url)
         assert rc == ExitStatus.NOT_FOUND, (argv, rc, err)
+    rc, _, err = await asyncio.to_thread(cli, capsys, "status", "--fleet", "00000000-0000-4000-8000-000000000000",
+                                         "--nats-url", url)
+    assert rc == ExitStatus.NOT_FOUND and "no fleet has UUID" in err
+
+
+async def test_every_fleet_option_takes_the_fleets_uuid(nats_server, event_log, capsys):
+    """Haru's API took "slug or UUID" for a fleet: so does `--fleet`, resolved through the stored views."""
+    import asyncio
+    from datetime import datetime, timezone
+
+    from haru.core.apply import apply
+    from haru.core.fold import fold
+    from haru.core.layout import load_layout
+    from haru.core.specs import fleet_uuid
+    from haru.core.views import view_encoder
+
+    await apply(event_log, load_layout(LAYOUT), datetime.now(timezone.utc))
+    records = await event_log.history("haru.evt.default.>")
+    view = fold((r.seq, r.subject, r.event) for r in records)["default"]
+    assert view.uuid == fleet_uuid("default")  # recorded with the declaration, folded into the view
+    await event_log.put_view("fleet.default", view_encoder.encode(view), last=0)
+    rc, out, err = await asyncio.to_thread(cli, capsys, "status", "--fleet", fleet_uuid("default"),
+                                           "--nats-url", nats_server.url)
+    assert rc == ExitStatus.OK and out.startswith("fleet default"), err
 
 
 def test_an_agent_refused_by_nats_is_unavailable_and_takes_its_config_inline(capsys, tmp_path):

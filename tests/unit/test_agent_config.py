@@ -131,11 +131,14 @@ def test_gpu_observations_only_on_change():
                                          processes=[GpuProcess(pid=11, used_bytes=4 * GiB)]))
 
 
-def test_training_env_adds_exactly_two_variables():
+def test_training_env_adds_the_contracts_variables_and_pci_bus_order():
     base = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1", "X": "1"}
     spec = TrainingSpec(slot="lora", gpu_index=1, command=["t"], checkpoint_dir="/ckpt/lora")
     env = training_env(base, spec)
-    assert env == {**base, "HARU_CHECKPOINT_DIR": "/ckpt/lora", "HARU_GPU_INDEX": "1"}
+    # HARU_GPU_INDEX is NVML's (PCI bus) order: CUDA must number the cards the same way, or a trainer
+    # pinning CUDA_VISIBLE_DEVICES=$HARU_GPU_INDEX lands on another card on a mixed-GPU host.
+    assert env == {**base, "HARU_CHECKPOINT_DIR": "/ckpt/lora", "HARU_GPU_INDEX": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert training_env({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, spec)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert base == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1", "X": "1"}  # not mutated
 
 
