@@ -37,6 +37,16 @@ NATS_COMMANDS = ["apply", "status", "route", "why", "as-of", "history", "verify"
                  "provision", "teardown", "replace", "projector", "promoter", "gateway"]
 
 
+@pytest.fixture(autouse=True)
+def _no_global_logging_config(monkeypatch):
+    """The services configure structlog globally, caching loggers bound to the stderr of the moment: in
+    process, that is capsys's, closed after the test, and every later test in this worker would log into
+    it. Here structlog keeps its (uncached) defaults."""
+    import structlog
+
+    monkeypatch.setattr(structlog, "configure", lambda **kwargs: None)
+
+
 def cli(capsys, *argv: str, env: dict[str, str] | None = None, monkeypatch=None) -> tuple[int, str, str]:
     for k, v in (env or {}).items():
         monkeypatch.setenv(k, v)
