@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Iterable
 from haru.core import subjects
 from haru.core.causes import admission_cause, declaration_seqs, with_cause
 from haru.core.authority import misplaced
-from haru.core.errors import Conflict
+from haru.core.errors import Conflict, LayoutError
 from haru.core.events import (
     AdmissionDecided,
     DomainChanged,
@@ -35,7 +35,7 @@ from haru.core.events import (
 )
 from haru.core.planner import Plan, Verdict, format_gib, plan as plan_layout
 from haru.core.residency import state_name
-from haru.core.specs import DomainSpec, Layout, ModelSpec, Policy, TrainingSpec
+from haru.core.specs import DomainSpec, Layout, ModelSpec, Policy, TrainingSpec, fleet_uuid
 
 if TYPE_CHECKING:
     from haru.core.views import FleetView
@@ -52,6 +52,7 @@ class Declarations:
     """What the decl subject says now. Keys keep declaration order (dicts are ordered)."""
 
     fleet: str | None = None
+    uuid: str = ""  # the fleet's UUID as recorded (declared, or derived from its name)
     policy: Policy | None = None
     domains: dict[str, DomainSpec] = field(default_factory=dict)
     models: dict[tuple[str, str], ModelSpec] = field(default_factory=dict)  # (domain, model id)
@@ -64,7 +65,7 @@ def fold_declarations(events: Iterable[Event | None]) -> Declarations:
     d = Declarations()
     for e in events:
         if isinstance(e, FleetDeclared):
-            d.fleet, d.policy = e.fleet, e.policy
+            d.fleet, d.policy, d.uuid = e.fleet, e.policy, e.uuid or fleet_uuid(e.fleet)
         elif isinstance(e, PolicyChanged):
             d.policy = e.policy
         elif isinstance(e, (DomainDeclared, DomainChanged)):
@@ -109,8 +110,12 @@ def diff(current: Declarations, layout: Layout, plan: Plan, now: datetime, *, by
     domains the layout no longer names, each after its models and training slots are retired.
     """
     out: list[Event] = []
+    if current.fleet is not None and current.uuid and layout.uuid and layout.uuid != current.uuid:
+        raise LayoutError(f"fleet {layout.fleet!r} was recorded with UUID {current.uuid}; the layout says {layout.uuid}",
+                          path="$.uuid", fix=f"a fleet's UUID never changes: write {current.uuid}, or leave uuid out")
     if current.fleet is None:
-        out.append(FleetDeclared(at=now, by=by, fleet=layout.fleet, policy=layout.policy, uuid=layout.uuid))
+        out.append(FleetDeclared(at=now, by=by, fleet=layout.fleet, policy=layout.policy,
+                                 uuid=layout.uuid or fleet_uuid(layout.fleet)))
     elif current.policy != layout.policy:
         out.append(PolicyChanged(at=now, by=by, policy=layout.policy, previous=current.policy))
 

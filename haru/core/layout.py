@@ -35,7 +35,7 @@ import msgspec
 from haru.core.errors import InvalidName, LayoutError
 from haru.core.launch import ArgConflict, check_args, format_refusal, runtime_for
 from haru.core.specs import (Domain, DomainSpec, GpuSpec, Layout, ModelSpec, Policy, ProvisionSpec, ServiceSpec, TrainingSpec,
-                             as_uuid, fleet_uuid)
+                             as_uuid)
 from haru.core.subjects import check_model_id, check_name
 
 __all__ = ["parse_layout", "load_layout", "parse_size", "SIZE_UNITS"]
@@ -255,8 +255,8 @@ def parse_layout(data: bytes | str | dict[str, Any]) -> Layout:
         fleet = check_name("fleet", doc.fleet)
     except InvalidName as exc:
         raise LayoutError(str(exc), path="$.fleet", fix="name the fleet with lowercase letters, digits, '_' or '-'") from None
-    fleet_id = as_uuid(doc.uuid) if doc.uuid else fleet_uuid(fleet)
-    if not fleet_id:
+    fleet_id = as_uuid(doc.uuid) if doc.uuid else ""
+    if doc.uuid and not fleet_id:
         raise LayoutError(f"uuid {doc.uuid!r} is not a UUID", path="$.uuid",
                           fix="write it like 6f1c9d2e-1b7a-4c3e-9f00-2a5d8c7b6e41, or leave it out (it is then derived "
                               "from the fleet's name)")

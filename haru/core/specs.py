@@ -193,7 +193,7 @@ def as_uuid(text: str) -> str:
 
 class Layout(msgspec.Struct, frozen=True, kw_only=True):
     fleet: str
-    uuid: str = ""  # declared, or fleet_uuid(fleet)
+    uuid: str = ""  # declared ('' = none: the fleet's UUID is then fleet_uuid(fleet))
     policy: Policy = Policy()
     domains: list[Domain] = []
 

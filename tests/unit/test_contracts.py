@@ -91,7 +91,7 @@ def test_a_fleet_uuid_is_derived_from_its_name_or_declared():
     assert uuid.UUID(fleet_uuid("default")).version == 5
     one = [{"name": "a", "gpus": [{"index": 0, "memory": "24GiB"}],
             "slots": [{"name": "chat", "gpu": 0, "models": [{"name": "m", "source": "/m.gguf", "vram": "1GiB"}]}]}]
-    assert parse_layout({"fleet": "f", "domains": one}).uuid == fleet_uuid("f")
+    assert parse_layout({"fleet": "f", "domains": one}).uuid == ""  # none declared: derived where recorded
     declared = "6F1C9D2E-1B7A-4C3E-9F00-2A5D8C7B6E41"
     assert parse_layout({"fleet": "f", "uuid": declared, "domains": one}).uuid == declared.lower()
     with pytest.raises(LayoutError, match=r"\$\.uuid"):
@@ -106,3 +106,32 @@ def test_projector_replicas_default_is_the_clusters_as_readme_says(monkeypatch):
     assert build_parser().parse_args(["projector"]).replicas is None  # ensure(replicas=None) decides by cluster size
     monkeypatch.setenv("HARU_REPLICAS", "5")
     assert build_parser().parse_args(["projector"]).replicas == 5
+
+
+def test_a_recorded_fleet_uuid_never_changes():
+    from datetime import datetime, timezone
+
+    from haru.core.apply import diff, fold_declarations
+    from haru.core.errors import LayoutError
+    from haru.core.events import FleetDeclared
+    from haru.core.layout import parse_layout
+    from haru.core.planner import plan
+    from haru.core.specs import Policy, fleet_uuid
+
+    one = [{"name": "a", "gpus": [{"index": 0, "memory": "24GiB"}],
+            "slots": [{"name": "chat", "gpu": 0, "models": [{"name": "m", "source": "/m.gguf", "vram": "1GiB"}]}]}]
+    now = datetime.now(timezone.utc)
+    layout = parse_layout({"fleet": "f", "domains": one})
+    first = diff(fold_declarations([]), layout, plan(layout), now)
+    assert isinstance(first[0], FleetDeclared) and first[0].uuid == fleet_uuid("f")  # recorded
+    current = fold_declarations(first)
+    assert diff(current, layout, plan(layout), now) == []  # re-applying changes nothing
+    other = parse_layout({"fleet": "f", "uuid": "6f1c9d2e-1b7a-4c3e-9f00-2a5d8c7b6e41", "domains": one})
+    with pytest.raises(LayoutError, match="never changes"):
+        diff(current, other, plan(other), now)
+    declared = diff(fold_declarations([]), other, plan(other), now)
+    assert declared[0].uuid == "6f1c9d2e-1b7a-4c3e-9f00-2a5d8c7b6e41"
+    assert diff(fold_declarations(declared), layout, plan(layout), now) == [], "leaving uuid out keeps the recorded one"
+    # an older log, recorded before UUIDs: the derived one is the recorded one
+    old = fold_declarations([FleetDeclared(at=now, fleet="f", policy=Policy())])
+    assert old.uuid == fleet_uuid("f")
