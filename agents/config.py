@@ -36,6 +36,7 @@ from haru.core import planner
 from haru.core.errors import ConfigError, LayoutError
 from haru.core.apply import fold_declarations as fold_decl
 from haru.core.layout import load_layout, parse_layout
+from haru.core.sizes import format_gib
 from haru.core.specs import Domain, Layout, ModelSpec, Policy, TrainingSpec
 from haru.core.subjects import check_name
 
@@ -159,7 +160,7 @@ class HostSlots(msgspec.Struct, frozen=True, kw_only=True):
         (`no longer admitted: short by …`), or gone from the layout."""
         short = self.not_admitted.get(name)
         if short is not None:
-            return f"no longer admitted: short by {planner.format_gib(short)} (the layout still declares it)"
+            return f"no longer admitted: short by {format_gib(short)} (the layout still declares it)"
         return "the layout no longer has this model"
 
     def model(self, name: str) -> ModelSpec | None:

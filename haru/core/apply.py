@@ -33,7 +33,8 @@ from haru.core.events import (
     TrainingRetired,
     tag_of,
 )
-from haru.core.planner import Plan, Verdict, format_gib, plan as plan_layout
+from haru.core.planner import Plan, Verdict, plan as plan_layout
+from haru.core.sizes import format_gib
 from haru.core.residency import state_name
 from haru.core.specs import DomainSpec, Layout, ModelSpec, Policy, TrainingSpec, fleet_uuid
 
@@ -198,7 +199,7 @@ def describe(event: Event) -> str:
     elif isinstance(event, TrainingRetired):
         what = f"{event.domain}/{event.slot}"
     elif isinstance(event, AdmissionDecided):
-        from haru.core.planner import format_gib
+        from haru.core.sizes import format_gib
 
         verdict = "admitted" if event.admitted else f"not admitted, short by {format_gib(event.short_by_bytes)}"
         what = f"{event.domain}/{event.name}" + (" (training)" if event.kind == "training" else "") + f": {verdict}"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from haru.host.children import alive as proc_alive
-from tests.integration.promoter_support import wait_view
+from tests.support.promoter import wait_view
 from tests.integration.test_agent_restart import (
     FLEET,
     MODELS,
