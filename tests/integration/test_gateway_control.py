@@ -220,7 +220,8 @@ async def test_reconcile_answers_with_what_the_continuous_promoter_decided(ops):
     seq = await log.append(subjects.op("ops"), FailoverDeclined(at=datetime.now(UTC), domain="a", candidate="b",
                                                                   why="a unreachable; standby b is unreachable"),
                            expect=(await log.last(subjects.op("ops"))).seq if await log.last(subjects.op("ops")) else 0)
-    await wait_for(lambda: (r := gw.table.get("ops")) is not None and r.view is not None and r.view.seq >= seq)
+    await wait_for(lambda: (r := gw.table.get("ops")) is not None and r.view is not None and r.view.seq >= seq,
+                   timeout=30)  # the projector folds it, then the gateway's watch sees the view: slow on a busy box
     status, body = await call(gw, "POST", "/v1/fleets/ops/reconcile")
     assert status == 200 and body["declined"]["why"].startswith("a unreachable") and body["declined"]["at"]
     status, body = await call(gw, "GET", "/v1/fleets/ops/reconcile")
