@@ -56,7 +56,6 @@ from agents.recorder import Recorder
 from agents.role import Role
 from agents.runtime_files import RuntimeFiles
 from agents.runtimes import Runtime, make_runtime
-from agents.runtimes.base import runtimes_die_with_agent
 from agents.serving import ServingProxy, check_serving
 from agents.status import Status
 from agents.supervisor import SupervisorContext
@@ -175,7 +174,7 @@ class Agent:
         """Stop. `keep_runtimes`: leave every runtime serving for the next agent to adopt (a restart or an
         upgrade: SIGTERM); otherwise unload them all (SIGINT, `haru up` stopping)."""
         self._stop_reason = reason or "requested"
-        self.keep_runtimes = keep_runtimes and not runtimes_die_with_agent()
+        self.keep_runtimes = keep_runtimes
         self._stop.set()
 
     async def stopped(self) -> None:

@@ -33,7 +33,6 @@ from agents import portholder, probes
 from agents.errors import PortHolderError
 from agents.gpu_watch import GpuWatcher
 from agents.model_slots import ModelSlots
-from agents.runtimes.base import runtimes_die_with_agent
 from haru.core.errors import ConfigError
 from haru.host.httpguard import BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
 from haru.core.openai_errors import BadBody, answer_status, error_body, model_of
@@ -136,8 +135,7 @@ class ServingProxy:
             # `fd` also stops the holder's bridge; the lease it returns, open while this agent runs, starts
             # it again when this process exits however it exits (SIGKILL too).
             sock, self._lease = await asyncio.to_thread(
-                portholder.listening_socket, self.state_dir, self.host or "127.0.0.1", self.port,
-                die_with_agent=runtimes_die_with_agent())
+                portholder.listening_socket, self.state_dir, self.host or "127.0.0.1", self.port)
             self._site = web.SockSite(self._runner, sock, backlog=portholder.BACKLOG,
                                       shutdown_timeout=SERVING_DRAIN_S)
             await self._site.start()
