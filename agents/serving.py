@@ -46,6 +46,9 @@ _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "traile
 
 
 SERVING_DRAIN_S = 60.0  # an agent stopping lets the requests in flight (streams too) finish, this long at most
+# On a 502/503 that says the runtime behind this port is gone (lost, or not answering): what the gateway
+# reads to send the request, which no runtime acted on, once more to a live domain (gateway/proxy.py).
+GONE_HEADER = "X-Haru-Runtime-Gone"
 _DIAGNOSIS_REUSE_S = 0.25  # how long one diagnosis of a failing runtime answers for the next failures
 
 
@@ -198,8 +201,10 @@ class ServingProxy:
         if state == "lost" and reason == "gpu_detached":
             return error(503, "gpu_detached", f"the model `{m.name}` is lost {where}: its GPU "
                          f"{m.spec.gpu_index} was detached by the provider (not the operator's doing); try "
-                         f"another domain" + (f" ({detail})" if detail else ""))
+                         f"another domain" + (f" ({detail})" if detail else ""), headers={GONE_HEADER: "gpu_detached"})
         said = f" ({reason})" if state == "lost" and reason else ""
+        if state == "lost":
+            headers = {GONE_HEADER: reason or "lost"}
         return error(status, code, f"the model `{m.name}` is {state}{said} {where}" + (f": {detail}" if detail else ""),
                      headers=headers)
 
@@ -258,7 +263,8 @@ class ServingProxy:
         translated = await self._diagnose(m, 502)
         if translated is not None:
             return translated
-        return error(502, "upstream_unreachable", f"the runtime at {url} did not answer: {exc}")
+        return error(502, "upstream_unreachable", f"the runtime at {url} did not answer: {exc}",
+                     headers={GONE_HEADER: "unreachable"})
 
     async def _forward_once(self, request: web.BaseRequest, m, url: str, body: bytes, headers: dict,
                             head: list[bool]) -> web.StreamResponse:

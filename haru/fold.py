@@ -287,10 +287,23 @@ def _residency(view: FleetView, e: Any, seq: int, subject: str) -> FleetView:
     if state is old:
         return _replace(view, seq=seq, updated_at=e.at)
     models = dict(domain.models)
-    models[e.model] = _replace(model, residency=state)
+    models[e.model] = _replace(model, residency=state, **_measured(old, e))
     domains = dict(domains)
     domains[domain.name] = _replace(domain, models=models)
     return _replace(view, domains=domains, seq=seq, updated_at=e.at)
+
+
+def _measured(old: Any, e: Any) -> dict[str, int]:
+    """What a residency event measured: a `model_resident` after waking is the wake (and probe) time, after
+    loading the cold warm-up (`ModelView.wake_ms` / `load_ms`, read by the promoter's faster path and the
+    gateway's hold)."""
+    if type(e) is not ev.ModelResident:
+        return {}
+    kind = _MEASURES.get(type(old))
+    return {kind: e.warmup_ms} if kind is not None and e.warmup_ms else {}
+
+
+_MEASURES: dict[type, str] = {residency.Waking: "wake_ms", residency.Loading: "load_ms"}
 
 
 # ------------------------------------------------------------------------------- GPUs, training
@@ -581,7 +594,7 @@ class Folder:
     equal to `evolve`'s, event for event.
     """
 
-    __slots__ = ("fleet", "seq", "misplaced_seq", "_view", "_staged", "_at", "_anomalies", "_last_anomaly", "_dirty")
+    __slots__ = ("fleet", "seq", "misplaced_seq", "_view", "_staged", "_measured", "_at", "_anomalies", "_last_anomaly", "_dirty")
 
     def __init__(self, view: FleetView) -> None:
         self.fleet = view.fleet
@@ -590,6 +603,7 @@ class Folder:
 
     def _reset(self, view: FleetView) -> None:
         self._staged: dict[tuple[str, str], residency.Residency] = {}
+        self._measured: dict[tuple[str, str], dict[str, int]] = {}  # `_measured` figures staged with them
         self._set(view)
 
     def _set(self, view: FleetView) -> None:
@@ -665,6 +679,10 @@ class Folder:
             self._last_anomaly = f"seq {seq}: {exc}"
         if state is not old:
             self._staged[key] = state
+            if type(e) is ev.ModelResident:
+                measured = _measured(old, e)
+                if measured:
+                    self._measured.setdefault(key, {}).update(measured)
         self.seq = seq
         self._at = e.at
         self._dirty = True
@@ -679,10 +697,11 @@ class Folder:
                 models = touched.get(d)
                 if models is None:
                     models = touched[d] = dict(domains[d].models)
-                models[m] = _replace(models[m], residency=state)
+                models[m] = _replace(models[m], residency=state, **self._measured.get((d, m), {}))
             for d, models in touched.items():
                 domains[d] = _replace(domains[d], models=models)
             staged.clear()
+            self._measured.clear()
             view = _replace(view, domains=domains)
         self._view = _replace(
             view, seq=self.seq, updated_at=self._at, anomalies=self._anomalies, last_anomaly=self._last_anomaly

@@ -66,6 +66,17 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     launch_timeout_ms: int = 3_600_000
     join_timeout_ms: int = 1_800_000
     teardown_timeout_ms: int = 900_000
+    # The gateway's hold (docs/gateway.md, "A failover the clients do not see"): while the active is
+    # unfit and a failover is under way or about to start, new requests wait for the new active this
+    # long at most. 0 = from the standby's measured wake and probe, plus the heartbeat timeout when the
+    # active's silence has yet to be noticed; never beyond `hold_max_ms` (0 = never hold).
+    hold_ms: int = 0
+    hold_max_ms: int = 30_000
+    # At most this many requests, and this many body bytes, held per fleet and gateway; beyond: answered at once.
+    hold_max_requests: int = 1024
+    hold_max_bytes: int = 64 * MiB
+    # After a planned flip, the old active's in-flight requests finish (this long at most) before it sleeps.
+    drain_ms: int = 30_000
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):

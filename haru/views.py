@@ -53,6 +53,10 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     admitted: bool | None = None  # None = no admission decided yet
     short_by_bytes: int = 0
     residency: Residency = UNKNOWN
+    # Measured, from the log: the last wake and probe (a `model_resident` after `model_waking`) and the
+    # last cold load until it answered (a `model_resident` after `model_loading`), in ms (0 = never seen).
+    wake_ms: int = 0
+    load_ms: int = 0
 
 
 class TrainingView(msgspec.Struct, frozen=True, kw_only=True):
