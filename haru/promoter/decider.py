@@ -75,7 +75,7 @@ from haru.events import (
 )
 from haru.promoter.decisions import Append, Facts
 from haru.promoter.liveness import judge_liveness
-from haru.residency import Failed, Lost, Resident, Sleeping, Waking, state_name
+from haru.residency import Failed, Loading, Lost, Residency, Resident, Sleeping, Waking, state_name
 from haru.specs import Policy, can_sleep
 from haru.views import DomainView, FleetView, OperationView, StepView
 
@@ -676,6 +676,11 @@ def active_health(view: FleetView, now: datetime) -> ActiveHealth:
             since = state.since or now
             if degraded_since is None or since < degraded_since:
                 degraded_since, why = since, f"{name} on {dv.name} {label}"
+    if degraded_since is None and not _reloading(view):
+        return ActiveHealth(health="ok")
+    faster = faster_path(view)  # a cold reload the standby beats: failed now, not after the grace
+    if faster is not None:
+        return faster
     if degraded_since is None:
         return ActiveHealth(health="ok")
     grace = timedelta(milliseconds=view.policy.degraded_grace_ms)
@@ -690,6 +695,58 @@ def active_health(view: FleetView, now: datetime) -> ActiveHealth:
 
 
 _READY_TO_PROMOTE = (Sleeping, Resident, Waking)
+
+# ------------------------------------------------------------------------------- the faster path
+# A model lost for one of these comes back only by a cold reload (the agent restarts its runtime).
+
+COLD_RELOAD: frozenset[str] = frozenset({"process_exited", "evicted", "unhealthy"})
+
+
+def _cold_reload(state: object) -> bool:
+    """Lost for a cold-reload reason, or loading again after such a loss (a restart, attempt > 1)."""
+    if isinstance(state, Lost):
+        return state.reason in COLD_RELOAD
+    return isinstance(state, Loading) and state.attempt > 1
+
+
+def _reloading(view: FleetView) -> bool:
+    dv = view.domains.get(view.active)
+    return dv is not None and any(_cold_reload(dv.models[m].residency) for m in served(dv))
+
+
+def faster_path(view: FleetView) -> ActiveHealth | None:
+    """The active failed at once, with both figures in `why`, when models on it are lost for a reason
+    whose recovery is a cold reload and the standby would serve sooner: its measured wake (and probe)
+    against the active's measured warm-up (`ModelView.wake_ms` / `load_ms`, folded from the log). None
+    when no such loss, a figure was never measured, or the standby is not faster (or not fit): the
+    loss is then a degradation, failed after `degraded_grace_ms` as before."""
+    dv = view.domains.get(view.active)
+    candidate = view.standby()
+    standby = view.domains.get(candidate)
+    if dv is None or standby is None or standby_unfit(view, candidate, dv):
+        return None
+    slowest: tuple[int, str, Residency] | None = None
+    for name in served(dv):
+        mv = dv.models[name]
+        if _cold_reload(mv.residency) and mv.load_ms and (slowest is None or mv.load_ms > slowest[0]):
+            slowest = (mv.load_ms, name, mv.residency)
+    if slowest is None:
+        return None
+    warmup_ms, name, state = slowest
+    wakes = [standby.models[m].wake_ms for m in served(dv) if m in standby.models]
+    if not wakes or not all(wakes):
+        return None
+    wake_ms = max(wakes)
+    if wake_ms >= warmup_ms:
+        return None
+    label = f"lost: {state.reason}" if isinstance(state, Lost) else "reloading"
+    return ActiveHealth(
+        health="failed",
+        reason="faster_path",
+        why=f"{name} on {dv.name} {label}; its cold reload takes {warmup_ms} ms (measured warm-up) and standby "
+        f"{candidate} serves after {wake_ms} ms (measured wake and probe): the faster path wins",
+        since=state.since,
+    )
 
 
 def standby_unfit(view: FleetView, candidate: str, serving: DomainView | None) -> str:
