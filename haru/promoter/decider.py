@@ -145,9 +145,9 @@ STEPS: dict[str, StepSpec] = {
     "settle_old_active": StepSpec(
         on="other",
         verbs=("sleep", "start_training"),
-        bound=("command_timeout_ms", "command_timeout_ms"),
+        bound=("drain_ms", "command_timeout_ms", "command_timeout_ms"),
         fatal=False,
-        what="best effort: put the old active to sleep and start its training",
+        what="best effort: let the old active's requests in flight finish (drain_ms), put it to sleep, start its training",
     ),
     "apply_standby": StepSpec(
         on="target",
@@ -165,8 +165,8 @@ STEPS: dict[str, StepSpec] = {
     "sleep": StepSpec(
         on="target",
         verbs=("sleep",),
-        bound=("command_timeout_ms",),
-        what="put every runtime on the target to sleep (level 1)",
+        bound=("drain_ms", "command_timeout_ms"),
+        what="put every runtime on the target to sleep (level 1), once its requests in flight finished",
     ),
     "start_training": StepSpec(
         on="target",
@@ -192,7 +192,7 @@ STEPS: dict[str, StepSpec] = {
     "settle": StepSpec(
         on="target",
         verbs=("sleep", "start_training"),
-        bound=("command_timeout_ms", "command_timeout_ms"),
+        bound=("drain_ms", "command_timeout_ms", "command_timeout_ms"),
         fatal=False,
         what="best effort: put the new host to sleep and start its training (with no route yet the first route "
              "decides its role; an awake standby is demoted later by housekeeping)",
@@ -363,6 +363,8 @@ def verb_timeout_ms(verb: str, policy: Policy) -> int:
         return policy.apply_timeout_ms + policy.command_timeout_ms
     if verb == "stop_training":
         return policy.training_grace_ms + policy.command_timeout_ms
+    if verb == "sleep":  # the agent lets the requests in flight finish first (drain_ms at most)
+        return policy.drain_ms + policy.command_timeout_ms
     return policy.command_timeout_ms
 
 
