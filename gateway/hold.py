@@ -10,10 +10,10 @@ proxy's hot path only calls in when it already has an error to give.
     plan = hold_plan(routes, code, unreachable=False)   # pure: hold? how long at most? why?
     outcome = await holds.hold(fleet, model, size, plan, accept)   # Forward, or the answer to give
 
-Bounds, all from the fleet's policy (haru/specs.py):
+Bounds, all from the fleet's policy (haru/core/specs.py):
 
     hold_ms            how long a request waits; 0 = the standby's measured wake and probe (the last
-                       `model_resident` after `model_waking`, haru/fold.py) plus, when the active's
+                       `model_resident` after `model_waking`, haru/core/fold.py) plus, when the active's
                        silence has yet to be noticed, the heartbeat timeout, plus a margin
     hold_max_ms        the ceiling of that (0 = never hold); unmeasured wake times take the ceiling
     hold_max_requests  requests held per fleet on this gateway at once; beyond it, answered at once
@@ -35,8 +35,8 @@ import msgspec
 
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Forward, FleetRoutes, Refusal, RoutingTable
-from haru.residency import Resident, Sleeping, Waking
-from haru.views import FleetView
+from haru.core.residency import Resident, Sleeping, Waking
+from haru.core.views import FleetView
 
 # Refusals a failover cures. `model_warming` / `model_asleep` only while a promotion is under way:
 # a cold reload with nothing coming to replace it is answered at once, as before.

@@ -34,7 +34,7 @@ import structlog
 from gateway.errors import UpstreamError
 from gateway.hold import hold_plan
 from gateway.routing import Forward
-from haru.openai_errors import error_body
+from haru.core.openai_errors import error_body
 
 if TYPE_CHECKING:
     from aiohttp import web

@@ -17,9 +17,9 @@ import openai
 import pytest
 from aiohttp import web
 
-from haru.residency import Answer, Lost, Resident, Sleeping
-from haru.specs import Policy
-from haru.views import FleetView, OperationView
+from haru.core.residency import Answer, Lost, Resident, Sleeping
+from haru.core.specs import Policy
+from haru.core.views import FleetView, OperationView
 from tests.integration.test_gateway import (
     CHAT,
     MODEL,

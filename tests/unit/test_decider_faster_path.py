@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from haru import subjects
-from haru.events import ModelLoading, ModelLost, ModelResident, ModelSleeping, ModelWaking, PromotionRequested
+from haru.core import subjects
+from haru.core.events import ModelLoading, ModelLost, ModelResident, ModelSleeping, ModelWaking, PromotionRequested
 from haru.promoter.decider import active_health, faster_path
 from tests.unit.test_decider import F, POLICY, at, facts, given, only, reachable, routed
 

@@ -20,9 +20,9 @@ from gateway.resume import (
     transcript,
 )
 from gateway.routing import compile_routes
-from haru.residency import Answer, Loading, Lost, Resident, Sleeping
-from haru.specs import Policy
-from haru.views import DomainView, FleetView, ModelView, OperationView, RouteIntent, Target
+from haru.core.residency import Answer, Loading, Lost, Resident, Sleeping
+from haru.core.specs import Policy
+from haru.core.views import DomainView, FleetView, ModelView, OperationView, RouteIntent, Target
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 M = "m1"
