@@ -681,6 +681,10 @@ class Agent:
 
     # ---------------------------------------------------------------------------- sleep and wake
 
+    async def drain_serving(self, names: list[str], timeout_s: float) -> int:
+        """Requests to `names` on the serving port finish first (agents/serving.py `drain`); how many did not."""
+        return await self._serving.drain(names, timeout_s) if self._serving is not None else 0
+
     async def sleep_model(self, m: ModelSlot, level: int) -> Outcome:
         """Idempotent sleep, verified by /is_sleeping."""
         return await self.supervisors[m.name].sleep(level)

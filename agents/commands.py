@@ -137,6 +137,11 @@ class CommandService:
         models = selection.models
         if selection.unknown:
             return self._unknown(selection.unknown)
+        # After a planned flip this is the old active: what it is answering finishes first (drain_ms at most).
+        cut = await self.agent.drain_serving([m.name for m in models], self.agent.policy.drain_ms / 1000)
+        if cut:
+            self.logger.warning("sleeping with requests still in flight after drain_ms", in_flight=cut,
+                        drain_ms=self.agent.policy.drain_ms)
         results = await asyncio.gather(*(self.agent.sleep_model(m, command.level or 1) for m in models))
         return _combine("sleep", dict(zip((m.name for m in models), results)), self.agent)
 

@@ -15,6 +15,7 @@ disconnects cancels its upstream request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import os
 import socket
@@ -88,6 +89,8 @@ class ServingProxy:
         self._site: web.BaseSite | None = None
         self._session: aiohttp.ClientSession | None = None
         self._lease: socket.socket | None = None  # the connection to the port holder that keeps its bridge off
+        self._inflight: dict[str, int] = {}  # model -> requests being answered (drain)
+        self._idle: asyncio.Event | None = None  # set when a count falls to 0, for `drain`
 
     @property
     def url(self) -> str:
@@ -190,7 +193,32 @@ class ServingProxy:
                          param="model")
         if m.state_tag != "resident":
             return self._not_serving(m)
-        return await self._forward(request, m, m.runtime.base_url + path, body)
+        inflight = self._inflight
+        inflight[name] = inflight.get(name, 0) + 1
+        try:
+            return await self._forward(request, m, m.runtime.base_url + path, body)
+        finally:
+            inflight[name] -= 1
+            if not inflight[name] and self._idle is not None:
+                self._idle.set()
+
+    def in_flight(self, names: list[str]) -> int:
+        """Requests to `names` being answered now (streams until their last byte)."""
+        return sum(self._inflight.get(n, 0) for n in names)
+
+    async def drain(self, names: list[str], timeout_s: float) -> int:
+        """Wait until no request to `names` is in flight, `timeout_s` at most; return how many still are.
+
+        The old active after a planned flip: its new requests go to the new active already, and the
+        ones it is answering finish before its runtimes are put to sleep (the `sleep` command)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout_s, 0.0)
+        while (left := self.in_flight(names)) and loop.time() < deadline:
+            self._idle = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await self._idle.wait()
+        return self.in_flight(names)
 
     def _not_serving(self, m, reason: str = "", detail: str = "") -> web.Response:
         state = m.state_tag if not reason else "lost"
