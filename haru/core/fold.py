@@ -377,7 +377,15 @@ def _agent_started(view: FleetView, e: ev.AgentStarted, seq: int) -> FleetView:
     agent = AgentView(
         running=True, host=e.host, pid=e.pid, version=e.version, serving_url=e.serving_url, since=e.at
     )
-    return _with_domain(view, _replace(domain, agent=agent))
+    return _with_domain(view, _replace(domain, agent=agent, signalled="", signalled_at=None, signalled_seq=0))
+
+
+def _failure_signalled(view: FleetView, e: ev.FailureSignalled, seq: int) -> FleetView:
+    domain = view.domains.get(e.domain)
+    if domain is None:
+        return _missing(view, seq, "failure_signalled", f"domain {e.domain!r}")
+    what = f"{e.source}: {e.detail}" if e.detail else e.source
+    return _with_domain(view, _replace(domain, signalled=what, signalled_at=e.at, signalled_seq=seq))
 
 
 def _agent_stopping(view: FleetView, e: ev.AgentStopping, seq: int) -> FleetView:
@@ -508,6 +516,7 @@ _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
     ev.TrainingStopped: _training_stopped,
     ev.AgentStarted: _agent_started,
     ev.AgentStopping: _agent_stopping,
+    ev.FailureSignalled: _failure_signalled,
     ev.DomainUnreachable: _reachability,
     ev.DomainReachable: _reachability,
     **{cls: _operation_requested for cls in ev.OPERATION_REQUESTS.values()},

@@ -95,6 +95,11 @@ class DomainView(msgspec.Struct, frozen=True, kw_only=True):
     reachability_since: datetime | None = None
     eligible: bool = True  # may serve as standby (set by eligibility_changed)
     ineligible_why: str = ""
+    # A sign the domain is about to go (`failure_signalled`: preemption notice, GPU XID or ECC), until
+    # its agent starts again: `source: detail`, when, and the event's sequence.
+    signalled: str = ""
+    signalled_at: datetime | None = None
+    signalled_seq: int = 0
 
 
 StepState = Literal["started", "completed", "failed"]

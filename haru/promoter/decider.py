@@ -596,6 +596,8 @@ def _finish(view: FleetView, op: OperationView, facts: Facts) -> Append:
 def _unfit_as_standby(view: FleetView, dv: DomainView, settle: StepView | None, applied: StepView | None = None) -> str:
     if dv.reachable is False:
         return f"agent of {dv.name} unreachable"
+    if dv.signalled:
+        return f"{dv.name} is about to go ({dv.signalled})"
     for gpu in dv.gpus:
         if gpu.present is False:
             return f"GPU {gpu.index} of {dv.name} detached"
@@ -659,6 +661,9 @@ def active_health(view: FleetView, now: datetime) -> ActiveHealth:
         return ActiveHealth(
             health="failed", reason="domain_unreachable", why=f"{dv.name} unreachable (heartbeats silent)", since=dv.reachability_since
         )
+    signal = signalled(dv)  # about to go: move before it does
+    if signal is not None:
+        return signal
     hosting = {dv.models[m].gpu_index for m in served(dv)}
     for gpu in dv.gpus:
         if gpu.present is False and gpu.index in hosting:
@@ -697,6 +702,21 @@ def active_health(view: FleetView, now: datetime) -> ActiveHealth:
 
 
 _READY_TO_PROMOTE = (Sleeping, Resident, Waking)
+
+# --------------------------------------------------------------------------------- seeing it coming
+
+
+def signalled(dv: DomainView) -> ActiveHealth | None:
+    """A domain whose agent recorded a sign that it is about to go (`failure_signalled`: a provider's
+    preemption notice, an NVML critical XID, ECC double-bit errors or pages pending retirement) is
+    failed now, while it still serves: the promotion off it is planned, not a recovery. The request's
+    reason is the signal's source, its cause the `failure_signalled` event."""
+    if not dv.signalled:
+        return None
+    source = dv.signalled.split(":", 1)[0]
+    return ActiveHealth(health="failed", reason=source, why=f"{dv.name} is about to go: {dv.signalled}",
+                        since=dv.signalled_at)
+
 
 # ------------------------------------------------------------------------------- the faster path
 # A model lost for one of these comes back only by a cold reload (the agent restarts its runtime).
@@ -764,6 +784,8 @@ def standby_unfit(view: FleetView, candidate: str, serving: DomainView | None) -
         return f"standby {candidate} is unreachable"
     if not dv.eligible:
         return f"standby {candidate} is not eligible: {dv.ineligible_why or 'not recovered'}"
+    if dv.signalled:
+        return f"standby {candidate} is about to go ({dv.signalled})"
     wanted = served(serving) if serving is not None else served(dv)
     for name in wanted:
         mv = dv.models.get(name)
