@@ -57,6 +57,7 @@ from agents.errors import AgentRefused
 from agents.gpu import GpuReading, Gpus, Owner, open_gpus, process_tree, read_parents
 from agents.gpu_verdict import gpus_of, judge_gpus
 from agents.gpu_watch import GPU_USED_THRESHOLD, GpuWatcher
+from agents.signals import SignalWatcher, open_signals
 from agents.gpu_watch import gpu_changed as _gpu_changed
 from agents.heartbeat import Heartbeats, heartbeat_of
 from agents.loops import LoopErrors
@@ -76,7 +77,7 @@ from haru.core.commands import Command, ErrorInfo, Heartbeat, Reply, heartbeat_d
 from haru.log.bus import Msg
 from haru.core.errors import ConfigError, Conflict, IllegalTransition, NoResponders, RequestTimeout
 from haru.log.eventlog import EventLog
-from haru.core.events import AgentStarted, AgentStopping, Event, RouteMoved, tag_of
+from haru.core.events import AgentStarted, AgentStopping, Event, FailureSignalled, RouteMoved, tag_of
 from haru.core.residency import to_state
 from haru.core.specs import ModelSpec, TrainingSpec
 from haru.host.tasks import cancel_and_wait
@@ -137,6 +138,9 @@ class Agent:
         self.append = Appender(log, stopping=lambda: self.stopping, logger=self.logger)
         self.gpu_watch = GpuWatcher(fleet=self.fleet, domain=self.domain, gpus=gpus, append=self.append, owners=self.owners,
                                     on_gone=self._gpu_went_away, exclude_pid=self.pid, logger=self.logger)
+        self.signals = SignalWatcher(domain=self.domain, gpus=open_signals(config.gpus, config.sim_dir),
+                                     notice=slots.domain.spec.preemption_notice, record=self._record_signal,
+                                     logger=self.logger, session=session)
         self.training = TrainingSlots(slots.admitted_training, fleet=self.fleet, domain=self.domain,
                                       grace_ms=self.policy.training_grace_ms, log_dir=self.state_dir, append=self.append,
                                       files=self.files, agent_seq=lambda: self.agent_seq, stopping=lambda: self.stopping,
@@ -303,6 +307,7 @@ class Agent:
             self.serving_url = self._serving.url
         self._spawn_task(self.gpu_watch.run(self.slots.gpu_indexes, lambda: self.policy.probe_interval_ms / 1000,
                                             self.loop_errors), "gpus")
+        self._spawn_task(self.signals.run(self.slots.gpu_indexes, self.loop_errors), "signals")
         for m in self.models.values():
             self._supervise(m)
         self._spawn_task(self._initial_training(), "initial-training")
@@ -680,6 +685,10 @@ class Agent:
         return backoff_s(self.policy, failures)
 
     # ---------------------------------------------------------------------------- sleep and wake
+
+    async def _record_signal(self, event: FailureSignalled) -> None:
+        """A sign this domain is about to go (agents/signals.py), on the agent subject."""
+        self.agent_seq = await self.log.append(self.agent_subject, event, expect=self.agent_seq)
 
     async def drain_serving(self, names: list[str], timeout_s: float) -> int:
         """Requests to `names` on the serving port finish first (agents/serving.py `drain`); how many did not."""

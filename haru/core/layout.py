@@ -34,7 +34,7 @@ import msgspec
 
 from haru.core.errors import InvalidName, LayoutError
 from haru.core.launch import ArgConflict, check_args, format_refusal, runtime_for
-from haru.core.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, Policy, ProvisionSpec, ServiceSpec, TrainingSpec
+from haru.core.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, Policy, PreemptionNotice, ProvisionSpec, ServiceSpec, TrainingSpec
 from haru.core.subjects import check_model_id, check_name
 
 __all__ = ["parse_layout", "load_layout", "parse_size", "SIZE_UNITS"]
@@ -57,7 +57,7 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 # ----------------------------------------------------------------------------- allowed keys
 
 _TOP_KEYS = ("fleet", "policy", "domains")
-_DOMAIN_KEYS = ("name", "provider", "region", "serving_url", "serve", "gpus", "slots", "provision")
+_DOMAIN_KEYS = ("name", "provider", "region", "serving_url", "serve", "gpus", "slots", "provision", "preemption_notice")
 _PROVISION_KEYS = tuple(ProvisionSpec.__struct_fields__)
 _SERVICE_KEYS = tuple(ServiceSpec.__struct_fields__)
 _GPU_KEYS = ("index", "memory", "reserve", "name")
@@ -112,6 +112,7 @@ class _Domain(msgspec.Struct, forbid_unknown_fields=True):
     gpus: list[_Gpu] = []
     slots: list[_Slot] = []
     provision: dict[str, Any] | None = None
+    preemption_notice: PreemptionNotice | None = None
 
 
 class _Layout(msgspec.Struct, forbid_unknown_fields=True):
@@ -393,8 +394,15 @@ def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
             _check_launch(model, m.runtime, mp, gpu_memory.get(s.gpu, 0))
             models.append(model)
     provision = _provision(d, name, dp) if d.provision is not None else None
+    notice = d.preemption_notice
+    if notice is not None and bool(notice.url) == bool(notice.command):
+        raise LayoutError("preemption_notice needs exactly one of `url` and `command`", path=f"{dp}.preemption_notice",
+                          fix='e.g. {"url": "http://169.254.169.254/latest/meta-data/spot/instance-action"}')
+    if notice is not None and notice.interval_ms < 100:
+        raise LayoutError("preemption_notice.interval_ms is under 100", path=f"{dp}.preemption_notice.interval_ms",
+                          fix="poll every 100 ms or slower (5000 is the default)")
     spec = DomainSpec(name=name, provider=d.provider, region=d.region, serving_url=d.serving_url, serve=d.serve,
-                      gpus=gpus, provision=provision)
+                      gpus=gpus, provision=provision, preemption_notice=notice)
     return Domain(spec=spec, models=models, training=training)
 
 

@@ -160,6 +160,19 @@ class ProvisionSpec(msgspec.Struct, frozen=True, kw_only=True):
     service: ServiceSpec = ServiceSpec()
 
 
+class PreemptionNotice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where a domain's provider announces that it takes the host back, polled by the agent every
+    `interval_ms`. `url`: a notice is an answer 200 with a body other than empty/`FALSE`/`false`/`none`
+    (AWS `.../spot/instance-action` answers 404 until there is one; GCP's `.../instance/preempted` says
+    `TRUE`; headers such as `Metadata-Flavor: Google` go in `headers`). `command`: a notice is exit status
+    0 with something on stdout (what it printed is the detail)."""
+
+    url: str = ""
+    headers: dict[str, str] = {}
+    command: list[str] = []
+    interval_ms: int = 5_000
+
+
 class DomainSpec(msgspec.Struct, frozen=True, kw_only=True):
     """One failure domain: its provider, where it serves, and its GPUs (slots are declared apart)."""
 
@@ -172,6 +185,8 @@ class DomainSpec(msgspec.Struct, frozen=True, kw_only=True):
     # For provider skypilot/skyserve: how to launch it (None for static hosts, and for a cloud domain
     # declared before provisioning was wired in: `haru provision` then says what to add).
     provision: ProvisionSpec | None = None
+    # A provider's preemption notice, polled by the agent (a planned move off the domain before it goes).
+    preemption_notice: PreemptionNotice | None = None
 
 
 class Domain(msgspec.Struct, frozen=True, kw_only=True):
