@@ -281,30 +281,23 @@ async def recover(name: str, demo: Demo, s: aiohttp.ClientSession, old_active: s
         os.kill(active_agent(view, old_active), signal.SIGKILL)
 
 
-async def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json-clients", type=int, default=6)
-    ap.add_argument("--sse-clients", type=int, default=2)
-    ap.add_argument("--steady-s", type=float, default=5.0)
-    ap.add_argument("--tail-s", type=float, default=6.0)
-    ap.add_argument("--faults", default="all", help=f"comma-separated, of {', '.join(FAULTS)}")
-    ap.add_argument("--keep", action="store_true", help="keep the temporary home (logs) afterwards")
-    args = ap.parse_args()
-    faults = FAULTS if args.faults == "all" else tuple(args.faults.split(","))
+async def measure(faults: tuple[str, ...], *, json_clients: int = 6, sse_clients: int = 2, steady_s: float = 5.0,
+                  tail_s: float = 6.0, keep: bool = False) -> list[tuple]:
+    """Run the demo, the steady window and each fault; the rows (name, requests, failed, cut, continued,
+    held, retried, p99 s, route, window s), the steady window first."""
     root = Path(tempfile.mkdtemp(prefix="haru-clientview-"))
     demo = Demo(root)
-    rows = []
+    rows: list[tuple] = []
     try:
         demo.start()
         async with aiohttp.ClientSession() as s:
             active, _ = await wait_settled(demo, s, 120)
-            async with Load(demo.gateway, args.json_clients, args.sse_clients) as load:
+            async with Load(demo.gateway, json_clients, sse_clients) as load:
                 t0 = time.monotonic()
-                await asyncio.sleep(args.steady_s)
+                await asyncio.sleep(steady_s)
                 steady = [e - b for b, e, _, _ in load.done if b >= t0]
-                steady_p99 = p99(steady)
-                rows.append(("steady", len(steady), sum(1 for *_, o in load.done if o.startswith("failed")), 0, 0,
-                             0, 0, steady_p99, "", 0.0))
+                rows.append(("steady", len(steady), sum(1 for *_, o in load.done if o.startswith("failed")),
+                             sum(1 for *_, o in load.done if o == "cut"), 0, 0, 0, p99(steady), "", 0.0))
                 for name in faults:
                     before = await demo.metrics(s)
                     start = time.monotonic()
@@ -312,11 +305,11 @@ async def main() -> None:
                     await fault(name, demo, s, active)
                     new_active, took = await wait_settled(demo, s, 120, active if name != "agent" else "")
                     await recover(name, demo, s, active)
-                    await asyncio.sleep(args.tail_s)
+                    await asyncio.sleep(tail_s)
                     if name in ("detach", "preempt"):
                         await wait_settled(demo, s, 120)
                     after = await demo.metrics(s)
-                    window = [r for r in load.done[n0:] if r[0] >= start - 60]
+                    window = load.done[n0:]
                     lat = [e - b for b, e, _, _ in window]
                     failed = [o for *_, o in window if o.startswith("failed")]
                     cut = sum(1 for *_, o in window if o == "cut")
@@ -327,21 +320,43 @@ async def main() -> None:
                     active = new_active
     finally:
         demo.stop()
-        if not args.keep:
+        if not keep:
             subprocess.run(["rm", "-rf", str(root)], check=False)
         else:
             print(f"home and logs kept in {root}")
-    print(f"\nclosed loop: {args.json_clients} JSON + {args.sse_clients} SSE clients through the gateway, "
-          f"`haru up --demo` (simulated vLLM)\n")
-    print(f"{'fault':<9} {'requests':>8} {'failed':>6} {'cut':>4} {'continued':>9} {'held':>5} {'retried':>7} "
-          f"{'p99 ms':>7} {'vs steady':>9}  route")
+    return rows
+
+
+def table(rows: list[tuple], json_clients: int, sse_clients: int) -> str:
+    out = [f"closed loop: {json_clients} JSON + {sse_clients} SSE clients through the gateway, "
+           f"`haru up --demo` (simulated vLLM)", "",
+           f"{'fault':<9} {'requests':>8} {'failed':>6} {'cut':>4} {'continued':>9} {'held':>5} {'retried':>7} "
+           f"{'p99 ms':>7} {'vs steady':>9}  route"]
     steady_p99 = rows[0][7]
     for name, n, failed, cut, cont, held, retried, q, route, _ in rows:
         ratio = f"{q / steady_p99:.1f}x" if steady_p99 and name != "steady" else ""
-        print(f"{name:<9} {n:>8} {failed:>6} {cut:>4} {cont:>9} {held:>5} {retried:>7} {q * 1000:>7.0f} "
-              f"{ratio:>9}  {route}")
+        out.append(f"{name:<9} {n:>8} {failed:>6} {cut:>4} {cont:>9} {held:>5} {retried:>7} {q * 1000:>7.0f} "
+                   f"{ratio:>9}  {route}")
     bad = [r[0] for r in rows[1:] if r[2] or r[3]]
-    print("\ngoal: 0 failed and 0 cut in every row: " + ("met" if not bad else f"NOT met ({', '.join(bad)})"))
+    out.append("")
+    out.append("goal: 0 failed and 0 cut in every row: " + ("met" if not bad else f"NOT met ({', '.join(bad)})"))
+    return "\n".join(out)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json-clients", type=int, default=6)
+    ap.add_argument("--sse-clients", type=int, default=2)
+    ap.add_argument("--steady-s", type=float, default=5.0)
+    ap.add_argument("--tail-s", type=float, default=6.0)
+    ap.add_argument("--faults", default="all", help=f"comma-separated, of {', '.join(FAULTS)}")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary home (logs) afterwards")
+    args = ap.parse_args()
+    faults = FAULTS if args.faults == "all" else tuple(args.faults.split(","))
+    rows = await measure(faults, json_clients=args.json_clients, sse_clients=args.sse_clients,
+                         steady_s=args.steady_s, tail_s=args.tail_s, keep=args.keep)
+    print()
+    print(table(rows, args.json_clients, args.sse_clients))
 
 
 if __name__ == "__main__":
