@@ -173,6 +173,9 @@ def splice_event(payload: bytes, sent: Transcript) -> bytes | None:
         if sent.created:
             obj["created"] = sent.created
         choices = obj.get("choices") or []
+        if not sent.role_sent:  # the cut came before the role chunk: this one is the stream's first
+            sent.role_sent = any("role" in (c.get("delta") or {}) for c in choices)
+            return b"data: " + _encode(obj) + b"\n\n"
         for choice in choices:
             delta = choice.get("delta")
             if isinstance(delta, dict) and "role" in delta:

@@ -171,3 +171,10 @@ def test_the_error_event_has_openais_shape():
 def test_measured_figures_in_the_view_are_kept():
     mv = ModelView(name=M, residency=Resident(since=NOW, warmup_ms=5), wake_ms=3, load_ms=4)
     assert msgspec.json.decode(msgspec.json.encode(mv), type=ModelView) == mv
+
+
+def test_a_cut_before_the_role_chunk_keeps_the_continuations_role_chunk():
+    t = transcript(b"")
+    first = splice_event(events(chunk({"role": "assistant", "content": ""}, cid="c2"))[0], t)
+    assert first is not None and json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
+    assert splice_event(events(chunk({"role": "assistant", "content": ""}, cid="c2"))[0], t) is None
