@@ -19,6 +19,11 @@ Bounds, all from the fleet's policy (haru/core/specs.py):
     hold_max_requests  requests held per fleet on this gateway at once; beyond it, answered at once
     hold_max_bytes     their bodies' bytes, the same way
 
+"About to start" follows the promoter's own rule: a GPU gone or a `gpu_detached` loss fails the
+active at once, and so does a cold-reload loss (`process_exited`, `evicted`, `unhealthy`) when the
+standby's measured wake beats the active's measured warm-up (the faster path). A loss the promoter
+waits out (`degraded_grace_ms`) is answered at once, as before: holding it would only delay the 503.
+
 A held request leaves with today's diagnostic answer when its time is up, or at once when the hold
 no longer applies (the promotion aborted and no other is coming). A client that disconnects cancels
 its handler (the server runs with handler_cancellation), which drops the held request at once.
@@ -35,7 +40,7 @@ import msgspec
 
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Forward, FleetRoutes, Refusal, RoutingTable
-from haru.core.residency import Resident, Sleeping, Waking
+from haru.core.residency import Loading, Lost, Resident, Sleeping, Waking
 from haru.core.views import FleetView
 
 # Refusals a failover cures. `model_warming` / `model_asleep` only while a promotion is under way:
@@ -74,6 +79,33 @@ def _standby_ready(view: FleetView, active: str) -> str:
     return ""
 
 
+_COLD_RELOAD: Final = frozenset({"process_exited", "evicted", "unhealthy"})
+
+
+def _fails_now(view: FleetView, active: str, target: str) -> bool:
+    """Whether the promoter fails the active at once for what its models show (the decider's rule,
+    haru/promoter/decider.py `active_health` and `faster_path`): a GPU gone, a `gpu_detached` loss, or a
+    cold-reload loss that the standby's measured wake beats the active's measured warm-up."""
+    dv = view.domains.get(active)
+    sb = view.domains.get(target)
+    if dv is None or sb is None:
+        return False
+    if any(gpu.present is False for gpu in dv.gpus):
+        return True
+    wakes = [sb.models[m].wake_ms for m in dv.models if m in sb.models and dv.models[m].admitted is not False]
+    wake = max(wakes) if wakes and all(wakes) else 0
+    for mv in dv.models.values():
+        state = mv.residency
+        if isinstance(state, Lost):
+            if state.reason == "gpu_detached":
+                return True
+            if state.reason in _COLD_RELOAD and wake and mv.load_ms and wake < mv.load_ms:
+                return True
+        elif isinstance(state, Loading) and state.attempt > 1 and wake and mv.load_ms and wake < mv.load_ms:
+            return True
+    return False
+
+
 def _backing_off(view: FleetView, target: str, now: float) -> bool:
     """A promotion onto `target` aborted a moment ago: the promoter waits before it tries again, so
     nothing is about to start (the promoter's own wait is at least this long)."""
@@ -107,6 +139,8 @@ def hold_plan(routes: FleetRoutes | None, code: str, *, unreachable: bool = Fals
         target = _standby_ready(view, active)
         if not target or _backing_off(view, target, now):
             return None
+        if not unreachable and not _fails_now(view, active, target):
+            return None  # a loss the promoter waits out (degraded_grace_ms): holding would only delay the answer
         why = f"auto-failover to {target} about to start"
     if policy.hold_ms:
         return HoldPlan(min(policy.hold_ms, policy.hold_max_ms), why)

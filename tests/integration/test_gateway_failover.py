@@ -17,7 +17,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from haru.core.residency import Answer, Lost, Resident, Sleeping
+from haru.core.residency import Answer, Lost, Sleeping
 from haru.core.specs import Policy
 from haru.core.views import FleetView, OperationView
 from tests.integration.test_gateway import (
@@ -40,13 +40,16 @@ FAST = Policy(heartbeat_timeout_ms=500)
 def fleet_view(urls: dict[str, str], *, active: str, policy: Policy = FAST, seq: int = 1, wake_ms: int = 400,
                operation: OperationView | None = None, last_operation: OperationView | None = None,
                runtime: str = "vllm", standby_state=None) -> FleetView:
-    """Two domains: `active` serving, the other a standby asleep whose measured wake is `wake_ms`."""
+    """Two domains: `active`, whose model was lost to a crash (a cold reload of 30 s, measured), and the
+    other a standby asleep whose measured wake is `wake_ms`: the promoter fails over at once."""
     standby_state = standby_state or Sleeping(since=datetime.now(UTC))
-    view = view_of("default", urls, active=active, models=(MODEL,), seq=seq,
-                   residency={(d, MODEL): standby_state for d in urls if d != active})
+    states = {(d, MODEL): standby_state for d in urls if d != active}
+    states[(active, MODEL)] = Lost(since=datetime.now(UTC), reason="process_exited")
+    view = view_of("default", urls, active=active, models=(MODEL,), seq=seq, residency=states)
     domains = {}
     for name, dv in view.domains.items():
-        models = {m: msgspec.structs.replace(mv, wake_ms=wake_ms if name != active else 0, runtime=runtime)
+        models = {m: msgspec.structs.replace(mv, wake_ms=wake_ms if name != active else 0, runtime=runtime,
+                                             load_ms=30_000)
                   for m, mv in dv.models.items()}
         domains[name] = msgspec.structs.replace(dv, models=models)
     return msgspec.structs.replace(view, domains=domains, policy=policy, operation=operation,

@@ -57,8 +57,9 @@ def test_an_unreachable_active_adds_the_heartbeat_timeout_until_its_silence_is_n
 
 
 def test_the_hold_is_bounded_by_policy():
-    assert hold_plan(routes(wake_ms=0), "model_lost", now=T).budget_ms == 30_000  # unmeasured: the ceiling
-    assert hold_plan(routes(wake_ms=90_000), "model_lost", now=T).budget_ms == 30_000
+    unmeasured = hold_plan(routes(wake_ms=0), "upstream_unreachable", unreachable=True, now=T)
+    assert unmeasured.budget_ms == 30_000  # a wake never measured: the ceiling
+    assert hold_plan(routes(wake_ms=29_000), "model_lost", now=T).budget_ms == 30_000
     assert hold_plan(routes(policy=Policy(hold_ms=700)), "model_lost", now=T).budget_ms == 700
     assert hold_plan(routes(policy=Policy(hold_max_ms=0)), "model_lost", now=T) is None
 
@@ -178,3 +179,11 @@ def test_a_cut_before_the_role_chunk_keeps_the_continuations_role_chunk():
     first = splice_event(events(chunk({"role": "assistant", "content": ""}, cid="c2"))[0], t)
     assert first is not None and json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
     assert splice_event(events(chunk({"role": "assistant", "content": ""}, cid="c2"))[0], t) is None
+
+
+def test_a_loss_the_promoter_waits_out_is_not_held():
+    slow = routes(wake_ms=40_000)  # the standby wakes slower than the active reloads (30 s): no faster path
+    assert hold_plan(slow, "model_lost", now=T) is None
+    assert hold_plan(slow, "upstream_unreachable", unreachable=True, now=T) is not None  # silence: failed at once
+    unmeasured = routes(wake_ms=0)
+    assert hold_plan(unmeasured, "model_lost", now=T) is None
