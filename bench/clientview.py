@@ -238,6 +238,17 @@ async def wait_settled(demo: Demo, s: aiohttp.ClientSession, timeout: float, mov
     raise SystemExit(f"the fleet did not settle within {timeout} s: see {demo.root}")
 
 
+async def wait_agent(demo: Demo, s: aiohttp.ClientSession, domain: str, old_pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError, KeyError, ValueError):
+            agent = (await demo.view(s))["domains"][domain]["agent"]
+            if agent.get("running") and int(agent.get("pid", 0)) not in (0, old_pid):
+                return
+        await asyncio.sleep(0.2)
+    raise SystemExit(f"the agent of {domain} did not start again within {timeout} s: see {demo.root}")
+
+
 def active_agent(view: dict, active: str) -> int:
     return int(view["domains"][active]["agent"]["pid"])
 
@@ -302,7 +313,10 @@ async def measure(faults: tuple[str, ...], *, json_clients: int = 6, sse_clients
                     before = await demo.metrics(s)
                     start = time.monotonic()
                     n0 = len(load.done)
+                    old_agent = active_agent(await demo.view(s), active)
                     await fault(name, demo, s, active)
+                    if name == "agent":  # no move needed: wait for the agent that `haru up` starts again
+                        await wait_agent(demo, s, active, old_agent, 60)
                     new_active, took = await wait_settled(demo, s, 120, active if name != "agent" else "")
                     await recover(name, demo, s, active)
                     await asyncio.sleep(tail_s)
