@@ -13,7 +13,7 @@ from agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.errors import LayoutError
 from haru.core.layout import parse_layout
-from tests.integration.agent_harness import is_, wait_event, write_config, write_layout
+from tests.support.agent_harness import is_, wait_event, write_config, write_layout
 
 pytestmark = pytest.mark.timeout(120)
 
