@@ -238,6 +238,18 @@ async def wait_settled(demo: Demo, s: aiohttp.ClientSession, timeout: float, mov
     raise SystemExit(f"the fleet did not settle within {timeout} s: see {demo.root}")
 
 
+async def wait_moved(demo: Demo, s: aiohttp.ClientSession, old: str, timeout: float) -> str:
+    """The route moved off `old` and the operation that moved it finished."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError, KeyError, ValueError):
+            view = await demo.view(s)
+            if view.get("active") not in ("", old) and not view.get("operation"):
+                return view["active"]
+        await asyncio.sleep(0.2)
+    raise SystemExit(f"the route did not move off {old} within {timeout} s: see {demo.root}")
+
+
 async def wait_agent(demo: Demo, s: aiohttp.ClientSession, domain: str, old_pid: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -317,11 +329,11 @@ async def measure(faults: tuple[str, ...], *, json_clients: int = 6, sse_clients
                     await fault(name, demo, s, active)
                     if name == "agent":  # no move needed: wait for the agent that `haru up` starts again
                         await wait_agent(demo, s, active, old_agent, 60)
-                    new_active, took = await wait_settled(demo, s, 120, active if name != "agent" else "")
-                    await recover(name, demo, s, active)
+                    else:
+                        await wait_moved(demo, s, active, 120)
+                    await recover(name, demo, s, active)  # the old active back (a GPU attached again, ...)
+                    new_active, took = await wait_settled(demo, s, 180)
                     await asyncio.sleep(tail_s)
-                    if name in ("detach", "preempt"):
-                        await wait_settled(demo, s, 120)
                     after = await demo.metrics(s)
                     window = load.done[n0:]
                     lat = [e - b for b, e, _, _ in window]
