@@ -255,6 +255,8 @@ class Proxy:
     async def handle(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
         headers = request.headers
         fleet = headers.get("X-Haru-Fleet") or self.default_fleet
+        if self.table.get(fleet) is None:  # not a fleet's name: perhaps its UUID ("slug or UUID")
+            fleet = self.table.fleet_named(fleet) or fleet
         try:
             body = await read_body(request, self.body_timeout, self.max_body)
         except BodyTimeout:
