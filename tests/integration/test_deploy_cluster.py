@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -720,7 +721,7 @@ async def test_a_real_agent_runs_under_its_domain_user(tmp_path):
             finally:
                 await promoter.close()
 
-            agent_proc.terminate()
+            agent_proc.send_signal(signal.SIGINT)  # stopping for good: it unloads (SIGTERM would keep its runtimes)
             assert await asyncio.to_thread(agent_proc.wait, 60) == 0, agent_log()
             last = await admin.last(subjects.agent(FLEET, "b"))
             assert last is not None and isinstance(last.event, AgentStopping), last
