@@ -60,6 +60,7 @@ from agents.gpu_watch import GPU_USED_THRESHOLD, GpuWatcher
 from agents.gpu_watch import gpu_changed as _gpu_changed
 from agents.heartbeat import Heartbeats, heartbeat_of
 from agents.loops import LoopErrors
+from agents.load_queue import LoadQueue
 from agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
 from agents.observe import Observation, PullInterrupted, Unloaded, observe
 from agents.ports import Applied, GpuVerdict, Outcome, Selection
@@ -78,7 +79,7 @@ from haru.errors import ConfigError, Conflict, IllegalTransition, NoResponders, 
 from haru.eventlog import EventLog
 from haru.events import AgentStarted, AgentStopping, Event, RouteMoved, tag_of
 from haru.residency import to_state
-from haru.specs import ModelSpec, TrainingSpec
+from haru.specs import ModelSpec, TrainingSpec, model_gpus
 from haru.tasks import cancel_and_wait
 
 # GPU_USED_THRESHOLD, _gpu_changed: kept importable from here (agents/gpu_watch.py has them)
@@ -147,7 +148,8 @@ class Agent:
             domain=self.domain, record=self.recorder.record, about=self.recorder.about, gpu=self.gpu_watch,
             files=self.files, role=lambda: self.role, policy=lambda: self.policy, stopping=lambda: self.stopping,
             stop_event=self._stop, spawn=self._spawn_task, make_room=self._make_room,
-            resume_training=self._resume_training, errors=self.loop_errors, logger=self.logger)
+            resume_training=self._resume_training, errors=self.loop_errors, logger=self.logger,
+            loads=LoadQueue(order=lambda: [spec.name for spec in self.slots.admitted_models]))
         self.active_domain = ""
         self.route_revision = 0
         self._tasks: list[asyncio.Task] = []
@@ -408,7 +410,7 @@ class Agent:
     def _new_slot(self, spec: ModelSpec) -> ModelSlot:
         gpu_memory = {g.index: g.memory_bytes for g in self.slots.domain.spec.gpus}
         runtime = make_runtime(spec, session=self.session, log_dir=self.state_dir, bind_host=self._bind_host,
-                               gpu_memory_bytes=gpu_memory.get(spec.gpu_index, 0))
+                               gpu_memory_bytes=max(gpu_memory.get(i, 0) for i in model_gpus(spec)))
         return ModelSlot(spec, runtime, subjects.model(self.fleet, self.domain, spec.name))
 
     async def _follow_declarations(self) -> None:
@@ -647,7 +649,7 @@ class Agent:
         """The provider took GPU `index`: say so for every model on it now, not at each one's next probe,
         before a failover's demotion can ask one of them to sleep."""
         for m in self.models.values():
-            if m.spec.gpu_index == index and m.runtime.kind != "external":
+            if index in model_gpus(m.spec) and m.runtime.kind != "external":
                 self._spawn_task(self.check(m), f"gpu-gone:{m.name}")
 
     def owners(self, index: int) -> list[Owner]:
@@ -657,7 +659,7 @@ class Agent:
         parents = read_parents()
         out: list[Owner] = []
         for m in self.models.values():
-            if m.spec.gpu_index != index or m.runtime.kind == "external":
+            if index not in model_gpus(m.spec) or m.runtime.kind == "external":
                 continue
             pid = m.runtime.pid if m.runtime.alive() else None
             asleep = m.runtime.can_sleep and m.state_tag == "sleeping"
@@ -821,7 +823,7 @@ class Agent:
 
     async def verify_gpus(self, models: list[ModelSlot]) -> GpuVerdict:
         """Observe each of the models' GPUs now (recording what changed), then judge them."""
-        for index in {m.spec.gpu_index for m in models}:
+        for index in {i for m in models for i in model_gpus(m.spec)}:
             await self.observe_gpu(index)
         return self.verify_gpu_data(models)
 

@@ -12,13 +12,14 @@ from agents.model_slot import ModelSlot
 from agents.ports import GpuVerdict
 from agents.training import Trainer
 from haru.commands import ErrorInfo
+from haru.specs import model_gpus
 
 __all__ = ["judge_gpus", "gpus_of"]
 
 
 def gpus_of(models: Sequence[ModelSlot]) -> list[int]:
     """The GPUs the judgment reads: those of the models that are not external endpoints."""
-    return sorted({m.spec.gpu_index for m in models if m.runtime.kind != "external"})
+    return sorted({i for m in models if m.runtime.kind != "external" for i in model_gpus(m.spec)})
 
 
 def judge_gpus(models: Sequence[ModelSlot], trainers: Mapping[str, Trainer], readings: Mapping[int, GpuReading], *,
@@ -39,7 +40,8 @@ def judge_gpus(models: Sequence[ModelSlot], trainers: Mapping[str, Trainer], rea
     per_gpu: dict[int, list[ModelSlot]] = {}
     for m in models:
         if m.runtime.kind != "external":
-            per_gpu.setdefault(m.spec.gpu_index, []).append(m)
+            for i in model_gpus(m.spec):  # a model across GPUs needs its share on each
+                per_gpu.setdefault(i, []).append(m)
     out: dict[str, dict] = {}
     problems: list[tuple[str, str]] = []
     unverified: list[str] = []

@@ -168,6 +168,9 @@ class ModelLoading(Event, frozen=True, kw_only=True, tag="model_loading"):
     endpoint: str = ""
     pid: int = 0
     attempt: int = 1
+    # Not spawned yet: what it waits for (its GPU's turn: one cold load at a time per GPU, in
+    # declaration order; agents/load_queue.py). "" once its runtime is started.
+    waiting_for: str = ""
 
 
 class ModelResident(Event, frozen=True, kw_only=True, tag="model_resident"):

@@ -54,6 +54,8 @@ def model_state(model: ModelView, now: datetime) -> str:
         return f"pulling {s.reference}{of} for {_secs(s.since, now)}"
     if isinstance(s, Loading):
         extra = f" (attempt {s.attempt})" if s.attempt > 1 else ""
+        if s.waiting_for:
+            extra += f" — waiting for {s.waiting_for}"
         return f"loading for {_secs(s.since, now)}{extra}"
     if isinstance(s, Waking):
         return f"waking for {_secs(s.since, now)}"
