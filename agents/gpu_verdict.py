@@ -11,8 +11,8 @@ from agents.gpu import GpuReading
 from agents.model_slot import ModelSlot
 from agents.ports import GpuVerdict
 from agents.training import Trainer
-from haru.commands import ErrorInfo
-from haru.specs import model_gpus
+from haru.core.commands import ErrorInfo
+from haru.core.specs import model_gpus
 
 __all__ = ["judge_gpus", "gpus_of"]
 

@@ -1,6 +1,6 @@
 """vLLM: `vllm serve <source> --host 127.0.0.1 --port P --served-model-name NAME
 --gpu-memory-utilization F --max-model-len N --enable-sleep-mode`, its command line the plan's
-(`haru.launch`: F is the model's planned VRAM over the GPU's memory, rounded down).
+(`haru.core.launch`: F is the model's planned VRAM over the GPU's memory, rounded down).
 
 The sleep/wake endpoints are development-mode endpoints, so the child gets VLLM_SERVER_DEV_MODE=1.
 `POST /sleep?level=1` and `POST /wake_up` answer a bare 200 that proves nothing: both are checked

@@ -16,7 +16,7 @@ import pytest
 
 from agents.load_queue import overlapping_loads
 from agents.sim.gpu_state import GiB, SimGpuState
-from haru import subjects
+from haru.core import subjects
 from tests.integration.agent_harness import (
     AgentProcess,
     agent_env,
