@@ -55,11 +55,12 @@ from agents.config import (
 )
 from agents.errors import AgentRefused
 from agents.gpu import GpuReading, Gpus, Owner, open_gpus, process_tree, read_parents
-from agents.gpu_verdict import gpus_of, judge_gpus
+from agents.gpu_verdict import gpus_of, judge_gpus, settled
 from agents.gpu_watch import GPU_USED_THRESHOLD, GpuWatcher
 from agents.gpu_watch import gpu_changed as _gpu_changed
 from agents.heartbeat import Heartbeats, heartbeat_of
 from agents.loops import LoopErrors
+from agents.host_ram import read_host_ram
 from agents.load_queue import LoadQueue
 from agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
 from agents.observe import Observation, PullInterrupted, Unloaded, observe
@@ -237,8 +238,10 @@ class Agent:
                     f"{subjects.commands(self.fleet, self.domain)}.* and heartbeats; stop it first (two writers would "
                     f"corrupt one history)"
                 )
+        ram_total, ram_available = read_host_ram()  # agents/host_ram.py: /proc/meminfo, for `haru status`
         event = AgentStarted(at=now(), domain=self.domain, host=self.host, pid=self.pid, version=VERSION,
-                             serving_url=self._serving_url_guess())
+                             serving_url=self._serving_url_guess(), host_ram_total_bytes=ram_total,
+                             host_ram_available_bytes=ram_available)
         try:
             self.agent_seq = await self.log.append(self.agent_subject, event, expect=expect)
         except Conflict as exc:
@@ -822,10 +825,13 @@ class Agent:
         }
 
     async def verify_gpus(self, models: list[ModelSlot]) -> GpuVerdict:
-        """Observe each of the models' GPUs now (recording what changed), then judge them."""
-        for index in {i for m in models for i in model_gpus(m.spec)}:
-            await self.observe_gpu(index)
-        return self.verify_gpu_data(models)
+        """Observe each of the models' GPUs (recording what changed) and judge them, again within the
+        settle window while memory is not released yet (agents/gpu_verdict.py `settled`)."""
+        async def observe() -> None:
+            for index in {i for m in models for i in model_gpus(m.spec)}:
+                await self.observe_gpu(index)
+
+        return await settled(observe, lambda: self.verify_gpu_data(models), settle_s=self.policy.verify_settle_ms / 1000)
 
     def verify_gpu_data(self, models: list[ModelSlot]) -> GpuVerdict:
         """The judgment on the models' GPUs as they read now (agents/gpu_verdict.py)."""

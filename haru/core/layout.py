@@ -11,13 +11,15 @@ and the fix. The shape (documented with examples in docs/residency.md):
       "domains": [                             two, mirroring the same model ids (or one: no failover)
         {"name": "a", "provider": "static", "region": "local-1",
          "serving_url": "http://127.0.0.1:18601", "serve": "agent",
+         "host_ram": "256GiB", "host_ram_reserve": "32GiB",    optional: host RAM is planned when declared
          "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB", "name": "L4"}],
          "slots": [
            {"name": "chat", "gpu": 0, "models": [
               {"name": "qwen3.6:27b", "runtime": "vllm", "vram": "20GiB", "context_length": 32768,
-               "port": 18100, "source": "Qwen/...", "url": "", "binary": [...], "args": [...], "env": {}}]},
+               "port": 18100, "source": "Qwen/...", "url": "", "binary": [...], "args": [...], "env": {},
+               "gpus": [0, 1], "host_ram": "16GiB"}]},          optional: tensor parallel; host RAM asleep
            {"name": "lora", "kind": "training", "gpu": 0, "command": ["python", "train.py"],
-            "checkpoint_dir": "~/ckpt", "vram": "8GiB", "grace_ms": 10000}]}]
+            "checkpoint_dir": "~/ckpt", "vram": "8GiB", "grace_ms": 10000, "host_ram": "24GiB"}]}]
     }
 
 Sizes are integers (bytes) or strings with a unit: binary `KiB MiB GiB TiB`, decimal `KB MB GB TB`,
@@ -34,7 +36,8 @@ import msgspec
 
 from haru.core.errors import InvalidName, LayoutError
 from haru.core.launch import ArgConflict, check_args, format_refusal, runtime_for
-from haru.core.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, Policy, ProvisionSpec, ServiceSpec, TrainingSpec
+from haru.core.specs import (Domain, DomainSpec, GpuSpec, Layout, ModelSpec, Policy, ProvisionSpec, ServiceSpec, TrainingSpec,
+                        model_gpus)
 from haru.core.subjects import check_model_id, check_name
 
 __all__ = ["parse_layout", "load_layout", "parse_size", "SIZE_UNITS"]
@@ -57,14 +60,15 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 # ----------------------------------------------------------------------------- allowed keys
 
 _TOP_KEYS = ("fleet", "policy", "domains")
-_DOMAIN_KEYS = ("name", "provider", "region", "serving_url", "serve", "gpus", "slots", "provision")
+_DOMAIN_KEYS = ("name", "provider", "region", "serving_url", "serve", "gpus", "slots", "provision", "host_ram",
+                "host_ram_reserve")
 _PROVISION_KEYS = tuple(ProvisionSpec.__struct_fields__)
 _SERVICE_KEYS = tuple(ServiceSpec.__struct_fields__)
 _GPU_KEYS = ("index", "memory", "reserve", "name")
 _INFERENCE_SLOT_KEYS = ("name", "kind", "gpu", "models")
-_TRAINING_SLOT_KEYS = ("name", "kind", "gpu", "command", "checkpoint_dir", "vram", "grace_ms")
+_TRAINING_SLOT_KEYS = ("name", "kind", "gpu", "command", "checkpoint_dir", "vram", "grace_ms", "host_ram")
 _MODEL_KEYS = ("name", "runtime", "vram", "context_length", "port", "source", "url", "binary", "args", "env",
-               "adapters", "gpu_layers")
+               "adapters", "gpu_layers", "gpus", "host_ram")
 _POLICY_KEYS = tuple(Policy.__struct_fields__)
 
 Size = int | str
@@ -90,6 +94,8 @@ class _Model(msgspec.Struct, forbid_unknown_fields=True):
     env: dict[str, str] = {}
     adapters: dict[str, str] = {}
     gpu_layers: int = -1
+    gpus: list[int] = []  # tensor parallel: every GPU it spans, the slot's among them
+    host_ram: Size = 0  # host RAM its sleep keeps (its weights); 0 = its VRAM per GPU, an upper bound
 
 
 class _Slot(msgspec.Struct, forbid_unknown_fields=True):
@@ -101,6 +107,7 @@ class _Slot(msgspec.Struct, forbid_unknown_fields=True):
     checkpoint_dir: str = ""
     vram: Size = 0
     grace_ms: int = 0
+    host_ram: Size = 0
 
 
 class _Domain(msgspec.Struct, forbid_unknown_fields=True):
@@ -112,6 +119,8 @@ class _Domain(msgspec.Struct, forbid_unknown_fields=True):
     gpus: list[_Gpu] = []
     slots: list[_Slot] = []
     provision: dict[str, Any] | None = None
+    host_ram: Size = 0  # 0 = not declared: host RAM is not planned
+    host_ram_reserve: Size = 0
 
 
 class _Layout(msgspec.Struct, forbid_unknown_fields=True):
@@ -348,7 +357,8 @@ def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
                 raise LayoutError(f"training slot {slot!r} declares no VRAM budget", path=f"{sp}.vram",
                                   fix='declare what it may use, e.g. "vram": "8GiB"')
             training.append(TrainingSpec(slot=slot, gpu_index=s.gpu, command=list(s.command),
-                                         checkpoint_dir=s.checkpoint_dir, vram_bytes=vram, grace_ms=s.grace_ms))
+                                         checkpoint_dir=s.checkpoint_dir, vram_bytes=vram, grace_ms=s.grace_ms,
+                                         host_ram_bytes=_size(s.host_ram, f"{sp}.host_ram", "training host RAM")))
             continue
         if not s.models:
             raise LayoutError(f"inference slot {slot!r} has no models", path=f"{sp}.models",
@@ -386,16 +396,51 @@ def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
             if m.context_length < 0:
                 raise LayoutError("context_length is negative", path=f"{mp}.context_length", fix="use 0 (runtime default) or more")
             binary = [m.binary] if isinstance(m.binary, str) else list(m.binary)
+            spans = _model_gpus(m, s.gpu, runtime, seen_gpus, mp, dp)
             model = ModelSpec(name=m.name, slot=slot, gpu_index=s.gpu, runtime=runtime, vram_bytes=vram,
                              context_length=m.context_length, port=m.port, source=m.source, url=m.url,
                              binary=binary, args=list(m.args), env=dict(m.env), adapters=dict(m.adapters),
-                             gpu_layers=m.gpu_layers)
-            _check_launch(model, m.runtime, mp, gpu_memory.get(s.gpu, 0))
+                             gpu_layers=m.gpu_layers, gpu_indexes=spans,
+                             host_ram_bytes=_size(m.host_ram, f"{mp}.host_ram", "model host RAM"))
+            _check_launch(model, m.runtime, mp, max(gpu_memory.get(i, 0) for i in (spans or [s.gpu])))
             models.append(model)
     provision = _provision(d, name, dp) if d.provision is not None else None
+    host_ram = _size(d.host_ram, f"{dp}.host_ram", "host RAM")
+    host_ram_reserve = _size(d.host_ram_reserve, f"{dp}.host_ram_reserve", "host RAM reserve")
+    if host_ram_reserve and not host_ram:
+        raise LayoutError(f"domain {name!r} declares a host RAM reserve but no host RAM", path=f"{dp}.host_ram",
+                          fix='declare the host\'s RAM too, e.g. "host_ram": "256GiB", or remove the reserve')
+    if host_ram_reserve > host_ram:
+        raise LayoutError(f"domain {name!r} host RAM reserve ({host_ram_reserve} bytes) exceeds its host RAM "
+                          f"({host_ram} bytes)", path=f"{dp}.host_ram_reserve", fix="lower the reserve below the host's RAM")
     spec = DomainSpec(name=name, provider=d.provider, region=d.region, serving_url=d.serving_url, serve=d.serve,
-                      gpus=gpus, provision=provision)
+                      gpus=gpus, provision=provision, host_ram_bytes=host_ram, host_ram_reserve_bytes=host_ram_reserve)
     return Domain(spec=spec, models=models, training=training)
+
+
+def _model_gpus(m: _Model, slot_gpu: int, runtime: str, declared: dict[int, int], mp: str, dp: str) -> list[int]:
+    """A tensor-parallel model's GPUs, the slot's first ([] for one GPU). Each declared on the domain, once."""
+    if not m.gpus:
+        return []
+    gp = f"{mp}.gpus"
+    if runtime == "external":
+        raise LayoutError(f"external model {m.name!r} declares gpus; Haru does not place an external endpoint",
+                          path=gp, fix="remove gpus")
+    seen: list[int] = []
+    for k, index in enumerate(m.gpus):
+        if index not in declared:
+            raise LayoutError(f"model {m.name!r} spans GPU {index}, which the domain does not declare", path=f"{gp}[{k}]",
+                              fix=f"use the domain's GPU indexes ({', '.join(map(str, sorted(declared)))}) or declare GPU {index}")
+        if index in seen:
+            raise LayoutError(f"GPU {index} is listed twice in model {m.name!r}'s gpus", path=f"{gp}[{k}]",
+                              fix="list each GPU once")
+        seen.append(index)
+    if slot_gpu not in seen:
+        raise LayoutError(f"model {m.name!r} spans GPUs {seen} but its slot is on GPU {slot_gpu}", path=gp,
+                          fix=f"include the slot's GPU {slot_gpu} in gpus, or move the slot to one of them")
+    if len(seen) == 1:
+        return []
+    return [slot_gpu, *(i for i in seen if i != slot_gpu)]
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -494,11 +539,14 @@ def _check_launch(spec: ModelSpec, named: str, mp: str, gpu_memory_bytes: int) -
             raise LayoutError(f"adapter {adapter!r} -> {path!r} needs a name without spaces or '=' and a path",
                               path=f"{mp}.adapters", fix='write "adapters": {"sql-lora": "/srv/loras/sql"}')
     visible = spec.env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and spec.runtime != "external" and str(spec.gpu_index) not in [v.strip() for v in visible.split(",")]:
-        # A tensor-parallel model may name several GPUs, but the plan's GPU must be one of them.
-        raise LayoutError(f"env CUDA_VISIBLE_DEVICES={visible!r} does not include the plan's GPU {spec.gpu_index} "
-                          f"(the slot's gpu)", path=f"{mp}.env.CUDA_VISIBLE_DEVICES",
-                          fix="remove it (the agent pins the runtime to its slot's GPU), or move the slot to the GPU it names")
+    listed = [v.strip() for v in visible.split(",")] if visible is not None else []
+    missing = [i for i in model_gpus(spec) if str(i) not in listed]
+    if visible is not None and spec.runtime != "external" and missing:
+        # The plan's GPUs (the slot's, or a tensor-parallel model's every one) must all be visible.
+        raise LayoutError(f"env CUDA_VISIBLE_DEVICES={visible!r} does not include the plan's GPU "
+                          f"{', '.join(map(str, missing))} (the slot's gpu, or the model's gpus)",
+                          path=f"{mp}.env.CUDA_VISIBLE_DEVICES",
+                          fix="remove it (the agent pins the runtime to its GPUs), or move the slot to the GPU it names")
     try:
         check_args(spec, gpu_memory_bytes)
     except ArgConflict as exc:

@@ -63,6 +63,16 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     launch_cooldown_ms: int = 0
     # Bounds of the provisioning steps: launch (every placement tried), join (agent heard, models
     # loaded), down (every cluster of the domain torn down).
+    # An automatic failover that aborted while the active is still unfit is retried after
+    # failover_retry_ms, doubled per attempt and capped at failover_retry_max_ms, at most
+    # failover_retry_attempts times; then the slower retry of any aborted operation applies
+    # (max(degraded_grace_ms, heartbeat_timeout_ms)), and the giving-up is recorded (failover_declined).
+    failover_retry_ms: int = 500
+    failover_retry_max_ms: int = 8_000
+    failover_retry_attempts: int = 5
+    # verify_gpu polls this long, at most, for the GPU memory a stopped trainer held to be released
+    # (a driver frees a killed process's memory a moment late); its detail says how long it took.
+    verify_settle_ms: int = 5_000
     launch_timeout_ms: int = 3_600_000
     join_timeout_ms: int = 1_800_000
     teardown_timeout_ms: int = 900_000

@@ -53,6 +53,9 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     admitted: bool | None = None  # None = no admission decided yet
     short_by_bytes: int = 0
     residency: Residency = UNKNOWN
+    short_of: str = "vram"  # what a refused model was short of: vram | host_ram
+    host_ram_bytes: int = 0  # what it books in host RAM asleep (its weights), as the planner said
+    gpu_indexes: list[int] = []  # a model across GPUs: every GPU it spans
 
 
 class TrainingView(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,6 +64,8 @@ class TrainingView(msgspec.Struct, frozen=True, kw_only=True):
     vram_bytes: int = 0
     admitted: bool | None = None
     short_by_bytes: int = 0
+    short_of: str = "vram"
+    host_ram_bytes: int = 0
     running: bool = False
     pid: int = 0
     since: datetime | None = None  # started at, or stopped at
@@ -75,6 +80,8 @@ class AgentView(msgspec.Struct, frozen=True, kw_only=True):
     version: str = ""
     serving_url: str = ""
     since: datetime | None = None
+    host_ram_total_bytes: int = 0  # /proc/meminfo at the agent's start (0 = unknown)
+    host_ram_available_bytes: int = 0
 
 
 class DomainView(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,6 +98,8 @@ class DomainView(msgspec.Struct, frozen=True, kw_only=True):
     reachability_since: datetime | None = None
     eligible: bool = True  # may serve as standby (set by eligibility_changed)
     ineligible_why: str = ""
+    host_ram_bytes: int = 0  # declared (0 = not planned)
+    host_ram_reserve_bytes: int = 0
 
 
 StepState = Literal["started", "completed", "failed"]
@@ -123,6 +132,7 @@ class OperationView(msgspec.Struct, frozen=True, kw_only=True):
     seq: int = 0  # sequence of the request event
     route_revision: int = 0  # the route revision it was decided against
     decl_seq: int = 0  # a rolling change: the declarations it rolls out
+    attempt: int = 1  # an automatic failover retried after an abort: which attempt (PromotionRequested.attempt)
 
 
 class FleetView(msgspec.Struct, frozen=True, kw_only=True):
