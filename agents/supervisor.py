@@ -371,6 +371,8 @@ class ModelSupervisor:
                     return False
             if tag not in ("resident", "lost"):
                 return False
+            if tag == "lost" and getattr(m.state, "reason", "") == "gpu_detached":
+                return await self._gpu_back()
             started = time.monotonic()
             probe = await probes.ready(m.runtime, timeout_s=timeout)
             m.last_probe = probe
@@ -396,6 +398,20 @@ class ModelSupervisor:
                 return False  # the exit waiter records process_exited
             await self._lost(reason, f"{probe.step}: {probe.detail}"[:500])  # the table: no news if already so
             return reason == "evicted"
+
+    async def _gpu_back(self) -> bool:
+        """A model lost with its GPU (gpu_detached): while the GPU is gone there is nothing to probe. Once it
+        reads present again, it is proven, not assumed: the GPU's return is recorded first (gpu_observed
+        present: true), then the runtime is restarted (True), since a runtime whose GPU fell off the bus
+        kept no usable CUDA context; `resident` comes only from the reload's real completion. Caller holds
+        m.lock."""
+        readings = [self.ctx.gpu.read(i) for i in self.gpus]
+        if any(r.present is False for r in readings):
+            return False
+        for i in self.gpus:
+            await self.ctx.gpu.observe(i)  # recorded before the reload: the log says the GPU came back first
+        self.logger.info("the GPU came back: reloading the model lost with it", gpus=self.gpus)
+        return True
 
     async def _lost(self, reason: str, detail: str) -> None:
         """A probe's diagnosis: `lost{reason}`, unless the loss is recorded for that reason already (a
