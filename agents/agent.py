@@ -703,7 +703,7 @@ class Agent:
     def gpu_busy_with_inference(self, spec: TrainingSpec) -> list[str]:
         """Models on the training slot's GPU that are not asleep (training there would fight them for VRAM)."""
         return [m.name for m in self.models.values()
-                if m.spec.gpu_index == spec.gpu_index and m.runtime.can_sleep
+                if spec.gpu_index in model_gpus(m.spec) and m.runtime.can_sleep
                 and m.state_tag in ("resident", "loading", "waking")]
 
     @property

@@ -195,7 +195,8 @@ class ModelSupervisor:
         if self.ctx.role() == "standby" and not first:
             answering = COMMAND_CAUSE.set(m.seq)  # the loss this restart answers: what the pause cites
             try:
-                paused = await self.ctx.make_room(m.spec.gpu_index)
+                for index in self.gpus:  # a model across GPUs: the training on each of them
+                    paused += await self.ctx.make_room(index)
             finally:
                 COMMAND_CAUSE.reset(answering)
         if adopted:
