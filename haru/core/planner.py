@@ -35,7 +35,8 @@ from typing import Literal
 
 import msgspec
 
-from haru.core.specs import GiB, Domain, Layout, ModelSpec, Policy, TrainingSpec, can_sleep, model_gpus
+from haru.core.specs import Domain, Layout, ModelSpec, Policy, TrainingSpec, can_sleep, model_gpus
+from haru.core.sizes import GiB, format_gib
 
 __all__ = [
     "Verdict",
@@ -48,7 +49,6 @@ __all__ = [
     "standby_residual",
     "sleeping_host_ram",
     "shortfall_text",
-    "format_gib",
     "gpu_summary_line",
     "verdict_line",
 ]
@@ -276,11 +276,6 @@ def plan_domain(domain: Domain, policy: Policy) -> DomainPlan:
 
 
 # ----------------------------------------------------------------------------------- formatting
-
-
-def format_gib(n: int) -> str:
-    """`14.8 GiB`: bytes as GiB with one decimal, the unit every Haru output uses for VRAM."""
-    return f"{n / GiB:.1f} GiB"
 
 
 def gpu_summary_line(held_bytes: int, capacity_bytes: int, declared: int, admitted: int) -> str:

@@ -17,7 +17,7 @@ import pytest
 from agents.load_queue import overlapping_loads
 from agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
-from tests.integration.agent_harness import (
+from tests.support.agent_harness import (
     AgentProcess,
     agent_env,
     is_,

@@ -9,8 +9,8 @@ import pytest
 
 from agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
-from tests.integration.agent_harness import AgentProcess, agent_env, is_, tag, wait_event, write_config
-from tests.llama_support import REAL_POLICY, llama_binary, llama_model, tiny_models
+from tests.support.agent_harness import AgentProcess, agent_env, is_, tag, wait_event, write_config
+from tests.support.llama import REAL_POLICY, llama_binary, llama_model, tiny_models
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(150)]
 FLEET = "default"
