@@ -21,6 +21,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -32,7 +33,6 @@ from agents import portholder, probes
 from agents.errors import PortHolderError
 from agents.gpu_watch import GpuWatcher
 from agents.model_slots import ModelSlots
-from agents.runtimes.base import runtimes_die_with_agent
 from haru.core.errors import ConfigError
 from haru.host.httpguard import BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
 from haru.core.openai_errors import BadBody, answer_status, error_body, model_of
@@ -67,6 +67,29 @@ def error(status: int, code: str, message: str, *, param: str | None = None,
                         headers=headers)
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def bind_refusal(host: str, token: str) -> str:
+    """Why the serving port may not listen on `host` ('' = it may): the gateway's rule, loopback unless a
+    token is set. Without HARU_SERVING_TOKEN anyone who reached the port could send inference requests."""
+    if token or host in LOOPBACK:
+        return ""
+    return (f"the serving port would listen on {host or 'every address'} without HARU_SERVING_TOKEN, so anyone who "
+            f"can reach it could send inference requests: set HARU_SERVING_TOKEN (the same value on the gateway, "
+            f"which sends it), or listen on loopback only: \"serving\": {{\"host\": \"127.0.0.1\"}} in the agent config")
+
+
+def check_serving(config: Any, slots: Any) -> None:
+    """Refuse, before the agent claims its domain or touches a runtime, a serving port that would break
+    the rule (`bind_refusal`); a `serve: direct` domain opens none (its layout said its network is private)."""
+    if not config.serving.enabled or slots.domain.spec.serve == "direct":
+        return
+    refusal = bind_refusal(config.serving.host, os.environ.get("HARU_SERVING_TOKEN", ""))
+    if refusal:
+        raise ConfigError(refusal)
+
+
 class ServingProxy:
     def __init__(self, slots: ModelSlots, gpu: GpuWatcher, *, policy: Callable[[], Policy],
                  keep_runtimes: Callable[[], bool], state_dir: Path, host: str, port: int, declared_url: str = "") -> None:
@@ -97,9 +120,9 @@ class ServingProxy:
         return f"http://{host}:{self.port}"
 
     async def start(self) -> None:
-        if not self.token and self.host not in ("127.0.0.1", "localhost", "::1"):
-            self.logger.warning("HARU_SERVING_TOKEN is not set: the serving port takes inference requests from anyone "
-                                "who can reach it", host=self.host, port=self.port)
+        refusal = bind_refusal(self.host, self.token)
+        if refusal:
+            raise ConfigError(refusal)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
         server = GuardedServer(self._handle, limits=self.limits, handler_cancellation=True, access_log=None)
@@ -112,8 +135,7 @@ class ServingProxy:
             # `fd` also stops the holder's bridge; the lease it returns, open while this agent runs, starts
             # it again when this process exits however it exits (SIGKILL too).
             sock, self._lease = await asyncio.to_thread(
-                portholder.listening_socket, self.state_dir, self.host or "127.0.0.1", self.port,
-                die_with_agent=runtimes_die_with_agent())
+                portholder.listening_socket, self.state_dir, self.host or "127.0.0.1", self.port)
             self._site = web.SockSite(self._runner, sock, backlog=portholder.BACKLOG,
                                       shutdown_timeout=SERVING_DRAIN_S)
             await self._site.start()
