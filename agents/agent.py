@@ -56,7 +56,7 @@ from agents.recorder import Recorder
 from agents.role import Role
 from agents.runtime_files import RuntimeFiles
 from agents.runtimes import Runtime, make_runtime
-from agents.serving import ServingProxy
+from agents.serving import ServingProxy, check_serving
 from agents.status import Status
 from agents.supervisor import SupervisorContext
 from agents.training_policy import TrainingPolicy
@@ -155,6 +155,7 @@ class Agent:
         writer = f"agent:{config.fleet}/{config.domain}@{socket.gethostname()}"
         async with EventLog.connect(config.servers(), writer=writer, creds=config.nats_creds) as log:
             slots = await resolve_slots(config, log)
+            check_serving(config, slots)  # the serving port's rule, before anything is claimed or touched
             gpus = open_gpus(config.gpus, config.sim_dir or None)
             connector = aiohttp.TCPConnector(limit=0, force_close=False)
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:

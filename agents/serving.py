@@ -21,6 +21,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -66,6 +67,29 @@ def error(status: int, code: str, message: str, *, param: str | None = None,
                         headers=headers)
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def bind_refusal(host: str, token: str) -> str:
+    """Why the serving port may not listen on `host` ('' = it may): the gateway's rule, loopback unless a
+    token is set. Without HARU_SERVING_TOKEN anyone who reached the port could send inference requests."""
+    if token or host in LOOPBACK:
+        return ""
+    return (f"the serving port would listen on {host or 'every address'} without HARU_SERVING_TOKEN, so anyone who "
+            f"can reach it could send inference requests: set HARU_SERVING_TOKEN (the same value on the gateway, "
+            f"which sends it), or listen on loopback only: \"serving\": {{\"host\": \"127.0.0.1\"}} in the agent config")
+
+
+def check_serving(config: Any, slots: Any) -> None:
+    """Refuse, before the agent claims its domain or touches a runtime, a serving port that would break
+    the rule (`bind_refusal`); a `serve: direct` domain opens none (its layout said its network is private)."""
+    if not config.serving.enabled or slots.domain.spec.serve == "direct":
+        return
+    refusal = bind_refusal(config.serving.host, os.environ.get("HARU_SERVING_TOKEN", ""))
+    if refusal:
+        raise ConfigError(refusal)
+
+
 class ServingProxy:
     def __init__(self, slots: ModelSlots, gpu: GpuWatcher, *, policy: Callable[[], Policy],
                  keep_runtimes: Callable[[], bool], state_dir: Path, host: str, port: int, declared_url: str = "") -> None:
@@ -96,9 +120,9 @@ class ServingProxy:
         return f"http://{host}:{self.port}"
 
     async def start(self) -> None:
-        if not self.token and self.host not in ("127.0.0.1", "localhost", "::1"):
-            self.logger.warning("HARU_SERVING_TOKEN is not set: the serving port takes inference requests from anyone "
-                                "who can reach it", host=self.host, port=self.port)
+        refusal = bind_refusal(self.host, self.token)
+        if refusal:
+            raise ConfigError(refusal)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
         server = GuardedServer(self._handle, limits=self.limits, handler_cancellation=True, access_log=None)

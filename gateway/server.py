@@ -202,6 +202,8 @@ class Gateway:
                 return await self._only("GET", method, path) or await self.control.route_intent(request, fleet)
             if rest == "history":
                 return await self._only("GET", method, path) or await self.control.history(request, fleet)
+            if rest == "reconcile":
+                return await self._only("POST", method, path) or await self.control.reconcile(request, fleet)
             if rest in ("promote", "demote", "provision", "teardown", "replace"):
                 kind = {"promote": "promotion", "demote": "demotion"}.get(rest, rest)
                 return await self._only("POST", method, path) or await self.control.operation(request, fleet, kind)

@@ -50,6 +50,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 class FleetDeclared(Event, frozen=True, kw_only=True, tag="fleet_declared"):
     fleet: str
     policy: Policy
+    uuid: str = ""  # the fleet's stable UUID (declared, or derived from its name); '' in older logs
 
 
 class PolicyChanged(Event, frozen=True, kw_only=True, tag="policy_changed"):
@@ -403,6 +404,9 @@ class StepCompleted(Event, frozen=True, kw_only=True, tag="step_completed"):
     step: Step
     detail: str = ""
     took_ms: int = 0
+    # A best-effort step that did not apply, and why (the old active's GPU is gone: the reason for
+    # the failover). Shown as skipped, not as a failure; what follows is what follows a completion.
+    skipped: str = ""
 
 
 class StepFailed(Event, frozen=True, kw_only=True, tag="step_failed"):

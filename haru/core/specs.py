@@ -6,6 +6,7 @@ declaration events carry (`haru.core.events`). Sizes are bytes. Nothing here doe
 
 from __future__ import annotations
 
+import uuid as _uuid
 from typing import Annotated, Literal
 
 import msgspec
@@ -177,8 +178,28 @@ class Domain(msgspec.Struct, frozen=True, kw_only=True):
     training: list[TrainingSpec] = []
 
 
+# A fleet's UUID, when its layout declares none: derived from its name, so the same fleet has the same UUID
+# on every machine and after every re-apply (uuid5 of the name in this namespace). Recorded with the
+# fleet's first declaration (`fleet_declared.uuid`); the control API takes it wherever it takes the name.
+FLEET_UUID_NAMESPACE = _uuid.UUID("6d2a0c1e-3f7b-5b8e-9a43-68617275666c")
+
+
+def fleet_uuid(fleet: str) -> str:
+    """The UUID derived from a fleet's name (stable: a pure function of the name)."""
+    return str(_uuid.uuid5(FLEET_UUID_NAMESPACE, fleet))
+
+
+def as_uuid(text: str) -> str:
+    """`text` as a canonical UUID string, or '' when it is not one."""
+    try:
+        return str(_uuid.UUID(text))
+    except (ValueError, AttributeError, TypeError):
+        return ""
+
+
 class Layout(msgspec.Struct, frozen=True, kw_only=True):
     fleet: str
+    uuid: str = ""  # declared ('' = none: the fleet's UUID is then fleet_uuid(fleet))
     policy: Policy = Policy()
     domains: list[Domain] = []
 

@@ -426,6 +426,26 @@ def step_domain(view: FleetView, op: OperationView, step: str) -> str:
     return ""
 
 
+def not_applicable(view: FleetView, op: OperationView, step: str) -> str:
+    """Why a best-effort step does not apply, when the reason is known ('' = it applies, or it is not
+    best effort): the domain it acts on is unreachable or has a GPU gone, typically the very reason
+    for the failover. Recorded as skipped with this reason, never as a failure."""
+    spec = STEPS.get(step)
+    if spec is None or spec.fatal or spec.on == "route":
+        return ""
+    domain = step_domain(view, op, step)
+    dv = view.domains.get(domain) if domain else None
+    if dv is None:
+        return ""
+    cause = " (the reason for this operation)" if op.source == domain and op.reason in ("gpu_detached", "domain_unreachable") else ""
+    if dv.reachable is False:
+        return f"skipped: {domain} is unreachable{cause}, so it cannot be put to sleep or given training"
+    for gpu in dv.gpus:
+        if gpu.present is False:
+            return f"skipped: GPU {gpu.index} of {domain} is gone{cause}, so it cannot be put to sleep or given training"
+    return ""
+
+
 def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
     """The next append for the operation in flight (None: wait, a step is running)."""
     fleet = view.fleet
@@ -457,7 +477,8 @@ def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
             )
     if cur.state == "started":
         return _resume(view, op, cur, facts)
-    nxt = TRANSITIONS[(op.kind, cur.step, cur.state)]
+    # A skipped step (best effort, not applicable: `not_applicable`) is followed as a completed one.
+    nxt = TRANSITIONS[(op.kind, cur.step, "completed" if cur.state == "skipped" else cur.state)]
     if nxt == ABORT:
         error = cur.error or cur.error_code or "failed"
         return Append(
