@@ -15,6 +15,7 @@ disconnects cancels its upstream request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import os
 import socket
@@ -50,6 +51,9 @@ _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "traile
 
 
 SERVING_DRAIN_S = 60.0  # an agent stopping lets the requests in flight (streams too) finish, this long at most
+# On a 502/503 that says the runtime behind this port is gone (lost, or not answering): what the gateway
+# reads to send the request, which no runtime acted on, once more to a live domain (gateway/proxy.py).
+GONE_HEADER = "X-Haru-Runtime-Gone"
 _DIAGNOSIS_REUSE_S = 0.25  # how long one diagnosis of a failing runtime answers for the next failures
 
 
@@ -113,6 +117,8 @@ class ServingProxy:
         self._site: web.BaseSite | None = None
         self._session: aiohttp.ClientSession | None = None
         self._lease: socket.socket | None = None  # the connection to the port holder that keeps its bridge off
+        self._inflight: dict[str, int] = {}  # model -> requests being answered (drain)
+        self._idle: asyncio.Event | None = None  # set when a count falls to 0, for `drain`
 
     @property
     def url(self) -> str:
@@ -209,7 +215,32 @@ class ServingProxy:
                          param="model")
         if m.state_tag != "resident":
             return self._not_serving(m)
-        return await self._forward(request, m, m.runtime.base_url + path, body)
+        inflight = self._inflight
+        inflight[name] = inflight.get(name, 0) + 1
+        try:
+            return await self._forward(request, m, m.runtime.base_url + path, body)
+        finally:
+            inflight[name] -= 1
+            if not inflight[name] and self._idle is not None:
+                self._idle.set()
+
+    def in_flight(self, names: list[str]) -> int:
+        """Requests to `names` being answered now (streams until their last byte)."""
+        return sum(self._inflight.get(n, 0) for n in names)
+
+    async def drain(self, names: list[str], timeout_s: float) -> int:
+        """Wait until no request to `names` is in flight, `timeout_s` at most; return how many still are.
+
+        The old active after a planned flip: its new requests go to the new active already, and the
+        ones it is answering finish before its runtimes are put to sleep (the `sleep` command)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout_s, 0.0)
+        while (left := self.in_flight(names)) and loop.time() < deadline:
+            self._idle = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await self._idle.wait()
+        return self.in_flight(names)
 
     def _not_serving(self, m, reason: str = "", detail: str = "") -> web.Response:
         state = m.state_tag if not reason else "lost"
@@ -220,8 +251,10 @@ class ServingProxy:
         if state == "lost" and reason == "gpu_detached":
             return error(503, "gpu_detached", f"the model `{m.name}` is lost {where}: its GPU "
                          f"{m.spec.gpu_index} was detached by the provider (not the operator's doing); try "
-                         f"another domain" + (f" ({detail})" if detail else ""))
+                         f"another domain" + (f" ({detail})" if detail else ""), headers={GONE_HEADER: "gpu_detached"})
         said = f" ({reason})" if state == "lost" and reason else ""
+        if state == "lost":
+            headers = {GONE_HEADER: reason or "lost"}
         return error(status, code, f"the model `{m.name}` is {state}{said} {where}" + (f": {detail}" if detail else ""),
                      headers=headers)
 
@@ -280,7 +313,8 @@ class ServingProxy:
         translated = await self._diagnose(m, 502)
         if translated is not None:
             return translated
-        return error(502, "upstream_unreachable", f"the runtime at {url} did not answer: {exc}")
+        return error(502, "upstream_unreachable", f"the runtime at {url} did not answer: {exc}",
+                     headers={GONE_HEADER: "unreachable"})
 
     async def _forward_once(self, request: web.BaseRequest, m, url: str, body: bytes, headers: dict,
                             head: list[bool]) -> web.StreamResponse:

@@ -42,7 +42,7 @@ from haru.core.authority import misplaced
 from haru.core.errors import HaruError, InvalidName, LogDamaged, LogError, LogUnavailable
 from haru.core.events import payload, tag_of
 from haru.core.openai_errors import TOO_DEEP
-from haru.core.specs import as_uuid, fleet_uuid
+from haru.core.specs import fleet_uuid
 from haru.core.views import view_encoder
 
 log = structlog.get_logger("haru.gateway")
@@ -114,17 +114,8 @@ class Control:
     # ------------------------------------------------------------------------- read-only
 
     def fleet_named(self, ident: str) -> str:
-        """The fleet a path or header names: its name, or its UUID (declared in its layout, or derived
-        from its name: `haru.core.specs.fleet_uuid`), as Haru's API took "slug or UUID". '' when no
-        fleet this gateway knows has that UUID."""
-        wanted = as_uuid(ident)
-        if not wanted:
-            return ""
-        for f in self.table.fleets():
-            r = self.table.get(f)
-            if (r is not None and r.view is not None and r.view.uuid == wanted) or fleet_uuid(f) == wanted:
-                return f
-        return ""
+        """The fleet a UUID names ('' when none): the routing table's lookup, one for chat and the API."""
+        return self.table.fleet_named(ident)
 
     def _fleet(self, ident: str) -> str:
         if ident in self.table.fleets():

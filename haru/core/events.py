@@ -311,6 +311,21 @@ class AgentStopping(Event, frozen=True, kw_only=True, tag="agent_stopping"):
     reason: str = ""
 
 
+SIGNAL_SOURCES = ("preemption_notice", "gpu_xid", "gpu_ecc")
+
+
+class FailureSignalled(Event, frozen=True, kw_only=True, tag="failure_signalled"):
+    """The agent saw a sign that its host or a GPU is about to go: a provider's preemption notice (the
+    domain's `preemption_notice` command or URL), an NVML critical XID, or an ECC fault (double-bit
+    errors, pages pending retirement). The promoter moves the route off the domain before it goes.
+    A new `agent_started` clears it (an agent that still sees the sign records it again)."""
+
+    domain: str
+    source: str  # one of SIGNAL_SOURCES
+    gpu_index: int = -1  # the GPU it concerns (-1: the whole host, a preemption notice)
+    detail: str = ""
+
+
 # ------------------------------------------------------- liveness: haru.evt.<fleet>.<domain>.liveness
 
 
@@ -510,6 +525,7 @@ AnyEvent = Union[
     TrainingStopped,
     AgentStarted,
     AgentStopping,
+    FailureSignalled,
     DomainUnreachable,
     DomainReachable,
     PromotionRequested,

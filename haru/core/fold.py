@@ -325,10 +325,23 @@ def _residency(view: FleetView, e: Any, seq: int, subject: str) -> FleetView:
     if state is old:
         return _decline_over(_replace(view, seq=seq, updated_at=e.at), e)
     models = dict(domain.models)
-    models[e.model] = _replace(model, residency=state)
+    models[e.model] = _replace(model, residency=state, **_measured(old, e))
     domains = dict(domains)
     domains[domain.name] = _replace(domain, models=models)
     return _decline_over(_replace(view, domains=domains, seq=seq, updated_at=e.at), e)
+
+
+def _measured(old: Any, e: Any) -> dict[str, int]:
+    """What a residency event measured: a `model_resident` after waking is the wake (and probe) time, after
+    loading the cold warm-up (`ModelView.wake_ms` / `load_ms`, read by the promoter's faster path and the
+    gateway's hold)."""
+    if type(e) is not ev.ModelResident:
+        return {}
+    kind = _MEASURES.get(type(old))
+    return {kind: e.warmup_ms} if kind is not None and e.warmup_ms else {}
+
+
+_MEASURES: dict[type, str] = {residency.Waking: "wake_ms", residency.Loading: "load_ms"}
 
 
 # ------------------------------------------------------------------------------- GPUs, training
@@ -402,7 +415,15 @@ def _agent_started(view: FleetView, e: ev.AgentStarted, seq: int) -> FleetView:
     agent = AgentView(
         running=True, host=e.host, pid=e.pid, version=e.version, serving_url=e.serving_url, since=e.at
     )
-    return _with_domain(view, _replace(domain, agent=agent))
+    return _with_domain(view, _replace(domain, agent=agent, signalled="", signalled_at=None, signalled_seq=0))
+
+
+def _failure_signalled(view: FleetView, e: ev.FailureSignalled, seq: int) -> FleetView:
+    domain = view.domains.get(e.domain)
+    if domain is None:
+        return _missing(view, seq, "failure_signalled", f"domain {e.domain!r}")
+    what = f"{e.source}: {e.detail}" if e.detail else e.source
+    return _with_domain(view, _replace(domain, signalled=what, signalled_at=e.at, signalled_seq=seq))
 
 
 def _agent_stopping(view: FleetView, e: ev.AgentStopping, seq: int) -> FleetView:
@@ -542,6 +563,7 @@ _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
     ev.TrainingStopped: _training_stopped,
     ev.AgentStarted: _agent_started,
     ev.AgentStopping: _agent_stopping,
+    ev.FailureSignalled: _failure_signalled,
     ev.DomainUnreachable: _reachability,
     ev.DomainReachable: _reachability,
     **{cls: _operation_requested for cls in ev.OPERATION_REQUESTS.values()},
@@ -636,7 +658,7 @@ class Folder:
     equal to `evolve`'s, event for event.
     """
 
-    __slots__ = ("fleet", "seq", "misplaced_seq", "_view", "_staged", "_at", "_anomalies", "_last_anomaly",
+    __slots__ = ("fleet", "seq", "misplaced_seq", "_view", "_staged", "_measured", "_at", "_anomalies", "_last_anomaly",
                  "_anomaly_at", "_anomaly_about", "_anomaly_cleared_at", "_dirty")
 
     def __init__(self, view: FleetView) -> None:
@@ -646,6 +668,7 @@ class Folder:
 
     def _reset(self, view: FleetView) -> None:
         self._staged: dict[tuple[str, str], residency.Residency] = {}
+        self._measured: dict[tuple[str, str], dict[str, int]] = {}  # `_measured` figures staged with them
         self._set(view)
 
     def _set(self, view: FleetView) -> None:
@@ -732,6 +755,10 @@ class Folder:
                 self._anomaly_cleared_at = e.at
         if state is not old:
             self._staged[key] = state
+            if type(e) is ev.ModelResident:
+                measured = _measured(old, e)
+                if measured:
+                    self._measured.setdefault(key, {}).update(measured)
         self.seq = seq
         self._at = e.at
         self._dirty = True
@@ -746,10 +773,11 @@ class Folder:
                 models = touched.get(d)
                 if models is None:
                     models = touched[d] = dict(domains[d].models)
-                models[m] = _replace(models[m], residency=state)
+                models[m] = _replace(models[m], residency=state, **self._measured.get((d, m), {}))
             for d, models in touched.items():
                 domains[d] = _replace(domains[d], models=models)
             staged.clear()
+            self._measured.clear()
             view = _replace(view, domains=domains)
         self._view = _replace(
             view, seq=self.seq, updated_at=self._at, anomalies=self._anomalies, last_anomaly=self._last_anomaly,

@@ -35,7 +35,7 @@ import msgspec
 from haru.core.errors import InvalidName, LayoutError
 from haru.core.sizes import parse_size
 from haru.core.launch import ArgConflict, check_args, format_refusal, runtime_for
-from haru.core.specs import (Domain, DomainSpec, GpuSpec, Layout, ModelSpec, NonNegative, Policy, ProvisionSpec, ServiceSpec,
+from haru.core.specs import (Domain, DomainSpec, GpuSpec, Layout, ModelSpec, NonNegative, Policy, PreemptionNotice, ProvisionSpec, ServiceSpec,
                              TrainingSpec, as_uuid)
 from haru.core.subjects import check_model_id, check_name
 
@@ -48,7 +48,7 @@ _T = TypeVar("_T")
 
 _TOP_KEYS = ("fleet", "uuid", "policy", "domains")
 _DOMAIN_KEYS = ("name", "provider", "region", "serving_url", "serve", "network", "expose_dev_endpoints", "gpus", "slots",
-                "provision")
+                "provision", "preemption_notice")
 _PROVISION_KEYS = tuple(ProvisionSpec.__struct_fields__)
 _SERVICE_KEYS = tuple(ServiceSpec.__struct_fields__)
 _GPU_KEYS = ("index", "memory", "reserve", "name")
@@ -107,6 +107,7 @@ class _Domain(msgspec.Struct, forbid_unknown_fields=True):
     gpus: list[_Gpu] = []
     slots: list[_Slot] = []
     provision: dict[str, Any] | None = None
+    preemption_notice: PreemptionNotice | None = None
 
 
 class _Layout(msgspec.Struct, forbid_unknown_fields=True):
@@ -315,8 +316,18 @@ def _domain(d: _Domain, i: int) -> Domain:
             models.append(model)
     provision = _provision(d, name, dp) if d.provision is not None else None
     spec = DomainSpec(name=name, provider=d.provider, region=d.region, serving_url=d.serving_url, serve=d.serve,
-                      gpus=gpus, provision=provision)
+                      gpus=gpus, provision=provision, preemption_notice=_notice(d.preemption_notice, dp))
     return Domain(spec=spec, models=models, training=training)
+
+
+def _notice(notice: PreemptionNotice | None, dp: str) -> PreemptionNotice | None:
+    if notice is not None and bool(notice.url) == bool(notice.command):
+        raise LayoutError("preemption_notice needs exactly one of `url` and `command`", path=f"{dp}.preemption_notice",
+                          fix='e.g. {"url": "http://169.254.169.254/latest/meta-data/spot/instance-action"}')
+    if notice is not None and notice.interval_ms < 100:
+        raise LayoutError("preemption_notice.interval_ms is under 100", path=f"{dp}.preemption_notice.interval_ms",
+                          fix="poll every 100 ms or slower (5000 is the default)")
+    return notice
 
 
 def _gpus(d: _Domain, name: str, dp: str) -> list[GpuSpec]:

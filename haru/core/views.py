@@ -53,6 +53,10 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     admitted: bool | None = None  # None = no admission decided yet
     short_by_bytes: int = 0
     residency: Residency = UNKNOWN
+    # Measured, from the log: the last wake and probe (a `model_resident` after `model_waking`) and the
+    # last cold load until it answered (a `model_resident` after `model_loading`), in ms (0 = never seen).
+    wake_ms: int = 0
+    load_ms: int = 0
 
 
 class TrainingView(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,6 +96,11 @@ class DomainView(msgspec.Struct, frozen=True, kw_only=True):
     eligible: bool = True  # may serve as standby (set by eligibility_changed)
     ineligible_why: str = ""
     eligibility_since: datetime | None = None  # `at` of the last eligibility_changed: how old the verdict is
+    # A sign the domain is about to go (`failure_signalled`: preemption notice, GPU XID or ECC), until
+    # its agent starts again: `source: detail`, when, and the event's sequence.
+    signalled: str = ""
+    signalled_at: datetime | None = None
+    signalled_seq: int = 0
 
 
 # `skipped`: a best-effort step that did not apply for a known reason (the old active's GPU is gone:

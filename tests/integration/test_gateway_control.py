@@ -203,6 +203,11 @@ async def test_a_fleet_has_a_stable_uuid_accepted_wherever_its_name_is(ops):
     assert status == 200 and models["data"][0]["id"] == MODEL
     status, listed = await call(gw, "GET", "/v1/fleets")
     assert [f["uuid"] for f in listed["data"] if f["fleet"] == "ops"] == [fid]
+    chat = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    by_name = await call(gw, "POST", "/v1/chat/completions", chat, **{"X-Haru-Fleet": "ops"})
+    by_uuid = await call(gw, "POST", "/v1/chat/completions", chat, **{"X-Haru-Fleet": fid})
+    assert by_uuid[0] != 404 and by_uuid[0] == by_name[0]  # chat takes the UUID too: the same answer as by name
+    assert by_uuid[1].get("error", {}).get("code") == by_name[1].get("error", {}).get("code")
     status, body = await call(gw, "POST", f"/v1/fleets/{fid}/promote", json.dumps({"domain": "a"}).encode())
     assert status == 200, body  # a is already active: Haru's 200 no-op
     status, body = await call(gw, "GET", "/v1/fleets/00000000-0000-4000-8000-000000000000")
