@@ -254,7 +254,7 @@ class Child:
 
     name: str  # "agent a", "projector", "promoter", "nats-server"
     log_path: Path
-    restart: Callable[[], Awaitable[subprocess.Popen]]
+    restart: Callable[["Child"], Awaitable[subprocess.Popen]]  # starts it again, as `child` now says
     proc: subprocess.Popen | None = None
     restarts: int = 0
     domain: str = ""  # agents only
@@ -320,7 +320,10 @@ def start_agent(layout: Layout, domain: str, nats_url: str, home: Path, metrics_
     conf_dir = home / "demo" / "agents"
     conf_dir.mkdir(parents=True, exist_ok=True)
     conf = conf_dir / f"{domain}.json"
-    conf.write_text(json.dumps(_agent_config(layout, domain, nats_url, home, metrics_port, gpus), indent=2))
+    def write_conf(port: int | None) -> None:
+        conf.write_text(json.dumps(_agent_config(layout, domain, nats_url, home, port, gpus), indent=2))
+
+    write_conf(metrics_port)
     log_path = conf_dir / f"{domain}.log"
     env = _child_env({
         "HARU_SIM_DIR": str(home / "sim" / domain),
@@ -330,8 +333,9 @@ def start_agent(layout: Layout, domain: str, nats_url: str, home: Path, metrics_
     env.pop("HARU_METRICS_PORT", None)  # haru up's own port: each agent's is in its config
     name = f"agent {domain}"
 
-    async def restart() -> subprocess.Popen:
+    async def restart(child: Child) -> subprocess.Popen:
         # a restarted agent finds its GPUs as the provider left them: no _prepare_sim_host here
+        write_conf(child.metrics_port)
         return _spawn_python(["agent", "--config", str(conf), "--log-format", "json"],
                              name=name, home=home, log_path=log_path, env=env)
 
@@ -354,16 +358,18 @@ def start_service(kind: str, nats_url: str, home: Path, metrics_port: int | None
     if kind == "promoter":
         # stable across restarts: a restarted promoter resumes its own unfinished step at once
         args += ["--id", f"promoter:{socket.gethostname()}:up"]
-    if metrics_port is not None:
-        args += ["--metrics-port", str(metrics_port)]
+    def argv(port: int | None) -> list[str]:
+        return args + (["--metrics-port", str(port)] if port is not None else [])
+
     # the URL by environment, not argv: a URL with a password would be readable in `ps` otherwise
     env = _child_env({"HARU_NATS_URL": nats_url})
     env.pop("HARU_METRICS_PORT", None)  # haru up's own port: the child's is on its command line
 
-    async def restart() -> subprocess.Popen:
-        return _spawn_python(args, name=kind, home=home, log_path=log_path, env=env)
+    async def restart(child: Child) -> subprocess.Popen:
+        return _spawn_python(argv(child.metrics_port), name=kind, home=home, log_path=log_path, env=env)
 
-    return Child(kind, log_path, restart, _spawn_python(args, name=kind, home=home, log_path=log_path, env=env),
+    return Child(kind, log_path, restart,
+                 _spawn_python(argv(metrics_port), name=kind, home=home, log_path=log_path, env=env),
                  metrics_port=metrics_port)
 
 
@@ -417,8 +423,13 @@ async def keep_running(child: Child, running: "Running", policy: RestartPolicy =
         if running.stopping:
             return
         started = time.monotonic()
+        if child.metrics_port and not _port_free(child.metrics_port):
+            # something else took its metrics port while it was down: a restart on it would die at once, forever
+            chosen = free_port()
+            log.warning("up.metrics_port_busy", child=child.name, port=child.metrics_port, using=chosen)
+            child.metrics_port = chosen
         try:
-            child.proc = await child.restart()
+            child.proc = await child.restart(child)
         except Exception as exc:  # noqa: BLE001 - counted as a quick death, backed off, retried
             log.error("up.restart_failed", child=child.name, error=str(exc) or repr(exc))
             child.proc = None
@@ -567,7 +578,7 @@ async def _start_nats(opts: UpOptions, stack: contextlib.AsyncExitStack, url_fil
     url_file.write_text(server.url + "\n")
     stack.callback(lambda: url_file.unlink(missing_ok=True))
 
-    async def restart_nats() -> subprocess.Popen:
+    async def restart_nats(_: Child) -> subprocess.Popen:
         await server.start()
         assert server.proc is not None
         return server.proc
