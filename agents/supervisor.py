@@ -26,7 +26,8 @@ from typing import Any
 
 from agents import probes
 from agents.cause import COMMAND_CAUSE
-from agents.errors import OutOfMemory, RuntimeProblem
+from agents.errors import OutOfMemory, RuntimeProblem, SleepFreedNothing, WakeAnswerChanged
+from agents.gpu import GpuReading, process_tree, read_parents
 from agents.gpu_watch import GpuWatcher
 from agents.loops import LoopErrors, survive
 from agents.adoption import Adoptable
@@ -51,7 +52,7 @@ from agents.runtime_files import RuntimeFiles
 from haru.events import Event
 from haru.specs import Policy
 
-__all__ = ["ModelSupervisor", "SupervisorContext", "backoff_s", "runtime_said"]
+__all__ = ["ModelSupervisor", "SupervisorContext", "backoff_s", "runtime_said", "freed_by_sleep"]
 
 # While a model loads, its /health is asked this often (one loopback GET; a 503 or a refused
 # connection costs well under a millisecond), so `resident` is recorded within ~this of the runtime
@@ -96,6 +97,9 @@ class ModelSupervisor:
         self.away = away
         self.logger = ctx.logger.bind(model=m.name)
         self._rechecking = False
+        # model or adapter -> its greedy answer, recorded before the runtime last slept; a wake must
+        # give the same answers (`_check_answers`), else it is `wake_answer_changed`
+        self.answers: dict[str, str] = {}
 
     def recheck(self) -> None:
         """Probe now (the serving port saw the runtime fail a request), once at a time."""
@@ -223,7 +227,7 @@ class ModelSupervisor:
                 await self.ctx.record(m, SpawnRefused(**self.ctx.about(m), said=str(exc)))
                 return False
             await self.ctx.record(m, Spawned(**self.ctx.about(m), endpoint=m.runtime.base_url, pid=m.runtime.pid or 0,
-                                          attempt=m.attempt))
+                                          attempt=m.attempt, sleep_mode=getattr(m.runtime, "sleep_mode", "")))
             self.ctx.files.write_identity(m.name, m.runtime)
             if m.runtime.kind != "external":
                 self.ctx.spawn(self._exit_waiter(m.generation), f"exit:{m.name}:{m.generation}")
@@ -239,7 +243,8 @@ class ModelSupervisor:
                         return False
                     m.last_probe = probe
                     warmup = int((time.monotonic() - started) * 1000)
-                    await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url, warmup_ms=warmup))
+                    await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url,
+                                                      sleeps=m.runtime.can_sleep, warmup_ms=warmup))
                     m.resident_at = time.monotonic()
                 return True
             if m.runtime.kind != "external" and self.ctx.gpu.went_away(m.spec.gpu_index):
@@ -266,7 +271,11 @@ class ModelSupervisor:
                 # A nonzero exit before it ever answered is the runtime refusing the model (a corrupt or
                 # truncated file, an unknown architecture): `failed`, in its own words (the table decides);
                 # the supervisor retries with the growing backoff, never in a tight loop.
-                said = runtime_said(m.runtime.output_tail(8000), code) if code is not None and code > 0 else ""
+                output = m.runtime.output_tail(8000)
+                said = runtime_said(output, code) if code is not None and code > 0 else ""
+                learned = m.runtime.learn_from_exit(output)  # e.g. a vLLM refusing sleep mode: next launch without
+                if learned:
+                    said = f"{said} ({learned})"
                 tail = m.runtime.output_tail(600).strip().splitlines()
                 detail = (f"the runtime exited with code {code}" if code is not None else
                           f"the adopted runtime (pid {m.runtime.pid}) exited; its exit status went to its reaper")
@@ -337,7 +346,7 @@ class ModelSupervisor:
             m.probe_ms = int((time.monotonic() - started) * 1000)
             if probe.ok:
                 if tag != "resident" or m.state_tag != "resident":
-                    await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url,
+                    await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url, sleeps=m.runtime.can_sleep,
                                                    warmup_ms=probe.latency_ms))
                     m.resident_at = time.monotonic()
                 return False
@@ -376,14 +385,53 @@ class ModelSupervisor:
         index = self.m.spec.gpu_index
         self.ctx.spawn(self.ctx.gpu.observe(index), f"gpu-check:{index}")
 
-    async def _sleep_one(self, level: int) -> None:
-        """Put a resident runtime to sleep (caller holds m.lock). Verified through /is_sleeping."""
+    async def _record_answers(self) -> dict[str, str]:
+        """The greedy answer of the model and of each of its adapters, now (before a sleep)."""
+        timeout = self.ctx.policy().probe_timeout_ms / 1000
         m = self.m
+        return {name: await m.runtime.greedy_answer(name, timeout) for name in (m.name, *m.spec.adapters)}
+
+    async def _check_answers(self) -> str:
+        """"" if the woken runtime gives the answers recorded before it slept, else what differs."""
+        if not self.answers:
+            return ""
+        try:
+            now = await self._record_answers()
+        except RuntimeProblem as exc:
+            return f"the greedy check could not be repeated: {exc}"
+        changed = [f"{name}: {self.answers[name]!r} before the sleep, {now.get(name)!r} after the wake"
+                   for name in self.answers if now.get(name) != self.answers[name]]
+        return "; ".join(changed)
+
+    def _tree(self) -> frozenset[int]:
+        pid = self.m.runtime.pid
+        return process_tree({pid}, read_parents()) if pid else frozenset()
+
+    async def _sleep_one(self, level: int) -> None:
+        """Put a resident runtime to sleep (caller holds m.lock). Verified through /is_sleeping, then by
+        what it freed: a sleep that measurably freed nothing is a paused engine, not a sleeping one. It
+        is woken again (it stays resident), the runtime is known not to sleep from then on, and
+        SleepFreedNothing is raised. Before it sleeps, its greedy answers are recorded for the wake."""
+        m = self.m
+        self.answers = await self._record_answers()
+        tree = self._tree()
         before = self.ctx.gpu.read(m.spec.gpu_index)
         await m.runtime.sleep(level, self.ctx.policy().wake_timeout_ms / 1000)
         after = self.ctx.gpu.read(m.spec.gpu_index)
-        freed = max(0, before.memory_used_bytes - after.memory_used_bytes) if before.present and after.present else 0
-        await self.ctx.record(m, Slept(**self.ctx.about(m), level=level, freed_bytes=freed))
+        freed, measured_by, detail = freed_by_sleep(before, after, tree)
+        if measured_by and freed <= 0:
+            try:
+                await m.runtime.wake(self.ctx.policy().wake_timeout_ms / 1000)
+            except RuntimeProblem as exc:
+                self.logger.warning("a sleep that freed nothing could not be undone", error=str(exc))
+            never = getattr(m.runtime, "never_sleeps", None)
+            if never is not None:
+                never(f"a sleep freed nothing ({detail})")
+            raise SleepFreedNothing(f"{m.name}: /is_sleeping said asleep but the sleep freed nothing ({detail}): the "
+                                    f"engine was paused, not asleep; it was woken again, stays resident, and is no "
+                                    f"longer put to sleep")
+        await self.ctx.record(m, Slept(**self.ctx.about(m), level=level, freed_bytes=freed, measured_by=measured_by,
+                                       detail=detail))
 
     async def sleep(self, level: int) -> Outcome:
         """Idempotent sleep."""
@@ -452,11 +500,20 @@ class ModelSupervisor:
                 await self._after_failed_wake(gen, probe=probe)
                 return Outcome(ok=False, code=code,
                                detail=f"woke but the probe failed at {probe.step}: {probe.detail}", took_ms=took)
+            changed = await self._check_answers()
+            took = int((time.monotonic() - started) * 1000)
+            if changed:
+                await self._wrong_after_wake(gen, changed)
+                return Outcome(ok=False, code=WakeAnswerChanged.code,
+                               detail=f"woke and answers, but not as before it slept: {changed}; it is reloaded",
+                               took_ms=took)
+            self.answers = {}
             m.last_probe = probe
-            await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url, warmup_ms=took))
+            await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url,
+                                              sleeps=m.runtime.can_sleep, warmup_ms=took))
             m.resident_at = time.monotonic()
-            return Outcome(ok=True,
-                           detail=f"awake (verified by /is_sleeping and a probe in {probe.latency_ms} ms)", took_ms=took)
+            return Outcome(ok=True, detail=f"awake (verified by /is_sleeping, a probe in {probe.latency_ms} ms and the "
+                           f"greedy answers recorded before the sleep)", took_ms=took)
 
     async def probe(self) -> Outcome:
         """A real one-token completion of a resident model (`latency_ms`); a failed one is news: the
@@ -489,6 +546,19 @@ class ModelSupervisor:
             detail = f"wake failed: {probe.step}: {probe.detail}" if probe else "wake failed"
             await self._lost(reason, detail[:500])
 
+    async def _wrong_after_wake(self, gen: int, changed: str) -> None:
+        """A woken runtime that answers differently from before its sleep (a LoRA adapter no longer
+        applied, a stale cache): lost{unhealthy} in those words, never resident, and stopped so the
+        supervisor reloads it from its files (caller holds m.lock)."""
+        m = self.m
+        self.answers = {}
+        if gen != m.generation or m.exited.is_set():
+            return
+        await self._lost("unhealthy", f"{WakeAnswerChanged.code}: {changed}"[:500])
+        m.on_purpose = True
+        await m.runtime.stop(RUNTIME_STOP_GRACE_S)
+        m.exited.set()
+
     async def _adopt(self) -> bool:
         """Take over the runtime `_find_runtimes` found: `model_adopted`, then watch it like one we loaded."""
         m = self.m
@@ -511,6 +581,24 @@ class ModelSupervisor:
 
 _LOG_PREFIX = re.compile(r"^[\d.:]+\s+[A-Z]\s+")
 _ERROR_MARKERS = ("error", "failed", "invalid", "cannot", "unable", "exception", "not found", "no such")
+
+
+def freed_by_sleep(before: GpuReading, after: GpuReading, tree: frozenset[int]) -> tuple[int, str, str]:
+    """What a sleep freed: (bytes, measured_by, detail). Pure.
+
+    "process": NVML's per-process memory of the runtime's process tree (vLLM's engine runs in a child
+    process), when the GPU accounted for every process and the tree held memory before; "gpu": the
+    whole GPU's used memory, when it answers but processes cannot be told apart; "": nothing could
+    measure (no NVML, a GPU that did not answer), and the detail says so."""
+    if before.present and after.present and before.accounted and after.accounted:
+        held = sum(p.used_bytes for p in before.processes if p.pid in tree)
+        if held > 0:
+            still = sum(p.used_bytes for p in after.processes if p.pid in tree)
+            return max(0, held - still), "process", f"its processes held {held} bytes before the sleep, {still} after"
+    if before.present and after.present:
+        return (max(0, before.memory_used_bytes - after.memory_used_bytes), "gpu",
+                f"the GPU's used memory went from {before.memory_used_bytes} to {after.memory_used_bytes} bytes")
+    return 0, "", "not measured: no GPU reading on this host (no NVML), so what the sleep freed is unknown"
 
 
 def runtime_said(output: str, code: int, limit: int = 1000) -> str:

@@ -163,27 +163,40 @@ class ModelPulling(Event, frozen=True, kw_only=True, tag="model_pulling"):
 
 
 class ModelLoading(Event, frozen=True, kw_only=True, tag="model_loading"):
+    """`sleep_mode`: for a vLLM, whether this launch can sleep and how that was learned ("on: ...",
+    "off: ..."; a vLLM that cannot sleep is a standby that stays resident); "" for other runtimes."""
+
     domain: str
     model: str
     endpoint: str = ""
     pid: int = 0
     attempt: int = 1
+    sleep_mode: str = ""
 
 
 class ModelResident(Event, frozen=True, kw_only=True, tag="model_resident"):
-    """Loaded AND answering AND accounted for: health passed, listed, and a completion answered."""
+    """Loaded AND answering AND accounted for: health passed, listed, and a completion answered.
+    `sleeps`: whether this runtime can be put to sleep (False: a vLLM whose platform has no sleep
+    mode, learned at launch; a standby keeps it resident, as it keeps a llama-server)."""
 
     domain: str
     model: str
     endpoint: str = ""
     warmup_ms: int = 0
+    sleeps: bool = True
 
 
 class ModelSleeping(Event, frozen=True, kw_only=True, tag="model_sleeping"):
+    """`freed_bytes` as `measured_by` saw it: "process" (NVML's per-process memory of the runtime's
+    process tree), "gpu" (the whole GPU's used memory), or "" (nothing could measure: freed_bytes 0
+    means unknown, and `detail` says so)."""
+
     domain: str
     model: str
     level: int = 1
     freed_bytes: int = 0
+    measured_by: str = ""
+    detail: str = ""
 
 
 class ModelWaking(Event, frozen=True, kw_only=True, tag="model_waking"):

@@ -33,7 +33,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from haru.errors import InvalidName, LayoutError
-from haru.launch import ArgConflict, check_args, format_refusal, runtime_for
+from haru.launch import ArgConflict, BadBinary, check_args, format_refusal, runtime_for
 from haru.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, Policy, ProvisionSpec, ServiceSpec, TrainingSpec
 from haru.subjects import check_model_id, check_name
 
@@ -503,6 +503,11 @@ def _check_launch(spec: ModelSpec, named: str, mp: str, gpu_memory_bytes: int) -
         check_args(spec, gpu_memory_bytes)
     except ArgConflict as exc:
         raise LayoutError(f"model {spec.name!r}: {exc}", path=f"{mp}.args[{exc.index}]", fix=exc.fix) from None
+    except BadBinary as exc:
+        raise LayoutError(f"model {spec.name!r}: {exc}", path=f"{mp}.binary",
+                          fix='name vllm itself ("binary": ["/opt/vllm/bin/vllm"]), or its interpreter with '
+                              '"-m", "vllm.entrypoints.openai.api_server"; or remove binary (the managed vLLM, '
+                              'else vllm from PATH)') from None
 
 
 def _check_fleet(domains: list[Domain]) -> None:

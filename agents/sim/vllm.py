@@ -13,8 +13,11 @@ model "loads" for HARU_SIM_LOAD_MS holding its VRAM on the simulated GPU; only t
 server listen. While loading, a connection is refused (real vLLM binds its socket before building
 the engine and starts uvicorn after), so "the child is alive but refuses connections" means loading.
 
-Fault injection (loopback only): POST /_sim/crash | evict | hang | oom_on_wake | fail_probe | reset,
-GET /_sim/state.
+LoRA adapters named by `--lora-modules NAME=PATH ...` are served under their names (their answers
+name the adapter). Fault injection (loopback only): POST /_sim/crash | evict | hang | oom_on_wake |
+fail_probe | corrupt_wake (every wake after it answers other text, like a wake with stale or wrong
+weights) | drop_adapter (after the next wake, an adapter's requests answer as the base model: the
+adapter silently stops applying) | reset, GET /_sim/state.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class SimConfig:
     wake_ms: int
     sleep_ms: int
     tokens_per_s: float
+    adapters: tuple[str, ...] = ()  # served under their names (--lora-modules NAME=PATH)
 
     @property
     def name(self) -> str:
@@ -88,6 +92,7 @@ def parse_config(argv: list[str], env: dict[str, str]) -> SimConfig:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve")
     serve.add_argument("source", help="the model (path or hub id) vLLM would load")
+    serve.add_argument("--lora-modules", nargs="+", default=[])
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", nargs="+", default=None)
@@ -100,6 +105,7 @@ def parse_config(argv: list[str], env: dict[str, str]) -> SimConfig:
         source=args.source,
         names=tuple(args.served_model_name or [args.source]),
         host=args.host,
+        adapters=tuple(m.split("=", 1)[0] for m in args.lora_modules),
         port=args.port,
         sleep_mode=args.enable_sleep_mode,
         dev_mode=env.get("VLLM_SERVER_DEV_MODE", "0") == "1",
@@ -131,6 +137,10 @@ class Engine:
     fail_probe: bool = False
     oom_on_wake: bool = False
     hung: bool = False
+    corrupt_wake: bool = False  # armed: every wake from now on answers other text
+    corrupted: bool = False  # woken wrongly: the answers are not the model's
+    drop_adapter: bool = False  # armed: the next wake stops applying the adapters
+    adapters_dropped: bool = False
     released: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -161,9 +171,12 @@ def error(status: int, message: str, kind: str, param: str | None = None) -> web
     return web.json_response(body, status=status)
 
 
-def _tokens(domain: str, model: str, max_tokens: int | None, ignore_eos: bool) -> tuple[list[str], str]:
+def _tokens(domain: str, model: str, max_tokens: int | None, ignore_eos: bool,
+            corrupted: bool = False) -> tuple[list[str], str]:
     """The reply, as tokens, and the finish reason. The first token names the domain."""
     words = [f"[domain {domain}]", " hello", " from", f" {model}", " on", " the", " simulated", " GPU", "."]
+    if corrupted:
+        words = [f"[domain {domain}]", " ##", " garbled", " after", " wake", " ##", ".", ".", "."]
     filler = [" lorem", " ipsum", " dolor", " sit", " amet"]
     if ignore_eos and max_tokens:
         out = [words[i] if i < len(words) else filler[i % len(filler)] for i in range(max_tokens)]
@@ -197,7 +210,7 @@ def _check_engine(engine: Engine, body: dict) -> web.Response | str:
     model = body.get("model") or engine.config.name
     if not isinstance(model, str):
         return error(400, "`model` must be a string", "BadRequestError", "model")
-    if model not in engine.config.names or engine.evicted:
+    if model not in engine.config.names + engine.config.adapters or engine.evicted:
         return error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     if not engine.gpu_present():
         return error(
@@ -229,7 +242,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         return error(400, "`max_tokens` must be a positive integer", "BadRequestError", "max_tokens")
-    tokens, finish = _tokens(engine.config.domain, model, max_tokens, bool(body.get("ignore_eos")))
+    answering = engine.config.name if model in engine.config.adapters and engine.adapters_dropped else model
+    tokens, finish = _tokens(engine.config.domain, answering, max_tokens, bool(body.get("ignore_eos")),
+                             engine.corrupted)
     prompt_tokens = _prompt_tokens(body)
     usage = {
         "prompt_tokens": prompt_tokens,
@@ -325,6 +340,10 @@ async def models(request: web.Request) -> web.Response:
          "parent": None, "max_model_len": 4096, "permission": []}
         for name in engine.config.names
     ]
+    if not engine.evicted:
+        data += [{"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": f"lora/{name}",
+                  "parent": engine.config.name, "max_model_len": 4096, "permission": []}
+                 for name in engine.config.adapters]
     return web.json_response({"object": "list", "data": data})
 
 
@@ -385,6 +404,9 @@ async def wake_up(request: web.Request) -> web.Response:
         if not engine.evicted and not engine.gpu.allocate(os.getpid(), engine.config.vram):
             return error(500, engine.oom_message(engine.config.vram), "InternalServerError")
         engine.sleeping, engine.sleep_level = False, 0
+        engine.corrupted = engine.corrupted or engine.corrupt_wake
+        if engine.drop_adapter:
+            engine.drop_adapter, engine.adapters_dropped = False, True
     return web.Response(status=200)
 
 
@@ -419,8 +441,13 @@ async def sim_fault(request: web.Request) -> web.Response:
         engine.oom_on_wake = True
     elif fault == "fail_probe":
         engine.fail_probe = True
+    elif fault == "corrupt_wake":
+        engine.corrupt_wake = True
+    elif fault == "drop_adapter":
+        engine.drop_adapter = True
     elif fault == "reset":
         engine.hung = engine.fail_probe = engine.oom_on_wake = False
+        engine.corrupt_wake = engine.corrupted = engine.drop_adapter = engine.adapters_dropped = False
         engine.released.set()
     else:
         return web.json_response({"detail": f"no fault {fault!r}"}, status=404)
@@ -435,7 +462,9 @@ async def sim_state(request: web.Request) -> web.Response:
     return web.json_response(
         {"pid": os.getpid(), "model": c.name, "names": list(c.names), "domain": c.domain, "gpu_index": c.gpu_index,
          "vram": c.vram, "sleeping": engine.sleeping, "evicted": engine.evicted, "hung": engine.hung,
-         "fail_probe": engine.fail_probe, "oom_on_wake": engine.oom_on_wake, "gpu_present": engine.gpu_present()}
+         "fail_probe": engine.fail_probe, "oom_on_wake": engine.oom_on_wake, "gpu_present": engine.gpu_present(),
+         "adapters": list(c.adapters), "corrupt_wake": engine.corrupt_wake, "corrupted": engine.corrupted,
+         "adapters_dropped": engine.adapters_dropped}
     )
 
 
