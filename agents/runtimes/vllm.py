@@ -48,6 +48,7 @@ class VllmRuntime(ProcessRuntime):
         super().__init__(*args, **kwargs)
         self.can_sleep = True
         self.sleep_mode = ""  # "on: <how it was learned>" / "off: <why>"; "" until the first start decides
+        self.platform = ""  # vLLM's platform where known ("cpu", "cuda", ...)
         self._decided = False
 
     # -- which binary, and whether it can sleep
@@ -75,7 +76,7 @@ class VllmRuntime(ProcessRuntime):
             return None
         return entry if isinstance(entry, dict) and isinstance(entry.get("sleep_mode"), bool) else None
 
-    def _remember(self, key: str, sleep_mode: bool, how: str) -> None:
+    def _remember(self, key: str, sleep_mode: bool, how: str, platform: str = "") -> None:
         path = self._abilities_path()
         try:
             known = json.loads(path.read_text())
@@ -83,13 +84,14 @@ class VllmRuntime(ProcessRuntime):
                 known = {}
         except (OSError, ValueError):
             known = {}
-        known[key] = {"sleep_mode": sleep_mode, "how": how}
+        known[key] = {"sleep_mode": sleep_mode, "how": how, "platform": platform or self.platform}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(known, indent=1))
         os.replace(tmp, path)
 
-    def _set(self, can: bool, how: str) -> None:
+    def _set(self, can: bool, how: str, platform: str = "") -> None:
+        self.platform = platform or self.platform
         self.can_sleep = can
         self.sleep_mode = f"{'on' if can else 'off'}: {how}"
         self._decided = True
@@ -108,11 +110,12 @@ class VllmRuntime(ProcessRuntime):
             python = None
         if managed is not None and python is not None and binary == launch_binary(python):
             self._set(bool(managed["sleep_mode"]), f"the managed vLLM {managed['version']} on {managed['platform']} "
-                      f"said so when it was installed")
+                      f"said so when it was installed", str(managed["platform"] or ""))
             return True
         remembered = self._remembered(" ".join(binary))
         if remembered is not None:
-            self._set(remembered["sleep_mode"], str(remembered.get("how", "learned before")))
+            self._set(remembered["sleep_mode"], str(remembered.get("how", "learned before")),
+                      str(remembered.get("platform") or ""))
             return True
         return False
 
@@ -126,8 +129,8 @@ class VllmRuntime(ProcessRuntime):
             said = await _ask(binary[0])
             if said is not None:
                 how = f"vLLM {said.get('version')} on {said.get('platform')} said so (is_sleep_mode_available)"
-                self._remember(" ".join(binary), bool(said.get("sleep_mode")), how)
-                self._set(bool(said.get("sleep_mode")), how)
+                self._remember(" ".join(binary), bool(said.get("sleep_mode")), how, str(said.get("platform") or ""))
+                self._set(bool(said.get("sleep_mode")), how, str(said.get("platform") or ""))
                 return self.sleep_mode
         self.can_sleep = True
         self.sleep_mode = "on: assumed until this vLLM says otherwise"
@@ -151,7 +154,7 @@ class VllmRuntime(ProcessRuntime):
 
     def launch(self) -> Launch:
         self._known()
-        return self._launch(sleep_mode=self.can_sleep)
+        return self._launch(sleep_mode=self.can_sleep, platform=self.platform)
 
     def adopt(self, pid: int, start: int, port: int, argv: list[str]) -> bool:
         """A runtime a previous agent started can sleep if it was launched able to."""

@@ -15,7 +15,8 @@ the engine and starts uvicorn after), so "the child is alive but refuses connect
 
 LoRA adapters named by `--lora-modules NAME=PATH ...` are served under their names (their answers
 name the adapter). Fault injection (loopback only): POST /_sim/crash | evict | hang | oom_on_wake |
-fail_probe | corrupt_wake (every wake after it answers other text, like a wake with stale or wrong
+fail_probe | sleep_frees_nothing (a sleep pauses the engine and keeps its memory, as vLLM does on a
+platform without sleep mode) | corrupt_wake (every wake after it answers other text, like a wake with stale or wrong
 weights) | drop_adapter (after the next wake, an adapter's requests answer as the base model: the
 adapter silently stops applying) | reset, GET /_sim/state.
 """
@@ -140,6 +141,7 @@ class Engine:
     corrupt_wake: bool = False  # armed: every wake from now on answers other text
     corrupted: bool = False  # woken wrongly: the answers are not the model's
     drop_adapter: bool = False  # armed: the next wake stops applying the adapters
+    frees_nothing: bool = False  # a sleep keeps the memory (paused, not asleep)
     adapters_dropped: bool = False
     released: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -382,7 +384,7 @@ async def sleep(request: web.Request) -> web.Response:
     async with engine.lock:
         if not engine.sleeping:
             await asyncio.sleep(engine.config.sleep_ms / 1000)
-            if not engine.evicted:
+            if not engine.evicted and not engine.frees_nothing:
                 engine.gpu.allocate(os.getpid(), min(engine.config.residual, engine.config.vram))
             engine.sleeping, engine.sleep_level = True, level
     return web.Response(status=200)
@@ -443,11 +445,14 @@ async def sim_fault(request: web.Request) -> web.Response:
         engine.fail_probe = True
     elif fault == "corrupt_wake":
         engine.corrupt_wake = True
+    elif fault == "sleep_frees_nothing":
+        engine.frees_nothing = True
     elif fault == "drop_adapter":
         engine.drop_adapter = True
     elif fault == "reset":
         engine.hung = engine.fail_probe = engine.oom_on_wake = False
         engine.corrupt_wake = engine.corrupted = engine.drop_adapter = engine.adapters_dropped = False
+        engine.frees_nothing = False
         engine.released.set()
     else:
         return web.json_response({"detail": f"no fault {fault!r}"}, status=404)
