@@ -271,7 +271,7 @@ class ModelSupervisor:
                 # A nonzero exit before it ever answered is the runtime refusing the model (a corrupt or
                 # truncated file, an unknown architecture): `failed`, in its own words (the table decides);
                 # the supervisor retries with the growing backoff, never in a tight loop.
-                output = m.runtime.output_tail(8000)
+                output = m.runtime.output_tail(65536)  # vLLM's refusal is a long traceback
                 said = runtime_said(output, code) if code is not None and code > 0 else ""
                 learned = m.runtime.learn_from_exit(output)  # e.g. a vLLM refusing sleep mode: next launch without
                 if learned:
@@ -579,6 +579,7 @@ class ModelSupervisor:
         return True
 
 
+LINE_LIMIT = 300  # one line of what a runtime said (vLLM lists every architecture it knows on one line)
 _LOG_PREFIX = re.compile(r"^[\d.:]+\s+[A-Z]\s+")
 _ERROR_MARKERS = ("error", "failed", "invalid", "cannot", "unable", "exception", "not found", "no such")
 
@@ -607,7 +608,7 @@ def runtime_said(output: str, code: int, limit: int = 1000) -> str:
     lines = [ln.strip() for ln in attempt.splitlines()[1:] if ln.strip()]
     picked: list[str] = []
     for ln in (ln for ln in lines if any(m in ln.lower() for m in _ERROR_MARKERS)):
-        ln = _LOG_PREFIX.sub("", ln)  # llama.cpp's "0.00.002.891 E " timestamp and level
+        ln = _LOG_PREFIX.sub("", ln)[:LINE_LIMIT]  # llama.cpp's "0.00.002.891 E " timestamp and level
         if ln not in picked:
             picked.append(ln)
     # The first errors say what went wrong, the last one how it ended.

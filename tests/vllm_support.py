@@ -12,9 +12,10 @@ nothing: `--enforce-eager`) and much longer under load, so each test file shares
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -92,5 +93,15 @@ def vllm_model(name: str, source: Path, *, adapters: dict[str, str] | None = Non
             **extra}
 
 
-def python() -> str:
-    return sys.executable
+async def kill_runtime_groups(event_log, fleet: str, domains: tuple[str, ...], model: str) -> None:
+    """SIGKILL every process group a vLLM of these domains was started in. The agents' ends take the
+    API servers down (parent-death signal in tests), but vLLM's engine process has no such signal and
+    would outlive them, holding ~600 MB: a test leaves nothing behind."""
+    from haru import subjects
+
+    for d in domains:
+        for rec in await event_log.history(subjects.model(fleet, d, model)):
+            pid = getattr(rec.event, "pid", 0) if type(rec.event).__name__ == "ModelLoading" else 0
+            if pid:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)

@@ -18,7 +18,7 @@ from haru import subjects
 from haru.residency import Resident
 from tests.integration.promoter_support import wait_until, wait_view
 from tests.llama_support import real_fleet, real_layout
-from tests.vllm_support import START_S, tiny_hf_model, vllm_binary, vllm_model
+from tests.vllm_support import START_S, kill_runtime_groups, tiny_hf_model, vllm_binary, vllm_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3 * START_S)]
 FLEET = "default"
@@ -71,6 +71,16 @@ async def test_chat_sse_and_failover_on_real_vllm(tmp_path, nats_server, event_l
     layout = real_layout(tmp_path / "layout.json", tmp_path, {d: [vllm_model(MODEL, models[d])] for d in ("a", "b")},
                          policy={"degraded_grace_ms": 500, "restart_backoff_ms": 3000, "probe_timeout_ms": 30000},
                          fleet=FLEET)
+    try:
+        await chat_and_failover(tmp_path, nats_server, event_log, layout)
+    finally:
+        await kill_runtime_groups(event_log, FLEET, ("a", "b"), MODEL)
+    ops = [r.event for r in await event_log.history(subjects.op(FLEET))]
+    assert [p.reason for p in ops if type(p).__name__ == "PromotionRequested"] == ["initial", "domain_unreachable"]
+    assert not any(type(e).__name__ == "DemotionRequested" for e in ops)  # b stayed a resident standby throughout
+
+
+async def chat_and_failover(tmp_path, nats_server, event_log, layout) -> None:
     async with real_fleet(tmp_path, nats_server, event_log, layout) as gw:
         view = await wait_view(event_log, lambda v: steady(v, "a"), timeout=START_S, fleet=FLEET,
                                what="a active, b a resident standby (real vLLM on both)")
@@ -107,6 +117,3 @@ async def test_chat_sse_and_failover_on_real_vllm(tmp_path, nats_server, event_l
                 return status == 200 and stable(json.loads(raw)) == stable(json.loads(from_b))
 
             await wait_until(answered_by_b, timeout=60, every=0.5, what="chat answered by b's vLLM")
-    ops = [r.event for r in await event_log.history(subjects.op(FLEET))]
-    assert [p.reason for p in ops if type(p).__name__ == "PromotionRequested"] == ["initial", "domain_unreachable"]
-    assert not any(type(e).__name__ == "DemotionRequested" for e in ops)  # b stayed a resident standby throughout

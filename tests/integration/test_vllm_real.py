@@ -24,7 +24,7 @@ import pytest
 from haru import subjects
 from tests.integration.agent_harness import is_, tag, wait_event, write_config
 from tests.llama_support import real_layout
-from tests.vllm_support import START_S, tiny_hf_model, tiny_lora, vllm_binary, vllm_model
+from tests.vllm_support import START_S, kill_runtime_groups, tiny_hf_model, tiny_lora, vllm_binary, vllm_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3 * START_S)]
 FLEET = "default"
@@ -42,6 +42,14 @@ def hf(tmp_path_factory, vllm):
     root = tmp_path_factory.mktemp("hf")
     model = tiny_hf_model(root / "model", seed=1)
     return model, tiny_lora(model, root / "lora", seed=3)
+
+
+@pytest.fixture
+async def reaped(event_log):
+    """Every vLLM the test's agents started is gone at its end (the engine process too). Asked for
+    before `agents`, so it runs after the agents are killed."""
+    yield
+    await kill_runtime_groups(event_log, FLEET, ("a", "b"), MODEL)
 
 
 def start_agent(agents, tmp_path, nats_server, layout, domain="a"):
@@ -79,7 +87,7 @@ def proc_env(pid: int) -> dict[str, str]:
 
 
 async def test_real_vllm_flags_residency_adapter_greedy_answers_kill_9_and_restart(tmp_path, nats_server, event_log,
-                                                                                  agents, vllm, hf):
+                                                                                  reaped, agents, vllm, hf):
     model_dir, lora = hf
     layout = one_domain(tmp_path, vllm_model(MODEL, model_dir, adapters={ADAPTER: str(lora)}),
                         restart_backoff_ms=1000)
@@ -152,7 +160,8 @@ async def test_real_vllm_flags_residency_adapter_greedy_answers_kill_9_and_resta
 
 
 async def test_a_model_vllm_cannot_load_is_failed_in_vllms_words_without_a_tight_loop(tmp_path, nats_server,
-                                                                                     event_log, agents, vllm, hf):
+                                                                                     event_log, reaped, agents, vllm,
+                                                                                     hf):
     model_dir, _ = hf
     bad = tmp_path / "bad-model"
     shutil.copytree(model_dir, bad)
