@@ -71,15 +71,15 @@ from agents.serving import ServingProxy
 from agents.supervisor import ModelSupervisor, SupervisorContext, backoff_s
 from agents.training import Ended, Trainer
 from agents.training_slots import TrainingSlots
-from haru import subjects
-from haru.commands import Command, ErrorInfo, Heartbeat, Reply, heartbeat_decoder
-from haru.bus import Msg
-from haru.errors import ConfigError, Conflict, IllegalTransition, NoResponders, RequestTimeout
-from haru.eventlog import EventLog
-from haru.events import AgentStarted, AgentStopping, Event, RouteMoved, tag_of
-from haru.residency import to_state
-from haru.specs import ModelSpec, TrainingSpec
-from haru.tasks import cancel_and_wait
+from haru.core import subjects
+from haru.core.commands import Command, ErrorInfo, Heartbeat, Reply, heartbeat_decoder
+from haru.log.bus import Msg
+from haru.core.errors import ConfigError, Conflict, IllegalTransition, NoResponders, RequestTimeout
+from haru.log.eventlog import EventLog
+from haru.core.events import AgentStarted, AgentStopping, Event, RouteMoved, tag_of
+from haru.core.residency import to_state
+from haru.core.specs import ModelSpec, TrainingSpec
+from haru.host.tasks import cancel_and_wait
 
 # GPU_USED_THRESHOLD, _gpu_changed: kept importable from here (agents/gpu_watch.py has them)
 __all__ = ["Agent", "ModelSlot", "resolve_slots", "VERSION", "GPU_USED_THRESHOLD", "_gpu_changed"]
@@ -425,7 +425,7 @@ class Agent:
                 changed.set()
 
         async def follow() -> None:
-            # haru/follow.py: catch-up, stall detection, a fresh replay after a reconnect (each
+            # haru/log/follow.py: catch-up, stall detection, a fresh replay after a reconnect (each
             # declaration handled once); a LogError is retried there, anything else is a bug
             follower = self.log.follower(on, from_seq=1, subject_filter=subjects.decl(self.fleet), name="declarations")
             while not self.stopping:

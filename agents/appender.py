@@ -9,8 +9,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from haru.errors import Conflict, LogUnavailable
-from haru.events import Event
+from haru.core.errors import Conflict, LogUnavailable
+from haru.core.events import Event
 
 __all__ = ["Appender", "Append"]
 

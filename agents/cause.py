@@ -1,8 +1,8 @@
 """The event the current work answers, per task: a leaf the agent's units share.
 
 `COMMAND_CAUSE` holds the `step_started` sequence of the command a request task runs
-(haru.commands.Command.cause), or the loss a restart answers: what the residency and training events
-recorded in that task cite (haru.causes). The command service sets it per request task.
+(haru.core.commands.Command.cause), or the loss a restart answers: what the residency and training events
+recorded in that task cite (haru.core.causes). The command service sets it per request task.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The agent's command service: a `nats.micro` service, one endpoint per verb.
 
-    haru.cmd.<fleet>.<domain>.<verb>      body: haru.commands.Command (JSON; empty = all defaults)
-                                          reply: haru.commands.Reply {ok, detail, took_ms, error, data}
+    haru.cmd.<fleet>.<domain>.<verb>      body: haru.core.commands.Command (JSON; empty = all defaults)
+                                          reply: haru.core.commands.Reply {ok, detail, took_ms, error, data}
 
 Verbs (all idempotent; `models`/`slots` in the command restrict them, empty = all admitted):
 
@@ -34,10 +34,10 @@ from nats.micro.request import Request
 
 from agents.cause import COMMAND_CAUSE, VERSION
 from agents.ports import CommandTarget, Outcome
-from haru import subjects
-from haru.commands import Command, ErrorInfo, Reply, command_decoder
-from haru.errors import HaruError
-from haru.tasks import cancel_and_wait
+from haru.core import subjects
+from haru.core.commands import Command, ErrorInfo, Reply, command_decoder
+from haru.core.errors import HaruError
+from haru.host.tasks import cancel_and_wait
 
 __all__ = ["CommandService", "SERVICE_NAME", "COMMAND_CAUSE"]
 
@@ -98,7 +98,7 @@ class CommandService:
             command = command_decoder.decode(request.data) if request.data.strip() else Command()
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             reply = Reply(ok=False, detail="bad command body",
-                          error=ErrorInfo(code="invalid_command", message=f"not a haru.commands.Command: {exc}"))
+                          error=ErrorInfo(code="invalid_command", message=f"not a haru.core.commands.Command: {exc}"))
         else:
             COMMAND_CAUSE.set(command.cause)
             try:

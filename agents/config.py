@@ -31,12 +31,12 @@ from typing import Literal
 
 import msgspec
 
-from haru import planner
-from haru.errors import ConfigError, LayoutError
-from haru.apply import fold_declarations as fold_decl
-from haru.layout import load_layout, parse_layout
-from haru.specs import Domain, Layout, ModelSpec, Policy, TrainingSpec
-from haru.subjects import check_name
+from haru.core import planner
+from haru.core.errors import ConfigError, LayoutError
+from haru.core.apply import fold_declarations as fold_decl
+from haru.core.layout import load_layout, parse_layout
+from haru.core.specs import Domain, Layout, ModelSpec, Policy, TrainingSpec
+from haru.core.subjects import check_name
 
 __all__ = ["AgentConfig", "ServingConfig", "HostSlots", "load_config", "parse_config", "fold_declarations",
            "slots_from_layout", "slots_from_host_entry"]
@@ -197,7 +197,7 @@ def load_layout_slots(path: str, fleet: str, domain: str) -> HostSlots:
 def fold_declarations(fleet: str, domain: str, events: list[object]) -> HostSlots | None:
     """Fold a fleet's declaration events into this domain's slots. None when the domain is not declared.
 
-    The fold is `haru apply`'s own (`haru.apply.fold_declarations`), so the agent and `apply` read the
+    The fold is `haru apply`'s own (`haru.core.apply.fold_declarations`), so the agent and `apply` read the
     decl subject the same way. Admission is what the planner said at apply time (`admission_decided`);
     a model declared without an admitting verdict is not run.
     """

@@ -1,6 +1,6 @@
 """The agent's exceptions. A leaf module: it imports nothing from `agents`.
 
-    AgentError                     (haru.errors.HaruError)
+    AgentError                     (haru.core.errors.HaruError)
     ├── AgentRefused               another agent already runs this domain                     (operator)
     ├── IllegalObservation         the agent's decision table has no entry for what it saw     (a bug here)
     ├── RuntimeProblem             a runtime (vLLM, llama-server, external) misbehaved
@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from haru.errors import HaruError
+from haru.core.errors import HaruError
 
 
 class AgentError(HaruError):

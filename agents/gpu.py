@@ -29,9 +29,9 @@ import msgspec
 
 from agents.sim.errors import SimError
 from agents.sim.gpu_state import SimGpuState
-from haru import procfs
-from haru.errors import ConfigError
-from haru.events import GpuProcess, GpuUsage
+from haru.host import procfs
+from haru.core.errors import ConfigError
+from haru.core.events import GpuProcess, GpuUsage
 
 
 class GpuReading(msgspec.Struct, frozen=True):

@@ -11,7 +11,7 @@ from agents.gpu import GpuReading
 from agents.model_slot import ModelSlot
 from agents.ports import GpuVerdict
 from agents.training import Trainer
-from haru.commands import ErrorInfo
+from haru.core.commands import ErrorInfo
 
 __all__ = ["judge_gpus", "gpus_of"]
 

@@ -19,9 +19,9 @@ from typing import Any
 from agents.appender import Append
 from agents.gpu import GpuReading, Gpus, Owner, account
 from agents.loops import LoopErrors, survive
-from haru import subjects
-from haru.events import GpuObserved
-from haru.specs import MiB
+from haru.core import subjects
+from haru.core.events import GpuObserved
+from haru.core.specs import MiB
 
 __all__ = ["GpuWatcher", "GPU_USED_THRESHOLD", "gpu_changed"]
 

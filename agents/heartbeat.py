@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from agents.loops import LoopErrors, every
-from haru.commands import Heartbeat
+from haru.core.commands import Heartbeat
 
 __all__ = ["heartbeat_of", "Heartbeats"]
 

@@ -33,8 +33,8 @@ from datetime import datetime, timezone
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from haru.planner import standby_residual
-from haru.residency import state_name
+from haru.core.planner import standby_residual
+from haru.core.residency import state_name
 
 # Every residency state, so a dashboard can show 0 for the states a model is not in.
 STATES = ("unknown", "loading", "resident", "sleeping", "waking", "lost", "failed", "stopped", "not_admitted")

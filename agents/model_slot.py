@@ -8,8 +8,8 @@ import asyncio
 
 from agents import probes
 from agents.runtimes import Runtime
-from haru.residency import UNKNOWN, Residency, state_name
-from haru.specs import ModelSpec
+from haru.core.residency import UNKNOWN, Residency, state_name
+from haru.core.specs import ModelSpec
 
 __all__ = ["ModelSlot", "RUNTIME_STOP_GRACE_S"]
 

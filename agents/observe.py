@@ -6,13 +6,13 @@ observation, with the model's residency as recorded, to `observe`. The answer is
 append, or None when the observation changes nothing the log does not already say (a probe that fails
 for the reason already recorded, an exit the agent caused itself). A pair the table does not hold is
 the agent's own bug: `observe` raises `IllegalObservation` (as h11 raises on its own illegal events)
-instead of writing a history the fleet's table (`haru.residency.TRANSITIONS`) would refuse.
+instead of writing a history the fleet's table (`haru.core.residency.TRANSITIONS`) would refuse.
 
     DECISIONS[(state, observation key)] -> event tag to write, or NOTHING
 
 The observation key is the observation's tag, split where what to write depends on a field
 (`exited:expected|error|gone`, `probe_failed:same|new`, `adopted:awake|asleep`, `unloaded:ran|idle`),
-as `haru.residency.event_key` splits `admission_decided`. tests/unit/test_agent_observe.py walks
+as `haru.core.residency.event_key` splits `admission_decided`. tests/unit/test_agent_observe.py walks
 every entry (each writes an event the fleet's table accepts from that state) and every refusal;
 docs/agent.md shows the table (`decision_table_markdown`).
 """
@@ -26,7 +26,7 @@ from typing import Any, Union
 import msgspec
 
 from agents.errors import IllegalObservation
-from haru.events import (
+from haru.core.events import (
     Event,
     FetchedFile,
     ModelAdopted,
@@ -39,7 +39,7 @@ from haru.events import (
     ModelStopped,
     ModelWaking,
 )
-from haru.residency import ADOPTED_ASLEEP, ADOPTED_AWAKE, LostReason, Residency, is_legal, state_name
+from haru.core.residency import ADOPTED_ASLEEP, ADOPTED_AWAKE, LostReason, Residency, is_legal, state_name
 
 __all__ = [
     "Observation",
@@ -131,7 +131,7 @@ class Exited(Observation, frozen=True, kw_only=True, tag="exited"):
 
 
 class ProbeFailed(Observation, frozen=True, kw_only=True, tag="probe_failed"):
-    """A probe failed, diagnosed with the one bit (`haru.residency` / `agents.probes.diagnose`)."""
+    """A probe failed, diagnosed with the one bit (`haru.core.residency` / `agents.probes.diagnose`)."""
 
     reason: LostReason
     detail: str = ""

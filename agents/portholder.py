@@ -55,7 +55,7 @@ from pathlib import Path
 import msgspec
 
 from agents.errors import PortHolderError
-from haru.openai_errors import TOO_DEEP, error_body
+from haru.core.openai_errors import TOO_DEEP, error_body
 
 __all__ = ["listening_socket", "bridge", "stop_holder", "holder_stats", "HOLDER_SOCKET"]
 

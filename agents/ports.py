@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from haru.commands import Command, ErrorInfo
+from haru.core.commands import Command, ErrorInfo
 
 if TYPE_CHECKING:
     from agents.gpu import GpuReading
     from agents.model_slot import ModelSlot
     from agents.training import Ended, Trainer
-    from haru.specs import Policy
+    from haru.core.specs import Policy
 
 __all__ = ["Outcome", "GpuVerdict", "Selection", "CommandTarget", "ServingTarget"]
 

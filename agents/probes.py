@@ -4,7 +4,7 @@
                                     answers (and, for vLLM, /is_sleeping is false: asked first, so
                                     no completion is ever sent to a paused engine, which holds it)
     diagnose(...)       -> reason   why a failed probe failed: the one-bit rule of
-                                    `haru.residency.classify_probe_failure` fed with what we can see
+                                    `haru.core.residency.classify_probe_failure` fed with what we can see
 
 A probe never decides what to do about a failure; the agent does.
 """
@@ -16,8 +16,8 @@ import msgspec
 from agents.errors import RuntimeProblem
 from agents.gpu import GpuReading
 from agents.runtimes.base import Runtime
-from haru.events import LostReason
-from haru.residency import classify_probe_failure
+from haru.core.events import LostReason
+from haru.core.residency import classify_probe_failure
 
 __all__ = ["Probe", "ready", "holds_model", "diagnose"]
 

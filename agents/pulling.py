@@ -24,9 +24,9 @@ from typing import Any
 import msgspec
 
 from agents.observe import Observation, PullProgressed, PullRefused
-from haru.events import FetchedFile
-from haru.models import refs
-from haru.models.errors import ModelsError
+from haru.core.events import FetchedFile
+from haru.core import refs
+from haru.core.model_errors import ModelsError
 from haru.models.pull import Progress, pull
 from haru.models.resolve import Settings, resolve, session
 from haru.models.store import Store, default_root

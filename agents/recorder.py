@@ -1,9 +1,9 @@
 """The agent's one way to write a model's residency: an observation in, the table's event out.
 
 `Recorder.record(m, observation)` asks `agents.observe.observe` what the observation means for the
-model as recorded, stamps the event's cause (haru.causes), appends it with the subject's expected
+model as recorded, stamps the event's cause (haru.core.causes), appends it with the subject's expected
 sequence (agents/appender.py) and moves the model's recorded state by the fleet's table
-(haru.residency.evolve). Serialized per model (`m.append_lock`). A pair the decision table refuses
+(haru.core.residency.evolve). Serialized per model (`m.append_lock`). A pair the decision table refuses
 raises `IllegalObservation`: nothing is appended.
 """
 
@@ -20,9 +20,9 @@ from agents.cause import COMMAND_CAUSE
 from agents.gpu_watch import GpuWatcher
 from agents.model_slot import ModelSlot
 from agents.observe import GpuGone, Observation, ProbeFailed, observe
-from haru import causes
-from haru.events import Event
-from haru.residency import event_key, evolve
+from haru.core import causes
+from haru.core.events import Event
+from haru.core.residency import event_key, evolve
 
 __all__ = ["Recorder"]
 

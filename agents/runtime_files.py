@@ -21,10 +21,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from haru import procfs
-from haru.children import alive as proc_alive
-from haru.children import stop_group
-from haru.specs import ModelSpec
+from haru.host import procfs
+from haru.host.children import alive as proc_alive
+from haru.host.children import stop_group
+from haru.core.specs import ModelSpec
 
 __all__ = ["OnStart", "RuntimeFiles", "runtime_on_start", "read_identities", "start_time", "pid_alive"]
 

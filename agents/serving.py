@@ -30,10 +30,10 @@ from agents import portholder, probes
 from agents.errors import PortHolderError
 from agents.ports import ServingTarget
 from agents.runtimes.base import runtimes_die_with_agent
-from haru.errors import ConfigError
-from haru.httpguard import BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
-from haru.openai_errors import TOO_DEEP, answer_status, error_body
-from haru.residency import ANSWERS
+from haru.core.errors import ConfigError
+from haru.host.httpguard import BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
+from haru.core.openai_errors import TOO_DEEP, answer_status, error_body
+from haru.core.residency import ANSWERS
 
 __all__ = ["ServingProxy", "FORWARDED"]
 
@@ -57,13 +57,13 @@ _model_decoder = msgspec.json.Decoder(_Model)
 
 def _not_serving_status(state: str, reason: str) -> tuple[int, str]:
     """(status, OpenAI error code) for a model this domain has but cannot serve now: the row of its
-    router answer (`haru.residency.ANSWERS`) in the status table the gateway answers from."""
+    router answer (`haru.core.residency.ANSWERS`) in the status table the gateway answers from."""
     return answer_status(ANSWERS.get(state, ("unknown", ""))[0], reason)
 
 
 def error(status: int, code: str, message: str, *, param: str | None = None,
           headers: dict[str, str] | None = None) -> web.Response:
-    """OpenAI's error shape (`haru.openai_errors`, the gateway's too)."""
+    """OpenAI's error shape (`haru.core.openai_errors`, the gateway's too)."""
     return web.Response(status=status, body=error_body(status, code, message, param), content_type="application/json",
                         headers=headers)
 

@@ -49,8 +49,8 @@ from agents.observe import (
 from agents.ports import Outcome
 from agents.pulling import needs_pull, pull_for
 from agents.runtime_files import RuntimeFiles
-from haru.events import Event
-from haru.specs import Policy
+from haru.core.events import Event
+from haru.core.specs import Policy
 
 __all__ = ["ModelSupervisor", "SupervisorContext", "backoff_s", "runtime_said", "freed_by_sleep"]
 

@@ -26,9 +26,9 @@ import msgspec
 
 from agents.errors import TrainingProblem
 from agents.runtimes.base import die_with_parent, killpg
-from haru import procfs
-from haru.events import StopHow
-from haru.specs import TrainingSpec
+from haru.host import procfs
+from haru.core.events import StopHow
+from haru.core.specs import TrainingSpec
 
 __all__ = ["Trainer", "Ended", "training_env"]
 

@@ -22,9 +22,9 @@ from agents.errors import TrainingProblem
 from agents.ports import Outcome
 from agents.runtime_files import RuntimeFiles
 from agents.training import Ended, Trainer
-from haru import causes, subjects
-from haru.events import Event, TrainingStarted, TrainingStopped
-from haru.specs import TrainingSpec
+from haru.core import causes, subjects
+from haru.core.events import Event, TrainingStarted, TrainingStopped
+from haru.core.specs import TrainingSpec
 
 __all__ = ["TrainingSlots"]
 

@@ -37,11 +37,11 @@ sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 
-from haru import subjects  # noqa: E402
-from haru.errors import LogError  # noqa: E402
-from haru.eventlog import EventLog  # noqa: E402
-from haru.events import AgentStopping  # noqa: E402
-from haru.natsd import free_port  # noqa: E402
+from haru.core import subjects  # noqa: E402
+from haru.core.errors import LogError  # noqa: E402
+from haru.log.eventlog import EventLog  # noqa: E402
+from haru.core.events import AgentStopping  # noqa: E402
+from haru.host.natsd import free_port  # noqa: E402
 
 MODEL = "qwen3-0.6b"
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}).encode()

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nats.js import api  # noqa: E402
 
-from haru import events as ev  # noqa: E402
-from haru import subjects  # noqa: E402
-from haru.eventlog import EventLog, _parse_ack_reply  # noqa: E402
-from haru.natsd import NatsServer  # noqa: E402
-from haru.nats_headers import enable_fast_header_parse  # noqa: E402
+from haru.core import events as ev  # noqa: E402
+from haru.core import subjects  # noqa: E402
+from haru.log.eventlog import EventLog, _parse_ack_reply  # noqa: E402
+from haru.host.natsd import NatsServer  # noqa: E402
+from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
 
 if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
     enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)

@@ -36,10 +36,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from agents.sim.gpu_state import GiB, SimGpuState  # noqa: E402
-from haru import subjects  # noqa: E402
-from haru.apply import apply  # noqa: E402
-from haru.eventlog import EventLog  # noqa: E402
-from haru.events import (  # noqa: E402
+from haru.core import subjects  # noqa: E402
+from haru.core.apply import apply  # noqa: E402
+from haru.log.eventlog import EventLog  # noqa: E402
+from haru.core.events import (  # noqa: E402
     DomainUnreachable,
     GpuObserved,
     ModelLost,
@@ -48,11 +48,11 @@ from haru.events import (  # noqa: E402
     StepCompleted,
     StepStarted,
 )
-from haru.layout import load_layout  # noqa: E402
-from haru.natsd import NatsServer  # noqa: E402
+from haru.core.layout import load_layout  # noqa: E402
+from haru.host.natsd import NatsServer  # noqa: E402
 from haru.promoter.service import Promoter  # noqa: E402
-from haru.residency import Resident, Sleeping  # noqa: E402
-from haru.fold import empty, fold  # noqa: E402
+from haru.core.residency import Resident, Sleeping  # noqa: E402
+from haru.core.fold import empty, fold  # noqa: E402
 
 FLEET = "bench"
 PY = sys.executable
@@ -183,7 +183,7 @@ async def main(args) -> None:
 
                 await wait_for(lambda: is_steady("a"), 60, "the first route")
                 # Baseline: one NATS request/reply round trip to an agent (status), the floor of a step.
-                from haru.commands import Command
+                from haru.core.commands import Command
                 from haru.promoter.client import send
                 rtts = []
                 for _ in range(20):

@@ -269,10 +269,10 @@ def start_upstream(kind: str, tmp: Path) -> tuple[subprocess.Popen, str]:
 
 
 async def publish_fleet(nats_url: str, upstream: str) -> None:
-    from haru import subjects
-    from haru.eventlog import EventLog
-    from haru.residency import Answer, Resident
-    from haru.views import DomainView, FleetView, ModelView, RouteIntent, Target, view_encoder
+    from haru.core import subjects
+    from haru.log.eventlog import EventLog
+    from haru.core.residency import Answer, Resident
+    from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target, view_encoder
 
     async with EventLog.connect([nats_url], writer="bench") as log:
         await log.ensure()
@@ -360,7 +360,7 @@ def main() -> None:
     if args._consoles:
         return asyncio.run(run_consoles(args))
 
-    from haru.natsd import NatsServer
+    from haru.host.natsd import NatsServer
 
     kinds = ("sim", "fast") if args.upstream == "both" else (args.upstream,)
     for kind in kinds:
@@ -438,9 +438,9 @@ async def run_consoles(args: argparse.Namespace) -> None:
     import aiohttp
     import msgspec
 
-    from haru import subjects
-    from haru.eventlog import EventLog
-    from haru.views import view_decoder, view_encoder
+    from haru.core import subjects
+    from haru.log.eventlog import EventLog
+    from haru.core.views import view_decoder, view_encoder
 
     stop_file = Path(args._consoles)
     frames = [0] * args.consoles
@@ -509,8 +509,8 @@ def fanout_cost_us(consoles: int, upstream: str, rounds: int = 2000) -> float:
     its core with. Writing to the sockets is the event loop's, and is in the side-by-side figures."""
     from gateway.console import Console, _Subscriber
     from gateway.routing import RoutingTable
-    from haru.residency import Answer, Resident
-    from haru.views import DomainView, FleetView, ModelView, RouteIntent, Target
+    from haru.core.residency import Answer, Resident
+    from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target
 
     table = RoutingTable()
     view = FleetView(fleet="default", active="a", route_revision=1, seq=1, domains={

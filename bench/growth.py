@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from chaos import demo_up  # noqa: E402
 
-from haru import subjects  # noqa: E402
-from haru.eventlog import EventLog  # noqa: E402
+from haru.core import subjects  # noqa: E402
+from haru.log.eventlog import EventLog  # noqa: E402
 
 
 async def census(nats_url: str) -> tuple[dict[str, int], int, int]:

@@ -12,13 +12,13 @@ every 10,000 events of the fleet, as in production), then `--after` more filler 
 timed in turn round after round (load drift weighs on all alike), each the median of `--rounds` calls (`--repeat` for verify and rebuild), in
 this process (what the CLI and the control API call, without a process start):
 
-    why          haru.reads.why_records + the causal tree
-    as-of seq    haru.reads.model_records + history.as_of at a sequence
+    why          haru.log.reads.why_records + the causal tree
+    as-of seq    haru.log.reads.model_records + history.as_of at a sequence
     as-of time   the same at a time
     promote      haru.promoter.requests.request_operation until accepted (then the op is ended)
     promote read its read alone: the stored view plus the fleet's events after it
     verify full  every event through history.Verifier
-    verify cp    haru.reads.checkpoint_start + the events after the newest checkpoint
+    verify cp    haru.log.reads.checkpoint_start + the events after the newest checkpoint
     rebuild cp   a projector started from the newest checkpoint (--from-checkpoint), until idle
 
 Printed: the times at each size, and for why / as-of / promote the ratio of the largest size's
@@ -41,14 +41,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from haru import events as ev  # noqa: E402
-from haru import history, reads, subjects  # noqa: E402
-from haru.eventlog import EventLog  # noqa: E402
-from haru.natsd import NatsServer  # noqa: E402
-from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy  # noqa: E402
-from haru.tasks import cancel_and_wait  # noqa: E402
+from haru.core import events as ev  # noqa: E402
+from haru.log import history, reads  # noqa: E402
+from haru.core import subjects
+from haru.log.eventlog import EventLog  # noqa: E402
+from haru.host.natsd import NatsServer  # noqa: E402
+from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy  # noqa: E402
+from haru.host.tasks import cancel_and_wait  # noqa: E402
 from projections.projector import Projector  # noqa: E402
-from haru.nats_headers import enable_fast_header_parse  # noqa: E402
+from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
 
 if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
     enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)
@@ -231,7 +232,7 @@ async def prepared(size: int, after: int):
                     assert v.ok, v.summary()
 
                 async def verify_cp() -> None:
-                    from haru.subjects import fleet_of
+                    from haru.core.subjects import fleet_of
                     start, tips, since, bad = await reads.checkpoint_start(log)
                     v = history.Verifier()
                     v.tips.update(tips)

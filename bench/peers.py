@@ -398,7 +398,7 @@ def main() -> None:
     if not shutil.which("wrk"):
         raise SystemExit("wrk is not installed (Debian: apt-get install wrk): it is the load generator")
 
-    from haru.natsd import NatsServer
+    from haru.host.natsd import NatsServer
 
     only = set(filter(None, args.only.split(",")))
     with tempfile.TemporaryDirectory() as tmpdir:

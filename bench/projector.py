@@ -27,15 +27,15 @@ from pathlib import Path
 
 from nats.js import api
 
-from haru import events as ev
-from haru import subjects as sj
-from haru.eventlog import EventLog
-from haru.natsd import NatsServer
-from haru.route import RouteWatcher
-from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
-from haru.fold import add_one
+from haru.core import events as ev
+from haru.core import subjects as sj
+from haru.log.eventlog import EventLog
+from haru.host.natsd import NatsServer
+from haru.log.route import RouteWatcher
+from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.fold import add_one
 from projections.projector import Projector
-from haru.nats_headers import enable_fast_header_parse  # noqa: E402
+from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
 
 if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
     enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from haru.models import resolve as R  # noqa: E402
 from haru.models.pull import pull  # noqa: E402
 from haru.models.store import Store  # noqa: E402
-from haru.natsd import free_port  # noqa: E402
+from haru.host.natsd import free_port  # noqa: E402
 from tests.models_registry import Registry  # noqa: E402
 
 

@@ -42,8 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-from haru import subjects  # noqa: E402
-from haru.eventlog import EventLog  # noqa: E402
+from haru.core import subjects  # noqa: E402
+from haru.log.eventlog import EventLog  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
 from chaos import MODEL, Load, chat_client, demo_layout, demo_up, steady, stop_load  # noqa: E402
@@ -101,9 +101,9 @@ async def roll_a_change(nats_url: str, home: Path, layout_path: Path, *, timeout
     then the rolling operation it requests), and wait for the operation to end. Returns one line on it."""
     import msgspec
 
-    from haru.apply import apply, waits_on_active
+    from haru.core.apply import apply, waits_on_active
     from haru.promoter.requests import request_operation
-    from haru.up import demo_layout as runnable
+    from haru.up.compose import demo_layout as runnable
 
     layout = runnable(home, layout_path)  # the layout as `haru up` applied it (interpreter, checkpoints)
     domains = []

@@ -46,9 +46,9 @@ import aiohttp  # noqa: E402
 
 from agents.runtimes.llama_build import ensure_binary  # noqa: E402
 from bench.gateway import _pct, compare  # noqa: E402
-from haru import subjects  # noqa: E402
-from haru.eventlog import EventLog  # noqa: E402
-from haru.natsd import free_port  # noqa: E402
+from haru.core import subjects  # noqa: E402
+from haru.log.eventlog import EventLog  # noqa: E402
+from haru.host.natsd import free_port  # noqa: E402
 
 FLEET = "default"
 MODEL = "tiny-chat"

@@ -13,7 +13,7 @@ from gateway.config import GatewayConfig, from_env
 from gateway.errors import ApiError, GatewayError, UpstreamError
 from gateway.routing import Forward, Refusal, RoutingTable, compile_routes
 from gateway.server import Gateway, run_gateway
-from haru.openai_errors import ANSWER_STATUS
+from haru.core.openai_errors import ANSWER_STATUS
 
 __all__ = [
     "ANSWER_STATUS",

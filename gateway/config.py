@@ -11,7 +11,7 @@
     HARU_CLIENT_BODY_TIMEOUT_MS  a client's time to send the whole body once the head is in (default
                                  30000); then a 408 and the connection is closed
     HARU_CLIENT_MAX_IDLE         connections waiting for a request head at once (default 512); a new
-                                 one beyond it closes the one that waited longest (haru/httpguard.py)
+                                 one beyond it closes the one that waited longest (haru/host/httpguard.py)
     HARU_GATEWAY_HOST / PORT     where to listen (default 0.0.0.0 with a token, 127.0.0.1 without; 8700)
 """
 
@@ -21,8 +21,8 @@ from collections.abc import Mapping
 
 import msgspec
 
-from haru.httpguard import DEFAULT_BODY_TIMEOUT_MS, DEFAULT_HEADER_TIMEOUT_MS as DEFAULT_CLIENT_HEADER_TIMEOUT_MS
-from haru.httpguard import DEFAULT_MAX_IDLE, ClientLimits, env_int
+from haru.host.httpguard import DEFAULT_BODY_TIMEOUT_MS, DEFAULT_HEADER_TIMEOUT_MS as DEFAULT_CLIENT_HEADER_TIMEOUT_MS
+from haru.host.httpguard import DEFAULT_MAX_IDLE, ClientLimits, env_int
 
 DEFAULT_PORT = 8700
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -45,7 +45,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     buffer_limit_bytes: int = 4 * 1024 * 1024
     # How often the followers check the log for what their watches may have missed (state.py).
     resync_ms: int = 2_000
-    # Slow and idle clients (haru/httpguard.py)
+    # Slow and idle clients (haru/host/httpguard.py)
     client_header_timeout_ms: int = DEFAULT_CLIENT_HEADER_TIMEOUT_MS
     client_body_timeout_ms: int = DEFAULT_BODY_TIMEOUT_MS
     client_max_idle: int = DEFAULT_MAX_IDLE

@@ -31,8 +31,8 @@ from aiohttp import web
 
 from gateway.console_core import hello, operations, snapshot, story_items
 from gateway.errors import ApiError
-from haru import subjects
-from haru.errors import InvalidName, LogUnavailable
+from haru.core import subjects
+from haru.core.errors import InvalidName, LogUnavailable
 
 log = structlog.get_logger("haru.gateway")
 
@@ -195,7 +195,7 @@ class Console:
         model = request.query.get("model", "")
         if not model:
             raise ApiError(400, "invalid_request", "the model is required: ?model=<id>", param="model")
-        from haru.reads import why_records
+        from haru.log.reads import why_records
 
         if self.events is None:
             raise ApiError(503, "log_unavailable", "this gateway runs without an event log")
@@ -210,9 +210,9 @@ class Console:
         return _json_response({"fleet": fleet, "model": model, "events": story_items(picked)})
 
     async def verify(self, request: web.BaseRequest) -> web.Response:
-        from haru.history import Verifier
+        from haru.log.history import Verifier
 
-        from haru.reads import fleet_checkpoint
+        from haru.log.reads import fleet_checkpoint
 
         fleet = self._fleet(request)
         verifier = Verifier()

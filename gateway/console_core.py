@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from haru.events import (
+from haru.core.events import (
     OperationAborted,
     OperationCompleted,
     OperationRequested,
@@ -25,7 +25,7 @@ from haru.promoter.decider import KINDS, flow
 
 if TYPE_CHECKING:
     from gateway.routing import FleetRoutes
-    from haru.eventlog import Record  # the type only: this module reads records, it never reads the log
+    from haru.log.eventlog import Record  # the type only: this module reads records, it never reads the log
 
 # Each kind's steps in order, read from the promoter's transition table (the stepper's columns).
 FLOWS: dict[str, list[str]] = {kind: flow(kind) for kind in KINDS}
@@ -133,7 +133,7 @@ def operations(records: list[Record]) -> list[dict[str, Any]]:
 
 
 def story_items(picked: list[Record]) -> list[dict[str, Any]]:
-    """A model's story (haru.history.story's records) as items, newest first."""
+    """A model's story (haru.log.history.story's records) as items, newest first."""
     items = []
     for rec in reversed(picked):
         ev = rec.event

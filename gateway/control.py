@@ -35,12 +35,13 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import continue_if_expected
 from gateway.routing import RoutingTable, fleet_not_found
 from gateway.truth import models_list, truth_table
-from haru import alive, subjects
-from haru.authority import misplaced
-from haru.errors import HaruError, InvalidName, LogDamaged, LogError, LogUnavailable
-from haru.events import payload, tag_of
-from haru.openai_errors import TOO_DEEP
-from haru.views import view_encoder
+from haru.host import alive
+from haru.core import subjects
+from haru.core.authority import misplaced
+from haru.core.errors import HaruError, InvalidName, LogDamaged, LogError, LogUnavailable
+from haru.core.events import payload, tag_of
+from haru.core.openai_errors import TOO_DEEP
+from haru.core.views import view_encoder
 
 log = structlog.get_logger("haru.gateway")
 
@@ -301,7 +302,7 @@ class Control:
 
     async def _dry_run(self, events, fleet: str, kind: str, target: str) -> web.Response:
         """What a provisioning operation would submit to `sky`, from the fleet's declarations."""
-        from haru.apply import fold_declarations
+        from haru.core.apply import fold_declarations
         from haru.provision import NotProvisionable, dry_run_text
 
         if kind not in ("provision", "teardown", "replace"):

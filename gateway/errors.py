@@ -1,6 +1,6 @@
 """The gateway's exceptions. A leaf module: it imports nothing from the `gateway` package.
 
-    GatewayError                (haru.errors.HaruError)
+    GatewayError                (haru.core.errors.HaruError)
     ├── ApiError                an HTTP answer that is a refusal: status, OpenAI `error.code`, message
     └── UpstreamError           an upstream could not be reached, or broke off           (the domain's)
         └── ProtocolError       what an upstream sent is not an HTTP/1.1 response         (the domain's)
@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from haru.errors import HaruError
+from haru.core.errors import HaruError
 
 
 class GatewayError(HaruError):

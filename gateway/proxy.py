@@ -37,7 +37,7 @@ from gateway.routing import (
     model_of,
 )
 from gateway.upstream import Connection, Pool
-from haru.openai_errors import PAYLOAD_TOO_LARGE, REQUEST_TIMEOUT, UPSTREAM_TIMEOUT, UPSTREAM_UNREACHABLE
+from haru.core.openai_errors import PAYLOAD_TOO_LARGE, REQUEST_TIMEOUT, UPSTREAM_TIMEOUT, UPSTREAM_UNREACHABLE
 
 log = structlog.get_logger("haru.gateway")
 

@@ -9,7 +9,7 @@ chat request costs two dict look-ups: `table.resolve(fleet, model, now)` returns
 
 The router answers (one per model on the active domain, computed by the projector into the route
 intent) map to HTTP exactly as DESIGN.md's "Router answers" table says; `ANSWER_STATUS` (in
-`haru.openai_errors`, shared with the agent's serving port) is that table, and the tests and docs/gateway.md read the same one:
+`haru.core.openai_errors`, shared with the agent's serving port) is that table, and the tests and docs/gateway.md read the same one:
 
     ready              proxied
     warming{for_ms}    503 model_warming       + Retry-After
@@ -34,7 +34,7 @@ from typing import Final
 
 import msgspec
 
-from haru.openai_errors import (
+from haru.core.openai_errors import (
     ANSWER_STATUS,
     FLEET_NOT_FOUND,
     INVALID_REQUEST,
@@ -45,10 +45,10 @@ from haru.openai_errors import (
     UPSTREAM_UNREACHABLE,
     error_body,
 )
-from haru.residency import Answer
-from haru.views import FleetView, RouteIntent, Target
+from haru.core.residency import Answer
+from haru.core.views import FleetView, RouteIntent, Target
 
-# The status table (`ANSWER_STATUS`) and OpenAI's error shape are `haru.openai_errors`, shared with
+# The status table (`ANSWER_STATUS`) and OpenAI's error shape are `haru.core.openai_errors`, shared with
 # the agent's serving port.
 
 # Retry-After bounds (seconds). Warming: a quarter of how long it has been warming, so a level-1

@@ -36,8 +36,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import CHAT_PATHS, Proxy
 from gateway.routing import Refusal, RoutingTable
 from gateway.state import RouteFollower
-from haru.httpguard import GuardedServer
-from haru.openai_errors import error_body
+from haru.host.httpguard import GuardedServer
+from haru.core.openai_errors import error_body
 
 log = structlog.get_logger("haru.gateway")
 
@@ -56,7 +56,7 @@ def _api_error_response(err: ApiError) -> web.Response:
 class Gateway:
     """One gateway: routing table, metrics, upstream session, NATS followers and the HTTP server.
 
-    `events` is a connected `haru.eventlog.EventLog` (the caller owns it); None runs the gateway on
+    `events` is a connected `haru.log.eventlog.EventLog` (the caller owns it); None runs the gateway on
     a routing table the caller fills (`gw.table.set_view/set_intent`), with no control API writes.
     """
 
@@ -223,7 +223,7 @@ def _method_not_allowed(path: str, allowed: str) -> web.Response:
 async def run_gateway(servers: list[str], config: GatewayConfig, *, creds: str | None = None,
                       stop: asyncio.Event | None = None, ready=None) -> None:
     """Connect to NATS, serve until `stop` is set (or SIGINT/SIGTERM when `stop` is None)."""
-    from haru.eventlog import EventLog
+    from haru.log.eventlog import EventLog
 
     own_stop = stop is None
     stop = stop or asyncio.Event()

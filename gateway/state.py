@@ -6,15 +6,15 @@ request never waits for NATS.
 The route intents come from the projector. A failover must not wait for it: the promoter's
 `route_moved` on the route subject is the routing pointer itself, so the gateway follows that
 subject too (only `route_moved` events, only on `haru.evt.<fleet>.route`, which is where the
-subject table of haru/subjects.py allows them). When the log holds a newer route revision than the
+subject table of haru/core/subjects.py allows them). When the log holds a newer route revision than the
 last intent, the gateway routes by `intent_after_move`: the intent recomputed from the last view
 with the pointer moved, and, when the move was made by an operation (which probed every model on
 the target before the flip), the target's models answered `ready`. The projector's next intent
 at that revision or later replaces it. So a failover reaches clients with the projector dead.
 
-The route subjects are followed by `log.follow` (haru/follow.py: it resumes after the last route
+The route subjects are followed by `log.follow` (haru/log/follow.py: it resumes after the last route
 record handled, and replays afresh when the connection comes back or it stalls). The gateway also
-hears the control plane's heartbeats (`haru.alive.>` on the bus, haru/alive.py): /healthz reads
+hears the control plane's heartbeats (`haru.alive.>` on the bus, haru/host/alive.py): /healthz reads
 them to say whether a projector and a promoter are alive.
 
 Each follower survives the log going away: it logs, waits (0.2 s doubling to 5 s) and watches
@@ -39,15 +39,16 @@ import structlog
 
 from gateway.metrics import GatewayMetrics
 from gateway.routing import RoutingTable
-from haru import alive, subjects
-from haru.errors import HaruError
-from haru.eventlog import EventLog, Record
-from haru.authority import misplaced
-from haru.events import RouteMoved
-from haru.residency import Answer
-from haru.tasks import cancel_and_wait
-from haru.views import FleetView, RouteIntent, intent_decoder, view_decoder
-from haru.intents import intent as intent_of_view
+from haru.host import alive
+from haru.core import subjects
+from haru.core.errors import HaruError
+from haru.log.eventlog import EventLog, Record
+from haru.core.authority import misplaced
+from haru.core.events import RouteMoved
+from haru.core.residency import Answer
+from haru.host.tasks import cancel_and_wait
+from haru.core.views import FleetView, RouteIntent, intent_decoder, view_decoder
+from haru.core.intents import intent as intent_of_view
 
 log = structlog.get_logger("haru.gateway")
 
@@ -254,7 +255,7 @@ class RouteFollower:
         self._route_seq = max(self._route_seq, rec.seq)
         fleet = route_fleet(rec.subject)
         if not fleet or not isinstance(rec.event, RouteMoved) or misplaced(rec.subject, rec.event):
-            return  # a move only as the authority table allows it (haru.authority), like every fold
+            return  # a move only as the authority table allows it (haru.core.authority), like every fold
         known = self._moves.get(fleet)
         if known is not None and known[0] >= rec.seq:
             return

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 
 from gateway.routing import FleetRoutes, Forward, Refusal, gib
-from haru.residency import (
+from haru.core.residency import (
     Answer,
     Failed,
     Loading,
@@ -22,7 +22,7 @@ from haru.residency import (
     Stopped,
     state_name,
 )
-from haru.views import DomainView
+from haru.core.views import DomainView
 
 
 def _for_ms(since: datetime | None, now: float) -> int | None:

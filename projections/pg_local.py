@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from haru.errors import ConfigError
+from haru.core.errors import ConfigError
 
 _TOOLS = ("initdb", "pg_ctl", "postgres")
 

@@ -3,7 +3,7 @@
     writes, carry = plan(carry, records)
 
 `records` are log records in stream order (anything with `.seq .subject .time .event .error .data`,
-as `haru.eventlog.Record` has); `carry` is what spans across batches: the open incidents, the
+as `haru.log.eventlog.Record` has); `carry` is what spans across batches: the open incidents, the
 operations in flight and the running steps, keyed so a later event can close them. `plan` returns
 the rows to append (COPY), the updates to rows written by earlier batches, and the new carry; it
 never mutates its arguments, so a batch whose transaction fails leaves the caller's carry intact.
@@ -24,7 +24,7 @@ Mapping (fleet comes from the subject; every time is timezone-aware UTC):
     step_completed/step_failed -> closes the running step, with its duration and outcome
     domain_declared/domain_changed/domain_retired -> domains (provider, region, ...)
     a body that is not a valid event (or an unparseable subject) -> skipped_events
-    an event that may not stand on its subject (`haru.authority`: a route_moved on an agent's
+    an event that may not stand on its subject (`haru.core.authority`: a route_moved on an agent's
     subject, a body naming another domain than its subject) -> skipped_events, error
     "misplaced: seq N: <type> on <subject> by <writer> not applied: <why>", and no other row
 
@@ -38,8 +38,8 @@ from datetime import datetime, timezone
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from haru import authority, subjects
-from haru import events as ev
+from haru.core import authority, subjects
+from haru.core import events as ev
 
 
 class LogRecord(Protocol):
@@ -178,7 +178,7 @@ def millis(start: datetime | None, end: datetime | None) -> int | None:
 
 
 def fleet_of(subject: str) -> tuple[str, str]:
-    """(fleet, '') for a Haru event subject, ('', why) for anything else (`haru.subjects.read`, memoized)."""
+    """(fleet, '') for a Haru event subject, ('', why) for anything else (`haru.core.subjects.read`, memoized)."""
     read = subjects.read(subject)
     return (read.where.fleet, "") if read.where is not None else ("", read.problem)
 

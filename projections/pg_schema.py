@@ -13,7 +13,7 @@ Everything lives in the `haru` schema, so the read model can share a database wi
     haru.incidents           a span from `lost` to `resident` again on one fleet/domain/model
     haru.gpu_observations    one row per gpu_observed event (presence and memory)
     haru.skipped_events      bodies on event subjects that were not valid events, or events that may not
-                             stand on their subject (haru.authority) (position advanced)
+                             stand on their subject (haru.core.authority) (position advanced)
     haru.operations          promotions and demotions: requested -> completed | aborted       (v2)
     haru.operation_steps     each step of an operation: started -> completed | failed | restarted (v2)
     haru.domains             each domain's provider and region, from domain_declared/changed/retired (v3)

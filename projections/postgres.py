@@ -17,7 +17,7 @@ The imperative shell around `projections.pg_rows.plan` (the pure mapping) and
   anyone else moved it, the transaction rolls back). A crash anywhere leaves rows and position
   consistent, so a restart neither duplicates nor skips an event.
 - Replay and writing overlap: while one batch is in Postgres the next is being received.
-- Invalid bodies, and events that may not stand on their subject (`haru.authority`), are logged,
+- Invalid bodies, and events that may not stand on their subject (`haru.core.authority`), are logged,
   stored in `haru.skipped_events`, and advance the position; no other row comes from them.
 
 Errors (`SinkError`, a `HaruError`): the database belongs to another log, its schema is newer
@@ -37,9 +37,9 @@ from collections.abc import Sequence
 import asyncpg
 import structlog
 
-from haru import subjects
-from haru.errors import HaruError, LogError, LogUnavailable
-from haru.eventlog import EventLog
+from haru.core import subjects
+from haru.core.errors import HaruError, LogError, LogUnavailable
+from haru.log.eventlog import EventLog
 from projections import pg_schema as S
 from projections.pg_rows import Carry, Writes, carry_from_rows, plan
 
@@ -303,7 +303,7 @@ class PostgresSink:
 
     async def _replay(self, elog, batcher: _Batcher, position: int, follow: bool) -> None:
         """Hand the log's records to the batcher from `position` + 1: what is stored (follow=False),
-        or, following, until cancelled (haru/follow.py: a stalled replay, or one a NATS restart left
+        or, following, until cancelled (haru/log/follow.py: a stalled replay, or one a NATS restart left
         behind, is started again after the last record handed over; a full queue is the writer's
         backpressure, not a stall)."""
         batcher.received = position

@@ -1,6 +1,6 @@
 """The projector service: `HARU_EVENTS` -> fleet views in KV `haru_views` and route intents on
-`haru.route.<fleet>`. The imperative shell around the pure folds in `haru.fold` and
-`haru.intents`.
+`haru.route.<fleet>`. The imperative shell around the pure folds in `haru.core.fold` and
+`haru.core.intents`.
 
     async with EventLog.connect(servers, writer="projector:host:pid") as log:
         await log.ensure()
@@ -10,23 +10,23 @@ Start. The fleets of the log are the fleets that have declarations (`haru.evt.*.
 stored view is read from KV; the replay resumes from the smallest stored `position` + 1, where
 position = max(view.seq, view.checkpoint) (from 1 when a declared fleet has no stored view yet).
 Events at or below a fleet's own view `seq` are skipped for that fleet
-(`haru.fold.add_one`), so fleets whose views are further ahead are not folded twice. A
+(`haru.core.fold.add_one`), so fleets whose views are further ahead are not folded twice. A
 fleet first met during the replay (events but no declaration) starts empty. The checkpoint of a
 fleet that has been quiet for `checkpoint_lag` events is advanced (its view rewritten), so one idle
 fleet does not pin every restart to its last event.
 
-Follow. A `haru.follow.Follower` follows the log until cancelled: when the stream holds messages
+Follow. A `haru.log.follow.Follower` follows the log until cancelled: when the stream holds messages
 past the last one handled and the replay makes no progress for a couple of seconds (nats-py's
 ordered consumer takes ~20 s to notice a NATS restart), or the connection comes back, the replay is
 restarted after the last sequence handled.
 
 Fold. The replay handler is synchronous: it decodes nothing itself (the log did), folds the record
-into the fleet's `haru.fold.Folder` (an incremental fold, equal to `evolve`, that builds the
+into the fleet's `haru.core.fold.Folder` (an incremental fold, equal to `evolve`, that builds the
 frozen view only when something reads it: a write, a route move's intent), marks the fleet dirty,
 and when the record moved the route pointer it snapshots the route intent at that very sequence,
 so every pointer move becomes an intent even when writes are coalesced. A body that is not a valid
 event is logged, counted in the view's `anomalies`, and skipped; so is an event that may not stand
-on the subject it was stored on (`haru.authority`: a `route_moved` on an agent's subject, a body
+on the subject it was stored on (`haru.core.authority`: a `route_moved` on an agent's subject, a body
 naming another domain than its subject), which is never applied.
 
 Write. A single flusher task wakes whenever the handler folded something and the handler yields
@@ -59,15 +59,16 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
-from haru import alive, checkpoints, subjects
-from haru.errors import Conflict, LogError
-from haru.eventlog import EventLog, Record, body_hash
-from haru.follow import Follower
-from haru.events import Checkpoint, RouteMoved
-from haru.tasks import cancel_and_wait
-from haru.views import FleetView, RouteIntent, intent_decoder, view_decoder, view_encoder
-from haru.fold import Folder, add_one, empty, fleet_of
-from haru.intents import changed, intent
+from haru.host import alive
+from haru.core import checkpoints, subjects
+from haru.core.errors import Conflict, LogError
+from haru.log.eventlog import EventLog, Record, body_hash
+from haru.log.follow import Follower
+from haru.core.events import Checkpoint, RouteMoved
+from haru.host.tasks import cancel_and_wait
+from haru.core.views import FleetView, RouteIntent, intent_decoder, view_decoder, view_encoder
+from haru.core.fold import Folder, add_one, empty, fleet_of
+from haru.core.intents import changed, intent
 
 log_ = structlog.get_logger("haru.projector")
 
@@ -90,7 +91,7 @@ class Stats:
     resumed_from: int = 0  # the replay's first sequence
     handled: int = 0  # records folded (skipped ones not counted)
     invalid: int = 0  # bodies that were not valid events
-    misplaced: int = 0  # events that may not stand on their subject (haru.authority): not applied
+    misplaced: int = 0  # events that may not stand on their subject (haru.core.authority): not applied
     skipped: int = 0  # records at or below their fleet's view seq, or not on a fleet subject
     view_writes: int = 0
     view_conflicts: int = 0
@@ -124,7 +125,7 @@ class Projector:
         self.stall_interval = stall_interval
         self.stall_checks = stall_checks
         self._folders: dict[str, Folder] = {}  # each fleet's view, folded incrementally
-        # Checkpoints (haru/checkpoints.py): every subject's chain head per fleet, as (seq, body or its
+        # Checkpoints (haru/core/checkpoints.py): every subject's chain head per fleet, as (seq, body or its
         # hash); events of the fleet since its last checkpoint; its count there; the checkpoint
         # subject's last sequence; the fleets whose heads are complete (known since sequence 1).
         self.checkpoint_every = checkpoint_every
@@ -287,7 +288,7 @@ class Projector:
         self.stats.last_seq = max(self.stats.last_seq, from_seq - 1)
         flusher = asyncio.create_task(self._flusher(), name="projector-flusher")
         replay = asyncio.create_task(self._replay(from_seq), name="projector-replay")
-        # the gateway's /healthz hears this (haru/alive.py): a projector that is not running is down
+        # the gateway's /healthz hears this (haru/host/alive.py): a projector that is not running is down
         beating = asyncio.create_task(alive.beat(self.log.bus, "projector", self.log.writer), name="projector-alive")
         scanning = asyncio.create_task(self._scan_heads(), name="projector-heads")
         try:
@@ -305,7 +306,7 @@ class Projector:
             log_.info("projector.stopped", **self._stats_dict())
 
     async def _replay(self, from_seq: int) -> None:
-        """Follow the log from `from_seq` (haru/follow.py: a stalled replay, or one that NATS's restart
+        """Follow the log from `from_seq` (haru/log/follow.py: a stalled replay, or one that NATS's restart
         left behind, is started again after the last sequence folded; a damaged tail is logged once)."""
         self.follower = self.log.follower(
             self.fold_record, from_seq=from_seq, name="projector", stall_interval=self.stall_interval,
@@ -454,7 +455,7 @@ class Projector:
 
     async def _write_checkpoints(self) -> None:
         """A `checkpoint` for every fleet with `checkpoint_every` events since its last one, whose
-        view is written and whose chain heads are complete (haru/checkpoints.py)."""
+        view is written and whose chain heads are complete (haru/core/checkpoints.py)."""
         for fleet, count in list(self._cp_count.items()):
             if count < self.checkpoint_every or fleet in self._dirty or fleet not in self._folders:
                 continue

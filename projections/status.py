@@ -14,17 +14,17 @@ hearth's format, per domain and GPU:
 
 `held` is the VRAM of the admitted models on that GPU; the second figure is what can be planned
 into: the declared memory minus the reserve (hearth's "44.2 GiB"). The per-line formats come from
-`haru.planner` (`format_gib`, `gpu_summary_line`), so `haru apply` and `haru status` agree.
+`haru.core.planner` (`format_gib`, `gpu_summary_line`), so `haru apply` and `haru status` agree.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from haru.planner import format_gib, gpu_summary_line
-from haru.residency import (Answer, Failed, Loading, Lost, NotAdmitted, Pulling, Resident, Sleeping, Stopped, Unknown,
+from haru.core.planner import format_gib, gpu_summary_line
+from haru.core.residency import (Answer, Failed, Loading, Lost, NotAdmitted, Pulling, Resident, Sleeping, Stopped, Unknown,
                             Waking)
-from haru.views import DomainView, FleetView, GpuView, ModelView, OperationView, RouteIntent, Target, TrainingView
+from haru.core.views import DomainView, FleetView, GpuView, ModelView, OperationView, RouteIntent, Target, TrainingView
 
 __all__ = ["answer_text", "model_line", "model_state", "render", "render_intent", "training_state"]
 

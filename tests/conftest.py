@@ -1,7 +1,7 @@
 """Shared fixtures: a real nats-server per test on a free loopback port, in a temporary store.
 
-Integration tests use `nats_server` (a started `haru.natsd.NatsServer`) and `event_log`
-(a connected `haru.eventlog.EventLog` with the streams ensured).
+Integration tests use `nats_server` (a started `haru.host.natsd.NatsServer`) and `event_log`
+(a connected `haru.log.eventlog.EventLog` with the streams ensured).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from haru.natsd import NatsServer
+from haru.host.natsd import NatsServer
 
 pytest_plugins = ["tests.hangdump"]
 
@@ -32,7 +32,7 @@ def nats_server(tmp_path):
 
 @pytest.fixture
 async def event_log(nats_server):
-    from haru.eventlog import EventLog
+    from haru.log.eventlog import EventLog
 
     async with EventLog.connect([nats_server.url], writer="test") as log:
         await log.ensure()

@@ -3,7 +3,7 @@
 pytest-timeout shows only the main thread, which in an async test is the event loop's `select()`:
 it says that something hangs, not what. This prints each task of the running loop and the chain of
 coroutines it is suspended in, a few seconds before the timeout fires. (How the CI hang fixed by
-haru.tasks.cancel_and_wait was found: a watch task "cancelling" yet waiting for its next message.)
+haru.host.tasks.cancel_and_wait was found: a watch task "cancelling" yet waiting for its next message.)
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def real_layout(path: Path, tmp: Path, domains: dict[str, list[dict]], *, policy
     import sys
 
     from agents.sim.gpu_state import GiB, SimGpuState
-    from haru.natsd import free_port
+    from haru.host.natsd import free_port
 
     doc_domains = []
     for d, models in domains.items():
@@ -97,9 +97,9 @@ async def real_fleet(tmp_path: Path, nats_server, event_log, layout: Path, *, fl
     a promoter and a gateway. Yields the gateway."""
     from gateway.config import GatewayConfig
     from gateway.server import Gateway
-    from haru.apply import apply
-    from haru.layout import load_layout
-    from haru.tasks import cancel_and_wait
+    from haru.core.apply import apply
+    from haru.core.layout import load_layout
+    from haru.host.tasks import cancel_and_wait
     from projections.projector import Projector
     from tests.integration.agent_harness import AgentProcess, agent_env, write_config
     from tests.integration.promoter_support import promoters

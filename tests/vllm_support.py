@@ -97,7 +97,7 @@ async def kill_runtime_groups(event_log, fleet: str, domains: tuple[str, ...], m
     """SIGKILL every process group a vLLM of these domains was started in. The agents' ends take the
     API servers down (parent-death signal in tests), but vLLM's engine process has no such signal and
     would outlive them, holding ~600 MB: a test leaves nothing behind."""
-    from haru import subjects
+    from haru.core import subjects
 
     for d in domains:
         for rec in await event_log.history(subjects.model(fleet, d, model)):

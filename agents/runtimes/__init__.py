@@ -10,7 +10,7 @@ from agents.runtimes.base import Health, Runtime
 from agents.runtimes.external import ExternalRuntime
 from agents.runtimes.llama_server import LlamaServerRuntime
 from agents.runtimes.vllm import VllmRuntime
-from haru.specs import ModelSpec
+from haru.core.specs import ModelSpec
 
 __all__ = ["Health", "Runtime", "VllmRuntime", "LlamaServerRuntime", "ExternalRuntime", "make_runtime"]
 

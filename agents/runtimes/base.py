@@ -25,10 +25,10 @@ import aiohttp
 import msgspec
 
 from agents.errors import OutOfMemory, ProbeFailed, RuntimeRefused, RuntimeUnreachable
-from haru.children import start_time
-from haru.launch import ArgConflict, Launch
-from haru.launch import launch as plan_launch
-from haru.specs import ModelSpec
+from haru.host.children import start_time
+from haru.core.launch import ArgConflict, Launch
+from haru.core.launch import launch as plan_launch
+from haru.core.specs import ModelSpec
 
 __all__ = [
     "Health",
@@ -313,9 +313,9 @@ class ProcessRuntime(HttpRuntime):
         self._log_path = self._log_dir / f"runtime-{_file_token(spec.name)}.log"
         self.gpu_memory_bytes = gpu_memory_bytes  # the GPU's declared memory: vLLM's fraction is of it
 
-    # -- the command line: the plan's (haru.launch), never hand-written
+    # -- the command line: the plan's (haru.core.launch), never hand-written
     def launch(self) -> Launch:
-        """The exact argv and environment, from the plan (`haru.launch.launch`). Raises RuntimeRefused
+        """The exact argv and environment, from the plan (`haru.core.launch.launch`). Raises RuntimeRefused
         when the model's args contradict its plan (a log declared before `haru apply` checked them)."""
         return self._launch()
 

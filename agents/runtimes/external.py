@@ -12,7 +12,7 @@ import aiohttp
 
 from agents.errors import RuntimeProblem
 from agents.runtimes.base import Health, HttpRuntime
-from haru.specs import ModelSpec
+from haru.core.specs import ModelSpec
 
 
 class ExternalRuntime(HttpRuntime):

@@ -1,6 +1,6 @@
 """llama-server (llama.cpp, GGUF): `llama-server -m <gguf> --host 127.0.0.1 --port P --alias NAME -c N -ngl L`.
 
-The command line is the plan's (`haru.launch`): `-c` from context_length, `-ngl` from gpu_layers
+The command line is the plan's (`haru.core.launch`): `-c` from context_length, `-ngl` from gpu_layers
 (every layer unless declared), the GPU by CUDA_VISIBLE_DEVICES.
 
 Its HTTP listener is up before the model: `/health` answers 503 {"error": {"message": "Loading

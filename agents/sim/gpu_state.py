@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from agents.sim.errors import BadSize, NoSimGpu
-from haru import procfs
+from haru.host import procfs
 
 KiB = 1024
 MiB = 1024**2

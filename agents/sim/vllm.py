@@ -42,7 +42,7 @@ from aiohttp import web
 
 from agents.sim.errors import SimError
 from agents.sim.gpu_state import GiB, MiB, SimGpuState, format_size, parse_size
-from haru.subjects import model_token
+from haru.core.subjects import model_token
 
 VERSION = "0.0.0+haru.sim"
 DEFAULT_GPU_MEMORY = 24 * GiB

@@ -21,9 +21,9 @@ import time
 
 
 async def ensure(urls: list[str], replicas: int, wait: float, creds: str | None) -> int:
-    from haru import subjects
-    from haru.errors import LogError, LogUnavailable
-    from haru.eventlog import EventLog
+    from haru.core import subjects
+    from haru.core.errors import LogError, LogUnavailable
+    from haru.log.eventlog import EventLog
 
     deadline = time.monotonic() + wait
     async with EventLog.connect(urls, writer="deploy:ensure_streams", creds=creds) as log:

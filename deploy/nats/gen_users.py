@@ -111,7 +111,7 @@ def fixed_users() -> list[User]:
         "haru.cmd.>", "$SRV.>",
         *events, *views, *route,
     ]
-    # haru.alive.<role>.<id>: the control plane's own heartbeats (haru/alive.py), read by gateways and promoters
+    # haru.alive.<role>.<id>: the control plane's own heartbeats (haru/host/alive.py), read by gateways and promoters
     promoter_pub.append("haru.alive.promoter.>")
     projector_pub = ["haru.evt.*.checkpoint", "$KV.haru_views.>", "haru.route.>", "haru.alive.projector.>", *events, *views, *route]
     gateway_pub = ["haru.evt.*.op", *events, *views, *route]

@@ -18,7 +18,7 @@ import pkgutil
 import sys
 
 from haru.cli.common import ExitStatus, fail
-from haru.errors import AgentGone, Conflict, HaruError, LogDamaged, LogUnavailable
+from haru.core.errors import AgentGone, Conflict, HaruError, LogDamaged, LogUnavailable
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ import signal
 
 
 from haru.cli.common import ExitStatus, fail, add_log_options, configure_logging
-from haru.metrics import add_metrics_options
+from haru.host.metrics import add_metrics_options
 
 
 def register(subparsers) -> None:
@@ -38,8 +38,8 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     from agents.config import load_config
     from agents.errors import AgentRefused
     from agents.metrics import registry_for
-    from haru.errors import ConfigError, LayoutError, LogUnavailable
-    from haru.metrics import maybe_serve, metrics_address
+    from haru.core.errors import ConfigError, LayoutError, LogUnavailable
+    from haru.host.metrics import maybe_serve, metrics_address
 
     configure_logging(args.log_format, args.log_level)
     try:
@@ -80,11 +80,11 @@ async def run(args: argparse.Namespace) -> ExitStatus:
 async def dry_run(config, *, as_json: bool) -> ExitStatus:
     """Resolve the slots exactly as the agent would, without claiming the domain or starting anything."""
     from agents.agent import resolve_slots
-    from haru import subjects
+    from haru.core import subjects
     from haru.cli.common import emit_json
-    from haru.errors import ConfigError, LayoutError, LogUnavailable
-    from haru.eventlog import EventLog
-    from haru.events import RouteMoved
+    from haru.core.errors import ConfigError, LayoutError, LogUnavailable
+    from haru.log.eventlog import EventLog
+    from haru.core.events import RouteMoved
 
     try:
         async with EventLog.connect(config.servers(), writer=f"agent-dry-run:{config.fleet}/{config.domain}",

@@ -12,14 +12,14 @@ import socket
 import sys
 from datetime import datetime, timezone
 
-from haru.apply import ApplyResult, apply, change_paths, describe, waits_on_active
+from haru.core.apply import ApplyResult, apply, change_paths, describe, waits_on_active
 from haru.cli.common import ExitStatus, add_nats_options, emit_json, fail, nats_servers
-from haru.errors import Conflict, LayoutError, LogError, LogUnavailable
-from haru.events import payload, tag_of
-from haru.layout import load_layout
-from haru.planner import Plan, format_gib, verdict_line
-from haru.planner import plan as plan_layout
-from haru.subjects import decl
+from haru.core.errors import Conflict, LayoutError, LogError, LogUnavailable
+from haru.core.events import payload, tag_of
+from haru.core.layout import load_layout
+from haru.core.planner import Plan, format_gib, verdict_line
+from haru.core.planner import plan as plan_layout
+from haru.core.subjects import decl
 
 
 def register(subparsers) -> None:
@@ -79,8 +79,8 @@ def _result_json(result: ApplyResult) -> dict:
 
 async def _active_domain(log, layout) -> str:
     """The fleet's active domain: the last route_moved, else the first declared domain."""
-    from haru.events import RouteMoved
-    from haru.subjects import route
+    from haru.core.events import RouteMoved
+    from haru.core.subjects import route
 
     rec = await log.last(route(layout.fleet))
     if rec is not None and isinstance(rec.event, RouteMoved) and rec.event.active:
@@ -97,7 +97,7 @@ def _writer() -> str:
 
 
 async def run(args: argparse.Namespace) -> ExitStatus:
-    from haru.eventlog import EventLog
+    from haru.log.eventlog import EventLog
 
     try:
         layout = load_layout(args.file)
@@ -112,7 +112,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
             rolling = None
             waiting = waits_on_active(result.events, active)
             if waiting and not args.dry_run and not args.no_roll and len(layout.domains) > 1:
-                from haru.events import ModelChanged
+                from haru.core.events import ModelChanged
                 from haru.promoter.requests import request_operation
 
                 cause = next(s for e, s in zip(result.events, result.seqs) if isinstance(e, ModelChanged)

@@ -20,7 +20,7 @@ class ExitStatus(enum.IntEnum):
     VERIFY_FAILED = 5  # history does not verify
     UNAVAILABLE = 6  # NATS or an agent cannot be reached
     REFUSED = 7  # the planner admits none of what was asked (`haru serve`: every model is short of VRAM)
-    MISPLACED = 8  # the chains are intact, but events stand on subjects they may not (haru.authority)
+    MISPLACED = 8  # the chains are intact, but events stand on subjects they may not (haru.core.authority)
     LOG_DAMAGED = 10  # the event store cannot serve some sequences (a damaged block): stderr names them
     LOG_TRUNCATED = 11  # the event store ends before what the views folded, or was cut and written on
     INTERRUPTED = 130

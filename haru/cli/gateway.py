@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 async def run(args: argparse.Namespace) -> ExitStatus:
     configure_logging(args.log_format, args.log_level)
     from gateway import from_env, run_gateway
-    from haru.errors import ConfigError, LogUnavailable
+    from haru.core.errors import ConfigError, LogUnavailable
 
     try:
         config = from_env(os.environ, host=args.host, port=args.port, default_fleet=args.default_fleet)

@@ -8,14 +8,15 @@ from datetime import datetime, timezone
 
 import msgspec
 
-from haru import events as ev
-from haru import history, subjects
+from haru.core import events as ev
+from haru.log import history
+from haru.core import subjects
 from haru.cli.common import (ExitStatus, add_fleet_option, add_nats_options, add_replay_timeout_option, emit_json,
                              fail, nats_servers)
-from haru.authority import misplaced
-from haru.errors import LogDamaged, seq_ranges
-from haru.eventlog import EventLog
-from haru.reads import checkpoint_start, model_records, why_records
+from haru.core.authority import misplaced
+from haru.core.errors import LogDamaged, seq_ranges
+from haru.log.eventlog import EventLog
+from haru.log.reads import checkpoint_start, model_records, why_records
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -67,7 +68,7 @@ def _connect(args: argparse.Namespace, who: str):
 
 async def _witnesses(log: EventLog) -> list[history.Witness]:
     """What the views and route intents (outside HARU_EVENTS) say they folded."""
-    from haru.views import intent_decoder, view_decoder
+    from haru.core.views import intent_decoder, view_decoder
 
     out: list[history.Witness] = []
     for key, data in sorted((await log.views()).items()):
@@ -113,7 +114,7 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
         start = 1
         handler = verifier.add
         if args.since_checkpoint:
-            from haru.subjects import fleet_of
+            from haru.core.subjects import fleet_of
 
             start, tips, since, bad = await checkpoint_start(log)
             verifier.tips.update(tips)
@@ -212,7 +213,7 @@ async def run_why(args: argparse.Namespace) -> ExitStatus:
             + " (model ids are matched exactly; `haru status` lists the declared ones)",
             ExitStatus.NOT_FOUND,
         )
-    from haru.reads import WHY_MAX_EVENTS
+    from haru.log.reads import WHY_MAX_EVENTS
 
     if len(have) >= WHY_MAX_EVENTS:
         print(f"haru: the tree was cut at {WHY_MAX_EVENTS} events; narrow it with --domain", file=sys.stderr)

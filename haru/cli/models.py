@@ -41,7 +41,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def status_of(exc: Exception) -> ExitStatus:
-    from haru.models.errors import BadReference, NotFound, RegistryError
+    from haru.core.model_errors import BadReference, NotFound, RegistryError
 
     if isinstance(exc, BadReference):
         return ExitStatus.USAGE
@@ -71,7 +71,7 @@ def print_resolution(res, out=sys.stdout) -> None:
 
 async def run_resolve(args: argparse.Namespace) -> ExitStatus:
     from haru.models import resolve as r
-    from haru.models.errors import ModelsError
+    from haru.core.model_errors import ModelsError
 
     settings = r.Settings.from_env(quants=args.quant)
     try:
@@ -107,7 +107,7 @@ async def pull_reference(reference: str, *, home: str | None = None, quants: str
 
 
 async def run_pull(args: argparse.Namespace) -> ExitStatus:
-    from haru.models.errors import ModelsError
+    from haru.core.model_errors import ModelsError
 
     try:
         result = await pull_reference(args.reference, home=args.home, quants=args.quant,
@@ -136,8 +136,8 @@ async def run_pull(args: argparse.Namespace) -> ExitStatus:
 async def _record(args: argparse.Namespace, result) -> str:
     """The fetch as a `model_fetched` event on the fleet's decl subject, when a log is reachable.
     Without one the pull still stands; stderr says it was not recorded."""
-    from haru.errors import HaruError
-    from haru.eventlog import EventLog
+    from haru.core.errors import HaruError
+    from haru.log.eventlog import EventLog
     from haru.models.record import fetched_event, record_fetch
 
     by = f"cli:{os.environ.get('USER', 'unknown')}"

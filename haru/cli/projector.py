@@ -9,8 +9,8 @@ import os
 import socket
 
 from haru.cli.common import ExitStatus, add_nats_options, fail, nats_servers, add_log_options, configure_logging
-from haru.metrics import add_metrics_options
-from haru.tasks import run_until_signal
+from haru.host.metrics import add_metrics_options
+from haru.host.tasks import run_until_signal
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -48,15 +48,15 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     configure_logging(args.log_format, args.log_level)
     import structlog
 
-    from haru.errors import LogUnavailable
-    from haru.eventlog import EventLog
+    from haru.core.errors import LogUnavailable
+    from haru.log.eventlog import EventLog
     from prometheus_client import CollectorRegistry
 
-    from haru.metrics import maybe_serve, metrics_address
+    from haru.host.metrics import maybe_serve, metrics_address
     from projections.metrics import register as register_metrics
     from projections.projector import Projector
 
-    from haru.nats_headers import enable_fast_header_parse
+    from haru.log.nats_headers import enable_fast_header_parse
 
     enable_fast_header_parse()  # a replay of the whole log: the faster per-message header parse
     metrics = metrics_address(args.metrics_port, args.metrics_host)

@@ -25,14 +25,14 @@ import sys
 from datetime import datetime, timezone
 from typing import Any
 
-from haru import subjects
+from haru.core import subjects
 from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers, add_log_options, configure_logging
-from haru.errors import LogUnavailable
+from haru.core.errors import LogUnavailable
 from haru.promoter.errors import OperationNotFound
-from haru.tasks import cancel_and_wait, run_until_signal
-from haru.metrics import add_metrics_options
-from haru.eventlog import EventLog, Record
-from haru.events import (
+from haru.host.tasks import cancel_and_wait, run_until_signal
+from haru.host.metrics import add_metrics_options
+from haru.log.eventlog import EventLog, Record
+from haru.core.events import (
     OperationAborted,
     OperationCompleted,
     OperationRequested,
@@ -114,10 +114,10 @@ def register(subparsers) -> None:
 
 
 async def run_service(args: argparse.Namespace) -> ExitStatus:
-    from haru.metrics import metrics_address
+    from haru.host.metrics import metrics_address
     from haru.promoter.service import default_identity, run_promoter
 
-    from haru.nats_headers import enable_fast_header_parse
+    from haru.log.nats_headers import enable_fast_header_parse
 
     configure_logging(args.log_format, args.log_level)
     enable_fast_header_parse()  # follows the whole log: the faster per-message header parse
@@ -141,7 +141,7 @@ async def run_service(args: argparse.Namespace) -> ExitStatus:
 def _servers(args: argparse.Namespace) -> list[str]:
     servers = nats_servers(args.nats_url or "")
     if not servers:
-        from haru.errors import ConfigError
+        from haru.core.errors import ConfigError
 
         raise ConfigError("--nats-url is empty; pass the NATS URL (e.g. nats://127.0.0.1:4222) or set HARU_NATS_URL")
     return servers

@@ -57,11 +57,11 @@ async def run(args: argparse.Namespace) -> ExitStatus:
 
 
 async def dry_run(args: argparse.Namespace) -> ExitStatus:
-    from haru.errors import LayoutError, LogUnavailable
+    from haru.core.errors import LayoutError, LogUnavailable
     from haru.provision import NotProvisionable, dry_run_text
 
     if args.layout:
-        from haru.layout import load_layout
+        from haru.core.layout import load_layout
 
         try:
             layout = load_layout(args.layout)
@@ -93,11 +93,11 @@ async def dry_run(args: argparse.Namespace) -> ExitStatus:
 
 
 async def _declared(args: argparse.Namespace):
-    from haru import subjects
-    from haru.apply import fold_declarations
-    from haru.authority import misplaced
+    from haru.core import subjects
+    from haru.core.apply import fold_declarations
+    from haru.core.authority import misplaced
     from haru.cli.promote import _servers
-    from haru.eventlog import EventLog
+    from haru.log.eventlog import EventLog
 
     async with EventLog.connect(_servers(args), writer="cli:dry-run", creds=args.nats_creds) as log:
         records = await log.history(subjects.decl(args.fleet))

@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _print(ri, as_json: bool) -> None:
-    from haru.route import refresh
+    from haru.log.route import refresh
     from projections.status import render_intent
 
     now = datetime.now(timezone.utc)
@@ -39,9 +39,9 @@ def _print(ri, as_json: bool) -> None:
 
 
 async def run(args: argparse.Namespace) -> ExitStatus:
-    from haru.errors import HaruError, InvalidName, LogUnavailable
-    from haru.route import RouteWatcher
-    from haru.subjects import check_name
+    from haru.core.errors import HaruError, InvalidName, LogUnavailable
+    from haru.log.route import RouteWatcher
+    from haru.core.subjects import check_name
 
     try:
         check_name("fleet", args.fleet)

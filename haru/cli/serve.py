@@ -1,4 +1,4 @@
-"""`haru serve --model NAME=[gguf:|safetensors:]PATH_OR_REF:GiB[@CTX] …`: one box, one command (see haru/serve.py).
+"""`haru serve --model NAME=[gguf:|safetensors:]PATH_OR_REF:GiB[@CTX] …`: one box, one command (see haru/up/serve.py).
 
 Exit statuses: 0 stopped cleanly, 1 a pull or start-up error, 2 a bad flag, 6 a registry that cannot be
 reached, 7 refused (the planner admits none of the models: each is printed `short by` how much).
@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _size(text: str, what: str) -> int:
-    from haru.serve import ServeError, parse_model_flag
+    from haru.up.serve import ServeError, parse_model_flag
 
     try:
         return parse_model_flag(f"x=/dev/null:{text}").vram_bytes
@@ -53,11 +53,11 @@ def _size(text: str, what: str) -> int:
 async def run(args: argparse.Namespace) -> ExitStatus | int:
     from haru.cli.apply import plan_lines
     from haru.cli.models import status_of
-    from haru.models.errors import ModelsError
-    from haru.natsd import free_port
-    from haru.planner import plan as plan_layout
-    from haru.serve import ServeError, fleet_layout, gpu_memory_from_nvml, parse_model_flag, prepare, split_args
-    from haru.up import UpOptions, haru_home, up
+    from haru.core.model_errors import ModelsError
+    from haru.host.natsd import free_port
+    from haru.core.planner import plan as plan_layout
+    from haru.up.serve import ServeError, fleet_layout, gpu_memory_from_nvml, parse_model_flag, prepare, split_args
+    from haru.up.compose import UpOptions, haru_home, up
 
     configure_logging(args.log_format, args.log_level)
     if not args.model:

@@ -29,7 +29,7 @@ from agents.sim.errors import SimError
 from agents.sim.gpu_state import SimGpuState, format_size, gpu_indexes, parse_size, pid_alive
 from agents.sim.vllm import runtime_path
 from haru.cli.common import ExitStatus, emit_json, fail
-from haru.subjects import check_name, model_from_token
+from haru.core.subjects import check_name, model_from_token
 
 _FAULTS = {"evict": "evict", "hang": "hang", "oom-on-wake": "oom_on_wake", "fail-probe": "fail_probe",
            "reset": "reset", "crash": "crash"}

@@ -60,7 +60,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
 
     import asyncpg
 
-    from haru.errors import LogUnavailable
+    from haru.core.errors import LogUnavailable
     from projections.postgres import (
         PostgresSink,
         SinkError,
@@ -92,7 +92,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         return ExitStatus.OK
 
     tune_gc()
-    from haru.nats_headers import enable_fast_header_parse
+    from haru.log.nats_headers import enable_fast_header_parse
 
     enable_fast_header_parse()  # a replay of the whole log: the faster per-message header parse
     sink = PostgresSink(

@@ -25,10 +25,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 async def run(args: argparse.Namespace) -> ExitStatus:
-    from haru import subjects
-    from haru.errors import InvalidName, LogUnavailable
-    from haru.eventlog import EventLog
-    from haru.views import view_decoder
+    from haru.core import subjects
+    from haru.core.errors import InvalidName, LogUnavailable
+    from haru.log.eventlog import EventLog
+    from haru.core.views import view_decoder
     from projections.status import render
 
     try:

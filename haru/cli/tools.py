@@ -56,7 +56,7 @@ def run_runtime(args: argparse.Namespace) -> ExitStatus:
 
 
 def run_convert(args: argparse.Namespace) -> ExitStatus:
-    from haru.models.convert import ConvertError, convert
+    from haru.up.convert import ConvertError, convert
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

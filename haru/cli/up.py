@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 async def run(args: argparse.Namespace) -> ExitStatus | int:
-    from haru.up import DEMO_LAYOUT, REAL_DEMO_LAYOUT, VLLM_DEMO_LAYOUT, UpOptions, haru_home, up
+    from haru.up.compose import DEMO_LAYOUT, REAL_DEMO_LAYOUT, VLLM_DEMO_LAYOUT, UpOptions, haru_home, up
 
     if args.model:
         if args.demo or args.nats_url or args.layout:
@@ -56,8 +56,8 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
     if args.real and not args.demo:
         return fail("--real goes with --demo: `haru up --demo --real`")
     if args.fresh:
-        from haru.errors import ConfigError
-        from haru.up import fresh_start
+        from haru.core.errors import ConfigError
+        from haru.up.compose import fresh_start
 
         if not args.demo or args.nats_url:
             return fail("--fresh goes with --demo (and the embedded NATS): `haru up --demo --fresh`")
@@ -85,7 +85,7 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    from haru.errors import AlreadyRunning
+    from haru.core.errors import AlreadyRunning
 
     try:
         await up(opts, stop)

@@ -2,9 +2,9 @@
 content-addressed store (`pull`, its transfers in `download`, `store`), and record the fetch (`record`).
 See docs/models.md."""
 
-from haru.models.errors import (BadReference, DigestMismatch, FetchError, ModelsError, NotFound, RegistryError,
+from haru.core.model_errors import (BadReference, DigestMismatch, FetchError, ModelsError, NotFound, RegistryError,
                                 StoreError, Truncated, Unauthorized)
-from haru.models.refs import Blob, Ref, Resolution, is_reference, parse_reference
+from haru.core.refs import Blob, Ref, Resolution, is_reference, parse_reference
 from haru.models.resolve import Settings
 from haru.models.store import Store, default_root
 

@@ -53,8 +53,8 @@ from urllib.parse import urljoin, urlsplit
 
 import aiohttp
 
-from haru.models.errors import FetchError, StoreError, Truncated
-from haru.models.refs import Blob
+from haru.core.model_errors import FetchError, StoreError, Truncated
+from haru.core.refs import Blob
 from haru.models.resolve import TIMEOUT, Settings, registry_error
 from haru.models.store import CHUNK, Hasher
 

@@ -33,8 +33,8 @@ from typing import Callable
 import aiohttp
 
 from haru.models.download import Download
-from haru.models.errors import DigestMismatch
-from haru.models.refs import Blob, Resolution
+from haru.core.model_errors import DigestMismatch
+from haru.core.refs import Blob, Resolution
 from haru.models.resolve import Settings
 from haru.models.store import Hasher, Store, hash_file
 

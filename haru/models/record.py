@@ -5,9 +5,9 @@ from __future__ import annotations
 import socket
 from datetime import datetime, timezone
 
-from haru import subjects
-from haru.errors import Conflict
-from haru.events import FetchedFile, ModelFetched
+from haru.core import subjects
+from haru.core.errors import Conflict
+from haru.core.events import FetchedFile, ModelFetched
 
 from haru.models.pull import PullResult
 

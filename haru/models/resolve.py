@@ -27,9 +27,9 @@ from urllib.parse import quote, urljoin, urlsplit
 import aiohttp
 import msgspec
 
-from haru.models import refs
-from haru.models.errors import BadReference, NotFound, RegistryError, Unauthorized
-from haru.models.refs import Blob, Ref, Resolution
+from haru.core import refs
+from haru.core.model_errors import BadReference, NotFound, RegistryError, Unauthorized
+from haru.core.refs import Blob, Ref, Resolution
 
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 DEFAULT_OLLAMA_REGISTRY = "https://registry.ollama.ai"

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import msgspec
 
-from haru.models.errors import StoreError
-from haru.models.refs import Resolution
+from haru.core.model_errors import StoreError
+from haru.core.refs import Resolution
 
 CHUNK = 1 << 20
 

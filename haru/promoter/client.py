@@ -2,7 +2,7 @@
 
     reply = await send(log.bus, "default", "b", "wake", Command(op_id=...), timeout=120.0)
 
-`haru.bus.send`, the one implementation (its docstring says what each outcome becomes): no
+`haru.log.bus.send`, the one implementation (its docstring says what each outcome becomes): no
 responders, or no reply within the bound, raises `AgentGone`; an agent's own failure comes back as a
 `Reply` with `ok=False` and an error code (a `nats.micro` error reply, with the
 `Nats-Service-Error`/`-Code` headers, is turned into one). nats-py errors never escape it.
@@ -10,6 +10,6 @@ responders, or no reply within the bound, raises `AgentGone`; an agent's own fai
 
 from __future__ import annotations
 
-from haru.bus import send
+from haru.log.bus import send
 
 __all__ = ["send"]

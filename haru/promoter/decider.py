@@ -9,7 +9,7 @@ The sagas are data: `KINDS` says what each kind of operation is (its request eve
 from which it can no longer be aborted), `STEPS` says what each step does (on which domain, which
 agent verbs or which runner, bounded by which policy values) and `TRANSITIONS` says what follows
 each outcome, per kind. The code, the tests and docs/promoter.md read the same tables. A new kind
-is a request event (`haru.events.OperationRequested`), a `KINDS` row, its `TRANSITIONS` rows, any
+is a request event (`haru.core.events.OperationRequested`), a `KINDS` row, its `TRANSITIONS` rows, any
 new `STEPS`, and a request rule (`REQUEST_RULES`): docs/promoter.md, "Adding an operation kind".
 
     promotion:  stop_training -> verify_gpu -> wake -> probe -> flip -> settle_old_active -> completed
@@ -53,9 +53,9 @@ from typing import Literal
 
 import msgspec
 
-from haru import subjects
-from haru.commands import Command, Reply
-from haru.events import (
+from haru.core import subjects
+from haru.core.commands import Command, Reply
+from haru.core.events import (
     DemotionRequested,
     EligibilityChanged,
     Event,
@@ -75,9 +75,9 @@ from haru.events import (
 )
 from haru.promoter.decisions import Append, Facts
 from haru.promoter.liveness import judge_liveness
-from haru.residency import Failed, Lost, Resident, Sleeping, Waking, state_name
-from haru.specs import Policy, can_sleep
-from haru.views import DomainView, FleetView, OperationView, StepView
+from haru.core.residency import Failed, Lost, Resident, Sleeping, Waking, state_name
+from haru.core.specs import Policy, can_sleep
+from haru.core.views import DomainView, FleetView, OperationView, StepView
 
 OpKind = str  # a key of KINDS
 Outcome = Literal["requested", "completed", "failed"]

@@ -6,7 +6,7 @@ from datetime import datetime
 
 import msgspec
 
-from haru.events import AnyEvent
+from haru.core.events import AnyEvent
 
 
 class Append(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,8 +30,8 @@ class Facts(msgspec.Struct, frozen=True, kw_only=True):
     `step_by`:       who appended the operation's latest `step_started` (the service keeps it).
     `me`:            this promoter's writer id. A started step written by `me` that `me` is not running
                      is from before a restart: it is re-started at once, without waiting for its lease.
-    `runner_silent_ms`: ms since the promoter named by `step_by` was last heard on haru.alive
-                     (haru/alive.py); None = not heard since listening began.
+    `runner_silent_ms`: ms since the promoter named by `step_by` was last heard on haru.host.alive
+                     (haru/host/alive.py); None = not heard since listening began.
     `runner_timeout_ms`: silence after which that promoter is taken for dead: its started step is
                      re-started at once instead of after the step's lease.
     `new_op_id`:     the id for an operation this call may request.

@@ -1,15 +1,15 @@
 """The promoter's exceptions. A leaf module: it imports nothing from the package.
 
-    PromoterError (haru.errors.HaruError)
+    PromoterError (haru.core.errors.HaruError)
     └── OperationNotFound   an operation id that the fleet's op subject never saw (`haru op <id>`)  (operator)
 
-Everything else the promoter meets is already in `haru.errors`: a lost race is `Conflict` (the
+Everything else the promoter meets is already in `haru.core.errors`: a lost race is `Conflict` (the
 promoter re-reads and decides again), an agent that does not answer is `AgentGone`.
 """
 
 from __future__ import annotations
 
-from haru.errors import HaruError
+from haru.core.errors import HaruError
 
 
 class PromoterError(HaruError):

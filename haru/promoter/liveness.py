@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from haru import subjects
-from haru.events import DomainReachable, DomainUnreachable
+from haru.core import subjects
+from haru.core.events import DomainReachable, DomainUnreachable
 from haru.promoter.decisions import Append
-from haru.views import FleetView
+from haru.core.views import FleetView
 
 
 def judge_liveness(view: FleetView, silent_ms: dict[str, int | None], listening_ms: int, now: datetime) -> list[Append]:

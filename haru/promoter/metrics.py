@@ -36,9 +36,9 @@ from datetime import datetime, timezone
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from haru.eventlog import Record
-from haru.events import FailoverDeclined, OperationAborted, OperationCompleted, StepCompleted, StepFailed, StepStarted
-from haru.views import FleetView, OperationView
+from haru.log.eventlog import Record
+from haru.core.events import FailoverDeclined, OperationAborted, OperationCompleted, StepCompleted, StepFailed, StepStarted
+from haru.core.views import FleetView, OperationView
 
 # Not a failover: an operator's promotion, and the promoter's first route onto the first domain.
 NOT_FAILOVER_REASONS = frozenset({"manual", "initial"})

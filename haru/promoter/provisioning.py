@@ -17,13 +17,13 @@ import re
 from collections.abc import Mapping
 from datetime import datetime, timezone
 
-from haru.events import StepCompleted, StepFailed
+from haru.core.events import StepCompleted, StepFailed
 from haru.provision import ProvisionError, SkyPilot, SkyServe
 from haru.provision.errors import SkyTimeout
 from haru.provision.execs import Exec
 from haru.provision.skypilot import cluster_name, owns, provision_of
-from haru.specs import DomainSpec
-from haru.views import OperationView
+from haru.core.specs import DomainSpec
+from haru.core.views import OperationView
 
 __all__ = ["Provisioning", "generation_of"]
 

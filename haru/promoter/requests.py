@@ -9,7 +9,7 @@ the control API call.
 It reads the fleet's current state without replaying its history: the projector's view of the
 fleet (KV `haru_views`, `fleet.<fleet>`) plus the fleet's events stored after the view's position
 (`from_seq` = position + 1: as many as the projector lags behind, usually none), folded onto it
-with the one fold (`haru.fold.Folder`). The cost does not grow with the log. Only when there is no view
+with the one fold (`haru.core.fold.Folder`). The cost does not grow with the log. Only when there is no view
 (no projector has ever run for this fleet) does it fold the fleet's whole history. The append is
 sequence-checked on the op subject (its real last sequence, from the view's `op_seq` or the events
 after it), so a request can never slip in beside an operation in flight, however stale the view:
@@ -23,12 +23,12 @@ from typing import Literal
 
 import msgspec
 
-from haru import subjects
-from haru.errors import Conflict, InvalidName
+from haru.core import subjects
+from haru.core.errors import Conflict, InvalidName
 from haru.promoter.decider import Verdict, judge_abort, judge_request
 from haru.promoter.service import new_op_id
-from haru.views import FleetView, view_decoder
-from haru.fold import Folder, empty
+from haru.core.views import FleetView, view_decoder
+from haru.core.fold import Folder, empty
 
 RETRIES = 5
 

@@ -2,12 +2,12 @@
 
     await run_promoter(log, fleets=None, identity="promoter:host-a")
 
-It follows the log (`log.follower(...)`, haru/follow.py: catch-up, stall detection, reconnect and
+It follows the log (`log.follower(...)`, haru/log/follow.py: catch-up, stall detection, reconnect and
 resume) and folds each fleet's events into its own
-`FleetView` with the one fold (`haru.fold.Folder`, whose specification is `evolve`), so every decision is made on exactly the events seen,
+`FleetView` with the one fold (`haru.core.fold.Folder`, whose specification is `evolve`), so every decision is made on exactly the events seen,
 with their sequences; it keeps the last sequence of every subject it folded, which is the `expect`
-of every append it makes. An event that may not stand on its subject (`haru.authority`) is not
-applied (the fold counts it as an anomaly) and is logged. It listens to heartbeats (`haru.hb.*.*`, on the bus: haru/bus.py) and measures silence.
+of every append it makes. An event that may not stand on its subject (`haru.core.authority`) is not
+applied (the fold counts it as an anomaly) and is logged. It listens to heartbeats (`haru.hb.*.*`, on the bus: haru/log/bus.py) and measures silence.
 
 Each round, per fleet: `decide(view, facts)` -> appends, made in order with the expected sequence;
 after a successful append the promoter waits until its follower has folded it before deciding again.
@@ -41,25 +41,26 @@ from datetime import datetime, timedelta, timezone
 import msgspec
 import structlog
 
-from haru import alive, causes, subjects
-from haru.bus import Msg
-from haru.commands import ErrorInfo, Reply
-from haru.errors import CommandError, Conflict, LogError
-from haru.eventlog import EventLog, Record
-from haru.events import (DomainChanged, DomainDeclared, DomainRetired, Event, RouteMoved, StepCompleted, StepFailed,
+from haru.host import alive
+from haru.core import causes, subjects
+from haru.log.bus import Msg
+from haru.core.commands import ErrorInfo, Reply
+from haru.core.errors import CommandError, Conflict, LogError
+from haru.log.eventlog import EventLog, Record
+from haru.core.events import (DomainChanged, DomainDeclared, DomainRetired, Event, RouteMoved, StepCompleted, StepFailed,
                          StepStarted, tag_of)
-from haru.follow import Follower
+from haru.log.follow import Follower
 from haru.promoter.client import send
 from haru.promoter.decider import STEPS, command_for, decide, flip_refusal, step_outcome, step_record
 from haru.promoter.decisions import Facts
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
-from haru.residency import Resident, Sleeping
-from haru.specs import DomainSpec
-from haru.tasks import cancel_and_wait
-from haru.views import FleetView, OperationView
-from haru.authority import misplaced
-from haru.fold import Folder, empty, fleet_of
+from haru.core.residency import Resident, Sleeping
+from haru.core.specs import DomainSpec
+from haru.host.tasks import cancel_and_wait
+from haru.core.views import FleetView, OperationView
+from haru.core.authority import misplaced
+from haru.core.fold import Folder, empty, fleet_of
 
 log_ = structlog.get_logger("haru.promoter")
 
@@ -222,7 +223,7 @@ class Promoter:
         await self.peers.listen(self.log.bus, subjects.alive("promoter"))
         self._listening_since = time.monotonic()
         follower: asyncio.Task | None = None
-        # this replica's own heartbeat: a peer that hears it stop takes over its step (haru/alive.py)
+        # this replica's own heartbeat: a peer that hears it stop takes over its step (haru/host/alive.py)
         beating = asyncio.create_task(alive.beat(self.log.bus, "promoter", self.identity), name="promoter-alive")
         try:
             target = await self.log.last_seq()
@@ -255,7 +256,7 @@ class Promoter:
             await cancel_and_wait(beating, follower, *self._tasks)
 
     async def _follow(self) -> None:
-        """Follow the log from where the views are (haru.follow: catch-up, stall detection, reconnect
+        """Follow the log from where the views are (haru.log.follow: catch-up, stall detection, reconnect
         and resume). A follower that stops delivering (after a store episode: appends timing out, a
         server restarted) would otherwise leave every later append conflicting with what it has not
         folded, and the operation in flight `running` for ever."""
@@ -446,7 +447,7 @@ class Promoter:
 
         The operation was decided against `op.route_revision`, the sequence of the last route move
         the fold applied, which only a `route_moved` on the route subject can be
-        (`haru.authority`). If the view has applied a move since, the flip fails at once. The
+        (`haru.core.authority`). If the view has applied a move since, the flip fails at once. The
         append's `expect` is the route subject's REAL last sequence as followed (`st.last`): the
         same number, unless something that is not a route move was stored there (a body that does
         not decode, a misplaced event), which must not make every future flip abort. On Conflict the
@@ -537,7 +538,7 @@ async def run_promoter(
     `ready` is set once the promoter has folded everything stored when it started. `metrics`:
     (host, port) to serve Prometheus metrics on (haru/promoter/metrics.py), None for none.
     """
-    from haru.metrics import maybe_serve
+    from haru.host.metrics import maybe_serve
 
     promoter = Promoter(log, fleets=fleets, identity=identity, tick_s=tick_s)
     async with maybe_serve([promoter.metrics.registry], metrics):

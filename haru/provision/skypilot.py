@@ -33,7 +33,7 @@ from haru.provision import yamltext
 from haru.provision.errors import (CapacityError, LaunchFailed, NotProvisionable, SecretMissing, SkyFailed,
                                    SkyTimeout, TeardownFailed)
 from haru.provision.execs import Exec, SubprocessExec
-from haru.specs import DomainSpec, ProvisionSpec
+from haru.core.specs import DomainSpec, ProvisionSpec
 
 __all__ = ["Placement", "Attempt", "ClusterStatus", "LaunchResult", "SkyPilot", "placements", "cluster_name",
            "agent_config", "task_config", "task_yaml", "provision_of", "serving_port", "is_capacity_error",

@@ -22,7 +22,7 @@ from haru.provision.errors import SkyFailed, TeardownFailed
 from haru.provision.execs import Exec, SubprocessExec
 from haru.provision.skypilot import (cluster_name, placements, provision_of, secret_env,
                                      serving_port, task_config)
-from haru.specs import DomainSpec
+from haru.core.specs import DomainSpec
 
 __all__ = ["ServiceStatus", "ServeResult", "SkyServe", "service_config", "service_yaml", "parse_service_table"]
 

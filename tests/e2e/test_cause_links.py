@@ -3,8 +3,8 @@
 A fleet lives through a first route, a detached GPU on the active (failover), the GPU coming back
 (the old active demoted to standby), a manual promotion back, a standby runtime killed (restarted),
 a promotion that fails at the wake (aborted) and a shutdown of both agents. Then,
-for every event production code wrote: the cause is set where one exists (`haru.causes.expects_cause`)
-and names an event of the right kind (`haru.causes.EXPECTED`) that is the right one (same domain,
+for every event production code wrote: the cause is set where one exists (`haru.core.causes.expects_cause`)
+and names an event of the right kind (`haru.core.causes.EXPECTED`) that is the right one (same domain,
 same operation and step, the GPU observation that showed the GPU gone, the probe the flip relied
 on). `haru why --json` then draws the real tree with no missing link.
 """
@@ -17,8 +17,8 @@ from datetime import datetime, timezone
 
 import pytest
 
-from haru import causes, subjects
-from haru import events as ev
+from haru.core import causes, subjects
+from haru.core import events as ev
 from haru.promoter.decider import STEPS
 from haru.promoter.requests import request_operation
 from tests.e2e.test_failover_sim import FLEET, _endpoint, serving, sim, sim_agents, steady

@@ -3,7 +3,7 @@ with llama-quantize to Q4_K_M, then served by `haru serve` with the real llama-s
 
 Needs the converter's environment (a venv of ~1.2 GB: torch CPU 2.13.0 from this machine's disk, transformers,
 sentencepiece...; ~2 min to make once): `haru convert` makes it under $HARU_HOME/tools on first use; the
-tests use $HARU_CONVERT_ENV (made once with `python -m haru.models.convert --make-env DIR`) and skip without
+tests use $HARU_CONVERT_ENV (made once with `python -m haru.up.convert --make-env DIR`) and skip without
 it, unless HARU_REQUIRE_CONVERT=1. llama-quantize: `haru runtime llama --quantize`."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from haru.models.convert import env_python
-from haru.natsd import free_port
+from haru.up.convert import env_python
+from haru.host.natsd import free_port
 from tests.e2e.test_up_demo import REPO, stop_and_reap, wait_for
 from tests.llama_support import llama_binary
 from tests.support import haru
@@ -30,7 +30,7 @@ def converter_python() -> Path:
     env = os.environ.get("HARU_CONVERT_ENV", "")
     py = env_python(Path(env)) if env else None
     if py is None:
-        how = ("no converter environment: make it once with `python -m haru.models.convert --make-env DIR` and set "
+        how = ("no converter environment: make it once with `python -m haru.up.convert --make-env DIR` and set "
                "HARU_CONVERT_ENV=DIR (~2 min, ~1.2 GB)")
         if os.environ.get("HARU_REQUIRE_CONVERT") == "1":
             pytest.fail(how)

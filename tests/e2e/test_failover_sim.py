@@ -11,11 +11,11 @@ from datetime import datetime, timezone
 
 import pytest
 
-from haru import subjects
-from haru.apply import apply
-from haru.events import OperationAborted, PromotionRequested, StepFailed, StepStarted
-from haru.layout import load_layout
-from haru.residency import Resident, Sleeping
+from haru.core import subjects
+from haru.core.apply import apply
+from haru.core.events import OperationAborted, PromotionRequested, StepFailed, StepStarted
+from haru.core.layout import load_layout
+from haru.core.residency import Resident, Sleeping
 from tests.integration.agent_harness import AgentProcess, agent_env, sim_fault, write_config, write_layout
 from tests.integration.promoter_support import op_events, promoters, route_moves, view_of, wait_until, wait_view
 from tests.support import haru

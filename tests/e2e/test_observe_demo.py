@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from haru.natsd import free_port
+from haru.host.natsd import free_port
 from tests.e2e.test_up_demo import REPO, demo_layout_with_free_ports, stop_and_reap, wait_for
 from tests.support import haru
 

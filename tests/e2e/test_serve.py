@@ -13,7 +13,7 @@ import sys
 import pytest
 from openai import OpenAI
 
-from haru.natsd import free_port
+from haru.host.natsd import free_port
 from tests.e2e.test_up_demo import REPO, descendants, stop_and_reap, wait_for
 from tests.integration.test_models_pull import build_registry
 from tests.llama_support import llama_binary

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from haru import subjects
-from haru.children import alive, start_time
-from haru.errors import LogError
-from haru.eventlog import EventLog
-from haru.events import AgentStopping
-from haru.natsd import free_port
+from haru.core import subjects
+from haru.host.children import alive, start_time
+from haru.core.errors import LogError
+from haru.log.eventlog import EventLog
+from haru.core.events import AgentStopping
+from haru.host.natsd import free_port
 from tests.e2e.test_up_demo import demo_layout_with_free_ports, descendants, stop_and_reap, wait_for
 from tests.support import haru
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from haru import procfs
-from haru.natsd import free_port
+from haru.host import procfs
+from haru.host.natsd import free_port
 from tests.support import haru
 
 pytestmark = pytest.mark.timeout(180)

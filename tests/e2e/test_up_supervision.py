@@ -14,7 +14,7 @@ import time
 import pytest
 from openai import OpenAI
 
-from haru.children import alive, start_time
+from haru.host.children import alive, start_time
 from tests.e2e.test_up_demo import chat, demo, wait_for  # noqa: F401 - demo is a fixture
 from tests.support import haru
 

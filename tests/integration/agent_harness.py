@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 
 from agents.sim.gpu_state import GiB, SimGpuState
-from haru import subjects
+from haru.core import subjects
 
 PY = sys.executable
 SIM_VLLM = [PY, "-m", "agents.sim.vllm"]

@@ -1,6 +1,6 @@
 """A small in-test agent on nats.micro: the agent seam's contract as the promoter relies on it.
 
-It answers the eight verbs on `haru.cmd.<fleet>.<domain>.<verb>` with `haru.commands.Reply`
+It answers the eight verbs on `haru.cmd.<fleet>.<domain>.<verb>` with `haru.core.commands.Reply`
 (on nats.micro against a real server, as the real agent does; on the bus against an in-memory log,
 `FakeAgent(None, ..., log=memory_log.connect(...))`), publishes heartbeats on the bus, and appends the residency and training events a real agent would (sleeping,
 waking, resident; training started/stopped), each with the subject's expected sequence. Faults:
@@ -21,10 +21,10 @@ import msgspec
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
-from haru import subjects
-from haru.commands import Heartbeat, Reply, ErrorInfo, command_decoder
-from haru.eventlog import EventLog
-from haru.events import (
+from haru.core import subjects
+from haru.core.commands import Heartbeat, Reply, ErrorInfo, command_decoder
+from haru.log.eventlog import EventLog
+from haru.core.events import (
     GpuObserved,
     ModelLost,
     ModelResident,
@@ -33,8 +33,8 @@ from haru.events import (
     TrainingStarted,
     TrainingStopped,
 )
-from haru.layout import parse_layout
-from haru.tasks import cancel_and_wait
+from haru.core.layout import parse_layout
+from haru.host.tasks import cancel_and_wait
 
 _pids = itertools.count(40_000)
 
@@ -82,7 +82,7 @@ class FakeAgent:
     def __init__(self, url: str, fleet: str, domain: str, models: list[str], *, slots=("lora",),
                  start: str = "resident", hb_interval: float = 0.1, log=None) -> None:
         self.url = url
-        self._given_log = log  # an in-memory log (haru.memory): served on its bus instead of nats.micro
+        self._given_log = log  # an in-memory log (haru.log.memory): served on its bus instead of nats.micro
         self.fleet = fleet
         self.domain = domain
         self.models = {m: start for m in models}
@@ -251,7 +251,7 @@ class FakeAgent:
 
 
 class _BusService:
-    """The fake agent's verbs on a bus (haru.bus.Bus) rather than nats.micro: a request's reply goes
+    """The fake agent's verbs on a bus (haru.log.bus.Bus) rather than nats.micro: a request's reply goes
     to its reply subject, as nats.micro's `respond` does."""
 
     def __init__(self, agent: FakeAgent) -> None:

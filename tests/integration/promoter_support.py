@@ -11,11 +11,11 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 
-from haru import subjects
-from haru.eventlog import EventLog
-from haru.events import OperationAborted, OperationCompleted, RouteMoved, tag_of
-from haru.tasks import cancel_and_wait
-from haru.fold import empty, fold
+from haru.core import subjects
+from haru.log.eventlog import EventLog
+from haru.core.events import OperationAborted, OperationCompleted, RouteMoved, tag_of
+from haru.host.tasks import cancel_and_wait
+from haru.core.fold import empty, fold
 
 
 async def view_of(log: EventLog, fleet: str = "default"):
@@ -132,7 +132,7 @@ async def assert_one_failover_each_step_once(log, standby) -> list:
     """After replicas raced one failure: the route moved once (a, then b), two promotions (the first
     route and the failover), no step of either started twice, and the standby was woken once. Returns
     the op subject's events."""
-    from haru.events import PromotionRequested, StepStarted
+    from haru.core.events import PromotionRequested, StepStarted
 
     assert [m.active for m in await route_moves(log)] == ["a", "b"]
     ops = await op_events(log)
@@ -147,14 +147,14 @@ async def assert_one_failover_each_step_once(log, standby) -> list:
 
 
 def asleep_and_training(view, domain: str) -> bool:
-    from haru.residency import Sleeping
+    from haru.core.residency import Sleeping
 
     dv = view.domains[domain]
     return all(isinstance(m.residency, Sleeping) for m in dv.models.values()) and all(t.running for t in dv.training.values())
 
 
 def serving(view, domain: str) -> bool:
-    from haru.residency import Resident
+    from haru.core.residency import Resident
 
     return view.active == domain and all(isinstance(m.residency, Resident) for m in view.domains[domain].models.values())
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from agents.sim.gpu_state import GiB, SimGpuState
-from haru import subjects
+from haru.core import subjects
 from tests.integration.agent_harness import is_, wait_event, write_config, write_layout
 
 pytestmark = pytest.mark.timeout(90)

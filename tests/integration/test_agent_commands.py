@@ -12,9 +12,9 @@ import pytest
 
 from agents.client import send
 from agents.sim.gpu_state import SimGpuState
-from haru import subjects
-from haru.commands import Command
-from haru.errors import AgentGone
+from haru.core import subjects
+from haru.core.commands import Command
+from haru.core.errors import AgentGone
 from tests.support import haru
 from tests.integration.agent_harness import (
     agent_env,
@@ -155,7 +155,7 @@ async def test_serving_port_forwards_byte_identically_and_refuses_the_rest(tmp_p
         async with s.post(serving + "/v1/chat/completions", headers=auth,
                           data=json.dumps({"model": "other", "messages": []}).encode()) as r:
             assert r.status == 404
-            # the gateway's answer for the same condition, from the same table (haru.openai_errors)
+            # the gateway's answer for the same condition, from the same table (haru.core.openai_errors)
             assert (await r.json())["error"] == {
                 "message": "the model `other` does not exist on domain 'a'", "type": "invalid_request_error",
                 "param": "model", "code": "model_not_found"}
@@ -271,7 +271,7 @@ async def test_two_agents_started_at_once_exactly_one_wins(tmp_path, nats_server
 
 
 async def test_heartbeat_micro_discovery_and_gpu_observed_only_on_change(tmp_path, nats_server, event_log, agents):
-    from haru.commands import heartbeat_decoder
+    from haru.core.commands import heartbeat_decoder
 
     agent, _cfg, _endpoint = await start_active(tmp_path, nats_server, event_log, agents)
     nc = event_log.nc  # nats.micro discovery: a real-server fact

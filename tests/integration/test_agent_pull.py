@@ -9,8 +9,8 @@ import contextlib
 
 import pytest
 
-from haru import subjects
-from haru.events import ModelFailed, ModelLoading, ModelPulling, ModelResident
+from haru.core import subjects
+from haru.core.events import ModelFailed, ModelLoading, ModelPulling, ModelResident
 from tests.integration.test_models_pull import build_registry
 from tests.llama_support import llama_binary, llama_model, real_fleet, real_layout
 from tests.models_registry import Server

@@ -9,8 +9,8 @@ import pytest
 
 from agents.client import send
 from agents.sim.gpu_state import SimGpuState
-from haru import subjects
-from haru.commands import Command
+from haru.core import subjects
+from haru.core.commands import Command
 from tests.integration.agent_harness import (
     AgentProcess,
     agent_env,
@@ -161,7 +161,7 @@ async def test_missing_binary_is_failed_with_what_the_os_said_and_retried(tmp_pa
 
 
 async def test_truth_is_recorded_late_rather_than_never_across_a_nats_outage(tmp_path, nats_server, agents):
-    from haru.eventlog import EventLog
+    from haru.log.eventlog import EventLog
     from tests.support import haru
 
     async with EventLog.connect([nats_server.url], writer="test") as log:
@@ -184,7 +184,7 @@ async def test_truth_is_recorded_late_rather_than_never_across_a_nats_outage(tmp
 
 
 async def test_nats_unreachable_exits_6(tmp_path, agents):
-    from haru.natsd import free_port
+    from haru.host.natsd import free_port
 
     layout = write_layout(tmp_path / "layout.json", tmp_path)
     cfg = write_config(tmp_path / "agent.json", f"nats://127.0.0.1:{free_port()}", tmp_path, layout=layout)

@@ -26,10 +26,10 @@ import aiohttp
 import pytest
 
 from agents.sim.gpu_state import GiB, SimGpuState
-from haru import subjects
-from haru.children import alive as proc_alive
-from haru.children import start_time
-from haru.natsd import free_port
+from haru.core import subjects
+from haru.host.children import alive as proc_alive
+from haru.host.children import start_time
+from haru.host.natsd import free_port
 from tests.integration.agent_harness import FAST_POLICY, AgentProcess, REPO, sim_model, tag, wait_event, write_config
 from tests.integration.promoter_support import wait_view
 
@@ -117,9 +117,9 @@ class Fleet:
 async def sim_fleet(tmp_path, nats_server, event_log, layout: Path, *, declared: bool = False):
     from gateway.config import GatewayConfig
     from gateway.server import Gateway
-    from haru.apply import apply
-    from haru.layout import load_layout
-    from haru.tasks import cancel_and_wait
+    from haru.core.apply import apply
+    from haru.core.layout import load_layout
+    from haru.host.tasks import cancel_and_wait
     from projections.projector import Projector
     from tests.integration.promoter_support import promoters
 
@@ -140,7 +140,7 @@ async def sim_fleet(tmp_path, nats_server, event_log, layout: Path, *, declared:
 
 
 def steady(view) -> bool:
-    from haru.residency import Resident, Sleeping
+    from haru.core.residency import Resident, Sleeping
 
     return (view.active == "a" and view.operation is None and view.domains["b"].eligible
             and all(isinstance(m.residency, Resident) for m in view.domains["a"].models.values())
@@ -360,7 +360,7 @@ async def test_real_llama_servers_survive_agent_restarts_under_load(tmp_path, na
                          {d: [llama_model(model, binary, gguf[d])] for d in ("a", "b")},
                          policy={"heartbeat_timeout_ms": 6000}, fleet=FLEET)
     async with sim_fleet(tmp_path, nats_server, event_log, layout) as f:
-        from haru.residency import Resident
+        from haru.core.residency import Resident
 
         await wait_view(event_log, lambda v: v.active == "a" and v.operation is None and all(
             isinstance(v.domains[d].models[model].residency, Resident) for d in ("a", "b")),

@@ -15,7 +15,7 @@ from agents import probes
 from agents.errors import OutOfMemory, RuntimeRefused
 from agents.runtimes import ExternalRuntime, LlamaServerRuntime, VllmRuntime
 from agents.sim.gpu_state import GiB, SimGpuState
-from haru.specs import ModelSpec
+from haru.core.specs import ModelSpec
 from tests.integration.agent_harness import SIM_VLLM, sim_fault
 
 pytestmark = pytest.mark.timeout(60)

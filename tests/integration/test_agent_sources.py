@@ -9,10 +9,10 @@ from datetime import datetime, timezone
 import pytest
 
 from agents.client import send
-from haru import subjects
-from haru.apply import apply
-from haru.commands import Command
-from haru.layout import load_layout
+from haru.core import subjects
+from haru.core.apply import apply
+from haru.core.commands import Command
+from haru.core.layout import load_layout
 from tests.integration.agent_harness import (
     AgentProcess,
     agent_env,
@@ -60,7 +60,7 @@ async def test_undeclared_host_runs_from_its_config(tmp_path, nats_server, event
 
 
 async def test_role_follows_the_route_pointer(tmp_path, nats_server, event_log, agents):
-    from haru.events import RouteMoved
+    from haru.core.events import RouteMoved
 
     layout_path = write_layout(tmp_path / "layout.json", tmp_path)
     await event_log.append(subjects.route("f"), RouteMoved(at=datetime.now(timezone.utc), active="b"), expect=0)

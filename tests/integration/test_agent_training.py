@@ -8,8 +8,8 @@ import os
 import pytest
 
 from agents.client import send
-from haru import subjects
-from haru.commands import Command
+from haru.core import subjects
+from haru.core.commands import Command
 from tests.integration.agent_harness import agent_env, is_, tag, wait_event, write_config, write_layout
 
 pytestmark = pytest.mark.timeout(90)

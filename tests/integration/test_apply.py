@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from haru import subjects
-from haru.apply import apply, diff, fold_declarations
-from haru.eventlog import body_hash
-from haru.events import tag_of
-from haru.layout import load_layout, parse_layout
-from haru.planner import format_gib, plan
-from haru.specs import GiB
+from haru.core import subjects
+from haru.core.apply import apply, diff, fold_declarations
+from haru.log.eventlog import body_hash
+from haru.core.events import tag_of
+from haru.core.layout import load_layout, parse_layout
+from haru.core.planner import format_gib, plan
+from haru.core.specs import GiB
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "deploy/examples/demo-fleet.json"

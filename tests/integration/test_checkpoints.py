@@ -9,12 +9,12 @@ import json
 
 import msgspec
 
-from haru import checkpoints
-from haru import events as ev
-from haru import subjects as sj
-from haru.eventlog import body_hash
-from haru.tasks import cancel_and_wait
-from haru.fold import fold
+from haru.core import checkpoints
+from haru.core import events as ev
+from haru.core import subjects as sj
+from haru.log.eventlog import body_hash
+from haru.host.tasks import cancel_and_wait
+from haru.core.fold import fold
 from projections.projector import Projector
 from tests.integration.test_projector import F, Writer, declare, stored_view, wait_view_seq
 from tests.support import haru

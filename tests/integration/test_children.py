@@ -12,9 +12,9 @@ import sys
 import time
 import pytest
 
-from haru import children
-from haru.errors import StoreBusy
-from haru.natsd import LOCK_FILE, NatsServer
+from haru.host import children
+from haru.core.errors import StoreBusy
+from haru.host.natsd import LOCK_FILE, NatsServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,7 +31,7 @@ def wait_gone(pid: int, start: int | None, timeout: float = 10.0) -> bool:
 PARENT = """
 import sys, time
 from pathlib import Path
-from haru import children
+from haru.host import children
 proc = children.spawn([sys.executable, "-c", "import time; time.sleep(60)"], pidfile=Path(sys.argv[1]), what="sleeper",
                       death_signal=int(sys.argv[2]) or None)
 print(proc.pid, flush=True)

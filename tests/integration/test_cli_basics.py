@@ -7,8 +7,8 @@ from datetime import datetime, timezone
 
 import pytest
 
-from haru.errors import ConfigError
-from haru.up import HomeLock, fresh_start
+from haru.core.errors import ConfigError
+from haru.up.compose import HomeLock, fresh_start
 from tests.support import haru
 
 

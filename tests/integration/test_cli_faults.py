@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from haru.errors import LogUnavailable
-from haru.eventlog import EventLog
-from haru.natsd import NatsServer, free_port
-from haru.views import RouteIntent, Target, view_encoder
+from haru.core.errors import LogUnavailable
+from haru.log.eventlog import EventLog
+from haru.host.natsd import NatsServer, free_port
+from haru.core.views import RouteIntent, Target, view_encoder
 from tests.support import haru
 
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from haru import events as ev
-from haru import subjects as sj
-from haru.errors import LogDamaged
-from haru.eventlog import EventLog
-from haru.natsd import NatsServer
-from haru.tasks import cancel_and_wait
+from haru.core import events as ev
+from haru.core import subjects as sj
+from haru.core.errors import LogDamaged
+from haru.log.eventlog import EventLog
+from haru.host.natsd import NatsServer
+from haru.host.tasks import cancel_and_wait
 from projections.projector import Projector
 from tests.integration.test_projector import MODELS, Writer, declare, now, wait_view_seq
 from tests.support import haru
@@ -203,7 +203,7 @@ async def test_a_replay_against_a_server_that_stopped_answering_ends_at_its_dead
     import os
     import signal
 
-    from haru.errors import ReplayTimeout
+    from haru.core.errors import ReplayTimeout
 
     await declare(event_log)
     os.kill(nats_server.proc.pid, signal.SIGSTOP)  # the server hangs: no answer, no refusal

@@ -1,4 +1,4 @@
-"""The shipped NATS permissions against the placement table (`haru.authority`), on the deploy cluster:
+"""The shipped NATS permissions against the placement table (`haru.core.authority`), on the deploy cluster:
 three nats-servers configured by the shipped files, every process logging in with the users
 `gen_users.py` generates (the cluster and its helpers are test_deploy_cluster's).
 
@@ -24,15 +24,15 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from haru import authority, subjects
-from haru.apply import apply
-from haru.events import AnyEvent, OperationCompleted, PromotionRequested, RouteMoved, StepCompleted
-from haru.history import Verifier, misplaced_records
+from haru.core import authority, subjects
+from haru.core.apply import apply
+from haru.core.events import AnyEvent, OperationCompleted, PromotionRequested, RouteMoved, StepCompleted
+from haru.log.history import Verifier, misplaced_records
 from haru.promoter import request_operation
-from haru.residency import Sleeping
-from haru.tasks import cancel_and_wait
-from haru.views import intent_decoder
-from haru.fold import fold
+from haru.core.residency import Sleeping
+from haru.host.tasks import cancel_and_wait
+from haru.core.views import intent_decoder
+from haru.core.fold import fold
 from projections.projector import Projector
 from promoter_fake import FakeAgent, layout
 from promoter_support import op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view

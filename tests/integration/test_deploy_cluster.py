@@ -32,14 +32,14 @@ import nats.js.errors
 import pytest
 from nats.micro import add_service
 
-from haru import subjects
-from haru.errors import Conflict, LogError, LogUnavailable
-from haru.eventlog import EventLog
-from haru.events import AgentStarted, AgentStopping, FleetDeclared, ModelLoading, PromotionRequested, RouteMoved
-from haru.natsd import find_binary, free_port
-from haru.commands import reply_decoder
-from haru.specs import Policy
-from haru.views import RouteIntent, Target, view_encoder
+from haru.core import subjects
+from haru.core.errors import Conflict, LogError, LogUnavailable
+from haru.log.eventlog import EventLog
+from haru.core.events import AgentStarted, AgentStopping, FleetDeclared, ModelLoading, PromotionRequested, RouteMoved
+from haru.host.natsd import find_binary, free_port
+from haru.core.commands import reply_decoder
+from haru.core.specs import Policy
+from haru.core.views import RouteIntent, Target, view_encoder
 
 pytestmark = pytest.mark.timeout(90)
 

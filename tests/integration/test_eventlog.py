@@ -9,11 +9,11 @@ import nats
 import nats.js.errors
 import pytest
 
-from haru import events as ev
-from haru import subjects
-from haru.errors import Conflict
-from haru.eventlog import MSG_ID, EventLog, msg_id
-from haru.natsd import NatsServer
+from haru.core import events as ev
+from haru.core import subjects
+from haru.core.errors import Conflict
+from haru.log.eventlog import MSG_ID, EventLog, msg_id
+from haru.host.natsd import NatsServer
 from tests.support import haru
 
 T0 = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)
@@ -244,7 +244,7 @@ async def test_ack_inbox_forgets_a_caller_that_went_away(event_log):
 async def test_an_append_with_no_stream_to_answer_is_unavailable_not_lost(nats_server, tmp_path):
     """No stream holds the subject (JetStream answers nobody): the append retries until its deadline,
     then says the log is unavailable; it never reports a sequence it did not get."""
-    from haru.errors import LogUnavailable
+    from haru.core.errors import LogUnavailable
 
     async with EventLog.connect([nats_server.url], writer="w", timeout=0.2) as log:  # no ensure(): no streams
         started = asyncio.get_running_loop().time()

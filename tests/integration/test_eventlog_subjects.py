@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-import haru.eventlog as eventlog
-from haru import events as ev
-from haru import subjects as sj
-from haru.specs import Policy
+import haru.log.eventlog as eventlog
+from haru.core import events as ev
+from haru.core import subjects as sj
+from haru.core.specs import Policy
 
 
 async def _fill(log) -> None:

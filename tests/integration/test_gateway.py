@@ -18,9 +18,9 @@ import pytest
 from aiohttp import web
 
 from gateway import Gateway, GatewayConfig
-from haru import subjects
-from haru.residency import Answer, Loading, Lost, NotAdmitted, Resident, Sleeping
-from haru.views import DomainView, FleetView, ModelView, RouteIntent, Target, view_encoder
+from haru.core import subjects
+from haru.core.residency import Answer, Loading, Lost, NotAdmitted, Resident, Sleeping
+from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target, view_encoder
 
 MODEL = "qwen3.6:27b"
 SMALL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -359,7 +359,7 @@ async def test_sdk_not_found_for_unknown_model_and_fleet(event_log, gw, two_doma
         with pytest.raises(openai.NotFoundError) as info:
             await client.chat.completions.create(model="no-such-model", messages=CHAT)
     assert info.value.code == "model_not_found" and "no-such-model" in info.value.body["message"]
-    # OpenAI's type for a 404, as the agent's serving port says it (one table: haru.openai_errors)
+    # OpenAI's type for a 404, as the agent's serving port says it (one table: haru.core.openai_errors)
     assert info.value.body["type"] == "invalid_request_error" and info.value.body["param"] == "model"
     async with sdk(gw, fleet="nowhere") as client:
         with pytest.raises(openai.NotFoundError) as info:
@@ -1065,7 +1065,7 @@ async def test_routing_survives_a_nats_restart(event_log, nats_server, gw, two_d
     async with aiohttp.ClientSession() as s:
         async with s.get(gw.url + "/v1/fleets/default") as r:
             assert r.status == 200 and r.headers.get("X-Haru-Stale") == "true"
-    from haru.natsd import NatsServer
+    from haru.host.natsd import NatsServer
 
     again = NatsServer(nats_server.store_dir, port=nats_server.port)
     again.start_sync()

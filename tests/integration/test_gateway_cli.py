@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from agents.sim.vllm import runtime_path
-from haru import subjects
-from haru.residency import Answer, Resident
-from haru.views import DomainView, FleetView, ModelView, RouteIntent, Target, view_encoder
+from haru.core import subjects
+from haru.core.residency import Answer, Resident
+from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target, view_encoder
 
 MODEL = "qwen3.6:27b"
 

@@ -12,10 +12,10 @@ import aiohttp
 import pytest
 
 from gateway import Gateway, GatewayConfig
-from haru import subjects
-from haru.apply import apply
-from haru.events import ModelLoading, ModelResident, RouteMoved
-from haru.tasks import cancel_and_wait
+from haru.core import subjects
+from haru.core.apply import apply
+from haru.core.events import ModelLoading, ModelResident, RouteMoved
+from haru.host.tasks import cancel_and_wait
 from projections.projector import Projector
 from tests.integration.test_gateway_control import MODEL, echo_upstream, layout, wait_for
 

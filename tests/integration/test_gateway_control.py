@@ -14,11 +14,11 @@ import pytest
 from aiohttp import web
 
 from gateway import Forward, Gateway, GatewayConfig
-from haru import subjects
-from haru.apply import apply
-from haru.events import ModelLoading, ModelLost, ModelResident, RouteMoved
-from haru.layout import parse_layout
-from haru.tasks import cancel_and_wait
+from haru.core import subjects
+from haru.core.apply import apply
+from haru.core.events import ModelLoading, ModelLost, ModelResident, RouteMoved
+from haru.core.layout import parse_layout
+from haru.host.tasks import cancel_and_wait
 from projections.projector import Projector
 
 MODEL = "qwen3.6:27b"

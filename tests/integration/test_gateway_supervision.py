@@ -13,13 +13,14 @@ import time
 
 import pytest
 
-from haru import alive, subjects
-from haru.events import RouteMoved
-from haru.natsd import NatsServer
+from haru.host import alive
+from haru.core import subjects
+from haru.core.events import RouteMoved
+from haru.host.natsd import NatsServer
 from haru.promoter.service import run_promoter
-from haru.residency import Sleeping
-from haru.tasks import cancel_and_wait
-from haru.views import view_encoder
+from haru.core.residency import Sleeping
+from haru.host.tasks import cancel_and_wait
+from haru.core.views import view_encoder
 from projections.projector import Projector
 from tests.integration.test_gateway import (  # noqa: F401 - fixtures
     CHAT,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from haru import events as ev
-from haru import subjects
-from haru.specs import ModelSpec, Policy
+from haru.core import events as ev
+from haru.core import subjects
+from haru.core.specs import ModelSpec, Policy
 from tests.support import haru
 
 T0 = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)

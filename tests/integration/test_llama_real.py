@@ -20,8 +20,8 @@ import pytest
 
 from agents.runtimes import LlamaServerRuntime
 from agents.runtimes.tiny_model import corrupt_copy, write_tiny_model
-from haru import subjects
-from haru.specs import ModelSpec
+from haru.core import subjects
+from haru.core.specs import ModelSpec
 from tests.integration.agent_harness import is_, model_tags, tag, wait_event, write_config
 from tests.integration.promoter_support import wait_until, wait_view
 from tests.llama_support import LLAMA_ARGS, llama_binary, llama_model, real_fleet, real_layout, tiny_models
@@ -213,7 +213,7 @@ def endpoint_of(view, domain: str, model: str = MODEL) -> str:
 
 
 def steady(view, active: str) -> bool:
-    from haru.residency import Resident
+    from haru.core.residency import Resident
 
     standby = "b" if active == "a" else "a"
     return (view.active == active and view.operation is None and view.domains[standby].eligible

@@ -13,12 +13,12 @@ from datetime import datetime, timedelta, timezone
 import msgspec
 import pytest
 
-from haru import events as ev
-from haru import subjects
-from haru.bus import SERVICE_ERROR, SERVICE_ERROR_CODE, Msg, send
-from haru.commands import Command, Reply, command_decoder, command_encoder as reply_encoder
-from haru.errors import AgentGone, Conflict, NoResponders, RequestTimeout
-from haru.memory import MemoryLog, subject_matches
+from haru.core import events as ev
+from haru.core import subjects
+from haru.log.bus import SERVICE_ERROR, SERVICE_ERROR_CODE, Msg, send
+from haru.core.commands import Command, Reply, command_decoder, command_encoder as reply_encoder
+from haru.core.errors import AgentGone, Conflict, NoResponders, RequestTimeout
+from haru.log.memory import MemoryLog, subject_matches
 
 T0 = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)
 F = "default"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
-from haru import events as ev
-from haru import subjects
+from haru.core import events as ev
+from haru.core import subjects
 from haru.cli.common import ExitStatus
 from tests.integration.test_history_cli import T0, script_stories
 from tests.support import haru

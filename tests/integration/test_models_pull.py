@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from agents.runtimes.tiny_model import write_tiny_model
-from haru.models import errors as E
+from haru.core import model_errors as E
 from haru.models import resolve as R
 from haru.models.download import WRITE_BEHIND
 from haru.models.pull import pull
 from haru.models.store import Store
-from haru.natsd import free_port
+from haru.host.natsd import free_port
 from tests.models_registry import Registry, Server, write_safetensors
 from tests.support import haru
 
@@ -489,7 +489,7 @@ def test_pull_records_a_fetch_event_that_why_and_verify_cover(registry_proc, nat
 
 
 async def _ensure(url: str) -> None:
-    from haru.eventlog import EventLog
+    from haru.log.eventlog import EventLog
 
     async with EventLog.connect([url], writer="test") as log:
         await log.ensure()

@@ -14,14 +14,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from haru import events as ev
-from haru import subjects as sj
-from haru.eventlog import EventLog
-from haru.route import RouteWatcher
-from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
-from haru.views import intent_decoder, view_decoder
-from haru.tasks import cancel_and_wait
-from haru.fold import fold
+from haru.core import events as ev
+from haru.core import subjects as sj
+from haru.log.eventlog import EventLog
+from haru.log.route import RouteWatcher
+from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.views import intent_decoder, view_decoder
+from haru.host.tasks import cancel_and_wait
+from haru.core.fold import fold
 from projections.projector import Projector
 
 F = "default"

@@ -17,12 +17,12 @@ from datetime import datetime, timezone
 
 import pytest
 
-from haru import authority, subjects
-from haru.apply import apply
-from haru.eventlog import EventLog
-from haru.errors import Conflict
-from haru.events import ModelLost, OperationAborted, OperationCompleted, RouteMoved, StepCompleted, StepFailed, StepStarted
-from haru.history import misplaced_records
+from haru.core import authority, subjects
+from haru.core.apply import apply
+from haru.log.eventlog import EventLog
+from haru.core.errors import Conflict
+from haru.core.events import ModelLost, OperationAborted, OperationCompleted, RouteMoved, StepCompleted, StepFailed, StepStarted
+from haru.log.history import misplaced_records
 from haru.promoter import request_operation
 from promoter_fake import FakeAgent, layout
 from promoter_support import op_events, promoters, route_moves, view_of, wait_op_end, wait_view

@@ -12,10 +12,10 @@ from datetime import datetime, timezone
 
 import pytest
 
-from haru import subjects
-from haru.apply import apply
-from haru.eventlog import EventLog
-from haru.events import OperationCompleted, PromotionRequested, RouteMoved, StepCompleted, StepStarted
+from haru.core import subjects
+from haru.core.apply import apply
+from haru.log.eventlog import EventLog
+from haru.core.events import OperationCompleted, PromotionRequested, RouteMoved, StepCompleted, StepStarted
 from haru.promoter import request_operation
 from haru.promoter.decider import flow
 from promoter_fake import FakeAgent, layout

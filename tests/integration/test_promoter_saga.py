@@ -11,9 +11,9 @@ from datetime import datetime, timezone
 
 import pytest
 
-from haru import subjects
-from haru.apply import apply
-from haru.events import (
+from haru.core import subjects
+from haru.core.apply import apply
+from haru.core.events import (
     EligibilityChanged,
     FailoverDeclined,
     OperationAborted,

@@ -16,10 +16,10 @@ from datetime import datetime, timezone
 import pytest
 from nats.js import api
 
-from haru import subjects
-from haru.apply import apply
-from haru.events import OperationAborted, OperationCompleted, RouteMoved, StepStarted
-from haru.natsd import NatsServer
+from haru.core import subjects
+from haru.core.apply import apply
+from haru.core.events import OperationAborted, OperationCompleted, RouteMoved, StepStarted
+from haru.host.natsd import NatsServer
 from haru.promoter import request_operation
 from promoter_fake import FakeAgent, layout
 from promoter_support import PromoterProcess, describe, op_events, view_of, wait_op_end, wait_until

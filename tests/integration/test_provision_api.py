@@ -11,10 +11,10 @@ import aiohttp
 import yaml
 
 from gateway import Gateway, GatewayConfig
-from haru import subjects
-from haru.apply import apply
-from haru.events import ProvisionRequested, TeardownRequested
-from haru.layout import load_layout
+from haru.core import subjects
+from haru.core.apply import apply
+from haru.core.events import ProvisionRequested, TeardownRequested
+from haru.core.layout import load_layout
 from tests.unit.test_provision_yaml import EXAMPLE
 
 TOKEN = "s3cret-token"
@@ -59,8 +59,8 @@ async def test_a_failed_teardown_is_reported_retried_and_finished_by_the_promote
                                                                                   monkeypatch):
     """`sky down` fails once: the operation aborts with the error (the cluster may still be billed), the
     promoter asks for the teardown again after its backoff, and the second one takes the cluster down."""
-    from haru.events import OperationAborted, OperationCompleted
-    from haru.layout import parse_layout
+    from haru.core.events import OperationAborted, OperationCompleted
+    from haru.core.layout import parse_layout
     from haru.promoter.requests import request_operation
     from tests.fake_sky import FakeSky
     from tests.integration.promoter_support import op_events, promoters, wait_until

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import yaml
 
-from haru.layout import load_layout
+from haru.core.layout import load_layout
 from haru.provision import (CapacityError, LaunchFailed, SecretMissing, SkyPilot, SkyServe, SkyTimeout,
                             SkyUnavailable, SubprocessExec, task_config)
 from haru.provision.errors import TeardownFailed

@@ -18,11 +18,11 @@ from datetime import datetime, timezone
 import pytest
 
 from agents.sim.gpu_state import SimGpuState
-from haru.apply import apply
-from haru.events import OperationCompleted, ReplaceRequested, StepCompleted, StepStarted
-from haru.layout import load_layout
+from haru.core.apply import apply
+from haru.core.events import OperationCompleted, ReplaceRequested, StepCompleted, StepStarted
+from haru.core.layout import load_layout
 from haru.promoter.requests import request_operation
-from haru.residency import Sleeping
+from haru.core.residency import Sleeping
 from tests.fake_sky import FakeSky
 from tests.integration.agent_harness import REPO, write_config, write_layout
 from tests.integration.promoter_support import (PromoterProcess, op_events, view_of, wait_op_end, wait_until,

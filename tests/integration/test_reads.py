@@ -1,12 +1,12 @@
-"""Reads that do not grow with the log (haru/reads.py, EventLog.tail) against a real nats-server."""
+"""Reads that do not grow with the log (haru/log/reads.py, EventLog.tail) against a real nats-server."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from haru import events as ev
-from haru import history, reads
-from haru import subjects as sj
+from haru.core import events as ev
+from haru.log import history, reads
+from haru.core import subjects as sj
 
 T = datetime(2026, 11, 30, tzinfo=UTC)
 

@@ -17,8 +17,8 @@ from datetime import datetime, timezone
 import pytest
 
 from agents.client import send
-from haru import subjects
-from haru.events import OperationAborted, OperationCompleted, RollingRequested, StepStarted
+from haru.core import subjects
+from haru.core.events import OperationAborted, OperationCompleted, RollingRequested, StepStarted
 from haru.promoter.decider import flow
 from tests.integration.promoter_support import PromoterProcess, describe, op_events, wait_op_end, wait_until, wait_view
 from tests.integration.test_agent_live_apply import edit_layout, tags_become
@@ -45,9 +45,9 @@ async def rolling_fleet(tmp_path, nats_server, event_log, *, step_delay_ms: int 
     and one `haru promoter` child process (`fleet.promoter`, to kill and start again)."""
     from gateway.config import GatewayConfig
     from gateway.server import Gateway
-    from haru.apply import apply
-    from haru.layout import load_layout
-    from haru.tasks import cancel_and_wait
+    from haru.core.apply import apply
+    from haru.core.layout import load_layout
+    from haru.host.tasks import cancel_and_wait
     from projections.projector import Projector
 
     layout = sim_layout(tmp_path / "layout.json", tmp_path)

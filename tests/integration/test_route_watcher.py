@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from haru import events as ev
-from haru import subjects as sj
-from haru.route import RouteWatcher, refresh
-from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
-from haru.views import view_encoder
-from haru.tasks import cancel_and_wait
-from haru.intents import intent as compute_intent
+from haru.core import events as ev
+from haru.core import subjects as sj
+from haru.log.route import RouteWatcher, refresh
+from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.views import view_encoder
+from haru.host.tasks import cancel_and_wait
+from haru.core.intents import intent as compute_intent
 
 F = "default"
 M = "qwen3.6:27b"
@@ -131,7 +131,7 @@ async def test_watcher_starts_with_the_current_intent_and_can_connect_itself(nat
     assert (await event_log.last_intent(F)) is None
     async with RouteWatcher([nats_server.url], F) as w:
         assert w.current is None
-        from haru.views import FleetView
+        from haru.core.views import FleetView
 
         first = compute_intent(FleetView(fleet=F, seq=3))
         await event_log.publish_intent(F, view_encoder.encode(first), expect=0)
@@ -156,7 +156,7 @@ async def test_haru_route_watch_prints_every_move(nats_server, event_log, start_
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     try:
-        from haru.views import intent_decoder
+        from haru.core.views import intent_decoder
 
         first = intent_decoder.decode(await asyncio.wait_for(watch.stdout.readline(), 20))
         assert first.revision == 0

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from haru.residency import Answer
+from haru.core.residency import Answer
 from tests.integration.test_gateway_cli import MODEL, haru_gateway, publish, run_repl, sim_vllm
 
 

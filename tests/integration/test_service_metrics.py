@@ -14,10 +14,10 @@ from datetime import UTC, datetime
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from haru import subjects
-from haru.apply import apply
-from haru.events import RouteMoved
-from haru.natsd import free_port
+from haru.core import subjects
+from haru.core.apply import apply
+from haru.core.events import RouteMoved
+from haru.host.natsd import free_port
 from tests.integration.test_gateway_control import layout
 
 

@@ -17,7 +17,7 @@ from agents.gpu import GpuReading, Gpus, NvmlGpus, SimGpus, open_gpus
 from agents.sim.gpu_state import GiB, SimGpuState, pid_alive
 from haru.cli import sim as sim_cli
 from haru.cli.common import ExitStatus
-from haru.events import GpuProcess
+from haru.core.events import GpuProcess
 
 
 @pytest.fixture

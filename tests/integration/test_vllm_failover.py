@@ -14,8 +14,8 @@ import re
 import aiohttp
 import pytest
 
-from haru import subjects
-from haru.residency import Resident
+from haru.core import subjects
+from haru.core.residency import Resident
 from tests.integration.promoter_support import wait_until, wait_view
 from tests.llama_support import real_fleet, real_layout
 from tests.vllm_support import START_S, kill_runtime_groups, tiny_hf_model, vllm_binary, vllm_model

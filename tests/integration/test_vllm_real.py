@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 import aiohttp
 import pytest
 
-from haru import subjects
+from haru.core import subjects
 from tests.integration.agent_harness import is_, tag, wait_event, write_config
 from tests.llama_support import real_layout
 from tests.vllm_support import START_S, kill_runtime_groups, tiny_hf_model, tiny_lora, vllm_binary, vllm_model

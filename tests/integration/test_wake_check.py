@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 
 from agents.client import send
-from haru import subjects
-from haru.commands import Command
+from haru.core import subjects
+from haru.core.commands import Command
 from tests.integration.agent_harness import get_json, is_, sim_fault, tag, wait_event, write_config, write_layout
 
 pytestmark = pytest.mark.timeout(90)

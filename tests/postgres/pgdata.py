@@ -13,9 +13,9 @@ import asyncio
 import random
 from datetime import datetime, timedelta, timezone
 
-from haru import events as ev
-from haru import subjects
-from haru.specs import DomainSpec, GpuSpec, GiB
+from haru.core import events as ev
+from haru.core import subjects
+from haru.core.specs import DomainSpec, GpuSpec, GiB
 
 Item = tuple[str, bytes]
 
@@ -168,7 +168,7 @@ async def store(log, items: list[Item], *, window: int = 2000, timeout: float = 
     Msg-Id), so a replay of this history costs what a replay of a real log does; the check is
     `Nats-Expected-Last-Subject-Sequence` of the subject's previous message, so it always passes.
     """
-    from haru.eventlog import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, msg_id
+    from haru.log.eventlog import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, msg_id
 
     js = log.js
     first = await log.last_seq()

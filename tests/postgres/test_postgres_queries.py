@@ -11,9 +11,9 @@ from datetime import datetime, timedelta, timezone
 import asyncpg
 import pytest
 
-from haru import events as ev
-from haru import subjects
-from haru.specs import DomainSpec
+from haru.core import events as ev
+from haru.core import subjects
+from haru.core.specs import DomainSpec
 from projections import postgres_queries as Q
 from projections.postgres import PostgresSink
 

@@ -7,10 +7,10 @@ from datetime import datetime, timedelta, timezone
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from haru import events as ev
-from haru import subjects
-from haru.eventlog import Record
-from haru.specs import DomainSpec, GpuSpec
+from haru.core import events as ev
+from haru.core import subjects
+from haru.log.eventlog import Record
+from haru.core.specs import DomainSpec, GpuSpec
 from projections import pg_schema as S
 from projections.pg_rows import Carry, OpenSpan, carry_from_rows, plan
 

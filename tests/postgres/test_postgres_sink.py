@@ -15,11 +15,11 @@ import asyncpg
 import pytest
 
 import pgdata
-from haru import events as ev
-from haru import subjects
-from haru.eventlog import EventLog
-from haru.specs import DomainSpec
-from haru.tasks import cancel_and_wait
+from haru.core import events as ev
+from haru.core import subjects
+from haru.log.eventlog import EventLog
+from haru.core.specs import DomainSpec
+from haru.host.tasks import cancel_and_wait
 from projections import pg_schema as S
 from projections.postgres import PostgresSink
 

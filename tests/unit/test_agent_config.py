@@ -11,8 +11,8 @@ from agents.agent import GPU_USED_THRESHOLD, _gpu_changed
 from agents.config import fold_declarations, load_config, parse_config, slots_from_host_entry, slots_from_layout
 from agents.gpu import GpuReading
 from agents.training import training_env
-from haru.errors import ConfigError
-from haru.events import (
+from haru.core.errors import ConfigError
+from haru.core.events import (
     AdmissionDecided,
     DomainDeclared,
     FleetDeclared,
@@ -22,8 +22,8 @@ from haru.events import (
     ModelRetired,
     TrainingDeclared,
 )
-from haru.layout import parse_layout
-from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.layout import parse_layout
+from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
 
 T = datetime(2026, 1, 1, tzinfo=timezone.utc)
 

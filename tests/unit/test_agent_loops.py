@@ -19,9 +19,9 @@ from agents.heartbeat import Heartbeats, heartbeat_of
 from agents.loops import LoopErrors
 from agents.metrics import registry_for
 from agents.sim.gpu_state import SimGpuState
-from haru.commands import Heartbeat
-from haru.events import GpuObserved
-from haru.specs import GiB, Policy
+from haru.core.commands import Heartbeat
+from haru.core.events import GpuObserved
+from haru.core.specs import GiB, Policy
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -137,7 +137,7 @@ async def test_a_supervisor_survives_a_raising_append_counts_it_and_loads_on_the
     from agents.runtimes import make_runtime
     from agents.sim import vllm as sim
     from agents.supervisor import ModelSupervisor, SupervisorContext
-    from haru.specs import ModelSpec
+    from haru.core.specs import ModelSpec
 
     SimGpuState(tmp_path, 0).ensure(24 * GiB)
     config = sim.SimConfig(source="m", names=("m",), host="127.0.0.1", port=0, sleep_mode=False, dev_mode=False,

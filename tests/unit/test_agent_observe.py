@@ -32,8 +32,8 @@ from agents.observe import (
     observation_key,
     observe,
 )
-from haru.events import ModelAdopted, ModelFailed, ModelLoading, ModelLost, ModelResident, ModelSleeping, ModelStopped
-from haru.residency import (
+from haru.core.events import ModelAdopted, ModelFailed, ModelLoading, ModelLost, ModelResident, ModelSleeping, ModelStopped
+from haru.core.residency import (
     STATE_TAGS,
     Failed,
     Loading,

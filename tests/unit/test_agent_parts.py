@@ -11,7 +11,7 @@ from types import SimpleNamespace as NS
 
 from agents.gpu import GpuReading
 from agents.observe import decision_table_markdown
-from haru.specs import GiB
+from haru.core.specs import GiB
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,7 +89,7 @@ def test_docs_carry_the_decision_table_as_the_code_has_it():
 
 def test_the_gpu_verdict_from_readings_passed_in():
     from agents.gpu_verdict import gpus_of, judge_gpus
-    from haru.residency import Resident
+    from haru.core.residency import Resident
 
     def model(name, gpu, state, kind="vllm"):
         return NS(name=name, state_tag=state, spec=NS(gpu_index=gpu, vram_bytes=10 * GiB),

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from haru import authority
-from haru import events as ev
-from haru import subjects as sj
-from haru.specs import Policy
+from haru.core import authority
+from haru.core import events as ev
+from haru.core import subjects as sj
+from haru.core.specs import Policy
 
 T = datetime(2026, 11, 30, tzinfo=UTC)
 EVENT_TYPES: tuple[type, ...] = ev.AnyEvent.__args__  # type: ignore[attr-defined]
@@ -42,7 +42,7 @@ def build(cls: type, *, fleet: str = "default", domain: str = "a", model: str = 
 
 def subject_of(kind: str, *, fleet: str = "default", domain: str = "a", model: str = "qwen3.6:27b", index: int = 0,
                slot: str = "lora") -> str:
-    """The subject of `kind` for these names, built by `haru.subjects` (the production builders)."""
+    """The subject of `kind` for these names, built by `haru.core.subjects` (the production builders)."""
     return {
         "decl": lambda: sj.decl(fleet),
         "route": lambda: sj.route(fleet),
@@ -185,7 +185,7 @@ def test_the_authority_and_the_fold_are_pure():
     import subprocess
     import sys
 
-    code = ("import sys, haru.authority, haru.fold; "
+    code = ("import sys, haru.core.authority, haru.core.fold; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'asyncio', 'aiohttp', 'structlog', 'logging'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"

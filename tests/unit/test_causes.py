@@ -1,4 +1,4 @@
-"""The cause rules (haru/causes.py) and the causal tree `haru why` draws (haru/history.py)."""
+"""The cause rules (haru/core/causes.py) and the causal tree `haru why` draws (haru/log/history.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ from datetime import UTC, datetime
 
 import msgspec
 
-from haru import causes, history, subjects
-from haru import events as ev
-from haru.eventlog import Record
-from haru.residency import to_state
-from haru.views import DomainView, FleetView, ModelView, OperationView, StepView
+from haru.core import causes, subjects
+from haru.log import history
+from haru.core import events as ev
+from haru.log.eventlog import Record
+from haru.core.residency import to_state
+from haru.core.views import DomainView, FleetView, ModelView, OperationView, StepView
 
 T = datetime(2026, 11, 30, tzinfo=UTC)
 

@@ -6,8 +6,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from haru import subjects
-from haru.events import (
+from haru.core import subjects
+from haru.core.events import (
     AdmissionDecided,
     DemotionRequested,
     DomainDeclared,
@@ -44,8 +44,8 @@ from haru.promoter.decider import (
     retry_ms,
 )
 from haru.promoter.decisions import Facts
-from haru.specs import DomainSpec, GpuSpec, ModelSpec, Policy
-from haru.fold import evolve
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.fold import evolve
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 F = "default"
@@ -63,7 +63,7 @@ def given(*events_on: tuple[str, object], policy: Policy = POLICY, models=("m1",
     """A view folded from declarations (two domains a, b, each with models) plus `events_on`."""
     seq = 0
     view = None
-    from haru.fold import empty
+    from haru.core.fold import empty
 
     view = empty(F)
     base: list[tuple[str, object]] = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from haru.events import (
+from haru.core.events import (
     PromotionRequested,
     RouteMoved,
     StepCompleted,
@@ -23,7 +23,7 @@ from haru.events import (
 )
 from haru.promoter.decider import decide, lease_ms
 from haru.promoter.decisions import Facts
-from haru.fold import evolve
+from haru.core.fold import evolve
 from test_decider import OP, POLICY, ROUTE, at, given as given_view, healthy_fleet
 
 OUTCOMES = st.sampled_from(["complete", "complete", "complete", "fail", "crash", "crash_after_flip"])

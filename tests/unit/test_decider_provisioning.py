@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from haru import subjects
-from haru.events import (AdmissionDecided, DomainDeclared, DomainReachable, DomainUnreachable, EligibilityChanged, FleetDeclared,
+from haru.core import subjects
+from haru.core.events import (AdmissionDecided, DomainDeclared, DomainReachable, DomainUnreachable, EligibilityChanged, FleetDeclared,
                          ModelDeclared, ModelResident, ModelSleeping, OperationAborted, OperationCompleted,
                          ReplaceRequested, RouteMoved, StepCompleted, StepFailed, StepStarted, TeardownRequested)
 from haru.promoter.decider import ABORT, COMPLETE, TRANSITIONS, decide, flow, judge_request, retry_ms
 from haru.promoter.decisions import Facts
-from haru.specs import DomainSpec, GpuSpec, ModelSpec, Policy, ProvisionSpec
-from haru.fold import empty, evolve
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, ProvisionSpec
+from haru.core.fold import empty, evolve
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 F = "default"

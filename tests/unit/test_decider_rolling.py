@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from haru.events import (
+from haru.core.events import (
     OPERATION_REQUESTS,
     EligibilityChanged,
     OperationAborted,
@@ -123,7 +123,7 @@ def test_abort_is_refused_once_the_flip_has_started():
 
 
 def test_a_demotion_is_abortable_until_it_ends():
-    from haru.events import DemotionRequested
+    from haru.core.events import DemotionRequested
 
     view = given(*healthy_fleet(), (OP, DemotionRequested(at=at(1), op_id="op-d", target="b")),
                  *done("sleep", op_id="op-d"), (OP, StepStarted(at=at(3), op_id="op-d", step="start_training")))

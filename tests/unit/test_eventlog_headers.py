@@ -1,5 +1,5 @@
-"""The faster header parse (haru/nats_headers.py) returns what nats-py's own returns, and is in
-effect only when a service enables it: importing haru.eventlog changes no nats-py class."""
+"""The faster header parse (haru/log/nats_headers.py) returns what nats-py's own returns, and is in
+effect only when a service enables it: importing haru.log.eventlog changes no nats-py class."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import textwrap
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from haru import nats_headers
+from haru.log import nats_headers
 from nats.aio.client import Client
 
 PIECES = [b"\r\n", b":", b": ", b" ", b"\t", b"\x0b", b"\x0c", b"\x1c", b"\x1f", b"\x85", b"\xa0",
@@ -35,9 +35,9 @@ def test_importing_the_event_log_leaves_nats_py_untouched() -> None:
     out = _in_a_fresh_interpreter("""
         from nats.aio.client import Client
         before = dict(Client.__dict__)
-        import haru.eventlog, haru.nats_headers, projections.projector, haru.promoter.service, projections.postgres
+        import haru.log.eventlog, haru.log.nats_headers, projections.projector, haru.promoter.service, projections.postgres
         after = dict(Client.__dict__)
-        print(before == after, haru.nats_headers.fast_header_parse_enabled())
+        print(before == after, haru.log.nats_headers.fast_header_parse_enabled())
     """)
     assert out == "True False"
 
@@ -46,7 +46,7 @@ def test_enabling_it_replaces_the_parser_on_the_nats_py_it_was_written_for() -> 
     out = _in_a_fresh_interpreter("""
         from nats.aio.client import Client
         own = Client.__dict__["_parse_header_lines"]
-        from haru import nats_headers
+        from haru.log import nats_headers
         first = nats_headers.enable_fast_header_parse()
         again = nats_headers.enable_fast_header_parse()
         fast = Client._parse_header_lines is nats_headers._parse_header_lines_fast

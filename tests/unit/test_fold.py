@@ -6,12 +6,12 @@ from datetime import UTC, datetime, timedelta
 
 import msgspec
 
-from haru import events as ev
-from haru import residency
-from haru import subjects as sj
-from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
-from haru.views import FleetView, view_decoder, view_encoder
-from haru.fold import HANDLED, empty, evolve, fold
+from haru.core import events as ev
+from haru.core import residency
+from haru.core import subjects as sj
+from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.views import FleetView, view_decoder, view_encoder
+from haru.core.fold import HANDLED, empty, evolve, fold
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 F = "default"
@@ -224,7 +224,7 @@ def test_view_survives_its_json_round_trip():
 
 
 def test_an_invalid_body_is_counted_and_moves_the_checkpoint():
-    from haru.fold import Folder, add_one
+    from haru.core.fold import Folder, add_one
 
     views = fold((i + 1, s, e) for i, (s, e) in enumerate(declarations()))
     n = len(declarations())

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from haru import events as ev
-from haru import subjects as sj
+from haru.core import events as ev
+from haru.core import subjects as sj
 from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
-from haru.residency import Lost, Sleeping
-from haru.fold import Folder, add_one, empty, evolve, fold
+from haru.core.residency import Lost, Sleeping
+from haru.core.fold import Folder, add_one, empty, evolve, fold
 from tests.unit.test_fold import F, at, declarations
 
 FORGER = "agent:default/a@host-a"

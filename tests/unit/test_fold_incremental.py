@@ -15,10 +15,10 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from haru import events as ev
-from haru import subjects as sj
-from haru.views import FleetView, view_decoder, view_encoder
-from haru.fold import Folder, add_one, empty, evolve, fleet_of, fold, invalid
+from haru.core import events as ev
+from haru.core import subjects as sj
+from haru.core.views import FleetView, view_decoder, view_encoder
+from haru.core.fold import Folder, add_one, empty, evolve, fleet_of, fold, invalid
 from tests.unit.test_fold_properties import _RESIDENCY_EVENTS, DOMAINS, MODELS, histories
 
 T1 = datetime(2026, 11, 30, tzinfo=UTC)

@@ -8,12 +8,12 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from haru import events as ev
-from haru import residency
-from haru import subjects as sj
-from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
-from haru.views import view_decoder, view_encoder
-from haru.fold import empty, evolve, fold
+from haru.core import events as ev
+from haru.core import residency
+from haru.core import subjects as sj
+from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.views import view_decoder, view_encoder
+from haru.core.fold import empty, evolve, fold
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 FLEETS = ("default", "edge")

@@ -1,4 +1,4 @@
-"""haru.follow.Follower's own decisions, on the in-memory log: a replay that stops delivering while
+"""haru.log.follow.Follower's own decisions, on the in-memory log: a replay that stops delivering while
 the log grows is started again after the position (and each record is handled once); a busy handler
 is not a stall; a tail the store cannot serve is not restarted for; a LogError is retried, any other
 error is raised. (Against JetStream: tests/integration/test_log_contract.py, and the services' tests.)"""
@@ -10,11 +10,11 @@ from datetime import datetime, timezone
 
 import pytest
 
-from haru import events as ev
-from haru import subjects
-from haru.errors import LogUnavailable
-from haru.follow import Follower
-from haru.memory import MemoryLog
+from haru.core import events as ev
+from haru.core import subjects
+from haru.core.errors import LogUnavailable
+from haru.log.follow import Follower
+from haru.log.memory import MemoryLog
 
 pytestmark = pytest.mark.timeout(30)
 T0 = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)

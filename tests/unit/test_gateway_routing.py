@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from gateway.config import from_env
-from haru.errors import ConfigError
+from haru.core.errors import ConfigError
 from gateway.routing import (
     model_of,
     Forward,
@@ -18,10 +18,10 @@ from gateway.routing import (
     base_url,
     retry_after_warming,
 )
-from haru.openai_errors import ANSWER_STATUS, answer_status, error_body
+from haru.core.openai_errors import ANSWER_STATUS, answer_status, error_body
 from gateway.truth import describe_state, models_list, truth_table
-from haru.residency import Answer, Loading, Lost, NotAdmitted, Resident, Unknown
-from haru.views import DomainView, FleetView, ModelView, RouteIntent, Target
+from haru.core.residency import Answer, Loading, Lost, NotAdmitted, Resident, Unknown
+from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 NOW = T0.timestamp()
@@ -216,7 +216,7 @@ def test_error_body_is_openais_shape():
 
 
 def test_every_residency_state_the_serving_port_refuses_reads_the_gateways_row():
-    from haru.residency import ANSWERS
+    from haru.core.residency import ANSWERS
 
     for state, (answer, _meaning) in ANSWERS.items():
         if answer == "ready":

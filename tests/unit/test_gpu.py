@@ -8,8 +8,8 @@ import pytest
 from agents.gpu import GpuReading, NvmlGpus, open_gpus, presence_from_nvml_error
 from agents.sim.errors import BadSize
 from agents.sim.gpu_state import GiB, MiB, parse_size
-from haru.errors import ConfigError
-from haru.events import GpuProcess
+from haru.core.errors import ConfigError
+from haru.core.events import GpuProcess
 
 
 def _nvml_loads() -> bool:

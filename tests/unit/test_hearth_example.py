@@ -6,9 +6,9 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from pathlib import Path
 
-from haru import apply, planner, subjects
-from haru.layout import load_layout
-from haru import fold as fleet
+from haru.core import apply, planner, subjects
+from haru.core.layout import load_layout
+from haru.core import fold as fleet
 from projections import status
 
 NOW = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)

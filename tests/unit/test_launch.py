@@ -1,4 +1,4 @@
-"""The plan becomes each runtime's command line (haru.launch): exact argv and env for every shipped layout,
+"""The plan becomes each runtime's command line (haru.core.launch): exact argv and env for every shipped layout,
 the refusals of operator args that contradict the plan, and the runtime that follows the model's format."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agents.config import slots_from_host_entry
-from haru.errors import LayoutError
-from haru.launch import Launch, gpu_memory_utilization, launch, runtime_for, source_format
-from haru.layout import load_layout, parse_layout
-from haru.specs import GiB, Layout, ModelSpec
+from haru.core.errors import LayoutError
+from haru.core.launch import Launch, gpu_memory_utilization, launch, runtime_for, source_format
+from haru.core.layout import load_layout, parse_layout
+from haru.core.specs import GiB, Layout, ModelSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM = ["python", "-m", "agents.sim.vllm"]

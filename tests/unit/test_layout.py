@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from haru.errors import LayoutError
-from haru.layout import load_layout, parse_layout, parse_size
-from haru.specs import GiB, MiB
+from haru.core.errors import LayoutError
+from haru.core.layout import load_layout, parse_layout, parse_size
+from haru.core.specs import GiB, MiB
 
 ROOT = Path(__file__).resolve().parents[2]
 

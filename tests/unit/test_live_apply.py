@@ -7,9 +7,9 @@ from datetime import datetime, timezone
 import msgspec
 
 from agents.config import diff_models
-from haru import events as ev
-from haru.apply import change_paths, waits_on_active
-from haru.specs import ModelSpec
+from haru.core import events as ev
+from haru.core.apply import change_paths, waits_on_active
+from haru.core.specs import ModelSpec
 
 T = datetime(2026, 11, 30, tzinfo=timezone.utc)
 

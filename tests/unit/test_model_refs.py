@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from haru.models.errors import BadReference
-from haru.models.refs import DEFAULT_QUANTS, gguf_choice, is_reference, parse_reference, quant_of, safetensors_package
+from haru.core.model_errors import BadReference
+from haru.core.refs import DEFAULT_QUANTS, gguf_choice, is_reference, parse_reference, quant_of, safetensors_package
 
 
 @pytest.mark.parametrize("text, canonical", [
@@ -99,8 +99,8 @@ def test_the_progress_bar_shows_bytes_rate_and_eta_on_a_terminal_only():
 
 
 def test_serve_model_flags():
-    from haru.serve import ServeError, parse_model_flag
-    from haru.specs import GiB
+    from haru.up.serve import ServeError, parse_model_flag
+    from haru.core.specs import GiB
 
     f = parse_model_flag("chat=hf:Qwen/Qwen3-0.6B-GGUF:Q8_0:2.5@8192")
     assert (f.name, f.source, f.vram_bytes, f.context, f.format) == ("chat", "hf:Qwen/Qwen3-0.6B-GGUF:Q8_0",

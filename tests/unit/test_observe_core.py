@@ -7,10 +7,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from gateway.console_core import FLOWS, operations
-from haru.errors import ConfigError
-from haru.eventlog import Record
-from haru.events import OperationAborted, OperationCompleted, PromotionRequested, StepCompleted, StepFailed, StepStarted
-from haru.metrics import metrics_address
+from haru.core.errors import ConfigError
+from haru.log.eventlog import Record
+from haru.core.events import OperationAborted, OperationCompleted, PromotionRequested, StepCompleted, StepFailed, StepStarted
+from haru.host.metrics import metrics_address
 from haru.promoter.metrics import DECLINE_REASONS, decline_reason
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -82,8 +82,8 @@ def test_held_bytes_counts_what_the_agents_children_hold_by_declaration():
     from types import SimpleNamespace as NS
 
     from agents.metrics import foreign_of, held_bytes
-    from haru.residency import Loading, Lost, Resident, Sleeping
-    from haru.specs import GiB, ModelSpec, Policy
+    from haru.core.residency import Loading, Lost, Resident, Sleeping
+    from haru.core.specs import GiB, ModelSpec, Policy
 
     def model(name, vram, state, gpu=0, runtime="vllm"):
         spec = ModelSpec(name=name, slot="s", gpu_index=gpu, vram_bytes=vram * GiB, runtime=runtime, port=1)

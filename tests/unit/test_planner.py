@@ -7,9 +7,9 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from haru.layout import load_layout
-from haru.planner import first_fit, format_gib, gpu_summary_line, plan, verdict_line
-from haru.specs import GiB, MiB, Domain, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.layout import load_layout
+from haru.core.planner import first_fit, format_gib, gpu_summary_line, plan, verdict_line
+from haru.core.specs import GiB, MiB, Domain, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""haru.procfs: the one reader of /proc/<pid>/stat (pid identity, parents, groups, zombies)."""
+"""haru.host.procfs: the one reader of /proc/<pid>/stat (pid identity, parents, groups, zombies)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from haru import procfs
+from haru.host import procfs
 
 
 def test_a_command_name_with_spaces_and_parentheses_does_not_shift_the_fields():

@@ -1,4 +1,4 @@
-"""The projector's fold and writes on the in-memory log (haru/memory.py): views in the KV, one route
+"""The projector's fold and writes on the in-memory log (haru/log/memory.py): views in the KV, one route
 intent per pointer move, racing projectors, resuming from the stored views, invalid bodies. Without a
 nats-server; what only a server shows (a NATS restart mid-replay, a damaged store, a killed process)
 stays in tests/integration/test_projector.py and test_damaged_log.py."""
@@ -9,13 +9,13 @@ import asyncio
 
 import pytest
 
-from haru import events as ev
-from haru import subjects as sj
-from haru.memory import MemoryLog
-from haru.tasks import cancel_and_wait
-from haru.views import intent_decoder
+from haru.core import events as ev
+from haru.core import subjects as sj
+from haru.log.memory import MemoryLog
+from haru.host.tasks import cancel_and_wait
+from haru.core.views import intent_decoder
 from projections.projector import Projector
-from haru.intents import changed
+from haru.core.intents import changed
 from tests.integration.test_projector import F, MODELS, Writer, declare, expected_views, now, wait_view_seq
 
 pytestmark = pytest.mark.timeout(60)

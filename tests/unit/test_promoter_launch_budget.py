@@ -7,9 +7,9 @@ from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 
 
-from haru import subjects
-from haru.eventlog import Record
-from haru.events import ProvisionRequested, StepStarted, encode
+from haru.core import subjects
+from haru.log.eventlog import Record
+from haru.core.events import ProvisionRequested, StepStarted, encode
 from haru.promoter.service import Promoter
 
 

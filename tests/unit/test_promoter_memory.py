@@ -1,4 +1,4 @@
-"""The promoter's decisions and steps on the in-memory log and bus (haru/memory.py): the saga's logic
+"""The promoter's decisions and steps on the in-memory log and bus (haru/log/memory.py): the saga's logic
 without a nats-server. The same fake agent (promoter_fake) answers on the bus instead of nats.micro.
 What only a server shows (a NATS restart, a store that stops answering, a SIGKILLed process) stays in
 tests/integration/test_promoter_saga.py, test_promoter_store_faults.py and test_promoter_crash.py."""
@@ -11,11 +11,11 @@ from datetime import datetime, timezone
 
 import pytest
 
-from haru.apply import apply
-from haru.events import OperationAborted, PromotionRequested, StepCompleted, StepFailed, StepStarted
-from haru.memory import MemoryLog
+from haru.core.apply import apply
+from haru.core.events import OperationAborted, PromotionRequested, StepCompleted, StepFailed, StepStarted
+from haru.log.memory import MemoryLog
 from haru.promoter.service import Promoter
-from haru.tasks import cancel_and_wait
+from haru.host.tasks import cancel_and_wait
 from tests.integration.promoter_fake import FakeAgent, layout
 from tests.integration.promoter_support import assert_one_failover_each_step_once, routed_to_a, serving, op_events, route_moves, view_of, wait_until, wait_view
 

@@ -16,8 +16,8 @@ import sky  # the skypilot package, a test dependency: SkyPilot's own schema and
 import yaml
 from sky.utils import common_utils, schemas
 
-from haru.errors import LayoutError
-from haru.layout import load_layout, parse_layout
+from haru.core.errors import LayoutError
+from haru.core.layout import load_layout, parse_layout
 from haru.provision import (NotProvisionable, placements, service_config, service_yaml, submitted_yaml,
                             task_config, task_yaml)
 from haru.provision import yamltext

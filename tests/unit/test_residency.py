@@ -6,9 +6,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from haru import events as ev
-from haru.errors import IllegalTransition
-from haru.residency import (
+from haru.core import events as ev
+from haru.core.errors import IllegalTransition
+from haru.core.residency import (
     ADMITTED,
     ADOPTED_ASLEEP,
     ADOPTED_AWAKE,

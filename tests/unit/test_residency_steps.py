@@ -1,4 +1,4 @@
-"""`haru.residency.evolve` memoizes, per (state class, event class), the branch the table takes
+"""`haru.core.residency.evolve` memoizes, per (state class, event class), the branch the table takes
 (`_step`). Every state (sleeping at both levels) against every residency event and verdict: the
 memoized answer equals the one read from the table (`_evolve`), illegal pairs included."""
 
@@ -8,9 +8,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from haru import events as ev
-from haru import residency as r
-from haru.errors import IllegalTransition
+from haru.core import events as ev
+from haru.core import residency as r
+from haru.core.errors import IllegalTransition
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 T1 = datetime(2026, 11, 29, 13, 0, 0, tzinfo=UTC)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from haru import events as ev
-from haru import subjects as sj
-from haru.residency import Answer
-from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
-from haru.views import intent_decoder, view_encoder
-from haru.fold import fold
-from haru.intents import at, changed, intent
+from haru.core import events as ev
+from haru.core import subjects as sj
+from haru.core.residency import Answer
+from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.views import intent_decoder, view_encoder
+from haru.core.fold import fold
+from haru.core.intents import at, changed, intent
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 F = "default"

@@ -3,11 +3,11 @@ promoter says there is nothing to fail over to, once, instead of promoting or st
 
 from __future__ import annotations
 
-from haru import subjects
-from haru.events import (AdmissionDecided, DomainDeclared, FailoverDeclined, FleetDeclared, GpuObserved, ModelDeclared,
+from haru.core import subjects
+from haru.core.events import (AdmissionDecided, DomainDeclared, FailoverDeclined, FleetDeclared, GpuObserved, ModelDeclared,
                          PromotionRequested)
-from haru.specs import DomainSpec, GpuSpec, ModelSpec
-from haru.fold import empty, evolve
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec
+from haru.core.fold import empty, evolve
 from tests.unit.test_decider import POLICY, T0, F, at, facts, only, reachable, resident, routed
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from haru import subjects
-from haru.events import (
+from haru.core import subjects
+from haru.core.events import (
     AdmissionDecided,
     DemotionRequested,
     DomainDeclared,
@@ -29,8 +29,8 @@ from haru.events import (
 )
 from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
-from haru.specs import SLEEP_MODE, DomainSpec, GpuSpec, ModelSpec
-from haru.fold import empty, evolve
+from haru.core.specs import SLEEP_MODE, DomainSpec, GpuSpec, ModelSpec
+from haru.core.fold import empty, evolve
 from test_decider import F, OP, POLICY, ROUTE, at, reachable, routed
 
 RUNTIMES = ("vllm", "llama_server")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from haru import events as ev
-from haru import subjects as sj
-from haru.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
-from haru.fold import fold
+from haru.core import events as ev
+from haru.core import subjects as sj
+from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.fold import fold
 from projections.status import render
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
@@ -100,14 +100,14 @@ def test_operation_in_flight_and_finished_and_anomalies():
 
 
 def test_an_empty_fleet_says_what_to_do():
-    from haru.views import FleetView
+    from haru.core.views import FleetView
 
     text = render(FleetView(fleet="x"), NOW)
     assert "not routed yet" in text and "haru apply" in text
 
 
 def test_route_intent_in_words():
-    from haru.intents import intent
+    from haru.core.intents import intent
     from projections.status import render_intent
 
     text = render_intent(intent(view()), NOW)

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from haru import events as ev
-from haru import subjects
-from haru.errors import EventDecodeError, InvalidName
+from haru.core import events as ev
+from haru.core import subjects
+from haru.core.errors import EventDecodeError, InvalidName
 
 NOW = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import signal
 
-from haru.supervise import RestartPolicy, exit_reason, next_restart
+from haru.core.supervise import RestartPolicy, exit_reason, next_restart
 
 POLICY = RestartPolicy(first_s=0.5, max_s=4.0, stable_s=30.0, loop_after=3)
 

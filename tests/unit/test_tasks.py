@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from haru.tasks import cancel_and_wait
+from haru.host.tasks import cancel_and_wait
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -80,7 +80,7 @@ async def test_a_signal_stops_a_service_that_swallows_its_first_cancellation():
     import os
     import signal
 
-    from haru.tasks import run_until_signal
+    from haru.host.tasks import run_until_signal
 
     started = asyncio.Event()
     service = asyncio.create_task(_swallows_one_cancel(started))
@@ -93,7 +93,7 @@ async def test_a_signal_stops_a_service_that_swallows_its_first_cancellation():
 async def test_a_service_that_fails_on_its_own_raises_through_run_until_signal():
     import signal
 
-    from haru.tasks import run_until_signal
+    from haru.host.tasks import run_until_signal
 
     async def fails() -> None:
         await asyncio.sleep(0.01)

@@ -1,12 +1,12 @@
-"""Holding the stream against what the views and route intents say they folded (haru.history)."""
+"""Holding the stream against what the views and route intents say they folded (haru.log.history)."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from haru.errors import seq_ranges
-from haru.history import Witness, check_witnesses, intent_witnesses, view_witnesses
-from haru.views import FleetView, RouteIntent
+from haru.core.errors import seq_ranges
+from haru.log.history import Witness, check_witnesses, intent_witnesses, view_witnesses
+from haru.core.views import FleetView, RouteIntent
 
 T = datetime(2026, 11, 30, 22, 0, tzinfo=UTC)
 

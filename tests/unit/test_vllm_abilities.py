@@ -14,8 +14,8 @@ from agents.gpu import GpuReading
 from agents.runtimes.vllm import SLEEP_REFUSAL, VllmRuntime
 from agents.runtimes.vllm_env import API_SERVER, STAMP, VERSION, PACKAGE
 from agents.supervisor import freed_by_sleep
-from haru.events import GpuProcess
-from haru.specs import GiB, ModelSpec
+from haru.core.events import GpuProcess
+from haru.core.specs import GiB, ModelSpec
 
 
 def spec(binary: list[str]) -> ModelSpec:

@@ -1,0 +1,286 @@
+"""`haru apply`: turn a layout into the declaration events that differ from what the log says.
+
+The core is pure: `fold_declarations(events)` reads the `haru.evt.<fleet>.decl` history into the
+current `Declarations`; `diff(current, layout, plan, now)` returns only the events that make the log
+say what the layout says (nothing, for a layout applied before). The shell, `apply(log, layout, now)`,
+reads the subject, diffs, and appends each event with the subject's expected last sequence; when
+another writer wins the race (`Conflict`) it re-reads and re-diffs, a bounded number of times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Iterable
+
+from haru.core import subjects
+from haru.core.causes import admission_cause, declaration_seqs, with_cause
+from haru.core.authority import misplaced
+from haru.core.errors import Conflict
+from haru.core.events import (
+    AdmissionDecided,
+    DomainChanged,
+    DomainDeclared,
+    DomainRetired,
+    Event,
+    FleetDeclared,
+    ModelChanged,
+    ModelDeclared,
+    ModelRetired,
+    PolicyChanged,
+    TrainingChanged,
+    TrainingDeclared,
+    TrainingRetired,
+    tag_of,
+)
+from haru.core.planner import Plan, Verdict, plan as plan_layout
+from haru.core.specs import DomainSpec, Layout, ModelSpec, Policy, TrainingSpec
+
+if TYPE_CHECKING:
+    from haru.log.eventlog import EventLog  # the type only: the shell hands the log in
+
+__all__ = ["Declarations", "fold_declarations", "diff", "ApplyResult", "apply", "describe", "DEFAULT_RETRIES"]
+
+DEFAULT_RETRIES = 5
+
+
+@dataclass
+class Declarations:
+    """What the decl subject says now. Keys keep declaration order (dicts are ordered)."""
+
+    fleet: str | None = None
+    policy: Policy | None = None
+    domains: dict[str, DomainSpec] = field(default_factory=dict)
+    models: dict[tuple[str, str], ModelSpec] = field(default_factory=dict)  # (domain, model id)
+    training: dict[tuple[str, str], TrainingSpec] = field(default_factory=dict)  # (domain, slot)
+    admissions: dict[tuple[str, str, str], AdmissionDecided] = field(default_factory=dict)  # (domain, kind, name)
+
+
+def fold_declarations(events: Iterable[Event | None]) -> Declarations:
+    """Fold a decl subject's events, in order, into the current declarations. Unknown events are skipped."""
+    d = Declarations()
+    for e in events:
+        if isinstance(e, FleetDeclared):
+            d.fleet, d.policy = e.fleet, e.policy
+        elif isinstance(e, PolicyChanged):
+            d.policy = e.policy
+        elif isinstance(e, (DomainDeclared, DomainChanged)):
+            d.domains[e.spec.name] = e.spec
+        elif isinstance(e, DomainRetired):
+            d.domains.pop(e.domain, None)
+            for table in (d.models, d.training):
+                for key in [k for k in table if k[0] == e.domain]:
+                    del table[key]
+            for verdict in [k for k in d.admissions if k[0] == e.domain]:
+                del d.admissions[verdict]
+        elif isinstance(e, (ModelDeclared, ModelChanged)):
+            d.models[(e.domain, e.spec.name)] = e.spec
+        elif isinstance(e, ModelRetired):
+            d.models.pop((e.domain, e.model), None)
+            d.admissions.pop((e.domain, "model", e.model), None)
+        elif isinstance(e, (TrainingDeclared, TrainingChanged)):
+            d.training[(e.domain, e.spec.slot)] = e.spec
+        elif isinstance(e, TrainingRetired):
+            d.training.pop((e.domain, e.slot), None)
+            d.admissions.pop((e.domain, "training", e.slot), None)
+        elif isinstance(e, AdmissionDecided):
+            d.admissions[(e.domain, e.kind, e.name)] = e
+    return d
+
+
+def _same_verdict(a: AdmissionDecided, v: Verdict) -> bool:
+    return (
+        a.admitted == v.admitted
+        and a.gpu_index == v.gpu_index
+        and a.vram_bytes == v.vram_bytes
+        and a.short_by_bytes == v.short_by_bytes
+        and a.capacity_bytes == v.capacity_bytes
+    )
+
+
+def diff(current: Declarations, layout: Layout, plan: Plan, now: datetime, *, by: str = "") -> list[Event]:
+    """The events that bring the log from `current` to `layout` with `plan`'s verdicts; [] if none.
+
+    Order: fleet or policy; per domain, the domain, retirements (which free room), declarations and
+    changes of models then training slots, then the admission verdicts that changed; finally the
+    domains the layout no longer names, each after its models and training slots are retired.
+    """
+    out: list[Event] = []
+    if current.fleet is None:
+        out.append(FleetDeclared(at=now, by=by, fleet=layout.fleet, policy=layout.policy))
+    elif current.policy != layout.policy:
+        out.append(PolicyChanged(at=now, by=by, policy=layout.policy, previous=current.policy))
+
+    wanted_domains = {d.spec.name for d in layout.domains}
+    for dom in layout.domains:
+        name = dom.spec.name
+        old = current.domains.get(name)
+        if old is None:
+            out.append(DomainDeclared(at=now, by=by, spec=dom.spec))
+        elif old != dom.spec:
+            out.append(DomainChanged(at=now, by=by, spec=dom.spec))
+        wanted_models = {m.name for m in dom.models}
+        wanted_slots = {t.slot for t in dom.training}
+        for dname, model in current.models:
+            if dname == name and model not in wanted_models:
+                out.append(ModelRetired(at=now, by=by, domain=name, model=model))
+        for dname, slot in current.training:
+            if dname == name and slot not in wanted_slots:
+                out.append(TrainingRetired(at=now, by=by, domain=name, slot=slot))
+        for m in dom.models:
+            was = current.models.get((name, m.name))
+            if was is None:
+                out.append(ModelDeclared(at=now, by=by, domain=name, spec=m))
+            elif was != m:
+                out.append(ModelChanged(at=now, by=by, domain=name, spec=m))
+        for t in dom.training:
+            was_t = current.training.get((name, t.slot))
+            if was_t is None:
+                out.append(TrainingDeclared(at=now, by=by, domain=name, spec=t))
+            elif was_t != t:
+                out.append(TrainingChanged(at=now, by=by, domain=name, spec=t))
+        for dp in plan.domains:
+            if dp.domain != name:
+                continue
+            for v in dp.verdicts():
+                had = current.admissions.get((name, v.kind, v.name))
+                if had is None or not _same_verdict(had, v):
+                    out.append(
+                        AdmissionDecided(at=now, by=by, domain=name, kind=v.kind, name=v.name, gpu_index=v.gpu_index,
+                                         admitted=v.admitted, vram_bytes=v.vram_bytes, short_by_bytes=v.short_by_bytes,
+                                         capacity_bytes=v.capacity_bytes)
+                    )
+    for name in current.domains:
+        if name in wanted_domains:
+            continue
+        for dname, model in current.models:
+            if dname == name:
+                out.append(ModelRetired(at=now, by=by, domain=name, model=model))
+        for dname, slot in current.training:
+            if dname == name:
+                out.append(TrainingRetired(at=now, by=by, domain=name, slot=slot))
+        out.append(DomainRetired(at=now, by=by, domain=name))
+    return out
+
+
+def describe(event: Event) -> str:
+    """One line per difference, for `haru apply` output: `+ model_declared a/qwen3.6:27b`."""
+    tag = tag_of(event)
+    sign = "-" if tag.endswith("_retired") else "~" if tag.endswith("_changed") else "+"
+    if isinstance(event, FleetDeclared):
+        what = event.fleet
+    elif isinstance(event, PolicyChanged):
+        changed = []
+        if event.previous is not None:
+            for key in Policy.__struct_fields__:
+                a, b = getattr(event.previous, key), getattr(event.policy, key)
+                if a != b:
+                    changed.append(f"{key} {a} -> {b}")
+        what = ", ".join(changed) or "policy"
+    elif isinstance(event, (DomainDeclared, DomainChanged)):
+        what = event.spec.name
+    elif isinstance(event, DomainRetired):
+        what = event.domain
+    elif isinstance(event, (ModelDeclared, ModelChanged)):
+        what = f"{event.domain}/{event.spec.name}"
+    elif isinstance(event, ModelRetired):
+        what = f"{event.domain}/{event.model}"
+    elif isinstance(event, (TrainingDeclared, TrainingChanged)):
+        what = f"{event.domain}/{event.spec.slot}"
+    elif isinstance(event, TrainingRetired):
+        what = f"{event.domain}/{event.slot}"
+    elif isinstance(event, AdmissionDecided):
+        from haru.core.planner import format_gib
+
+        verdict = "admitted" if event.admitted else f"not admitted, short by {format_gib(event.short_by_bytes)}"
+        what = f"{event.domain}/{event.name}" + (" (training)" if event.kind == "training" else "") + f": {verdict}"
+        sign = "="
+    else:  # pragma: no cover - diff emits only the above
+        what = ""
+    return f"{sign} {tag} {what}".rstrip()
+
+
+# ------------------------------------------------------------------------------------------- shell
+
+
+@dataclass
+class ApplyResult:
+    fleet: str
+    plan: Plan
+    events: list[Event]  # the differences (appended unless dry_run)
+    seqs: list[int]  # their stream sequences ([] for a dry run or no change)
+    last_seq: int  # the decl subject's last sequence after apply (before, for a dry run)
+    dry_run: bool = False
+    attempts: int = 1
+
+
+async def apply(log: EventLog, layout: Layout, now: datetime, *, dry_run: bool = False, retries: int = DEFAULT_RETRIES,
+                by: str = "") -> ApplyResult:
+    """Append the differences between the log and `layout` to `haru.evt.<fleet>.decl`.
+
+    Each append carries the subject's expected last sequence. On Conflict (another writer appended),
+    re-read, re-diff, and try again, up to `retries` times; then the Conflict propagates.
+    """
+    subject = subjects.decl(layout.fleet)
+    the_plan = plan_layout(layout)
+    attempt = 0
+    while True:
+        attempt += 1
+        records = await log.history(subject)
+        last = records[-1].seq if records else 0
+        # The subject is the authority: an event that may not stand on the decl subject (a
+        # fleet_declared naming another fleet, anything but a declaration) is not a declaration.
+        current = fold_declarations(r.event for r in records if r.event is not None and not misplaced(r.subject, r.event))
+        events = diff(current, layout, the_plan, now, by=by)
+        if dry_run or not events:
+            return ApplyResult(layout.fleet, the_plan, events, [], last, dry_run=dry_run, attempts=attempt)
+        seqs: list[int] = []
+        try:
+            declared = declaration_seqs((r.seq, r.event) for r in records if r.event is not None)
+            for e in events:
+                e = with_cause(e, admission_cause(e, declared))
+                last = await log.append(subject, e, expect=last)
+                declared.update(declaration_seqs([(last, e)]))
+                seqs.append(last)
+        except Conflict:
+            if attempt > retries:
+                raise
+            continue
+        return ApplyResult(layout.fleet, the_plan, events, seqs, last, attempts=attempt)
+
+
+def waits_on_active(events: list[Event], active: str) -> list[str]:
+    """Pure: the `domain/model` changes that would interrupt a model the active domain serves (they roll
+    through the standby)."""
+    return [f"{e.domain}/{e.spec.name}" for e in events if isinstance(e, ModelChanged) and e.domain == active]
+
+
+def change_paths(events: list[Event], active: str) -> list[str]:
+    """Pure: the path each declared change takes to the running agents (`haru apply --dry-run` says it).
+
+    Agents that read the declarations apply model changes live (docs/agent.md, "Layouts applied live"):
+    a new model is started, a retired one stopped, a changed one replaced at once on the standby; on the
+    `active` domain a changed model keeps serving its old spec until that domain is the standby: `haru
+    apply` requests a rolling change, which promotes the standby and then replaces it there. Everything else is read when an agent starts.
+    """
+    lines = []
+    for e in events:
+        tag = tag_of(e)
+        domain = getattr(e, "domain", "")
+        if isinstance(e, ModelDeclared):
+            lines.append(f"{domain}/{e.spec.name}: new: started live (no restart; the other models see no event)")
+        elif isinstance(e, ModelRetired):
+            lines.append(f"{domain}/{e.model}: retired: stopped live (model_stopped)")
+        elif isinstance(e, ModelChanged):
+            if domain == active:
+                lines.append(f"{domain}/{e.spec.name}: changed on the ACTIVE domain: rolls through the standby (haru "
+                             f"apply requests a rolling change: the standby applies it, is woken, probed and promoted, "
+                             f"then {domain}, the standby now, is replaced); it keeps serving as it is until then")
+            else:
+                lines.append(f"{domain}/{e.spec.name}: changed on a standby: replaced live (stopped, loaded, put "
+                             f"back to sleep)")
+        elif tag.startswith("training_") or tag.startswith("domain_") or tag in ("policy_changed", "fleet_declared"):
+            what = getattr(e, "name", "") or getattr(getattr(e, "spec", None), "name", "") or getattr(e, "slot", "")
+            lines.append(f"{domain or 'fleet'}{'/' + what if what else ''}: {tag}: read when the agent starts "
+                         f"(restart it: its runtimes are adopted)")
+    return lines

@@ -1,0 +1,540 @@
+"""The declarative fleet layout: JSON in, a validated `haru.core.specs.Layout` out.
+
+Pure: no I/O except `load_layout`, which only reads the file. Every error is a
+`haru.core.errors.LayoutError` carrying the JSON path of the offending value (`$.domains[1].gpus[0].memory`)
+and the fix. The shape (documented with examples in docs/residency.md):
+
+    {
+      "_comment": "...",                       keys starting with "_" are comments, anywhere
+      "fleet": "default",
+      "policy": {"auto_failover": true, "sleep_residual_bytes": "512MiB", ...},
+      "domains": [                             two, mirroring the same model ids (or one: no failover)
+        {"name": "a", "provider": "static", "region": "local-1",
+         "serving_url": "http://127.0.0.1:18601", "serve": "agent",
+         "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB", "name": "L4"}],
+         "slots": [
+           {"name": "chat", "gpu": 0, "models": [
+              {"name": "qwen3.6:27b", "runtime": "vllm", "vram": "20GiB", "context_length": 32768,
+               "port": 18100, "source": "Qwen/...", "url": "", "binary": [...], "args": [...], "env": {}}]},
+           {"name": "lora", "kind": "training", "gpu": 0, "command": ["python", "train.py"],
+            "checkpoint_dir": "~/ckpt", "vram": "8GiB", "grace_ms": 10000}]}]
+    }
+
+Sizes are integers (bytes) or strings with a unit: binary `KiB MiB GiB TiB`, decimal `KB MB GB TB`,
+or `B`; `20GiB`, `44.2 GiB`, `512MiB`, `1.5GB`. Fractions are rounded to the nearest byte.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from haru.core.errors import InvalidName, LayoutError
+from haru.core.launch import ArgConflict, BadBinary, check_args, format_refusal, runtime_for
+from haru.core.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, Policy, ProvisionSpec, ServiceSpec, TrainingSpec
+from haru.core.subjects import check_model_id, check_name
+
+__all__ = ["parse_layout", "load_layout", "parse_size", "SIZE_UNITS"]
+
+_T = TypeVar("_T")
+
+SIZE_UNITS: dict[str, int] = {
+    "b": 1,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+
+# ----------------------------------------------------------------------------- allowed keys
+
+_TOP_KEYS = ("fleet", "policy", "domains")
+_DOMAIN_KEYS = ("name", "provider", "region", "serving_url", "serve", "gpus", "slots", "provision")
+_PROVISION_KEYS = tuple(ProvisionSpec.__struct_fields__)
+_SERVICE_KEYS = tuple(ServiceSpec.__struct_fields__)
+_GPU_KEYS = ("index", "memory", "reserve", "name")
+_INFERENCE_SLOT_KEYS = ("name", "kind", "gpu", "models")
+_TRAINING_SLOT_KEYS = ("name", "kind", "gpu", "command", "checkpoint_dir", "vram", "grace_ms")
+_MODEL_KEYS = ("name", "runtime", "vram", "context_length", "port", "source", "url", "binary", "args", "env",
+               "adapters", "gpu_layers")
+_POLICY_KEYS = tuple(Policy.__struct_fields__)
+
+Size = int | str
+
+
+class _Gpu(msgspec.Struct, forbid_unknown_fields=True):
+    index: int
+    memory: Size
+    reserve: Size = 0
+    name: str = ""
+
+
+class _Model(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    runtime: Literal["vllm", "llama_server", "external", ""] = ""  # "": follows the source's format
+    vram: Size = 0
+    context_length: int = 0
+    port: int = 0
+    source: str = ""
+    url: str = ""
+    binary: list[str] | str = []
+    args: list[str] = []
+    env: dict[str, str] = {}
+    adapters: dict[str, str] = {}
+    gpu_layers: int = -1
+
+
+class _Slot(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    kind: Literal["inference", "training"] = "inference"
+    gpu: int = 0
+    models: list[_Model] = []
+    command: list[str] = []
+    checkpoint_dir: str = ""
+    vram: Size = 0
+    grace_ms: int = 0
+
+
+class _Domain(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    provider: Literal["static", "skypilot", "skyserve"] = "static"
+    region: str = ""
+    serving_url: str = ""
+    serve: Literal["agent", "direct"] = "agent"
+    gpus: list[_Gpu] = []
+    slots: list[_Slot] = []
+    provision: dict[str, Any] | None = None
+
+
+class _Layout(msgspec.Struct, forbid_unknown_fields=True):
+    fleet: str
+    policy: dict[str, Any] = {}
+    domains: list[_Domain] = []
+
+
+# ---------------------------------------------------------------------------------- sizes
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a string with a unit (`20GiB`, `44.2 GiB`, `512MiB`, `1.5GB`).
+
+    Raises ValueError with a message saying what is accepted.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"size {value!r} is a boolean; give bytes or a string like '20GiB'")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size {value} is negative")
+        return value
+    if isinstance(value, str):
+        m = _SIZE.fullmatch(value)
+        if m is not None:
+            number, unit = m.group(1), m.group(2).lower() or "b"
+            if unit in SIZE_UNITS:
+                return round(float(number) * SIZE_UNITS[unit])
+            raise ValueError(
+                f"size {value!r} has unknown unit {m.group(2)!r}; use one of B, KiB, MiB, GiB, TiB, KB, MB, GB, TB"
+            )
+        raise ValueError(f"size {value!r} is not a number with a unit, like '20GiB', '44.2 GiB' or '512MiB'")
+    raise ValueError(f"size {value!r} must be an integer number of bytes or a string like '20GiB'")
+
+
+def _size(value: object, path: str, what: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise LayoutError(f"bad {what}: {exc}", path=path, fix="write bytes (20000000000) or a size like '20GiB'") from None
+
+
+# ---------------------------------------------------------------------------- unknown keys
+
+
+def _check_keys(obj: object, allowed: tuple[str, ...], path: str, what: str) -> dict[str, Any]:
+    """Refuse keys that are not in `allowed`; drop `_comment`-style keys. Returns the cleaned dict."""
+    if not isinstance(obj, dict):
+        raise LayoutError(f"{what} must be a JSON object, got {type(obj).__name__}", path=path,
+                          fix=f"write {what} as {{...}} with keys {', '.join(allowed)}")
+    out = {}
+    for key, value in obj.items():
+        if isinstance(key, str) and key.startswith("_"):
+            continue  # comments
+        if key not in allowed:
+            raise LayoutError(
+                f"unknown key {key!r} in {what}",
+                path=f"{path}.{key}",
+                fix=f"remove it or use one of: {', '.join(allowed)} (keys starting with '_' are comments)",
+            )
+        out[key] = value
+    return out
+
+
+def _clean(raw: object) -> dict[str, Any]:
+    top = _check_keys(raw, _TOP_KEYS, "$", "the layout")
+    if "policy" in top:
+        top["policy"] = _check_keys(top["policy"], _POLICY_KEYS, "$.policy", "policy")
+    domains = top.get("domains")
+    if isinstance(domains, list):
+        clean_domains = []
+        for i, d in enumerate(domains):
+            dp = f"$.domains[{i}]"
+            d = _check_keys(d, _DOMAIN_KEYS, dp, "a domain")
+            if isinstance(d.get("gpus"), list):
+                d["gpus"] = [_check_keys(g, _GPU_KEYS, f"{dp}.gpus[{j}]", "a GPU") for j, g in enumerate(d["gpus"])]
+            if isinstance(d.get("slots"), list):
+                slots = []
+                for j, s in enumerate(d["slots"]):
+                    sp = f"{dp}.slots[{j}]"
+                    kind = s.get("kind", "inference") if isinstance(s, dict) else "inference"
+                    if kind == "training":
+                        s = _check_keys(s, _TRAINING_SLOT_KEYS, sp, "a training slot")
+                    else:
+                        s = _check_keys(s, _INFERENCE_SLOT_KEYS, sp, "an inference slot")
+                        if isinstance(s.get("models"), list):
+                            s["models"] = [
+                                _check_keys(m, _MODEL_KEYS, f"{sp}.models[{k}]", "a model")
+                                for k, m in enumerate(s["models"])
+                            ]
+                    slots.append(s)
+                d["slots"] = slots
+            if "provision" in d:
+                d["provision"] = _check_keys(d["provision"], _PROVISION_KEYS, f"{dp}.provision", "provision")
+                if "service" in d["provision"]:
+                    d["provision"]["service"] = _check_keys(d["provision"]["service"], _SERVICE_KEYS,
+                                                            f"{dp}.provision.service", "provision.service")
+            clean_domains.append(d)
+        top["domains"] = clean_domains
+    return top
+
+
+def _convert(obj: object, typ: type[_T], path_prefix: str = "") -> _T:
+    try:
+        return msgspec.convert(obj, typ)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        message, sep, where = text.rpartition(" - at `")
+        if sep:
+            path = where.rstrip("`")
+            if path_prefix:
+                path = path_prefix + path[1:]
+        else:
+            message, path = text, path_prefix or "$"
+        raise LayoutError(message, path=path, fix="give the value the type named; see docs/residency.md") from None
+
+
+# ------------------------------------------------------------------------------------- parse
+
+
+def parse_layout(data: bytes | str | dict[str, Any]) -> Layout:
+    """Parse and validate a layout. Raises LayoutError(message, path=..., fix=...)."""
+    if isinstance(data, (bytes, bytearray, str)):
+        try:
+            raw = msgspec.json.decode(data)
+        except msgspec.DecodeError as exc:
+            raise LayoutError(f"the layout is not valid JSON: {exc}", path="$",
+                              fix="check the file with `python -m json.tool`") from None
+    else:
+        raw = data
+    cleaned = _clean(raw)
+    doc: _Layout = _convert(cleaned, _Layout)
+    try:
+        fleet = check_name("fleet", doc.fleet)
+    except InvalidName as exc:
+        raise LayoutError(str(exc), path="$.fleet", fix="name the fleet with lowercase letters, digits, '_' or '-'") from None
+    policy = _policy(doc.policy)
+    domains = [_domain(d, i, policy) for i, d in enumerate(doc.domains)]
+    _check_fleet(domains)
+    return Layout(fleet=fleet, policy=policy, domains=domains)
+
+
+def load_layout(path: str | os.PathLike[str]) -> Layout:
+    """Read and parse a layout file. A missing file is a LayoutError naming it."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise LayoutError(f"cannot read layout file {os.fspath(path)!r}: {exc.strerror}", path="$",
+                          fix="pass the path of a layout JSON file, e.g. deploy/examples/demo-fleet.json") from None
+    return parse_layout(data)
+
+
+def _policy(raw: dict[str, Any]) -> Policy:
+    values = dict(raw)
+    for key in values:
+        if key.endswith("_bytes"):
+            values[key] = _size(values[key], f"$.policy.{key}", key)
+    policy = _convert(values, Policy, "$.policy")
+    for key in Policy.__struct_fields__:
+        value = getattr(policy, key)
+        if not isinstance(value, bool) and isinstance(value, int) and value < 0:
+            raise LayoutError(f"policy {key} is negative ({value})", path=f"$.policy.{key}", fix="use 0 or more")
+    return policy
+
+
+def _name(kind: str, value: str, path: str) -> str:
+    try:
+        return check_name(kind, value)
+    except InvalidName as exc:
+        raise LayoutError(str(exc), path=path, fix=f"name the {kind} with lowercase letters, digits, '_' or '-'") from None
+
+
+def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
+    dp = f"$.domains[{i}]"
+    name = _name("domain", d.name, f"{dp}.name")
+    if d.serving_url and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", d.serving_url):
+        raise LayoutError(f"serving_url {d.serving_url!r} is not an http(s) URL", path=f"{dp}.serving_url",
+                          fix="write it like 'http://10.0.0.5:8600'")
+    gpus: list[GpuSpec] = []
+    seen_gpus: dict[int, int] = {}
+    for j, g in enumerate(d.gpus):
+        gp = f"{dp}.gpus[{j}]"
+        if g.index < 0:
+            raise LayoutError(f"GPU index {g.index} is negative", path=f"{gp}.index", fix="use the NVML index, 0 or more")
+        if g.index in seen_gpus:
+            raise LayoutError(f"GPU index {g.index} is declared twice on domain {name!r}", path=f"{gp}.index",
+                              fix=f"remove the duplicate or change its index (first at {dp}.gpus[{seen_gpus[g.index]}])")
+        seen_gpus[g.index] = j
+        memory = _size(g.memory, f"{gp}.memory", "GPU memory")
+        reserve = _size(g.reserve, f"{gp}.reserve", "GPU reserve")
+        if memory <= 0:
+            raise LayoutError(f"GPU {g.index} memory is {memory} bytes", path=f"{gp}.memory",
+                              fix="declare the card's memory, e.g. '24GiB'")
+        if reserve > memory:
+            raise LayoutError(f"GPU {g.index} reserve ({reserve} bytes) exceeds its memory ({memory} bytes)",
+                              path=f"{gp}.reserve", fix="lower the reserve below the card's memory")
+        gpus.append(GpuSpec(index=g.index, memory_bytes=memory, reserve_bytes=reserve, name=g.name))
+    if not gpus:
+        raise LayoutError(f"domain {name!r} declares no GPUs", path=f"{dp}.gpus",
+                          fix='add "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB"}]')
+
+    gpu_memory = {g.index: g.memory_bytes for g in gpus}
+    models: list[ModelSpec] = []
+    training: list[TrainingSpec] = []
+    seen_slots: dict[str, str] = {}
+    seen_models: dict[str, str] = {}
+    seen_ports: dict[int, str] = {}
+    for j, s in enumerate(d.slots):
+        sp = f"{dp}.slots[{j}]"
+        slot = _name("slot", s.name, f"{sp}.name")
+        if slot in seen_slots:
+            raise LayoutError(f"slot {slot!r} is declared twice on domain {name!r}", path=f"{sp}.name",
+                              fix=f"give each slot its own name (first at {seen_slots[slot]})")
+        seen_slots[slot] = sp
+        if s.gpu not in seen_gpus:
+            raise LayoutError(
+                f"slot {slot!r} is on GPU {s.gpu}, which domain {name!r} does not declare",
+                path=f"{sp}.gpu",
+                fix=f"use one of the domain's GPU indexes ({', '.join(map(str, sorted(seen_gpus)))}) or declare GPU {s.gpu}",
+            )
+        if s.kind == "training":
+            if not s.command:
+                raise LayoutError(f"training slot {slot!r} has no command", path=f"{sp}.command",
+                                  fix='give the argv to run, e.g. ["python", "train.py"]')
+            if not s.checkpoint_dir.strip():
+                raise LayoutError(f"training slot {slot!r} has no checkpoint_dir", path=f"{sp}.checkpoint_dir",
+                                  fix="give the directory it checkpoints to (passed as HARU_CHECKPOINT_DIR)")
+            if s.grace_ms < 0:
+                raise LayoutError(f"training slot {slot!r} grace_ms is negative", path=f"{sp}.grace_ms",
+                                  fix=f"use 0 (the policy's {policy.training_grace_ms} ms) or more")
+            vram = _size(s.vram, f"{sp}.vram", "training VRAM")
+            if vram <= 0:
+                raise LayoutError(f"training slot {slot!r} declares no VRAM budget", path=f"{sp}.vram",
+                                  fix='declare what it may use, e.g. "vram": "8GiB"')
+            training.append(TrainingSpec(slot=slot, gpu_index=s.gpu, command=list(s.command),
+                                         checkpoint_dir=s.checkpoint_dir, vram_bytes=vram, grace_ms=s.grace_ms))
+            continue
+        if not s.models:
+            raise LayoutError(f"inference slot {slot!r} has no models", path=f"{sp}.models",
+                              fix='add "models": [{"name": "...", "vram": "..."}] or remove the slot')
+        for k, m in enumerate(s.models):
+            mp = f"{sp}.models[{k}]"
+            try:
+                check_model_id(m.name)
+            except InvalidName as exc:
+                raise LayoutError(str(exc), path=f"{mp}.name",
+                                  fix="use the exact OpenAI model id clients send, with no whitespace") from None
+            if m.name in seen_models:
+                raise LayoutError(f"model {m.name!r} is declared twice on domain {name!r}", path=f"{mp}.name",
+                                  fix=f"declare each model once per domain (first at {seen_models[m.name]})")
+            seen_models[m.name] = mp
+            runtime = m.runtime or runtime_for(m.source, m.url)
+            vram = _size(m.vram, f"{mp}.vram", "model VRAM")
+            if runtime != "external" and vram <= 0:
+                raise LayoutError(f"model {m.name!r} declares no VRAM", path=f"{mp}.vram",
+                                  fix='declare what its runtime holds on the GPU, e.g. "vram": "20GiB"')
+            if runtime == "external" and not m.url:
+                raise LayoutError(f"external model {m.name!r} has no url", path=f"{mp}.url",
+                                  fix='give the base URL of the running endpoint, e.g. "http://10.0.0.5:8000"')
+            if d.serve == "direct" and runtime != "external" and not m.port:
+                raise LayoutError(f"model {m.name!r} has no port, and domain {name!r} serves direct",
+                                  path=f"{mp}.port", fix="give each runtime the port routers reach it on, or use serve: agent")
+            if not 0 <= m.port <= 65535:
+                raise LayoutError(f"port {m.port} is out of range", path=f"{mp}.port", fix="use 1..65535 (0 = unset)")
+            if m.port:
+                if m.port in seen_ports and runtime != "external":
+                    raise LayoutError(f"port {m.port} is used twice on domain {name!r}", path=f"{mp}.port",
+                                      fix=f"give each runtime its own port (first used by {seen_ports[m.port]})")
+                if runtime != "external":
+                    seen_ports[m.port] = mp
+            if m.context_length < 0:
+                raise LayoutError("context_length is negative", path=f"{mp}.context_length", fix="use 0 (runtime default) or more")
+            binary = [m.binary] if isinstance(m.binary, str) else list(m.binary)
+            model = ModelSpec(name=m.name, slot=slot, gpu_index=s.gpu, runtime=runtime, vram_bytes=vram,
+                             context_length=m.context_length, port=m.port, source=m.source, url=m.url,
+                             binary=binary, args=list(m.args), env=dict(m.env), adapters=dict(m.adapters),
+                             gpu_layers=m.gpu_layers)
+            _check_launch(model, m.runtime, mp, gpu_memory.get(s.gpu, 0))
+            models.append(model)
+    provision = _provision(d, name, dp) if d.provision is not None else None
+    spec = DomainSpec(name=name, provider=d.provider, region=d.region, serving_url=d.serving_url, serve=d.serve,
+                      gpus=gpus, provision=provision)
+    return Domain(spec=spec, models=models, training=training)
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ACCELERATORS = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(:\d+(\.\d+)?)?")
+_CLUSTER = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_PLACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# What the default run command reads (haru.provision.skypilot): an operator's env may not shadow it.
+RESERVED_ENVS = ("HARU_AGENT_CONFIG",)
+
+
+def _provision(d: _Domain, name: str, dp: str) -> ProvisionSpec:
+    """The `provision` block of a skypilot/skyserve domain, checked where the mistake is made."""
+    pp = f"{dp}.provision"
+    if d.provider == "static":
+        raise LayoutError(f"domain {name!r} is static but declares provision", path=pp,
+                          fix='set "provider": "skypilot" (or "skyserve") to launch it, or remove provision')
+    raw = dict(d.provision or {})
+    service_given = "service" in raw
+    p: ProvisionSpec = _convert(raw, ProvisionSpec, pp)
+    if service_given and d.provider != "skyserve":
+        raise LayoutError(f"domain {name!r} declares provision.service but its provider is {d.provider}",
+                          path=f"{pp}.service", fix='use "provider": "skyserve", or remove service')
+    if p.accelerators and not _ACCELERATORS.fullmatch(p.accelerators):
+        raise LayoutError(f"accelerators {p.accelerators!r} is not SkyPilot's NAME[:COUNT]", path=f"{pp}.accelerators",
+                          fix='write it like "L4:1" or "A100-80GB:8"')
+    for key in ("regions", "zones"):
+        for i, value in enumerate(getattr(p, key)):
+            if not _PLACE.fullmatch(value):
+                raise LayoutError(f"{key[:-1]} {value!r} is not a region or zone name", path=f"{pp}.{key}[{i}]",
+                                  fix="write the cloud's name for it, e.g. us-east-1 or us-east-1a")
+    if p.regions and p.zones:
+        raise LayoutError("provision gives both regions and zones", path=f"{pp}.zones",
+                          fix="give zones (tried in order) or regions (tried in order), not both")
+    if d.region and p.regions and d.region not in p.regions:
+        raise LayoutError(f"the domain's region {d.region!r} is not among provision.regions {p.regions}",
+                          path=f"{pp}.regions", fix=f"add {d.region!r} to regions or change the domain's region")
+    for i, port in enumerate(p.ports):
+        if not 1 <= port <= 65535:
+            raise LayoutError(f"port {port} is out of range", path=f"{pp}.ports[{i}]", fix="use 1..65535")
+    for key in ("disk_size_gb", "launch_timeout_s", "status_timeout_s", "down_timeout_s"):
+        value = getattr(p, key)
+        if value < 0 or (value == 0 and key != "disk_size_gb"):
+            raise LayoutError(f"{key} is {value}", path=f"{pp}.{key}",
+                              fix="use a positive number" + (" (0 = SkyPilot's default)" if key == "disk_size_gb" else ""))
+    for key in p.envs:
+        if not _ENV_NAME.fullmatch(key) or key in RESERVED_ENVS:
+            raise LayoutError(f"env name {key!r} cannot be used", path=f"{pp}.envs.{key}",
+                              fix="use letters, digits and '_', not starting with a digit, and not "
+                                  + ", ".join(RESERVED_ENVS) + " (the run command reads it)")
+    for i, key in enumerate(p.secrets):
+        if not _ENV_NAME.fullmatch(key) or key in RESERVED_ENVS:
+            raise LayoutError(f"secret name {key!r} cannot be used", path=f"{pp}.secrets[{i}]",
+                              fix="name an environment variable of the launching process (letters, digits, '_')")
+        if key in p.envs:
+            raise LayoutError(f"{key!r} is both an env and a secret", path=f"{pp}.secrets[{i}]",
+                              fix="declare it once: as a secret when it is a credential")
+    if p.cluster and not _CLUSTER.fullmatch(p.cluster):
+        raise LayoutError(f"cluster name {p.cluster!r} is not a valid SkyPilot cluster name", path=f"{pp}.cluster",
+                          fix="use lowercase letters, digits and '-', starting with a letter")
+    if not p.run and not p.nats_url:
+        raise LayoutError(f"domain {name!r} launches an agent but gives no NATS URL for it", path=f"{pp}.nats_url",
+                          fix='add "nats_url": "nats://<control plane>:4222", the address the launched host reaches')
+    if p.service.replicas < 1:
+        raise LayoutError(f"service replicas is {p.service.replicas}", path=f"{pp}.service.replicas", fix="use 1 or more")
+    if not p.service.readiness_path.startswith("/"):
+        raise LayoutError(f"readiness_path {p.service.readiness_path!r} is not a path", path=f"{pp}.service.readiness_path",
+                          fix='write it like "/health"')
+    return p
+
+
+def _check_launch(spec: ModelSpec, named: str, mp: str, gpu_memory_bytes: int) -> None:
+    """The runtime can serve the model's format, and the model's args do not contradict its plan."""
+    why = format_refusal(spec.runtime, spec.source, spec.name)
+    if why:
+        other = runtime_for(spec.source, spec.url) if spec.source else ""
+        if spec.runtime == "vllm" and not spec.source:
+            fix = "set source to the model directory or Hugging Face repository id vLLM loads"
+        elif other and other != spec.runtime:
+            fix = f'use "runtime": "{other}", or a source that {spec.runtime} serves'
+        else:
+            fix = "set source to the .gguf file llama-server loads" if spec.runtime == "llama_server" else \
+                "set source to a model directory or a Hugging Face repository id"
+        path = f"{mp}.runtime" if named and spec.source else f"{mp}.source"
+        raise LayoutError(f"model {spec.name!r} cannot run on {spec.runtime}: {why}", path=path, fix=fix)
+    if spec.gpu_layers < -1:
+        raise LayoutError(f"gpu_layers {spec.gpu_layers} is negative", path=f"{mp}.gpu_layers",
+                          fix="use -1 (every layer, the default), 0 (CPU only) or a layer count")
+    if spec.gpu_layers >= 0 and spec.runtime != "llama_server":
+        raise LayoutError(f"gpu_layers is a llama-server setting; model {spec.name!r} runs on {spec.runtime}",
+                          path=f"{mp}.gpu_layers", fix="remove it")
+    for adapter, path in spec.adapters.items():
+        if spec.runtime not in ("vllm", "llama_server"):
+            raise LayoutError(f"model {spec.name!r} runs on {spec.runtime}, which Haru does not launch, so it "
+                              "cannot load adapters", path=f"{mp}.adapters", fix="remove them")
+        if not adapter.strip() or not path.strip() or "=" in adapter or " " in adapter:
+            raise LayoutError(f"adapter {adapter!r} -> {path!r} needs a name without spaces or '=' and a path",
+                              path=f"{mp}.adapters", fix='write "adapters": {"sql-lora": "/srv/loras/sql"}')
+    visible = spec.env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and spec.runtime != "external" and str(spec.gpu_index) not in [v.strip() for v in visible.split(",")]:
+        # A tensor-parallel model may name several GPUs, but the plan's GPU must be one of them.
+        raise LayoutError(f"env CUDA_VISIBLE_DEVICES={visible!r} does not include the plan's GPU {spec.gpu_index} "
+                          f"(the slot's gpu)", path=f"{mp}.env.CUDA_VISIBLE_DEVICES",
+                          fix="remove it (the agent pins the runtime to its slot's GPU), or move the slot to the GPU it names")
+    try:
+        check_args(spec, gpu_memory_bytes)
+    except ArgConflict as exc:
+        raise LayoutError(f"model {spec.name!r}: {exc}", path=f"{mp}.args[{exc.index}]", fix=exc.fix) from None
+    except BadBinary as exc:
+        raise LayoutError(f"model {spec.name!r}: {exc}", path=f"{mp}.binary",
+                          fix='name vllm itself ("binary": ["/opt/vllm/bin/vllm"]), or its interpreter with '
+                              '"-m", "vllm.entrypoints.openai.api_server"; or remove binary (the managed vLLM, '
+                              'else vllm from PATH)') from None
+
+
+def _check_fleet(domains: list[Domain]) -> None:
+    if len(domains) == 1:
+        return  # a single-domain fleet (`haru serve`): routed to its one domain, with nothing to fail over to
+    if len(domains) != 2:
+        if len(domains) < 2:
+            message = f"a fleet has one or two failure domains; this layout declares {len(domains)}"
+            fix = "declare a domain with its GPUs and models (and a second that mirrors it, for failover)"
+        else:
+            message = f"a fleet has exactly two failure domains (an active and a standby); this layout declares {len(domains)}"
+            fix = "split the extra domains into another fleet"
+        raise LayoutError(message, path="$.domains", fix=fix)
+    a, b = domains
+    if a.spec.name == b.spec.name:
+        raise LayoutError(f"both domains are named {a.spec.name!r}", path="$.domains[1].name",
+                          fix="give the two domains different names")
+    ma = [m.name for m in a.models]
+    mb = [m.name for m in b.models]
+    if set(ma) != set(mb):
+        only_a = [m for m in ma if m not in set(mb)]
+        only_b = [m for m in mb if m not in set(ma)]
+        if only_a:
+            message = f"domain {b.spec.name!r} does not mirror {', '.join(map(repr, only_a))} declared on {a.spec.name!r}"
+            path = "$.domains[1].slots"
+        else:
+            message = f"domain {a.spec.name!r} does not mirror {', '.join(map(repr, only_b))} declared on {b.spec.name!r}"
+            path = "$.domains[0].slots"
+        raise LayoutError(message, path=path,
+                          fix="declare the same model ids on both domains: the standby must be able to serve what the active serves")

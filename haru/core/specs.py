@@ -1,0 +1,183 @@
+"""The declared shape of a fleet, as frozen values.
+
+These are what an operator declares (parsed and validated by `haru.core.layout`) and what the
+declaration events carry (`haru.core.events`). Sizes are bytes. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Runtime = Literal["vllm", "llama_server", "external"]
+
+# Which runtimes have a sleep mode (weights out of VRAM, process kept). One without it serves the
+# standby role resident: asking it to sleep is a no-op, and an awake model of such a runtime is not a
+# reason to demote a standby. `agents.runtimes` classes carry the same bit (`can_sleep`; a unit test
+# holds them to this table).
+SLEEP_MODE: dict[str, bool] = {"vllm": True, "llama_server": False, "external": False}
+
+
+def can_sleep(runtime: str) -> bool:
+    return SLEEP_MODE.get(runtime, False)
+Provider = Literal["static", "skypilot", "skyserve"]
+Serve = Literal["agent", "direct"]
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
+    """A fleet's policy. Every wait in Haru has its bound here (except Loading, which reports)."""
+
+    auto_failover: bool = True
+    # Heartbeat silence past this makes the promoter write `domain_unreachable`.
+    heartbeat_timeout_ms: int = 5_000
+    # A degraded active (a served model lost for a reason other than gpu_detached) is failed after this.
+    degraded_grace_ms: int = 60_000
+    # Default SIGTERM-to-SIGKILL grace for training slots that do not declare their own.
+    training_grace_ms: int = 10_000
+    # Restart backoff for a runtime whose process exited: initial, doubled per attempt, capped.
+    restart_backoff_ms: int = 1_000
+    restart_backoff_max_ms: int = 30_000
+    # How often an agent probes resident models.
+    probe_interval_ms: int = 5_000
+    # What a sleeping runtime keeps resident on its GPU (CUDA context and allocator residue).
+    sleep_residual_bytes: int = 512 * MiB
+    # Bound on one command round trip from the promoter to an agent.
+    command_timeout_ms: int = 30_000
+    # Bound on waking a runtime (level-1 wake of a 235B model is ~6 s; leave room).
+    wake_timeout_ms: int = 120_000
+    # Bound on a one-token probe completion.
+    probe_timeout_ms: int = 30_000
+    # Bound on a rolling change's apply steps: a domain reloading the models the layout changed
+    # (a cold load of a real vLLM model took 21-98 s here; leave room).
+    apply_timeout_ms: int = 600_000
+    # Provisioning (docs/provisioning.md). After a failover, replace the failed domain's host (a
+    # skypilot/skyserve domain) with a new one, made the standby. Off by default.
+    auto_replace: bool = False
+    # At most this many automatic launches per fleet in any hour (0 = no cap). Manual requests are not capped.
+    max_launches_per_hour: int = 0
+    # After a provisioning operation aborted, no automatic replace for this long (0 = the usual retry backoff).
+    launch_cooldown_ms: int = 0
+    # Bounds of the provisioning steps: launch (every placement tried), join (agent heard, models
+    # loaded), down (every cluster of the domain torn down).
+    launch_timeout_ms: int = 3_600_000
+    join_timeout_ms: int = 1_800_000
+    teardown_timeout_ms: int = 900_000
+
+
+class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    memory_bytes: int
+    reserve_bytes: int = 0
+    name: str = ""
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One model, served by its own runtime process on one GPU."""
+
+    name: str  # the OpenAI model id clients send, matched exactly
+    slot: str
+    gpu_index: int
+    runtime: Runtime = "vllm"  # the layout infers it from `source` when not named (haru.core.launch.runtime_for)
+    vram_bytes: int = 0
+    context_length: int = 0
+    port: int = 0  # the runtime's loopback port (or the remote port for `external`)
+    # What the runtime loads: a HF repo or directory for vLLM, a GGUF path for llama-server.
+    source: str = ""
+    # For `external`: the base URL of an already-running OpenAI-compatible endpoint.
+    url: str = ""
+    # The executable, when not the default (`vllm`, `llama-server`); the simulator is used this way.
+    binary: list[str] = []
+    args: list[str] = []
+    env: dict[str, str] = {}
+    # LoRA adapters served beside the base model: adapter name (a model id clients may send) -> path.
+    adapters: dict[str, str] = {}
+    # llama-server: how many layers to offload to the GPU; -1 = all of them (`-ngl 999`).
+    gpu_layers: int = -1
+
+
+class TrainingSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A preemptible training workload that runs only while its domain is standby."""
+
+    slot: str
+    gpu_index: int
+    command: list[str]
+    checkpoint_dir: str
+    vram_bytes: int = 0
+    grace_ms: int = 0  # 0 = the policy's training_grace_ms
+
+
+class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """SkyServe's part of a `provider: skyserve` domain: replicas and the readiness probe."""
+
+    replicas: int = 1
+    readiness_path: str = "/health"
+    # How long SkyServe waits before probing a new replica: the agent's set-up and model loads.
+    initial_delay_s: int = 1200
+
+
+class ProvisionSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """How a `provider: skypilot | skyserve` domain is launched (haru.provision turns it into YAML).
+
+    Clouds, regions and zones are placement constraints handed to SkyPilot; Haru calls no cloud SDK.
+    Secrets are named here, never valued: their values come from the launching process's
+    environment at launch time and reach SkyPilot as `--secret NAME`.
+    """
+
+    cloud: str = ""  # "aws", "gcp", ...; "" = any cloud SkyPilot has credentials for
+    regions: list[str] = []  # tried in order (a capacity error moves to the next); [] = the domain's region
+    zones: list[str] = []  # tried in order instead of regions when given
+    accelerators: str = ""  # SkyPilot's form: "L4:1", "A100-80GB:8"
+    use_spot: bool = False
+    disk_size_gb: int = 0  # 0 = SkyPilot's default
+    image_id: str = ""  # e.g. "docker:vllm/vllm-openai:v0.8.5" or a cloud image id
+    cpus: str = ""  # "8", "8+"
+    memory: str = ""  # GB: "32", "32+"
+    ports: list[int] = []  # [] = the agent's serving port
+    setup: str = ""  # "" = install haru (haru.provision.skypilot.DEFAULT_SETUP)
+    run: str = ""  # "" = write the agent config from $HARU_AGENT_CONFIG and exec `haru agent`
+    envs: dict[str, str] = {}
+    secrets: list[str] = []  # names of environment variables passed as SkyPilot secrets
+    nats_url: str = ""  # the NATS URL(s) as the launched host reaches them (the agent's nats_url)
+    cluster: str = ""  # "" = haru-<fleet>-<domain>; the SkyServe service name for skyserve
+    launch_timeout_s: int = 1800
+    status_timeout_s: int = 120
+    down_timeout_s: int = 900
+    service: ServiceSpec = ServiceSpec()
+
+
+class DomainSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One failure domain: its provider, where it serves, and its GPUs (slots are declared apart)."""
+
+    name: str
+    provider: Provider = "static"
+    region: str = ""
+    serving_url: str = ""
+    serve: Serve = "agent"
+    gpus: list[GpuSpec] = []
+    # For provider skypilot/skyserve: how to launch it (None for static hosts, and for a cloud domain
+    # declared before provisioning was wired in: `haru provision` then says what to add).
+    provision: ProvisionSpec | None = None
+
+
+class Domain(msgspec.Struct, frozen=True, kw_only=True):
+    """A domain with its models and training slots, as a layout declares it."""
+
+    spec: DomainSpec
+    models: list[ModelSpec] = []
+    training: list[TrainingSpec] = []
+
+
+class Layout(msgspec.Struct, frozen=True, kw_only=True):
+    fleet: str
+    policy: Policy = Policy()
+    domains: list[Domain] = []
+
+    def domain(self, name: str) -> Domain | None:
+        for d in self.domains:
+            if d.spec.name == name:
+                return d
+        return None

@@ -1,0 +1,189 @@
+"""The projected read side: `FleetView` (stored in KV `haru_views`, key `fleet.<slug>`) and
+`RouteIntent` (published on `haru.route.<fleet>`, stream HARU_ROUTE).
+
+A FleetView is a fact sheet folded from the log by `haru.core.fold` (the `Folder`; `evolve` specifies it); it carries `seq`,
+the last HARU_EVENTS sequence it folded, so a stale projector cannot overwrite a newer view.
+A RouteIntent is a pure function of a FleetView (`haru.core.intents.intent`): the provider-neutral
+answer that routers act on.
+
+All values are frozen msgspec Structs, JSON on the wire, so `nats kv get haru_views fleet.default`
+is readable.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+import msgspec
+
+from haru.core.events import GpuProcess, GpuUsage
+from haru.core.residency import UNKNOWN, Answer, Residency
+from haru.core.specs import Policy
+
+_EMPTY_POLICY = Policy()
+
+
+class GpuView(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    memory_bytes: int = 0  # declared
+    reserve_bytes: int = 0  # declared
+    name: str = ""
+    present: bool | None = None  # observed (None = never observed, or no NVML)
+    memory_total_bytes: int = 0  # observed
+    memory_used_bytes: int = 0  # observed
+    processes: list[int] = []  # observed compute PIDs
+    mig: bool = False
+    observed_at: datetime | None = None
+    usage: list[GpuUsage] = []  # observed: what each runtime/trainer holds vs its plan (over_plan = anomaly)
+    foreign: list[GpuProcess] = []  # observed: memory held by processes Haru did not start
+    accounted: bool = False  # the per-process figures were read (False: no NVML or not attributable)
+
+
+class ModelView(msgspec.Struct, frozen=True, kw_only=True):
+    """One model on one domain: what was declared, what the planner said, and its residency."""
+
+    name: str
+    slot: str = ""
+    gpu_index: int = 0
+    runtime: str = "vllm"
+    vram_bytes: int = 0
+    port: int = 0
+    url: str = ""  # for `serve: direct` domains and `external` runtimes: where to reach it
+    admitted: bool | None = None  # None = no admission decided yet
+    short_by_bytes: int = 0
+    residency: Residency = UNKNOWN
+
+
+class TrainingView(msgspec.Struct, frozen=True, kw_only=True):
+    slot: str
+    gpu_index: int = 0
+    vram_bytes: int = 0
+    admitted: bool | None = None
+    short_by_bytes: int = 0
+    running: bool = False
+    pid: int = 0
+    since: datetime | None = None  # started at, or stopped at
+    last_stop: str = ""  # exited | terminated | killed
+    last_exit_code: int | None = None
+
+
+class AgentView(msgspec.Struct, frozen=True, kw_only=True):
+    running: bool = False
+    host: str = ""
+    pid: int = 0
+    version: str = ""
+    serving_url: str = ""
+    since: datetime | None = None
+
+
+class DomainView(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    provider: str = "static"
+    region: str = ""
+    serving_url: str = ""
+    serve: str = "agent"
+    gpus: list[GpuView] = []
+    models: dict[str, ModelView] = {}  # in declaration order
+    training: dict[str, TrainingView] = {}
+    agent: AgentView = AgentView()
+    reachable: bool | None = None  # None: no liveness verdict yet
+    reachability_since: datetime | None = None
+    eligible: bool = True  # may serve as standby (set by eligibility_changed)
+    ineligible_why: str = ""
+
+
+StepState = Literal["started", "completed", "failed"]
+
+
+class StepView(msgspec.Struct, frozen=True, kw_only=True):
+    step: str
+    state: StepState
+    attempt: int = 1
+    detail: str = ""
+    error_code: str = ""
+    error: str = ""
+    took_ms: int = 0
+    at: datetime | None = None
+    seq: int = 0
+
+
+class OperationView(msgspec.Struct, frozen=True, kw_only=True):
+    op_id: str
+    kind: str  # promotion | demotion | ... (haru.core.events.OPERATION_REQUESTS)
+    target: str
+    source: str = ""
+    reason: str = "manual"
+    detail: str = ""
+    state: Literal["running", "completed", "aborted"] = "running"
+    steps: list[StepView] = []
+    error: str = ""
+    requested_at: datetime | None = None
+    finished_at: datetime | None = None
+    seq: int = 0  # sequence of the request event
+    route_revision: int = 0  # the route revision it was decided against
+    decl_seq: int = 0  # a rolling change: the declarations it rolls out
+
+
+class FleetView(msgspec.Struct, frozen=True, kw_only=True):
+    fleet: str
+    policy: Policy = _EMPTY_POLICY
+    domains: dict[str, DomainView] = {}
+    active: str = ""  # the routing pointer ('' = no route_moved yet)
+    route_revision: int = 0  # sequence of the last route_moved
+    route_moved_at: datetime | None = None
+    operation: OperationView | None = None  # the one in flight, if any
+    last_operation: OperationView | None = None  # the last one that finished
+    declined: str = ""  # the last failover_declined, why
+    seq: int = 0  # the last HARU_EVENTS sequence folded into this view
+    updated_at: datetime | None = None  # `at` of that event
+    # Last sequence on each fleet-level subject: writers still re-read before appending.
+    decl_seq: int = 0
+    op_seq: int = 0
+    route_seq: int = 0
+    # Events the fold could not apply as written (an illegal residency transition, an event about
+    # an undeclared model): folded leniently or skipped, and counted here so `haru status` says so.
+    anomalies: int = 0
+    last_anomaly: str = ""
+    # The stream sequence up to which this view is complete (0 = just `seq`). A projector advances
+    # it on idle fleets now and then, so a restart resumes from min(max(seq, checkpoint)) + 1
+    # across fleets instead of from the last event of the quietest fleet.
+    checkpoint: int = 0
+
+    def standby(self) -> str:
+        """The domain that is not active ('' when there is no active or no second domain)."""
+        for name in self.domains:
+            if name != self.active:
+                return name
+        return ""
+
+
+class Target(msgspec.Struct, frozen=True, kw_only=True):
+    """One domain as routers see it."""
+
+    domain: str
+    serving_url: str = ""
+    serve: str = "agent"
+    reachable: bool | None = None
+    eligible: bool = True
+    why: str = ""  # why not eligible / degraded
+    degraded: bool = False
+    degraded_since: datetime | None = None
+    model_urls: dict[str, str] = {}  # `serve: direct`: per-model URLs
+
+
+class RouteIntent(msgspec.Struct, frozen=True, kw_only=True):
+    """The provider-neutral routing answer for one fleet."""
+
+    fleet: str
+    revision: int = 0  # sequence of the last route_moved (0 = never routed)
+    active: Target | None = None
+    standby: Target | None = None
+    answers: dict[str, Answer] = {}  # one per model on the active domain
+    operation: str = ""  # op_id of the operation in flight
+    view_seq: int = 0  # the view it was computed from
+
+
+view_encoder = msgspec.json.Encoder()
+view_decoder = msgspec.json.Decoder(FleetView)
+intent_decoder = msgspec.json.Decoder(RouteIntent)

@@ -1,0 +1,7 @@
+"""The event-log seam: the one place that speaks JetStream for events, views and intents.
+
+The declared Protocols every service is typed against, the JetStream implementation, the in-memory
+twin the tests hand to the same services, the core-NATS bus (heartbeats, liveness, agent commands),
+the one follower, history (chain verification, causal trees) and the bounded reads. Imports only
+the core.
+"""

@@ -1,0 +1,228 @@
+"""`RouteWatcher`: what a router embeds to follow a fleet's route intents.
+
+    async with RouteWatcher(["nats://127.0.0.1:4222"], "default") as w:
+        w.current                      # the last RouteIntent on start (None: never published)
+        async for ri in w:             # the current one first (if any), then every change, in order
+            ...
+
+It reads the last intent on `haru.route.<fleet>` on start and then follows the subject with an
+ordered consumer (`EventLog.watch_intents`), so a router sees every published intent in stream
+order with no gap, across projector restarts (the stream keeps the history; the projector
+publishes one intent per route pointer move). `w.current` is always the newest intent received,
+even when nobody iterates. Intents are published with `for_ms=0` on warming answers:
+`w.current_at(now)` (or `haru.core.intents.at`) recomputes it from `since`.
+
+Start: the watcher reads the last intent, subscribes, and waits for the subscription's first
+delivery (the last intent again, or a newer one), so `current` is the newest intent once the
+subscription is live. A fleet with no intent at all cannot be waited for: if two intents are
+published in the milliseconds before the subscription is live, only the second is delivered. The
+projector publishes an intent for each fleet as soon as it folds its declaration, so this only
+concerns a watcher started before the fleet was ever projected.
+
+A watcher may be given an `EventLog` it shares (not closed on exit) or server URLs (it connects
+and closes its own). Several iterators over one watcher are not supported: one consumer a watcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+from haru.core.errors import HaruError
+from haru.log.eventlog import EventLog
+from haru.core.subjects import check_name
+from haru.host.tasks import cancel_and_wait
+from haru.core.views import RouteIntent, intent_decoder
+
+__all__ = ["RouteWatcher", "refresh"]
+
+_END = object()
+
+
+def refresh(ri: RouteIntent, now: datetime) -> RouteIntent:
+    """The intent as of `now`: `for_ms` of warming answers recomputed from their `since`."""
+    answers = ri.answers
+    if not any(a.answer == "warming" and a.since is not None for a in answers.values()):
+        return ri
+    fresh = {}
+    for name, a in answers.items():
+        if a.answer == "warming" and a.since is not None:
+            a = msgspec.structs.replace(a, for_ms=max(0, int((now - a.since).total_seconds() * 1000)))
+        fresh[name] = a
+    return msgspec.structs.replace(ri, answers=fresh)
+
+
+class RouteWatcher:
+    """The current route intent of one fleet, then every change, in order."""
+
+    def __init__(
+        self,
+        source: EventLog | list[str] | str,
+        fleet: str,
+        *,
+        creds: str | None = None,
+        writer: str = "route-watcher",
+        stall_interval: float = 1.0,
+    ) -> None:
+        self.fleet = check_name("fleet", fleet)
+        self.stall_interval = stall_interval  # 0 = never check for a stalled subscription
+        self._source = source
+        self._creds = creds
+        self._writer = writer
+        self._log: EventLog | None = source if isinstance(source, EventLog) else None
+        self._owns_log = not isinstance(source, EventLog)
+        self.current: RouteIntent | None = None
+        self.seq = 0  # stream sequence of `current` on HARU_ROUTE
+        self.invalid = 0  # bodies on the subject that were not route intents (skipped)
+        self.resubscribed = 0  # times a stalled subscription was replaced (after a NATS restart)
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._changed = asyncio.Condition()
+        self._task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+        self._first = asyncio.Event()  # the subscription delivered something: it is live
+
+    async def __aenter__(self) -> "RouteWatcher":
+        if self._log is None:
+            self._log = await EventLog.open(self._source, writer=self._writer, creds=self._creds)  # type: ignore[arg-type]
+        try:
+            last = await self._log.last_intent(self.fleet)
+            self._task = asyncio.create_task(
+                self._follow(self._log.watch_intents(self.fleet)), name=f"route-watcher-{self.fleet}"
+            )
+            if last is not None:
+                # The subscription delivers the last intent first: once it has, it is live and the
+                # watcher has started. Anything newer than `last` by then is what `current` shows.
+                try:
+                    async with asyncio.timeout(self._log.timeout):
+                        await self._first.wait()
+                except asyncio.TimeoutError:
+                    self._accept(last[0], last[1])
+                if self._error is not None:
+                    raise self._error
+            if self.stall_interval > 0:
+                self._watchdog = asyncio.create_task(self._watch_for_stalls(), name=f"route-watchdog-{self.fleet}")
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await cancel_and_wait(self._watchdog, self._task)
+        await self._close_log()
+
+    async def _watch_for_stalls(self) -> None:
+        """Replace the subscription when the subject holds a newer intent and nothing arrives.
+
+        After a NATS restart nats-py's ordered consumer takes ~20 s of missed heartbeats to
+        resubscribe on its own; this notices in ~2 s. The new subscription starts at the newest
+        intent: intents published in between, other than the newest, are not replayed (routing
+        follows the newest; `resubscribed` counts these events).
+        """
+        assert self._log is not None
+        seen, strikes = self.seq, 0
+        while True:
+            await asyncio.sleep(self.stall_interval)
+            if self.seq != seen:
+                seen, strikes = self.seq, 0
+                continue
+            try:
+                async with asyncio.timeout(self.stall_interval):
+                    last = await self._log.last_intent(self.fleet)
+            except (HaruError, asyncio.TimeoutError):
+                continue  # NATS is away: nothing to conclude yet
+            if last is None or last[1] <= self.seq:
+                strikes = 0
+                continue
+            strikes += 1
+            if strikes < 2:
+                continue
+            strikes = 0
+            old = self._task
+            await cancel_and_wait(old)
+            self.resubscribed += 1
+            self._task = asyncio.create_task(
+                self._follow(self._log.watch_intents(self.fleet)), name=f"route-watcher-{self.fleet}"
+            )
+
+    async def _close_log(self) -> None:
+        if self._owns_log and self._log is not None:
+            await self._log.close()
+            self._log = None
+
+    async def _follow(self, stream: AsyncIterator[tuple[str, bytes, int]]) -> None:
+        try:
+            async for _, body, seq in stream:
+                await self._deliver(body, seq)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # surfaced to the iterator
+            self._error = exc
+            self._first.set()
+            self._queue.put_nowait(_END)
+            async with self._changed:
+                self._changed.notify_all()
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()  # type: ignore[attr-defined]
+
+    async def _deliver(self, body: bytes, seq: int) -> None:
+        self._first.set()
+        if self._accept(body, seq):
+            async with self._changed:
+                self._changed.notify_all()
+
+    def _accept(self, body: bytes, seq: int) -> bool:
+        if seq <= self.seq:
+            return False
+        try:
+            ri = intent_decoder.decode(body)
+        except msgspec.DecodeError:
+            self.invalid += 1
+            self.seq = seq
+            return False
+        self.current = ri
+        self.seq = seq
+        self._queue.put_nowait(ri)
+        return True
+
+    @property
+    def log(self) -> EventLog | None:
+        """The connection the watcher reads through (for `EventLog.on_link_change`)."""
+        return self._log
+
+    def current_at(self, now: datetime) -> RouteIntent | None:
+        """`current` with `for_ms` recomputed at `now`."""
+        return None if self.current is None else refresh(self.current, now)
+
+    def __aiter__(self) -> "RouteWatcher":
+        return self
+
+    async def __anext__(self) -> RouteIntent:
+        item = await self._queue.get()
+        if item is _END:
+            self._queue.put_nowait(_END)
+            if isinstance(self._error, HaruError):
+                raise self._error
+            raise StopAsyncIteration
+        assert isinstance(item, RouteIntent)
+        return item
+
+    async def wait_for(self, predicate: Callable[[RouteIntent], bool], timeout: float) -> RouteIntent:
+        """Wait until `current` satisfies `predicate` (bounded by `timeout` seconds)."""
+
+        async def until() -> RouteIntent:
+            async with self._changed:
+                while self.current is None or not predicate(self.current):
+                    if self._error is not None:
+                        raise self._error
+                    await self._changed.wait()
+                return self.current
+
+        async with asyncio.timeout(timeout):
+            return await until()
