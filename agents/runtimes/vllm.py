@@ -30,7 +30,7 @@ from pathlib import Path
 
 import msgspec
 
-from agents.errors import RuntimeProblem, RuntimeRefused, Unverified
+from agents.errors import RuntimeRefused, Unverified
 from agents.runtimes.base import ProcessRuntime
 from haru.core.launch import API_SERVER_MODULE, Launch, vllm_form
 
@@ -101,12 +101,12 @@ class VllmRuntime(ProcessRuntime):
         if self._decided:
             return True
         binary = self._binary()
-        from agents.runtimes.vllm_env import abilities, find_python, launch_binary
+        from agents.runtimes.vllm_env import BuildError, abilities, find_python, launch_binary
 
         managed = abilities()
         try:
             python = find_python()
-        except RuntimeProblem:
+        except BuildError:  # a bad HARU_VLLM_PYTHON: the binary the layout names is asked instead
             python = None
         if managed is not None and python is not None and binary == launch_binary(python):
             self._set(bool(managed["sleep_mode"]), f"the managed vLLM {managed['version']} on {managed['platform']} "
