@@ -105,3 +105,24 @@ def test_without_per_process_figures_the_gpu_measures_and_without_a_gpu_reading_
     assert (freed, by) == (8 * GiB, "gpu")
     freed, by, detail = freed_by_sleep(reading(0, {}, present=None), reading(0, {}, present=None), tree)
     assert (freed, by) == (0, "") and "not measured" in detail
+
+
+def test_what_vllm_said_is_its_exception_not_the_log_lines_that_mention_paths():
+    from agents.supervisor import runtime_said
+
+    output = "\n".join([
+        "--- haru agent starting: python -m vllm.entrypoints.openai.api_server --model /srv/cannot-load/m",
+        "(APIServer pid=1) INFO 12-01 21:49:49 [api_utils.py:347]   model   /srv/cannot-load/m",
+        "(APIServer pid=1) WARNING 12-01 21:49:49 [system_utils.py:255] failed to automatically increase ulimit",
+        "Traceback (most recent call last):",
+        '  File "/venv/vllm/engine/arg_utils.py", line 1955, in create_model_config',
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
+        "  Value error, Model architectures ['NoSuchForCausalLM'] are not supported for now. Supported "
+        "architectures: dict_keys([" + ", ".join(f"'Arch{i}ForCausalLM'" for i in range(400)) + "])",
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error",
+    ])
+    said = runtime_said(output, 1)
+    assert said.startswith("exited with code 1 while loading: pydantic_core._pydantic_core.ValidationError: 1 "
+                           "validation error for ModelConfig | Value error, Model architectures ['NoSuchForCausalLM'] "
+                           "are not supported for now."), said
+    assert "cannot-load" not in said and len(said) <= 1000
