@@ -3,7 +3,7 @@ different seeds, so a's answers differ from b's), under their agents, the promot
 chat and SSE through the gateway are vLLM's own bytes, a vLLM that cannot sleep stays a resident
 standby (no demotion asked of it), and a failover moves the chat to b's vLLM.
 
-Two vLLM starts, at once, shared by the module's tests: ~3-5 min of CI on 2 cores.
+Two vLLM starts, at once: ~65 s of CI on a lightly loaded 2-core machine, several times that under load.
 """
 
 from __future__ import annotations
