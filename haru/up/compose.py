@@ -55,7 +55,7 @@ from haru.host.tasks import cancel_and_wait
 
 log = structlog.get_logger("haru.up.compose")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # haru/up/compose.py -> the checkout
 DEMO_LAYOUT = REPO_ROOT / "deploy" / "examples" / "demo-fleet.json"
 REAL_DEMO_LAYOUT = REPO_ROOT / "deploy" / "examples" / "demo-fleet-real.json"
 VLLM_DEMO_LAYOUT = REPO_ROOT / "deploy" / "examples" / "demo-fleet-vllm.json"
