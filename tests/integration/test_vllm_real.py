@@ -182,3 +182,20 @@ async def test_a_model_vllm_cannot_load_is_failed_in_vllms_words_without_a_tight
                              agent=agent, timeout=backoff_ms / 1000 + 30)
     assert retry.event.attempt == 2
     assert (retry.event.at - failed.event.at).total_seconds() >= backoff_ms / 1000
+
+
+def test_the_vllm_demo_layout_runs_on_the_managed_vllm_with_a_written_model(tmp_path, vllm):
+    """`haru up --demo --real vllm`: each `./name` source is a tiny safetensors llama written under
+    $HARU_HOME/demo/models (the same name, the same weights on both domains), the binary the managed
+    vLLM's (bench/runtime.py --runtime vllm runs the whole demo)."""
+    from haru.up.compose import VLLM_DEMO_LAYOUT, demo_layout
+
+    layout = demo_layout(tmp_path, VLLM_DEMO_LAYOUT)
+    models = [m for d in layout.domains for m in d.models]
+    assert [m.name for m in models] == ["tiny-vllm", "tiny-vllm"]
+    for m in models:
+        assert m.binary == vllm and m.runtime == "vllm"
+        assert m.source == str(tmp_path / "demo" / "models" / "tiny-vllm")
+    config = json.loads((tmp_path / "demo" / "models" / "tiny-vllm" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (tmp_path / "demo" / "models" / "tiny-vllm" / "model.safetensors").stat().st_size > 1_000_000
