@@ -170,6 +170,7 @@ class Adopted(Observation, frozen=True, kw_only=True, tag="adopted"):
     asleep: bool = False
     level: int = 1
     detail: str = ""
+    sleeps: bool = True  # the runtime can be put to sleep (as launched: a vLLM with --enable-sleep-mode)
 
 
 class Vanished(Observation, frozen=True, kw_only=True, tag="vanished"):
@@ -294,7 +295,7 @@ _BUILD: dict[str, Callable[[Any], Event]] = {
     "wake_begun": lambda o: ModelWaking(at=o.at, domain=o.domain, model=o.model),
     "still_asleep": lambda o: ModelSleeping(at=o.at, domain=o.domain, model=o.model, level=o.level),
     "adopted:awake": lambda o: ModelAdopted(at=o.at, domain=o.domain, model=o.model, pid=o.pid, endpoint=o.endpoint,
-                                            asleep=False, level=o.level, detail=o.detail),
+                                            asleep=False, level=o.level, detail=o.detail, sleeps=o.sleeps),
     "adopted:asleep": lambda o: ModelAdopted(at=o.at, domain=o.domain, model=o.model, pid=o.pid, endpoint=o.endpoint,
                                              asleep=True, level=o.level, detail=o.detail),
     "vanished": lambda o: _lost(o, "process_exited", o.detail),

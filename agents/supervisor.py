@@ -571,7 +571,7 @@ class ModelSupervisor:
             m.on_purpose = False
             level = getattr(m.state, "level", 1) or 1
             await self.ctx.record(m, Adopted(**self.ctx.about(m), pid=found.pid, endpoint=found.endpoint,
-                                             asleep=found.asleep, level=level,
+                                             asleep=found.asleep, level=level, sleeps=m.runtime.can_sleep,
                                              detail="kept serving through the agent's restart"))
             self.ctx.spawn(self._exit_waiter(m.generation), f"exit:{m.name}:{m.generation}")
             if not found.asleep:

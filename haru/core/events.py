@@ -233,6 +233,7 @@ class ModelAdopted(Event, frozen=True, kw_only=True, tag="model_adopted"):
     pid: int = 0
     endpoint: str = ""
     asleep: bool = False
+    sleeps: bool = True  # as `model_resident.sleeps`: whether this runtime can be put to sleep
     level: int = 1
     detail: str = ""
 

@@ -283,7 +283,7 @@ _ESTABLISHES: dict[str, Callable[[Any, datetime | None, int], Residency]] = {
     "model_lost": lambda e, at, seq: Lost(since=at, seq=seq, reason=e.reason, detail=e.detail),
     "model_failed": lambda e, at, seq: Failed(since=at, seq=seq, runtime_said=e.runtime_said),
     "model_stopped": lambda e, at, seq: Stopped(since=at, seq=seq, detail=e.detail),
-    ADOPTED_AWAKE: lambda e, at, seq: Resident(since=at, seq=seq, endpoint=e.endpoint),
+    ADOPTED_AWAKE: lambda e, at, seq: Resident(since=at, seq=seq, endpoint=e.endpoint, sleeps=e.sleeps),
     ADOPTED_ASLEEP: lambda e, at, seq: Sleeping(since=at, seq=seq, level=e.level),
 }
 
