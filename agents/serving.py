@@ -181,7 +181,8 @@ class ServingProxy:
             return error(400, "invalid_request", TOO_DEEP)
         if not name:
             return error(400, "invalid_request", "`model` is required", param="model")
-        m = self.agent.models.get(name)
+        m = self.agent.models.get(name) or next(
+            (s for s in self.agent.models.values() if name in s.spec.adapters), None)  # a LoRA adapter: its model's
         if m is None:
             return error(404, "model_not_found", f"the model `{name}` does not exist on domain {self.agent.domain!r}",
                          param="model")

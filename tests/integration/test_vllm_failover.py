@@ -18,11 +18,12 @@ from haru.core import subjects
 from haru.core.residency import Resident
 from tests.integration.promoter_support import wait_until, wait_view
 from tests.llama_support import real_fleet, real_layout
-from tests.vllm_support import START_S, kill_runtime_groups, tiny_hf_model, vllm_binary, vllm_model
+from tests.vllm_support import START_S, kill_runtime_groups, tiny_hf_model, tiny_lora, vllm_binary, vllm_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3 * START_S)]
 FLEET = "default"
 MODEL = "tiny-vllm"
+ADAPTER = "tiny-sql"
 # Greedy and seeded: the same text every time (test_vllm_real shows it is stable across calls and restarts).
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12,
         "temperature": 0, "seed": 7}
@@ -64,11 +65,13 @@ def steady(view, active: str) -> bool:
 def models(tmp_path_factory):
     vllm_binary()  # skip (or fail in CI) before writing anything
     root = tmp_path_factory.mktemp("hf")
-    return {d: tiny_hf_model(root / d, seed=seed) for d, seed in (("a", 1), ("b", 2))}
+    made = {d: tiny_hf_model(root / d, seed=seed) for d, seed in (("a", 1), ("b", 2))}
+    return {d: (m, tiny_lora(m, root / f"{d}-lora", seed=3)) for d, m in made.items()}
 
 
 async def test_chat_sse_and_failover_on_real_vllm(tmp_path, nats_server, event_log, models):
-    layout = real_layout(tmp_path / "layout.json", tmp_path, {d: [vllm_model(MODEL, models[d])] for d in ("a", "b")},
+    layout = real_layout(tmp_path / "layout.json", tmp_path,
+                         {d: [vllm_model(MODEL, models[d][0], adapters={ADAPTER: str(models[d][1])})] for d in ("a", "b")},
                          policy={"degraded_grace_ms": 500, "restart_backoff_ms": 3000, "probe_timeout_ms": 30000},
                          fleet=FLEET)
     try:
@@ -104,6 +107,15 @@ async def chat_and_failover(tmp_path, nats_server, event_log, layout) -> None:
                       if b.startswith("data: ") and b != "data: [DONE]"]
             text = "".join((c["choices"][0]["delta"].get("content") or "") for c in chunks if c.get("choices"))
             assert text == doc["choices"][0]["message"]["content"]  # the text streamed is the text answered
+
+            # A request naming the LoRA adapter goes to its model's vLLM, which answers as the adapter.
+            body = {"model": ADAPTER, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "seed": 0}
+            answers = []
+            for base in (gw.url, direct):
+                async with s.post(base + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    answers.append((await r.json())["choices"][0]["text"])
+            assert answers[0] == answers[1] and answers[0]
 
             _, from_b, _ = await chat_json(s, endpoint_of(view, "b"))
             assert json.loads(from_b)["choices"][0]["message"]["content"] != doc["choices"][0]["message"]["content"]
