@@ -126,3 +126,23 @@ def test_what_vllm_said_is_its_exception_not_the_log_lines_that_mention_paths():
                            "validation error for ModelConfig | Value error, Model architectures ['NoSuchForCausalLM'] "
                            "are not supported for now."), said
     assert "cannot-load" not in said and len(said) <= 1000
+
+
+def test_the_managed_env_is_used_only_when_its_stamp_names_the_pin(tmp_path, monkeypatch):
+    from agents.runtimes.vllm_env import BuildError, ensure_env, find_python
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("HARU_VLLM_PYTHON", raising=False)
+    venv = tmp_path / "haru" / "vllm-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    assert find_python() is None  # no stamp: an install that did not finish
+    (venv / STAMP).write_text(json.dumps({"package": PACKAGE, "version": "0.0.1", "sleep_mode": False}))
+    assert find_python() is None  # made from another pin
+    with pytest.raises(BuildError, match="python -m agents.runtimes.vllm_env"):
+        ensure_env(build=False)
+    (venv / STAMP).write_text(json.dumps({"package": PACKAGE, "version": VERSION, "sleep_mode": False}))
+    assert find_python() == venv / "bin" / "python"
+    monkeypatch.setenv("HARU_VLLM_PYTHON", str(tmp_path / "nope"))
+    with pytest.raises(BuildError, match="HARU_VLLM_PYTHON"):
+        find_python()
