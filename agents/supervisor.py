@@ -500,6 +500,7 @@ class ModelSupervisor:
                 await self._after_failed_wake(gen, probe=probe)
                 return Outcome(ok=False, code=code,
                                detail=f"woke but the probe failed at {probe.step}: {probe.detail}", took_ms=took)
+            checked = bool(self.answers)
             changed = await self._check_answers()
             took = int((time.monotonic() - started) * 1000)
             if changed:
@@ -512,8 +513,10 @@ class ModelSupervisor:
             await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url,
                                               sleeps=m.runtime.can_sleep, warmup_ms=took))
             m.resident_at = time.monotonic()
-            return Outcome(ok=True, detail=f"awake (verified by /is_sleeping, a probe in {probe.latency_ms} ms and the "
-                           f"greedy answers recorded before the sleep)", took_ms=took)
+            answers = ("the greedy answers recorded before the sleep" if checked else
+                       "no greedy answer to compare: this agent did not see it fall asleep")
+            return Outcome(ok=True, detail=f"awake (verified by /is_sleeping, a probe in {probe.latency_ms} ms and "
+                           f"{answers})", took_ms=took)
 
     async def probe(self) -> Outcome:
         """A real one-token completion of a resident model (`latency_ms`); a failed one is news: the
