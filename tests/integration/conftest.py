@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.agent_harness import AgentProcess, agent_env
+from tests.support.agent_harness import AgentProcess, agent_env
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@ from haru.core import events as ev
 from haru.core import subjects as sj
 from haru.log.eventlog import EventLog
 from haru.log.route import RouteWatcher
-from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.sizes import GiB
 from haru.core.views import intent_decoder, view_decoder
 from haru.host.tasks import cancel_and_wait
 from haru.core.fold import fold

@@ -23,8 +23,8 @@ from haru.core.events import (
     StepFailed,
 )
 from haru.promoter import request_operation
-from promoter_fake import FakeAgent, layout
-from promoter_support import asleep_and_training, assert_one_failover_each_step_once, routed_to_a, serving, op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view
+from tests.support.promoter_fake import FakeAgent, layout
+from tests.support.promoter import asleep_and_training, assert_one_failover_each_step_once, routed_to_a, serving, op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view
 
 pytestmark = pytest.mark.timeout(60)
 MODELS = ["m1", "m2"]

@@ -16,9 +16,9 @@ import pytest
 
 from haru.core import subjects
 from haru.core.residency import Resident
-from tests.integration.promoter_support import wait_until, wait_view
-from tests.llama_support import real_fleet, real_layout
-from tests.vllm_support import START_S, kill_runtime_groups, tiny_hf_model, tiny_lora, vllm_binary, vllm_model
+from tests.support.promoter import wait_until, wait_view
+from tests.support.llama import real_fleet, real_layout
+from tests.support.vllm import START_S, kill_runtime_groups, tiny_hf_model, tiny_lora, vllm_binary, vllm_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3 * START_S)]
 FLEET = "default"

@@ -23,9 +23,9 @@ import aiohttp
 import pytest
 
 from haru.core import subjects
-from tests.integration.agent_harness import is_, tag, wait_event, write_config
-from tests.llama_support import real_layout
-from tests.vllm_support import START_S, kill_runtime_groups, tiny_hf_model, tiny_lora, vllm_binary, vllm_model
+from tests.support.agent_harness import is_, tag, wait_event, write_config
+from tests.support.llama import real_layout
+from tests.support.vllm import START_S, kill_runtime_groups, tiny_hf_model, tiny_lora, vllm_binary, vllm_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3 * START_S)]
 FLEET = "default"

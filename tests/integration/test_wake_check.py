@@ -12,7 +12,7 @@ import pytest
 from agents.client import send
 from haru.core import subjects
 from haru.core.commands import Command
-from tests.integration.agent_harness import get_json, is_, sim_fault, tag, wait_event, write_config, write_layout
+from tests.support.agent_harness import get_json, is_, sim_fault, tag, wait_event, write_config, write_layout
 
 pytestmark = pytest.mark.timeout(90)
 MODEL = subjects.model("f", "a", "m1")

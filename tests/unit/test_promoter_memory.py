@@ -16,8 +16,8 @@ from haru.core.events import OperationAborted, PromotionRequested, StepCompleted
 from haru.log.memory import MemoryLog
 from haru.promoter.service import Promoter
 from haru.host.tasks import cancel_and_wait
-from tests.integration.promoter_fake import FakeAgent, layout
-from tests.integration.promoter_support import assert_one_failover_each_step_once, routed_to_a, serving, op_events, route_moves, view_of, wait_until, wait_view
+from tests.support.promoter_fake import FakeAgent, layout
+from tests.support.promoter import assert_one_failover_each_step_once, routed_to_a, serving, op_events, route_moves, view_of, wait_until, wait_view
 
 pytestmark = pytest.mark.timeout(60)
 MODELS = ["m1", "m2"]

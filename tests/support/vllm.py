@@ -22,7 +22,7 @@ import pytest
 
 from agents.runtimes.vllm_env import BuildError, find_python, launch_binary
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # What the tiny model needs of vLLM on a CPU: float32 (the weights are), a short context (the KV
 # cache is 1 GiB of host memory: VLLM_CPU_KVCACHE_SPACE, from the plan's vram), no CUDA graphs.
 VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8"]
@@ -50,8 +50,9 @@ def vllm_binary() -> list[str]:
 
 
 def tiny_hf_model(out: Path, seed: int = 0) -> Path:
-    """tests/tiny_hf_model.py run by vLLM's interpreter (it has sentencepiece, numpy and safetensors)."""
-    subprocess.run([str(vllm_python()), str(ROOT / "tests" / "tiny_hf_model.py"), str(out), "--seed", str(seed)],
+    """agents/runtimes/tiny_hf_model.py run by vLLM's interpreter (it has sentencepiece, numpy, safetensors)."""
+    subprocess.run([str(vllm_python()), str(ROOT / "agents" / "runtimes" / "tiny_hf_model.py"), str(out), "--seed",
+                    str(seed)],
                    check=True, stdout=subprocess.DEVNULL, timeout=300)
     return out
 
