@@ -9,7 +9,7 @@ import json
 import aiohttp
 import pytest
 
-from agents.client import send
+from haru.log.bus import send
 from haru.core import subjects
 from haru.core.commands import Command
 from tests.support.agent_harness import get_json, is_, sim_fault, tag, wait_event, write_config, write_layout
