@@ -75,6 +75,20 @@ class Unverified(RuntimeProblem):
     code = "unverified"
 
 
+class SleepFreedNothing(RuntimeProblem):
+    """The runtime said it sleeps, but the memory it held did not drop: it is paused, not asleep (a
+    vLLM without sleep mode on its platform pauses its scheduler and keeps every byte)."""
+
+    code = "sleep_freed_nothing"
+
+
+class WakeAnswerChanged(RuntimeProblem):
+    """After a wake, the greedy fixed-seed answer to the fixed prompt (the model's, or an adapter's)
+    differs from the one recorded before it slept: the runtime answers, but wrongly."""
+
+    code = "wake_answer_changed"
+
+
 class PortHolderError(AgentError):
     """The serving port's holder (agents/portholder.py) could not be started or reached."""
 

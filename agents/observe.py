@@ -105,6 +105,7 @@ class Spawned(Observation, frozen=True, kw_only=True, tag="spawned"):
     endpoint: str = ""
     pid: int = 0
     attempt: int = 1
+    sleep_mode: str = ""  # a vLLM's: "on: ..." / "off: ..." (how it was learned)
 
 
 class Queued(Observation, frozen=True, kw_only=True, tag="queued"):
@@ -125,6 +126,7 @@ class Answered(Observation, frozen=True, kw_only=True, tag="answered"):
 
     endpoint: str = ""
     warmup_ms: int = 0
+    sleeps: bool = True  # the runtime can be put to sleep (a vLLM on a platform without sleep mode cannot)
 
 
 class Exited(Observation, frozen=True, kw_only=True, tag="exited"):
@@ -155,6 +157,8 @@ class Slept(Observation, frozen=True, kw_only=True, tag="slept"):
 
     level: int = 1
     freed_bytes: int = 0
+    measured_by: str = ""  # "process" | "gpu" | "" (nothing could measure)
+    detail: str = ""
 
 
 class WakeBegun(Observation, frozen=True, kw_only=True, tag="wake_begun"):
@@ -175,6 +179,7 @@ class Adopted(Observation, frozen=True, kw_only=True, tag="adopted"):
     asleep: bool = False
     level: int = 1
     detail: str = ""
+    sleeps: bool = True  # the runtime can be put to sleep (as launched: a vLLM with --enable-sleep-mode)
 
 
 class Vanished(Observation, frozen=True, kw_only=True, tag="vanished"):
@@ -288,22 +293,22 @@ _BUILD: dict[str, Callable[[Any], Event]] = {
                                           runtime_said=f"pull {o.reference}: {o.why}"),
     "pull_interrupted": lambda o: ModelStopped(at=o.at, domain=o.domain, model=o.model, detail=o.detail),
     "spawned": lambda o: ModelLoading(at=o.at, domain=o.domain, model=o.model, endpoint=o.endpoint, pid=o.pid,
-                                      attempt=o.attempt),
+                                      attempt=o.attempt, sleep_mode=o.sleep_mode),
     "queued": lambda o: ModelLoading(at=o.at, domain=o.domain, model=o.model, attempt=o.attempt,
                                      waiting_for=o.waiting_for),
     "spawn_refused": lambda o: ModelFailed(at=o.at, domain=o.domain, model=o.model, runtime_said=o.said),
     "answered": lambda o: ModelResident(at=o.at, domain=o.domain, model=o.model, endpoint=o.endpoint,
-                                        warmup_ms=o.warmup_ms),
+                                        warmup_ms=o.warmup_ms, sleeps=o.sleeps),
     "exited:error": lambda o: _lost(o, "process_exited", o.detail, o.code),
     "exited:gone": lambda o: _lost(o, "process_exited", o.detail, o.code),
     "probe_failed:new": lambda o: _lost(o, o.reason, o.detail),
     "gpu_gone": lambda o: _lost(o, "gpu_detached", o.detail),
     "slept": lambda o: ModelSleeping(at=o.at, domain=o.domain, model=o.model, level=o.level,
-                                     freed_bytes=o.freed_bytes),
+                                     freed_bytes=o.freed_bytes, measured_by=o.measured_by, detail=o.detail),
     "wake_begun": lambda o: ModelWaking(at=o.at, domain=o.domain, model=o.model),
     "still_asleep": lambda o: ModelSleeping(at=o.at, domain=o.domain, model=o.model, level=o.level),
     "adopted:awake": lambda o: ModelAdopted(at=o.at, domain=o.domain, model=o.model, pid=o.pid, endpoint=o.endpoint,
-                                            asleep=False, level=o.level, detail=o.detail),
+                                            asleep=False, level=o.level, detail=o.detail, sleeps=o.sleeps),
     "adopted:asleep": lambda o: ModelAdopted(at=o.at, domain=o.domain, model=o.model, pid=o.pid, endpoint=o.endpoint,
                                              asleep=True, level=o.level, detail=o.detail),
     "vanished": lambda o: _lost(o, "process_exited", o.detail),

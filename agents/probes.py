@@ -1,7 +1,8 @@
 """Probes: the real signals residency is made of.
 
     ready(runtime)      -> Probe    health passes, /v1/models lists the model, a one-token completion
-                                    answers (and, for vLLM, /is_sleeping is false)
+                                    answers (and, for vLLM, /is_sleeping is false: asked first, so
+                                    no completion is ever sent to a paused engine, which holds it)
     diagnose(...)       -> reason   why a failed probe failed: the one-bit rule of
                                     `haru.core.residency.classify_probe_failure` fed with what we can see
 
@@ -41,7 +42,7 @@ async def ready(runtime: Runtime, *, timeout_s: float, check_sleep: bool = True)
     if runtime.spec.name not in models:
         return Probe(ok=False, step="listed", detail=f"/v1/models does not list {runtime.spec.name!r} (it lists {models})")
     sleeping: bool | None = None
-    if check_sleep and runtime.can_sleep:
+    if check_sleep:  # a vLLM that cannot sleep is still asked: a paused one would hold the completion
         try:
             sleeping = await runtime.is_sleeping(timeout_s=min(timeout_s, 5.0))
         except RuntimeProblem as exc:

@@ -209,7 +209,8 @@ class ServingProxy:
         name = model_of(body)
         if isinstance(name, BadBody):
             return error(400, "invalid_request", name.message, param=name.param)
-        m = self.slots.models.get(name)
+        m = self.slots.models.get(name) or next(
+            (s for s in self.slots.models.values() if name in s.spec.adapters), None)  # a LoRA adapter: its model's
         if m is None:
             return error(404, "model_not_found", f"the model `{name}` does not exist on domain {self.slots.domain!r}",
                          param="model")

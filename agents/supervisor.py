@@ -26,8 +26,8 @@ from typing import Any
 
 from agents import probes
 from agents.cause import COMMAND_CAUSE
-from agents.errors import OutOfMemory, RuntimeProblem
-from agents.gpu import GpuReading
+from agents.errors import OutOfMemory, RuntimeProblem, SleepFreedNothing, WakeAnswerChanged
+from agents.gpu import GpuReading, process_tree, read_parents
 from agents.gpu_watch import GpuWatcher
 from agents.loops import LoopErrors, survive
 from agents.adoption import Adoptable
@@ -55,7 +55,7 @@ from haru.core.events import Event
 from haru.core.restarts import Backoff
 from haru.core.specs import Policy, model_gpus
 
-__all__ = ["ModelSupervisor", "SupervisorContext", "backoff_s", "runtime_said"]
+__all__ = ["ModelSupervisor", "SupervisorContext", "backoff_s", "runtime_said", "freed_by_sleep"]
 
 # While a model loads, its /health is asked this often (one loopback GET; a 503 or a refused
 # connection costs well under a millisecond), so `resident` is recorded within ~this of the runtime
@@ -104,6 +104,9 @@ class ModelSupervisor:
         self.gpus = model_gpus(m.spec)  # a tensor-parallel model's every GPU
         if m.runtime.kind != "external":
             ctx.loads.enroll(m.name, self.gpus)
+        # model or adapter -> its greedy answer, recorded before the runtime last slept; a wake must
+        # give the same answers (`_check_answers`), else it is `wake_answer_changed`
+        self.answers: dict[str, str] = {}
 
     def recheck(self) -> None:
         """Probe now (the serving port saw the runtime fail a request), once at a time."""
@@ -257,7 +260,7 @@ class ModelSupervisor:
                 await self.ctx.record(m, SpawnRefused(**self.ctx.about(m), said=str(exc)))
                 return False
             await self.ctx.record(m, Spawned(**self.ctx.about(m), endpoint=m.runtime.base_url, pid=m.runtime.pid or 0,
-                                          attempt=m.attempt))
+                                          attempt=m.attempt, sleep_mode=getattr(m.runtime, "sleep_mode", "")))
             self.ctx.files.write_identity(m.name, m.runtime)
             if m.runtime.kind != "external":
                 self.ctx.spawn(self._exit_waiter(m.generation), f"exit:{m.name}:{m.generation}")
@@ -273,7 +276,8 @@ class ModelSupervisor:
                         return False
                     m.last_probe = probe
                     warmup = int((time.monotonic() - started) * 1000)
-                    await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url, warmup_ms=warmup))
+                    await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url,
+                                                      sleeps=m.runtime.can_sleep, warmup_ms=warmup))
                     m.resident_at = time.monotonic()
                 return True
             if m.runtime.kind != "external" and self._gpu_went_away():
@@ -307,7 +311,11 @@ class ModelSupervisor:
                 # A nonzero exit before it ever answered is the runtime refusing the model (a corrupt or
                 # truncated file, an unknown architecture): `failed`, in its own words (the table decides);
                 # the supervisor retries with the growing backoff, never in a tight loop.
-                said = runtime_said(m.runtime.output_tail(8000), code) if code is not None and code > 0 else ""
+                output = m.runtime.output_tail(65536)  # vLLM's refusal is a long traceback
+                said = runtime_said(output, code) if code is not None and code > 0 else ""
+                learned = m.runtime.learn_from_exit(output)  # e.g. a vLLM refusing sleep mode: next launch without
+                if learned:
+                    said = f"{said} ({learned})"
                 tail = m.runtime.output_tail(600).strip().splitlines()
                 detail = (f"the runtime exited with code {code}" if code is not None else
                           f"the adopted runtime (pid {m.runtime.pid}) exited; its exit status went to its reaper")
@@ -380,7 +388,7 @@ class ModelSupervisor:
             m.probe_ms = int((time.monotonic() - started) * 1000)
             if probe.ok:
                 if tag != "resident" or m.state_tag != "resident":
-                    await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url,
+                    await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url, sleeps=m.runtime.can_sleep,
                                                    warmup_ms=probe.latency_ms))
                     m.resident_at = time.monotonic()
                 return False
@@ -433,15 +441,53 @@ class ModelSupervisor:
         index = self._read_gpu().index
         self.ctx.spawn(self.ctx.gpu.observe(index), f"gpu-check:{index}")
 
-    async def _sleep_one(self, level: int) -> None:
-        """Put a resident runtime to sleep (caller holds m.lock). Verified through /is_sleeping."""
+    async def _record_answers(self) -> dict[str, str]:
+        """The greedy answer of the model and of each of its adapters, now (before a sleep)."""
+        timeout = self.ctx.policy().probe_timeout_ms / 1000
         m = self.m
-        before = [self.ctx.gpu.read(i) for i in self.gpus]
+        return {name: await m.runtime.greedy_answer(name, timeout) for name in (m.name, *m.spec.adapters)}
+
+    async def _check_answers(self) -> str:
+        """"" if the woken runtime gives the answers recorded before it slept, else what differs."""
+        if not self.answers:
+            return ""
+        try:
+            now = await self._record_answers()
+        except RuntimeProblem as exc:
+            return f"the greedy check could not be repeated: {exc}"
+        changed = [f"{name}: {self.answers[name]!r} before the sleep, {now.get(name)!r} after the wake"
+                   for name in self.answers if now.get(name) != self.answers[name]]
+        return "; ".join(changed)
+
+    def _tree(self) -> frozenset[int]:
+        pid = self.m.runtime.pid
+        return process_tree({pid}, read_parents()) if pid else frozenset()
+
+    async def _sleep_one(self, level: int) -> None:
+        """Put a resident runtime to sleep (caller holds m.lock). Verified through /is_sleeping, then by
+        what it freed: a sleep that measurably freed nothing is a paused engine, not a sleeping one. It
+        is woken again (it stays resident), the runtime is known not to sleep from then on, and
+        SleepFreedNothing is raised. Before it sleeps, its greedy answers are recorded for the wake."""
+        m = self.m
+        self.answers = await self._record_answers()
+        tree = self._tree()
+        before = [self.ctx.gpu.read(i) for i in self.gpus]  # a tensor-parallel model: each of its GPUs
         await m.runtime.sleep(level, self.ctx.policy().wake_timeout_ms / 1000)
         after = [self.ctx.gpu.read(i) for i in self.gpus]
-        known = all(r.present for r in (*before, *after))
-        freed = max(0, sum(r.memory_used_bytes for r in before) - sum(r.memory_used_bytes for r in after)) if known else 0
-        await self.ctx.record(m, Slept(**self.ctx.about(m), level=level, freed_bytes=freed))
+        freed, measured_by, detail = freed_on_gpus(before, after, tree)
+        if measured_by and freed <= 0:
+            try:
+                await m.runtime.wake(self.ctx.policy().wake_timeout_ms / 1000)
+            except RuntimeProblem as exc:
+                self.logger.warning("a sleep that freed nothing could not be undone", error=str(exc))
+            never = getattr(m.runtime, "never_sleeps", None)
+            if never is not None:
+                never(f"a sleep freed nothing ({detail})")
+            raise SleepFreedNothing(f"{m.name}: /is_sleeping said asleep but the sleep freed nothing ({detail}): the "
+                                    f"engine was paused, not asleep; it was woken again, stays resident, and is no "
+                                    f"longer put to sleep")
+        await self.ctx.record(m, Slept(**self.ctx.about(m), level=level, freed_bytes=freed, measured_by=measured_by,
+                                       detail=detail))
 
     async def sleep(self, level: int) -> Outcome:
         """Idempotent sleep."""
@@ -510,11 +556,23 @@ class ModelSupervisor:
                 await self._after_failed_wake(gen, probe=probe)
                 return Outcome(ok=False, code=code,
                                detail=f"woke but the probe failed at {probe.step}: {probe.detail}", took_ms=took)
+            checked = bool(self.answers)
+            changed = await self._check_answers()
+            took = int((time.monotonic() - started) * 1000)
+            if changed:
+                await self._wrong_after_wake(gen, changed)
+                return Outcome(ok=False, code=WakeAnswerChanged.code,
+                               detail=f"woke and answers, but not as before it slept: {changed}; it is reloaded",
+                               took_ms=took)
+            self.answers = {}
             m.last_probe = probe
-            await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url, warmup_ms=took))
+            await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url,
+                                              sleeps=m.runtime.can_sleep, warmup_ms=took))
             m.resident_at = time.monotonic()
-            return Outcome(ok=True,
-                           detail=f"awake (verified by /is_sleeping and a probe in {probe.latency_ms} ms)", took_ms=took)
+            answers = ("the greedy answers recorded before the sleep" if checked else
+                       "no greedy answer to compare: this agent did not see it fall asleep")
+            return Outcome(ok=True, detail=f"awake (verified by /is_sleeping, a probe in {probe.latency_ms} ms and "
+                           f"{answers})", took_ms=took)
 
     async def probe(self) -> Outcome:
         """A real one-token completion of a resident model (`latency_ms`); a failed one is news: the
@@ -547,6 +605,19 @@ class ModelSupervisor:
             detail = f"wake failed: {probe.step}: {probe.detail}" if probe else "wake failed"
             await self._lost(reason, detail[:500])
 
+    async def _wrong_after_wake(self, gen: int, changed: str) -> None:
+        """A woken runtime that answers differently from before its sleep (a LoRA adapter no longer
+        applied, a stale cache): lost{unhealthy} in those words, never resident, and stopped so the
+        supervisor reloads it from its files (caller holds m.lock)."""
+        m = self.m
+        self.answers = {}
+        if gen != m.generation or m.exited.is_set():
+            return
+        await self._lost("unhealthy", f"{WakeAnswerChanged.code}: {changed}"[:500])
+        m.on_purpose = True
+        await m.runtime.stop(RUNTIME_STOP_GRACE_S)
+        m.exited.set()
+
     async def _adopt(self) -> bool:
         """Take over the runtime `_find_runtimes` found: `model_adopted`, then watch it like one we loaded."""
         m = self.m
@@ -559,7 +630,7 @@ class ModelSupervisor:
             m.on_purpose = False
             level = getattr(m.state, "level", 1) or 1
             await self.ctx.record(m, Adopted(**self.ctx.about(m), pid=found.pid, endpoint=found.endpoint,
-                                             asleep=found.asleep, level=level,
+                                             asleep=found.asleep, level=level, sleeps=m.runtime.can_sleep,
                                              detail="kept serving through the agent's restart"))
             self.ctx.spawn(self._exit_waiter(m.generation), f"exit:{m.name}:{m.generation}")
             if not found.asleep:
@@ -567,17 +638,52 @@ class ModelSupervisor:
         return True
 
 
+LINE_LIMIT = 300  # one line of what a runtime said (vLLM lists every architecture it knows on one line)
 _LOG_PREFIX = re.compile(r"^[\d.:]+\s+[A-Z]\s+")
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)(: |$)|^Value error, ")
 _ERROR_MARKERS = ("error", "failed", "invalid", "cannot", "unable", "exception", "not found", "no such")
+
+
+def freed_by_sleep(before: GpuReading, after: GpuReading, tree: frozenset[int]) -> tuple[int, str, str]:
+    """What a sleep freed: (bytes, measured_by, detail). Pure.
+
+    "process": NVML's per-process memory of the runtime's process tree (vLLM's engine runs in a child
+    process), when the GPU accounted for every process and the tree held memory before; "gpu": the
+    whole GPU's used memory, when it answers but processes cannot be told apart; "": nothing could
+    measure (no NVML, a GPU that did not answer), and the detail says so."""
+    if before.present and after.present and before.accounted and after.accounted:
+        held = sum(p.used_bytes for p in before.processes if p.pid in tree)
+        if held > 0:
+            still = sum(p.used_bytes for p in after.processes if p.pid in tree)
+            return max(0, held - still), "process", f"its processes held {held} bytes before the sleep, {still} after"
+    if before.present and after.present:
+        return (max(0, before.memory_used_bytes - after.memory_used_bytes), "gpu",
+                f"the GPU's used memory went from {before.memory_used_bytes} to {after.memory_used_bytes} bytes")
+    return 0, "", "not measured: no GPU reading on this host (no NVML), so what the sleep freed is unknown"
+
+
+def freed_on_gpus(before: list[GpuReading], after: list[GpuReading], tree: frozenset[int]) -> tuple[int, str, str]:
+    """What a sleep freed across every GPU a model spans (one for most): the sum of `freed_by_sleep` on
+    each; measured only when every GPU was (else the detail says which could not be). Pure."""
+    each = [freed_by_sleep(b, a, tree) for b, a in zip(before, after)]
+    if len(each) == 1:
+        return each[0]
+    if any(not how for _, how, _ in each):
+        return 0, "", "; ".join(f"GPU {b.index}: {d}" for b, (_, _, d) in zip(before, each))
+    how = "process" if all(h == "process" for _, h, _ in each) else "gpu"
+    return (sum(f for f, _, _ in each), how, "; ".join(f"GPU {b.index}: {d}" for b, (_, _, d) in zip(before, each)))
 
 
 def runtime_said(output: str, code: int, limit: int = 1000) -> str:
     """What a runtime that exited while loading said: its error lines from this attempt's output."""
     attempt = output.rsplit("--- haru agent starting:", 1)[-1]
     lines = [ln.strip() for ln in attempt.splitlines()[1:] if ln.strip()]
+    # A Python runtime (vLLM) ends in a traceback: its exception lines are what it said ("ValueError:
+    # ...", pydantic's "Value error, ..."); its log lines before them merely mention paths and args.
+    raised = [ln for ln in lines if _RAISED.search(ln)]
     picked: list[str] = []
-    for ln in (ln for ln in lines if any(m in ln.lower() for m in _ERROR_MARKERS)):
-        ln = _LOG_PREFIX.sub("", ln)  # llama.cpp's "0.00.002.891 E " timestamp and level
+    for ln in raised or (ln for ln in lines if any(m in ln.lower() for m in _ERROR_MARKERS)):
+        ln = _LOG_PREFIX.sub("", ln)[:LINE_LIMIT]  # llama.cpp's "0.00.002.891 E " timestamp and level
         if ln not in picked:
             picked.append(ln)
     # The first errors say what went wrong, the last one how it ended.

@@ -333,6 +333,15 @@ def compile_routes(fleet: str, view: FleetView | None, intent: RouteIntent | Non
                     "model",
                     active,
                 )
+    if view is not None:
+        # A LoRA adapter is served by its model's runtime under its own name: it routes as its model does
+        # (on the active domain; a name that is also a model's stays the model's).
+        for dname in order:
+            for mname, mv in view.domains[dname].models.items():
+                for adapter in mv.adapters:
+                    if adapter not in declared and mname in entries:
+                        entries[adapter] = entries[mname]
+                        declared[adapter] = declared[mname]
     return FleetRoutes(fleet, view, intent, intent_seq, revision, active, entries, declared)
 
 

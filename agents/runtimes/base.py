@@ -64,7 +64,9 @@ class Runtime(Protocol):
     async def sleep(self, level: int, timeout_s: float) -> None: ...
     async def wake(self, timeout_s: float) -> None: ...
     async def probe_completion(self, timeout_s: float) -> int: ...
+    async def greedy_answer(self, model: str, timeout_s: float) -> str: ...
     def output_tail(self, limit: int = 2000) -> str: ...
+    def learn_from_exit(self, output: str) -> str: ...
     async def close(self) -> None: ...
 
 
@@ -96,6 +98,10 @@ class _Choices(msgspec.Struct):
 
 _choices_decoder = msgspec.json.Decoder(_Choices)
 
+# The wake check: a fixed prompt, completed greedily (temperature 0, seed 0) for a few tokens.
+WAKE_CHECK_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+WAKE_CHECK_TOKENS = 8
+
 _OOM_MARKERS = ("out of memory", "outofmemory", "cuda error: out of memory")
 
 
@@ -124,6 +130,10 @@ class HttpRuntime:
         return True
 
     def output_tail(self, limit: int = 2000) -> str:
+        return ""
+
+    def learn_from_exit(self, output: str) -> str:
+        """What a start that exited teaches about this runtime's abilities ("" = nothing; see vLLM's)."""
         return ""
 
     async def close(self) -> None:
@@ -201,6 +211,27 @@ class HttpRuntime:
             raise ProbeUnanswered(f"{self.spec.name}: probe completion returned no choices")
         return int((time.monotonic() - started) * 1000)
 
+    async def greedy_answer(self, model: str, timeout_s: float) -> str:
+        """The text of a greedy, fixed-seed completion of `WAKE_CHECK_PROMPT` by `model` (the served
+        model or one of its adapters): the same weights give the same text, so the answer recorded
+        before a sleep is what a correct wake must give again. Raises ProbeUnanswered."""
+        body = {"model": model, "prompt": WAKE_CHECK_PROMPT, "max_tokens": WAKE_CHECK_TOKENS, "temperature": 0,
+                "seed": 0}
+        try:
+            status, raw = await self._request("POST", "/v1/completions", timeout_s=timeout_s, json=body)
+        except RuntimeUnreachable as exc:
+            raise ProbeUnanswered(f"{self.spec.name}: the greedy check completion ({model}) got no answer: {exc}") from exc
+        if status != 200:
+            raise ProbeUnanswered(f"{self.spec.name}: the greedy check completion ({model}) answered {status}: "
+                              f"{raw[:300].decode(errors='replace')}")
+        try:
+            choices = _choices_decoder.decode(raw).choices
+        except msgspec.DecodeError as exc:
+            raise ProbeUnanswered(f"{self.spec.name}: the greedy check completion ({model}) is not a completion: {exc}") from exc
+        if not choices or not isinstance(choices[0].get("text"), str):
+            raise ProbeUnanswered(f"{self.spec.name}: the greedy check completion ({model}) returned no text")
+        return str(choices[0]["text"])
+
     @staticmethod
     def _raise_for(name: str, what: str, status: int, body: bytes) -> None:
         text = body[:500].decode(errors="replace")
@@ -243,12 +274,16 @@ class ProcessRuntime(HttpRuntime):
     def launch(self) -> Launch:
         """The exact argv and environment, from the plan (`haru.core.launch.launch`). Raises RuntimeRefused
         when the model's args contradict its plan (a log declared before `haru apply` checked them)."""
+        return self._launch()
+
+    def _launch(self, *, sleep_mode: bool = True, platform: str = "") -> Launch:
         try:
             spec = self.spec if self.spec.runtime == self.kind else msgspec.structs.replace(self.spec, runtime=self.kind)
             if not spec.binary and (managed := self.managed_binary()):
                 spec = msgspec.structs.replace(spec, binary=managed)
             return plan_launch(spec, gpu_memory_bytes=self.gpu_memory_bytes, port=self._port,
-                               bind_host=self.bind_host, base_env=self._base_env)
+                               bind_host=self.bind_host, base_env=self._base_env, sleep_mode=sleep_mode,
+                               platform=platform)
         except ArgConflict as exc:
             raise RuntimeRefused(f"{self.spec.name}: {exc}; fix: {exc.fix}") from exc
         except ValueError as exc:
@@ -338,6 +373,9 @@ class ProcessRuntime(HttpRuntime):
             if not done.done():
                 # Our child: its status (negative = signal). An adopted one is not ours to reap.
                 done.set_result(child.wait() if child is not None else None)
+                # What it left in its group dies with it: vLLM's engine process outlives a SIGKILLed API
+                # server, holding the model's memory (the group id stays taken while it has members).
+                killpg(pid, signal.SIGKILL)
 
         if fd >= 0:
             loop.add_reader(fd, exited)

@@ -25,6 +25,13 @@ prove the agent never starts two on one GPU at once. HARU_SIM_PROFILE=0 turns th
 
 Fault injection (loopback only): POST /_sim/crash | evict | hang | oom_on_wake | fail_probe | reset,
 GET /_sim/state.
+
+LoRA adapters named by `--lora-modules NAME=PATH ...` are served under their names (their answers
+name the adapter). Fault injection (loopback only): POST /_sim/crash | evict | hang | oom_on_wake |
+fail_probe | sleep_frees_nothing (a sleep pauses the engine and keeps its memory, as vLLM does on a
+platform without sleep mode) | corrupt_wake (every wake after it answers other text, like a wake with stale or wrong
+weights) | drop_adapter (after the next wake, an adapter's requests answer as the base model: the
+adapter silently stops applying) | reset, GET /_sim/state.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ class SimConfig:
     tokens_per_s: float
     weights: int = 0  # 0 = half the VRAM
     profile: bool = True
+    adapters: tuple[str, ...] = ()  # served under their names (--lora-modules NAME=PATH)
 
     @property
     def name(self) -> str:
@@ -101,6 +109,7 @@ def parse_config(argv: list[str], env: dict[str, str]) -> SimConfig:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve")
     serve.add_argument("source", help="the model (path or hub id) vLLM would load")
+    serve.add_argument("--lora-modules", nargs="+", default=[])
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", nargs="+", default=None)
@@ -113,6 +122,7 @@ def parse_config(argv: list[str], env: dict[str, str]) -> SimConfig:
         source=args.source,
         names=tuple(args.served_model_name or [args.source]),
         host=args.host,
+        adapters=tuple(m.split("=", 1)[0] for m in args.lora_modules),
         port=args.port,
         sleep_mode=args.enable_sleep_mode,
         dev_mode=env.get("VLLM_SERVER_DEV_MODE", "0") == "1",
@@ -192,6 +202,11 @@ class Engine:
     hung: bool = False
     kv_cache_bytes: int = 0
     mis_sized: bool = False
+    corrupt_wake: bool = False  # armed: every wake from now on answers other text
+    corrupted: bool = False  # woken wrongly: the answers are not the model's
+    drop_adapter: bool = False  # armed: the next wake stops applying the adapters
+    frees_nothing: bool = False  # a sleep keeps the memory (paused, not asleep)
+    adapters_dropped: bool = False
     released: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -222,9 +237,12 @@ def error(status: int, message: str, kind: str, param: str | None = None) -> web
     return web.json_response(body, status=status)
 
 
-def _tokens(domain: str, model: str, max_tokens: int | None, ignore_eos: bool) -> tuple[list[str], str]:
+def _tokens(domain: str, model: str, max_tokens: int | None, ignore_eos: bool,
+            corrupted: bool = False) -> tuple[list[str], str]:
     """The reply, as tokens, and the finish reason. The first token names the domain."""
     words = [f"[domain {domain}]", " hello", " from", f" {model}", " on", " the", " simulated", " GPU", "."]
+    if corrupted:
+        words = [f"[domain {domain}]", " ##", " garbled", " after", " wake", " ##", ".", ".", "."]
     filler = [" lorem", " ipsum", " dolor", " sit", " amet"]
     if ignore_eos and max_tokens:
         out = [words[i] if i < len(words) else filler[i % len(filler)] for i in range(max_tokens)]
@@ -305,7 +323,7 @@ def _check_engine(engine: Engine, body: dict) -> web.Response | str:
     model = body.get("model") or engine.config.name
     if not isinstance(model, str):
         return error(400, "`model` must be a string", "BadRequestError", "model")
-    if model not in engine.config.names or engine.evicted:
+    if model not in engine.config.names + engine.config.adapters or engine.evicted:
         return error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     if not engine.gpu_present():
         return error(
@@ -340,10 +358,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     prefix = _continued_prefix(body) if chat else None
     if isinstance(prefix, web.Response):
         return prefix
+    # a dropped adapter answers as the base model; a corrupted wake answers other text
+    answering = engine.config.name if model in engine.config.adapters and engine.adapters_dropped else model
     if prefix is None:
-        tokens, finish = _tokens(engine.config.domain, model, max_tokens, bool(body.get("ignore_eos")))
+        tokens, finish = _tokens(engine.config.domain, answering, max_tokens, bool(body.get("ignore_eos")),
+                                 engine.corrupted)
     else:
-        tokens, finish = _continuation(engine.config.domain, model, prefix, max_tokens, bool(body.get("ignore_eos")))
+        tokens, finish = _continuation(engine.config.domain, answering, prefix, max_tokens,
+                                       bool(body.get("ignore_eos")))
     prompt_tokens = _prompt_tokens(body)
     usage = {
         "prompt_tokens": prompt_tokens,
@@ -439,6 +461,10 @@ async def models(request: web.Request) -> web.Response:
          "parent": None, "max_model_len": 4096, "permission": []}
         for name in engine.config.names
     ]
+    if not engine.evicted:
+        data += [{"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": f"lora/{name}",
+                  "parent": engine.config.name, "max_model_len": 4096, "permission": []}
+                 for name in engine.config.adapters]
     return web.json_response({"object": "list", "data": data})
 
 
@@ -477,7 +503,7 @@ async def sleep(request: web.Request) -> web.Response:
     async with engine.lock:
         if not engine.sleeping:
             await asyncio.sleep(engine.config.sleep_ms / 1000)
-            if not engine.evicted:
+            if not engine.evicted and not engine.frees_nothing:
                 engine.gpu.allocate(os.getpid(), min(engine.config.residual, engine.config.vram))
             engine.sleeping, engine.sleep_level = True, level
     return web.Response(status=200)
@@ -499,6 +525,9 @@ async def wake_up(request: web.Request) -> web.Response:
         if not engine.evicted and not engine.gpu.allocate(os.getpid(), engine.config.vram):
             return error(500, engine.oom_message(engine.config.vram), "InternalServerError")
         engine.sleeping, engine.sleep_level = False, 0
+        engine.corrupted = engine.corrupted or engine.corrupt_wake
+        if engine.drop_adapter:
+            engine.drop_adapter, engine.adapters_dropped = False, True
     return web.Response(status=200)
 
 
@@ -533,8 +562,16 @@ async def sim_fault(request: web.Request) -> web.Response:
         engine.oom_on_wake = True
     elif fault == "fail_probe":
         engine.fail_probe = True
+    elif fault == "corrupt_wake":
+        engine.corrupt_wake = True
+    elif fault == "sleep_frees_nothing":
+        engine.frees_nothing = True
+    elif fault == "drop_adapter":
+        engine.drop_adapter = True
     elif fault == "reset":
         engine.hung = engine.fail_probe = engine.oom_on_wake = False
+        engine.corrupt_wake = engine.corrupted = engine.drop_adapter = engine.adapters_dropped = False
+        engine.frees_nothing = False
         engine.released.set()
     else:
         return web.json_response({"detail": f"no fault {fault!r}"}, status=404)
@@ -550,7 +587,9 @@ async def sim_state(request: web.Request) -> web.Response:
         {"pid": os.getpid(), "model": c.name, "names": list(c.names), "domain": c.domain, "gpu_index": c.gpu_index,
          "vram": c.vram, "sleeping": engine.sleeping, "evicted": engine.evicted, "hung": engine.hung,
          "fail_probe": engine.fail_probe, "oom_on_wake": engine.oom_on_wake, "gpu_present": engine.gpu_present(),
-         "kv_cache_bytes": engine.kv_cache_bytes, "mis_sized": engine.mis_sized}
+         "kv_cache_bytes": engine.kv_cache_bytes, "mis_sized": engine.mis_sized,
+         "adapters": list(c.adapters), "corrupt_wake": engine.corrupt_wake, "corrupted": engine.corrupted,
+         "adapters_dropped": engine.adapters_dropped}
     )
 
 

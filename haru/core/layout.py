@@ -34,7 +34,7 @@ import msgspec
 
 from haru.core.errors import InvalidName, LayoutError
 from haru.core.sizes import parse_size
-from haru.core.launch import ArgConflict, check_args, format_refusal, runtime_for
+from haru.core.launch import ArgConflict, BadBinary, check_args, format_refusal, runtime_for
 from haru.core.specs import (Domain, DomainSpec, GpuSpec, Layout, ModelSpec, NonNegative, Policy, PreemptionNotice,
                              ProvisionSpec, ServiceSpec, TrainingSpec, as_uuid, model_gpus)
 from haru.core.subjects import check_model_id, check_name
@@ -540,6 +540,11 @@ def _check_launch(spec: ModelSpec, named: str, mp: str, gpu_memory_bytes: int) -
         check_args(spec, gpu_memory_bytes)
     except ArgConflict as exc:
         raise LayoutError(f"model {spec.name!r}: {exc}", path=f"{mp}.args[{exc.index}]", fix=exc.fix) from None
+    except BadBinary as exc:
+        raise LayoutError(f"model {spec.name!r}: {exc}", path=f"{mp}.binary",
+                          fix='name vllm itself ("binary": ["/opt/vllm/bin/vllm"]), or its interpreter with '
+                              '"-m", "vllm.entrypoints.openai.api_server"; or remove binary (the managed vLLM, '
+                              'else vllm from PATH)') from None
 
 
 def _check_fleet(domains: list[Domain]) -> None:

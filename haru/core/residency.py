@@ -64,6 +64,7 @@ class Loading(State, frozen=True, kw_only=True, tag="loading"):
 class Resident(State, frozen=True, kw_only=True, tag="resident"):
     warmup_ms: int = 0
     endpoint: str = ""
+    sleeps: bool = True  # False: its runtime cannot sleep (learned at launch); a standby keeps it resident
 
 
 class Sleeping(State, frozen=True, kw_only=True, tag="sleeping"):
@@ -278,13 +279,14 @@ _ESTABLISHES: dict[str, Callable[[Any, datetime | None, int], Residency]] = {
     REFUSED: lambda e, at, seq: NotAdmitted(since=at, seq=seq, short_by_bytes=e.short_by_bytes),
     "model_loading": lambda e, at, seq: Loading(since=at, seq=seq, attempt=e.attempt, endpoint=e.endpoint,
                                                 waiting_for=e.waiting_for),
-    "model_resident": lambda e, at, seq: Resident(since=at, seq=seq, warmup_ms=e.warmup_ms, endpoint=e.endpoint),
+    "model_resident": lambda e, at, seq: Resident(since=at, seq=seq, warmup_ms=e.warmup_ms, endpoint=e.endpoint,
+                                                  sleeps=e.sleeps),
     "model_sleeping": lambda e, at, seq: Sleeping(since=at, seq=seq, level=e.level),
     "model_waking": lambda e, at, seq: Waking(since=at, seq=seq),
     "model_lost": lambda e, at, seq: Lost(since=at, seq=seq, reason=e.reason, detail=e.detail),
     "model_failed": lambda e, at, seq: Failed(since=at, seq=seq, runtime_said=e.runtime_said),
     "model_stopped": lambda e, at, seq: Stopped(since=at, seq=seq, detail=e.detail),
-    ADOPTED_AWAKE: lambda e, at, seq: Resident(since=at, seq=seq, endpoint=e.endpoint),
+    ADOPTED_AWAKE: lambda e, at, seq: Resident(since=at, seq=seq, endpoint=e.endpoint, sleeps=e.sleeps),
     ADOPTED_ASLEEP: lambda e, at, seq: Sleeping(since=at, seq=seq, level=e.level),
 }
 

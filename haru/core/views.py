@@ -50,6 +50,7 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     vram_bytes: int = 0
     port: int = 0
     url: str = ""  # for `serve: direct` domains and `external` runtimes: where to reach it
+    adapters: list[str] = []  # its LoRA adapters' names: served by its runtime, routed as the model is
     admitted: bool | None = None  # None = no admission decided yet
     short_by_bytes: int = 0
     residency: Residency = UNKNOWN

@@ -1007,10 +1007,12 @@ def _demotion_reason(view: FleetView, dv: DomainView) -> str:
         if states and all(isinstance(s, (Resident, Sleeping)) for s in states):
             return "recovered"
         return ""
-    # Awake only counts for a runtime that can sleep: one without a sleep mode (llama-server) serves
-    # the standby role resident, and asking it to sleep would change nothing.
+    # Awake only counts for a runtime that can sleep: one without a sleep mode (llama-server, a vLLM
+    # whose platform has none: `Resident.sleeps`) serves the standby role resident, and asking it to
+    # sleep would change nothing.
     awake = [
-        m for m in served(dv) if isinstance(dv.models[m].residency, Resident) and can_sleep(dv.models[m].runtime)
+        m for m in served(dv) if isinstance(r := dv.models[m].residency, Resident) and r.sleeps
+        and can_sleep(dv.models[m].runtime)
     ]
     if awake and not any(isinstance(s, (Waking,)) or state_name(s) == "loading" for s in states):
         return "standby_awake"

@@ -61,6 +61,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # from an installed wheel; deploy/examples/ keeps the same files for operators to copy.
 DEMO_LAYOUT = Path(__file__).resolve().parent / "demo" / "demo-fleet.json"
 REAL_DEMO_LAYOUT = Path(__file__).resolve().parent / "demo" / "demo-fleet-real.json"
+VLLM_DEMO_LAYOUT = Path(__file__).resolve().parent / "demo" / "demo-fleet-vllm.json"
 DEFAULT_NATS_PORT = 4222
 NATS_URL_FILE = "nats.url"  # `haru status` and friends read it when no --nats-url is given
 AGENT_STOP_S = 20.0
@@ -117,6 +118,8 @@ def demo_layout(home: Path, path: Path = DEMO_LAYOUT) -> Layout:
                     model["env"] = {"HARU_SIM_VRAM": str(model["vram"]), **model.get("env", {})}
                 if model.get("runtime") == "llama_server":
                     _real_llama_model(model, home)
+                if model.get("runtime") == "vllm" and not binary and str(model.get("source", "")).startswith("./"):
+                    _real_vllm_model(model, home)
     return parse_layout(doc)
 
 
@@ -137,6 +140,26 @@ def _real_llama_model(model: dict, home: Path) -> None:
         if not path.exists():
             write_tiny_model(path, seed=zlib.crc32(source.encode()) & 0xFFFF, name=Path(source).stem)
         model["source"] = str(path)
+
+
+def _real_vllm_model(model: dict, home: Path) -> None:
+    """A vLLM model of a demo layout made runnable here: the managed vLLM (made once by
+    `agents.runtimes.vllm_env`, ~3.5 GB), and a `./name` source written as a tiny seeded safetensors
+    llama under $HARU_HOME/demo/models/name (the name picks the seed: both domains get the same weights)."""
+    import subprocess
+    import zlib
+
+    from agents.runtimes.vllm_env import ensure_env, launch_binary
+
+    python = ensure_env(build=True)
+    model["binary"] = launch_binary(python)
+    name = str(model["source"])[2:].strip("/")
+    path = home / "demo" / "models" / name
+    if not (path / "model.safetensors").exists():
+        # the writer runs in vLLM's interpreter: it has sentencepiece, numpy and safetensors
+        subprocess.run([str(python), str(REPO_ROOT / "agents" / "runtimes" / "tiny_hf_model.py"), str(path),
+                        "--seed", str(zlib.crc32(name.encode()) & 0xFFFF)], check=True, stdout=subprocess.DEVNULL)
+    model["source"] = str(path)
 
 
 # ------------------------------------------------------------------------------- the home lock

@@ -49,7 +49,7 @@ def test_convert_quantize_and_serve(tmp_path):
             pytest.fail(how)
         pytest.skip(how)
     model = tmp_path / "tiny-llama"
-    subprocess.run([str(py), str(REPO / "tests" / "support" / "tiny_hf_model.py"), str(model), "--seed", "3"], check=True,
+    subprocess.run([str(py), str(REPO / "agents" / "runtimes" / "tiny_hf_model.py"), str(model), "--seed", "3"], check=True,
                    timeout=120)
     out = tmp_path / "tiny-Q4_K_M.gguf"
     done = haru("convert", str(model), "--quant", "Q4_K_M", "-o", str(out), timeout=180)

@@ -281,3 +281,18 @@ def test_config_from_env():
     assert open_.open and open_.bind_host() == "127.0.0.1" and open_.port == 9
     with pytest.raises(ConfigError, match="HARU_CHAT_MAX_BODY_BYTES='lots' is not an integer"):
         from_env({"HARU_CHAT_MAX_BODY_BYTES": "lots"})
+
+
+def test_a_lora_adapter_routes_as_its_model_does():
+    """vLLM serves a model's LoRA adapters under their own names (`--lora-modules name=path`): a request
+    naming one goes where its model's would, and gets its model's refusal when the model cannot serve."""
+    v = view()
+    a = v.domains["a"]
+    models = dict(a.models)
+    models[M] = msgspec.structs.replace(models[M], adapters=["sql-lora"])
+    v = msgspec.structs.replace(v, domains={**v.domains, "a": msgspec.structs.replace(a, models=models)})
+    assert table(v, intent({M: READY, S: READY})).resolve("f", "sql-lora", NOW) == Forward(
+        "http://a:8000", "f", "a", M, 4)
+    refused = table(v, intent({M: Answer(answer="asleep"), S: READY})).resolve("f", "sql-lora", NOW)
+    assert isinstance(refused, Refusal) and refused.code == "model_asleep"
+    assert isinstance(table(v, intent({M: READY, S: READY})).resolve("f", "other-lora", NOW), Refusal)

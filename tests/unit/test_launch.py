@@ -252,3 +252,52 @@ def test_new_model_fields_have_defaults_so_old_declarations_decode():
     old = {"name": "m", "slot": "s", "gpu_index": 0, "runtime": "vllm", "vram_bytes": GiB}
     spec = msgspec.convert(old, ModelSpec)
     assert spec.adapters == {} and spec.gpu_layers == -1
+
+
+# ------------------------------------------------------------------------- one launch form per binary
+
+API = ["/opt/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+
+
+@pytest.mark.parametrize("binary, head", [
+    ([], ["vllm", "serve", "/m/tiny"]),
+    (["vllm"], ["vllm", "serve", "/m/tiny"]),
+    (["/opt/vllm/bin/vllm"], ["/opt/vllm/bin/vllm", "serve", "/m/tiny"]),
+    (SIM, [*SIM, "serve", "/m/tiny"]),
+    (API, [*API, "--model", "/m/tiny"]),
+])
+def test_each_vllm_form_gets_the_rest_of_its_command_line_from_haru(binary, head):
+    spec = ModelSpec(name="tiny", slot="chat", gpu_index=0, runtime="vllm", source="/m/tiny", vram_bytes=2 * GiB,
+                     context_length=512, binary=binary)
+    got = launch(spec, gpu_memory_bytes=24 * GiB, port=9000, base_env={})
+    assert got.argv == [*head, "--host", "127.0.0.1", "--port", "9000", "--served-model-name", "tiny",
+                        "--gpu-memory-utilization", "0.083", "--max-model-len", "512", "--enable-sleep-mode"]
+    assert got.env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_a_vllm_that_cannot_sleep_is_launched_without_sleep_mode_and_keeps_dev_mode():
+    spec = ModelSpec(name="tiny", slot="chat", gpu_index=0, runtime="vllm", source="/m/tiny", vram_bytes=2 * GiB,
+                     binary=API, args=["--enable-sleep-mode", "--dtype", "float32"])
+    got = launch(spec, gpu_memory_bytes=24 * GiB, port=9000, base_env={}, sleep_mode=False)
+    assert "--enable-sleep-mode" not in got.argv  # the operator's copy too: the plan decides
+    assert got.argv[-2:] == ["--dtype", "float32"]
+    assert got.env["VLLM_SERVER_DEV_MODE"] == "1"  # /is_sleeping still tells a paused engine from a serving one
+
+
+@pytest.mark.parametrize("binary", [
+    ["/usr/local/bin/my-wrapper.sh"],
+    ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/x"],
+    ["python", "-m", "some.other.server"],
+    ["python", "serve.py"],
+])
+def test_apply_refuses_a_vllm_binary_it_cannot_drive_naming_the_forms_it_knows(binary):
+    doc = {"fleet": "f", "domains": [
+        {"name": "a", "gpus": [{"index": 0, "memory": "24GiB"}],
+         "slots": [{"name": "chat", "gpu": 0, "models": [
+             {"name": "tiny", "runtime": "vllm", "vram": "2GiB", "source": "/m/tiny", "binary": binary}]}]}]}
+    with pytest.raises(LayoutError) as err:
+        parse_layout(json.dumps(doc))
+    text = str(err.value)
+    assert "not a vLLM program Haru knows how to drive" in text
+    assert "vllm.entrypoints.openai.api_server" in text and "vllm serve" in text and "agents.sim.vllm" in text
+    assert err.value.path.endswith(".binary")

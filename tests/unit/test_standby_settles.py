@@ -183,3 +183,17 @@ def test_left_alone_the_promoter_settles_and_then_appends_nothing(runtimes, stan
     assert quiet >= 20, "the promoter kept deciding"
     assert requested <= 2, f"{requested} operations requested for a fleet left alone"
     assert fleet.view.operation is None
+
+
+def test_a_resident_standby_vllm_that_cannot_sleep_is_not_demoted():
+    """A vLLM on a platform without sleep mode (learned at launch: `model_resident.sleeps` false) serves
+    the standby role resident, like llama-server: no standby_awake demotion for it."""
+    fleet = routed_fleet({"m1": "vllm"}, {"m1": "resident"})
+    assert len(fleet.ops(10)) == 1  # a vLLM that can sleep: demoted
+    fleet = Fleet({"m1": "vllm"})
+    for subject, event in (reachable("a"), reachable("b")):
+        fleet.fold(subject, event)
+    for d in ("a", "b"):
+        fleet.fold(subjects.model(F, d, "m1"), ModelResident(at=at(0), domain=d, model="m1", sleeps=False))
+    fleet.fold(*routed("a"))
+    assert fleet.ops(10) == [] and fleet.ops(60_000) == []

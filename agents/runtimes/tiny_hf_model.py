@@ -1,6 +1,9 @@
-"""A tiny Hugging Face llama model in safetensors, with a sentencepiece tokenizer, for `haru convert`'s tests.
+"""A tiny Hugging Face llama model in safetensors, with a sentencepiece tokenizer: for `haru convert`'s
+tests, the real vLLM tests and `haru up --demo --real vllm`.
 
-    <convert env python> tests/support/tiny_hf_model.py OUT_DIR [--seed N]
+    <a python with sentencepiece, numpy, safetensors> agents/runtimes/tiny_hf_model.py OUT_DIR [--seed N]
+
+A plain script (it imports nothing of Haru), run by the converter's or vLLM's managed interpreter.
 
 Run by the converter's own Python (the managed venv: it has sentencepiece, numpy and safetensors): the
 tokenizer is trained here on generated text, the weights are seeded random. byte fallback (every text tokenizes), 256-wide, 2 blocks, so
@@ -26,8 +29,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import numpy as np
-    import sentencepiece as spm
-    from safetensors.numpy import save_file
+    import sentencepiece as spm  # type: ignore[import-not-found]  # the managed venv has it, not this one
+    from safetensors.numpy import save_file  # type: ignore[import-not-found]
 
     rnd = random.Random(args.seed)
     words = ["".join(rnd.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rnd.randint(2, 7))) for _ in range(300)]
