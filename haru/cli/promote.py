@@ -31,7 +31,8 @@ from haru.core.errors import LogUnavailable
 from haru.promoter.errors import OperationNotFound
 from haru.host.tasks import cancel_and_wait, run_until_signal
 from haru.host.metrics import add_metrics_options
-from haru.log.eventlog import EventLog, Record
+from haru.log.eventlog import EventLog
+from haru.log.record import Record
 from haru.core.events import (
     OperationAborted,
     OperationCompleted,
