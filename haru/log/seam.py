@@ -14,8 +14,9 @@ can drift, and tests/integration/test_log_contract.py runs one suite of behaviou
     Log            all of the above, plus connected, bus (core NATS: haru.log.bus.Bus), ensure, close
 
 A service asks for the smallest of these that covers what it does: `haru.log.reads` reads
-(`EventReader`), `haru.log.route.RouteWatcher` watches intents (`IntentStore`), the projector, the
-promoter and the gateway take a `Log`.
+(`EventReader`), `haru apply` reads and appends (`EventStore`), the follower needs a `Followable`; the
+projector, the promoter, the gateway and `RouteWatcher` (intents and the link's ups and downs) take a
+`Log`.
 
 The semantics every implementation keeps (the contract suite checks them): one dense stream sequence
 for all event subjects; `append(subject, event, expect=seq)` stores only when `seq` is the subject's
