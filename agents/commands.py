@@ -33,7 +33,12 @@ import structlog
 from nats.micro.request import Request
 
 from agents.cause import COMMAND_CAUSE, VERSION
-from agents.ports import CommandTarget, Outcome
+from agents.live_apply import LiveApply
+from agents.model_slots import ModelSlots
+from agents.ports import Outcome
+from agents.role import Role
+from agents.status import Status
+from agents.training_policy import TrainingPolicy
 from haru.core import subjects
 from haru.core.commands import Command, ErrorInfo, Reply, command_decoder
 from haru.core.errors import HaruError
@@ -46,12 +51,21 @@ _encoder = msgspec.json.Encoder()
 
 
 class CommandService:
-    def __init__(self, agent: CommandTarget, nc) -> None:
-        self.agent = agent
+    """Answers each verb with the agent's part that does it: the model slots (sleep, wake, probe), the
+    training policy, the role, the live apply and the status answer."""
+
+    def __init__(self, nc, *, models: ModelSlots, training: TrainingPolicy, role: Role, live: LiveApply,
+                 status: Status) -> None:
         self.nc = nc  # the NATS connection the service answers on
+        self.models = models
+        self.training = training
+        self.role = role
+        self.live = live
+        self.answer = status
+        self.fleet, self.domain = status.fleet, status.domain
         self._service: nats.micro.Service | None = None
         self._tasks: set[asyncio.Task] = set()
-        self.logger = structlog.get_logger("haru.agent.commands").bind(fleet=agent.fleet, domain=agent.domain)
+        self.logger = structlog.get_logger("haru.agent.commands").bind(fleet=self.fleet, domain=self.domain)
         self.verbs: dict[str, Callable[[Command], Awaitable[Reply]]] = {
             "status": self.status,
             "sleep": self.sleep,
@@ -64,7 +78,7 @@ class CommandService:
         }
 
     async def start(self) -> None:
-        a = self.agent
+        a = self.answer
         self._service = await nats.micro.add_service(
             self.nc,
             name=SERVICE_NAME,
@@ -122,7 +136,7 @@ class CommandService:
     # ------------------------------------------------------------------------------------- verbs
 
     async def status(self, command: Command) -> Reply:
-        data = self.agent.status_data()
+        data = self.answer.data()
         states = [m["state"] for m in data["models"].values()]
         return Reply(ok=True, detail=f"{data['role']}: " + ", ".join(f"{k} {v}" for k, v in _count(states).items()),
                      data=data)
@@ -130,41 +144,42 @@ class CommandService:
     def _unknown(self, unknown: list[str]) -> Reply:
         return Reply(ok=False, detail="unknown models",
                      error=ErrorInfo(code="model_not_found",
-                                     message=f"domain {self.agent.domain!r} runs no admitted model {', '.join(map(repr, unknown))}"))
+                                     message=f"domain {self.domain!r} runs no admitted model {', '.join(map(repr, unknown))}"))
 
     async def sleep(self, command: Command) -> Reply:
-        selection = self.agent.selected(command)
+        selection = self.models.selected(command)
         models = selection.models
         if selection.unknown:
             return self._unknown(selection.unknown)
-        results = await asyncio.gather(*(self.agent.sleep_model(m, command.level or 1) for m in models))
-        return _combine("sleep", dict(zip((m.name for m in models), results)), self.agent)
+        results = await asyncio.gather(*(self.models.supervisor(m).sleep(command.level or 1) for m in models))
+        return _combine("sleep", dict(zip((m.name for m in models), results)), self.models)
 
     async def wake(self, command: Command) -> Reply:
-        selection = self.agent.selected(command)
+        selection = self.models.selected(command)
         models = selection.models
         if selection.unknown:
             return self._unknown(selection.unknown)
-        results = await asyncio.gather(*(self.agent.wake_model(m) for m in models))
-        reply = _combine("wake", dict(zip((m.name for m in models), results)), self.agent)
+        results = await asyncio.gather(*(self.models.supervisor(m).wake() for m in models))
+        reply = _combine("wake", dict(zip((m.name for m in models), results)), self.models)
         for m, outcome in zip(models, results):
             reply.data["models"][m.name]["took_ms"] = outcome.took_ms
         return reply
 
     async def probe(self, command: Command) -> Reply:
-        selection = self.agent.selected(command)
+        selection = self.models.selected(command)
         models = selection.models
         if selection.unknown:
             return self._unknown(selection.unknown)
-        results = await asyncio.gather(*(self.agent.probe_model(m) for m in models))
-        reply = _combine("probe", dict(zip((m.name for m in models), results)), self.agent)
+        results = await asyncio.gather(*(self.models.supervisor(m).probe() for m in models))
+        reply = _combine("probe", dict(zip((m.name for m in models), results)), self.models)
         for m, outcome in zip(models, results):
             reply.data["models"][m.name]["latency_ms"] = outcome.latency_ms
         return reply
 
     def _slots(self, command: Command) -> tuple[list[str], list[str]]:
-        names = command.slots or list(self.agent.trainers)
-        return [s for s in names if s in self.agent.trainers], [s for s in names if s not in self.agent.trainers]
+        trainers = self.training.slots.trainers
+        names = command.slots or list(trainers)
+        return [s for s in names if s in trainers], [s for s in names if s not in trainers]
 
     async def stop_training(self, command: Command) -> Reply:
         slots, unknown = self._slots(command)
@@ -172,22 +187,22 @@ class CommandService:
             return Reply(ok=False, error=ErrorInfo(code="slot_not_found", message=f"no admitted training slot {unknown}"))
         out = {}
         for slot in slots:
-            ended = await self.agent.stop_training_slot(slot)
+            ended = await self.training.slots.stop(slot)
             out[slot] = ({"how": ended.how, "exit_code": ended.exit_code, "ran_ms": ended.ran_ms, "was_running": True}
                          if ended else {"was_running": False})
         detail = ", ".join(f"{s} {v['how']}" if v["was_running"] else f"{s} not running" for s, v in out.items())
         return Reply(ok=True, detail=detail or "no training slots", data={"slots": out})
 
     async def start_training(self, command: Command) -> Reply:
-        await self.agent.refresh_route(command.route_revision)
+        await self.role.refresh(command.route_revision)
         slots, unknown = self._slots(command)
         if unknown:
             return Reply(ok=False, error=ErrorInfo(code="slot_not_found", message=f"no admitted training slot {unknown}"))
         out = {}
         first_error: ErrorInfo | None = None
         for slot in slots:
-            started = await self.agent.start_training_slot(slot)
-            out[slot] = {"ok": started.ok, "detail": started.detail, "pid": self.agent.trainers[slot].pid}
+            started = await self.training.start(slot)
+            out[slot] = {"ok": started.ok, "detail": started.detail, "pid": self.training.slots.trainers[slot].pid}
             if not started.ok and first_error is None:
                 first_error = ErrorInfo(code=started.code, message=f"{slot}: {started.detail}")
         ok = first_error is None
@@ -195,11 +210,11 @@ class CommandService:
                      error=first_error, data={"slots": out})
 
     async def verify_gpu(self, command: Command) -> Reply:
-        selection = self.agent.selected(command)
+        selection = self.models.selected(command)
         models = selection.models
         if selection.unknown:
             return self._unknown(selection.unknown)
-        verdict = await self.agent.verify_gpus(models)
+        verdict = await self.answer.verify_gpus(models)
         if not verdict.ok:
             detail = verdict.error.message if verdict.error else ""
         elif verdict.data.get("unverified"):
@@ -209,8 +224,8 @@ class CommandService:
         return Reply(ok=verdict.ok, detail=detail, error=verdict.error, data=verdict.data)
 
     async def apply_layout(self, command: Command) -> Reply:
-        await self.agent.refresh_route(command.route_revision)
-        applied = await self.agent.apply_declared(command.decl_seq, self.agent.policy.apply_timeout_ms / 1000)
+        await self.role.refresh(command.route_revision)
+        applied = await self.live.apply_declared(command.decl_seq, self.live.slots.policy.apply_timeout_ms / 1000)
         return Reply(ok=applied.ok, detail=applied.detail, data=applied.data,
                      error=None if applied.ok else ErrorInfo(code=applied.code, message=applied.detail))
 
@@ -222,8 +237,8 @@ def _count(states: list[str]) -> dict[str, int]:
     return out
 
 
-def _combine(verb: str, per: dict[str, Outcome], agent: CommandTarget) -> Reply:
-    data = {"models": {name: {"ok": o.ok, "state": agent.models[name].state_tag, "detail": o.detail,
+def _combine(verb: str, per: dict[str, Outcome], slots: ModelSlots) -> Reply:
+    data = {"models": {name: {"ok": o.ok, "state": slots.models[name].state_tag, "detail": o.detail,
                               **({"code": o.code} if o.code else {})}
                        for name, o in per.items()}}
     failed = {name: o for name, o in per.items() if not o.ok}

@@ -7,7 +7,7 @@
     │   ├── RuntimeUnreachable     its HTTP port does not answer (not up yet, crashed, hung)
     │   ├── RuntimeRefused         it answered with an error status; carries status and body
     │   │   └── OutOfMemory        CUDA out of memory (a wake with the VRAM taken by someone else)
-    │   ├── ProbeFailed            a one-token completion did not answer as it must
+    │   ├── ProbeUnanswered        a one-token completion did not answer as it must
     │   └── Unverified             it said 200 but the truth (/is_sleeping) disagrees
     ├── TrainingProblem            a training command could not be started            (operator)
     └── RuntimeBuildFailed         llama-server could not be found or built (`agents.runtimes.llama_build`)
@@ -65,7 +65,7 @@ class OutOfMemory(RuntimeRefused):
     code = "out_of_memory"
 
 
-class ProbeFailed(RuntimeProblem):
+class ProbeUnanswered(RuntimeProblem):
     code = "probe_failed"
 
 

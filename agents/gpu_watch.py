@@ -21,7 +21,7 @@ from agents.gpu import GpuReading, Gpus, Owner, account
 from agents.loops import LoopErrors, survive
 from haru.core import subjects
 from haru.core.events import GpuObserved
-from haru.core.specs import MiB
+from haru.core.sizes import MiB
 
 __all__ = ["GpuWatcher", "GPU_USED_THRESHOLD", "gpu_changed"]
 

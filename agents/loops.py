@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["LoopErrors", "every", "survive"]
+__all__ = ["LoopErrors", "every", "on_the_way_out", "survive"]
 
 
 class LoopErrors:
@@ -52,3 +52,11 @@ async def every(interval_s: float | Callable[[], float], step: Callable[[], Awai
     while True:
         await survive(step, name=name, errors=errors, logger=logger)
         await asyncio.sleep(interval_s() if callable(interval_s) else interval_s)
+
+
+async def on_the_way_out(what: str, step: Awaitable[Any], *, logger: Any) -> None:
+    """One step of a shutdown: awaited; a failure is logged with its traceback, and the shutdown goes on."""
+    try:
+        await step
+    except Exception:
+        logger.exception("a shutdown step failed; going on", step=what)

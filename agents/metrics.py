@@ -28,13 +28,20 @@ count nothing for it.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from agents.loops import LoopErrors
 from haru.core.planner import standby_residual
 from haru.core.residency import state_name
+from haru.core.specs import Policy
+
+if TYPE_CHECKING:
+    from agents.status import Status
 
 # Every residency state, so a dashboard can show 0 for the states a model is not in.
 STATES = ("unknown", "loading", "resident", "sleeping", "waking", "lost", "failed", "stopped", "not_admitted")
@@ -42,18 +49,18 @@ LOOPS = ("heartbeat", "gpus", "supervise", "route", "declarations")  # the agent
 _HOLDING = frozenset({"loading", "resident", "waking"})
 
 
-def held_bytes(agent, gpu_index: int) -> int:
+def held_bytes(models: Mapping[str, Any], trainers: Mapping[str, Any], policy: Policy, gpu_index: int) -> int:
     """What this agent's children hold on a GPU, by declaration (the planner's own figures)."""
     held = 0
-    for m in agent.models.values():
+    for m in models.values():
         if m.spec.gpu_index != gpu_index or m.runtime.kind == "external":
             continue
         name = state_name(m.state)
         if name in _HOLDING:
             held += m.spec.vram_bytes
         elif name == "sleeping":
-            held += standby_residual(m.spec, agent.policy)
-    for t in agent.trainers.values():
+            held += standby_residual(m.spec, policy)
+    for t in trainers.values():
         if t.spec.gpu_index == gpu_index and t.running():
             held += t.spec.vram_bytes
     return held
@@ -68,12 +75,16 @@ def foreign_of(observed) -> int | None:
 
 
 class AgentCollector:
-    def __init__(self, agent) -> None:
-        self.agent = agent
+    def __init__(self, status: Status, errors: LoopErrors) -> None:
+        """`status`: the agent's status part (agents/status.py: its role, models, training, GPUs);
+        `errors`: the agent's loop errors."""
+        self.status = status
+        self.errors = errors
 
     def collect(self):
-        agent = self.agent
-        base = [agent.fleet, agent.domain]
+        status = self.status
+        models, trainers, slots = status.models.models, status.training.trainers, status.live.slots
+        base = [status.fleet, status.domain]
         labels = ["fleet", "domain"]
         now = datetime.now(timezone.utc)
 
@@ -87,7 +98,7 @@ class AgentCollector:
                                   labels=labels + ["model"])
         vram = GaugeMetricFamily("haru_agent_model_vram_bytes", "Declared VRAM of the model.",
                                  labels=labels + ["model", "gpu"])
-        for name, m in agent.models.items():
+        for name, m in models.items():
             current = state_name(m.state)
             for s in STATES:
                 state.add_metric(base + [name, s], 1 if s == current else 0)
@@ -108,9 +119,9 @@ class AgentCollector:
         foreign = GaugeMetricFamily("haru_agent_gpu_memory_foreign_bytes",
                                     "GPU memory used by processes that are not this agent's children.",
                                     labels=labels + ["gpu"])
-        for index in agent.slots.gpu_indexes():
+        for index in slots.gpu_indexes():
             g = [str(index)]
-            last = agent.gpu_watch.last.get(index)  # the last observation the agent recorded: no NVML call here
+            last = status.gpu_watch.last.get(index)  # the last observation the agent recorded: no NVML call here
             if last is not None:
                 if last.present is not None:
                     present.add_metric(base + g, 1 if last.present else 0)
@@ -119,14 +130,14 @@ class AgentCollector:
                 foreign_bytes = foreign_of(last)
                 if foreign_bytes is not None:
                     foreign.add_metric(base + g, foreign_bytes)
-            held.add_metric(base + g, held_bytes(agent, index))
+            held.add_metric(base + g, held_bytes(models, trainers, slots.policy, index))
         yield from (present, total, used, held, foreign)
 
         running = GaugeMetricFamily("haru_agent_training_running", "1 while the training slot's process runs.",
                                     labels=labels + ["slot"])
         ran = GaugeMetricFamily("haru_agent_training_run_seconds", "How long the running (or last) process ran.",
                                 labels=labels + ["slot"])
-        for slot, t in agent.trainers.items():
+        for slot, t in trainers.items():
             is_running = t.running()
             running.add_metric(base + [slot], 1 if is_running else 0)
             ended = t.ended
@@ -136,10 +147,10 @@ class AgentCollector:
 
         role = GaugeMetricFamily("haru_agent_role", "1 for the agent's role.", labels=labels + ["role"])
         for r in ("active", "standby"):
-            role.add_metric(base + [r], 1 if agent.role == r else 0)
+            role.add_metric(base + [r], 1 if status.role.now == r else 0)
         revision = GaugeMetricFamily("haru_agent_route_revision", "The route revision the agent follows.",
                                      labels=labels)
-        revision.add_metric(base, agent.route_revision)
+        revision.add_metric(base, status.role.revision)
         up = GaugeMetricFamily("haru_agent_start_time_seconds", "When this agent process started (unix time).",
                                labels=labels)
         up.add_metric(base, _STARTED)
@@ -148,14 +159,15 @@ class AgentCollector:
         errors = CounterMetricFamily("haru_agent_loop_errors", "Loop steps that raised (logged; the loop went on).",
                                      labels=labels + ["loop"])
         for loop in LOOPS:
-            errors.add_metric(base + [loop], agent.loop_errors[loop])
+            errors.add_metric(base + [loop], self.errors[loop])
         yield errors
 
 
 _STARTED = time.time()
 
 
-def registry_for(agent) -> CollectorRegistry:
+def registry_for(agent: Any) -> CollectorRegistry:
+    """The registry a metrics endpoint serves for a running agent (agents/agent.py's `Agent`)."""
     registry = CollectorRegistry()
-    registry.register(AgentCollector(agent))
+    registry.register(AgentCollector(agent.status, agent.loop_errors))
     return registry

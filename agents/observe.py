@@ -39,7 +39,8 @@ from haru.core.events import (
     ModelStopped,
     ModelWaking,
 )
-from haru.core.residency import ADOPTED_ASLEEP, ADOPTED_AWAKE, LostReason, Residency, is_legal, state_name
+from haru.core.events import LostReason
+from haru.core.residency import ADOPTED_ASLEEP, ADOPTED_AWAKE, Residency, is_legal, state_name
 
 __all__ = [
     "Observation",

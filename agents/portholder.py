@@ -55,7 +55,8 @@ from pathlib import Path
 import msgspec
 
 from agents.errors import PortHolderError
-from haru.core.openai_errors import TOO_DEEP, error_body
+from haru.host.children import die_with_parent
+from haru.core.openai_errors import BadBody, error_body, model_of
 
 __all__ = ["listening_socket", "bridge", "stop_holder", "holder_stats", "HOLDER_SOCKET"]
 
@@ -161,13 +162,6 @@ def stop_holder(state_dir: Path) -> None:
         _ask(_control_path(state_dir), b"stop", timeout=2.0)
 
 
-def _die_with_parent() -> None:  # tests before issue 14 only (HARU_RUNTIMES_DIE_WITH_AGENT=1)
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-
-
 def _spawn(path: Path, host: str, port: int, die_with_agent: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
@@ -177,7 +171,7 @@ def _spawn(path: Path, host: str, port: int, die_with_agent: bool) -> None:
             [sys.executable, "-m", "agents.portholder", str(path), host, str(port)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             start_new_session=True,  # it outlives the agent, like the runtimes
-            preexec_fn=_die_with_parent if die_with_agent else None,
+            preexec_fn=die_with_parent(signal.SIGKILL) if die_with_agent else None,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                         os.environ.get("PYTHONPATH", "")]))},
         )
@@ -209,11 +203,6 @@ _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found"
             503: "Service Unavailable"}
 
 
-class _Model(msgspec.Struct):
-    model: str | None = None
-
-
-_model_decoder = msgspec.json.Decoder(_Model)
 
 
 class _Refused(Exception):
@@ -427,15 +416,9 @@ class Holder:
     def _route(self, path: str, headers: dict[str, str], body: bytes) -> tuple[int | None, str]:
         if path == "/v1/models":
             return None, ""
-        try:
-            name = _model_decoder.decode(body).model
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise _Refused(400, "invalid_request", f"the body is not a JSON object with a string `model`: {exc}",
-                           "model") from None
-        except RecursionError:
-            raise _Refused(400, "invalid_request", TOO_DEEP) from None
-        if not name:
-            raise _Refused(400, "invalid_request", "`model` is required", "model")
+        name = model_of(body)
+        if isinstance(name, BadBody):
+            raise _Refused(400, "invalid_request", name.message, name.param)
         ident = self._identities().get(name)
         if ident is None:
             raise _Refused(503, "agent_restarting", f"the model `{name}` has no runtime this port can reach while "

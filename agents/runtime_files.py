@@ -26,7 +26,7 @@ from haru.host.children import alive as proc_alive
 from haru.host.children import stop_group
 from haru.core.specs import ModelSpec
 
-__all__ = ["OnStart", "RuntimeFiles", "runtime_on_start", "read_identities", "start_time", "pid_alive"]
+__all__ = ["OnStart", "RuntimeFiles", "runtime_on_start", "read_identities", "start_time"]
 
 
 class OnStart(msgspec.Struct, frozen=True):
@@ -69,12 +69,6 @@ def read_identities(state_dir: Path) -> dict[str, tuple[Path, dict | None]]:
         except (OSError, ValueError, KeyError, TypeError):
             out[f"?{path.name}"] = (path, None)
     return out
-
-
-def pid_alive(pid: int) -> bool:
-    """The OS still has the process (a zombie counts as gone: its memory is released)."""
-    st = procfs.stat(pid)
-    return st is not None and not st.zombie
 
 
 def start_time(pid: int) -> str:

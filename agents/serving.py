@@ -19,6 +19,8 @@ import hmac
 import os
 import socket
 import time
+from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -28,12 +30,14 @@ from aiohttp import web
 
 from agents import portholder, probes
 from agents.errors import PortHolderError
-from agents.ports import ServingTarget
+from agents.gpu_watch import GpuWatcher
+from agents.model_slots import ModelSlots
 from agents.runtimes.base import runtimes_die_with_agent
 from haru.core.errors import ConfigError
 from haru.host.httpguard import BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
-from haru.core.openai_errors import TOO_DEEP, answer_status, error_body
+from haru.core.openai_errors import BadBody, answer_status, error_body, model_of
 from haru.core.residency import ANSWERS
+from haru.core.specs import Policy
 
 __all__ = ["ServingProxy", "FORWARDED"]
 
@@ -49,11 +53,6 @@ SERVING_DRAIN_S = 60.0  # an agent stopping lets the requests in flight (streams
 _DIAGNOSIS_REUSE_S = 0.25  # how long one diagnosis of a failing runtime answers for the next failures
 
 
-class _Model(msgspec.Struct):
-    model: str | None = None
-
-
-_model_decoder = msgspec.json.Decoder(_Model)
 
 def _not_serving_status(state: str, reason: str) -> tuple[int, str]:
     """(status, OpenAI error code) for a model this domain has but cannot serve now: the row of its
@@ -69,11 +68,17 @@ def error(status: int, code: str, message: str, *, param: str | None = None,
 
 
 class ServingProxy:
-    def __init__(self, agent: ServingTarget, *, host: str, port: int, declared_url: str = "") -> None:
-        """`host`/`port`: the agent config's `serving`; port 0 takes the port of the domain's declared
-        serving URL (`declared_url`), else any free one."""
-        self.agent = agent
-        self.logger = structlog.get_logger("haru.agent.serving").bind(fleet=agent.fleet, domain=agent.domain)
+    def __init__(self, slots: ModelSlots, gpu: GpuWatcher, *, policy: Callable[[], Policy],
+                 keep_runtimes: Callable[[], bool], state_dir: Path, host: str, port: int, declared_url: str = "") -> None:
+        """`slots`: the host's models (agents/model_slots.py); `gpu`: the GPU watcher (its last reading);
+        `policy`, `keep_runtimes`: the agent's, as they are now. `host`/`port`: the agent config's `serving`;
+        port 0 takes the port of the domain's declared serving URL (`declared_url`), else any free one."""
+        self.slots = slots
+        self.gpu = gpu
+        self.policy = policy
+        self.keep_runtimes = keep_runtimes
+        self.state_dir = state_dir
+        self.logger = structlog.get_logger("haru.agent.serving").bind(fleet=slots.fleet, domain=slots.domain)
         self.token = os.environ.get("HARU_SERVING_TOKEN", "")
         self.limits = ClientLimits.from_env(os.environ)
         self._diagnosed: dict[str, tuple[float, str]] = {}  # model -> (when, reason) of the last diagnosis
@@ -107,7 +112,7 @@ class ServingProxy:
             # `fd` also stops the holder's bridge; the lease it returns, open while this agent runs, starts
             # it again when this process exits however it exits (SIGKILL too).
             sock, self._lease = await asyncio.to_thread(
-                portholder.listening_socket, self.agent.state_dir, self.host or "127.0.0.1", self.port,
+                portholder.listening_socket, self.state_dir, self.host or "127.0.0.1", self.port,
                 die_with_agent=runtimes_die_with_agent())
             self._site = web.SockSite(self._runner, sock, backlog=portholder.BACKLOG,
                                       shutdown_timeout=SERVING_DRAIN_S)
@@ -128,17 +133,17 @@ class ServingProxy:
         close idle kept-alive connections (the gateway resends what it had not yet sent on one). The
         port stays open in its holder unless the agent stops for good; when a restart is expected the
         holder bridges (accepts and forwards to the runtimes) from the moment this agent stops accepting."""
-        if self._site is not None and self._runner is not None and self.agent.keep_runtimes:
+        if self._site is not None and self._runner is not None and self.keep_runtimes():
             await self._site.stop()  # stops accepting (closes this process's copy of the listening socket)
-            if not await asyncio.to_thread(portholder.bridge, self.agent.state_dir):
+            if not await asyncio.to_thread(portholder.bridge, self.state_dir):
                 self.logger.warning("the serving port holder did not answer `bridge`: requests wait for the next "
-                                    "agent in the port's accept queue", state_dir=str(self.agent.state_dir))
+                                    "agent in the port's accept queue", state_dir=str(self.state_dir))
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
-        if not self.agent.keep_runtimes:
-            await asyncio.to_thread(portholder.stop_holder, self.agent.state_dir)
+        if not self.keep_runtimes():
+            await asyncio.to_thread(portholder.stop_holder, self.state_dir)
         self._release()
 
     def _release(self) -> None:
@@ -167,23 +172,18 @@ class ServingProxy:
         if not self._authorized(request):
             return error(401, "unauthorized", "missing or wrong bearer token (HARU_SERVING_TOKEN)")
         try:
-            body = await read_body(request, self.limits, MAX_BODY)
+            body = await read_body(request, self.limits.body_timeout_s, MAX_BODY)
         except BodyTooLarge:
             return error(413, "payload_too_large", f"the body is over {MAX_BODY} bytes", headers={"Connection": "close"})
         except BodyTimeout:
             return error(408, "request_timeout", f"the body did not arrive within HARU_CLIENT_BODY_TIMEOUT_MS "
                          f"({int(self.limits.body_timeout_s * 1000)} ms)", headers={"Connection": "close"})
-        try:
-            name = _model_decoder.decode(body).model
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            return error(400, "invalid_request", f"the body is not a JSON object with a string `model`: {exc}", param="model")
-        except RecursionError:
-            return error(400, "invalid_request", TOO_DEEP)
-        if not name:
-            return error(400, "invalid_request", "`model` is required", param="model")
-        m = self.agent.models.get(name)
+        name = model_of(body)
+        if isinstance(name, BadBody):
+            return error(400, "invalid_request", name.message, param=name.param)
+        m = self.slots.models.get(name)
         if m is None:
-            return error(404, "model_not_found", f"the model `{name}` does not exist on domain {self.agent.domain!r}",
+            return error(404, "model_not_found", f"the model `{name}` does not exist on domain {self.slots.domain!r}",
                          param="model")
         if m.state_tag != "resident":
             return self._not_serving(m)
@@ -194,7 +194,7 @@ class ServingProxy:
         reason = reason or getattr(m.state, "reason", "")
         status, code = _not_serving_status(state, reason)
         headers = {"Retry-After": "1"} if code in ("model_warming", "model_asleep") else None
-        where = f"on domain {self.agent.domain!r}"
+        where = f"on domain {self.slots.domain!r}"
         if state == "lost" and reason == "gpu_detached":
             return error(503, "gpu_detached", f"the model `{m.name}` is lost {where}: its GPU "
                          f"{m.spec.gpu_index} was detached by the provider (not the operator's doing); try "
@@ -216,24 +216,24 @@ class ServingProxy:
             reason = cached[1]  # a burst of failing requests asks the runtime once, not once each
         else:
             external = m.runtime.kind == "external"
-            gpu = None if external else self.agent.read_gpu(m.spec.gpu_index)
+            gpu = None if external else self.gpu.read(m.spec.gpu_index)
             alive = m.runtime.alive()
             holds = True
             if alive and (gpu is None or gpu.present is not False):
-                holds = await probes.holds_model(m.runtime, timeout_s=min(2.0, self.agent.policy.probe_timeout_ms / 1000))
+                holds = await probes.holds_model(m.runtime, timeout_s=min(2.0, self.policy().probe_timeout_ms / 1000))
             reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=holds)
             self._diagnosed[m.name] = (time.monotonic(), reason)
         if reason == "unhealthy":
             return None  # the runtime's own answer: passed through
-        self.agent.recheck(m)  # record it now, not at the next probe
+        self.slots.recheck(m)  # record it now, not at the next probe
         self.logger.info("runtime error translated", model=m.name, runtime_status=status, reason=reason)
         return self._not_serving(m, reason, f"the runtime answered {status}")
 
     def _models(self) -> web.Response:
         created = int(time.time())
         data = [{"id": name, "object": "model", "created": created, "owned_by": "haru",
-                 "domain": self.agent.domain, "residency": m.state_tag}
-                for name, m in self.agent.models.items()]
+                 "domain": self.slots.domain, "residency": m.state_tag}
+                for name, m in self.slots.models.items()]
         return web.Response(body=msgspec.json.encode({"object": "list", "data": data}), content_type="application/json")
 
     async def _forward(self, request: web.BaseRequest, m, url: str, body: bytes) -> web.StreamResponse:

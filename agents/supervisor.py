@@ -49,6 +49,7 @@ from agents.ports import Outcome
 from agents.pulling import needs_pull, pull_for
 from agents.runtime_files import RuntimeFiles
 from haru.core.events import Event
+from haru.core.restarts import Backoff
 from haru.core.specs import Policy
 
 __all__ = ["ModelSupervisor", "SupervisorContext", "backoff_s", "runtime_said"]
@@ -61,8 +62,7 @@ LOADING_POLL_S = 0.02
 
 def backoff_s(policy: Policy, failures: int) -> float:
     """The pause before restart attempt `failures` (1, 2, ...): doubling from restart_backoff_ms, capped."""
-    ms = policy.restart_backoff_ms * (2 ** max(0, failures - 1))
-    return min(ms, policy.restart_backoff_max_ms) / 1000
+    return Backoff(policy.restart_backoff_ms / 1000, policy.restart_backoff_max_ms / 1000).delay(failures)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from typing import Awaitable, Callable
 import msgspec
 
 from agents.errors import TrainingProblem
-from agents.runtimes.base import die_with_parent, killpg
+from agents.runtimes.base import killpg
+from haru.host.children import die_with_parent
 from haru.host import procfs
 from haru.core.events import StopHow
 from haru.core.specs import TrainingSpec
@@ -114,7 +115,7 @@ class Trainer:
                     stderr=asyncio.subprocess.STDOUT,
                     env=env,
                     start_new_session=True,
-                    preexec_fn=die_with_parent,
+                    preexec_fn=die_with_parent(signal.SIGTERM),  # its grace to checkpoint when the agent dies, even by SIGKILL
                 )
             except OSError as exc:
                 raise TrainingProblem(

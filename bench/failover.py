@@ -184,7 +184,7 @@ async def main(args) -> None:
                 await wait_for(lambda: is_steady("a"), 60, "the first route")
                 # Baseline: one NATS request/reply round trip to an agent (status), the floor of a step.
                 from haru.core.commands import Command
-                from haru.promoter.client import send
+                from haru.log.bus import send
                 rtts = []
                 for _ in range(20):
                     t0 = time.perf_counter()

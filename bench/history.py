@@ -46,7 +46,8 @@ from haru.log import history, reads  # noqa: E402
 from haru.core import subjects
 from haru.log.eventlog import EventLog  # noqa: E402
 from haru.host.natsd import NatsServer  # noqa: E402
-from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy  # noqa: E402
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy  # noqa: E402
+from haru.core.sizes import GiB
 from haru.host.tasks import cancel_and_wait  # noqa: E402
 from projections.projector import Projector  # noqa: E402
 from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402

@@ -34,16 +34,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "postgres"))
 
 import asyncpg  # noqa: E402
 import structlog  # noqa: E402
 
-import pgdata  # noqa: E402
+from tests.support import pgdata  # noqa: E402
 from haru.log.eventlog import EventLog  # noqa: E402
 from haru.host.natsd import NatsServer  # noqa: E402
 from projections import pg_schema as S  # noqa: E402
-from projections.pg_local import LocalPostgres  # noqa: E402
+from tests.support.pg_local import LocalPostgres  # noqa: E402
 from projections.pg_rows import Carry, plan  # noqa: E402
 from projections.postgres import PostgresSink, migrate, tune_gc  # noqa: E402
 from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402

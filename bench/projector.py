@@ -32,7 +32,8 @@ from haru.core import subjects as sj
 from haru.log.eventlog import EventLog
 from haru.host.natsd import NatsServer
 from haru.log.route import RouteWatcher
-from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.sizes import GiB
 from haru.core.fold import add_one
 from projections.projector import Projector
 from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402

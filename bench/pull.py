@@ -2,7 +2,7 @@
 
     python bench/pull.py [--mib 256] [--rounds 5]
 
-A registry on 127.0.0.1 (tests/models_registry.py, a separate process) serves one random blob of
+A registry on 127.0.0.1 (tests/support/models_registry.py, a separate process) serves one random blob of
 --mib MiB as a Hugging Face LFS file. Each round, alternating: `curl -sSL -o FILE URL` of the blob's
 URL, and a pull (resolve + fetch + sha256 + fsync + rename + materialize) into an empty store. The pull
 includes its verification; curl does none (sha256 of the same bytes afterwards is printed apart, to
@@ -30,7 +30,7 @@ from haru.models import resolve as R  # noqa: E402
 from haru.models.pull import pull  # noqa: E402
 from haru.models.store import Store  # noqa: E402
 from haru.host.natsd import free_port  # noqa: E402
-from tests.models_registry import Registry  # noqa: E402
+from tests.support.models_registry import Registry  # noqa: E402
 
 
 async def one_pull(url: str, root: Path) -> tuple[float, float]:
@@ -65,7 +65,7 @@ def main() -> int:
         reg.save()
         digest = hashlib.sha256(blob.read_bytes()).hexdigest()
         port = free_port()
-        server = subprocess.Popen([sys.executable, "-m", "tests.models_registry", "--root", str(reg.root),
+        server = subprocess.Popen([sys.executable, "-m", "tests.support.models_registry", "--root", str(reg.root),
                                    "--port", str(port)], stdout=subprocess.PIPE, text=True,
                                   cwd=str(Path(__file__).resolve().parent.parent))
         try:

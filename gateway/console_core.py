@@ -8,19 +8,10 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from haru.core.events import (
-    OperationAborted,
-    OperationCompleted,
-    OperationRequested,
-    StepCompleted,
-    StepFailed,
-    StepStarted,
-    payload,
-    tag_of,
-)
+from haru.core.events import payload, tag_of
+from haru.core.operations import as_doc, fold_operations
 from haru.promoter.decider import KINDS, flow
 
 if TYPE_CHECKING:
@@ -62,74 +53,11 @@ def hello() -> dict[str, Any]:
     return {"flows": FLOWS, "meanings": {str(k): v for k, v in OPERATION_MEANING.items()}}
 
 
-def _ms_between(a: datetime | None, b: datetime | None) -> int | None:
-    if a is None or b is None:
-        return None
-    return max(0, int((b - a).total_seconds() * 1000))
-
-
 def operations(records: list[Record]) -> list[dict[str, Any]]:
     """Operations on one fleet's op subject, newest first, each with its steps in order: when each
-    started, when it ended, its wall duration (event times) and the agents' own `took_ms`."""
-    ops: dict[str, dict[str, Any]] = {}
-    open_steps: dict[tuple[str, str], dict[str, Any]] = {}
-    for rec in records:
-        ev = rec.event
-        op_id = getattr(ev, "op_id", "") if ev is not None else ""
-        if not op_id:
-            continue
-        if isinstance(ev, OperationRequested):
-            ops[op_id] = {
-                "op_id": op_id,
-                "kind": ev.kind,
-                "target": ev.target,
-                "source": getattr(ev, "source", ""),
-                "reason": getattr(ev, "reason", "manual"),
-                "detail": getattr(ev, "detail", ""),
-                "by": ev.by,
-                "seq": rec.seq,
-                "requested_at": ev.at.isoformat(),
-                "finished_at": None,
-                "state": "running",
-                "error": "",
-                "duration_ms": None,
-                "steps": [],
-                "_at": ev.at,
-            }
-            continue
-        op = ops.get(op_id)
-        if op is None:
-            continue
-        if isinstance(ev, StepStarted):
-            step: dict[str, Any] = {"step": ev.step, "attempt": ev.attempt, "state": "started", "seq": rec.seq,
-                    "started_at": ev.at.isoformat(), "finished_at": None, "duration_ms": None, "took_ms": None,
-                    "detail": "", "error": "", "_at": ev.at}
-            op["steps"].append(step)
-            open_steps[(op_id, ev.step)] = step
-        elif isinstance(ev, (StepCompleted, StepFailed)):
-            started = open_steps.pop((op_id, ev.step), None)
-            if started is not None:
-                step = started
-            else:  # an outcome without its start (the start was before the records read)
-                step = {"step": ev.step, "attempt": 1, "seq": rec.seq, "started_at": None, "_at": None}
-                op["steps"].append(step)
-            step.update(state="completed" if isinstance(ev, StepCompleted) else "failed", finished_at=ev.at.isoformat(),
-                        duration_ms=_ms_between(step.get("_at"), ev.at), took_ms=ev.took_ms,
-                        detail=getattr(ev, "detail", ""),
-                        error=(f"{ev.error_code}: {ev.error}" if isinstance(ev, StepFailed) else ""))
-        elif isinstance(ev, (OperationCompleted, OperationAborted)):
-            op["state"] = "completed" if isinstance(ev, OperationCompleted) else "aborted"
-            op["finished_at"] = ev.at.isoformat()
-            op["duration_ms"] = _ms_between(op["_at"], ev.at)
-            if isinstance(ev, OperationAborted):
-                op["error"] = ev.error if not ev.step or ev.error.startswith(ev.step) else f"{ev.step}: {ev.error}"
-    out = []
-    for op in reversed(list(ops.values())):
-        op.pop("_at", None)
-        for step in op["steps"]:
-            step.pop("_at", None)
-        out.append(op)
-    return out
+    started, when it ended, its wall duration (event times) and the agents' own `took_ms`
+    (haru.core.operations, the fold `haru op` prints too)."""
+    return [as_doc(op) for op in reversed(fold_operations(records))]
 
 
 def story_items(picked: list[Record]) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ from aiohttp import web
 
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import continue_if_expected
+from haru.host.httpguard import continue_if_expected
 from gateway.routing import RoutingTable, fleet_not_found
 from gateway.truth import models_list, truth_table
 from haru.host import alive

@@ -8,7 +8,7 @@ by HARU_CHAT_HEADER_TIMEOUT_MS and nothing else: no timer runs on a body, so a s
 quiet mid-generation is never cut by the transport.
 
 Responses pass through untouched: a sized response up to `buffer_limit_bytes` that is not SSE is
-returned as one body with Content-Length (cheaper than chunked, NOTES.md); anything else (SSE, or
+returned as one body with Content-Length (cheaper than chunked, docs/design.md); anything else (SSE, or
 unsized) is streamed chunk by chunk as it arrives. A client that disconnects cancels the handler
 (the server runs with handler_cancellation), which closes the upstream connection, so the runtime
 stops generating. A response the client did not take whole is never put back in the pool.
@@ -37,6 +37,7 @@ from gateway.routing import (
     model_of,
 )
 from gateway.upstream import Connection, Pool
+from haru.host.httpguard import BodyTimeout, BodyTooLarge, read_body
 from haru.core.openai_errors import PAYLOAD_TOO_LARGE, REQUEST_TIMEOUT, UPSTREAM_TIMEOUT, UPSTREAM_UNREACHABLE
 
 log = structlog.get_logger("haru.gateway")
@@ -190,24 +191,6 @@ def _head(status: int, headers: tuple[tuple[str, str], ...], defaults: int, doma
     return head
 
 
-class _TooSlow(Exception):
-    """The body did not arrive within HARU_CLIENT_BODY_TIMEOUT_MS (answered with a 408)."""
-
-
-class _TooLarge(Exception):
-    """The body is over HARU_CHAT_MAX_BODY_BYTES (control flow inside the proxy, answered with a 413)."""
-
-
-async def continue_if_expected(request: web.BaseRequest) -> None:
-    """Answer `Expect: 100-continue` (curl sends it for bodies over 1 KiB and waits 1 s otherwise).
-
-    aiohttp's router does this for its routes; the low-level server leaves it to the handler.
-    """
-    if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0
-
-
 def error_response(refusal: Refusal, extra: dict[str, str] | None = None) -> web.Response:
     headers = {"Content-Type": "application/json"}
     if refusal.retry_after is not None:
@@ -253,8 +236,8 @@ class Proxy:
         headers = request.headers
         fleet = headers.get("X-Haru-Fleet") or self.default_fleet
         try:
-            body = await self._read_body(request)
-        except _TooSlow:
+            body = await read_body(request, self.body_timeout, self.max_body)
+        except BodyTimeout:
             status, code = REQUEST_TIMEOUT
             self.metrics.request(self._fleet_label(fleet), UNKNOWN_MODEL, status)
             return error_response(Refusal(
@@ -262,7 +245,7 @@ class Proxy:
                 f"the request body did not arrive within HARU_CLIENT_BODY_TIMEOUT_MS "
                 f"({self.config.client_body_timeout_ms} ms); send it at once, or raise the limit on the gateway",
             ), {"Connection": "close"})
-        except _TooLarge:
+        except BodyTooLarge:
             status, code = PAYLOAD_TOO_LARGE
             refusal = Refusal(
                 status,
@@ -286,42 +269,6 @@ class Proxy:
     def _fleet_label(self, fleet: str) -> str:
         """The fleet as a metric label: only fleets that exist, so clients cannot grow the label set."""
         return fleet if self.table.get(fleet) is not None else UNKNOWN_FLEET
-
-    async def _read_body(self, request: web.BaseRequest) -> bytes:
-        length = request.content_length
-        content = request.content
-        if length is not None and length > self.max_body:
-            raise _TooLarge  # before "100 Continue": a client that asked will not send the body at all
-        if length is not None and content.is_eof():
-            # all here: no timer to set, nothing to wait for (read_nowait: no coroutine chain)
-            if not length:
-                return b""
-            data = content.read_nowait()
-            if len(data) == length:
-                return data
-            return data + await content.readexactly(length - len(data))  # raises as before on a short body
-        try:
-            async with asyncio.timeout(self.body_timeout):
-                return await self._read_body_slowly(request, length, content)
-        except TimeoutError:
-            raise _TooSlow from None
-
-    async def _read_body_slowly(self, request: web.BaseRequest, length: int | None, content) -> bytes:
-        await continue_if_expected(request)
-        if length is not None:
-            if length == 0:
-                return b""
-            return await content.readexactly(length)
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            chunk = await content.readany()
-            if not chunk:
-                return b"".join(chunks)
-            size += len(chunk)
-            if size > self.max_body:
-                raise _TooLarge
-            chunks.append(chunk)
 
     def _header_block(self, request: web.BaseRequest) -> str:
         """The client's headers minus hop-by-hop, framing and credentials, plus the serving token."""
@@ -382,23 +329,7 @@ class Proxy:
 
     async def _respond(self, request: web.BaseRequest, conn: Connection, fwd: Forward, started: float,
                        latency_hist) -> web.StreamResponse:
-        kept: list[tuple[str, str]] = []
-        length: int | None = None
-        sse = False
-        defaults = 0  # which of Date, Server, Content-Type the upstream sent (bits 1, 2, 4)
-        for key, value in conn.headers:
-            lower = key.lower()
-            if lower in _DROP_RESPONSE:
-                if lower == "content-length":
-                    length = int(value)
-                continue
-            if lower in _DEFAULTED:
-                if lower == "content-type" and value.startswith("text/event-stream"):
-                    sse = True
-                defaults |= _DEFAULTED[lower]
-            elif lower == "x-haru-domain":
-                continue  # ours, set below
-            kept.append((key, value))
+        kept, length, sse, defaults = _response_headers(conn.headers)
         status = conn.status
         if length is not None and length <= self.buffer_limit and not sse:
             try:
@@ -446,25 +377,8 @@ class Proxy:
         self.metrics.request(fwd.fleet, fwd.model, status)
         try:
             await response.prepare(request)
-            while True:
-                try:
-                    chunk = await conn.next()
-                except UpstreamError as exc:
-                    # Headers are gone already: the honest signal is a connection closed without the
-                    # final chunk, so the client sees a truncated stream rather than a clean end.
-                    log.warning("gateway.upstream_broke_stream", fleet=fwd.fleet, domain=fwd.domain,
-                                model=fwd.model, error=str(exc))
-                    if request.transport is not None:
-                        request.transport.close()
-                    return response
-                if not chunk:
-                    await response.write_eof()
-                    break
-                if conn.complete and not conn.chunks:
-                    await response.write_eof(chunk)  # the last bytes and the terminator in one write
-                    break
-                await response.write(chunk)
-            latency_hist.observe(time.perf_counter() - started)
+            if await _pump(request, response, conn, fwd):
+                latency_hist.observe(time.perf_counter() - started)
             return response
         except ConnectionError:
             return response  # the client went away: release() in _forward closes the upstream
@@ -480,6 +394,46 @@ class Proxy:
         )
 
 
-def _why(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text.replace("\n", " ")
+def _response_headers(headers: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], int | None, bool, int]:
+    """The upstream's headers a client gets (hop-by-hop and ours dropped), its Content-Length, whether
+    it is an event stream, and which of Date, Server, Content-Type it sent (bits 1, 2, 4)."""
+    kept: list[tuple[str, str]] = []
+    length: int | None = None
+    sse = False
+    defaults = 0
+    for key, value in headers:
+        lower = key.lower()
+        if lower in _DROP_RESPONSE:
+            if lower == "content-length":
+                length = int(value)
+            continue
+        if lower in _DEFAULTED:
+            if lower == "content-type" and value.startswith("text/event-stream"):
+                sse = True
+            defaults |= _DEFAULTED[lower]
+        elif lower == "x-haru-domain":
+            continue  # ours, set by the response
+        kept.append((key, value))
+    return kept, length, sse, defaults
+
+
+async def _pump(request: web.BaseRequest, response: web.StreamResponse, conn: Connection, fwd: Forward) -> bool:
+    """Stream the upstream's body to the client until its end (True), or until the upstream breaks
+    off (False: the client's connection is closed without the final chunk, a truncated stream rather
+    than a clean end, since the headers are gone already)."""
+    while True:
+        try:
+            chunk = await conn.next()
+        except UpstreamError as exc:
+            log.warning("gateway.upstream_broke_stream", fleet=fwd.fleet, domain=fwd.domain,
+                        model=fwd.model, error=str(exc))
+            if request.transport is not None:
+                request.transport.close()
+            return False
+        if not chunk:
+            await response.write_eof()
+            return True
+        if conn.complete and not conn.chunks:
+            await response.write_eof(chunk)  # the last bytes and the terminator in one write
+            return True
+        await response.write(chunk)

@@ -8,7 +8,7 @@ chat request costs two dict look-ups: `table.resolve(fleet, model, now)` returns
     Refusal(status, code, message, retry_after)    answer with OpenAI's error shape
 
 The router answers (one per model on the active domain, computed by the projector into the route
-intent) map to HTTP exactly as DESIGN.md's "Router answers" table says; `ANSWER_STATUS` (in
+intent) map to HTTP exactly as docs/design.md's "What a client is told" table says; `ANSWER_STATUS` (in
 `haru.core.openai_errors`, shared with the agent's serving port) is that table, and the tests and docs/gateway.md read the same one:
 
     ready              proxied
@@ -41,11 +41,13 @@ from haru.core.openai_errors import (
     MODEL_NOT_FOUND,
     NO_ACTIVE_DOMAIN,
     NOT_RETRYABLE,
-    TOO_DEEP,
     UPSTREAM_UNREACHABLE,
+    BadBody,
     error_body,
 )
+from haru.core.openai_errors import model_of as read_model
 from haru.core.residency import Answer
+from haru.core.sizes import format_gib
 from haru.core.views import FleetView, RouteIntent, Target
 
 # The status table (`ANSWER_STATUS`) and OpenAI's error shape are `haru.core.openai_errors`, shared with
@@ -120,10 +122,6 @@ def retry_after_warming(for_ms: int) -> int:
     return max(RETRY_MIN_S, min(RETRY_MAX_S, math.ceil(for_ms / 4000)))
 
 
-def gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
 def refusal_for(fleet: str, domain: str, model: str, answer: Answer, operation: str = "") -> Refusal | _Warming | None:
     """The refusal a router answer asks for (None for `ready`). Reads ANSWER_STATUS."""
     kind = answer.answer
@@ -164,7 +162,7 @@ def refusal_for(fleet: str, domain: str, model: str, answer: Answer, operation: 
     if kind == "not_admitted":
         status, code = ANSWER_STATUS["not_admitted"]
         short = answer.short_by_bytes
-        by = f"short by {gib(short)} ({short} bytes)" if short else "short of VRAM"
+        by = f"short by {format_gib(short)} ({short} bytes)" if short else "short of VRAM"
         return Refusal(
             status,
             code,
@@ -189,33 +187,13 @@ def refusal_for(fleet: str, domain: str, model: str, answer: Answer, operation: 
 # ----------------------------------------------------------------------------- the request body
 
 
-class _ModelOnly(msgspec.Struct):
-    """The only part of a request body the gateway reads."""
-
-    model: str
-
-
-_decode_model = msgspec.json.Decoder(_ModelOnly).decode
-
-
 def model_of(body: bytes) -> str | Refusal:
-    """`model` from a JSON body, or the 400 that names what is wrong and where (msgspec's path)."""
-    status, code = INVALID_REQUEST
-    try:
-        model = _decode_model(body).model
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        param = "model" if "`model`" in text or "$.model" in text else None
-        return Refusal(status, code, f"invalid request body: {text}", None, param)
-    except msgspec.DecodeError as exc:
-        if not body.strip():
-            return Refusal(status, code, "request body is empty: send a JSON object with a `model` field")
-        return Refusal(status, code, f"request body is not valid JSON: {exc}")
-    except RecursionError:  # msgspec refuses a body nested thousands deep this way
-        return Refusal(status, code, TOO_DEEP)
-    if not model:
-        return Refusal(status, code, "invalid request body: `model` is empty - at `$.model`", None, "model")
-    return model
+    """`model` from a JSON body, or the 400 that names what is wrong and where (haru.core.openai_errors)."""
+    got = read_model(body)
+    if isinstance(got, BadBody):
+        status, code = INVALID_REQUEST
+        return Refusal(status, code, got.message, None, got.param)
+    return got
 
 
 # ------------------------------------------------------------------------------ compiled routes

@@ -39,6 +39,7 @@ import structlog
 
 from gateway.metrics import GatewayMetrics
 from gateway.routing import RoutingTable
+from haru.core.restarts import Backoff
 from haru.host import alive
 from haru.core import subjects
 from haru.core.errors import HaruError
@@ -53,8 +54,7 @@ from haru.core.intents import intent as intent_of_view
 
 log = structlog.get_logger("haru.gateway")
 
-_BACKOFF_MIN_S = 0.2
-_BACKOFF_MAX_S = 5.0
+_BACKOFF = Backoff(first_s=0.2, max_s=5.0)
 _READY = Answer(answer="ready")
 
 
@@ -203,21 +203,22 @@ class RouteFollower:
             behind.pop(key, None)
 
     async def _follow(self, what: str, watch: Callable[[], object]) -> None:
-        delay = _BACKOFF_MIN_S
+        failures = 0  # in a row
         while True:
             try:
                 await watch()  # type: ignore[misc]
-                delay = _BACKOFF_MIN_S
+                failures = 0
             except asyncio.CancelledError:
                 raise
             except HaruError as exc:
                 self.errors += 1
-                log.warning("gateway.watch_failed", watching=what, error=str(exc), retry_in_s=delay)
+                failures += 1
+                log.warning("gateway.watch_failed", watching=what, error=str(exc), retry_in_s=_BACKOFF.delay(failures))
             except Exception as exc:  # a bug or a nats-py surprise: keep routing by what we have
                 self.errors += 1
-                log.error("gateway.watch_crashed", watching=what, error=repr(exc), retry_in_s=delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, _BACKOFF_MAX_S)
+                failures += 1
+                log.error("gateway.watch_crashed", watching=what, error=repr(exc), retry_in_s=_BACKOFF.delay(failures))
+            await asyncio.sleep(_BACKOFF.delay(max(1, failures)))
 
     async def _views(self) -> None:
         async for key, data, rev in self.events.watch_views():

@@ -9,7 +9,8 @@ from typing import Any
 
 import msgspec
 
-from gateway.routing import FleetRoutes, Forward, Refusal, gib
+from gateway.routing import FleetRoutes, Forward, Refusal
+from haru.core.sizes import format_gib
 from haru.core.residency import (
     Answer,
     Failed,
@@ -54,8 +55,8 @@ def describe_state(state: Residency, now: float) -> dict[str, Any]:
         reason = state.runtime_said
         summary = f"failed{_span(for_ms)}: runtime said {state.runtime_said!r}"
     elif isinstance(state, NotAdmitted):
-        reason = f"short by {gib(state.short_by_bytes)}"
-        summary = f"not admitted — short by {gib(state.short_by_bytes)}"
+        reason = f"short by {format_gib(state.short_by_bytes)}"
+        summary = f"not admitted — short by {format_gib(state.short_by_bytes)}"
     elif isinstance(state, Loading):
         reason = f"attempt {state.attempt}" if state.attempt > 1 else ""
         summary = f"loading{_span(for_ms)}" + (f" (attempt {state.attempt})" if state.attempt > 1 else "")

@@ -38,7 +38,7 @@ def _expire(waiter: asyncio.Future) -> None:
         waiter.set_exception(TimeoutError())
 
 
-class Target:
+class Address:
     """Where to send: parsed once per distinct URL and cached by the pool."""
 
     __slots__ = ("key", "host", "port", "ssl", "path_prefix", "host_header")
@@ -228,24 +228,24 @@ class Pool:
         self.loop = asyncio.get_running_loop()
         self.max_idle_per_host = max_idle_per_host
         self._idle: dict[tuple, list[Connection]] = {}
-        self._targets: dict[str, Target] = {}
+        self._targets: dict[str, Address] = {}
         self._ssl: ssl_module.SSLContext | None = None
         self.opened = 0  # connections opened, for tests and /healthz
 
-    def target(self, base: str) -> Target:
+    def target(self, base: str) -> Address:
         t = self._targets.get(base)
         if t is None:
-            t = self._targets[base] = Target(base)
+            t = self._targets[base] = Address(base)
         return t
 
-    def head(self, target: Target, path: str, header_block: str) -> bytes:
+    def head(self, target: Address, path: str, header_block: str) -> bytes:
         """The request head up to and including `Content-Length: ` (the body's length follows)."""
         return (
             f"POST {target.path_prefix}{path} HTTP/1.1\r\nHost: {target.host_header}\r\n{header_block}"
             f"Content-Length: "
         ).encode("utf-8", "surrogateescape")  # the bytes aiohttp decoded the client's headers from
 
-    async def request(self, target: Target, head: bytes, body: bytes, deadline: float) -> Connection:
+    async def request(self, target: Address, head: bytes, body: bytes, deadline: float) -> Connection:
         """Send `head` (from `Pool.head`) and `body`; return at the response head.
 
         Raises TimeoutError when no response head arrived by `deadline` (the event loop's clock,
@@ -281,7 +281,7 @@ class Pool:
                 timer.cancel()
         raise AssertionError("unreachable")
 
-    async def _open(self, target: Target) -> Connection:
+    async def _open(self, target: Address) -> Connection:
         loop = self.loop
         ssl_ctx = None
         if target.ssl:

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from haru.core import authority, subjects
 from haru.core import events as ev
+from haru.core.operations import ms_between
 
 
 class LogRecord(Protocol):
@@ -170,13 +171,6 @@ def utc(t: datetime | None) -> datetime | None:
     return t.astimezone(timezone.utc)
 
 
-def millis(start: datetime | None, end: datetime | None) -> int | None:
-    if start is None or end is None:
-        return None
-    delta = end - start
-    return delta.days * 86_400_000 + delta.seconds * 1000 + delta.microseconds // 1000
-
-
 def fleet_of(subject: str) -> tuple[str, str]:
     """(fleet, '') for a Haru event subject, ('', why) for anything else (`haru.core.subjects.read`, memoized)."""
     read = subjects.read(subject)
@@ -230,172 +224,173 @@ def gpu_row(seq: int, fleet: str, recorded_at: datetime | None, e: ev.GpuObserve
 
 def plan(carry: Carry, records: list[LogRecord]) -> tuple[Writes, Carry]:
     """The rows and updates one batch of records makes, and the carry after it."""
-    incidents = dict(carry.incidents)
-    operations = dict(carry.operations)
-    steps = dict(carry.steps)
-
-    transitions: list[tuple[Any, ...]] = []
-    gpus: list[tuple[Any, ...]] = []
-    skipped_rows: list[tuple[Any, ...]] = []
-    skipped: list[tuple[int, str, str]] = []
-    # Rows new in this batch that a later event of the same batch may still close.
-    new_incidents: dict[int, IncidentRow] = {}
-    new_steps: dict[int, StepRow] = {}
-    new_operations: dict[tuple[str, str], OperationRow] = {}
-    close_incidents: list[tuple[Any, ...]] = []
-    finish_operations: list[tuple[Any, ...]] = []
-    finish_steps: list[tuple[Any, ...]] = []
-    domains: list[tuple[Any, ...]] = []
+    batch = _Batch(dict(carry.incidents), dict(carry.operations), dict(carry.steps))
     last_seq = 0
-
     for rec in records:
-        seq = rec.seq
-        last_seq = seq
+        seq = last_seq = rec.seq
         e = rec.event
-        recorded_at = utc(rec.time)
         if e is None:
-            error = rec.error or "not a valid Haru event"
-            skipped.append((seq, rec.subject, error))
-            skipped_rows.append((seq, rec.subject, error, recorded_at, bytes(rec.data or b"")))
+            batch.skip(rec, rec.error or "not a valid Haru event")
             continue
         fleet, bad_subject = fleet_of(rec.subject)
         if bad_subject:
-            skipped.append((seq, rec.subject, bad_subject))
-            skipped_rows.append((seq, rec.subject, bad_subject, recorded_at, bytes(rec.data or b"")))
+            batch.skip(rec, bad_subject)
             continue
         why = authority.misplaced(rec.subject, e)
         if why:  # the subject is the authority: not applied, kept with the skipped bodies
-            error = "misplaced: " + authority.anomaly(seq, rec.subject, e, why)
-            skipped.append((seq, rec.subject, error))
-            skipped_rows.append((seq, rec.subject, error, recorded_at, bytes(rec.data or b"")))
+            batch.skip(rec, "misplaced: " + authority.anomaly(seq, rec.subject, e, why))
             continue
+        batch.add(seq, fleet, rec.time, e)
+    return batch.writes(last_seq), Carry(incidents=batch.incidents, operations=batch.operations, steps=batch.steps)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """What one batch has made so far. Rows new in this batch stay open to a later event of the batch."""
+
+    incidents: dict[Key, OpenSpan]
+    operations: dict[tuple[str, str], OpenSpan]
+    steps: dict[Key, OpenSpan]
+    transitions: list[tuple[Any, ...]] = field(default_factory=list)
+    gpus: list[tuple[Any, ...]] = field(default_factory=list)
+    skipped_rows: list[tuple[Any, ...]] = field(default_factory=list)
+    skipped: list[tuple[int, str, str]] = field(default_factory=list)
+    new_incidents: dict[int, IncidentRow] = field(default_factory=dict)
+    new_steps: dict[int, StepRow] = field(default_factory=dict)
+    new_operations: dict[tuple[str, str], OperationRow] = field(default_factory=dict)
+    close_incidents: list[tuple[Any, ...]] = field(default_factory=list)
+    finish_operations: list[tuple[Any, ...]] = field(default_factory=list)
+    finish_steps: list[tuple[Any, ...]] = field(default_factory=list)
+    domains: list[tuple[Any, ...]] = field(default_factory=list)
+
+    def skip(self, rec: LogRecord, error: str) -> None:
+        self.skipped.append((rec.seq, rec.subject, error))
+        self.skipped_rows.append((rec.seq, rec.subject, error, utc(rec.time), bytes(rec.data or b"")))
+
+    def add(self, seq: int, fleet: str, time: datetime, e: Any) -> None:
         kind = type(e)
-
         if kind in _STATE or kind is ev.ModelAdopted:
-            transitions.append(transition_row(seq, fleet, recorded_at, e))
+            self.transitions.append(transition_row(seq, fleet, utc(time), e))
             if kind is ev.ModelLost:
-                key = (fleet, e.domain, e.model)
-                at = utc(e.at)
-                if key not in incidents:
-                    incidents[key] = OpenSpan(seq, at)
-                    new_incidents[seq] = IncidentRow(seq, fleet, e.domain, e.model, e.reason, e.detail, at)
-            elif kind is ev.ModelResident and incidents:
-                span = incidents.pop((fleet, e.domain, e.model), None)
-                if span is not None:
-                    at = utc(e.at)
-                    duration = millis(span.at, at)
-                    incident = new_incidents.get(span.seq)
-                    if incident is not None:
-                        incident.closed_seq, incident.closed_at, incident.duration_ms = seq, at, duration
-                    else:
-                        close_incidents.append((span.seq, seq, at, duration))
-
+                self.incident_opened(seq, fleet, e)
+            elif kind is ev.ModelResident and self.incidents:
+                self.incident_closed(seq, fleet, e)
         elif kind is ev.GpuObserved:
-            gpus.append(gpu_row(seq, fleet, recorded_at, e))
-
+            self.gpus.append(gpu_row(seq, fleet, utc(time), e))
         elif issubclass(kind, ev.OperationRequested):
-            key2 = (fleet, e.op_id)
-            if key2 in operations or key2 in new_operations:
-                continue  # a second request for an operation already recorded adds nothing
-            at = utc(e.at)
-            operations[key2] = OpenSpan(seq, at)
-            new_operations[key2] = OperationRow(fleet, e.op_id, e.kind, e.target, getattr(e, "source", ""),
-                                                getattr(e, "reason", "manual"), getattr(e, "detail", ""), seq, at)
-
+            self.operation_requested(seq, fleet, e)
         elif kind is ev.OperationCompleted or kind is ev.OperationAborted:
-            key2 = (fleet, e.op_id)
-            at = utc(e.at)
-            aborted = kind is ev.OperationAborted
-            outcome = "aborted" if aborted else "completed"
-            failed_step = e.step if aborted else ""
-            error = e.error if aborted else ""
-            span = operations.pop(key2, None)
-            duration = millis(span.at, at) if span is not None else None
-            op = new_operations.get(key2)
-            if op is not None:
-                op.outcome, op.finished_seq, op.finished_at, op.duration_ms = outcome, seq, at, duration
-                op.failed_step, op.error = failed_step, error
-            elif span is not None:
-                finish_operations.append((fleet, e.op_id, outcome, seq, at, duration, failed_step, error))
-            else:  # its request predates what this read model saw: record what is known
-                new_operations[key2] = OperationRow(
-                    fleet, e.op_id, None, "", "", "", "", None, None,
-                    outcome=outcome, finished_seq=seq, finished_at=at, failed_step=failed_step, error=error,
-                )
-
+            self.operation_ended(seq, fleet, e, aborted=kind is ev.OperationAborted)
         elif kind is ev.StepStarted:
-            key3 = (fleet, e.op_id, e.step)
-            at = utc(e.at)
-            previous = steps.get(key3)
-            if previous is not None:  # restarted: close the abandoned attempt
-                _finish_step(new_steps, finish_steps, previous, "restarted", seq, at, None, "", "", "")
-            steps[key3] = OpenSpan(seq, at)
-            new_steps[seq] = StepRow(seq, fleet, e.op_id, e.step, e.attempt, at)
-
+            self.step_started(seq, fleet, e)
         elif kind is ev.StepCompleted or kind is ev.StepFailed:
-            key3 = (fleet, e.op_id, e.step)
-            at = utc(e.at)
-            failed = kind is ev.StepFailed
-            outcome = "failed" if failed else "completed"
-            detail = "" if failed else e.detail
-            code = e.error_code if failed else ""
-            error = e.error if failed else ""
-            span = steps.pop(key3, None)
-            if span is None:  # no start seen: a row of its own, keyed by this event
-                new_steps[seq] = StepRow(
-                    seq, fleet, e.op_id, e.step, 1, None, outcome=outcome, finished_seq=seq, finished_at=at,
-                    took_ms=e.took_ms, detail=detail, error_code=code, error=error,
-                )
-            else:
-                _finish_step(new_steps, finish_steps, span, outcome, seq, at, e.took_ms, detail, code, error)
-
+            self.step_ended(seq, fleet, e)
         elif kind is ev.DomainDeclared or kind is ev.DomainChanged:
             s = e.spec
-            domains.append(
-                (fleet, s.name, s.provider, s.region, s.serving_url, s.serve, len(s.gpus), seq, utc(e.at), None)
-            )
+            self.domains.append((fleet, s.name, s.provider, s.region, s.serving_url, s.serve, len(s.gpus), seq,
+                                 utc(e.at), None))
         elif kind is ev.DomainRetired:
             at = utc(e.at)
-            domains.append((fleet, e.domain, None, None, None, None, None, seq, at, at))
+            self.domains.append((fleet, e.domain, None, None, None, None, None, seq, at, at))
 
-    writes = Writes(
-        last_seq=last_seq,
-        copies={
-            "residency_transitions": transitions,
-            "gpu_observations": gpus,
-            "incidents": [r.row() for r in new_incidents.values()],
-            "operation_steps": [r.row() for r in new_steps.values()],
-            "skipped_events": skipped_rows,
-        },
-        close_incidents=close_incidents,
-        insert_operations=[r.row() for r in new_operations.values()],
-        finish_operations=finish_operations,
-        finish_steps=finish_steps,
-        upsert_domains=domains,
-        skipped=skipped,
-    )
-    return writes, Carry(incidents=incidents, operations=operations, steps=steps)
+    def incident_opened(self, seq: int, fleet: str, e: ev.ModelLost) -> None:
+        key = (fleet, e.domain, e.model)
+        if key not in self.incidents:  # the first loss is the cause; later ones while unresolved do not reopen it
+            at = utc(e.at)
+            self.incidents[key] = OpenSpan(seq, at)
+            self.new_incidents[seq] = IncidentRow(seq, fleet, e.domain, e.model, e.reason, e.detail, at)
 
+    def incident_closed(self, seq: int, fleet: str, e: ev.ModelResident) -> None:
+        span = self.incidents.pop((fleet, e.domain, e.model), None)
+        if span is None:
+            return
+        at = utc(e.at)
+        duration = ms_between(span.at, at)
+        incident = self.new_incidents.get(span.seq)
+        if incident is not None:
+            incident.closed_seq, incident.closed_at, incident.duration_ms = seq, at, duration
+        else:
+            self.close_incidents.append((span.seq, seq, at, duration))
 
-def _finish_step(
-    new_steps: dict[int, StepRow],
-    finish_steps: list[tuple[Any, ...]],
-    span: OpenSpan,
-    outcome: str,
-    seq: int,
-    at: datetime | None,
-    took_ms: int | None,
-    detail: str,
-    code: str,
-    error: str,
-) -> None:
-    duration = millis(span.at, at)
-    row = new_steps.get(span.seq)
-    if row is not None:
-        row.outcome, row.finished_seq, row.finished_at, row.duration_ms = outcome, seq, at, duration
-        row.took_ms, row.detail, row.error_code, row.error = took_ms, detail, code, error
-    else:
-        finish_steps.append((span.seq, outcome, seq, at, duration, took_ms, detail, code, error))
+    def operation_requested(self, seq: int, fleet: str, e: ev.OperationRequested) -> None:
+        key = (fleet, e.op_id)
+        if key in self.operations or key in self.new_operations:
+            return  # a second request for an operation already recorded adds nothing
+        at = utc(e.at)
+        self.operations[key] = OpenSpan(seq, at)
+        self.new_operations[key] = OperationRow(fleet, e.op_id, e.kind, e.target, getattr(e, "source", ""),
+                                                getattr(e, "reason", "manual"), getattr(e, "detail", ""), seq, at)
+
+    def operation_ended(self, seq: int, fleet: str, e: Any, *, aborted: bool) -> None:
+        key = (fleet, e.op_id)
+        at = utc(e.at)
+        outcome = "aborted" if aborted else "completed"
+        failed_step, error = (e.step, e.error) if aborted else ("", "")
+        span = self.operations.pop(key, None)
+        duration = ms_between(span.at, at) if span is not None else None
+        op = self.new_operations.get(key)
+        if op is not None:
+            op.outcome, op.finished_seq, op.finished_at, op.duration_ms = outcome, seq, at, duration
+            op.failed_step, op.error = failed_step, error
+        elif span is not None:
+            self.finish_operations.append((fleet, e.op_id, outcome, seq, at, duration, failed_step, error))
+        else:  # its request predates what this read model saw: record what is known
+            self.new_operations[key] = OperationRow(
+                fleet, e.op_id, None, "", "", "", "", None, None,
+                outcome=outcome, finished_seq=seq, finished_at=at, failed_step=failed_step, error=error,
+            )
+
+    def step_started(self, seq: int, fleet: str, e: ev.StepStarted) -> None:
+        key = (fleet, e.op_id, e.step)
+        at = utc(e.at)
+        previous = self.steps.get(key)
+        if previous is not None:  # restarted: close the abandoned attempt
+            self.finish_step(previous, "restarted", seq, at, None, "", "", "")
+        self.steps[key] = OpenSpan(seq, at)
+        self.new_steps[seq] = StepRow(seq, fleet, e.op_id, e.step, e.attempt, at)
+
+    def step_ended(self, seq: int, fleet: str, e: ev.StepCompleted | ev.StepFailed) -> None:
+        at = utc(e.at)
+        if isinstance(e, ev.StepFailed):
+            outcome, detail, code, error = "failed", "", e.error_code, e.error
+        else:
+            outcome, detail, code, error = "completed", e.detail, "", ""
+        span = self.steps.pop((fleet, e.op_id, e.step), None)
+        if span is None:  # no start seen: a row of its own, keyed by this event
+            self.new_steps[seq] = StepRow(
+                seq, fleet, e.op_id, e.step, 1, None, outcome=outcome, finished_seq=seq, finished_at=at,
+                took_ms=e.took_ms, detail=detail, error_code=code, error=error,
+            )
+        else:
+            self.finish_step(span, outcome, seq, at, e.took_ms, detail, code, error)
+
+    def finish_step(self, span: OpenSpan, outcome: str, seq: int, at: datetime | None, took_ms: int | None,
+                    detail: str, code: str, error: str) -> None:
+        duration = ms_between(span.at, at)
+        row = self.new_steps.get(span.seq)
+        if row is not None:
+            row.outcome, row.finished_seq, row.finished_at, row.duration_ms = outcome, seq, at, duration
+            row.took_ms, row.detail, row.error_code, row.error = took_ms, detail, code, error
+        else:
+            self.finish_steps.append((span.seq, outcome, seq, at, duration, took_ms, detail, code, error))
+
+    def writes(self, last_seq: int) -> Writes:
+        return Writes(
+            last_seq=last_seq,
+            copies={
+                "residency_transitions": self.transitions,
+                "gpu_observations": self.gpus,
+                "incidents": [r.row() for r in self.new_incidents.values()],
+                "operation_steps": [r.row() for r in self.new_steps.values()],
+                "skipped_events": self.skipped_rows,
+            },
+            close_incidents=self.close_incidents,
+            insert_operations=[r.row() for r in self.new_operations.values()],
+            finish_operations=self.finish_operations,
+            finish_steps=self.finish_steps,
+            upsert_domains=self.domains,
+            skipped=self.skipped,
+        )
 
 
 def carry_from_rows(

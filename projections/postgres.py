@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import asyncpg
 import structlog
 
+from haru.core.restarts import Backoff
 from haru.core import subjects
 from haru.core.errors import HaruError, LogError, LogUnavailable
 from haru.log.eventlog import EventLog
@@ -244,7 +245,7 @@ class PostgresSink:
 
         Returns the position reached.
         """
-        delay = 0.5
+        backoff, failures = Backoff(0.5, self.retry_max), 0  # sessions in a row that wrote nothing
         while True:
             written = self.written
             try:
@@ -252,11 +253,10 @@ class PostgresSink:
             except (SinkUnavailable, LogUnavailable) as exc:
                 if not self.retry:
                     raise
-                if self.written != written:  # that session got somewhere: start the backoff again
-                    delay = 0.5
-                log.warning("sink_unavailable", error=str(exc), retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.retry_max)
+                # that session got somewhere: start the backoff again
+                failures = 1 if self.written != written else failures + 1
+                log.warning("sink_unavailable", error=str(exc), retry_in_s=backoff.delay(failures))
+                await asyncio.sleep(backoff.delay(failures))
 
     async def _session(self, follow: bool) -> int:
         conn = await connect(self.dsn)

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
+from haru.core.restarts import Backoff
 from haru.host import alive
 from haru.core import checkpoints, subjects
 from haru.core.errors import Conflict, LogError
@@ -389,18 +390,18 @@ class Projector:
     # ------------------------------------------------------------------------------- write
 
     async def _flusher(self) -> None:
-        backoff = 0.25
+        backoff, failures = Backoff(0.25, 5.0), 0  # failed writes in a row
         while True:
             await self._wake.wait()
             self._wake.clear()
             try:
                 await self.flush()
-                backoff = 0.25
+                failures = 0
             except LogError as exc:
                 # NATS restarting, a stream leader election: keep folding, write when it is back.
-                log_.warning("projector.write_failed", error=str(exc), retry_in_s=backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                failures += 1
+                log_.warning("projector.write_failed", error=str(exc), retry_in_s=backoff.delay(failures))
+                await asyncio.sleep(backoff.delay(failures))
                 self._wake.set()
 
     async def flush(self) -> None:

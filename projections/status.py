@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from haru.core.planner import format_gib, gpu_summary_line
+from haru.core.planner import gpu_summary_line
+from haru.core.sizes import format_gib, format_size
 from haru.core.residency import (Answer, Failed, Loading, Lost, NotAdmitted, Pulling, Resident, Sleeping, Stopped, Unknown,
                             Waking)
 from haru.core.views import DomainView, FleetView, GpuView, ModelView, OperationView, RouteIntent, Target, TrainingView
@@ -50,7 +51,7 @@ def model_state(model: ModelView, now: datetime) -> str:
     if isinstance(s, Resident):
         return f"resident for {_secs(s.since, now)}"
     if isinstance(s, Pulling):
-        of = f" {_mib(s.done_bytes)} of {_mib(s.total_bytes)}" if s.total_bytes else ""
+        of = f" {format_size(s.done_bytes)} of {format_size(s.total_bytes)}" if s.total_bytes else ""
         return f"pulling {s.reference}{of} for {_secs(s.since, now)}"
     if isinstance(s, Loading):
         extra = f" (attempt {s.attempt})" if s.attempt > 1 else ""
@@ -74,10 +75,6 @@ def model_state(model: ModelView, now: datetime) -> str:
     if isinstance(s, Unknown):
         return "unknown (never probed)" if model.admitted else "unknown (not planned yet)"
     return type(s).__name__.lower()  # pragma: no cover - every state is named above
-
-
-def _mib(n: int) -> str:
-    return f"{n / 1024**2:.1f} MiB"
 
 
 def model_line(model: ModelView, now: datetime) -> str:

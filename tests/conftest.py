@@ -12,7 +12,7 @@ import pytest
 
 from haru.host.natsd import NatsServer
 
-pytest_plugins = ["tests.hangdump"]
+pytest_plugins = ["tests.support.hangdump"]
 
 # Tests written before issue 14 kill agents and expect their runtimes to go with them: agents started
 # by the suite (directly, through `haru up`, or a gateway fixture) inherit this. The tests of runtimes

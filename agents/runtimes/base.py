@@ -12,10 +12,8 @@ completion answered (see `agents.probes`).
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -24,8 +22,9 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
-from agents.errors import OutOfMemory, ProbeFailed, RuntimeRefused, RuntimeUnreachable
-from haru.host.children import start_time
+from agents.errors import OutOfMemory, ProbeUnanswered, RuntimeRefused, RuntimeUnreachable
+from haru.host.children import die_with_parent, start_time
+from haru.host.natsd import free_port
 from haru.core.launch import ArgConflict, Launch
 from haru.core.launch import launch as plan_launch
 from haru.core.specs import ModelSpec
@@ -35,8 +34,6 @@ __all__ = [
     "Runtime",
     "HttpRuntime",
     "ProcessRuntime",
-    "free_port",
-    "die_with_parent",
 ]
 
 
@@ -71,29 +68,6 @@ class Runtime(Protocol):
     async def close(self) -> None: ...
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """preexec_fn for trainers: SIGTERM (their grace to checkpoint) when the agent dies, even by SIGKILL.
-
-    Trainers run in their own sessions (so the agent can signal their whole process group); the next
-    agent stops whatever ignored the signal, with the slot's grace, and records it. Runtimes do NOT get
-    this: they outlive the agent, and the next agent adopts them (`ProcessRuntime.adopt`).
-    """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: the agent's pid file sweep covers it
-        pass
-
-
 RUNTIMES_DIE_ENV = "HARU_RUNTIMES_DIE_WITH_AGENT"
 
 
@@ -102,13 +76,6 @@ def runtimes_die_with_agent() -> bool:
     their agent dies, and makes the agent's SIGTERM unload them (as SIGINT does), so a test that kills
     an agent leaves nothing behind. Never in production: it brings back the outage issue 14 removed."""
     return os.environ.get(RUNTIMES_DIE_ENV, "") == "1"
-
-
-def _runtime_die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def killpg(pgid: int, sig: int) -> bool:
@@ -224,24 +191,24 @@ class HttpRuntime:
         raise RuntimeRefused(f"{self.spec.name}: a {self.kind} runtime has no sleep mode")
 
     async def probe_completion(self, timeout_s: float) -> int:
-        """A real one-token completion. Returns its latency in ms; raises ProbeFailed."""
+        """A real one-token completion. Returns its latency in ms; raises ProbeUnanswered."""
         started = time.monotonic()
         body = {"model": self.spec.name, "prompt": "ping", "max_tokens": 1, "temperature": 0}
         try:
             status, raw = await self._request("POST", "/v1/completions", timeout_s=timeout_s, json=body)
         except RuntimeUnreachable as exc:
-            raise ProbeFailed(f"{self.spec.name}: probe completion got no answer: {exc}") from exc
+            raise ProbeUnanswered(f"{self.spec.name}: probe completion got no answer: {exc}") from exc
         if status != 200:
             text = raw[:300].decode(errors="replace")
             if any(m in text.lower() for m in _OOM_MARKERS):
                 raise OutOfMemory(f"{self.spec.name}: probe completion: {text}", status=status, body=text)
-            raise ProbeFailed(f"{self.spec.name}: probe completion answered {status}: {text}")
+            raise ProbeUnanswered(f"{self.spec.name}: probe completion answered {status}: {text}")
         try:
             choices = _choices_decoder.decode(raw).choices
         except msgspec.DecodeError as exc:
-            raise ProbeFailed(f"{self.spec.name}: probe completion body is not a completion: {exc}") from exc
+            raise ProbeUnanswered(f"{self.spec.name}: probe completion body is not a completion: {exc}") from exc
         if not choices:
-            raise ProbeFailed(f"{self.spec.name}: probe completion returned no choices")
+            raise ProbeUnanswered(f"{self.spec.name}: probe completion returned no choices")
         return int((time.monotonic() - started) * 1000)
 
     @staticmethod
@@ -353,7 +320,7 @@ class ProcessRuntime(HttpRuntime):
                     # Its own session, and no parent-death signal: it outlives the agent (a restart, an
                     # upgrade, a crash) and the next agent adopts it from its identity file.
                     start_new_session=True,
-                    preexec_fn=_runtime_die_with_parent if runtimes_die_with_agent() else None,
+                    preexec_fn=die_with_parent(signal.SIGKILL) if runtimes_die_with_agent() else None,
                 )
             except OSError as exc:
                 raise RuntimeUnreachable(f"{self.spec.name}: cannot start {argv[0]!r}: {exc}") from exc

@@ -22,55 +22,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from agents.sim.errors import BadSize, NoSimGpu
+from haru.core import sizes
+from haru.core.sizes import GiB, MiB  # noqa: F401 - the sizes a sim is set up in, importable beside it
 from haru.host import procfs
 
-KiB = 1024
-MiB = 1024**2
-GiB = 1024**3
-TiB = 1024**4
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": KiB,
-    "m": 1000**2, "mb": 1000**2, "mib": MiB,
-    "g": 1000**3, "gb": 1000**3, "gib": GiB,
-    "t": 1000**4, "tb": 1000**4, "tib": TiB,
-}
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")
 
 DEFAULT_GPU_NAME = "Haru Sim GPU"
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes from `4294967296`, `"4GiB"`, `"512MiB"`, `"1.5GB"`. Raises BadSize with the fix."""
-    if isinstance(text, int):
-        return text
-    match = _SIZE.fullmatch(str(text))
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise BadSize(f"size {text!r} is not bytes or a number with a unit; write e.g. 4GiB, 512MiB or 1073741824")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def format_size(n: int) -> str:
-    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
-def pid_alive(pid: int) -> bool:
-    """True while `pid` runs. A zombie (exited, not yet reaped) counts as dead: its memory is gone."""
-    if pid <= 0:
-        return False
+    """Bytes from `4294967296`, `"4GiB"`, `"512MiB"`, `"1.5GB"` (haru.core.sizes). Raises BadSize with the fix."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    st = procfs.stat(pid)
-    return True if st is None else not st.zombie  # no procfs (not Linux): os.kill said it exists
+        return sizes.parse_size(text)
+    except ValueError as exc:
+        raise BadSize(f"{exc}; write e.g. 4GiB, 512MiB or 1073741824") from None
 
 
 def gpu_path(sim_dir: str | os.PathLike[str], index: int) -> Path:
@@ -207,4 +172,4 @@ class SimGpuState:
 
 
 def _live(allocations: dict) -> dict[str, int]:
-    return {pid: int(n) for pid, n in allocations.items() if pid_alive(int(pid))}
+    return {pid: int(n) for pid, n in allocations.items() if procfs.pid_alive(int(pid))}

@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 from agents.sim.errors import SimError
-from agents.sim.gpu_state import SimGpuState, format_size, parse_size
+from agents.sim.gpu_state import SimGpuState, parse_size
+from haru.core.sizes import format_size
 
 
 def _log(message: str) -> None:
@@ -44,13 +45,7 @@ def _write_json(path: Path, value: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="agents.sim.trainer", description="simulated preemptible trainer")
-    parser.add_argument("--vram", required=True, help="VRAM to hold, bytes or e.g. 8GiB")
-    parser.add_argument("--sim-dir", default=os.environ.get("HARU_SIM_DIR"), help="simulated host dir (HARU_SIM_DIR)")
-    parser.add_argument("--ignore-sigterm", action="store_true")
-    parser.add_argument("--exit-after-ms", type=int, default=None)
-    parser.add_argument("--step-ms", type=int, default=50)
-    parser.add_argument("--checkpoint-every-ms", type=int, default=500)
+    parser = _parser()
     args = parser.parse_args(argv)
 
     try:
@@ -98,36 +93,52 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
 
-    def checkpoint() -> None:
-        _write_json(ckpt_path, {"step": step, "at": time.time(), "pid": pid})
-
     _log(f"training on GPU {gpu_index} with {format_size(vram)}, resuming at step {step}")
-    started = time.monotonic()
-    last_ckpt = started
     try:
-        while True:
-            if stopping["signal"]:
-                checkpoint()
-                _log(f"signal {stopping['signal']}: checkpointed at step {step}, exiting")
-                return 0
-            if args.exit_after_ms is not None and (time.monotonic() - started) * 1000 >= args.exit_after_ms:
-                checkpoint()
-                _log(f"done at step {step}")
-                return 0
-            try:
-                present = gpu.read()["present"]
-            except (SimError, OSError, ValueError):
-                present = False
-            if not present:
-                _log(f"RuntimeError: CUDA error: unspecified launch failure (GPU {gpu_index} is lost)")
-                return 1
-            time.sleep(args.step_ms / 1000)
-            step += 1
-            if (time.monotonic() - last_ckpt) * 1000 >= args.checkpoint_every_ms:
-                checkpoint()
-                last_ckpt = time.monotonic()
+        return _train(args, gpu, ckpt_path, step, stopping)
     finally:
         gpu.free(pid)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agents.sim.trainer", description="simulated preemptible trainer")
+    parser.add_argument("--vram", required=True, help="VRAM to hold, bytes or e.g. 8GiB")
+    parser.add_argument("--sim-dir", default=os.environ.get("HARU_SIM_DIR"), help="simulated host dir (HARU_SIM_DIR)")
+    parser.add_argument("--ignore-sigterm", action="store_true")
+    parser.add_argument("--exit-after-ms", type=int, default=None)
+    parser.add_argument("--step-ms", type=int, default=50)
+    parser.add_argument("--checkpoint-every-ms", type=int, default=500)
+    return parser
+
+
+def _train(args: argparse.Namespace, gpu: SimGpuState, ckpt_path: Path, step: int, stopping: dict[str, int]) -> int:
+    """Step until a signal, the end or a lost GPU, checkpointing every `checkpoint_every_ms`."""
+
+    def checkpoint() -> None:
+        _write_json(ckpt_path, {"step": step, "at": time.time(), "pid": os.getpid()})
+
+    started = last_ckpt = time.monotonic()
+    while True:
+        if stopping["signal"]:
+            checkpoint()
+            _log(f"signal {stopping['signal']}: checkpointed at step {step}, exiting")
+            return 0
+        if args.exit_after_ms is not None and (time.monotonic() - started) * 1000 >= args.exit_after_ms:
+            checkpoint()
+            _log(f"done at step {step}")
+            return 0
+        try:
+            present = gpu.read()["present"]
+        except (SimError, OSError, ValueError):
+            present = False
+        if not present:
+            _log(f"RuntimeError: CUDA error: unspecified launch failure (GPU {gpu.index} is lost)")
+            return 1
+        time.sleep(args.step_ms / 1000)
+        step += 1
+        if (time.monotonic() - last_ckpt) * 1000 >= args.checkpoint_every_ms:
+            checkpoint()
+            last_ckpt = time.monotonic()
 
 
 if __name__ == "__main__":

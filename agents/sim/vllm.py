@@ -37,7 +37,8 @@ from pathlib import Path
 from aiohttp import web
 
 from agents.sim.errors import SimError
-from agents.sim.gpu_state import GiB, MiB, SimGpuState, format_size, parse_size
+from agents.sim.gpu_state import SimGpuState, parse_size
+from haru.core.sizes import GiB, MiB, format_size
 from haru.core.subjects import model_token
 
 VERSION = "0.0.0+haru.sim"

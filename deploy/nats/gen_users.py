@@ -13,7 +13,7 @@ from the layout files (only "fleet" and "domains[].name" are read). Every passwo
 to an environment variable (`password: $HARU_NATS_PASSWORD_...`): nats-server resolves it when it
 starts and refuses to start when one is missing, so no secret lives in this file.
 
-The roles (DESIGN.md "Security"):
+The roles (docs/design.md, "Security in brief"):
   agent.<fleet>.<domain>  publishes only its own domain's events (agent, model.*, gpu.*, training.*:
                           not liveness, which the promoter writes) and heartbeat; answers only its own
                           commands (haru.cmd.<fleet>.<domain>.>, nats.micro's $SRV.>) and may ask its own

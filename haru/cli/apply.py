@@ -10,6 +10,7 @@ import argparse
 import getpass
 import socket
 import sys
+from typing import TYPE_CHECKING
 from datetime import datetime, timezone
 
 from haru.core.apply import ApplyResult, apply, change_paths, describe, waits_on_active
@@ -17,9 +18,13 @@ from haru.cli.common import ExitStatus, add_nats_options, emit_json, fail, nats_
 from haru.core.errors import Conflict, LayoutError, LogError, LogUnavailable
 from haru.core.events import payload, tag_of
 from haru.core.layout import load_layout
-from haru.core.planner import Plan, format_gib, verdict_line
+from haru.core.planner import Plan, verdict_line
+from haru.core.sizes import format_gib
 from haru.core.planner import plan as plan_layout
 from haru.core.subjects import decl
+
+if TYPE_CHECKING:
+    from haru.promoter.requests import RequestResult
 
 
 def register(subparsers) -> None:
@@ -139,6 +144,13 @@ async def run(args: argparse.Namespace) -> ExitStatus:
             doc["rolling"] = {"status": rolling.status, "op_id": rolling.op_id, "message": rolling.message}
         emit_json(doc)
         return ExitStatus.OK
+    _print_result(result, active, rolling, waiting)
+    return ExitStatus.OK
+
+
+def _print_result(result: ApplyResult, active: str, rolling: RequestResult | None, waiting: list[str]) -> None:
+    """What `haru apply` did (or would do), for a person: the plan, the events, how each change reaches
+    the agents, the rolling change, what was not admitted."""
     out = sys.stdout
     subject = decl(result.fleet)
     for line in plan_lines(result.plan):
@@ -176,4 +188,3 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         names = ", ".join(f"{v.domain}/{v.name} (short by {format_gib(v.short_by_bytes)})" for v in refused)
         verb = "would be recorded" if result.dry_run else "recorded"
         print(f"{len(refused)} not admitted ({verb}): {names}", file=out)
-    return ExitStatus.OK

@@ -43,7 +43,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     except ConfigError as exc:
         return fail(str(exc), ExitStatus.USAGE)
     # A long-lived server with few long-lived objects: freeze what start-up allocated and collect the
-    # young generation less often (NOTES.md: a small, measurable gain at 32 connections).
+    # young generation less often (docs/design.md: a small, measurable gain at 32 connections).
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)

@@ -53,7 +53,7 @@ def status_of(exc: Exception) -> ExitStatus:
 
 
 def _size(n: int) -> str:
-    from haru.models.pull import format_size
+    from haru.core.sizes import format_size
 
     return format_size(n)
 

@@ -28,21 +28,13 @@ from typing import Any
 from haru.core import subjects
 from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers, add_log_options, configure_logging
 from haru.core.errors import LogUnavailable
+from haru.core.operations import as_doc, fold_operations, progress_line
 from haru.promoter.errors import OperationNotFound
 from haru.host.tasks import cancel_and_wait, run_until_signal
 from haru.host.metrics import add_metrics_options
 from haru.log.eventlog import EventLog
 from haru.log.record import Record
-from haru.core.events import (
-    OperationAborted,
-    OperationCompleted,
-    OperationRequested,
-    StepCompleted,
-    StepFailed,
-    StepStarted,
-    payload,
-    tag_of,
-)
+from haru.core.events import OperationAborted, OperationCompleted, payload, tag_of
 
 _STATUS = {
     "noop": ExitStatus.OK,
@@ -196,19 +188,8 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
             return
         if json_out:
             emit_json({"seq": rec.seq, "type": tag_of(ev), **payload(ev)})
-        elif isinstance(ev, OperationRequested):
-            print(f"requested  {getattr(ev, 'reason', 'manual')} {ev.kind} of {ev.target}")
-        elif isinstance(ev, StepStarted):
-            pass
-        elif isinstance(ev, StepCompleted):
-            detail = f"  {ev.detail}" if ev.detail else ""
-            print(f"{ev.step:<18} ok      {ev.took_ms:>6} ms{detail}")
-        elif isinstance(ev, StepFailed):
-            print(f"{ev.step:<18} FAILED  {ev.took_ms:>6} ms  {ev.error_code}: {ev.error}")
-        elif isinstance(ev, OperationCompleted):
-            print(f"completed  {op_id}")
-        elif isinstance(ev, OperationAborted):
-            print(f"aborted    {op_id} at {ev.step or '(no step)'}: {ev.error} (routing did not move)")
+        elif (line := progress_line(op_id, ev)) is not None:
+            print(line)
         sys.stdout.flush()
         if isinstance(ev, OperationCompleted):
             outcome.set_result(ExitStatus.OK)
@@ -249,51 +230,33 @@ async def run_op(args: argparse.Namespace) -> ExitStatus:
             records = await log.history(subjects.op(args.fleet))
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
-    ops: dict[str, dict] = {}
-    for rec in records:
-        ev = rec.event
-        op_id = getattr(ev, "op_id", None) if ev is not None else None
-        if not op_id:
-            continue
-        if isinstance(ev, OperationRequested):
-            ops[op_id] = {"op_id": op_id, "kind": ev.kind,
-                          "target": ev.target, "reason": getattr(ev, "reason", "manual"), "state": "running",
-                          "requested_at": ev.at.isoformat(), "by": ev.by, "error": "", "steps": []}
-        op = ops.get(op_id)
-        if op is None:
-            continue
-        if isinstance(ev, (StepStarted, StepCompleted, StepFailed)):
-            op["steps"].append({"seq": rec.seq, "type": tag_of(ev), **payload(ev)})
-        elif isinstance(ev, OperationCompleted):
-            op["state"] = "completed"
-        elif isinstance(ev, OperationAborted):
-            op["state"], op["error"] = "aborted", f"{ev.step or '(no step)'}: {ev.error}"
+    ops = {op.op_id: op for op in fold_operations(records)}
     if args.op_id:
         op = ops.get(args.op_id)
         if op is None:
             return fail(str(OperationNotFound(args.fleet, args.op_id)), ExitStatus.NOT_FOUND)
         if args.json:
-            emit_json(op)
+            emit_json(as_doc(op))
             return ExitStatus.OK
-        print(f"{op['op_id']}  {op['kind']} of {op['target']} ({op['reason']}, by {op['by']})  {op['state']}")
-        for st in op["steps"]:
-            if st["type"] == "step_started":
-                print(f"  {st['step']:<18} started (attempt {st.get('attempt', 1)})")
-            elif st["type"] == "step_completed":
-                print(f"  {st['step']:<18} ok      {st.get('took_ms', 0):>6} ms  {st.get('detail', '')}")
+        print(f"{op.op_id}  {op.kind} of {op.target} ({op.reason}, by {op.by})  {op.state}")
+        for st in op.steps:
+            if st.state == "started":
+                print(f"  {st.step:<18} started (attempt {st.attempt})")
+            elif st.state == "completed":
+                print(f"  {st.step:<18} ok      {st.took_ms or 0:>6} ms  {st.detail}")
             else:
-                print(f"  {st['step']:<18} FAILED  {st.get('took_ms', 0):>6} ms  {st.get('error_code', '')}: {st.get('error', '')}")
-        if op["error"]:
-            print(f"  aborted at {op['error']} (routing did not move)")
+                print(f"  {st.step:<18} FAILED  {st.took_ms or 0:>6} ms  {st.error_code}: {st.error}")
+        if op.state == "aborted":
+            print(f"  aborted at {op.error or '(no step)'} (routing did not move)")
         return ExitStatus.OK
     if args.json:
-        emit_json([{k: v for k, v in op.items() if k != "steps"} for op in ops.values()])
+        emit_json([{k: v for k, v in as_doc(op).items() if k != "steps"} for op in ops.values()])
         return ExitStatus.OK
     if not ops:
         print(f"no operations in fleet {args.fleet}")
     for op in ops.values():
-        tail = f"  {op['error']}" if op["error"] else ""
-        print(f"{op['op_id']}  {op['requested_at'][:23]}  {op['kind']:<9} {op['target']:<12} {op['reason']:<18} {op['state']}{tail}")
+        tail = f"  {op.error}" if op.error else ""
+        print(f"{op.op_id}  {op.requested_at.isoformat()[:23]}  {op.kind:<9} {op.target:<12} {op.reason:<18} {op.state}{tail}")
     return ExitStatus.OK
 
 

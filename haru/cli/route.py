@@ -27,12 +27,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _print(ri, as_json: bool) -> None:
-    from haru.log.route import refresh
+    from haru.core.intents import at
     from projections.status import render_intent
 
     now = datetime.now(timezone.utc)
     if as_json:
-        emit_json(refresh(ri, now))
+        emit_json(at(ri, now))
     else:
         print(render_intent(ri, now))
     sys.stdout.flush()

@@ -7,10 +7,7 @@ reached, 7 refused (the planner admits none of the models: each is printed `shor
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -57,7 +54,7 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
     from haru.host.natsd import free_port
     from haru.core.planner import plan as plan_layout
     from haru.up.serve import ServeError, fleet_layout, gpu_memory_from_nvml, parse_model_flag, prepare, split_args
-    from haru.up.compose import UpOptions, haru_home, up
+    from haru.up.compose import UpOptions, haru_home
 
     configure_logging(args.log_format, args.log_level)
     if not args.model:
@@ -108,16 +105,9 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
     opts = UpOptions(home=home, nats_port=args.nats_port, gateway_host=args.host, gateway_port=args.port,
                      ready_file=Path(args.ready_file) if args.ready_file else None, layout=layout, agent_gpus=gpus,
                      after_apply=record_pulls)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        await up(opts, stop)
-    except OSError as exc:
-        return fail(f"cannot start: {exc.strerror or exc} (is the gateway port in use? pass --port)")
-    return ExitStatus.OK
+    from haru.cli.up import run_up
+
+    return await run_up(opts)
 
 
 def _say(line: str) -> None:

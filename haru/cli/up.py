@@ -8,8 +8,12 @@ import contextlib
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from haru.cli.common import ExitStatus, add_log_options, configure_logging, fail
+
+if TYPE_CHECKING:
+    from haru.up.compose import UpOptions
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--home", default=None, help="state directory (env HARU_HOME, default ~/.haru)")
     p.add_argument("--host", default=None, help="gateway listen address (env HARU_GATEWAY_HOST)")
     p.add_argument("--port", type=int, default=None, help="gateway port (env HARU_GATEWAY_PORT, default 8700)")
-    p.add_argument("--layout", default=None, help="with --demo: the layout to apply (default deploy/examples/demo-fleet.json)")
+    p.add_argument("--layout", default=None, help="with --demo: the layout to apply (default: the demo layout haru ships, as in deploy/examples/demo-fleet.json)")
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus metrics of the projector and promoter (env HARU_METRICS_PORT; default 9400, "
@@ -43,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 async def run(args: argparse.Namespace) -> ExitStatus | int:
-    from haru.up.compose import DEMO_LAYOUT, REAL_DEMO_LAYOUT, UpOptions, haru_home, up
+    from haru.up.compose import DEMO_LAYOUT, REAL_DEMO_LAYOUT, UpOptions, haru_home
 
     if args.model:
         if args.demo or args.nats_url or args.layout:
@@ -78,13 +82,19 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
     )
+    return await run_up(opts)
+
+
+async def run_up(opts: UpOptions) -> ExitStatus:
+    """`haru up` (and `haru serve`) until SIGINT or SIGTERM, its failures said in one line."""
+    from haru.core.errors import AlreadyRunning
+    from haru.up.compose import up
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    from haru.core.errors import AlreadyRunning
-
     try:
         await up(opts, stop)
     except AlreadyRunning as exc:

@@ -190,7 +190,7 @@ def describe(event: Event) -> str:
     elif isinstance(event, TrainingRetired):
         what = f"{event.domain}/{event.slot}"
     elif isinstance(event, AdmissionDecided):
-        from haru.core.planner import format_gib
+        from haru.core.sizes import format_gib
 
         verdict = "admitted" if event.admitted else f"not admitted, short by {format_gib(event.short_by_bytes)}"
         what = f"{event.domain}/{event.name}" + (" (training)" if event.kind == "training" else "") + f": {verdict}"

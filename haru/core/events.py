@@ -13,7 +13,7 @@ Every event carries the envelope:
 Tags are explicit, stable snake_case: an event's tag never changes. New fields get defaults;
 a field's type never changes. Names are past tense; commands (in `haru.core.commands`) are imperative.
 
-Which subject each event goes to is in `haru.core.subjects`; who writes it is in DESIGN.md.
+Which subject each event goes to is in `haru.core.subjects`; who writes it is in docs/design.md.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ SCHEMA_VERSION = 1
 
 LostReason = Literal["evicted", "gpu_detached", "process_exited", "unhealthy"]
 StopHow = Literal["exited", "terminated", "killed"]
-OpKind = Literal["promotion", "demotion", "rolling", "provision", "teardown", "replace"]
 Step = Literal["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active", "sleep", "start_training",
                "apply_standby", "apply_old_active", "launch", "join", "settle", "down"]
 
@@ -566,11 +565,6 @@ OPERATION_REQUESTS: dict[str, type[OperationRequested]] = {
     cls.kind: cls for cls in AnyEvent.__args__ if issubclass(cls, OperationRequested)  # type: ignore[attr-defined]
 }
 """Operation kind -> its request event, read from `AnyEvent`."""
-
-
-def operation_kind(event: Event) -> str:
-    """The kind of operation a request event asks for ('' for any other event)."""
-    return event.kind if isinstance(event, OperationRequested) else ""
 
 
 ALL_TAGS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in AnyEvent.__args__)  # type: ignore[attr-defined]

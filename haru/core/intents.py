@@ -25,7 +25,7 @@ flag, every declared GPU present (an honest None counts as present), and no admi
 failed. `why` says the first reason that fails.
 
 Degraded: an admitted model is `lost` for a reason other than `gpu_detached`; `degraded_since` is
-the earliest such loss. A `gpu_detached` loss is not degradation but failure (DESIGN.md, auto
+the earliest such loss. A `gpu_detached` loss is not degradation but failure (docs/design.md, auto
 failover): the Target is ineligible with why `gpu_detached`. `failed` (the runtime refused to load)
 makes a domain ineligible but is not degradation: it is the operator's to fix, and the same model
 would fail on the other domain.

@@ -41,7 +41,8 @@ import msgspec
 from haru.core.errors import ArgConflict
 from haru.core.model_errors import BadReference
 from haru.core.refs import is_explicit_reference, parse_reference
-from haru.core.specs import GiB, ModelSpec, Runtime
+from haru.core.specs import ModelSpec, Runtime
+from haru.core.sizes import GiB
 
 __all__ = [
     "Launch",

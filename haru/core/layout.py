@@ -28,31 +28,20 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 from haru.core.errors import InvalidName, LayoutError
+from haru.core.sizes import parse_size
 from haru.core.launch import ArgConflict, check_args, format_refusal, runtime_for
-from haru.core.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, Policy, ProvisionSpec, ServiceSpec, TrainingSpec
+from haru.core.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, NonNegative, Policy, ProvisionSpec, ServiceSpec, TrainingSpec
 from haru.core.subjects import check_model_id, check_name
 
-__all__ = ["parse_layout", "load_layout", "parse_size", "SIZE_UNITS"]
+__all__ = ["parse_layout", "load_layout"]
 
 _T = TypeVar("_T")
 
-SIZE_UNITS: dict[str, int] = {
-    "b": 1,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 
 # ----------------------------------------------------------------------------- allowed keys
 
@@ -71,7 +60,7 @@ Size = int | str
 
 
 class _Gpu(msgspec.Struct, forbid_unknown_fields=True):
-    index: int
+    index: NonNegative  # the NVML index
     memory: Size
     reserve: Size = 0
     name: str = ""
@@ -81,8 +70,8 @@ class _Model(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     runtime: Literal["vllm", "llama_server", "external", ""] = ""  # "": follows the source's format
     vram: Size = 0
-    context_length: int = 0
-    port: int = 0
+    context_length: NonNegative = 0  # 0: the runtime's default
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0: unset
     source: str = ""
     url: str = ""
     binary: list[str] | str = []
@@ -95,12 +84,12 @@ class _Model(msgspec.Struct, forbid_unknown_fields=True):
 class _Slot(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     kind: Literal["inference", "training"] = "inference"
-    gpu: int = 0
+    gpu: NonNegative = 0
     models: list[_Model] = []
     command: list[str] = []
     checkpoint_dir: str = ""
     vram: Size = 0
-    grace_ms: int = 0
+    grace_ms: NonNegative = 0
 
 
 class _Domain(msgspec.Struct, forbid_unknown_fields=True):
@@ -121,30 +110,6 @@ class _Layout(msgspec.Struct, forbid_unknown_fields=True):
 
 
 # ---------------------------------------------------------------------------------- sizes
-
-
-def parse_size(value: object) -> int:
-    """Bytes from an int or a string with a unit (`20GiB`, `44.2 GiB`, `512MiB`, `1.5GB`).
-
-    Raises ValueError with a message saying what is accepted.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"size {value!r} is a boolean; give bytes or a string like '20GiB'")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"size {value} is negative")
-        return value
-    if isinstance(value, str):
-        m = _SIZE.fullmatch(value)
-        if m is not None:
-            number, unit = m.group(1), m.group(2).lower() or "b"
-            if unit in SIZE_UNITS:
-                return round(float(number) * SIZE_UNITS[unit])
-            raise ValueError(
-                f"size {value!r} has unknown unit {m.group(2)!r}; use one of B, KiB, MiB, GiB, TiB, KB, MB, GB, TB"
-            )
-        raise ValueError(f"size {value!r} is not a number with a unit, like '20GiB', '44.2 GiB' or '512MiB'")
-    raise ValueError(f"size {value!r} must be an integer number of bytes or a string like '20GiB'")
 
 
 def _size(value: object, path: str, what: str) -> int:
@@ -226,7 +191,9 @@ def _convert(obj: object, typ: type[_T], path_prefix: str = "") -> _T:
                 path = path_prefix + path[1:]
         else:
             message, path = text, path_prefix or "$"
-        raise LayoutError(message, path=path, fix="give the value the type named; see docs/residency.md") from None
+        fix = ("give a value in the range named" if any(op in message for op in (">=", "<=", "> ", "< "))
+               else "give the value the type named")
+        raise LayoutError(message, path=path, fix=f"{fix}; see docs/residency.md") from None
 
 
 # ------------------------------------------------------------------------------------- parse
@@ -249,7 +216,7 @@ def parse_layout(data: bytes | str | dict[str, Any]) -> Layout:
     except InvalidName as exc:
         raise LayoutError(str(exc), path="$.fleet", fix="name the fleet with lowercase letters, digits, '_' or '-'") from None
     policy = _policy(doc.policy)
-    domains = [_domain(d, i, policy) for i, d in enumerate(doc.domains)]
+    domains = [_domain(d, i) for i, d in enumerate(doc.domains)]
     _check_fleet(domains)
     return Layout(fleet=fleet, policy=policy, domains=domains)
 
@@ -271,10 +238,6 @@ def _policy(raw: dict[str, Any]) -> Policy:
         if key.endswith("_bytes"):
             values[key] = _size(values[key], f"$.policy.{key}", key)
     policy = _convert(values, Policy, "$.policy")
-    for key in Policy.__struct_fields__:
-        value = getattr(policy, key)
-        if not isinstance(value, bool) and isinstance(value, int) and value < 0:
-            raise LayoutError(f"policy {key} is negative ({value})", path=f"$.policy.{key}", fix="use 0 or more")
     return policy
 
 
@@ -285,18 +248,63 @@ def _name(kind: str, value: str, path: str) -> str:
         raise LayoutError(str(exc), path=path, fix=f"name the {kind} with lowercase letters, digits, '_' or '-'") from None
 
 
-def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
+def _domain(d: _Domain, i: int) -> Domain:
     dp = f"$.domains[{i}]"
     name = _name("domain", d.name, f"{dp}.name")
     if d.serving_url and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", d.serving_url):
         raise LayoutError(f"serving_url {d.serving_url!r} is not an http(s) URL", path=f"{dp}.serving_url",
                           fix="write it like 'http://10.0.0.5:8600'")
+    gpus = _gpus(d, name, dp)
+    gpu_memory = {g.index: g.memory_bytes for g in gpus}
+    models: list[ModelSpec] = []
+    training: list[TrainingSpec] = []
+    seen_slots: dict[str, str] = {}
+    seen_models: dict[str, str] = {}
+    seen_ports: dict[int, str] = {}
+    for j, s in enumerate(d.slots):
+        sp = f"{dp}.slots[{j}]"
+        slot = _name("slot", s.name, f"{sp}.name")
+        if slot in seen_slots:
+            raise LayoutError(f"slot {slot!r} is declared twice on domain {name!r}", path=f"{sp}.name",
+                              fix=f"give each slot its own name (first at {seen_slots[slot]})")
+        seen_slots[slot] = sp
+        if s.gpu not in gpu_memory:
+            raise LayoutError(
+                f"slot {slot!r} is on GPU {s.gpu}, which domain {name!r} does not declare",
+                path=f"{sp}.gpu",
+                fix=f"use one of the domain's GPU indexes ({', '.join(map(str, sorted(gpu_memory)))}) or declare GPU {s.gpu}",
+            )
+        if s.kind == "training":
+            training.append(_training(s, slot, sp))
+            continue
+        if not s.models:
+            raise LayoutError(f"inference slot {slot!r} has no models", path=f"{sp}.models",
+                              fix='add "models": [{"name": "...", "vram": "..."}] or remove the slot')
+        for k, m in enumerate(s.models):
+            mp = f"{sp}.models[{k}]"
+            if m.name in seen_models:
+                raise LayoutError(f"model {m.name!r} is declared twice on domain {name!r}", path=f"{mp}.name",
+                                  fix=f"declare each model once per domain (first at {seen_models[m.name]})")
+            seen_models[m.name] = mp
+            model = _model(m, slot, s.gpu, mp, direct=d.serve == "direct", domain=name)
+            if model.port and model.runtime != "external":
+                if model.port in seen_ports:
+                    raise LayoutError(f"port {m.port} is used twice on domain {name!r}", path=f"{mp}.port",
+                                      fix=f"give each runtime its own port (first used by {seen_ports[m.port]})")
+                seen_ports[model.port] = mp
+            _check_launch(model, m.runtime, mp, gpu_memory.get(s.gpu, 0))
+            models.append(model)
+    provision = _provision(d, name, dp) if d.provision is not None else None
+    spec = DomainSpec(name=name, provider=d.provider, region=d.region, serving_url=d.serving_url, serve=d.serve,
+                      gpus=gpus, provision=provision)
+    return Domain(spec=spec, models=models, training=training)
+
+
+def _gpus(d: _Domain, name: str, dp: str) -> list[GpuSpec]:
     gpus: list[GpuSpec] = []
     seen_gpus: dict[int, int] = {}
     for j, g in enumerate(d.gpus):
         gp = f"{dp}.gpus[{j}]"
-        if g.index < 0:
-            raise LayoutError(f"GPU index {g.index} is negative", path=f"{gp}.index", fix="use the NVML index, 0 or more")
         if g.index in seen_gpus:
             raise LayoutError(f"GPU index {g.index} is declared twice on domain {name!r}", path=f"{gp}.index",
                               fix=f"remove the duplicate or change its index (first at {dp}.gpus[{seen_gpus[g.index]}])")
@@ -313,89 +321,45 @@ def _domain(d: _Domain, i: int, policy: Policy) -> Domain:
     if not gpus:
         raise LayoutError(f"domain {name!r} declares no GPUs", path=f"{dp}.gpus",
                           fix='add "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB"}]')
+    return gpus
 
-    gpu_memory = {g.index: g.memory_bytes for g in gpus}
-    models: list[ModelSpec] = []
-    training: list[TrainingSpec] = []
-    seen_slots: dict[str, str] = {}
-    seen_models: dict[str, str] = {}
-    seen_ports: dict[int, str] = {}
-    for j, s in enumerate(d.slots):
-        sp = f"{dp}.slots[{j}]"
-        slot = _name("slot", s.name, f"{sp}.name")
-        if slot in seen_slots:
-            raise LayoutError(f"slot {slot!r} is declared twice on domain {name!r}", path=f"{sp}.name",
-                              fix=f"give each slot its own name (first at {seen_slots[slot]})")
-        seen_slots[slot] = sp
-        if s.gpu not in seen_gpus:
-            raise LayoutError(
-                f"slot {slot!r} is on GPU {s.gpu}, which domain {name!r} does not declare",
-                path=f"{sp}.gpu",
-                fix=f"use one of the domain's GPU indexes ({', '.join(map(str, sorted(seen_gpus)))}) or declare GPU {s.gpu}",
-            )
-        if s.kind == "training":
-            if not s.command:
-                raise LayoutError(f"training slot {slot!r} has no command", path=f"{sp}.command",
-                                  fix='give the argv to run, e.g. ["python", "train.py"]')
-            if not s.checkpoint_dir.strip():
-                raise LayoutError(f"training slot {slot!r} has no checkpoint_dir", path=f"{sp}.checkpoint_dir",
-                                  fix="give the directory it checkpoints to (passed as HARU_CHECKPOINT_DIR)")
-            if s.grace_ms < 0:
-                raise LayoutError(f"training slot {slot!r} grace_ms is negative", path=f"{sp}.grace_ms",
-                                  fix=f"use 0 (the policy's {policy.training_grace_ms} ms) or more")
-            vram = _size(s.vram, f"{sp}.vram", "training VRAM")
-            if vram <= 0:
-                raise LayoutError(f"training slot {slot!r} declares no VRAM budget", path=f"{sp}.vram",
-                                  fix='declare what it may use, e.g. "vram": "8GiB"')
-            training.append(TrainingSpec(slot=slot, gpu_index=s.gpu, command=list(s.command),
-                                         checkpoint_dir=s.checkpoint_dir, vram_bytes=vram, grace_ms=s.grace_ms))
-            continue
-        if not s.models:
-            raise LayoutError(f"inference slot {slot!r} has no models", path=f"{sp}.models",
-                              fix='add "models": [{"name": "...", "vram": "..."}] or remove the slot')
-        for k, m in enumerate(s.models):
-            mp = f"{sp}.models[{k}]"
-            try:
-                check_model_id(m.name)
-            except InvalidName as exc:
-                raise LayoutError(str(exc), path=f"{mp}.name",
-                                  fix="use the exact OpenAI model id clients send, with no whitespace") from None
-            if m.name in seen_models:
-                raise LayoutError(f"model {m.name!r} is declared twice on domain {name!r}", path=f"{mp}.name",
-                                  fix=f"declare each model once per domain (first at {seen_models[m.name]})")
-            seen_models[m.name] = mp
-            runtime = m.runtime or runtime_for(m.source, m.url)
-            vram = _size(m.vram, f"{mp}.vram", "model VRAM")
-            if runtime != "external" and vram <= 0:
-                raise LayoutError(f"model {m.name!r} declares no VRAM", path=f"{mp}.vram",
-                                  fix='declare what its runtime holds on the GPU, e.g. "vram": "20GiB"')
-            if runtime == "external" and not m.url:
-                raise LayoutError(f"external model {m.name!r} has no url", path=f"{mp}.url",
-                                  fix='give the base URL of the running endpoint, e.g. "http://10.0.0.5:8000"')
-            if d.serve == "direct" and runtime != "external" and not m.port:
-                raise LayoutError(f"model {m.name!r} has no port, and domain {name!r} serves direct",
-                                  path=f"{mp}.port", fix="give each runtime the port routers reach it on, or use serve: agent")
-            if not 0 <= m.port <= 65535:
-                raise LayoutError(f"port {m.port} is out of range", path=f"{mp}.port", fix="use 1..65535 (0 = unset)")
-            if m.port:
-                if m.port in seen_ports and runtime != "external":
-                    raise LayoutError(f"port {m.port} is used twice on domain {name!r}", path=f"{mp}.port",
-                                      fix=f"give each runtime its own port (first used by {seen_ports[m.port]})")
-                if runtime != "external":
-                    seen_ports[m.port] = mp
-            if m.context_length < 0:
-                raise LayoutError("context_length is negative", path=f"{mp}.context_length", fix="use 0 (runtime default) or more")
-            binary = [m.binary] if isinstance(m.binary, str) else list(m.binary)
-            model = ModelSpec(name=m.name, slot=slot, gpu_index=s.gpu, runtime=runtime, vram_bytes=vram,
-                             context_length=m.context_length, port=m.port, source=m.source, url=m.url,
-                             binary=binary, args=list(m.args), env=dict(m.env), adapters=dict(m.adapters),
-                             gpu_layers=m.gpu_layers)
-            _check_launch(model, m.runtime, mp, gpu_memory.get(s.gpu, 0))
-            models.append(model)
-    provision = _provision(d, name, dp) if d.provision is not None else None
-    spec = DomainSpec(name=name, provider=d.provider, region=d.region, serving_url=d.serving_url, serve=d.serve,
-                      gpus=gpus, provision=provision)
-    return Domain(spec=spec, models=models, training=training)
+
+def _training(s: _Slot, slot: str, sp: str) -> TrainingSpec:
+    if not s.command:
+        raise LayoutError(f"training slot {slot!r} has no command", path=f"{sp}.command",
+                          fix='give the argv to run, e.g. ["python", "train.py"]')
+    if not s.checkpoint_dir.strip():
+        raise LayoutError(f"training slot {slot!r} has no checkpoint_dir", path=f"{sp}.checkpoint_dir",
+                          fix="give the directory it checkpoints to (passed as HARU_CHECKPOINT_DIR)")
+    vram = _size(s.vram, f"{sp}.vram", "training VRAM")
+    if vram <= 0:
+        raise LayoutError(f"training slot {slot!r} declares no VRAM budget", path=f"{sp}.vram",
+                          fix='declare what it may use, e.g. "vram": "8GiB"')
+    return TrainingSpec(slot=slot, gpu_index=s.gpu, command=list(s.command), checkpoint_dir=s.checkpoint_dir,
+                        vram_bytes=vram, grace_ms=s.grace_ms)
+
+
+def _model(m: _Model, slot: str, gpu: int, mp: str, *, direct: bool, domain: str) -> ModelSpec:
+    try:
+        check_model_id(m.name)
+    except InvalidName as exc:
+        raise LayoutError(str(exc), path=f"{mp}.name",
+                          fix="use the exact OpenAI model id clients send, with no whitespace") from None
+    runtime = m.runtime or runtime_for(m.source, m.url)
+    vram = _size(m.vram, f"{mp}.vram", "model VRAM")
+    if runtime != "external" and vram <= 0:
+        raise LayoutError(f"model {m.name!r} declares no VRAM", path=f"{mp}.vram",
+                          fix='declare what its runtime holds on the GPU, e.g. "vram": "20GiB"')
+    if runtime == "external" and not m.url:
+        raise LayoutError(f"external model {m.name!r} has no url", path=f"{mp}.url",
+                          fix='give the base URL of the running endpoint, e.g. "http://10.0.0.5:8000"')
+    if direct and runtime != "external" and not m.port:
+        raise LayoutError(f"model {m.name!r} has no port, and domain {domain!r} serves direct",
+                          path=f"{mp}.port", fix="give each runtime the port routers reach it on, or use serve: agent")
+    binary = [m.binary] if isinstance(m.binary, str) else list(m.binary)
+    return ModelSpec(name=m.name, slot=slot, gpu_index=gpu, runtime=runtime, vram_bytes=vram,
+                     context_length=m.context_length, port=m.port, source=m.source, url=m.url, binary=binary,
+                     args=list(m.args), env=dict(m.env), adapters=dict(m.adapters), gpu_layers=m.gpu_layers)
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -432,14 +396,6 @@ def _provision(d: _Domain, name: str, dp: str) -> ProvisionSpec:
     if d.region and p.regions and d.region not in p.regions:
         raise LayoutError(f"the domain's region {d.region!r} is not among provision.regions {p.regions}",
                           path=f"{pp}.regions", fix=f"add {d.region!r} to regions or change the domain's region")
-    for i, port in enumerate(p.ports):
-        if not 1 <= port <= 65535:
-            raise LayoutError(f"port {port} is out of range", path=f"{pp}.ports[{i}]", fix="use 1..65535")
-    for key in ("disk_size_gb", "launch_timeout_s", "status_timeout_s", "down_timeout_s"):
-        value = getattr(p, key)
-        if value < 0 or (value == 0 and key != "disk_size_gb"):
-            raise LayoutError(f"{key} is {value}", path=f"{pp}.{key}",
-                              fix="use a positive number" + (" (0 = SkyPilot's default)" if key == "disk_size_gb" else ""))
     for key in p.envs:
         if not _ENV_NAME.fullmatch(key) or key in RESERVED_ENVS:
             raise LayoutError(f"env name {key!r} cannot be used", path=f"{pp}.envs.{key}",

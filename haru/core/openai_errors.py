@@ -2,11 +2,12 @@
 
     body = error_body(404, "model_not_found", "the model `x` does not exist", "model")
     status, code = answer_status("lost", "gpu_detached")        # (503, "gpu_detached")
+    model = model_of(request_body)                              # the model asked for, or a BadBody (400)
 
 Pure: no I/O. Both surfaces that answer OpenAI clients (the gateway's proxy and control API, the
 agent's serving port) build every error body here, so a client sees the same `type` and `code` for the
 same condition wherever it asked. `ANSWER_STATUS` maps a router answer (`haru.core.residency.ANSWERS`) to
-an HTTP status and OpenAI `error.code`: DESIGN.md's "Router answers" table, read by code, tests and
+an HTTP status and OpenAI `error.code`: docs/design.md's "What a client is told" table, read by code, tests and
 docs alike.
 """
 
@@ -17,7 +18,7 @@ from typing import Final
 import msgspec
 
 __all__ = [
-    "ANSWER_STATUS", "ERROR_TYPES", "NOT_RETRYABLE", "TOO_DEEP", "answer_status", "error_body", "error_type",
+    "ANSWER_STATUS", "BadBody", "ERROR_TYPES", "NOT_RETRYABLE", "TOO_DEEP", "answer_status", "error_body", "error_type", "model_of",
     "FLEET_NOT_FOUND", "MODEL_NOT_FOUND", "NO_ACTIVE_DOMAIN", "INVALID_REQUEST", "REQUEST_TIMEOUT",
     "PAYLOAD_TOO_LARGE", "UPSTREAM_TIMEOUT", "UPSTREAM_UNREACHABLE", "UNAUTHORIZED",
 ]
@@ -83,3 +84,40 @@ _encode = msgspec.json.Encoder().encode
 def error_body(status: int, code: str, message: str, param: str | None = None) -> bytes:
     """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
     return _encode({"error": {"message": message, "type": error_type(status), "param": param, "code": code}})
+
+
+# ----------------------------------------------------------------------------- the request body
+
+
+class BadBody(msgspec.Struct, frozen=True):
+    """Why a request body names no model: the 400 `invalid_request`'s message, and the param it is about."""
+
+    message: str
+    param: str | None = None
+
+
+class _ModelOnly(msgspec.Struct):
+    """The only part of a request body the gateway and the serving port read."""
+
+    model: str
+
+
+_decode_model = msgspec.json.Decoder(_ModelOnly).decode
+
+
+def model_of(body: bytes) -> str | BadBody:
+    """`model` from a JSON request body, or what is wrong and where (msgspec's path)."""
+    try:
+        model = _decode_model(body).model
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        return BadBody(f"invalid request body: {text}", "model" if "`model`" in text or "$.model" in text else None)
+    except msgspec.DecodeError as exc:
+        if not body.strip():
+            return BadBody("request body is empty: send a JSON object with a `model` field")
+        return BadBody(f"request body is not valid JSON: {exc}")
+    except RecursionError:  # msgspec refuses a body nested thousands deep this way
+        return BadBody(TOO_DEEP)
+    if not model:
+        return BadBody("invalid request body: `model` is empty - at `$.model`", "model")
+    return model

@@ -23,7 +23,8 @@ from typing import Literal
 
 import msgspec
 
-from haru.core.specs import GiB, Domain, Layout, ModelSpec, Policy, TrainingSpec
+from haru.core.specs import Domain, Layout, ModelSpec, Policy, TrainingSpec
+from haru.core.sizes import GiB, format_gib
 
 __all__ = [
     "Verdict",
@@ -34,7 +35,6 @@ __all__ = [
     "plan_domain",
     "first_fit",
     "standby_residual",
-    "format_gib",
     "gpu_summary_line",
     "verdict_line",
 ]
@@ -186,11 +186,6 @@ def _verdicts(
 
 
 # ----------------------------------------------------------------------------------- formatting
-
-
-def format_gib(n: int) -> str:
-    """`14.8 GiB`: bytes as GiB with one decimal, the unit every Haru output uses for VRAM."""
-    return f"{n / GiB:.1f} GiB"
 
 
 def gpu_summary_line(held_bytes: int, capacity_bytes: int, declared: int, admitted: int) -> str:

@@ -35,8 +35,8 @@ from typing import Any, Literal, Union
 import msgspec
 
 from haru.core.errors import IllegalTransition
+from haru.core.events import LostReason
 
-LostReason = Literal["evicted", "gpu_detached", "process_exited", "unhealthy"]
 
 
 class State(msgspec.Struct, frozen=True, kw_only=True, tag_field="state"):

@@ -6,9 +6,16 @@ declaration events carry (`haru.core.events`). Sizes are bytes. Nothing here doe
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+
+from haru.core.sizes import GiB, MiB
+
+# Ranges the decoder refuses with the value's path (`Expected `int` >= 0 - at `$.policy.wake_timeout_ms``).
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+PortNumber = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 Runtime = Literal["vllm", "llama_server", "external"]
 
@@ -21,11 +28,10 @@ SLEEP_MODE: dict[str, bool] = {"vllm": True, "llama_server": False, "external": 
 
 def can_sleep(runtime: str) -> bool:
     return SLEEP_MODE.get(runtime, False)
+
+
 Provider = Literal["static", "skypilot", "skyserve"]
 Serve = Literal["agent", "direct"]
-
-GiB = 1024**3
-MiB = 1024**2
 
 
 class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
@@ -33,39 +39,39 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
 
     auto_failover: bool = True
     # Heartbeat silence past this makes the promoter write `domain_unreachable`.
-    heartbeat_timeout_ms: int = 5_000
+    heartbeat_timeout_ms: NonNegative = 5_000
     # A degraded active (a served model lost for a reason other than gpu_detached) is failed after this.
-    degraded_grace_ms: int = 60_000
+    degraded_grace_ms: NonNegative = 60_000
     # Default SIGTERM-to-SIGKILL grace for training slots that do not declare their own.
-    training_grace_ms: int = 10_000
+    training_grace_ms: NonNegative = 10_000
     # Restart backoff for a runtime whose process exited: initial, doubled per attempt, capped.
-    restart_backoff_ms: int = 1_000
-    restart_backoff_max_ms: int = 30_000
+    restart_backoff_ms: NonNegative = 1_000
+    restart_backoff_max_ms: NonNegative = 30_000
     # How often an agent probes resident models.
-    probe_interval_ms: int = 5_000
+    probe_interval_ms: NonNegative = 5_000
     # What a sleeping runtime keeps resident on its GPU (CUDA context and allocator residue).
-    sleep_residual_bytes: int = 512 * MiB
+    sleep_residual_bytes: NonNegative = 512 * MiB
     # Bound on one command round trip from the promoter to an agent.
-    command_timeout_ms: int = 30_000
+    command_timeout_ms: NonNegative = 30_000
     # Bound on waking a runtime (level-1 wake of a 235B model is ~6 s; leave room).
-    wake_timeout_ms: int = 120_000
+    wake_timeout_ms: NonNegative = 120_000
     # Bound on a one-token probe completion.
-    probe_timeout_ms: int = 30_000
+    probe_timeout_ms: NonNegative = 30_000
     # Bound on a rolling change's apply steps: a domain reloading the models the layout changed
     # (a cold load of a real vLLM model took 21-98 s here; leave room).
-    apply_timeout_ms: int = 600_000
+    apply_timeout_ms: NonNegative = 600_000
     # Provisioning (docs/provisioning.md). After a failover, replace the failed domain's host (a
     # skypilot/skyserve domain) with a new one, made the standby. Off by default.
     auto_replace: bool = False
     # At most this many automatic launches per fleet in any hour (0 = no cap). Manual requests are not capped.
-    max_launches_per_hour: int = 0
+    max_launches_per_hour: NonNegative = 0
     # After a provisioning operation aborted, no automatic replace for this long (0 = the usual retry backoff).
-    launch_cooldown_ms: int = 0
+    launch_cooldown_ms: NonNegative = 0
     # Bounds of the provisioning steps: launch (every placement tried), join (agent heard, models
     # loaded), down (every cluster of the domain torn down).
-    launch_timeout_ms: int = 3_600_000
-    join_timeout_ms: int = 1_800_000
-    teardown_timeout_ms: int = 900_000
+    launch_timeout_ms: NonNegative = 3_600_000
+    join_timeout_ms: NonNegative = 1_800_000
+    teardown_timeout_ms: NonNegative = 900_000
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -132,20 +138,20 @@ class ProvisionSpec(msgspec.Struct, frozen=True, kw_only=True):
     zones: list[str] = []  # tried in order instead of regions when given
     accelerators: str = ""  # SkyPilot's form: "L4:1", "A100-80GB:8"
     use_spot: bool = False
-    disk_size_gb: int = 0  # 0 = SkyPilot's default
+    disk_size_gb: NonNegative = 0  # 0 = SkyPilot's default
     image_id: str = ""  # e.g. "docker:vllm/vllm-openai:v0.8.5" or a cloud image id
     cpus: str = ""  # "8", "8+"
     memory: str = ""  # GB: "32", "32+"
-    ports: list[int] = []  # [] = the agent's serving port
+    ports: list[PortNumber] = []  # [] = the agent's serving port
     setup: str = ""  # "" = install haru (haru.provision.skypilot.DEFAULT_SETUP)
     run: str = ""  # "" = write the agent config from $HARU_AGENT_CONFIG and exec `haru agent`
     envs: dict[str, str] = {}
     secrets: list[str] = []  # names of environment variables passed as SkyPilot secrets
     nats_url: str = ""  # the NATS URL(s) as the launched host reaches them (the agent's nats_url)
     cluster: str = ""  # "" = haru-<fleet>-<domain>; the SkyServe service name for skyserve
-    launch_timeout_s: int = 1800
-    status_timeout_s: int = 120
-    down_timeout_s: int = 900
+    launch_timeout_s: Positive = 1800
+    status_timeout_s: Positive = 120
+    down_timeout_s: Positive = 900
     service: ServiceSpec = ServiceSpec()
 
 

@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["Stat", "every", "gone", "parse", "stat"]
+__all__ = ["Stat", "every", "gone", "parse", "pid_alive", "stat"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +67,11 @@ def gone(pid: int) -> bool:
     except PermissionError:
         return False
     return False
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs. A zombie (exited, not yet reaped) counts as dead: its memory is gone."""
+    return pid > 0 and not gone(pid)
 
 
 def every() -> Iterator[Stat]:

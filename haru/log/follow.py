@@ -38,6 +38,7 @@ from typing import Any
 
 import structlog
 
+from haru.core.restarts import Backoff
 from haru.core import subjects
 from haru.core.errors import LogError, seq_ranges
 from haru.host.tasks import cancel_and_wait
@@ -111,7 +112,7 @@ class Follower:
 
     async def run(self) -> None:
         """Follow until cancelled; raises what the handler raised (anything but a LogError of the log)."""
-        delay = self.retry_s
+        backoff, failures = Backoff(self.retry_s, self.retry_max_s), 0  # interrupted replays in a row
         log = _log.bind(follower=self.name, filter=self.subject_filter)
         while True:
             started_at = self.position
@@ -138,14 +139,16 @@ class Follower:
                 await cancel_and_wait(replay, stalled, back)
             self.restarts += 1
             if self.position != started_at:
-                delay = self.retry_s  # that replay got somewhere: start the backoff again
+                failures = 0  # that replay got somewhere: start the backoff again
             exc = None if replay.cancelled() or not replay.done() else replay.exception()
             if exc is not None and not isinstance(exc, LogError):
                 raise exc
             if exc is not None:
                 why = "interrupted"
                 self.interruptions += 1
-                log.warning("follow.interrupted", error=str(exc), position=self.position, retry_in_s=delay)
+                failures += 1
+                log.warning("follow.interrupted", error=str(exc), position=self.position,
+                            retry_in_s=backoff.delay(failures))
             elif stalled.done() and not stalled.cancelled():
                 why = "stalled"
                 self.stalls += 1
@@ -160,8 +163,7 @@ class Follower:
             if self.on_restart is not None:
                 self.on_restart(why)
             if exc is not None:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.retry_max_s)
+                await asyncio.sleep(backoff.delay(failures))
 
     async def _head(self) -> int:
         if self.subject_filter == subjects.ALL_EVENTS:

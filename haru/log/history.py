@@ -302,33 +302,6 @@ def _payload_for_display(e: ev.Event) -> dict[str, Any]:
     return {k: v for k, v in out.items() if k != "domain" and v not in ("", None, [], {})}
 
 
-def render_story(picked: list[Record], *, show_domain: bool) -> str:
-    """hearth's `why` format, newest first:
-
-        ● seq     3  unloaded       {}
-        └─ seq     2  resident       {"endpoint":"127.0.0.1:18080","warmup_ms":256}
-    """
-    lines: list[str] = []
-    newest_first = list(reversed(picked))
-    names = [SHORT_NAMES.get(ev.tag_of(r.event), ev.tag_of(r.event)) for r in newest_first if r.event is not None]
-    width = max([14, *(len(n) for n in names)])
-    for i, rec in enumerate(newest_first):
-        e = rec.event
-        assert e is not None
-        tag = ev.tag_of(e)
-        name = SHORT_NAMES.get(tag, tag)
-        if isinstance(e, ev.AdmissionDecided) and not e.admitted:
-            name = "not_admitted"
-        body = msgspec.json.encode(_payload_for_display(e)).decode()
-        lead = "●" if i == 0 else "└─"
-        where = ""
-        if show_domain:
-            where = f"{getattr(e, 'domain', '') or getattr(e, 'target', '') or '-':<8} "
-        caused = f"  (caused by seq {e.cause})" if e.cause else ""
-        lines.append(f"{lead} seq {rec.seq:>5}  {name:<{width}} {where}{body}{caused}")
-    return "\n".join(lines)
-
-
 # ------------------------------------------------------------------------------------------- as-of
 
 

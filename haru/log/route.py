@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from haru.core import intents
 from haru.core.errors import HaruError
 from haru.log.eventlog import EventLog
 from haru.log.seam import Log
@@ -40,22 +41,9 @@ from haru.core.subjects import check_name
 from haru.host.tasks import cancel_and_wait
 from haru.core.views import RouteIntent, intent_decoder
 
-__all__ = ["RouteWatcher", "refresh"]
+__all__ = ["RouteWatcher"]
 
 _END = object()
-
-
-def refresh(ri: RouteIntent, now: datetime) -> RouteIntent:
-    """The intent as of `now`: `for_ms` of warming answers recomputed from their `since`."""
-    answers = ri.answers
-    if not any(a.answer == "warming" and a.since is not None for a in answers.values()):
-        return ri
-    fresh = {}
-    for name, a in answers.items():
-        if a.answer == "warming" and a.since is not None:
-            a = msgspec.structs.replace(a, for_ms=max(0, int((now - a.since).total_seconds() * 1000)))
-        fresh[name] = a
-    return msgspec.structs.replace(ri, answers=fresh)
 
 
 class RouteWatcher:
@@ -202,7 +190,7 @@ class RouteWatcher:
 
     def current_at(self, now: datetime) -> RouteIntent | None:
         """`current` with `for_ms` recomputed at `now`."""
-        return None if self.current is None else refresh(self.current, now)
+        return None if self.current is None else intents.at(self.current, now)
 
     def __aiter__(self) -> "RouteWatcher":
         return self

@@ -35,6 +35,7 @@ import aiohttp
 from haru.models.download import Download
 from haru.core.model_errors import DigestMismatch
 from haru.core.refs import Blob, Resolution
+from haru.core.sizes import format_size
 from haru.models.resolve import Settings
 from haru.models.store import Hasher, Store, hash_file
 
@@ -91,14 +92,6 @@ class Progress:
             self._draw(time.monotonic())
             self.stream.write("\n")
             self.stream.flush()
-
-
-def format_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 async def pull(res: Resolution, store: Store, settings: Settings, http: aiohttp.ClientSession, *,
@@ -199,4 +192,4 @@ async def _locked(path: Path):
         os.close(fd)
 
 
-__all__ = ["Progress", "PullResult", "fetch_blob", "format_size", "pull"]
+__all__ = ["Progress", "PullResult", "fetch_blob", "pull"]

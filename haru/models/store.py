@@ -158,14 +158,6 @@ class Store:
         os.replace(tmp_link, ref)
         return snap / res.entry if res.entry else snap
 
-    def lookup(self, res: Resolution) -> Path | None:
-        """The materialized path of a resolution if the store holds it, without verifying."""
-        snap = self.snapshot_path(res)
-        if snap.is_dir() and all(self.blob(b.digest).exists() for b in res.blobs):
-            return snap / res.entry if res.entry else snap
-        return None
-
-
 def _snapshot_id(res: Resolution) -> str:
     spec = msgspec.json.encode([res.registry, res.origin, res.repository, res.revision, res.format, res.entry,
                                 [(b.name, b.digest, b.size) for b in res.blobs]])

@@ -4,7 +4,6 @@
     haru.promoter.liveness   pure: heartbeat silence -> domain_unreachable / domain_reachable
     haru.promoter.service    the shell: follows the log, drives steps over request/reply (`run_promoter`)
     haru.promoter.requests   `request_operation`, `abort_operation`: `haru promote/demote/op abort`, the control API
-    haru.promoter.client     commands to agents (`send`)
 
 The shell's names are imported lazily, so importing the pure decider loads no nats or asyncio.
 See docs/promoter.md.

@@ -380,7 +380,7 @@ def decide(view: FleetView, facts: Facts) -> list[Append]:
     if view.operation is not None and view.operation.state == "running":
         nxt = drive(view, view.operation, facts)
     else:
-        nxt = supervise(view, facts)
+        nxt = next_operation(view, facts)
     if nxt is not None:
         out.append(nxt)
     return out
@@ -738,7 +738,7 @@ def _backing_off(view: FleetView, kind: str, target: str, now: datetime) -> Oper
     return last
 
 
-def supervise(view: FleetView, facts: Facts) -> Append | None:
+def next_operation(view: FleetView, facts: Facts) -> Append | None:
     """With no operation in flight: first route, auto-failover, demotions that keep the standby a standby."""
     op_subject = subjects.op(view.fleet)
     now = facts.now
@@ -949,7 +949,7 @@ def _first_route(view: FleetView, facts: Facts) -> Append | None:
 RequestStatus = Literal["noop", "accepted", "joined", "conflict", "refused", "not_found"]
 
 
-class Verdict(msgspec.Struct, frozen=True, kw_only=True):
+class Judgment(msgspec.Struct, frozen=True, kw_only=True):
     """The answer to a manual request; `event` is what to append when it is accepted."""
 
     status: RequestStatus
@@ -958,65 +958,65 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     event: Event | None = None
 
 
-RequestRule = Callable[[FleetView, str, str, str, datetime], Verdict]
+RequestRule = Callable[[FleetView, str, str, str, datetime], Judgment]
 """(view, target, op_id, by, now) -> the verdict on a request of one kind, once the generic checks
 (a known fleet and target, no other operation in flight) have passed."""
 
 
-def _promotion_rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Verdict:
+def _promotion_rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Judgment:
     if view.active == target:
-        return Verdict(status="noop", message=f"{target} is already active in fleet {view.fleet}")
+        return Judgment(status="noop", message=f"{target} is already active in fleet {view.fleet}")
     event = PromotionRequested(at=now, by=by, op_id=op_id, target=target, source=view.active, reason="manual",
                                route_revision=view.route_revision)
-    return Verdict(status="accepted", op_id=op_id, message=f"promotion of {target} accepted", event=event)
+    return Judgment(status="accepted", op_id=op_id, message=f"promotion of {target} accepted", event=event)
 
 
-def _demotion_rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Verdict:
+def _demotion_rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Judgment:
     if view.active == target:
-        return Verdict(
+        return Judgment(
             status="refused",
             message=f"{target} is the active domain of fleet {view.fleet}; promote the standby instead "
             f"(haru promote {view.standby() or '<standby>'})",
         )
     event = DemotionRequested(at=now, by=by, op_id=op_id, target=target, reason="manual",
                               route_revision=view.route_revision)
-    return Verdict(status="accepted", op_id=op_id, message=f"demotion of {target} accepted", event=event)
+    return Judgment(status="accepted", op_id=op_id, message=f"demotion of {target} accepted", event=event)
 
 
-def _rolling_rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Verdict:
+def _rolling_rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Judgment:
     if not view.active:
-        return Verdict(status="refused", message=f"fleet {view.fleet} has no route yet: there is nothing to roll through; "
+        return Judgment(status="refused", message=f"fleet {view.fleet} has no route yet: there is nothing to roll through; "
                        f"the agents apply the declarations as they start")
     if view.active == target:
-        return Verdict(status="refused", message=f"{target} is the active domain of fleet {view.fleet}: a rolling change goes "
+        return Judgment(status="refused", message=f"{target} is the active domain of fleet {view.fleet}: a rolling change goes "
                        f"through the standby (haru roll {view.standby() or '<standby>'})")
     dv = view.domains[target]
     if dv.reachable is not True:
-        return Verdict(status="refused", message=f"standby {target} is {'unreachable' if dv.reachable is False else 'not heard from yet'}: "
+        return Judgment(status="refused", message=f"standby {target} is {'unreachable' if dv.reachable is False else 'not heard from yet'}: "
                        f"a rolling change needs it to take over")
     if not dv.eligible:
-        return Verdict(status="refused", message=f"standby {target} is not eligible: {dv.ineligible_why or 'not recovered'}")
+        return Judgment(status="refused", message=f"standby {target} is not eligible: {dv.ineligible_why or 'not recovered'}")
     event = RollingRequested(at=now, by=by, op_id=op_id, target=target, source=view.active, reason="manual",
                              route_revision=view.route_revision, decl_seq=view.decl_seq)
-    return Verdict(status="accepted", op_id=op_id, message=f"rolling change through {target} accepted", event=event)
+    return Judgment(status="accepted", op_id=op_id, message=f"rolling change through {target} accepted", event=event)
 
 
 def _provisioning_rule(kind: str) -> RequestRule:
     request = KINDS[kind].request
 
-    def rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Verdict:
+    def rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Judgment:
         dv = view.domains[target]
         if dv.provider not in ("skypilot", "skyserve"):
-            return Verdict(status="refused", message=f"{target} is a {dv.provider} domain: Haru launches and tears down "
+            return Judgment(status="refused", message=f"{target} is a {dv.provider} domain: Haru launches and tears down "
                            "only skypilot/skyserve domains (set its provider and provision block, then `haru apply`)")
         if view.active == target:
-            return Verdict(status="refused", message=f"{target} is the active domain of fleet {view.fleet}: promote "
+            return Judgment(status="refused", message=f"{target} is the active domain of fleet {view.fleet}: promote "
                            f"the standby first (haru promote {view.standby() or '<standby>'}), then {kind} {target}")
         if kind == "provision" and dv.reachable is True:
-            return Verdict(status="noop", message=f"{target} already has a running agent; to move it to a new host, "
+            return Judgment(status="noop", message=f"{target} already has a running agent; to move it to a new host, "
                            f"use `haru replace {target}`")
         event = request(at=now, by=by, op_id=op_id, target=target)
-        return Verdict(status="accepted", op_id=op_id, message=f"{kind} of {target} accepted", event=event)
+        return Judgment(status="accepted", op_id=op_id, message=f"{kind} of {target} accepted", event=event)
 
     return rule
 
@@ -1028,23 +1028,23 @@ REQUEST_RULES: dict[str, RequestRule] = {"promotion": _promotion_rule, "demotion
 
 def judge_request(
     view: FleetView | None, kind: OpKind, target: str, *, op_id: str, by: str, now: datetime
-) -> Verdict:
+) -> Judgment:
     """Whether a manual request of `kind` on `target` is a no-op, joins, conflicts, is refused, or is accepted."""
     rule = REQUEST_RULES.get(kind)
     if rule is None:
         known = ", ".join(REQUEST_RULES)
-        return Verdict(status="refused", message=f"no operation kind {kind!r} can be requested (known: {known})")
+        return Judgment(status="refused", message=f"no operation kind {kind!r} can be requested (known: {known})")
     if view is None or not view.domains:
-        return Verdict(status="not_found", message="no such fleet (or it declares no domains); declare it with `haru apply`")
+        return Judgment(status="not_found", message="no such fleet (or it declares no domains); declare it with `haru apply`")
     fleet = view.fleet
     if target not in view.domains:
         known = ", ".join(view.domains) or "none"
-        return Verdict(status="not_found", message=f"no domain {target!r} in fleet {fleet} (declared: {known})")
+        return Judgment(status="not_found", message=f"no domain {target!r} in fleet {fleet} (declared: {known})")
     op = view.operation if view.operation is not None and view.operation.state == "running" else None
     if op is not None:
         if op.kind == kind and op.target == target:
-            return Verdict(status="joined", op_id=op.op_id, message=f"joined {op.kind} of {target} already in flight")
-        return Verdict(
+            return Judgment(status="joined", op_id=op.op_id, message=f"joined {op.kind} of {target} already in flight")
+        return Judgment(
             status="conflict",
             op_id=op.op_id,
             message=f"{op.kind} of {op.target} ({op.op_id}) is in flight: one operation at a time per fleet; "
@@ -1053,7 +1053,7 @@ def judge_request(
     return rule(view, target, op_id, by, now)
 
 
-def judge_abort(view: FleetView | None, op_id: str, *, by: str, now: datetime, why: str = "") -> Verdict:
+def judge_abort(view: FleetView | None, op_id: str, *, by: str, now: datetime, why: str = "") -> Judgment:
     """Whether the operator may abort the operation in flight (`op_id` '' = whichever is in flight).
 
     Refused once the kind's `no_abort_from` step has started (the route may be moving: the operation
@@ -1061,18 +1061,18 @@ def judge_abort(view: FleetView | None, op_id: str, *, by: str, now: datetime, w
     appended against the op subject's last sequence: a step started meanwhile makes it conflict, and
     the request is judged again on the newer view."""
     if view is None or not view.domains:
-        return Verdict(status="not_found", message="no such fleet (or it declares no domains)")
+        return Judgment(status="not_found", message="no such fleet (or it declares no domains)")
     op = view.operation if view.operation is not None and view.operation.state == "running" else None
     if op is None or (op_id and op.op_id != op_id):
         last = view.last_operation
         if op_id and last is not None and last.op_id == op_id:
-            return Verdict(status="noop", op_id=op_id, message=f"{op_id} already {last.state}")
+            return Judgment(status="noop", op_id=op_id, message=f"{op_id} already {last.state}")
         what = f"operation {op_id} is not in flight" if op_id else "no operation is in flight"
-        return Verdict(status="not_found", op_id=op_id, message=f"{what} in fleet {view.fleet}; list them with `haru op`")
+        return Judgment(status="not_found", op_id=op_id, message=f"{what} in fleet {view.fleet}; list them with `haru op`")
     spec = KINDS.get(op.kind)
     stop = spec.no_abort_from if spec is not None else ""
     if stop and any(s.step == stop for s in op.steps):
-        return Verdict(
+        return Judgment(
             status="refused",
             op_id=op.op_id,
             message=f"{op.kind} {op.op_id} has started its {stop} step: it can no longer be aborted (routing may be "
@@ -1081,7 +1081,7 @@ def judge_abort(view: FleetView | None, op_id: str, *, by: str, now: datetime, w
     cur = last_step(op)
     error = f"aborted by {by or 'the operator'}" + (f": {why}" if why else "")
     event = OperationAborted(at=now, by=by, op_id=op.op_id, step=cur.step if cur is not None else "", error=error)
-    return Verdict(status="accepted", op_id=op.op_id, message=f"{op.kind} {op.op_id} aborted", event=event)
+    return Judgment(status="accepted", op_id=op.op_id, message=f"{op.kind} {op.op_id} aborted", event=event)
 
 
 def tables_markdown() -> str:

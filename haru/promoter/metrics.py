@@ -38,6 +38,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from haru.log.eventlog import Record
 from haru.core.events import FailoverDeclined, OperationAborted, OperationCompleted, StepCompleted, StepFailed, StepStarted
+from haru.core.operations import ms_between
 from haru.core.views import FleetView, OperationView
 
 # Not a failover: an operator's promotion, and the promoter's first route onto the first domain.
@@ -71,9 +72,8 @@ def decline_reason(why: str) -> str:
 
 
 def op_duration_s(op: OperationView) -> float | None:
-    if op.requested_at is None or op.finished_at is None:
-        return None
-    return max(0.0, (op.finished_at - op.requested_at).total_seconds())
+    ms = ms_between(op.requested_at, op.finished_at)
+    return ms / 1000 if ms is not None else None
 
 
 class PromoterMetrics:

@@ -25,7 +25,7 @@ import msgspec
 
 from haru.core import subjects
 from haru.core.errors import Conflict, InvalidName
-from haru.promoter.decider import Verdict, judge_abort, judge_request
+from haru.promoter.decider import Judgment, judge_abort, judge_request
 from haru.promoter.service import new_op_id
 from haru.core.views import FleetView, view_decoder
 from haru.core.fold import Folder, empty
@@ -92,7 +92,7 @@ async def _judged_append(log, fleet: str, judge) -> RequestResult:
         if current is None:
             return RequestResult(status="not_found", message=f"no fleet {fleet!r}; declare it with `haru apply`")
         view, op_last = current
-        verdict: Verdict = judge(view)
+        verdict: Judgment = judge(view)
         if verdict.event is None:
             return RequestResult(status=verdict.status, op_id=verdict.op_id, message=verdict.message)
         try:

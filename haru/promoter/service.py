@@ -51,7 +51,7 @@ from haru.log.seam import Log
 from haru.core.events import (DomainChanged, DomainDeclared, DomainRetired, Event, RouteMoved, StepCompleted, StepFailed,
                          StepStarted, tag_of)
 from haru.log.follow import Follower
-from haru.promoter.client import send
+from haru.log.bus import send
 from haru.promoter.decider import STEPS, command_for, decide, flip_refusal, step_outcome, step_record
 from haru.promoter.decisions import Facts
 from haru.promoter.metrics import PromoterMetrics

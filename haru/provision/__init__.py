@@ -3,7 +3,7 @@
     skypilot.py   a domain as a SkyPilot task YAML; `sky launch / status / down` (SkyPilot)
     skyserve.py   a domain as a SkyServe service YAML; `sky serve up / status / down` (SkyServe)
     execs.py      the one seam to the CLI: run an argv with a bound (`Exec`, `SubprocessExec`)
-    yamltext.py   the YAML writer
+    yamltext.py   the YAML of the files Haru submits (PyYAML)
     errors.py     ProvisionError and its tree
 
 Static domains are never provisioned: Haru neither launches nor tears down a host it did not make.

@@ -3,15 +3,15 @@
     haru up                     embedded nats-server (store under $HARU_HOME, default ~/.haru), streams
                                 ensured, then projector + promoter + gateway in this process
     haru up --nats-url URL      the same against an existing NATS (or cluster)
-    haru up --demo              also applies deploy/examples/demo-fleet.json and runs two agents
+    haru up --demo              also applies the demo layout (haru/up/demo/demo-fleet.json) and runs two agents
                                 (domains a and b) on simulated GPUs, as child processes
     haru up --demo --real       the same fleet shape on real llama-servers (CPU, tiny generated
-                                models): deploy/examples/demo-fleet-real.json
+                                models): haru/up/demo/demo-fleet-real.json
 
 The gateway runs in this process; nats-server, the projector, the promoter and the agents are child
 processes, each in a session of its own with a parent-death signal (`haru.host.children`), and each
-supervised: a child that dies is restarted with backoff, and the log says why it died and when a
-crash loop is being backed off (`haru.core.supervise`).
+kept running: a child that dies is restarted with backoff, and the log says why it died and when a
+crash loop is being backed off (`haru.core.restarts`).
 
 One `haru up` per home. The home is locked (`$HARU_HOME/up.lock`, flock: the OS releases it when
 this process dies, however it dies) and `$HARU_HOME/up.json` says who holds it; a second `haru up`
@@ -50,14 +50,17 @@ from haru.log.eventlog import EventLog
 from haru.core.layout import parse_layout
 from haru.host.natsd import NatsServer, free_port
 from haru.core.specs import Layout
-from haru.core.supervise import POLICY, RestartPolicy, exit_reason, next_restart
+from haru.core.restarts import POLICY, RestartPolicy, exit_reason, next_restart
 from haru.host.tasks import cancel_and_wait
 
 log = structlog.get_logger("haru.up.compose")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEMO_LAYOUT = REPO_ROOT / "deploy" / "examples" / "demo-fleet.json"
-REAL_DEMO_LAYOUT = REPO_ROOT / "deploy" / "examples" / "demo-fleet-real.json"
+# The folder that holds the `haru` package (a checkout's root, or site-packages): the children's PYTHONPATH.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The demo layouts ship inside the package (haru/up/demo/, package data), so `haru up --demo` runs
+# from an installed wheel; deploy/examples/ keeps the same files for operators to copy.
+DEMO_LAYOUT = Path(__file__).resolve().parent / "demo" / "demo-fleet.json"
+REAL_DEMO_LAYOUT = Path(__file__).resolve().parent / "demo" / "demo-fleet-real.json"
 DEFAULT_NATS_PORT = 4222
 NATS_URL_FILE = "nats.url"  # `haru status` and friends read it when no --nats-url is given
 AGENT_STOP_S = 20.0
@@ -93,8 +96,8 @@ def demo_layout(home: Path, path: Path = DEMO_LAYOUT) -> Layout:
         doc = json.loads(path.read_text())
     except OSError as exc:
         raise ConfigError(
-            f"cannot read the demo layout {path}: {exc.strerror}; run from a checkout installed with "
-            "`pip install -e .`, or pass --layout deploy/examples/demo-fleet.json"
+            f"cannot read the demo layout {path}: {exc.strerror}; reinstall haru (the demo layouts are its "
+            "package data), or pass --layout with a layout of your own"
         ) from None
     py = sys.executable
     for domain in doc.get("domains", []):
@@ -247,7 +250,7 @@ def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 @dataclass
 class Child:
-    """A supervised child process: how to (re)start it, and the one running now."""
+    """A child process kept running: how to (re)start it, and the one running now."""
 
     name: str  # "agent a", "projector", "promoter", "nats-server"
     log_path: Path
@@ -385,7 +388,7 @@ async def stop_agents(agents: list[Child], timeout: float = AGENT_STOP_S) -> Non
     await stop_children(agents, timeout, sig=signal.SIGINT)
 
 
-async def supervise(child: Child, running: "Running", policy: RestartPolicy = POLICY,
+async def keep_running(child: Child, running: "Running", policy: RestartPolicy = POLICY,
                     on_restart: Callable[[], None] | None = None) -> None:
     """Restart `child` whenever it dies (until `running.stopping`), with backoff, saying why."""
     failures = 0
@@ -477,29 +480,7 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
     embedded = not opts.nats_url
     await asyncio.to_thread(stop_leftovers, opts.home, embedded=embedded)  # waits for them to stop
     async with contextlib.AsyncExitStack() as stack:
-        nats_child: Child | None = None
-        if opts.nats_url:
-            nats_url = opts.nats_url
-        else:
-            port = opts.nats_port
-            if port and not _port_free(port):
-                chosen = free_port()
-                log.warning("up.nats_port_busy", port=port, using=chosen,
-                            hint="another nats-server is using it; this one uses a free port")
-                port = chosen
-            server = NatsServer(opts.home / "nats", port=port)
-            await server.start()
-            stack.push_async_callback(server.stop)
-            nats_url = server.url
-            url_file.write_text(nats_url + "\n")
-            stack.callback(lambda: url_file.unlink(missing_ok=True))
-
-            async def restart_nats() -> subprocess.Popen:
-                await server.start()
-                assert server.proc is not None
-                return server.proc
-
-            nats_child = Child("nats-server", server.log_file, restart_nats, server.proc)
+        nats_url, nats_child = (opts.nats_url, None) if opts.nats_url else await _start_nats(opts, stack, url_file)
         running = Running(nats_url=nats_url, nats=nats_child)
         lock.publish(nats_url=nats_url)
 
@@ -517,7 +498,7 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
             if opts.after_apply is not None:
                 await opts.after_apply(events, layout)
 
-        # Unwound in reverse: the supervisors stop first, then the agents, the gateway, the services.
+        # Unwound in reverse: the restart loops stop first, then the agents, the gateway, the services.
         for kind in ("projector", "promoter"):
             if kind in opts.services:
                 running.services.append(start_service(kind, nats_url, opts.home, metrics_port=free_port()))
@@ -539,9 +520,9 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
         def publish() -> None:  # up.json names every child's current pid
             lock.publish(nats_url=nats_url, gateway_url=running.gateway_url, children=running.children())
 
-        supervisors = [asyncio.create_task(supervise(c, running, on_restart=publish), name=f"supervise {c.name}")
+        keepers = [asyncio.create_task(keep_running(c, running, on_restart=publish), name=f"keep {c.name} running")
                        for c in ([nats_child] if nats_child else []) + running.services + running.agents]
-        stack.push_async_callback(_cancel_all, supervisors)
+        stack.push_async_callback(_cancel_all, keepers)
 
         def stopping() -> None:
             running.stopping = True
@@ -563,15 +544,37 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
     return running
 
 
+async def _start_nats(opts: UpOptions, stack: contextlib.AsyncExitStack, url_file: Path) -> tuple[str, Child]:
+    """The embedded nats-server (on a free port when the asked one is busy), stopped with `stack`."""
+    port = opts.nats_port
+    if port and not _port_free(port):
+        chosen = free_port()
+        log.warning("up.nats_port_busy", port=port, using=chosen,
+                    hint="another nats-server is using it; this one uses a free port")
+        port = chosen
+    server = NatsServer(opts.home / "nats", port=port)
+    await server.start()
+    stack.push_async_callback(server.stop)
+    url_file.write_text(server.url + "\n")
+    stack.callback(lambda: url_file.unlink(missing_ok=True))
+
+    async def restart_nats() -> subprocess.Popen:
+        await server.start()
+        assert server.proc is not None
+        return server.proc
+
+    return server.url, Child("nats-server", server.log_file, restart_nats, server.proc)
+
+
 def _children_registry(running: Running):
-    """haru up's own figures: each supervised child, whether it runs and how often it was restarted."""
+    """haru up's own figures: each child it keeps running, whether it runs and how often it was restarted."""
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     class Children:
         def collect(self):
             kids = ([running.nats] if running.nats else []) + running.services + running.agents
-            up = GaugeMetricFamily("haru_up_child_running", "1 while the supervised child process runs", labels=["child"])
+            up = GaugeMetricFamily("haru_up_child_running", "1 while the child process runs", labels=["child"])
             restarts = CounterMetricFamily("haru_up_child_restarts", "times haru up restarted the child", labels=["child"])
             for c in kids:
                 up.add_metric([c.name], 1.0 if c.proc is not None and c.proc.poll() is None else 0.0)

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from haru.core.errors import HaruError
-from haru.core.layout import parse_layout, parse_size
+from haru.core.layout import parse_layout
+from haru.core.sizes import parse_size
 from haru.core.refs import is_reference
-from haru.core.specs import GiB, Layout
+from haru.core.specs import Layout
+from haru.core.sizes import GiB
 
 DOMAIN = "local"
 SLOT = "chat"

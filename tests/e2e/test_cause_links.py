@@ -22,8 +22,8 @@ from haru.core import events as ev
 from haru.promoter.decider import STEPS
 from haru.promoter.requests import request_operation
 from tests.e2e.test_failover_sim import FLEET, _endpoint, serving, sim, sim_agents, steady
-from tests.integration.agent_harness import sim_fault
-from tests.integration.promoter_support import op_events, promoters, view_of, wait_until, wait_view
+from tests.support.agent_harness import sim_fault
+from tests.support.promoter import op_events, promoters, view_of, wait_until, wait_view
 from tests.support import haru
 
 pytestmark = pytest.mark.timeout(240)
@@ -108,7 +108,7 @@ async def test_every_producer_cites_the_event_that_caused_it(tmp_path, nats_serv
             await wait_until(aborted, timeout=60, what="the abort")
             await wait_view(event_log, lambda v: v.operation is None, timeout=60, fleet=FLEET, what="no operation in flight")
         for p in procs:
-            p.signal(signal.SIGTERM)
+            p.signal(signal.SIGINT)  # stopping for good: each unloads its runtimes (model_stopped)
         for p in procs:
             await p.wait(30)
 

@@ -20,7 +20,7 @@ from openai import OpenAI
 from haru.up.convert import env_python
 from haru.host.natsd import free_port
 from tests.e2e.test_up_demo import REPO, stop_and_reap, wait_for
-from tests.llama_support import llama_binary
+from tests.support.llama import llama_binary
 from tests.support import haru
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(240)]
@@ -49,7 +49,7 @@ def test_convert_quantize_and_serve(tmp_path):
             pytest.fail(how)
         pytest.skip(how)
     model = tmp_path / "tiny-llama"
-    subprocess.run([str(py), str(REPO / "tests" / "tiny_hf_model.py"), str(model), "--seed", "3"], check=True,
+    subprocess.run([str(py), str(REPO / "tests" / "support" / "tiny_hf_model.py"), str(model), "--seed", "3"], check=True,
                    timeout=120)
     out = tmp_path / "tiny-Q4_K_M.gguf"
     done = haru("convert", str(model), "--quant", "Q4_K_M", "-o", str(out), timeout=180)

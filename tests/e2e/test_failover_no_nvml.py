@@ -15,8 +15,8 @@ from haru.core.apply import apply
 from haru.core.events import PromotionRequested, StepCompleted
 from haru.core.layout import load_layout
 from tests.e2e.test_failover_sim import FLEET, POLICY, now, sim, steady
-from tests.integration.agent_harness import AgentProcess, agent_env, write_config, write_layout
-from tests.integration.promoter_support import op_events, promoters, route_moves, wait_view
+from tests.support.agent_harness import AgentProcess, agent_env, write_config, write_layout
+from tests.support.promoter import op_events, promoters, route_moves, wait_view
 
 pytestmark = pytest.mark.timeout(120)
 

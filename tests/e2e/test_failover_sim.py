@@ -16,8 +16,8 @@ from haru.core.apply import apply
 from haru.core.events import OperationAborted, PromotionRequested, StepFailed, StepStarted
 from haru.core.layout import load_layout
 from haru.core.residency import Resident, Sleeping
-from tests.integration.agent_harness import AgentProcess, agent_env, sim_fault, write_config, write_layout
-from tests.integration.promoter_support import op_events, promoters, route_moves, view_of, wait_until, wait_view
+from tests.support.agent_harness import AgentProcess, agent_env, sim_fault, write_config, write_layout
+from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_until, wait_view
 from tests.support import haru
 
 pytestmark = pytest.mark.timeout(120)
@@ -155,7 +155,7 @@ async def test_a_standby_that_fails_before_the_flip_aborts_and_the_pointer_stays
 
 
 async def test_five_promoter_processes_racing_a_failure_move_the_route_once(tmp_path, nats_server, event_log):
-    from tests.integration.promoter_support import PromoterProcess
+    from tests.support.promoter import PromoterProcess
 
     async with sim_agents(tmp_path, nats_server, event_log):
         procs = [PromoterProcess(nats_server.url, f"promoter:race-{i}", log_path=tmp_path / f"promoter-{i}.log")

@@ -16,7 +16,7 @@ from openai import OpenAI
 from haru.host.natsd import free_port
 from tests.e2e.test_up_demo import REPO, descendants, stop_and_reap, wait_for
 from tests.integration.test_models_pull import build_registry
-from tests.llama_support import llama_binary
+from tests.support.llama import llama_binary
 from tests.support import haru
 
 
@@ -24,7 +24,7 @@ from tests.support import haru
 def registry_url(tmp_path):
     reg = build_registry(tmp_path / "reg")
     port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "tests.models_registry", "--root", str(reg.root), "--port", str(port)],
+    p = subprocess.Popen([sys.executable, "-m", "tests.support.models_registry", "--root", str(reg.root), "--port", str(port)],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
     try:
         assert p.stdout.readline().strip() == "ready"

@@ -19,7 +19,7 @@ from openai import OpenAI
 
 from haru.host.natsd import free_port
 from tests.e2e.test_up_demo import REPO, alive, demo_layout_with_free_ports, descendants, events_left_alone, stop_and_reap, wait_for
-from tests.llama_support import llama_binary
+from tests.support.llama import llama_binary
 from tests.support import haru
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(240)]

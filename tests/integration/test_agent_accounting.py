@@ -14,7 +14,7 @@ import pytest
 
 from agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
-from tests.integration.agent_harness import is_, wait_event, write_config, write_layout
+from tests.support.agent_harness import is_, wait_event, write_config, write_layout
 
 pytestmark = pytest.mark.timeout(90)
 

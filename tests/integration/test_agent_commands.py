@@ -10,16 +10,17 @@ import signal
 import aiohttp
 import pytest
 
-from agents.client import send
+from haru.log.bus import send
 from agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.commands import Command
 from haru.core.errors import AgentGone
 from tests.support import haru
-from tests.integration.agent_harness import (
+from tests.support.agent_harness import (
     agent_env,
     get_json,
     is_,
+    kill_runtimes,
     sim_fault,
     tag,
     wait_event,
@@ -189,6 +190,7 @@ async def test_restart_after_sigkill_continues_every_chain(tmp_path, nats_server
     first, cfg, _endpoint = await start_active(tmp_path, nats_server, event_log, agents)
     first.signal(signal.SIGKILL)
     await first.wait(10)
+    kill_runtimes(first.state_dir)  # a runtime outlives its agent on purpose: this test wants it gone too
     with pytest.raises(AgentGone):
         await send(event_log.bus, "f", "a", "status", Command(), timeout=2)
     second = agents(cfg, tmp_path / "agent-a-2.log")
@@ -198,7 +200,7 @@ async def test_restart_after_sigkill_continues_every_chain(tmp_path, nats_server
     lost = await wait_event(event_log, model, is_("model_lost"), agent=second)
     assert lost.event.reason == "process_exited"  # its runtime died with the first agent
     await wait_event(event_log, model, lambda r: tag(r) == "model_resident" and r.seq > lost.seq, agent=second)
-    second.signal(signal.SIGTERM)
+    second.signal(signal.SIGINT)
     assert await second.wait() == 0
     by_subject: dict[str, list] = {}
     for rec in await event_log.history("haru.evt.f.a.>"):

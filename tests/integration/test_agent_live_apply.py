@@ -14,12 +14,12 @@ from datetime import datetime, timezone
 
 import pytest
 
-from agents.client import send
+from haru.log.bus import send
 from haru.core import subjects
 from haru.core.apply import apply
 from haru.core.layout import load_layout
-from tests.integration.agent_harness import sim_model
-from tests.integration.promoter_support import wait_view
+from tests.support.agent_harness import sim_model
+from tests.support.promoter import wait_view
 from tests.integration.test_agent_restart import FLEET, MODELS, ChatLoad, residency_tags, sim_fleet, sim_layout, steady
 
 

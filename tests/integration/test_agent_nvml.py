@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from haru.core import subjects
-from tests.integration.agent_harness import is_, wait_event, write_config, write_layout
+from tests.support.agent_harness import is_, wait_event, write_config, write_layout
 from tests.nvml.fake import build, env_with, write_state
 
 GiB = 1024**3

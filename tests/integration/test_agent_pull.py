@@ -12,8 +12,8 @@ import pytest
 from haru.core import subjects
 from haru.core.events import ModelFailed, ModelLoading, ModelPulling, ModelResident
 from tests.integration.test_models_pull import build_registry
-from tests.llama_support import llama_binary, llama_model, real_fleet, real_layout
-from tests.models_registry import Server
+from tests.support.llama import llama_binary, llama_model, real_fleet, real_layout
+from tests.support.models_registry import Server
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(120)]
 
@@ -110,7 +110,7 @@ async def test_an_agent_stopped_mid_pull_records_stopped_and_keeps_the_partial(t
 
             await wait_for(some_bytes, 30)
             agent = gw.agents[0]
-            agent.signal(signal.SIGTERM)
+            agent.signal(signal.SIGINT)  # stopping for good: the pull is interrupted and said so
             assert await agent.wait(30) == 0
             evs = await events_of(event_log, "default", "solo", "tiny")
             last = evs[-1]

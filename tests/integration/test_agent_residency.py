@@ -7,11 +7,11 @@ import signal
 
 import pytest
 
-from agents.client import send
+from haru.log.bus import send
 from agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.commands import Command
-from tests.integration.agent_harness import (
+from tests.support.agent_harness import (
     AgentProcess,
     agent_env,
     is_,
@@ -49,7 +49,7 @@ async def start_resident(tmp_path, nats_server, event_log, agents, *, models=Non
     return agent
 
 
-async def test_loads_to_resident_then_sigterm_records_stopped(tmp_path, nats_server, event_log, agents):
+async def test_loads_to_resident_then_sigint_records_stopped(tmp_path, nats_server, event_log, agents):
     agent = await start_resident(tmp_path, nats_server, event_log, agents)
     recs = await event_log.history(subjects.model("f", "a", "m1"))
     loading, resident = recs[0].event, recs[1].event
@@ -58,7 +58,7 @@ async def test_loads_to_resident_then_sigterm_records_stopped(tmp_path, nats_ser
     started = await event_log.last(subjects.agent("f", "a"))
     assert tag(started) == "agent_started" and started.event.pid == agent.pid
 
-    agent.signal(signal.SIGTERM)
+    agent.signal(signal.SIGINT)  # stopping for good unloads (SIGTERM, a restart, keeps them: test_agent_restart)
     assert await agent.wait() == 0
     assert (await model_tags(event_log, "f", "a", "m1"))[-1] == "model_stopped"
     assert tag(await event_log.last(subjects.agent("f", "a"))) == "agent_stopping"

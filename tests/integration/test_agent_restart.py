@@ -30,8 +30,8 @@ from haru.core import subjects
 from haru.host.children import alive as proc_alive
 from haru.host.children import start_time
 from haru.host.natsd import free_port
-from tests.integration.agent_harness import FAST_POLICY, AgentProcess, REPO, sim_model, tag, wait_event, write_config
-from tests.integration.promoter_support import wait_view
+from tests.support.agent_harness import FAST_POLICY, AgentProcess, REPO, sim_model, tag, wait_event, write_config
+from tests.support.promoter import wait_view
 
 FLEET = "default"
 MODELS = ("m1", "m2")
@@ -121,7 +121,7 @@ async def sim_fleet(tmp_path, nats_server, event_log, layout: Path, *, declared:
     from haru.core.layout import load_layout
     from haru.host.tasks import cancel_and_wait
     from projections.projector import Projector
-    from tests.integration.promoter_support import promoters
+    from tests.support.promoter import promoters
 
     await apply(event_log, load_layout(layout), datetime.now(timezone.utc))
     projector = asyncio.create_task(Projector(event_log).run(), name="projector")
@@ -351,7 +351,7 @@ async def test_a_sleeping_standby_runtime_is_adopted_asleep(fleet, event_log):
 @pytest.mark.llama
 @pytest.mark.timeout(180)
 async def test_real_llama_servers_survive_agent_restarts_under_load(tmp_path, nats_server, event_log):
-    from tests.llama_support import llama_binary, llama_model, real_layout, tiny_models
+    from tests.support.llama import llama_binary, llama_model, real_layout, tiny_models
 
     binary = llama_binary()
     gguf = tiny_models(tmp_path / "gguf", {"a": 1, "b": 2})

@@ -16,7 +16,7 @@ from agents.errors import OutOfMemory, RuntimeRefused
 from agents.runtimes import ExternalRuntime, LlamaServerRuntime, VllmRuntime
 from agents.sim.gpu_state import GiB, SimGpuState
 from haru.core.specs import ModelSpec
-from tests.integration.agent_harness import SIM_VLLM, sim_fault
+from tests.support.agent_harness import SIM_VLLM, sim_fault
 
 pytestmark = pytest.mark.timeout(60)
 FAKE_LLAMA = [sys.executable, str(Path(__file__).parent / "agent_fakes" / "fake_llama_server.py")]

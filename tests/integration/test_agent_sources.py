@@ -8,12 +8,12 @@ from datetime import datetime, timezone
 
 import pytest
 
-from agents.client import send
+from haru.log.bus import send
 from haru.core import subjects
 from haru.core.apply import apply
 from haru.core.commands import Command
 from haru.core.layout import load_layout
-from tests.integration.agent_harness import (
+from tests.support.agent_harness import (
     AgentProcess,
     agent_env,
     is_,

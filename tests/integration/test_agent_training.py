@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from agents.client import send
+from haru.log.bus import send
 from haru.core import subjects
 from haru.core.commands import Command
-from tests.integration.agent_harness import agent_env, is_, tag, wait_event, write_config, write_layout
+from tests.support.agent_harness import agent_env, is_, tag, wait_event, write_config, write_layout
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -15,8 +15,9 @@ from haru.core.apply import apply, diff, fold_declarations
 from haru.log.eventlog import body_hash
 from haru.core.events import tag_of
 from haru.core.layout import load_layout, parse_layout
-from haru.core.planner import format_gib, plan
-from haru.core.specs import GiB
+from haru.core.planner import plan
+from haru.core.sizes import format_gib
+from haru.core.sizes import GiB
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "deploy/examples/demo-fleet.json"

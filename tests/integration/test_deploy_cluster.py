@@ -845,7 +845,7 @@ async def test_killing_the_stream_leader_keeps_appends_and_failover_working(tmp_
             victim.kill()
 
             # The promoter flips the pointer with an expected sequence: JetStream answers 503 while it
-            # elects a new leader (NOTES.md: 3-6 s).
+            # elects a new leader (docs/design.md: 3-6 s).
             flip = RouteMoved(at=now(), active="b", previous="a", op_id="op-1")
             second = await keep_trying(lambda: promoter.append(route, flip, expect=first))
             assert second > first

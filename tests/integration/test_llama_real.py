@@ -22,9 +22,9 @@ from agents.runtimes import LlamaServerRuntime
 from agents.runtimes.tiny_model import corrupt_copy, write_tiny_model
 from haru.core import subjects
 from haru.core.specs import ModelSpec
-from tests.integration.agent_harness import is_, model_tags, tag, wait_event, write_config
-from tests.integration.promoter_support import wait_until, wait_view
-from tests.llama_support import LLAMA_ARGS, llama_binary, llama_model, real_fleet, real_layout, tiny_models
+from tests.support.agent_harness import is_, model_tags, tag, wait_event, write_config
+from tests.support.promoter import wait_until, wait_view
+from tests.support.llama import LLAMA_ARGS, llama_binary, llama_model, real_fleet, real_layout, tiny_models
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(150)]
 FLEET = "default"

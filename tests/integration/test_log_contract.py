@@ -1,5 +1,5 @@
 """One contract for the log and the bus, run against each implementation: JetStream (`EventLog` on a real
-nats-server, `NatsBus`) and in memory (`MemoryLog`, `MemoryBus`), through tests/integration/log_world.py.
+nats-server, `NatsBus`) and in memory (`MemoryLog`, `MemoryBus`), through tests/support/log_world.py.
 It covers what haru/log/seam.py declares (events, views, intents, the link) and haru/log/bus.py's `Bus`;
 mypy checks the signatures (haru/log/conformance.py), this checks the behaviour. As eventsourcing runs one recorder
 suite against each recorder: what passes here may be relied on by the services whichever one they get.

@@ -1,5 +1,5 @@
 """`haru resolve` and `haru pull` against a registry on 127.0.0.1 that speaks Ollama's v2 and Hugging
-Face's endpoints (tests/models_registry.py), over a tiny GGUF and a tiny safetensors package made here."""
+Face's endpoints (tests/support/models_registry.py), over a tiny GGUF and a tiny safetensors package made here."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from haru.models.download import WRITE_BEHIND
 from haru.models.pull import pull
 from haru.models.store import Store
 from haru.host.natsd import free_port
-from tests.models_registry import Registry, Server, write_safetensors
+from tests.support.models_registry import Registry, Server, write_safetensors
 from tests.support import haru
 
 
@@ -414,7 +414,7 @@ def registry_proc(tmp_path):
     procs = []
 
     def start(rate: int = 0):
-        p = subprocess.Popen([sys.executable, "-m", "tests.models_registry", "--root", str(reg.root), "--port",
+        p = subprocess.Popen([sys.executable, "-m", "tests.support.models_registry", "--root", str(reg.root), "--port",
                               str(port), "--rate", str(rate), "--log", str(log)],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         procs.append(p)

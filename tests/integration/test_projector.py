@@ -1,4 +1,4 @@
-"""The projector: its scenarios written once and run on both logs (tests/integration/log_world.py:
+"""The projector: its scenarios written once and run on both logs (tests/support/log_world.py:
 JetStream on a real nats-server, and in memory): views in KV, one route intent per pointer move, racing
 projectors, resuming from the stored views, invalid bodies, quiet fleets. Then what needs a server:
 `haru projector` as a child process (SIGKILL, two processes racing), `haru status`/`route`, a NATS
@@ -22,7 +22,8 @@ from haru.core import events as ev
 from haru.core import subjects as sj
 from haru.log.seam import Log
 from haru.log.route import RouteWatcher
-from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.sizes import GiB
 from haru.core.views import intent_decoder, view_decoder
 from haru.host.tasks import cancel_and_wait
 from haru.core.fold import fold

@@ -24,8 +24,8 @@ from haru.core.errors import Conflict
 from haru.core.events import ModelLost, OperationAborted, OperationCompleted, RouteMoved, StepCompleted, StepFailed, StepStarted
 from haru.log.history import misplaced_records
 from haru.promoter import request_operation
-from promoter_fake import FakeAgent, layout
-from promoter_support import op_events, promoters, route_moves, view_of, wait_op_end, wait_view
+from tests.support.promoter_fake import FakeAgent, layout
+from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_op_end, wait_view
 
 pytestmark = pytest.mark.timeout(60)
 MODELS = ["m1", "m2"]

@@ -18,8 +18,8 @@ from haru.log.eventlog import EventLog
 from haru.core.events import OperationCompleted, PromotionRequested, RouteMoved, StepCompleted, StepStarted
 from haru.promoter import request_operation
 from haru.promoter.decider import flow
-from promoter_fake import FakeAgent, layout
-from promoter_support import PromoterProcess, describe, op_events, view_of, wait_op_end, wait_until
+from tests.support.promoter_fake import FakeAgent, layout
+from tests.support.promoter import PromoterProcess, describe, op_events, view_of, wait_op_end, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 MODELS = ["m1", "m2"]

@@ -29,10 +29,10 @@ from haru.core.events import (
     StepStarted,
 )
 from haru.promoter import request_operation
-from tests.integration.promoter_fake import FakeAgent, layout
-from tests.integration.promoter_support import (asleep_and_training, assert_one_failover_each_step_once, fake_agent,
-                                                op_events, promoters, route_moves, routed_to_a, serving, view_of,
-                                                wait_op_end, wait_until, wait_view)
+from tests.support.promoter import (asleep_and_training, assert_one_failover_each_step_once, fake_agent, op_events,
+                                   promoters, route_moves, routed_to_a, serving, view_of, wait_op_end, wait_until,
+                                   wait_view)
+from tests.support.promoter_fake import FakeAgent, layout
 
 pytestmark = pytest.mark.timeout(60)
 MODELS = ["m1", "m2"]

@@ -21,8 +21,8 @@ from haru.core.apply import apply
 from haru.core.events import OperationAborted, OperationCompleted, RouteMoved, StepStarted
 from haru.host.natsd import NatsServer
 from haru.promoter import request_operation
-from promoter_fake import FakeAgent, layout
-from promoter_support import PromoterProcess, describe, op_events, view_of, wait_op_end, wait_until
+from tests.support.promoter_fake import FakeAgent, layout
+from tests.support.promoter import PromoterProcess, describe, op_events, view_of, wait_op_end, wait_until
 
 pytestmark = pytest.mark.timeout(150)
 MODELS = ["m1", "m2"]

@@ -62,8 +62,8 @@ async def test_a_failed_teardown_is_reported_retried_and_finished_by_the_promote
     from haru.core.events import OperationAborted, OperationCompleted
     from haru.core.layout import parse_layout
     from haru.promoter.requests import request_operation
-    from tests.fake_sky import FakeSky
-    from tests.integration.promoter_support import op_events, promoters, wait_until
+    from tests.support.fake_sky import FakeSky
+    from tests.support.promoter import op_events, promoters, wait_until
 
     doc = json.loads(EXAMPLE.read_text())
     doc["policy"] = {"heartbeat_timeout_ms": 500, "degraded_grace_ms": 500}

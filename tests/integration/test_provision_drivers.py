@@ -1,4 +1,4 @@
-"""The SkyPilot and SkyServe drivers against a fake `sky` executable (tests/fake_sky.py), run as a real
+"""The SkyPilot and SkyServe drivers against a fake `sky` executable (tests/support/fake_sky.py), run as a real
 child process through the real `SubprocessExec`: success, a capacity error then the next region, a
 hang past the timeout, a cluster already up after a crash, a failed teardown, a missing secret."""
 
@@ -15,7 +15,8 @@ from haru.core.layout import load_layout
 from haru.provision import (CapacityError, LaunchFailed, SecretMissing, SkyPilot, SkyServe, SkyTimeout,
                             SkyUnavailable, SubprocessExec, task_config)
 from haru.provision.errors import TeardownFailed
-from tests.fake_sky import FakeSky, pid_alive, sha12
+from haru.host.procfs import pid_alive
+from tests.support.fake_sky import FakeSky, sha12
 from tests.unit.test_provision_yaml import EXAMPLE
 
 ENV = {"HARU_AGENT_NATS_CREDS": "-----BEGIN NATS USER JWT-----\nfake\n", "HF_TOKEN": "hf_fake"}

@@ -23,9 +23,9 @@ from haru.core.events import OperationCompleted, ReplaceRequested, StepCompleted
 from haru.core.layout import load_layout
 from haru.promoter.requests import request_operation
 from haru.core.residency import Sleeping
-from tests.fake_sky import FakeSky
-from tests.integration.agent_harness import REPO, write_config, write_layout
-from tests.integration.promoter_support import (PromoterProcess, op_events, view_of, wait_op_end, wait_until,
+from tests.support.fake_sky import FakeSky
+from tests.support.agent_harness import REPO, write_config, write_layout
+from tests.support.promoter import (PromoterProcess, op_events, view_of, wait_op_end, wait_until,
                                                 wait_view)
 from tests.support import haru
 
@@ -144,7 +144,7 @@ async def _async(value):
 @pytest.mark.timeout(180)
 async def test_a_skyserve_domain_provisioned_and_torn_down_through_the_promoter(tmp_path, nats_server, event_log):
     from haru.promoter.decider import TORN_DOWN
-    from tests.fake_sky import pid_alive
+    from haru.host.procfs import pid_alive
 
     url = nats_server.url
     path = cloud_layout(tmp_path, url, auto_replace=True)

@@ -16,11 +16,11 @@ from datetime import datetime, timezone
 
 import pytest
 
-from agents.client import send
+from haru.log.bus import send
 from haru.core import subjects
 from haru.core.events import OperationAborted, OperationCompleted, RollingRequested, StepStarted
 from haru.promoter.decider import flow
-from tests.integration.promoter_support import PromoterProcess, describe, op_events, wait_op_end, wait_until, wait_view
+from tests.support.promoter import PromoterProcess, describe, op_events, wait_op_end, wait_until, wait_view
 from tests.integration.test_agent_live_apply import edit_layout, tags_become
 from tests.integration.test_agent_restart import (
     FLEET,
@@ -137,7 +137,7 @@ async def test_haru_apply_rolls_a_change_on_the_active_through_the_standby_under
         shown = await asyncio.to_thread(haru, "op", op_id, "--json", nats_url=nats_server.url)
         doc = json.loads(shown.stdout)
         assert doc["kind"] == "rolling" and doc["state"] == "completed"
-        assert [s["step"] for s in doc["steps"] if s["type"] == "step_completed"] == flow("rolling")
+        assert [s["step"] for s in doc["steps"] if s["state"] == "completed"] == flow("rolling")
         status = await asyncio.to_thread(haru, "status", "--fleet", FLEET, nats_url=nats_server.url)
         assert f"rolling of b over a ({op_id}" in status.stdout, status.stdout
 

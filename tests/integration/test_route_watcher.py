@@ -15,8 +15,10 @@ import pytest
 
 from haru.core import events as ev
 from haru.core import subjects as sj
-from haru.log.route import RouteWatcher, refresh
-from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.intents import at
+from haru.log.route import RouteWatcher
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.sizes import GiB
 from haru.core.views import view_encoder
 from haru.host.tasks import cancel_and_wait
 from haru.core.intents import intent as compute_intent
@@ -143,7 +145,7 @@ async def test_watcher_starts_with_the_current_intent_and_can_connect_itself(nat
     async with RouteWatcher([nats_server.url], F) as w:
         assert w.current == second and w.seq == seq
         assert await asyncio.wait_for(w.__anext__(), 5) == second
-        assert refresh(w.current, now()) == second
+        assert at(w.current, now()) == second
 
 
 @pytest.mark.timeout(60)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.llama_support import llama_binary
+from tests.support.llama import llama_binary
 from tests.support import haru
 
 

@@ -14,11 +14,11 @@ import json
 import aiohttp
 import pytest
 
-from agents.client import send
+from haru.log.bus import send
 from agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.commands import Command
-from tests.integration.agent_harness import agent_env, is_, sim_fault, tag, wait_event, write_config, write_layout
+from tests.support.agent_harness import agent_env, is_, sim_fault, tag, wait_event, write_config, write_layout
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from agents.gpu import GpuReading, Gpus, NvmlGpus, SimGpus, open_gpus
-from agents.sim.gpu_state import GiB, SimGpuState, pid_alive
+from agents.sim.gpu_state import GiB, SimGpuState
+from haru.host.procfs import pid_alive
 from haru.cli import sim as sim_cli
 from haru.cli.common import ExitStatus
 from haru.core.events import GpuProcess

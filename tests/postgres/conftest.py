@@ -1,6 +1,6 @@
 """PostgreSQL for the read-model tests: one real server for the session, a fresh database per test.
 
-The server is started from the machine's binaries (`projections.pg_local.LocalPostgres`: initdb
+The server is started from the machine's binaries (`tests.support.pg_local.LocalPostgres`: initdb
 into a temporary directory, pg_ctl start on a free loopback port with its socket inside that
 directory; as an unprivileged user when we are root) and stopped at the end of the session.
 Tests marked `postgres` are skipped, saying why, only when no binaries can be found; with
@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from projections.pg_local import LocalPostgres, find_bindir
+from tests.support.pg_local import LocalPostgres, find_bindir
 
 _counter = itertools.count(1)
 

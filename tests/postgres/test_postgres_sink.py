@@ -14,7 +14,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-import pgdata
+from tests.support import pgdata
 from haru.core import events as ev
 from haru.core import subjects
 from haru.log.eventlog import EventLog
@@ -319,7 +319,7 @@ def _expected_event_rows(items: list[tuple[str, bytes]]) -> dict[str, int]:
 @pytest.mark.timeout(120)
 async def test_a_following_sink_survives_a_postgres_restart_and_resumes_exactly_once(event_log, nats_server, tmp_path):
     """Its own server (the session's is shared): crash Postgres under the sink, start it again."""
-    from projections.pg_local import LocalPostgres
+    from tests.support.pg_local import LocalPostgres
 
     pg_server = LocalPostgres()
     await asyncio.to_thread(pg_server.start)

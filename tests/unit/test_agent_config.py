@@ -7,7 +7,8 @@ from datetime import datetime, timezone
 
 import pytest
 
-from agents.agent import GPU_USED_THRESHOLD, _gpu_changed
+from agents.gpu_watch import GPU_USED_THRESHOLD
+from agents.gpu_watch import gpu_changed as _gpu_changed
 from agents.config import fold_declarations, load_config, parse_config, slots_from_host_entry, slots_from_layout
 from agents.gpu import GpuReading
 from agents.training import training_env
@@ -23,7 +24,8 @@ from haru.core.events import (
     TrainingDeclared,
 )
 from haru.core.layout import parse_layout
-from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.sizes import GiB
 
 T = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -140,9 +142,7 @@ def test_training_env_adds_exactly_two_variables():
 
 
 def test_restart_backoff_doubles_and_caps():
-    from types import SimpleNamespace
+    from agents.supervisor import backoff_s
 
-    from agents.agent import Agent
-
-    fake = SimpleNamespace(policy=Policy(restart_backoff_ms=1000, restart_backoff_max_ms=5000))
-    assert [Agent._backoff_s(fake, n) for n in (1, 2, 3, 4, 5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+    policy = Policy(restart_backoff_ms=1000, restart_backoff_max_ms=5000)
+    assert [backoff_s(policy, n) for n in (1, 2, 3, 4, 5)] == [1.0, 2.0, 4.0, 5.0, 5.0]

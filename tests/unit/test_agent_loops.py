@@ -21,7 +21,8 @@ from agents.metrics import registry_for
 from agents.sim.gpu_state import SimGpuState
 from haru.core.commands import Heartbeat
 from haru.core.events import GpuObserved
-from haru.core.specs import GiB, Policy
+from haru.core.specs import Policy
+from haru.core.sizes import GiB
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -117,8 +118,10 @@ def test_loop_errors_are_exported_per_loop():
     errors.count("heartbeat")
     errors.count("gpus")
     errors.count("gpus")
-    agent = NS(fleet="f", domain="a", models={}, trainers={}, slots=NS(gpu_indexes=lambda: []), gpu_watch=NS(last={}),
-               policy=Policy(), role="standby", route_revision=3, loop_errors=errors)
+    status = NS(fleet="f", domain="a", models=NS(models={}), training=NS(trainers={}),
+                live=NS(slots=NS(gpu_indexes=lambda: [], policy=Policy())), gpu_watch=NS(last={}),
+                role=NS(now="standby", revision=3))
+    agent = NS(status=status, loop_errors=errors)
     text = generate_latest(registry_for(agent)).decode()
     assert 'haru_agent_loop_errors_total{domain="a",fleet="f",loop="gpus"} 2.0' in text
     assert 'haru_agent_loop_errors_total{domain="a",fleet="f",loop="heartbeat"} 1.0' in text

@@ -11,7 +11,7 @@ from types import SimpleNamespace as NS
 
 from agents.gpu import GpuReading
 from agents.observe import decision_table_markdown
-from haru.core.specs import GiB
+from haru.core.sizes import GiB
 
 ROOT = Path(__file__).resolve().parents[2]
 

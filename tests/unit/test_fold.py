@@ -9,7 +9,8 @@ import msgspec
 from haru.core import events as ev
 from haru.core import residency
 from haru.core import subjects as sj
-from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.sizes import GiB
 from haru.core.views import FleetView, view_decoder, view_encoder
 from haru.core.fold import HANDLED, empty, evolve, fold
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from haru.core import events as ev
 from haru.core import residency
 from haru.core import subjects as sj
-from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.sizes import GiB
 from haru.core.views import view_decoder, view_encoder
 from haru.core.fold import empty, evolve, fold
 

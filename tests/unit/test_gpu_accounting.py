@@ -8,7 +8,7 @@ from agents.gpu import Owner, account, process_tree
 from haru.core import events as ev
 from haru.core import subjects as sj
 from haru.core.events import GpuProcess, GpuUsage
-from haru.core.specs import GiB, MiB
+from haru.core.sizes import GiB, MiB
 from haru.core.fold import fold
 from projections.status import render
 from tests.unit.test_status import F, NOW, hearth_fleet

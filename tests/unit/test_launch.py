@@ -16,7 +16,8 @@ from agents.config import slots_from_host_entry
 from haru.core.errors import LayoutError
 from haru.core.launch import Launch, gpu_memory_utilization, launch, runtime_for, source_format
 from haru.core.layout import load_layout, parse_layout
-from haru.core.specs import GiB, Layout, ModelSpec
+from haru.core.specs import Layout, ModelSpec
+from haru.core.sizes import GiB
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM = ["python", "-m", "agents.sim.vllm"]

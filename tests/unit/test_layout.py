@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from haru.core.errors import LayoutError
-from haru.core.layout import load_layout, parse_layout, parse_size
-from haru.core.specs import GiB, MiB
+from haru.core.layout import load_layout, parse_layout
+from haru.core.sizes import parse_size
+from haru.core.sizes import GiB, MiB
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -155,7 +156,11 @@ CASES = [
     ("external without url", lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("runtime", "external"),
      "$.domains[0].slots[0].models[0].url", "url"),
     ("policy negative", lambda d: d["policy"].__setitem__("degraded_grace_ms", -1),
-     "$.policy.degraded_grace_ms", "negative"),
+     "$.policy.degraded_grace_ms", "Expected `int` >= 0"),
+    ("gpu index negative", lambda d: d["domains"][0]["gpus"][0].__setitem__("index", -1),
+     "$.domains[0].gpus[0].index", "Expected `int` >= 0"),
+    ("model port out of range", lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("port", 70000),
+     "$.domains[0].slots[0].models[0].port", "Expected `int` <= 65535"),
     ("serving_url not a URL", lambda d: d["domains"][0].__setitem__("serving_url", "127.0.0.1:8600"),
      "$.domains[0].serving_url", "http"),
     ("direct serving needs ports", lambda d: (d["domains"][0].__setitem__("serve", "direct"),

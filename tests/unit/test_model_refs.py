@@ -100,7 +100,7 @@ def test_the_progress_bar_shows_bytes_rate_and_eta_on_a_terminal_only():
 
 def test_serve_model_flags():
     from haru.up.serve import ServeError, parse_model_flag
-    from haru.core.specs import GiB
+    from haru.core.sizes import GiB
 
     f = parse_model_flag("chat=hf:Qwen/Qwen3-0.6B-GGUF:Q8_0:2.5@8192")
     assert (f.name, f.source, f.vram_bytes, f.context, f.format) == ("chat", "hf:Qwen/Qwen3-0.6B-GGUF:Q8_0",

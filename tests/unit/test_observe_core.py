@@ -83,7 +83,8 @@ def test_held_bytes_counts_what_the_agents_children_hold_by_declaration():
 
     from agents.metrics import foreign_of, held_bytes
     from haru.core.residency import Loading, Lost, Resident, Sleeping
-    from haru.core.specs import GiB, ModelSpec, Policy
+    from haru.core.specs import ModelSpec, Policy
+    from haru.core.sizes import GiB
 
     def model(name, vram, state, gpu=0, runtime="vllm"):
         spec = ModelSpec(name=name, slot="s", gpu_index=gpu, vram_bytes=vram * GiB, runtime=runtime, port=1)
@@ -98,8 +99,8 @@ def test_held_bytes_counts_what_the_agents_children_hold_by_declaration():
                   "idle": NS(spec=NS(gpu_index=0, vram_bytes=6 * GiB), running=lambda: False)},
     )
     # resident 2 + loading 3 + vLLM asleep 0.5 + llama-server asleep keeps all 4 + training 8; lost holds nothing
-    assert held_bytes(agent, 0) == 2 * GiB + 3 * GiB + GiB // 2 + 4 * GiB + 8 * GiB
-    assert held_bytes(agent, 1) == 5 * GiB
+    assert held_bytes(agent.models, agent.trainers, agent.policy, 0) == 2 * GiB + 3 * GiB + GiB // 2 + 4 * GiB + 8 * GiB
+    assert held_bytes(agent.models, agent.trainers, agent.policy, 1) == 5 * GiB
 
     assert foreign_of(NS(present=True)) is None  # this branch's observations carry no accounting
     assert foreign_of(NS(accounted=False, foreign=[NS(pid=1, used_bytes=5)])) is None

@@ -8,8 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from haru.core.layout import load_layout
-from haru.core.planner import first_fit, format_gib, gpu_summary_line, plan, verdict_line
-from haru.core.specs import GiB, MiB, Domain, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.planner import first_fit, gpu_summary_line, plan, verdict_line
+from haru.core.sizes import format_gib
+from haru.core.specs import Domain, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.sizes import GiB, MiB
 
 ROOT = Path(__file__).resolve().parents[2]
 

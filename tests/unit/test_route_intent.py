@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta
 from haru.core import events as ev
 from haru.core import subjects as sj
 from haru.core.residency import Answer
-from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.sizes import GiB
 from haru.core.views import intent_decoder, view_encoder
 from haru.core.fold import fold
 from haru.core.intents import at, changed, intent

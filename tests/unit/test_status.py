@@ -6,7 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 from haru.core import events as ev
 from haru.core import subjects as sj
-from haru.core.specs import GiB, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.sizes import GiB
 from haru.core.fold import fold
 from projections.status import render
 

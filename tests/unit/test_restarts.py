@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import signal
 
-from haru.core.supervise import RestartPolicy, exit_reason, next_restart
+from haru.core.restarts import RestartPolicy, exit_reason, next_restart
 
 POLICY = RestartPolicy(first_s=0.5, max_s=4.0, stable_s=30.0, loop_after=3)
 
@@ -28,3 +28,11 @@ def test_exit_reasons_in_words():
     assert exit_reason(3) == "exited with status 3"
     assert exit_reason(0) == "exited with status 0"
     assert exit_reason(None) == "still running"
+
+
+def test_backoff_doubles_per_failure_in_a_row_and_is_capped():
+    from haru.core.restarts import Backoff
+
+    b = Backoff(first_s=0.25, max_s=5.0)
+    assert [b.delay(n) for n in (1, 2, 3, 4, 5, 6, 7)] == [0.25, 0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert b.delay(0) == 0.25 and b.delay(10_000) == 5.0  # no overflow after a long outage

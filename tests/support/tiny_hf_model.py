@@ -1,6 +1,6 @@
 """A tiny Hugging Face llama model in safetensors, with a sentencepiece tokenizer, for `haru convert`'s tests.
 
-    <convert env python> tests/tiny_hf_model.py OUT_DIR [--seed N]
+    <convert env python> tests/support/tiny_hf_model.py OUT_DIR [--seed N]
 
 Run by the converter's own Python (the managed venv: it has sentencepiece, numpy and safetensors): the
 tokenizer is trained here on generated text, the weights are seeded random. byte fallback (every text tokenizes), 256-wide, 2 blocks, so

@@ -291,16 +291,3 @@ class FakeSky:
 
 def sha12(value: str) -> str:
     return hashlib.sha256(value.encode()).hexdigest()[:12]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie (reaped later by its parent's parent) is not running
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(") ", 1)[1][:1] != "Z"
-    except OSError:
-        return False

@@ -15,7 +15,8 @@ from datetime import datetime, timedelta, timezone
 
 from haru.core import events as ev
 from haru.core import subjects
-from haru.core.specs import DomainSpec, GpuSpec, GiB
+from haru.core.specs import DomainSpec, GpuSpec
+from haru.core.sizes import GiB
 
 Item = tuple[str, bytes]
 

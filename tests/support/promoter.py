@@ -77,7 +77,7 @@ async def promoters(source, n: int = 1, *, fleets=None, step_delay_ms: int = 0):
     `source` is a server URL or a `log_world.LogWorld` (either log). Yields the replicas; a replica
     that died is an error at the end."""
     from haru.promoter.service import Promoter
-    from tests.integration.log_world import LogWorld
+    from tests.support.log_world import LogWorld
 
     logs, tasks, replicas = [], [], []
     try:
@@ -105,7 +105,7 @@ async def promoters(source, n: int = 1, *, fleets=None, step_delay_ms: int = 0):
 
 def fake_agent(world, domain: str, models, **kwargs):
     """A `promoter_fake.FakeAgent` for `domain` on the world's log: nats.micro on JetStream, the bus in memory."""
-    from tests.integration.promoter_fake import FakeAgent
+    from tests.support.promoter_fake import FakeAgent
 
     if world.kind == "memory":
         return FakeAgent(None, "default", domain, list(models), log=world.memory.connect(f"agent:default/{domain}@fake"),

@@ -17,12 +17,12 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
 
 from haru.core.errors import ConfigError
+from haru.host.natsd import free_port
 
 _TOOLS = ("initdb", "pg_ctl", "postgres")
 
@@ -70,12 +70,6 @@ def _traversable_tmp() -> str:
         if not os.stat(d).st_mode & 0o001:
             return "/tmp"
     return str(base)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalPostgres:

@@ -111,10 +111,45 @@ class AgentProcess:
         return self.proc.returncode
 
     def kill(self) -> None:
+        """SIGKILL the agent, then what outlives an agent by design (its runtimes and its serving
+        port's holder): a test ends with nothing of it left."""
         if self.proc.poll() is None:
             with_suppress(lambda: os.killpg(self.proc.pid, signal.SIGKILL))
             self.proc.wait(10)
         self._log.close()
+        if self.state_dir is not None:
+            kill_runtimes(self.state_dir)
+
+    @property
+    def state_dir(self) -> Path | None:
+        """The agent config's `state_dir` (None: the config names none, or is gone)."""
+        try:
+            state_dir = json.loads(self.config.read_text()).get("state_dir")
+        except (OSError, ValueError):
+            return None
+        return Path(state_dir) if state_dir else None
+
+
+def kill_runtimes(state_dir: Path) -> list[int]:
+    """SIGKILL the process group of every runtime an agent left in `state_dir` (its identity files,
+    when the recorded process is still the one started), and stop its serving port's holder. Runtimes
+    and the holder outlive their agent on purpose (a restart adopts them); a test that wants them gone
+    with the agent kills them here. Returns the runtime pids signalled."""
+    from agents.portholder import stop_holder
+    from agents.runtime_files import read_identities
+    from haru.host.procfs import stat
+
+    killed = []
+    for _path, doc in read_identities(state_dir).values():
+        if doc is None:
+            continue
+        pid = int(doc["pid"])
+        st = stat(pid)
+        if st is not None and st.start == int(doc["start"]):
+            with_suppress(lambda: os.killpg(pid, signal.SIGKILL))
+            killed.append(pid)
+    stop_holder(state_dir)
+    return killed
 
 
 def with_suppress(fn) -> None:

@@ -101,8 +101,8 @@ async def real_fleet(tmp_path: Path, nats_server, event_log, layout: Path, *, fl
     from haru.core.layout import load_layout
     from haru.host.tasks import cancel_and_wait
     from projections.projector import Projector
-    from tests.integration.agent_harness import AgentProcess, agent_env, write_config
-    from tests.integration.promoter_support import promoters
+    from tests.support.agent_harness import AgentProcess, agent_env, write_config
+    from tests.support.promoter import promoters
 
     spec = load_layout(layout)
     await apply(event_log, spec, datetime.now(timezone.utc))

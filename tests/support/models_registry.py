@@ -1,7 +1,7 @@
 """A model registry on 127.0.0.1 for the tests: the Ollama registry's v2 endpoints and Hugging Face's
 model-info and `resolve/{revision}/{file}` endpoints, over files the tests generate.
 
-    python -m tests.models_registry --root DIR --port N [--rate BYTES_PER_S] [--log FILE]
+    python -m tests.support.models_registry --root DIR --port N [--rate BYTES_PER_S] [--log FILE]
 
 DIR holds `registry.json` (written by `Registry.save`): Ollama models (manifest layers -> files) and
 HF repositories (file name -> path, LFS or not, commit). What it speaks, as the real ones do:

@@ -1,0 +1,142 @@
+"""What the agent says of itself: the `status` answer, the heartbeat, the GPUs' verdict and owners.
+
+Read from the agent's parts as they are now; nothing here changes them. `verify_gpus` observes the
+models' GPUs first (recording what changed), then judges the readings (agents/gpu_verdict.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+import msgspec
+
+from agents.gpu import GpuReading, Owner, process_tree, read_parents
+from agents.gpu_verdict import gpus_of, judge_gpus
+from agents.gpu_watch import GpuWatcher
+from agents.heartbeat import heartbeat_of
+from agents.live_apply import LiveApply
+from agents.model_slot import ModelSlot
+from agents.model_slots import ModelSlots
+from agents.ports import GpuVerdict
+from agents.role import Role
+from agents.training_slots import TrainingSlots
+from haru.core.commands import Heartbeat
+from haru.host.procfs import pid_alive
+
+__all__ = ["Status"]
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Status:
+    def __init__(self, *, fleet: str, domain: str, host: str, pid: int, role: Role, live: LiveApply,
+                 models: ModelSlots, training: TrainingSlots, gpu_watch: GpuWatcher,
+                 serving_url: Callable[[], str]) -> None:
+        self.fleet = fleet
+        self.domain = domain
+        self.host = host
+        self.pid = pid
+        self.role = role
+        self.live = live
+        self.models = models
+        self.training = training
+        self.gpu_watch = gpu_watch
+        self.serving_url = serving_url
+
+    def heartbeat(self) -> Heartbeat:
+        return heartbeat_of(fleet=self.fleet, domain=self.domain, role=self.role.now,
+                            models={name: m.state_tag for name, m in self.models.models.items()},
+                            training=self.training.running(), pid=self.pid, at=_now())
+
+    def data(self) -> dict:
+        """The `status` verb's data: role, models and their states, training, GPUs."""
+        slots = self.live.slots
+        return {
+            "fleet": self.fleet,
+            "domain": self.domain,
+            "role": self.role.now,
+            "active_domain": self.role.active(),
+            "route_revision": self.role.revision,
+            "pid": self.pid,
+            "host": self.host,
+            "serving_url": self.serving_url(),
+            "source": slots.source,
+            "models": {name: _model(m) for name, m in self.models.models.items()},
+            # changes applied live that wait for this domain to be the standby (they would interrupt a model
+            # it serves as the active domain)
+            "pending_layout": sorted(self.live.pending),
+            "not_admitted": dict(slots.not_admitted),
+            "training": {slot: _trainer(t) for slot, t in self.training.trainers.items()},
+            "gpus": {str(index): self._gpu(self.gpu_watch.read(index)) for index in slots.gpu_indexes()},
+        }
+
+    def _gpu(self, r: GpuReading) -> dict:
+        usage, foreign = self.gpu_watch.accounting(r)
+        return {"present": r.present, "name": r.name, "memory_total_bytes": r.memory_total_bytes,
+                "memory_used_bytes": r.memory_used_bytes, "memory_free_bytes": r.memory_free_bytes,
+                "processes": [p.pid for p in r.processes], "mig": r.mig, "accounted": r.accounted,
+                "usage": msgspec.to_builtins(usage), "foreign": msgspec.to_builtins(foreign)}
+
+    async def verify_gpus(self, models: list[ModelSlot]) -> GpuVerdict:
+        """Observe each of the models' GPUs now (recording what changed), then judge them."""
+        for index in {m.spec.gpu_index for m in models}:
+            await self.gpu_watch.observe(index)
+        readings = {index: self.gpu_watch.read(index) for index in gpus_of(models)}
+        return judge_gpus(models, self.training.trainers, readings,
+                          residual_bytes=self.live.slots.policy.sleep_residual_bytes, pid_alive=pid_alive)
+
+    def owners(self, index: int) -> list[Owner]:
+        """What Haru started on GPU `index`: each runtime's and trainer's process tree, with its plan.
+
+        A sleeping runtime is planned at the policy's sleep residual (what sleep should leave behind)."""
+        parents = read_parents()
+        residual = self.live.slots.policy.sleep_residual_bytes
+        out: list[Owner] = []
+        for m in self.models.models.values():
+            if m.spec.gpu_index != index or m.runtime.kind == "external":
+                continue
+            pid = m.runtime.pid if m.runtime.alive() else None
+            asleep = m.runtime.can_sleep and m.state_tag == "sleeping"
+            planned = min(residual, m.spec.vram_bytes) if asleep else m.spec.vram_bytes
+            out.append(Owner(name=m.name, kind="model", pids=process_tree({pid} if pid else set(), parents),
+                             planned_bytes=planned))
+        for slot, t in self.training.trainers.items():
+            if t.spec.gpu_index != index:
+                continue
+            roots = set(t.group_pids()) | ({t.pid} if t.running() and t.pid else set())
+            out.append(Owner(name=slot, kind="training", pids=process_tree(roots, parents), planned_bytes=t.spec.vram_bytes))
+        return out
+
+
+def _model(m: ModelSlot) -> dict[str, Any]:
+    st = msgspec.to_builtins(m.state)
+    since = getattr(m.state, "since", None)
+    return {
+        "state": m.state_tag,
+        "since": st.get("since"),
+        "for_ms": int((_now() - since).total_seconds() * 1000) if since is not None else 0,
+        "seq": m.seq,
+        "reason": st.get("reason", ""),
+        "detail": st.get("detail", ""),
+        "runtime": m.runtime.kind,
+        "endpoint": m.runtime.base_url,
+        "pid": m.runtime.pid if m.runtime.alive() else None,
+        "gpu_index": m.spec.gpu_index,
+        "attempt": m.attempt,
+        "vram_bytes": m.spec.vram_bytes,
+    }
+
+
+def _trainer(t: Any) -> dict[str, Any]:
+    ended = t.ended
+    return {
+        "running": t.running(),
+        "pid": t.pid,
+        "gpu_index": t.spec.gpu_index,
+        "ran_ms": t.ran_ms() if t.running() else (ended.ran_ms if ended else 0),
+        "last_stop": None if ended is None else {"how": ended.how, "exit_code": ended.exit_code},
+    }
