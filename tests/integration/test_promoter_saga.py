@@ -1,4 +1,4 @@
-"""The promoter's saga, written once and run on both logs (tests/integration/log_world.py: JetStream on
+"""The promoter's saga, written once and run on both logs (tests/support/log_world.py: JetStream on
 a real nats-server, and in memory), with in-test agents speaking the agent contract (promoter_fake).
 
 Covers the saga end to end: the first route, auto-failover (unreachable, gpu_detached, degraded),
