@@ -249,7 +249,10 @@ async def test_two_racing_projectors_publish_each_move_once_and_agree_on_the_vie
         # every move has its intent, and no intent was published twice (by the two of them, or one)
         assert [ri.revision for ri in seen if ri.revision in moves and ri.view_seq == ri.revision] == moves
         assert all(changed(a, b) for a, b in zip(seen, seen[1:])), [(ri.revision, ri.view_seq) for ri in seen]
-        assert first.stats.intents_published + second.stats.intents_published == len(seen) == await intents_published(log)
+        assert len(seen) == await intents_published(log)  # the stream holds each intent once
+        # A projector that publishes the intent the other just stored (the same position and body: one
+        # message, the log's dedupe) counts it too, so their counts add up to at least what is stored.
+        assert first.stats.intents_published + second.stats.intents_published >= len(seen)
     finally:
         await cancel_and_wait(watcher, *tasks)
 
