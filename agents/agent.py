@@ -48,6 +48,7 @@ from agents.commands import CommandService
 from agents.config import AgentConfig, HostSlots, fold_declarations, load_layout_slots, slots_from_host_entry
 from agents.gpu import Gpus, open_gpus
 from agents.gpu_watch import GpuWatcher
+from agents.signals import SignalWatcher, open_signals
 from agents.heartbeat import Heartbeats
 from agents.live_apply import LiveApply
 from agents.loops import LoopErrors, on_the_way_out
@@ -56,14 +57,14 @@ from agents.recorder import Recorder
 from agents.role import Role
 from agents.runtime_files import RuntimeFiles
 from agents.runtimes import Runtime, make_runtime
-from agents.runtimes.base import runtimes_die_with_agent
-from agents.serving import ServingProxy
+from agents.serving import ServingProxy, check_serving
 from agents.status import Status
 from agents.supervisor import SupervisorContext
 from agents.training_policy import TrainingPolicy
 from agents.training_slots import TrainingSlots
 from haru.core import subjects
 from haru.core.errors import ConfigError
+from haru.core.events import FailureSignalled
 from haru.core.specs import ModelSpec
 from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import EventLog
@@ -118,6 +119,9 @@ class Agent:
                                     owners=lambda index: self.status.owners(index),
                                     on_gone=lambda index: self.models.gpu_went_away(index), exclude_pid=self.pid,
                                     logger=logger)
+        self.signals = SignalWatcher(domain=domain, gpus=open_signals(config.gpus, config.sim_dir),
+                                     notice=slots.domain.spec.preemption_notice, record=self._record_signal,
+                                     logger=logger, session=session)
         self.training = TrainingSlots(slots.admitted_training, fleet=fleet, domain=domain,
                                       grace_ms=slots.policy.training_grace_ms, log_dir=self.state_dir, append=self.append,
                                       files=self.files, agent_seq=lambda: self.claim.seq, stopping=stopping, logger=logger)
@@ -142,6 +146,16 @@ class Agent:
                              models=self.models, training=self.training, gpu_watch=self.gpu_watch,
                              serving_url=lambda: self.serving_url)
 
+    async def _record_signal(self, event: FailureSignalled) -> None:
+        """A sign this domain is about to go (agents/signals.py), on the agent subject the claim began."""
+        self.claim.seq = await self.log.append(self.claim.subject, event, expect=self.claim.seq)
+
+    async def _drain_serving(self, names: list[str]) -> int:
+        """Before a sleep: the serving port's requests in flight to `names` finish (drain_ms at most)."""
+        if self._serving is None:
+            return 0
+        return await self._serving.drain(names, self.live.slots.policy.drain_ms / 1000)
+
     def _runtime_for(self, spec: ModelSpec) -> Runtime:
         gpu_memory = {g.index: g.memory_bytes for g in self.live.slots.domain.spec.gpus}
         return make_runtime(spec, session=self.session, log_dir=self.state_dir,
@@ -156,6 +170,7 @@ class Agent:
         writer = f"agent:{config.fleet}/{config.domain}@{socket.gethostname()}"
         async with EventLog.connect(config.servers(), writer=writer, creds=config.nats_creds) as log:
             slots = await resolve_slots(config, log)
+            check_serving(config, slots)  # the serving port's rule, before anything is claimed or touched
             gpus = open_gpus(config.gpus, config.sim_dir or None)
             connector = aiohttp.TCPConnector(limit=0, force_close=False)
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
@@ -174,7 +189,7 @@ class Agent:
         """Stop. `keep_runtimes`: leave every runtime serving for the next agent to adopt (a restart or an
         upgrade: SIGTERM); otherwise unload them all (SIGINT, `haru up` stopping)."""
         self._stop_reason = reason or "requested"
-        self.keep_runtimes = keep_runtimes and not runtimes_die_with_agent()
+        self.keep_runtimes = keep_runtimes
         self._stop.set()
 
     async def stopped(self) -> None:
@@ -211,7 +226,7 @@ class Agent:
         await self.training.load_tips(self.log, swept_training)
         await self.gpu_watch.load_tips(self.log, slots.gpu_indexes())
         self._service = CommandService(self.log.nc, models=self.models, training=self.training_policy, role=self.role,
-                                       live=self.live, status=self.status)
+                                       live=self.live, status=self.status, drain=self._drain_serving)
         await self._service.start()
         if self.config.serving.enabled and not self.direct:
             self._serving = ServingProxy(self.models, self.gpu_watch, policy=lambda: self.live.slots.policy,
@@ -223,6 +238,7 @@ class Agent:
         self._spawn_task(self.gpu_watch.run(lambda: self.live.slots.gpu_indexes(),
                                             lambda: self.live.slots.policy.probe_interval_ms / 1000,
                                             self.loop_errors), "gpus")
+        self._spawn_task(self.signals.run(lambda: self.live.slots.gpu_indexes(), self.loop_errors), "signals")
         for m in self.models.models.values():
             self.models.supervise(m)
         self._spawn_task(self.training_policy.initial(), "initial-training")

@@ -55,8 +55,9 @@ class CommandService:
     training policy, the role, the live apply and the status answer."""
 
     def __init__(self, nc, *, models: ModelSlots, training: TrainingPolicy, role: Role, live: LiveApply,
-                 status: Status) -> None:
+                 status: Status, drain: Callable[[list[str]], Awaitable[int]] | None = None) -> None:
         self.nc = nc  # the NATS connection the service answers on
+        self.drain = drain  # the serving port's requests in flight to these models finish (drain_ms at most)
         self.models = models
         self.training = training
         self.role = role
@@ -151,6 +152,10 @@ class CommandService:
         models = selection.models
         if selection.unknown:
             return self._unknown(selection.unknown)
+        if self.drain is not None:  # after a planned flip this is the old active: what it answers finishes first
+            cut = await self.drain([m.name for m in models])
+            if cut:
+                self.logger.warning("sleeping with requests still in flight after drain_ms", in_flight=cut)
         results = await asyncio.gather(*(self.models.supervisor(m).sleep(command.level or 1) for m in models))
         return _combine("sleep", dict(zip((m.name for m in models), results)), self.models)
 

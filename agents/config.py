@@ -26,6 +26,7 @@ training slots) the planner admitted are run. The pure part is `fold_declaration
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +36,7 @@ from haru.core import planner
 from haru.core.errors import ConfigError, LayoutError
 from haru.core.apply import fold_declarations as fold_decl
 from haru.core.layout import load_layout, parse_layout
+from haru.core.sizes import format_gib
 from haru.core.specs import Domain, Layout, ModelSpec, Policy, TrainingSpec
 from haru.core.subjects import check_name
 
@@ -103,11 +105,35 @@ def parse_config(data: bytes | str, *, origin: str = "the agent config") -> Agen
     return config
 
 
+# Where `haru agent` finds its config when --config is not given, in order: Haru's own name, then the
+# supervisor's name from the system Haru grew from (it takes inline JSON or a path, as here).
+CONFIG_ENVS = ("HARU_AGENT_CONFIG", "HARU_SUPERVISOR_CONFIG")
+
+
+def config_from_env(environ: Mapping[str, str] = os.environ) -> str:
+    """The agent config named by the environment (inline JSON or a path; '' when none is set)."""
+    for name in CONFIG_ENVS:
+        value = environ.get(name, "").strip()
+        if value:
+            return value
+    return ""
+
+
+def is_inline(config: str | os.PathLike[str]) -> bool:
+    """Inline JSON (an object), not a path: what `--config` and HARU_AGENT_CONFIG both accept."""
+    return isinstance(config, str) and config.lstrip().startswith("{")
+
+
 def load_config(path: str | os.PathLike[str]) -> AgentConfig:
+    """The agent config from a file, or from inline JSON (a string that starts with `{`); a relative
+    `layout` is read beside the file (the working directory for inline JSON)."""
+    if is_inline(path):
+        return parse_config(str(path).encode(), origin="inline agent config")
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read the agent config {os.fspath(path)!r}: {exc.strerror}; pass --config <file>") from None
+        raise ConfigError(f"cannot read the agent config {os.fspath(path)!r}: {exc.strerror}; pass --config <file> "
+                          f"or inline JSON") from None
     config = parse_config(data, origin=f"agent config {os.fspath(path)!r}")
     if config.layout and not os.path.isabs(config.layout):
         config = msgspec.structs.replace(config, layout=str(Path(path).parent / config.layout))
@@ -128,6 +154,14 @@ class HostSlots(msgspec.Struct, frozen=True, kw_only=True):
     not_admitted: dict[str, int] = {}  # model or slot -> short_by_bytes
     first_domain: str = ""  # the first declared domain: active until a route_moved says otherwise
     source: str = ""  # layout:<path> | declared | config
+
+    def retire_why(self, name: str) -> str:
+        """Why a model this host runs is stopped under these slots: declared but refused by the planner
+        (`no longer admitted: short by …`), or gone from the layout."""
+        short = self.not_admitted.get(name)
+        if short is not None:
+            return f"no longer admitted: short by {format_gib(short)} (the layout still declares it)"
+        return "the layout no longer has this model"
 
     def model(self, name: str) -> ModelSpec | None:
         for m in self.admitted_models:

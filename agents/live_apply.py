@@ -101,7 +101,7 @@ class LiveApply:
             done: dict[str, list[str]] = {"started": [], "stopped": [], "replaced": [], "pending": []}
             for name in diff.removed:
                 self.pending.pop(name, None)
-                await self.models.retire(name, "the layout no longer has this model")
+                await self.models.retire(name, new.retire_why(name))
                 done["stopped"].append(name)
             for spec in diff.added:
                 await self.models.add(spec)

@@ -55,7 +55,6 @@ from pathlib import Path
 import msgspec
 
 from agents.errors import PortHolderError
-from haru.host.children import die_with_parent
 from haru.core.openai_errors import BadBody, error_body, model_of
 
 __all__ = ["listening_socket", "bridge", "stop_holder", "holder_stats", "HOLDER_SOCKET"]
@@ -110,8 +109,7 @@ def _lease(path: Path) -> tuple[dict, list[int], socket.socket]:
     return doc, fds, c
 
 
-def listening_socket(state_dir: Path, host: str, port: int, *,
-                     die_with_agent: bool = False) -> tuple[socket.socket, socket.socket]:
+def listening_socket(state_dir: Path, host: str, port: int) -> tuple[socket.socket, socket.socket]:
     """The serving port's listening socket, from the holder (started first if none answers), and the
     lease: keep it open while this agent accepts, close it (or exit) to have the holder bridge. A holder
     bound elsewhere (the config changed host or port) is stopped and replaced."""
@@ -120,7 +118,7 @@ def listening_socket(state_dir: Path, host: str, port: int, *,
         try:
             doc, fds, lease = _lease(path)
         except (OSError, ValueError):
-            _spawn(path, host, port, die_with_agent)
+            _spawn(path, host, port)
             continue
         if not fds:
             lease.close()
@@ -130,7 +128,7 @@ def listening_socket(state_dir: Path, host: str, port: int, *,
             sock.close()
             lease.close()
             stop_holder(state_dir)
-            _spawn(path, host, port, die_with_agent)
+            _spawn(path, host, port)
             continue
         sock.setblocking(False)
         return sock, lease
@@ -162,7 +160,7 @@ def stop_holder(state_dir: Path) -> None:
         _ask(_control_path(state_dir), b"stop", timeout=2.0)
 
 
-def _spawn(path: Path, host: str, port: int, die_with_agent: bool) -> None:
+def _spawn(path: Path, host: str, port: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
@@ -171,7 +169,6 @@ def _spawn(path: Path, host: str, port: int, die_with_agent: bool) -> None:
             [sys.executable, "-m", "agents.portholder", str(path), host, str(port)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             start_new_session=True,  # it outlives the agent, like the runtimes
-            preexec_fn=die_with_parent(signal.SIGKILL) if die_with_agent else None,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                         os.environ.get("PYTHONPATH", "")]))},
         )

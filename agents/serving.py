@@ -15,12 +15,14 @@ disconnects cancels its upstream request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import os
 import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -32,7 +34,6 @@ from agents import portholder, probes
 from agents.errors import PortHolderError
 from agents.gpu_watch import GpuWatcher
 from agents.model_slots import ModelSlots
-from agents.runtimes.base import runtimes_die_with_agent
 from haru.core.errors import ConfigError
 from haru.host.httpguard import BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
 from haru.core.openai_errors import BadBody, answer_status, error_body, model_of
@@ -50,6 +51,9 @@ _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "traile
 
 
 SERVING_DRAIN_S = 60.0  # an agent stopping lets the requests in flight (streams too) finish, this long at most
+# On a 502/503 that says the runtime behind this port is gone (lost, or not answering): what the gateway
+# reads to send the request, which no runtime acted on, once more to a live domain (gateway/proxy.py).
+GONE_HEADER = "X-Haru-Runtime-Gone"
 _DIAGNOSIS_REUSE_S = 0.25  # how long one diagnosis of a failing runtime answers for the next failures
 
 
@@ -65,6 +69,29 @@ def error(status: int, code: str, message: str, *, param: str | None = None,
     """OpenAI's error shape (`haru.core.openai_errors`, the gateway's too)."""
     return web.Response(status=status, body=error_body(status, code, message, param), content_type="application/json",
                         headers=headers)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def bind_refusal(host: str, token: str) -> str:
+    """Why the serving port may not listen on `host` ('' = it may): the gateway's rule, loopback unless a
+    token is set. Without HARU_SERVING_TOKEN anyone who reached the port could send inference requests."""
+    if token or host in LOOPBACK:
+        return ""
+    return (f"the serving port would listen on {host or 'every address'} without HARU_SERVING_TOKEN, so anyone who "
+            f"can reach it could send inference requests: set HARU_SERVING_TOKEN (the same value on the gateway, "
+            f"which sends it), or listen on loopback only: \"serving\": {{\"host\": \"127.0.0.1\"}} in the agent config")
+
+
+def check_serving(config: Any, slots: Any) -> None:
+    """Refuse, before the agent claims its domain or touches a runtime, a serving port that would break
+    the rule (`bind_refusal`); a `serve: direct` domain opens none (its layout said its network is private)."""
+    if not config.serving.enabled or slots.domain.spec.serve == "direct":
+        return
+    refusal = bind_refusal(config.serving.host, os.environ.get("HARU_SERVING_TOKEN", ""))
+    if refusal:
+        raise ConfigError(refusal)
 
 
 class ServingProxy:
@@ -90,6 +117,8 @@ class ServingProxy:
         self._site: web.BaseSite | None = None
         self._session: aiohttp.ClientSession | None = None
         self._lease: socket.socket | None = None  # the connection to the port holder that keeps its bridge off
+        self._inflight: dict[str, int] = {}  # model -> requests being answered (drain)
+        self._idle: asyncio.Event | None = None  # set when a count falls to 0, for `drain`
 
     @property
     def url(self) -> str:
@@ -97,9 +126,9 @@ class ServingProxy:
         return f"http://{host}:{self.port}"
 
     async def start(self) -> None:
-        if not self.token and self.host not in ("127.0.0.1", "localhost", "::1"):
-            self.logger.warning("HARU_SERVING_TOKEN is not set: the serving port takes inference requests from anyone "
-                                "who can reach it", host=self.host, port=self.port)
+        refusal = bind_refusal(self.host, self.token)
+        if refusal:
+            raise ConfigError(refusal)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
         server = GuardedServer(self._handle, limits=self.limits, handler_cancellation=True, access_log=None)
@@ -112,8 +141,7 @@ class ServingProxy:
             # `fd` also stops the holder's bridge; the lease it returns, open while this agent runs, starts
             # it again when this process exits however it exits (SIGKILL too).
             sock, self._lease = await asyncio.to_thread(
-                portholder.listening_socket, self.state_dir, self.host or "127.0.0.1", self.port,
-                die_with_agent=runtimes_die_with_agent())
+                portholder.listening_socket, self.state_dir, self.host or "127.0.0.1", self.port)
             self._site = web.SockSite(self._runner, sock, backlog=portholder.BACKLOG,
                                       shutdown_timeout=SERVING_DRAIN_S)
             await self._site.start()
@@ -187,7 +215,32 @@ class ServingProxy:
                          param="model")
         if m.state_tag != "resident":
             return self._not_serving(m)
-        return await self._forward(request, m, m.runtime.base_url + path, body)
+        inflight = self._inflight
+        inflight[name] = inflight.get(name, 0) + 1
+        try:
+            return await self._forward(request, m, m.runtime.base_url + path, body)
+        finally:
+            inflight[name] -= 1
+            if not inflight[name] and self._idle is not None:
+                self._idle.set()
+
+    def in_flight(self, names: list[str]) -> int:
+        """Requests to `names` being answered now (streams until their last byte)."""
+        return sum(self._inflight.get(n, 0) for n in names)
+
+    async def drain(self, names: list[str], timeout_s: float) -> int:
+        """Wait until no request to `names` is in flight, `timeout_s` at most; return how many still are.
+
+        The old active after a planned flip: its new requests go to the new active already, and the
+        ones it is answering finish before its runtimes are put to sleep (the `sleep` command)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout_s, 0.0)
+        while (left := self.in_flight(names)) and loop.time() < deadline:
+            self._idle = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await self._idle.wait()
+        return self.in_flight(names)
 
     def _not_serving(self, m, reason: str = "", detail: str = "") -> web.Response:
         state = m.state_tag if not reason else "lost"
@@ -198,8 +251,10 @@ class ServingProxy:
         if state == "lost" and reason == "gpu_detached":
             return error(503, "gpu_detached", f"the model `{m.name}` is lost {where}: its GPU "
                          f"{m.spec.gpu_index} was detached by the provider (not the operator's doing); try "
-                         f"another domain" + (f" ({detail})" if detail else ""))
+                         f"another domain" + (f" ({detail})" if detail else ""), headers={GONE_HEADER: "gpu_detached"})
         said = f" ({reason})" if state == "lost" and reason else ""
+        if state == "lost":
+            headers = {GONE_HEADER: reason or "lost"}
         return error(status, code, f"the model `{m.name}` is {state}{said} {where}" + (f": {detail}" if detail else ""),
                      headers=headers)
 
@@ -258,7 +313,8 @@ class ServingProxy:
         translated = await self._diagnose(m, 502)
         if translated is not None:
             return translated
-        return error(502, "upstream_unreachable", f"the runtime at {url} did not answer: {exc}")
+        return error(502, "upstream_unreachable", f"the runtime at {url} did not answer: {exc}",
+                     headers={GONE_HEADER: "unreachable"})
 
     async def _forward_once(self, request: web.BaseRequest, m, url: str, body: bytes, headers: dict,
                             head: list[bool]) -> web.StreamResponse:

@@ -42,10 +42,14 @@ class Ended(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def training_env(base: dict[str, str], spec: TrainingSpec) -> dict[str, str]:
-    """The trainer's environment: `base` plus exactly HARU_CHECKPOINT_DIR and HARU_GPU_INDEX."""
+    """The trainer's environment: `base` plus HARU_CHECKPOINT_DIR and HARU_GPU_INDEX, and
+    CUDA_DEVICE_ORDER=PCI_BUS_ID, without which CUDA numbers GPUs fastest first: HARU_GPU_INDEX is in
+    NVML's order (PCI bus order), so on a mixed-GPU host a trainer pinning
+    CUDA_VISIBLE_DEVICES=$HARU_GPU_INDEX would land on another card (runtimes get the same)."""
     env = dict(base)
     env["HARU_CHECKPOINT_DIR"] = os.path.expanduser(spec.checkpoint_dir)
     env["HARU_GPU_INDEX"] = str(spec.gpu_index)
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     return env
 
 

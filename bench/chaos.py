@@ -73,7 +73,7 @@ async def demo_up(root: Path, layout: Path | None = None):
     share it."""
     home, ready = root / "home", root / "ready.json"
     env = {**os.environ, "HARU_HOME": str(home)}
-    for name in ("HARU_NATS_URL", "HARU_API_TOKEN", "HARU_NO_PDEATHSIG", "HARU_RUNTIMES_DIE_WITH_AGENT"):
+    for name in ("HARU_NATS_URL", "HARU_API_TOKEN", "HARU_NO_PDEATHSIG"):
         env.pop(name, None)  # the real behaviour: no test-only switches
     up = subprocess.Popen(
         [sys.executable, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--port", str(free_port()),

@@ -49,6 +49,7 @@ from haru.core.events import (  # noqa: E402
     StepStarted,
 )
 from haru.core.layout import load_layout  # noqa: E402
+from tests.support.agent_harness import kill_runtimes  # noqa: E402
 from haru.host.natsd import NatsServer  # noqa: E402
 from haru.promoter.service import Promoter  # noqa: E402
 from haru.core.residency import Resident, Sleeping  # noqa: E402
@@ -94,10 +95,9 @@ def start_agent(root: Path, url: str, domain: str, layout: Path) -> subprocess.P
     path = root / f"agent-{domain}.json"
     path.write_text(json.dumps(cfg))
     log = open(root / f"agent-{domain}.log", "ab")
-    # The bench SIGKILLs the active's agent and never restarts it: its runtimes and port holder die with it
-    # (HARU_RUNTIMES_DIE_WITH_AGENT), or they would outlive the bench, holding ports, as they outlive a
-    # restarted agent in production.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HARU_NO_UVLOOP": "1", "HARU_RUNTIMES_DIE_WITH_AGENT": "1"}
+    # The bench SIGKILLs the active's agent and never restarts it: its runtimes and port holder outlive it
+    # (as they outlive a restarted agent in production), so the bench kills them itself (kill_runtimes).
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HARU_NO_UVLOOP": "1"}
     return subprocess.Popen([PY, "-m", "haru.cli", "agent", "--config", str(path), "--log-format", "json"],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO), start_new_session=True)
 
@@ -213,6 +213,7 @@ async def main(args) -> None:
                 os.killpg(agents[active].pid, signal.SIGKILL)
                 agents[active].wait()
                 killed_at = time.time()
+                kill_runtimes(root / "state" / active)  # its runtimes outlive it by design: not in this bench
                 await wait_for(lambda: is_steady_route(log, standby), 30, "failover after heartbeat silence")
                 recs = await log.history(subjects.fleet_events(FLEET), from_seq=start + 1)
                 unreachable = next(r for r in recs if isinstance(r.event, DomainUnreachable))
@@ -245,10 +246,11 @@ async def main(args) -> None:
                 with contextlib.suppress(BaseException):
                     await task
                 await plog.close()
-                for p in agents.values():
+                for domain, p in agents.items():
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
+                    kill_runtimes(root / "state" / domain)
 
 
 async def is_steady_route(log, active: str) -> bool:

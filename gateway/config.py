@@ -12,7 +12,8 @@
                                  30000); then a 408 and the connection is closed
     HARU_CLIENT_MAX_IDLE         connections waiting for a request head at once (default 512); a new
                                  one beyond it closes the one that waited longest (haru/host/httpguard.py)
-    HARU_GATEWAY_HOST / PORT     where to listen (default 0.0.0.0 with a token, 127.0.0.1 without; 8700)
+    HARU_GATEWAY_HOST / PORT     where to listen (default 0.0.0.0 with a token, 127.0.0.1 without; 8700;
+                                 the port falls back to $PORT)
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def from_env(
     if host is None:
         host = env.get("HARU_GATEWAY_HOST") or ("0.0.0.0" if token else LOOPBACK)
     if port is None:
-        port = env_int(env, "HARU_GATEWAY_PORT", DEFAULT_PORT)
+        # PORT is the fallback (Haru's server listened on $PORT): HARU_GATEWAY_PORT wins when both are set.
+        port = env_int(env, "HARU_GATEWAY_PORT", env_int(env, "PORT", DEFAULT_PORT))
     values: dict[str, object] = dict(
         host=host,
         port=port,

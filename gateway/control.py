@@ -7,6 +7,7 @@
     GET  /v1/fleets                             fleets the gateway knows, with active and revision
     GET  /v1/fleets/{fleet}                     the FleetView (as stored in KV haru_views)
     GET  /v1/fleets/{fleet}/route-intent        the last RouteIntent (as published on haru.route.<fleet>)
+    POST /v1/fleets/{fleet}/reconcile           what the continuous promoter has decided (runs nothing)
     POST /v1/fleets/{fleet}/promote             {"domain": "<name>"}  (or Haru's "targetDomainId")
     POST /v1/fleets/{fleet}/demote              {"domain": "<name>"}
     POST /v1/fleets/{fleet}/provision           {"domain": "<name>", "dry_run": false}  (skypilot/skyserve domains)
@@ -41,6 +42,7 @@ from haru.core.authority import misplaced
 from haru.core.errors import HaruError, InvalidName, LogDamaged, LogError, LogUnavailable
 from haru.core.events import payload, tag_of
 from haru.core.openai_errors import TOO_DEEP
+from haru.core.specs import fleet_uuid
 from haru.core.views import view_encoder
 
 log = structlog.get_logger("haru.gateway")
@@ -86,6 +88,14 @@ def check_fleet(fleet: str) -> str:
         raise ApiError(400, "invalid_request", str(exc), param="fleet") from None
 
 
+def _op_summary(op) -> dict | None:
+    if op is None:
+        return None
+    return {"op_id": op.op_id, "kind": op.kind, "target": op.target, "source": op.source, "reason": op.reason,
+            "state": op.state, "error": op.error,
+            "steps": [{"step": s.step, "state": s.state, "detail": s.detail, "error": s.error} for s in op.steps]}
+
+
 class Control:
     """The control API's handlers. `events` is the EventLog (None: only in-memory answers)."""
 
@@ -102,6 +112,15 @@ class Control:
         self.authorized = lambda request: True
 
     # ------------------------------------------------------------------------- read-only
+
+    def fleet_named(self, ident: str) -> str:
+        """The fleet a UUID names ('' when none): the routing table's lookup, one for chat and the API."""
+        return self.table.fleet_named(ident)
+
+    def _fleet(self, ident: str) -> str:
+        if ident in self.table.fleets():
+            return ident
+        return self.fleet_named(ident) or check_fleet(ident)
 
     def control_plane(self) -> tuple[list[str], dict[str, object]]:
         """What is down (in a fixed order: nats, projector, promoter) and what was heard of each.
@@ -160,6 +179,7 @@ class Control:
         now = time.time()
         wanted = request.query.get("fleet")
         if wanted:
+            wanted = self.fleet_named(wanted) or wanted
             routes = self.table.get(wanted)
             if routes is None:
                 raise _refused(fleet_not_found(wanted, self.table.fleets()))
@@ -169,6 +189,7 @@ class Control:
 
     async def models(self, request: web.BaseRequest) -> web.Response:
         fleet = request.headers.get("X-Haru-Fleet") or self.default_fleet
+        fleet = self.fleet_named(fleet) or fleet
         routes = self.table.get(fleet)
         if routes is None:
             raise _refused(fleet_not_found(fleet, self.table.fleets()))
@@ -179,12 +200,13 @@ class Control:
         for f in self.table.fleets():
             r = self.table.get(f)
             if r is not None:
-                data.append({"fleet": f, "active": r.active, "route_revision": r.revision,
+                data.append({"fleet": f, "uuid": r.view.uuid if r.view is not None and r.view.uuid else fleet_uuid(f),
+                             "active": r.active, "route_revision": r.revision,
                              "models": len(r.entries), "operation": r.intent.operation if r.intent else ""})
         return json_response({"object": "list", "data": data})
 
     async def fleet_view(self, request: web.BaseRequest, fleet: str) -> web.Response:
-        check_fleet(fleet)
+        fleet = self._fleet(fleet)
         if self._nats_up():
             try:
                 got = await self.events.get_view(subjects.view_key(fleet))
@@ -200,7 +222,7 @@ class Control:
         return raw_json(view_encoder.encode(routes.view), {"X-Haru-Stale": "true"})
 
     async def route_intent(self, request: web.BaseRequest, fleet: str) -> web.Response:
-        check_fleet(fleet)
+        fleet = self._fleet(fleet)
         if self._nats_up():
             try:
                 got = await self.events.last_intent(fleet)
@@ -219,7 +241,7 @@ class Control:
         return raw_json(view_encoder.encode(routes.intent), {"X-Haru-Stale": "true"})
 
     async def history(self, request: web.BaseRequest, fleet: str) -> web.Response:
-        check_fleet(fleet)
+        fleet = self._fleet(fleet)
         q = request.query
         model, domain = q.get("model", ""), q.get("domain", "")
         raw_limit = q.get("limit", "")
@@ -261,10 +283,39 @@ class Control:
             out.append(item)
         return json_response({"fleet": fleet, "filter": subject_filter, "count": len(out), "events": out})
 
+    async def reconcile(self, request: web.BaseRequest, fleet: str) -> web.Response:
+        """Haru's `POST /v1/fleets/:id/reconcile` ran one reconcile tick. Here the promoter reconciles
+        continuously (heartbeats, auto-failover, every operation step, as they happen), so this runs
+        nothing: it answers with what the promoter has decided, from the view this gateway follows."""
+        fleet = self._fleet(fleet)
+        routes = self.table.get(fleet)
+        if routes is None or routes.view is None:
+            raise _refused(fleet_not_found(fleet, self.table.fleets()))
+        view = routes.view
+        _, detail = self.control_plane()
+        op = view.operation
+        last = view.last_operation
+        return json_response({
+            "fleet": fleet,
+            "uuid": view.uuid or fleet_uuid(fleet),
+            "reconciled_by": "promoter",
+            "note": "the promoter reconciles continuously; this request ran nothing and answers with what it has "
+                    "decided (the view as of view_seq)",
+            "promoter": detail.get("promoter"),
+            "view_seq": view.seq,
+            "active": view.active,
+            "route_revision": view.route_revision,
+            "operation": _op_summary(op),
+            "last_operation": _op_summary(last),
+            "declined": {"why": view.declined, "domain": view.declined_domain,
+                         "at": view.declined_at.isoformat() if view.declined_at else None} if view.declined else None,
+            "ineligible": {d.name: d.ineligible_why for d in view.domains.values() if not d.eligible},
+        })
+
     # ---------------------------------------------------------------------------- writes
 
     async def operation(self, request: web.BaseRequest, fleet: str, kind: str) -> web.Response:
-        check_fleet(fleet)
+        fleet = self._fleet(fleet)
         await continue_if_expected(request)
         raw = await request.read()
         try:

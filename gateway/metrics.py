@@ -6,6 +6,12 @@
     haru_gateway_inflight_streams{fleet}                     responses being streamed right now
     haru_gateway_route_revision{fleet}                       the route revision the gateway routes by
     haru_gateway_route_updates_total{fleet, kind}            views and intents applied
+    haru_gateway_held_total{fleet, outcome}                  requests held through a failover (gateway/hold.py):
+                                                             released | expired | aborted | dropped | full
+    haru_gateway_held_seconds{fleet}                         how long they were held
+    haru_gateway_retried_total{fleet, why}                   requests sent a second time, none of whose
+                                                             response had reached the client: unreachable | runtime_gone
+    haru_gateway_stream_resumes_total{fleet, outcome}        streams cut mid-generation: continued | error_event
 
 `fleet` and `model` are labels only for fleets and models that exist; anything else a client sends
 counts as "(unknown)", so clients cannot grow the label set.
@@ -120,6 +126,31 @@ class GatewayMetrics:
             ["fleet", "kind"],
             registry=self.registry,
         )
+        self.held_requests = Counter(
+            "haru_gateway_held",
+            "Requests held through a failover, by how the hold ended.",
+            ["fleet", "outcome"],
+            registry=self.registry,
+        )
+        self.held_seconds = Histogram(
+            "haru_gateway_held_seconds",
+            "How long requests were held through a failover.",
+            ["fleet"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.retried_requests = Counter(
+            "haru_gateway_retried",
+            "Requests sent a second time because the first domain died before any response byte reached the client.",
+            ["fleet", "why"],
+            registry=self.registry,
+        )
+        self.stream_resumes = Counter(
+            "haru_gateway_stream_resumes",
+            "Streamed completions cut mid-generation: continued on a live domain, or ended with an SSE error event.",
+            ["fleet", "outcome"],
+            registry=self.registry,
+        )
         # Label children resolved once, and the request counts and histogram observations of the hot
         # path kept in plain ints here until the registry is collected (`flush`): prometheus_client
         # takes a lock per increment and loops over the buckets in Python (issue 20).
@@ -164,6 +195,17 @@ class GatewayMetrics:
     def route(self, fleet: str, revision: int, kind: str) -> None:
         self.revision.labels(fleet).set(revision)
         self.updates.labels(fleet, kind).inc()
+
+    def held(self, fleet: str, outcome: str, seconds: float) -> None:
+        self.held_requests.labels(fleet, outcome).inc()
+        if outcome != "full":
+            self.held_seconds.labels(fleet).observe(seconds)
+
+    def retried(self, fleet: str, why: str) -> None:
+        self.retried_requests.labels(fleet, why).inc()
+
+    def resumed(self, fleet: str, outcome: str) -> None:
+        self.stream_resumes.labels(fleet, outcome).inc()
 
     def forget(self, fleet: str) -> None:
         try:

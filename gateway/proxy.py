@@ -17,9 +17,11 @@ stops generating. A response the client did not take whole is never put back in 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from http import HTTPStatus
 
+import msgspec
 import structlog
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -29,6 +31,7 @@ from multidict import CIMultiDict
 
 from gateway.config import GatewayConfig
 from gateway.errors import UpstreamError
+from gateway.hold import Holds, hold_plan
 from gateway.metrics import UNKNOWN_FLEET, UNKNOWN_MODEL, GatewayMetrics
 from gateway.routing import (
     Forward,
@@ -36,6 +39,7 @@ from gateway.routing import (
     RoutingTable,
     model_of,
 )
+from gateway.resume import Resumer
 from gateway.upstream import Connection, Pool
 from haru.host.httpguard import BodyTimeout, BodyTooLarge, read_body
 from haru.core.openai_errors import PAYLOAD_TOO_LARGE, REQUEST_TIMEOUT, UPSTREAM_TIMEOUT, UPSTREAM_UNREACHABLE
@@ -43,6 +47,19 @@ from haru.core.openai_errors import PAYLOAD_TOO_LARGE, REQUEST_TIMEOUT, UPSTREAM
 log = structlog.get_logger("haru.gateway")
 
 CHAT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+_CHAT = "/v1/chat/completions"
+# A serving port (agents/serving.py) marks a 502/503 that says the runtime behind it is gone.
+GONE_HEADER = "x-haru-runtime-gone"
+RETRIED_HEADER = "X-Haru-Retried"
+HELD_HEADER = "X-Haru-Held-Ms"
+
+
+class _Gone(Exception):
+    """The domain's serving port answered 502/503 for a runtime that is gone, before any byte reached
+    the client: the request may go once more to a live domain (control flow inside the proxy)."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        self.refusal = refusal
 
 # Request headers never forwarded: hop-by-hop, framing (set again for the upstream), the
 # client's credentials for Haru (the serving token replaces them) and Haru's own routing header.
@@ -219,6 +236,9 @@ class Proxy:
         self.auth = f"Authorization: Bearer {config.serving_token}\r\n" if config.serving_token else ""
         self.pool: Pool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Failovers the client does not see (gateway/hold.py, gateway/resume.py): off the hot path.
+        self.holds = Holds(table, metrics)
+        self.resumer = Resumer(self)
 
     async def __aenter__(self) -> Proxy:
         self.pool = Pool(max_idle_per_host=self.config.connector_limit)
@@ -235,6 +255,8 @@ class Proxy:
     async def handle(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
         headers = request.headers
         fleet = headers.get("X-Haru-Fleet") or self.default_fleet
+        if self.table.get(fleet) is None:  # not a fleet's name: perhaps its UUID ("slug or UUID")
+            fleet = self.table.fleet_named(fleet) or fleet
         try:
             body = await read_body(request, self.body_timeout, self.max_body)
         except BodyTimeout:
@@ -261,10 +283,53 @@ class Proxy:
             return error_response(model)  # type: ignore[arg-type]
         result = self.table.resolve(fleet, model, time.time())
         if type(result) is not Forward:
+            if result.status == 503:  # type: ignore[union-attr]  # perhaps a failover cures it: hold
+                return await self._held(request, path, body, fleet, model, result)  # type: ignore[arg-type]
             label = model if result.code != "model_not_found" and result.code != "fleet_not_found" else UNKNOWN_MODEL  # type: ignore[union-attr]
             self.metrics.request(self._fleet_label(fleet), label, result.status)  # type: ignore[union-attr]
             return error_response(result)  # type: ignore[arg-type]
         return await self._forward(request, path, body, result)
+
+    # ------------------------------------------------------------------ through a failover
+
+    async def _held(self, request: web.BaseRequest, path: str, body: bytes, fleet: str, model: str,
+                    refusal: Refusal) -> web.StreamResponse:
+        """A 503 a failover under way (or about to start) cures: hold the request for the new active."""
+        plan = hold_plan(self.table.get(fleet), refusal.code, now=time.time())
+        if plan is not None:
+            started = time.monotonic()
+            outcome = await self.holds.hold(fleet, model, len(body), plan, refusal, _any)
+            if type(outcome) is Forward:
+                held_ms = int((time.monotonic() - started) * 1000)
+                return await self._forward(request, path, body, outcome, ((HELD_HEADER, str(held_ms)),))
+            refusal = outcome  # type: ignore[assignment]
+        self.metrics.request(self._fleet_label(fleet), model, refusal.status)
+        return error_response(refusal)
+
+    async def _retry(self, request: web.BaseRequest, path: str, body: bytes, fwd: Forward, why: str,
+                     refusal: Refusal) -> web.StreamResponse:
+        """`fwd`'s domain died before any byte of its response reached the client: send the request
+        once more, to the new active (held until there is one) or, when the hold ends with the route
+        unmoved, to whatever the fleet routes to then."""
+        fleet, model = fwd.fleet, fwd.model
+        plan = hold_plan(self.table.get(fleet), refusal.code, unreachable=True, now=time.time())
+        if plan is None:
+            self.metrics.request(fleet, model, refusal.status)
+            return error_response(refusal)
+
+        def moved(f: Forward) -> bool:
+            return f.domain != fwd.domain or f.revision != fwd.revision
+
+        outcome = await self.holds.hold(fleet, model, len(body), plan, refusal, moved, unreachable=True)
+        if type(outcome) is not Forward:
+            outcome = self.table.resolve(fleet, model, time.time())
+            if type(outcome) is not Forward:
+                self.metrics.request(fleet, model, outcome.status)  # type: ignore[union-attr]
+                return error_response(outcome)  # type: ignore[arg-type]
+        self.metrics.retried(fleet, why)
+        log.info("gateway.retried", fleet=fleet, model=model, first=fwd.domain, then=outcome.domain, why=why)
+        return await self._forward(request, path, body, outcome, ((RETRIED_HEADER, f"{fwd.domain}; {why}"),),
+                                   retry=False)
 
     def _fleet_label(self, fleet: str) -> str:
         """The fleet as a metric label: only fleets that exist, so clients cannot grow the label set."""
@@ -287,7 +352,8 @@ class Proxy:
             lines.append(self.auth)
         return "".join(lines)
 
-    async def _forward(self, request: web.BaseRequest, path: str, body: bytes, fwd: Forward) -> web.StreamResponse:
+    async def _forward(self, request: web.BaseRequest, path: str, body: bytes, fwd: Forward,
+                       extra: tuple[tuple[str, str], ...] = (), retry: bool = True) -> web.StreamResponse:
         fleet, model = fwd.fleet, fwd.model
         ttfb_hist, latency_hist = self.metrics.upstream(fleet, fwd.domain)
         pool = self.pool
@@ -314,23 +380,32 @@ class Proxy:
             )
         except UpstreamError as exc:
             status, code = UPSTREAM_UNREACHABLE
-            self.metrics.request(fleet, model, status)
             log.warning("gateway.upstream_unreachable", fleet=fleet, domain=fwd.domain, model=model, url=fwd.url,
                         error=str(exc))
-            return error_response(
-                Refusal(status, code, f"domain {fwd.domain!r} is unreachable at {fwd.url} for model {model!r}: {exc}",
-                        None, None, fwd.domain)
-            )
+            refusal = Refusal(status, code, f"domain {fwd.domain!r} is unreachable at {fwd.url} for model {model!r}: {exc}",
+                              None, None, fwd.domain)
+            if retry:  # nothing of a response reached the client: once more, to a live domain
+                return await self._retry(request, path, body, fwd, "unreachable", refusal)
+            self.metrics.request(fleet, model, status)
+            return error_response(refusal)
         ttfb_hist.observe(time.perf_counter() - started)
         try:
-            return await self._respond(request, conn, fwd, started, latency_hist)
+            return await self._respond(request, conn, fwd, started, latency_hist, path, body, extra, retry)
+        except _Gone as gone:
+            refusal = gone.refusal
         finally:
             conn.release()  # back to the pool when read whole; otherwise closed, which stops the upstream
+        return await self._retry(request, path, body, fwd, "runtime_gone", refusal)
 
     async def _respond(self, request: web.BaseRequest, conn: Connection, fwd: Forward, started: float,
-                       latency_hist) -> web.StreamResponse:
-        kept, length, sse, defaults = _response_headers(conn.headers)
+                       latency_hist, path: str = "", body: bytes = b"", extra: tuple[tuple[str, str], ...] = (),
+                       retry: bool = False) -> web.StreamResponse:
         status = conn.status
+        if (status == 503 or status == 502) and retry:
+            await self._check_gone(conn, fwd)
+        kept, length, sse, defaults = _response_headers(conn.headers)
+        if extra:
+            kept[:0] = extra
         if length is not None and length <= self.buffer_limit and not sse:
             try:
                 data = await conn.read()
@@ -377,6 +452,10 @@ class Proxy:
         self.metrics.request(fwd.fleet, fwd.model, status)
         try:
             await response.prepare(request)
+            if sse and status == 200 and path == _CHAT:  # a streamed chat completion: it survives a cut
+                if await self.resumer.relay(request, response, conn, fwd, body, path):
+                    latency_hist.observe(time.perf_counter() - started)
+                return response
             if await _pump(request, response, conn, fwd):
                 latency_hist.observe(time.perf_counter() - started)
             return response
@@ -385,6 +464,26 @@ class Proxy:
         finally:
             gauge.dec()
 
+    async def _check_gone(self, conn: Connection, fwd: Forward) -> None:
+        """Raise _Gone when a 502/503 is the serving port saying the runtime is gone (read whole: small)."""
+        reason = ""
+        for key, value in conn.headers:
+            if key.lower() == GONE_HEADER:
+                reason = value
+                break
+        if not reason:
+            return
+        try:
+            data = await conn.read()
+        except UpstreamError:
+            data = b""
+        code = "model_lost"
+        message = f"domain {fwd.domain!r}: the runtime of model {fwd.model!r} is gone ({reason})"
+        with contextlib.suppress(msgspec.DecodeError, TypeError, AttributeError, KeyError):
+            err = msgspec.json.decode(data)["error"]
+            code, message = str(err.get("code") or code), str(err.get("message") or message)
+        raise _Gone(Refusal(conn.status, code, message, None, "model", fwd.domain))
+
     def _broke_off(self, fwd: Forward, exc: BaseException) -> web.Response:
         status, code = UPSTREAM_UNREACHABLE
         self.metrics.request(fwd.fleet, fwd.model, status)
@@ -392,6 +491,10 @@ class Proxy:
             Refusal(status, code, f"domain {fwd.domain!r} broke off its response for model {fwd.model!r}: {exc}",
                     None, None, fwd.domain)
         )
+
+
+def _any(fwd: Forward) -> bool:
+    return True
 
 
 def _response_headers(headers: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], int | None, bool, int]:

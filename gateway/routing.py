@@ -48,6 +48,7 @@ from haru.core.openai_errors import (
 from haru.core.openai_errors import model_of as read_model
 from haru.core.residency import Answer
 from haru.core.sizes import format_gib
+from haru.core.specs import as_uuid, fleet_uuid
 from haru.core.views import FleetView, RouteIntent, Target
 
 # The status table (`ANSWER_STATUS`) and OpenAI's error shape are `haru.core.openai_errors`, shared with
@@ -353,6 +354,18 @@ class RoutingTable:
         if routes is None:
             return fleet_not_found(fleet, list(self._fleets))
         return routes.resolve(model, now)
+
+    def fleet_named(self, ident: str) -> str:
+        """The fleet a path or header names by its UUID (declared in its layout, or derived from its
+        name: `haru.core.specs.fleet_uuid`), as Haru's API took "slug or UUID"; '' when no fleet known
+        here has that UUID. Callers look a name up first (`get`): this runs only for what is no known name."""
+        wanted = as_uuid(ident)
+        if not wanted:
+            return ""
+        for f, r in self._fleets.items():
+            if (r.view is not None and r.view.uuid == wanted) or fleet_uuid(f) == wanted:
+                return f
+        return ""
 
     def get(self, fleet: str) -> FleetRoutes | None:
         return self._fleets.get(fleet)

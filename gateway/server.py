@@ -79,7 +79,7 @@ class Gateway:
         # The web console (/ui) is fed by the follower's changes: one fan-out for every open console.
         self.console = Console(self.table, events)
         if self.follower is not None:
-            self.follower.on_change = self.console.changed
+            self.follower.on_change = self._changed
         self._stack: contextlib.AsyncExitStack | None = None
         self._runner: web.ServerRunner | None = None
         self._server: GuardedServer | None = None
@@ -92,6 +92,11 @@ class Gateway:
             "/v1/models": self.control.models,
             "/v1/fleets": self.control.fleets,
         }
+
+    def _changed(self, fleet: str) -> None:
+        """A fleet's routes changed: held requests look again, open consoles are told."""
+        self.proxy.holds.changed(fleet)
+        self.console.changed(fleet)
 
     @property
     def url(self) -> str:
@@ -203,6 +208,8 @@ class Gateway:
                 return await self._only("GET", method, path) or await self.control.route_intent(request, fleet)
             if rest == "history":
                 return await self._only("GET", method, path) or await self.control.history(request, fleet)
+            if rest == "reconcile":
+                return await self._only("POST", method, path) or await self.control.reconcile(request, fleet)
             if rest in ("promote", "demote", "provision", "teardown", "replace"):
                 kind = {"promote": "promotion", "demote": "demotion"}.get(rest, rest)
                 return await self._only("POST", method, path) or await self.control.operation(request, fleet, kind)

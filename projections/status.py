@@ -153,7 +153,8 @@ def _domain_header(view: FleetView, d: DomainView, now: datetime) -> str:
     elif d.reachable is False:
         parts.append(f"UNREACHABLE for {_secs(d.reachability_since, now)}")
     if not d.eligible:
-        parts.append(f"ineligible: {d.ineligible_why or 'no reason given'}")
+        age = f" for {_secs(d.eligibility_since, now)}" if d.eligibility_since is not None else ""
+        parts.append(f"ineligible{age}: {d.ineligible_why or 'no reason given'}")
     return "  ·  ".join(parts)
 
 
@@ -171,10 +172,20 @@ def _operation(op: OperationView, now: datetime, *, finished: bool) -> str:
             head += f" — {op.error}"
     else:
         head += f", running for {_secs(op.requested_at, now)}"
-    steps = [f"{s.step}{'' if s.attempt == 1 else f'#{s.attempt}'} {s.state}" for s in op.steps]
+    steps = [f"{s.step}{'' if s.attempt == 1 else f'#{s.attempt}'} {s.state}" + (f" ({s.detail})" if s.state == "skipped" else "")
+             for s in op.steps]
     if steps:
         head += "\n    steps: " + ", ".join(steps)
     return head
+
+
+def anomaly_line(view: FleetView, now: datetime) -> str:
+    """The log's anomalies: how many in all, the last with its age, and whether its cause is over."""
+    age = f", {_secs(view.last_anomaly_at, now)} ago" if view.last_anomaly_at is not None else ""
+    if view.anomaly_cleared_at is not None:
+        return (f"anomalies in the log: {view.anomalies} (none open: the last{age}, about {view.anomaly_about}, "
+                f"cleared {_secs(view.anomaly_cleared_at, now)} ago: {view.last_anomaly})")
+    return f"anomalies in the log: {view.anomalies} (last{age}: {view.last_anomaly})"
 
 
 def render(view: FleetView, now: datetime) -> str:
@@ -215,9 +226,10 @@ def render(view: FleetView, now: datetime) -> str:
     if view.last_operation is not None:
         lines.append("last operation: " + _operation(view.last_operation, now, finished=True))
     if view.declined:
-        lines.append(f"failover declined: {view.declined}")
+        age = f" {_secs(view.declined_at, now)} ago" if view.declined_at is not None else ""
+        lines.append(f"failover declined{age}: {view.declined}")
     if view.anomalies:
-        lines.append(f"anomalies in the log: {view.anomalies} (last: {view.last_anomaly})")
+        lines.append(anomaly_line(view, now))
     return "\n".join(lines)
 
 

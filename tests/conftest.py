@@ -6,7 +6,6 @@ Integration tests use `nats_server` (a started `haru.host.natsd.NatsServer`) and
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -14,10 +13,6 @@ from haru.host.natsd import NatsServer
 
 pytest_plugins = ["tests.support.hangdump"]
 
-# Tests written before issue 14 kill agents and expect their runtimes to go with them: agents started
-# by the suite (directly, through `haru up`, or a gateway fixture) inherit this. The tests of runtimes
-# that outlive their agent (tests/integration/test_agent_restart.py) start agents without it.
-os.environ.setdefault("HARU_RUNTIMES_DIE_WITH_AGENT", "1")
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import aiohttp
 import msgspec
 
 from agents.errors import OutOfMemory, ProbeUnanswered, RuntimeRefused, RuntimeUnreachable
-from haru.host.children import die_with_parent, start_time
+from haru.host.children import start_time
 from haru.host.natsd import free_port
 from haru.core.launch import ArgConflict, Launch
 from haru.core.launch import launch as plan_launch
@@ -66,16 +66,6 @@ class Runtime(Protocol):
     async def probe_completion(self, timeout_s: float) -> int: ...
     def output_tail(self, limit: int = 2000) -> str: ...
     async def close(self) -> None: ...
-
-
-RUNTIMES_DIE_ENV = "HARU_RUNTIMES_DIE_WITH_AGENT"
-
-
-def runtimes_die_with_agent() -> bool:
-    """Tests written before issue 14 only: `HARU_RUNTIMES_DIE_WITH_AGENT=1` gives runtimes SIGKILL when
-    their agent dies, and makes the agent's SIGTERM unload them (as SIGINT does), so a test that kills
-    an agent leaves nothing behind. Never in production: it brings back the outage issue 14 removed."""
-    return os.environ.get(RUNTIMES_DIE_ENV, "") == "1"
 
 
 def killpg(pgid: int, sig: int) -> bool:
@@ -320,7 +310,6 @@ class ProcessRuntime(HttpRuntime):
                     # Its own session, and no parent-death signal: it outlives the agent (a restart, an
                     # upgrade, a crash) and the next agent adopts it from its identity file.
                     start_new_session=True,
-                    preexec_fn=die_with_parent(signal.SIGKILL) if runtimes_die_with_agent() else None,
                 )
             except OSError as exc:
                 raise RuntimeUnreachable(f"{self.spec.name}: cannot start {argv[0]!r}: {exc}") from exc

@@ -116,6 +116,18 @@ class SimGpuState:
             raw["allocations"] = _live(raw["allocations"])
             self._store(raw)
 
+    def set_signs(self, *, xid: int | None = None, ecc_uncorrected: int | None = None,
+                  pages_pending: bool | None = None) -> None:
+        """Signs that the GPU is about to go, as NVML reports them (agents/signals.py reads them):
+        the last critical XID, uncorrected ECC errors, retired pages pending. None leaves one as it is."""
+        with self._locked():
+            raw = self._require()
+            for key, value in (("xid", xid), ("ecc_uncorrected", ecc_uncorrected), ("pages_pending", pages_pending)):
+                if value is not None:
+                    raw[key] = value
+            raw["allocations"] = _live(raw["allocations"])
+            self._store(raw)
+
     def read(self) -> dict:
         """The GPU as it is now: the file's fields, live allocations only, plus used and free bytes.
 
@@ -135,6 +147,9 @@ class SimGpuState:
             "memory_used_bytes": used,
             "memory_free_bytes": max(total - used, 0),
             "allocations": allocations,
+            "xid": int(raw.get("xid", 0)),
+            "ecc_uncorrected": int(raw.get("ecc_uncorrected", 0)),
+            "pages_pending": bool(raw.get("pages_pending", False)),
         }
 
     # ------------------------------------------------------------------------------------ private

@@ -174,6 +174,53 @@ def _tokens(domain: str, model: str, max_tokens: int | None, ignore_eos: bool) -
     return words, "stop"
 
 
+# ------------------------------------------------------------------------- continuing a message
+# Both ways a runtime is asked to continue an assistant message (the gateway's continued streams,
+# gateway/resume.py): vLLM's `continue_final_message: true` with `add_generation_prompt: false`, and
+# llama-server's assistant prefill (a final assistant message is continued as it is), which the
+# simulator follows when HARU_SIM_PREFILL=1. Without either, a final assistant message is history and
+# the reply starts afresh, as real vLLM's does.
+
+
+def _continued_prefix(body: dict) -> str | None | web.Response:
+    """The assistant text to continue (None: a fresh reply), or vLLM's 400 for a request it refuses."""
+    messages = body["messages"]
+    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    final_assistant = last.get("role") == "assistant"
+    if body.get("continue_final_message"):
+        if body.get("add_generation_prompt", True):
+            return error(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                         "BadRequestError")
+        if not final_assistant:
+            return error(400, "`continue_final_message` needs the last message to be an assistant message",
+                         "BadRequestError", "messages")
+        return str(last.get("content") or "")
+    if final_assistant and os.environ.get("HARU_SIM_PREFILL") == "1":
+        return str(last.get("content") or "")
+    return None
+
+
+def _continuation(domain: str, model: str, prefix: str, max_tokens: int | None,
+                  ignore_eos: bool) -> tuple[list[str], str]:
+    """The rest of the reply after `prefix`: the reply's tokens (`_tokens`, whichever domain began it)
+    that the prefix does not hold yet."""
+    whole, finish = _tokens(domain, model, None if not ignore_eos else (max_tokens or 0) + 4096, ignore_eos)
+    rest = prefix
+    done = 0
+    for i, token in enumerate(whole):
+        if i == 0 and rest.startswith("[domain ") and "]" in rest:
+            rest = rest[rest.index("]") + 1:]  # the first token names the domain that began the reply
+        elif rest.startswith(token):
+            rest = rest[len(token):]
+        else:
+            break
+        done += 1
+    tokens = whole[done:]
+    if max_tokens is not None and max_tokens < len(tokens):
+        return tokens[:max_tokens], "length"
+    return tokens, finish if not ignore_eos else "length"
+
+
 def _prompt_tokens(body: dict) -> int:
     if "messages" in body:
         text = " ".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
@@ -230,7 +277,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         return error(400, "`max_tokens` must be a positive integer", "BadRequestError", "max_tokens")
-    tokens, finish = _tokens(engine.config.domain, model, max_tokens, bool(body.get("ignore_eos")))
+    prefix = _continued_prefix(body) if chat else None
+    if isinstance(prefix, web.Response):
+        return prefix
+    if prefix is None:
+        tokens, finish = _tokens(engine.config.domain, model, max_tokens, bool(body.get("ignore_eos")))
+    else:
+        tokens, finish = _continuation(engine.config.domain, model, prefix, max_tokens, bool(body.get("ignore_eos")))
     prompt_tokens = _prompt_tokens(body)
     usage = {
         "prompt_tokens": prompt_tokens,

@@ -194,7 +194,10 @@ function renderBanner(snap, view) {
   else if (intent.active && intent.active.degraded) {
     text = "Active domain " + intent.active.domain + " is degraded" + (intent.active.degraded_since ? " for " + ago(intent.active.degraded_since) : "") + ": " + (intent.active.why || "");
   }
-  if (view.declined) { text = (text ? text + " — " : "") + "Failover declined: " + view.declined; bad = true; }
+  if (view.declined) {
+    text = (text ? text + " — " : "") + "Failover declined" + (view.declined_at ? " " + ago(view.declined_at) + " ago" : "") + ": " + view.declined;
+    bad = true;
+  }
   b.hidden = !text;
   b.className = "banner" + (bad ? " bad" : "");
   b.textContent = text;
@@ -270,7 +273,8 @@ function renderDomain(snap, view, d) {
   const target = active ? intent.active : intent.standby;
   const badges = [h("span", { class: "badge " + (active ? "active" : "standby") }, active ? "active" : "standby")];
   if (d.reachable === false) badges.push(h("span", { class: "badge bad" }, "unreachable"));
-  if (!d.eligible) badges.push(h("span", { class: "badge warn", title: d.ineligible_why || "" }, "ineligible"));
+  if (!d.eligible) badges.push(h("span", { class: "badge warn", title: d.ineligible_why || "" },
+    "ineligible" + (d.eligibility_since ? " for " + ago(d.eligibility_since) : "")));
   if (target && target.degraded) badges.push(h("span", { class: "badge warn", title: target.why || "" }, "degraded"));
   const buttons = [];
   if (!active) {
@@ -324,7 +328,8 @@ function renderOperation(view) {
     h("div", { class: "step " + s.state, dataset: { testid: "step-" + s.step, state: s.state } },
       h("b", {}, s.step.replace(/_/g, " ")),
       s.state === "pending" ? "waiting" : s.state === "started" ? "running" + (s.attempt > 1 ? " (attempt " + s.attempt + ")" : "")
-        : s.state + " · " + ms(s.took_ms), s.error ? h("div", { class: "error", title: s.error }, s.error) : null)));
+        : s.state + " · " + ms(s.took_ms), s.error ? h("div", { class: "error", title: s.error }, s.error)
+        : s.state === "skipped" && s.detail ? h("div", { class: "muted", title: s.detail }, s.detail) : null)));
   fill(box, head, steps, op.error ? h("p", { class: "error" }, "aborted: " + op.error.replace(/^(\w+): \1: /, "$1: ") + " (routing did not move)") : null);
 }
 
@@ -353,7 +358,7 @@ function renderPastOp(op) {
     h("table", {}, h("thead", {}, h("tr", {}, h("th", {}, "step"), h("th", {}, "outcome"), h("th", {}, "wall"), h("th", {}, "agents"))),
       h("tbody", {}, op.steps.map((s) => h("tr", {},
         h("td", {}, s.step + (s.attempt > 1 ? " #" + s.attempt : "")),
-        h("td", { class: s.state === "failed" ? "error" : "" }, s.state + (s.error ? ": " + s.error : "")),
+        h("td", { class: s.state === "failed" ? "error" : "" }, s.state + (s.error ? ": " + s.error : "") + (s.state === "skipped" && s.detail ? ": " + s.detail : "")),
         h("td", { class: "mono" }, ms(s.duration_ms)), h("td", { class: "mono" }, ms(s.took_ms)))))));
 }
 

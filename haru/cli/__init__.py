@@ -52,6 +52,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = args.handler
+    fleet = getattr(args, "fleet", None)
+    if isinstance(fleet, str) and hasattr(args, "nats_url"):
+        from haru.core.specs import as_uuid
+
+        if as_uuid(fleet):  # Haru's API took "slug or UUID": so does every --fleet
+            from haru.cli.common import fleet_by_uuid
+
+            try:
+                name = _run_async(fleet_by_uuid(args.nats_url, getattr(args, "nats_creds", None), fleet))
+            except LogUnavailable as exc:
+                return int(fail(str(exc), ExitStatus.UNAVAILABLE))
+            if not name:
+                return int(fail(f"no fleet has UUID {fleet} (GET /v1/fleets on the gateway lists each fleet's UUID)",
+                                ExitStatus.NOT_FOUND))
+            args.fleet = name
     try:
         if inspect.iscoroutinefunction(handler):
             status = _run_async(handler(args))

@@ -1,10 +1,11 @@
-"""`haru agent --config host.json`: run this host's agent (one per domain) until SIGTERM/SIGINT.
+"""`haru agent [--config host.json | --config '{…}']`: run this host's agent (one per domain) until SIGTERM/SIGINT.
 
 SIGTERM (a restart, an upgrade: what `systemctl restart` sends) stops the agent and leaves every
 runtime serving for the next agent to adopt; SIGINT (Ctrl-C, `haru up` stopping) unloads them first.
 
 Exit statuses: 0 after a clean stop; CONFLICT (4) when another agent already runs the domain;
-UNAVAILABLE (6) when NATS cannot be reached; ERROR (1) for a config that cannot be used.
+UNAVAILABLE (6) when NATS cannot be reached; USAGE (2) for no config or a config path that does not
+exist; ERROR (1) for a config that cannot be used.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ def register(subparsers) -> None:
         help="run the per-host agent: supervise runtimes and training, report residency, serve the domain",
         description="Run the Haru agent for one domain (one GPU host). See docs/agent.md for the config format.",
     )
-    p.add_argument("--config", required=True, help="the agent config JSON (fleet, domain, NATS, GPUs, serving port)")
+    p.add_argument("--config", default=None,
+                   help="the agent config (fleet, domain, NATS, GPUs, serving port): a JSON file, or inline JSON "
+                   "(env HARU_AGENT_CONFIG, else HARU_SUPERVISOR_CONFIG)")
     add_log_options(p)
     p.add_argument("--dry-run", action="store_true",
                    help="print what this host would run (source, role, admitted models and training slots) and exit")
@@ -41,9 +44,19 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     from haru.core.errors import ConfigError, LayoutError, LogUnavailable
     from haru.host.metrics import maybe_serve, metrics_address
 
+    import os
+
+    from agents.config import config_from_env, is_inline
+
     configure_logging(args.log_format, args.log_level)
+    source = args.config or config_from_env()
+    if not source:
+        return fail("no agent config: pass --config FILE (or inline JSON), or set HARU_AGENT_CONFIG", ExitStatus.USAGE)
+    if not is_inline(source) and not os.path.exists(source):
+        return fail(f"the agent config {source!r} does not exist: pass --config FILE (or inline JSON), or set "
+                    f"HARU_AGENT_CONFIG", ExitStatus.USAGE)
     try:
-        config = load_config(args.config)
+        config = load_config(source)
     except ConfigError as exc:
         return fail(str(exc))
     if args.dry_run:

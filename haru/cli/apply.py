@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING
 from datetime import datetime, timezone
 
-from haru.core.apply import ApplyResult, apply, change_paths, describe, waits_on_active
+from haru.core.apply import ApplyResult, apply, change_paths, describe, running_at_risk, waits_on_active
 from haru.cli.common import ExitStatus, add_nats_options, emit_json, fail, nats_servers
 from haru.core.errors import Conflict, LayoutError, LogError, LogUnavailable
 from haru.core.events import payload, tag_of
@@ -38,7 +38,9 @@ def register(subparsers) -> None:
         ),
     )
     p.add_argument("-f", "--file", required=True, metavar="LAYOUT.json", help="the layout file")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and the differences without writing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan, the differences and every running model a change would stop or unload, "
+                   "without writing; with NATS unreachable, validate and plan only (exit 0 when valid)")
     p.add_argument("--no-roll", action="store_true",
                    help="record the changes only: a change on the active domain waits until it is the standby "
                    "(request the rolling change later with `haru roll`)")
@@ -101,19 +103,56 @@ def _writer() -> str:
     return f"cli:{user}@{socket.gethostname()}"
 
 
+async def _view(log, fleet: str):
+    """The fleet's projected view (what runs now), or None when no projector wrote one."""
+    from haru.core.views import view_decoder
+
+    got = await log.get_view(f"fleet.{fleet}")
+    return view_decoder.decode(got[0]) if got is not None else None
+
+
+def _offline_plan(args: argparse.Namespace, layout, why: str) -> ExitStatus:
+    """`--dry-run` without the log: the layout is valid and its plan needs nothing else."""
+    the_plan = plan_layout(layout)
+    note = (f"dry run without the running state: {why}; the layout is valid and the plan above is what "
+            f"`haru apply` would record, but the differences from what is declared and the running models a "
+            f"change would stop or unload were not read")
+    if args.json:
+        doc = {"fleet": layout.fleet, "dry_run": True, "running_state_read": False, "note": note,
+               "admitted": [{"domain": v.domain, "kind": v.kind, "name": v.name, "gpu_index": v.gpu_index,
+                             "vram_bytes": v.vram_bytes} for v in the_plan.verdicts() if v.admitted],
+               "not_admitted": [{"domain": v.domain, "kind": v.kind, "name": v.name, "gpu_index": v.gpu_index,
+                                 "vram_bytes": v.vram_bytes, "short_by_bytes": v.short_by_bytes}
+                                for v in the_plan.verdicts() if not v.admitted]}
+        emit_json(doc)
+        return ExitStatus.OK
+    for line in plan_lines(the_plan):
+        print(line)
+    print(note)
+    return ExitStatus.OK
+
+
 async def run(args: argparse.Namespace) -> ExitStatus:
+    import os
+
     from haru.log.eventlog import EventLog
 
+    if not os.path.exists(args.file):
+        return fail(f"{args.file}: no such file: pass the path of a layout JSON file, e.g. "
+                    f"deploy/examples/demo-fleet.json", ExitStatus.USAGE)
     try:
         layout = load_layout(args.file)
     except LayoutError as exc:
         return fail(f"{args.file}: {exc}")
     now = datetime.now(timezone.utc)
+    at_risk: list[str] = []
     try:
         async with EventLog.connect(nats_servers(args.nats_url), writer="cli:apply", creds=args.nats_creds) as log:
             await log.ensure()
+            view = await _view(log, layout.fleet)
             result = await apply(log, layout, now, dry_run=args.dry_run, by=_writer())
             active = await _active_domain(log, layout)
+            at_risk = running_at_risk(result.events, view, active)
             rolling = None
             waiting = waits_on_active(result.events, active)
             if waiting and not args.dry_run and not args.no_roll and len(layout.domains) > 1:
@@ -128,29 +167,30 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     except Conflict as exc:
         return fail(f"{exc}; another apply kept winning the race, run it again", ExitStatus.CONFLICT)
     except LogUnavailable as exc:
-        if args.dry_run and not args.json:
-            # The layout is valid and the plan needs no log: show it, then say what could not be compared.
-            for line in plan_lines(plan_layout(layout)):
-                print(line)
-            return fail(f"{exc} (the plan above is valid; the differences need the log)", ExitStatus.UNAVAILABLE)
+        if args.dry_run:
+            # The layout is valid and the plan needs no log: show it, and say what was not read.
+            return _offline_plan(args, layout, str(exc))
         return fail(str(exc), ExitStatus.UNAVAILABLE)
     except LogError as exc:
         return fail(str(exc))
     if args.json:
         doc = _result_json(result)
+        doc["running_state_read"] = True
+        doc["running_at_risk"] = at_risk
         if result.dry_run:
             doc["paths"] = change_paths(result.events, active)
         if rolling is not None:
             doc["rolling"] = {"status": rolling.status, "op_id": rolling.op_id, "message": rolling.message}
         emit_json(doc)
         return ExitStatus.OK
-    _print_result(result, active, rolling, waiting)
+    _print_result(result, active, rolling, waiting, at_risk)
     return ExitStatus.OK
 
 
-def _print_result(result: ApplyResult, active: str, rolling: RequestResult | None, waiting: list[str]) -> None:
+def _print_result(result: ApplyResult, active: str, rolling: RequestResult | None, waiting: list[str],
+                  at_risk: list[str]) -> None:
     """What `haru apply` did (or would do), for a person: the plan, the events, how each change reaches
-    the agents, the rolling change, what was not admitted."""
+    the agents, the running models it stops or unloads, the rolling change, what was not admitted."""
     out = sys.stdout
     subject = decl(result.fleet)
     for line in plan_lines(result.plan):
@@ -171,6 +211,13 @@ def _print_result(result: ApplyResult, active: str, rolling: RequestResult | Non
                       f"layout file of their own pick changes up when restarted):", file=out)
                 for line in paths:
                     print("  " + line, file=out)
+    if at_risk:
+        verb = "would stop or unload" if result.dry_run else "stops or unloads"
+        print(f"running models this change {verb} ({len(at_risk)}):", file=out)
+        for line in at_risk:
+            print("  " + line, file=out)
+    elif result.events:
+        print("no running model is stopped or unloaded by this change", file=out)
     if rolling is not None:
         if rolling.status in ("accepted", "joined"):
             verb = "requested" if rolling.status == "accepted" else "already in flight, joined"

@@ -150,3 +150,22 @@ class LinkReporter:
             self.since = None
             print(f"haru: control plane reachable again at {now:%Y-%m-%dT%H:%M:%SZ} (away {away:.1f} s)",
                   file=sys.stderr, flush=True)
+
+
+async def fleet_by_uuid(nats_url: str, creds: str | None, wanted: str) -> str:
+    """The name of the fleet whose UUID is `wanted` (its view's, declared or derived from its name), ''
+    when no stored view has it. Raises LogUnavailable when NATS cannot be reached."""
+    from haru.core.specs import as_uuid, fleet_uuid
+    from haru.core.views import view_decoder
+    from haru.log.eventlog import EventLog
+
+    wanted = as_uuid(wanted)
+    async with EventLog.connect(nats_servers(nats_url), writer="cli:fleet-uuid", creds=creds) as log:
+        for key, raw in (await log.views()).items():
+            try:
+                view = view_decoder.decode(raw)
+            except msgspec.DecodeError:
+                continue
+            if (view.uuid or fleet_uuid(view.fleet)) == wanted:
+                return view.fleet
+    return ""

@@ -27,8 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--replicas",
         type=int,
-        default=int(os.environ.get("HARU_REPLICAS", "1")),
-        help="replicas for the streams and bucket if this projector creates them (env HARU_REPLICAS; default %(default)s)",
+        default=int(os.environ["HARU_REPLICAS"]) if os.environ.get("HARU_REPLICAS", "").strip() else None,
+        help="replicas for the streams and bucket if this projector creates them (env HARU_REPLICAS; default: 3 "
+             "on a cluster of three or more servers, else 1)",
     )
     p.add_argument(
         "--from-checkpoint", action="store_true",

@@ -199,7 +199,7 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
     from haru.cli.common import LinkReporter
 
     url = ", ".join(log.server_urls()) or "NATS"
-    log.on_link_change(LinkReporter(url, f"operation {op_id}'s progress"))
+    forget = log.on_link_change(LinkReporter(url, f"operation {op_id}'s progress"))
     follower = asyncio.create_task(log.follow(on_record, subject_filter=subjects.op(fleet), from_seq=from_seq,
                                               name="promote-wait"))
     try:
@@ -211,6 +211,7 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
             follower.result()
         return fail(f"operation {op_id} did not finish within {timeout:.0f}s; it goes on: haru promote --wait again", ExitStatus.ERROR)
     finally:
+        forget()  # before the connection closes: a clean exit is not the control plane going away
         await cancel_and_wait(follower)
 
 
@@ -244,6 +245,8 @@ async def run_op(args: argparse.Namespace) -> ExitStatus:
                 print(f"  {st.step:<18} started (attempt {st.attempt})")
             elif st.state == "completed":
                 print(f"  {st.step:<18} ok      {st.took_ms or 0:>6} ms  {st.detail}")
+            elif st.state == "skipped":
+                print(f"  {st.step:<18} skipped {st.took_ms or 0:>6} ms  {st.detail}")
             else:
                 print(f"  {st.step:<18} FAILED  {st.took_ms or 0:>6} ms  {st.error_code}: {st.error}")
         if op.state == "aborted":

@@ -58,16 +58,20 @@ async def run(args: argparse.Namespace) -> ExitStatus:
                     )
                 _print(w.current, args.json)
                 return ExitStatus.OK
-            if w.log is not None:
-                w.log.on_link_change(LinkReporter(args.nats_url, "the route shown"))
-            if w.current is None and not args.json:
-                print(f"(no route intent for fleet {args.fleet!r} yet; waiting)", file=sys.stderr)
-            first = True
-            async for ri in w:
-                if not first and not args.json:
-                    print()
-                first = False
-                _print(ri, args.json)
+            # The listener goes before the connection does: closing it is not the control plane going away.
+            forget = w.log.on_link_change(LinkReporter(args.nats_url, "the route shown")) if w.log is not None else None
+            try:
+                if w.current is None and not args.json:
+                    print(f"(no route intent for fleet {args.fleet!r} yet; waiting)", file=sys.stderr)
+                first = True
+                async for ri in w:
+                    if not first and not args.json:
+                        print()
+                    first = False
+                    _print(ri, args.json)
+            finally:
+                if forget is not None:
+                    forget()
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
     except HaruError as exc:

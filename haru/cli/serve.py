@@ -17,6 +17,16 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", default=[], metavar="NAME=[gguf:|safetensors:]PATH_OR_REF:GiB[@CTX]",
                    help="a model to serve (repeat it): its id, a path or a reference (qwen3:0.6b, "
                         "hf:ORG/REPO[:QUANT]) pulled first, the VRAM to book and the context length")
+    # hearth's spelling of one model: `--model NAME --gguf PATH` (or --safetensors DIR), --binary, --vram.
+    p.add_argument("--gguf", default="", metavar="PATH", help="hearth's spelling: --model NAME --gguf PATH")
+    p.add_argument("--safetensors", default="", metavar="DIR", help="hearth's spelling: --model NAME --safetensors DIR")
+    p.add_argument("--vram", default="", metavar="GiB",
+                   help="with --gguf/--safetensors: the VRAM to book (default: the weights on disk + 25%%)")
+    p.add_argument("--binary", default="", metavar="PATH",
+                   help="the runtime binary (llama-server for GGUF, vllm for safetensors) instead of the managed one")
+    p.add_argument("--fleet-conf", default=None, metavar="FILE",
+                   help="hearth's fleet.conf: one `model NAME=[gguf:|safetensors:]PATH:GiB[@CTX]` line per model "
+                        "(default $HARU_HOME/fleet.conf when no --model is given and it exists)")
     p.add_argument("--gpu-memory", default=None, metavar="GiB",
                    help="plan against a simulated GPU of this size (runtimes on the CPU); default: NVML's GPU 0")
     p.add_argument("--reserve", default="1", metavar="GiB", help="VRAM never planned into (default %(default)s GiB)")
@@ -57,11 +67,16 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
     from haru.up.compose import UpOptions, haru_home
 
     configure_logging(args.log_format, args.log_level)
-    if not args.model:
-        return fail("no --model given; write e.g. haru serve --model chat=qwen3:0.6b:2@8192", ExitStatus.USAGE)
     home = haru_home(args.home)
     try:
-        flags = [parse_model_flag(m) for m in args.model]
+        models = model_values(args, home)
+    except ServeError as exc:
+        return fail(str(exc), ExitStatus.USAGE)
+    if not models:
+        return fail("no --model given; write e.g. haru serve --model chat=qwen3:0.6b:2@8192 (or hearth's --model NAME "
+                    "--gguf PATH, or a fleet.conf: --fleet-conf FILE)", ExitStatus.USAGE)
+    try:
+        flags = [parse_model_flag(m) for m in models]
         gpus = "sim" if args.gpu_memory else "nvml"
         memory = _size(args.gpu_memory, "--gpu-memory") if args.gpu_memory else gpu_memory_from_nvml()
         reserve = _size(args.reserve, "--reserve")
@@ -70,8 +85,10 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
         return fail(str(exc), ExitStatus.USAGE)
     except ModelsError as exc:
         return fail(str(exc), status_of(exc))
-    binary = ""
-    if any(p.runtime == "llama_server" for p in prepared):
+    binary = args.binary
+    if args.binary and not Path(args.binary).exists():
+        return fail(f"--binary {args.binary} does not exist; give the runtime's executable", ExitStatus.USAGE)
+    if not binary and any(p.runtime == "llama_server" for p in prepared):
         from agents.errors import RuntimeBuildFailed
         from agents.runtimes.llama_build import find_binary
 
@@ -85,7 +102,7 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
         binary = str(found)
     layout = fleet_layout(prepared, fleet=args.fleet_name, gpu_memory=memory, reserve=reserve,
                           serving_url=f"http://127.0.0.1:{free_port()}", llama_binary=binary,
-                          runtime_args=split_args(args.runtime_args))
+                          vllm_binary=args.binary, runtime_args=split_args(args.runtime_args))
     plan = plan_layout(layout)
     for line in plan_lines(plan):
         _say(line)
@@ -108,6 +125,33 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
     from haru.cli.up import run_up
 
     return await run_up(opts)
+
+
+def model_values(args: argparse.Namespace, home: Path) -> list[str]:
+    """Every `--model` value in Haru's syntax, from any of the spellings a user brings: Haru's own
+    (`--model NAME=…:GiB`), hearth's `--model NAME --gguf PATH` / `--safetensors DIR`, and hearth's
+    fleet.conf (`--fleet-conf FILE`, else $HARU_HOME/fleet.conf when no model is given)."""
+    from haru.up.serve import ServeError, hearth_model_flag, parse_fleet_conf
+
+    values = list(args.model)
+    if args.gguf or args.safetensors:
+        bare = [m for m in values if "=" not in m]
+        if len(bare) != 1:
+            raise ServeError("--gguf/--safetensors name one model: write --model NAME --gguf PATH (one NAME without '=')")
+        values[values.index(bare[0])] = hearth_model_flag(bare[0], gguf=args.gguf, safetensors=args.safetensors,
+                                                         vram=args.vram)
+    elif args.vram:
+        raise ServeError("--vram goes with --model NAME --gguf PATH (or --safetensors DIR)")
+    conf = Path(args.fleet_conf) if args.fleet_conf else None
+    if conf is None and not values and (home / "fleet.conf").is_file():
+        conf = home / "fleet.conf"
+    if conf is not None:
+        try:
+            text = conf.read_text()
+        except OSError as exc:
+            raise ServeError(f"cannot read {conf}: {exc.strerror}; give the path of a fleet.conf") from None
+        values += parse_fleet_conf(text, origin=str(conf))
+    return values
 
 
 def _say(line: str) -> None:

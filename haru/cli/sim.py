@@ -4,6 +4,8 @@
     haru sim add-gpu <domain> [--gpu N] [--memory 24GiB] [--name NAME]
     haru sim detach-gpu <domain> [--gpu N]          the provider takes the GPU away
     haru sim attach-gpu <domain> [--gpu N]          ... and gives it back
+    haru sim xid <domain> <xid> [--gpu N]           NVML reports a critical XID (0 clears it)
+    haru sim ecc <domain> [--double-bit N] [--pending] [--clear] [--gpu N]   ECC faults as NVML reports them
     haru sim kill-runtime <domain> <model>          SIGKILL the runtime process
     haru sim evict <domain> <model>                 the engine drops the model, the process stays
     haru sim hang <domain> <model>                  the runtime stops answering
@@ -76,6 +78,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         common(p)
         p.set_defaults(handler=run_presence, present=present)
 
+    xid = sub.add_parser("xid", help="NVML reports a critical XID on a simulated GPU (0 clears it)")
+    xid.add_argument("domain")
+    xid.add_argument("xid", type=int)
+    xid.add_argument("--gpu", type=int, default=0)
+    common(xid)
+    xid.set_defaults(handler=run_signs)
+    ecc = sub.add_parser("ecc", help="NVML reports ECC faults on a simulated GPU")
+    ecc.add_argument("domain")
+    ecc.add_argument("--double-bit", type=int, default=None, help="uncorrected (double-bit) volatile ECC errors")
+    ecc.add_argument("--pending", action="store_true", help="retired pages pending (the GPU needs a reset)")
+    ecc.add_argument("--clear", action="store_true", help="no ECC faults")
+    ecc.add_argument("--gpu", type=int, default=0)
+    common(ecc)
+    ecc.set_defaults(handler=run_signs, xid=None)
+
     kill = sub.add_parser("kill-runtime", help="SIGKILL a simulated runtime")
     kill.add_argument("domain")
     kill.add_argument("model")
@@ -119,6 +136,26 @@ def run_presence(args: argparse.Namespace) -> ExitStatus:
                     ExitStatus.NOT_FOUND)
     gpu.set_present(args.present)
     print(f"sim GPU {args.gpu} of domain {args.domain} {'attached' if args.present else 'detached'}")
+    return ExitStatus.OK
+
+
+def run_signs(args: argparse.Namespace) -> ExitStatus:
+    gpu = SimGpuState(_host_dir(args, args.domain), args.gpu)
+    if not gpu.exists():
+        return fail(f"domain {args.domain!r} has no simulated GPU {args.gpu} ({gpu.path}); check the domain and --gpu",
+                    ExitStatus.NOT_FOUND)
+    if args.xid is not None:
+        gpu.set_signs(xid=args.xid)
+        print(f"sim GPU {args.gpu} of domain {args.domain}: critical XID {args.xid}" if args.xid
+              else f"sim GPU {args.gpu} of domain {args.domain}: XID cleared")
+        return ExitStatus.OK
+    if getattr(args, "clear", False):
+        gpu.set_signs(ecc_uncorrected=0, pages_pending=False)
+    else:
+        gpu.set_signs(ecc_uncorrected=args.double_bit, pages_pending=True if args.pending else None)
+    state = gpu.read()
+    print(f"sim GPU {args.gpu} of domain {args.domain}: {state['ecc_uncorrected']} uncorrected ECC errors, "
+          f"pages pending retirement: {'yes' if state['pages_pending'] else 'no'}")
     return ExitStatus.OK
 
 

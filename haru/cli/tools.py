@@ -61,6 +61,9 @@ def run_convert(args: argparse.Namespace) -> ExitStatus:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    if not Path(args.source).exists():  # a path that does not exist is a usage error (README's table)
+        return fail(f"{args.source} does not exist; give a model directory (config.json + *.safetensors) or a "
+                    f".safetensors file beside its config.json", ExitStatus.USAGE)
     try:
         out = convert(Path(args.source), outtype=args.outtype, quant=args.quant,
                       output=Path(args.output) if args.output else None, home=args.home, say=say)

@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 async def run(args: argparse.Namespace) -> ExitStatus | int:
     from haru.up.compose import DEMO_LAYOUT, REAL_DEMO_LAYOUT, UpOptions, haru_home
 
-    if args.model:
+    if args.model or args.fleet_conf:
         if args.demo or args.nats_url or args.layout:
             return fail("--model runs a fleet of its own: it goes without --demo, --nats-url and --layout")
         from haru.cli import serve

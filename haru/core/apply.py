@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Iterable
 from haru.core import subjects
 from haru.core.causes import admission_cause, declaration_seqs, with_cause
 from haru.core.authority import misplaced
-from haru.core.errors import Conflict
+from haru.core.errors import Conflict, LayoutError
 from haru.core.events import (
     AdmissionDecided,
     DomainChanged,
@@ -34,12 +34,16 @@ from haru.core.events import (
     tag_of,
 )
 from haru.core.planner import Plan, Verdict, plan as plan_layout
-from haru.core.specs import DomainSpec, Layout, ModelSpec, Policy, TrainingSpec
+from haru.core.sizes import format_gib
+from haru.core.residency import state_name
+from haru.core.specs import DomainSpec, Layout, ModelSpec, Policy, TrainingSpec, fleet_uuid
 
 if TYPE_CHECKING:
+    from haru.core.views import FleetView
     from haru.log.seam import EventStore  # the type only: the shell hands the log in
 
-__all__ = ["Declarations", "fold_declarations", "diff", "ApplyResult", "apply", "describe", "DEFAULT_RETRIES"]
+__all__ = ["Declarations", "fold_declarations", "diff", "ApplyResult", "apply", "describe", "running_at_risk",
+           "DEFAULT_RETRIES"]
 
 DEFAULT_RETRIES = 5
 
@@ -49,6 +53,7 @@ class Declarations:
     """What the decl subject says now. Keys keep declaration order (dicts are ordered)."""
 
     fleet: str | None = None
+    uuid: str = ""  # the fleet's UUID as recorded (declared, or derived from its name)
     policy: Policy | None = None
     domains: dict[str, DomainSpec] = field(default_factory=dict)
     models: dict[tuple[str, str], ModelSpec] = field(default_factory=dict)  # (domain, model id)
@@ -61,7 +66,7 @@ def fold_declarations(events: Iterable[Event | None]) -> Declarations:
     d = Declarations()
     for e in events:
         if isinstance(e, FleetDeclared):
-            d.fleet, d.policy = e.fleet, e.policy
+            d.fleet, d.policy, d.uuid = e.fleet, e.policy, e.uuid or fleet_uuid(e.fleet)
         elif isinstance(e, PolicyChanged):
             d.policy = e.policy
         elif isinstance(e, (DomainDeclared, DomainChanged)):
@@ -106,8 +111,12 @@ def diff(current: Declarations, layout: Layout, plan: Plan, now: datetime, *, by
     domains the layout no longer names, each after its models and training slots are retired.
     """
     out: list[Event] = []
+    if current.fleet is not None and current.uuid and layout.uuid and layout.uuid != current.uuid:
+        raise LayoutError(f"fleet {layout.fleet!r} was recorded with UUID {current.uuid}; the layout says {layout.uuid}",
+                          path="$.uuid", fix=f"a fleet's UUID never changes: write {current.uuid}, or leave uuid out")
     if current.fleet is None:
-        out.append(FleetDeclared(at=now, by=by, fleet=layout.fleet, policy=layout.policy))
+        out.append(FleetDeclared(at=now, by=by, fleet=layout.fleet, policy=layout.policy,
+                                 uuid=layout.uuid or fleet_uuid(layout.fleet)))
     elif current.policy != layout.policy:
         out.append(PolicyChanged(at=now, by=by, policy=layout.policy, previous=current.policy))
 
@@ -284,3 +293,38 @@ def change_paths(events: list[Event], active: str) -> list[str]:
             lines.append(f"{domain or 'fleet'}{'/' + what if what else ''}: {tag}: read when the agent starts "
                          f"(restart it: its runtimes are adopted)")
     return lines
+
+
+# The residency states of a model that runs (or is coming up) on its host: what a change can take away.
+_RUNNING = frozenset({"loading", "resident", "sleeping", "waking", "pulling"})
+
+
+def running_at_risk(events: list[Event], view: FleetView | None, active: str) -> list[str]:
+    """Pure: every running model (per the fleet `view`) that the declared changes `events` would stop,
+    unload or leave unadmitted, and why (`haru apply --dry-run` names them; nothing when `view` is None:
+    the running state was not read)."""
+    if view is None:
+        return []
+    out: list[str] = []
+    retired_domains = {e.domain for e in events if isinstance(e, DomainRetired)}
+    for dname, dv in view.domains.items():
+        where = "the ACTIVE domain " + dname if dname == active else dname
+        for mname, mv in dv.models.items():
+            state = state_name(mv.residency)
+            if state not in _RUNNING:
+                continue
+            serving = "serving" if dname == active and state == "resident" else state
+            if dname in retired_domains:
+                out.append(f"{dname}/{mname} ({serving}) stops: the domain is retired from the layout")
+                continue
+            for e in events:
+                if isinstance(e, ModelRetired) and (e.domain, e.model) == (dname, mname):
+                    out.append(f"{dname}/{mname} ({serving}) stops: retired from the layout")
+                elif (isinstance(e, AdmissionDecided) and e.kind == "model" and (e.domain, e.name) == (dname, mname)
+                      and not e.admitted):
+                    out.append(
+                        f"{dname}/{mname} ({serving}) is unloaded and left unadmitted on {where}: no longer admitted, "
+                        f"short by {format_gib(e.short_by_bytes)} on GPU {e.gpu_index} (first fit in declaration "
+                        f"order: what is declared before it now takes the room); requests get 409 model_not_admitted"
+                    )
+    return out

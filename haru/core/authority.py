@@ -81,7 +81,7 @@ PLACES: tuple[Place, ...] = (
             ev.OperationCompleted, ev.OperationAborted, ev.FailoverDeclined, ev.EligibilityChanged,
         ),
     ),  # fmt: skip
-    Place("agent", "haru.evt.<fleet>.<domain>.agent", ("agent",), (ev.AgentStarted, ev.AgentStopping)),
+    Place("agent", "haru.evt.<fleet>.<domain>.agent", ("agent",), (ev.AgentStarted, ev.AgentStopping, ev.FailureSignalled)),
     Place("liveness", "haru.evt.<fleet>.<domain>.liveness", ("promoter",), (ev.DomainUnreachable, ev.DomainReachable)),
     Place("model", "haru.evt.<fleet>.<domain>.model.<model>", ("agent",), ev.RESIDENCY_EVENTS),
     Place("gpu", "haru.evt.<fleet>.<domain>.gpu.<index>", ("agent",), (ev.GpuObserved,)),

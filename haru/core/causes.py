@@ -19,7 +19,7 @@ found and adopted, a pull it started), an operator's request, a declaration, an 
 | `model_lost{gpu_detached}` | the `gpu_observed{present: false}` that showed the GPU gone |
 | `training_started`, `training_stopped` | the command's step (or the loss a standby's restart makes room for); a trainer's own exit is a root |
 | `domain_reachable` | the `domain_unreachable` it ends (or `agent_started`, the first time) |
-| `promotion_requested`, `failover_declined` | the loss: `domain_unreachable`, the `model_lost` / `gpu_observed` of a detached GPU, the degraded model's `lost`/`failed`; for the first route, the event that made the first domain ready; manual requests are roots |
+| `promotion_requested`, `failover_declined` | the loss: `domain_unreachable`, the `model_lost` / `gpu_observed` of a detached GPU, the degraded model's `lost`/`failed` (or, for the faster path, the `model_loading` of its restart); a `failure_signalled` (preemption notice, GPU XID or ECC) for a planned move off a domain about to go; for the first route, the event that made the first domain ready; manual requests are roots |
 | `demotion_requested` (automatic) | the residency event that made the standby awake or recovered |
 | `replace_requested` (automatic), `teardown_requested` (a retry) | the last step of the operation before it (the failover's, or the failed teardown's) |
 | `step_started` | the step event before it, or the request |
@@ -36,7 +36,7 @@ import msgspec
 
 from haru.core import events as ev
 from haru.core import subjects
-from haru.core.residency import Failed, Lost
+from haru.core.residency import Failed, Loading, Lost
 from haru.core.views import FleetView, OperationView
 
 # What each event type's cause must be (tags), when it has one. Types not listed are roots.
@@ -55,7 +55,8 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "training_stopped": ("step_started", "agent_stopping", "model_lost", "model_failed"),
     "domain_reachable": ("domain_unreachable", "agent_started"),
     "promotion_requested": ("domain_unreachable", "model_lost", "model_failed", "gpu_observed", "model_resident",
-                            "model_sleeping", "model_waking", "domain_reachable"),
+                            "model_sleeping", "model_waking", "domain_reachable", "failure_signalled",
+                            "model_loading"),
     "failover_declined": ("domain_unreachable", "model_lost", "model_failed", "gpu_observed"),
     "demotion_requested": ("model_resident", "model_sleeping", "model_loading", "model_waking"),
     "replace_requested": ("step_completed", "step_failed"),
@@ -182,6 +183,11 @@ def _health_cause(view: FleetView, domain: str, reason: str, last: Mapping[str, 
         s = mv.residency
         if isinstance(s, (Lost, Failed)) and s.seq and (worst is None or (s.since, s.seq) < (worst.since, worst.seq)):
             worst = s
+    if worst is None:  # the faster path: a model loading again after its loss (attempt > 1)
+        for mv in dv.models.values():
+            s = mv.residency
+            if isinstance(s, Loading) and s.attempt > 1 and s.seq:
+                return s.seq
     return worst.seq if worst is not None else 0
 
 
@@ -210,6 +216,9 @@ def decided_cause(view: FleetView, event: ev.Event, last: Mapping[str, int]) -> 
             return 0
         if event.reason == "initial":
             return _newest_model_seq(view, event.target)
+        if event.reason in ev.SIGNAL_SOURCES:
+            dv = view.domains.get(event.source)
+            return dv.signalled_seq if dv is not None else 0
         return _health_cause(view, event.source, event.reason, last)
     if isinstance(event, ev.FailoverDeclined):
         dv = view.domains.get(event.domain)

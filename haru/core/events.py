@@ -50,6 +50,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 class FleetDeclared(Event, frozen=True, kw_only=True, tag="fleet_declared"):
     fleet: str
     policy: Policy
+    uuid: str = ""  # the fleet's stable UUID (declared, or derived from its name); '' in older logs
 
 
 class PolicyChanged(Event, frozen=True, kw_only=True, tag="policy_changed"):
@@ -310,6 +311,21 @@ class AgentStopping(Event, frozen=True, kw_only=True, tag="agent_stopping"):
     reason: str = ""
 
 
+SIGNAL_SOURCES = ("preemption_notice", "gpu_xid", "gpu_ecc")
+
+
+class FailureSignalled(Event, frozen=True, kw_only=True, tag="failure_signalled"):
+    """The agent saw a sign that its host or a GPU is about to go: a provider's preemption notice (the
+    domain's `preemption_notice` command or URL), an NVML critical XID, or an ECC fault (double-bit
+    errors, pages pending retirement). The promoter moves the route off the domain before it goes.
+    A new `agent_started` clears it (an agent that still sees the sign records it again)."""
+
+    domain: str
+    source: str  # one of SIGNAL_SOURCES
+    gpu_index: int = -1  # the GPU it concerns (-1: the whole host, a preemption notice)
+    detail: str = ""
+
+
 # ------------------------------------------------------- liveness: haru.evt.<fleet>.<domain>.liveness
 
 
@@ -403,6 +419,9 @@ class StepCompleted(Event, frozen=True, kw_only=True, tag="step_completed"):
     step: Step
     detail: str = ""
     took_ms: int = 0
+    # A best-effort step that did not apply, and why (the old active's GPU is gone: the reason for
+    # the failover). Shown as skipped, not as a failure; what follows is what follows a completion.
+    skipped: str = ""
 
 
 class StepFailed(Event, frozen=True, kw_only=True, tag="step_failed"):
@@ -506,6 +525,7 @@ AnyEvent = Union[
     TrainingStopped,
     AgentStarted,
     AgentStopping,
+    FailureSignalled,
     DomainUnreachable,
     DomainReachable,
     PromotionRequested,

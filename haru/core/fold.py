@@ -62,7 +62,7 @@ from haru.core import events as ev
 from haru.core import residency, subjects
 from haru.core.subjects import fleet_of
 from haru.core.errors import IllegalTransition
-from haru.core.specs import DomainSpec, ModelSpec, TrainingSpec
+from haru.core.specs import DomainSpec, ModelSpec, TrainingSpec, fleet_uuid
 from haru.core.views import (
     AgentView,
     DomainView,
@@ -94,8 +94,43 @@ def _kind(subject: str) -> str:
 # ------------------------------------------------------------------------------------ helpers
 
 
-def _anomaly(view: FleetView, why: str) -> FleetView:
-    return _replace(view, anomalies=view.anomalies + 1, last_anomaly=why)
+def _anomaly(view: FleetView, why: str, at: Any = None, about: str = "") -> FleetView:
+    """One more anomaly: `why` names it, `at` is when it was observed, `about` what can clear it
+    (`<domain>/<model>`; '' = nothing: a misplaced or undecodable body stays in the log)."""
+    return _replace(
+        view, anomalies=view.anomalies + 1, last_anomaly=why, last_anomaly_at=at if at is not None else view.updated_at,
+        anomaly_about=about, anomaly_cleared_at=None,
+    )
+
+
+def _anomaly_cleared(view: FleetView, about: str, at: Any) -> FleetView:
+    """The open anomaly about `about` (a model) is over: its next event folded legally."""
+    if view.anomaly_about != about or view.anomaly_cleared_at is not None:
+        return view
+    return _replace(view, anomaly_cleared_at=at)
+
+
+def _recovered(domain: DomainView) -> bool:
+    """The domain would be a healthy active: heard from, its hosting GPUs present, no served model
+    lost or failed (the promoter's `active_health` 'ok', without the clock)."""
+    if domain.reachable is False:
+        return False
+    served = [m for m in domain.models.values() if m.admitted is not False]
+    hosting = {m.gpu_index for m in served}
+    if any(g.present is False and g.index in hosting for g in domain.gpus):
+        return False
+    return not any(isinstance(m.residency, (residency.Lost, residency.Failed)) for m in served)
+
+
+def _decline_over(view: FleetView, event: Any) -> FleetView:
+    """A declined failover stays on screen while its cause lasts: an event about the declined domain
+    that leaves it healthy clears it."""
+    if not view.declined or getattr(event, "domain", None) != view.declined_domain:
+        return view
+    domain = view.domains.get(view.declined_domain)
+    if domain is not None and not _recovered(domain):
+        return view
+    return _replace(view, declined="", declined_at=None, declined_domain="")
 
 
 def _with_domain(view: FleetView, domain: DomainView) -> FleetView:
@@ -104,8 +139,8 @@ def _with_domain(view: FleetView, domain: DomainView) -> FleetView:
     return _replace(view, domains=domains)
 
 
-def _missing(view: FleetView, seq: int, tag: str, what: str) -> FleetView:
-    return _anomaly(view, f"seq {seq}: {tag} for {what}, which is not declared")
+def _missing(view: FleetView, seq: int, tag: str, what: str, at: Any = None, about: str = "") -> FleetView:
+    return _anomaly(view, f"seq {seq}: {tag} for {what}, which is not declared", at, about)
 
 
 def _gpus_from_spec(spec: DomainSpec, existing: list[GpuView]) -> list[GpuView]:
@@ -152,7 +187,7 @@ def _training_from_spec(spec: TrainingSpec, old: TrainingView | None) -> Trainin
 
 
 def _fleet_declared(view: FleetView, e: ev.FleetDeclared, seq: int) -> FleetView:
-    return _replace(view, policy=e.policy)
+    return _replace(view, policy=e.policy, uuid=e.uuid or fleet_uuid(view.fleet))
 
 
 def _policy_changed(view: FleetView, e: ev.PolicyChanged, seq: int) -> FleetView:
@@ -275,7 +310,8 @@ def _residency(view: FleetView, e: Any, seq: int, subject: str) -> FleetView:
     model = domain.models.get(e.model) if domain is not None else None
     if domain is None or model is None:
         return _replace(
-            _missing(view, seq, ev.tag_of(e), f"model {e.model!r} on domain {e.domain!r}"), seq=seq, updated_at=e.at
+            _missing(view, seq, ev.tag_of(e), f"model {e.model!r} on domain {e.domain!r}", e.at, f"{e.domain}/{e.model}"),
+            seq=seq, updated_at=e.at,
         )
     old = model.residency
     try:
@@ -283,14 +319,29 @@ def _residency(view: FleetView, e: Any, seq: int, subject: str) -> FleetView:
     except IllegalTransition as exc:
         # The log is what the agent observed: take the state the event establishes, and say so.
         state = residency.to_state(e, seq=seq)
-        view = _replace(view, anomalies=view.anomalies + 1, last_anomaly=f"seq {seq}: {exc}")
+        view = _anomaly(view, f"seq {seq}: {exc}", e.at, f"{e.domain}/{e.model}")
+    else:
+        view = _anomaly_cleared(view, f"{e.domain}/{e.model}", e.at)
     if state is old:
-        return _replace(view, seq=seq, updated_at=e.at)
+        return _decline_over(_replace(view, seq=seq, updated_at=e.at), e)
     models = dict(domain.models)
-    models[e.model] = _replace(model, residency=state)
+    models[e.model] = _replace(model, residency=state, **_measured(old, e))
     domains = dict(domains)
     domains[domain.name] = _replace(domain, models=models)
-    return _replace(view, domains=domains, seq=seq, updated_at=e.at)
+    return _decline_over(_replace(view, domains=domains, seq=seq, updated_at=e.at), e)
+
+
+def _measured(old: Any, e: Any) -> dict[str, int]:
+    """What a residency event measured: a `model_resident` after waking is the wake (and probe) time, after
+    loading the cold warm-up (`ModelView.wake_ms` / `load_ms`, read by the promoter's faster path and the
+    gateway's hold)."""
+    if type(e) is not ev.ModelResident:
+        return {}
+    kind = _MEASURES.get(type(old))
+    return {kind: e.warmup_ms} if kind is not None and e.warmup_ms else {}
+
+
+_MEASURES: dict[type, str] = {residency.Waking: "wake_ms", residency.Loading: "load_ms"}
 
 
 # ------------------------------------------------------------------------------- GPUs, training
@@ -364,7 +415,15 @@ def _agent_started(view: FleetView, e: ev.AgentStarted, seq: int) -> FleetView:
     agent = AgentView(
         running=True, host=e.host, pid=e.pid, version=e.version, serving_url=e.serving_url, since=e.at
     )
-    return _with_domain(view, _replace(domain, agent=agent))
+    return _with_domain(view, _replace(domain, agent=agent, signalled="", signalled_at=None, signalled_seq=0))
+
+
+def _failure_signalled(view: FleetView, e: ev.FailureSignalled, seq: int) -> FleetView:
+    domain = view.domains.get(e.domain)
+    if domain is None:
+        return _missing(view, seq, "failure_signalled", f"domain {e.domain!r}")
+    what = f"{e.source}: {e.detail}" if e.detail else e.source
+    return _with_domain(view, _replace(domain, signalled=what, signalled_at=e.at, signalled_seq=seq))
 
 
 def _agent_stopping(view: FleetView, e: ev.AgentStopping, seq: int) -> FleetView:
@@ -386,7 +445,9 @@ def _eligibility(view: FleetView, e: ev.EligibilityChanged, seq: int) -> FleetVi
     domain = view.domains.get(e.domain)
     if domain is None:
         return _missing(view, seq, "eligibility_changed", f"domain {e.domain!r}")
-    return _with_domain(view, _replace(domain, eligible=e.eligible, ineligible_why="" if e.eligible else e.why))
+    return _with_domain(
+        view, _replace(domain, eligible=e.eligible, ineligible_why="" if e.eligible else e.why, eligibility_since=e.at)
+    )
 
 
 # ----------------------------------------------------------------------------------- operations
@@ -413,6 +474,8 @@ def _start_operation(view: FleetView, op: OperationView, seq: int) -> FleetView:
     if view.operation is not None and view.operation.op_id != op.op_id:
         # The promoter's sequence checks make this impossible; the newer request wins, and we say so.
         view = _anomaly(view, f"seq {seq}: {op.kind} {op.op_id} requested while {view.operation.op_id} was in flight")
+    if op.kind == "promotion":  # the failover that was declined goes ahead: the operation says the rest
+        view = _replace(view, declined="", declined_at=None, declined_domain="")
     return _replace(view, operation=op)
 
 
@@ -436,8 +499,10 @@ def _step_ended(view: FleetView, e: ev.StepCompleted | ev.StepFailed, seq: int) 
     op = _current_op(view, e.op_id)
     if op is None:
         return _missing(view, seq, tag, f"operation {e.op_id!r} (not in flight)")
-    if isinstance(e, ev.StepCompleted):
-        fields: dict[str, Any] = dict(state="completed", detail=e.detail, took_ms=e.took_ms, at=e.at, seq=seq)
+    if isinstance(e, ev.StepCompleted) and e.skipped:
+        fields: dict[str, Any] = dict(state="skipped", detail=e.skipped, took_ms=e.took_ms, at=e.at, seq=seq)
+    elif isinstance(e, ev.StepCompleted):
+        fields = dict(state="completed", detail=e.detail, took_ms=e.took_ms, at=e.at, seq=seq)
     else:
         fields = dict(state="failed", error_code=e.error_code, error=e.error, took_ms=e.took_ms, at=e.at, seq=seq)
     steps = list(op.steps)
@@ -468,11 +533,14 @@ def _operation_aborted(view: FleetView, e: ev.OperationAborted, seq: int) -> Fle
 
 
 def _failover_declined(view: FleetView, e: ev.FailoverDeclined, seq: int) -> FleetView:
-    return _replace(view, declined=e.why)
+    return _replace(view, declined=e.why, declined_at=e.at, declined_domain=e.domain)
 
 
 def _route_moved(view: FleetView, e: ev.RouteMoved, seq: int) -> FleetView:
-    return _replace(view, active=e.active, route_revision=seq, route_moved_at=e.at)
+    # The route moved: whatever failover was declined before is history now.
+    return _replace(
+        view, active=e.active, route_revision=seq, route_moved_at=e.at, declined="", declined_at=None, declined_domain=""
+    )
 
 
 # --------------------------------------------------------------------------------------- table
@@ -495,6 +563,7 @@ _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
     ev.TrainingStopped: _training_stopped,
     ev.AgentStarted: _agent_started,
     ev.AgentStopping: _agent_stopping,
+    ev.FailureSignalled: _failure_signalled,
     ev.DomainUnreachable: _reachability,
     ev.DomainReachable: _reachability,
     **{cls: _operation_requested for cls in ev.OPERATION_REQUESTS.values()},
@@ -510,6 +579,8 @@ _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
     ev.Checkpoint: lambda view, e, seq: view,  # a record of where history stood: it changes no fact
 }
 _RESIDENCY = frozenset(ev.RESIDENCY_EVENTS)
+# Events about a domain after which a declined failover of that domain may be over (it is healthy).
+_RECOVERY = frozenset({ev.DomainReachable, ev.GpuObserved, ev.AgentStarted})
 
 HANDLED: frozenset[type] = frozenset(_HANDLERS) | _RESIDENCY | {ev.AdmissionDecided}
 """Every event type the fold understands (the tests check this is all of `AnyEvent`)."""
@@ -533,8 +604,14 @@ def _evolve(view: FleetView, event: ev.Event, seq: int, subject: str, kind: str)
     else:
         handler = _HANDLERS.get(cls)
         out = handler(view, event, seq) if handler is not None else _anomaly(
-            view, f"seq {seq}: event type {cls.__name__} is not known to this projector"
+            view, f"seq {seq}: event type {cls.__name__} is not known to this projector", event.at
         )
+        if out.anomalies != view.anomalies and out.last_anomaly_at is not event.at:
+            out = _replace(out, last_anomaly_at=event.at)
+        if cls in _RECOVERY:
+            out = _decline_over(out, event)
+        elif isinstance(event, (ev.ModelDeclared, ev.ModelChanged)):
+            out = _anomaly_cleared(out, f"{event.domain}/{event.spec.name}", event.at)
     if kind == "decl":
         return _replace(out, seq=seq, updated_at=event.at, decl_seq=seq)
     if kind == "op":
@@ -565,7 +642,7 @@ def invalid(view: FleetView, *, seq: int, subject: str, error: str) -> FleetView
 def misplaced(view: FleetView, event: ev.Event, *, seq: int, subject: str, why: str) -> FleetView:
     """The view after an event that may not stand on `subject` (`haru.core.authority.misplaced` said
     `why`): not applied, counted, and named in `last_anomaly` with its sequence, subject and writer."""
-    return _stored_on(_anomaly(view, authority.anomaly(seq, subject, event, why)), seq, _kind(subject))
+    return _stored_on(_anomaly(view, authority.anomaly(seq, subject, event, why), event.at), seq, _kind(subject))
 
 
 # ------------------------------------------------------------------------- incremental folding
@@ -581,7 +658,8 @@ class Folder:
     equal to `evolve`'s, event for event.
     """
 
-    __slots__ = ("fleet", "seq", "misplaced_seq", "_view", "_staged", "_at", "_anomalies", "_last_anomaly", "_dirty")
+    __slots__ = ("fleet", "seq", "misplaced_seq", "_view", "_staged", "_measured", "_at", "_anomalies", "_last_anomaly",
+                 "_anomaly_at", "_anomaly_about", "_anomaly_cleared_at", "_dirty")
 
     def __init__(self, view: FleetView) -> None:
         self.fleet = view.fleet
@@ -590,6 +668,7 @@ class Folder:
 
     def _reset(self, view: FleetView) -> None:
         self._staged: dict[tuple[str, str], residency.Residency] = {}
+        self._measured: dict[tuple[str, str], dict[str, int]] = {}  # `_measured` figures staged with them
         self._set(view)
 
     def _set(self, view: FleetView) -> None:
@@ -599,6 +678,9 @@ class Folder:
         self._at = view.updated_at
         self._anomalies = view.anomalies
         self._last_anomaly = view.last_anomaly
+        self._anomaly_at = view.last_anomaly_at
+        self._anomaly_about = view.anomaly_about
+        self._anomaly_cleared_at = view.anomaly_cleared_at
         self._dirty = False  # something is staged that `_view` does not have
 
     def reset(self, view: FleetView) -> None:
@@ -623,7 +705,10 @@ class Folder:
             # The common case, the authority check inlined: a residency event stands on its own
             # model's subject (`authority.misplaced_at` says why when it does not).
             if place is not None and place.kind == "model" and event.domain == place.domain and event.model == place.model:  # type: ignore[attr-defined]
-                self._residency(event, seq, subject)
+                if self._view.declined and event.domain == self._view.declined_domain:  # type: ignore[attr-defined]
+                    self._set(_evolve(self.view(), event, seq, subject, level))  # may clear the decline
+                else:
+                    self._residency(event, seq, subject)
             else:
                 self.add_misplaced(event, seq=seq, subject=subject, why=authority.misplaced_at(place, event))
             return
@@ -652,6 +737,7 @@ class Folder:
             if model is None:
                 self._anomalies += 1
                 self._last_anomaly = f"seq {seq}: {ev.tag_of(e)} for model {e.model!r} on domain {e.domain!r}, which is not declared"
+                self._anomaly_at, self._anomaly_about, self._anomaly_cleared_at = e.at, f"{e.domain}/{e.model}", None
                 self.seq = seq
                 self._at = e.at
                 self._dirty = True
@@ -663,8 +749,16 @@ class Folder:
             state = residency.to_state(e, seq=seq)
             self._anomalies += 1
             self._last_anomaly = f"seq {seq}: {exc}"
+            self._anomaly_at, self._anomaly_about, self._anomaly_cleared_at = e.at, f"{e.domain}/{e.model}", None
+        else:
+            if self._anomaly_cleared_at is None and self._anomaly_about == f"{e.domain}/{e.model}":
+                self._anomaly_cleared_at = e.at
         if state is not old:
             self._staged[key] = state
+            if type(e) is ev.ModelResident:
+                measured = _measured(old, e)
+                if measured:
+                    self._measured.setdefault(key, {}).update(measured)
         self.seq = seq
         self._at = e.at
         self._dirty = True
@@ -679,13 +773,16 @@ class Folder:
                 models = touched.get(d)
                 if models is None:
                     models = touched[d] = dict(domains[d].models)
-                models[m] = _replace(models[m], residency=state)
+                models[m] = _replace(models[m], residency=state, **self._measured.get((d, m), {}))
             for d, models in touched.items():
                 domains[d] = _replace(domains[d], models=models)
             staged.clear()
+            self._measured.clear()
             view = _replace(view, domains=domains)
         self._view = _replace(
-            view, seq=self.seq, updated_at=self._at, anomalies=self._anomalies, last_anomaly=self._last_anomaly
+            view, seq=self.seq, updated_at=self._at, anomalies=self._anomalies, last_anomaly=self._last_anomaly,
+            last_anomaly_at=self._anomaly_at, anomaly_about=self._anomaly_about,
+            anomaly_cleared_at=self._anomaly_cleared_at,
         )
         self._dirty = False
 

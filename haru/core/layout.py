@@ -35,7 +35,8 @@ import msgspec
 from haru.core.errors import InvalidName, LayoutError
 from haru.core.sizes import parse_size
 from haru.core.launch import ArgConflict, check_args, format_refusal, runtime_for
-from haru.core.specs import Domain, DomainSpec, GpuSpec, Layout, ModelSpec, NonNegative, Policy, ProvisionSpec, ServiceSpec, TrainingSpec
+from haru.core.specs import (Domain, DomainSpec, GpuSpec, Layout, ModelSpec, NonNegative, Policy, PreemptionNotice, ProvisionSpec, ServiceSpec,
+                             TrainingSpec, as_uuid)
 from haru.core.subjects import check_model_id, check_name
 
 __all__ = ["parse_layout", "load_layout"]
@@ -45,8 +46,9 @@ _T = TypeVar("_T")
 
 # ----------------------------------------------------------------------------- allowed keys
 
-_TOP_KEYS = ("fleet", "policy", "domains")
-_DOMAIN_KEYS = ("name", "provider", "region", "serving_url", "serve", "gpus", "slots", "provision")
+_TOP_KEYS = ("fleet", "uuid", "policy", "domains")
+_DOMAIN_KEYS = ("name", "provider", "region", "serving_url", "serve", "network", "expose_dev_endpoints", "gpus", "slots",
+                "provision", "preemption_notice")
 _PROVISION_KEYS = tuple(ProvisionSpec.__struct_fields__)
 _SERVICE_KEYS = tuple(ServiceSpec.__struct_fields__)
 _GPU_KEYS = ("index", "memory", "reserve", "name")
@@ -98,13 +100,19 @@ class _Domain(msgspec.Struct, forbid_unknown_fields=True):
     region: str = ""
     serving_url: str = ""
     serve: Literal["agent", "direct"] = "agent"
+    # `serve: direct` puts the runtimes on `serving.host`, vLLM's development-mode /sleep and /wake_up
+    # with them: allowed only where the layout says the network is private and that is acceptable.
+    network: Literal["", "private"] = ""
+    expose_dev_endpoints: bool = False
     gpus: list[_Gpu] = []
     slots: list[_Slot] = []
     provision: dict[str, Any] | None = None
+    preemption_notice: PreemptionNotice | None = None
 
 
 class _Layout(msgspec.Struct, forbid_unknown_fields=True):
     fleet: str
+    uuid: str = ""
     policy: dict[str, Any] = {}
     domains: list[_Domain] = []
 
@@ -215,10 +223,15 @@ def parse_layout(data: bytes | str | dict[str, Any]) -> Layout:
         fleet = check_name("fleet", doc.fleet)
     except InvalidName as exc:
         raise LayoutError(str(exc), path="$.fleet", fix="name the fleet with lowercase letters, digits, '_' or '-'") from None
+    fleet_id = as_uuid(doc.uuid) if doc.uuid else ""
+    if doc.uuid and not fleet_id:
+        raise LayoutError(f"uuid {doc.uuid!r} is not a UUID", path="$.uuid",
+                          fix="write it like 6f1c9d2e-1b7a-4c3e-9f00-2a5d8c7b6e41, or leave it out (it is then derived "
+                              "from the fleet's name)")
     policy = _policy(doc.policy)
     domains = [_domain(d, i) for i, d in enumerate(doc.domains)]
     _check_fleet(domains)
-    return Layout(fleet=fleet, policy=policy, domains=domains)
+    return Layout(fleet=fleet, uuid=fleet_id, policy=policy, domains=domains)
 
 
 def load_layout(path: str | os.PathLike[str]) -> Layout:
@@ -254,6 +267,13 @@ def _domain(d: _Domain, i: int) -> Domain:
     if d.serving_url and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", d.serving_url):
         raise LayoutError(f"serving_url {d.serving_url!r} is not an http(s) URL", path=f"{dp}.serving_url",
                           fix="write it like 'http://10.0.0.5:8600'")
+    if d.serve == "direct" and (d.network != "private" or not d.expose_dev_endpoints):
+        raise LayoutError(
+            f"domain {name!r} serves direct: its runtimes would listen on the agent's serving host, and vLLM's "
+            f"development-mode endpoints (/sleep, /wake_up, /is_sleeping: anyone who reaches them can put a model "
+            f"to sleep) with them, with no token in front", path=f"{dp}.serve",
+            fix='use "serve": "agent" (one authenticated port, sleep and wake never leave the host), or say the '
+                'network is private and that this is acceptable there: "network": "private", "expose_dev_endpoints": true')
     gpus = _gpus(d, name, dp)
     gpu_memory = {g.index: g.memory_bytes for g in gpus}
     models: list[ModelSpec] = []
@@ -296,8 +316,18 @@ def _domain(d: _Domain, i: int) -> Domain:
             models.append(model)
     provision = _provision(d, name, dp) if d.provision is not None else None
     spec = DomainSpec(name=name, provider=d.provider, region=d.region, serving_url=d.serving_url, serve=d.serve,
-                      gpus=gpus, provision=provision)
+                      gpus=gpus, provision=provision, preemption_notice=_notice(d.preemption_notice, dp))
     return Domain(spec=spec, models=models, training=training)
+
+
+def _notice(notice: PreemptionNotice | None, dp: str) -> PreemptionNotice | None:
+    if notice is not None and bool(notice.url) == bool(notice.command):
+        raise LayoutError("preemption_notice needs exactly one of `url` and `command`", path=f"{dp}.preemption_notice",
+                          fix='e.g. {"url": "http://169.254.169.254/latest/meta-data/spot/instance-action"}')
+    if notice is not None and notice.interval_ms < 100:
+        raise LayoutError("preemption_notice.interval_ms is under 100", path=f"{dp}.preemption_notice.interval_ms",
+                          fix="poll every 100 ms or slower (5000 is the default)")
+    return notice
 
 
 def _gpus(d: _Domain, name: str, dp: str) -> list[GpuSpec]:

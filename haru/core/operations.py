@@ -43,7 +43,8 @@ class OpStep(msgspec.Struct, frozen=True, kw_only=True):
 
     step: str
     attempt: int = 1
-    state: Literal["started", "completed", "failed"] = "started"
+    # skipped: a best-effort step that did not apply for a known reason (`detail` says why): not a failure
+    state: Literal["started", "completed", "failed", "skipped"] = "started"
     seq: int  # the step_started's sequence (the outcome's, when its start was not read)
     started_at: datetime | None = None
     finished_at: datetime | None = None
@@ -108,6 +109,8 @@ def _evolve(op: Operation, seq: int, ev: Any) -> Operation:
         ended: dict[str, Any] = {"state": "completed", "finished_at": ev.at, "took_ms": ev.took_ms}
         if isinstance(ev, StepFailed):
             ended.update(state="failed", error_code=ev.error_code, error=ev.error)
+        elif ev.skipped:
+            ended.update(state="skipped", detail=ev.skipped)
         else:
             ended.update(detail=ev.detail)
         steps = list(op.steps)
@@ -129,6 +132,8 @@ def progress_line(op_id: str, ev: Any) -> str | None:
     """One event of operation `op_id` as a line for a person following it (None: nothing to say)."""
     if isinstance(ev, OperationRequested):
         return f"requested  {getattr(ev, 'reason', 'manual')} {ev.kind} of {ev.target}"
+    if isinstance(ev, StepCompleted) and ev.skipped:
+        return f"{ev.step:<18} skipped {ev.took_ms:>6} ms  {ev.skipped}"
     if isinstance(ev, StepCompleted):
         detail = f"  {ev.detail}" if ev.detail else ""
         return f"{ev.step:<18} ok      {ev.took_ms:>6} ms{detail}"

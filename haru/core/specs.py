@@ -6,6 +6,7 @@ declaration events carry (`haru.core.events`). Sizes are bytes. Nothing here doe
 
 from __future__ import annotations
 
+import uuid as _uuid
 from typing import Annotated, Literal
 
 import msgspec
@@ -72,6 +73,17 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     launch_timeout_ms: NonNegative = 3_600_000
     join_timeout_ms: NonNegative = 1_800_000
     teardown_timeout_ms: NonNegative = 900_000
+    # The gateway's hold (docs/gateway.md, "A failover the clients do not see"): while the active is
+    # unfit and a failover is under way or about to start, new requests wait for the new active this
+    # long at most. 0 = from the standby's measured wake and probe, plus the heartbeat timeout when the
+    # active's silence has yet to be noticed; never beyond `hold_max_ms` (0 = never hold).
+    hold_ms: NonNegative = 0
+    hold_max_ms: NonNegative = 30_000
+    # At most this many requests, and this many body bytes, held per fleet and gateway; beyond: answered at once.
+    hold_max_requests: NonNegative = 1024
+    hold_max_bytes: NonNegative = 64 * MiB
+    # After a planned flip, the old active's in-flight requests finish (this long at most) before it sleeps.
+    drain_ms: NonNegative = 30_000
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -155,6 +167,19 @@ class ProvisionSpec(msgspec.Struct, frozen=True, kw_only=True):
     service: ServiceSpec = ServiceSpec()
 
 
+class PreemptionNotice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where a domain's provider announces that it takes the host back, polled by the agent every
+    `interval_ms`. `url`: a notice is an answer 200 with a body other than empty/`FALSE`/`false`/`none`
+    (AWS `.../spot/instance-action` answers 404 until there is one; GCP's `.../instance/preempted` says
+    `TRUE`; headers such as `Metadata-Flavor: Google` go in `headers`). `command`: a notice is exit status
+    0 with something on stdout (what it printed is the detail)."""
+
+    url: str = ""
+    headers: dict[str, str] = {}
+    command: list[str] = []
+    interval_ms: int = 5_000
+
+
 class DomainSpec(msgspec.Struct, frozen=True, kw_only=True):
     """One failure domain: its provider, where it serves, and its GPUs (slots are declared apart)."""
 
@@ -167,6 +192,8 @@ class DomainSpec(msgspec.Struct, frozen=True, kw_only=True):
     # For provider skypilot/skyserve: how to launch it (None for static hosts, and for a cloud domain
     # declared before provisioning was wired in: `haru provision` then says what to add).
     provision: ProvisionSpec | None = None
+    # A provider's preemption notice, polled by the agent (a planned move off the domain before it goes).
+    preemption_notice: PreemptionNotice | None = None
 
 
 class Domain(msgspec.Struct, frozen=True, kw_only=True):
@@ -177,8 +204,28 @@ class Domain(msgspec.Struct, frozen=True, kw_only=True):
     training: list[TrainingSpec] = []
 
 
+# A fleet's UUID, when its layout declares none: derived from its name, so the same fleet has the same UUID
+# on every machine and after every re-apply (uuid5 of the name in this namespace). Recorded with the
+# fleet's first declaration (`fleet_declared.uuid`); the control API takes it wherever it takes the name.
+FLEET_UUID_NAMESPACE = _uuid.UUID("6d2a0c1e-3f7b-5b8e-9a43-68617275666c")
+
+
+def fleet_uuid(fleet: str) -> str:
+    """The UUID derived from a fleet's name (stable: a pure function of the name)."""
+    return str(_uuid.uuid5(FLEET_UUID_NAMESPACE, fleet))
+
+
+def as_uuid(text: str) -> str:
+    """`text` as a canonical UUID string, or '' when it is not one."""
+    try:
+        return str(_uuid.UUID(text))
+    except (ValueError, AttributeError, TypeError):
+        return ""
+
+
 class Layout(msgspec.Struct, frozen=True, kw_only=True):
     fleet: str
+    uuid: str = ""  # declared ('' = none: the fleet's UUID is then fleet_uuid(fleet))
     policy: Policy = Policy()
     domains: list[Domain] = []
 

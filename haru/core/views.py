@@ -53,6 +53,10 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     admitted: bool | None = None  # None = no admission decided yet
     short_by_bytes: int = 0
     residency: Residency = UNKNOWN
+    # Measured, from the log: the last wake and probe (a `model_resident` after `model_waking`) and the
+    # last cold load until it answered (a `model_resident` after `model_loading`), in ms (0 = never seen).
+    wake_ms: int = 0
+    load_ms: int = 0
 
 
 class TrainingView(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,9 +95,17 @@ class DomainView(msgspec.Struct, frozen=True, kw_only=True):
     reachability_since: datetime | None = None
     eligible: bool = True  # may serve as standby (set by eligibility_changed)
     ineligible_why: str = ""
+    eligibility_since: datetime | None = None  # `at` of the last eligibility_changed: how old the verdict is
+    # A sign the domain is about to go (`failure_signalled`: preemption notice, GPU XID or ECC), until
+    # its agent starts again: `source: detail`, when, and the event's sequence.
+    signalled: str = ""
+    signalled_at: datetime | None = None
+    signalled_seq: int = 0
 
 
-StepState = Literal["started", "completed", "failed"]
+# `skipped`: a best-effort step that did not apply for a known reason (the old active's GPU is gone:
+# the very reason for the failover); `detail` says why. It counts as completed for what follows.
+StepState = Literal["started", "completed", "failed", "skipped"]
 
 
 class StepView(msgspec.Struct, frozen=True, kw_only=True):
@@ -127,6 +139,7 @@ class OperationView(msgspec.Struct, frozen=True, kw_only=True):
 
 class FleetView(msgspec.Struct, frozen=True, kw_only=True):
     fleet: str
+    uuid: str = ""  # the fleet's stable UUID (fleet_declared's, else derived from the name)
     policy: Policy = _EMPTY_POLICY
     domains: dict[str, DomainView] = {}
     active: str = ""  # the routing pointer ('' = no route_moved yet)
@@ -134,7 +147,11 @@ class FleetView(msgspec.Struct, frozen=True, kw_only=True):
     route_moved_at: datetime | None = None
     operation: OperationView | None = None  # the one in flight, if any
     last_operation: OperationView | None = None  # the last one that finished
-    declined: str = ""  # the last failover_declined, why
+    # The last failover_declined, while its cause lasts: cleared by the route moving, a promotion
+    # being requested, or the declined domain (the failed active) being healthy again.
+    declined: str = ""
+    declined_at: datetime | None = None
+    declined_domain: str = ""
     seq: int = 0  # the last HARU_EVENTS sequence folded into this view
     updated_at: datetime | None = None  # `at` of that event
     # Last sequence on each fleet-level subject: writers still re-read before appending.
@@ -143,8 +160,15 @@ class FleetView(msgspec.Struct, frozen=True, kw_only=True):
     route_seq: int = 0
     # Events the fold could not apply as written (an illegal residency transition, an event about
     # an undeclared model): folded leniently or skipped, and counted here so `haru status` says so.
-    anomalies: int = 0
+    anomalies: int = 0  # how many, in all of history (never goes down)
     last_anomaly: str = ""
+    last_anomaly_at: datetime | None = None  # when the last one was observed (its event's `at`)
+    # What the last anomaly is about, when a later event can clear it: `<domain>/<model>` for a
+    # residency anomaly (an illegal transition, an event for an undeclared model), cleared by that
+    # model's next legal transition or its declaration. '' for a misplaced or undecodable event:
+    # those stay in the log for good (`haru verify` names them).
+    anomaly_about: str = ""
+    anomaly_cleared_at: datetime | None = None  # set when its cause cleared (the text stays, as history)
     # The stream sequence up to which this view is complete (0 = just `seq`). A projector advances
     # it on idle fleets now and then, so a restart resumes from min(max(seq, checkpoint)) + 1
     # across fleets instead of from the last event of the quietest fleet.

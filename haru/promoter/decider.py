@@ -75,7 +75,7 @@ from haru.core.events import (
 )
 from haru.promoter.decisions import Append, Facts
 from haru.promoter.liveness import judge_liveness
-from haru.core.residency import Failed, Lost, Resident, Sleeping, Waking, state_name
+from haru.core.residency import Failed, Loading, Lost, Residency, Resident, Sleeping, Waking, state_name
 from haru.core.specs import Policy, can_sleep
 from haru.core.views import DomainView, FleetView, OperationView, StepView
 
@@ -145,9 +145,9 @@ STEPS: dict[str, StepSpec] = {
     "settle_old_active": StepSpec(
         on="other",
         verbs=("sleep", "start_training"),
-        bound=("command_timeout_ms", "command_timeout_ms"),
+        bound=("drain_ms", "command_timeout_ms", "command_timeout_ms"),
         fatal=False,
-        what="best effort: put the old active to sleep and start its training",
+        what="best effort: let the old active's requests in flight finish (drain_ms), put it to sleep, start its training",
     ),
     "apply_standby": StepSpec(
         on="target",
@@ -165,8 +165,8 @@ STEPS: dict[str, StepSpec] = {
     "sleep": StepSpec(
         on="target",
         verbs=("sleep",),
-        bound=("command_timeout_ms",),
-        what="put every runtime on the target to sleep (level 1)",
+        bound=("drain_ms", "command_timeout_ms"),
+        what="put every runtime on the target to sleep (level 1), once its requests in flight finished",
     ),
     "start_training": StepSpec(
         on="target",
@@ -192,7 +192,7 @@ STEPS: dict[str, StepSpec] = {
     "settle": StepSpec(
         on="target",
         verbs=("sleep", "start_training"),
-        bound=("command_timeout_ms", "command_timeout_ms"),
+        bound=("drain_ms", "command_timeout_ms", "command_timeout_ms"),
         fatal=False,
         what="best effort: put the new host to sleep and start its training (with no route yet the first route "
              "decides its role; an awake standby is demoted later by housekeeping)",
@@ -363,6 +363,8 @@ def verb_timeout_ms(verb: str, policy: Policy) -> int:
         return policy.apply_timeout_ms + policy.command_timeout_ms
     if verb == "stop_training":
         return policy.training_grace_ms + policy.command_timeout_ms
+    if verb == "sleep":  # the agent lets the requests in flight finish first (drain_ms at most)
+        return policy.drain_ms + policy.command_timeout_ms
     return policy.command_timeout_ms
 
 
@@ -426,6 +428,26 @@ def step_domain(view: FleetView, op: OperationView, step: str) -> str:
     return ""
 
 
+def not_applicable(view: FleetView, op: OperationView, step: str) -> str:
+    """Why a best-effort step does not apply, when the reason is known ('' = it applies, or it is not
+    best effort): the domain it acts on is unreachable or has a GPU gone, typically the very reason
+    for the failover. Recorded as skipped with this reason, never as a failure."""
+    spec = STEPS.get(step)
+    if spec is None or spec.fatal or spec.on == "route":
+        return ""
+    domain = step_domain(view, op, step)
+    dv = view.domains.get(domain) if domain else None
+    if dv is None:
+        return ""
+    cause = " (the reason for this operation)" if op.source == domain and op.reason in ("gpu_detached", "domain_unreachable") else ""
+    if dv.reachable is False:
+        return f"skipped: {domain} is unreachable{cause}, so it cannot be put to sleep or given training"
+    for gpu in dv.gpus:
+        if gpu.present is False:
+            return f"skipped: GPU {gpu.index} of {domain} is gone{cause}, so it cannot be put to sleep or given training"
+    return ""
+
+
 def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
     """The next append for the operation in flight (None: wait, a step is running)."""
     fleet = view.fleet
@@ -457,7 +479,8 @@ def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
             )
     if cur.state == "started":
         return _resume(view, op, cur, facts)
-    nxt = TRANSITIONS[(op.kind, cur.step, cur.state)]
+    # A skipped step (best effort, not applicable: `not_applicable`) is followed as a completed one.
+    nxt = TRANSITIONS[(op.kind, cur.step, "completed" if cur.state == "skipped" else cur.state)]
     if nxt == ABORT:
         error = cur.error or cur.error_code or "failed"
         return Append(
@@ -594,6 +617,8 @@ def _finish(view: FleetView, op: OperationView, facts: Facts) -> Append:
 def _unfit_as_standby(view: FleetView, dv: DomainView, settle: StepView | None, applied: StepView | None = None) -> str:
     if dv.reachable is False:
         return f"agent of {dv.name} unreachable"
+    if dv.signalled:
+        return f"{dv.name} is about to go ({dv.signalled})"
     for gpu in dv.gpus:
         if gpu.present is False:
             return f"GPU {gpu.index} of {dv.name} detached"
@@ -657,6 +682,9 @@ def active_health(view: FleetView, now: datetime) -> ActiveHealth:
         return ActiveHealth(
             health="failed", reason="domain_unreachable", why=f"{dv.name} unreachable (heartbeats silent)", since=dv.reachability_since
         )
+    signal = signalled(dv)  # about to go: move before it does
+    if signal is not None:
+        return signal
     hosting = {dv.models[m].gpu_index for m in served(dv)}
     for gpu in dv.gpus:
         if gpu.present is False and gpu.index in hosting:
@@ -676,6 +704,11 @@ def active_health(view: FleetView, now: datetime) -> ActiveHealth:
             since = state.since or now
             if degraded_since is None or since < degraded_since:
                 degraded_since, why = since, f"{name} on {dv.name} {label}"
+    if degraded_since is None and not _reloading(view):
+        return ActiveHealth(health="ok")
+    faster = faster_path(view)  # a cold reload the standby beats: failed now, not after the grace
+    if faster is not None:
+        return faster
     if degraded_since is None:
         return ActiveHealth(health="ok")
     grace = timedelta(milliseconds=view.policy.degraded_grace_ms)
@@ -691,6 +724,73 @@ def active_health(view: FleetView, now: datetime) -> ActiveHealth:
 
 _READY_TO_PROMOTE = (Sleeping, Resident, Waking)
 
+# --------------------------------------------------------------------------------- seeing it coming
+
+
+def signalled(dv: DomainView) -> ActiveHealth | None:
+    """A domain whose agent recorded a sign that it is about to go (`failure_signalled`: a provider's
+    preemption notice, an NVML critical XID, ECC double-bit errors or pages pending retirement) is
+    failed now, while it still serves: the promotion off it is planned, not a recovery. The request's
+    reason is the signal's source, its cause the `failure_signalled` event."""
+    if not dv.signalled:
+        return None
+    source = dv.signalled.split(":", 1)[0]
+    return ActiveHealth(health="failed", reason=source, why=f"{dv.name} is about to go: {dv.signalled}",
+                        since=dv.signalled_at)
+
+
+# ------------------------------------------------------------------------------- the faster path
+# A model lost for one of these comes back only by a cold reload (the agent restarts its runtime).
+
+COLD_RELOAD: frozenset[str] = frozenset({"process_exited", "evicted", "unhealthy"})
+
+
+def _cold_reload(state: object) -> bool:
+    """Lost for a cold-reload reason, or loading again after such a loss (a restart, attempt > 1)."""
+    if isinstance(state, Lost):
+        return state.reason in COLD_RELOAD
+    return isinstance(state, Loading) and state.attempt > 1
+
+
+def _reloading(view: FleetView) -> bool:
+    dv = view.domains.get(view.active)
+    return dv is not None and any(_cold_reload(dv.models[m].residency) for m in served(dv))
+
+
+def faster_path(view: FleetView) -> ActiveHealth | None:
+    """The active failed at once, with both figures in `why`, when models on it are lost for a reason
+    whose recovery is a cold reload and the standby would serve sooner: its measured wake (and probe)
+    against the active's measured warm-up (`ModelView.wake_ms` / `load_ms`, folded from the log). None
+    when no such loss, a figure was never measured, or the standby is not faster (or not fit): the
+    loss is then a degradation, failed after `degraded_grace_ms` as before."""
+    dv = view.domains.get(view.active)
+    candidate = view.standby()
+    standby = view.domains.get(candidate)
+    if dv is None or standby is None or standby_unfit(view, candidate, dv):
+        return None
+    slowest: tuple[int, str, Residency] | None = None
+    for name in served(dv):
+        mv = dv.models[name]
+        if _cold_reload(mv.residency) and mv.load_ms and (slowest is None or mv.load_ms > slowest[0]):
+            slowest = (mv.load_ms, name, mv.residency)
+    if slowest is None:
+        return None
+    warmup_ms, name, state = slowest
+    wakes = [standby.models[m].wake_ms for m in served(dv) if m in standby.models]
+    if not wakes or not all(wakes):
+        return None
+    wake_ms = max(wakes)
+    if wake_ms >= warmup_ms:
+        return None
+    label = f"lost: {state.reason}" if isinstance(state, Lost) else "reloading"
+    return ActiveHealth(
+        health="failed",
+        reason="faster_path",
+        why=f"{name} on {dv.name} {label}; its cold reload takes {warmup_ms} ms (measured warm-up) and standby "
+        f"{candidate} serves after {wake_ms} ms (measured wake and probe): the faster path wins",
+        since=state.since,
+    )
+
 
 def standby_unfit(view: FleetView, candidate: str, serving: DomainView | None) -> str:
     """Why `candidate` must not be promoted ('' = it may). `serving` is the domain it would replace."""
@@ -705,6 +805,8 @@ def standby_unfit(view: FleetView, candidate: str, serving: DomainView | None) -
         return f"standby {candidate} is unreachable"
     if not dv.eligible:
         return f"standby {candidate} is not eligible: {dv.ineligible_why or 'not recovered'}"
+    if dv.signalled:
+        return f"standby {candidate} is about to go ({dv.signalled})"
     wanted = served(serving) if serving is not None else served(dv)
     for name in wanted:
         mv = dv.models.get(name)

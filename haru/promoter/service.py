@@ -52,7 +52,7 @@ from haru.core.events import (DomainChanged, DomainDeclared, DomainRetired, Even
                          StepStarted, tag_of)
 from haru.log.follow import Follower
 from haru.log.bus import send
-from haru.promoter.decider import STEPS, command_for, decide, flip_refusal, step_outcome, step_record
+from haru.promoter.decider import STEPS, command_for, decide, flip_refusal, not_applicable, step_outcome, step_record
 from haru.promoter.decisions import Facts
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
@@ -348,11 +348,19 @@ class Promoter:
             t0 = time.monotonic()
             runner = self.runners.get(STEPS[step].run) if step in STEPS else None
             event: StepCompleted | StepFailed
-            if runner is None:
+            skip = not_applicable(st.view, op, step)
+            if skip:  # best effort, and known not to apply: not tried, not a failure
+                event = StepCompleted(at=utcnow(), op_id=op.op_id, step=step, skipped=skip)  # type: ignore[arg-type]
+            elif runner is None:
                 event = StepFailed(at=utcnow(), op_id=op.op_id, step=step, error_code="no_runner",  # type: ignore[arg-type]
                                    error=f"this promoter has no runner {STEPS[step].run if step in STEPS else step!r}")
             else:
                 event = await runner(st, op, step, started_seq)
+                if isinstance(event, StepFailed):
+                    skip = not_applicable(st.view, op, step)
+                    if skip:  # it failed for a reason learned meanwhile (the GPU went while it ran)
+                        event = StepCompleted(at=event.at, op_id=op.op_id, step=step, took_ms=event.took_ms,  # type: ignore[arg-type]
+                                              skipped=f"{skip} ({event.error or event.error_code})")
             if isinstance(event, (StepCompleted, StepFailed)) and not event.took_ms:
                 event = msgspec.structs.replace(event, took_ms=int((time.monotonic() - t0) * 1000))
             try:

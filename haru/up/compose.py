@@ -35,7 +35,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from datetime import datetime, timezone
@@ -340,11 +340,17 @@ def start_agent(layout: Layout, domain: str, nats_url: str, home: Path, metrics_
     return Child(name, log_path, restart, proc, domain=domain, metrics_port=metrics_port)
 
 
+def read_model_dsn(env: Mapping[str, str]) -> str:
+    """The Postgres read model's DSN: HARU_DATABASE_URL, else DATABASE_URL ('' = none: no sink)."""
+    return (env.get("HARU_DATABASE_URL") or env.get("DATABASE_URL") or "").strip()
+
+
 def start_service(kind: str, nats_url: str, home: Path, metrics_port: int | None = None) -> Child:
     """The projector or the promoter, as `haru projector` / `haru promoter` children (each with its own
     metrics endpoint on `metrics_port`, which `haru up`'s own endpoint gathers)."""
     log_path = home / "logs" / f"{kind}.log"
-    args = [kind, "--log-format", "json"]
+    # the Postgres read model: its DSN stays in the environment (DATABASE_URL), never on the argv
+    args = ["sink", "postgres", "--log-format", "json"] if kind == "sink" else [kind, "--log-format", "json"]
     if kind == "promoter":
         # stable across restarts: a restarted promoter resumes its own unfinished step at once
         args += ["--id", f"promoter:{socket.gethostname()}:up"]
@@ -502,6 +508,9 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
         for kind in ("projector", "promoter"):
             if kind in opts.services:
                 running.services.append(start_service(kind, nats_url, opts.home, metrics_port=free_port()))
+        if read_model_dsn(os.environ) and "projector" in opts.services:
+            # DATABASE_URL (Haru's server required one) is honoured: the Postgres read model runs too.
+            running.services.append(start_service("sink", nats_url, opts.home))
         stack.push_async_callback(stop_children, running.services, SERVICE_STOP_S)
         if running.services:
             metrics = await stack.enter_async_context(_serve_metrics(opts, running))

@@ -115,7 +115,8 @@ def local_format(path: Path, declared: str) -> str:
 
 
 def fleet_layout(prepared: list[Prepared], *, fleet: str, gpu_memory: int, reserve: int, serving_url: str,
-                 llama_binary: str = "", runtime_args: list[str] | None = None, policy: dict | None = None) -> Layout:
+                 llama_binary: str = "", runtime_args: list[str] | None = None, policy: dict | None = None,
+                 vllm_binary: str = "") -> Layout:
     """The single-domain fleet of `haru serve`, validated as any layout is."""
     models = []
     for p in prepared:
@@ -123,6 +124,8 @@ def fleet_layout(prepared: list[Prepared], *, fleet: str, gpu_memory: int, reser
         if p.flag.context:
             m["context_length"] = p.flag.context
         args = list(runtime_args or [])
+        if p.runtime == "vllm" and vllm_binary:
+            m["binary"] = [vllm_binary]
         if p.runtime == "llama_server":
             if llama_binary:
                 m["binary"] = [llama_binary]
@@ -187,3 +190,60 @@ def gpu_memory_from_nvml() -> int:
 
 def split_args(text: str) -> list[str]:
     return shlex.split(text) if text else []
+
+
+# ------------------------------------------------------------------- hearth's spellings of the same thing
+
+# VRAM booked for a model given without a size (hearth's `serve --model NAME --gguf PATH`): its weights
+# on disk, plus this share for the KV cache and the runtime's own buffers, rounded up to 0.1 GiB.
+WEIGHTS_HEADROOM = 0.25
+
+
+def weights_bytes(path: Path) -> int:
+    """The size of a model's weights on disk: a GGUF file, or a directory's *.safetensors (or *.gguf)."""
+    if path.is_file():
+        return path.stat().st_size
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".safetensors", ".gguf") and p.is_file())
+    return 0
+
+
+def booked_vram(weights: int) -> str:
+    """The VRAM booked for `weights` bytes of weights, as a `--model` size (GiB, one decimal, rounded up)."""
+    tenths = -(-int(weights * (1 + WEIGHTS_HEADROOM) * 10) // GiB)
+    return f"{max(tenths, 1) / 10:.1f}"
+
+
+def hearth_model_flag(name: str, *, gguf: str = "", safetensors: str = "", vram: str = "", context: int = 0) -> str:
+    """hearth's `serve --model NAME --gguf PATH` (or `--safetensors DIR`) written in Haru's `--model`
+    syntax. Without `vram` the weights' size on disk plus WEIGHTS_HEADROOM is booked."""
+    if bool(gguf) == bool(safetensors):
+        raise ServeError(f"--model {name}: give exactly one of --gguf PATH or --safetensors DIR (hearth's spelling), "
+                         f"or write --model {FLAG_SYNTAX}")
+    fmt, path = ("gguf", gguf) if gguf else ("safetensors", safetensors)
+    if not Path(path).exists():
+        raise ServeError(f"{path} does not exist; give a .gguf file (--gguf) or a safetensors model directory "
+                         f"(--safetensors)")
+    size = vram or booked_vram(weights_bytes(Path(path)))
+    return f"{name}={fmt}:{path}:{size}" + (f"@{context}" if context else "")
+
+
+# hearth's fleet.conf: one model a line, `model NAME=[gguf:|safetensors:]PATH:GiB[@CTX]` (the `--model`
+# syntax after the word `model`); blank lines and `#` comments are skipped.
+def parse_fleet_conf(text: str, origin: str = "fleet.conf") -> list[str]:
+    """The `--model` values a fleet.conf declares, in its order (declaration order is priority order)."""
+    out: list[str] = []
+    for n, raw in enumerate(text.splitlines(), start=1):
+        line = "" if raw.lstrip().startswith("#") else raw.strip()
+        if not line:
+            continue
+        word, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if word != "model" or not rest:
+            raise ServeError(f"{origin} line {n}: {raw.strip()!r} is not a model line; write "
+                             f"`model {FLAG_SYNTAX}` (e.g. model muse=/models/muse.gguf:20)")
+        parse_model_flag(rest)  # the same checks, with the line's own text in the message
+        out.append(rest)
+    if not out:
+        raise ServeError(f"{origin} declares no model; write one `model {FLAG_SYNTAX}` line per model")
+    return out

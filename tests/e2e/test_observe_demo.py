@@ -238,8 +238,9 @@ def test_console_shows_a_failover_live_and_promotes_through_the_control_api(demo
             flow = ["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active"]
             for step in flow[:-1]:
                 assert f"{step}:completed" in seen, seen
-            # settling the old active is best effort: its GPU is gone, so putting it to sleep fails
-            assert "settle_old_active:failed" in seen or "settle_old_active:completed" in seen, seen
+            # settling the old active is best effort: its GPU is gone, so it is skipped, with why (not failed)
+            assert "settle_old_active:skipped" in seen, seen
+            assert "settle_old_active:failed" not in seen, seen
             started = [k.split(":")[0] for k in seen if k.endswith(":started")]
             assert len(started) >= 4 and started == [s for s in flow if s in started], seen
             assert any("→ a" in r for r in routes) and "→ b" in routes[-1], routes

@@ -120,3 +120,32 @@ async def test_apply_dry_run_says_the_path_each_change_takes(tmp_path, nats_serv
     assert len(await event_log.history(subjects.decl(FLEET))) == declared  # the dry run appended nothing
     text = await asyncio.to_thread(haru, "apply", "-f", str(layout), "--dry-run", nats_url=nats_server.url)
     assert "how each change reaches the running agents (active domain: a" in text.stdout, text.stdout
+
+
+@pytest.mark.timeout(120)
+async def test_a_grown_model_that_leaves_another_unadmitted_is_named_by_the_dry_run_and_by_why(tmp_path, nats_server,
+                                                                                             event_log):
+    """Growing m1 leaves m2 short on the card: the dry run says the active's m2 would be unloaded and why,
+    and once applied `haru why` says it is no longer admitted, with the shortfall (not 'no longer in the layout')."""
+    from tests.support import haru
+
+    layout = sim_layout(tmp_path / "layout.json", tmp_path)
+    async with sim_fleet(tmp_path, nats_server, event_log, layout, declared=True):
+        await wait_view(event_log, steady, timeout=60, fleet=FLEET, what="a active and resident, b a standby")
+
+        def grow(d, ms):
+            for m in ms:
+                if m["name"] == "m1":
+                    m["vram"] = m["env"]["HARU_SIM_VRAM"] = "20GiB"
+        edit_layout(layout, grow)
+        dry = await asyncio.to_thread(haru, "apply", "-f", str(layout), "--dry-run", nats_url=nats_server.url)
+        assert dry.returncode == 0, dry.stderr
+        assert ("a/m2 (serving) is unloaded and left unadmitted on the ACTIVE domain a: no longer admitted, short by "
+                "1.0 GiB on GPU 0") in dry.stdout, dry.stdout
+        assert "b/m2 (sleeping) is unloaded and left unadmitted on b" in dry.stdout
+        since = len(await residency_tags(event_log, "a", "m2"))
+        await apply(event_log, load_layout(layout), datetime.now(timezone.utc))
+        await tags_become(event_log, "a", "m2", since, ["model_stopped"])
+        why = await asyncio.to_thread(haru, "why", "m2", "--domain", "a", nats_url=nats_server.url)
+        assert why.returncode == 0, why.stderr
+        assert "no longer admitted: short by 1.0 GiB" in why.stdout and "no longer has this model" not in why.stdout

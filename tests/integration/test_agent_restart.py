@@ -5,9 +5,8 @@ restarted (SIGTERM, and SIGKILL): no request fails, no model loads again, every 
 and each restart records `model_adopted`. A runtime that died while no agent watched is recorded `lost`
 once and restarted; a pid reused by an unrelated process is never adopted nor signalled.
 
-These agents run WITHOUT `HARU_RUNTIMES_DIE_WITH_AGENT` (tests/conftest.py sets it for the rest of
-the suite), so the runtimes and the serving port holder really outlive the agent; every test stops
-them at the end (SIGINT: the agent unloads for good).
+The runtimes and the serving port holder really outlive the agent (as everywhere: there is no mode
+in which they die with it); every test stops them at the end (SIGINT: the agent unloads for good).
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ def outliving_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("HARU_SERVING_TOKEN", None)
-    env.pop("HARU_RUNTIMES_DIE_WITH_AGENT", None)
     return env
 
 

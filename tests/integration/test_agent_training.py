@@ -28,15 +28,18 @@ async def start_standby(tmp_path, nats_server, event_log, agents, *, training: d
     return agent, started
 
 
-async def test_standby_sleeps_then_trains_with_exactly_two_added_variables(tmp_path, nats_server, event_log, agents):
+async def test_standby_sleeps_then_trains_with_exactly_the_contracts_added_variables(tmp_path, nats_server, event_log, agents):
     env = agent_env(HARU_TEST_MARKER="x y z")
+    env.pop("CUDA_DEVICE_ORDER", None)  # the agent adds it: the test must see it added
     agent, started = await start_standby(tmp_path, nats_server, event_log, agents, training={}, env=env)
     env_file = tmp_path / "ckpt" / "b" / "env.json"
     await wait_event(event_log, subjects.training("f", "b", "lora"), lambda r: env_file.exists(), agent=agent)
     seen = json.loads(env_file.read_text())
-    expected = dict(env, HARU_CHECKPOINT_DIR=str(tmp_path / "ckpt" / "b"), HARU_GPU_INDEX="0")
+    # CUDA_DEVICE_ORDER: CUDA numbers the cards as NVML does, so $HARU_GPU_INDEX names the same card
+    expected = dict(env, HARU_CHECKPOINT_DIR=str(tmp_path / "ckpt" / "b"), HARU_GPU_INDEX="0",
+                    CUDA_DEVICE_ORDER="PCI_BUS_ID")
     assert seen == expected
-    assert set(seen) - set(env) == {"HARU_CHECKPOINT_DIR", "HARU_GPU_INDEX"}
+    assert set(seen) - set(env) == {"HARU_CHECKPOINT_DIR", "HARU_GPU_INDEX", "CUDA_DEVICE_ORDER"}
     # its own process group
     assert os.getpgid(started.event.pid) == started.event.pid
 

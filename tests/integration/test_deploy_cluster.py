@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -374,8 +375,10 @@ def test_systemd_units_verify_and_point_at_shipped_examples():
                 shipped = [REPO / "deploy/systemd" / f"{Path(name).stem}.env.example", DEPLOY / f"{Path(name).stem}.env.example"]
                 assert any(p.exists() for p in shipped), f"{unit.name}: no example for {name}"
     agent = (REPO / "deploy/systemd/haru-agent.service").read_text().splitlines()
-    # a restart (SIGTERM to the agent alone) leaves its runtimes serving for the next agent (issue 14)
-    assert "KillMode=process" in agent and "KillSignal=SIGTERM" in agent
+    # stop = SIGINT (unload, recorded); reload = SIGTERM to the agent alone, which leaves its runtimes
+    # serving for the next agent (issue 14) that Restart=always starts (tests/integration/test_agent_systemd.py)
+    assert "KillMode=process" in agent and "KillSignal=SIGINT" in agent and "Restart=always" in agent
+    assert "ExecReload=/bin/kill -TERM $MAINPID" in agent
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed")
     done = subprocess.run(["systemd-analyze", "verify", "--man=no", *map(str, units)], capture_output=True, text=True)
@@ -718,7 +721,7 @@ async def test_a_real_agent_runs_under_its_domain_user(tmp_path):
             finally:
                 await promoter.close()
 
-            agent_proc.terminate()
+            agent_proc.send_signal(signal.SIGINT)  # stopping for good: it unloads (SIGTERM would keep its runtimes)
             assert await asyncio.to_thread(agent_proc.wait, 60) == 0, agent_log()
             last = await admin.last(subjects.agent(FLEET, "b"))
             assert last is not None and isinstance(last.event, AgentStopping), last

@@ -184,3 +184,52 @@ async def test_view_and_intent_come_from_the_projector(ops):
     status, models = await call(gw, "GET", "/v1/models", **{"X-Haru-Fleet": "ops"})
     assert status == 200 and models["data"][0]["id"] == MODEL
     assert models["data"][0]["haru"]["declared_on"] == ["a", "b"]
+
+
+async def test_a_fleet_has_a_stable_uuid_accepted_wherever_its_name_is(ops):
+    """Haru's API took "slug or UUID": the fleet's UUID is derived from its name (or declared in the
+    layout), recorded with its declaration, and every control route takes it."""
+    from haru.core.specs import fleet_uuid
+
+    gw, _ = ops
+    fid = fleet_uuid("ops")
+    status, view = await call(gw, "GET", f"/v1/fleets/{fid}")
+    assert status == 200 and view["fleet"] == "ops" and view["uuid"] == fid
+    status, intent = await call(gw, "GET", f"/v1/fleets/{fid.upper()}/route-intent")
+    assert status == 200 and intent["fleet"] == "ops"
+    status, hist = await call(gw, "GET", f"/v1/fleets/{fid}/history?limit=1")
+    assert status == 200 and hist["fleet"] == "ops"
+    status, models = await call(gw, "GET", "/v1/models", **{"X-Haru-Fleet": fid})
+    assert status == 200 and models["data"][0]["id"] == MODEL
+    status, listed = await call(gw, "GET", "/v1/fleets")
+    assert [f["uuid"] for f in listed["data"] if f["fleet"] == "ops"] == [fid]
+    chat = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    by_name = await call(gw, "POST", "/v1/chat/completions", chat, **{"X-Haru-Fleet": "ops"})
+    by_uuid = await call(gw, "POST", "/v1/chat/completions", chat, **{"X-Haru-Fleet": fid})
+    assert by_uuid[0] != 404 and by_uuid[0] == by_name[0]  # chat takes the UUID too: the same answer as by name
+    assert by_uuid[1].get("error", {}).get("code") == by_name[1].get("error", {}).get("code")
+    status, body = await call(gw, "POST", f"/v1/fleets/{fid}/promote", json.dumps({"domain": "a"}).encode())
+    assert status == 200, body  # a is already active: Haru's 200 no-op
+    status, body = await call(gw, "GET", "/v1/fleets/00000000-0000-4000-8000-000000000000")
+    assert status == 404 and body["error"]["code"] == "fleet_not_found"
+
+
+async def test_reconcile_answers_with_what_the_continuous_promoter_decided(ops):
+    gw, log = ops
+    status, body = await call(gw, "POST", "/v1/fleets/ops/reconcile")
+    assert status == 200, body
+    assert body["reconciled_by"] == "promoter" and "ran nothing" in body["note"]
+    assert body["active"] == "a" and body["operation"] is None and body["declined"] is None
+    from haru.core.events import FailoverDeclined
+
+    seq = await log.append(subjects.op("ops"), FailoverDeclined(at=datetime.now(UTC), domain="a", candidate="b",
+                                                                  why="a unreachable; standby b is unreachable"),
+                           expect=(await log.last(subjects.op("ops"))).seq if await log.last(subjects.op("ops")) else 0)
+    await wait_for(lambda: (r := gw.table.get("ops")) is not None and r.view is not None and r.view.seq >= seq,
+                   timeout=30)  # the projector folds it, then the gateway's watch sees the view: slow on a busy box
+    status, body = await call(gw, "POST", "/v1/fleets/ops/reconcile")
+    assert status == 200 and body["declined"]["why"].startswith("a unreachable") and body["declined"]["at"]
+    status, body = await call(gw, "GET", "/v1/fleets/ops/reconcile")
+    assert status == 405
+    status, body = await call(gw, "POST", "/v1/fleets/nope/reconcile")
+    assert status == 404 and body["error"]["code"] == "fleet_not_found"

@@ -127,11 +127,12 @@ async def test_failover_then_auto_replace_with_a_promoter_killed_mid_launch(tmp_
             assert step in shown
         # `haru why` follows the causes: the GPU reading, the failover, the replace it led to, its steps
         why = haru("why", "m1", "--domain", "a", "--fleet", F, nats_url=url, check=True).stdout
-        chain = ["gpu_observed", "promotion_requested", "step_failed:settle_old_active", "replace_requested",
-                 "step_completed:down", "step_completed:launch", "step_completed:join", "step_completed:settle"]
+        chain = ["gpu_observed", "promotion_requested", "skipped: GPU 0 of a is gone (the reason for this operation)", "replace_requested",
+                 "step_completed:down", "step_completed:launch", "step_completed:join", "step_completed:settle "]  # not settle_old_active
         positions = [why.index(word) for word in chain]
         assert positions == sorted(positions), why
         assert "found already UP (not launched again)" in why
+        assert "step_failed:settle_old_active" not in why  # skipped, with why: not a failure
     finally:
         promoter.stop()
         fake.kill_hosts()

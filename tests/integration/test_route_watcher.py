@@ -4,6 +4,7 @@ projector restart (the projector runs as a real child process and is SIGKILLed m
 from __future__ import annotations
 
 import asyncio
+import signal
 import json
 import os
 import subprocess
@@ -173,6 +174,12 @@ async def test_haru_route_watch_prints_every_move(nats_server, event_log, start_
             ri = intent_decoder.decode(await asyncio.wait_for(watch.stdout.readline(), 20))
             got.append(ri.revision)
         assert [r for i, r in enumerate(got) if i == 0 or r != got[i - 1]] == moves
+        # Ctrl-C is a clean exit: the watch's own close is not the control plane going away.
+        watch.send_signal(signal.SIGINT)
+        err = (await asyncio.wait_for(watch.stderr.read(), 20)).decode()
+        assert await asyncio.wait_for(watch.wait(), 20) == 130
+        assert "unreachable" not in err, err
     finally:
-        watch.terminate()
-        await watch.wait()
+        if watch.returncode is None:
+            watch.terminate()
+            await watch.wait()

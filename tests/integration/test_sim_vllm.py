@@ -381,3 +381,41 @@ async def test_sigterm_stops_a_hung_server_promptly(servers, http):
     pending.cancel()
     with contextlib.suppress(BaseException):
         await pending
+
+
+def _assistant(prefix: str, **extra) -> dict:
+    return chat_body(messages=[{"role": "user", "content": "say hello"}, {"role": "assistant", "content": prefix}],
+                     **extra)
+
+
+async def test_continue_final_message_continues_the_assistant_text_like_vllm(servers, http):
+    # The gateway's continued streams (gateway/resume.py) ask vLLM to continue the text a client has;
+    # the simulator answers with the rest of its reply, whichever domain began it.
+    server = await servers(domain="b")
+    url = server.url + "/v1/chat/completions"
+    prefix = "[domain a] hello from"
+    async with http.post(url, json=_assistant(prefix, continue_final_message=True, add_generation_prompt=False)) as r:
+        assert r.status == 200
+        body = await r.json()
+    assert prefix + body["choices"][0]["message"]["content"] == f"[domain a] hello from {MODEL} on the simulated GPU."
+    assert body["choices"][0]["finish_reason"] == "stop"
+    async with http.post(url, json=_assistant(prefix, continue_final_message=True, add_generation_prompt=False,
+                                              max_tokens=2, stream=True)) as r:
+        lines = [line.strip() async for line in r.content if line.strip()]
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == f" {MODEL} on"
+    # vLLM's own refusals
+    async with http.post(url, json=_assistant(prefix, continue_final_message=True)) as r:
+        assert r.status == 400 and "add_generation_prompt" in (await r.json())["error"]["message"]
+    async with http.post(url, json=chat_body(continue_final_message=True, add_generation_prompt=False)) as r:
+        assert r.status == 400
+    # without the flag a final assistant message is history: the reply starts afresh
+    async with http.post(url, json=_assistant(prefix)) as r:
+        assert (await r.json())["choices"][0]["message"]["content"].startswith("[domain b] hello")
+
+
+async def test_an_assistant_prefill_is_continued_like_llama_server(servers, http):
+    server = await servers(HARU_SIM_PREFILL="1")
+    async with http.post(server.url + "/v1/chat/completions", json=_assistant("[domain b] hello from " + MODEL)) as r:
+        body = await r.json()
+    assert body["choices"][0]["message"]["content"] == " on the simulated GPU."

@@ -25,12 +25,17 @@ _READER = r"""
 import json, sys
 import msgspec
 from agents.gpu import NvmlGpus
+from agents.signals import NvmlGpuSignals
 gpus = NvmlGpus()
+signals = None
 print(json.dumps({"unavailable": gpus.unavailable}), flush=True)
 for line in sys.stdin:
     verb, _, arg = line.strip().partition(" ")
     if verb == "read":
         print(json.dumps(msgspec.to_builtins(gpus.read(int(arg)))), flush=True)
+    elif verb == "signals":
+        signals = signals or NvmlGpuSignals()
+        print(json.dumps(signals.critical(int(arg))), flush=True)
     elif verb == "close":
         gpus.close()
         print(json.dumps({"closed": gpus.unavailable}), flush=True)
@@ -94,6 +99,12 @@ class Reader:
         self.proc.stdin.write(f"read {index}\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
         return self._line()
+
+    def signals(self, index: int) -> list[list[str]]:
+        """`agents.signals.NvmlGpuSignals.critical(index)` in the child: [[source, detail], ...]."""
+        self.proc.stdin.write(f"signals {index}\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self._line()  # type: ignore[return-value]
 
     def close(self) -> str:
         self.proc.stdin.write("close\n")  # type: ignore[union-attr]

@@ -12,6 +12,10 @@
  *   gpu INDEX present|lost TOTAL USED NAME a GPU (lost: every call on it answers NVML_ERROR_GPU_IS_LOST)
  *   mig INDEX SLOT TOTAL USED              a MIG instance of GPU INDEX (the GPU is then in MIG mode)
  *   proc INDEX SLOT PID BYTES|unknown      a compute process on GPU INDEX (SLOT -1) or its MIG instance
+ *   ecc INDEX N                            N uncorrected volatile ECC errors (no line: ECC not supported)
+ *   pending INDEX 0|1                      retired pages pending (no line: not supported)
+ *   xid INDEX N                            a critical XID event N, delivered once to an event set that
+ *                                          registered GPU INDEX (a new N is a new event)
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -26,7 +30,9 @@
 #define E_INSUFFICIENT_SIZE 7
 #define E_DRIVER_NOT_LOADED 9
 #define E_FUNCTION_NOT_FOUND 13
+#define E_TIMEOUT 10
 #define E_GPU_IS_LOST 15
+#define XID_CRITICAL 0x8ull
 
 #define MAXG 8
 #define MAXMIG 7
@@ -37,7 +43,7 @@ typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
 typedef struct { unsigned int pid; unsigned long long usedGpuMemory; unsigned int gpuInstanceId, computeInstanceId; } nvmlProcessInfo_t;
 
 struct mig { int exists; unsigned long long total, used; };
-struct gpu { int declared, lost, mig; char name[96]; unsigned long long total, used; struct mig migs[MAXMIG]; };
+struct gpu { int declared, lost, mig, ecc_known, pending_known, pending; char name[96]; unsigned long long total, used, ecc, xid; struct mig migs[MAXMIG]; };
 struct proc { int gpu, slot, unknown; unsigned int pid; unsigned long long used; };
 static struct {
     int loaded, init_rc, no_v3, no_v2, procs_rc, np;
@@ -71,6 +77,14 @@ static int load(void) {
             S.g[i].migs[slot].exists = 1;
             S.g[i].migs[slot].total = a;
             S.g[i].migs[slot].used = b;
+        } else if (sscanf(line, "ecc %d %llu", &i, &a) == 2 && i >= 0 && i < MAXG) {
+            S.g[i].ecc_known = 1;
+            S.g[i].ecc = a;
+        } else if (sscanf(line, "pending %d %d", &i, &n) == 2 && i >= 0 && i < MAXG) {
+            S.g[i].pending_known = 1;
+            S.g[i].pending = n;
+        } else if (sscanf(line, "xid %d %llu", &i, &a) == 2 && i >= 0 && i < MAXG) {
+            S.g[i].xid = a;
         } else if (sscanf(line, "proc %d %d %u %31s", &i, &slot, &pid, word) == 4 && S.np < MAXP) {
             struct proc *p = &S.p[S.np++];
             p->gpu = i;
@@ -208,4 +222,56 @@ int nvmlDeviceGetComputeRunningProcesses_v2(void *device, unsigned int *count, n
     load();
     if (S.no_v2) return E_FUNCTION_NOT_FOUND;
     return processes(device, count, infos);
+}
+
+/* ECC and XID: what agents/signals.py reads. */
+typedef struct { void *device; unsigned long long eventType, eventData; unsigned int gpuInstanceId, computeInstanceId; } nvmlEventData_t;
+static int registered[MAXG];
+static unsigned long long delivered[MAXG]; /* the last XID handed out per GPU (outside S: load() clears S) */
+
+int nvmlDeviceGetTotalEccErrors(void *device, int errorType, int counterType, unsigned long long *count) {
+    int gpu, slot, rc = decode(device, &gpu, &slot);
+    if (rc != OK) return rc;
+    if (!S.g[gpu].ecc_known) return E_NOT_SUPPORTED;
+    *count = (errorType == 1 && counterType == 0) ? S.g[gpu].ecc : 0;
+    return OK;
+}
+
+int nvmlDeviceGetRetiredPagesPendingStatus(void *device, int *pending) {
+    int gpu, slot, rc = decode(device, &gpu, &slot);
+    if (rc != OK) return rc;
+    if (!S.g[gpu].pending_known) return E_NOT_SUPPORTED;
+    *pending = S.g[gpu].pending;
+    return OK;
+}
+
+int nvmlEventSetCreate(void **set) {
+    if (!load()) return E_UNINITIALIZED;
+    *set = (void *)(uintptr_t)0x9000u;
+    return OK;
+}
+
+int nvmlDeviceRegisterEvents(void *device, unsigned long long types, void *set) {
+    int gpu, slot, rc = decode(device, &gpu, &slot);
+    (void)set;
+    if (rc != OK) return rc;
+    if (types & XID_CRITICAL) registered[gpu] = 1;
+    return OK;
+}
+
+int nvmlEventSetWait_v2(void *set, nvmlEventData_t *data, unsigned int timeoutms) {
+    (void)set;
+    (void)timeoutms;
+    if (!load()) return E_UNINITIALIZED;
+    for (int i = 0; i < MAXG; i++) {
+        if (registered[i] && S.g[i].xid && S.g[i].xid != delivered[i]) {
+            delivered[i] = S.g[i].xid;
+            data->device = (void *)(uintptr_t)(BASE + 0x100u * i);
+            data->eventType = XID_CRITICAL;
+            data->eventData = S.g[i].xid;
+            data->gpuInstanceId = data->computeInstanceId = 0xFFFFFFFFu;
+            return OK;
+        }
+    }
+    return E_TIMEOUT;
 }

@@ -83,3 +83,19 @@ def test_memory_nvml_cannot_attribute_is_not_accounted(nvml_reader):
 def test_an_init_failure_is_an_honest_none(nvml_reader):
     reader, _ = nvml_reader(["init_rc 9", gpu0()])
     assert reader.unavailable and reader.read(0)["present"] is None
+
+
+def test_critical_xid_and_ecc_faults_are_read_through_nvml(nvml_reader):
+    # agents/signals.py on the real pynvml: nothing while NVML does not support ECC queries (no guess),
+    # then ECC double-bit errors, pages pending retirement, and a critical XID event delivered once.
+    reader, rewrite = nvml_reader(["gpu 0 present 25769803776 0 Fake GPU"])
+    assert reader.signals(0) == []
+    rewrite(["gpu 0 present 25769803776 0 Fake GPU", "ecc 0 0", "pending 0 0"])
+    assert reader.signals(0) == []
+    rewrite(["gpu 0 present 25769803776 0 Fake GPU", "ecc 0 2", "pending 0 1", "xid 0 79"])
+    got = reader.signals(0)
+    assert [s for s, _ in got] == ["gpu_xid", "gpu_ecc", "gpu_ecc"]
+    assert "XID 79" in got[0][1] and "2 uncorrected" in got[1][1] and "pending" in got[2][1]
+    assert [s for s, _ in reader.signals(0)] == ["gpu_ecc", "gpu_ecc"]  # the XID event was consumed
+    rewrite(["gpu 0 lost 25769803776 0 Fake GPU"])
+    assert reader.signals(0) == []  # a lost GPU is the presence watcher's news

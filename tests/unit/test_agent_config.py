@@ -133,11 +133,14 @@ def test_gpu_observations_only_on_change():
                                          processes=[GpuProcess(pid=11, used_bytes=4 * GiB)]))
 
 
-def test_training_env_adds_exactly_two_variables():
+def test_training_env_adds_the_contracts_variables_and_pci_bus_order():
     base = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1", "X": "1"}
     spec = TrainingSpec(slot="lora", gpu_index=1, command=["t"], checkpoint_dir="/ckpt/lora")
     env = training_env(base, spec)
-    assert env == {**base, "HARU_CHECKPOINT_DIR": "/ckpt/lora", "HARU_GPU_INDEX": "1"}
+    # HARU_GPU_INDEX is NVML's (PCI bus) order: CUDA must number the cards the same way, or a trainer
+    # pinning CUDA_VISIBLE_DEVICES=$HARU_GPU_INDEX lands on another card on a mixed-GPU host.
+    assert env == {**base, "HARU_CHECKPOINT_DIR": "/ckpt/lora", "HARU_GPU_INDEX": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert training_env({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, spec)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert base == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1", "X": "1"}  # not mutated
 
 
@@ -146,3 +149,20 @@ def test_restart_backoff_doubles_and_caps():
 
     policy = Policy(restart_backoff_ms=1000, restart_backoff_max_ms=5000)
     assert [backoff_s(policy, n) for n in (1, 2, 3, 4, 5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+def test_the_config_is_inline_json_or_a_path_and_the_environment_names_it(tmp_path):
+    """Haru's supervisor took its config as inline JSON or a path (HARU_SUPERVISOR_CONFIG): so does the agent."""
+    from agents.config import config_from_env
+
+    doc = {"fleet": "f", "domain": "a"}
+    inline = load_config(json.dumps(doc))
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(doc))
+    assert inline == load_config(str(path)) and (inline.fleet, inline.domain) == ("f", "a")
+    assert config_from_env({"HARU_AGENT_CONFIG": str(path)}) == str(path)
+    assert config_from_env({"HARU_SUPERVISOR_CONFIG": json.dumps(doc)}) == json.dumps(doc)
+    assert config_from_env({"HARU_AGENT_CONFIG": "a.json", "HARU_SUPERVISOR_CONFIG": "b.json"}) == "a.json"
+    assert config_from_env({}) == ""
+    with pytest.raises(ConfigError, match="inline agent config"):
+        load_config('{"fleet": "f"}')

@@ -35,7 +35,7 @@ def build(cls: type, *, fleet: str = "default", domain: str = "a", model: str = 
         "index": index, "slot": slot, "policy": msgspec.to_builtins(Policy()), "spec": spec, "name": model,
         "gpu_index": index, "admitted": True, "vram_bytes": 1, "reason": "unhealthy", "runtime_said": "no",
         "present": True, "pid": 1, "how": "exited", "op_id": "op-1", "target": domain, "step": "wake", "why": "x",
-        "eligible": True, "active": domain, "reference": "ollama:library/qwen3:0.6b", "upto": 1,
+        "eligible": True, "active": domain, "reference": "ollama:library/qwen3:0.6b", "upto": 1, "source": domain,
     }  # fmt: skip
     return msgspec.convert(fields, cls)
 

@@ -1,0 +1,389 @@
+"""What clients see of a failover: closed-loop JSON and SSE load through the gateway, one fault at a time.
+
+    .venv/bin/python bench/clientview.py [--json-clients 6] [--sse-clients 2] [--tail-s 6] [--faults all]
+
+Runs `haru up --demo` (embedded nats-server, projector, promoter, gateway, two agents on the vLLM
+simulator) in a temporary home, waits until domain a serves and b is asleep and training, measures a
+steady window, then applies each fault to the active domain, one at a time, with the load running:
+
+    promote      `haru promote <standby> --wait` (planned)
+    detach       `haru sim detach-gpu <active>` (the provider took the GPU); attached again after
+    crash        `haru sim crash <active> <model>` for every model (every runtime exits)
+    agent        SIGKILL of the active's agent only (`haru up` starts it again; its runtimes and
+                 port holder live on)
+    host         SIGKILL of the active's agent, its runtimes and its serving port holder at once
+    preempt      the provider's preemption notice for the active (its declared `preemption_notice`
+                 command starts answering); afterwards the notice is withdrawn and the old active's
+                 agent restarted, which clears the signal
+
+Each window runs from the fault until the fleet is settled again (no operation in flight, the active's
+models resident) plus `--tail-s`. Per fault it prints the requests, the failed ones (a non-200, or an
+SSE stream that ended with an error event), the cut streams (ended without `[DONE]` or an error
+event), the streams the gateway continued (haru_gateway_stream_resumes_total), the requests it held
+and sent again, and the p99 latency against the steady window's. Goal: 0 failed and 0 cut in every
+row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+CHAT = [{"role": "user", "content": "hello"}]
+FAULTS = ("promote", "detach", "crash", "agent", "host", "preempt")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def layout(dst: Path) -> Path:
+    doc = json.loads((REPO / "deploy" / "examples" / "demo-fleet.json").read_text())
+    for domain in doc["domains"]:
+        domain["serving_url"] = f"http://127.0.0.1:{free_port()}"
+        domain["preemption_notice"] = {"command": ["cat", str(dst.parent / f"notice-{domain['name']}")],
+                                       "interval_ms": 500}
+        for slot in domain["slots"]:
+            for model in slot.get("models", []):
+                model["port"] = free_port()
+    dst.write_text(json.dumps(doc))
+    return dst
+
+
+def descendants(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        p, pp = map(int, line.split())
+        children.setdefault(pp, []).append(p)
+    found, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in found:
+                found.add(c)
+                todo.append(c)
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+class Demo:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.home = root / "home"
+        self.env = {**os.environ, "HARU_HOME": str(self.home), "HARU_NO_UVLOOP": "1", "PYTHONPATH": str(REPO)}
+        for name in ("HARU_NATS_URL", "HARU_API_TOKEN"):
+            self.env.pop(name, None)
+        self.proc: subprocess.Popen | None = None
+        self.gateway = ""
+        self.nats = ""
+        self.tree: set[int] = set()
+
+    def start(self) -> None:
+        ready = self.root / "ready.json"
+        self.proc = subprocess.Popen(
+            [PY, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--port", str(free_port()),
+             "--layout", str(layout(self.root / "demo.json")), "--ready-file", str(ready), "--log-level", "warning"],
+            stdout=open(self.root / "up.out", "wb"), stderr=open(self.root / "up.err", "wb"), env=self.env, cwd=REPO)
+        deadline = time.monotonic() + 90
+        while not ready.exists():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise SystemExit(f"haru up did not start: see {self.root / 'up.err'}")
+            time.sleep(0.2)
+        info = json.loads(ready.read_text())
+        self.gateway, self.nats = info["gateway_url"], info["nats_url"]
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.tree |= descendants(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        for pid in self.tree | descendants(self.proc.pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    def haru(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([PY, "-m", "haru.cli", *args, *(["--nats-url", self.nats] if args[0] in ("promote",) else [])],
+                              capture_output=True, text=True, env=self.env, cwd=REPO, timeout=120)
+
+    async def view(self, s: aiohttp.ClientSession) -> dict:
+        async with s.get(self.gateway + "/v1/fleets/default") as r:
+            return await r.json()
+
+    async def metrics(self, s: aiohttp.ClientSession) -> dict[str, float]:
+        async with s.get(self.gateway + "/metrics") as r:
+            text = await r.text()
+        out: dict[str, float] = {}
+        for name, label in (("continued", 'haru_gateway_stream_resumes_total{fleet="default",outcome="continued"}'),
+                            ("error_event", 'haru_gateway_stream_resumes_total{fleet="default",outcome="error_event"}'),
+                            ("held", 'haru_gateway_held_total{fleet="default",outcome="released"}')):
+            m = re.search(re.escape(label) + r" ([0-9.e+]+)", text)
+            out[name] = float(m.group(1)) if m else 0.0
+        out["retried"] = sum(float(v) for v in re.findall(r'haru_gateway_retried_total\{fleet="default",why="[a-z_]+"\} ([0-9.e+]+)', text))
+        return out
+
+
+def settled(view: dict) -> str:
+    """The active domain when the fleet is settled (nothing in flight, active resident, standby asleep), else ''."""
+    active = view.get("active", "")
+    if not active or view.get("operation"):
+        return ""
+    for name, d in view["domains"].items():
+        states = {m["residency"]["state"] for m in d["models"].values()}
+        if name == active and states != {"resident"}:
+            return ""
+        if name != active and (states != {"sleeping"} or not d.get("eligible", True)):
+            return ""
+    return active
+
+
+class Load:
+    """Closed-loop clients; every finished request is kept as (start, end, kind, outcome)."""
+
+    def __init__(self, gateway: str, json_clients: int, sse_clients: int) -> None:
+        self.gateway = gateway
+        self.json_clients, self.sse_clients = json_clients, sse_clients
+        self.done: list[tuple[float, float, str, str]] = []
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def _json(self, s: aiohttp.ClientSession) -> None:
+        body = {"model": "qwen3-0.6b", "messages": CHAT, "max_tokens": 8}
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                async with s.post(self.gateway + "/v1/chat/completions", json=body) as r:
+                    await r.read()
+                    outcome = "ok" if r.status == 200 else f"failed:{r.status}"
+            except aiohttp.ClientError as exc:
+                outcome = f"failed:{type(exc).__name__}"
+            self.done.append((t0, time.monotonic(), "json", outcome))
+
+    async def _sse(self, s: aiohttp.ClientSession) -> None:
+        body = {"model": "Qwen/Qwen3-4B-Instruct", "messages": CHAT, "max_tokens": 64, "ignore_eos": True,
+                "stream": True}
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            data = b""
+            try:
+                async with s.post(self.gateway + "/v1/chat/completions", json=body) as r:
+                    if r.status != 200:
+                        await r.read()
+                        outcome = f"failed:{r.status}"
+                    else:
+                        try:
+                            data = await r.read()
+                            outcome = ("failed:error_event" if b'data: {"error"' in data
+                                       else "ok" if data.rstrip().endswith(b"data: [DONE]") else "cut")
+                        except aiohttp.ClientPayloadError:
+                            outcome = "cut"
+            except aiohttp.ClientError as exc:
+                outcome = f"failed:{type(exc).__name__}"
+            self.done.append((t0, time.monotonic(), "sse", outcome))
+
+    async def __aenter__(self) -> Load:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
+        self._tasks = [asyncio.create_task(self._json(self._session)) for _ in range(self.json_clients)]
+        self._tasks += [asyncio.create_task(self._sse(self._session)) for _ in range(self.sse_clients)]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._session.close()
+
+
+def p99(xs: list[float]) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
+
+
+async def wait_settled(demo: Demo, s: aiohttp.ClientSession, timeout: float, moved_from: str = "") -> tuple[str, float]:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        with contextlib.suppress(aiohttp.ClientError, KeyError, ValueError):
+            active = settled(await demo.view(s))
+            if active and (not moved_from or active != moved_from or time.monotonic() - started > 2):
+                return active, time.monotonic() - started
+        await asyncio.sleep(0.2)
+    raise SystemExit(f"the fleet did not settle within {timeout} s: see {demo.root}")
+
+
+async def wait_moved(demo: Demo, s: aiohttp.ClientSession, old: str, timeout: float) -> str:
+    """The route moved off `old` and the operation that moved it finished."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError, KeyError, ValueError):
+            view = await demo.view(s)
+            if view.get("active") not in ("", old) and not view.get("operation"):
+                return view["active"]
+        await asyncio.sleep(0.2)
+    raise SystemExit(f"the route did not move off {old} within {timeout} s: see {demo.root}")
+
+
+async def wait_agent(demo: Demo, s: aiohttp.ClientSession, domain: str, old_pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError, KeyError, ValueError):
+            agent = (await demo.view(s))["domains"][domain]["agent"]
+            if agent.get("running") and int(agent.get("pid", 0)) not in (0, old_pid):
+                return
+        await asyncio.sleep(0.2)
+    raise SystemExit(f"the agent of {domain} did not start again within {timeout} s: see {demo.root}")
+
+
+def active_agent(view: dict, active: str) -> int:
+    return int(view["domains"][active]["agent"]["pid"])
+
+
+async def fault(name: str, demo: Demo, s: aiohttp.ClientSession, active: str) -> None:
+    standby = "b" if active == "a" else "a"
+    view = await demo.view(s)
+    if name == "promote":
+        out = await asyncio.to_thread(demo.haru, "promote", standby, "--wait")
+        if out.returncode:
+            raise SystemExit(f"haru promote failed: {out.stderr}")
+    elif name == "detach":
+        out = await asyncio.to_thread(demo.haru, "sim", "detach-gpu", active)
+        if out.returncode:
+            raise SystemExit(f"detach failed: {out.stderr}")
+    elif name == "crash":
+        for model in view["domains"][active]["models"]:
+            await asyncio.to_thread(demo.haru, "sim", "crash", active, model)
+    elif name == "agent":
+        os.kill(active_agent(view, active), signal.SIGKILL)
+    elif name == "preempt":
+        (demo.root / f"notice-{active}").write_text("spot instance-action: terminate in 120 s\n")
+    elif name == "host":
+        agent = active_agent(view, active)
+        victims = {agent} | descendants(agent)
+        port = view["domains"][active]["serving_url"].rsplit(":", 1)[-1].rstrip("/")
+        holder = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                  if "agents.portholder" in (cl := cmdline(pid)) and cl.split()[-1:] == [port]]
+        victims |= set(holder)
+        for pid in victims:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+async def recover(name: str, demo: Demo, s: aiohttp.ClientSession, old_active: str) -> None:
+    if name == "detach":
+        await asyncio.to_thread(demo.haru, "sim", "attach-gpu", old_active)
+    if name == "preempt":  # the notice withdrawn; the agent that starts again no longer sees it
+        (demo.root / f"notice-{old_active}").unlink()
+        view = await demo.view(s)
+        os.kill(active_agent(view, old_active), signal.SIGKILL)
+
+
+async def measure(faults: tuple[str, ...], *, json_clients: int = 6, sse_clients: int = 2, steady_s: float = 5.0,
+                  tail_s: float = 6.0, keep: bool = False) -> list[tuple]:
+    """Run the demo, the steady window and each fault; the rows (name, requests, failed, cut, continued,
+    held, retried, p99 s, route, window s), the steady window first."""
+    root = Path(tempfile.mkdtemp(prefix="haru-clientview-"))
+    demo = Demo(root)
+    rows: list[tuple] = []
+    try:
+        demo.start()
+        async with aiohttp.ClientSession() as s:
+            active, _ = await wait_settled(demo, s, 120)
+            async with Load(demo.gateway, json_clients, sse_clients) as load:
+                t0 = time.monotonic()
+                await asyncio.sleep(steady_s)
+                steady = [e - b for b, e, _, _ in load.done if b >= t0]
+                rows.append(("steady", len(steady), sum(1 for *_, o in load.done if o.startswith("failed")),
+                             sum(1 for *_, o in load.done if o == "cut"), 0, 0, 0, p99(steady), "", 0.0))
+                for name in faults:
+                    before = await demo.metrics(s)
+                    start = time.monotonic()
+                    n0 = len(load.done)
+                    old_agent = active_agent(await demo.view(s), active)
+                    await fault(name, demo, s, active)
+                    if name == "agent":  # no move needed: wait for the agent that `haru up` starts again
+                        await wait_agent(demo, s, active, old_agent, 60)
+                    else:
+                        await wait_moved(demo, s, active, 120)
+                    await recover(name, demo, s, active)  # the old active back (a GPU attached again, ...)
+                    new_active, took = await wait_settled(demo, s, 180)
+                    await asyncio.sleep(tail_s)
+                    after = await demo.metrics(s)
+                    window = load.done[n0:]
+                    lat = [e - b for b, e, _, _ in window]
+                    failed = [o for *_, o in window if o.startswith("failed")]
+                    cut = sum(1 for *_, o in window if o == "cut")
+                    rows.append((name, len(window), len(failed), cut, int(after["continued"] - before["continued"]),
+                                 int(after["held"] - before["held"]), int(after["retried"] - before["retried"]),
+                                 p99(lat), f"{active} -> {new_active}" if new_active != active else f"{active}",
+                                 time.monotonic() - start))
+                    active = new_active
+    finally:
+        demo.stop()
+        if not keep:
+            subprocess.run(["rm", "-rf", str(root)], check=False)
+        else:
+            print(f"home and logs kept in {root}")
+    return rows
+
+
+def table(rows: list[tuple], json_clients: int, sse_clients: int) -> str:
+    out = [f"closed loop: {json_clients} JSON + {sse_clients} SSE clients through the gateway, "
+           f"`haru up --demo` (simulated vLLM)", "",
+           f"{'fault':<9} {'requests':>8} {'failed':>6} {'cut':>4} {'continued':>9} {'held':>5} {'retried':>7} "
+           f"{'p99 ms':>7} {'vs steady':>9}  route"]
+    steady_p99 = rows[0][7]
+    for name, n, failed, cut, cont, held, retried, q, route, _ in rows:
+        ratio = f"{q / steady_p99:.1f}x" if steady_p99 and name != "steady" else ""
+        out.append(f"{name:<9} {n:>8} {failed:>6} {cut:>4} {cont:>9} {held:>5} {retried:>7} {q * 1000:>7.0f} "
+                   f"{ratio:>9}  {route}")
+    bad = [r[0] for r in rows[1:] if r[2] or r[3]]
+    out.append("")
+    out.append("goal: 0 failed and 0 cut in every row: " + ("met" if not bad else f"NOT met ({', '.join(bad)})"))
+    return "\n".join(out)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json-clients", type=int, default=6)
+    ap.add_argument("--sse-clients", type=int, default=2)
+    ap.add_argument("--steady-s", type=float, default=5.0)
+    ap.add_argument("--tail-s", type=float, default=6.0)
+    ap.add_argument("--faults", default="all", help=f"comma-separated, of {', '.join(FAULTS)}")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary home (logs) afterwards")
+    args = ap.parse_args()
+    faults = FAULTS if args.faults == "all" else tuple(args.faults.split(","))
+    rows = await measure(faults, json_clients=args.json_clients, sse_clients=args.sse_clients,
+                         steady_s=args.steady_s, tail_s=args.tail_s, keep=args.keep)
+    print()
+    print(table(rows, args.json_clients, args.sse_clients))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,232 @@
+"""Holding requests through a failover, so that clients do not see it (docs/gateway.md).
+
+While a fleet's active domain is unfit and a failover is under way, or about to start (auto-failover
+on and an eligible standby), a request the gateway would refuse (`model_lost`, `gpu_detached`, a
+warming or asleep model while a promotion runs) or could not deliver (the domain refused or reset
+the connection, or its serving port said the runtime is gone) waits here for the route to move,
+and is then sent to the new active. Nothing here runs for a request that is forwarded at once: the
+proxy's hot path only calls in when it already has an error to give.
+
+    plan = hold_plan(routes, code, unreachable=False)   # pure: hold? how long at most? why?
+    outcome = await holds.hold(fleet, model, size, plan, accept)   # Forward, or the answer to give
+
+Bounds, all from the fleet's policy (haru/core/specs.py):
+
+    hold_ms            how long a request waits; 0 = the standby's measured wake and probe (the last
+                       `model_resident` after `model_waking`, haru/core/fold.py) plus, when the active's
+                       silence has yet to be noticed, the heartbeat timeout, plus a margin
+    hold_max_ms        the ceiling of that (0 = never hold); unmeasured wake times take the ceiling
+    hold_max_requests  requests held per fleet on this gateway at once; beyond it, answered at once
+    hold_max_bytes     their bodies' bytes, the same way
+
+"About to start" follows the promoter's own rule: a GPU gone or a `gpu_detached` loss fails the
+active at once, and so does a cold-reload loss (`process_exited`, `evicted`, `unhealthy`) when the
+standby's measured wake beats the active's measured warm-up (the faster path). A loss the promoter
+waits out (`degraded_grace_ms`) is answered at once, as before: holding it would only delay the 503.
+
+A held request leaves with today's diagnostic answer when its time is up, or at once when the hold
+no longer applies (the promotion aborted and no other is coming). A client that disconnects cancels
+its handler (the server runs with handler_cancellation), which drops the held request at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Final
+
+import msgspec
+
+from gateway.metrics import GatewayMetrics
+from gateway.routing import Forward, FleetRoutes, Refusal, RoutingTable
+from haru.core.residency import Loading, Lost, Resident, Sleeping, Waking
+from haru.core.views import FleetView
+
+# Refusals a failover cures. `model_warming` / `model_asleep` only while a promotion is under way:
+# a cold reload with nothing coming to replace it is answered at once, as before.
+_CURED_BY_FAILOVER: Final = frozenset({"model_lost", "gpu_detached", "upstream_unreachable", "no_serving_url"})
+_CURED_BY_PROMOTION: Final = _CURED_BY_FAILOVER | frozenset({"model_warming", "model_asleep", "residency_unknown"})
+_MOVING_KINDS: Final = frozenset({"promotion", "rolling"})
+_READY_TO_PROMOTE = (Sleeping, Resident, Waking)
+MARGIN_MS: Final = 1_000  # the flip and the route reaching this gateway, beyond wake and probe
+
+
+class HoldPlan(msgspec.Struct, frozen=True):
+    """Hold for at most `budget_ms`: `why` says what the request waits for."""
+
+    budget_ms: int
+    why: str
+
+
+def _under_way(view: FleetView, active: str) -> str:
+    op = view.operation
+    if op is None or op.state != "running" or op.kind not in _MOVING_KINDS or op.target == active:
+        return ""
+    return op.target
+
+
+def _standby_ready(view: FleetView, active: str) -> str:
+    """The standby an automatic failover would promote ('' when there is none fit to)."""
+    for name, dv in view.domains.items():
+        if name == active or not dv.eligible or dv.reachable is not True:
+            continue
+        if any(gpu.present is False for gpu in dv.gpus):
+            continue
+        served = [m for m, mv in dv.models.items() if mv.admitted is not False]
+        if served and all(isinstance(dv.models[m].residency, _READY_TO_PROMOTE) for m in served):
+            return name
+    return ""
+
+
+_COLD_RELOAD: Final = frozenset({"process_exited", "evicted", "unhealthy"})
+
+
+def _fails_now(view: FleetView, active: str, target: str) -> bool:
+    """Whether the promoter fails the active at once for what its models show (the decider's rule,
+    haru/promoter/decider.py `active_health` and `faster_path`): a GPU gone, a `gpu_detached` loss, or a
+    cold-reload loss that the standby's measured wake beats the active's measured warm-up."""
+    dv = view.domains.get(active)
+    sb = view.domains.get(target)
+    if dv is None or sb is None:
+        return False
+    if any(gpu.present is False for gpu in dv.gpus):
+        return True
+    wakes = [sb.models[m].wake_ms for m in dv.models if m in sb.models and dv.models[m].admitted is not False]
+    wake = max(wakes) if wakes and all(wakes) else 0
+    for mv in dv.models.values():
+        state = mv.residency
+        if isinstance(state, Lost):
+            if state.reason == "gpu_detached":
+                return True
+            if state.reason in _COLD_RELOAD and wake and mv.load_ms and wake < mv.load_ms:
+                return True
+        elif isinstance(state, Loading) and state.attempt > 1 and wake and mv.load_ms and wake < mv.load_ms:
+            return True
+    return False
+
+
+def _backing_off(view: FleetView, target: str, now: float) -> bool:
+    """A promotion onto `target` aborted a moment ago: the promoter waits before it tries again, so
+    nothing is about to start (the promoter's own wait is at least this long)."""
+    last = view.last_operation
+    if last is None or last.state != "aborted" or last.target != target or last.finished_at is None:
+        return False
+    wait_ms = max(view.policy.degraded_grace_ms, view.policy.heartbeat_timeout_ms)
+    return now - last.finished_at.timestamp() < wait_ms / 1000
+
+
+def hold_plan(routes: FleetRoutes | None, code: str, *, unreachable: bool = False, now: float) -> HoldPlan | None:
+    """Whether a request answered `code` (or that found the active unreachable) should wait for a
+    failover, and for how long at most. None: answer it now. `now` is epoch seconds. Pure."""
+    if routes is None or routes.view is None or not routes.active:
+        return None
+    view = routes.view
+    policy = view.policy
+    if policy.hold_max_ms <= 0:
+        return None
+    active = routes.active
+    target = _under_way(view, active)
+    if target:
+        if code not in _CURED_BY_PROMOTION and not unreachable:
+            return None
+        why = f"promotion of {target} under way"
+    else:
+        if code not in _CURED_BY_FAILOVER and not unreachable:
+            return None
+        if not policy.auto_failover:
+            return None
+        target = _standby_ready(view, active)
+        if not target or _backing_off(view, target, now):
+            return None
+        if not unreachable and not _fails_now(view, active, target):
+            return None  # a loss the promoter waits out (degraded_grace_ms): holding would only delay the answer
+        why = f"auto-failover to {target} about to start"
+    if policy.hold_ms:
+        return HoldPlan(min(policy.hold_ms, policy.hold_max_ms), why)
+    wakes = [mv.wake_ms for mv in view.domains[target].models.values() if mv.admitted is not False]
+    if not wakes or not all(wakes):
+        return HoldPlan(policy.hold_max_ms, why)  # never measured: the ceiling
+    dv = view.domains.get(active)
+    # The promoter fails a silent domain only once its heartbeats have been missing this long.
+    detect = policy.heartbeat_timeout_ms if unreachable and (dv is None or dv.reachable is not False) else 0
+    return HoldPlan(min(detect + max(wakes) + MARGIN_MS, policy.hold_max_ms), why)
+
+
+class Holds:
+    """The requests held on this gateway, per fleet, and the wake-up when a fleet's routes change.
+
+    `changed(fleet)` is called by the route follower on every view, intent and route move."""
+
+    def __init__(self, table: RoutingTable, metrics: GatewayMetrics) -> None:
+        self.table = table
+        self.metrics = metrics
+        self._changes: dict[str, asyncio.Event] = {}
+        self.held: dict[str, int] = {}  # fleet -> requests held now
+        self.held_bytes: dict[str, int] = {}
+
+    def changed(self, fleet: str) -> None:
+        event = self._changes.pop(fleet, None)
+        if event is not None:
+            event.set()
+
+    async def next_change(self, fleet: str, timeout: float) -> bool:
+        """Wait until the fleet's routes change (True) or `timeout` seconds pass (False)."""
+        event = self._changes.get(fleet)
+        if event is None:
+            event = self._changes[fleet] = asyncio.Event()
+        try:
+            async with asyncio.timeout(max(timeout, 0.0)):
+                await event.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def admit(self, fleet: str, size: int) -> str:
+        """'' when one more request of `size` bytes may be held in `fleet`, else why not."""
+        routes = self.table.get(fleet)
+        policy = routes.view.policy if routes is not None and routes.view is not None else None
+        if policy is None:
+            return "no fleet view"
+        if self.held.get(fleet, 0) >= policy.hold_max_requests:
+            return f"hold_max_requests ({policy.hold_max_requests}) requests are held already"
+        if self.held_bytes.get(fleet, 0) + size > policy.hold_max_bytes:
+            return f"hold_max_bytes ({policy.hold_max_bytes}) bytes are held already"
+        return ""
+
+    async def hold(self, fleet: str, model: str, size: int, plan: HoldPlan, first: Refusal,
+                   accept: Callable[[Forward], bool], *, unreachable: bool = False) -> Forward | Refusal:
+        """Wait, within `plan`, until the table resolves `model` to a Forward that `accept`s; return it,
+        or the answer to give when the hold ends without one: the fleet's answer at that moment."""
+        full = self.admit(fleet, size)
+        if full:
+            self.metrics.held(fleet, "full", 0.0)
+            return first
+        self.held[fleet] = self.held.get(fleet, 0) + 1
+        self.held_bytes[fleet] = self.held_bytes.get(fleet, 0) + size
+        started = time.monotonic()
+        deadline = started + plan.budget_ms / 1000
+        answer: Forward | Refusal = first
+        outcome = "expired"
+        try:
+            while True:
+                result = self.table.resolve(fleet, model, time.time())
+                if type(result) is Forward:
+                    if accept(result):
+                        outcome = "released"
+                        return result
+                else:
+                    answer = result
+                if hold_plan(self.table.get(fleet), first.code, unreachable=unreachable, now=time.time()) is None:
+                    outcome = "aborted"  # the promotion aborted, or nothing is coming to cure it any more
+                    return answer
+                left = deadline - time.monotonic()
+                if left <= 0 or not await self.next_change(fleet, left):
+                    return answer
+        except asyncio.CancelledError:
+            outcome = "dropped"  # the client went away: the request is dropped at once
+            raise
+        finally:
+            self.held[fleet] -= 1
+            self.held_bytes[fleet] -= size
+            self.metrics.held(fleet, outcome, time.monotonic() - started)

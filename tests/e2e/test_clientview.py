@@ -1,0 +1,34 @@
+"""A failover the clients do not see, end to end: `haru up --demo` (real agents, promoter, projector,
+gateway), closed-loop JSON and SSE clients through the gateway, and each fault of bench/clientview.py
+applied to the active in turn. No client request fails and no stream is cut in any of them."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(600)
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "clientview.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("clientview_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def test_no_client_sees_a_failover(tmp_path):
+    bench = _bench()
+    rows = await bench.measure(bench.FAULTS, json_clients=3, sse_clients=2, steady_s=2, tail_s=2)
+    print(bench.table(rows, 3, 2))
+    assert [r[0] for r in rows] == ["steady", *bench.FAULTS]
+    for name, n, failed, cut, *_ in rows:
+        assert n > 0, name
+        assert (failed, cut) == (0, 0), f"{name}: {failed} failed, {cut} cut\n{bench.table(rows, 3, 2)}"
+    moved = {r[0]: r[8] for r in rows}
+    for name in ("promote", "detach", "crash", "host", "preempt"):
+        assert "->" in moved[name], f"{name} did not move the route: {moved[name]}"

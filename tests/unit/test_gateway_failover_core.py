@@ -1,0 +1,189 @@
+"""The pure parts of a failover clients do not see: when to hold and for how long (gateway/hold.py),
+and how a cut stream is read, continued and spliced (gateway/resume.py)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import msgspec
+import pytest
+
+from gateway.hold import MARGIN_MS, hold_plan
+from gateway.resume import (
+    boundary,
+    continuation_body,
+    error_event,
+    events,
+    not_continuable,
+    splice_event,
+    transcript,
+)
+from gateway.routing import compile_routes
+from haru.core.residency import Answer, Loading, Lost, Resident, Sleeping
+from haru.core.specs import Policy
+from haru.core.views import DomainView, FleetView, ModelView, OperationView, RouteIntent, Target
+
+NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+M = "m1"
+
+
+def routes(*, policy: Policy = Policy(), wake_ms: int = 400, standby=None, operation=None, last_operation=None,
+           b_reachable: bool | None = True, b_eligible: bool = True, a_reachable: bool | None = True):
+    a = DomainView(name="a", serving_url="http://a", reachable=a_reachable,
+                   models={M: ModelView(name=M, admitted=True, residency=Lost(reason="process_exited"), load_ms=30_000)})
+    b = DomainView(name="b", serving_url="http://b", reachable=b_reachable, eligible=b_eligible,
+                   models={M: ModelView(name=M, admitted=True, residency=standby or Sleeping(since=NOW),
+                                        wake_ms=wake_ms)})
+    view = FleetView(fleet="f", policy=policy, domains={"a": a, "b": b}, active="a", route_revision=1, seq=1,
+                     operation=operation, last_operation=last_operation)
+    intent = RouteIntent(fleet="f", revision=1, active=Target(domain="a", serving_url="http://a"),
+                         answers={M: Answer(answer="lost", reason="process_exited")})
+    return compile_routes("f", view, intent, 1)
+
+
+T = NOW.timestamp()
+
+
+def test_a_lost_model_is_held_for_the_standbys_measured_wake_and_a_margin():
+    plan = hold_plan(routes(wake_ms=400), "model_lost", now=T)
+    assert plan is not None and plan.budget_ms == 400 + MARGIN_MS and "b" in plan.why
+
+
+def test_an_unreachable_active_adds_the_heartbeat_timeout_until_its_silence_is_noticed():
+    assert hold_plan(routes(), "upstream_unreachable", unreachable=True, now=T).budget_ms == 5_000 + 400 + MARGIN_MS
+    noticed = routes(a_reachable=False)
+    assert hold_plan(noticed, "upstream_unreachable", unreachable=True, now=T).budget_ms == 400 + MARGIN_MS
+
+
+def test_the_hold_is_bounded_by_policy():
+    unmeasured = hold_plan(routes(wake_ms=0), "upstream_unreachable", unreachable=True, now=T)
+    assert unmeasured.budget_ms == 30_000  # a wake never measured: the ceiling
+    assert hold_plan(routes(wake_ms=29_000), "model_lost", now=T).budget_ms == 30_000
+    assert hold_plan(routes(policy=Policy(hold_ms=700)), "model_lost", now=T).budget_ms == 700
+    assert hold_plan(routes(policy=Policy(hold_max_ms=0)), "model_lost", now=T) is None
+
+
+@pytest.mark.parametrize("kw", [
+    dict(policy=Policy(auto_failover=False)),
+    dict(standby=Lost(reason="evicted")),
+    dict(standby=Loading(since=NOW)),
+    dict(b_reachable=None),
+    dict(b_eligible=False),
+])
+def test_nothing_is_held_when_no_failover_is_coming(kw):
+    assert hold_plan(routes(**kw), "model_lost", now=T) is None
+
+
+def test_answers_a_failover_does_not_cure_are_not_held():
+    for code in ("model_not_admitted", "model_warming", "model_asleep", "residency_unknown", "no_active_domain"):
+        assert hold_plan(routes(), code, now=T) is None
+
+
+def test_a_promotion_under_way_holds_warming_and_asleep_too():
+    op = OperationView(op_id="o", kind="promotion", target="b", source="a")
+    for code in ("model_warming", "model_asleep", "model_lost"):
+        assert hold_plan(routes(operation=op), code, now=T) is not None
+    # even with auto-failover off: a manual promotion is under way
+    assert hold_plan(routes(operation=op, policy=Policy(auto_failover=False)), "model_lost", now=T) is not None
+
+
+def test_a_promotion_that_just_aborted_means_nothing_is_about_to_start():
+    aborted = OperationView(op_id="o", kind="promotion", target="b", source="a", state="aborted",
+                            finished_at=NOW - timedelta(seconds=1))
+    assert hold_plan(routes(last_operation=aborted), "model_lost", now=T) is None
+    later = T + 61
+    assert hold_plan(routes(last_operation=aborted), "model_lost", now=later) is not None
+
+
+# ------------------------------------------------------------------------------------- streams
+
+
+def chunk(delta: dict, finish: str | None = None, cid: str = "c1", created: int = 7) -> bytes:
+    obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": M,
+           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def test_boundary_is_the_end_of_the_last_whole_event():
+    assert boundary(b"data: 1\n\ndata: 2") == 9
+    assert boundary(b"data: 1\r\n\r\ndata: 2\r\n\r\n") == 22
+    assert boundary(b"data: 1\n") == 0
+    assert events(b": comment\n\ndata: 1\n\ndata: 2\r\n\r\n") == [b"1", b"2"]
+
+
+def test_the_transcript_is_what_the_client_received():
+    sent = chunk({"role": "assistant", "content": ""}) + chunk({"content": "Hel"}) + chunk({"content": "lo"})
+    t = transcript(sent)
+    assert (t.id, t.created, t.text, t.role_sent, t.finished, t.chunks, t.other) == ("c1", 7, "Hello", True, False, 2, "")
+    assert transcript(sent + chunk({}, "stop")).finished
+    assert transcript(sent + b"data: [DONE]\n\n").finished
+    assert transcript(chunk({"tool_calls": [{"index": 0}]})).other
+
+
+@pytest.mark.parametrize("request_, why", [
+    ({"n": 2}, "n > 1"),
+    ({"tools": [{}]}, "tools"),
+    ({"tool_choice": "auto"}, "tools"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "json_schema"),
+    ({"guided_regex": "a+"}, "guided"),
+    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "logprobs"),
+])
+def test_what_cannot_be_continued_faithfully_says_why(request_, why):
+    assert why in not_continuable({"model": M, "messages": [], **request_})
+
+
+def test_plain_requests_can_be_continued():
+    assert not_continuable({"model": M, "messages": [], "n": 1, "response_format": {"type": "text"},
+                            "tool_choice": "none", "temperature": 0.3}) == ""
+
+
+def test_the_continuation_asks_vllm_to_continue_the_assistant_message():
+    t = transcript(chunk({"role": "assistant", "content": "Hel"}) + chunk({"content": "lo"}))
+    req = {"model": M, "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 10}
+    body = json.loads(continuation_body(req, t, "vllm"))
+    assert body["messages"][-1] == {"role": "assistant", "content": "Hello"}
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+    assert body["max_tokens"] == 8 and body["stream"] is True and req["messages"][-1]["role"] == "user"
+    llama = json.loads(continuation_body(req, t, "llama_server"))
+    assert llama["messages"][-1]["content"] == "Hello" and "continue_final_message" not in llama
+    prefilled = {"model": M, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: "}]}
+    assert json.loads(continuation_body(prefilled, t, "vllm"))["messages"][-1]["content"] == "Sure: Hello"
+
+
+def test_a_spliced_event_keeps_the_first_id_and_drops_the_second_role():
+    t = transcript(chunk({"role": "assistant", "content": "Hel"}))
+    assert splice_event(events(chunk({"role": "assistant", "content": ""}, cid="c2", created=9))[0], t) is None
+    out = splice_event(events(chunk({"role": "assistant", "content": "lo"}, cid="c2", created=9))[0], t)
+    obj = json.loads(out[6:])
+    assert obj["id"] == "c1" and obj["created"] == 7 and obj["choices"][0]["delta"] == {"content": "lo"}
+    assert splice_event(b"[DONE]", t) == b"data: [DONE]\n\n"
+    fin = json.loads(splice_event(events(chunk({}, "stop", cid="c2"))[0], t)[6:])
+    assert fin["choices"][0]["finish_reason"] == "stop" and fin["id"] == "c1"
+
+
+def test_the_error_event_has_openais_shape():
+    obj = json.loads(error_event("it broke")[6:])
+    assert obj == {"error": {"message": "it broke", "type": obj["error"]["type"], "param": None,
+                             "code": "stream_interrupted"}}
+
+
+def test_measured_figures_in_the_view_are_kept():
+    mv = ModelView(name=M, residency=Resident(since=NOW, warmup_ms=5), wake_ms=3, load_ms=4)
+    assert msgspec.json.decode(msgspec.json.encode(mv), type=ModelView) == mv
+
+
+def test_a_cut_before_the_role_chunk_keeps_the_continuations_role_chunk():
+    t = transcript(b"")
+    first = splice_event(events(chunk({"role": "assistant", "content": ""}, cid="c2"))[0], t)
+    assert first is not None and json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
+    assert splice_event(events(chunk({"role": "assistant", "content": ""}, cid="c2"))[0], t) is None
+
+
+def test_a_loss_the_promoter_waits_out_is_not_held():
+    slow = routes(wake_ms=40_000)  # the standby wakes slower than the active reloads (30 s): no faster path
+    assert hold_plan(slow, "model_lost", now=T) is None
+    assert hold_plan(slow, "upstream_unreachable", unreachable=True, now=T) is not None  # silence: failed at once
+    unmeasured = routes(wake_ms=0)
+    assert hold_plan(unmeasured, "model_lost", now=T) is None
