@@ -51,6 +51,7 @@ from agents.gpu_watch import GpuWatcher
 from agents.signals import SignalWatcher, open_signals
 from agents.heartbeat import Heartbeats
 from agents.live_apply import LiveApply
+from agents.load_queue import LoadQueue
 from agents.loops import LoopErrors, on_the_way_out
 from agents.model_slots import ModelSlots
 from agents.recorder import Recorder
@@ -65,7 +66,7 @@ from agents.training_slots import TrainingSlots
 from haru.core import subjects
 from haru.core.errors import ConfigError
 from haru.core.events import FailureSignalled
-from haru.core.specs import ModelSpec
+from haru.core.specs import ModelSpec, model_gpus
 from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import EventLog
 
@@ -133,7 +134,8 @@ class Agent:
             domain=domain, record=self.recorder.record, about=self.recorder.about, gpu=self.gpu_watch, files=self.files,
             role=lambda: self.role.now, policy=lambda: self.live.slots.policy, stopping=stopping, stop_event=self._stop,
             spawn=self._spawn_task, make_room=self.training.make_room,
-            resume_training=lambda slots: self.training_policy.resume(slots), errors=errors, logger=logger)
+            resume_training=lambda slots: self.training_policy.resume(slots), errors=errors, logger=logger,
+            loads=LoadQueue(order=lambda: [spec.name for spec in self.live.slots.admitted_models]))
         self.models = ModelSlots(fleet=fleet, domain=domain, log=log, runtime_for=self._runtime_for, recorder=self.recorder,
                                  files=self.files, context=context, spawn=self._spawn_task, logger=logger)
         self.live = LiveApply(slots, log=log, fleet=fleet, domain=domain, models=self.models, role=self.role,
@@ -160,7 +162,7 @@ class Agent:
         gpu_memory = {g.index: g.memory_bytes for g in self.live.slots.domain.spec.gpus}
         return make_runtime(spec, session=self.session, log_dir=self.state_dir,
                             bind_host=self.config.serving.host if self.direct else "127.0.0.1",
-                            gpu_memory_bytes=gpu_memory.get(spec.gpu_index, 0))
+                            gpu_memory_bytes=max(gpu_memory.get(i, 0) for i in model_gpus(spec)))
 
     # ------------------------------------------------------------------------------------ lifecycle
 

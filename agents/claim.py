@@ -18,6 +18,7 @@ import msgspec
 
 from agents.cause import VERSION
 from agents.errors import AgentRefused
+from agents.host_ram import read_host_ram
 from haru.core import subjects
 from haru.core.commands import heartbeat_decoder
 from haru.core.errors import Conflict, NoResponders, RequestTimeout
@@ -55,8 +56,10 @@ class Claim:
                     f"{subjects.commands(self.fleet, self.domain)}.* and heartbeats; stop it first (two writers would "
                     f"corrupt one history)"
                 )
+        ram_total, ram_available = read_host_ram()  # agents/host_ram.py: /proc/meminfo, for `haru status`
         event = AgentStarted(at=_now(), domain=self.domain, host=self.host, pid=self.pid, version=VERSION,
-                             serving_url=serving_url)
+                             serving_url=serving_url, host_ram_total_bytes=ram_total,
+                             host_ram_available_bytes=ram_available)
         try:
             self.seq = await self.log.append(self.subject, event, expect=expect)
         except Conflict as exc:

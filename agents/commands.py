@@ -226,6 +226,10 @@ class CommandService:
             detail = "; ".join(verdict.data["unverified"])
         else:
             detail = "VRAM verified: enough free to wake, no trainer on the GPUs"
+        took = verdict.data.get("settle_ms")
+        if verdict.ok and took is not None:
+            detail += f" (read {verdict.data.get('reads', 1)} times; the memory was back after {took} ms, within the " \
+                      f"{verdict.data.get('settle_bound_ms', 0)} ms settle window)"
         return Reply(ok=verdict.ok, detail=detail, error=verdict.error, data=verdict.data)
 
     async def apply_layout(self, command: Command) -> Reply:

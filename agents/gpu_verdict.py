@@ -1,24 +1,59 @@
 """verify_gpu's judgment: given the models, the trainers and a reading of each of their GPUs, is it safe
 to wake the sleeping models there (free VRAM covers them, no trainer process is left)? No GPU read and no
 append here: the agent reads the GPUs (recording what changed) and passes the readings in. (The trainers'
-process groups and `pid_alive` do read /proc.)"""
+process groups and `pid_alive` do read /proc.) `settled` repeats observe-and-judge within the policy's
+settle window (`verify_settle_ms`) while the only problem is memory the driver has not released yet."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+import msgspec
 
 from agents.gpu import GpuReading
 from agents.model_slot import ModelSlot
 from agents.ports import GpuVerdict
 from agents.training import Trainer
 from haru.core.commands import ErrorInfo
+from haru.core.specs import model_gpus
 
-__all__ = ["judge_gpus", "gpus_of"]
+__all__ = ["judge_gpus", "gpus_of", "settled", "SETTLE_POLL_S"]
+
+SETTLE_POLL_S = 0.05  # within the settle window the GPUs are read this often (an NVML read costs ~1 ms)
+# Problems the settle window waits out: memory a stopped trainer held, not yet released by the driver.
+# Training still running (stop_training first) and a detached GPU do not go away by waiting.
+_SETTLES = frozenset({"gpu_busy"})
+
+
+async def settled(observe: Callable[[], Awaitable[object]], judge: Callable[[], GpuVerdict], *, settle_s: float,
+                  poll_s: float = SETTLE_POLL_S, clock: Callable[[], float] = time.monotonic) -> GpuVerdict:
+    """verify_gpu within a bounded settle window: observe and judge, and while the only problem is memory
+    not released yet, read again every `poll_s` until it is or `settle_s` has passed. The verdict's data
+    says how long the memory took to come back (`settle_ms`) and the bound (`settle_bound_ms`)."""
+    started = clock()
+    await observe()
+    verdict = judge()
+    polls = 1
+    while (not verdict.ok and verdict.error is not None and verdict.error.code in _SETTLES
+           and clock() - started < settle_s):
+        await asyncio.sleep(poll_s)
+        await observe()
+        verdict = judge()
+        polls += 1
+    took = int((clock() - started) * 1000)
+    data = {**verdict.data, "settle_ms": took, "settle_bound_ms": int(settle_s * 1000), "reads": polls}
+    error = verdict.error
+    if error is not None and error.code in _SETTLES:
+        error = msgspec.structs.replace(error, message=f"{error.message} (still so after {took} ms of the "
+                                                       f"{int(settle_s * 1000)} ms settle window, verify_settle_ms)")
+    return GpuVerdict(ok=verdict.ok, error=error, data=data)
 
 
 def gpus_of(models: Sequence[ModelSlot]) -> list[int]:
     """The GPUs the judgment reads: those of the models that are not external endpoints."""
-    return sorted({m.spec.gpu_index for m in models if m.runtime.kind != "external"})
+    return sorted({i for m in models if m.runtime.kind != "external" for i in model_gpus(m.spec)})
 
 
 def judge_gpus(models: Sequence[ModelSlot], trainers: Mapping[str, Trainer], readings: Mapping[int, GpuReading], *,
@@ -39,7 +74,8 @@ def judge_gpus(models: Sequence[ModelSlot], trainers: Mapping[str, Trainer], rea
     per_gpu: dict[int, list[ModelSlot]] = {}
     for m in models:
         if m.runtime.kind != "external":
-            per_gpu.setdefault(m.spec.gpu_index, []).append(m)
+            for i in model_gpus(m.spec):  # a model across GPUs needs its share on each
+                per_gpu.setdefault(i, []).append(m)
     out: dict[str, dict] = {}
     problems: list[tuple[str, str]] = []
     unverified: list[str] = []

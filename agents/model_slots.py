@@ -27,7 +27,7 @@ from haru.core import subjects
 from haru.core.commands import Command
 from haru.core.errors import IllegalTransition
 from haru.core.residency import to_state
-from haru.core.specs import ModelSpec
+from haru.core.specs import ModelSpec, model_gpus
 from haru.host.tasks import cancel_and_wait
 
 __all__ = ["ModelSlots"]
@@ -125,14 +125,14 @@ class ModelSlots:
     def awake_on(self, gpu_index: int) -> list[str]:
         """Models on GPU `gpu_index` that can sleep and are not asleep (training there would fight them for VRAM)."""
         return [m.name for m in self.models.values()
-                if m.spec.gpu_index == gpu_index and m.runtime.can_sleep
+                if gpu_index in model_gpus(m.spec) and m.runtime.can_sleep
                 and m.state_tag in ("resident", "loading", "waking")]
 
     def gpu_went_away(self, index: int) -> None:
         """The provider took GPU `index`: say so for every model on it now, not at each one's next probe,
         before a failover's demotion can ask one of them to sleep."""
         for m in self.models.values():
-            if m.spec.gpu_index == index and m.runtime.kind != "external" and m.name in self.supervisors:
+            if index in model_gpus(m.spec) and m.runtime.kind != "external" and m.name in self.supervisors:
                 self.spawn(self.supervisors[m.name].check(), f"gpu-gone:{m.name}")
 
     async def settled(self) -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "PullRefused",
     "PullInterrupted",
     "Spawned",
+    "Queued",
     "SpawnRefused",
     "Answered",
     "Exited",
@@ -103,6 +104,13 @@ class Spawned(Observation, frozen=True, kw_only=True, tag="spawned"):
 
     endpoint: str = ""
     pid: int = 0
+    attempt: int = 1
+
+
+class Queued(Observation, frozen=True, kw_only=True, tag="queued"):
+    """A load attempt waits for its GPU's turn before its runtime is started (agents/load_queue.py)."""
+
+    waiting_for: str
     attempt: int = 1
 
 
@@ -182,7 +190,7 @@ class Unloaded(Observation, frozen=True, kw_only=True, tag="unloaded"):
     detail: str = ""
 
 
-AnyObservation = Union[PullProgressed, PullRefused, PullInterrupted, Spawned, SpawnRefused, Answered, Exited,
+AnyObservation = Union[PullProgressed, PullRefused, PullInterrupted, Spawned, Queued, SpawnRefused, Answered, Exited,
                        ProbeFailed, GpuGone, Slept, WakeBegun, StillAsleep, Adopted, Vanished, Unloaded]
 
 NOTHING = ""  # the decision to write nothing: the log already says it, or the agent caused it
@@ -203,6 +211,8 @@ DECISIONS: dict[tuple[str, str], str] = {
     # A load attempt: every attempt is a new `model_loading`, from wherever the last one ended.
     **_rows(("unknown", "pulling", "loading", "lost", "failed", "stopped"), "spawned", "model_loading"),
     ("loading", "spawn_refused"): "model_failed",
+    # It waits for its GPU's turn (one cold load at a time per GPU): `loading`, saying what it waits for.
+    **_rows(("unknown", "pulling", "loading", "lost", "failed", "stopped"), "queued", "model_loading"),
     # It answers: resident (once; a resident model answering again is no news).
     **_rows(("loading", "waking", "sleeping", "lost"), "answered", "model_resident"),
     ("resident", "answered"): NOTHING,
@@ -236,7 +246,7 @@ DECISIONS: dict[tuple[str, str], str] = {
 }
 
 OBSERVATION_KEYS: tuple[str, ...] = (
-    "pull_progressed", "pull_refused", "pull_interrupted", "spawned", "spawn_refused", "answered",
+    "pull_progressed", "pull_refused", "pull_interrupted", "spawned", "queued", "spawn_refused", "answered",
     "exited:expected", "exited:error", "exited:gone", "probe_failed:new", "probe_failed:same", "gpu_gone",
     "slept", "wake_begun", "still_asleep", "adopted:awake", "adopted:asleep", "vanished", "unloaded:ran",
     "unloaded:idle",
@@ -279,6 +289,8 @@ _BUILD: dict[str, Callable[[Any], Event]] = {
     "pull_interrupted": lambda o: ModelStopped(at=o.at, domain=o.domain, model=o.model, detail=o.detail),
     "spawned": lambda o: ModelLoading(at=o.at, domain=o.domain, model=o.model, endpoint=o.endpoint, pid=o.pid,
                                       attempt=o.attempt),
+    "queued": lambda o: ModelLoading(at=o.at, domain=o.domain, model=o.model, attempt=o.attempt,
+                                     waiting_for=o.waiting_for),
     "spawn_refused": lambda o: ModelFailed(at=o.at, domain=o.domain, model=o.model, runtime_said=o.said),
     "answered": lambda o: ModelResident(at=o.at, domain=o.domain, model=o.model, endpoint=o.endpoint,
                                         warmup_ms=o.warmup_ms),

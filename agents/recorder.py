@@ -23,6 +23,7 @@ from agents.observe import GpuGone, Observation, ProbeFailed, observe
 from haru.core import causes
 from haru.core.events import Event
 from haru.core.residency import event_key, evolve
+from haru.core.specs import model_gpus
 
 __all__ = ["Recorder"]
 
@@ -45,9 +46,12 @@ class Recorder:
 
     async def record(self, m: ModelSlot, observation: Observation) -> Event | None:
         """Append what the table decides for `observation` of `m` (None: nothing to write)."""
-        index = m.spec.gpu_index
         gpu_detached = isinstance(observation, GpuGone) or (isinstance(observation, ProbeFailed)
                                                               and observation.reason == "gpu_detached")
+        index = m.spec.gpu_index
+        if gpu_detached and m.spec.gpu_indexes:
+            # a model across GPUs (tensor parallel): the GPU of its loss is the first of them that is gone
+            index = next((i for i in model_gpus(m.spec) if self.gpu.read(i).present is False), index)
         if gpu_detached and not self.gpu.gone_seq(index):
             # Record the GPU's absence first, so the loss can cite the observation that showed it.
             try:

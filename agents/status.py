@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from agents.gpu import GpuReading, Owner, process_tree, read_parents
-from agents.gpu_verdict import gpus_of, judge_gpus
+from agents.gpu_verdict import gpus_of, judge_gpus, settled
 from agents.gpu_watch import GpuWatcher
 from agents.heartbeat import heartbeat_of
 from agents.live_apply import LiveApply
@@ -23,6 +23,7 @@ from agents.ports import GpuVerdict
 from agents.role import Role
 from agents.training_slots import TrainingSlots
 from haru.core.commands import Heartbeat
+from haru.core.specs import model_gpus
 from haru.host.procfs import pid_alive
 
 __all__ = ["Status"]
@@ -82,12 +83,18 @@ class Status:
                 "usage": msgspec.to_builtins(usage), "foreign": msgspec.to_builtins(foreign)}
 
     async def verify_gpus(self, models: list[ModelSlot]) -> GpuVerdict:
-        """Observe each of the models' GPUs now (recording what changed), then judge them."""
-        for index in {m.spec.gpu_index for m in models}:
-            await self.gpu_watch.observe(index)
-        readings = {index: self.gpu_watch.read(index) for index in gpus_of(models)}
-        return judge_gpus(models, self.training.trainers, readings,
-                          residual_bytes=self.live.slots.policy.sleep_residual_bytes, pid_alive=pid_alive)
+        """Observe each of the models' GPUs (recording what changed) and judge them, again within the
+        settle window while memory is not released yet (agents/gpu_verdict.py `settled`)."""
+        async def observe() -> None:
+            for index in gpus_of(models):
+                await self.gpu_watch.observe(index)
+
+        def judge() -> GpuVerdict:
+            readings = {index: self.gpu_watch.read(index) for index in gpus_of(models)}
+            return judge_gpus(models, self.training.trainers, readings,
+                              residual_bytes=self.live.slots.policy.sleep_residual_bytes, pid_alive=pid_alive)
+
+        return await settled(observe, judge, settle_s=self.live.slots.policy.verify_settle_ms / 1000)
 
     def owners(self, index: int) -> list[Owner]:
         """What Haru started on GPU `index`: each runtime's and trainer's process tree, with its plan.
@@ -97,7 +104,7 @@ class Status:
         residual = self.live.slots.policy.sleep_residual_bytes
         out: list[Owner] = []
         for m in self.models.models.values():
-            if m.spec.gpu_index != index or m.runtime.kind == "external":
+            if index not in model_gpus(m.spec) or m.runtime.kind == "external":
                 continue
             pid = m.runtime.pid if m.runtime.alive() else None
             asleep = m.runtime.can_sleep and m.state_tag == "sleeping"

@@ -21,15 +21,17 @@ import contextlib
 import re
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agents import probes
 from agents.cause import COMMAND_CAUSE
 from agents.errors import OutOfMemory, RuntimeProblem
+from agents.gpu import GpuReading
 from agents.gpu_watch import GpuWatcher
 from agents.loops import LoopErrors, survive
 from agents.adoption import Adoptable
+from agents.load_queue import LoadQueue
 from agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
 from agents.observe import (
     Adopted,
@@ -38,6 +40,7 @@ from agents.observe import (
     GpuGone,
     Observation,
     ProbeFailed,
+    Queued,
     Slept,
     Spawned,
     SpawnRefused,
@@ -50,7 +53,7 @@ from agents.pulling import needs_pull, pull_for
 from agents.runtime_files import RuntimeFiles
 from haru.core.events import Event
 from haru.core.restarts import Backoff
-from haru.core.specs import Policy
+from haru.core.specs import Policy, model_gpus
 
 __all__ = ["ModelSupervisor", "SupervisorContext", "backoff_s", "runtime_said"]
 
@@ -83,6 +86,8 @@ class SupervisorContext:
     resume_training: Callable[[list[str]], Awaitable[None]]
     errors: LoopErrors
     logger: Any
+    # One cold load at a time per GPU, in declaration order (agents/load_queue.py): the agent's, shared.
+    loads: LoadQueue = field(default_factory=LoadQueue)
 
 
 class ModelSupervisor:
@@ -96,6 +101,9 @@ class ModelSupervisor:
         self.away = away
         self.logger = ctx.logger.bind(model=m.name)
         self._rechecking = False
+        self.gpus = model_gpus(m.spec)  # a tensor-parallel model's every GPU
+        if m.runtime.kind != "external":
+            ctx.loads.enroll(m.name, self.gpus)
 
     def recheck(self) -> None:
         """Probe now (the serving port saw the runtime fail a request), once at a time."""
@@ -110,6 +118,15 @@ class ModelSupervisor:
                 self._rechecking = False
 
         self.ctx.spawn(run(), f"recheck:{self.m.name}")
+
+    def _read_gpu(self) -> GpuReading:
+        """The model's GPU as it reads now; for a model across GPUs, the first one that is absent (a detach
+        of any of them is the model's `gpu_detached`), else the first."""
+        readings = [self.ctx.gpu.read(i) for i in self.gpus]
+        return next((r for r in readings if r.present is False), readings[0])
+
+    def _gpu_went_away(self) -> bool:
+        return any(self.ctx.gpu.went_away(i) for i in self.gpus)
 
     async def _pause(self, seconds: float) -> bool:
         """Sleep unless the agent stops first; True if it is stopping."""
@@ -126,6 +143,12 @@ class ModelSupervisor:
         """Load (or adopt) the model, watch it, and restart it with backoff, until the agent stops. An
         attempt that raises (a bug) is logged with its traceback and counted (`errors["supervise"]`);
         what it started is stopped, and the next attempt comes after the backoff."""
+        try:
+            await self._run()
+        finally:
+            self.ctx.loads.withdraw(self.m.name)  # retired or stopping: it holds no GPU's turn
+
+    async def _run(self) -> None:
         m = self.m
         adopted = self.found is not None
         if not adopted and m.runtime.kind != "external":
@@ -172,10 +195,15 @@ class ModelSupervisor:
         if self.ctx.role() == "standby" and not first:
             answering = COMMAND_CAUSE.set(m.seq)  # the loss this restart answers: what the pause cites
             try:
-                paused = await self.ctx.make_room(m.spec.gpu_index)
+                for index in self.gpus:  # a model across GPUs: the training on each of them
+                    paused += await self.ctx.make_room(index)
             finally:
                 COMMAND_CAUSE.reset(answering)
+        if adopted:
+            self.ctx.loads.release(m.name)  # nothing to load: it stands aside for those declared after it
         try:
+            # The GPU's turn (taken in _load) covers the standby's sleep after the load: a sleep frees
+            # memory, which a neighbour's start-up profiling must not see either.
             ready = await (self._adopt() if adopted else self._load())
             if ready and self.ctx.role() == "standby" and m.runtime.can_sleep:
                 async with m.lock:
@@ -187,6 +215,7 @@ class ModelSupervisor:
         finally:
             if paused:
                 await self.ctx.resume_training(paused)
+            self.ctx.loads.release(m.name)
             if first:
                 m.settled.set()
         if ready:
@@ -198,8 +227,9 @@ class ModelSupervisor:
         m = self.m
         if m.runtime.kind == "external":
             return False
-        while self.ctx.gpu.went_away(m.spec.gpu_index):
+        while self._gpu_went_away():
             m.settled.set()
+            self.ctx.loads.release(m.name)  # it cannot load: it holds back nobody declared after it
             if await self._pause(self.ctx.policy().probe_interval_ms / 1000):
                 return True
         return False
@@ -207,8 +237,12 @@ class ModelSupervisor:
     async def _load(self) -> bool:
         """Spawn (or re-attach to) the runtime and wait until it is resident or gone. Never times out."""
         m = self.m
-        if needs_pull(m.runtime.spec.source, m.runtime.kind) and not await pull_for(m, self.ctx.record, self.ctx.about):
-            return False  # a layout's reference: pulled first (`pulling`), or failed in the registry's words
+        if needs_pull(m.runtime.spec.source, m.runtime.kind):
+            self.ctx.loads.release(m.name)  # a pull takes no GPU: those declared after it load meanwhile
+            if not await pull_for(m, self.ctx.record, self.ctx.about):
+                return False  # a layout's reference: pulled first (`pulling`), or failed in the registry's words
+        if m.runtime.kind != "external":
+            await self.ctx.loads.acquire(m.name, on_wait=self._queued)
         async with m.lock:
             m.attempt += 1
             m.generation += 1
@@ -242,7 +276,7 @@ class ModelSupervisor:
                     await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url, warmup_ms=warmup))
                     m.resident_at = time.monotonic()
                 return True
-            if m.runtime.kind != "external" and self.ctx.gpu.went_away(m.spec.gpu_index):
+            if m.runtime.kind != "external" and self._gpu_went_away():
                 async with m.lock:
                     await self.ctx.record(m, GpuGone(**self.ctx.about(m), detail="the GPU went away while the model was loading"))
                     m.on_purpose = True
@@ -252,6 +286,13 @@ class ModelSupervisor:
                 async with asyncio.timeout(poll):
                     await m.exited.wait()
         return False
+
+    async def _queued(self, waiting_for: str) -> None:
+        """It must wait for its GPU's turn: `loading`, with what it waits for (not stuck, queued)."""
+        m = self.m
+        self.logger.info("waiting for the GPU's turn to load", waiting_for=waiting_for)
+        async with m.lock:
+            await self.ctx.record(m, Queued(**self.ctx.about(m), waiting_for=waiting_for, attempt=m.attempt + 1))
 
     async def _exit_waiter(self, generation: int) -> None:
         m = self.m
@@ -310,7 +351,7 @@ class ModelSupervisor:
                 return False
             timeout = self.ctx.policy().probe_timeout_ms / 1000
             tag = m.state_tag
-            gpu = self.ctx.gpu.read(m.spec.gpu_index) if m.runtime.kind != "external" else None
+            gpu = self._read_gpu() if m.runtime.kind != "external" else None
             if tag == "sleeping":
                 if gpu is not None and gpu.present is False:
                     await self._gpu_gone("the GPU went away while the runtime slept")
@@ -331,6 +372,8 @@ class ModelSupervisor:
                     return False
             if tag not in ("resident", "lost"):
                 return False
+            if tag == "lost" and getattr(m.state, "reason", "") == "gpu_detached":
+                return await self._gpu_back()
             started = time.monotonic()
             probe = await probes.ready(m.runtime, timeout_s=timeout)
             m.last_probe = probe
@@ -350,12 +393,26 @@ class ModelSupervisor:
             alive = m.runtime.alive()
             holds = await probes.holds_model(m.runtime, min(timeout, 5.0)) if probe.step != "listed" else False
             if gpu is None and m.runtime.kind != "external":
-                gpu = self.ctx.gpu.read(m.spec.gpu_index)
+                gpu = self._read_gpu()
             reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=holds)
             if not alive:
                 return False  # the exit waiter records process_exited
             await self._lost(reason, f"{probe.step}: {probe.detail}"[:500])  # the table: no news if already so
             return reason == "evicted"
+
+    async def _gpu_back(self) -> bool:
+        """A model lost with its GPU (gpu_detached): while the GPU is gone there is nothing to probe. Once it
+        reads present again, it is proven, not assumed: the GPU's return is recorded first (gpu_observed
+        present: true), then the runtime is restarted (True), since a runtime whose GPU fell off the bus
+        kept no usable CUDA context; `resident` comes only from the reload's real completion. Caller holds
+        m.lock."""
+        readings = [self.ctx.gpu.read(i) for i in self.gpus]
+        if any(r.present is False for r in readings):
+            return False
+        for i in self.gpus:
+            await self.ctx.gpu.observe(i)  # recorded before the reload: the log says the GPU came back first
+        self.logger.info("the GPU came back: reloading the model lost with it", gpus=self.gpus)
+        return True
 
     async def _lost(self, reason: str, detail: str) -> None:
         """A probe's diagnosis: `lost{reason}`, unless the loss is recorded for that reason already (a
@@ -373,16 +430,17 @@ class ModelSupervisor:
 
     def _check_the_gpu(self) -> None:
         """Record the GPU's absence now: that checks the other models on it (GpuWatcher's on_gone)."""
-        index = self.m.spec.gpu_index
+        index = self._read_gpu().index
         self.ctx.spawn(self.ctx.gpu.observe(index), f"gpu-check:{index}")
 
     async def _sleep_one(self, level: int) -> None:
         """Put a resident runtime to sleep (caller holds m.lock). Verified through /is_sleeping."""
         m = self.m
-        before = self.ctx.gpu.read(m.spec.gpu_index)
+        before = [self.ctx.gpu.read(i) for i in self.gpus]
         await m.runtime.sleep(level, self.ctx.policy().wake_timeout_ms / 1000)
-        after = self.ctx.gpu.read(m.spec.gpu_index)
-        freed = max(0, before.memory_used_bytes - after.memory_used_bytes) if before.present and after.present else 0
+        after = [self.ctx.gpu.read(i) for i in self.gpus]
+        known = all(r.present for r in (*before, *after))
+        freed = max(0, sum(r.memory_used_bytes for r in before) - sum(r.memory_used_bytes for r in after)) if known else 0
         await self.ctx.record(m, Slept(**self.ctx.about(m), level=level, freed_bytes=freed))
 
     async def sleep(self, level: int) -> Outcome:
@@ -391,11 +449,11 @@ class ModelSupervisor:
         if not m.runtime.can_sleep:
             return Outcome(ok=True, detail=f"a {m.runtime.kind} runtime has no sleep mode; it stays {m.state_tag}")
         async with m.lock:
-            if self.ctx.gpu.went_away(m.spec.gpu_index):
+            if self._gpu_went_away():
                 # A runtime may well answer /sleep on a GPU that is gone; its weights are not in VRAM to free.
                 await self._gpu_gone("the GPU went away; asked to sleep")  # the table: no news if already lost
                 return Outcome(ok=False, code="gpu_detached",
-                               detail=f"GPU {m.spec.gpu_index} is gone (the provider took it): {m.name} is lost, not asleep")
+                               detail=f"GPU {self._read_gpu().index} is gone (the provider took it): {m.name} is lost, not asleep")
             tag = m.state_tag
             if tag == "sleeping":
                 try:
@@ -482,7 +540,7 @@ class ModelSupervisor:
         if asleep is True:
             await self.ctx.record(m, StillAsleep(**self.ctx.about(m), level=1))
             return
-        gpu = self.ctx.gpu.read(m.spec.gpu_index)
+        gpu = self._read_gpu()
         holds = await probes.holds_model(m.runtime, min(self.ctx.policy().probe_timeout_ms / 1000, 5.0))
         reason = probes.diagnose(process_alive=m.runtime.alive(), gpu=gpu, runtime_holds_model=holds)
         if reason != "process_exited":

@@ -19,10 +19,11 @@ into: the declared memory minus the reserve (hearth's "44.2 GiB"). The per-line 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 
-from haru.core.planner import gpu_summary_line
-from haru.core.sizes import format_gib, format_size
+from haru.core.planner import gpu_summary_line, shortfall_text
+from haru.core.sizes import GiB, format_gib, format_size
 from haru.core.residency import (Answer, Failed, Loading, Lost, NotAdmitted, Pulling, Resident, Sleeping, Stopped, Unknown,
                             Waking)
 from haru.core.views import DomainView, FleetView, GpuView, ModelView, OperationView, RouteIntent, Target, TrainingView
@@ -47,7 +48,7 @@ def model_state(model: ModelView, now: datetime) -> str:
     s = model.residency
     if model.admitted is False or isinstance(s, NotAdmitted):
         short = s.short_by_bytes if isinstance(s, NotAdmitted) and s.short_by_bytes else model.short_by_bytes
-        return f"not admitted — short by {format_gib(short)}"
+        return f"not admitted — {shortfall_text(short, model.short_of)}"
     if isinstance(s, Resident):
         return f"resident for {_secs(s.since, now)}"
     if isinstance(s, Pulling):
@@ -55,6 +56,8 @@ def model_state(model: ModelView, now: datetime) -> str:
         return f"pulling {s.reference}{of} for {_secs(s.since, now)}"
     if isinstance(s, Loading):
         extra = f" (attempt {s.attempt})" if s.attempt > 1 else ""
+        if s.waiting_for:
+            extra += f" — waiting for {s.waiting_for}"
         return f"loading for {_secs(s.since, now)}{extra}"
     if isinstance(s, Waking):
         return f"waking for {_secs(s.since, now)}"
@@ -83,7 +86,7 @@ def model_line(model: ModelView, now: datetime) -> str:
 
 def training_state(slot: TrainingView, now: datetime) -> str:
     if slot.admitted is False:
-        return f"not admitted — short by {format_gib(slot.short_by_bytes)}"
+        return f"not admitted — {shortfall_text(slot.short_by_bytes, slot.short_of)}"
     if slot.running:
         return f"running for {_secs(slot.since, now)} (pid {slot.pid})"
     if slot.last_stop:
@@ -98,8 +101,29 @@ def _capacity(gpu: GpuView) -> int:
     return gpu.memory_total_bytes
 
 
-def _gpu_line(gpu: GpuView, models: list[ModelView]) -> str:
-    held = sum(m.vram_bytes for m in models if m.admitted)
+def host_ram_line(d: DomainView) -> str:
+    """`host RAM 94.0 / 224.0 GiB held  (2 sleeping models, 1 training slot)  · 31.2 of 251.5 GiB used at agent
+    start`: what the plan books in host RAM on the standby (sleeping weights, trainers) against host RAM minus
+    its reserve, and what /proc/meminfo said when the agent started. '' when neither is known."""
+    parts = []
+    if d.host_ram_bytes:
+        models = [m for m in d.models.values() if m.admitted and m.host_ram_bytes]
+        slots = [t for t in d.training.values() if t.admitted and t.host_ram_bytes]
+        held = sum(m.host_ram_bytes for m in models) + sum(t.host_ram_bytes for t in slots)
+        capacity = max(0, d.host_ram_bytes - d.host_ram_reserve_bytes)
+        parts.append(f"host RAM {held / GiB:.1f} / {format_gib(capacity)} held  ({len(models)} sleeping model"
+                     f"{'s' if len(models) != 1 else ''}, {len(slots)} training slot{'s' if len(slots) != 1 else ''})")
+    a = d.agent
+    if a.host_ram_total_bytes:
+        used = max(0, a.host_ram_total_bytes - a.host_ram_available_bytes)
+        parts.append(f"{'' if parts else 'host RAM '}{used / GiB:.1f} of {format_gib(a.host_ram_total_bytes)} used at "
+                     f"agent start")
+    return "  · ".join(parts)
+
+
+def _gpu_line(gpu: GpuView, models: list[ModelView], spanned: Sequence[ModelView] = ()) -> str:
+    # a model across GPUs is listed under its first GPU and booked on each (`spanned` here)
+    held = sum(m.vram_bytes for m in models if m.admitted) + sum(m.vram_bytes for m in spanned if m.admitted)
     admitted = sum(1 for m in models if m.admitted)
     name = f" ({gpu.name})" if gpu.name else ""
     line = f"GPU {gpu.index}{name}: " + gpu_summary_line(held, _capacity(gpu), len(models), admitted)
@@ -206,6 +230,9 @@ def render(view: FleetView, now: datetime) -> str:
         lines.append("  no domains declared (run `haru apply`)")
     for d in view.domains.values():
         lines.append(_domain_header(view, d, now))
+        ram = host_ram_line(d)
+        if ram:
+            lines.append("  " + ram)
         by_gpu: dict[int, list[ModelView]] = {}
         for m in d.models.values():
             by_gpu.setdefault(m.gpu_index, []).append(m)
@@ -214,7 +241,11 @@ def render(view: FleetView, now: datetime) -> str:
         gpus += [GpuView(index=i) for i in sorted(by_gpu) if i not in known]
         for g in gpus:
             models = by_gpu.get(g.index, [])
-            lines.append("  " + _gpu_line(g, models))
+            spanned = [m for m in d.models.values() if m.gpu_index != g.index and g.index in m.gpu_indexes]
+            line = _gpu_line(g, models, spanned)
+            if any(m.admitted for m in spanned):
+                line += f"  (with {', '.join(m.name for m in spanned if m.admitted)} across GPUs)"
+            lines.append("  " + line)
             for m in models:
                 lines.append("    " + model_line(m, now))
             lines.extend("    " + line for line in accounting_lines(g))

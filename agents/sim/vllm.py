@@ -13,6 +13,16 @@ model "loads" for HARU_SIM_LOAD_MS holding its VRAM on the simulated GPU; only t
 server listen. While loading, a connection is refused (real vLLM binds its socket before building
 the engine and starts uvicorn after), so "the child is alive but refuses connections" means loading.
 
+Start-up memory profiling, as vLLM does it: the weights are taken, then a profiling pass runs for
+HARU_SIM_LOAD_MS, and the KV cache gets what is left of the instance's share (HARU_SIM_VRAM minus
+HARU_SIM_WEIGHTS, half of it by default). What other processes hold on the GPU is read before and
+after that pass: more held after (a neighbour started, or woke) is counted as the instance's own
+non-torch memory, so its cache is mis-sized by that much, or, if nothing is left, it exits like vLLM
+("No available memory for the cache blocks"); less held after (a neighbour exited or slept) fails
+vLLM's profiling assertion ("Error in memory profiling"). Each start-up appends one line to
+`<sim_dir>/profiles.jsonl` (pid, model, GPU, window, KV bytes, mis-sized, error), which tests read to
+prove the agent never starts two on one GPU at once. HARU_SIM_PROFILE=0 turns the check off.
+
 Fault injection (loopback only): POST /_sim/crash | evict | hang | oom_on_wake | fail_probe | reset,
 GET /_sim/state.
 """
@@ -66,6 +76,8 @@ class SimConfig:
     wake_ms: int
     sleep_ms: int
     tokens_per_s: float
+    weights: int = 0  # 0 = half the VRAM
+    profile: bool = True
 
     @property
     def name(self) -> str:
@@ -114,7 +126,53 @@ def parse_config(argv: list[str], env: dict[str, str]) -> SimConfig:
         wake_ms=int(env.get("HARU_SIM_WAKE_MS", "100")),
         sleep_ms=int(env.get("HARU_SIM_SLEEP_MS", "50")),
         tokens_per_s=float(env.get("HARU_SIM_TOKENS_PER_S", "200")),
+        weights=parse_size(env.get("HARU_SIM_WEIGHTS", "0")),
+        profile=env.get("HARU_SIM_PROFILE", "1") != "0",
     )
+
+
+# ------------------------------------------------------------------------------ memory profiling
+
+
+@dataclass(frozen=True)
+class Profiled:
+    """The outcome of start-up profiling: the KV cache it sized, and vLLM's error if it could not."""
+
+    kv_cache_bytes: int
+    planned_kv_bytes: int
+    error: str = ""
+
+    @property
+    def mis_sized(self) -> bool:
+        return self.kv_cache_bytes != self.planned_kv_bytes
+
+
+def profile_outcome(vram: int, weights: int, others_before: int, others_after: int, gpu_total: int) -> Profiled:
+    """What vLLM's start-up profiling concludes when the other processes on the GPU held
+    `others_before` bytes as it began and `others_after` as it ended. Pure."""
+    weights = weights or vram // 2
+    planned = max(0, vram - weights)
+    if others_after < others_before:
+        before_free = max(0, gpu_total - others_before - vram)
+        after_free = max(0, gpu_total - others_after - vram)
+        return Profiled(0, planned, (
+            f"AssertionError: Error in memory profiling. Initial free memory {before_free / GiB:.2f} GiB, current "
+            f"free memory {after_free / GiB:.2f} GiB. This happens when other processes sharing the same container "
+            f"release GPU memory while vLLM is profiling during initialization. To fix this, ensure consistent GPU "
+            f"memory allocation or isolate vLLM in its own container."))
+    kv = planned - (others_after - others_before)
+    if kv <= 0:
+        return Profiled(0, planned, "ValueError: No available memory for the cache blocks. Try increasing "
+                                    "`gpu_memory_utilization` when initializing the engine.")
+    return Profiled(kv, planned)
+
+
+def _others(gpu: SimGpuState, pid: int) -> int:
+    try:
+        allocations = gpu.read()["allocations"]
+    except SimError:
+        return 0
+    return sum(n for key, n in allocations.items() if key != str(pid))
 
 
 # ---------------------------------------------------------------------------------------- engine
@@ -132,6 +190,8 @@ class Engine:
     fail_probe: bool = False
     oom_on_wake: bool = False
     hung: bool = False
+    kv_cache_bytes: int = 0
+    mis_sized: bool = False
     released: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -489,7 +549,8 @@ async def sim_state(request: web.Request) -> web.Response:
     return web.json_response(
         {"pid": os.getpid(), "model": c.name, "names": list(c.names), "domain": c.domain, "gpu_index": c.gpu_index,
          "vram": c.vram, "sleeping": engine.sleeping, "evicted": engine.evicted, "hung": engine.hung,
-         "fail_probe": engine.fail_probe, "oom_on_wake": engine.oom_on_wake, "gpu_present": engine.gpu_present()}
+         "fail_probe": engine.fail_probe, "oom_on_wake": engine.oom_on_wake, "gpu_present": engine.gpu_present(),
+         "kv_cache_bytes": engine.kv_cache_bytes, "mis_sized": engine.mis_sized}
     )
 
 
@@ -520,6 +581,15 @@ def build_app(engine: Engine) -> web.Application:
 
 
 # ------------------------------------------------------------------------------------ the process
+
+
+def _record_profile(config: SimConfig, pid: int, began: float, ended: float, outcome: Profiled) -> None:
+    line = json.dumps({"pid": pid, "model": config.name, "gpu_index": config.gpu_index, "began": began,
+                       "ended": ended, "kv_cache_bytes": outcome.kv_cache_bytes,
+                       "planned_kv_bytes": outcome.planned_kv_bytes, "mis_sized": outcome.mis_sized,
+                       "error": outcome.error})
+    with open(config.sim_dir / "profiles.jsonl", "a") as fh:  # one short line: an O_APPEND write is whole
+        fh.write(line + "\n")
 
 
 def _log(message: str) -> None:
@@ -560,11 +630,24 @@ async def serve(config: SimConfig) -> int:
         if not gpu.allocate(pid, config.vram):
             _log(f"torch.OutOfMemoryError: CUDA out of memory. {engine.oom_message(config.vram)}")
             return 1
+        began, before = time.time(), _others(gpu, pid)
         with contextlib.suppress(asyncio.TimeoutError):
             async with asyncio.timeout(config.load_ms / 1000):
                 await stop.wait()
         if stop.is_set():
             return 0
+        if config.profile:
+            total = gpu.read()["memory_total_bytes"]
+            outcome = profile_outcome(config.vram, config.weights, before, _others(gpu, pid), total)
+            _record_profile(config, pid, began, time.time(), outcome)
+            if outcome.error:
+                _log(outcome.error)
+                return 1
+            engine.kv_cache_bytes, engine.mis_sized = outcome.kv_cache_bytes, outcome.mis_sized
+            if outcome.mis_sized:
+                _log(f"WARNING: KV cache sized to {format_size(outcome.kv_cache_bytes)} instead of "
+                     f"{format_size(outcome.planned_kv_bytes)}: another process allocated on GPU {config.gpu_index} "
+                     f"while this instance profiled its memory")
         runner = web.AppRunner(build_app(engine), access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await runner.setup()
         await web.SockSite(runner, sock).start()

@@ -100,6 +100,9 @@ def _same_verdict(a: AdmissionDecided, v: Verdict) -> bool:
         and a.vram_bytes == v.vram_bytes
         and a.short_by_bytes == v.short_by_bytes
         and a.capacity_bytes == v.capacity_bytes
+        and a.resource == v.resource
+        and a.host_ram_bytes == v.host_ram_bytes
+        and a.gpu_indexes == v.gpu_indexes
     )
 
 
@@ -157,7 +160,8 @@ def diff(current: Declarations, layout: Layout, plan: Plan, now: datetime, *, by
                     out.append(
                         AdmissionDecided(at=now, by=by, domain=name, kind=v.kind, name=v.name, gpu_index=v.gpu_index,
                                          admitted=v.admitted, vram_bytes=v.vram_bytes, short_by_bytes=v.short_by_bytes,
-                                         capacity_bytes=v.capacity_bytes)
+                                         capacity_bytes=v.capacity_bytes, resource=v.resource,
+                                         host_ram_bytes=v.host_ram_bytes, gpu_indexes=list(v.gpu_indexes))
                     )
     for name in current.domains:
         if name in wanted_domains:
@@ -199,9 +203,9 @@ def describe(event: Event) -> str:
     elif isinstance(event, TrainingRetired):
         what = f"{event.domain}/{event.slot}"
     elif isinstance(event, AdmissionDecided):
-        from haru.core.sizes import format_gib
+        from haru.core.planner import shortfall_text
 
-        verdict = "admitted" if event.admitted else f"not admitted, short by {format_gib(event.short_by_bytes)}"
+        verdict = "admitted" if event.admitted else f"not admitted, {shortfall_text(event.short_by_bytes, event.resource)}"
         what = f"{event.domain}/{event.name}" + (" (training)" if event.kind == "training" else "") + f": {verdict}"
         sign = "="
     else:  # pragma: no cover - diff emits only the above

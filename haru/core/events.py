@@ -110,7 +110,10 @@ class AdmissionDecided(Event, frozen=True, kw_only=True, tag="admission_decided"
     admitted: bool
     vram_bytes: int
     short_by_bytes: int = 0
-    capacity_bytes: int = 0  # memory - reserve of that GPU
+    capacity_bytes: int = 0  # memory - reserve of that GPU (of host RAM, when that is what it was short of)
+    resource: Literal["vram", "host_ram"] = "vram"  # what it was short of
+    host_ram_bytes: int = 0  # what it books in host RAM while its domain is standby (sleeping weights, trainer)
+    gpu_indexes: list[int] = []  # a model across GPUs: every GPU it spans ([] = gpu_index alone)
 
 
 # ------------------------------------------------- model files: haru.evt.<fleet>.decl (haru.models)
@@ -168,6 +171,9 @@ class ModelLoading(Event, frozen=True, kw_only=True, tag="model_loading"):
     endpoint: str = ""
     pid: int = 0
     attempt: int = 1
+    # Not spawned yet: what it waits for (its GPU's turn: one cold load at a time per GPU, in
+    # declaration order; agents/load_queue.py). "" once its runtime is started.
+    waiting_for: str = ""
 
 
 class ModelResident(Event, frozen=True, kw_only=True, tag="model_resident"):
@@ -304,6 +310,9 @@ class AgentStarted(Event, frozen=True, kw_only=True, tag="agent_started"):
     pid: int = 0
     version: str = ""
     serving_url: str = ""
+    # The host's RAM as /proc/meminfo said at start (0 = unknown: no /proc): MemTotal, MemAvailable.
+    host_ram_total_bytes: int = 0
+    host_ram_available_bytes: int = 0
 
 
 class AgentStopping(Event, frozen=True, kw_only=True, tag="agent_stopping"):
@@ -363,6 +372,8 @@ class PromotionRequested(OperationRequested, frozen=True, kw_only=True, tag="pro
     reason: str = "manual"  # manual | domain_unreachable | gpu_detached | degraded
     detail: str = ""
     route_revision: int = 0
+    # An automatic failover retried after its previous attempt aborted: which attempt this is (1 = first).
+    attempt: int = 1
 
 
 class DemotionRequested(OperationRequested, frozen=True, kw_only=True, tag="demotion_requested"):

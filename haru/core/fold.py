@@ -205,6 +205,8 @@ def _domain_declared(view: FleetView, e: ev.DomainDeclared | ev.DomainChanged, s
             serving_url=spec.serving_url,
             serve=spec.serve,
             gpus=_gpus_from_spec(spec, []),
+            host_ram_bytes=spec.host_ram_bytes,
+            host_ram_reserve_bytes=spec.host_ram_reserve_bytes,
         )
     else:
         domain = _replace(
@@ -214,6 +216,8 @@ def _domain_declared(view: FleetView, e: ev.DomainDeclared | ev.DomainChanged, s
             serving_url=spec.serving_url,
             serve=spec.serve,
             gpus=_gpus_from_spec(spec, old.gpus),
+            host_ram_bytes=spec.host_ram_bytes,
+            host_ram_reserve_bytes=spec.host_ram_reserve_bytes,
         )
     return _with_domain(view, domain)
 
@@ -274,6 +278,8 @@ def _admission_decided(view: FleetView, e: ev.AdmissionDecided, seq: int, subjec
             vram_bytes=e.vram_bytes,
             admitted=e.admitted,
             short_by_bytes=0 if e.admitted else e.short_by_bytes,
+            short_of=e.resource,
+            host_ram_bytes=e.host_ram_bytes,
         )
         return _with_domain(view, _replace(domain, training=training))
     model = domain.models.get(e.name)
@@ -293,6 +299,9 @@ def _admission_decided(view: FleetView, e: ev.AdmissionDecided, seq: int, subjec
         admitted=e.admitted,
         short_by_bytes=0 if e.admitted else e.short_by_bytes,
         residency=state,
+        short_of=e.resource,
+        host_ram_bytes=e.host_ram_bytes,
+        gpu_indexes=list(e.gpu_indexes),
     )
     models = dict(domain.models)
     models[e.name] = model
@@ -413,7 +422,8 @@ def _agent_started(view: FleetView, e: ev.AgentStarted, seq: int) -> FleetView:
     if domain is None:
         return _missing(view, seq, "agent_started", f"domain {e.domain!r}")
     agent = AgentView(
-        running=True, host=e.host, pid=e.pid, version=e.version, serving_url=e.serving_url, since=e.at
+        running=True, host=e.host, pid=e.pid, version=e.version, serving_url=e.serving_url, since=e.at,
+        host_ram_total_bytes=e.host_ram_total_bytes, host_ram_available_bytes=e.host_ram_available_bytes,
     )
     return _with_domain(view, _replace(domain, agent=agent, signalled="", signalled_at=None, signalled_seq=0))
 
@@ -466,6 +476,7 @@ def _operation_requested(view: FleetView, e: ev.OperationRequested, seq: int) ->
         seq=seq,
         route_revision=getattr(e, "route_revision", 0),
         decl_seq=getattr(e, "decl_seq", 0),
+        attempt=getattr(e, "attempt", 1),
     )
     return _start_operation(view, op, seq)
 

@@ -23,6 +23,12 @@ model's `gpu_layers` (999, every layer, unless declared), `--alias` is the model
 Both get the GPU by environment: `CUDA_VISIBLE_DEVICES=<index>` with `CUDA_DEVICE_ORDER=PCI_BUS_ID`
 (NVML's order, so the layout's index is the card the runtime uses), then the model's own `env`.
 
+Models across GPUs (the model's `gpu_indexes`, tensor parallel): `CUDA_VISIBLE_DEVICES` lists them all
+(the slot's first). vLLM gets `--tensor-parallel-size N`, and its `--gpu-memory-utilization` applies
+on each GPU, so it is computed against the largest of them (`gpu_memory_bytes` is that one: the
+fraction times every GPU stays within the VRAM booked on it). llama-server gets `--split-mode layer`
+and `--tensor-split 1,1,...` (an equal share per GPU, as the plan books the same VRAM on each).
+
 Operator `args` pass through after the planned flags, except the flags the plan owns (the table
 `VLLM_OWNED` / `LLAMA_OWNED`): a copy that says what the plan says is dropped (it is redundant); a
 smaller `--gpu-memory-utilization` replaces the planned one (the instance stays inside its plan);
@@ -41,7 +47,7 @@ import msgspec
 from haru.core.errors import ArgConflict
 from haru.core.model_errors import BadReference
 from haru.core.refs import is_explicit_reference, parse_reference
-from haru.core.specs import ModelSpec, Runtime
+from haru.core.specs import ModelSpec, Runtime, model_gpus
 from haru.core.sizes import GiB
 
 __all__ = [
@@ -153,20 +159,28 @@ def gpu_memory_utilization(vram_bytes: int, gpu_memory_bytes: int) -> str:
     return f"{thousandths // 1000}.{thousandths % 1000:03d}"
 
 
+def _tp(spec: ModelSpec) -> int:
+    return len(model_gpus(spec))
+
+
 def _vllm_planned(spec: ModelSpec, gpu_memory_bytes: int) -> dict[str, str | None]:
     return {
         "--gpu-memory-utilization": gpu_memory_utilization(spec.vram_bytes, gpu_memory_bytes),
         "--max-model-len": str(spec.context_length) if spec.context_length else None,
         "--served-model-name": spec.name,
+        "--tensor-parallel-size": str(_tp(spec)),
     }
 
 
 def _llama_planned(spec: ModelSpec) -> dict[str, str | None]:
+    n = _tp(spec)
     return {
         "-c": str(spec.context_length) if spec.context_length else None,
         "-ngl": str(spec.gpu_layers if spec.gpu_layers >= 0 else ALL_LAYERS),
         "--alias": spec.name,
         "-m": spec.source,
+        "--split-mode": "layer" if n > 1 else None,
+        "--tensor-split": ",".join(["1"] * n) if n > 1 else None,
     }
 
 
@@ -179,6 +193,8 @@ VLLM_OWNED: dict[str, tuple[str, bool, str]] = {
     "--port": ("--port", True, ""),
     "--host": ("--host", True, ""),
     "--enable-sleep-mode": ("--enable-sleep-mode", False, "sleep"),
+    "--tensor-parallel-size": ("--tensor-parallel-size", True, "gpus"),
+    "-tp": ("--tensor-parallel-size", True, "gpus"),
 }
 LLAMA_OWNED: dict[str, tuple[str, bool, str]] = {
     "-c": ("-c", True, "context_length"),
@@ -192,6 +208,10 @@ LLAMA_OWNED: dict[str, tuple[str, bool, str]] = {
     "--model": ("-m", True, "source"),
     "--port": ("--port", True, ""),
     "--host": ("--host", True, ""),
+    "-sm": ("--split-mode", True, "gpus"),
+    "--split-mode": ("--split-mode", True, "gpus"),
+    "-ts": ("--tensor-split", True, "gpus"),
+    "--tensor-split": ("--tensor-split", True, "gpus"),
 }
 
 _FIXES = {
@@ -201,6 +221,7 @@ _FIXES = {
     "gpu_layers": "remove it and declare the offload as the model's gpu_layers",
     "source": "remove it: the model's source is what the runtime loads",
     "sleep": "remove it",
+    "gpus": "remove it and declare the GPUs the model spans as its gpus (tensor parallel: the plan books its VRAM on each)",
     "": "remove it: the agent chooses the runtime's host and port (the model's port field; 127.0.0.1 unless the domain serves direct)",
 }
 
@@ -270,6 +291,8 @@ def _resolve(spec: ModelSpec, gpu_memory_bytes: int) -> tuple[list[str], str | N
                 continue
             raise ArgConflict(flag=spelling, given=value, index=index, fix=fix,
                               planned=f"{want} ({spec.vram_bytes / GiB:.1f} GiB of the {gpu_memory_bytes / GiB:.1f} GiB GPU)")
+        if want is None and field == "gpus":
+            raise ArgConflict(flag=spelling, given=value, planned="one GPU (the slot's)", index=index, fix=fix)
         if want is None:  # context_length 0: the plan has no length, so one in args would be a second source
             raise ArgConflict(flag=spelling, given=value, planned=f"unset {field} (the runtime's default)", index=index,
                               fix=fix)
@@ -300,7 +323,7 @@ def launch(
     """The exact argv and environment of `spec`'s runtime. Raises ArgConflict, ValueError (no GPU memory)."""
     passthrough, lowered = _resolve(spec, gpu_memory_bytes)
     env = dict(base_env or {})
-    env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu_index)
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in model_gpus(spec))
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     if spec.runtime == "vllm":
         binary = list(spec.binary) or ["vllm"]
@@ -310,6 +333,8 @@ def launch(
                 "--gpu-memory-utilization", lowered or str(planned["--gpu-memory-utilization"])]
         if spec.context_length:
             argv += ["--max-model-len", str(spec.context_length)]
+        if _tp(spec) > 1:
+            argv += ["--tensor-parallel-size", str(_tp(spec))]
         if spec.adapters:
             argv += ["--enable-lora", "--max-loras", str(len(spec.adapters)), "--lora-modules",
                      *(f"{name}={path}" for name, path in spec.adapters.items())]
@@ -322,6 +347,8 @@ def launch(
         if spec.context_length:
             argv += ["-c", str(spec.context_length)]
         argv += ["-ngl", str(planned["-ngl"])]
+        if _tp(spec) > 1:
+            argv += ["--split-mode", str(planned["--split-mode"]), "--tensor-split", str(planned["--tensor-split"])]
         for path in spec.adapters.values():
             argv += ["--lora", path]
     else:

@@ -35,8 +35,8 @@ import msgspec
 from haru.core.errors import InvalidName, LayoutError
 from haru.core.sizes import parse_size
 from haru.core.launch import ArgConflict, check_args, format_refusal, runtime_for
-from haru.core.specs import (Domain, DomainSpec, GpuSpec, Layout, ModelSpec, NonNegative, Policy, PreemptionNotice, ProvisionSpec, ServiceSpec,
-                             TrainingSpec, as_uuid)
+from haru.core.specs import (Domain, DomainSpec, GpuSpec, Layout, ModelSpec, NonNegative, Policy, PreemptionNotice,
+                             ProvisionSpec, ServiceSpec, TrainingSpec, as_uuid, model_gpus)
 from haru.core.subjects import check_model_id, check_name
 
 __all__ = ["parse_layout", "load_layout"]
@@ -48,14 +48,14 @@ _T = TypeVar("_T")
 
 _TOP_KEYS = ("fleet", "uuid", "policy", "domains")
 _DOMAIN_KEYS = ("name", "provider", "region", "serving_url", "serve", "network", "expose_dev_endpoints", "gpus", "slots",
-                "provision", "preemption_notice")
+                "provision", "preemption_notice", "host_ram", "host_ram_reserve")
 _PROVISION_KEYS = tuple(ProvisionSpec.__struct_fields__)
 _SERVICE_KEYS = tuple(ServiceSpec.__struct_fields__)
 _GPU_KEYS = ("index", "memory", "reserve", "name")
 _INFERENCE_SLOT_KEYS = ("name", "kind", "gpu", "models")
-_TRAINING_SLOT_KEYS = ("name", "kind", "gpu", "command", "checkpoint_dir", "vram", "grace_ms")
+_TRAINING_SLOT_KEYS = ("name", "kind", "gpu", "command", "checkpoint_dir", "vram", "grace_ms", "host_ram")
 _MODEL_KEYS = ("name", "runtime", "vram", "context_length", "port", "source", "url", "binary", "args", "env",
-               "adapters", "gpu_layers")
+               "adapters", "gpu_layers", "gpus", "host_ram")
 _POLICY_KEYS = tuple(Policy.__struct_fields__)
 
 Size = int | str
@@ -81,6 +81,8 @@ class _Model(msgspec.Struct, forbid_unknown_fields=True):
     env: dict[str, str] = {}
     adapters: dict[str, str] = {}
     gpu_layers: int = -1
+    gpus: list[NonNegative] = []  # tensor parallel: every GPU it spans, the slot's among them
+    host_ram: Size = 0  # host RAM its sleep keeps (its weights); 0 = its VRAM per GPU, an upper bound
 
 
 class _Slot(msgspec.Struct, forbid_unknown_fields=True):
@@ -92,6 +94,7 @@ class _Slot(msgspec.Struct, forbid_unknown_fields=True):
     checkpoint_dir: str = ""
     vram: Size = 0
     grace_ms: NonNegative = 0
+    host_ram: Size = 0
 
 
 class _Domain(msgspec.Struct, forbid_unknown_fields=True):
@@ -108,6 +111,8 @@ class _Domain(msgspec.Struct, forbid_unknown_fields=True):
     slots: list[_Slot] = []
     provision: dict[str, Any] | None = None
     preemption_notice: PreemptionNotice | None = None
+    host_ram: Size = 0  # 0 = not declared: host RAM is not planned
+    host_ram_reserve: Size = 0
 
 
 class _Layout(msgspec.Struct, forbid_unknown_fields=True):
@@ -307,16 +312,20 @@ def _domain(d: _Domain, i: int) -> Domain:
                                   fix=f"declare each model once per domain (first at {seen_models[m.name]})")
             seen_models[m.name] = mp
             model = _model(m, slot, s.gpu, mp, direct=d.serve == "direct", domain=name)
+            model = msgspec.structs.replace(model, gpu_indexes=_model_gpus(m, s.gpu, model.runtime, gpu_memory, mp),
+                                            host_ram_bytes=_size(m.host_ram, f"{mp}.host_ram", "model host RAM"))
             if model.port and model.runtime != "external":
                 if model.port in seen_ports:
                     raise LayoutError(f"port {m.port} is used twice on domain {name!r}", path=f"{mp}.port",
                                       fix=f"give each runtime its own port (first used by {seen_ports[m.port]})")
                 seen_ports[model.port] = mp
-            _check_launch(model, m.runtime, mp, gpu_memory.get(s.gpu, 0))
+            _check_launch(model, m.runtime, mp, max(gpu_memory.get(i, 0) for i in model_gpus(model)))
             models.append(model)
     provision = _provision(d, name, dp) if d.provision is not None else None
+    host_ram, host_ram_reserve = _host_ram(d, name, dp)
     spec = DomainSpec(name=name, provider=d.provider, region=d.region, serving_url=d.serving_url, serve=d.serve,
-                      gpus=gpus, provision=provision, preemption_notice=_notice(d.preemption_notice, dp))
+                      gpus=gpus, provision=provision, preemption_notice=_notice(d.preemption_notice, dp),
+                      host_ram_bytes=host_ram, host_ram_reserve_bytes=host_ram_reserve)
     return Domain(spec=spec, models=models, training=training)
 
 
@@ -328,6 +337,44 @@ def _notice(notice: PreemptionNotice | None, dp: str) -> PreemptionNotice | None
         raise LayoutError("preemption_notice.interval_ms is under 100", path=f"{dp}.preemption_notice.interval_ms",
                           fix="poll every 100 ms or slower (5000 is the default)")
     return notice
+
+
+def _host_ram(d: _Domain, name: str, dp: str) -> tuple[int, int]:
+    """The domain's host RAM and its reserve (0, 0: not declared, not planned)."""
+    host_ram = _size(d.host_ram, f"{dp}.host_ram", "host RAM")
+    reserve = _size(d.host_ram_reserve, f"{dp}.host_ram_reserve", "host RAM reserve")
+    if reserve and not host_ram:
+        raise LayoutError(f"domain {name!r} declares a host RAM reserve but no host RAM", path=f"{dp}.host_ram",
+                          fix='declare the host\'s RAM too, e.g. "host_ram": "256GiB", or remove the reserve')
+    if reserve > host_ram:
+        raise LayoutError(f"domain {name!r} host RAM reserve ({reserve} bytes) exceeds its host RAM ({host_ram} bytes)",
+                          path=f"{dp}.host_ram_reserve", fix="lower the reserve below the host's RAM")
+    return host_ram, reserve
+
+
+def _model_gpus(m: _Model, slot_gpu: int, runtime: str, declared: dict[int, int], mp: str) -> list[int]:
+    """A tensor-parallel model's GPUs, the slot's first ([] for one GPU). Each declared on the domain, once."""
+    if not m.gpus:
+        return []
+    gp = f"{mp}.gpus"
+    if runtime == "external":
+        raise LayoutError(f"external model {m.name!r} declares gpus; Haru does not place an external endpoint",
+                          path=gp, fix="remove gpus")
+    seen: list[int] = []
+    for k, index in enumerate(m.gpus):
+        if index not in declared:
+            raise LayoutError(f"model {m.name!r} spans GPU {index}, which the domain does not declare", path=f"{gp}[{k}]",
+                              fix=f"use the domain's GPU indexes ({', '.join(map(str, sorted(declared)))}) or declare GPU {index}")
+        if index in seen:
+            raise LayoutError(f"GPU {index} is listed twice in model {m.name!r}'s gpus", path=f"{gp}[{k}]",
+                              fix="list each GPU once")
+        seen.append(index)
+    if slot_gpu not in seen:
+        raise LayoutError(f"model {m.name!r} spans GPUs {seen} but its slot is on GPU {slot_gpu}", path=gp,
+                          fix=f"include the slot's GPU {slot_gpu} in gpus, or move the slot to one of them")
+    if len(seen) == 1:
+        return []
+    return [slot_gpu, *(i for i in seen if i != slot_gpu)]
 
 
 def _gpus(d: _Domain, name: str, dp: str) -> list[GpuSpec]:
@@ -366,7 +413,8 @@ def _training(s: _Slot, slot: str, sp: str) -> TrainingSpec:
         raise LayoutError(f"training slot {slot!r} declares no VRAM budget", path=f"{sp}.vram",
                           fix='declare what it may use, e.g. "vram": "8GiB"')
     return TrainingSpec(slot=slot, gpu_index=s.gpu, command=list(s.command), checkpoint_dir=s.checkpoint_dir,
-                        vram_bytes=vram, grace_ms=s.grace_ms)
+                        vram_bytes=vram, grace_ms=s.grace_ms,
+                        host_ram_bytes=_size(s.host_ram, f"{sp}.host_ram", "training host RAM"))
 
 
 def _model(m: _Model, slot: str, gpu: int, mp: str, *, direct: bool, domain: str) -> ModelSpec:
@@ -480,11 +528,14 @@ def _check_launch(spec: ModelSpec, named: str, mp: str, gpu_memory_bytes: int) -
             raise LayoutError(f"adapter {adapter!r} -> {path!r} needs a name without spaces or '=' and a path",
                               path=f"{mp}.adapters", fix='write "adapters": {"sql-lora": "/srv/loras/sql"}')
     visible = spec.env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and spec.runtime != "external" and str(spec.gpu_index) not in [v.strip() for v in visible.split(",")]:
-        # A tensor-parallel model may name several GPUs, but the plan's GPU must be one of them.
-        raise LayoutError(f"env CUDA_VISIBLE_DEVICES={visible!r} does not include the plan's GPU {spec.gpu_index} "
-                          f"(the slot's gpu)", path=f"{mp}.env.CUDA_VISIBLE_DEVICES",
-                          fix="remove it (the agent pins the runtime to its slot's GPU), or move the slot to the GPU it names")
+    listed = [v.strip() for v in visible.split(",")] if visible is not None else []
+    missing = [i for i in model_gpus(spec) if str(i) not in listed]
+    if visible is not None and spec.runtime != "external" and missing:
+        # The plan's GPUs (the slot's, or a tensor-parallel model's every one) must all be visible.
+        raise LayoutError(f"env CUDA_VISIBLE_DEVICES={visible!r} does not include the plan's GPU "
+                          f"{', '.join(map(str, missing))} (the slot's gpu, or the model's gpus)",
+                          path=f"{mp}.env.CUDA_VISIBLE_DEVICES",
+                          fix="remove it (the agent pins the runtime to its GPUs), or move the slot to the GPU it names")
     try:
         check_args(spec, gpu_memory_bytes)
     except ArgConflict as exc:

@@ -7,6 +7,7 @@ States (a tagged union on `state`):
     unknown                      never probed
     pulling{since, done, total}  a layout's reference being fetched into the store (haru.models); reports bytes
     loading{since, attempt}      weights materializing; reports elapsed time, never times out
+                                 (`waiting_for`: not spawned yet, waiting for its GPU's turn)
     resident{since, warmup_ms}   loaded AND answering AND accounted for
     sleeping{level}              vLLM level-1 sleep: weights in CPU RAM, VRAM freed
     waking{since}                coming back from sleep
@@ -57,6 +58,7 @@ class Pulling(State, frozen=True, kw_only=True, tag="pulling"):
 class Loading(State, frozen=True, kw_only=True, tag="loading"):
     attempt: int = 1
     endpoint: str = ""
+    waiting_for: str = ""  # not spawned yet: its GPU's turn (one cold load at a time per GPU)
 
 
 class Resident(State, frozen=True, kw_only=True, tag="resident"):
@@ -104,7 +106,7 @@ class Answer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     since: datetime | None = None
     reason: str = ""
     short_by_bytes: int = 0
-    detail: str = ""  # lost: the probe's detail; failed: what the runtime said; stopped: why
+    detail: str = ""  # lost: the probe's detail; failed: what the runtime said; stopped: why; loading: what it waits for
 
 
 def _tag(value: object) -> str:
@@ -274,7 +276,8 @@ _ESTABLISHES: dict[str, Callable[[Any, datetime | None, int], Residency]] = {
                                                 total_bytes=e.total_bytes),
     ADMITTED: lambda e, at, seq: Unknown(since=at, seq=seq),
     REFUSED: lambda e, at, seq: NotAdmitted(since=at, seq=seq, short_by_bytes=e.short_by_bytes),
-    "model_loading": lambda e, at, seq: Loading(since=at, seq=seq, attempt=e.attempt, endpoint=e.endpoint),
+    "model_loading": lambda e, at, seq: Loading(since=at, seq=seq, attempt=e.attempt, endpoint=e.endpoint,
+                                                waiting_for=e.waiting_for),
     "model_resident": lambda e, at, seq: Resident(since=at, seq=seq, warmup_ms=e.warmup_ms, endpoint=e.endpoint),
     "model_sleeping": lambda e, at, seq: Sleeping(since=at, seq=seq, level=e.level),
     "model_waking": lambda e, at, seq: Waking(since=at, seq=seq),
@@ -408,7 +411,8 @@ def answer(state: Residency, now: datetime) -> Answer:
         for_ms = 0
         if state.since is not None:
             for_ms = max(0, int((now - state.since).total_seconds() * 1000))
-        return Answer(answer="warming", for_ms=for_ms, since=state.since, reason=tag)
+        waits = state.waiting_for if isinstance(state, Loading) else ""
+        return Answer(answer="warming", for_ms=for_ms, since=state.since, reason=tag, detail=waits)
     if kind == "asleep":
         return Answer(answer="asleep", since=state.since)
     if isinstance(state, Lost):

@@ -70,6 +70,16 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     launch_cooldown_ms: NonNegative = 0
     # Bounds of the provisioning steps: launch (every placement tried), join (agent heard, models
     # loaded), down (every cluster of the domain torn down).
+    # An automatic failover that aborted while the active is still unfit is retried after
+    # failover_retry_ms, doubled per attempt and capped at failover_retry_max_ms, at most
+    # failover_retry_attempts times; then the slower retry of any aborted operation applies
+    # (max(degraded_grace_ms, heartbeat_timeout_ms)), and the giving-up is recorded (failover_declined).
+    failover_retry_ms: NonNegative = 500
+    failover_retry_max_ms: NonNegative = 8_000
+    failover_retry_attempts: NonNegative = 5
+    # verify_gpu polls this long, at most, for the GPU memory a stopped trainer held to be released
+    # (a driver frees a killed process's memory a moment late); its detail says how long it took.
+    verify_settle_ms: NonNegative = 5_000
     launch_timeout_ms: NonNegative = 3_600_000
     join_timeout_ms: NonNegative = 1_800_000
     teardown_timeout_ms: NonNegative = 900_000
@@ -94,11 +104,11 @@ class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """One model, served by its own runtime process on one GPU."""
+    """One model, served by its own runtime process on one GPU, or on several (tensor parallel)."""
 
     name: str  # the OpenAI model id clients send, matched exactly
     slot: str
-    gpu_index: int
+    gpu_index: int  # the slot's GPU; a tensor-parallel model's first
     runtime: Runtime = "vllm"  # the layout infers it from `source` when not named (haru.core.launch.runtime_for)
     vram_bytes: int = 0
     context_length: int = 0
@@ -115,6 +125,18 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     adapters: dict[str, str] = {}
     # llama-server: how many layers to offload to the GPU; -1 = all of them (`-ngl 999`).
     gpu_layers: int = -1
+    # Tensor parallel: every GPU the model spans, the slot's first ([] = the slot's GPU alone). Its
+    # `vram_bytes` is booked on EACH of them (vLLM shards the weights and gives each GPU the same
+    # memory fraction).
+    gpu_indexes: list[NonNegative] = []
+    # Host RAM its level-1 sleep keeps (the weights, offloaded to CPU RAM); 0 = its `vram_bytes`, an
+    # upper bound (the weights are never more than the VRAM it holds). Runtimes that cannot sleep keep none.
+    host_ram_bytes: NonNegative = 0
+
+
+def model_gpus(spec: ModelSpec) -> list[int]:
+    """Every GPU `spec` runs on: its tensor-parallel GPUs, or its slot's GPU alone."""
+    return list(spec.gpu_indexes) or [spec.gpu_index]
 
 
 class TrainingSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,6 +148,7 @@ class TrainingSpec(msgspec.Struct, frozen=True, kw_only=True):
     checkpoint_dir: str
     vram_bytes: int = 0
     grace_ms: int = 0  # 0 = the policy's training_grace_ms
+    host_ram_bytes: NonNegative = 0  # host RAM it uses (declared; planned beside sleeping weights)
 
 
 class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -189,6 +212,10 @@ class DomainSpec(msgspec.Struct, frozen=True, kw_only=True):
     serving_url: str = ""
     serve: Serve = "agent"
     gpus: list[GpuSpec] = []
+    # Host RAM (0 = not declared: not planned). Level-1 sleep keeps every standby model's weights there
+    # and trainers use it too; the planner books those against host_ram - host_ram_reserve.
+    host_ram_bytes: NonNegative = 0
+    host_ram_reserve_bytes: NonNegative = 0
     # For provider skypilot/skyserve: how to launch it (None for static hosts, and for a cloud domain
     # declared before provisioning was wired in: `haru provision` then says what to add).
     provision: ProvisionSpec | None = None

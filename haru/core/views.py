@@ -57,6 +57,9 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     # last cold load until it answered (a `model_resident` after `model_loading`), in ms (0 = never seen).
     wake_ms: int = 0
     load_ms: int = 0
+    short_of: str = "vram"  # what a refused model was short of: vram | host_ram
+    host_ram_bytes: int = 0  # what it books in host RAM asleep (its weights), as the planner said
+    gpu_indexes: list[int] = []  # a model across GPUs: every GPU it spans
 
 
 class TrainingView(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,6 +68,8 @@ class TrainingView(msgspec.Struct, frozen=True, kw_only=True):
     vram_bytes: int = 0
     admitted: bool | None = None
     short_by_bytes: int = 0
+    short_of: str = "vram"
+    host_ram_bytes: int = 0
     running: bool = False
     pid: int = 0
     since: datetime | None = None  # started at, or stopped at
@@ -79,6 +84,8 @@ class AgentView(msgspec.Struct, frozen=True, kw_only=True):
     version: str = ""
     serving_url: str = ""
     since: datetime | None = None
+    host_ram_total_bytes: int = 0  # /proc/meminfo at the agent's start (0 = unknown)
+    host_ram_available_bytes: int = 0
 
 
 class DomainView(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,6 +102,8 @@ class DomainView(msgspec.Struct, frozen=True, kw_only=True):
     reachability_since: datetime | None = None
     eligible: bool = True  # may serve as standby (set by eligibility_changed)
     ineligible_why: str = ""
+    host_ram_bytes: int = 0  # declared (0 = not planned)
+    host_ram_reserve_bytes: int = 0
     eligibility_since: datetime | None = None  # `at` of the last eligibility_changed: how old the verdict is
     # A sign the domain is about to go (`failure_signalled`: preemption notice, GPU XID or ECC), until
     # its agent starts again: `source: detail`, when, and the event's sequence.
@@ -135,6 +144,7 @@ class OperationView(msgspec.Struct, frozen=True, kw_only=True):
     seq: int = 0  # sequence of the request event
     route_revision: int = 0  # the route revision it was decided against
     decl_seq: int = 0  # a rolling change: the declarations it rolls out
+    attempt: int = 1  # an automatic failover retried after an abort: which attempt (PromotionRequested.attempt)
 
 
 class FleetView(msgspec.Struct, frozen=True, kw_only=True):

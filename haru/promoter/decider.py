@@ -840,6 +840,46 @@ def _backing_off(view: FleetView, kind: str, target: str, now: datetime) -> Oper
     return last
 
 
+def failover_retry_ms(policy: Policy, attempt: int) -> int:
+    """The pause after automatic failover attempt `attempt` aborted: failover_retry_ms doubled per
+    attempt, capped at failover_retry_max_ms."""
+    return min(policy.failover_retry_ms << max(0, min(attempt - 1, 30)), policy.failover_retry_max_ms)
+
+
+class Retry(msgspec.Struct, frozen=True, kw_only=True):
+    """What to do about the last aborted automatic failover onto a candidate, while the active is unfit."""
+
+    attempt: int = 1  # the attempt to request now (when `wait` and `why` are empty)
+    wait: bool = False  # within the backoff: request nothing yet (the abort is the record)
+    why: str = ""  # gave up the fast retries: said once as failover_declined
+
+
+def retry_after_abort(view: FleetView, candidate: str, now: datetime) -> Retry:
+    """An automatic promotion onto `candidate` that aborted (its standby's step failed: the trainer's
+    memory not released yet, a wake that ran out of memory) is retried promptly, not after
+    `retry_ms`: after `failover_retry_ms(attempt)`, each attempt a new `promotion_requested` with its
+    `attempt` number, at most `failover_retry_attempts` in a row. Past the cap it gives up the fast
+    retries, says why, and the usual backoff of an aborted operation (`retry_ms`) applies. A manual
+    promotion that aborted keeps the usual backoff."""
+    last = view.last_operation
+    policy = view.policy
+    if last is None or last.state != "aborted" or last.kind != "promotion" or last.target != candidate:
+        return Retry()
+    since = now - last.finished_at if last.finished_at is not None else timedelta(0)
+    if last.reason == "manual" or last.attempt >= policy.failover_retry_attempts:
+        if since >= timedelta(milliseconds=retry_ms(policy)):
+            return Retry()
+        if last.reason == "manual":
+            return Retry(why=f"the last promotion onto {candidate} aborted ({last.error or 'failed'}); "
+                             f"retrying after {retry_ms(policy)} ms")
+        return Retry(why=f"gave up retrying the failover onto {candidate} after {last.attempt} attempts "
+                         f"(failover_retry_attempts), the last aborted: {last.error or 'failed'}; "
+                         f"next try after {retry_ms(policy)} ms")
+    if since < timedelta(milliseconds=failover_retry_ms(policy, last.attempt)):
+        return Retry(wait=True)
+    return Retry(attempt=last.attempt + 1)
+
+
 def next_operation(view: FleetView, facts: Facts) -> Append | None:
     """With no operation in flight: first route, auto-failover, demotions that keep the standby a standby."""
     op_subject = subjects.op(view.fleet)
@@ -855,13 +895,12 @@ def next_operation(view: FleetView, facts: Facts) -> Append | None:
             return None
         candidate = view.standby()
         why = standby_unfit(view, candidate, view.domains.get(view.active))
+        again = Retry()
         if not why:
-            aborted = _backing_off(view, "promotion", candidate, now)
-            if aborted is not None:
-                why = (
-                    f"the last promotion onto {candidate} aborted ({aborted.error or 'failed'}); "
-                    f"retrying after {retry_ms(view.policy)} ms"
-                )
+            again = retry_after_abort(view, candidate, now)  # an aborted failover: retried promptly, bounded
+            if again.wait:
+                return None
+            why = again.why
         if why:
             # Once per distinct reason and incident: the failure's onset is part of the reason.
             onset = f" since {health.since.isoformat(timespec='milliseconds')}" if health.since else ""
@@ -883,8 +922,9 @@ def next_operation(view: FleetView, facts: Facts) -> Append | None:
                 reason=health.reason,
                 detail=health.why,
                 route_revision=view.route_revision,
+                attempt=again.attempt,
             ),
-            why=f"auto-failover: {health.why}",
+            why=f"auto-failover: {health.why}" + (f" (attempt {again.attempt})" if again.attempt > 1 else ""),
         )
     provisioning = _provisioning(view, facts)
     if provisioning is not None:

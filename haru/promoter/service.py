@@ -53,7 +53,7 @@ from haru.core.events import (DomainChanged, DomainDeclared, DomainRetired, Even
 from haru.log.follow import Follower
 from haru.log.bus import send
 from haru.promoter.decider import STEPS, command_for, decide, flip_refusal, not_applicable, step_outcome, step_record
-from haru.promoter.decisions import Facts
+from haru.promoter.decisions import Append, Facts
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
 from haru.core.residency import Resident, Sleeping
@@ -139,6 +139,8 @@ class Promoter:
         self.fleets: dict[str, FleetState] = {}
         self.folded = 0
         self._changed = asyncio.Event()
+        self._dirty: set[str] = set()  # fleets changed since their last round (`_due`)
+        self._swept = 0.0  # when every fleet was last decided for
         self._advanced = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._listening_since = 0.0
@@ -187,9 +189,9 @@ class Promoter:
                     elif isinstance(rec.event, DomainRetired):
                         st.specs.pop(rec.event.domain, None)
                     self.metrics.record(fleet, rec, st.view)  # a misplaced event counts for nothing
+            self._touch(fleet)
         self.folded = rec.seq
         self._advanced.set()
-        self._changed.set()
 
     async def wait_folded(self, seq: int, timeout: float = 10.0) -> None:
         """Until the follower has folded `seq` (our own append) or the bound passes."""
@@ -212,7 +214,25 @@ class Promoter:
         first = domain not in st.heard or time.monotonic() - st.heard[domain] > 0.5
         st.heard[domain] = time.monotonic()
         if first or st.view.domains.get(domain) is not None and st.view.domains[domain].reachable is not True:
-            self._changed.set()
+            self._touch(fleet)
+
+    def _touch(self, fleet: str) -> None:
+        """Something about `fleet` changed (a record folded, a heartbeat, a step ended): decide for it now."""
+        self._dirty.add(fleet)
+        self._changed.set()
+
+    def _due(self) -> list[FleetState]:
+        """The fleets to decide for in this pass: the changed ones, and every fleet once per `tick_s` (what
+        depends on the clock: heartbeat silence, a step's lease, a degraded grace, a backoff). Deciding for
+        every fleet on every change made a heartbeat cost a pass over all fleets: O(fleets) per heartbeat."""
+        now = time.monotonic()
+        if now - self._swept >= self.tick_s:
+            self._swept = now
+            due = list(self.fleets.values())
+        else:
+            due = [self.fleets[f] for f in sorted(self._dirty) if f in self.fleets]
+        self._dirty.clear()
+        return due
 
     # ------------------------------------------------------------------------------------ run
 
@@ -242,19 +262,28 @@ class Promoter:
                     follower.result()  # raises what stopped the follower (a bug: it restarts on log errors)
                     raise LogError("the promoter's log follower stopped")
                 self._changed.clear()
-                for st in list(self.fleets.values()) if self._connected() else ():
-                    try:
-                        await self.round(st)
-                    except asyncio.CancelledError:
-                        raise
-                    except Exception:  # a bug must not stop every fleet: say it loudly, go on
-                        self.log_.exception("round_failed", fleet=st.view.fleet)
-                await wait_event(self._changed, self.tick_s)
+                # Decide for every fleet due (pure, no await), then make the appends of those that have
+                # any, concurrently: fleets are independent (their own subjects and expected sequences),
+                # and one fleet's appends, each awaited until folded, must not hold up another's failover.
+                work = [(st, appends) for st in (self._due() if self._connected() else ()) if (appends := self._decide(st))]
+                if len(work) == 1:
+                    await self._make_guarded(*work[0])
+                elif work:
+                    await asyncio.gather(*(self._make_guarded(st, appends) for st, appends in work))
+                await wait_event(self._changed, max(0.0, self._swept + self.tick_s - time.monotonic()))
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
             await self.peers.stop()
             await cancel_and_wait(beating, follower, *self._tasks)
+
+    async def _make_guarded(self, st: FleetState, appends: list[Append]) -> None:
+        try:
+            await self._make(st, appends)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug must not stop every fleet: say it loudly, go on
+            self.log_.exception("round_failed", fleet=st.view.fleet)
 
     async def _follow(self) -> None:
         """Follow the log from where the views are (haru.log.follow: catch-up, stall detection, reconnect
@@ -304,11 +333,17 @@ class Promoter:
 
     async def round(self, st: FleetState) -> None:
         """Decide once for a fleet and make the appends, in order; stop at the first that loses a race."""
+        await self._make(st, self._decide(st))
+
+    def _decide(self, st: FleetState) -> list[Append]:
         try:
-            appends = decide(st.view, self.facts(st))
+            return decide(st.view, self.facts(st))
         except Exception:  # a bug in the core must not stop every fleet: say it loudly and go on
             self.log_.exception("decide_failed", fleet=st.view.fleet)
-            return
+            return []
+
+    async def _make(self, st: FleetState, appends: list[Append]) -> None:
+        """Make a round's appends, in order (each folded before the next); stop at the first that loses a race."""
         for a in appends:
             expect = st.last.get(a.subject, 0)
             event: Event = a.event if a.event.by else msgspec.structs.replace(a.event, by=self.identity)
@@ -380,7 +415,7 @@ class Promoter:
             log.exception("step_crashed")
         finally:
             st.running.discard(key)
-            self._changed.set()
+            self._touch(fleet)
 
     async def _agent_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
         """Runner `agent`: the step's verbs, in order, to the domain it acts on; stops at the first not ok."""

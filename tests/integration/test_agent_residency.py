@@ -100,15 +100,16 @@ async def test_gpu_detached_and_evicted(tmp_path, nats_server, event_log, agents
     assert lost1.event.reason == "gpu_detached"
     gpu = await wait_event(event_log, subjects.gpu("f", "a", 0), is_("gpu_observed", present=False), agent=agent)
     assert gpu.event.present is False
-    # The provider gives it back: the same runtime answers again, resident without a reload.
+    # The provider gives it back: proven, not assumed. The GPU's return is recorded first, then the runtime
+    # is reloaded (a real completion makes it resident again), in that order in the log.
     SimGpuState(tmp_path / "sim" / "a", 0).set_present(True)
     back = await wait_event(event_log, subjects.model("f", "a", "m1"),
                             lambda r: tag(r) == "model_resident" and r.seq > lost1.seq, agent=agent)
-    assert back.event.endpoint == lost1_endpoint(await event_log.history(subjects.model("f", "a", "m1")))
-
-
-def lost1_endpoint(records) -> str:
-    return [r.event.endpoint for r in records if tag(r) == "model_loading"][-1]
+    present = [r for r in await event_log.history(subjects.gpu("f", "a", 0))
+               if tag(r) == "gpu_observed" and r.event.present is True and r.seq > gpu.seq]
+    reload = [r for r in await event_log.history(subjects.model("f", "a", "m1"))
+              if tag(r) == "model_loading" and r.event.pid and lost1.seq < r.seq < back.seq]
+    assert present and reload and present[0].seq < reload[0].seq < back.seq
 
 
 async def test_slow_loading_model_stays_loading_with_growing_elapsed(tmp_path, nats_server, event_log, agents):
@@ -206,3 +207,7 @@ async def test_standby_gpu_detached_while_asleep_comes_back_asleep(tmp_path, nat
     back = await wait_event(event_log, subject, lambda r: tag(r) == "model_sleeping" and r.seq > lost.seq, agent=agent)
     tags = [tag(r) for r in await event_log.history(subject) if lost.seq < r.seq <= back.seq]
     assert tags == ["model_loading", "model_resident", "model_sleeping"]
+    # the GPU's return is in the log before the reload
+    present = [r for r in await event_log.history(subjects.gpu("f", "b", 0)) if r.event.present is True and r.seq > lost.seq]
+    reload = next(r for r in await event_log.history(subject) if tag(r) == "model_loading" and r.seq > lost.seq)
+    assert present and present[0].seq < reload.seq

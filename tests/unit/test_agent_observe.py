@@ -22,6 +22,7 @@ from agents.observe import (
     PullRefused,
     Slept,
     Spawned,
+    Queued,
     SpawnRefused,
     StillAsleep,
     Unloaded,
@@ -69,6 +70,7 @@ EXAMPLES = {
     "pull_refused": PullRefused(**ABOUT, reference="hf:o/r", why="404"),
     "pull_interrupted": PullInterrupted(**ABOUT, detail="agent shutdown during the pull"),
     "spawned": Spawned(**ABOUT, endpoint="http://127.0.0.1:1", pid=42, attempt=2),
+    "queued": Queued(**ABOUT, waiting_for="its turn on GPU 0 (m0 loading)", attempt=2),
     "spawn_refused": SpawnRefused(**ABOUT, said="no such file"),
     "answered": Answered(**ABOUT, endpoint="http://127.0.0.1:1", warmup_ms=7),
     "exited:expected": Exited(**ABOUT, code=0, expected=True),
@@ -228,3 +230,15 @@ def test_a_probe_that_finds_the_gpu_gone_refines_a_loss_but_a_gone_gpu_alone_doe
     assert isinstance(refined, ModelLost) and refined.reason == "gpu_detached"
     # asked to sleep on a GPU that is gone: a model already lost (for any reason) stays as recorded
     assert observe(Lost(reason="unhealthy"), EXAMPLES["gpu_gone"]) is None
+
+
+def test_a_model_waiting_for_its_gpu_is_loading_and_says_what_it_waits_for():
+    queued = observe(Lost(reason="process_exited"), EXAMPLES["queued"])
+    assert isinstance(queued, ModelLoading) and queued.pid == 0
+    assert queued.waiting_for == "its turn on GPU 0 (m0 loading)"
+    state = evolve(Lost(reason="process_exited"), queued, seq=5)
+    assert state_name(state) == "loading" and state.waiting_for == "its turn on GPU 0 (m0 loading)"
+    # the turn comes: its runtime is spawned, and the wait is over (the next loading says no wait)
+    spawned = observe(state, EXAMPLES["spawned"])
+    assert isinstance(spawned, ModelLoading) and spawned.waiting_for == "" and spawned.pid == 42
+    assert evolve(state, spawned, seq=6).waiting_for == ""

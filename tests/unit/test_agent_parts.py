@@ -92,7 +92,7 @@ def test_the_gpu_verdict_from_readings_passed_in():
     from haru.core.residency import Resident
 
     def model(name, gpu, state, kind="vllm"):
-        return NS(name=name, state_tag=state, spec=NS(gpu_index=gpu, vram_bytes=10 * GiB),
+        return NS(name=name, state_tag=state, spec=NS(gpu_index=gpu, gpu_indexes=[], vram_bytes=10 * GiB),
                   runtime=NS(kind=kind, can_sleep=kind == "vllm"), state=Resident())
 
     idle = NS(group_pids=lambda: set(), ended=None, running=lambda: False)
