@@ -30,7 +30,8 @@ from nats.js import api  # noqa: E402
 
 from haru.core import events as ev  # noqa: E402
 from haru.core import subjects  # noqa: E402
-from haru.log.eventlog import EventLog, _parse_ack_reply  # noqa: E402
+from haru.log.eventlog import EventLog  # noqa: E402
+from haru.log.jetstream import parse_ack_reply  # noqa: E402
 from haru.host.natsd import NatsServer  # noqa: E402
 from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
 
@@ -109,7 +110,7 @@ async def replay_raw(log: EventLog, subject_filter: str, total: int) -> float:
     async def cb(msg) -> None:
         nonlocal count
         count += 1
-        if _parse_ack_reply(msg.reply)[2] == 0:
+        if parse_ack_reply(msg.reply)[2] == 0:
             done.set()
 
     t = time.perf_counter()

@@ -33,6 +33,7 @@ from gateway.console_core import hello, operations, snapshot, story_items
 from gateway.errors import ApiError
 from haru.core import subjects
 from haru.core.errors import InvalidName, LogUnavailable
+from haru.log.seam import Log
 
 log = structlog.get_logger("haru.gateway")
 
@@ -63,7 +64,7 @@ def _frame(data: dict) -> bytes:
 
 
 class Console:
-    def __init__(self, table, events, *, coalesce_s: float = 0.05) -> None:
+    def __init__(self, table, events: Log | None, *, coalesce_s: float = 0.05) -> None:
         self.table = table
         self.events = events
         self.coalesce_s = coalesce_s

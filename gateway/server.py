@@ -38,6 +38,7 @@ from gateway.routing import Refusal, RoutingTable
 from gateway.state import RouteFollower
 from haru.host.httpguard import GuardedServer
 from haru.core.openai_errors import error_body
+from haru.log.seam import Log
 
 log = structlog.get_logger("haru.gateway")
 
@@ -60,7 +61,7 @@ class Gateway:
     a routing table the caller fills (`gw.table.set_view/set_intent`), with no control API writes.
     """
 
-    def __init__(self, config: GatewayConfig, events=None) -> None:
+    def __init__(self, config: GatewayConfig, events: Log | None = None) -> None:
         self.config = config
         self.events = events
         self.table = RoutingTable()

@@ -43,7 +43,8 @@ from haru.core.restarts import Backoff
 from haru.host import alive
 from haru.core import subjects
 from haru.core.errors import HaruError
-from haru.log.eventlog import EventLog, Record
+from haru.log.record import Record
+from haru.log.seam import Log
 from haru.core.authority import misplaced
 from haru.core.events import RouteMoved
 from haru.core.residency import Answer
@@ -86,7 +87,7 @@ def intent_after_move(view: FleetView | None, intent: RouteIntent | None, moved:
 class RouteFollower:
     """Two tasks (views, intents) applying what they see to `table`. An async context manager."""
 
-    def __init__(self, events: EventLog, table: RoutingTable, metrics: GatewayMetrics,
+    def __init__(self, events: Log, table: RoutingTable, metrics: GatewayMetrics,
                  on_change: Callable[[str], None] | None = None, *, resync_s: float = 2.0) -> None:
         self.events = events
         self.table = table

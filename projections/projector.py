@@ -63,7 +63,8 @@ from haru.core.restarts import Backoff
 from haru.host import alive
 from haru.core import checkpoints, subjects
 from haru.core.errors import Conflict, LogError
-from haru.log.eventlog import EventLog, Record, body_hash
+from haru.log.record import Record, body_hash
+from haru.log.seam import Log
 from haru.log.follow import Follower
 from haru.core.events import Checkpoint, RouteMoved
 from haru.host.tasks import cancel_and_wait
@@ -112,7 +113,7 @@ class Projector:
 
     def __init__(
         self,
-        log: EventLog,
+        log: Log,
         *,
         checkpoint_lag: int = CHECKPOINT_LAG,
         stall_interval: float = 1.0,

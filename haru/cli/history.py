@@ -16,6 +16,7 @@ from haru.cli.common import (ExitStatus, add_fleet_option, add_nats_options, add
 from haru.core.authority import misplaced
 from haru.core.errors import LogDamaged, seq_ranges
 from haru.log.eventlog import EventLog
+from haru.log.seam import Log
 from haru.log.reads import checkpoint_start, model_records, why_records
 
 
@@ -66,7 +67,7 @@ def _connect(args: argparse.Namespace, who: str):
                             replay_timeout=args.timeout)
 
 
-async def _witnesses(log: EventLog) -> list[history.Witness]:
+async def _witnesses(log: Log) -> list[history.Witness]:
     """What the views and route intents (outside HARU_EVENTS) say they folded."""
     from haru.core.views import intent_decoder, view_decoder
 

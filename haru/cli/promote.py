@@ -32,7 +32,8 @@ from haru.core.operations import as_doc, fold_operations, progress_line
 from haru.promoter.errors import OperationNotFound
 from haru.host.tasks import cancel_and_wait, run_until_signal
 from haru.host.metrics import add_metrics_options
-from haru.log.eventlog import EventLog, Record
+from haru.log.eventlog import EventLog
+from haru.log.record import Record
 from haru.core.events import OperationAborted, OperationCompleted, payload, tag_of
 
 _STATUS = {

@@ -40,7 +40,7 @@ from haru.core.specs import DomainSpec, Layout, ModelSpec, Policy, TrainingSpec,
 
 if TYPE_CHECKING:
     from haru.core.views import FleetView
-    from haru.log.eventlog import EventLog  # the type only: the shell hands the log in
+    from haru.log.seam import EventStore  # the type only: the shell hands the log in
 
 __all__ = ["Declarations", "fold_declarations", "diff", "ApplyResult", "apply", "describe", "running_at_risk",
            "DEFAULT_RETRIES"]
@@ -227,7 +227,7 @@ class ApplyResult:
     attempts: int = 1
 
 
-async def apply(log: EventLog, layout: Layout, now: datetime, *, dry_run: bool = False, retries: int = DEFAULT_RETRIES,
+async def apply(log: EventStore, layout: Layout, now: datetime, *, dry_run: bool = False, retries: int = DEFAULT_RETRIES,
                 by: str = "") -> ApplyResult:
     """Append the differences between the log and `layout` to `haru.evt.<fleet>.decl`.
 

@@ -9,7 +9,7 @@
 sequence order, from `from_seq`, and then for every new one. The follower:
 
 - **catches up and follows** with one `replay(follow=True)` of the log (an ordered push consumer
-  on JetStream, haru/log/eventlog.py);
+  on JetStream, haru/log/js_replay.py);
 - **resumes** every new replay after `position`, the last sequence its handler returned from, and
   drops a redelivered record at or below it, so the handler sees each sequence once;
 - **restarts on a reconnect**: after the connection to NATS comes back (`on_link_change`) it starts a
@@ -24,9 +24,9 @@ sequence order, from `from_seq`, and then for every new one. The follower:
   `retry_s` (doubling to `retry_max_s` while nothing is handled); any other exception is the
   handler's or a bug and is raised from `run()`.
 
-The log is anything with `replay`, `last_seq`, `last_seq_matching`, `read_seq` and `on_link_change`
-(`haru.log.eventlog.EventLog`, `haru.memlog.MemoryLog`): tests/integration/test_log_contract.py runs the
-same follower against both.
+The log is any `haru.log.seam.Followable` (`replay`, `last_seq`, `last_seq_matching`, `read_seq`,
+`on_link_change`): `haru.log.eventlog.EventLog` and `haru.log.memory.MemoryLog` are, and
+tests/integration/test_log_contract.py runs the same follower against both.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
@@ -42,25 +42,12 @@ from haru.core.restarts import Backoff
 from haru.core import subjects
 from haru.core.errors import LogError, seq_ranges
 from haru.host.tasks import cancel_and_wait
+from haru.log.seam import Followable
 
-__all__ = ["Follower", "Followable"]
+__all__ = ["Follower"]
 
 _log = structlog.get_logger("haru.log.follow")
 _DAMAGED_TAIL_MAX = 16  # more unreadable sequences than this past the position is a stall, not a damaged tail
-
-
-class Followable(Protocol):
-    async def replay(self, handler: Callable[[Any], Any], *, from_seq: int = 1, subject_filter: str = ...,
-                     follow: bool = False, headers: bool = True, timeout: float | None = None, strict: bool = True,
-                     on_gap: Callable[[list[int]], Any] | None = None) -> int: ...
-
-    async def last_seq(self) -> int: ...
-
-    async def last_seq_matching(self, subject_filter: str) -> int: ...
-
-    async def read_seq(self, seq: int) -> Any: ...
-
-    def on_link_change(self, listener: Callable[[bool], None]) -> Callable[[], None]: ...
 
 
 class Follower:

@@ -1,4 +1,5 @@
-"""The event log and the bus in memory: the same seams as `haru.log.eventlog.EventLog` and `haru.log.bus.NatsBus`,
+"""The event log and the bus in memory: the seam's Protocols (`haru.log.seam.Log`, `haru.log.bus.Bus`) as
+`haru.log.eventlog.EventLog` and `haru.log.bus.NatsBus` implement them,
 for tests of service logic that is not about NATS (the promoter's decisions and steps, the projector's
 fold and writes). tests/integration/test_log_contract.py runs one suite against these and the real ones.
 
@@ -27,14 +28,14 @@ import inspect
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 
 from haru.core import subjects
 from haru.log.bus import Handler, Msg
 from haru.core.errors import Conflict, LogUnavailable, NoResponders, RequestTimeout
-from haru.log.eventlog import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, Record, _decode_record, body_hash, msg_id
+from haru.log.record import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, Record, body_hash, decode_record, msg_id
 from haru.core.events import Event, encode
 from haru.log.follow import Follower
 
@@ -139,7 +140,7 @@ class _Stream:
         seq = len(self.records) + 1
         rec = Record(seq, subject, time.time_ns(), data, event, "", headers)
         if event is None:
-            rec = _decode_record(seq, subject, rec.time_ns, data, headers)
+            rec = decode_record(seq, subject, rec.time_ns, data, headers)
         self.records.append(rec)
         self.by_subject.setdefault(subject, []).append(seq)
         self.poke()
@@ -155,12 +156,8 @@ class _Kv:
         self.changed = asyncio.Event()
 
 
-class MemoryLog:
-    """The event log in memory (see the module docstring); the methods are `EventLog`'s.
-
-    `connect(writer)` is another client of the same log (its own `writer`, the same streams, views
-    and bus), as a second process's `EventLog.connect` would be.
-    """
+class _MemoryClient:
+    """One client of the in-memory log: its writer, the shared streams, views and bus, and the link."""
 
     def __init__(self, *, writer: str = "memory", timeout: float = 5.0) -> None:
         self.writer = writer
@@ -171,9 +168,9 @@ class MemoryLog:
         self._kv = _Kv()
         self._listeners: list[Callable[[bool], None]] = []
 
-    def connect(self, writer: str) -> MemoryLog:
+    def connect(self, writer: str) -> Self:
         """Another client of this log, appending as `writer`."""
-        other = MemoryLog.__new__(MemoryLog)
+        other = type(self).__new__(type(self))
         other.__dict__.update(self.__dict__)
         other.writer = writer
         return other
@@ -210,7 +207,11 @@ class MemoryLog:
     async def close(self) -> None:
         return None
 
-    # --------------------------------------------------------------------------------- append
+
+
+class MemoryEvents(_MemoryClient):
+    """The event stream in memory: appends and reads (`haru.log.seam.EventStore`)."""
+
 
     async def append(self, subject: str, event: Event, *, expect: int) -> int:
         self._up(f"appending to {subject}")
@@ -267,12 +268,14 @@ class MemoryLog:
         self._up(f"listing the subjects {subject_filter}")
         return {s: len(q) for s, q in self._events.by_subject.items() if subject_matches(subject_filter, s)}
 
-    async def history(self, subject_filter: str = subjects.ALL_EVENTS, *, from_seq: int = 1, **kwargs: Any) -> list[Record]:
+    async def history(self, subject_filter: str = subjects.ALL_EVENTS, *, from_seq: int = 1,
+                      timeout: float | None = None, strict: bool = False) -> list[Record]:
         out: list[Record] = []
         await self.replay(out.append, from_seq=from_seq, subject_filter=subject_filter)
         return out
 
-    async def tail(self, subject_filter: str, limit: int, **kwargs: Any) -> list[Record]:
+    async def tail(self, subject_filter: str, limit: int, *, timeout: float | None = None,
+                   strict: bool = False) -> list[Record]:
         records = await self.history(subject_filter)
         return records[-limit:] if limit else records
 
@@ -325,7 +328,11 @@ class MemoryLog:
     async def follow(self, handler: Callable[[Record], Any | Awaitable[Any]], *, from_seq: int = 1, **kwargs: Any) -> None:
         await self.follower(handler, from_seq=from_seq, **kwargs).run()
 
-    # ----------------------------------------------------------------------------- KV: views
+
+
+class MemoryViews(_MemoryClient):
+    """The views' bucket in memory, compare-and-swap by revision (`haru.log.seam.ViewStore`)."""
+
 
     async def get_view(self, key: str) -> tuple[bytes, int] | None:
         self._up(f"reading view {key}")
@@ -357,7 +364,11 @@ class MemoryLog:
                     yield key, data, rev
             await changed.wait()
 
-    # ------------------------------------------------------------------------- route intents
+
+
+class MemoryIntents(_MemoryClient):
+    """The route intents' stream in memory (`haru.log.seam.IntentStore`)."""
+
 
     async def publish_intent(self, fleet: str, data: bytes, *, expect: int) -> int:
         subject = subjects.intent(fleet)
@@ -392,3 +403,13 @@ class MemoryLog:
                 nxt += 1
                 if subject_matches(pattern, rec.subject):
                     yield rec.subject.rsplit(".", 1)[1], rec.data, rec.seq
+
+
+class MemoryLog(MemoryEvents, MemoryViews, MemoryIntents):
+    """The event log in memory (see the module docstring): a `haru.log.seam.Log`, as `EventLog` is,
+    composed of the same three parts (events, views, intents); haru/log/conformance.py has mypy
+    check it against every Protocol of the seam.
+
+    `connect(writer)` is another client of the same log (its own `writer`, the same streams, views
+    and bus), as a second process's `EventLog.connect` would be.
+    """

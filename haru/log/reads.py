@@ -20,10 +20,11 @@ from haru.log import history
 from haru.core import subjects
 from haru.core.authority import misplaced
 from haru.core.errors import LogDamaged
-from haru.log.eventlog import EventLog, Record, body_hash
+from haru.log.record import Record, body_hash
+from haru.log.seam import EventReader
 
 
-async def _read(log: EventLog, subject_filter: str, damage: list[LogDamaged], **kwargs: Any) -> list[Record]:
+async def _read(log: EventReader, subject_filter: str, damage: list[LogDamaged], **kwargs: Any) -> list[Record]:
     """A filtered read; on damage, what could be read (the damage kept to report after the answer)."""
     try:
         return await log.history(subject_filter, strict=True, **kwargs)
@@ -32,7 +33,7 @@ async def _read(log: EventLog, subject_filter: str, damage: list[LogDamaged], **
         return exc.records or []
 
 
-async def model_records(log: EventLog, fleet: str, model: str, domain: str, damage: list[LogDamaged]) -> list[Record]:
+async def model_records(log: EventReader, fleet: str, model: str, domain: str, damage: list[LogDamaged]) -> list[Record]:
     """The model's own records: its residency subjects on every domain (one subject-filtered consumer)
     and its declarations and admissions on the decl subject. Never the rest of the fleet's history:
     the cost grows with this model's life, not with the log's."""
@@ -44,7 +45,7 @@ async def model_records(log: EventLog, fleet: str, model: str, domain: str, dama
 WHY_MAX_EVENTS = 10_000  # a tree bigger than this is cut (and says so)
 
 
-async def why_records(log: EventLog, fleet: str, model: str, domain: str, damage: list[LogDamaged],
+async def why_records(log: EventReader, fleet: str, model: str, domain: str, damage: list[LogDamaged],
                       skipped: list[Record] | None = None) -> dict[int, Record]:
     """What `haru why` draws: the model's own events, every event they name as a cause (read one by
     one by sequence, up the chain), and the operations and route moves those caused (the op and route
@@ -78,7 +79,7 @@ async def why_records(log: EventLog, fleet: str, model: str, domain: str, damage
     return have
 
 
-async def fleet_checkpoint(log: EventLog, fleet: str) -> tuple[int, dict[str, tuple[int, str]], list[history.Break]]:
+async def fleet_checkpoint(log: EventReader, fleet: str) -> tuple[int, dict[str, tuple[int, str]], list[history.Break]]:
     """The fleet's newest checkpoint: (its `upto`, its chain heads, heads the store does not hold as
     named). (0, {}, []) when the fleet has none (or its last one is misplaced or unreadable)."""
     from haru.core import checkpoints
@@ -99,7 +100,7 @@ async def fleet_checkpoint(log: EventLog, fleet: str) -> tuple[int, dict[str, tu
     return e.upto, tips, bad
 
 
-async def checkpoint_start(log: EventLog) -> tuple[int, dict[str, tuple[int, str]], dict[str, int], list[history.Break]]:
+async def checkpoint_start(log: EventReader) -> tuple[int, dict[str, tuple[int, str]], dict[str, int], list[history.Break]]:
     """Where `verify --since-checkpoint` starts: (first sequence to walk, the chain heads to start
     from, fleet -> the checkpoint's `upto`, heads that do not match the store). A fleet without a
     checkpoint is walked from sequence 1."""

@@ -19,7 +19,7 @@ published in the milliseconds before the subscription is live, only the second i
 projector publishes an intent for each fleet as soon as it folds its declaration, so this only
 concerns a watcher started before the fleet was ever projected.
 
-A watcher may be given an `EventLog` it shares (not closed on exit) or server URLs (it connects
+A watcher may be given a log (`haru.log.seam.Log`) it shares (not closed on exit) or server URLs (it connects
 and closes its own). Several iterators over one watcher are not supported: one consumer a watcher.
 """
 
@@ -36,6 +36,7 @@ import msgspec
 from haru.core import intents
 from haru.core.errors import HaruError
 from haru.log.eventlog import EventLog
+from haru.log.seam import Log
 from haru.core.subjects import check_name
 from haru.host.tasks import cancel_and_wait
 from haru.core.views import RouteIntent, intent_decoder
@@ -50,20 +51,22 @@ class RouteWatcher:
 
     def __init__(
         self,
-        source: EventLog | list[str] | str,
+        source: Log | list[str] | str,
         fleet: str,
         *,
         creds: str | None = None,
         writer: str = "route-watcher",
         stall_interval: float = 1.0,
+        timeout: float = 5.0,
     ) -> None:
         self.fleet = check_name("fleet", fleet)
+        self.timeout = timeout  # for the subscription's first delivery (the log's requests have their own)
         self.stall_interval = stall_interval  # 0 = never check for a stalled subscription
         self._source = source
         self._creds = creds
         self._writer = writer
-        self._log: EventLog | None = source if isinstance(source, EventLog) else None
-        self._owns_log = not isinstance(source, EventLog)
+        self._log: Log | None = None if isinstance(source, (list, str)) else source
+        self._owns_log = self._log is None
         self.current: RouteIntent | None = None
         self.seq = 0  # stream sequence of `current` on HARU_ROUTE
         self.invalid = 0  # bodies on the subject that were not route intents (skipped)
@@ -77,7 +80,8 @@ class RouteWatcher:
 
     async def __aenter__(self) -> "RouteWatcher":
         if self._log is None:
-            self._log = await EventLog.open(self._source, writer=self._writer, creds=self._creds)  # type: ignore[arg-type]
+            assert isinstance(self._source, (list, str))
+            self._log = await EventLog.open(self._source, writer=self._writer, creds=self._creds)
         try:
             last = await self._log.last_intent(self.fleet)
             self._task = asyncio.create_task(
@@ -87,7 +91,7 @@ class RouteWatcher:
                 # The subscription delivers the last intent first: once it has, it is live and the
                 # watcher has started. Anything newer than `last` by then is what `current` shows.
                 try:
-                    async with asyncio.timeout(self._log.timeout):
+                    async with asyncio.timeout(self.timeout):
                         await self._first.wait()
                 except asyncio.TimeoutError:
                     self._accept(last[0], last[1])
@@ -180,8 +184,8 @@ class RouteWatcher:
         return True
 
     @property
-    def log(self) -> EventLog | None:
-        """The connection the watcher reads through (for `EventLog.on_link_change`)."""
+    def log(self) -> Log | None:
+        """The connection the watcher reads through (for `Log.on_link_change`)."""
         return self._log
 
     def current_at(self, now: datetime) -> RouteIntent | None:

@@ -46,7 +46,8 @@ from haru.core import causes, subjects
 from haru.log.bus import Msg
 from haru.core.commands import ErrorInfo, Reply
 from haru.core.errors import CommandError, Conflict, LogError
-from haru.log.eventlog import EventLog, Record
+from haru.log.record import Record
+from haru.log.seam import Log
 from haru.core.events import (DomainChanged, DomainDeclared, DomainRetired, Event, RouteMoved, StepCompleted, StepFailed,
                          StepStarted, tag_of)
 from haru.log.follow import Follower
@@ -118,7 +119,7 @@ class Promoter:
 
     def __init__(
         self,
-        log: EventLog,
+        log: Log,
         *,
         fleets: Iterable[str] | None = None,
         identity: str | None = None,
@@ -565,7 +566,7 @@ def _context(event) -> dict:
 
 
 async def run_promoter(
-    log: EventLog,
+    log: Log,
     *,
     fleets: Iterable[str] | None = None,
     identity: str | None = None,
@@ -573,7 +574,7 @@ async def run_promoter(
     tick_s: float = 0.1,
     metrics: tuple[str, int] | None = None,
 ) -> None:
-    """Run one promoter replica on a connected, ensured `EventLog` until cancelled.
+    """Run one promoter replica on a connected, ensured log (`haru.log.seam.Log`) until cancelled.
 
     `fleets`: only these fleets (default: every fleet in the log). `identity`: this replica's writer
     id; give each replica a stable, unique one (e.g. `promoter:<host>`) so that after a restart it

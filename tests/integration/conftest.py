@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.agent_harness import AgentProcess, agent_env
+from tests.support.log_world import log_kind, world  # noqa: F401 - fixtures: a scenario on either log
 
 
 @pytest.fixture

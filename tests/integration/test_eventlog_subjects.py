@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-import haru.log.eventlog as eventlog
+import haru.log.js_events as js_events
 from haru.core import events as ev
 from haru.core import subjects as sj
 from haru.core.specs import Policy
@@ -30,6 +30,6 @@ async def test_subjects_with_counts(event_log) -> None:
 async def test_a_full_page_is_counted_from_the_messages(event_log, monkeypatch) -> None:
     await _fill(event_log)
     listed = await event_log.subject_counts()
-    monkeypatch.setattr(eventlog, "_SUBJECTS_PAGE", 2)  # the server's answer now looks truncated
+    monkeypatch.setattr(js_events, "_SUBJECTS_PAGE", 2)  # the server's answer now looks truncated
     assert await event_log.subject_counts() == listed
     assert await event_log.subject_counts("haru.evt.*.decl") == {sj.decl("default"): 2, sj.decl("edge"): 1}

@@ -1,5 +1,7 @@
 """One contract for the log and the bus, run against each implementation: JetStream (`EventLog` on a real
-nats-server, `NatsBus`) and in memory (`MemoryLog`, `MemoryBus`). As eventsourcing runs one recorder
+nats-server, `NatsBus`) and in memory (`MemoryLog`, `MemoryBus`), through tests/support/log_world.py.
+It covers what haru/log/seam.py declares (events, views, intents, the link) and haru/log/bus.py's `Bus`;
+mypy checks the signatures (haru/log/conformance.py), this checks the behaviour. As eventsourcing runs one recorder
 suite against each recorder: what passes here may be relied on by the services whichever one they get.
 What only a server shows (damaged stores, leader elections, lost acks) stays in test_eventlog.py and
 test_damaged_log.py."""
@@ -18,7 +20,7 @@ from haru.core import subjects
 from haru.log.bus import SERVICE_ERROR, SERVICE_ERROR_CODE, Msg, send
 from haru.core.commands import Command, Reply, command_decoder, command_encoder as reply_encoder
 from haru.core.errors import AgentGone, Conflict, NoResponders, RequestTimeout
-from haru.log.memory import MemoryLog, subject_matches
+from haru.log.memory import subject_matches
 
 T0 = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)
 F = "default"
@@ -34,37 +36,9 @@ def resident(i: int = 0, domain: str = "a") -> ev.ModelResident:
     return ev.ModelResident(at=T0 + timedelta(seconds=i), domain=domain, model="stories")
 
 
-class Kind:
-    """How to make each implementation, and how to take its connection away and give it back."""
-
-    def __init__(self, name: str, request: pytest.FixtureRequest) -> None:
-        self.name = name
-        self.request = request
-        self.log = request.getfixturevalue("event_log") if name == "jetstream" else MemoryLog(writer="test")
-
-    async def drop_and_restore(self) -> None:
-        if self.name == "memory":
-            self.log.drop_link()
-            await asyncio.sleep(0.2)
-            self.log.restore_link()
-            return
-        server = self.request.getfixturevalue("nats_server")
-        await asyncio.to_thread(server.stop_sync)
-        await asyncio.sleep(0.5)
-        await asyncio.to_thread(server.start_sync)
-        async with asyncio.timeout(20):
-            while not self.log.connected:
-                await asyncio.sleep(0.05)
-
-
-@pytest.fixture(params=["memory", "jetstream"])
-def kind(request) -> Kind:
-    return Kind(request.param, request)
-
-
 @pytest.fixture
-def log(kind: Kind):
-    return kind.log
+def log(world):
+    return world.log
 
 
 async def eventually(check, timeout: float = 10.0) -> None:
@@ -138,6 +112,16 @@ async def test_a_retried_append_that_was_stored_is_one_event(log):
 # ----------------------------------------------------------------------------------------- following
 
 
+async def test_tail_reads_the_last_matching_events_oldest_first(log):
+    seqs = [await log.append(A, loading(0), expect=0)]
+    for i in range(1, 6):
+        seqs.append(await log.append(A, loading(i) if i % 2 == 0 else resident(i), expect=seqs[-1]))
+    await log.append(B, loading(domain="b"), expect=0)
+    assert [r.seq for r in await log.tail(A, 3)] == seqs[-3:]
+    assert [r.seq for r in await log.tail(A, 100)] == seqs
+    assert [r.seq for r in await log.history(A, strict=True)] == seqs  # an intact store: strict finds nothing
+
+
 async def test_replay_without_follow_returns_the_last_sequence_handled(log):
     for i in range(5):
         await log.append(subjects.model(F, "a", f"m{i}"), loading(i), expect=0)
@@ -191,16 +175,19 @@ async def test_a_filtered_follower_resumes_from_its_position(log):
 
 
 @pytest.mark.timeout(90)
-async def test_a_follower_replays_afresh_after_the_connection_comes_back(kind, log):
+async def test_a_follower_replays_afresh_after_the_connection_comes_back(world, log):
     await log.append(A, loading(), expect=0)
     seen: list[int] = []
     restarts: list[str] = []
+    links: list[bool] = []
+    forget = log.on_link_change(links.append)
     follower = log.follower(lambda r: seen.append(r.seq), from_seq=1, name="contract",
                             stall_interval=0.3, retry_s=0.2, on_restart=restarts.append)
     task = asyncio.create_task(follower.run())
     try:
         await eventually(lambda: seen == [1])
-        await kind.drop_and_restore()
+        assert log.connected
+        await world.drop_link(0.5)
         async with asyncio.timeout(20):
             while True:  # the writer's own connection may need a moment too
                 try:
@@ -210,6 +197,10 @@ async def test_a_follower_replays_afresh_after_the_connection_comes_back(kind, l
                     await asyncio.sleep(0.2)
         await eventually(lambda: seen == [1, last], timeout=15)  # without a fresh replay: ~20 s on JetStream
         assert restarts, "the follower did not start a fresh replay"
+        assert links[:1] == [False] and links[-1] is True and log.connected  # listeners heard down, then up
+        forget()
+        await world.drop_link(0.1)
+        assert links.count(False) == 1  # a forgotten listener hears nothing more
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

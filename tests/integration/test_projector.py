@@ -1,4 +1,8 @@
-"""The projector against a real nats-server: views in KV, route intents, restarts, races, bad bodies."""
+"""The projector: its scenarios written once and run on both logs (tests/support/log_world.py:
+JetStream on a real nats-server, and in memory): views in KV, one route intent per pointer move, racing
+projectors, resuming from the stored views, invalid bodies, quiet fleets. Then what needs a server:
+`haru projector` as a child process (SIGKILL, two processes racing), `haru status`/`route`, a NATS
+restart (and test_damaged_log.py: a damaged store)."""
 
 from __future__ import annotations
 
@@ -16,13 +20,14 @@ import pytest
 
 from haru.core import events as ev
 from haru.core import subjects as sj
-from haru.log.eventlog import EventLog
+from haru.log.seam import Log
 from haru.log.route import RouteWatcher
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.core.sizes import GiB
 from haru.core.views import intent_decoder, view_decoder
 from haru.host.tasks import cancel_and_wait
 from haru.core.fold import fold
+from haru.core.intents import changed
 from projections.projector import Projector
 
 F = "default"
@@ -34,7 +39,7 @@ def now() -> datetime:
     return datetime.now(UTC)
 
 
-async def declare(log: EventLog, fleet: str = F) -> None:
+async def declare(log: Log, fleet: str = F) -> None:
     s = sj.decl(fleet)
     seq = await log.last_seq_of(s)
     seq = await log.append(s, ev.FleetDeclared(at=now(), fleet=fleet, policy=Policy()), expect=seq)
@@ -50,7 +55,7 @@ async def declare(log: EventLog, fleet: str = F) -> None:
 class Writer:
     """Appends residency and route events with the right expected sequences."""
 
-    def __init__(self, log: EventLog, fleet: str = F) -> None:
+    def __init__(self, log: Log, fleet: str = F) -> None:
         self.log = log
         self.fleet = fleet
         self.tips: dict[str, int] = {}
@@ -83,12 +88,12 @@ class Writer:
         return seq
 
 
-async def stored_view(log: EventLog, fleet: str = F):
+async def stored_view(log: Log, fleet: str = F):
     got = await log.get_view(sj.view_key(fleet))
     return None if got is None else view_decoder.decode(got[0])
 
 
-async def wait_view_seq(log: EventLog, seq: int, fleet: str = F, timeout: float = 20.0):
+async def wait_view_seq(log: Log, seq: int, fleet: str = F, timeout: float = 20.0):
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         view = await stored_view(log, fleet)
@@ -99,7 +104,7 @@ async def wait_view_seq(log: EventLog, seq: int, fleet: str = F, timeout: float 
         await asyncio.sleep(0.02)
 
 
-async def expected_views(log: EventLog):
+async def expected_views(log: Log):
     return fold((r.seq, r.subject, r.event) for r in await log.history() if r.event is not None)
 
 
@@ -167,60 +172,164 @@ def projector_processes(nats_server, tmp_path):
 # ------------------------------------------------------------------------------------- in process
 
 
-async def test_projector_writes_views_and_intents(event_log):
-    await declare(event_log)
-    w = Writer(event_log)
+# ------------------------------------------------------------------------------------- in process
+
+
+@pytest.fixture
+async def log(world):
+    await declare(world.log)
+    return world.log
+
+
+async def intents_published(log: Log) -> int:
+    got = await log.last_intent(F)
+    return 0 if got is None else got[1]  # the intents' stream is dense: its last sequence counts them
+
+
+async def test_views_and_intents_follow_the_log(log):
+    w = Writer(log)
     r1 = await w.move("a")
     await w.churn(9, domain="a")
-    projector = Projector(event_log)
+    projector = Projector(log)
     task = asyncio.create_task(projector.run())
     try:
-        last = await event_log.last_seq()
-        view = await wait_view_seq(event_log, last)
-        assert view == (await expected_views(event_log))[F]
+        last = await log.last_seq()
+        view = await wait_view_seq(log, last)
+        assert view == (await expected_views(log))[F]
         assert view.active == "a" and view.route_revision == r1
-        body, _ = await event_log.last_intent(F)
-        ri = intent_decoder.decode(body)
-        assert ri.revision == r1 and ri.active.domain == "a" and ri.view_seq == last
+        ri = intent_decoder.decode((await log.last_intent(F))[0])
+        assert (ri.revision, ri.active.domain, ri.view_seq) == (r1, "a", last)
         assert set(ri.answers) == set(MODELS)
-        # Following: a new pointer move becomes a new intent.
-        r2 = await w.move("b")
-        await wait_view_seq(event_log, r2)
+        r2 = await w.move("b")  # following: a new pointer move becomes a new intent
+        await wait_view_seq(log, r2)
         await projector.wait_idle(5)
-        ri = intent_decoder.decode((await event_log.last_intent(F))[0])
-        assert ri.revision == r2 and ri.active.domain == "b"
+        ri = intent_decoder.decode((await log.last_intent(F))[0])
+        assert (ri.revision, ri.active.domain) == (r2, "b")
         assert projector.stats.resumed_from == 1
     finally:
         await cancel_and_wait(task)
 
 
-async def test_an_invalid_body_is_skipped_and_projection_continues(event_log):
-    await declare(event_log)
-    w = Writer(event_log)
-    await w.move("a")
-    bad_subject = sj.model(F, "a", MODELS[0])
-    bad1 = (await event_log.js.publish(bad_subject, b'{"type": "model_loading", "at": "not a time"}')).seq
-    bad2 = (await event_log.js.publish(sj.agent(F, "a"), b"\x00 not json at all")).seq
-    w.tips.pop(bad_subject, None)
-    good = await w.put(bad_subject, ev.ModelLoading(at=now(), domain="a", model=MODELS[0]))
-    projector = Projector(event_log)
+async def test_every_pointer_move_becomes_one_intent_even_when_writes_coalesce(log):
+    w = Writer(log)
+    moves = [await w.move(d) for d in ("a", "b", "a", "b", "a")]  # all stored before the projector reads one
+    projector = Projector(log)
     task = asyncio.create_task(projector.run())
     try:
-        view = await wait_view_seq(event_log, good)
+        await wait_view_seq(log, moves[-1])
+        await projector.wait_idle(5)
+        assert await intents_published(log) == len(moves)
+        assert intent_decoder.decode((await log.last_intent(F))[0]).revision == moves[-1]
+    finally:
+        await cancel_and_wait(task)
+
+
+async def test_two_racing_projectors_publish_each_move_once_and_agree_on_the_view(log, world):
+    w = Writer(log)
+    seen: list = []
+
+    async def watch() -> None:
+        async for _, body, _ in log.watch_intents(F):
+            seen.append(intent_decoder.decode(body))
+
+    watcher = asyncio.create_task(watch())
+    first, second = Projector(await world.client("projector:1")), Projector(await world.client("projector:2"))
+    tasks = [asyncio.create_task(first.run()), asyncio.create_task(second.run())]
+    try:
+        moves = []
+        for d in ("a", "b", "a", "b"):
+            moves.append(await w.move(d))
+            await w.churn(3, domain=d)
+        last = await log.last_seq()
+        view = await wait_view_seq(log, last)
+        await first.wait_idle(5)
+        await second.wait_idle(5)
+        assert view == (await expected_views(log))[F]
+        await asyncio.sleep(0.1)  # the watcher hears the last publish
+        # every move has its intent, and no intent was published twice (by the two of them, or one)
+        assert [ri.revision for ri in seen if ri.revision in moves and ri.view_seq == ri.revision] == moves
+        assert all(changed(a, b) for a, b in zip(seen, seen[1:])), [(ri.revision, ri.view_seq) for ri in seen]
+        assert len(seen) == await intents_published(log)  # the stream holds each intent once
+        # A projector that publishes the intent the other just stored (the same position and body: one
+        # message, the log's dedupe) counts it too, so their counts add up to at least what is stored.
+        assert first.stats.intents_published + second.stats.intents_published >= len(seen)
+    finally:
+        await cancel_and_wait(watcher, *tasks)
+
+
+async def test_a_restarted_projector_resumes_after_its_stored_view(log):
+    w = Writer(log)
+    await w.move("a")
+    await w.churn(6, domain="a")
+    projector = Projector(log)
+    task = asyncio.create_task(projector.run())
+    folded = await log.last_seq()
+    try:
+        await wait_view_seq(log, folded)
+        await projector.wait_idle(5)
+    finally:
+        await cancel_and_wait(task)
+    r = await w.move("b")
+    again = Projector(log)
+    task = asyncio.create_task(again.run())
+    try:
+        assert (await wait_view_seq(log, r)).active == "b"
+        assert again.stats.resumed_from == folded + 1
+        assert again.stats.handled == r - folded  # nothing folded twice
+    finally:
+        await cancel_and_wait(task)
+
+
+async def test_an_invalid_body_is_counted_skipped_and_projection_goes_on(log, world):
+    w = Writer(log)
+    await w.move("a")
+    bad_subject = sj.model(F, "a", MODELS[0])
+    bad1 = await world.append_raw(bad_subject, b'{"type": "model_loading", "at": "not a time"}')
+    bad2 = await world.append_raw(sj.agent(F, "a"), b"\x00 not json at all")
+    w.tips.pop(bad_subject, None)
+    good = await w.put(bad_subject, ev.ModelLoading(at=now(), domain="a", model=MODELS[0]))
+    projector = Projector(log)
+    task = asyncio.create_task(projector.run())
+    try:
+        view = await wait_view_seq(log, good)
         assert view.anomalies == 2 and "skipped" in view.last_anomaly
         assert view.domains["a"].models[MODELS[0]].residency.seq == good
         assert projector.stats.invalid == 2
-        # And it goes on following.
-        r = await w.move("b")
-        assert (await wait_view_seq(event_log, r)).active == "b"
+        r = await w.move("b")  # and it goes on following
+        assert (await wait_view_seq(log, r)).active == "b"
     finally:
         await cancel_and_wait(task)
-    # `haru verify` flags both bodies.
-    url = event_log.nc.connected_url
-    out = await asyncio.to_thread(run_cli, "verify", "--json", url=f"nats://{url.hostname}:{url.port}")
-    assert out.returncode == 5, out.stderr
-    flagged = {b["seq"]: b["what"] for b in json.loads(out.stdout)["breaks"]}
-    assert "not a valid event" in flagged[bad1] and "not a valid event" in flagged[bad2]
+    if world.url is not None:  # `haru verify` (a child process, so on the server) flags both bodies
+        out = await asyncio.to_thread(run_cli, "verify", "--json", url=world.url)
+        assert out.returncode == 5, out.stderr
+        flagged = {b["seq"]: b["what"] for b in json.loads(out.stdout)["breaks"]}
+        assert "not a valid event" in flagged[bad1] and "not a valid event" in flagged[bad2]
+
+
+async def test_an_idle_fleet_does_not_pin_the_resume_point(world):
+    log = world.log
+    await declare(log, "edge")  # declared, then quiet
+    edge_last = await log.last_seq()
+    await declare(log)
+    w = Writer(log)
+    await w.move("a")
+    await w.churn(40)
+    last = await log.last_seq()
+    projector = Projector(log, checkpoint_lag=10)
+    task = asyncio.create_task(projector.run())
+    try:
+        await wait_view_seq(log, last)
+        await projector.wait_idle(5)
+    finally:
+        await cancel_and_wait(task)
+    edge = await stored_view(log, "edge")
+    assert edge.seq == edge_last and edge.checkpoint == last
+    expected = (await expected_views(log))["edge"]
+    assert edge == msgspec.structs.replace(expected, checkpoint=last)
+    # A restart resumes after both fleets' positions, not after the quiet fleet's last event.
+    again = Projector(log)
+    assert await again.load() == last + 1
+    assert again.views["edge"].seq == edge_last
 
 
 # ------------------------------------------------------------------------------- child processes
@@ -370,31 +479,6 @@ async def test_haru_status_and_route_print_the_view_and_intent(nats_server, even
         await cancel_and_wait(task)
     nothing = await asyncio.to_thread(run_cli, "route", "--fleet", "other", url=nats_server.url)
     assert nothing.returncode == 3 and "no route intent" in nothing.stderr
-
-
-async def test_an_idle_fleet_does_not_pin_the_resume_point(event_log):
-    await declare(event_log, "edge")  # declared, then quiet
-    edge_last = await event_log.last_seq()
-    await declare(event_log)
-    w = Writer(event_log)
-    await w.move("a")
-    await w.churn(40)
-    last = await event_log.last_seq()
-    projector = Projector(event_log, checkpoint_lag=10)
-    task = asyncio.create_task(projector.run())
-    try:
-        await wait_view_seq(event_log, last)
-        await projector.wait_idle(5)
-    finally:
-        await cancel_and_wait(task)
-    edge = await stored_view(event_log, "edge")
-    assert edge.seq == edge_last and edge.checkpoint == last
-    expected = (await expected_views(event_log))["edge"]
-    assert edge == msgspec.structs.replace(expected, checkpoint=last)
-    # A restart resumes after both fleets' positions, not after the quiet fleet's last event.
-    again = Projector(event_log)
-    assert await again.load() == last + 1
-    assert again.views["edge"].seq == edge_last
 
 
 @pytest.mark.timeout(90)

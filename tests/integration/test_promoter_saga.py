@@ -1,12 +1,17 @@
-"""The promoter against a real nats-server and in-test agents speaking the agent contract (promoter_fake).
+"""The promoter's saga, written once and run on both logs (tests/support/log_world.py: JetStream on
+a real nats-server, and in memory), with in-test agents speaking the agent contract (promoter_fake).
 
 Covers the saga end to end: the first route, auto-failover (unreachable, gpu_detached, degraded),
 aborts before the flip (probe failure, wake out of memory) with the pointer unchanged, eligibility
-and rejoining as standby, racing replicas, and manual promote/demote with every status.
+and rejoining as standby, racing replicas, manual promote/demote with every status, and a lost link
+that is not taken for dead domains. The CLI's scenario needs a server (the `haru` child process).
+What else only a server shows (a store that stops answering, a SIGKILLed process) is in
+test_promoter_store_faults.py and test_promoter_crash.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime, timezone
 
 import pytest
@@ -21,10 +26,13 @@ from haru.core.events import (
     PromotionRequested,
     StepCompleted,
     StepFailed,
+    StepStarted,
 )
 from haru.promoter import request_operation
+from tests.support.promoter import (asleep_and_training, assert_one_failover_each_step_once, fake_agent, op_events,
+                                   promoters, route_moves, routed_to_a, serving, view_of, wait_op_end, wait_until,
+                                   wait_view)
 from tests.support.promoter_fake import FakeAgent, layout
-from tests.support.promoter import asleep_and_training, assert_one_failover_each_step_once, routed_to_a, serving, op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view
 
 pytestmark = pytest.mark.timeout(60)
 MODELS = ["m1", "m2"]
@@ -35,7 +43,16 @@ def now():
 
 
 @pytest.fixture
-async def fleet(nats_server, event_log):
+async def fleet(world):
+    """A declared two-domain fleet on either log, with a fake agent on each domain."""
+    await apply(world.log, layout(), now())
+    async with fake_agent(world, "a", MODELS) as a, fake_agent(world, "b", MODELS) as b:
+        yield world.log, a, b
+
+
+@pytest.fixture
+async def server_fleet(nats_server, event_log):
+    """The same fleet on a real nats-server only, for what needs one (the CLI as a child process)."""
     await apply(event_log, layout(), now())
     async with FakeAgent(nats_server.url, "default", "a", MODELS) as a, FakeAgent(nats_server.url, "default", "b", MODELS) as b:
         yield event_log, a, b
@@ -44,9 +61,9 @@ async def fleet(nats_server, event_log):
 # ------------------------------------------------------------------------------------ first route
 
 
-async def test_first_route_promotes_the_first_declared_domain_through_the_saga(fleet, nats_server):
+async def test_first_route_promotes_the_first_declared_domain_through_the_saga(fleet, world):
     log, a, b = fleet
-    async with promoters(nats_server.url):
+    async with promoters(world):
         view = await routed_to_a(log)
     assert serving(view, "a")
     assert [m.active for m in await route_moves(log)] == ["a"]
@@ -56,14 +73,16 @@ async def test_first_route_promotes_the_first_declared_domain_through_the_saga(f
     steps = [e.step for e in ops if isinstance(e, StepCompleted) and e.op_id == first.op_id]
     assert steps == ["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active"]
     assert [v for v, _ in b.calls] == ["sleep", "start_training"]
+    # every step was started by the replica that ran it
+    assert {e.by for e in ops if isinstance(e, StepStarted) and e.op_id == first.op_id} == {"promoter:test-0"}
 
 
 # --------------------------------------------------------------------------------- auto-failover
 
 
-async def test_unreachable_active_fails_over_then_rejoins_as_standby(fleet, nats_server):
+async def test_unreachable_active_fails_over_then_rejoins_as_standby(fleet, world):
     log, a, b = fleet
-    async with promoters(nats_server.url):
+    async with promoters(world):
         await routed_to_a(log)
         await a.unserve()  # the agent process is gone: no heartbeats, no responders
         view = await wait_view(log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible,
@@ -76,15 +95,14 @@ async def test_unreachable_active_fails_over_then_rejoins_as_standby(fleet, nats
         settle = [s for s in promo.steps if s.step == "settle_old_active"][-1]
         # best effort that cannot apply, for the very reason of the failover: skipped, with why, not failed
         assert settle.state == "skipped" and "a is unreachable (the reason for this operation)" in settle.detail
-        import asyncio
+        if world.url is not None:  # `haru op` (a child process, so on the server) words it the same way
+            from tests.support import haru
 
-        from tests.support import haru
-
-        shown = await asyncio.to_thread(haru, "op", promo.op_id, nats_url=nats_server.url)
-        line = [ln for ln in shown.stdout.splitlines() if "settle_old_active" in ln][-1]  # its outcome
-        assert line.split()[1] == "skipped" and "a is unreachable" in line, shown.stdout
+            shown = await asyncio.to_thread(haru, "op", promo.op_id, nats_url=world.url)
+            line = [ln for ln in shown.stdout.splitlines() if "settle_old_active" in ln][-1]  # its outcome
+            assert line.split()[1] == "skipped" and "a is unreachable" in line, shown.stdout
         # the agent comes back (a restarted process: models reloaded, resident)
-        async with FakeAgent(nats_server.url, "default", "a", MODELS) as a2:
+        async with fake_agent(world, "a", MODELS) as a2:
             view = await wait_view(log, lambda v: v.domains["a"].eligible and asleep_and_training(v, "a")
                                    and v.operation is None, what="a rejoins as standby")
             assert view.active == "b"
@@ -92,9 +110,9 @@ async def test_unreachable_active_fails_over_then_rejoins_as_standby(fleet, nats
     assert [m.active for m in await route_moves(log)] == ["a", "b"]
 
 
-async def test_gpu_detached_on_the_active_fails_over_and_attach_makes_it_standby(fleet, nats_server):
+async def test_gpu_detached_on_the_active_fails_over_and_attach_makes_it_standby(fleet, world):
     log, a, b = fleet
-    async with promoters(nats_server.url):
+    async with promoters(world):
         await routed_to_a(log)
         await a.detach_gpu()
         view = await wait_view(log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible,
@@ -116,9 +134,9 @@ async def _settled(log):
     return v.operation is None
 
 
-async def test_a_degraded_active_fails_over_after_the_grace(fleet, nats_server):
+async def test_a_degraded_active_fails_over_after_the_grace(fleet, world):
     log, a, b = fleet
-    async with promoters(nats_server.url):
+    async with promoters(world):
         await routed_to_a(log)
         await a.lose("m1", "process_exited")
         view = await wait_view(log, lambda v: v.active == "b" and v.operation is None, what="failover after grace")
@@ -132,17 +150,17 @@ async def test_a_degraded_active_fails_over_after_the_grace(fleet, nats_server):
 
 
 @pytest.mark.parametrize("fault, step, code", [("fail_probe", "probe", "probe_failed"), ("oom_on_wake", "wake", "out_of_memory")])
-async def test_a_failure_before_the_flip_aborts_and_routing_never_moves(fleet, nats_server, fault, step, code):
+async def test_a_failure_before_the_flip_aborts_and_routing_never_moves(fleet, world, fault, step, code):
     log, a, b = fleet
-    async with promoters(nats_server.url):
+    async with promoters(world):
         await routed_to_a(log)
         setattr(b, fault, True)
         await a.unserve()
         aborted = await wait_until(lambda: _first(log, OperationAborted), what="the abort")
         view = await view_of(log)
-    assert aborted.step == step and code in aborted.error or aborted.step == step
     failed = [e for e in await op_events(log, op_id=aborted.op_id) if isinstance(e, StepFailed)]
     assert [(f.step, f.error_code) for f in failed] == [(step, code)]
+    assert (aborted.step, aborted.error) == (step, failed[0].error)  # the abort names the step and its error
     assert view.active == "a"
     assert [m.active for m in await route_moves(log)] == ["a"]
 
@@ -154,17 +172,15 @@ async def _first(log, kind):
     return None
 
 
-async def test_an_unfit_standby_is_declined_once_with_the_reason(fleet, nats_server):
+async def test_an_unfit_standby_is_declined_once_with_the_reason(fleet, world):
     log, a, b = fleet
-    async with promoters(nats_server.url):
+    async with promoters(world):
         await routed_to_a(log)
         await b.lose("m2", "evicted")
         await a.unserve()
         declined = await wait_until(lambda: _first(log, FailoverDeclined), what="failover_declined")
         assert declined.candidate == "b" and "m2" in declined.why and "lost" in declined.why
         await wait_until(lambda: _settled(log), timeout=2)
-        import asyncio
-
         await asyncio.sleep(0.5)
     declines = [e for e in await op_events(log) if isinstance(e, FailoverDeclined)]
     assert len(declines) == 1
@@ -174,9 +190,9 @@ async def test_an_unfit_standby_is_declined_once_with_the_reason(fleet, nats_ser
 # ------------------------------------------------------------------------------- replicas
 
 
-async def test_five_promoters_racing_one_failure_move_the_route_once(fleet, nats_server):
+async def test_five_promoters_racing_one_failure_move_the_route_once(fleet, world):
     log, a, b = fleet
-    async with promoters(nats_server.url, 5):
+    async with promoters(world, 5):
         await routed_to_a(log)
         await a.unserve()
         await wait_view(log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible, what="failover")
@@ -189,12 +205,12 @@ async def test_five_promoters_racing_one_failure_move_the_route_once(fleet, nats
 # ------------------------------------------------------------------------------- manual
 
 
-async def test_manual_promote_and_demote_every_status(fleet, nats_server):
+async def test_manual_promote_and_demote_every_status(fleet, world):
     log, a, b = fleet
     assert (await request_operation(log, "nope", "promotion", "a", by="t", now=now())).status == "not_found"
     assert (await request_operation(log, "default", "promotion", "zz", by="t", now=now())).status == "not_found"
     assert (await request_operation(log, "default", "promotion", "BAD", by="t", now=now())).status == "not_found"
-    async with promoters(nats_server.url, step_delay_ms=150):
+    async with promoters(world, step_delay_ms=150):
         await routed_to_a(log)
         assert (await request_operation(log, "default", "promotion", "a", by="t", now=now())).status == "noop"
         refused = await request_operation(log, "default", "demotion", "a", by="t", now=now())
@@ -221,14 +237,13 @@ async def test_manual_promote_and_demote_every_status(fleet, nats_server):
 # ------------------------------------------------------------------------------------ the CLI
 
 
-async def test_the_cli_prints_the_op_id_waits_for_the_steps_and_exits_by_status(fleet, nats_server):
-    import asyncio
+async def test_the_cli_prints_the_op_id_waits_for_the_steps_and_exits_by_status(server_fleet, nats_server):
     import json
 
     from haru.cli.common import ExitStatus
-    from support import haru
+    from tests.support import haru
 
-    log, a, b = fleet
+    log, a, b = server_fleet
 
     def cli(*args):
         return asyncio.to_thread(haru, *args, nats_url=nats_server.url)
@@ -277,23 +292,29 @@ async def test_the_cli_prints_the_op_id_waits_for_the_steps_and_exits_by_status(
     assert "aborted" in aborted.stdout and "probe" in aborted.stdout and "routing did not move" in aborted.stdout
 
 
-async def test_a_nats_restart_is_not_mistaken_for_dead_domains(fleet, nats_server):
-    import asyncio
-
+async def test_a_lost_link_is_not_mistaken_for_dead_domains_and_the_promoter_acts_again(fleet, world):
+    """The log and the bus go away for longer than the heartbeat timeout (a NATS restart; in memory,
+    a dropped link): nobody heard anybody, yet no domain is declared unreachable, the promoter's
+    follower replays afresh from its position, and the promoter still acts."""
     log, a, b = fleet
-    async with promoters(nats_server.url) as tasks:
+    async with promoters(world) as (promoter,):
         await routed_to_a(log)
-        before = await log.last_seq()
-        await asyncio.to_thread(nats_server.stop_sync)
-        await asyncio.sleep(1.5)  # longer than heartbeat_timeout_ms: nobody heard anybody
-        await asyncio.to_thread(nats_server.start_sync)
-        await asyncio.sleep(2.0)
-        assert not any(t.done() for t in tasks)
-        # the promoter still works after the restart: a manual promotion goes through
-        accepted = await wait_until(lambda: _request(log, "b"), timeout=10, what="a request after the restart")
+        before, restarts = await log.last_seq(), promoter.follower.restarts
+        await world.drop_link(1.5)  # longer than heartbeat_timeout_ms (800)
+        await wait_until(lambda: _value(promoter.follower.restarts > restarts), what="a fresh replay after the link came back")
+        await asyncio.sleep(1.0)
+        view = await view_of(log)
+        assert view.active == "a" and view.domains["a"].eligible
+        # the promoter still works after the link came back: a manual promotion goes through
+        accepted = await wait_until(lambda: _request(log, "b"), timeout=10, what="a request after the link came back")
         assert isinstance(await wait_op_end(log, accepted.op_id), OperationCompleted)
     recs = await log.history(subjects.fleet_events("default"), from_seq=before + 1)
     assert not [r for r in recs if type(r.event).__name__ == "DomainUnreachable"], [type(r.event).__name__ for r in recs]
+    assert [m.active for m in await route_moves(log)] == ["a", "b"]
+
+
+async def _value(value):
+    return value
 
 
 async def _request(log, target):

@@ -13,12 +13,13 @@ from collections.abc import Awaitable, Callable
 
 from haru.core import subjects
 from haru.log.eventlog import EventLog
+from haru.log.seam import EventReader
 from haru.core.events import OperationAborted, OperationCompleted, RouteMoved, tag_of
 from haru.host.tasks import cancel_and_wait
 from haru.core.fold import empty, fold
 
 
-async def view_of(log: EventLog, fleet: str = "default"):
+async def view_of(log: EventReader, fleet: str = "default"):
     records = await log.history(subjects.fleet_events(fleet))
     view = fold((r.seq, r.subject, r.event) for r in records).get(fleet, empty(fleet))
     return view
@@ -39,7 +40,7 @@ async def wait_until(check: Callable[[], Awaitable[object]], timeout: float = 15
     raise AssertionError(f"timed out after {timeout}s waiting for {what or check}; last: {last!r}")
 
 
-async def wait_view(log: EventLog, predicate, timeout: float = 15.0, what: str = "", fleet: str = "default"):
+async def wait_view(log: EventReader, predicate, timeout: float = 15.0, what: str = "", fleet: str = "default"):
     async def check():
         v = await view_of(log, fleet)
         return v if predicate(v) else None
@@ -47,16 +48,16 @@ async def wait_view(log: EventLog, predicate, timeout: float = 15.0, what: str =
     return await wait_until(check, timeout, what=what)
 
 
-async def op_events(log: EventLog, fleet: str = "default", op_id: str | None = None) -> list:
+async def op_events(log: EventReader, fleet: str = "default", op_id: str | None = None) -> list:
     recs = await log.history(subjects.op(fleet))
     return [r.event for r in recs if r.event is not None and (op_id is None or getattr(r.event, "op_id", None) == op_id)]
 
 
-async def route_moves(log: EventLog, fleet: str = "default") -> list[RouteMoved]:
+async def route_moves(log: EventReader, fleet: str = "default") -> list[RouteMoved]:
     return [r.event for r in await log.history(subjects.route(fleet)) if isinstance(r.event, RouteMoved)]
 
 
-async def wait_op_end(log: EventLog, op_id: str, timeout: float = 20.0, fleet: str = "default"):
+async def wait_op_end(log: EventReader, op_id: str, timeout: float = 20.0, fleet: str = "default"):
     async def check():
         for e in await op_events(log, fleet, op_id):
             if isinstance(e, (OperationCompleted, OperationAborted)):
@@ -71,20 +72,28 @@ def describe(events) -> list[str]:
 
 
 @contextlib.asynccontextmanager
-async def promoters(url: str, n: int = 1, *, fleets=None, step_delay_ms: int = 0):
-    """n promoter replicas in this process, each with its own connection and identity."""
+async def promoters(source, n: int = 1, *, fleets=None, step_delay_ms: int = 0):
+    """n promoter replicas in this process, each its own client of the log with its own identity.
+    `source` is a server URL or a `log_world.LogWorld` (either log). Yields the replicas; a replica
+    that died is an error at the end."""
     from haru.promoter.service import Promoter
+    from tests.support.log_world import LogWorld
 
-    logs, tasks = [], []
+    logs, tasks, replicas = [], [], []
     try:
         for i in range(n):
-            log = await EventLog.open([url], writer=f"promoter:test-{i}")
-            logs.append(log)
-            p = Promoter(log, fleets=fleets, identity=f"promoter:test-{i}", step_delay_ms=step_delay_ms, tick_s=0.05)
+            writer = f"promoter:test-{i}"
+            if isinstance(source, LogWorld):
+                log = await source.client(writer)
+            else:
+                log = await EventLog.open([source], writer=writer)
+                logs.append(log)
+            p = Promoter(log, fleets=fleets, identity=writer, step_delay_ms=step_delay_ms, tick_s=0.05)
             ready = asyncio.Event()
+            replicas.append(p)
             tasks.append(asyncio.create_task(p.run(ready)))
             await asyncio.wait_for(ready.wait(), 10)
-        yield tasks
+        yield replicas
         for t in tasks:
             if t.done() and not t.cancelled() and t.exception() is not None:
                 raise AssertionError("a promoter replica died") from t.exception()
@@ -92,6 +101,16 @@ async def promoters(url: str, n: int = 1, *, fleets=None, step_delay_ms: int = 0
         await cancel_and_wait(*tasks)
         for log in logs:
             await log.close()
+
+
+def fake_agent(world, domain: str, models, **kwargs):
+    """A `promoter_fake.FakeAgent` for `domain` on the world's log: nats.micro on JetStream, the bus in memory."""
+    from tests.support.promoter_fake import FakeAgent
+
+    if world.kind == "memory":
+        return FakeAgent(None, "default", domain, list(models), log=world.memory.connect(f"agent:default/{domain}@fake"),
+                         **kwargs)
+    return FakeAgent(world.url, "default", domain, list(models), **kwargs)
 
 
 class PromoterProcess:

@@ -1,0 +1,203 @@
+"""The events part of the JetStream log: optimistic, sequence-checked appends to HARU_EVENTS and every
+read of it (single messages, subjects' heads, history, counts, replays and followers).
+
+Every append is optimistic and sequence-checked (`Nats-Expected-Last-Subject-Sequence`), carries a
+deterministic `Nats-Msg-Id` (sha256 of subject, expected sequence and body, so a retry after a lost
+ack is not a second event), and extends the subject's hash chain (`prev` = sha256 of the previous
+body on the subject). A lost race raises `Conflict` with the subject's current sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import nats.js.errors
+
+from haru.core import subjects
+from haru.core.errors import Conflict, LogDamaged
+from haru.core.events import Event, encode
+from haru.log.js_replay import Replay
+from haru.log.jetstream import JetStreamClient, translated
+from haru.log.record import MSG_ID, Record, body_hash, datetime_to_ns, decode_record, msg_id
+from haru.log.seam import Handler
+
+if TYPE_CHECKING:
+    from haru.log.follow import Follower
+
+__all__ = ["JetStreamEvents"]
+
+_SUBJECTS_PAGE = 100_000  # nats-server's limit on the subjects one stream-info answer lists
+
+
+class JetStreamEvents(JetStreamClient):
+    """The event stream HARU_EVENTS: appends and reads (`haru.log.seam.EventStore`)."""
+
+    # --------------------------------------------------------------------------------- append
+
+    async def append(self, subject: str, event: Event, *, expect: int) -> int:
+        """Append `event` to `subject` if the subject's last sequence is `expect` (0 = empty).
+
+        Fills `prev` (the hash chain) and `by` (when empty). Returns the new stream sequence.
+        Raises Conflict(current) when another writer got there first. Retrying an append whose
+        ack was lost returns the stored message's sequence instead of writing a second event.
+        """
+        tip = self._tips.get(subject)
+        stored_last: tuple[int, bytes, dict[str, str] | None, datetime] | None = None
+        if expect == 0:
+            prev = ""
+        elif tip is not None and tip[0] == expect:
+            prev = tip[1]
+        else:
+            stored_last = await self._last_raw(subjects.EVENTS_STREAM, subject)
+            if stored_last is None:
+                raise Conflict(subject, expect, 0)
+            if stored_last[0] == expect:
+                prev = body_hash(stored_last[1])
+            else:
+                at_expect = await self._get_seq(subjects.EVENTS_STREAM, expect)
+                if at_expect is None or at_expect[0] != subject:
+                    raise Conflict(subject, expect, stored_last[0])
+                prev = body_hash(at_expect[1])
+        if event.prev != prev or not event.by:
+            event = msgspec.structs.replace(event, prev=prev, by=event.by or self.writer)
+        data = encode(event)
+        mid = msg_id(subject, expect, data)
+        if stored_last is not None and stored_last[0] != expect:
+            # The subject moved past `expect`: ours (a retry after a lost ack) or someone else's?
+            if (stored_last[2] or {}).get(MSG_ID) == mid:
+                self._tips[subject] = (stored_last[0], body_hash(stored_last[1]))
+                return stored_last[0]
+            raise Conflict(subject, expect, stored_last[0])
+        seq = await self._publish_checked(subjects.EVENTS_STREAM, subject, data, expect, mid)
+        self._tips[subject] = (seq, body_hash(data))
+        return seq
+
+    # ----------------------------------------------------------------------------------- reads
+
+    async def last_seq(self) -> int:
+        """The event stream's last sequence (0 when empty)."""
+        with translated("reading the event stream's state"):
+            info = await self.js.stream_info(subjects.EVENTS_STREAM)
+        return info.state.last_seq
+
+    async def last_seq_matching(self, subject_filter: str) -> int:
+        """The last sequence of any event subject matching the filter (wildcards allowed; 0 when none)."""
+        if subject_filter == subjects.ALL_EVENTS:
+            return await self.last_seq()
+        last = await self._last_raw(subjects.EVENTS_STREAM, subject_filter)
+        return 0 if last is None else last[0]
+
+    def follower(self, handler: Handler, *, from_seq: int = 1, **kwargs: Any) -> "Follower":
+        """A `haru.log.follow.Follower` of this log: catch-up, stall detection, reconnect and resume
+        (`kwargs`: its `subject_filter`, `headers`, `name`, `stall_interval`, `stall_checks`, `busy`...)."""
+        from haru.log.follow import Follower
+
+        return Follower(self, handler, from_seq=from_seq, **kwargs)
+
+    async def follow(self, handler: Handler, *, from_seq: int = 1, **kwargs: Any) -> None:
+        """Follow the log from `from_seq` until cancelled (`follower(...).run()`)."""
+        await self.follower(handler, from_seq=from_seq, **kwargs).run()
+
+    async def subject_counts(self, subject_filter: str = subjects.ALL_EVENTS) -> dict[str, int]:
+        """The event subjects matching the filter that hold messages, with how many each.
+
+        One stream-info request (~0.5 ms) instead of reading the messages (a filtered replay of a
+        100k-event stream takes 2-11 ms). The server lists at most _SUBJECTS_PAGE subjects per
+        answer and nats-py cannot ask for the next page: a list that long is counted from a replay.
+        """
+        with translated(f"listing the subjects {subject_filter}"):
+            info = await self.js.stream_info(subjects.EVENTS_STREAM, subjects_filter=subject_filter)
+        found = dict(info.state.subjects or {})
+        if len(found) < _SUBJECTS_PAGE:
+            return found
+        counts: dict[str, int] = {}
+
+        def count(rec: Record) -> None:
+            counts[rec.subject] = counts.get(rec.subject, 0) + 1
+
+        await self.replay(count, subject_filter=subject_filter, headers=False)
+        return counts
+
+    async def last(self, subject: str) -> Record | None:
+        """The last event on `subject`, or None when the subject is empty."""
+        last = await self._last_raw(subjects.EVENTS_STREAM, subject)
+        if last is None:
+            return None
+        seq, data, headers, time = last
+        self._tips[subject] = (seq, body_hash(data))
+        return decode_record(seq, subject, datetime_to_ns(time), data, headers)
+
+    async def last_seq_of(self, subject: str) -> int:
+        """The last sequence on `subject` (0 when empty): what to pass as `expect`."""
+        rec = await self.last(subject)
+        return 0 if rec is None else rec.seq
+
+    async def history(self, subject_filter: str = subjects.ALL_EVENTS, *, from_seq: int = 1,
+                      timeout: float | None = None, strict: bool = False) -> list[Record]:
+        """Every stored event matching the filter, from `from_seq`, in order (`timeout`, `strict`:
+        `replay`'s). On `LogDamaged` the records read are in the exception's `records`."""
+        out: list[Record] = []
+        try:
+            await self.replay(out.append, from_seq=from_seq, subject_filter=subject_filter, timeout=timeout, strict=strict)
+        except LogDamaged as exc:
+            exc.records = out  # what could be read, for a caller that shows it with the damage
+            raise
+        return out
+
+    async def tail(self, subject_filter: str, limit: int, *, timeout: float | None = None,
+                   strict: bool = False) -> list[Record]:
+        """The last `limit` stored events matching the filter, oldest first, without reading the
+        stream from its start: windows back from the end, four times wider each time, until one holds
+        `limit` matches or reaches sequence 1 (`timeout`, `strict`: `history`'s)."""
+        last = await self.last_seq()
+        window = max(4 * limit, 256)
+        while True:
+            start = max(1, last - window + 1)
+            records = await self.history(subject_filter, from_seq=start, timeout=timeout, strict=strict)
+            if len(records) >= limit or start == 1:
+                return records[-limit:] if limit else records
+            window *= 4
+    async def read_seq(self, seq: int) -> Record | None:
+        """The event stored at stream sequence `seq` (None when the store cannot serve it)."""
+        with translated(f"reading sequence {seq}"):
+            try:
+                raw = await self.js.get_msg(subjects.EVENTS_STREAM, seq=seq)
+            except nats.js.errors.NotFoundError:
+                return None
+        time = raw.time if isinstance(raw.time, datetime) else datetime.now(timezone.utc)
+        return decode_record(raw.seq or 0, raw.subject or "", datetime_to_ns(time), raw.data or b"", raw.headers)
+
+    async def replay(
+        self,
+        handler: Handler,
+        *,
+        from_seq: int = 1,
+        subject_filter: str = subjects.ALL_EVENTS,
+        follow: bool = False,
+        headers: bool = True,
+        timeout: float | None = None,
+        strict: bool = False,
+        on_gap: Callable[[list[int]], Any] | None = None,
+    ) -> int:
+        """Call `handler(record)` for each stored message matching the filter, in order.
+
+        Without `follow` it returns once it has handled what was stored when it started; with
+        `follow` it goes on with new messages until cancelled. Returns the last sequence handled
+        (from_seq - 1 when nothing matched). An exception from the handler stops the replay and
+        is raised here.
+
+        A replay never hangs on a damaged store and never passes over a hole in silence
+        (haru/log/js_replay.py; what a hole is: haru/log/holes.py). Without `follow` it ends within
+        `timeout` seconds (default: the log's `replay_timeout`) or raises `ReplayTimeout`, and holes
+        raise `LogDamaged` (with the sequence numbers) after the handler has seen every readable
+        event; filtered, `strict` also scans for holes the stream's state admits to. With `follow`,
+        each hole found is passed to `on_gap(seqs)` (default: an error in the log).
+        """
+        return await Replay(
+            self.js, handler, from_seq=from_seq, subject_filter=subject_filter, follow=follow, headers=headers,
+            budget=self.replay_timeout if timeout is None else timeout, strict=strict, on_gap=on_gap,
+            rescan=self.replay,
+        ).run()
