@@ -20,9 +20,9 @@ from typing import Any
 
 import msgspec
 
-from agents.errors import RuntimeProblem
-from agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
-from agents.runtime_files import read_identities, runtime_on_start
+from haru.agents.errors import RuntimeProblem
+from haru.agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
+from haru.agents.runtime_files import read_identities, runtime_on_start
 from haru.host.children import stop_group
 
 __all__ = ["Adoptable", "FoundRuntimes", "find_runtimes"]

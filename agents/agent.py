@@ -42,27 +42,27 @@ from collections.abc import AsyncIterator
 import aiohttp
 import structlog
 
-from agents.appender import Appender
-from agents.claim import Claim
-from agents.commands import CommandService
-from agents.config import AgentConfig, HostSlots, fold_declarations, load_layout_slots, slots_from_host_entry
-from agents.gpu import Gpus, open_gpus
-from agents.gpu_watch import GpuWatcher
-from agents.signals import SignalWatcher, open_signals
-from agents.heartbeat import Heartbeats
-from agents.live_apply import LiveApply
-from agents.load_queue import LoadQueue
-from agents.loops import LoopErrors, on_the_way_out
-from agents.model_slots import ModelSlots
-from agents.recorder import Recorder
-from agents.role import Role
-from agents.runtime_files import RuntimeFiles
-from agents.runtimes import Runtime, make_runtime
-from agents.serving import ServingProxy, check_serving
-from agents.status import Status
-from agents.supervisor import SupervisorContext
-from agents.training_policy import TrainingPolicy
-from agents.training_slots import TrainingSlots
+from haru.agents.appender import Appender
+from haru.agents.claim import Claim
+from haru.agents.commands import CommandService
+from haru.agents.config import AgentConfig, HostSlots, fold_declarations, load_layout_slots, slots_from_host_entry
+from haru.agents.gpu import Gpus, open_gpus
+from haru.agents.gpu_watch import GpuWatcher
+from haru.agents.signals import SignalWatcher, open_signals
+from haru.agents.heartbeat import Heartbeats
+from haru.agents.live_apply import LiveApply
+from haru.agents.load_queue import LoadQueue
+from haru.agents.loops import LoopErrors, on_the_way_out
+from haru.agents.model_slots import ModelSlots
+from haru.agents.recorder import Recorder
+from haru.agents.role import Role
+from haru.agents.runtime_files import RuntimeFiles
+from haru.agents.runtimes import Runtime, make_runtime
+from haru.agents.serving import ServingProxy, check_serving
+from haru.agents.status import Status
+from haru.agents.supervisor import SupervisorContext
+from haru.agents.training_policy import TrainingPolicy
+from haru.agents.training_slots import TrainingSlots
 from haru.core import subjects
 from haru.core.errors import ConfigError
 from haru.core.events import FailureSignalled

@@ -16,9 +16,9 @@ from typing import Any
 
 import msgspec
 
-from agents.cause import VERSION
-from agents.errors import AgentRefused
-from agents.host_ram import read_host_ram
+from haru.agents.cause import VERSION
+from haru.agents.errors import AgentRefused
+from haru.agents.host_ram import read_host_ram
 from haru.core import subjects
 from haru.core.commands import heartbeat_decoder
 from haru.core.errors import Conflict, NoResponders, RequestTimeout

@@ -32,13 +32,13 @@ import nats.micro
 import structlog
 from nats.micro.request import Request
 
-from agents.cause import COMMAND_CAUSE, VERSION
-from agents.live_apply import LiveApply
-from agents.model_slots import ModelSlots
-from agents.ports import Outcome
-from agents.role import Role
-from agents.status import Status
-from agents.training_policy import TrainingPolicy
+from haru.agents.cause import COMMAND_CAUSE, VERSION
+from haru.agents.live_apply import LiveApply
+from haru.agents.model_slots import ModelSlots
+from haru.agents.ports import Outcome
+from haru.agents.role import Role
+from haru.agents.status import Status
+from haru.agents.training_policy import TrainingPolicy
 from haru.core import subjects
 from haru.core.commands import Command, ErrorInfo, Reply, command_decoder
 from haru.core.errors import HaruError

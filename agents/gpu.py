@@ -27,8 +27,8 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from agents.sim.errors import SimError
-from agents.sim.gpu_state import SimGpuState
+from haru.agents.sim.errors import SimError
+from haru.agents.sim.gpu_state import SimGpuState
 from haru.host import procfs
 from haru.core.errors import ConfigError
 from haru.core.events import GpuProcess, GpuUsage

@@ -12,10 +12,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import msgspec
 
-from agents.gpu import GpuReading
-from agents.model_slot import ModelSlot
-from agents.ports import GpuVerdict
-from agents.training import Trainer
+from haru.agents.gpu import GpuReading
+from haru.agents.model_slot import ModelSlot
+from haru.agents.ports import GpuVerdict
+from haru.agents.training import Trainer
 from haru.core.commands import ErrorInfo
 from haru.core.specs import model_gpus
 

@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from typing import Any
 
-from agents.appender import Append
-from agents.gpu import GpuReading, Gpus, Owner, account
-from agents.loops import LoopErrors, survive
+from haru.agents.appender import Append
+from haru.agents.gpu import GpuReading, Gpus, Owner, account
+from haru.agents.loops import LoopErrors, survive
 from haru.core import subjects
 from haru.core.events import GpuObserved
 from haru.core.sizes import MiB

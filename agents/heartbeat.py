@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from agents.loops import LoopErrors, every
+from haru.agents.loops import LoopErrors, every
 from haru.core.commands import Heartbeat
 
 __all__ = ["heartbeat_of", "Heartbeats"]

@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from agents.config import HostSlots, diff_models, fold_declarations
-from agents.loops import LoopErrors
-from agents.model_slots import ModelSlots
-from agents.ports import Applied
-from agents.role import Role
+from haru.agents.config import HostSlots, diff_models, fold_declarations
+from haru.agents.loops import LoopErrors
+from haru.agents.model_slots import ModelSlots
+from haru.agents.ports import Applied
+from haru.agents.role import Role
 from haru.core import subjects
 from haru.core.events import tag_of
 from haru.host.tasks import cancel_and_wait

@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from agents.loops import LoopErrors
+from haru.agents.loops import LoopErrors
 from haru.core.planner import standby_residual
 from haru.core.residency import state_name
 from haru.core.specs import Policy
 
 if TYPE_CHECKING:
-    from agents.status import Status
+    from haru.agents.status import Status
 
 # Every residency state, so a dashboard can show 0 for the states a model is not in.
 STATES = ("unknown", "loading", "resident", "sleeping", "waking", "lost", "failed", "stopped", "not_admitted")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from agents import probes
-from agents.runtimes import Runtime
+from haru.agents import probes
+from haru.agents.runtimes import Runtime
 from haru.core.residency import UNKNOWN, Residency, state_name
 from haru.core.specs import ModelSpec
 

@@ -15,14 +15,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from agents.adoption import Adoptable, find_runtimes
-from agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
-from agents.observe import Observation, PullInterrupted, Unloaded, observe
-from agents.ports import Selection
-from agents.recorder import Recorder
-from agents.runtime_files import RuntimeFiles
-from agents.runtimes import Runtime
-from agents.supervisor import ModelSupervisor, SupervisorContext
+from haru.agents.adoption import Adoptable, find_runtimes
+from haru.agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
+from haru.agents.observe import Observation, PullInterrupted, Unloaded, observe
+from haru.agents.ports import Selection
+from haru.agents.recorder import Recorder
+from haru.agents.runtime_files import RuntimeFiles
+from haru.agents.runtimes import Runtime
+from haru.agents.supervisor import ModelSupervisor, SupervisorContext
 from haru.core import subjects
 from haru.core.commands import Command
 from haru.core.errors import IllegalTransition

@@ -25,7 +25,7 @@ from typing import Any, Union
 
 import msgspec
 
-from agents.errors import IllegalObservation
+from haru.agents.errors import IllegalObservation
 from haru.core.events import (
     Event,
     FetchedFile,

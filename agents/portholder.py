@@ -5,7 +5,7 @@
     stop_holder(state_dir)                                # the agent stopping for good: the port closes
     holder_stats(state_dir)                               # {"bridging": ..., "bridged": ..., ...}
 
-`python -m agents.portholder <control socket> <host> <port>` binds the serving port once and hands the
+`python -m haru.agents.portholder <control socket> <host> <port>` binds the serving port once and hands the
 listening socket to whichever agent asks (over a unix socket in the agent's state directory,
 `SCM_RIGHTS`); the port never closes while an agent restarts. Control requests on that unix socket:
 
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import msgspec
 
-from agents.errors import PortHolderError
+from haru.agents.errors import PortHolderError
 from haru.core.openai_errors import BadBody, error_body, model_of
 
 __all__ = ["listening_socket", "bridge", "stop_holder", "holder_stats", "HOLDER_SOCKET"]
@@ -166,7 +166,7 @@ def _spawn(path: Path, host: str, port: int) -> None:
         path.unlink()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "agents.portholder", str(path), host, str(port)],
+            [sys.executable, "-m", "haru.agents.portholder", str(path), host, str(port)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             start_new_session=True,  # it outlives the agent, like the runtimes
             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),

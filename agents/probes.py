@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import msgspec
 
-from agents.errors import RuntimeProblem
-from agents.gpu import GpuReading
-from agents.runtimes.base import Runtime
+from haru.agents.errors import RuntimeProblem
+from haru.agents.gpu import GpuReading
+from haru.agents.runtimes.base import Runtime
 from haru.core.events import LostReason
 from haru.core.residency import classify_probe_failure
 

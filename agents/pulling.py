@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from agents.observe import Observation, PullProgressed, PullRefused
+from haru.agents.observe import Observation, PullProgressed, PullRefused
 from haru.core.events import FetchedFile
 from haru.core import refs
 from haru.core.model_errors import ModelsError

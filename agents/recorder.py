@@ -15,11 +15,11 @@ from typing import Any
 
 import msgspec
 
-from agents.appender import Append
-from agents.cause import COMMAND_CAUSE
-from agents.gpu_watch import GpuWatcher
-from agents.model_slot import ModelSlot
-from agents.observe import GpuGone, Observation, ProbeFailed, observe
+from haru.agents.appender import Append
+from haru.agents.cause import COMMAND_CAUSE
+from haru.agents.gpu_watch import GpuWatcher
+from haru.agents.model_slot import ModelSlot
+from haru.agents.observe import GpuGone, Observation, ProbeFailed, observe
 from haru.core import causes
 from haru.core.events import Event
 from haru.core.residency import event_key, evolve

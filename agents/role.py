@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from agents.loops import LoopErrors
+from haru.agents.loops import LoopErrors
 from haru.core import subjects
 from haru.core.events import RouteMoved
 

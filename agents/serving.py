@@ -30,10 +30,10 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from agents import portholder, probes
-from agents.errors import PortHolderError
-from agents.gpu_watch import GpuWatcher
-from agents.model_slots import ModelSlots
+from haru.agents import portholder, probes
+from haru.agents.errors import PortHolderError
+from haru.agents.gpu_watch import GpuWatcher
+from haru.agents.model_slots import ModelSlots
 from haru.core.errors import ConfigError
 from haru.host.httpguard import BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
 from haru.core.openai_errors import BadBody, answer_status, error_body, model_of

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from agents.loops import LoopErrors, survive
+from haru.agents.loops import LoopErrors, survive
 from haru.core.events import FailureSignalled
 from haru.core.specs import PreemptionNotice
 
@@ -71,7 +71,7 @@ class SimGpuSignals:
         self.sim_dir = sim_dir
 
     def critical(self, index: int) -> list[tuple[str, str]]:
-        from agents.sim.gpu_state import NoSimGpu, SimGpuState
+        from haru.agents.sim.gpu_state import NoSimGpu, SimGpuState
 
         try:
             raw = SimGpuState(self.sim_dir, index).read()
@@ -96,7 +96,7 @@ class NvmlGpuSignals:
     """Real GPUs through NVML (pynvml). A query NVML does not support, or no NVML at all, says nothing."""
 
     def __init__(self) -> None:
-        from agents.gpu import _pynvml
+        from haru.agents.gpu import _pynvml
 
         self._nvml = _pynvml()
         self._sets: dict[int, Any] = {}

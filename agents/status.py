@@ -12,16 +12,16 @@ from typing import Any
 
 import msgspec
 
-from agents.gpu import GpuReading, Owner, process_tree, read_parents
-from agents.gpu_verdict import gpus_of, judge_gpus, settled
-from agents.gpu_watch import GpuWatcher
-from agents.heartbeat import heartbeat_of
-from agents.live_apply import LiveApply
-from agents.model_slot import ModelSlot
-from agents.model_slots import ModelSlots
-from agents.ports import GpuVerdict
-from agents.role import Role
-from agents.training_slots import TrainingSlots
+from haru.agents.gpu import GpuReading, Owner, process_tree, read_parents
+from haru.agents.gpu_verdict import gpus_of, judge_gpus, settled
+from haru.agents.gpu_watch import GpuWatcher
+from haru.agents.heartbeat import heartbeat_of
+from haru.agents.live_apply import LiveApply
+from haru.agents.model_slot import ModelSlot
+from haru.agents.model_slots import ModelSlots
+from haru.agents.ports import GpuVerdict
+from haru.agents.role import Role
+from haru.agents.training_slots import TrainingSlots
 from haru.core.commands import Heartbeat
 from haru.core.specs import model_gpus
 from haru.host.procfs import pid_alive

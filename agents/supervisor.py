@@ -24,16 +24,16 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents import probes
-from agents.cause import COMMAND_CAUSE
-from agents.errors import OutOfMemory, RuntimeProblem, SleepFreedNothing, WakeAnswerChanged
-from agents.gpu import GpuReading, process_tree, read_parents
-from agents.gpu_watch import GpuWatcher
-from agents.loops import LoopErrors, survive
-from agents.adoption import Adoptable
-from agents.load_queue import LoadQueue
-from agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
-from agents.observe import (
+from haru.agents import probes
+from haru.agents.cause import COMMAND_CAUSE
+from haru.agents.errors import OutOfMemory, RuntimeProblem, SleepFreedNothing, WakeAnswerChanged
+from haru.agents.gpu import GpuReading, process_tree, read_parents
+from haru.agents.gpu_watch import GpuWatcher
+from haru.agents.loops import LoopErrors, survive
+from haru.agents.adoption import Adoptable
+from haru.agents.load_queue import LoadQueue
+from haru.agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
+from haru.agents.observe import (
     Adopted,
     Answered,
     Exited,
@@ -48,9 +48,9 @@ from agents.observe import (
     Vanished,
     WakeBegun,
 )
-from agents.ports import Outcome
-from agents.pulling import needs_pull, pull_for
-from agents.runtime_files import RuntimeFiles
+from haru.agents.ports import Outcome
+from haru.agents.pulling import needs_pull, pull_for
+from haru.agents.runtime_files import RuntimeFiles
 from haru.core.events import Event
 from haru.core.restarts import Backoff
 from haru.core.specs import Policy, model_gpus

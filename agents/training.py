@@ -24,8 +24,8 @@ from typing import Awaitable, Callable
 
 import msgspec
 
-from agents.errors import TrainingProblem
-from agents.runtimes.base import killpg
+from haru.agents.errors import TrainingProblem
+from haru.agents.runtimes.base import killpg
 from haru.host.children import die_with_parent
 from haru.host import procfs
 from haru.core.events import StopHow

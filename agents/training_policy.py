@@ -12,10 +12,10 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from agents.model_slots import ModelSlots
-from agents.ports import Outcome
-from agents.role import Role
-from agents.training_slots import TrainingSlots
+from haru.agents.model_slots import ModelSlots
+from haru.agents.ports import Outcome
+from haru.agents.role import Role
+from haru.agents.training_slots import TrainingSlots
 from haru.core.specs import TrainingSpec
 
 __all__ = ["TrainingPolicy"]

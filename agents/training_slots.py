@@ -16,12 +16,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from agents.appender import Append
-from agents.cause import COMMAND_CAUSE
-from agents.errors import TrainingProblem
-from agents.ports import Outcome
-from agents.runtime_files import RuntimeFiles
-from agents.training import Ended, Trainer
+from haru.agents.appender import Append
+from haru.agents.cause import COMMAND_CAUSE
+from haru.agents.errors import TrainingProblem
+from haru.agents.ports import Outcome
+from haru.agents.runtime_files import RuntimeFiles
+from haru.agents.training import Ended, Trainer
 from haru.core import causes, subjects
 from haru.core.events import Event, TrainingStarted, TrainingStopped
 from haru.core.specs import TrainingSpec

@@ -288,7 +288,7 @@ async def fault(name: str, demo: Demo, s: aiohttp.ClientSession, active: str) ->
         victims = {agent} | descendants(agent)
         port = view["domains"][active]["serving_url"].rsplit(":", 1)[-1].rstrip("/")
         holder = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-                  if "agents.portholder" in (cl := cmdline(pid)) and cl.split()[-1:] == [port]]
+                  if "haru.agents.portholder" in (cl := cmdline(pid)) and cl.split()[-1:] == [port]]
         victims |= set(holder)
         for pid in victims:
             with contextlib.suppress(OSError):

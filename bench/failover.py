@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from agents.sim.gpu_state import GiB, SimGpuState  # noqa: E402
+from haru.agents.sim.gpu_state import GiB, SimGpuState  # noqa: E402
 from haru.core import subjects  # noqa: E402
 from haru.core.apply import apply  # noqa: E402
 from haru.log.eventlog import EventLog  # noqa: E402
@@ -84,9 +84,9 @@ def write_layout(root: Path, args) -> Path:
             "slots": [
                 {"name": "chat", "gpu": 0, "models": [
                     {"name": "m1", "runtime": "vllm", "vram": "4GiB", "source": "sim/m1",
-                     "binary": [PY, "-m", "agents.sim.vllm"], "env": env}]},
+                     "binary": [PY, "-m", "haru.agents.sim.vllm"], "env": env}]},
                 {"name": "lora", "kind": "training", "gpu": 0, "vram": "8GiB", "grace_ms": args.stop_ms,
-                 "command": [PY, "-m", "agents.sim.trainer", "--vram", "8GiB", "--sim-dir", str(sim), "--ignore-sigterm"],
+                 "command": [PY, "-m", "haru.agents.sim.trainer", "--vram", "8GiB", "--sim-dir", str(sim), "--ignore-sigterm"],
                  "checkpoint_dir": str(root / "ckpt" / d)},
             ],
         })

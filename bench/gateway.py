@@ -4,7 +4,7 @@
                                       [--consoles 20] [--churn-hz 5]
 
 Processes (each its own, as in production): a nats-server with the fleet's view and route intent
-published; one upstream (`sim`: the vLLM simulator, `python -m agents.sim.vllm serve`, with no token
+published; one upstream (`sim`: the vLLM simulator, `python -m haru.agents.sim.vllm serve`, with no token
 delay; `fast`: a minimal uvloop server returning a fixed chat completion or a 16-chunk SSE stream,
 the stricter baseline since its own CPU per request is smallest); `haru gateway`
 (uvloop, as the CLI runs it); and the load generator (uvloop; `raw`: a minimal keep-alive HTTP/1.1
@@ -256,12 +256,12 @@ def start_upstream(kind: str, tmp: Path) -> tuple[subprocess.Popen, str]:
         port_file = tmp / "upstream.port"
         proc = subprocess.Popen([sys.executable, __file__, "--_upstream", str(port_file)], cwd=ROOT)
         return proc, f"http://127.0.0.1:{_wait_file(port_file, proc, 'the upstream')}"
-    from agents.sim.vllm import runtime_path
+    from haru.agents.sim.vllm import runtime_path
 
     env = {**os.environ, "HARU_SIM_DIR": str(tmp / "sim"), "HARU_SIM_DOMAIN": "a", "HARU_SIM_LOAD_MS": "10",
            "HARU_SIM_VRAM": "1GiB", "HARU_SIM_TOKENS_PER_S": "0"}
     (tmp / "sim").mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "agents.sim.vllm", "serve", "/m", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "haru.agents.sim.vllm", "serve", "/m", "--port", "0",
                              "--served-model-name", MODEL], cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
     info = json.loads(_wait_file(runtime_path(tmp / "sim", MODEL), proc, "the simulator"))
     time.sleep(0.5)
@@ -507,8 +507,8 @@ def fanout_cost_us(consoles: int, upstream: str, rounds: int = 2000) -> float:
     """CPU per view change of the console fan-out itself (snapshot encoded once, offered to every
     console), measured in this process on the bench's own view: the part of a change the proxy shares
     its core with. Writing to the sockets is the event loop's, and is in the side-by-side figures."""
-    from gateway.console import Console, _Subscriber
-    from gateway.routing import RoutingTable
+    from haru.gateway.console import Console, _Subscriber
+    from haru.gateway.routing import RoutingTable
     from haru.core.residency import Answer, Resident
     from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target
 

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_host: no NVML here: the nvidia-ml-py package (module pynvml) is not installed; "
               "`pip install nvidia-ml-py` on the GPU host", file=sys.stderr)
         return 3
-    from agents.gpu import NvmlGpus, Owner, account, process_tree, read_parents
+    from haru.agents.gpu import NvmlGpus, Owner, account, process_tree, read_parents
 
     gpus = NvmlGpus()
     if not gpus.available:

@@ -49,7 +49,7 @@ from haru.host.natsd import NatsServer  # noqa: E402
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy  # noqa: E402
 from haru.core.sizes import GiB
 from haru.host.tasks import cancel_and_wait  # noqa: E402
-from projections.projector import Projector  # noqa: E402
+from haru.projections.projector import Projector  # noqa: E402
 from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
 
 if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse

@@ -35,7 +35,7 @@ from haru.log.route import RouteWatcher
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.core.sizes import GiB
 from haru.core.fold import add_one
-from projections.projector import Projector
+from haru.projections.projector import Projector
 from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
 
 if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse

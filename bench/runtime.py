@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
-from agents.runtimes.llama_build import ensure_binary  # noqa: E402
+from haru.agents.runtimes.llama_build import ensure_binary  # noqa: E402
 from bench.gateway import _pct, compare  # noqa: E402
 from haru.core import subjects  # noqa: E402
 from haru.log.eventlog import EventLog  # noqa: E402
@@ -198,7 +198,7 @@ async def main_async(args: argparse.Namespace) -> None:
     CHAT = CHAT.replace(b'"tiny-chat"', json.dumps(MODEL).encode())
     binary = ensure_binary(build=True) if args.runtime == "llama" else None
     if args.runtime == "vllm":
-        from agents.runtimes.vllm_env import ensure_env
+        from haru.agents.runtimes.vllm_env import ensure_env
 
         ensure_env(build=True)
     with tempfile.TemporaryDirectory(prefix="haru-bench-runtime-") as tmp_s:

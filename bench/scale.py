@@ -55,7 +55,7 @@ import msgspec
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from agents.sim.hosts import SimHosts  # noqa: E402
+from haru.agents.sim.hosts import SimHosts  # noqa: E402
 from haru.core import subjects  # noqa: E402
 from haru.core.events import (GpuObserved, ModelLost, PromotionRequested, RouteMoved, StepCompleted,  # noqa: E402
                               StepStarted)

@@ -1,7 +1,7 @@
 """The gateway: an OpenAI-compatible chat proxy whose statuses carry the diagnosis, the control API
 and Prometheus metrics, reading the projected views and route intents from NATS.
 
-    from gateway import Gateway, from_env, run_gateway
+    from haru.gateway import Gateway, from_env, run_gateway
     async with Gateway(from_env(os.environ, port=0), events) as gw: ...
 
 Modules: routing (pure routing table and status table), truth (pure /residency and /v1/models
@@ -9,10 +9,10 @@ bodies), proxy (the chat path), control (the control API), state (the NATS follo
 config, server (the HTTP server and lifecycle), errors.
 """
 
-from gateway.config import GatewayConfig, from_env
-from gateway.errors import ApiError, GatewayError, UpstreamError
-from gateway.routing import Forward, Refusal, RoutingTable, compile_routes
-from gateway.server import Gateway, run_gateway
+from haru.gateway.config import GatewayConfig, from_env
+from haru.gateway.errors import ApiError, GatewayError, UpstreamError
+from haru.gateway.routing import Forward, Refusal, RoutingTable, compile_routes
+from haru.gateway.server import Gateway, run_gateway
 from haru.core.openai_errors import ANSWER_STATUS
 
 __all__ = [

@@ -29,8 +29,8 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from gateway.console_core import hello, operations, snapshot, story_items
-from gateway.errors import ApiError
+from haru.gateway.console_core import hello, operations, snapshot, story_items
+from haru.gateway.errors import ApiError
 from haru.core import subjects
 from haru.core.errors import InvalidName, LogUnavailable
 from haru.log.seam import Log

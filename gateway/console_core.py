@@ -15,7 +15,7 @@ from haru.core.operations import as_doc, fold_operations
 from haru.promoter.decider import KINDS, flow
 
 if TYPE_CHECKING:
-    from gateway.routing import FleetRoutes
+    from haru.gateway.routing import FleetRoutes
     from haru.log.eventlog import Record  # the type only: this module reads records, it never reads the log
 
 # Each kind's steps in order, read from the promoter's transition table (the stepper's columns).

@@ -31,11 +31,11 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from gateway.errors import ApiError
-from gateway.metrics import GatewayMetrics
+from haru.gateway.errors import ApiError
+from haru.gateway.metrics import GatewayMetrics
 from haru.host.httpguard import continue_if_expected
-from gateway.routing import RoutingTable, fleet_not_found
-from gateway.truth import models_list, truth_table
+from haru.gateway.routing import RoutingTable, fleet_not_found
+from haru.gateway.truth import models_list, truth_table
 from haru.host import alive
 from haru.core import subjects
 from haru.core.authority import misplaced

@@ -38,8 +38,8 @@ from typing import Final
 
 import msgspec
 
-from gateway.metrics import GatewayMetrics
-from gateway.routing import Forward, FleetRoutes, Refusal, RoutingTable
+from haru.gateway.metrics import GatewayMetrics
+from haru.gateway.routing import Forward, FleetRoutes, Refusal, RoutingTable
 from haru.core.residency import Loading, Lost, Resident, Sleeping, Waking
 from haru.core.views import FleetView
 

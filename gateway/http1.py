@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import httptools
 
-from gateway.errors import ProtocolError
+from haru.gateway.errors import ProtocolError
 
 MAX_HEAD_BYTES = 64 * 1024
 

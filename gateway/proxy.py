@@ -29,18 +29,18 @@ from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
 from multidict import CIMultiDict
 
-from gateway.config import GatewayConfig
-from gateway.errors import UpstreamError
-from gateway.hold import Holds, hold_plan
-from gateway.metrics import UNKNOWN_FLEET, UNKNOWN_MODEL, GatewayMetrics
-from gateway.routing import (
+from haru.gateway.config import GatewayConfig
+from haru.gateway.errors import UpstreamError
+from haru.gateway.hold import Holds, hold_plan
+from haru.gateway.metrics import UNKNOWN_FLEET, UNKNOWN_MODEL, GatewayMetrics
+from haru.gateway.routing import (
     Forward,
     Refusal,
     RoutingTable,
     model_of,
 )
-from gateway.resume import Resumer
-from gateway.upstream import Connection, Pool
+from haru.gateway.resume import Resumer
+from haru.gateway.upstream import Connection, Pool
 from haru.host.httpguard import BodyTimeout, BodyTooLarge, read_body
 from haru.core.openai_errors import PAYLOAD_TOO_LARGE, REQUEST_TIMEOUT, UPSTREAM_TIMEOUT, UPSTREAM_UNREACHABLE
 

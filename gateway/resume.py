@@ -31,16 +31,16 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 import structlog
 
-from gateway.errors import UpstreamError
-from gateway.hold import hold_plan
-from gateway.routing import Forward
+from haru.gateway.errors import UpstreamError
+from haru.gateway.hold import hold_plan
+from haru.gateway.routing import Forward
 from haru.core.openai_errors import error_body
 
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from gateway.proxy import Proxy
-    from gateway.upstream import Connection
+    from haru.gateway.proxy import Proxy
+    from haru.gateway.upstream import Connection
 
 log = structlog.get_logger("haru.gateway")
 

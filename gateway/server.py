@@ -28,14 +28,14 @@ import signal
 import structlog
 from aiohttp import web
 
-from gateway.config import GatewayConfig
-from gateway.console import Console
-from gateway.control import Control
-from gateway.errors import ApiError
-from gateway.metrics import GatewayMetrics
-from gateway.proxy import CHAT_PATHS, Proxy
-from gateway.routing import Refusal, RoutingTable
-from gateway.state import RouteFollower
+from haru.gateway.config import GatewayConfig
+from haru.gateway.console import Console
+from haru.gateway.control import Control
+from haru.gateway.errors import ApiError
+from haru.gateway.metrics import GatewayMetrics
+from haru.gateway.proxy import CHAT_PATHS, Proxy
+from haru.gateway.routing import Refusal, RoutingTable
+from haru.gateway.state import RouteFollower
 from haru.host.httpguard import GuardedServer
 from haru.core.openai_errors import error_body
 from haru.log.seam import Log

@@ -37,8 +37,8 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
-from gateway.metrics import GatewayMetrics
-from gateway.routing import RoutingTable
+from haru.gateway.metrics import GatewayMetrics
+from haru.gateway.routing import RoutingTable
 from haru.core.restarts import Backoff
 from haru.host import alive
 from haru.core import subjects

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.routing import FleetRoutes, Forward, Refusal
+from haru.gateway.routing import FleetRoutes, Forward, Refusal
 from haru.core.sizes import format_gib
 from haru.core.residency import (
     Answer,

@@ -25,8 +25,8 @@ import ssl as ssl_module
 import time
 from urllib.parse import urlsplit
 
-from gateway.errors import ProtocolError, UpstreamError
-from gateway.http1 import Headers, ResponseParser
+from haru.gateway.errors import ProtocolError, UpstreamError
+from haru.gateway.http1 import Headers, ResponseParser
 
 HIGH_WATER = 1 << 20
 LOW_WATER = 1 << 18

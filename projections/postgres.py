@@ -41,8 +41,8 @@ from haru.core.restarts import Backoff
 from haru.core import subjects
 from haru.core.errors import HaruError, LogError, LogUnavailable
 from haru.log.eventlog import EventLog
-from projections import pg_schema as S
-from projections.pg_rows import Carry, Writes, carry_from_rows, plan
+from haru.projections import pg_schema as S
+from haru.projections.pg_rows import Carry, Writes, carry_from_rows, plan
 
 log = structlog.get_logger("haru.sink.postgres")
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import aiohttp
 
-from agents.runtimes.base import Health, Runtime
-from agents.runtimes.external import ExternalRuntime
-from agents.runtimes.llama_server import LlamaServerRuntime
-from agents.runtimes.vllm import VllmRuntime
+from haru.agents.runtimes.base import Health, Runtime
+from haru.agents.runtimes.external import ExternalRuntime
+from haru.agents.runtimes.llama_server import LlamaServerRuntime
+from haru.agents.runtimes.vllm import VllmRuntime
 from haru.core.specs import ModelSpec
 
 __all__ = ["Health", "Runtime", "VllmRuntime", "LlamaServerRuntime", "ExternalRuntime", "make_runtime"]

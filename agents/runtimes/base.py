@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
-from agents.errors import OutOfMemory, ProbeUnanswered, RuntimeRefused, RuntimeUnreachable
+from haru.agents.errors import OutOfMemory, ProbeUnanswered, RuntimeRefused, RuntimeUnreachable
 from haru.host.children import start_time
 from haru.host.natsd import free_port
 from haru.core.launch import ArgConflict, Launch

@@ -10,8 +10,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from agents.errors import RuntimeProblem
-from agents.runtimes.base import Health, HttpRuntime
+from haru.agents.errors import RuntimeProblem
+from haru.agents.runtimes.base import Health, HttpRuntime
 from haru.core.specs import ModelSpec
 
 

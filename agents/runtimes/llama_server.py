@@ -10,7 +10,7 @@ domain a llama-server model stays resident.
 
 from __future__ import annotations
 
-from agents.runtimes.base import ProcessRuntime
+from haru.agents.runtimes.base import ProcessRuntime
 
 
 class LlamaServerRuntime(ProcessRuntime):
@@ -21,7 +21,7 @@ class LlamaServerRuntime(ProcessRuntime):
     def managed_binary(self) -> list[str]:
         """A layout naming no binary gets the managed build (`haru runtime llama`: $HARU_LLAMA_SERVER or
         the cache) when there is one, else `llama-server` from PATH (the plan's default)."""
-        from agents.runtimes.llama_build import BuildError, find_binary
+        from haru.agents.runtimes.llama_build import BuildError, find_binary
 
         try:
             found = find_binary()

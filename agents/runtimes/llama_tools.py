@@ -16,7 +16,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from agents.runtimes import llama_build as lb
+from haru.agents.runtimes import llama_build as lb
 
 __all__ = ["TOOLS", "find_tool", "ensure_tool", "converter", "status"]
 

@@ -1,6 +1,6 @@
 """A tiny llama-architecture GGUF, written here, so a real llama-server runs with nothing downloaded.
 
-    python -m agents.runtimes.tiny_model OUT.gguf [--seed N]
+    python -m haru.agents.runtimes.tiny_model OUT.gguf [--seed N]
 
 ~600 KB: vocabulary 512 (3 control tokens, 256 byte tokens `<0xNN>`, then `▁word` tokens), 64-wide
 embeddings, 2 blocks of 4 heads, feed-forward 128, F32, a ChatML chat template. The weights are random
@@ -137,7 +137,7 @@ def corrupt_copy(good: Path | str, bad: Path | str, *, keep: float = 0.5) -> Pat
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m agents.runtimes.tiny_model", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m haru.agents.runtimes.tiny_model", description=__doc__.split("\n")[0])
     p.add_argument("out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="haru-tiny")

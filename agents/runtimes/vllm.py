@@ -30,8 +30,8 @@ from pathlib import Path
 
 import msgspec
 
-from agents.errors import RuntimeRefused, Unverified
-from agents.runtimes.base import ProcessRuntime
+from haru.agents.errors import RuntimeRefused, Unverified
+from haru.agents.runtimes.base import ProcessRuntime
 from haru.core.launch import API_SERVER_MODULE, Launch, vllm_form
 
 SLEEP_REFUSAL = "Sleep mode is not supported on current platform"
@@ -55,7 +55,7 @@ class VllmRuntime(ProcessRuntime):
     def managed_binary(self) -> list[str]:
         """A layout naming no binary gets the managed vLLM ($HARU_VLLM_PYTHON or the cached venv) when
         there is one, else `vllm` from PATH (the plan's default)."""
-        from agents.runtimes.vllm_env import BuildError, find_python, launch_binary
+        from haru.agents.runtimes.vllm_env import BuildError, find_python, launch_binary
 
         try:
             found = find_python()
@@ -101,7 +101,7 @@ class VllmRuntime(ProcessRuntime):
         if self._decided:
             return True
         binary = self._binary()
-        from agents.runtimes.vllm_env import BuildError, abilities, find_python, launch_binary
+        from haru.agents.runtimes.vllm_env import BuildError, abilities, find_python, launch_binary
 
         managed = abilities()
         try:
@@ -203,7 +203,7 @@ class _Sleeping(msgspec.Struct):
 
 async def _ask(python: str) -> dict | None:
     """vLLM's own answer, from that interpreter: {"version", "platform", "sleep_mode"} (None: no answer)."""
-    from agents.runtimes.vllm_env import ABILITIES_SNIPPET
+    from haru.agents.runtimes.vllm_env import ABILITIES_SNIPPET
 
     try:
         proc = await asyncio.create_subprocess_exec(python, "-c", ABILITIES_SNIPPET, stdin=asyncio.subprocess.DEVNULL,

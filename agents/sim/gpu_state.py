@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from agents.sim.errors import BadSize, NoSimGpu
+from haru.agents.sim.errors import BadSize, NoSimGpu
 from haru.core import sizes
 from haru.core.sizes import GiB, MiB  # noqa: F401 - the sizes a sim is set up in, importable beside it
 from haru.host import procfs

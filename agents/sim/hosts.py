@@ -45,14 +45,14 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from agents.appender import Appender
-from agents.commands import CommandService
-from agents.heartbeat import Heartbeats, heartbeat_of
-from agents.loops import LoopErrors
-from agents.model_slot import ModelSlot
-from agents.observe import Adopted, Answered, Exited, GpuGone, Observation, Slept, Spawned, WakeBegun
-from agents.ports import Applied, GpuVerdict, Outcome, Selection
-from agents.recorder import Recorder
+from haru.agents.appender import Appender
+from haru.agents.commands import CommandService
+from haru.agents.heartbeat import Heartbeats, heartbeat_of
+from haru.agents.loops import LoopErrors
+from haru.agents.model_slot import ModelSlot
+from haru.agents.observe import Adopted, Answered, Exited, GpuGone, Observation, Slept, Spawned, WakeBegun
+from haru.agents.ports import Applied, GpuVerdict, Outcome, Selection
+from haru.agents.recorder import Recorder
 from haru.core import subjects
 from haru.core.apply import apply as apply_layout
 from haru.core.commands import Command, ErrorInfo, Heartbeat

@@ -1,6 +1,6 @@
 """A simulated trainer: holds VRAM on a simulated GPU, checkpoints, and stops the way real ones do.
 
-    python -m agents.sim.trainer --vram 8GiB [--sim-dir DIR] [--ignore-sigterm] [--exit-after-ms N]
+    python -m haru.agents.sim.trainer --vram 8GiB [--sim-dir DIR] [--ignore-sigterm] [--exit-after-ms N]
                                  [--step-ms 50] [--checkpoint-every-ms 500]
 
 It reads exactly what the agent adds to a training command's environment: HARU_GPU_INDEX (which
@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from agents.sim.errors import SimError
-from agents.sim.gpu_state import SimGpuState, parse_size
+from haru.agents.sim.errors import SimError
+from haru.agents.sim.gpu_state import SimGpuState, parse_size
 from haru.core.sizes import format_size
 
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agents.sim.trainer", description="simulated preemptible trainer")
+    parser = argparse.ArgumentParser(prog="haru.agents.sim.trainer", description="simulated preemptible trainer")
     parser.add_argument("--vram", required=True, help="VRAM to hold, bytes or e.g. 8GiB")
     parser.add_argument("--sim-dir", default=os.environ.get("HARU_SIM_DIR"), help="simulated host dir (HARU_SIM_DIR)")
     parser.add_argument("--ignore-sigterm", action="store_true")

@@ -1,6 +1,6 @@
 """A simulated vLLM server: a real HTTP process that speaks vLLM's OpenAI-compatible API.
 
-    python -m agents.sim.vllm serve <source> --host 127.0.0.1 --port P --served-model-name NAME \
+    python -m haru.agents.sim.vllm serve <source> --host 127.0.0.1 --port P --served-model-name NAME \
         [--enable-sleep-mode] [any other vllm flag, accepted and ignored]
 
 The argv is `vllm serve`'s, so the agent spawns it through the same code path as real vLLM with only
@@ -53,8 +53,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from agents.sim.errors import SimError
-from agents.sim.gpu_state import SimGpuState, parse_size
+from haru.agents.sim.errors import SimError
+from haru.agents.sim.gpu_state import SimGpuState, parse_size
 from haru.core.sizes import GiB, MiB, format_size
 from haru.core.subjects import model_token
 
@@ -105,7 +105,7 @@ def default_gpu_index(env: dict[str, str]) -> int:
 
 
 def parse_config(argv: list[str], env: dict[str, str]) -> SimConfig:
-    parser = argparse.ArgumentParser(prog="agents.sim.vllm", description="simulated vLLM server")
+    parser = argparse.ArgumentParser(prog="haru.agents.sim.vllm", description="simulated vLLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve")
     serve.add_argument("source", help="the model (path or hub id) vLLM would load")
@@ -708,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_config(sys.argv[1:] if argv is None else argv, dict(os.environ))
     except SimError as exc:
-        print(f"agents.sim.vllm: {exc}", file=sys.stderr)
+        print(f"haru.agents.sim.vllm: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(serve(config))
 

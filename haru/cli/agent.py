@@ -37,16 +37,16 @@ def register(subparsers) -> None:
 
 
 async def run(args: argparse.Namespace) -> ExitStatus:
-    from agents.agent import Agent
-    from agents.config import load_config
-    from agents.errors import AgentRefused
-    from agents.metrics import registry_for
+    from haru.agents.agent import Agent
+    from haru.agents.config import load_config
+    from haru.agents.errors import AgentRefused
+    from haru.agents.metrics import registry_for
     from haru.core.errors import ConfigError, LayoutError, LogUnavailable
     from haru.host.metrics import maybe_serve, metrics_address
 
     import os
 
-    from agents.config import config_from_env, is_inline
+    from haru.agents.config import config_from_env, is_inline
 
     configure_logging(args.log_format, args.log_level)
     source = args.config or config_from_env()
@@ -92,7 +92,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
 
 async def dry_run(config, *, as_json: bool) -> ExitStatus:
     """Resolve the slots exactly as the agent would, without claiming the domain or starting anything."""
-    from agents.agent import resolve_slots
+    from haru.agents.agent import resolve_slots
     from haru.core import subjects
     from haru.cli.common import emit_json
     from haru.core.errors import ConfigError, LayoutError, LogUnavailable
@@ -139,8 +139,8 @@ async def dry_run(config, *, as_json: bool) -> ExitStatus:
 def _runtimes_on_start(config, slots) -> dict[str, tuple[str, str]]:
     """Per model, what a starting agent would do with the runtime a previous agent left (adopt, replace,
     stop, start), from the identity files in the state directory."""
-    from agents.runtime_files import read_identities, runtime_on_start
-    from agents.runtimes import make_runtime
+    from haru.agents.runtime_files import read_identities, runtime_on_start
+    from haru.agents.runtimes import make_runtime
 
     state_dir = config.state_path()
     found = read_identities(state_dir)

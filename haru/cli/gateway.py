@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 async def run(args: argparse.Namespace) -> ExitStatus:
     configure_logging(args.log_format, args.log_level)
-    from gateway import from_env, run_gateway
+    from haru.gateway import from_env, run_gateway
     from haru.core.errors import ConfigError, LogUnavailable
 
     try:

@@ -54,8 +54,8 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     from prometheus_client import CollectorRegistry
 
     from haru.host.metrics import maybe_serve, metrics_address
-    from projections.metrics import register as register_metrics
-    from projections.projector import Projector
+    from haru.projections.metrics import register as register_metrics
+    from haru.projections.projector import Projector
 
     from haru.log.nats_headers import enable_fast_header_parse
 

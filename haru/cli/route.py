@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _print(ri, as_json: bool) -> None:
     from haru.core.intents import at
-    from projections.status import render_intent
+    from haru.projections.status import render_intent
 
     now = datetime.now(timezone.utc)
     if as_json:

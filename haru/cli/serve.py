@@ -89,8 +89,8 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
     if args.binary and not Path(args.binary).exists():
         return fail(f"--binary {args.binary} does not exist; give the runtime's executable", ExitStatus.USAGE)
     if not binary and any(p.runtime == "llama_server" for p in prepared):
-        from agents.errors import RuntimeBuildFailed
-        from agents.runtimes.llama_build import find_binary
+        from haru.agents.errors import RuntimeBuildFailed
+        from haru.agents.runtimes.llama_build import find_binary
 
         try:
             found = find_binary()

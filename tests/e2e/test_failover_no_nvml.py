@@ -10,7 +10,7 @@ import contextlib
 
 import pytest
 
-from agents.gpu import NvmlGpus
+from haru.agents.gpu import NvmlGpus
 from haru.core.apply import apply
 from haru.core.events import PromotionRequested, StepCompleted
 from haru.core.layout import load_layout

@@ -91,7 +91,7 @@ def _exe(pid: int) -> str:
 
 
 def test_serve_refuses_what_cannot_fit_before_starting_anything(tmp_path):
-    from agents.runtimes.tiny_model import write_tiny_model
+    from haru.agents.runtimes.tiny_model import write_tiny_model
 
     gguf = write_tiny_model(tmp_path / "m.gguf", seed=1)
     env = {"HARU_HOME": str(tmp_path / "home"), "HARU_LLAMA_SERVER": sys.executable}
@@ -102,7 +102,7 @@ def test_serve_refuses_what_cannot_fit_before_starting_anything(tmp_path):
     assert not (tmp_path / "home" / "nats").exists()  # nothing was started
     bad = haru("serve", "--model", "x=./nope.gguf:2", "--gpu-memory", "8", env=env)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
-    from agents.gpu import NvmlGpus
+    from haru.agents.gpu import NvmlGpus
 
     gpus = NvmlGpus()
     has_gpu = gpus.read(0).present is True

@@ -63,7 +63,7 @@ def cmdline(pid: int) -> str:
 def _outlives_its_agent(pid: int) -> bool:
     """A runtime (the sim vLLM) or a serving port's holder: what an agent leaves running on purpose."""
     line = cmdline(pid)
-    return "agents.sim.vllm" in line or "agents.portholder" in line
+    return "haru.agents.sim.vllm" in line or "haru.agents.portholder" in line
 
 
 def stop(proc: subprocess.Popen, tree: set[int]) -> None:

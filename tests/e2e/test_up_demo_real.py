@@ -2,7 +2,7 @@
 
 Two agents, each with two llama-server processes (CPU, tiny generated models), a simulated trainer
 on the standby; chat through the gateway with the OpenAI SDK; left alone, the fleet stays quiet; SIGTERM
-leaves no process behind. The binary comes from `python -m agents.runtimes.llama_build` (`.ci/run`).
+leaves no process behind. The binary comes from `python -m haru.agents.runtimes.llama_build` (`.ci/run`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from agents.sim.gpu_state import GiB, SimGpuState
+from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
 from tests.support.agent_harness import is_, wait_event, write_config, write_layout
 
@@ -58,7 +58,7 @@ async def test_a_runtime_above_its_plan_and_a_foreign_process_are_recorded(tmp_p
 
 def test_a_runtimes_tree_includes_its_children_as_proc_reports_them():
     """vLLM's engine core is a child of `vllm serve`: the memory it holds is the runtime's."""
-    from agents.gpu import process_tree, read_parents
+    from haru.agents.gpu import process_tree, read_parents
 
     code = ("import subprocess, sys, time\n"
             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"

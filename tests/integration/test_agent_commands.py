@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from haru.log.bus import send
-from agents.sim.gpu_state import SimGpuState
+from haru.agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.commands import Command
 from haru.core.errors import AgentGone

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.load_queue import overlapping_loads
-from agents.sim.gpu_state import GiB, SimGpuState
+from haru.agents.load_queue import overlapping_loads
+from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
 from tests.support.agent_harness import (
     AgentProcess,
@@ -66,7 +66,7 @@ async def test_the_simulator_mis_sizes_or_fails_two_that_start_together_as_vllm_
     env = {**os.environ, "HARU_SIM_DIR": str(sim), "HARU_SIM_GPU_INDEX": "0", "HARU_SIM_VRAM": "4GiB",
            "HARU_SIM_LOAD_MS": "400", "VLLM_SERVER_DEV_MODE": "1"}
     procs = [await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "agents.sim.vllm", "serve", f"sim/{n}", "--port", "0",
+        sys.executable, "-m", "haru.agents.sim.vllm", "serve", f"sim/{n}", "--port", "0",
         "--served-model-name", n, env=env, stderr=asyncio.subprocess.DEVNULL) for n in ("x1", "x2")]
     try:
         deadline = time.monotonic() + 20

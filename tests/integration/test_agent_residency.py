@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from haru.log.bus import send
-from agents.sim.gpu_state import SimGpuState
+from haru.agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.commands import Command
 from tests.support.agent_harness import (

@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agents.sim.gpu_state import GiB, SimGpuState
+from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
 from haru.host.children import alive as proc_alive
 from haru.host.children import start_time
@@ -72,14 +72,14 @@ def kill_leftovers(state_dir: Path) -> None:
         if proc_alive(doc["pid"], doc["start"]):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(doc["pid"], signal.SIGKILL)
-    from agents.portholder import stop_holder
+    from haru.agents.portholder import stop_holder
 
     stop_holder(state_dir)
 
 
 def bridged_requests(fleet) -> int:
     """Requests the active domain's serving port holder forwarded to a runtime while no agent accepted."""
-    from agents.portholder import holder_stats
+    from haru.agents.portholder import holder_stats
 
     return holder_stats(fleet.state_dir("a"))["bridged"]
 
@@ -113,12 +113,12 @@ class Fleet:
 
 @contextlib.asynccontextmanager
 async def sim_fleet(tmp_path, nats_server, event_log, layout: Path, *, declared: bool = False):
-    from gateway.config import GatewayConfig
-    from gateway.server import Gateway
+    from haru.gateway.config import GatewayConfig
+    from haru.gateway.server import Gateway
     from haru.core.apply import apply
     from haru.core.layout import load_layout
     from haru.host.tasks import cancel_and_wait
-    from projections.projector import Projector
+    from haru.projections.projector import Projector
     from tests.support.promoter import promoters
 
     await apply(event_log, load_layout(layout), datetime.now(timezone.utc))

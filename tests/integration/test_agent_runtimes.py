@@ -11,10 +11,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agents import probes
-from agents.errors import OutOfMemory, RuntimeRefused
-from agents.runtimes import ExternalRuntime, LlamaServerRuntime, VllmRuntime
-from agents.sim.gpu_state import GiB, SimGpuState
+from haru.agents import probes
+from haru.agents.errors import OutOfMemory, RuntimeRefused
+from haru.agents.runtimes import ExternalRuntime, LlamaServerRuntime, VllmRuntime
+from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core.specs import ModelSpec
 from tests.support.agent_harness import SIM_VLLM, sim_fault
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from agents.signals import notice_from_command, notice_from_url, signs
-from agents.sim.gpu_state import SimGpuState
+from haru.agents.signals import notice_from_command, notice_from_url, signs
+from haru.agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.errors import LayoutError
 from haru.core.layout import parse_layout

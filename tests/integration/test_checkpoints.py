@@ -15,7 +15,7 @@ from haru.core import subjects as sj
 from haru.log.eventlog import body_hash
 from haru.host.tasks import cancel_and_wait
 from haru.core.fold import fold
-from projections.projector import Projector
+from haru.projections.projector import Projector
 from tests.integration.test_projector import F, Writer, declare, stored_view, wait_view_seq
 from tests.support import haru
 

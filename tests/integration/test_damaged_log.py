@@ -19,7 +19,7 @@ from haru.core.errors import LogDamaged
 from haru.log.eventlog import EventLog
 from haru.host.natsd import NatsServer
 from haru.host.tasks import cancel_and_wait
-from projections.projector import Projector
+from haru.projections.projector import Projector
 from tests.integration.test_projector import MODELS, Writer, declare, now, wait_view_seq
 from tests.support import haru
 

@@ -33,7 +33,7 @@ from haru.core.residency import Sleeping
 from haru.host.tasks import cancel_and_wait
 from haru.core.views import intent_decoder
 from haru.core.fold import fold
-from projections.projector import Projector
+from haru.projections.projector import Projector
 from tests.support.promoter_fake import FakeAgent, layout
 from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view
 from test_deploy_cluster import REPO, cluster, haru_cli, now  # noqa: F401 - `cluster` is the module's fixture

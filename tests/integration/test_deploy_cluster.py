@@ -344,7 +344,7 @@ async def test_the_root_single_node_config_runs_haru(tmp_path):
 
 
 def test_example_agent_configs_load_and_have_their_nats_users():
-    from agents.config import load_config, slots_from_host_entry
+    from haru.agents.config import load_config, slots_from_host_entry
 
     accounts = (DEPLOY / "accounts.conf").read_text()
     configs = sorted((REPO / "deploy" / "agents").glob("*.json"))
@@ -653,7 +653,7 @@ async def test_a_real_agent_runs_under_its_domain_user(tmp_path):
     """`haru agent` (sim GPU, sim vLLM) as agent.default.b on a fresh cluster: it claims its domain,
     heartbeats, reports GPU and residency, answers the promoter's commands, stops cleanly, and the
     servers log not one permissions violation for its user."""
-    from agents.sim.gpu_state import SimGpuState
+    from haru.agents.sim.gpu_state import SimGpuState
 
     c = start_cluster(tmp_path / "agent-cluster")
     agent_proc: subprocess.Popen[bytes] | None = None

@@ -17,7 +17,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from gateway import Gateway, GatewayConfig
+from haru.gateway import Gateway, GatewayConfig
 from haru.core import subjects
 from haru.core.residency import Answer, Loading, Lost, NotAdmitted, Resident, Sleeping
 from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target, view_encoder

@@ -1,5 +1,5 @@
 """`haru gateway` and `haru run` as real processes, in front of the simulated vLLM server
-(`python -m agents.sim.vllm serve`, a real process that names its domain in every answer)."""
+(`python -m haru.agents.sim.vllm serve`, a real process that names its domain in every answer)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from agents.sim.vllm import runtime_path
+from haru.agents.sim.vllm import runtime_path
 from haru.core import subjects
 from haru.core.residency import Answer, Resident
 from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target, view_encoder
@@ -31,7 +31,7 @@ async def sim_vllm(sim_dir: Path, domain: str, *, tokens_per_s: int = 1000):
            "HARU_SIM_VRAM": "1GiB", "HARU_SIM_TOKENS_PER_S": str(tokens_per_s)}
     err = open(sim_dir / "stderr.log", "wb")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "agents.sim.vllm", "serve", "/models/qwen", "--host", "127.0.0.1", "--port", "0",
+        sys.executable, "-m", "haru.agents.sim.vllm", "serve", "/models/qwen", "--host", "127.0.0.1", "--port", "0",
         "--served-model-name", MODEL, env=env, stdout=err, stderr=err)
     try:
         rt = runtime_path(sim_dir, MODEL)

@@ -11,12 +11,12 @@ from datetime import UTC, datetime
 import aiohttp
 import pytest
 
-from gateway import Gateway, GatewayConfig
+from haru.gateway import Gateway, GatewayConfig
 from haru.core import subjects
 from haru.core.apply import apply
 from haru.core.events import ModelLoading, ModelResident, RouteMoved
 from haru.host.tasks import cancel_and_wait
-from projections.projector import Projector
+from haru.projections.projector import Projector
 from tests.integration.test_gateway_control import MODEL, echo_upstream, layout, wait_for
 
 TOKEN = "console-token"

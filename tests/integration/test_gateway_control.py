@@ -13,13 +13,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway import Forward, Gateway, GatewayConfig
+from haru.gateway import Forward, Gateway, GatewayConfig
 from haru.core import subjects
 from haru.core.apply import apply
 from haru.core.events import ModelLoading, ModelLost, ModelResident, RouteMoved
 from haru.core.layout import parse_layout
 from haru.host.tasks import cancel_and_wait
-from projections.projector import Projector
+from haru.projections.projector import Projector
 
 MODEL = "qwen3.6:27b"
 

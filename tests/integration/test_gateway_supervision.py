@@ -21,7 +21,7 @@ from haru.promoter.service import run_promoter
 from haru.core.residency import Sleeping
 from haru.host.tasks import cancel_and_wait
 from haru.core.views import view_encoder
-from projections.projector import Projector
+from haru.projections.projector import Projector
 from tests.integration.test_gateway import (  # noqa: F401 - fixtures
     CHAT,
     MODEL,

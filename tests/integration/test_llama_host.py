@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from agents.sim.gpu_state import GiB, SimGpuState
+from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
 from tests.support.agent_harness import AgentProcess, agent_env, is_, tag, wait_event, write_config
 from tests.support.llama import REAL_POLICY, llama_binary, llama_model, tiny_models

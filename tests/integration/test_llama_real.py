@@ -2,7 +2,7 @@
 and the gateway, serving tiny GGUF models written by the test (nothing is downloaded).
 
 CI runs these (`.ci/run` builds or reuses the binary and sets HARU_REQUIRE_LLAMA=1: a missing binary
-fails them); elsewhere they are skipped until `python -m agents.runtimes.llama_build` has run once.
+fails them); elsewhere they are skipped until `python -m haru.agents.runtimes.llama_build` has run once.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from datetime import datetime, timedelta, timezone
 import aiohttp
 import pytest
 
-from agents.runtimes import LlamaServerRuntime
-from agents.runtimes.tiny_model import corrupt_copy, write_tiny_model
+from haru.agents.runtimes import LlamaServerRuntime
+from haru.agents.runtimes.tiny_model import corrupt_copy, write_tiny_model
 from haru.core import subjects
 from haru.core.specs import ModelSpec
 from tests.support.agent_harness import is_, model_tags, tag, wait_event, write_config

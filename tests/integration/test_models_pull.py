@@ -17,7 +17,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from agents.runtimes.tiny_model import write_tiny_model
+from haru.agents.runtimes.tiny_model import write_tiny_model
 from haru.core import model_errors as E
 from haru.models import resolve as R
 from haru.models.download import WRITE_BEHIND

@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from agents import portholder
+from haru.agents import portholder
 
 pytestmark = pytest.mark.timeout(60)
 

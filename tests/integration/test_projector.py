@@ -28,7 +28,7 @@ from haru.core.views import intent_decoder, view_decoder
 from haru.host.tasks import cancel_and_wait
 from haru.core.fold import fold
 from haru.core.intents import changed
-from projections.projector import Projector
+from haru.projections.projector import Projector
 
 F = "default"
 MODELS = ("qwen3.6:27b", "llama-8b")

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import aiohttp
 import yaml
 
-from gateway import Gateway, GatewayConfig
+from haru.gateway import Gateway, GatewayConfig
 from haru.core import subjects
 from haru.core.apply import apply
 from haru.core.events import ProvisionRequested, TeardownRequested

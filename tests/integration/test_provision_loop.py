@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from agents.sim.gpu_state import SimGpuState
+from haru.agents.sim.gpu_state import SimGpuState
 from haru.core.apply import apply
 from haru.core.events import OperationCompleted, ReplaceRequested, StepCompleted, StepStarted
 from haru.core.layout import load_layout

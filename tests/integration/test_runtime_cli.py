@@ -28,7 +28,7 @@ def test_runtime_llama_check_without_a_binary_says_how_to_get_one(tmp_path):
 
 
 def test_a_llama_server_model_without_a_binary_runs_the_managed_build(tmp_path, monkeypatch):
-    from agents.runtimes.llama_server import LlamaServerRuntime
+    from haru.agents.runtimes.llama_server import LlamaServerRuntime
     from haru.core.specs import ModelSpec
 
     fake = tmp_path / "llama-server"

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from haru.log.bus import send
-from agents.sim.gpu_state import SimGpuState
+from haru.agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.commands import Command
 from tests.support.agent_harness import agent_env, is_, sim_fault, tag, wait_event, write_config, write_layout

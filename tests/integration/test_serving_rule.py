@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from agents.serving import bind_refusal, check_serving
+from haru.agents.serving import bind_refusal, check_serving
 from haru.core import subjects
 from haru.core.errors import ConfigError, LayoutError
 from haru.core.layout import parse_layout

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.gpu import GpuReading, Gpus, NvmlGpus, SimGpus, open_gpus
-from agents.sim.gpu_state import GiB, SimGpuState
+from haru.agents.gpu import GpuReading, Gpus, NvmlGpus, SimGpus, open_gpus
+from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.host.procfs import pid_alive
 from haru.cli import sim as sim_cli
 from haru.cli.common import ExitStatus
@@ -163,7 +163,7 @@ def _trainer(children, tmp_path: Path, *extra: str, gpu_index: int = 0, env_extr
     env.update({"HARU_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "HARU_GPU_INDEX": str(gpu_index)})
     env.update(env_extra or {})
     err = open(tmp_path / "trainer.err", "ab")
-    return children([sys.executable, "-m", "agents.sim.trainer", "--vram", "8GiB", "--sim-dir", str(tmp_path / "sim"),
+    return children([sys.executable, "-m", "haru.agents.sim.trainer", "--vram", "8GiB", "--sim-dir", str(tmp_path / "sim"),
                      "--step-ms", "10", "--checkpoint-every-ms", "50", *extra], env=env, stderr=err)
 
 
@@ -234,9 +234,9 @@ def haru_sim(*argv: str) -> ExitStatus:
 def _serve(children, root: Path, domain: str, model: str) -> tuple[subprocess.Popen, dict]:
     env = {**os.environ, "HARU_SIM_DIR": str(root / domain), "HARU_SIM_DOMAIN": domain, "HARU_SIM_LOAD_MS": "50",
            "VLLM_SERVER_DEV_MODE": "1", "HARU_SIM_VRAM": "2GiB"}
-    proc = children([sys.executable, "-m", "agents.sim.vllm", "serve", model, "--port", "0",
+    proc = children([sys.executable, "-m", "haru.agents.sim.vllm", "serve", model, "--port", "0",
                      "--served-model-name", model, "--enable-sleep-mode"], env=env, stderr=subprocess.DEVNULL)
-    from agents.sim.vllm import runtime_path
+    from haru.agents.sim.vllm import runtime_path
 
     rt_file = runtime_path(root / domain, model)
     info = _wait_for(lambda: rt_file.exists() and json.loads(rt_file.read_text() or "{}").get("pid") == proc.pid

@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agents.sim.hosts import SimHosts
+from haru.agents.sim.hosts import SimHosts
 from haru.core import subjects
 from haru.core.events import DomainReachable, DomainUnreachable
 from haru.core.views import FleetView, view_decoder

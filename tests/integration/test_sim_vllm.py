@@ -14,14 +14,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agents.sim.gpu_state import GiB, MiB, SimGpuState
-from agents.sim.vllm import runtime_path
+from haru.agents.sim.gpu_state import GiB, MiB, SimGpuState
+from haru.agents.sim.vllm import runtime_path
 
 MODEL = "qwen3.6:27b"
 
 
 class SimServer:
-    """One `python -m agents.sim.vllm serve` child, reaped however the test ends."""
+    """One `python -m haru.agents.sim.vllm serve` child, reaped however the test ends."""
 
     def __init__(self, sim_dir: Path, *, model: str = MODEL, domain: str = "a", dev_mode: bool = True,
                  sleep_mode: bool = True, **env: str) -> None:
@@ -33,7 +33,7 @@ class SimServer:
         if dev_mode:
             self.env["VLLM_SERVER_DEV_MODE"] = "1"
         self.env.update(env)
-        self.argv = [sys.executable, "-m", "agents.sim.vllm", "serve", "/models/qwen", "--host", "127.0.0.1",
+        self.argv = [sys.executable, "-m", "haru.agents.sim.vllm", "serve", "/models/qwen", "--host", "127.0.0.1",
                      "--port", "0", "--served-model-name", model, "--gpu-memory-utilization", "0.9"]
         if sleep_mode:
             self.argv.append("--enable-sleep-mode")

@@ -3,7 +3,7 @@ plan's argv and environment, the agent's supervisor), serving a tiny safetensors
 LoRA adapter the test writes (nothing is downloaded).
 
 CI runs these (`.ci/run` makes or reuses the venv and sets HARU_REQUIRE_VLLM=1: a missing venv fails
-them); elsewhere they are skipped until `python -m agents.runtimes.vllm_env` has run once. Two vLLM
+them); elsewhere they are skipped until `python -m haru.agents.runtimes.vllm_env` has run once. Two vLLM
 starts for the lifecycle test (one, then the restart after kill -9) and two failing starts for the
 unloadable model: ~80 s of CI on a lightly loaded 2-core machine (41 s + 30 s + 2 x 9 s), several
 times that under load.

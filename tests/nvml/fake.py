@@ -24,8 +24,8 @@ LIB_NAME = "libnvidia-ml.so.1"
 _READER = r"""
 import json, sys
 import msgspec
-from agents.gpu import NvmlGpus
-from agents.signals import NvmlGpuSignals
+from haru.agents.gpu import NvmlGpus
+from haru.agents.signals import NvmlGpuSignals
 gpus = NvmlGpus()
 signals = None
 print(json.dumps({"unavailable": gpus.unavailable}), flush=True)

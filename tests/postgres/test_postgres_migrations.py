@@ -7,8 +7,8 @@ import asyncio
 import asyncpg
 import pytest
 
-from projections import pg_schema as S
-from projections.postgres import SinkError, migrate, schema_version
+from haru.projections import pg_schema as S
+from haru.projections.postgres import SinkError, migrate, schema_version
 
 pytestmark = pytest.mark.postgres
 

@@ -14,8 +14,8 @@ import pytest
 from haru.core import events as ev
 from haru.core import subjects
 from haru.core.specs import DomainSpec
-from projections import postgres_queries as Q
-from projections.postgres import PostgresSink
+from haru.projections import postgres_queries as Q
+from haru.projections.postgres import PostgresSink
 
 pytestmark = pytest.mark.postgres
 

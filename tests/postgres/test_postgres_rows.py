@@ -11,8 +11,8 @@ from haru.core import events as ev
 from haru.core import subjects
 from haru.log.eventlog import Record
 from haru.core.specs import DomainSpec, GpuSpec
-from projections import pg_schema as S
-from projections.pg_rows import Carry, OpenSpan, carry_from_rows, plan
+from haru.projections import pg_schema as S
+from haru.projections.pg_rows import Carry, OpenSpan, carry_from_rows, plan
 
 T0 = datetime(2026, 11, 1, 12, 0, 0, tzinfo=timezone.utc)
 F = "default"
@@ -298,7 +298,7 @@ def test_the_named_rows_are_their_tables_columns_in_order():
     """The planner patches rows by name; a COPY or INSERT takes them in the table's column order."""
     from dataclasses import fields
 
-    from projections.pg_rows import IncidentRow, OperationRow, StepRow
+    from haru.projections.pg_rows import IncidentRow, OperationRow, StepRow
 
     assert [f.name for f in fields(IncidentRow)] == list(S.INCIDENT_COLUMNS)
     assert [f.name for f in fields(StepRow)] == list(S.STEP_COLUMNS)

@@ -20,8 +20,8 @@ from haru.core import subjects
 from haru.log.eventlog import EventLog
 from haru.core.specs import DomainSpec
 from haru.host.tasks import cancel_and_wait
-from projections import pg_schema as S
-from projections.postgres import PostgresSink
+from haru.projections import pg_schema as S
+from haru.projections.postgres import PostgresSink
 
 pytestmark = pytest.mark.postgres
 
@@ -426,7 +426,7 @@ async def test_huge_values_are_stored_and_an_unstorable_one_stops_the_sink_sayin
     try:
         assert await conn.fetchval("SELECT warmup_ms FROM haru.residency_transitions WHERE seq = $1", big) == 2**40
         bad = await put(event_log, subject, ev.ModelResident(at=t(2), domain="a", model=M, warmup_ms=2**63))
-        from projections.postgres import SinkError
+        from haru.projections.postgres import SinkError
 
         with pytest.raises(SinkError, match=f"events {bad}..{bad} hold a value Postgres cannot store"):
             await once(pg_dsn, nats_server.url)

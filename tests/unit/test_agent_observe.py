@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from agents.errors import IllegalObservation
-from agents.observe import (
+from haru.agents.errors import IllegalObservation
+from haru.agents.observe import (
     DECISIONS,
     NOTHING,
     OBSERVATION_KEYS,

@@ -9,18 +9,18 @@ from pathlib import Path
 
 from types import SimpleNamespace as NS
 
-from agents.gpu import GpuReading
-from agents.observe import decision_table_markdown
+from haru.agents.gpu import GpuReading
+from haru.agents.observe import decision_table_markdown
 from haru.core.sizes import GiB
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _imports() -> dict[str, set[str]]:
-    """agents.* module -> the agents.* modules it imports (anywhere but under `if TYPE_CHECKING:`)."""
+    """haru.agents.* module -> the haru.agents.* modules it imports (anywhere but under `if TYPE_CHECKING:`)."""
     mods = {}
     for path in (ROOT / "agents").rglob("*.py"):
-        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        name = "haru." + ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         mods[name] = path
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
@@ -66,7 +66,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_agent_package_imports_without_a_cycle():
     graph = _imports()
-    assert "agents.agent" in graph and "agents.supervisor" in graph
+    assert "haru.agents.agent" in graph and "haru.agents.supervisor" in graph
     assert _cycle(graph) == [], " -> ".join(_cycle(graph))
 
 
@@ -76,10 +76,10 @@ def test_the_cycle_finder_finds_one():
 
 def test_the_outer_units_do_not_import_the_agent():
     graph = _imports()
-    for unit in ("agents.commands", "agents.serving", "agents.supervisor", "agents.recorder", "agents.training_slots",
-                 "agents.gpu_watch", "agents.heartbeat", "agents.observe", "agents.pulling"):
-        assert "agents.agent" not in graph[unit], unit
-    assert graph["agents.observe"] <= {"agents.errors"}  # the pure table: nothing of the shell
+    for unit in ("haru.agents.commands", "haru.agents.serving", "haru.agents.supervisor", "haru.agents.recorder", "haru.agents.training_slots",
+                 "haru.agents.gpu_watch", "haru.agents.heartbeat", "haru.agents.observe", "haru.agents.pulling"):
+        assert "haru.agents.agent" not in graph[unit], unit
+    assert graph["haru.agents.observe"] <= {"haru.agents.errors"}  # the pure table: nothing of the shell
 
 
 def test_docs_carry_the_decision_table_as_the_code_has_it():
@@ -88,7 +88,7 @@ def test_docs_carry_the_decision_table_as_the_code_has_it():
 
 
 def test_the_gpu_verdict_from_readings_passed_in():
-    from agents.gpu_verdict import gpus_of, judge_gpus
+    from haru.agents.gpu_verdict import gpus_of, judge_gpus
     from haru.core.residency import Resident
 
     def model(name, gpu, state, kind="vllm"):

@@ -67,7 +67,7 @@ def test_a_fleet_conf_is_hearths_one_line_per_model(tmp_path):
 
 
 def test_port_is_honoured_as_the_gateways_fallback():
-    from gateway.config import from_env
+    from haru.gateway.config import from_env
 
     assert from_env({"PORT": "9123"}).port == 9123
     assert from_env({"PORT": "9123", "HARU_GATEWAY_PORT": "9200"}).port == 9200

@@ -9,8 +9,8 @@ from datetime import UTC, datetime, timedelta
 import msgspec
 import pytest
 
-from gateway.hold import MARGIN_MS, hold_plan
-from gateway.resume import (
+from haru.gateway.hold import MARGIN_MS, hold_plan
+from haru.gateway.resume import (
     boundary,
     continuation_body,
     error_event,
@@ -19,7 +19,7 @@ from gateway.resume import (
     splice_event,
     transcript,
 )
-from gateway.routing import compile_routes
+from haru.gateway.routing import compile_routes
 from haru.core.residency import Answer, Loading, Lost, Resident, Sleeping
 from haru.core.specs import Policy
 from haru.core.views import DomainView, FleetView, ModelView, OperationView, RouteIntent, Target

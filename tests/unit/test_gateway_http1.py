@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.errors import ProtocolError
-from gateway.http1 import ResponseParser
+from haru.gateway.errors import ProtocolError
+from haru.gateway.http1 import ResponseParser
 
 
 class Sink:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gateway.metrics import _LATENCY_BUCKETS, GatewayMetrics
+from haru.gateway.metrics import _LATENCY_BUCKETS, GatewayMetrics
 
 VALUES = [0.0, 0.0004, 0.001, 0.0010001, 0.0025, 0.07, 1, 2.5, 299.9, 300, 301, 1e9]
 

@@ -8,9 +8,9 @@ from datetime import UTC, datetime, timedelta
 import msgspec
 import pytest
 
-from gateway.config import from_env
+from haru.gateway.config import from_env
 from haru.core.errors import ConfigError
-from gateway.routing import (
+from haru.gateway.routing import (
     model_of,
     Forward,
     Refusal,
@@ -19,7 +19,7 @@ from gateway.routing import (
     retry_after_warming,
 )
 from haru.core.openai_errors import ANSWER_STATUS, answer_status, error_body
-from gateway.truth import describe_state, models_list, truth_table
+from haru.gateway.truth import describe_state, models_list, truth_table
 from haru.core.residency import Answer, Loading, Lost, NotAdmitted, Resident, Unknown
 from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target
 

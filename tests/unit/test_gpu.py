@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from agents.gpu import GpuReading, NvmlGpus, open_gpus, presence_from_nvml_error
-from agents.sim.errors import BadSize
-from agents.sim.gpu_state import GiB, MiB, parse_size
+from haru.agents.gpu import GpuReading, NvmlGpus, open_gpus, presence_from_nvml_error
+from haru.agents.sim.errors import BadSize
+from haru.agents.sim.gpu_state import GiB, MiB, parse_size
 from haru.core.errors import ConfigError
 from haru.core.events import GpuProcess
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from agents.gpu import Owner, account, process_tree
+from haru.agents.gpu import Owner, account, process_tree
 from haru.core import events as ev
 from haru.core import subjects as sj
 from haru.core.events import GpuProcess, GpuUsage
 from haru.core.sizes import GiB, MiB
 from haru.core.fold import fold
-from projections.status import render
+from haru.projections.status import render
 from tests.unit.test_status import F, NOW, hearth_fleet
 
 

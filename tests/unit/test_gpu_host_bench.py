@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_without_nvml_it_says_so_and_measures_nothing():
-    from agents.gpu import NvmlGpus
+    from haru.agents.gpu import NvmlGpus
 
     gpus = NvmlGpus()
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 from haru.core import apply, planner, subjects
 from haru.core.layout import load_layout
 from haru.core import fold as fleet
-from projections import status
+from haru.projections import status
 
 NOW = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)
 HEARTH = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "hearth.json"

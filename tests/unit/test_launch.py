@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agents.config import slots_from_host_entry
+from haru.agents.config import slots_from_host_entry
 from haru.core.errors import LayoutError
 from haru.core.launch import Launch, gpu_memory_utilization, launch, runtime_for, source_format
 from haru.core.layout import load_layout, parse_layout
@@ -20,7 +20,7 @@ from haru.core.specs import Layout, ModelSpec
 from haru.core.sizes import GiB
 
 ROOT = Path(__file__).resolve().parents[2]
-SIM = ["python", "-m", "agents.sim.vllm"]
+SIM = ["python", "-m", "haru.agents.sim.vllm"]
 PLANNED_ENV = {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 VLLM_ENV = {**PLANNED_ENV, "VLLM_SERVER_DEV_MODE": "1"}
 
@@ -299,5 +299,5 @@ def test_apply_refuses_a_vllm_binary_it_cannot_drive_naming_the_forms_it_knows(b
         parse_layout(json.dumps(doc))
     text = str(err.value)
     assert "not a vLLM program Haru knows how to drive" in text
-    assert "vllm.entrypoints.openai.api_server" in text and "vllm serve" in text and "agents.sim.vllm" in text
+    assert "vllm.entrypoints.openai.api_server" in text and "vllm serve" in text and "haru.agents.sim.vllm" in text
     assert err.value.path.endswith(".binary")

@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 
 import msgspec
 
-from agents.config import diff_models
+from haru.agents.config import diff_models
 from haru.core import events as ev
 from haru.core.apply import change_paths, waits_on_active
 from haru.core.specs import ModelSpec

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from agents.errors import RuntimeBuildFailed
-from agents.runtimes import llama_build as lb
+from haru.agents.errors import RuntimeBuildFailed
+from haru.agents.runtimes import llama_build as lb
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_the_environment_names_a_binary_or_says_what_is_wrong(cache, tmp_path, m
 
 
 def test_no_binary_and_no_build_says_how_to_build(cache):
-    with pytest.raises(RuntimeBuildFailed, match="python -m agents.runtimes.llama_build"):
+    with pytest.raises(RuntimeBuildFailed, match="python -m haru.agents.runtimes.llama_build"):
         lb.ensure_binary(build=False)
 
 

@@ -7,7 +7,7 @@ import asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agents.load_queue import LoadEntry, LoadQueue, grants, overlapping_loads, waits_for
+from haru.agents.load_queue import LoadEntry, LoadQueue, grants, overlapping_loads, waits_for
 
 
 def e(name: str, priority: int, status: str, *gpus: int) -> LoadEntry:

@@ -71,7 +71,7 @@ def test_safetensors_package_is_the_top_level_model_files():
 
 
 def test_a_layout_pulls_only_prefixed_references():
-    from agents.pulling import needs_pull
+    from haru.agents.pulling import needs_pull
 
     assert needs_pull("hf:Qwen/Qwen3-0.6B-GGUF", "llama_server") and needs_pull("ollama:qwen3:0.6b", "llama_server")
     assert not needs_pull("Qwen/Qwen3-0.6B", "vllm")  # an id vLLM fetches itself

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from gateway.console_core import FLOWS, operations
+from haru.gateway.console_core import FLOWS, operations
 from haru.core.errors import ConfigError
 from haru.log.eventlog import Record
 from haru.core.events import OperationAborted, OperationCompleted, PromotionRequested, StepCompleted, StepFailed, StepStarted
@@ -81,7 +81,7 @@ def test_metrics_address_flag_over_env_and_errors_name_the_fix():
 def test_held_bytes_counts_what_the_agents_children_hold_by_declaration():
     from types import SimpleNamespace as NS
 
-    from agents.metrics import foreign_of, held_bytes
+    from haru.agents.metrics import foreign_of, held_bytes
     from haru.core.residency import Loading, Lost, Resident, Sleeping
     from haru.core.specs import ModelSpec, Policy
     from haru.core.sizes import GiB

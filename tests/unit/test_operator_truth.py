@@ -25,7 +25,7 @@ from haru.core.events import (
 )
 from haru.core.fold import Folder, evolve
 from haru.promoter.decider import not_applicable
-from projections.status import render
+from haru.projections.status import render
 from tests.unit.test_decider import F, OP, _through, at, given, healthy_fleet, only, requested, routed
 
 GPU_A = subjects.gpu(F, "a", 0)
@@ -193,7 +193,7 @@ def test_the_dry_run_names_every_running_model_a_change_stops_or_leaves_unadmitt
 
 
 def test_a_model_the_planner_no_longer_admits_is_stopped_with_the_shortfall_as_its_reason():
-    from agents.config import HostSlots
+    from haru.agents.config import HostSlots
     from haru.core.specs import Domain, DomainSpec, Policy
 
     slots = HostSlots(fleet=F, domain=Domain(spec=DomainSpec(name="a")), policy=Policy(), admitted_models=[],

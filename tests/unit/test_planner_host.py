@@ -191,12 +191,12 @@ def test_the_two_gpu_example_plans():
 def test_apply_records_the_host_ram_verdict_and_haru_status_shows_host_ram_held_and_used():
     from datetime import UTC, datetime
 
-    from agents.host_ram import parse_meminfo
+    from haru.agents.host_ram import parse_meminfo
     from haru.core import events as ev
     from haru.core import subjects as sj
     from haru.core.apply import Declarations, describe, diff
     from haru.core.fold import fold
-    from projections.status import render
+    from haru.projections.status import render
 
     layout = parse_layout(LAYOUT)
     now = datetime(2026, 12, 1, tzinfo=UTC)

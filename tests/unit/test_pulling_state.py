@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 from haru.core import events as ev
 from haru.core.residency import UNKNOWN, Pulling, answer, evolve
 from haru.core.views import ModelView
-from projections.status import model_state
+from haru.projections.status import model_state
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
 

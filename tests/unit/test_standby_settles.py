@@ -80,7 +80,7 @@ def routed_fleet(models: dict[str, str], standby: dict[str, str]) -> Fleet:
 
 
 def test_the_runtime_table_is_the_runtimes_own():
-    from agents.runtimes import ExternalRuntime, LlamaServerRuntime, VllmRuntime
+    from haru.agents.runtimes import ExternalRuntime, LlamaServerRuntime, VllmRuntime
 
     assert {c.kind: c.can_sleep for c in (VllmRuntime, LlamaServerRuntime, ExternalRuntime)} == SLEEP_MODE
 

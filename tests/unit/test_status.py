@@ -9,7 +9,7 @@ from haru.core import subjects as sj
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
 from haru.core.sizes import GiB
 from haru.core.fold import fold
-from projections.status import render
+from haru.projections.status import render
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 F = "default"
@@ -109,7 +109,7 @@ def test_an_empty_fleet_says_what_to_do():
 
 def test_route_intent_in_words():
     from haru.core.intents import intent
-    from projections.status import render_intent
+    from haru.projections.status import render_intent
 
     text = render_intent(intent(view()), NOW)
     lines = text.splitlines()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agents.gpu_verdict import settled
-from agents.ports import GpuVerdict
+from haru.agents.gpu_verdict import settled
+from haru.agents.ports import GpuVerdict
 from haru.core.commands import ErrorInfo
 
 BUSY = GpuVerdict(ok=False, error=ErrorInfo(code="gpu_busy", message="GPU 0 has 2 bytes free; need 8"), data={})

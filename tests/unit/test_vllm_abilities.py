@@ -10,10 +10,10 @@ import stat
 import aiohttp
 import pytest
 
-from agents.gpu import GpuReading
-from agents.runtimes.vllm import SLEEP_REFUSAL, VllmRuntime
-from agents.runtimes.vllm_env import API_SERVER, STAMP, VERSION, PACKAGE
-from agents.supervisor import freed_by_sleep
+from haru.agents.gpu import GpuReading
+from haru.agents.runtimes.vllm import SLEEP_REFUSAL, VllmRuntime
+from haru.agents.runtimes.vllm_env import API_SERVER, STAMP, VERSION, PACKAGE
+from haru.agents.supervisor import freed_by_sleep
 from haru.core.events import GpuProcess
 from haru.core.specs import GiB, ModelSpec
 
@@ -108,7 +108,7 @@ def test_without_per_process_figures_the_gpu_measures_and_without_a_gpu_reading_
 
 
 def test_what_vllm_said_is_its_exception_not_the_log_lines_that_mention_paths():
-    from agents.supervisor import runtime_said
+    from haru.agents.supervisor import runtime_said
 
     output = "\n".join([
         "--- haru agent starting: python -m vllm.entrypoints.openai.api_server --model /srv/cannot-load/m",
@@ -129,7 +129,7 @@ def test_what_vllm_said_is_its_exception_not_the_log_lines_that_mention_paths():
 
 
 def test_the_managed_env_is_used_only_when_its_stamp_names_the_pin(tmp_path, monkeypatch):
-    from agents.runtimes.vllm_env import BuildError, ensure_env, find_python
+    from haru.agents.runtimes.vllm_env import BuildError, ensure_env, find_python
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("HARU_VLLM_PYTHON", raising=False)
@@ -139,7 +139,7 @@ def test_the_managed_env_is_used_only_when_its_stamp_names_the_pin(tmp_path, mon
     assert find_python() is None  # no stamp: an install that did not finish
     (venv / STAMP).write_text(json.dumps({"package": PACKAGE, "version": "0.0.1", "sleep_mode": False}))
     assert find_python() is None  # made from another pin
-    with pytest.raises(BuildError, match="python -m agents.runtimes.vllm_env"):
+    with pytest.raises(BuildError, match="python -m haru.agents.runtimes.vllm_env"):
         ensure_env(build=False)
     (venv / STAMP).write_text(json.dumps({"package": PACKAGE, "version": VERSION, "sleep_mode": False}))
     assert find_python() == venv / "bin" / "python"
