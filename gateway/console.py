@@ -74,7 +74,7 @@ class Console:
         self._flush: asyncio.TimerHandle | None = None
         self._closing = False
         self._static: dict[str, tuple[bytes, str]] = {}
-        ui = resources.files("gateway") / "ui"
+        ui = resources.files(__package__ or "haru.gateway") / "ui"
         for path, (name, ctype) in _STATIC.items():
             self._static[path] = ((ui / name).read_bytes(), ctype)
 

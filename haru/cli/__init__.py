@@ -94,10 +94,12 @@ def _run_async(coro):
     if os.environ.get("HARU_NO_UVLOOP") != "1":
         try:
             import uvloop
-
-            return uvloop.run(coro)
         except ImportError:
             pass
+        else:
+            # outside the try: an ImportError raised by the command itself is the command's error, not
+            # a reason to run the (already started) coroutine a second time
+            return uvloop.run(coro)
     return asyncio.run(coro)
 
 

@@ -149,6 +149,7 @@ def _real_vllm_model(model: dict, home: Path) -> None:
     import subprocess
     import zlib
 
+    from haru.agents import runtimes
     from haru.agents.runtimes.vllm_env import ensure_env, launch_binary
 
     python = ensure_env(build=True)
@@ -157,7 +158,7 @@ def _real_vllm_model(model: dict, home: Path) -> None:
     path = home / "demo" / "models" / name
     if not (path / "model.safetensors").exists():
         # the writer runs in vLLM's interpreter: it has sentencepiece, numpy and safetensors
-        subprocess.run([str(python), str(REPO_ROOT / "agents" / "runtimes" / "tiny_hf_model.py"), str(path),
+        subprocess.run([str(python), str(Path(runtimes.__file__).parent / "tiny_hf_model.py"), str(path),
                         "--seed", str(zlib.crc32(name.encode()) & 0xFFFF)], check=True, stdout=subprocess.DEVNULL)
     model["source"] = str(path)
 

@@ -56,6 +56,9 @@ def test_installed_haru_works_beside_another_package_named_agents(tmp_path):
         import haru.agents.agent, haru.gateway.server, haru.projections.projector, haru.cli, haru.up.compose
         from haru.up.compose import DEMO_LAYOUT
         assert DEMO_LAYOUT.is_file(), DEMO_LAYOUT
+        from haru.gateway.console import Console  # its page is package data, found through the package
+        from haru.gateway.routing import RoutingTable
+        assert all(body for body, _ in Console(RoutingTable(), None)._static.values())
         assert haru.agents.agent.__file__.startswith(%r), haru.agents.agent.__file__
         print("ok")
     """ % str(site))
