@@ -42,7 +42,9 @@ class FoundRuntimes(msgspec.Struct, kw_only=True):
 
 
 async def find_runtimes(state_dir: Path, models: Mapping[str, ModelSlot], *, probe_timeout_s: float,
-                        unwanted: Callable[[str, str], Awaitable[None]], logger: Any) -> FoundRuntimes:
+                        unwanted: Callable[[str, str], Awaitable[None]], logger: Any,
+                        why_unwanted: Callable[[str], str] = lambda _name: "the layout no longer has this model",
+                        ) -> FoundRuntimes:
     """Read the identity files a previous agent left: adopt what still matches the layout and answers,
     stop what the layout no longer wants, and note what died while no agent watched. A pid now held by
     another process is never touched."""
@@ -56,7 +58,7 @@ async def find_runtimes(state_dir: Path, models: Mapping[str, ModelSlot], *, pro
         pid, start, port = int(doc["pid"]), int(doc["start"]), int(doc["port"])
         log = logger.bind(model=name, pid=pid)
         m = models.get(name)
-        verdict = runtime_on_start(doc, m.runtime if m else None, m.spec if m else None)
+        verdict = runtime_on_start(doc, m.runtime if m else None, m.spec if m else None, why_unwanted(name))
         if verdict.action == "start":
             found.away[name] = verdict.why
             path.unlink(missing_ok=True)

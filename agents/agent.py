@@ -224,7 +224,8 @@ class Agent:
         # The tips of every subject this agent writes: it continues their chains.
         for m in self.models.models.values():
             await self.models.load_tip(m)
-        await self.models.find_runtimes(self.state_dir, probe_timeout_s=policy.probe_timeout_ms / 1000)
+        await self.models.find_runtimes(self.state_dir, probe_timeout_s=policy.probe_timeout_ms / 1000,
+                                        why_unwanted=slots.retire_why)
         await self.training.load_tips(self.log, swept_training)
         await self.gpu_watch.load_tips(self.log, slots.gpu_indexes())
         self._service = CommandService(self.log.nc, models=self.models, training=self.training_policy, role=self.role,

@@ -142,10 +142,14 @@ class ModelSlots:
 
     # ------------------------------------------------------------- runtimes that outlive the agent
 
-    async def find_runtimes(self, state_dir: Path, *, probe_timeout_s: float) -> None:
-        """What a previous agent left: runtimes to adopt, and ones that died while no agent watched."""
+    async def find_runtimes(self, state_dir: Path, *, probe_timeout_s: float,
+                            why_unwanted: Callable[[str], str] | None = None) -> None:
+        """What a previous agent left: runtimes to adopt, and ones that died while no agent watched.
+        `why_unwanted(model)`: why a runtime no admitted model claims is stopped (the slots' `retire_why`:
+        gone from the layout, or declared but no longer admitted)."""
         found = await find_runtimes(state_dir, self.models, probe_timeout_s=probe_timeout_s,
-                                    unwanted=self._record_unwanted, logger=self.logger)
+                                    unwanted=self._record_unwanted, logger=self.logger,
+                                    **({"why_unwanted": why_unwanted} if why_unwanted else {}))
         self.adoptable.update(found.adoptable)
         self.away.update(found.away)
 

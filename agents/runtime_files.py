@@ -36,9 +36,10 @@ class OnStart(msgspec.Struct, frozen=True):
     why: str
 
 
-def runtime_on_start(doc: dict | None, runtime: Any, spec: ModelSpec | None) -> OnStart:
+def runtime_on_start(doc: dict | None, runtime: Any, spec: ModelSpec | None,
+                     why_unwanted: str = "the layout no longer has this model") -> OnStart:
     """The verdict on an identity file. `runtime` is the model's Runtime under the current layout (None:
-    the layout dropped it)."""
+    the layout dropped it, or the planner no longer admits it: `why_unwanted` says which)."""
     if doc is None:
         return OnStart("start", "no runtime of a previous agent")
     pid, start, port = int(doc.get("pid", 0)), doc.get("start"), int(doc.get("port", 0))
@@ -47,7 +48,7 @@ def runtime_on_start(doc: dict | None, runtime: Any, spec: ModelSpec | None) -> 
         return OnStart("start", f"the runtime (pid {pid}) exited while no agent was watching it"
                        + ("; its pid now belongs to an unrelated process, left alone" if reused else ""))
     if runtime is None or spec is None:
-        return OnStart("stop", "the layout no longer has this model")
+        return OnStart("stop", why_unwanted)
     planned = getattr(runtime, "planned_argv", lambda _p: None)(port)
     if runtime.kind != doc.get("runtime") or planned != doc.get("argv") or (spec.port and spec.port != port):
         return OnStart("replace", f"the layout changed this model (pid {pid} runs another command line)")

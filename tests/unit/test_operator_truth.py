@@ -200,3 +200,20 @@ def test_a_model_the_planner_no_longer_admits_is_stopped_with_the_shortfall_as_i
                       admitted_training=[], not_admitted={"m2": 3 << 30})
     assert slots.retire_why("m2") == "no longer admitted: short by 3.0 GiB (the layout still declares it)"
     assert slots.retire_why("gone") == "the layout no longer has this model"
+
+
+def test_a_restarted_agent_stops_a_no_longer_admitted_runtime_with_the_shortfall_as_its_reason():
+    """The restart path (a runtime a previous agent left, found by its identity file) gives the same
+    reason as the live path: declared but not admitted is not 'the layout no longer has this model'."""
+    import os
+
+    from haru.agents.config import HostSlots
+    from haru.agents.runtime_files import runtime_on_start, start_time
+    from haru.core.specs import Domain, DomainSpec, Policy
+
+    slots = HostSlots(fleet=F, domain=Domain(spec=DomainSpec(name="a")), policy=Policy(), admitted_models=[],
+                      admitted_training=[], not_admitted={"m2": 3 << 30})
+    alive = {"pid": os.getpid(), "start": int(start_time(os.getpid())), "port": 9000, "runtime": "vllm", "argv": []}
+    verdict = runtime_on_start(alive, None, None, slots.retire_why("m2"))
+    assert (verdict.action, verdict.why) == ("stop", "no longer admitted: short by 3.0 GiB (the layout still declares it)")
+    assert runtime_on_start(alive, None, None, slots.retire_why("gone")).why == "the layout no longer has this model"
