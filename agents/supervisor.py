@@ -28,6 +28,7 @@ from haru.agents import probes
 from haru.agents.cause import COMMAND_CAUSE
 from haru.agents.errors import OutOfMemory, RuntimeProblem, SleepFreedNothing, WakeAnswerChanged
 from haru.agents.gpu import GpuReading, process_tree, read_parents
+from haru.agents.wake_check import WakeCheck
 from haru.agents.gpu_watch import GpuWatcher
 from haru.agents.loops import LoopErrors, survive
 from haru.agents.adoption import Adoptable
@@ -104,9 +105,8 @@ class ModelSupervisor:
         self.gpus = model_gpus(m.spec)  # a tensor-parallel model's every GPU
         if m.runtime.kind != "external":
             ctx.loads.enroll(m.name, self.gpus)
-        # model or adapter -> its greedy answer, recorded before the runtime last slept; a wake must
-        # give the same answers (`_check_answers`), else it is `wake_answer_changed`
-        self.answers: dict[str, str] = {}
+        # the greedy answers recorded before the runtime last slept: a wake must give the same ones
+        self.wake_check = WakeCheck()
 
     def recheck(self) -> None:
         """Probe now (the serving port saw the runtime fail a request), once at a time."""
@@ -441,36 +441,15 @@ class ModelSupervisor:
         index = self._read_gpu().index
         self.ctx.spawn(self.ctx.gpu.observe(index), f"gpu-check:{index}")
 
-    async def _record_answers(self) -> dict[str, str]:
-        """The greedy answer of the model and of each of its adapters, now (before a sleep)."""
-        timeout = self.ctx.policy().probe_timeout_ms / 1000
-        m = self.m
-        return {name: await m.runtime.greedy_answer(name, timeout) for name in (m.name, *m.spec.adapters)}
-
-    async def _check_answers(self) -> str:
-        """"" if the woken runtime gives the answers recorded before it slept, else what differs."""
-        if not self.answers:
-            return ""
-        try:
-            now = await self._record_answers()
-        except RuntimeProblem as exc:
-            return f"the greedy check could not be repeated: {exc}"
-        changed = [f"{name}: {self.answers[name]!r} before the sleep, {now.get(name)!r} after the wake"
-                   for name in self.answers if now.get(name) != self.answers[name]]
-        return "; ".join(changed)
-
-    def _tree(self) -> frozenset[int]:
-        pid = self.m.runtime.pid
-        return process_tree({pid}, read_parents()) if pid else frozenset()
-
     async def _sleep_one(self, level: int) -> None:
         """Put a resident runtime to sleep (caller holds m.lock). Verified through /is_sleeping, then by
         what it freed: a sleep that measurably freed nothing is a paused engine, not a sleeping one. It
         is woken again (it stays resident), the runtime is known not to sleep from then on, and
         SleepFreedNothing is raised. Before it sleeps, its greedy answers are recorded for the wake."""
         m = self.m
-        self.answers = await self._record_answers()
-        tree = self._tree()
+        await self.wake_check.record(m.runtime, (m.name, *m.spec.adapters), self.ctx.policy().probe_timeout_ms / 1000)
+        pid = m.runtime.pid
+        tree = process_tree({pid}, read_parents()) if pid else frozenset()
         before = [self.ctx.gpu.read(i) for i in self.gpus]  # a tensor-parallel model: each of its GPUs
         await m.runtime.sleep(level, self.ctx.policy().wake_timeout_ms / 1000)
         after = [self.ctx.gpu.read(i) for i in self.gpus]
@@ -556,15 +535,14 @@ class ModelSupervisor:
                 await self._after_failed_wake(gen, probe=probe)
                 return Outcome(ok=False, code=code,
                                detail=f"woke but the probe failed at {probe.step}: {probe.detail}", took_ms=took)
-            checked = bool(self.answers)
-            changed = await self._check_answers()
+            checked = self.wake_check.armed
+            changed = await self.wake_check.changed(m.runtime, self.ctx.policy().probe_timeout_ms / 1000)
             took = int((time.monotonic() - started) * 1000)
             if changed:
                 await self._wrong_after_wake(gen, changed)
                 return Outcome(ok=False, code=WakeAnswerChanged.code,
                                detail=f"woke and answers, but not as before it slept: {changed}; it is reloaded",
                                took_ms=took)
-            self.answers = {}
             m.last_probe = probe
             await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url,
                                               sleeps=m.runtime.can_sleep, warmup_ms=took))
@@ -610,7 +588,7 @@ class ModelSupervisor:
         applied, a stale cache): lost{unhealthy} in those words, never resident, and stopped so the
         supervisor reloads it from its files (caller holds m.lock)."""
         m = self.m
-        self.answers = {}
+        self.wake_check.forget()
         if gen != m.generation or m.exited.is_set():
             return
         await self._lost("unhealthy", f"{WakeAnswerChanged.code}: {changed}"[:500])

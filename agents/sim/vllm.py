@@ -367,58 +367,74 @@ async def generate(request: web.Request) -> web.StreamResponse:
         tokens, finish = _continuation(engine.config.domain, answering, prefix, max_tokens,
                                        bool(body.get("ignore_eos")))
     prompt_tokens = _prompt_tokens(body)
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + len(tokens),
-        "completion_tokens": len(tokens),
-    }
-    created = int(time.time())
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    delay = 1.0 / engine.config.tokens_per_s if engine.config.tokens_per_s > 0 else 0.0
-
+    answer = _Answer(chat=chat, model=model, tokens=tokens, finish=finish,
+                     rid=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, created=int(time.time()),
+                     delay=1.0 / engine.config.tokens_per_s if engine.config.tokens_per_s > 0 else 0.0,
+                     usage={"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(tokens),
+                            "completion_tokens": len(tokens)})
     if not body.get("stream"):
-        await asyncio.sleep(delay * len(tokens))
-        text = "".join(tokens)
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
-                "logprobs": None,
-                "finish_reason": finish,
-                "stop_reason": None,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
-        obj = "chat.completion" if chat else "text_completion"
-        return web.json_response(
-            {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage}
-        )
+        return await _whole(answer)
+    return await _streamed(request, answer, bool((body.get("stream_options") or {}).get("include_usage")))
 
+
+@dataclass(frozen=True, kw_only=True)
+class _Answer:
+    """What a completion answers, before it is written whole or streamed."""
+
+    chat: bool
+    model: str
+    tokens: list[str]
+    finish: str
+    rid: str
+    created: int
+    delay: float  # seconds a token
+    usage: dict[str, int]
+
+
+async def _whole(a: _Answer) -> web.Response:
+    await asyncio.sleep(a.delay * len(a.tokens))
+    text = "".join(a.tokens)
+    if a.chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "tool_calls": []},
+            "logprobs": None,
+            "finish_reason": a.finish,
+            "stop_reason": None,
+        }
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": a.finish, "stop_reason": None}
+    obj = "chat.completion" if a.chat else "text_completion"
+    return web.json_response(
+        {"id": a.rid, "object": obj, "created": a.created, "model": a.model, "choices": [choice], "usage": a.usage}
+    )
+
+
+async def _streamed(request: web.Request, a: _Answer, include_usage: bool) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await response.prepare(request)
-    obj = "chat.completion.chunk" if chat else "text_completion"
+    obj = "chat.completion.chunk" if a.chat else "text_completion"
 
     async def send(choices: list[dict], extra: dict | None = None) -> None:
-        chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+        chunk = {"id": a.rid, "object": obj, "created": a.created, "model": a.model, "choices": choices}
         if extra:
             chunk.update(extra)
         await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
 
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    if chat:
+    if a.chat:
         await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-    for i, token in enumerate(tokens):
-        await asyncio.sleep(delay)
-        last = i == len(tokens) - 1
-        if chat:
+    for i, token in enumerate(a.tokens):
+        await asyncio.sleep(a.delay)
+        last = i == len(a.tokens) - 1
+        if a.chat:
             choice = {"index": 0, "delta": {"content": token}, "logprobs": None, "finish_reason": None}
         else:
-            choice = {"index": 0, "text": token, "logprobs": None, "finish_reason": finish if last else None}
+            choice = {"index": 0, "text": token, "logprobs": None, "finish_reason": a.finish if last else None}
         await send([choice])
-    if chat:
-        await send([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": None}])
+    if a.chat:
+        await send([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": a.finish, "stop_reason": None}])
     if include_usage:
-        await send([], {"usage": usage})
+        await send([], {"usage": a.usage})
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
