@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from haru.cli.common import ExitStatus, add_log_options, configure_logging, fail
+from haru.cli.common import ExitStatus, add_log_options, add_model_options, configure_logging, fail
 
 if TYPE_CHECKING:
     from haru.up.compose import UpOptions
@@ -40,8 +40,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Prometheus metrics of the projector and promoter (env HARU_METRICS_PORT; default 9400, "
                    "a free port when taken; demo agents get free ports, printed at start)")
     p.add_argument("--metrics-host", default=None, help="address of the metrics endpoint (env HARU_METRICS_HOST; default 127.0.0.1)")
-    from haru.cli.serve import add_model_options
-
     add_model_options(p)  # `haru up --model …` is `haru serve --model …`
     add_log_options(p, default_level="warning")
     p.set_defaults(handler=run)
