@@ -79,7 +79,8 @@ def fleet_layout(fleet: str, ports: Mapping[str, int], *, heartbeat_timeout_ms: 
     """A `haru apply` layout: two domains of one 80 GiB GPU, three vLLM models each (no training slot)."""
     domains = []
     for d in DOMAINS:
-        models = [{"name": m, "runtime": "vllm", "vram": "8GiB", "source": f"sim/{m}", "binary": ["true"]} for m in MODELS]
+        models = [{"name": m, "runtime": "vllm", "vram": "8GiB", "source": f"sim/{m}", "binary": ["python", "-m", "haru.agents.sim.vllm"]}
+                  for m in MODELS]  # never launched here: the simulator form, which the layout accepts
         domains.append({"name": d, "serving_url": f"http://127.0.0.1:{ports[d]}",
                         "gpus": [{"index": 0, "memory": "80GiB", "reserve": "2GiB"}],
                         "slots": [{"name": "chat", "gpu": 0, "models": models}]})

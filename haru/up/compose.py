@@ -344,8 +344,11 @@ def start_agent(layout: Layout, domain: str, nats_url: str, home: Path, metrics_
     conf_dir = home / "demo" / "agents"
     conf_dir.mkdir(parents=True, exist_ok=True)
     conf = conf_dir / f"{domain}.json"
+    written = {"port": metrics_port}
+
     def write_conf(port: int | None) -> None:
         conf.write_text(json.dumps(_agent_config(layout, domain, nats_url, home, port, gpus), indent=2))
+        written["port"] = port
 
     write_conf(metrics_port)
     log_path = conf_dir / f"{domain}.log"
@@ -359,7 +362,8 @@ def start_agent(layout: Layout, domain: str, nats_url: str, home: Path, metrics_
 
     async def restart(child: Child) -> subprocess.Popen:
         # a restarted agent finds its GPUs as the provider left them: no _prepare_sim_host here
-        write_conf(child.metrics_port)
+        if child.metrics_port != written["port"]:  # moved off a port taken meanwhile; else the file is as it is
+            write_conf(child.metrics_port)
         return _spawn_python(["agent", "--config", str(conf), "--log-format", "json"],
                              name=name, home=home, log_path=log_path, env=env)
 

@@ -143,7 +143,19 @@ async def test_every_producer_cites_the_event_that_caused_it(tmp_path, nats_serv
     manual = [r.event for r in records if isinstance(r.event, ev.PromotionRequested) and r.event.reason == "manual"]
     assert manual and manual[0].cause == 0  # the operator's request is a root
     restarts = [r.event for r in records if isinstance(r.event, ev.ModelLoading) and r.event.attempt > 1]
-    assert restarts and all(isinstance(by_seq[e.cause].event, (ev.ModelLost, ev.ModelFailed)) for e in restarts)
+
+    def first_of_attempt(e):
+        # a reload that waited for its GPU's turn is two loadings (queued, then spawned): the spawned one
+        # cites the queued one, which cites the loss
+        while isinstance(by_seq[e.cause].event, ev.ModelLoading) and by_seq[e.cause].event.attempt == e.attempt:
+            e = by_seq[e.cause].event
+        return e
+
+    # a reload follows a loss or a failed load, a GPU that came back (its models are reloaded, not assumed),
+    # or an agent's start that found its runtime gone (the attempts continue from the model's subject)
+    restart_causes = [ev.tag_of(by_seq[first_of_attempt(e).cause].event) for e in restarts]
+    assert "model_lost" in restart_causes, restart_causes
+    assert set(restart_causes) <= {"model_lost", "model_failed", "gpu_observed", "agent_started"}, restart_causes
     aborted = [r.event for r in records if isinstance(r.event, ev.OperationAborted)]
     assert aborted and all(isinstance(by_seq[a.cause].event, ev.StepFailed) and by_seq[a.cause].event.op_id == a.op_id
                            for a in aborted)

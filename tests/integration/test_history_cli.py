@@ -44,7 +44,7 @@ async def test_why_draws_the_causal_tree_and_says_where_a_link_is_missing(nats_s
         missing,
         f'● seq {seqs["loading"]:>7}  loading        a        {{"endpoint":"127.0.0.1:18080","pid":10121,"attempt":1}}',
         missing,
-        f'  └─ seq {seqs["resident"]:>7}  resident       a        {{"endpoint":"127.0.0.1:18080","warmup_ms":256}}',
+        f'  └─ seq {seqs["resident"]:>7}  resident       a        {{"endpoint":"127.0.0.1:18080","warmup_ms":256,"sleeps":true}}',
         f'● seq {seqs["model_declared"]:>7}  declared       a        '
         '{"runtime":"llama_server","gpu_index":0,"vram_bytes":1073741824}',
         f'  └─ seq {seqs["declared"]:>7}  admitted       a        {{"admitted":true,"vram_bytes":1073741824}}',
@@ -63,7 +63,7 @@ async def test_as_of_a_sequence_and_a_time(nats_server, event_log):
     out = haru("as-of", "stories", str(seqs["resident"]), nats_url=nats_server.url)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == (f"as of seq {seqs['resident']}: stories was `resident` "
-                                  '{"endpoint":"127.0.0.1:18080","warmup_ms":256}')
+                                  '{"endpoint":"127.0.0.1:18080","warmup_ms":256,"sleeps":true}')
     out = haru("as-of", "stories", str(seqs["loading"]), nats_url=nats_server.url)
     assert "was `loading`" in out.stdout
     out = haru("as-of", "stories", str(seqs["declared"]), nats_url=nats_server.url)
