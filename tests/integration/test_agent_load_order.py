@@ -17,7 +17,8 @@ import pytest
 from haru.agents.load_queue import overlapping_loads
 from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
-from tests.support.agent_harness import (
+from tests.support.agent_harness import (  # noqa: F401 - agents is a fixture
+    agents,
     AgentProcess,
     agent_env,
     is_,
@@ -30,20 +31,6 @@ from tests.support.agent_harness import (
 pytestmark = pytest.mark.timeout(90)
 
 MODELS = {"m1": {"load_ms": 400}, "m2": {"load_ms": 400}, "m3": {"load_ms": 400}}
-
-
-@pytest.fixture
-def agents():
-    started: list[AgentProcess] = []
-
-    def start(config, log_path, **env):
-        a = AgentProcess(config, log_path, agent_env(**env))
-        started.append(a)
-        return a
-
-    yield start
-    for a in started:
-        a.kill()
 
 
 def profiles(sim_dir: Path) -> list[dict]:

@@ -11,7 +11,8 @@ from haru.log.bus import send
 from haru.agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.commands import Command
-from tests.support.agent_harness import (
+from tests.support.agent_harness import (  # noqa: F401 - agents is a fixture
+    agents,
     AgentProcess,
     agent_env,
     is_,
@@ -24,20 +25,6 @@ from tests.support.agent_harness import (
 )
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture
-def agents():
-    started: list[AgentProcess] = []
-
-    def start(config, log_path, **env):
-        a = AgentProcess(config, log_path, agent_env(**env))
-        started.append(a)
-        return a
-
-    yield start
-    for a in started:
-        a.kill()
 
 
 async def start_resident(tmp_path, nats_server, event_log, agents, *, models=None, domain="a", **layout_kw):
