@@ -21,7 +21,7 @@ Bounds, all from the fleet's policy (haru/core/specs.py):
 
 "About to start" follows the promoter's own rule: a GPU gone or a `gpu_detached` loss fails the
 active at once, and so does a cold-reload loss (`process_exited`, `evicted`, `unhealthy`) when the
-standby's measured wake beats the active's measured warm-up (the faster path). A loss the promoter
+standby's wake (measured, else the promoter's estimate) beats the active's measured warm-up (the faster path). A loss the promoter
 waits out (`degraded_grace_ms`) is answered at once, as before: holding it would only delay the 503.
 
 A held request leaves with today's diagnostic answer when its time is up, or at once when the hold
@@ -42,6 +42,7 @@ from haru.gateway.metrics import GatewayMetrics
 from haru.gateway.routing import Forward, FleetRoutes, Refusal, RoutingTable
 from haru.core.residency import Loading, Lost, Resident, Sleeping, Waking
 from haru.core.views import FleetView
+from haru.promoter.decider import standby_serves_in
 
 # Refusals a failover cures. `model_warming` / `model_asleep` only while a promotion is under way:
 # a cold reload with nothing coming to replace it is answered at once, as before.
@@ -85,15 +86,16 @@ _COLD_RELOAD: Final = frozenset({"process_exited", "evicted", "unhealthy"})
 def _fails_now(view: FleetView, active: str, target: str) -> bool:
     """Whether the promoter fails the active at once for what its models show (the decider's rule,
     haru/promoter/decider.py `active_health` and `faster_path`): a GPU gone, a `gpu_detached` loss, or a
-    cold-reload loss that the standby's measured wake beats the active's measured warm-up."""
+    cold-reload loss that the standby's wake (measured, else estimated as the promoter estimates it)
+    beats the active's measured warm-up."""
     dv = view.domains.get(active)
     sb = view.domains.get(target)
     if dv is None or sb is None:
         return False
     if any(gpu.present is False for gpu in dv.gpus):
         return True
-    wakes = [sb.models[m].wake_ms for m in dv.models if m in sb.models and dv.models[m].admitted is not False]
-    wake = max(wakes) if wakes and all(wakes) else 0
+    wanted = [m for m in dv.models if m in sb.models and dv.models[m].admitted is not False]
+    wake = standby_serves_in(view, sb, wanted)[0] if wanted else 0  # measured, or the promoter's own estimate
     for mv in dv.models.values():
         state = mv.residency
         if isinstance(state, Lost):

@@ -94,6 +94,11 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     hold_max_bytes: NonNegative = 64 * MiB
     # After a planned flip, the old active's in-flight requests finish (this long at most) before it sleeps.
     drain_ms: NonNegative = 30_000
+    # The faster path (docs/promoter.md) before a standby's wake was ever measured: its models' declared
+    # VRAM at this rate, plus `probe_estimate_ms` (a model already resident needs the probe alone). vLLM's
+    # published level-1 wakes are ~0.8 s for 8 GB and ~2.9 s for 60 GB: 8 GiB/s leaves room.
+    wake_estimate_bytes_per_s: NonNegative = 8 * GiB
+    probe_estimate_ms: NonNegative = 500
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):

@@ -757,12 +757,37 @@ def _reloading(view: FleetView) -> bool:
     return dv is not None and any(_cold_reload(dv.models[m].residency) for m in served(dv))
 
 
+def standby_serves_in(view: FleetView, standby: DomainView, models: list[str]) -> tuple[int, bool]:
+    """How soon `standby` would serve `models` once promoted, in ms, and whether that was measured.
+    Measured: each model's last wake and probe (`ModelView.wake_ms`, folded from the log). A model never
+    woken yet is estimated from the policy: a resident one needs its probe alone (`probe_estimate_ms`),
+    a sleeping one its declared VRAM at `wake_estimate_bytes_per_s` plus the probe. The figure is the
+    slowest model's; it is measured only when every model's is."""
+    policy = view.policy
+    slowest, measured = 0, True
+    for name in models:
+        mv = standby.models.get(name)
+        if mv is None:
+            continue
+        if mv.wake_ms:
+            ms = mv.wake_ms
+        else:
+            measured = False
+            ms = policy.probe_estimate_ms
+            if not isinstance(mv.residency, Resident) and policy.wake_estimate_bytes_per_s:
+                ms += mv.vram_bytes * 1000 // policy.wake_estimate_bytes_per_s
+        slowest = max(slowest, ms)
+    return slowest, measured
+
+
 def faster_path(view: FleetView) -> ActiveHealth | None:
     """The active failed at once, with both figures in `why`, when models on it are lost for a reason
-    whose recovery is a cold reload and the standby would serve sooner: its measured wake (and probe)
-    against the active's measured warm-up (`ModelView.wake_ms` / `load_ms`, folded from the log). None
-    when no such loss, a figure was never measured, or the standby is not faster (or not fit): the
-    loss is then a degradation, failed after `degraded_grace_ms` as before."""
+    whose recovery is a cold reload and the standby would serve sooner: its wake (and probe) against
+    the active's measured warm-up (`ModelView.load_ms`, folded from the log). The standby's figure is
+    its measured wake (`ModelView.wake_ms`), or, before it ever woke, an estimate from its declared
+    sizes and the policy (`standby_serves_in`), said so in `why`. None when no such loss, the warm-up
+    was never measured, or the standby is not faster (or not fit): the loss is then a degradation,
+    failed after `degraded_grace_ms` as before."""
     dv = view.domains.get(view.active)
     candidate = view.standby()
     standby = view.domains.get(candidate)
@@ -776,18 +801,21 @@ def faster_path(view: FleetView) -> ActiveHealth | None:
     if slowest is None:
         return None
     warmup_ms, name, state = slowest
-    wakes = [standby.models[m].wake_ms for m in served(dv) if m in standby.models]
-    if not wakes or not all(wakes):
+    wanted = [m for m in served(dv) if m in standby.models]
+    if not wanted:
         return None
-    wake_ms = max(wakes)
+    wake_ms, measured = standby_serves_in(view, standby, wanted)
     if wake_ms >= warmup_ms:
         return None
+    how = ("measured wake and probe" if measured else
+           f"ESTIMATED, no wake measured yet: declared VRAM at {view.policy.wake_estimate_bytes_per_s} B/s "
+           f"plus a {view.policy.probe_estimate_ms} ms probe")
     label = f"lost: {state.reason}" if isinstance(state, Lost) else "reloading"
     return ActiveHealth(
         health="failed",
         reason="faster_path",
         why=f"{name} on {dv.name} {label}; its cold reload takes {warmup_ms} ms (measured warm-up) and standby "
-        f"{candidate} serves after {wake_ms} ms (measured wake and probe): the faster path wins",
+        f"{candidate} serves after {wake_ms} ms ({how}): the faster path wins",
         since=state.since,
     )
 

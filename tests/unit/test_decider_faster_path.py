@@ -1,10 +1,13 @@
-"""The faster path wins: a cold reload on the active against the standby's wake, both measured in the log."""
+"""The faster path wins: a cold reload on the active (its warm-up measured in the log) against the standby's
+wake, measured in the log, or estimated from its declared sizes before it ever woke."""
 
 from __future__ import annotations
 
+from msgspec.structs import replace
+
 from haru.core import subjects
 from haru.core.events import ModelLoading, ModelLost, ModelResident, ModelSleeping, ModelWaking, PromotionRequested
-from haru.promoter.decider import active_health, faster_path
+from haru.promoter.decider import active_health, faster_path, standby_serves_in
 from tests.unit.test_decider import F, POLICY, at, facts, given, only, reachable, routed
 
 
@@ -64,9 +67,58 @@ def test_a_standby_that_is_not_faster_waits_out_the_grace_as_before():
     assert only(view, facts(ms=late)).reason == "degraded"
 
 
-def test_figures_never_measured_leave_the_grace_in_charge():
-    no_wake = given(*measured_fleet(load_ms=40_000, wake_ms=0), crash())
-    assert faster_path(no_wake) is None and active_health(no_wake, at(6)).health == "degraded"
+def fresh_fleet(load_ms: int, standby: str = "sleeping"):
+    """a loaded cold (load_ms measured) and active; b loaded and then slept, or stayed resident (a runtime
+    with no sleep mode, llama-server), but never woke: no wake of it was ever measured."""
+    out = [reachable("a"), reachable("b")]
+    for m in ("m1", "m2"):
+        out += [ev("a", m, ModelLoading(at=at(0), domain="a", model=m)),
+                ev("a", m, ModelResident(at=at(0), domain="a", model=m, warmup_ms=load_ms)),
+                ev("b", m, ModelLoading(at=at(0), domain="b", model=m)),
+                ev("b", m, ModelResident(at=at(0), domain="b", model=m, warmup_ms=load_ms))]
+        if standby == "sleeping":
+            out.append(ev("b", m, ModelSleeping(at=at(0), domain="b", model=m)))
+    return [*out, routed("a")]
+
+
+def test_a_standby_never_woken_is_estimated_and_the_decision_says_so():
+    # a fresh fleet: b never woke, so nothing is measured; its wake is estimated (declared VRAM, 1 byte
+    # here, at 8 GiB/s, plus the 500 ms probe), and a 40 s cold reload loses to it at once
+    view = given(*fresh_fleet(load_ms=40_000), crash())
+    assert view.domains["b"].models["m1"].wake_ms == 0
+    event = only(view, facts(ms=6))
+    assert isinstance(event, PromotionRequested) and event.reason == "faster_path"
+    assert "40000 ms (measured warm-up)" in event.detail and "500 ms (ESTIMATED" in event.detail
+    assert (event.target, event.source) == ("b", "a")
+
+
+def test_the_estimate_grows_with_the_declared_size_and_loses_to_a_quicker_reload():
+    slow_wake = replace(POLICY, wake_estimate_bytes_per_s=1)  # 1 byte declared: 1000 ms, plus the probe
+    view = given(*fresh_fleet(load_ms=1_200), crash(), policy=slow_wake)
+    assert standby_serves_in(view, view.domains["b"], ["m1", "m2"]) == (1_500, False)
+    assert faster_path(view) is None and active_health(view, at(6)).health == "degraded"
+    assert only(view, facts(ms=5 + POLICY.degraded_grace_ms)).reason == "degraded"
+    quicker = given(*fresh_fleet(load_ms=2_000), crash(), policy=slow_wake)
+    assert "1500 ms (ESTIMATED" in only(quicker, facts(ms=6)).detail
+
+
+def test_a_resident_standby_never_woken_needs_its_probe_alone():
+    # llama-server has no sleep mode: the standby stays resident, and only the probe stands before it serves
+    slow_wake = replace(POLICY, wake_estimate_bytes_per_s=1)
+    view = given(*fresh_fleet(load_ms=1_000, standby="resident"), crash(), policy=slow_wake)
+    assert standby_serves_in(view, view.domains["b"], ["m1", "m2"]) == (500, False)
+    assert only(view, facts(ms=6)).reason == "faster_path"
+
+
+def test_a_measured_wake_is_used_as_measured():
+    view = given(*measured_fleet(load_ms=40_000, wake_ms=900), crash())
+    assert standby_serves_in(view, view.domains["b"], ["m1", "m2"]) == (900, True)
+    assert "900 ms (measured wake and probe)" in only(view, facts(ms=6)).detail
+
+
+def test_a_warm_up_never_measured_leaves_the_grace_in_charge():
+    never_loaded = given(*fresh_fleet(load_ms=0), crash())
+    assert faster_path(never_loaded) is None and active_health(never_loaded, at(6)).health == "degraded"
 
 
 def test_losses_a_wake_would_not_fix_are_not_a_faster_path():

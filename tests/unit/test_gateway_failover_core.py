@@ -185,5 +185,8 @@ def test_a_loss_the_promoter_waits_out_is_not_held():
     slow = routes(wake_ms=40_000)  # the standby wakes slower than the active reloads (30 s): no faster path
     assert hold_plan(slow, "model_lost", now=T) is None
     assert hold_plan(slow, "upstream_unreachable", unreachable=True, now=T) is not None  # silence: failed at once
-    unmeasured = routes(wake_ms=0)
-    assert hold_plan(unmeasured, "model_lost", now=T) is None
+    # a wake never measured: the promoter's estimate decides, as it does for the promotion itself
+    unmeasured = routes(wake_ms=0)  # b declares no VRAM: the 500 ms probe alone beats the 30 s reload
+    assert hold_plan(unmeasured, "model_lost", now=T) is not None
+    too_slow = routes(wake_ms=0, policy=Policy(probe_estimate_ms=31_000))
+    assert hold_plan(too_slow, "model_lost", now=T) is None
