@@ -179,6 +179,9 @@ def _domain_header(view: FleetView, d: DomainView, now: datetime) -> str:
     if not d.eligible:
         age = f" for {_secs(d.eligibility_since, now)}" if d.eligibility_since is not None else ""
         parts.append(f"ineligible{age}: {d.ineligible_why or 'no reason given'}")
+    if d.signalled:  # a preemption notice, a critical XID or an ECC fault, until its agent starts again
+        age = f" {_secs(d.signalled_at, now)} ago" if d.signalled_at is not None else ""
+        parts.append(f"ABOUT TO GO (signalled{age}): {d.signalled}")
     return "  ·  ".join(parts)
 
 

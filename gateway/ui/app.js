@@ -275,6 +275,8 @@ function renderDomain(snap, view, d) {
   if (d.reachable === false) badges.push(h("span", { class: "badge bad" }, "unreachable"));
   if (!d.eligible) badges.push(h("span", { class: "badge warn", title: d.ineligible_why || "" },
     "ineligible" + (d.eligibility_since ? " for " + ago(d.eligibility_since) : "")));
+  if (d.signalled) badges.push(h("span", { class: "badge bad signal", title: d.signalled, dataset: { testid: "signal-" + d.name } },
+    "about to go" + (d.signalled_at ? " (" + ago(d.signalled_at) + ")" : "") + ": " + d.signalled));
   if (target && target.degraded) badges.push(h("span", { class: "badge warn", title: target.why || "" }, "degraded"));
   const buttons = [];
   if (!active) {

@@ -14,7 +14,7 @@ import pytest
 from haru.gateway import Gateway, GatewayConfig
 from haru.core import subjects
 from haru.core.apply import apply
-from haru.core.events import ModelLoading, ModelResident, RouteMoved
+from haru.core.events import AgentStarted, FailureSignalled, ModelLoading, ModelResident, RouteMoved
 from haru.host.tasks import cancel_and_wait
 from haru.projections.projector import Projector
 from tests.integration.test_gateway_control import MODEL, echo_upstream, layout, wait_for
@@ -179,6 +179,18 @@ async def test_the_page_says_when_it_is_disconnected_and_reconnects_by_itself(fl
                 await expect(page.locator("#conn")).to_have_attribute("data-state", "live", timeout=30_000)
                 await expect(page.locator(f'[data-testid="model-a-{MODEL}"]')).to_have_attribute(
                     "data-state", "resident", timeout=30_000)
+                # a sign the domain is about to go shows on it while it lasts (until its agent starts again)
+                agent = subjects.agent("ops", "a")
+                signal = FailureSignalled(at=datetime.now(UTC), domain="a", source="preemption_notice",
+                                          detail="terminate in 120 s")
+                seq = await log.append(agent, signal, expect=0)
+                badge = page.locator('[data-testid="signal-a"]')
+                await expect(badge).to_contain_text("about to go", timeout=30_000)
+                await expect(badge).to_contain_text("preemption_notice: terminate in 120 s")
+                await expect(page.locator('[data-testid="signal-b"]')).to_have_count(0)
+                await log.append(agent, AgentStarted(at=datetime.now(UTC), domain="a", host="gpu-a"),
+                                 expect=seq)
+                await expect(badge).to_have_count(0, timeout=30_000)
             assert await page.evaluate("window.__notReloaded") is True
         finally:
             await browser.close()

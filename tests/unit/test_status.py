@@ -82,6 +82,24 @@ def test_active_domain_and_route_revision_are_marked():
     assert "(standby)" in b and "no agent yet" in b
 
 
+def test_a_domains_failure_signal_shows_while_it_lasts():
+    def header(items, domain: str = "a") -> str:
+        lines = render(fold((i + 1, s, e) for i, (s, e) in enumerate(items))[F], NOW).splitlines()
+        return next(line for line in lines if line.startswith(f"{domain}  "))
+
+    signalled = [*hearth_fleet(), (sj.agent(F, "a"), ev.FailureSignalled(
+        at=NOW - timedelta(seconds=4), domain="a", source="preemption_notice", detail="terminate in 120 s"))]
+    assert "ABOUT TO GO (signalled 4s ago): preemption_notice: terminate in 120 s" in header(signalled)
+    assert "ABOUT TO GO" not in header(signalled, "b")
+    xid = [*hearth_fleet(), (sj.agent(F, "a"), ev.FailureSignalled(at=NOW, domain="a", source="xid", gpu_index=0,
+                                                                   detail="GPU 0: critical XID 79"))]
+    assert "ABOUT TO GO (signalled 0s ago): xid: GPU 0: critical XID 79" in header(xid)
+    # it lasts until the agent starts again (an agent that still sees the sign records it again)
+    restarted = [*signalled, (sj.agent(F, "a"), ev.AgentStarted(at=NOW, domain="a", host="gpu-a"))]
+    assert "ABOUT TO GO" not in header(restarted)
+    assert "ABOUT TO GO" not in header(hearth_fleet())
+
+
 def test_operation_in_flight_and_finished_and_anomalies():
     items = hearth_fleet() + [
         (sj.op(F), ev.PromotionRequested(at=NOW - timedelta(seconds=3), op_id="op-1", target="b", source="a", reason="gpu_detached")),
