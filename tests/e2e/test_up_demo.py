@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
+from haru.agents.gpu import process_tree, read_parents
 from haru.host import procfs
 from haru.host.natsd import free_port
 from tests.support import haru
@@ -55,18 +56,8 @@ def wait_for(what: str, check, timeout: float = 60.0, every: float = 0.25):
 
 
 def descendants(pid: int) -> set[int]:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        p, pp = map(int, line.split())
-        children.setdefault(pp, []).append(p)
-    found, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in found:
-                found.add(c)
-                todo.append(c)
-    return found
+    """Every process below `pid` (not `pid` itself), by the agents' own process-tree helper."""
+    return set(process_tree({pid}, read_parents())) - {pid}
 
 
 def alive(pid: int) -> bool:
