@@ -21,8 +21,11 @@ Bounds, all from the fleet's policy (haru/core/specs.py):
 
 "About to start" follows the promoter's own rule: a GPU gone or a `gpu_detached` loss fails the
 active at once, and so does a cold-reload loss (`process_exited`, `evicted`, `unhealthy`) when the
-standby's wake (measured, else the promoter's estimate) beats the active's measured warm-up (the faster path). A loss the promoter
-waits out (`degraded_grace_ms`) is answered at once, as before: holding it would only delay the 503.
+standby's wake (measured, else the promoter's estimate) beats the active's measured warm-up (the faster
+path). When instead the active's own cold reload is the quicker one (its warm-up measured, plus the
+restart backoff and a margin, within `hold_max_ms`), a request for a model it lost waits for the model
+to be resident there again: the same domain, no route move. Any other loss the promoter waits out
+(`degraded_grace_ms`) is answered at once, as before: holding it would only delay the 503.
 
 A held request leaves with today's diagnostic answer when its time is up, or at once when the hold
 no longer applies (the promotion aborted and no other is coming). A client that disconnects cancels
@@ -48,6 +51,8 @@ from haru.promoter.decider import standby_serves_in
 # a cold reload with nothing coming to replace it is answered at once, as before.
 _CURED_BY_FAILOVER: Final = frozenset({"model_lost", "gpu_detached", "upstream_unreachable", "no_serving_url"})
 _CURED_BY_PROMOTION: Final = _CURED_BY_FAILOVER | frozenset({"model_warming", "model_asleep", "residency_unknown"})
+# Refusals the active cures by itself, when it reloads a lost model sooner than the standby would serve.
+_CURED_IN_PLACE: Final = frozenset({"model_lost", "model_warming"})
 _MOVING_KINDS: Final = frozenset({"promotion", "rolling"})
 _READY_TO_PROMOTE = (Sleeping, Resident, Waking)
 MARGIN_MS: Final = 1_000  # the flip and the route reaching this gateway, beyond wake and probe
@@ -108,6 +113,31 @@ def _fails_now(view: FleetView, active: str, target: str) -> bool:
     return False
 
 
+def _reloads_in_place(view: FleetView, active: str) -> int:
+    """ms until the active serves its lost models again by itself (0 = it will not, or nobody knows): every
+    model it has lost is lost for a cold-reload reason (or loading again after one) and its warm-up was
+    measured. The promoter then lets the reload run (`faster_path` found the standby no quicker), so a
+    request waits for it: the restart backoff, the measured warm-up, and a margin."""
+    dv = view.domains.get(active)
+    if dv is None:
+        return 0
+    slowest = 0
+    for mv in dv.models.values():
+        state = mv.residency
+        if mv.admitted is False or isinstance(state, Resident):
+            continue
+        if isinstance(state, Lost) and state.reason in _COLD_RELOAD or isinstance(state, Loading) and state.attempt > 1:
+            if not mv.load_ms:
+                return 0
+            slowest = max(slowest, mv.load_ms)
+        elif isinstance(state, (Lost, Loading)):
+            return 0  # lost for another reason, or a first load: not a reload the measured warm-up bounds
+    if not slowest:  # nothing lost any more: the route intent has yet to say the model is back
+        return MARGIN_MS
+    wait = slowest + view.policy.restart_backoff_ms + MARGIN_MS
+    return wait if wait <= view.policy.hold_max_ms else 0  # a reload too slow to wait for: answered at once
+
+
 def _backing_off(view: FleetView, target: str, now: float) -> bool:
     """A promotion onto `target` aborted a moment ago: the promoter waits before it tries again, so
     nothing is about to start (the promoter's own wait is at least this long)."""
@@ -134,14 +164,14 @@ def hold_plan(routes: FleetRoutes | None, code: str, *, unreachable: bool = Fals
             return None
         why = f"promotion of {target} under way"
     else:
-        if code not in _CURED_BY_FAILOVER and not unreachable:
+        in_place = _reloads_in_place(view, active) if code in _CURED_IN_PLACE and not unreachable else 0
+        if code not in _CURED_BY_FAILOVER and not unreachable and not in_place:
             return None
-        if not policy.auto_failover:
-            return None
-        target = _standby_ready(view, active)
-        if not target or _backing_off(view, target, now):
-            return None
-        if not unreachable and not _fails_now(view, active, target):
+        target = _standby_ready(view, active) if policy.auto_failover else ""
+        if not target or _backing_off(view, target, now) or not (unreachable or _fails_now(view, active, target)):
+            if in_place:  # the active reloads sooner than a failover would serve: wait for it
+                return HoldPlan(min(policy.hold_ms or in_place, policy.hold_max_ms),
+                                f"{active} reloads its lost models in place (about {in_place} ms)")
             return None  # a loss the promoter waits out (degraded_grace_ms): holding would only delay the answer
         why = f"auto-failover to {target} about to start"
     if policy.hold_ms:

@@ -17,7 +17,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from haru.core.residency import Answer, Lost, Sleeping
+from haru.core.residency import Answer, Lost, Resident, Sleeping
 from haru.core.specs import Policy
 from haru.core.views import FleetView, OperationView
 from tests.integration.test_gateway import (
@@ -39,17 +39,18 @@ FAST = Policy(heartbeat_timeout_ms=500)
 
 def fleet_view(urls: dict[str, str], *, active: str, policy: Policy = FAST, seq: int = 1, wake_ms: int = 400,
                operation: OperationView | None = None, last_operation: OperationView | None = None,
-               runtime: str = "vllm", standby_state=None) -> FleetView:
-    """Two domains: `active`, whose model was lost to a crash (a cold reload of 30 s, measured), and the
-    other a standby asleep whose measured wake is `wake_ms`: the promoter fails over at once."""
+               runtime: str = "vllm", standby_state=None, reload_ms: int = 30_000, active_state=None) -> FleetView:
+    """Two domains: `active`, whose model was lost to a crash (a cold reload of `reload_ms`, 30 s,
+    measured), and the other a standby asleep whose measured wake is `wake_ms`: the promoter fails over
+    at once."""
     standby_state = standby_state or Sleeping(since=datetime.now(UTC))
     states = {(d, MODEL): standby_state for d in urls if d != active}
-    states[(active, MODEL)] = Lost(since=datetime.now(UTC), reason="process_exited")
+    states[(active, MODEL)] = active_state or Lost(since=datetime.now(UTC), reason="process_exited")
     view = view_of("default", urls, active=active, models=(MODEL,), seq=seq, residency=states)
     domains = {}
     for name, dv in view.domains.items():
         models = {m: msgspec.structs.replace(mv, wake_ms=wake_ms if name != active else 0, runtime=runtime,
-                                             load_ms=30_000)
+                                             load_ms=reload_ms)
                   for m, mv in dv.models.items()}
         domains[name] = msgspec.structs.replace(dv, models=models)
     return msgspec.structs.replace(view, domains=domains, policy=policy, operation=operation,
@@ -65,6 +66,52 @@ async def gw(event_log):
         yield gw
 
 
+class TwoDomains:
+    """The fleet of every test here: domains a (the active) and b, behind the real gateway."""
+
+    def __init__(self, event_log, gw, a, b) -> None:
+        self.a, self.b = a, b
+        self.fleet = Fleet(event_log, gw)
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {"a": self.a.url, "b": self.b.url}
+
+    async def view(self, **kw) -> None:
+        """Publish `fleet_view` of a and b with `kw`, a still the active."""
+        await self.fleet.put_view(fleet_view(self.urls, active="a", **kw))
+
+    async def route_to_a(self, *, answers: dict[str, Answer] | None = None, intent_op: str = "", **kw) -> None:
+        """The view (`kw`), then the route to a, whose model is answered `answers` (default: ready)."""
+        await self.view(**kw)
+        await self.fleet.publish(intent_of("default", "a", self.a.url, revision=1, answers=answers, models=(MODEL,),
+                                           operation=intent_op))
+
+    async def move_to_b(self) -> None:
+        await self.fleet.publish(intent_of("default", "b", self.b.url, revision=2, models=(MODEL,)))
+
+
+@pytest.fixture
+async def two(event_log, gw, upstreams):
+    return TwoDomains(event_log, gw, await upstreams("a"), await upstreams("b"))
+
+
+@pytest.fixture
+async def servers():
+    """Starts upstreams of a test's own kind (`await servers(StreamingUpstream(...))`), stopped after it."""
+    started = []
+
+    async def start(server):
+        started.append(await server.start())
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            await server.stop()
+
+
 async def post(gw, body: dict, timeout: float = 20) -> tuple[int, dict[str, str], bytes]:
     async with aiohttp.ClientSession() as s:
         async with s.post(gw.url + "/v1/chat/completions", json=body,
@@ -75,16 +122,13 @@ async def post(gw, body: dict, timeout: float = 20) -> tuple[int, dict[str, str]
 # ------------------------------------------------------------------------------------- holding
 
 
-async def test_a_request_for_a_lost_model_is_held_and_sent_to_the_new_active(event_log, gw, upstreams):
-    a, b = await upstreams("a"), await upstreams("b")
-    fleet = Fleet(event_log, gw)
-    await fleet.put_view(fleet_view({"a": a.url, "b": b.url}, active="a"))
-    await fleet.publish(intent_of("default", "a", a.url, revision=1, answers=LOST, models=(MODEL,)))
+async def test_a_request_for_a_lost_model_is_held_and_sent_to_the_new_active(gw, two):
+    await two.route_to_a(answers=LOST)
 
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
     await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
     assert not pending.done()
-    await fleet.publish(intent_of("default", "b", b.url, revision=2, models=(MODEL,)))
+    await two.move_to_b()
     status, headers, data = await pending
     assert status == 200 and b"[domain b]" in data
     assert headers["X-Haru-Domain"] == "b" and int(headers["X-Haru-Held-Ms"]) >= 0
@@ -93,12 +137,22 @@ async def test_a_request_for_a_lost_model_is_held_and_sent_to_the_new_active(eve
     assert 'haru_gateway_held_total{fleet="default",outcome="released"} 1.0' in metrics
 
 
-async def test_a_hold_ends_with_todays_answer_when_its_time_is_up(event_log, gw, upstreams):
-    a, b = await upstreams("a"), await upstreams("b")
-    fleet = Fleet(event_log, gw)
-    await fleet.put_view(fleet_view({"a": a.url, "b": b.url}, active="a",
-                                    policy=msgspec.structs.replace(FAST, hold_ms=300)))
-    await fleet.publish(intent_of("default", "a", a.url, revision=1, answers=LOST, models=(MODEL,)))
+async def test_a_model_the_active_reloads_sooner_than_a_failover_is_waited_for_in_place(gw, two):
+    # a reloads in 300 ms (measured), b would wake in 40 s: no failover; the request waits for a's reload
+    quick = dict(wake_ms=40_000, reload_ms=300)
+    await two.route_to_a(answers=LOST, **quick)
+    pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
+    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await two.view(seq=2, active_state=Resident(since=datetime.now(UTC)), **quick)  # back: the view first
+    assert not pending.done()
+    await two.fleet.publish(intent_of("default", "a", two.a.url, revision=1, models=(MODEL,)))  # then the intent
+    status, headers, data = await pending
+    assert status == 200 and b"[domain a]" in data and int(headers["X-Haru-Held-Ms"]) >= 0
+    assert two.b.received == []
+
+
+async def test_a_hold_ends_with_todays_answer_when_its_time_is_up(gw, two):
+    await two.route_to_a(answers=LOST, policy=msgspec.structs.replace(FAST, hold_ms=300))
     loop = asyncio.get_running_loop()
     started = loop.time()
     status, _, data = await post(gw, {"model": MODEL, "messages": CHAT})
@@ -108,85 +162,65 @@ async def test_a_hold_ends_with_todays_answer_when_its_time_is_up(event_log, gw,
     assert 'haru_gateway_held_total{fleet="default",outcome="expired"} 1.0' in metrics
 
 
-async def test_nothing_is_held_without_a_standby_to_fail_over_to(event_log, gw, upstreams):
-    a, b = await upstreams("a"), await upstreams("b")
-    fleet = Fleet(event_log, gw)
-    for view in (
-        fleet_view({"a": a.url, "b": b.url}, active="a", policy=msgspec.structs.replace(FAST, auto_failover=False)),
-        fleet_view({"a": a.url, "b": b.url}, active="a", seq=2, standby_state=Lost(reason="evicted")),
-        fleet_view({"a": a.url, "b": b.url}, active="a", seq=3, policy=msgspec.structs.replace(FAST, hold_max_ms=0)),
-    ):
-        await fleet.put_view(view)
-        if fleet.intent_seq == 0:
-            await fleet.publish(intent_of("default", "a", a.url, revision=1, answers=LOST, models=(MODEL,)))
+async def test_nothing_is_held_without_a_standby_to_fail_over_to(gw, two):
+    await two.route_to_a(answers=LOST, policy=msgspec.structs.replace(FAST, auto_failover=False))
+    for view in ({}, dict(seq=2, standby_state=Lost(reason="evicted")),
+                 dict(seq=3, policy=msgspec.structs.replace(FAST, hold_max_ms=0))):
+        if view:
+            await two.view(**view)
         status, _, data = await post(gw, {"model": MODEL, "messages": CHAT}, timeout=2)
         assert status == 503 and json.loads(data)["error"]["code"] == "model_lost"
 
 
-async def test_a_hold_ends_at_once_when_the_promotion_aborts(event_log, gw, upstreams):
-    a, b = await upstreams("a"), await upstreams("b")
-    fleet = Fleet(event_log, gw)
+async def test_a_hold_ends_at_once_when_the_promotion_aborts(gw, two):
     now = datetime.now(UTC)
     op = OperationView(op_id="op1", kind="promotion", target="b", source="a", requested_at=now)
-    await fleet.put_view(fleet_view({"a": a.url, "b": b.url}, active="a", operation=op,
-                                    policy=msgspec.structs.replace(FAST, hold_ms=20_000)))
-    await fleet.publish(intent_of("default", "a", a.url, revision=1, answers=LOST, models=(MODEL,), operation="op1"))
+    await two.route_to_a(answers=LOST, intent_op="op1", operation=op, policy=msgspec.structs.replace(FAST, hold_ms=20_000))
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
     await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
     aborted = msgspec.structs.replace(op, state="aborted", error="wake: out of memory", finished_at=datetime.now(UTC))
-    await fleet.put_view(fleet_view({"a": a.url, "b": b.url}, active="a", seq=2, last_operation=aborted,
-                                    policy=msgspec.structs.replace(FAST, hold_ms=20_000)))
+    await two.view(seq=2, last_operation=aborted, policy=msgspec.structs.replace(FAST, hold_ms=20_000))
     status, _, data = await asyncio.wait_for(pending, 5)
     assert status == 503 and json.loads(data)["error"]["code"] == "model_lost"
 
 
-async def test_a_held_request_whose_client_leaves_is_dropped_at_once(event_log, gw, upstreams):
-    a, b = await upstreams("a"), await upstreams("b")
-    fleet = Fleet(event_log, gw)
-    await fleet.put_view(fleet_view({"a": a.url, "b": b.url}, active="a"))
-    await fleet.publish(intent_of("default", "a", a.url, revision=1, answers=LOST, models=(MODEL,)))
+async def test_a_held_request_whose_client_leaves_is_dropped_at_once(gw, two):
+    await two.route_to_a(answers=LOST)
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
     await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
     pending.cancel()
     await wait_for(lambda: gw.proxy.holds.held.get("default") == 0)
-    await fleet.publish(intent_of("default", "b", b.url, revision=2, models=(MODEL,)))
+    await two.move_to_b()
     await asyncio.sleep(0.2)
-    assert b.received == []  # it never reached the new active
+    assert two.b.received == []  # it never reached the new active
     metrics = await _get_text(gw, "/metrics")
     assert 'haru_gateway_held_total{fleet="default",outcome="dropped"} 1.0' in metrics
 
 
-async def test_requests_beyond_the_hold_cap_are_answered_at_once(event_log, gw, upstreams):
-    a, b = await upstreams("a"), await upstreams("b")
-    fleet = Fleet(event_log, gw)
-    await fleet.put_view(fleet_view({"a": a.url, "b": b.url}, active="a",
-                                    policy=msgspec.structs.replace(FAST, hold_max_requests=1)))
-    await fleet.publish(intent_of("default", "a", a.url, revision=1, answers=LOST, models=(MODEL,)))
+async def test_requests_beyond_the_hold_cap_are_answered_at_once(gw, two):
+    await two.route_to_a(answers=LOST, policy=msgspec.structs.replace(FAST, hold_max_requests=1))
     first = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
     await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
     status, _, _ = await post(gw, {"model": MODEL, "messages": CHAT}, timeout=2)
     assert status == 503
-    await fleet.publish(intent_of("default", "b", b.url, revision=2, models=(MODEL,)))
+    await two.move_to_b()
     assert (await first)[0] == 200
 
 
 # ------------------------------------------------------------------------------------ retrying
 
 
-async def test_a_request_to_a_dead_domain_is_sent_once_more_to_the_new_active(event_log, gw, upstreams):
-    a, b = await upstreams("a"), await upstreams("b")
-    fleet = Fleet(event_log, gw)
-    await fleet.put_view(fleet_view({"a": a.url, "b": b.url}, active="a"))
-    await fleet.publish(intent_of("default", "a", a.url, revision=1, models=(MODEL,)))
-    await a.stop()  # the host died: connection refused
+async def test_a_request_to_a_dead_domain_is_sent_once_more_to_the_new_active(gw, two):
+    await two.route_to_a()
+    await two.a.stop()  # the host died: connection refused
 
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
     await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
-    await fleet.publish(intent_of("default", "b", b.url, revision=2, models=(MODEL,)))
+    await two.move_to_b()
     status, headers, data = await pending
     assert status == 200 and b"[domain b]" in data
     assert headers["X-Haru-Retried"].startswith("a; unreachable")
-    assert len(b.received) == 1
+    assert len(two.b.received) == 1
     metrics = await _get_text(gw, "/metrics")
     assert 'haru_gateway_retried_total{fleet="default",why="unreachable"} 1.0' in metrics
 
@@ -221,30 +255,21 @@ class GoneUpstream:
             await self.runner.cleanup()
 
 
-async def test_a_runtime_gone_answer_is_sent_once_more_to_the_new_active(event_log, gw, upstreams):
-    gone, b = await GoneUpstream().start(), await upstreams("b")
-    try:
-        fleet = Fleet(event_log, gw)
-        await fleet.put_view(fleet_view({"a": gone.url, "b": b.url}, active="a"))
-        await fleet.publish(intent_of("default", "a", gone.url, revision=1, models=(MODEL,)))
-        pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
-        await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
-        await fleet.publish(intent_of("default", "b", b.url, revision=2, models=(MODEL,)))
-        status, headers, data = await pending
-        assert status == 200 and b"[domain b]" in data and headers["X-Haru-Retried"] == "a; runtime_gone"
-        assert gone.received == 1
-    finally:
-        await gone.stop()
+async def test_a_runtime_gone_answer_is_sent_once_more_to_the_new_active(event_log, gw, upstreams, servers):
+    two = TwoDomains(event_log, gw, await servers(GoneUpstream()), await upstreams("b"))
+    await two.route_to_a()
+    pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
+    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await two.move_to_b()
+    status, headers, data = await pending
+    assert status == 200 and b"[domain b]" in data and headers["X-Haru-Retried"] == "a; runtime_gone"
+    assert two.a.received == 1
 
 
-async def test_a_retry_is_sent_once_only(event_log, gw, upstreams):
-    a, b = await upstreams("a"), await upstreams("b")
-    fleet = Fleet(event_log, gw)
-    await fleet.put_view(fleet_view({"a": a.url, "b": b.url}, active="a",
-                                    policy=msgspec.structs.replace(FAST, hold_ms=300)))
-    await fleet.publish(intent_of("default", "a", a.url, revision=1, models=(MODEL,)))
-    await a.stop()
-    await b.stop()
+async def test_a_retry_is_sent_once_only(gw, two):
+    await two.route_to_a(policy=msgspec.structs.replace(FAST, hold_ms=300))
+    await two.a.stop()
+    await two.b.stop()
     # the hold ends with the route unmoved: the one resend goes to a, dead still, and that is the answer
     status, headers, data = await post(gw, {"model": MODEL, "messages": CHAT})
     assert status == 502 and json.loads(data)["error"]["code"] == "upstream_unreachable"
@@ -323,112 +348,90 @@ class StreamingUpstream:
 WORDS = ["Once", " upon", " a", " time", " there", " was", " a", " GPU", "."]
 
 
-async def _stream_fleet(event_log, gw, a: StreamingUpstream, b: StreamingUpstream, runtime: str = "vllm") -> Fleet:
-    fleet = Fleet(event_log, gw)
-    await fleet.put_view(fleet_view({"a": a.url, "b": b.url}, active="a", runtime=runtime))
-    await fleet.publish(intent_of("default", "a", a.url, revision=1, models=(MODEL,)))
-    return fleet
+async def _stream_fleet(event_log, gw, servers, a: StreamingUpstream, b: StreamingUpstream, runtime: str = "vllm",
+                        **view) -> TwoDomains:
+    """a and b started (stopped after the test), the route to a."""
+    two = TwoDomains(event_log, gw, await servers(a), await servers(b))
+    await two.route_to_a(runtime=runtime, **view)
+    return two
 
 
 @pytest.mark.parametrize("runtime", ["vllm", "llama_server"])
-async def test_a_stream_cut_mid_generation_is_continued_on_the_new_active(event_log, gw, runtime):
-    a = await StreamingUpstream("a", WORDS, die_after=4).start()
-    b = await StreamingUpstream("b", WORDS).start()
-    try:
-        fleet = await _stream_fleet(event_log, gw, a, b, runtime)
+async def test_a_stream_cut_mid_generation_is_continued_on_the_new_active(event_log, gw, servers, runtime):
+    a, b = StreamingUpstream("a", WORDS, die_after=4), StreamingUpstream("b", WORDS)
+    two = await _stream_fleet(event_log, gw, servers, a, b, runtime)
 
-        async def move_when_cut() -> None:
-            await wait_for(lambda: len(a.bodies) == 1)
-            await asyncio.sleep(0.2)
-            await fleet.publish(intent_of("default", "b", b.url, revision=2, models=(MODEL,)))
+    async def move_when_cut() -> None:
+        await wait_for(lambda: len(a.bodies) == 1)
+        await asyncio.sleep(0.2)
+        await two.move_to_b()
 
-        mover = asyncio.create_task(move_when_cut())
-        async with sdk(gw) as client:
-            stream = await client.chat.completions.create(model=MODEL, messages=CHAT, stream=True, max_tokens=100)
-            chunks = [c async for c in stream]
-        await mover
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert text == "".join(WORDS)
-        assert {c.id for c in chunks} == {"chatcmpl-a"} and {c.created for c in chunks} == {1000 + ord("a")}
-        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1
-        assert chunks[-1].choices[0].finish_reason == "stop"
-        cont = b.bodies[0]
-        assert cont["messages"][-1] == {"role": "assistant", "content": "".join(WORDS[:4])}
-        assert len(a.bodies) >= 2  # tried on a (its runtime gone) until the route moved
-        assert cont["max_tokens"] == 96
-        if runtime == "vllm":
-            assert cont["continue_final_message"] is True and cont["add_generation_prompt"] is False
-        else:
-            assert "continue_final_message" not in cont
-        metrics = await _get_text(gw, "/metrics")
-        assert 'haru_gateway_stream_resumes_total{fleet="default",outcome="continued"} 1.0' in metrics
-    finally:
-        await a.stop()
-        await b.stop()
+    mover = asyncio.create_task(move_when_cut())
+    async with sdk(gw) as client:
+        stream = await client.chat.completions.create(model=MODEL, messages=CHAT, stream=True, max_tokens=100)
+        chunks = [c async for c in stream]
+    await mover
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "".join(WORDS)
+    assert {c.id for c in chunks} == {"chatcmpl-a"} and {c.created for c in chunks} == {1000 + ord("a")}
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    cont = b.bodies[0]
+    assert cont["messages"][-1] == {"role": "assistant", "content": "".join(WORDS[:4])}
+    assert len(a.bodies) >= 2  # tried on a (its runtime gone) until the route moved
+    assert cont["max_tokens"] == 96
+    if runtime == "vllm":
+        assert cont["continue_final_message"] is True and cont["add_generation_prompt"] is False
+    else:
+        assert "continue_final_message" not in cont
+    metrics = await _get_text(gw, "/metrics")
+    assert 'haru_gateway_stream_resumes_total{fleet="default",outcome="continued"} 1.0' in metrics
 
 
-async def test_a_stream_is_continued_on_the_same_domain_once_it_answers_again(event_log, gw):
+async def test_a_stream_is_continued_on_the_same_domain_once_it_answers_again(event_log, gw, servers):
     # the agent restarted: no route move, the same serving URL answers again
-    a = await StreamingUpstream("a", WORDS, die_after=3, stays_gone=False).start()
-    b = await StreamingUpstream("b", WORDS).start()
-    try:
-        await _stream_fleet(event_log, gw, a, b)
-        async with sdk(gw) as client:
-            stream = await client.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
-            first = await stream.__anext__()
-            a.die_after = None  # what answers next is the restarted runtime
-            rest = [c async for c in stream]
-        text = "".join(c.choices[0].delta.content or "" for c in [first, *rest] if c.choices)
-        assert text == "".join(WORDS) and len(a.bodies) == 2 and b.bodies == []
-    finally:
-        await a.stop()
-        await b.stop()
+    a, b = StreamingUpstream("a", WORDS, die_after=3, stays_gone=False), StreamingUpstream("b", WORDS)
+    await _stream_fleet(event_log, gw, servers, a, b)
+    async with sdk(gw) as client:
+        stream = await client.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
+        first = await stream.__anext__()
+        a.die_after = None  # what answers next is the restarted runtime
+        rest = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in [first, *rest] if c.choices)
+    assert text == "".join(WORDS) and len(a.bodies) == 2 and b.bodies == []
 
 
 @pytest.mark.parametrize("extra", [{"n": 2}, {"logprobs": True}, {"response_format": {"type": "json_object"}},
                                    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}])
-async def test_a_stream_that_cannot_be_continued_faithfully_ends_with_an_error_event(event_log, gw, extra):
-    a = await StreamingUpstream("a", WORDS, die_after=2).start()
-    b = await StreamingUpstream("b", WORDS).start()
-    try:
-        await _stream_fleet(event_log, gw, a, b)
-        async with sdk(gw) as client:
-            stream = await client.chat.completions.create(model=MODEL, messages=CHAT, stream=True, **extra)
-            with pytest.raises(openai.APIError) as info:
-                async for _ in stream:
-                    pass
-        assert "cannot be continued faithfully" in str(info.value)
-        assert b.bodies == []
-        metrics = await _get_text(gw, "/metrics")
-        assert 'haru_gateway_stream_resumes_total{fleet="default",outcome="error_event"} 1.0' in metrics
-    finally:
+async def test_a_stream_that_cannot_be_continued_faithfully_ends_with_an_error_event(event_log, gw, servers, extra):
+    a, b = StreamingUpstream("a", WORDS, die_after=2), StreamingUpstream("b", WORDS)
+    await _stream_fleet(event_log, gw, servers, a, b)
+    async with sdk(gw) as client:
+        stream = await client.chat.completions.create(model=MODEL, messages=CHAT, stream=True, **extra)
+        with pytest.raises(openai.APIError) as info:
+            async for _ in stream:
+                pass
+    assert "cannot be continued faithfully" in str(info.value)
+    assert b.bodies == []
+    metrics = await _get_text(gw, "/metrics")
+    assert 'haru_gateway_stream_resumes_total{fleet="default",outcome="error_event"} 1.0' in metrics
+
+
+async def test_a_cut_with_nowhere_to_continue_ends_with_an_error_event_not_a_silent_cut(event_log, gw, servers):
+    a, b = StreamingUpstream("a", WORDS, die_after=2), StreamingUpstream("b", WORDS)
+    await _stream_fleet(event_log, gw, servers, a, b, policy=msgspec.structs.replace(FAST, hold_ms=300))
+    await b.stop()
+
+    async def host_dies() -> None:  # after the cut, a refuses connections: nothing can continue it
+        await wait_for(lambda: len(a.bodies) == 1)
         await a.stop()
-        await b.stop()
 
-
-async def test_a_cut_with_nowhere_to_continue_ends_with_an_error_event_not_a_silent_cut(event_log, gw):
-    a = await StreamingUpstream("a", WORDS, die_after=2).start()
-    b = await StreamingUpstream("b", WORDS).start()
-    try:
-        fleet = Fleet(event_log, gw)
-        await fleet.put_view(fleet_view({"a": a.url, "b": b.url}, active="a",
-                                        policy=msgspec.structs.replace(FAST, hold_ms=300)))
-        await fleet.publish(intent_of("default", "a", a.url, revision=1, models=(MODEL,)))
-        await b.stop()
-
-        async def host_dies() -> None:  # after the cut, a refuses connections: nothing can continue it
-            await wait_for(lambda: len(a.bodies) == 1)
-            await a.stop()
-
-        dying = asyncio.create_task(host_dies())
-        async with aiohttp.ClientSession() as s:
-            async with s.post(gw.url + "/v1/chat/completions",
-                              json={"model": MODEL, "messages": CHAT, "stream": True}) as r:
-                data = await r.read()
-        await dying
-        last = data.rstrip(b"\n").split(b"\n\n")[-1]
-        assert last.startswith(b"data: {\"error\":"), data
-        assert json.loads(last[6:])["error"]["code"] == "stream_interrupted"
-    finally:
-        await a.stop()
-        await b.stop()
+    dying = asyncio.create_task(host_dies())
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": CHAT, "stream": True}) as r:
+            data = await r.read()
+    await dying
+    last = data.rstrip(b"\n").split(b"\n\n")[-1]
+    assert last.startswith(b"data: {\"error\":"), data
+    assert json.loads(last[6:])["error"]["code"] == "stream_interrupted"

@@ -29,9 +29,10 @@ M = "m1"
 
 
 def routes(*, policy: Policy = Policy(), wake_ms: int = 400, standby=None, operation=None, last_operation=None,
-           b_reachable: bool | None = True, b_eligible: bool = True, a_reachable: bool | None = True):
+           b_reachable: bool | None = True, b_eligible: bool = True, a_reachable: bool | None = True,
+           reload_ms: int = 30_000):
     a = DomainView(name="a", serving_url="http://a", reachable=a_reachable,
-                   models={M: ModelView(name=M, admitted=True, residency=Lost(reason="process_exited"), load_ms=30_000)})
+                   models={M: ModelView(name=M, admitted=True, residency=Lost(reason="process_exited"), load_ms=reload_ms)})
     b = DomainView(name="b", serving_url="http://b", reachable=b_reachable, eligible=b_eligible,
                    models={M: ModelView(name=M, admitted=True, residency=standby or Sleeping(since=NOW),
                                         wake_ms=wake_ms)})
@@ -179,6 +180,18 @@ def test_a_cut_before_the_role_chunk_keeps_the_continuations_role_chunk():
     first = splice_event(events(chunk({"role": "assistant", "content": ""}, cid="c2"))[0], t)
     assert first is not None and json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
     assert splice_event(events(chunk({"role": "assistant", "content": ""}, cid="c2"))[0], t) is None
+
+
+def test_a_cold_reload_quicker_than_the_standby_is_waited_for_in_place():
+    # b wakes in 40 s, a reloads in 300 ms (measured): no failover; the request waits for a's reload
+    quick = routes(wake_ms=40_000, reload_ms=300)
+    plan = hold_plan(quick, "model_lost", now=T)
+    assert plan is not None and "a reloads its lost models in place" in plan.why
+    assert plan.budget_ms == 300 + Policy().restart_backoff_ms + MARGIN_MS
+    assert hold_plan(quick, "model_warming", now=T) is not None  # the restart under way
+    assert hold_plan(routes(wake_ms=40_000, reload_ms=300, policy=Policy(hold_max_ms=0)), "model_lost", now=T) is None
+    unmeasured = routes(wake_ms=40_000, reload_ms=0)
+    assert hold_plan(unmeasured, "model_lost", now=T) is None  # nobody knows how long it takes
 
 
 def test_a_loss_the_promoter_waits_out_is_not_held():
