@@ -138,6 +138,17 @@ def _reloads_in_place(view: FleetView, active: str) -> int:
     return wait if wait <= view.policy.hold_max_ms else 0  # a reload too slow to wait for: answered at once
 
 
+def back_since(routes: FleetRoutes | None, domain: str, model: str, since: float) -> bool:
+    """Whether `model` on `domain` became resident again at or after `since` (epoch seconds): its runtime
+    (or the whole agent) came back after a request to it died, so that request may go to it once more
+    without the route moving. Pure."""
+    view = routes.view if routes is not None else None
+    dv = view.domains.get(domain) if view is not None else None
+    mv = dv.models.get(model) if dv is not None else None
+    state = mv.residency if mv is not None else None
+    return isinstance(state, Resident) and state.since is not None and state.since.timestamp() >= since
+
+
 def _backing_off(view: FleetView, target: str, now: float) -> bool:
     """A promotion onto `target` aborted a moment ago: the promoter waits before it tries again, so
     nothing is about to start (the promoter's own wait is at least this long)."""

@@ -31,7 +31,7 @@ from multidict import CIMultiDict
 
 from haru.gateway.config import GatewayConfig
 from haru.gateway.errors import UpstreamError
-from haru.gateway.hold import Holds, hold_plan
+from haru.gateway.hold import Holds, back_since, hold_plan
 from haru.gateway.metrics import UNKNOWN_FLEET, UNKNOWN_MODEL, GatewayMetrics
 from haru.gateway.routing import (
     Forward,
@@ -317,8 +317,11 @@ class Proxy:
             self.metrics.request(fleet, model, refusal.status)
             return error_response(refusal)
 
-        def moved(f: Forward) -> bool:
-            return f.domain != fwd.domain or f.revision != fwd.revision
+        since = time.time()
+
+        def moved(f: Forward) -> bool:  # the route moved, or the model came back where it died (a restart)
+            return f.domain != fwd.domain or f.revision != fwd.revision or back_since(
+                self.table.get(fleet), f.domain, f.model, since)
 
         outcome = await self.holds.hold(fleet, model, len(body), plan, refusal, moved, unreachable=True)
         if type(outcome) is not Forward:

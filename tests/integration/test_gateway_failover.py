@@ -230,6 +230,7 @@ class GoneUpstream:
 
     def __init__(self) -> None:
         self.received = 0
+        self.back = False  # True: the runtime was restarted and answers again
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -237,6 +238,10 @@ class GoneUpstream:
         async def handle(request: web.Request) -> web.Response:
             self.received += 1
             await request.read()
+            if self.back:
+                return web.json_response({"id": "x", "object": "chat.completion", "created": 1, "model": MODEL,
+                                          "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                                              "role": "assistant", "content": "[domain a] back"}}]})
             return web.json_response(
                 {"error": {"message": "the model is lost (process_exited)", "type": "server_error", "param": "model",
                            "code": "model_lost"}}, status=503, headers={"X-Haru-Runtime-Gone": "process_exited"})
@@ -264,6 +269,22 @@ async def test_a_runtime_gone_answer_is_sent_once_more_to_the_new_active(event_l
     status, headers, data = await pending
     assert status == 200 and b"[domain b]" in data and headers["X-Haru-Retried"] == "a; runtime_gone"
     assert two.a.received == 1
+
+
+async def test_a_request_whose_runtime_died_goes_once_more_where_it_is_back_without_a_route_move(
+        event_log, gw, upstreams, servers):
+    # the agent restarted a's runtime: the route never moves; the retry waits for the model to be resident
+    # there again, not for its whole hold (20 s here)
+    two = TwoDomains(event_log, gw, await servers(GoneUpstream()), await upstreams("b"))
+    slow = dict(policy=msgspec.structs.replace(FAST, hold_ms=20_000))
+    await two.route_to_a(active_state=Resident(since=datetime(2026, 1, 1, tzinfo=UTC)), **slow)
+    pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}, timeout=5))
+    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    two.a.back = True
+    await two.view(seq=2, active_state=Resident(since=datetime.now(UTC)), **slow)
+    status, headers, data = await pending
+    assert status == 200 and b"[domain a] back" in data and headers["X-Haru-Retried"] == "a; runtime_gone"
+    assert two.a.received == 2 and two.b.received == []
 
 
 async def test_a_retry_is_sent_once_only(gw, two):

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import msgspec
 import pytest
 
-from haru.gateway.hold import MARGIN_MS, hold_plan
+from haru.gateway.hold import MARGIN_MS, back_since, hold_plan
 from haru.gateway.resume import (
     boundary,
     continuation_body,
@@ -203,3 +203,11 @@ def test_a_loss_the_promoter_waits_out_is_not_held():
     assert hold_plan(unmeasured, "model_lost", now=T) is not None
     too_slow = routes(wake_ms=0, policy=Policy(probe_estimate_ms=31_000))
     assert hold_plan(too_slow, "model_lost", now=T) is None
+
+
+def test_a_model_is_back_once_resident_again_after_the_request_died():
+    back = routes(standby=Resident(since=NOW))
+    assert back_since(back, "b", M, NOW.timestamp()) and back_since(back, "b", M, NOW.timestamp() - 5)
+    assert not back_since(back, "b", M, NOW.timestamp() + 1)  # resident since before it died: the old runtime
+    assert not back_since(back, "a", M, 0)  # lost
+    assert not back_since(back, "c", M, 0) and not back_since(back, "b", "other", 0) and not back_since(None, "b", M, 0)
