@@ -1,14 +1,20 @@
 """What clients see of a failover: closed-loop JSON and SSE load through the gateway, one fault at a time.
 
-    .venv/bin/python bench/clientview.py [--json-clients 6] [--sse-clients 2] [--tail-s 6] [--faults all]
+    .venv/bin/python bench/clientview.py [--real llama] [--json-clients 6] [--sse-clients 2] [--tail-s 6] [--faults all]
 
 Runs `haru up --demo` (embedded nats-server, projector, promoter, gateway, two agents on the vLLM
-simulator) in a temporary home, waits until domain a serves and b is asleep and training, measures a
-steady window, then applies each fault to the active domain, one at a time, with the load running:
+simulator), or with `--real llama` `haru up --demo --real llama` (the same fleet shape on real
+llama-servers, CPU, tiny generated models; the GPUs stay simulated), in a temporary home, waits until
+domain a serves and b is a standby (asleep, or resident where the runtime cannot sleep) and training,
+measures a steady window, then applies each fault to the active domain, one at a time, with the load
+running:
 
     promote      `haru promote <standby> --wait` (planned)
-    detach       `haru sim detach-gpu <active>` (the provider took the GPU); attached again after
-    crash        `haru sim crash <active> <model>` for every model (every runtime exits)
+    detach       `haru sim detach-gpu <active>` (the provider took the GPU); attached again after. With
+                 --real the GPU is the demo's simulated one (the row says so): the llama-servers run on
+                 the CPU and go on running, only the agent's GPU reading changes
+    crash        every runtime on the active exits: `haru sim crash <active> <model>` for every model, or
+                 with --real a SIGKILL of every llama-server the active's agent runs
     agent        SIGKILL of the active's agent only (`haru up` starts it again; its runtimes and
                  port holder live on)
     host         SIGKILL of the active's agent, its runtimes and its serving port holder at once
@@ -20,8 +26,10 @@ Each window runs from the fault until the fleet is settled again (no operation i
 models resident) plus `--tail-s`. Per fault it prints the requests, the failed ones (a non-200, or an
 SSE stream that ended with an error event), the cut streams (ended without `[DONE]` or an error
 event), the streams the gateway continued (haru_gateway_stream_resumes_total), the requests it held
-and sent again, and the p99 latency against the steady window's. Goal: 0 failed and 0 cut in every
-row.
+and sent again, and the p99 latency against the steady window's and against the issue's bound:
+steady p99 + the standby's wake and probe + 0.5 s (the wake measured in the log, `wake_ms` of the
+domain that took over, or before any was measured the promoter's own estimate, `standby_serves_in`,
+marked `~`). Goal: 0 failed and 0 cut in every row, each within its bound.
 """
 
 from __future__ import annotations
@@ -41,11 +49,28 @@ import time
 from pathlib import Path
 
 import aiohttp
+import msgspec
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from haru.agents.gpu import process_tree, read_parents  # noqa: E402  (the product's process-tree helper)
+from haru.core.views import FleetView  # noqa: E402
+from haru.promoter.decider import standby_serves_in  # noqa: E402
+
 PY = sys.executable
 CHAT = [{"role": "user", "content": "hello"}]
 FAULTS = ("promote", "detach", "crash", "agent", "host", "preempt")
+# Per runtime: the layout `haru up --demo` ships, the model the JSON clients ask, the one the SSE clients ask.
+MODES = {
+    "sim": ("demo-fleet.json", "qwen3-0.6b", "Qwen/Qwen3-4B-Instruct"),
+    "llama": ("demo-fleet-real.json", "tiny-chat", "tiny:story"),
+}
+# What a row measures that is not the real thing, per runtime ('' = the fault as it is).
+NOTES = {
+    "llama": {"detach": "simulated GPU (the real llama-servers run on the CPU)",
+              "crash": "SIGKILL of every llama-server"},
+}
 
 
 def free_port() -> int:
@@ -54,8 +79,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def layout(dst: Path) -> Path:
-    doc = json.loads((REPO / "deploy" / "examples" / "demo-fleet.json").read_text())
+def layout(dst: Path, mode: str = "sim") -> Path:
+    doc = json.loads((REPO / "haru" / "up" / "demo" / MODES[mode][0]).read_text())
     for domain in doc["domains"]:
         domain["serving_url"] = f"http://127.0.0.1:{free_port()}"
         domain["preemption_notice"] = {"command": ["cat", str(dst.parent / f"notice-{domain['name']}")],
@@ -68,18 +93,7 @@ def layout(dst: Path) -> Path:
 
 
 def descendants(pid: int) -> set[int]:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        p, pp = map(int, line.split())
-        children.setdefault(pp, []).append(p)
-    found, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in found:
-                found.add(c)
-                todo.append(c)
-    return found
+    return set(process_tree({pid}, read_parents())) - {pid}
 
 
 def cmdline(pid: int) -> str:
@@ -90,8 +104,9 @@ def cmdline(pid: int) -> str:
 
 
 class Demo:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, mode: str = "sim") -> None:
         self.root = root
+        self.mode = mode
         self.home = root / "home"
         self.env = {**os.environ, "HARU_HOME": str(self.home), "HARU_NO_UVLOOP": "1", "PYTHONPATH": str(REPO)}
         for name in ("HARU_NATS_URL", "HARU_API_TOKEN"):
@@ -104,10 +119,11 @@ class Demo:
     def start(self) -> None:
         ready = self.root / "ready.json"
         self.proc = subprocess.Popen(
-            [PY, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--port", str(free_port()),
-             "--layout", str(layout(self.root / "demo.json")), "--ready-file", str(ready), "--log-level", "warning"],
+            [PY, "-m", "haru.cli", "up", "--demo", *(["--real", self.mode] if self.mode != "sim" else []),
+             "--nats-port", "0", "--port", str(free_port()), "--layout", str(layout(self.root / "demo.json", self.mode)),
+             "--ready-file", str(ready), "--log-level", "warning"],
             stdout=open(self.root / "up.out", "wb"), stderr=open(self.root / "up.err", "wb"), env=self.env, cwd=REPO)
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 180
         while not ready.exists():
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 raise SystemExit(f"haru up did not start: see {self.root / 'up.err'}")
@@ -151,7 +167,8 @@ class Demo:
 
 
 def settled(view: dict) -> str:
-    """The active domain when the fleet is settled (nothing in flight, active resident, standby asleep), else ''."""
+    """The active domain when the fleet is settled (nothing in flight, active resident, standby asleep, or
+    resident where its runtime cannot sleep), else ''."""
     active = view.get("active", "")
     if not active or view.get("operation"):
         return ""
@@ -159,7 +176,7 @@ def settled(view: dict) -> str:
         states = {m["residency"]["state"] for m in d["models"].values()}
         if name == active and states != {"resident"}:
             return ""
-        if name != active and (states != {"sleeping"} or not d.get("eligible", True)):
+        if name != active and (states not in ({"sleeping"}, {"resident"}) or not d.get("eligible", True)):
             return ""
     return active
 
@@ -167,30 +184,41 @@ def settled(view: dict) -> str:
 class Load:
     """Closed-loop clients; every finished request is kept as (start, end, kind, outcome)."""
 
-    def __init__(self, gateway: str, json_clients: int, sse_clients: int) -> None:
+    def __init__(self, gateway: str, json_clients: int, sse_clients: int, mode: str = "sim") -> None:
         self.gateway = gateway
+        self.json_model, self.sse_model = MODES[mode][1:]
         self.json_clients, self.sse_clients = json_clients, sse_clients
         self.done: list[tuple[float, float, str, str]] = []
+        self.inflight: set[float] = set()  # start times of the requests not finished yet
+
+    async def drained(self, before: float, timeout: float = 90) -> None:
+        """Wait until every request started before `before` has finished (a held one included)."""
+        deadline = time.monotonic() + timeout
+        while any(t < before for t in self.inflight) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
     async def _json(self, s: aiohttp.ClientSession) -> None:
-        body = {"model": "qwen3-0.6b", "messages": CHAT, "max_tokens": 8}
+        body = {"model": self.json_model, "messages": CHAT, "max_tokens": 8}
         while not self._stop.is_set():
             t0 = time.monotonic()
+            self.inflight.add(t0)
             try:
                 async with s.post(self.gateway + "/v1/chat/completions", json=body) as r:
                     await r.read()
                     outcome = "ok" if r.status == 200 else f"failed:{r.status}"
             except aiohttp.ClientError as exc:
                 outcome = f"failed:{type(exc).__name__}"
+            self.inflight.discard(t0)
             self.done.append((t0, time.monotonic(), "json", outcome))
 
     async def _sse(self, s: aiohttp.ClientSession) -> None:
-        body = {"model": "Qwen/Qwen3-4B-Instruct", "messages": CHAT, "max_tokens": 64, "ignore_eos": True,
+        body = {"model": self.sse_model, "messages": CHAT, "max_tokens": 64, "ignore_eos": True,
                 "stream": True}
         while not self._stop.is_set():
             t0 = time.monotonic()
+            self.inflight.add(t0)
             data = b""
             try:
                 async with s.post(self.gateway + "/v1/chat/completions", json=body) as r:
@@ -206,6 +234,7 @@ class Load:
                             outcome = "cut"
             except aiohttp.ClientError as exc:
                 outcome = f"failed:{type(exc).__name__}"
+            self.inflight.discard(t0)
             self.done.append((t0, time.monotonic(), "sse", outcome))
 
     async def __aenter__(self) -> Load:
@@ -238,14 +267,21 @@ async def wait_settled(demo: Demo, s: aiohttp.ClientSession, timeout: float, mov
     raise SystemExit(f"the fleet did not settle within {timeout} s: see {demo.root}")
 
 
-async def wait_moved(demo: Demo, s: aiohttp.ClientSession, old: str, timeout: float) -> str:
-    """The route moved off `old` and the operation that moved it finished."""
+async def wait_moved(demo: Demo, s: aiohttp.ClientSession, old: str, timeout: float, old_agent: int = 0) -> str:
+    """The route moved off `old` and the operation that moved it finished; or `old` recovered in place
+    sooner than a failover would have served (a cold reload quicker than the standby's wake, an agent
+    heard again before its silence was noticed): settled again after a visible loss, or with a new agent."""
     deadline = time.monotonic() + timeout
+    unsettled = False
     while time.monotonic() < deadline:
         with contextlib.suppress(aiohttp.ClientError, KeyError, ValueError):
             view = await demo.view(s)
             if view.get("active") not in ("", old) and not view.get("operation"):
                 return view["active"]
+            if not settled(view):
+                unsettled = True
+            elif view.get("active") == old and (unsettled or active_agent(view, old) not in (0, old_agent)):
+                return old
         await asyncio.sleep(0.2)
     raise SystemExit(f"the route did not move off {old} within {timeout} s: see {demo.root}")
 
@@ -276,9 +312,16 @@ async def fault(name: str, demo: Demo, s: aiohttp.ClientSession, active: str) ->
         out = await asyncio.to_thread(demo.haru, "sim", "detach-gpu", active)
         if out.returncode:
             raise SystemExit(f"detach failed: {out.stderr}")
-    elif name == "crash":
+    elif name == "crash" and demo.mode == "sim":
         for model in view["domains"][active]["models"]:
             await asyncio.to_thread(demo.haru, "sim", "crash", active, model)
+    elif name == "crash":  # every real runtime the active's agent runs exits at once
+        runtimes = [pid for pid in descendants(active_agent(view, active)) if "llama-server" in cmdline(pid)]
+        if not runtimes:
+            raise SystemExit(f"no llama-server runs under the agent of {active}: see {demo.root}")
+        for pid in runtimes:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
     elif name == "agent":
         os.kill(active_agent(view, active), signal.SIGKILL)
     elif name == "preempt":
@@ -304,45 +347,57 @@ async def recover(name: str, demo: Demo, s: aiohttp.ClientSession, old_active: s
         os.kill(active_agent(view, old_active), signal.SIGKILL)
 
 
+def wake_of(view: dict, domain: str) -> tuple[float, bool]:
+    """The wake and probe of `domain` in s, and whether the log measured it (else the promoter's estimate)."""
+    fleet = msgspec.json.decode(json.dumps(view), type=FleetView)
+    dv = fleet.domains[domain]
+    ms, measured = standby_serves_in(fleet, dv, list(dv.models))
+    return ms / 1000, measured
+
+
 async def measure(faults: tuple[str, ...], *, json_clients: int = 6, sse_clients: int = 2, steady_s: float = 5.0,
-                  tail_s: float = 6.0, keep: bool = False) -> list[tuple]:
+                  tail_s: float = 6.0, keep: bool = False, mode: str = "sim") -> list[tuple]:
     """Run the demo, the steady window and each fault; the rows (name, requests, failed, cut, continued,
-    held, retried, p99 s, route, window s), the steady window first."""
+    held, retried, p99 s, route, window s, wake s, wake measured), the steady window first."""
     root = Path(tempfile.mkdtemp(prefix="haru-clientview-"))
-    demo = Demo(root)
+    demo = Demo(root, mode)
     rows: list[tuple] = []
     try:
         demo.start()
         async with aiohttp.ClientSession() as s:
             active, _ = await wait_settled(demo, s, 120)
-            async with Load(demo.gateway, json_clients, sse_clients) as load:
+            async with Load(demo.gateway, json_clients, sse_clients, mode) as load:
                 t0 = time.monotonic()
                 await asyncio.sleep(steady_s)
                 steady = [e - b for b, e, _, _ in load.done if b >= t0]
                 rows.append(("steady", len(steady), sum(1 for *_, o in load.done if o.startswith("failed")),
-                             sum(1 for *_, o in load.done if o == "cut"), 0, 0, 0, p99(steady), "", 0.0))
+                             sum(1 for *_, o in load.done if o == "cut"), 0, 0, 0, p99(steady), "", 0.0, 0.0, True))
                 for name in faults:
                     before = await demo.metrics(s)
                     start = time.monotonic()
-                    n0 = len(load.done)
                     old_agent = active_agent(await demo.view(s), active)
                     await fault(name, demo, s, active)
                     if name == "agent":  # no move needed: wait for the agent that `haru up` starts again
                         await wait_agent(demo, s, active, old_agent, 60)
                     else:
-                        await wait_moved(demo, s, active, 120)
+                        await wait_moved(demo, s, active, 180, old_agent)
                     await recover(name, demo, s, active)  # the old active back (a GPU attached again, ...)
                     new_active, took = await wait_settled(demo, s, 180)
                     await asyncio.sleep(tail_s)
+                    # the bound's wake: of the domain that took over, or of the standby when none did
+                    standby = new_active if new_active != active else ("b" if active == "a" else "a")
+                    wake_s, wake_measured = wake_of(await demo.view(s), standby)
+                    end = time.monotonic()
+                    await load.drained(end)  # what the fault held or cut counts in its own row
                     after = await demo.metrics(s)
-                    window = load.done[n0:]
+                    window = [r for r in load.done if r[1] >= start and r[0] < end]
                     lat = [e - b for b, e, _, _ in window]
                     failed = [o for *_, o in window if o.startswith("failed")]
                     cut = sum(1 for *_, o in window if o == "cut")
                     rows.append((name, len(window), len(failed), cut, int(after["continued"] - before["continued"]),
                                  int(after["held"] - before["held"]), int(after["retried"] - before["retried"]),
                                  p99(lat), f"{active} -> {new_active}" if new_active != active else f"{active}",
-                                 time.monotonic() - start))
+                                 time.monotonic() - start, wake_s, wake_measured))
                     active = new_active
     finally:
         demo.stop()
@@ -353,19 +408,33 @@ async def measure(faults: tuple[str, ...], *, json_clients: int = 6, sse_clients
     return rows
 
 
-def table(rows: list[tuple], json_clients: int, sse_clients: int) -> str:
+def bound(steady_p99: float, wake_s: float) -> float:
+    """The issue's bound on a fault row's p99: steady p99 + the standby's wake and probe + 0.5 s."""
+    return steady_p99 + wake_s + 0.5
+
+
+def table(rows: list[tuple], json_clients: int, sse_clients: int, mode: str = "sim") -> str:
+    runtime = "simulated vLLM" if mode == "sim" else f"real {mode}-servers on the CPU, simulated GPUs"
     out = [f"closed loop: {json_clients} JSON + {sse_clients} SSE clients through the gateway, "
-           f"`haru up --demo` (simulated vLLM)", "",
+           f"`haru up --demo{' --real ' + mode if mode != 'sim' else ''}` ({runtime})", "",
            f"{'fault':<9} {'requests':>8} {'failed':>6} {'cut':>4} {'continued':>9} {'held':>5} {'retried':>7} "
-           f"{'p99 ms':>7} {'vs steady':>9}  route"]
+           f"{'p99 ms':>7} {'vs steady':>9} {'bound ms':>9} {'met':>4}  route"]
     steady_p99 = rows[0][7]
-    for name, n, failed, cut, cont, held, retried, q, route, _ in rows:
+    notes = NOTES.get(mode, {})
+    for name, n, failed, cut, cont, held, retried, q, route, _, wake_s, measured in rows:
         ratio = f"{q / steady_p99:.1f}x" if steady_p99 and name != "steady" else ""
+        limit = f"{'' if measured else '~'}{bound(steady_p99, wake_s) * 1000:.0f}" if name != "steady" else ""
+        met = ("yes" if q <= bound(steady_p99, wake_s) else "NO") if name != "steady" else ""
+        note = f"  ({notes[name]})" if name in notes else ""
         out.append(f"{name:<9} {n:>8} {failed:>6} {cut:>4} {cont:>9} {held:>5} {retried:>7} {q * 1000:>7.0f} "
-                   f"{ratio:>9}  {route}")
+                   f"{ratio:>9} {limit:>9} {met:>4}  {route}{note}")
     bad = [r[0] for r in rows[1:] if r[2] or r[3]]
+    slow = [r[0] for r in rows[1:] if r[7] > bound(steady_p99, r[10])]
     out.append("")
+    out.append("bound: steady p99 + the wake and probe of the domain that took over (or of the standby) + 0.5 s; "
+               "~ = no wake measured yet, the promoter's estimate")
     out.append("goal: 0 failed and 0 cut in every row: " + ("met" if not bad else f"NOT met ({', '.join(bad)})"))
+    out.append("p99 within its bound in every row: " + ("met" if not slow else f"NOT met ({', '.join(slow)})"))
     return "\n".join(out)
 
 
@@ -377,12 +446,14 @@ async def main() -> None:
     ap.add_argument("--tail-s", type=float, default=6.0)
     ap.add_argument("--faults", default="all", help=f"comma-separated, of {', '.join(FAULTS)}")
     ap.add_argument("--keep", action="store_true", help="keep the temporary home (logs) afterwards")
+    ap.add_argument("--real", nargs="?", const="llama", choices=("llama",), default=None,
+                    help="real llama-servers (`haru up --demo --real llama`) instead of the simulator")
     args = ap.parse_args()
     faults = FAULTS if args.faults == "all" else tuple(args.faults.split(","))
     rows = await measure(faults, json_clients=args.json_clients, sse_clients=args.sse_clients,
-                         steady_s=args.steady_s, tail_s=args.tail_s, keep=args.keep)
+                         steady_s=args.steady_s, tail_s=args.tail_s, keep=args.keep, mode=args.real or "sim")
     print()
-    print(table(rows, args.json_clients, args.sse_clients))
+    print(table(rows, args.json_clients, args.sse_clients, args.real or "sim"))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A failover the clients do not see, end to end: `haru up --demo` (real agents, promoter, projector,
-gateway), closed-loop JSON and SSE clients through the gateway, and each fault of bench/clientview.py
-applied to the active in turn. No client request fails and no stream is cut in any of them."""
+gateway), on the vLLM simulator and on real llama-servers (`--real llama`), closed-loop JSON and SSE
+clients through the gateway, and each fault of bench/clientview.py applied to the active in turn. No
+client request fails and no stream is cut in any of them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tests.support.llama import llama_binary
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -31,4 +34,19 @@ async def test_no_client_sees_a_failover(tmp_path):
         assert (failed, cut) == (0, 0), f"{name}: {failed} failed, {cut} cut\n{bench.table(rows, 3, 2)}"
     moved = {r[0]: r[8] for r in rows}
     for name in ("promote", "detach", "crash", "host", "preempt"):
+        assert "->" in moved[name], f"{name} did not move the route: {moved[name]}"
+
+
+@pytest.mark.llama
+async def test_no_client_sees_a_failover_on_real_llama_servers(tmp_path, monkeypatch):
+    monkeypatch.setenv("HARU_LLAMA_SERVER", str(llama_binary()))
+    bench = _bench()
+    rows = await bench.measure(bench.FAULTS, json_clients=3, sse_clients=2, steady_s=2, tail_s=2, mode="llama")
+    print(bench.table(rows, 3, 2, "llama"))
+    assert [r[0] for r in rows] == ["steady", *bench.FAULTS]
+    for name, n, failed, cut, *_ in rows:
+        assert n > 0, name
+        assert (failed, cut) == (0, 0), f"{name}: {failed} failed, {cut} cut\n{bench.table(rows, 3, 2, 'llama')}"
+    moved = {r[0]: r[8] for r in rows}
+    for name in ("promote", "detach", "preempt"):  # the planned moves; crash and host may recover in place
         assert "->" in moved[name], f"{name} did not move the route: {moved[name]}"
