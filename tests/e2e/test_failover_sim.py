@@ -98,7 +98,10 @@ async def test_killing_the_active_runtime_promotes_the_standby_and_the_old_activ
     promo = view.last_operation if view.last_operation.kind == "promotion" else None
     ops = await op_events(log, FLEET)
     reasons = [e.reason for e in ops if type(e).__name__ == "PromotionRequested"]
-    assert reasons == ["initial", "degraded"]
+    # a fresh fleet: b never woke, so the promoter estimates its wake; whether a's measured cold reload
+    # is slower than that (the faster path, at once) or not (degraded, after the 300 ms grace) is the
+    # loaded machine's timing: both are the failover this test is about
+    assert reasons[0] == "initial" and reasons[1:] in (["degraded"], ["faster_path"]), reasons
     assert promo is None or promo.state == "completed"
 
 
@@ -172,7 +175,7 @@ async def test_five_promoter_processes_racing_a_failure_move_the_route_once(tmp_
     assert [m.active for m in await route_moves(event_log, FLEET)] == ["a", "b"]
     ops = await op_events(event_log, FLEET)
     promotions = [e for e in ops if isinstance(e, PromotionRequested)]
-    assert [p.reason for p in promotions] == ["initial", "degraded"]
+    assert [p.reason for p in promotions] in (["initial", "degraded"], ["initial", "faster_path"])
     for op in promotions:
         started = [(e.step, e.attempt) for e in ops if isinstance(e, StepStarted) and e.op_id == op.op_id]
         assert len(started) == len(set(started)) == 6, started
