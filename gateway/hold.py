@@ -130,8 +130,8 @@ def _reloads_in_place(view: FleetView, active: str) -> int:
             if not mv.load_ms:
                 return 0
             slowest = max(slowest, mv.load_ms)
-        elif isinstance(state, (Lost, Loading)):
-            return 0  # lost for another reason, or a first load: not a reload the measured warm-up bounds
+        else:
+            return 0  # lost for another reason, failed, a first load, asleep: not a reload the warm-up bounds
     if not slowest:  # nothing lost any more: the route intent has yet to say the model is back
         return MARGIN_MS
     wait = slowest + view.policy.restart_backoff_ms + MARGIN_MS

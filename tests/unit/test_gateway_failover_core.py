@@ -192,6 +192,12 @@ def test_a_cold_reload_quicker_than_the_standby_is_waited_for_in_place():
     assert hold_plan(routes(wake_ms=40_000, reload_ms=300, policy=Policy(hold_max_ms=0)), "model_lost", now=T) is None
     unmeasured = routes(wake_ms=40_000, reload_ms=0)
     assert hold_plan(unmeasured, "model_lost", now=T) is None  # nobody knows how long it takes
+    view = quick.view
+    for other in (Lost(reason="gpu_detached_elsewhere"), Sleeping(since=NOW), Loading(attempt=1)):
+        a = view.domains["a"]
+        odd = msgspec.structs.replace(a, models={M: msgspec.structs.replace(a.models[M], residency=other)})
+        changed = msgspec.structs.replace(quick, view=msgspec.structs.replace(view, domains={**view.domains, "a": odd}))
+        assert hold_plan(changed, "model_lost", now=T) is None, other
 
 
 def test_a_loss_the_promoter_waits_out_is_not_held():
