@@ -190,14 +190,14 @@ class Load:
         self.json_clients, self.sse_clients = json_clients, sse_clients
         self.done: list[tuple[float, float, str, str]] = []
         self.inflight: set[float] = set()  # start times of the requests not finished yet
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
 
     async def drained(self, before: float, timeout: float = 90) -> None:
         """Wait until every request started before `before` has finished (a held one included)."""
         deadline = time.monotonic() + timeout
         while any(t < before for t in self.inflight) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
 
     async def _json(self, s: aiohttp.ClientSession) -> None:
         body = {"model": self.json_model, "messages": CHAT, "max_tokens": 8}
@@ -428,7 +428,7 @@ def table(rows: list[tuple], json_clients: int, sse_clients: int, mode: str = "s
         note = f"  ({notes[name]})" if name in notes else ""
         out.append(f"{name:<9} {n:>8} {failed:>6} {cut:>4} {cont:>9} {held:>5} {retried:>7} {q * 1000:>7.0f} "
                    f"{ratio:>9} {limit:>9} {met:>4}  {route}{note}")
-    bad = [r[0] for r in rows[1:] if r[2] or r[3]]
+    bad = [r[0] for r in rows if r[2] or r[3] or not r[1]]  # a row without requests measured nothing
     slow = [r[0] for r in rows[1:] if r[7] > bound(steady_p99, r[10])]
     out.append("")
     out.append("bound: steady p99 + the wake and probe of the domain that took over (or of the standby) + 0.5 s; "
