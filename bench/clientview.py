@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -181,6 +182,13 @@ def settled(view: dict) -> str:
     return active
 
 
+def error_code(body: bytes) -> str:
+    """The OpenAI-shaped error's code in a refused response's body ('' when there is none)."""
+    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
+        return str(json.loads(body)["error"]["code"])
+    return ""
+
+
 class Load:
     """Closed-loop clients; every finished request is kept as (start, end, kind, outcome)."""
 
@@ -206,8 +214,8 @@ class Load:
             self.inflight.add(t0)
             try:
                 async with s.post(self.gateway + "/v1/chat/completions", json=body) as r:
-                    await r.read()
-                    outcome = "ok" if r.status == 200 else f"failed:{r.status}"
+                    data = await r.read()
+                    outcome = "ok" if r.status == 200 else f"failed:{r.status} {error_code(data)}"
             except aiohttp.ClientError as exc:
                 outcome = f"failed:{type(exc).__name__}"
             self.inflight.discard(t0)
@@ -223,8 +231,7 @@ class Load:
             try:
                 async with s.post(self.gateway + "/v1/chat/completions", json=body) as r:
                     if r.status != 200:
-                        await r.read()
-                        outcome = f"failed:{r.status}"
+                        outcome = f"failed:{r.status} {error_code(await r.read())}"
                     else:
                         try:
                             data = await r.read()
@@ -397,7 +404,8 @@ async def measure(faults: tuple[str, ...], *, json_clients: int = 6, sse_clients
                     rows.append((name, len(window), len(failed), cut, int(after["continued"] - before["continued"]),
                                  int(after["held"] - before["held"]), int(after["retried"] - before["retried"]),
                                  p99(lat), f"{active} -> {new_active}" if new_active != active else f"{active}",
-                                 time.monotonic() - start, wake_s, wake_measured))
+                                 time.monotonic() - start, wake_s, wake_measured,
+                                 dict(collections.Counter(o.split(":", 1)[1] for o in failed))))
                     active = new_active
     finally:
         demo.stop()
@@ -421,7 +429,7 @@ def table(rows: list[tuple], json_clients: int, sse_clients: int, mode: str = "s
            f"{'p99 ms':>7} {'vs steady':>9} {'bound ms':>9} {'met':>4}  route"]
     steady_p99 = rows[0][7]
     notes = NOTES.get(mode, {})
-    for name, n, failed, cut, cont, held, retried, q, route, _, wake_s, measured in rows:
+    for name, n, failed, cut, cont, held, retried, q, route, _, wake_s, measured, *_ in rows:
         ratio = f"{q / steady_p99:.1f}x" if steady_p99 and name != "steady" else ""
         limit = f"{'' if measured else '~'}{bound(steady_p99, wake_s) * 1000:.0f}" if name != "steady" else ""
         met = ("yes" if q <= bound(steady_p99, wake_s) else "NO") if name != "steady" else ""
@@ -434,6 +442,9 @@ def table(rows: list[tuple], json_clients: int, sse_clients: int, mode: str = "s
     out.append("bound: steady p99 + the wake and probe of the domain that took over (or of the standby) + 0.5 s; "
                "~ = no wake measured yet, the promoter's estimate")
     out.append("goal: 0 failed and 0 cut in every row: " + ("met" if not bad else f"NOT met ({', '.join(bad)})"))
+    for r in rows:
+        if len(r) > 12 and r[12]:
+            out.append(f"failed in {r[0]}: " + ", ".join(f"{n} x {why}" for why, n in sorted(r[12].items())))
     out.append("p99 within its bound in every row: " + ("met" if not slow else f"NOT met ({', '.join(slow)})"))
     return "\n".join(out)
 

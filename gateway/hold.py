@@ -117,7 +117,7 @@ def _reloads_in_place(view: FleetView, active: str) -> int:
     """ms until the active serves its lost models again by itself (0 = it will not, or nobody knows): every
     model it has lost is lost for a cold-reload reason (or loading again after one) and its warm-up was
     measured. The promoter then lets the reload run (`faster_path` found the standby no quicker), so a
-    request waits for it: the restart backoff, the measured warm-up, and a margin."""
+    request waits for it: the measured warm-up, the restart backoff at its longest, and a margin."""
     dv = view.domains.get(active)
     if dv is None:
         return 0
@@ -134,8 +134,12 @@ def _reloads_in_place(view: FleetView, active: str) -> int:
             return 0  # lost for another reason, failed, a first load, asleep: not a reload the warm-up bounds
     if not slowest:  # nothing lost any more: the route intent has yet to say the model is back
         return MARGIN_MS
-    wait = slowest + view.policy.restart_backoff_ms + MARGIN_MS
-    return wait if wait <= view.policy.hold_max_ms else 0  # a reload too slow to wait for: answered at once
+    policy = view.policy
+    if slowest + policy.restart_backoff_ms + MARGIN_MS > policy.hold_max_ms:
+        return 0  # a reload too slow to wait for even after the first backoff: answered at once
+    # the restart's backoff doubles with each crash in a row (up to restart_backoff_max_ms): wait for the
+    # longest; the hold ends the moment the model is back (or the route moves, if the promoter gives up on it)
+    return min(slowest + policy.restart_backoff_max_ms + MARGIN_MS, policy.hold_max_ms)
 
 
 def back_since(routes: FleetRoutes | None, domain: str, model: str, since: float) -> bool:

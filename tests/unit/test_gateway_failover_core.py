@@ -187,7 +187,12 @@ def test_a_cold_reload_quicker_than_the_standby_is_waited_for_in_place():
     quick = routes(wake_ms=40_000, reload_ms=300)
     plan = hold_plan(quick, "model_lost", now=T)
     assert plan is not None and "a reloads its lost models in place" in plan.why
-    assert plan.budget_ms == 300 + Policy().restart_backoff_ms + MARGIN_MS
+    # the restart's backoff doubles with each crash in a row: the longest, within the ceiling
+    assert plan.budget_ms == min(300 + Policy().restart_backoff_max_ms + MARGIN_MS, Policy().hold_max_ms)
+    short = routes(wake_ms=40_000, reload_ms=300, policy=Policy(restart_backoff_max_ms=4_000))
+    assert hold_plan(short, "model_lost", now=T).budget_ms == 300 + 4_000 + MARGIN_MS
+    too_slow = routes(wake_ms=40_000, reload_ms=29_000)  # + the first backoff + margin > hold_max_ms
+    assert hold_plan(too_slow, "model_lost", now=T) is None
     assert hold_plan(quick, "model_warming", now=T) is not None  # the restart under way
     assert hold_plan(routes(wake_ms=40_000, reload_ms=300, policy=Policy(hold_max_ms=0)), "model_lost", now=T) is None
     unmeasured = routes(wake_ms=40_000, reload_ms=0)
