@@ -105,8 +105,10 @@ class ModelSupervisor:
         self.gpus = model_gpus(m.spec)  # a tensor-parallel model's every GPU
         if m.runtime.kind != "external":
             ctx.loads.enroll(m.name, self.gpus)
-        # the greedy answers recorded before the runtime last slept: a wake must give the same ones
-        self.wake_check = WakeCheck()
+        # the greedy answers recorded before the runtime last slept: a wake must give the same ones (kept in
+        # its identity file, so an agent that adopts it asleep checks its wake too)
+        self.wake_check = WakeCheck(found.wake_answers if found is not None else None,
+                                    keep=lambda answers: ctx.files.write_wake_answers(m.name, answers))
 
     def recheck(self) -> None:
         """Probe now (the serving port saw the runtime fail a request), once at a time."""
@@ -548,7 +550,7 @@ class ModelSupervisor:
                                               sleeps=m.runtime.can_sleep, warmup_ms=took))
             m.resident_at = time.monotonic()
             answers = ("the greedy answers recorded before the sleep" if checked else
-                       "no greedy answer to compare: this agent did not see it fall asleep")
+                       "no greedy answer to compare: none was kept from before it slept")
             return Outcome(ok=True, detail=f"awake (verified by /is_sleeping, a probe in {probe.latency_ms} ms and "
                            f"{answers})", took_ms=took)
 
