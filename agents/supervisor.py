@@ -1,8 +1,8 @@
 """One model's supervisor: loads (or adopts) its runtime, watches it, restarts it with backoff, and
 puts it to sleep and wakes it when a command asks. One `ModelSupervisor` per admitted model.
 
-    loading   spawn, then poll /health, /v1/models and a one-token completion until it answers
-              (never times out: Loading reports progress instead); an exit is waited on, not polled
+    loading   spawn, wait for its port to listen, then poll /health, /v1/models and a one-token completion
+              until it answers (never times out: Loading reports progress instead); an exit is waited on, not polled
     watching  a probe every probe interval, classified with the GPU-present bit (gpu_detached,
               evicted, unhealthy); an evicted runtime is restarted
     restarts  exponential backoff (`backoff_s`); on a standby, the training on that GPU is paused for
@@ -273,7 +273,7 @@ class ModelSupervisor:
             if m.exited.is_set():
                 return False
             # Until its port takes connections, a bare connect every LISTEN_POLL_S; then the HTTP probe
-            # every LOADING_POLL_S (docs/agent.md, "A real vLLM": where the time from /health 200 goes).
+            # every LOADING_POLL_S (docs/agent.md, "A real llama-server": where the time from /health 200 goes).
             poll = LOADING_POLL_S
             listening = await m.runtime.listening()
             probe = await probes.ready(m.runtime, timeout_s=timeout, check_sleep=False) if listening else None
