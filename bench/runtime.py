@@ -134,7 +134,7 @@ async def port_open(host: str, port: int) -> bool:
             await loop.sock_connect(sock, (host, port))
         except OSError:
             return False
-        return True
+        return sock.getsockname() != sock.getpeername()  # not a socket connected to itself (simultaneous open)
 
 
 async def first_200(session: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> tuple[float, float]:

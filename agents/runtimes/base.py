@@ -263,7 +263,9 @@ class ProcessRuntime(HttpRuntime):
                 await loop.sock_connect(sock, (self._host, self._port))
             except OSError:
                 return False
-            return True
+            # Connecting to a free port of the ephemeral range can pick that very port as its own source:
+            # TCP's simultaneous open, a socket connected to itself. That is nobody listening.
+            return sock.getsockname() != sock.getpeername()
 
     def __init__(
         self,
