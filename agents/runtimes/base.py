@@ -265,7 +265,7 @@ class ProcessRuntime(HttpRuntime):
                 return False
             # Connecting to a free port of the ephemeral range can pick that very port as its own source:
             # TCP's simultaneous open, a socket connected to itself. That is nobody listening.
-            return sock.getsockname() != sock.getpeername()
+            return bool(sock.getsockname() != sock.getpeername())
 
     def __init__(
         self,
