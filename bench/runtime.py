@@ -155,6 +155,8 @@ async def first_200(session: aiohttp.ClientSession, url: str, stop: asyncio.Even
                 await r.read()
                 if r.status == 200:
                     return listening, time.time()
+        except aiohttp.ClientConnectorError:
+            listening = 0.0  # refused after all: back to bare connects
         except (aiohttp.ClientError, asyncio.TimeoutError):
             pass
         await asyncio.sleep(0.001)
@@ -205,12 +207,13 @@ async def kills(log: EventLog, n: int) -> tuple[list[float], list[float], list[f
             exited = exit_seen(pid)
             killed = time.time()
             os.kill(pid, signal.SIGKILL)
+            gone = await exited
             # The port is the layout's, so the restarted server answers where the killed one did: the
-            # first 200 after the kill is the new process turning ready.
+            # first accepted connection and 200 after the exit are the new process's (until the exit the
+            # dying process's listening socket still completes connections).
             poller = asyncio.create_task(first_200(session, endpoint + "/health", stop))
             lost = await wait_record(log, subject, last.seq, "model_lost")
             assert lost.event.reason == "process_exited", lost.event
-            gone = await exited
             exit_to_lost.append((lost.time.timestamp() - gone) * 1000)
             kill_to_exit.append((gone - killed) * 1000)
             reloading = await wait_record(log, subject, lost.seq, "model_loading")
