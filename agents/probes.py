@@ -41,28 +41,21 @@ class Probe(msgspec.Struct, frozen=True, kw_only=True):
     completion_ms: float = 0.0
 
 
-async def ready(runtime: Runtime, *, timeout_s: float, check_sleep: bool = True, together: bool = False) -> Probe:
+async def ready(runtime: Runtime, *, timeout_s: float, check_sleep: bool = True) -> Probe:
     """The full check: health, listed, not sleeping, and a real one-token completion. Without
     `check_sleep` (a loading runtime, which nothing can have paused yet) the listing and the completion
-    are asked together once /health passes, and with `together` (a port that has just begun to listen:
-    a vLLM listens only once its engine is up) all three at once, so the answer costs one or two round
-    trips less; a failure is still reported at the first step that failed, in this order."""
+    are asked together, so the first answer costs one round trip less; a failure is still reported at
+    the first step that failed, in this order."""
+    t0 = time.perf_counter()
+    health = await runtime.health(timeout_s=min(timeout_s, 5.0))
+    if not health.ok:
+        return Probe(ok=False, step="health", detail=health.detail or f"/health answered {health.status}")
+    health_ms = _ms(time.perf_counter() - t0)
     completion: asyncio.Task[tuple[int | RuntimeProblem, float]] | None = None
-    listing: asyncio.Task[tuple[list[str] | RuntimeProblem, float]] | None = None
-    started = time.perf_counter()
-    if together and not check_sleep:
+    if not check_sleep:
         completion = asyncio.ensure_future(_timed(runtime.probe_completion(timeout_s)))
-        listing = asyncio.ensure_future(_timed(runtime.list_models(timeout_s=min(timeout_s, 5.0))))
+    listed, models_ms = await _timed(runtime.list_models(timeout_s=min(timeout_s, 5.0)))
     try:
-        health = await runtime.health(timeout_s=min(timeout_s, 5.0))
-        health_ms = _ms(time.perf_counter() - started)
-        if not health.ok:
-            return Probe(ok=False, step="health", detail=health.detail or f"/health answered {health.status}")
-        if not check_sleep and completion is None:
-            completion = asyncio.ensure_future(_timed(runtime.probe_completion(timeout_s)))
-        if listing is None:
-            listing = asyncio.ensure_future(_timed(runtime.list_models(timeout_s=min(timeout_s, 5.0))))
-        listed, models_ms = await listing
         if isinstance(listed, RuntimeProblem):  # no answer is not evidence of an eviction
             return Probe(ok=False, step="models", detail=str(listed))
         if runtime.spec.name not in listed:
@@ -79,9 +72,8 @@ async def ready(runtime: Runtime, *, timeout_s: float, check_sleep: bool = True,
         assert completion is not None
         latency, completion_ms = await completion
     finally:
-        for task in (completion, listing):
-            if task is not None and not task.done():
-                task.cancel()
+        if completion is not None and not completion.done():
+            completion.cancel()
     if isinstance(latency, RuntimeProblem):
         return Probe(ok=False, step="completion", detail=str(latency), sleeping=sleeping)
     return Probe(ok=True, latency_ms=latency, sleeping=sleeping, health_ms=health_ms, models_ms=models_ms,

@@ -269,7 +269,6 @@ class ModelSupervisor:
                 self.ctx.spawn(self._exit_waiter(m.generation), f"exit:{m.name}:{m.generation}")
         timeout = self.ctx.policy().probe_timeout_ms / 1000
         polls = 0
-        listened = False
         while not self.ctx.stopping():
             if m.exited.is_set():
                 return False
@@ -277,10 +276,7 @@ class ModelSupervisor:
             # every LOADING_POLL_S (docs/agent.md, "A real llama-server": where the time from /health 200 goes).
             poll = LOADING_POLL_S
             listening = await m.runtime.listening()
-            probe = None
-            if listening:  # a port that has just begun to listen is asked all three at once
-                probe = await probes.ready(m.runtime, timeout_s=timeout, check_sleep=False, together=not listened)
-            listened = listening
+            probe = await probes.ready(m.runtime, timeout_s=timeout, check_sleep=False) if listening else None
             polls += 1
             if probe is not None and probe.ok:
                 async with m.lock:

@@ -23,7 +23,6 @@ class FakeRuntime:
                  completion_s: float = 0.0) -> None:
         self.listed, self.completion_error, self.models_error = list(listed), completion_error, models_error
         self.sleeping, self.completion_s = sleeping, completion_s
-        self.healthy = True
         self.asked: list[str] = []
         self.in_flight = self.most_in_flight = 0
 
@@ -37,8 +36,7 @@ class FakeRuntime:
 
     async def health(self, timeout_s: float = 5.0) -> Health:
         self.asked.append("health")
-        await self._call(0.005)
-        return Health(ok=True, status=200) if self.healthy else Health(ok=False, status=503, detail="Loading model")
+        return Health(ok=True, status=200)
 
     async def list_models(self, timeout_s: float = 5.0) -> list[str]:
         self.asked.append("models")
@@ -87,15 +85,3 @@ async def test_a_loading_runtime_gets_the_listing_and_the_completion_together_an
     assert serving.asked == ["health", "models", "sleeping", "completion"] and serving.most_in_flight == 1
     failed = await probes.ready(FakeRuntime(completion_error="503 still warming"), timeout_s=1, check_sleep=False)  # type: ignore[arg-type]
     assert (failed.ok, failed.step, failed.detail) == (False, "completion", "503 still warming")
-
-
-async def test_a_port_that_just_began_to_listen_is_asked_all_three_at_once_and_a_failed_health_still_comes_first():
-    rt = FakeRuntime(completion_s=0.05)
-    p = await probes.ready(rt, timeout_s=1, check_sleep=False, together=True)  # type: ignore[arg-type]
-    assert p.ok and sorted(rt.asked) == ["completion", "health", "models"] and rt.most_in_flight == 3
-    loading = FakeRuntime(completion_s=0.05, completion_error="503 Loading model")
-    loading.healthy = False  # llama-server listens before its model is loaded
-    p = await probes.ready(loading, timeout_s=1, check_sleep=False, together=True)  # type: ignore[arg-type]
-    assert (p.ok, p.step, p.detail) == (False, "health", "Loading model")
-    await asyncio.sleep(0.1)
-    assert loading.in_flight == 0  # the completion asked with it was not left running
