@@ -256,6 +256,8 @@ class ServingProxy:
         said = f" ({reason})" if state == "lost" and reason else ""
         if state == "lost":
             headers = {GONE_HEADER: reason or "lost"}
+        elif state == "loading" and getattr(m.state, "attempt", 1) > 1:  # restarting after a loss: gone too
+            headers = {**(headers or {}), GONE_HEADER: "restarting"}
         return error(status, code, f"the model `{m.name}` is {state}{said} {where}" + (f": {detail}" if detail else ""),
                      headers=headers)
 

@@ -43,6 +43,7 @@ class Load:
         self.url = url
         self.clients = clients
         self.answers: list[tuple[int, str, str]] = []
+        self.gone: list[tuple[str, str]] = []  # (error code, X-Haru-Runtime-Gone) of each refusal
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -54,6 +55,7 @@ class Load:
                 code = ""
                 if r.status != 200:
                     code = (json.loads(body).get("error") or {}).get("code") or ""
+                    self.gone.append((code, r.headers.get("X-Haru-Runtime-Gone", "")))
                 self.answers.append((r.status, code, body.decode(errors="replace")[:200]))
 
     async def __aenter__(self) -> "Load":
@@ -104,6 +106,9 @@ async def test_an_evicted_model_is_answered_as_lost_never_as_the_runtimes_404(tm
     assert all(status == 200 or (status, code) in allowed for status, code, _ in after), after
     assert (503, "model_lost") in [(s, c) for s, c, _ in after]
     assert after[-1][0] == 200
+    # both mark the runtime gone, so the gateway sends the request once more (the runtime never saw it)
+    assert {(code, mark) for code, mark in load.gone} <= {("model_lost", "evicted"), ("model_warming", "restarting")}, \
+        load.gone
 
 
 async def test_deep_nesting_and_the_bearer_scheme_in_any_case(tmp_path, nats_server, event_log, agents):
