@@ -53,7 +53,9 @@ from haru.core.events import (DomainChanged, DomainDeclared, DomainRetired, Even
 from haru.log.follow import Follower
 from haru.log.bus import send
 from haru.promoter.decider import STEPS, command_for, decide, flip_refusal, not_applicable, step_outcome, step_record
+from haru.promoter.canary import tally as canary_tally, weigh_refusal
 from haru.promoter.decisions import Append, Facts
+from haru.core.weights import CanaryReport, describe, report_decoder, scope_of
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
 from haru.core.residency import Resident, Sleeping
@@ -108,6 +110,7 @@ class FleetState:
     running: set[tuple[str, str, int]] = field(default_factory=set)
     specs: dict[str, DomainSpec] = field(default_factory=dict)  # domain -> its declaration (provision block included)
     launches: list[datetime] = field(default_factory=list)  # `at` of every launch step started (the hourly budget)
+    reports: list[tuple[float, str, CanaryReport]] = field(default_factory=list)  # (monotonic, gateway, report) of the window
 
     @property
     def view(self) -> FleetView:
@@ -153,7 +156,7 @@ class Promoter:
         # A new kind of step work (e.g. provisioning) registers its runner here.
         self.runners: dict[str, StepRunner] = {"agent": self._agent_step, "flip": self._flip_step,
                                                "launch": self._launch_step, "join": self._join_step,
-                                               "down": self._down_step}
+                                               "down": self._down_step, "weigh": self._weigh_step}
         self.provisioning = provisioning or Provisioning(sky=os.environ.get("HARU_SKY") or "sky")
         # Sequences of the probe completions this process appended itself. The op subject also takes
         # the gateway's and the operator's requests, so a `step_completed` for a probe there may be
@@ -216,6 +219,40 @@ class Promoter:
         if first or st.view.domains.get(domain) is not None and st.view.domains[domain].reachable is not True:
             self._touch(fleet)
 
+    def on_canary_report(self, subject: str, data: bytes) -> None:
+        """A gateway's counts of a fleet's weighted domains (haru.canary.<fleet>.<gateway>): kept for the
+        fleet's canary window; the gateway is the one its subject names."""
+        heard = subjects.canary_report_of(subject)
+        if heard is None:
+            return
+        fleet, gateway = heard
+        st = self.fleets.get(fleet)
+        if st is None:
+            return
+        try:
+            report = report_decoder.decode(data)
+        except msgspec.DecodeError:
+            self.log_.warning("canary_report_unreadable", fleet=fleet, gateway=gateway)
+            return
+        if report.fleet != fleet:  # the subject is the authority: a body about another fleet is not counted
+            self.log_.warning("canary_report_misplaced", fleet=fleet, gateway=gateway, body_fleet=report.fleet)
+            return
+        st.reports.append((time.monotonic(), gateway, report))
+        if any(c.errors for c in report.counts):
+            self._touch(fleet)
+
+    def _canary(self, st: FleetState) -> dict:
+        """The window's reports, summed: since the split in force was set, within canary_window_ms."""
+        view = st.view
+        if not st.reports:
+            return {}
+        horizon = time.monotonic() - view.policy.canary_window_ms / 1000
+        st.reports = [r for r in st.reports if r[0] >= horizon]
+        if not (view.weights or view.model_weights):
+            return {}
+        since = view.weights_change.at if view.weights_change is not None else None
+        return canary_tally(((g, r) for _, g, r in st.reports), since=since)
+
     def _touch(self, fleet: str) -> None:
         """Something about `fleet` changed (a record folded, a heartbeat, a step ended): decide for it now."""
         self._dirty.add(fleet)
@@ -241,6 +278,11 @@ class Promoter:
             self.on_heartbeat(msg.subject)
 
         sub = await self.log.bus.subscribe(subjects.heartbeats("*"), hb)
+
+        def reported(msg: Msg) -> None:
+            self.on_canary_report(msg.subject, msg.data)
+
+        reports = await self.log.bus.subscribe(subjects.ALL_CANARY_REPORTS, reported)
         await self.peers.listen(self.log.bus, subjects.alive("promoter"))
         self._listening_since = time.monotonic()
         follower: asyncio.Task | None = None
@@ -274,6 +316,8 @@ class Promoter:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await reports.unsubscribe()
             await self.peers.stop()
             await cancel_and_wait(beating, follower, *self._tasks)
 
@@ -321,6 +365,7 @@ class Promoter:
         return Facts(
             now=now,
             launches_last_hour=len(st.launches),
+            canary=self._canary(st),
             me=self.identity,
             new_op_id=new_op_id(),
             silent_ms=silent,
@@ -439,6 +484,15 @@ class Promoter:
         agent_ms = sum(r.took_ms for _, r in replies)
         wall_ms = int((time.monotonic() - t0) * 1000)
         return step_outcome(op, step, replies, now=utcnow(), took_ms=agent_ms or wall_ms)
+
+    async def _weigh_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+        """Runner `weigh`: the split may start when every domain it gives a share serves (haru.promoter.canary)."""
+        refusal = weigh_refusal(st.view, op)
+        if refusal:
+            return StepFailed(at=utcnow(), op_id=op.op_id, step="weigh", error_code="weights_refused", error=refusal)
+        return StepCompleted(at=utcnow(), op_id=op.op_id, step="weigh",
+                             detail=f"{describe(op.weights, st.view.active)} for {scope_of(op.model)}: every domain with "
+                                    f"a share serves")
 
     async def _launch_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
         """Runner `launch`: the target's cluster or service, found when it is already up (haru.promoter.provisioning)."""

@@ -31,7 +31,7 @@ def done(step: str, op_id="op-r", ms=2):
 
 
 def test_every_kind_has_a_request_event_and_both_outcomes_of_every_step():
-    assert set(KINDS) == set(OPERATION_REQUESTS) == {"promotion", "demotion", "rolling", "provision", "teardown", "replace"}
+    assert set(KINDS) == set(OPERATION_REQUESTS) == {"promotion", "demotion", "rolling", "weighting", "provision", "teardown", "replace"}
     for kind, spec in KINDS.items():
         assert OPERATION_REQUESTS[kind] is spec.request
         for step in flow(kind):
