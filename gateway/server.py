@@ -39,6 +39,7 @@ from haru.gateway.metrics import GatewayMetrics
 from haru.gateway.proxy import CHAT_PATHS, Proxy
 from haru.gateway.routing import Refusal, RoutingTable
 from haru.gateway.state import RouteFollower
+from haru.gateway.weights_api import post_weights
 from haru.host.httpguard import GuardedServer
 from haru.core.openai_errors import error_body
 from haru.log.seam import Log
@@ -223,6 +224,8 @@ class Gateway:
                 return await self._only("GET", method, path) or await self.control.history(request, fleet)
             if rest == "reconcile":
                 return await self._only("POST", method, path) or await self.control.reconcile(request, fleet)
+            if rest == "weights":  # traffic weights and canaries (gateway.weights_api)
+                return await self._only("POST", method, path) or await post_weights(self.control, request, fleet)
             if rest in ("promote", "demote", "provision", "teardown", "replace"):
                 kind = {"promote": "promotion", "demote": "demotion"}.get(rest, rest)
                 return await self._only("POST", method, path) or await self.control.operation(request, fleet, kind)

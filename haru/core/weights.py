@@ -41,6 +41,7 @@ __all__ = [
     "changed_shares",
     "describe",
     "gaining",
+    "lines",
     "parse_pairs",
     "resolve",
     "scope_of",
@@ -171,6 +172,13 @@ def describe(split: Mapping[str, int], active: str) -> str:
         return f"{active} {TOTAL} (default)" if active else "(no active domain)"
     order = sorted(split, key=lambda d: d != active)
     return ", ".join(f"{d} {split[d]}" for d in order)
+
+
+def lines(weights: Mapping[str, int], model_weights: Mapping[str, Mapping[str, int]], active: str) -> list[str]:
+    """`haru status` / `haru route`: one line per split in force, or the default's one line."""
+    out = [f"weights: {describe(split, active)}" + (f"  (model {model!r})" if model else "")
+           for model, split in changed_shares(weights, model_weights)]
+    return out or [f"weights: {describe({}, active)}"]
 
 
 # ------------------------------------------------------------------------- what the gateways report
