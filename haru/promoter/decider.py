@@ -17,8 +17,9 @@ new `STEPS`, and a request rule (`REQUEST_RULES`): docs/promoter.md, "Adding an 
                 settle_old_active failed -> completed anyway (best effort; the old active is recorded
                                             as not eligible to be standby until it recovers)
     demotion:   sleep -> start_training -> completed;   any failure -> aborted
-    rolling:    stop_training -> apply_standby -> verify_gpu -> wake -> probe -> flip -> apply_old_active
-                -> settle_old_active -> completed
+    rolling:    stop_training -> apply_standby -> verify_gpu -> wake -> probe -> canary -> flip -> apply_old_active
+                -> settle_old_active -> completed (canary: with policy rolling_canary_weight > 0 the standby
+                takes that share of traffic for rolling_canary_ms first; rolled back -> aborted, routing unmoved)
                 any failure before flip -> aborted (routing never moves; the old active keeps serving
                 the old spec, its changes still waiting); apply_old_active failed -> settle_old_active
                 anyway, and the old active is recorded not eligible to be standby; the active failing
@@ -192,6 +193,14 @@ STEPS: dict[str, StepSpec] = {
         what="check that every domain the split gives a share serves (reachable, eligible, its models resident) and "
              "the route has not moved; the split is then recorded (weights_set)",
     ),
+    "canary": StepSpec(
+        on="target",
+        verbs=(),
+        bound=("rolling_canary_ms", "command_timeout_ms"),
+        run="canary",
+        what="with policy rolling_canary_weight > 0: the standby takes that share of traffic (weights_set) for "
+             "rolling_canary_ms; a rollback (its probe or the gateways' error rate: haru.promoter.canary) fails it",
+    ),
     "launch": StepSpec(
         on="target",
         verbs=(),
@@ -248,8 +257,10 @@ TRANSITIONS: dict[tuple[OpKind, str | None, Outcome], str] = {
     ("rolling", "verify_gpu", "failed"): ABORT,
     ("rolling", "wake", "completed"): "probe",
     ("rolling", "wake", "failed"): ABORT,
-    ("rolling", "probe", "completed"): "flip",
+    ("rolling", "probe", "completed"): "canary",
     ("rolling", "probe", "failed"): ABORT,
+    ("rolling", "canary", "completed"): "flip",
+    ("rolling", "canary", "failed"): ABORT,
     ("rolling", "flip", "completed"): "apply_old_active",
     ("rolling", "flip", "failed"): ABORT,
     ("rolling", "apply_old_active", "completed"): "settle_old_active",

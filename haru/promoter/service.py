@@ -48,7 +48,7 @@ from haru.core.commands import ErrorInfo, Reply
 from haru.core.errors import CommandError, Conflict, LogError
 from haru.log.record import Record
 from haru.log.seam import Log
-from haru.core.events import (DomainChanged, DomainDeclared, DomainRetired, Event, RouteMoved, StepCompleted, StepFailed,
+from haru.core.events import (WeightsSet, DomainChanged, DomainDeclared, DomainRetired, Event, RouteMoved, StepCompleted, StepFailed,
                          StepStarted, tag_of)
 from haru.log.follow import Follower
 from haru.log.bus import send
@@ -156,7 +156,8 @@ class Promoter:
         # A new kind of step work (e.g. provisioning) registers its runner here.
         self.runners: dict[str, StepRunner] = {"agent": self._agent_step, "flip": self._flip_step,
                                                "launch": self._launch_step, "join": self._join_step,
-                                               "down": self._down_step, "weigh": self._weigh_step}
+                                               "down": self._down_step, "weigh": self._weigh_step,
+                                               "canary": self._canary_step}
         self.provisioning = provisioning or Provisioning(sky=os.environ.get("HARU_SKY") or "sky")
         # Sequences of the probe completions this process appended itself. The op subject also takes
         # the gateway's and the operator's requests, so a `step_completed` for a probe there may be
@@ -493,6 +494,43 @@ class Promoter:
         return StepCompleted(at=utcnow(), op_id=op.op_id, step="weigh",
                              detail=f"{describe(op.weights, st.view.active)} for {scope_of(op.model)}: every domain with "
                                     f"a share serves")
+
+    async def _canary_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+        """Runner `canary` (a rolling change, before its flip): the standby takes policy rolling_canary_weight
+        percent of the fleet's traffic for rolling_canary_ms; the decider's rollback (haru.promoter.canary)
+        taking it back fails the step, so the change aborts with routing unmoved."""
+        view = st.view
+        share, hold_ms = view.policy.rolling_canary_weight, view.policy.rolling_canary_ms
+        if share <= 0 or not view.active or view.active == op.target:
+            return StepCompleted(at=utcnow(), op_id=op.op_id, step="canary",
+                                 detail="no canary step (policy rolling_canary_weight is 0)")
+        split = {view.active: 100 - share, op.target: share}
+        subject = subjects.weights(view.fleet)
+        event = WeightsSet(at=utcnow(), by=self.identity, weights=split, reason="rolling", op_id=op.op_id,
+                           route_revision=view.route_revision,
+                           detail=f"rolling change {op.op_id}: {op.target} takes {share}% for {hold_ms} ms before the flip")
+        try:
+            set_seq = await self.log.append(subject, event, expect=st.last.get(subject, 0))
+        except (Conflict, LogError) as exc:
+            return StepFailed(at=utcnow(), op_id=op.op_id, step="canary", error_code="weights_unset",
+                              error=f"could not give {op.target} its canary share: {exc}")
+        await self.wait_folded(set_seq)
+        deadline = time.monotonic() + hold_ms / 1000
+        while time.monotonic() < deadline:
+            change = st.view.weights_change
+            if change is not None and change.seq > set_seq and change.reason == "canary_rolled_back":
+                return StepFailed(at=utcnow(), op_id=op.op_id, step="canary", error_code="canary_rolled_back",
+                                  error=change.detail)
+            if st.view.route_revision != view.route_revision:
+                return StepFailed(at=utcnow(), op_id=op.op_id, step="canary", error_code="route_moved_elsewhere",
+                                  error=f"the route moved to {st.view.active} during the canary")
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        tallied = self._canary(st).get(op.target, {})
+        requests = sum(t.requests for t in tallied.values())
+        errors = sum(t.errors for t in tallied.values())
+        return StepCompleted(at=utcnow(), op_id=op.op_id, step="canary",
+                             detail=f"{op.target} took {share}% of the traffic for {hold_ms} ms: {requests} requests, "
+                                    f"{errors} errors reported by the gateways; the flip follows")
 
     async def _launch_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
         """Runner `launch`: the target's cluster or service, found when it is already up (haru.promoter.provisioning)."""

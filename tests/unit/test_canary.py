@@ -191,3 +191,9 @@ def test_weigh_is_refused_when_the_target_is_not_resident():
 
 def test_unused():
     assert timedelta and T0 and F
+
+
+def test_a_rolling_change_has_a_canary_step_before_its_flip_and_a_rollback_aborts_it():
+    steps = flow("rolling")
+    assert steps.index("probe") + 1 == steps.index("canary") == steps.index("flip") - 1
+    assert TRANSITIONS[("rolling", "canary", "failed")] == "aborted"
