@@ -56,7 +56,7 @@ def role_writes(role: str, kind: str, domain: str, own_domain: str) -> bool:
 
 
 def fleet_subjects(fleet: str, domains: tuple[str, ...], model: str = "m1", slot: str = "lora") -> list[str]:
-    out = [subjects.decl(fleet), subjects.route(fleet), subjects.checkpoint(fleet), subjects.op(fleet)]
+    out = [subjects.decl(fleet), subjects.route(fleet), subjects.checkpoint(fleet), subjects.weights(fleet), subjects.op(fleet)]
     for d in domains:
         out += [subjects.agent(fleet, d), subjects.liveness(fleet, d), subjects.model(fleet, d, model),
                 subjects.gpu(fleet, d, 0), subjects.training(fleet, d, slot)]
