@@ -197,3 +197,19 @@ def test_a_rolling_change_has_a_canary_step_before_its_flip_and_a_rollback_abort
     steps = flow("rolling")
     assert steps.index("probe") + 1 == steps.index("canary") == steps.index("flip") - 1
     assert TRANSITIONS[("rolling", "canary", "failed")] == "aborted"
+
+
+def test_the_promoter_counts_rollbacks_by_why():
+    from types import SimpleNamespace
+
+    from haru.promoter.metrics import PromoterMetrics
+
+    m = PromoterMetrics()
+    view = canary_fleet()
+    for detail in ("canary b rolled back: probe failed: b is unreachable", "canary b rolled back: error rate 30.0%"):
+        rec = SimpleNamespace(event=WeightsSet(at=at(1), reason="canary_rolled_back", domain="b", detail=detail))
+        m.record(F, rec, view)  # type: ignore[arg-type]
+    m.record(F, SimpleNamespace(event=WeightsSet(at=at(1), weights={"a": 90, "b": 10})), view)  # type: ignore[arg-type]
+    get = m.registry.get_sample_value
+    assert get("haru_promoter_canary_rollbacks_total", {"fleet": F, "domain": "b", "why": "probe"}) == 1
+    assert get("haru_promoter_canary_rollbacks_total", {"fleet": F, "domain": "b", "why": "error_rate"}) == 1
