@@ -50,7 +50,7 @@ from haru.core.residency import Answer
 from haru.core.sizes import format_gib
 from haru.core.specs import as_uuid, fleet_uuid
 from haru.core.views import FleetView, RouteIntent, Target
-from haru.gateway.split import Split, apply_splits
+from haru.gateway.split import Split, apply_splits, carry_rotation
 
 # The status table (`ANSWER_STATUS`) and OpenAI's error shape are `haru.core.openai_errors`, shared with
 # the agent's serving port.
@@ -414,7 +414,11 @@ class RoutingTable:
         if view is None and intent is None:
             self._fleets.pop(fleet, None)
         else:
-            self._fleets[fleet] = compile_routes(fleet, view, intent, seq)
+            routes = compile_routes(fleet, view, intent, seq)
+            old = self._fleets.get(fleet)
+            if old is not None:
+                carry_rotation(old.entries, routes.entries)  # type: ignore[arg-type]
+            self._fleets[fleet] = routes
 
 
 def fleet_not_found(fleet: str, known: list[str]) -> Refusal:

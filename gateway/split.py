@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 from haru.core.views import RouteIntent, Target
 from haru.core.weights import spread, split_of
 
-__all__ = ["Split", "apply_splits", "target_url"]
+__all__ = ["Split", "apply_splits", "carry_rotation", "target_url"]
 
 F = TypeVar("F")
 
@@ -77,3 +77,13 @@ def apply_splits(intent: RouteIntent | None, entries: dict[str, object], is_forw
         order = spread(effective)
         out[model] = Split(tuple(entry if d == active else ways[d] for d in order), effective)
     return out
+
+
+def carry_rotation(old: dict[str, object], new: dict[str, object]) -> None:
+    """A fleet's routes compiled again (a new view or intent) keep each unchanged split's place in its
+    rotation, so frequent updates do not restart every split at the active and skew the shares."""
+    for model, entry in new.items():
+        before = old.get(model)
+        if type(entry) is Split and type(before) is Split and before.weights == entry.weights \
+                and len(before.table) == len(entry.table):
+            entry._n = before._n

@@ -236,3 +236,12 @@ def test_fleet_view_defaults_have_no_weights():
     v = FleetView(fleet="f", domains={"a": DomainView(name="a", models={M: ModelView(name=M, residency=Sleeping(since=T0))})})
     assert v.weights == {} and v.model_weights == {} and v.weights_change is None
     assert Resident  # used above in the fold fixtures
+
+
+def test_an_update_keeps_the_splits_place_in_its_rotation():
+    t = _table({"a": 50, "b": 50})
+    first = t.resolve("f", M, 0.0).domain  # type: ignore[union-attr]
+    routes = t.get("f")
+    assert routes is not None and routes.intent is not None
+    t.set_intent("f", routes.intent, 2)  # the same split, published again
+    assert t.resolve("f", M, 0.0).domain != first  # type: ignore[union-attr]
