@@ -12,7 +12,10 @@ An intent carries:
   reachability, eligibility with why, degraded flags, and for `serve: direct` domains the URL of
   each admitted model,
 - `answers`: one router answer per model declared on the active domain (`haru.core.residency.answer`),
-- `operation`: the op_id of the promotion or demotion in flight, and `view_seq`.
+- `operation`: the op_id of the promotion or demotion in flight, and `view_seq`,
+- `weights` and `model_weights`: the traffic splits in force ({} = the active takes everything), and
+  `weighted`: every other domain with a share, its Target and one answer per model it declares
+  (haru.core.weights; a router sends a domain its share only while that answer is `ready`).
 
 Volatile values stay out. `for_ms` of a warming answer depends on the reader's clock, so the
 projector publishes intents computed with `now=None` (`for_ms` = 0, `since` set) and a reader
@@ -44,7 +47,7 @@ import msgspec
 
 from haru.core import residency
 from haru.core.residency import Answer, Failed, Loading, Lost, NotAdmitted, Resident
-from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target
+from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target, Weighted
 
 __all__ = ["at", "changed", "intent", "target"]
 
@@ -142,6 +145,12 @@ def intent(view: FleetView, now: datetime | None = None) -> RouteIntent:
     if active is not None:
         for name, m in active.models.items():
             answers[name] = _model_answer(m, now)
+    weighted: dict[str, Weighted] = {}
+    if active is not None:
+        shares = [view.weights, *view.model_weights.values()]
+        for name, d in view.domains.items():
+            if name != active.name and any(split.get(name, 0) > 0 for split in shares):
+                weighted[name] = Weighted(target=target(d), answers={m: _model_answer(mv, now) for m, mv in d.models.items()})
     return RouteIntent(
         fleet=view.fleet,
         revision=view.route_revision,
@@ -150,6 +159,9 @@ def intent(view: FleetView, now: datetime | None = None) -> RouteIntent:
         answers=answers,
         operation=view.operation.op_id if view.operation is not None else "",
         view_seq=view.seq,
+        weights=dict(view.weights),
+        model_weights={m: dict(w) for m, w in view.model_weights.items()},
+        weighted=weighted,
     )
 
 
@@ -163,11 +175,17 @@ def changed(last: RouteIntent | None, new: RouteIntent) -> bool:
 def at(ri: RouteIntent, now: datetime) -> RouteIntent:
     """A published intent as of `now`: `for_ms` of warming answers recomputed from their `since`."""
     answers = ri.answers
+    if ri.weighted:
+        ri = _replace(ri, weighted={d: _replace(w, answers=_fresh(w.answers, now)) for d, w in ri.weighted.items()})
     if not any(a.answer == "warming" and a.since is not None for a in answers.values()):
         return ri
+    return _replace(ri, answers=_fresh(answers, now))
+
+
+def _fresh(answers: dict[str, Answer], now: datetime) -> dict[str, Answer]:
     fresh: dict[str, Answer] = {}
     for name, a in answers.items():
         if a.answer == "warming" and a.since is not None:
             a = _replace(a, for_ms=max(0, int((now - a.since).total_seconds() * 1000)))
         fresh[name] = a
-    return _replace(ri, answers=fresh)
+    return fresh
