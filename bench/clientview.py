@@ -142,7 +142,10 @@ class Demo:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        for pid in self.tree | descendants(self.proc.pid):
+        # ... and what outlived the agent that started it (runtimes and port holders an agent killed by a
+        # fault left behind, adopted by the next agent but no descendant of `haru up`): named by this home
+        left = {pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if str(self.root) in cmdline(pid)}
+        for pid in self.tree | descendants(self.proc.pid) | left:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
 
