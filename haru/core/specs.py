@@ -94,6 +94,9 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     hold_max_bytes: NonNegative = 64 * MiB
     # After a planned flip, the old active's in-flight requests finish (this long at most) before it sleeps.
     drain_ms: NonNegative = 30_000
+    # Standbys' declared order (most preferred first), before measured fitness (haru.core.ranking).
+    # Empty: the layout's domain order. Domains not named rank after those named, by measured fitness.
+    standby_order: list[str] = []
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):

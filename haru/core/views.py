@@ -111,6 +111,9 @@ class DomainView(msgspec.Struct, frozen=True, kw_only=True):
     signalled: str = ""
     signalled_at: datetime | None = None
     signalled_seq: int = 0
+    # The route revision at which this domain stopped being the active (0 = never): it then ranks
+    # after the standbys that never lost the role (haru.core.ranking), the old active rejoining last.
+    left_active_seq: int = 0
 
 
 # `skipped`: a best-effort step that did not apply for a known reason (the old active's GPU is gone:
@@ -130,6 +133,17 @@ class StepView(msgspec.Struct, frozen=True, kw_only=True):
     seq: int = 0
 
 
+class TriedView(msgspec.Struct, frozen=True, kw_only=True):
+    """A standby a promotion tried before it moved on to the next one (`promotion_retargeted`)."""
+
+    target: str
+    step: str = ""  # the step that failed on it
+    attempt: int = 0  # that step's attempt
+    error: str = ""
+    at: datetime | None = None
+    seq: int = 0  # the promotion_retargeted event
+
+
 class OperationView(msgspec.Struct, frozen=True, kw_only=True):
     op_id: str
     kind: str  # promotion | demotion | ... (haru.core.events.OPERATION_REQUESTS)
@@ -146,6 +160,11 @@ class OperationView(msgspec.Struct, frozen=True, kw_only=True):
     route_revision: int = 0  # the route revision it was decided against
     decl_seq: int = 0  # a rolling change: the declarations it rolls out
     attempt: int = 1  # an automatic failover retried after an abort: which attempt (PromotionRequested.attempt)
+    # A promotion onto whichever standby can serve (auto-failover, `haru promote` without a target): when
+    # its target fails before the flip it moves on to the next fit standby (`promotion_retargeted`);
+    # `tried` lists the ones it left, in order, and `steps` are those of the current target.
+    cascade: bool = False
+    tried: list[TriedView] = []
 
 
 class FleetView(msgspec.Struct, frozen=True, kw_only=True):
@@ -186,11 +205,22 @@ class FleetView(msgspec.Struct, frozen=True, kw_only=True):
     checkpoint: int = 0
 
     def standby(self) -> str:
-        """The domain that is not active ('' when there is no active or no second domain)."""
-        for name in self.domains:
-            if name != self.active:
-                return name
-        return ""
+        """The first-ranked standby (`haru.core.ranking.rank`: fit first, then declared order, then
+        measured fitness); '' when the fleet has no other domain."""
+        from haru.core.ranking import rank  # the ranking reads these views: imported when asked
+
+        ranked = rank(self)
+        return ranked[0].domain if ranked else ""
+
+
+class RankedStandby(msgspec.Struct, frozen=True, kw_only=True):
+    """One standby in the order a failover would promote it (haru.core.ranking)."""
+
+    domain: str
+    rank: int  # 1 = promoted first
+    fit: bool = True  # may be promoted now
+    why: str = ""  # why it sits where it does: fitness, declared order, measured wake
+    wake_ms: int = 0  # the slowest last measured wake of the models it would serve (0 = never measured)
 
 
 class Target(msgspec.Struct, frozen=True, kw_only=True):
@@ -217,6 +247,11 @@ class RouteIntent(msgspec.Struct, frozen=True, kw_only=True):
     answers: dict[str, Answer] = {}  # one per model on the active domain
     operation: str = ""  # op_id of the operation in flight
     view_seq: int = 0  # the view it was computed from
+    # Every standby, ranked (`standby` above is the first of them), and whether any is fit to take
+    # over: 'protected', 'unprotected' (no fit standby: one more failure and nothing serves), or ''
+    # (no route yet, or a single-domain fleet).
+    standbys: list[RankedStandby] = []
+    protection: str = ""
 
 
 view_encoder = msgspec.json.Encoder()
