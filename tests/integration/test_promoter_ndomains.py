@@ -122,3 +122,36 @@ async def test_four_domains_cascade_past_two_failed_standbys_to_the_third(world)
         ops = await op_events(log, op_id=promo.op_id)
         assert [(e.previous, e.target) for e in ops if isinstance(e, PromotionRetargeted)] == [("b", "c"), ("c", "d")]
     assert [m.active for m in await route_moves(log)] == ["a", "d"]
+
+
+async def test_haru_promote_without_a_target_takes_the_best_fit_standby_and_cascades(world):
+    import asyncio
+
+    from haru.promoter import request_operation
+    from tests.support import haru
+
+    async with fleet_of(world, "abcd") as (log, agents), promoters(world):
+        await routed(log, "abcd")
+        await agents["b"].unserve()  # the first-ranked standby is gone: c is the best fit one
+        await wait_view(log, lambda v: v.domains["b"].reachable is False, what="b unreachable")
+        agents["c"].fail_probe = True  # and c fails its probe: the promotion moves on to d
+        if world.url is not None:  # the CLI, as an operator types it, on the server
+            done = await asyncio.to_thread(haru, "promote", "--wait", nats_url=world.url, timeout=60)
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert "moved on   c failed probe" in done.stdout and "trying d" in done.stdout
+            shown = await asyncio.to_thread(haru, "op", (await failover_any(log)).op_id, nats_url=world.url)
+            assert "tried first: c" in shown.stdout and "[d]" in shown.stdout, shown.stdout
+        else:
+            result = await request_operation(log, "default", "promotion", "", by="test", now=now())
+            assert result.status == "accepted", result.message
+        view = await wait_view(log, lambda v: v.active == "d" and v.operation is None, timeout=30, what="promoted d")
+        promo = await failover_any(log)
+        assert (promo.reason, promo.target, promo.tried) == ("manual", "d", ("c",))
+    assert [m.active for m in await route_moves(log)] == ["a", "d"]
+    assert serving(view, "d")
+
+
+async def failover_any(log):
+    ops = [op for op in fold_operations(await log.history(subjects.op("default")))
+           if op.kind == "promotion" and op.reason != "initial"]
+    return ops[-1]
