@@ -3,7 +3,7 @@
 1. Rebuild: fold 100k events into fleet views (and write them to KV, with intents) with
    `haru.projector.Projector`, against a raw nats-py ordered-consumer drain of the same stream
    (the fastest way to read it, doing nothing with the messages). Ratio = raw time / rebuild time
-   (target >= 0.6x). Also printed: the log's replay with a no-op handler and with the fold only,
+   (goal >= 0.8x, issue 30; it was >= 0.6x before: docs/performance.md says why 0.8x is not met). Also printed: the log's replay with a no-op handler and with the fold only,
    to show where the time goes.
 2. Route-intent propagation: from the ack of a `route_moved` append to a RouteWatcher receiving
    the intent with that revision, with `haru projector` running as a child process on an idle
@@ -238,7 +238,7 @@ async def main() -> None:
         print(f"  raw ordered-consumer drain    {raw:5.2f}s  {last / raw:9,.0f} ev/s   1.00x (baseline)")
         print(f"  EventLog.replay, no-op        {noop:5.2f}s  {last / noop:9,.0f} ev/s   {raw / noop:.2f}x")
         print(f"  EventLog.replay + fold        {folded:5.2f}s  {last / folded:9,.0f} ev/s   {raw / folded:.2f}x")
-        print(f"  projector rebuild (KV+route)  {built:5.2f}s  {last / built:9,.0f} ev/s   {raw / built:.2f}x   (target >= 0.6x)")
+        print(f"  projector rebuild (KV+route)  {built:5.2f}s  {last / built:9,.0f} ev/s   {raw / built:.2f}x   (goal >= 0.8x)")
         print(f"    last round: view writes {s.view_writes}, intents published {s.intents_published}, flushes {s.flushes}")
 
         async with NatsServer(store / "propagation") as server:

@@ -542,8 +542,16 @@ async def takeover(args, log: EventLog, hosts: SimHosts, plane: Plane) -> None:
         if f in held and f not in taken and isinstance(r.event, StepStarted) and r.event.by == survivor_id:
             taken[f] = r.time.timestamp() - t_kill
     times = sorted(taken.values())
+    # the same step (operation, step, attempt) started by both promoters: a decision made on a view that
+    # lacked the other's step_started, appended on top of it (one replica's step must never run twice)
+    started: dict[tuple[str, str, int], int] = {}
+    for r in recs:
+        if isinstance(r.event, StepStarted):
+            key = (r.event.op_id, r.event.step, r.event.attempt)
+            started[key] = started.get(key, 0) + 1
+    twice = sum(1 for n in started.values() if n > 1)
     print(f"[takeover] fleets whose step was in flight on the killed promoter: {len(held)}; taken over: {len(taken)}; "
-          f"route moved afterwards: {len(moved)}/{len(fleets)}")
+          f"route moved afterwards: {len(moved)}/{len(fleets)}; steps started twice: {twice} of {len(started)}")
     if times:
         print(f"[takeover] kill -> survivor's step_started, per fleet: min {times[0]:.2f} s, p50 {pct(times, 50):.2f} s, "
               f"p99 {pct(times, 99):.2f} s, max {times[-1]:.2f} s (the runner is taken for dead after "

@@ -222,19 +222,6 @@ class Projector:
             return None
         return e
 
-    def _track_heads(self, rec: Record) -> None:
-        """Remember the record as its subject's chain head, and count it towards the next checkpoint."""
-        fleet = fleet_of(rec.subject)
-        if not fleet:
-            return
-        heads = self._heads.get(fleet)
-        if heads is None:
-            heads = self._heads[fleet] = {}
-        prior = heads.get(rec.subject)
-        if prior is None or prior[0] < rec.seq:
-            heads[rec.subject] = (rec.seq, rec.data)
-            self._cp_count[fleet] = self._cp_count.get(fleet, 0) + 1
-
     async def _load_view(self, fleet: str, cp: Checkpoint | None = None) -> FleetView:
         key = subjects.view_key(fleet)
         got = await self.log.get_view(key)
@@ -322,25 +309,31 @@ class Projector:
 
     def fold_record(self, rec: Record) -> None:
         """The replay handler (synchronous: nats-py calls it back to back while messages are
-        queued, and the flusher runs whenever the queue is drained)."""
+        queued, and the flusher runs whenever the queue is drained). The hot path of a rebuild:
+        each record is also its subject's chain head (for checkpoints), tracked on the fleet the fold read."""
         seq = rec.seq
+        subject = rec.subject
         stats = self.stats
         stats.last_seq = seq
         stats.last_time_ns = rec.time_ns
         event = rec.event
         try:
-            folder = add_one(self._folders, event, seq=seq, subject=rec.subject, error=rec.error)
+            folder = add_one(self._folders, event, seq=seq, subject=subject, error=rec.error)
         except Exception as exc:  # a bug in the fold must not stop projection of everything else
             stats.failures += 1
-            log_.exception("projector.fold_failed", seq=seq, subject=rec.subject, error=str(exc))
+            log_.exception("projector.fold_failed", seq=seq, subject=subject, error=str(exc))
             folder = None
-        if event is None and (folder is not None or not fleet_of(rec.subject)):
-            stats.invalid += 1
-            log_.warning("projector.invalid_event", seq=seq, subject=rec.subject, error=rec.error)
         if folder is None:
+            fleet = fleet_of(subject)
+            if event is None and not fleet:
+                stats.invalid += 1
+                log_.warning("projector.invalid_event", seq=seq, subject=subject, error=rec.error)
             stats.skipped += 1
         else:
             fleet = folder.fleet
+            if event is None:
+                stats.invalid += 1
+                log_.warning("projector.invalid_event", seq=seq, subject=subject, error=rec.error)
             stats.handled += 1
             if fleet not in self._dirty:
                 # Only when the fleet becomes dirty: while it is dirty the flusher has not taken it
@@ -352,11 +345,19 @@ class Projector:
                 self._wake.set()
             if folder.misplaced_seq == seq:
                 stats.misplaced += 1
-                log_.warning("projector.misplaced_event", seq=seq, subject=rec.subject, by=getattr(event, "by", ""),
+                log_.warning("projector.misplaced_event", seq=seq, subject=subject, by=getattr(event, "by", ""),
                              anomaly=folder.view().last_anomaly)
             elif type(event) is RouteMoved:
                 self._pending.setdefault(fleet, []).append(intent(folder.view()))
-        self._track_heads(rec)
+        if fleet:  # the chain head of its subject, and one more event towards the fleet's next checkpoint
+            heads = self._heads.get(fleet)
+            if heads is None:
+                heads = self._heads[fleet] = {}
+            prior = heads.get(subject)
+            if prior is None or prior[0] < seq:
+                heads[subject] = (seq, rec.data)
+                cp_count = self._cp_count
+                cp_count[fleet] = cp_count.get(fleet, 0) + 1
         if self._caught_up_at and seq >= self._caught_up_at:
             self._log_caught_up()
 

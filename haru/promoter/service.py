@@ -143,6 +143,7 @@ class Promoter:
         self._swept = 0.0  # when every fleet was last decided for
         self._advanced = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        self._making: set[str] = set()  # fleets whose decided appends are being made (a task each): not decided again until done
         self._listening_since = 0.0
         self._was_connected = True
         self.follower: Follower | None = None
@@ -228,10 +229,10 @@ class Promoter:
         now = time.monotonic()
         if now - self._swept >= self.tick_s:
             self._swept = now
-            due = list(self.fleets.values())
+            due = [st for f, st in self.fleets.items() if f not in self._making]
         else:
-            due = [self.fleets[f] for f in sorted(self._dirty) if f in self.fleets]
-        self._dirty.clear()
+            due = [self.fleets[f] for f in sorted(self._dirty) if f in self.fleets and f not in self._making]
+        self._dirty.clear()  # a fleet being made is touched again when its appends are done
         return due
 
     # ------------------------------------------------------------------------------------ run
@@ -262,14 +263,16 @@ class Promoter:
                     follower.result()  # raises what stopped the follower (a bug: it restarts on log errors)
                     raise LogError("the promoter's log follower stopped")
                 self._changed.clear()
-                # Decide for every fleet due (pure, no await), then make the appends of those that have
-                # any, concurrently: fleets are independent (their own subjects and expected sequences),
-                # and one fleet's appends, each awaited until folded, must not hold up another's failover.
-                work = [(st, appends) for st in (self._due() if self._connected() else ()) if (appends := self._decide(st))]
-                if len(work) == 1:
-                    await self._make_guarded(*work[0])
-                elif work:
-                    await asyncio.gather(*(self._make_guarded(st, appends) for st, appends in work))
+                # Decide for every fleet due (pure, no await), then make the appends of each fleet that has
+                # any in a task of its own: fleets are independent (their own subjects and expected
+                # sequences), and one fleet's appends, each awaited until folded, must hold up neither
+                # another fleet's decisions nor its failover (a pass that awaited every fleet's appends
+                # kept a takeover waiting for the slowest fleet of the pass). A fleet whose appends are
+                # being made is not decided for again until they are done (`_due`).
+                for st in (self._due() if self._connected() else ()):
+                    appends = self._decide(st)
+                    if appends:
+                        self._start_making(st, appends)
                 await wait_event(self._changed, max(0.0, self._swept + self.tick_s - time.monotonic()))
         finally:
             with contextlib.suppress(Exception):
@@ -277,9 +280,28 @@ class Promoter:
             await self.peers.stop()
             await cancel_and_wait(beating, follower, *self._tasks)
 
-    async def _make_guarded(self, st: FleetState, appends: list[Append]) -> None:
+    def _start_making(self, st: FleetState, appends: list[Append]) -> None:
+        """Make a fleet's decided appends in a task; the fleet is decided for again once they are done.
+        The expected sequences are the ones the decision saw, taken now: the task starts a loop turn
+        later, and a record folded meanwhile (another replica's append) must make ours conflict, not
+        pass on top of it (a decision made on a view that lacks it would, e.g., request a promotion
+        twice)."""
+        fleet = st.view.fleet
+        expects = {a.subject: st.last.get(a.subject, 0) for a in appends}
+        self._making.add(fleet)
+        task = asyncio.create_task(self._make_guarded(st, appends, expects), name=f"make-{fleet}")
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task, fleet: str = fleet) -> None:
+            self._tasks.discard(t)
+            self._making.discard(fleet)
+            self._touch(fleet)
+
+        task.add_done_callback(done)
+
+    async def _make_guarded(self, st: FleetState, appends: list[Append], expects: dict[str, int] | None = None) -> None:
         try:
-            await self._make(st, appends)
+            await self._make(st, appends, expects)
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug must not stop every fleet: say it loudly, go on
@@ -342,10 +364,14 @@ class Promoter:
             self.log_.exception("decide_failed", fleet=st.view.fleet)
             return []
 
-    async def _make(self, st: FleetState, appends: list[Append]) -> None:
-        """Make a round's appends, in order (each folded before the next); stop at the first that loses a race."""
+    async def _make(self, st: FleetState, appends: list[Append], expects: dict[str, int] | None = None) -> None:
+        """Make a round's appends, in order (each folded before the next); stop at the first that loses a race.
+        `expects`: each subject's last sequence when the appends were decided (default: now); our own
+        append moves it."""
+        if expects is None:
+            expects = {a.subject: st.last.get(a.subject, 0) for a in appends}
         for a in appends:
-            expect = st.last.get(a.subject, 0)
+            expect = expects[a.subject]
             event: Event = a.event if a.event.by else msgspec.structs.replace(a.event, by=self.identity)
             event = causes.with_cause(event, causes.decided_cause(st.view, event, st.last))
             log = self.log_.bind(fleet=st.view.fleet, event=tag_of(event), subject=a.subject)
@@ -358,6 +384,7 @@ class Promoter:
                 log.warning("append_failed", error=str(exc))
                 return
             log.info("appended", seq=seq, why=a.why, **_context(event))
+            expects[a.subject] = seq
             if isinstance(event, StepStarted):
                 op = st.view.operation
                 if op is not None and op.op_id == event.op_id:
