@@ -22,7 +22,7 @@ import msgspec
 
 from haru.agents.errors import RuntimeProblem
 from haru.agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
-from haru.agents.runtime_files import read_identities, runtime_on_start
+from haru.agents.runtime_files import read_identities, runtime_on_start, wake_answers
 from haru.host.children import stop_group
 
 __all__ = ["Adoptable", "FoundRuntimes", "find_runtimes"]
@@ -34,6 +34,7 @@ class Adoptable(msgspec.Struct, frozen=True, kw_only=True):
     pid: int
     asleep: bool
     endpoint: str
+    wake_answers: dict[str, str] = {}  # what it answered before it slept (its identity file): the wake check's
 
 
 class FoundRuntimes(msgspec.Struct, kw_only=True):
@@ -92,5 +93,6 @@ async def find_runtimes(state_dir: Path, models: Mapping[str, ModelSlot], *, pro
             path.unlink(missing_ok=True)
             found.away[name] = f"the runtime (pid {pid}) outlived its agent but did not answer ({why[:200]}); stopped"
             continue
-        found.adoptable[name] = Adoptable(pid=pid, asleep=bool(asleep), endpoint=m.runtime.base_url)
+        found.adoptable[name] = Adoptable(pid=pid, asleep=bool(asleep), endpoint=m.runtime.base_url,
+                                          wake_answers=wake_answers(doc) if asleep else {})
     return found

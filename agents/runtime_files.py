@@ -1,7 +1,8 @@
 """The agent's files in its state directory, and what a starting agent makes of them.
 
     <state>/runtimes/<model>.json   a runtime's identity (pid, kernel start time, argv, port, model, plan):
-                                    runtimes outlive the agent; the next one adopts, replaces or stops them
+                                    runtimes outlive the agent; the next one adopts, replaces or stops them.
+                                    While it sleeps, also `wake_answers`: what the wake check compares
     <state>/children.json           the running trainers' process groups (they do not outlive the agent:
                                     a starting agent stops whatever a crashed one left, with the grace)
 
@@ -26,7 +27,7 @@ from haru.host.children import alive as proc_alive
 from haru.host.children import stop_group
 from haru.core.specs import ModelSpec
 
-__all__ = ["OnStart", "RuntimeFiles", "runtime_on_start", "read_identities", "start_time"]
+__all__ = ["OnStart", "RuntimeFiles", "runtime_on_start", "read_identities", "start_time", "wake_answers"]
 
 
 class OnStart(msgspec.Struct, frozen=True):
@@ -72,6 +73,14 @@ def read_identities(state_dir: Path) -> dict[str, tuple[Path, dict | None]]:
     return out
 
 
+def wake_answers(doc: dict) -> dict[str, str]:
+    """The greedy answers an identity file keeps for the wake check ({} when none, or not a str -> str map)."""
+    answers = doc.get("wake_answers")
+    if isinstance(answers, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in answers.items()):
+        return answers
+    return {}
+
+
 def start_time(pid: int) -> str:
     """The process's start time as identity files record it ('' when it is gone)."""
     st = procfs.stat(pid)
@@ -103,17 +112,41 @@ class RuntimeFiles:
         return self.state_dir / "runtimes" / f"{_file_token(model)}.json"
 
     def write_identity(self, model: str, runtime: Any) -> None:
-        """Record who the runtime is, for the next agent (a runtime without an identity: nothing)."""
+        """Record who the runtime is, for the next agent (a runtime without an identity: nothing). The
+        wake check's answers stay when the file already names this very process (same pid and start)."""
         identity = getattr(runtime, "identity", None)
         doc = identity() if identity is not None else None
         if doc is None:
             return
         path = self.identity_path(model)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            before = json.loads(path.read_text())
+            if (before.get("pid"), before.get("start")) == (doc.get("pid"), doc.get("start")) and wake_answers(before):
+                doc = {**doc, "wake_answers": wake_answers(before)}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             _write_atomically(path, doc)
         except OSError as exc:
             self.logger.warning("could not write the runtime's identity file", model=model, path=str(path), error=str(exc))
+
+    def write_wake_answers(self, model: str, answers: dict[str, str]) -> None:
+        """Keep the greedy answers the runtime gave before it slept (agents/wake_check.py) in its identity
+        file, for an agent that adopts it asleep ({} removes them: the wake was checked)."""
+        path = self.identity_path(model)
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            self.logger.warning("no identity file to keep the wake check's answers in; an agent restarted before "
+                                "the wake will wake it unchecked", model=model, path=str(path), error=str(exc))
+            return
+        if answers:
+            doc["wake_answers"] = answers
+        elif doc.pop("wake_answers", None) is None:
+            return
+        try:
+            _write_atomically(path, doc)
+        except OSError as exc:
+            self.logger.warning("could not keep the wake check's answers", model=model, path=str(path), error=str(exc))
 
     def drop_identity(self, model: str) -> None:
         with contextlib.suppress(FileNotFoundError):

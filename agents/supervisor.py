@@ -1,8 +1,8 @@
 """One model's supervisor: loads (or adopts) its runtime, watches it, restarts it with backoff, and
 puts it to sleep and wakes it when a command asks. One `ModelSupervisor` per admitted model.
 
-    loading   spawn, then poll /health, /v1/models and a one-token completion until it answers
-              (never times out: Loading reports progress instead); an exit is waited on, not polled
+    loading   spawn, wait for its port to listen, then poll /health, /v1/models and a one-token completion
+              until it answers (never times out: Loading reports progress instead); an exit is waited on, not polled
     watching  a probe every probe interval, classified with the GPU-present bit (gpu_detached,
               evicted, unhealthy); an evicted runtime is restarted
     restarts  exponential backoff (`backoff_s`); on a standby, the training on that GPU is paused for
@@ -62,6 +62,7 @@ __all__ = ["ModelSupervisor", "SupervisorContext", "backoff_s", "runtime_said", 
 # connection costs well under a millisecond), so `resident` is recorded within ~this of the runtime
 # turning ready. bench/runtime.py measures it against a real llama-server.
 LOADING_POLL_S = 0.02
+LISTEN_POLL_S = 0.005  # a loading runtime whose port refuses connections: a bare connect this often
 
 
 def backoff_s(policy: Policy, failures: int) -> float:
@@ -105,8 +106,10 @@ class ModelSupervisor:
         self.gpus = model_gpus(m.spec)  # a tensor-parallel model's every GPU
         if m.runtime.kind != "external":
             ctx.loads.enroll(m.name, self.gpus)
-        # the greedy answers recorded before the runtime last slept: a wake must give the same ones
-        self.wake_check = WakeCheck()
+        # the greedy answers recorded before the runtime last slept: a wake must give the same ones (kept in
+        # its identity file, so an agent that adopts it asleep checks its wake too)
+        self.wake_check = WakeCheck(found.wake_answers if found is not None else None,
+                                    keep=lambda answers: ctx.files.write_wake_answers(m.name, answers))
 
     def recheck(self) -> None:
         """Probe now (the serving port saw the runtime fail a request), once at a time."""
@@ -264,23 +267,35 @@ class ModelSupervisor:
             self.ctx.files.write_identity(m.name, m.runtime)
             if m.runtime.kind != "external":
                 self.ctx.spawn(self._exit_waiter(m.generation), f"exit:{m.name}:{m.generation}")
-        poll = LOADING_POLL_S
         timeout = self.ctx.policy().probe_timeout_ms / 1000
+        polls = 0
         while not self.ctx.stopping():
             if m.exited.is_set():
                 return False
-            probe = await probes.ready(m.runtime, timeout_s=timeout, check_sleep=False)
-            if probe.ok:
+            # Until its port takes connections, a bare connect every LISTEN_POLL_S; then the HTTP probe
+            # every LOADING_POLL_S (docs/agent.md, "A real llama-server": where the time from /health 200 goes).
+            poll = LOADING_POLL_S
+            listening = await m.runtime.listening()
+            probe = await probes.ready(m.runtime, timeout_s=timeout, check_sleep=False) if listening else None
+            polls += 1
+            if probe is not None and probe.ok:
                 async with m.lock:
                     if m.exited.is_set() or m.state_tag != "loading":
                         return False
                     m.last_probe = probe
                     warmup = int((time.monotonic() - started) * 1000)
+                    answered = time.perf_counter()
                     await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url,
                                                       sleeps=m.runtime.can_sleep, warmup_ms=warmup))
                     m.resident_at = time.monotonic()
+                self.logger.info("first probe answered", polls=polls, health_ms=probe.health_ms,
+                                 models_ms=probe.models_ms, completion_ms=probe.completion_ms,
+                                 record_ms=round((time.perf_counter() - answered) * 1000, 1))
                 return True
-            if m.runtime.kind != "external" and self._gpu_went_away():
+            if not listening:
+                poll = LISTEN_POLL_S
+            # the GPU is read no more often than before the bare connects (every LOADING_POLL_S)
+            if m.runtime.kind != "external" and (listening or polls % 4 == 0) and self._gpu_went_away():
                 async with m.lock:
                     await self.ctx.record(m, GpuGone(**self.ctx.about(m), detail="the GPU went away while the model was loading"))
                     m.on_purpose = True
@@ -548,7 +563,7 @@ class ModelSupervisor:
                                               sleeps=m.runtime.can_sleep, warmup_ms=took))
             m.resident_at = time.monotonic()
             answers = ("the greedy answers recorded before the sleep" if checked else
-                       "no greedy answer to compare: this agent did not see it fall asleep")
+                       "no greedy answer to compare: none was kept from before it slept")
             return Outcome(ok=True, detail=f"awake (verified by /is_sleeping, a probe in {probe.latency_ms} ms and "
                            f"{answers})", took_ms=took)
 

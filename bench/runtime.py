@@ -12,14 +12,18 @@ measures from outside (run it once per runtime to set them side by side):
    restart's, in seconds;
 
 1. process exit -> `model_lost{process_exited}` appended: SIGKILL of the standby's runtime, its exit
-   seen through a pidfd this process opened before the kill (a vLLM takes the kernel tens to hundreds
-   of ms to tear down after SIGKILL: reported apart, as kill -> exit), to the event's JetStream
-   timestamp, p50/p99 over `--kills` kills (goal p99 <= 100 ms);
-2. llama-server's own `/health` turning 200 -> `model_resident` appended: from each kill this process
-   polls the model's port's `/health` every millisecond (the restarted server gets the same port) and
-   takes the first 200, then the resident event's JetStream timestamp (goal p99 <= 50 ms). The agent
-   polls too (every 20 ms while loading), so it can see the 200 up to one poll round trip before
-   this process does: a figure can be slightly negative;
+   seen through a pidfd this process opened before the kill, by a thread blocked on it (a vLLM takes
+   the kernel tens to hundreds of ms to tear down after SIGKILL: reported apart, as kill -> exit), to
+   the event's JetStream timestamp, p50/p99 over `--kills` kills (goal p99 <= 100 ms). The agent and
+   this thread wake on the same exit: a figure can be slightly negative;
+2. the runtime turning ready -> `model_resident` appended: from each kill this process tries the
+   model's port with a bare connect every millisecond (the restarted server gets the same port), then
+   asks `/health` every millisecond, and takes the first accepted connection (a vLLM listens only
+   once its engine is up: its ready moment) and the first 200, then the resident event's JetStream
+   timestamp (goal p99 <= 50 ms from /health 200). The agent watches the same way (a bare connect
+   every 5 ms, then its probe), so it can see the 200 before this process does: a figure can be
+   small or slightly negative. From the agent's own log, where its share went: each probe step
+   (/health; /v1/models and the one-token completion, asked together) and the append;
 3. chat through the gateway vs directly to the active's llama-server, JSON, at 1 and 8 connections,
    in alternating slices (so both see the same background load): throughput ratio and latencies.
 
@@ -33,12 +37,16 @@ import argparse
 import asyncio
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -116,37 +124,67 @@ async def wait_route(log: EventLog, timeout: float = 900.0) -> None:
     raise SystemExit(f"no route after {timeout:.0f} s")
 
 
-async def first_200(session: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> float:
-    """The wall-clock time /health first answers 200 (polled every millisecond), or 0 if stopped first."""
+async def port_open(host: str, port: int) -> bool:
+    """A bare TCP connect (a third of an HTTP request's CPU): polled every millisecond through a
+    restart that takes a vLLM a minute, HTTP requests would take seconds of the 2 cores it loads on."""
+    loop = asyncio.get_running_loop()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, (host, port))
+        except OSError:
+            return False
+        return sock.getsockname() != sock.getpeername()  # not a socket connected to itself (simultaneous open)
+
+
+async def first_200(session: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> tuple[float, float]:
+    """The wall-clock times the port first took a connection and /health first answered 200 (the port
+    tried every millisecond, then /health asked every millisecond), or 0 for what did not happen before
+    `stop`. A vLLM listens only once its engine is up: its first accepted connection is its ready
+    moment, while the first 200 this process sees waits behind whatever that vLLM serves first."""
+    where = urlsplit(url)
+    listening = 0.0
     while not stop.is_set():
+        if not listening:
+            if not await port_open(where.hostname or "127.0.0.1", where.port or 80):
+                await asyncio.sleep(0.001)
+                continue
+            listening = time.time()
         try:
             async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
                 await r.read()
                 if r.status == 200:
-                    return time.time()
+                    return listening, time.time()
+        except aiohttp.ClientConnectorError:
+            listening = 0.0  # refused after all: back to bare connects
         except (aiohttp.ClientError, asyncio.TimeoutError):
             pass
         await asyncio.sleep(0.001)
-    return 0.0
+    return listening, 0.0
 
 
 kill_to_exit: list[float] = []
+listen_to_resident: list[float] = []
 
 
 def exit_seen(pid: int) -> asyncio.Future[float]:
     """The wall-clock time `pid` exits, seen through a pidfd opened before the kill: a big process (vLLM,
-    ~1 GB mapped) takes the kernel a while to tear down after SIGKILL, and that is not the agent's time."""
+    ~1 GB mapped) takes the kernel a while to tear down after SIGKILL, and that is not the agent's time.
+    A thread blocks on the pidfd and reads the clock as it wakes, so this process's event loop (busy
+    polling /health) does not delay the reading; the switch interval is shortened for the same reason."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[float] = loop.create_future()
     fd = os.pidfd_open(pid)
 
-    def ready() -> None:
-        loop.remove_reader(fd)
+    def wait() -> None:
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        p.poll()
+        at = time.time()
         os.close(fd)
-        if not done.done():
-            done.set_result(time.time())
+        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(at))
 
-    loop.add_reader(fd, ready)
+    threading.Thread(target=wait, daemon=True).start()
     return done
 
 
@@ -156,6 +194,7 @@ async def kills(log: EventLog, n: int) -> tuple[list[float], list[float], list[f
     health_to_resident: list[float] = []
     restarts: list[float] = []
     kill_to_exit.clear()
+    listen_to_resident.clear()
     async with aiohttp.ClientSession() as session:
         for i in range(n):
             recs = await log.history(subject)
@@ -168,24 +207,54 @@ async def kills(log: EventLog, n: int) -> tuple[list[float], list[float], list[f
             exited = exit_seen(pid)
             killed = time.time()
             os.kill(pid, signal.SIGKILL)
+            gone = await exited
             # The port is the layout's, so the restarted server answers where the killed one did: the
-            # first 200 after the kill is the new process turning ready.
+            # first accepted connection and 200 after the exit are the new process's (until the exit the
+            # dying process's listening socket still completes connections).
             poller = asyncio.create_task(first_200(session, endpoint + "/health", stop))
             lost = await wait_record(log, subject, last.seq, "model_lost")
             assert lost.event.reason == "process_exited", lost.event
-            gone = await exited
             exit_to_lost.append((lost.time.timestamp() - gone) * 1000)
             kill_to_exit.append((gone - killed) * 1000)
             reloading = await wait_record(log, subject, lost.seq, "model_loading")
             resident = await wait_record(log, subject, reloading.seq, "model_resident")
             restarts.append(resident.event.warmup_ms / 1000)
             stop.set()
-            healthy = await poller
+            listening, healthy = await poller
             if healthy:
                 health_to_resident.append((resident.time.timestamp() - healthy) * 1000)
-            print(f"  kill {i + 1:2}: kill -> exit {kill_to_exit[-1]:7.1f} ms; exit -> lost {exit_to_lost[-1]:7.1f} ms; /health 200 -> resident "
-                  f"{health_to_resident[-1] if healthy else float('nan'):7.1f} ms", flush=True)
+            if listening:
+                listen_to_resident.append((resident.time.timestamp() - listening) * 1000)
+            print(f"  kill {i + 1:2}: kill -> exit {kill_to_exit[-1]:7.1f} ms; exit -> lost {exit_to_lost[-1]:7.1f} ms; "
+                  f"port listens -> resident {listen_to_resident[-1] if listening else float('nan'):7.1f} ms; /health 200 -> "
+                  f"resident {health_to_resident[-1] if healthy else float('nan'):7.1f} ms", flush=True)
     return exit_to_lost, health_to_resident, restarts
+
+
+def breakdown(agent_log: Path) -> None:
+    """Where the agent's time between the runtime turning ready and `resident` went, from its own log
+    ("first probe answered", one per load after the first): each probe step, and the append."""
+    try:
+        lines = agent_log.read_text(errors="replace").splitlines()
+    except OSError:
+        print(f"  (no agent log at {agent_log}: no breakdown)")
+        return
+    probes = []
+    for raw in lines:
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            continue
+        if doc.get("event") == "first probe answered" and doc.get("model") == MODEL:
+            probes.append(doc)
+    probes = probes[1:]  # the cold start's is not a kill's
+    if not probes:
+        return
+    print("  of which, in b's agent (its probe after the port took connections, per restart):")
+    for key, what in (("health_ms", "/health"), ("models_ms", "/v1/models"), ("completion_ms", "one-token completion"),
+                      ("record_ms", "resident appended (the record)")):
+        values = [float(d.get(key, 0.0)) for d in probes]
+        print(f"    {what:<32} n={len(values):<3} p50 {_pct(values, 50):8.1f} ms   p99 {_pct(values, 99):8.1f} ms")
 
 
 def line(name: str, values: list[float], goal: str) -> str:
@@ -217,9 +286,11 @@ async def main_async(args: argparse.Namespace) -> None:
             print()
             print(line("SIGKILL -> process exit (kernel)", kill_to_exit, "the runtime's own teardown"))
             print(line("process exit -> lost appended", lost, "goal p99 <= 100 ms"))
+            print(line("port listens -> resident appended", listen_to_resident, "vLLM: its ready moment"))
             print(line("/health 200 -> resident appended", resident, "goal p99 <= 50 ms"))
             print(f"{'cold start, first (s)':<32} a {cold[0]:.1f}  b {cold[1]:.1f};  restarts after kill -9: p50 "
                   f"{_pct(restarts, 50):.1f} s, max {max(restarts, default=0):.1f} s")
+            breakdown(tmp / "home" / "demo" / "agents" / "b.log")
             print()
             print(f"{'chat (JSON, 8 tokens)':<24}{'conns':>6}{'direct r/s':>12}{'gateway r/s':>13}{'ratio':>7}"
                   f"{'direct p50':>12}{'gw p50':>9}{'direct p99':>12}{'gw p99':>9}")
@@ -246,6 +317,7 @@ def main() -> None:
     args = p.parse_args()
     if args.kills is None:
         args.kills = 10 if args.runtime == "vllm" else 20
+    sys.setswitchinterval(0.0005)  # the pidfd thread reads the clock within 0.5 ms of its wake-up
     asyncio.run(main_async(args))
 
 

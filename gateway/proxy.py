@@ -31,6 +31,7 @@ from multidict import CIMultiDict
 
 from haru.gateway.config import GatewayConfig
 from haru.gateway.errors import UpstreamError
+from haru.gateway.canary import CanaryCounts
 from haru.gateway.hold import Holds, hold_plan
 from haru.gateway.metrics import UNKNOWN_FLEET, UNKNOWN_MODEL, GatewayMetrics
 from haru.gateway.routing import (
@@ -238,6 +239,7 @@ class Proxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         # Failovers the client does not see (gateway/hold.py, gateway/resume.py): off the hot path.
         self.holds = Holds(table, metrics)
+        self.canary = CanaryCounts()  # per (fleet, domain, model) requests and errors (gateway.canary)
         self.resumer = Resumer(self)
 
     async def __aenter__(self) -> Proxy:
@@ -365,6 +367,7 @@ class Proxy:
             conn = await pool.request(target, head, body, self._loop.time() + self.header_timeout)
         except TimeoutError:
             status, code = UPSTREAM_TIMEOUT
+            self.canary.count(fleet, fwd.domain, model, "upstream_timeout")
             self.metrics.request(fleet, model, status)
             return error_response(
                 Refusal(
@@ -380,6 +383,7 @@ class Proxy:
             )
         except UpstreamError as exc:
             status, code = UPSTREAM_UNREACHABLE
+            self.canary.count(fleet, fwd.domain, model, f"upstream_unreachable: {exc}")
             log.warning("gateway.upstream_unreachable", fleet=fleet, domain=fwd.domain, model=model, url=fwd.url,
                         error=str(exc))
             refusal = Refusal(status, code, f"domain {fwd.domain!r} is unreachable at {fwd.url} for model {model!r}: {exc}",
@@ -389,6 +393,7 @@ class Proxy:
             self.metrics.request(fleet, model, status)
             return error_response(refusal)
         ttfb_hist.observe(time.perf_counter() - started)
+        self.canary.count(fleet, fwd.domain, model, f"HTTP {conn.status}" if conn.status >= 500 else "")
         try:
             return await self._respond(request, conn, fwd, started, latency_hist, path, body, extra, retry)
         except _Gone as gone:

@@ -50,6 +50,7 @@ from haru.core.residency import Answer
 from haru.core.sizes import format_gib
 from haru.core.specs import as_uuid, fleet_uuid
 from haru.core.views import FleetView, RouteIntent, Target
+from haru.gateway.split import Split, apply_splits, carry_rotation
 
 # The status table (`ANSWER_STATUS`) and OpenAI's error shape are `haru.core.openai_errors`, shared with
 # the agent's serving port.
@@ -217,7 +218,7 @@ class FleetRoutes(msgspec.Struct, frozen=True):
     intent_seq: int
     revision: int
     active: str
-    entries: dict[str, Forward | Refusal | _Warming]  # one per model known to the fleet
+    entries: dict[str, Forward | Refusal | _Warming | Split[Forward]]  # one per model known to the fleet
     declared: dict[str, list[str]]  # model -> domains it is declared on (view order)
 
     def resolve(self, model: str, now: float) -> Forward | Refusal:
@@ -226,6 +227,8 @@ class FleetRoutes(msgspec.Struct, frozen=True):
             return self._missing(model)
         if type(entry) is _Warming:
             return entry.at(now)
+        if type(entry) is Split:  # traffic weights (gateway.split): the next domain in the split's order
+            return entry.pick()
         return entry  # type: ignore[return-value]
 
     def _missing(self, model: str) -> Refusal:
@@ -282,7 +285,7 @@ def compile_routes(fleet: str, view: FleetView | None, intent: RouteIntent | Non
             for mname in view.domains[dname].models:
                 declared.setdefault(mname, []).append(dname)
 
-    entries: dict[str, Forward | Refusal | _Warming] = {}
+    entries: dict[str, Forward | Refusal | _Warming | Split[Forward]] = {}
     target = intent.active if intent is not None else None
     revision = intent.revision if intent is not None else (view.route_revision if view is not None else 0)
     active = target.domain if target is not None else ""
@@ -333,6 +336,12 @@ def compile_routes(fleet: str, view: FleetView | None, intent: RouteIntent | Non
                     "model",
                     active,
                 )
+    # Traffic weights: a model whose split gives other domains a share (gateway.split).
+    entries = apply_splits(  # type: ignore[assignment]
+        intent, entries,  # type: ignore[arg-type]
+        lambda e: type(e) is Forward,
+        lambda url, domain, model: Forward(base_url(url), fleet, domain, model, revision),
+    )
     if view is not None:
         # A LoRA adapter is served by its model's runtime under its own name: it routes as its model does
         # (on the active domain; a name that is also a model's stays the model's).
@@ -405,7 +414,11 @@ class RoutingTable:
         if view is None and intent is None:
             self._fleets.pop(fleet, None)
         else:
-            self._fleets[fleet] = compile_routes(fleet, view, intent, seq)
+            routes = compile_routes(fleet, view, intent, seq)
+            old = self._fleets.get(fleet)
+            if old is not None:
+                carry_rotation(old.entries, routes.entries)  # type: ignore[arg-type]
+            self._fleets[fleet] = routes
 
 
 def fleet_not_found(fleet: str, known: list[str]) -> Refusal:

@@ -23,11 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import os
 import signal
+import socket
 
 import structlog
 from aiohttp import web
 
+from haru.gateway.canary import Reporter
 from haru.gateway.config import GatewayConfig
 from haru.gateway.console import Console
 from haru.gateway.control import Control
@@ -36,6 +39,7 @@ from haru.gateway.metrics import GatewayMetrics
 from haru.gateway.proxy import CHAT_PATHS, Proxy
 from haru.gateway.routing import Refusal, RoutingTable
 from haru.gateway.state import RouteFollower
+from haru.gateway.weights_api import post_weights
 from haru.host.httpguard import GuardedServer
 from haru.core.openai_errors import error_body
 from haru.log.seam import Log
@@ -81,6 +85,7 @@ class Gateway:
         if self.follower is not None:
             self.follower.on_change = self._changed
         self._stack: contextlib.AsyncExitStack | None = None
+        self.reporter: Reporter | None = None
         self._runner: web.ServerRunner | None = None
         self._server: GuardedServer | None = None
         self.host = config.bind_host()
@@ -92,6 +97,11 @@ class Gateway:
             "/v1/models": self.control.models,
             "/v1/fleets": self.control.fleets,
         }
+
+    def gateway_id(self) -> str:
+        """This gateway's name in its canary reports' subject: its writer id, else host and pid."""
+        writer = getattr(self.events, "writer", "") if self.events is not None else ""
+        return writer or f"gateway:{socket.gethostname()}:{os.getpid()}"
 
     def _changed(self, fleet: str) -> None:
         """A fleet's routes changed: held requests look again, open consoles are told."""
@@ -129,6 +139,10 @@ class Gateway:
             await stack.enter_async_context(self.proxy)
             if self.follower is not None:
                 await stack.enter_async_context(self.follower)
+            if self.events is not None:  # what it measured of weighted domains, for the promoter's canary policy
+                self.reporter = Reporter(self.events.bus, self.table, self.proxy.canary, self.gateway_id(),
+                                         interval_s=cfg.canary_report_ms / 1000)
+                await stack.enter_async_context(self.reporter)
             server = GuardedServer(
                 self.dispatch,
                 limits=cfg.client_limits,
@@ -210,6 +224,8 @@ class Gateway:
                 return await self._only("GET", method, path) or await self.control.history(request, fleet)
             if rest == "reconcile":
                 return await self._only("POST", method, path) or await self.control.reconcile(request, fleet)
+            if rest == "weights":  # traffic weights and canaries (gateway.weights_api)
+                return await self._only("POST", method, path) or await post_weights(self.control, request, fleet)
             if rest in ("promote", "demote", "provision", "teardown", "replace"):
                 kind = {"promote": "promotion", "demote": "demotion"}.get(rest, rest)
                 return await self._only("POST", method, path) or await self.control.operation(request, fleet, kind)

@@ -27,6 +27,7 @@ from haru.core.sizes import GiB, format_gib, format_size
 from haru.core.residency import (Answer, Failed, Loading, Lost, NotAdmitted, Pulling, Resident, Sleeping, Stopped, Unknown,
                             Waking)
 from haru.core import ranking
+from haru.core.weights import lines as weight_lines
 from haru.core.views import (DomainView, FleetView, GpuView, ModelView, OperationView, RankedStandby, RouteIntent, Target,
                              TrainingView)
 
@@ -285,6 +286,8 @@ def render(view: FleetView, now: datetime) -> str:
     if view.declined:
         age = f" {_secs(view.declined_at, now)} ago" if view.declined_at is not None else ""
         lines.append(f"failover declined{age}: {view.declined}")
+    if view.active and (view.weights or view.model_weights or view.weights_change is not None):
+        lines.extend(weights_lines(view, now))
     if view.anomalies:
         lines.append(anomaly_line(view, now))
     return "\n".join(lines)
@@ -330,6 +333,17 @@ def _target_line(role: str, t: Target | None) -> str:
     return line
 
 
+def weights_lines(view: FleetView, now: datetime) -> list[str]:
+    """The splits in force and the last change (a canary rollback with its evidence)."""
+    out = weight_lines(view.weights, view.model_weights, view.active)
+    c = view.weights_change
+    if c is not None:
+        age = f" {_secs(c.at, now)} ago" if c.at is not None else ""
+        what = "canary rolled back" if c.reason == "canary_rolled_back" else f"weights set ({c.reason})"
+        out.append(f"last weights change{age}: {what} by {c.by or '?'} (seq {c.seq}): {c.detail}")
+    return out
+
+
 def render_intent(ri: RouteIntent, now: datetime) -> str:
     """`haru route`: a fleet's route intent as text."""
     head = f"fleet {ri.fleet}  ·  "
@@ -343,6 +357,11 @@ def render_intent(ri: RouteIntent, now: datetime) -> str:
         lines.extend(standby_lines(ri.standbys, ri.protection))
     if ri.operation:
         lines.append(f"operation in flight: {ri.operation}")
+    if ri.active is not None:
+        lines.extend(weight_lines(ri.weights, ri.model_weights, ri.active.domain))
+        for name, w in ri.weighted.items():
+            ready = ", ".join(f"{m} {answer_text(a, now)}" for m, a in w.answers.items())
+            lines.append(f"  {name}: {w.target.serving_url or '(no URL)'}  {ready}")
     if ri.answers:
         lines.append(f"answers on {ri.active.domain if ri.active else '?'}:")
         for model, a in ri.answers.items():

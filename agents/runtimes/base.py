@@ -12,6 +12,7 @@ completion answered (see `agents.probes`).
 from __future__ import annotations
 
 import asyncio
+import socket
 import os
 import signal
 import subprocess
@@ -59,6 +60,7 @@ class Runtime(Protocol):
     async def wait_exit(self) -> int | None: ...
     async def stop(self, grace_s: float) -> int | None: ...
     async def health(self, timeout_s: float = 5.0) -> Health: ...
+    async def listening(self) -> bool: ...
     async def list_models(self, timeout_s: float = 5.0) -> list[str]: ...
     async def is_sleeping(self, timeout_s: float = 5.0) -> bool | None: ...
     async def sleep(self, level: int, timeout_s: float) -> None: ...
@@ -153,6 +155,10 @@ class HttpRuntime:
         except aiohttp.ClientError as exc:
             raise RuntimeUnreachable(f"{self.spec.name}: {method} {path} failed: {exc}") from exc
 
+    async def listening(self) -> bool:
+        """Whether the runtime's port takes connections (here: assumed; a spawned runtime's is asked)."""
+        return True
+
     async def health(self, timeout_s: float = 5.0) -> Health:
         try:
             status, body = await self._request("GET", self.health_path, timeout_s=timeout_s)
@@ -244,6 +250,22 @@ class ProcessRuntime(HttpRuntime):
     """A runtime the agent spawns: own session (process group), output to a log file, exit waiter."""
 
     default_binary: list[str] = []
+
+    async def listening(self) -> bool:
+        """Whether the runtime's port accepts a TCP connection yet: a bare connect, closed at once (~90 us
+        of the agent's CPU when refused, a third of an HTTP request's), so a loading runtime can be
+        watched every few ms. vLLM binds its port at start but listens only once its engine is up (its
+        port refuses connections for the whole load); llama-server listens before its model is loaded."""
+        loop = asyncio.get_running_loop()
+        with socket.socket(socket.AF_INET6 if ":" in self._host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, (self._host, self._port))
+            except OSError:
+                return False
+            # Connecting to a free port of the ephemeral range can pick that very port as its own source:
+            # TCP's simultaneous open, a socket connected to itself. That is nobody listening.
+            return bool(sock.getsockname() != sock.getpeername())
 
     def __init__(
         self,

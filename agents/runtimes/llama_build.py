@@ -21,21 +21,17 @@ lock file serializes builders (two test processes, CI and a developer). Progress
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-from haru.agents.errors import RuntimeBuildFailed as BuildError
+from haru.agents.runtimes.cached import BuildError, cache_root, made_once, maker_main, run_step, say
 
 __all__ = ["VERSION", "SDIST_SHA256", "CMAKE_FLAGS", "BuildError", "cache_dir", "find_binary", "ensure_binary"]
 
@@ -58,8 +54,7 @@ ENV_BINARY = "HARU_LLAMA_SERVER"
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "haru" / "llama.cpp" / VERSION
+    return cache_root() / "llama.cpp" / VERSION
 
 
 def _stamp() -> dict:
@@ -68,8 +63,7 @@ def _stamp() -> dict:
 
 
 def _say(msg: str) -> None:
-    sys.stderr.write(f"llama-build: {msg}\n")
-    sys.stderr.flush()
+    say("llama-build", msg)
 
 
 def find_binary() -> Path | None:
@@ -104,36 +98,13 @@ def ensure_binary(*, build: bool = True) -> Path:
         raise BuildError(f"no llama-server: none cached in {cache_dir() / 'bin'} and {ENV_BINARY} is unset; build it "
                          f"once (~10 min on 2 cores) with `python -m haru.agents.runtimes.llama_build`")
     root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / "build.lock", "w") as lock:
-        if _locked(lock):
-            _say(f"another build holds {root / 'build.lock'}; waiting for it")
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        found = find_binary()  # someone else built it while we waited
-        if found is not None:
-            return found
-        return _build(root)
+    return made_once("llama-build", root / "build.lock", find_binary, lambda: _build(root))
 
 
-def _locked(lock) -> bool:
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    fcntl.flock(lock, fcntl.LOCK_UN)
-    return False
-
-
-def _run(argv: list[str], what: str, **kw) -> None:
-    _say(f"{what}: {' '.join(argv)}")
-    try:
-        # progress (pip's, cmake's, the compiler's) goes to stderr: stdout is the binary's path alone
-        subprocess.run(argv, check=True, stdin=subprocess.DEVNULL, stdout=sys.stderr, **kw)
-    except FileNotFoundError as exc:
-        raise BuildError(f"{what}: {argv[0]} is not installed ({exc.strerror}); install it (cmake and a C++ "
-                         f"compiler are needed to build llama-server) or set {ENV_BINARY}") from exc
-    except subprocess.CalledProcessError as exc:
-        raise BuildError(f"{what} failed with exit status {exc.returncode}: {' '.join(argv)}") from exc
+def _run(argv: list[str], what: str) -> None:
+    # progress (pip's, cmake's, the compiler's) goes to stderr: stdout is the binary's path alone
+    run_step("llama-build", argv, what, missing=f"install it (cmake and a C++ compiler are needed to build "
+             f"llama-server) or set {ENV_BINARY}")
 
 
 def _fetch_source(root: Path) -> Path:
@@ -190,17 +161,9 @@ def _build(root: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m haru.agents.runtimes.llama_build", description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true", help="do not build; exit 1 when no binary is present")
-    args = p.parse_args(argv)
-    try:
-        path = ensure_binary(build=not args.check)
-    except BuildError as exc:
-        _say(str(exc))
-        return 1
-    with contextlib.suppress(BrokenPipeError):
-        print(path)
-    return 0
+    return maker_main("haru.agents.runtimes.llama_build", __doc__ or "",
+                      "do not build; exit 1 when no binary is present",
+                      lambda build: ensure_binary(build=build), str, argv)
 
 
 if __name__ == "__main__":

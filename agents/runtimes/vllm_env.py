@@ -23,18 +23,14 @@ makers. `HARU_VLLM_PYTHON=/path/to/python` uses an operator's interpreter with v
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import fcntl
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from haru.agents.errors import RuntimeBuildFailed as BuildError
+from haru.agents.runtimes.cached import BuildError, cache_root, made_once, maker_main, run_step, say
 
 __all__ = ["PACKAGE", "VERSION", "BuildError", "env_dir", "find_python", "ensure_env", "launch_binary",
            "abilities", "API_SERVER", "ENV_PYTHON"]
@@ -55,13 +51,11 @@ ABILITIES_SNIPPET = (
 
 
 def env_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "haru" / "vllm-venv"
+    return cache_root() / "vllm-venv"
 
 
 def _say(msg: str) -> None:
-    sys.stderr.write(f"vllm-env: {msg}\n")
-    sys.stderr.flush()
+    say("vllm-env", msg)
 
 
 def _read_stamp(root: Path) -> dict | None:
@@ -114,29 +108,11 @@ def ensure_env(*, build: bool = True) -> Path:
         raise BuildError(f"no vLLM: the managed env {env_dir()} is not installed and {ENV_PYTHON} is unset; make it "
                          f"once (~3.5 GB; minutes to download) with `python -m haru.agents.runtimes.vllm_env`")
     root = env_dir()
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / "vllm-venv.lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _say(f"another install holds {root.parent / 'vllm-venv.lock'}; waiting for it")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        found = find_python()  # someone else made it while we waited
-        if found is not None:
-            return found
-        return _make(root)
+    return made_once("vllm-env", root.parent / "vllm-venv.lock", find_python, lambda: _make(root))
 
 
 def _run(argv: list[str], what: str, *, capture: bool = False) -> str:
-    _say(f"{what}: {' '.join(argv)}")
-    try:
-        done = subprocess.run(argv, check=True, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE if capture else sys.stderr, stderr=sys.stderr, text=True)
-    except FileNotFoundError as exc:
-        raise BuildError(f"{what}: {argv[0]} is not there ({exc.strerror})") from exc
-    except subprocess.CalledProcessError as exc:
-        raise BuildError(f"{what} failed with exit status {exc.returncode}: {' '.join(argv)}") from exc
-    return done.stdout or ""
+    return run_step("vllm-env", argv, what, capture=capture, stderr=sys.stderr)
 
 
 def _make(root: Path) -> Path:
@@ -170,17 +146,8 @@ def _make(root: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m haru.agents.runtimes.vllm_env", description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true", help="make nothing; exit 1 when the env is not there")
-    args = p.parse_args(argv)
-    try:
-        python = ensure_env(build=not args.check)
-    except BuildError as exc:
-        _say(str(exc))
-        return 1
-    with contextlib.suppress(BrokenPipeError):
-        print(" ".join(launch_binary(python)))
-    return 0
+    return maker_main("haru.agents.runtimes.vllm_env", __doc__ or "", "make nothing; exit 1 when the env is not there",
+                      lambda build: ensure_env(build=build), lambda python: " ".join(launch_binary(python)), argv)
 
 
 if __name__ == "__main__":

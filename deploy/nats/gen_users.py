@@ -19,13 +19,15 @@ The roles (docs/design.md, "Security in brief"):
                           commands (haru.cmd.<fleet>.<domain>.>, nats.micro's $SRV.>) and may ask its own
                           status (the duplicate-agent check); reads the event log through consumers and
                           message gets; appends use expected sequences.
-  promoter                writes op, route and liveness events of any fleet; requests haru.cmd.>;
-                          reads events, views and intents; subscribes haru.hb.>; beats on
-                          haru.alive.promoter.> and hears its peers there.
+  promoter                writes op, route, weights and liveness events of any fleet; requests haru.cmd.>;
+                          reads events, views and intents; subscribes haru.hb.> and the gateways'
+                          canary reports (haru.canary.>); beats on haru.alive.promoter.> and hears its
+                          peers there.
   projector               reads events; writes the KV bucket haru_views, haru.route.> and checkpoints
                           (haru.evt.*.checkpoint); beats on
                           haru.alive.projector.>.
-  gateway                 reads views, intents and events; writes haru.evt.*.op (promote/demote requests);
+  gateway                 reads views, intents and events; writes haru.evt.*.op (promote/demote/weighting
+                          requests); reports what it measured of weighted domains on haru.canary.>;
                           hears haru.alive.> for /healthz.
   control                 projector + promoter + gateway in one process (`haru up --nats-url`).
   operator                the `haru` CLI: declarations (haru apply), op requests, commands; reads all.
@@ -107,26 +109,26 @@ INBOX = "_INBOX.>"  # replies to this client's own requests and JetStream acks /
 def fixed_users() -> list[User]:
     events, route, views = read_stream(EVENTS), read_stream(ROUTE), read_stream(VIEWS)
     promoter_pub = [
-        "haru.evt.*.op", "haru.evt.*.route", "haru.evt.*.*.liveness",
+        "haru.evt.*.op", "haru.evt.*.route", "haru.evt.*.weights", "haru.evt.*.*.liveness",
         "haru.cmd.>", "$SRV.>",
         *events, *views, *route,
     ]
     # haru.alive.<role>.<id>: the control plane's own heartbeats (haru/host/alive.py), read by gateways and promoters
     promoter_pub.append("haru.alive.promoter.>")
     projector_pub = ["haru.evt.*.checkpoint", "$KV.haru_views.>", "haru.route.>", "haru.alive.projector.>", *events, *views, *route]
-    gateway_pub = ["haru.evt.*.op", *events, *views, *route]
+    gateway_pub = ["haru.evt.*.op", "haru.canary.>", *events, *views, *route]
     return [
         User("admin", "everything: stream creation (ensure), repairs, `nats` CLI administration",
              publish=[">"], subscribe=[">"], deny_publish=[]),
         User("promoter", "the failover saga: op/route/liveness events, agent commands, heartbeats",
-             publish=promoter_pub, subscribe=["haru.hb.>", "haru.alive.promoter.>", INBOX]),
+             publish=promoter_pub, subscribe=["haru.hb.>", "haru.canary.>", "haru.alive.promoter.>", INBOX]),
         User("projector", "folds events into the KV views and route intents",
              publish=projector_pub, subscribe=["haru.hb.>", INBOX]),
         User("gateway", "reads views, intents and history; requests promotions/demotions (op events)",
              publish=gateway_pub, subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", INBOX]),
         User("control", "projector + promoter + gateway in one process (`haru up --nats-url`)",
              publish=_union(promoter_pub, projector_pub, gateway_pub),
-             subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", INBOX]),
+             subscribe=["haru.hb.>", "haru.canary.>", "haru.route.>", "haru.alive.>", INBOX]),
         User("operator", "the haru CLI: apply (decl), promote/demote (op), agent commands, reads",
              publish=["haru.evt.*.decl", "haru.evt.*.op", "haru.cmd.>", "$SRV.>", *events, *views, *route],
              subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", INBOX]),

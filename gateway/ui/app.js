@@ -199,6 +199,10 @@ function renderBanner(snap, view) {
       (intent.standbys || []).map((r) => r.domain + ": " + r.why).join("; ") + ")";
     bad = true;
   }
+  const wc = view.weights_change;
+  if (wc && wc.reason === "canary_rolled_back" && !(view.weights || {})[wc.domain]) {
+    text = (text ? text + " — " : "") + (wc.at ? ago(wc.at) + " ago: " : "") + wc.detail;
+  }
   if (view.declined) {
     text = (text ? text + " — " : "") + "Failover declined" + (view.declined_at ? " " + ago(view.declined_at) + " ago" : "") + ": " + view.declined;
     bad = true;
@@ -287,6 +291,14 @@ function renderDomain(snap, view, d) {
     "ineligible" + (d.eligibility_since ? " for " + ago(d.eligibility_since) : "")));
   if (target && target.degraded) badges.push(h("span", { class: "badge warn", title: target.why || "" }, "degraded"));
   const buttons = [];
+  const share = (view.weights || {})[d.name];
+  if (share) badges.push(h("span", { class: "badge " + (active ? "active" : "warn"), dataset: { testid: "weight-" + d.name },
+    title: "share of the fleet's traffic (haru route weight)" }, share + "%"));
+  if (!active) {
+    buttons.push(h("button", { class: "ghost", onclick: () => askWeight(d.name, share || 0), dataset: { testid: "weight-" + d.name } }, "Weight…"));
+  } else if (Object.keys(view.weights || {}).length || Object.keys(view.model_weights || {}).length) {
+    buttons.push(h("button", { class: "ghost", onclick: () => sendWeights({ reset: true }), dataset: { testid: "weights-reset" } }, "Reset weights"));
+  }
   if (!active) {
     buttons.push(h("button", { onclick: () => askOperation("promote", d.name), dataset: { testid: "promote-" + d.name } }, "Promote"));
     buttons.push(h("button", { class: "ghost", onclick: () => askOperation("demote", d.name), dataset: { testid: "demote-" + d.name } }, "Demote"));
@@ -473,6 +485,30 @@ $("cf-ok").addEventListener("click", async () => {
     if (resp.status === 401) showLogin("That token was refused.");
   } catch (err) { toast(0, "the request failed", err.message); }
 });
+
+// ------------------------------------------------------------------------- traffic weights (canaries)
+
+function askWeight(domain, current) {
+  const answer = window.prompt("Percent of fleet " + state.fleet + "'s traffic for " + domain +
+    " (the active domain takes the rest; 0 takes it back). A sleeping domain is woken and probed first.", String(current || 10));
+  if (answer === null) return;
+  const share = Number(answer);
+  if (!Number.isInteger(share)) { toast(400, "not a whole percent", answer); return; }
+  sendWeights({ weights: { [domain]: share } });
+}
+
+async function sendWeights(body) {
+  try {
+    const resp = await fetch("/v1/fleets/" + encodeURIComponent(state.fleet) + "/weights", {
+      method: "POST", headers: authHeaders({ "Content-Type": "application/json" }), body: JSON.stringify(body),
+    });
+    let out = {};
+    try { out = await resp.json(); } catch (e) { /* not JSON */ }
+    const detail = out.message || (out.error && out.error.message) || "";
+    toast(resp.status, state.meanings[String(resp.status)] || "", detail + (out.op_id ? " (" + out.op_id + ")" : ""));
+    if (resp.status === 401) showLogin("That token was refused.");
+  } catch (err) { toast(0, "the request failed", err.message); }
+}
 
 let toastTimer = null;
 function toast(code, meaning, detail) {

@@ -1,4 +1,11 @@
-"""`haru route [--fleet F] [--watch] [--json]`: the fleet's route intent, and with --watch every change."""
+"""`haru route [--fleet F] [--watch] [--json]`: the fleet's route intent, and with --watch every change.
+
+`haru route weight DOMAIN=PERCENT... [--model M] [--fleet F] [--wait] [--json]` asks for traffic weights
+(haru.core.weights): `haru route weight b=10` sends 10% of the fleet's traffic to b, the active the rest;
+b is woken and probed first when it sleeps (a `weighting` operation). `haru route weight --reset
+[--model M]` gives the active everything again. Exit statuses: accepted/joined/noop 0, invalid 2
+(bad weights: the message names the fix), not_found 3, conflict 4 (another operation in flight),
+refused 1 (the domain cannot be woken now); with --wait an aborted operation exits 1."""
 
 from __future__ import annotations
 
@@ -21,6 +28,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_nats_options(p)
     add_fleet_option(p)
+    p.add_argument("words", nargs="*", metavar="[weight DOMAIN=PERCENT ...]",
+                   help="weight b=10 [c=5]: send that share of traffic to those domains (the active takes the rest); "
+                        "weight --reset: the active takes everything again")
+    p.add_argument("--model", default="", help="with weight: split this model's traffic only (default: the whole fleet's)")
+    p.add_argument("--reset", action="store_true", help="with weight: back to the default (the active takes everything)")
+    p.add_argument("--wait", action="store_true", help="with weight: follow the operation until the split is recorded")
+    p.add_argument("--timeout", type=float, default=600.0, help="with weight --wait: give up after this many seconds")
     p.add_argument("--watch", action="store_true", help="keep printing every new intent, in order")
     p.add_argument("--json", action="store_true", help="one JSON RouteIntent per line (for_ms as of printing)")
     p.set_defaults(handler=run)
@@ -39,6 +53,58 @@ def _print(ri, as_json: bool) -> None:
 
 
 async def run(args: argparse.Namespace) -> ExitStatus:
+    words = list(args.words)
+    if words and words[0] == "weight":
+        return await run_weight(args, words[1:])
+    if words:
+        return fail(f"haru route takes no arguments but `weight DOMAIN=PERCENT ...`, got {' '.join(words)!r}",
+                    ExitStatus.USAGE)
+    if args.model or args.reset:
+        return fail("--model and --reset go with `haru route weight`", ExitStatus.USAGE)
+    return await _show(args)
+
+
+_WEIGHT_STATUS = {
+    "noop": ExitStatus.OK, "accepted": ExitStatus.OK, "joined": ExitStatus.OK, "conflict": ExitStatus.CONFLICT,
+    "refused": ExitStatus.ERROR, "not_found": ExitStatus.NOT_FOUND, "invalid": ExitStatus.USAGE,
+}
+
+
+async def run_weight(args: argparse.Namespace, pairs: list[str]) -> ExitStatus:
+    """`haru route weight b=10 [--model M]` / `--reset`: a weighting operation (haru.promoter.weighting)."""
+    from haru.cli.promote import _by, _servers, wait_for
+    from haru.core.errors import InvalidWeights, LogUnavailable
+    from haru.core.weights import parse_pairs
+    from haru.log.eventlog import EventLog
+    from haru.promoter.weighting import request_weights
+
+    try:
+        given = parse_pairs(pairs)
+    except InvalidWeights as exc:
+        return fail(str(exc), ExitStatus.USAGE)
+    try:
+        async with EventLog.connect(_servers(args), writer=_by(), creds=args.nats_creds) as log:
+            result = await request_weights(log, args.fleet, given, model=args.model, reset=args.reset, by=_by(),
+                                           now=datetime.now(timezone.utc))
+            status = _WEIGHT_STATUS[result.status]
+            if args.json:
+                emit_json({"status": result.status, "op_id": result.op_id, "message": result.message})
+            elif result.status in ("accepted", "joined"):
+                print(result.op_id)
+                print(f"{result.status}: {result.message}", file=sys.stderr)
+            elif result.status == "noop":
+                print(result.message)
+            else:
+                return fail(result.message, status)
+            if not args.wait or result.status not in ("accepted", "joined"):
+                return status
+            return await wait_for(log, args.fleet, result.op_id, json_out=args.json, timeout=args.timeout,
+                                  from_seq=result.seq or 1)
+    except LogUnavailable as exc:
+        return fail(str(exc), ExitStatus.UNAVAILABLE)
+
+
+async def _show(args: argparse.Namespace) -> ExitStatus:
     from haru.core.errors import HaruError, InvalidName, LogUnavailable
     from haru.log.route import RouteWatcher
     from haru.core.subjects import check_name

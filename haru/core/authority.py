@@ -10,6 +10,7 @@ the subject's. Pure: no I/O.
     decl       haru.evt.<fleet>.decl                      operator (`haru apply`)         declarations, admission
     route      haru.evt.<fleet>.route                     promoter                        route_moved
     checkpoint haru.evt.<fleet>.checkpoint                projector                       checkpoint
+    weights    haru.evt.<fleet>.weights                   promoter                        weights_set
     op         haru.evt.<fleet>.op                        promoter, gateway, operator     operations, decisions
     agent      haru.evt.<fleet>.<domain>.agent            that domain's agent             agent_started/stopping
     liveness   haru.evt.<fleet>.<domain>.liveness         promoter                        domain_(un)reachable
@@ -72,6 +73,7 @@ PLACES: tuple[Place, ...] = (
     ),  # fmt: skip
     Place("route", "haru.evt.<fleet>.route", ("promoter",), (ev.RouteMoved,)),
     Place("checkpoint", "haru.evt.<fleet>.checkpoint", ("projector",), (ev.Checkpoint,)),
+    Place("weights", "haru.evt.<fleet>.weights", ("promoter",), (ev.WeightsSet,)),
     Place(
         "op",
         "haru.evt.<fleet>.op",
@@ -101,6 +103,7 @@ _PARTS: dict[str, tuple[str, ...]] = {
     "decl": ("fleet",),
     "route": ("fleet",),
     "checkpoint": ("fleet",),
+    "weights": ("fleet",),
     "op": ("fleet",),
     "agent": ("fleet", "domain"),
     "liveness": ("fleet", "domain"),

@@ -7,6 +7,7 @@ a bad layout is the operator's, a reclaimed GPU the provider's, a wrong sequence
     ├── InvalidName            a fleet/domain/slot name or model id that cannot be used   (operator)
     ├── LayoutError            a layout that does not validate, with the JSON path         (operator)
     ├── ArgConflict            a model's `args` flag that contradicts its plan (haru.core.launch) (operator)
+    ├── InvalidWeights         traffic weights that cannot be applied (haru.core.weights)    (operator)
     ├── ConfigError            an agent or service configuration that cannot be used       (operator)
     │   └── AlreadyRunning     `haru up` on a home another live `haru up` holds             (operator)
     ├── EventDecodeError       a body on an event subject that is not a valid event         (writer)
@@ -59,6 +60,10 @@ class ArgConflict(HaruError, ValueError):
         self.flag, self.given, self.planned, self.index, self.fix = flag, given, planned, index, fix
         given_text = f"{flag} {given}".rstrip()
         super().__init__(f"args give {given_text!r}, which contradicts the plan's {planned}")
+
+
+class InvalidWeights(HaruError, ValueError):
+    """Traffic weights that cannot be applied: an unknown domain, shares that do not add up, a bad pair."""
 
 
 class ConfigError(HaruError, ValueError):

@@ -31,7 +31,7 @@ SCHEMA_VERSION = 1
 LostReason = Literal["evicted", "gpu_detached", "process_exited", "unhealthy"]
 StopHow = Literal["exited", "terminated", "killed"]
 Step = Literal["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active", "sleep", "start_training",
-               "apply_standby", "apply_old_active", "launch", "join", "settle", "down"]
+               "apply_standby", "apply_old_active", "launch", "join", "settle", "down", "weigh", "canary"]
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -436,6 +436,20 @@ class ReplaceRequested(OperationRequested, frozen=True, kw_only=True, tag="repla
     detail: str = ""
 
 
+class WeightingRequested(OperationRequested, frozen=True, kw_only=True, tag="weighting_requested"):
+    """An operator's new traffic weights (haru.core.weights): `weights` is the whole split of `model`'s
+    traffic ('' = the fleet's), domain -> percent, summing to 100 ({} = the active takes it all again).
+    `target` is the one domain the change gives a share it did not have (it is woken and probed first),
+    else the active (nothing to wake). The promoter records the weights (`weights_set`) once it did."""
+
+    kind: ClassVar[str] = "weighting"
+    model: str = ""
+    weights: dict[str, int] = {}
+    reason: str = "manual"  # manual | rolling (a rolling change's canary step)
+    detail: str = ""
+    route_revision: int = 0
+
+
 class StepStarted(Event, frozen=True, kw_only=True, tag="step_started"):
     op_id: str
     step: Step
@@ -536,6 +550,28 @@ class RouteMoved(Event, frozen=True, kw_only=True, tag="route_moved"):
     op_id: str = ""
 
 
+# ----------------------------------------------------------------- weights: haru.evt.<fleet>.weights
+
+
+class WeightsSet(Event, frozen=True, kw_only=True, tag="weights_set"):
+    """The traffic weights of the fleet (`model` '') or of one model: domain -> percent, summing to 100;
+    {} = the default (the active domain takes everything). Written only by the promoter, on the fleet's
+    weights subject: after a `weighting` operation woke and probed the domains it gives a share
+    (`op_id`), or on its own when a canary failed its policy (`reason` canary_rolled_back, `detail` the
+    evidence: the error rate the gateways reported, or the probe that failed). A route move resets every
+    weight (the new active takes everything)."""
+
+    model: str = ""
+    weights: dict[str, int] = {}
+    reason: str = "manual"  # manual | rolling | canary_rolled_back
+    detail: str = ""
+    op_id: str = ""
+    domain: str = ""  # the canary domain a rollback is about ('' otherwise)
+    requests: int = 0  # the evidence of a rollback: requests and errors the gateways reported in the window
+    errors: int = 0
+    route_revision: int = 0  # the route revision the weights were decided against
+
+
 AnyEvent = Union[
     FleetDeclared,
     PolicyChanged,
@@ -570,6 +606,7 @@ AnyEvent = Union[
     PromotionRequested,
     DemotionRequested,
     RollingRequested,
+    WeightingRequested,
     ProvisionRequested,
     TeardownRequested,
     ReplaceRequested,
@@ -582,6 +619,7 @@ AnyEvent = Union[
     FailoverDeclined,
     EligibilityChanged,
     RouteMoved,
+    WeightsSet,
     Checkpoint,
 ]
 

@@ -20,7 +20,10 @@
     operations     every kind's request (ev.OPERATION_REQUESTS), step_*, operation_completed/aborted ->
                    `operation` (in flight) and `last_operation` (finished), with their steps
     decisions      failover_declined -> `declined`; eligibility_changed -> `eligible`
-    route pointer  route_moved -> `active`, `route_revision` (= its stream sequence), `route_moved_at`
+    route pointer  route_moved -> `active`, `route_revision` (= its stream sequence), `route_moved_at`;
+                   it resets the traffic weights (the new active takes everything)
+    weights        weights_set -> `weights` (the fleet's split) or `model_weights[model]`, and
+                   `weights_change` (why, by whom, a rollback's evidence); haru.core.weights
 
 Every event sets `view.seq` (the last stream sequence folded) and `updated_at` (its `at`); events on
 the fleet-level subjects also set `decl_seq`, `op_seq` or `route_seq`.
@@ -73,6 +76,7 @@ from haru.core.views import (
     TriedView,
     StepView,
     TrainingView,
+    WeightsChange,
 )
 
 __all__ = [
@@ -480,6 +484,8 @@ def _operation_requested(view: FleetView, e: ev.OperationRequested, seq: int) ->
         decl_seq=getattr(e, "decl_seq", 0),
         attempt=getattr(e, "attempt", 1),
         cascade=getattr(e, "cascade", False),
+        model=getattr(e, "model", ""),
+        weights=dict(getattr(e, "weights", {})),
     )
     return _start_operation(view, op, seq)
 
@@ -566,9 +572,22 @@ def _route_moved(view: FleetView, e: ev.RouteMoved, seq: int) -> FleetView:
     old = view.domains.get(view.active) if view.active and view.active != e.active else None
     if old is not None:
         view = _with_domain(view, _replace(old, left_active_seq=seq))
+    # A canary's split ends with a move: the new active takes everything.
     return _replace(
-        view, active=e.active, route_revision=seq, route_moved_at=e.at, declined="", declined_at=None, declined_domain=""
+        view, active=e.active, route_revision=seq, route_moved_at=e.at, declined="", declined_at=None, declined_domain="",
+        weights={}, model_weights={},
     )
+
+
+def _weights_set(view: FleetView, e: ev.WeightsSet, seq: int) -> FleetView:
+    change = WeightsChange(model=e.model, weights=dict(e.weights), reason=e.reason, detail=e.detail, op_id=e.op_id,
+                           domain=e.domain, requests=e.requests, errors=e.errors, by=e.by, at=e.at, seq=seq)
+    if e.model:
+        model_weights = {m: w for m, w in view.model_weights.items() if m != e.model}
+        if e.weights:
+            model_weights[e.model] = dict(e.weights)
+        return _replace(view, model_weights=model_weights, weights_change=change)
+    return _replace(view, weights=dict(e.weights), weights_change=change)
 
 
 # --------------------------------------------------------------------------------------- table
@@ -604,6 +623,7 @@ _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
     ev.FailoverDeclined: _failover_declined,
     ev.EligibilityChanged: _eligibility,
     ev.RouteMoved: _route_moved,
+    ev.WeightsSet: _weights_set,
     ev.ModelFetched: lambda view, e, seq: view,  # provenance of model files: history (`haru why`), not state
     ev.Checkpoint: lambda view, e, seq: view,  # a record of where history stood: it changes no fact
 }
@@ -647,6 +667,8 @@ def _evolve(view: FleetView, event: ev.Event, seq: int, subject: str, kind: str)
         return _replace(out, seq=seq, updated_at=event.at, op_seq=seq)
     if kind == "route":
         return _replace(out, seq=seq, updated_at=event.at, route_seq=seq)
+    if kind == "weights":
+        return _replace(out, seq=seq, updated_at=event.at, weights_seq=seq)
     return _replace(out, seq=seq, updated_at=event.at)
 
 
@@ -659,6 +681,8 @@ def _stored_on(view: FleetView, seq: int, kind: str) -> FleetView:
         return _replace(view, seq=seq, op_seq=seq)
     if kind == "route":
         return _replace(view, seq=seq, route_seq=seq)
+    if kind == "weights":
+        return _replace(view, seq=seq, weights_seq=seq)
     return _replace(view, seq=seq)
 
 

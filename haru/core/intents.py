@@ -14,7 +14,10 @@ An intent carries:
 - `answers`: one router answer per model declared on the active domain (`haru.core.residency.answer`),
 - `standbys`: every standby ranked (`haru.core.ranking`), each with `fit` and `why`, and `protection`:
   `protected`, `unprotected` (no fit standby) or '' (no route yet, one domain),
-- `operation`: the op_id of the promotion or demotion in flight, and `view_seq`.
+- `operation`: the op_id of the promotion or demotion in flight, and `view_seq`,
+- `weights` and `model_weights`: the traffic splits in force ({} = the active takes everything), and
+  `weighted`: every other domain with a share, its Target and one answer per model it declares
+  (haru.core.weights; a router sends a domain its share only while that answer is `ready`).
 
 Volatile values stay out. `for_ms` of a warming answer depends on the reader's clock, so the
 projector publishes intents computed with `now=None` (`for_ms` = 0, `since` set) and a reader
@@ -46,7 +49,7 @@ import msgspec
 
 from haru.core import ranking, residency
 from haru.core.residency import Answer, Failed, Loading, Lost, NotAdmitted, Resident
-from haru.core.views import DomainView, FleetView, ModelView, RankedStandby, RouteIntent, Target
+from haru.core.views import DomainView, FleetView, ModelView, RankedStandby, RouteIntent, Target, Weighted
 
 __all__ = ["at", "changed", "intent", "target"]
 
@@ -143,6 +146,12 @@ def intent(view: FleetView, now: datetime | None = None) -> RouteIntent:
     if active is not None:
         for name, m in active.models.items():
             answers[name] = _model_answer(m, now)
+    weighted: dict[str, Weighted] = {}
+    if active is not None:
+        shares = [view.weights, *view.model_weights.values()]
+        for name, d in view.domains.items():
+            if name != active.name and any(split.get(name, 0) > 0 for split in shares):
+                weighted[name] = Weighted(target=target(d), answers={m: _model_answer(mv, now) for m, mv in d.models.items()})
     return RouteIntent(
         fleet=view.fleet,
         revision=view.route_revision,
@@ -153,6 +162,9 @@ def intent(view: FleetView, now: datetime | None = None) -> RouteIntent:
         view_seq=view.seq,
         standbys=ranked,
         protection=ranking.protection(view, ranked) if active is not None else "",
+        weights=dict(view.weights),
+        model_weights={m: dict(w) for m, w in view.model_weights.items()},
+        weighted=weighted,
     )
 
 
@@ -166,11 +178,17 @@ def changed(last: RouteIntent | None, new: RouteIntent) -> bool:
 def at(ri: RouteIntent, now: datetime) -> RouteIntent:
     """A published intent as of `now`: `for_ms` of warming answers recomputed from their `since`."""
     answers = ri.answers
+    if ri.weighted:
+        ri = _replace(ri, weighted={d: _replace(w, answers=_fresh(w.answers, now)) for d, w in ri.weighted.items()})
     if not any(a.answer == "warming" and a.since is not None for a in answers.values()):
         return ri
+    return _replace(ri, answers=_fresh(answers, now))
+
+
+def _fresh(answers: dict[str, Answer], now: datetime) -> dict[str, Answer]:
     fresh: dict[str, Answer] = {}
     for name, a in answers.items():
         if a.answer == "warming" and a.since is not None:
             a = _replace(a, for_ms=max(0, int((now - a.since).total_seconds() * 1000)))
         fresh[name] = a
-    return _replace(ri, answers=fresh)
+    return fresh

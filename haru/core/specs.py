@@ -97,6 +97,18 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     # Standbys' declared order (most preferred first), before measured fitness (haru.core.ranking).
     # Empty: the layout's domain order. Domains not named rank after those named, by measured fitness.
     standby_order: list[str] = []
+    # Canaries (haru.core.weights): a domain other than the active with a share of traffic is rolled back
+    # (its share returned to the active) when, over the last `canary_window_ms`, the gateways reported at
+    # least `canary_min_requests` requests to it with an error rate (5xx, unreachable, timeouts) above
+    # `canary_max_error_rate`, or at once when its probe fails (a served model no longer resident, the
+    # domain unreachable or ineligible).
+    canary_max_error_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
+    canary_min_requests: NonNegative = 20
+    canary_window_ms: Positive = 60_000
+    # `haru apply`'s rolling change: before the flip, give the standby this share of traffic (0 = no
+    # canary step) for `rolling_canary_ms`; rolled back, the change aborts with routing unmoved.
+    rolling_canary_weight: Annotated[int, msgspec.Meta(ge=0, le=99)] = 0
+    rolling_canary_ms: NonNegative = 30_000
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):

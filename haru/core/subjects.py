@@ -10,6 +10,7 @@ share a token.
     haru.evt.<fleet>.decl                          declarations and admission
     haru.evt.<fleet>.route                         route_moved (the routing pointer)
     haru.evt.<fleet>.op                            promotions and demotions, step by step
+    haru.evt.<fleet>.weights                       weights_set: traffic weights and canary rollbacks (promoter)
     haru.evt.<fleet>.checkpoint                    checkpoints: chain heads and the folded view (projector)
     haru.evt.<fleet>.<domain>.agent                agent started/stopping
     haru.evt.<fleet>.<domain>.liveness             domain unreachable/reachable
@@ -20,6 +21,7 @@ share a token.
     haru.alive.<role>.<id>                         the control plane's own heartbeats (projector, promoter)
     haru.cmd.<fleet>.<domain>.<verb>               commands to an agent (request/reply)
     haru.route.<fleet>                             route intents (stream HARU_ROUTE)
+    haru.canary.<fleet>.<gateway>                  a gateway's per-domain request and error counts (core NATS)
 
 Reading one back is done here too, once: `read(subject)` (memoized) says what an event subject
 names (`EventSubject`: its fleet token, its fleet-level kind, the whole `Where` or None), with
@@ -50,7 +52,7 @@ _NAME = re.compile(r"[a-z0-9_-]+")
 _SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789_-")
 
 # Reserved words in the fourth token of a domain subject: a domain may not be called these.
-_FLEET_LEVEL = frozenset({"decl", "route", "op", "checkpoint"})
+_FLEET_LEVEL = frozenset({"decl", "route", "op", "checkpoint", "weights"})
 
 
 def check_name(kind: str, value: str) -> str:
@@ -120,6 +122,10 @@ def route(fleet: str) -> str:
 
 def op(fleet: str) -> str:
     return f"{EVT}.{check_name('fleet', fleet)}.op"
+
+
+def weights(fleet: str) -> str:
+    return f"{EVT}.{check_name('fleet', fleet)}.weights"
 
 
 def checkpoint(fleet: str) -> str:
@@ -215,6 +221,25 @@ def intent(fleet: str) -> str:
     return f"haru.route.{check_name('fleet', fleet)}"
 
 
+ALL_CANARY_REPORTS = "haru.canary.*.*"
+
+
+def canary_report(fleet: str, gateway: str) -> str:
+    """Where a gateway reports what it measured of a fleet's weighted domains; its id escaped like a model id."""
+    return f"haru.canary.{check_name('fleet', fleet)}.{model_token(gateway)}"
+
+
+def canary_report_of(subject: str) -> tuple[str, str] | None:
+    """(fleet, gateway) of `haru.canary.<fleet>.<gateway>`; None for anything else."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[0] != "haru" or parts[1] != "canary":
+        return None
+    try:
+        return check_name("fleet", parts[2]), model_from_token(parts[3])
+    except (InvalidName, UnicodeDecodeError):
+        return None
+
+
 def view_key(fleet: str) -> str:
     return f"fleet.{check_name('fleet', fleet)}"
 
@@ -224,7 +249,7 @@ def view_key(fleet: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Where:
-    """What an event subject addresses. `kind` is decl|route|op|checkpoint|agent|liveness|model|gpu|training."""
+    """What an event subject addresses. `kind` is decl|route|op|weights|checkpoint|agent|liveness|model|gpu|training."""
 
     fleet: str
     kind: str

@@ -159,12 +159,30 @@ class OperationView(msgspec.Struct, frozen=True, kw_only=True):
     seq: int = 0  # sequence of the request event
     route_revision: int = 0  # the route revision it was decided against
     decl_seq: int = 0  # a rolling change: the declarations it rolls out
+    model: str = ""  # a weighting: the model whose traffic it splits ('' = the fleet's)
+    weights: dict[str, int] = {}  # a weighting: the split it sets (domain -> percent; {} = the active takes all)
     attempt: int = 1  # an automatic failover retried after an abort: which attempt (PromotionRequested.attempt)
     # A promotion onto whichever standby can serve (auto-failover, `haru promote` without a target): when
     # its target fails before the flip it moves on to the next fit standby (`promotion_retargeted`);
     # `tried` lists the ones it left, in order, and `steps` are those of the current target.
     cascade: bool = False
     tried: list[TriedView] = []
+
+
+class WeightsChange(msgspec.Struct, frozen=True, kw_only=True):
+    """The last `weights_set` folded: what changed the weights, why, and its evidence."""
+
+    model: str = ""
+    weights: dict[str, int] = {}
+    reason: str = ""
+    detail: str = ""
+    op_id: str = ""
+    domain: str = ""
+    requests: int = 0
+    errors: int = 0
+    by: str = ""
+    at: datetime | None = None
+    seq: int = 0
 
 
 class FleetView(msgspec.Struct, frozen=True, kw_only=True):
@@ -203,6 +221,12 @@ class FleetView(msgspec.Struct, frozen=True, kw_only=True):
     # it on idle fleets now and then, so a restart resumes from min(max(seq, checkpoint)) + 1
     # across fleets instead of from the last event of the quietest fleet.
     checkpoint: int = 0
+    # Traffic weights (haru.core.weights), from `weights_set` on haru.evt.<fleet>.weights: the fleet's
+    # split and per-model splits, domain -> percent; {} = the active takes everything. A route move resets them.
+    weights: dict[str, int] = {}
+    model_weights: dict[str, dict[str, int]] = {}
+    weights_change: WeightsChange | None = None  # the last change (a canary rollback names its evidence)
+    weights_seq: int = 0  # last sequence on haru.evt.<fleet>.weights
 
     def standby(self) -> str:
         """The first-ranked standby (`haru.core.ranking.rank`: fit first, then declared order, then
@@ -237,6 +261,13 @@ class Target(msgspec.Struct, frozen=True, kw_only=True):
     model_urls: dict[str, str] = {}  # `serve: direct`: per-model URLs
 
 
+class Weighted(msgspec.Struct, frozen=True, kw_only=True):
+    """A domain other than the active one that carries a share of traffic: where it is, and its answers."""
+
+    target: Target
+    answers: dict[str, Answer] = {}
+
+
 class RouteIntent(msgspec.Struct, frozen=True, kw_only=True):
     """The provider-neutral routing answer for one fleet."""
 
@@ -252,6 +283,11 @@ class RouteIntent(msgspec.Struct, frozen=True, kw_only=True):
     # (no route yet, or a single-domain fleet).
     standbys: list[RankedStandby] = []
     protection: str = ""
+    # Traffic weights (haru.core.weights): {} = the active takes all (100). `model_weights` override
+    # `weights` for one model; `weighted` holds every other domain with a share (its target and answers).
+    weights: dict[str, int] = {}
+    model_weights: dict[str, dict[str, int]] = {}
+    weighted: dict[str, Weighted] = {}
 
 
 view_encoder = msgspec.json.Encoder()

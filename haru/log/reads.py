@@ -20,6 +20,7 @@ from haru.log import history
 from haru.core import subjects
 from haru.core.authority import misplaced
 from haru.core.errors import LogDamaged
+from haru.core.events import WeightsSet
 from haru.log.record import Record, body_hash
 from haru.log.seam import EventReader
 
@@ -48,8 +49,9 @@ WHY_MAX_EVENTS = 10_000  # a tree bigger than this is cut (and says so)
 async def why_records(log: EventReader, fleet: str, model: str, domain: str, damage: list[LogDamaged],
                       skipped: list[Record] | None = None) -> dict[int, Record]:
     """What `haru why` draws: the model's own events, every event they name as a cause (read one by
-    one by sequence, up the chain), and the operations and route moves those caused (the op and route
-    subjects from the model's first event on). Reads grow with the model's and the fleet's operations'
+    one by sequence, up the chain), the operations and route moves those caused (the op and route
+    subjects from the model's first event on), and the traffic weights that applied to the model (its
+    own split or the fleet's, a canary rollback with its evidence: the weights subject from then on). Reads grow with the model's and the fleet's operations'
     history, never with the whole log."""
     mine = await model_records(log, fleet, model, domain, damage)
     if skipped is not None:
@@ -75,6 +77,11 @@ async def why_records(log: EventReader, fleet: str, model: str, domain: str, dam
     for rec in sorted(later, key=lambda r: r.seq):
         e = rec.event
         if e is not None and e.cause in have and not misplaced(rec.subject, e) and len(have) < WHY_MAX_EVENTS:
+            have[rec.seq] = rec
+    for rec in await _read(log, subjects.weights(fleet), damage, from_seq=first):
+        e = rec.event
+        if isinstance(e, WeightsSet) and e.model in ("", model) and not misplaced(rec.subject, e) \
+                and len(have) < WHY_MAX_EVENTS:
             have[rec.seq] = rec
     return have
 

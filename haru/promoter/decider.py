@@ -17,8 +17,9 @@ new `STEPS`, and a request rule (`REQUEST_RULES`): docs/promoter.md, "Adding an 
                 settle_old_active failed -> completed anyway (best effort; the old active is recorded
                                             as not eligible to be standby until it recovers)
     demotion:   sleep -> start_training -> completed;   any failure -> aborted
-    rolling:    stop_training -> apply_standby -> verify_gpu -> wake -> probe -> flip -> apply_old_active
-                -> settle_old_active -> completed
+    rolling:    stop_training -> apply_standby -> verify_gpu -> wake -> probe -> canary -> flip -> apply_old_active
+                -> settle_old_active -> completed (canary: with policy rolling_canary_weight > 0 the standby
+                takes that share of traffic for rolling_canary_ms first; rolled back -> aborted, routing unmoved)
                 any failure before flip -> aborted (routing never moves; the old active keeps serving
                 the old spec, its changes still waiting); apply_old_active failed -> settle_old_active
                 anyway, and the old active is recorded not eligible to be standby; the active failing
@@ -26,6 +27,11 @@ new `STEPS`, and a request rule (`REQUEST_RULES`): docs/promoter.md, "Adding an 
     provision:  launch -> join -> settle -> completed;   launch/join failed -> aborted
                 settle (sleep, start_training) failed -> completed anyway (best effort: with no route yet
                 the first route decides the new host's role; an awake standby is demoted by housekeeping)
+    weighting:  stop_training -> verify_gpu -> wake -> probe -> weigh -> completed (then `weights_set` on
+                haru.evt.<fleet>.weights); any failure -> aborted (the weights stay as they were). The
+                target is the domain the new split gives a share it did not have; with none (a share
+                changed, taken back, the default again) the target is the active, and the steps before
+                `weigh` are skipped: nothing to wake (haru.promoter.canary)
     teardown:   down -> completed;   failure -> aborted (and asked again after the backoff: never forgotten)
     replace:    down -> launch -> join -> settle -> completed;   down/launch/join failed -> aborted
                 (the failed host goes first: the new one's agent takes over the same domain name, and
@@ -35,11 +41,14 @@ Who decides what, in order (`decide`):
 
 1. liveness: heartbeat silence past `heartbeat_timeout_ms` -> `domain_unreachable`, heard again ->
    `domain_reachable` (`haru.promoter.liveness`);
+1b. a canary whose probe failed or whose error rate the gateways reported over policy: its share goes
+   back to the active (`weights_set`, with the evidence: haru.promoter.canary);
 2. the operation in flight, if any: start its next step, re-start a step whose runner died (its lease
    ran out, or the runner was this promoter before a restart), or finish it;
 3. with no operation in flight: the first route (no `route_moved` yet), auto-failover of a failed
    active (or `failover_declined`, once per distinct reason), and housekeeping: a recovered
-   ineligible domain and an awake standby are demoted (asleep, training). A model whose runtime has
+   ineligible domain and an awake standby are demoted (asleep, training), unless it carries a share of
+   traffic (a canary: haru.core.weights). A model whose runtime has
    no sleep mode (llama-server) is a standby resident, not an awake one; and a demotion that
    completed is never requested again while none of its inputs changed (`_already_done`).
 """
@@ -70,10 +79,12 @@ from haru.core.events import (
     PromotionRequested,
     PromotionRetargeted,
     RollingRequested,
+    WeightingRequested,
     StepCompleted,
     StepFailed,
     StepStarted,
 )
+from haru.promoter import canary
 from haru.promoter.decisions import Append, Facts
 from haru.promoter.liveness import judge_liveness
 from haru.core.residency import Failed, Loading, Lost, Residency, Resident, Sleeping, Waking, state_name
@@ -103,7 +114,7 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
                A new runner is a method registered in `Promoter.runners` under a new name.
     """
 
-    on: Literal["target", "other", "route"]
+    on: Literal["target", "other", "route", "weights"]
     verbs: tuple[str, ...]
     bound: tuple[str, ...]
     fatal: bool = True
@@ -175,6 +186,22 @@ STEPS: dict[str, StepSpec] = {
         bound=("command_timeout_ms",),
         what="start the target's training slots",
     ),
+    "weigh": StepSpec(
+        on="weights",
+        verbs=(),
+        bound=("command_timeout_ms",),
+        run="weigh",
+        what="check that every domain the split gives a share serves (reachable, eligible, its models resident) and "
+             "the route has not moved; the split is then recorded (weights_set)",
+    ),
+    "canary": StepSpec(
+        on="target",
+        verbs=(),
+        bound=("rolling_canary_ms", "command_timeout_ms"),
+        run="canary",
+        what="with policy rolling_canary_weight > 0: the standby takes that share of traffic (weights_set) for "
+             "rolling_canary_ms; a rollback (its probe or the gateways' error rate: haru.promoter.canary) fails it",
+    ),
     "launch": StepSpec(
         on="target",
         verbs=(),
@@ -231,14 +258,27 @@ TRANSITIONS: dict[tuple[OpKind, str | None, Outcome], str] = {
     ("rolling", "verify_gpu", "failed"): ABORT,
     ("rolling", "wake", "completed"): "probe",
     ("rolling", "wake", "failed"): ABORT,
-    ("rolling", "probe", "completed"): "flip",
+    ("rolling", "probe", "completed"): "canary",
     ("rolling", "probe", "failed"): ABORT,
+    ("rolling", "canary", "completed"): "flip",
+    ("rolling", "canary", "failed"): ABORT,
     ("rolling", "flip", "completed"): "apply_old_active",
     ("rolling", "flip", "failed"): ABORT,
     ("rolling", "apply_old_active", "completed"): "settle_old_active",
     ("rolling", "apply_old_active", "failed"): "settle_old_active",  # best effort: recorded, not fatal
     ("rolling", "settle_old_active", "completed"): COMPLETE,
     ("rolling", "settle_old_active", "failed"): COMPLETE,
+    ("weighting", None, "requested"): "stop_training",
+    ("weighting", "stop_training", "completed"): "verify_gpu",
+    ("weighting", "stop_training", "failed"): ABORT,
+    ("weighting", "verify_gpu", "completed"): "wake",
+    ("weighting", "verify_gpu", "failed"): ABORT,
+    ("weighting", "wake", "completed"): "probe",
+    ("weighting", "wake", "failed"): ABORT,
+    ("weighting", "probe", "completed"): "weigh",
+    ("weighting", "probe", "failed"): ABORT,
+    ("weighting", "weigh", "completed"): COMPLETE,
+    ("weighting", "weigh", "failed"): ABORT,
     ("demotion", None, "requested"): "sleep",
     ("demotion", "sleep", "completed"): "start_training",
     ("demotion", "sleep", "failed"): ABORT,
@@ -301,6 +341,13 @@ KINDS: dict[str, KindSpec] = {
         what="roll a layout change through the standby: apply it there, wake, probe and promote it, then apply it "
         "to the old active",
 
+    ),
+    "weighting": KindSpec(
+        request=WeightingRequested,
+        yields_to_failover=True,
+        no_abort_from="weigh",
+        what="give domains a share of a model's (or the fleet's) traffic: wake and probe the one that gains a share, "
+             "then record the split",
     ),
     "provision": KindSpec(
         request=ProvisionRequested,
@@ -380,6 +427,9 @@ def decide(view: FleetView, facts: Facts) -> list[Append]:
     out: list[Append] = list(judge_liveness(view, facts.silent_ms, facts.listening_ms, facts.now))
     if not view.domains:
         return out
+    taken_back = canary.rollback(view, facts.canary, facts.now)  # its own subject: it races no operation
+    if taken_back is not None:
+        out.append(taken_back)
     if view.operation is not None and view.operation.state == "running":
         nxt = drive(view, view.operation, facts)
     else:
@@ -437,7 +487,9 @@ def not_applicable(view: FleetView, op: OperationView, step: str) -> str:
     best effort): the domain it acts on is unreachable or has a GPU gone, typically the very reason
     for the failover. Recorded as skipped with this reason, never as a failure."""
     spec = STEPS.get(step)
-    if spec is None or spec.fatal or spec.on == "route":
+    if op.kind == "weighting" and step != "weigh" and op.target == view.active:
+        return "skipped: the split gives no domain a new share, so there is nothing to wake or probe"
+    if spec is None or spec.fatal or spec.on in ("route", "weights"):
         return ""
     domain = step_domain(view, op, step)
     dv = view.domains.get(domain) if domain else None
@@ -627,6 +679,9 @@ def _finish(view: FleetView, op: OperationView, facts: Facts) -> Append:
                     event=EligibilityChanged(at=facts.now, domain=old, eligible=False, why=why),
                     why="the old active cannot be a standby",
                 )
+    elif op.kind == "weighting":
+        if not canary.applied(view, op):
+            return canary.weights_set(view, op, facts.now)
     elif op.kind == "teardown":
         dv = view.domains.get(op.target)
         if dv is not None and dv.eligible:
@@ -1023,6 +1078,8 @@ def _demotion_reason(view: FleetView, dv: DomainView) -> str:
         if states and all(isinstance(s, (Resident, Sleeping)) for s in states):
             return "recovered"
         return ""
+    if carries_share(view, dv.name):
+        return ""  # a canary: awake on purpose
     # Awake only counts for a runtime that can sleep: one without a sleep mode (llama-server, a vLLM
     # whose platform has none: `Resident.sleeps`) serves the standby role resident, and asking it to
     # sleep would change nothing.
@@ -1033,6 +1090,15 @@ def _demotion_reason(view: FleetView, dv: DomainView) -> str:
     if awake and not any(isinstance(s, (Waking,)) or state_name(s) == "loading" for s in states):
         return "standby_awake"
     return ""
+
+
+def carries_share(view: FleetView, name: str) -> bool:
+    """Whether a domain other than the active has a share of traffic (a canary: haru.core.weights), or a
+    weighting in flight is waking it for one."""
+    if name != view.active and any(w.get(name, 0) > 0 for w in (view.weights, *view.model_weights.values())):
+        return True
+    op = view.operation
+    return op is not None and op.state == "running" and op.kind == "weighting" and op.target == name
 
 
 def _already_done(view: FleetView, dv: DomainView, reason: str) -> bool:
@@ -1106,7 +1172,7 @@ def _first_route(view: FleetView, facts: Facts) -> Append | None:
 
 # ------------------------------------------------------------------------------ manual requests
 
-RequestStatus = Literal["noop", "accepted", "joined", "conflict", "refused", "not_found"]
+RequestStatus = Literal["noop", "accepted", "joined", "conflict", "refused", "not_found", "invalid"]
 
 
 class Judgment(msgspec.Struct, frozen=True, kw_only=True):

@@ -7,6 +7,7 @@ from datetime import datetime
 import msgspec
 
 from haru.core.events import AnyEvent
+from haru.core.weights import Tally
 
 
 class Append(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,6 +37,7 @@ class Facts(msgspec.Struct, frozen=True, kw_only=True):
                      re-started at once instead of after the step's lease.
     `new_op_id`:     the id for an operation this call may request.
     `launches_last_hour`: launch steps started in the fleet in the last hour (the service counts them).
+    `canary`:        the gateways' canary reports of the window, summed (haru.promoter.canary.tally).
     """
 
     now: datetime
@@ -48,3 +50,6 @@ class Facts(msgspec.Struct, frozen=True, kw_only=True):
     runner_silent_ms: int | None = None
     runner_timeout_ms: int = 0  # 0: runners are never judged by silence, only by their lease
     launches_last_hour: int = 0  # `launch` steps started in this fleet in the last hour (policy max_launches_per_hour)
+    # What the gateways reported of the domains with a share of traffic, since the split was set and within
+    # the policy's canary_window_ms: domain -> model -> Tally (haru.promoter.canary).
+    canary: dict[str, dict[str, Tally]] = {}

@@ -41,7 +41,8 @@ from prometheus_client.core import GaugeMetricFamily
 
 from haru.core import ranking
 from haru.log.eventlog import Record
-from haru.core.events import FailoverDeclined, OperationAborted, OperationCompleted, StepCompleted, StepFailed, StepStarted
+from haru.core.events import (FailoverDeclined, OperationAborted, OperationCompleted, StepCompleted, StepFailed, StepStarted,
+                              WeightsSet)
 from haru.core.operations import ms_between
 from haru.core.views import FleetView, OperationView
 
@@ -103,6 +104,9 @@ class PromoterMetrics:
                                            ["fleet", "reason"], buckets=_OP_BUCKETS, registry=r)
         self.declined = Counter("haru_promoter_declined", "Failovers declined, by the class of reason.",
                                 ["fleet", "reason"], registry=r)
+        self.canary_rollbacks = Counter("haru_promoter_canary_rollbacks",
+                                        "Canaries rolled back (weights_set canary_rolled_back), by why.",
+                                        ["fleet", "domain", "why"], registry=self.registry)
         self._step_started: dict[tuple[str, str, int], datetime] = {}
         self._last_op: dict[tuple[str, str], tuple[str, float]] = {}  # (fleet, kind) -> (outcome, seconds)
         r.register(_ViewCollector(self))
@@ -135,6 +139,8 @@ class PromoterMetrics:
                 del self._step_started[key]
         elif isinstance(ev, FailoverDeclined):
             self.declined.labels(fleet, decline_reason(ev.why)).inc()
+        elif isinstance(ev, WeightsSet) and ev.reason == "canary_rolled_back":
+            self.canary_rollbacks.labels(fleet, ev.domain, "probe" if ev.detail.find("probe failed") >= 0 else "error_rate").inc()
 
     def _pop_started(self, op_id: str, step: str) -> datetime | None:
         attempts = [k for k in self._step_started if k[0] == op_id and k[1] == step]

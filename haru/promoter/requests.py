@@ -35,7 +35,7 @@ RETRIES = 5
 
 
 class RequestResult(msgspec.Struct, frozen=True, kw_only=True):
-    status: Literal["noop", "accepted", "joined", "conflict", "refused", "not_found"]
+    status: Literal["noop", "accepted", "joined", "conflict", "refused", "not_found", "invalid"]
     op_id: str = ""
     message: str = ""
     seq: int = 0  # the stream sequence of the request event (accepted only)

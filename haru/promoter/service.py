@@ -48,12 +48,14 @@ from haru.core.commands import ErrorInfo, Reply
 from haru.core.errors import CommandError, Conflict, LogError
 from haru.log.record import Record
 from haru.log.seam import Log
-from haru.core.events import (DomainChanged, DomainDeclared, DomainRetired, Event, RouteMoved, StepCompleted, StepFailed,
+from haru.core.events import (WeightsSet, DomainChanged, DomainDeclared, DomainRetired, Event, RouteMoved, StepCompleted, StepFailed,
                          StepStarted, tag_of)
 from haru.log.follow import Follower
 from haru.log.bus import send
 from haru.promoter.decider import STEPS, command_for, decide, flip_refusal, not_applicable, step_outcome, step_record
+from haru.promoter.canary import tally as canary_tally, weigh_refusal
 from haru.promoter.decisions import Append, Facts
+from haru.core.weights import CanaryReport, describe, report_decoder, scope_of
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
 from haru.core.residency import Resident, Sleeping
@@ -108,6 +110,7 @@ class FleetState:
     running: set[tuple[str, str, int]] = field(default_factory=set)
     specs: dict[str, DomainSpec] = field(default_factory=dict)  # domain -> its declaration (provision block included)
     launches: list[datetime] = field(default_factory=list)  # `at` of every launch step started (the hourly budget)
+    reports: list[tuple[float, str, CanaryReport]] = field(default_factory=list)  # (monotonic, gateway, report) of the window
 
     @property
     def view(self) -> FleetView:
@@ -154,7 +157,8 @@ class Promoter:
         # A new kind of step work (e.g. provisioning) registers its runner here.
         self.runners: dict[str, StepRunner] = {"agent": self._agent_step, "flip": self._flip_step,
                                                "launch": self._launch_step, "join": self._join_step,
-                                               "down": self._down_step}
+                                               "down": self._down_step, "weigh": self._weigh_step,
+                                               "canary": self._canary_step}
         self.provisioning = provisioning or Provisioning(sky=os.environ.get("HARU_SKY") or "sky")
         # Sequences of the probe completions this process appended itself. The op subject also takes
         # the gateway's and the operator's requests, so a `step_completed` for a probe there may be
@@ -217,6 +221,40 @@ class Promoter:
         if first or st.view.domains.get(domain) is not None and st.view.domains[domain].reachable is not True:
             self._touch(fleet)
 
+    def on_canary_report(self, subject: str, data: bytes) -> None:
+        """A gateway's counts of a fleet's weighted domains (haru.canary.<fleet>.<gateway>): kept for the
+        fleet's canary window; the gateway is the one its subject names."""
+        heard = subjects.canary_report_of(subject)
+        if heard is None:
+            return
+        fleet, gateway = heard
+        st = self.fleets.get(fleet)
+        if st is None:
+            return
+        try:
+            report = report_decoder.decode(data)
+        except msgspec.DecodeError:
+            self.log_.warning("canary_report_unreadable", fleet=fleet, gateway=gateway)
+            return
+        if report.fleet != fleet:  # the subject is the authority: a body about another fleet is not counted
+            self.log_.warning("canary_report_misplaced", fleet=fleet, gateway=gateway, body_fleet=report.fleet)
+            return
+        st.reports.append((time.monotonic(), gateway, report))
+        if any(c.errors for c in report.counts):
+            self._touch(fleet)
+
+    def _canary(self, st: FleetState) -> dict:
+        """The window's reports, summed: since the split in force was set, within canary_window_ms."""
+        view = st.view
+        if not st.reports:
+            return {}
+        horizon = time.monotonic() - view.policy.canary_window_ms / 1000
+        st.reports = [r for r in st.reports if r[0] >= horizon]
+        if not (view.weights or view.model_weights):
+            return {}
+        since = view.weights_change.at if view.weights_change is not None else None
+        return canary_tally(((g, r) for _, g, r in st.reports), since=since)
+
     def _touch(self, fleet: str) -> None:
         """Something about `fleet` changed (a record folded, a heartbeat, a step ended): decide for it now."""
         self._dirty.add(fleet)
@@ -242,6 +280,11 @@ class Promoter:
             self.on_heartbeat(msg.subject)
 
         sub = await self.log.bus.subscribe(subjects.heartbeats("*"), hb)
+
+        def reported(msg: Msg) -> None:
+            self.on_canary_report(msg.subject, msg.data)
+
+        reports = await self.log.bus.subscribe(subjects.ALL_CANARY_REPORTS, reported)
         await self.peers.listen(self.log.bus, subjects.alive("promoter"))
         self._listening_since = time.monotonic()
         follower: asyncio.Task | None = None
@@ -277,6 +320,8 @@ class Promoter:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await reports.unsubscribe()
             await self.peers.stop()
             await cancel_and_wait(beating, follower, *self._tasks)
 
@@ -343,6 +388,7 @@ class Promoter:
         return Facts(
             now=now,
             launches_last_hour=len(st.launches),
+            canary=self._canary(st),
             me=self.identity,
             new_op_id=new_op_id(),
             silent_ms=silent,
@@ -466,6 +512,52 @@ class Promoter:
         agent_ms = sum(r.took_ms for _, r in replies)
         wall_ms = int((time.monotonic() - t0) * 1000)
         return step_outcome(op, step, replies, now=utcnow(), took_ms=agent_ms or wall_ms)
+
+    async def _weigh_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+        """Runner `weigh`: the split may start when every domain it gives a share serves (haru.promoter.canary)."""
+        refusal = weigh_refusal(st.view, op)
+        if refusal:
+            return StepFailed(at=utcnow(), op_id=op.op_id, step="weigh", error_code="weights_refused", error=refusal)
+        return StepCompleted(at=utcnow(), op_id=op.op_id, step="weigh",
+                             detail=f"{describe(op.weights, st.view.active)} for {scope_of(op.model)}: every domain with "
+                                    f"a share serves")
+
+    async def _canary_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+        """Runner `canary` (a rolling change, before its flip): the standby takes policy rolling_canary_weight
+        percent of the fleet's traffic for rolling_canary_ms; the decider's rollback (haru.promoter.canary)
+        taking it back fails the step, so the change aborts with routing unmoved."""
+        view = st.view
+        share, hold_ms = view.policy.rolling_canary_weight, view.policy.rolling_canary_ms
+        if share <= 0 or not view.active or view.active == op.target:
+            return StepCompleted(at=utcnow(), op_id=op.op_id, step="canary",
+                                 detail="no canary step (policy rolling_canary_weight is 0)")
+        split = {view.active: 100 - share, op.target: share}
+        subject = subjects.weights(view.fleet)
+        event = WeightsSet(at=utcnow(), by=self.identity, weights=split, reason="rolling", op_id=op.op_id,
+                           route_revision=view.route_revision,
+                           detail=f"rolling change {op.op_id}: {op.target} takes {share}% for {hold_ms} ms before the flip")
+        try:
+            set_seq = await self.log.append(subject, event, expect=st.last.get(subject, 0))
+        except (Conflict, LogError) as exc:
+            return StepFailed(at=utcnow(), op_id=op.op_id, step="canary", error_code="weights_unset",
+                              error=f"could not give {op.target} its canary share: {exc}")
+        await self.wait_folded(set_seq)
+        deadline = time.monotonic() + hold_ms / 1000
+        while time.monotonic() < deadline:
+            change = st.view.weights_change
+            if change is not None and change.seq > set_seq and change.reason == "canary_rolled_back":
+                return StepFailed(at=utcnow(), op_id=op.op_id, step="canary", error_code="canary_rolled_back",
+                                  error=change.detail)
+            if st.view.route_revision != view.route_revision:
+                return StepFailed(at=utcnow(), op_id=op.op_id, step="canary", error_code="route_moved_elsewhere",
+                                  error=f"the route moved to {st.view.active} during the canary")
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        tallied = self._canary(st).get(op.target, {})
+        requests = sum(t.requests for t in tallied.values())
+        errors = sum(t.errors for t in tallied.values())
+        return StepCompleted(at=utcnow(), op_id=op.op_id, step="canary",
+                             detail=f"{op.target} took {share}% of the traffic for {hold_ms} ms: {requests} requests, "
+                                    f"{errors} errors reported by the gateways; the flip follows")
 
     async def _launch_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
         """Runner `launch`: the target's cluster or service, found when it is already up (haru.promoter.provisioning)."""

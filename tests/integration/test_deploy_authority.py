@@ -56,7 +56,7 @@ def role_writes(role: str, kind: str, domain: str, own_domain: str) -> bool:
 
 
 def fleet_subjects(fleet: str, domains: tuple[str, ...], model: str = "m1", slot: str = "lora") -> list[str]:
-    out = [subjects.decl(fleet), subjects.route(fleet), subjects.checkpoint(fleet), subjects.op(fleet)]
+    out = [subjects.decl(fleet), subjects.route(fleet), subjects.checkpoint(fleet), subjects.weights(fleet), subjects.op(fleet)]
     for d in domains:
         out += [subjects.agent(fleet, d), subjects.liveness(fleet, d), subjects.model(fleet, d, model),
                 subjects.gpu(fleet, d, 0), subjects.training(fleet, d, slot)]
@@ -65,7 +65,8 @@ def fleet_subjects(fleet: str, domains: tuple[str, ...], model: str = "m1", slot
 
 def same_except_position(a, b) -> bool:
     """Two views equal but for where they are and what they counted (a misplaced event moves only those)."""
-    skip = dict(seq=0, anomalies=0, last_anomaly="", decl_seq=0, op_seq=0, route_seq=0, updated_at=None, checkpoint=0)
+    skip = dict(seq=0, anomalies=0, last_anomaly="", decl_seq=0, op_seq=0, route_seq=0, weights_seq=0, updated_at=None,
+                checkpoint=0)
     return msgspec.structs.replace(a, **skip) == msgspec.structs.replace(b, **skip)
 
 

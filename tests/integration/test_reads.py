@@ -41,3 +41,14 @@ async def test_why_reads_the_models_links_not_the_fleets_other_operations(event_
     (root,) = history.causal_tree(have)
     assert root.rec.seq == request and [c.rec.seq for c in root.children] == [started]
     assert [c.rec.seq for c in root.children[0].children] == [waking, done]
+
+
+async def test_why_shows_the_weights_that_applied_to_the_model(event_log):
+    m, w = sj.model("f", "b", "m"), sj.weights("f")
+    resident = await event_log.append(m, ev.ModelResident(at=T, domain="b", model="m"), expect=0)
+    fleet_split = await event_log.append(w, ev.WeightsSet(at=T, weights={"a": 90, "b": 10}), expect=0)
+    other_model = await event_log.append(w, ev.WeightsSet(at=T, model="n", weights={"a": 50, "b": 50}), expect=fleet_split)
+    rollback = await event_log.append(w, ev.WeightsSet(at=T, reason="canary_rolled_back", domain="b",
+                                                       detail="error rate 30.0%"), expect=other_model)
+    have = await reads.why_records(event_log, "f", "m", "", [])
+    assert set(have) == {resident, fleet_split, rollback}  # not model n's split

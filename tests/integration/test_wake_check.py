@@ -5,6 +5,7 @@ applying, a "sleep" that only pauses the engine and keeps its memory)."""
 from __future__ import annotations
 
 import json
+import signal
 
 import aiohttp
 import pytest
@@ -112,3 +113,37 @@ async def test_a_sleep_records_what_measured_it(tmp_path, nats_server, event_log
     last = await event_log.last(MODEL)
     assert tag(last) == "model_sleeping" and last.event.freed_bytes > 0
     assert last.event.measured_by == "process" and "held" in last.event.detail  # the runtime's own processes
+
+
+async def test_an_agent_restarted_while_its_runtime_sleeps_still_checks_the_wake(tmp_path, nats_server, event_log, agents):
+    """The answers recorded before the sleep are kept with the runtime's identity (its file in the state
+    directory), so the agent that adopts it asleep compares the wake's answers too."""
+    agent, endpoint = await start_active(tmp_path, nats_server, event_log, agents, adapters={"m1-sql": "/loras/sql"})
+    assert (await send(event_log.bus, "f", "a", "sleep", Command(), timeout=10)).ok
+    identity = json.loads(next((tmp_path / "state" / "a" / "runtimes").glob("*.json")).read_text())
+    assert set(identity["wake_answers"]) == {"m1", "m1-sql"} and all(identity["wake_answers"].values())
+    agent.signal(signal.SIGTERM)  # a restart: the runtime keeps sleeping, the next agent adopts it
+    assert await agent.wait(30) == 0
+    sleeping = await event_log.last(MODEL)
+    assert tag(sleeping) == "model_sleeping"
+    cfg = tmp_path / "agent-a.json"
+    again = agents(cfg, tmp_path / "agent-a2.log")
+    adopted = await wait_event(event_log, MODEL, lambda r: tag(r) == "model_adopted" and r.seq > sleeping.seq,
+                               agent=again, timeout=30)
+    assert adopted.event.asleep is True and adopted.event.endpoint == endpoint
+    await sim_fault(endpoint, "corrupt_wake")
+    wake = await send(event_log.bus, "f", "a", "wake", Command(op_id="w4"), timeout=20)
+    assert not wake.ok and wake.error.code == "wake_answer_changed", wake
+    assert "'m1:" not in wake.error.message and "before the sleep" in wake.error.message
+    lost = await wait_event(event_log, MODEL, lambda r: tag(r) == "model_lost" and r.seq > adopted.seq, agent=again)
+    assert lost.event.reason == "unhealthy" and lost.event.detail.startswith("wake_answer_changed:"), lost.event
+
+
+async def test_a_checked_wake_leaves_no_answers_behind(tmp_path, nats_server, event_log, agents):
+    agent, endpoint = await start_active(tmp_path, nats_server, event_log, agents)
+    assert (await send(event_log.bus, "f", "a", "sleep", Command(), timeout=10)).ok
+    path = next((tmp_path / "state" / "a" / "runtimes").glob("*.json"))
+    assert "wake_answers" in json.loads(path.read_text())
+    wake = await send(event_log.bus, "f", "a", "wake", Command(op_id="w5"), timeout=20)
+    assert wake.ok and "recorded before the sleep" in wake.data["models"]["m1"]["detail"], wake
+    assert "wake_answers" not in json.loads(path.read_text())  # checked once: the next wake needs the next sleep's

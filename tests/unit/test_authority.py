@@ -17,7 +17,7 @@ from haru.core.specs import Policy
 
 T = datetime(2026, 11, 30, tzinfo=UTC)
 EVENT_TYPES: tuple[type, ...] = ev.AnyEvent.__args__  # type: ignore[attr-defined]
-KINDS = ("decl", "route", "checkpoint", "op", "agent", "liveness", "model", "gpu", "training")
+KINDS = ("decl", "route", "checkpoint", "weights", "op", "agent", "liveness", "model", "gpu", "training")
 
 
 def build(cls: type, *, fleet: str = "default", domain: str = "a", model: str = "qwen3.6:27b", index: int = 0,
@@ -47,6 +47,7 @@ def subject_of(kind: str, *, fleet: str = "default", domain: str = "a", model: s
         "decl": lambda: sj.decl(fleet),
         "route": lambda: sj.route(fleet),
         "checkpoint": lambda: sj.checkpoint(fleet),
+        "weights": lambda: sj.weights(fleet),
         "op": lambda: sj.op(fleet),
         "agent": lambda: sj.agent(fleet, domain),
         "liveness": lambda: sj.liveness(fleet, domain),
@@ -142,7 +143,7 @@ def test_something_that_is_not_an_event_subject_holds_no_event():
 
 # ----------------------------------------------------------------------------------- properties
 
-names = st.from_regex(r"[a-z0-9_-]{1,12}", fullmatch=True).filter(lambda n: n not in ("decl", "route", "op", "checkpoint"))
+names = st.from_regex(r"[a-z0-9_-]{1,12}", fullmatch=True).filter(lambda n: n not in ("decl", "route", "op", "checkpoint", "weights"))
 model_ids = st.text(st.characters(blacklist_categories=("Cs", "Zs", "Zl", "Zp", "Cc")), min_size=1, max_size=20)
 
 
@@ -163,7 +164,7 @@ def test_a_body_that_names_anything_else_than_its_subject_is_misplaced(cls, data
     kind = authority.ALLOWED[cls]
     mine = dict(fleet="f", domain="d", model="m", index=1, slot="s")
     carried = [k for k in ("fleet", "domain", "model", "index", "slot") if k in cls.__struct_fields__
-               and k in {"decl": ("fleet",), "route": ("fleet",), "checkpoint": ("fleet",), "op": ("fleet",), "agent": ("fleet", "domain"),
+               and k in {"decl": ("fleet",), "route": ("fleet",), "checkpoint": ("fleet",), "weights": ("fleet",), "op": ("fleet",), "agent": ("fleet", "domain"),
                          "liveness": ("fleet", "domain"), "model": ("fleet", "domain", "model"),
                          "gpu": ("fleet", "domain", "index"), "training": ("fleet", "domain", "slot")}[kind]]
     subject = subject_of(kind, **mine)

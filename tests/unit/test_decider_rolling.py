@@ -17,7 +17,7 @@ from haru.core.events import (
 from haru.promoter.decider import ABORT, KINDS, STEPS, TRANSITIONS, command_for, flow, judge_abort, judge_request
 from tests.unit.test_decider import OP, ROUTE, at, facts, given, healthy_fleet, only
 
-ROLL_FLOW = ["stop_training", "apply_standby", "verify_gpu", "wake", "probe", "flip", "apply_old_active",
+ROLL_FLOW = ["stop_training", "apply_standby", "verify_gpu", "wake", "probe", "canary", "flip", "apply_old_active",
              "settle_old_active"]
 
 
@@ -31,7 +31,7 @@ def done(step: str, op_id="op-r", ms=2):
 
 
 def test_every_kind_has_a_request_event_and_both_outcomes_of_every_step():
-    assert set(KINDS) == set(OPERATION_REQUESTS) == {"promotion", "demotion", "rolling", "provision", "teardown", "replace"}
+    assert set(KINDS) == set(OPERATION_REQUESTS) == {"promotion", "demotion", "rolling", "weighting", "provision", "teardown", "replace"}
     for kind, spec in KINDS.items():
         assert OPERATION_REQUESTS[kind] is spec.request
         for step in flow(kind):
@@ -51,7 +51,7 @@ def test_a_rolling_change_applies_to_the_standby_first_and_to_the_old_active_aft
     assert isinstance(second, StepStarted) and second.step == "apply_standby"
     domain, commands = command_for(view, view.operation, "apply_standby")
     assert domain == "b" and [(verb, cmd.decl_seq) for verb, cmd, _ in commands] == [("apply_layout", 7)]
-    before_apply_old = [e for s in ROLL_FLOW[:6] for e in done(s)]
+    before_apply_old = [e for s in ROLL_FLOW[: ROLL_FLOW.index("flip") + 1] for e in done(s)]
     view = given(*healthy_fleet(), rolling(), *before_apply_old, (ROUTE, RouteMoved(at=at(3), active="b", op_id="op-r")))
     nxt = only(view)
     assert isinstance(nxt, StepStarted) and nxt.step == "apply_old_active"
@@ -68,7 +68,7 @@ def test_a_failed_apply_on_the_standby_aborts_before_anything_moves():
 
 
 def test_an_old_active_that_could_not_apply_is_settled_then_recorded_not_eligible():
-    steps = [e for s in ROLL_FLOW[:6] for e in done(s)]
+    steps = [e for s in ROLL_FLOW[: ROLL_FLOW.index("flip") + 1] for e in done(s)]
     failed = [(OP, StepStarted(at=at(4), op_id="op-r", step="apply_old_active")),
               (OP, StepFailed(at=at(4), op_id="op-r", step="apply_old_active", error_code="model_not_ready",
                               error="apply_layout: m2 failed"))]
@@ -147,7 +147,7 @@ def test_a_failed_active_abandons_a_rolling_change_before_its_flip_so_failover_c
     nxt = only(after, facts(ms=6, silent_ms={"a": 5000, "b": 100}))
     assert isinstance(nxt, PromotionRequested) and nxt.target == "b" and nxt.reason == "domain_unreachable"
     # past the flip it goes on: the route already moved to b
-    flipped = [e for s in ROLL_FLOW[:6] for e in done(s)]
+    flipped = [e for s in ROLL_FLOW[: ROLL_FLOW.index("flip") + 1] for e in done(s)]
     view = given(*healthy_fleet(), rolling(), *flipped, (ROUTE, RouteMoved(at=at(3), active="b", op_id="op-r")),
                  unreachable("a", ms=4))
     nxt = only(view, facts(ms=5, silent_ms={"a": 5000, "b": 100}))

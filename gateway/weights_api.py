@@ -1,0 +1,74 @@
+"""The control API's traffic weights: POST /v1/fleets/{fleet}/weights.
+
+    POST /v1/fleets/{fleet}/weights   {"weights": {"b": 10}, "model": "qwen3:0.6b"}   b gets 10%, the active the rest
+                                      {"reset": true [, "model": ...]}                  the active takes everything again
+
+It asks for a `weighting` operation (haru.promoter.weighting), as `haru route weight` does: 202 accepted
+(or joined) with the op_id (the domain given a new share is woken and probed first, then the promoter
+records the split), 200 when the split is already so, 400 `invalid_weights` for weights that cannot
+apply (an unknown domain, shares that do not add up, a model the active does not serve), 409 when
+another operation is in flight (`conflict`) or the domain cannot be woken now (`refused`), 404 for no
+such fleet. The split in force is in GET /v1/fleets/{fleet}/route-intent (`weights`, `model_weights`).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from haru.core.errors import HaruError, LogError, LogUnavailable
+from haru.core.openai_errors import TOO_DEEP
+from haru.gateway.control import Control, json_response
+from haru.gateway.errors import ApiError
+from haru.host.httpguard import continue_if_expected
+
+log = structlog.get_logger("haru.gateway")
+
+STATUS = {"noop": 200, "accepted": 202, "joined": 202, "conflict": 409, "refused": 409, "not_found": 404, "invalid": 400}
+
+
+class _WeightsBody(msgspec.Struct, forbid_unknown_fields=True):
+    weights: dict[str, int] = {}
+    model: str = ""
+    reset: bool = False
+
+
+_decode = msgspec.json.Decoder(_WeightsBody).decode
+
+
+async def post_weights(control: Control, request: web.BaseRequest, fleet: str) -> web.Response:
+    fleet = control._fleet(fleet)
+    await continue_if_expected(request)
+    raw = await request.read()
+    try:
+        body = _decode(raw) if raw.strip() else _WeightsBody()
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, "invalid_request", f'invalid request body: {exc} (send {{"weights": {{"b": 10}}}} or '
+                                               f'{{"reset": true}})', param="weights") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, "invalid_request", f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "invalid_request", TOO_DEEP) from None
+    events = control._need_log()
+    from haru.promoter.weighting import request_weights  # the promoter's; imported when first used
+
+    try:
+        result = await request_weights(events, fleet, body.weights, model=body.model, reset=body.reset, by=control.writer,
+                                       now=datetime.now(UTC))
+    except LogUnavailable as exc:
+        raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
+    except LogError as exc:
+        raise ApiError(503, "log_error", str(exc)) from None
+    except HaruError as exc:
+        raise ApiError(400, "invalid_weights", str(exc)) from None
+    status = STATUS.get(result.status, 500)
+    if result.status == "invalid":
+        raise ApiError(400, "invalid_weights", result.message, param="weights")
+    log.info("gateway.weights_requested", fleet=fleet, weights=body.weights, model=body.model, reset=body.reset,
+             status=result.status, op_id=result.op_id)
+    out = {"op_id": result.op_id, "status": result.status, "message": result.message, "fleet": fleet,
+           "kind": "weighting", "weights": body.weights, "model": body.model, "reset": body.reset}
+    return json_response(out, status, {"x-should-retry": "false"} if status >= 400 else None)
