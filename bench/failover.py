@@ -419,6 +419,21 @@ async def three_domain_case(args, case: str) -> dict:
                         os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
                     kill_runtimes(root / "state" / domain)
+                _kill_under(root)
+
+
+def _kill_under(root: Path) -> None:
+    """SIGKILL what is left of this world: a SIGKILLed agent's trainer (its own process group) outlives it."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(root).encode() in cmdline:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 async def three_domains(args) -> None:
