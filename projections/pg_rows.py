@@ -18,6 +18,7 @@ Mapping (fleet comes from the subject; every time is timezone-aware UTC):
     model_resident closes the open incident there: closed_at - opened_at is its duration
     gpu_observed   -> gpu_observations (present may be NULL: no NVML, honestly unknown)
     promotion_requested/demotion_requested -> operations (in flight)
+    promotion_retargeted -> the operation's target becomes the next standby, the one left appended to `tried`
     operation_completed/operation_aborted  -> closes the operation, with its duration
     step_started   -> operation_steps (running); a second start of a running step closes the
                       first as `restarted` (a promoter resumed it after a crash)
@@ -131,6 +132,7 @@ class OperationRow(_Row):
     duration_ms: int | None = None
     failed_step: str = ""
     error: str = ""
+    tried: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +148,7 @@ class Writes:
     finish_steps: list[tuple[Any, ...]]  # FINISH_STEP
     upsert_domains: list[tuple[Any, ...]]  # UPSERT_DOMAIN
     skipped: list[tuple[int, str, str]]  # (seq, subject, error), for the shell to log
+    retarget_operations: list[tuple[Any, ...]] = field(default_factory=list)  # RETARGET_OPERATION
 
     @property
     def row_count(self) -> int:
@@ -156,6 +159,7 @@ class Writes:
             + len(self.finish_operations)
             + len(self.finish_steps)
             + len(self.upsert_domains)
+            + len(self.retarget_operations)
         )
 
 
@@ -262,6 +266,7 @@ class _Batch:
     finish_operations: list[tuple[Any, ...]] = field(default_factory=list)
     finish_steps: list[tuple[Any, ...]] = field(default_factory=list)
     domains: list[tuple[Any, ...]] = field(default_factory=list)
+    retargets: list[tuple[Any, ...]] = field(default_factory=list)
 
     def skip(self, rec: LogRecord, error: str) -> None:
         self.skipped.append((rec.seq, rec.subject, error))
@@ -283,6 +288,12 @@ class _Batch:
             self.operation_ended(seq, fleet, e, aborted=kind is ev.OperationAborted)
         elif kind is ev.StepStarted:
             self.step_started(seq, fleet, e)
+        elif kind is ev.PromotionRetargeted:
+            op = self.new_operations.get((fleet, e.op_id))
+            if op is not None:
+                op.target, op.tried = e.target, [*op.tried, e.previous]
+            else:
+                self.retargets.append((fleet, e.op_id, e.target, e.previous))
         elif kind is ev.StepCompleted or kind is ev.StepFailed:
             self.step_ended(seq, fleet, e)
         elif kind is ev.DomainDeclared or kind is ev.DomainChanged:
@@ -390,6 +401,7 @@ class _Batch:
             finish_steps=self.finish_steps,
             upsert_domains=self.domains,
             skipped=self.skipped,
+            retarget_operations=self.retargets,
         )
 
 

@@ -188,6 +188,14 @@ ALTER TABLE haru.residency_transitions
     ADD COLUMN total_bytes  bigint;    -- pulling: bytes of every file
 """,
     ),
+    Migration(
+        5,
+        "cascading promotions: the standbys a promotion tried before its target",
+        """
+ALTER TABLE haru.operations
+    ADD COLUMN tried  text[] NOT NULL DEFAULT '{}';   -- promotion_retargeted: the standbys left, in order
+""",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version
@@ -223,7 +231,7 @@ STEP_COLUMNS = (
 )  # fmt: skip
 OPERATION_COLUMNS = (
     "fleet", "op_id", "kind", "target", "source", "reason", "detail", "requested_seq",
-    "requested_at", "outcome", "finished_seq", "finished_at", "duration_ms", "failed_step", "error",
+    "requested_at", "outcome", "finished_seq", "finished_at", "duration_ms", "failed_step", "error", "tried",
 )  # fmt: skip
 DOMAIN_COLUMNS = (
     "fleet", "domain", "provider", "region", "serving_url", "serve", "gpus", "seq", "changed_at",
@@ -253,6 +261,10 @@ FINISH_OPERATION = """
 UPDATE haru.operations
 SET outcome = $3, finished_seq = $4, finished_at = $5, duration_ms = $6, failed_step = $7, error = $8
 WHERE fleet = $1 AND op_id = $2 AND outcome IS NULL
+"""
+RETARGET_OPERATION = """
+UPDATE haru.operations SET target = $3, tried = array_append(tried, $4)
+WHERE fleet = $1 AND op_id = $2
 """
 FINISH_STEP = """
 UPDATE haru.operation_steps

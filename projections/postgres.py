@@ -165,6 +165,8 @@ async def write_batch(conn: asyncpg.Connection, stream: str, expected: int, writ
                 )
         if writes.insert_operations:
             await conn.executemany(S.INSERT_OPERATION, writes.insert_operations)
+        if writes.retarget_operations:
+            await conn.executemany(S.RETARGET_OPERATION, writes.retarget_operations)
         if writes.upsert_domains:
             await conn.executemany(S.UPSERT_DOMAIN, writes.upsert_domains)
         status = await conn.execute(

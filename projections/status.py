@@ -26,10 +26,12 @@ from haru.core.planner import gpu_summary_line, shortfall_text
 from haru.core.sizes import GiB, format_gib, format_size
 from haru.core.residency import (Answer, Failed, Loading, Lost, NotAdmitted, Pulling, Resident, Sleeping, Stopped, Unknown,
                             Waking)
+from haru.core import ranking
 from haru.core.weights import lines as weight_lines
-from haru.core.views import DomainView, FleetView, GpuView, ModelView, OperationView, RouteIntent, Target, TrainingView
+from haru.core.views import (DomainView, FleetView, GpuView, ModelView, OperationView, RankedStandby, RouteIntent, Target,
+                             TrainingView)
 
-__all__ = ["answer_text", "model_line", "model_state", "render", "render_intent", "training_state"]
+__all__ = ["answer_text", "model_line", "model_state", "render", "render_intent", "standby_lines", "training_state"]
 
 WIDTH = 28
 _WHOSE = {
@@ -157,12 +159,13 @@ def accounting_lines(gpu: GpuView) -> list[str]:
     return lines
 
 
-def _domain_header(view: FleetView, d: DomainView, now: datetime) -> str:
+def _domain_header(view: FleetView, d: DomainView, now: datetime, ranks: dict[str, int] | None = None) -> str:
     parts = [d.name]
     if d.name == view.active:
         parts[0] += f"  ◀ active (route revision {view.route_revision})"
     elif view.active:
-        parts[0] += "  (standby)"
+        rank = (ranks or {}).get(d.name, 0)
+        parts[0] += f"  (standby #{rank})" if rank and len(view.domains) > 2 else "  (standby)"
     parts.append(d.provider + (f" {d.region}" if d.region else ""))
     url = d.serving_url or d.agent.serving_url
     if url:
@@ -202,9 +205,29 @@ def _operation(op: OperationView, now: datetime, *, finished: bool) -> str:
         head += f", running for {_secs(op.requested_at, now)}"
     steps = [f"{s.step}{'' if s.attempt == 1 else f'#{s.attempt}'} {s.state}" + (f" ({s.detail})" if s.state == "skipped" else "")
              for s in op.steps]
+    if op.tried:
+        head += "\n    tried first: " + ", ".join(f"{t.target} ({t.step} failed: {t.error})" if t.error else t.target
+                                              for t in op.tried)
     if steps:
         head += "\n    steps: " + ", ".join(steps)
     return head
+
+
+def standby_lines(ranked: Sequence[RankedStandby], protection: str) -> list[str]:
+    """The ranking, best first, and whether the fleet is protected:
+
+        standbys: 1 of 2 fit (protected)
+          1. b  fit; declared 1st in the layout; last wake 830 ms
+          2. c  not fit: standby c is unreachable; declared 2nd in the layout; wake never measured
+    """
+    if not ranked:
+        return []
+    fit = sum(1 for r in ranked if r.fit)
+    if protection == "unprotected":
+        head = f"standbys: none of {len(ranked)} fit: UNPROTECTED (one more failure of the active and nothing serves)"
+    else:
+        head = f"standbys: {fit} of {len(ranked)} fit" + (f" ({protection})" if protection else "")
+    return [head, *(f"  {r.rank}. {r.domain}  {r.why}" for r in ranked)]
 
 
 def anomaly_line(view: FleetView, now: datetime) -> str:
@@ -232,8 +255,10 @@ def render(view: FleetView, now: datetime) -> str:
         lines.append(f"  the route points at {view.active!r}, which is not declared")
     if not view.domains:
         lines.append("  no domains declared (run `haru apply`)")
+    ranked = ranking.rank(view) if view.active else []
+    ranks = {r.domain: r.rank for r in ranked}
     for d in view.domains.values():
-        lines.append(_domain_header(view, d, now))
+        lines.append(_domain_header(view, d, now, ranks))
         ram = host_ram_line(d)
         if ram:
             lines.append("  " + ram)
@@ -256,6 +281,7 @@ def render(view: FleetView, now: datetime) -> str:
         for t in d.training.values():
             label = f"training {t.slot} (GPU {t.gpu_index})"
             lines.append(f"  {label:<{WIDTH + 2}} {training_state(t, now)}")
+    lines.extend(standby_lines(ranked, ranking.protection(view, ranked) if ranked else ""))
     if view.operation is not None:
         lines.append("operation in flight: " + _operation(view.operation, now, finished=False))
     if view.last_operation is not None:
@@ -330,6 +356,8 @@ def render_intent(ri: RouteIntent, now: datetime) -> str:
         head += "no active domain (never routed)"
     head += f"  ·  view seq {ri.view_seq}"
     lines = [head, _target_line("active", ri.active), _target_line("standby", ri.standby)]
+    if len(ri.standbys) > 1 or ri.protection == "unprotected":
+        lines.extend(standby_lines(ri.standbys, ri.protection))
     if ri.operation:
         lines.append(f"operation in flight: {ri.operation}")
     if ri.active is not None:

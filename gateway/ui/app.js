@@ -194,6 +194,11 @@ function renderBanner(snap, view) {
   else if (intent.active && intent.active.degraded) {
     text = "Active domain " + intent.active.domain + " is degraded" + (intent.active.degraded_since ? " for " + ago(intent.active.degraded_since) : "") + ": " + (intent.active.why || "");
   }
+  if (intent.protection === "unprotected") {
+    text = (text ? text + " — " : "") + "Fleet unprotected: no standby could take over (" +
+      (intent.standbys || []).map((r) => r.domain + ": " + r.why).join("; ") + ")";
+    bad = true;
+  }
   const wc = view.weights_change;
   if (wc && wc.reason === "canary_rolled_back" && !(view.weights || {})[wc.domain]) {
     text = (text ? text + " — " : "") + (wc.at ? ago(wc.at) + " ago: " : "") + wc.detail;
@@ -274,8 +279,13 @@ function stateCell(m) {
 function renderDomain(snap, view, d) {
   const active = snap.active === d.name;
   const intent = snap.intent || {};
-  const target = active ? intent.active : intent.standby;
-  const badges = [h("span", { class: "badge " + (active ? "active" : "standby") }, active ? "active" : "standby")];
+  const target = active ? intent.active : intent.standby && intent.standby.domain === d.name ? intent.standby : null;
+  // Standbys are ranked (the order a failover promotes them in); the badge says where and why.
+  const ranked = (intent.standbys || []).find((r) => r.domain === d.name);
+  const label = active ? "active" : ranked && (intent.standbys || []).length > 1 ? "standby #" + ranked.rank : "standby";
+  const badges = [h("span", { class: "badge " + (active ? "active" : "standby"), title: ranked ? ranked.why : "",
+    dataset: { testid: "role-" + d.name } }, label)];
+  if (ranked && !ranked.fit) badges.push(h("span", { class: "badge warn", title: ranked.why }, "not fit"));
   if (d.reachable === false) badges.push(h("span", { class: "badge bad" }, "unreachable"));
   if (!d.eligible) badges.push(h("span", { class: "badge warn", title: d.ineligible_why || "" },
     "ineligible" + (d.eligibility_since ? " for " + ago(d.eligibility_since) : "")));
@@ -344,7 +354,9 @@ function renderOperation(view) {
       s.state === "pending" ? "waiting" : s.state === "started" ? "running" + (s.attempt > 1 ? " (attempt " + s.attempt + ")" : "")
         : s.state + " · " + ms(s.took_ms), s.error ? h("div", { class: "error", title: s.error }, s.error)
         : s.state === "skipped" && s.detail ? h("div", { class: "muted", title: s.detail }, s.detail) : null)));
-  fill(box, head, steps, op.error ? h("p", { class: "error" }, "aborted: " + op.error.replace(/^(\w+): \1: /, "$1: ") + " (routing did not move)") : null);
+  const tried = (op.tried || []).length ? h("p", { class: "muted", dataset: { testid: "op-tried" } }, "tried first: " +
+    op.tried.map((t) => t.target + (t.error ? " (" + t.step + " failed: " + t.error + ")" : "")).join(", ")) : null;
+  fill(box, head, tried, steps, op.error ? h("p", { class: "error" }, "aborted: " + op.error.replace(/^(\w+): \1: /, "$1: ") + " (routing did not move)") : null);
 }
 
 async function loadOperations() {

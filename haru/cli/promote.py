@@ -79,6 +79,10 @@ def register(subparsers) -> None:
         q = subparsers.add_parser(verb, help=help_text, description=help_text)
         if kind == "rolling":
             q.add_argument("domain", nargs="?", default="", help="the standby to roll through (default: the standby)")
+        elif kind == "promotion":
+            q.add_argument("domain", nargs="?", default="",
+                           help="the standby to make active (default: the best fit standby in the ranking `haru status` "
+                                "shows; if it fails before the flip, the next fit one takes over in the same operation)")
         else:
             q.add_argument("domain", help="the domain")
         add_fleet_option(q)
@@ -240,7 +244,11 @@ async def run_op(args: argparse.Namespace) -> ExitStatus:
             emit_json(as_doc(op))
             return ExitStatus.OK
         print(f"{op.op_id}  {op.kind} of {op.target} ({op.reason}, by {op.by})  {op.state}")
+        if op.tried:
+            print(f"  tried first: {', '.join(op.tried)} (each failed before the flip; the operation moved on)")
         for st in op.steps:
+            if op.tried and st.domain:
+                print(f"  [{st.domain}]", end="")
             if st.state == "started":
                 print(f"  {st.step:<18} started (attempt {st.attempt})")
             elif st.state == "completed":

@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--home", default=None, help="state directory (env HARU_HOME, default ~/.haru)")
     p.add_argument("--host", default=None, help="gateway listen address (env HARU_GATEWAY_HOST)")
     p.add_argument("--port", type=int, default=None, help="gateway port (env HARU_GATEWAY_PORT, default 8700)")
+    p.add_argument("--domains", type=int, default=0, metavar="N",
+                   help="with --demo: the demo fleet with N failure domains (a, b, c, ...: one active, the others "
+                        "ranked standbys; default: the layout's two)")
     p.add_argument("--layout", default=None, help="with --demo: the layout to apply (default: the demo layout haru ships, as in deploy/examples/demo-fleet.json)")
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     p.add_argument("--metrics-port", type=int, default=None,
@@ -46,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 async def run(args: argparse.Namespace) -> ExitStatus | int:
-    from haru.up.compose import DEMO_LAYOUT, REAL_DEMO_LAYOUT, VLLM_DEMO_LAYOUT, UpOptions, haru_home
+    from haru.up.compose import DEMO_LAYOUT, MAX_DEMO_DOMAINS, REAL_DEMO_LAYOUT, VLLM_DEMO_LAYOUT, UpOptions, haru_home
 
     if args.model or args.fleet_conf:
         if args.demo or args.nats_url or args.layout:
@@ -55,6 +58,10 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
 
         return await serve.run(args)
     configure_logging(args.log_format, args.log_level)
+    if args.domains and not args.demo:
+        return fail("--domains goes with --demo: `haru up --demo --domains 3`")
+    if args.domains and not 1 <= args.domains <= MAX_DEMO_DOMAINS:
+        return fail(f"--domains {args.domains}: a demo fleet has 1 to {MAX_DEMO_DOMAINS} domains")
     if args.real and not args.demo:
         return fail("--real goes with --demo: `haru up --demo --real`")
     if args.fresh:
@@ -78,6 +85,7 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
         gateway_port=args.port,
         layout_path=Path(args.layout) if args.layout else {"llama": REAL_DEMO_LAYOUT, "vllm": VLLM_DEMO_LAYOUT}.get(
             args.real or "", DEMO_LAYOUT),
+        demo_domains=args.domains,
         ready_file=Path(args.ready_file) if args.ready_file else None,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,

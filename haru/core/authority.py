@@ -80,7 +80,7 @@ PLACES: tuple[Place, ...] = (
         ("promoter", "gateway", "operator"),
         (
             *ev.OPERATION_REQUESTS.values(), ev.StepStarted, ev.StepCompleted, ev.StepFailed,
-            ev.OperationCompleted, ev.OperationAborted, ev.FailoverDeclined, ev.EligibilityChanged,
+            ev.PromotionRetargeted, ev.OperationCompleted, ev.OperationAborted, ev.FailoverDeclined, ev.EligibilityChanged,
         ),
     ),  # fmt: skip
     Place("agent", "haru.evt.<fleet>.<domain>.agent", ("agent",), (ev.AgentStarted, ev.AgentStopping, ev.FailureSignalled)),

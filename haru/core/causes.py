@@ -62,7 +62,8 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "replace_requested": ("step_completed", "step_failed"),
     "teardown_requested": ("step_completed", "step_failed"),
     "step_started": ("promotion_requested", "demotion_requested", "provision_requested", "teardown_requested",
-                     "replace_requested", "step_completed", "step_failed", "step_started"),
+                     "replace_requested", "step_completed", "step_failed", "step_started", "promotion_retargeted"),
+    "promotion_retargeted": ("step_failed",),
     "step_completed": ("step_started",),
     "step_failed": ("step_started",),
     "operation_completed": ("step_completed", "step_failed", "step_started"),
@@ -202,6 +203,8 @@ def _last_step_seq(op: OperationView | None) -> int:
     if op is None:
         return 0
     seqs = [s.seq for s in op.steps if s.seq]
+    if not seqs and op.tried:  # a cascading promotion that just moved on: its first step follows the move
+        return op.tried[-1].seq or op.seq
     return max(seqs) if seqs else op.seq
 
 
@@ -232,7 +235,8 @@ def decided_cause(view: FleetView, event: ev.Event, last: Mapping[str, int]) -> 
         return 0 if event.reason == "manual" else _newest_model_seq(view, event.target)
     if isinstance(event, (ev.ReplaceRequested, ev.TeardownRequested, ev.ProvisionRequested)):
         return 0 if event.reason == "manual" else _last_step_seq(view.last_operation)
-    if isinstance(event, (ev.StepStarted, ev.OperationCompleted, ev.OperationAborted, ev.EligibilityChanged)):
+    if isinstance(event, (ev.StepStarted, ev.OperationCompleted, ev.OperationAborted, ev.EligibilityChanged,
+                          ev.PromotionRetargeted)):
         op = view.operation
         if op is not None and (not hasattr(event, "op_id") or op.op_id == event.op_id):
             return _last_step_seq(op)

@@ -388,6 +388,9 @@ class PromotionRequested(OperationRequested, frozen=True, kw_only=True, tag="pro
     route_revision: int = 0
     # An automatic failover retried after its previous attempt aborted: which attempt this is (1 = first).
     attempt: int = 1
+    # Any fit standby may serve (auto-failover, `haru promote` without a target): a target that fails
+    # before the flip is left for the next fit standby, in the same operation (`promotion_retargeted`).
+    cascade: bool = False
 
 
 class DemotionRequested(OperationRequested, frozen=True, kw_only=True, tag="demotion_requested"):
@@ -469,6 +472,17 @@ class StepFailed(Event, frozen=True, kw_only=True, tag="step_failed"):
     error_code: str = ""
     error: str = ""
     took_ms: int = 0
+
+
+class PromotionRetargeted(Event, frozen=True, kw_only=True, tag="promotion_retargeted"):
+    """A cascading promotion's target failed before the flip (`step` failed with `error`): the same
+    operation moves on to `target`, the next fit standby, from its first step. Routing has not moved."""
+
+    op_id: str
+    target: str  # the standby tried next
+    previous: str = ""  # the standby that failed
+    step: str = ""
+    error: str = ""
 
 
 class OperationCompleted(Event, frozen=True, kw_only=True, tag="operation_completed"):
@@ -599,6 +613,7 @@ AnyEvent = Union[
     StepStarted,
     StepCompleted,
     StepFailed,
+    PromotionRetargeted,
     OperationCompleted,
     OperationAborted,
     FailoverDeclined,

@@ -73,6 +73,7 @@ from haru.core.views import (
     GpuView,
     ModelView,
     OperationView,
+    TriedView,
     StepView,
     TrainingView,
     WeightsChange,
@@ -482,6 +483,7 @@ def _operation_requested(view: FleetView, e: ev.OperationRequested, seq: int) ->
         route_revision=getattr(e, "route_revision", 0),
         decl_seq=getattr(e, "decl_seq", 0),
         attempt=getattr(e, "attempt", 1),
+        cascade=getattr(e, "cascade", False),
         model=getattr(e, "model", ""),
         weights=dict(getattr(e, "weights", {})),
     )
@@ -533,6 +535,16 @@ def _step_ended(view: FleetView, e: ev.StepCompleted | ev.StepFailed, seq: int) 
     return _replace(view, operation=_replace(op, steps=steps))
 
 
+def _promotion_retargeted(view: FleetView, e: ev.PromotionRetargeted, seq: int) -> FleetView:
+    """A cascading promotion moves on: the standby it leaves goes to `tried`, its steps start afresh."""
+    op = _current_op(view, e.op_id)
+    if op is None:
+        return _missing(view, seq, "promotion_retargeted", f"operation {e.op_id!r} (not in flight)")
+    attempt = op.steps[-1].attempt if op.steps else 0
+    tried = TriedView(target=op.target, step=e.step, attempt=attempt, error=e.error, at=e.at, seq=seq)
+    return _replace(view, operation=_replace(op, target=e.target, steps=[], tried=[*op.tried, tried]))
+
+
 def _operation_completed(view: FleetView, e: ev.OperationCompleted, seq: int) -> FleetView:
     op = _current_op(view, e.op_id)
     if op is None:
@@ -555,7 +567,11 @@ def _failover_declined(view: FleetView, e: ev.FailoverDeclined, seq: int) -> Fle
 
 
 def _route_moved(view: FleetView, e: ev.RouteMoved, seq: int) -> FleetView:
-    # The route moved: whatever failover was declined before is history now.
+    # The route moved: whatever failover was declined before is history now. The domain it left
+    # remembers when (it then ranks after the standbys that never lost the role: haru.core.ranking).
+    old = view.domains.get(view.active) if view.active and view.active != e.active else None
+    if old is not None:
+        view = _with_domain(view, _replace(old, left_active_seq=seq))
     # A canary's split ends with a move: the new active takes everything.
     return _replace(
         view, active=e.active, route_revision=seq, route_moved_at=e.at, declined="", declined_at=None, declined_domain="",
@@ -601,6 +617,7 @@ _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
     ev.StepStarted: _step_started,
     ev.StepCompleted: _step_ended,
     ev.StepFailed: _step_ended,
+    ev.PromotionRetargeted: _promotion_retargeted,
     ev.OperationCompleted: _operation_completed,
     ev.OperationAborted: _operation_aborted,
     ev.FailoverDeclined: _failover_declined,

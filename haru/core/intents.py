@@ -8,10 +8,12 @@
 An intent carries:
 
 - `revision`: the stream sequence of the last `route_moved` (0 = never routed),
-- `active` and `standby` Targets: serving URL (the declared one, else the one the agent announced),
+- `active` and `standby` Targets (the standby is the first-ranked one): serving URL (the declared one, else the one the agent announced),
   reachability, eligibility with why, degraded flags, and for `serve: direct` domains the URL of
   each admitted model,
 - `answers`: one router answer per model declared on the active domain (`haru.core.residency.answer`),
+- `standbys`: every standby ranked (`haru.core.ranking`), each with `fit` and `why`, and `protection`:
+  `protected`, `unprotected` (no fit standby) or '' (no route yet, one domain),
 - `operation`: the op_id of the promotion or demotion in flight, and `view_seq`,
 - `weights` and `model_weights`: the traffic splits in force ({} = the active takes everything), and
   `weighted`: every other domain with a share, its Target and one answer per model it declares
@@ -45,9 +47,9 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from haru.core import residency
+from haru.core import ranking, residency
 from haru.core.residency import Answer, Failed, Loading, Lost, NotAdmitted, Resident
-from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target, Weighted
+from haru.core.views import DomainView, FleetView, ModelView, RankedStandby, RouteIntent, Target, Weighted
 
 __all__ = ["at", "changed", "intent", "target"]
 
@@ -136,11 +138,10 @@ def intent(view: FleetView, now: datetime | None = None) -> RouteIntent:
     """The route intent of a fleet's view. With `now=None`, warming answers carry `for_ms=0`."""
     active = view.domains.get(view.active) if view.active else None
     standby: DomainView | None = None
+    ranked: list[RankedStandby] = []
     if active is not None:
-        for name, d in view.domains.items():
-            if name != active.name:
-                standby = d
-                break
+        ranked = ranking.rank(view)
+        standby = view.domains.get(ranked[0].domain) if ranked else None
     answers: dict[str, Answer] = {}
     if active is not None:
         for name, m in active.models.items():
@@ -159,6 +160,8 @@ def intent(view: FleetView, now: datetime | None = None) -> RouteIntent:
         answers=answers,
         operation=view.operation.op_id if view.operation is not None else "",
         view_seq=view.seq,
+        standbys=ranked,
+        protection=ranking.protection(view, ranked) if active is not None else "",
         weights=dict(view.weights),
         model_weights={m: dict(w) for m, w in view.model_weights.items()},
         weighted=weighted,

@@ -8,7 +8,7 @@ and the fix. The shape (documented with examples in docs/residency.md):
       "_comment": "...",                       keys starting with "_" are comments, anywhere
       "fleet": "default",
       "policy": {"auto_failover": true, "sleep_residual_bytes": "512MiB", ...},
-      "domains": [                             two, mirroring the same model ids (or one: no failover)
+      "domains": [                             2..N, mirroring the same model ids (or one: no failover)
         {"name": "a", "provider": "static", "region": "local-1",
          "serving_url": "http://127.0.0.1:18601", "serve": "agent",
          "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB", "name": "L4"}],
@@ -235,7 +235,7 @@ def parse_layout(data: bytes | str | dict[str, Any]) -> Layout:
                               "from the fleet's name)")
     policy = _policy(doc.policy)
     domains = [_domain(d, i) for i, d in enumerate(doc.domains)]
-    _check_fleet(domains)
+    _check_fleet(domains, policy)
     return Layout(fleet=fleet, uuid=fleet_id, policy=policy, domains=domains)
 
 
@@ -547,31 +547,47 @@ def _check_launch(spec: ModelSpec, named: str, mp: str, gpu_memory_bytes: int) -
                               'else vllm from PATH)') from None
 
 
-def _check_fleet(domains: list[Domain]) -> None:
+def _check_fleet(domains: list[Domain], policy: Policy | None = None) -> None:
+    """A fleet has one domain (no failover) or 2..N that mirror each other: every domain declares the
+    same model ids as the first, so whichever standby is promoted serves what the active serves.
+    `policy.standby_order`, when given, names declared domains, each once."""
+    if not domains:
+        raise LayoutError("a fleet has at least one failure domain; this layout declares 0", path="$.domains",
+                          fix="declare a domain with its GPUs and models (and more that mirror it, for failover)")
+    seen: dict[str, int] = {}
+    for i, d in enumerate(domains):
+        if d.spec.name in seen:
+            raise LayoutError(f"domains {seen[d.spec.name]} and {i} are both named {d.spec.name!r}",
+                              path=f"$.domains[{i}].name", fix="give every domain of a fleet its own name")
+        seen[d.spec.name] = i
+    if policy is not None:
+        listed: set[str] = set()
+        for i, name in enumerate(policy.standby_order):
+            if name not in seen:
+                raise LayoutError(f"standby_order names {name!r}, which is not a domain of this fleet",
+                                  path=f"$.policy.standby_order[{i}]",
+                                  fix="name declared domains (" + ", ".join(seen) + "), most preferred first")
+            if name in listed:
+                raise LayoutError(f"standby_order names {name!r} twice", path=f"$.policy.standby_order[{i}]",
+                                  fix="name each domain once")
+            listed.add(name)
     if len(domains) == 1:
         return  # a single-domain fleet (`haru serve`): routed to its one domain, with nothing to fail over to
-    if len(domains) != 2:
-        if len(domains) < 2:
-            message = f"a fleet has one or two failure domains; this layout declares {len(domains)}"
-            fix = "declare a domain with its GPUs and models (and a second that mirrors it, for failover)"
+    first = domains[0]
+    mf = [m.name for m in first.models]
+    for i, other in enumerate(domains[1:], start=1):
+        mo = [m.name for m in other.models]
+        if set(mf) == set(mo):
+            continue
+        only_first = [m for m in mf if m not in set(mo)]
+        only_other = [m for m in mo if m not in set(mf)]
+        if only_first:
+            message = (f"domain {other.spec.name!r} does not mirror {', '.join(map(repr, only_first))} "
+                       f"declared on {first.spec.name!r}")
+            path = f"$.domains[{i}].slots"
         else:
-            message = f"a fleet has exactly two failure domains (an active and a standby); this layout declares {len(domains)}"
-            fix = "split the extra domains into another fleet"
-        raise LayoutError(message, path="$.domains", fix=fix)
-    a, b = domains
-    if a.spec.name == b.spec.name:
-        raise LayoutError(f"both domains are named {a.spec.name!r}", path="$.domains[1].name",
-                          fix="give the two domains different names")
-    ma = [m.name for m in a.models]
-    mb = [m.name for m in b.models]
-    if set(ma) != set(mb):
-        only_a = [m for m in ma if m not in set(mb)]
-        only_b = [m for m in mb if m not in set(ma)]
-        if only_a:
-            message = f"domain {b.spec.name!r} does not mirror {', '.join(map(repr, only_a))} declared on {a.spec.name!r}"
-            path = "$.domains[1].slots"
-        else:
-            message = f"domain {a.spec.name!r} does not mirror {', '.join(map(repr, only_b))} declared on {b.spec.name!r}"
+            message = (f"domain {first.spec.name!r} does not mirror {', '.join(map(repr, only_other))} "
+                       f"declared on {other.spec.name!r}")
             path = "$.domains[0].slots"
         raise LayoutError(message, path=path,
-                          fix="declare the same model ids on both domains: the standby must be able to serve what the active serves")
+                          fix="declare the same model ids on every domain: any standby must be able to serve what the active serves")

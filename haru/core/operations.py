@@ -23,6 +23,7 @@ from haru.core.events import (
     OperationAborted,
     OperationCompleted,
     OperationRequested,
+    PromotionRetargeted,
     StepCompleted,
     StepFailed,
     StepStarted,
@@ -52,6 +53,7 @@ class OpStep(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""
     error_code: str = ""
     error: str = ""
+    domain: str = ""  # the domain it acted on: the operation's target when it started
 
 
 class Operation(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,6 +70,7 @@ class Operation(msgspec.Struct, frozen=True, kw_only=True):
     state: Literal["running", "completed", "aborted"] = "running"
     error: str = ""  # abort_words(step, error) of the abort
     steps: tuple[OpStep, ...] = ()
+    tried: tuple[str, ...] = ()  # a cascading promotion: the standbys it moved on from, in order
 
 
 def ms_between(a: datetime | None, b: datetime | None) -> int | None:
@@ -104,7 +107,10 @@ def fold_operations(records: Iterable[_Record]) -> list[Operation]:
 def _evolve(op: Operation, seq: int, ev: Any) -> Operation:
     replace = msgspec.structs.replace
     if isinstance(ev, StepStarted):
-        return replace(op, steps=op.steps + (OpStep(step=ev.step, attempt=ev.attempt, seq=seq, started_at=ev.at),))
+        return replace(op, steps=op.steps + (OpStep(step=ev.step, attempt=ev.attempt, seq=seq, started_at=ev.at,
+                                                    domain=op.target),))
+    if isinstance(ev, PromotionRetargeted):
+        return replace(op, target=ev.target, tried=op.tried + (ev.previous,))
     if isinstance(ev, (StepCompleted, StepFailed)):
         ended: dict[str, Any] = {"state": "completed", "finished_at": ev.at, "took_ms": ev.took_ms}
         if isinstance(ev, StepFailed):
@@ -139,6 +145,8 @@ def progress_line(op_id: str, ev: Any) -> str | None:
         return f"{ev.step:<18} ok      {ev.took_ms:>6} ms{detail}"
     if isinstance(ev, StepFailed):
         return f"{ev.step:<18} FAILED  {ev.took_ms:>6} ms  {ev.error_code}: {ev.error}"
+    if isinstance(ev, PromotionRetargeted):
+        return f"moved on   {ev.previous} failed {ev.step} ({ev.error}): trying {ev.target}"
     if isinstance(ev, OperationCompleted):
         return f"completed  {op_id}"
     if isinstance(ev, OperationAborted):
@@ -152,8 +160,8 @@ def as_doc(op: Operation) -> dict[str, Any]:
         "op_id": op.op_id, "kind": op.kind, "target": op.target, "source": op.source, "reason": op.reason,
         "detail": op.detail, "by": op.by, "seq": op.seq, "requested_at": op.requested_at.isoformat(),
         "finished_at": _iso(op.finished_at), "state": op.state, "error": op.error,
-        "duration_ms": ms_between(op.requested_at, op.finished_at),
-        "steps": [{"step": s.step, "attempt": s.attempt, "state": s.state, "seq": s.seq,
+        "duration_ms": ms_between(op.requested_at, op.finished_at), "tried": list(op.tried),
+        "steps": [{"step": s.step, "domain": s.domain, "attempt": s.attempt, "state": s.state, "seq": s.seq,
                    "started_at": _iso(s.started_at), "finished_at": _iso(s.finished_at),
                    "duration_ms": ms_between(s.started_at, s.finished_at), "took_ms": s.took_ms, "detail": s.detail,
                    "error": f"{s.error_code}: {s.error}" if s.state == "failed" else ""} for s in op.steps],

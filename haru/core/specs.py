@@ -99,6 +99,9 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     # published level-1 wakes are ~0.8 s for 8 GB and ~2.9 s for 60 GB: 8 GiB/s leaves room.
     wake_estimate_bytes_per_s: NonNegative = 8 * GiB
     probe_estimate_ms: NonNegative = 500
+    # Standbys' declared order (most preferred first), before measured fitness (haru.core.ranking).
+    # Empty: the layout's domain order. Domains not named rank after those named, by measured fitness.
+    standby_order: list[str] = []
     # Canaries (haru.core.weights): a domain other than the active with a share of traffic is rolled back
     # (its share returned to the active) when, over the last `canary_window_ms`, the gateways reported at
     # least `canary_min_requests` requests to it with an error rate (5xx, unreachable, timeouts) above

@@ -111,6 +111,9 @@ class DomainView(msgspec.Struct, frozen=True, kw_only=True):
     signalled: str = ""
     signalled_at: datetime | None = None
     signalled_seq: int = 0
+    # The route revision at which this domain stopped being the active (0 = never): it then ranks
+    # after the standbys that never lost the role (haru.core.ranking), the old active rejoining last.
+    left_active_seq: int = 0
 
 
 # `skipped`: a best-effort step that did not apply for a known reason (the old active's GPU is gone:
@@ -128,6 +131,17 @@ class StepView(msgspec.Struct, frozen=True, kw_only=True):
     took_ms: int = 0
     at: datetime | None = None
     seq: int = 0
+
+
+class TriedView(msgspec.Struct, frozen=True, kw_only=True):
+    """A standby a promotion tried before it moved on to the next one (`promotion_retargeted`)."""
+
+    target: str
+    step: str = ""  # the step that failed on it
+    attempt: int = 0  # that step's attempt
+    error: str = ""
+    at: datetime | None = None
+    seq: int = 0  # the promotion_retargeted event
 
 
 class OperationView(msgspec.Struct, frozen=True, kw_only=True):
@@ -148,6 +162,11 @@ class OperationView(msgspec.Struct, frozen=True, kw_only=True):
     model: str = ""  # a weighting: the model whose traffic it splits ('' = the fleet's)
     weights: dict[str, int] = {}  # a weighting: the split it sets (domain -> percent; {} = the active takes all)
     attempt: int = 1  # an automatic failover retried after an abort: which attempt (PromotionRequested.attempt)
+    # A promotion onto whichever standby can serve (auto-failover, `haru promote` without a target): when
+    # its target fails before the flip it moves on to the next fit standby (`promotion_retargeted`);
+    # `tried` lists the ones it left, in order, and `steps` are those of the current target.
+    cascade: bool = False
+    tried: list[TriedView] = []
 
 
 class WeightsChange(msgspec.Struct, frozen=True, kw_only=True):
@@ -210,11 +229,22 @@ class FleetView(msgspec.Struct, frozen=True, kw_only=True):
     weights_seq: int = 0  # last sequence on haru.evt.<fleet>.weights
 
     def standby(self) -> str:
-        """The domain that is not active ('' when there is no active or no second domain)."""
-        for name in self.domains:
-            if name != self.active:
-                return name
-        return ""
+        """The first-ranked standby (`haru.core.ranking.rank`: fit first, then declared order, then
+        measured fitness); '' when the fleet has no other domain."""
+        from haru.core.ranking import rank  # the ranking reads these views: imported when asked
+
+        ranked = rank(self)
+        return ranked[0].domain if ranked else ""
+
+
+class RankedStandby(msgspec.Struct, frozen=True, kw_only=True):
+    """One standby in the order a failover would promote it (haru.core.ranking)."""
+
+    domain: str
+    rank: int  # 1 = promoted first
+    fit: bool = True  # may be promoted now
+    why: str = ""  # why it sits where it does: fitness, declared order, measured wake
+    wake_ms: int = 0  # the slowest last measured wake of the models it would serve (0 = never measured)
 
 
 class Target(msgspec.Struct, frozen=True, kw_only=True):
@@ -248,6 +278,11 @@ class RouteIntent(msgspec.Struct, frozen=True, kw_only=True):
     answers: dict[str, Answer] = {}  # one per model on the active domain
     operation: str = ""  # op_id of the operation in flight
     view_seq: int = 0  # the view it was computed from
+    # Every standby, ranked (`standby` above is the first of them), and whether any is fit to take
+    # over: 'protected', 'unprotected' (no fit standby: one more failure and nothing serves), or ''
+    # (no route yet, or a single-domain fleet).
+    standbys: list[RankedStandby] = []
+    protection: str = ""
     # Traffic weights (haru.core.weights): {} = the active takes all (100). `model_weights` override
     # `weights` for one model; `weighted` holds every other domain with a share (its target and answers).
     weights: dict[str, int] = {}

@@ -62,7 +62,7 @@ from typing import Literal
 
 import msgspec
 
-from haru.core import subjects
+from haru.core import ranking, subjects
 from haru.core.commands import Command, Reply
 from haru.core.events import (
     DemotionRequested,
@@ -77,6 +77,7 @@ from haru.core.events import (
     OperationCompleted,
     OperationRequested,
     PromotionRequested,
+    PromotionRetargeted,
     RollingRequested,
     WeightingRequested,
     StepCompleted,
@@ -460,9 +461,12 @@ def probed(op: OperationView) -> bool:
 
 
 def other_domain(view: FleetView, op: OperationView) -> str:
-    """The domain that is not the operation's target: the old active of a promotion ('' if none)."""
+    """The domain a step `on="other"` acts on: the old active of a promotion (its `source`, else the
+    active when that is not the target; '' if none)."""
     if op.source and op.source != op.target:
         return op.source
+    if view.active and view.active != op.target:
+        return view.active
     for name in view.domains:
         if name != op.target:
             return name
@@ -508,7 +512,12 @@ def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
         return None  # a kind this promoter does not know (a newer one's): that promoter drives it
     cur = last_step(op)
     if cur is None:
-        return _start(op_subject, op, TRANSITIONS[(op.kind, None, "requested")], 1, facts)
+        first = TRANSITIONS[(op.kind, None, "requested")]
+        # A cascading promotion that just moved on starts afresh on its new target; the attempt number
+        # stays above the one of the step that failed on the old target, so the two never share a key.
+        prior = op.tried[-1] if op.tried else None
+        attempt = prior.attempt + 1 if prior is not None and prior.step == first else 1
+        return _start(op_subject, op, first, attempt, facts)
     if cur.step not in steps_of(op.kind):
         # Only a writer of the op subject could have recorded it (the promoter, the gateway, the
         # operator): a step this kind of operation does not have is not run, and does not wedge
@@ -535,6 +544,11 @@ def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
     nxt = TRANSITIONS[(op.kind, cur.step, "completed" if cur.state == "skipped" else cur.state)]
     if nxt == ABORT:
         error = cur.error or cur.error_code or "failed"
+        onward = cascade(view, op, cur, facts)
+        if onward is not None:
+            return onward
+        if op.tried:
+            error = f"{error} (after {', '.join(t.target for t in op.tried)} failed too)"
         return Append(
             subject=op_subject,
             event=OperationAborted(at=facts.now, op_id=op.op_id, step=cur.step, error=error),
@@ -551,6 +565,26 @@ def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
                 why="the flip's precondition does not hold",
             )
     return _start(op_subject, op, nxt, 1, facts)
+
+
+def cascade(view: FleetView, op: OperationView, cur: StepView, facts: Facts) -> Append | None:
+    """A cascading promotion (`cascade`: auto-failover, `haru promote` without a target) whose target
+    failed a step before the flip moves on to the next fit standby in the ranking
+    (`haru.core.ranking`), in the same operation; None when it is not one, or no fit standby is left
+    (the operation then aborts, naming every standby it tried)."""
+    if op.kind != "promotion" or not op.cascade or cur.state != "failed" or STEPS[cur.step].on != "target":
+        return None
+    tried = frozenset({op.target, op.source, *(t.target for t in op.tried)})
+    onward = ranking.first_fit(view, excluding=tried)
+    if not onward:
+        return None
+    error = cur.error or cur.error_code or "failed"
+    return Append(
+        subject=subjects.op(view.fleet),
+        event=PromotionRetargeted(at=facts.now, op_id=op.op_id, target=onward, previous=op.target, step=cur.step,
+                                  error=error),
+        why=f"{op.target} failed {cur.step} before the flip ({error}): the next fit standby, {onward}, takes over",
+    )
 
 
 def _start(subject: str, op: OperationView, step: str, attempt: int, facts: Facts) -> Append:
@@ -876,37 +910,14 @@ def faster_path(view: FleetView) -> ActiveHealth | None:
 
 
 def standby_unfit(view: FleetView, candidate: str, serving: DomainView | None) -> str:
-    """Why `candidate` must not be promoted ('' = it may). `serving` is the domain it would replace."""
+    """Why `candidate` must not be promoted ('' = it may). `serving` is the domain it would replace.
+    The fitness test is the ranking's (`haru.core.ranking.unfit`)."""
     dv = view.domains.get(candidate)
     if dv is None:
         if len(view.domains) == 1:
             return "a single-domain fleet: there is nothing to fail over to"
         return "no standby domain declared"
-    if dv.reachable is None:
-        return f"standby {candidate} has not been heard from"
-    if dv.reachable is False:
-        return f"standby {candidate} is unreachable"
-    if not dv.eligible:
-        return f"standby {candidate} is not eligible: {dv.ineligible_why or 'not recovered'}"
-    if dv.signalled:
-        return f"standby {candidate} is about to go ({dv.signalled})"
-    wanted = served(serving) if serving is not None else served(dv)
-    for name in wanted:
-        mv = dv.models.get(name)
-        if mv is None:
-            return f"standby {candidate} does not declare model {name}"
-        if mv.admitted is False:
-            return f"standby {candidate} cannot hold model {name} (not admitted)"
-        state = mv.residency
-        if isinstance(state, Lost):
-            return f"standby {candidate}'s model {name} is lost: {state.reason}"
-        if not isinstance(state, _READY_TO_PROMOTE):
-            return f"standby {candidate}'s model {name} is {state_name(state)}"
-    hosting = {dv.models[m].gpu_index for m in served(dv)}
-    for gpu in dv.gpus:
-        if gpu.present is False and gpu.index in hosting:
-            return f"standby {candidate}'s GPU {gpu.index} is detached"
-    return ""
+    return ranking.unfit(view, dv, serving)
 
 
 def retry_ms(policy: Policy) -> int:
@@ -976,8 +987,12 @@ def next_operation(view: FleetView, facts: Facts) -> Append | None:
     if health.health == "failed":
         if not view.policy.auto_failover:
             return None
-        candidate = view.standby()
+        # The best fit standby (ranked: declared order, then measured fitness); with none fit, the
+        # first-ranked one, whose unfitness the decline names.
+        candidate = ranking.first_fit(view) or view.standby()
         why = standby_unfit(view, candidate, view.domains.get(view.active))
+        if why and len(view.domains) > 2:
+            why = f"no fit standby (fleet unprotected): {why}"
         again = Retry()
         if not why:
             again = retry_after_abort(view, candidate, now)  # an aborted failover: retried promptly, bounded
@@ -1006,6 +1021,7 @@ def next_operation(view: FleetView, facts: Facts) -> Append | None:
                 detail=health.why,
                 route_revision=view.route_revision,
                 attempt=again.attempt,
+                cascade=True,
             ),
             why=f"auto-failover: {health.why}" + (f" (attempt {again.attempt})" if again.attempt > 1 else ""),
         )

@@ -23,7 +23,10 @@ Gauges read from the promoter's folded views at scrape time:
     haru_promoter_operation_running_seconds{fleet}                    how long it has been running
     haru_promoter_active_health{fleet, domain, health}                1 for the active's health
                                                                        (ok | degraded | failed)
-    haru_promoter_standby_eligible{fleet, domain}                     1 when the standby could take over
+    haru_promoter_standby_eligible{fleet, domain}                     1 when that standby could take over now
+    haru_promoter_standby_rank{fleet, domain}                         its place in the ranking (1 = promoted first)
+    haru_promoter_fit_standbys{fleet}                                 how many standbys could take over now
+    haru_promoter_fleet_unprotected{fleet}                            1 when none could (no fit standby)
     haru_promoter_route_revision{fleet}                               the route revision folded
     haru_promoter_domain_reachable{fleet, domain}                     1 / 0 (absent: no verdict yet)
     haru_promoter_events_folded                                       the last sequence folded
@@ -36,6 +39,7 @@ from datetime import datetime, timezone
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from haru.core import ranking
 from haru.log.eventlog import Record
 from haru.core.events import (FailoverDeclined, OperationAborted, OperationCompleted, StepCompleted, StepFailed, StepStarted,
                               WeightsSet)
@@ -155,7 +159,7 @@ class _ViewCollector:
         return []  # dynamic: no fixed families to check for clashes
 
     def collect(self):
-        from haru.promoter.decider import active_health, standby_unfit
+        from haru.promoter.decider import active_health
 
         promoter = self.metrics.promoter
         last = GaugeMetricFamily("haru_promoter_last_operation_duration_seconds",
@@ -176,6 +180,13 @@ class _ViewCollector:
         eligible = GaugeMetricFamily("haru_promoter_standby_eligible",
                                      "1 when the standby could take over now, 0 when it could not.",
                                      labels=["fleet", "domain"])
+        ranks = GaugeMetricFamily("haru_promoter_standby_rank",
+                                  "The standby's place in the failover ranking (1 = promoted first).",
+                                  labels=["fleet", "domain"])
+        fit = GaugeMetricFamily("haru_promoter_fit_standbys", "Standbys that could take over now.", labels=["fleet"])
+        unprotected = GaugeMetricFamily("haru_promoter_fleet_unprotected",
+                                        "1 when the fleet has no standby that could take over (unprotected).",
+                                        labels=["fleet"])
         revision = GaugeMetricFamily("haru_promoter_route_revision", "The route revision folded.", labels=["fleet"])
         reachable = GaugeMetricFamily("haru_promoter_domain_reachable",
                                       "1 reachable, 0 unreachable (absent: no verdict yet).", labels=["fleet", "domain"])
@@ -196,11 +207,15 @@ class _ViewCollector:
                 h = active_health(view, now)
                 for state in ("ok", "degraded", "failed"):
                     health.add_metric([fleet, view.active, state], 1 if h.health == state else 0)
-                standby = view.standby()
-                if standby:
-                    unfit = standby_unfit(view, standby, view.domains.get(view.active))
-                    eligible.add_metric([fleet, standby], 0 if unfit else 1)
-        yield from (in_flight, running, health, eligible, revision, reachable)
+                ranked = ranking.rank(view)
+                for r in ranked:
+                    eligible.add_metric([fleet, r.domain], 1 if r.fit else 0)
+                    ranks.add_metric([fleet, r.domain], r.rank)
+                state = ranking.protection(view, ranked)
+                if state:
+                    fit.add_metric([fleet], ranking.fit_standbys(ranked))
+                    unprotected.add_metric([fleet], 1 if state == "unprotected" else 0)
+        yield from (in_flight, running, health, eligible, ranks, fit, unprotected, revision, reachable)
         folded = GaugeMetricFamily("haru_promoter_events_folded", "The last HARU_EVENTS sequence folded.")
         folded.add_metric([], promoter.folded)
         yield folded

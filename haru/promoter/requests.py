@@ -27,6 +27,7 @@ from haru.core import subjects
 from haru.core.errors import Conflict, InvalidName
 from haru.promoter.decider import Judgment, judge_abort, judge_request
 from haru.promoter.service import new_op_id
+from haru.core import ranking
 from haru.core.views import FleetView, view_decoder
 from haru.core.fold import Folder, empty
 
@@ -57,12 +58,16 @@ async def request_operation(
     op_id = new_op_id()
 
     def judge(view):
-        # no target: the standby (a rolling change goes through it)
-        verdict = judge_request(view, kind, target or view.standby(), op_id=op_id, by=by, now=now)
+        # no target: the best fit standby (haru.core.ranking; else the first-ranked, whose refusal says
+        # why), and a promotion then cascades to the next fit one if it fails before the flip
+        chosen = target or (ranking.first_fit(view) if view is not None else "") or (view.standby() if view else "")
+        verdict = judge_request(view, kind, chosen, op_id=op_id, by=by, now=now)
         if verdict.event is None:
             return verdict
         fields: dict[str, object] = {k: v for k, v in (("reason", reason), ("detail", detail))
                                      if v and hasattr(verdict.event, k)}
+        if not target and hasattr(verdict.event, "cascade"):
+            fields["cascade"] = True
         if cause:
             fields["cause"] = cause
         return msgspec.structs.replace(verdict, event=msgspec.structs.replace(verdict.event, **fields)) if fields else verdict

@@ -90,9 +90,49 @@ def _port_free(port: int) -> bool:
 # ----------------------------------------------------------------------------------------- demo
 
 
-def demo_layout(home: Path, path: Path = DEMO_LAYOUT) -> Layout:
+MAX_DEMO_DOMAINS = 9
+
+
+def widen(doc: dict[str, Any], domains: int) -> dict[str, Any]:
+    """A layout document with `domains` domains (`haru up --demo --domains N`): the first `domains` of
+    it, and as many more as its last domain copied, named c, d, ... each with its own region, serving
+    port and model ports (the last domain's, plus 10 per domain added: 18621 -> 18631 -> ...) and
+    checkpoints. Pure (a new document); 0 keeps the document as it is."""
+    if not domains:
+        return doc
+    if not 1 <= domains <= MAX_DEMO_DOMAINS:
+        raise ConfigError(f"--domains {domains}: a demo fleet has 1 to {MAX_DEMO_DOMAINS} domains")
+    out = json.loads(json.dumps(doc))
+    have = out.get("domains", [])
+    if not have:
+        raise ConfigError("the demo layout declares no domain to copy for --domains")
+    if domains <= len(have):
+        out["domains"] = have[:domains]
+        return out
+    last = have[-1]
+    for k in range(1, domains - len(have) + 1):
+        d = json.loads(json.dumps(last))
+        name = chr(ord(last["name"][0]) + k) if len(last["name"]) == 1 else f"{last['name']}{k + 1}"
+        d["name"] = name
+        d["region"] = f"local-{len(have) + k}"
+        if d.get("serving_url"):
+            base, _, port = d["serving_url"].rpartition(":")
+            d["serving_url"] = f"{base}:{int(port) + k}"
+        for slot in d.get("slots", []):
+            for model in slot.get("models", []):
+                if model.get("port"):
+                    model["port"] = int(model["port"]) + 10 * k
+            if slot.get("checkpoint_dir"):
+                slot["checkpoint_dir"] = slot["checkpoint_dir"].replace(f"/{last['name']}/", f"/{name}/")
+        have.append(d)
+    out["domains"] = have
+    return out
+
+
+def demo_layout(home: Path, path: Path = DEMO_LAYOUT, domains: int = 0) -> Layout:
     """The demo layout made runnable here: a leading "python" becomes this interpreter, and
-    checkpoints live under $HARU_HOME."""
+    checkpoints live under $HARU_HOME. `domains` (0 = as the file says): the fleet widened or narrowed
+    to that many domains (`widen`)."""
     try:
         doc = json.loads(path.read_text())
     except OSError as exc:
@@ -100,6 +140,7 @@ def demo_layout(home: Path, path: Path = DEMO_LAYOUT) -> Layout:
             f"cannot read the demo layout {path}: {exc.strerror}; reinstall haru (the demo layouts are its "
             "package data), or pass --layout with a layout of your own"
         ) from None
+    doc = widen(doc, domains)
     py = sys.executable
     for domain in doc.get("domains", []):
         for slot in domain.get("slots", []):
@@ -480,6 +521,7 @@ class UpOptions:
     gateway_host: str | None = None
     gateway_port: int | None = None
     layout_path: Path = DEMO_LAYOUT
+    demo_domains: int = 0  # `--domains N`: the demo fleet with N domains (0 = as its layout says)
     ready_file: Path | None = None  # written (JSON) once everything is up: for scripts and tests
     services: tuple[str, ...] = ("projector", "promoter", "gateway")
     metrics_port: int | None = None  # None: HARU_METRICS_PORT, else 9400 (a free port when taken)
@@ -535,7 +577,7 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
 
         layout = opts.layout
         if opts.demo:
-            layout = demo_layout(opts.home, opts.layout_path)
+            layout = demo_layout(opts.home, opts.layout_path, opts.demo_domains)
         if layout is not None:
             result = await apply_mod.apply(events, layout, datetime.now(timezone.utc),
                                            by="up:demo" if opts.demo else "up:serve")

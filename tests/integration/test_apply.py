@@ -165,3 +165,32 @@ def test_cli_dry_run_without_nats_validates_prints_the_plan_and_exits_0():
     assert r.returncode == 0, r.stderr  # the layout is valid: that is what a dry run checks
     assert "42.0 / 44.2 GiB held  (5 declared, 2 admitted)" in r.stdout
     assert "dry run without the running state" in r.stdout and "were not read" in r.stdout
+
+
+async def test_the_cli_applies_a_three_domain_layout_and_its_status_ranks_the_standbys(nats_server, event_log):
+    """`haru apply` of the shipped three-domain demo layout, through the real CLI on a real server: every
+    domain declared and planned, and the status of its history ranking the two that are not active once
+    the route is set."""
+    import asyncio
+
+    from haru.core.events import RouteMoved
+    from tests.support import haru
+
+    path = Path(__file__).resolve().parents[2] / "haru" / "up" / "demo" / "demo-fleet-3.json"
+    out = await asyncio.to_thread(haru, "apply", "-f", str(path), nats_url=nats_server.url)
+    assert out.returncode == 0, out.stdout + out.stderr
+    records = await event_log.history(subjects.decl("default"))
+    declared = {r.event.spec.name for r in records if tag_of(r.event) == "domain_declared"}
+    assert declared == {"a", "b", "c"}
+    admitted = {(r.event.domain, r.event.name) for r in records if tag_of(r.event) == "admission_decided" and r.event.admitted}
+    assert {d for d, _ in admitted} == {"a", "b", "c"} and len(admitted) == 12  # 3 models and a training slot each
+    await event_log.append(subjects.route("default"), RouteMoved(at=NOW, active="a"), expect=0)
+    from haru.core.fold import fold
+    from haru.projections.status import render
+
+    history = await event_log.history(subjects.fleet_events("default"))
+    text = render(fold((r.seq, r.subject, r.event) for r in history)["default"], NOW)
+    assert "b  (standby #1)" in text and "c  (standby #2)" in text
+    # nothing heard from the agents yet: no standby can take over, and status says so
+    assert "standbys: none of 2 fit: UNPROTECTED" in text
+    assert "1. b  not fit: standby b has not been heard from" in text

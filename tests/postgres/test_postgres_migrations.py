@@ -80,12 +80,19 @@ async def test_the_pulling_migration_keeps_older_rows_and_takes_pulling_ones(pg)
     await pg.execute(insert, 1, "resident")
     with pytest.raises(asyncpg.CheckViolationError):
         await pg.execute(insert, 2, "pulling")
-    assert await migrate(pg) == [4]
+    assert await migrate(pg, upto=4) == [4]
     await pg.execute(insert, 2, "pulling")
     assert [tuple(r) for r in await pg.fetch("SELECT seq, state, done_bytes FROM haru.residency_transitions "
                                              "ORDER BY seq")] == [(1, "resident", None), (2, "pulling", None)]
     with pytest.raises(asyncpg.CheckViolationError):
         await pg.execute(insert, 3, "dreaming")
+
+
+async def test_the_cascade_migration_keeps_older_operations_with_nothing_tried(pg):
+    assert await migrate(pg, upto=4) == [1, 2, 3, 4]
+    await pg.execute("INSERT INTO haru.operations (fleet, op_id, kind, target) VALUES ('default', 'op-1', 'promotion', 'b')")
+    assert await migrate(pg) == [5]
+    assert list(await pg.fetchval("SELECT tried FROM haru.operations WHERE op_id = 'op-1'")) == []
 
 
 async def test_an_upgraded_schema_equals_a_fresh_one(pg_server):

@@ -192,3 +192,24 @@ async def test_open_incidents_and_incidents_per_domain(event_log, nats_server, p
     assert abs(per_domain[0][6] - 3600 - since_import) < 120
     assert per_domain[1][:6] == (F, "a", "unknown", "evicted", 1, 1)
     assert per_domain[2] == (F, "a", "unknown", "unhealthy", 1, 0, 200, 200)
+
+
+async def test_a_cascading_promotion_is_one_operation_row_naming_the_standbys_it_tried(event_log, nats_server, pg_dsn):
+    op = subjects.op(F)
+    history = [
+        (op, ev.PromotionRequested(at=ago(seconds=60), op_id="op-c", target="b", source="a",
+                                   reason="domain_unreachable", cascade=True)),
+        (op, ev.StepStarted(at=ago(seconds=59), op_id="op-c", step="wake")),
+        (op, ev.StepFailed(at=ago(seconds=58), op_id="op-c", step="wake", error="out of memory")),
+        (op, ev.PromotionRetargeted(at=ago(seconds=58), op_id="op-c", target="c", previous="b", step="wake")),
+        (op, ev.StepStarted(at=ago(seconds=57), op_id="op-c", step="probe")),
+        (op, ev.StepFailed(at=ago(seconds=56), op_id="op-c", step="probe", error="500")),
+        (op, ev.PromotionRetargeted(at=ago(seconds=56), op_id="op-c", target="d", previous="c", step="probe")),
+        (op, ev.OperationCompleted(at=ago(seconds=50), op_id="op-c")),
+    ]
+    conn = await fill(event_log, nats_server.url, pg_dsn, history)  # batches of 4: the moves span batches
+    try:
+        row = await conn.fetchrow("SELECT target, tried, outcome FROM haru.operations WHERE op_id = 'op-c'")
+        assert (row["target"], list(row["tried"]), row["outcome"]) == ("d", ["b", "c"], "completed")
+    finally:
+        await conn.close()

@@ -303,3 +303,21 @@ def test_the_named_rows_are_their_tables_columns_in_order():
     assert [f.name for f in fields(IncidentRow)] == list(S.INCIDENT_COLUMNS)
     assert [f.name for f in fields(StepRow)] == list(S.STEP_COLUMNS)
     assert [f.name for f in fields(OperationRow)] == list(S.OPERATION_COLUMNS)
+
+
+def test_a_cascading_promotion_records_the_standbys_it_tried_and_its_final_target():
+    s = subjects.op(F)
+    records = [
+        rec(70, s, ev.PromotionRequested(at=at(0), op_id="op3", target="b", source="a", reason="domain_unreachable",
+                                         cascade=True)),
+        rec(71, s, ev.StepStarted(at=at(10), op_id="op3", step="wake")),
+        rec(72, s, ev.StepFailed(at=at(20), op_id="op3", step="wake", error="out of memory")),
+        rec(73, s, ev.PromotionRetargeted(at=at(21), op_id="op3", target="c", previous="b", step="wake",
+                                          error="out of memory")),
+    ]
+    writes, carry = plan(Carry(), records)
+    [op] = [dict(zip(S.OPERATION_COLUMNS, r)) for r in writes.insert_operations]
+    assert (op["target"], op["tried"]) == ("c", ["b"])
+    # the next move, in a later batch, updates the row written before
+    w2, _ = plan(carry, [rec(74, s, ev.PromotionRetargeted(at=at(30), op_id="op3", target="d", previous="c"))])
+    assert w2.retarget_operations == [(F, "op3", "d", "c")] and w2.row_count == 1

@@ -44,8 +44,8 @@ def now() -> datetime:
 
 
 def layout(fleet: str = "default", *, models=("m1", "m2"), heartbeat_timeout_ms=800, degraded_grace_ms=300,
-           auto_failover=True, command_timeout_ms=2000, wake_timeout_ms=2000, probe_timeout_ms=2000):
-    """A two-domain fleet with short policy bounds for tests."""
+           auto_failover=True, command_timeout_ms=2000, wake_timeout_ms=2000, probe_timeout_ms=2000, domains="ab"):
+    """A fleet of `domains` (one letter each; two by default) with short policy bounds for tests."""
     def domain(name: str, port0: int) -> dict:
         return {
             "name": name,
@@ -72,7 +72,7 @@ def layout(fleet: str = "default", *, models=("m1", "m2"), heartbeat_timeout_ms=
             "wake_timeout_ms": wake_timeout_ms,
             "probe_timeout_ms": probe_timeout_ms,
         },
-        "domains": [domain("a", 19100), domain("b", 19200)],
+        "domains": [domain(name, 19100 + 100 * i) for i, name in enumerate(domains)],
     })
 
 

@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 
 from haru.core.layout import load_layout
-from haru.up.compose import DEMO_LAYOUT, REAL_DEMO_LAYOUT
+from haru.up.compose import DEMO_LAYOUT, REAL_DEMO_LAYOUT, demo_layout, widen
+
+THREE_DOMAIN_LAYOUT = DEMO_LAYOUT.parent / "demo-fleet-3.json"
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("shipped", [DEMO_LAYOUT, REAL_DEMO_LAYOUT], ids=lambda p: p.name)
+@pytest.mark.parametrize("shipped", [DEMO_LAYOUT, REAL_DEMO_LAYOUT, THREE_DOMAIN_LAYOUT], ids=lambda p: p.name)
 def test_the_shipped_demo_layout_is_the_operators_example(shipped):
     assert shipped.is_relative_to(ROOT / "haru"), f"{shipped} must be inside the haru package (package data)"
     example = ROOT / "deploy" / "examples" / shipped.name
@@ -26,5 +28,35 @@ def test_the_wheel_ships_the_demo_layouts():
     import tomllib
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["haru"]
-    shipped = {p.relative_to(ROOT / "haru") for p in (DEMO_LAYOUT, REAL_DEMO_LAYOUT)}
+    shipped = {p.relative_to(ROOT / "haru") for p in (DEMO_LAYOUT, REAL_DEMO_LAYOUT, THREE_DOMAIN_LAYOUT)}
     assert all(any(p.match(pattern) for pattern in data) for p in shipped), (shipped, data)
+
+
+def test_the_three_domain_demo_layout_is_what_domains_3_builds():
+    import json
+
+    built = widen(json.loads(DEMO_LAYOUT.read_text()), 3)
+    shipped = json.loads(THREE_DOMAIN_LAYOUT.read_text())
+    built.pop("_comment"), shipped.pop("_comment")
+    assert shipped == built, "regenerate haru/up/demo/demo-fleet-3.json from widen(demo-fleet.json, 3)"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_domains_n_gives_a_fleet_of_n_mirroring_domains_with_their_own_ports(n, tmp_path):
+    layout = demo_layout(tmp_path, DEMO_LAYOUT, n)
+    names = [d.spec.name for d in layout.domains]
+    assert names == ["a", "b", "c", "d"][:n]
+    ports = [m.port for d in layout.domains for m in d.models]
+    assert len(ports) == len(set(ports)), "every model of the demo gets its own port on this one machine"
+    urls = [d.spec.serving_url for d in layout.domains]
+    assert len(set(urls)) == n
+    assert all({m.name for m in d.models} == {m.name for m in layout.domains[0].models} for d in layout.domains)
+    checkpoints = {t.checkpoint_dir for d in layout.domains for t in d.training}
+    assert len(checkpoints) == n and all(str(tmp_path) in c for c in checkpoints)
+
+
+def test_domains_out_of_range_is_refused_with_the_range():
+    from haru.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="1 to 9 domains"):
+        widen({"domains": [{"name": "a"}]}, 10)

@@ -120,10 +120,17 @@ CASES = [
      "$.domains[0].slots[1].gpu", "GPU 1"),
     ("domains do not mirror", lambda d: d["domains"][1]["slots"][0]["models"].pop(),
      "$.domains[1].slots", "Meta/Llama-3.1-8B"),
-    ("three domains", lambda d: d["domains"].append(copy.deepcopy(d["domains"][0]) | {"name": "c"}),
-     "$.domains", "exactly two"),
-    ("no domain", lambda d: d["domains"].clear(), "$.domains", "one or two failure domains"),
-    ("same domain name", lambda d: d["domains"][1].__setitem__("name", "a"), "$.domains[1].name", "both"),
+    ("third domain does not mirror", lambda d: (d["domains"].append(copy.deepcopy(d["domains"][0]) | {"name": "c"}),
+                                                d["domains"][2]["slots"][0]["models"].pop()),
+     "$.domains[2].slots", "domain 'c' does not mirror"),
+    ("no domain", lambda d: d["domains"].clear(), "$.domains", "at least one failure domain"),
+    ("same domain name", lambda d: d["domains"][1].__setitem__("name", "a"), "$.domains[1].name", "both named"),
+    ("same name as the first, third", lambda d: d["domains"].append(copy.deepcopy(d["domains"][0])),
+     "$.domains[2].name", "domains 0 and 2 are both named 'a'"),
+    ("standby_order names an unknown domain", lambda d: d["policy"].__setitem__("standby_order", ["b", "z"]),
+     "$.policy.standby_order[1]", "'z', which is not a domain"),
+    ("standby_order names a domain twice", lambda d: d["policy"].__setitem__("standby_order", ["b", "b"]),
+     "$.policy.standby_order[1]", "twice"),
     ("empty model id", lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("name", ""),
      "$.domains[0].slots[0].models[0].name", "empty"),
     ("whitespace model id", lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("name", "qwen 3"),
@@ -215,3 +222,15 @@ def test_a_single_domain_fleet_is_a_layout():
     doc = mutate(lambda d: d["domains"].pop())
     layout = parse_layout(doc)
     assert [d.spec.name for d in layout.domains] == ["a"]
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_n_domains_that_mirror_the_first_parse_in_declaration_order(n: int) -> None:
+    doc = base()
+    for i in range(2, n):
+        doc["domains"].append(copy.deepcopy(doc["domains"][1]) | {"name": f"d{i}"})
+    doc["policy"]["standby_order"] = [f"d{n - 1}", "b"]
+    layout = parse_layout(doc)
+    assert [d.spec.name for d in layout.domains] == ["a", "b", *[f"d{i}" for i in range(2, n)]]
+    assert layout.policy.standby_order == [f"d{n - 1}", "b"]
+    assert {m.name for m in layout.domains[-1].models} == {m.name for m in layout.domains[0].models}
