@@ -23,7 +23,7 @@ import os
 import socket
 import sys
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from haru.core import subjects
 from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers, add_log_options, configure_logging
@@ -35,6 +35,9 @@ from haru.host.metrics import add_metrics_options
 from haru.log.eventlog import EventLog
 from haru.log.record import Record
 from haru.core.events import OperationAborted, OperationCompleted, payload, tag_of
+
+if TYPE_CHECKING:
+    from haru.promoter.requests import RequestResult
 
 _STATUS = {
     "noop": ExitStatus.OK,
@@ -160,25 +163,34 @@ async def run_request(args: argparse.Namespace) -> ExitStatus:
         async with EventLog.connect(_servers(args), writer=_by(), creds=args.nats_creds) as log:
             now = datetime.now(timezone.utc)
             result = await request_operation(log, args.fleet, kind, args.domain, by=_by(), now=now)
-            status = _STATUS[result.status]
-            if args.json:
-                emit_json({"status": result.status, "op_id": result.op_id, "message": result.message})
-            elif result.op_id and result.status in ("accepted", "joined"):
-                print(result.op_id)
-                print(f"{result.status}: {result.message}", file=sys.stderr)
-            elif result.status == "noop":
-                print(result.message)
-            else:
-                if result.status == "conflict" and result.op_id:
-                    print(result.op_id)
-                return fail(result.message, status)
-            if not args.wait or result.status not in ("accepted", "joined"):
-                return status
-            return await wait_for(log, args.fleet, result.op_id, json_out=args.json, timeout=args.timeout,
-                                  from_seq=result.seq or 1)
+            return await answer_request(log, args, result, _STATUS[result.status])
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
 
+
+
+async def answer_request(log: EventLog, args: argparse.Namespace, result: RequestResult,
+                         status: ExitStatus) -> ExitStatus:
+    """Say what became of an operation request (`haru promote`, `haru route weight`), and follow it with --wait.
+
+    Accepted or joined: the op id on stdout, the message on stderr; a no-op: the message; refused or
+    conflicting: the message as an error (a conflict names the operation in flight on stdout).
+    """
+    if args.json:
+        emit_json({"status": result.status, "op_id": result.op_id, "message": result.message})
+    elif result.op_id and result.status in ("accepted", "joined"):
+        print(result.op_id)
+        print(f"{result.status}: {result.message}", file=sys.stderr)
+    elif result.status == "noop":
+        print(result.message)
+    else:
+        if result.status == "conflict" and result.op_id:
+            print(result.op_id)
+        return fail(result.message, status)
+    if not args.wait or result.status not in ("accepted", "joined"):
+        return status
+    return await wait_for(log, args.fleet, result.op_id, json_out=args.json, timeout=args.timeout,
+                          from_seq=result.seq or 1)
 
 async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, timeout: float,
                    from_seq: int = 1) -> ExitStatus:

@@ -72,7 +72,7 @@ _WEIGHT_STATUS = {
 
 async def run_weight(args: argparse.Namespace, pairs: list[str]) -> ExitStatus:
     """`haru route weight b=10 [--model M]` / `--reset`: a weighting operation (haru.promoter.weighting)."""
-    from haru.cli.promote import _by, _servers, wait_for
+    from haru.cli.promote import _by, _servers, answer_request
     from haru.core.errors import InvalidWeights, LogUnavailable
     from haru.core.weights import parse_pairs
     from haru.log.eventlog import EventLog
@@ -86,20 +86,7 @@ async def run_weight(args: argparse.Namespace, pairs: list[str]) -> ExitStatus:
         async with EventLog.connect(_servers(args), writer=_by(), creds=args.nats_creds) as log:
             result = await request_weights(log, args.fleet, given, model=args.model, reset=args.reset, by=_by(),
                                            now=datetime.now(timezone.utc))
-            status = _WEIGHT_STATUS[result.status]
-            if args.json:
-                emit_json({"status": result.status, "op_id": result.op_id, "message": result.message})
-            elif result.status in ("accepted", "joined"):
-                print(result.op_id)
-                print(f"{result.status}: {result.message}", file=sys.stderr)
-            elif result.status == "noop":
-                print(result.message)
-            else:
-                return fail(result.message, status)
-            if not args.wait or result.status not in ("accepted", "joined"):
-                return status
-            return await wait_for(log, args.fleet, result.op_id, json_out=args.json, timeout=args.timeout,
-                                  from_seq=result.seq or 1)
+            return await answer_request(log, args, result, _WEIGHT_STATUS[result.status])
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
 

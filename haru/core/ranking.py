@@ -26,10 +26,13 @@ status`, the `haru_fleet_unprotected` metric and the `HaruFleetUnprotected` aler
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Literal, NamedTuple
+
 from haru.core.residency import Lost, Resident, Sleeping, Waking, state_name
 from haru.core.views import DomainView, FleetView, RankedStandby
 
-__all__ = ["first_fit", "fit_standbys", "protection", "rank", "unfit", "wake_ms"]
+__all__ = ["Unready", "first_fit", "first_unready", "fit_standbys", "protection", "rank", "unfit", "wake_ms"]
 
 _READY = (Sleeping, Resident, Waking)
 _NEVER = 1 << 62  # a wake never measured sorts after every measured one
@@ -37,6 +40,36 @@ _NEVER = 1 << 62  # a wake never measured sorts after every measured one
 
 def _served(dv: DomainView) -> list[str]:
     return [name for name, mv in dv.models.items() if mv.admitted is not False]
+
+
+class Unready(NamedTuple):
+    """Why one of a domain's models cannot be used now: the first `first_unready` found."""
+
+    model: str
+    why: Literal["undeclared", "not_admitted", "lost", "state"]
+    state: str  # the model's state name ('' when undeclared)
+    reason: str = ""  # a lost model's reason
+
+
+def first_unready(dv: DomainView, models: Iterable[str], ready: tuple[type, ...]) -> Unready | None:
+    """The first of `models` that `dv` does not declare, did not admit, lost, or holds in a state outside `ready`.
+
+    One check for every caller that asks "can this domain serve these models now": the ranking (a
+    standby a wake can start from), a weighting (a domain that can be woken for a share) and the
+    canary's probe (a domain whose share is resident); each phrases the answer its own way.
+    """
+    for model in models:
+        mv = dv.models.get(model)
+        if mv is None:
+            return Unready(model, "undeclared", "")
+        if mv.admitted is False:
+            return Unready(model, "not_admitted", state_name(mv.residency))
+        state = mv.residency
+        if isinstance(state, Lost):
+            return Unready(model, "lost", state_name(state), state.reason)
+        if not isinstance(state, ready):
+            return Unready(model, "state", state_name(state))
+    return None
 
 
 def unfit(view: FleetView, dv: DomainView, serving: DomainView | None) -> str:
@@ -51,17 +84,17 @@ def unfit(view: FleetView, dv: DomainView, serving: DomainView | None) -> str:
     if dv.signalled:
         return f"standby {name} is about to go ({dv.signalled})"
     wanted = _served(serving) if serving is not None else _served(dv)
-    for model in wanted:
-        mv = dv.models.get(model)
-        if mv is None:
-            return f"standby {name} does not declare model {model}"
-        if mv.admitted is False:
-            return f"standby {name} cannot hold model {model} (not admitted)"
-        state = mv.residency
-        if isinstance(state, Lost):
-            return f"standby {name}'s model {model} is lost: {state.reason}"
-        if not isinstance(state, _READY):
-            return f"standby {name}'s model {model} is {state_name(state)}"
+    block = first_unready(dv, wanted, _READY)
+    if block is not None:
+        match block.why:
+            case "undeclared":
+                return f"standby {name} does not declare model {block.model}"
+            case "not_admitted":
+                return f"standby {name} cannot hold model {block.model} (not admitted)"
+            case "lost":
+                return f"standby {name}'s model {block.model} is lost: {block.reason}"
+            case _:
+                return f"standby {name}'s model {block.model} is {block.state}"
     hosting = {dv.models[m].gpu_index for m in _served(dv)}
     for gpu in dv.gpus:
         if gpu.present is False and gpu.index in hosting:

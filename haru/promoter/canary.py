@@ -25,7 +25,8 @@ from datetime import datetime
 
 from haru.core import subjects
 from haru.core.events import WeightsSet
-from haru.core.residency import Resident, state_name
+from haru.core.ranking import first_unready
+from haru.core.residency import Resident
 from haru.core.views import DomainView, FleetView, OperationView
 from haru.core.weights import CanaryReport, Tally, changed_shares, describe, scope_of
 from haru.promoter.decisions import Append
@@ -56,15 +57,16 @@ def _unfit(view: FleetView, name: str, model: str) -> str:
     models = scope_models(view, dv, model)
     if not models:
         return f"{name} serves none of {scope_of(model)}'s models" if not model else f"{name} does not declare model {model!r}"
-    for m in models:
-        mv = dv.models.get(m)
-        if mv is None:
-            return f"{name} does not declare model {m!r}"
-        if mv.admitted is False:
-            return f"model {m!r} is not admitted on {name}"
-        if not isinstance(mv.residency, Resident):
-            return f"model {m!r} on {name} is {state_name(mv.residency)}, not resident"
-    return ""
+    block = first_unready(dv, models, (Resident,))
+    if block is None:
+        return ""
+    match block.why:
+        case "undeclared":
+            return f"{name} does not declare model {block.model!r}"
+        case "not_admitted":
+            return f"model {block.model!r} is not admitted on {name}"
+        case _:
+            return f"model {block.model!r} on {name} is {block.state}, not resident"
 
 
 def weigh_refusal(view: FleetView, op: OperationView) -> str:

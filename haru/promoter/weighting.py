@@ -21,7 +21,8 @@ from datetime import datetime
 from haru.core import subjects
 from haru.core.errors import InvalidName, InvalidWeights
 from haru.core.events import WeightingRequested
-from haru.core.residency import Lost, Resident, Sleeping, Waking, state_name
+from haru.core.ranking import first_unready
+from haru.core.residency import Resident, Sleeping, Waking
 from haru.core.views import FleetView
 from haru.core.weights import describe, gaining, resolve, scope_of, split_of
 from haru.promoter.canary import scope_models
@@ -94,18 +95,18 @@ def _cannot_wake(view: FleetView, name: str, model: str) -> str:
     models = scope_models(view, dv, model)
     if not models:
         return f"it does not declare {'model ' + repr(model) if model else 'any model the active serves'}"
-    for m in models:
-        mv = dv.models.get(m)
-        if mv is None:
-            return f"it does not declare model {m!r}: declare it there (haru apply)"
-        if mv.admitted is False:
-            return f"model {m!r} is not admitted there (it does not fit): change the layout"
-        state = mv.residency
-        if isinstance(state, Lost):
-            return f"model {m!r} is lost there ({state.reason}): wait for it to come back (haru status)"
-        if not isinstance(state, (Resident, Sleeping, Waking)):
-            return f"model {m!r} is {state_name(state)} there: wait until it is resident or asleep (haru status)"
-    return ""
+    block = first_unready(dv, models, (Resident, Sleeping, Waking))
+    if block is None:
+        return ""
+    match block.why:
+        case "undeclared":
+            return f"it does not declare model {block.model!r}: declare it there (haru apply)"
+        case "not_admitted":
+            return f"model {block.model!r} is not admitted there (it does not fit): change the layout"
+        case "lost":
+            return f"model {block.model!r} is lost there ({block.reason}): wait for it to come back (haru status)"
+        case _:
+            return f"model {block.model!r} is {block.state} there: wait until it is resident or asleep (haru status)"
 
 
 async def request_weights(log, fleet: str, given: Mapping[str, int], *, model: str = "", reset: bool = False, by: str,

@@ -17,6 +17,7 @@ from haru.core.events import (
     FleetDeclared,
     ModelDeclared,
     ModelLoading,
+    ModelLost,
     ModelResident,
     ModelSleeping,
     ModelWaking,
@@ -30,6 +31,7 @@ from haru.core.events import (
 )
 from haru.core.fold import empty, evolve
 from haru.core.intents import intent
+from haru.core.residency import Resident, Sleeping
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.core.views import FleetView
 from haru.projections.status import render, render_intent
@@ -305,3 +307,18 @@ def test_loading_standbys_are_not_fit_until_their_models_can_be_woken(names: str
         w.add(subjects.model(F, d, "m1"), ModelLoading(at=at(1), domain=d, model="m1"))
     assert ranking.protection(w.view) == "unprotected"
     assert all("is loading" in r.why or "is unknown" in r.why for r in ranking.rank(w.view))
+
+
+def test_first_unready_names_the_first_model_a_domain_cannot_use_and_why() -> None:
+    """The one check the ranking, a weighting and the canary's probe share: undeclared, not admitted, lost
+    (with its reason), or in a state outside the caller's `ready`."""
+    w = World("ab").reachable("a", "b").resident("a").asleep("b")
+    b = w.view.domains["b"]
+    assert ranking.first_unready(b, ["m1", "m2"], (Sleeping,)) is None
+    assert ranking.first_unready(b, ["m1", "m2"], (Resident,)) == ranking.Unready("m1", "state", "sleeping")
+    assert ranking.first_unready(b, ["m3"], (Sleeping,)) == ranking.Unready("m3", "undeclared", "")
+    w.add(subjects.model(F, "b", "m2"), ModelLost(at=at(1), domain="b", model="m2", reason="process_exited"))
+    assert ranking.first_unready(w.view.domains["b"], ["m1", "m2"], (Sleeping,)) == \
+        ranking.Unready("m2", "lost", "lost", "process_exited")
+    w.add(subjects.decl(F), AdmissionDecided(at=T0, domain="b", name="m1", gpu_index=0, admitted=False, vram_bytes=1))
+    assert ranking.first_unready(w.view.domains["b"], ["m1"], (Sleeping,)).why == "not_admitted"
