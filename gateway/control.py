@@ -26,7 +26,9 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Awaitable
 from datetime import UTC, datetime
+from typing import TypeVar
 
 import msgspec
 import structlog
@@ -65,6 +67,9 @@ OPERATION_STATUS: dict[str, int] = {
 }
 
 
+T = TypeVar("T")
+
+
 class _OperationBody(msgspec.Struct, forbid_unknown_fields=False):
     domain: str | None = None
     targetDomainId: str | None = None  # noqa: N815 - Haru's own field name, accepted for compatibility
@@ -76,6 +81,19 @@ _decode_operation = msgspec.json.Decoder(_OperationBody).decode
 
 def json_response(value: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=_json.encode(value), status=status, content_type="application/json", headers=headers)
+
+
+async def requested(call: Awaitable[T], *, invalid: str) -> T:
+    """An operation request's result, the log's failures answered as API errors (503 when the log is away,
+    400 `invalid` when the request itself is wrong)."""
+    try:
+        return await call
+    except LogUnavailable as exc:
+        raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
+    except LogError as exc:
+        raise ApiError(503, "log_error", str(exc)) from None
+    except HaruError as exc:
+        raise ApiError(400, invalid, str(exc)) from None
 
 
 def raw_json(data: bytes, headers: dict[str, str] | None = None) -> web.Response:
@@ -336,14 +354,8 @@ class Control:
             return await self._dry_run(events, fleet, kind, target)
         from haru.promoter.requests import request_operation  # the promoter's; imported when first used
 
-        try:
-            result = await request_operation(events, fleet, kind, target, by=self.writer, now=datetime.now(UTC))  # kind checked against the route above
-        except LogUnavailable as exc:
-            raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
-        except LogError as exc:
-            raise ApiError(503, "log_error", str(exc)) from None
-        except HaruError as exc:
-            raise ApiError(400, "invalid_request", str(exc)) from None
+        result = await requested(request_operation(events, fleet, kind, target, by=self.writer, now=datetime.now(UTC)),
+                                 invalid="invalid_request")  # kind checked against the route above
         status = OPERATION_STATUS.get(result.status, 500)
         log.info("gateway.operation_requested", fleet=fleet, kind=kind, target=target, status=result.status,
                  op_id=result.op_id)

@@ -19,9 +19,8 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from haru.core.errors import HaruError, LogError, LogUnavailable
 from haru.core.openai_errors import TOO_DEEP
-from haru.gateway.control import Control, json_response
+from haru.gateway.control import Control, json_response, requested
 from haru.gateway.errors import ApiError
 from haru.host.httpguard import continue_if_expected
 
@@ -55,15 +54,8 @@ async def post_weights(control: Control, request: web.BaseRequest, fleet: str) -
     events = control._need_log()
     from haru.promoter.weighting import request_weights  # the promoter's; imported when first used
 
-    try:
-        result = await request_weights(events, fleet, body.weights, model=body.model, reset=body.reset, by=control.writer,
-                                       now=datetime.now(UTC))
-    except LogUnavailable as exc:
-        raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
-    except LogError as exc:
-        raise ApiError(503, "log_error", str(exc)) from None
-    except HaruError as exc:
-        raise ApiError(400, "invalid_weights", str(exc)) from None
+    result = await requested(request_weights(events, fleet, body.weights, model=body.model, reset=body.reset,
+                                             by=control.writer, now=datetime.now(UTC)), invalid="invalid_weights")
     status = STATUS.get(result.status, 500)
     if result.status == "invalid":
         raise ApiError(400, "invalid_weights", result.message, param="weights")
