@@ -279,15 +279,7 @@ async def main(args) -> None:
                 print(f"  last heartbeat -> domain_unreachable   {silent_ms:7.1f} ms   (heartbeat_timeout_ms 1500)")
                 print(f"  domain_unreachable -> route_moved       {hb['total_ms']:7.1f} ms   overhead {hb['overhead_ms']:.1f} ms")
             finally:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                await plog.close()
-                for domain, p in agents.items():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-                    kill_runtimes(root / "state" / domain)
+                await stop_world(task, plog, agents, root)
 
 
 async def abort_then_retry(log, root: Path, active: str) -> dict:
@@ -409,17 +401,23 @@ async def three_domain_case(args, case: str) -> dict:
                 m["protection"] = ranking.protection(view)
                 return m
             finally:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                await plog.close()
-                for domain, p in agents.items():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.pid, signal.SIGCONT)
-                        os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-                    kill_runtimes(root / "state" / domain)
-                _kill_under(root)
+                await stop_world(task, plog, agents, root)
+
+
+async def stop_world(task: asyncio.Task, plog, agents: dict[str, subprocess.Popen], root: Path) -> None:
+    """End one world: its heartbeat task, the promoter's log, every agent (woken first if a case SIGSTOPped
+    it), the runtimes and port holders they leave by design, and whatever else still runs from its root."""
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    await plog.close()
+    for domain, p in agents.items():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGCONT)
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        kill_runtimes(root / "state" / domain)
+    _kill_under(root)
 
 
 def _kill_under(root: Path) -> None:

@@ -33,7 +33,9 @@ async def test_no_client_sees_a_failover(tmp_path):
         assert n > 0, name
         assert (failed, cut) == (0, 0), f"{name}: {failed} failed, {cut} cut\n{bench.table(rows, 3, 2)}"
     moved = {r[0]: r[8] for r in rows}
-    for name in ("promote", "detach", "crash", "host", "preempt"):
+    # The host's kill may recover in place: `haru up` restarts the killed agent at once, and when it is back
+    # (its runtimes loading again) before its heartbeat went silent, the gateway holds for the reload.
+    for name in ("promote", "detach", "crash", "preempt"):
         assert "->" in moved[name], f"{name} did not move the route: {moved[name]}"
 
 

@@ -135,7 +135,7 @@ async def test_failover_then_auto_replace_with_a_promoter_killed_mid_launch(tmp_
         assert "step_failed:settle_old_active" not in why  # skipped, with why: not a failure
     finally:
         promoter.stop()
-        fake.kill_hosts()
+        fake.kill_hosts(tmp_path / "state")
 
 
 async def _async(value):
@@ -189,4 +189,4 @@ async def test_a_skyserve_domain_provisioned_and_torn_down_through_the_promoter(
         assert not [e for e in await op_events(event_log, F) if isinstance(e, ReplaceRequested)]
     finally:
         promoter.stop()
-        fake.kill_hosts()
+        fake.kill_hosts(tmp_path / "state")

@@ -274,15 +274,22 @@ class FakeSky:
         state = self.state()
         return [c.get("pid", 0) for c in [*state["clusters"].values(), *state["services"].values()] if c.get("pid")]
 
-    def kill_hosts(self) -> None:
-        """Every host a launch started and no down stopped (the tests' clean-up)."""
+    def kill_hosts(self, state_root: Path | None = None) -> None:
+        """Every host a launch started and no down stopped (the tests' clean-up); with `state_root`, also
+        the runtimes and serving-port holders the hosts' agents left in its per-domain state dirs (they
+        outlive their agent by design)."""
         import signal
+
+        from tests.support.agent_harness import kill_runtimes
 
         for pid in self.host_pids():
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if state_root is not None and state_root.is_dir():
+            for state_dir in state_root.iterdir():
+                kill_runtimes(state_dir)
 
     def hang_pid(self) -> int | None:
         path = self.home / "hang.pid"
