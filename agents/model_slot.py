@@ -10,6 +10,7 @@ from haru.agents import probes
 from haru.agents.runtimes import Runtime
 from haru.core.residency import UNKNOWN, Residency, state_name
 from haru.core.specs import ModelSpec
+from haru.host.procfs import dying
 
 __all__ = ["ModelSlot", "RUNTIME_STOP_GRACE_S"]
 
@@ -45,3 +46,12 @@ class ModelSlot:
     @property
     def state_tag(self) -> str:
         return state_name(self.state)
+
+    def process_alive(self) -> bool:
+        """The runtime's process lives and is not already carrying out its exit. A SIGKILLed vLLM closes
+        its sockets (a probe or a request reads a reset) tens of ms before the exit waiter sees it exit:
+        what failed then is the exit, recorded as process_exited by the waiter, never as unhealthy."""
+        if not self.runtime.alive():
+            return False
+        pid = self.runtime.pid
+        return not (pid and dying(pid))

@@ -275,7 +275,7 @@ class ServingProxy:
         else:
             external = m.runtime.kind == "external"
             gpu = None if external else self.gpu.read(m.spec.gpu_index)
-            alive = m.runtime.alive()
+            alive = m.process_alive()
             holds = True
             if alive and (gpu is None or gpu.present is not False):
                 holds = await probes.holds_model(m.runtime, timeout_s=min(2.0, self.policy().probe_timeout_ms / 1000))

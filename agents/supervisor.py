@@ -381,7 +381,7 @@ class ModelSupervisor:
                     return False
                 health = await m.runtime.health(timeout_s=min(timeout, 5.0))
                 if not health.ok:
-                    alive = m.runtime.alive()
+                    alive = self.m.process_alive()
                     reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=True)
                     await self._lost(reason, health.detail or f"/health answered {health.status} while asleep")
                     return False
@@ -413,7 +413,7 @@ class ModelSupervisor:
                 # A lost runtime found healthy but asleep (its GPU came back while it slept): the table has
                 # no lost -> sleeping, so it is reloaded (lost -> loading), and a standby puts it back to sleep.
                 return True
-            alive = m.runtime.alive()
+            alive = self.m.process_alive()
             holds = await probes.holds_model(m.runtime, min(timeout, 5.0)) if probe.step != "listed" else False
             if gpu is None and m.runtime.kind != "external":
                 gpu = self._read_gpu()
@@ -593,7 +593,7 @@ class ModelSupervisor:
             return
         gpu = self._read_gpu()
         holds = await probes.holds_model(m.runtime, min(self.ctx.policy().probe_timeout_ms / 1000, 5.0))
-        reason = probes.diagnose(process_alive=m.runtime.alive(), gpu=gpu, runtime_holds_model=holds)
+        reason = probes.diagnose(process_alive=self.m.process_alive(), gpu=gpu, runtime_holds_model=holds)
         if reason != "process_exited":
             detail = f"wake failed: {probe.step}: {probe.detail}" if probe else "wake failed"
             await self._lost(reason, detail[:500])

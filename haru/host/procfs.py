@@ -1,7 +1,8 @@
 """What Linux's /proc says about a process: one reader of `/proc/<pid>/stat` for the whole tree.
 
-    st = stat(pid)          # Stat(pid, state, ppid, pgrp, start) or None when it is gone
+    st = stat(pid)          # Stat(pid, state, ppid, pgrp, start, flags) or None when it is gone
     gone(pid)               # no such process, or a zombie (its memory is already released)
+    dying(pid)              # gone, or already carrying out its exit (a SIGKILL being torn down)
     for st in every():      # every process the OS lists
 
 `start` is the process's start time in clock ticks since boot (field 22): with the pid, it names
@@ -18,7 +19,9 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["Stat", "every", "gone", "parse", "pid_alive", "stat"]
+__all__ = ["Stat", "dying", "every", "gone", "parse", "pid_alive", "stat"]
+
+PF_EXITING = 0x4  # the kernel's flag for a task inside do_exit (field 9 of /proc/<pid>/stat)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,17 +31,26 @@ class Stat:
     ppid: int
     pgrp: int
     start: int  # clock ticks since boot
+    flags: int = 0  # the kernel's per-task flags (field 9)
 
     @property
     def zombie(self) -> bool:
         return self.state in ("Z", "X")
+
+    @property
+    def exiting(self) -> bool:
+        """A zombie, or a task already inside its exit. A big process killed with SIGKILL takes the kernel
+        tens to hundreds of ms to tear down; its sockets are closed (a client reads a reset) before it is
+        a zombie, and all that while this flag is set."""
+        return self.zombie or bool(self.flags & PF_EXITING)
 
 
 def parse(pid: int, raw: str) -> Stat | None:
     """A `/proc/<pid>/stat` line, or None when it is not one."""
     rest = raw[raw.rfind(")") + 2 :].split()
     try:
-        return Stat(pid=pid, state=rest[0], ppid=int(rest[1]), pgrp=int(rest[2]), start=int(rest[19]))
+        return Stat(pid=pid, state=rest[0], ppid=int(rest[1]), pgrp=int(rest[2]), start=int(rest[19]),
+                    flags=int(rest[6]))
     except (IndexError, ValueError):
         return None
 
@@ -51,6 +63,14 @@ def stat(pid: int) -> Stat | None:
     except OSError:
         return None
     return parse(pid, raw)
+
+
+def dying(pid: int) -> bool:
+    """Gone, a zombie, or inside its exit (see `Stat.exiting`). Without /proc: `gone`."""
+    st = stat(pid)
+    if st is not None:
+        return st.exiting
+    return gone(pid)
 
 
 def gone(pid: int) -> bool:

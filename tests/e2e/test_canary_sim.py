@@ -119,12 +119,14 @@ async def test_a_failing_canary_is_rolled_back_with_its_evidence(tmp_path, nats_
 
         await sim_fault(await _endpoint(event_log, "b", "m1"), "fail_probe")
         failing = await send(gw, "m1", 40)
-        assert failing[(500, "b")] >= 10, failing
+        # b's 20 good answers count since the split was set, so its rate passes 20% at the 6th error (6 of
+        # 26); the rollback may land while these 40 run, after which they all go to a.
+        assert failing[(500, "b")] >= 6 and set(failing) <= {(500, "b"), (200, "a")}, failing
         view = await wait_view(event_log, lambda v: v.weights == {} and v.weights_change is not None
                                and v.weights_change.reason == "canary_rolled_back", timeout=30, fleet=FLEET,
                                what="the canary rolled back")
         change = view.weights_change
-        assert change is not None and change.domain == "b" and change.errors >= 10
+        assert change is not None and change.domain == "b" and change.errors >= 6
         assert "error rate" in change.detail and "canary_max_error_rate 20.0%" in change.detail, change.detail
         assert change.by.startswith("promoter:")
         sets = [r.event for r in await event_log.history(subjects.weights(FLEET))]
