@@ -289,7 +289,8 @@ class FakeSky:
                 pass
         if state_root is not None and state_root.is_dir():
             for state_dir in state_root.iterdir():
-                kill_runtimes(state_dir)
+                if state_dir.is_dir():
+                    kill_runtimes(state_dir)
 
     def hang_pid(self) -> int | None:
         path = self.home / "hang.pid"
