@@ -116,6 +116,47 @@ class FleetState:
     def view(self) -> FleetView:
         return self.folder.view()
 
+    def canary_window(self) -> dict:
+        """The window's reports, summed: since the split in force was set, within canary_window_ms."""
+        view = self.view
+        if not self.reports:
+            return {}
+        horizon = time.monotonic() - view.policy.canary_window_ms / 1000
+        self.reports = [r for r in self.reports if r[0] >= horizon]
+        if not (view.weights or view.model_weights):
+            return {}
+        since = view.weights_change.at if view.weights_change is not None else None
+        return canary_tally(((g, r) for _, g, r in self.reports), since=since)
+
+
+async def weigh_step(st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+    """Runner `weigh`: the split may start when every domain it gives a share serves (haru.promoter.canary)."""
+    refusal = weigh_refusal(st.view, op)
+    if refusal:
+        return StepFailed(at=utcnow(), op_id=op.op_id, step="weigh", error_code="weights_refused", error=refusal)
+    return StepCompleted(at=utcnow(), op_id=op.op_id, step="weigh",
+                         detail=f"{describe(op.weights, st.view.active)} for {scope_of(op.model)}: every domain with "
+                                f"a share serves")
+
+
+async def join_step(st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+    """Runner `join`: until the target's agent started after the operation was requested, is heard, and
+    has every served model loaded (resident, or asleep); bounded by the policy's join_timeout_ms."""
+    t0 = time.monotonic()
+    bound_s = st.view.policy.join_timeout_ms / 1000
+    while True:
+        why = join_pending(st.view, op)
+        if not why:
+            dv = st.view.domains[op.target]
+            return StepCompleted(at=utcnow(), op_id=op.op_id, step=step,  # type: ignore[arg-type]
+                                 detail=f"agent {dv.agent.host or '?'} (pid {dv.agent.pid}) joined with "
+                                        f"{len(dv.models)} model(s) loaded after {time.monotonic() - t0:.1f} s")
+        if time.monotonic() - t0 >= bound_s:
+            return StepFailed(at=utcnow(), op_id=op.op_id, step=step, error_code="join_timeout",  # type: ignore[arg-type]
+                              error=f"{why} after join_timeout_ms ({st.view.policy.join_timeout_ms} ms)")
+        # polled: the view is folded by the follower; the main loop's wake-up event is not ours to clear
+        await asyncio.sleep(min(0.2, max(0.01, bound_s - (time.monotonic() - t0))))
+
 
 class Promoter:
     """One promoter replica. Use `run()` (until cancelled) or `run_promoter(...)`."""
@@ -156,8 +197,8 @@ class Promoter:
         # STEPS[step].run -> the coroutine that executes such a step and returns its outcome event.
         # A new kind of step work (e.g. provisioning) registers its runner here.
         self.runners: dict[str, StepRunner] = {"agent": self._agent_step, "flip": self._flip_step,
-                                               "launch": self._launch_step, "join": self._join_step,
-                                               "down": self._down_step, "weigh": self._weigh_step,
+                                               "launch": self._launch_step, "join": join_step,
+                                               "down": self._down_step, "weigh": weigh_step,
                                                "canary": self._canary_step}
         self.provisioning = provisioning or Provisioning(sky=os.environ.get("HARU_SKY") or "sky")
         # Sequences of the probe completions this process appended itself. The op subject also takes
@@ -242,18 +283,6 @@ class Promoter:
         st.reports.append((time.monotonic(), gateway, report))
         if any(c.errors for c in report.counts):
             self._touch(fleet)
-
-    def _canary(self, st: FleetState) -> dict:
-        """The window's reports, summed: since the split in force was set, within canary_window_ms."""
-        view = st.view
-        if not st.reports:
-            return {}
-        horizon = time.monotonic() - view.policy.canary_window_ms / 1000
-        st.reports = [r for r in st.reports if r[0] >= horizon]
-        if not (view.weights or view.model_weights):
-            return {}
-        since = view.weights_change.at if view.weights_change is not None else None
-        return canary_tally(((g, r) for _, g, r in st.reports), since=since)
 
     def _touch(self, fleet: str) -> None:
         """Something about `fleet` changed (a record folded, a heartbeat, a step ended): decide for it now."""
@@ -388,7 +417,7 @@ class Promoter:
         return Facts(
             now=now,
             launches_last_hour=len(st.launches),
-            canary=self._canary(st),
+            canary=st.canary_window(),
             me=self.identity,
             new_op_id=new_op_id(),
             silent_ms=silent,
@@ -513,15 +542,6 @@ class Promoter:
         wall_ms = int((time.monotonic() - t0) * 1000)
         return step_outcome(op, step, replies, now=utcnow(), took_ms=agent_ms or wall_ms)
 
-    async def _weigh_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
-        """Runner `weigh`: the split may start when every domain it gives a share serves (haru.promoter.canary)."""
-        refusal = weigh_refusal(st.view, op)
-        if refusal:
-            return StepFailed(at=utcnow(), op_id=op.op_id, step="weigh", error_code="weights_refused", error=refusal)
-        return StepCompleted(at=utcnow(), op_id=op.op_id, step="weigh",
-                             detail=f"{describe(op.weights, st.view.active)} for {scope_of(op.model)}: every domain with "
-                                    f"a share serves")
-
     async def _canary_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
         """Runner `canary` (a rolling change, before its flip): the standby takes policy rolling_canary_weight
         percent of the fleet's traffic for rolling_canary_ms; the decider's rollback (haru.promoter.canary)
@@ -552,7 +572,7 @@ class Promoter:
                 return StepFailed(at=utcnow(), op_id=op.op_id, step="canary", error_code="route_moved_elsewhere",
                                   error=f"the route moved to {st.view.active} during the canary")
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-        tallied = self._canary(st).get(op.target, {})
+        tallied = st.canary_window().get(op.target, {})
         requests = sum(t.requests for t in tallied.values())
         errors = sum(t.errors for t in tallied.values())
         return StepCompleted(at=utcnow(), op_id=op.op_id, step="canary",
@@ -566,24 +586,6 @@ class Promoter:
     async def _down_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
         """Runner `down`: every cluster or service of the target, with what each cost."""
         return await self.provisioning.down(st.view.fleet, st.specs.get(op.target), op, step)
-
-    async def _join_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
-        """Runner `join`: until the target's agent started after the operation was requested, is heard, and
-        has every served model loaded (resident, or asleep); bounded by the policy's join_timeout_ms."""
-        t0 = time.monotonic()
-        bound_s = st.view.policy.join_timeout_ms / 1000
-        while True:
-            why = join_pending(st.view, op)
-            if not why:
-                dv = st.view.domains[op.target]
-                return StepCompleted(at=utcnow(), op_id=op.op_id, step=step,  # type: ignore[arg-type]
-                                     detail=f"agent {dv.agent.host or '?'} (pid {dv.agent.pid}) joined with "
-                                            f"{len(dv.models)} model(s) loaded after {time.monotonic() - t0:.1f} s")
-            if time.monotonic() - t0 >= bound_s:
-                return StepFailed(at=utcnow(), op_id=op.op_id, step=step, error_code="join_timeout",  # type: ignore[arg-type]
-                                  error=f"{why} after join_timeout_ms ({st.view.policy.join_timeout_ms} ms)")
-            # polled: the view is folded by the follower; the main loop's wake-up event is not ours to clear
-            await asyncio.sleep(min(0.2, max(0.01, bound_s - (time.monotonic() - t0))))
 
     async def _flip_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
         """Runner `flip`: the route's compare-and-swap, unless the flip's precondition does not hold."""
