@@ -122,7 +122,7 @@ class Demo:
         self.proc = subprocess.Popen(
             [PY, "-m", "haru.cli", "up", "--demo", *(["--real", self.mode] if self.mode != "sim" else []),
              "--nats-port", "0", "--port", str(free_port()), "--layout", str(layout(self.root / "demo.json", self.mode)),
-             "--ready-file", str(ready), "--log-level", "warning"],
+             "--ready-file", str(ready), "--log-level", os.environ.get("HARU_BENCH_LOG_LEVEL", "warning")],
             stdout=open(self.root / "up.out", "wb"), stderr=open(self.root / "up.err", "wb"), env=self.env, cwd=REPO)
         deadline = time.monotonic() + 180
         while not ready.exists():
@@ -192,6 +192,13 @@ def error_code(body: bytes) -> str:
     return ""
 
 
+def error_message(body: bytes) -> str:
+    """The OpenAI-shaped error's message ('' when there is none)."""
+    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
+        return str(json.loads(body)["error"]["message"])
+    return ""
+
+
 class Load:
     """Closed-loop clients; every finished request is kept as (start, end, kind, outcome)."""
 
@@ -201,6 +208,7 @@ class Load:
         self.json_clients, self.sse_clients = json_clients, sse_clients
         self.done: list[tuple[float, float, str, str]] = []
         self.inflight: set[float] = set()  # start times of the requests not finished yet
+        self.said: dict[str, str] = {}  # per failure kind, the first refusal's message: who said it and why
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -210,6 +218,12 @@ class Load:
         while any(t < before for t in self.inflight) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
 
+    def _refused(self, status: int, body: bytes, headers) -> str:
+        outcome = f"failed:{status} {error_code(body)}"
+        retried = headers.get("X-Haru-Retried", "")
+        self.said.setdefault(outcome.split(":", 1)[1], error_message(body) + (f" (retried: {retried})" if retried else ""))
+        return outcome
+
     async def _json(self, s: aiohttp.ClientSession) -> None:
         body = {"model": self.json_model, "messages": CHAT, "max_tokens": 8}
         while not self._stop.is_set():
@@ -218,7 +232,7 @@ class Load:
             try:
                 async with s.post(self.gateway + "/v1/chat/completions", json=body) as r:
                     data = await r.read()
-                    outcome = "ok" if r.status == 200 else f"failed:{r.status} {error_code(data)}"
+                    outcome = "ok" if r.status == 200 else self._refused(r.status, data, r.headers)
             except aiohttp.ClientError as exc:
                 outcome = f"failed:{type(exc).__name__}"
             self.inflight.discard(t0)
@@ -234,7 +248,7 @@ class Load:
             try:
                 async with s.post(self.gateway + "/v1/chat/completions", json=body) as r:
                     if r.status != 200:
-                        outcome = f"failed:{r.status} {error_code(await r.read())}"
+                        outcome = self._refused(r.status, await r.read(), r.headers)
                     else:
                         try:
                             data = await r.read()
@@ -368,7 +382,8 @@ def wake_of(view: dict, domain: str) -> tuple[float, bool]:
 async def measure(faults: tuple[str, ...], *, json_clients: int = 6, sse_clients: int = 2, steady_s: float = 5.0,
                   tail_s: float = 6.0, keep: bool = False, mode: str = "sim") -> list[tuple]:
     """Run the demo, the steady window and each fault; the rows (name, requests, failed, cut, continued,
-    held, retried, p99 s, route, window s, wake s, wake measured), the steady window first."""
+    held, retried, p99 s, route, window s, wake s, wake measured, failures by kind, what each kind said),
+    the steady window first."""
     root = Path(tempfile.mkdtemp(prefix="haru-clientview-"))
     demo = Demo(root, mode)
     rows: list[tuple] = []
@@ -408,7 +423,8 @@ async def measure(faults: tuple[str, ...], *, json_clients: int = 6, sse_clients
                                  int(after["held"] - before["held"]), int(after["retried"] - before["retried"]),
                                  p99(lat), f"{active} -> {new_active}" if new_active != active else f"{active}",
                                  time.monotonic() - start, wake_s, wake_measured,
-                                 dict(collections.Counter(o.split(":", 1)[1] for o in failed))))
+                                 dict(collections.Counter(o.split(":", 1)[1] for o in failed)),
+                                 {why: load.said.get(why, "") for why in {o.split(":", 1)[1] for o in failed}}))
                     active = new_active
     finally:
         demo.stop()
@@ -448,6 +464,7 @@ def table(rows: list[tuple], json_clients: int, sse_clients: int, mode: str = "s
     for r in rows:
         if len(r) > 12 and r[12]:
             out.append(f"failed in {r[0]}: " + ", ".join(f"{n} x {why}" for why, n in sorted(r[12].items())))
+            out.extend(f"  {why}: {said}" for why, said in sorted(r[13].items()) if said)
     out.append("p99 within its bound in every row: " + ("met" if not slow else f"NOT met ({', '.join(slow)})"))
     return "\n".join(out)
 

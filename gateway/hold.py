@@ -113,20 +113,24 @@ def _fails_now(view: FleetView, active: str, target: str) -> bool:
     return False
 
 
-def _reloads_in_place(view: FleetView, active: str) -> int:
+def _reloads_in_place(view: FleetView, active: str, gone: str = "") -> int:
     """ms until the active serves its lost models again by itself (0 = it will not, or nobody knows): every
     model it has lost is lost for a cold-reload reason (or loading again after one) and its warm-up was
     measured. The promoter then lets the reload run (`faster_path` found the standby no quicker), so a
-    request waits for it: the measured warm-up, the restart backoff at its longest, and a margin."""
+    request waits for it: the measured warm-up, the restart backoff at its longest, and a margin.
+
+    `gone`: a model whose runtime the active's own serving port just said is gone (lost, or restarting):
+    reloading, whatever the view (a few events behind the agent) still says of it."""
     dv = view.domains.get(active)
     if dv is None:
         return 0
     slowest = 0
-    for mv in dv.models.values():
+    for name, mv in dv.models.items():
         state = mv.residency
-        if mv.admitted is False or isinstance(state, Resident):
+        if mv.admitted is False or isinstance(state, Resident) and name != gone:
             continue
-        if isinstance(state, Lost) and state.reason in _COLD_RELOAD or isinstance(state, Loading) and state.attempt > 1:
+        if (name == gone and isinstance(state, Resident) or isinstance(state, Lost) and state.reason in _COLD_RELOAD
+                or isinstance(state, Loading) and state.attempt > 1):
             if not mv.load_ms:
                 return 0
             slowest = max(slowest, mv.load_ms)
@@ -163,9 +167,16 @@ def _backing_off(view: FleetView, target: str, now: float) -> bool:
     return now - last.finished_at.timestamp() < wait_ms / 1000
 
 
-def hold_plan(routes: FleetRoutes | None, code: str, *, unreachable: bool = False, now: float) -> HoldPlan | None:
+def hold_plan(routes: FleetRoutes | None, code: str, *, unreachable: bool = False, gone: str = "",
+              now: float) -> HoldPlan | None:
     """Whether a request answered `code` (or that found the active unreachable) should wait for a
-    failover, and for how long at most. None: answer it now. `now` is epoch seconds. Pure."""
+    failover, and for how long at most. None: answer it now. `now` is epoch seconds. Pure.
+
+    `gone` names the model when the active's serving port answered that its runtime is gone (the
+    X-Haru-Runtime-Gone header; `code` is then the agent's own: `model_lost`, `model_warming` for a
+    restart under way, ...). Such a request waits for a failover as an unreachable one does, and also,
+    whatever a standby does meanwhile, for the active's own reload when that is bounded (a runtime
+    killed on a domain whose standby is not ready, or whose promotion just aborted, comes back in place)."""
     if routes is None or routes.view is None or not routes.active:
         return None
     view = routes.view
@@ -174,12 +185,13 @@ def hold_plan(routes: FleetRoutes | None, code: str, *, unreachable: bool = Fals
         return None
     active = routes.active
     target = _under_way(view, active)
+    in_place = 0
     if target:
         if code not in _CURED_BY_PROMOTION and not unreachable:
             return None
         why = f"promotion of {target} under way"
     else:
-        in_place = _reloads_in_place(view, active) if code in _CURED_IN_PLACE and not unreachable else 0
+        in_place = _reloads_in_place(view, active, gone) if code in _CURED_IN_PLACE and (gone or not unreachable) else 0
         if code not in _CURED_BY_FAILOVER and not unreachable and not in_place:
             return None
         target = _standby_ready(view, active) if policy.auto_failover else ""
@@ -189,6 +201,8 @@ def hold_plan(routes: FleetRoutes | None, code: str, *, unreachable: bool = Fals
                                 f"{active} reloads its lost models in place (about {in_place} ms)")
             return None  # a loss the promoter waits out (degraded_grace_ms): holding would only delay the answer
         why = f"auto-failover to {target} about to start"
+        if in_place:  # or the active's own reload, whichever serves first: the longer of the two bounds it
+            why += f", or {active} reloading in place (about {in_place} ms)"
     if policy.hold_ms:
         return HoldPlan(min(policy.hold_ms, policy.hold_max_ms), why)
     wakes = [mv.wake_ms for mv in view.domains[target].models.values() if mv.admitted is not False]
@@ -197,7 +211,7 @@ def hold_plan(routes: FleetRoutes | None, code: str, *, unreachable: bool = Fals
     dv = view.domains.get(active)
     # The promoter fails a silent domain only once its heartbeats have been missing this long.
     detect = policy.heartbeat_timeout_ms if unreachable and (dv is None or dv.reachable is not False) else 0
-    return HoldPlan(min(detect + max(wakes) + MARGIN_MS, policy.hold_max_ms), why)
+    return HoldPlan(min(max(detect + max(wakes) + MARGIN_MS, in_place), policy.hold_max_ms), why)
 
 
 class Holds:
@@ -242,7 +256,8 @@ class Holds:
         return ""
 
     async def hold(self, fleet: str, model: str, size: int, plan: HoldPlan, first: Refusal,
-                   accept: Callable[[Forward], bool], *, unreachable: bool = False) -> Forward | Refusal:
+                   accept: Callable[[Forward], bool], *, unreachable: bool = False,
+                   gone: bool = False) -> Forward | Refusal:
         """Wait, within `plan`, until the table resolves `model` to a Forward that `accept`s; return it,
         or the answer to give when the hold ends without one: the fleet's answer at that moment."""
         full = self.admit(fleet, size)
@@ -264,7 +279,8 @@ class Holds:
                         return result
                 else:
                     answer = result
-                if hold_plan(self.table.get(fleet), first.code, unreachable=unreachable, now=time.time()) is None:
+                if hold_plan(self.table.get(fleet), first.code, unreachable=unreachable, gone=model if gone else "",
+                             now=time.time()) is None:
                     outcome = "aborted"  # the promotion aborted, or nothing is coming to cure it any more
                     return answer
                 left = deadline - time.monotonic()

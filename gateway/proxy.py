@@ -314,7 +314,8 @@ class Proxy:
         once more, to the new active (held until there is one) or, when the hold ends with the route
         unmoved, to whatever the fleet routes to then."""
         fleet, model = fwd.fleet, fwd.model
-        plan = hold_plan(self.table.get(fleet), refusal.code, unreachable=True, now=time.time())
+        gone = why == "runtime_gone"  # the domain answered: its runtime is gone, and may come back in place
+        plan = hold_plan(self.table.get(fleet), refusal.code, unreachable=True, gone=model if gone else "", now=time.time())
         if plan is None:
             self.metrics.request(fleet, model, refusal.status)
             return error_response(refusal)
@@ -325,7 +326,7 @@ class Proxy:
             return f.domain != fwd.domain or f.revision != fwd.revision or back_since(
                 self.table.get(fleet), f.domain, f.model, since)
 
-        outcome = await self.holds.hold(fleet, model, len(body), plan, refusal, moved, unreachable=True)
+        outcome = await self.holds.hold(fleet, model, len(body), plan, refusal, moved, unreachable=True, gone=gone)
         if type(outcome) is not Forward:
             outcome = self.table.resolve(fleet, model, time.time())
             if type(outcome) is not Forward:

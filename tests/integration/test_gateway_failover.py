@@ -17,7 +17,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from haru.core.residency import Answer, Lost, Resident, Sleeping
+from haru.core.residency import Answer, Loading, Lost, Resident, Sleeping
 from haru.core.specs import Policy
 from haru.core.views import FleetView, OperationView
 from tests.integration.test_gateway import (
@@ -282,6 +282,27 @@ async def test_a_request_whose_runtime_died_goes_once_more_where_it_is_back_with
     await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
     two.a.back = True
     await two.view(seq=2, active_state=Resident(since=datetime.now(UTC)), **slow)
+    status, headers, data = await pending
+    assert status == 200 and b"[domain a] back" in data and headers["X-Haru-Retried"] == "a; runtime_gone"
+    assert two.a.received == 2 and two.b.received == []
+
+
+async def test_a_request_whose_runtime_died_waits_for_the_reload_when_the_standby_stops_being_ready(
+        event_log, gw, upstreams, servers):
+    # b was ready when a's runtime died (the hold waits for a failover, or for a's reload), then b is not
+    # (it reloads too): no failover is coming, but a's restart is (reload measured at 300 ms), so the
+    # request still waits, and goes to a once its model is resident there again
+    two = TwoDomains(event_log, gw, await servers(GoneUpstream()), await upstreams("b"))
+    await two.route_to_a(active_state=Resident(since=datetime(2026, 1, 1, tzinfo=UTC)), reload_ms=300)
+    pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}, timeout=10))
+    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await two.view(seq=2, reload_ms=300, active_state=Loading(since=datetime.now(UTC), attempt=2),
+                   standby_state=Loading(since=datetime.now(UTC)))
+    await asyncio.sleep(0.3)
+    assert not pending.done() and gw.proxy.holds.held.get("default") == 1  # still held: a reloads in place
+    two.a.back = True
+    await two.view(seq=3, reload_ms=300, active_state=Resident(since=datetime.now(UTC)),
+                   standby_state=Loading(since=datetime.now(UTC)))
     status, headers, data = await pending
     assert status == 200 and b"[domain a] back" in data and headers["X-Haru-Retried"] == "a; runtime_gone"
     assert two.a.received == 2 and two.b.received == []

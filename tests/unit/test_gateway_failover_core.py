@@ -222,3 +222,46 @@ def test_a_model_is_back_once_resident_again_after_the_request_died():
     assert not back_since(back, "b", M, NOW.timestamp() + 1)  # resident since before it died: the old runtime
     assert not back_since(back, "a", M, 0)  # lost
     assert not back_since(back, "c", M, 0) and not back_since(back, "b", "other", 0) and not back_since(None, "b", M, 0)
+
+
+def _active_model(r, residency):
+    """`r` with the active's model in `residency` (what the view says of it)."""
+    view = r.view
+    a = view.domains["a"]
+    odd = msgspec.structs.replace(a, models={M: msgspec.structs.replace(a.models[M], residency=residency)})
+    return msgspec.structs.replace(r, view=msgspec.structs.replace(view, domains={**view.domains, "a": odd}))
+
+
+def test_a_runtime_the_active_says_is_gone_is_waited_for_in_place_when_no_failover_comes():
+    # The serving port answered X-Haru-Runtime-Gone: the runtime was killed, the agent restarts it. The
+    # standby is not ready (or a promotion onto it just aborted): nothing moves the route, the reload does.
+    backoff_max = Policy().restart_backoff_max_ms
+    for kw in (dict(standby=Loading(since=NOW)), dict(policy=Policy(auto_failover=False)),
+               dict(last_operation=OperationView(op_id="o", kind="promotion", target="b", source="a", state="aborted",
+                                                 finished_at=NOW - timedelta(seconds=1)))):
+        quick = routes(reload_ms=300, **kw)
+        assert hold_plan(quick, "upstream_unreachable", unreachable=True, now=T) is None, kw  # silence alone: no
+        for code in ("model_lost", "model_warming"):  # lost, then restarting (loading again, attempt 2)
+            plan = hold_plan(quick, code, unreachable=True, gone=M, now=T)
+            assert plan is not None and "a reloads its lost models in place" in plan.why, (kw, code)
+            assert plan.budget_ms == min(300 + backoff_max + MARGIN_MS, Policy().hold_max_ms)
+        # the view a few events behind the agent: still resident there, but the agent said it is gone
+        stale = _active_model(quick, Resident(since=NOW))
+        assert hold_plan(stale, "model_lost", unreachable=True, gone=M, now=T).budget_ms == \
+            min(300 + backoff_max + MARGIN_MS, Policy().hold_max_ms)
+        restarting = _active_model(quick, Loading(since=NOW, attempt=2))
+        assert hold_plan(restarting, "model_warming", unreachable=True, gone=M, now=T) is not None
+    # a reload nobody measured is not waited for: the answer goes at once, as before
+    assert hold_plan(routes(reload_ms=0, standby=Loading(since=NOW)), "model_lost", unreachable=True, gone=M,
+                     now=T) is None
+
+
+def test_a_gone_runtime_with_a_standby_ready_waits_for_whichever_serves_first():
+    # b wakes in 400 ms; a reloads in 300 ms plus its restart backoff: the hold lasts the longer bound
+    plan = hold_plan(routes(reload_ms=300), "model_lost", unreachable=True, gone=M, now=T)
+    assert "auto-failover to b" in plan.why and "a reloading in place" in plan.why
+    assert plan.budget_ms == min(max(5_000 + 400 + MARGIN_MS, 300 + Policy().restart_backoff_max_ms + MARGIN_MS),
+                                 Policy().hold_max_ms)
+    short = Policy(restart_backoff_max_ms=1_000)
+    assert hold_plan(routes(reload_ms=300, policy=short), "model_lost", unreachable=True, gone=M,
+                     now=T).budget_ms == short.heartbeat_timeout_ms + 400 + MARGIN_MS
