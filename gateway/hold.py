@@ -45,7 +45,7 @@ from haru.gateway.metrics import GatewayMetrics
 from haru.gateway.routing import Forward, FleetRoutes, Refusal, RoutingTable
 from haru.core.residency import Loading, Lost, Resident, Sleeping, Waking
 from haru.core.views import FleetView
-from haru.promoter.decider import standby_serves_in
+from haru.promoter.decider import reload_ms, standby_serves_in
 
 # Refusals a failover cures. `model_warming` / `model_asleep` only while a promotion is under way:
 # a cold reload with nothing coming to replace it is answered at once, as before.
@@ -92,7 +92,7 @@ def _fails_now(view: FleetView, active: str, target: str) -> bool:
     """Whether the promoter fails the active at once for what its models show (the decider's rule,
     haru/promoter/decider.py `active_health` and `faster_path`): a GPU gone, a `gpu_detached` loss, or a
     cold-reload loss that the standby's wake (measured, else estimated as the promoter estimates it)
-    beats the active's measured warm-up."""
+    beats the active's reload (its restart backoff and measured warm-up, `reload_ms`)."""
     dv = view.domains.get(active)
     sb = view.domains.get(target)
     if dv is None or sb is None:
@@ -103,12 +103,10 @@ def _fails_now(view: FleetView, active: str, target: str) -> bool:
     wake = standby_serves_in(view, sb, wanted)[0] if wanted else 0  # measured, or the promoter's own estimate
     for mv in dv.models.values():
         state = mv.residency
-        if isinstance(state, Lost):
-            if state.reason == "gpu_detached":
-                return True
-            if state.reason in _COLD_RELOAD and wake and mv.load_ms and wake < mv.load_ms:
-                return True
-        elif isinstance(state, Loading) and state.attempt > 1 and wake and mv.load_ms and wake < mv.load_ms:
+        if isinstance(state, Lost) and state.reason == "gpu_detached":
+            return True
+        back = reload_ms(view.policy, mv)  # its restart backoff and measured warm-up, as the promoter counts it
+        if wake and back and wake < back:
             return True
     return False
 

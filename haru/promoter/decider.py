@@ -89,7 +89,7 @@ from haru.promoter.decisions import Append, Facts
 from haru.promoter.liveness import judge_liveness
 from haru.core.residency import Failed, Loading, Lost, Residency, Resident, Sleeping, Waking, state_name
 from haru.core.specs import Policy, can_sleep
-from haru.core.views import DomainView, FleetView, OperationView, StepView
+from haru.core.views import DomainView, FleetView, ModelView, OperationView, StepView
 
 OpKind = str  # a key of KINDS
 Outcome = Literal["requested", "completed", "failed"]
@@ -841,6 +841,17 @@ def _cold_reload(state: object) -> bool:
     return isinstance(state, Loading) and state.attempt > 1
 
 
+def reload_ms(policy: Policy, mv: ModelView) -> int:
+    """How long a model lost on the active takes to serve again there by itself, in ms (0: not a cold
+    reload, or its warm-up was never measured): its measured warm-up (`ModelView.load_ms`), after the
+    agent's restart backoff while it is still lost (the agent waits at least `restart_backoff_ms` before
+    it starts the runtime again; a restart already loading has waited it out)."""
+    state = mv.residency
+    if not _cold_reload(state) or not mv.load_ms:
+        return 0
+    return mv.load_ms + (policy.restart_backoff_ms if isinstance(state, Lost) else 0)
+
+
 def _reloading(view: FleetView) -> bool:
     dv = view.domains.get(view.active)
     return dv is not None and any(_cold_reload(dv.models[m].residency) for m in served(dv))
@@ -882,29 +893,32 @@ def faster_path(view: FleetView) -> ActiveHealth | None:
     standby = view.domains.get(candidate)
     if dv is None or standby is None or standby_unfit(view, candidate, dv):
         return None
-    slowest: tuple[int, str, Residency] | None = None
+    slowest: tuple[int, str, ModelView] | None = None
     for name in served(dv):
         mv = dv.models[name]
-        if _cold_reload(mv.residency) and mv.load_ms and (slowest is None or mv.load_ms > slowest[0]):
-            slowest = (mv.load_ms, name, mv.residency)
+        ms = reload_ms(view.policy, mv)
+        if ms and (slowest is None or ms > slowest[0]):
+            slowest = (ms, name, mv)
     if slowest is None:
         return None
-    warmup_ms, name, state = slowest
+    back_ms, name, mv = slowest
+    state = mv.residency
     wanted = [m for m in served(dv) if m in standby.models]
     if not wanted:
         return None
     wake_ms, measured = standby_serves_in(view, standby, wanted)
-    if wake_ms >= warmup_ms:
+    if wake_ms >= back_ms:
         return None
     how = ("measured wake and probe" if measured else
            f"ESTIMATED, no wake measured yet: declared VRAM at {view.policy.wake_estimate_bytes_per_s} B/s "
            f"plus a {view.policy.probe_estimate_ms} ms probe")
     label = f"lost: {state.reason}" if isinstance(state, Lost) else "reloading"
+    backoff = f" after the {back_ms - mv.load_ms} ms restart backoff" if back_ms > mv.load_ms else ""
     return ActiveHealth(
         health="failed",
         reason="faster_path",
-        why=f"{name} on {dv.name} {label}; its cold reload takes {warmup_ms} ms (measured warm-up) and standby "
-        f"{candidate} serves after {wake_ms} ms ({how}): the faster path wins",
+        why=f"{name} on {dv.name} {label}; its cold reload takes {mv.load_ms} ms (measured warm-up){backoff} and "
+        f"standby {candidate} serves after {wake_ms} ms ({how}): the faster path wins",
         since=state.since,
     )
 

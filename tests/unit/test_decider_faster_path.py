@@ -60,7 +60,9 @@ def test_a_restart_under_way_is_still_a_cold_reload():
 
 
 def test_a_standby_that_is_not_faster_waits_out_the_grace_as_before():
-    view = given(*measured_fleet(load_ms=800, wake_ms=900), crash())
+    # a reloads in 800 ms after its restart backoff (1000 ms): 1800 ms, against b's 1900 ms wake
+    assert POLICY.restart_backoff_ms == 1_000
+    view = given(*measured_fleet(load_ms=800, wake_ms=1_900), crash())
     assert faster_path(view) is None
     assert active_health(view, at(6)).health == "degraded" and only(view, facts(ms=6)) is None
     late = 5 + POLICY.degraded_grace_ms
@@ -94,11 +96,11 @@ def test_a_standby_never_woken_is_estimated_and_the_decision_says_so():
 
 def test_the_estimate_grows_with_the_declared_size_and_loses_to_a_quicker_reload():
     slow_wake = replace(POLICY, wake_estimate_bytes_per_s=1)  # 1 byte declared: 1000 ms, plus the probe
-    view = given(*fresh_fleet(load_ms=1_200), crash(), policy=slow_wake)
+    view = given(*fresh_fleet(load_ms=200), crash(), policy=slow_wake)  # + the 1000 ms restart backoff
     assert standby_serves_in(view, view.domains["b"], ["m1", "m2"]) == (1_500, False)
     assert faster_path(view) is None and active_health(view, at(6)).health == "degraded"
     assert only(view, facts(ms=5 + POLICY.degraded_grace_ms)).reason == "degraded"
-    quicker = given(*fresh_fleet(load_ms=2_000), crash(), policy=slow_wake)
+    quicker = given(*fresh_fleet(load_ms=1_000), crash(), policy=slow_wake)
     assert "1500 ms (ESTIMATED" in only(quicker, facts(ms=6)).detail
 
 
@@ -128,3 +130,17 @@ def test_losses_a_wake_would_not_fix_are_not_a_faster_path():
     standby_lost = ev("b", "m1", ModelLost(at=at(4), domain="b", model="m1", reason="evicted"))
     unfit = given(*measured_fleet(load_ms=40_000, wake_ms=900), standby_lost, crash())
     assert faster_path(unfit) is None
+
+
+def test_the_restart_backoff_counts_while_the_model_is_lost_and_not_once_it_reloads():
+    # a's 800 ms warm-up alone beats b's 900 ms wake, but the agent waits restart_backoff_ms (1000 ms) before
+    # it even starts the runtime again: 1800 ms while lost, so the standby is the faster path
+    lost = given(*measured_fleet(load_ms=800, wake_ms=900), crash())
+    health = faster_path(lost)
+    assert health is not None and "800 ms (measured warm-up) after the 1000 ms restart backoff" in health.why
+    # once it loads again (attempt 2) the backoff is behind it: its warm-up alone, and a is the quicker
+    reloading = given(*measured_fleet(load_ms=800, wake_ms=900), crash(),
+                      ev("a", "m1", ModelLoading(at=at(6), domain="a", model="m1", attempt=2)))
+    assert faster_path(reloading) is None
+    no_backoff = given(*measured_fleet(load_ms=800, wake_ms=900), crash(), policy=replace(POLICY, restart_backoff_ms=0))
+    assert faster_path(no_backoff) is None
