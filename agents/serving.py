@@ -116,6 +116,9 @@ class ServingProxy:
         self._runner: web.ServerRunner | None = None
         self._site: web.BaseSite | None = None
         self._session: aiohttp.ClientSession | None = None
+        # A resend goes on a connection of its own: when the runtime closed one idle kept-alive connection
+        # (llama-server's 5 s keep-alive timeout, its 100-request limit), the pool's others are as stale.
+        self._fresh: aiohttp.ClientSession | None = None
         self._lease: socket.socket | None = None  # the connection to the port holder that keeps its bridge off
         self._inflight: dict[str, int] = {}  # model -> requests being answered (drain)
         self._idle: asyncio.Event | None = None  # set when a count falls to 0, for `drain`
@@ -131,6 +134,8 @@ class ServingProxy:
             raise ConfigError(refusal)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
+        self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                            timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
         server = GuardedServer(self._handle, limits=self.limits, handler_cancellation=True, access_log=None)
         self.server = server
         self._runner = web.ServerRunner(server, handle_signals=False, access_log=None)
@@ -149,7 +154,7 @@ class ServingProxy:
             self._release()
             self._site = None
             await self._runner.cleanup()
-            await self._session.close()
+            await self._close_sessions()
             raise ConfigError(f"cannot open the serving port {self.host}:{self.port}: "
                               f"{getattr(exc, 'strerror', None) or exc}; free it or set "
                               f'"serving": {{"port": ...}} in the agent config') from exc
@@ -168,8 +173,7 @@ class ServingProxy:
                                     "agent in the port's accept queue", state_dir=str(self.state_dir))
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
+        await self._close_sessions()
         if not self.keep_runtimes():
             await asyncio.to_thread(portholder.stop_holder, self.state_dir)
         self._release()
@@ -294,17 +298,22 @@ class ServingProxy:
                 for name, m in self.slots.models.items()]
         return web.Response(body=msgspec.json.encode({"object": "list", "data": data}), content_type="application/json")
 
+    async def _close_sessions(self) -> None:
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
+
     async def _forward(self, request: web.BaseRequest, m, url: str, body: bytes) -> web.StreamResponse:
-        assert self._session is not None
+        assert self._session is not None and self._fresh is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASS_REQUEST}
-        for attempt in (0, 1):
+        for attempt, session in ((0, self._session), (1, self._fresh)):
             head = [False]
             try:
-                return await self._forward_once(request, m, url, body, headers, head)
+                return await self._forward_once(session, request, m, url, body, headers, head)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if attempt == 0 and not head[0] and _not_sent(exc) and not (request.transport is None
                                                                               or request.transport.is_closing()):
-                    continue  # a kept-alive connection the runtime had closed (llama-server: after 100 requests)
+                    continue  # a kept-alive connection the runtime had closed: once more, on a new connection
                 return await self._unreachable(request, m, url, exc)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 return await self._unreachable(request, m, url, exc)
@@ -319,10 +328,9 @@ class ServingProxy:
         return error(502, "upstream_unreachable", f"the runtime at {url} did not answer: {exc}",
                      headers={GONE_HEADER: "unreachable"})
 
-    async def _forward_once(self, request: web.BaseRequest, m, url: str, body: bytes, headers: dict,
-                            head: list[bool]) -> web.StreamResponse:
-        assert self._session is not None
-        async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as upstream:
+    async def _forward_once(self, session: aiohttp.ClientSession, request: web.BaseRequest, m, url: str, body: bytes,
+                            headers: dict, head: list[bool]) -> web.StreamResponse:
+        async with session.post(url, data=body, headers=headers, allow_redirects=False) as upstream:
             head[0] = True
             if upstream.status >= 500 or upstream.status == 404:
                 translated = await self._diagnose(m, upstream.status)
