@@ -164,6 +164,8 @@ class ModelSupervisor:
             self.away = ""
             await survive(lambda: self.ctx.record(m, Vanished(**self.ctx.about(m), detail=why)), name="supervise",
                           errors=self.ctx.errors, logger=self.logger, model=m.name)
+            if m.state_tag == "lost":  # it was live, and is lost: the load that follows is a restart (attempt 2),
+                m.attempt = max(m.attempt, 1)  # which the promoter's faster path and the gateway's hold count
         first = True
         while not self.ctx.stopping():
             if not first and await self._pause(backoff_s(self.ctx.policy(), m.failures)):

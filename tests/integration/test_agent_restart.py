@@ -289,6 +289,10 @@ async def test_a_runtime_that_died_while_no_agent_watched_is_lost_once_and_resta
     assert new == ["model_lost", "model_loading", "model_resident"], new  # lost once, then restarted
     lost = [r.event for r in await event_log.history(subjects.model(FLEET, "a", "m1")) if tag(r) == "model_lost"][-1]
     assert lost.reason == "process_exited" and f"pid {victim['pid']}" in lost.detail and "no agent" in lost.detail
+    # the reload is a restart (attempt 2): the promoter weighs it against the standby's wake (faster path)
+    # and the gateway holds for it, as for a runtime that died under the agent's eyes
+    loading = [r.event for r in await event_log.history(subjects.model(FLEET, "a", "m1")) if tag(r) == "model_loading"]
+    assert loading[-1].attempt == 2, loading[-1]
     assert identities(fleet.state_dir("a"))["m1"]["pid"] != victim["pid"]
     # m2 was untouched: adopted, never lost nor reloaded (one spawn; a wait for its GPU's turn at the
     # first boot is a `model_loading` without a pid)
