@@ -146,6 +146,38 @@ async def replay_fold(log: EventLog) -> float:
     return dt
 
 
+async def follow_until(log: EventLog, last: int, handler) -> float:
+    """A following replay (what a follower runs: the catch-up reader, then the ordered consumer) until
+    the handler has seen `last`."""
+    done = asyncio.get_running_loop().create_future()
+
+    def on(rec):
+        handler(rec)
+        if rec.seq >= last and not done.done():
+            done.set_result(None)
+
+    t0 = time.perf_counter()
+    task = asyncio.create_task(log.replay(on, follow=True))
+    try:
+        await asyncio.wait_for(asyncio.shield(done), 120)
+        dt = time.perf_counter() - t0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return dt
+
+
+async def follow_noop(log: EventLog, last: int) -> float:
+    return await follow_until(log, last, lambda rec: None)
+
+
+async def follow_fold(log: EventLog, last: int) -> float:
+    folders: dict = {}
+    dt = await follow_until(log, last, lambda rec: add_one(folders, rec.event, seq=rec.seq, subject=rec.subject, error=rec.error))
+    assert len(folders) == len(FLEETS)
+    return dt
+
+
 async def rebuild(log: EventLog, last: int) -> tuple[float, Projector]:
     projector = Projector(log)
     t0 = time.perf_counter()
@@ -209,6 +241,8 @@ async def rebuild_round(store: Path, bodies: list[tuple[str, bytes]]) -> tuple[i
                 "raw": await raw_drain(log, last),
                 "noop": await replay_noop(log),
                 "fold": await replay_fold(log),
+                "follow": await follow_noop(log, last),
+                "follow+fold": await follow_fold(log, last),
             }
             times["rebuild"], projector = await rebuild(log, last)
             # A second raw drain after, so a drifting machine load shows up in the baseline too.
@@ -238,6 +272,8 @@ async def main() -> None:
         print(f"  raw ordered-consumer drain    {raw:5.2f}s  {last / raw:9,.0f} ev/s   1.00x (baseline)")
         print(f"  EventLog.replay, no-op        {noop:5.2f}s  {last / noop:9,.0f} ev/s   {raw / noop:.2f}x")
         print(f"  EventLog.replay + fold        {folded:5.2f}s  {last / folded:9,.0f} ev/s   {raw / folded:.2f}x")
+        print(f"  follow (catch-up), no-op      {best['follow']:5.2f}s  {last / best['follow']:9,.0f} ev/s   {raw / best['follow']:.2f}x")
+        print(f"  follow (catch-up) + fold      {best['follow+fold']:5.2f}s  {last / best['follow+fold']:9,.0f} ev/s   {raw / best['follow+fold']:.2f}x")
         print(f"  projector rebuild (KV+route)  {built:5.2f}s  {last / built:9,.0f} ev/s   {raw / built:.2f}x   (goal >= 0.8x)")
         print(f"    last round: view writes {s.view_writes}, intents published {s.intents_published}, flushes {s.flushes}")
 

@@ -297,9 +297,10 @@ class Projector:
     async def _replay(self, from_seq: int) -> None:
         """Follow the log from `from_seq` (haru/log/follow.py: a stalled replay, or one that NATS's restart
         left behind, is started again after the last sequence folded; a damaged tail is logged once)."""
+        # headers=False: the fold reads none, and parsing the two every append writes was ~1.2 us a record.
         self.follower = self.log.follower(
             self.fold_record, from_seq=from_seq, name="projector", stall_interval=self.stall_interval,
-            stall_checks=self.stall_checks, on_restart=self._replay_restarted)
+            stall_checks=self.stall_checks, on_restart=self._replay_restarted, headers=False)
         await self.follower.run()
 
     def _replay_restarted(self, why: str) -> None:
