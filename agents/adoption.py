@@ -93,6 +93,8 @@ async def find_runtimes(state_dir: Path, models: Mapping[str, ModelSlot], *, pro
             path.unlink(missing_ok=True)
             found.away[name] = f"the runtime (pid {pid}) outlived its agent but did not answer ({why[:200]}); stopped"
             continue
+        # Answers kept while it is awake mean a wake nobody checked: its agent died between the wake and
+        # the check. The next agent checks them on adoption (agents/supervisor.py `_adopt`).
         found.adoptable[name] = Adoptable(pid=pid, asleep=bool(asleep), endpoint=m.runtime.base_url,
-                                          wake_answers=wake_answers(doc) if asleep else {})
+                                          wake_answers=wake_answers(doc))
     return found

@@ -623,6 +623,14 @@ class ModelSupervisor:
             m.exited.clear()
             m.exit_code = None
             m.on_purpose = False
+            if not found.asleep and self.wake_check.armed:
+                # Woken by an agent that died before it checked the wake: checked now, before it may serve.
+                changed = await self.wake_check.changed(m.runtime, self.ctx.policy().probe_timeout_ms / 1000)
+                if changed:
+                    self.logger.warning("a runtime woken by the previous agent answers otherwise than before its "
+                                        "sleep; not adopted, reloaded", changed=changed)
+                    await self._wrong_after_wake(m.generation, changed)
+                    return True  # stopped and `exited`: the supervisor reloads it
             level = getattr(m.state, "level", 1) or 1
             await self.ctx.record(m, Adopted(**self.ctx.about(m), pid=found.pid, endpoint=found.endpoint,
                                              asleep=found.asleep, level=level, sleeps=m.runtime.can_sleep,

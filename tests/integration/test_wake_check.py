@@ -147,3 +147,27 @@ async def test_a_checked_wake_leaves_no_answers_behind(tmp_path, nats_server, ev
     wake = await send(event_log.bus, "f", "a", "wake", Command(op_id="w5"), timeout=20)
     assert wake.ok and "recorded before the sleep" in wake.data["models"]["m1"]["detail"], wake
     assert "wake_answers" not in json.loads(path.read_text())  # checked once: the next wake needs the next sleep's
+
+
+async def test_a_runtime_woken_by_an_agent_that_died_before_the_check_is_checked_on_adoption(
+        tmp_path, nats_server, event_log, agents):
+    """The agent sent /wake_up and died before it compared the answers: the runtime is awake, its identity
+    file still holds the answers from before the sleep, and the agent that adopts it checks them."""
+    agent, endpoint = await start_active(tmp_path, nats_server, event_log, agents)
+    assert (await send(event_log.bus, "f", "a", "sleep", Command(), timeout=10)).ok
+    agent.signal(signal.SIGTERM)  # the runtime keeps sleeping
+    assert await agent.wait(30) == 0
+    await sim_fault(endpoint, "corrupt_wake")
+    async with aiohttp.ClientSession() as s:  # what the dead agent did last: the wake itself
+        async with s.post(endpoint + "/wake_up") as r:
+            assert r.status == 200, await r.text()
+    last = await event_log.last(MODEL)
+    again = agents(tmp_path / "agent-a.json", tmp_path / "agent-a2.log")
+    lost = await wait_event(event_log, MODEL, lambda r: tag(r) == "model_lost" and r.seq > last.seq, agent=again,
+                            timeout=30)
+    assert lost.event.reason == "unhealthy" and lost.event.detail.startswith("wake_answer_changed:"), lost.event
+    # never adopted (nor resident) on the wrong answers: lost, then reloaded from its files
+    back = await wait_event(event_log, MODEL, lambda r: tag(r) == "model_resident" and r.seq > lost.seq, agent=again,
+                            timeout=30)
+    since = [tag(r) for r in await event_log.history(MODEL) if last.seq < r.seq < back.seq]
+    assert "model_adopted" not in since and "model_resident" not in since and "model_loading" in since, since
