@@ -16,7 +16,8 @@ What the caller takes on. The callback must be synchronous, quick per message, a
 exception is logged and the message dropped: nats-py's read loop would otherwise stop, and with it the
 connection); flow control, heartbeats and statuses are its own business (haru/log/js_replay.py's
 catch-up reader reads a pull consumer, which needs none of them). The connection's `in_msgs` statistics
-do not count these messages.
+do not count these messages. The wrapper is on the client only while it has a direct subscription (the
+last one stopped puts nats-py's own method back), so the rest of its traffic pays nothing otherwise.
 
 The version guard: `Client._process_msg(sid, subject, reply, data, headers)` is private to nats-py; it is
 wrapped only on the exact nats-py this was written and tested against (`FOR_NATS_PY`); on any other
@@ -48,8 +49,9 @@ def direct_supported() -> bool:
 
 
 def _table(nc: Any) -> dict[int, DirectCallback]:
-    """The client's table of direct subscriptions, its `_process_msg` wrapped the first time."""
-    table: dict[int, DirectCallback] | None = getattr(nc, _TABLE, None)
+    """The client's table of direct subscriptions, its `_process_msg` wrapped while the table is not
+    empty (`_release` unwraps it: the rest of the connection's traffic pays nothing outside a catch-up)."""
+    table: dict[int, DirectCallback] | None = nc.__dict__.get(_TABLE)
     if table is not None:
         return table
     table = {}
@@ -71,10 +73,18 @@ def _table(nc: Any) -> dict[int, DirectCallback]:
     return table
 
 
+def _release(nc: Any, table: dict[int, DirectCallback]) -> None:
+    """Unwrap the client's `_process_msg` once its last direct subscription is stopped."""
+    if not table and nc.__dict__.get(_TABLE) is table:
+        del nc.__dict__[_TABLE]
+        nc.__dict__.pop("_process_msg", None)  # the class's own method again
+
+
 class DirectSubscription:
     """A subscription whose messages go to a callback from the read loop (see the module docstring)."""
 
-    def __init__(self, sub: Any, table: dict[int, DirectCallback]) -> None:
+    def __init__(self, nc: Any, sub: Any, table: dict[int, DirectCallback]) -> None:
+        self.nc = nc
         self.sub = sub
         self.sid: int = sub._id
         self._table = table
@@ -82,6 +92,7 @@ class DirectSubscription:
     def stop(self) -> None:
         """No more deliveries to the callback from now on (what is still in flight is dropped)."""
         self._table.pop(self.sid, None)
+        _release(self.nc, self._table)
 
     async def unsubscribe(self) -> None:
         self.stop()
@@ -96,7 +107,7 @@ async def subscribe_direct(nc: Any, subject: str, callback: DirectCallback) -> D
     table = _table(nc)
     sub = await nc.subscribe(subject)  # no callback: nats-py would queue its messages, the wrapper takes them first
     table[sub._id] = callback
-    return DirectSubscription(sub, table)
+    return DirectSubscription(nc, sub, table)
 
 
 _HDR_LINE = b"NATS/1.0"

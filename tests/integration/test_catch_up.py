@@ -192,7 +192,9 @@ async def test_a_direct_subscription_gets_raw_messages_and_a_failing_callback_sp
         msgs = [await plain.next_msg(2) for _ in range(3)]
         assert got[0][3] == msgs[1].headers and got[1][3] is None and msgs[2].headers is None
         assert await event_log.last_seq() >= 0  # the connection still answers requests
+        assert "_process_msg" in nc.__dict__  # wrapped while a direct subscription is on
         sub.stop()
+        assert "_process_msg" not in nc.__dict__  # the last one stopped: nats-py's own path again
         await nc.publish("haru.test.direct", b"three")
         await nc.flush()
         assert (await plain.next_msg(2)).data == b"three"
