@@ -227,55 +227,60 @@ class Replay:
         up or anything unusual (the module docstring, "The catch-up"); then the ordered consumer goes on."""
         nc = self.js._nc
         catch = _CatchUp(self.loop)
-        direct = await nats_direct.subscribe_direct(nc, nc.new_inbox(), self._on_direct(catch, nc))
+        try:
+            direct = await nats_direct.subscribe_direct(nc, nc.new_inbox(), self._on_direct(catch, nc))
+        except Exception as exc:  # noqa: BLE001 - NATS away: the ordered consumer's subscribe says so
+            _log.info("eventlog.catch_up_skipped", filter=self.subject_filter, error=repr(exc))
+            return
         if direct is None:
             return
-        inbox = direct.sub.subject
         try:
-            policy, start = self._start()
-            config = api.ConsumerConfig(
-                ack_policy=api.AckPolicy.NONE, deliver_policy=policy, opt_start_seq=start,
-                filter_subject=self.subject_filter, mem_storage=True, inactive_threshold=_CATCH_UP_INACTIVE_S,
-                num_replicas=1, headers_only=False)
-            try:
-                async with asyncio.timeout(_CATCH_UP_EXPIRES_S):
-                    info = await self.js.add_consumer(subjects.EVENTS_STREAM, config)
-            except Exception as exc:  # noqa: BLE001 - the ordered consumer reads it all instead
-                _log.info("eventlog.catch_up_skipped", filter=self.subject_filter, error=repr(exc))
-                return
-            if not info.num_pending:
-                return  # nothing stored past the start: follow
-            catch.consumer = info.name.encode()
-            ask_subject = f"$JS.API.CONSUMER.MSG.NEXT.{subjects.EVENTS_STREAM}.{info.name}"
-            request = msgspec.json.encode({"batch": _CATCH_UP_BATCH, "expires": int(_CATCH_UP_EXPIRES_S * 1e9)})
-            for _ in range(2):
-                catch.asked += _CATCH_UP_BATCH
-                await nc.publish(ask_subject, request, reply=inbox)
-            seen = -1
-            while True:
-                if not catch.ask.is_set():
-                    asked: asyncio.Future[Any] = asyncio.ensure_future(catch.ask.wait())
-                    try:
-                        await asyncio.wait({catch.done, asked}, timeout=_CATCH_UP_SILENCE_S,
-                                           return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        asked.cancel()
-                if catch.done.done():
-                    break
-                if catch.ask.is_set():
-                    catch.ask.clear()
-                    catch.asked += _CATCH_UP_BATCH
-                    await nc.publish(ask_subject, request, reply=inbox)
-                    continue
-                if catch.next_cseq == seen:
-                    break  # silent: the ordered consumer takes it from here
-                seen = catch.next_cseq
+            await self._catch_up_with(catch, nc, direct.sub.subject)
+        except Exception as exc:  # noqa: BLE001 - a refused or failed request: hand over
+            _log.info("eventlog.catch_up_ended", filter=self.subject_filter, after=self.last_handled, error=repr(exc))
         finally:
             catch.end()
             direct.stop()  # nothing more handled from this consumer, before any await
             with contextlib.suppress(Exception):
                 await direct.unsubscribe()
             # The consumer is left to the server (`_CATCH_UP_INACTIVE_S`): readers may not delete consumers.
+
+    async def _catch_up_with(self, catch: "_CatchUp", nc: Any, inbox: str) -> None:
+        """The catch-up's consumer and its pull requests, until it ends (see `_catch_up`)."""
+        policy, start = self._start()
+        config = api.ConsumerConfig(
+            ack_policy=api.AckPolicy.NONE, deliver_policy=policy, opt_start_seq=start,
+            filter_subject=self.subject_filter, mem_storage=True, inactive_threshold=_CATCH_UP_INACTIVE_S,
+            num_replicas=1, headers_only=False)
+        async with asyncio.timeout(_CATCH_UP_EXPIRES_S):  # refused or NATS away: `_catch_up` hands over
+            info = await self.js.add_consumer(subjects.EVENTS_STREAM, config)
+        if not info.num_pending:
+            return  # nothing stored past the start: follow
+        catch.consumer = info.name.encode()
+        ask_subject = f"$JS.API.CONSUMER.MSG.NEXT.{subjects.EVENTS_STREAM}.{info.name}"
+        request = msgspec.json.encode({"batch": _CATCH_UP_BATCH, "expires": int(_CATCH_UP_EXPIRES_S * 1e9)})
+        for _ in range(2):
+            catch.asked += _CATCH_UP_BATCH
+            await nc.publish(ask_subject, request, reply=inbox)
+        seen = -1
+        while True:
+            if not catch.ask.is_set():
+                asked: asyncio.Future[Any] = asyncio.ensure_future(catch.ask.wait())
+                try:
+                    await asyncio.wait({catch.done, asked}, timeout=_CATCH_UP_SILENCE_S,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    asked.cancel()
+            if catch.done.done():
+                break
+            if catch.ask.is_set():
+                catch.ask.clear()
+                catch.asked += _CATCH_UP_BATCH
+                await nc.publish(ask_subject, request, reply=inbox)
+                continue
+            if catch.next_cseq == seen:
+                break  # silent: the ordered consumer takes it from here
+            seen = catch.next_cseq
 
     def _on_direct(self, catch: "_CatchUp", nc: Any) -> nats_direct.DirectCallback:
         """The catch-up's callback, called from nats-py's read loop with the raw subject, reply subject,

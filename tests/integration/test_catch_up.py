@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from datetime import datetime, timedelta, timezone
 
+import nats.errors
+import nats.js.errors
 import pytest
 from nats.js import api
 
@@ -113,6 +115,39 @@ async def test_a_consumer_deleted_mid_catch_up_hands_over_and_nothing_is_lost_or
     finally:
         await cancel_and_wait(follower)
     assert await deleting[0] == 1
+    assert seen == list(range(1, total + 1))
+
+
+@pytest.mark.parametrize("refused", ["create", "pull"])
+async def test_a_catch_up_whose_requests_fail_hands_over_and_the_follower_gets_everything(
+        event_log, monkeypatch, refused):
+    """A consumer the server will not make, or pull requests that cannot be sent (NATS closing, ...): the
+    ordered consumer reads everything instead, and nothing is raised to the follower."""
+    last = await append(event_log, 12)
+    nc = event_log.js._nc
+    if refused == "create":
+        async def add_consumer(*args, **kwargs):
+            raise nats.js.errors.APIError(description="refused")
+
+        monkeypatch.setattr(event_log.js, "add_consumer", add_consumer)
+    else:
+        publish = nc.publish
+
+        async def failing(subject, *args, **kwargs):
+            if subject.startswith("$JS.API.CONSUMER.MSG.NEXT."):
+                raise nats.errors.ConnectionClosedError
+            return await publish(subject, *args, **kwargs)
+
+        monkeypatch.setattr(nc, "publish", failing)
+    seen: list[int] = []
+    follower = asyncio.create_task(event_log.replay(lambda rec: seen.append(rec.seq), follow=True))
+    try:
+        await until(lambda: len(seen) >= last)
+        total = await append(event_log, 3, start=12)
+        await until(lambda: len(seen) >= total)
+        assert not follower.done()
+    finally:
+        await cancel_and_wait(follower)
     assert seen == list(range(1, total + 1))
 
 
