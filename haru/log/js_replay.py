@@ -20,7 +20,7 @@ consumer (ack none, memory storage, the replay's filter, from its start; the ser
 `_CATCH_UP_INACTIVE_S` after its last request, as readers may not delete consumers), `_CATCH_UP_BATCH`
 messages a request with the next request sent when half of the last is in, its deliveries handed to
 the handler straight from nats-py's read loop (haru/log/nats_direct.py: no `Msg`, no queue hop). It
-drains ~1.5x faster than the ordered consumer (bench/readers.py, docs/performance.md). Its deliveries
+drains 1.1-2.0x faster than the ordered consumer (bench/projector.py, docs/performance.md). Its deliveries
 go through the same checks as the ordered consumer's (a redelivery at or below the last sequence
 handled is dropped, a hole in the stream sequences goes to `on_gap`), and each must carry the
 consumer sequence after the previous one. The catch-up ends, and the ordered consumer takes over from

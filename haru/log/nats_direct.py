@@ -8,8 +8,8 @@ Why. nats-py hands every delivered message to a subscription through `Client._pr
 the headers, builds a `Msg` (decoding the subject and reply to text), for a JetStream subscription parses
 the reply subject again for its bookkeeping, and queues the message for the subscription's task, which
 then calls the callback. For a replay that is most of what a message costs: a follower's catch-up read
-this way drains bench/projector.py's 100k events 1.4-1.5x faster than nats-py's ordered consumer doing
-nothing with its messages (docs/performance.md). Here the callback gets the parser's raw
+this way drains bench/projector.py's 100k events 1.1-2.0x faster (median ~1.5x) than nats-py's ordered
+consumer doing nothing with its messages (docs/performance.md). Here the callback gets the parser's raw
 subject, reply, payload and header block and runs inside the read loop: no `Msg`, no queue, no task.
 
 What the caller takes on. The callback must be synchronous, quick per message, and must not raise (an
