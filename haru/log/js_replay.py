@@ -26,9 +26,11 @@ handled is dropped, a hole in the stream sequences goes to `on_gap`), and each m
 consumer sequence after the previous one. The catch-up ends, and the ordered consumer takes over from
 the sequence after the last one handled, on the first of: a delivery saying nothing is pending (caught
 up), a consumer sequence skipped (a delivery missed: nothing after it was handled), no delivery for
-`_CATCH_UP_SILENCE_S` (a status, the server away, a damaged message it skips), or the consumer not
-made (another nats-py, a refused request). So anything unusual is left to the reader that handles it
-today; the catch-up only ever hands over early.
+two `_CATCH_UP_SILENCE_S` in a row (a status, the server away, a damaged message it skips; a request
+is sent again after the first, as in a cluster the first can be lost while the new consumer's
+interest reaches the other servers), or the consumer not made (another nats-py, a refused request).
+So anything unusual is left to the reader that handles it today; the catch-up only ever hands over
+early.
 """
 
 from __future__ import annotations
@@ -262,7 +264,7 @@ class Replay:
         for _ in range(2):
             catch.asked += _CATCH_UP_BATCH
             await nc.publish(ask_subject, request, reply=inbox)
-        seen = -1
+        seen, silent = catch.next_cseq, 0
         while True:
             if not catch.ask.is_set():
                 asked: asyncio.Future[Any] = asyncio.ensure_future(catch.ask.wait())
@@ -278,9 +280,16 @@ class Replay:
                 catch.asked += _CATCH_UP_BATCH
                 await nc.publish(ask_subject, request, reply=inbox)
                 continue
-            if catch.next_cseq == seen:
+            if catch.next_cseq != seen:
+                seen, silent = catch.next_cseq, 0
+                continue
+            silent += 1
+            if silent >= 2:
                 break  # silent: the ordered consumer takes it from here
-            seen = catch.next_cseq
+            # Silent once: a request may have been lost (in a cluster, a new consumer's interest in its
+            # pull requests reaches the other servers a moment after it is created): ask again.
+            catch.asked += _CATCH_UP_BATCH
+            await nc.publish(ask_subject, request, reply=inbox)
 
     def _on_direct(self, catch: "_CatchUp", nc: Any) -> nats_direct.DirectCallback:
         """The catch-up's callback, called from nats-py's read loop with the raw subject, reply subject,

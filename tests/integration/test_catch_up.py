@@ -151,6 +151,44 @@ async def test_a_catch_up_whose_requests_fail_hands_over_and_the_follower_gets_e
     assert seen == list(range(1, total + 1))
 
 
+async def test_pull_requests_lost_at_the_start_are_sent_again_and_the_catch_up_reads_it_all(event_log, monkeypatch):
+    """In a cluster the first pull requests can be lost while the new consumer's interest reaches the other
+    servers: after one silent window the catch-up asks again instead of handing over."""
+    monkeypatch.setattr(js_replay, "_CATCH_UP_SILENCE_S", 0.3)
+    last = await append(event_log, 12)
+    nc = event_log.js._nc
+    publish, dropped = nc.publish, []
+
+    async def losing_the_first_two(subject, *args, **kwargs):
+        if subject.startswith("$JS.API.CONSUMER.MSG.NEXT.") and len(dropped) < 2:
+            dropped.append(subject)
+            return None
+        return await publish(subject, *args, **kwargs)
+
+    monkeypatch.setattr(nc, "publish", losing_the_first_two)
+    by_catch_up = [0]
+    original = js_replay.Replay._on_direct
+
+    def counting(self, catch, nc):
+        on = original(self, catch, nc)
+
+        def on_msg(subject, reply, data, hdr):
+            before = self.last_handled
+            on(subject, reply, data, hdr)
+            by_catch_up[0] += self.last_handled != before
+
+        return on_msg
+
+    monkeypatch.setattr(js_replay.Replay, "_on_direct", counting)
+    seen: list[int] = []
+    follower = asyncio.create_task(event_log.replay(lambda rec: seen.append(rec.seq), follow=True))
+    try:
+        await until(lambda: len(seen) >= last)
+    finally:
+        await cancel_and_wait(follower)
+    assert len(dropped) == 2 and seen == list(range(1, last + 1)) and by_catch_up[0] == last
+
+
 async def test_a_skipped_consumer_sequence_ends_the_catch_up_before_anything_past_it(event_log):
     """Fed by hand: the callback hands nothing past a missed delivery and asks for the hand-over."""
     seen: list[int] = []
