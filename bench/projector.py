@@ -4,8 +4,8 @@
    `haru.projector.Projector`, against a raw nats-py ordered-consumer drain of the same stream
    (nats-py's fastest ordinary way to read it, doing nothing with the messages). Ratio = raw time /
    rebuild time (goal >= 0.8x, issue 30; with the follower's catch-up, which reads what the stream holds
-   through a pull consumer handled from nats-py's read loop, 0.64-1.09x, median 0.76x: near the goal,
-   not reliably at it; docs/performance.md, "The follower's catch-up"). Also printed, to show where the time goes: `EventLog.replay` (not following: the
+   through a pull consumer handled from nats-py's read loop, 0.76-0.92x, median 0.86x, five runs of six
+   at or above the goal; docs/performance.md, "The follower's catch-up"). Also printed, to show where the time goes: `EventLog.replay` (not following: the
    ordered consumer) with a no-op handler and with the fold, and a following replay (what the
    projector's follower runs: the catch-up, then the ordered consumer) with a no-op handler and with
    the fold.
