@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TypeVar
 
@@ -94,6 +94,22 @@ async def requested(call: Awaitable[T], *, invalid: str) -> T:
         raise ApiError(503, "log_error", str(exc)) from None
     except HaruError as exc:
         raise ApiError(400, invalid, str(exc)) from None
+
+
+async def request_body(request: web.BaseRequest, decode: Callable[[bytes], T], empty: T, *, hint: str = "",
+                       param: str | None = None) -> T:
+    """A write's JSON body (`empty` when there is none), read after answering `Expect: 100-continue`;
+    a body that does not decode is a 400 naming what was wrong (`hint`: what a valid one looks like)."""
+    await continue_if_expected(request)
+    raw = await request.read()
+    try:
+        return decode(raw) if raw.strip() else empty
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, "invalid_request", f"invalid request body: {exc}{hint}", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, "invalid_request", f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "invalid_request", TOO_DEEP) from None
 
 
 def raw_json(data: bytes, headers: dict[str, str] | None = None) -> web.Response:
@@ -335,16 +351,7 @@ class Control:
 
     async def operation(self, request: web.BaseRequest, fleet: str, kind: str) -> web.Response:
         fleet = self._fleet(fleet)
-        await continue_if_expected(request)
-        raw = await request.read()
-        try:
-            body = _decode_operation(raw) if raw.strip() else _OperationBody()
-        except msgspec.ValidationError as exc:
-            raise ApiError(400, "invalid_request", f"invalid request body: {exc}", param="domain") from None
-        except msgspec.DecodeError as exc:
-            raise ApiError(400, "invalid_request", f"request body is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise ApiError(400, "invalid_request", TOO_DEEP) from None
+        body = await request_body(request, _decode_operation, _OperationBody(), param="domain")
         target = body.domain or body.targetDomainId
         if not target:
             raise ApiError(400, "invalid_request",

@@ -19,10 +19,8 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from haru.core.openai_errors import TOO_DEEP
-from haru.gateway.control import Control, json_response, requested
+from haru.gateway.control import Control, json_response, request_body, requested
 from haru.gateway.errors import ApiError
-from haru.host.httpguard import continue_if_expected
 
 log = structlog.get_logger("haru.gateway")
 
@@ -40,17 +38,8 @@ _decode = msgspec.json.Decoder(_WeightsBody).decode
 
 async def post_weights(control: Control, request: web.BaseRequest, fleet: str) -> web.Response:
     fleet = control._fleet(fleet)
-    await continue_if_expected(request)
-    raw = await request.read()
-    try:
-        body = _decode(raw) if raw.strip() else _WeightsBody()
-    except msgspec.ValidationError as exc:
-        raise ApiError(400, "invalid_request", f'invalid request body: {exc} (send {{"weights": {{"b": 10}}}} or '
-                                               f'{{"reset": true}})', param="weights") from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, "invalid_request", f"request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ApiError(400, "invalid_request", TOO_DEEP) from None
+    body = await request_body(request, _decode, _WeightsBody(), param="weights",
+                              hint=' (send {"weights": {"b": 10}} or {"reset": true})')
     events = control._need_log()
     from haru.promoter.weighting import request_weights  # the promoter's; imported when first used
 

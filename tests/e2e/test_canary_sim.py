@@ -29,7 +29,7 @@ from haru.promoter.weighting import request_weights
 from haru.host.tasks import cancel_and_wait
 from tests.e2e.test_failover_sim import steady
 from tests.integration.test_gateway import running_gateway, wait_for
-from tests.support.agent_harness import AgentProcess, agent_env, sim_fault, write_config, write_layout
+from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, sim_fault, write_config, write_layout
 from tests.support.promoter import promoters, wait_view
 
 pytestmark = pytest.mark.timeout(120)
@@ -76,9 +76,7 @@ async def fleet(tmp_path, nats_server, event_log):
             async with running_gateway(event_log, default_fleet=FLEET, canary_report_ms=200) as gw:
                 yield gw
     finally:
-        for p in procs:
-            with contextlib.suppress(Exception):
-                p.kill()
+        kill_agents(procs)
         await cancel_and_wait(projector)
 
 

@@ -6,7 +6,6 @@ present=None; the runtimes are the simulator. Before, every promotion aborted at
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 
@@ -15,7 +14,7 @@ from haru.core.apply import apply
 from haru.core.events import PromotionRequested, StepCompleted
 from haru.core.layout import load_layout
 from tests.e2e.test_failover_sim import FLEET, POLICY, now, sim, steady
-from tests.support.agent_harness import AgentProcess, agent_env, write_config, write_layout
+from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, write_config, write_layout
 from tests.support.promoter import op_events, promoters, route_moves, wait_view
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,9 +44,7 @@ async def test_a_promotion_without_nvml_completes_and_says_nvml_was_absent(tmp_p
             sim(tmp_path, "kill-runtime", "a", "m1")
             await wait_view(event_log, lambda v: steady(v, "b"), timeout=60, fleet=FLEET, what="b active, a standby")
     finally:
-        for p in procs:
-            with contextlib.suppress(Exception):
-                p.kill()
+        kill_agents(procs)
     assert [m.active for m in await route_moves(event_log, FLEET)] == ["a", "b"]
     ops = await op_events(event_log, FLEET)
     failover = [e.op_id for e in ops if isinstance(e, PromotionRequested) and e.reason != "initial"][0]

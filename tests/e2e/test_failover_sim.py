@@ -16,7 +16,7 @@ from haru.core.apply import apply
 from haru.core.events import OperationAborted, PromotionRequested, StepFailed, StepStarted
 from haru.core.layout import load_layout
 from haru.core.residency import Resident, Sleeping
-from tests.support.agent_harness import AgentProcess, agent_env, sim_fault, write_config, write_layout
+from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, sim_fault, write_config, write_layout
 from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_until, wait_view
 from tests.support import haru
 
@@ -71,9 +71,7 @@ async def sim_agents(tmp_path, nats_server, event_log):
             procs.append(AgentProcess(cfg, tmp_path / f"agent-{d}.log", agent_env()))
         yield procs
     finally:
-        for p in procs:
-            with contextlib.suppress(Exception):
-                p.kill()
+        kill_agents(procs)
 
 
 @pytest.fixture

@@ -132,6 +132,15 @@ class AgentProcess:
         return Path(state_dir) if state_dir else None
 
 
+
+def kill_agents(procs: list[AgentProcess]) -> None:
+    """`kill` each agent of a test's fleet (its runtimes and port holder too), whatever happens to the others."""
+    for p in procs:
+        try:
+            p.kill()
+        except Exception:  # noqa: BLE001 - one agent's teardown must not leave the next one running
+            pass
+
 def kill_runtimes(state_dir: Path) -> list[int]:
     """SIGKILL the process group of every runtime an agent left in `state_dir` (its identity files,
     when the recorded process is still the one started), and stop its serving port's holder. Runtimes

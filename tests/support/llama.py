@@ -101,7 +101,7 @@ async def real_fleet(tmp_path: Path, nats_server, event_log, layout: Path, *, fl
     from haru.core.layout import load_layout
     from haru.host.tasks import cancel_and_wait
     from haru.projections.projector import Projector
-    from tests.support.agent_harness import AgentProcess, agent_env, write_config
+    from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, write_config
     from tests.support.promoter import promoters
 
     spec = load_layout(layout)
@@ -119,7 +119,5 @@ async def real_fleet(tmp_path: Path, nats_server, event_log, layout: Path, *, fl
                 gw.agents = procs  # for the tests: the agent processes, in domain order
                 yield gw
     finally:
-        for p in procs:
-            with contextlib.suppress(Exception):
-                p.kill()
+        kill_agents(procs)
         await cancel_and_wait(projector)
