@@ -42,10 +42,15 @@ class FoundRuntimes(msgspec.Struct, kw_only=True):
     away: dict[str, str] = {}  # model -> what is known of a runtime that died while no agent watched
 
 
-async def find_runtimes(state_dir: Path, models: Mapping[str, ModelSlot], *, probe_timeout_s: float,
-                        unwanted: Callable[[str, str], Awaitable[None]], logger: Any,
-                        why_unwanted: Callable[[str], str] = lambda _name: "the layout no longer has this model",
-                        ) -> FoundRuntimes:
+async def find_runtimes(
+    state_dir: Path,
+    models: Mapping[str, ModelSlot],
+    *,
+    probe_timeout_s: float,
+    unwanted: Callable[[str, str], Awaitable[None]],
+    logger: Any,
+    why_unwanted: Callable[[str], str] = lambda _name: "the layout no longer has this model",
+) -> FoundRuntimes:
     """Read the identity files a previous agent left: adopt what still matches the layout and answers,
     stop what the layout no longer wants, and note what died while no agent watched. A pid now held by
     another process is never touched."""
@@ -85,7 +90,11 @@ async def find_runtimes(state_dir: Path, models: Mapping[str, ModelSlot], *, pro
             with contextlib.suppress(RuntimeProblem):
                 asleep = await m.runtime.is_sleeping(timeout_s=timeout)
         if not (health.ok and listed):
-            why = health.detail or f"/health answered {health.status}" if not health.ok else "it no longer lists the model"
+            why = (
+                health.detail or f"/health answered {health.status}"
+                if not health.ok
+                else "it no longer lists the model"
+            )
             log.warning("not adopting a runtime that does not answer; stopping it", why=why)
             m.on_purpose = True
             await m.runtime.stop(RUNTIME_STOP_GRACE_S)
@@ -95,6 +104,7 @@ async def find_runtimes(state_dir: Path, models: Mapping[str, ModelSlot], *, pro
             continue
         # Answers kept while it is awake mean a wake nobody checked: its agent died between the wake and
         # the check. The next agent checks them on adoption (agents/supervisor.py `_adopt`).
-        found.adoptable[name] = Adoptable(pid=pid, asleep=bool(asleep), endpoint=m.runtime.base_url,
-                                          wake_answers=wake_answers(doc))
+        found.adoptable[name] = Adoptable(
+            pid=pid, asleep=bool(asleep), endpoint=m.runtime.base_url, wake_answers=wake_answers(doc)
+        )
     return found

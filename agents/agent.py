@@ -48,7 +48,6 @@ from haru.agents.commands import CommandService
 from haru.agents.config import AgentConfig, HostSlots, fold_declarations, load_layout_slots, slots_from_host_entry
 from haru.agents.gpu import Gpus, open_gpus
 from haru.agents.gpu_watch import GpuWatcher
-from haru.agents.signals import SignalWatcher, open_signals
 from haru.agents.heartbeat import Heartbeats
 from haru.agents.live_apply import LiveApply
 from haru.agents.load_queue import LoadQueue
@@ -59,6 +58,7 @@ from haru.agents.role import Role
 from haru.agents.runtime_files import RuntimeFiles
 from haru.agents.runtimes import Runtime, make_runtime
 from haru.agents.serving import ServingProxy, check_serving
+from haru.agents.signals import SignalWatcher, open_signals
 from haru.agents.status import Status
 from haru.agents.supervisor import SupervisorContext
 from haru.agents.training_policy import TrainingPolicy
@@ -90,7 +90,9 @@ async def resolve_slots(config: AgentConfig, log: EventLog) -> HostSlots:
 
 
 class Agent:
-    def __init__(self, config: AgentConfig, slots: HostSlots, log: EventLog, gpus: Gpus, session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self, config: AgentConfig, slots: HostSlots, log: EventLog, gpus: Gpus, session: aiohttp.ClientSession
+    ) -> None:
         self.config = config
         self.log = log
         self.gpus = gpus
@@ -114,39 +116,125 @@ class Agent:
         self.files = RuntimeFiles(self.state_dir, logger=logger)
         self.loop_errors = errors = LoopErrors()  # haru_agent_loop_errors_total{loop}
         self.append = Appender(log, stopping=stopping, logger=logger)
-        self.claim = Claim(log, fleet=fleet, domain=domain, host=self.host, pid=self.pid,
-                           heartbeat_ms=config.heartbeat_ms, logger=logger)
-        self.gpu_watch = GpuWatcher(fleet=fleet, domain=domain, gpus=gpus, append=self.append,
-                                    owners=lambda index: self.status.owners(index),
-                                    on_gone=lambda index: self.models.gpu_went_away(index), exclude_pid=self.pid,
-                                    logger=logger)
-        self.signals = SignalWatcher(domain=domain, gpus=open_signals(config.gpus, config.sim_dir),
-                                     notice=slots.domain.spec.preemption_notice, record=self._record_signal,
-                                     logger=logger, session=session)
-        self.training = TrainingSlots(slots.admitted_training, fleet=fleet, domain=domain,
-                                      grace_ms=slots.policy.training_grace_ms, log_dir=self.state_dir, append=self.append,
-                                      files=self.files, agent_seq=lambda: self.claim.seq, stopping=stopping, logger=logger)
-        self.recorder = Recorder(domain=domain, append=self.append, gpu=self.gpu_watch, agent_seq=lambda: self.claim.seq,
-                                 stopping=stopping, logger=logger)
-        self.role = Role(log, fleet=fleet, domain=domain, pinned=config.role,
-                         first_domain=lambda: self.live.slots.first_domain, stopping=stopping, errors=errors, logger=logger)
+        self.claim = Claim(
+            log,
+            fleet=fleet,
+            domain=domain,
+            host=self.host,
+            pid=self.pid,
+            heartbeat_ms=config.heartbeat_ms,
+            logger=logger,
+        )
+        self.gpu_watch = GpuWatcher(
+            fleet=fleet,
+            domain=domain,
+            gpus=gpus,
+            append=self.append,
+            owners=lambda index: self.status.owners(index),
+            on_gone=lambda index: self.models.gpu_went_away(index),
+            exclude_pid=self.pid,
+            logger=logger,
+        )
+        self.signals = SignalWatcher(
+            domain=domain,
+            gpus=open_signals(config.gpus, config.sim_dir),
+            notice=slots.domain.spec.preemption_notice,
+            record=self._record_signal,
+            logger=logger,
+            session=session,
+        )
+        self.training = TrainingSlots(
+            slots.admitted_training,
+            fleet=fleet,
+            domain=domain,
+            grace_ms=slots.policy.training_grace_ms,
+            log_dir=self.state_dir,
+            append=self.append,
+            files=self.files,
+            agent_seq=lambda: self.claim.seq,
+            stopping=stopping,
+            logger=logger,
+        )
+        self.recorder = Recorder(
+            domain=domain,
+            append=self.append,
+            gpu=self.gpu_watch,
+            agent_seq=lambda: self.claim.seq,
+            stopping=stopping,
+            logger=logger,
+        )
+        self.role = Role(
+            log,
+            fleet=fleet,
+            domain=domain,
+            pinned=config.role,
+            first_domain=lambda: self.live.slots.first_domain,
+            stopping=stopping,
+            errors=errors,
+            logger=logger,
+        )
         context = SupervisorContext(
-            domain=domain, record=self.recorder.record, about=self.recorder.about, gpu=self.gpu_watch, files=self.files,
-            role=lambda: self.role.now, policy=lambda: self.live.slots.policy, stopping=stopping, stop_event=self._stop,
-            spawn=self._spawn_task, make_room=self.training.make_room,
-            resume_training=lambda slots: self.training_policy.resume(slots), errors=errors, logger=logger,
-            loads=LoadQueue(order=lambda: [spec.name for spec in self.live.slots.admitted_models]))
-        self.models = ModelSlots(fleet=fleet, domain=domain, log=log, runtime_for=self._runtime_for, recorder=self.recorder,
-                                 files=self.files, context=context, spawn=self._spawn_task, logger=logger)
-        self.live = LiveApply(slots, log=log, fleet=fleet, domain=domain, models=self.models, role=self.role,
-                              stopping=stopping, spawn=self._spawn_task, errors=errors, logger=logger)
+            domain=domain,
+            record=self.recorder.record,
+            about=self.recorder.about,
+            gpu=self.gpu_watch,
+            files=self.files,
+            role=lambda: self.role.now,
+            policy=lambda: self.live.slots.policy,
+            stopping=stopping,
+            stop_event=self._stop,
+            spawn=self._spawn_task,
+            make_room=self.training.make_room,
+            resume_training=lambda slots: self.training_policy.resume(slots),
+            errors=errors,
+            logger=logger,
+            loads=LoadQueue(order=lambda: [spec.name for spec in self.live.slots.admitted_models]),
+        )
+        self.models = ModelSlots(
+            fleet=fleet,
+            domain=domain,
+            log=log,
+            runtime_for=self._runtime_for,
+            recorder=self.recorder,
+            files=self.files,
+            context=context,
+            spawn=self._spawn_task,
+            logger=logger,
+        )
+        self.live = LiveApply(
+            slots,
+            log=log,
+            fleet=fleet,
+            domain=domain,
+            models=self.models,
+            role=self.role,
+            stopping=stopping,
+            spawn=self._spawn_task,
+            errors=errors,
+            logger=logger,
+        )
         for spec in slots.admitted_models:
             self.models.models[spec.name] = self.models.new(spec)
-        self.training_policy = TrainingPolicy(self.training, models=self.models, role=self.role,
-                                              auto=config.auto_training, stopping=stopping, logger=logger)
-        self.status = Status(fleet=fleet, domain=domain, host=self.host, pid=self.pid, role=self.role, live=self.live,
-                             models=self.models, training=self.training, gpu_watch=self.gpu_watch,
-                             serving_url=lambda: self.serving_url)
+        self.training_policy = TrainingPolicy(
+            self.training,
+            models=self.models,
+            role=self.role,
+            auto=config.auto_training,
+            stopping=stopping,
+            logger=logger,
+        )
+        self.status = Status(
+            fleet=fleet,
+            domain=domain,
+            host=self.host,
+            pid=self.pid,
+            role=self.role,
+            live=self.live,
+            models=self.models,
+            training=self.training,
+            gpu_watch=self.gpu_watch,
+            serving_url=lambda: self.serving_url,
+        )
 
     async def _record_signal(self, event: FailureSignalled) -> None:
         """A sign this domain is about to go (agents/signals.py), on the agent subject the claim began."""
@@ -160,15 +248,19 @@ class Agent:
 
     def _runtime_for(self, spec: ModelSpec) -> Runtime:
         gpu_memory = {g.index: g.memory_bytes for g in self.live.slots.domain.spec.gpus}
-        return make_runtime(spec, session=self.session, log_dir=self.state_dir,
-                            bind_host=self.config.serving.host if self.direct else "127.0.0.1",
-                            gpu_memory_bytes=max(gpu_memory.get(i, 0) for i in model_gpus(spec)))
+        return make_runtime(
+            spec,
+            session=self.session,
+            log_dir=self.state_dir,
+            bind_host=self.config.serving.host if self.direct else "127.0.0.1",
+            gpu_memory_bytes=max(gpu_memory.get(i, 0) for i in model_gpus(spec)),
+        )
 
     # ------------------------------------------------------------------------------------ lifecycle
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def start(cls, config: AgentConfig) -> AsyncIterator["Agent"]:
+    async def start(cls, config: AgentConfig) -> AsyncIterator[Agent]:
         writer = f"agent:{config.fleet}/{config.domain}@{socket.gethostname()}"
         async with EventLog.connect(config.servers(), writer=writer, creds=config.nats_creds) as log:
             slots = await resolve_slots(config, log)
@@ -179,8 +271,13 @@ class Agent:
                 agent = cls(config, slots, log, gpus, session)
                 try:
                     await agent.claim.take(serving_url=slots.domain.spec.serving_url)
-                    agent.logger.info("agent started", seq=agent.claim.seq, source=slots.source,
-                                      models=list(agent.models.models), training=list(agent.training.trainers))
+                    agent.logger.info(
+                        "agent started",
+                        seq=agent.claim.seq,
+                        source=slots.source,
+                        models=list(agent.models.models),
+                        training=list(agent.training.trainers),
+                    )
                     await agent._boot()
                     yield agent
                 finally:
@@ -216,31 +313,55 @@ class Agent:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         swept_training = await asyncio.to_thread(self.files.sweep_children, policy.training_grace_ms)
         heartbeat_subject = subjects.heartbeat(self.fleet, self.domain)
-        heartbeats = Heartbeats(lambda data: self.log.bus.publish(heartbeat_subject, data), self.status.heartbeat,
-                                interval_s=self.config.heartbeat_ms / 1000, errors=self.loop_errors, logger=self.logger)
+        heartbeats = Heartbeats(
+            lambda data: self.log.bus.publish(heartbeat_subject, data),
+            self.status.heartbeat,
+            interval_s=self.config.heartbeat_ms / 1000,
+            errors=self.loop_errors,
+            logger=self.logger,
+        )
         self._spawn_task(heartbeats.run(), "heartbeat")
         await self.role.read()
         self._spawn_task(self.role.follow(), "route")
         # The tips of every subject this agent writes: it continues their chains.
         for m in self.models.models.values():
             await self.models.load_tip(m)
-        await self.models.find_runtimes(self.state_dir, probe_timeout_s=policy.probe_timeout_ms / 1000,
-                                        why_unwanted=slots.retire_why)
+        await self.models.find_runtimes(
+            self.state_dir, probe_timeout_s=policy.probe_timeout_ms / 1000, why_unwanted=slots.retire_why
+        )
         await self.training.load_tips(self.log, swept_training)
         await self.gpu_watch.load_tips(self.log, slots.gpu_indexes())
-        self._service = CommandService(self.log.nc, models=self.models, training=self.training_policy, role=self.role,
-                                       live=self.live, status=self.status, drain=self._drain_serving)
+        self._service = CommandService(
+            self.log.nc,
+            models=self.models,
+            training=self.training_policy,
+            role=self.role,
+            live=self.live,
+            status=self.status,
+            drain=self._drain_serving,
+        )
         await self._service.start()
         if self.config.serving.enabled and not self.direct:
-            self._serving = ServingProxy(self.models, self.gpu_watch, policy=lambda: self.live.slots.policy,
-                                         keep_runtimes=lambda: self.keep_runtimes, state_dir=self.state_dir,
-                                         host=self.config.serving.host, port=self.config.serving.port,
-                                         declared_url=slots.domain.spec.serving_url)
+            self._serving = ServingProxy(
+                self.models,
+                self.gpu_watch,
+                policy=lambda: self.live.slots.policy,
+                keep_runtimes=lambda: self.keep_runtimes,
+                state_dir=self.state_dir,
+                host=self.config.serving.host,
+                port=self.config.serving.port,
+                declared_url=slots.domain.spec.serving_url,
+            )
             await self._serving.start()
             self.serving_url = self._serving.url
-        self._spawn_task(self.gpu_watch.run(lambda: self.live.slots.gpu_indexes(),
-                                            lambda: self.live.slots.policy.probe_interval_ms / 1000,
-                                            self.loop_errors), "gpus")
+        self._spawn_task(
+            self.gpu_watch.run(
+                lambda: self.live.slots.gpu_indexes(),
+                lambda: self.live.slots.policy.probe_interval_ms / 1000,
+                self.loop_errors,
+            ),
+            "gpus",
+        )
         self._spawn_task(self.signals.run(lambda: self.live.slots.gpu_indexes(), self.loop_errors), "signals")
         for m in self.models.models.values():
             self.models.supervise(m)
@@ -268,8 +389,12 @@ class Agent:
         if self.keep_runtimes:
             self.models.keep_all()
         else:
-            await asyncio.gather(*(on_the_way_out(f"unloading {m.name}", self.models.unload(m), logger=logger)
-                                   for m in self.models.models.values()))
+            await asyncio.gather(
+                *(
+                    on_the_way_out(f"unloading {m.name}", self.models.unload(m), logger=logger)
+                    for m in self.models.models.values()
+                )
+            )
         await cancel_and_wait(*hb)
         self.files.write_children(self.training.trainers.values())
         self.logger.info("agent stopped", reason=reason)

@@ -45,6 +45,10 @@ class Appender:
         try:
             return await self.log.append(subject, event, expect=expect)
         except Conflict as exc:
-            self.logger.error("subject moved under the agent; continuing from its tip", subject=subject,
-                              expected=expect, current=exc.current)
+            self.logger.error(
+                "subject moved under the agent; continuing from its tip",
+                subject=subject,
+                expected=expect,
+                current=exc.current,
+            )
             return await self.log.append(subject, event, expect=await self.log.last_seq_of(subject))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -29,11 +29,13 @@ __all__ = ["Claim"]
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class Claim:
-    def __init__(self, log: Any, *, fleet: str, domain: str, host: str, pid: int, heartbeat_ms: int, logger: Any) -> None:
+    def __init__(
+        self, log: Any, *, fleet: str, domain: str, host: str, pid: int, heartbeat_ms: int, logger: Any
+    ) -> None:
         self.log = log
         self.fleet = fleet
         self.domain = domain
@@ -57,9 +59,16 @@ class Claim:
                     f"corrupt one history)"
                 )
         ram_total, ram_available = read_host_ram()  # agents/host_ram.py: /proc/meminfo, for `haru status`
-        event = AgentStarted(at=_now(), domain=self.domain, host=self.host, pid=self.pid, version=VERSION,
-                             serving_url=serving_url, host_ram_total_bytes=ram_total,
-                             host_ram_available_bytes=ram_available)
+        event = AgentStarted(
+            at=_now(),
+            domain=self.domain,
+            host=self.host,
+            pid=self.pid,
+            version=VERSION,
+            serving_url=serving_url,
+            host_ram_total_bytes=ram_total,
+            host_ram_available_bytes=ram_available,
+        )
         try:
             self.seq = await self.log.append(self.subject, event, expect=expect)
         except Conflict as exc:
@@ -71,8 +80,9 @@ class Claim:
 
     async def release(self, reason: str) -> None:
         """Append agent_stopping on the chain this agent's claim began."""
-        self.seq = await self.log.append(self.subject, AgentStopping(at=_now(), domain=self.domain, reason=reason),
-                                         expect=self.seq)
+        self.seq = await self.log.append(
+            self.subject, AgentStopping(at=_now(), domain=self.domain, reason=reason), expect=self.seq
+        )
 
     async def someone_answers(self) -> bool:
         """Whether a live agent holds the domain: it answers `status`, or heartbeats (another pid)."""

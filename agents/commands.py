@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import nats.micro
@@ -54,8 +54,17 @@ class CommandService:
     """Answers each verb with the agent's part that does it: the model slots (sleep, wake, probe), the
     training policy, the role, the live apply and the status answer."""
 
-    def __init__(self, nc, *, models: ModelSlots, training: TrainingPolicy, role: Role, live: LiveApply,
-                 status: Status, drain: Callable[[list[str]], Awaitable[int]] | None = None) -> None:
+    def __init__(
+        self,
+        nc,
+        *,
+        models: ModelSlots,
+        training: TrainingPolicy,
+        role: Role,
+        live: LiveApply,
+        status: Status,
+        drain: Callable[[list[str]], Awaitable[int]] | None = None,
+    ) -> None:
         self.nc = nc  # the NATS connection the service answers on
         self.drain = drain  # the serving port's requests in flight to these models finish (drain_ms at most)
         self.models = models
@@ -112,8 +121,11 @@ class CommandService:
         try:
             command = command_decoder.decode(request.data) if request.data.strip() else Command()
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            reply = Reply(ok=False, detail="bad command body",
-                          error=ErrorInfo(code="invalid_command", message=f"not a haru.core.commands.Command: {exc}"))
+            reply = Reply(
+                ok=False,
+                detail="bad command body",
+                error=ErrorInfo(code="invalid_command", message=f"not a haru.core.commands.Command: {exc}"),
+            )
         else:
             COMMAND_CAUSE.set(command.cause)
             try:
@@ -121,14 +133,22 @@ class CommandService:
             except asyncio.CancelledError:
                 raise
             except HaruError as exc:
-                reply = Reply(ok=False, detail=str(exc), error=ErrorInfo(code=getattr(exc, "code", "failed"), message=str(exc)))
+                reply = Reply(
+                    ok=False, detail=str(exc), error=ErrorInfo(code=getattr(exc, "code", "failed"), message=str(exc))
+                )
             except Exception as exc:  # a bug must still answer: the promoter waits for a reply
                 self.logger.exception("command failed", verb=verb)
                 reply = Reply(ok=False, detail="internal error", error=ErrorInfo(code="internal", message=repr(exc)))
         took = int((time.monotonic() - started) * 1000)
         reply = msgspec.structs.replace(reply, took_ms=took)
-        self.logger.info("command", verb=verb, op_id=command.op_id if "command" in locals() else "", ok=reply.ok,
-                         code=reply.error.code if reply.error else "", took_ms=took)
+        self.logger.info(
+            "command",
+            verb=verb,
+            op_id=command.op_id if "command" in locals() else "",
+            ok=reply.ok,
+            code=reply.error.code if reply.error else "",
+            took_ms=took,
+        )
         try:
             await request.respond(_encoder.encode(reply))
         except Exception:  # the requester went away
@@ -139,13 +159,19 @@ class CommandService:
     async def status(self, command: Command) -> Reply:
         data = self.answer.data()
         states = [m["state"] for m in data["models"].values()]
-        return Reply(ok=True, detail=f"{data['role']}: " + ", ".join(f"{k} {v}" for k, v in _count(states).items()),
-                     data=data)
+        return Reply(
+            ok=True, detail=f"{data['role']}: " + ", ".join(f"{k} {v}" for k, v in _count(states).items()), data=data
+        )
 
     def _unknown(self, unknown: list[str]) -> Reply:
-        return Reply(ok=False, detail="unknown models",
-                     error=ErrorInfo(code="model_not_found",
-                                     message=f"domain {self.domain!r} runs no admitted model {', '.join(map(repr, unknown))}"))
+        return Reply(
+            ok=False,
+            detail="unknown models",
+            error=ErrorInfo(
+                code="model_not_found",
+                message=f"domain {self.domain!r} runs no admitted model {', '.join(map(repr, unknown))}",
+            ),
+        )
 
     async def sleep(self, command: Command) -> Reply:
         selection = self.models.selected(command)
@@ -189,12 +215,17 @@ class CommandService:
     async def stop_training(self, command: Command) -> Reply:
         slots, unknown = self._slots(command)
         if unknown:
-            return Reply(ok=False, error=ErrorInfo(code="slot_not_found", message=f"no admitted training slot {unknown}"))
+            return Reply(
+                ok=False, error=ErrorInfo(code="slot_not_found", message=f"no admitted training slot {unknown}")
+            )
         out = {}
         for slot in slots:
             ended = await self.training.slots.stop(slot)
-            out[slot] = ({"how": ended.how, "exit_code": ended.exit_code, "ran_ms": ended.ran_ms, "was_running": True}
-                         if ended else {"was_running": False})
+            out[slot] = (
+                {"how": ended.how, "exit_code": ended.exit_code, "ran_ms": ended.ran_ms, "was_running": True}
+                if ended
+                else {"was_running": False}
+            )
         detail = ", ".join(f"{s} {v['how']}" if v["was_running"] else f"{s} not running" for s, v in out.items())
         return Reply(ok=True, detail=detail or "no training slots", data={"slots": out})
 
@@ -202,7 +233,9 @@ class CommandService:
         await self.role.refresh(command.route_revision)
         slots, unknown = self._slots(command)
         if unknown:
-            return Reply(ok=False, error=ErrorInfo(code="slot_not_found", message=f"no admitted training slot {unknown}"))
+            return Reply(
+                ok=False, error=ErrorInfo(code="slot_not_found", message=f"no admitted training slot {unknown}")
+            )
         out = {}
         first_error: ErrorInfo | None = None
         for slot in slots:
@@ -211,8 +244,12 @@ class CommandService:
             if not started.ok and first_error is None:
                 first_error = ErrorInfo(code=started.code, message=f"{slot}: {started.detail}")
         ok = first_error is None
-        return Reply(ok=ok, detail="; ".join(f"{s}: {v['detail']}" for s, v in out.items()) or "no training slots",
-                     error=first_error, data={"slots": out})
+        return Reply(
+            ok=ok,
+            detail="; ".join(f"{s}: {v['detail']}" for s, v in out.items()) or "no training slots",
+            error=first_error,
+            data={"slots": out},
+        )
 
     async def verify_gpu(self, command: Command) -> Reply:
         selection = self.models.selected(command)
@@ -228,15 +265,21 @@ class CommandService:
             detail = "VRAM verified: enough free to wake, no trainer on the GPUs"
         took = verdict.data.get("settle_ms")
         if verdict.ok and took is not None:
-            detail += f" (read {verdict.data.get('reads', 1)} times; the memory was back after {took} ms, within the " \
-                      f"{verdict.data.get('settle_bound_ms', 0)} ms settle window)"
+            detail += (
+                f" (read {verdict.data.get('reads', 1)} times; the memory was back after {took} ms, within the "
+                f"{verdict.data.get('settle_bound_ms', 0)} ms settle window)"
+            )
         return Reply(ok=verdict.ok, detail=detail, error=verdict.error, data=verdict.data)
 
     async def apply_layout(self, command: Command) -> Reply:
         await self.role.refresh(command.route_revision)
         applied = await self.live.apply_declared(command.decl_seq, self.live.slots.policy.apply_timeout_ms / 1000)
-        return Reply(ok=applied.ok, detail=applied.detail, data=applied.data,
-                     error=None if applied.ok else ErrorInfo(code=applied.code, message=applied.detail))
+        return Reply(
+            ok=applied.ok,
+            detail=applied.detail,
+            data=applied.data,
+            error=None if applied.ok else ErrorInfo(code=applied.code, message=applied.detail),
+        )
 
 
 def _count(states: list[str]) -> dict[str, int]:
@@ -247,15 +290,27 @@ def _count(states: list[str]) -> dict[str, int]:
 
 
 def _combine(verb: str, per: dict[str, Outcome], slots: ModelSlots) -> Reply:
-    data = {"models": {name: {"ok": o.ok, "state": slots.models[name].state_tag, "detail": o.detail,
-                              **({"code": o.code} if o.code else {})}
-                       for name, o in per.items()}}
+    data = {
+        "models": {
+            name: {
+                "ok": o.ok,
+                "state": slots.models[name].state_tag,
+                "detail": o.detail,
+                **({"code": o.code} if o.code else {}),
+            }
+            for name, o in per.items()
+        }
+    }
     failed = {name: o for name, o in per.items() if not o.ok}
     if not per:
         return Reply(ok=True, detail=f"{verb}: no models", data=data)
     if failed:
         first = next(iter(failed.values()))
         message = "; ".join(f"{n}: {o.detail}" for n, o in failed.items())
-        return Reply(ok=False, detail=f"{verb} failed for {', '.join(failed)}",
-                     error=ErrorInfo(code=first.code or "failed", message=message), data=data)
+        return Reply(
+            ok=False,
+            detail=f"{verb} failed for {', '.join(failed)}",
+            error=ErrorInfo(code=first.code or "failed", message=message),
+            data=data,
+        )
     return Reply(ok=True, detail="; ".join(f"{name}: {o.detail}" for name, o in per.items()), data=data)

@@ -33,15 +33,23 @@ from typing import Literal
 import msgspec
 
 from haru.core import planner
-from haru.core.errors import ConfigError, LayoutError
 from haru.core.apply import fold_declarations as fold_decl
+from haru.core.errors import ConfigError, LayoutError
 from haru.core.layout import load_layout, parse_layout
 from haru.core.sizes import format_gib
 from haru.core.specs import Domain, Layout, ModelSpec, Policy, TrainingSpec
 from haru.core.subjects import check_name
 
-__all__ = ["AgentConfig", "ServingConfig", "HostSlots", "load_config", "parse_config", "fold_declarations",
-           "slots_from_layout", "slots_from_host_entry"]
+__all__ = [
+    "AgentConfig",
+    "ServingConfig",
+    "HostSlots",
+    "load_config",
+    "parse_config",
+    "fold_declarations",
+    "slots_from_layout",
+    "slots_from_host_entry",
+]
 
 Role = Literal["auto", "active", "standby"]
 
@@ -132,8 +140,9 @@ def load_config(path: str | os.PathLike[str]) -> AgentConfig:
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read the agent config {os.fspath(path)!r}: {exc.strerror}; pass --config <file> "
-                          f"or inline JSON") from None
+        raise ConfigError(
+            f"cannot read the agent config {os.fspath(path)!r}: {exc.strerror}; pass --config <file> or inline JSON"
+        ) from None
     config = parse_config(data, origin=f"agent config {os.fspath(path)!r}")
     if config.layout and not os.path.isabs(config.layout):
         config = msgspec.structs.replace(config, layout=str(Path(path).parent / config.layout))
@@ -199,7 +208,9 @@ def slots_from_layout(layout: Layout, domain: str, *, source: str = "layout") ->
     d = layout.domain(domain)
     if d is None:
         names = ", ".join(x.spec.name for x in layout.domains)
-        raise ConfigError(f"the layout declares no domain {domain!r} (it declares {names}); fix \"domain\" in the agent config")
+        raise ConfigError(
+            f'the layout declares no domain {domain!r} (it declares {names}); fix "domain" in the agent config'
+        )
     first = layout.domains[0].spec.name if layout.domains else domain
     return _from_plan(layout.fleet, d, layout.policy, first, source)
 
@@ -239,8 +250,11 @@ def fold_declarations(fleet: str, domain: str, events: list[object]) -> HostSlot
     spec = d.domains.get(domain)
     if spec is None:
         return None
-    dom = Domain(spec=spec, models=[m for (dn, _), m in d.models.items() if dn == domain],
-                 training=[t for (dn, _), t in d.training.items() if dn == domain])
+    dom = Domain(
+        spec=spec,
+        models=[m for (dn, _), m in d.models.items() if dn == domain],
+        training=[t for (dn, _), t in d.training.items() if dn == domain],
+    )
 
     def admitted(kind: str, name: str) -> bool:
         v = d.admissions.get((domain, kind, name))
@@ -252,7 +266,9 @@ def fold_declarations(fleet: str, domain: str, events: list[object]) -> HostSlot
         policy=d.policy or Policy(),
         admitted_models=[m for m in dom.models if admitted("model", m.name)],
         admitted_training=[t for t in dom.training if admitted("training", t.slot)],
-        not_admitted={name: v.short_by_bytes for (dn, _kind, name), v in d.admissions.items() if dn == domain and not v.admitted},
+        not_admitted={
+            name: v.short_by_bytes for (dn, _kind, name), v in d.admissions.items() if dn == domain and not v.admitted
+        },
         first_domain=next(iter(d.domains), domain),
         source="declared",
     )

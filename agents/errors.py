@@ -1,16 +1,16 @@
 """The agent's exceptions. A leaf module: it imports nothing from `agents`.
 
-    AgentError                     (haru.core.errors.HaruError)
-    ├── AgentRefused               another agent already runs this domain                     (operator)
-    ├── IllegalObservation         the agent's decision table has no entry for what it saw     (a bug here)
-    ├── RuntimeProblem             a runtime (vLLM, llama-server, external) misbehaved
-    │   ├── RuntimeUnreachable     its HTTP port does not answer (not up yet, crashed, hung)
-    │   ├── RuntimeRefused         it answered with an error status; carries status and body
-    │   │   └── OutOfMemory        CUDA out of memory (a wake with the VRAM taken by someone else)
-    │   ├── ProbeUnanswered        a one-token completion did not answer as it must
-    │   └── Unverified             it said 200 but the truth (/is_sleeping) disagrees
-    ├── TrainingProblem            a training command could not be started            (operator)
-    └── RuntimeBuildFailed         llama-server could not be found or built (`agents.runtimes.llama_build`)
+AgentError                     (haru.core.errors.HaruError)
+├── AgentRefused               another agent already runs this domain                     (operator)
+├── IllegalObservation         the agent's decision table has no entry for what it saw     (a bug here)
+├── RuntimeProblem             a runtime (vLLM, llama-server, external) misbehaved
+│   ├── RuntimeUnreachable     its HTTP port does not answer (not up yet, crashed, hung)
+│   ├── RuntimeRefused         it answered with an error status; carries status and body
+│   │   └── OutOfMemory        CUDA out of memory (a wake with the VRAM taken by someone else)
+│   ├── ProbeUnanswered        a one-token completion did not answer as it must
+│   └── Unverified             it said 200 but the truth (/is_sleeping) disagrees
+├── TrainingProblem            a training command could not be started            (operator)
+└── RuntimeBuildFailed         llama-server could not be found or built (`agents.runtimes.llama_build`)
 """
 
 from __future__ import annotations

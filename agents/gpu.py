@@ -29,9 +29,9 @@ import msgspec
 
 from haru.agents.sim.errors import SimError
 from haru.agents.sim.gpu_state import SimGpuState
-from haru.host import procfs
 from haru.core.errors import ConfigError
 from haru.core.events import GpuProcess, GpuUsage
+from haru.host import procfs
 
 
 class GpuReading(msgspec.Struct, frozen=True):
@@ -194,7 +194,10 @@ class SimGpus:
             memory_total_bytes=state["memory_total_bytes"],
             memory_used_bytes=state["memory_used_bytes"] if present else 0,
             memory_free_bytes=state["memory_free_bytes"] if present else 0,
-            processes=[GpuProcess(pid=int(pid), used_bytes=n) for pid, n in sorted(state["allocations"].items(), key=lambda kv: int(kv[0]))]
+            processes=[
+                GpuProcess(pid=int(pid), used_bytes=n)
+                for pid, n in sorted(state["allocations"].items(), key=lambda kv: int(kv[0]))
+            ]
             if present
             else [],
             accounted=bool(present),
@@ -216,8 +219,9 @@ class Owner(msgspec.Struct, frozen=True, kw_only=True):
     planned_bytes: int = 0
 
 
-def account(processes: list[GpuProcess], owners: list[Owner], exclude: frozenset[int] = frozenset()
-            ) -> tuple[list[GpuUsage], list[GpuProcess]]:
+def account(
+    processes: list[GpuProcess], owners: list[Owner], exclude: frozenset[int] = frozenset()
+) -> tuple[list[GpuUsage], list[GpuProcess]]:
     """Each owner's memory on the GPU (summed over its tree's processes) against its plan, and the
     processes nobody Haru started owns (`foreign`, minus `exclude`, e.g. the agent itself). Pure."""
     by_pid: dict[int, int] = {}
@@ -229,10 +233,21 @@ def account(processes: list[GpuProcess], owners: list[Owner], exclude: frozenset
         pids = sorted(pid for pid in by_pid if pid in o.pids)
         owned.update(pids)
         used = sum(by_pid[pid] for pid in pids)
-        usage.append(GpuUsage(name=o.name, kind=o.kind, pids=pids, used_bytes=used,  # type: ignore[arg-type]
-                              planned_bytes=o.planned_bytes, over_plan=used > o.planned_bytes))
-    foreign = [GpuProcess(pid=pid, used_bytes=n) for pid, n in sorted(by_pid.items())
-               if pid not in owned and pid not in exclude]
+        usage.append(
+            GpuUsage(
+                name=o.name,
+                kind=o.kind,  # type: ignore[arg-type]
+                pids=pids,
+                used_bytes=used,
+                planned_bytes=o.planned_bytes,
+                over_plan=used > o.planned_bytes,
+            )
+        )
+    foreign = [
+        GpuProcess(pid=pid, used_bytes=n)
+        for pid, n in sorted(by_pid.items())
+        if pid not in owned and pid not in exclude
+    ]
     return usage, foreign
 
 

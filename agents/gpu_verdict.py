@@ -27,8 +27,14 @@ SETTLE_POLL_S = 0.05  # within the settle window the GPUs are read this often (a
 _SETTLES = frozenset({"gpu_busy"})
 
 
-async def settled(observe: Callable[[], Awaitable[object]], judge: Callable[[], GpuVerdict], *, settle_s: float,
-                  poll_s: float = SETTLE_POLL_S, clock: Callable[[], float] = time.monotonic) -> GpuVerdict:
+async def settled(
+    observe: Callable[[], Awaitable[object]],
+    judge: Callable[[], GpuVerdict],
+    *,
+    settle_s: float,
+    poll_s: float = SETTLE_POLL_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> GpuVerdict:
     """verify_gpu within a bounded settle window: observe and judge, and while the only problem is memory
     not released yet, read again every `poll_s` until it is or `settle_s` has passed. The verdict's data
     says how long the memory took to come back (`settle_ms`) and the bound (`settle_bound_ms`)."""
@@ -36,8 +42,9 @@ async def settled(observe: Callable[[], Awaitable[object]], judge: Callable[[], 
     await observe()
     verdict = judge()
     polls = 1
-    while (not verdict.ok and verdict.error is not None and verdict.error.code in _SETTLES
-           and clock() - started < settle_s):
+    while (
+        not verdict.ok and verdict.error is not None and verdict.error.code in _SETTLES and clock() - started < settle_s
+    ):
         await asyncio.sleep(poll_s)
         await observe()
         verdict = judge()
@@ -46,8 +53,11 @@ async def settled(observe: Callable[[], Awaitable[object]], judge: Callable[[], 
     data = {**verdict.data, "settle_ms": took, "settle_bound_ms": int(settle_s * 1000), "reads": polls}
     error = verdict.error
     if error is not None and error.code in _SETTLES:
-        error = msgspec.structs.replace(error, message=f"{error.message} (still so after {took} ms of the "
-                                                       f"{int(settle_s * 1000)} ms settle window, verify_settle_ms)")
+        error = msgspec.structs.replace(
+            error,
+            message=f"{error.message} (still so after {took} ms of the "
+            f"{int(settle_s * 1000)} ms settle window, verify_settle_ms)",
+        )
     return GpuVerdict(ok=verdict.ok, error=error, data=data)
 
 
@@ -56,8 +66,14 @@ def gpus_of(models: Sequence[ModelSlot]) -> list[int]:
     return sorted({i for m in models if m.runtime.kind != "external" for i in model_gpus(m.spec)})
 
 
-def judge_gpus(models: Sequence[ModelSlot], trainers: Mapping[str, Trainer], readings: Mapping[int, GpuReading], *,
-           residual_bytes: int, pid_alive: Callable[[int], bool]) -> GpuVerdict:
+def judge_gpus(
+    models: Sequence[ModelSlot],
+    trainers: Mapping[str, Trainer],
+    readings: Mapping[int, GpuReading],
+    *,
+    residual_bytes: int,
+    pid_alive: Callable[[int], bool],
+) -> GpuVerdict:
     """Free VRAM on each inference GPU covers what its asleep models need to wake, and no trainer
     pid is left on the GPU.
 
@@ -82,33 +98,53 @@ def judge_gpus(models: Sequence[ModelSlot], trainers: Mapping[str, Trainer], rea
     residual = residual_bytes
     for index, ms in sorted(per_gpu.items()):
         r = readings[index]
-        needed = sum(max(0, m.spec.vram_bytes - (residual if m.runtime.can_sleep else 0))
-                     for m in ms if m.state_tag in ("sleeping", "waking"))
+        needed = sum(
+            max(0, m.spec.vram_bytes - (residual if m.runtime.can_sleep else 0))
+            for m in ms
+            if m.state_tag in ("sleeping", "waking")
+        )
         on_gpu = sorted(p.pid for p in r.processes if p.pid in trainer_pids)
-        out[str(index)] = {"present": r.present, "free_bytes": r.memory_free_bytes, "needed_bytes": needed,
-                           "total_bytes": r.memory_total_bytes, "trainer_pids": on_gpu,
-                           "models": [m.name for m in ms]}
+        out[str(index)] = {
+            "present": r.present,
+            "free_bytes": r.memory_free_bytes,
+            "needed_bytes": needed,
+            "total_bytes": r.memory_total_bytes,
+            "trainer_pids": on_gpu,
+            "models": [m.name for m in ms],
+        }
         if r.present is False:
             problems.append(("gpu_detached", f"GPU {index} is gone (the provider took it)"))
         elif r.present is None:
             alive = sorted(p for p in trainer_pids if pid_alive(p))
             out[str(index)].update(nvml=False, trainer_pids=alive)
             if alive:
-                problems.append(("gpu_busy", f"trainer processes {alive} still run (GPU {index} cannot be read: "
-                                              f"no NVML on this host)"))
+                problems.append(
+                    (
+                        "gpu_busy",
+                        f"trainer processes {alive} still run (GPU {index} cannot be read: no NVML on this host)",
+                    )
+                )
             else:
-                unverified.append(f"GPU {index}: NVML absent on this host, so free VRAM is unverified "
-                                  f"(needed {needed} bytes to wake); trainer processes gone as the OS reports it")
+                unverified.append(
+                    f"GPU {index}: NVML absent on this host, so free VRAM is unverified "
+                    f"(needed {needed} bytes to wake); trainer processes gone as the OS reports it"
+                )
         else:
             if on_gpu:
                 problems.append(("gpu_busy", f"GPU {index} still has trainer processes {on_gpu}"))
             if r.memory_free_bytes < needed:
-                problems.append(("gpu_busy", f"GPU {index} has {r.memory_free_bytes} bytes free; its sleeping models "
-                                              f"need {needed} to wake (short by {needed - r.memory_free_bytes})"))
+                problems.append(
+                    (
+                        "gpu_busy",
+                        f"GPU {index} has {r.memory_free_bytes} bytes free; its sleeping models "
+                        f"need {needed} to wake (short by {needed - r.memory_free_bytes})",
+                    )
+                )
     if running:
         problems.insert(0, ("training_running", f"training still runs: {', '.join(running)}; stop_training first"))
     data = {"gpus": out, "training_running": running, "unverified": unverified}
     if problems:
-        return GpuVerdict(ok=False, error=ErrorInfo(code=problems[0][0], message="; ".join(p[1] for p in problems)),
-                          data=data)
+        return GpuVerdict(
+            ok=False, error=ErrorInfo(code=problems[0][0], message="; ".join(p[1] for p in problems)), data=data
+        )
     return GpuVerdict(ok=True, data=data)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from haru.agents.appender import Append
@@ -43,8 +43,18 @@ def gpu_changed(last: GpuObserved, r: GpuReading, usage: list | None = None, for
 
 
 class GpuWatcher:
-    def __init__(self, *, fleet: str, domain: str, gpus: Gpus, append: Append, owners: Callable[[int], list[Owner]],
-                 on_gone: Callable[[int], None], exclude_pid: int, logger: Any) -> None:
+    def __init__(
+        self,
+        *,
+        fleet: str,
+        domain: str,
+        gpus: Gpus,
+        append: Append,
+        owners: Callable[[int], list[Owner]],
+        on_gone: Callable[[int], None],
+        exclude_pid: int,
+        logger: Any,
+    ) -> None:
         self.fleet = fleet
         self.domain = domain
         self.gpus = gpus
@@ -95,24 +105,45 @@ class GpuWatcher:
             if last is None or gpu_changed(last, r, usage, foreign):
                 for u in usage:
                     if u.over_plan and not any(x.name == u.name and x.over_plan for x in (last.usage if last else [])):
-                        self.logger.warning("over_plan", gpu=index, owner=u.name, kind=u.kind, used_bytes=u.used_bytes,
-                                            planned_bytes=u.planned_bytes, pids=u.pids)
-                event = GpuObserved(at=datetime.now(timezone.utc), domain=self.domain, index=index, present=r.present,
-                                    name=r.name, memory_total_bytes=r.memory_total_bytes,
-                                    memory_used_bytes=r.memory_used_bytes, processes=list(r.processes), mig=r.mig,
-                                    usage=usage, foreign=foreign, accounted=r.accounted)
-                self.seq[index] = await self.append(subjects.gpu(self.fleet, self.domain, index), event,
-                                                    self.seq.get(index, 0))
+                        self.logger.warning(
+                            "over_plan",
+                            gpu=index,
+                            owner=u.name,
+                            kind=u.kind,
+                            used_bytes=u.used_bytes,
+                            planned_bytes=u.planned_bytes,
+                            pids=u.pids,
+                        )
+                event = GpuObserved(
+                    at=datetime.now(UTC),
+                    domain=self.domain,
+                    index=index,
+                    present=r.present,
+                    name=r.name,
+                    memory_total_bytes=r.memory_total_bytes,
+                    memory_used_bytes=r.memory_used_bytes,
+                    processes=list(r.processes),
+                    mig=r.mig,
+                    usage=usage,
+                    foreign=foreign,
+                    accounted=r.accounted,
+                )
+                self.seq[index] = await self.append(
+                    subjects.gpu(self.fleet, self.domain, index), event, self.seq.get(index, 0)
+                )
                 self.last[index] = event
                 if last is not None and last.present and not r.present:
                     self.on_gone(index)
             return r
 
-    async def run(self, indexes: Callable[[], Iterable[int]], interval_s: Callable[[], float], errors: LoopErrors) -> None:
+    async def run(
+        self, indexes: Callable[[], Iterable[int]], interval_s: Callable[[], float], errors: LoopErrors
+    ) -> None:
         """Observe every GPU each interval; a GPU whose read or append raises is logged, counted, and
         observed again next round (the others are observed this round all the same)."""
         while True:
             for index in indexes():
-                await survive(functools.partial(self.observe, index), name="gpus", errors=errors, logger=self.logger,
-                              gpu=index)
+                await survive(
+                    functools.partial(self.observe, index), name="gpus", errors=errors, logger=self.logger, gpu=index
+                )
             await asyncio.sleep(interval_s())

@@ -19,8 +19,9 @@ from haru.core.commands import Heartbeat
 __all__ = ["heartbeat_of", "Heartbeats"]
 
 
-def heartbeat_of(*, fleet: str, domain: str, role: str, models: Mapping[str, str], training: list[str], pid: int,
-                 at: datetime) -> Heartbeat:
+def heartbeat_of(
+    *, fleet: str, domain: str, role: str, models: Mapping[str, str], training: list[str], pid: int, at: datetime
+) -> Heartbeat:
     """`models`: model -> residency state; `training`: the slots whose process runs."""
     counts: dict[str, int] = {}
     for s in models.values():
@@ -28,13 +29,21 @@ def heartbeat_of(*, fleet: str, domain: str, role: str, models: Mapping[str, str
     summary = f"{role}; " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     if training:
         summary += f"; training {', '.join(training)}"
-    return Heartbeat(fleet=fleet, domain=domain, at=at, summary=summary, models=dict(models), training=list(training),
-                     pid=pid)
+    return Heartbeat(
+        fleet=fleet, domain=domain, at=at, summary=summary, models=dict(models), training=list(training), pid=pid
+    )
 
 
 class Heartbeats:
-    def __init__(self, publish: Callable[[bytes], Awaitable[Any]], beat: Callable[[], Heartbeat], *, interval_s: float,
-                 errors: LoopErrors, logger: Any) -> None:
+    def __init__(
+        self,
+        publish: Callable[[bytes], Awaitable[Any]],
+        beat: Callable[[], Heartbeat],
+        *,
+        interval_s: float,
+        errors: LoopErrors,
+        logger: Any,
+    ) -> None:
         self.publish = publish
         self.beat = beat
         self.interval_s = interval_s

@@ -32,9 +32,20 @@ _OPERATION_OVER = ("operation_completed", "operation_aborted", "failover_decline
 
 
 class LiveApply:
-    def __init__(self, slots: HostSlots, *, log: Any, fleet: str, domain: str, models: ModelSlots, role: Role,
-                 stopping: Callable[[], bool], spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task],
-                 errors: LoopErrors, logger: Any) -> None:
+    def __init__(
+        self,
+        slots: HostSlots,
+        *,
+        log: Any,
+        fleet: str,
+        domain: str,
+        models: ModelSlots,
+        role: Role,
+        stopping: Callable[[], bool],
+        spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task],
+        errors: LoopErrors,
+        logger: Any,
+    ) -> None:
         self.slots = slots
         self.log = log
         self.fleet = fleet
@@ -119,9 +130,11 @@ class LiveApply:
             if any(done.values()):
                 self.logger.info("layout applied live", **{k: v for k, v in done.items() if v})
             if done["pending"]:
-                self.logger.warning("changes wait for this domain to be the standby (they would interrupt models it "
-                                    "serves as the active domain): promote the other domain to apply them",
-                                    models=done["pending"])
+                self.logger.warning(
+                    "changes wait for this domain to be the standby (they would interrupt models it "
+                    "serves as the active domain): promote the other domain to apply them",
+                    models=done["pending"],
+                )
             return done
 
     async def apply_declared(self, decl_seq: int, timeout_s: float) -> Applied:
@@ -131,42 +144,77 @@ class LiveApply:
         `timeout_s`, until every model has come to rest. Idempotent: run twice, it changes nothing the
         second time and waits the same way."""
         if self.slots.source != "declared":
-            return Applied(ok=False, code="layout_not_declared",
-                           detail=f"the agent of {self.domain} reads its slots from its {self.slots.source} file, not from "
-                           f"`haru apply`'s declarations: change that file and restart the agent (its runtimes are adopted)")
+            return Applied(
+                ok=False,
+                code="layout_not_declared",
+                detail=f"the agent of {self.domain} reads its slots from its {self.slots.source} file, not from "
+                f"`haru apply`'s declarations: change that file and restart the agent (its runtimes are adopted)",
+            )
         records = await self.log.history(subjects.decl(self.fleet))
         last = records[-1].seq if records else 0
         if last < decl_seq:
-            return Applied(ok=False, code="declarations_behind",
-                           detail=f"the decl subject ends at seq {last}, before seq {decl_seq} the operation rolls out")
+            return Applied(
+                ok=False,
+                code="declarations_behind",
+                detail=f"the decl subject ends at seq {last}, before seq {decl_seq} the operation rolls out",
+            )
         new = fold_declarations(self.fleet, self.domain, [r.event for r in records if r.event is not None])
         if new is None:
-            return Applied(ok=False, code="domain_retired", detail=f"domain {self.domain} is no longer declared in fleet {self.fleet}")
+            return Applied(
+                ok=False,
+                code="domain_retired",
+                detail=f"domain {self.domain} is no longer declared in fleet {self.fleet}",
+            )
         # The diff is against what the runtimes run, so on the standby it replaces what waited too.
         done = await self.apply(new)
         if self.pending:
-            return Applied(ok=False, code="domain_active",
-                           detail=f"{self.domain} is the active domain: its changes to {', '.join(sorted(self.pending))} wait "
-                           f"until it is the standby", data={"pending_layout": sorted(self.pending)})
+            return Applied(
+                ok=False,
+                code="domain_active",
+                detail=f"{self.domain} is the active domain: its changes to {', '.join(sorted(self.pending))} wait "
+                f"until it is the standby",
+                data={"pending_layout": sorted(self.pending)},
+            )
         models = self.models.models
         try:
             async with asyncio.timeout(timeout_s):
                 await self.models.settled()
         except TimeoutError:
             loading = sorted(m.name for m in models.values() if not m.settled.is_set())
-            return Applied(ok=False, code="timeout", data={"decl_seq": last},
-                           detail=f"still loading after {timeout_s:.0f} s (policy apply_timeout_ms): {', '.join(loading)}")
-        unready = {name: f"{m.state_tag}" + (f" ({getattr(m.state, 'detail', '') or getattr(m.state, 'reason', '')})"
-                                              if m.state_tag in ("failed", "lost") else "")
-                   for name, m in models.items() if m.state_tag not in ("resident", "sleeping", "waking")}
-        data = {"decl_seq": last, **{k: v for k, v in done.items() if v},
-                "models": {name: m.state_tag for name, m in models.items()}}
+            return Applied(
+                ok=False,
+                code="timeout",
+                data={"decl_seq": last},
+                detail=f"still loading after {timeout_s:.0f} s (policy apply_timeout_ms): {', '.join(loading)}",
+            )
+        unready = {
+            name: f"{m.state_tag}"
+            + (
+                f" ({getattr(m.state, 'detail', '') or getattr(m.state, 'reason', '')})"
+                if m.state_tag in ("failed", "lost")
+                else ""
+            )
+            for name, m in models.items()
+            if m.state_tag not in ("resident", "sleeping", "waking")
+        }
+        data = {
+            "decl_seq": last,
+            **{k: v for k, v in done.items() if v},
+            "models": {name: m.state_tag for name, m in models.items()},
+        }
         if unready:
-            return Applied(ok=False, code="model_not_ready", detail="; ".join(f"{n} {s}" for n, s in sorted(unready.items())),
-                           data=data)
+            return Applied(
+                ok=False,
+                code="model_not_ready",
+                detail="; ".join(f"{n} {s}" for n, s in sorted(unready.items())),
+                data=data,
+            )
         changed = [f"{k} {', '.join(v)}" for k, v in done.items() if v and k != "pending"]
-        return Applied(ok=True, detail=(("; ".join(changed) + "; ") if changed else "") + f"declarations up to seq {last} applied",
-                       data=data)
+        return Applied(
+            ok=True,
+            detail=(("; ".join(changed) + "; ") if changed else "") + f"declarations up to seq {last} applied",
+            data=data,
+        )
 
     async def apply_pending(self) -> None:
         """The domain is the standby now: replace the models whose change waited, once the operation that

@@ -71,14 +71,18 @@ def waits_for(entries: Sequence[LoadEntry], name: str) -> str:
     if me is None or me.status not in ("waiting", "arriving") or name in grants(entries):
         return ""
     mine = set(me.gpus)
-    loading = [e for e in _ordered(entries) if e.status == "loading" and e.name != name
-               and mine.intersection(e.gpus)]
-    ahead = [e for e in _ordered(entries) if e.status in ("waiting", "arriving") and e.name != name
-             and (e.priority, e.name) < (me.priority, me.name) and mine.intersection(e.gpus)]
+    loading = [e for e in _ordered(entries) if e.status == "loading" and e.name != name and mine.intersection(e.gpus)]
+    ahead = [
+        e
+        for e in _ordered(entries)
+        if e.status in ("waiting", "arriving")
+        and e.name != name
+        and (e.priority, e.name) < (me.priority, me.name)
+        and mine.intersection(e.gpus)
+    ]
     parts = [f"{e.name} loading" for e in loading] + [f"{e.name} declared before it" for e in ahead]
     gpus = ", ".join(str(g) for g in sorted(mine))
-    return (f"its turn on GPU {gpus} ({'; '.join(parts)}): one cold load at a time per GPU, "
-            f"in declaration order")
+    return f"its turn on GPU {gpus} ({'; '.join(parts)}): one cold load at a time per GPU, in declaration order"
 
 
 def overlapping_loads(windows: Sequence[tuple[str, tuple[int, ...], float, float]]) -> list[tuple[str, str]]:
@@ -86,7 +90,7 @@ def overlapping_loads(windows: Sequence[tuple[str, tuple[int, ...], float, float
     Pure; the tests and bench read recorded windows with it."""
     out = []
     for i, (a, ga, sa, ea) in enumerate(windows):
-        for b, gb, sb, eb in windows[i + 1:]:
+        for b, gb, sb, eb in windows[i + 1 :]:
             if set(ga) & set(gb) and sa < eb and sb < ea:
                 out.append((a, b))
     return out
@@ -106,8 +110,10 @@ class LoadQueue:
     def entries(self) -> list[LoadEntry]:
         order = {name: i for i, name in enumerate(self._order())}
         base = len(order)
-        return [LoadEntry(name=n, gpus=g, priority=order.get(n, base + self._seq[n]), status=self._status[n])
-                for n, g in self._gpus.items()]
+        return [
+            LoadEntry(name=n, gpus=g, priority=order.get(n, base + self._seq[n]), status=self._status[n])
+            for n, g in self._gpus.items()
+        ]
 
     def status(self, name: str) -> str:
         return self._status.get(name, "")

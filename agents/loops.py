@@ -31,8 +31,9 @@ class LoopErrors:
         return self.counts.get(loop, 0)
 
 
-async def survive(step: Callable[[], Awaitable[Any]], *, name: str, errors: LoopErrors, logger: Any,
-                  **context: Any) -> bool:
+async def survive(
+    step: Callable[[], Awaitable[Any]], *, name: str, errors: LoopErrors, logger: Any, **context: Any
+) -> bool:
     """Run one step of loop `name`; if it raises, log the traceback, count it, and return False."""
     try:
         await step()
@@ -45,8 +46,14 @@ async def survive(step: Callable[[], Awaitable[Any]], *, name: str, errors: Loop
         return False
 
 
-async def every(interval_s: float | Callable[[], float], step: Callable[[], Awaitable[Any]], *, name: str,
-                errors: LoopErrors, logger: Any) -> None:
+async def every(
+    interval_s: float | Callable[[], float],
+    step: Callable[[], Awaitable[Any]],
+    *,
+    name: str,
+    errors: LoopErrors,
+    logger: Any,
+) -> None:
     """Run `step` every `interval_s` (a number, or read each round) until cancelled; a raising step is
     logged and counted, never the end of the loop."""
     while True:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
@@ -86,18 +86,23 @@ class AgentCollector:
         models, trainers, slots = status.models.models, status.training.trainers, status.live.slots
         base = [status.fleet, status.domain]
         labels = ["fleet", "domain"]
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
 
-        state = GaugeMetricFamily("haru_agent_model_state", "1 for the model's residency state.",
-                                  labels=labels + ["model", "state"])
-        seconds = GaugeMetricFamily("haru_agent_model_state_seconds", "Time in the current residency state.",
-                                    labels=labels + ["model", "state"])
-        restarts = CounterMetricFamily("haru_agent_model_restarts", "Load attempts after the first.",
-                                       labels=labels + ["model"])
-        probe = GaugeMetricFamily("haru_agent_model_probe_seconds", "The last probe's duration.",
-                                  labels=labels + ["model"])
-        vram = GaugeMetricFamily("haru_agent_model_vram_bytes", "Declared VRAM of the model.",
-                                 labels=labels + ["model", "gpu"])
+        state = GaugeMetricFamily(
+            "haru_agent_model_state", "1 for the model's residency state.", labels=labels + ["model", "state"]
+        )
+        seconds = GaugeMetricFamily(
+            "haru_agent_model_state_seconds", "Time in the current residency state.", labels=labels + ["model", "state"]
+        )
+        restarts = CounterMetricFamily(
+            "haru_agent_model_restarts", "Load attempts after the first.", labels=labels + ["model"]
+        )
+        probe = GaugeMetricFamily(
+            "haru_agent_model_probe_seconds", "The last probe's duration.", labels=labels + ["model"]
+        )
+        vram = GaugeMetricFamily(
+            "haru_agent_model_vram_bytes", "Declared VRAM of the model.", labels=labels + ["model", "gpu"]
+        )
         for name, m in models.items():
             current = state_name(m.state)
             for s in STATES:
@@ -112,13 +117,19 @@ class AgentCollector:
 
         present = GaugeMetricFamily("haru_agent_gpu_present", "1 present, 0 detached.", labels=labels + ["gpu"])
         total = GaugeMetricFamily("haru_agent_gpu_memory_total_bytes", "GPU memory, observed.", labels=labels + ["gpu"])
-        used = GaugeMetricFamily("haru_agent_gpu_memory_used_bytes", "GPU memory used by every process, observed.",
-                                 labels=labels + ["gpu"])
-        held = GaugeMetricFamily("haru_agent_gpu_memory_held_bytes",
-                                 "What this agent's runtimes and training hold, by declaration.", labels=labels + ["gpu"])
-        foreign = GaugeMetricFamily("haru_agent_gpu_memory_foreign_bytes",
-                                    "GPU memory used by processes that are not this agent's children.",
-                                    labels=labels + ["gpu"])
+        used = GaugeMetricFamily(
+            "haru_agent_gpu_memory_used_bytes", "GPU memory used by every process, observed.", labels=labels + ["gpu"]
+        )
+        held = GaugeMetricFamily(
+            "haru_agent_gpu_memory_held_bytes",
+            "What this agent's runtimes and training hold, by declaration.",
+            labels=labels + ["gpu"],
+        )
+        foreign = GaugeMetricFamily(
+            "haru_agent_gpu_memory_foreign_bytes",
+            "GPU memory used by processes that are not this agent's children.",
+            labels=labels + ["gpu"],
+        )
         for index in slots.gpu_indexes():
             g = [str(index)]
             last = status.gpu_watch.last.get(index)  # the last observation the agent recorded: no NVML call here
@@ -133,10 +144,12 @@ class AgentCollector:
             held.add_metric(base + g, held_bytes(models, trainers, slots.policy, index))
         yield from (present, total, used, held, foreign)
 
-        running = GaugeMetricFamily("haru_agent_training_running", "1 while the training slot's process runs.",
-                                    labels=labels + ["slot"])
-        ran = GaugeMetricFamily("haru_agent_training_run_seconds", "How long the running (or last) process ran.",
-                                labels=labels + ["slot"])
+        running = GaugeMetricFamily(
+            "haru_agent_training_running", "1 while the training slot's process runs.", labels=labels + ["slot"]
+        )
+        ran = GaugeMetricFamily(
+            "haru_agent_training_run_seconds", "How long the running (or last) process ran.", labels=labels + ["slot"]
+        )
         for slot, t in trainers.items():
             is_running = t.running()
             running.add_metric(base + [slot], 1 if is_running else 0)
@@ -148,16 +161,19 @@ class AgentCollector:
         role = GaugeMetricFamily("haru_agent_role", "1 for the agent's role.", labels=labels + ["role"])
         for r in ("active", "standby"):
             role.add_metric(base + [r], 1 if status.role.now == r else 0)
-        revision = GaugeMetricFamily("haru_agent_route_revision", "The route revision the agent follows.",
-                                     labels=labels)
+        revision = GaugeMetricFamily(
+            "haru_agent_route_revision", "The route revision the agent follows.", labels=labels
+        )
         revision.add_metric(base, status.role.revision)
-        up = GaugeMetricFamily("haru_agent_start_time_seconds", "When this agent process started (unix time).",
-                               labels=labels)
+        up = GaugeMetricFamily(
+            "haru_agent_start_time_seconds", "When this agent process started (unix time).", labels=labels
+        )
         up.add_metric(base, _STARTED)
         yield from (role, revision, up)
 
-        errors = CounterMetricFamily("haru_agent_loop_errors", "Loop steps that raised (logged; the loop went on).",
-                                     labels=labels + ["loop"])
+        errors = CounterMetricFamily(
+            "haru_agent_loop_errors", "Loop steps that raised (logged; the loop went on).", labels=labels + ["loop"]
+        )
         for loop in LOOPS:
             errors.add_metric(base + [loop], self.errors[loop])
         yield errors

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Coroutine
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +36,19 @@ Spawn = Callable[[Coroutine[Any, Any, Any], str], asyncio.Task]
 
 
 class ModelSlots:
-    def __init__(self, *, fleet: str, domain: str, log: Any,
-                 runtime_for: Callable[[ModelSpec], Runtime], recorder: Recorder, files: RuntimeFiles,
-                 context: SupervisorContext, spawn: Spawn, logger: Any) -> None:
+    def __init__(
+        self,
+        *,
+        fleet: str,
+        domain: str,
+        log: Any,
+        runtime_for: Callable[[ModelSpec], Runtime],
+        recorder: Recorder,
+        files: RuntimeFiles,
+        context: SupervisorContext,
+        spawn: Spawn,
+        logger: Any,
+    ) -> None:
         self.fleet = fleet
         self.domain = domain
         self.log = log
@@ -69,8 +79,9 @@ class ModelSlots:
 
     def supervise(self, m: ModelSlot) -> None:
         """Start `m`'s supervisor (adopting the runtime a previous agent left, if one was found)."""
-        supervisor = ModelSupervisor(m, self.context, found=self.adoptable.pop(m.name, None),
-                                     away=self.away.pop(m.name, ""))
+        supervisor = ModelSupervisor(
+            m, self.context, found=self.adoptable.pop(m.name, None), away=self.away.pop(m.name, "")
+        )
         self.supervisors[m.name] = supervisor
         self._tasks[m.name] = self.spawn(supervisor.run(), f"model:{m.name}")
 
@@ -96,8 +107,9 @@ class ModelSlots:
             if m.runtime.kind != "external":
                 await m.runtime.stop(RUNTIME_STOP_GRACE_S)
             self.files.drop_identity(name)
-            await self.recorder.record(m, Unloaded(**self.recorder.about(m), ran=was_alive or m.runtime.kind == "external",
-                                                   detail=why))
+            await self.recorder.record(
+                m, Unloaded(**self.recorder.about(m), ran=was_alive or m.runtime.kind == "external", detail=why)
+            )
         m.exited.set()
         del self.models[name]
 
@@ -119,14 +131,20 @@ class ModelSlots:
         """The models a command names (all admitted ones when it names none), and the names this host lacks."""
         if not command.models:
             return Selection(models=list(self.models.values()))
-        return Selection(models=[self.models[n] for n in command.models if n in self.models],
-                         unknown=[n for n in command.models if n not in self.models])
+        return Selection(
+            models=[self.models[n] for n in command.models if n in self.models],
+            unknown=[n for n in command.models if n not in self.models],
+        )
 
     def awake_on(self, gpu_index: int) -> list[str]:
         """Models on GPU `gpu_index` that can sleep and are not asleep (training there would fight them for VRAM)."""
-        return [m.name for m in self.models.values()
-                if gpu_index in model_gpus(m.spec) and m.runtime.can_sleep
-                and m.state_tag in ("resident", "loading", "waking")]
+        return [
+            m.name
+            for m in self.models.values()
+            if gpu_index in model_gpus(m.spec)
+            and m.runtime.can_sleep
+            and m.state_tag in ("resident", "loading", "waking")
+        ]
 
     def gpu_went_away(self, index: int) -> None:
         """The provider took GPU `index`: say so for every model on it now, not at each one's next probe,
@@ -142,21 +160,27 @@ class ModelSlots:
 
     # ------------------------------------------------------------- runtimes that outlive the agent
 
-    async def find_runtimes(self, state_dir: Path, *, probe_timeout_s: float,
-                            why_unwanted: Callable[[str], str] | None = None) -> None:
+    async def find_runtimes(
+        self, state_dir: Path, *, probe_timeout_s: float, why_unwanted: Callable[[str], str] | None = None
+    ) -> None:
         """What a previous agent left: runtimes to adopt, and ones that died while no agent watched.
         `why_unwanted(model)`: why a runtime no admitted model claims is stopped (the slots' `retire_why`:
         gone from the layout, or declared but no longer admitted)."""
-        found = await find_runtimes(state_dir, self.models, probe_timeout_s=probe_timeout_s,
-                                    unwanted=self._record_unwanted, logger=self.logger,
-                                    **({"why_unwanted": why_unwanted} if why_unwanted else {}))
+        found = await find_runtimes(
+            state_dir,
+            self.models,
+            probe_timeout_s=probe_timeout_s,
+            unwanted=self._record_unwanted,
+            logger=self.logger,
+            **({"why_unwanted": why_unwanted} if why_unwanted else {}),
+        )
         self.adoptable.update(found.adoptable)
         self.away.update(found.away)
 
     async def _record_unwanted(self, name: str, why: str) -> None:
         """`model_stopped` on the model's subject for a runtime stopped because the layout changed."""
         m = self.models.get(name)
-        unloaded = Unloaded(at=datetime.now(timezone.utc), domain=self.domain, model=name, ran=True, detail=why)
+        unloaded = Unloaded(at=datetime.now(UTC), domain=self.domain, model=name, ran=True, detail=why)
         if m is not None:
             await self.recorder.record(m, unloaded)
             return
@@ -176,16 +200,22 @@ class ModelSlots:
         """A restart: every runtime keeps serving; its identity file stays for the next agent."""
         for m in self.models.values():
             self.files.write_identity(m.name, m.runtime)
-        self.logger.info("runtimes kept for the next agent", models=[m.name for m in self.models.values()
-                                                                     if m.runtime.alive() and m.runtime.pid])
+        self.logger.info(
+            "runtimes kept for the next agent",
+            models=[m.name for m in self.models.values() if m.runtime.alive() and m.runtime.pid],
+        )
 
     async def unload(self, m: ModelSlot) -> None:
         """Stop a runtime on purpose, and record `model_stopped` when there was something to unload."""
         if m.runtime.kind == "external":
             return
         if m.state_tag == "pulling":  # stopped mid-pull: nothing runs; the .part stays for the next start
-            await self._record_on_the_way_out(m, PullInterrupted(
-                **self.recorder.about(m), detail="agent shutdown during the pull (the next start resumes it)"))
+            await self._record_on_the_way_out(
+                m,
+                PullInterrupted(
+                    **self.recorder.about(m), detail="agent shutdown during the pull (the next start resumes it)"
+                ),
+            )
             return
         was_alive = m.runtime.alive()
         m.on_purpose = True
@@ -198,4 +228,6 @@ class ModelSlots:
         try:
             await self.recorder.record(m, observation)
         except Exception:
-            self.logger.exception("could not record on the way out", model=m.name, observation=type(observation).__name__)
+            self.logger.exception(
+                "could not record on the way out", model=m.name, observation=type(observation).__name__
+            )

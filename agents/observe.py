@@ -29,6 +29,7 @@ from haru.agents.errors import IllegalObservation
 from haru.core.events import (
     Event,
     FetchedFile,
+    LostReason,
     ModelAdopted,
     ModelFailed,
     ModelLoading,
@@ -39,7 +40,6 @@ from haru.core.events import (
     ModelStopped,
     ModelWaking,
 )
-from haru.core.events import LostReason
 from haru.core.residency import ADOPTED_ASLEEP, ADOPTED_AWAKE, Residency, is_legal, state_name
 
 __all__ = [
@@ -195,8 +195,24 @@ class Unloaded(Observation, frozen=True, kw_only=True, tag="unloaded"):
     detail: str = ""
 
 
-AnyObservation = Union[PullProgressed, PullRefused, PullInterrupted, Spawned, Queued, SpawnRefused, Answered, Exited,
-                       ProbeFailed, GpuGone, Slept, WakeBegun, StillAsleep, Adopted, Vanished, Unloaded]
+AnyObservation = Union[
+    PullProgressed,
+    PullRefused,
+    PullInterrupted,
+    Spawned,
+    Queued,
+    SpawnRefused,
+    Answered,
+    Exited,
+    ProbeFailed,
+    GpuGone,
+    Slept,
+    WakeBegun,
+    StillAsleep,
+    Adopted,
+    Vanished,
+    Unloaded,
+]
 
 NOTHING = ""  # the decision to write nothing: the log already says it, or the agent caused it
 
@@ -251,9 +267,26 @@ DECISIONS: dict[tuple[str, str], str] = {
 }
 
 OBSERVATION_KEYS: tuple[str, ...] = (
-    "pull_progressed", "pull_refused", "pull_interrupted", "spawned", "queued", "spawn_refused", "answered",
-    "exited:expected", "exited:error", "exited:gone", "probe_failed:new", "probe_failed:same", "gpu_gone",
-    "slept", "wake_begun", "still_asleep", "adopted:awake", "adopted:asleep", "vanished", "unloaded:ran",
+    "pull_progressed",
+    "pull_refused",
+    "pull_interrupted",
+    "spawned",
+    "queued",
+    "spawn_refused",
+    "answered",
+    "exited:expected",
+    "exited:error",
+    "exited:gone",
+    "probe_failed:new",
+    "probe_failed:same",
+    "gpu_gone",
+    "slept",
+    "wake_begun",
+    "still_asleep",
+    "adopted:awake",
+    "adopted:asleep",
+    "vanished",
+    "unloaded:ran",
     "unloaded:idle",
 )
 
@@ -280,37 +313,84 @@ def observation_key(state: Residency, observation: Observation) -> str:
 
 
 def _lost(o: Any, reason: str, detail: str, exit_code: int | None = None) -> ModelLost:
-    return ModelLost(at=o.at, domain=o.domain, model=o.model, reason=reason, detail=detail,  # type: ignore[arg-type]
-                     exit_code=exit_code)
+    return ModelLost(
+        at=o.at,
+        domain=o.domain,
+        model=o.model,
+        reason=reason,  # type: ignore[arg-type]
+        detail=detail,
+        exit_code=exit_code,
+    )
 
 
 # observation key -> how the event the table names is built from the observation's fields
 _BUILD: dict[str, Callable[[Any], Event]] = {
-    "pull_progressed": lambda o: ModelPulling(at=o.at, domain=o.domain, model=o.model, reference=o.reference,
-                                              done_bytes=o.done_bytes, total_bytes=o.total_bytes, origin=o.origin,
-                                              files=list(o.files)),
-    "pull_refused": lambda o: ModelFailed(at=o.at, domain=o.domain, model=o.model,
-                                          runtime_said=f"pull {o.reference}: {o.why}"),
+    "pull_progressed": lambda o: ModelPulling(
+        at=o.at,
+        domain=o.domain,
+        model=o.model,
+        reference=o.reference,
+        done_bytes=o.done_bytes,
+        total_bytes=o.total_bytes,
+        origin=o.origin,
+        files=list(o.files),
+    ),
+    "pull_refused": lambda o: ModelFailed(
+        at=o.at, domain=o.domain, model=o.model, runtime_said=f"pull {o.reference}: {o.why}"
+    ),
     "pull_interrupted": lambda o: ModelStopped(at=o.at, domain=o.domain, model=o.model, detail=o.detail),
-    "spawned": lambda o: ModelLoading(at=o.at, domain=o.domain, model=o.model, endpoint=o.endpoint, pid=o.pid,
-                                      attempt=o.attempt, sleep_mode=o.sleep_mode),
-    "queued": lambda o: ModelLoading(at=o.at, domain=o.domain, model=o.model, attempt=o.attempt,
-                                     waiting_for=o.waiting_for),
+    "spawned": lambda o: ModelLoading(
+        at=o.at,
+        domain=o.domain,
+        model=o.model,
+        endpoint=o.endpoint,
+        pid=o.pid,
+        attempt=o.attempt,
+        sleep_mode=o.sleep_mode,
+    ),
+    "queued": lambda o: ModelLoading(
+        at=o.at, domain=o.domain, model=o.model, attempt=o.attempt, waiting_for=o.waiting_for
+    ),
     "spawn_refused": lambda o: ModelFailed(at=o.at, domain=o.domain, model=o.model, runtime_said=o.said),
-    "answered": lambda o: ModelResident(at=o.at, domain=o.domain, model=o.model, endpoint=o.endpoint,
-                                        warmup_ms=o.warmup_ms, sleeps=o.sleeps),
+    "answered": lambda o: ModelResident(
+        at=o.at, domain=o.domain, model=o.model, endpoint=o.endpoint, warmup_ms=o.warmup_ms, sleeps=o.sleeps
+    ),
     "exited:error": lambda o: _lost(o, "process_exited", o.detail, o.code),
     "exited:gone": lambda o: _lost(o, "process_exited", o.detail, o.code),
     "probe_failed:new": lambda o: _lost(o, o.reason, o.detail),
     "gpu_gone": lambda o: _lost(o, "gpu_detached", o.detail),
-    "slept": lambda o: ModelSleeping(at=o.at, domain=o.domain, model=o.model, level=o.level,
-                                     freed_bytes=o.freed_bytes, measured_by=o.measured_by, detail=o.detail),
+    "slept": lambda o: ModelSleeping(
+        at=o.at,
+        domain=o.domain,
+        model=o.model,
+        level=o.level,
+        freed_bytes=o.freed_bytes,
+        measured_by=o.measured_by,
+        detail=o.detail,
+    ),
     "wake_begun": lambda o: ModelWaking(at=o.at, domain=o.domain, model=o.model),
     "still_asleep": lambda o: ModelSleeping(at=o.at, domain=o.domain, model=o.model, level=o.level),
-    "adopted:awake": lambda o: ModelAdopted(at=o.at, domain=o.domain, model=o.model, pid=o.pid, endpoint=o.endpoint,
-                                            asleep=False, level=o.level, detail=o.detail, sleeps=o.sleeps),
-    "adopted:asleep": lambda o: ModelAdopted(at=o.at, domain=o.domain, model=o.model, pid=o.pid, endpoint=o.endpoint,
-                                             asleep=True, level=o.level, detail=o.detail),
+    "adopted:awake": lambda o: ModelAdopted(
+        at=o.at,
+        domain=o.domain,
+        model=o.model,
+        pid=o.pid,
+        endpoint=o.endpoint,
+        asleep=False,
+        level=o.level,
+        detail=o.detail,
+        sleeps=o.sleeps,
+    ),
+    "adopted:asleep": lambda o: ModelAdopted(
+        at=o.at,
+        domain=o.domain,
+        model=o.model,
+        pid=o.pid,
+        endpoint=o.endpoint,
+        asleep=True,
+        level=o.level,
+        detail=o.detail,
+    ),
     "vanished": lambda o: _lost(o, "process_exited", o.detail),
     "unloaded:ran": lambda o: ModelStopped(at=o.at, domain=o.domain, model=o.model, detail=o.detail),
 }
@@ -359,6 +439,8 @@ def decision_table_markdown() -> str:
         cells = []
         for s in states:
             outcome = DECISIONS.get((s, key))
-            cells.append("refused" if outcome is None else "–" if outcome == NOTHING else outcome.removeprefix("model_"))
+            cells.append(
+                "refused" if outcome is None else "–" if outcome == NOTHING else outcome.removeprefix("model_")
+            )
         rows.append(f"| `{key}` | " + " | ".join(cells) + " |")
     return head + "\n".join(rows) + "\n"

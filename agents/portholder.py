@@ -167,10 +167,16 @@ def _spawn(path: Path, host: str, port: int) -> None:
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "haru.agents.portholder", str(path), host, str(port)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             start_new_session=True,  # it outlives the agent, like the runtimes
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                                        os.environ.get("PYTHONPATH", "")]))},
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
+                ),
+            },
         )
     except OSError as exc:
         raise PortHolderError(f"cannot start the serving port holder: {exc}") from exc
@@ -178,8 +184,10 @@ def _spawn(path: Path, host: str, port: int) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
-            raise PortHolderError(f"cannot open the serving port {host}:{port}: {err or 'the holder exited'}; free "
-                                  f'it or set "serving": {{"port": ...}} in the agent config')
+            raise PortHolderError(
+                f"cannot open the serving port {host}:{port}: {err or 'the holder exited'}; free "
+                f'it or set "serving": {{"port": ...}} in the agent config'
+            )
         if path.exists():
             if proc.stderr is not None:
                 proc.stderr.close()
@@ -195,11 +203,18 @@ MAX_HEAD = 64 * 1024
 MAX_BODY = int(os.environ.get("HARU_SERVING_MAX_BODY_BYTES", str(32 * 1024 * 1024)))
 _READ_TIMEOUT_S = int(os.environ.get("HARU_CLIENT_BODY_TIMEOUT_MS", "30000")) / 1000  # head and body, together
 _PASS_REQUEST = ("content-type", "accept", "accept-encoding", "user-agent", "x-request-id", "openai-organization")
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-            408: "Request Timeout", 411: "Length Required", 413: "Payload Too Large", 502: "Bad Gateway",
-            503: "Service Unavailable"}
-
-
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    411: "Length Required",
+    413: "Payload Too Large",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+}
 
 
 class _Refused(Exception):
@@ -211,8 +226,10 @@ class _Refused(Exception):
 
 
 def _response(status: int, body: bytes, extra: str = "") -> bytes:
-    return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n").encode() + body
+    return (
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n"
+    ).encode() + body
 
 
 async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -294,7 +311,7 @@ class Holder:
         with conn:
             try:
                 what = await asyncio.wait_for(loop.sock_recv(conn, 16), 5.0)
-            except (OSError, asyncio.TimeoutError):
+            except (TimeoutError, OSError):
                 return
             if what == b"fd":
                 self.leases += 1
@@ -329,13 +346,26 @@ class Holder:
                 port, name = self._route(path, headers, body)
             except _Refused as r:
                 self.stats["bridge_refused"] += 1
-                writer.write(_response(r.status, error_body(r.status, r.code, r.message, r.param),
-                                       "Allow: POST\r\n" if r.status == 405 else ""))
+                writer.write(
+                    _response(
+                        r.status,
+                        error_body(r.status, r.code, r.message, r.param),
+                        "Allow: POST\r\n" if r.status == 405 else "",
+                    )
+                )
                 await _linger(reader, writer)
                 return
-            except asyncio.TimeoutError:
-                writer.write(_response(408, error_body(408, "request_timeout", f"the request did not arrive within "
-                                                       f"{_READ_TIMEOUT_S:.0f} s (HARU_CLIENT_BODY_TIMEOUT_MS)")))
+            except TimeoutError:
+                writer.write(
+                    _response(
+                        408,
+                        error_body(
+                            408,
+                            "request_timeout",
+                            f"the request did not arrive within {_READ_TIMEOUT_S:.0f} s (HARU_CLIENT_BODY_TIMEOUT_MS)",
+                        ),
+                    )
+                )
                 await writer.drain()
                 return
             if port is None:  # GET /v1/models
@@ -375,21 +405,29 @@ class Holder:
             self._authorize(headers)
             return path, headers, b""
         if path not in FORWARDED:
-            raise _Refused(404, "not_found", f"{method} {path} is not served here; this port serves "
-                           f"POST {', '.join(sorted(FORWARDED))} and GET /v1/models")
+            raise _Refused(
+                404,
+                "not_found",
+                f"{method} {path} is not served here; this port serves "
+                f"POST {', '.join(sorted(FORWARDED))} and GET /v1/models",
+            )
         if method != "POST":
             raise _Refused(405, "method_not_allowed", f"{path} takes POST")
         self._authorize(headers)
         if "chunked" in headers.get("transfer-encoding", "").lower():
-            raise _Refused(411, "length_required", "a chunked request body is not accepted while the agent restarts; "
-                           "send the body with a Content-Length")
+            raise _Refused(
+                411,
+                "length_required",
+                "a chunked request body is not accepted while the agent restarts; send the body with a Content-Length",
+            )
         try:
             length = int(headers.get("content-length", ""))
             if length < 0:
                 raise ValueError
         except ValueError:
-            raise _Refused(411, "length_required", "the request needs a Content-Length header with the body's "
-                           "size in bytes") from None
+            raise _Refused(
+                411, "length_required", "the request needs a Content-Length header with the body's size in bytes"
+            ) from None
         if length > MAX_BODY:
             raise _Refused(413, "payload_too_large", f"the body is over {MAX_BODY} bytes")
         return path, headers, await reader.readexactly(length)
@@ -418,34 +456,61 @@ class Holder:
             raise _Refused(400, "invalid_request", name.message, name.param)
         ident = self._identities().get(name)
         if ident is None:
-            raise _Refused(503, "agent_restarting", f"the model `{name}` has no runtime this port can reach while "
-                           f"the domain's agent is restarting; retry shortly or on another domain", "model")
+            raise _Refused(
+                503,
+                "agent_restarting",
+                f"the model `{name}` has no runtime this port can reach while "
+                f"the domain's agent is restarting; retry shortly or on another domain",
+                "model",
+            )
         return ident["port"], name
 
     def _models(self) -> bytes:
         created = int(time.time())
-        data = [{"id": name, "object": "model", "created": created, "owned_by": "haru", "residency": "restarting"}
-                for name in self._identities()]
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "haru", "residency": "restarting"}
+            for name in self._identities()
+        ]
         return msgspec.json.encode({"object": "list", "data": data})
 
-    async def _forward(self, client: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int, name: str,
-                       path: str, headers: dict[str, str], body: bytes) -> None:
+    async def _forward(
+        self,
+        client: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        port: int,
+        name: str,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+    ) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", port, limit=MAX_HEAD)
         except OSError as exc:
             self.stats["bridge_refused"] += 1
-            writer.write(_response(503, error_body(503, "agent_restarting", f"the runtime of the model `{name}` "
-                                                   f"(127.0.0.1:{port}) refused the connection while the domain's "
-                                                   f"agent is restarting: {exc.strerror or exc}; retry shortly "
-                                                   f"or on another domain")))
+            writer.write(
+                _response(
+                    503,
+                    error_body(
+                        503,
+                        "agent_restarting",
+                        f"the runtime of the model `{name}` "
+                        f"(127.0.0.1:{port}) refused the connection while the domain's "
+                        f"agent is restarting: {exc.strerror or exc}; retry shortly "
+                        f"or on another domain",
+                    ),
+                )
+            )
             await writer.drain()
             return
         self.stats["bridged"] += 1  # from here on the request may reach the runtime: never sent again
         watch = asyncio.ensure_future(client.read(1))  # b"": the client went away, the runtime's request ends
         try:
             passed = "".join(f"{k}: {v}\r\n" for k, v in headers.items() if k in _PASS_REQUEST)
-            up_writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n"
-                            f"Content-Length: {len(body)}\r\n{passed}\r\n".encode() + body)
+            up_writer.write(
+                f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n"
+                f"Content-Length: {len(body)}\r\n{passed}\r\n".encode()
+                + body
+            )
             pipe = asyncio.ensure_future(self._pipe(up_reader, up_writer, writer))
             done, _ = await asyncio.wait({pipe, watch}, return_when=asyncio.FIRST_COMPLETED)
             if pipe not in done and not watch.exception() and watch.result():
@@ -456,9 +521,18 @@ class Holder:
                 return
             answered = pipe.result()
             if not answered:  # the runtime closed without a byte of answer: not resent
-                writer.write(_response(502, error_body(502, "upstream_unreachable", f"the runtime of the model "
-                                                       f"`{name}` (127.0.0.1:{port}) closed the connection "
-                                                       f"without an answer")))
+                writer.write(
+                    _response(
+                        502,
+                        error_body(
+                            502,
+                            "upstream_unreachable",
+                            f"the runtime of the model "
+                            f"`{name}` (127.0.0.1:{port}) closed the connection "
+                            f"without an answer",
+                        ),
+                    )
+                )
                 await writer.drain()
         finally:
             watch.cancel()
@@ -473,8 +547,11 @@ class Holder:
             head = await up.readuntil(b"\r\n\r\n")
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
             return False
-        lines = [ln for ln in head[:-4].split(b"\r\n")
-                 if ln.split(b":", 1)[0].strip().lower() not in (b"connection", b"keep-alive")]
+        lines = [
+            ln
+            for ln in head[:-4].split(b"\r\n")
+            if ln.split(b":", 1)[0].strip().lower() not in (b"connection", b"keep-alive")
+        ]
         writer.write(b"\r\n".join(lines) + b"\r\nConnection: close\r\n\r\n")
         while chunk := await up.read(65536):
             writer.write(chunk)

@@ -31,7 +31,9 @@ T = TypeVar("T")
 
 class Probe(msgspec.Struct, frozen=True, kw_only=True):
     ok: bool
-    step: str = ""  # which check failed: health | models (no answer) | listed (answered without it) | sleeping | completion
+    step: str = (
+        ""  # which check failed: health | models (no answer) | listed (answered without it) | sleeping | completion
+    )
     detail: str = ""
     latency_ms: int = 0
     sleeping: bool | None = None
@@ -59,7 +61,9 @@ async def ready(runtime: Runtime, *, timeout_s: float, check_sleep: bool = True)
         if isinstance(listed, RuntimeProblem):  # no answer is not evidence of an eviction
             return Probe(ok=False, step="models", detail=str(listed))
         if runtime.spec.name not in listed:
-            return Probe(ok=False, step="listed", detail=f"/v1/models does not list {runtime.spec.name!r} (it lists {listed})")
+            return Probe(
+                ok=False, step="listed", detail=f"/v1/models does not list {runtime.spec.name!r} (it lists {listed})"
+            )
         sleeping: bool | None = None
         if check_sleep:  # a vLLM that cannot sleep is still asked: a paused one would hold the completion
             try:
@@ -76,8 +80,14 @@ async def ready(runtime: Runtime, *, timeout_s: float, check_sleep: bool = True)
             completion.cancel()
     if isinstance(latency, RuntimeProblem):
         return Probe(ok=False, step="completion", detail=str(latency), sleeping=sleeping)
-    return Probe(ok=True, latency_ms=latency, sleeping=sleeping, health_ms=health_ms, models_ms=models_ms,
-                 completion_ms=completion_ms)
+    return Probe(
+        ok=True,
+        latency_ms=latency,
+        sleeping=sleeping,
+        health_ms=health_ms,
+        models_ms=models_ms,
+        completion_ms=completion_ms,
+    )
 
 
 async def _timed(step: Awaitable[T]) -> tuple[T | RuntimeProblem, float]:

@@ -24,8 +24,8 @@ from typing import Any
 import msgspec
 
 from haru.agents.observe import Observation, PullProgressed, PullRefused
-from haru.core.events import FetchedFile
 from haru.core import refs
+from haru.core.events import FetchedFile
 from haru.core.model_errors import ModelsError
 from haru.models.pull import Progress, pull
 from haru.models.resolve import Settings, resolve, session
@@ -70,8 +70,10 @@ async def pull_for(m, record: Record, about: Callable[[Any], dict]) -> bool:
             return await failed(str(exc))
         want = refs.RUNTIME_OF[res.format]
         if want != m.runtime.kind:
-            return await failed(f"it is a {res.format} model, served by {want}, but the layout declares runtime "
-                                f"{m.runtime.kind!r}; declare \"runtime\": \"{want}\" for it")
+            return await failed(
+                f"it is a {res.format} model, served by {want}, but the layout declares runtime "
+                f'{m.runtime.kind!r}; declare "runtime": "{want}" for it'
+            )
         await record(m, pulling(0, res.total_bytes, origin=res.origin))
         progress = _Counted(res.total_bytes)
 
@@ -93,7 +95,16 @@ async def pull_for(m, record: Record, about: Callable[[Any], dict]) -> bool:
             with contextlib.suppress(asyncio.CancelledError):
                 await reporter
     fetched = set(result.fetched)
-    await record(m, pulling(res.total_bytes, res.total_bytes, origin=res.origin, files=[
-        FetchedFile(name=b.name, digest=b.digest, size=b.size, fetched=b.digest in fetched) for b in res.blobs]))
+    await record(
+        m,
+        pulling(
+            res.total_bytes,
+            res.total_bytes,
+            origin=res.origin,
+            files=[
+                FetchedFile(name=b.name, digest=b.digest, size=b.size, fetched=b.digest in fetched) for b in res.blobs
+            ],
+        ),
+    )
     m.runtime.spec = msgspec.structs.replace(spec, source=str(result.path))
     return True

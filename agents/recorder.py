@@ -10,7 +10,7 @@ raises `IllegalObservation`: nothing is appended.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -31,8 +31,16 @@ _LOGGED = ("reason", "detail", "attempt", "warmup_ms", "exit_code", "pid")
 
 
 class Recorder:
-    def __init__(self, *, domain: str, append: Append, gpu: GpuWatcher, agent_seq: Callable[[], int],
-                 stopping: Callable[[], bool], logger: Any) -> None:
+    def __init__(
+        self,
+        *,
+        domain: str,
+        append: Append,
+        gpu: GpuWatcher,
+        agent_seq: Callable[[], int],
+        stopping: Callable[[], bool],
+        logger: Any,
+    ) -> None:
         self.domain = domain
         self.append = append
         self.gpu = gpu
@@ -42,12 +50,13 @@ class Recorder:
 
     def about(self, m: ModelSlot) -> dict:
         """The fields every observation of `m` carries: when, which domain, which model."""
-        return {"at": datetime.now(timezone.utc), "domain": self.domain, "model": m.name}
+        return {"at": datetime.now(UTC), "domain": self.domain, "model": m.name}
 
     async def record(self, m: ModelSlot, observation: Observation) -> Event | None:
         """Append what the table decides for `observation` of `m` (None: nothing to write)."""
-        gpu_detached = isinstance(observation, GpuGone) or (isinstance(observation, ProbeFailed)
-                                                              and observation.reason == "gpu_detached")
+        gpu_detached = isinstance(observation, GpuGone) or (
+            isinstance(observation, ProbeFailed) and observation.reason == "gpu_detached"
+        )
         index = m.spec.gpu_index
         if gpu_detached and m.spec.gpu_indexes:
             # a model across GPUs (tensor parallel): the GPU of its loss is the first of them that is gone
@@ -62,11 +71,21 @@ class Recorder:
             event = observe(m.state, observation)
             if event is None:
                 return None
-            event = causes.with_cause(event, causes.residency_cause(
-                event, prev_tag=m.state_tag, prev_seq=m.seq, command=COMMAND_CAUSE.get(),
-                gpu_gone=self.gpu.gone_seq(index), agent=self.agent_seq(), stopping=self.stopping()))
+            event = causes.with_cause(
+                event,
+                causes.residency_cause(
+                    event,
+                    prev_tag=m.state_tag,
+                    prev_seq=m.seq,
+                    command=COMMAND_CAUSE.get(),
+                    gpu_gone=self.gpu.gone_seq(index),
+                    agent=self.agent_seq(),
+                    stopping=self.stopping(),
+                ),
+            )
             m.seq = await self.append(m.subject, event, m.seq)
             m.state = evolve(m.state, event, seq=m.seq, subject=m.subject)  # the table wrote only legal events
-        self.logger.info(event_key(event), model=m.name,
-                         **{k: v for k, v in msgspec.to_builtins(event).items() if k in _LOGGED})
+        self.logger.info(
+            event_key(event), model=m.name, **{k: v for k, v in msgspec.to_builtins(event).items() if k in _LOGGED}
+        )
         return event

@@ -19,8 +19,18 @@ __all__ = ["Role"]
 
 
 class Role:
-    def __init__(self, log: Any, *, fleet: str, domain: str, pinned: str, first_domain: Callable[[], str],
-                 stopping: Callable[[], bool], errors: LoopErrors, logger: Any) -> None:
+    def __init__(
+        self,
+        log: Any,
+        *,
+        fleet: str,
+        domain: str,
+        pinned: str,
+        first_domain: Callable[[], str],
+        stopping: Callable[[], bool],
+        errors: LoopErrors,
+        logger: Any,
+    ) -> None:
         """`pinned`: the config's role (`auto` follows the route); `first_domain`: the fleet's first declared
         domain as the slots say now (active before any route_moved)."""
         self.log = log
@@ -70,8 +80,9 @@ class Role:
 
         while not self.stopping():
             try:
-                await self.log.follow(on, from_seq=max(1, self.revision), subject_filter=subjects.route(self.fleet),
-                                      name="agent-route")
+                await self.log.follow(
+                    on, from_seq=max(1, self.revision), subject_filter=subjects.route(self.fleet), name="agent-route"
+                )
             except asyncio.CancelledError:
                 raise
             except Exception:  # the log went away for a while (or a bug): keep the last known role

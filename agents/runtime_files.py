@@ -22,10 +22,10 @@ from typing import Any, Literal
 
 import msgspec
 
+from haru.core.specs import ModelSpec
 from haru.host import procfs
 from haru.host.children import alive as proc_alive
 from haru.host.children import stop_group
-from haru.core.specs import ModelSpec
 
 __all__ = ["OnStart", "RuntimeFiles", "runtime_on_start", "read_identities", "start_time", "wake_answers"]
 
@@ -37,8 +37,9 @@ class OnStart(msgspec.Struct, frozen=True):
     why: str
 
 
-def runtime_on_start(doc: dict | None, runtime: Any, spec: ModelSpec | None,
-                     why_unwanted: str = "the layout no longer has this model") -> OnStart:
+def runtime_on_start(
+    doc: dict | None, runtime: Any, spec: ModelSpec | None, why_unwanted: str = "the layout no longer has this model"
+) -> OnStart:
     """The verdict on an identity file. `runtime` is the model's Runtime under the current layout (None:
     the layout dropped it, or the planner no longer admits it: `why_unwanted` says which)."""
     if doc is None:
@@ -46,8 +47,11 @@ def runtime_on_start(doc: dict | None, runtime: Any, spec: ModelSpec | None,
     pid, start, port = int(doc.get("pid", 0)), doc.get("start"), int(doc.get("port", 0))
     if not proc_alive(pid, start):
         reused = start_time(pid) not in ("", str(start))
-        return OnStart("start", f"the runtime (pid {pid}) exited while no agent was watching it"
-                       + ("; its pid now belongs to an unrelated process, left alone" if reused else ""))
+        return OnStart(
+            "start",
+            f"the runtime (pid {pid}) exited while no agent was watching it"
+            + ("; its pid now belongs to an unrelated process, left alone" if reused else ""),
+        )
     if runtime is None or spec is None:
         return OnStart("stop", why_unwanted)
     planned = getattr(runtime, "planned_argv", lambda _p: None)(port)
@@ -127,7 +131,9 @@ class RuntimeFiles:
             path.parent.mkdir(parents=True, exist_ok=True)
             _write_atomically(path, doc)
         except OSError as exc:
-            self.logger.warning("could not write the runtime's identity file", model=model, path=str(path), error=str(exc))
+            self.logger.warning(
+                "could not write the runtime's identity file", model=model, path=str(path), error=str(exc)
+            )
 
     def write_wake_answers(self, model: str, answers: dict[str, str]) -> None:
         """Keep the greedy answers the runtime gave before it slept (agents/wake_check.py) in its identity
@@ -136,8 +142,13 @@ class RuntimeFiles:
         try:
             doc = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
-            self.logger.warning("no identity file to keep the wake check's answers in; an agent restarted before "
-                                "the wake will wake it unchecked", model=model, path=str(path), error=str(exc))
+            self.logger.warning(
+                "no identity file to keep the wake check's answers in; an agent restarted before "
+                "the wake will wake it unchecked",
+                model=model,
+                path=str(path),
+                error=str(exc),
+            )
             return
         if answers:
             doc["wake_answers"] = answers
@@ -154,8 +165,11 @@ class RuntimeFiles:
 
     def write_children(self, trainers: Iterable[Any]) -> None:
         """The running trainers' pid file (runtimes have identity files of their own)."""
-        kids = [{"pid": t.pgid, "start": start_time(t.pgid), "what": f"training:{t.spec.slot}", "grace_ms": t.grace_ms}
-                for t in trainers if t.running() and t.pgid]
+        kids = [
+            {"pid": t.pgid, "start": start_time(t.pgid), "what": f"training:{t.spec.slot}", "grace_ms": t.grace_ms}
+            for t in trainers
+            if t.running() and t.pgid
+        ]
         try:
             _write_atomically(self.children_path, kids)
         except OSError as exc:

@@ -35,10 +35,10 @@ from haru.agents.errors import PortHolderError
 from haru.agents.gpu_watch import GpuWatcher
 from haru.agents.model_slots import ModelSlots
 from haru.core.errors import ConfigError
-from haru.host.httpguard import BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
 from haru.core.openai_errors import BadBody, answer_status, error_body, model_of
 from haru.core.residency import ANSWERS
 from haru.core.specs import Policy
+from haru.host.httpguard import BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
 
 __all__ = ["ServingProxy", "FORWARDED"]
 
@@ -46,8 +46,21 @@ FORWARDED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embedding
 MAX_BODY = int(os.environ.get("HARU_SERVING_MAX_BODY_BYTES", str(32 * 1024 * 1024)))
 # Request headers that describe the body or the client's wishes; the rest stay at the door.
 _PASS_REQUEST = ("content-type", "accept", "accept-encoding", "user-agent", "x-request-id", "openai-organization")
-_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authenticate",
-                  "proxy-authorization", "content-length", "server", "date"})
+_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "content-length",
+        "server",
+        "date",
+    }
+)
 
 
 SERVING_DRAIN_S = 60.0  # an agent stopping lets the requests in flight (streams too) finish, this long at most
@@ -57,18 +70,19 @@ GONE_HEADER = "X-Haru-Runtime-Gone"
 _DIAGNOSIS_REUSE_S = 0.25  # how long one diagnosis of a failing runtime answers for the next failures
 
 
-
 def _not_serving_status(state: str, reason: str) -> tuple[int, str]:
     """(status, OpenAI error code) for a model this domain has but cannot serve now: the row of its
     router answer (`haru.core.residency.ANSWERS`) in the status table the gateway answers from."""
     return answer_status(ANSWERS.get(state, ("unknown", ""))[0], reason)
 
 
-def error(status: int, code: str, message: str, *, param: str | None = None,
-          headers: dict[str, str] | None = None) -> web.Response:
+def error(
+    status: int, code: str, message: str, *, param: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
     """OpenAI's error shape (`haru.core.openai_errors`, the gateway's too)."""
-    return web.Response(status=status, body=error_body(status, code, message, param), content_type="application/json",
-                        headers=headers)
+    return web.Response(
+        status=status, body=error_body(status, code, message, param), content_type="application/json", headers=headers
+    )
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -79,9 +93,11 @@ def bind_refusal(host: str, token: str) -> str:
     token is set. Without HARU_SERVING_TOKEN anyone who reached the port could send inference requests."""
     if token or host in LOOPBACK:
         return ""
-    return (f"the serving port would listen on {host or 'every address'} without HARU_SERVING_TOKEN, so anyone who "
-            f"can reach it could send inference requests: set HARU_SERVING_TOKEN (the same value on the gateway, "
-            f"which sends it), or listen on loopback only: \"serving\": {{\"host\": \"127.0.0.1\"}} in the agent config")
+    return (
+        f"the serving port would listen on {host or 'every address'} without HARU_SERVING_TOKEN, so anyone who "
+        f"can reach it could send inference requests: set HARU_SERVING_TOKEN (the same value on the gateway, "
+        f'which sends it), or listen on loopback only: "serving": {{"host": "127.0.0.1"}} in the agent config'
+    )
 
 
 def check_serving(config: Any, slots: Any) -> None:
@@ -95,8 +111,18 @@ def check_serving(config: Any, slots: Any) -> None:
 
 
 class ServingProxy:
-    def __init__(self, slots: ModelSlots, gpu: GpuWatcher, *, policy: Callable[[], Policy],
-                 keep_runtimes: Callable[[], bool], state_dir: Path, host: str, port: int, declared_url: str = "") -> None:
+    def __init__(
+        self,
+        slots: ModelSlots,
+        gpu: GpuWatcher,
+        *,
+        policy: Callable[[], Policy],
+        keep_runtimes: Callable[[], bool],
+        state_dir: Path,
+        host: str,
+        port: int,
+        declared_url: str = "",
+    ) -> None:
         """`slots`: the host's models (agents/model_slots.py); `gpu`: the GPU watcher (its last reading);
         `policy`, `keep_runtimes`: the agent's, as they are now. `host`/`port`: the agent config's `serving`;
         port 0 takes the port of the domain's declared serving URL (`declared_url`), else any free one."""
@@ -133,9 +159,13 @@ class ServingProxy:
         if refusal:
             raise ConfigError(refusal)
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
-        self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
-                                            timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
+        )
+        self._fresh = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
+            timeout=aiohttp.ClientTimeout(total=None),
+            auto_decompress=False,
+        )
         server = GuardedServer(self._handle, limits=self.limits, handler_cancellation=True, access_log=None)
         self.server = server
         self._runner = web.ServerRunner(server, handle_signals=False, access_log=None)
@@ -146,18 +176,20 @@ class ServingProxy:
             # `fd` also stops the holder's bridge; the lease it returns, open while this agent runs, starts
             # it again when this process exits however it exits (SIGKILL too).
             sock, self._lease = await asyncio.to_thread(
-                portholder.listening_socket, self.state_dir, self.host or "127.0.0.1", self.port)
-            self._site = web.SockSite(self._runner, sock, backlog=portholder.BACKLOG,
-                                      shutdown_timeout=SERVING_DRAIN_S)
+                portholder.listening_socket, self.state_dir, self.host or "127.0.0.1", self.port
+            )
+            self._site = web.SockSite(self._runner, sock, backlog=portholder.BACKLOG, shutdown_timeout=SERVING_DRAIN_S)
             await self._site.start()
         except (OSError, PortHolderError) as exc:
             self._release()
             self._site = None
             await self._runner.cleanup()
             await self._close_sessions()
-            raise ConfigError(f"cannot open the serving port {self.host}:{self.port}: "
-                              f"{getattr(exc, 'strerror', None) or exc}; free it or set "
-                              f'"serving": {{"port": ...}} in the agent config') from exc
+            raise ConfigError(
+                f"cannot open the serving port {self.host}:{self.port}: "
+                f"{getattr(exc, 'strerror', None) or exc}; free it or set "
+                f'"serving": {{"port": ...}} in the agent config'
+            ) from exc
         self.port = sock.getsockname()[1]
         self.logger.info("serving port open", url=self.url)
 
@@ -169,8 +201,11 @@ class ServingProxy:
         if self._site is not None and self._runner is not None and self.keep_runtimes():
             await self._site.stop()  # stops accepting (closes this process's copy of the listening socket)
             if not await asyncio.to_thread(portholder.bridge, self.state_dir):
-                self.logger.warning("the serving port holder did not answer `bridge`: requests wait for the next "
-                                    "agent in the port's accept queue", state_dir=str(self.state_dir))
+                self.logger.warning(
+                    "the serving port holder did not answer `bridge`: requests wait for the next "
+                    "agent in the port's accept queue",
+                    state_dir=str(self.state_dir),
+                )
         if self._runner is not None:
             await self._runner.cleanup()
         await self._close_sessions()
@@ -197,8 +232,12 @@ class ServingProxy:
                 return error(401, "unauthorized", "missing or wrong bearer token (HARU_SERVING_TOKEN)")
             return self._models()
         if path not in FORWARDED:
-            return error(404, "not_found", f"{request.method} {path} is not served here; this port serves "
-                         f"POST {', '.join(sorted(FORWARDED))} and GET /v1/models")
+            return error(
+                404,
+                "not_found",
+                f"{request.method} {path} is not served here; this port serves "
+                f"POST {', '.join(sorted(FORWARDED))} and GET /v1/models",
+            )
         if request.method != "POST":
             return error(405, "method_not_allowed", f"{path} takes POST", headers={"Allow": "POST"})
         if not self._authorized(request):
@@ -206,18 +245,30 @@ class ServingProxy:
         try:
             body = await read_body(request, self.limits.body_timeout_s, MAX_BODY)
         except BodyTooLarge:
-            return error(413, "payload_too_large", f"the body is over {MAX_BODY} bytes", headers={"Connection": "close"})
+            return error(
+                413, "payload_too_large", f"the body is over {MAX_BODY} bytes", headers={"Connection": "close"}
+            )
         except BodyTimeout:
-            return error(408, "request_timeout", f"the body did not arrive within HARU_CLIENT_BODY_TIMEOUT_MS "
-                         f"({int(self.limits.body_timeout_s * 1000)} ms)", headers={"Connection": "close"})
+            return error(
+                408,
+                "request_timeout",
+                f"the body did not arrive within HARU_CLIENT_BODY_TIMEOUT_MS "
+                f"({int(self.limits.body_timeout_s * 1000)} ms)",
+                headers={"Connection": "close"},
+            )
         name = model_of(body)
         if isinstance(name, BadBody):
             return error(400, "invalid_request", name.message, param=name.param)
         m = self.slots.models.get(name) or next(
-            (s for s in self.slots.models.values() if name in s.spec.adapters), None)  # a LoRA adapter: its model's
+            (s for s in self.slots.models.values() if name in s.spec.adapters), None
+        )  # a LoRA adapter: its model's
         if m is None:
-            return error(404, "model_not_found", f"the model `{name}` does not exist on domain {self.slots.domain!r}",
-                         param="model")
+            return error(
+                404,
+                "model_not_found",
+                f"the model `{name}` does not exist on domain {self.slots.domain!r}",
+                param="model",
+            )
         if m.state_tag != "resident":
             return self._not_serving(m)
         inflight = self._inflight
@@ -254,16 +305,25 @@ class ServingProxy:
         headers = {"Retry-After": "1"} if code in ("model_warming", "model_asleep") else None
         where = f"on domain {self.slots.domain!r}"
         if state == "lost" and reason == "gpu_detached":
-            return error(503, "gpu_detached", f"the model `{m.name}` is lost {where}: its GPU "
-                         f"{m.spec.gpu_index} was detached by the provider (not the operator's doing); try "
-                         f"another domain" + (f" ({detail})" if detail else ""), headers={GONE_HEADER: "gpu_detached"})
+            return error(
+                503,
+                "gpu_detached",
+                f"the model `{m.name}` is lost {where}: its GPU "
+                f"{m.spec.gpu_index} was detached by the provider (not the operator's doing); try "
+                f"another domain" + (f" ({detail})" if detail else ""),
+                headers={GONE_HEADER: "gpu_detached"},
+            )
         said = f" ({reason})" if state == "lost" and reason else ""
         if state == "lost":
             headers = {GONE_HEADER: reason or "lost"}
         elif state == "loading" and getattr(m.state, "attempt", 1) > 1:  # restarting after a loss: gone too
             headers = {**(headers or {}), GONE_HEADER: "restarting"}
-        return error(status, code, f"the model `{m.name}` is {state}{said} {where}" + (f": {detail}" if detail else ""),
-                     headers=headers)
+        return error(
+            status,
+            code,
+            f"the model `{m.name}` is {state}{said} {where}" + (f": {detail}" if detail else ""),
+            headers=headers,
+        )
 
     async def _diagnose(self, m, status: int) -> web.Response | None:
         """The runtime answered `status` (5xx, or 404) for a model the agent held resident: is it the
@@ -293,9 +353,17 @@ class ServingProxy:
 
     def _models(self) -> web.Response:
         created = int(time.time())
-        data = [{"id": name, "object": "model", "created": created, "owned_by": "haru",
-                 "domain": self.slots.domain, "residency": m.state_tag}
-                for name, m in self.slots.models.items()]
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "haru",
+                "domain": self.slots.domain,
+                "residency": m.state_tag,
+            }
+            for name, m in self.slots.models.items()
+        ]
         return web.Response(body=msgspec.json.encode({"object": "list", "data": data}), content_type="application/json")
 
     async def _close_sessions(self) -> None:
@@ -311,11 +379,15 @@ class ServingProxy:
             try:
                 return await self._forward_once(session, request, m, url, body, headers, head)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                if attempt == 0 and not head[0] and _not_sent(exc) and not (request.transport is None
-                                                                              or request.transport.is_closing()):
+                if (
+                    attempt == 0
+                    and not head[0]
+                    and _not_sent(exc)
+                    and not (request.transport is None or request.transport.is_closing())
+                ):
                     continue  # a kept-alive connection the runtime had closed: once more, on a new connection
                 return await self._unreachable(request, m, url, exc)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
                 return await self._unreachable(request, m, url, exc)
         raise AssertionError("unreachable")
 
@@ -325,11 +397,23 @@ class ServingProxy:
         translated = await self._diagnose(m, 502)
         if translated is not None:
             return translated
-        return error(502, "upstream_unreachable", f"the runtime at {url} did not answer: {exc}",
-                     headers={GONE_HEADER: "unreachable"})
+        return error(
+            502,
+            "upstream_unreachable",
+            f"the runtime at {url} did not answer: {exc}",
+            headers={GONE_HEADER: "unreachable"},
+        )
 
-    async def _forward_once(self, session: aiohttp.ClientSession, request: web.BaseRequest, m, url: str, body: bytes,
-                            headers: dict, head: list[bool]) -> web.StreamResponse:
+    async def _forward_once(
+        self,
+        session: aiohttp.ClientSession,
+        request: web.BaseRequest,
+        m,
+        url: str,
+        body: bytes,
+        headers: dict,
+        head: list[bool],
+    ) -> web.StreamResponse:
         async with session.post(url, data=body, headers=headers, allow_redirects=False) as upstream:
             head[0] = True
             if upstream.status >= 500 or upstream.status == 404:
@@ -337,7 +421,9 @@ class ServingProxy:
                 if translated is not None:
                     return translated
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
-            streaming = upstream.content_length is None or "text/event-stream" in upstream.headers.get("Content-Type", "")
+            streaming = upstream.content_length is None or "text/event-stream" in upstream.headers.get(
+                "Content-Type", ""
+            )
             if not streaming:
                 data = await upstream.read()
                 return web.Response(status=upstream.status, body=data, headers=out_headers)

@@ -25,7 +25,7 @@ import contextlib
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import aiohttp
@@ -34,8 +34,15 @@ from haru.agents.loops import LoopErrors, survive
 from haru.core.events import FailureSignalled
 from haru.core.specs import PreemptionNotice
 
-__all__ = ["GpuSignals", "NvmlGpuSignals", "SimGpuSignals", "SignalWatcher", "notice_from_url", "notice_from_command",
-           "open_signals"]
+__all__ = [
+    "GpuSignals",
+    "NvmlGpuSignals",
+    "SimGpuSignals",
+    "SignalWatcher",
+    "notice_from_url",
+    "notice_from_command",
+    "open_signals",
+]
 
 _NOT_A_NOTICE = frozenset({"", "false", "none", "null", "0", "no"})
 GPU_INTERVAL_S = 1.0
@@ -132,8 +139,11 @@ class NvmlGpuSignals:
                 xid = int(getattr(data, "eventData", 0) or 0)
         ecc = 0
         with contextlib.suppress(Exception):
-            ecc = int(nvml.nvmlDeviceGetTotalEccErrors(handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                                                        nvml.NVML_VOLATILE_ECC))
+            ecc = int(
+                nvml.nvmlDeviceGetTotalEccErrors(
+                    handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+                )
+            )
         pending = False
         with contextlib.suppress(Exception):
             pending = bool(nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle))
@@ -157,9 +167,16 @@ class SignalWatcher:
     """Polls the GPUs' signs (every GPU_INTERVAL_S) and the preemption notice (every `interval_ms`);
     records each sign once in this agent's life with `record`."""
 
-    def __init__(self, *, domain: str, gpus: GpuSignals, notice: PreemptionNotice | None,
-                 record: Callable[[FailureSignalled], Awaitable[None]], logger: Any,
-                 session: aiohttp.ClientSession | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        domain: str,
+        gpus: GpuSignals,
+        notice: PreemptionNotice | None,
+        record: Callable[[FailureSignalled], Awaitable[None]],
+        logger: Any,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
         self.domain = domain
         self.gpus = gpus
         self.notice = notice
@@ -173,11 +190,15 @@ class SignalWatcher:
         key = (source, gpu_index)
         if key in self.recorded:
             return
-        await self.record(FailureSignalled(at=datetime.now(timezone.utc), domain=self.domain, source=source,
-                                           gpu_index=gpu_index, detail=detail))
+        await self.record(
+            FailureSignalled(
+                at=datetime.now(UTC), domain=self.domain, source=source, gpu_index=gpu_index, detail=detail
+            )
+        )
         self.recorded.add(key)
-        self.logger.warning("failure signalled: the route moves off this domain", source=source, gpu=gpu_index,
-                            detail=detail)
+        self.logger.warning(
+            "failure signalled: the route moves off this domain", source=source, gpu=gpu_index, detail=detail
+        )
 
     async def check(self, indexes: Iterable[int]) -> None:
         for index in indexes:
@@ -197,13 +218,15 @@ class SignalWatcher:
             if session is None:
                 return ""
             try:
-                async with session.get(notice.url, headers=notice.headers,
-                                       timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                async with session.get(
+                    notice.url, headers=notice.headers, timeout=aiohttp.ClientTimeout(total=timeout)
+                ) as r:
                     return notice_from_url(r.status, await r.text(errors="replace"))
             except (aiohttp.ClientError, TimeoutError):
                 return ""  # the endpoint not answering is not a notice
-        proc = await asyncio.create_subprocess_exec(*notice.command, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.DEVNULL)
+        proc = await asyncio.create_subprocess_exec(
+            *notice.command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+        )
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), timeout)
         except TimeoutError:
@@ -216,5 +239,6 @@ class SignalWatcher:
     async def run(self, indexes: Callable[[], Iterable[int]], errors: LoopErrors) -> None:
         while True:
             await survive(lambda: self.check(indexes()), name="signals", errors=errors, logger=self.logger)
-            await asyncio.sleep(GPU_INTERVAL_S if self.notice is None else
-                                min(GPU_INTERVAL_S, self.notice.interval_ms / 1000))
+            await asyncio.sleep(
+                GPU_INTERVAL_S if self.notice is None else min(GPU_INTERVAL_S, self.notice.interval_ms / 1000)
+            )

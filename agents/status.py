@@ -7,7 +7,7 @@ models' GPUs first (recording what changed), then judges the readings (agents/gp
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -30,13 +30,24 @@ __all__ = ["Status"]
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class Status:
-    def __init__(self, *, fleet: str, domain: str, host: str, pid: int, role: Role, live: LiveApply,
-                 models: ModelSlots, training: TrainingSlots, gpu_watch: GpuWatcher,
-                 serving_url: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        *,
+        fleet: str,
+        domain: str,
+        host: str,
+        pid: int,
+        role: Role,
+        live: LiveApply,
+        models: ModelSlots,
+        training: TrainingSlots,
+        gpu_watch: GpuWatcher,
+        serving_url: Callable[[], str],
+    ) -> None:
         self.fleet = fleet
         self.domain = domain
         self.host = host
@@ -49,9 +60,15 @@ class Status:
         self.serving_url = serving_url
 
     def heartbeat(self) -> Heartbeat:
-        return heartbeat_of(fleet=self.fleet, domain=self.domain, role=self.role.now,
-                            models={name: m.state_tag for name, m in self.models.models.items()},
-                            training=self.training.running(), pid=self.pid, at=_now())
+        return heartbeat_of(
+            fleet=self.fleet,
+            domain=self.domain,
+            role=self.role.now,
+            models={name: m.state_tag for name, m in self.models.models.items()},
+            training=self.training.running(),
+            pid=self.pid,
+            at=_now(),
+        )
 
     def data(self) -> dict:
         """The `status` verb's data: role, models and their states, training, GPUs."""
@@ -77,22 +94,36 @@ class Status:
 
     def _gpu(self, r: GpuReading) -> dict:
         usage, foreign = self.gpu_watch.accounting(r)
-        return {"present": r.present, "name": r.name, "memory_total_bytes": r.memory_total_bytes,
-                "memory_used_bytes": r.memory_used_bytes, "memory_free_bytes": r.memory_free_bytes,
-                "processes": [p.pid for p in r.processes], "mig": r.mig, "accounted": r.accounted,
-                "usage": msgspec.to_builtins(usage), "foreign": msgspec.to_builtins(foreign)}
+        return {
+            "present": r.present,
+            "name": r.name,
+            "memory_total_bytes": r.memory_total_bytes,
+            "memory_used_bytes": r.memory_used_bytes,
+            "memory_free_bytes": r.memory_free_bytes,
+            "processes": [p.pid for p in r.processes],
+            "mig": r.mig,
+            "accounted": r.accounted,
+            "usage": msgspec.to_builtins(usage),
+            "foreign": msgspec.to_builtins(foreign),
+        }
 
     async def verify_gpus(self, models: list[ModelSlot]) -> GpuVerdict:
         """Observe each of the models' GPUs (recording what changed) and judge them, again within the
         settle window while memory is not released yet (agents/gpu_verdict.py `settled`)."""
+
         async def observe() -> None:
             for index in gpus_of(models):
                 await self.gpu_watch.observe(index)
 
         def judge() -> GpuVerdict:
             readings = {index: self.gpu_watch.read(index) for index in gpus_of(models)}
-            return judge_gpus(models, self.training.trainers, readings,
-                              residual_bytes=self.live.slots.policy.sleep_residual_bytes, pid_alive=pid_alive)
+            return judge_gpus(
+                models,
+                self.training.trainers,
+                readings,
+                residual_bytes=self.live.slots.policy.sleep_residual_bytes,
+                pid_alive=pid_alive,
+            )
 
         return await settled(observe, judge, settle_s=self.live.slots.policy.verify_settle_ms / 1000)
 
@@ -109,13 +140,21 @@ class Status:
             pid = m.runtime.pid if m.runtime.alive() else None
             asleep = m.runtime.can_sleep and m.state_tag == "sleeping"
             planned = min(residual, m.spec.vram_bytes) if asleep else m.spec.vram_bytes
-            out.append(Owner(name=m.name, kind="model", pids=process_tree({pid} if pid else set(), parents),
-                             planned_bytes=planned))
+            out.append(
+                Owner(
+                    name=m.name,
+                    kind="model",
+                    pids=process_tree({pid} if pid else set(), parents),
+                    planned_bytes=planned,
+                )
+            )
         for slot, t in self.training.trainers.items():
             if t.spec.gpu_index != index:
                 continue
             roots = set(t.group_pids()) | ({t.pid} if t.running() and t.pid else set())
-            out.append(Owner(name=slot, kind="training", pids=process_tree(roots, parents), planned_bytes=t.spec.vram_bytes))
+            out.append(
+                Owner(name=slot, kind="training", pids=process_tree(roots, parents), planned_bytes=t.spec.vram_bytes)
+            )
         return out
 
 

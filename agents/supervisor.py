@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from haru.agents import probes
+from haru.agents.adoption import Adoptable
 from haru.agents.cause import COMMAND_CAUSE
 from haru.agents.errors import OutOfMemory, RuntimeProblem, SleepFreedNothing, WakeAnswerChanged
 from haru.agents.gpu import GpuReading, process_tree, read_parents
-from haru.agents.wake_check import WakeCheck
 from haru.agents.gpu_watch import GpuWatcher
-from haru.agents.loops import LoopErrors, survive
-from haru.agents.adoption import Adoptable
 from haru.agents.load_queue import LoadQueue
+from haru.agents.loops import LoopErrors, survive
 from haru.agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
 from haru.agents.observe import (
     Adopted,
@@ -52,6 +51,7 @@ from haru.agents.observe import (
 from haru.agents.ports import Outcome
 from haru.agents.pulling import needs_pull, pull_for
 from haru.agents.runtime_files import RuntimeFiles
+from haru.agents.wake_check import WakeCheck
 from haru.core.events import Event
 from haru.core.restarts import Backoff
 from haru.core.specs import Policy, model_gpus
@@ -108,8 +108,10 @@ class ModelSupervisor:
             ctx.loads.enroll(m.name, self.gpus)
         # the greedy answers recorded before the runtime last slept: a wake must give the same ones (kept in
         # its identity file, so an agent that adopts it asleep checks its wake too)
-        self.wake_check = WakeCheck(found.wake_answers if found is not None else None,
-                                    keep=lambda answers: ctx.files.write_wake_answers(m.name, answers))
+        self.wake_check = WakeCheck(
+            found.wake_answers if found is not None else None,
+            keep=lambda answers: ctx.files.write_wake_answers(m.name, answers),
+        )
 
     def recheck(self) -> None:
         """Probe now (the serving port saw the runtime fail a request), once at a time."""
@@ -142,7 +144,7 @@ class ModelSupervisor:
             async with asyncio.timeout(seconds):
                 await self.ctx.stop_event.wait()
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return self.ctx.stopping()
 
     async def run(self) -> None:
@@ -162,8 +164,13 @@ class ModelSupervisor:
             # along): if the chain says live, it says so, once, before we reload.
             why = self.away or "the previous agent stopped without unloading it"
             self.away = ""
-            await survive(lambda: self.ctx.record(m, Vanished(**self.ctx.about(m), detail=why)), name="supervise",
-                          errors=self.ctx.errors, logger=self.logger, model=m.name)
+            await survive(
+                lambda: self.ctx.record(m, Vanished(**self.ctx.about(m), detail=why)),
+                name="supervise",
+                errors=self.ctx.errors,
+                logger=self.logger,
+                model=m.name,
+            )
             if m.state_tag == "lost":  # it was live, and is lost: the load that follows is a restart (attempt 2),
                 m.attempt = max(m.attempt, 1)  # which the promoter's faster path and the gateway's hold count
         first = True
@@ -219,7 +226,9 @@ class ModelSupervisor:
                         try:
                             await self._sleep_one(1)
                         except RuntimeProblem as exc:
-                            self.logger.warning("could not put the standby runtime to sleep", model=m.name, error=str(exc))
+                            self.logger.warning(
+                                "could not put the standby runtime to sleep", model=m.name, error=str(exc)
+                            )
         finally:
             if paused:
                 await self.ctx.resume_training(paused)
@@ -261,11 +270,21 @@ class ModelSupervisor:
             try:
                 await m.runtime.start()
             except RuntimeProblem as exc:  # the attempt is recorded, and what the runtime (or the OS) said
-                await self.ctx.record(m, Spawned(**self.ctx.about(m), endpoint=m.runtime.base_url, pid=0, attempt=m.attempt))
+                await self.ctx.record(
+                    m, Spawned(**self.ctx.about(m), endpoint=m.runtime.base_url, pid=0, attempt=m.attempt)
+                )
                 await self.ctx.record(m, SpawnRefused(**self.ctx.about(m), said=str(exc)))
                 return False
-            await self.ctx.record(m, Spawned(**self.ctx.about(m), endpoint=m.runtime.base_url, pid=m.runtime.pid or 0,
-                                          attempt=m.attempt, sleep_mode=getattr(m.runtime, "sleep_mode", "")))
+            await self.ctx.record(
+                m,
+                Spawned(
+                    **self.ctx.about(m),
+                    endpoint=m.runtime.base_url,
+                    pid=m.runtime.pid or 0,
+                    attempt=m.attempt,
+                    sleep_mode=getattr(m.runtime, "sleep_mode", ""),
+                ),
+            )
             self.ctx.files.write_identity(m.name, m.runtime)
             if m.runtime.kind != "external":
                 self.ctx.spawn(self._exit_waiter(m.generation), f"exit:{m.name}:{m.generation}")
@@ -287,19 +306,33 @@ class ModelSupervisor:
                     m.last_probe = probe
                     warmup = int((time.monotonic() - started) * 1000)
                     answered = time.perf_counter()
-                    await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url,
-                                                      sleeps=m.runtime.can_sleep, warmup_ms=warmup))
+                    await self.ctx.record(
+                        m,
+                        Answered(
+                            **self.ctx.about(m),
+                            endpoint=m.runtime.base_url,
+                            sleeps=m.runtime.can_sleep,
+                            warmup_ms=warmup,
+                        ),
+                    )
                     m.resident_at = time.monotonic()
-                self.logger.info("first probe answered", polls=polls, health_ms=probe.health_ms,
-                                 models_ms=probe.models_ms, completion_ms=probe.completion_ms,
-                                 record_ms=round((time.perf_counter() - answered) * 1000, 1))
+                self.logger.info(
+                    "first probe answered",
+                    polls=polls,
+                    health_ms=probe.health_ms,
+                    models_ms=probe.models_ms,
+                    completion_ms=probe.completion_ms,
+                    record_ms=round((time.perf_counter() - answered) * 1000, 1),
+                )
                 return True
             if not listening:
                 poll = LISTEN_POLL_S
             # the GPU is read no more often than before the bare connects (every LOADING_POLL_S)
             if m.runtime.kind != "external" and (listening or polls % 4 == 0) and self._gpu_went_away():
                 async with m.lock:
-                    await self.ctx.record(m, GpuGone(**self.ctx.about(m), detail="the GPU went away while the model was loading"))
+                    await self.ctx.record(
+                        m, GpuGone(**self.ctx.about(m), detail="the GPU went away while the model was loading")
+                    )
                     m.on_purpose = True
                     await m.runtime.stop(RUNTIME_STOP_GRACE_S)
                 return False
@@ -334,8 +367,11 @@ class ModelSupervisor:
                 if learned:
                     said = f"{said} ({learned})"
                 tail = m.runtime.output_tail(600).strip().splitlines()
-                detail = (f"the runtime exited with code {code}" if code is not None else
-                          f"the adopted runtime (pid {m.runtime.pid}) exited; its exit status went to its reaper")
+                detail = (
+                    f"the runtime exited with code {code}"
+                    if code is not None
+                    else f"the adopted runtime (pid {m.runtime.pid}) exited; its exit status went to its reaper"
+                )
                 if tail:
                     detail += f"; last output: {tail[-1][:300]}"
                 await self.ctx.record(m, Exited(**self.ctx.about(m), code=code, said=said, detail=detail))
@@ -405,8 +441,15 @@ class ModelSupervisor:
             m.probe_ms = int((time.monotonic() - started) * 1000)
             if probe.ok:
                 if tag != "resident" or m.state_tag != "resident":
-                    await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url, sleeps=m.runtime.can_sleep,
-                                                   warmup_ms=probe.latency_ms))
+                    await self.ctx.record(
+                        m,
+                        Answered(
+                            **self.ctx.about(m),
+                            endpoint=m.runtime.base_url,
+                            sleeps=m.runtime.can_sleep,
+                            warmup_ms=probe.latency_ms,
+                        ),
+                    )
                     m.resident_at = time.monotonic()
                 return False
             if m.exited.is_set():
@@ -479,11 +522,14 @@ class ModelSupervisor:
             never = getattr(m.runtime, "never_sleeps", None)
             if never is not None:
                 never(f"a sleep freed nothing ({detail})")
-            raise SleepFreedNothing(f"{m.name}: /is_sleeping said asleep but the sleep freed nothing ({detail}): the "
-                                    f"engine was paused, not asleep; it was woken again, stays resident, and is no "
-                                    f"longer put to sleep")
-        await self.ctx.record(m, Slept(**self.ctx.about(m), level=level, freed_bytes=freed, measured_by=measured_by,
-                                       detail=detail))
+            raise SleepFreedNothing(
+                f"{m.name}: /is_sleeping said asleep but the sleep freed nothing ({detail}): the "
+                f"engine was paused, not asleep; it was woken again, stays resident, and is no "
+                f"longer put to sleep"
+            )
+        await self.ctx.record(
+            m, Slept(**self.ctx.about(m), level=level, freed_bytes=freed, measured_by=measured_by, detail=detail)
+        )
 
     async def sleep(self, level: int) -> Outcome:
         """Idempotent sleep."""
@@ -494,8 +540,11 @@ class ModelSupervisor:
             if self._gpu_went_away():
                 # A runtime may well answer /sleep on a GPU that is gone; its weights are not in VRAM to free.
                 await self._gpu_gone("the GPU went away; asked to sleep")  # the table: no news if already lost
-                return Outcome(ok=False, code="gpu_detached",
-                               detail=f"GPU {self._read_gpu().index} is gone (the provider took it): {m.name} is lost, not asleep")
+                return Outcome(
+                    ok=False,
+                    code="gpu_detached",
+                    detail=f"GPU {self._read_gpu().index} is gone (the provider took it): {m.name} is lost, not asleep",
+                )
             tag = m.state_tag
             if tag == "sleeping":
                 try:
@@ -504,8 +553,11 @@ class ModelSupervisor:
                 except RuntimeProblem as exc:
                     return Outcome(ok=False, code=exc.code, detail=str(exc))
             elif tag not in ("resident", "waking"):
-                return Outcome(ok=False, code="not_resident",
-                               detail=f"{m.name} is {tag}; only a resident model can be put to sleep")
+                return Outcome(
+                    ok=False,
+                    code="not_resident",
+                    detail=f"{m.name} is {tag}; only a resident model can be put to sleep",
+                )
             try:
                 await self._sleep_one(level)
             except RuntimeProblem as exc:
@@ -524,50 +576,77 @@ class ModelSupervisor:
                     return Outcome(ok=False, code="not_resident", detail=f"{m.name} is {tag}", took_ms=0)
                 probe = await probes.ready(m.runtime, timeout_s=timeout)
                 if probe.ok:
-                    return Outcome(ok=True,
-                                   detail="already awake; probe answered", took_ms=int((time.monotonic() - started) * 1000))
-                return Outcome(ok=False, code="probe_failed",
-                               detail=f"awake but the probe failed at {probe.step}: {probe.detail}", took_ms=0)
+                    return Outcome(
+                        ok=True,
+                        detail="already awake; probe answered",
+                        took_ms=int((time.monotonic() - started) * 1000),
+                    )
+                return Outcome(
+                    ok=False,
+                    code="probe_failed",
+                    detail=f"awake but the probe failed at {probe.step}: {probe.detail}",
+                    took_ms=0,
+                )
             if tag not in ("sleeping", "waking"):
-                return Outcome(ok=False, code="not_sleeping",
-                               detail=f"{m.name} is {tag}; there is nothing to wake", took_ms=0)
+                return Outcome(
+                    ok=False, code="not_sleeping", detail=f"{m.name} is {tag}; there is nothing to wake", took_ms=0
+                )
             await self.ctx.record(m, WakeBegun(**self.ctx.about(m)))  # sleeping -> waking; a retried wake: no news
             gen = m.generation
             try:
                 await m.runtime.wake(self.ctx.policy().wake_timeout_ms / 1000)
             except OutOfMemory as exc:
                 await self._after_failed_wake(gen)
-                return Outcome(ok=False, code="out_of_memory",
-                               detail=str(exc), took_ms=int((time.monotonic() - started) * 1000))
+                return Outcome(
+                    ok=False, code="out_of_memory", detail=str(exc), took_ms=int((time.monotonic() - started) * 1000)
+                )
             except RuntimeProblem as exc:
                 await self._after_failed_wake(gen)
-                return Outcome(ok=False, code=exc.code, detail=str(exc), took_ms=int((time.monotonic() - started) * 1000))
+                return Outcome(
+                    ok=False, code=exc.code, detail=str(exc), took_ms=int((time.monotonic() - started) * 1000)
+                )
             probe = await probes.ready(m.runtime, timeout_s=timeout)
             took = int((time.monotonic() - started) * 1000)
             if gen != m.generation or m.exited.is_set():
-                return Outcome(ok=False, code="process_exited",
-                               detail=f"{m.name}'s runtime exited while waking", took_ms=took)
+                return Outcome(
+                    ok=False, code="process_exited", detail=f"{m.name}'s runtime exited while waking", took_ms=took
+                )
             if not probe.ok:
                 code = "out_of_memory" if "out of memory" in probe.detail.lower() else "probe_failed"
                 await self._after_failed_wake(gen, probe=probe)
-                return Outcome(ok=False, code=code,
-                               detail=f"woke but the probe failed at {probe.step}: {probe.detail}", took_ms=took)
+                return Outcome(
+                    ok=False,
+                    code=code,
+                    detail=f"woke but the probe failed at {probe.step}: {probe.detail}",
+                    took_ms=took,
+                )
             checked = self.wake_check.armed
             changed = await self.wake_check.changed(m.runtime, self.ctx.policy().probe_timeout_ms / 1000)
             took = int((time.monotonic() - started) * 1000)
             if changed:
                 await self._wrong_after_wake(gen, changed)
-                return Outcome(ok=False, code=WakeAnswerChanged.code,
-                               detail=f"woke and answers, but not as before it slept: {changed}; it is reloaded",
-                               took_ms=took)
+                return Outcome(
+                    ok=False,
+                    code=WakeAnswerChanged.code,
+                    detail=f"woke and answers, but not as before it slept: {changed}; it is reloaded",
+                    took_ms=took,
+                )
             m.last_probe = probe
-            await self.ctx.record(m, Answered(**self.ctx.about(m), endpoint=m.runtime.base_url,
-                                              sleeps=m.runtime.can_sleep, warmup_ms=took))
+            await self.ctx.record(
+                m,
+                Answered(**self.ctx.about(m), endpoint=m.runtime.base_url, sleeps=m.runtime.can_sleep, warmup_ms=took),
+            )
             m.resident_at = time.monotonic()
-            answers = ("the greedy answers recorded before the sleep" if checked else
-                       "no greedy answer to compare: none was kept from before it slept")
-            return Outcome(ok=True, detail=f"awake (verified by /is_sleeping, a probe in {probe.latency_ms} ms and "
-                           f"{answers})", took_ms=took)
+            answers = (
+                "the greedy answers recorded before the sleep"
+                if checked
+                else "no greedy answer to compare: none was kept from before it slept"
+            )
+            return Outcome(
+                ok=True,
+                detail=f"awake (verified by /is_sleeping, a probe in {probe.latency_ms} ms and {answers})",
+                took_ms=took,
+            )
 
     async def probe(self) -> Outcome:
         """A real one-token completion of a resident model (`latency_ms`); a failed one is news: the
@@ -627,14 +706,26 @@ class ModelSupervisor:
                 # Woken by an agent that died before it checked the wake: checked now, before it may serve.
                 changed = await self.wake_check.changed(m.runtime, self.ctx.policy().probe_timeout_ms / 1000)
                 if changed:
-                    self.logger.warning("a runtime woken by the previous agent answers otherwise than before its "
-                                        "sleep; not adopted, reloaded", changed=changed)
+                    self.logger.warning(
+                        "a runtime woken by the previous agent answers otherwise than before its "
+                        "sleep; not adopted, reloaded",
+                        changed=changed,
+                    )
                     await self._wrong_after_wake(m.generation, changed)
                     return True  # stopped and `exited`: the supervisor reloads it
             level = getattr(m.state, "level", 1) or 1
-            await self.ctx.record(m, Adopted(**self.ctx.about(m), pid=found.pid, endpoint=found.endpoint,
-                                             asleep=found.asleep, level=level, sleeps=m.runtime.can_sleep,
-                                             detail="kept serving through the agent's restart"))
+            await self.ctx.record(
+                m,
+                Adopted(
+                    **self.ctx.about(m),
+                    pid=found.pid,
+                    endpoint=found.endpoint,
+                    asleep=found.asleep,
+                    level=level,
+                    sleeps=m.runtime.can_sleep,
+                    detail="kept serving through the agent's restart",
+                ),
+            )
             self.ctx.spawn(self._exit_waiter(m.generation), f"exit:{m.name}:{m.generation}")
             if not found.asleep:
                 m.resident_at = time.monotonic()
@@ -660,8 +751,11 @@ def freed_by_sleep(before: GpuReading, after: GpuReading, tree: frozenset[int]) 
             still = sum(p.used_bytes for p in after.processes if p.pid in tree)
             return max(0, held - still), "process", f"its processes held {held} bytes before the sleep, {still} after"
     if before.present and after.present:
-        return (max(0, before.memory_used_bytes - after.memory_used_bytes), "gpu",
-                f"the GPU's used memory went from {before.memory_used_bytes} to {after.memory_used_bytes} bytes")
+        return (
+            max(0, before.memory_used_bytes - after.memory_used_bytes),
+            "gpu",
+            f"the GPU's used memory went from {before.memory_used_bytes} to {after.memory_used_bytes} bytes",
+        )
     return 0, "", "not measured: no GPU reading on this host (no NVML), so what the sleep freed is unknown"
 
 
@@ -691,4 +785,6 @@ def runtime_said(output: str, code: int, limit: int = 1000) -> str:
             picked.append(ln)
     # The first errors say what went wrong, the last one how it ended.
     said = " | ".join(picked[:2] + picked[-1:] if len(picked) > 3 else picked or lines[-3:])
-    return f"exited with code {code} while loading: {said}"[:limit] if said else f"exited with code {code} while loading"
+    return (
+        f"exited with code {code} while loading: {said}"[:limit] if said else f"exited with code {code} while loading"
+    )

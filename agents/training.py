@@ -19,17 +19,17 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import msgspec
 
 from haru.agents.errors import TrainingProblem
 from haru.agents.runtimes.base import killpg
-from haru.host.children import die_with_parent
-from haru.host import procfs
 from haru.core.events import StopHow
 from haru.core.specs import TrainingSpec
+from haru.host import procfs
+from haru.host.children import die_with_parent
 
 __all__ = ["Trainer", "Ended", "training_env"]
 
@@ -107,7 +107,9 @@ class Trainer:
         try:
             ckpt.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise TrainingProblem(f"training slot {self.spec.slot!r}: cannot create checkpoint_dir {str(ckpt)!r}: {exc}") from exc
+            raise TrainingProblem(
+                f"training slot {self.spec.slot!r}: cannot create checkpoint_dir {str(ckpt)!r}: {exc}"
+            ) from exc
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         env = training_env(dict(os.environ) if self._base_env is None else self._base_env, self.spec)
         with open(self._log_path, "ab") as log:
@@ -119,7 +121,9 @@ class Trainer:
                     stderr=asyncio.subprocess.STDOUT,
                     env=env,
                     start_new_session=True,
-                    preexec_fn=die_with_parent(signal.SIGTERM),  # its grace to checkpoint when the agent dies, even by SIGKILL
+                    preexec_fn=die_with_parent(
+                        signal.SIGTERM
+                    ),  # its grace to checkpoint when the agent dies, even by SIGKILL
                 )
             except OSError as exc:
                 raise TrainingProblem(
@@ -151,7 +155,7 @@ class Trainer:
         try:
             async with asyncio.timeout(self.grace_ms / 1000):
                 await proc.wait()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             how = "killed"
             killpg(proc.pid, signal.SIGKILL)
             await proc.wait()

@@ -22,8 +22,16 @@ __all__ = ["TrainingPolicy"]
 
 
 class TrainingPolicy:
-    def __init__(self, slots: TrainingSlots, *, models: ModelSlots, role: Role, auto: bool,
-                 stopping: Callable[[], bool], logger: Any) -> None:
+    def __init__(
+        self,
+        slots: TrainingSlots,
+        *,
+        models: ModelSlots,
+        role: Role,
+        auto: bool,
+        stopping: Callable[[], bool],
+        logger: Any,
+    ) -> None:
         """`auto`: a standby starts its slots by itself once its models have come to rest."""
         self.slots = slots
         self.models = models
@@ -46,13 +54,21 @@ class TrainingPolicy:
         if self.role.now == "active":
             await self.role.read()  # the pointer may have just moved (a settle right after a flip)
         if self.role.now == "active":
-            return Outcome(ok=False, code="domain_active", detail=f"domain {self.role.domain!r} is the active domain "
-                           f"(route revision {self.role.revision}); training runs only on a standby")
+            return Outcome(
+                ok=False,
+                code="domain_active",
+                detail=f"domain {self.role.domain!r} is the active domain "
+                f"(route revision {self.role.revision}); training runs only on a standby",
+            )
         busy = self.models.awake_on(spec.gpu_index)
         if busy:
-            return Outcome(ok=False, code="gpu_busy", detail=f"GPU {spec.gpu_index} holds awake models "
-                           f"({', '.join(busy)}); put them to sleep first (training runs only in VRAM the sleeping "
-                           f"runtimes freed)")
+            return Outcome(
+                ok=False,
+                code="gpu_busy",
+                detail=f"GPU {spec.gpu_index} holds awake models "
+                f"({', '.join(busy)}); put them to sleep first (training runs only in VRAM the sleeping "
+                f"runtimes freed)",
+            )
         return None
 
     async def resume(self, slots: list[str]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +33,24 @@ Admit = Callable[[TrainingSpec], Awaitable[Outcome | None]]
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class TrainingSlots:
-    def __init__(self, specs: Iterable[TrainingSpec], *, fleet: str, domain: str, grace_ms: int, log_dir: Path,
-                 append: Append, files: RuntimeFiles, agent_seq: Callable[[], int], stopping: Callable[[], bool],
-                 logger: Any) -> None:
+    def __init__(
+        self,
+        specs: Iterable[TrainingSpec],
+        *,
+        fleet: str,
+        domain: str,
+        grace_ms: int,
+        log_dir: Path,
+        append: Append,
+        files: RuntimeFiles,
+        agent_seq: Callable[[], int],
+        stopping: Callable[[], bool],
+        logger: Any,
+    ) -> None:
         self.fleet = fleet
         self.domain = domain
         self.append = append
@@ -50,7 +61,8 @@ class TrainingSlots:
         self.seq: dict[str, int] = {}  # each slot subject's last sequence
         self._lock = asyncio.Lock()
         self.trainers: dict[str, Trainer] = {
-            t.slot: Trainer(t, grace_ms=grace_ms, log_dir=log_dir, on_exit=self._on_exit(t.slot)) for t in specs}
+            t.slot: Trainer(t, grace_ms=grace_ms, log_dir=log_dir, on_exit=self._on_exit(t.slot)) for t in specs
+        }
 
     def running(self) -> list[str]:
         return [slot for slot, t in self.trainers.items() if t.running()]
@@ -63,9 +75,17 @@ class TrainingSlots:
             rec = await log.last(subjects.training(self.fleet, self.domain, slot))
             self.seq[slot] = rec.seq if rec is not None else 0
             if rec is not None and isinstance(rec.event, TrainingStarted):
-                await self._record(slot, TrainingStopped(at=_now(), domain=self.domain, slot=slot,
-                                                         how=swept.get(slot, "terminated"),  # type: ignore[arg-type]
-                                                         exit_code=None, ran_ms=0))
+                await self._record(
+                    slot,
+                    TrainingStopped(
+                        at=_now(),
+                        domain=self.domain,
+                        slot=slot,
+                        how=swept.get(slot, "terminated"),  # type: ignore[arg-type]
+                        exit_code=None,
+                        ran_ms=0,
+                    ),
+                )
 
     async def start(self, slot: str, admit: Admit) -> Outcome:
         t = self.trainers[slot]
@@ -79,8 +99,9 @@ class TrainingSlots:
                 pid = await t.start()
             except TrainingProblem as exc:
                 return Outcome(ok=False, code=exc.code, detail=str(exc))
-            await self._record(slot, TrainingStarted(at=_now(), domain=self.domain, slot=slot, pid=pid,
-                                                     gpu_index=t.spec.gpu_index))
+            await self._record(
+                slot, TrainingStarted(at=_now(), domain=self.domain, slot=slot, pid=pid, gpu_index=t.spec.gpu_index)
+            )
             self.files.write_children(self.trainers.values())
         self.logger.info("training_started", slot=slot, pid=pid)
         return Outcome(ok=True, detail=f"started (pid {pid})")
@@ -111,13 +132,19 @@ class TrainingSlots:
         return on_exit
 
     async def _stopped(self, slot: str, ended: Ended) -> None:
-        await self._record(slot, TrainingStopped(at=_now(), domain=self.domain, slot=slot, how=ended.how,
-                                                 exit_code=ended.exit_code, ran_ms=ended.ran_ms))
+        await self._record(
+            slot,
+            TrainingStopped(
+                at=_now(), domain=self.domain, slot=slot, how=ended.how, exit_code=ended.exit_code, ran_ms=ended.ran_ms
+            ),
+        )
         self.files.write_children(self.trainers.values())
         self.logger.info("training_stopped", slot=slot, how=ended.how, exit_code=ended.exit_code)
 
     async def _record(self, slot: str, event: Event) -> None:
         subject = subjects.training(self.fleet, self.domain, slot)
-        event = causes.with_cause(event, causes.training_cause(event, command=COMMAND_CAUSE.get(), agent=self.agent_seq(),
-                                                               stopping=self.stopping()))
+        event = causes.with_cause(
+            event,
+            causes.training_cause(event, command=COMMAND_CAUSE.get(), agent=self.agent_seq(), stopping=self.stopping()),
+        )
         self.seq[slot] = await self.append(subject, event, self.seq.get(slot, 0))

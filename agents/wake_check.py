@@ -24,8 +24,9 @@ class WakeCheck:
     """One model's recorded answers: `record` before a sleep, `changed` after the wake. `keep` is
     called with the answers each time they change ({} = none), to persist them."""
 
-    def __init__(self, answers: Mapping[str, str] | None = None,
-                 keep: Callable[[dict[str, str]], None] | None = None) -> None:
+    def __init__(
+        self, answers: Mapping[str, str] | None = None, keep: Callable[[dict[str, str]], None] | None = None
+    ) -> None:
         self.answers: dict[str, str] = dict(answers or {})  # the model's served name, then each adapter -> its answer
         self._keep = keep
 
@@ -58,8 +59,11 @@ class WakeCheck:
             return f"the greedy check could not be repeated: {exc}"
         finally:
             self._set({})
-        return "; ".join(f"{name}: {before[name]!r} before the sleep, {now.get(name)!r} after the wake"
-                         for name in before if now.get(name) != before[name])
+        return "; ".join(
+            f"{name}: {before[name]!r} before the sleep, {now.get(name)!r} after the wake"
+            for name in before
+            if now.get(name) != before[name]
+        )
 
     def forget(self) -> None:
         if self.answers:

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,9 +39,9 @@ import aiohttp  # noqa: E402
 
 from haru.core import subjects  # noqa: E402
 from haru.core.errors import LogError  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
 from haru.core.events import AgentStopping  # noqa: E402
 from haru.host.natsd import free_port  # noqa: E402
+from haru.log.eventlog import EventLog  # noqa: E402
 
 MODEL = "qwen3-0.6b"
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}).encode()
@@ -76,10 +76,27 @@ async def demo_up(root: Path, layout: Path | None = None):
     for name in ("HARU_NATS_URL", "HARU_API_TOKEN", "HARU_NO_PDEATHSIG"):
         env.pop(name, None)  # the real behaviour: no test-only switches
     up = subprocess.Popen(
-        [sys.executable, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--port", str(free_port()),
-         "--layout", str(layout or demo_layout(root / "demo.json")), "--ready-file", str(ready),
-         "--log-format", "json"],
-        stdout=subprocess.DEVNULL, stderr=open(root / "up.err", "wb"), env=env, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "haru.cli",
+            "up",
+            "--demo",
+            "--nats-port",
+            "0",
+            "--port",
+            str(free_port()),
+            "--layout",
+            str(layout or demo_layout(root / "demo.json")),
+            "--ready-file",
+            str(ready),
+            "--log-format",
+            "json",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(root / "up.err", "wb"),
+        env=env,
+        cwd=REPO,
     )
     try:
         deadline = time.monotonic() + 90
@@ -104,11 +121,12 @@ async def chat_client(url: str, load: Load) -> None:
             sent = time.monotonic()
             ok = False
             try:
-                async with s.post(url + "/v1/chat/completions", data=BODY,
-                                  headers={"Content-Type": "application/json"}) as r:
+                async with s.post(
+                    url + "/v1/chat/completions", data=BODY, headers={"Content-Type": "application/json"}
+                ) as r:
                     await r.read()
                     ok = r.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 ok = False
             load.requests.append((sent, time.monotonic(), ok))
             await asyncio.sleep(0.02 if ok else 0.05)
@@ -121,7 +139,7 @@ async def writer(nats_url: str, load: Load) -> None:
         while not load.stop.is_set():
             n += 1
             body = f'"append {n}"'.encode()
-            event = AgentStopping(at=datetime.now(timezone.utc), by="chaos", domain="w", reason=f"append {n}")
+            event = AgentStopping(at=datetime.now(UTC), by="chaos", domain="w", reason=f"append {n}")
             try:
                 expect = await log.append(WRITER_SUBJECT, event, expect=expect)
                 load.acked[expect] = body
@@ -179,7 +197,9 @@ async def main() -> None:
                 if not await steady(load, 3.0, 120):
                     raise SystemExit("chat never became steady")
                 print(f"haru up --demo steady: {args.clients} chat clients, 1 event writer", flush=True)
-                print(f"{'fault':<14} {'requests':>8} {'failed':>7} {'window_s':>9} {'acked':>7} {'lost':>5}  recovered")
+                print(
+                    f"{'fault':<14} {'requests':>8} {'failed':>7} {'window_s':>9} {'acked':>7} {'lost':>5}  recovered"
+                )
                 for fault in [f.strip() for f in args.faults.split(",") if f.strip()]:
                     pid = json.loads((home / "up.json").read_text())["children"][fault]
                     t0 = time.monotonic()
@@ -188,8 +208,11 @@ async def main() -> None:
                     recovered = await steady(load, 3.0, 120)
                     sent, failed, span = window(load, t0, t0 + args.observe_s)
                     lost = await lost_events(info["nats_url"], dict(load.acked))
-                    print(f"{fault:<14} {sent:>8} {failed:>7} {span:>9.2f} {len(load.acked):>7} {lost:>5}  "
-                          f"{'yes' if recovered else 'NO'}", flush=True)
+                    print(
+                        f"{fault:<14} {sent:>8} {failed:>7} {span:>9.2f} {len(load.acked):>7} {lost:>5}  "
+                        f"{'yes' if recovered else 'NO'}",
+                        flush=True,
+                    )
             finally:
                 await stop_load(load, tasks)
 

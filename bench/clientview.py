@@ -69,8 +69,10 @@ MODES = {
 }
 # What a row measures that is not the real thing, per runtime ('' = the fault as it is).
 NOTES = {
-    "llama": {"detach": "simulated GPU (the real llama-servers run on the CPU)",
-              "crash": "SIGKILL of every llama-server"},
+    "llama": {
+        "detach": "simulated GPU (the real llama-servers run on the CPU)",
+        "crash": "SIGKILL of every llama-server",
+    },
 }
 
 
@@ -84,8 +86,10 @@ def layout(dst: Path, mode: str = "sim") -> Path:
     doc = json.loads((REPO / "haru" / "up" / "demo" / MODES[mode][0]).read_text())
     for domain in doc["domains"]:
         domain["serving_url"] = f"http://127.0.0.1:{free_port()}"
-        domain["preemption_notice"] = {"command": ["cat", str(dst.parent / f"notice-{domain['name']}")],
-                                       "interval_ms": 500}
+        domain["preemption_notice"] = {
+            "command": ["cat", str(dst.parent / f"notice-{domain['name']}")],
+            "interval_ms": 500,
+        }
         for slot in domain["slots"]:
             for model in slot.get("models", []):
                 model["port"] = free_port()
@@ -120,10 +124,29 @@ class Demo:
     def start(self) -> None:
         ready = self.root / "ready.json"
         self.proc = subprocess.Popen(
-            [PY, "-m", "haru.cli", "up", "--demo", *(["--real", self.mode] if self.mode != "sim" else []),
-             "--nats-port", "0", "--port", str(free_port()), "--layout", str(layout(self.root / "demo.json", self.mode)),
-             "--ready-file", str(ready), "--log-level", os.environ.get("HARU_BENCH_LOG_LEVEL", "warning")],
-            stdout=open(self.root / "up.out", "wb"), stderr=open(self.root / "up.err", "wb"), env=self.env, cwd=REPO)
+            [
+                PY,
+                "-m",
+                "haru.cli",
+                "up",
+                "--demo",
+                *(["--real", self.mode] if self.mode != "sim" else []),
+                "--nats-port",
+                "0",
+                "--port",
+                str(free_port()),
+                "--layout",
+                str(layout(self.root / "demo.json", self.mode)),
+                "--ready-file",
+                str(ready),
+                "--log-level",
+                os.environ.get("HARU_BENCH_LOG_LEVEL", "warning"),
+            ],
+            stdout=open(self.root / "up.out", "wb"),
+            stderr=open(self.root / "up.err", "wb"),
+            env=self.env,
+            cwd=REPO,
+        )
         deadline = time.monotonic() + 180
         while not ready.exists():
             if time.monotonic() > deadline or self.proc.poll() is not None:
@@ -150,8 +173,14 @@ class Demo:
                 os.kill(pid, signal.SIGKILL)
 
     def haru(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([PY, "-m", "haru.cli", *args, *(["--nats-url", self.nats] if args[0] in ("promote",) else [])],
-                              capture_output=True, text=True, env=self.env, cwd=REPO, timeout=120)
+        return subprocess.run(
+            [PY, "-m", "haru.cli", *args, *(["--nats-url", self.nats] if args[0] in ("promote",) else [])],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=REPO,
+            timeout=120,
+        )
 
     async def view(self, s: aiohttp.ClientSession) -> dict:
         async with s.get(self.gateway + "/v1/fleets/default") as r:
@@ -161,12 +190,17 @@ class Demo:
         async with s.get(self.gateway + "/metrics") as r:
             text = await r.text()
         out: dict[str, float] = {}
-        for name, label in (("continued", 'haru_gateway_stream_resumes_total{fleet="default",outcome="continued"}'),
-                            ("error_event", 'haru_gateway_stream_resumes_total{fleet="default",outcome="error_event"}'),
-                            ("held", 'haru_gateway_held_total{fleet="default",outcome="released"}')):
+        for name, label in (
+            ("continued", 'haru_gateway_stream_resumes_total{fleet="default",outcome="continued"}'),
+            ("error_event", 'haru_gateway_stream_resumes_total{fleet="default",outcome="error_event"}'),
+            ("held", 'haru_gateway_held_total{fleet="default",outcome="released"}'),
+        ):
             m = re.search(re.escape(label) + r" ([0-9.e+]+)", text)
             out[name] = float(m.group(1)) if m else 0.0
-        out["retried"] = sum(float(v) for v in re.findall(r'haru_gateway_retried_total\{fleet="default",why="[a-z_]+"\} ([0-9.e+]+)', text))
+        out["retried"] = sum(
+            float(v)
+            for v in re.findall(r'haru_gateway_retried_total\{fleet="default",why="[a-z_]+"\} ([0-9.e+]+)', text)
+        )
         return out
 
 
@@ -221,7 +255,9 @@ class Load:
     def _refused(self, status: int, body: bytes, headers) -> str:
         outcome = f"failed:{status} {error_code(body)}"
         retried = headers.get("X-Haru-Retried", "")
-        self.said.setdefault(outcome.split(":", 1)[1], error_message(body) + (f" (retried: {retried})" if retried else ""))
+        self.said.setdefault(
+            outcome.split(":", 1)[1], error_message(body) + (f" (retried: {retried})" if retried else "")
+        )
         return outcome
 
     async def _json(self, s: aiohttp.ClientSession) -> None:
@@ -239,8 +275,7 @@ class Load:
             self.done.append((t0, time.monotonic(), "json", outcome))
 
     async def _sse(self, s: aiohttp.ClientSession) -> None:
-        body = {"model": self.sse_model, "messages": CHAT, "max_tokens": 64, "ignore_eos": True,
-                "stream": True}
+        body = {"model": self.sse_model, "messages": CHAT, "max_tokens": 64, "ignore_eos": True, "stream": True}
         while not self._stop.is_set():
             t0 = time.monotonic()
             self.inflight.add(t0)
@@ -252,8 +287,13 @@ class Load:
                     else:
                         try:
                             data = await r.read()
-                            outcome = ("failed:error_event" if b'data: {"error"' in data
-                                       else "ok" if data.rstrip().endswith(b"data: [DONE]") else "cut")
+                            outcome = (
+                                "failed:error_event"
+                                if b'data: {"error"' in data
+                                else "ok"
+                                if data.rstrip().endswith(b"data: [DONE]")
+                                else "cut"
+                            )
                         except aiohttp.ClientPayloadError:
                             outcome = "cut"
             except aiohttp.ClientError as exc:
@@ -354,8 +394,11 @@ async def fault(name: str, demo: Demo, s: aiohttp.ClientSession, active: str) ->
         agent = active_agent(view, active)
         victims = {agent} | descendants(agent)
         port = view["domains"][active]["serving_url"].rsplit(":", 1)[-1].rstrip("/")
-        holder = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-                  if "haru.agents.portholder" in (cl := cmdline(pid)) and cl.split()[-1:] == [port]]
+        holder = [
+            pid
+            for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+            if "haru.agents.portholder" in (cl := cmdline(pid)) and cl.split()[-1:] == [port]
+        ]
         victims |= set(holder)
         for pid in victims:
             with contextlib.suppress(OSError):
@@ -379,8 +422,16 @@ def wake_of(view: dict, domain: str) -> tuple[float, bool]:
     return ms / 1000, measured
 
 
-async def measure(faults: tuple[str, ...], *, json_clients: int = 6, sse_clients: int = 2, steady_s: float = 5.0,
-                  tail_s: float = 6.0, keep: bool = False, mode: str = "sim") -> list[tuple]:
+async def measure(
+    faults: tuple[str, ...],
+    *,
+    json_clients: int = 6,
+    sse_clients: int = 2,
+    steady_s: float = 5.0,
+    tail_s: float = 6.0,
+    keep: bool = False,
+    mode: str = "sim",
+) -> list[tuple]:
     """Run the demo, the steady window and each fault; the rows (name, requests, failed, cut, continued,
     held, retried, p99 s, route, window s, wake s, wake measured, failures by kind, what each kind said),
     the steady window first."""
@@ -395,8 +446,22 @@ async def measure(faults: tuple[str, ...], *, json_clients: int = 6, sse_clients
                 t0 = time.monotonic()
                 await asyncio.sleep(steady_s)
                 steady = [e - b for b, e, _, _ in load.done if b >= t0]
-                rows.append(("steady", len(steady), sum(1 for *_, o in load.done if o.startswith("failed")),
-                             sum(1 for *_, o in load.done if o == "cut"), 0, 0, 0, p99(steady), "", 0.0, 0.0, True))
+                rows.append(
+                    (
+                        "steady",
+                        len(steady),
+                        sum(1 for *_, o in load.done if o.startswith("failed")),
+                        sum(1 for *_, o in load.done if o == "cut"),
+                        0,
+                        0,
+                        0,
+                        p99(steady),
+                        "",
+                        0.0,
+                        0.0,
+                        True,
+                    )
+                )
                 for name in faults:
                     before = await demo.metrics(s)
                     start = time.monotonic()
@@ -419,12 +484,24 @@ async def measure(faults: tuple[str, ...], *, json_clients: int = 6, sse_clients
                     lat = [e - b for b, e, _, _ in window]
                     failed = [o for *_, o in window if o.startswith("failed")]
                     cut = sum(1 for *_, o in window if o == "cut")
-                    rows.append((name, len(window), len(failed), cut, int(after["continued"] - before["continued"]),
-                                 int(after["held"] - before["held"]), int(after["retried"] - before["retried"]),
-                                 p99(lat), f"{active} -> {new_active}" if new_active != active else f"{active}",
-                                 time.monotonic() - start, wake_s, wake_measured,
-                                 dict(collections.Counter(o.split(":", 1)[1] for o in failed)),
-                                 {why: load.said.get(why, "") for why in {o.split(":", 1)[1] for o in failed}}))
+                    rows.append(
+                        (
+                            name,
+                            len(window),
+                            len(failed),
+                            cut,
+                            int(after["continued"] - before["continued"]),
+                            int(after["held"] - before["held"]),
+                            int(after["retried"] - before["retried"]),
+                            p99(lat),
+                            f"{active} -> {new_active}" if new_active != active else f"{active}",
+                            time.monotonic() - start,
+                            wake_s,
+                            wake_measured,
+                            dict(collections.Counter(o.split(":", 1)[1] for o in failed)),
+                            {why: load.said.get(why, "") for why in {o.split(":", 1)[1] for o in failed}},
+                        )
+                    )
                     active = new_active
     finally:
         demo.stop()
@@ -442,10 +519,13 @@ def bound(steady_p99: float, wake_s: float) -> float:
 
 def table(rows: list[tuple], json_clients: int, sse_clients: int, mode: str = "sim") -> str:
     runtime = "simulated vLLM" if mode == "sim" else f"real {mode}-servers on the CPU, simulated GPUs"
-    out = [f"closed loop: {json_clients} JSON + {sse_clients} SSE clients through the gateway, "
-           f"`haru up --demo{' --real ' + mode if mode != 'sim' else ''}` ({runtime})", "",
-           f"{'fault':<9} {'requests':>8} {'failed':>6} {'cut':>4} {'continued':>9} {'held':>5} {'retried':>7} "
-           f"{'p99 ms':>7} {'vs steady':>9} {'bound ms':>9} {'met':>4}  route"]
+    out = [
+        f"closed loop: {json_clients} JSON + {sse_clients} SSE clients through the gateway, "
+        f"`haru up --demo{' --real ' + mode if mode != 'sim' else ''}` ({runtime})",
+        "",
+        f"{'fault':<9} {'requests':>8} {'failed':>6} {'cut':>4} {'continued':>9} {'held':>5} {'retried':>7} "
+        f"{'p99 ms':>7} {'vs steady':>9} {'bound ms':>9} {'met':>4}  route",
+    ]
     steady_p99 = rows[0][7]
     notes = NOTES.get(mode, {})
     for name, n, failed, cut, cont, held, retried, q, route, _, wake_s, measured, *_ in rows:
@@ -453,13 +533,17 @@ def table(rows: list[tuple], json_clients: int, sse_clients: int, mode: str = "s
         limit = f"{'' if measured else '~'}{bound(steady_p99, wake_s) * 1000:.0f}" if name != "steady" else ""
         met = ("yes" if q <= bound(steady_p99, wake_s) else "NO") if name != "steady" else ""
         note = f"  ({notes[name]})" if name in notes else ""
-        out.append(f"{name:<9} {n:>8} {failed:>6} {cut:>4} {cont:>9} {held:>5} {retried:>7} {q * 1000:>7.0f} "
-                   f"{ratio:>9} {limit:>9} {met:>4}  {route}{note}")
+        out.append(
+            f"{name:<9} {n:>8} {failed:>6} {cut:>4} {cont:>9} {held:>5} {retried:>7} {q * 1000:>7.0f} "
+            f"{ratio:>9} {limit:>9} {met:>4}  {route}{note}"
+        )
     bad = [r[0] for r in rows if r[2] or r[3] or not r[1]]  # a row without requests measured nothing
     slow = [r[0] for r in rows[1:] if r[7] > bound(steady_p99, r[10])]
     out.append("")
-    out.append("bound: steady p99 + the wake and probe of the domain that took over (or of the standby) + 0.5 s; "
-               "~ = no wake measured yet, the promoter's estimate")
+    out.append(
+        "bound: steady p99 + the wake and probe of the domain that took over (or of the standby) + 0.5 s; "
+        "~ = no wake measured yet, the promoter's estimate"
+    )
     out.append("goal: 0 failed and 0 cut in every row: " + ("met" if not bad else f"NOT met ({', '.join(bad)})"))
     for r in rows:
         if len(r) > 12 and r[12]:
@@ -477,12 +561,25 @@ async def main() -> None:
     ap.add_argument("--tail-s", type=float, default=6.0)
     ap.add_argument("--faults", default="all", help=f"comma-separated, of {', '.join(FAULTS)}")
     ap.add_argument("--keep", action="store_true", help="keep the temporary home (logs) afterwards")
-    ap.add_argument("--real", nargs="?", const="llama", choices=("llama",), default=None,
-                    help="real llama-servers (`haru up --demo --real llama`) instead of the simulator")
+    ap.add_argument(
+        "--real",
+        nargs="?",
+        const="llama",
+        choices=("llama",),
+        default=None,
+        help="real llama-servers (`haru up --demo --real llama`) instead of the simulator",
+    )
     args = ap.parse_args()
     faults = FAULTS if args.faults == "all" else tuple(args.faults.split(","))
-    rows = await measure(faults, json_clients=args.json_clients, sse_clients=args.sse_clients,
-                         steady_s=args.steady_s, tail_s=args.tail_s, keep=args.keep, mode=args.real or "sim")
+    rows = await measure(
+        faults,
+        json_clients=args.json_clients,
+        sse_clients=args.sse_clients,
+        steady_s=args.steady_s,
+        tail_s=args.tail_s,
+        keep=args.keep,
+        mode=args.real or "sim",
+    )
     print()
     print(table(rows, args.json_clients, args.sse_clients, args.real or "sim"))
 

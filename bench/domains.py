@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ from haru.core.views import view_encoder  # noqa: E402
 from haru.projections.status import render  # noqa: E402
 
 F = "bench"
-T0 = datetime(2026, 12, 2, tzinfo=timezone.utc)
+T0 = datetime(2026, 12, 2, tzinfo=UTC)
 MODELS = ("qwen3-0.6b", "Qwen/Qwen3-4B-Instruct", "qwen3.6:27b-sim")
 NAMES = "abcdefgh"
 
@@ -60,10 +60,21 @@ def history(n: int, per_domain: int) -> list[tuple[int, str, ev.Event]]:
     for d in names:
         add(decl, ev.DomainDeclared(at=T0, spec=DomainSpec(name=d, gpus=[GpuSpec(index=0, memory_bytes=80 << 30)])))
         for m in MODELS:
-            add(decl, ev.ModelDeclared(at=T0, domain=d, spec=ModelSpec(name=m, slot="chat", gpu_index=0, vram_bytes=8 << 30)))
+            add(
+                decl,
+                ev.ModelDeclared(at=T0, domain=d, spec=ModelSpec(name=m, slot="chat", gpu_index=0, vram_bytes=8 << 30)),
+            )
             add(decl, ev.AdmissionDecided(at=T0, domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=8 << 30))
-        add(decl, ev.TrainingDeclared(at=T0, domain=d, spec=TrainingSpec(slot="lora", gpu_index=0, command=["train"],
-                                                                          checkpoint_dir="/ck", vram_bytes=8 << 30)))
+        add(
+            decl,
+            ev.TrainingDeclared(
+                at=T0,
+                domain=d,
+                spec=TrainingSpec(
+                    slot="lora", gpu_index=0, command=["train"], checkpoint_dir="/ck", vram_bytes=8 << 30
+                ),
+            ),
+        )
         add(subjects.agent(F, d), ev.AgentStarted(at=T0, domain=d, host=f"host-{d}", pid=100))
         add(subjects.liveness(F, d), ev.DomainReachable(at=T0, domain=d))
     active = names[0]
@@ -81,16 +92,29 @@ def history(n: int, per_domain: int) -> list[tuple[int, str, ev.Event]]:
                     add(s, ev.ModelSleeping(at=at(ms), domain=d, model=m))
                     add(s, ev.ModelWaking(at=at(ms + 1), domain=d, model=m))
                     add(s, ev.ModelResident(at=at(ms + 300), domain=d, model=m, warmup_ms=300))
-            add(subjects.gpu(F, d, 0), ev.GpuObserved(at=at(ms), domain=d, index=0, present=True,
-                                                     memory_total_bytes=80 << 30, memory_used_bytes=(r % 7) << 30))
+            add(
+                subjects.gpu(F, d, 0),
+                ev.GpuObserved(
+                    at=at(ms),
+                    domain=d,
+                    index=0,
+                    present=True,
+                    memory_total_bytes=80 << 30,
+                    memory_used_bytes=(r % 7) << 30,
+                ),
+            )
             t = subjects.training(F, d, "lora")
             add(t, ev.TrainingStarted(at=at(ms), domain=d, slot="lora", gpu_index=0, pid=200 + r))
             add(t, ev.TrainingStopped(at=at(ms + 500), domain=d, slot="lora", how="terminated"))
         if r and r % max(1, 500 // 12) == 0:  # a failover now and then: to the next domain in turn
             target = names[(names.index(active) + 1) % n]
             op_id = f"op-{r}"
-            add(op, ev.PromotionRequested(at=at(ms), op_id=op_id, target=target, source=active, reason="gpu_detached",
-                                          cascade=True))
+            add(
+                op,
+                ev.PromotionRequested(
+                    at=at(ms), op_id=op_id, target=target, source=active, reason="gpu_detached", cascade=True
+                ),
+            )
             for step in ("stop_training", "verify_gpu", "wake", "probe", "flip"):
                 add(op, ev.StepStarted(at=at(ms), op_id=op_id, step=step))  # type: ignore[arg-type]
                 add(op, ev.StepCompleted(at=at(ms + 10), op_id=op_id, step=step))  # type: ignore[arg-type]
@@ -124,23 +148,34 @@ def main(args: argparse.Namespace) -> None:
         size = len(view_encoder.encode(ri))
         rows.append((n, len(h), fold_s, status_s, intent_s, size, len(ri.standbys), ri.protection))
     base = rows[0]
-    print(f"fold, status and route intent per fleet size ({args.events_per_domain} events per domain; best of {args.repeat})")
-    print(f"{'domains':>7} {'events':>7} {'fold ms':>9} {'µs/event':>9} {'status µs':>10} {'intent µs':>10} {'intent B':>9}  standbys")
+    print(
+        f"fold, status and route intent per fleet size ({args.events_per_domain} events per domain; best of {args.repeat})"
+    )
+    print(
+        f"{'domains':>7} {'events':>7} {'fold ms':>9} {'µs/event':>9} {'status µs':>10} {'intent µs':>10} {'intent B':>9}  standbys"
+    )
     for n, events, fold_s, status_s, intent_s, size, standbys, protection in rows:
-        print(f"{n:>7} {events:>7} {fold_s * 1e3:>9.1f} {fold_s / events * 1e6:>9.2f} {status_s * 1e6:>10.1f} "
-              f"{intent_s * 1e6:>10.1f} {size:>9}  {standbys} ranked, {protection}")
+        print(
+            f"{n:>7} {events:>7} {fold_s * 1e3:>9.1f} {fold_s / events * 1e6:>9.2f} {status_s * 1e6:>10.1f} "
+            f"{intent_s * 1e6:>10.1f} {size:>9}  {standbys} ranked, {protection}"
+        )
     print()
     print("ratios against 2 domains (linear: the events ratio for the fold, N/2 for status and the intent):")
     worst = 0.0
     for n, events, fold_s, status_s, intent_s, size, _, _ in rows[1:]:
         checks = []
-        for label, value, against in (("fold", fold_s / base[2], events / base[1]), ("status", status_s / base[3], n / base[0]),
-                                      ("intent", intent_s / base[4], n / base[0])):
+        for label, value, against in (
+            ("fold", fold_s / base[2], events / base[1]),
+            ("status", status_s / base[3], n / base[0]),
+            ("intent", intent_s / base[4], n / base[0]),
+        ):
             worst = max(worst, value / against)
             checks.append(f"{label} {value:.2f}x (linear {against:.2f})")
         print(f"  {n} domains: " + "   ".join(checks) + f"   intent bytes {size / base[5]:.2f}x")
-    print(f"goal <= linear: {'met' if worst <= 1.10 else 'NOT met'} (worst cost / linear = {worst:.2f}; "
-          "10% allowed for a shared machine's noise)")
+    print(
+        f"goal <= linear: {'met' if worst <= 1.10 else 'NOT met'} (worst cost / linear = {worst:.2f}; "
+        "10% allowed for a shared machine's noise)"
+    )
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,15 +30,15 @@ from nats.js import api  # noqa: E402
 
 from haru.core import events as ev  # noqa: E402
 from haru.core import subjects  # noqa: E402
+from haru.host.natsd import NatsServer  # noqa: E402
 from haru.log.eventlog import EventLog  # noqa: E402
 from haru.log.jetstream import parse_ack_reply  # noqa: E402
-from haru.host.natsd import NatsServer  # noqa: E402
 from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
 
 if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
     enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)
 
-NOW = datetime.now(timezone.utc)
+NOW = datetime.now(UTC)
 
 
 def event(i: int) -> ev.ModelResident:
@@ -71,15 +71,18 @@ async def seq_raw_headers(log: EventLog, n: int, tag: str) -> float:
     seq = 0
     t = time.perf_counter()
     for i in range(n):
-        ack = await log.js.publish(subject, body, headers={
-            "Nats-Expected-Last-Subject-Sequence": str(seq), "Nats-Msg-Id": f"{tag}-{i}"})
+        ack = await log.js.publish(
+            subject, body, headers={"Nats-Expected-Last-Subject-Sequence": str(seq), "Nats-Msg-Id": f"{tag}-{i}"}
+        )
         seq = ack.seq
     return n / (time.perf_counter() - t)
 
 
 async def pipe_haru(log: EventLog, n: int, tag: str) -> float:
     t = time.perf_counter()
-    await asyncio.gather(*(log.append(subjects.model("bench", "p", f"h{tag}-{i}"), event(i), expect=0) for i in range(n)))
+    await asyncio.gather(
+        *(log.append(subjects.model("bench", "p", f"h{tag}-{i}"), event(i), expect=0) for i in range(n))
+    )
     return n / (time.perf_counter() - t)
 
 
@@ -114,8 +117,15 @@ async def replay_raw(log: EventLog, subject_filter: str, total: int) -> float:
             done.set()
 
     t = time.perf_counter()
-    sub = await log.js.subscribe(subject_filter, cb=cb, stream=subjects.EVENTS_STREAM, ordered_consumer=True,
-                                 deliver_policy=api.DeliverPolicy.ALL, pending_msgs_limit=-1, pending_bytes_limit=-1)
+    sub = await log.js.subscribe(
+        subject_filter,
+        cb=cb,
+        stream=subjects.EVENTS_STREAM,
+        ordered_consumer=True,
+        deliver_policy=api.DeliverPolicy.ALL,
+        pending_msgs_limit=-1,
+        pending_bytes_limit=-1,
+    )
     await asyncio.wait_for(done.wait(), 120)
     rate = count / (time.perf_counter() - t)
     await sub.unsubscribe()
@@ -161,18 +171,23 @@ async def main(n: int, n_replay: int, rounds: int, pairs: int) -> None:
                 # a stream of n_replay valid events for the replay comparison
                 body_futs = []
                 for i in range(n_replay):
-                    body_futs.append(await log.js.publish_async(
-                        subjects.model("replay", "a", f"m{i % 500}"), ev.encode(event(i))))
+                    body_futs.append(
+                        await log.js.publish_async(subjects.model("replay", "a", f"m{i % 500}"), ev.encode(event(i)))
+                    )
                 await asyncio.wait_for(asyncio.gather(*body_futs), 120)
                 rh = rr = 0.0
                 for _ in range(rounds):
                     rr = max(rr, await replay_raw(log, "haru.evt.replay.>", n_replay))
                     rh = max(rh, await replay_haru(log, "haru.evt.replay.>"))
-    print(f"event log benchmark: {n} sequential appends in {pairs} alternating slices, "
-          f"{n * rounds} pipelined in {rounds * 3}, {n_replay} events replayed (best of {rounds} rounds)")
+    print(
+        f"event log benchmark: {n} sequential appends in {pairs} alternating slices, "
+        f"{n * rounds} pipelined in {rounds * 3}, {n_replay} events replayed (best of {rounds} rounds)"
+    )
     line("1. sequential append (CAS + chain) vs js.publish", sh, sr, 0.9, seq_ratio)
-    print(f"   of which the server's checks: js.publish with the same two headers = {hdr_ratio:4.2f}x "
-          f"({srh:,.0f}/s vs {sr2:,.0f}/s)")
+    print(
+        f"   of which the server's checks: js.publish with the same two headers = {hdr_ratio:4.2f}x "
+        f"({srh:,.0f}/s vs {sr2:,.0f}/s)"
+    )
     line("2. pipelined appends, distinct subjects vs publish_async", ph, pr, 0.5, pipe_ratio)
     line("3. replay + decode vs raw ordered-consumer drain", rh, rr, 0.7)
 

@@ -50,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,24 +59,24 @@ sys.path.insert(0, str(REPO))
 from haru.agents.sim.gpu_state import GiB, SimGpuState  # noqa: E402
 from haru.core import ranking, subjects  # noqa: E402
 from haru.core.apply import apply  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
 from haru.core.events import (  # noqa: E402
     DomainUnreachable,
-    ModelLoading,
-    OperationAborted,
     GpuObserved,
+    ModelLoading,
     ModelLost,
+    OperationAborted,
     PromotionRequested,
     RouteMoved,
     StepCompleted,
     StepStarted,
 )
-from haru.core.layout import load_layout  # noqa: E402
-from tests.support.agent_harness import kill_runtimes  # noqa: E402
-from haru.host.natsd import NatsServer  # noqa: E402
-from haru.promoter.service import Promoter  # noqa: E402
-from haru.core.residency import Resident, Sleeping  # noqa: E402
 from haru.core.fold import empty, fold  # noqa: E402
+from haru.core.layout import load_layout  # noqa: E402
+from haru.core.residency import Resident, Sleeping  # noqa: E402
+from haru.host.natsd import NatsServer  # noqa: E402
+from haru.log.eventlog import EventLog  # noqa: E402
+from haru.promoter.service import Promoter  # noqa: E402
+from tests.support.agent_harness import kill_runtimes  # noqa: E402
 
 FLEET = "bench"
 PY = sys.executable
@@ -89,41 +89,98 @@ def write_layout(root: Path, args, names: str = "ab", policy: dict | None = None
         sim = root / "sim" / d
         sim.mkdir(parents=True, exist_ok=True)
         SimGpuState(sim, 0).ensure(24 * GiB)
-        env = {"HARU_SIM_DIR": str(sim), "HARU_SIM_DOMAIN": d, "HARU_SIM_VRAM": "4GiB", "HARU_SIM_LOAD_MS": "200",
-               "HARU_SIM_WAKE_MS": str(args.wake_ms), "HARU_SIM_SLEEP_MS": "50",
-               "HARU_SIM_TOKENS_PER_S": str(args.probe_tokens_per_s), "HARU_SIM_GPU_INDEX": "0"}
-        domains.append({
-            "name": d,
-            "gpus": [{"index": 0, "memory": "24GiB", "reserve": "1GiB"}],
-            "slots": [
-                {"name": "chat", "gpu": 0, "models": [
-                    {"name": "m1", "runtime": "vllm", "vram": "4GiB", "source": "sim/m1",
-                     "binary": [PY, "-m", "haru.agents.sim.vllm"], "env": env}]},
-                {"name": "lora", "kind": "training", "gpu": 0, "vram": "8GiB", "grace_ms": args.stop_ms,
-                 "command": [PY, "-m", "haru.agents.sim.trainer", "--vram", "8GiB", "--sim-dir", str(sim), "--ignore-sigterm"],
-                 "checkpoint_dir": str(root / "ckpt" / d)},
-            ],
-        })
-    doc = {"fleet": FLEET, "policy": {"heartbeat_timeout_ms": 1500, "degraded_grace_ms": 60000,
-                                      "probe_interval_ms": 100, "restart_backoff_ms": 200, "training_grace_ms": args.stop_ms,
-                                      **(policy or {})},
-           "domains": domains}
+        env = {
+            "HARU_SIM_DIR": str(sim),
+            "HARU_SIM_DOMAIN": d,
+            "HARU_SIM_VRAM": "4GiB",
+            "HARU_SIM_LOAD_MS": "200",
+            "HARU_SIM_WAKE_MS": str(args.wake_ms),
+            "HARU_SIM_SLEEP_MS": "50",
+            "HARU_SIM_TOKENS_PER_S": str(args.probe_tokens_per_s),
+            "HARU_SIM_GPU_INDEX": "0",
+        }
+        domains.append(
+            {
+                "name": d,
+                "gpus": [{"index": 0, "memory": "24GiB", "reserve": "1GiB"}],
+                "slots": [
+                    {
+                        "name": "chat",
+                        "gpu": 0,
+                        "models": [
+                            {
+                                "name": "m1",
+                                "runtime": "vllm",
+                                "vram": "4GiB",
+                                "source": "sim/m1",
+                                "binary": [PY, "-m", "haru.agents.sim.vllm"],
+                                "env": env,
+                            }
+                        ],
+                    },
+                    {
+                        "name": "lora",
+                        "kind": "training",
+                        "gpu": 0,
+                        "vram": "8GiB",
+                        "grace_ms": args.stop_ms,
+                        "command": [
+                            PY,
+                            "-m",
+                            "haru.agents.sim.trainer",
+                            "--vram",
+                            "8GiB",
+                            "--sim-dir",
+                            str(sim),
+                            "--ignore-sigterm",
+                        ],
+                        "checkpoint_dir": str(root / "ckpt" / d),
+                    },
+                ],
+            }
+        )
+    doc = {
+        "fleet": FLEET,
+        "policy": {
+            "heartbeat_timeout_ms": 1500,
+            "degraded_grace_ms": 60000,
+            "probe_interval_ms": 100,
+            "restart_backoff_ms": 200,
+            "training_grace_ms": args.stop_ms,
+            **(policy or {}),
+        },
+        "domains": domains,
+    }
     path = root / "layout.json"
     path.write_text(json.dumps(doc))
     return path
 
 
 def start_agent(root: Path, url: str, domain: str, layout: Path) -> subprocess.Popen:
-    cfg = {"nats_url": url, "fleet": FLEET, "domain": domain, "gpus": "sim", "sim_dir": str(root / "sim" / domain),
-           "serving": {"host": "127.0.0.1", "port": 0}, "state_dir": str(root / "state" / domain), "layout": str(layout)}
+    cfg = {
+        "nats_url": url,
+        "fleet": FLEET,
+        "domain": domain,
+        "gpus": "sim",
+        "sim_dir": str(root / "sim" / domain),
+        "serving": {"host": "127.0.0.1", "port": 0},
+        "state_dir": str(root / "state" / domain),
+        "layout": str(layout),
+    }
     path = root / f"agent-{domain}.json"
     path.write_text(json.dumps(cfg))
     log = open(root / f"agent-{domain}.log", "ab")
     # The bench SIGKILLs the active's agent and never restarts it: its runtimes and port holder outlive it
     # (as they outlive a restarted agent in production), so the bench kills them itself (kill_runtimes).
     env = {**os.environ, "PYTHONPATH": str(REPO), "HARU_NO_UVLOOP": "1"}
-    return subprocess.Popen([PY, "-m", "haru.cli", "agent", "--config", str(path), "--log-format", "json"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO), start_new_session=True)
+    return subprocess.Popen(
+        [PY, "-m", "haru.cli", "agent", "--config", str(path), "--log-format", "json"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=str(REPO),
+        start_new_session=True,
+    )
 
 
 async def view_of(log):
@@ -136,9 +193,11 @@ def steady(view, active: str) -> bool:
     if view.operation is not None or view.active != active or not view.domains[standby].eligible:
         return False
     act, sb = view.domains[active], view.domains[standby]
-    return (all(isinstance(m.residency, Resident) for m in act.models.values())
-            and all(isinstance(m.residency, Sleeping) for m in sb.models.values())
-            and all(t.running for t in sb.training.values()))
+    return (
+        all(isinstance(m.residency, Resident) for m in act.models.values())
+        and all(isinstance(m.residency, Sleeping) for m in sb.models.values())
+        and all(t.running for t in sb.training.values())
+    )
 
 
 async def wait_for(check, timeout: float, what: str):
@@ -155,8 +214,11 @@ async def measure(log, from_seq: int, loss_type) -> dict:
     """The failover after `from_seq`: the loss record, the steps, and route_moved."""
     recs = await log.history(subjects.fleet_events(FLEET), from_seq=from_seq)
     # The first sign of the loss: a GPU observed gone, or the model lost / the domain unreachable.
-    loss = next(r for r in recs if isinstance(r.event, loss_type)
-                or (isinstance(r.event, GpuObserved) and r.event.present is False))
+    loss = next(
+        r
+        for r in recs
+        if isinstance(r.event, loss_type) or (isinstance(r.event, GpuObserved) and r.event.present is False)
+    )
     route = next(r for r in recs if isinstance(r.event, RouteMoved))
     op_id = route.event.op_id
     request = next(r for r in recs if isinstance(r.event, PromotionRequested) and r.event.op_id == op_id)
@@ -174,9 +236,15 @@ async def measure(log, from_seq: int, loss_type) -> dict:
         "work_ms": work,
         "overhead_ms": total - work,
         "decide_ms": (request.time - loss.time).total_seconds() * 1000,
-        "steps": {s: {"wall_ms": (v["completed"] - v["started"]).total_seconds() * 1000, "agent_ms": v.get("took_ms", 0),
-                      "detail": v.get("detail", "")}
-                  for s, v in steps.items() if "completed" in v and "started" in v},
+        "steps": {
+            s: {
+                "wall_ms": (v["completed"] - v["started"]).total_seconds() * 1000,
+                "agent_ms": v.get("took_ms", 0),
+                "detail": v.get("detail", ""),
+            }
+            for s, v in steps.items()
+            if "completed" in v and "started" in v
+        },
         "route_seq": route.seq,
         "active": route.event.active,
     }
@@ -189,7 +257,7 @@ async def main(args) -> None:
         async with EventLog.connect([server.url], writer="bench") as log:
             await log.ensure()
             layout = write_layout(root, args)
-            await apply(log, load_layout(layout), datetime.now(timezone.utc))
+            await apply(log, load_layout(layout), datetime.now(UTC))
             for d in ("a", "b"):
                 agents[d] = start_agent(root, server.url, d, layout)
             plog = await EventLog.open([server.url], writer="promoter:bench")
@@ -202,6 +270,7 @@ async def main(args) -> None:
 
             await log.bus.subscribe(subjects.heartbeats(FLEET), on_hb)
             try:
+
                 async def is_steady(active):
                     return steady(await view_of(log), active)
 
@@ -209,6 +278,7 @@ async def main(args) -> None:
                 # Baseline: one NATS request/reply round trip to an agent (status), the floor of a step.
                 from haru.core.commands import Command
                 from haru.log.bus import send
+
                 rtts = []
                 for _ in range(20):
                     t0 = time.perf_counter()
@@ -253,31 +323,45 @@ async def main(args) -> None:
                     walls = [r["steps"][step]["wall_ms"] for r in runs if step in r["steps"]]
                     agent = [r["steps"][step]["agent_ms"] for r in runs if step in r["steps"]]
                     if walls:
-                        print(f"  {step:<14} wall {statistics.median(walls):7.1f} ms   agent {statistics.median(agent):7.1f} ms")
+                        print(
+                            f"  {step:<14} wall {statistics.median(walls):7.1f} ms   agent {statistics.median(agent):7.1f} ms"
+                        )
                 total = statistics.median(r["total_ms"] for r in runs)
                 work = statistics.median(r["work_ms"] for r in runs)
                 over = statistics.median(r["overhead_ms"] for r in runs)
                 decide = statistics.median(r["decide_ms"] for r in runs)
                 print(f"  loss -> route_moved      {total:7.1f} ms")
-                print(f"  simulated work (agents)  {work:7.1f} ms   (stop {args.stop_ms} + wake {args.wake_ms} + probe + verify)")
-                print(f"  control-plane overhead   {over:7.1f} ms   target <= 50 ms: {'met' if over <= 50 else 'NOT met'}")
+                print(
+                    f"  simulated work (agents)  {work:7.1f} ms   (stop {args.stop_ms} + wake {args.wake_ms} + probe + verify)"
+                )
+                print(
+                    f"  control-plane overhead   {over:7.1f} ms   target <= 50 ms: {'met' if over <= 50 else 'NOT met'}"
+                )
                 print(f"    of which loss -> promotion_requested {decide:.1f} ms")
-                print(f"  baseline: agent request/reply round trip {rtt:.2f} ms; overhead = {over / rtt:.1f} round trips; "
-                      f"total / work = {total / work:.3f}")
+                print(
+                    f"  baseline: agent request/reply round trip {rtt:.2f} ms; overhead = {over / rtt:.1f} round trips; "
+                    f"total / work = {total / work:.3f}"
+                )
                 print()
                 print("aborted then retried failover (the standby's first wake fails once):")
                 backoff = retried["backoff_ms"]
                 print(f"  promotion aborted at {retried['aborted_step']} ({retried['error'][:80]})")
-                print(f"  abort -> route_moved        {retried['abort_to_route_ms']:7.1f} ms   (attempt "
-                      f"{retried['attempt']}; backoff {backoff} ms + the retry's steps {retried['retry_work_ms']} ms)")
-                print(f"  goal <= 2000 ms + the retry's steps: "
-                      f"{'met' if retried['abort_to_route_ms'] <= 2000 + retried['retry_work_ms'] else 'NOT met'}; "
-                      f"before: the retry waited retry_ms = {retried['old_retry_ms']} ms "
-                      f"({retried['old_retry_ms'] / max(1.0, retried['abort_to_route_ms']):.0f}x this)")
+                print(
+                    f"  abort -> route_moved        {retried['abort_to_route_ms']:7.1f} ms   (attempt "
+                    f"{retried['attempt']}; backoff {backoff} ms + the retry's steps {retried['retry_work_ms']} ms)"
+                )
+                print(
+                    f"  goal <= 2000 ms + the retry's steps: "
+                    f"{'met' if retried['abort_to_route_ms'] <= 2000 + retried['retry_work_ms'] else 'NOT met'}; "
+                    f"before: the retry waited retry_ms = {retried['old_retry_ms']} ms "
+                    f"({retried['old_retry_ms'] / max(1.0, retried['abort_to_route_ms']):.0f}x this)"
+                )
                 print()
                 print("heartbeat silence (active's agent SIGKILLed):")
                 print(f"  last heartbeat -> domain_unreachable   {silent_ms:7.1f} ms   (heartbeat_timeout_ms 1500)")
-                print(f"  domain_unreachable -> route_moved       {hb['total_ms']:7.1f} ms   overhead {hb['overhead_ms']:.1f} ms")
+                print(
+                    f"  domain_unreachable -> route_moved       {hb['total_ms']:7.1f} ms   overhead {hb['overhead_ms']:.1f} ms"
+                )
             finally:
                 await stop_world(task, plog, agents, root)
 
@@ -289,8 +373,11 @@ async def abort_then_retry(log, root: Path, active: str) -> dict:
     from haru.promoter.decider import failover_retry_ms, retry_ms
 
     standby = "b" if active == "a" else "a"
-    loads = [r for r in await log.history(subjects.model(FLEET, standby, "m1")) if isinstance(r.event, ModelLoading)
-             and r.event.endpoint]
+    loads = [
+        r
+        for r in await log.history(subjects.model(FLEET, standby, "m1"))
+        if isinstance(r.event, ModelLoading) and r.event.endpoint
+    ]
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{loads[-1].event.endpoint}/_sim/oom_on_wake") as r:
             assert r.status == 200, await r.text()
@@ -302,14 +389,25 @@ async def abort_then_retry(log, root: Path, active: str) -> dict:
     abort = next(r for r in recs if isinstance(r.event, OperationAborted))
     route = next(r for r in recs if isinstance(r.event, RouteMoved))
     retry = next(r for r in recs if isinstance(r.event, PromotionRequested) and r.event.op_id == route.event.op_id)
-    work = sum(r.event.took_ms for r in recs if isinstance(r.event, StepCompleted) and r.event.op_id == route.event.op_id
-               and r.event.step in BEFORE_FLIP)
+    work = sum(
+        r.event.took_ms
+        for r in recs
+        if isinstance(r.event, StepCompleted) and r.event.op_id == route.event.op_id and r.event.step in BEFORE_FLIP
+    )
     view = await view_of(log)
-    failed_step = next((r.event.step for r in recs if type(r.event).__name__ == "StepFailed"
-                        and r.event.op_id == abort.event.op_id), abort.event.step)
-    out = {"abort_to_route_ms": (route.time - abort.time).total_seconds() * 1000, "attempt": retry.event.attempt,
-           "retry_work_ms": work, "backoff_ms": failover_retry_ms(view.policy, retry.event.attempt - 1),
-           "aborted_step": failed_step, "error": abort.event.error, "old_retry_ms": retry_ms(view.policy)}
+    failed_step = next(
+        (r.event.step for r in recs if type(r.event).__name__ == "StepFailed" and r.event.op_id == abort.event.op_id),
+        abort.event.step,
+    )
+    out = {
+        "abort_to_route_ms": (route.time - abort.time).total_seconds() * 1000,
+        "attempt": retry.event.attempt,
+        "retry_work_ms": work,
+        "backoff_ms": failover_retry_ms(view.policy, retry.event.attempt - 1),
+        "aborted_step": failed_step,
+        "error": abort.event.error,
+        "old_retry_ms": retry_ms(view.policy),
+    }
     gpu.set_present(True)
     await wait_for(lambda: _steady(log, standby), 60, f"{active} standby again after the retried failover")
     return out
@@ -325,9 +423,13 @@ async def is_steady_route(log, active: str) -> bool:
 
 
 def print_run(i: int, old: str, new: str, m: dict) -> None:
-    steps = "  ".join(f"{s} {v['wall_ms']:.0f}/{v['agent_ms']}" for s, v in m["steps"].items() if s in (*BEFORE_FLIP, "flip"))
-    print(f"run {i}: {old} -> {new}: total {m['total_ms']:.1f} ms, work {m['work_ms']} ms, "
-          f"overhead {m['overhead_ms']:.1f} ms  [wall/agent ms: {steps}]")
+    steps = "  ".join(
+        f"{s} {v['wall_ms']:.0f}/{v['agent_ms']}" for s, v in m["steps"].items() if s in (*BEFORE_FLIP, "flip")
+    )
+    print(
+        f"run {i}: {old} -> {new}: total {m['total_ms']:.1f} ms, work {m['work_ms']} ms, "
+        f"overhead {m['overhead_ms']:.1f} ms  [wall/agent ms: {steps}]"
+    )
     print(f"        stop_training: {m['steps'].get('stop_training', {}).get('detail', '')}")
 
 
@@ -350,7 +452,10 @@ def steady_n(view, active: str, names: str) -> bool:
         dv = view.domains[d]
         if not dv.eligible or dv.reachable is not True:
             return False
-        if not (all(isinstance(m.residency, Sleeping) for m in dv.models.values()) and all(t.running for t in dv.training.values())):
+        if not (
+            all(isinstance(m.residency, Sleeping) for m in dv.models.values())
+            and all(t.running for t in dv.training.values())
+        ):
             return False
     return True
 
@@ -365,13 +470,14 @@ async def three_domain_case(args, case: str) -> dict:
         async with EventLog.connect([server.url], writer="bench") as log:
             await log.ensure()
             layout = write_layout(root, args, THREE, THREE_POLICY)
-            await apply(log, load_layout(layout), datetime.now(timezone.utc))
+            await apply(log, load_layout(layout), datetime.now(UTC))
             for d in THREE:
                 agents[d] = start_agent(root, server.url, d, layout)
             plog = await EventLog.open([server.url], writer="promoter:bench")
             promoter = Promoter(plog, identity="promoter:bench")
             task = asyncio.create_task(promoter.run())
             try:
+
                 async def is_steady() -> bool:
                     return steady_n(await view_of(log), "a", THREE)
 
@@ -442,28 +548,40 @@ async def three_domains(args) -> None:
             m = await three_domain_case(args, case)
             results[case].append(m)
             tried = f", tried first {', '.join(m['tried'])}" if m["tried"] else ""
-            print(f"run {i} {case:<9}: a -> {m['active']}: total {m['total_ms']:7.1f} ms  (work {m['work_ms']} ms, "
-                  f"overhead {m['overhead_ms']:.1f} ms{tried}; afterwards {m['protection'] or '-'})", flush=True)
+            print(
+                f"run {i} {case:<9}: a -> {m['active']}: total {m['total_ms']:7.1f} ms  (work {m['work_ms']} ms, "
+                f"overhead {m['overhead_ms']:.1f} ms{tried}; afterwards {m['protection'] or '-'})",
+                flush=True,
+            )
     base = statistics.median(r["total_ms"] for r in results["baseline"])
     probe_timeout = results["baseline"][0]["probe_timeout_ms"]
     print()
     print(f"three domains, median over {args.runs} run(s) each (loss of a -> route_moved):")
     print(f"  baseline: the first-ranked standby b takes over   {base:8.1f} ms")
-    labels = {"unnoticed": "b dead, not yet noticed: cascade to c in the same operation",
-              "noticed": "b dead and unreachable: the ranking skips it, c promoted",
-              "hung": "b hung (SIGSTOP): its first command runs into its bound, then c"}
+    labels = {
+        "unnoticed": "b dead, not yet noticed: cascade to c in the same operation",
+        "noticed": "b dead and unreachable: the ranking skips it, c promoted",
+        "hung": "b hung (SIGSTOP): its first command runs into its bound, then c",
+    }
     for case in cases[1:]:
         total = statistics.median(r["total_ms"] for r in results[case])
         extra = total - base
         goal = total <= base + probe_timeout
-        print(f"  {labels[case]:<62} {total:8.1f} ms  = baseline + {extra:7.1f} ms  ({total / base:.2f}x); "
-              f"goal <= baseline + one probe timeout ({probe_timeout} ms): {'met' if goal else 'NOT met'}")
+        print(
+            f"  {labels[case]:<62} {total:8.1f} ms  = baseline + {extra:7.1f} ms  ({total / base:.2f}x); "
+            f"goal <= baseline + one probe timeout ({probe_timeout} ms): {'met' if goal else 'NOT met'}"
+        )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--domains", type=int, default=2, choices=(2, 3),
-                        help="3: the three-domain cases (a dead first-ranked standby) instead of the two-domain bench")
+    parser.add_argument(
+        "--domains",
+        type=int,
+        default=2,
+        choices=(2, 3),
+        help="3: the three-domain cases (a dead first-ranked standby) instead of the two-domain bench",
+    )
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--wake-ms", type=int, default=400)
     parser.add_argument("--stop-ms", type=int, default=300)

@@ -38,12 +38,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 MODEL = "bench-model"
-CHAT_BODY = json.dumps({
-    "model": MODEL,
-    "messages": [{"role": "system", "content": "You are a helpful assistant."},
-                 {"role": "user", "content": "Summarise the plot of a long novel in three sentences, please."}],
-    "max_tokens": 64, "temperature": 0.7,
-}).encode()
+CHAT_BODY = json.dumps(
+    {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Summarise the plot of a long novel in three sentences, please."},
+        ],
+        "max_tokens": 64,
+        "temperature": 0.7,
+    }
+).encode()
 SSE_BODY = json.dumps({**json.loads(CHAT_BODY), "stream": True}).encode()
 SSE_CHUNKS = 16
 
@@ -52,19 +57,40 @@ SSE_CHUNKS = 16
 
 
 def _completion() -> bytes:
-    return json.dumps({
-        "id": "chatcmpl-bench", "object": "chat.completion", "created": 1, "model": MODEL,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "A long novel, summarised. " * 6},
-                     "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 30, "completion_tokens": 40, "total_tokens": 70},
-    }, separators=(",", ":")).encode()
+    return json.dumps(
+        {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion",
+            "created": 1,
+            "model": MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "A long novel, summarised. " * 6},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 30, "completion_tokens": 40, "total_tokens": 70},
+        },
+        separators=(",", ":"),
+    ).encode()
 
 
 def _chunk(i: int) -> bytes:
-    return b"data: " + json.dumps({
-        "id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
-        "choices": [{"index": 0, "delta": {"content": f" tok{i}"}, "finish_reason": None}],
-    }, separators=(",", ":")).encode() + b"\n\n"
+    return (
+        b"data: "
+        + json.dumps(
+            {
+                "id": "chatcmpl-bench",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": MODEL,
+                "choices": [{"index": 0, "delta": {"content": f" tok{i}"}, "finish_reason": None}],
+            },
+            separators=(",", ":"),
+        ).encode()
+        + b"\n\n"
+    )
 
 
 def run_fast_upstream(port_file: str) -> None:
@@ -125,7 +151,7 @@ class RawClient:
         lower = head.lower()
         i = lower.find(b"content-length:")
         if i >= 0:
-            n = int(lower[i + 15:lower.index(b"\r\n", i)])
+            n = int(lower[i + 15 : lower.index(b"\r\n", i)])
             await reader.readexactly(n)
             t = time.perf_counter() - t0
             return t, t
@@ -205,19 +231,36 @@ def summary(samples: list[dict]) -> dict:
     total = [t for s in samples for t in s["total"]]
     ttfb = [t for s in samples for t in s["ttfb"]]
     seconds = sum(s["seconds"] for s in samples)
-    return {"n": len(total), "rps": len(total) / seconds, "errors": sum(s["errors"] for s in samples),
-            "p50": _pct(total, 50), "p99": _pct(total, 99), "ttft_p50": _pct(ttfb, 50), "ttft_p99": _pct(ttfb, 99)}
+    return {
+        "n": len(total),
+        "rps": len(total) / seconds,
+        "errors": sum(s["errors"] for s in samples),
+        "p50": _pct(total, 50),
+        "p99": _pct(total, 99),
+        "ttft_p50": _pct(ttfb, 50),
+        "ttft_p99": _pct(ttfb, 99),
+    }
 
 
-async def compare(direct: str, gateway: str, body: bytes, conns: int, duration: float, warmup: float, client: str,
-                  slices: int) -> dict:
+async def compare(
+    direct: str, gateway: str, body: bytes, conns: int, duration: float, warmup: float, client: str, slices: int
+) -> dict:
     """Direct and gateway in alternating slices (ABBA...), so both see the same background load."""
     samples: dict[str, list[dict]] = {"direct": [], "gateway": []}
     for i in range(slices):
         order = (("direct", direct), ("gateway", gateway))
-        for name, url in (order if i % 2 == 0 else order[::-1]):
-            samples[name].append(await load(url, "/v1/chat/completions", body, conns, duration / slices,
-                                            warmup if i == 0 else min(warmup, 0.2), client))
+        for name, url in order if i % 2 == 0 else order[::-1]:
+            samples[name].append(
+                await load(
+                    url,
+                    "/v1/chat/completions",
+                    body,
+                    conns,
+                    duration / slices,
+                    warmup if i == 0 else min(warmup, 0.2),
+                    client,
+                )
+            )
     return {name: summary(s) for name, s in samples.items()}
 
 
@@ -232,8 +275,9 @@ def run_load(args: argparse.Namespace) -> None:
     import uvloop
 
     body = SSE_BODY if args.kind == "sse" else CHAT_BODY
-    result = uvloop.run(compare(args.url, args.url2, body, args.conns, args.duration, args.warmup, args.client,
-                                args.slices))
+    result = uvloop.run(
+        compare(args.url, args.url2, body, args.conns, args.duration, args.warmup, args.client, args.slices)
+    )
     print(json.dumps(result))
 
 
@@ -258,11 +302,21 @@ def start_upstream(kind: str, tmp: Path) -> tuple[subprocess.Popen, str]:
         return proc, f"http://127.0.0.1:{_wait_file(port_file, proc, 'the upstream')}"
     from haru.agents.sim.vllm import runtime_path
 
-    env = {**os.environ, "HARU_SIM_DIR": str(tmp / "sim"), "HARU_SIM_DOMAIN": "a", "HARU_SIM_LOAD_MS": "10",
-           "HARU_SIM_VRAM": "1GiB", "HARU_SIM_TOKENS_PER_S": "0"}
+    env = {
+        **os.environ,
+        "HARU_SIM_DIR": str(tmp / "sim"),
+        "HARU_SIM_DOMAIN": "a",
+        "HARU_SIM_LOAD_MS": "10",
+        "HARU_SIM_VRAM": "1GiB",
+        "HARU_SIM_TOKENS_PER_S": "0",
+    }
     (tmp / "sim").mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "haru.agents.sim.vllm", "serve", "/m", "--port", "0",
-                             "--served-model-name", MODEL], cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "haru.agents.sim.vllm", "serve", "/m", "--port", "0", "--served-model-name", MODEL],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
     info = json.loads(_wait_file(runtime_path(tmp / "sim", MODEL), proc, "the simulator"))
     time.sleep(0.5)
     return proc, f"http://127.0.0.1:{info['port']}"
@@ -270,23 +324,38 @@ def start_upstream(kind: str, tmp: Path) -> tuple[subprocess.Popen, str]:
 
 async def publish_fleet(nats_url: str, upstream: str) -> None:
     from haru.core import subjects
-    from haru.log.eventlog import EventLog
     from haru.core.residency import Answer, Resident
     from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target, view_encoder
+    from haru.log.eventlog import EventLog
 
     async with EventLog.connect([nats_url], writer="bench") as log:
         await log.ensure()
-        view = FleetView(fleet="default", active="a", route_revision=1, seq=1, domains={
-            "a": DomainView(name="a", serving_url=upstream,
-                            models={MODEL: ModelView(name=MODEL, admitted=True, residency=Resident())})})
-        intent = RouteIntent(fleet="default", revision=1, active=Target(domain="a", serving_url=upstream),
-                             answers={MODEL: Answer(answer="ready")})
+        view = FleetView(
+            fleet="default",
+            active="a",
+            route_revision=1,
+            seq=1,
+            domains={
+                "a": DomainView(
+                    name="a",
+                    serving_url=upstream,
+                    models={MODEL: ModelView(name=MODEL, admitted=True, residency=Resident())},
+                )
+            },
+        )
+        intent = RouteIntent(
+            fleet="default",
+            revision=1,
+            active=Target(domain="a", serving_url=upstream),
+            answers={MODEL: Answer(answer="ready")},
+        )
         await log.put_view(subjects.view_key("default"), view_encoder.encode(view), last=0)
         await log.publish_intent("default", view_encoder.encode(intent), expect=0)
 
 
-def start_gateway(nats_url: str, tmp: Path, *, tree: Path = ROOT, python: str = sys.executable,
-                  name: str = "") -> tuple[subprocess.Popen, str]:
+def start_gateway(
+    nats_url: str, tmp: Path, *, tree: Path = ROOT, python: str = sys.executable, name: str = ""
+) -> tuple[subprocess.Popen, str]:
     """`haru gateway` as the CLI runs it, from a source tree (its modules first on the path; this one by
     default) under an interpreter: (process, URL) once it listens."""
     log_path = tmp / (f"gateway-{name}.log" if name else "gateway.log")
@@ -294,8 +363,13 @@ def start_gateway(nats_url: str, tmp: Path, *, tree: Path = ROOT, python: str = 
     env = {**os.environ, "HARU_API_TOKEN": "", "HARU_NO_UVLOOP": "0"}
     if tree != ROOT or python != sys.executable:
         env["PYTHONPATH"] = str(tree.resolve())
-    proc = subprocess.Popen([python, "-m", "haru.cli", "gateway", "--port", "0", "--nats-url", nats_url,
-                             "--log-format", "json"], cwd=tree, env=env, stdout=out, stderr=out)
+    proc = subprocess.Popen(
+        [python, "-m", "haru.cli", "gateway", "--port", "0", "--nats-url", nats_url, "--log-format", "json"],
+        cwd=tree,
+        env=env,
+        stdout=out,
+        stderr=out,
+    )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         for line in log_path.read_text().splitlines():
@@ -325,10 +399,32 @@ def wait_routable(gw: str) -> None:
 
 def measure(direct: str, gateway: str, kind: str, conns: int, args: argparse.Namespace) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--_load", "--url", direct, "--url2", gateway, "--kind", kind, "--conns", str(conns),
-         "--duration", str(args.duration), "--warmup", str(args.warmup), "--client", args.client,
-         "--slices", str(args.slices)],
-        cwd=ROOT, capture_output=True, text=True, check=True)
+        [
+            sys.executable,
+            __file__,
+            "--_load",
+            "--url",
+            direct,
+            "--url2",
+            gateway,
+            "--kind",
+            kind,
+            "--conns",
+            str(conns),
+            "--duration",
+            str(args.duration),
+            "--warmup",
+            str(args.warmup),
+            "--client",
+            args.client,
+            "--slices",
+            str(args.slices),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -336,19 +432,31 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=4.0, help="seconds measured per scenario")
     p.add_argument("--warmup", type=float, default=1.0)
-    p.add_argument("--upstream", choices=("both", "sim", "fast"), default="both",
-                   help="sim: the vLLM simulator (the issue's baseline); fast: a minimal upstream (stricter); both")
+    p.add_argument(
+        "--upstream",
+        choices=("both", "sim", "fast"),
+        default="both",
+        help="sim: the vLLM simulator (the issue's baseline); fast: a minimal upstream (stricter); both",
+    )
     p.add_argument("--client", choices=("raw", "aiohttp"), default="raw")
-    p.add_argument("--slices", type=int, default=6,
-                   help="direct and gateway alternate in this many slices of each scenario's duration")
+    p.add_argument(
+        "--slices",
+        type=int,
+        default=6,
+        help="direct and gateway alternate in this many slices of each scenario's duration",
+    )
     p.add_argument("--_upstream", metavar="PORT_FILE", help=argparse.SUPPRESS)
     p.add_argument("--_load", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--url2", help=argparse.SUPPRESS)
     p.add_argument("--kind", help=argparse.SUPPRESS)
     p.add_argument("--conns", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--consoles", type=int, default=0,
-                   help="measure again with this many consoles open and live, and print both (issue 18: 20)")
+    p.add_argument(
+        "--consoles",
+        type=int,
+        default=0,
+        help="measure again with this many consoles open and live, and print both (issue 18: 20)",
+    )
     p.add_argument("--churn-hz", type=float, default=5.0, help="with --consoles: fleet view changes per second")
     p.add_argument("--_consoles", metavar="STOP_FILE", help=argparse.SUPPRESS)
     p.add_argument("--nats", help=argparse.SUPPRESS)
@@ -379,8 +487,13 @@ def main() -> None:
                 quiet = bench_one(kind, upstream, gw, args)
                 if args.consoles:
                     with consoles_open(args, gw, nats.url, upstream, tmp) as stats:
-                        busy = bench_one(kind, upstream, gw, args,
-                                         note=f"with {args.consoles} consoles open, view changing {args.churn_hz:g}/s")
+                        busy = bench_one(
+                            kind,
+                            upstream,
+                            gw,
+                            args,
+                            note=f"with {args.consoles} consoles open, view changing {args.churn_hz:g}/s",
+                        )
                     print_side_by_side(kind, args, quiet, busy, stats)
             finally:
                 for proc in procs:
@@ -395,8 +508,10 @@ def main() -> None:
 
 
 def bench_one(kind: str, upstream: str, gw: str, args: argparse.Namespace, note: str = "") -> dict:
-    print(f"== upstream={kind} client={args.client} {args.duration}s per target and scenario, in {args.slices} "
-          f"alternating slices; cpus={os.cpu_count()} load={os.getloadavg()[0]:.1f}" + (f"; {note}" if note else ""))
+    print(
+        f"== upstream={kind} client={args.client} {args.duration}s per target and scenario, in {args.slices} "
+        f"alternating slices; cpus={os.cpu_count()} load={os.getloadavg()[0]:.1f}" + (f"; {note}" if note else "")
+    )
     print(f"{'scenario':<14}{'target':<9}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'ttft50':>9}{'err':>5}")
     results: dict[tuple[str, int], dict[str, dict]] = {}
     for body_kind in ("json", "sse"):
@@ -404,26 +519,35 @@ def bench_one(kind: str, upstream: str, gw: str, args: argparse.Namespace, note:
             pair = measure(upstream, gw, body_kind, conns, args)
             for target in ("direct", "gateway"):
                 r = pair[target]
-                print(f"{body_kind + ' x' + str(conns):<14}{target:<9}{r['rps']:>9.0f}{r['p50'] * 1e3:>9.3f}"
-                      f"{r['p99'] * 1e3:>9.3f}{r['ttft_p50'] * 1e3:>9.3f}{r['errors']:>5}", flush=True)
+                print(
+                    f"{body_kind + ' x' + str(conns):<14}{target:<9}{r['rps']:>9.0f}{r['p50'] * 1e3:>9.3f}"
+                    f"{r['p99'] * 1e3:>9.3f}{r['ttft_p50'] * 1e3:>9.3f}{r['errors']:>5}",
+                    flush=True,
+                )
             results[(body_kind, conns)] = pair
     print(f"gateway vs direct, upstream={kind}")
     verdicts = []
     for (body_kind, conns), pair in results.items():
         d, g = pair["direct"], pair["gateway"]
-        line = (f"  {body_kind:<4} x{conns:<3} throughput {g['rps'] / d['rps']:.2f}x   "
-                f"added p50 {(g['p50'] - d['p50']) * 1e3:+.3f} ms   added p99 {(g['p99'] - d['p99']) * 1e3:+.3f} ms")
+        line = (
+            f"  {body_kind:<4} x{conns:<3} throughput {g['rps'] / d['rps']:.2f}x   "
+            f"added p50 {(g['p50'] - d['p50']) * 1e3:+.3f} ms   added p99 {(g['p99'] - d['p99']) * 1e3:+.3f} ms"
+        )
         if body_kind == "sse":
             line += f"   TTFT {g['ttft_p50'] / d['ttft_p50']:.2f}x ({(g['ttft_p50'] - d['ttft_p50']) * 1e3:+.3f} ms)"
         print(line)
         if body_kind == "json" and conns == 1:
             added = (g["p50"] - d["p50"]) * 1e3
-            verdicts.append(f"added p50 at 1 connection {added:.3f} ms (target <= 0.5): {'met' if added <= 0.5 else 'MISSED'}")
+            verdicts.append(
+                f"added p50 at 1 connection {added:.3f} ms (target <= 0.5): {'met' if added <= 0.5 else 'MISSED'}"
+            )
         if body_kind == "json" and conns == 32:
             ratio = g["rps"] / d["rps"]
             goal = 0.6 if kind == "fast" else 0.5  # issue 20 raised the fast upstream's from issue 7's 0.5
-            verdicts.append(f"throughput at 32 connections {ratio:.2f}x direct (target >= {goal}): "
-                            f"{'met' if ratio >= goal else 'MISSED'}")
+            verdicts.append(
+                f"throughput at 32 connections {ratio:.2f}x direct (target >= {goal}): "
+                f"{'met' if ratio >= goal else 'MISSED'}"
+            )
     for v in verdicts:
         print(f"  [{kind}] {v}")
     return results
@@ -439,8 +563,8 @@ async def run_consoles(args: argparse.Namespace) -> None:
     import msgspec
 
     from haru.core import subjects
-    from haru.log.eventlog import EventLog
     from haru.core.views import view_decoder, view_encoder
+    from haru.log.eventlog import EventLog
 
     stop_file = Path(args._consoles)
     frames = [0] * args.consoles
@@ -454,8 +578,10 @@ async def run_consoles(args: argparse.Namespace) -> None:
                 frames[i] += chunk.count(b"event: fleet")
 
     changes = 0
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session, \
-            EventLog.connect([args.nats], writer="bench-consoles") as log:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session,
+        EventLog.connect([args.nats], writer="bench-consoles") as log,
+    ):
         tasks = [asyncio.create_task(console(i, session)) for i in range(args.consoles)]
         key = subjects.view_key("default")
         while opened[0] < args.consoles:
@@ -489,9 +615,24 @@ class consoles_open:
     def __enter__(self) -> dict:
         self.stop = self.tmp / "consoles.stop"
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--_consoles", str(self.stop), "--consoles", str(self.args.consoles),
-             "--churn-hz", str(self.args.churn_hz), "--url", self.gw, "--nats", self.nats_url],
-            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                __file__,
+                "--_consoles",
+                str(self.stop),
+                "--consoles",
+                str(self.args.consoles),
+                "--churn-hz",
+                str(self.args.churn_hz),
+                "--url",
+                self.gw,
+                "--nats",
+                self.nats_url,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         line = self.proc.stdout.readline()
         if line.strip() != "open":
             raise SystemExit(f"the consoles did not open: {line!r}")
@@ -507,18 +648,36 @@ def fanout_cost_us(consoles: int, upstream: str, rounds: int = 2000) -> float:
     """CPU per view change of the console fan-out itself (snapshot encoded once, offered to every
     console), measured in this process on the bench's own view: the part of a change the proxy shares
     its core with. Writing to the sockets is the event loop's, and is in the side-by-side figures."""
-    from haru.gateway.console import Console, _Subscriber
-    from haru.gateway.routing import RoutingTable
     from haru.core.residency import Answer, Resident
     from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target
+    from haru.gateway.console import Console, _Subscriber
+    from haru.gateway.routing import RoutingTable
 
     table = RoutingTable()
-    view = FleetView(fleet="default", active="a", route_revision=1, seq=1, domains={
-        "a": DomainView(name="a", serving_url=upstream,
-                        models={MODEL: ModelView(name=MODEL, admitted=True, residency=Resident())})})
+    view = FleetView(
+        fleet="default",
+        active="a",
+        route_revision=1,
+        seq=1,
+        domains={
+            "a": DomainView(
+                name="a",
+                serving_url=upstream,
+                models={MODEL: ModelView(name=MODEL, admitted=True, residency=Resident())},
+            )
+        },
+    )
     table.set_view("default", view)
-    table.set_intent("default", RouteIntent(fleet="default", revision=1, active=Target(domain="a", serving_url=upstream),
-                                            answers={MODEL: Answer(answer="ready")}), 1)
+    table.set_intent(
+        "default",
+        RouteIntent(
+            fleet="default",
+            revision=1,
+            active=Target(domain="a", serving_url=upstream),
+            answers={MODEL: Answer(answer="ready")},
+        ),
+        1,
+    )
 
     async def run() -> float:
         console = Console(table, None)
@@ -539,10 +698,14 @@ def fanout_cost_us(consoles: int, upstream: str, rounds: int = 2000) -> float:
 def print_side_by_side(kind: str, args: argparse.Namespace, quiet: dict, busy: dict, stats: dict) -> None:
     frames = stats.get("frames", [])
     cost = fanout_cost_us(args.consoles, "http://127.0.0.1:1")
-    print(f"console fan-out: {cost:.1f} us of CPU per view change with {args.consoles} consoles "
-          f"({cost * args.churn_hz / 1e4:.4f}% of a core at {args.churn_hz:g} changes/s)")
-    print(f"consoles: {len(frames)} open, {stats.get('changes', 0)} view changes, frames received per console "
-          f"min {min(frames, default=0)} max {max(frames, default=0)}")
+    print(
+        f"console fan-out: {cost:.1f} us of CPU per view change with {args.consoles} consoles "
+        f"({cost * args.churn_hz / 1e4:.4f}% of a core at {args.churn_hz:g} changes/s)"
+    )
+    print(
+        f"consoles: {len(frames)} open, {stats.get('changes', 0)} view changes, frames received per console "
+        f"min {min(frames, default=0)} max {max(frames, default=0)}"
+    )
     print(f"gateway vs direct, upstream={kind}: no console | {args.consoles} consoles live")
     for key, q in quiet.items():
         b = busy[key]

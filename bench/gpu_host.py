@@ -56,6 +56,7 @@ def need_msgspec() -> None:
     """Import msgspec, or load the carried wheel that matches this interpreter."""
     try:
         import msgspec  # noqa: F401
+
         return
     except ImportError:
         pass
@@ -63,9 +64,11 @@ def need_msgspec() -> None:
     machine = platform.machine()
     wheels = [w for w in glob.glob(str(WHEELS / "msgspec-*.whl")) if f"-{tag}-" in w and machine in w]
     if not wheels:
-        raise SystemExit(f"gpu_host: msgspec is not installed and bench/wheels/ has no wheel for {tag} on {machine} "
-                         f"(carried: {', '.join(os.path.basename(w) for w in glob.glob(str(WHEELS / '*.whl'))) or 'none'}); "
-                         f"copy msgspec's wheel for this interpreter into bench/wheels/ or `pip install msgspec`")
+        raise SystemExit(
+            f"gpu_host: msgspec is not installed and bench/wheels/ has no wheel for {tag} on {machine} "
+            f"(carried: {', '.join(os.path.basename(w) for w in glob.glob(str(WHEELS / '*.whl'))) or 'none'}); "
+            f"copy msgspec's wheel for this interpreter into bench/wheels/ or `pip install msgspec`"
+        )
     target = Path(tempfile.mkdtemp(prefix="haru-gpu-host-wheel-"))
     with zipfile.ZipFile(wheels[0]) as z:
         z.extractall(target)
@@ -75,8 +78,14 @@ def need_msgspec() -> None:
 
 def start_child(gib: float, gpu: int) -> subprocess.Popen:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(gib)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(gib)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()  # blocks until it allocated (torch's import and CUDA init: seconds)
     if not line.startswith("ready"):
@@ -101,8 +110,10 @@ def gib(n: int) -> str:
 
 def show(r, label: str) -> None:
     procs = ", ".join(f"pid {p.pid} {gib(p.used_bytes)}" for p in r.processes) or "none"
-    print(f"{label}: present={r.present} name={r.name!r} total={gib(r.memory_total_bytes)} used={gib(r.memory_used_bytes)} "
-          f"free={gib(r.memory_free_bytes)} mig={r.mig} accounted={r.accounted}")
+    print(
+        f"{label}: present={r.present} name={r.name!r} total={gib(r.memory_total_bytes)} used={gib(r.memory_used_bytes)} "
+        f"free={gib(r.memory_free_bytes)} mig={r.mig} accounted={r.accounted}"
+    )
     print(f"    compute processes: {procs}")
 
 
@@ -126,20 +137,28 @@ def main(argv: list[str] | None = None) -> int:
             warnings.simplefilter("ignore", FutureWarning)  # the `pynvml` shim package warns; nvidia-ml-py does not
             import pynvml  # noqa: F401  (nvidia-ml-py)
     except ImportError:
-        print("gpu_host: no NVML here: the nvidia-ml-py package (module pynvml) is not installed; "
-              "`pip install nvidia-ml-py` on the GPU host", file=sys.stderr)
+        print(
+            "gpu_host: no NVML here: the nvidia-ml-py package (module pynvml) is not installed; "
+            "`pip install nvidia-ml-py` on the GPU host",
+            file=sys.stderr,
+        )
         return 3
     from haru.agents.gpu import NvmlGpus, Owner, account, process_tree, read_parents
 
     gpus = NvmlGpus()
     if not gpus.available:
-        print(f"gpu_host: no NVML here: nvmlInit failed ({gpus.unavailable}); this needs an NVIDIA driver "
-              f"(libnvidia-ml.so.1). Nothing was measured.", file=sys.stderr)
+        print(
+            f"gpu_host: no NVML here: nvmlInit failed ({gpus.unavailable}); this needs an NVIDIA driver "
+            f"(libnvidia-ml.so.1). Nothing was measured.",
+            file=sys.stderr,
+        )
         return 3
     try:
         import torch
     except ImportError:
-        print("gpu_host: torch is not installed; the runtime and trainer stand-ins are torch processes", file=sys.stderr)
+        print(
+            "gpu_host: torch is not installed; the runtime and trainer stand-ins are torch processes", file=sys.stderr
+        )
         return 3
     summary: dict = {"gpu": args.gpu, "torch": torch.__version__, "python": platform.python_version()}
     children: list[subprocess.Popen] = []
@@ -159,14 +178,26 @@ def main(argv: list[str] | None = None) -> int:
         both = gpus.read(args.gpu)
         show(both, "with a runtime and a trainer")
         parents = read_parents()
-        owners = [Owner(name="runtime", kind="model", pids=process_tree({runtime.pid}, parents),
-                        planned_bytes=int(args.runtime_gib * GiB)),
-                  Owner(name="trainer", kind="training", pids=process_tree({trainer.pid}, parents),
-                        planned_bytes=int(args.trainer_gib * GiB))]
+        owners = [
+            Owner(
+                name="runtime",
+                kind="model",
+                pids=process_tree({runtime.pid}, parents),
+                planned_bytes=int(args.runtime_gib * GiB),
+            ),
+            Owner(
+                name="trainer",
+                kind="training",
+                pids=process_tree({trainer.pid}, parents),
+                planned_bytes=int(args.trainer_gib * GiB),
+            ),
+        ]
         usage, foreign = account(both.processes, owners, exclude=frozenset({os.getpid()}))
         for u in usage:
-            print(f"    {u.kind:<8} {u.name:<8} pids {u.pids} holds {gib(u.used_bytes)} (planned {gib(u.planned_bytes)}, "
-                  f"over plan: {u.over_plan}: the CUDA context is on top of what torch allocated)")
+            print(
+                f"    {u.kind:<8} {u.name:<8} pids {u.pids} holds {gib(u.used_bytes)} (planned {gib(u.planned_bytes)}, "
+                f"over plan: {u.over_plan}: the CUDA context is on top of what torch allocated)"
+            )
         print(f"    foreign (not started here): {[(f.pid, gib(f.used_bytes)) for f in foreign] or 'none'}")
         summary["accounted"] = both.accounted
         summary["usage"] = [{"name": u.name, "pids": u.pids, "used_bytes": u.used_bytes} for u in usage]
@@ -201,15 +232,20 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.01)
             trainer.wait(30)
             releases.append(took)
-            print(f"kill {i + 1}: trainer pid {trainer.pid} held {gib(mine)}; NVML showed it free after {took:.0f} ms "
-                  f"({reads} reads)")
+            print(
+                f"kill {i + 1}: trainer pid {trainer.pid} held {gib(mine)}; NVML showed it free after {took:.0f} ms "
+                f"({reads} reads)"
+            )
         summary["release_ms"] = releases
         done = [x for x in releases if x == x]
         if done:
-            print(f"memory back after a SIGKILL: median {statistics.median(done):.0f} ms, max {max(done):.0f} ms "
-                  f"(verify_gpu's settle window, policy verify_settle_ms, defaults to 5000 ms)")
+            print(
+                f"memory back after a SIGKILL: median {statistics.median(done):.0f} ms, max {max(done):.0f} ms "
+                f"(verify_gpu's settle window, policy verify_settle_ms, defaults to 5000 ms)"
+            )
 
         import pynvml as nvml
+
         handle = nvml.nvmlDeviceGetHandleByIndex(args.gpu)
         try:
             current, pending = nvml.nvmlDeviceGetMigMode(handle)

@@ -48,8 +48,9 @@ async def census(nats_url: str) -> tuple[dict[str, int], int, int]:
     return out, info.state.bytes, info.state.messages
 
 
-def report(label: str, elapsed_s: float, per: dict[str, int], nbytes: int, messages: int,
-           base: tuple[dict[str, int], int, int]) -> None:
+def report(
+    label: str, elapsed_s: float, per: dict[str, int], nbytes: int, messages: int, base: tuple[dict[str, int], int, int]
+) -> None:
     """Rates from what was stored since `base` (the census once the demo was up: declarations and
     the first route are not growth)."""
     hours = elapsed_s / 3600
@@ -61,16 +62,23 @@ def report(label: str, elapsed_s: float, per: dict[str, int], nbytes: int, messa
     fleet_h = per.get("fleet", 0) / hours
     bpe = nbytes / max(1, messages)
     day = (mean_h + fleet_h / max(1, len(hosts))) * 24
-    print(f"[{label}] {elapsed_s / 60:5.1f} min: {messages} events, {nbytes / 1e6:.2f} MB ({bpe:.0f} B/event); "
-          + ", ".join(f"host {h}: {per[h]} ({per_host_h[h]:.0f}/h)" for h in hosts)
-          + f"; fleet-level: {per.get('fleet', 0)} ({fleet_h:.0f}/h). Per GPU host (its share of fleet-level "
-          f"included): {day:,.0f} events/day, {day * 365:,.0f} events/year, {day * 365 * bpe / 1e9:.2f} GB/year",
-          flush=True)
+    print(
+        f"[{label}] {elapsed_s / 60:5.1f} min: {messages} events, {nbytes / 1e6:.2f} MB ({bpe:.0f} B/event); "
+        + ", ".join(f"host {h}: {per[h]} ({per_host_h[h]:.0f}/h)" for h in hosts)
+        + f"; fleet-level: {per.get('fleet', 0)} ({fleet_h:.0f}/h). Per GPU host (its share of fleet-level "
+        f"included): {day:,.0f} events/day, {day * 365:,.0f} events/year, {day * 365 * bpe / 1e9:.2f} GB/year",
+        flush=True,
+    )
 
 
 def sim(home: Path, *args: str) -> None:
-    subprocess.run([sys.executable, "-m", "haru.cli", "sim", *args, "--sim-root", str(home / "sim")],
-                   cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+    subprocess.run(
+        [sys.executable, "-m", "haru.cli", "sim", *args, "--sim-root", str(home / "sim")],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=30,
+    )
 
 
 async def active_of(nats_url: str) -> str:

@@ -30,53 +30,64 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import contextlib
+import os
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from haru.core import events as ev  # noqa: E402
-from haru.log import history, reads  # noqa: E402
 from haru.core import subjects
-from haru.log.eventlog import EventLog  # noqa: E402
-from haru.host.natsd import NatsServer  # noqa: E402
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy  # noqa: E402
 from haru.core.sizes import GiB
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy  # noqa: E402
+from haru.host.natsd import NatsServer  # noqa: E402
 from haru.host.tasks import cancel_and_wait  # noqa: E402
-from haru.projections.projector import Projector  # noqa: E402
+from haru.log import history, reads  # noqa: E402
+from haru.log.eventlog import EventLog  # noqa: E402
 from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
+from haru.projections.projector import Projector  # noqa: E402
 
 if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
     enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)
 
 FLEET = "bench"
 FILLERS = 200
-T0 = datetime(2026, 11, 1, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 1, tzinfo=UTC)
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 async def declare(log: EventLog) -> None:
     s = subjects.decl(FLEET)
     seq = await log.append(s, ev.FleetDeclared(at=now(), fleet=FLEET, policy=Policy()), expect=0)
     for d in ("a", "b", "c"):
-        spec = DomainSpec(name=d, serving_url=f"http://{d}:9000",
-                          gpus=[GpuSpec(index=0, memory_bytes=80 * GiB, reserve_bytes=2 * GiB)])
+        spec = DomainSpec(
+            name=d,
+            serving_url=f"http://{d}:9000",
+            gpus=[GpuSpec(index=0, memory_bytes=80 * GiB, reserve_bytes=2 * GiB)],
+        )
         seq = await log.append(s, ev.DomainDeclared(at=now(), spec=spec), expect=seq)
     models = [("a", "m1"), ("b", "m1")] + [("c", f"f{k}") for k in range(FILLERS)]
     for d, m in models:
-        decl = seq = await log.append(s, ev.ModelDeclared(at=now(), domain=d, spec=ModelSpec(
-            name=m, slot=m, gpu_index=0, vram_bytes=GiB // 4)), expect=seq)
-        seq = await log.append(s, ev.AdmissionDecided(at=now(), domain=d, name=m, gpu_index=0, admitted=True,
-                                                      vram_bytes=GiB // 4, cause=decl), expect=seq)
+        decl = seq = await log.append(
+            s,
+            ev.ModelDeclared(at=now(), domain=d, spec=ModelSpec(name=m, slot=m, gpu_index=0, vram_bytes=GiB // 4)),
+            expect=seq,
+        )
+        seq = await log.append(
+            s,
+            ev.AdmissionDecided(
+                at=now(), domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=GiB // 4, cause=decl
+            ),
+            expect=seq,
+        )
 
 
 # loading, resident, then sleeping / waking / resident for ever: legal residency transitions
@@ -122,24 +133,47 @@ async def story(log: EventLog) -> dict[str, int]:
     tip: dict[str, int] = {}
 
     async def put(subject: str, e: ev.Event, name: str) -> int:
-        tip[subject] = seqs[name] = await log.append(subject, e, expect=tip.get(subject) or await log.last_seq_of(subject))
+        tip[subject] = seqs[name] = await log.append(
+            subject, e, expect=tip.get(subject) or await log.last_seq_of(subject)
+        )
         return seqs[name]
 
     ma, mb = subjects.model(FLEET, "a", "m1"), subjects.model(FLEET, "b", "m1")
     op, route = subjects.op(FLEET), subjects.route(FLEET)
     for d in ("a", "b"):
         s = await put(subjects.agent(FLEET, d), ev.AgentStarted(at=now(), domain=d, host=d, pid=1), f"started_{d}")
-        s = await put(subjects.model(FLEET, d, "m1"), ev.ModelLoading(at=now(), domain=d, model="m1", cause=s), f"loading_{d}")
-        await put(subjects.model(FLEET, d, "m1"), ev.ModelResident(at=now(), domain=d, model="m1", cause=s), f"resident_{d}")
-    await put(subjects.liveness(FLEET, "a"), ev.DomainReachable(at=now(), domain="a", cause=seqs["started_a"]), "reach_a")
-    await put(subjects.liveness(FLEET, "b"), ev.DomainReachable(at=now(), domain="b", cause=seqs["started_b"]), "reach_b")
+        s = await put(
+            subjects.model(FLEET, d, "m1"), ev.ModelLoading(at=now(), domain=d, model="m1", cause=s), f"loading_{d}"
+        )
+        await put(
+            subjects.model(FLEET, d, "m1"), ev.ModelResident(at=now(), domain=d, model="m1", cause=s), f"resident_{d}"
+        )
+    await put(
+        subjects.liveness(FLEET, "a"), ev.DomainReachable(at=now(), domain="a", cause=seqs["started_a"]), "reach_a"
+    )
+    await put(
+        subjects.liveness(FLEET, "b"), ev.DomainReachable(at=now(), domain="b", cause=seqs["started_b"]), "reach_b"
+    )
     await put(mb, ev.ModelSleeping(at=now(), domain="b", model="m1", cause=seqs["resident_b"]), "asleep_b")
     await put(route, ev.RouteMoved(at=now(), active="a"), "route_a")
-    gone = await put(subjects.gpu(FLEET, "a", 0), ev.GpuObserved(at=now(), domain="a", index=0, present=False), "gpu_gone")
+    gone = await put(
+        subjects.gpu(FLEET, "a", 0), ev.GpuObserved(at=now(), domain="a", index=0, present=False), "gpu_gone"
+    )
     lost = await put(ma, ev.ModelLost(at=now(), domain="a", model="m1", reason="gpu_detached", cause=gone), "lost")
     op_id = "op-bench"
-    s = await put(op, ev.PromotionRequested(at=now(), op_id=op_id, target="b", source="a", reason="gpu_detached",
-                                            cause=lost, route_revision=seqs["route_a"]), "request")
+    s = await put(
+        op,
+        ev.PromotionRequested(
+            at=now(),
+            op_id=op_id,
+            target="b",
+            source="a",
+            reason="gpu_detached",
+            cause=lost,
+            route_revision=seqs["route_a"],
+        ),
+        "request",
+    )
     for step in ("stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active", "start_training"):
         s = await put(op, ev.StepStarted(at=now(), op_id=op_id, step=step, cause=s), f"start_{step}")
         if step == "wake":
@@ -147,7 +181,11 @@ async def story(log: EventLog) -> dict[str, int]:
             await put(mb, ev.ModelResident(at=now(), domain="b", model="m1", cause=s), "resident_b2")
             del w
         if step == "flip":
-            await put(route, ev.RouteMoved(at=now(), active="b", previous="a", op_id=op_id, cause=seqs["done_probe"]), "route_b")
+            await put(
+                route,
+                ev.RouteMoved(at=now(), active="b", previous="a", op_id=op_id, cause=seqs["done_probe"]),
+                "route_b",
+            )
         s = await put(op, ev.StepCompleted(at=now(), op_id=op_id, step=step, cause=s), f"done_{step}")
     await put(op, ev.OperationCompleted(at=now(), op_id=op_id, cause=s), "completed")
     return seqs
@@ -221,8 +259,11 @@ async def prepared(size: int, after: int):
                     result = await request_operation(log, FLEET, "promotion", "a", by="bench", now=now())
                     assert result.status == "accepted", result
                     # end it as a promoter would, so the next request is accepted too
-                    await log.append(subjects.op(FLEET), ev.OperationAborted(at=now(), op_id=result.op_id, error="bench"),
-                                     expect=result.seq)
+                    await log.append(
+                        subjects.op(FLEET),
+                        ev.OperationAborted(at=now(), op_id=result.op_id, error="bench"),
+                        expect=result.seq,
+                    )
 
                 async def promote_read() -> None:
                     await current_view(log, FLEET)
@@ -234,6 +275,7 @@ async def prepared(size: int, after: int):
 
                 async def verify_cp() -> None:
                     from haru.core.subjects import fleet_of
+
                     start, tips, since, bad = await reads.checkpoint_start(log)
                     v = history.Verifier()
                     v.tips.update(tips)
@@ -248,9 +290,19 @@ async def prepared(size: int, after: int):
                 async def rebuild_cp() -> None:
                     await project(log, from_checkpoint=True)
 
-                yield out, {"why": why, "as_of_seq": as_of_seq, "as_of_time": as_of_time, "promote": promote,
-                            "promote_read": promote_read, "verify_cp": verify_cp, "rebuild_cp": rebuild_cp,
-                            "verify_full": verify_full}
+                yield (
+                    out,
+                    {
+                        "why": why,
+                        "as_of_seq": as_of_seq,
+                        "as_of_time": as_of_time,
+                        "promote": promote,
+                        "promote_read": promote_read,
+                        "verify_cp": verify_cp,
+                        "rebuild_cp": rebuild_cp,
+                        "verify_full": verify_full,
+                    },
+                )
 
 
 async def once(fn) -> float:
@@ -272,9 +324,11 @@ async def main(sizes: list[int], repeat: int, rounds: int, after: int) -> None:
             print(f"== {size:,} events", flush=True)
             facts[size], runs[size] = await stack.enter_async_context(prepared(size, after))
             r = facts[size]
-            print(f"   filled in {r['fill_s']:.1f} s ({r['fill_rate']:,.0f} events/s, pipelined), projected once in "
-                  f"{r['project_s']:.1f} s; newest checkpoint at {r['checkpoint_upto']:,.0f} of {r['events']:,.0f}",
-                  flush=True)
+            print(
+                f"   filled in {r['fill_s']:.1f} s ({r['fill_rate']:,.0f} events/s, pipelined), projected once in "
+                f"{r['project_s']:.1f} s; newest checkpoint at {r['checkpoint_upto']:,.0f} of {r['events']:,.0f}",
+                flush=True,
+            )
         # Reads of a few milliseconds swing by 2x from one call to the next on a loaded machine: a median
         # of 5 did too (promote_read 1.7x in one run, 0.96x over 60 interleaved calls of the same stores).
         for _ in range(rounds):
@@ -292,21 +346,30 @@ async def main(sizes: list[int], repeat: int, rounds: int, after: int) -> None:
     res = {size: {name: statistics.median(ts) for name, ts in times[size].items()} for size in sizes}
     small, big = min(sizes), max(sizes)
     a, b = res[small], res[big]
-    print(f"\nhistory benchmark: {small:,} vs {big:,} events (medians of {rounds} calls, {repeat} for verify/rebuild; the sizes interleaved)")
+    print(
+        f"\nhistory benchmark: {small:,} vs {big:,} events (medians of {rounds} calls, {repeat} for verify/rebuild; the sizes interleaved)"
+    )
     print(f"{'read':<16}{small:>12,}{big:>14,}{'ratio':>9}  goal")
-    for key, goal in (("why", "<= 1.5x"), ("as_of_seq", "<= 1.5x"), ("as_of_time", "<= 1.5x"),
-                      ("promote", "<= 1.5x"), ("promote_read", "(the view + tail read alone)"),
-                      ("verify_full", "grows with the log"),
-                      ("verify_cp", "with the events after the checkpoint"),
-                      ("rebuild_cp", "with the events after the checkpoint")):
+    for key, goal in (
+        ("why", "<= 1.5x"),
+        ("as_of_seq", "<= 1.5x"),
+        ("as_of_time", "<= 1.5x"),
+        ("promote", "<= 1.5x"),
+        ("promote_read", "(the view + tail read alone)"),
+        ("verify_full", "grows with the log"),
+        ("verify_cp", "with the events after the checkpoint"),
+        ("rebuild_cp", "with the events after the checkpoint"),
+    ):
         ratio = b[key] / a[key] if a[key] else float("nan")
         mark = "" if not goal.startswith("<=") else ("  met" if ratio <= 1.5 else "  NOT MET")
         print(f"{key:<16}{a[key] * 1000:10.1f}ms{b[key] * 1000:12.1f}ms{ratio:8.2f}x  {goal}{mark}")
     for size in sizes:
         r, t = facts[size], res[size]
-        print(f"at {size:,}: {r['after_checkpoint']:,.0f} events after the newest checkpoint (verify cp "
-              f"{t['verify_cp'] * 1e6 / max(1, r['after_checkpoint']):.1f} µs an event after it, full verify "
-              f"{t['verify_full'] * 1e6 / max(1, r['events']):.1f} µs an event)")
+        print(
+            f"at {size:,}: {r['after_checkpoint']:,.0f} events after the newest checkpoint (verify cp "
+            f"{t['verify_cp'] * 1e6 / max(1, r['after_checkpoint']):.1f} µs an event after it, full verify "
+            f"{t['verify_full'] * 1e6 / max(1, r['events']):.1f} µs an event)"
+        )
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def _descendants(pid: int) -> list[int]:
             text = Path(stat).read_text()
         except OSError:
             continue
-        fields = text[text.rindex(")") + 2:].split()
+        fields = text[text.rindex(")") + 2 :].split()
         children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
     out, todo = [], [pid]
     while todo:
@@ -87,7 +87,7 @@ def proc_cpu(pids: list[int]) -> tuple[float, float]:
             text = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
-        fields = text[text.rindex(")") + 2:].split()
+        fields = text[text.rindex(")") + 2 :].split()
         user += int(fields[11]) / CLK
         system += int(fields[12]) / CLK
     return user, system
@@ -133,10 +133,14 @@ def wrk(url: str, conns: int, duration: float, tmp: Path, meter: Meter) -> dict:
     if not script.exists():
         script.write_text(
             'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-            f"wrk.body = {json.dumps(gbench.CHAT_BODY.decode())}\n")
+            f"wrk.body = {json.dumps(gbench.CHAT_BODY.decode())}\n"
+        )
     with meter:
-        proc = subprocess.Popen(["wrk", "-t1", f"-c{conns}", f"-d{max(1, round(duration))}s", "--latency", "-s", str(script),
-                                 url + PATH], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            ["wrk", "-t1", f"-c{conns}", f"-d{max(1, round(duration))}s", "--latency", "-s", str(script), url + PATH],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         out, _ = proc.communicate()
         # wrk has exited: its CPU is in our children's rusage, not /proc
         wrk_cpu = _child_cpu()
@@ -149,8 +153,13 @@ def wrk(url: str, conns: int, duration: float, tmp: Path, meter: Meter) -> dict:
     p50 = re.search(r"50%\s+([\d.]+)(us|ms|s)", out)
     scale = {"us": 1e-6, "ms": 1e-3, "s": 1.0}[p50.group(2)] if p50 else 0
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return {"rps": n / seconds, "n": n, "p50": float(p50.group(1)) * scale if p50 else float("nan"),
-            "errors": int(errors.group(1)) if errors else 0, "wrk_us": wrk_cpu / max(1, n) * 1e6}
+    return {
+        "rps": n / seconds,
+        "n": n,
+        "p50": float(p50.group(1)) * scale if p50 else float("nan"),
+        "errors": int(errors.group(1)) if errors else 0,
+        "wrk_us": wrk_cpu / max(1, n) * 1e6,
+    }
 
 
 _child_seen = [0.0]
@@ -166,8 +175,12 @@ def _child_cpu() -> float:
 
 def sse_ttfb(url: str, duration: float, meter: Meter) -> dict:
     with meter:
-        out = subprocess.run([sys.executable, __file__, "--_sse", url, "--duration", str(duration)],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, "--_sse", url, "--duration", str(duration)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         meter.stop([], _child_cpu())
     return json.loads(out)
 
@@ -202,7 +215,9 @@ def wait_serving(url: str, proc: subprocess.Popen, what: str, timeout: float = 3
         if proc.poll() is not None:
             raise SystemExit(f"{what} exited with {proc.returncode}")
         try:
-            req = urllib.request.Request(url + PATH, data=gbench.CHAT_BODY, headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                url + PATH, data=gbench.CHAT_BODY, headers={"Content-Type": "application/json"}
+            )
             with urllib.request.urlopen(req, timeout=2) as r:
                 if r.status == 200:
                     return
@@ -241,8 +256,11 @@ http {{
     }}
 }}
 """)
-    proc = subprocess.Popen([binary, "-c", str(d / "nginx.conf"), "-p", str(d), "-e", str(d / "error.log")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [binary, "-c", str(d / "nginx.conf"), "-p", str(d), "-e", str(d / "error.log")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_serving(url, proc, "nginx")
     return proc, url
@@ -251,10 +269,25 @@ http {{
 def start_vllm_router(binary: str, upstream: str, tmp: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = open(tmp / "vllm-router.log", "wb")
-    proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", upstream,
-                             "--policy", "round_robin", "--log-level", "warning",
-                             "--prometheus-port", str(free_port())],
-                            stdout=log, stderr=log)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            upstream,
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "warning",
+            "--prometheus-port",
+            str(free_port()),
+        ],
+        stdout=log,
+        stderr=log,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_serving(url, proc, "vllm-router", timeout=60)
     return proc, url
@@ -312,8 +345,10 @@ def med(values: list[float]) -> str:
 def report(reps: list[dict], names: list[str], label: str) -> dict:
     """Prints the table over these reps; returns the medians used for the verdicts."""
     print(f"\n{label}: {len(reps)} reps")
-    print(f"{'target':<13}{'added p50 x1 ms':>22}{'json x32 vs direct':>24}{'CPU us/req (user/sys)':>26}"
-          f"{'SSE TTFB added ms':>24}")
+    print(
+        f"{'target':<13}{'added p50 x1 ms':>22}{'json x32 vs direct':>24}{'CPU us/req (user/sys)':>26}"
+        f"{'SSE TTFB added ms':>24}"
+    )
     out: dict[str, dict] = {}
     for name in names:
         added, ratio, cpu, user, sys_, ttfb, rps, wrk_us = [], [], [], [], [], [], [], []
@@ -327,9 +362,17 @@ def report(reps: list[dict], names: list[str], label: str) -> dict:
             ttfb.append((t["sse ttfb"]["ttfb"] - d["sse ttfb"]["ttfb"]) * 1e3)
             rps.append(t["json x32"]["rps"])
             wrk_us.append(t["json x32"]["wrk_us"])
-        out[name] = {k: statistics.median(v) for k, v in
-                     (("added", added), ("ratio", ratio), ("cpu", cpu), ("ttfb", ttfb), ("rps", rps),
-                      ("wrk_us", wrk_us))}
+        out[name] = {
+            k: statistics.median(v)
+            for k, v in (
+                ("added", added),
+                ("ratio", ratio),
+                ("cpu", cpu),
+                ("ttfb", ttfb),
+                ("rps", rps),
+                ("wrk_us", wrk_us),
+            )
+        }
 
         def cell(v: list[float], fmt: str) -> str:
             return f"{statistics.median(v):{fmt}} [{min(v):{fmt}}..{max(v):{fmt}}]"
@@ -337,9 +380,11 @@ def report(reps: list[dict], names: list[str], label: str) -> dict:
         if name == "direct":
             print(f"{name:<13}{'(baseline)':>22}{'1.00x':>24}{cell(cpu, '.0f') + ' upstream':>26}{'(baseline)':>24}")
             continue
-        print(f"{name:<13}{cell(added, '+.3f'):>22}{cell(ratio, '.2f'):>24}"
-              f"{f'{statistics.median(cpu):.0f} ({statistics.median(user):.0f}/{statistics.median(sys_):.0f})':>26}"
-              f"{cell(ttfb, '+.3f'):>24}")
+        print(
+            f"{name:<13}{cell(added, '+.3f'):>22}{cell(ratio, '.2f'):>24}"
+            f"{f'{statistics.median(cpu):.0f} ({statistics.median(user):.0f}/{statistics.median(sys_):.0f})':>26}"
+            f"{cell(ttfb, '+.3f'):>24}"
+        )
     return out
 
 
@@ -359,11 +404,13 @@ def verdicts(med_: dict) -> None:
     print(f"  JSON x32 >= 0.8x direct: {h['ratio']:.2f}x -> {'met' if h['ratio'] >= 0.8 else 'MISSED'}")
     d = med_["direct"]
     budget = cpu_budget(os.cpu_count() or 1, 0.8 * d["rps"], d["cpu"], h["wrk_us"])
-    print(f"    what 0.8x leaves a proxy here: {budget:.0f} us of CPU a request ({os.cpu_count()} cores / "
-          f"(0.8 x direct's {d['rps']:.0f} req/s) - the upstream's {d['cpu']:.0f} us - wrk's {h['wrk_us']:.0f} us); "
-          f"the upstream is aiohttp's low-level server answering by itself, so a proxy on aiohttp would have "
-          f"{budget - d['cpu']:+.0f} us beyond that for the whole upstream leg; haru takes {h['cpu']:.0f} us"
-          + (f", the Rust vllm-router {v['cpu']:.0f} us" if v is not None else ""))
+    print(
+        f"    what 0.8x leaves a proxy here: {budget:.0f} us of CPU a request ({os.cpu_count()} cores / "
+        f"(0.8 x direct's {d['rps']:.0f} req/s) - the upstream's {d['cpu']:.0f} us - wrk's {h['wrk_us']:.0f} us); "
+        f"the upstream is aiohttp's low-level server answering by itself, so a proxy on aiohttp would have "
+        f"{budget - d['cpu']:+.0f} us beyond that for the whole upstream leg; haru takes {h['cpu']:.0f} us"
+        + (f", the Rust vllm-router {v['cpu']:.0f} us" if v is not None else "")
+    )
     if v is None:
         print("  the vllm-router goals need vllm-router: skipped")
         return
@@ -381,15 +428,26 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=6)
     p.add_argument("--duration", type=int, default=2, help="seconds per target, scenario and rep")
-    p.add_argument("--nginx", default=shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
-                                                                   else None))
+    p.add_argument(
+        "--nginx", default=shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    )
     p.add_argument("--vllm-router", default=None)
-    p.add_argument("--haru-tree", action="append", default=[], metavar="NAME=PATH",
-                   help="also run `haru gateway` from another source tree (e.g. `git archive` of an older commit) "
-                        "as target NAME: what a change bought, in the same run")
-    p.add_argument("--haru-python", action="append", default=[], metavar="NAME=PYTHON",
-                   help="also run this tree's `haru gateway` under another interpreter (one with the project's "
-                        "dependencies installed, e.g. Python 3.12, where aiohttp starts handlers eagerly) as NAME")
+    p.add_argument(
+        "--haru-tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also run `haru gateway` from another source tree (e.g. `git archive` of an older commit) "
+        "as target NAME: what a change bought, in the same run",
+    )
+    p.add_argument(
+        "--haru-python",
+        action="append",
+        default=[],
+        metavar="NAME=PYTHON",
+        help="also run this tree's `haru gateway` under another interpreter (one with the project's "
+        "dependencies installed, e.g. Python 3.12, where aiohttp starts handlers eagerly) as NAME",
+    )
     p.add_argument("--only", default="", help="comma-separated targets to run besides direct (default: all)")
     p.add_argument("--_sse", metavar="URL", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -445,21 +503,30 @@ def main() -> None:
                 else:
                     print("vllm-router: not installed (pip install vllm-router, or --vllm-router PATH), skipped")
             names = list(targets)
-            print(f"targets: {', '.join(names)}; {args.reps} reps x {args.duration:g} s per target and scenario; "
-                  f"cpus={os.cpu_count()} load average {os.getloadavg()[0]:.2f} at start")
+            print(
+                f"targets: {', '.join(names)}; {args.reps} reps x {args.duration:g} s per target and scenario; "
+                f"cpus={os.cpu_count()} load average {os.getloadavg()[0]:.2f} at start"
+            )
             _child_cpu()
             reps = []
             for i in range(args.reps):
-                order = names[i % len(names):] + names[:i % len(names)]
+                order = names[i % len(names) :] + names[: i % len(names)]
                 rep = one_rep(targets, order, [up_proc.pid], args, tmp)
                 rep["other"] = max(r["other_cores"] for r in rep.values())
                 rep["load"] = os.getloadavg()[0]
                 reps.append(rep)
-                errors = {n: rep[n]["json x32"]["errors"] + rep[n]["json x1"]["errors"] + rep[n]["sse ttfb"]["errors"]
-                          for n in names}
-                print(f"rep {i + 1}: other processes up to {rep['other']:.2f} cores, load average {rep['load']:.2f}"
-                      + "".join(f"; {n} {rep[n]['json x32']['rps']:.0f} req/s"
-                                + (f" ({errors[n]} errors)" if errors[n] else "") for n in names), flush=True)
+                errors = {
+                    n: rep[n]["json x32"]["errors"] + rep[n]["json x1"]["errors"] + rep[n]["sse ttfb"]["errors"]
+                    for n in names
+                }
+                print(
+                    f"rep {i + 1}: other processes up to {rep['other']:.2f} cores, load average {rep['load']:.2f}"
+                    + "".join(
+                        f"; {n} {rep[n]['json x32']['rps']:.0f} req/s" + (f" ({errors[n]} errors)" if errors[n] else "")
+                        for n in names
+                    ),
+                    flush=True,
+                )
             quiet = [r for r in reps if r["other"] <= QUIET_CORES]
             busy = [r for r in reps if r["other"] > QUIET_CORES]
             if quiet:
@@ -467,8 +534,9 @@ def main() -> None:
                 if busy:
                     report(busy, names, f"busy reps (other processes > {QUIET_CORES} cores), apart")
             else:
-                medians = report(reps, names, f"no quiet rep (other processes took > {QUIET_CORES} cores in every "
-                                 "one): all reps")
+                medians = report(
+                    reps, names, f"no quiet rep (other processes took > {QUIET_CORES} cores in every one): all reps"
+                )
             print(f"load average at end {os.getloadavg()[0]:.2f}")
             if os.environ.get("PEERS_DEBUG") and (tmp / "nginx" / "error.log").exists():
                 print((tmp / "nginx" / "error.log").read_text()[-2000:])

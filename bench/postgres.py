@@ -38,14 +38,14 @@ sys.path.insert(0, str(ROOT))
 import asyncpg  # noqa: E402
 import structlog  # noqa: E402
 
-from tests.support import pgdata  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
 from haru.host.natsd import NatsServer  # noqa: E402
+from haru.log.eventlog import EventLog  # noqa: E402
+from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
 from haru.projections import pg_schema as S  # noqa: E402
-from tests.support.pg_local import LocalPostgres  # noqa: E402
 from haru.projections.pg_rows import Carry, plan  # noqa: E402
 from haru.projections.postgres import PostgresSink, migrate, tune_gc  # noqa: E402
-from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
+from tests.support import pgdata  # noqa: E402
+from tests.support.pg_local import LocalPostgres  # noqa: E402
 
 if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
     enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)
@@ -100,7 +100,9 @@ async def run_copy(pg: LocalPostgres, writes, round_: int) -> tuple[float, int]:
         async with conn.transaction():
             for table, rows in writes.copies.items():
                 if rows:
-                    await conn.copy_records_to_table(table, records=rows, columns=S.COPY_TABLES[table], schema_name=S.SCHEMA)
+                    await conn.copy_records_to_table(
+                        table, records=rows, columns=S.COPY_TABLES[table], schema_name=S.SCHEMA
+                    )
             if writes.insert_operations:
                 await conn.copy_records_to_table(
                     "operations", records=writes.insert_operations, columns=S.OPERATION_COLUMNS, schema_name=S.SCHEMA
@@ -153,8 +155,10 @@ async def main() -> None:
             assert len(records) == n
             writes, _ = plan(Carry(), records)
             rows = writes.row_count
-            print(f"{n} events -> {rows} rows; PostgreSQL at {pg.bindir} "
-                  f"({'durable' if args.durable else 'fsync off'}), batch size {args.batch_size}")
+            print(
+                f"{n} events -> {rows} rows; PostgreSQL at {pg.bindir} "
+                f"({'durable' if args.durable else 'fsync off'}), batch size {args.batch_size}"
+            )
 
             sink_s: list[float] = []
             copy_s: list[float] = []
@@ -167,21 +171,29 @@ async def main() -> None:
                 took_r = await run_replay(nats_server.url, n)
                 replay_s.append(took_r)
                 assert sink_rows == copy_rows == rows, (sink_rows, copy_rows, rows)
-                print(f"  round {r + 1}: sink {n / took:>8,.0f} ev/s ({took:.2f} s)   "
-                      f"copy {n / took_c:>8,.0f} ev/s ({took_c:.2f} s)   replay {n / took_r:>8,.0f} ev/s ({took_r:.2f} s)")
+                print(
+                    f"  round {r + 1}: sink {n / took:>8,.0f} ev/s ({took:.2f} s)   "
+                    f"copy {n / took_c:>8,.0f} ev/s ({took_c:.2f} s)   replay {n / took_r:>8,.0f} ev/s ({took_r:.2f} s)"
+                )
 
     sink_eps = n / statistics.median(sink_s)
     copy_eps = n / statistics.median(copy_s)
     replay_eps = n / statistics.median(replay_s)
     ratio = sink_eps / copy_eps
-    print(f"sink: {sink_eps:,.0f} events/s   plain COPY: {copy_eps:,.0f} events/s   "
-          f"replay alone: {replay_eps:,.0f} events/s")
+    print(
+        f"sink: {sink_eps:,.0f} events/s   plain COPY: {copy_eps:,.0f} events/s   "
+        f"replay alone: {replay_eps:,.0f} events/s"
+    )
     per_event = {k: statistics.median(v) / n * 1e6 for k, v in CPU.items()}
-    print(f"this process's CPU per event: sink {per_event['sink']:.1f} us, replay alone {per_event['replay']:.1f} us, "
-          f"COPY {per_event['copy']:.1f} us (the rest of the time is Postgres and nats-server; "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})")
-    print(f"ratio sink/COPY {ratio:.2f}x (target >= 0.5x: {'met' if ratio >= 0.5 else 'NOT met'})   "
-          f"ratio sink/replay {sink_eps / replay_eps:.2f}x")
+    print(
+        f"this process's CPU per event: sink {per_event['sink']:.1f} us, replay alone {per_event['replay']:.1f} us, "
+        f"COPY {per_event['copy']:.1f} us (the rest of the time is Postgres and nats-server; "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})"
+    )
+    print(
+        f"ratio sink/COPY {ratio:.2f}x (target >= 0.5x: {'met' if ratio >= 0.5 else 'NOT met'})   "
+        f"ratio sink/replay {sink_eps / replay_eps:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -26,21 +26,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from nats.js import api
 
 from haru.core import events as ev
 from haru.core import subjects as sj
-from haru.log.eventlog import EventLog
-from haru.host.natsd import NatsServer
-from haru.log.route import RouteWatcher
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
-from haru.core.sizes import GiB
 from haru.core.fold import add_one
-from haru.projections.projector import Projector
+from haru.core.sizes import GiB
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.host.natsd import NatsServer
+from haru.log.eventlog import EventLog
 from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
+from haru.log.route import RouteWatcher
+from haru.projections.projector import Projector
 
 if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
     enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)
@@ -48,7 +48,7 @@ if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats
 FLEETS = ("default", "edge", "lab", "eu")
 DOMAINS = ("a", "b")
 MODELS = tuple(f"model-{i}:{7 + i}b" for i in range(8))
-T0 = datetime(2026, 11, 29, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, tzinfo=UTC)
 
 
 def history(n: int) -> list[tuple[str, bytes]]:
@@ -63,12 +63,25 @@ def history(n: int) -> list[tuple[str, bytes]]:
     for f in FLEETS:
         out.append((sj.decl(f), ev.encode(ev.FleetDeclared(at=at(), fleet=f, policy=Policy()))))
         for d in DOMAINS:
-            spec = DomainSpec(name=d, serving_url=f"http://{d}:9000", gpus=[GpuSpec(index=0, memory_bytes=80 * GiB, reserve_bytes=2 * GiB)])
+            spec = DomainSpec(
+                name=d,
+                serving_url=f"http://{d}:9000",
+                gpus=[GpuSpec(index=0, memory_bytes=80 * GiB, reserve_bytes=2 * GiB)],
+            )
             out.append((sj.decl(f), ev.encode(ev.DomainDeclared(at=at(), spec=spec))))
             for i, m in enumerate(MODELS):
                 ms = ModelSpec(name=m, slot=f"s{i}", gpu_index=0, vram_bytes=8 * GiB, port=8000 + i)
                 out.append((sj.decl(f), ev.encode(ev.ModelDeclared(at=at(), domain=d, spec=ms))))
-                out.append((sj.decl(f), ev.encode(ev.AdmissionDecided(at=at(), domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=8 * GiB))))
+                out.append(
+                    (
+                        sj.decl(f),
+                        ev.encode(
+                            ev.AdmissionDecided(
+                                at=at(), domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=8 * GiB
+                            )
+                        ),
+                    )
+                )
         out.append((sj.route(f), ev.encode(ev.RouteMoved(at=at(), active="a"))))
     cycle = ("loading", "resident", "sleeping", "waking", "resident", "lost")
     i = 0
@@ -79,7 +92,9 @@ def history(n: int) -> list[tuple[str, bytes]]:
         k = i // 64
         step = cycle[k % len(cycle)]
         if i % 97 == 0:
-            e: ev.Event = ev.GpuObserved(at=at(), domain=d, index=0, present=True, memory_total_bytes=80 * GiB, memory_used_bytes=(i % 80) * GiB)
+            e: ev.Event = ev.GpuObserved(
+                at=at(), domain=d, index=0, present=True, memory_total_bytes=80 * GiB, memory_used_bytes=(i % 80) * GiB
+            )
             s = sj.gpu(f, d, 0)
         elif i % 997 == 0:
             e = ev.RouteMoved(at=at(), active=DOMAINS[(i // 997) % 2])
@@ -120,8 +135,13 @@ async def raw_drain(log: EventLog, last: int) -> float:
 
     t0 = time.perf_counter()
     sub = await log.js.subscribe(
-        sj.ALL_EVENTS, cb=cb, stream=sj.EVENTS_STREAM, ordered_consumer=True,
-        deliver_policy=api.DeliverPolicy.ALL, pending_msgs_limit=-1, pending_bytes_limit=-1,
+        sj.ALL_EVENTS,
+        cb=cb,
+        stream=sj.EVENTS_STREAM,
+        ordered_consumer=True,
+        deliver_policy=api.DeliverPolicy.ALL,
+        pending_msgs_limit=-1,
+        pending_bytes_limit=-1,
     )
     await done
     dt = time.perf_counter() - t0
@@ -177,7 +197,9 @@ async def follow_noop(log: EventLog, last: int) -> float:
 
 async def follow_fold(log: EventLog, last: int) -> float:
     folders: dict = {}
-    dt = await follow_until(log, last, lambda rec: add_one(folders, rec.event, seq=rec.seq, subject=rec.subject, error=rec.error))
+    dt = await follow_until(
+        log, last, lambda rec: add_one(folders, rec.event, seq=rec.seq, subject=rec.subject, error=rec.error)
+    )
     assert len(folders) == len(FLEETS)
     return dt
 
@@ -203,7 +225,9 @@ async def rebuild(log: EventLog, last: int) -> tuple[float, Projector]:
 async def propagation(url: str, log: EventLog, moves: int, store: Path) -> list[float]:
     haru = str(Path(sys.executable).parent / "haru")
     err = open(store / "projector.log", "wb")
-    proc = subprocess.Popen([haru, "projector", "--nats-url", url, "--log-format", "json"], stdout=subprocess.DEVNULL, stderr=err)
+    proc = subprocess.Popen(
+        [haru, "projector", "--nats-url", url, "--log-format", "json"], stdout=subprocess.DEVNULL, stderr=err
+    )
     try:
         fleet = "default"
         route = sj.route(fleet)
@@ -214,7 +238,7 @@ async def propagation(url: str, log: EventLog, moves: int, store: Path) -> list[
             await w.wait_for(lambda ri: ri.revision == expect, 60)
             for i in range(moves):
                 active = DOMAINS[i % 2]
-                seq = await log.append(route, ev.RouteMoved(at=datetime.now(timezone.utc), active=active), expect=expect)
+                seq = await log.append(route, ev.RouteMoved(at=datetime.now(UTC), active=active), expect=expect)
                 t0 = time.perf_counter()
                 await w.wait_for(lambda ri, seq=seq: ri.revision >= seq, 10)
                 latencies.append((time.perf_counter() - t0) * 1000)
@@ -276,10 +300,18 @@ async def main() -> None:
         print(f"  raw ordered-consumer drain    {raw:5.2f}s  {last / raw:9,.0f} ev/s   1.00x (baseline)")
         print(f"  EventLog.replay, no-op        {noop:5.2f}s  {last / noop:9,.0f} ev/s   {raw / noop:.2f}x")
         print(f"  EventLog.replay + fold        {folded:5.2f}s  {last / folded:9,.0f} ev/s   {raw / folded:.2f}x")
-        print(f"  follow (catch-up), no-op      {best['follow']:5.2f}s  {last / best['follow']:9,.0f} ev/s   {raw / best['follow']:.2f}x")
-        print(f"  follow (catch-up) + fold      {best['follow+fold']:5.2f}s  {last / best['follow+fold']:9,.0f} ev/s   {raw / best['follow+fold']:.2f}x")
-        print(f"  projector rebuild (KV+route)  {built:5.2f}s  {last / built:9,.0f} ev/s   {raw / built:.2f}x   (goal >= 0.8x)")
-        print(f"    last round: view writes {s.view_writes}, intents published {s.intents_published}, flushes {s.flushes}")
+        print(
+            f"  follow (catch-up), no-op      {best['follow']:5.2f}s  {last / best['follow']:9,.0f} ev/s   {raw / best['follow']:.2f}x"
+        )
+        print(
+            f"  follow (catch-up) + fold      {best['follow+fold']:5.2f}s  {last / best['follow+fold']:9,.0f} ev/s   {raw / best['follow+fold']:.2f}x"
+        )
+        print(
+            f"  projector rebuild (KV+route)  {built:5.2f}s  {last / built:9,.0f} ev/s   {raw / built:.2f}x   (goal >= 0.8x)"
+        )
+        print(
+            f"    last round: view writes {s.view_writes}, intents published {s.intents_published}, flushes {s.flushes}"
+        )
 
         async with NatsServer(store / "propagation") as server:
             async with EventLog.connect([server.url], writer="bench") as log:

@@ -26,10 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from haru.host.natsd import free_port  # noqa: E402
 from haru.models import resolve as R  # noqa: E402
 from haru.models.pull import pull  # noqa: E402
 from haru.models.store import Store  # noqa: E402
-from haru.host.natsd import free_port  # noqa: E402
 from tests.support.models_registry import Registry  # noqa: E402
 
 
@@ -65,9 +65,12 @@ def main() -> int:
         reg.save()
         digest = hashlib.sha256(blob.read_bytes()).hexdigest()
         port = free_port()
-        server = subprocess.Popen([sys.executable, "-m", "tests.support.models_registry", "--root", str(reg.root),
-                                   "--port", str(port)], stdout=subprocess.PIPE, text=True,
-                                  cwd=str(Path(__file__).resolve().parent.parent))
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.models_registry", "--root", str(reg.root), "--port", str(port)],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=str(Path(__file__).resolve().parent.parent),
+        )
         try:
             assert server.stdout.readline().strip() == "ready"
             url = f"http://127.0.0.1:{port}"

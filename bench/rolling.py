@@ -35,7 +35,7 @@ import signal
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,8 +67,10 @@ async def counts(nats_url: str, fleet: str, domain: str) -> tuple[int, int]:
     async with EventLog.connect([nats_url], writer="rolling-check") as log:
         recs = await log.history(f"haru.evt.{fleet}.{domain}.model.>")
         ops = await log.history(subjects.op(fleet))
-    return (sum(1 for r in recs if r.event is not None and type(r.event).__name__ == "ModelLoading"),
-            sum(1 for r in ops if r.event is not None and type(r.event).__name__ == "PromotionRequested"))
+    return (
+        sum(1 for r in recs if r.event is not None and type(r.event).__name__ == "ModelLoading"),
+        sum(1 for r in ops if r.event is not None and type(r.event).__name__ == "PromotionRequested"),
+    )
 
 
 async def settled(nats_url: str, fleet: str, timeout_s: float) -> str:
@@ -108,12 +110,14 @@ async def roll_a_change(nats_url: str, home: Path, layout_path: Path, *, timeout
     layout = runnable(home, layout_path)  # the layout as `haru up` applied it (interpreter, checkpoints)
     domains = []
     for d in layout.domains:
-        models = [msgspec.structs.replace(m, context_length=(m.context_length or 8192) * 2) if m.name == MODEL else m
-                  for m in d.models]
+        models = [
+            msgspec.structs.replace(m, context_length=(m.context_length or 8192) * 2) if m.name == MODEL else m
+            for m in d.models
+        ]
         domains.append(msgspec.structs.replace(d, models=models))
     changed = msgspec.structs.replace(layout, domains=domains)
     async with EventLog.connect([nats_url], writer="cli:bench-rolling") as log:
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         route = await log.last(subjects.route(layout.fleet))
         active = route.event.active if route is not None and route.event is not None else ""
         result = await apply(log, changed, now, by="cli:bench-rolling")
@@ -121,18 +125,30 @@ async def roll_a_change(nats_url: str, home: Path, layout_path: Path, *, timeout
         if not waiting:
             return f"rolling: nothing waits on the active domain {active!r} ({len(result.events)} declaration(s))"
         t0 = time.monotonic()
-        req = await request_operation(log, layout.fleet, "rolling", "", by="cli:bench-rolling", now=now,
-                                      reason="layout_changed", detail=", ".join(waiting))
+        req = await request_operation(
+            log,
+            layout.fleet,
+            "rolling",
+            "",
+            by="cli:bench-rolling",
+            now=now,
+            reason="layout_changed",
+            detail=", ".join(waiting),
+        )
         if req.status != "accepted":
             return f"rolling: not requested ({req.status}: {req.message})"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for rec in reversed(await log.history(subjects.op(layout.fleet), from_seq=req.seq)):
                 if getattr(rec.event, "op_id", "") == req.op_id and type(rec.event).__name__ in (
-                        "OperationCompleted", "OperationAborted"):
+                    "OperationCompleted",
+                    "OperationAborted",
+                ):
                     outcome = type(rec.event).__name__.removeprefix("Operation").lower()
-                    return (f"rolling {req.op_id}: {outcome} in {time.monotonic() - t0:.1f} s "
-                            f"({', '.join(waiting)} changed; active {active} -> the standby)")
+                    return (
+                        f"rolling {req.op_id}: {outcome} in {time.monotonic() - t0:.1f} s "
+                        f"({', '.join(waiting)} changed; active {active} -> the standby)"
+                    )
             await asyncio.sleep(0.2)
         return f"rolling {req.op_id}: not finished after {timeout_s:.0f} s"
 
@@ -158,16 +174,22 @@ async def main() -> None:
                     raise SystemExit("chat never became steady")
                 nats_url = info["nats_url"]
                 print(f"haru up --demo steady: {args.clients} chat clients", flush=True)
-                print(f"{'phase':<9} {'requests':>8} {'failed':>7} {'p50_ms':>7} {'p99_ms':>7} {'p99_x':>6} {'loading':>8} "
-                      f"{'failovers':>9}")
+                print(
+                    f"{'phase':<9} {'requests':>8} {'failed':>7} {'p50_ms':>7} {'p99_ms':>7} {'p99_x':>6} {'loading':>8} "
+                    f"{'failovers':>9}"
+                )
                 base_p99 = None
                 rolled = ""
-                phases = ("baseline", "rolling") if args.skip_restarts else ("baseline", "sigterm", "sigkill", "rolling")
+                phases = (
+                    ("baseline", "rolling") if args.skip_restarts else ("baseline", "sigterm", "sigkill", "rolling")
+                )
                 for name in phases:
                     if name == "rolling":
                         waits = await settled(nats_url, fleet, 120)
                         if waits:
-                            print(f"rolling: the fleet did not settle in 120 s ({waits}); requesting anyway", flush=True)
+                            print(
+                                f"rolling: the fleet did not settle in 120 s ({waits}); requesting anyway", flush=True
+                            )
                     before = await counts(nats_url, fleet, "a")
                     t0 = time.monotonic()
                     if name == "baseline":
@@ -191,8 +213,11 @@ async def main() -> None:
                     sent, failed, p50, p99 = phase(load, t0, t1)
                     base_p99 = base_p99 or p99
                     after = await counts(nats_url, fleet, "a")
-                    print(f"{name:<9} {sent:>8} {failed:>7} {p50:>7.1f} {p99:>7.1f} {p99 / base_p99:>6.2f} "
-                          f"{after[0] - before[0]:>8} {after[1] - before[1]:>9}", flush=True)
+                    print(
+                        f"{name:<9} {sent:>8} {failed:>7} {p50:>7.1f} {p99:>7.1f} {p99 / base_p99:>6.2f} "
+                        f"{after[0] - before[0]:>8} {after[1] - before[1]:>9}",
+                        flush=True,
+                    )
                 if rolled:
                     print(rolled, flush=True)
             finally:

@@ -53,24 +53,37 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
-from haru.agents.runtimes.llama_build import ensure_binary  # noqa: E402
 from bench.gateway import _pct, compare  # noqa: E402
+from haru.agents.runtimes.llama_build import ensure_binary  # noqa: E402
 from haru.core import subjects  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
 from haru.host.natsd import free_port  # noqa: E402
+from haru.log.eventlog import EventLog  # noqa: E402
 
 FLEET = "default"
 MODEL = "tiny-chat"
 LAYOUTS = {"llama": "demo-fleet-real.json", "vllm": "demo-fleet-vllm.json"}
 MODELS = {"llama": "tiny-chat", "vllm": "tiny-vllm"}
-CHAT = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8,
-                   "temperature": 0, "seed": 1}).encode()
+CHAT = json.dumps(
+    {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "seed": 1,
+    }
+).encode()
 
 
 def layout(dst: Path, runtime: str) -> Path:
     doc = json.loads((ROOT / "deploy" / "examples" / LAYOUTS[runtime]).read_text())
-    doc["policy"].update({"restart_backoff_ms": 200, "restart_backoff_max_ms": 1000, "probe_interval_ms": 1000,
-                          "degraded_grace_ms": 60000})
+    doc["policy"].update(
+        {
+            "restart_backoff_ms": 200,
+            "restart_backoff_max_ms": 1000,
+            "probe_interval_ms": 1000,
+            "degraded_grace_ms": 60000,
+        }
+    )
     for d in doc["domains"]:
         d["serving_url"] = f"http://127.0.0.1:{free_port()}"
         d["slots"] = [s for s in d["slots"] if s.get("kind") != "training"]
@@ -88,9 +101,27 @@ def start_up(tmp: Path, binary: Path | None, runtime: str) -> tuple[subprocess.P
     env.pop("HARU_NATS_URL", None)
     env.pop("HARU_API_TOKEN", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "haru.cli", "up", "--demo", "--real", runtime, "--nats-port", "0", "--port",
-         str(free_port()), "--layout", str(layout(tmp / "layout.json", runtime)), "--ready-file", str(ready)],
-        stdout=open(tmp / "up.out", "wb"), stderr=open(tmp / "up.err", "wb"), env=env, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "haru.cli",
+            "up",
+            "--demo",
+            "--real",
+            runtime,
+            "--nats-port",
+            "0",
+            "--port",
+            str(free_port()),
+            "--layout",
+            str(layout(tmp / "layout.json", runtime)),
+            "--ready-file",
+            str(ready),
+        ],
+        stdout=open(tmp / "up.out", "wb"),
+        stderr=open(tmp / "up.err", "wb"),
+        env=env,
+        cwd=ROOT,
         start_new_session=True,
     )
     deadline = time.monotonic() + 60
@@ -157,7 +188,7 @@ async def first_200(session: aiohttp.ClientSession, url: str, stop: asyncio.Even
                     return listening, time.time()
         except aiohttp.ClientConnectorError:
             listening = 0.0  # refused after all: back to bare connects
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             pass
         await asyncio.sleep(0.001)
     return listening, 0.0
@@ -225,9 +256,12 @@ async def kills(log: EventLog, n: int) -> tuple[list[float], list[float], list[f
                 health_to_resident.append((resident.time.timestamp() - healthy) * 1000)
             if listening:
                 listen_to_resident.append((resident.time.timestamp() - listening) * 1000)
-            print(f"  kill {i + 1:2}: kill -> exit {kill_to_exit[-1]:7.1f} ms; exit -> lost {exit_to_lost[-1]:7.1f} ms; "
-                  f"port listens -> resident {listen_to_resident[-1] if listening else float('nan'):7.1f} ms; /health 200 -> "
-                  f"resident {health_to_resident[-1] if healthy else float('nan'):7.1f} ms", flush=True)
+            print(
+                f"  kill {i + 1:2}: kill -> exit {kill_to_exit[-1]:7.1f} ms; exit -> lost {exit_to_lost[-1]:7.1f} ms; "
+                f"port listens -> resident {listen_to_resident[-1] if listening else float('nan'):7.1f} ms; /health 200 -> "
+                f"resident {health_to_resident[-1] if healthy else float('nan'):7.1f} ms",
+                flush=True,
+            )
     return exit_to_lost, health_to_resident, restarts
 
 
@@ -251,8 +285,12 @@ def breakdown(agent_log: Path) -> None:
     if not probes:
         return
     print("  of which, in b's agent (its probe after the port took connections, per restart):")
-    for key, what in (("health_ms", "/health"), ("models_ms", "/v1/models"), ("completion_ms", "one-token completion"),
-                      ("record_ms", "resident appended (the record)")):
+    for key, what in (
+        ("health_ms", "/health"),
+        ("models_ms", "/v1/models"),
+        ("completion_ms", "one-token completion"),
+        ("record_ms", "resident appended (the record)"),
+    ):
         values = [float(d.get(key, 0.0)) for d in probes]
         print(f"    {what:<32} n={len(values):<3} p50 {_pct(values, 50):8.1f} ms   p99 {_pct(values, 99):8.1f} ms")
 
@@ -276,10 +314,17 @@ async def main_async(args: argparse.Namespace) -> None:
         try:
             async with EventLog.connect([info["nats_url"]], writer="bench") as log:
                 await wait_route(log)
-                cold = [[r for r in await log.history(subjects.model(FLEET, d, MODEL)) if tag(r) == "model_resident"][0]
-                        .event.warmup_ms / 1000 for d in ("a", "b")]
-                print(f"haru up --demo --real {args.runtime}: gateway {info['gateway_url']}; cold start (spawn -> "
-                      f"resident) a {cold[0]:.1f} s, b {cold[1]:.1f} s; {args.kills} kills of b's {MODEL}")
+                cold = [
+                    [r for r in await log.history(subjects.model(FLEET, d, MODEL)) if tag(r) == "model_resident"][
+                        0
+                    ].event.warmup_ms
+                    / 1000
+                    for d in ("a", "b")
+                ]
+                print(
+                    f"haru up --demo --real {args.runtime}: gateway {info['gateway_url']}; cold start (spawn -> "
+                    f"resident) a {cold[0]:.1f} s, b {cold[1]:.1f} s; {args.kills} kills of b's {MODEL}"
+                )
                 lost, resident, restarts = await kills(log, args.kills)
                 a = [r for r in await log.history(subjects.model(FLEET, "a", MODEL)) if tag(r) == "model_resident"][-1]
                 direct = a.event.endpoint
@@ -288,18 +333,25 @@ async def main_async(args: argparse.Namespace) -> None:
             print(line("process exit -> lost appended", lost, "goal p99 <= 100 ms"))
             print(line("port listens -> resident appended", listen_to_resident, "vLLM: its ready moment"))
             print(line("/health 200 -> resident appended", resident, "goal p99 <= 50 ms"))
-            print(f"{'cold start, first (s)':<32} a {cold[0]:.1f}  b {cold[1]:.1f};  restarts after kill -9: p50 "
-                  f"{_pct(restarts, 50):.1f} s, max {max(restarts, default=0):.1f} s")
+            print(
+                f"{'cold start, first (s)':<32} a {cold[0]:.1f}  b {cold[1]:.1f};  restarts after kill -9: p50 "
+                f"{_pct(restarts, 50):.1f} s, max {max(restarts, default=0):.1f} s"
+            )
             breakdown(tmp / "home" / "demo" / "agents" / "b.log")
             print()
-            print(f"{'chat (JSON, 8 tokens)':<24}{'conns':>6}{'direct r/s':>12}{'gateway r/s':>13}{'ratio':>7}"
-                  f"{'direct p50':>12}{'gw p50':>9}{'direct p99':>12}{'gw p99':>9}")
+            print(
+                f"{'chat (JSON, 8 tokens)':<24}{'conns':>6}{'direct r/s':>12}{'gateway r/s':>13}{'ratio':>7}"
+                f"{'direct p50':>12}{'gw p50':>9}{'direct p99':>12}{'gw p99':>9}"
+            )
             for conns in (1, 8):
                 r = await compare(direct, info["gateway_url"], CHAT, conns, args.duration, 0.5, "raw", args.slices)
                 d, g = r["direct"], r["gateway"]
-                print(f"{'':<24}{conns:>6}{d['rps']:>12.1f}{g['rps']:>13.1f}{g['rps'] / d['rps']:>7.2f}"
-                      f"{d['p50'] * 1000:>10.1f}ms{g['p50'] * 1000:>7.1f}ms{d['p99'] * 1000:>10.1f}ms"
-                      f"{g['p99'] * 1000:>7.1f}ms" + (f"  errors {d['errors']}/{g['errors']}" if d['errors'] or g['errors'] else ""))
+                print(
+                    f"{'':<24}{conns:>6}{d['rps']:>12.1f}{g['rps']:>13.1f}{g['rps'] / d['rps']:>7.2f}"
+                    f"{d['p50'] * 1000:>10.1f}ms{g['p50'] * 1000:>7.1f}ms{d['p99'] * 1000:>10.1f}ms"
+                    f"{g['p99'] * 1000:>7.1f}ms"
+                    + (f"  errors {d['errors']}/{g['errors']}" if d["errors"] or g["errors"] else "")
+                )
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

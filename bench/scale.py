@@ -57,8 +57,14 @@ sys.path.insert(0, str(REPO))
 
 from haru.agents.sim.hosts import SimHosts  # noqa: E402
 from haru.core import subjects  # noqa: E402
-from haru.core.events import (GpuObserved, ModelLost, PromotionRequested, RouteMoved, StepCompleted,  # noqa: E402
-                              StepStarted)
+from haru.core.events import (
+    GpuObserved,
+    ModelLost,
+    PromotionRequested,
+    RouteMoved,
+    StepCompleted,  # noqa: E402
+    StepStarted,
+)
 from haru.core.views import FleetView, view_decoder  # noqa: E402
 from haru.host.natsd import NatsServer, free_port  # noqa: E402
 from haru.log.eventlog import EventLog  # noqa: E402
@@ -98,8 +104,14 @@ class Plane:
     def start(self, name: str, args: list[str], url: str = "") -> subprocess.Popen:
         env = {**os.environ, "HARU_NATS_URL": url or self.url, "PYTHONPATH": str(self.src or REPO)}
         log = open(self.root / f"{name}.log", "ab")
-        p = subprocess.Popen([sys.executable, "-m", "haru.cli", *args, "--log-format", "json"], env=env, cwd=self.src or REPO,
-                             stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "haru.cli", *args, "--log-format", "json"],
+            env=env,
+            cwd=self.src or REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
+        )
         self.procs[name] = p
         return p
 
@@ -174,10 +186,24 @@ class Watch:
             self.heartbeats += 1
 
         self.subs = [
-            await js.subscribe(subjects.ALL_EVENTS, cb=on_event, stream=subjects.EVENTS_STREAM, ordered_consumer=True,
-                               deliver_policy=api.DeliverPolicy.NEW, pending_msgs_limit=-1, pending_bytes_limit=-1),
-            await js.subscribe("$KV.haru_views.>", cb=on_view, stream="KV_haru_views", ordered_consumer=True,
-                               deliver_policy=api.DeliverPolicy.NEW, pending_msgs_limit=-1, pending_bytes_limit=-1),
+            await js.subscribe(
+                subjects.ALL_EVENTS,
+                cb=on_event,
+                stream=subjects.EVENTS_STREAM,
+                ordered_consumer=True,
+                deliver_policy=api.DeliverPolicy.NEW,
+                pending_msgs_limit=-1,
+                pending_bytes_limit=-1,
+            ),
+            await js.subscribe(
+                "$KV.haru_views.>",
+                cb=on_view,
+                stream="KV_haru_views",
+                ordered_consumer=True,
+                deliver_policy=api.DeliverPolicy.NEW,
+                pending_msgs_limit=-1,
+                pending_bytes_limit=-1,
+            ),
             await log.nc.subscribe("haru.hb.>", cb=on_hb),
         ]
 
@@ -260,8 +286,16 @@ async def until_steady(log: EventLog, hosts: SimHosts, timeout: float, fleets=No
         await asyncio.sleep(0.5)
 
 
-async def churn(log: EventLog, hosts: SimHosts, fleets: list[str], every_s: float, stop: asyncio.Event,
-                counts: dict[str, int], rng: random.Random, detached: list[tuple[str, float, str]] | None = None) -> None:
+async def churn(
+    log: EventLog,
+    hosts: SimHosts,
+    fleets: list[str],
+    every_s: float,
+    stop: asyncio.Event,
+    counts: dict[str, int],
+    rng: random.Random,
+    detached: list[tuple[str, float, str]] | None = None,
+) -> None:
     """growth.py's faults in turn, one fleet at a time, each fleet about once per `every_s`."""
     if not fleets:
         await stop.wait()
@@ -342,8 +376,11 @@ async def failover_once(log: EventLog, hosts: SimHosts, fleet: str) -> dict | No
     if route is None:
         return None
     recs = await log.history(subjects.fleet_events(fleet), from_seq=start + 1)
-    loss = next(r for r in recs if isinstance(r.event, ModelLost)
-                or (isinstance(r.event, GpuObserved) and r.event.present is False))
+    loss = next(
+        r
+        for r in recs
+        if isinstance(r.event, ModelLost) or (isinstance(r.event, GpuObserved) and r.event.present is False)
+    )
     op_id = route.event.op_id  # type: ignore[union-attr]
     request = next((r for r in recs if isinstance(r.event, PromotionRequested) and r.event.op_id == op_id), route)
     work = 0
@@ -352,8 +389,12 @@ async def failover_once(log: EventLog, hosts: SimHosts, fleet: str) -> dict | No
         if isinstance(e, StepCompleted) and e.op_id == op_id and e.step in BEFORE_FLIP:
             work += e.took_ms
     total = (route.time - loss.time).total_seconds() * 1000
-    return {"total_ms": total, "work_ms": work, "overhead_ms": total - work,
-            "decide_ms": (request.time - loss.time).total_seconds() * 1000}
+    return {
+        "total_ms": total,
+        "work_ms": work,
+        "overhead_ms": total - work,
+        "decide_ms": (request.time - loss.time).total_seconds() * 1000,
+    }
 
 
 # ------------------------------------------------------------------------------------ one level
@@ -363,8 +404,10 @@ async def level(n: int, args, log: EventLog, hosts: SimHosts, plane: Plane, rng:
     t0 = time.monotonic()
     await hosts.grow(n)
     settle = await until_steady(log, hosts, 60 + 2 * n)
-    print(f"[{n} fleets] grown and steady in {time.monotonic() - t0:.1f} s (last fleets steady after {settle:.1f} s)",
-          flush=True)
+    print(
+        f"[{n} fleets] grown and steady in {time.monotonic() - t0:.1f} s (last fleets steady after {settle:.1f} s)",
+        flush=True,
+    )
     watch = Watch()
     await watch.start(log)
     pids = {k: p.pid for k, p in plane.procs.items()} | plane.others
@@ -426,12 +469,14 @@ async def level(n: int, args, log: EventLog, hosts: SimHosts, plane: Plane, rng:
         "rss": rss,
         "view_bytes": view_bytes,
     }
-    print(f"[{n} fleets] window {window:.0f} s: {events} events ({events / window:.0f}/s), {heartbeats} heartbeats, "
-          f"faults {counts}, {len(watch.moves)} route moves; projector lag p50 {out['proj_lag_p50']:.1f} "
-          f"p99 {out['proj_lag_p99']:.1f} ms ({unwritten} unwritten); route->gateway p50 {out['route_gw_p50']:.1f} "
-          f"p99 {out['route_gw_p99']:.1f} ms ({rmissing} unseen); f000 failover overhead {out['failover_overhead']:.0f} ms "
-          f"({len(failovers)} runs); CPU share " + ", ".join(f"{k} {v:.0%}" for k, v in out["cpu_share"].items()),
-          flush=True)
+    print(
+        f"[{n} fleets] window {window:.0f} s: {events} events ({events / window:.0f}/s), {heartbeats} heartbeats, "
+        f"faults {counts}, {len(watch.moves)} route moves; projector lag p50 {out['proj_lag_p50']:.1f} "
+        f"p99 {out['proj_lag_p99']:.1f} ms ({unwritten} unwritten); route->gateway p50 {out['route_gw_p50']:.1f} "
+        f"p99 {out['route_gw_p99']:.1f} ms ({rmissing} unseen); f000 failover overhead {out['failover_overhead']:.0f} ms "
+        f"({len(failovers)} runs); CPU share " + ", ".join(f"{k} {v:.0%}" for k, v in out["cpu_share"].items()),
+        flush=True,
+    )
     return out
 
 
@@ -489,8 +534,10 @@ async def takeover(args, log: EventLog, hosts: SimHosts, plane: Plane) -> None:
     start = await log.last_seq()
     views = await views_of(log)
     fleets = list(hosts.fleets)
-    print(f"\n[takeover] 2 promoters, {len(fleets)} fleets: detaching every active's GPU (wake {args.takeover_wake_ms} ms)",
-          flush=True)
+    print(
+        f"\n[takeover] 2 promoters, {len(fleets)} fleets: detaching every active's GPU (wake {args.takeover_wake_ms} ms)",
+        flush=True,
+    )
     await asyncio.gather(*(hosts.host(f, views[f].active).detach_gpu() for f in fleets))
     # until most fleets have a wake step started
     t_deadline = time.monotonic() + 30
@@ -550,12 +597,16 @@ async def takeover(args, log: EventLog, hosts: SimHosts, plane: Plane) -> None:
             key = (r.event.op_id, r.event.step, r.event.attempt)
             started[key] = started.get(key, 0) + 1
     twice = sum(1 for n in started.values() if n > 1)
-    print(f"[takeover] fleets whose step was in flight on the killed promoter: {len(held)}; taken over: {len(taken)}; "
-          f"route moved afterwards: {len(moved)}/{len(fleets)}; steps started twice: {twice} of {len(started)}")
+    print(
+        f"[takeover] fleets whose step was in flight on the killed promoter: {len(held)}; taken over: {len(taken)}; "
+        f"route moved afterwards: {len(moved)}/{len(fleets)}; steps started twice: {twice} of {len(started)}"
+    )
     if times:
-        print(f"[takeover] kill -> survivor's step_started, per fleet: min {times[0]:.2f} s, p50 {pct(times, 50):.2f} s, "
-              f"p99 {pct(times, 99):.2f} s, max {times[-1]:.2f} s (the runner is taken for dead after "
-              f"3.5 s of silence on haru.alive)")
+        print(
+            f"[takeover] kill -> survivor's step_started, per fleet: min {times[0]:.2f} s, p50 {pct(times, 50):.2f} s, "
+            f"p99 {pct(times, 99):.2f} s, max {times[-1]:.2f} s (the runner is taken for dead after "
+            f"3.5 s of silence on haru.alive)"
+        )
     for h in hosts.hosts.values():
         h.wake_ms = args.wake_ms
 
@@ -573,8 +624,10 @@ async def cluster_run(args) -> None:
 
     root = Path(tempfile.mkdtemp(prefix="haru-bench-scale-cluster-"))
     n = args.cluster_fleets
-    print(f"bench/scale.py --cluster: 3 nodes (deploy/nats), R3, {n} fleets, window {args.window_s:.0f} s, logs in {root}",
-          flush=True)
+    print(
+        f"bench/scale.py --cluster: 3 nodes (deploy/nats), R3, {n} fleets, window {args.window_s:.0f} s, logs in {root}",
+        flush=True,
+    )
     cluster = start_cluster(root / "cluster")
     plane = Plane("", root, free_port())
     try:
@@ -583,8 +636,9 @@ async def cluster_run(args) -> None:
         # The simulated hosts share one connection, so they use the admin user (each real agent has
         # its own user, which may publish only its own domain's subjects: tests/integration/test_deploy_cluster.py).
         async with EventLog.connect(cluster.urls("admin"), writer="sim:hosts") as log:
-            async with SimHosts(log, heartbeat_timeout_ms=args.heartbeat_timeout_ms, wake_ms=args.wake_ms,
-                                keep_acks=True) as hosts:
+            async with SimHosts(
+                log, heartbeat_timeout_ms=args.heartbeat_timeout_ms, wake_ms=args.wake_ms, keep_acks=True
+            ) as hosts:
                 await hosts.grow(n)
                 plane.start("projector", ["projector"], urls["projector"])
                 plane.start("promoter", ["promoter", "--id", "promoter:bench-1"], urls["promoter"])
@@ -598,8 +652,9 @@ async def cluster_run(args) -> None:
                 stop = asyncio.Event()
                 counts = {"gpu_detached": 0, "runtime_killed": 0, "agent_killed": 0, "fault_errors": 0}
                 detached: list[tuple[str, float, str]] = []
-                churning = asyncio.create_task(churn(log, hosts, hosts.fleets, args.fault_every_s, stop, counts,
-                                                     random.Random(31), detached))
+                churning = asyncio.create_task(
+                    churn(log, hosts, hosts.fleets, args.fault_every_s, stop, counts, random.Random(31), detached)
+                )
                 w0 = time.monotonic()
                 await asyncio.sleep(args.window_s / 3)
                 info = await log.js.stream_info(subjects.EVENTS_STREAM)
@@ -616,8 +671,11 @@ async def cluster_run(args) -> None:
                             t_led = time.time()
                             break
                     await asyncio.sleep(0.1)
-                print(f"[cluster] new stream leader "
-                      f"{info.cluster.leader if info.cluster else '?'} after {(t_led or time.time()) - t_kill:.1f} s", flush=True)
+                print(
+                    f"[cluster] new stream leader "
+                    f"{info.cluster.leader if info.cluster else '?'} after {(t_led or time.time()) - t_kill:.1f} s",
+                    flush=True,
+                )
                 await asyncio.sleep(max(0.0, w0 + args.window_s - time.monotonic()))
                 stop.set()
                 await churning
@@ -650,18 +708,26 @@ async def cluster_run(args) -> None:
                     seen = [t for rev, t in gw.get(f, []) if rev >= seq]
                     if seen:
                         (r_in if t_kill <= ts / 1e9 <= election_end else r_out).append((min(seen) - ts / 1e9) * 1000)
-                print(f"[cluster] faults {counts}; agents' appends acknowledged in the window: {len(acked) - acked_before} "
-                      f"(all runs: {len(acked)}); of them missing from the stream: {len(lost)}"
-                      + (f" {lost[:5]}" if lost else ""))
-                print(f"[cluster] failovers due (an active's GPU detached): {len(detached)}; route moved after: "
-                      f"{len(detached) - len(late)}" + (f"; NOT moved: {late[:5]}" if late else ""))
-                print(f"[cluster] projector lag  during the election ({args.election_s:.0f} s after the kill): "
-                      f"p50 {pct(lags_in, 50):.1f} p99 {pct(lags_in, 99):.1f} max {max(lags_in, default=float('nan')):.1f} ms "
-                      f"({len(lags_in)} events); rest of the window p50 {pct(lags_out, 50):.1f} p99 {pct(lags_out, 99):.1f} ms "
-                      f"({len(lags_out)} events)")
-                print(f"[cluster] route -> gateway during the election: p50 {pct(r_in, 50):.1f} p99 {pct(r_in, 99):.1f} ms "
-                      f"({len(r_in)} moves); rest: p50 {pct(r_out, 50):.1f} p99 {pct(r_out, 99):.1f} ms ({len(r_out)} moves); "
-                      f"{rmissing} moves the gateway never logged")
+                print(
+                    f"[cluster] faults {counts}; agents' appends acknowledged in the window: {len(acked) - acked_before} "
+                    f"(all runs: {len(acked)}); of them missing from the stream: {len(lost)}"
+                    + (f" {lost[:5]}" if lost else "")
+                )
+                print(
+                    f"[cluster] failovers due (an active's GPU detached): {len(detached)}; route moved after: "
+                    f"{len(detached) - len(late)}" + (f"; NOT moved: {late[:5]}" if late else "")
+                )
+                print(
+                    f"[cluster] projector lag  during the election ({args.election_s:.0f} s after the kill): "
+                    f"p50 {pct(lags_in, 50):.1f} p99 {pct(lags_in, 99):.1f} max {max(lags_in, default=float('nan')):.1f} ms "
+                    f"({len(lags_in)} events); rest of the window p50 {pct(lags_out, 50):.1f} p99 {pct(lags_out, 99):.1f} ms "
+                    f"({len(lags_out)} events)"
+                )
+                print(
+                    f"[cluster] route -> gateway during the election: p50 {pct(r_in, 50):.1f} p99 {pct(r_in, 99):.1f} ms "
+                    f"({len(r_in)} moves); rest: p50 {pct(r_out, 50):.1f} p99 {pct(r_out, 99):.1f} ms ({len(r_out)} moves); "
+                    f"{rmissing} moves the gateway never logged"
+                )
     finally:
         plane.stop()
         cluster.stop()
@@ -675,8 +741,11 @@ async def main(args) -> None:
     levels = [int(x) for x in args.levels.split(",")]
     rng = random.Random(30)
     root = Path(tempfile.mkdtemp(prefix="haru-bench-scale-"))
-    print(f"bench/scale.py: levels {levels}, window {args.window_s:.0f} s, faults every {args.fault_every_s:.0f} s per "
-          f"fleet, logs in {root}", flush=True)
+    print(
+        f"bench/scale.py: levels {levels}, window {args.window_s:.0f} s, faults every {args.fault_every_s:.0f} s per "
+        f"fleet, logs in {root}",
+        flush=True,
+    )
     results = []
     async with NatsServer(root / "nats") as server:
         async with EventLog.connect([server.url], writer="sim:hosts") as log:
@@ -712,12 +781,20 @@ if __name__ == "__main__":
     ap.add_argument("--takeover-timeout-s", type=float, default=90.0)
     ap.add_argument("--no-takeover", dest="takeover", action="store_false")
     ap.add_argument("--quick", action="store_true", help="levels 1,10,50, 20 s windows, 2 failovers")
-    ap.add_argument("--plane-src", type=Path, default=None,
-                    help="run the projector, promoter and gateway from this source tree (e.g. an export of an older "
-                         "commit), to compare before and after a change; the simulated hosts stay this tree's")
-    ap.add_argument("--cluster", action="store_true", help="the second mode: the 3-node cluster, its stream leader killed")
+    ap.add_argument(
+        "--plane-src",
+        type=Path,
+        default=None,
+        help="run the projector, promoter and gateway from this source tree (e.g. an export of an older "
+        "commit), to compare before and after a change; the simulated hosts stay this tree's",
+    )
+    ap.add_argument(
+        "--cluster", action="store_true", help="the second mode: the 3-node cluster, its stream leader killed"
+    )
     ap.add_argument("--cluster-fleets", type=int, default=50)
-    ap.add_argument("--election-s", type=float, default=10.0, help="--cluster: how long after the kill counts as the election")
+    ap.add_argument(
+        "--election-s", type=float, default=10.0, help="--cluster: how long after the kill counts as the election"
+    )
     a = ap.parse_args()
     if a.quick:
         a.levels, a.window_s, a.failovers = "1,10,50", 20.0, 2

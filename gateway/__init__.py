@@ -9,11 +9,11 @@ bodies), proxy (the chat path), control (the control API), state (the NATS follo
 config, server (the HTTP server and lifecycle), errors.
 """
 
+from haru.core.openai_errors import ANSWER_STATUS
 from haru.gateway.config import GatewayConfig, from_env
 from haru.gateway.errors import ApiError, GatewayError, UpstreamError
 from haru.gateway.routing import Forward, Refusal, RoutingTable, compile_routes
 from haru.gateway.server import Gateway, run_gateway
-from haru.core.openai_errors import ANSWER_STATUS
 
 __all__ = [
     "ANSWER_STATUS",

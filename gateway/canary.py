@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import structlog
 
@@ -50,15 +50,18 @@ class CanaryCounts:
         counts, self._counts = self._counts, {}
         out: dict[str, list[Count]] = {}
         for (fleet, domain, model), (requests, errors, last) in counts.items():
-            out.setdefault(fleet, []).append(Count(domain=domain, model=model, requests=requests, errors=errors,
-                                                   last_error=last))
+            out.setdefault(fleet, []).append(
+                Count(domain=domain, model=model, requests=requests, errors=errors, last_error=last)
+            )
         return out
 
 
 class Reporter:
     """Publishes each split fleet's counts every `interval_s`. An async context manager."""
 
-    def __init__(self, bus, table: RoutingTable, counts: CanaryCounts, gateway: str, *, interval_s: float = 1.0) -> None:
+    def __init__(
+        self, bus, table: RoutingTable, counts: CanaryCounts, gateway: str, *, interval_s: float = 1.0
+    ) -> None:
         self.bus = bus
         self.table = table
         self.counts = counts
@@ -88,7 +91,7 @@ class Reporter:
         """Publish what was counted, for the fleets with a split now."""
         taken = self.counts.take()
         wanted = self.split_fleets()
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         for fleet, counts in taken.items():
             if fleet not in wanted:
                 continue

@@ -1,19 +1,19 @@
 """The gateway's configuration: command-line values over environment variables over defaults.
 
-    HARU_API_TOKEN               bearer token for everything but /healthz; unset = bind 127.0.0.1 only
-    HARU_SERVING_TOKEN           bearer token the gateway presents to serving URLs (agents, runtimes)
-    HARU_DEFAULT_FLEET           fleet for requests without X-Haru-Fleet (default "default")
-    HARU_CHAT_MAX_BODY_BYTES     largest request body (default 33554432 = 32 MiB); beyond it: 413
-    HARU_CHAT_HEADER_TIMEOUT_MS  bound on the time to the upstream's response headers (default 30000),
-                                 honored exactly; a streaming body is never cut for going quiet
-    HARU_CLIENT_HEADER_TIMEOUT_MS  a client's time to send a whole request head, and a kept-alive
-                                 connection's idle time (default 15000); then it is closed
-    HARU_CLIENT_BODY_TIMEOUT_MS  a client's time to send the whole body once the head is in (default
-                                 30000); then a 408 and the connection is closed
-    HARU_CLIENT_MAX_IDLE         connections waiting for a request head at once (default 512); a new
-                                 one beyond it closes the one that waited longest (haru/host/httpguard.py)
-    HARU_GATEWAY_HOST / PORT     where to listen (default 0.0.0.0 with a token, 127.0.0.1 without; 8700;
-                                 the port falls back to $PORT)
+HARU_API_TOKEN               bearer token for everything but /healthz; unset = bind 127.0.0.1 only
+HARU_SERVING_TOKEN           bearer token the gateway presents to serving URLs (agents, runtimes)
+HARU_DEFAULT_FLEET           fleet for requests without X-Haru-Fleet (default "default")
+HARU_CHAT_MAX_BODY_BYTES     largest request body (default 33554432 = 32 MiB); beyond it: 413
+HARU_CHAT_HEADER_TIMEOUT_MS  bound on the time to the upstream's response headers (default 30000),
+                             honored exactly; a streaming body is never cut for going quiet
+HARU_CLIENT_HEADER_TIMEOUT_MS  a client's time to send a whole request head, and a kept-alive
+                             connection's idle time (default 15000); then it is closed
+HARU_CLIENT_BODY_TIMEOUT_MS  a client's time to send the whole body once the head is in (default
+                             30000); then a 408 and the connection is closed
+HARU_CLIENT_MAX_IDLE         connections waiting for a request head at once (default 512); a new
+                             one beyond it closes the one that waited longest (haru/host/httpguard.py)
+HARU_GATEWAY_HOST / PORT     where to listen (default 0.0.0.0 with a token, 127.0.0.1 without; 8700;
+                             the port falls back to $PORT)
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Mapping
 
 import msgspec
 
-from haru.host.httpguard import DEFAULT_BODY_TIMEOUT_MS, DEFAULT_HEADER_TIMEOUT_MS as DEFAULT_CLIENT_HEADER_TIMEOUT_MS
-from haru.host.httpguard import DEFAULT_MAX_IDLE, ClientLimits, env_int
+from haru.host.httpguard import DEFAULT_BODY_TIMEOUT_MS, DEFAULT_MAX_IDLE, ClientLimits, env_int
+from haru.host.httpguard import DEFAULT_HEADER_TIMEOUT_MS as DEFAULT_CLIENT_HEADER_TIMEOUT_MS
 
 DEFAULT_PORT = 8700
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -55,8 +55,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def client_limits(self) -> ClientLimits:
-        return ClientLimits(self.client_header_timeout_ms / 1000, self.client_body_timeout_ms / 1000,
-                            self.client_max_idle)
+        return ClientLimits(
+            self.client_header_timeout_ms / 1000, self.client_body_timeout_ms / 1000, self.client_max_idle
+        )
 
     @property
     def open(self) -> bool:

@@ -29,10 +29,10 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from haru.gateway.console_core import hello, operations, snapshot, story_items
-from haru.gateway.errors import ApiError
 from haru.core import subjects
 from haru.core.errors import InvalidName, LogUnavailable
+from haru.gateway.console_core import hello, operations, snapshot, story_items
+from haru.gateway.errors import ApiError
 from haru.log.seam import Log
 
 log = structlog.get_logger("haru.gateway")
@@ -113,20 +113,25 @@ class Console:
         if got is None:
             return None
         body, ctype = got
-        return web.Response(body=body, headers={
-            "Content-Type": ctype,
-            "Cache-Control": "no-cache",
-            "X-Content-Type-Options": "nosniff",
-            # the page loads only its own files and talks only to this gateway
-            "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
-        })
+        return web.Response(
+            body=body,
+            headers={
+                "Content-Type": ctype,
+                "Cache-Control": "no-cache",
+                "X-Content-Type-Options": "nosniff",
+                # the page loads only its own files and talks only to this gateway
+                "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+            },
+        )
 
     async def handle(self, request: web.BaseRequest, path: str, method: str) -> web.StreamResponse:
         if method not in ("GET", "HEAD"):
             raise ApiError(405, "method_not_allowed", f"{path} accepts GET only")
         if path == "/ui/events":
             if method == "HEAD":
-                return web.Response(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache, no-store"})
+                return web.Response(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache, no-store"}
+                )
             return await self.stream(request)
         if path == "/ui/api/operations":
             return await self.operations(request)
@@ -137,11 +142,13 @@ class Console:
         raise ApiError(404, "not_found", f"no such console endpoint: {path} (the console is at /ui)")
 
     async def stream(self, request: web.BaseRequest) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache, no-store",
-            "X-Accel-Buffering": "no",
-        })
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache, no-store",
+                "X-Accel-Buffering": "no",
+            }
+        )
         await resp.prepare(request)
         await resp.write(b"event: hello\ndata: " + _json.encode(hello()) + b"\n\n")
         sub = _Subscriber()
@@ -212,7 +219,6 @@ class Console:
 
     async def verify(self, request: web.BaseRequest) -> web.Response:
         from haru.log.history import Verifier
-
         from haru.log.reads import fleet_checkpoint
 
         fleet = self._fleet(request)
@@ -228,11 +234,18 @@ class Console:
             raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
         for rec in records:
             verifier.add(rec)
-        return _json_response({"fleet": fleet, "ok": verifier.ok, "summary": verifier.summary(),
-                               "since_checkpoint": upto,
-                               "subjects": verifier.subjects, "events": verifier.events,
-                               "breaks": [str(b) for b in verifier.breaks[:50]],
-                               "misplaced": [str(m) for m in verifier.misplaced[:50]]})
+        return _json_response(
+            {
+                "fleet": fleet,
+                "ok": verifier.ok,
+                "summary": verifier.summary(),
+                "since_checkpoint": upto,
+                "subjects": verifier.subjects,
+                "events": verifier.events,
+                "breaks": [str(b) for b in verifier.breaks[:50]],
+                "misplaced": [str(m) for m in verifier.misplaced[:50]],
+            }
+        )
 
 
 def _json_response(value: object) -> web.Response:

@@ -1,9 +1,9 @@
 """The console's pure part: what the browser is sent, folded from views and records. No I/O.
 
-    snapshot(routes, now)            one fleet's live state: its FleetView, RouteIntent and route
-    operations(records)              every operation on a fleet's op subject, with its steps' durations
-    story_items(records)             a model's `why` story as JSON items, newest first
-    OPERATION_MEANING                what the control API's status codes mean to an operator
+snapshot(routes, now)            one fleet's live state: its FleetView, RouteIntent and route
+operations(records)              every operation on a fleet's op subject, with its steps' durations
+story_items(records)             a model's `why` story as JSON items, newest first
+OPERATION_MEANING                what the control API's status codes mean to an operator
 """
 
 from __future__ import annotations
@@ -67,14 +67,16 @@ def story_items(picked: list[Record]) -> list[dict[str, Any]]:
         ev = rec.event
         if ev is None:
             continue
-        items.append({
-            "seq": rec.seq,
-            "time": rec.time.isoformat(),
-            "at": ev.at.isoformat(),
-            "subject": rec.subject,
-            "type": tag_of(ev),
-            "domain": getattr(ev, "domain", ""),
-            "cause": ev.cause,
-            "payload": payload(ev),
-        })
+        items.append(
+            {
+                "seq": rec.seq,
+                "time": rec.time.isoformat(),
+                "at": ev.at.isoformat(),
+                "subject": rec.subject,
+                "type": tag_of(ev),
+                "domain": getattr(ev, "domain", ""),
+                "cause": ev.cause,
+                "payload": payload(ev),
+            }
+        )
     return items

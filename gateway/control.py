@@ -34,12 +34,6 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from haru.gateway.errors import ApiError
-from haru.gateway.metrics import GatewayMetrics
-from haru.host.httpguard import continue_if_expected
-from haru.gateway.routing import RoutingTable, fleet_not_found
-from haru.gateway.truth import models_list, truth_table
-from haru.host import alive
 from haru.core import subjects
 from haru.core.authority import misplaced
 from haru.core.errors import HaruError, InvalidName, LogDamaged, LogError, LogUnavailable
@@ -47,6 +41,12 @@ from haru.core.events import payload, tag_of
 from haru.core.openai_errors import TOO_DEEP
 from haru.core.specs import fleet_uuid
 from haru.core.views import view_encoder
+from haru.gateway.errors import ApiError
+from haru.gateway.metrics import GatewayMetrics
+from haru.gateway.routing import RoutingTable, fleet_not_found
+from haru.gateway.truth import models_list, truth_table
+from haru.host import alive
+from haru.host.httpguard import continue_if_expected
 
 log = structlog.get_logger("haru.gateway")
 
@@ -96,8 +96,9 @@ async def requested(call: Awaitable[T], *, invalid: str) -> T:
         raise ApiError(400, invalid, str(exc)) from None
 
 
-async def request_body(request: web.BaseRequest, decode: Callable[[bytes], T], empty: T, *, hint: str = "",
-                       param: str | None = None) -> T:
+async def request_body(
+    request: web.BaseRequest, decode: Callable[[bytes], T], empty: T, *, hint: str = "", param: str | None = None
+) -> T:
     """A write's JSON body (`empty` when there is none), read after answering `Expect: 100-continue`;
     a body that does not decode is a 400 naming what was wrong (`hint`: what a valid one looks like)."""
     await continue_if_expected(request)
@@ -126,16 +127,24 @@ def check_fleet(fleet: str) -> str:
 def _op_summary(op) -> dict | None:
     if op is None:
         return None
-    return {"op_id": op.op_id, "kind": op.kind, "target": op.target, "source": op.source, "reason": op.reason,
-            "state": op.state, "error": op.error,
-            "steps": [{"step": s.step, "state": s.state, "detail": s.detail, "error": s.error} for s in op.steps]}
+    return {
+        "op_id": op.op_id,
+        "kind": op.kind,
+        "target": op.target,
+        "source": op.source,
+        "reason": op.reason,
+        "state": op.state,
+        "error": op.error,
+        "steps": [{"step": s.step, "state": s.state, "detail": s.detail, "error": s.error} for s in op.steps],
+    }
 
 
 class Control:
     """The control API's handlers. `events` is the EventLog (None: only in-memory answers)."""
 
-    def __init__(self, events, table: RoutingTable, metrics: GatewayMetrics, *, default_fleet: str,
-                 follower=None) -> None:
+    def __init__(
+        self, events, table: RoutingTable, metrics: GatewayMetrics, *, default_fleet: str, follower=None
+    ) -> None:
         self.events = events
         self.table = table
         self.metrics = metrics
@@ -176,8 +185,7 @@ class Control:
             last = heard.last_heard_s(role)
             if not replicas and heard.listening_s() >= alive.SILENT_AFTER_S:
                 down.append(role)
-            detail[role] = {"alive": len(replicas),
-                            "last_heard_s": None if last is None else round(last, 1)}
+            detail[role] = {"alive": len(replicas), "last_heard_s": None if last is None else round(last, 1)}
         return down, detail
 
     async def healthz(self, request: web.BaseRequest) -> web.Response:
@@ -235,9 +243,16 @@ class Control:
         for f in self.table.fleets():
             r = self.table.get(f)
             if r is not None:
-                data.append({"fleet": f, "uuid": r.view.uuid if r.view is not None and r.view.uuid else fleet_uuid(f),
-                             "active": r.active, "route_revision": r.revision,
-                             "models": len(r.entries), "operation": r.intent.operation if r.intent else ""})
+                data.append(
+                    {
+                        "fleet": f,
+                        "uuid": r.view.uuid if r.view is not None and r.view.uuid else fleet_uuid(f),
+                        "active": r.active,
+                        "route_revision": r.revision,
+                        "models": len(r.entries),
+                        "operation": r.intent.operation if r.intent else "",
+                    }
+                )
         return json_response({"object": "list", "data": data})
 
     async def fleet_view(self, request: web.BaseRequest, fleet: str) -> web.Response:
@@ -267,8 +282,11 @@ class Control:
                 if got is None:
                     if self.table.get(fleet) is None:
                         raise _refused(fleet_not_found(fleet, self.table.fleets()))
-                    raise ApiError(404, "route_intent_not_found",
-                                   f"fleet {fleet!r} has no route intent yet (is the projector running?)")
+                    raise ApiError(
+                        404,
+                        "route_intent_not_found",
+                        f"fleet {fleet!r} has no route intent yet (is the projector running?)",
+                    )
                 return raw_json(got[0], {"X-Haru-Intent-Seq": str(got[1])})
         routes = self.table.get(fleet)
         if routes is None or routes.intent is None:
@@ -298,8 +316,11 @@ class Control:
         events = self._need_log()
         try:
             records = await events.tail(subject_filter, limit)
-            known = bool(records) or self.table.get(fleet) is not None or bool(
-                await events.subject_counts(subjects.fleet_events(fleet)))
+            known = (
+                bool(records)
+                or self.table.get(fleet) is not None
+                or bool(await events.subject_counts(subjects.fleet_events(fleet)))
+            )
         except LogUnavailable as exc:
             raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
         except LogDamaged as exc:
@@ -311,8 +332,14 @@ class Control:
             item = {"seq": rec.seq, "time": rec.time.isoformat(), "subject": rec.subject}
             ev = rec.event
             if ev is not None:
-                item.update(type=tag_of(ev), at=ev.at.isoformat(), by=ev.by, cause=ev.cause, payload=payload(ev),
-                            misplaced=misplaced(rec.subject, ev) or None)
+                item.update(
+                    type=tag_of(ev),
+                    at=ev.at.isoformat(),
+                    by=ev.by,
+                    cause=ev.cause,
+                    payload=payload(ev),
+                    misplaced=misplaced(rec.subject, ev) or None,
+                )
             else:
                 item.update(type=None, error=rec.error, payload=None)
             out.append(item)
@@ -330,22 +357,29 @@ class Control:
         _, detail = self.control_plane()
         op = view.operation
         last = view.last_operation
-        return json_response({
-            "fleet": fleet,
-            "uuid": view.uuid or fleet_uuid(fleet),
-            "reconciled_by": "promoter",
-            "note": "the promoter reconciles continuously; this request ran nothing and answers with what it has "
-                    "decided (the view as of view_seq)",
-            "promoter": detail.get("promoter"),
-            "view_seq": view.seq,
-            "active": view.active,
-            "route_revision": view.route_revision,
-            "operation": _op_summary(op),
-            "last_operation": _op_summary(last),
-            "declined": {"why": view.declined, "domain": view.declined_domain,
-                         "at": view.declined_at.isoformat() if view.declined_at else None} if view.declined else None,
-            "ineligible": {d.name: d.ineligible_why for d in view.domains.values() if not d.eligible},
-        })
+        return json_response(
+            {
+                "fleet": fleet,
+                "uuid": view.uuid or fleet_uuid(fleet),
+                "reconciled_by": "promoter",
+                "note": "the promoter reconciles continuously; this request ran nothing and answers with what it has "
+                "decided (the view as of view_seq)",
+                "promoter": detail.get("promoter"),
+                "view_seq": view.seq,
+                "active": view.active,
+                "route_revision": view.route_revision,
+                "operation": _op_summary(op),
+                "last_operation": _op_summary(last),
+                "declined": {
+                    "why": view.declined,
+                    "domain": view.declined_domain,
+                    "at": view.declined_at.isoformat() if view.declined_at else None,
+                }
+                if view.declined
+                else None,
+                "ineligible": {d.name: d.ineligible_why for d in view.domains.values() if not d.eligible},
+            }
+        )
 
     # ---------------------------------------------------------------------------- writes
 
@@ -354,20 +388,38 @@ class Control:
         body = await request_body(request, _decode_operation, _OperationBody(), param="domain")
         target = body.domain or body.targetDomainId
         if not target:
-            raise ApiError(400, "invalid_request",
-                           'the domain to act on is required: {"domain": "<name>"} - at `$.domain`', param="domain")
+            raise ApiError(
+                400,
+                "invalid_request",
+                'the domain to act on is required: {"domain": "<name>"} - at `$.domain`',
+                param="domain",
+            )
         events = self._need_log()
         if body.dry_run:
             return await self._dry_run(events, fleet, kind, target)
         from haru.promoter.requests import request_operation  # the promoter's; imported when first used
 
-        result = await requested(request_operation(events, fleet, kind, target, by=self.writer, now=datetime.now(UTC)),
-                                 invalid="invalid_request")  # kind checked against the route above
+        result = await requested(
+            request_operation(events, fleet, kind, target, by=self.writer, now=datetime.now(UTC)),
+            invalid="invalid_request",
+        )  # kind checked against the route above
         status = OPERATION_STATUS.get(result.status, 500)
-        log.info("gateway.operation_requested", fleet=fleet, kind=kind, target=target, status=result.status,
-                 op_id=result.op_id)
-        body_out = {"op_id": result.op_id, "status": result.status, "message": result.message,
-                    "fleet": fleet, "kind": kind, "target": target}
+        log.info(
+            "gateway.operation_requested",
+            fleet=fleet,
+            kind=kind,
+            target=target,
+            status=result.status,
+            op_id=result.op_id,
+        )
+        body_out = {
+            "op_id": result.op_id,
+            "status": result.status,
+            "message": result.message,
+            "fleet": fleet,
+            "kind": kind,
+            "target": target,
+        }
         headers = {"x-should-retry": "false"} if status >= 400 else None
         return json_response(body_out, status, headers)
 
@@ -377,23 +429,29 @@ class Control:
         from haru.provision import NotProvisionable, dry_run_text
 
         if kind not in ("provision", "teardown", "replace"):
-            raise ApiError(400, "invalid_request", f"dry_run is for provision, teardown and replace, not {kind}",
-                           param="dry_run")
+            raise ApiError(
+                400, "invalid_request", f"dry_run is for provision, teardown and replace, not {kind}", param="dry_run"
+            )
         try:
             records = await events.history(subjects.decl(fleet))
         except LogUnavailable as exc:
             raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
-        declared = fold_declarations(r.event for r in records if r.event is not None and not misplaced(r.subject, r.event))
+        declared = fold_declarations(
+            r.event for r in records if r.event is not None and not misplaced(r.subject, r.event)
+        )
         spec = declared.domains.get(target)
         if spec is None:
             known = ", ".join(declared.domains) or "none"
-            raise ApiError(404, "not_found", f"no domain {target!r} in fleet {fleet} (declared: {known})", param="domain")
+            raise ApiError(
+                404, "not_found", f"no domain {target!r} in fleet {fleet} (declared: {known})", param="domain"
+            )
         try:
             text = dry_run_text(kind, fleet, spec)
         except NotProvisionable as exc:
             raise ApiError(409, "not_provisionable", str(exc), param="domain") from None
-        return json_response({"fleet": fleet, "kind": kind, "target": target, "provider": spec.provider,
-                              "dry_run": True, "submit": text})
+        return json_response(
+            {"fleet": fleet, "kind": kind, "target": target, "provider": spec.provider, "dry_run": True, "submit": text}
+        )
 
     def _nats_up(self) -> bool:
         """Connected now: while NATS is away, answer from memory at once instead of timing out."""

@@ -1,9 +1,9 @@
 """The gateway's exceptions. A leaf module: it imports nothing from the `gateway` package.
 
-    GatewayError                (haru.core.errors.HaruError)
-    ├── ApiError                an HTTP answer that is a refusal: status, OpenAI `error.code`, message
-    └── UpstreamError           an upstream could not be reached, or broke off           (the domain's)
-        └── ProtocolError       what an upstream sent is not an HTTP/1.1 response         (the domain's)
+GatewayError                (haru.core.errors.HaruError)
+├── ApiError                an HTTP answer that is a refusal: status, OpenAI `error.code`, message
+└── UpstreamError           an upstream could not be reached, or broke off           (the domain's)
+    └── ProtocolError       what an upstream sent is not an HTTP/1.1 response         (the domain's)
 """
 
 from __future__ import annotations

@@ -41,10 +41,10 @@ from typing import Final
 
 import msgspec
 
-from haru.gateway.metrics import GatewayMetrics
-from haru.gateway.routing import Forward, FleetRoutes, Refusal, RoutingTable
 from haru.core.residency import Loading, Lost, Resident, Sleeping, Waking
 from haru.core.views import FleetView
+from haru.gateway.metrics import GatewayMetrics
+from haru.gateway.routing import FleetRoutes, Forward, Refusal, RoutingTable
 from haru.promoter.decider import reload_ms, standby_serves_in
 
 # Refusals a failover cures. `model_warming` / `model_asleep` only while a promotion is under way:
@@ -127,8 +127,14 @@ def _reloads_in_place(view: FleetView, active: str, gone: str = "") -> int:
         state = mv.residency
         if mv.admitted is False or isinstance(state, Resident) and name != gone:
             continue
-        if (name == gone and isinstance(state, Resident) or isinstance(state, Lost) and state.reason in _COLD_RELOAD
-                or isinstance(state, Loading) and state.attempt > 1):
+        if (
+            name == gone
+            and isinstance(state, Resident)
+            or isinstance(state, Lost)
+            and state.reason in _COLD_RELOAD
+            or isinstance(state, Loading)
+            and state.attempt > 1
+        ):
             if not mv.load_ms:
                 return 0
             slowest = max(slowest, mv.load_ms)
@@ -165,8 +171,9 @@ def _backing_off(view: FleetView, target: str, now: float) -> bool:
     return now - last.finished_at.timestamp() < wait_ms / 1000
 
 
-def hold_plan(routes: FleetRoutes | None, code: str, *, unreachable: bool = False, gone: str = "",
-              now: float) -> HoldPlan | None:
+def hold_plan(
+    routes: FleetRoutes | None, code: str, *, unreachable: bool = False, gone: str = "", now: float
+) -> HoldPlan | None:
     """Whether a request answered `code` (or that found the active unreachable) should wait for a
     failover, and for how long at most. None: answer it now. `now` is epoch seconds. Pure.
 
@@ -195,8 +202,10 @@ def hold_plan(routes: FleetRoutes | None, code: str, *, unreachable: bool = Fals
         target = _standby_ready(view, active) if policy.auto_failover else ""
         if not target or _backing_off(view, target, now) or not (unreachable or _fails_now(view, active, target)):
             if in_place:  # the active reloads sooner than a failover would serve: wait for it
-                return HoldPlan(min(policy.hold_ms or in_place, policy.hold_max_ms),
-                                f"{active} reloads its lost models in place (about {in_place} ms)")
+                return HoldPlan(
+                    min(policy.hold_ms or in_place, policy.hold_max_ms),
+                    f"{active} reloads its lost models in place (about {in_place} ms)",
+                )
             return None  # a loss the promoter waits out (degraded_grace_ms): holding would only delay the answer
         why = f"auto-failover to {target} about to start"
         if in_place:  # or the active's own reload, whichever serves first: the longer of the two bounds it
@@ -253,9 +262,18 @@ class Holds:
             return f"hold_max_bytes ({policy.hold_max_bytes}) bytes are held already"
         return ""
 
-    async def hold(self, fleet: str, model: str, size: int, plan: HoldPlan, first: Refusal,
-                   accept: Callable[[Forward], bool], *, unreachable: bool = False,
-                   gone: bool = False) -> Forward | Refusal:
+    async def hold(
+        self,
+        fleet: str,
+        model: str,
+        size: int,
+        plan: HoldPlan,
+        first: Refusal,
+        accept: Callable[[Forward], bool],
+        *,
+        unreachable: bool = False,
+        gone: bool = False,
+    ) -> Forward | Refusal:
         """Wait, within `plan`, until the table resolves `model` to a Forward that `accept`s; return it,
         or the answer to give when the hold ends without one: the fleet's answer at that moment."""
         full = self.admit(fleet, size)
@@ -277,8 +295,16 @@ class Holds:
                         return result
                 else:
                     answer = result
-                if hold_plan(self.table.get(fleet), first.code, unreachable=unreachable, gone=model if gone else "",
-                             now=time.time()) is None:
+                if (
+                    hold_plan(
+                        self.table.get(fleet),
+                        first.code,
+                        unreachable=unreachable,
+                        gone=model if gone else "",
+                        now=time.time(),
+                    )
+                    is None
+                ):
                     outcome = "aborted"  # the promotion aborted, or nothing is coming to cure it any more
                     return answer
                 left = deadline - time.monotonic()

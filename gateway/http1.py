@@ -36,11 +36,27 @@ _HEAD, _BODY, _DONE = range(3)
 
 
 class ResponseParser:
-    __slots__ = ("_state", "_parser", "_fed", "_headers", "_length", "_chunked", "_on_head", "_on_data",
-                 "_on_end", "_error", "status", "keep_alive")
+    __slots__ = (
+        "_state",
+        "_parser",
+        "_fed",
+        "_headers",
+        "_length",
+        "_chunked",
+        "_on_head",
+        "_on_data",
+        "_on_end",
+        "_error",
+        "status",
+        "keep_alive",
+    )
 
-    def __init__(self, on_head: Callable[[int, Headers, bool], None], on_data: Callable[[bytes], None],
-                 on_end: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        on_head: Callable[[int, Headers, bool], None],
+        on_data: Callable[[bytes], None],
+        on_end: Callable[[], None],
+    ) -> None:
         self._state = _HEAD
         self._parser = httptools.HttpResponseParser(self)
         self._fed = 0  # bytes fed while the head is incomplete (llhttp sets no bound on a head)

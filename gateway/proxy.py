@@ -29,21 +29,21 @@ from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
 from multidict import CIMultiDict
 
+from haru.core.openai_errors import PAYLOAD_TOO_LARGE, REQUEST_TIMEOUT, UPSTREAM_TIMEOUT, UPSTREAM_UNREACHABLE
+from haru.gateway.canary import CanaryCounts
 from haru.gateway.config import GatewayConfig
 from haru.gateway.errors import UpstreamError
-from haru.gateway.canary import CanaryCounts
 from haru.gateway.hold import Holds, back_since, hold_plan
 from haru.gateway.metrics import UNKNOWN_FLEET, UNKNOWN_MODEL, GatewayMetrics
+from haru.gateway.resume import Resumer
 from haru.gateway.routing import (
     Forward,
     Refusal,
     RoutingTable,
     model_of,
 )
-from haru.gateway.resume import Resumer
 from haru.gateway.upstream import Connection, Pool
 from haru.host.httpguard import BodyTimeout, BodyTooLarge, read_body
-from haru.core.openai_errors import PAYLOAD_TOO_LARGE, REQUEST_TIMEOUT, UPSTREAM_TIMEOUT, UPSTREAM_UNREACHABLE
 
 log = structlog.get_logger("haru.gateway")
 
@@ -62,13 +62,25 @@ class _Gone(Exception):
     def __init__(self, refusal: Refusal) -> None:
         self.refusal = refusal
 
+
 # Request headers never forwarded: hop-by-hop, framing (set again for the upstream), the
 # client's credentials for Haru (the serving token replaces them) and Haru's own routing header.
 _DROP_REQUEST = frozenset(
     {
-        "host", "content-length", "transfer-encoding", "connection", "keep-alive", "proxy-connection",
-        "proxy-authorization", "proxy-authenticate", "te", "trailer", "upgrade", "expect",
-        "authorization", "x-haru-fleet",
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authorization",
+        "proxy-authenticate",
+        "te",
+        "trailer",
+        "upgrade",
+        "expect",
+        "authorization",
+        "x-haru-fleet",
     }
 )
 # Response headers not copied back: hop-by-hop and framing (aiohttp frames the response itself).
@@ -91,8 +103,16 @@ class _Whole(web.StreamResponse):
     `web.Response`. aiohttp's request handler sees a response whose EOF is already sent.
     """
 
-    def __init__(self, status: int, headers: list[tuple[str, str]], defaults: int, domain: str, body: bytes,
-                 keep_alive: bool, chunked: bool = False) -> None:
+    def __init__(
+        self,
+        status: int,
+        headers: list[tuple[str, str]],
+        defaults: int,
+        domain: str,
+        body: bytes,
+        keep_alive: bool,
+        chunked: bool = False,
+    ) -> None:
         super().__init__(status=status)
         head = _head(status, tuple(headers), defaults, domain, keep_alive, chunked, chunked or bool(body))
         if not chunked:
@@ -127,8 +147,16 @@ class _Stream(web.StreamResponse):
     HTTP/1.1 clients and statuses that carry a body only, as `_Whole`.
     """
 
-    def __init__(self, status: int, headers: list[tuple[str, str]], defaults: int, domain: str, keep_alive: bool,
-                 length: int | None, hold: bool) -> None:
+    def __init__(
+        self,
+        status: int,
+        headers: list[tuple[str, str]],
+        defaults: int,
+        domain: str,
+        keep_alive: bool,
+        length: int | None,
+        hold: bool,
+    ) -> None:
         super().__init__(status=status)
         self._chunked = length is None
         head = _head(status, tuple(headers), defaults, domain, keep_alive, self._chunked, True)
@@ -178,8 +206,15 @@ class _Stream(web.StreamResponse):
 _HEADS: dict[tuple, bytes] = {}
 
 
-def _head(status: int, headers: tuple[tuple[str, str], ...], defaults: int, domain: str, keep_alive: bool,
-          chunked: bool, typed: bool) -> bytes:
+def _head(
+    status: int,
+    headers: tuple[tuple[str, str], ...],
+    defaults: int,
+    domain: str,
+    keep_alive: bool,
+    chunked: bool,
+    typed: bool,
+) -> bytes:
     """The head of a `_Whole` or `_Stream` response, up to `Content-Length: ` (or through
     `Transfer-Encoding: chunked` and the blank line). Cached: an upstream repeats its header set from
     response to response, its Date changing once a second (`_Whole` 1.57 -> 1.10 us, issue 20); a
@@ -264,11 +299,15 @@ class Proxy:
         except BodyTimeout:
             status, code = REQUEST_TIMEOUT
             self.metrics.request(self._fleet_label(fleet), UNKNOWN_MODEL, status)
-            return error_response(Refusal(
-                status, code,
-                f"the request body did not arrive within HARU_CLIENT_BODY_TIMEOUT_MS "
-                f"({self.config.client_body_timeout_ms} ms); send it at once, or raise the limit on the gateway",
-            ), {"Connection": "close"})
+            return error_response(
+                Refusal(
+                    status,
+                    code,
+                    f"the request body did not arrive within HARU_CLIENT_BODY_TIMEOUT_MS "
+                    f"({self.config.client_body_timeout_ms} ms); send it at once, or raise the limit on the gateway",
+                ),
+                {"Connection": "close"},
+            )
         except BodyTooLarge:
             status, code = PAYLOAD_TOO_LARGE
             refusal = Refusal(
@@ -294,8 +333,9 @@ class Proxy:
 
     # ------------------------------------------------------------------ through a failover
 
-    async def _held(self, request: web.BaseRequest, path: str, body: bytes, fleet: str, model: str,
-                    refusal: Refusal) -> web.StreamResponse:
+    async def _held(
+        self, request: web.BaseRequest, path: str, body: bytes, fleet: str, model: str, refusal: Refusal
+    ) -> web.StreamResponse:
         """A 503 a failover under way (or about to start) cures: hold the request for the new active."""
         plan = hold_plan(self.table.get(fleet), refusal.code, now=time.time())
         if plan is not None:
@@ -308,14 +348,17 @@ class Proxy:
         self.metrics.request(self._fleet_label(fleet), model, refusal.status)
         return error_response(refusal)
 
-    async def _retry(self, request: web.BaseRequest, path: str, body: bytes, fwd: Forward, why: str,
-                     refusal: Refusal) -> web.StreamResponse:
+    async def _retry(
+        self, request: web.BaseRequest, path: str, body: bytes, fwd: Forward, why: str, refusal: Refusal
+    ) -> web.StreamResponse:
         """`fwd`'s domain died before any byte of its response reached the client: send the request
         once more, to the new active (held until there is one) or, when the hold ends with the route
         unmoved, to whatever the fleet routes to then."""
         fleet, model = fwd.fleet, fwd.model
         gone = why == "runtime_gone"  # the domain answered: its runtime is gone, and may come back in place
-        plan = hold_plan(self.table.get(fleet), refusal.code, unreachable=True, gone=model if gone else "", now=time.time())
+        plan = hold_plan(
+            self.table.get(fleet), refusal.code, unreachable=True, gone=model if gone else "", now=time.time()
+        )
         if plan is None:
             self.metrics.request(fleet, model, refusal.status)
             return error_response(refusal)
@@ -323,8 +366,11 @@ class Proxy:
         since = time.time()
 
         def moved(f: Forward) -> bool:  # the route moved, or the model came back where it died (a restart)
-            return f.domain != fwd.domain or f.revision != fwd.revision or back_since(
-                self.table.get(fleet), f.domain, f.model, since)
+            return (
+                f.domain != fwd.domain
+                or f.revision != fwd.revision
+                or back_since(self.table.get(fleet), f.domain, f.model, since)
+            )
 
         outcome = await self.holds.hold(fleet, model, len(body), plan, refusal, moved, unreachable=True, gone=gone)
         if type(outcome) is not Forward:
@@ -334,8 +380,9 @@ class Proxy:
                 return error_response(outcome)  # type: ignore[arg-type]
         self.metrics.retried(fleet, why)
         log.info("gateway.retried", fleet=fleet, model=model, first=fwd.domain, then=outcome.domain, why=why)
-        return await self._forward(request, path, body, outcome, ((RETRIED_HEADER, f"{fwd.domain}; {why}"),),
-                                   retry=False)
+        return await self._forward(
+            request, path, body, outcome, ((RETRIED_HEADER, f"{fwd.domain}; {why}"),), retry=False
+        )
 
     def _fleet_label(self, fleet: str) -> str:
         """The fleet as a metric label: only fleets that exist, so clients cannot grow the label set."""
@@ -358,8 +405,15 @@ class Proxy:
             lines.append(self.auth)
         return "".join(lines)
 
-    async def _forward(self, request: web.BaseRequest, path: str, body: bytes, fwd: Forward,
-                       extra: tuple[tuple[str, str], ...] = (), retry: bool = True) -> web.StreamResponse:
+    async def _forward(
+        self,
+        request: web.BaseRequest,
+        path: str,
+        body: bytes,
+        fwd: Forward,
+        extra: tuple[tuple[str, str], ...] = (),
+        retry: bool = True,
+    ) -> web.StreamResponse:
         fleet, model = fwd.fleet, fwd.model
         ttfb_hist, latency_hist = self.metrics.upstream(fleet, fwd.domain)
         pool = self.pool
@@ -388,10 +442,17 @@ class Proxy:
         except UpstreamError as exc:
             status, code = UPSTREAM_UNREACHABLE
             self.canary.count(fleet, fwd.domain, model, f"upstream_unreachable: {exc}")
-            log.warning("gateway.upstream_unreachable", fleet=fleet, domain=fwd.domain, model=model, url=fwd.url,
-                        error=str(exc))
-            refusal = Refusal(status, code, f"domain {fwd.domain!r} is unreachable at {fwd.url} for model {model!r}: {exc}",
-                              None, None, fwd.domain)
+            log.warning(
+                "gateway.upstream_unreachable", fleet=fleet, domain=fwd.domain, model=model, url=fwd.url, error=str(exc)
+            )
+            refusal = Refusal(
+                status,
+                code,
+                f"domain {fwd.domain!r} is unreachable at {fwd.url} for model {model!r}: {exc}",
+                None,
+                None,
+                fwd.domain,
+            )
             if retry:  # nothing of a response reached the client: once more, to a live domain
                 return await self._retry(request, path, body, fwd, "unreachable", refusal)
             self.metrics.request(fleet, model, status)
@@ -406,9 +467,18 @@ class Proxy:
             conn.release()  # back to the pool when read whole; otherwise closed, which stops the upstream
         return await self._retry(request, path, body, fwd, "runtime_gone", refusal)
 
-    async def _respond(self, request: web.BaseRequest, conn: Connection, fwd: Forward, started: float,
-                       latency_hist, path: str = "", body: bytes = b"", extra: tuple[tuple[str, str], ...] = (),
-                       retry: bool = False) -> web.StreamResponse:
+    async def _respond(
+        self,
+        request: web.BaseRequest,
+        conn: Connection,
+        fwd: Forward,
+        started: float,
+        latency_hist,
+        path: str = "",
+        body: bytes = b"",
+        extra: tuple[tuple[str, str], ...] = (),
+        retry: bool = False,
+    ) -> web.StreamResponse:
         status = conn.status
         if (status == 503 or status == 502) and retry:
             await self._check_gone(conn, fwd)
@@ -428,8 +498,13 @@ class Proxy:
             out_headers["X-Haru-Domain"] = fwd.domain
             return web.Response(body=data, status=status, headers=out_headers)
 
-        if conn.complete and conn.error is None and request.version == HttpVersion11 and 200 <= status \
-                and status not in (204, 304):
+        if (
+            conn.complete
+            and conn.error is None
+            and request.version == HttpVersion11
+            and 200 <= status
+            and status not in (204, 304)
+        ):
             # The whole stream came with the head (a short answer, or a fast upstream): one write,
             # framed as it would have been streamed (chunked, or the upstream's Content-Length).
             data = await conn.read()
@@ -497,8 +572,14 @@ class Proxy:
         status, code = UPSTREAM_UNREACHABLE
         self.metrics.request(fwd.fleet, fwd.model, status)
         return error_response(
-            Refusal(status, code, f"domain {fwd.domain!r} broke off its response for model {fwd.model!r}: {exc}",
-                    None, None, fwd.domain)
+            Refusal(
+                status,
+                code,
+                f"domain {fwd.domain!r} broke off its response for model {fwd.model!r}: {exc}",
+                None,
+                None,
+                fwd.domain,
+            )
         )
 
 
@@ -537,8 +618,9 @@ async def _pump(request: web.BaseRequest, response: web.StreamResponse, conn: Co
         try:
             chunk = await conn.next()
         except UpstreamError as exc:
-            log.warning("gateway.upstream_broke_stream", fleet=fwd.fleet, domain=fwd.domain,
-                        model=fwd.model, error=str(exc))
+            log.warning(
+                "gateway.upstream_broke_stream", fleet=fwd.fleet, domain=fwd.domain, model=fwd.model, error=str(exc)
+            )
             if request.transport is not None:
                 request.transport.close()
             return False

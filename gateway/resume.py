@@ -24,17 +24,16 @@ event boundary and the keeping runs while a stream is healthy.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 import structlog
 
+from haru.core.openai_errors import error_body
 from haru.gateway.errors import UpstreamError
 from haru.gateway.hold import hold_plan
 from haru.gateway.routing import Forward
-from haru.core.openai_errors import error_body
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -204,8 +203,15 @@ class Resumer:
         self.proxy = proxy
         self.keep_bytes = keep_bytes
 
-    async def relay(self, request: web.BaseRequest, response: web.StreamResponse, conn: Connection, fwd: Forward,
-                    body: bytes, path: str) -> bool:
+    async def relay(
+        self,
+        request: web.BaseRequest,
+        response: web.StreamResponse,
+        conn: Connection,
+        fwd: Forward,
+        body: bytes,
+        path: str,
+    ) -> bool:
         """Relay the stream whole event by whole event; on a cut, continue it. True when it ended
         cleanly (the proxy then counts its latency)."""
         kept: list[bytes] = []
@@ -235,8 +241,17 @@ class Resumer:
             if out:
                 await response.write(out)
 
-    async def resume(self, request: web.BaseRequest, response: web.StreamResponse, fwd: Forward, body: bytes,
-                     path: str, sent_bytes: bytes, overflowed: bool, why: str) -> bool:
+    async def resume(
+        self,
+        request: web.BaseRequest,
+        response: web.StreamResponse,
+        fwd: Forward,
+        body: bytes,
+        path: str,
+        sent_bytes: bytes,
+        overflowed: bool,
+        why: str,
+    ) -> bool:
         metrics = self.proxy.metrics
         fleet, model = fwd.fleet, fwd.model
         sent = transcript(sent_bytes)
@@ -248,15 +263,32 @@ class Resumer:
         except msgspec.DecodeError:
             original = {}
         refusal = not_continuable(original) if isinstance(original, dict) else "the body is not a JSON object"
-        refusal = refusal or sent.other or (
-            f"over {self.keep_bytes} bytes of it had gone out (the gateway keeps that much to continue a stream)"
-            if overflowed else "")
-        log.warning("gateway.stream_cut", fleet=fleet, domain=fwd.domain, model=model, error=why,
-                    continuable=not refusal, why_not=refusal, sent_chars=len(sent.text))
+        refusal = (
+            refusal
+            or sent.other
+            or (
+                f"over {self.keep_bytes} bytes of it had gone out (the gateway keeps that much to continue a stream)"
+                if overflowed
+                else ""
+            )
+        )
+        log.warning(
+            "gateway.stream_cut",
+            fleet=fleet,
+            domain=fwd.domain,
+            model=model,
+            error=why,
+            continuable=not refusal,
+            why_not=refusal,
+            sent_chars=len(sent.text),
+        )
         if refusal:
             return await self._end_with_error(
-                response, fleet, f"the stream from domain {fwd.domain!r} broke off ({why}) and cannot be continued "
-                f"faithfully: {refusal}; send the request again")
+                response,
+                fleet,
+                f"the stream from domain {fwd.domain!r} broke off ({why}) and cannot be continued "
+                f"faithfully: {refusal}; send the request again",
+            )
         routes = self.proxy.table.get(fleet)
         plan = hold_plan(routes, "upstream_unreachable", unreachable=True, now=time.time())
         policy = routes.view.policy if routes is not None and routes.view is not None else None
@@ -290,16 +322,26 @@ class Resumer:
                 break
             await self.proxy.holds.next_change(fleet, min(ATTEMPT_GAP_S, left))
         return await self._end_with_error(
-            response, fleet, f"the stream from domain {fwd.domain!r} broke off ({why}) and no domain could "
-            f"continue it within {budget_ms} ms (last: {last}); send the request again")
+            response,
+            fleet,
+            f"the stream from domain {fwd.domain!r} broke off ({why}) and no domain could "
+            f"continue it within {budget_ms} ms (last: {last}); send the request again",
+        )
 
     async def _end_with_error(self, response: web.StreamResponse, fleet: str, message: str) -> bool:
         self.proxy.metrics.resumed(fleet, "error_event")
         await response.write_eof(error_event(message))
         return False
 
-    async def _continue(self, request: web.BaseRequest, response: web.StreamResponse, target: Forward,
-                        original: dict[str, Any], path: str, sent: Transcript) -> bool | Transcript | str:
+    async def _continue(
+        self,
+        request: web.BaseRequest,
+        response: web.StreamResponse,
+        target: Forward,
+        original: dict[str, Any],
+        path: str,
+        sent: Transcript,
+    ) -> bool | Transcript | str:
         """One try on `target`: True when the continuation ran to its end, a Transcript when it broke off
         after some of it went out, or why it could not start."""
         proxy = self.proxy
@@ -319,10 +361,17 @@ class Resumer:
             if conn.status != 200:
                 detail = (await conn.read())[:300].decode("utf-8", "replace")
                 return f"domain {target.domain!r} answered {conn.status}: {detail}"
-            log.info("gateway.stream_continued", fleet=target.fleet, domain=target.domain, model=target.model,
-                     runtime=runtime, sent_chars=len(sent.text))
-            now = Transcript(id=sent.id, created=sent.created, model=sent.model, text=sent.text, role_sent=True,
-                             chunks=sent.chunks)
+            log.info(
+                "gateway.stream_continued",
+                fleet=target.fleet,
+                domain=target.domain,
+                model=target.model,
+                runtime=runtime,
+                sent_chars=len(sent.text),
+            )
+            now = Transcript(
+                id=sent.id, created=sent.created, model=sent.model, text=sent.text, role_sent=True, chunks=sent.chunks
+            )
             parts = [sent.text]
             pending = b""
             while True:

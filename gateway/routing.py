@@ -255,8 +255,7 @@ def _no_active(fleet: str, view: FleetView | None, intent: RouteIntent | None) -
         return Refusal(
             status,
             code,
-            f"fleet {fleet!r} has no route intent yet (active domain {view.active!r}); "
-            f"is the projector running?",
+            f"fleet {fleet!r} has no route intent yet (active domain {view.active!r}); is the projector running?",
             None,
             "model",
             view.active,
@@ -338,7 +337,8 @@ def compile_routes(fleet: str, view: FleetView | None, intent: RouteIntent | Non
                 )
     # Traffic weights: a model whose split gives other domains a share (gateway.split).
     entries = apply_splits(  # type: ignore[assignment]
-        intent, entries,  # type: ignore[arg-type]
+        intent,
+        entries,  # type: ignore[arg-type]
         lambda e: type(e) is Forward,
         lambda url, domain, model: Forward(base_url(url), fleet, domain, model, revision),
     )

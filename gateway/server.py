@@ -30,6 +30,7 @@ import socket
 import structlog
 from aiohttp import web
 
+from haru.core.openai_errors import error_body
 from haru.gateway.canary import Reporter
 from haru.gateway.config import GatewayConfig
 from haru.gateway.console import Console
@@ -41,7 +42,6 @@ from haru.gateway.routing import Refusal, RoutingTable
 from haru.gateway.state import RouteFollower
 from haru.gateway.weights_api import post_weights
 from haru.host.httpguard import GuardedServer
-from haru.core.openai_errors import error_body
 from haru.log.seam import Log
 
 log = structlog.get_logger("haru.gateway")
@@ -55,7 +55,9 @@ def _api_error_response(err: ApiError) -> web.Response:
         headers["Retry-After"] = str(err.retry_after)
     if err.status < 500 and err.status != 429:
         headers["x-should-retry"] = "false"
-    return web.Response(body=error_body(err.status, err.code, err.message, err.param), status=err.status, headers=headers)
+    return web.Response(
+        body=error_body(err.status, err.code, err.message, err.param), status=err.status, headers=headers
+    )
 
 
 class Gateway:
@@ -76,8 +78,9 @@ class Gateway:
             if events is not None
             else None
         )
-        self.control = Control(events, self.table, self.metrics, default_fleet=config.default_fleet,
-                               follower=self.follower)
+        self.control = Control(
+            events, self.table, self.metrics, default_fleet=config.default_fleet, follower=self.follower
+        )
         self.control.authorized = self._authorized
         self._expected_auth = config.api_token.encode() if config.api_token else b""
         # The web console (/ui) is fed by the follower's changes: one fan-out for every open console.
@@ -140,8 +143,13 @@ class Gateway:
             if self.follower is not None:
                 await stack.enter_async_context(self.follower)
             if self.events is not None:  # what it measured of weighted domains, for the promoter's canary policy
-                self.reporter = Reporter(self.events.bus, self.table, self.proxy.canary, self.gateway_id(),
-                                         interval_s=cfg.canary_report_ms / 1000)
+                self.reporter = Reporter(
+                    self.events.bus,
+                    self.table,
+                    self.proxy.canary,
+                    self.gateway_id(),
+                    interval_s=cfg.canary_report_ms / 1000,
+                )
                 await stack.enter_async_context(self.reporter)
             server = GuardedServer(
                 self.dispatch,
@@ -163,9 +171,15 @@ class Gateway:
             await stack.aclose()
             raise
         self._stack = stack
-        log.info("gateway.listening", url=self.url, auth=not cfg.open, default_fleet=cfg.default_fleet,
-                 max_body_bytes=cfg.max_body_bytes, header_timeout_ms=cfg.header_timeout_ms,
-                 client_limits=str(cfg.client_limits))
+        log.info(
+            "gateway.listening",
+            url=self.url,
+            auth=not cfg.open,
+            default_fleet=cfg.default_fleet,
+            max_body_bytes=cfg.max_body_bytes,
+            header_timeout_ms=cfg.header_timeout_ms,
+            client_limits=str(cfg.client_limits),
+        )
         self._server = server
 
     async def stop(self) -> None:
@@ -192,8 +206,11 @@ class Gateway:
             return page  # the console's own files carry no data: the data behind them needs the token
         if not self._authorized(request):
             return _api_error_response(
-                ApiError(401, "invalid_api_key",
-                         "missing or wrong bearer token: send `Authorization: Bearer <HARU_API_TOKEN>`")
+                ApiError(
+                    401,
+                    "invalid_api_key",
+                    "missing or wrong bearer token: send `Authorization: Bearer <HARU_API_TOKEN>`",
+                )
             )
         if path in CHAT_PATHS:
             if method != "POST":
@@ -213,7 +230,7 @@ class Gateway:
         if path.startswith("/ui/"):
             return await self.console.handle(request, path, method)
         if path.startswith(_FLEET_PREFIX):
-            parts = path[len(_FLEET_PREFIX):].split("/")
+            parts = path[len(_FLEET_PREFIX) :].split("/")
             fleet = parts[0]
             rest = "/".join(parts[1:])
             if rest == "":
@@ -240,12 +257,21 @@ class Gateway:
 
 def _method_not_allowed(path: str, allowed: str) -> web.Response:
     refusal = Refusal(405, "method_not_allowed", f"{path} accepts {allowed} only")
-    return web.Response(body=refusal.body(), status=405,
-                        headers={"Content-Type": "application/json", "Allow": allowed, "x-should-retry": "false"})
+    return web.Response(
+        body=refusal.body(),
+        status=405,
+        headers={"Content-Type": "application/json", "Allow": allowed, "x-should-retry": "false"},
+    )
 
 
-async def run_gateway(servers: list[str], config: GatewayConfig, *, creds: str | None = None,
-                      stop: asyncio.Event | None = None, ready=None) -> None:
+async def run_gateway(
+    servers: list[str],
+    config: GatewayConfig,
+    *,
+    creds: str | None = None,
+    stop: asyncio.Event | None = None,
+    ready=None,
+) -> None:
     """Connect to NATS, serve until `stop` is set (or SIGINT/SIGTERM when `stop` is None)."""
     from haru.log.eventlog import EventLog
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from haru.core.views import RouteIntent, Target
-from haru.core.weights import spread, split_of
+from haru.core.weights import split_of, spread
 
 __all__ = ["Split", "apply_splits", "carry_rotation", "target_url"]
 
@@ -44,8 +44,12 @@ def target_url(target: Target, model: str) -> str:
     return target.serving_url
 
 
-def apply_splits(intent: RouteIntent | None, entries: dict[str, object], is_forward: Callable[[object], bool],
-                 forward: Callable[[str, str, str], F]) -> dict[str, object]:
+def apply_splits(
+    intent: RouteIntent | None,
+    entries: dict[str, object],
+    is_forward: Callable[[object], bool],
+    forward: Callable[[str, str, str], F],
+) -> dict[str, object]:
     """`entries` with a `Split` for every model whose split sends a share elsewhere than the active.
     `forward(url, domain, model)` makes the forward to another domain; `is_forward` tells a forward
     to the active (a ready model) from a refusal."""
@@ -84,6 +88,10 @@ def carry_rotation(old: dict[str, object], new: dict[str, object]) -> None:
     rotation, so frequent updates do not restart every split at the active and skew the shares."""
     for model, entry in new.items():
         before = old.get(model)
-        if type(entry) is Split and type(before) is Split and before.weights == entry.weights \
-                and len(before.table) == len(entry.table):
+        if (
+            type(entry) is Split
+            and type(before) is Split
+            and before.weights == entry.weights
+            and len(before.table) == len(entry.table)
+        ):
             entry._n = before._n

@@ -37,20 +37,20 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
+from haru.core import subjects
+from haru.core.authority import misplaced
+from haru.core.errors import HaruError
+from haru.core.events import RouteMoved
+from haru.core.intents import intent as intent_of_view
+from haru.core.residency import Answer
+from haru.core.restarts import Backoff
+from haru.core.views import FleetView, RouteIntent, intent_decoder, view_decoder
 from haru.gateway.metrics import GatewayMetrics
 from haru.gateway.routing import RoutingTable
-from haru.core.restarts import Backoff
 from haru.host import alive
-from haru.core import subjects
-from haru.core.errors import HaruError
+from haru.host.tasks import cancel_and_wait
 from haru.log.record import Record
 from haru.log.seam import Log
-from haru.core.authority import misplaced
-from haru.core.events import RouteMoved
-from haru.core.residency import Answer
-from haru.host.tasks import cancel_and_wait
-from haru.core.views import FleetView, RouteIntent, intent_decoder, view_decoder
-from haru.core.intents import intent as intent_of_view
 
 log = structlog.get_logger("haru.gateway")
 
@@ -64,7 +64,9 @@ def route_fleet(subject: str) -> str:
     return place.fleet if place is not None and place.kind == "route" else ""
 
 
-def intent_after_move(view: FleetView | None, intent: RouteIntent | None, moved: RouteMoved, revision: int) -> RouteIntent | None:
+def intent_after_move(
+    view: FleetView | None, intent: RouteIntent | None, moved: RouteMoved, revision: int
+) -> RouteIntent | None:
     """The intent a router should follow once the route subject says `moved` at `revision`, when the
     intent it holds is older: the view's intent with the pointer moved. None when it cannot be
     routed (no view, or the view does not know the target domain).
@@ -87,8 +89,15 @@ def intent_after_move(view: FleetView | None, intent: RouteIntent | None, moved:
 class RouteFollower:
     """Two tasks (views, intents) applying what they see to `table`. An async context manager."""
 
-    def __init__(self, events: Log, table: RoutingTable, metrics: GatewayMetrics,
-                 on_change: Callable[[str], None] | None = None, *, resync_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        events: Log,
+        table: RoutingTable,
+        metrics: GatewayMetrics,
+        on_change: Callable[[str], None] | None = None,
+        *,
+        resync_s: float = 2.0,
+    ) -> None:
         self.events = events
         self.table = table
         self.metrics = metrics
@@ -176,19 +185,40 @@ class RouteFollower:
         stuck: list[str] = []
         for fleet in self.table.fleets():
             intent = await self.events.last_intent(fleet)
-            self._check(behind, stuck, fleet, "intent", intent, self._intent_delivered,
-                        lambda body, seq: self._apply_intent(fleet, intent_decoder.decode(body), seq))
+            self._check(
+                behind,
+                stuck,
+                fleet,
+                "intent",
+                intent,
+                self._intent_delivered,
+                lambda body, seq: self._apply_intent(fleet, intent_decoder.decode(body), seq),
+            )
             view = await self.events.get_view(subjects.view_key(fleet))
-            self._check(behind, stuck, fleet, "view", view, self._view_delivered,
-                        lambda body, rev: self._apply_view(fleet, view_decoder.decode(body), rev))
+            self._check(
+                behind,
+                stuck,
+                fleet,
+                "view",
+                view,
+                self._view_delivered,
+                lambda body, rev: self._apply_view(fleet, view_decoder.decode(body), rev),
+            )
             last_move = await self.events.last(subjects.route(fleet))
             if last_move is not None and last_move.seq > self._route_seq:
                 self.on_route_record(last_move)  # the follower will deliver it too: applying twice is a no-op
         return stuck
 
     @staticmethod
-    def _check(behind: dict[tuple[str, str], int], stuck: list[str], fleet: str, kind: str,
-               got: tuple[bytes, int] | None, delivered_by_watch: dict[str, int], apply) -> None:
+    def _check(
+        behind: dict[tuple[str, str], int],
+        stuck: list[str],
+        fleet: str,
+        kind: str,
+        got: tuple[bytes, int] | None,
+        delivered_by_watch: dict[str, int],
+        apply,
+    ) -> None:
         """One (fleet, kind): apply what the log holds beyond what the watch delivered, and call the
         watch stuck if it still has not delivered what the previous check found."""
         delivered = delivered_by_watch.get(fleet, 0)
@@ -248,8 +278,12 @@ class RouteFollower:
         self._apply_move(fleet)  # a view arriving after a move the intents have not caught up with
 
     async def _routes(self) -> None:
-        await self.events.follow(self.on_route_record, from_seq=self._route_seq + 1,
-                                 subject_filter=f"{subjects.EVT}.*.route", name="gateway-routes")
+        await self.events.follow(
+            self.on_route_record,
+            from_seq=self._route_seq + 1,
+            subject_filter=f"{subjects.EVT}.*.route",
+            name="gateway-routes",
+        )
 
     def on_route_record(self, rec: Record) -> None:
         """A record of a route subject: keep the newest `route_moved` per fleet and route by it if the
@@ -281,8 +315,14 @@ class RouteFollower:
         if not self.table.set_intent(fleet, moved_intent, routes.intent_seq):
             return
         after = self.table.get(fleet)
-        log.info("gateway.route_moved", fleet=fleet, active=after.active if after else "", previous=before,
-                 revision=seq, source="route subject (the intents are behind)")
+        log.info(
+            "gateway.route_moved",
+            fleet=fleet,
+            active=after.active if after else "",
+            previous=before,
+            revision=seq,
+            source="route subject (the intents are behind)",
+        )
         self._changed(fleet, "route")
 
     async def _intents(self) -> None:

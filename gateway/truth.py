@@ -9,8 +9,6 @@ from typing import Any
 
 import msgspec
 
-from haru.gateway.routing import FleetRoutes, Forward, Refusal
-from haru.core.sizes import format_gib
 from haru.core.residency import (
     Answer,
     Failed,
@@ -23,7 +21,9 @@ from haru.core.residency import (
     Stopped,
     state_name,
 )
+from haru.core.sizes import format_gib
 from haru.core.views import DomainView
+from haru.gateway.routing import FleetRoutes, Forward, Refusal
 
 
 def _for_ms(since: datetime | None, now: float) -> int | None:
@@ -124,7 +124,9 @@ def models_list(routes: FleetRoutes, now: float) -> dict[str, Any]:
             "route_revision": routes.revision,
         }
         haru.update(outcome(result))
-        data.append({"id": model, "object": "model", "created": created, "owned_by": f"haru/{routes.fleet}", "haru": haru})
+        data.append(
+            {"id": model, "object": "model", "created": created, "owned_by": f"haru/{routes.fleet}", "haru": haru}
+        )
     return {"object": "list", "data": data}
 
 
@@ -177,15 +179,19 @@ def fleet_truth(routes: FleetRoutes, now: float) -> dict[str, Any]:
     if view is not None:
         out["domains"] = {name: _domain(d, routes, now) for name, d in view.domains.items()}
     elif routes.intent is not None:  # no view yet: only the intent's answers are known
-        out["domains"] = {
-            routes.active: {
-                "active": True,
-                "models": {
-                    m: {"answer": describe_answer(a, now), **outcome(routes.resolve(m, now))}
-                    for m, a in routes.intent.answers.items()
-                },
+        out["domains"] = (
+            {
+                routes.active: {
+                    "active": True,
+                    "models": {
+                        m: {"answer": describe_answer(a, now), **outcome(routes.resolve(m, now))}
+                        for m, a in routes.intent.answers.items()
+                    },
+                }
             }
-        } if routes.active else {}
+            if routes.active
+            else {}
+        )
     return out
 
 

@@ -241,8 +241,7 @@ class Pool:
     def head(self, target: Address, path: str, header_block: str) -> bytes:
         """The request head up to and including `Content-Length: ` (the body's length follows)."""
         return (
-            f"POST {target.path_prefix}{path} HTTP/1.1\r\nHost: {target.host_header}\r\n{header_block}"
-            f"Content-Length: "
+            f"POST {target.path_prefix}{path} HTTP/1.1\r\nHost: {target.host_header}\r\n{header_block}Content-Length: "
         ).encode("utf-8", "surrogateescape")  # the bytes aiohttp decoded the client's headers from
 
     async def request(self, target: Address, head: bytes, body: bytes, deadline: float) -> Connection:
@@ -290,8 +289,12 @@ class Pool:
             ssl_ctx = self._ssl
         try:
             _, conn = await loop.create_connection(
-                lambda: Connection(self, target.key), target.host, target.port, ssl=ssl_ctx,
-                server_hostname=target.host if ssl_ctx else None)
+                lambda: Connection(self, target.key),
+                target.host,
+                target.port,
+                ssl=ssl_ctx,
+                server_hostname=target.host if ssl_ctx else None,
+            )
         except OSError as exc:
             raise UpstreamError(f"cannot connect to {target.host_header}: {exc.strerror or exc}") from exc
         self.opened += 1

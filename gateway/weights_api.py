@@ -24,7 +24,15 @@ from haru.gateway.errors import ApiError
 
 log = structlog.get_logger("haru.gateway")
 
-STATUS = {"noop": 200, "accepted": 202, "joined": 202, "conflict": 409, "refused": 409, "not_found": 404, "invalid": 400}
+STATUS = {
+    "noop": 200,
+    "accepted": 202,
+    "joined": 202,
+    "conflict": 409,
+    "refused": 409,
+    "not_found": 404,
+    "invalid": 400,
+}
 
 
 class _WeightsBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -38,18 +46,38 @@ _decode = msgspec.json.Decoder(_WeightsBody).decode
 
 async def post_weights(control: Control, request: web.BaseRequest, fleet: str) -> web.Response:
     fleet = control._fleet(fleet)
-    body = await request_body(request, _decode, _WeightsBody(), param="weights",
-                              hint=' (send {"weights": {"b": 10}} or {"reset": true})')
+    body = await request_body(
+        request, _decode, _WeightsBody(), param="weights", hint=' (send {"weights": {"b": 10}} or {"reset": true})'
+    )
     events = control._need_log()
     from haru.promoter.weighting import request_weights  # the promoter's; imported when first used
 
-    result = await requested(request_weights(events, fleet, body.weights, model=body.model, reset=body.reset,
-                                             by=control.writer, now=datetime.now(UTC)), invalid="invalid_weights")
+    result = await requested(
+        request_weights(
+            events, fleet, body.weights, model=body.model, reset=body.reset, by=control.writer, now=datetime.now(UTC)
+        ),
+        invalid="invalid_weights",
+    )
     status = STATUS.get(result.status, 500)
     if result.status == "invalid":
         raise ApiError(400, "invalid_weights", result.message, param="weights")
-    log.info("gateway.weights_requested", fleet=fleet, weights=body.weights, model=body.model, reset=body.reset,
-             status=result.status, op_id=result.op_id)
-    out = {"op_id": result.op_id, "status": result.status, "message": result.message, "fleet": fleet,
-           "kind": "weighting", "weights": body.weights, "model": body.model, "reset": body.reset}
+    log.info(
+        "gateway.weights_requested",
+        fleet=fleet,
+        weights=body.weights,
+        model=body.model,
+        reset=body.reset,
+        status=result.status,
+        op_id=result.op_id,
+    )
+    out = {
+        "op_id": result.op_id,
+        "status": result.status,
+        "message": result.message,
+        "fleet": fleet,
+        "kind": "weighting",
+        "weights": body.weights,
+        "model": body.model,
+        "reset": body.reset,
+    }
     return json_response(out, status, {"x-should-retry": "false"} if status >= 400 else None)

@@ -34,9 +34,9 @@ Everything else advances the position and writes nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from datetime import datetime, timezone
 from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from haru.core import authority, subjects
@@ -163,7 +163,7 @@ class Writes:
         )
 
 
-_UTC = timezone.utc
+_UTC = UTC
 
 
 def utc(t: datetime | None) -> datetime | None:
@@ -171,8 +171,8 @@ def utc(t: datetime | None) -> datetime | None:
     if t is None or t.tzinfo is _UTC:
         return t
     if t.tzinfo is None:
-        return t.replace(tzinfo=timezone.utc)
-    return t.astimezone(timezone.utc)
+        return t.replace(tzinfo=UTC)
+    return t.astimezone(UTC)
 
 
 def fleet_of(subject: str) -> tuple[str, str]:
@@ -298,8 +298,9 @@ class _Batch:
             self.step_ended(seq, fleet, e)
         elif kind is ev.DomainDeclared or kind is ev.DomainChanged:
             s = e.spec
-            self.domains.append((fleet, s.name, s.provider, s.region, s.serving_url, s.serve, len(s.gpus), seq,
-                                 utc(e.at), None))
+            self.domains.append(
+                (fleet, s.name, s.provider, s.region, s.serving_url, s.serve, len(s.gpus), seq, utc(e.at), None)
+            )
         elif kind is ev.DomainRetired:
             at = utc(e.at)
             self.domains.append((fleet, e.domain, None, None, None, None, None, seq, at, at))
@@ -329,8 +330,17 @@ class _Batch:
             return  # a second request for an operation already recorded adds nothing
         at = utc(e.at)
         self.operations[key] = OpenSpan(seq, at)
-        self.new_operations[key] = OperationRow(fleet, e.op_id, e.kind, e.target, getattr(e, "source", ""),
-                                                getattr(e, "reason", "manual"), getattr(e, "detail", ""), seq, at)
+        self.new_operations[key] = OperationRow(
+            fleet,
+            e.op_id,
+            e.kind,
+            e.target,
+            getattr(e, "source", ""),
+            getattr(e, "reason", "manual"),
+            getattr(e, "detail", ""),
+            seq,
+            at,
+        )
 
     def operation_ended(self, seq: int, fleet: str, e: Any, *, aborted: bool) -> None:
         key = (fleet, e.op_id)
@@ -347,8 +357,20 @@ class _Batch:
             self.finish_operations.append((fleet, e.op_id, outcome, seq, at, duration, failed_step, error))
         else:  # its request predates what this read model saw: record what is known
             self.new_operations[key] = OperationRow(
-                fleet, e.op_id, None, "", "", "", "", None, None,
-                outcome=outcome, finished_seq=seq, finished_at=at, failed_step=failed_step, error=error,
+                fleet,
+                e.op_id,
+                None,
+                "",
+                "",
+                "",
+                "",
+                None,
+                None,
+                outcome=outcome,
+                finished_seq=seq,
+                finished_at=at,
+                failed_step=failed_step,
+                error=error,
             )
 
     def step_started(self, seq: int, fleet: str, e: ev.StepStarted) -> None:
@@ -369,14 +391,34 @@ class _Batch:
         span = self.steps.pop((fleet, e.op_id, e.step), None)
         if span is None:  # no start seen: a row of its own, keyed by this event
             self.new_steps[seq] = StepRow(
-                seq, fleet, e.op_id, e.step, 1, None, outcome=outcome, finished_seq=seq, finished_at=at,
-                took_ms=e.took_ms, detail=detail, error_code=code, error=error,
+                seq,
+                fleet,
+                e.op_id,
+                e.step,
+                1,
+                None,
+                outcome=outcome,
+                finished_seq=seq,
+                finished_at=at,
+                took_ms=e.took_ms,
+                detail=detail,
+                error_code=code,
+                error=error,
             )
         else:
             self.finish_step(span, outcome, seq, at, e.took_ms, detail, code, error)
 
-    def finish_step(self, span: OpenSpan, outcome: str, seq: int, at: datetime | None, took_ms: int | None,
-                    detail: str, code: str, error: str) -> None:
+    def finish_step(
+        self,
+        span: OpenSpan,
+        outcome: str,
+        seq: int,
+        at: datetime | None,
+        took_ms: int | None,
+        detail: str,
+        code: str,
+        error: str,
+    ) -> None:
         duration = ms_between(span.at, at)
         row = self.new_steps.get(span.seq)
         if row is not None:

@@ -37,9 +37,9 @@ from collections.abc import Sequence
 import asyncpg
 import structlog
 
-from haru.core.restarts import Backoff
 from haru.core import subjects
 from haru.core.errors import HaruError, LogError, LogUnavailable
+from haru.core.restarts import Backoff
 from haru.log.eventlog import EventLog
 from haru.projections import pg_schema as S
 from haru.projections.pg_rows import Carry, Writes, carry_from_rows, plan
@@ -73,7 +73,7 @@ async def connect(dsn: str, *, timeout: float = 10.0) -> asyncpg.Connection:
         return await asyncpg.connect(dsn, timeout=timeout)
     except asyncpg.ClientConfigurationError as exc:
         raise SinkError(f"--dsn is not a usable PostgreSQL URL: {exc}; e.g. postgresql://haru@db/haru") from exc
-    except (OSError, asyncio.TimeoutError, asyncpg.CannotConnectNowError) as exc:
+    except (TimeoutError, OSError, asyncpg.CannotConnectNowError) as exc:
         raise SinkUnavailable(f"cannot reach Postgres ({_redact(dsn)}): {exc}; check --dsn") from exc
     except asyncpg.InvalidCatalogNameError as exc:
         raise SinkError(f"{exc}: create the database first (createdb) or fix --dsn") from exc
@@ -310,9 +310,15 @@ class PostgresSink:
         backpressure, not a stall)."""
         batcher.received = position
         if follow:
-            await elog.follow(batcher.add, from_seq=position + 1, headers=False, name="sink",
-                              stall_interval=self.stall_interval, stall_checks=self.stall_checks,
-                              busy=batcher.queue.full)
+            await elog.follow(
+                batcher.add,
+                from_seq=position + 1,
+                headers=False,
+                name="sink",
+                stall_interval=self.stall_interval,
+                stall_checks=self.stall_checks,
+                busy=batcher.queue.full,
+            )
         else:
             await elog.replay(batcher.add, from_seq=position + 1, headers=False)
         await batcher.close()
@@ -333,7 +339,7 @@ class _Writer:
             try:
                 async with asyncio.timeout(self.sink.flush_interval):
                     batch = await batcher.queue.get()
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 # A full batch may have been queued while the wait was being cancelled: it holds
                 # older records than the buffer, so it goes first.
                 if not batcher.queue.empty():

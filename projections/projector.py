@@ -53,26 +53,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime, timezone
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import msgspec
 import structlog
 
-from haru.core.restarts import Backoff
-from haru.host import alive
 from haru.core import checkpoints, subjects
 from haru.core.errors import Conflict, LogError
-from haru.log.record import Record, body_hash
-from haru.log.seam import Log
-from haru.log.follow import Follower
 from haru.core.events import Checkpoint, RouteMoved
-from haru.host.tasks import cancel_and_wait
-from haru.core.views import FleetView, RouteIntent, intent_decoder, view_decoder, view_encoder
 from haru.core.fold import Folder, add_one, empty, fleet_of
 from haru.core.intents import changed, intent
+from haru.core.restarts import Backoff
+from haru.core.views import FleetView, RouteIntent, intent_decoder, view_decoder, view_encoder
+from haru.host import alive
+from haru.host.tasks import cancel_and_wait
+from haru.log.follow import Follower
+from haru.log.record import Record, body_hash
+from haru.log.seam import Log
 
 log_ = structlog.get_logger("haru.projector")
+
 
 class _ScanDone(Exception):
     """Ends a heads scan at the follower's start."""
@@ -203,8 +204,12 @@ class Projector:
             except _ScanDone:
                 pass
             except LogError as exc:
-                log_.warning("projector.heads_scan_failed", fleet=fleet, error=str(exc),
-                             detail="no checkpoint for this fleet until the projector restarts")
+                log_.warning(
+                    "projector.heads_scan_failed",
+                    fleet=fleet,
+                    error=str(exc),
+                    detail="no checkpoint for this fleet until the projector restarts",
+                )
                 continue
             self._heads_ok.add(fleet)
             log_.info("projector.heads_scanned", fleet=fleet, from_seq=start, to_seq=end - 1, subjects=len(heads))
@@ -218,7 +223,9 @@ class Projector:
         self._cp_seq[fleet] = rec.seq
         e = rec.event
         if not isinstance(e, Checkpoint) or e.fleet != fleet:
-            log_.warning("projector.checkpoint_unreadable", fleet=fleet, seq=rec.seq, error=rec.error or "not a checkpoint")
+            log_.warning(
+                "projector.checkpoint_unreadable", fleet=fleet, seq=rec.seq, error=rec.error or "not a checkpoint"
+            )
             return None
         return e
 
@@ -269,8 +276,8 @@ class Projector:
                 stream_last_seq=self._caught_up_at,
                 views_folded_up_to=from_seq - 1,
                 message=f"the store ends at {self._caught_up_at} but the views have folded up to {from_seq - 1}: "
-                        f"events {self._caught_up_at + 1}..{from_seq - 1} are missing; run `haru verify` and "
-                        f"restore the store (docs/operations.md, 'Damaged or truncated log')",
+                f"events {self._caught_up_at + 1}..{from_seq - 1} are missing; run `haru verify` and "
+                f"restore the store (docs/operations.md, 'Damaged or truncated log')",
             )
         if self._caught_up_at < from_seq:
             self._log_caught_up()
@@ -299,8 +306,14 @@ class Projector:
         left behind, is started again after the last sequence folded; a damaged tail is logged once)."""
         # headers=False: the fold reads none, and parsing the two every append writes was ~1.2 us a record.
         self.follower = self.log.follower(
-            self.fold_record, from_seq=from_seq, name="projector", stall_interval=self.stall_interval,
-            stall_checks=self.stall_checks, on_restart=self._replay_restarted, headers=False)
+            self.fold_record,
+            from_seq=from_seq,
+            name="projector",
+            stall_interval=self.stall_interval,
+            stall_checks=self.stall_checks,
+            on_restart=self._replay_restarted,
+            headers=False,
+        )
         await self.follower.run()
 
     def _replay_restarted(self, why: str) -> None:
@@ -346,8 +359,13 @@ class Projector:
                 self._wake.set()
             if folder.misplaced_seq == seq:
                 stats.misplaced += 1
-                log_.warning("projector.misplaced_event", seq=seq, subject=subject, by=getattr(event, "by", ""),
-                             anomaly=folder.view().last_anomaly)
+                log_.warning(
+                    "projector.misplaced_event",
+                    seq=seq,
+                    subject=subject,
+                    by=getattr(event, "by", ""),
+                    anomaly=folder.view().last_anomaly,
+                )
             elif type(event) is RouteMoved:
                 self._pending.setdefault(fleet, []).append(intent(folder.view()))
         if fleet:  # the chain head of its subject, and one more event towards the fleet's next checkpoint
@@ -472,8 +490,7 @@ class Projector:
             events = self._cp_events.get(fleet, 0) + count
             self._cp_count[fleet] = 0
             heads = {s: (q, d if isinstance(d, str) else body_hash(d)) for s, (q, d) in raw.items()}
-            cp = checkpoints.build(fleet, upto=upto, events=events, heads=heads, view=view,
-                                   now=datetime.now(timezone.utc))
+            cp = checkpoints.build(fleet, upto=upto, events=events, heads=heads, view=view, now=datetime.now(UTC))
             subject = subjects.checkpoint(fleet)
             try:
                 expect = self._cp_seq.get(fleet)
@@ -488,8 +505,14 @@ class Projector:
                 raise
             self._cp_events[fleet] = events
             self.checkpoints_written += 1
-            log_.info("projector.checkpoint", fleet=fleet, upto=upto, seq=self._cp_seq[fleet], events=events,
-                      subjects=len(heads))
+            log_.info(
+                "projector.checkpoint",
+                fleet=fleet,
+                upto=upto,
+                seq=self._cp_seq[fleet],
+                events=events,
+                subjects=len(heads),
+            )
 
     def _folders_scanning(self) -> set[str]:
         return {fleet for fleet, _, _ in self._scans}

@@ -22,14 +22,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from haru.core.planner import gpu_summary_line, shortfall_text
-from haru.core.sizes import GiB, format_gib, format_size
-from haru.core.residency import (Answer, Failed, Loading, Lost, NotAdmitted, Pulling, Resident, Sleeping, Stopped, Unknown,
-                            Waking)
 from haru.core import ranking
+from haru.core.planner import gpu_summary_line, shortfall_text
+from haru.core.residency import (
+    Answer,
+    Failed,
+    Loading,
+    Lost,
+    NotAdmitted,
+    Pulling,
+    Resident,
+    Sleeping,
+    Stopped,
+    Unknown,
+    Waking,
+)
+from haru.core.sizes import GiB, format_gib, format_size
+from haru.core.views import (
+    DomainView,
+    FleetView,
+    GpuView,
+    ModelView,
+    OperationView,
+    RankedStandby,
+    RouteIntent,
+    Target,
+    TrainingView,
+)
 from haru.core.weights import lines as weight_lines
-from haru.core.views import (DomainView, FleetView, GpuView, ModelView, OperationView, RankedStandby, RouteIntent, Target,
-                             TrainingView)
 
 __all__ = ["answer_text", "model_line", "model_state", "render", "render_intent", "standby_lines", "training_state"]
 
@@ -114,13 +134,17 @@ def host_ram_line(d: DomainView) -> str:
         slots = [t for t in d.training.values() if t.admitted and t.host_ram_bytes]
         held = sum(m.host_ram_bytes for m in models) + sum(t.host_ram_bytes for t in slots)
         capacity = max(0, d.host_ram_bytes - d.host_ram_reserve_bytes)
-        parts.append(f"host RAM {held / GiB:.1f} / {format_gib(capacity)} held  ({len(models)} sleeping model"
-                     f"{'s' if len(models) != 1 else ''}, {len(slots)} training slot{'s' if len(slots) != 1 else ''})")
+        parts.append(
+            f"host RAM {held / GiB:.1f} / {format_gib(capacity)} held  ({len(models)} sleeping model"
+            f"{'s' if len(models) != 1 else ''}, {len(slots)} training slot{'s' if len(slots) != 1 else ''})"
+        )
     a = d.agent
     if a.host_ram_total_bytes:
         used = max(0, a.host_ram_total_bytes - a.host_ram_available_bytes)
-        parts.append(f"{'' if parts else 'host RAM '}{used / GiB:.1f} of {format_gib(a.host_ram_total_bytes)} used at "
-                     f"agent start")
+        parts.append(
+            f"{'' if parts else 'host RAM '}{used / GiB:.1f} of {format_gib(a.host_ram_total_bytes)} used at "
+            f"agent start"
+        )
     return "  · ".join(parts)
 
 
@@ -152,8 +176,10 @@ def accounting_lines(gpu: GpuView) -> list[str]:
         if u.over_plan:
             what = u.name if u.kind == "model" else f"training {u.name}"
             pids = ", ".join(map(str, u.pids))
-            lines.append(f"OVER PLAN  {what} holds {format_gib(u.used_bytes)}, planned {format_gib(u.planned_bytes)}"
-                         f" (pid{'s' if len(u.pids) != 1 else ''} {pids})")
+            lines.append(
+                f"OVER PLAN  {what} holds {format_gib(u.used_bytes)}, planned {format_gib(u.planned_bytes)}"
+                f" (pid{'s' if len(u.pids) != 1 else ''} {pids})"
+            )
     for p in gpu.foreign:
         lines.append(f"FOREIGN    pid {p.pid} holds {format_gib(p.used_bytes)} (a process Haru did not start)")
     return lines
@@ -203,11 +229,15 @@ def _operation(op: OperationView, now: datetime, *, finished: bool) -> str:
             head += f" — {op.error}"
     else:
         head += f", running for {_secs(op.requested_at, now)}"
-    steps = [f"{s.step}{'' if s.attempt == 1 else f'#{s.attempt}'} {s.state}" + (f" ({s.detail})" if s.state == "skipped" else "")
-             for s in op.steps]
+    steps = [
+        f"{s.step}{'' if s.attempt == 1 else f'#{s.attempt}'} {s.state}"
+        + (f" ({s.detail})" if s.state == "skipped" else "")
+        for s in op.steps
+    ]
     if op.tried:
-        head += "\n    tried first: " + ", ".join(f"{t.target} ({t.step} failed: {t.error})" if t.error else t.target
-                                              for t in op.tried)
+        head += "\n    tried first: " + ", ".join(
+            f"{t.target} ({t.step} failed: {t.error})" if t.error else t.target for t in op.tried
+        )
     if steps:
         head += "\n    steps: " + ", ".join(steps)
     return head
@@ -216,9 +246,9 @@ def _operation(op: OperationView, now: datetime, *, finished: bool) -> str:
 def standby_lines(ranked: Sequence[RankedStandby], protection: str) -> list[str]:
     """The ranking, best first, and whether the fleet is protected:
 
-        standbys: 1 of 2 fit (protected)
-          1. b  fit; declared 1st in the layout; last wake 830 ms
-          2. c  not fit: standby c is unreachable; declared 2nd in the layout; wake never measured
+    standbys: 1 of 2 fit (protected)
+      1. b  fit; declared 1st in the layout; last wake 830 ms
+      2. c  not fit: standby c is unreachable; declared 2nd in the layout; wake never measured
     """
     if not ranked:
         return []
@@ -234,8 +264,10 @@ def anomaly_line(view: FleetView, now: datetime) -> str:
     """The log's anomalies: how many in all, the last with its age, and whether its cause is over."""
     age = f", {_secs(view.last_anomaly_at, now)} ago" if view.last_anomaly_at is not None else ""
     if view.anomaly_cleared_at is not None:
-        return (f"anomalies in the log: {view.anomalies} (none open: the last{age}, about {view.anomaly_about}, "
-                f"cleared {_secs(view.anomaly_cleared_at, now)} ago: {view.last_anomaly})")
+        return (
+            f"anomalies in the log: {view.anomalies} (none open: the last{age}, about {view.anomaly_about}, "
+            f"cleared {_secs(view.anomaly_cleared_at, now)} ago: {view.last_anomaly})"
+        )
     return f"anomalies in the log: {view.anomalies} (last{age}: {view.last_anomaly})"
 
 

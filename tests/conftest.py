@@ -6,13 +6,11 @@ Integration tests use `nats_server` (a started `haru.host.natsd.NatsServer`) and
 
 from __future__ import annotations
 
-
 import pytest
 
 from haru.host.natsd import NatsServer
 
 pytest_plugins = ["tests.support.hangdump"]
-
 
 
 @pytest.fixture

@@ -15,12 +15,21 @@ from haru.core.specs import ModelSpec
 __all__ = ["Health", "Runtime", "VllmRuntime", "LlamaServerRuntime", "ExternalRuntime", "make_runtime"]
 
 
-def make_runtime(spec: ModelSpec, *, session: aiohttp.ClientSession, log_dir: Path, bind_host: str = "127.0.0.1",
-                 gpu_memory_bytes: int = 0) -> Runtime:
+def make_runtime(
+    spec: ModelSpec,
+    *,
+    session: aiohttp.ClientSession,
+    log_dir: Path,
+    bind_host: str = "127.0.0.1",
+    gpu_memory_bytes: int = 0,
+) -> Runtime:
     """The runtime for `spec`; `gpu_memory_bytes` is its GPU's declared memory (vLLM's fraction is of it)."""
     if spec.runtime == "vllm":
-        return VllmRuntime(spec, session=session, log_dir=log_dir, bind_host=bind_host, gpu_memory_bytes=gpu_memory_bytes)
+        return VllmRuntime(
+            spec, session=session, log_dir=log_dir, bind_host=bind_host, gpu_memory_bytes=gpu_memory_bytes
+        )
     if spec.runtime == "llama_server":
-        return LlamaServerRuntime(spec, session=session, log_dir=log_dir, bind_host=bind_host,
-                                  gpu_memory_bytes=gpu_memory_bytes)
+        return LlamaServerRuntime(
+            spec, session=session, log_dir=log_dir, bind_host=bind_host, gpu_memory_bytes=gpu_memory_bytes
+        )
     return ExternalRuntime(spec, session=session)

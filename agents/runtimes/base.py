@@ -12,9 +12,9 @@ completion answered (see `agents.probes`).
 from __future__ import annotations
 
 import asyncio
-import socket
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -24,11 +24,11 @@ import aiohttp
 import msgspec
 
 from haru.agents.errors import OutOfMemory, ProbeUnanswered, RuntimeRefused, RuntimeUnreachable
-from haru.host.children import start_time
-from haru.host.natsd import free_port
 from haru.core.launch import ArgConflict, Launch
 from haru.core.launch import launch as plan_launch
 from haru.core.specs import ModelSpec
+from haru.host.children import start_time
+from haru.host.natsd import free_port
 
 __all__ = [
     "Health",
@@ -150,7 +150,7 @@ class HttpRuntime:
                 method, url, json=json, timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as resp:
                 return resp.status, await resp.read()
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise RuntimeUnreachable(f"{self.spec.name}: {method} {path} got no answer in {timeout_s:.1f}s") from exc
         except aiohttp.ClientError as exc:
             raise RuntimeUnreachable(f"{self.spec.name}: {method} {path} failed: {exc}") from exc
@@ -171,12 +171,16 @@ class HttpRuntime:
         status, body = await self._request("GET", "/v1/models", timeout_s=timeout_s)
         if status != 200:
             raise RuntimeRefused(
-                f"{self.spec.name}: /v1/models answered {status}", status=status, body=body[:300].decode(errors="replace")
+                f"{self.spec.name}: /v1/models answered {status}",
+                status=status,
+                body=body[:300].decode(errors="replace"),
             )
         try:
             models = _models_decoder.decode(body)
         except msgspec.DecodeError as exc:
-            raise RuntimeRefused(f"{self.spec.name}: /v1/models is not an OpenAI model list: {exc}", status=status) from exc
+            raise RuntimeRefused(
+                f"{self.spec.name}: /v1/models is not an OpenAI model list: {exc}", status=status
+            ) from exc
         return [str(m.get("id", "")) for m in models.data]
 
     async def is_sleeping(self, timeout_s: float = 5.0) -> bool | None:
@@ -221,19 +225,30 @@ class HttpRuntime:
         """The text of a greedy, fixed-seed completion of `WAKE_CHECK_PROMPT` by `model` (the served
         model or one of its adapters): the same weights give the same text, so the answer recorded
         before a sleep is what a correct wake must give again. Raises ProbeUnanswered."""
-        body = {"model": model, "prompt": WAKE_CHECK_PROMPT, "max_tokens": WAKE_CHECK_TOKENS, "temperature": 0,
-                "seed": 0}
+        body = {
+            "model": model,
+            "prompt": WAKE_CHECK_PROMPT,
+            "max_tokens": WAKE_CHECK_TOKENS,
+            "temperature": 0,
+            "seed": 0,
+        }
         try:
             status, raw = await self._request("POST", "/v1/completions", timeout_s=timeout_s, json=body)
         except RuntimeUnreachable as exc:
-            raise ProbeUnanswered(f"{self.spec.name}: the greedy check completion ({model}) got no answer: {exc}") from exc
+            raise ProbeUnanswered(
+                f"{self.spec.name}: the greedy check completion ({model}) got no answer: {exc}"
+            ) from exc
         if status != 200:
-            raise ProbeUnanswered(f"{self.spec.name}: the greedy check completion ({model}) answered {status}: "
-                              f"{raw[:300].decode(errors='replace')}")
+            raise ProbeUnanswered(
+                f"{self.spec.name}: the greedy check completion ({model}) answered {status}: "
+                f"{raw[:300].decode(errors='replace')}"
+            )
         try:
             choices = _choices_decoder.decode(raw).choices
         except msgspec.DecodeError as exc:
-            raise ProbeUnanswered(f"{self.spec.name}: the greedy check completion ({model}) is not a completion: {exc}") from exc
+            raise ProbeUnanswered(
+                f"{self.spec.name}: the greedy check completion ({model}) is not a completion: {exc}"
+            ) from exc
         if not choices or not isinstance(choices[0].get("text"), str):
             raise ProbeUnanswered(f"{self.spec.name}: the greedy check completion ({model}) returned no text")
         return str(choices[0]["text"])
@@ -300,12 +315,20 @@ class ProcessRuntime(HttpRuntime):
 
     def _launch(self, *, sleep_mode: bool = True, platform: str = "") -> Launch:
         try:
-            spec = self.spec if self.spec.runtime == self.kind else msgspec.structs.replace(self.spec, runtime=self.kind)
+            spec = (
+                self.spec if self.spec.runtime == self.kind else msgspec.structs.replace(self.spec, runtime=self.kind)
+            )
             if not spec.binary and (managed := self.managed_binary()):
                 spec = msgspec.structs.replace(spec, binary=managed)
-            return plan_launch(spec, gpu_memory_bytes=self.gpu_memory_bytes, port=self._port,
-                               bind_host=self.bind_host, base_env=self._base_env, sleep_mode=sleep_mode,
-                               platform=platform)
+            return plan_launch(
+                spec,
+                gpu_memory_bytes=self.gpu_memory_bytes,
+                port=self._port,
+                bind_host=self.bind_host,
+                base_env=self._base_env,
+                sleep_mode=sleep_mode,
+                platform=platform,
+            )
         except ArgConflict as exc:
             raise RuntimeRefused(f"{self.spec.name}: {exc}; fix: {exc.fix}") from exc
         except ValueError as exc:
@@ -411,8 +434,15 @@ class ProcessRuntime(HttpRuntime):
         """What the next agent needs to adopt this process: pid, kernel start time, argv, port, model, plan."""
         if not self.alive() or self._pid is None:
             return None
-        return {"pid": self._pid, "start": self._start, "argv": self._argv, "port": self._port,
-                "model": self.spec.name, "runtime": self.kind, "plan": msgspec.to_builtins(self.spec)}
+        return {
+            "pid": self._pid,
+            "start": self._start,
+            "argv": self._argv,
+            "port": self._port,
+            "model": self.spec.name,
+            "runtime": self.kind,
+            "plan": msgspec.to_builtins(self.spec),
+        }
 
     def planned_argv(self, port: int) -> list[str] | None:
         """The argv this runtime would be started with on `port` (None: the plan cannot be built)."""
@@ -452,7 +482,7 @@ class ProcessRuntime(HttpRuntime):
             try:
                 async with asyncio.timeout(grace_s):
                     await asyncio.shield(done)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 killpg(pid, signal.SIGKILL)
                 await asyncio.shield(done)
         killpg(pid, signal.SIGKILL)  # stragglers left in the group (a pgid is not reused while it has members)
@@ -471,4 +501,3 @@ class ProcessRuntime(HttpRuntime):
 
 def _file_token(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:100]
-

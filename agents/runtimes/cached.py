@@ -56,17 +56,31 @@ def run_step(who: str, argv: list[str], what: str, *, missing: str = "", capture
     BuildError naming the step (and, for a missing program, `missing`: what to install or set)."""
     say(who, f"{what}: {' '.join(argv)}")
     try:
-        done = subprocess.run(argv, check=True, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE if capture else sys.stderr, text=True, **kw)
+        done = subprocess.run(
+            argv,
+            check=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if capture else sys.stderr,
+            text=True,
+            **kw,
+        )
     except FileNotFoundError as exc:
-        raise BuildError(f"{what}: {argv[0]} is not there ({exc.strerror})" + (f"; {missing}" if missing else "")) from exc
+        raise BuildError(
+            f"{what}: {argv[0]} is not there ({exc.strerror})" + (f"; {missing}" if missing else "")
+        ) from exc
     except subprocess.CalledProcessError as exc:
         raise BuildError(f"{what} failed with exit status {exc.returncode}: {' '.join(argv)}") from exc
     return done.stdout or ""
 
 
-def maker_main(module: str, doc: str, check_help: str, ensure: Callable[[bool], T], show: Callable[[T], str],
-               argv: list[str] | None = None) -> int:
+def maker_main(
+    module: str,
+    doc: str,
+    check_help: str,
+    ensure: Callable[[bool], T],
+    show: Callable[[T], str],
+    argv: list[str] | None = None,
+) -> int:
     """The command line of a maker: make (or with --check only find) the thing, print what `show`
     makes of it; a BuildError is said on stderr with exit status 1."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=(doc or "").split("\n")[0])

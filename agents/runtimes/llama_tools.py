@@ -56,7 +56,9 @@ def ensure_tool(name: str) -> Path:
         build = root / "build"
         if not (build / "CMakeCache.txt").exists():
             lb._run(["cmake", "-S", str(src), "-B", str(build), *lb.CMAKE_FLAGS], "configuring")
-        lb._run(["cmake", "--build", str(build), "--target", name, f"-j{lb.JOBS}"], f"compiling {name} with -j{lb.JOBS}")
+        lb._run(
+            ["cmake", "--build", str(build), "--target", name, f"-j{lb.JOBS}"], f"compiling {name} with -j{lb.JOBS}"
+        )
         built = build / "bin" / name
         if not built.is_file():
             raise lb.BuildError(f"cmake finished but {built} is missing")
@@ -71,8 +73,13 @@ def ensure_tool(name: str) -> Path:
 
 def status() -> dict:
     """What the managed runtime holds now, without building anything."""
-    out: dict = {"package": lb.PACKAGE, "version": lb.VERSION, "sdist_sha256": lb.SDIST_SHA256,
-                 "cache": str(lb.cache_dir()), "tools": {}}
+    out: dict = {
+        "package": lb.PACKAGE,
+        "version": lb.VERSION,
+        "sdist_sha256": lb.SDIST_SHA256,
+        "cache": str(lb.cache_dir()),
+        "tools": {},
+    }
     for name in TOOLS:
         try:
             found = find_tool(name)

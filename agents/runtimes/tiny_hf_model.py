@@ -36,29 +36,64 @@ def main() -> None:
     words = ["".join(rnd.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rnd.randint(2, 7))) for _ in range(300)]
     corpus = out / "corpus.txt"
     corpus.write_text("\n".join(" ".join(rnd.choice(words) for _ in range(12)) for _ in range(3000)))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(out / "tokenizer"), vocab_size=512, byte_fallback=True,
-                                   model_type="bpe", character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0,
-                                   pad_id=-1, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(out / "tokenizer"),
+        vocab_size=512,
+        byte_fallback=True,
+        model_type="bpe",
+        character_coverage=1.0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=-1,
+        minloglevel=2,
+    )
     corpus.unlink()
     (out / "tokenizer.vocab").unlink(missing_ok=True)
     vocab = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model")).vocab_size()
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-              "intermediate_size": FF, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
-              "num_key_value_heads": HEADS, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-              "vocab_size": vocab, "bos_token_id": 1, "eos_token_id": 2, "rope_theta": 10000.0,
-              "torch_dtype": "float32", "tie_word_embeddings": False, "hidden_act": "silu"}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": FF,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "rope_theta": 10000.0,
+        "torch_dtype": "float32",
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "add_bos_token": True, "add_eos_token": False,
-        "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"}))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "add_bos_token": True,
+                "add_eos_token": False,
+                "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:",
+            }
+        )
+    )
     g = np.random.default_rng(args.seed)
 
     def w(*shape):
         return (g.standard_normal(shape) * 0.02).astype(np.float32)
 
-    t = {"model.embed_tokens.weight": w(vocab, HIDDEN), "model.norm.weight": np.ones(HIDDEN, np.float32),
-         "lm_head.weight": w(vocab, HIDDEN)}
+    t = {
+        "model.embed_tokens.weight": w(vocab, HIDDEN),
+        "model.norm.weight": np.ones(HIDDEN, np.float32),
+        "lm_head.weight": w(vocab, HIDDEN),
+    }
     for i in range(LAYERS):
         pre = f"model.layers.{i}."
         t[pre + "input_layernorm.weight"] = np.ones(HIDDEN, np.float32)

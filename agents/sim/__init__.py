@@ -1,8 +1,8 @@
 """The simulator every test and the demo use in place of GPUs.
 
-    agents.sim.vllm        a simulated vLLM server (`python -m haru.agents.sim.vllm serve ...`)
-    agents.sim.trainer     a simulated trainer (`python -m haru.agents.sim.trainer --vram 8GiB`)
-    agents.sim.gpu_state   the simulated GPU state file (SimGpuState), shared by all of them
+agents.sim.vllm        a simulated vLLM server (`python -m haru.agents.sim.vllm serve ...`)
+agents.sim.trainer     a simulated trainer (`python -m haru.agents.sim.trainer --vram 8GiB`)
+agents.sim.gpu_state   the simulated GPU state file (SimGpuState), shared by all of them
 """
 
 from haru.agents.sim.errors import BadSize, NoSimGpu, SimError

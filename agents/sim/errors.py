@@ -1,8 +1,8 @@
 """Errors of the simulator. A leaf module: it imports nothing from the package.
 
-    SimError              (haru.core.errors.HaruError)
-    ├── BadSize           a size like "4GiB" that cannot be parsed          (operator)
-    └── NoSimGpu          a simulated GPU file that does not exist          (operator)
+SimError              (haru.core.errors.HaruError)
+├── BadSize           a size like "4GiB" that cannot be parsed          (operator)
+└── NoSimGpu          a simulated GPU file that does not exist          (operator)
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from haru.agents.sim.errors import BadSize, NoSimGpu
 from haru.core import sizes
 from haru.core.sizes import GiB, MiB  # noqa: F401 - the sizes a sim is set up in, importable beside it
 from haru.host import procfs
-
 
 DEFAULT_GPU_NAME = "Haru Sim GPU"
 
@@ -116,8 +114,9 @@ class SimGpuState:
             raw["allocations"] = _live(raw["allocations"])
             self._store(raw)
 
-    def set_signs(self, *, xid: int | None = None, ecc_uncorrected: int | None = None,
-                  pages_pending: bool | None = None) -> None:
+    def set_signs(
+        self, *, xid: int | None = None, ecc_uncorrected: int | None = None, pages_pending: bool | None = None
+    ) -> None:
         """Signs that the GPU is about to go, as NVML reports them (agents/signals.py reads them):
         the last critical XID, uncorrected ECC errors, retired pages pending. None leaves one as it is."""
         with self._locked():
@@ -135,7 +134,9 @@ class SimGpuState:
         """
         raw = self._load()
         if raw is None:
-            raise NoSimGpu(f"simulated GPU {self.index} does not exist ({self.path}); create it with `haru sim add-gpu`")
+            raise NoSimGpu(
+                f"simulated GPU {self.index} does not exist ({self.path}); create it with `haru sim add-gpu`"
+            )
         allocations = _live(raw.get("allocations", {}))
         total = int(raw.get("memory_total_bytes", 0))
         used = sum(allocations.values())
@@ -177,7 +178,9 @@ class SimGpuState:
     def _require(self) -> dict:
         raw = self._load()
         if raw is None:
-            raise NoSimGpu(f"simulated GPU {self.index} does not exist ({self.path}); create it with `haru sim add-gpu`")
+            raise NoSimGpu(
+                f"simulated GPU {self.index} does not exist ({self.path}); create it with `haru sim add-gpu`"
+            )
         return raw
 
     def _store(self, raw: dict) -> None:

@@ -38,7 +38,7 @@ import contextlib
 import os
 import time
 from collections.abc import Iterable, Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -79,14 +79,34 @@ def fleet_layout(fleet: str, ports: Mapping[str, int], *, heartbeat_timeout_ms: 
     """A `haru apply` layout: two domains of one 80 GiB GPU, three vLLM models each (no training slot)."""
     domains = []
     for d in DOMAINS:
-        models = [{"name": m, "runtime": "vllm", "vram": "8GiB", "source": f"sim/{m}", "binary": ["python", "-m", "haru.agents.sim.vllm"]}
-                  for m in MODELS]  # never launched here: the simulator form, which the layout accepts
-        domains.append({"name": d, "serving_url": f"http://127.0.0.1:{ports[d]}",
-                        "gpus": [{"index": 0, "memory": "80GiB", "reserve": "2GiB"}],
-                        "slots": [{"name": "chat", "gpu": 0, "models": models}]})
-    return {"fleet": fleet, "domains": domains,
-            "policy": {"heartbeat_timeout_ms": heartbeat_timeout_ms, "degraded_grace_ms": 60_000,
-                       "restart_backoff_ms": 200, "probe_interval_ms": 5_000}}
+        models = [
+            {
+                "name": m,
+                "runtime": "vllm",
+                "vram": "8GiB",
+                "source": f"sim/{m}",
+                "binary": ["python", "-m", "haru.agents.sim.vllm"],
+            }
+            for m in MODELS
+        ]  # never launched here: the simulator form, which the layout accepts
+        domains.append(
+            {
+                "name": d,
+                "serving_url": f"http://127.0.0.1:{ports[d]}",
+                "gpus": [{"index": 0, "memory": "80GiB", "reserve": "2GiB"}],
+                "slots": [{"name": "chat", "gpu": 0, "models": models}],
+            }
+        )
+    return {
+        "fleet": fleet,
+        "domains": domains,
+        "policy": {
+            "heartbeat_timeout_ms": heartbeat_timeout_ms,
+            "degraded_grace_ms": 60_000,
+            "restart_backoff_ms": 200,
+            "probe_interval_ms": 5_000,
+        },
+    }
 
 
 class _NoRuntime:
@@ -108,14 +128,21 @@ class _SimGpu:
     async def observe(self, index: int) -> None:
         h = self.host
         used = sum(8 * GiB for m in h.models.values() if isinstance(m.state, (Resident, Waking)))
-        event = GpuObserved(at=_now(), domain=h.domain, index=0, present=self.present, memory_total_bytes=80 * GiB,
-                            memory_used_bytes=used if self.present else 0, by=h.writer)
+        event = GpuObserved(
+            at=_now(),
+            domain=h.domain,
+            index=0,
+            present=self.present,
+            memory_total_bytes=80 * GiB,
+            memory_used_bytes=used if self.present else 0,
+            by=h.writer,
+        )
         self.seq = await h.append(subjects.gpu(h.fleet, h.domain, 0), event, self.seq)
         self.gone = 0 if self.present else self.seq
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class _Slots:
@@ -158,9 +185,22 @@ class SimHost:
     its model slots (`selected`, `supervisor`), its role (`refresh`), its live apply (`apply_declared`,
     `slots`) and its status (`data`, `verify_gpus`); training is `_Training` over no slots."""
 
-    def __init__(self, log: EventLog, fleet: str, domain: str, specs: list[ModelSpec], *, policy: Policy,
-                 serving_url: str, heartbeat_ms: int, load_ms: int, wake_ms: int, sleep_ms: int, probe_ms: int,
-                 acked: list[tuple[str, int]] | None = None) -> None:
+    def __init__(
+        self,
+        log: EventLog,
+        fleet: str,
+        domain: str,
+        specs: list[ModelSpec],
+        *,
+        policy: Policy,
+        serving_url: str,
+        heartbeat_ms: int,
+        load_ms: int,
+        wake_ms: int,
+        sleep_ms: int,
+        probe_ms: int,
+        acked: list[tuple[str, int]] | None = None,
+    ) -> None:
         self.log = log
         self.fleet = fleet
         self.domain = domain
@@ -178,8 +218,14 @@ class SimHost:
         self._appender = Appender(log, stopping=lambda: False, logger=self.logger)
         self.acked = acked  # (subject, seq) of every append acknowledged, when the caller keeps them
         self.agent_seq = 0
-        self.recorder = Recorder(domain=domain, append=self.append, gpu=self.gpu, agent_seq=lambda: self.agent_seq,  # type: ignore[arg-type]
-                                 stopping=lambda: False, logger=self.logger)
+        self.recorder = Recorder(
+            domain=domain,
+            append=self.append,
+            gpu=self.gpu,  # type: ignore[arg-type]
+            agent_seq=lambda: self.agent_seq,
+            stopping=lambda: False,
+            logger=self.logger,
+        )
         self.service: CommandService | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self.running = False
@@ -214,13 +260,19 @@ class SimHost:
         return None
 
     def data(self) -> dict:
-        return {"role": "sim", "models": {n: {"state": m.state_tag} for n, m in self._models.items()},
-                "training": {}, "gpus": [{"index": 0, "present": self.gpu.present}]}
+        return {
+            "role": "sim",
+            "models": {n: {"state": m.state_tag} for n, m in self._models.items()},
+            "training": {},
+            "gpus": [{"index": 0, "present": self.gpu.present}],
+        }
 
     def selected(self, command: Command) -> Selection:
         names = command.models or list(self._models)
-        return Selection(models=[self._models[n] for n in names if n in self._models],
-                         unknown=[n for n in names if n not in self._models])
+        return Selection(
+            models=[self._models[n] for n in names if n in self._models],
+            unknown=[n for n in names if n not in self._models],
+        )
 
     async def sleep_model(self, m: ModelSlot, level: int) -> Outcome:
         async with m.lock:
@@ -268,27 +320,52 @@ class SimHost:
 
     def heartbeat(self) -> Heartbeat:
         self.heartbeats_sent += 1
-        return heartbeat_of(fleet=self.fleet, domain=self.domain, role="sim",
-                            models={n: m.state_tag for n, m in self._models.items()}, training=[], pid=self.pid, at=_now())
+        return heartbeat_of(
+            fleet=self.fleet,
+            domain=self.domain,
+            role="sim",
+            models={n: m.state_tag for n, m in self._models.items()},
+            training=[],
+            pid=self.pid,
+            at=_now(),
+        )
 
     async def start(self, *, adopt: bool = False) -> None:
         """Claim the domain (`agent_started` with the subject's expected sequence), observe the GPU, answer
         commands, beat, and load every model (or, after a restart, adopt the runtimes as they are)."""
         subject = subjects.agent(self.fleet, self.domain)
-        started = AgentStarted(at=_now(), domain=self.domain, host=self.host, pid=self.pid, version="sim",
-                               serving_url=self.serving_url, by=self.writer)
+        started = AgentStarted(
+            at=_now(),
+            domain=self.domain,
+            host=self.host,
+            pid=self.pid,
+            version="sim",
+            serving_url=self.serving_url,
+            by=self.writer,
+        )
         self.agent_seq = await self.append(subject, started, await self.log.last_seq_of(subject))
         if not adopt:
             self.gpu.seq = await self.log.last_seq_of(subjects.gpu(self.fleet, self.domain, 0))
             await self.gpu.observe(0)
             for m in self._models.values():
                 m.seq = await self.log.last_seq_of(m.subject)
-        self.service = CommandService(self.log.nc, models=self, training=_Training(self._slots), role=self,  # type: ignore[arg-type]
-                                      live=self, status=self)  # type: ignore[arg-type]
+        self.service = CommandService(
+            self.log.nc,
+            models=self,  # type: ignore[arg-type]
+            training=_Training(self._slots),  # type: ignore[arg-type]
+            role=self,  # type: ignore[arg-type]
+            live=self,  # type: ignore[arg-type]
+            status=self,  # type: ignore[arg-type]
+        )
         await self.service.start()
         hb = subjects.heartbeat(self.fleet, self.domain)
-        beats = Heartbeats(lambda data: self.log.bus.publish(hb, data), self.heartbeat, interval_s=self.heartbeat_ms / 1000,
-                           errors=self.loop_errors, logger=self.logger)
+        beats = Heartbeats(
+            lambda data: self.log.bus.publish(hb, data),
+            self.heartbeat,
+            interval_s=self.heartbeat_ms / 1000,
+            errors=self.loop_errors,
+            logger=self.logger,
+        )
         self._tasks = [asyncio.create_task(beats.run(), name=f"hb-{self.host}")]
         self.running = True
         for m in self._models.values():
@@ -363,9 +440,18 @@ class SimHosts:
     Fleets can be added while running (`grow`), so one run measures 1, then 10, then 100 fleets.
     """
 
-    def __init__(self, log: EventLog, *, heartbeat_ms: int = 1000, heartbeat_timeout_ms: int = 3000,
-                 load_ms: int = 300, wake_ms: int = 200, sleep_ms: int = 50, probe_ms: int = 20,
-                 keep_acks: bool = False) -> None:
+    def __init__(
+        self,
+        log: EventLog,
+        *,
+        heartbeat_ms: int = 1000,
+        heartbeat_timeout_ms: int = 3000,
+        load_ms: int = 300,
+        wake_ms: int = 200,
+        sleep_ms: int = 50,
+        probe_ms: int = 20,
+        keep_acks: bool = False,
+    ) -> None:
         self.log = log
         self.acked: list[tuple[str, int]] | None = [] if keep_acks else None  # every agent append acknowledged
         self.heartbeat_ms = heartbeat_ms
@@ -408,8 +494,16 @@ class SimHosts:
             await apply_layout(self.log, layout, _now())
             for dom in layout.domains:
                 self.hosts[(fleet, dom.spec.name)] = SimHost(
-                    self.log, fleet, dom.spec.name, list(dom.models), policy=layout.policy,
-                    serving_url=dom.spec.serving_url, heartbeat_ms=self.heartbeat_ms, acked=self.acked, **self.timing)
+                    self.log,
+                    fleet,
+                    dom.spec.name,
+                    list(dom.models),
+                    policy=layout.policy,
+                    serving_url=dom.spec.serving_url,
+                    heartbeat_ms=self.heartbeat_ms,
+                    acked=self.acked,
+                    **self.timing,
+                )
             self.fleets.append(fleet)
         await asyncio.gather(*(self.hosts[(f, d)].start() for f in added for d in DOMAINS))
         return added
@@ -420,12 +514,17 @@ class SimHosts:
         port = request.transport.get_extra_info("sockname")[1] if request.transport else 0
         fleet, domain = self._by_port.get(port, ("", ""))
         self.chats += 1
-        return web.json_response({
-            "id": "chatcmpl-sim", "object": "chat.completion", "created": int(time.time()), "model": model,
-            "system_fingerprint": f"{fleet}/{domain}",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-        })
+        return web.json_response(
+            {
+                "id": "chatcmpl-sim",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": model,
+                "system_fingerprint": f"{fleet}/{domain}",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in MODELS]})
@@ -441,7 +540,11 @@ class SimHosts:
                 continue
             standby = "b" if v.active == "a" else "a"
             act, sb = v.domains.get(v.active), v.domains.get(standby)
-            if (act is None or sb is None or not all(isinstance(m.residency, Resident) for m in act.models.values())
-                    or not all(isinstance(m.residency, Sleeping) for m in sb.models.values())):
+            if (
+                act is None
+                or sb is None
+                or not all(isinstance(m.residency, Resident) for m in act.models.values())
+                or not all(isinstance(m.residency, Sleeping) for m in sb.models.values())
+            ):
                 out.append(f)
         return out

@@ -165,15 +165,24 @@ def profile_outcome(vram: int, weights: int, others_before: int, others_after: i
     if others_after < others_before:
         before_free = max(0, gpu_total - others_before - vram)
         after_free = max(0, gpu_total - others_after - vram)
-        return Profiled(0, planned, (
-            f"AssertionError: Error in memory profiling. Initial free memory {before_free / GiB:.2f} GiB, current "
-            f"free memory {after_free / GiB:.2f} GiB. This happens when other processes sharing the same container "
-            f"release GPU memory while vLLM is profiling during initialization. To fix this, ensure consistent GPU "
-            f"memory allocation or isolate vLLM in its own container."))
+        return Profiled(
+            0,
+            planned,
+            (
+                f"AssertionError: Error in memory profiling. Initial free memory {before_free / GiB:.2f} GiB, current "
+                f"free memory {after_free / GiB:.2f} GiB. This happens when other processes sharing the same container "
+                f"release GPU memory while vLLM is profiling during initialization. To fix this, ensure consistent GPU "
+                f"memory allocation or isolate vLLM in its own container."
+            ),
+        )
     kv = planned - (others_after - others_before)
     if kv <= 0:
-        return Profiled(0, planned, "ValueError: No available memory for the cache blocks. Try increasing "
-                                    "`gpu_memory_utilization` when initializing the engine.")
+        return Profiled(
+            0,
+            planned,
+            "ValueError: No available memory for the cache blocks. Try increasing "
+            "`gpu_memory_utilization` when initializing the engine.",
+        )
     return Profiled(kv, planned)
 
 
@@ -237,8 +246,9 @@ def error(status: int, message: str, kind: str, param: str | None = None) -> web
     return web.json_response(body, status=status)
 
 
-def _tokens(domain: str, model: str, max_tokens: int | None, ignore_eos: bool,
-            corrupted: bool = False) -> tuple[list[str], str]:
+def _tokens(
+    domain: str, model: str, max_tokens: int | None, ignore_eos: bool, corrupted: bool = False
+) -> tuple[list[str], str]:
     """The reply, as tokens, and the finish reason. The first token names the domain."""
     words = [f"[domain {domain}]", " hello", " from", f" {model}", " on", " the", " simulated", " GPU", "."]
     if corrupted:
@@ -267,19 +277,25 @@ def _continued_prefix(body: dict) -> str | None | web.Response:
     final_assistant = last.get("role") == "assistant"
     if body.get("continue_final_message"):
         if body.get("add_generation_prompt", True):
-            return error(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                         "BadRequestError")
+            return error(
+                400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", "BadRequestError"
+            )
         if not final_assistant:
-            return error(400, "`continue_final_message` needs the last message to be an assistant message",
-                         "BadRequestError", "messages")
+            return error(
+                400,
+                "`continue_final_message` needs the last message to be an assistant message",
+                "BadRequestError",
+                "messages",
+            )
         return str(last.get("content") or "")
     if final_assistant and os.environ.get("HARU_SIM_PREFILL") == "1":
         return str(last.get("content") or "")
     return None
 
 
-def _continuation(domain: str, model: str, prefix: str, max_tokens: int | None,
-                  ignore_eos: bool) -> tuple[list[str], str]:
+def _continuation(
+    domain: str, model: str, prefix: str, max_tokens: int | None, ignore_eos: bool
+) -> tuple[list[str], str]:
     """The rest of the reply after `prefix`: the reply's tokens (`_tokens`, whichever domain began it)
     that the prefix does not hold yet."""
     whole, finish = _tokens(domain, model, None if not ignore_eos else (max_tokens or 0) + 4096, ignore_eos)
@@ -287,9 +303,9 @@ def _continuation(domain: str, model: str, prefix: str, max_tokens: int | None,
     done = 0
     for i, token in enumerate(whole):
         if i == 0 and rest.startswith("[domain ") and "]" in rest:
-            rest = rest[rest.index("]") + 1:]  # the first token names the domain that began the reply
+            rest = rest[rest.index("]") + 1 :]  # the first token names the domain that began the reply
         elif rest.startswith(token):
-            rest = rest[len(token):]
+            rest = rest[len(token) :]
         else:
             break
         done += 1
@@ -327,11 +343,14 @@ def _check_engine(engine: Engine, body: dict) -> web.Response | str:
         return error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     if not engine.gpu_present():
         return error(
-            500, f"CUDA error: GPU {engine.config.gpu_index} has fallen off the bus (GPU is lost)", "InternalServerError"
+            500,
+            f"CUDA error: GPU {engine.config.gpu_index} has fallen off the bus (GPU is lost)",
+            "InternalServerError",
         )
     if engine.sleeping:
         return error(
-            503, f"the engine is sleeping (level {engine.sleep_level}); POST /wake_up before sending requests",
+            503,
+            f"the engine is sleeping (level {engine.sleep_level}); POST /wake_up before sending requests",
             "ServiceUnavailableError",
         )
     if engine.fail_probe:
@@ -361,17 +380,28 @@ async def generate(request: web.Request) -> web.StreamResponse:
     # a dropped adapter answers as the base model; a corrupted wake answers other text
     answering = engine.config.name if model in engine.config.adapters and engine.adapters_dropped else model
     if prefix is None:
-        tokens, finish = _tokens(engine.config.domain, answering, max_tokens, bool(body.get("ignore_eos")),
-                                 engine.corrupted)
+        tokens, finish = _tokens(
+            engine.config.domain, answering, max_tokens, bool(body.get("ignore_eos")), engine.corrupted
+        )
     else:
-        tokens, finish = _continuation(engine.config.domain, answering, prefix, max_tokens,
-                                       bool(body.get("ignore_eos")))
+        tokens, finish = _continuation(
+            engine.config.domain, answering, prefix, max_tokens, bool(body.get("ignore_eos"))
+        )
     prompt_tokens = _prompt_tokens(body)
-    answer = _Answer(chat=chat, model=model, tokens=tokens, finish=finish,
-                     rid=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, created=int(time.time()),
-                     delay=1.0 / engine.config.tokens_per_s if engine.config.tokens_per_s > 0 else 0.0,
-                     usage={"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(tokens),
-                            "completion_tokens": len(tokens)})
+    answer = _Answer(
+        chat=chat,
+        model=model,
+        tokens=tokens,
+        finish=finish,
+        rid=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+        created=int(time.time()),
+        delay=1.0 / engine.config.tokens_per_s if engine.config.tokens_per_s > 0 else 0.0,
+        usage={
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + len(tokens),
+            "completion_tokens": len(tokens),
+        },
+    )
     if not body.get("stream"):
         return await _whole(answer)
     return await _streamed(request, answer, bool((body.get("stream_options") or {}).get("include_usage")))
@@ -422,7 +452,9 @@ async def _streamed(request: web.Request, a: _Answer, include_usage: bool) -> we
         await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
 
     if a.chat:
-        await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        await send(
+            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        )
     for i, token in enumerate(a.tokens):
         await asyncio.sleep(a.delay)
         last = i == len(a.tokens) - 1
@@ -456,8 +488,14 @@ async def embeddings(request: web.Request) -> web.Response:
     data = [{"object": "embedding", "index": i, "embedding": _vector(str(text))} for i, text in enumerate(inputs)]
     n = sum(max(len(str(text).split()), 1) for text in inputs)
     return web.json_response(
-        {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()), "model": model,
-         "data": data, "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}}
+        {
+            "id": "embd-" + uuid.uuid4().hex,
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": data,
+            "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0},
+        }
     )
 
 
@@ -472,15 +510,37 @@ def _vector(text: str, dim: int = 16) -> list[float]:
 async def models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     created = int(time.time())
-    data: list[dict[str, object]] = [] if engine.evicted else [
-        {"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": engine.config.source,
-         "parent": None, "max_model_len": 4096, "permission": []}
-        for name in engine.config.names
-    ]
+    data: list[dict[str, object]] = (
+        []
+        if engine.evicted
+        else [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": engine.config.source,
+                "parent": None,
+                "max_model_len": 4096,
+                "permission": [],
+            }
+            for name in engine.config.names
+        ]
+    )
     if not engine.evicted:
-        data += [{"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": f"lora/{name}",
-                  "parent": engine.config.name, "max_model_len": 4096, "permission": []}
-                 for name in engine.config.adapters]
+        data += [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": f"lora/{name}",
+                "parent": engine.config.name,
+                "max_model_len": 4096,
+                "permission": [],
+            }
+            for name in engine.config.adapters
+        ]
     return web.json_response({"object": "list", "data": data})
 
 
@@ -600,12 +660,26 @@ async def sim_state(request: web.Request) -> web.Response:
         return web.json_response({"detail": "Not Found"}, status=404)
     c = engine.config
     return web.json_response(
-        {"pid": os.getpid(), "model": c.name, "names": list(c.names), "domain": c.domain, "gpu_index": c.gpu_index,
-         "vram": c.vram, "sleeping": engine.sleeping, "evicted": engine.evicted, "hung": engine.hung,
-         "fail_probe": engine.fail_probe, "oom_on_wake": engine.oom_on_wake, "gpu_present": engine.gpu_present(),
-         "kv_cache_bytes": engine.kv_cache_bytes, "mis_sized": engine.mis_sized,
-         "adapters": list(c.adapters), "corrupt_wake": engine.corrupt_wake, "corrupted": engine.corrupted,
-         "adapters_dropped": engine.adapters_dropped}
+        {
+            "pid": os.getpid(),
+            "model": c.name,
+            "names": list(c.names),
+            "domain": c.domain,
+            "gpu_index": c.gpu_index,
+            "vram": c.vram,
+            "sleeping": engine.sleeping,
+            "evicted": engine.evicted,
+            "hung": engine.hung,
+            "fail_probe": engine.fail_probe,
+            "oom_on_wake": engine.oom_on_wake,
+            "gpu_present": engine.gpu_present(),
+            "kv_cache_bytes": engine.kv_cache_bytes,
+            "mis_sized": engine.mis_sized,
+            "adapters": list(c.adapters),
+            "corrupt_wake": engine.corrupt_wake,
+            "corrupted": engine.corrupted,
+            "adapters_dropped": engine.adapters_dropped,
+        }
     )
 
 
@@ -639,10 +713,19 @@ def build_app(engine: Engine) -> web.Application:
 
 
 def _record_profile(config: SimConfig, pid: int, began: float, ended: float, outcome: Profiled) -> None:
-    line = json.dumps({"pid": pid, "model": config.name, "gpu_index": config.gpu_index, "began": began,
-                       "ended": ended, "kv_cache_bytes": outcome.kv_cache_bytes,
-                       "planned_kv_bytes": outcome.planned_kv_bytes, "mis_sized": outcome.mis_sized,
-                       "error": outcome.error})
+    line = json.dumps(
+        {
+            "pid": pid,
+            "model": config.name,
+            "gpu_index": config.gpu_index,
+            "began": began,
+            "ended": ended,
+            "kv_cache_bytes": outcome.kv_cache_bytes,
+            "planned_kv_bytes": outcome.planned_kv_bytes,
+            "mis_sized": outcome.mis_sized,
+            "error": outcome.error,
+        }
+    )
     with open(config.sim_dir / "profiles.jsonl", "a") as fh:  # one short line: an O_APPEND write is whole
         fh.write(line + "\n")
 
@@ -671,14 +754,26 @@ async def serve(config: SimConfig) -> int:
     gpu = SimGpuState(config.sim_dir, config.gpu_index)
     gpu.ensure(config.gpu_memory)
     rt_path = runtime_path(config.sim_dir, config.name)
-    rt_path.write_text(json.dumps({"pid": pid, "port": port, "host": config.host, "model": config.name,
-                                   "names": list(config.names), "domain": config.domain,
-                                   "gpu_index": config.gpu_index}))
+    rt_path.write_text(
+        json.dumps(
+            {
+                "pid": pid,
+                "port": port,
+                "host": config.host,
+                "model": config.name,
+                "names": list(config.names),
+                "domain": config.domain,
+                "gpu_index": config.gpu_index,
+            }
+        )
+    )
     engine = Engine(config=config, gpu=gpu)
     runner: web.AppRunner | None = None
     try:
-        _log(f"loading {config.source} as {config.name!r} for domain {config.domain!r} "
-             f"({format_size(config.vram)} on GPU {config.gpu_index}, {config.load_ms} ms)")
+        _log(
+            f"loading {config.source} as {config.name!r} for domain {config.domain!r} "
+            f"({format_size(config.vram)} on GPU {config.gpu_index}, {config.load_ms} ms)"
+        )
         if not engine.gpu_present():
             _log(f"RuntimeError: CUDA error: no CUDA-capable device is detected (GPU {config.gpu_index} is absent)")
             return 1
@@ -700,9 +795,11 @@ async def serve(config: SimConfig) -> int:
                 return 1
             engine.kv_cache_bytes, engine.mis_sized = outcome.kv_cache_bytes, outcome.mis_sized
             if outcome.mis_sized:
-                _log(f"WARNING: KV cache sized to {format_size(outcome.kv_cache_bytes)} instead of "
-                     f"{format_size(outcome.planned_kv_bytes)}: another process allocated on GPU {config.gpu_index} "
-                     f"while this instance profiled its memory")
+                _log(
+                    f"WARNING: KV cache sized to {format_size(outcome.kv_cache_bytes)} instead of "
+                    f"{format_size(outcome.planned_kv_bytes)}: another process allocated on GPU {config.gpu_index} "
+                    f"while this instance profiled its memory"
+                )
         runner = web.AppRunner(build_app(engine), access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await runner.setup()
         await web.SockSite(runner, sock).start()

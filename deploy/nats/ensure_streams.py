@@ -41,18 +41,27 @@ async def ensure(urls: list[str], replicas: int, wait: float, creds: str | None)
             info = await log.js.stream_info(stream)
             have = info.config.num_replicas or 1
             peers = [info.cluster.leader] + [p.name for p in (info.cluster.replicas or [])] if info.cluster else []
-            print(f"{stream}: replicas {have}, messages {info.state.messages}, peers {', '.join(p for p in peers if p)}")
+            print(
+                f"{stream}: replicas {have}, messages {info.state.messages}, peers {', '.join(p for p in peers if p)}"
+            )
             if have != replicas:
-                print(f"  {stream} exists with {have} replicas, not {replicas}: change it with "
-                      f"`nats stream edit {stream} --replicas {replicas}` (an operator's decision)", file=sys.stderr)
+                print(
+                    f"  {stream} exists with {have} replicas, not {replicas}: change it with "
+                    f"`nats stream edit {stream} --replicas {replicas}` (an operator's decision)",
+                    file=sys.stderr,
+                )
                 status = 1
         return status
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nats-url", default=os.environ.get("HARU_NATS_URL"), required=not os.environ.get("HARU_NATS_URL"),
-                   help="the admin user's URLs, comma-separated (env HARU_NATS_URL)")
+    p.add_argument(
+        "--nats-url",
+        default=os.environ.get("HARU_NATS_URL"),
+        required=not os.environ.get("HARU_NATS_URL"),
+        help="the admin user's URLs, comma-separated (env HARU_NATS_URL)",
+    )
     p.add_argument("--nats-creds", default=os.environ.get("HARU_NATS_CREDS"), help="a .creds file (JWT mode)")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for JetStream to be ready")

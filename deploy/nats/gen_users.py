@@ -112,33 +112,78 @@ INBOX = "_INBOX.>"  # replies to this client's own requests and JetStream acks /
 def fixed_users() -> list[User]:
     events, route, views = read_stream(EVENTS), read_stream(ROUTE), read_stream(VIEWS)
     promoter_pub = [
-        "haru.evt.*.op", "haru.evt.*.route", "haru.evt.*.weights", "haru.evt.*.*.liveness",
-        "haru.cmd.>", "$SRV.>",
-        *events, *views, *route,
+        "haru.evt.*.op",
+        "haru.evt.*.route",
+        "haru.evt.*.weights",
+        "haru.evt.*.*.liveness",
+        "haru.cmd.>",
+        "$SRV.>",
+        *events,
+        *views,
+        *route,
     ]
     # haru.alive.<role>.<id>: the control plane's own heartbeats (haru/host/alive.py), read by gateways and promoters
     promoter_pub.append("haru.alive.promoter.>")
-    projector_pub = ["haru.evt.*.checkpoint", "$KV.haru_views.>", "haru.route.>", "haru.alive.projector.>", *events, *views, *route]
+    projector_pub = [
+        "haru.evt.*.checkpoint",
+        "$KV.haru_views.>",
+        "haru.route.>",
+        "haru.alive.projector.>",
+        *events,
+        *views,
+        *route,
+    ]
     gateway_pub = ["haru.evt.*.op", "haru.canary.>", *events, *views, *route]
     return [
-        User("admin", "everything: stream creation (ensure), repairs, `nats` CLI administration",
-             publish=[">"], subscribe=[">"], deny_publish=[]),
-        User("promoter", "the failover saga: op/route/liveness events, agent commands, heartbeats",
-             publish=promoter_pub, subscribe=["haru.hb.>", "haru.canary.>", "haru.alive.promoter.>", INBOX]),
-        User("projector", "folds events into the KV views and route intents",
-             publish=projector_pub, subscribe=["haru.hb.>", INBOX]),
-        User("gateway", "reads views, intents and history; requests promotions/demotions (op events)",
-             publish=gateway_pub, subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", INBOX]),
-        User("control", "projector + promoter + gateway in one process (`haru up --nats-url`)",
-             publish=_union(promoter_pub, projector_pub, gateway_pub),
-             subscribe=["haru.hb.>", "haru.canary.>", "haru.route.>", "haru.alive.>", INBOX]),
-        User("operator", "the haru CLI: apply (decl), promote/demote (op), agent commands, reads",
-             publish=["haru.evt.*.decl", "haru.evt.*.op", "haru.cmd.>", "$SRV.>", *events, *views, *route],
-             subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", INBOX]),
-        User("sink", "`haru sink postgres`: reads the event log, writes nothing to NATS",
-             publish=list(events), subscribe=[INBOX]),
-        User("router", "may only subscribe haru.route.> and read stream HARU_ROUTE",
-             publish=read_stream(ROUTE), subscribe=["haru.route.>", INBOX]),
+        User(
+            "admin",
+            "everything: stream creation (ensure), repairs, `nats` CLI administration",
+            publish=[">"],
+            subscribe=[">"],
+            deny_publish=[],
+        ),
+        User(
+            "promoter",
+            "the failover saga: op/route/liveness events, agent commands, heartbeats",
+            publish=promoter_pub,
+            subscribe=["haru.hb.>", "haru.canary.>", "haru.alive.promoter.>", INBOX],
+        ),
+        User(
+            "projector",
+            "folds events into the KV views and route intents",
+            publish=projector_pub,
+            subscribe=["haru.hb.>", INBOX],
+        ),
+        User(
+            "gateway",
+            "reads views, intents and history; requests promotions/demotions (op events)",
+            publish=gateway_pub,
+            subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", INBOX],
+        ),
+        User(
+            "control",
+            "projector + promoter + gateway in one process (`haru up --nats-url`)",
+            publish=_union(promoter_pub, projector_pub, gateway_pub),
+            subscribe=["haru.hb.>", "haru.canary.>", "haru.route.>", "haru.alive.>", INBOX],
+        ),
+        User(
+            "operator",
+            "the haru CLI: apply (decl), promote/demote (op), agent commands, reads",
+            publish=["haru.evt.*.decl", "haru.evt.*.op", "haru.cmd.>", "$SRV.>", *events, *views, *route],
+            subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", INBOX],
+        ),
+        User(
+            "sink",
+            "`haru sink postgres`: reads the event log, writes nothing to NATS",
+            publish=list(events),
+            subscribe=[INBOX],
+        ),
+        User(
+            "router",
+            "may only subscribe haru.route.> and read stream HARU_ROUTE",
+            publish=read_stream(ROUTE),
+            subscribe=["haru.route.>", INBOX],
+        ),
     ]
 
 
@@ -148,7 +193,10 @@ def agent_user(fleet: str, domain: str) -> User:
         f"agent.{fleet}.{domain}",
         f"the agent of fleet {fleet!r} domain {domain!r}: its own events, heartbeat and commands only",
         publish=[
-            f"{own}.agent", f"{own}.model.*", f"{own}.gpu.*", f"{own}.training.*",
+            f"{own}.agent",
+            f"{own}.model.*",
+            f"{own}.gpu.*",
+            f"{own}.training.*",
             f"haru.hb.{fleet}.{domain}",
             # At start an agent asks its own status command (and listens to its own heartbeat subject)
             # to refuse to run beside a second agent of the same domain.
@@ -197,7 +245,7 @@ def render_user(u: User) -> str:
 def render(users: list[User], sources: list[str]) -> str:
     head = f"""\
 # Haru NATS users and subject permissions. GENERATED by deploy/nats/gen_users.py from:
-#   {', '.join(sources) or '(no layout)'}
+#   {", ".join(sources) or "(no layout)"}
 # Regenerate after adding a fleet or a domain; do not edit by hand.
 #
 # EXAMPLE: every password is an environment variable reference ($HARU_NATS_PASSWORD_*), resolved by
@@ -238,7 +286,9 @@ def env_lines(users: list[User], *, generate: bool) -> str:
             # (and "true", "no"... booleans). A letter, then hex: a string, and URL-safe as it must be in
             # nats://user:password@host URLs.
             return "s" + secrets.token_hex(20)
-        return "change-me-" + name.lower().removeprefix("haru_nats_password_").removeprefix("haru_nats_").replace("_", "-")
+        return "change-me-" + name.lower().removeprefix("haru_nats_password_").removeprefix("haru_nats_").replace(
+            "_", "-"
+        )
 
     for n in [u.env for u in users] + ["HARU_NATS_PASSWORD_SYS"]:
         out.append(f"{n}={secret(n)}")
@@ -256,8 +306,10 @@ def env_lines(users: list[User], *, generate: bool) -> str:
 
 def nsc_commands(users: list[User]) -> str:
     """The same users for JWT/operator mode (nsc), where clients log in with a .creds file."""
-    out = ["# Run after `nsc add operator haru --sys` and `nsc add account HARU` (JetStream enabled with",
-           "# `nsc edit account HARU --js-disk-storage -1 --js-mem-storage -1 --js-streams -1 --js-consumer -1`)."]
+    out = [
+        "# Run after `nsc add operator haru --sys` and `nsc add account HARU` (JetStream enabled with",
+        "# `nsc edit account HARU --js-disk-storage -1 --js-mem-storage -1 --js-streams -1 --js-consumer -1`).",
+    ]
     for u in users:
         if u.name == "admin":
             out.append("nsc add user --account HARU --name admin")
@@ -268,7 +320,7 @@ def nsc_commands(users: list[User]) -> str:
         if u.allow_responses:
             args.append("--allow-pub-response=1")
         out.append(f"nsc add user --account HARU --name {u.name.replace('.', '-')} " + " ".join(args))
-    out.append("# then: nsc generate creds --account HARU --name <user> > <user>.creds   (agent config: \"nats_creds\")")
+    out.append('# then: nsc generate creds --account HARU --name <user> > <user>.creds   (agent config: "nats_creds")')
     return "\n".join(out) + "\n"
 
 
@@ -281,7 +333,7 @@ def domains_of(path: str) -> list[tuple[str, str]]:
     fleet = doc.get("fleet")
     names = [d.get("name") for d in doc.get("domains", []) if isinstance(d, dict)]
     if not isinstance(fleet, str) or not names:
-        raise SystemExit(f"{path}: a layout needs \"fleet\" and \"domains\": [{{\"name\": ...}}, ...]")
+        raise SystemExit(f'{path}: a layout needs "fleet" and "domains": [{{"name": ...}}, ...]')
     return [(fleet, d) for d in names]
 
 
@@ -310,7 +362,9 @@ def build(pairs: list[tuple[str, str]]) -> list[User]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("layouts", nargs="*", help="layout JSON files (fleet + domains)")
     p.add_argument("--agent", action="append", default=[], metavar="FLEET:DOMAIN", help="an extra agent user")
     p.add_argument("-o", "--output", help="write the accounts file here (default: stdout)")
@@ -330,8 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.nsc:
         sys.stdout.write(nsc_commands(users))
         return 0
-    text = render(users, [os.path.relpath(s) if os.path.isabs(s) else s for s in args.layouts]
-                  + [f"--agent {a}" for a in args.agent])
+    text = render(
+        users,
+        [os.path.relpath(s) if os.path.isabs(s) else s for s in args.layouts] + [f"--agent {a}" for a in args.agent],
+    )
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text)

@@ -64,8 +64,12 @@ def main(argv: list[str] | None = None) -> int:
             except LogUnavailable as exc:
                 return int(fail(str(exc), ExitStatus.UNAVAILABLE))
             if not name:
-                return int(fail(f"no fleet has UUID {fleet} (GET /v1/fleets on the gateway lists each fleet's UUID)",
-                                ExitStatus.NOT_FOUND))
+                return int(
+                    fail(
+                        f"no fleet has UUID {fleet} (GET /v1/fleets on the gateway lists each fleet's UUID)",
+                        ExitStatus.NOT_FOUND,
+                    )
+                )
             args.fleet = name
     try:
         if inspect.iscoroutinefunction(handler):

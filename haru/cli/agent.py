@@ -14,8 +14,7 @@ import argparse
 import asyncio
 import signal
 
-
-from haru.cli.common import ExitStatus, fail, add_log_options, configure_logging
+from haru.cli.common import ExitStatus, add_log_options, configure_logging, fail
 from haru.host.metrics import add_metrics_options
 
 
@@ -25,36 +24,43 @@ def register(subparsers) -> None:
         help="run the per-host agent: supervise runtimes and training, report residency, serve the domain",
         description="Run the Haru agent for one domain (one GPU host). See docs/agent.md for the config format.",
     )
-    p.add_argument("--config", default=None,
-                   help="the agent config (fleet, domain, NATS, GPUs, serving port): a JSON file, or inline JSON "
-                   "(env HARU_AGENT_CONFIG, else HARU_SUPERVISOR_CONFIG)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="the agent config (fleet, domain, NATS, GPUs, serving port): a JSON file, or inline JSON "
+        "(env HARU_AGENT_CONFIG, else HARU_SUPERVISOR_CONFIG)",
+    )
     add_log_options(p)
-    p.add_argument("--dry-run", action="store_true",
-                   help="print what this host would run (source, role, admitted models and training slots) and exit")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what this host would run (source, role, admitted models and training slots) and exit",
+    )
     p.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
     add_metrics_options(p)
     p.set_defaults(handler=run)
 
 
 async def run(args: argparse.Namespace) -> ExitStatus:
+    import os
+
     from haru.agents.agent import Agent
-    from haru.agents.config import load_config
+    from haru.agents.config import config_from_env, is_inline, load_config
     from haru.agents.errors import AgentRefused
     from haru.agents.metrics import registry_for
     from haru.core.errors import ConfigError, LayoutError, LogUnavailable
     from haru.host.metrics import maybe_serve, metrics_address
-
-    import os
-
-    from haru.agents.config import config_from_env, is_inline
 
     configure_logging(args.log_format, args.log_level)
     source = args.config or config_from_env()
     if not source:
         return fail("no agent config: pass --config FILE (or inline JSON), or set HARU_AGENT_CONFIG", ExitStatus.USAGE)
     if not is_inline(source) and not os.path.exists(source):
-        return fail(f"the agent config {source!r} does not exist: pass --config FILE (or inline JSON), or set "
-                    f"HARU_AGENT_CONFIG", ExitStatus.USAGE)
+        return fail(
+            f"the agent config {source!r} does not exist: pass --config FILE (or inline JSON), or set "
+            f"HARU_AGENT_CONFIG",
+            ExitStatus.USAGE,
+        )
     try:
         config = load_config(source)
     except ConfigError as exc:
@@ -73,8 +79,10 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
     try:
-        metrics = metrics_address(args.metrics_port if args.metrics_port is not None else config.metrics_port,
-                                  args.metrics_host or config.metrics_host or None)
+        metrics = metrics_address(
+            args.metrics_port if args.metrics_port is not None else config.metrics_port,
+            args.metrics_host or config.metrics_host or None,
+        )
         async with Agent.start(config) as agent:
             agent_box.append(agent)
             if stop_signal:
@@ -93,15 +101,16 @@ async def run(args: argparse.Namespace) -> ExitStatus:
 async def dry_run(config, *, as_json: bool) -> ExitStatus:
     """Resolve the slots exactly as the agent would, without claiming the domain or starting anything."""
     from haru.agents.agent import resolve_slots
-    from haru.core import subjects
     from haru.cli.common import emit_json
+    from haru.core import subjects
     from haru.core.errors import ConfigError, LayoutError, LogUnavailable
-    from haru.log.eventlog import EventLog
     from haru.core.events import RouteMoved
+    from haru.log.eventlog import EventLog
 
     try:
-        async with EventLog.connect(config.servers(), writer=f"agent-dry-run:{config.fleet}/{config.domain}",
-                                    creds=config.nats_creds) as log:
+        async with EventLog.connect(
+            config.servers(), writer=f"agent-dry-run:{config.fleet}/{config.domain}", creds=config.nats_creds
+        ) as log:
             slots = await resolve_slots(config, log)
             route = await log.last(subjects.route(config.fleet))
     except LogUnavailable as exc:
@@ -115,8 +124,10 @@ async def dry_run(config, *, as_json: bool) -> ExitStatus:
         "domain": config.domain,
         "source": slots.source,
         "role": role,
-        "models": [{"name": m.name, "runtime": m.runtime, "gpu": m.gpu_index, "vram_bytes": m.vram_bytes}
-                   for m in slots.admitted_models],
+        "models": [
+            {"name": m.name, "runtime": m.runtime, "gpu": m.gpu_index, "vram_bytes": m.vram_bytes}
+            for m in slots.admitted_models
+        ],
         "training": [{"slot": t.slot, "gpu": t.gpu_index, "command": t.command} for t in slots.admitted_training],
         "not_admitted": slots.not_admitted,
         "runtimes": _runtimes_on_start(config, slots),
@@ -148,9 +159,13 @@ def _runtimes_on_start(config, slots) -> dict[str, tuple[str, str]]:
     direct = slots.domain.spec.serve == "direct"
     out: dict[str, tuple[str, str]] = {}
     for spec in slots.admitted_models:
-        runtime = make_runtime(spec, session=None, log_dir=state_dir,  # type: ignore[arg-type]
-                               bind_host=config.serving.host if direct else "127.0.0.1",
-                               gpu_memory_bytes=gpu_memory.get(spec.gpu_index, 0))
+        runtime = make_runtime(
+            spec,
+            session=None,  # type: ignore[arg-type]
+            log_dir=state_dir,
+            bind_host=config.serving.host if direct else "127.0.0.1",
+            gpu_memory_bytes=gpu_memory.get(spec.gpu_index, 0),
+        )
         doc = found.get(spec.name, (None, None))[1]
         if runtime.kind == "external":
             out[spec.name] = ("probe", "an external endpoint: never started or stopped")

@@ -10,17 +10,17 @@ import argparse
 import getpass
 import socket
 import sys
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
-from datetime import datetime, timezone
 
-from haru.core.apply import ApplyResult, apply, change_paths, describe, running_at_risk, waits_on_active
 from haru.cli.common import ExitStatus, add_nats_options, emit_json, fail, nats_servers
+from haru.core.apply import ApplyResult, apply, change_paths, describe, running_at_risk, waits_on_active
 from haru.core.errors import Conflict, LayoutError, LogError, LogUnavailable
 from haru.core.events import payload, tag_of
 from haru.core.layout import load_layout
 from haru.core.planner import Plan, verdict_line
-from haru.core.sizes import format_gib
 from haru.core.planner import plan as plan_layout
+from haru.core.sizes import format_gib
 from haru.core.subjects import decl
 
 if TYPE_CHECKING:
@@ -38,12 +38,18 @@ def register(subparsers) -> None:
         ),
     )
     p.add_argument("-f", "--file", required=True, metavar="LAYOUT.json", help="the layout file")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the plan, the differences and every running model a change would stop or unload, "
-                   "without writing; with NATS unreachable, validate and plan only (exit 0 when valid)")
-    p.add_argument("--no-roll", action="store_true",
-                   help="record the changes only: a change on the active domain waits until it is the standby "
-                   "(request the rolling change later with `haru roll`)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan, the differences and every running model a change would stop or unload, "
+        "without writing; with NATS unreachable, validate and plan only (exit 0 when valid)",
+    )
+    p.add_argument(
+        "--no-roll",
+        action="store_true",
+        help="record the changes only: a change on the active domain waits until it is the standby "
+        "(request the rolling change later with `haru roll`)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_nats_options(p)
     p.set_defaults(handler=run)
@@ -72,15 +78,43 @@ def _result_json(result: ApplyResult) -> dict:
         "dry_run": result.dry_run,
         "subject": decl(result.fleet),
         "last_seq": result.last_seq,
-        "changes": [{"type": tag_of(e), **payload(e), "seq": s} for e, s in zip(result.events, result.seqs or [0] * len(result.events))],
-        "admitted": [{"domain": v.domain, "kind": v.kind, "name": v.name, "gpu_index": v.gpu_index,
-                      "vram_bytes": v.vram_bytes} for v in verdicts if v.admitted],
-        "not_admitted": [{"domain": v.domain, "kind": v.kind, "name": v.name, "gpu_index": v.gpu_index,
-                          "vram_bytes": v.vram_bytes, "short_by_bytes": v.short_by_bytes} for v in verdicts if not v.admitted],
-        "gpus": [{"domain": g.domain, "index": g.index, "memory_bytes": g.memory_bytes, "reserve_bytes": g.reserve_bytes,
-                  "capacity_bytes": g.capacity_bytes, "held_bytes": g.held_bytes, "residual_bytes": g.residual_bytes,
-                  "training_bytes": g.training_bytes, "declared": g.declared, "admitted": g.admitted}
-                 for d in result.plan.domains for g in d.gpus],
+        "changes": [
+            {"type": tag_of(e), **payload(e), "seq": s}
+            for e, s in zip(result.events, result.seqs or [0] * len(result.events))
+        ],
+        "admitted": [
+            {"domain": v.domain, "kind": v.kind, "name": v.name, "gpu_index": v.gpu_index, "vram_bytes": v.vram_bytes}
+            for v in verdicts
+            if v.admitted
+        ],
+        "not_admitted": [
+            {
+                "domain": v.domain,
+                "kind": v.kind,
+                "name": v.name,
+                "gpu_index": v.gpu_index,
+                "vram_bytes": v.vram_bytes,
+                "short_by_bytes": v.short_by_bytes,
+            }
+            for v in verdicts
+            if not v.admitted
+        ],
+        "gpus": [
+            {
+                "domain": g.domain,
+                "index": g.index,
+                "memory_bytes": g.memory_bytes,
+                "reserve_bytes": g.reserve_bytes,
+                "capacity_bytes": g.capacity_bytes,
+                "held_bytes": g.held_bytes,
+                "residual_bytes": g.residual_bytes,
+                "training_bytes": g.training_bytes,
+                "declared": g.declared,
+                "admitted": g.admitted,
+            }
+            for d in result.plan.domains
+            for g in d.gpus
+        ],
     }
 
 
@@ -114,16 +148,41 @@ async def _view(log, fleet: str):
 def _offline_plan(args: argparse.Namespace, layout, why: str) -> ExitStatus:
     """`--dry-run` without the log: the layout is valid and its plan needs nothing else."""
     the_plan = plan_layout(layout)
-    note = (f"dry run without the running state: {why}; the layout is valid and the plan above is what "
-            f"`haru apply` would record, but the differences from what is declared and the running models a "
-            f"change would stop or unload were not read")
+    note = (
+        f"dry run without the running state: {why}; the layout is valid and the plan above is what "
+        f"`haru apply` would record, but the differences from what is declared and the running models a "
+        f"change would stop or unload were not read"
+    )
     if args.json:
-        doc = {"fleet": layout.fleet, "dry_run": True, "running_state_read": False, "note": note,
-               "admitted": [{"domain": v.domain, "kind": v.kind, "name": v.name, "gpu_index": v.gpu_index,
-                             "vram_bytes": v.vram_bytes} for v in the_plan.verdicts() if v.admitted],
-               "not_admitted": [{"domain": v.domain, "kind": v.kind, "name": v.name, "gpu_index": v.gpu_index,
-                                 "vram_bytes": v.vram_bytes, "short_by_bytes": v.short_by_bytes}
-                                for v in the_plan.verdicts() if not v.admitted]}
+        doc = {
+            "fleet": layout.fleet,
+            "dry_run": True,
+            "running_state_read": False,
+            "note": note,
+            "admitted": [
+                {
+                    "domain": v.domain,
+                    "kind": v.kind,
+                    "name": v.name,
+                    "gpu_index": v.gpu_index,
+                    "vram_bytes": v.vram_bytes,
+                }
+                for v in the_plan.verdicts()
+                if v.admitted
+            ],
+            "not_admitted": [
+                {
+                    "domain": v.domain,
+                    "kind": v.kind,
+                    "name": v.name,
+                    "gpu_index": v.gpu_index,
+                    "vram_bytes": v.vram_bytes,
+                    "short_by_bytes": v.short_by_bytes,
+                }
+                for v in the_plan.verdicts()
+                if not v.admitted
+            ],
+        }
         emit_json(doc)
         return ExitStatus.OK
     for line in plan_lines(the_plan):
@@ -138,13 +197,15 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     from haru.log.eventlog import EventLog
 
     if not os.path.exists(args.file):
-        return fail(f"{args.file}: no such file: pass the path of a layout JSON file, e.g. "
-                    f"deploy/examples/demo-fleet.json", ExitStatus.USAGE)
+        return fail(
+            f"{args.file}: no such file: pass the path of a layout JSON file, e.g. deploy/examples/demo-fleet.json",
+            ExitStatus.USAGE,
+        )
     try:
         layout = load_layout(args.file)
     except LayoutError as exc:
         return fail(f"{args.file}: {exc}")
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     at_risk: list[str] = []
     try:
         async with EventLog.connect(nats_servers(args.nats_url), writer="cli:apply", creds=args.nats_creds) as log:
@@ -159,11 +220,22 @@ async def run(args: argparse.Namespace) -> ExitStatus:
                 from haru.core.events import ModelChanged
                 from haru.promoter.requests import request_operation
 
-                cause = next(s for e, s in zip(result.events, result.seqs) if isinstance(e, ModelChanged)
-                             and f"{e.domain}/{e.spec.name}" in waiting)
-                rolling = await request_operation(log, layout.fleet, "rolling", "", by=_writer(), now=now,
-                                                  reason="layout_changed", detail=f"changed on the active domain: "
-                                                  f"{', '.join(waiting)}", cause=cause)
+                cause = next(
+                    s
+                    for e, s in zip(result.events, result.seqs)
+                    if isinstance(e, ModelChanged) and f"{e.domain}/{e.spec.name}" in waiting
+                )
+                rolling = await request_operation(
+                    log,
+                    layout.fleet,
+                    "rolling",
+                    "",
+                    by=_writer(),
+                    now=now,
+                    reason="layout_changed",
+                    detail=f"changed on the active domain: {', '.join(waiting)}",
+                    cause=cause,
+                )
     except Conflict as exc:
         return fail(f"{exc}; another apply kept winning the race, run it again", ExitStatus.CONFLICT)
     except LogUnavailable as exc:
@@ -187,8 +259,9 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     return ExitStatus.OK
 
 
-def _print_result(result: ApplyResult, active: str, rolling: RequestResult | None, waiting: list[str],
-                  at_risk: list[str]) -> None:
+def _print_result(
+    result: ApplyResult, active: str, rolling: RequestResult | None, waiting: list[str], at_risk: list[str]
+) -> None:
     """What `haru apply` did (or would do), for a person: the plan, the events, how each change reaches
     the agents, the running models it stops or unloads, the rolling change, what was not admitted."""
     out = sys.stdout
@@ -196,19 +269,30 @@ def _print_result(result: ApplyResult, active: str, rolling: RequestResult | Non
     for line in plan_lines(result.plan):
         print(line, file=out)
     if not result.events:
-        print(f"fleet {result.fleet} is up to date: nothing to append (last seq {result.last_seq} on {subject})", file=out)
+        print(
+            f"fleet {result.fleet} is up to date: nothing to append (last seq {result.last_seq} on {subject})", file=out
+        )
     else:
         if result.dry_run:
-            print(f"dry run: would append {len(result.events)} event(s) to {subject} after seq {result.last_seq}:", file=out)
+            print(
+                f"dry run: would append {len(result.events)} event(s) to {subject} after seq {result.last_seq}:",
+                file=out,
+            )
         else:
-            print(f"appended {len(result.events)} event(s) to {subject} (seq {result.seqs[0]}..{result.seqs[-1]}):", file=out)
+            print(
+                f"appended {len(result.events)} event(s) to {subject} (seq {result.seqs[0]}..{result.seqs[-1]}):",
+                file=out,
+            )
         for e in result.events:
             print("  " + describe(e), file=out)
         if result.dry_run:
             paths = change_paths(result.events, active)
             if paths:
-                print(f"how each change reaches the running agents (active domain: {active}; agents that read a "
-                      f"layout file of their own pick changes up when restarted):", file=out)
+                print(
+                    f"how each change reaches the running agents (active domain: {active}; agents that read a "
+                    f"layout file of their own pick changes up when restarted):",
+                    file=out,
+                )
                 for line in paths:
                     print("  " + line, file=out)
     if at_risk:
@@ -221,15 +305,23 @@ def _print_result(result: ApplyResult, active: str, rolling: RequestResult | Non
     if rolling is not None:
         if rolling.status in ("accepted", "joined"):
             verb = "requested" if rolling.status == "accepted" else "already in flight, joined"
-            print(f"rolling change {rolling.op_id} {verb} for {', '.join(waiting)} (changed on the active domain "
-                  f"{active}): follow it with `haru op {rolling.op_id} --fleet {result.fleet}`", file=out)
+            print(
+                f"rolling change {rolling.op_id} {verb} for {', '.join(waiting)} (changed on the active domain "
+                f"{active}): follow it with `haru op {rolling.op_id} --fleet {result.fleet}`",
+                file=out,
+            )
         else:
-            print(f"haru: the changes to {', '.join(waiting)} wait on the active domain {active}: the rolling change was "
-                  f"not requested ({rolling.status}: {rolling.message}); request it with `haru roll --fleet {result.fleet}`",
-                  file=sys.stderr)
+            print(
+                f"haru: the changes to {', '.join(waiting)} wait on the active domain {active}: the rolling change was "
+                f"not requested ({rolling.status}: {rolling.message}); request it with `haru roll --fleet {result.fleet}`",
+                file=sys.stderr,
+            )
     elif waiting and not result.dry_run:
-        print(f"the changes to {', '.join(waiting)} wait on the active domain {active} until it is the standby "
-              f"(request the rolling change with `haru roll --fleet {result.fleet}`)", file=out)
+        print(
+            f"the changes to {', '.join(waiting)} wait on the active domain {active} until it is the standby "
+            f"(request the rolling change with `haru roll --fleet {result.fleet}`)",
+            file=out,
+        )
     refused = result.plan.not_admitted()
     if refused:
         names = ", ".join(f"{v.domain}/{v.name} (short by {format_gib(v.short_by_bytes)})" for v in refused)

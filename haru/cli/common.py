@@ -6,7 +6,7 @@ import argparse
 import enum
 import os
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import msgspec
 
@@ -140,16 +140,23 @@ class LinkReporter:
         self.since: datetime | None = None
 
     def __call__(self, up: bool) -> None:
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         if not up and self.since is None:
             self.since = now
-            print(f"haru: control plane unreachable since {now:%Y-%m-%dT%H:%M:%SZ} ({self.url}): "
-                  f"{self.what} may be stale; retrying", file=sys.stderr, flush=True)
+            print(
+                f"haru: control plane unreachable since {now:%Y-%m-%dT%H:%M:%SZ} ({self.url}): "
+                f"{self.what} may be stale; retrying",
+                file=sys.stderr,
+                flush=True,
+            )
         elif up and self.since is not None:
             away = (now - self.since).total_seconds()
             self.since = None
-            print(f"haru: control plane reachable again at {now:%Y-%m-%dT%H:%M:%SZ} (away {away:.1f} s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"haru: control plane reachable again at {now:%Y-%m-%dT%H:%M:%SZ} (away {away:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 async def fleet_by_uuid(nats_url: str, creds: str | None, wanted: str) -> str:
@@ -173,23 +180,47 @@ async def fleet_by_uuid(nats_url: str, creds: str | None, wanted: str) -> str:
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     """The --model options `haru serve` and `haru up --model` share (a one-domain fleet from flags)."""
-    p.add_argument("--model", action="append", default=[], metavar="NAME=[gguf:|safetensors:]PATH_OR_REF:GiB[@CTX]",
-                   help="a model to serve (repeat it): its id, a path or a reference (qwen3:0.6b, "
-                        "hf:ORG/REPO[:QUANT]) pulled first, the VRAM to book and the context length")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME=[gguf:|safetensors:]PATH_OR_REF:GiB[@CTX]",
+        help="a model to serve (repeat it): its id, a path or a reference (qwen3:0.6b, "
+        "hf:ORG/REPO[:QUANT]) pulled first, the VRAM to book and the context length",
+    )
     # hearth's spelling of one model: `--model NAME --gguf PATH` (or --safetensors DIR), --binary, --vram.
     p.add_argument("--gguf", default="", metavar="PATH", help="hearth's spelling: --model NAME --gguf PATH")
     p.add_argument("--safetensors", default="", metavar="DIR", help="hearth's spelling: --model NAME --safetensors DIR")
-    p.add_argument("--vram", default="", metavar="GiB",
-                   help="with --gguf/--safetensors: the VRAM to book (default: the weights on disk + 25%%)")
-    p.add_argument("--binary", default="", metavar="PATH",
-                   help="the runtime binary (llama-server for GGUF, vllm for safetensors) instead of the managed one")
-    p.add_argument("--fleet-conf", default=None, metavar="FILE",
-                   help="hearth's fleet.conf: one `model NAME=[gguf:|safetensors:]PATH:GiB[@CTX]` line per model "
-                        "(default $HARU_HOME/fleet.conf when no --model is given and it exists)")
-    p.add_argument("--gpu-memory", default=None, metavar="GiB",
-                   help="plan against a simulated GPU of this size (runtimes on the CPU); default: NVML's GPU 0")
+    p.add_argument(
+        "--vram",
+        default="",
+        metavar="GiB",
+        help="with --gguf/--safetensors: the VRAM to book (default: the weights on disk + 25%%)",
+    )
+    p.add_argument(
+        "--binary",
+        default="",
+        metavar="PATH",
+        help="the runtime binary (llama-server for GGUF, vllm for safetensors) instead of the managed one",
+    )
+    p.add_argument(
+        "--fleet-conf",
+        default=None,
+        metavar="FILE",
+        help="hearth's fleet.conf: one `model NAME=[gguf:|safetensors:]PATH:GiB[@CTX]` line per model "
+        "(default $HARU_HOME/fleet.conf when no --model is given and it exists)",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        default=None,
+        metavar="GiB",
+        help="plan against a simulated GPU of this size (runtimes on the CPU); default: NVML's GPU 0",
+    )
     p.add_argument("--reserve", default="1", metavar="GiB", help="VRAM never planned into (default %(default)s GiB)")
     p.add_argument("--fleet-name", default=os.environ.get("HARU_DEFAULT_FLEET", "default"), help="fleet name")
     p.add_argument("--quant", default="", help="GGUF quantization preference for references (env HARU_GGUF_QUANTS)")
-    p.add_argument("--runtime-args", default=os.environ.get("HARU_RUNTIME_ARGS", ""),
-                   help="extra arguments for every runtime, one string (e.g. \"--threads 4\")")
+    p.add_argument(
+        "--runtime-args",
+        default=os.environ.get("HARU_RUNTIME_ARGS", ""),
+        help='extra arguments for every runtime, one string (e.g. "--threads 4")',
+    )

@@ -7,7 +7,7 @@ import gc
 import os
 import sys
 
-from haru.cli.common import ExitStatus, add_nats_options, fail, nats_servers, add_log_options, configure_logging
+from haru.cli.common import ExitStatus, add_log_options, add_nats_options, configure_logging, fail, nats_servers
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,12 +22,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Without HARU_API_TOKEN the gateway is open and binds 127.0.0.1 only. Stop with Ctrl-C or SIGTERM."
         ),
     )
-    p.add_argument("--host", default=None,
-                   help="address to bind (env HARU_GATEWAY_HOST; default 0.0.0.0 with HARU_API_TOKEN, else "
-                        "127.0.0.1, which is also enforced whenever the token is unset)")
+    p.add_argument(
+        "--host",
+        default=None,
+        help="address to bind (env HARU_GATEWAY_HOST; default 0.0.0.0 with HARU_API_TOKEN, else "
+        "127.0.0.1, which is also enforced whenever the token is unset)",
+    )
     p.add_argument("--port", type=int, default=None, help="port (env HARU_GATEWAY_PORT; default 8700; 0 = any)")
-    p.add_argument("--default-fleet", default=None,
-                   help="fleet for requests without X-Haru-Fleet (env HARU_DEFAULT_FLEET; default 'default')")
+    p.add_argument(
+        "--default-fleet",
+        default=None,
+        help="fleet for requests without X-Haru-Fleet (env HARU_DEFAULT_FLEET; default 'default')",
+    )
     add_nats_options(p)
     add_log_options(p)
     p.set_defaults(handler=run)
@@ -35,8 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 async def run(args: argparse.Namespace) -> ExitStatus:
     configure_logging(args.log_format, args.log_level)
-    from haru.gateway import from_env, run_gateway
     from haru.core.errors import ConfigError, LogUnavailable
+    from haru.gateway import from_env, run_gateway
 
     try:
         config = from_env(os.environ, host=args.host, port=args.port, default_fleet=args.default_fleet)
@@ -48,11 +54,18 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     try:
-        await run_gateway(nats_servers(args.nats_url), config, creds=args.nats_creds,
-                          ready=lambda gw: print(f"haru gateway listening on {gw.url}", file=sys.stderr, flush=True))
+        await run_gateway(
+            nats_servers(args.nats_url),
+            config,
+            creds=args.nats_creds,
+            ready=lambda gw: print(f"haru gateway listening on {gw.url}", file=sys.stderr, flush=True),
+        )
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
     except OSError as exc:
-        return fail(f"cannot listen on {config.bind_host()}:{config.port}: {exc.strerror or exc}; "
-                    f"choose another --port or stop what holds it", ExitStatus.UNAVAILABLE)
+        return fail(
+            f"cannot listen on {config.bind_host()}:{config.port}: {exc.strerror or exc}; "
+            f"choose another --port or stop what holds it",
+            ExitStatus.UNAVAILABLE,
+        )
     return ExitStatus.OK

@@ -4,20 +4,27 @@ from __future__ import annotations
 
 import argparse
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import msgspec
 
+from haru.cli.common import (
+    ExitStatus,
+    add_fleet_option,
+    add_nats_options,
+    add_replay_timeout_option,
+    emit_json,
+    fail,
+    nats_servers,
+)
 from haru.core import events as ev
-from haru.log import history
 from haru.core import subjects
-from haru.cli.common import (ExitStatus, add_fleet_option, add_nats_options, add_replay_timeout_option, emit_json,
-                             fail, nats_servers)
 from haru.core.authority import misplaced
 from haru.core.errors import LogDamaged, seq_ranges
+from haru.log import history
 from haru.log.eventlog import EventLog
-from haru.log.seam import Log
 from haru.log.reads import checkpoint_start, model_records, why_records
+from haru.log.seam import Log
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,9 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_nats_options(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--since-checkpoint", action="store_true",
-                   help="start each fleet's chains at its newest checkpoint (its heads checked against the store) "
-                        "instead of at sequence 1; without it every event is walked")
+    p.add_argument(
+        "--since-checkpoint",
+        action="store_true",
+        help="start each fleet's chains at its newest checkpoint (its heads checked against the store) "
+        "instead of at sequence 1; without it every event is walked",
+    )
     add_replay_timeout_option(p)
     p.set_defaults(handler=run_verify)
 
@@ -63,8 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _connect(args: argparse.Namespace, who: str):
-    return EventLog.connect(nats_servers(args.nats_url), writer=f"cli:{who}", creds=args.nats_creds,
-                            replay_timeout=args.timeout)
+    return EventLog.connect(
+        nats_servers(args.nats_url), writer=f"cli:{who}", creds=args.nats_creds, replay_timeout=args.timeout
+    )
 
 
 async def _witnesses(log: Log) -> list[history.Witness]:
@@ -124,6 +135,7 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
             def handler(rec, add=verifier.add) -> None:
                 if rec.seq > since.get(fleet_of(rec.subject), 0):
                     add(rec)
+
         try:
             await log.replay(handler, from_seq=start)
         except LogDamaged as exc:
@@ -131,14 +143,23 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
         stream_last, findings = await witnessed_findings(log)
     missing = damaged.missing if damaged is not None else []
     if args.json:
-        emit_json({"ok": verifier.ok and damaged is None and not findings and not verifier.misplaced,
-                   "events": verifier.events, "subjects": verifier.subjects, "stream_last_seq": stream_last,
-                   "breaks": [{"seq": b.seq, "subject": b.subject, "what": b.what} for b in verifier.breaks],
-                   "misplaced": [{"seq": m.seq, "subject": m.subject, "type": m.type, "by": m.by, "why": m.why}
-                                 for m in verifier.misplaced],
-                   "unreadable": missing, "damage": str(damaged) if damaged is not None else None,
-                   "truncation": [{"kind": f.kind, "seq": f.seq, "what": f.what} for f in findings],
-                   "since_checkpoint": since if args.since_checkpoint else None})
+        emit_json(
+            {
+                "ok": verifier.ok and damaged is None and not findings and not verifier.misplaced,
+                "events": verifier.events,
+                "subjects": verifier.subjects,
+                "stream_last_seq": stream_last,
+                "breaks": [{"seq": b.seq, "subject": b.subject, "what": b.what} for b in verifier.breaks],
+                "misplaced": [
+                    {"seq": m.seq, "subject": m.subject, "type": m.type, "by": m.by, "why": m.why}
+                    for m in verifier.misplaced
+                ],
+                "unreadable": missing,
+                "damage": str(damaged) if damaged is not None else None,
+                "truncation": [{"kind": f.kind, "seq": f.seq, "what": f.what} for f in findings],
+                "since_checkpoint": since if args.since_checkpoint else None,
+            }
+        )
     else:
         for b in verifier.breaks:
             print(str(b))
@@ -147,17 +168,26 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
         for f in findings:
             print(str(f))
         if damaged is not None:
-            print(f"verify FAILED — {verifier.events} events read on {verifier.subjects} subjects; the store cannot "
-                  f"serve sequence(s) {seq_ranges(missing) or f'({damaged.uncounted} uncounted)'}"
-                  + (f"; {len(verifier.breaks)} break(s)" if verifier.breaks else ""))
+            print(
+                f"verify FAILED — {verifier.events} events read on {verifier.subjects} subjects; the store cannot "
+                f"serve sequence(s) {seq_ranges(missing) or f'({damaged.uncounted} uncounted)'}"
+                + (f"; {len(verifier.breaks)} break(s)" if verifier.breaks else "")
+            )
         elif findings:
-            print(f"verify FAILED — the chains of {verifier.events} events on {verifier.subjects} subjects "
-                  f"{'hold' if verifier.ok else 'have breaks'}, but the store was cut: newest events are missing")
+            print(
+                f"verify FAILED — the chains of {verifier.events} events on {verifier.subjects} subjects "
+                f"{'hold' if verifier.ok else 'have breaks'}, but the store was cut: newest events are missing"
+            )
         else:
             print(verifier.summary())
         if args.since_checkpoint:
-            print("from checkpoints: " + (", ".join(f"{f} after seq {u}" for f, u in sorted(since.items()))
-                                          or "none yet (every event was walked)"))
+            print(
+                "from checkpoints: "
+                + (
+                    ", ".join(f"{f} after seq {u}" for f, u in sorted(since.items()))
+                    or "none yet (every event was walked)"
+                )
+            )
     if damaged is not None:
         return fail(str(damaged), ExitStatus.LOG_DAMAGED)
     if findings:
@@ -175,8 +205,11 @@ def _report_misplaced(records, fleet: str) -> None:
     """Say on stderr which events of the fleet no fold applied (they are left out of the answer)."""
     wrong = history.misplaced_records(records)
     if wrong:
-        print(f"haru: {len(wrong)} misplaced event(s) in fleet {fleet} not applied "
-              "(the subject is the authority; `haru verify` fails on them):", file=sys.stderr)
+        print(
+            f"haru: {len(wrong)} misplaced event(s) in fleet {fleet} not applied "
+            "(the subject is the authority; `haru verify` fails on them):",
+            file=sys.stderr,
+        )
         for m in wrong:
             print(f"haru:   {m}", file=sys.stderr)
 
@@ -232,10 +265,14 @@ def _parse_point(point: str) -> tuple[int | None, datetime | None]:
     try:
         t = datetime.fromisoformat(point.replace("Z", "+00:00"))
     except ValueError:
-        raise SystemExit(fail(f"{point!r} is neither a stream sequence nor an ISO-8601 time "
-                              "(e.g. 1234 or 2026-11-29T03:00:00Z)", ExitStatus.USAGE))
+        raise SystemExit(
+            fail(
+                f"{point!r} is neither a stream sequence nor an ISO-8601 time (e.g. 1234 or 2026-11-29T03:00:00Z)",
+                ExitStatus.USAGE,
+            )
+        )
     if t.tzinfo is None:
-        t = t.replace(tzinfo=timezone.utc)
+        t = t.replace(tzinfo=UTC)
     return None, t
 
 
@@ -247,7 +284,9 @@ async def run_as_of(args: argparse.Namespace) -> ExitStatus:
     if not states and damaged is not None:
         return fail(str(damaged), ExitStatus.LOG_DAMAGED)
     if not states:
-        return fail(f"model {args.model!r} had no history in fleet {args.fleet!r} as of {args.point}", ExitStatus.NOT_FOUND)
+        return fail(
+            f"model {args.model!r} had no history in fleet {args.fleet!r} as of {args.point}", ExitStatus.NOT_FOUND
+        )
     point = f"seq {seq}" if seq is not None or time is None else time.isoformat()
     if args.json:
         emit_json({d: {"state": s.state, "seq": s.seq, "payload": s.payload} for d, s in states.items()})
@@ -283,7 +322,7 @@ async def run_history(args: argparse.Namespace) -> ExitStatus:
         except LogDamaged as exc:
             records, damaged = exc.records or [], exc
     if args.limit:
-        records = records[-args.limit:]
+        records = records[-args.limit :]
     if args.json:
         emit_json([_record_json(r) for r in records])
         return _damaged(damaged, ExitStatus.OK)

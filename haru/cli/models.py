@@ -19,14 +19,18 @@ from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("resolve", help="what a model reference names (blobs, sizes, digests, format); fetches nothing")
-    p.add_argument("reference", help="qwen3:0.6b, library/qwen3:0.6b, ollama:NAME[:TAG], hf:ORG/REPO[:QUANT][@REVISION]")
+    p.add_argument(
+        "reference", help="qwen3:0.6b, library/qwen3:0.6b, ollama:NAME[:TAG], hf:ORG/REPO[:QUANT][@REVISION]"
+    )
     _common(p)
     p.set_defaults(handler=run_resolve)
 
     p = sub.add_parser("pull", help="fetch a model reference into the store under $HARU_HOME (resumable, verified)")
     p.add_argument("reference", help="as for `haru resolve`")
     _common(p)
-    p.add_argument("--home", default=None, help="state directory; the store is <home>/models (env HARU_HOME, default ~/.haru)")
+    p.add_argument(
+        "--home", default=None, help="state directory; the store is <home>/models (env HARU_HOME, default ~/.haru)"
+    )
     p.add_argument("--no-record", action="store_true", help="do not append the fetch to the event log")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar even on a terminal")
     add_nats_options(p)
@@ -35,8 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quant", default="", help="GGUF quantization preference, comma-separated, first found wins "
-                   "(env HARU_GGUF_QUANTS; default Q4_K_M,Q5_K_M,Q8_0,Q6_K,...)")
+    p.add_argument(
+        "--quant",
+        default="",
+        help="GGUF quantization preference, comma-separated, first found wins "
+        "(env HARU_GGUF_QUANTS; default Q4_K_M,Q5_K_M,Q8_0,Q6_K,...)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -62,16 +70,18 @@ def print_resolution(res, out=sys.stdout) -> None:
     out.write(f"{res.reference}\n")
     quant = f" {res.quant}" if res.quant else ""
     out.write(f"  from {res.origin} {res.repository} @ {res.revision}\n")
-    out.write(f"  format {res.format}{quant} -> runtime {res.runtime}; {len(res.blobs)} file(s), {_size(res.total_bytes)}"
-              f"{'; serve ' + res.entry if res.entry else ''}\n")
+    out.write(
+        f"  format {res.format}{quant} -> runtime {res.runtime}; {len(res.blobs)} file(s), {_size(res.total_bytes)}"
+        f"{'; serve ' + res.entry if res.entry else ''}\n"
+    )
     width = max(len(b.name) for b in res.blobs)
     for b in res.blobs:
         out.write(f"  {b.name:<{width}}  {b.role:<9} {_size(b.size):>10}  {b.digest}\n    {b.url}\n")
 
 
 async def run_resolve(args: argparse.Namespace) -> ExitStatus:
-    from haru.models import resolve as r
     from haru.core.model_errors import ModelsError
+    from haru.models import resolve as r
 
     settings = r.Settings.from_env(quants=args.quant)
     try:
@@ -88,8 +98,9 @@ async def run_resolve(args: argparse.Namespace) -> ExitStatus:
     return ExitStatus.OK
 
 
-async def pull_reference(reference: str, *, home: str | None = None, quants: str = "", progress: bool | None = None,
-                         label: str = ""):
+async def pull_reference(
+    reference: str, *, home: str | None = None, quants: str = "", progress: bool | None = None, label: str = ""
+):
     """Resolve and pull one reference; the PullResult. Raises ModelsError subclasses."""
     from haru.models import resolve as r
     from haru.models.pull import Progress, pull
@@ -110,8 +121,9 @@ async def run_pull(args: argparse.Namespace) -> ExitStatus:
     from haru.core.model_errors import ModelsError
 
     try:
-        result = await pull_reference(args.reference, home=args.home, quants=args.quant,
-                                      progress=False if args.quiet or args.json else None)
+        result = await pull_reference(
+            args.reference, home=args.home, quants=args.quant, progress=False if args.quiet or args.json else None
+        )
     except ModelsError as exc:
         return fail(str(exc), status_of(exc))
     recorded = ""
@@ -120,15 +132,27 @@ async def run_pull(args: argparse.Namespace) -> ExitStatus:
     if args.json:
         import msgspec
 
-        emit_json({"path": str(result.path), "reference": result.resolution.reference,
-                   "format": result.resolution.format, "runtime": result.resolution.runtime,
-                   "fetched_bytes": result.fetched_bytes, "reused_bytes": result.reused_bytes,
-                   "healed": result.healed, "took_ms": result.took_ms, "recorded": recorded,
-                   "resolution": msgspec.to_builtins(result.resolution)})
+        emit_json(
+            {
+                "path": str(result.path),
+                "reference": result.resolution.reference,
+                "format": result.resolution.format,
+                "runtime": result.resolution.runtime,
+                "fetched_bytes": result.fetched_bytes,
+                "reused_bytes": result.reused_bytes,
+                "healed": result.healed,
+                "took_ms": result.took_ms,
+                "recorded": recorded,
+                "resolution": msgspec.to_builtins(result.resolution),
+            }
+        )
     else:
         if result.healed:
-            print(f"haru: {len(result.healed)} file(s) in the store were corrupt and were fetched again: "
-                  f"{', '.join(result.healed)}", file=sys.stderr)
+            print(
+                f"haru: {len(result.healed)} file(s) in the store were corrupt and were fetched again: "
+                f"{', '.join(result.healed)}",
+                file=sys.stderr,
+            )
         print(str(result.path))
     return ExitStatus.OK
 
@@ -145,8 +169,10 @@ async def _record(args: argparse.Namespace, result) -> str:
         log = await EventLog.open(args.nats_url, writer=by, creds=args.nats_creds, connect_timeout=2.0)
     except HaruError:
         if not args.json:
-            print(f"haru: not recorded in the event log (no NATS at {args.nats_url}); the files are in place",
-                  file=sys.stderr)
+            print(
+                f"haru: not recorded in the event log (no NATS at {args.nats_url}); the files are in place",
+                file=sys.stderr,
+            )
         return ""
     try:
         seq = await record_fetch(log, args.fleet, fetched_event(result, model=args.reference, by=by))

@@ -8,7 +8,7 @@ import contextlib
 import os
 import socket
 
-from haru.cli.common import ExitStatus, add_nats_options, fail, nats_servers, add_log_options, configure_logging
+from haru.cli.common import ExitStatus, add_log_options, add_nats_options, configure_logging, fail, nats_servers
 from haru.host.metrics import add_metrics_options
 from haru.host.tasks import run_until_signal
 
@@ -29,15 +29,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=int(os.environ["HARU_REPLICAS"]) if os.environ.get("HARU_REPLICAS", "").strip() else None,
         help="replicas for the streams and bucket if this projector creates them (env HARU_REPLICAS; default: 3 "
-             "on a cluster of three or more servers, else 1)",
+        "on a cluster of three or more servers, else 1)",
     )
     p.add_argument(
-        "--from-checkpoint", action="store_true",
+        "--from-checkpoint",
+        action="store_true",
         help="rebuild: start each fleet from its newest checkpoint's view instead of the stored one "
-             "(a fleet without a stored view always starts from its checkpoint)",
+        "(a fleet without a stored view always starts from its checkpoint)",
     )
     p.add_argument(
-        "--checkpoint-every", type=int, default=int(os.environ.get("HARU_CHECKPOINT_EVERY", "10000")),
+        "--checkpoint-every",
+        type=int,
+        default=int(os.environ.get("HARU_CHECKPOINT_EVERY", "10000")),
         help="write a checkpoint every N events of a fleet (env HARU_CHECKPOINT_EVERY; default %(default)s)",
     )
     add_log_options(p)
@@ -48,16 +51,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 async def run(args: argparse.Namespace) -> ExitStatus:
     configure_logging(args.log_format, args.log_level)
     import structlog
-
-    from haru.core.errors import LogUnavailable
-    from haru.log.eventlog import EventLog
     from prometheus_client import CollectorRegistry
 
+    from haru.core.errors import LogUnavailable
     from haru.host.metrics import maybe_serve, metrics_address
+    from haru.log.eventlog import EventLog
+    from haru.log.nats_headers import enable_fast_header_parse
     from haru.projections.metrics import register as register_metrics
     from haru.projections.projector import Projector
-
-    from haru.log.nats_headers import enable_fast_header_parse
 
     enable_fast_header_parse()  # a replay of the whole log: the faster per-message header parse
     metrics = metrics_address(args.metrics_port, args.metrics_host)
@@ -67,7 +68,9 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         async with EventLog.connect(nats_servers(args.nats_url), writer=writer, creds=args.nats_creds) as log:
             await log.ensure(replicas=args.replicas)
             if args.checkpoint_every < 1:
-                return fail(f"--checkpoint-every {args.checkpoint_every}: give a positive number of events", ExitStatus.USAGE)
+                return fail(
+                    f"--checkpoint-every {args.checkpoint_every}: give a positive number of events", ExitStatus.USAGE
+                )
             projector = Projector(log, checkpoint_every=args.checkpoint_every, from_checkpoint=args.from_checkpoint)
             registry = CollectorRegistry()
             lag = register_metrics(registry, projector)

@@ -22,19 +22,28 @@ import getpass
 import os
 import socket
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from haru.cli.common import (
+    ExitStatus,
+    add_fleet_option,
+    add_log_options,
+    add_nats_options,
+    configure_logging,
+    emit_json,
+    fail,
+    nats_servers,
+)
 from haru.core import subjects
-from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers, add_log_options, configure_logging
 from haru.core.errors import LogUnavailable
+from haru.core.events import OperationAborted, OperationCompleted, payload, tag_of
 from haru.core.operations import as_doc, fold_operations, progress_line
-from haru.promoter.errors import OperationNotFound
-from haru.host.tasks import cancel_and_wait, run_until_signal
 from haru.host.metrics import add_metrics_options
+from haru.host.tasks import cancel_and_wait, run_until_signal
 from haru.log.eventlog import EventLog
 from haru.log.record import Record
-from haru.core.events import OperationAborted, OperationCompleted, payload, tag_of
+from haru.promoter.errors import OperationNotFound
 
 if TYPE_CHECKING:
     from haru.promoter.requests import RequestResult
@@ -83,9 +92,13 @@ def register(subparsers) -> None:
         if kind == "rolling":
             q.add_argument("domain", nargs="?", default="", help="the standby to roll through (default: the standby)")
         elif kind == "promotion":
-            q.add_argument("domain", nargs="?", default="",
-                           help="the standby to make active (default: the best fit standby in the ranking `haru status` "
-                                "shows; if it fails before the flip, the next fit one takes over in the same operation)")
+            q.add_argument(
+                "domain",
+                nargs="?",
+                default="",
+                help="the standby to make active (default: the best fit standby in the ranking `haru status` "
+                "shows; if it fails before the flip, the next fit one takes over in the same operation)",
+            )
         else:
             q.add_argument("domain", help="the domain")
         add_fleet_option(q)
@@ -104,8 +117,12 @@ def register(subparsers) -> None:
             "passed its point of no return (a promotion's flip)."
         ),
     )
-    o.add_argument("words", nargs="*", metavar="[abort] [op_id]",
-                   help="nothing: list; an operation id (op-...): its steps; abort [op_id]: abort the one in flight")
+    o.add_argument(
+        "words",
+        nargs="*",
+        metavar="[abort] [op_id]",
+        help="nothing: list; an operation id (op-...): its steps; abort [op_id]: abort the one in flight",
+    )
     o.add_argument("--why", default="", help="with abort: a reason, recorded in operation_aborted")
     add_fleet_option(o)
     o.add_argument("--json", action="store_true", help="print JSON")
@@ -115,9 +132,8 @@ def register(subparsers) -> None:
 
 async def run_service(args: argparse.Namespace) -> ExitStatus:
     from haru.host.metrics import metrics_address
-    from haru.promoter.service import default_identity, run_promoter
-
     from haru.log.nats_headers import enable_fast_header_parse
+    from haru.promoter.service import default_identity, run_promoter
 
     configure_logging(args.log_format, args.log_level)
     enable_fast_header_parse()  # follows the whole log: the faster per-message header parse
@@ -126,8 +142,7 @@ async def run_service(args: argparse.Namespace) -> ExitStatus:
     try:
         async with EventLog.connect(_servers(args), writer=identity, creds=args.nats_creds) as log:
             await log.ensure()
-            service = asyncio.create_task(run_promoter(log, fleets=args.fleet, identity=identity,
-                                                       metrics=metrics))
+            service = asyncio.create_task(run_promoter(log, fleets=args.fleet, identity=identity, metrics=metrics))
             # SIGTERM/SIGINT stop it cleanly: the step in flight is resumed by the next promoter.
             with contextlib.suppress(asyncio.CancelledError):
                 await run_until_signal(service)
@@ -161,16 +176,16 @@ async def run_request(args: argparse.Namespace) -> ExitStatus:
     kind = args.kind
     try:
         async with EventLog.connect(_servers(args), writer=_by(), creds=args.nats_creds) as log:
-            now = datetime.now(timezone.utc)
+            now = datetime.now(UTC)
             result = await request_operation(log, args.fleet, kind, args.domain, by=_by(), now=now)
             return await answer_request(log, args, result, _STATUS[result.status])
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
 
 
-
-async def answer_request(log: EventLog, args: argparse.Namespace, result: RequestResult,
-                         status: ExitStatus) -> ExitStatus:
+async def answer_request(
+    log: EventLog, args: argparse.Namespace, result: RequestResult, status: ExitStatus
+) -> ExitStatus:
     """Say what became of an operation request (`haru promote`, `haru route weight`), and follow it with --wait.
 
     Accepted or joined: the op id on stdout, the message on stderr; a no-op: the message; refused or
@@ -189,11 +204,14 @@ async def answer_request(log: EventLog, args: argparse.Namespace, result: Reques
         return fail(result.message, status)
     if not args.wait or result.status not in ("accepted", "joined"):
         return status
-    return await wait_for(log, args.fleet, result.op_id, json_out=args.json, timeout=args.timeout,
-                          from_seq=result.seq or 1)
+    return await wait_for(
+        log, args.fleet, result.op_id, json_out=args.json, timeout=args.timeout, from_seq=result.seq or 1
+    )
 
-async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, timeout: float,
-                   from_seq: int = 1) -> ExitStatus:
+
+async def wait_for(
+    log: EventLog, fleet: str, op_id: str, *, json_out: bool, timeout: float, from_seq: int = 1
+) -> ExitStatus:
     """Follow the fleet's op subject from `from_seq` (the request's own sequence when it is known: the
     operations before it are not read) and print the operation's steps until it ends."""
     outcome: asyncio.Future[ExitStatus] = asyncio.get_running_loop().create_future()
@@ -216,8 +234,9 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
 
     url = ", ".join(log.server_urls()) or "NATS"
     forget = log.on_link_change(LinkReporter(url, f"operation {op_id}'s progress"))
-    follower = asyncio.create_task(log.follow(on_record, subject_filter=subjects.op(fleet), from_seq=from_seq,
-                                              name="promote-wait"))
+    follower = asyncio.create_task(
+        log.follow(on_record, subject_filter=subjects.op(fleet), from_seq=from_seq, name="promote-wait")
+    )
     try:
         waiting: set[asyncio.Future[Any]] = {outcome, follower}
         done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -225,7 +244,10 @@ async def wait_for(log: EventLog, fleet: str, op_id: str, *, json_out: bool, tim
             return outcome.result()
         if follower in done:
             follower.result()
-        return fail(f"operation {op_id} did not finish within {timeout:.0f}s; it goes on: haru promote --wait again", ExitStatus.ERROR)
+        return fail(
+            f"operation {op_id} did not finish within {timeout:.0f}s; it goes on: haru promote --wait again",
+            ExitStatus.ERROR,
+        )
     finally:
         forget()  # before the connection closes: a clean exit is not the control plane going away
         await cancel_and_wait(follower)
@@ -239,8 +261,10 @@ async def run_op(args: argparse.Namespace) -> ExitStatus:
             return fail(f"haru op abort takes at most one operation id, got {' '.join(words[1:])}", ExitStatus.USAGE)
         return await run_abort(args, words[1] if len(words) == 2 else "")
     if len(words) > 1:
-        return fail(f"haru op takes at most one operation id, got {' '.join(words)} (to abort: haru op abort <op_id>)",
-                    ExitStatus.USAGE)
+        return fail(
+            f"haru op takes at most one operation id, got {' '.join(words)} (to abort: haru op abort <op_id>)",
+            ExitStatus.USAGE,
+        )
     args.op_id = words[0] if words else None
     try:
         async with EventLog.connect(_servers(args), writer=_by(), creds=args.nats_creds) as log:
@@ -279,7 +303,9 @@ async def run_op(args: argparse.Namespace) -> ExitStatus:
         print(f"no operations in fleet {args.fleet}")
     for op in ops.values():
         tail = f"  {op.error}" if op.error else ""
-        print(f"{op.op_id}  {op.requested_at.isoformat()[:23]}  {op.kind:<9} {op.target:<12} {op.reason:<18} {op.state}{tail}")
+        print(
+            f"{op.op_id}  {op.requested_at.isoformat()[:23]}  {op.kind:<9} {op.target:<12} {op.reason:<18} {op.state}{tail}"
+        )
     return ExitStatus.OK
 
 
@@ -288,7 +314,7 @@ async def run_abort(args: argparse.Namespace, op_id: str) -> ExitStatus:
 
     try:
         async with EventLog.connect(_servers(args), writer=_by(), creds=args.nats_creds) as log:
-            result = await abort_operation(log, args.fleet, op_id, by=_by(), now=datetime.now(timezone.utc), why=args.why)
+            result = await abort_operation(log, args.fleet, op_id, by=_by(), now=datetime.now(UTC), why=args.why)
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
     if args.json:

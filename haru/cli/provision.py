@@ -23,7 +23,10 @@ import argparse
 from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, fail
 
 VERBS = {
-    "provision": ("provision", "launch a skypilot/skyserve domain's host, wait for its agent and models, make it the standby"),
+    "provision": (
+        "provision",
+        "launch a skypilot/skyserve domain's host, wait for its agent and models, make it the standby",
+    ),
     "teardown": ("teardown", "tear down every cluster (or service) of a skypilot/skyserve domain"),
     "replace": ("replace", "replace a domain's host: tear down the old, launch a new one, make it the standby"),
 }
@@ -34,10 +37,16 @@ def register(subparsers) -> None:
         q = subparsers.add_parser(verb, help=help_text, description=help_text + " (docs/provisioning.md)")
         q.add_argument("domain", help="the domain")
         add_fleet_option(q)
-        q.add_argument("--dry-run", action="store_true",
-                       help="print the YAML (or sky commands) it would submit, and submit nothing")
-        q.add_argument("--layout", default="", help="with --dry-run: read the domain from this layout file "
-                       "instead of the fleet's declarations in the log")
+        q.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="print the YAML (or sky commands) it would submit, and submit nothing",
+        )
+        q.add_argument(
+            "--layout",
+            default="",
+            help="with --dry-run: read the domain from this layout file instead of the fleet's declarations in the log",
+        )
         q.add_argument("--wait", action="store_true", help="follow the operation and print each step, then the outcome")
         q.add_argument("--timeout", type=float, default=3600.0, help="with --wait: give up after this many seconds")
         q.add_argument("--json", action="store_true", help="print JSON")
@@ -48,8 +57,11 @@ def register(subparsers) -> None:
 async def run(args: argparse.Namespace) -> ExitStatus:
     if not args.dry_run:
         if args.layout:
-            return fail("--layout is for --dry-run: an operation acts on the fleet's declarations "
-                        "(`haru apply` the layout first)", ExitStatus.USAGE)
+            return fail(
+                "--layout is for --dry-run: an operation acts on the fleet's declarations "
+                "(`haru apply` the layout first)",
+                ExitStatus.USAGE,
+            )
         from haru.cli.promote import run_request
 
         return await run_request(args)
@@ -77,8 +89,9 @@ async def dry_run(args: argparse.Namespace) -> ExitStatus:
         except LogUnavailable as exc:
             return fail(str(exc), ExitStatus.UNAVAILABLE)
     if spec is None:
-        return fail(f"no domain {args.domain!r} in fleet {fleet} (declared: {', '.join(known) or 'none'})",
-                    ExitStatus.NOT_FOUND)
+        return fail(
+            f"no domain {args.domain!r} in fleet {fleet} (declared: {', '.join(known) or 'none'})", ExitStatus.NOT_FOUND
+        )
     try:
         text = dry_run_text(args.kind, fleet, spec)
     except NotProvisionable as exc:
@@ -93,10 +106,10 @@ async def dry_run(args: argparse.Namespace) -> ExitStatus:
 
 
 async def _declared(args: argparse.Namespace):
+    from haru.cli.promote import _servers
     from haru.core import subjects
     from haru.core.apply import fold_declarations
     from haru.core.authority import misplaced
-    from haru.cli.promote import _servers
     from haru.log.eventlog import EventLog
 
     async with EventLog.connect(_servers(args), writer="cli:dry-run", creds=args.nats_creds) as log:

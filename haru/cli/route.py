@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
-from haru.cli.common import LinkReporter, ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers
+from haru.cli.common import ExitStatus, LinkReporter, add_fleet_option, add_nats_options, emit_json, fail, nats_servers
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,11 +28,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_nats_options(p)
     add_fleet_option(p)
-    p.add_argument("words", nargs="*", metavar="[weight DOMAIN=PERCENT ...]",
-                   help="weight b=10 [c=5]: send that share of traffic to those domains (the active takes the rest); "
-                        "weight --reset: the active takes everything again")
-    p.add_argument("--model", default="", help="with weight: split this model's traffic only (default: the whole fleet's)")
-    p.add_argument("--reset", action="store_true", help="with weight: back to the default (the active takes everything)")
+    p.add_argument(
+        "words",
+        nargs="*",
+        metavar="[weight DOMAIN=PERCENT ...]",
+        help="weight b=10 [c=5]: send that share of traffic to those domains (the active takes the rest); "
+        "weight --reset: the active takes everything again",
+    )
+    p.add_argument(
+        "--model", default="", help="with weight: split this model's traffic only (default: the whole fleet's)"
+    )
+    p.add_argument(
+        "--reset", action="store_true", help="with weight: back to the default (the active takes everything)"
+    )
     p.add_argument("--wait", action="store_true", help="with weight: follow the operation until the split is recorded")
     p.add_argument("--timeout", type=float, default=600.0, help="with weight --wait: give up after this many seconds")
     p.add_argument("--watch", action="store_true", help="keep printing every new intent, in order")
@@ -44,7 +52,7 @@ def _print(ri, as_json: bool) -> None:
     from haru.core.intents import at
     from haru.projections.status import render_intent
 
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     if as_json:
         emit_json(at(ri, now))
     else:
@@ -57,16 +65,22 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     if words and words[0] == "weight":
         return await run_weight(args, words[1:])
     if words:
-        return fail(f"haru route takes no arguments but `weight DOMAIN=PERCENT ...`, got {' '.join(words)!r}",
-                    ExitStatus.USAGE)
+        return fail(
+            f"haru route takes no arguments but `weight DOMAIN=PERCENT ...`, got {' '.join(words)!r}", ExitStatus.USAGE
+        )
     if args.model or args.reset:
         return fail("--model and --reset go with `haru route weight`", ExitStatus.USAGE)
     return await _show(args)
 
 
 _WEIGHT_STATUS = {
-    "noop": ExitStatus.OK, "accepted": ExitStatus.OK, "joined": ExitStatus.OK, "conflict": ExitStatus.CONFLICT,
-    "refused": ExitStatus.ERROR, "not_found": ExitStatus.NOT_FOUND, "invalid": ExitStatus.USAGE,
+    "noop": ExitStatus.OK,
+    "accepted": ExitStatus.OK,
+    "joined": ExitStatus.OK,
+    "conflict": ExitStatus.CONFLICT,
+    "refused": ExitStatus.ERROR,
+    "not_found": ExitStatus.NOT_FOUND,
+    "invalid": ExitStatus.USAGE,
 }
 
 
@@ -84,8 +98,9 @@ async def run_weight(args: argparse.Namespace, pairs: list[str]) -> ExitStatus:
         return fail(str(exc), ExitStatus.USAGE)
     try:
         async with EventLog.connect(_servers(args), writer=_by(), creds=args.nats_creds) as log:
-            result = await request_weights(log, args.fleet, given, model=args.model, reset=args.reset, by=_by(),
-                                           now=datetime.now(timezone.utc))
+            result = await request_weights(
+                log, args.fleet, given, model=args.model, reset=args.reset, by=_by(), now=datetime.now(UTC)
+            )
             return await answer_request(log, args, result, _WEIGHT_STATUS[result.status])
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
@@ -93,15 +108,17 @@ async def run_weight(args: argparse.Namespace, pairs: list[str]) -> ExitStatus:
 
 async def _show(args: argparse.Namespace) -> ExitStatus:
     from haru.core.errors import HaruError, InvalidName, LogUnavailable
-    from haru.log.route import RouteWatcher
     from haru.core.subjects import check_name
+    from haru.log.route import RouteWatcher
 
     try:
         check_name("fleet", args.fleet)
     except InvalidName as exc:
         return fail(str(exc), ExitStatus.USAGE)
     try:
-        async with RouteWatcher(nats_servers(args.nats_url), args.fleet, creds=args.nats_creds, writer="cli:route") as w:
+        async with RouteWatcher(
+            nats_servers(args.nats_url), args.fleet, creds=args.nats_creds, writer="cli:route"
+        ) as w:
             if not args.watch:
                 if w.current is None:
                     return fail(

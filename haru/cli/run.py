@@ -31,10 +31,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("model", help="the OpenAI model id, exactly as declared (e.g. qwen3.6:27b)")
-    p.add_argument("--url", default=os.environ.get("HARU_GATEWAY_URL", DEFAULT_URL),
-                   help="the gateway (env HARU_GATEWAY_URL; default %(default)s)")
-    p.add_argument("--fleet", default=os.environ.get("HARU_DEFAULT_FLEET") or None,
-                   help="fleet, sent as X-Haru-Fleet (env HARU_DEFAULT_FLEET; default: the gateway's own default)")
+    p.add_argument(
+        "--url",
+        default=os.environ.get("HARU_GATEWAY_URL", DEFAULT_URL),
+        help="the gateway (env HARU_GATEWAY_URL; default %(default)s)",
+    )
+    p.add_argument(
+        "--fleet",
+        default=os.environ.get("HARU_DEFAULT_FLEET") or None,
+        help="fleet, sent as X-Haru-Fleet (env HARU_DEFAULT_FLEET; default: the gateway's own default)",
+    )
     p.add_argument("--system", default="", help="a system prompt for the conversation")
     p.add_argument("--max-tokens", type=int, default=None, help="max_tokens for each answer")
     p.set_defaults(handler=run)
@@ -87,8 +93,9 @@ class Chat:
             return ExitStatus.ERROR, f"{self.url}/v1/models is not a model list ({exc}); is --url a Haru gateway?"
         if self.model not in known:
             listed = ", ".join(sorted(known)) or "none"
-            return ExitStatus.NOT_FOUND, (f"no model {self.model!r} behind {self.url} (model ids match exactly); "
-                                          f"it serves: {listed}")
+            return ExitStatus.NOT_FOUND, (
+                f"no model {self.model!r} behind {self.url} (model ids match exactly); it serves: {listed}"
+            )
         answer = (known[self.model].get("haru") or {}).get("answer")
         said = answer.get("answer") if isinstance(answer, dict) else answer
         return ExitStatus.OK, said if isinstance(said, str) else ""
@@ -100,7 +107,9 @@ class Chat:
             body["max_tokens"] = self.max_tokens
         conn = self._connection()
         try:
-            conn.request("POST", self.base + "/v1/chat/completions", body=json.dumps(body).encode(), headers=self.headers)
+            conn.request(
+                "POST", self.base + "/v1/chat/completions", body=json.dumps(body).encode(), headers=self.headers
+            )
             resp = conn.getresponse()
             if resp.status != 200:
                 raise Refused(describe_error(resp.status, resp.read(), resp.getheader("Retry-After")))
@@ -147,8 +156,13 @@ def describe_error(status: int, body: bytes, retry_after: str | None) -> str:
 
 def run(args: argparse.Namespace) -> ExitStatus:
     try:
-        chat = Chat(args.url, args.model, fleet=args.fleet, token=os.environ.get("HARU_API_TOKEN", ""),
-                    max_tokens=args.max_tokens)
+        chat = Chat(
+            args.url,
+            args.model,
+            fleet=args.fleet,
+            token=os.environ.get("HARU_API_TOKEN", ""),
+            max_tokens=args.max_tokens,
+        )
     except ValueError as exc:
         return fail(str(exc), ExitStatus.USAGE)
     interactive = sys.stdin.isatty()
@@ -156,8 +170,11 @@ def run(args: argparse.Namespace) -> ExitStatus:
     try:
         checked, said = chat.check()  # an unknown model is said now, not after the first message
     except (OSError, http.client.HTTPException) as exc:
-        return fail(f"cannot reach the gateway at {args.url}: {getattr(exc, 'strerror', None) or exc}; is `haru "
-                    f"gateway` (or `haru up`, `haru serve`) running? pass --url", ExitStatus.UNAVAILABLE)
+        return fail(
+            f"cannot reach the gateway at {args.url}: {getattr(exc, 'strerror', None) or exc}; is `haru "
+            f"gateway` (or `haru up`, `haru serve`) running? pass --url",
+            ExitStatus.UNAVAILABLE,
+        )
     if checked != ExitStatus.OK:
         return fail(said, checked)
     state = f" ({said})" if said and said != "ready" else ""
@@ -207,8 +224,11 @@ def run(args: argparse.Namespace) -> ExitStatus:
             continue
         except OSError as exc:
             messages.pop()
-            return fail(f"cannot reach the gateway at {args.url}: {exc.strerror or exc}; is `haru gateway` "
-                        f"(or `haru up`) running? pass --url", ExitStatus.UNAVAILABLE)
+            return fail(
+                f"cannot reach the gateway at {args.url}: {exc.strerror or exc}; is `haru gateway` "
+                f"(or `haru up`) running? pass --url",
+                ExitStatus.UNAVAILABLE,
+            )
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": answer})

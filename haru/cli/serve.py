@@ -7,11 +7,11 @@ reached, 7 refused (the planner admits none of the models: each is printed `shor
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from haru.cli.common import ExitStatus, add_log_options, add_model_options, configure_logging, fail
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="one box: pull the models, plan a single-domain fleet, and run everything here")
@@ -38,10 +38,10 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
     from haru.cli.apply import plan_lines
     from haru.cli.models import status_of
     from haru.core.model_errors import ModelsError
-    from haru.host.natsd import free_port
     from haru.core.planner import plan as plan_layout
-    from haru.up.serve import ServeError, fleet_layout, gpu_memory_from_nvml, parse_model_flag, prepare, split_args
+    from haru.host.natsd import free_port
     from haru.up.compose import UpOptions, haru_home
+    from haru.up.serve import ServeError, fleet_layout, gpu_memory_from_nvml, parse_model_flag, prepare, split_args
 
     configure_logging(args.log_format, args.log_level)
     home = haru_home(args.home)
@@ -50,8 +50,11 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
     except ServeError as exc:
         return fail(str(exc), ExitStatus.USAGE)
     if not models:
-        return fail("no --model given; write e.g. haru serve --model chat=qwen3:0.6b:2@8192 (or hearth's --model NAME "
-                    "--gguf PATH, or a fleet.conf: --fleet-conf FILE)", ExitStatus.USAGE)
+        return fail(
+            "no --model given; write e.g. haru serve --model chat=qwen3:0.6b:2@8192 (or hearth's --model NAME "
+            "--gguf PATH, or a fleet.conf: --fleet-conf FILE)",
+            ExitStatus.USAGE,
+        )
     try:
         flags = [parse_model_flag(m) for m in models]
         gpus = "sim" if args.gpu_memory else "nvml"
@@ -74,31 +77,51 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
         except RuntimeBuildFailed as exc:
             return fail(str(exc))
         if found is None:
-            return fail("no llama-server for the GGUF models: `haru runtime llama` builds it (~10 min on 2 cores, "
-                        "once) or set HARU_LLAMA_SERVER to one")
+            return fail(
+                "no llama-server for the GGUF models: `haru runtime llama` builds it (~10 min on 2 cores, "
+                "once) or set HARU_LLAMA_SERVER to one"
+            )
         binary = str(found)
-    layout = fleet_layout(prepared, fleet=args.fleet_name, gpu_memory=memory, reserve=reserve,
-                          serving_url=f"http://127.0.0.1:{free_port()}", llama_binary=binary,
-                          vllm_binary=args.binary, runtime_args=split_args(args.runtime_args))
+    layout = fleet_layout(
+        prepared,
+        fleet=args.fleet_name,
+        gpu_memory=memory,
+        reserve=reserve,
+        serving_url=f"http://127.0.0.1:{free_port()}",
+        llama_binary=binary,
+        vllm_binary=args.binary,
+        runtime_args=split_args(args.runtime_args),
+    )
     plan = plan_layout(layout)
     for line in plan_lines(plan):
         _say(line)
     refused = plan.not_admitted()
     if len(refused) == len(plan.verdicts()):
-        return fail(f"refused: none of the {len(refused)} model(s) fits on this GPU; give them less VRAM, or a "
-                    "bigger --gpu-memory", ExitStatus.REFUSED)
+        return fail(
+            f"refused: none of the {len(refused)} model(s) fits on this GPU; give them less VRAM, or a "
+            "bigger --gpu-memory",
+            ExitStatus.REFUSED,
+        )
     _say("haru serve: a single-domain fleet: requests go to this box; there is nothing to fail over to")
 
     async def record_pulls(events, layout) -> None:
         from haru.models.record import fetched_event, record_fetch
 
         for flag, result in pulls:
-            await record_fetch(events, layout.fleet, fetched_event(result, model=flag.name, domain="local",
-                                                                   by="up:serve"))
+            await record_fetch(
+                events, layout.fleet, fetched_event(result, model=flag.name, domain="local", by="up:serve")
+            )
 
-    opts = UpOptions(home=home, nats_port=args.nats_port, gateway_host=args.host, gateway_port=args.port,
-                     ready_file=Path(args.ready_file) if args.ready_file else None, layout=layout, agent_gpus=gpus,
-                     after_apply=record_pulls)
+    opts = UpOptions(
+        home=home,
+        nats_port=args.nats_port,
+        gateway_host=args.host,
+        gateway_port=args.port,
+        ready_file=Path(args.ready_file) if args.ready_file else None,
+        layout=layout,
+        agent_gpus=gpus,
+        after_apply=record_pulls,
+    )
     from haru.cli.up import run_up
 
     return await run_up(opts)
@@ -114,9 +137,12 @@ def model_values(args: argparse.Namespace, home: Path) -> list[str]:
     if args.gguf or args.safetensors:
         bare = [m for m in values if "=" not in m]
         if len(bare) != 1:
-            raise ServeError("--gguf/--safetensors name one model: write --model NAME --gguf PATH (one NAME without '=')")
-        values[values.index(bare[0])] = hearth_model_flag(bare[0], gguf=args.gguf, safetensors=args.safetensors,
-                                                         vram=args.vram)
+            raise ServeError(
+                "--gguf/--safetensors name one model: write --model NAME --gguf PATH (one NAME without '=')"
+            )
+        values[values.index(bare[0])] = hearth_model_flag(
+            bare[0], gguf=args.gguf, safetensors=args.safetensors, vram=args.vram
+        )
     elif args.vram:
         raise ServeError("--vram goes with --model NAME --gguf PATH (or --safetensors DIR)")
     conf = Path(args.fleet_conf) if args.fleet_conf else None

@@ -29,14 +29,20 @@ from pathlib import Path
 
 from haru.agents.sim.errors import SimError
 from haru.agents.sim.gpu_state import SimGpuState, gpu_indexes, parse_size
-from haru.host.procfs import pid_alive
-from haru.core.sizes import format_size
 from haru.agents.sim.vllm import runtime_path
 from haru.cli.common import ExitStatus, emit_json, fail
+from haru.core.sizes import format_size
 from haru.core.subjects import check_name, model_from_token
+from haru.host.procfs import pid_alive
 
-_FAULTS = {"evict": "evict", "hang": "hang", "oom-on-wake": "oom_on_wake", "fail-probe": "fail_probe",
-           "reset": "reset", "crash": "crash"}
+_FAULTS = {
+    "evict": "evict",
+    "hang": "hang",
+    "oom-on-wake": "oom_on_wake",
+    "fail-probe": "fail_probe",
+    "reset": "reset",
+    "crash": "crash",
+}
 
 
 def default_sim_root() -> Path:
@@ -47,14 +53,21 @@ def default_sim_root() -> Path:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("sim", help="inject faults into simulated GPU hosts",
-                                   description="Inspect and break the simulated GPU hosts (agents/sim).")
+    parser = subparsers.add_parser(
+        "sim",
+        help="inject faults into simulated GPU hosts",
+        description="Inspect and break the simulated GPU hosts (agents/sim).",
+    )
     sub = parser.add_subparsers(dest="sim_command", metavar="<sim command>")
     sub.required = True
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--sim-root", type=Path, default=None,
-                       help="root of the simulated hosts (env HARU_SIM_ROOT; default $HARU_HOME/sim)")
+        p.add_argument(
+            "--sim-root",
+            type=Path,
+            default=None,
+            help="root of the simulated hosts (env HARU_SIM_ROOT; default $HARU_HOME/sim)",
+        )
 
     status = sub.add_parser("status", help="print simulated GPUs and runtimes")
     status.add_argument("domain", nargs="?")
@@ -70,8 +83,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     common(add)
     add.set_defaults(handler=run_add_gpu)
 
-    for verb, present, what in (("detach-gpu", False, "detach a simulated GPU (the provider took it)"),
-                                ("attach-gpu", True, "attach a detached simulated GPU again")):
+    for verb, present, what in (
+        ("detach-gpu", False, "detach a simulated GPU (the provider took it)"),
+        ("attach-gpu", True, "attach a detached simulated GPU again"),
+    ):
         p = sub.add_parser(verb, help=what)
         p.add_argument("domain")
         p.add_argument("--gpu", type=int, default=0)
@@ -99,12 +114,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     common(kill)
     kill.set_defaults(handler=run_kill)
 
-    helps = {"evict": "the engine drops the model (the process stays alive)",
-             "hang": "the runtime stops answering health and completions",
-             "oom-on-wake": "the next wake fails with CUDA out of memory",
-             "fail-probe": "completions fail with 500 until reset",
-             "reset": "clear hang, fail-probe and oom-on-wake",
-             "crash": "the runtime exits at once with a non-zero status"}
+    helps = {
+        "evict": "the engine drops the model (the process stays alive)",
+        "hang": "the runtime stops answering health and completions",
+        "oom-on-wake": "the next wake fails with CUDA out of memory",
+        "fail-probe": "completions fail with 500 until reset",
+        "reset": "clear hang, fail-probe and oom-on-wake",
+        "crash": "the runtime exits at once with a non-zero status",
+    }
     for verb, fault in _FAULTS.items():
         p = sub.add_parser(verb, help=helps[verb])
         p.add_argument("domain")
@@ -131,9 +148,11 @@ def run_add_gpu(args: argparse.Namespace) -> ExitStatus:
 def run_presence(args: argparse.Namespace) -> ExitStatus:
     gpu = SimGpuState(_host_dir(args, args.domain), args.gpu)
     if not gpu.exists():
-        return fail(f"domain {args.domain!r} has no simulated GPU {args.gpu} ({gpu.path}); "
-                    f"check the domain and --gpu, or create it with `haru sim add-gpu {args.domain} --gpu {args.gpu}`",
-                    ExitStatus.NOT_FOUND)
+        return fail(
+            f"domain {args.domain!r} has no simulated GPU {args.gpu} ({gpu.path}); "
+            f"check the domain and --gpu, or create it with `haru sim add-gpu {args.domain} --gpu {args.gpu}`",
+            ExitStatus.NOT_FOUND,
+        )
     gpu.set_present(args.present)
     print(f"sim GPU {args.gpu} of domain {args.domain} {'attached' if args.present else 'detached'}")
     return ExitStatus.OK
@@ -142,20 +161,27 @@ def run_presence(args: argparse.Namespace) -> ExitStatus:
 def run_signs(args: argparse.Namespace) -> ExitStatus:
     gpu = SimGpuState(_host_dir(args, args.domain), args.gpu)
     if not gpu.exists():
-        return fail(f"domain {args.domain!r} has no simulated GPU {args.gpu} ({gpu.path}); check the domain and --gpu",
-                    ExitStatus.NOT_FOUND)
+        return fail(
+            f"domain {args.domain!r} has no simulated GPU {args.gpu} ({gpu.path}); check the domain and --gpu",
+            ExitStatus.NOT_FOUND,
+        )
     if args.xid is not None:
         gpu.set_signs(xid=args.xid)
-        print(f"sim GPU {args.gpu} of domain {args.domain}: critical XID {args.xid}" if args.xid
-              else f"sim GPU {args.gpu} of domain {args.domain}: XID cleared")
+        print(
+            f"sim GPU {args.gpu} of domain {args.domain}: critical XID {args.xid}"
+            if args.xid
+            else f"sim GPU {args.gpu} of domain {args.domain}: XID cleared"
+        )
         return ExitStatus.OK
     if getattr(args, "clear", False):
         gpu.set_signs(ecc_uncorrected=0, pages_pending=False)
     else:
         gpu.set_signs(ecc_uncorrected=args.double_bit, pages_pending=True if args.pending else None)
     state = gpu.read()
-    print(f"sim GPU {args.gpu} of domain {args.domain}: {state['ecc_uncorrected']} uncorrected ECC errors, "
-          f"pages pending retirement: {'yes' if state['pages_pending'] else 'no'}")
+    print(
+        f"sim GPU {args.gpu} of domain {args.domain}: {state['ecc_uncorrected']} uncorrected ECC errors, "
+        f"pages pending retirement: {'yes' if state['pages_pending'] else 'no'}"
+    )
     return ExitStatus.OK
 
 
@@ -164,8 +190,11 @@ def _runtime(args: argparse.Namespace) -> dict | ExitStatus:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        return fail(f"no simulated runtime serves {args.model!r} in domain {args.domain!r} ({path}); "
-                    f"see `haru sim status {args.domain}`", ExitStatus.NOT_FOUND)
+        return fail(
+            f"no simulated runtime serves {args.model!r} in domain {args.domain!r} ({path}); "
+            f"see `haru sim status {args.domain}`",
+            ExitStatus.NOT_FOUND,
+        )
 
 
 def run_kill(args: argparse.Namespace) -> ExitStatus:
@@ -194,8 +223,11 @@ def run_fault(args: argparse.Namespace) -> ExitStatus:
     try:
         _post(rt, f"/_sim/{args.fault}")
     except (urllib.error.URLError, OSError) as exc:
-        return fail(f"runtime of {args.model!r} in domain {args.domain} (port {rt['port']}) did not answer: {exc}; "
-                    "it may still be loading or be dead (see `haru sim status`)", ExitStatus.UNAVAILABLE)
+        return fail(
+            f"runtime of {args.model!r} in domain {args.domain} (port {rt['port']}) did not answer: {exc}; "
+            "it may still be loading or be dead (see `haru sim status`)",
+            ExitStatus.UNAVAILABLE,
+        )
     print(f"{args.fault} injected into {args.model!r} in domain {args.domain}")
     return ExitStatus.OK
 
@@ -230,8 +262,9 @@ def run_status(args: argparse.Namespace) -> ExitStatus:
     if args.domain:
         hosts = [_host_dir(args, args.domain)]
         if not hosts[0].is_dir():
-            return fail(f"no simulated host {args.domain!r} under {root}; check the name or --sim-root",
-                        ExitStatus.NOT_FOUND)
+            return fail(
+                f"no simulated host {args.domain!r} under {root}; check the name or --sim-root", ExitStatus.NOT_FOUND
+            )
     else:
         hosts = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
     report = [_status_of(host) for host in hosts]
@@ -247,8 +280,10 @@ def run_status(args: argparse.Namespace) -> ExitStatus:
                 print(f"  gpu {gpu['index']}: unreadable: {gpu['error']}")
                 continue
             presence = "present" if gpu["present"] else "DETACHED"
-            print(f"  gpu {gpu['index']}: {gpu['name']}, {presence}, used {format_size(gpu['memory_used_bytes'])} "
-                  f"of {format_size(gpu['memory_total_bytes'])} (free {format_size(gpu['memory_free_bytes'])})")
+            print(
+                f"  gpu {gpu['index']}: {gpu['name']}, {presence}, used {format_size(gpu['memory_used_bytes'])} "
+                f"of {format_size(gpu['memory_total_bytes'])} (free {format_size(gpu['memory_free_bytes'])})"
+            )
             for pid, n in gpu["allocations"].items():
                 print(f"    pid {pid}: {format_size(n)}")
         for rt in host["runtimes"]:

@@ -11,7 +11,15 @@ from __future__ import annotations
 import argparse
 import os
 
-from haru.cli.common import ExitStatus, add_nats_options, emit_json, fail, nats_servers, add_log_options, configure_logging
+from haru.cli.common import (
+    ExitStatus,
+    add_log_options,
+    add_nats_options,
+    configure_logging,
+    emit_json,
+    fail,
+    nats_servers,
+)
 
 
 def register(subparsers) -> None:
@@ -51,9 +59,7 @@ def register(subparsers) -> None:
 
 async def run(args: argparse.Namespace) -> ExitStatus:
     if not args.dsn:
-        return fail(
-            "no database: pass --dsn postgresql://user@host/db (or set DATABASE_URL)", ExitStatus.USAGE
-        )
+        return fail("no database: pass --dsn postgresql://user@host/db (or set DATABASE_URL)", ExitStatus.USAGE)
     if args.batch_size < 1 or args.flush_ms < 1:
         return fail("--batch-size and --flush-ms must be positive", ExitStatus.USAGE)
     configure_logging(args.log_format, args.log_level)
@@ -88,7 +94,10 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         if args.json:
             emit_json({"applied": applied, "version": version})
         else:
-            print(f"schema at version {version}" + (f" (applied {', '.join(map(str, applied))})" if applied else " (nothing to apply)"))
+            print(
+                f"schema at version {version}"
+                + (f" (applied {', '.join(map(str, applied))})" if applied else " (nothing to apply)")
+            )
         return ExitStatus.OK
 
     tune_gc()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers
 
@@ -27,8 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 async def run(args: argparse.Namespace) -> ExitStatus:
     from haru.core import subjects
     from haru.core.errors import InvalidName, LogUnavailable
-    from haru.log.eventlog import EventLog
     from haru.core.views import view_decoder
+    from haru.log.eventlog import EventLog
     from haru.projections.status import render
 
     try:
@@ -53,5 +53,5 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     if args.json:
         emit_json(view)
     else:
-        print(render(view, datetime.now(timezone.utc)))
+        print(render(view, datetime.now(UTC)))
     return ExitStatus.OK

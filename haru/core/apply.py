@@ -9,13 +9,14 @@ another writer wins the race (`Conflict`) it re-reads and re-diffs, a bounded nu
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 from haru.core import subjects
-from haru.core.causes import admission_cause, declaration_seqs, with_cause
 from haru.core.authority import misplaced
+from haru.core.causes import admission_cause, declaration_seqs, with_cause
 from haru.core.errors import Conflict, LayoutError
 from haru.core.events import (
     AdmissionDecided,
@@ -33,17 +34,26 @@ from haru.core.events import (
     TrainingRetired,
     tag_of,
 )
-from haru.core.planner import Plan, Verdict, plan as plan_layout
-from haru.core.sizes import format_gib
+from haru.core.planner import Plan, Verdict
+from haru.core.planner import plan as plan_layout
 from haru.core.residency import state_name
+from haru.core.sizes import format_gib
 from haru.core.specs import DomainSpec, Layout, ModelSpec, Policy, TrainingSpec, fleet_uuid
 
 if TYPE_CHECKING:
     from haru.core.views import FleetView
     from haru.log.seam import EventStore  # the type only: the shell hands the log in
 
-__all__ = ["Declarations", "fold_declarations", "diff", "ApplyResult", "apply", "describe", "running_at_risk",
-           "DEFAULT_RETRIES"]
+__all__ = [
+    "Declarations",
+    "fold_declarations",
+    "diff",
+    "ApplyResult",
+    "apply",
+    "describe",
+    "running_at_risk",
+    "DEFAULT_RETRIES",
+]
 
 DEFAULT_RETRIES = 5
 
@@ -115,11 +125,17 @@ def diff(current: Declarations, layout: Layout, plan: Plan, now: datetime, *, by
     """
     out: list[Event] = []
     if current.fleet is not None and current.uuid and layout.uuid and layout.uuid != current.uuid:
-        raise LayoutError(f"fleet {layout.fleet!r} was recorded with UUID {current.uuid}; the layout says {layout.uuid}",
-                          path="$.uuid", fix=f"a fleet's UUID never changes: write {current.uuid}, or leave uuid out")
+        raise LayoutError(
+            f"fleet {layout.fleet!r} was recorded with UUID {current.uuid}; the layout says {layout.uuid}",
+            path="$.uuid",
+            fix=f"a fleet's UUID never changes: write {current.uuid}, or leave uuid out",
+        )
     if current.fleet is None:
-        out.append(FleetDeclared(at=now, by=by, fleet=layout.fleet, policy=layout.policy,
-                                 uuid=layout.uuid or fleet_uuid(layout.fleet)))
+        out.append(
+            FleetDeclared(
+                at=now, by=by, fleet=layout.fleet, policy=layout.policy, uuid=layout.uuid or fleet_uuid(layout.fleet)
+            )
+        )
     elif current.policy != layout.policy:
         out.append(PolicyChanged(at=now, by=by, policy=layout.policy, previous=current.policy))
 
@@ -158,10 +174,21 @@ def diff(current: Declarations, layout: Layout, plan: Plan, now: datetime, *, by
                 had = current.admissions.get((name, v.kind, v.name))
                 if had is None or not _same_verdict(had, v):
                     out.append(
-                        AdmissionDecided(at=now, by=by, domain=name, kind=v.kind, name=v.name, gpu_index=v.gpu_index,
-                                         admitted=v.admitted, vram_bytes=v.vram_bytes, short_by_bytes=v.short_by_bytes,
-                                         capacity_bytes=v.capacity_bytes, resource=v.resource,
-                                         host_ram_bytes=v.host_ram_bytes, gpu_indexes=list(v.gpu_indexes))
+                        AdmissionDecided(
+                            at=now,
+                            by=by,
+                            domain=name,
+                            kind=v.kind,
+                            name=v.name,
+                            gpu_index=v.gpu_index,
+                            admitted=v.admitted,
+                            vram_bytes=v.vram_bytes,
+                            short_by_bytes=v.short_by_bytes,
+                            capacity_bytes=v.capacity_bytes,
+                            resource=v.resource,
+                            host_ram_bytes=v.host_ram_bytes,
+                            gpu_indexes=list(v.gpu_indexes),
+                        )
                     )
     for name in current.domains:
         if name in wanted_domains:
@@ -205,7 +232,9 @@ def describe(event: Event) -> str:
     elif isinstance(event, AdmissionDecided):
         from haru.core.planner import shortfall_text
 
-        verdict = "admitted" if event.admitted else f"not admitted, {shortfall_text(event.short_by_bytes, event.resource)}"
+        verdict = (
+            "admitted" if event.admitted else f"not admitted, {shortfall_text(event.short_by_bytes, event.resource)}"
+        )
         what = f"{event.domain}/{event.name}" + (" (training)" if event.kind == "training" else "") + f": {verdict}"
         sign = "="
     else:  # pragma: no cover - diff emits only the above
@@ -227,8 +256,15 @@ class ApplyResult:
     attempts: int = 1
 
 
-async def apply(log: EventStore, layout: Layout, now: datetime, *, dry_run: bool = False, retries: int = DEFAULT_RETRIES,
-                by: str = "") -> ApplyResult:
+async def apply(
+    log: EventStore,
+    layout: Layout,
+    now: datetime,
+    *,
+    dry_run: bool = False,
+    retries: int = DEFAULT_RETRIES,
+    by: str = "",
+) -> ApplyResult:
     """Append the differences between the log and `layout` to `haru.evt.<fleet>.decl`.
 
     Each append carries the subject's expected last sequence. On Conflict (another writer appended),
@@ -243,7 +279,9 @@ async def apply(log: EventStore, layout: Layout, now: datetime, *, dry_run: bool
         last = records[-1].seq if records else 0
         # The subject is the authority: an event that may not stand on the decl subject (a
         # fleet_declared naming another fleet, anything but a declaration) is not a declaration.
-        current = fold_declarations(r.event for r in records if r.event is not None and not misplaced(r.subject, r.event))
+        current = fold_declarations(
+            r.event for r in records if r.event is not None and not misplaced(r.subject, r.event)
+        )
         events = diff(current, layout, the_plan, now, by=by)
         if dry_run or not events:
             return ApplyResult(layout.fleet, the_plan, events, [], last, dry_run=dry_run, attempts=attempt)
@@ -286,16 +324,21 @@ def change_paths(events: list[Event], active: str) -> list[str]:
             lines.append(f"{domain}/{e.model}: retired: stopped live (model_stopped)")
         elif isinstance(e, ModelChanged):
             if domain == active:
-                lines.append(f"{domain}/{e.spec.name}: changed on the ACTIVE domain: rolls through the standby (haru "
-                             f"apply requests a rolling change: the standby applies it, is woken, probed and promoted, "
-                             f"then {domain}, the standby now, is replaced); it keeps serving as it is until then")
+                lines.append(
+                    f"{domain}/{e.spec.name}: changed on the ACTIVE domain: rolls through the standby (haru "
+                    f"apply requests a rolling change: the standby applies it, is woken, probed and promoted, "
+                    f"then {domain}, the standby now, is replaced); it keeps serving as it is until then"
+                )
             else:
-                lines.append(f"{domain}/{e.spec.name}: changed on a standby: replaced live (stopped, loaded, put "
-                             f"back to sleep)")
+                lines.append(
+                    f"{domain}/{e.spec.name}: changed on a standby: replaced live (stopped, loaded, put back to sleep)"
+                )
         elif tag.startswith("training_") or tag.startswith("domain_") or tag in ("policy_changed", "fleet_declared"):
             what = getattr(e, "name", "") or getattr(getattr(e, "spec", None), "name", "") or getattr(e, "slot", "")
-            lines.append(f"{domain or 'fleet'}{'/' + what if what else ''}: {tag}: read when the agent starts "
-                         f"(restart it: its runtimes are adopted)")
+            lines.append(
+                f"{domain or 'fleet'}{'/' + what if what else ''}: {tag}: read when the agent starts "
+                f"(restart it: its runtimes are adopted)"
+            )
     return lines
 
 
@@ -324,8 +367,12 @@ def running_at_risk(events: list[Event], view: FleetView | None, active: str) ->
             for e in events:
                 if isinstance(e, ModelRetired) and (e.domain, e.model) == (dname, mname):
                     out.append(f"{dname}/{mname} ({serving}) stops: retired from the layout")
-                elif (isinstance(e, AdmissionDecided) and e.kind == "model" and (e.domain, e.name) == (dname, mname)
-                      and not e.admitted):
+                elif (
+                    isinstance(e, AdmissionDecided)
+                    and e.kind == "model"
+                    and (e.domain, e.name) == (dname, mname)
+                    and not e.admitted
+                ):
                     out.append(
                         f"{dname}/{mname} ({serving}) is unloaded and left unadmitted on {where}: no longer admitted, "
                         f"short by {format_gib(e.short_by_bytes)} on GPU {e.gpu_index} (first fit in declaration "

@@ -66,9 +66,19 @@ PLACES: tuple[Place, ...] = (
         "haru.evt.<fleet>.decl",
         ("operator",),
         (
-            ev.FleetDeclared, ev.PolicyChanged, ev.DomainDeclared, ev.DomainChanged, ev.DomainRetired,
-            ev.ModelDeclared, ev.ModelChanged, ev.ModelRetired, ev.TrainingDeclared, ev.TrainingChanged,
-            ev.TrainingRetired, ev.AdmissionDecided, ev.ModelFetched,
+            ev.FleetDeclared,
+            ev.PolicyChanged,
+            ev.DomainDeclared,
+            ev.DomainChanged,
+            ev.DomainRetired,
+            ev.ModelDeclared,
+            ev.ModelChanged,
+            ev.ModelRetired,
+            ev.TrainingDeclared,
+            ev.TrainingChanged,
+            ev.TrainingRetired,
+            ev.AdmissionDecided,
+            ev.ModelFetched,
         ),
     ),  # fmt: skip
     Place("route", "haru.evt.<fleet>.route", ("promoter",), (ev.RouteMoved,)),
@@ -79,15 +89,26 @@ PLACES: tuple[Place, ...] = (
         "haru.evt.<fleet>.op",
         ("promoter", "gateway", "operator"),
         (
-            *ev.OPERATION_REQUESTS.values(), ev.StepStarted, ev.StepCompleted, ev.StepFailed,
-            ev.PromotionRetargeted, ev.OperationCompleted, ev.OperationAborted, ev.FailoverDeclined, ev.EligibilityChanged,
+            *ev.OPERATION_REQUESTS.values(),
+            ev.StepStarted,
+            ev.StepCompleted,
+            ev.StepFailed,
+            ev.PromotionRetargeted,
+            ev.OperationCompleted,
+            ev.OperationAborted,
+            ev.FailoverDeclined,
+            ev.EligibilityChanged,
         ),
     ),  # fmt: skip
-    Place("agent", "haru.evt.<fleet>.<domain>.agent", ("agent",), (ev.AgentStarted, ev.AgentStopping, ev.FailureSignalled)),
+    Place(
+        "agent", "haru.evt.<fleet>.<domain>.agent", ("agent",), (ev.AgentStarted, ev.AgentStopping, ev.FailureSignalled)
+    ),
     Place("liveness", "haru.evt.<fleet>.<domain>.liveness", ("promoter",), (ev.DomainUnreachable, ev.DomainReachable)),
     Place("model", "haru.evt.<fleet>.<domain>.model.<model>", ("agent",), ev.RESIDENCY_EVENTS),
     Place("gpu", "haru.evt.<fleet>.<domain>.gpu.<index>", ("agent",), (ev.GpuObserved,)),
-    Place("training", "haru.evt.<fleet>.<domain>.training.<slot>", ("agent",), (ev.TrainingStarted, ev.TrainingStopped)),
+    Place(
+        "training", "haru.evt.<fleet>.<domain>.training.<slot>", ("agent",), (ev.TrainingStarted, ev.TrainingStopped)
+    ),
 )
 """The table. `agent` as a writer means the agent of the subject's own domain (NATS user
 `agent.<fleet>.<domain>`); `admin` may write anything and is nobody's day-to-day identity."""
@@ -116,7 +137,14 @@ _NOUN = {"fleet": "fleet", "domain": "domain", "model": "model", "gpu_index": "G
 
 # Event type -> (its kind, ((body field, Where attribute), ...)): what `misplaced_at` compares.
 _RULES: dict[type, tuple[str, tuple[tuple[str, str], ...]]] = {
-    cls: (kind, tuple((_BODY_FIELD[part], part) for part in _PARTS[kind] if _BODY_FIELD[part] in getattr(cls, "__struct_fields__", ())))
+    cls: (
+        kind,
+        tuple(
+            (_BODY_FIELD[part], part)
+            for part in _PARTS[kind]
+            if _BODY_FIELD[part] in getattr(cls, "__struct_fields__", ())
+        ),
+    )
     for cls, kind in ALLOWED.items()
 }
 
@@ -165,8 +193,10 @@ def anomaly(seq: int, subject: str, event: object, why: str) -> str:
 
 def table_markdown() -> str:
     """The table as Markdown, for docs/security.md (a unit test checks the doc carries it)."""
-    lines = ["| subject | written by (NATS role) | events | a body's fields that must equal the subject's |",
-             "|---|---|---|---|"]
+    lines = [
+        "| subject | written by (NATS role) | events | a body's fields that must equal the subject's |",
+        "|---|---|---|---|",
+    ]
     for p in PLACES:
         writers = ", ".join(f"`{w}`" + (" of that domain" if w == "agent" else "") for w in p.writers)
         tags = ", ".join(f"`{cls.__struct_config__.tag}`" for cls in p.events)

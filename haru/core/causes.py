@@ -43,32 +43,74 @@ from haru.core.views import FleetView, OperationView
 EXPECTED: dict[str, tuple[str, ...]] = {
     "admission_decided": ("model_declared", "model_changed", "training_declared", "training_changed"),
     "model_loading": ("model_lost", "model_failed", "step_started", "agent_started", "model_stopped"),
-    "model_resident": ("step_started", "model_loading", "model_lost", "model_waking", "model_sleeping",
-                       "model_adopted"),
+    "model_resident": (
+        "step_started",
+        "model_loading",
+        "model_lost",
+        "model_waking",
+        "model_sleeping",
+        "model_adopted",
+    ),
     "model_waking": ("step_started", "model_sleeping", "model_adopted"),
     "model_sleeping": ("step_started", "model_resident", "model_waking", "model_loading", "model_adopted"),
     "model_failed": ("model_loading", "model_pulling"),
-    "model_stopped": ("agent_stopping", "step_started", "model_resident", "model_sleeping", "model_loading",
-                      "model_lost", "model_waking", "model_failed", "model_adopted", "model_pulling"),
+    "model_stopped": (
+        "agent_stopping",
+        "step_started",
+        "model_resident",
+        "model_sleeping",
+        "model_loading",
+        "model_lost",
+        "model_waking",
+        "model_failed",
+        "model_adopted",
+        "model_pulling",
+    ),
     "model_lost": ("gpu_observed",),  # only for reason gpu_detached (`expects_cause`)
     "training_started": ("step_started", "agent_started"),
     "training_stopped": ("step_started", "agent_stopping", "model_lost", "model_failed"),
     "domain_reachable": ("domain_unreachable", "agent_started"),
-    "promotion_requested": ("domain_unreachable", "model_lost", "model_failed", "gpu_observed", "model_resident",
-                            "model_sleeping", "model_waking", "domain_reachable", "failure_signalled",
-                            "model_loading"),
+    "promotion_requested": (
+        "domain_unreachable",
+        "model_lost",
+        "model_failed",
+        "gpu_observed",
+        "model_resident",
+        "model_sleeping",
+        "model_waking",
+        "domain_reachable",
+        "failure_signalled",
+        "model_loading",
+    ),
     "failover_declined": ("domain_unreachable", "model_lost", "model_failed", "gpu_observed"),
     "demotion_requested": ("model_resident", "model_sleeping", "model_loading", "model_waking"),
     "replace_requested": ("step_completed", "step_failed"),
     "teardown_requested": ("step_completed", "step_failed"),
-    "step_started": ("promotion_requested", "demotion_requested", "provision_requested", "teardown_requested",
-                     "replace_requested", "step_completed", "step_failed", "step_started", "promotion_retargeted"),
+    "step_started": (
+        "promotion_requested",
+        "demotion_requested",
+        "provision_requested",
+        "teardown_requested",
+        "replace_requested",
+        "step_completed",
+        "step_failed",
+        "step_started",
+        "promotion_retargeted",
+    ),
     "promotion_retargeted": ("step_failed",),
     "step_completed": ("step_started",),
     "step_failed": ("step_started",),
     "operation_completed": ("step_completed", "step_failed", "step_started"),
-    "operation_aborted": ("step_completed", "step_failed", "step_started", "promotion_requested",
-                          "demotion_requested", "provision_requested", "teardown_requested", "replace_requested"),
+    "operation_aborted": (
+        "step_completed",
+        "step_failed",
+        "step_started",
+        "promotion_requested",
+        "demotion_requested",
+        "provision_requested",
+        "teardown_requested",
+        "replace_requested",
+    ),
     "eligibility_changed": ("step_completed", "step_failed", "step_started"),
     "route_moved": ("step_completed",),
 }
@@ -121,8 +163,9 @@ def admission_cause(event: ev.Event, declared: Mapping[tuple[str, str, str], int
 # ------------------------------------------------------------------------------------------- agent
 
 
-def residency_cause(event: ev.Event, *, prev_tag: str, prev_seq: int, command: int, gpu_gone: int,
-                    agent: int, stopping: bool) -> int:
+def residency_cause(
+    event: ev.Event, *, prev_tag: str, prev_seq: int, command: int, gpu_gone: int, agent: int, stopping: bool
+) -> int:
     """The cause of a residency event the agent records.
 
     `prev_tag`/`prev_seq`: the model's last event (its state tag: lost, loading, ...). `command`:
@@ -213,7 +256,8 @@ def decided_cause(view: FleetView, event: ev.Event, last: Mapping[str, int]) -> 
     last sequence of each subject it folded."""
     if isinstance(event, ev.DomainReachable):
         return last.get(subjects.liveness(view.fleet, event.domain), 0) or last.get(
-            subjects.agent(view.fleet, event.domain), 0)
+            subjects.agent(view.fleet, event.domain), 0
+        )
     if isinstance(event, ev.PromotionRequested):
         if event.reason == "manual":
             return 0
@@ -235,8 +279,10 @@ def decided_cause(view: FleetView, event: ev.Event, last: Mapping[str, int]) -> 
         return 0 if event.reason == "manual" else _newest_model_seq(view, event.target)
     if isinstance(event, (ev.ReplaceRequested, ev.TeardownRequested, ev.ProvisionRequested)):
         return 0 if event.reason == "manual" else _last_step_seq(view.last_operation)
-    if isinstance(event, (ev.StepStarted, ev.OperationCompleted, ev.OperationAborted, ev.EligibilityChanged,
-                          ev.PromotionRetargeted)):
+    if isinstance(
+        event,
+        (ev.StepStarted, ev.OperationCompleted, ev.OperationAborted, ev.EligibilityChanged, ev.PromotionRetargeted),
+    ):
         op = view.operation
         if op is not None and (not hasattr(event, "op_id") or op.op_id == event.op_id):
             return _last_step_seq(op)

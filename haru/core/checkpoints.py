@@ -29,13 +29,17 @@ CHECKPOINT_EVERY = 10_000  # events of a fleet between two checkpoints
 Heads = dict[str, tuple[int, str]]  # subject -> (seq, sha256 hex of its body)
 
 
-def build(fleet: str, *, upto: int, events: int, heads: Mapping[str, tuple[int, str]], view: FleetView,
-          now: datetime) -> ev.Checkpoint:
+def build(
+    fleet: str, *, upto: int, events: int, heads: Mapping[str, tuple[int, str]], view: FleetView, now: datetime
+) -> ev.Checkpoint:
     """The checkpoint of `fleet` at `upto`: `heads` are every subject's last (seq, hash) at or below it,
     `view` the fleet's view folded up to it."""
     complete = msgspec.structs.replace(view, checkpoint=max(view.checkpoint, upto))
     return ev.Checkpoint(
-        at=now, fleet=fleet, upto=upto, events=events,
+        at=now,
+        fleet=fleet,
+        upto=upto,
+        events=events,
         heads=[ev.ChainHead(subject=s, seq=q, hash=h) for s, (q, h) in sorted(heads.items())],
         view=msgspec.to_builtins(complete),
     )
@@ -52,5 +56,3 @@ def view_of(cp: ev.Checkpoint) -> FleetView | None:
     except (msgspec.ValidationError, TypeError):
         return None
     return view if view.fleet == cp.fleet else None
-
-

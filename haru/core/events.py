@@ -30,8 +30,24 @@ SCHEMA_VERSION = 1
 
 LostReason = Literal["evicted", "gpu_detached", "process_exited", "unhealthy"]
 StopHow = Literal["exited", "terminated", "killed"]
-Step = Literal["stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active", "sleep", "start_training",
-               "apply_standby", "apply_old_active", "launch", "join", "settle", "down", "weigh", "canary"]
+Step = Literal[
+    "stop_training",
+    "verify_gpu",
+    "wake",
+    "probe",
+    "flip",
+    "settle_old_active",
+    "sleep",
+    "start_training",
+    "apply_standby",
+    "apply_old_active",
+    "launch",
+    "join",
+    "settle",
+    "down",
+    "weigh",
+    "canary",
+]
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -624,7 +640,14 @@ AnyEvent = Union[
 ]
 
 RESIDENCY_EVENTS = (
-    ModelPulling, ModelLoading, ModelResident, ModelSleeping, ModelWaking, ModelLost, ModelFailed, ModelStopped,
+    ModelPulling,
+    ModelLoading,
+    ModelResident,
+    ModelSleeping,
+    ModelWaking,
+    ModelLost,
+    ModelFailed,
+    ModelStopped,
     ModelAdopted,
 )
 
@@ -660,7 +683,9 @@ def payload(event: Event) -> dict[str, Any]:
 
 
 OPERATION_REQUESTS: dict[str, type[OperationRequested]] = {
-    cls.kind: cls for cls in AnyEvent.__args__ if issubclass(cls, OperationRequested)  # type: ignore[attr-defined]
+    cls.kind: cls
+    for cls in AnyEvent.__args__  # type: ignore[attr-defined]
+    if issubclass(cls, OperationRequested)
 }
 """Operation kind -> its request event, read from `AnyEvent`."""
 

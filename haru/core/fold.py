@@ -60,12 +60,11 @@ from typing import Any
 
 import msgspec
 
-from haru.core import authority
+from haru.core import authority, residency, subjects
 from haru.core import events as ev
-from haru.core import residency, subjects
-from haru.core.subjects import fleet_of
 from haru.core.errors import IllegalTransition
 from haru.core.specs import DomainSpec, ModelSpec, TrainingSpec, fleet_uuid
+from haru.core.subjects import fleet_of
 from haru.core.views import (
     AgentView,
     DomainView,
@@ -73,14 +72,22 @@ from haru.core.views import (
     GpuView,
     ModelView,
     OperationView,
-    TriedView,
     StepView,
     TrainingView,
+    TriedView,
     WeightsChange,
 )
 
 __all__ = [
-    "HANDLED", "Folder", "add_one", "empty", "evolve", "fleet_of", "fold", "invalid", "misplaced",
+    "HANDLED",
+    "Folder",
+    "add_one",
+    "empty",
+    "evolve",
+    "fleet_of",
+    "fold",
+    "invalid",
+    "misplaced",
 ]
 
 _replace = msgspec.structs.replace
@@ -103,8 +110,12 @@ def _anomaly(view: FleetView, why: str, at: Any = None, about: str = "") -> Flee
     """One more anomaly: `why` names it, `at` is when it was observed, `about` what can clear it
     (`<domain>/<model>`; '' = nothing: a misplaced or undecodable body stays in the log)."""
     return _replace(
-        view, anomalies=view.anomalies + 1, last_anomaly=why, last_anomaly_at=at if at is not None else view.updated_at,
-        anomaly_about=about, anomaly_cleared_at=None,
+        view,
+        anomalies=view.anomalies + 1,
+        last_anomaly=why,
+        last_anomaly_at=at if at is not None else view.updated_at,
+        anomaly_about=about,
+        anomaly_cleared_at=None,
     )
 
 
@@ -155,7 +166,9 @@ def _gpus_from_spec(spec: DomainSpec, existing: list[GpuView]) -> list[GpuView]:
     for g in spec.gpus:
         old = by_index.pop(g.index, None)
         if old is None:
-            declared.append(GpuView(index=g.index, memory_bytes=g.memory_bytes, reserve_bytes=g.reserve_bytes, name=g.name))
+            declared.append(
+                GpuView(index=g.index, memory_bytes=g.memory_bytes, reserve_bytes=g.reserve_bytes, name=g.name)
+            )
         else:
             declared.append(
                 _replace(old, memory_bytes=g.memory_bytes, reserve_bytes=g.reserve_bytes, name=g.name or old.name)
@@ -325,8 +338,11 @@ def _residency(view: FleetView, e: Any, seq: int, subject: str) -> FleetView:
     model = domain.models.get(e.model) if domain is not None else None
     if domain is None or model is None:
         return _replace(
-            _missing(view, seq, ev.tag_of(e), f"model {e.model!r} on domain {e.domain!r}", e.at, f"{e.domain}/{e.model}"),
-            seq=seq, updated_at=e.at,
+            _missing(
+                view, seq, ev.tag_of(e), f"model {e.model!r} on domain {e.domain!r}", e.at, f"{e.domain}/{e.model}"
+            ),
+            seq=seq,
+            updated_at=e.at,
         )
     old = model.residency
     try:
@@ -414,9 +430,7 @@ def _training_stopped(view: FleetView, e: ev.TrainingStopped, seq: int) -> Fleet
         return _missing(view, seq, "training_stopped", f"training slot {e.slot!r} on domain {e.domain!r}")
     domain, slot = found
     training = dict(domain.training)
-    training[e.slot] = _replace(
-        slot, running=False, pid=0, since=e.at, last_stop=e.how, last_exit_code=e.exit_code
-    )
+    training[e.slot] = _replace(slot, running=False, pid=0, since=e.at, last_stop=e.how, last_exit_code=e.exit_code)
     return _with_domain(view, _replace(domain, training=training))
 
 
@@ -428,8 +442,14 @@ def _agent_started(view: FleetView, e: ev.AgentStarted, seq: int) -> FleetView:
     if domain is None:
         return _missing(view, seq, "agent_started", f"domain {e.domain!r}")
     agent = AgentView(
-        running=True, host=e.host, pid=e.pid, version=e.version, serving_url=e.serving_url, since=e.at,
-        host_ram_total_bytes=e.host_ram_total_bytes, host_ram_available_bytes=e.host_ram_available_bytes,
+        running=True,
+        host=e.host,
+        pid=e.pid,
+        version=e.version,
+        serving_url=e.serving_url,
+        since=e.at,
+        host_ram_total_bytes=e.host_ram_total_bytes,
+        host_ram_available_bytes=e.host_ram_available_bytes,
     )
     return _with_domain(view, _replace(domain, agent=agent, signalled="", signalled_at=None, signalled_seq=0))
 
@@ -574,14 +594,32 @@ def _route_moved(view: FleetView, e: ev.RouteMoved, seq: int) -> FleetView:
         view = _with_domain(view, _replace(old, left_active_seq=seq))
     # A canary's split ends with a move: the new active takes everything.
     return _replace(
-        view, active=e.active, route_revision=seq, route_moved_at=e.at, declined="", declined_at=None, declined_domain="",
-        weights={}, model_weights={},
+        view,
+        active=e.active,
+        route_revision=seq,
+        route_moved_at=e.at,
+        declined="",
+        declined_at=None,
+        declined_domain="",
+        weights={},
+        model_weights={},
     )
 
 
 def _weights_set(view: FleetView, e: ev.WeightsSet, seq: int) -> FleetView:
-    change = WeightsChange(model=e.model, weights=dict(e.weights), reason=e.reason, detail=e.detail, op_id=e.op_id,
-                           domain=e.domain, requests=e.requests, errors=e.errors, by=e.by, at=e.at, seq=seq)
+    change = WeightsChange(
+        model=e.model,
+        weights=dict(e.weights),
+        reason=e.reason,
+        detail=e.detail,
+        op_id=e.op_id,
+        domain=e.domain,
+        requests=e.requests,
+        errors=e.errors,
+        by=e.by,
+        at=e.at,
+        seq=seq,
+    )
     if e.model:
         model_weights = {m: w for m, w in view.model_weights.items() if m != e.model}
         if e.weights:
@@ -652,8 +690,10 @@ def _evolve(view: FleetView, event: ev.Event, seq: int, subject: str, kind: str)
         out = _admission_decided(view, event, seq, subject)
     else:
         handler = _HANDLERS.get(cls)
-        out = handler(view, event, seq) if handler is not None else _anomaly(
-            view, f"seq {seq}: event type {cls.__name__} is not known to this projector", event.at
+        out = (
+            handler(view, event, seq)
+            if handler is not None
+            else _anomaly(view, f"seq {seq}: event type {cls.__name__} is not known to this projector", event.at)
         )
         if out.anomalies != view.anomalies and out.last_anomaly_at is not event.at:
             out = _replace(out, last_anomaly_at=event.at)
@@ -711,8 +751,21 @@ class Folder:
     equal to `evolve`'s, event for event.
     """
 
-    __slots__ = ("fleet", "seq", "misplaced_seq", "_view", "_staged", "_measured", "_at", "_anomalies", "_last_anomaly",
-                 "_anomaly_at", "_anomaly_about", "_anomaly_cleared_at", "_dirty")
+    __slots__ = (
+        "fleet",
+        "seq",
+        "misplaced_seq",
+        "_view",
+        "_staged",
+        "_measured",
+        "_at",
+        "_anomalies",
+        "_last_anomaly",
+        "_anomaly_at",
+        "_anomaly_about",
+        "_anomaly_cleared_at",
+        "_dirty",
+    )
 
     def __init__(self, view: FleetView) -> None:
         self.fleet = view.fleet
@@ -757,7 +810,12 @@ class Folder:
         if type(event) in _RESIDENCY:
             # The common case, the authority check inlined: a residency event stands on its own
             # model's subject (`authority.misplaced_at` says why when it does not).
-            if place is not None and place.kind == "model" and event.domain == place.domain and event.model == place.model:  # type: ignore[attr-defined]
+            if (
+                place is not None
+                and place.kind == "model"
+                and event.domain == place.domain  # type: ignore[attr-defined]
+                and event.model == place.model  # type: ignore[attr-defined]
+            ):
                 if self._view.declined and event.domain == self._view.declined_domain:  # type: ignore[attr-defined]
                     self._set(_evolve(self.view(), event, seq, subject, level))  # may clear the decline
                 else:
@@ -789,7 +847,9 @@ class Folder:
             model = domain.models.get(e.model) if domain is not None else None
             if model is None:
                 self._anomalies += 1
-                self._last_anomaly = f"seq {seq}: {ev.tag_of(e)} for model {e.model!r} on domain {e.domain!r}, which is not declared"
+                self._last_anomaly = (
+                    f"seq {seq}: {ev.tag_of(e)} for model {e.model!r} on domain {e.domain!r}, which is not declared"
+                )
                 self._anomaly_at, self._anomaly_about, self._anomaly_cleared_at = e.at, f"{e.domain}/{e.model}", None
                 self.seq = seq
                 self._at = e.at
@@ -833,8 +893,13 @@ class Folder:
             self._measured.clear()
             view = _replace(view, domains=domains)
         self._view = _replace(
-            view, seq=self.seq, updated_at=self._at, anomalies=self._anomalies, last_anomaly=self._last_anomaly,
-            last_anomaly_at=self._anomaly_at, anomaly_about=self._anomaly_about,
+            view,
+            seq=self.seq,
+            updated_at=self._at,
+            anomalies=self._anomalies,
+            last_anomaly=self._last_anomaly,
+            last_anomaly_at=self._anomaly_at,
+            anomaly_about=self._anomaly_about,
             anomaly_cleared_at=self._anomaly_cleared_at,
         )
         self._dirty = False

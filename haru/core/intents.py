@@ -42,7 +42,7 @@ else the host of the domain's serving URL with the model's port, else `http://12
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from urllib.parse import urlsplit
 
 import msgspec
@@ -54,7 +54,7 @@ from haru.core.views import DomainView, FleetView, ModelView, RankedStandby, Rou
 __all__ = ["at", "changed", "intent", "target"]
 
 _replace = msgspec.structs.replace
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def _model_answer(model: ModelView, now: datetime | None) -> Answer:
@@ -151,7 +151,9 @@ def intent(view: FleetView, now: datetime | None = None) -> RouteIntent:
         shares = [view.weights, *view.model_weights.values()]
         for name, d in view.domains.items():
             if name != active.name and any(split.get(name, 0) > 0 for split in shares):
-                weighted[name] = Weighted(target=target(d), answers={m: _model_answer(mv, now) for m, mv in d.models.items()})
+                weighted[name] = Weighted(
+                    target=target(d), answers={m: _model_answer(mv, now) for m, mv in d.models.items()}
+                )
     return RouteIntent(
         fleet=view.fleet,
         revision=view.route_revision,

@@ -57,8 +57,8 @@ import msgspec
 from haru.core.errors import ArgConflict
 from haru.core.model_errors import BadReference
 from haru.core.refs import is_explicit_reference, parse_reference
-from haru.core.specs import ModelSpec, Runtime, model_gpus
 from haru.core.sizes import GiB
+from haru.core.specs import ModelSpec, Runtime, model_gpus
 
 __all__ = [
     "Launch",
@@ -145,18 +145,24 @@ def format_refusal(runtime: str, source: str, name: str) -> str:
         what = source or name
         fmt = source_format(what)
         if fmt == "gguf":
-            return (f"source {what!r} is a GGUF file, which runs on llama-server; vLLM serves a directory with "
-                    f"config.json and safetensors, or a Hugging Face repository id")
+            return (
+                f"source {what!r} is a GGUF file, which runs on llama-server; vLLM serves a directory with "
+                f"config.json and safetensors, or a Hugging Face repository id"
+            )
         if fmt == "gguf_ref":
-            return (f"source {what!r} names GGUF weights (an Ollama model, or a Hugging Face GGUF quantization), "
-                    f"which run on llama-server; vLLM serves safetensors (`hf:ORG/REPO` without a quantization)")
+            return (
+                f"source {what!r} names GGUF weights (an Ollama model, or a Hugging Face GGUF quantization), "
+                f"which run on llama-server; vLLM serves safetensors (`hf:ORG/REPO` without a quantization)"
+            )
         return ""  # a directory, a repository id, or a spelling only the host can judge: vLLM says
     if runtime == "llama_server":
         if not source:
             return "llama-server needs a GGUF file to load and this model has no source"
         if source_format(source) not in ("gguf", "gguf_ref", "hf_ref"):  # hf_ref: resolution prefers GGUF
-            return (f"source {source!r} is not a .gguf file; llama-server loads GGUF files only "
-                    f"(a model directory or a Hugging Face repository id runs on vllm)")
+            return (
+                f"source {source!r} is not a .gguf file; llama-server loads GGUF files only "
+                f"(a model directory or a Hugging Face repository id runs on vllm)"
+            )
         return ""
     return ""
 
@@ -179,8 +185,10 @@ class BadBinary(ValueError):
 
     def __init__(self, binary: list[str]) -> None:
         self.binary = list(binary)
-        super().__init__(f"binary {binary!r} is not a vLLM program Haru knows how to drive; the forms it knows: "
-                         + "; ".join(VLLM_FORMS))
+        super().__init__(
+            f"binary {binary!r} is not a vLLM program Haru knows how to drive; the forms it knows: "
+            + "; ".join(VLLM_FORMS)
+        )
 
 
 def vllm_form(binary: list[str]) -> VllmForm | None:
@@ -336,8 +344,13 @@ def _resolve(spec: ModelSpec, gpu_memory_bytes: int) -> tuple[list[str], str | N
         want = planned.get(canonical)
         fix = _FIXES[field]
         if canonical in seen:
-            raise ArgConflict(flag=spelling, given=value, planned="single value", index=index,
-                              fix=f"give {spelling} once at most; {fix}")
+            raise ArgConflict(
+                flag=spelling,
+                given=value,
+                planned="single value",
+                index=index,
+                fix=f"give {spelling} once at most; {fix}",
+            )
         seen.add(canonical)
         if field == "":
             raise ArgConflict(flag=spelling, given=value, planned="choice (the agent sets it)", index=index, fix=fix)
@@ -349,15 +362,23 @@ def _resolve(spec: ModelSpec, gpu_memory_bytes: int) -> tuple[list[str], str | N
             if lower and float(value) > 0:
                 lowered = value
                 continue
-            raise ArgConflict(flag=spelling, given=value, index=index, fix=fix,
-                              planned=f"{want} ({spec.vram_bytes / GiB:.1f} GiB of the {gpu_memory_bytes / GiB:.1f} GiB GPU)")
+            raise ArgConflict(
+                flag=spelling,
+                given=value,
+                index=index,
+                fix=fix,
+                planned=f"{want} ({spec.vram_bytes / GiB:.1f} GiB of the {gpu_memory_bytes / GiB:.1f} GiB GPU)",
+            )
         if want is None and field == "gpus":
             raise ArgConflict(flag=spelling, given=value, planned="one GPU (the slot's)", index=index, fix=fix)
         if want is None:  # context_length 0: the plan has no length, so one in args would be a second source
-            raise ArgConflict(flag=spelling, given=value, planned=f"unset {field} (the runtime's default)", index=index,
-                              fix=fix)
+            raise ArgConflict(
+                flag=spelling, given=value, planned=f"unset {field} (the runtime's default)", index=index, fix=fix
+            )
         if value != want:
-            raise ArgConflict(flag=spelling, given=value, planned=f"{want} (from the model's {field})", index=index, fix=fix)
+            raise ArgConflict(
+                flag=spelling, given=value, planned=f"{want} (from the model's {field})", index=index, fix=fix
+            )
         # says what the plan says: dropped, the planned flag is already there
     return passthrough, lowered
 
@@ -400,16 +421,29 @@ def launch(
         planned = _vllm_planned(spec, gpu_memory_bytes)
         source = spec.source or spec.name
         head = [*binary, "serve", source] if form == "serve" else [*binary, "--model", source]
-        argv = [*head, "--host", bind_host, "--port", str(port),
-                "--served-model-name", spec.name,
-                "--gpu-memory-utilization", lowered or str(planned["--gpu-memory-utilization"])]
+        argv = [
+            *head,
+            "--host",
+            bind_host,
+            "--port",
+            str(port),
+            "--served-model-name",
+            spec.name,
+            "--gpu-memory-utilization",
+            lowered or str(planned["--gpu-memory-utilization"]),
+        ]
         if spec.context_length:
             argv += ["--max-model-len", str(spec.context_length)]
         if _tp(spec) > 1:
             argv += ["--tensor-parallel-size", str(_tp(spec))]
         if spec.adapters:
-            argv += ["--enable-lora", "--max-loras", str(len(spec.adapters)), "--lora-modules",
-                     *(f"{name}={path}" for name, path in spec.adapters.items())]
+            argv += [
+                "--enable-lora",
+                "--max-loras",
+                str(len(spec.adapters)),
+                "--lora-modules",
+                *(f"{name}={path}" for name, path in spec.adapters.items()),
+            ]
         if sleep_mode:
             argv.append("--enable-sleep-mode")
         env["VLLM_SERVER_DEV_MODE"] = "1"

@@ -18,9 +18,24 @@ from typing import Final
 import msgspec
 
 __all__ = [
-    "ANSWER_STATUS", "BadBody", "ERROR_TYPES", "NOT_RETRYABLE", "TOO_DEEP", "answer_status", "error_body", "error_type", "model_of",
-    "FLEET_NOT_FOUND", "MODEL_NOT_FOUND", "NO_ACTIVE_DOMAIN", "INVALID_REQUEST", "REQUEST_TIMEOUT",
-    "PAYLOAD_TOO_LARGE", "UPSTREAM_TIMEOUT", "UPSTREAM_UNREACHABLE", "UNAUTHORIZED",
+    "ANSWER_STATUS",
+    "BadBody",
+    "ERROR_TYPES",
+    "NOT_RETRYABLE",
+    "TOO_DEEP",
+    "answer_status",
+    "error_body",
+    "error_type",
+    "model_of",
+    "FLEET_NOT_FOUND",
+    "MODEL_NOT_FOUND",
+    "NO_ACTIVE_DOMAIN",
+    "INVALID_REQUEST",
+    "REQUEST_TIMEOUT",
+    "PAYLOAD_TOO_LARGE",
+    "UPSTREAM_TIMEOUT",
+    "UPSTREAM_UNREACHABLE",
+    "UNAUTHORIZED",
 ]
 
 # answer (or answer:reason) -> (HTTP status, error.code)
@@ -64,8 +79,10 @@ ERROR_TYPES: Final[dict[int, str]] = {
 # Statuses a client must not retry: the same request would get the same answer.
 NOT_RETRYABLE: Final = frozenset({400, 401, 404, 405, 409, 413})
 
-TOO_DEEP: Final = ("request body is nested too deeply to be read (more levels than the JSON decoder allows); "
-                   "send a flatter JSON object")
+TOO_DEEP: Final = (
+    "request body is nested too deeply to be read (more levels than the JSON decoder allows); "
+    "send a flatter JSON object"
+)
 
 
 def error_type(status: int) -> str:

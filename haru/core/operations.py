@@ -96,9 +96,17 @@ def fold_operations(records: Iterable[_Record]) -> list[Operation]:
             continue
         if isinstance(ev, OperationRequested):
             if op_id not in ops:
-                ops[op_id] = Operation(op_id=op_id, kind=ev.kind, target=ev.target, source=getattr(ev, "source", ""),
-                                       reason=getattr(ev, "reason", "manual"), detail=getattr(ev, "detail", ""),
-                                       by=ev.by, seq=rec.seq, requested_at=ev.at)
+                ops[op_id] = Operation(
+                    op_id=op_id,
+                    kind=ev.kind,
+                    target=ev.target,
+                    source=getattr(ev, "source", ""),
+                    reason=getattr(ev, "reason", "manual"),
+                    detail=getattr(ev, "detail", ""),
+                    by=ev.by,
+                    seq=rec.seq,
+                    requested_at=ev.at,
+                )
         elif op_id in ops:
             ops[op_id] = _evolve(ops[op_id], rec.seq, ev)
     return list(ops.values())
@@ -107,8 +115,10 @@ def fold_operations(records: Iterable[_Record]) -> list[Operation]:
 def _evolve(op: Operation, seq: int, ev: Any) -> Operation:
     replace = msgspec.structs.replace
     if isinstance(ev, StepStarted):
-        return replace(op, steps=op.steps + (OpStep(step=ev.step, attempt=ev.attempt, seq=seq, started_at=ev.at,
-                                                    domain=op.target),))
+        return replace(
+            op,
+            steps=op.steps + (OpStep(step=ev.step, attempt=ev.attempt, seq=seq, started_at=ev.at, domain=op.target),),
+        )
     if isinstance(ev, PromotionRetargeted):
         return replace(op, target=ev.target, tried=op.tried + (ev.previous,))
     if isinstance(ev, (StepCompleted, StepFailed)):
@@ -157,14 +167,36 @@ def progress_line(op_id: str, ev: Any) -> str | None:
 def as_doc(op: Operation) -> dict[str, Any]:
     """The operation as JSON: times in ISO 8601, wall durations in ms, a failed step's error with its code."""
     return {
-        "op_id": op.op_id, "kind": op.kind, "target": op.target, "source": op.source, "reason": op.reason,
-        "detail": op.detail, "by": op.by, "seq": op.seq, "requested_at": op.requested_at.isoformat(),
-        "finished_at": _iso(op.finished_at), "state": op.state, "error": op.error,
-        "duration_ms": ms_between(op.requested_at, op.finished_at), "tried": list(op.tried),
-        "steps": [{"step": s.step, "domain": s.domain, "attempt": s.attempt, "state": s.state, "seq": s.seq,
-                   "started_at": _iso(s.started_at), "finished_at": _iso(s.finished_at),
-                   "duration_ms": ms_between(s.started_at, s.finished_at), "took_ms": s.took_ms, "detail": s.detail,
-                   "error": f"{s.error_code}: {s.error}" if s.state == "failed" else ""} for s in op.steps],
+        "op_id": op.op_id,
+        "kind": op.kind,
+        "target": op.target,
+        "source": op.source,
+        "reason": op.reason,
+        "detail": op.detail,
+        "by": op.by,
+        "seq": op.seq,
+        "requested_at": op.requested_at.isoformat(),
+        "finished_at": _iso(op.finished_at),
+        "state": op.state,
+        "error": op.error,
+        "duration_ms": ms_between(op.requested_at, op.finished_at),
+        "tried": list(op.tried),
+        "steps": [
+            {
+                "step": s.step,
+                "domain": s.domain,
+                "attempt": s.attempt,
+                "state": s.state,
+                "seq": s.seq,
+                "started_at": _iso(s.started_at),
+                "finished_at": _iso(s.finished_at),
+                "duration_ms": ms_between(s.started_at, s.finished_at),
+                "took_ms": s.took_ms,
+                "detail": s.detail,
+                "error": f"{s.error_code}: {s.error}" if s.state == "failed" else "",
+            }
+            for s in op.steps
+        ],
     }
 
 

@@ -30,13 +30,12 @@ its reserve (hearth's A6000 is 48 GiB with a 3.8 GiB reserve).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
 
-from haru.core.specs import Domain, Layout, ModelSpec, Policy, TrainingSpec, can_sleep, model_gpus
 from haru.core.sizes import GiB, format_gib
+from haru.core.specs import Domain, Layout, ModelSpec, Policy, TrainingSpec, can_sleep, model_gpus
 
 __all__ = [
     "Verdict",
@@ -52,7 +51,6 @@ __all__ = [
     "gpu_summary_line",
     "verdict_line",
 ]
-
 
 
 def standby_residual(model: ModelSpec, policy: Policy) -> int:
@@ -87,7 +85,9 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     vram_bytes: int
     admitted: bool
     short_by_bytes: int = 0  # 0 when admitted; need - what was left, exactly, when not
-    capacity_bytes: int = 0  # memory - reserve of that GPU (0 if the domain lacks the GPU); of host RAM when resource is
+    capacity_bytes: int = (
+        0  # memory - reserve of that GPU (0 if the domain lacks the GPU); of host RAM when resource is
+    )
     left_bytes: int = 0  # what was left for it when it was considered
     # What it was short of: VRAM (on its GPU, or the first of its GPUs that was short), or host RAM.
     resource: Resource = "vram"
@@ -142,8 +142,10 @@ class DomainPlan(msgspec.Struct, frozen=True, kw_only=True):
         booked = [v for v in self.verdicts() if v.admitted and v.host_ram_bytes]
         models = sum(1 for v in booked if v.kind == "model")
         training = len(booked) - models
-        return (f"host RAM {self.host_ram_held_bytes / GiB:.1f} / {format_gib(self.host_ram_capacity_bytes)} held  "
-                f"({models} sleeping model{'s' if models != 1 else ''}, {training} training slot{'s' if training != 1 else ''})")
+        return (
+            f"host RAM {self.host_ram_held_bytes / GiB:.1f} / {format_gib(self.host_ram_capacity_bytes)} held  "
+            f"({models} sleeping model{'s' if models != 1 else ''}, {training} training slot{'s' if training != 1 else ''})"
+        )
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
@@ -192,8 +194,14 @@ class _Fit(msgspec.Struct, frozen=True):
     resource: Resource
 
 
-def _fit(need: dict[int, int], ram: int, vram_left: dict[int, int], capacity: dict[int, int],
-         ram_left: int | None, ram_capacity: int) -> _Fit:
+def _fit(
+    need: dict[int, int],
+    ram: int,
+    vram_left: dict[int, int],
+    capacity: dict[int, int],
+    ram_left: int | None,
+    ram_capacity: int,
+) -> _Fit:
     """Whether an item needing `need[gpu]` VRAM on each of its GPUs and `ram` host RAM fits in what is
     left; the first shortfall (the GPUs in order, then host RAM) when not. Books it when it fits."""
     for index, size in need.items():
@@ -237,10 +245,25 @@ def plan_domain(domain: Domain, policy: Policy) -> DomainPlan:
         fit = _fit({i: m.vram_bytes for i in spans}, ram, vram_left, capacity, ram_left, ram_capacity)
         if fit.admitted and ram_left is not None:
             ram_left -= ram
-        model_verdicts.append((m, Verdict(
-            domain=name, kind="model", name=m.name, gpu_index=m.gpu_index, vram_bytes=m.vram_bytes,
-            admitted=fit.admitted, short_by_bytes=fit.short_by, capacity_bytes=fit.capacity, left_bytes=fit.left,
-            resource=fit.resource, gpu_indexes=list(m.gpu_indexes), host_ram_bytes=ram if planned_ram else 0)))
+        model_verdicts.append(
+            (
+                m,
+                Verdict(
+                    domain=name,
+                    kind="model",
+                    name=m.name,
+                    gpu_index=m.gpu_index,
+                    vram_bytes=m.vram_bytes,
+                    admitted=fit.admitted,
+                    short_by_bytes=fit.short_by,
+                    capacity_bytes=fit.capacity,
+                    left_bytes=fit.left,
+                    resource=fit.resource,
+                    gpu_indexes=list(m.gpu_indexes),
+                    host_ram_bytes=ram if planned_ram else 0,
+                ),
+            )
+        )
     # The standby's floor on each GPU: what the admitted runtimes keep there asleep.
     residual = {i: 0 for i in indexes}
     for m, v in model_verdicts:
@@ -253,10 +276,24 @@ def plan_domain(domain: Domain, policy: Policy) -> DomainPlan:
         fit = _fit({t.gpu_index: t.vram_bytes}, t.host_ram_bytes, training_left, capacity, ram_left, ram_capacity)
         if fit.admitted and ram_left is not None:
             ram_left -= t.host_ram_bytes
-        training_verdicts.append((t, Verdict(
-            domain=name, kind="training", name=t.slot, gpu_index=t.gpu_index, vram_bytes=t.vram_bytes,
-            admitted=fit.admitted, short_by_bytes=fit.short_by, capacity_bytes=fit.capacity, left_bytes=fit.left,
-            resource=fit.resource, host_ram_bytes=t.host_ram_bytes if planned_ram else 0)))
+        training_verdicts.append(
+            (
+                t,
+                Verdict(
+                    domain=name,
+                    kind="training",
+                    name=t.slot,
+                    gpu_index=t.gpu_index,
+                    vram_bytes=t.vram_bytes,
+                    admitted=fit.admitted,
+                    short_by_bytes=fit.short_by,
+                    capacity_bytes=fit.capacity,
+                    left_bytes=fit.left,
+                    resource=fit.resource,
+                    host_ram_bytes=t.host_ram_bytes if planned_ram else 0,
+                ),
+            )
+        )
     out: list[GpuPlan] = []
     for index in indexes:
         g = gpus.get(index)
@@ -264,15 +301,32 @@ def plan_domain(domain: Domain, policy: Policy) -> DomainPlan:
         spanned = [v.name for m, v in model_verdicts if v.admitted and m.gpu_index != index and index in model_gpus(m)]
         held = sum(v.vram_bytes for m, v in model_verdicts if v.admitted and index in model_gpus(m))
         train = [v for t, v in training_verdicts if t.gpu_index == index]
-        out.append(GpuPlan(
-            domain=name, index=index, memory_bytes=g.memory_bytes if g else 0, reserve_bytes=g.reserve_bytes if g else 0,
-            capacity_bytes=capacity[index], held_bytes=held, residual_bytes=residual[index],
-            training_bytes=sum(v.vram_bytes for v in train if v.admitted),
-            models=[v for _m, v in here], training=train, spanned=spanned))
-    held_ram = sum(v.host_ram_bytes for _i, v in (*model_verdicts, *training_verdicts) if v.admitted) if planned_ram else 0
-    return DomainPlan(domain=name, gpus=out, host_ram_bytes=domain.spec.host_ram_bytes,
-                      host_ram_reserve_bytes=domain.spec.host_ram_reserve_bytes,
-                      host_ram_capacity_bytes=ram_capacity, host_ram_held_bytes=held_ram)
+        out.append(
+            GpuPlan(
+                domain=name,
+                index=index,
+                memory_bytes=g.memory_bytes if g else 0,
+                reserve_bytes=g.reserve_bytes if g else 0,
+                capacity_bytes=capacity[index],
+                held_bytes=held,
+                residual_bytes=residual[index],
+                training_bytes=sum(v.vram_bytes for v in train if v.admitted),
+                models=[v for _m, v in here],
+                training=train,
+                spanned=spanned,
+            )
+        )
+    held_ram = (
+        sum(v.host_ram_bytes for _i, v in (*model_verdicts, *training_verdicts) if v.admitted) if planned_ram else 0
+    )
+    return DomainPlan(
+        domain=name,
+        gpus=out,
+        host_ram_bytes=domain.spec.host_ram_bytes,
+        host_ram_reserve_bytes=domain.spec.host_ram_reserve_bytes,
+        host_ram_capacity_bytes=ram_capacity,
+        host_ram_held_bytes=held_ram,
+    )
 
 
 # ----------------------------------------------------------------------------------- formatting
@@ -294,7 +348,12 @@ def verdict_line(v: Verdict, width: int = 28) -> str:
     label = v.name if v.kind == "model" else f"training {v.name}"
     if v.admitted:
         on = f" on each of GPUs {', '.join(map(str, v.gpu_indexes))}" if len(v.gpu_indexes) > 1 else ""
-        ram = f", {format_gib(v.host_ram_bytes)} host RAM asleep" if v.host_ram_bytes and v.kind == "model" else \
-            f", {format_gib(v.host_ram_bytes)} host RAM" if v.host_ram_bytes else ""
+        ram = (
+            f", {format_gib(v.host_ram_bytes)} host RAM asleep"
+            if v.host_ram_bytes and v.kind == "model"
+            else f", {format_gib(v.host_ram_bytes)} host RAM"
+            if v.host_ram_bytes
+            else ""
+        )
         return f"{label:<{width}} admitted ({format_gib(v.vram_bytes)}{on}{ram})"
     return f"{label:<{width}} not admitted — {shortfall_text(v.short_by_bytes, v.resource)}"

@@ -141,8 +141,10 @@ def rank(view: FleetView) -> list[RankedStandby]:
         key = (1 if why_not else 0, dv.left_active_seq, position, wake or _NEVER, index)
         rows.append((key, RankedStandby(domain=name, rank=0, fit=not why_not, why="; ".join(parts), wake_ms=wake)))
     rows.sort(key=lambda row: row[0])
-    return [RankedStandby(domain=r.domain, rank=i, fit=r.fit, why=r.why, wake_ms=r.wake_ms)
-            for i, (_, r) in enumerate(rows, start=1)]
+    return [
+        RankedStandby(domain=r.domain, rank=i, fit=r.fit, why=r.why, wake_ms=r.wake_ms)
+        for i, (_, r) in enumerate(rows, start=1)
+    ]
 
 
 def first_fit(view: FleetView, *, excluding: frozenset[str] = frozenset()) -> str:

@@ -18,9 +18,9 @@ an Ollama manifest. The HTTP around it is `haru.models.resolve`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
@@ -31,7 +31,18 @@ Registry = Literal["ollama", "hf"]
 Format = Literal["gguf", "safetensors"]
 
 DEFAULT_QUANTS: tuple[str, ...] = (
-    "Q4_K_M", "Q5_K_M", "Q8_0", "Q6_K", "Q4_K_S", "Q5_K_S", "Q4_0", "IQ4_XS", "Q3_K_M", "BF16", "F16", "F32",
+    "Q4_K_M",
+    "Q5_K_M",
+    "Q8_0",
+    "Q6_K",
+    "Q4_K_S",
+    "Q5_K_S",
+    "Q4_0",
+    "IQ4_XS",
+    "Q3_K_M",
+    "BF16",
+    "F16",
+    "F32",
 )
 RUNTIME_OF: dict[str, str] = {"gguf": "llama_server", "safetensors": "vllm"}
 
@@ -90,11 +101,11 @@ def parse_reference(text: str) -> Ref:
         raise BadReference("empty model reference; write e.g. `qwen3:0.6b` or `hf:Qwen/Qwen3-0.6B-GGUF`")
     for prefix in ("hf.co/", "huggingface.co/"):
         if raw.startswith(prefix):
-            return _parse_hf(raw[len(prefix):], text)
+            return _parse_hf(raw[len(prefix) :], text)
     if raw.startswith("hf:"):
         return _parse_hf(raw[3:], text)
     if raw.startswith("ollama:"):
-        raw = raw[len("ollama:"):]
+        raw = raw[len("ollama:") :]
     return _parse_ollama(raw, text)
 
 
@@ -111,8 +122,10 @@ def _parse_hf(body: str, text: str) -> Ref:
             raise BadReference(f"{text!r}: {quant!r} is not a quantization; write e.g. hf:{body}:Q4_K_M")
     parts = body.split("/")
     if len(parts) != 2 or not all(_REPO_PART.fullmatch(p) for p in parts):
-        raise BadReference(f"{text!r}: a Hugging Face repository is ORG/REPO (letters, digits, '.', '_', '-'); "
-                           "write hf:ORG/REPO[:QUANT][@REVISION], e.g. hf:Qwen/Qwen3-0.6B-GGUF:Q4_K_M")
+        raise BadReference(
+            f"{text!r}: a Hugging Face repository is ORG/REPO (letters, digits, '.', '_', '-'); "
+            "write hf:ORG/REPO[:QUANT][@REVISION], e.g. hf:Qwen/Qwen3-0.6B-GGUF:Q4_K_M"
+        )
     return Ref(registry="hf", repo=body, quant=quant.upper(), revision=revision)
 
 
@@ -131,9 +144,11 @@ def _parse_ollama(body: str, text: str) -> Ref:
     if len(parts) == 1:
         parts = ["library", parts[0]]
     if len(parts) != 2 or not all(_OLLAMA_PART.fullmatch(p) for p in parts):
-        raise BadReference(f"{text!r} is not a model reference: an Ollama name is [NAMESPACE/]NAME[:TAG] in lowercase "
-                           "(e.g. qwen3:0.6b), a Hugging Face one hf:ORG/REPO[:QUANT][@REVISION]; a file path "
-                           "starts with '/', './' or '~'")
+        raise BadReference(
+            f"{text!r} is not a model reference: an Ollama name is [NAMESPACE/]NAME[:TAG] in lowercase "
+            "(e.g. qwen3:0.6b), a Hugging Face one hf:ORG/REPO[:QUANT][@REVISION]; a file path "
+            "starts with '/', './' or '~'"
+        )
     return Ref(registry="ollama", repo="/".join(parts), tag=tag, host=host)
 
 
@@ -175,7 +190,11 @@ class Resolution(msgspec.Struct, frozen=True, kw_only=True):
     def key(self) -> str:
         """Where the materialized model lives under the store's `refs/`: readable and unique per reference."""
         host = self.origin.split("://", 1)[-1].rstrip("/").replace("/", "_").replace(":", "_")
-        tail = self.revision if self.registry == "ollama" else f"{self.revision[:12]}{'-' + self.quant if self.quant else ''}"
+        tail = (
+            self.revision
+            if self.registry == "ollama"
+            else f"{self.revision[:12]}{'-' + self.quant if self.quant else ''}"
+        )
         return f"{self.registry}/{host}/{self.repository}/{tail}"
 
 
@@ -210,11 +229,23 @@ def gguf_choice(files: list[str], quant: str, preference: tuple[str, ...]) -> tu
     return chosen, sorted(by_quant[chosen])
 
 
-_PACKAGE_FILES = frozenset({
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-    "special_tokens_map.json", "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json",
-    "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
-})
+_PACKAGE_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "special_tokens_map.json",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "added_tokens.json",
+        "chat_template.jinja",
+        "chat_template.json",
+        "preprocessor_config.json",
+    }
+)
 
 
 def role_of(name: str) -> str:
@@ -239,7 +270,9 @@ def safetensors_package(files: list[str]) -> list[str]:
     weights = [f for f in top if f.endswith(".safetensors")]
     if "config.json" not in top or not weights:
         return []
-    return sorted(f for f in top if f in _PACKAGE_FILES or f.endswith(".safetensors") or f.endswith(".safetensors.index.json"))
+    return sorted(
+        f for f in top if f in _PACKAGE_FILES or f.endswith(".safetensors") or f.endswith(".safetensors.index.json")
+    )
 
 
 OLLAMA_LAYER_NAMES: dict[str, tuple[str, str]] = {

@@ -39,7 +39,6 @@ from haru.core.errors import IllegalTransition
 from haru.core.events import LostReason
 
 
-
 class State(msgspec.Struct, frozen=True, kw_only=True, tag_field="state"):
     since: datetime | None = None  # when the writer observed the event that made this state
     seq: int = 0  # stream sequence of that event (0 = not from the log)
@@ -107,7 +106,9 @@ class Answer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     since: datetime | None = None
     reason: str = ""
     short_by_bytes: int = 0
-    detail: str = ""  # lost: the probe's detail; failed: what the runtime said; stopped: why; loading: what it waits for
+    detail: str = (
+        ""  # lost: the probe's detail; failed: what the runtime said; stopped: why; loading: what it waits for
+    )
 
 
 def _tag(value: object) -> str:
@@ -273,14 +274,17 @@ def _to_state(event: object, seq: int, key: str) -> Residency:
 # event key -> the state it establishes (read by to_state; one dict lookup instead of a chain of ifs)
 _ESTABLISHES: dict[str, Callable[[Any, datetime | None, int], Residency]] = {
     "model_declared": lambda e, at, seq: Unknown(since=at, seq=seq),
-    "model_pulling": lambda e, at, seq: Pulling(since=at, seq=seq, reference=e.reference, done_bytes=e.done_bytes,
-                                                total_bytes=e.total_bytes),
+    "model_pulling": lambda e, at, seq: Pulling(
+        since=at, seq=seq, reference=e.reference, done_bytes=e.done_bytes, total_bytes=e.total_bytes
+    ),
     ADMITTED: lambda e, at, seq: Unknown(since=at, seq=seq),
     REFUSED: lambda e, at, seq: NotAdmitted(since=at, seq=seq, short_by_bytes=e.short_by_bytes),
-    "model_loading": lambda e, at, seq: Loading(since=at, seq=seq, attempt=e.attempt, endpoint=e.endpoint,
-                                                waiting_for=e.waiting_for),
-    "model_resident": lambda e, at, seq: Resident(since=at, seq=seq, warmup_ms=e.warmup_ms, endpoint=e.endpoint,
-                                                  sleeps=e.sleeps),
+    "model_loading": lambda e, at, seq: Loading(
+        since=at, seq=seq, attempt=e.attempt, endpoint=e.endpoint, waiting_for=e.waiting_for
+    ),
+    "model_resident": lambda e, at, seq: Resident(
+        since=at, seq=seq, warmup_ms=e.warmup_ms, endpoint=e.endpoint, sleeps=e.sleeps
+    ),
     "model_sleeping": lambda e, at, seq: Sleeping(since=at, seq=seq, level=e.level),
     "model_waking": lambda e, at, seq: Waking(since=at, seq=seq),
     "model_lost": lambda e, at, seq: Lost(since=at, seq=seq, reason=e.reason, detail=e.detail),
@@ -392,12 +396,24 @@ def classify_probe_failure(process_alive: bool, gpu_present: bool | None, runtim
 ANSWERS: dict[str, tuple[AnswerKind, str]] = {
     "resident": ("ready", "send it"),
     "pulling": ("warming", "wait (503 + Retry-After): its files are being fetched; for_ms says how long"),
-    "loading": ("warming", "wait (503 + Retry-After) or try elsewhere, but do not fault this node; for_ms says how long"),
+    "loading": (
+        "warming",
+        "wait (503 + Retry-After) or try elsewhere, but do not fault this node; for_ms says how long",
+    ),
     "waking": ("warming", "as loading: it is coming back from sleep"),
     "sleeping": ("asleep", "try the active domain; this copy is a standby's (503 + Retry-After)"),
-    "lost": ("lost", "try elsewhere; reason gpu_detached: do not score the operator down; evicted: this box is over-committed"),
-    "failed": ("lost", "try elsewhere; reason `failed`, detail is what the runtime said; it will not come back without the operator"),
-    "stopped": ("lost", "try elsewhere; reason `stopped`: unloaded on purpose, nobody's fault, back only after a new load"),
+    "lost": (
+        "lost",
+        "try elsewhere; reason gpu_detached: do not score the operator down; evicted: this box is over-committed",
+    ),
+    "failed": (
+        "lost",
+        "try elsewhere; reason `failed`, detail is what the runtime said; it will not come back without the operator",
+    ),
+    "stopped": (
+        "lost",
+        "try elsewhere; reason `stopped`: unloaded on purpose, nobody's fault, back only after a new load",
+    ),
     "not_admitted": ("not_admitted", "stop asking (409): it will never fit here; short_by says by how much"),
     "unknown": ("unknown", "we genuinely do not know yet, and say so (503)"),
 }

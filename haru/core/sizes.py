@@ -20,8 +20,15 @@ GiB = 1024**3
 TiB = 1024**4
 
 SIZE_UNITS: dict[str, int] = {
-    "b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "b": 1,
+    "kib": KiB,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": TiB,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
 }
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 

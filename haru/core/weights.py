@@ -67,7 +67,9 @@ def parse_pairs(items: Iterable[str]) -> dict[str, int]:
         try:
             share = int(value)
         except ValueError:
-            raise InvalidWeights(f"weight {item!r}: {value!r} is not a whole percent; write it like {name}=10") from None
+            raise InvalidWeights(
+                f"weight {item!r}: {value!r} is not a whole percent; write it like {name}=10"
+            ) from None
         if name in out:
             raise InvalidWeights(f"domain {name!r} is given twice ({name}={out[name]}, {item}); give each domain once")
         out[name] = share
@@ -81,7 +83,9 @@ def resolve(given: Mapping[str, int], *, domains: Sequence[str], active: str) ->
     Raises InvalidWeights for an unknown domain, a share outside 0..100, shares that do not add up to
     100 (or leave nothing for the active), and a fleet with no active domain yet."""
     if not active:
-        raise InvalidWeights("the fleet has no active domain yet: there is no traffic to split; wait for the first route")
+        raise InvalidWeights(
+            "the fleet has no active domain yet: there is no traffic to split; wait for the first route"
+        )
     for name, share in given.items():
         if name not in domains:
             known = ", ".join(domains) or "none"
@@ -93,15 +97,19 @@ def resolve(given: Mapping[str, int], *, domains: Sequence[str], active: str) ->
     if active in given:
         if rest + given[active] != TOTAL:
             shown = " + ".join(f"{d} {w}" for d, w in given.items())
-            raise InvalidWeights(f"weights add up to {rest + given[active]} ({shown}), not {TOTAL}; make them add up to "
-                                 f"{TOTAL}, or leave the active domain {active!r} out and it takes what is left")
+            raise InvalidWeights(
+                f"weights add up to {rest + given[active]} ({shown}), not {TOTAL}; make them add up to "
+                f"{TOTAL}, or leave the active domain {active!r} out and it takes what is left"
+            )
         if given[active] == 0:
             raise InvalidWeights(_no_active_share(active, others))
     elif rest >= TOTAL:
         if rest == TOTAL:
             raise InvalidWeights(_no_active_share(active, others))
-        raise InvalidWeights(f"weights of the other domains add up to {rest}, over {TOTAL}: the active domain "
-                             f"{active!r} takes what they leave, so give them less than {TOTAL} in all")
+        raise InvalidWeights(
+            f"weights of the other domains add up to {rest}, over {TOTAL}: the active domain "
+            f"{active!r} takes what they leave, so give them less than {TOTAL} in all"
+        )
     split = {active: TOTAL - rest}
     split.update((d, w) for d in domains if (w := others.get(d, 0)) > 0)  # declaration order
     return {} if split == {active: TOTAL} else split
@@ -109,8 +117,10 @@ def resolve(given: Mapping[str, int], *, domains: Sequence[str], active: str) ->
 
 def _no_active_share(active: str, others: Mapping[str, int]) -> str:
     to = next((d for d, w in others.items() if w), "<domain>")
-    return (f"the weights leave nothing for the active domain {active!r}: to move all traffic, promote the other "
-            f"domain (haru promote {to}), which moves the route pointer")
+    return (
+        f"the weights leave nothing for the active domain {active!r}: to move all traffic, promote the other "
+        f"domain (haru promote {to}), which moves the route pointer"
+    )
 
 
 def scope_of(model: str) -> str:
@@ -118,8 +128,9 @@ def scope_of(model: str) -> str:
     return f"model {model!r}" if model else "the fleet"
 
 
-def split_of(weights: Mapping[str, int], model_weights: Mapping[str, Mapping[str, int]], model: str,
-             active: str) -> dict[str, int]:
+def split_of(
+    weights: Mapping[str, int], model_weights: Mapping[str, Mapping[str, int]], model: str, active: str
+) -> dict[str, int]:
     """The split `model`'s traffic follows: its own, else the fleet's, else the active's 100."""
     got = model_weights.get(model) if model else None
     if got is None:
@@ -135,7 +146,9 @@ def gaining(old: Mapping[str, int], new: Mapping[str, int], active: str) -> list
     return [d for d, w in new.items() if d != active and w > 0 and old.get(d, 0) <= 0]
 
 
-def changed_shares(weights: Mapping[str, int], model_weights: Mapping[str, Mapping[str, int]]) -> list[tuple[str, dict[str, int]]]:
+def changed_shares(
+    weights: Mapping[str, int], model_weights: Mapping[str, Mapping[str, int]]
+) -> list[tuple[str, dict[str, int]]]:
     """Every split in force: ('' for the fleet's, else the model, its split). Defaults are left out."""
     out: list[tuple[str, dict[str, int]]] = []
     if weights:
@@ -176,8 +189,10 @@ def describe(split: Mapping[str, int], active: str) -> str:
 
 def lines(weights: Mapping[str, int], model_weights: Mapping[str, Mapping[str, int]], active: str) -> list[str]:
     """`haru status` / `haru route`: one line per split in force, or the default's one line."""
-    out = [f"weights: {describe(split, active)}" + (f"  (model {model!r})" if model else "")
-           for model, split in changed_shares(weights, model_weights)]
+    out = [
+        f"weights: {describe(split, active)}" + (f"  (model {model!r})" if model else "")
+        for model, split in changed_shares(weights, model_weights)
+    ]
     return out or [f"weights: {describe({}, active)}"]
 
 

@@ -26,8 +26,8 @@ import msgspec
 import structlog
 
 from haru.core import subjects
-from haru.log.bus import Bus, Msg, Subscription
 from haru.core.errors import BusError
+from haru.log.bus import Bus, Msg, Subscription
 
 INTERVAL_S = 1.0
 SILENT_AFTER_S = 3.5

@@ -65,8 +65,14 @@ def die_with_parent(sig: int) -> Any:
     return preexec
 
 
-def spawn(argv: list[str], *, pidfile: Path | None = None, what: str = "", death_signal: int | None = signal.SIGTERM,
-          **popen: Any) -> subprocess.Popen[Any]:
+def spawn(
+    argv: list[str],
+    *,
+    pidfile: Path | None = None,
+    what: str = "",
+    death_signal: int | None = signal.SIGTERM,
+    **popen: Any,
+) -> subprocess.Popen[Any]:
     """Popen in a new session, with a parent-death signal (None: none), recorded in `pidfile`."""
     if death_signal is not None and not no_death_signal():
         popen["preexec_fn"] = die_with_parent(death_signal)
@@ -89,8 +95,9 @@ def write_pidfile(path: Path, pid: int, what: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     me = os.getpid()
-    tmp.write_text(json.dumps({"pid": pid, "start": start_time(pid), "what": what,
-                               "parent": me, "parent_start": start_time(me)}))
+    tmp.write_text(
+        json.dumps({"pid": pid, "start": start_time(pid), "what": what, "parent": me, "parent_start": start_time(me)})
+    )
     os.replace(tmp, path)
 
 

@@ -39,7 +39,6 @@ DEFAULT_MAX_IDLE = 512
 LINGER_S = 1.0
 
 
-
 @dataclass(frozen=True, slots=True)
 class ClientLimits:
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_MS / 1000
@@ -47,7 +46,7 @@ class ClientLimits:
     max_idle: int = DEFAULT_MAX_IDLE
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> "ClientLimits":
+    def from_env(cls, env: Mapping[str, str]) -> ClientLimits:
         return cls(
             header_timeout_s=env_int(env, "HARU_CLIENT_HEADER_TIMEOUT_MS", DEFAULT_HEADER_TIMEOUT_MS, 1) / 1000,
             body_timeout_s=env_int(env, "HARU_CLIENT_BODY_TIMEOUT_MS", DEFAULT_BODY_TIMEOUT_MS, 1) / 1000,

@@ -47,16 +47,24 @@ def add_metrics_options(parser: argparse.ArgumentParser, *, default_port: int | 
     """`--metrics-port` and `--metrics-host`, defaulting to HARU_METRICS_PORT / HARU_METRICS_HOST."""
     shown = f"; documented port {DOCUMENTED_PORTS.get(parser.prog.split()[-1], '')}" if default_port is None else ""
     parser.add_argument(
-        "--metrics-port", type=int, default=None,
+        "--metrics-port",
+        type=int,
+        default=None,
         help=f"serve Prometheus metrics on this port at /metrics (env {PORT_ENV}; 0 = a free port"
         + (f"; default {default_port})" if default_port is not None else f"; unset = off{shown})"),
     )
-    parser.add_argument("--metrics-host", default=None,
-                        help=f"address of the metrics endpoint (env {HOST_ENV}; default {DEFAULT_HOST})")
+    parser.add_argument(
+        "--metrics-host", default=None, help=f"address of the metrics endpoint (env {HOST_ENV}; default {DEFAULT_HOST})"
+    )
 
 
-def metrics_address(flag_port: int | None, flag_host: str | None, env: Mapping[str, str] = os.environ,
-                    *, default_port: int | None = None) -> tuple[str, int] | None:
+def metrics_address(
+    flag_port: int | None,
+    flag_host: str | None,
+    env: Mapping[str, str] = os.environ,
+    *,
+    default_port: int | None = None,
+) -> tuple[str, int] | None:
     """(host, port) to serve metrics on, or None for no endpoint. Flags win over the environment."""
     port: int | None = flag_port
     if port is None:
@@ -79,9 +87,16 @@ def metrics_address(flag_port: int | None, flag_host: str | None, env: Mapping[s
 class MetricsServer:
     """A tiny aiohttp server: GET /metrics renders `registries` (after the `refresh` callables)."""
 
-    def __init__(self, registries: list[CollectorRegistry], *, host: str = DEFAULT_HOST, port: int = 0,
-                 refresh: list[Callable[[], Awaitable[None]]] | None = None, refresh_timeout_s: float = 2.0,
-                 sources: list[tuple[str, Callable[[], Awaitable[bytes]]]] | None = None) -> None:
+    def __init__(
+        self,
+        registries: list[CollectorRegistry],
+        *,
+        host: str = DEFAULT_HOST,
+        port: int = 0,
+        refresh: list[Callable[[], Awaitable[None]]] | None = None,
+        refresh_timeout_s: float = 2.0,
+        sources: list[tuple[str, Callable[[], Awaitable[bytes]]]] | None = None,
+    ) -> None:
         self.registries = list(registries)
         self.sources = list(sources or [])  # (name, fetch): other processes' exposition text, appended
         self.host = host
@@ -152,8 +167,11 @@ class MetricsServer:
 
 
 @contextlib.asynccontextmanager
-async def maybe_serve(registries: list[CollectorRegistry], address: tuple[str, int] | None,
-                      refresh: list[Callable[[], Awaitable[None]]] | None = None) -> AsyncIterator["MetricsServer | None"]:
+async def maybe_serve(
+    registries: list[CollectorRegistry],
+    address: tuple[str, int] | None,
+    refresh: list[Callable[[], Awaitable[None]]] | None = None,
+) -> AsyncIterator[MetricsServer | None]:
     """Serve `registries` at `address`, or nothing when `address` is None (yields the server or None)."""
     if address is None:
         yield None

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from haru.host import children
 from haru.core.errors import ConfigError, LogUnavailable, StoreBusy
+from haru.host import children
 
 LOCK_FILE = "haru-nats.lock"
 PID_FILE = "haru-nats.pid"
@@ -117,8 +117,13 @@ class NatsServer:
             log = open(self.log_file, "ab")
             try:
                 self.proc = children.spawn(
-                    self.argv(), pidfile=self.pid_file, what="nats-server",
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(fd,),
+                    self.argv(),
+                    pidfile=self.pid_file,
+                    what="nats-server",
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    pass_fds=(fd,),
                 )
             finally:
                 log.close()
@@ -144,7 +149,8 @@ class NatsServer:
                 raise StoreBusy(
                     f"the NATS store {self.store_dir} is held by {who}: two servers on one store lose "
                     f"acknowledged events; stop that one first"
-                    + (f" (kill {held['pid']})" if held else "") + ", or use another store directory"
+                    + (f" (kill {held['pid']})" if held else "")
+                    + ", or use another store directory"
                 ) from None
 
     def start_sync(self) -> None:
@@ -205,14 +211,14 @@ class NatsServer:
     async def stop(self) -> None:
         await asyncio.to_thread(self.stop_sync)
 
-    async def __aenter__(self) -> "NatsServer":
+    async def __aenter__(self) -> NatsServer:
         await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    def __enter__(self) -> "NatsServer":
+    def __enter__(self) -> NatsServer:
         self.start_sync()
         return self
 

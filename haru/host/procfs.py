@@ -49,8 +49,9 @@ def parse(pid: int, raw: str) -> Stat | None:
     """A `/proc/<pid>/stat` line, or None when it is not one."""
     rest = raw[raw.rfind(")") + 2 :].split()
     try:
-        return Stat(pid=pid, state=rest[0], ppid=int(rest[1]), pgrp=int(rest[2]), start=int(rest[19]),
-                    flags=int(rest[6]))
+        return Stat(
+            pid=pid, state=rest[0], ppid=int(rest[1]), pgrp=int(rest[2]), start=int(rest[19]), flags=int(rest[6])
+        )
     except (IndexError, ValueError):
         return None
 

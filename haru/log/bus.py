@@ -22,7 +22,6 @@ this module: they become `haru.core.errors.BusError`s.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import inspect
 from collections.abc import Awaitable, Callable
@@ -63,13 +62,15 @@ class Bus(Protocol):
     @property
     def connected(self) -> bool: ...
 
-    async def publish(self, subject: str, data: bytes, *, headers: dict[str, str] | None = None,
-                      reply: str = "") -> None: ...
+    async def publish(
+        self, subject: str, data: bytes, *, headers: dict[str, str] | None = None, reply: str = ""
+    ) -> None: ...
 
     async def subscribe(self, subject: str, handler: Handler) -> Subscription: ...
 
-    async def request(self, subject: str, data: bytes, *, timeout: float,
-                      headers: dict[str, str] | None = None) -> Msg: ...
+    async def request(
+        self, subject: str, data: bytes, *, timeout: float, headers: dict[str, str] | None = None
+    ) -> Msg: ...
 
 
 class NatsBus:
@@ -82,8 +83,9 @@ class NatsBus:
     def connected(self) -> bool:
         return bool(self.nc.is_connected)
 
-    async def publish(self, subject: str, data: bytes, *, headers: dict[str, str] | None = None,
-                      reply: str = "") -> None:
+    async def publish(
+        self, subject: str, data: bytes, *, headers: dict[str, str] | None = None, reply: str = ""
+    ) -> None:
         try:
             await self.nc.publish(subject, data, reply=reply, headers=headers)
         except nats.errors.Error as exc:
@@ -105,27 +107,29 @@ class NatsBus:
         except nats.errors.Error as exc:
             raise BusError(f"subscribing to {subject}: {exc or type(exc).__name__}") from exc
 
-    async def request(self, subject: str, data: bytes, *, timeout: float,
-                      headers: dict[str, str] | None = None) -> Msg:
+    async def request(self, subject: str, data: bytes, *, timeout: float, headers: dict[str, str] | None = None) -> Msg:
         try:
             m = await self.nc.request(subject, data, timeout=timeout, headers=headers)
         except nats.errors.NoRespondersError as exc:
             raise NoResponders(f"nothing is subscribed to {subject}") from exc
-        except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, nats.errors.TimeoutError) as exc:
             raise RequestTimeout(f"no reply on {subject} within {timeout:g} s") from exc
         except nats.errors.Error as exc:
             raise BusError(f"requesting on {subject}: {exc or type(exc).__name__}") from exc
         return Msg(m.subject, m.data, m.headers, m.reply or "")
 
 
-async def send(bus: Bus, fleet: str, domain: str, verb: str, command: Command | None = None, *,
-               timeout: float = 30.0) -> Reply:
+async def send(
+    bus: Bus, fleet: str, domain: str, verb: str, command: Command | None = None, *, timeout: float = 30.0
+) -> Reply:
     """Send one command to a domain's agent and return its typed reply (see the module docstring)."""
     subject = subjects.command(fleet, domain, verb)
     try:
         msg = await bus.request(subject, command_encoder.encode(command or Command()), timeout=max(timeout, 0.001))
     except NoResponders as exc:
-        raise AgentGone(f"no agent answers {verb} for {fleet}/{domain} (nothing subscribed to {subject}): is it running?") from exc
+        raise AgentGone(
+            f"no agent answers {verb} for {fleet}/{domain} (nothing subscribed to {subject}): is it running?"
+        ) from exc
     except RequestTimeout as exc:
         raise AgentGone(f"the agent of {fleet}/{domain} did not answer {verb} within {timeout:.1f} s") from exc
     except BusError as exc:
@@ -142,5 +146,10 @@ async def send(bus: Bus, fleet: str, domain: str, verb: str, command: Command | 
     try:
         return reply_decoder.decode(msg.data)
     except msgspec.DecodeError as exc:
-        return Reply(ok=False, error=ErrorInfo(code="bad_reply", message=f"the agent of {fleet}/{domain} answered "
-                                                                          f"{verb} with something that is not a Reply: {exc}"))
+        return Reply(
+            ok=False,
+            error=ErrorInfo(
+                code="bad_reply",
+                message=f"the agent of {fleet}/{domain} answered {verb} with something that is not a Reply: {exc}",
+            ),
+        )

@@ -31,10 +31,10 @@ from nats.js import api
 
 from haru.core import subjects
 from haru.core.errors import LogError, LogUnavailable
+from haru.log.jetstream import DEFAULT_REPLAY_TIMEOUT_S, Link, history_stream, translated
 from haru.log.js_events import JetStreamEvents
 from haru.log.js_intents import JetStreamIntents
 from haru.log.js_views import JetStreamViews
-from haru.log.jetstream import DEFAULT_REPLAY_TIMEOUT_S, Link, history_stream, translated
 from haru.log.record import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, Record, body_hash, msg_id
 
 if TYPE_CHECKING:
@@ -42,8 +42,15 @@ if TYPE_CHECKING:
 
 # Record, body_hash, msg_id and the header names live in haru.log.record; imported from here by name
 # too, as the log's vocabulary.
-__all__ = ["DEFAULT_REPLAY_TIMEOUT_S", "EXPECTED_LAST_SUBJECT_SEQ", "EventLog", "MSG_ID",
-           "Record", "body_hash", "msg_id"]
+__all__ = [
+    "DEFAULT_REPLAY_TIMEOUT_S",
+    "EXPECTED_LAST_SUBJECT_SEQ",
+    "EventLog",
+    "MSG_ID",
+    "Record",
+    "body_hash",
+    "msg_id",
+]
 
 _FIRST_CONNECT_ATTEMPTS = 1  # nats-py: a server is dropped after this many failed retries (so: 2 tries)
 _FIRST_CONNECT_WAIT_S = 0.05  # between those tries
@@ -55,10 +62,17 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
     """A connection to the log (`haru.log.seam.Log`). Create with `EventLog.connect(...)` (async
     context) or `EventLog.open`."""
 
-    def __init__(self, nc: nats.NATS, *, writer: str, timeout: float = 5.0,
-                 replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S, link: "Link | None" = None) -> None:
+    def __init__(
+        self,
+        nc: nats.NATS,
+        *,
+        writer: str,
+        timeout: float = 5.0,
+        replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S,
+        link: Link | None = None,
+    ) -> None:
         super().__init__(nc, writer=writer, timeout=timeout, replay_timeout=replay_timeout, link=link)
-        self._bus: "NatsBus | None" = None
+        self._bus: NatsBus | None = None
 
     # ------------------------------------------------------------------------ connection state
 
@@ -71,7 +85,7 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
         return [u.geturl() for u in self.nc.servers]
 
     @property
-    def bus(self) -> "NatsBus":
+    def bus(self) -> NatsBus:
         """Core NATS on this log's connection (heartbeats, liveness, commands): haru.log.bus."""
         if self._bus is None:
             from haru.log.bus import NatsBus
@@ -92,7 +106,7 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
         timeout: float = 5.0,
         connect_timeout: float = 5.0,
         replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S,
-    ) -> "EventLog":
+    ) -> EventLog:
         if isinstance(servers, str):
             servers = [s.strip() for s in servers.split(",") if s.strip()]
 
@@ -103,8 +117,16 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
                 first_errors.append(exc)
             # Reconnect noise is expected while a server restarts; anything else (a permissions
             # violation, a slow consumer) is worth a line in the service's log.
-            if isinstance(exc, (OSError, asyncio.TimeoutError, nats.errors.UnexpectedEOF,
-                                nats.errors.StaleConnectionError, nats.errors.ConnectionClosedError)):
+            if isinstance(
+                exc,
+                (
+                    OSError,
+                    asyncio.TimeoutError,
+                    nats.errors.UnexpectedEOF,
+                    nats.errors.StaleConnectionError,
+                    nats.errors.ConnectionClosedError,
+                ),
+            ):
                 return
             _log.warning("nats.error", writer=writer, error=str(exc) or type(exc).__name__)
 
@@ -130,7 +152,7 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
         try:
             async with asyncio.timeout(connect_timeout):
                 nc = await nats.connect(**kwargs)
-        except (asyncio.TimeoutError, nats.errors.NoServersError, OSError) as exc:
+        except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
             seen = first_errors or [exc]
             if all(isinstance(e, ConnectionRefusedError) for e in seen):
                 why = "connection refused"
@@ -150,7 +172,7 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def connect(cls, servers: list[str] | str, *, writer: str, **kwargs: Any) -> AsyncIterator["EventLog"]:
+    async def connect(cls, servers: list[str] | str, *, writer: str, **kwargs: Any) -> AsyncIterator[EventLog]:
         log = await cls.open(servers, writer=writer, **kwargs)
         try:
             yield log
@@ -182,11 +204,15 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
         if replicas is None:
             replicas = 3 if self.cluster_size() >= 3 else 1
         events = history_stream(
-            subjects.EVENTS_STREAM, subjects.ALL_EVENTS, replicas,
+            subjects.EVENTS_STREAM,
+            subjects.ALL_EVENTS,
+            replicas,
             "Haru event log: every fact, hash-chained per subject. Never deleted, never purged.",
         )
         route = history_stream(
-            subjects.ROUTE_STREAM, subjects.ALL_INTENTS, replicas,
+            subjects.ROUTE_STREAM,
+            subjects.ALL_INTENTS,
+            replicas,
             "Haru route intents per fleet, history kept per subject.",
         )
         for config in (events, route):
@@ -231,4 +257,3 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
                         f"stream {config.name} exists with settings Haru cannot accept ({exc.description}); "
                         f"an admin must fix it with `nats stream edit {config.name}`"
                     ) from exc
-

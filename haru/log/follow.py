@@ -39,9 +39,9 @@ from typing import Any
 
 import structlog
 
-from haru.core.restarts import Backoff
 from haru.core import subjects
 from haru.core.errors import LogError, seq_ranges
+from haru.core.restarts import Backoff
 from haru.host.tasks import cancel_and_wait
 from haru.log.seam import Followable
 
@@ -128,9 +128,16 @@ class Follower:
                     came_back.set()
 
             forget = self.log.on_link_change(on_link)
-            replay = asyncio.create_task(self.log.replay(
-                self._on, from_seq=self.position + 1, subject_filter=self.subject_filter, follow=True,
-                headers=self.headers, on_gap=self.on_gap))
+            replay = asyncio.create_task(
+                self.log.replay(
+                    self._on,
+                    from_seq=self.position + 1,
+                    subject_filter=self.subject_filter,
+                    follow=True,
+                    headers=self.headers,
+                    on_gap=self.on_gap,
+                )
+            )
             stalled = asyncio.create_task(self._until_stalled())
             back = asyncio.create_task(came_back.wait())
             try:
@@ -148,13 +155,17 @@ class Follower:
                 why = "interrupted"
                 self.interruptions += 1
                 failures += 1
-                log.warning("follow.interrupted", error=str(exc), position=self.position,
-                            retry_in_s=backoff.delay(failures))
+                log.warning(
+                    "follow.interrupted", error=str(exc), position=self.position, retry_in_s=backoff.delay(failures)
+                )
             elif stalled.done() and not stalled.cancelled():
                 why = "stalled"
                 self.stalls += 1
-                log.warning("follow.stalled", position=self.position,
-                            detail="the log holds events the replay has not delivered; replaying again from the position")
+                log.warning(
+                    "follow.stalled",
+                    position=self.position,
+                    detail="the log holds events the replay has not delivered; replaying again from the position",
+                )
             elif back.done() and not back.cancelled():
                 why = "reconnected"
                 log.info("follow.reconnected", position=self.position, detail="replaying again from the position")
@@ -209,6 +220,10 @@ class Follower:
             return False
         if self._unreadable_tail != (first, head):
             self._unreadable_tail = (first, head)
-            _log.error("follow.unreadable_sequences", follower=self.name, seqs=seq_ranges(list(range(first, head + 1))),
-                       fix="restore the store from a backup or a cluster peer (docs/operations.md)")
+            _log.error(
+                "follow.unreadable_sequences",
+                follower=self.name,
+                seqs=seq_ranges(list(range(first, head + 1))),
+                fix="restore the store from a backup or a cluster peer (docs/operations.md)",
+            )
         return True

@@ -25,11 +25,10 @@ from typing import Any
 
 import msgspec
 
-from haru.core import authority
+from haru.core import authority, residency, subjects
 from haru.core import events as ev
-from haru.core import residency, subjects
-from haru.log.eventlog import MSG_ID, Record, body_hash, msg_id
 from haru.core.views import FleetView, RouteIntent
+from haru.log.eventlog import MSG_ID, Record, body_hash, msg_id
 
 # ------------------------------------------------------------------------------------------ verify
 
@@ -101,9 +100,7 @@ class Verifier:
             else:
                 want = f"sha256 of seq {prev_seq} = {prev_hash[:16]}…"
             got = rec.event.prev[:16] + "…" if rec.event.prev else "''"
-            self.breaks.append(
-                Break(rec.seq, rec.subject, f"prev is {got}, expected {want}: the chain is broken here")
-            )
+            self.breaks.append(Break(rec.seq, rec.subject, f"prev is {got}, expected {want}: the chain is broken here"))
             return
         expected_id = msg_id(rec.subject, prev_seq, rec.data)
         got_id = (rec.headers or {}).get(MSG_ID, "")
@@ -169,10 +166,12 @@ def view_witnesses(key: str, view: FleetView) -> list[Witness]:
     """What a FleetView (haru.core.views) says it folded."""
     prefix = f"{subjects.EVT}.{view.fleet}."
     out = [Witness(f"view {key} (last folded)", view.seq, prefix, view.updated_at)] if view.seq else []
-    for name, seq, subject in (("decl_seq", view.decl_seq, subjects.decl(view.fleet)),
-                               ("op_seq", view.op_seq, subjects.op(view.fleet)),
-                               ("route_seq", view.route_seq, subjects.route(view.fleet)),
-                               ("route_revision", view.route_revision, subjects.route(view.fleet))):
+    for name, seq, subject in (
+        ("decl_seq", view.decl_seq, subjects.decl(view.fleet)),
+        ("op_seq", view.op_seq, subjects.op(view.fleet)),
+        ("route_seq", view.route_seq, subjects.route(view.fleet)),
+        ("route_revision", view.route_revision, subjects.route(view.fleet)),
+    ):
         if seq:
             out.append(Witness(f"view {key} ({name})", seq, subject))
     if view.checkpoint:
@@ -186,12 +185,15 @@ def intent_witnesses(intent: RouteIntent) -> list[Witness]:
     if intent.revision:
         out.append(Witness(f"route intent of {intent.fleet} (revision)", intent.revision, subjects.route(intent.fleet)))
     if intent.view_seq:
-        out.append(Witness(f"route intent of {intent.fleet} (view_seq)", intent.view_seq, f"{subjects.EVT}.{intent.fleet}."))
+        out.append(
+            Witness(f"route intent of {intent.fleet} (view_seq)", intent.view_seq, f"{subjects.EVT}.{intent.fleet}.")
+        )
     return out
 
 
-def check_witnesses(stream_last: int, witnesses: list[Witness],
-                    stored: dict[int, tuple[str, datetime | None]]) -> list[Finding]:
+def check_witnesses(
+    stream_last: int, witnesses: list[Witness], stored: dict[int, tuple[str, datetime | None]]
+) -> list[Finding]:
     """Hold the stream against its witnesses. `stored` maps each witnessed sequence the stream has
     to (subject, `at` of its event or None when unreadable). A witness past the stream's end means
     the newest events were cut; a witnessed sequence holding another event means they were cut and
@@ -202,25 +204,36 @@ def check_witnesses(stream_last: int, witnesses: list[Witness],
         top = max(ahead, key=lambda w: w.seq)
         first = stream_last + 1
         span = f"{first}..{top.seq}" if top.seq > first else str(first)
-        findings.append(Finding(
-            "truncated", top.seq,
-            f"the store ends at {stream_last} but the views have folded up to {top.seq} ({top.source}): "
-            f"events {span} are missing; the newest events were cut from the store",
-        ))
+        findings.append(
+            Finding(
+                "truncated",
+                top.seq,
+                f"the store ends at {stream_last} but the views have folded up to {top.seq} ({top.source}): "
+                f"events {span} are missing; the newest events were cut from the store",
+            )
+        )
     for w in witnesses:
         if w.seq > stream_last or w.seq not in stored or not w.subject and w.at is None:
             continue
         subject, at = stored[w.seq]
         wrong_subject = bool(w.subject) and (
-            not subject.startswith(w.subject) if w.subject.endswith(".") else subject != w.subject)
+            not subject.startswith(w.subject) if w.subject.endswith(".") else subject != w.subject
+        )
         wrong_time = w.at is not None and at is not None and at != w.at
         if wrong_subject or wrong_time:
-            findings.append(Finding(
-                "replaced", w.seq,
-                f"seq {w.seq} is not the event {w.source} folded (it is on {subject}"
-                + (f" at {at.isoformat()}, the view's was at {w.at.isoformat()}" if wrong_time and at and w.at else "")
-                + "): events were cut from the store and others written in their place",
-            ))
+            findings.append(
+                Finding(
+                    "replaced",
+                    w.seq,
+                    f"seq {w.seq} is not the event {w.source} folded (it is on {subject}"
+                    + (
+                        f" at {at.isoformat()}, the view's was at {w.at.isoformat()}"
+                        if wrong_time and at and w.at
+                        else ""
+                    )
+                    + "): events were cut from the store and others written in their place",
+                )
+            )
     return findings
 
 
@@ -264,8 +277,7 @@ def _concerns_model(rec: Record, model: str, domain: str) -> bool:
 
 
 # Operation-level facts that concern every model of the fleet: a promotion moves the route for all.
-_FLEET_STORY = (ev.OperationRequested, ev.OperationCompleted, ev.OperationAborted,
-                ev.FailoverDeclined, ev.RouteMoved)
+_FLEET_STORY = (ev.OperationRequested, ev.OperationCompleted, ev.OperationAborted, ev.FailoverDeclined, ev.RouteMoved)
 
 
 def story(records: list[Record], model: str, *, domain: str = "") -> list[Record]:
@@ -293,8 +305,13 @@ def _payload_for_display(e: ev.Event) -> dict[str, Any]:
         spec = e.spec
         out = {"runtime": spec.runtime, "gpu_index": spec.gpu_index, "vram_bytes": spec.vram_bytes}
     elif isinstance(e, ev.ModelFetched):
-        out = {"reference": e.reference, "origin": e.origin, "fetched_bytes": e.fetched_bytes,
-               "files": [f"{f.name} {f.digest[:19]} {f.size}" for f in e.files], "took_ms": e.took_ms}
+        out = {
+            "reference": e.reference,
+            "origin": e.origin,
+            "fetched_bytes": e.fetched_bytes,
+            "files": [f"{f.name} {f.digest[:19]} {f.size}" for f in e.files],
+            "took_ms": e.took_ms,
+        }
     elif isinstance(e, ev.AdmissionDecided):
         out = {"admitted": e.admitted, "vram_bytes": e.vram_bytes}
         if not e.admitted:
@@ -326,7 +343,7 @@ def as_of(
         e = rec.event
         if e is None or not _concerns_model(rec, model, domain) or authority.misplaced(rec.subject, e):
             continue
-        d: str = getattr(e, "domain")  # every event `_concerns_model` keeps names its domain
+        d: str = getattr(e, "domain")  # noqa: B009 (every event `_concerns_model` keeps names its domain)
         if isinstance(e, (ev.ModelDeclared, ev.ModelChanged)):
             states.setdefault(d, AsOf(d, "unknown", rec.seq, {}))
             continue
@@ -344,7 +361,6 @@ def as_of(
     return states
 
 
-
 # ------------------------------------------------------------------------------------- causal tree
 
 
@@ -353,7 +369,7 @@ class Node:
     """One event of a causal tree: its record, the events it caused, and what is wrong with its link."""
 
     rec: Record
-    children: list["Node"] = field(default_factory=list)
+    children: list[Node] = field(default_factory=list)
     missing: str = ""  # '' = its link is whole; else why it is not
 
 
@@ -365,7 +381,9 @@ def missing_link(rec: Record, have: dict[int, Record]) -> str:
     if e is None:
         return ""
     if not e.cause:
-        return "no cause recorded, though this kind of event has one: a link is missing" if causes.expects_cause(e) else ""
+        return (
+            "no cause recorded, though this kind of event has one: a link is missing" if causes.expects_cause(e) else ""
+        )
     cause = have.get(e.cause)
     if cause is None:
         return f"its cause, seq {e.cause}, could not be read"
@@ -442,7 +460,9 @@ def tree_json(roots: list[Node]) -> list[dict[str, Any]]:
     def one(n: Node) -> dict[str, Any]:
         r = n.rec
         return {
-            "seq": r.seq, "time": r.time.isoformat(), "subject": r.subject,
+            "seq": r.seq,
+            "time": r.time.isoformat(),
+            "subject": r.subject,
             "type": ev.tag_of(r.event) if r.event is not None else None,
             "cause": r.event.cause if r.event is not None else 0,
             "event": msgspec.to_builtins(r.event) if r.event is not None else None,

@@ -24,8 +24,16 @@ import msgspec
 
 from haru.core.errors import seq_ranges
 
-__all__ = ["StreamState", "consumer_seq", "damage_message", "gap", "holes_in_state", "missing_unfiltered", "needs_scan",
-           "pending"]
+__all__ = [
+    "StreamState",
+    "consumer_seq",
+    "damage_message",
+    "gap",
+    "holes_in_state",
+    "missing_unfiltered",
+    "needs_scan",
+    "pending",
+]
 
 
 class StreamState(msgspec.Struct, frozen=True):
@@ -86,17 +94,23 @@ def consumer_seq(tokens: Sequence[str]) -> int:
     return int(tokens[6] if len(tokens) == 9 else tokens[8])
 
 
-def damage_message(subject_filter: str, from_seq: int, missing: Sequence[int], undelivered: int, end: int,
-                   unfiltered: bool) -> str:
+def damage_message(
+    subject_filter: str, from_seq: int, missing: Sequence[int], undelivered: int, end: int, unfiltered: bool
+) -> str:
     """What a replay that found damage tells the operator: what cannot be served, where, and the fix."""
     where = f"{subject_filter} from seq {from_seq}" if from_seq > 1 else subject_filter
     if missing:
         what = f"cannot serve sequence{'s' if len(missing) > 1 else ''} {seq_ranges(list(missing))}"
         if not unfiltered:
-            what += (f" (their subjects cannot be read: they may belong to {subject_filter})" if len(missing) > 1
-                     else f" (its subject cannot be read: it may belong to {subject_filter})")
+            what += (
+                f" (their subjects cannot be read: they may belong to {subject_filter})"
+                if len(missing) > 1
+                else f" (its subject cannot be read: it may belong to {subject_filter})"
+            )
     else:
         what = f"counted {undelivered} message(s) matching {subject_filter} that it could not deliver"
-    return (f"the event store {what}, while replaying {where} (the stream holds 1..{end}); every other event "
-            f"was read. Its files are damaged: restore the store from a backup or a cluster peer "
-            f"(docs/operations.md, 'Damaged or truncated log')")
+    return (
+        f"the event store {what}, while replaying {where} (the stream holds 1..{end}); every other event "
+        f"was read. Its files are damaged: restore the store from a backup or a cluster peer "
+        f"(docs/operations.md, 'Damaged or truncated log')"
+    )

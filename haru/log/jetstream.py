@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -24,8 +24,17 @@ from nats.js import api
 from haru.core.errors import Conflict, EventDecodeError, LogError, LogUnavailable
 from haru.log.record import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID
 
-__all__ = ["AckInbox", "DEFAULT_REPLAY_TIMEOUT_S", "DUPLICATE_WINDOW_S", "CONFLICT_CODES", "JetStreamClient", "Link",
-           "history_stream", "parse_ack_reply", "translated"]
+__all__ = [
+    "AckInbox",
+    "DEFAULT_REPLAY_TIMEOUT_S",
+    "DUPLICATE_WINDOW_S",
+    "CONFLICT_CODES",
+    "JetStreamClient",
+    "Link",
+    "history_stream",
+    "parse_ack_reply",
+    "translated",
+]
 
 DUPLICATE_WINDOW_S = 120.0
 CONFLICT_CODES = (10071, 10164)
@@ -57,6 +66,7 @@ def parse_ack_reply(reply: str) -> tuple[int, int, int]:
         return int(t[5]), int(t[7]), int(t[8])
     return int(t[7]), int(t[9]), int(t[10])
 
+
 @contextlib.contextmanager
 def translated(what: str) -> Iterator[None]:
     """Map nats-py exceptions onto Haru's (httpx's map_httpcore_exceptions, in spirit)."""
@@ -64,11 +74,19 @@ def translated(what: str) -> Iterator[None]:
         yield
     except (LogError, EventDecodeError):
         raise
-    except (nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as exc:
+    except (
+        nats.js.errors.NoStreamResponseError,
+        nats.js.errors.ServiceUnavailableError,
+        nats.errors.NoRespondersError,
+    ) as exc:
         raise LogUnavailable(f"{what}: JetStream did not answer (no stream leader yet, or JetStream is off)") from exc
-    except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, nats.errors.TimeoutError) as exc:
         raise LogUnavailable(f"{what}: timed out waiting for NATS") from exc
-    except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError, nats.errors.ConnectionReconnectingError) as exc:
+    except (
+        nats.errors.ConnectionClosedError,
+        nats.errors.ConnectionDrainingError,
+        nats.errors.ConnectionReconnectingError,
+    ) as exc:
         raise LogUnavailable(f"{what}: the NATS connection is closed or reconnecting") from exc
     except nats.js.errors.APIError as exc:
         raise LogError(f"{what}: JetStream refused: {exc.description} (code {exc.err_code})") from exc
@@ -128,7 +146,7 @@ class AckInbox:
                 self._prefix = prefix
 
     async def _on_ack(self, msg: Any) -> None:
-        future = self._waiting.get(msg.subject[len(self._prefix):])
+        future = self._waiting.get(msg.subject[len(self._prefix) :])
         if future is None or future.done():
             return  # it timed out, or the caller went away
         if msg.headers and msg.headers.get("Status") == "503":
@@ -190,8 +208,15 @@ class JetStreamClient:
     """One connection to JetStream, as the log's parts (events, views, intents) share it: the checked
     publish with its retries, and single-message reads. `haru.log.eventlog.EventLog` composes the parts."""
 
-    def __init__(self, nc: nats.NATS, *, writer: str, timeout: float = 5.0,
-                 replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S, link: Link | None = None) -> None:
+    def __init__(
+        self,
+        nc: nats.NATS,
+        *,
+        writer: str,
+        timeout: float = 5.0,
+        replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S,
+        link: Link | None = None,
+    ) -> None:
         self.nc = nc
         self.replay_timeout = replay_timeout  # the deadline of a replay that does not follow
         self.js = nc.jetstream(timeout=timeout)
@@ -260,8 +285,10 @@ class JetStreamClient:
                         raise LogUnavailable(f"appending to {subject}: no stream leader answered in time") from exc
                     await asyncio.sleep(min(0.25 * attempts, 1.0))
                     continue
-                raise LogError(f"appending to {subject}: JetStream refused: {exc.description} (code {exc.err_code})") from exc
-            except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError) as exc:
+                raise LogError(
+                    f"appending to {subject}: JetStream refused: {exc.description} (code {exc.err_code})"
+                ) from exc
+            except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
                 # The ack may be lost while the message was stored: retry with the same Msg-Id.
                 if loop.time() >= deadline:
                     raise LogUnavailable(f"appending to {subject}: timed out waiting for NATS") from exc
@@ -279,6 +306,5 @@ class JetStreamClient:
                 raw = await self.js.get_msg(stream, subject=subject)
             except nats.js.errors.NotFoundError:
                 return None
-        time = raw.time if isinstance(raw.time, datetime) else datetime.now(timezone.utc)
+        time = raw.time if isinstance(raw.time, datetime) else datetime.now(UTC)
         return raw.seq or 0, raw.data or b"", raw.headers, time
-

@@ -10,7 +10,7 @@ body on the subject). A lost race raises `Conflict` with the subject's current s
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -19,8 +19,8 @@ import nats.js.errors
 from haru.core import subjects
 from haru.core.errors import Conflict, LogDamaged
 from haru.core.events import Event, encode
-from haru.log.js_replay import Replay
 from haru.log.jetstream import JetStreamClient, translated
+from haru.log.js_replay import Replay
 from haru.log.record import MSG_ID, Record, body_hash, datetime_to_ns, decode_record, msg_id
 from haru.log.seam import Handler
 
@@ -90,7 +90,7 @@ class JetStreamEvents(JetStreamClient):
         last = await self._last_raw(subjects.EVENTS_STREAM, subject_filter)
         return 0 if last is None else last[0]
 
-    def follower(self, handler: Handler, *, from_seq: int = 1, **kwargs: Any) -> "Follower":
+    def follower(self, handler: Handler, *, from_seq: int = 1, **kwargs: Any) -> Follower:
         """A `haru.log.follow.Follower` of this log: catch-up, stall detection, reconnect and resume
         (`kwargs`: its `subject_filter`, `headers`, `name`, `stall_interval`, `stall_checks`, `busy`...)."""
         from haru.log.follow import Follower
@@ -135,20 +135,29 @@ class JetStreamEvents(JetStreamClient):
         rec = await self.last(subject)
         return 0 if rec is None else rec.seq
 
-    async def history(self, subject_filter: str = subjects.ALL_EVENTS, *, from_seq: int = 1,
-                      timeout: float | None = None, strict: bool = False) -> list[Record]:
+    async def history(
+        self,
+        subject_filter: str = subjects.ALL_EVENTS,
+        *,
+        from_seq: int = 1,
+        timeout: float | None = None,
+        strict: bool = False,
+    ) -> list[Record]:
         """Every stored event matching the filter, from `from_seq`, in order (`timeout`, `strict`:
         `replay`'s). On `LogDamaged` the records read are in the exception's `records`."""
         out: list[Record] = []
         try:
-            await self.replay(out.append, from_seq=from_seq, subject_filter=subject_filter, timeout=timeout, strict=strict)
+            await self.replay(
+                out.append, from_seq=from_seq, subject_filter=subject_filter, timeout=timeout, strict=strict
+            )
         except LogDamaged as exc:
             exc.records = out  # what could be read, for a caller that shows it with the damage
             raise
         return out
 
-    async def tail(self, subject_filter: str, limit: int, *, timeout: float | None = None,
-                   strict: bool = False) -> list[Record]:
+    async def tail(
+        self, subject_filter: str, limit: int, *, timeout: float | None = None, strict: bool = False
+    ) -> list[Record]:
         """The last `limit` stored events matching the filter, oldest first, without reading the
         stream from its start: windows back from the end, four times wider each time, until one holds
         `limit` matches or reaches sequence 1 (`timeout`, `strict`: `history`'s)."""
@@ -160,6 +169,7 @@ class JetStreamEvents(JetStreamClient):
             if len(records) >= limit or start == 1:
                 return records[-limit:] if limit else records
             window *= 4
+
     async def read_seq(self, seq: int) -> Record | None:
         """The event stored at stream sequence `seq` (None when the store cannot serve it)."""
         with translated(f"reading sequence {seq}"):
@@ -167,7 +177,7 @@ class JetStreamEvents(JetStreamClient):
                 raw = await self.js.get_msg(subjects.EVENTS_STREAM, seq=seq)
             except nats.js.errors.NotFoundError:
                 return None
-        time = raw.time if isinstance(raw.time, datetime) else datetime.now(timezone.utc)
+        time = raw.time if isinstance(raw.time, datetime) else datetime.now(UTC)
         return decode_record(raw.seq or 0, raw.subject or "", datetime_to_ns(time), raw.data or b"", raw.headers)
 
     async def replay(
@@ -197,7 +207,14 @@ class JetStreamEvents(JetStreamClient):
         each hole found is passed to `on_gap(seqs)` (default: an error in the log).
         """
         return await Replay(
-            self.js, handler, from_seq=from_seq, subject_filter=subject_filter, follow=follow, headers=headers,
-            budget=self.replay_timeout if timeout is None else timeout, strict=strict, on_gap=on_gap,
+            self.js,
+            handler,
+            from_seq=from_seq,
+            subject_filter=subject_filter,
+            follow=follow,
+            headers=headers,
+            budget=self.replay_timeout if timeout is None else timeout,
+            strict=strict,
+            on_gap=on_gap,
             rescan=self.replay,
         ).run()

@@ -48,8 +48,7 @@ from nats.js import api
 from haru.core import subjects
 from haru.core.errors import LogDamaged, ReplayTimeout, seq_ranges
 from haru.core.events import AnyEvent
-from haru.log import holes
-from haru.log import nats_direct
+from haru.log import holes, nats_direct
 from haru.log.jetstream import translated
 from haru.log.record import Record, decode_record
 from haru.log.seam import Handler
@@ -92,9 +91,20 @@ class _CatchUp:
 class Replay:
     """One replay (see the module docstring): `await Replay(...).run()` returns the last sequence handled."""
 
-    def __init__(self, js: Any, handler: Handler, *, from_seq: int, subject_filter: str, follow: bool,
-                 headers: bool, budget: float | None, strict: bool,
-                 on_gap: Callable[[list[int]], Any] | None, rescan: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        js: Any,
+        handler: Handler,
+        *,
+        from_seq: int,
+        subject_filter: str,
+        follow: bool,
+        headers: bool,
+        budget: float | None,
+        strict: bool,
+        on_gap: Callable[[list[int]], Any] | None,
+        rescan: Callable[..., Any],
+    ) -> None:
         self.js = js
         self.handler = handler
         self.from_seq = from_seq
@@ -116,8 +126,12 @@ class Replay:
         self.deadline = None if budget is None else loop.time() + budget  # None: no deadline (asked for)
 
     def _log_gap(self, seqs: list[int]) -> None:
-        _log.error("eventlog.unreadable_sequences", seqs=seq_ranges(seqs), filter=self.subject_filter,
-                   fix="restore the store from a backup or a cluster peer (docs/operations.md)")
+        _log.error(
+            "eventlog.unreadable_sequences",
+            seqs=seq_ranges(seqs),
+            filter=self.subject_filter,
+            fix="restore the store from a backup or a cluster peer (docs/operations.md)",
+        )
 
     def _too_late(self) -> ReplayTimeout:
         end = "unknown" if self.state is None else self.state.last_seq
@@ -171,7 +185,9 @@ class Replay:
                     self._gap(last_handled, seq)
                 data = msg.data
                 try:
-                    rec = Record(seq, msg.subject, int(ts), data, decode_event(data), "", msg.headers if headers else None)
+                    rec = Record(
+                        seq, msg.subject, int(ts), data, decode_event(data), "", msg.headers if headers else None
+                    )
                 except invalid:  # not a valid event: the slow path, for haru.core.events.decode's error text
                     rec = decode_record(seq, msg.subject, int(ts), data, msg.headers if headers else None)
                 if is_async:
@@ -247,13 +263,19 @@ class Replay:
                 await direct.unsubscribe()
             # The consumer is left to the server (`_CATCH_UP_INACTIVE_S`): readers may not delete consumers.
 
-    async def _catch_up_with(self, catch: "_CatchUp", nc: Any, inbox: str) -> None:
+    async def _catch_up_with(self, catch: _CatchUp, nc: Any, inbox: str) -> None:
         """The catch-up's consumer and its pull requests, until it ends (see `_catch_up`)."""
         policy, start = self._start()
         config = api.ConsumerConfig(
-            ack_policy=api.AckPolicy.NONE, deliver_policy=policy, opt_start_seq=start,
-            filter_subject=self.subject_filter, mem_storage=True, inactive_threshold=_CATCH_UP_INACTIVE_S,
-            num_replicas=1, headers_only=False)
+            ack_policy=api.AckPolicy.NONE,
+            deliver_policy=policy,
+            opt_start_seq=start,
+            filter_subject=self.subject_filter,
+            mem_storage=True,
+            inactive_threshold=_CATCH_UP_INACTIVE_S,
+            num_replicas=1,
+            headers_only=False,
+        )
         async with asyncio.timeout(_CATCH_UP_EXPIRES_S):  # refused or NATS away: `_catch_up` hands over
             info = await self.js.add_consumer(subjects.EVENTS_STREAM, config)
         if not info.num_pending:
@@ -269,8 +291,9 @@ class Replay:
             if not catch.ask.is_set():
                 asked: asyncio.Future[Any] = asyncio.ensure_future(catch.ask.wait())
                 try:
-                    await asyncio.wait({catch.done, asked}, timeout=_CATCH_UP_SILENCE_S,
-                                       return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        {catch.done, asked}, timeout=_CATCH_UP_SILENCE_S, return_when=asyncio.FIRST_COMPLETED
+                    )
                 finally:
                     asked.cancel()
             if catch.done.done():
@@ -291,7 +314,7 @@ class Replay:
             catch.asked += _CATCH_UP_BATCH
             await nc.publish(ask_subject, request, reply=inbox)
 
-    def _on_direct(self, catch: "_CatchUp", nc: Any) -> nats_direct.DirectCallback:
+    def _on_direct(self, catch: _CatchUp, nc: Any) -> nats_direct.DirectCallback:
         """The catch-up's callback, called from nats-py's read loop with the raw subject, reply subject,
         body and header block (haru/log/nats_direct.py): the same checks and `Record` as `_on_msg`, plus
         the consumer sequence, which must follow the previous one."""
@@ -388,8 +411,12 @@ class Replay:
             except Exception:  # noqa: BLE001 - NATS is away: the replay's deadline decides
                 continue
             delivered = info.delivered.consumer_seq if info.delivered else 0
-            if info.num_pending == 0 and delivered <= holes.consumer_seq(tokens) and self.last_tokens is tokens \
-                    and not finished.done():
+            if (
+                info.num_pending == 0
+                and delivered <= holes.consumer_seq(tokens)
+                and self.last_tokens is tokens
+                and not finished.done()
+            ):
                 finished.set_result(None)
 
     async def _check(self, undelivered: int) -> int:
@@ -410,5 +437,7 @@ class Replay:
             return self.last_handled
         raise LogDamaged(
             holes.damage_message(self.subject_filter, self.from_seq, missing, undelivered, end, self.unfiltered),
-            missing=sorted(set(missing)), last=end, uncounted=0 if missing else undelivered,
+            missing=sorted(set(missing)),
+            last=end,
+            uncounted=0 if missing else undelivered,
         )

@@ -25,7 +25,9 @@ class JetStreamViews(JetStreamClient):
                 try:
                     self._kv = await self.js.key_value(subjects.VIEWS_BUCKET)
                 except nats.js.errors.BucketNotFoundError as exc:
-                    raise LogUnavailable("the KV bucket haru_views does not exist yet: run `haru up` (or ensure())") from exc
+                    raise LogUnavailable(
+                        "the KV bucket haru_views does not exist yet: run `haru up` (or ensure())"
+                    ) from exc
         return self._kv
 
     async def get_view(self, key: str) -> tuple[bytes, int] | None:
@@ -53,6 +55,7 @@ class JetStreamViews(JetStreamClient):
             if got is not None:
                 out[key] = got[0]
         return out
+
     async def put_view(self, key: str, data: bytes, *, last: int) -> int:
         """Compare-and-swap a view: `last` is the revision read (0 = the key must not exist)."""
         kv = await self._views()

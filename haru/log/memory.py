@@ -33,11 +33,11 @@ from typing import Any, Self
 import msgspec
 
 from haru.core import subjects
-from haru.log.bus import Handler, Msg
 from haru.core.errors import Conflict, LogUnavailable, NoResponders, RequestTimeout
-from haru.log.record import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, Record, body_hash, decode_record, msg_id
 from haru.core.events import Event, encode
+from haru.log.bus import Handler, Msg
 from haru.log.follow import Follower
+from haru.log.record import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, Record, body_hash, decode_record, msg_id
 
 __all__ = ["MemoryBus", "MemoryLog", "subject_matches"]
 
@@ -74,8 +74,9 @@ class MemoryBus:
         self._inboxes = itertools.count(1)
         self.connected = True
 
-    async def publish(self, subject: str, data: bytes, *, headers: dict[str, str] | None = None,
-                      reply: str = "") -> None:
+    async def publish(
+        self, subject: str, data: bytes, *, headers: dict[str, str] | None = None, reply: str = ""
+    ) -> None:
         if not self.connected:
             return  # as nats-py while reconnecting: buffered, and here simply lost (core NATS is at most once)
         msg = Msg(subject, data, dict(headers) if headers else None, reply)
@@ -90,8 +91,7 @@ class MemoryBus:
         self._subs.append(sub)
         return sub
 
-    async def request(self, subject: str, data: bytes, *, timeout: float,
-                      headers: dict[str, str] | None = None) -> Msg:
+    async def request(self, subject: str, data: bytes, *, timeout: float, headers: dict[str, str] | None = None) -> Msg:
         if not any(subject_matches(s.pattern, subject) for s in self._subs) or not self.connected:
             raise NoResponders(f"nothing is subscribed to {subject}")
         inbox = f"_INBOX.memory.{next(self._inboxes)}"
@@ -208,10 +208,8 @@ class _MemoryClient:
         return None
 
 
-
 class MemoryEvents(_MemoryClient):
     """The event stream in memory: appends and reads (`haru.log.seam.EventStore`)."""
-
 
     async def append(self, subject: str, event: Event, *, expect: int) -> int:
         self._up(f"appending to {subject}")
@@ -268,14 +266,21 @@ class MemoryEvents(_MemoryClient):
         self._up(f"listing the subjects {subject_filter}")
         return {s: len(q) for s, q in self._events.by_subject.items() if subject_matches(subject_filter, s)}
 
-    async def history(self, subject_filter: str = subjects.ALL_EVENTS, *, from_seq: int = 1,
-                      timeout: float | None = None, strict: bool = False) -> list[Record]:
+    async def history(
+        self,
+        subject_filter: str = subjects.ALL_EVENTS,
+        *,
+        from_seq: int = 1,
+        timeout: float | None = None,
+        strict: bool = False,
+    ) -> list[Record]:
         out: list[Record] = []
         await self.replay(out.append, from_seq=from_seq, subject_filter=subject_filter)
         return out
 
-    async def tail(self, subject_filter: str, limit: int, *, timeout: float | None = None,
-                   strict: bool = False) -> list[Record]:
+    async def tail(
+        self, subject_filter: str, limit: int, *, timeout: float | None = None, strict: bool = False
+    ) -> list[Record]:
         records = await self.history(subject_filter)
         return records[-limit:] if limit else records
 
@@ -322,17 +327,19 @@ class MemoryEvents(_MemoryClient):
             if not self.bus.connected:
                 raise LogUnavailable(f"following {subject_filter}: the in-memory log's link is down (drop_link)")
 
-    def follower(self, handler: Callable[[Record], Any | Awaitable[Any]], *, from_seq: int = 1, **kwargs: Any) -> Follower:
+    def follower(
+        self, handler: Callable[[Record], Any | Awaitable[Any]], *, from_seq: int = 1, **kwargs: Any
+    ) -> Follower:
         return Follower(self, handler, from_seq=from_seq, **kwargs)
 
-    async def follow(self, handler: Callable[[Record], Any | Awaitable[Any]], *, from_seq: int = 1, **kwargs: Any) -> None:
+    async def follow(
+        self, handler: Callable[[Record], Any | Awaitable[Any]], *, from_seq: int = 1, **kwargs: Any
+    ) -> None:
         await self.follower(handler, from_seq=from_seq, **kwargs).run()
-
 
 
 class MemoryViews(_MemoryClient):
     """The views' bucket in memory, compare-and-swap by revision (`haru.log.seam.ViewStore`)."""
-
 
     async def get_view(self, key: str) -> tuple[bytes, int] | None:
         self._up(f"reading view {key}")
@@ -365,10 +372,8 @@ class MemoryViews(_MemoryClient):
             await changed.wait()
 
 
-
 class MemoryIntents(_MemoryClient):
     """The route intents' stream in memory (`haru.log.seam.IntentStore`)."""
-
 
     async def publish_intent(self, fleet: str, data: bytes, *, expect: int) -> int:
         subject = subjects.intent(fleet)

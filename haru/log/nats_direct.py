@@ -72,8 +72,9 @@ def _table(nc: Any) -> dict[int, DirectCallback]:
         try:
             callback(subject, reply, data, headers)
         except Exception as exc:  # noqa: BLE001 - never into nats-py's read loop, which would stop
-            _log.error("nats_direct.callback_failed", sid=sid, subject=subject.decode("utf-8", "replace"),
-                       error=repr(exc))
+            _log.error(
+                "nats_direct.callback_failed", sid=sid, subject=subject.decode("utf-8", "replace"), error=repr(exc)
+            )
 
     nc._process_msg = process_msg
     _wrap_parser(nc._ps, table)
@@ -120,12 +121,16 @@ def _wrap_parser(ps: Any, table: dict[int, DirectCallback]) -> None:
             if len(buf) < stop + 2:
                 break
             payload = bytes(buf[start:stop])
-            del buf[:stop + 2]
+            del buf[: stop + 2]
             try:
                 callback(subject, reply, payload, None)
             except Exception as exc:  # noqa: BLE001 - never into nats-py's read loop, which would stop
-                _log.error("nats_direct.callback_failed", sid=int(sid), subject=subject.decode("utf-8", "replace"),
-                           error=repr(exc))
+                _log.error(
+                    "nats_direct.callback_failed",
+                    sid=int(sid),
+                    subject=subject.decode("utf-8", "replace"),
+                    error=repr(exc),
+                )
         await original(b"")
 
     ps.parse = parse
@@ -175,9 +180,9 @@ _HDR_LINE = b"NATS/1.0"
 def header_dict(nc: Any, raw: bytes | None) -> dict[str, str] | None:
     """The headers of a stored message's header block, as nats-py's `Msg.headers` would have them (with the
     client's own line parser: haru/log/nats_headers.py's when enabled). Not for status messages."""
-    if not raw or not raw.startswith(_HDR_LINE) or raw[len(_HDR_LINE):len(_HDR_LINE) + 1] == b" ":
+    if not raw or not raw.startswith(_HDR_LINE) or raw[len(_HDR_LINE) : len(_HDR_LINE) + 1] == b" ":
         return None
-    body = raw[len(_HDR_LINE) + 2:]
+    body = raw[len(_HDR_LINE) + 2 :]
     if len(body) <= 2:
         return None
     try:

@@ -22,10 +22,9 @@ and `enable_fast_header_parse()` returns False.
 
 from __future__ import annotations
 
-from typing import Any
-
 import importlib.metadata
 import re
+from typing import Any
 
 __all__ = ["enable_fast_header_parse", "fast_header_parse_enabled", "FOR_NATS_PY"]
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 from haru.core import events as ev
-from haru.log import history
 from haru.core import subjects
 from haru.core.authority import misplaced
 from haru.core.errors import LogDamaged
 from haru.core.events import WeightsSet
+from haru.log import history
 from haru.log.record import Record, body_hash
 from haru.log.seam import EventReader
 
@@ -34,7 +34,9 @@ async def _read(log: EventReader, subject_filter: str, damage: list[LogDamaged],
         return exc.records or []
 
 
-async def model_records(log: EventReader, fleet: str, model: str, domain: str, damage: list[LogDamaged]) -> list[Record]:
+async def model_records(
+    log: EventReader, fleet: str, model: str, domain: str, damage: list[LogDamaged]
+) -> list[Record]:
     """The model's own records: its residency subjects on every domain (one subject-filtered consumer)
     and its declarations and admissions on the decl subject. Never the rest of the fleet's history:
     the cost grows with this model's life, not with the log's."""
@@ -46,8 +48,9 @@ async def model_records(log: EventReader, fleet: str, model: str, domain: str, d
 WHY_MAX_EVENTS = 10_000  # a tree bigger than this is cut (and says so)
 
 
-async def why_records(log: EventReader, fleet: str, model: str, domain: str, damage: list[LogDamaged],
-                      skipped: list[Record] | None = None) -> dict[int, Record]:
+async def why_records(
+    log: EventReader, fleet: str, model: str, domain: str, damage: list[LogDamaged], skipped: list[Record] | None = None
+) -> dict[int, Record]:
     """What `haru why` draws: the model's own events, every event they name as a cause (read one by
     one by sequence, up the chain), the operations and route moves those caused (the op and route
     subjects from the model's first event on), and the traffic weights that applied to the model (its
@@ -80,8 +83,12 @@ async def why_records(log: EventReader, fleet: str, model: str, domain: str, dam
             have[rec.seq] = rec
     for rec in await _read(log, subjects.weights(fleet), damage, from_seq=first):
         e = rec.event
-        if isinstance(e, WeightsSet) and e.model in ("", model) and not misplaced(rec.subject, e) \
-                and len(have) < WHY_MAX_EVENTS:
+        if (
+            isinstance(e, WeightsSet)
+            and e.model in ("", model)
+            and not misplaced(rec.subject, e)
+            and len(have) < WHY_MAX_EVENTS
+        ):
             have[rec.seq] = rec
     return have
 
@@ -101,17 +108,24 @@ async def fleet_checkpoint(log: EventReader, fleet: str) -> tuple[int, dict[str,
         got = await log.read_seq(seq)
         if got is None or got.subject != subject or body_hash(got.data) != digest:
             held = "nothing" if got is None else f"{got.subject} (body sha256 {body_hash(got.data)[:16]}…)"
-            bad.append(history.Break(seq, subject, f"the checkpoint names seq {seq} as this subject's head "
-                                     f"(sha256 {digest[:16]}…), the store holds {held} there: "
-                                     "history before the checkpoint was changed; run a full `haru verify`"))
+            bad.append(
+                history.Break(
+                    seq,
+                    subject,
+                    f"the checkpoint names seq {seq} as this subject's head "
+                    f"(sha256 {digest[:16]}…), the store holds {held} there: "
+                    "history before the checkpoint was changed; run a full `haru verify`",
+                )
+            )
     return e.upto, tips, bad
 
 
-async def checkpoint_start(log: EventReader) -> tuple[int, dict[str, tuple[int, str]], dict[str, int], list[history.Break]]:
+async def checkpoint_start(
+    log: EventReader,
+) -> tuple[int, dict[str, tuple[int, str]], dict[str, int], list[history.Break]]:
     """Where `verify --since-checkpoint` starts: (first sequence to walk, the chain heads to start
     from, fleet -> the checkpoint's `upto`, heads that do not match the store). A fleet without a
     checkpoint is walked from sequence 1."""
-    from haru.core import checkpoints
 
     fleets = {subjects.fleet_of(s) for s in await log.subject_counts(subjects.ALL_EVENTS)} - {""}
     tips: dict[str, tuple[int, str]] = {}

@@ -7,7 +7,7 @@ the same way. No I/O.
 from __future__ import annotations
 
 import hashlib
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import msgspec
 
@@ -40,7 +40,7 @@ class Record(msgspec.Struct, frozen=True, gc=False):
     @property
     def time(self) -> datetime:
         """When JetStream recorded it (computed on demand: replay hot paths rarely need it)."""
-        return datetime.fromtimestamp(self.time_ns / 1e9, timezone.utc)
+        return datetime.fromtimestamp(self.time_ns / 1e9, UTC)
 
 
 def body_hash(data: bytes) -> str:

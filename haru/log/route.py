@@ -35,11 +35,11 @@ import msgspec
 
 from haru.core import intents
 from haru.core.errors import HaruError
+from haru.core.subjects import check_name
+from haru.core.views import RouteIntent, intent_decoder
+from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import EventLog
 from haru.log.seam import Log
-from haru.core.subjects import check_name
-from haru.host.tasks import cancel_and_wait
-from haru.core.views import RouteIntent, intent_decoder
 
 __all__ = ["RouteWatcher"]
 
@@ -78,7 +78,7 @@ class RouteWatcher:
         self._error: BaseException | None = None
         self._first = asyncio.Event()  # the subscription delivered something: it is live
 
-    async def __aenter__(self) -> "RouteWatcher":
+    async def __aenter__(self) -> RouteWatcher:
         if self._log is None:
             assert isinstance(self._source, (list, str))
             self._log = await EventLog.open(self._source, writer=self._writer, creds=self._creds)
@@ -93,7 +93,7 @@ class RouteWatcher:
                 try:
                     async with asyncio.timeout(self.timeout):
                         await self._first.wait()
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     self._accept(last[0], last[1])
                 if self._error is not None:
                     raise self._error
@@ -126,7 +126,7 @@ class RouteWatcher:
             try:
                 async with asyncio.timeout(self.stall_interval):
                     last = await self._log.last_intent(self.fleet)
-            except (HaruError, asyncio.TimeoutError):
+            except (TimeoutError, HaruError):
                 continue  # NATS is away: nothing to conclude yet
             if last is None or last[1] <= self.seq:
                 strikes = 0
@@ -192,7 +192,7 @@ class RouteWatcher:
         """`current` with `for_ms` recomputed at `now`."""
         return None if self.current is None else intents.at(self.current, now)
 
-    def __aiter__(self) -> "RouteWatcher":
+    def __aiter__(self) -> RouteWatcher:
         return self
 
     async def __anext__(self) -> RouteIntent:

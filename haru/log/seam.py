@@ -49,9 +49,18 @@ class Followable(Protocol):
     """What `haru.log.follow.Follower` needs: a replay that can follow, the heads, single reads and
     the link's ups and downs."""
 
-    async def replay(self, handler: Handler, *, from_seq: int = 1, subject_filter: str = subjects.ALL_EVENTS,
-                     follow: bool = False, headers: bool = True, timeout: float | None = None,
-                     strict: bool = False, on_gap: Callable[[list[int]], Any] | None = None) -> int:
+    async def replay(
+        self,
+        handler: Handler,
+        *,
+        from_seq: int = 1,
+        subject_filter: str = subjects.ALL_EVENTS,
+        follow: bool = False,
+        headers: bool = True,
+        timeout: float | None = None,
+        strict: bool = False,
+        on_gap: Callable[[list[int]], Any] | None = None,
+    ) -> int:
         """Call `handler` with each stored record matching the filter from `from_seq`, in order; with
         `follow`, then every new one until cancelled. Returns the last sequence handled."""
         ...
@@ -85,13 +94,20 @@ class EventReader(Followable, Protocol):
         """The last sequence on `subject` (0 when empty): what to pass as `expect`."""
         ...
 
-    async def history(self, subject_filter: str = subjects.ALL_EVENTS, *, from_seq: int = 1,
-                      timeout: float | None = None, strict: bool = False) -> list[Record]:
+    async def history(
+        self,
+        subject_filter: str = subjects.ALL_EVENTS,
+        *,
+        from_seq: int = 1,
+        timeout: float | None = None,
+        strict: bool = False,
+    ) -> list[Record]:
         """Every stored record matching the filter from `from_seq`, in order."""
         ...
 
-    async def tail(self, subject_filter: str, limit: int, *, timeout: float | None = None,
-                   strict: bool = False) -> list[Record]:
+    async def tail(
+        self, subject_filter: str, limit: int, *, timeout: float | None = None, strict: bool = False
+    ) -> list[Record]:
         """The last `limit` records matching the filter, oldest first."""
         ...
 
@@ -180,5 +196,4 @@ class Log(EventStore, ViewStore, IntentStore, Protocol):
         """Create (or check) the streams and the views' bucket."""
         ...
 
-    async def close(self) -> None:
-        ...
+    async def close(self) -> None: ...

@@ -47,8 +47,8 @@ import select
 import socket
 import ssl
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 from urllib.parse import urljoin, urlsplit
 
 import aiohttp
@@ -78,8 +78,9 @@ class Download:
     After `run`: `hasher` holds the digest of the whole `.part`, `written` its length, `start` the byte
     the body began at (0 when a server ignored the Range and sent everything)."""
 
-    def __init__(self, blob: Blob, part: Path, offset: int, hasher: Hasher, settings: Settings,
-                 timeout: aiohttp.ClientTimeout) -> None:
+    def __init__(
+        self, blob: Blob, part: Path, offset: int, hasher: Hasher, settings: Settings, timeout: aiohttp.ClientTimeout
+    ) -> None:
         self.blob, self.part, self.offset, self.hasher, self.settings = blob, part, offset, hasher, settings
         self.connect_s = timeout.sock_connect or timeout.connect or TIMEOUT.connect
         self.read_s = timeout.sock_read or TIMEOUT.sock_read
@@ -185,8 +186,10 @@ class Download:
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
                 self._check_stopping()
-                raise FetchError(f"{self.blob.name}: cannot fetch {url}: {_said(exc)}; check the network or the "
-                                 "registry URL, then run the pull again (it resumes)") from exc
+                raise FetchError(
+                    f"{self.blob.name}: cannot fetch {url}: {_said(exc)}; check the network or the "
+                    "registry URL, then run the pull again (it resumes)"
+                ) from exc
             location = resp.getheader("Location")
             if resp.status in REDIRECTS and location:
                 resp.close()
@@ -194,8 +197,10 @@ class Download:
                 url = urljoin(url, location)
                 continue
             return conn, resp, url
-        raise FetchError(f"{self.blob.name}: {self.blob.url} redirected more than {MAX_REDIRECTS} times (last to "
-                         f"{url}); the registry or its CDN is misconfigured")
+        raise FetchError(
+            f"{self.blob.name}: {self.blob.url} redirected more than {MAX_REDIRECTS} times (last to "
+            f"{url}); the registry or its CDN is misconfigured"
+        )
 
     def _connect(self, url: str) -> http.client.HTTPConnection:
         u = urlsplit(url)
@@ -211,8 +216,10 @@ class Download:
         except OSError as exc:
             conn.close()
             self._check_stopping()
-            raise FetchError(f"{self.blob.name}: cannot fetch {url}: {_said(exc)}; check the network or the "
-                             "registry URL, then run the pull again (it resumes)") from exc
+            raise FetchError(
+                f"{self.blob.name}: cannot fetch {url}: {_said(exc)}; check the network or the "
+                "registry URL, then run the pull again (it resumes)"
+            ) from exc
         assert conn.sock is not None
         conn.sock.settimeout(self.read_s)
         with self._state:
@@ -228,8 +235,10 @@ class Download:
         blob, offset = self.blob, self.offset
         if resp.status == 416 and offset:
             self.part.unlink(missing_ok=True)
-            raise FetchError(f"{blob.url} refused the range bytes={offset}- (416); the partial download "
-                             "was removed, run the pull again to start that file over")
+            raise FetchError(
+                f"{blob.url} refused the range bytes={offset}- (416); the partial download "
+                "was removed, run the pull again to start that file over"
+            )
         if resp.status not in (200, 206):
             try:
                 said = resp.read(4096).decode("utf-8", "replace")
@@ -240,8 +249,9 @@ class Download:
             return 0  # with a Range sent, the server ignored it: the whole body comes again
         content_range = resp.getheader("Content-Range", "")
         if _range_start(content_range) != offset:
-            raise FetchError(f"{url} answered Range bytes={offset}- with Content-Range {content_range!r}; "
-                             "cannot resume from that")
+            raise FetchError(
+                f"{url} answered Range bytes={offset}- with Content-Range {content_range!r}; cannot resume from that"
+            )
         return offset
 
     def _pump(self, url: str, resp: http.client.HTTPResponse, start: int) -> None:
@@ -249,8 +259,10 @@ class Download:
         length = resp.length if not resp.chunked else None  # None: until the connection closes, or chunked
         if length is not None and start + length > blob.size:
             self.part.unlink(missing_ok=True)
-            raise Truncated(f"{blob.name}: {url} announced {start + length} bytes, more than the {blob.size} the "
-                            "registry promised; nothing was kept")
+            raise Truncated(
+                f"{blob.name}: {url} announced {start + length} bytes, more than the {blob.size} the "
+                "registry promised; nothing was kept"
+            )
         if start != self.offset:
             self.hasher = Hasher(blob.digest, blob.size)
         self.start = self.written = start
@@ -261,8 +273,10 @@ class Download:
                     raise _Stopped()
                 self._part = part = _PartFile(self.part, start)
             except OSError as exc:
-                raise StoreError(f"{blob.name}: cannot write {self.part}: {exc.strerror}; check the permissions "
-                                 "and free space there (or set HARU_HOME elsewhere)") from exc
+                raise StoreError(
+                    f"{blob.name}: cannot write {self.part}: {exc.strerror}; check the permissions "
+                    "and free space there (or set HARU_HOME elsewhere)"
+                ) from exc
             finally:
                 if self._part is None:
                     _give_back(ring)
@@ -277,8 +291,9 @@ class Download:
             self._ring = memoryview(b"")
             _give_back(ring)
 
-    def _stream(self, resp: http.client.HTTPResponse, length: int | None, start: int,
-                part: _PartFile) -> tuple[bool, BaseException | None]:
+    def _stream(
+        self, resp: http.client.HTTPResponse, length: int | None, start: int, part: _PartFile
+    ) -> tuple[bool, BaseException | None]:
         """Receive, write and hash side by side until the body ends, breaks off, or a stop: (whether it
         ended where it said it would, what broke it)."""
         for i in range(RING):
@@ -300,31 +315,42 @@ class Download:
             writer.join()
             hasher.join()
 
-    def _judge(self, url: str, part: _PartFile, start: int, length: int | None, ended: bool,
-               broke: BaseException | None) -> None:
+    def _judge(
+        self, url: str, part: _PartFile, start: int, length: int | None, ended: bool, broke: BaseException | None
+    ) -> None:
         """The `.part` durable if the whole body came; otherwise the error that says what happened."""
         blob = self.blob
         if self._crashed is not None:
             raise self._crashed
         if self._write_error is not None:
-            raise StoreError(f"{blob.name}: cannot write {self.part}: {self._write_error.strerror}; free space "
-                             f"there (or set HARU_HOME elsewhere), then run the pull again (it resumes from "
-                             f"byte {self.written})") from self._write_error
+            raise StoreError(
+                f"{blob.name}: cannot write {self.part}: {self._write_error.strerror}; free space "
+                f"there (or set HARU_HOME elsewhere), then run the pull again (it resumes from "
+                f"byte {self.written})"
+            ) from self._write_error
         self._check_stopping()
         got = self.written
         if got > blob.size:
             part.close()
             self.part.unlink(missing_ok=True)
-            raise Truncated(f"{blob.name}: {url} sent more than the {blob.size} bytes the registry promised; "
-                            "nothing was kept")
+            raise Truncated(
+                f"{blob.name}: {url} sent more than the {blob.size} bytes the registry promised; nothing was kept"
+            )
         if broke is not None or not ended:
-            why = _said(broke) if broke is not None else \
-                f"the connection closed {start + (length or 0) - got} bytes before the end it announced"
-            raise FetchError(f"{blob.name}: the download from {_host(url)} broke off after {got} of {blob.size} "
-                             f"bytes ({why}); run the same pull again to resume from byte {got}") from broke
+            why = (
+                _said(broke)
+                if broke is not None
+                else f"the connection closed {start + (length or 0) - got} bytes before the end it announced"
+            )
+            raise FetchError(
+                f"{blob.name}: the download from {_host(url)} broke off after {got} of {blob.size} "
+                f"bytes ({why}); run the same pull again to resume from byte {got}"
+            ) from broke
         if got < blob.size:
-            raise Truncated(f"{blob.name}: {url} ended the response after {got} of {blob.size} bytes; run the "
-                            f"same pull again to resume from byte {got}")
+            raise Truncated(
+                f"{blob.name}: {url} ended the response after {got} of {blob.size} bytes; run the "
+                f"same pull again to resume from byte {got}"
+            )
         part.fsync()
 
     def _receive(self, resp: http.client.HTTPResponse, length: int | None, room: int) -> bool:
@@ -352,7 +378,7 @@ class Download:
         try:
             while remaining > 0:
                 base = buf * CHUNK
-                n = readinto(ring[base + pos: base + min(CHUNK, pos + remaining)])
+                n = readinto(ring[base + pos : base + min(CHUNK, pos + remaining)])
                 self._check_stopping()  # after a stop, what a read returns is not the body's
                 if not n:
                     return length is None
@@ -384,7 +410,7 @@ class Download:
             buf, a, b, last = seg
             if b > a and self._write_error is None and self._crashed is None:
                 try:
-                    part.write(self._ring[buf * CHUNK + a: buf * CHUNK + b])
+                    part.write(self._ring[buf * CHUNK + a : buf * CHUNK + b])
                 except OSError as exc:  # a full disk, say: stop the receiver, the pull fails with it
                     self._write_error = exc
                     self._stop()
@@ -400,7 +426,7 @@ class Download:
             buf, a, b, last = seg
             if b > a and self._crashed is None:
                 try:
-                    self.hasher.update(self._ring[buf * CHUNK + a: buf * CHUNK + b])
+                    self.hasher.update(self._ring[buf * CHUNK + a : buf * CHUNK + b])
                 except Exception as exc:  # a bug: as in _write_all
                     self._crashed = exc
                     self._stop()

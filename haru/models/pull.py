@@ -26,16 +26,16 @@ import contextlib
 import fcntl
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import aiohttp
 
-from haru.models.download import Download
 from haru.core.model_errors import DigestMismatch
 from haru.core.refs import Blob, Resolution
 from haru.core.sizes import format_size
+from haru.models.download import Download
 from haru.models.resolve import Settings
 from haru.models.store import Hasher, Store, hash_file
 
@@ -83,8 +83,10 @@ class Progress:
         pct = 100.0 * self.done / self.total if self.total else 100.0
         width = 24
         fill = int(width * pct / 100)
-        self.stream.write(f"\r{self.label[:32]:<32} [{'#' * fill}{'.' * (width - fill)}] {pct:5.1f}% "
-                          f"{format_size(self.done)}/{format_size(self.total)} {format_size(rate)}/s ETA {eta}   ")
+        self.stream.write(
+            f"\r{self.label[:32]:<32} [{'#' * fill}{'.' * (width - fill)}] {pct:5.1f}% "
+            f"{format_size(self.done)}/{format_size(self.total)} {format_size(rate)}/s ETA {eta}   "
+        )
         self.stream.flush()
 
     def close(self) -> None:
@@ -94,8 +96,9 @@ class Progress:
             self.stream.flush()
 
 
-async def pull(res: Resolution, store: Store, settings: Settings, http: aiohttp.ClientSession, *,
-               progress: Progress | None = None) -> PullResult:
+async def pull(
+    res: Resolution, store: Store, settings: Settings, http: aiohttp.ClientSession, *, progress: Progress | None = None
+) -> PullResult:
     """Every blob of `res` verified in the store, then the materialized path. Raises ModelsError subclasses."""
     started = time.monotonic()
     store.ensure_dirs()
@@ -120,8 +123,9 @@ async def pull(res: Resolution, store: Store, settings: Settings, http: aiohttp.
     return result
 
 
-async def fetch_blob(blob: Blob, store: Store, settings: Settings, http: aiohttp.ClientSession, *,
-                     progress: Progress | None = None) -> tuple[int, int]:
+async def fetch_blob(
+    blob: Blob, store: Store, settings: Settings, http: aiohttp.ClientSession, *, progress: Progress | None = None
+) -> tuple[int, int]:
     """Fetch one blob into `blobs/`. Returns (bytes fetched now, bytes resumed from an earlier .part)."""
     part = store.partial(blob.digest)
     async with _locked(part.with_suffix(".lock")):
@@ -141,13 +145,16 @@ async def fetch_blob(blob: Blob, store: Store, settings: Settings, http: aiohttp
     raise AssertionError("unreachable")
 
 
-async def _fetch_once(blob: Blob, part: Path, store: Store, settings: Settings, http: aiohttp.ClientSession,
-                      progress: Progress | None) -> tuple[int, int]:
+async def _fetch_once(
+    blob: Blob, part: Path, store: Store, settings: Settings, http: aiohttp.ClientSession, progress: Progress | None
+) -> tuple[int, int]:
     offset = part.stat().st_size if part.exists() else 0
     if offset > blob.size:
         part.unlink()
         offset = 0
-    hasher = await asyncio.to_thread(hash_file, part, blob.digest, blob.size) if offset else Hasher(blob.digest, blob.size)
+    hasher = (
+        await asyncio.to_thread(hash_file, part, blob.digest, blob.size) if offset else Hasher(blob.digest, blob.size)
+    )
     resumed = offset
     if progress and offset:
         progress.advance(offset, fetched=False)
@@ -162,9 +169,11 @@ async def _fetch_once(blob: Blob, part: Path, store: Store, settings: Settings, 
         await download.run(advance)
         hasher, resumed, fetched = download.hasher, download.start, download.written - download.start
     if not hasher.ok():
-        raise DigestMismatch(f"{blob.name}: the bytes from {_host(blob.url)} hash to {hasher.algo}:{hasher.hexdigest()}, "
-                             f"not the expected {blob.digest}; they were discarded (the registry or something between "
-                             "sent other bytes; try again, and if it persists the registry's metadata is wrong)")
+        raise DigestMismatch(
+            f"{blob.name}: the bytes from {_host(blob.url)} hash to {hasher.algo}:{hasher.hexdigest()}, "
+            f"not the expected {blob.digest}; they were discarded (the registry or something between "
+            "sent other bytes; try again, and if it persists the registry's metadata is wrong)"
+        )
     await asyncio.to_thread(store.commit_blob, part, blob.digest)
     return fetched, resumed
 

@@ -3,27 +3,34 @@
 from __future__ import annotations
 
 import socket
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from haru.core import subjects
 from haru.core.errors import Conflict
 from haru.core.events import FetchedFile, ModelFetched
-
 from haru.models.pull import PullResult
 
 
-def fetched_event(result: PullResult, *, model: str = "", domain: str = "", by: str = "",
-                  at: datetime | None = None) -> ModelFetched:
+def fetched_event(
+    result: PullResult, *, model: str = "", domain: str = "", by: str = "", at: datetime | None = None
+) -> ModelFetched:
     res = result.resolution
     fetched = set(result.fetched)
     return ModelFetched(
-        at=at or datetime.now(timezone.utc), by=by, reference=res.reference, model=model, domain=domain,
-        origin=res.origin, revision=res.revision, format=res.format, path=str(result.path),
+        at=at or datetime.now(UTC),
+        by=by,
+        reference=res.reference,
+        model=model,
+        domain=domain,
+        origin=res.origin,
+        revision=res.revision,
+        format=res.format,
+        path=str(result.path),
         host=socket.gethostname(),
-        files=[FetchedFile(name=b.name, digest=b.digest, size=b.size,
-                           fetched=b.digest in fetched)
-               for b in res.blobs],
-        fetched_bytes=result.fetched_bytes, reused_bytes=result.reused_bytes, healed=list(result.healed),
+        files=[FetchedFile(name=b.name, digest=b.digest, size=b.size, fetched=b.digest in fetched) for b in res.blobs],
+        fetched_bytes=result.fetched_bytes,
+        reused_bytes=result.reused_bytes,
+        healed=list(result.healed),
         took_ms=result.took_ms,
     )
 

@@ -46,7 +46,7 @@ class Settings:
     quants: tuple[str, ...] = refs.DEFAULT_QUANTS
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, *, quants: str = "") -> "Settings":
+    def from_env(cls, env: dict[str, str] | None = None, *, quants: str = "") -> Settings:
         env = dict(os.environ if env is None else env)
         pref = quants or env.get("HARU_GGUF_QUANTS", "")
         return cls(
@@ -81,8 +81,11 @@ def registry_error(url: str, status: int, body: str, what: str, *, hint: str = "
     if status == 404:
         return NotFound(f"{what} not found (404 from {url}){said}{'; ' + hint if hint else ''}", url=url, status=status)
     if status in (401, 403):
-        fix = "set HF_TOKEN to a token with access to it" if "/api/models/" in url or "/resolve/" in url else \
-            "the registry wants credentials Haru does not have for it"
+        fix = (
+            "set HF_TOKEN to a token with access to it"
+            if "/api/models/" in url or "/resolve/" in url
+            else "the registry wants credentials Haru does not have for it"
+        )
         return Unauthorized(f"{what}: {status} from {url}{said}; {fix}", url=url, status=status)
     return RegistryError(f"{what}: HTTP {status} from {url}{said}", url=url, status=status)
 
@@ -96,8 +99,10 @@ async def resolve(ref: Ref | str, settings: Settings, http: aiohttp.ClientSessio
             return await _resolve_ollama(ref, settings, http)
         return await _resolve_hf(ref, settings, http)
     except aiohttp.ClientError as exc:
-        raise RegistryError(f"cannot reach the registry for {ref}: {exc}; check the network or the registry "
-                            f"URL (HF_ENDPOINT / HARU_OLLAMA_REGISTRY)") from exc
+        raise RegistryError(
+            f"cannot reach the registry for {ref}: {exc}; check the network or the registry "
+            f"URL (HF_ENDPOINT / HARU_OLLAMA_REGISTRY)"
+        ) from exc
 
 
 async def _resolve_ollama(ref: Ref, settings: Settings, http: aiohttp.ClientSession) -> Resolution:
@@ -106,15 +111,25 @@ async def _resolve_ollama(ref: Ref, settings: Settings, http: aiohttp.ClientSess
     async with http.get(url, headers={**settings.headers_for(url), "Accept": MANIFEST_ACCEPT}) as resp:
         text = await resp.text(errors="replace")
         if resp.status != 200:
-            raise registry_error(url, resp.status, text, f"Ollama model {ref.repo}:{ref.tag}",
-                                 hint=f"check the name and tag on {base}")
+            raise registry_error(
+                url, resp.status, text, f"Ollama model {ref.repo}:{ref.tag}", hint=f"check the name and tag on {base}"
+            )
     try:
         manifest = json.loads(text)
     except ValueError as exc:
         raise RegistryError(f"the manifest at {url} is not JSON ({exc})", url=url, status=200) from exc
     blobs = refs.ollama_blobs(manifest, lambda d: f"{base}/v2/{ref.repo}/blobs/{d}")
-    return Resolution(reference=str(ref), registry="ollama", origin=base, repository=ref.repo, revision=ref.tag,
-                      format="gguf", runtime=refs.RUNTIME_OF["gguf"], entry="model.gguf", blobs=blobs)
+    return Resolution(
+        reference=str(ref),
+        registry="ollama",
+        origin=base,
+        repository=ref.repo,
+        revision=ref.tag,
+        format="gguf",
+        runtime=refs.RUNTIME_OF["gguf"],
+        entry="model.gguf",
+        blobs=blobs,
+    )
 
 
 async def _resolve_hf(ref: Ref, settings: Settings, http: aiohttp.ClientSession) -> Resolution:
@@ -124,8 +139,13 @@ async def _resolve_hf(ref: Ref, settings: Settings, http: aiohttp.ClientSession)
     async with http.get(url, headers=settings.headers_for(url)) as resp:
         text = await resp.text(errors="replace")
         if resp.status != 200:
-            raise registry_error(url, resp.status, text, f"Hugging Face repository {ref.repo}@{revision}",
-                                 hint="check the ORG/REPO spelling and the revision")
+            raise registry_error(
+                url,
+                resp.status,
+                text,
+                f"Hugging Face repository {ref.repo}@{revision}",
+                hint="check the ORG/REPO spelling and the revision",
+            )
     try:
         info = json.loads(text)
         commit = str(info.get("sha") or "")
@@ -139,20 +159,34 @@ async def _resolve_hf(ref: Ref, settings: Settings, http: aiohttp.ClientSession)
     fmt: refs.Format = "gguf"
     if not chosen:
         if ref.quant:
-            raise BadReference(f"{ref}: the repository has no GGUF files, so no {ref.quant}; drop ':{ref.quant}' "
-                               "to take its safetensors")
+            raise BadReference(
+                f"{ref}: the repository has no GGUF files, so no {ref.quant}; drop ':{ref.quant}' "
+                "to take its safetensors"
+            )
         chosen = refs.safetensors_package(names)
         fmt = "safetensors"
         if not chosen:
-            raise BadReference(f"{ref}: the repository at revision {commit[:12]} has neither GGUF files nor a "
-                               f"safetensors model (config.json + *.safetensors); it has {', '.join(names[:12]) or 'no files'}")
+            raise BadReference(
+                f"{ref}: the repository at revision {commit[:12]} has neither GGUF files nor a "
+                f"safetensors model (config.json + *.safetensors); it has {', '.join(names[:12]) or 'no files'}"
+            )
     blobs = [await _hf_blob(ref, commit, name, siblings[name], settings, http) for name in chosen]
     entry = ""
     if fmt == "gguf":
         blobs = [msgspec.structs.replace(b, name=b.name.rsplit("/", 1)[-1]) for b in blobs]  # shards side by side
         entry = blobs[0].name
-    return Resolution(reference=str(ref), registry="hf", origin=ep, repository=ref.repo, revision=commit, format=fmt,
-                      runtime=refs.RUNTIME_OF[fmt], quant=quant if fmt == "gguf" else "", entry=entry, blobs=blobs)
+    return Resolution(
+        reference=str(ref),
+        registry="hf",
+        origin=ep,
+        repository=ref.repo,
+        revision=commit,
+        format=fmt,
+        runtime=refs.RUNTIME_OF[fmt],
+        quant=quant if fmt == "gguf" else "",
+        entry=entry,
+        blobs=blobs,
+    )
 
 
 def _unquote_etag(value: str) -> str:
@@ -162,8 +196,9 @@ def _unquote_etag(value: str) -> str:
     return v.strip('"')
 
 
-async def _hf_blob(ref: Ref, commit: str, name: str, sibling: dict, settings: Settings,
-                   http: aiohttp.ClientSession) -> Blob:
+async def _hf_blob(
+    ref: Ref, commit: str, name: str, sibling: dict, settings: Settings, http: aiohttp.ClientSession
+) -> Blob:
     url = f"{settings.hf_endpoint}/{ref.repo}/resolve/{commit}/{quote(name)}"
     head_url = url
     for _ in range(5):
@@ -190,14 +225,23 @@ async def _hf_blob(ref: Ref, commit: str, name: str, sibling: dict, settings: Se
     elif lfs.get("sha256"):
         digest = f"sha256:{lfs['sha256']}"
     else:
-        raise RegistryError(f"{head_url} gave no digest for {name} (no X-Linked-Etag or ETag); cannot verify it, "
-                            "so Haru will not fetch it", url=head_url, status=status)
+        raise RegistryError(
+            f"{head_url} gave no digest for {name} (no X-Linked-Etag or ETag); cannot verify it, "
+            "so Haru will not fetch it",
+            url=head_url,
+            status=status,
+        )
     if lfs.get("sha256") and digest != f"sha256:{lfs['sha256']}":
-        raise RegistryError(f"the Hub disagrees with itself about {name}: model info says sha256 {lfs['sha256']}, "
-                            f"the file's headers {digest}", url=head_url, status=status)
+        raise RegistryError(
+            f"the Hub disagrees with itself about {name}: model info says sha256 {lfs['sha256']}, "
+            f"the file's headers {digest}",
+            url=head_url,
+            status=status,
+        )
     try:
         size = int(size_text) if size_text else int(lfs.get("size", sibling.get("size")))  # type: ignore[arg-type]  # None -> TypeError, below
     except (TypeError, ValueError):
-        raise RegistryError(f"{head_url} gave no size for {name} (no X-Linked-Size or Content-Length)",
-                            url=head_url, status=status) from None
+        raise RegistryError(
+            f"{head_url} gave no size for {name} (no X-Linked-Size or Content-Length)", url=head_url, status=status
+        ) from None
     return Blob(name=name, url=url, size=size, digest=digest, role=refs.role_of(name))

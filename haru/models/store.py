@@ -44,8 +44,10 @@ class Hasher:
         elif algo == "gitsha1":
             self._h = hashlib.sha1(f"blob {size}\0".encode())
         else:
-            raise StoreError(f"digest {digest!r} has an algorithm Haru cannot check ({algo!r}); "
-                             "only sha256: and gitsha1: are accepted")
+            raise StoreError(
+                f"digest {digest!r} has an algorithm Haru cannot check ({algo!r}); "
+                "only sha256: and gitsha1: are accepted"
+            )
 
     def update(self, data: bytes | memoryview) -> None:
         self._h.update(data)
@@ -96,8 +98,9 @@ class Store:
             for d in ("blobs", "partial", "snapshots", "refs", "manifests"):
                 (self.root / d).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise StoreError(f"cannot create the model store at {self.root}: {exc.strerror}; set HARU_HOME to a "
-                             "writable directory") from exc
+            raise StoreError(
+                f"cannot create the model store at {self.root}: {exc.strerror}; set HARU_HOME to a writable directory"
+            ) from exc
 
     def verified(self, digest: str, size: int) -> bool | None:
         """True: the blob is present and hashes right. None: absent. False: present but corrupt."""
@@ -158,9 +161,19 @@ class Store:
         os.replace(tmp_link, ref)
         return snap / res.entry if res.entry else snap
 
+
 def _snapshot_id(res: Resolution) -> str:
-    spec = msgspec.json.encode([res.registry, res.origin, res.repository, res.revision, res.format, res.entry,
-                                [(b.name, b.digest, b.size) for b in res.blobs]])
+    spec = msgspec.json.encode(
+        [
+            res.registry,
+            res.origin,
+            res.repository,
+            res.revision,
+            res.format,
+            res.entry,
+            [(b.name, b.digest, b.size) for b in res.blobs],
+        ]
+    )
     return hashlib.sha256(spec).hexdigest()[:32]
 
 

@@ -56,7 +56,11 @@ def _unfit(view: FleetView, name: str, model: str) -> str:
         return f"{name} is not eligible: {dv.ineligible_why or 'not recovered'}"
     models = scope_models(view, dv, model)
     if not models:
-        return f"{name} serves none of {scope_of(model)}'s models" if not model else f"{name} does not declare model {model!r}"
+        return (
+            f"{name} serves none of {scope_of(model)}'s models"
+            if not model
+            else f"{name} does not declare model {model!r}"
+        )
     block = first_unready(dv, models, (Resident,))
     if block is None:
         return ""
@@ -72,8 +76,10 @@ def _unfit(view: FleetView, name: str, model: str) -> str:
 def weigh_refusal(view: FleetView, op: OperationView) -> str:
     """Why the `weigh` step of a weighting must not set its split now ('' = it may)."""
     if view.route_revision != op.route_revision:
-        return (f"the route moved (revision {op.route_revision} -> {view.route_revision}, active {view.active}) since "
-                f"the weights were asked for; ask again")
+        return (
+            f"the route moved (revision {op.route_revision} -> {view.route_revision}, active {view.active}) since "
+            f"the weights were asked for; ask again"
+        )
     for name, share in op.weights.items():
         if name == view.active or share <= 0:
             continue
@@ -93,9 +99,15 @@ def weights_set(view: FleetView, op: OperationView, now: datetime) -> Append:
     """The `weights_set` a weighting that passed its `weigh` step records."""
     return Append(
         subject=subjects.weights(view.fleet),
-        event=WeightsSet(at=now, model=op.model, weights=dict(op.weights), reason=op.reason or "manual",
-                         detail=op.detail or f"{describe(op.weights, view.active)} for {scope_of(op.model)}",
-                         op_id=op.op_id, route_revision=view.route_revision),
+        event=WeightsSet(
+            at=now,
+            model=op.model,
+            weights=dict(op.weights),
+            reason=op.reason or "manual",
+            detail=op.detail or f"{describe(op.weights, view.active)} for {scope_of(op.model)}",
+            op_id=op.op_id,
+            route_revision=view.route_revision,
+        ),
         why=f"weights {describe(op.weights, view.active)} for {scope_of(op.model)}",
     )
 
@@ -116,8 +128,10 @@ def tally(reports: Iterable[tuple[str, CanaryReport]], *, since: datetime | None
             s[2].add(gateway)
             if c.last_error:
                 s[3] = c.last_error
-    return {d: {m: Tally(requests=r, errors=e, gateways=sorted(g), last_error=last) for m, (r, e, g, last) in ms.items()}
-            for d, ms in sums.items()}
+    return {
+        d: {m: Tally(requests=r, errors=e, gateways=sorted(g), last_error=last) for m, (r, e, g, last) in ms.items()}
+        for d, ms in sums.items()
+    }
 
 
 def _summed(tallies: dict[str, dict[str, Tally]], domain: str, models: list[str]) -> Tally:
@@ -125,8 +139,12 @@ def _summed(tallies: dict[str, dict[str, Tally]], domain: str, models: list[str]
     picked = [per[m] for m in models if m in per]
     gateways = sorted({g for t in picked for g in t.gateways})
     last = next((t.last_error for t in reversed(picked) if t.last_error), "")
-    return Tally(requests=sum(t.requests for t in picked), errors=sum(t.errors for t in picked), gateways=gateways,
-                 last_error=last)
+    return Tally(
+        requests=sum(t.requests for t in picked),
+        errors=sum(t.errors for t in picked),
+        gateways=gateways,
+        last_error=last,
+    )
 
 
 def rollback(view: FleetView, tallies: dict[str, dict[str, Tally]], now: datetime) -> Append | None:
@@ -161,10 +179,18 @@ def rollback(view: FleetView, tallies: dict[str, dict[str, Tally]], now: datetim
             new = {} if rest == {active: 100} else rest
             return Append(
                 subject=subjects.weights(view.fleet),
-                event=WeightsSet(at=now, model=model, weights=new, reason="canary_rolled_back", domain=name,
-                                 detail=f"canary {name} rolled back ({share}% of {scope_of(model)}'s traffic back to "
-                                        f"{active}): {evidence}",
-                                 requests=seen.requests, errors=seen.errors, route_revision=view.route_revision),
+                event=WeightsSet(
+                    at=now,
+                    model=model,
+                    weights=new,
+                    reason="canary_rolled_back",
+                    domain=name,
+                    detail=f"canary {name} rolled back ({share}% of {scope_of(model)}'s traffic back to "
+                    f"{active}): {evidence}",
+                    requests=seen.requests,
+                    errors=seen.errors,
+                    route_revision=view.route_revision,
+                ),
                 why=f"canary {name} rolled back: {evidence}",
             )
     return None

@@ -68,28 +68,27 @@ from haru.core.events import (
     DemotionRequested,
     EligibilityChanged,
     Event,
-    OperationRequested,
-    ProvisionRequested,
-    ReplaceRequested,
-    TeardownRequested,
     FailoverDeclined,
     OperationAborted,
     OperationCompleted,
     OperationRequested,
     PromotionRequested,
     PromotionRetargeted,
+    ProvisionRequested,
+    ReplaceRequested,
     RollingRequested,
-    WeightingRequested,
     StepCompleted,
     StepFailed,
     StepStarted,
+    TeardownRequested,
+    WeightingRequested,
 )
+from haru.core.residency import Failed, Loading, Lost, Resident, Sleeping, Waking, state_name
+from haru.core.specs import Policy, can_sleep
+from haru.core.views import DomainView, FleetView, ModelView, OperationView, StepView
 from haru.promoter import canary
 from haru.promoter.decisions import Append, Facts
 from haru.promoter.liveness import judge_liveness
-from haru.core.residency import Failed, Loading, Lost, Residency, Resident, Sleeping, Waking, state_name
-from haru.core.specs import Policy, can_sleep
-from haru.core.views import DomainView, FleetView, ModelView, OperationView, StepView
 
 OpKind = str  # a key of KINDS
 Outcome = Literal["requested", "completed", "failed"]
@@ -192,7 +191,7 @@ STEPS: dict[str, StepSpec] = {
         bound=("command_timeout_ms",),
         run="weigh",
         what="check that every domain the split gives a share serves (reachable, eligible, its models resident) and "
-             "the route has not moved; the split is then recorded (weights_set)",
+        "the route has not moved; the split is then recorded (weights_set)",
     ),
     "canary": StepSpec(
         on="target",
@@ -200,7 +199,7 @@ STEPS: dict[str, StepSpec] = {
         bound=("rolling_canary_ms", "command_timeout_ms"),
         run="canary",
         what="with policy rolling_canary_weight > 0: the standby takes that share of traffic (weights_set) for "
-             "rolling_canary_ms; a rollback (its probe or the gateways' error rate: haru.promoter.canary) fails it",
+        "rolling_canary_ms; a rollback (its probe or the gateways' error rate: haru.promoter.canary) fails it",
     ),
     "launch": StepSpec(
         on="target",
@@ -208,7 +207,7 @@ STEPS: dict[str, StepSpec] = {
         bound=("launch_timeout_ms",),
         run="launch",
         what="launch the target's cluster (sky launch, each placement in order) or service (sky serve up); "
-             "one already up is found, not launched again",
+        "one already up is found, not launched again",
     ),
     "join": StepSpec(
         on="target",
@@ -223,7 +222,7 @@ STEPS: dict[str, StepSpec] = {
         bound=("drain_ms", "command_timeout_ms", "command_timeout_ms"),
         fatal=False,
         what="best effort: put the new host to sleep and start its training (with no route yet the first route "
-             "decides its role; an awake standby is demoted later by housekeeping)",
+        "decides its role; an awake standby is demoted later by housekeeping)",
     ),
     "down": StepSpec(
         on="target",
@@ -340,14 +339,13 @@ KINDS: dict[str, KindSpec] = {
         yields_to_failover=True,
         what="roll a layout change through the standby: apply it there, wake, probe and promote it, then apply it "
         "to the old active",
-
     ),
     "weighting": KindSpec(
         request=WeightingRequested,
         yields_to_failover=True,
         no_abort_from="weigh",
         what="give domains a share of a model's (or the fleet's) traffic: wake and probe the one that gains a share, "
-             "then record the split",
+        "then record the split",
     ),
     "provision": KindSpec(
         request=ProvisionRequested,
@@ -495,12 +493,18 @@ def not_applicable(view: FleetView, op: OperationView, step: str) -> str:
     dv = view.domains.get(domain) if domain else None
     if dv is None:
         return ""
-    cause = " (the reason for this operation)" if op.source == domain and op.reason in ("gpu_detached", "domain_unreachable") else ""
+    cause = (
+        " (the reason for this operation)"
+        if op.source == domain and op.reason in ("gpu_detached", "domain_unreachable")
+        else ""
+    )
     if dv.reachable is False:
         return f"skipped: {domain} is unreachable{cause}, so it cannot be put to sleep or given training"
     for gpu in dv.gpus:
         if gpu.present is False:
-            return f"skipped: GPU {gpu.index} of {domain} is gone{cause}, so it cannot be put to sleep or given training"
+            return (
+                f"skipped: GPU {gpu.index} of {domain} is gone{cause}, so it cannot be put to sleep or given training"
+            )
     return ""
 
 
@@ -524,18 +528,27 @@ def drive(view: FleetView, op: OperationView, facts: Facts) -> Append | None:
         # the fleet either (every later decision would fail on the missing transition).
         return Append(
             subject=op_subject,
-            event=OperationAborted(at=facts.now, op_id=op.op_id, step=cur.step,
-                                   error=f"{cur.step} is not a step of a {op.kind}"),
+            event=OperationAborted(
+                at=facts.now, op_id=op.op_id, step=cur.step, error=f"{cur.step} is not a step of a {op.kind}"
+            ),
             why="a step that does not belong to this operation was recorded",
         )
     spec = KINDS[op.kind]
-    if spec.yields_to_failover and view.policy.auto_failover and not any(s.step == spec.no_abort_from for s in op.steps):
+    if (
+        spec.yields_to_failover
+        and view.policy.auto_failover
+        and not any(s.step == spec.no_abort_from for s in op.steps)
+    ):
         health = active_health(view, facts.now)
         if health.health == "failed":
             return Append(
                 subject=op_subject,
-                event=OperationAborted(at=facts.now, op_id=op.op_id, step=cur.step,
-                                       error=f"the active failed ({health.why}): abandoned so that failover can go on"),
+                event=OperationAborted(
+                    at=facts.now,
+                    op_id=op.op_id,
+                    step=cur.step,
+                    error=f"the active failed ({health.why}): abandoned so that failover can go on",
+                ),
                 why="auto-failover goes before a rolling change",
             )
     if cur.state == "started":
@@ -581,8 +594,9 @@ def cascade(view: FleetView, op: OperationView, cur: StepView, facts: Facts) -> 
     error = cur.error or cur.error_code or "failed"
     return Append(
         subject=subjects.op(view.fleet),
-        event=PromotionRetargeted(at=facts.now, op_id=op.op_id, target=onward, previous=op.target, step=cur.step,
-                                  error=error),
+        event=PromotionRetargeted(
+            at=facts.now, op_id=op.op_id, target=onward, previous=op.target, step=cur.step, error=error
+        ),
         why=f"{op.target} failed {cur.step} before the flip ({error}): the next fit standby, {onward}, takes over",
     )
 
@@ -605,7 +619,10 @@ def _resume(view: FleetView, op: OperationView, cur: StepView, facts: Facts) -> 
             return Append(
                 subject=subjects.op(view.fleet),
                 event=StepCompleted(
-                    at=facts.now, op_id=op.op_id, step="flip", detail=f"route moved to {op.target} (revision {view.route_revision})"
+                    at=facts.now,
+                    op_id=op.op_id,
+                    step="flip",
+                    detail=f"route moved to {op.target} (revision {view.route_revision})",
                 ),
                 why="the route already points at the target",
             )
@@ -737,7 +754,12 @@ def step_outcome(
             code = reply.error.code if reply.error else "command_failed"
             message = reply.error.message if reply.error else (reply.detail or f"{verb} failed")
             return StepFailed(
-                at=now, op_id=op.op_id, step=step, error_code=code, error=f"{verb}: {message}", took_ms=took_ms  # type: ignore[arg-type]
+                at=now,
+                op_id=op.op_id,
+                step=step,  # type: ignore[arg-type]
+                error_code=code,
+                error=f"{verb}: {message}",
+                took_ms=took_ms,
             )
         if reply.detail:
             details.append(reply.detail if len(replies) == 1 else f"{verb}: {reply.detail}")
@@ -769,7 +791,10 @@ def active_health(view: FleetView, now: datetime) -> ActiveHealth:
         return ActiveHealth(health="failed", reason="retired", why=f"active domain {view.active} is not declared")
     if dv.reachable is False:
         return ActiveHealth(
-            health="failed", reason="domain_unreachable", why=f"{dv.name} unreachable (heartbeats silent)", since=dv.reachability_since
+            health="failed",
+            reason="domain_unreachable",
+            why=f"{dv.name} unreachable (heartbeats silent)",
+            since=dv.reachability_since,
         )
     signal = signalled(dv)  # about to go: move before it does
     if signal is not None:
@@ -778,7 +803,10 @@ def active_health(view: FleetView, now: datetime) -> ActiveHealth:
     for gpu in dv.gpus:
         if gpu.present is False and gpu.index in hosting:
             return ActiveHealth(
-                health="failed", reason="gpu_detached", why=f"GPU {gpu.index} of {dv.name} detached", since=gpu.observed_at
+                health="failed",
+                reason="gpu_detached",
+                why=f"GPU {gpu.index} of {dv.name} detached",
+                since=gpu.observed_at,
             )
     degraded_since: datetime | None = None
     why = ""
@@ -824,8 +852,9 @@ def signalled(dv: DomainView) -> ActiveHealth | None:
     if not dv.signalled:
         return None
     source = dv.signalled.split(":", 1)[0]
-    return ActiveHealth(health="failed", reason=source, why=f"{dv.name} is about to go: {dv.signalled}",
-                        since=dv.signalled_at)
+    return ActiveHealth(
+        health="failed", reason=source, why=f"{dv.name} is about to go: {dv.signalled}", since=dv.signalled_at
+    )
 
 
 # ------------------------------------------------------------------------------- the faster path
@@ -909,9 +938,12 @@ def faster_path(view: FleetView) -> ActiveHealth | None:
     wake_ms, measured = standby_serves_in(view, standby, wanted)
     if wake_ms >= back_ms:
         return None
-    how = ("measured wake and probe" if measured else
-           f"ESTIMATED, no wake measured yet: declared VRAM at {view.policy.wake_estimate_bytes_per_s} B/s "
-           f"plus a {view.policy.probe_estimate_ms} ms probe")
+    how = (
+        "measured wake and probe"
+        if measured
+        else f"ESTIMATED, no wake measured yet: declared VRAM at {view.policy.wake_estimate_bytes_per_s} B/s "
+        f"plus a {view.policy.probe_estimate_ms} ms probe"
+    )
     label = f"lost: {state.reason}" if isinstance(state, Lost) else "reloading"
     backoff = f" after the {back_ms - mv.load_ms} ms restart backoff" if back_ms > mv.load_ms else ""
     return ActiveHealth(
@@ -978,11 +1010,15 @@ def retry_after_abort(view: FleetView, candidate: str, now: datetime) -> Retry:
         if since >= timedelta(milliseconds=retry_ms(policy)):
             return Retry()
         if last.reason == "manual":
-            return Retry(why=f"the last promotion onto {candidate} aborted ({last.error or 'failed'}); "
-                             f"retrying after {retry_ms(policy)} ms")
-        return Retry(why=f"gave up retrying the failover onto {candidate} after {last.attempt} attempts "
-                         f"(failover_retry_attempts), the last aborted: {last.error or 'failed'}; "
-                         f"next try after {retry_ms(policy)} ms")
+            return Retry(
+                why=f"the last promotion onto {candidate} aborted ({last.error or 'failed'}); "
+                f"retrying after {retry_ms(policy)} ms"
+            )
+        return Retry(
+            why=f"gave up retrying the failover onto {candidate} after {last.attempt} attempts "
+            f"(failover_retry_attempts), the last aborted: {last.error or 'failed'}; "
+            f"next try after {retry_ms(policy)} ms"
+        )
     if since < timedelta(milliseconds=failover_retry_ms(policy, last.attempt)):
         return Retry(wait=True)
     return Retry(attempt=last.attempt + 1)
@@ -1062,15 +1098,25 @@ def _teardown_retry(view: FleetView, facts: Facts) -> Append | None:
     retry backoff, until one succeeds: a host that may still be running and billed is never forgotten."""
     now = facts.now
     last = view.last_operation
-    if last is None or last.state != "aborted" or last.kind not in ("teardown", "replace") \
-            or not any(s.step == "down" and s.state == "failed" for s in last.steps) or last.target not in view.domains:
+    if (
+        last is None
+        or last.state != "aborted"
+        or last.kind not in ("teardown", "replace")
+        or not any(s.step == "down" and s.state == "failed" for s in last.steps)
+        or last.target not in view.domains
+    ):
         return None
     if last.finished_at is not None and now - last.finished_at < timedelta(milliseconds=retry_ms(view.policy)):
         return None
     return Append(
         subject=subjects.op(view.fleet),
-        event=TeardownRequested(at=now, op_id=facts.new_op_id, target=last.target, reason="teardown_failed",
-                                detail=f"the teardown in {last.op_id} failed: {last.error}"),
+        event=TeardownRequested(
+            at=now,
+            op_id=facts.new_op_id,
+            target=last.target,
+            reason="teardown_failed",
+            detail=f"the teardown in {last.op_id} failed: {last.error}",
+        ),
         why=f"a failed teardown of {last.target} is asked again: its host may still be running and billed",
     )
 
@@ -1090,8 +1136,12 @@ def _provisioning(view: FleetView, facts: Facts) -> Append | None:
     if not policy.auto_replace:
         return None
     for name, dv in view.domains.items():
-        if name == view.active or dv.provider not in ("skypilot", "skyserve") or dv.eligible \
-                or dv.ineligible_why == TORN_DOWN:
+        if (
+            name == view.active
+            or dv.provider not in ("skypilot", "skyserve")
+            or dv.eligible
+            or dv.ineligible_why == TORN_DOWN
+        ):
             continue
         if last is not None and last.state == "aborted" and last.kind in PROVISIONING_KINDS and last.target == name:
             cool = max(policy.launch_cooldown_ms, retry_ms(policy))
@@ -1101,8 +1151,13 @@ def _provisioning(view: FleetView, facts: Facts) -> Append | None:
             continue  # over the fleet's launch budget for this hour
         return Append(
             subject=op_subject,
-            event=ReplaceRequested(at=now, op_id=facts.new_op_id, target=name, reason="auto_replace",
-                                   detail=f"{name} is not fit to be the standby: {dv.ineligible_why or 'ineligible'}"),
+            event=ReplaceRequested(
+                at=now,
+                op_id=facts.new_op_id,
+                target=name,
+                reason="auto_replace",
+                detail=f"{name} is not fit to be the standby: {dv.ineligible_why or 'ineligible'}",
+            ),
             why=f"auto_replace: {name} failed ({dv.ineligible_why or 'ineligible'}); a new host replaces it",
         )
     return None
@@ -1126,8 +1181,9 @@ def _demotion_reason(view: FleetView, dv: DomainView) -> str:
     # whose platform has none: `Resident.sleeps`) serves the standby role resident, and asking it to
     # sleep would change nothing.
     awake = [
-        m for m in served(dv) if isinstance(r := dv.models[m].residency, Resident) and r.sleeps
-        and can_sleep(dv.models[m].runtime)
+        m
+        for m in served(dv)
+        if isinstance(r := dv.models[m].residency, Resident) and r.sleeps and can_sleep(dv.models[m].runtime)
     ]
     if awake and not any(isinstance(s, (Waking,)) or state_name(s) == "loading" for s in states):
         return "standby_awake"
@@ -1156,7 +1212,11 @@ def _already_done(view: FleetView, dv: DomainView, reason: str) -> bool:
         return False
     if last.state != "completed":
         return False  # an aborted one is retried after its backoff (`_backing_off`)
-    if dv.reachability_since is not None and last.requested_at is not None and dv.reachability_since > last.requested_at:
+    if (
+        dv.reachability_since is not None
+        and last.requested_at is not None
+        and dv.reachability_since > last.requested_at
+    ):
         return False
     for m in served(dv):
         if dv.models[m].residency.seq > last.seq:
@@ -1234,8 +1294,15 @@ RequestRule = Callable[[FleetView, str, str, str, datetime], Judgment]
 def _promotion_rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Judgment:
     if view.active == target:
         return Judgment(status="noop", message=f"{target} is already active in fleet {view.fleet}")
-    event = PromotionRequested(at=now, by=by, op_id=op_id, target=target, source=view.active, reason="manual",
-                               route_revision=view.route_revision)
+    event = PromotionRequested(
+        at=now,
+        by=by,
+        op_id=op_id,
+        target=target,
+        source=view.active,
+        reason="manual",
+        route_revision=view.route_revision,
+    )
     return Judgment(status="accepted", op_id=op_id, message=f"promotion of {target} accepted", event=event)
 
 
@@ -1246,26 +1313,46 @@ def _demotion_rule(view: FleetView, target: str, op_id: str, by: str, now: datet
             message=f"{target} is the active domain of fleet {view.fleet}; promote the standby instead "
             f"(haru promote {view.standby() or '<standby>'})",
         )
-    event = DemotionRequested(at=now, by=by, op_id=op_id, target=target, reason="manual",
-                              route_revision=view.route_revision)
+    event = DemotionRequested(
+        at=now, by=by, op_id=op_id, target=target, reason="manual", route_revision=view.route_revision
+    )
     return Judgment(status="accepted", op_id=op_id, message=f"demotion of {target} accepted", event=event)
 
 
 def _rolling_rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Judgment:
     if not view.active:
-        return Judgment(status="refused", message=f"fleet {view.fleet} has no route yet: there is nothing to roll through; "
-                       f"the agents apply the declarations as they start")
+        return Judgment(
+            status="refused",
+            message=f"fleet {view.fleet} has no route yet: there is nothing to roll through; "
+            f"the agents apply the declarations as they start",
+        )
     if view.active == target:
-        return Judgment(status="refused", message=f"{target} is the active domain of fleet {view.fleet}: a rolling change goes "
-                       f"through the standby (haru roll {view.standby() or '<standby>'})")
+        return Judgment(
+            status="refused",
+            message=f"{target} is the active domain of fleet {view.fleet}: a rolling change goes "
+            f"through the standby (haru roll {view.standby() or '<standby>'})",
+        )
     dv = view.domains[target]
     if dv.reachable is not True:
-        return Judgment(status="refused", message=f"standby {target} is {'unreachable' if dv.reachable is False else 'not heard from yet'}: "
-                       f"a rolling change needs it to take over")
+        return Judgment(
+            status="refused",
+            message=f"standby {target} is {'unreachable' if dv.reachable is False else 'not heard from yet'}: "
+            f"a rolling change needs it to take over",
+        )
     if not dv.eligible:
-        return Judgment(status="refused", message=f"standby {target} is not eligible: {dv.ineligible_why or 'not recovered'}")
-    event = RollingRequested(at=now, by=by, op_id=op_id, target=target, source=view.active, reason="manual",
-                             route_revision=view.route_revision, decl_seq=view.decl_seq)
+        return Judgment(
+            status="refused", message=f"standby {target} is not eligible: {dv.ineligible_why or 'not recovered'}"
+        )
+    event = RollingRequested(
+        at=now,
+        by=by,
+        op_id=op_id,
+        target=target,
+        source=view.active,
+        reason="manual",
+        route_revision=view.route_revision,
+        decl_seq=view.decl_seq,
+    )
     return Judgment(status="accepted", op_id=op_id, message=f"rolling change through {target} accepted", event=event)
 
 
@@ -1275,35 +1362,47 @@ def _provisioning_rule(kind: str) -> RequestRule:
     def rule(view: FleetView, target: str, op_id: str, by: str, now: datetime) -> Judgment:
         dv = view.domains[target]
         if dv.provider not in ("skypilot", "skyserve"):
-            return Judgment(status="refused", message=f"{target} is a {dv.provider} domain: Haru launches and tears down "
-                           "only skypilot/skyserve domains (set its provider and provision block, then `haru apply`)")
+            return Judgment(
+                status="refused",
+                message=f"{target} is a {dv.provider} domain: Haru launches and tears down "
+                "only skypilot/skyserve domains (set its provider and provision block, then `haru apply`)",
+            )
         if view.active == target:
-            return Judgment(status="refused", message=f"{target} is the active domain of fleet {view.fleet}: promote "
-                           f"the standby first (haru promote {view.standby() or '<standby>'}), then {kind} {target}")
+            return Judgment(
+                status="refused",
+                message=f"{target} is the active domain of fleet {view.fleet}: promote "
+                f"the standby first (haru promote {view.standby() or '<standby>'}), then {kind} {target}",
+            )
         if kind == "provision" and dv.reachable is True:
-            return Judgment(status="noop", message=f"{target} already has a running agent; to move it to a new host, "
-                           f"use `haru replace {target}`")
+            return Judgment(
+                status="noop",
+                message=f"{target} already has a running agent; to move it to a new host, use `haru replace {target}`",
+            )
         event = request(at=now, by=by, op_id=op_id, target=target)
         return Judgment(status="accepted", op_id=op_id, message=f"{kind} of {target} accepted", event=event)
 
     return rule
 
 
-REQUEST_RULES: dict[str, RequestRule] = {"promotion": _promotion_rule, "demotion": _demotion_rule, "rolling": _rolling_rule,
-                                         **{kind: _provisioning_rule(kind) for kind in PROVISIONING_KINDS}}
+REQUEST_RULES: dict[str, RequestRule] = {
+    "promotion": _promotion_rule,
+    "demotion": _demotion_rule,
+    "rolling": _rolling_rule,
+    **{kind: _provisioning_rule(kind) for kind in PROVISIONING_KINDS},
+}
 """Per kind, whether a manual request is a no-op, refused, or accepted (and its request event)."""
 
 
-def judge_request(
-    view: FleetView | None, kind: OpKind, target: str, *, op_id: str, by: str, now: datetime
-) -> Judgment:
+def judge_request(view: FleetView | None, kind: OpKind, target: str, *, op_id: str, by: str, now: datetime) -> Judgment:
     """Whether a manual request of `kind` on `target` is a no-op, joins, conflicts, is refused, or is accepted."""
     rule = REQUEST_RULES.get(kind)
     if rule is None:
         known = ", ".join(REQUEST_RULES)
         return Judgment(status="refused", message=f"no operation kind {kind!r} can be requested (known: {known})")
     if view is None or not view.domains:
-        return Judgment(status="not_found", message="no such fleet (or it declares no domains); declare it with `haru apply`")
+        return Judgment(
+            status="not_found", message="no such fleet (or it declares no domains); declare it with `haru apply`"
+        )
     fleet = view.fleet
     if target not in view.domains:
         known = ", ".join(view.domains) or "none"
@@ -1336,7 +1435,9 @@ def judge_abort(view: FleetView | None, op_id: str, *, by: str, now: datetime, w
         if op_id and last is not None and last.op_id == op_id:
             return Judgment(status="noop", op_id=op_id, message=f"{op_id} already {last.state}")
         what = f"operation {op_id} is not in flight" if op_id else "no operation is in flight"
-        return Judgment(status="not_found", op_id=op_id, message=f"{what} in fleet {view.fleet}; list them with `haru op`")
+        return Judgment(
+            status="not_found", op_id=op_id, message=f"{what} in fleet {view.fleet}; list them with `haru op`"
+        )
     spec = KINDS.get(op.kind)
     stop = spec.no_abort_from if spec is not None else ""
     if stop and any(s.step == stop for s in op.steps):
@@ -1358,9 +1459,13 @@ def tables_markdown() -> str:
     for kind in KINDS:
         for step in flow(kind):
             spec = STEPS[step]
-            verbs = ", ".join(f"`{v}`" for v in spec.verbs) or \
-                ("(route_moved CAS)" if spec.run == "flip" else f"(runner `{spec.run}`: sky, docs/provisioning.md)"
-                 if spec.run in ("launch", "down") else f"(runner `{spec.run}`)")
+            verbs = ", ".join(f"`{v}`" for v in spec.verbs) or (
+                "(route_moved CAS)"
+                if spec.run == "flip"
+                else f"(runner `{spec.run}`: sky, docs/provisioning.md)"
+                if spec.run in ("launch", "down")
+                else f"(runner `{spec.run}`)"
+            )
             bound = " + ".join(f"`{b}`" for b in spec.bound)
             failure = TRANSITIONS[(kind, step, "failed")]
             lines.append(f"| {kind}: `{step}` | {spec.on} | {verbs} | {bound} | {failure} |")

@@ -22,6 +22,4 @@ class OperationNotFound(PromoterError):
     def __init__(self, fleet: str, op_id: str) -> None:
         self.fleet = fleet
         self.op_id = op_id
-        super().__init__(
-            f"no operation {op_id!r} in fleet {fleet!r}; list them with `haru op --fleet {fleet}`"
-        )
+        super().__init__(f"no operation {op_id!r} in fleet {fleet!r}; list them with `haru op --fleet {fleet}`")

@@ -15,8 +15,8 @@ from datetime import datetime
 
 from haru.core import subjects
 from haru.core.events import DomainReachable, DomainUnreachable
-from haru.promoter.decisions import Append
 from haru.core.views import FleetView
+from haru.promoter.decisions import Append
 
 
 def judge_liveness(view: FleetView, silent_ms: dict[str, int | None], listening_ms: int, now: datetime) -> list[Append]:

@@ -34,17 +34,24 @@ Gauges read from the promoter's folded views at scrape time:
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from haru.core import ranking
-from haru.log.eventlog import Record
-from haru.core.events import (FailoverDeclined, OperationAborted, OperationCompleted, StepCompleted, StepFailed, StepStarted,
-                              WeightsSet)
+from haru.core.events import (
+    FailoverDeclined,
+    OperationAborted,
+    OperationCompleted,
+    StepCompleted,
+    StepFailed,
+    StepStarted,
+    WeightsSet,
+)
 from haru.core.operations import ms_between
 from haru.core.views import FleetView, OperationView
+from haru.log.eventlog import Record
 
 # Not a failover: an operator's promotion, and the promoter's first route onto the first domain.
 NOT_FAILOVER_REASONS = frozenset({"manual", "initial"})
@@ -88,25 +95,48 @@ class PromoterMetrics:
         self.promoter = promoter
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.operations = Counter("haru_promoter_operations", "Finished promotions and demotions.",
-                                  ["fleet", "kind", "reason", "outcome"], registry=r)
-        self.failovers = Counter("haru_promoter_failovers",
-                                 "Completed promotions that were failovers (not manual, not the first route).",
-                                 ["fleet", "reason"], registry=r)
-        self.step_duration = Histogram("haru_promoter_step_duration_seconds",
-                                       "Each step from its step_started to its completion or failure (event times).",
-                                       ["fleet", "step", "outcome"], buckets=_STEP_BUCKETS, registry=r)
-        self.op_duration = Histogram("haru_promoter_operation_duration_seconds",
-                                     "Operations from their request to completed/aborted (event times).",
-                                     ["fleet", "kind", "outcome"], buckets=_OP_BUCKETS, registry=r)
-        self.failover_duration = Histogram("haru_promoter_failover_duration_seconds",
-                                           "Failovers from the promotion's request to its completion.",
-                                           ["fleet", "reason"], buckets=_OP_BUCKETS, registry=r)
-        self.declined = Counter("haru_promoter_declined", "Failovers declined, by the class of reason.",
-                                ["fleet", "reason"], registry=r)
-        self.canary_rollbacks = Counter("haru_promoter_canary_rollbacks",
-                                        "Canaries rolled back (weights_set canary_rolled_back), by why.",
-                                        ["fleet", "domain", "why"], registry=self.registry)
+        self.operations = Counter(
+            "haru_promoter_operations",
+            "Finished promotions and demotions.",
+            ["fleet", "kind", "reason", "outcome"],
+            registry=r,
+        )
+        self.failovers = Counter(
+            "haru_promoter_failovers",
+            "Completed promotions that were failovers (not manual, not the first route).",
+            ["fleet", "reason"],
+            registry=r,
+        )
+        self.step_duration = Histogram(
+            "haru_promoter_step_duration_seconds",
+            "Each step from its step_started to its completion or failure (event times).",
+            ["fleet", "step", "outcome"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.op_duration = Histogram(
+            "haru_promoter_operation_duration_seconds",
+            "Operations from their request to completed/aborted (event times).",
+            ["fleet", "kind", "outcome"],
+            buckets=_OP_BUCKETS,
+            registry=r,
+        )
+        self.failover_duration = Histogram(
+            "haru_promoter_failover_duration_seconds",
+            "Failovers from the promotion's request to its completion.",
+            ["fleet", "reason"],
+            buckets=_OP_BUCKETS,
+            registry=r,
+        )
+        self.declined = Counter(
+            "haru_promoter_declined", "Failovers declined, by the class of reason.", ["fleet", "reason"], registry=r
+        )
+        self.canary_rollbacks = Counter(
+            "haru_promoter_canary_rollbacks",
+            "Canaries rolled back (weights_set canary_rolled_back), by why.",
+            ["fleet", "domain", "why"],
+            registry=self.registry,
+        )
         self._step_started: dict[tuple[str, str, int], datetime] = {}
         self._last_op: dict[tuple[str, str], tuple[str, float]] = {}  # (fleet, kind) -> (outcome, seconds)
         r.register(_ViewCollector(self))
@@ -119,8 +149,9 @@ class PromoterMetrics:
         elif isinstance(ev, (StepCompleted, StepFailed)):
             started = self._pop_started(ev.op_id, ev.step)
             seconds = (ev.at - started).total_seconds() if started is not None else ev.took_ms / 1000
-            self.step_duration.labels(fleet, ev.step, "completed" if isinstance(ev, StepCompleted) else "failed").observe(
-                max(0.0, seconds))
+            self.step_duration.labels(
+                fleet, ev.step, "completed" if isinstance(ev, StepCompleted) else "failed"
+            ).observe(max(0.0, seconds))
         elif isinstance(ev, (OperationCompleted, OperationAborted)):
             op = view.last_operation
             if op is None or op.op_id != ev.op_id:
@@ -140,7 +171,9 @@ class PromoterMetrics:
         elif isinstance(ev, FailoverDeclined):
             self.declined.labels(fleet, decline_reason(ev.why)).inc()
         elif isinstance(ev, WeightsSet) and ev.reason == "canary_rolled_back":
-            self.canary_rollbacks.labels(fleet, ev.domain, "probe" if ev.detail.find("probe failed") >= 0 else "error_rate").inc()
+            self.canary_rollbacks.labels(
+                fleet, ev.domain, "probe" if ev.detail.find("probe failed") >= 0 else "error_rate"
+            ).inc()
 
     def _pop_started(self, op_id: str, step: str) -> datetime | None:
         attempts = [k for k in self._step_started if k[0] == op_id and k[1] == step]
@@ -162,34 +195,50 @@ class _ViewCollector:
         from haru.promoter.decider import active_health
 
         promoter = self.metrics.promoter
-        last = GaugeMetricFamily("haru_promoter_last_operation_duration_seconds",
-                                 "The last finished operation of each kind: request to completed/aborted.",
-                                 labels=["fleet", "kind", "outcome"])
+        last = GaugeMetricFamily(
+            "haru_promoter_last_operation_duration_seconds",
+            "The last finished operation of each kind: request to completed/aborted.",
+            labels=["fleet", "kind", "outcome"],
+        )
         for (fleet, kind), (outcome, seconds) in sorted(self.metrics._last_op.items()):
             last.add_metric([fleet, kind, outcome], seconds)
         yield last
         if promoter is None:
             return
-        now = datetime.now(timezone.utc)
-        in_flight = GaugeMetricFamily("haru_promoter_operation_in_flight", "1 while an operation runs.",
-                                      labels=["fleet", "kind", "target"])
-        running = GaugeMetricFamily("haru_promoter_operation_running_seconds",
-                                    "How long the operation in flight has been running (0: none).", labels=["fleet"])
-        health = GaugeMetricFamily("haru_promoter_active_health", "1 for the active domain's health.",
-                                   labels=["fleet", "domain", "health"])
-        eligible = GaugeMetricFamily("haru_promoter_standby_eligible",
-                                     "1 when the standby could take over now, 0 when it could not.",
-                                     labels=["fleet", "domain"])
-        ranks = GaugeMetricFamily("haru_promoter_standby_rank",
-                                  "The standby's place in the failover ranking (1 = promoted first).",
-                                  labels=["fleet", "domain"])
+        now = datetime.now(UTC)
+        in_flight = GaugeMetricFamily(
+            "haru_promoter_operation_in_flight", "1 while an operation runs.", labels=["fleet", "kind", "target"]
+        )
+        running = GaugeMetricFamily(
+            "haru_promoter_operation_running_seconds",
+            "How long the operation in flight has been running (0: none).",
+            labels=["fleet"],
+        )
+        health = GaugeMetricFamily(
+            "haru_promoter_active_health", "1 for the active domain's health.", labels=["fleet", "domain", "health"]
+        )
+        eligible = GaugeMetricFamily(
+            "haru_promoter_standby_eligible",
+            "1 when the standby could take over now, 0 when it could not.",
+            labels=["fleet", "domain"],
+        )
+        ranks = GaugeMetricFamily(
+            "haru_promoter_standby_rank",
+            "The standby's place in the failover ranking (1 = promoted first).",
+            labels=["fleet", "domain"],
+        )
         fit = GaugeMetricFamily("haru_promoter_fit_standbys", "Standbys that could take over now.", labels=["fleet"])
-        unprotected = GaugeMetricFamily("haru_promoter_fleet_unprotected",
-                                        "1 when the fleet has no standby that could take over (unprotected).",
-                                        labels=["fleet"])
+        unprotected = GaugeMetricFamily(
+            "haru_promoter_fleet_unprotected",
+            "1 when the fleet has no standby that could take over (unprotected).",
+            labels=["fleet"],
+        )
         revision = GaugeMetricFamily("haru_promoter_route_revision", "The route revision folded.", labels=["fleet"])
-        reachable = GaugeMetricFamily("haru_promoter_domain_reachable",
-                                      "1 reachable, 0 unreachable (absent: no verdict yet).", labels=["fleet", "domain"])
+        reachable = GaugeMetricFamily(
+            "haru_promoter_domain_reachable",
+            "1 reachable, 0 unreachable (absent: no verdict yet).",
+            labels=["fleet", "domain"],
+        )
         for fleet, st in sorted(promoter.fleets.items()):
             view: FleetView = st.view
             op = view.operation

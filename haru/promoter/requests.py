@@ -23,13 +23,12 @@ from typing import Literal
 
 import msgspec
 
-from haru.core import subjects
+from haru.core import ranking, subjects
 from haru.core.errors import Conflict, InvalidName
+from haru.core.fold import Folder, empty
+from haru.core.views import FleetView, view_decoder
 from haru.promoter.decider import Judgment, judge_abort, judge_request
 from haru.promoter.service import new_op_id
-from haru.core import ranking
-from haru.core.views import FleetView, view_decoder
-from haru.core.fold import Folder, empty
 
 RETRIES = 5
 
@@ -42,7 +41,15 @@ class RequestResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 async def request_operation(
-    log, fleet: str, kind: str, target: str, *, by: str, now: datetime, reason: str = "", detail: str = "",
+    log,
+    fleet: str,
+    kind: str,
+    target: str,
+    *,
+    by: str,
+    now: datetime,
+    reason: str = "",
+    detail: str = "",
     cause: int = 0,
 ) -> RequestResult:
     """Request an operation of `kind` (a key of `decider.KINDS`) on `target` in `fleet`; see the module docstring.
@@ -64,13 +71,18 @@ async def request_operation(
         verdict = judge_request(view, kind, chosen, op_id=op_id, by=by, now=now)
         if verdict.event is None:
             return verdict
-        fields: dict[str, object] = {k: v for k, v in (("reason", reason), ("detail", detail))
-                                     if v and hasattr(verdict.event, k)}
+        fields: dict[str, object] = {
+            k: v for k, v in (("reason", reason), ("detail", detail)) if v and hasattr(verdict.event, k)
+        }
         if not target and hasattr(verdict.event, "cascade"):
             fields["cascade"] = True
         if cause:
             fields["cause"] = cause
-        return msgspec.structs.replace(verdict, event=msgspec.structs.replace(verdict.event, **fields)) if fields else verdict
+        return (
+            msgspec.structs.replace(verdict, event=msgspec.structs.replace(verdict.event, **fields))
+            if fields
+            else verdict
+        )
 
     return await _judged_append(log, fleet, judge)
 

@@ -36,34 +36,44 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import msgspec
 import structlog
 
-from haru.host import alive
 from haru.core import causes, subjects
-from haru.log.bus import Msg
+from haru.core.authority import misplaced
 from haru.core.commands import ErrorInfo, Reply
 from haru.core.errors import CommandError, Conflict, LogError
-from haru.log.record import Record
-from haru.log.seam import Log
-from haru.core.events import (WeightsSet, DomainChanged, DomainDeclared, DomainRetired, Event, RouteMoved, StepCompleted, StepFailed,
-                         StepStarted, tag_of)
-from haru.log.follow import Follower
-from haru.log.bus import send
-from haru.promoter.decider import STEPS, command_for, decide, flip_refusal, not_applicable, step_outcome, step_record
-from haru.promoter.canary import tally as canary_tally, weigh_refusal
-from haru.promoter.decisions import Append, Facts
-from haru.core.weights import CanaryReport, describe, report_decoder, scope_of
-from haru.promoter.metrics import PromoterMetrics
-from haru.promoter.provisioning import Provisioning
+from haru.core.events import (
+    DomainChanged,
+    DomainDeclared,
+    DomainRetired,
+    Event,
+    RouteMoved,
+    StepCompleted,
+    StepFailed,
+    StepStarted,
+    WeightsSet,
+    tag_of,
+)
+from haru.core.fold import Folder, empty, fleet_of
 from haru.core.residency import Resident, Sleeping
 from haru.core.specs import DomainSpec
-from haru.host.tasks import cancel_and_wait
 from haru.core.views import FleetView, OperationView
-from haru.core.authority import misplaced
-from haru.core.fold import Folder, empty, fleet_of
+from haru.core.weights import CanaryReport, describe, report_decoder, scope_of
+from haru.host import alive
+from haru.host.tasks import cancel_and_wait
+from haru.log.bus import Msg, send
+from haru.log.follow import Follower
+from haru.log.record import Record
+from haru.log.seam import Log
+from haru.promoter.canary import tally as canary_tally
+from haru.promoter.canary import weigh_refusal
+from haru.promoter.decider import STEPS, command_for, decide, flip_refusal, not_applicable, step_outcome, step_record
+from haru.promoter.decisions import Append, Facts
+from haru.promoter.metrics import PromoterMetrics
+from haru.promoter.provisioning import Provisioning
 
 log_ = structlog.get_logger("haru.promoter")
 
@@ -84,7 +94,7 @@ async def wait_event(event: asyncio.Event, timeout: float) -> None:
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def default_identity() -> str:
@@ -110,7 +120,9 @@ class FleetState:
     running: set[tuple[str, str, int]] = field(default_factory=set)
     specs: dict[str, DomainSpec] = field(default_factory=dict)  # domain -> its declaration (provision block included)
     launches: list[datetime] = field(default_factory=list)  # `at` of every launch step started (the hourly budget)
-    reports: list[tuple[float, str, CanaryReport]] = field(default_factory=list)  # (monotonic, gateway, report) of the window
+    reports: list[tuple[float, str, CanaryReport]] = field(
+        default_factory=list
+    )  # (monotonic, gateway, report) of the window
 
     @property
     def view(self) -> FleetView:
@@ -134,9 +146,12 @@ async def weigh_step(st: FleetState, op: OperationView, step: str, started_seq: 
     refusal = weigh_refusal(st.view, op)
     if refusal:
         return StepFailed(at=utcnow(), op_id=op.op_id, step="weigh", error_code="weights_refused", error=refusal)
-    return StepCompleted(at=utcnow(), op_id=op.op_id, step="weigh",
-                         detail=f"{describe(op.weights, st.view.active)} for {scope_of(op.model)}: every domain with "
-                                f"a share serves")
+    return StepCompleted(
+        at=utcnow(),
+        op_id=op.op_id,
+        step="weigh",
+        detail=f"{describe(op.weights, st.view.active)} for {scope_of(op.model)}: every domain with a share serves",
+    )
 
 
 async def join_step(st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
@@ -148,12 +163,21 @@ async def join_step(st: FleetState, op: OperationView, step: str, started_seq: i
         why = join_pending(st.view, op)
         if not why:
             dv = st.view.domains[op.target]
-            return StepCompleted(at=utcnow(), op_id=op.op_id, step=step,  # type: ignore[arg-type]
-                                 detail=f"agent {dv.agent.host or '?'} (pid {dv.agent.pid}) joined with "
-                                        f"{len(dv.models)} model(s) loaded after {time.monotonic() - t0:.1f} s")
+            return StepCompleted(
+                at=utcnow(),
+                op_id=op.op_id,
+                step=step,  # type: ignore[arg-type]
+                detail=f"agent {dv.agent.host or '?'} (pid {dv.agent.pid}) joined with "
+                f"{len(dv.models)} model(s) loaded after {time.monotonic() - t0:.1f} s",
+            )
         if time.monotonic() - t0 >= bound_s:
-            return StepFailed(at=utcnow(), op_id=op.op_id, step=step, error_code="join_timeout",  # type: ignore[arg-type]
-                              error=f"{why} after join_timeout_ms ({st.view.policy.join_timeout_ms} ms)")
+            return StepFailed(
+                at=utcnow(),
+                op_id=op.op_id,
+                step=step,  # type: ignore[arg-type]
+                error_code="join_timeout",
+                error=f"{why} after join_timeout_ms ({st.view.policy.join_timeout_ms} ms)",
+            )
         # polled: the view is folded by the follower; the main loop's wake-up event is not ours to clear
         await asyncio.sleep(min(0.2, max(0.01, bound_s - (time.monotonic() - t0))))
 
@@ -187,7 +211,9 @@ class Promoter:
         self._swept = 0.0  # when every fleet was last decided for
         self._advanced = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
-        self._making: set[str] = set()  # fleets whose decided appends are being made (a task each): not decided again until done
+        self._making: set[str] = (
+            set()
+        )  # fleets whose decided appends are being made (a task each): not decided again until done
         self._listening_since = 0.0
         self._was_connected = True
         self.follower: Follower | None = None
@@ -196,10 +222,15 @@ class Promoter:
         self.metrics = PromoterMetrics(self)  # counted from the records folded below (metrics.py)
         # STEPS[step].run -> the coroutine that executes such a step and returns its outcome event.
         # A new kind of step work (e.g. provisioning) registers its runner here.
-        self.runners: dict[str, StepRunner] = {"agent": self._agent_step, "flip": self._flip_step,
-                                               "launch": self._launch_step, "join": join_step,
-                                               "down": self._down_step, "weigh": weigh_step,
-                                               "canary": self._canary_step}
+        self.runners: dict[str, StepRunner] = {
+            "agent": self._agent_step,
+            "flip": self._flip_step,
+            "launch": self._launch_step,
+            "join": join_step,
+            "down": self._down_step,
+            "weigh": weigh_step,
+            "canary": self._canary_step,
+        }
         self.provisioning = provisioning or Provisioning(sky=os.environ.get("HARU_SKY") or "sky")
         # Sequences of the probe completions this process appended itself. The op subject also takes
         # the gateway's and the operator's requests, so a `step_completed` for a probe there may be
@@ -341,7 +372,7 @@ class Promoter:
                 # another fleet's decisions nor its failover (a pass that awaited every fleet's appends
                 # kept a takeover waiting for the slowest fleet of the pass). A fleet whose appends are
                 # being made is not decided for again until they are done (`_due`).
-                for st in (self._due() if self._connected() else ()):
+                for st in self._due() if self._connected() else ():
                     appends = self._decide(st)
                     if appends:
                         self._start_making(st, appends)
@@ -386,8 +417,9 @@ class Promoter:
         and resume). A follower that stops delivering (after a store episode: appends timing out, a
         server restarted) would otherwise leave every later append conflicting with what it has not
         folded, and the operation in flight `running` for ever."""
-        self.follower = self.log.follower(self.on_record, from_seq=self.folded + 1, name="promoter",
-                                          stall_interval=STALL_CHECK_S, stall_checks=2)
+        self.follower = self.log.follower(
+            self.on_record, from_seq=self.folded + 1, name="promoter", stall_interval=STALL_CHECK_S, stall_checks=2
+        )
         await self.follower.run()
 
     def _connected(self) -> bool:
@@ -471,7 +503,9 @@ class Promoter:
     def _spawn_step(self, st: FleetState, op: OperationView, started: StepStarted, seq: int) -> None:
         key = (op.op_id, started.step, started.attempt)
         st.running.add(key)
-        task = asyncio.create_task(self._run_step(st, op, started.step, started.attempt, seq), name=f"step-{started.step}")
+        task = asyncio.create_task(
+            self._run_step(st, op, started.step, started.attempt, seq), name=f"step-{started.step}"
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -489,27 +523,45 @@ class Promoter:
             if skip:  # best effort, and known not to apply: not tried, not a failure
                 event = StepCompleted(at=utcnow(), op_id=op.op_id, step=step, skipped=skip)  # type: ignore[arg-type]
             elif runner is None:
-                event = StepFailed(at=utcnow(), op_id=op.op_id, step=step, error_code="no_runner",  # type: ignore[arg-type]
-                                   error=f"this promoter has no runner {STEPS[step].run if step in STEPS else step!r}")
+                event = StepFailed(
+                    at=utcnow(),
+                    op_id=op.op_id,
+                    step=step,  # type: ignore[arg-type]
+                    error_code="no_runner",
+                    error=f"this promoter has no runner {STEPS[step].run if step in STEPS else step!r}",
+                )
             else:
                 event = await runner(st, op, step, started_seq)
                 if isinstance(event, StepFailed):
                     skip = not_applicable(st.view, op, step)
                     if skip:  # it failed for a reason learned meanwhile (the GPU went while it ran)
-                        event = StepCompleted(at=event.at, op_id=op.op_id, step=step, took_ms=event.took_ms,  # type: ignore[arg-type]
-                                              skipped=f"{skip} ({event.error or event.error_code})")
+                        event = StepCompleted(
+                            at=event.at,
+                            op_id=op.op_id,
+                            step=step,  # type: ignore[arg-type]
+                            took_ms=event.took_ms,
+                            skipped=f"{skip} ({event.error or event.error_code})",
+                        )
             if isinstance(event, (StepCompleted, StepFailed)) and not event.took_ms:
                 event = msgspec.structs.replace(event, took_ms=int((time.monotonic() - t0) * 1000))
             try:
-                seq = await self.log.append(subjects.op(fleet), msgspec.structs.replace(event, by=self.identity, cause=started_seq),
-                                            expect=started_seq)
+                seq = await self.log.append(
+                    subjects.op(fleet),
+                    msgspec.structs.replace(event, by=self.identity, cause=started_seq),
+                    expect=started_seq,
+                )
             except Conflict:
-                log.warning("step_taken_over", detail="the op subject moved past this step (another promoter re-started "
-                            "it, or the operation was aborted): what was recorded stands")
+                log.warning(
+                    "step_taken_over",
+                    detail="the op subject moved past this step (another promoter re-started "
+                    "it, or the operation was aborted): what was recorded stands",
+                )
                 return
             if step == "probe" and isinstance(event, StepCompleted):
                 self._own_probes.add(seq)
-            log.info("step_" + ("completed" if isinstance(event, StepCompleted) else "failed"), seq=seq, **_context(event))
+            log.info(
+                "step_" + ("completed" if isinstance(event, StepCompleted) else "failed"), seq=seq, **_context(event)
+            )
             await self.wait_folded(seq)
         except asyncio.CancelledError:
             raise
@@ -519,7 +571,9 @@ class Promoter:
             st.running.discard(key)
             self._touch(fleet)
 
-    async def _agent_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+    async def _agent_step(
+        self, st: FleetState, op: OperationView, step: str, started_seq: int
+    ) -> StepCompleted | StepFailed:
         """Runner `agent`: the step's verbs, in order, to the domain it acts on; stops at the first not ok."""
         t0 = time.monotonic()
         fleet = st.view.fleet
@@ -542,52 +596,82 @@ class Promoter:
         wall_ms = int((time.monotonic() - t0) * 1000)
         return step_outcome(op, step, replies, now=utcnow(), took_ms=agent_ms or wall_ms)
 
-    async def _canary_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+    async def _canary_step(
+        self, st: FleetState, op: OperationView, step: str, started_seq: int
+    ) -> StepCompleted | StepFailed:
         """Runner `canary` (a rolling change, before its flip): the standby takes policy rolling_canary_weight
         percent of the fleet's traffic for rolling_canary_ms; the decider's rollback (haru.promoter.canary)
         taking it back fails the step, so the change aborts with routing unmoved."""
         view = st.view
         share, hold_ms = view.policy.rolling_canary_weight, view.policy.rolling_canary_ms
         if share <= 0 or not view.active or view.active == op.target:
-            return StepCompleted(at=utcnow(), op_id=op.op_id, step="canary",
-                                 detail="no canary step (policy rolling_canary_weight is 0)")
+            return StepCompleted(
+                at=utcnow(), op_id=op.op_id, step="canary", detail="no canary step (policy rolling_canary_weight is 0)"
+            )
         split = {view.active: 100 - share, op.target: share}
         subject = subjects.weights(view.fleet)
-        event = WeightsSet(at=utcnow(), by=self.identity, weights=split, reason="rolling", op_id=op.op_id,
-                           route_revision=view.route_revision,
-                           detail=f"rolling change {op.op_id}: {op.target} takes {share}% for {hold_ms} ms before the flip")
+        event = WeightsSet(
+            at=utcnow(),
+            by=self.identity,
+            weights=split,
+            reason="rolling",
+            op_id=op.op_id,
+            route_revision=view.route_revision,
+            detail=f"rolling change {op.op_id}: {op.target} takes {share}% for {hold_ms} ms before the flip",
+        )
         try:
             set_seq = await self.log.append(subject, event, expect=st.last.get(subject, 0))
         except (Conflict, LogError) as exc:
-            return StepFailed(at=utcnow(), op_id=op.op_id, step="canary", error_code="weights_unset",
-                              error=f"could not give {op.target} its canary share: {exc}")
+            return StepFailed(
+                at=utcnow(),
+                op_id=op.op_id,
+                step="canary",
+                error_code="weights_unset",
+                error=f"could not give {op.target} its canary share: {exc}",
+            )
         await self.wait_folded(set_seq)
         deadline = time.monotonic() + hold_ms / 1000
         while time.monotonic() < deadline:
             change = st.view.weights_change
             if change is not None and change.seq > set_seq and change.reason == "canary_rolled_back":
-                return StepFailed(at=utcnow(), op_id=op.op_id, step="canary", error_code="canary_rolled_back",
-                                  error=change.detail)
+                return StepFailed(
+                    at=utcnow(), op_id=op.op_id, step="canary", error_code="canary_rolled_back", error=change.detail
+                )
             if st.view.route_revision != view.route_revision:
-                return StepFailed(at=utcnow(), op_id=op.op_id, step="canary", error_code="route_moved_elsewhere",
-                                  error=f"the route moved to {st.view.active} during the canary")
+                return StepFailed(
+                    at=utcnow(),
+                    op_id=op.op_id,
+                    step="canary",
+                    error_code="route_moved_elsewhere",
+                    error=f"the route moved to {st.view.active} during the canary",
+                )
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         tallied = st.canary_window().get(op.target, {})
         requests = sum(t.requests for t in tallied.values())
         errors = sum(t.errors for t in tallied.values())
-        return StepCompleted(at=utcnow(), op_id=op.op_id, step="canary",
-                             detail=f"{op.target} took {share}% of the traffic for {hold_ms} ms: {requests} requests, "
-                                    f"{errors} errors reported by the gateways; the flip follows")
+        return StepCompleted(
+            at=utcnow(),
+            op_id=op.op_id,
+            step="canary",
+            detail=f"{op.target} took {share}% of the traffic for {hold_ms} ms: {requests} requests, "
+            f"{errors} errors reported by the gateways; the flip follows",
+        )
 
-    async def _launch_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+    async def _launch_step(
+        self, st: FleetState, op: OperationView, step: str, started_seq: int
+    ) -> StepCompleted | StepFailed:
         """Runner `launch`: the target's cluster or service, found when it is already up (haru.promoter.provisioning)."""
         return await self.provisioning.launch(st.view.fleet, st.specs.get(op.target), op, step)
 
-    async def _down_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+    async def _down_step(
+        self, st: FleetState, op: OperationView, step: str, started_seq: int
+    ) -> StepCompleted | StepFailed:
         """Runner `down`: every cluster or service of the target, with what each cost."""
         return await self.provisioning.down(st.view.fleet, st.specs.get(op.target), op, step)
 
-    async def _flip_step(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+    async def _flip_step(
+        self, st: FleetState, op: OperationView, step: str, started_seq: int
+    ) -> StepCompleted | StepFailed:
         """Runner `flip`: the route's compare-and-swap, unless the flip's precondition does not hold."""
         refusal = flip_refusal(st.view, op)
         if refusal:  # a flip started by someone else, before the probe: never moves the route
@@ -599,12 +683,22 @@ class Promoter:
             # route only moves to a domain this process has probed, so: probe again, now.
             again = await self._agent_step(st, op, "probe", started_seq)
             if isinstance(again, StepFailed):
-                return StepFailed(at=utcnow(), op_id=op.op_id, step="flip", error_code=again.error_code,
-                                  error=f"probed again before the flip (the probe's completion at seq "
-                                        f"{probe.seq if probe else 0} was not appended by this promoter) and it "
-                                        f"failed: {again.error}")
-            self.log_.info("probed_again_before_flip", fleet=st.view.fleet, op_id=op.op_id,
-                           probe_seq=probe.seq if probe else 0, detail=again.detail)
+                return StepFailed(
+                    at=utcnow(),
+                    op_id=op.op_id,
+                    step="flip",
+                    error_code=again.error_code,
+                    error=f"probed again before the flip (the probe's completion at seq "
+                    f"{probe.seq if probe else 0} was not appended by this promoter) and it "
+                    f"failed: {again.error}",
+                )
+            self.log_.info(
+                "probed_again_before_flip",
+                fleet=st.view.fleet,
+                op_id=op.op_id,
+                probe_seq=probe.seq if probe else 0,
+                detail=again.detail,
+            )
         return await self._flip(st, op)
 
     async def _flip(self, st: FleetState, op: OperationView) -> StepCompleted | StepFailed:
@@ -625,8 +719,14 @@ class Promoter:
         if st.view.route_revision != op.route_revision:
             return _moved_elsewhere(op, st.view.active, st.view.route_revision)
         expect = max(st.last.get(route, 0), op.route_revision)
-        moved = RouteMoved(at=utcnow(), by=self.identity, active=op.target, previous=previous, op_id=op.op_id,
-                           cause=causes.flip_cause(op))
+        moved = RouteMoved(
+            at=utcnow(),
+            by=self.identity,
+            active=op.target,
+            previous=previous,
+            op_id=op.op_id,
+            cause=causes.flip_cause(op),
+        )
         for _ in range(FLIP_TRIES):
             try:
                 seq = await self.log.append(route, moved, expect=expect)
@@ -643,8 +743,14 @@ class Promoter:
                         break
                     return _moved_elsewhere(op, ev.active, last.seq)
                 skipped = since[-1].seq if since else (exc.current or expect)
-                self.log_.warning("flip_steps_over", fleet=fleet, op_id=op.op_id, expected=expect, now=skipped,
-                                  detail="the route subject holds something that is not a route move; expecting past it")
+                self.log_.warning(
+                    "flip_steps_over",
+                    fleet=fleet,
+                    op_id=op.op_id,
+                    expected=expect,
+                    now=skipped,
+                    detail="the route subject holds something that is not a route move; expecting past it",
+                )
                 expect = skipped
         else:
             return StepFailed(
@@ -721,13 +827,19 @@ def join_pending(view: FleetView, op: OperationView) -> str:
     if dv is None:
         return f"domain {op.target} is no longer declared"
     started = dv.agent.since
-    if not dv.agent.running or started is None or (
-            op.requested_at is not None and started < op.requested_at - JOIN_CLOCK_SKEW):
+    if (
+        not dv.agent.running
+        or started is None
+        or (op.requested_at is not None and started < op.requested_at - JOIN_CLOCK_SKEW)
+    ):
         return f"no agent of {op.target} has started since the operation was requested"
     if dv.reachable is not True:
         return f"the agent of {op.target} is not heard yet"
-    waiting = [name for name, mv in dv.models.items()
-               if mv.admitted is not False and not isinstance(mv.residency, (Resident, Sleeping))]
+    waiting = [
+        name
+        for name, mv in dv.models.items()
+        if mv.admitted is not False and not isinstance(mv.residency, (Resident, Sleeping))
+    ]
     if waiting:
         return f"{len(waiting)} model(s) of {op.target} not loaded yet ({', '.join(waiting[:3])})"
     return ""

@@ -33,63 +33,107 @@ from haru.promoter.service import new_op_id
 __all__ = ["judge_weights", "request_weights"]
 
 
-def judge_weights(view: FleetView | None, given: Mapping[str, int], *, model: str = "", reset: bool = False,
-                  op_id: str, by: str, now: datetime) -> Judgment:
+def judge_weights(
+    view: FleetView | None,
+    given: Mapping[str, int],
+    *,
+    model: str = "",
+    reset: bool = False,
+    op_id: str,
+    by: str,
+    now: datetime,
+) -> Judgment:
     """Whether new weights are a no-op, invalid, refused, joined, in conflict, or accepted (and the request)."""
     if view is None or not view.domains:
-        return Judgment(status="not_found", message="no such fleet (or it declares no domains); declare it with `haru apply`")
+        return Judgment(
+            status="not_found", message="no such fleet (or it declares no domains); declare it with `haru apply`"
+        )
     fleet, active = view.fleet, view.active
     if reset and given:
         return Judgment(status="invalid", message="give either weights or --reset, not both")
     if not reset and not given:
-        return Judgment(status="invalid", message="no weights given: write them like b=10 (the active takes the rest), "
-                                                  "or reset them with --reset")
+        return Judgment(
+            status="invalid",
+            message="no weights given: write them like b=10 (the active takes the rest), or reset them with --reset",
+        )
     if model:
         served = view.domains.get(active)
         if served is None or model not in served.models:
             known = ", ".join(repr(m) for m in (served.models if served else {})) or "none"
-            return Judgment(status="invalid", message=f"model {model!r} is not declared on the active domain {active!r} "
-                                                      f"of fleet {fleet} (it serves {known}); model ids are matched exactly")
+            return Judgment(
+                status="invalid",
+                message=f"model {model!r} is not declared on the active domain {active!r} "
+                f"of fleet {fleet} (it serves {known}); model ids are matched exactly",
+            )
     try:
         new = {} if reset else resolve(given, domains=list(view.domains), active=active)
     except InvalidWeights as exc:
         return Judgment(status="invalid", message=str(exc))
-    current = (view.model_weights.get(model, {}) if model else view.weights)
+    current = view.model_weights.get(model, {}) if model else view.weights
     op = view.operation if view.operation is not None and view.operation.state == "running" else None
     if op is not None:
         if op.kind == "weighting" and op.model == model and op.weights == new:
-            return Judgment(status="joined", op_id=op.op_id, message=f"joined the weighting already in flight ({op.op_id})")
-        return Judgment(status="conflict", op_id=op.op_id,
-                        message=f"{op.kind} of {op.target} ({op.op_id}) is in flight: one operation at a time per fleet; "
-                                f"follow it with `haru op {op.op_id} --fleet {fleet}`, then ask again")
+            return Judgment(
+                status="joined", op_id=op.op_id, message=f"joined the weighting already in flight ({op.op_id})"
+            )
+        return Judgment(
+            status="conflict",
+            op_id=op.op_id,
+            message=f"{op.kind} of {op.target} ({op.op_id}) is in flight: one operation at a time per fleet; "
+            f"follow it with `haru op {op.op_id} --fleet {fleet}`, then ask again",
+        )
     if new == current:
         return Judgment(status="noop", message=f"{scope_of(model)} already splits {describe(new, active)}")
     before = split_of(view.weights, view.model_weights, model, active) if model else (view.weights or {active: 100})
     new_shares = gaining(before, new, active)
     if len(new_shares) > 1:
-        return Judgment(status="invalid", message=f"this gives {', '.join(new_shares)} a share each: one domain is woken and "
-                                                  f"probed per request, so give them their shares one at a time "
-                                                  f"(first {new_shares[0]}={new[new_shares[0]]})")
+        return Judgment(
+            status="invalid",
+            message=f"this gives {', '.join(new_shares)} a share each: one domain is woken and "
+            f"probed per request, so give them their shares one at a time "
+            f"(first {new_shares[0]}={new[new_shares[0]]})",
+        )
     target = new_shares[0] if new_shares else active
     if target != active:
         why = _cannot_wake(view, target, model)
         if why:
-            return Judgment(status="refused", message=f"{target} cannot take {new[target]}% of {scope_of(model)}'s traffic "
-                                                      f"now: {why}")
+            return Judgment(
+                status="refused",
+                message=f"{target} cannot take {new[target]}% of {scope_of(model)}'s traffic now: {why}",
+            )
     what = f"{describe(new, active)} for {scope_of(model)}"
-    event = WeightingRequested(at=now, by=by, op_id=op_id, target=target, model=model, weights=new, reason="manual",
-                               detail=what, route_revision=view.route_revision)
-    how = (f"{target} is woken and probed first, then the split is recorded" if target != active
-           else "nothing to wake: the split is recorded")
-    return Judgment(status="accepted", op_id=op_id, message=f"weights {what} accepted ({how}); follow it with "
-                                                            f"`haru op {op_id} --fleet {fleet}`", event=event)
+    event = WeightingRequested(
+        at=now,
+        by=by,
+        op_id=op_id,
+        target=target,
+        model=model,
+        weights=new,
+        reason="manual",
+        detail=what,
+        route_revision=view.route_revision,
+    )
+    how = (
+        f"{target} is woken and probed first, then the split is recorded"
+        if target != active
+        else "nothing to wake: the split is recorded"
+    )
+    return Judgment(
+        status="accepted",
+        op_id=op_id,
+        message=f"weights {what} accepted ({how}); follow it with `haru op {op_id} --fleet {fleet}`",
+        event=event,
+    )
 
 
 def _cannot_wake(view: FleetView, name: str, model: str) -> str:
     dv = view.domains[name]
     if dv.reachable is not True:
-        return ("its agent is unreachable: start it (haru status shows the domain)" if dv.reachable is False
-                else "its agent has not been heard from yet: start it, or wait for its first heartbeat")
+        return (
+            "its agent is unreachable: start it (haru status shows the domain)"
+            if dv.reachable is False
+            else "its agent has not been heard from yet: start it, or wait for its first heartbeat"
+        )
     if not dv.eligible:
         return f"it is not eligible: {dv.ineligible_why or 'not recovered'}"
     models = scope_models(view, dv, model)
@@ -109,8 +153,9 @@ def _cannot_wake(view: FleetView, name: str, model: str) -> str:
             return f"model {block.model!r} is {block.state} there: wait until it is resident or asleep (haru status)"
 
 
-async def request_weights(log, fleet: str, given: Mapping[str, int], *, model: str = "", reset: bool = False, by: str,
-                          now: datetime) -> RequestResult:
+async def request_weights(
+    log, fleet: str, given: Mapping[str, int], *, model: str = "", reset: bool = False, by: str, now: datetime
+) -> RequestResult:
     """Ask for new weights in `fleet` (see the module docstring); appended against the op subject's last sequence."""
     try:
         subjects.check_name("fleet", fleet)
@@ -119,5 +164,6 @@ async def request_weights(log, fleet: str, given: Mapping[str, int], *, model: s
     except InvalidName as exc:
         return RequestResult(status="invalid", message=str(exc))
     op_id = new_op_id()
-    return await _judged_append(log, fleet, lambda view: judge_weights(view, given, model=model, reset=reset, op_id=op_id,
-                                                                        by=by, now=now))
+    return await _judged_append(
+        log, fleet, lambda view: judge_weights(view, given, model=model, reset=reset, op_id=op_id, by=by, now=now)
+    )

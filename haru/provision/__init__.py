@@ -9,21 +9,64 @@
 Static domains are never provisioned: Haru neither launches nor tears down a host it did not make.
 """
 
-from haru.provision.errors import (CapacityError, LaunchFailed, NotProvisionable, ProvisionError, SecretMissing,
-                                   SkyFailed, SkyTimeout, SkyUnavailable, TeardownFailed)
+from haru.provision.errors import (
+    CapacityError,
+    LaunchFailed,
+    NotProvisionable,
+    ProvisionError,
+    SecretMissing,
+    SkyFailed,
+    SkyTimeout,
+    SkyUnavailable,
+    TeardownFailed,
+)
 from haru.provision.execs import Exec, ExecResult, SubprocessExec
-from haru.provision.skypilot import (Attempt, ClusterStatus, LaunchResult, Placement, SkyPilot, agent_config,
-                                     cluster_name, placements, provision_of, task_config, task_yaml)
+from haru.provision.skypilot import (
+    Attempt,
+    ClusterStatus,
+    LaunchResult,
+    Placement,
+    SkyPilot,
+    agent_config,
+    cluster_name,
+    placements,
+    provision_of,
+    task_config,
+    task_yaml,
+)
 from haru.provision.skyserve import ServeResult, ServiceStatus, SkyServe, service_config, service_yaml
 
 __all__ = [
-    "ProvisionError", "NotProvisionable", "SecretMissing", "SkyUnavailable", "SkyTimeout", "SkyFailed",
-    "CapacityError", "LaunchFailed", "TeardownFailed",
-    "Exec", "ExecResult", "SubprocessExec",
-    "Placement", "Attempt", "ClusterStatus", "LaunchResult", "SkyPilot", "agent_config", "cluster_name",
-    "placements", "provision_of", "task_config", "task_yaml",
-    "ServiceStatus", "ServeResult", "SkyServe", "service_config", "service_yaml",
-    "submitted_yaml", "dry_run_text",
+    "ProvisionError",
+    "NotProvisionable",
+    "SecretMissing",
+    "SkyUnavailable",
+    "SkyTimeout",
+    "SkyFailed",
+    "CapacityError",
+    "LaunchFailed",
+    "TeardownFailed",
+    "Exec",
+    "ExecResult",
+    "SubprocessExec",
+    "Placement",
+    "Attempt",
+    "ClusterStatus",
+    "LaunchResult",
+    "SkyPilot",
+    "agent_config",
+    "cluster_name",
+    "placements",
+    "provision_of",
+    "task_config",
+    "task_yaml",
+    "ServiceStatus",
+    "ServeResult",
+    "SkyServe",
+    "service_config",
+    "service_yaml",
+    "submitted_yaml",
+    "dry_run_text",
 ]
 
 
@@ -43,14 +86,22 @@ def dry_run_text(kind: str, fleet: str, spec, *, generation: str = "") -> str:
     provision_of(spec)
     name = cluster_name(fleet, spec)
     if spec.provider == "skyserve":
-        down = (f"# teardown: every service of domain {spec.name} that `sky serve status` lists\n"
-                f"sky serve down --yes {name}   # and {name}-r<generation> for a replacement\n")
+        down = (
+            f"# teardown: every service of domain {spec.name} that `sky serve status` lists\n"
+            f"sky serve down --yes {name}   # and {name}-r<generation> for a replacement\n"
+        )
     else:
-        down = (f"# teardown: every cluster of domain {spec.name} that `sky status -o json` lists\n"
-                f"sky down --yes {name}   # and {name}-r<generation> for a replacement\n")
+        down = (
+            f"# teardown: every cluster of domain {spec.name} that `sky status -o json` lists\n"
+            f"sky down --yes {name}   # and {name}-r<generation> for a replacement\n"
+        )
     if kind == "teardown":
         return down
-    verb = "sky serve up --yes --service-name" if spec.provider == "skyserve" else "sky launch --yes --detach-run --cluster"
+    verb = (
+        "sky serve up --yes --service-name"
+        if spec.provider == "skyserve"
+        else "sky launch --yes --detach-run --cluster"
+    )
     secrets = "".join(f" --secret {s}" for s in spec.provision.secrets)
     target = f"{name}-r<generation>" if kind == "replace" else name
     head = f"# {verb} {target}{secrets} <this file>\n"

@@ -36,13 +36,16 @@ class SkyTimeout(ProvisionError):
     def __init__(self, argv: list[str], timeout_s: float) -> None:
         self.argv = list(argv)
         self.timeout_s = timeout_s
-        super().__init__(f"`{' '.join(argv)}` ran past its {timeout_s:g} s bound and was killed; "
-                         "raise the domain's provision timeout if SkyPilot needs longer there")
+        super().__init__(
+            f"`{' '.join(argv)}` ran past its {timeout_s:g} s bound and was killed; "
+            "raise the domain's provision timeout if SkyPilot needs longer there"
+        )
 
 
 class SkyFailed(ProvisionError):
-    def __init__(self, message: str, *, argv: list[str] | None = None, returncode: int | None = None,
-                 output: str = "") -> None:
+    def __init__(
+        self, message: str, *, argv: list[str] | None = None, returncode: int | None = None, output: str = ""
+    ) -> None:
         self.argv = list(argv or [])
         self.returncode = returncode
         self.output = output

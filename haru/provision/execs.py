@@ -43,8 +43,9 @@ class ExecResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Exec(Protocol):
-    async def __call__(self, argv: Sequence[str], *, timeout_s: float,
-                       env: Mapping[str, str] | None = None) -> ExecResult:
+    async def __call__(
+        self, argv: Sequence[str], *, timeout_s: float, env: Mapping[str, str] | None = None
+    ) -> ExecResult:
         """Run argv to completion within timeout_s (raise SkyTimeout past it). `env` is added to the
         process's inherited environment."""
         ...
@@ -56,31 +57,43 @@ class SubprocessExec:
     def __init__(self, *, kill_grace_s: float = 5.0) -> None:
         self.kill_grace_s = kill_grace_s
 
-    async def __call__(self, argv: Sequence[str], *, timeout_s: float,
-                       env: Mapping[str, str] | None = None) -> ExecResult:
+    async def __call__(
+        self, argv: Sequence[str], *, timeout_s: float, env: Mapping[str, str] | None = None
+    ) -> ExecResult:
         argv = list(argv)
         child_env = dict(os.environ)
         child_env.update(env or {})
         started = time.monotonic()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=child_env, start_new_session=True)
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=child_env,
+                start_new_session=True,
+            )
         except FileNotFoundError:
-            raise SkyUnavailable(f"cannot run {argv[0]!r}: not found; install SkyPilot (pip install skypilot) "
-                                 "or pass the path of `sky` (--sky / HARU_SKY)") from None
+            raise SkyUnavailable(
+                f"cannot run {argv[0]!r}: not found; install SkyPilot (pip install skypilot) "
+                "or pass the path of `sky` (--sky / HARU_SKY)"
+            ) from None
         except PermissionError:
             raise SkyUnavailable(f"cannot run {argv[0]!r}: permission denied; make it executable") from None
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+        except (TimeoutError, asyncio.CancelledError) as exc:
             await self._kill(proc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise SkyTimeout(argv, timeout_s) from None
-        return ExecResult(argv=argv, returncode=proc.returncode if proc.returncode is not None else -1,
-                          stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"),
-                          duration_s=time.monotonic() - started)
+        return ExecResult(
+            argv=argv,
+            returncode=proc.returncode if proc.returncode is not None else -1,
+            stdout=out.decode(errors="replace"),
+            stderr=err.decode(errors="replace"),
+            duration_s=time.monotonic() - started,
+        )
 
     async def _kill(self, proc: asyncio.subprocess.Process) -> None:
         for sig, wait in ((signal.SIGTERM, self.kill_grace_s), (signal.SIGKILL, self.kill_grace_s)):
@@ -91,7 +104,7 @@ class SubprocessExec:
             try:
                 await asyncio.wait_for(proc.wait(), wait)
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
         # the group may outlive its leader: make sure nothing of it is left
         try:

@@ -29,15 +29,37 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from haru.provision import yamltext
-from haru.provision.errors import (CapacityError, LaunchFailed, NotProvisionable, SecretMissing, SkyFailed,
-                                   SkyTimeout, TeardownFailed)
-from haru.provision.execs import Exec, SubprocessExec
 from haru.core.specs import DomainSpec, ProvisionSpec
+from haru.provision import yamltext
+from haru.provision.errors import (
+    CapacityError,
+    LaunchFailed,
+    NotProvisionable,
+    SecretMissing,
+    SkyFailed,
+    SkyTimeout,
+    TeardownFailed,
+)
+from haru.provision.execs import Exec, SubprocessExec
 
-__all__ = ["Placement", "Attempt", "ClusterStatus", "LaunchResult", "SkyPilot", "placements", "cluster_name",
-           "agent_config", "task_config", "task_yaml", "provision_of", "serving_port", "is_capacity_error",
-           "DEFAULT_SETUP", "DEFAULT_RUN", "DEFAULT_AGENT_PORT"]
+__all__ = [
+    "Placement",
+    "Attempt",
+    "ClusterStatus",
+    "LaunchResult",
+    "SkyPilot",
+    "placements",
+    "cluster_name",
+    "agent_config",
+    "task_config",
+    "task_yaml",
+    "provision_of",
+    "serving_port",
+    "is_capacity_error",
+    "DEFAULT_SETUP",
+    "DEFAULT_RUN",
+    "DEFAULT_AGENT_PORT",
+]
 
 DEFAULT_AGENT_PORT = 8600
 # Checks the agent is there. Haru is not installed from PyPI by name (the name `haru` there is another
@@ -63,7 +85,8 @@ _CAPACITY = re.compile(
     r"ResourcesUnavailableError|Failed to provision all possible launchable resources|InsufficientInstanceCapacity"
     r"|ZONE_RESOURCE_POOL_EXHAUSTED|insufficient capacity|out of capacity|capacity not available|quota exceeded"
     r"|QUOTA_EXCEEDED|not enough capacity",
-    re.IGNORECASE)
+    re.IGNORECASE,
+)
 
 
 class Placement(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,19 +126,23 @@ class LaunchResult(msgspec.Struct, frozen=True, kw_only=True):
 def provision_of(spec: DomainSpec) -> ProvisionSpec:
     """The domain's provision block, or NotProvisionable saying what to declare."""
     if spec.provider == "static":
-        raise NotProvisionable(f"domain {spec.name!r} is a static host: Haru does not launch or tear it down; "
-                               'set "provider": "skypilot" (or "skyserve") with a provision block to have it launched')
+        raise NotProvisionable(
+            f"domain {spec.name!r} is a static host: Haru does not launch or tear it down; "
+            'set "provider": "skypilot" (or "skyserve") with a provision block to have it launched'
+        )
     if spec.provision is None:
-        raise NotProvisionable(f"domain {spec.name!r} is provider {spec.provider} but declares no provision block; "
-                               'add "provision": {"accelerators": "L4:1", "nats_url": "nats://...:4222", ...} '
-                               "(docs/provisioning.md) and `haru apply` the layout")
+        raise NotProvisionable(
+            f"domain {spec.name!r} is provider {spec.provider} but declares no provision block; "
+            'add "provision": {"accelerators": "L4:1", "nats_url": "nats://...:4222", ...} '
+            "(docs/provisioning.md) and `haru apply` the layout"
+        )
     return spec.provision
 
 
 def cluster_name(fleet: str, spec: DomainSpec, generation: str = "") -> str:
     """The cluster (or service) name: declared, else haru-<fleet>-<domain>; a replacement's ends in
     -r<generation> (six hex digits: the replace operation's)."""
-    base = (spec.provision.cluster if spec.provision and spec.provision.cluster else f"haru-{fleet}-{spec.name}")
+    base = spec.provision.cluster if spec.provision and spec.provision.cluster else f"haru-{fleet}-{spec.name}"
     base = re.sub(r"[^a-z0-9-]", "-", base.lower()).strip("-")
     return f"{base}-r{generation}" if generation else base
 
@@ -138,8 +165,9 @@ def placements(spec: DomainSpec, *, avoid: tuple[str, ...] = ()) -> list[Placeme
     else:
         out = [Placement(cloud=p.cloud)]
     if avoid:
-        out = [x for x in out if x.region not in avoid and x.zone not in avoid] + \
-              [x for x in out if x.region in avoid or x.zone in avoid]
+        out = [x for x in out if x.region not in avoid and x.zone not in avoid] + [
+            x for x in out if x.region in avoid or x.zone in avoid
+        ]
     return out
 
 
@@ -176,8 +204,14 @@ def task_config(fleet: str, spec: DomainSpec, placement: Placement | None = None
     p = provision_of(spec)
     placement = placement or placements(spec)[0]
     resources: dict = {}
-    for key, value in (("cloud", placement.cloud), ("region", placement.region), ("zone", placement.zone),
-                       ("accelerators", p.accelerators), ("cpus", p.cpus), ("memory", p.memory)):
+    for key, value in (
+        ("cloud", placement.cloud),
+        ("region", placement.region),
+        ("zone", placement.zone),
+        ("accelerators", p.accelerators),
+        ("cpus", p.cpus),
+        ("memory", p.memory),
+    ):
         if value:
             resources[key] = value
     resources["use_spot"] = p.use_spot
@@ -213,19 +247,27 @@ def secret_env(p: ProvisionSpec, environ: Mapping[str, str]) -> dict[str, str]:
     """The declared secrets' values from the launching environment; SecretMissing names any absent."""
     missing = [name for name in p.secrets if name not in environ]
     if missing:
-        raise SecretMissing(f"secret{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
-                            f"{'are' if len(missing) > 1 else 'is'} not set in the environment of the process that "
-                            "launches (the promoter, or this shell); export it there: the layout names secrets, "
-                            "it never holds their values")
+        raise SecretMissing(
+            f"secret{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+            f"{'are' if len(missing) > 1 else 'is'} not set in the environment of the process that "
+            "launches (the promoter, or this shell); export it there: the layout names secrets, "
+            "it never holds their values"
+        )
     return {name: environ[name] for name in p.secrets}
 
 
 class SkyPilot:
     """`sky launch / status / down` through one injectable `Exec`, every command bounded."""
 
-    def __init__(self, exec: Exec | None = None, *, sky: str | list[str] = "sky",
-                 environ: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic,
-                 poll_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        exec: Exec | None = None,
+        *,
+        sky: str | list[str] = "sky",
+        environ: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        poll_s: float = 10.0,
+    ) -> None:
         self.exec = exec or SubprocessExec()
         self.sky = [sky] if isinstance(sky, str) else list(sky)
         self.environ = os.environ if environ is None else environ
@@ -243,27 +285,43 @@ class SkyPilot:
         argv = [*self.sky, "status", "-o", "json", *names]
         result = await self.exec(argv, timeout_s=timeout_s)
         if result.returncode != 0:
-            raise SkyFailed(result.summary("sky status"), argv=argv, returncode=result.returncode,
-                            output=result.output)
+            raise SkyFailed(result.summary("sky status"), argv=argv, returncode=result.returncode, output=result.output)
         try:
             records = json.loads(result.stdout)
         except ValueError:
-            raise SkyFailed(f"sky status -o json printed no JSON: {result.stdout[:200]!r}", argv=argv,
-                            returncode=result.returncode, output=result.output) from None
+            raise SkyFailed(
+                f"sky status -o json printed no JSON: {result.stdout[:200]!r}",
+                argv=argv,
+                returncode=result.returncode,
+                output=result.output,
+            ) from None
         out = []
         for r in records if isinstance(records, list) else []:
             if isinstance(r, dict) and isinstance(r.get("name"), str) and r.get("status") not in (None, "TERMINATED"):
-                out.append(ClusterStatus(name=r["name"], status=str(r["status"]), region=_region_of(r),
-                                         resources=str(r.get("resources_str") or ""),
-                                         launched_at=int(r.get("launched_at") or 0)))
+                out.append(
+                    ClusterStatus(
+                        name=r["name"],
+                        status=str(r["status"]),
+                        region=_region_of(r),
+                        resources=str(r.get("resources_str") or ""),
+                        launched_at=int(r.get("launched_at") or 0),
+                    )
+                )
         return out
 
     async def clusters(self, *, timeout_s: float = 120) -> list[ClusterStatus]:
         """Every cluster SkyPilot knows (`sky status -o json`)."""
         return await self._status([], timeout_s)
 
-    async def launch(self, fleet: str, spec: DomainSpec, *, generation: str = "",
-                     avoid: tuple[str, ...] = (), on_attempt: Callable[[Attempt], None] | None = None) -> LaunchResult:
+    async def launch(
+        self,
+        fleet: str,
+        spec: DomainSpec,
+        *,
+        generation: str = "",
+        avoid: tuple[str, ...] = (),
+        on_attempt: Callable[[Attempt], None] | None = None,
+    ) -> LaunchResult:
         """Launch the domain's cluster, trying each placement in order; found, not repeated, when up."""
         p = provision_of(spec)
         name = cluster_name(fleet, spec, generation)
@@ -292,10 +350,17 @@ class SkyPilot:
             existing = None
         if existing is not None and existing.status == "UP":
             where = Placement(cloud=p.cloud, region=existing.region)
-            record(Attempt(placement=where, outcome="found", duration_s=0.0,
-                           message=f"cluster {name} is already UP ({existing.resources or 'resources unknown'})"))
-            return LaunchResult(cluster=name, placement=where, attempts=attempts, found=True,
-                                duration_s=self.clock() - started)
+            record(
+                Attempt(
+                    placement=where,
+                    outcome="found",
+                    duration_s=0.0,
+                    message=f"cluster {name} is already UP ({existing.resources or 'resources unknown'})",
+                )
+            )
+            return LaunchResult(
+                cluster=name, placement=where, attempts=attempts, found=True, duration_s=self.clock() - started
+            )
         secrets = secret_env(p, self.environ)
         for placement in placements(spec, avoid=avoid):
             t0 = self.clock()
@@ -308,19 +373,34 @@ class SkyPilot:
             except SkyFailed as exc:
                 record(Attempt(placement=placement, outcome="failed", duration_s=self.clock() - t0, message=str(exc)))
                 await self._clean_up(name, p)
-                raise LaunchFailed(f"launching {name} in {placement.describe()} failed, not for want of capacity, "
-                                   f"so no other placement was tried: {exc}", attempts) from None
+                raise LaunchFailed(
+                    f"launching {name} in {placement.describe()} failed, not for want of capacity, "
+                    f"so no other placement was tried: {exc}",
+                    attempts,
+                ) from None
             else:
                 record(Attempt(placement=placement, outcome="launched", duration_s=self.clock() - t0))
-                return LaunchResult(cluster=name, placement=placement, attempts=attempts, found=False,
-                                    duration_s=self.clock() - started)
+                return LaunchResult(
+                    cluster=name, placement=placement, attempts=attempts, found=False, duration_s=self.clock() - started
+                )
             await self._clean_up(name, p)
         tried = ", ".join(f"{a.placement.describe()} ({a.outcome})" for a in attempts)
-        raise LaunchFailed(f"no placement launched {name}: tried {tried}; add regions or zones to the domain's "
-                           "provision block, or try again later", attempts)
+        raise LaunchFailed(
+            f"no placement launched {name}: tried {tried}; add regions or zones to the domain's "
+            "provision block, or try again later",
+            attempts,
+        )
 
-    async def _launch_once(self, name: str, fleet: str, spec: DomainSpec, placement: Placement, generation: str,
-                           secrets: dict[str, str], timeout_s: float) -> None:
+    async def _launch_once(
+        self,
+        name: str,
+        fleet: str,
+        spec: DomainSpec,
+        placement: Placement,
+        generation: str,
+        secrets: dict[str, str],
+        timeout_s: float,
+    ) -> None:
         text = task_yaml(fleet, spec, placement, generation=generation)
         with tempfile.TemporaryDirectory(prefix="haru-sky-") as tmp:
             path = os.path.join(tmp, f"{name}.yaml")
@@ -334,8 +414,12 @@ class SkyPilot:
         if result.returncode == 0:
             return
         error = CapacityError if is_capacity_error(result.output) else SkyFailed
-        raise error(result.summary(f"sky launch in {placement.describe()}"), argv=argv,
-                    returncode=result.returncode, output=result.output)
+        raise error(
+            result.summary(f"sky launch in {placement.describe()}"),
+            argv=argv,
+            returncode=result.returncode,
+            output=result.output,
+        )
 
     async def _clean_up(self, name: str, p: ProvisionSpec) -> None:
         """After a failed attempt: take down whatever it left, so the next placement starts clean."""
@@ -350,9 +434,12 @@ class SkyPilot:
         argv = [*self.sky, "down", "--yes", cluster]
         result = await self.exec(argv, timeout_s=timeout_s)
         if result.returncode != 0:
-            raise TeardownFailed(result.summary("sky down") + f"; cluster {cluster} may still be running: "
-                                 f"check `sky status {cluster}`", argv=argv, returncode=result.returncode,
-                                 output=result.output)
+            raise TeardownFailed(
+                result.summary("sky down") + f"; cluster {cluster} may still be running: check `sky status {cluster}`",
+                argv=argv,
+                returncode=result.returncode,
+                output=result.output,
+            )
         return True
 
     async def cost(self, cluster: str, *, timeout_s: float = 120) -> float | None:

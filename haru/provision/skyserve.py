@@ -17,12 +17,11 @@ from collections.abc import Callable, Mapping
 
 import msgspec
 
+from haru.core.specs import DomainSpec
 from haru.provision import yamltext
 from haru.provision.errors import SkyFailed, TeardownFailed
 from haru.provision.execs import Exec, SubprocessExec
-from haru.provision.skypilot import (cluster_name, placements, provision_of, secret_env,
-                                     serving_port, task_config)
-from haru.core.specs import DomainSpec
+from haru.provision.skypilot import cluster_name, placements, provision_of, secret_env, serving_port, task_config
 
 __all__ = ["ServiceStatus", "ServeResult", "SkyServe", "service_config", "service_yaml", "parse_service_table"]
 
@@ -56,8 +55,9 @@ def service_config(fleet: str, spec: DomainSpec, *, generation: str = "") -> dic
     if len(options) > 1:
         for key in ("cloud", "region", "zone"):
             resources.pop(key, None)
-        resources["any_of"] = [{k: v for k, v in (("cloud", o.cloud), ("region", o.region), ("zone", o.zone)) if v}
-                               for o in options]
+        resources["any_of"] = [
+            {k: v for k, v in (("cloud", o.cloud), ("region", o.region), ("zone", o.zone)) if v} for o in options
+        ]
     service = {
         "readiness_probe": {"path": p.service.readiness_path, "initial_delay_seconds": p.service.initial_delay_s},
         "replicas": p.service.replicas,
@@ -92,16 +92,26 @@ def parse_service_table(text: str) -> dict[str, ServiceStatus]:
         name = row.get("NAME", "")
         if name:
             endpoint = row.get("ENDPOINT", "")
-            out[name] = ServiceStatus(name=name, status=row.get("STATUS", ""), replicas=row.get("REPLICAS", ""),
-                                      endpoint="" if endpoint == "-" else endpoint)
+            out[name] = ServiceStatus(
+                name=name,
+                status=row.get("STATUS", ""),
+                replicas=row.get("REPLICAS", ""),
+                endpoint="" if endpoint == "-" else endpoint,
+            )
     return out
 
 
 class SkyServe:
     """`sky serve up / status / down` through one injectable `Exec`, every command bounded."""
 
-    def __init__(self, exec: Exec | None = None, *, sky: str | list[str] = "sky",
-                 environ: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        exec: Exec | None = None,
+        *,
+        sky: str | list[str] = "sky",
+        environ: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.exec = exec or SubprocessExec()
         self.sky = [sky] if isinstance(sky, str) else list(sky)
         self.environ = os.environ if environ is None else environ
@@ -112,8 +122,9 @@ class SkyServe:
         argv = [*self.sky, "serve", "status"]
         result = await self.exec(argv, timeout_s=timeout_s)
         if result.returncode != 0:
-            raise SkyFailed(result.summary("sky serve status"), argv=argv, returncode=result.returncode,
-                            output=result.output)
+            raise SkyFailed(
+                result.summary("sky serve status"), argv=argv, returncode=result.returncode, output=result.output
+            )
         return list(parse_service_table(result.stdout).values())
 
     async def status(self, service: str, *, timeout_s: float = 120) -> ServiceStatus | None:
@@ -122,8 +133,9 @@ class SkyServe:
         if result.returncode != 0:
             if "not found" in result.output.lower() or "no existing service" in result.output.lower():
                 return None
-            raise SkyFailed(result.summary("sky serve status"), argv=argv, returncode=result.returncode,
-                            output=result.output)
+            raise SkyFailed(
+                result.summary("sky serve status"), argv=argv, returncode=result.returncode, output=result.output
+            )
         return parse_service_table(result.stdout).get(service)
 
     async def up(self, fleet: str, spec: DomainSpec, *, generation: str = "") -> ServeResult:
@@ -146,11 +158,13 @@ class SkyServe:
             argv.append(path)
             result = await self.exec(argv, timeout_s=p.launch_timeout_s, env=secrets)
         if result.returncode != 0:
-            raise SkyFailed(result.summary("sky serve up"), argv=argv, returncode=result.returncode,
-                            output=result.output)
+            raise SkyFailed(
+                result.summary("sky serve up"), argv=argv, returncode=result.returncode, output=result.output
+            )
         after = await self.status(name, timeout_s=p.status_timeout_s)
-        return ServeResult(service=name, found=False, duration_s=self.clock() - started,
-                           endpoint=after.endpoint if after else "")
+        return ServeResult(
+            service=name, found=False, duration_s=self.clock() - started, endpoint=after.endpoint if after else ""
+        )
 
     async def down(self, service: str, *, timeout_s: float = 900, status_timeout_s: float = 120) -> bool:
         if await self.status(service, timeout_s=status_timeout_s) is None:
@@ -158,7 +172,11 @@ class SkyServe:
         argv = [*self.sky, "serve", "down", "--yes", service]
         result = await self.exec(argv, timeout_s=timeout_s)
         if result.returncode != 0:
-            raise TeardownFailed(result.summary("sky serve down") + f"; service {service} may still be running: "
-                                 f"check `sky serve status {service}`", argv=argv, returncode=result.returncode,
-                                 output=result.output)
+            raise TeardownFailed(
+                result.summary("sky serve down") + f"; service {service} may still be running: "
+                f"check `sky serve status {service}`",
+                argv=argv,
+                returncode=result.returncode,
+                output=result.output,
+            )
         return True

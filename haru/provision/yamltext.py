@@ -27,4 +27,6 @@ _Dumper.add_representer(str, _str)
 
 
 def dump(value: object) -> str:
-    return yaml.dump(value, Dumper=_Dumper, sort_keys=False, allow_unicode=True, default_flow_style=False, width=1 << 16)
+    return yaml.dump(
+        value, Dumper=_Dumper, sort_keys=False, allow_unicode=True, default_flow_style=False, width=1 << 16
+    )

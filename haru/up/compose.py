@@ -37,21 +37,21 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from haru.core import apply as apply_mod
-from haru.host import children, natsd
 from haru.core.errors import AlreadyRunning, ConfigError, StoreBusy
-from haru.log.eventlog import EventLog
 from haru.core.layout import parse_layout
-from haru.host.natsd import NatsServer, free_port
-from haru.core.specs import Layout
 from haru.core.restarts import POLICY, RestartPolicy, exit_reason, next_restart
+from haru.core.specs import Layout
+from haru.host import children, natsd
+from haru.host.natsd import NatsServer, free_port
 from haru.host.tasks import cancel_and_wait
+from haru.log.eventlog import EventLog
 
 log = structlog.get_logger("haru.up.compose")
 
@@ -199,8 +199,17 @@ def _real_vllm_model(model: dict, home: Path) -> None:
     path = home / "demo" / "models" / name
     if not (path / "model.safetensors").exists():
         # the writer runs in vLLM's interpreter: it has sentencepiece, numpy and safetensors
-        subprocess.run([str(python), str(Path(runtimes.__file__).parent / "tiny_hf_model.py"), str(path),
-                        "--seed", str(zlib.crc32(name.encode()) & 0xFFFF)], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                str(python),
+                str(Path(runtimes.__file__).parent / "tiny_hf_model.py"),
+                str(path),
+                "--seed",
+                str(zlib.crc32(name.encode()) & 0xFFFF),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     model["source"] = str(path)
 
 
@@ -238,8 +247,10 @@ class HomeLock:
         urls = [f"NATS {redact(doc['nats_url'])}"] if doc.get("nats_url") else []
         urls += [f"gateway {doc['gateway_url']}"] if doc.get("gateway_url") else []
         running = f"pid {pid}" + (f", {', '.join(urls)}" if urls else ", still starting")
-        return (f"haru up is already running on {self.home} ({running}): use that one (`haru status`), "
-                f"stop it first (kill {pid}), or give this one another home (--home DIR or HARU_HOME)")
+        return (
+            f"haru up is already running on {self.home} ({running}): use that one (`haru status`), "
+            f"stop it first (kill {pid}), or give this one another home (--home DIR or HARU_HOME)"
+        )
 
     def publish(self, **info: object) -> None:
         tmp = self.state_file.with_suffix(".tmp")
@@ -273,8 +284,13 @@ def stop_leftovers(home: Path, *, embedded: bool) -> list[dict]:
             continue
         ended = children.stop_leftover(f, LEFTOVER_STOP_S)
         if ended is not None:
-            log.warning("up.leftover_stopped", what=ended.get("what"), pid=ended["pid"], ended=ended["ended"],
-                        why="a previous haru up on this home died and left it running")
+            log.warning(
+                "up.leftover_stopped",
+                what=ended.get("what"),
+                pid=ended["pid"],
+                ended=ended["ended"],
+                why="a previous haru up on this home died and left it running",
+            )
             stopped.append(ended)
     return stopped
 
@@ -292,7 +308,7 @@ def fresh_start(home: Path, now: datetime | None = None) -> Path | None:
         parts = [home / p for p in FRESH_PARTS if (home / p).exists()]
         if not parts:
             return None
-        stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+        stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%SZ")
         dest = home / "previous" / stamp
         dest.mkdir(parents=True, exist_ok=True)
         for p in parts:
@@ -319,7 +335,7 @@ class Child:
 
     name: str  # "agent a", "projector", "promoter", "nats-server"
     log_path: Path
-    restart: Callable[["Child"], Awaitable[subprocess.Popen]]  # starts it again, as `child` now says
+    restart: Callable[[Child], Awaitable[subprocess.Popen]]  # starts it again, as `child` now says
     proc: subprocess.Popen | None = None
     restarts: int = 0
     domain: str = ""  # agents only
@@ -342,16 +358,23 @@ def _spawn_python(args: list[str], *, name: str, home: Path, log_path: Path, env
         # each of these is built to be killed (the log is the truth; the next start reconciles). A
         # SIGTERM would leave an agent retrying its last appends against a log that is gone.
         return children.spawn(
-            [sys.executable, "-m", "haru.cli", *args], death_signal=signal.SIGKILL,
-            pidfile=home / RUN_DIR / f"{name.replace(' ', '-')}.pid", what=name,
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=str(REPO_ROOT),
+            [sys.executable, "-m", "haru.cli", *args],
+            death_signal=signal.SIGKILL,
+            pidfile=home / RUN_DIR / f"{name.replace(' ', '-')}.pid",
+            what=name,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=str(REPO_ROOT),
         )
     finally:
         out.close()
 
 
-def _agent_config(layout: Layout, domain: str, nats_url: str, home: Path, metrics_port: int | None = None,
-                  gpus: str = "sim") -> dict[str, object]:
+def _agent_config(
+    layout: Layout, domain: str, nats_url: str, home: Path, metrics_port: int | None = None, gpus: str = "sim"
+) -> dict[str, object]:
     conf: dict[str, object] = {
         "fleet": layout.fleet,
         "domain": domain,
@@ -378,8 +401,9 @@ def _prepare_sim_host(layout: Layout, domain: str, home: Path) -> None:
         state.set_present(True)  # a new demo starts with every GPU attached
 
 
-def start_agent(layout: Layout, domain: str, nats_url: str, home: Path, metrics_port: int | None = None,
-                gpus: str = "sim") -> Child:
+def start_agent(
+    layout: Layout, domain: str, nats_url: str, home: Path, metrics_port: int | None = None, gpus: str = "sim"
+) -> Child:
     if gpus == "sim":
         _prepare_sim_host(layout, domain, home)
     conf_dir = home / "demo" / "agents"
@@ -393,11 +417,13 @@ def start_agent(layout: Layout, domain: str, nats_url: str, home: Path, metrics_
 
     write_conf(metrics_port)
     log_path = conf_dir / f"{domain}.log"
-    env = _child_env({
-        "HARU_SIM_DIR": str(home / "sim" / domain),
-        "HARU_SIM_DOMAIN": domain,
-        "HARU_HOME": str(home),  # the agent's model store is $HARU_HOME/models (layouts may name references)
-    })
+    env = _child_env(
+        {
+            "HARU_SIM_DIR": str(home / "sim" / domain),
+            "HARU_SIM_DOMAIN": domain,
+            "HARU_HOME": str(home),  # the agent's model store is $HARU_HOME/models (layouts may name references)
+        }
+    )
     env.pop("HARU_METRICS_PORT", None)  # haru up's own port: each agent's is in its config
     name = f"agent {domain}"
 
@@ -405,11 +431,13 @@ def start_agent(layout: Layout, domain: str, nats_url: str, home: Path, metrics_
         # a restarted agent finds its GPUs as the provider left them: no _prepare_sim_host here
         if child.metrics_port != written["port"]:  # moved off a port taken meanwhile; else the file is as it is
             write_conf(child.metrics_port)
-        return _spawn_python(["agent", "--config", str(conf), "--log-format", "json"],
-                             name=name, home=home, log_path=log_path, env=env)
+        return _spawn_python(
+            ["agent", "--config", str(conf), "--log-format", "json"], name=name, home=home, log_path=log_path, env=env
+        )
 
-    proc = _spawn_python(["agent", "--config", str(conf), "--log-format", "json"],
-                         name=name, home=home, log_path=log_path, env=env)
+    proc = _spawn_python(
+        ["agent", "--config", str(conf), "--log-format", "json"], name=name, home=home, log_path=log_path, env=env
+    )
     return Child(name, log_path, restart, proc, domain=domain, metrics_port=metrics_port)
 
 
@@ -427,6 +455,7 @@ def start_service(kind: str, nats_url: str, home: Path, metrics_port: int | None
     if kind == "promoter":
         # stable across restarts: a restarted promoter resumes its own unfinished step at once
         args += ["--id", f"promoter:{socket.gethostname()}:up"]
+
     def argv(port: int | None) -> list[str]:
         return args + (["--metrics-port", str(port)] if port is not None else [])
 
@@ -437,9 +466,13 @@ def start_service(kind: str, nats_url: str, home: Path, metrics_port: int | None
     async def restart(child: Child) -> subprocess.Popen:
         return _spawn_python(argv(child.metrics_port), name=kind, home=home, log_path=log_path, env=env)
 
-    return Child(kind, log_path, restart,
-                 _spawn_python(argv(metrics_port), name=kind, home=home, log_path=log_path, env=env),
-                 metrics_port=metrics_port)
+    return Child(
+        kind,
+        log_path,
+        restart,
+        _spawn_python(argv(metrics_port), name=kind, home=home, log_path=log_path, env=env),
+        metrics_port=metrics_port,
+    )
 
 
 async def stop_children(kids: list[Child], timeout: float, sig: int = signal.SIGTERM) -> None:
@@ -469,8 +502,9 @@ async def stop_agents(agents: list[Child], timeout: float = AGENT_STOP_S) -> Non
     await stop_children(agents, timeout, sig=signal.SIGINT)
 
 
-async def keep_running(child: Child, running: "Running", policy: RestartPolicy = POLICY,
-                    on_restart: Callable[[], None] | None = None) -> None:
+async def keep_running(
+    child: Child, running: Running, policy: RestartPolicy = POLICY, on_restart: Callable[[], None] | None = None
+) -> None:
     """Restart `child` whenever it dies (until `running.stopping`), with backoff, saying why."""
     failures = 0
     started = time.monotonic()
@@ -481,11 +515,16 @@ async def keep_running(child: Child, running: "Running", policy: RestartPolicy =
             return
         why = exit_reason(child.proc.returncode) if child.proc is not None else "failed to start"
         failures, delay, looping = next_restart(policy, failures, time.monotonic() - started)
-        fields = dict(child=child.name, why=why, restart_in_s=delay, failures_in_a_row=failures, log=str(child.log_path))
+        fields = dict(
+            child=child.name, why=why, restart_in_s=delay, failures_in_a_row=failures, log=str(child.log_path)
+        )
         if looping:
-            log.error("up.crash_loop", **fields,
-                      message=f"{child.name} keeps dying ({failures} times in a row, each within "
-                      f"{policy.stable_s:.0f}s of starting): backing off {delay:.1f}s; its log says why")
+            log.error(
+                "up.crash_loop",
+                **fields,
+                message=f"{child.name} keeps dying ({failures} times in a row, each within "
+                f"{policy.stable_s:.0f}s of starting): backing off {delay:.1f}s; its log says why",
+            )
         else:
             log.warning("up.child_died", **fields)
         await asyncio.sleep(delay)
@@ -579,8 +618,7 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
         if opts.demo:
             layout = demo_layout(opts.home, opts.layout_path, opts.demo_domains)
         if layout is not None:
-            result = await apply_mod.apply(events, layout, datetime.now(timezone.utc),
-                                           by="up:demo" if opts.demo else "up:serve")
+            result = await apply_mod.apply(events, layout, datetime.now(UTC), by="up:demo" if opts.demo else "up:serve")
             log.info("up.applied", fleet=layout.fleet, events=len(result.events))
             if opts.after_apply is not None:
                 await opts.after_apply(events, layout)
@@ -604,14 +642,18 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
 
         if layout is not None:
             for d in layout.domains:
-                running.agents.append(start_agent(layout, d.spec.name, nats_url, opts.home, free_port(), opts.agent_gpus))
+                running.agents.append(
+                    start_agent(layout, d.spec.name, nats_url, opts.home, free_port(), opts.agent_gpus)
+                )
         stack.push_async_callback(stop_agents, running.agents)
 
         def publish() -> None:  # up.json names every child's current pid
             lock.publish(nats_url=nats_url, gateway_url=running.gateway_url, children=running.children())
 
-        keepers = [asyncio.create_task(keep_running(c, running, on_restart=publish), name=f"keep {c.name} running")
-                       for c in ([nats_child] if nats_child else []) + running.services + running.agents]
+        keepers = [
+            asyncio.create_task(keep_running(c, running, on_restart=publish), name=f"keep {c.name} running")
+            for c in ([nats_child] if nats_child else []) + running.services + running.agents
+        ]
         stack.push_async_callback(_cancel_all, keepers)
 
         def stopping() -> None:
@@ -622,11 +664,18 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
         _banner(running, opts, layout)
         publish()
         if opts.ready_file:
-            opts.ready_file.write_text(json.dumps({
-                "nats_url": running.nats_url, "gateway_url": running.gateway_url,
-                "agents": {a.domain: a.pid for a in running.agents}, "pid": os.getpid(),
-                "children": running.children(),
-                "metrics": {"up": running.metrics_url, **{a.domain: a.metrics_url for a in running.agents}}}))
+            opts.ready_file.write_text(
+                json.dumps(
+                    {
+                        "nats_url": running.nats_url,
+                        "gateway_url": running.gateway_url,
+                        "agents": {a.domain: a.pid for a in running.agents},
+                        "pid": os.getpid(),
+                        "children": running.children(),
+                        "metrics": {"up": running.metrics_url, **{a.domain: a.metrics_url for a in running.agents}},
+                    }
+                )
+            )
 
         await stop.wait()
         running.stopping = True
@@ -639,8 +688,12 @@ async def _start_nats(opts: UpOptions, stack: contextlib.AsyncExitStack, url_fil
     port = opts.nats_port
     if port and not _port_free(port):
         chosen = free_port()
-        log.warning("up.nats_port_busy", port=port, using=chosen,
-                    hint="another nats-server is using it; this one uses a free port")
+        log.warning(
+            "up.nats_port_busy",
+            port=port,
+            using=chosen,
+            hint="another nats-server is using it; this one uses a free port",
+        )
         port = chosen
     server = NatsServer(opts.home / "nats", port=port)
     await server.start()
@@ -665,7 +718,9 @@ def _children_registry(running: Running):
         def collect(self):
             kids = ([running.nats] if running.nats else []) + running.services + running.agents
             up = GaugeMetricFamily("haru_up_child_running", "1 while the child process runs", labels=["child"])
-            restarts = CounterMetricFamily("haru_up_child_restarts", "times haru up restarted the child", labels=["child"])
+            restarts = CounterMetricFamily(
+                "haru_up_child_restarts", "times haru up restarted the child", labels=["child"]
+            )
             for c in kids:
                 up.add_metric([c.name], 1.0 if c.proc is not None and c.proc.poll() is None else 0.0)
                 restarts.add_metric([c.name], float(c.restarts))
@@ -697,6 +752,7 @@ async def _serve_metrics(opts: UpOptions, running: Running):
                 async with session.get(child.metrics_url) as resp:
                     resp.raise_for_status()
                     return await resp.read()
+
             return scrape
 
         sources = [(c.name, gather(c)) for c in running.services if c.metrics_url]
@@ -729,20 +785,30 @@ def redact(urls: str) -> str:
 
 def _banner(running: Running, opts: UpOptions, layout: Layout | None) -> None:
     out = sys.stdout
-    out.write(f"haru up: NATS {redact(running.nats_url)}" + ("" if opts.nats_url else f" (embedded, store {opts.home / 'nats'})") + "\n")
+    out.write(
+        f"haru up: NATS {redact(running.nats_url)}"
+        + ("" if opts.nats_url else f" (embedded, store {opts.home / 'nats'})")
+        + "\n"
+    )
     if running.gateway_url:
-        out.write(f"haru up: gateway {running.gateway_url}  (OpenAI-compatible: {running.gateway_url}/v1; "
-                  f"console: {running.gateway_url}/ui)\n")
+        out.write(
+            f"haru up: gateway {running.gateway_url}  (OpenAI-compatible: {running.gateway_url}/v1; "
+            f"console: {running.gateway_url}/ui)\n"
+        )
     if running.metrics_url:
         agents = "".join(f", agent {a.domain} {a.metrics_url}" for a in running.agents if a.metrics_url)
         out.write(f"haru up: metrics {running.metrics_url} (projector + promoter){agents}\n")
     if layout is not None:
         models = ", ".join(m.name for m in layout.domains[0].models)
-        out.write(f"haru up: {'demo ' if opts.demo else ''}fleet {layout.fleet!r}: domains {', '.join(d.spec.name for d in layout.domains)}; "
-                  f"models {models}\n")
+        out.write(
+            f"haru up: {'demo ' if opts.demo else ''}fleet {layout.fleet!r}: domains {', '.join(d.spec.name for d in layout.domains)}; "
+            f"models {models}\n"
+        )
         out.write(f"haru up: agent logs in {opts.home / 'demo' / 'agents'}; try `haru status` in another terminal\n")
     if running.services:
-        out.write(f"haru up: {', '.join(c.name for c in running.services)} logs in {opts.home / 'logs'}; "
-                  f"children are restarted if they die (see {opts.home / 'up.json'})\n")
+        out.write(
+            f"haru up: {', '.join(c.name for c in running.services)} logs in {opts.home / 'logs'}; "
+            f"children are restarted if they die (see {opts.home / 'up.json'})\n"
+        )
     out.write("haru up: Ctrl-C stops everything\n")
     out.flush()

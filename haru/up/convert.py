@@ -24,8 +24,14 @@ from pathlib import Path
 
 from haru.core.model_errors import ConvertError
 
-CONVERT_REQUIREMENTS = ("torch==2.13.0", "numpy>=1.26,<2.3", "sentencepiece>=0.1.98,<0.3.0", "transformers==4.57.6",
-                        "protobuf>=4.21.0,<5.0.0", "safetensors")
+CONVERT_REQUIREMENTS = (
+    "torch==2.13.0",
+    "numpy>=1.26,<2.3",
+    "sentencepiece>=0.1.98,<0.3.0",
+    "transformers==4.57.6",
+    "protobuf>=4.21.0,<5.0.0",
+    "safetensors",
+)
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "tq1_0", "tq2_0", "auto")
 STAMP = "haru-convert.json"
 
@@ -60,10 +66,13 @@ def ensure_env(env: Path, *, say=print) -> Path:
     env.parent.mkdir(parents=True, exist_ok=True)
     say(f"haru convert: making the converter's environment in {env} (once)")
     _run([sys.executable, "-m", "venv", str(env)], "creating the venv")
-    _run([str(env / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", *CONVERT_REQUIREMENTS],
-         "installing the converter's requirements (" + ", ".join(CONVERT_REQUIREMENTS) + ")")
-    (env / STAMP).write_text(json.dumps({"requirements": list(CONVERT_REQUIREMENTS),
-                                         "took_s": round(time.monotonic() - started)}))
+    _run(
+        [str(env / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", *CONVERT_REQUIREMENTS],
+        "installing the converter's requirements (" + ", ".join(CONVERT_REQUIREMENTS) + ")",
+    )
+    (env / STAMP).write_text(
+        json.dumps({"requirements": list(CONVERT_REQUIREMENTS), "took_s": round(time.monotonic() - started)})
+    )
     say(f"haru convert: environment ready in {time.monotonic() - started:.0f} s")
     return env / "bin" / "python"
 
@@ -89,8 +98,10 @@ def model_dir(source: Path) -> Path:
     """A safetensors model directory: the one given, or the directory of a given .safetensors file."""
     d = source if source.is_dir() else source.parent
     if not source.exists():
-        raise ConvertError(f"{source} does not exist; give a model directory (config.json + *.safetensors) or a "
-                           ".safetensors file beside its config.json")
+        raise ConvertError(
+            f"{source} does not exist; give a model directory (config.json + *.safetensors) or a "
+            ".safetensors file beside its config.json"
+        )
     if source.is_file() and source.suffix != ".safetensors":
         raise ConvertError(f"{source} is not a .safetensors file (a GGUF needs no conversion)")
     if not (d / "config.json").exists():
@@ -100,8 +111,15 @@ def model_dir(source: Path) -> Path:
     return d
 
 
-def convert(source: Path, *, outtype: str = "f16", quant: str = "", output: Path | None = None,
-            home: str | None = None, say=print) -> Path:
+def convert(
+    source: Path,
+    *,
+    outtype: str = "f16",
+    quant: str = "",
+    output: Path | None = None,
+    home: str | None = None,
+    say=print,
+) -> Path:
     """Convert (and optionally quantize) a safetensors model to one GGUF file; its path."""
     from haru.agents.runtimes import llama_tools
 
@@ -123,8 +141,11 @@ def convert(source: Path, *, outtype: str = "f16", quant: str = "", output: Path
     stage = tmp.with_name(tmp.name + ".f") if quant else tmp
     try:
         say(f"haru convert: {d} -> {outtype} with {script.name}")
-        _run([str(py), str(script), str(d), "--outtype", outtype, "--outfile", str(stage)],
-             "convert_hf_to_gguf.py", env=_converter_env(script))
+        _run(
+            [str(py), str(script), str(d), "--outtype", outtype, "--outfile", str(stage)],
+            "convert_hf_to_gguf.py",
+            env=_converter_env(script),
+        )
         if quant:
             say(f"haru convert: quantizing to {quant} with llama-quantize")
             _run([str(quantizer), str(stage), str(tmp), quant], "llama-quantize")

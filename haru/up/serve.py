@@ -29,10 +29,9 @@ from pathlib import Path
 
 from haru.core.errors import HaruError
 from haru.core.layout import parse_layout
-from haru.core.sizes import parse_size
 from haru.core.refs import is_reference
+from haru.core.sizes import GiB, parse_size
 from haru.core.specs import Layout
-from haru.core.sizes import GiB
 
 DOMAIN = "local"
 SLOT = "chat"
@@ -71,17 +70,20 @@ def parse_model_flag(text: str) -> ModelFlag:
     fmt = ""
     for prefix in ("gguf:", "safetensors:"):
         if rest.startswith(prefix):
-            fmt, rest = prefix[:-1], rest[len(prefix):]
+            fmt, rest = prefix[:-1], rest[len(prefix) :]
     source, sep, size = rest.rpartition(":")
     if not sep or not source:
-        raise ServeError(f"--model {text!r}: no VRAM size after the last ':'; write --model {name}={rest}:GiB "
-                         f"(e.g. :2 for 2 GiB)")
+        raise ServeError(
+            f"--model {text!r}: no VRAM size after the last ':'; write --model {name}={rest}:GiB (e.g. :2 for 2 GiB)"
+        )
     size, _, ctx = size.partition("@")
     try:
         vram = int(float(size) * GiB) if re.fullmatch(r"\d+(\.\d*)?", size) else parse_size(size)
     except Exception:  # noqa: BLE001 - parse_size raises LayoutError with a JSON path; say it for a flag
-        raise ServeError(f"--model {text!r}: {size!r} is not a VRAM size; write GiB as a number (2, 1.5) or a "
-                         "size with a unit (512MiB)") from None
+        raise ServeError(
+            f"--model {text!r}: {size!r} is not a VRAM size; write GiB as a number (2, 1.5) or a "
+            "size with a unit (512MiB)"
+        ) from None
     if vram <= 0:
         raise ServeError(f"--model {text!r}: the VRAM size must be more than 0")
     context = 0
@@ -95,28 +97,42 @@ def parse_model_flag(text: str) -> ModelFlag:
 def local_format(path: Path, declared: str) -> str:
     """GGUF or safetensors, from what is on disk (and the flag's prefix, which must agree)."""
     if not path.exists():
-        raise ServeError(f"{path} does not exist; give a .gguf file, a safetensors model directory, or a reference "
-                         "such as qwen3:0.6b or hf:ORG/REPO")
+        raise ServeError(
+            f"{path} does not exist; give a .gguf file, a safetensors model directory, or a reference "
+            "such as qwen3:0.6b or hf:ORG/REPO"
+        )
     if path.is_file():
         with open(path, "rb") as f:
             magic = f.read(4)
         found = "gguf" if magic == b"GGUF" else ""
         if not found:
-            raise ServeError(f"{path} is not a GGUF file (its first bytes are {magic!r}, not b'GGUF'); a safetensors "
-                             "model is served as its directory (config.json + *.safetensors)")
+            raise ServeError(
+                f"{path} is not a GGUF file (its first bytes are {magic!r}, not b'GGUF'); a safetensors "
+                "model is served as its directory (config.json + *.safetensors)"
+            )
     else:
         if not (path / "config.json").exists() or not any(path.glob("*.safetensors")):
-            raise ServeError(f"{path} is a directory without config.json and *.safetensors; it is not a model vLLM "
-                             "can load")
+            raise ServeError(
+                f"{path} is a directory without config.json and *.safetensors; it is not a model vLLM can load"
+            )
         found = "safetensors"
     if declared and declared != found:
         raise ServeError(f"{path} is {found}, but the flag says {declared}:; drop the prefix or fix the path")
     return found
 
 
-def fleet_layout(prepared: list[Prepared], *, fleet: str, gpu_memory: int, reserve: int, serving_url: str,
-                 llama_binary: str = "", runtime_args: list[str] | None = None, policy: dict | None = None,
-                 vllm_binary: str = "") -> Layout:
+def fleet_layout(
+    prepared: list[Prepared],
+    *,
+    fleet: str,
+    gpu_memory: int,
+    reserve: int,
+    serving_url: str,
+    llama_binary: str = "",
+    runtime_args: list[str] | None = None,
+    policy: dict | None = None,
+    vllm_binary: str = "",
+) -> Layout:
     """The single-domain fleet of `haru serve`, validated as any layout is."""
     models = []
     for p in prepared:
@@ -134,15 +150,24 @@ def fleet_layout(prepared: list[Prepared], *, fleet: str, gpu_memory: int, reser
         if args:
             m["args"] = args
         models.append(m)
-    doc = {"fleet": fleet, "policy": policy or {},
-           "domains": [{"name": DOMAIN, "serving_url": serving_url,
-                        "gpus": [{"index": 0, "memory": gpu_memory, "reserve": reserve}],
-                        "slots": [{"name": SLOT, "gpu": 0, "models": models}]}]}
+    doc = {
+        "fleet": fleet,
+        "policy": policy or {},
+        "domains": [
+            {
+                "name": DOMAIN,
+                "serving_url": serving_url,
+                "gpus": [{"index": 0, "memory": gpu_memory, "reserve": reserve}],
+                "slots": [{"name": SLOT, "gpu": 0, "models": models}],
+            }
+        ],
+    }
     return parse_layout(doc)
 
 
-async def prepare(flags: list[ModelFlag], *, home: str | None, quants: str = "", progress: bool | None = None,
-                  say=print) -> tuple[list[Prepared], list]:
+async def prepare(
+    flags: list[ModelFlag], *, home: str | None, quants: str = "", progress: bool | None = None, say=print
+) -> tuple[list[Prepared], list]:
     """Each flag's path and format: references pulled (with a progress bar on a terminal). Returns the
     prepared models and the PullResults (to record once the log is up)."""
     from haru.cli.models import pull_reference
@@ -161,14 +186,17 @@ async def prepare(flags: list[ModelFlag], *, home: str | None, quants: str = "",
             if f.format and f.format != res.format:
                 raise ServeError(f"{f.source} resolves to {res.format}, but the flag says {f.format}:")
             pulls.append((f, result))
-            say(f"haru serve: {f.name} = {result.path} ({res.format}, "
-                f"{'fetched ' + str(result.fetched_bytes) + ' bytes' if result.fetched_bytes else 'already in the store'})")
+            say(
+                f"haru serve: {f.name} = {result.path} ({res.format}, "
+                f"{'fetched ' + str(result.fetched_bytes) + ' bytes' if result.fetched_bytes else 'already in the store'})"
+            )
             out.append(Prepared(flag=f, path=str(result.path), format=res.format, runtime=res.runtime))
         else:
             path = Path(os.path.expanduser(f.source.removeprefix("file:"))).resolve()
             fmt = local_format(path, f.format)
-            out.append(Prepared(flag=f, path=str(path), format=fmt,
-                                runtime="llama_server" if fmt == "gguf" else "vllm"))
+            out.append(
+                Prepared(flag=f, path=str(path), format=fmt, runtime="llama_server" if fmt == "gguf" else "vllm")
+            )
     return out, pulls
 
 
@@ -183,8 +211,10 @@ def gpu_memory_from_nvml() -> int:
         gpus.close()
     if reading.present is not True:
         why = gpus.unavailable or "no GPU 0"
-        raise ServeError(f"no NVIDIA GPU seen through NVML ({why}); pass --gpu-memory GiB to plan against a "
-                         "simulated GPU of that size (the runtimes then run on the CPU)")
+        raise ServeError(
+            f"no NVIDIA GPU seen through NVML ({why}); pass --gpu-memory GiB to plan against a "
+            "simulated GPU of that size (the runtimes then run on the CPU)"
+        )
     return reading.memory_total_bytes
 
 
@@ -218,12 +248,15 @@ def hearth_model_flag(name: str, *, gguf: str = "", safetensors: str = "", vram:
     """hearth's `serve --model NAME --gguf PATH` (or `--safetensors DIR`) written in Haru's `--model`
     syntax. Without `vram` the weights' size on disk plus WEIGHTS_HEADROOM is booked."""
     if bool(gguf) == bool(safetensors):
-        raise ServeError(f"--model {name}: give exactly one of --gguf PATH or --safetensors DIR (hearth's spelling), "
-                         f"or write --model {FLAG_SYNTAX}")
+        raise ServeError(
+            f"--model {name}: give exactly one of --gguf PATH or --safetensors DIR (hearth's spelling), "
+            f"or write --model {FLAG_SYNTAX}"
+        )
     fmt, path = ("gguf", gguf) if gguf else ("safetensors", safetensors)
     if not Path(path).exists():
-        raise ServeError(f"{path} does not exist; give a .gguf file (--gguf) or a safetensors model directory "
-                         f"(--safetensors)")
+        raise ServeError(
+            f"{path} does not exist; give a .gguf file (--gguf) or a safetensors model directory (--safetensors)"
+        )
     size = vram or booked_vram(weights_bytes(Path(path)))
     return f"{name}={fmt}:{path}:{size}" + (f"@{context}" if context else "")
 
@@ -240,8 +273,10 @@ def parse_fleet_conf(text: str, origin: str = "fleet.conf") -> list[str]:
         word, _, rest = line.partition(" ")
         rest = rest.strip()
         if word != "model" or not rest:
-            raise ServeError(f"{origin} line {n}: {raw.strip()!r} is not a model line; write "
-                             f"`model {FLAG_SYNTAX}` (e.g. model muse=/models/muse.gguf:20)")
+            raise ServeError(
+                f"{origin} line {n}: {raw.strip()!r} is not a model line; write "
+                f"`model {FLAG_SYNTAX}` (e.g. model muse=/models/muse.gguf:20)"
+            )
         parse_model_flag(rest)  # the same checks, with the line's own text in the message
         out.append(rest)
     if not out:

@@ -14,7 +14,7 @@ import contextlib
 import json
 import socket
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import aiohttp
 import pytest
@@ -24,9 +24,9 @@ from haru.core.apply import apply
 from haru.core.events import WeightsSet
 from haru.core.layout import load_layout
 from haru.core.residency import Resident
+from haru.host.tasks import cancel_and_wait
 from haru.projections.projector import Projector
 from haru.promoter.weighting import request_weights
-from haru.host.tasks import cancel_and_wait
 from tests.e2e.test_failover_sim import steady
 from tests.integration.test_gateway import running_gateway, wait_for
 from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, sim_fault, write_config, write_layout
@@ -53,13 +53,19 @@ def free_port() -> int:
 
 
 def now():
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 @contextlib.asynccontextmanager
 async def fleet(tmp_path, nats_server, event_log):
-    layout = write_layout(tmp_path / "layout.json", tmp_path, models={"m1": {}, "m2": {"vram": "2GiB"}},
-                          training={"vram": "8GiB"}, policy=POLICY, fleet=FLEET)
+    layout = write_layout(
+        tmp_path / "layout.json",
+        tmp_path,
+        models={"m1": {}, "m2": {"vram": "2GiB"}},
+        training={"vram": "8GiB"},
+        policy=POLICY,
+        fleet=FLEET,
+    )
     doc = json.loads(layout.read_text())
     for d in doc["domains"]:  # a serving URL the gateway can reach: the agent serves on its port
         d["serving_url"] = f"http://127.0.0.1:{free_port()}"
@@ -69,7 +75,9 @@ async def fleet(tmp_path, nats_server, event_log):
     projector = asyncio.create_task(Projector(event_log).run())
     try:
         for d in ("a", "b"):
-            cfg = write_config(tmp_path / f"agent-{d}.json", nats_server.url, tmp_path, domain=d, layout=layout, fleet=FLEET)
+            cfg = write_config(
+                tmp_path / f"agent-{d}.json", nats_server.url, tmp_path, domain=d, layout=layout, fleet=FLEET
+            )
             procs.append(AgentProcess(cfg, tmp_path / f"agent-{d}.log", agent_env()))
         async with promoters(nats_server.url):
             await wait_view(event_log, lambda v: steady(v, "a"), timeout=40, fleet=FLEET, what="first route, a active")
@@ -85,8 +93,9 @@ async def send(gw, model: str, n: int) -> Counter:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
     async with aiohttp.ClientSession() as session:
         for _ in range(n):
-            async with session.post(gw.url + "/v1/chat/completions", data=body,
-                                    headers={"Content-Type": "application/json"}) as r:
+            async with session.post(
+                gw.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+            ) as r:
                 await r.read()
                 got[(r.status, r.headers.get("X-Haru-Domain", ""))] += 1
     return got
@@ -103,15 +112,26 @@ async def test_a_failing_canary_is_rolled_back_with_its_evidence(tmp_path, nats_
     async with fleet(tmp_path, nats_server, event_log) as gw:
         result = await request_weights(event_log, FLEET, {"b": 50}, by="cli:test", now=now())
         assert result.status == "accepted", result.message
-        view = await wait_view(event_log, lambda v: v.weights == {"a": 50, "b": 50} and v.operation is None,
-                               timeout=40, fleet=FLEET, what="the split recorded")
+        view = await wait_view(
+            event_log,
+            lambda v: v.weights == {"a": 50, "b": 50} and v.operation is None,
+            timeout=40,
+            fleet=FLEET,
+            what="the split recorded",
+        )
         op = view.last_operation
         assert op is not None and op.kind == "weighting" and op.state == "completed"
         assert [s.step for s in op.steps] == ["stop_training", "verify_gpu", "wake", "probe", "weigh"]
         assert all(isinstance(m.residency, Resident) for m in view.domains["b"].models.values())
         # the gateway follows the intent: both domains answer
-        await wait_for(lambda: (r := gw.table.get(FLEET)) is not None and r.intent is not None
-                       and r.intent.weights == {"a": 50, "b": 50} and "b" in r.intent.weighted)
+        await wait_for(
+            lambda: (
+                (r := gw.table.get(FLEET)) is not None
+                and r.intent is not None
+                and r.intent.weights == {"a": 50, "b": 50}
+                and "b" in r.intent.weighted
+            )
+        )
         healthy = await send(gw, "m1", 40)
         assert set(healthy) == {(200, "a"), (200, "b")} and abs(healthy[(200, "b")] - 20) <= 2, healthy
 
@@ -120,9 +140,15 @@ async def test_a_failing_canary_is_rolled_back_with_its_evidence(tmp_path, nats_
         # b's 20 good answers count since the split was set, so its rate passes 20% at the 6th error (6 of
         # 26); the rollback may land while these 40 run, after which they all go to a.
         assert failing[(500, "b")] >= 6 and set(failing) <= {(500, "b"), (200, "a")}, failing
-        view = await wait_view(event_log, lambda v: v.weights == {} and v.weights_change is not None
-                               and v.weights_change.reason == "canary_rolled_back", timeout=30, fleet=FLEET,
-                               what="the canary rolled back")
+        view = await wait_view(
+            event_log,
+            lambda v: (
+                v.weights == {} and v.weights_change is not None and v.weights_change.reason == "canary_rolled_back"
+            ),
+            timeout=30,
+            fleet=FLEET,
+            what="the canary rolled back",
+        )
         change = view.weights_change
         assert change is not None and change.domain == "b" and change.errors >= 6
         assert "error rate" in change.detail and "canary_max_error_rate 20.0%" in change.detail, change.detail
@@ -133,5 +159,12 @@ async def test_a_failing_canary_is_rolled_back_with_its_evidence(tmp_path, nats_
         after = await send(gw, "m1", 20)
         assert after == Counter({(200, "a"): 20}), after
         # no longer a canary: the awake standby is put back to sleep (and given training)
-        await wait_view(event_log, lambda v: v.last_operation is not None and v.last_operation.kind == "demotion"
-                        and v.last_operation.target == "b", timeout=30, fleet=FLEET, what="b demoted after the rollback")
+        await wait_view(
+            event_log,
+            lambda v: (
+                v.last_operation is not None and v.last_operation.kind == "demotion" and v.last_operation.target == "b"
+            ),
+            timeout=30,
+            fleet=FLEET,
+            what="b demoted after the rollback",
+        )

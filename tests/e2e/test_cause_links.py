@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import signal
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -22,17 +22,32 @@ from haru.core import events as ev
 from haru.promoter.decider import STEPS
 from haru.promoter.requests import request_operation
 from tests.e2e.test_failover_sim import FLEET, _endpoint, serving, sim, sim_agents, steady
+from tests.support import haru
 from tests.support.agent_harness import sim_fault
 from tests.support.promoter import op_events, promoters, view_of, wait_until, wait_view
-from tests.support import haru
 
 pytestmark = pytest.mark.timeout(240)
 
 SEEN_AT_LEAST = {
-    "admission_decided", "model_loading", "model_resident", "model_sleeping", "model_waking", "model_lost",
-    "model_stopped", "training_started", "training_stopped", "domain_reachable", "promotion_requested",
-    "demotion_requested", "step_started", "step_completed", "step_failed", "operation_completed",
-    "operation_aborted", "eligibility_changed", "route_moved",
+    "admission_decided",
+    "model_loading",
+    "model_resident",
+    "model_sleeping",
+    "model_waking",
+    "model_lost",
+    "model_stopped",
+    "training_started",
+    "training_stopped",
+    "domain_reachable",
+    "promotion_requested",
+    "demotion_requested",
+    "step_started",
+    "step_completed",
+    "step_failed",
+    "operation_completed",
+    "operation_aborted",
+    "eligibility_changed",
+    "route_moved",
 }
 
 
@@ -52,8 +67,13 @@ def right_cause(rec, cause_rec) -> str:
     if isinstance(c, ev.StepStarted) and tag.startswith(("model_", "training_")):
         verbs = STEPS[c.step].verbs
         # (a wake that fails leaves the model asleep: that `model_sleeping` answers the wake)
-        wanted = {"model_waking": {"wake"}, "model_sleeping": {"sleep", "wake"}, "model_resident": {"wake"},
-                  "training_started": {"start_training"}, "training_stopped": {"stop_training"}}.get(tag)
+        wanted = {
+            "model_waking": {"wake"},
+            "model_sleeping": {"sleep", "wake"},
+            "model_resident": {"wake"},
+            "training_started": {"start_training"},
+            "training_stopped": {"stop_training"},
+        }.get(tag)
         if wanted and not wanted & set(verbs):
             return f"{tag} cites step {c.step}, which sends none of {sorted(wanted)}"
     elif _domain_of(e) and _domain_of(c) and tag.startswith(("model_", "training_", "domain_")):
@@ -83,30 +103,45 @@ async def test_every_producer_cites_the_event_that_caused_it(tmp_path, nats_serv
         async with promoters(nats_server.url):
             await wait_view(event_log, lambda v: steady(v, "a"), timeout=40, fleet=FLEET, what="first route, a active")
             sim(tmp_path, "detach-gpu", "a")
-            await wait_view(event_log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible,
-                            timeout=40, fleet=FLEET, what="b active, a ineligible")
+            await wait_view(
+                event_log,
+                lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible,
+                timeout=40,
+                fleet=FLEET,
+                what="b active, a ineligible",
+            )
             sim(tmp_path, "attach-gpu", "a")
             await wait_view(event_log, lambda v: steady(v, "b"), timeout=60, fleet=FLEET, what="a standby after attach")
-            result = await request_operation(event_log, FLEET, "promotion", "a", by="cli:test",
-                                             now=datetime.now(timezone.utc))
+            result = await request_operation(event_log, FLEET, "promotion", "a", by="cli:test", now=datetime.now(UTC))
             assert result.status == "accepted", result
-            await wait_view(event_log, lambda v: serving(v, "a") and v.operation is None, timeout=60, fleet=FLEET,
-                            what="a active again")
+            await wait_view(
+                event_log,
+                lambda v: serving(v, "a") and v.operation is None,
+                timeout=60,
+                fleet=FLEET,
+                what="a active again",
+            )
             before = (await view_of(event_log, FLEET)).domains["b"].models["m1"].residency.seq
             sim(tmp_path, "kill-runtime", "b", "m1")
-            await wait_view(event_log, lambda v: steady(v, "a") and v.domains["b"].models["m1"].residency.seq > before + 2,
-                            timeout=60, fleet=FLEET, what="b's m1 restarted and asleep again")
+            await wait_view(
+                event_log,
+                lambda v: steady(v, "a") and v.domains["b"].models["m1"].residency.seq > before + 2,
+                timeout=60,
+                fleet=FLEET,
+                what="b's m1 restarted and asleep again",
+            )
             # a promotion that fails at the wake (CUDA out of memory) and is aborted
             await sim_fault(await _endpoint(event_log), "oom_on_wake")
-            failing = await request_operation(event_log, FLEET, "promotion", "b", by="cli:test",
-                                              now=datetime.now(timezone.utc))
+            failing = await request_operation(event_log, FLEET, "promotion", "b", by="cli:test", now=datetime.now(UTC))
             assert failing.status == "accepted", failing
 
             async def aborted():
                 return any(isinstance(e, ev.OperationAborted) for e in await op_events(event_log, FLEET, failing.op_id))
 
             await wait_until(aborted, timeout=60, what="the abort")
-            await wait_view(event_log, lambda v: v.operation is None, timeout=60, fleet=FLEET, what="no operation in flight")
+            await wait_view(
+                event_log, lambda v: v.operation is None, timeout=60, fleet=FLEET, what="no operation in flight"
+            )
         for p in procs:
             p.signal(signal.SIGINT)  # stopping for good: each unloads its runtimes (model_stopped)
         for p in procs:
@@ -138,7 +173,9 @@ async def test_every_producer_cites_the_event_that_caused_it(tmp_path, nats_serv
     # Specific links the issue names.
     lost = [r for r in records if isinstance(r.event, ev.ModelLost) and r.event.reason == "gpu_detached"]
     assert lost and all(isinstance(by_seq[r.event.cause].event, ev.GpuObserved) for r in lost)
-    promo = [r.event for r in records if isinstance(r.event, ev.PromotionRequested) and r.event.reason == "gpu_detached"]
+    promo = [
+        r.event for r in records if isinstance(r.event, ev.PromotionRequested) and r.event.reason == "gpu_detached"
+    ]
     assert promo and ev.tag_of(by_seq[promo[0].cause].event) in ("model_lost", "gpu_observed")
     manual = [r.event for r in records if isinstance(r.event, ev.PromotionRequested) and r.event.reason == "manual"]
     assert manual and manual[0].cause == 0  # the operator's request is a root
@@ -157,8 +194,9 @@ async def test_every_producer_cites_the_event_that_caused_it(tmp_path, nats_serv
     assert "model_lost" in restart_causes, restart_causes
     assert set(restart_causes) <= {"model_lost", "model_failed", "gpu_observed", "agent_started"}, restart_causes
     aborted = [r.event for r in records if isinstance(r.event, ev.OperationAborted)]
-    assert aborted and all(isinstance(by_seq[a.cause].event, ev.StepFailed) and by_seq[a.cause].event.op_id == a.op_id
-                           for a in aborted)
+    assert aborted and all(
+        isinstance(by_seq[a.cause].event, ev.StepFailed) and by_seq[a.cause].event.op_id == a.op_id for a in aborted
+    )
     stopped = [r.event for r in records if isinstance(r.event, ev.ModelStopped)]
     assert stopped and all(isinstance(by_seq[s.cause].event, ev.AgentStopping) for s in stopped)
 

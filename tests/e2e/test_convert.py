@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from haru.up.convert import env_python
 from haru.host.natsd import free_port
+from haru.up.convert import env_python
 from tests.e2e.test_up_demo import REPO, stop_and_reap, wait_for
-from tests.support.llama import llama_binary
 from tests.support import haru
+from tests.support.llama import llama_binary
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(240)]
 
@@ -30,8 +30,10 @@ def converter_python() -> Path:
     env = os.environ.get("HARU_CONVERT_ENV", "")
     py = env_python(Path(env)) if env else None
     if py is None:
-        how = ("no converter environment: make it once with `python -m haru.up.convert --make-env DIR` and set "
-               "HARU_CONVERT_ENV=DIR (~2 min, ~1.2 GB)")
+        how = (
+            "no converter environment: make it once with `python -m haru.up.convert --make-env DIR` and set "
+            "HARU_CONVERT_ENV=DIR (~2 min, ~1.2 GB)"
+        )
         if os.environ.get("HARU_REQUIRE_CONVERT") == "1":
             pytest.fail(how)
         pytest.skip(how)
@@ -49,8 +51,11 @@ def test_convert_quantize_and_serve(tmp_path):
             pytest.fail(how)
         pytest.skip(how)
     model = tmp_path / "tiny-llama"
-    subprocess.run([str(py), str(REPO / "agents" / "runtimes" / "tiny_hf_model.py"), str(model), "--seed", "3"], check=True,
-                   timeout=120)
+    subprocess.run(
+        [str(py), str(REPO / "agents" / "runtimes" / "tiny_hf_model.py"), str(model), "--seed", "3"],
+        check=True,
+        timeout=120,
+    )
     out = tmp_path / "tiny-Q4_K_M.gguf"
     done = haru("convert", str(model), "--quant", "Q4_K_M", "-o", str(out), timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -67,16 +72,40 @@ def test_convert_quantize_and_serve(tmp_path):
     for k in ("HARU_NATS_URL", "HARU_API_TOKEN"):
         env.pop(k, None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "haru.cli", "serve", "--model", f"converted=gguf:{out}:1", "--gpu-memory", "8",
-         "--runtime-args", "--threads 1 --threads-http 1", "--nats-port", "0", "--port", str(free_port()),
-         "--ready-file", str(ready)],
-        stdout=open(tmp_path / "serve.out", "wb"), stderr=open(tmp_path / "serve.err", "wb"), env=env, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "haru.cli",
+            "serve",
+            "--model",
+            f"converted=gguf:{out}:1",
+            "--gpu-memory",
+            "8",
+            "--runtime-args",
+            "--threads 1 --threads-http 1",
+            "--nats-port",
+            "0",
+            "--port",
+            str(free_port()),
+            "--ready-file",
+            str(ready),
+        ],
+        stdout=open(tmp_path / "serve.out", "wb"),
+        stderr=open(tmp_path / "serve.err", "wb"),
+        env=env,
+        cwd=REPO,
+    )
     tree: set[int] = set()
     try:
         info = wait_for("haru serve", lambda: ready.exists() and json.loads(ready.read_text()), 90)
         client = OpenAI(base_url=info["gateway_url"] + "/v1", api_key="unused", max_retries=0, timeout=30)
-        reply = wait_for("chat", lambda: client.chat.completions.create(
-            model="converted", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0), 90)
+        reply = wait_for(
+            "chat",
+            lambda: client.chat.completions.create(
+                model="converted", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0
+            ),
+            90,
+        )
         assert reply.model == "converted" and reply.choices[0].finish_reason in ("length", "stop")
     finally:
         stop_and_reap(proc, tree, wait_s=60)

@@ -6,7 +6,6 @@ present=None; the runtimes are the simulator. Before, every promotion aborted at
 
 from __future__ import annotations
 
-
 import pytest
 
 from haru.agents.gpu import NvmlGpus
@@ -30,14 +29,22 @@ def _nvml_loads() -> bool:
 
 @pytest.mark.skipif(_nvml_loads(), reason="this host has NVML; the test is of a host without it")
 async def test_a_promotion_without_nvml_completes_and_says_nvml_was_absent(tmp_path, nats_server, event_log):
-    layout_path = write_layout(tmp_path / "layout.json", tmp_path, models={"m1": {}}, training={"vram": "8GiB"},
-                               policy=POLICY, fleet=FLEET)
+    layout_path = write_layout(
+        tmp_path / "layout.json", tmp_path, models={"m1": {}}, training={"vram": "8GiB"}, policy=POLICY, fleet=FLEET
+    )
     await apply(event_log, load_layout(layout_path), now())
     procs = []
     try:
         for d in ("a", "b"):
-            cfg = write_config(tmp_path / f"agent-{d}.json", nats_server.url, tmp_path, domain=d, layout=layout_path,
-                               fleet=FLEET, gpus="nvml")
+            cfg = write_config(
+                tmp_path / f"agent-{d}.json",
+                nats_server.url,
+                tmp_path,
+                domain=d,
+                layout=layout_path,
+                fleet=FLEET,
+                gpus="nvml",
+            )
             procs.append(AgentProcess(cfg, tmp_path / f"agent-{d}.log", agent_env()))
         async with promoters(nats_server.url):
             await wait_view(event_log, lambda v: steady(v, "a"), timeout=40, fleet=FLEET, what="first route, a active")

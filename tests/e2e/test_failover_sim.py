@@ -7,7 +7,7 @@ oom-on-wake`), so what the promoter sees is what the agent really observed.
 from __future__ import annotations
 
 import contextlib
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -16,9 +16,9 @@ from haru.core.apply import apply
 from haru.core.events import OperationAborted, PromotionRequested, StepFailed, StepStarted
 from haru.core.layout import load_layout
 from haru.core.residency import Resident, Sleeping
+from tests.support import haru
 from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, sim_fault, write_config, write_layout
 from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_until, wait_view
-from tests.support import haru
 
 pytestmark = pytest.mark.timeout(120)
 FLEET = "f"
@@ -38,36 +38,50 @@ STEP_DELAY_MS = 300
 
 
 def now():
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def asleep_and_training(view, domain: str) -> bool:
     dv = view.domains[domain]
-    return (all(isinstance(m.residency, Sleeping) for m in dv.models.values())
-            and all(t.running for t in dv.training.values()))
+    return all(isinstance(m.residency, Sleeping) for m in dv.models.values()) and all(
+        t.running for t in dv.training.values()
+    )
 
 
 def serving(view, domain: str) -> bool:
-    return view.active == domain and all(isinstance(m.residency, Resident) for m in view.domains[domain].models.values())
+    return view.active == domain and all(
+        isinstance(m.residency, Resident) for m in view.domains[domain].models.values()
+    )
 
 
 def steady(view, active: str) -> bool:
     standby = "b" if active == "a" else "a"
-    return (view.operation is None and serving(view, active) and asleep_and_training(view, standby)
-            and view.domains[standby].eligible)
+    return (
+        view.operation is None
+        and serving(view, active)
+        and asleep_and_training(view, standby)
+        and view.domains[standby].eligible
+    )
 
 
 @contextlib.asynccontextmanager
 async def sim_agents(tmp_path, nats_server, event_log):
     """Two sim domains, declared, each with its agent (a real subprocess)."""
-    layout_path = write_layout(tmp_path / "layout.json", tmp_path, models={"m1": {}, "m2": {"vram": "2GiB"}},
-                               training={"vram": "8GiB"}, policy=POLICY, fleet=FLEET)
+    layout_path = write_layout(
+        tmp_path / "layout.json",
+        tmp_path,
+        models={"m1": {}, "m2": {"vram": "2GiB"}},
+        training={"vram": "8GiB"},
+        policy=POLICY,
+        fleet=FLEET,
+    )
     await apply(event_log, load_layout(layout_path), now())
     procs = []
     try:
         for d in ("a", "b"):
-            cfg = write_config(tmp_path / f"agent-{d}.json", nats_server.url, tmp_path, domain=d, layout=layout_path,
-                               fleet=FLEET)
+            cfg = write_config(
+                tmp_path / f"agent-{d}.json", nats_server.url, tmp_path, domain=d, layout=layout_path, fleet=FLEET
+            )
             procs.append(AgentProcess(cfg, tmp_path / f"agent-{d}.log", agent_env()))
         yield procs
     finally:
@@ -106,8 +120,13 @@ async def test_killing_the_active_runtime_promotes_the_standby_and_the_old_activ
 async def test_detaching_the_active_gpu_promotes_and_attach_makes_it_the_standby(sim_fleet):
     log, tmp = sim_fleet
     sim(tmp, "detach-gpu", "a")
-    view = await wait_view(log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible,
-                           timeout=40, fleet=FLEET, what="b active, a ineligible")
+    view = await wait_view(
+        log,
+        lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible,
+        timeout=40,
+        fleet=FLEET,
+        what="b active, a ineligible",
+    )
     assert serving(view, "b")
     reasons = [e.reason for e in await op_events(log, FLEET) if type(e).__name__ == "PromotionRequested"]
     assert reasons[-1] == "gpu_detached"
@@ -123,7 +142,8 @@ async def _inject_when_started(log, step: str, fault: str) -> None:
         events = await op_events(log, FLEET)
         failover = [e.op_id for e in events if isinstance(e, PromotionRequested) and e.reason != "initial"]
         return bool(failover) and any(
-            isinstance(e, StepStarted) and e.step == step and e.op_id == failover[0] for e in events)
+            isinstance(e, StepStarted) and e.step == step and e.op_id == failover[0] for e in events
+        )
 
     await wait_until(started, timeout=30, every=0.02, what=f"{step} started")
     await sim_fault(await _endpoint(log), fault)
@@ -159,8 +179,10 @@ async def test_five_promoter_processes_racing_a_failure_move_the_route_once(tmp_
     from tests.support.promoter import PromoterProcess
 
     async with sim_agents(tmp_path, nats_server, event_log):
-        procs = [PromoterProcess(nats_server.url, f"promoter:race-{i}", log_path=tmp_path / f"promoter-{i}.log")
-                 for i in range(5)]
+        procs = [
+            PromoterProcess(nats_server.url, f"promoter:race-{i}", log_path=tmp_path / f"promoter-{i}.log")
+            for i in range(5)
+        ]
         try:
             for p in procs:
                 p.start()

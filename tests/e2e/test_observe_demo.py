@@ -10,8 +10,8 @@ happen itself when it has not happened yet.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -30,8 +30,16 @@ TOKEN = "console-test-token"
 FLEET = "default"
 CHROMIUM = os.environ.get("HARU_CHROMIUM", "/usr/bin/chromium")
 # Chromium as root in a container, with nothing reaching off the machine.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
 # Where screenshots go (CI keeps this directory as the tests' artifacts; default: the test's tmp dir).
 ARTIFACTS = os.environ.get("HARU_TEST_ARTIFACTS", "")
 
@@ -52,16 +60,42 @@ def demo(tmp_path_factory):
     home = tmp / "home"
     ready = tmp / "ready.json"
     layout = demo_layout_with_free_ports(tmp / "demo.json")
-    env = {**os.environ, "HARU_HOME": str(home), "HARU_NO_UVLOOP": "1", "HARU_API_TOKEN": TOKEN,
-           "HARU_PROMOTER_STEP_DELAY_MS": "300"}
+    env = {
+        **os.environ,
+        "HARU_HOME": str(home),
+        "HARU_NO_UVLOOP": "1",
+        "HARU_API_TOKEN": TOKEN,
+        "HARU_PROMOTER_STEP_DELAY_MS": "300",
+    }
     env.pop("HARU_NATS_URL", None)
     env.pop("HARU_METRICS_PORT", None)
     proc = subprocess.Popen(
         # steps that last a moment, so a browser can watch them advance (tests and demos only)
-        [sys.executable, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--host", "127.0.0.1",
-         "--port", str(free_port()), "--metrics-port", "0", "--layout", str(layout), "--ready-file", str(ready),
-         "--log-level", "info"],
-        stdout=open(tmp / "up.out", "wb"), stderr=open(tmp / "up.err", "wb"), env=env, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "haru.cli",
+            "up",
+            "--demo",
+            "--nats-port",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+            "--metrics-port",
+            "0",
+            "--layout",
+            str(layout),
+            "--ready-file",
+            str(ready),
+            "--log-level",
+            "info",
+        ],
+        stdout=open(tmp / "up.out", "wb"),
+        stderr=open(tmp / "up.err", "wb"),
+        env=env,
+        cwd=REPO,
     )
     tree: set[int] = set()
     try:
@@ -92,9 +126,12 @@ def detach_active_and_wait(demo) -> dict:
     view = _status(demo)
     if view["active"] == "a" and view["route_revision"] and not _failovers_in_log(demo):
         assert haru("sim", "detach-gpu", "a", env=demo["env"]).returncode == 0
-    return wait_for("the failover onto b to finish",
-                    lambda: (lambda v: v if v["active"] == "b" and not v.get("operation") else None)(_status(demo)),
-                    90, 0.5)
+    return wait_for(
+        "the failover onto b to finish",
+        lambda: (lambda v: v if v["active"] == "b" and not v.get("operation") else None)(_status(demo)),
+        90,
+        0.5,
+    )
 
 
 def op_history(demo) -> list[dict]:
@@ -109,8 +146,14 @@ def operations_from_log(demo) -> dict[str, dict]:
     for rec in op_history(demo):
         ev, kind = rec["event"], rec["type"]
         if kind in ("promotion_requested", "demotion_requested"):
-            ops[ev["op_id"]] = {"kind": kind.split("_")[0], "reason": ev["reason"], "requested": ev["at"],
-                                "outcome": None, "seconds": None, "seq": rec["seq"]}
+            ops[ev["op_id"]] = {
+                "kind": kind.split("_")[0],
+                "reason": ev["reason"],
+                "requested": ev["at"],
+                "outcome": None,
+                "seconds": None,
+                "seq": rec["seq"],
+            }
         elif kind in ("operation_completed", "operation_aborted") and ev["op_id"] in ops:
             op = ops[ev["op_id"]]
             op["outcome"] = "completed" if kind == "operation_completed" else "aborted"
@@ -120,8 +163,11 @@ def operations_from_log(demo) -> dict[str, dict]:
 
 
 def _failovers_in_log(demo) -> int:
-    return sum(1 for op in operations_from_log(demo).values()
-               if op["kind"] == "promotion" and op["outcome"] == "completed" and op["reason"] not in ("manual", "initial"))
+    return sum(
+        1
+        for op in operations_from_log(demo).values()
+        if op["kind"] == "promotion" and op["outcome"] == "completed" and op["reason"] not in ("manual", "initial")
+    )
 
 
 def scrape(url: str, token: str | None = None) -> dict[str, list]:
@@ -306,32 +352,53 @@ def test_every_process_metrics_agree_with_the_event_log_after_a_failover(demo):
         ops = [op for op in operations_from_log(demo).values() if op["outcome"]]
         up = scrape(urls["up"])
         for op in ops:
-            want = sum(1 for o in ops if (o["kind"], o["reason"], o["outcome"]) == (op["kind"], op["reason"], op["outcome"]))
-            got = value(up, "haru_promoter_operations_total", fleet=FLEET, kind=op["kind"], reason=op["reason"],
-                        outcome=op["outcome"])
+            want = sum(
+                1 for o in ops if (o["kind"], o["reason"], o["outcome"]) == (op["kind"], op["reason"], op["outcome"])
+            )
+            got = value(
+                up,
+                "haru_promoter_operations_total",
+                fleet=FLEET,
+                kind=op["kind"],
+                reason=op["reason"],
+                outcome=op["outcome"],
+            )
             if got != want:
                 return None
         return ops, up
 
     ops, up = wait_for("the promoter's metrics to match the log", promoter_agrees, 30, 0.5)
-    failovers = [o for o in ops if o["kind"] == "promotion" and o["outcome"] == "completed"
-                 and o["reason"] not in ("manual", "initial")]
+    failovers = [
+        o
+        for o in ops
+        if o["kind"] == "promotion" and o["outcome"] == "completed" and o["reason"] not in ("manual", "initial")
+    ]
     assert len(failovers) >= 1
-    assert value(up, "haru_promoter_failovers_total", fleet=FLEET, reason="gpu_detached") == \
-        sum(1 for o in failovers if o["reason"] == "gpu_detached")
+    assert value(up, "haru_promoter_failovers_total", fleet=FLEET, reason="gpu_detached") == sum(
+        1 for o in failovers if o["reason"] == "gpu_detached"
+    )
     assert sum(v for _, v in up["haru_promoter_failovers_total"]) == len(failovers)
     last = max(ops, key=lambda o: o["finished_seq"])
-    got = value(up, "haru_promoter_last_operation_duration_seconds", fleet=FLEET, kind=last["kind"],
-                outcome=last["outcome"])
+    got = value(
+        up, "haru_promoter_last_operation_duration_seconds", fleet=FLEET, kind=last["kind"], outcome=last["outcome"]
+    )
     assert abs(got - last["seconds"]) < 1e-3, (got, last)
-    assert value(up, "haru_promoter_failover_duration_seconds_count", fleet=FLEET, reason="gpu_detached") == \
-        sum(1 for o in failovers if o["reason"] == "gpu_detached")
-    assert abs(value(up, "haru_promoter_failover_duration_seconds_sum", fleet=FLEET, reason="gpu_detached")
-               - sum(o["seconds"] for o in failovers if o["reason"] == "gpu_detached")) < 1e-3
+    assert value(up, "haru_promoter_failover_duration_seconds_count", fleet=FLEET, reason="gpu_detached") == sum(
+        1 for o in failovers if o["reason"] == "gpu_detached"
+    )
+    assert (
+        abs(
+            value(up, "haru_promoter_failover_duration_seconds_sum", fleet=FLEET, reason="gpu_detached")
+            - sum(o["seconds"] for o in failovers if o["reason"] == "gpu_detached")
+        )
+        < 1e-3
+    )
     # six steps of every completed promotion, each timed
     completed_promotions = sum(1 for o in ops if o["kind"] == "promotion" and o["outcome"] == "completed")
-    assert value(up, "haru_promoter_step_duration_seconds_count", fleet=FLEET, step="flip",
-                 outcome="completed") == completed_promotions
+    assert (
+        value(up, "haru_promoter_step_duration_seconds_count", fleet=FLEET, step="flip", outcome="completed")
+        == completed_promotions
+    )
     view = _status(demo)
     assert value(up, "haru_promoter_route_revision", fleet=FLEET) == view["route_revision"]
     assert value(up, "haru_promoter_operation_running_seconds", fleet=FLEET) == 0  # nothing in flight
@@ -340,8 +407,9 @@ def test_every_process_metrics_agree_with_the_event_log_after_a_failover(demo):
     # The projector folded the whole log and is not behind it.
     def projector_caught_up():
         up = scrape(urls["up"])
-        last_seq = json.loads(haru("history", "--limit", "1", "--json", nats_url=demo["nats_url"],
-                                   env=demo["env"]).stdout)[-1]["seq"]
+        last_seq = json.loads(
+            haru("history", "--limit", "1", "--json", nats_url=demo["nats_url"], env=demo["env"]).stdout
+        )[-1]["seq"]
         if value(up, "haru_projector_last_seq") != last_seq:
             return None
         return up, last_seq
@@ -367,20 +435,31 @@ def test_every_process_metrics_agree_with_the_event_log_after_a_failover(demo):
         assert value(a, "haru_agent_role", fleet=FLEET, domain="a", role="standby") == 1
         for name, mv in view["domains"]["a"]["models"].items():
             state = mv["residency"]["state"]
-            assert value(a, "haru_agent_model_state", fleet=FLEET, domain="a", model=name, state=state) == 1, (name, state)
+            assert value(a, "haru_agent_model_state", fleet=FLEET, domain="a", model=name, state=state) == 1, (
+                name,
+                state,
+            )
         for name, mv in view["domains"]["b"]["models"].items():
             state = mv["residency"]["state"]
             assert state == "resident"
             assert value(b, "haru_agent_model_state", fleet=FLEET, domain="b", model=name, state="resident") == 1
-            assert value(b, "haru_agent_model_state_seconds", fleet=FLEET, domain="b", model=name, state="resident") >= 0
-            assert value(b, "haru_agent_model_vram_bytes", fleet=FLEET, domain="b", model=name,
-                         gpu=str(mv["gpu_index"])) == mv["vram_bytes"]
+            assert (
+                value(b, "haru_agent_model_state_seconds", fleet=FLEET, domain="b", model=name, state="resident") >= 0
+            )
+            assert (
+                value(b, "haru_agent_model_vram_bytes", fleet=FLEET, domain="b", model=name, gpu=str(mv["gpu_index"]))
+                == mv["vram_bytes"]
+            )
         held = sum(mv["vram_bytes"] for mv in view["domains"]["b"]["models"].values() if mv["gpu_index"] == 0)
         assert value(b, "haru_agent_gpu_memory_held_bytes", fleet=FLEET, domain="b", gpu="0") == held
-        assert value(b, "haru_agent_gpu_memory_used_bytes", fleet=FLEET, domain="b", gpu="0") == \
-            view["domains"]["b"]["gpus"][0]["memory_used_bytes"]
+        assert (
+            value(b, "haru_agent_gpu_memory_used_bytes", fleet=FLEET, domain="b", gpu="0")
+            == view["domains"]["b"]["gpus"][0]["memory_used_bytes"]
+        )
         for slot, tv in view["domains"]["b"]["training"].items():
-            assert value(b, "haru_agent_training_running", fleet=FLEET, domain="b", slot=slot) == (1 if tv["running"] else 0)
+            assert value(b, "haru_agent_training_running", fleet=FLEET, domain="b", slot=slot) == (
+                1 if tv["running"] else 0
+            )
         assert value(b, "haru_agent_route_revision", fleet=FLEET, domain="b") == view["route_revision"]
         return True
 

@@ -16,16 +16,21 @@ from openai import OpenAI
 from haru.host.natsd import free_port
 from tests.e2e.test_up_demo import REPO, descendants, stop_and_reap, wait_for
 from tests.integration.test_models_pull import build_registry
-from tests.support.llama import llama_binary
 from tests.support import haru
+from tests.support.llama import llama_binary
 
 
 @pytest.fixture
 def registry_url(tmp_path):
     reg = build_registry(tmp_path / "reg")
     port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "tests.support.models_registry", "--root", str(reg.root), "--port", str(port)],
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.models_registry", "--root", str(reg.root), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+    )
     try:
         assert p.stdout.readline().strip() == "ready"
         yield f"http://127.0.0.1:{port}"
@@ -40,15 +45,42 @@ def test_serve_pulls_a_reference_and_a_real_llama_server_answers(registry_url, t
     llama = llama_binary()
     home = tmp_path / "home"
     ready = tmp_path / "ready.json"
-    env = {**os.environ, "HARU_HOME": str(home), "HARU_NO_UVLOOP": "1", "HARU_LLAMA_SERVER": str(llama),
-           "HF_ENDPOINT": registry_url, "HARU_OLLAMA_REGISTRY": registry_url}
+    env = {
+        **os.environ,
+        "HARU_HOME": str(home),
+        "HARU_NO_UVLOOP": "1",
+        "HARU_LLAMA_SERVER": str(llama),
+        "HF_ENDPOINT": registry_url,
+        "HARU_OLLAMA_REGISTRY": registry_url,
+    }
     for k in ("HARU_NATS_URL", "HARU_API_TOKEN"):
         env.pop(k, None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "haru.cli", "serve", "--model", "tiny=tiny:1b:1@512", "--gpu-memory", "8",
-         "--runtime-args", "--threads 1 --threads-http 1", "--nats-port", "0", "--port", str(free_port()),
-         "--ready-file", str(ready), "--log-level", "info"],
-        stdout=open(tmp_path / "serve.out", "wb"), stderr=open(tmp_path / "serve.err", "wb"), env=env, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "haru.cli",
+            "serve",
+            "--model",
+            "tiny=tiny:1b:1@512",
+            "--gpu-memory",
+            "8",
+            "--runtime-args",
+            "--threads 1 --threads-http 1",
+            "--nats-port",
+            "0",
+            "--port",
+            str(free_port()),
+            "--ready-file",
+            str(ready),
+            "--log-level",
+            "info",
+        ],
+        stdout=open(tmp_path / "serve.out", "wb"),
+        stderr=open(tmp_path / "serve.err", "wb"),
+        env=env,
+        cwd=REPO,
+    )
     tree: set[int] = set()
     try:
         info = wait_for("haru serve to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 90)
@@ -57,8 +89,13 @@ def test_serve_pulls_a_reference_and_a_real_llama_server_answers(registry_url, t
         assert "tiny                         admitted (1.0 GiB)" in out
         assert "nothing to fail over to" in out
         client = OpenAI(base_url=info["gateway_url"] + "/v1", api_key="unused", max_retries=0, timeout=30)
-        reply = wait_for("chat through the gateway", lambda: client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0), 90)
+        reply = wait_for(
+            "chat through the gateway",
+            lambda: client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0
+            ),
+            90,
+        )
         assert reply.model == "tiny" and reply.choices[0].finish_reason in ("length", "stop")
         tree |= descendants(proc.pid)
         assert any(_exe(p) == "llama-server" for p in tree)
@@ -70,9 +107,14 @@ def test_serve_pulls_a_reference_and_a_real_llama_server_answers(registry_url, t
         assert "model.gguf" in why.stdout
         verify = haru("verify", nats_url=nats)
         assert verify.returncode == 0, verify.stdout + verify.stderr
-        run = subprocess.run([sys.executable, "-m", "haru.cli", "run", "tiny", "--url", info["gateway_url"],
-                              "--max-tokens", "4"], input="hello\n/exit\n", capture_output=True, text=True,
-                             timeout=60, env=env)
+        run = subprocess.run(
+            [sys.executable, "-m", "haru.cli", "run", "tiny", "--url", info["gateway_url"], "--max-tokens", "4"],
+            input="hello\n/exit\n",
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
         assert run.returncode == 0 and run.stdout.strip(), run.stderr
         # the model file the runtime reads is the store's, verified, under HARU_HOME
         snapshot = next((home / "models" / "snapshots").iterdir())

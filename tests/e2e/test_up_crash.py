@@ -15,17 +15,17 @@ import os
 import signal
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from haru.core import subjects
-from haru.host.children import alive, start_time
 from haru.core.errors import LogError
-from haru.log.eventlog import EventLog
 from haru.core.events import AgentStopping
+from haru.host.children import alive, start_time
 from haru.host.natsd import free_port
+from haru.log.eventlog import EventLog
 from tests.e2e.test_up_demo import demo_layout_with_free_ports, descendants, stop_and_reap, wait_for
 from tests.support import haru
 
@@ -45,10 +45,27 @@ def up_env(home: Path, **extra: str) -> dict[str, str]:
 def start_up(tmp_path: Path, name: str, env: dict[str, str], layout: Path) -> tuple[subprocess.Popen, Path]:
     ready = tmp_path / f"{name}.ready.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--port", str(free_port()),
-         "--layout", str(layout), "--ready-file", str(ready), "--log-level", "info"],
-        stdout=open(tmp_path / f"{name}.out", "wb"), stderr=open(tmp_path / f"{name}.err", "wb"),
-        env=env, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "haru.cli",
+            "up",
+            "--demo",
+            "--nats-port",
+            "0",
+            "--port",
+            str(free_port()),
+            "--layout",
+            str(layout),
+            "--ready-file",
+            str(ready),
+            "--log-level",
+            "info",
+        ],
+        stdout=open(tmp_path / f"{name}.out", "wb"),
+        stderr=open(tmp_path / f"{name}.err", "wb"),
+        env=env,
+        cwd=REPO,
     )
     return proc, ready
 
@@ -82,7 +99,7 @@ async def load(nats_url: str, acked: dict[int, tuple[str, bytes]], stop: asyncio
         for n in range(3000):
             if stop.is_set():
                 return
-            event = AgentStopping(at=datetime.now(timezone.utc), by="load", domain=f"w{i}", reason=f"append {n}")
+            event = AgentStopping(at=datetime.now(UTC), by="load", domain=f"w{i}", reason=f"append {n}")
             try:
                 expect = await log.append(subject, event, expect=expect)
             except LogError:
@@ -109,10 +126,14 @@ async def test_kill_9_under_load_then_restart_loses_nothing_and_leaves_no_orphan
     first, ready = start_up(tmp_path, "first", first_env, layout)
     second = None
     try:
-        info = await asyncio.to_thread(wait_for, "haru up to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 90)
+        info = await asyncio.to_thread(
+            wait_for, "haru up to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 90
+        )
         nats_url = info["nats_url"]
         # every agent's runtimes up too: the tree to account for is the whole demo
-        await asyncio.to_thread(wait_for, "the demo's runtimes", lambda: len(descendants(first.pid)) >= 2 + 2 + 1 + 6, 90)
+        await asyncio.to_thread(
+            wait_for, "the demo's runtimes", lambda: len(descendants(first.pid)) >= 2 + 2 + 1 + 6, 90
+        )
 
         acked: dict[int, tuple[str, bytes]] = {}
         stop_load = asyncio.Event()
@@ -136,16 +157,18 @@ async def test_kill_9_under_load_then_restart_loses_nothing_and_leaves_no_orphan
             # nats-server, projector, promoter and agents get SIGTERM from the kernel; the agents leave
             # their runtimes and port holders, and nothing else is left
             try:
-                await asyncio.to_thread(wait_for, "every other child to die with haru up",
-                                        lambda: survivors() == outliving() or None, 60)
+                await asyncio.to_thread(
+                    wait_for, "every other child to die with haru up", lambda: survivors() == outliving() or None, 60
+                )
             except AssertionError:
                 raise AssertionError(f"still alive: {[(p, cmdline(p)[:120]) for p in survivors()]}") from None
         else:
             assert survivors(), "without the parent-death signal the children should have outlived haru up"
 
         second, ready2 = start_up(tmp_path, "second", up_env(home), layout)
-        info2 = await asyncio.to_thread(wait_for, "the second haru up to be ready",
-                                        lambda: ready2.exists() and json.loads(ready2.read_text()), 90)
+        info2 = await asyncio.to_thread(
+            wait_for, "the second haru up to be ready", lambda: ready2.exists() and json.loads(ready2.read_text()), 90
+        )
         left = [p for p in survivors() if not _outlives_its_agent(p)]
         assert left == [], f"processes of the first run still alive: {[(p, cmdline(p)[:120]) for p in left]}"
         err = (tmp_path / "second.err").read_text()
@@ -155,8 +178,11 @@ async def test_kill_9_under_load_then_restart_loses_nothing_and_leaves_no_orphan
         # zero acknowledged events lost: every acked sequence is stored, on its subject, with its body
         async with EventLog.connect([info2["nats_url"]], writer="check") as log:
             stored = {r.seq: r for r in await log.history(subjects.fleet_events(LOAD_FLEET))}
-        lost = [seq for seq, (subject, body) in acked.items()
-                if seq not in stored or stored[seq].subject != subject or body not in stored[seq].data]
+        lost = [
+            seq
+            for seq, (subject, body) in acked.items()
+            if seq not in stored or stored[seq].subject != subject or body not in stored[seq].data
+        ]
         assert lost == [], f"{len(lost)} of {len(acked)} acknowledged events lost: {lost[:10]}"
         print(f"{len(acked)} acknowledged appends, all stored after the restart")
 
@@ -180,9 +206,24 @@ def test_a_second_haru_up_on_the_same_home_is_refused(tmp_path):
         info = wait_for("haru up to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 90)
         servers_before = [p for p in descendants(first.pid) if "nats-server" in cmdline(p)]
         again = subprocess.run(
-            [sys.executable, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--port", str(free_port()),
-             "--layout", str(layout)],
-            capture_output=True, text=True, env=env, cwd=REPO, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "haru.cli",
+                "up",
+                "--demo",
+                "--nats-port",
+                "0",
+                "--port",
+                str(free_port()),
+                "--layout",
+                str(layout),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=60,
         )
         assert again.returncode == 4, again.stdout + again.stderr  # ExitStatus.CONFLICT
         line = again.stderr.strip()
@@ -191,8 +232,11 @@ def test_a_second_haru_up_on_the_same_home_is_refused(tmp_path):
         assert info["nats_url"] in line and info["gateway_url"] in line, line
         assert f"kill {first.pid}" in line and "--home" in line, line
         # nothing was started by the refused one: still exactly one nats-server, and it is the first's
-        every_server = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                        and "nats-server" in cmdline(int(p.name)) and str(home / "nats") in cmdline(int(p.name))]
+        every_server = [
+            int(p.name)
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit() and "nats-server" in cmdline(int(p.name)) and str(home / "nats") in cmdline(int(p.name))
+        ]
         assert every_server == servers_before, (every_server, servers_before)
         # and the first one still serves
         status = haru("status", nats_url=info["nats_url"], env=env)

@@ -89,9 +89,27 @@ def demo(tmp_path):
     env.pop("HARU_NATS_URL", None)
     env.pop("HARU_API_TOKEN", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "haru.cli", "up", "--demo", "--nats-port", "0", "--port", str(free_port()),
-         "--layout", str(layout), "--ready-file", str(ready), "--log-level", "info"],
-        stdout=open(tmp_path / "up.out", "wb"), stderr=open(tmp_path / "up.err", "wb"), env=env, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "haru.cli",
+            "up",
+            "--demo",
+            "--nats-port",
+            "0",
+            "--port",
+            str(free_port()),
+            "--layout",
+            str(layout),
+            "--ready-file",
+            str(ready),
+            "--log-level",
+            "info",
+        ],
+        stdout=open(tmp_path / "up.out", "wb"),
+        stderr=open(tmp_path / "up.err", "wb"),
+        env=env,
+        cwd=REPO,
     )
     tree: set[int] = set()
     try:
@@ -137,8 +155,12 @@ def test_demo_chats_fails_over_and_stops_cleanly(demo):
     detach = haru("sim", "detach-gpu", "a", env=env)
     assert detach.returncode == 0, detach.stderr
 
-    answer = wait_for("chat answered by the other domain",
-                      lambda: (lambda a: a if a.startswith("[domain b]") else None)(chat(client, "qwen3-0.6b")), 60, 0.5)
+    answer = wait_for(
+        "chat answered by the other domain",
+        lambda: (lambda a: a if a.startswith("[domain b]") else None)(chat(client, "qwen3-0.6b")),
+        60,
+        0.5,
+    )
     assert answer.startswith("[domain b]")
 
     # `haru why` tells the story: lost (gpu detached) on a -> promotion of b -> route moved -> resident on b.
@@ -157,12 +179,13 @@ def test_demo_chats_fails_over_and_stops_cleanly(demo):
     story = list(flatten(tree))
     # the tree is causal: b's wake hangs under the promotion, which hangs under a's loss
     failover = next(n for n in story if n["type"] == "promotion_requested" and n["event"]["reason"] == "gpu_detached")
-    assert any(n["type"] == "model_waking" and n["event"]["domain"] == "b" for n in flatten(failover["caused"])), why.stdout
+    assert any(n["type"] == "model_waking" and n["event"]["domain"] == "b" for n in flatten(failover["caused"])), (
+        why.stdout
+    )
     assert not [n for n in story if n["missing_link"]], why.stdout
 
     def seq_of(kind, **match):
-        return [r["seq"] for r in story if r["type"] == kind
-                and all(r["event"].get(k) == v for k, v in match.items())]
+        return [r["seq"] for r in story if r["type"] == kind and all(r["event"].get(k) == v for k, v in match.items())]
 
     lost = seq_of("model_lost", domain="a", reason="gpu_detached")
     promoted = seq_of("promotion_requested", target="b", reason="gpu_detached")
@@ -214,9 +237,12 @@ def test_the_demo_left_alone_settles(demo):
     def settled():
         view = json.loads(haru("status", "--json", nats_url=nats_url, env=env).stdout)
         b = view["domains"]["b"]
-        return (view["active"] == "a" and view.get("operation") is None
-                and all(m["residency"]["state"] == "sleeping" for m in b["models"].values())
-                and any(t["running"] for t in b["training"].values()))
+        return (
+            view["active"] == "a"
+            and view.get("operation") is None
+            and all(m["residency"]["state"] == "sleeping" for m in b["models"].values())
+            and any(t["running"] for t in b["training"].values())
+        )
 
     wait_for("the standby asleep and training", settled, 90)
     time.sleep(2)

@@ -18,9 +18,17 @@ import pytest
 from openai import OpenAI
 
 from haru.host.natsd import free_port
-from tests.e2e.test_up_demo import REPO, alive, demo_layout_with_free_ports, descendants, events_left_alone, stop_and_reap, wait_for
-from tests.support.llama import llama_binary
+from tests.e2e.test_up_demo import (
+    REPO,
+    alive,
+    demo_layout_with_free_ports,
+    descendants,
+    events_left_alone,
+    stop_and_reap,
+    wait_for,
+)
 from tests.support import haru
+from tests.support.llama import llama_binary
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(240)]
 
@@ -35,13 +43,34 @@ def real_demo(tmp_path):
     env.pop("HARU_NATS_URL", None)
     env.pop("HARU_API_TOKEN", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "haru.cli", "up", "--demo", "--real", "--nats-port", "0", "--port", str(free_port()),
-         "--layout", str(layout), "--ready-file", str(ready), "--log-level", "info"],
-        stdout=open(tmp_path / "up.out", "wb"), stderr=open(tmp_path / "up.err", "wb"), env=env, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "haru.cli",
+            "up",
+            "--demo",
+            "--real",
+            "--nats-port",
+            "0",
+            "--port",
+            str(free_port()),
+            "--layout",
+            str(layout),
+            "--ready-file",
+            str(ready),
+            "--log-level",
+            "info",
+        ],
+        stdout=open(tmp_path / "up.out", "wb"),
+        stderr=open(tmp_path / "up.err", "wb"),
+        env=env,
+        cwd=REPO,
     )
     tree: set[int] = set()
     try:
-        info = wait_for("haru up --demo --real to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 60)
+        info = wait_for(
+            "haru up --demo --real to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 60
+        )
         yield {**info, "home": home, "env": env, "proc": proc, "tree": tree}
     finally:
         stop_and_reap(proc, tree, wait_s=60)
@@ -59,8 +88,9 @@ def test_the_real_demo_chats_stays_quiet_and_stops_cleanly(real_demo):
     client = OpenAI(base_url=real_demo["gateway_url"] + "/v1", api_key="unused", max_retries=0, timeout=30)
 
     def chat(model: str, **kw):
-        return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
-                                              max_tokens=8, temperature=0, **kw)
+        return client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0, **kw
+        )
 
     first = wait_for("chat through the gateway", lambda: chat("tiny-chat"), 90)
     assert first.model == "tiny-chat" and first.choices[0].finish_reason in ("length", "stop")
@@ -72,9 +102,12 @@ def test_the_real_demo_chats_stays_quiet_and_stops_cleanly(real_demo):
     def settled():
         view = json.loads(haru("status", "--json", nats_url=nats_url, env=env).stdout)
         b = view["domains"]["b"]
-        return (view["active"] == "a" and view.get("operation") is None
-                and all(m["residency"]["state"] == "resident" for m in b["models"].values())
-                and any(t["running"] for t in b["training"].values()))
+        return (
+            view["active"] == "a"
+            and view.get("operation") is None
+            and all(m["residency"]["state"] == "resident" for m in b["models"].values())
+            and any(t["running"] for t in b["training"].values())
+        )
 
     wait_for("b a resident standby, training", settled, 90)
     tree = descendants(real_demo["proc"].pid)

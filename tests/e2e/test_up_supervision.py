@@ -60,10 +60,13 @@ def test_each_child_killed_is_restarted_and_the_log_says_why(demo):
         pid = children(home)[name]
         demo["tree"].add(pid)
         os.kill(pid, signal.SIGKILL)
-        new = wait_for(f"{name} restarted", lambda: (p := children(home)[name]) != pid and alive(p, start_time(p)) and p, 60)
+        new = wait_for(
+            f"{name} restarted", lambda: (p := children(home)[name]) != pid and alive(p, start_time(p)) and p, 60
+        )
         demo["tree"].add(new)
-        died = wait_for(f"the log to say why {name} died",
-                        lambda: logged(err_file(demo), "up.child_died", child=name), 10)
+        died = wait_for(
+            f"the log to say why {name} died", lambda: logged(err_file(demo), "up.child_died", child=name), 10
+        )
         assert died[-1]["why"] == "killed by SIGKILL", died
         assert logged(err_file(demo), "up.child_restarted", child=name, pid=new)
     # the whole demo works again: chat, a clean bill of health, and an intact history
@@ -84,8 +87,11 @@ def test_a_crash_loop_is_backed_off_and_said_then_recovers(demo):
     os.kill(pid, signal.SIGKILL)
     loop = wait_for("the crash loop to be said", lambda: logged(err_file(demo), "up.crash_loop", child="agent b"), 90)
     assert loop[0]["failures_in_a_row"] >= 3 and "keeps dying" in loop[0]["message"], loop
-    delays = [r["restart_in_s"] for r in logged(err_file(demo), "up.child_died", child="agent b")
-              + logged(err_file(demo), "up.crash_loop", child="agent b")]
+    delays = [
+        r["restart_in_s"]
+        for r in logged(err_file(demo), "up.child_died", child="agent b")
+        + logged(err_file(demo), "up.crash_loop", child="agent b")
+    ]
     assert delays == sorted(delays) and delays[-1] > delays[0], delays  # it backs off
     conf.write_text(good)
 
@@ -108,13 +114,18 @@ def test_a_failover_reaches_clients_with_the_projector_stopped(demo):
     projector = children(home)["projector"]
     os.kill(projector, signal.SIGSTOP)  # hung, not dead: the supervisor sees nothing, the heartbeat stops
     try:
-        status, body = wait_for("healthz to name the projector",
-                                lambda: (r := healthz(gw))[1]["down"] == ["projector"] and r, 30)
+        status, body = wait_for(
+            "healthz to name the projector", lambda: (r := healthz(gw))[1]["down"] == ["projector"] and r, 30
+        )
         assert status == 503 and body["status"] == "degraded", body
         promote = haru("promote", "b", "--wait", "--timeout", "90", nats_url=demo["nats_url"], env=env, timeout=120)
         assert promote.returncode == 0, promote.stdout + promote.stderr
-        answer = wait_for("chat answered by b",
-                          lambda: (lambda a: a if a.startswith("[domain b]") else None)(chat(client, "qwen3-0.6b")), 30, 0.2)
+        answer = wait_for(
+            "chat answered by b",
+            lambda: (lambda a: a if a.startswith("[domain b]") else None)(chat(client, "qwen3-0.6b")),
+            30,
+            0.2,
+        )
         assert answer.startswith("[domain b]")
     finally:
         os.kill(projector, signal.SIGCONT)

@@ -10,11 +10,11 @@ import signal
 import aiohttp
 import pytest
 
-from haru.log.bus import send
 from haru.agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.commands import Command
 from haru.core.errors import AgentGone
+from haru.log.bus import send
 from tests.support import haru
 from tests.support.agent_harness import (
     agent_env,
@@ -103,13 +103,18 @@ async def test_serving_port_forwards_byte_identically_and_refuses_the_rest(tmp_p
     status = await send(event_log.bus, "f", "a", "status", Command(), timeout=10)
     serving = status.data["serving_url"]
     auth = {"Authorization": "Bearer s3cret"}
-    body = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
-                       "temperature": 0, "seed": 7}).encode()
+    body = json.dumps(
+        {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "seed": 7}
+    ).encode()
     async with aiohttp.ClientSession() as s:
-        async with s.post(serving + "/v1/chat/completions", data=body, headers={**auth, "Content-Type": "application/json"}) as r:
+        async with s.post(
+            serving + "/v1/chat/completions", data=body, headers={**auth, "Content-Type": "application/json"}
+        ) as r:
             assert r.status == 200
             via = json.loads(await r.read())
-        async with s.post(endpoint + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}) as r:
+        async with s.post(
+            endpoint + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        ) as r:
             direct = json.loads(await r.read())
         for d in (via, direct):  # ids and timestamps differ per request; the content must not
             d.pop("id", None), d.pop("created", None)
@@ -144,8 +149,15 @@ async def test_serving_port_forwards_byte_identically_and_refuses_the_rest(tmp_p
         async with s.post(serving + "/v1/completions", data=odd, headers=auth) as r:
             assert r.status == 200
 
-        for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"), ("GET", "/health"),
-                             ("POST", "/_sim/crash"), ("GET", "/metrics"), ("POST", "/v1/chat/completions/x")):
+        for method, path in (
+            ("POST", "/sleep"),
+            ("POST", "/wake_up"),
+            ("GET", "/is_sleeping"),
+            ("GET", "/health"),
+            ("POST", "/_sim/crash"),
+            ("GET", "/metrics"),
+            ("POST", "/v1/chat/completions/x"),
+        ):
             async with s.request(method, serving + path, headers=auth) as r:
                 assert r.status == 404, (method, path, r.status)
                 assert (await r.json())["error"]["code"] == "not_found"
@@ -153,13 +165,17 @@ async def test_serving_port_forwards_byte_identically_and_refuses_the_rest(tmp_p
             assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
         async with s.post(serving + "/v1/chat/completions", data=body, headers={"Authorization": "Bearer nope"}) as r:
             assert r.status == 401
-        async with s.post(serving + "/v1/chat/completions", headers=auth,
-                          data=json.dumps({"model": "other", "messages": []}).encode()) as r:
+        async with s.post(
+            serving + "/v1/chat/completions", headers=auth, data=json.dumps({"model": "other", "messages": []}).encode()
+        ) as r:
             assert r.status == 404
             # the gateway's answer for the same condition, from the same table (haru.core.openai_errors)
             assert (await r.json())["error"] == {
-                "message": "the model `other` does not exist on domain 'a'", "type": "invalid_request_error",
-                "param": "model", "code": "model_not_found"}
+                "message": "the model `other` does not exist on domain 'a'",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            }
         async with s.post(serving + "/v1/chat/completions", headers=auth, data=b"not json") as r:
             assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_request"
         async with s.get(serving + "/v1/models", headers=auth) as r:
@@ -194,8 +210,12 @@ async def test_restart_after_sigkill_continues_every_chain(tmp_path, nats_server
     with pytest.raises(AgentGone):
         await send(event_log.bus, "f", "a", "status", Command(), timeout=2)
     second = agents(cfg, tmp_path / "agent-a-2.log")
-    await wait_event(event_log, subjects.agent("f", "a"), lambda r: tag(r) == "agent_started" and r.event.pid == second.pid,
-                     agent=second)
+    await wait_event(
+        event_log,
+        subjects.agent("f", "a"),
+        lambda r: tag(r) == "agent_started" and r.event.pid == second.pid,
+        agent=second,
+    )
     model = subjects.model("f", "a", "m1")
     lost = await wait_event(event_log, model, is_("model_lost"), agent=second)
     assert lost.event.reason == "process_exited"  # its runtime died with the first agent
@@ -210,7 +230,11 @@ async def test_restart_after_sigkill_continues_every_chain(tmp_path, nats_server
         walk_chain(records)
     verify = haru("verify", "--json", nats_url=nats_server.url)  # the project's own verifier agrees
     assert verify.returncode == 0, verify.stdout + verify.stderr
-    assert [tag(r) for r in by_subject[subjects.agent("f", "a")]] == ["agent_started", "agent_started", "agent_stopping"]
+    assert [tag(r) for r in by_subject[subjects.agent("f", "a")]] == [
+        "agent_started",
+        "agent_started",
+        "agent_stopping",
+    ]
 
 
 def connections_to(port: int) -> int:
@@ -229,13 +253,21 @@ def connections_to(port: int) -> int:
 
 
 async def test_client_disconnect_cancels_upstream(tmp_path, nats_server, event_log, agents):
-    agent, _cfg, endpoint = await start_active(tmp_path, nats_server, event_log, agents,
-                                               models={"m1": {"HARU_SIM_TOKENS_PER_S": "5"}})
+    agent, _cfg, endpoint = await start_active(
+        tmp_path, nats_server, event_log, agents, models={"m1": {"HARU_SIM_TOKENS_PER_S": "5"}}
+    )
     port = int(endpoint.rsplit(":", 1)[1])
     status = await send(event_log.bus, "f", "a", "status", Command(), timeout=10)
     serving = status.data["serving_url"]
-    body = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
-                       "stream": True, "ignore_eos": True}).encode()
+    body = json.dumps(
+        {
+            "model": "m1",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 200,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    ).encode()
     baseline = connections_to(port)  # the agent's own probe connection, kept alive
     async with aiohttp.ClientSession() as s:
         async with s.post(serving + "/v1/chat/completions", data=body) as r:
@@ -249,8 +281,9 @@ async def test_client_disconnect_cancels_upstream(tmp_path, nats_server, event_l
         await asyncio.sleep(0.1)
     assert connections_to(port) < during  # the upstream request was cancelled, its connection closed
     async with aiohttp.ClientSession() as s:  # and the next request is served
-        async with s.post(serving + "/v1/completions",
-                          data=json.dumps({"model": "m1", "prompt": "x", "max_tokens": 1}).encode()) as r:
+        async with s.post(
+            serving + "/v1/completions", data=json.dumps({"model": "m1", "prompt": "x", "max_tokens": 1}).encode()
+        ) as r:
             assert r.status == 200
 
 

@@ -18,9 +18,9 @@ from haru.agents.load_queue import overlapping_loads
 from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
 from tests.support.agent_harness import (  # noqa: F401 - agents is a fixture
-    agents,
     AgentProcess,
     agent_env,
+    agents,
     is_,
     tag,
     wait_event,
@@ -50,11 +50,30 @@ async def test_the_simulator_mis_sizes_or_fails_two_that_start_together_as_vllm_
     shows the agent's test below can fail)."""
     sim = tmp_path / "sim"
     SimGpuState(sim, 0).ensure(24 * GiB)
-    env = {**os.environ, "HARU_SIM_DIR": str(sim), "HARU_SIM_GPU_INDEX": "0", "HARU_SIM_VRAM": "4GiB",
-           "HARU_SIM_LOAD_MS": "400", "VLLM_SERVER_DEV_MODE": "1"}
-    procs = [await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "haru.agents.sim.vllm", "serve", f"sim/{n}", "--port", "0",
-        "--served-model-name", n, env=env, stderr=asyncio.subprocess.DEVNULL) for n in ("x1", "x2")]
+    env = {
+        **os.environ,
+        "HARU_SIM_DIR": str(sim),
+        "HARU_SIM_GPU_INDEX": "0",
+        "HARU_SIM_VRAM": "4GiB",
+        "HARU_SIM_LOAD_MS": "400",
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "haru.agents.sim.vllm",
+            "serve",
+            f"sim/{n}",
+            "--port",
+            "0",
+            "--served-model-name",
+            n,
+            env=env,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        for n in ("x1", "x2")
+    ]
     try:
         deadline = time.monotonic() + 20
         while len(profiles(sim)) < 2 and time.monotonic() < deadline:
@@ -62,8 +81,10 @@ async def test_the_simulator_mis_sizes_or_fails_two_that_start_together_as_vllm_
         seen = profiles(sim)
         assert len(seen) == 2, seen
         assert all(p["mis_sized"] or p["error"] for p in seen), seen
-        assert any("No available memory for the cache blocks" in p["error"] or "Error in memory profiling" in p["error"]
-                   for p in seen), seen
+        assert any(
+            "No available memory for the cache blocks" in p["error"] or "Error in memory profiling" in p["error"]
+            for p in seen
+        ), seen
     finally:
         for p in procs:
             if p.returncode is None:
@@ -99,16 +120,21 @@ async def test_after_a_crash_the_reload_waits_for_a_neighbour_loading(tmp_path, 
     agent = agents(cfg, tmp_path / "agent-a.log")
     await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_resident"), agent=agent)
     # m2 profiles for 1.5 s now; m1 crashes meanwhile and must not reload until m2 is done
-    await wait_event(event_log, subjects.model("f", "a", "m2"), lambda r: tag(r) == "model_loading" and r.event.pid > 0,
-                     agent=agent)
-    m1 = (await event_log.history(subjects.model("f", "a", "m1")))
+    await wait_event(
+        event_log, subjects.model("f", "a", "m2"), lambda r: tag(r) == "model_loading" and r.event.pid > 0, agent=agent
+    )
+    m1 = await event_log.history(subjects.model("f", "a", "m1"))
     pid = next(r.event.pid for r in m1 if tag(r) == "model_loading" and r.event.pid)
     os.kill(pid, signal.SIGKILL)
     await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_resident"), agent=agent, timeout=30)
     await resident_all(event_log, agent, "a", ["m2"])
     # m1's second load may come after m2's, never during it
-    await wait_event(event_log, subjects.model("f", "a", "m1"),
-                     lambda r: tag(r) == "model_resident" and len(profiles(tmp_path / "sim" / "a")) >= 3, agent=agent)
+    await wait_event(
+        event_log,
+        subjects.model("f", "a", "m1"),
+        lambda r: tag(r) == "model_resident" and len(profiles(tmp_path / "sim" / "a")) >= 3,
+        agent=agent,
+    )
     seen = profiles(tmp_path / "sim" / "a")
     assert not [p for p in seen if p["mis_sized"] or p["error"]], seen
     assert overlapping_loads([(p["model"], (p["gpu_index"],), p["began"], p["ended"]) for p in seen]) == []
@@ -125,6 +151,10 @@ async def test_a_standby_loads_and_sleeps_each_model_before_the_next_starts(tmp_
     assert [p["model"] for p in seen] == ["m1", "m2", "m3"]
     assert not [p for p in seen if p["mis_sized"] or p["error"]], seen
     # m1 slept before m2's profiling began
-    slept = {name: next(r.event.at for r in await event_log.history(subjects.model("f", "b", name))
-                        if tag(r) == "model_sleeping") for name in MODELS}
+    slept = {
+        name: next(
+            r.event.at for r in await event_log.history(subjects.model("f", "b", name)) if tag(r) == "model_sleeping"
+        )
+        for name in MODELS
+    }
     assert slept["m1"].timestamp() <= seen[1]["began"] + 0.05

@@ -46,6 +46,7 @@ async def test_the_agent_pulls_a_reference_then_serves_it(tmp_path, nats_server,
         missing["source"] = "ollama:nothing-here:1b"
         layout = real_layout(tmp_path / "layout.json", tmp_path, {"solo": [pulled, missing]})
         async with real_fleet(tmp_path, nats_server, event_log, layout) as gw:
+
             async def resident():
                 evs = await events_of(event_log, "default", "solo", "tiny")
                 return evs if any(isinstance(e, ModelResident) for e in evs) else None
@@ -74,8 +75,9 @@ async def test_the_agent_pulls_a_reference_then_serves_it(tmp_path, nats_server,
             del gw
 
 
-async def test_an_agent_stopped_mid_pull_records_stopped_and_keeps_the_partial(tmp_path, nats_server, event_log,
-                                                                              monkeypatch):
+async def test_an_agent_stopped_mid_pull_records_stopped_and_keeps_the_partial(
+    tmp_path, nats_server, event_log, monkeypatch
+):
     import signal
 
     binary = llama_binary()
@@ -88,6 +90,7 @@ async def test_an_agent_stopped_mid_pull_records_stopped_and_keeps_the_partial(t
         model["source"] = "ollama:tiny:1b"
         layout = real_layout(tmp_path / "layout.json", tmp_path, {"solo": [model]})
         async with real_fleet(tmp_path, nats_server, event_log, layout) as gw:
+
             async def started():
                 evs = await events_of(event_log, "default", "solo", "tiny")
                 return [e for e in evs if isinstance(e, ModelPulling)]

@@ -7,14 +7,14 @@ import signal
 
 import pytest
 
-from haru.log.bus import send
 from haru.agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.commands import Command
+from haru.log.bus import send
 from tests.support.agent_harness import (  # noqa: F401 - agents is a fixture
-    agents,
     AgentProcess,
     agent_env,
+    agents,
     is_,
     model_tags,
     sim_fault,
@@ -66,8 +66,12 @@ async def test_runtime_sigkill_is_lost_process_exited_and_restarted(tmp_path, na
     assert lost.event.reason == "process_exited" and lost.event.exit_code == -9
     again = await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_loading", attempt=2), agent=agent)
     assert again.event.pid != loading.pid
-    await wait_event(event_log, subjects.model("f", "a", "m1"), lambda r: tag(r) == "model_resident" and r.seq > again.seq,
-                     agent=agent)
+    await wait_event(
+        event_log,
+        subjects.model("f", "a", "m1"),
+        lambda r: tag(r) == "model_resident" and r.seq > again.seq,
+        agent=agent,
+    )
 
 
 async def test_gpu_detached_and_evicted(tmp_path, nats_server, event_log, agents):
@@ -83,25 +87,38 @@ async def test_gpu_detached_and_evicted(tmp_path, nats_server, event_log, agents
 
     # Detached: the provider takes the GPU.
     SimGpuState(tmp_path / "sim" / "a", 0).set_present(False)
-    lost1 = await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_lost", reason="gpu_detached"), agent=agent)
+    lost1 = await wait_event(
+        event_log, subjects.model("f", "a", "m1"), is_("model_lost", reason="gpu_detached"), agent=agent
+    )
     assert lost1.event.reason == "gpu_detached"
     gpu = await wait_event(event_log, subjects.gpu("f", "a", 0), is_("gpu_observed", present=False), agent=agent)
     assert gpu.event.present is False
     # The provider gives it back: proven, not assumed. The GPU's return is recorded first, then the runtime
     # is reloaded (a real completion makes it resident again), in that order in the log.
     SimGpuState(tmp_path / "sim" / "a", 0).set_present(True)
-    back = await wait_event(event_log, subjects.model("f", "a", "m1"),
-                            lambda r: tag(r) == "model_resident" and r.seq > lost1.seq, agent=agent)
-    present = [r for r in await event_log.history(subjects.gpu("f", "a", 0))
-               if tag(r) == "gpu_observed" and r.event.present is True and r.seq > gpu.seq]
-    reload = [r for r in await event_log.history(subjects.model("f", "a", "m1"))
-              if tag(r) == "model_loading" and r.event.pid and lost1.seq < r.seq < back.seq]
+    back = await wait_event(
+        event_log,
+        subjects.model("f", "a", "m1"),
+        lambda r: tag(r) == "model_resident" and r.seq > lost1.seq,
+        agent=agent,
+    )
+    present = [
+        r
+        for r in await event_log.history(subjects.gpu("f", "a", 0))
+        if tag(r) == "gpu_observed" and r.event.present is True and r.seq > gpu.seq
+    ]
+    reload = [
+        r
+        for r in await event_log.history(subjects.model("f", "a", "m1"))
+        if tag(r) == "model_loading" and r.event.pid and lost1.seq < r.seq < back.seq
+    ]
     assert present and reload and present[0].seq < reload[0].seq < back.seq
 
 
 async def test_slow_loading_model_stays_loading_with_growing_elapsed(tmp_path, nats_server, event_log, agents):
-    layout = write_layout(tmp_path / "layout.json", tmp_path, models={"slow": {"load_ms": 600_000}},
-                          policy={"probe_timeout_ms": 500})
+    layout = write_layout(
+        tmp_path / "layout.json", tmp_path, models={"slow": {"load_ms": 600_000}}, policy={"probe_timeout_ms": 500}
+    )
     cfg = write_config(tmp_path / "agent.json", nats_server.url, tmp_path, layout=layout)
     agent = agents(cfg, tmp_path / "agent.log")
     subject = subjects.model("f", "a", "slow")
@@ -166,7 +183,9 @@ async def test_truth_is_recorded_late_rather_than_never_across_a_nats_outage(tmp
         subject = subjects.model("f", "a", "m1")
         lost = await wait_event(log, subject, is_("model_lost"), agent=agent, timeout=30)
         assert lost.event.reason == "process_exited" and lost.event.exit_code == -9
-        await wait_event(log, subject, lambda r: tag(r) == "model_resident" and r.seq > lost.seq, agent=agent, timeout=30)
+        await wait_event(
+            log, subject, lambda r: tag(r) == "model_resident" and r.seq > lost.seq, agent=agent, timeout=30
+        )
     verify = haru("verify", nats_url=nats_server.url)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
@@ -195,6 +214,8 @@ async def test_standby_gpu_detached_while_asleep_comes_back_asleep(tmp_path, nat
     tags = [tag(r) for r in await event_log.history(subject) if lost.seq < r.seq <= back.seq]
     assert tags == ["model_loading", "model_resident", "model_sleeping"]
     # the GPU's return is in the log before the reload
-    present = [r for r in await event_log.history(subjects.gpu("f", "b", 0)) if r.event.present is True and r.seq > lost.seq]
+    present = [
+        r for r in await event_log.history(subjects.gpu("f", "b", 0)) if r.event.present is True and r.seq > lost.seq
+    ]
     reload = next(r for r in await event_log.history(subject) if tag(r) == "model_loading" and r.seq > lost.seq)
     assert present and present[0].seq < reload.seq

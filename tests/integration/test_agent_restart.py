@@ -18,7 +18,7 @@ import os
 import signal
 import subprocess
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
@@ -29,7 +29,7 @@ from haru.core import subjects
 from haru.host.children import alive as proc_alive
 from haru.host.children import start_time
 from haru.host.natsd import free_port
-from tests.support.agent_harness import FAST_POLICY, AgentProcess, REPO, sim_model, tag, wait_event, write_config
+from tests.support.agent_harness import FAST_POLICY, REPO, AgentProcess, sim_model, tag, write_config
 from tests.support.promoter import wait_view
 
 FLEET = "default"
@@ -51,9 +51,14 @@ def sim_layout(path: Path, tmp: Path) -> Path:
         sim_dir.mkdir(parents=True, exist_ok=True)
         SimGpuState(sim_dir, 0).ensure(24 * GiB)
         ms = [sim_model(name, sim_dir, d, vram="4GiB") for name in MODELS]
-        domains.append({"name": d, "gpus": [{"index": 0, "memory": "24GiB", "reserve": "1GiB"}],
-                        "slots": [{"name": "chat", "gpu": 0, "models": ms}],
-                        "serving_url": f"http://127.0.0.1:{free_port()}"})
+        domains.append(
+            {
+                "name": d,
+                "gpus": [{"index": 0, "memory": "24GiB", "reserve": "1GiB"}],
+                "slots": [{"name": "chat", "gpu": 0, "models": ms}],
+                "serving_url": f"http://127.0.0.1:{free_port()}",
+            }
+        )
     path.write_text(json.dumps({"fleet": FLEET, "policy": POLICY, "domains": domains}))
     return path
 
@@ -93,9 +98,15 @@ class Fleet:
         return self.tmp / "state" / d
 
     def start(self, d: str) -> AgentProcess:
-        cfg = write_config(self.tmp / f"agent-{d}.json", self.nats_url, self.tmp, domain=d,
-                           layout=None if self.declared else self.layout,
-                           fleet=FLEET, serving={"host": "127.0.0.1", "port": 0})
+        cfg = write_config(
+            self.tmp / f"agent-{d}.json",
+            self.nats_url,
+            self.tmp,
+            domain=d,
+            layout=None if self.declared else self.layout,
+            fleet=FLEET,
+            serving={"host": "127.0.0.1", "port": 0},
+        )
         self.agents[d] = AgentProcess(cfg, self.tmp / f"agent-{d}.log", outliving_env())
         return self.agents[d]
 
@@ -113,15 +124,15 @@ class Fleet:
 
 @contextlib.asynccontextmanager
 async def sim_fleet(tmp_path, nats_server, event_log, layout: Path, *, declared: bool = False):
-    from haru.gateway.config import GatewayConfig
-    from haru.gateway.server import Gateway
     from haru.core.apply import apply
     from haru.core.layout import load_layout
+    from haru.gateway.config import GatewayConfig
+    from haru.gateway.server import Gateway
     from haru.host.tasks import cancel_and_wait
     from haru.projections.projector import Projector
     from tests.support.promoter import promoters
 
-    await apply(event_log, load_layout(layout), datetime.now(timezone.utc))
+    await apply(event_log, load_layout(layout), datetime.now(UTC))
     projector = asyncio.create_task(Projector(event_log).run(), name="projector")
     fleet = None
     try:
@@ -140,9 +151,13 @@ async def sim_fleet(tmp_path, nats_server, event_log, layout: Path, *, declared:
 def steady(view) -> bool:
     from haru.core.residency import Resident, Sleeping
 
-    return (view.active == "a" and view.operation is None and view.domains["b"].eligible
-            and all(isinstance(m.residency, Resident) for m in view.domains["a"].models.values())
-            and all(isinstance(m.residency, (Resident, Sleeping)) for m in view.domains["b"].models.values()))
+    return (
+        view.active == "a"
+        and view.operation is None
+        and view.domains["b"].eligible
+        and all(isinstance(m.residency, Resident) for m in view.domains["a"].models.values())
+        and all(isinstance(m.residency, (Resident, Sleeping)) for m in view.domains["b"].models.values())
+    )
 
 
 class ChatLoad:
@@ -163,8 +178,12 @@ class ChatLoad:
                 n += 1
                 model = self.models[(i + n) % len(self.models)]
                 stream = n % self.stream_every == 0
-                body = {"model": model, "messages": [{"role": "user", "content": f"hi {i} {n}"}], "max_tokens": 16,
-                        "stream": stream}
+                body = {
+                    "model": model,
+                    "messages": [{"role": "user", "content": f"hi {i} {n}"}],
+                    "max_tokens": 16,
+                    "stream": stream,
+                }
                 try:
                     async with s.post(self.url + "/v1/chat/completions", json=body) as r:
                         raw = await r.read()
@@ -172,10 +191,10 @@ class ChatLoad:
                             self.failed.append((time.monotonic(), f"{model} {r.status} {raw[:300]!r}"))
                         else:
                             self.ok += 1
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     self.failed.append((time.monotonic(), f"{model} {exc!r}"))
 
-    async def __aenter__(self) -> "ChatLoad":
+    async def __aenter__(self) -> ChatLoad:
         self._tasks = [asyncio.create_task(self._client(i)) for i in range(self.clients)]
         return self
 
@@ -206,8 +225,9 @@ async def fleet(tmp_path, nats_server, event_log):
         yield f
 
 
-async def _restart_under_load(fleet, event_log, sig: int | list[int], times: int,
-                              models: tuple[str, ...] = MODELS) -> ChatLoad:
+async def _restart_under_load(
+    fleet, event_log, sig: int | list[int], times: int, models: tuple[str, ...] = MODELS
+) -> ChatLoad:
     before = identities(fleet.state_dir("a"))
     assert set(before) == set(models)
     loading_before = {m: (await residency_tags(event_log, "a", m)).count("model_loading") for m in models}
@@ -268,8 +288,8 @@ async def _new_tags_once_reloaded(event_log, model: str, since: int, agent: Agen
     deadline = time.monotonic() + 30
     while True:
         new = (await residency_tags(event_log, "a", model))[since:]
-        if "model_loading" in new and "model_resident" in new[new.index("model_loading"):]:
-            return new[:new.index("model_resident", new.index("model_loading")) + 1]
+        if "model_loading" in new and "model_resident" in new[new.index("model_loading") :]:
+            return new[: new.index("model_resident", new.index("model_loading")) + 1]
         assert time.monotonic() < deadline, (new, agent.output()[-4000:])
         await asyncio.sleep(0.1)
 
@@ -340,12 +360,12 @@ async def test_a_sleeping_standby_runtime_is_adopted_asleep(fleet, event_log):
     new = fleet.start("b")
     for m in MODELS:
         deadline = time.monotonic() + 30
-        while "model_adopted" not in (await residency_tags(event_log, "b", m))[len(before[m]):]:
+        while "model_adopted" not in (await residency_tags(event_log, "b", m))[len(before[m]) :]:
             assert time.monotonic() < deadline, new.output()[-3000:]
             await asyncio.sleep(0.1)
     await asyncio.sleep(1.0)  # a probe interval or five: nothing else is recorded
     for m in MODELS:
-        recs = (await event_log.history(subjects.model(FLEET, "b", m)))[len(before[m]):]
+        recs = (await event_log.history(subjects.model(FLEET, "b", m)))[len(before[m]) :]
         assert [tag(r) for r in recs] == ["model_adopted"], [tag(r) for r in recs]  # no wake, no sleep
         assert recs[0].event.asleep is True
 
@@ -361,17 +381,30 @@ async def test_real_llama_servers_survive_agent_restarts_under_load(tmp_path, na
     binary = llama_binary()
     gguf = tiny_models(tmp_path / "gguf", {"a": 1, "b": 2})
     model = "tiny:chat"
-    layout = real_layout(tmp_path / "layout.json", tmp_path,
-                         {d: [llama_model(model, binary, gguf[d])] for d in ("a", "b")},
-                         policy={"heartbeat_timeout_ms": 6000}, fleet=FLEET)
+    layout = real_layout(
+        tmp_path / "layout.json",
+        tmp_path,
+        {d: [llama_model(model, binary, gguf[d])] for d in ("a", "b")},
+        policy={"heartbeat_timeout_ms": 6000},
+        fleet=FLEET,
+    )
     async with sim_fleet(tmp_path, nats_server, event_log, layout) as f:
         from haru.core.residency import Resident
 
-        await wait_view(event_log, lambda v: v.active == "a" and v.operation is None and all(
-            isinstance(v.domains[d].models[model].residency, Resident) for d in ("a", "b")),
-            timeout=60, fleet=FLEET, what="a active, both llama-servers resident")
-        load = await _restart_under_load(f, event_log, [signal.SIGTERM, signal.SIGTERM, signal.SIGKILL], 3,
-                                         models=(model,))
+        await wait_view(
+            event_log,
+            lambda v: (
+                v.active == "a"
+                and v.operation is None
+                and all(isinstance(v.domains[d].models[model].residency, Resident) for d in ("a", "b"))
+            ),
+            timeout=60,
+            fleet=FLEET,
+            what="a active, both llama-servers resident",
+        )
+        load = await _restart_under_load(
+            f, event_log, [signal.SIGTERM, signal.SIGTERM, signal.SIGKILL], 3, models=(model,)
+        )
         print(f"real llama-server, SIGTERM x2 + SIGKILL: {load.ok} answered, {len(load.failed)} failed")
         # the two SIGTERMs fail nothing; the SIGKILL may end what was being forwarded at that instant
         assert all(t >= load.killed_at for t, _ in load.failed), load.failed
@@ -396,8 +429,14 @@ async def test_a_restart_on_a_changed_layout_replaces_only_the_changed_model(fle
         await asyncio.sleep(0.3)
         agent.signal(signal.SIGTERM)
         await agent.wait(30)
-        dry = subprocess.run([os.sys.executable, "-m", "haru.cli", "agent", "--config", str(agent.config), "--dry-run",
-                              "--json"], capture_output=True, text=True, env=outliving_env(), cwd=str(REPO), timeout=60)
+        dry = subprocess.run(
+            [os.sys.executable, "-m", "haru.cli", "agent", "--config", str(agent.config), "--dry-run", "--json"],
+            capture_output=True,
+            text=True,
+            env=outliving_env(),
+            cwd=str(REPO),
+            timeout=60,
+        )
         assert dry.returncode == 0, dry.stderr
         plan = json.loads(dry.stdout)["runtimes"]
         assert plan["m1"][0] == "adopt" and plan["m2"][0] == "replace", plan
@@ -406,7 +445,7 @@ async def test_a_restart_on_a_changed_layout_replaces_only_the_changed_model(fle
         tags = await _new_tags_once_reloaded(event_log, "m2", since["m2"], new)
         await asyncio.sleep(0.3)
     assert tags == ["model_stopped", "model_loading", "model_resident"], tags
-    assert (await residency_tags(event_log, "a", "m1"))[since["m1"]:] == ["model_adopted"]
+    assert (await residency_tags(event_log, "a", "m1"))[since["m1"] :] == ["model_adopted"]
     after = identities(fleet.state_dir("a"))
     assert after["m1"]["pid"] == before["m1"]["pid"] and after["m2"]["pid"] != before["m2"]["pid"]
     assert "--max-model-len" in after["m2"]["argv"] and "4096" in after["m2"]["argv"]

@@ -56,12 +56,20 @@ async def test_vllm_runtime_on_the_simulator(tmp_path, session, reap):
     sim = tmp_path / "sim"
     sim.mkdir()
     SimGpuState(sim, 0).ensure(24 * GiB)
-    spec = ModelSpec(name="qwen3.6:27b", slot="chat", gpu_index=0, vram_bytes=4 * GiB, source="Qwen/x",
-                     context_length=4096, binary=SIM_VLLM, args=["--max-num-seqs", "8"],
-                     env={"HARU_SIM_DIR": str(sim), "HARU_SIM_VRAM": "4GiB", "HARU_SIM_LOAD_MS": "300"})
+    spec = ModelSpec(
+        name="qwen3.6:27b",
+        slot="chat",
+        gpu_index=0,
+        vram_bytes=4 * GiB,
+        source="Qwen/x",
+        context_length=4096,
+        binary=SIM_VLLM,
+        args=["--max-num-seqs", "8"],
+        env={"HARU_SIM_DIR": str(sim), "HARU_SIM_VRAM": "4GiB", "HARU_SIM_LOAD_MS": "300"},
+    )
     rt = VllmRuntime(spec, session=session, log_dir=tmp_path / "logs", gpu_memory_bytes=24 * GiB)
     argv = rt.argv()
-    assert argv[len(SIM_VLLM):len(SIM_VLLM) + 2] == ["serve", "Qwen/x"]
+    assert argv[len(SIM_VLLM) : len(SIM_VLLM) + 2] == ["serve", "Qwen/x"]
     for flag in ("--enable-sleep-mode", "--served-model-name", "--host", "--port"):
         assert flag in argv
     # the plan's flags: 4 GiB of a 24 GiB GPU is 0.1666..., rounded down; the operator's extra flag passes through
@@ -92,9 +100,17 @@ async def test_vllm_runtime_on_the_simulator(tmp_path, session, reap):
 
 async def test_llama_server_runtime_reports_loading_then_ready(tmp_path, session, reap):
     argv_file = tmp_path / "argv.json"
-    spec = ModelSpec(name="gemma:2b", slot="chat", gpu_index=0, runtime="llama_server", source="/models/gemma.gguf",
-                     context_length=4096, binary=FAKE_LLAMA, args=["--parallel", "2"],
-                     env={"FAKE_ARGV_FILE": str(argv_file), "FAKE_LOAD_MS": "800"})
+    spec = ModelSpec(
+        name="gemma:2b",
+        slot="chat",
+        gpu_index=0,
+        runtime="llama_server",
+        source="/models/gemma.gguf",
+        context_length=4096,
+        binary=FAKE_LLAMA,
+        args=["--parallel", "2"],
+        env={"FAKE_ARGV_FILE": str(argv_file), "FAKE_LOAD_MS": "800"},
+    )
     rt = LlamaServerRuntime(spec, session=session, log_dir=tmp_path / "logs")
     await rt.start()
     reap(rt)
@@ -114,14 +130,17 @@ async def test_llama_server_runtime_reports_loading_then_ready(tmp_path, session
 async def test_external_runtime_is_probed_not_spawned(tmp_path, session, reap):
     sim = tmp_path / "sim"
     sim.mkdir()
-    spec = ModelSpec(name="ext", slot="chat", gpu_index=0, binary=SIM_VLLM,
-                     env={"HARU_SIM_DIR": str(sim), "HARU_SIM_LOAD_MS": "100"})
+    spec = ModelSpec(
+        name="ext", slot="chat", gpu_index=0, binary=SIM_VLLM, env={"HARU_SIM_DIR": str(sim), "HARU_SIM_LOAD_MS": "100"}
+    )
     served = VllmRuntime(spec, session=session, log_dir=tmp_path / "logs", gpu_memory_bytes=24 * GiB)  # someone else's
     await served.start()
     reap(served)
     await until_ready(served)
-    ext = ExternalRuntime(ModelSpec(name="ext", slot="chat", gpu_index=0, runtime="external", url=served.base_url + "/v1"),
-                          session=session)
+    ext = ExternalRuntime(
+        ModelSpec(name="ext", slot="chat", gpu_index=0, runtime="external", url=served.base_url + "/v1"),
+        session=session,
+    )
     assert ext.base_url == served.base_url and ext.pid is None and ext.alive()
     await ext.start()
     assert (await probes.ready(ext, timeout_s=2)).ok
@@ -140,19 +159,31 @@ async def test_direct_domains_bind_where_routers_reach_them(tmp_path, session):
     assert direct.argv()[direct.argv().index("--host") + 1] == "0.0.0.0"
     assert direct.base_url == "http://127.0.0.1:18100"  # probed over loopback
     private = LlamaServerRuntime(spec, session=session, log_dir=tmp_path, bind_host="10.1.2.3")
-    assert private.argv()[private.argv().index("--host") + 1] == "10.1.2.3" and private.base_url == "http://10.1.2.3:18100"
+    assert (
+        private.argv()[private.argv().index("--host") + 1] == "10.1.2.3" and private.base_url == "http://10.1.2.3:18100"
+    )
     assert direct.env()["CUDA_VISIBLE_DEVICES"] == "1"
 
 
 async def test_a_spec_whose_args_contradict_its_plan_is_refused_at_start(tmp_path, session):
     """A log declared before `haru apply` checked args: the runtime refuses to start, naming the flag."""
-    spec = ModelSpec(name="m", slot="chat", gpu_index=0, vram_bytes=4 * GiB, source="Qwen/x", binary=SIM_VLLM,
-                     args=["--gpu-memory-utilization=0.9"])
+    spec = ModelSpec(
+        name="m",
+        slot="chat",
+        gpu_index=0,
+        vram_bytes=4 * GiB,
+        source="Qwen/x",
+        binary=SIM_VLLM,
+        args=["--gpu-memory-utilization=0.9"],
+    )
     rt = VllmRuntime(spec, session=session, log_dir=tmp_path, gpu_memory_bytes=24 * GiB)
     with pytest.raises(RuntimeRefused, match=r"--gpu-memory-utilization 0\.9.*0\.166"):
         await rt.start()
     assert rt.pid is None and not rt.alive()
-    unplanned = VllmRuntime(spec.__class__(name="m", slot="chat", gpu_index=0, vram_bytes=GiB, source="Qwen/x"),
-                            session=session, log_dir=tmp_path)  # no GPU memory known: no fraction to give
+    unplanned = VllmRuntime(
+        spec.__class__(name="m", slot="chat", gpu_index=0, vram_bytes=GiB, source="Qwen/x"),
+        session=session,
+        log_dir=tmp_path,
+    )  # no GPU memory known: no fraction to give
     with pytest.raises(RuntimeRefused, match="GPU memory"):
         await unplanned.start()

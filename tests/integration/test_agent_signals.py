@@ -29,8 +29,9 @@ async def test_a_preemption_notice_and_gpu_faults_are_recorded_once_each(tmp_pat
     await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_resident"), agent=agent)
 
     notice.write_text("terminate at 2026-12-01T22:00:00Z\n")  # `cat` succeeds from now on: a notice
-    rec = await wait_event(event_log, subjects.agent("f", "a"), is_("failure_signalled", source="preemption_notice"),
-                           agent=agent)
+    rec = await wait_event(
+        event_log, subjects.agent("f", "a"), is_("failure_signalled", source="preemption_notice"), agent=agent
+    )
     assert rec.event.detail == "terminate at 2026-12-01T22:00:00Z" and rec.event.gpu_index == -1
 
     SimGpuState(tmp_path / "sim" / "a", 0).set_signs(xid=79)

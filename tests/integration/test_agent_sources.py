@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import signal
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
-from haru.log.bus import send
 from haru.core import subjects
 from haru.core.apply import apply
 from haru.core.commands import Command
 from haru.core.layout import load_layout
+from haru.log.bus import send
 from tests.support.agent_harness import (
     AgentProcess,
     agent_env,
@@ -29,9 +29,10 @@ pytestmark = pytest.mark.timeout(90)
 
 async def test_agent_reads_declared_layout_and_runs_only_admitted_models(tmp_path, nats_server, event_log, agents):
     # "big" does not fit on the 24 GiB card after "m1" and "m2": the planner refuses it at apply time.
-    layout_path = write_layout(tmp_path / "layout.json", tmp_path,
-                               models={"m1": {}, "m2": {}, "big": {"vram": "20GiB"}})
-    await apply(event_log, load_layout(layout_path), datetime.now(timezone.utc))
+    layout_path = write_layout(
+        tmp_path / "layout.json", tmp_path, models={"m1": {}, "m2": {}, "big": {"vram": "20GiB"}}
+    )
+    await apply(event_log, load_layout(layout_path), datetime.now(UTC))
     cfg = write_config(tmp_path / "agent-a.json", nats_server.url, tmp_path, domain="a")  # no layout: the log's
     agent = agents(cfg, tmp_path / "agent-a.log")
     for name in ("m1", "m2"):
@@ -47,10 +48,19 @@ async def test_agent_reads_declared_layout_and_runs_only_admitted_models(tmp_pat
 async def test_undeclared_host_runs_from_its_config(tmp_path, nats_server, event_log, agents):
     sim_dir = tmp_path / "sim" / "a"
     sim_dir.mkdir(parents=True)
-    host = {"gpus": [{"index": 0, "memory": "24GiB"}],
-            "slots": [{"name": "chat", "gpu": 0, "models": [sim_model("solo", sim_dir, "a")]}]}
-    cfg = write_config(tmp_path / "agent-a.json", nats_server.url, tmp_path, domain="a", host=host,
-                       policy={"probe_interval_ms": 200}, role="active")
+    host = {
+        "gpus": [{"index": 0, "memory": "24GiB"}],
+        "slots": [{"name": "chat", "gpu": 0, "models": [sim_model("solo", sim_dir, "a")]}],
+    }
+    cfg = write_config(
+        tmp_path / "agent-a.json",
+        nats_server.url,
+        tmp_path,
+        domain="a",
+        host=host,
+        policy={"probe_interval_ms": 200},
+        role="active",
+    )
     agent = agents(cfg, tmp_path / "agent-a.log")
     await wait_event(event_log, subjects.model("f", "a", "solo"), is_("model_resident"), agent=agent)
     status = await send(event_log.bus, "f", "a", "status", Command(), timeout=10)
@@ -63,7 +73,7 @@ async def test_role_follows_the_route_pointer(tmp_path, nats_server, event_log, 
     from haru.core.events import RouteMoved
 
     layout_path = write_layout(tmp_path / "layout.json", tmp_path)
-    await event_log.append(subjects.route("f"), RouteMoved(at=datetime.now(timezone.utc), active="b"), expect=0)
+    await event_log.append(subjects.route("f"), RouteMoved(at=datetime.now(UTC), active="b"), expect=0)
     cfg = write_config(tmp_path / "agent-a.json", nats_server.url, tmp_path, domain="a", layout=layout_path)
     agent = agents(cfg, tmp_path / "agent-a.log")
     # a is standby by the route: it loads, then sleeps
@@ -71,8 +81,9 @@ async def test_role_follows_the_route_pointer(tmp_path, nats_server, event_log, 
     status = await send(event_log.bus, "f", "a", "status", Command(), timeout=10)
     assert status.data["role"] == "standby" and status.data["active_domain"] == "b"
     last = await event_log.last(subjects.route("f"))
-    await event_log.append(subjects.route("f"), RouteMoved(at=datetime.now(timezone.utc), active="a", previous="b"),
-                           expect=last.seq)
+    await event_log.append(
+        subjects.route("f"), RouteMoved(at=datetime.now(UTC), active="a", previous="b"), expect=last.seq
+    )
     for _ in range(50):
         status = await send(event_log.bus, "f", "a", "status", Command(), timeout=10)
         if status.data["role"] == "active":
@@ -117,8 +128,16 @@ async def test_llama_server_model_under_the_agent(tmp_path, nats_server, event_l
     layout = write_layout(tmp_path / "layout.json", tmp_path, training={"vram": "4GiB"})
     doc = json.loads(layout.read_text())
     for d in doc["domains"]:
-        d["slots"][0]["models"] = [{"name": "gemma:2b", "runtime": "llama_server", "vram": "3GiB",
-                                    "source": "/m/gemma.gguf", "binary": fake, "env": {"FAKE_LOAD_MS": "300"}}]
+        d["slots"][0]["models"] = [
+            {
+                "name": "gemma:2b",
+                "runtime": "llama_server",
+                "vram": "3GiB",
+                "source": "/m/gemma.gguf",
+                "binary": fake,
+                "env": {"FAKE_LOAD_MS": "300"},
+            }
+        ]
     layout.write_text(json.dumps(doc))
     cfg = write_config(tmp_path / "agent-b.json", nats_server.url, tmp_path, domain="b", layout=layout)
     agent = agents(cfg, tmp_path / "agent-b.log")

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from haru.host.children import alive as proc_alive
-from tests.support.promoter import wait_view
 from tests.integration.test_agent_restart import (
     FLEET,
     MODELS,
@@ -26,6 +25,7 @@ from tests.integration.test_agent_restart import (
     steady,
     wait_adopted,
 )
+from tests.support.promoter import wait_view
 
 UNIT = Path(__file__).resolve().parents[2] / "deploy" / "systemd" / "haru-agent.service"
 
@@ -93,6 +93,6 @@ async def test_reload_keeps_the_runtimes_and_stop_unloads_them_and_records_it(tm
                 assert asyncio.get_running_loop().time() < deadline, f"runtime {doc['model']} still runs after a stop"
                 await asyncio.sleep(0.05)
         for m in MODELS:
-            assert (await residency_tags(event_log, "b", m))[since[m]:][-1:] == ["model_stopped"], m
+            assert (await residency_tags(event_log, "b", m))[since[m] :][-1:] == ["model_stopped"], m
         agent_events = [type(r.event).__name__ for r in await event_log.history(f"haru.evt.{FLEET}.b.agent")]
         assert agent_events[-1] == "AgentStopping"

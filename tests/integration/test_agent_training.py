@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from haru.log.bus import send
 from haru.core import subjects
 from haru.core.commands import Command
+from haru.log.bus import send
 from tests.support.agent_harness import agent_env, is_, tag, wait_event, write_config, write_layout
 
 pytestmark = pytest.mark.timeout(90)
@@ -23,12 +23,18 @@ async def start_standby(tmp_path, nats_server, event_log, agents, *, training: d
     await wait_event(event_log, subjects.model("f", "b", "m1"), is_("model_sleeping"), agent=agent)
     started = await wait_event(event_log, subjects.training("f", "b", "lora"), is_("training_started"), agent=agent)
     log = tmp_path / "state" / "b" / "training-lora.log"  # the trainer is up once it says it trains
-    await wait_event(event_log, subjects.training("f", "b", "lora"),
-                     lambda r: log.exists() and "training on GPU" in log.read_text(), agent=agent)
+    await wait_event(
+        event_log,
+        subjects.training("f", "b", "lora"),
+        lambda r: log.exists() and "training on GPU" in log.read_text(),
+        agent=agent,
+    )
     return agent, started
 
 
-async def test_standby_sleeps_then_trains_with_exactly_the_contracts_added_variables(tmp_path, nats_server, event_log, agents):
+async def test_standby_sleeps_then_trains_with_exactly_the_contracts_added_variables(
+    tmp_path, nats_server, event_log, agents
+):
     env = agent_env(HARU_TEST_MARKER="x y z")
     env.pop("CUDA_DEVICE_ORDER", None)  # the agent adds it: the test must see it added
     agent, started = await start_standby(tmp_path, nats_server, event_log, agents, training={}, env=env)
@@ -36,8 +42,9 @@ async def test_standby_sleeps_then_trains_with_exactly_the_contracts_added_varia
     await wait_event(event_log, subjects.training("f", "b", "lora"), lambda r: env_file.exists(), agent=agent)
     seen = json.loads(env_file.read_text())
     # CUDA_DEVICE_ORDER: CUDA numbers the cards as NVML does, so $HARU_GPU_INDEX names the same card
-    expected = dict(env, HARU_CHECKPOINT_DIR=str(tmp_path / "ckpt" / "b"), HARU_GPU_INDEX="0",
-                    CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    expected = dict(
+        env, HARU_CHECKPOINT_DIR=str(tmp_path / "ckpt" / "b"), HARU_GPU_INDEX="0", CUDA_DEVICE_ORDER="PCI_BUS_ID"
+    )
     assert seen == expected
     assert set(seen) - set(env) == {"HARU_CHECKPOINT_DIR", "HARU_GPU_INDEX", "CUDA_DEVICE_ORDER"}
     # its own process group
@@ -63,8 +70,9 @@ async def test_trainer_that_exits_on_sigterm_is_terminated(tmp_path, nats_server
 
 
 async def test_trainer_ignoring_sigterm_is_killed_after_grace(tmp_path, nats_server, event_log, agents):
-    agent, started = await start_standby(tmp_path, nats_server, event_log, agents,
-                                         training={"extra": ["--ignore-sigterm"], "grace_ms": 700})
+    agent, started = await start_standby(
+        tmp_path, nats_server, event_log, agents, training={"extra": ["--ignore-sigterm"], "grace_ms": 700}
+    )
     # while it runs, verify_gpu refuses: training holds the GPU
     busy = await send(event_log.bus, "f", "b", "verify_gpu", Command(), timeout=10)
     assert not busy.ok and busy.error.code == "training_running"
@@ -88,14 +96,26 @@ async def test_standby_restart_makes_room_reloads_sleeps_and_resumes_training(tm
     os.kill(loading.pid, 9)
     lost = await wait_event(event_log, model, is_("model_lost", reason="process_exited"), agent=agent)
     slept = await wait_event(event_log, model, lambda r: tag(r) == "model_sleeping" and r.seq > lost.seq, agent=agent)
-    resumed = await wait_event(event_log, subjects.training("f", "b", "lora"),
-                               lambda r: tag(r) == "training_started" and r.seq > slept.seq, agent=agent)
+    resumed = await wait_event(
+        event_log,
+        subjects.training("f", "b", "lora"),
+        lambda r: tag(r) == "training_started" and r.seq > slept.seq,
+        agent=agent,
+    )
     # The order, across subjects (stream sequences are global): lost, training stopped, loading, resident,
     # sleeping, training started again.
-    recs = [r for r in await event_log.history("haru.evt.f.b.>") if r.seq > lost.seq and r.seq <= resumed.seq
-            and (".model." in r.subject or ".training." in r.subject)]
-    assert [tag(r) for r in recs] == ["training_stopped", "model_loading", "model_resident", "model_sleeping",
-                                      "training_started"]
+    recs = [
+        r
+        for r in await event_log.history("haru.evt.f.b.>")
+        if r.seq > lost.seq and r.seq <= resumed.seq and (".model." in r.subject or ".training." in r.subject)
+    ]
+    assert [tag(r) for r in recs] == [
+        "training_stopped",
+        "model_loading",
+        "model_resident",
+        "model_sleeping",
+        "training_started",
+    ]
     assert recs[0].event.how == "terminated" and recs[1].event.attempt == 2
 
 

@@ -5,24 +5,23 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from haru.core import subjects
 from haru.core.apply import apply, diff, fold_declarations
-from haru.log.eventlog import body_hash
 from haru.core.events import tag_of
 from haru.core.layout import load_layout, parse_layout
 from haru.core.planner import plan
-from haru.core.sizes import format_gib
-from haru.core.sizes import GiB
+from haru.core.sizes import GiB, format_gib
+from haru.log.eventlog import body_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "deploy/examples/demo-fleet.json"
 HEARTH = ROOT / "deploy/examples/hearth.json"
-NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
 
 def demo_doc() -> dict:
@@ -81,7 +80,7 @@ async def test_changed_policy_appends_exactly_one_policy_changed(event_log):
     doc["policy"]["degraded_grace_ms"] = 45_000
     result = await apply(event_log, parse_layout(doc), NOW)
     after = await event_log.history(subjects.decl("default"))
-    new = after[len(before):]
+    new = after[len(before) :]
     assert [tag_of(r.event) for r in new] == ["policy_changed"]
     assert new[0].event.policy.degraded_grace_ms == 45_000 and new[0].event.previous.degraded_grace_ms == 15_000
     assert result.seqs == [new[0].seq]
@@ -123,8 +122,9 @@ async def test_a_racing_writer_is_absorbed_by_rereading(event_log):
 
 
 def haru(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "haru.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "haru.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 @pytest.mark.timeout(120)
@@ -142,7 +142,10 @@ def test_cli_apply_dry_run_then_apply_then_noop(nats_server):
     out = json.loads(r.stdout)
     assert out["fleet"] == "hearth" and not out["dry_run"] and out["changes"]
     assert {(n["name"], format_gib(n["short_by_bytes"])) for n in out["not_admitted"]} == {
-        ("gemma4:26b", "14.8 GiB"), ("qwen3.6:27b", "15.8 GiB"), ("gemma4-extract:31b", "17.8 GiB")}
+        ("gemma4:26b", "14.8 GiB"),
+        ("qwen3.6:27b", "15.8 GiB"),
+        ("gemma4-extract:31b", "17.8 GiB"),
+    }
     assert len(out["not_admitted"]) == 6 and {n["domain"] for n in out["not_admitted"]} == {"a6000-east", "a6000-west"}
 
     r = haru("apply", "-f", str(HEARTH), "--nats-url", url)
@@ -182,7 +185,9 @@ async def test_the_cli_applies_a_three_domain_layout_and_its_status_ranks_the_st
     records = await event_log.history(subjects.decl("default"))
     declared = {r.event.spec.name for r in records if tag_of(r.event) == "domain_declared"}
     assert declared == {"a", "b", "c"}
-    admitted = {(r.event.domain, r.event.name) for r in records if tag_of(r.event) == "admission_decided" and r.event.admitted}
+    admitted = {
+        (r.event.domain, r.event.name) for r in records if tag_of(r.event) == "admission_decided" and r.event.admitted
+    }
     assert {d for d, _ in admitted} == {"a", "b", "c"} and len(admitted) == 12  # 3 models and a training slot each
     await event_log.append(subjects.route("default"), RouteMoved(at=NOW, active="a"), expect=0)
     from haru.core.fold import fold

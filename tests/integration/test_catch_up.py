@@ -7,7 +7,7 @@ take the connection down)."""
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import nats.errors
 import nats.js.errors
@@ -19,7 +19,7 @@ from haru.core import subjects
 from haru.host.tasks import cancel_and_wait
 from haru.log import js_replay, nats_direct
 
-T0 = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 3, 0, tzinfo=UTC)
 SUBJECT = subjects.model("default", "a", "stories")
 
 
@@ -57,7 +57,8 @@ async def until(cond, timeout: float = 20.0) -> None:
 
 @pytest.mark.parametrize("subject_filter", [subjects.ALL_EVENTS, subjects.fleet_events("default")])
 async def test_a_follower_catches_up_through_the_pull_consumer_then_follows_live(
-        event_log, pull_consumers, subject_filter):
+    event_log, pull_consumers, subject_filter
+):
     first = await append(event_log, 30)
     seen: list[int] = []
     follower = asyncio.create_task(event_log.replay(seen.append, follow=True, subject_filter=subject_filter))
@@ -88,7 +89,8 @@ async def test_the_catch_up_resumes_where_asked_and_hands_headers_as_nats_py_doe
 
 
 async def test_a_consumer_deleted_mid_catch_up_hands_over_and_nothing_is_lost_or_repeated(
-        event_log, pull_consumers, monkeypatch):
+    event_log, pull_consumers, monkeypatch
+):
     monkeypatch.setattr(js_replay, "_CATCH_UP_BATCH", 4)  # many pull requests: the deletion lands mid-way
     monkeypatch.setattr(js_replay, "_CATCH_UP_SILENCE_S", 0.2)
     last = await append(event_log, 40)
@@ -120,12 +122,14 @@ async def test_a_consumer_deleted_mid_catch_up_hands_over_and_nothing_is_lost_or
 
 @pytest.mark.parametrize("refused", ["create", "pull"])
 async def test_a_catch_up_whose_requests_fail_hands_over_and_the_follower_gets_everything(
-        event_log, monkeypatch, refused):
+    event_log, monkeypatch, refused
+):
     """A consumer the server will not make, or pull requests that cannot be sent (NATS closing, ...): the
     ordered consumer reads everything instead, and nothing is raised to the follower."""
     last = await append(event_log, 12)
     nc = event_log.js._nc
     if refused == "create":
+
         async def add_consumer(*args, **kwargs):
             raise nats.js.errors.APIError(description="refused")
 
@@ -196,8 +200,18 @@ async def test_a_skipped_consumer_sequence_ends_the_catch_up_before_anything_pas
     async def rescan(*args, **kwargs):
         return 0
 
-    r = js_replay.Replay(event_log.js, lambda rec: seen.append(rec.seq), from_seq=1, subject_filter=subjects.ALL_EVENTS,
-                         follow=True, headers=False, budget=None, strict=False, on_gap=None, rescan=rescan)
+    r = js_replay.Replay(
+        event_log.js,
+        lambda rec: seen.append(rec.seq),
+        from_seq=1,
+        subject_filter=subjects.ALL_EVENTS,
+        follow=True,
+        headers=False,
+        budget=None,
+        strict=False,
+        on_gap=None,
+        rescan=rescan,
+    )
     catch = js_replay._CatchUp(asyncio.get_running_loop())
     catch.consumer, catch.asked = b"c1", 1_000_000
     on = r._on_direct(catch, event_log.js._nc)
@@ -261,7 +275,10 @@ async def test_a_direct_subscription_gets_raw_messages_and_a_failing_callback_sp
         await nc.publish("haru.test.direct", b"two")
         await nc.flush()
         await until(lambda: len(got) >= 2, 5)
-        assert [(s, r, d) for s, r, d, _ in got] == [(b"haru.test.direct", b"r.1", b"one"), (b"haru.test.direct", b"", b"two")]
+        assert [(s, r, d) for s, r, d, _ in got] == [
+            (b"haru.test.direct", b"r.1", b"one"),
+            (b"haru.test.direct", b"", b"two"),
+        ]
         msgs = [await plain.next_msg(2) for _ in range(3)]
         assert got[0][3] == msgs[1].headers and got[1][3] is None and msgs[2].headers is None
         assert await event_log.last_seq() >= 0  # the connection still answers requests

@@ -12,9 +12,9 @@ import msgspec
 from haru.core import checkpoints
 from haru.core import events as ev
 from haru.core import subjects as sj
-from haru.log.eventlog import body_hash
-from haru.host.tasks import cancel_and_wait
 from haru.core.fold import fold
+from haru.host.tasks import cancel_and_wait
+from haru.log.eventlog import body_hash
 from haru.projections.projector import Projector
 from tests.integration.test_projector import F, Writer, declare, stored_view, wait_view_seq
 from tests.support import haru
@@ -92,8 +92,9 @@ async def test_verify_since_checkpoint_refuses_heads_the_store_does_not_hold(nat
     victim = records[3]
     heads[victim.subject] = (victim.seq, "0" * 64)  # not the body stored there
     view = fold((r.seq, r.subject, r.event) for r in records)[F]
-    forged = checkpoints.build(F, upto=records[-1].seq, events=len(records), heads=heads, view=view,
-                               now=records[-1].event.at)
+    forged = checkpoints.build(
+        F, upto=records[-1].seq, events=len(records), heads=heads, view=view, now=records[-1].event.at
+    )
     await event_log.append(sj.checkpoint(F), forged, expect=0)
     out = haru("verify", "--since-checkpoint", nats_url=nats_server.url)
     assert out.returncode == 5, out.stdout + out.stderr

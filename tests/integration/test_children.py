@@ -10,10 +10,11 @@ import signal
 import subprocess
 import sys
 import time
+
 import pytest
 
-from haru.host import children
 from haru.core.errors import StoreBusy
+from haru.host import children
 from haru.host.natsd import LOCK_FILE, NatsServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,8 +43,9 @@ time.sleep(60)
 @pytest.mark.parametrize("death_signal", [signal.SIGTERM, 0], ids=["with-death-signal", "without"])
 def test_a_child_dies_with_its_sigkilled_parent_or_is_found_by_its_pid_file(tmp_path, death_signal):
     pidfile = tmp_path / "run" / "sleeper.pid"
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(pidfile), str(int(death_signal))],
-                              stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(pidfile), str(int(death_signal))], stdout=subprocess.PIPE, text=True
+    )
     child = int(parent.stdout.readline())
     record = json.loads(pidfile.read_text())
     assert record["pid"] == child and record["start"] == children.start_time(child)
@@ -97,8 +99,12 @@ def test_a_store_lock_held_by_no_recorded_server_is_waited_for_then_refused(tmp_
     once, and refuses, naming no pid, if it is still held after that."""
     store = tmp_path / "store"
     store.mkdir()
-    holder = [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
-              "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(float(sys.argv[2]))"]
+    holder = [
+        sys.executable,
+        "-c",
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(float(sys.argv[2]))",
+    ]
     brief = subprocess.Popen([*holder, str(store / LOCK_FILE), "0.6"], stdout=subprocess.PIPE, text=True)
     assert brief.stdout.readline().strip() == "held"
     server = NatsServer(store)

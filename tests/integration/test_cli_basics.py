@@ -3,7 +3,7 @@ aside, never deleted; refused while a `haru up` runs on that home)."""
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -23,7 +23,7 @@ def test_fresh_moves_the_previous_demo_aside(tmp_path):
         (home / part).mkdir(parents=True)
     (home / "nats" / "jetstream" / "data").write_text("history")
     (home / "models").mkdir()  # pulled models are not demo state: they stay
-    moved = fresh_start(home, datetime(2026, 11, 30, 22, 0, tzinfo=timezone.utc))
+    moved = fresh_start(home, datetime(2026, 11, 30, 22, 0, tzinfo=UTC))
     assert moved == home / "previous" / "20261130T220000Z"
     assert (moved / "nats" / "jetstream" / "data").read_text() == "history"
     assert not (home / "nats").exists() and not (home / "sim").exists() and (home / "models").exists()

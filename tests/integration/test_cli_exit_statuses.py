@@ -10,6 +10,7 @@ is here too: validating a layout needs no control plane.
 from __future__ import annotations
 
 import json
+from datetime import UTC
 
 import pytest
 
@@ -22,19 +23,55 @@ LAYOUT = "deploy/examples/demo-fleet.json"
 
 # Every command, with the arguments that make it otherwise valid.
 COMMANDS: dict[str, list[str]] = {
-    "up": ["up"], "serve": ["serve", "--model", "x=/m.gguf:1"], "resolve": ["resolve", "qwen3:0.6b"],
-    "pull": ["pull", "qwen3:0.6b"], "convert": ["convert", "/m"], "runtime": ["runtime", "llama", "--check"],
-    "apply": ["apply", "-f", LAYOUT], "status": ["status"], "route": ["route"], "why": ["why", "m"],
-    "as-of": ["as-of", "m", "1"], "history": ["history"], "verify": ["verify"], "promote": ["promote", "b"],
-    "demote": ["demote", "b"], "roll": ["roll"], "op": ["op"], "provision": ["provision", "a"],
-    "teardown": ["teardown", "a"], "replace": ["replace", "a"], "agent": ["agent", "--config", "x.json"],
-    "projector": ["projector"], "promoter": ["promoter"], "gateway": ["gateway"],
-    "sink": ["sink", "postgres", "--dsn", "postgresql://x"], "run": ["run", "m"], "sim": ["sim", "status"],
+    "up": ["up"],
+    "serve": ["serve", "--model", "x=/m.gguf:1"],
+    "resolve": ["resolve", "qwen3:0.6b"],
+    "pull": ["pull", "qwen3:0.6b"],
+    "convert": ["convert", "/m"],
+    "runtime": ["runtime", "llama", "--check"],
+    "apply": ["apply", "-f", LAYOUT],
+    "status": ["status"],
+    "route": ["route"],
+    "why": ["why", "m"],
+    "as-of": ["as-of", "m", "1"],
+    "history": ["history"],
+    "verify": ["verify"],
+    "promote": ["promote", "b"],
+    "demote": ["demote", "b"],
+    "roll": ["roll"],
+    "op": ["op"],
+    "provision": ["provision", "a"],
+    "teardown": ["teardown", "a"],
+    "replace": ["replace", "a"],
+    "agent": ["agent", "--config", "x.json"],
+    "projector": ["projector"],
+    "promoter": ["promoter"],
+    "gateway": ["gateway"],
+    "sink": ["sink", "postgres", "--dsn", "postgresql://x"],
+    "run": ["run", "m"],
+    "sim": ["sim", "status"],
 }
 
 # The commands that read NATS, as their users run them.
-NATS_COMMANDS = ["apply", "status", "route", "why", "as-of", "history", "verify", "promote", "demote", "roll", "op",
-                 "provision", "teardown", "replace", "projector", "promoter", "gateway"]
+NATS_COMMANDS = [
+    "apply",
+    "status",
+    "route",
+    "why",
+    "as-of",
+    "history",
+    "verify",
+    "promote",
+    "demote",
+    "roll",
+    "op",
+    "provision",
+    "teardown",
+    "replace",
+    "projector",
+    "promoter",
+    "gateway",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -73,13 +110,16 @@ def test_an_unknown_flag_is_usage(capsys, name):
     assert "unrecognized arguments: --no-such-flag" in err
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["apply", "-f", "/no/such/layout.json", "--nats-url", REFUSED], "no such file"),
-    (["apply", "-f", "/no/such/layout.json", "--dry-run"], "no such file"),
-    (["agent", "--config", "/no/such/agent.json"], "/no/such/agent.json"),
-    (["convert", "/no/such/model"], "/no/such/model does not exist"),
-    (["serve", "--model", "x=/no/such.gguf:1", "--gpu-memory", "8"], "/no/such.gguf does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["apply", "-f", "/no/such/layout.json", "--nats-url", REFUSED], "no such file"),
+        (["apply", "-f", "/no/such/layout.json", "--dry-run"], "no such file"),
+        (["agent", "--config", "/no/such/agent.json"], "/no/such/agent.json"),
+        (["convert", "/no/such/model"], "/no/such/model does not exist"),
+        (["serve", "--model", "x=/no/such.gguf:1", "--gpu-memory", "8"], "/no/such.gguf does not exist"),
+    ],
+)
 def test_a_path_that_does_not_exist_is_usage(capsys, argv, says):
     rc, _, err = cli(capsys, *argv)
     assert rc == ExitStatus.USAGE, (argv, err)
@@ -133,30 +173,38 @@ def test_a_dry_run_without_nats_validates_and_exits_0_saying_what_it_did_not_rea
 
 async def test_what_is_not_there_is_not_found(nats_server, event_log, capsys):
     import asyncio
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from haru.core.apply import apply
     from haru.core.layout import load_layout
 
-    await apply(event_log, load_layout(LAYOUT), datetime.now(timezone.utc))
+    await apply(event_log, load_layout(LAYOUT), datetime.now(UTC))
     url = nats_server.url
     cases = [
-        ["status", "--fleet", "nope"], ["route", "--fleet", "nope"], ["why", "no-such-model"],
-        ["as-of", "no-such-model", "1"], ["promote", "zz"], ["demote", "zz"], ["op", "op-nope"],
-        ["provision", "zz"], ["teardown", "zz"], ["replace", "zz"],
+        ["status", "--fleet", "nope"],
+        ["route", "--fleet", "nope"],
+        ["why", "no-such-model"],
+        ["as-of", "no-such-model", "1"],
+        ["promote", "zz"],
+        ["demote", "zz"],
+        ["op", "op-nope"],
+        ["provision", "zz"],
+        ["teardown", "zz"],
+        ["replace", "zz"],
     ]
     for argv in cases:
         rc, _, err = await asyncio.to_thread(cli, capsys, *argv, "--nats-url", url)
         assert rc == ExitStatus.NOT_FOUND, (argv, rc, err)
-    rc, _, err = await asyncio.to_thread(cli, capsys, "status", "--fleet", "00000000-0000-4000-8000-000000000000",
-                                         "--nats-url", url)
+    rc, _, err = await asyncio.to_thread(
+        cli, capsys, "status", "--fleet", "00000000-0000-4000-8000-000000000000", "--nats-url", url
+    )
     assert rc == ExitStatus.NOT_FOUND and "no fleet has UUID" in err
 
 
 async def test_every_fleet_option_takes_the_fleets_uuid(nats_server, event_log, capsys):
     """Haru's API took "slug or UUID" for a fleet: so does `--fleet`, resolved through the stored views."""
     import asyncio
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from haru.core.apply import apply
     from haru.core.fold import fold
@@ -164,13 +212,14 @@ async def test_every_fleet_option_takes_the_fleets_uuid(nats_server, event_log, 
     from haru.core.specs import fleet_uuid
     from haru.core.views import view_encoder
 
-    await apply(event_log, load_layout(LAYOUT), datetime.now(timezone.utc))
+    await apply(event_log, load_layout(LAYOUT), datetime.now(UTC))
     records = await event_log.history("haru.evt.default.>")
     view = fold((r.seq, r.subject, r.event) for r in records)["default"]
     assert view.uuid == fleet_uuid("default")  # recorded with the declaration, folded into the view
     await event_log.put_view("fleet.default", view_encoder.encode(view), last=0)
-    rc, out, err = await asyncio.to_thread(cli, capsys, "status", "--fleet", fleet_uuid("default"),
-                                           "--nats-url", nats_server.url)
+    rc, out, err = await asyncio.to_thread(
+        cli, capsys, "status", "--fleet", fleet_uuid("default"), "--nats-url", nats_server.url
+    )
     assert rc == ExitStatus.OK and out.startswith("fleet default"), err
 
 

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from haru.core.errors import LogUnavailable
-from haru.log.eventlog import EventLog
-from haru.host.natsd import NatsServer, free_port
 from haru.core.views import RouteIntent, Target, view_encoder
+from haru.host.natsd import NatsServer, free_port
+from haru.log.eventlog import EventLog
 from tests.support import haru
 
 
@@ -71,7 +71,9 @@ async def test_route_watch_says_when_the_control_plane_went_away_and_came_back(n
     await event_log.publish_intent("default", view_encoder.encode(intent), expect=0)
     proc = subprocess.Popen(
         [sys.executable, "-m", "haru.cli", "route", "--watch", "--nats-url", nats_server.url],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "HARU_NO_UVLOOP": "1"},
     )
     try:
@@ -90,7 +92,9 @@ async def test_route_watch_says_when_the_control_plane_went_away_and_came_back(n
             # And it is live again: a new intent is printed.
             async with EventLog.connect([again.url], writer="test") as log:
                 nxt = RouteIntent(fleet="default", revision=9, active=Target(domain="b", serving_url="http://b:9000"))
-                await log.publish_intent("default", view_encoder.encode(nxt), expect=(await log.last_intent("default"))[1])
+                await log.publish_intent(
+                    "default", view_encoder.encode(nxt), expect=(await log.last_intent("default"))[1]
+                )
             await asyncio.to_thread(out.wait_for, "route revision 9", 30)
         finally:
             await asyncio.to_thread(again.stop_sync)

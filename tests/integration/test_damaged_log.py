@@ -16,9 +16,9 @@ import pytest
 from haru.core import events as ev
 from haru.core import subjects as sj
 from haru.core.errors import LogDamaged
-from haru.log.eventlog import EventLog
 from haru.host.natsd import NatsServer
 from haru.host.tasks import cancel_and_wait
+from haru.log.eventlog import EventLog
 from haru.projections.projector import Projector
 from tests.integration.test_projector import MODELS, Writer, declare, now, wait_view_seq
 from tests.support import haru

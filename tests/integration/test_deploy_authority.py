@@ -23,20 +23,20 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import pytest
+from test_deploy_cluster import REPO, cluster, haru_cli, now  # noqa: F401 - `cluster` is the module's fixture
 
 from haru.core import authority, subjects
 from haru.core.apply import apply
 from haru.core.events import AnyEvent, OperationCompleted, PromotionRequested, RouteMoved, StepCompleted
-from haru.log.history import Verifier, misplaced_records
-from haru.promoter import request_operation
-from haru.core.residency import Sleeping
-from haru.host.tasks import cancel_and_wait
-from haru.core.views import intent_decoder
 from haru.core.fold import fold
+from haru.core.residency import Sleeping
+from haru.core.views import intent_decoder
+from haru.host.tasks import cancel_and_wait
+from haru.log.history import Verifier, misplaced_records
 from haru.projections.projector import Projector
-from tests.support.promoter_fake import FakeAgent, layout
+from haru.promoter import request_operation
 from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view
-from test_deploy_cluster import REPO, cluster, haru_cli, now  # noqa: F401 - `cluster` is the module's fixture
+from tests.support.promoter_fake import FakeAgent, layout
 from tests.unit.test_authority import build
 
 pytestmark = pytest.mark.timeout(120)
@@ -56,17 +56,37 @@ def role_writes(role: str, kind: str, domain: str, own_domain: str) -> bool:
 
 
 def fleet_subjects(fleet: str, domains: tuple[str, ...], model: str = "m1", slot: str = "lora") -> list[str]:
-    out = [subjects.decl(fleet), subjects.route(fleet), subjects.checkpoint(fleet), subjects.weights(fleet), subjects.op(fleet)]
+    out = [
+        subjects.decl(fleet),
+        subjects.route(fleet),
+        subjects.checkpoint(fleet),
+        subjects.weights(fleet),
+        subjects.op(fleet),
+    ]
     for d in domains:
-        out += [subjects.agent(fleet, d), subjects.liveness(fleet, d), subjects.model(fleet, d, model),
-                subjects.gpu(fleet, d, 0), subjects.training(fleet, d, slot)]
+        out += [
+            subjects.agent(fleet, d),
+            subjects.liveness(fleet, d),
+            subjects.model(fleet, d, model),
+            subjects.gpu(fleet, d, 0),
+            subjects.training(fleet, d, slot),
+        ]
     return out
 
 
 def same_except_position(a, b) -> bool:
     """Two views equal but for where they are and what they counted (a misplaced event moves only those)."""
-    skip = dict(seq=0, anomalies=0, last_anomaly="", decl_seq=0, op_seq=0, route_seq=0, weights_seq=0, updated_at=None,
-                checkpoint=0)
+    skip = dict(
+        seq=0,
+        anomalies=0,
+        last_anomaly="",
+        decl_seq=0,
+        op_seq=0,
+        route_seq=0,
+        weights_seq=0,
+        updated_at=None,
+        checkpoint=0,
+    )
     return msgspec.structs.replace(a, **skip) == msgspec.structs.replace(b, **skip)
 
 
@@ -116,7 +136,11 @@ async def may_publish(cluster, user: str, subject_list: list[str]) -> dict[str, 
 
 
 async def test_every_role_may_write_exactly_what_the_table_says_and_the_rest_is_never_applied(cluster):
-    fleet, own, other = "hearth", "a6000-east", "a6000-west"  # the shipped users cover this fleet; nobody else uses it here
+    fleet, own, other = (
+        "hearth",
+        "a6000-east",
+        "a6000-west",
+    )  # the shipped users cover this fleet; nobody else uses it here
     everything = fleet_subjects(fleet, (own, other))
     users = {r: (f"agent.{fleet}.{own}" if r == "agent" else r) for r in ROLES}
     allowed: dict[str, list[str]] = {}
@@ -136,8 +160,15 @@ async def test_every_role_may_write_exactly_what_the_table_says_and_the_rest_is_
             for subject in allowed[role]:
                 w = subjects.where(subject)
                 for cls in EVENT_TYPES:
-                    event = build(cls, fleet=fleet, domain=w.domain or own, model="m1", index=0, slot="lora",
-                                  by=f"{role}:authority-test")
+                    event = build(
+                        cls,
+                        fleet=fleet,
+                        domain=w.domain or own,
+                        model="m1",
+                        index=0,
+                        slot="lora",
+                        by=f"{role}:authority-test",
+                    )
                     seq = await log.append(subject, event, expect=await log.last_seq_of(subject))
                     if authority.ALLOWED[cls] == w.kind:
                         placed += 1
@@ -169,13 +200,29 @@ async def test_every_role_may_write_exactly_what_the_table_says_and_the_rest_is_
 
 def forgeries(fleet: str, me: str, victim: str) -> list[tuple[str, object]]:
     """Every event type, naming the victim domain where a body names one, on each subject `me` may write."""
-    mine = [subjects.agent(fleet, me), subjects.model(fleet, me, "m1"), subjects.gpu(fleet, me, 0),
-            subjects.training(fleet, me, "lora")]
+    mine = [
+        subjects.agent(fleet, me),
+        subjects.model(fleet, me, "m1"),
+        subjects.gpu(fleet, me, 0),
+        subjects.training(fleet, me, "lora"),
+    ]
     out = []
     for subject in mine:
         for cls in EVENT_TYPES:
-            out.append((subject, build(cls, fleet=fleet, domain=victim, model="m1", index=0, slot="lora",
-                                       by=f"agent:{fleet}/{me}@forger")))
+            out.append(
+                (
+                    subject,
+                    build(
+                        cls,
+                        fleet=fleet,
+                        domain=victim,
+                        model="m1",
+                        index=0,
+                        slot="lora",
+                        by=f"agent:{fleet}/{me}@forger",
+                    ),
+                )
+            )
     return out
 
 
@@ -193,16 +240,26 @@ async def test_an_agent_forging_every_event_type_never_moves_routing(cluster, tm
     url = {u: cluster.urls(u)[0] for u in ("agent.default.a", "agent.default.b", "promoter", "projector", "operator")}
     async with cluster.log("operator", "cli:test") as operator, cluster.log("admin") as admin:
         await apply(operator, layout(heartbeat_timeout_ms=3000, degraded_grace_ms=1000), now(), by="cli:test")
-        async with FakeAgent(url["agent.default.a"], fleet, "a", ["m1", "m2"]) as a, \
-                FakeAgent(url["agent.default.b"], fleet, "b", ["m1", "m2"]), \
-                cluster.log("projector", "projector:test") as projector_log:
+        async with (
+            FakeAgent(url["agent.default.a"], fleet, "a", ["m1", "m2"]) as a,
+            FakeAgent(url["agent.default.b"], fleet, "b", ["m1", "m2"]),
+            cluster.log("projector", "projector:test") as projector_log,
+        ):
             projector = asyncio.create_task(Projector(projector_log).run())
             try:
                 async with promoters(url["promoter"]):
-                    first = await wait_view(admin, lambda v: v.active == "a" and v.operation is None
-                                            and v.last_operation is not None and v.last_operation.state == "completed"
-                                            and all(isinstance(m.residency, Sleeping) for m in v.domains["b"].models.values()),
-                                            timeout=60, what="first route to a, b asleep")
+                    first = await wait_view(
+                        admin,
+                        lambda v: (
+                            v.active == "a"
+                            and v.operation is None
+                            and v.last_operation is not None
+                            and v.last_operation.state == "completed"
+                            and all(isinstance(m.residency, Sleeping) for m in v.domains["b"].models.values())
+                        ),
+                        timeout=60,
+                        what="first route to a, b asleep",
+                    )
                     await wait_until(lambda: _intent_is(projector_log, fleet, "a"), 20, what="the intent on a")
                     ops_before = len(await op_events(admin, fleet))
 
@@ -218,13 +275,17 @@ async def test_an_agent_forging_every_event_type_never_moves_routing(cluster, tm
                     assert view.domains == (await view_of_placed(admin, fleet)).domains
                     assert [m.active for m in await route_moves(admin, fleet)] == ["a"]
                     assert await intent_active(projector_log, fleet) == ("a", first.route_revision)
-                    assert not [e for e in (await op_events(admin, fleet))[ops_before:] if isinstance(e, PromotionRequested)]
+                    assert not [
+                        e for e in (await op_events(admin, fleet))[ops_before:] if isinstance(e, PromotionRequested)
+                    ]
 
                     # The next genuine promotion probes b and flips the route.
                     accepted = await request_operation(operator, fleet, "promotion", "b", by="cli:test", now=now())
                     assert accepted.status == "accepted", accepted
                     end = await wait_op_end(admin, accepted.op_id, timeout=40, fleet=fleet)
-                    assert isinstance(end, OperationCompleted), [str(e) for e in await op_events(admin, fleet, accepted.op_id)]
+                    assert isinstance(end, OperationCompleted), [
+                        str(e) for e in await op_events(admin, fleet, accepted.op_id)
+                    ]
                     await wait_until(lambda: _intent_is(projector_log, fleet, "b"), 20, what="the intent on b")
             finally:
                 await cancel_and_wait(projector)
@@ -232,7 +293,9 @@ async def test_an_agent_forging_every_event_type_never_moves_routing(cluster, tm
         assert [r.event.active for r in moves] == ["a", "b"]
         records = await admin.history(subjects.fleet_events(fleet))
         for move in moves:  # the pointer only ever moved to a domain probed in the operation that moved it
-            before = [r.event for r in records if r.seq < move.seq and getattr(r.event, "op_id", None) == move.event.op_id]
+            before = [
+                r.event for r in records if r.seq < move.seq and getattr(r.event, "op_id", None) == move.event.op_id
+            ]
             assert any(isinstance(e, StepCompleted) and e.step == "probe" for e in before), move
         assert {m.seq for m in misplaced_records(records)} == set(forged)
 
@@ -253,6 +316,9 @@ async def _intent_is(log, fleet: str, active: str) -> bool:
 
 
 async def view_of_placed(log, fleet: str):
-    records = [r for r in await log.history(subjects.fleet_events(fleet)) if r.event is not None
-               and not authority.misplaced(r.subject, r.event)]
+    records = [
+        r
+        for r in await log.history(subjects.fleet_events(fleet))
+        if r.event is not None and not authority.misplaced(r.subject, r.event)
+    ]
     return fold((r.seq, r.subject, r.event) for r in records)[fleet]

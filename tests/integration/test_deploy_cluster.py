@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import nats
@@ -34,13 +34,13 @@ import pytest
 from nats.micro import add_service
 
 from haru.core import subjects
-from haru.core.errors import Conflict, LogError, LogUnavailable
-from haru.log.eventlog import EventLog
-from haru.core.events import AgentStarted, AgentStopping, FleetDeclared, ModelLoading, PromotionRequested, RouteMoved
-from haru.host.natsd import find_binary, free_port
 from haru.core.commands import reply_decoder
+from haru.core.errors import Conflict, LogError, LogUnavailable
+from haru.core.events import AgentStarted, AgentStopping, FleetDeclared, ModelLoading, PromotionRequested, RouteMoved
 from haru.core.specs import Policy
 from haru.core.views import RouteIntent, Target, view_encoder
+from haru.host.natsd import find_binary, free_port
+from haru.log.eventlog import EventLog
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -54,7 +54,7 @@ DENIED = "permissions violation"  # nats-py lowercases the whole -ERR text, subj
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def read_env(path: Path) -> dict[str, str]:
@@ -71,7 +71,8 @@ def generated_secrets(root: Path) -> dict[str, str]:
     path = root / "nats.env"
     subprocess.run(
         [sys.executable, str(DEPLOY / "gen_users.py"), *GEN_ARGS, "-o", os.devnull, "--env-secrets", str(path)],
-        cwd=REPO, check=True,
+        cwd=REPO,
+        check=True,
     )
     assert path.stat().st_mode & 0o077 == 0, "the secrets file must be private to its owner"
     env = read_env(path)
@@ -109,15 +110,21 @@ class Node:
         config = self.config()
         with open(self.dir / "nats-server.log", "ab") as log:
             self.proc = subprocess.Popen(
-                [find_binary(), "-c", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                [find_binary(), "-c", str(config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
             )
 
     def wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise AssertionError(f"{self.name} exited at start: {(self.dir / 'nats-server.log').read_text()[-2000:]}")
+                raise AssertionError(
+                    f"{self.name} exited at start: {(self.dir / 'nats-server.log').read_text()[-2000:]}"
+                )
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.settimeout(0.5)
@@ -195,7 +202,11 @@ class Cluster:
                 errors.append(str(exc))
 
         return await nats.connect(
-            servers=self.urls(user), error_cb=on_error, connect_timeout=2, allow_reconnect=False, name=user or "anonymous"
+            servers=self.urls(user),
+            error_cb=on_error,
+            connect_timeout=2,
+            allow_reconnect=False,
+            name=user or "anonymous",
         )
 
 
@@ -224,8 +235,18 @@ def cluster(tmp_path_factory):
     try:
         # The streams, as an operator creates them on a new cluster: the shipped script, as admin.
         done = subprocess.run(
-            [sys.executable, str(DEPLOY / "ensure_streams.py"), "--nats-url", ",".join(c.urls("admin")), "--wait", "30"],
-            cwd=REPO, capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                str(DEPLOY / "ensure_streams.py"),
+                "--nats-url",
+                ",".join(c.urls("admin")),
+                "--wait",
+                "30",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert done.returncode == 0, done.stdout + done.stderr
         assert done.stdout.count("replicas 3") == 3, done.stdout
@@ -293,11 +314,15 @@ async def stored_on(js, stream: str, subject: str) -> int:
 def test_shipped_node_configs_are_valid_with_the_example_environment():
     env = dict(os.environ, **read_env(DEPLOY / "nats.env.example"))
     for i in (1, 2, 3):
-        done = subprocess.run([find_binary(), "-t", "-c", str(DEPLOY / f"nats-{i}.conf")], env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            [find_binary(), "-t", "-c", str(DEPLOY / f"nats-{i}.conf")], env=env, capture_output=True, text=True
+        )
         assert done.returncode == 0, done.stdout + done.stderr
     # A missing secret is fatal: nats-server refuses to start rather than run with an empty password.
     env.pop("HARU_NATS_PASSWORD_ROUTER")
-    done = subprocess.run([find_binary(), "-t", "-c", str(DEPLOY / "nats-1.conf")], env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [find_binary(), "-t", "-c", str(DEPLOY / "nats-1.conf")], env=env, capture_output=True, text=True
+    )
     assert done.returncode != 0 and "HARU_NATS_PASSWORD_ROUTER" in done.stdout + done.stderr
 
 
@@ -306,13 +331,20 @@ def test_accounts_file_is_what_gen_users_writes_for_the_example_fleet(tmp_path):
     env_out = tmp_path / "nats.env.example"
     subprocess.run(
         [sys.executable, str(DEPLOY / "gen_users.py"), *GEN_ARGS, "-o", str(out), "--env-example", str(env_out)],
-        cwd=REPO, check=True,
+        cwd=REPO,
+        check=True,
     )
-    assert out.read_text() == (DEPLOY / "accounts.conf").read_text(), "regenerate deploy/nats/accounts.conf with gen_users.py"
+    assert out.read_text() == (DEPLOY / "accounts.conf").read_text(), (
+        "regenerate deploy/nats/accounts.conf with gen_users.py"
+    )
     assert env_out.read_text() == (DEPLOY / "nats.env.example").read_text()
     # A new domain gets its own user with its own subjects only.
     more = subprocess.run(
-        [sys.executable, str(DEPLOY / "gen_users.py"), "--agent", "lab:gpu-9"], cwd=REPO, check=True, capture_output=True, text=True
+        [sys.executable, str(DEPLOY / "gen_users.py"), "--agent", "lab:gpu-9"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     assert '"agent.lab.gpu-9"' in more and "$HARU_NATS_PASSWORD_AGENT_LAB_GPU_9" in more
     assert '"haru.evt.lab.gpu-9.model.*"' in more and '"haru.cmd.lab.gpu-9.>"' in more
@@ -327,7 +359,9 @@ async def test_the_root_single_node_config_runs_haru(tmp_path):
     text = rewrite(text, 'store_dir: "./.haru-nats"', f"store_dir: {json.dumps(str(tmp_path / 'js'))}")
     (tmp_path / "nats.conf").write_text(text)
     with open(tmp_path / "log", "wb") as log:
-        proc = subprocess.Popen([find_binary(), "-c", str(tmp_path / "nats.conf")], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [find_binary(), "-c", str(tmp_path / "nats.conf")], stdout=log, stderr=subprocess.STDOUT
+        )
     try:
         node = Node(0, tmp_path)
         node.port, node.proc = port, proc
@@ -357,7 +391,10 @@ def test_example_agent_configs_load_and_have_their_nats_users():
         if config.host is not None:
             slots = slots_from_host_entry(config.fleet, config.domain, config.host, config.policy)
             assert slots.admitted_models and not slots.not_admitted, (path.name, slots.not_admitted)
-    runtimes = {m["runtime"] for m in json.loads((REPO / "deploy/agents/llama-server-host.json").read_text())["host"]["slots"][0]["models"]}
+    runtimes = {
+        m["runtime"]
+        for m in json.loads((REPO / "deploy/agents/llama-server-host.json").read_text())["host"]["slots"][0]["models"]
+    }
     assert runtimes == {"llama_server"}
 
 
@@ -372,7 +409,10 @@ def test_systemd_units_verify_and_point_at_shipped_examples():
         for line in lines:
             if line.startswith("EnvironmentFile=/etc/haru/"):
                 name = line.rsplit("/", 1)[1]
-                shipped = [REPO / "deploy/systemd" / f"{Path(name).stem}.env.example", DEPLOY / f"{Path(name).stem}.env.example"]
+                shipped = [
+                    REPO / "deploy/systemd" / f"{Path(name).stem}.env.example",
+                    DEPLOY / f"{Path(name).stem}.env.example",
+                ]
                 assert any(p.exists() for p in shipped), f"{unit.name}: no example for {name}"
     agent = (REPO / "deploy/systemd/haru-agent.service").read_text().splitlines()
     # stop = SIGINT (unload, recorded); reload = SIGTERM to the agent alone, which leaves its runtimes
@@ -382,8 +422,11 @@ def test_systemd_units_verify_and_point_at_shipped_examples():
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed")
     done = subprocess.run(["systemd-analyze", "verify", "--man=no", *map(str, units)], capture_output=True, text=True)
-    problems = [line for line in (done.stdout + done.stderr).splitlines()
-                if line.strip() and "is not executable" not in line and "No such file" not in line]
+    problems = [
+        line
+        for line in (done.stdout + done.stderr).splitlines()
+        if line.strip() and "is not executable" not in line and "No such file" not in line
+    ]
     assert not problems, problems
 
 
@@ -425,7 +468,9 @@ async def test_no_anonymous_or_wrong_password_clients(cluster):
 
 async def test_an_agent_writes_only_its_own_domain(cluster, admin):
     decl = subjects.decl(FLEET)
-    await admin.append(decl, FleetDeclared(at=now(), fleet=FLEET, policy=Policy()), expect=await admin.last_seq_of(decl))
+    await admin.append(
+        decl, FleetDeclared(at=now(), fleet=FLEET, policy=Policy()), expect=await admin.last_seq_of(decl)
+    )
 
     # What an agent needs works: read the fleet's declarations, append its own events with expected sequences.
     async with cluster.log("agent.default.a", "agent:default/a") as agent:
@@ -434,7 +479,9 @@ async def test_an_agent_writes_only_its_own_domain(cluster, admin):
         own = subjects.agent(FLEET, "a")
         seq = await agent.append(own, AgentStarted(at=now(), domain="a"), expect=await agent.last_seq_of(own))
         model = subjects.model(FLEET, "a", "qwen3.6:27b")
-        await agent.append(model, ModelLoading(at=now(), domain="a", model="qwen3.6:27b"), expect=await agent.last_seq_of(model))
+        await agent.append(
+            model, ModelLoading(at=now(), domain="a", model="qwen3.6:27b"), expect=await agent.last_seq_of(model)
+        )
         assert (await agent.last(own)).seq == seq
         # A stale expectation is a Conflict, not a permission problem.
         with pytest.raises(Conflict):
@@ -453,11 +500,19 @@ async def test_an_agent_writes_only_its_own_domain(cluster, admin):
 
         # Nor the promoter's subjects (even its own domain's liveness), the fleet's, or another fleet's.
         forbidden = [
-            subjects.agent(FLEET, "b"), subjects.liveness(FLEET, "a"), subjects.route(FLEET), subjects.op(FLEET),
-            subjects.decl(FLEET), subjects.agent("other", "a"), subjects.heartbeat(FLEET, "b"), subjects.intent(FLEET),
+            subjects.agent(FLEET, "b"),
+            subjects.liveness(FLEET, "a"),
+            subjects.route(FLEET),
+            subjects.op(FLEET),
+            subjects.decl(FLEET),
+            subjects.agent("other", "a"),
+            subjects.heartbeat(FLEET, "b"),
+            subjects.intent(FLEET),
             "$KV.haru_views.fleet.default",
         ]
-        before = {s: await stored_on(admin.js, subjects.EVENTS_STREAM, s) for s in forbidden if s.startswith("haru.evt.")}
+        before = {
+            s: await stored_on(admin.js, subjects.EVENTS_STREAM, s) for s in forbidden if s.startswith("haru.evt.")
+        }
         for subject in forbidden:
             await nc.publish(subject, b"{}")
         await nc.flush()
@@ -475,7 +530,7 @@ async def test_an_agent_writes_only_its_own_domain(cluster, admin):
         hb = await nc.subscribe(subjects.heartbeat(FLEET, "a"))
         await nc.publish(subjects.heartbeat(FLEET, "a"), b'{"pid": 1}')
         assert (await hb.next_msg(timeout=2)).data == b'{"pid": 1}'
-        own = ("haru.cmd.default.a", "haru.hb.default.a\"")
+        own = ("haru.cmd.default.a", 'haru.hb.default.a"')
         assert not [e for e in errors if any(o in e for o in own)], errors
     finally:
         await nc.close()
@@ -552,8 +607,12 @@ async def test_an_agent_cannot_delete_purge_or_update_the_log(cluster, admin):
         finally:
             await nc.close()
 
-    await asyncio.gather(*(try_everything(u) for u in
-                           ("agent.default.a", "router", "promoter", "projector", "gateway", "control", "operator")))
+    await asyncio.gather(
+        *(
+            try_everything(u)
+            for u in ("agent.default.a", "router", "promoter", "projector", "gateway", "control", "operator")
+        )
+    )
 
     after = {s: (await admin.js.stream_info(s)).state.messages for s in STREAMS}
     assert after == before and await stored_on(admin.js, subjects.EVENTS_STREAM, own) > 0
@@ -568,6 +627,7 @@ async def test_an_agent_answers_only_its_own_commands(cluster, admin):
     agent_a = await cluster.raw("agent.default.a", errors_a)
     promoter = await cluster.raw("promoter")
     try:
+
         async def status(req) -> None:
             await req.respond(b'{"ok": true, "detail": "a"}')
 
@@ -598,8 +658,15 @@ async def test_an_agent_answers_only_its_own_commands(cluster, admin):
 
 
 def haru_cli(args: list[str], env: dict[str, str], **kwargs) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "haru.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=60, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "haru.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("shape", ["together", "apart"])
@@ -621,7 +688,17 @@ async def test_the_control_plane_and_the_cli_run_under_their_own_users(cluster, 
     mark = log_marks(cluster)  # other tests provoke violations on purpose in this cluster
     port = free_port()
     if shape == "together":
-        commands = {"control": ["up", "--nats-url", as_user("control")["HARU_NATS_URL"], "--port", str(port), "--log-level", "info"]}
+        commands = {
+            "control": [
+                "up",
+                "--nats-url",
+                as_user("control")["HARU_NATS_URL"],
+                "--port",
+                str(port),
+                "--log-level",
+                "info",
+            ]
+        }
     else:
         commands = {"projector": ["projector"], "promoter": ["promoter"], "gateway": ["gateway", "--port", str(port)]}
     procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -633,8 +710,12 @@ async def test_the_control_plane_and_the_cli_run_under_their_own_users(cluster, 
         for user, args in commands.items():
             with open(tmp_path / f"{user}.log", "wb") as out:
                 procs[user] = subprocess.Popen(
-                    [sys.executable, "-m", "haru.cli", *args], cwd=REPO, env=as_user(user),
-                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    [sys.executable, "-m", "haru.cli", *args],
+                    cwd=REPO,
+                    env=as_user(user),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
         deadline = time.monotonic() + 40
 
@@ -725,15 +806,33 @@ async def test_a_real_agent_runs_under_its_domain_user(tmp_path):
         state.ensure(24 * 1024**3, gpu["name"])
         state.set_present(True)
         config = {
-            "fleet": FLEET, "domain": "b", "nats_url": c.urls("agent.default.b"), "gpus": "sim",
-            "sim_dir": str(sim_dir), "state_dir": str(tmp_path / "state-b"), "serving": {"host": "127.0.0.1", "port": free_port()},
+            "fleet": FLEET,
+            "domain": "b",
+            "nats_url": c.urls("agent.default.b"),
+            "gpus": "sim",
+            "sim_dir": str(sim_dir),
+            "state_dir": str(tmp_path / "state-b"),
+            "serving": {"host": "127.0.0.1", "port": free_port()},
         }
         (tmp_path / "agent.json").write_text(json.dumps(config))
         env = dict(os.environ, HARU_SIM_DIR=str(sim_dir), HARU_SIM_DOMAIN="b", HARU_SIM_LOAD_MS="200")
         with open(tmp_path / "agent.log", "wb") as out:
             agent_proc = subprocess.Popen(
-                [sys.executable, "-m", "haru.cli", "agent", "--config", str(tmp_path / "agent.json"), "--log-format", "json"],
-                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "haru.cli",
+                    "agent",
+                    "--config",
+                    str(tmp_path / "agent.json"),
+                    "--log-format",
+                    "json",
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
 
         def agent_log() -> str:
@@ -753,7 +852,9 @@ async def test_a_real_agent_runs_under_its_domain_user(tmp_path):
                 beat = await beats.next_msg(timeout=10)
                 assert beat.subject == subjects.heartbeat(FLEET, "b")
                 # ... answers the promoter's commands ...
-                reply = reply_decoder.decode((await request_until(promoter, subjects.command(FLEET, "b", "status"), b"{}")).data)
+                reply = reply_decoder.decode(
+                    (await request_until(promoter, subjects.command(FLEET, "b", "status"), b"{}")).data
+                )
                 assert reply.ok, reply
                 # ... and reports its GPU and its models' residency.
                 model = subjects.model(FLEET, "b", "qwen3-0.6b")
@@ -811,7 +912,7 @@ async def test_a_router_can_only_read_route_intents(cluster, admin):
                 try:
                     received = await asyncio.wait_for(live.get(), 0.3)
                     break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
         assert received == second
         # By now the router's interest is known cluster-wide: an event must still not reach it.
@@ -831,8 +932,13 @@ async def test_a_router_can_only_read_route_intents(cluster, admin):
         # Haru's own router tool works with these credentials.
         env = dict(os.environ, HARU_NATS_URL=",".join(cluster.urls("router")))
         done = await asyncio.to_thread(
-            subprocess.run, [sys.executable, "-m", "haru.cli", "route", "--fleet", FLEET, "--json"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=30,
+            subprocess.run,
+            [sys.executable, "-m", "haru.cli", "route", "--fleet", FLEET, "--json"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         assert done.returncode == 0, done.stdout + done.stderr
         shown = json.loads(done.stdout)
@@ -843,7 +949,12 @@ async def test_a_router_can_only_read_route_intents(cluster, admin):
         with pytest.raises(nats.errors.TimeoutError):
             await js.publish(subjects.intent(FLEET), b'{"active": "evil"}')
         await violation(errors, f'"{subjects.intent(FLEET)}"')
-        for subject in (subjects.op(FLEET), subjects.route(FLEET), subjects.command(FLEET, "a", "sleep"), "haru.hb.default.a"):
+        for subject in (
+            subjects.op(FLEET),
+            subjects.route(FLEET),
+            subjects.command(FLEET, "a", "sleep"),
+            "haru.hb.default.a",
+        ):
             await router.publish(subject, b"{}")
         await router.flush()
         for subject in (subjects.op(FLEET), subjects.route(FLEET), "haru.cmd.default.a.sleep", "haru.hb.default.a"):
@@ -882,8 +993,12 @@ async def test_killing_the_stream_leader_keeps_appends_and_failover_working(tmp_
     try:
         await ensure_r3(c)
         route = subjects.route(FLEET)
-        async with c.log("admin") as admin, c.log("promoter", "promoter:1") as promoter, \
-                c.log("agent.default.b", "agent:default/b") as agent, c.log("projector", "projector:1") as projector:
+        async with (
+            c.log("admin") as admin,
+            c.log("promoter", "promoter:1") as promoter,
+            c.log("agent.default.b", "agent:default/b") as agent,
+            c.log("projector", "projector:1") as projector,
+        ):
             first = await promoter.append(route, RouteMoved(at=now(), active="a"), expect=0)
             rev = await projector.put_view(subjects.view_key(FLEET), b'{"active": "a"}', last=0)
             leader = (await admin.js.stream_info(subjects.EVENTS_STREAM)).cluster.leader

@@ -64,6 +64,11 @@ def test_scrape_config_is_valid(promtool, tmp_path):
     shutil.copy(DIR / "haru-alerts.yml", tmp_path)
     out = run([promtool, "check", "config", "prometheus.yml"], tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
-    for job, port in (("haru-gateway", 8700), ("haru-control", 9400), ("haru-agent", 9401),
-                      ("haru-promoter", 9402), ("haru-projector", 9403)):
+    for job, port in (
+        ("haru-gateway", 8700),
+        ("haru-control", 9400),
+        ("haru-agent", 9401),
+        ("haru-promoter", 9402),
+        ("haru-projector", 9403),
+    ):
         assert f"job_name: {job}" in config and f":{port}" in config, job

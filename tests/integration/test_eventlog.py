@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import nats
 import nats.js.errors
@@ -12,21 +12,26 @@ import pytest
 from haru.core import events as ev
 from haru.core import subjects
 from haru.core.errors import Conflict
-from haru.log.eventlog import MSG_ID, EventLog, msg_id
 from haru.host.natsd import NatsServer
+from haru.log.eventlog import MSG_ID, EventLog, msg_id
 from tests.support import haru
 
-T0 = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 3, 0, tzinfo=UTC)
 SUBJECT = subjects.model("default", "a", "stories")
 
 
 def loading(i: int = 0) -> ev.ModelLoading:
-    return ev.ModelLoading(at=T0 + timedelta(seconds=i), domain="a", model="stories", endpoint="127.0.0.1:18080", pid=10121)
+    return ev.ModelLoading(
+        at=T0 + timedelta(seconds=i), domain="a", model="stories", endpoint="127.0.0.1:18080", pid=10121
+    )
 
 
 async def test_two_writers_race_exactly_one_wins(nats_server, event_log):
     first = await event_log.append(SUBJECT, loading(), expect=0)
-    async with EventLog.connect([nats_server.url], writer="w1") as w1, EventLog.connect([nats_server.url], writer="w2") as w2:
+    async with (
+        EventLog.connect([nats_server.url], writer="w1") as w1,
+        EventLog.connect([nats_server.url], writer="w2") as w2,
+    ):
         results = await asyncio.gather(
             w1.append(SUBJECT, ev.ModelResident(at=T0, domain="a", model="stories", warmup_ms=256), expect=first),
             w2.append(SUBJECT, ev.ModelLost(at=T0, domain="a", model="stories", reason="evicted"), expect=first),
@@ -62,8 +67,9 @@ async def test_retrying_an_append_whose_ack_was_lost_is_one_event(nats_server, e
     # The same publish replayed at the JetStream level is refused by the sequence check, not stored twice.
     rec = await event_log.last(SUBJECT)
     with pytest.raises(nats.js.errors.APIError):
-        await event_log.js.publish(SUBJECT, rec.data, headers={
-            "Nats-Expected-Last-Subject-Sequence": str(first), MSG_ID: rec.headers[MSG_ID]})
+        await event_log.js.publish(
+            SUBJECT, rec.data, headers={"Nats-Expected-Last-Subject-Sequence": str(first), MSG_ID: rec.headers[MSG_ID]}
+        )
     assert len(await event_log.history(SUBJECT)) == 2
 
 
@@ -73,6 +79,7 @@ async def test_append_builds_a_hash_chain_and_msg_ids(event_log):
     r1, r2 = await event_log.history(SUBJECT)
     assert r1.event.prev == "" and r1.event.by == "test"
     import hashlib
+
     assert r2.event.prev == hashlib.sha256(r1.data).hexdigest()
     assert r2.headers[MSG_ID] == msg_id(SUBJECT, s1, r2.data)
     assert r2.seq == s2
@@ -80,7 +87,9 @@ async def test_append_builds_a_hash_chain_and_msg_ids(event_log):
 
 async def test_a_forged_event_makes_verify_fail_and_name_its_sequence(nats_server, event_log):
     s1 = await event_log.append(SUBJECT, loading(), expect=0)
-    await event_log.append(subjects.decl("default"), ev.FleetDeclared(at=T0, fleet="default", policy=ev.Policy()), expect=0)
+    await event_log.append(
+        subjects.decl("default"), ev.FleetDeclared(at=T0, fleet="default", policy=ev.Policy()), expect=0
+    )
     ok = haru("verify", nats_url=nats_server.url)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip().endswith("verify ok — 2 events on 2 subjects, history intact")

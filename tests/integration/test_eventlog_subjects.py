@@ -23,7 +23,11 @@ async def test_subjects_with_counts(event_log) -> None:
     assert await event_log.subject_counts("haru.evt.*.decl") == {}
     await _fill(event_log)
     assert await event_log.subject_counts("haru.evt.*.decl") == {sj.decl("default"): 2, sj.decl("edge"): 1}
-    assert await event_log.subject_counts() == {sj.decl("default"): 2, sj.decl("edge"): 1, sj.model("default", "a", "m"): 1}
+    assert await event_log.subject_counts() == {
+        sj.decl("default"): 2,
+        sj.decl("edge"): 1,
+        sj.model("default", "a", "m"): 1,
+    }
     assert await event_log.subject_counts("haru.evt.lab.>") == {}
 
 

@@ -27,12 +27,31 @@ MODEL = "qwen3.6:27b"
 async def sim_vllm(sim_dir: Path, domain: str, *, tokens_per_s: int = 1000):
     """One simulated vLLM server for `domain`; yields its URL; killed however the test ends."""
     sim_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "HARU_SIM_DIR": str(sim_dir), "HARU_SIM_DOMAIN": domain, "HARU_SIM_LOAD_MS": "50",
-           "HARU_SIM_VRAM": "1GiB", "HARU_SIM_TOKENS_PER_S": str(tokens_per_s)}
+    env = {
+        **os.environ,
+        "HARU_SIM_DIR": str(sim_dir),
+        "HARU_SIM_DOMAIN": domain,
+        "HARU_SIM_LOAD_MS": "50",
+        "HARU_SIM_VRAM": "1GiB",
+        "HARU_SIM_TOKENS_PER_S": str(tokens_per_s),
+    }
     err = open(sim_dir / "stderr.log", "wb")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "haru.agents.sim.vllm", "serve", "/models/qwen", "--host", "127.0.0.1", "--port", "0",
-        "--served-model-name", MODEL, env=env, stdout=err, stderr=err)
+        sys.executable,
+        "-m",
+        "haru.agents.sim.vllm",
+        "serve",
+        "/models/qwen",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--served-model-name",
+        MODEL,
+        env=env,
+        stdout=err,
+        stderr=err,
+    )
     try:
         rt = runtime_path(sim_dir, MODEL)
         deadline = time.monotonic() + 20
@@ -66,8 +85,20 @@ async def haru_gateway(nats_url: str, tmp_path: Path, **env: str):
     log_path = tmp_path / "gateway.log"
     out = open(log_path, "wb")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "haru.cli", "gateway", "--port", "0", "--nats-url", nats_url, "--log-format", "json",
-        env={**os.environ, "HARU_NO_UVLOOP": "0", **env}, stdout=out, stderr=out)
+        sys.executable,
+        "-m",
+        "haru.cli",
+        "gateway",
+        "--port",
+        "0",
+        "--nats-url",
+        nats_url,
+        "--log-format",
+        "json",
+        env={**os.environ, "HARU_NO_UVLOOP": "0", **env},
+        stdout=out,
+        stderr=out,
+    )
     try:
         deadline = time.monotonic() + 20
         url = ""
@@ -85,13 +116,20 @@ async def haru_gateway(nats_url: str, tmp_path: Path, **env: str):
         out.close()
 
 
-async def publish(log, fleet: str, url: str, answer: Answer, *, view_rev: int = 0, intent_seq: int = 0,
-                  revision: int = 1) -> tuple[int, int]:
+async def publish(
+    log, fleet: str, url: str, answer: Answer, *, view_rev: int = 0, intent_seq: int = 0, revision: int = 1
+) -> tuple[int, int]:
     model = ModelView(name=MODEL, admitted=True, residency=Resident())
-    view = FleetView(fleet=fleet, domains={"a": DomainView(name="a", serving_url=url, models={MODEL: model})},
-                     active="a", route_revision=revision, seq=revision)
-    intent = RouteIntent(fleet=fleet, revision=revision, active=Target(domain="a", serving_url=url),
-                         answers={MODEL: answer})
+    view = FleetView(
+        fleet=fleet,
+        domains={"a": DomainView(name="a", serving_url=url, models={MODEL: model})},
+        active="a",
+        route_revision=revision,
+        seq=revision,
+    )
+    intent = RouteIntent(
+        fleet=fleet, revision=revision, active=Target(domain="a", serving_url=url), answers={MODEL: answer}
+    )
     rev = await log.put_view(subjects.view_key(fleet), view_encoder.encode(view), last=view_rev)
     seq = await log.publish_intent(fleet, view_encoder.encode(intent), expect=intent_seq)
     return rev, seq
@@ -112,9 +150,21 @@ async def until_ok(client: openai.AsyncOpenAI) -> None:
 
 async def run_repl(url: str, stdin: str, *extra: str, env: dict | None = None) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "haru.cli", "run", MODEL, "--url", url, "--fleet", "cli", *extra,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, **(env or {})})
+        sys.executable,
+        "-m",
+        "haru.cli",
+        "run",
+        MODEL,
+        "--url",
+        url,
+        "--fleet",
+        "cli",
+        *extra,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), 30)
     finally:
@@ -129,8 +179,14 @@ async def test_haru_gateway_and_haru_run_against_the_simulator(event_log, nats_s
     # 10 tokens a second: the 9-token answer takes ~0.9 s to generate, so a stream read in bursts because
     # this process was descheduled for a moment (two test workers share two cores) is still told apart
     # from one the gateway buffered whole (every chunk at once)
-    async with sim_vllm(tmp_path / "sim", "a", tokens_per_s=10) as sim_url, \
-            haru_gateway(nats_server.url, tmp_path, HARU_API_TOKEN="tok", HARU_DEFAULT_FLEET="cli") as (gw_url, proc, log_path):
+    async with (
+        sim_vllm(tmp_path / "sim", "a", tokens_per_s=10) as sim_url,
+        haru_gateway(nats_server.url, tmp_path, HARU_API_TOKEN="tok", HARU_DEFAULT_FLEET="cli") as (
+            gw_url,
+            proc,
+            log_path,
+        ),
+    ):
         view_rev, intent_seq = await publish(event_log, "cli", sim_url, Answer(answer="ready"))
         async with openai.AsyncOpenAI(base_url=gw_url + "/v1", api_key="tok", max_retries=0) as client:
             await until_ok(client)
@@ -138,8 +194,9 @@ async def test_haru_gateway_and_haru_run_against_the_simulator(event_log, nats_s
             reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
             assert reply.choices[0].message.content.startswith("[domain a] hello from qwen3.6:27b")
             arrivals, texts = [], []
-            stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                          stream=True)
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
+            )
             async for chunk in stream:
                 arrivals.append(time.monotonic())
                 if chunk.choices:
@@ -148,14 +205,23 @@ async def test_haru_gateway_and_haru_run_against_the_simulator(event_log, nats_s
             assert arrivals[-1] - arrivals[0] >= 0.3, arrivals  # 9 tokens at 10/s: spread out, not buffered
 
         # the REPL: streamed answers, /clear, /exit
-        code, out, err = await run_repl(gw_url, "hello\n/clear\nagain\n/exit\nnever sent\n", env={"HARU_API_TOKEN": "tok"})
+        code, out, err = await run_repl(
+            gw_url, "hello\n/clear\nagain\n/exit\nnever sent\n", env={"HARU_API_TOKEN": "tok"}
+        )
         assert code == 0, err
         assert out.count("[domain a] hello from qwen3.6:27b on the simulated GPU.") == 2
         assert "(conversation cleared)" in err
 
         # a refusal shows the gateway's own message; the REPL goes on
-        await publish(event_log, "cli", sim_url, Answer(answer="not_admitted", short_by_bytes=3 * 2**30),
-                      view_rev=view_rev, intent_seq=intent_seq, revision=2)
+        await publish(
+            event_log,
+            "cli",
+            sim_url,
+            Answer(answer="not_admitted", short_by_bytes=3 * 2**30),
+            view_rev=view_rev,
+            intent_seq=intent_seq,
+            revision=2,
+        )
         deadline = time.monotonic() + 10
         while True:
             code, out, err = await run_repl(gw_url, "hello\n", env={"HARU_API_TOKEN": "tok"})
@@ -176,7 +242,11 @@ async def test_haru_gateway_and_haru_run_against_the_simulator(event_log, nats_s
 
 
 async def test_haru_gateway_without_token_warns_and_binds_loopback(nats_server, tmp_path):
-    async with haru_gateway(nats_server.url, tmp_path, HARU_API_TOKEN="", HARU_GATEWAY_HOST="0.0.0.0") as (url, proc, log):
+    async with haru_gateway(nats_server.url, tmp_path, HARU_API_TOKEN="", HARU_GATEWAY_HOST="0.0.0.0") as (
+        url,
+        proc,
+        log,
+    ):
         assert url.startswith("http://127.0.0.1:")
         text = log.read_text()
         assert "gateway.UNAUTHENTICATED" in text and "asked for '0.0.0.0'" in text

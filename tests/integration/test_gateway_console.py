@@ -11,10 +11,10 @@ from datetime import UTC, datetime
 import aiohttp
 import pytest
 
-from haru.gateway import Gateway, GatewayConfig
 from haru.core import subjects
 from haru.core.apply import apply
 from haru.core.events import AgentStarted, FailureSignalled, ModelLoading, ModelResident, RouteMoved
+from haru.gateway import Gateway, GatewayConfig
 from haru.host.tasks import cancel_and_wait
 from haru.projections.projector import Projector
 from tests.integration.test_gateway_control import MODEL, echo_upstream, layout, wait_for
@@ -75,7 +75,10 @@ async def test_the_stream_sends_every_fleet_then_each_change_to_every_console(fl
             for r in streams:
                 assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
                 first = await frames(r, lambda g: any(e == "fleet" for e, _ in g))
-                assert first[0][0] == "hello" and first[0][1]["flows"]["promotion"][-2:] == ["flip", "settle_old_active"]
+                assert first[0][0] == "hello" and first[0][1]["flows"]["promotion"][-2:] == [
+                    "flip",
+                    "settle_old_active",
+                ]
                 snap = [d for e, d in first if e == "fleet"][0]
                 assert snap["fleet"] == "ops" and snap["active"] == "a" and residency_of(snap, "a") == "unknown"
             assert len(gw.console.subscribers) == 5
@@ -101,8 +104,12 @@ async def test_the_page_is_public_its_data_needs_the_token(fleet):
             async with s.get(gw.url + path) as r:
                 assert r.status == 200 and r.headers["Content-Type"].startswith(ctype), path
                 assert "default-src 'self'" in r.headers["Content-Security-Policy"]
-        for path in ("/ui/events", "/ui/api/operations?fleet=ops", f"/ui/api/why?fleet=ops&model={MODEL}",
-                     "/ui/api/verify?fleet=ops"):
+        for path in (
+            "/ui/events",
+            "/ui/api/operations?fleet=ops",
+            f"/ui/api/why?fleet=ops&model={MODEL}",
+            "/ui/api/verify?fleet=ops",
+        ):
             async with s.get(gw.url + path) as r:
                 assert r.status == 401, path
                 assert (await r.json())["error"]["code"] == "invalid_api_key"
@@ -178,18 +185,19 @@ async def test_the_page_says_when_it_is_disconnected_and_reconnects_by_itself(fl
             async with Gateway(GatewayConfig(host="127.0.0.1", port=port, api_token=TOKEN), log):
                 await expect(page.locator("#conn")).to_have_attribute("data-state", "live", timeout=30_000)
                 await expect(page.locator(f'[data-testid="model-a-{MODEL}"]')).to_have_attribute(
-                    "data-state", "resident", timeout=30_000)
+                    "data-state", "resident", timeout=30_000
+                )
                 # a sign the domain is about to go shows on it while it lasts (until its agent starts again)
                 agent = subjects.agent("ops", "a")
-                signal = FailureSignalled(at=datetime.now(UTC), domain="a", source="preemption_notice",
-                                          detail="terminate in 120 s")
+                signal = FailureSignalled(
+                    at=datetime.now(UTC), domain="a", source="preemption_notice", detail="terminate in 120 s"
+                )
                 seq = await log.append(agent, signal, expect=0)
                 badge = page.locator('[data-testid="signal-a"]')
                 await expect(badge).to_contain_text("about to go", timeout=30_000)
                 await expect(badge).to_contain_text("preemption_notice: terminate in 120 s")
                 await expect(page.locator('[data-testid="signal-b"]')).to_have_count(0)
-                await log.append(agent, AgentStarted(at=datetime.now(UTC), domain="a", host="gpu-a"),
-                                 expect=seq)
+                await log.append(agent, AgentStarted(at=datetime.now(UTC), domain="a", host="gpu-a"), expect=seq)
                 await expect(badge).to_have_count(0, timeout=30_000)
             assert await page.evaluate("window.__notReloaded") is True
         finally:

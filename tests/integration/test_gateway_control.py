@@ -13,11 +13,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from haru.gateway import Forward, Gateway, GatewayConfig
 from haru.core import subjects
 from haru.core.apply import apply
 from haru.core.events import ModelLoading, ModelLost, ModelResident, RouteMoved
 from haru.core.layout import parse_layout
+from haru.gateway import Forward, Gateway, GatewayConfig
 from haru.host.tasks import cancel_and_wait
 from haru.projections.projector import Projector
 
@@ -26,9 +26,12 @@ MODEL = "qwen3.6:27b"
 
 def layout(url_a: str, url_b: str):
     def domain(name: str, url: str) -> dict:
-        return {"name": name, "serving_url": url,
-                "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB"}],
-                "slots": [{"name": "chat", "gpu": 0, "models": [{"name": MODEL, "vram": "10GiB", "port": 18100}]}]}
+        return {
+            "name": name,
+            "serving_url": url,
+            "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB"}],
+            "slots": [{"name": "chat", "gpu": 0, "models": [{"name": MODEL, "vram": "10GiB", "port": 18100}]}],
+        }
 
     return parse_layout({"fleet": "ops", "domains": [domain("a", url_a), domain("b", url_b)]})
 
@@ -85,8 +88,13 @@ def code_now(gw: Gateway) -> str:
 
 
 async def chat(gw: Gateway) -> tuple[int, dict]:
-    return await call(gw, "POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode(),
-                      **{"X-Haru-Fleet": "ops"})
+    return await call(
+        gw,
+        "POST",
+        "/v1/chat/completions",
+        json.dumps({"model": MODEL, "messages": []}).encode(),
+        **{"X-Haru-Fleet": "ops"},
+    )
 
 
 async def test_routing_follows_residency_as_the_projector_folds_it(ops):
@@ -148,8 +156,9 @@ async def test_history_filters(ops):
     gw, log = ops
     now = datetime.now(UTC)
     await log.append(subjects.model("ops", "a", MODEL), ModelLoading(at=now, domain="a", model=MODEL), expect=0)
-    await log.append(subjects.model("ops", "b", MODEL), ModelLoading(at=now, domain="b", model=MODEL, attempt=2),
-                     expect=0)
+    await log.append(
+        subjects.model("ops", "b", MODEL), ModelLoading(at=now, domain="b", model=MODEL, attempt=2), expect=0
+    )
     status, hist = await call(gw, "GET", f"/v1/fleets/ops/history?model={MODEL}&domain=b")
     assert status == 200 and [e["type"] for e in hist["events"]] == ["model_loading"]
     assert hist["events"][0]["payload"]["attempt"] == 2 and hist["events"][0]["subject"].endswith("qwen3~2e6~3a27b")
@@ -164,7 +173,11 @@ async def test_history_filters(ops):
     assert times == sorted(times, reverse=True)
     assert all(e["misplaced"] is None for e in hist["events"])
     # A residency event naming another domain than its subject: listed, and said to be misplaced.
-    await log.append(subjects.model("ops", "a", MODEL), ModelLoading(at=now, domain="b", model=MODEL), expect=await log.last_seq_of(subjects.model("ops", "a", MODEL)))
+    await log.append(
+        subjects.model("ops", "a", MODEL),
+        ModelLoading(at=now, domain="b", model=MODEL),
+        expect=await log.last_seq_of(subjects.model("ops", "a", MODEL)),
+    )
     status, hist = await call(gw, "GET", "/v1/fleets/ops/history?domain=a&limit=1")
     assert hist["events"][0]["misplaced"] == "its body says domain 'b', its subject says 'a'"
     status, err = await call(gw, "GET", "/v1/fleets/ops/history?limit=0")
@@ -222,11 +235,16 @@ async def test_reconcile_answers_with_what_the_continuous_promoter_decided(ops):
     assert body["active"] == "a" and body["operation"] is None and body["declined"] is None
     from haru.core.events import FailoverDeclined
 
-    seq = await log.append(subjects.op("ops"), FailoverDeclined(at=datetime.now(UTC), domain="a", candidate="b",
-                                                                  why="a unreachable; standby b is unreachable"),
-                           expect=(await log.last(subjects.op("ops"))).seq if await log.last(subjects.op("ops")) else 0)
-    await wait_for(lambda: (r := gw.table.get("ops")) is not None and r.view is not None and r.view.seq >= seq,
-                   timeout=30)  # the projector folds it, then the gateway's watch sees the view: slow on a busy box
+    seq = await log.append(
+        subjects.op("ops"),
+        FailoverDeclined(
+            at=datetime.now(UTC), domain="a", candidate="b", why="a unreachable; standby b is unreachable"
+        ),
+        expect=(await log.last(subjects.op("ops"))).seq if await log.last(subjects.op("ops")) else 0,
+    )
+    await wait_for(
+        lambda: (r := gw.table.get("ops")) is not None and r.view is not None and r.view.seq >= seq, timeout=30
+    )  # the projector folds it, then the gateway's watch sees the view: slow on a busy box
     status, body = await call(gw, "POST", "/v1/fleets/ops/reconcile")
     assert status == 200 and body["declined"]["why"].startswith("a unreachable") and body["declined"]["at"]
     status, body = await call(gw, "GET", "/v1/fleets/ops/reconcile")

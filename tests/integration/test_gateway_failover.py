@@ -24,7 +24,6 @@ from tests.integration.test_gateway import (
     CHAT,
     MODEL,
     Fleet,
-    Upstream,
     _get_text,
     intent_of,
     running_gateway,
@@ -37,9 +36,20 @@ from tests.integration.test_gateway import (
 FAST = Policy(heartbeat_timeout_ms=500)
 
 
-def fleet_view(urls: dict[str, str], *, active: str, policy: Policy = FAST, seq: int = 1, wake_ms: int = 400,
-               operation: OperationView | None = None, last_operation: OperationView | None = None,
-               runtime: str = "vllm", standby_state=None, reload_ms: int = 30_000, active_state=None) -> FleetView:
+def fleet_view(
+    urls: dict[str, str],
+    *,
+    active: str,
+    policy: Policy = FAST,
+    seq: int = 1,
+    wake_ms: int = 400,
+    operation: OperationView | None = None,
+    last_operation: OperationView | None = None,
+    runtime: str = "vllm",
+    standby_state=None,
+    reload_ms: int = 30_000,
+    active_state=None,
+) -> FleetView:
     """Two domains: `active`, whose model was lost to a crash (a cold reload of `reload_ms`, 30 s,
     measured), and the other a standby asleep whose measured wake is `wake_ms`: the promoter fails over
     at once."""
@@ -49,12 +59,14 @@ def fleet_view(urls: dict[str, str], *, active: str, policy: Policy = FAST, seq:
     view = view_of("default", urls, active=active, models=(MODEL,), seq=seq, residency=states)
     domains = {}
     for name, dv in view.domains.items():
-        models = {m: msgspec.structs.replace(mv, wake_ms=wake_ms if name != active else 0, runtime=runtime,
-                                             load_ms=reload_ms)
-                  for m, mv in dv.models.items()}
+        models = {
+            m: msgspec.structs.replace(mv, wake_ms=wake_ms if name != active else 0, runtime=runtime, load_ms=reload_ms)
+            for m, mv in dv.models.items()
+        }
         domains[name] = msgspec.structs.replace(dv, models=models)
-    return msgspec.structs.replace(view, domains=domains, policy=policy, operation=operation,
-                                   last_operation=last_operation)
+    return msgspec.structs.replace(
+        view, domains=domains, policy=policy, operation=operation, last_operation=last_operation
+    )
 
 
 LOST = {MODEL: Answer(answer="lost", reason="process_exited")}
@@ -84,8 +96,9 @@ class TwoDomains:
     async def route_to_a(self, *, answers: dict[str, Answer] | None = None, intent_op: str = "", **kw) -> None:
         """The view (`kw`), then the route to a, whose model is answered `answers` (default: ready)."""
         await self.view(**kw)
-        await self.fleet.publish(intent_of("default", "a", self.a.url, revision=1, answers=answers, models=(MODEL,),
-                                           operation=intent_op))
+        await self.fleet.publish(
+            intent_of("default", "a", self.a.url, revision=1, answers=answers, models=(MODEL,), operation=intent_op)
+        )
 
     async def move_to_b(self) -> None:
         await self.fleet.publish(intent_of("default", "b", self.b.url, revision=2, models=(MODEL,)))
@@ -114,8 +127,9 @@ async def servers():
 
 async def post(gw, body: dict, timeout: float = 20) -> tuple[int, dict[str, str], bytes]:
     async with aiohttp.ClientSession() as s:
-        async with s.post(gw.url + "/v1/chat/completions", json=body,
-                          timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        async with s.post(
+            gw.url + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as r:
             return r.status, dict(r.headers), await r.read()
 
 
@@ -164,8 +178,11 @@ async def test_a_hold_ends_with_todays_answer_when_its_time_is_up(gw, two):
 
 async def test_nothing_is_held_without_a_standby_to_fail_over_to(gw, two):
     await two.route_to_a(answers=LOST, policy=msgspec.structs.replace(FAST, auto_failover=False))
-    for view in ({}, dict(seq=2, standby_state=Lost(reason="evicted")),
-                 dict(seq=3, policy=msgspec.structs.replace(FAST, hold_max_ms=0))):
+    for view in (
+        {},
+        dict(seq=2, standby_state=Lost(reason="evicted")),
+        dict(seq=3, policy=msgspec.structs.replace(FAST, hold_max_ms=0)),
+    ):
         if view:
             await two.view(**view)
         status, _, data = await post(gw, {"model": MODEL, "messages": CHAT}, timeout=2)
@@ -175,7 +192,9 @@ async def test_nothing_is_held_without_a_standby_to_fail_over_to(gw, two):
 async def test_a_hold_ends_at_once_when_the_promotion_aborts(gw, two):
     now = datetime.now(UTC)
     op = OperationView(op_id="op1", kind="promotion", target="b", source="a", requested_at=now)
-    await two.route_to_a(answers=LOST, intent_op="op1", operation=op, policy=msgspec.structs.replace(FAST, hold_ms=20_000))
+    await two.route_to_a(
+        answers=LOST, intent_op="op1", operation=op, policy=msgspec.structs.replace(FAST, hold_ms=20_000)
+    )
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
     await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
     aborted = msgspec.structs.replace(op, state="aborted", error="wake: out of memory", finished_at=datetime.now(UTC))
@@ -239,12 +258,33 @@ class GoneUpstream:
             self.received += 1
             await request.read()
             if self.back:
-                return web.json_response({"id": "x", "object": "chat.completion", "created": 1, "model": MODEL,
-                                          "choices": [{"index": 0, "finish_reason": "stop", "message": {
-                                              "role": "assistant", "content": "[domain a] back"}}]})
+                return web.json_response(
+                    {
+                        "id": "x",
+                        "object": "chat.completion",
+                        "created": 1,
+                        "model": MODEL,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "finish_reason": "stop",
+                                "message": {"role": "assistant", "content": "[domain a] back"},
+                            }
+                        ],
+                    }
+                )
             return web.json_response(
-                {"error": {"message": "the model is lost (process_exited)", "type": "server_error", "param": "model",
-                           "code": "model_lost"}}, status=503, headers={"X-Haru-Runtime-Gone": "process_exited"})
+                {
+                    "error": {
+                        "message": "the model is lost (process_exited)",
+                        "type": "server_error",
+                        "param": "model",
+                        "code": "model_lost",
+                    }
+                },
+                status=503,
+                headers={"X-Haru-Runtime-Gone": "process_exited"},
+            )
 
         app = web.Application()
         app.router.add_post("/v1/chat/completions", handle)
@@ -272,7 +312,8 @@ async def test_a_runtime_gone_answer_is_sent_once_more_to_the_new_active(event_l
 
 
 async def test_a_request_whose_runtime_died_goes_once_more_where_it_is_back_without_a_route_move(
-        event_log, gw, upstreams, servers):
+    event_log, gw, upstreams, servers
+):
     # the agent restarted a's runtime: the route never moves; the retry waits for the model to be resident
     # there again, not for its whole hold (20 s here)
     two = TwoDomains(event_log, gw, await servers(GoneUpstream()), await upstreams("b"))
@@ -288,7 +329,8 @@ async def test_a_request_whose_runtime_died_goes_once_more_where_it_is_back_with
 
 
 async def test_a_request_whose_runtime_died_waits_for_the_reload_when_the_standby_stops_being_ready(
-        event_log, gw, upstreams, servers):
+    event_log, gw, upstreams, servers
+):
     # b was ready when a's runtime died (the hold waits for a failover, or for a's reload), then b is not
     # (it reloads too): no failover is coming, but a's restart is (reload measured at 300 ms), so the
     # request still waits, and goes to a once its model is resident there again
@@ -296,13 +338,21 @@ async def test_a_request_whose_runtime_died_waits_for_the_reload_when_the_standb
     await two.route_to_a(active_state=Resident(since=datetime(2026, 1, 1, tzinfo=UTC)), reload_ms=300)
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}, timeout=10))
     await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
-    await two.view(seq=2, reload_ms=300, active_state=Loading(since=datetime.now(UTC), attempt=2),
-                   standby_state=Loading(since=datetime.now(UTC)))
+    await two.view(
+        seq=2,
+        reload_ms=300,
+        active_state=Loading(since=datetime.now(UTC), attempt=2),
+        standby_state=Loading(since=datetime.now(UTC)),
+    )
     await asyncio.sleep(0.3)
     assert not pending.done() and gw.proxy.holds.held.get("default") == 1  # still held: a reloads in place
     two.a.back = True
-    await two.view(seq=3, reload_ms=300, active_state=Resident(since=datetime.now(UTC)),
-                   standby_state=Loading(since=datetime.now(UTC)))
+    await two.view(
+        seq=3,
+        reload_ms=300,
+        active_state=Resident(since=datetime.now(UTC)),
+        standby_state=Loading(since=datetime.now(UTC)),
+    )
     status, headers, data = await pending
     assert status == 200 and b"[domain a] back" in data and headers["X-Haru-Retried"] == "a; runtime_gone"
     assert two.a.received == 2 and two.b.received == []
@@ -352,8 +402,13 @@ class StreamingUpstream:
             await self.runner.cleanup()
 
     def event(self, delta: dict, finish: str | None = None) -> bytes:
-        obj = {"id": f"chatcmpl-{self.domain}", "object": "chat.completion.chunk", "created": 1000 + ord(self.domain),
-               "model": MODEL, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        obj = {
+            "id": f"chatcmpl-{self.domain}",
+            "object": "chat.completion.chunk",
+            "created": 1000 + ord(self.domain),
+            "model": MODEL,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
         return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -361,13 +416,22 @@ class StreamingUpstream:
         self.bodies.append(body)
         if self.gone:  # the serving port of a domain whose runtime died
             return web.json_response(
-                {"error": {"message": "the model is lost (process_exited)", "type": "server_error", "param": "model",
-                           "code": "model_lost"}}, status=503, headers={"X-Haru-Runtime-Gone": "process_exited"})
+                {
+                    "error": {
+                        "message": "the model is lost (process_exited)",
+                        "type": "server_error",
+                        "param": "model",
+                        "code": "model_lost",
+                    }
+                },
+                status=503,
+                headers={"X-Haru-Runtime-Gone": "process_exited"},
+            )
         last = body["messages"][-1]
         done = last["content"] if last["role"] == "assistant" else ""
         rest = self.words
         while rest and done.startswith(rest[0]):
-            done, rest = done[len(rest[0]):], rest[1:]
+            done, rest = done[len(rest[0]) :], rest[1:]
         die = self.die_after  # decided when the request came
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -390,8 +454,9 @@ class StreamingUpstream:
 WORDS = ["Once", " upon", " a", " time", " there", " was", " a", " GPU", "."]
 
 
-async def _stream_fleet(event_log, gw, servers, a: StreamingUpstream, b: StreamingUpstream, runtime: str = "vllm",
-                        **view) -> TwoDomains:
+async def _stream_fleet(
+    event_log, gw, servers, a: StreamingUpstream, b: StreamingUpstream, runtime: str = "vllm", **view
+) -> TwoDomains:
     """a and b started (stopped after the test), the route to a."""
     two = TwoDomains(event_log, gw, await servers(a), await servers(b))
     await two.route_to_a(runtime=runtime, **view)
@@ -443,8 +508,15 @@ async def test_a_stream_is_continued_on_the_same_domain_once_it_answers_again(ev
     assert text == "".join(WORDS) and len(a.bodies) == 2 and b.bodies == []
 
 
-@pytest.mark.parametrize("extra", [{"n": 2}, {"logprobs": True}, {"response_format": {"type": "json_object"}},
-                                   {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"n": 2},
+        {"logprobs": True},
+        {"response_format": {"type": "json_object"}},
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+    ],
+)
 async def test_a_stream_that_cannot_be_continued_faithfully_ends_with_an_error_event(event_log, gw, servers, extra):
     a, b = StreamingUpstream("a", WORDS, die_after=2), StreamingUpstream("b", WORDS)
     await _stream_fleet(event_log, gw, servers, a, b)
@@ -470,10 +542,11 @@ async def test_a_cut_with_nowhere_to_continue_ends_with_an_error_event_not_a_sil
 
     dying = asyncio.create_task(host_dies())
     async with aiohttp.ClientSession() as s:
-        async with s.post(gw.url + "/v1/chat/completions",
-                          json={"model": MODEL, "messages": CHAT, "stream": True}) as r:
+        async with s.post(
+            gw.url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "stream": True}
+        ) as r:
             data = await r.read()
     await dying
     last = data.rstrip(b"\n").split(b"\n\n")[-1]
-    assert last.startswith(b"data: {\"error\":"), data
+    assert last.startswith(b'data: {"error":'), data
     assert json.loads(last[6:])["error"]["code"] == "stream_interrupted"

@@ -85,8 +85,10 @@ async def test_slow_heads_are_bounded_in_count_and_time_and_others_get_in(event_
 async def test_a_trickled_body_gets_a_408_and_the_connection_is_closed(event_log):
     async with running_gateway(event_log, client_body_timeout_ms=1000) as gw:
         reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"model": '
+        )
         await writer.drain()
         async with asyncio.timeout(30):
             raw = await reader.read()  # to EOF: the server closes it
@@ -102,8 +104,11 @@ async def test_deep_json_is_a_400_in_openais_shape(event_log):
     deeper_object = b'{"a":' * 10_000 + b"1" + b"}" * 10_000
     async with running_gateway(event_log) as gw:
         async with aiohttp.ClientSession() as s:
-            for path, body in (("/v1/chat/completions", deep), ("/v1/completions", deeper_object),
-                               ("/v1/fleets/default/promote", deeper_object)):
+            for path, body in (
+                ("/v1/chat/completions", deep),
+                ("/v1/completions", deeper_object),
+                ("/v1/fleets/default/promote", deeper_object),
+            ):
                 for _ in range(2):
                     async with s.post(gw.url + path, data=body, headers={"Content-Type": "application/json"}) as r:
                         assert r.status == 400, (path, await r.text())

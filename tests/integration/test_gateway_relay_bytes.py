@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(30)
 BODY = (
     b'data: {"id":"chatcmpl-x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
     b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
-    b': a comment line\n\n'
+    b": a comment line\n\n"
     b'data: {"id": "chatcmpl-x", "choices": [{"index": 0, "delta": {"content": "\\u0001\\/ caf\\u00e9 \xc3\xa9\xe2\x82\xac"}}]}\r\n\r\n'
     b'data: {"choices":[{"index":0,"delta":{"content":"\\ud83d\\ude00 \\"q\\" \\n"},"finish_reason":null}],"id":"chatcmpl-x"}\n\n'
     b'data: {"id":"chatcmpl-x","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
@@ -66,7 +66,9 @@ async def test_an_uncut_stream_reaches_the_client_byte_for_byte(event_log):
     try:
         async with running_gateway(event_log) as gw:
             fleet = Fleet(event_log, gw)
-            await fleet.put_view(view_of("default", {"a": upstream.url, "b": upstream.url}, active="a", models=(MODEL,)))
+            await fleet.put_view(
+                view_of("default", {"a": upstream.url, "b": upstream.url}, active="a", models=(MODEL,))
+            )
             await fleet.publish(intent_of("default", "a", upstream.url, revision=1, models=(MODEL,)))
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
             async with aiohttp.ClientSession() as s:

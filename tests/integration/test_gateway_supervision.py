@@ -13,15 +13,15 @@ import time
 
 import pytest
 
-from haru.host import alive
 from haru.core import subjects
 from haru.core.events import RouteMoved
-from haru.host.natsd import NatsServer
-from haru.promoter.service import run_promoter
 from haru.core.residency import Sleeping
-from haru.host.tasks import cancel_and_wait
 from haru.core.views import view_encoder
+from haru.host import alive
+from haru.host.natsd import NatsServer
+from haru.host.tasks import cancel_and_wait
 from haru.projections.projector import Projector
+from haru.promoter.service import run_promoter
 from tests.integration.test_gateway import (  # noqa: F401 - fixtures
     CHAT,
     MODEL,
@@ -67,6 +67,7 @@ async def test_healthz_names_the_projector_promoter_and_nats_when_they_are_down(
         projector = asyncio.create_task(Projector(event_log).run())
         promoter = asyncio.create_task(run_promoter(event_log, identity="promoter:test"))
         try:
+
             async def ok():
                 s, b = await health(gw.url, strict=True)
                 return (s, b) if s == 200 and b["status"] == "ok" else None
@@ -96,6 +97,7 @@ async def test_healthz_names_the_projector_promoter_and_nats_when_they_are_down(
             again = NatsServer(nats_server.store_dir, port=nats_server.port)
             again.start_sync()
             try:
+
                 async def back():
                     s, b = await health(gw.url)
                     return b if b["down"] == ["promoter"] else None
@@ -116,22 +118,27 @@ async def test_a_route_move_reaches_clients_from_the_route_subject_with_the_proj
     fleet = Fleet(event_log, gw)
     await fleet.put_view(view_of("default", {"a": a.url, "b": b.url}, active="a", seq=first, residency=stale))
     await fleet.publish(intent_of("default", "a", a.url, revision=first))
-    status, data, _ = await _raw(gw.url + "/v1/chat/completions", f'{{"model": "{MODEL}", "messages": {CHAT_JSON}}}'.encode())
+    status, data, _ = await _raw(
+        gw.url + "/v1/chat/completions", f'{{"model": "{MODEL}", "messages": {CHAT_JSON}}}'.encode()
+    )
     assert status == 200 and b"[domain a]" in data
 
     # The promoter's flip, after its probe of b: no projector runs to turn it into an intent.
     moved = await event_log.append(route, RouteMoved(at=now(), active="b", previous="a", op_id="op-test"), expect=first)
 
     async def on_b():
-        s, d, _ = await _raw(gw.url + "/v1/chat/completions", f'{{"model": "{MODEL}", "messages": {CHAT_JSON}}}'.encode())
+        s, d, _ = await _raw(
+            gw.url + "/v1/chat/completions", f'{{"model": "{MODEL}", "messages": {CHAT_JSON}}}'.encode()
+        )
         return (s, d) if s == 200 and b"[domain b]" in d else None
 
     await eventually(on_b, 10, "chat answered by b")
     assert gw.table.get("default").revision == moved
 
     # A projector catching up publishes an intent from before the move: routing stays on b.
-    await event_log.publish_intent("default", view_encoder.encode(intent_of("default", "a", a.url, revision=first)),
-                                   expect=fleet.intent_seq)
+    await event_log.publish_intent(
+        "default", view_encoder.encode(intent_of("default", "a", a.url, revision=first)), expect=fleet.intent_seq
+    )
     await asyncio.sleep(0.5)
     assert gw.table.get("default").active == "b"
     assert await on_b()

@@ -17,7 +17,16 @@ from haru.core.residency import Answer
 from haru.core.views import RouteIntent, Target, Weighted
 from haru.core.weights import report_decoder
 from tests.integration.test_gateway import (  # noqa: F401 - fixtures
-    MODEL, SMALL, Fleet, Upstream, gw, intent_of, running_gateway, upstreams, view_of, wait_for,
+    MODEL,
+    SMALL,
+    Fleet,
+    Upstream,
+    gw,
+    intent_of,
+    running_gateway,
+    upstreams,
+    view_of,
+    wait_for,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,10 +36,20 @@ N = 2000
 def split_intent(urls: dict[str, str], *, weights=None, model_weights=None, revision: int = 2) -> RouteIntent:
     ready = {m: Answer(answer="ready") for m in (MODEL, SMALL)}
     base = intent_of("default", "a", urls["a"], revision=revision)
-    weighted = {d: Weighted(target=Target(domain=d, serving_url=u, reachable=True), answers=ready)
-                for d, u in urls.items() if d != "a"}
-    return RouteIntent(fleet="default", revision=revision, active=base.active, answers=base.answers,
-                       weights=weights or {}, model_weights=model_weights or {}, weighted=weighted)
+    weighted = {
+        d: Weighted(target=Target(domain=d, serving_url=u, reachable=True), answers=ready)
+        for d, u in urls.items()
+        if d != "a"
+    }
+    return RouteIntent(
+        fleet="default",
+        revision=revision,
+        active=base.active,
+        answers=base.answers,
+        weights=weights or {},
+        model_weights=model_weights or {},
+        weighted=weighted,
+    )
 
 
 async def send(gw, model: str, n: int, *, concurrency: int = 16) -> Counter:
@@ -41,11 +60,13 @@ async def send(gw, model: str, n: int, *, concurrency: int = 16) -> Counter:
         queue.put_nowait(i)
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
     async with aiohttp.ClientSession() as session:
+
         async def worker() -> None:
             while not queue.empty():
                 queue.get_nowait()
-                async with session.post(gw.url + "/v1/chat/completions", data=body,
-                                        headers={"Content-Type": "application/json"}) as r:
+                async with session.post(
+                    gw.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+                ) as r:
                     await r.read()
                     got[(r.status, r.headers.get("X-Haru-Domain", ""))] += 1
 
@@ -93,8 +114,14 @@ async def test_a_share_on_a_domain_that_is_not_ready_stays_with_the_active(event
     await fleet.put_view(view_of("default", urls, active="a", seq=1))
     ri = split_intent(urls, weights={"a": 50, "b": 50})
     asleep = {m: Answer(answer="asleep") for m in (MODEL, SMALL)}
-    ri = RouteIntent(fleet=ri.fleet, revision=ri.revision, active=ri.active, answers=ri.answers, weights=ri.weights,
-                     weighted={"b": Weighted(target=ri.weighted["b"].target, answers=asleep)})
+    ri = RouteIntent(
+        fleet=ri.fleet,
+        revision=ri.revision,
+        active=ri.active,
+        answers=ri.answers,
+        weights=ri.weights,
+        weighted={"b": Weighted(target=ri.weighted["b"].target, answers=asleep)},
+    )
     await fleet.publish(ri)
     assert await send(gw, MODEL, 40) == Counter({(200, "a"): 40})
 
@@ -118,13 +145,16 @@ async def test_the_gateway_reports_what_it_measured_of_a_split_fleet_on_its_own_
             await fleet.publish(split_intent(urls, weights={"a": 80, "b": 20}))
             got = await send(gw, MODEL, 100, concurrency=4)
             assert got == Counter({(200, "a"): 80, (500, "b"): 20})
-            await wait_for(lambda: sum(c.requests for _, d in reports for c in report_decoder.decode(d).counts) >= 100,
-                           timeout=5)
+            await wait_for(
+                lambda: sum(c.requests for _, d in reports for c in report_decoder.decode(d).counts) >= 100, timeout=5
+            )
             subject = reports[0][0]
             assert subject == subjects.canary_report("default", gw.gateway_id())
             counts = [c for _, d in reports for c in report_decoder.decode(d).counts]
-            by_domain = {d: (sum(c.requests for c in counts if c.domain == d), sum(c.errors for c in counts if c.domain == d))
-                         for d in ("a", "b")}
+            by_domain = {
+                d: (sum(c.requests for c in counts if c.domain == d), sum(c.errors for c in counts if c.domain == d))
+                for d in ("a", "b")
+            }
             assert by_domain == {"a": (80, 0), "b": (20, 20)}
             assert any(c.last_error == "HTTP 500" for c in counts if c.domain == "b")
             # back to the default: nothing more is reported

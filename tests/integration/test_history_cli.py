@@ -2,35 +2,66 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from haru.core import events as ev
 from haru.core import subjects
 from haru.core.specs import ModelSpec, Policy
 from tests.support import haru
 
-T0 = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 3, 0, tzinfo=UTC)
 
 
 async def script_stories(log) -> dict[str, int]:
     """declared -> loading -> resident -> unloaded, as hearth's README shows for `stories`."""
     decl = subjects.decl("default")
     s = await log.append(decl, ev.FleetDeclared(at=T0, fleet="default", policy=Policy()), expect=0)
-    model_declared = s = await log.append(decl, ev.ModelDeclared(at=T0, domain="a", spec=ModelSpec(
-        name="stories", slot="main", gpu_index=0, runtime="llama_server", vram_bytes=1073741824)), expect=s)
-    declared = s = await log.append(decl, ev.AdmissionDecided(
-        at=T0, domain="a", name="stories", gpu_index=0, admitted=True, vram_bytes=1073741824,
-        cause=model_declared), expect=s)
+    model_declared = s = await log.append(
+        decl,
+        ev.ModelDeclared(
+            at=T0,
+            domain="a",
+            spec=ModelSpec(name="stories", slot="main", gpu_index=0, runtime="llama_server", vram_bytes=1073741824),
+        ),
+        expect=s,
+    )
+    declared = s = await log.append(
+        decl,
+        ev.AdmissionDecided(
+            at=T0, domain="a", name="stories", gpu_index=0, admitted=True, vram_bytes=1073741824, cause=model_declared
+        ),
+        expect=s,
+    )
     m = subjects.model("default", "a", "stories")
-    loading = await log.append(m, ev.ModelLoading(
-        at=T0 + timedelta(seconds=1), domain="a", model="stories", endpoint="127.0.0.1:18080", pid=10121), expect=0)
-    resident = await log.append(m, ev.ModelResident(
-        at=T0 + timedelta(seconds=2), domain="a", model="stories", endpoint="127.0.0.1:18080", warmup_ms=256,
-        cause=loading), expect=loading)
-    unloaded = await log.append(m, ev.ModelStopped(
-        at=T0 + timedelta(seconds=3), domain="a", model="stories"), expect=resident)
-    return {"model_declared": model_declared, "declared": declared, "loading": loading, "resident": resident,
-            "unloaded": unloaded}
+    loading = await log.append(
+        m,
+        ev.ModelLoading(
+            at=T0 + timedelta(seconds=1), domain="a", model="stories", endpoint="127.0.0.1:18080", pid=10121
+        ),
+        expect=0,
+    )
+    resident = await log.append(
+        m,
+        ev.ModelResident(
+            at=T0 + timedelta(seconds=2),
+            domain="a",
+            model="stories",
+            endpoint="127.0.0.1:18080",
+            warmup_ms=256,
+            cause=loading,
+        ),
+        expect=loading,
+    )
+    unloaded = await log.append(
+        m, ev.ModelStopped(at=T0 + timedelta(seconds=3), domain="a", model="stories"), expect=resident
+    )
+    return {
+        "model_declared": model_declared,
+        "declared": declared,
+        "loading": loading,
+        "resident": resident,
+        "unloaded": unloaded,
+    }
 
 
 async def test_why_draws_the_causal_tree_and_says_where_a_link_is_missing(nats_server, event_log):
@@ -45,12 +76,13 @@ async def test_why_draws_the_causal_tree_and_says_where_a_link_is_missing(nats_s
         f'● seq {seqs["loading"]:>7}  loading        a        {{"endpoint":"127.0.0.1:18080","pid":10121,"attempt":1}}',
         missing,
         f'  └─ seq {seqs["resident"]:>7}  resident       a        {{"endpoint":"127.0.0.1:18080","warmup_ms":256,"sleeps":true}}',
-        f'● seq {seqs["model_declared"]:>7}  declared       a        '
+        f"● seq {seqs['model_declared']:>7}  declared       a        "
         '{"runtime":"llama_server","gpu_index":0,"vram_bytes":1073741824}',
         f'  └─ seq {seqs["declared"]:>7}  admitted       a        {{"admitted":true,"vram_bytes":1073741824}}',
     ]
     out = haru("why", "stories", "--json", nats_url=nats_server.url)
     import json
+
     tree = json.loads(out.stdout)
     assert [n["seq"] for n in tree] == [seqs["unloaded"], seqs["loading"], seqs["model_declared"]]
     assert tree[1]["missing_link"] and tree[1]["caused"][0]["seq"] == seqs["resident"]
@@ -62,14 +94,16 @@ async def test_as_of_a_sequence_and_a_time(nats_server, event_log):
     seqs = await script_stories(event_log)
     out = haru("as-of", "stories", str(seqs["resident"]), nats_url=nats_server.url)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == (f"as of seq {seqs['resident']}: stories was `resident` "
-                                  '{"endpoint":"127.0.0.1:18080","warmup_ms":256,"sleeps":true}')
+    assert out.stdout.strip() == (
+        f"as of seq {seqs['resident']}: stories was `resident` "
+        '{"endpoint":"127.0.0.1:18080","warmup_ms":256,"sleeps":true}'
+    )
     out = haru("as-of", "stories", str(seqs["loading"]), nats_url=nats_server.url)
     assert "was `loading`" in out.stdout
     out = haru("as-of", "stories", str(seqs["declared"]), nats_url=nats_server.url)
     assert "was `unknown`" in out.stdout
     # a time after everything was recorded
-    later = (datetime.now(timezone.utc) + timedelta(minutes=1)).isoformat()
+    later = (datetime.now(UTC) + timedelta(minutes=1)).isoformat()
     out = haru("as-of", "stories", later, nats_url=nats_server.url)
     assert "was `stopped`" in out.stdout
     bad = haru("as-of", "stories", "yesterday-ish", nats_url=nats_server.url)
@@ -92,6 +126,7 @@ async def test_history_prints_raw_events(nats_server, event_log):
     assert "model_loading" in lines[0] and "haru.evt.default.a.model.stories" in lines[0]
     out = haru("history", "--limit", "1", "--json", nats_url=nats_server.url)
     import json
+
     (only,) = json.loads(out.stdout)
     assert only["seq"] == seqs["unloaded"] and only["type"] == "model_stopped"
 

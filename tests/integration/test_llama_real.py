@@ -13,7 +13,7 @@ import os
 import re
 import signal
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import aiohttp
 import pytest
@@ -23,8 +23,8 @@ from haru.agents.runtimes.tiny_model import corrupt_copy, write_tiny_model
 from haru.core import subjects
 from haru.core.specs import ModelSpec
 from tests.support.agent_harness import is_, model_tags, tag, wait_event, write_config
-from tests.support.promoter import wait_until, wait_view
 from tests.support.llama import LLAMA_ARGS, llama_binary, llama_model, real_fleet, real_layout, tiny_models
+from tests.support.promoter import wait_until, wait_view
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(150)]
 FLEET = "default"
@@ -44,13 +44,25 @@ def gguf(tmp_path_factory, llama):
 
 def one_domain(tmp_path, llama, gguf_path, name=MODEL, **policy):
     """Domains a and b declared (a fleet has two); the tests run a's agent alone, pinned active."""
-    return real_layout(tmp_path / "layout.json", tmp_path,
-                       {d: [llama_model(name, llama, gguf_path)] for d in ("a", "b")}, policy=policy, fleet=FLEET)
+    return real_layout(
+        tmp_path / "layout.json",
+        tmp_path,
+        {d: [llama_model(name, llama, gguf_path)] for d in ("a", "b")},
+        policy=policy,
+        fleet=FLEET,
+    )
 
 
 def start_agent(agents, tmp_path, nats_server, layout, domain="a"):
-    cfg = write_config(tmp_path / f"agent-{domain}.json", nats_server.url, tmp_path, domain=domain, layout=layout,
-                       fleet=FLEET, role="active")
+    cfg = write_config(
+        tmp_path / f"agent-{domain}.json",
+        nats_server.url,
+        tmp_path,
+        domain=domain,
+        layout=layout,
+        fleet=FLEET,
+        role="active",
+    )
     return agents(cfg, tmp_path / f"agent-{domain}.log")
 
 
@@ -63,8 +75,15 @@ async def test_llama_servers_own_health_says_loading_then_ok(tmp_path, llama, gg
     The 503 window (listener up, model not yet loaded) is a few milliseconds for a 600 KB model, so
     the server is started up to three times to catch it; every answer seen must be one of the three.
     """
-    spec = ModelSpec(name=MODEL, slot="chat", gpu_index=0, runtime="llama_server", source=str(gguf["a"]),
-                     binary=[str(llama)], args=list(LLAMA_ARGS))
+    spec = ModelSpec(
+        name=MODEL,
+        slot="chat",
+        gpu_index=0,
+        runtime="llama_server",
+        source=str(gguf["a"]),
+        binary=[str(llama)],
+        args=list(LLAMA_ARGS),
+    )
     loading_seen = 0
     async with aiohttp.ClientSession() as session:
         for _ in range(3):
@@ -87,8 +106,10 @@ async def test_llama_servers_own_health_says_loading_then_ok(tmp_path, llama, gg
                         loading_seen += 1
                 assert await rt.list_models() == [MODEL]  # --alias is the model id
                 assert await rt.probe_completion(timeout_s=10) >= 0
-                print(f"health answers before ready: {[s for s, _ in seen[:-1]].count(503)} x 503, "
-                      f"{[s for s, _ in seen[:-1]].count(0)} x no answer")
+                print(
+                    f"health answers before ready: {[s for s, _ in seen[:-1]].count(503)} x 503, "
+                    f"{[s for s, _ in seen[:-1]].count(0)} x no answer"
+                )
             finally:
                 await rt.stop(5)
             if loading_seen:
@@ -112,22 +133,24 @@ async def test_loading_then_resident_under_the_agent(tmp_path, nats_server, even
 # ------------------------------------------------------------------------------ kill -9, restart
 
 
-async def test_kill_9_is_lost_process_exited_then_restarted_with_backoff(tmp_path, nats_server, event_log, agents,
-                                                                        llama, gguf):
+async def test_kill_9_is_lost_process_exited_then_restarted_with_backoff(
+    tmp_path, nats_server, event_log, agents, llama, gguf
+):
     backoff_ms = 1500
     layout = one_domain(tmp_path, llama, gguf["a"], restart_backoff_ms=backoff_ms, restart_backoff_max_ms=6000)
     agent = start_agent(agents, tmp_path, nats_server, layout)
     subject = subjects.model(FLEET, "a", MODEL)
     first = await wait_event(event_log, subject, is_("model_resident"), agent=agent, timeout=60)
     pid = (await wait_event(event_log, subject, is_("model_loading"))).event.pid
-    killed_at = datetime.now(timezone.utc)
+    killed_at = datetime.now(UTC)
     os.kill(pid, signal.SIGKILL)
     lost = await wait_event(event_log, subject, is_("model_lost"), agent=agent, timeout=20)
     assert lost.event.reason == "process_exited" and lost.event.exit_code == -9, lost.event
     assert lost.seq == first.seq + 1  # nothing in between: the exit itself was seen, not a failed probe
     print(f"kill -9 -> model_lost observed {(lost.event.at - killed_at).total_seconds() * 1000:.1f} ms later")
-    again = await wait_event(event_log, subject, lambda r: tag(r) == "model_resident" and r.seq > lost.seq,
-                             agent=agent, timeout=60)
+    again = await wait_event(
+        event_log, subject, lambda r: tag(r) == "model_resident" and r.seq > lost.seq, agent=agent, timeout=60
+    )
     reload = next(r for r in await event_log.history(subject) if r.seq > lost.seq)
     assert tag(reload) == "model_loading" and reload.event.attempt == 2 and reload.event.pid not in (0, pid)
     assert reload.event.at - lost.event.at >= timedelta(milliseconds=backoff_ms)
@@ -138,7 +161,8 @@ async def test_kill_9_is_lost_process_exited_then_restarted_with_backoff(tmp_pat
 
 
 async def test_a_truncated_gguf_is_failed_in_llama_servers_words_and_not_restarted_in_a_tight_loop(
-        tmp_path, nats_server, event_log, agents, llama, gguf):
+    tmp_path, nats_server, event_log, agents, llama, gguf
+):
     bad = corrupt_copy(gguf["a"], tmp_path / "truncated.gguf")
     layout = one_domain(tmp_path, llama, bad, restart_backoff_ms=1000, restart_backoff_max_ms=8000)
     agent = start_agent(agents, tmp_path, nats_server, layout)
@@ -164,8 +188,14 @@ async def test_a_truncated_gguf_is_failed_in_llama_servers_words_and_not_restart
 
 # temperature 0 and a seed: the same text every time; cache_prompt false: usage does not depend on
 # what the request before left in llama-server's prompt cache (`cached_tokens`).
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12,
-        "temperature": 0, "seed": 7, "cache_prompt": False}
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hello there"}],
+    "max_tokens": 12,
+    "temperature": 0,
+    "seed": 7,
+    "cache_prompt": False,
+}
 # What llama-server makes up per request: its id, the second it answered, its own timings. So a proxied
 # answer is compared with a direct one field by field without those; everything else (the generated
 # text, usage, finish reasons, chunk boundaries and order of the stream) must be the same.
@@ -203,7 +233,7 @@ async def chat_sse(session: aiohttp.ClientSession, base: str, raws: list | None 
         if not block.strip():
             continue
         assert block.startswith("data: "), block
-        data = block[len("data: "):]
+        data = block[len("data: ") :]
         events.append(data if data == "[DONE]" else stable(json.loads(data)))
     return r.status, events, ctype
 
@@ -216,20 +246,28 @@ def steady(view, active: str) -> bool:
     from haru.core.residency import Resident
 
     standby = "b" if active == "a" else "a"
-    return (view.active == active and view.operation is None and view.domains[standby].eligible
-            and all(isinstance(m.residency, Resident) for d in (active, standby)
-                    for m in view.domains[d].models.values()))
+    return (
+        view.active == active
+        and view.operation is None
+        and view.domains[standby].eligible
+        and all(isinstance(m.residency, Resident) for d in (active, standby) for m in view.domains[d].models.values())
+    )
 
 
 @pytest.fixture
 async def two_domains(tmp_path, nats_server, event_log, llama, gguf):
     """Domains a and b, one llama-server each (different seeds: a's answers differ from b's)."""
-    layout = real_layout(tmp_path / "layout.json", tmp_path,
-                         {"a": [llama_model(MODEL, llama, gguf["a"])], "b": [llama_model(MODEL, llama, gguf["b"])]},
-                         policy={"degraded_grace_ms": 500, "restart_backoff_ms": 3000}, fleet=FLEET)
+    layout = real_layout(
+        tmp_path / "layout.json",
+        tmp_path,
+        {"a": [llama_model(MODEL, llama, gguf["a"])], "b": [llama_model(MODEL, llama, gguf["b"])]},
+        policy={"degraded_grace_ms": 500, "restart_backoff_ms": 3000},
+        fleet=FLEET,
+    )
     async with real_fleet(tmp_path, nats_server, event_log, layout) as gw:
-        view = await wait_view(event_log, lambda v: steady(v, "a"), timeout=60, fleet=FLEET,
-                               what="a active, b a resident standby")
+        view = await wait_view(
+            event_log, lambda v: steady(v, "a"), timeout=60, fleet=FLEET, what="a active, b a resident standby"
+        )
         yield gw, view
 
 
@@ -263,8 +301,9 @@ async def test_failover_between_two_domains_of_real_llama_servers(two_domains, e
         assert on_a["choices"][0]["message"]["content"] != from_b["choices"][0]["message"]["content"]
         # The active domain's agent dies (SIGKILL; its llama-server dies with it): heartbeats stop.
         gw.agents[0].kill()
-        await wait_view(event_log, lambda v: v.active == "b" and v.operation is None, timeout=60, fleet=FLEET,
-                        what="b promoted")
+        await wait_view(
+            event_log, lambda v: v.active == "b" and v.operation is None, timeout=60, fleet=FLEET, what="b promoted"
+        )
 
         async def answered_by_b():
             status, doc, _ = await chat_json(s, gw.url)
@@ -275,7 +314,6 @@ async def test_failover_between_two_domains_of_real_llama_servers(two_domains, e
     promotions = [e for e in ops if type(e).__name__ == "PromotionRequested"]
     assert [p.reason for p in promotions] == ["initial", "domain_unreachable"]
     assert not any(type(e).__name__ == "DemotionRequested" for e in ops)  # b was a resident standby throughout
-
 
 
 # A fleet of real llama-servers left alone (issue 12's endless standby_awake demotions) is

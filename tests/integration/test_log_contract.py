@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import msgspec
 import pytest
 
 from haru.core import events as ev
 from haru.core import subjects
-from haru.log.bus import SERVICE_ERROR, SERVICE_ERROR_CODE, Msg, send
-from haru.core.commands import Command, Reply, command_decoder, command_encoder as reply_encoder
+from haru.core.commands import Command, Reply, command_decoder
+from haru.core.commands import command_encoder as reply_encoder
 from haru.core.errors import AgentGone, Conflict, NoResponders, RequestTimeout
+from haru.log.bus import SERVICE_ERROR, SERVICE_ERROR_CODE, Msg, send
 from haru.log.memory import subject_matches
 
-T0 = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 3, 0, tzinfo=UTC)
 F = "default"
 A = subjects.model(F, "a", "stories")
 B = subjects.model(F, "b", "stories")
@@ -137,12 +138,15 @@ async def test_a_follower_catches_up_then_follows_each_sequence_once(log, is_asy
     s1 = await log.append(A, loading(), expect=0)
     seen: list[int] = []
     if is_async:
+
         async def handler(rec) -> None:
             await asyncio.sleep(0)
             seen.append(rec.seq)
     else:
+
         def handler(rec) -> None:
             seen.append(rec.seq)
+
     follower = log.follower(handler, from_seq=1, name="contract")
     task = asyncio.create_task(follower.run())
     try:
@@ -181,8 +185,14 @@ async def test_a_follower_replays_afresh_after_the_connection_comes_back(world, 
     restarts: list[str] = []
     links: list[bool] = []
     forget = log.on_link_change(links.append)
-    follower = log.follower(lambda r: seen.append(r.seq), from_seq=1, name="contract",
-                            stall_interval=0.3, retry_s=0.2, on_restart=restarts.append)
+    follower = log.follower(
+        lambda r: seen.append(r.seq),
+        from_seq=1,
+        name="contract",
+        stall_interval=0.3,
+        retry_s=0.2,
+        on_restart=restarts.append,
+    )
     task = asyncio.create_task(follower.run())
     try:
         await eventually(lambda: seen == [1])

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
+from haru.cli.common import ExitStatus
 from haru.core import events as ev
 from haru.core import subjects
-from haru.cli.common import ExitStatus
 from tests.integration.test_history_cli import T0, script_stories
 from tests.support import haru
 
@@ -21,11 +21,15 @@ async def forge(log) -> dict[str, int]:
     """On a's own subjects (what agent.default.a may publish): a route move and b's model lost."""
     seqs = {}
     agent = subjects.agent("default", "a")
-    seqs["route"] = await log.append(agent, ev.RouteMoved(at=T0 + timedelta(seconds=5), active="b", by=FORGER), expect=0)
+    seqs["route"] = await log.append(
+        agent, ev.RouteMoved(at=T0 + timedelta(seconds=5), active="b", by=FORGER), expect=0
+    )
     model = subjects.model("default", "a", "stories")
-    seqs["lost"] = await log.append(model, ev.ModelLost(
-        at=T0 + timedelta(seconds=6), domain="b", model="stories", reason="gpu_detached", by=FORGER),
-        expect=await log.last_seq_of(model))
+    seqs["lost"] = await log.append(
+        model,
+        ev.ModelLost(at=T0 + timedelta(seconds=6), domain="b", model="stories", reason="gpu_detached", by=FORGER),
+        expect=await log.last_seq_of(model),
+    )
     return seqs
 
 
@@ -38,17 +42,23 @@ async def test_verify_fails_on_misplaced_events_and_names_them(nats_server, even
     out = haru("verify", nats_url=nats_server.url)
     assert out.returncode == ExitStatus.MISPLACED == 8, out.stdout + out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0] == (f"seq {seqs['route']} on haru.evt.default.a.agent: route_moved by {FORGER} is misplaced: "
-                        "route_moved belongs on haru.evt.<fleet>.route (written by promoter), not on haru.evt.<fleet>.<domain>.agent")
-    assert lines[1] == (f"seq {seqs['lost']} on haru.evt.default.a.model.stories: model_lost by {FORGER} is misplaced: "
-                        "its body says domain 'b', its subject says 'a'")
+    assert lines[0] == (
+        f"seq {seqs['route']} on haru.evt.default.a.agent: route_moved by {FORGER} is misplaced: "
+        "route_moved belongs on haru.evt.<fleet>.route (written by promoter), not on haru.evt.<fleet>.<domain>.agent"
+    )
+    assert lines[1] == (
+        f"seq {seqs['lost']} on haru.evt.default.a.model.stories: model_lost by {FORGER} is misplaced: "
+        "its body says domain 'b', its subject says 'a'"
+    )
     assert "verify FAILED — 2 misplaced event(s), not applied by any fold" in lines[-1]
 
     out = haru("verify", "--json", nats_url=nats_server.url)
     doc = json.loads(out.stdout)
     assert out.returncode == 8 and doc["ok"] is False and doc["breaks"] == []
     assert [(m["seq"], m["type"], m["by"]) for m in doc["misplaced"]] == [
-        (seqs["route"], "route_moved", FORGER), (seqs["lost"], "model_lost", FORGER)]
+        (seqs["route"], "route_moved", FORGER),
+        (seqs["lost"], "model_lost", FORGER),
+    ]
 
 
 async def test_why_and_as_of_leave_misplaced_events_out_and_say_so(nats_server, event_log):

@@ -19,13 +19,13 @@ import pytest
 
 from haru.agents.runtimes.tiny_model import write_tiny_model
 from haru.core import model_errors as E
+from haru.host.natsd import free_port
 from haru.models import resolve as R
 from haru.models.download import WRITE_BEHIND
 from haru.models.pull import pull
 from haru.models.store import Store
-from haru.host.natsd import free_port
-from tests.support.models_registry import Registry, Server, write_safetensors
 from tests.support import haru
+from tests.support.models_registry import Registry, Server, write_safetensors
 
 
 def build_registry(root: Path) -> Registry:
@@ -33,20 +33,27 @@ def build_registry(root: Path) -> Registry:
     files.mkdir(parents=True)
     reg = Registry(root)
     reg.add_ollama("library/tiny", "1b", write_tiny_model(files / "tiny.gguf", seed=1))
-    reg.add_hf("acme/tiny-GGUF", {
-        "tiny-Q8_0.gguf": write_tiny_model(files / "q8.gguf", seed=2),
-        "tiny-Q4_K_M.gguf": write_tiny_model(files / "q4.gguf", seed=3),
-        "README.md": _text(files / "README.md", "# tiny\n"),
-    })
+    reg.add_hf(
+        "acme/tiny-GGUF",
+        {
+            "tiny-Q8_0.gguf": write_tiny_model(files / "q8.gguf", seed=2),
+            "tiny-Q4_K_M.gguf": write_tiny_model(files / "q4.gguf", seed=3),
+            "README.md": _text(files / "README.md", "# tiny\n"),
+        },
+    )
     rng = np.random.default_rng(7)
-    reg.add_hf("acme/tiny", {
-        "config.json": _text(files / "config.json", json.dumps({"architectures": ["LlamaForCausalLM"]})),
-        "model.safetensors": write_safetensors(files / "model.safetensors",
-                                               {"w": rng.standard_normal((64, 64)).astype(np.float32)}),
-        "tokenizer.json": _text(files / "tokenizer.json", "{}"),
-        "tokenizer_config.json": _text(files / "tokenizer_config.json", "{}"),
-        "notes/extra.safetensors": files / "model.safetensors",  # not at the top: not part of the package
-    })
+    reg.add_hf(
+        "acme/tiny",
+        {
+            "config.json": _text(files / "config.json", json.dumps({"architectures": ["LlamaForCausalLM"]})),
+            "model.safetensors": write_safetensors(
+                files / "model.safetensors", {"w": rng.standard_normal((64, 64)).astype(np.float32)}
+            ),
+            "tokenizer.json": _text(files / "tokenizer.json", "{}"),
+            "tokenizer_config.json": _text(files / "tokenizer_config.json", "{}"),
+            "notes/extra.safetensors": files / "model.safetensors",  # not at the top: not part of the package
+        },
+    )
     reg.add_hf("acme/empty", {"README.md": files / "README.md"})
     reg.alias("acme/old-tiny-GGUF", "acme/tiny-GGUF")
     reg.save()
@@ -75,8 +82,10 @@ async def registry(tmp_path):
 
 
 def store_files(store: Store) -> dict[str, list[str]]:
-    return {d: sorted(p.name for p in (store.root / d).iterdir()) if (store.root / d).exists() else []
-            for d in ("blobs", "snapshots", "partial")}
+    return {
+        d: sorted(p.name for p in (store.root / d).iterdir()) if (store.root / d).exists() else []
+        for d in ("blobs", "snapshots", "partial")
+    }
 
 
 # ------------------------------------------------------------------------------------------ resolve
@@ -85,13 +94,18 @@ def store_files(store: Store) -> dict[str, list[str]]:
 async def test_every_ollama_form_resolves_to_the_same_manifest(registry):
     s = settings_for(registry.url)
     async with R.session(s) as http:
-        got = [await R.resolve(ref, s, http) for ref in ("tiny:1b", "library/tiny:1b", "ollama:tiny:1b",
-                                                         "ollama:library/tiny:1b")]
+        got = [
+            await R.resolve(ref, s, http)
+            for ref in ("tiny:1b", "library/tiny:1b", "ollama:tiny:1b", "ollama:library/tiny:1b")
+        ]
     assert {r.reference for r in got} == {"ollama:library/tiny:1b"}
     res = got[0]
     assert (res.format, res.runtime, res.entry) == ("gguf", "llama_server", "model.gguf")
     model = next(b for b in res.blobs if b.role == "weights")
-    assert model.digest == "sha256:" + __import__("hashlib").sha256((registry.root / "files/tiny.gguf").read_bytes()).hexdigest()
+    assert (
+        model.digest
+        == "sha256:" + __import__("hashlib").sha256((registry.root / "files/tiny.gguf").read_bytes()).hexdigest()
+    )
     assert model.url == f"{registry.url}/v2/library/tiny/blobs/{model.digest}"
     assert model.size == (registry.root / "files/tiny.gguf").stat().st_size
     assert {b.name for b in res.blobs} == {"model.gguf", "template", "config.json"}
@@ -212,8 +226,12 @@ async def test_pull_safetensors_checks_git_blob_ids_too(registry, tmp_path):
         res = await R.resolve("hf:acme/tiny", s, http)
         got = await pull(res, store, s, http)
     assert got.path.is_dir()
-    assert sorted(p.name for p in got.path.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                          "tokenizer_config.json"]
+    assert sorted(p.name for p in got.path.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert json.loads((got.path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
@@ -241,7 +259,10 @@ async def test_wrong_digest_404_401_and_truncated_each_fail_clearly_and_leave_no
         res = await R.resolve("tiny:1b", s, http)
         digest = next(b.digest for b in res.blobs if b.role == "weights")
         registry.registry.fault("corrupt", {digest: 1000})
-        with pytest.raises(E.DigestMismatch, match=f"model.gguf: the bytes from 127.0.0.1:\\d+ hash to sha256:.*not the expected {digest}"):
+        with pytest.raises(
+            E.DigestMismatch,
+            match=f"model.gguf: the bytes from 127.0.0.1:\\d+ hash to sha256:.*not the expected {digest}",
+        ):
             await pull(res, store, s, http)
         assert not store.blob(digest).exists() and not store.partial(digest).exists()
         registry.registry.clear_faults()
@@ -345,10 +366,15 @@ async def test_credentials_go_to_the_registry_and_never_to_a_cdn_on_another_orig
             res = await R.resolve("hf:acme/old-tiny-GGUF:Q8_0", s, http)  # renamed: one more hop on the Hub
             got = await pull(res, store, s, http)
     assert got.path.read_bytes() == (registry.root / "files/q8.gguf").read_bytes()
-    hops = [(r["path"], r["auth"]) for r in requests(tmp_path / "requests.jsonl") if r["method"] == "GET"
-            and "/resolve/" in r["path"]]
-    assert hops == [("/acme/old-tiny-GGUF/resolve/" + res.revision + "/tiny-Q8_0.gguf", True),
-                    ("/acme/tiny-GGUF/resolve/" + res.revision + "/tiny-Q8_0.gguf", True)]
+    hops = [
+        (r["path"], r["auth"])
+        for r in requests(tmp_path / "requests.jsonl")
+        if r["method"] == "GET" and "/resolve/" in r["path"]
+    ]
+    assert hops == [
+        ("/acme/old-tiny-GGUF/resolve/" + res.revision + "/tiny-Q8_0.gguf", True),
+        ("/acme/tiny-GGUF/resolve/" + res.revision + "/tiny-Q8_0.gguf", True),
+    ]
     assert {(r["path"], r["auth"]) for r in requests(cdn_log)} == {(f"/cdn/{res.blobs[0].digest}", False)}
 
 
@@ -360,8 +386,11 @@ async def test_a_stalled_download_fails_after_the_read_timeout_and_resumes(regis
         res = await R.resolve("hf:acme/tiny-GGUF:Q8_0", s, http)
         b = res.blobs[0]
         registry.registry.fault("stall", {b.digest: 100_000})
-        with pytest.raises(E.FetchError, match=r"broke off after 100000 of \d+ bytes \(TimeoutError.*resume from byte "
-                                               r"100000"):
+        with pytest.raises(
+            E.FetchError,
+            match=r"broke off after 100000 of \d+ bytes \(TimeoutError.*resume from byte "
+            r"100000",
+        ):
             await pull(res, store, s, http)
     registry.registry.clear_faults()
     async with R.session(s) as http:
@@ -414,9 +443,24 @@ def registry_proc(tmp_path):
     procs = []
 
     def start(rate: int = 0):
-        p = subprocess.Popen([sys.executable, "-m", "tests.support.models_registry", "--root", str(reg.root), "--port",
-                              str(port), "--rate", str(rate), "--log", str(log)],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.support.models_registry",
+                "--root",
+                str(reg.root),
+                "--port",
+                str(port),
+                "--rate",
+                str(rate),
+                "--log",
+                str(log),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         procs.append(p)
         assert p.stdout.readline().strip() == "ready"
         return p
@@ -437,10 +481,21 @@ def test_kill_the_registry_mid_download_then_resume(registry_proc, tmp_path):
         p.wait()
     server = registry_proc["start"](rate=150_000)  # ~600 KB at 150 KB/s: about 4 s, time to kill it
     home = tmp_path / "home"
-    env = {**os.environ, "HF_ENDPOINT": url, "HARU_OLLAMA_REGISTRY": url, "HARU_HOME": str(home),
-           "HARU_NO_UVLOOP": "1", "HARU_NATS_URL": f"nats://127.0.0.1:{free_port()}"}
-    puller = subprocess.Popen([sys.executable, "-m", "haru.cli", "pull", "tiny:1b"], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": url,
+        "HARU_OLLAMA_REGISTRY": url,
+        "HARU_HOME": str(home),
+        "HARU_NO_UVLOOP": "1",
+        "HARU_NATS_URL": f"nats://127.0.0.1:{free_port()}",
+    }
+    puller = subprocess.Popen(
+        [sys.executable, "-m", "haru.cli", "pull", "tiny:1b"],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     partial = home / "models" / "partial"
     deadline = time.monotonic() + 30
     size = 0
@@ -461,8 +516,11 @@ def test_kill_the_registry_mid_download_then_resume(registry_proc, tmp_path):
     assert not list((home / "models" / "snapshots").iterdir())
     registry_proc["log"].write_text("")
     registry_proc["start"]()
-    done = haru("pull", "tiny:1b", env={k: env[k] for k in ("HF_ENDPOINT", "HARU_OLLAMA_REGISTRY", "HARU_HOME",
-                                                           "HARU_NATS_URL")})
+    done = haru(
+        "pull",
+        "tiny:1b",
+        env={k: env[k] for k in ("HF_ENDPOINT", "HARU_OLLAMA_REGISTRY", "HARU_HOME", "HARU_NATS_URL")},
+    )
     assert done.returncode == 0, done.stderr
     path = Path(done.stdout.strip())
     assert path.read_bytes() == (registry_proc["registry"].root / "files/tiny.gguf").read_bytes()

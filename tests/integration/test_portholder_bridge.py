@@ -50,7 +50,7 @@ class Upstream:
         await response.write_eof()
         return response
 
-    async def __aenter__(self) -> "Upstream":
+    async def __aenter__(self) -> Upstream:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.handle)
         app.router.add_post("/v1/embeddings", self.handle)
@@ -70,8 +70,11 @@ class Upstream:
 def write_identity(state_dir: Path, model: str, port: int) -> None:
     d = state_dir / "runtimes"
     d.mkdir(parents=True, exist_ok=True)
-    (d / f"{model}.json").write_text(json.dumps({"pid": os.getpid(), "start": 1, "argv": [], "port": port,
-                                                 "model": model, "runtime": "vllm", "plan": {}}))
+    (d / f"{model}.json").write_text(
+        json.dumps(
+            {"pid": os.getpid(), "start": 1, "argv": [], "port": port, "model": model, "runtime": "vllm", "plan": {}}
+        )
+    )
 
 
 def refused_port() -> int:
@@ -113,8 +116,9 @@ async def test_the_bridge_forwards_by_model_streams_and_refuses_the_rest(tmp_pat
 
         # JSON: forwarded byte-identical, the connection closed after it, only the passed headers upstream
         body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
-        async with s.post(url + "/v1/chat/completions?x=1", json=body, headers={"X-Request-Id": "r1",
-                                                                                "Cookie": "secret"}) as r:
+        async with s.post(
+            url + "/v1/chat/completions?x=1", json=body, headers={"X-Request-Id": "r1", "Cookie": "secret"}
+        ) as r:
             assert r.status == 200, await r.text()
             assert r.headers["Connection"].lower() == "close"
             assert (await r.json())["echo"] == body
@@ -155,8 +159,14 @@ async def test_the_bridge_forwards_by_model_streams_and_refuses_the_rest(tmp_pat
         assert "`m9`" in msg and "restarting" in msg
         msg = await refused("POST", "/v1/chat/completions", 503, "agent_restarting", json={**body, "model": "gone"})
         assert "`gone`" in msg and "refused" in msg and "restarting" in msg
-        await refused("POST", "/v1/chat/completions", 400, "invalid_request", data=b"[1]",
-                      headers={"Content-Type": "application/json"})
+        await refused(
+            "POST",
+            "/v1/chat/completions",
+            400,
+            "invalid_request",
+            data=b"[1]",
+            headers={"Content-Type": "application/json"},
+        )
         sent = len(up.requests)
 
         stats = await asyncio.to_thread(portholder.holder_stats, state)
@@ -178,8 +188,7 @@ async def test_a_token_in_the_holders_environment_is_required_and_sizes_are_boun
             async with s.get(url + "/v1/models", headers=headers) as r:
                 assert r.status == 401
         assert up.requests == []
-        async with s.post(url + "/v1/chat/completions", json=body,
-                          headers={"Authorization": "Bearer s3cret"}) as r:
+        async with s.post(url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer s3cret"}) as r:
             assert r.status == 200 and (await r.json())["echo"] == body
         auth = {"Authorization": "Bearer s3cret"}
         async with s.post(url + "/v1/chat/completions", json={**body, "pad": "x" * 2000}, headers=auth) as r:

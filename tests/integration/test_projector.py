@@ -20,14 +20,14 @@ import pytest
 
 from haru.core import events as ev
 from haru.core import subjects as sj
-from haru.log.seam import Log
-from haru.log.route import RouteWatcher
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
-from haru.core.sizes import GiB
-from haru.core.views import intent_decoder, view_decoder
-from haru.host.tasks import cancel_and_wait
 from haru.core.fold import fold
 from haru.core.intents import changed
+from haru.core.sizes import GiB
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.views import intent_decoder, view_decoder
+from haru.host.tasks import cancel_and_wait
+from haru.log.route import RouteWatcher
+from haru.log.seam import Log
 from haru.projections.projector import Projector
 
 F = "default"
@@ -44,12 +44,20 @@ async def declare(log: Log, fleet: str = F) -> None:
     seq = await log.last_seq_of(s)
     seq = await log.append(s, ev.FleetDeclared(at=now(), fleet=fleet, policy=Policy()), expect=seq)
     for d in ("a", "b"):
-        spec = DomainSpec(name=d, serving_url=f"http://{d}:9000", gpus=[GpuSpec(index=0, memory_bytes=48 * GiB, reserve_bytes=2 * GiB)])
+        spec = DomainSpec(
+            name=d,
+            serving_url=f"http://{d}:9000",
+            gpus=[GpuSpec(index=0, memory_bytes=48 * GiB, reserve_bytes=2 * GiB)],
+        )
         seq = await log.append(s, ev.DomainDeclared(at=now(), spec=spec), expect=seq)
         for i, m in enumerate(MODELS):
             spec_m = ModelSpec(name=m, slot=f"m{i}", gpu_index=0, vram_bytes=10 * GiB, port=8000 + i)
             seq = await log.append(s, ev.ModelDeclared(at=now(), domain=d, spec=spec_m), expect=seq)
-            seq = await log.append(s, ev.AdmissionDecided(at=now(), domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=10 * GiB), expect=seq)
+            seq = await log.append(
+                s,
+                ev.AdmissionDecided(at=now(), domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=10 * GiB),
+                expect=seq,
+            )
 
 
 class Writer:
@@ -116,12 +124,14 @@ class ProjectorProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "ProjectorProcess":
+    def start(self) -> ProjectorProcess:
         self.log_file = open(self.log_path, "ab")
         env = {**os.environ, "HARU_NO_UVLOOP": os.environ.get("HARU_NO_UVLOOP", "0")}
         self.proc = subprocess.Popen(
             [HARU, "projector", "--nats-url", self.url, "--log-format", "json"],
-            stdout=subprocess.DEVNULL, stderr=self.log_file, env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log_file,
+            env=env,
         )
         return self
 

@@ -13,46 +13,67 @@ promoters, in-test agents (promoter_fake).
 from __future__ import annotations
 
 import contextlib
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
 from haru.core import authority, subjects
 from haru.core.apply import apply
-from haru.log.eventlog import EventLog
 from haru.core.errors import Conflict
-from haru.core.events import ModelLost, OperationAborted, OperationCompleted, RouteMoved, StepCompleted, StepFailed, StepStarted
+from haru.core.events import (
+    ModelLost,
+    OperationAborted,
+    OperationCompleted,
+    RouteMoved,
+    StepCompleted,
+    StepFailed,
+    StepStarted,
+)
+from haru.log.eventlog import EventLog
 from haru.log.history import misplaced_records
 from haru.promoter import request_operation
-from tests.support.promoter_fake import FakeAgent, layout
 from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_op_end, wait_view
+from tests.support.promoter_fake import FakeAgent, layout
 
 pytestmark = pytest.mark.timeout(60)
 MODELS = ["m1", "m2"]
 
 
 def now():
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 @pytest.fixture
 async def fleet(nats_server, event_log):
     await apply(event_log, layout(), now())
-    async with FakeAgent(nats_server.url, "default", "a", MODELS) as a, FakeAgent(nats_server.url, "default", "b", MODELS) as b:
+    async with (
+        FakeAgent(nats_server.url, "default", "a", MODELS) as a,
+        FakeAgent(nats_server.url, "default", "b", MODELS) as b,
+    ):
         yield event_log, a, b
 
 
 async def routed_to_a(log):
-    return await wait_view(log, lambda v: v.active == "a" and v.operation is None and v.last_operation is not None
-                           and v.last_operation.state == "completed", what="first route to a")
+    return await wait_view(
+        log,
+        lambda v: (
+            v.active == "a"
+            and v.operation is None
+            and v.last_operation is not None
+            and v.last_operation.state == "completed"
+        ),
+        what="first route to a",
+    )
 
 
 @contextlib.asynccontextmanager
 async def promotion_requested_by_the_gateway(log, nats_server):
     """Promoters (slowed, so a forger can write between steps) routing to a, and a promotion of b that
     the gateway's credentials requested, under way: (the gateway's log, the accepted request)."""
-    async with promoters(nats_server.url, step_delay_ms=300), \
-            EventLog.connect([nats_server.url], writer="gateway:127.0.0.1:0") as gateway:
+    async with (
+        promoters(nats_server.url, step_delay_ms=300),
+        EventLog.connect([nats_server.url], writer="gateway:127.0.0.1:0") as gateway,
+    ):
         await routed_to_a(log)
         accepted = await request_operation(gateway, "default", "promotion", "b", by=gateway.writer, now=now())
         assert accepted.status == "accepted"
@@ -89,10 +110,14 @@ async def test_a_route_moved_forged_on_an_agent_subject_moves_nothing(fleet, nat
         await b.append(model, ModelLost(at=now(), domain="a", model="m1", reason="gpu_detached", by=b.log.writer))
         view = await wait_view(log, lambda v: v.anomalies >= 2, what="both forgeries counted")
         assert view.active == "a" and view.route_revision == revision and view.operation is None
-        assert "route_moved on haru.evt.default.b.agent by agent:default/b@fake not applied" in view.last_anomaly \
+        assert (
+            "route_moved on haru.evt.default.b.agent by agent:default/b@fake not applied" in view.last_anomaly
             or "model_lost on haru.evt.default.b.model.m1 by agent:default/b@fake not applied" in view.last_anomaly
+        )
         assert [str(m).split(":")[0] for m in misplaced_records(await log.history())] == [
-            f"seq {view.seq - 1} on haru.evt.default.b.agent", f"seq {view.seq} on {model}"]
+            f"seq {view.seq - 1} on haru.evt.default.b.agent",
+            f"seq {view.seq} on {model}",
+        ]
         # The genuine promotion flips the route at once.
         await promote(log, "b")
     assert [m.active for m in await route_moves(log)] == ["a", "b"]
@@ -106,8 +131,9 @@ async def test_garbage_on_the_route_subject_does_not_wedge_the_flip(fleet, nats_
         # Only the promoter role may write here; even so, neither a body that does not decode nor a
         # misplaced event may make the route's revision and its real last sequence disagree for good.
         await log.js.publish(route, b'{"type": "route_moved", "active": 7}')
-        await log.append(route, ModelLost(at=now(), domain="a", model="m1", reason="evicted"),
-                         expect=await log.last_seq_of(route))
+        await log.append(
+            route, ModelLost(at=now(), domain="a", model="m1", reason="evicted"), expect=await log.last_seq_of(route)
+        )
         real_last = await log.last_seq_of(route)
         await wait_view(log, lambda v: v.route_seq == real_last, what="the view folded the garbage")
         await promote(log, "b")
@@ -137,8 +163,10 @@ async def test_production_writers_append_only_what_the_table_allows(fleet, nats_
         return await original(self, subject, event, expect=expect)
 
     monkeypatch.setattr(EventLog, "append", recording)
-    async with EventLog.connect([nats_server.url], writer="cli:apply") as operator, \
-            EventLog.connect([nats_server.url], writer="gateway:127.0.0.1:0") as gateway:
+    async with (
+        EventLog.connect([nats_server.url], writer="cli:apply") as operator,
+        EventLog.connect([nats_server.url], writer="gateway:127.0.0.1:0") as gateway,
+    ):
         await apply(operator, layout(degraded_grace_ms=400), now(), by="cli:apply")  # a changed policy: decl events
         async with promoters(nats_server.url):
             await routed_to_a(log)
@@ -147,8 +175,11 @@ async def test_production_writers_append_only_what_the_table_allows(fleet, nats_
             demoted = await request_operation(gateway, "default", "demotion", "a", by=gateway.writer, now=now())
             assert isinstance(await wait_op_end(log, demoted.op_id), OperationCompleted)
             await b.unserve()  # the active goes silent: liveness, auto-failover to a
-            await wait_view(log, lambda v: v.active == "a" and v.operation is None and v.domains["b"].reachable is False,
-                            what="failover to a")
+            await wait_view(
+                log,
+                lambda v: v.active == "a" and v.operation is None and v.domains["b"].reachable is False,
+                what="failover to a",
+            )
     writers = {w.split(":")[0] for w, _, _ in appended}
     assert {"cli", "promoter", "gateway"} <= writers, writers
     kinds = set()
@@ -191,9 +222,12 @@ async def test_a_probe_completion_forged_by_another_op_writer_is_probed_again_be
     op = subjects.op("default")
     b.fail_probe = True
     async with promotion_requested_by_the_gateway(log, nats_server) as (gateway, accepted):
-        for forged in (StepStarted(at=now(), op_id=accepted.op_id, step="probe", by="promoter:forged"),
-                       StepCompleted(at=now(), op_id=accepted.op_id, step="probe", detail="all models answered",
-                                     by="promoter:forged")):
+        for forged in (
+            StepStarted(at=now(), op_id=accepted.op_id, step="probe", by="promoter:forged"),
+            StepCompleted(
+                at=now(), op_id=accepted.op_id, step="probe", detail="all models answered", by="promoter:forged"
+            ),
+        ):
             await append_on_tip(gateway, op, forged)
         end = await wait_op_end(log, accepted.op_id, timeout=30)
         records = await op_events(log, op_id=accepted.op_id)
@@ -202,7 +236,10 @@ async def test_a_probe_completion_forged_by_another_op_writer_is_probed_again_be
         assert [e.by for e in records if isinstance(e, StepStarted) and e.step == "probe"] == ["promoter:forged"]
         failed = [e for e in records if isinstance(e, StepFailed)]
         assert failed and failed[-1].step == "flip" and failed[-1].error_code == "probe_failed", failed
-        assert "probed again before the flip" in failed[-1].error and "was not appended by this promoter" in failed[-1].error
+        assert (
+            "probed again before the flip" in failed[-1].error
+            and "was not appended by this promoter" in failed[-1].error
+        )
         assert [m.active for m in await route_moves(log)] == ["a"]
         b.fail_probe = False
         await promote(log, "b")  # a genuine promotion probes b and flips

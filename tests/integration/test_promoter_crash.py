@@ -8,18 +8,18 @@ pointer never points at a domain whose models were not probed in the operation t
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
 from haru.core import subjects
 from haru.core.apply import apply
-from haru.log.eventlog import EventLog
 from haru.core.events import OperationCompleted, PromotionRequested, RouteMoved, StepCompleted, StepStarted
+from haru.log.eventlog import EventLog
 from haru.promoter import request_operation
 from haru.promoter.decider import flow
-from tests.support.promoter_fake import FakeAgent, layout
 from tests.support.promoter import PromoterProcess, describe, op_events, view_of, wait_op_end, wait_until
+from tests.support.promoter_fake import FakeAgent, layout
 
 pytestmark = pytest.mark.timeout(90)
 MODELS = ["m1", "m2"]
@@ -27,7 +27,7 @@ DELAY_MS = 400
 
 
 def now():
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 async def assert_pointer_only_at_probed_domains(log: EventLog, fleet: str = "default") -> None:
@@ -49,8 +49,10 @@ async def assert_pointer_only_at_probed_domains(log: EventLog, fleet: str = "def
 async def routed_fleet(nats_server, event_log):
     """a active (resident, routed), b standby (asleep): set up by hand, no promoter needed."""
     await apply(event_log, layout(), now())
-    async with FakeAgent(nats_server.url, "default", "a", MODELS) as a, \
-            FakeAgent(nats_server.url, "default", "b", MODELS, start="sleeping") as b:
+    async with (
+        FakeAgent(nats_server.url, "default", "a", MODELS) as a,
+        FakeAgent(nats_server.url, "default", "b", MODELS, start="sleeping") as b,
+    ):
         await event_log.append(subjects.route("default"), RouteMoved(at=now(), active="a"), expect=0)
         yield event_log, a, b
 
@@ -60,8 +62,12 @@ def spawn(nats_server, tmp_path):
     procs: list[PromoterProcess] = []
 
     def make(identity: str) -> PromoterProcess:
-        p = PromoterProcess(nats_server.url, identity, env={"HARU_PROMOTER_STEP_DELAY_MS": str(DELAY_MS)},
-                            log_path=tmp_path / f"{identity.replace(':', '_')}.log")
+        p = PromoterProcess(
+            nats_server.url,
+            identity,
+            env={"HARU_PROMOTER_STEP_DELAY_MS": str(DELAY_MS)},
+            log_path=tmp_path / f"{identity.replace(':', '_')}.log",
+        )
         procs.append(p)
         return p
 
@@ -126,14 +132,18 @@ async def test_another_replica_takes_over_a_dead_runners_step_after_its_lease(ro
 async def long_leased_fleet(nats_server, event_log):
     """As routed_fleet, with the step bounds of a real fleet: a step's lease is minutes long."""
     await apply(event_log, layout(command_timeout_ms=60_000, wake_timeout_ms=120_000, probe_timeout_ms=120_000), now())
-    async with FakeAgent(nats_server.url, "default", "a", MODELS) as a, \
-            FakeAgent(nats_server.url, "default", "b", MODELS, start="sleeping") as b:
+    async with (
+        FakeAgent(nats_server.url, "default", "a", MODELS) as a,
+        FakeAgent(nats_server.url, "default", "b", MODELS, start="sleeping") as b,
+    ):
         await event_log.append(subjects.route("default"), RouteMoved(at=now(), active="a"), expect=0)
         yield event_log, a, b
 
 
 @pytest.mark.parametrize("step", ["wake", "probe"])
-async def test_a_replica_takes_over_a_killed_runners_step_when_it_falls_silent_not_after_the_lease(long_leased_fleet, spawn, step):
+async def test_a_replica_takes_over_a_killed_runners_step_when_it_falls_silent_not_after_the_lease(
+    long_leased_fleet, spawn, step
+):
     from haru.promoter.decider import lease_ms
 
     log, a, b = long_leased_fleet

@@ -7,17 +7,24 @@ rejoining as the lowest-ranked standby with no operator."""
 from __future__ import annotations
 
 import contextlib
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
-from haru.core import ranking
+from haru.core import ranking, subjects
 from haru.core.apply import apply
 from haru.core.events import OperationCompleted, PromotionRequested, PromotionRetargeted, StepFailed, StepStarted
 from haru.core.intents import intent
-from haru.core import subjects
 from haru.core.operations import fold_operations
-from tests.support.promoter import asleep_and_training, fake_agent, op_events, promoters, route_moves, serving, wait_view
+from tests.support.promoter import (
+    asleep_and_training,
+    fake_agent,
+    op_events,
+    promoters,
+    route_moves,
+    serving,
+    wait_view,
+)
 from tests.support.promoter_fake import layout
 
 pytestmark = pytest.mark.timeout(90)
@@ -25,7 +32,7 @@ MODELS = ["m1", "m2"]
 
 
 def now():
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 @contextlib.asynccontextmanager
@@ -38,17 +45,23 @@ async def fleet_of(world, names: str):
 
 async def failover(log):
     """The failover promotion (the one after the first route), as `haru op` folds it."""
-    ops = [op for op in fold_operations(await log.history(subjects.op("default")))
-           if op.kind == "promotion" and op.reason != "initial"]
+    ops = [
+        op
+        for op in fold_operations(await log.history(subjects.op("default")))
+        if op.kind == "promotion" and op.reason != "initial"
+    ]
     assert len(ops) == 1, ops
     return ops[0]
 
 
 async def routed(log, names: str):
     """The first route (to a), every standby asleep and training."""
-    return await wait_view(log, lambda v: v.active == names[0] and v.operation is None
-                           and all(asleep_and_training(v, d) for d in names[1:]), timeout=30,
-                           what=f"first route to {names[0]}, {', '.join(names[1:])} asleep and training")
+    return await wait_view(
+        log,
+        lambda v: v.active == names[0] and v.operation is None and all(asleep_and_training(v, d) for d in names[1:]),
+        timeout=30,
+        what=f"first route to {names[0]}, {', '.join(names[1:])} asleep and training",
+    )
 
 
 async def test_the_first_ranked_standby_dead_the_failover_goes_to_the_second(world):
@@ -68,14 +81,22 @@ async def test_the_first_ranked_standby_dead_the_failover_goes_to_the_second(wor
         assert ri.protection == "unprotected" and [r.fit for r in ri.standbys] == [False, False]
         # a comes back (a restarted host): it rejoins asleep and training, with no operator, and protects the fleet
         async with fake_agent(world, "a", MODELS) as a2:
-            view = await wait_view(log, lambda v: v.domains["a"].eligible and asleep_and_training(v, "a")
-                                   and v.operation is None, timeout=30, what="a rejoins as a standby")
+            view = await wait_view(
+                log,
+                lambda v: v.domains["a"].eligible and asleep_and_training(v, "a") and v.operation is None,
+                timeout=30,
+                what="a rejoins as a standby",
+            )
             assert ranking.protection(view) == "protected"
             assert [v for v, _ in a2.calls] == ["sleep", "start_training"]
             # then b comes back too: a, which lost the active role, ranks last
             async with fake_agent(world, "b", MODELS):
-                view = await wait_view(log, lambda v: asleep_and_training(v, "b") and v.domains["b"].reachable
-                                       and v.operation is None, timeout=30, what="b back as a standby")
+                view = await wait_view(
+                    log,
+                    lambda v: asleep_and_training(v, "b") and v.domains["b"].reachable and v.operation is None,
+                    timeout=30,
+                    what="b back as a standby",
+                )
                 assert [(r.domain, r.fit) for r in ranking.rank(view)] == [("b", True), ("a", True)]
     assert [m.active for m in await route_moves(log)] == ["a", "c"]
 
@@ -91,19 +112,31 @@ async def test_a_standby_failing_its_wake_hands_over_to_the_next_within_the_same
         assert (promo.target, promo.state, promo.tried) == ("c", "completed", ("b",))
         # every attempt is in the operation's record, each step on the domain it acted on
         assert [(s.domain, s.step, s.state) for s in promo.steps][:4] == [
-            ("b", "stop_training", "completed"), ("b", "verify_gpu", "completed"), ("b", "wake", "failed"),
-            ("c", "stop_training", "completed")]
+            ("b", "stop_training", "completed"),
+            ("b", "verify_gpu", "completed"),
+            ("b", "wake", "failed"),
+            ("c", "stop_training", "completed"),
+        ]
         ops = await op_events(log, op_id=promo.op_id)
         requests = [e for e in ops if isinstance(e, PromotionRequested)]
         assert len(requests) == 1 and requests[0].target == "b" and requests[0].cascade
         [moved] = [e for e in ops if isinstance(e, PromotionRetargeted)]
-        assert (moved.previous, moved.target, moved.step) == ("b", "c", "wake") and "out of memory" in moved.error.lower()
+        assert (moved.previous, moved.target, moved.step) == (
+            "b",
+            "c",
+            "wake",
+        ) and "out of memory" in moved.error.lower()
         failed = [e for e in ops if isinstance(e, StepFailed)]
         assert [f.step for f in failed] == ["wake"]
         assert any(isinstance(e, OperationCompleted) for e in ops)
         # c was driven through the whole saga after the move; b's awake models are put back to sleep
-        after = ops[ops.index(moved) + 1:]
-        assert [e.step for e in after if isinstance(e, StepStarted)][:4] == ["stop_training", "verify_gpu", "wake", "probe"]
+        after = ops[ops.index(moved) + 1 :]
+        assert [e.step for e in after if isinstance(e, StepStarted)][:4] == [
+            "stop_training",
+            "verify_gpu",
+            "wake",
+            "probe",
+        ]
         agents["b"].oom_on_wake = False
     assert [m.active for m in await route_moves(log)] == ["a", "c"]
 
@@ -152,6 +185,9 @@ async def test_haru_promote_without_a_target_takes_the_best_fit_standby_and_casc
 
 
 async def failover_any(log):
-    ops = [op for op in fold_operations(await log.history(subjects.op("default")))
-           if op.kind == "promotion" and op.reason != "initial"]
+    ops = [
+        op
+        for op in fold_operations(await log.history(subjects.op("default")))
+        if op.kind == "promotion" and op.reason != "initial"
+    ]
     return ops[-1]

@@ -12,7 +12,7 @@ test_promoter_store_faults.py and test_promoter_crash.py.
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -29,9 +29,20 @@ from haru.core.events import (
     StepStarted,
 )
 from haru.promoter import request_operation
-from tests.support.promoter import (asleep_and_training, assert_one_failover_each_step_once, fake_agent, op_events,
-                                   promoters, route_moves, routed_to_a, serving, view_of, wait_op_end, wait_until,
-                                   wait_view)
+from tests.support.promoter import (
+    asleep_and_training,
+    assert_one_failover_each_step_once,
+    fake_agent,
+    op_events,
+    promoters,
+    route_moves,
+    routed_to_a,
+    serving,
+    view_of,
+    wait_op_end,
+    wait_until,
+    wait_view,
+)
 from tests.support.promoter_fake import FakeAgent, layout
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,7 +50,7 @@ MODELS = ["m1", "m2"]
 
 
 def now():
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 @pytest.fixture
@@ -54,7 +65,10 @@ async def fleet(world):
 async def server_fleet(nats_server, event_log):
     """The same fleet on a real nats-server only, for what needs one (the CLI as a child process)."""
     await apply(event_log, layout(), now())
-    async with FakeAgent(nats_server.url, "default", "a", MODELS) as a, FakeAgent(nats_server.url, "default", "b", MODELS) as b:
+    async with (
+        FakeAgent(nats_server.url, "default", "a", MODELS) as a,
+        FakeAgent(nats_server.url, "default", "b", MODELS) as b,
+    ):
         yield event_log, a, b
 
 
@@ -85,8 +99,11 @@ async def test_unreachable_active_fails_over_then_rejoins_as_standby(fleet, worl
     async with promoters(world):
         await routed_to_a(log)
         await a.unserve()  # the agent process is gone: no heartbeats, no responders
-        view = await wait_view(log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible,
-                               what="failover to b, a ineligible")
+        view = await wait_view(
+            log,
+            lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible,
+            what="failover to b, a ineligible",
+        )
         assert serving(view, "b")
         assert view.domains["a"].reachable is False
         assert "unreachable" in view.domains["a"].ineligible_why or "agent" in view.domains["a"].ineligible_why
@@ -103,8 +120,11 @@ async def test_unreachable_active_fails_over_then_rejoins_as_standby(fleet, worl
             assert line.split()[1] == "skipped" and "a is unreachable" in line, shown.stdout
         # the agent comes back (a restarted process: models reloaded, resident)
         async with fake_agent(world, "a", MODELS) as a2:
-            view = await wait_view(log, lambda v: v.domains["a"].eligible and asleep_and_training(v, "a")
-                                   and v.operation is None, what="a rejoins as standby")
+            view = await wait_view(
+                log,
+                lambda v: v.domains["a"].eligible and asleep_and_training(v, "a") and v.operation is None,
+                what="a rejoins as standby",
+            )
             assert view.active == "b"
             assert [v for v, _ in a2.calls] == ["sleep", "start_training"]
     assert [m.active for m in await route_moves(log)] == ["a", "b"]
@@ -115,16 +135,20 @@ async def test_gpu_detached_on_the_active_fails_over_and_attach_makes_it_standby
     async with promoters(world):
         await routed_to_a(log)
         await a.detach_gpu()
-        view = await wait_view(log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible,
-                               what="failover to b")
+        view = await wait_view(
+            log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible, what="failover to b"
+        )
         assert view.last_operation.reason == "gpu_detached"
         assert "GPU 0" in view.domains["a"].ineligible_why or "gpu" in view.domains["a"].ineligible_why.lower()
         # still ineligible a moment later: nothing demotes a domain whose GPU is gone
         await wait_until(lambda: _settled(log), timeout=5)
         assert not (await view_of(log)).domains["a"].eligible
         await a.attach_gpu()
-        view = await wait_view(log, lambda v: v.domains["a"].eligible and asleep_and_training(v, "a") and v.operation is None,
-                               what="a standby after attach")
+        view = await wait_view(
+            log,
+            lambda v: v.domains["a"].eligible and asleep_and_training(v, "a") and v.operation is None,
+            what="a standby after attach",
+        )
         assert view.active == "b" and serving(view, "b")
     assert [m.active for m in await route_moves(log)] == ["a", "b"]
 
@@ -149,7 +173,9 @@ async def test_a_degraded_active_fails_over_after_the_grace(fleet, world):
 # ------------------------------------------------------------------------------- aborts
 
 
-@pytest.mark.parametrize("fault, step, code", [("fail_probe", "probe", "probe_failed"), ("oom_on_wake", "wake", "out_of_memory")])
+@pytest.mark.parametrize(
+    "fault, step, code", [("fail_probe", "probe", "probe_failed"), ("oom_on_wake", "wake", "out_of_memory")]
+)
 async def test_a_failure_before_the_flip_aborts_and_routing_never_moves(fleet, world, fault, step, code):
     log, a, b = fleet
     async with promoters(world):
@@ -195,7 +221,9 @@ async def test_five_promoters_racing_one_failure_move_the_route_once(fleet, worl
     async with promoters(world, 5):
         await routed_to_a(log)
         await a.unserve()
-        await wait_view(log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible, what="failover")
+        await wait_view(
+            log, lambda v: v.active == "b" and v.operation is None and not v.domains["a"].eligible, what="failover"
+        )
     ops = await assert_one_failover_each_step_once(log, b)
     ends = [e for e in ops if isinstance(e, (OperationCompleted, OperationAborted))]
     assert len(ends) == len({e.op_id for e in ends})
@@ -266,7 +294,15 @@ async def test_the_cli_prints_the_op_id_waits_for_the_steps_and_exits_by_status(
         op_id = lines[0]
         assert op_id.startswith("op-")
         assert [ln.split()[0] for ln in lines[1:]] == [
-            "requested", "stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active", "completed"]
+            "requested",
+            "stop_training",
+            "verify_gpu",
+            "wake",
+            "probe",
+            "flip",
+            "settle_old_active",
+            "completed",
+        ]
         assert isinstance(await wait_op_end(log, op_id), OperationCompleted)
         # another operation in flight -> conflict (exit 4), printing the op in the way
         a.hold["sleep"] = asyncio.Event()  # the demotion stays in flight until released
@@ -275,7 +311,10 @@ async def test_the_cli_prints_the_op_id_waits_for_the_steps_and_exits_by_status(
         assert conflict.returncode == ExitStatus.CONFLICT and conflict.stdout.strip() == accepted.op_id
         joined = await cli("demote", "a", "--json")
         assert joined.returncode == ExitStatus.OK and json.loads(joined.stdout) == {
-            "status": "joined", "op_id": accepted.op_id, "message": json.loads(joined.stdout)["message"]}
+            "status": "joined",
+            "op_id": accepted.op_id,
+            "message": json.loads(joined.stdout)["message"],
+        }
         a.hold.pop("sleep").set()
         await wait_op_end(log, accepted.op_id)
         listed = await cli("op")
@@ -301,7 +340,9 @@ async def test_a_lost_link_is_not_mistaken_for_dead_domains_and_the_promoter_act
         await routed_to_a(log)
         before, restarts = await log.last_seq(), promoter.follower.restarts
         await world.drop_link(1.5)  # longer than heartbeat_timeout_ms (800)
-        await wait_until(lambda: _value(promoter.follower.restarts > restarts), what="a fresh replay after the link came back")
+        await wait_until(
+            lambda: _value(promoter.follower.restarts > restarts), what="a fresh replay after the link came back"
+        )
         await asyncio.sleep(1.0)
         view = await view_of(log)
         assert view.active == "a" and view.domains["a"].eligible
@@ -309,7 +350,9 @@ async def test_a_lost_link_is_not_mistaken_for_dead_domains_and_the_promoter_act
         accepted = await wait_until(lambda: _request(log, "b"), timeout=10, what="a request after the link came back")
         assert isinstance(await wait_op_end(log, accepted.op_id), OperationCompleted)
     recs = await log.history(subjects.fleet_events("default"), from_seq=before + 1)
-    assert not [r for r in recs if type(r.event).__name__ == "DomainUnreachable"], [type(r.event).__name__ for r in recs]
+    assert not [r for r in recs if type(r.event).__name__ == "DomainUnreachable"], [
+        type(r.event).__name__ for r in recs
+    ]
     assert [m.active for m in await route_moves(log)] == ["a", "b"]
 
 

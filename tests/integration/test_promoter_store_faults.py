@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from nats.js import api
@@ -21,15 +21,15 @@ from haru.core.apply import apply
 from haru.core.events import OperationAborted, OperationCompleted, RouteMoved, StepStarted
 from haru.host.natsd import NatsServer
 from haru.promoter import request_operation
-from tests.support.promoter_fake import FakeAgent, layout
 from tests.support.promoter import PromoterProcess, describe, op_events, view_of, wait_op_end, wait_until
+from tests.support.promoter_fake import FakeAgent, layout
 
 pytestmark = pytest.mark.timeout(150)
 MODELS = ["m1", "m2"]
 
 
 def now():
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 async def _started(log, op_id: str, step: str):
@@ -51,11 +51,17 @@ async def refuse_writes(log, refuse: bool) -> None:
 @pytest.mark.parametrize("fault", ["frozen", "restarted", "refusing"])
 async def test_an_operation_behind_a_failing_store_ends_once_the_store_answers(nats_server, event_log, tmp_path, fault):
     await apply(event_log, layout(), now())
-    promoter = PromoterProcess(nats_server.url, "promoter:store", env={"HARU_PROMOTER_STEP_DELAY_MS": "300"},
-                               log_path=tmp_path / "promoter.log")
+    promoter = PromoterProcess(
+        nats_server.url,
+        "promoter:store",
+        env={"HARU_PROMOTER_STEP_DELAY_MS": "300"},
+        log_path=tmp_path / "promoter.log",
+    )
     again: NatsServer | None = None
-    async with FakeAgent(nats_server.url, "default", "a", MODELS) as a, \
-            FakeAgent(nats_server.url, "default", "b", MODELS, start="sleeping") as b:
+    async with (
+        FakeAgent(nats_server.url, "default", "a", MODELS) as a,
+        FakeAgent(nats_server.url, "default", "b", MODELS, start="sleeping") as b,
+    ):
         await event_log.append(subjects.route("default"), RouteMoved(at=now(), active="a"), expect=0)
         promoter.start()
         try:

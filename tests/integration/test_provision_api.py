@@ -10,11 +10,11 @@ from datetime import UTC, datetime
 import aiohttp
 import yaml
 
-from haru.gateway import Gateway, GatewayConfig
 from haru.core import subjects
 from haru.core.apply import apply
 from haru.core.events import ProvisionRequested, TeardownRequested
 from haru.core.layout import load_layout
+from haru.gateway import Gateway, GatewayConfig
 from tests.unit.test_provision_yaml import EXAMPLE
 
 TOKEN = "s3cret-token"
@@ -55,8 +55,9 @@ async def test_provisioning_through_the_control_api(event_log):
         assert not isinstance(rec.event, TeardownRequested)
 
 
-async def test_a_failed_teardown_is_reported_retried_and_finished_by_the_promoter(tmp_path, nats_server, event_log,
-                                                                                  monkeypatch):
+async def test_a_failed_teardown_is_reported_retried_and_finished_by_the_promoter(
+    tmp_path, nats_server, event_log, monkeypatch
+):
     """`sky down` fails once: the operation aborts with the error (the cluster may still be billed), the
     promoter asks for the teardown again after its backoff, and the second one takes the cluster down."""
     from haru.core.events import OperationAborted, OperationCompleted

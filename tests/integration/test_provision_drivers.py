@@ -12,10 +12,19 @@ import pytest
 import yaml
 
 from haru.core.layout import load_layout
-from haru.provision import (CapacityError, LaunchFailed, SecretMissing, SkyPilot, SkyServe, SkyTimeout,
-                            SkyUnavailable, SubprocessExec, task_config)
-from haru.provision.errors import TeardownFailed
 from haru.host.procfs import pid_alive
+from haru.provision import (
+    CapacityError,
+    LaunchFailed,
+    SecretMissing,
+    SkyPilot,
+    SkyServe,
+    SkyTimeout,
+    SkyUnavailable,
+    SubprocessExec,
+    task_config,
+)
+from haru.provision.errors import TeardownFailed
 from tests.support.fake_sky import FakeSky, sha12
 from tests.unit.test_provision_yaml import EXAMPLE
 
@@ -72,8 +81,10 @@ async def test_a_capacity_error_moves_to_the_next_region(layout, fake):
     seen = []
     result = await driver(fake).launch(layout.fleet, layout.domains[0].spec, on_attempt=seen.append)
     assert result.placement.region == "us-west-2"
-    assert [(a.placement.region, a.outcome) for a in result.attempts] == [("us-east-1", "capacity"),
-                                                                          ("us-west-2", "launched")]
+    assert [(a.placement.region, a.outcome) for a in result.attempts] == [
+        ("us-east-1", "capacity"),
+        ("us-west-2", "launched"),
+    ]
     assert seen == result.attempts
     assert "ResourcesUnavailableError" in result.attempts[0].message
     assert fake.commands() == ["status", "launch", "status", "launch"]
@@ -104,8 +115,10 @@ async def test_a_hung_launch_is_killed_cleaned_up_and_the_next_region_tried(layo
     a = with_provision(layout.domains[0].spec, launch_timeout_s=2)
     started = time.monotonic()
     result = await driver(fake).launch(layout.fleet, a)
-    assert [(x.placement.region, x.outcome) for x in result.attempts] == [("us-east-1", "timeout"),
-                                                                          ("us-west-2", "launched")]
+    assert [(x.placement.region, x.outcome) for x in result.attempts] == [
+        ("us-east-1", "timeout"),
+        ("us-west-2", "launched"),
+    ]
     assert "ran past its 2 s bound" in result.attempts[0].message
     assert time.monotonic() - started < 60
     # the hung launch's own child went with it (the whole process group), and what it left was taken down
@@ -202,7 +215,10 @@ def test_the_cli_dry_run_prints_what_it_would_submit_and_submits_nothing(fake):
     env = {"HARU_SKY": str(fake.path)}
     out = haru("provision", "a", "--dry-run", "--layout", str(EXAMPLE), env=env, check=True)
     head, _, body = out.stdout.partition("\n")
-    assert head == "# sky launch --yes --detach-run --cluster haru-cloud-a --secret HARU_AGENT_NATS_CREDS --secret HF_TOKEN <this file>"
+    assert (
+        head
+        == "# sky launch --yes --detach-run --cluster haru-cloud-a --secret HARU_AGENT_NATS_CREDS --secret HF_TOKEN <this file>"
+    )
     assert yaml.safe_load(body)["resources"]["region"] == "us-east-1"
     out = haru("provision", "b", "--dry-run", "--layout", str(EXAMPLE), "--json", env=env, check=True)
     assert yaml.safe_load(json.loads(out.stdout)["submit"].partition("\n")[2])["service"]["replicas"] == 1

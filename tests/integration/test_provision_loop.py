@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -21,30 +21,42 @@ from haru.agents.sim.gpu_state import SimGpuState
 from haru.core.apply import apply
 from haru.core.events import OperationCompleted, ReplaceRequested, StepCompleted, StepStarted
 from haru.core.layout import load_layout
-from haru.promoter.requests import request_operation
 from haru.core.residency import Sleeping
-from tests.support.fake_sky import FakeSky
-from tests.support.agent_harness import REPO, write_config, write_layout
-from tests.support.promoter import (PromoterProcess, op_events, view_of, wait_op_end, wait_until,
-                                                wait_view)
+from haru.promoter.requests import request_operation
 from tests.support import haru
+from tests.support.agent_harness import REPO, write_config, write_layout
+from tests.support.fake_sky import FakeSky
+from tests.support.promoter import PromoterProcess, op_events, view_of, wait_op_end, wait_until, wait_view
 
 F = "f"
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def cloud_layout(tmp, url: str, *, auto_replace: bool):
-    path = write_layout(tmp / "layout.json", tmp, fleet=F, training={"vram": "4GiB"},
-                        policy={"auto_replace": auto_replace, "max_launches_per_hour": 5, "degraded_grace_ms": 3000})
+    path = write_layout(
+        tmp / "layout.json",
+        tmp,
+        fleet=F,
+        training={"vram": "4GiB"},
+        policy={"auto_replace": auto_replace, "max_launches_per_hour": 5, "degraded_grace_ms": 3000},
+    )
     doc = json.loads(path.read_text())
     for d in doc["domains"]:
         d["provider"] = "skypilot"
         d["region"] = "r1"
-        d["provision"] = {"cloud": "aws", "regions": ["r1", "r2"], "accelerators": "L4:1", "use_spot": True,
-                          "nats_url": url, "launch_timeout_s": 60, "status_timeout_s": 30, "down_timeout_s": 60}
+        d["provision"] = {
+            "cloud": "aws",
+            "regions": ["r1", "r2"],
+            "accelerators": "L4:1",
+            "use_spot": True,
+            "nats_url": url,
+            "launch_timeout_s": 60,
+            "status_timeout_s": 30,
+            "down_timeout_s": 60,
+        }
     path.write_text(json.dumps(doc))
     return path
 
@@ -57,10 +69,14 @@ async def test_failover_then_auto_replace_with_a_promoter_killed_mid_launch(tmp_
     fake = FakeSky(tmp_path / "sky")
     for d in ("a", "b"):
         config = write_config(tmp_path / f"agent-{d}.json", url, tmp_path, domain=d, fleet=F)
-        fake.add_host(f"haru-{F}-{d}", [sys.executable, "-m", "haru.cli", "agent", "--config", str(config),
-                                        "--log-format", "json"],
-                      tmp_path / f"host-{d}.log", env={"PYTHONPATH": str(REPO), "HARU_NO_UVLOOP": "1"},
-                      cwd=str(REPO), sim_dir=str(tmp_path / "sim" / d))
+        fake.add_host(
+            f"haru-{F}-{d}",
+            [sys.executable, "-m", "haru.cli", "agent", "--config", str(config), "--log-format", "json"],
+            tmp_path / f"host-{d}.log",
+            env={"PYTHONPATH": str(REPO), "HARU_NO_UVLOOP": "1"},
+            cwd=str(REPO),
+            sim_dir=str(tmp_path / "sim" / d),
+        )
     env = {"HARU_SKY": str(fake.path)}
     promoter = PromoterProcess(url, "promoter:p1", env=env, log_path=tmp_path / "promoter.log")
     promoter.start()
@@ -68,15 +84,26 @@ async def test_failover_then_auto_replace_with_a_promoter_killed_mid_launch(tmp_
         # provision both domains through the promoter: launched, joined; a gets the first route, b is the
         # standby, asleep with training
         for d in ("a", "b"):
-            await wait_view(event_log, lambda v: v.operation is None, timeout=90, what="no operation in flight",
-                            fleet=F)
+            await wait_view(
+                event_log, lambda v: v.operation is None, timeout=90, what="no operation in flight", fleet=F
+            )
             result = await request_operation(event_log, F, "provision", d, by="test", now=now())
             assert result.status == "accepted", result.message
-            assert isinstance(await wait_op_end(event_log, result.op_id, timeout=90, fleet=F), OperationCompleted), \
-                (tmp_path / "promoter.log").read_text()[-3000:]
-        await wait_view(event_log, lambda v: v.active == "a" and v.operation is None and v.domains["b"].eligible
-                        and all(t.running for t in v.domains["b"].training.values()), timeout=90,
-                        what="a active, b the standby with training", fleet=F)
+            assert isinstance(await wait_op_end(event_log, result.op_id, timeout=90, fleet=F), OperationCompleted), (
+                tmp_path / "promoter.log"
+            ).read_text()[-3000:]
+        await wait_view(
+            event_log,
+            lambda v: (
+                v.active == "a"
+                and v.operation is None
+                and v.domains["b"].eligible
+                and all(t.running for t in v.domains["b"].training.values())
+            ),
+            timeout=90,
+            what="a active, b the standby with training",
+            fleet=F,
+        )
         assert [x["cluster"] for x in fake.launched()] == [f"haru-{F}-a", f"haru-{F}-b"]
         # now the fleet's policy asks for replacements (off by default)
         await apply(event_log, load_layout(cloud_layout(tmp_path, url, auto_replace=True)), now())
@@ -88,8 +115,9 @@ async def test_failover_then_auto_replace_with_a_promoter_killed_mid_launch(tmp_
         async def replace_launch_started():
             events = await op_events(event_log, F)
             replace = [e for e in events if isinstance(e, ReplaceRequested)]
-            if replace and any(isinstance(e, StepStarted) and e.op_id == replace[0].op_id and e.step == "launch"
-                               for e in events):
+            if replace and any(
+                isinstance(e, StepStarted) and e.op_id == replace[0].op_id and e.step == "launch" for e in events
+            ):
                 return replace[0]
             return None
 
@@ -107,11 +135,17 @@ async def test_failover_then_auto_replace_with_a_promoter_killed_mid_launch(tmp_
         assert [x["cluster"] for x in launched] == [f"haru-{F}-a", f"haru-{F}-b", gen]  # no second launch
         assert gen.startswith(f"haru-{F}-a-r") and launched[2]["region"] == "r2"  # the failed region last
         assert fake.state()["downed"] == [f"haru-{F}-a"]
-        steps = [(e.step, type(e).__name__) for e in await op_events(event_log, F, replace.op_id)
-                 if isinstance(e, (StepStarted, StepCompleted))]
+        steps = [
+            (e.step, type(e).__name__)
+            for e in await op_events(event_log, F, replace.op_id)
+            if isinstance(e, (StepStarted, StepCompleted))
+        ]
         assert steps.count(("launch", "StepStarted")) == 2  # re-started after the kill ...
-        launch_done = [e for e in await op_events(event_log, F, replace.op_id)
-                       if isinstance(e, StepCompleted) and e.step == "launch"]
+        launch_done = [
+            e
+            for e in await op_events(event_log, F, replace.op_id)
+            if isinstance(e, StepCompleted) and e.step == "launch"
+        ]
         assert len(launch_done) == 1 and "found already UP (not launched again)" in launch_done[0].detail
         assert [s for s, kind in steps if kind == "StepCompleted"] == ["down", "launch", "join", "settle"]
 
@@ -127,8 +161,16 @@ async def test_failover_then_auto_replace_with_a_promoter_killed_mid_launch(tmp_
             assert step in shown
         # `haru why` follows the causes: the GPU reading, the failover, the replace it led to, its steps
         why = haru("why", "m1", "--domain", "a", "--fleet", F, nats_url=url, check=True).stdout
-        chain = ["gpu_observed", "promotion_requested", "skipped: GPU 0 of a is gone (the reason for this operation)", "replace_requested",
-                 "step_completed:down", "step_completed:launch", "step_completed:join", "step_completed:settle "]  # not settle_old_active
+        chain = [
+            "gpu_observed",
+            "promotion_requested",
+            "skipped: GPU 0 of a is gone (the reason for this operation)",
+            "replace_requested",
+            "step_completed:down",
+            "step_completed:launch",
+            "step_completed:join",
+            "step_completed:settle ",
+        ]  # not settle_old_active
         positions = [why.index(word) for word in chain]
         assert positions == sorted(positions), why
         assert "found already UP (not launched again)" in why
@@ -144,8 +186,8 @@ async def _async(value):
 
 @pytest.mark.timeout(180)
 async def test_a_skyserve_domain_provisioned_and_torn_down_through_the_promoter(tmp_path, nats_server, event_log):
-    from haru.promoter.decider import TORN_DOWN
     from haru.host.procfs import pid_alive
+    from haru.promoter.decider import TORN_DOWN
 
     url = nats_server.url
     path = cloud_layout(tmp_path, url, auto_replace=True)
@@ -157,17 +199,22 @@ async def test_a_skyserve_domain_provisioned_and_torn_down_through_the_promoter(
     await apply(event_log, load_layout(path), now())
     fake = FakeSky(tmp_path / "sky")
     config = write_config(tmp_path / "agent-b.json", url, tmp_path, domain="b", fleet=F)
-    fake.add_host(f"haru-{F}-b", [sys.executable, "-m", "haru.cli", "agent", "--config", str(config),
-                                  "--log-format", "json"],
-                  tmp_path / "host-b.log", env={"PYTHONPATH": str(REPO), "HARU_NO_UVLOOP": "1"}, cwd=str(REPO),
-                  sim_dir=str(tmp_path / "sim" / "b"))
+    fake.add_host(
+        f"haru-{F}-b",
+        [sys.executable, "-m", "haru.cli", "agent", "--config", str(config), "--log-format", "json"],
+        tmp_path / "host-b.log",
+        env={"PYTHONPATH": str(REPO), "HARU_NO_UVLOOP": "1"},
+        cwd=str(REPO),
+        sim_dir=str(tmp_path / "sim" / "b"),
+    )
     promoter = PromoterProcess(url, "promoter:p1", env={"HARU_SKY": str(fake.path)}, log_path=tmp_path / "promoter.log")
     promoter.start()
     try:
         result = await request_operation(event_log, F, "provision", "b", by="test", now=now())
         assert result.status == "accepted", result.message
-        assert isinstance(await wait_op_end(event_log, result.op_id, timeout=90, fleet=F), OperationCompleted), \
-            (tmp_path / "promoter.log").read_text()[-3000:]
+        assert isinstance(await wait_op_end(event_log, result.op_id, timeout=90, fleet=F), OperationCompleted), (
+            tmp_path / "promoter.log"
+        ).read_text()[-3000:]
         launch = [e for e in await op_events(event_log, F, result.op_id) if isinstance(e, StepCompleted)]
         assert "service haru-f-b submitted (sky serve up); endpoint 34.1.2.3:30001" in launch[0].detail
         assert set(fake.state()["services"]) == {f"haru-{F}-b"}
@@ -181,8 +228,9 @@ async def test_a_skyserve_domain_provisioned_and_torn_down_through_the_promoter(
         assert isinstance(await wait_op_end(event_log, result.op_id, timeout=60, fleet=F), OperationCompleted)
         assert fake.state()["services"] == {} and fake.state()["downed"] == [f"haru-{F}-b"]
         assert not pid_alive(pid)
-        view = await wait_view(event_log, lambda v: not v.domains["b"].eligible, timeout=30,
-                               what="b not eligible", fleet=F)
+        view = await wait_view(
+            event_log, lambda v: not v.domains["b"].eligible, timeout=30, what="b not eligible", fleet=F
+        )
         assert view.domains["b"].ineligible_why == TORN_DOWN
         # torn down on purpose: auto_replace (on in this fleet) leaves it alone, round after round
         await asyncio.sleep(2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from haru.core import events as ev
-from haru.log import history, reads
 from haru.core import subjects as sj
+from haru.log import history, reads
 
 T = datetime(2026, 11, 30, tzinfo=UTC)
 
@@ -31,8 +31,9 @@ async def test_why_reads_the_models_links_not_the_fleets_other_operations(event_
     op, m = sj.op("f"), sj.model("f", "b", "m")
     other = await event_log.append(op, ev.PromotionRequested(at=T, op_id="o1", target="b", reason="manual"), expect=0)
     unrelated = await event_log.append(op, ev.OperationAborted(at=T, op_id="o1", cause=other), expect=other)
-    request = await event_log.append(op, ev.PromotionRequested(at=T, op_id="o2", target="b", reason="manual"),
-                                     expect=unrelated)
+    request = await event_log.append(
+        op, ev.PromotionRequested(at=T, op_id="o2", target="b", reason="manual"), expect=unrelated
+    )
     started = await event_log.append(op, ev.StepStarted(at=T, op_id="o2", step="wake", cause=request), expect=request)
     waking = await event_log.append(m, ev.ModelWaking(at=T, domain="b", model="m", cause=started), expect=0)
     done = await event_log.append(op, ev.StepCompleted(at=T, op_id="o2", step="wake", cause=started), expect=started)
@@ -47,8 +48,11 @@ async def test_why_shows_the_weights_that_applied_to_the_model(event_log):
     m, w = sj.model("f", "b", "m"), sj.weights("f")
     resident = await event_log.append(m, ev.ModelResident(at=T, domain="b", model="m"), expect=0)
     fleet_split = await event_log.append(w, ev.WeightsSet(at=T, weights={"a": 90, "b": 10}), expect=0)
-    other_model = await event_log.append(w, ev.WeightsSet(at=T, model="n", weights={"a": 50, "b": 50}), expect=fleet_split)
-    rollback = await event_log.append(w, ev.WeightsSet(at=T, reason="canary_rolled_back", domain="b",
-                                                       detail="error rate 30.0%"), expect=other_model)
+    other_model = await event_log.append(
+        w, ev.WeightsSet(at=T, model="n", weights={"a": 50, "b": 50}), expect=fleet_split
+    )
+    rollback = await event_log.append(
+        w, ev.WeightsSet(at=T, reason="canary_rolled_back", domain="b", detail="error rate 30.0%"), expect=other_model
+    )
     have = await reads.why_records(event_log, "f", "m", "", [])
     assert set(have) == {resident, fleet_split, rollback}  # not model n's split

@@ -34,6 +34,10 @@ async def test_a_rolling_change_gives_the_standby_a_canary_share_before_its_flip
         canary = next(e for e in events if isinstance(e, StepCompleted) and e.step == "canary")
         assert "b took 30% of the traffic for 1500 ms" in canary.detail, canary.detail
         sets = [r.event for r in await event_log.history(subjects.weights(FLEET))]
-        assert [(type(e), e.reason, e.weights, e.op_id) for e in sets] == [(WeightsSet, "rolling", {"a": 70, "b": 30}, op_id)]
-        view = await wait_view(event_log, lambda v: v.active == "b" and v.operation is None, fleet=FLEET, what="b active")
+        assert [(type(e), e.reason, e.weights, e.op_id) for e in sets] == [
+            (WeightsSet, "rolling", {"a": 70, "b": 30}, op_id)
+        ]
+        view = await wait_view(
+            event_log, lambda v: v.active == "b" and v.operation is None, fleet=FLEET, what="b active"
+        )
         assert view.weights == {}  # the flip reset them

@@ -12,15 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
-from haru.log.bus import send
 from haru.core import subjects
 from haru.core.events import OperationAborted, OperationCompleted, RollingRequested, StepStarted
+from haru.log.bus import send
 from haru.promoter.decider import flow
-from tests.support.promoter import PromoterProcess, describe, op_events, wait_op_end, wait_until, wait_view
 from tests.integration.test_agent_live_apply import edit_layout, tags_become
 from tests.integration.test_agent_restart import (
     FLEET,
@@ -31,6 +30,7 @@ from tests.integration.test_agent_restart import (
     steady,
 )
 from tests.support import haru
+from tests.support.promoter import PromoterProcess, describe, op_events, wait_op_end, wait_until, wait_view
 
 
 def context_4096(d, ms) -> None:
@@ -43,19 +43,22 @@ def context_4096(d, ms) -> None:
 async def rolling_fleet(tmp_path, nats_server, event_log, *, step_delay_ms: int = 0):
     """Two domains a (active) and b (standby) whose agents follow the declarations, a projector, a gateway,
     and one `haru promoter` child process (`fleet.promoter`, to kill and start again)."""
-    from haru.gateway.config import GatewayConfig
-    from haru.gateway.server import Gateway
     from haru.core.apply import apply
     from haru.core.layout import load_layout
+    from haru.gateway.config import GatewayConfig
+    from haru.gateway.server import Gateway
     from haru.host.tasks import cancel_and_wait
     from haru.projections.projector import Projector
 
     layout = sim_layout(tmp_path / "layout.json", tmp_path)
-    await apply(event_log, load_layout(layout), datetime.now(timezone.utc))
+    await apply(event_log, load_layout(layout), datetime.now(UTC))
     projector = asyncio.create_task(Projector(event_log).run(), name="projector")
-    promoter = PromoterProcess(nats_server.url, "promoter:rolling",
-                               env={"HARU_PROMOTER_STEP_DELAY_MS": str(step_delay_ms)},
-                               log_path=tmp_path / "promoter.log")
+    promoter = PromoterProcess(
+        nats_server.url,
+        "promoter:rolling",
+        env={"HARU_PROMOTER_STEP_DELAY_MS": str(step_delay_ms)},
+        log_path=tmp_path / "promoter.log",
+    )
     fleet = None
     try:
         promoter.start()
@@ -95,8 +98,10 @@ async def started(event_log, op_id: str, step: str) -> StepStarted | None:
 async def test_haru_apply_rolls_a_change_on_the_active_through_the_standby_under_load(tmp_path, nats_server, event_log):
     async with rolling_fleet(tmp_path, nats_server, event_log) as fleet:
         before = {(d, m): len(await residency_tags(event_log, d, m)) for d in ("a", "b") for m in ("m1", "m2")}
-        async with ChatLoad(fleet.gw.url, models=("m1",)) as untouched, \
-                ChatLoad(fleet.gw.url, clients=2, models=("m2",)) as changed:
+        async with (
+            ChatLoad(fleet.gw.url, models=("m1",)) as untouched,
+            ChatLoad(fleet.gw.url, clients=2, models=("m2",)) as changed,
+        ):
             edit_layout(fleet.layout, context_4096)
             out = await apply_cli(nats_server.url, fleet.layout)
             assert out.returncode == 0, out.stderr
@@ -112,20 +117,28 @@ async def test_haru_apply_rolls_a_change_on_the_active_through_the_standby_under
         request = events[0]
         assert isinstance(request, RollingRequested) and request.target == "b" and request.source == "a"
         assert request.reason == "layout_changed" and request.cause > 0  # cites the model_changed
-        view = await wait_view(event_log, lambda v: v.active == "b" and v.operation is None, fleet=FLEET, what="b active")
+        view = await wait_view(
+            event_log, lambda v: v.active == "b" and v.operation is None, fleet=FLEET, what="b active"
+        )
         assert view.last_operation.kind == "rolling" and view.last_operation.state == "completed"
         # b replaced m2 before it was promoted; a replaced it once it was the standby (after the flip)
-        b_m2 = (await residency_tags(event_log, "b", "m2"))[before[("b", "m2")]:]
+        b_m2 = (await residency_tags(event_log, "b", "m2"))[before[("b", "m2")] :]
         assert b_m2[:3] == ["model_stopped", "model_loading", "model_resident"], b_m2
-        a_m2 = (await residency_tags(event_log, "a", "m2"))[before[("a", "m2")]:]
-        assert "model_stopped" in a_m2 and a_m2[a_m2.index("model_stopped"):][:3] == [
-            "model_stopped", "model_loading", "model_resident"], a_m2
+        a_m2 = (await residency_tags(event_log, "a", "m2"))[before[("a", "m2")] :]
+        assert "model_stopped" in a_m2 and a_m2[a_m2.index("model_stopped") :][:3] == [
+            "model_stopped",
+            "model_loading",
+            "model_resident",
+        ], a_m2
         assert a_m2.count("model_loading") == 1 and b_m2.count("model_loading") == 1, (a_m2, b_m2)  # once each
-        assert "replaced m2" in next(e.detail for e in events if getattr(e, "step", "") == "apply_old_active"
-                                     and type(e).__name__ == "StepCompleted")
+        assert "replaced m2" in next(
+            e.detail
+            for e in events
+            if getattr(e, "step", "") == "apply_old_active" and type(e).__name__ == "StepCompleted"
+        )
         # the untouched model: no residency event anywhere but the promotion's own sleep/wake, and no failed request
         for d in ("a", "b"):
-            got = (await residency_tags(event_log, d, "m1"))[before[(d, "m1")]:]
+            got = (await residency_tags(event_log, d, "m1"))[before[(d, "m1")] :]
             assert all(t in ("model_waking", "model_resident", "model_sleeping") for t in got), (d, got)
         assert untouched.failed == [] and untouched.ok > 20, (untouched.ok, untouched.failed[:5])
         assert changed.failed == [] and changed.ok > 0, (changed.ok, changed.failed[:5])
@@ -133,7 +146,9 @@ async def test_haru_apply_rolls_a_change_on_the_active_through_the_standby_under
         assert reply.data["pending_layout"] == [] and reply.data["role"] == "standby", reply.data
         # haru op lists it and shows its steps; haru status shows it as the last operation
         listed = await asyncio.to_thread(haru, "op", "--fleet", FLEET, nats_url=nats_server.url)
-        assert any(op_id in line and "rolling" in line and "completed" in line for line in listed.stdout.splitlines()), listed.stdout
+        assert any(
+            op_id in line and "rolling" in line and "completed" in line for line in listed.stdout.splitlines()
+        ), listed.stdout
         shown = await asyncio.to_thread(haru, "op", op_id, "--json", nats_url=nats_server.url)
         doc = json.loads(shown.stdout)
         assert doc["kind"] == "rolling" and doc["state"] == "completed"
@@ -143,14 +158,18 @@ async def test_haru_apply_rolls_a_change_on_the_active_through_the_standby_under
 
 
 @pytest.mark.timeout(240)
-async def test_a_promoter_killed_in_the_middle_of_a_rolling_change_is_resumed_by_the_next(tmp_path, nats_server, event_log):
+async def test_a_promoter_killed_in_the_middle_of_a_rolling_change_is_resumed_by_the_next(
+    tmp_path, nats_server, event_log
+):
     async with rolling_fleet(tmp_path, nats_server, event_log, step_delay_ms=1000) as fleet:
         edit_layout(fleet.layout, context_4096)
         out = await apply_cli(nats_server.url, fleet.layout)
         assert out.returncode == 0, out.stderr
         op_id = await rolling_op_id(event_log)
         # killed while it runs the old active's apply: after the flip, so it can only go forward
-        await wait_until(lambda: started(event_log, op_id, "apply_old_active"), timeout=90, what="apply_old_active started")
+        await wait_until(
+            lambda: started(event_log, op_id, "apply_old_active"), timeout=90, what="apply_old_active started"
+        )
         fleet.promoter.kill()
         await asyncio.sleep(1.5)
         assert (await wait_view(event_log, lambda v: True, fleet=FLEET)).operation is not None  # nobody drives it
@@ -176,10 +195,15 @@ async def test_a_rolling_change_is_one_in_flight_and_abortable_before_the_flip(t
         await wait_until(lambda: started(event_log, op_id, "stop_training"), timeout=60, what="stop_training started")
         # one operation in flight per fleet: another kind conflicts, the same one joins
         other = await asyncio.to_thread(haru, "promote", "a", "--fleet", FLEET, nats_url=nats_server.url)
-        assert other.returncode == 4 and op_id in other.stdout and "in flight" in other.stderr, (other.stdout, other.stderr)
+        assert other.returncode == 4 and op_id in other.stdout and "in flight" in other.stderr, (
+            other.stdout,
+            other.stderr,
+        )
         same = await asyncio.to_thread(haru, "roll", "--fleet", FLEET, nats_url=nats_server.url)
         assert same.returncode == 0 and same.stdout.strip() == op_id, (same.stdout, same.stderr)
-        aborted = await asyncio.to_thread(haru, "op", "abort", op_id, "--why", "wrong context", nats_url=nats_server.url)
+        aborted = await asyncio.to_thread(
+            haru, "op", "abort", op_id, "--why", "wrong context", nats_url=nats_server.url
+        )
         assert aborted.returncode == 0, aborted.stderr
         end = await wait_op_end(event_log, op_id, timeout=30, fleet=FLEET)
         assert isinstance(end, OperationAborted) and end.error.endswith("wrong context"), end
@@ -193,8 +217,9 @@ async def test_a_rolling_change_is_one_in_flight_and_abortable_before_the_flip(t
         again = await asyncio.to_thread(haru, "op", "abort", op_id, nats_url=nats_server.url)
         assert again.returncode == 0 and "already aborted" in again.stdout, (again.stdout, again.stderr)
         # requested again, it rolls through
-        rolled = await asyncio.to_thread(haru, "roll", "--fleet", FLEET, "--wait", "--timeout", "120",
-                                         nats_url=nats_server.url, timeout=150)
+        rolled = await asyncio.to_thread(
+            haru, "roll", "--fleet", FLEET, "--wait", "--timeout", "120", nats_url=nats_server.url, timeout=150
+        )
         assert rolled.returncode == 0, (rolled.stdout, rolled.stderr)
         assert "apply_old_active" in rolled.stdout and "completed" in rolled.stdout
         reply = await send(event_log.nc, FLEET, "a", "status", timeout=10)

@@ -4,9 +4,9 @@ projector restart (the projector runs as a real child process and is SIGKILLed m
 from __future__ import annotations
 
 import asyncio
-import signal
 import json
 import os
+import signal
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -17,12 +17,12 @@ import pytest
 from haru.core import events as ev
 from haru.core import subjects as sj
 from haru.core.intents import at
-from haru.log.route import RouteWatcher
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.intents import intent as compute_intent
 from haru.core.sizes import GiB
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.core.views import view_encoder
 from haru.host.tasks import cancel_and_wait
-from haru.core.intents import intent as compute_intent
+from haru.log.route import RouteWatcher
 
 F = "default"
 M = "qwen3.6:27b"
@@ -40,8 +40,14 @@ async def declare(log) -> dict[str, int]:
     for d in ("a", "b"):
         spec = DomainSpec(name=d, serving_url=f"http://{d}:9000", gpus=[GpuSpec(index=0, memory_bytes=48 * GiB)])
         seq = await log.append(s, ev.DomainDeclared(at=now(), spec=spec), expect=seq)
-        seq = await log.append(s, ev.ModelDeclared(at=now(), domain=d, spec=ModelSpec(name=M, slot="m", gpu_index=0, vram_bytes=GiB)), expect=seq)
-        seq = await log.append(s, ev.AdmissionDecided(at=now(), domain=d, name=M, gpu_index=0, admitted=True, vram_bytes=GiB), expect=seq)
+        seq = await log.append(
+            s,
+            ev.ModelDeclared(at=now(), domain=d, spec=ModelSpec(name=M, slot="m", gpu_index=0, vram_bytes=GiB)),
+            expect=seq,
+        )
+        seq = await log.append(
+            s, ev.AdmissionDecided(at=now(), domain=d, name=M, gpu_index=0, admitted=True, vram_bytes=GiB), expect=seq
+        )
     tips[s] = seq
     return tips
 
@@ -55,7 +61,9 @@ def start_projector(nats_server, tmp_path):
         with open(path, "ab") as err:
             proc = subprocess.Popen(
                 [HARU, "projector", "--nats-url", nats_server.url, "--log-format", "json"],
-                stdout=subprocess.DEVNULL, stderr=err, env=dict(os.environ),
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=dict(os.environ),
             )
         procs.append(proc)
         return proc, path
@@ -155,8 +163,14 @@ async def test_haru_route_watch_prints_every_move(nats_server, event_log, start_
     _, log_path = start_projector("p")
     await wait_logged(log_path, "projector.caught_up")
     watch = await asyncio.create_subprocess_exec(
-        HARU, "route", "--watch", "--json", "--nats-url", nats_server.url,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        HARU,
+        "route",
+        "--watch",
+        "--json",
+        "--nats-url",
+        nats_server.url,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     try:
         from haru.core.views import intent_decoder

@@ -17,10 +17,13 @@ from tests.integration.test_gateway_cli import MODEL, haru_gateway, publish, run
 
 
 @pytest.mark.timeout(90)
-async def test_an_unknown_model_is_refused_before_the_prompt_and_ctrl_d_ends_on_a_new_line(event_log, nats_server,
-                                                                                          tmp_path):
-    async with sim_vllm(tmp_path / "sim", "a") as sim_url, \
-            haru_gateway(nats_server.url, tmp_path, HARU_DEFAULT_FLEET="cli") as (gw_url, _proc, _log):
+async def test_an_unknown_model_is_refused_before_the_prompt_and_ctrl_d_ends_on_a_new_line(
+    event_log, nats_server, tmp_path
+):
+    async with (
+        sim_vllm(tmp_path / "sim", "a") as sim_url,
+        haru_gateway(nats_server.url, tmp_path, HARU_DEFAULT_FLEET="cli") as (gw_url, _proc, _log),
+    ):
         await publish(event_log, "cli", sim_url, Answer(answer="ready"))
         deadline = time.monotonic() + 10
         while True:  # the gateway has read the view
@@ -30,8 +33,19 @@ async def test_an_unknown_model_is_refused_before_the_prompt_and_ctrl_d_ends_on_
             await asyncio.sleep(0.1)
         assert code == 0, err
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "haru.cli", "run", "no-such-model", "--url", gw_url, "--fleet", "cli",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            sys.executable,
+            "-m",
+            "haru.cli",
+            "run",
+            "no-such-model",
+            "--url",
+            gw_url,
+            "--fleet",
+            "cli",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         out, err = await asyncio.wait_for(proc.communicate(b"hello\n"), 30)
         assert proc.returncode == 3, err
         assert f"no model 'no-such-model' behind {gw_url}" in err.decode() and MODEL in err.decode()
@@ -42,8 +56,13 @@ async def test_an_unknown_model_is_refused_before_the_prompt_and_ctrl_d_ends_on_
 
 def _ctrl_d_on_a_terminal(url: str) -> bytes:
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "haru.cli", "run", MODEL, "--url", url, "--fleet", "cli"],
-                            stdin=slave, stdout=slave, stderr=slave, close_fds=True)  # a terminal
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "haru.cli", "run", MODEL, "--url", url, "--fleet", "cli"],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        close_fds=True,
+    )  # a terminal
     os.close(slave)
     got = b""
     deadline = time.monotonic() + 20

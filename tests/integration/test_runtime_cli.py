@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from tests.support.llama import llama_binary
 from tests.support import haru
+from tests.support.llama import llama_binary
 
 
 @pytest.mark.llama
@@ -37,6 +37,7 @@ def test_a_llama_server_model_without_a_binary_runs_the_managed_build(tmp_path, 
     monkeypatch.setenv("HARU_LLAMA_SERVER", str(fake))
     spec = ModelSpec(name="m", slot="chat", gpu_index=0, runtime="llama_server", source="/m.gguf")
     assert LlamaServerRuntime(spec, session=None, log_dir=tmp_path).argv()[0] == str(fake)  # type: ignore[arg-type]
-    named = ModelSpec(name="m", slot="chat", gpu_index=0, runtime="llama_server", source="/m.gguf",
-                      binary=["/opt/llama-server"])
+    named = ModelSpec(
+        name="m", slot="chat", gpu_index=0, runtime="llama_server", source="/m.gguf", binary=["/opt/llama-server"]
+    )
     assert LlamaServerRuntime(named, session=None, log_dir=tmp_path).argv()[0] == "/opt/llama-server"  # type: ignore[arg-type]

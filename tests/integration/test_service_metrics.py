@@ -32,9 +32,13 @@ def scrape(port: int) -> dict[str, list]:
 
 
 def start(*argv: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "haru.cli", *argv, "--log-format", "json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HARU_NO_UVLOOP": "1", **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, "-m", "haru.cli", *argv, "--log-format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HARU_NO_UVLOOP": "1", **(env or {})},
+    )
 
 
 async def until(check, timeout: float = 30.0):
@@ -70,6 +74,7 @@ async def test_projector_and_promoter_serve_metrics_that_match_the_log(nats_serv
     # the environment works as well as the flag
     promoter = start("promoter", "--nats-url", nats_server.url, env={"HARU_METRICS_PORT": str(q_port)})
     try:
+
         def projector_caught_up():
             m = scrape(p_port)
             return m if m["haru_projector_last_seq"][0][1] == last else None

@@ -4,15 +4,14 @@ runtimes are put to sleep (a real agent on the simulator, a real nats-server).""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import aiohttp
 import pytest
 
-from haru.log.bus import send
 from haru.core import subjects
 from haru.core.commands import Command
+from haru.log.bus import send
 from tests.support.agent_harness import is_, wait_event, write_config, write_layout
 
 pytestmark = pytest.mark.timeout(120)
@@ -20,8 +19,12 @@ pytestmark = pytest.mark.timeout(120)
 
 async def _agent(tmp_path, nats_server, event_log, agents, drain_ms: int):
     # 20 tokens/s: a 16-token stream takes ~0.8 s
-    layout = write_layout(tmp_path / "layout.json", tmp_path, policy={"drain_ms": drain_ms},
-                          models={"m1": {"HARU_SIM_TOKENS_PER_S": "20"}})
+    layout = write_layout(
+        tmp_path / "layout.json",
+        tmp_path,
+        policy={"drain_ms": drain_ms},
+        models={"m1": {"HARU_SIM_TOKENS_PER_S": "20"}},
+    )
     cfg = write_config(tmp_path / "agent-a.json", nats_server.url, tmp_path, domain="a", layout=layout)
     agent = agents(cfg, tmp_path / "agent-a.log")
     await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_resident"), agent=agent)
@@ -30,8 +33,13 @@ async def _agent(tmp_path, nats_server, event_log, agents, drain_ms: int):
 
 
 async def _stream(url: str) -> tuple[bytes, float]:
-    body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 16,
-            "ignore_eos": True}
+    body = {
+        "model": "m1",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_tokens": 16,
+        "ignore_eos": True,
+    }
     async with aiohttp.ClientSession() as s:
         async with s.post(url + "/v1/chat/completions", json=body) as r:
             assert r.status == 200

@@ -14,10 +14,10 @@ import json
 import aiohttp
 import pytest
 
-from haru.log.bus import send
 from haru.agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.commands import Command
+from haru.log.bus import send
 from tests.support.agent_harness import agent_env, is_, sim_fault, tag, wait_event, write_config, write_layout
 
 pytestmark = pytest.mark.timeout(120)
@@ -49,8 +49,9 @@ class Load:
 
     async def _client(self, session: aiohttp.ClientSession) -> None:
         while not self._stop.is_set():
-            async with session.post(self.url + "/v1/chat/completions", data=CHAT,
-                                    headers={"Content-Type": "application/json"}) as r:
+            async with session.post(
+                self.url + "/v1/chat/completions", data=CHAT, headers={"Content-Type": "application/json"}
+            ) as r:
                 body = await r.read()
                 code = ""
                 if r.status != 200:
@@ -58,7 +59,7 @@ class Load:
                     self.gone.append((code, r.headers.get("X-Haru-Runtime-Gone", "")))
                 self.answers.append((r.status, code, body.decode(errors="replace")[:200]))
 
-    async def __aenter__(self) -> "Load":
+    async def __aenter__(self) -> Load:
         self._session = aiohttp.ClientSession()
         self._tasks = [asyncio.create_task(self._client(self._session)) for _ in range(self.clients)]
         return self
@@ -75,7 +76,8 @@ class Load:
 
 
 async def test_a_detached_gpu_is_answered_as_gpu_detached_never_as_the_runtimes_500(
-        tmp_path, nats_server, event_log, agents):
+    tmp_path, nats_server, event_log, agents
+):
     _agent, _endpoint, serving = await start(tmp_path, nats_server, event_log, agents)
     async with Load(serving) as load:
         await load.wait_answers(20)
@@ -107,8 +109,9 @@ async def test_an_evicted_model_is_answered_as_lost_never_as_the_runtimes_404(tm
     assert (503, "model_lost") in [(s, c) for s, c, _ in after]
     assert after[-1][0] == 200
     # both mark the runtime gone, so the gateway sends the request once more (the runtime never saw it)
-    assert {(code, mark) for code, mark in load.gone} <= {("model_lost", "evicted"), ("model_warming", "restarting")}, \
+    assert {(code, mark) for code, mark in load.gone} <= {("model_lost", "evicted"), ("model_warming", "restarting")}, (
         load.gone
+    )
 
 
 async def test_deep_nesting_and_the_bearer_scheme_in_any_case(tmp_path, nats_server, event_log, agents):
@@ -117,14 +120,16 @@ async def test_deep_nesting_and_the_bearer_scheme_in_any_case(tmp_path, nats_ser
     deep = b'{"model": "m1", "messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
     async with aiohttp.ClientSession() as s:
         for scheme in ("Bearer", "bearer", "BEARER"):
-            async with s.post(serving + "/v1/chat/completions", data=CHAT,
-                              headers={"Authorization": f"{scheme} s3cret"}) as r:
+            async with s.post(
+                serving + "/v1/chat/completions", data=CHAT, headers={"Authorization": f"{scheme} s3cret"}
+            ) as r:
                 assert r.status == 200, (scheme, await r.text())
         async with s.post(serving + "/v1/chat/completions", data=CHAT, headers={"Authorization": "bearer nope"}) as r:
             assert r.status == 401
         for _ in range(3):  # every time, not only the first
-            async with s.post(serving + "/v1/chat/completions", data=deep,
-                              headers={"Authorization": "Bearer s3cret"}) as r:
+            async with s.post(
+                serving + "/v1/chat/completions", data=deep, headers={"Authorization": "Bearer s3cret"}
+            ) as r:
                 assert r.status == 400
                 err = (await r.json())["error"]
                 assert err["code"] == "invalid_request" and "nested too deeply" in err["message"]

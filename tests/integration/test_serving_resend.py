@@ -20,8 +20,9 @@ pytestmark = pytest.mark.timeout(30)
 
 async def _proxy(tmp_path) -> ServingProxy:
     slots = SimpleNamespace(fleet="f", domain="a", models={})
-    proxy = ServingProxy(slots, None, policy=lambda: None, keep_runtimes=lambda: False, state_dir=tmp_path,
-                         host="127.0.0.1", port=0)
+    proxy = ServingProxy(
+        slots, None, policy=lambda: None, keep_runtimes=lambda: False, state_dir=tmp_path, host="127.0.0.1", port=0
+    )
     # what start() makes, without the port holder: the two client sessions
     proxy._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     proxy._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
@@ -41,8 +42,7 @@ async def test_the_resend_of_a_closed_kept_alive_connection_never_takes_another_
     url = up.url + "/v1/chat/completions"
     body = b'{"model": "m1"}'
     try:
-        first = await asyncio.gather(*(proxy._forward(_request(), model,
-                                                      url, body) for _ in range(3)))
+        first = await asyncio.gather(*(proxy._forward(_request(), model, url, body) for _ in range(3)))
         assert [r.status for r in first] == [200] * 3 and up.connections == 3  # three idle in the pool now
         again = await proxy._forward(_request(), model, url, body)
         assert (again.status, again.body) == (200, b'{"ok":true}')

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pytest
@@ -43,9 +43,15 @@ def test_a_direct_domain_opens_no_serving_port_so_the_rule_does_not_apply_to_it(
 
 
 def _direct(**extra) -> bytes:
-    domain = {"name": "a", "serve": "direct", "gpus": [{"index": 0, "memory": "24GiB"}],
-              "slots": [{"name": "chat", "gpu": 0, "models": [{"name": "m", "source": "/srv/m", "vram": "4GiB",
-                                                               "port": 8001}]}], **extra}
+    domain = {
+        "name": "a",
+        "serve": "direct",
+        "gpus": [{"index": 0, "memory": "24GiB"}],
+        "slots": [
+            {"name": "chat", "gpu": 0, "models": [{"name": "m", "source": "/srv/m", "vram": "4GiB", "port": 8001}]}
+        ],
+        **extra,
+    }
     return json.dumps({"fleet": "f", "domains": [domain]}).encode()
 
 
@@ -60,15 +66,24 @@ def test_serve_direct_is_refused_unless_the_layout_says_the_network_is_private_a
 
 
 async def test_an_agent_that_would_listen_on_every_address_without_a_token_is_refused_before_it_claims(
-        nats_server, event_log, tmp_path, monkeypatch):
+    nats_server, event_log, tmp_path, monkeypatch
+):
     from haru.core.apply import apply
     from haru.core.layout import load_layout
 
     monkeypatch.delenv("HARU_SERVING_TOKEN", raising=False)
-    await apply(event_log, load_layout(LAYOUT), datetime.now(timezone.utc))
-    config = json.dumps({"fleet": "default", "domain": "a", "nats_url": nats_server.url, "gpus": "sim",
-                         "sim_dir": str(tmp_path / "sim"), "state_dir": str(tmp_path / "state"),
-                         "serving": {"host": "0.0.0.0", "port": 0}})
+    await apply(event_log, load_layout(LAYOUT), datetime.now(UTC))
+    config = json.dumps(
+        {
+            "fleet": "default",
+            "domain": "a",
+            "nats_url": nats_server.url,
+            "gpus": "sim",
+            "sim_dir": str(tmp_path / "sim"),
+            "state_dir": str(tmp_path / "state"),
+            "serving": {"host": "0.0.0.0", "port": 0},
+        }
+    )
     from tests.support import haru
 
     env = {k: v for k, v in os.environ.items() if k != "HARU_SERVING_TOKEN"}

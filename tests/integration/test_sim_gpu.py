@@ -15,10 +15,10 @@ import pytest
 
 from haru.agents.gpu import GpuReading, Gpus, NvmlGpus, SimGpus, open_gpus
 from haru.agents.sim.gpu_state import GiB, SimGpuState
-from haru.host.procfs import pid_alive
 from haru.cli import sim as sim_cli
 from haru.cli.common import ExitStatus
 from haru.core.events import GpuProcess
+from haru.host.procfs import pid_alive
 
 
 @pytest.fixture
@@ -112,9 +112,16 @@ def test_detach_keeps_memory_but_sim_gpus_reports_absent(tmp_path, children):
     gpu.ensure(24 * GiB, "Sim L4")
     gpu.allocate(holder.pid, 3 * GiB)
     gpus = SimGpus(tmp_path)
-    assert gpus.read(1) == GpuReading(index=1, present=True, name="Sim L4", memory_total_bytes=24 * GiB,
-                                      memory_used_bytes=3 * GiB, memory_free_bytes=21 * GiB,
-                                      processes=[GpuProcess(pid=holder.pid, used_bytes=3 * GiB)], accounted=True)
+    assert gpus.read(1) == GpuReading(
+        index=1,
+        present=True,
+        name="Sim L4",
+        memory_total_bytes=24 * GiB,
+        memory_used_bytes=3 * GiB,
+        memory_free_bytes=21 * GiB,
+        processes=[GpuProcess(pid=holder.pid, used_bytes=3 * GiB)],
+        accounted=True,
+    )
     gpu.set_present(False)
     reading = gpus.read(1)
     assert reading.present is False and reading.processes == []
@@ -163,8 +170,24 @@ def _trainer(children, tmp_path: Path, *extra: str, gpu_index: int = 0, env_extr
     env.update({"HARU_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "HARU_GPU_INDEX": str(gpu_index)})
     env.update(env_extra or {})
     err = open(tmp_path / "trainer.err", "ab")
-    return children([sys.executable, "-m", "haru.agents.sim.trainer", "--vram", "8GiB", "--sim-dir", str(tmp_path / "sim"),
-                     "--step-ms", "10", "--checkpoint-every-ms", "50", *extra], env=env, stderr=err)
+    return children(
+        [
+            sys.executable,
+            "-m",
+            "haru.agents.sim.trainer",
+            "--vram",
+            "8GiB",
+            "--sim-dir",
+            str(tmp_path / "sim"),
+            "--step-ms",
+            "10",
+            "--checkpoint-every-ms",
+            "50",
+            *extra,
+        ],
+        env=env,
+        stderr=err,
+    )
 
 
 def _held_by(tmp_path: Path, pid: int, index: int = 0) -> int:
@@ -232,15 +255,40 @@ def haru_sim(*argv: str) -> ExitStatus:
 
 
 def _serve(children, root: Path, domain: str, model: str) -> tuple[subprocess.Popen, dict]:
-    env = {**os.environ, "HARU_SIM_DIR": str(root / domain), "HARU_SIM_DOMAIN": domain, "HARU_SIM_LOAD_MS": "50",
-           "VLLM_SERVER_DEV_MODE": "1", "HARU_SIM_VRAM": "2GiB"}
-    proc = children([sys.executable, "-m", "haru.agents.sim.vllm", "serve", model, "--port", "0",
-                     "--served-model-name", model, "--enable-sleep-mode"], env=env, stderr=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "HARU_SIM_DIR": str(root / domain),
+        "HARU_SIM_DOMAIN": domain,
+        "HARU_SIM_LOAD_MS": "50",
+        "VLLM_SERVER_DEV_MODE": "1",
+        "HARU_SIM_VRAM": "2GiB",
+    }
+    proc = children(
+        [
+            sys.executable,
+            "-m",
+            "haru.agents.sim.vllm",
+            "serve",
+            model,
+            "--port",
+            "0",
+            "--served-model-name",
+            model,
+            "--enable-sleep-mode",
+        ],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
     from haru.agents.sim.vllm import runtime_path
 
     rt_file = runtime_path(root / domain, model)
-    info = _wait_for(lambda: rt_file.exists() and json.loads(rt_file.read_text() or "{}").get("pid") == proc.pid
-                     and json.loads(rt_file.read_text()))
+    info = _wait_for(
+        lambda: (
+            rt_file.exists()
+            and json.loads(rt_file.read_text() or "{}").get("pid") == proc.pid
+            and json.loads(rt_file.read_text())
+        )
+    )
     return proc, info
 
 
@@ -248,8 +296,9 @@ def _get(port: int, path: str, method: str = "GET", body: bytes | None = None) -
     import urllib.error
     import urllib.request
 
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method=method,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=body, method=method, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=5) as r:
             return r.status, r.read()

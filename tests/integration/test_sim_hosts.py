@@ -32,8 +32,13 @@ pytestmark = pytest.mark.timeout(120)
 
 def spawn(args: list[str], url: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, "HARU_NATS_URL": url, "HARU_NO_UVLOOP": "1"}
-    return subprocess.Popen([sys.executable, "-m", "haru.cli", *args, "--log-format", "json"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "haru.cli", *args, "--log-format", "json"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "wb"),
+        start_new_session=True,
+    )
 
 
 async def views(log: EventLog) -> dict[str, FleetView]:
@@ -51,8 +56,11 @@ async def until(check, timeout: float, what: str):
 
 
 async def chat(session: aiohttp.ClientSession, port: int, fleet: str) -> tuple[int, str]:
-    async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers={"X-Haru-Fleet": fleet},
-                            json={"model": "chat-8b", "messages": [{"role": "user", "content": "hi"}]}) as r:
+    async with session.post(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        headers={"X-Haru-Fleet": fleet},
+        json={"model": "chat-8b", "messages": [{"role": "user", "content": "hi"}]},
+    ) as r:
         body = await r.json()
         return r.status, body.get("system_fingerprint", "")
 
@@ -65,9 +73,11 @@ async def test_three_fleets_first_route_failover_and_silence(nats_server, tmp_pa
         try:
             async with SimHosts(log, heartbeat_ms=500, heartbeat_timeout_ms=1500, load_ms=100, wake_ms=50) as hosts:
                 await hosts.grow(3)
-                kids = [spawn(["projector"], nats_server.url, tmp_path / "projector.log"),
-                        spawn(["promoter", "--id", "promoter:test"], nats_server.url, tmp_path / "promoter.log"),
-                        spawn(["gateway", "--port", str(port)], nats_server.url, tmp_path / "gateway.log")]
+                kids = [
+                    spawn(["projector"], nats_server.url, tmp_path / "projector.log"),
+                    spawn(["promoter", "--id", "promoter:test"], nats_server.url, tmp_path / "promoter.log"),
+                    spawn(["gateway", "--port", str(port)], nats_server.url, tmp_path / "gateway.log"),
+                ]
 
                 async def all_steady():
                     return not hosts.steady(await views(log))
@@ -77,6 +87,7 @@ async def test_three_fleets_first_route_failover_and_silence(nats_server, tmp_pa
                 assert {v.active for v in got.values()} == {"a"}
 
                 async with aiohttp.ClientSession() as session:
+
                     async def answers(fleet: str, domain: str):
                         try:
                             status, who = await chat(session, port, fleet)

@@ -23,18 +23,46 @@ MODEL = "qwen3.6:27b"
 class SimServer:
     """One `python -m haru.agents.sim.vllm serve` child, reaped however the test ends."""
 
-    def __init__(self, sim_dir: Path, *, model: str = MODEL, domain: str = "a", dev_mode: bool = True,
-                 sleep_mode: bool = True, **env: str) -> None:
+    def __init__(
+        self,
+        sim_dir: Path,
+        *,
+        model: str = MODEL,
+        domain: str = "a",
+        dev_mode: bool = True,
+        sleep_mode: bool = True,
+        **env: str,
+    ) -> None:
         self.sim_dir, self.model, self.domain = sim_dir, model, domain
-        self.env = {**os.environ, "HARU_SIM_DIR": str(sim_dir), "HARU_SIM_DOMAIN": domain,
-                    "HARU_SIM_LOAD_MS": "100", "HARU_SIM_WAKE_MS": "30", "HARU_SIM_SLEEP_MS": "10",
-                    "HARU_SIM_VRAM": "4GiB", "HARU_SIM_TOKENS_PER_S": "1000"}
+        self.env = {
+            **os.environ,
+            "HARU_SIM_DIR": str(sim_dir),
+            "HARU_SIM_DOMAIN": domain,
+            "HARU_SIM_LOAD_MS": "100",
+            "HARU_SIM_WAKE_MS": "30",
+            "HARU_SIM_SLEEP_MS": "10",
+            "HARU_SIM_VRAM": "4GiB",
+            "HARU_SIM_TOKENS_PER_S": "1000",
+        }
         self.env.pop("VLLM_SERVER_DEV_MODE", None)
         if dev_mode:
             self.env["VLLM_SERVER_DEV_MODE"] = "1"
         self.env.update(env)
-        self.argv = [sys.executable, "-m", "haru.agents.sim.vllm", "serve", "/models/qwen", "--host", "127.0.0.1",
-                     "--port", "0", "--served-model-name", model, "--gpu-memory-utilization", "0.9"]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "haru.agents.sim.vllm",
+            "serve",
+            "/models/qwen",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--served-model-name",
+            model,
+            "--gpu-memory-utilization",
+            "0.9",
+        ]
         if sleep_mode:
             self.argv.append("--enable-sleep-mode")
         self.proc: asyncio.subprocess.Process | None = None
@@ -177,7 +205,7 @@ async def test_chat_sse_streams_chunks_over_time_and_ends_with_done(servers, htt
             if line.strip():
                 arrivals.append((time.monotonic(), line.strip()))
     assert arrivals[-1][1] == b"data: [DONE]"
-    chunks = [json.loads(line[len(b"data: "):]) for _, line in arrivals[:-1]]
+    chunks = [json.loads(line[len(b"data: ") :]) for _, line in arrivals[:-1]]
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
@@ -193,8 +221,9 @@ async def test_chat_sse_streams_chunks_over_time_and_ends_with_done(servers, htt
 
 async def test_completions_sse(servers, http):
     server = await servers()
-    async with http.post(server.url + "/v1/completions",
-                         json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True}) as r:
+    async with http.post(
+        server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True}
+    ) as r:
         lines = [line.strip() async for line in r.content if line.strip()]
     assert lines[-1] == b"data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
@@ -308,8 +337,9 @@ async def test_hang_stops_answering_until_reset(servers, http):
         async with http.get(server.url + "/health", timeout=aiohttp.ClientTimeout(total=0.3)):
             pass
     with pytest.raises(asyncio.TimeoutError):
-        async with http.post(server.url + "/v1/chat/completions", json=chat_body(),
-                             timeout=aiohttp.ClientTimeout(total=0.3)):
+        async with http.post(
+            server.url + "/v1/chat/completions", json=chat_body(), timeout=aiohttp.ClientTimeout(total=0.3)
+        ):
             pass
     await http.post(server.url + "/_sim/reset")
     async with http.get(server.url + "/health") as r:
@@ -384,8 +414,9 @@ async def test_sigterm_stops_a_hung_server_promptly(servers, http):
 
 
 def _assistant(prefix: str, **extra) -> dict:
-    return chat_body(messages=[{"role": "user", "content": "say hello"}, {"role": "assistant", "content": prefix}],
-                     **extra)
+    return chat_body(
+        messages=[{"role": "user", "content": "say hello"}, {"role": "assistant", "content": prefix}], **extra
+    )
 
 
 async def test_continue_final_message_continues_the_assistant_text_like_vllm(servers, http):
@@ -399,8 +430,10 @@ async def test_continue_final_message_continues_the_assistant_text_like_vllm(ser
         body = await r.json()
     assert prefix + body["choices"][0]["message"]["content"] == f"[domain a] hello from {MODEL} on the simulated GPU."
     assert body["choices"][0]["finish_reason"] == "stop"
-    async with http.post(url, json=_assistant(prefix, continue_final_message=True, add_generation_prompt=False,
-                                              max_tokens=2, stream=True)) as r:
+    async with http.post(
+        url,
+        json=_assistant(prefix, continue_final_message=True, add_generation_prompt=False, max_tokens=2, stream=True),
+    ) as r:
         lines = [line.strip() async for line in r.content if line.strip()]
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == f" {MODEL} on"

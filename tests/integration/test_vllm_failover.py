@@ -16,8 +16,8 @@ import pytest
 
 from haru.core import subjects
 from haru.core.residency import Resident
-from tests.support.promoter import wait_until, wait_view
 from tests.support.llama import real_fleet, real_layout
+from tests.support.promoter import wait_until, wait_view
 from tests.support.vllm import START_S, kill_runtime_groups, tiny_hf_model, tiny_lora, vllm_binary, vllm_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3 * START_S)]
@@ -25,8 +25,13 @@ FLEET = "default"
 MODEL = "tiny-vllm"
 ADAPTER = "tiny-sql"
 # Greedy and seeded: the same text every time (test_vllm_real shows it is stable across calls and restarts).
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12,
-        "temperature": 0, "seed": 7}
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hello there"}],
+    "max_tokens": 12,
+    "temperature": 0,
+    "seed": 7,
+}
 VOLATILE = ("id", "created", "system_fingerprint")
 _VOLATILE_BYTES = re.compile(rb'"(id|created|system_fingerprint)":("[^"]*"|\d+|null)')
 
@@ -81,7 +86,7 @@ def _deltas(sse: bytes) -> tuple[list[str], list]:
     contents, finishes = [], []
     for block in sse.decode("utf-8", "replace").split("\n\n"):
         if block.startswith("data: {"):
-            choice = json.loads(block[len("data: "):])["choices"][0]
+            choice = json.loads(block[len("data: ") :])["choices"][0]
             contents.append(choice.get("delta", {}).get("content") or "")
             finishes.append(choice.get("finish_reason"))
     return contents, finishes
@@ -101,9 +106,12 @@ def endpoint_of(view, domain: str) -> str:
 
 def steady(view, active: str) -> bool:
     standby = "b" if active == "a" else "a"
-    return (view.active == active and view.operation is None and view.domains[standby].eligible
-            and all(isinstance(m.residency, Resident) for d in (active, standby)
-                    for m in view.domains[d].models.values()))
+    return (
+        view.active == active
+        and view.operation is None
+        and view.domains[standby].eligible
+        and all(isinstance(m.residency, Resident) for d in (active, standby) for m in view.domains[d].models.values())
+    )
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +123,13 @@ def models(tmp_path_factory):
 
 
 async def test_chat_sse_and_failover_on_real_vllm(tmp_path, nats_server, event_log, models):
-    layout = real_layout(tmp_path / "layout.json", tmp_path,
-                         {d: [vllm_model(MODEL, models[d][0], adapters={ADAPTER: str(models[d][1])})] for d in ("a", "b")},
-                         policy={"degraded_grace_ms": 500, "restart_backoff_ms": 3000, "probe_timeout_ms": 30000},
-                         fleet=FLEET)
+    layout = real_layout(
+        tmp_path / "layout.json",
+        tmp_path,
+        {d: [vllm_model(MODEL, models[d][0], adapters={ADAPTER: str(models[d][1])})] for d in ("a", "b")},
+        policy={"degraded_grace_ms": 500, "restart_backoff_ms": 3000, "probe_timeout_ms": 30000},
+        fleet=FLEET,
+    )
     try:
         await chat_and_failover(tmp_path, nats_server, event_log, layout)
     finally:
@@ -130,14 +141,20 @@ async def test_chat_sse_and_failover_on_real_vllm(tmp_path, nats_server, event_l
 
 async def chat_and_failover(tmp_path, nats_server, event_log, layout) -> None:
     async with real_fleet(tmp_path, nats_server, event_log, layout) as gw:
-        view = await wait_view(event_log, lambda v: steady(v, "a"), timeout=START_S, fleet=FLEET,
-                               what="a active, b a resident standby (real vLLM on both)")
+        view = await wait_view(
+            event_log,
+            lambda v: steady(v, "a"),
+            timeout=START_S,
+            fleet=FLEET,
+            what="a active, b a resident standby (real vLLM on both)",
+        )
         # b's vLLM cannot sleep on this platform: a standby that stays resident, never asked to sleep.
         assert view.domains["b"].models[MODEL].residency.sleeps is False
         direct = endpoint_of(view, "a")
         async with aiohttp.ClientSession() as s:
             (status, proxied, ctype), (d_status, straight, d_ctype) = await same_generation(
-                lambda base: chat_json(s, base), gw.url, direct)
+                lambda base: chat_json(s, base), gw.url, direct
+            )
             assert (status, ctype) == (d_status, d_ctype) == (200, d_ctype) and d_ctype.startswith("application/json")
             doc = json.loads(proxied)
             assert doc["object"] == "chat.completion" and doc["choices"][0]["message"]["content"]
@@ -145,16 +162,22 @@ async def chat_and_failover(tmp_path, nats_server, event_log, layout) -> None:
             assert masked(proxied) == masked(straight) and proxied != masked(proxied)  # vLLM's bytes
             # vLLM's own bytes: an uncut stream is relayed untouched (only a continued one is re-encoded;
             # tests/integration/test_gateway_relay_bytes.py pins the relay with awkward pieces and escapes).
-            (_, sse, ctype), (_, sse_direct, d_ctype) = await same_generation(lambda base: chat_sse(s, base), gw.url, direct)
+            (_, sse, ctype), (_, sse_direct, d_ctype) = await same_generation(
+                lambda base: chat_sse(s, base), gw.url, direct
+            )
             assert ctype == d_ctype and ctype.startswith("text/event-stream")
             assert sse.rstrip().endswith(b"data: [DONE]") and sse.count(b"data: ") > 3
-            chunks = [json.loads(b[len("data: "):]) for b in sse.decode().split("\n\n")
-                      if b.startswith("data: ") and b != "data: [DONE]"]
+            chunks = [
+                json.loads(b[len("data: ") :])
+                for b in sse.decode().split("\n\n")
+                if b.startswith("data: ") and b != "data: [DONE]"
+            ]
             assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
             assert masked(sse) == masked(sse_direct), (
                 f"SSE through the gateway differs from vLLM's at byte "
                 f"{next(i for i, (x, y) in enumerate(zip(masked(sse) + b'~', masked(sse_direct) + b'#')) if x != y)}:\n"
-                f"gateway: {sse!r}\nvLLM:    {sse_direct!r}")
+                f"gateway: {sse!r}\nvLLM:    {sse_direct!r}"
+            )
 
             # A request naming the LoRA adapter goes to its model's vLLM, which answers as the adapter.
             body = {"model": ADAPTER, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "seed": 0}
@@ -171,8 +194,13 @@ async def chat_and_failover(tmp_path, nats_server, event_log, layout) -> None:
             assert json.loads(from_b)["choices"][0]["message"]["content"] != doc["choices"][0]["message"]["content"]
             # The active domain's agent dies (SIGKILL; its vLLM goes with it): b is promoted.
             gw.agents[0].kill()
-            await wait_view(event_log, lambda v: v.active == "b" and v.operation is None, timeout=120, fleet=FLEET,
-                            what="b promoted")
+            await wait_view(
+                event_log,
+                lambda v: v.active == "b" and v.operation is None,
+                timeout=120,
+                fleet=FLEET,
+                what="b promoted",
+            )
 
             async def answered_by_b() -> bool:
                 status, raw, _ = await chat_json(s, gw.url)

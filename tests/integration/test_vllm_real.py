@@ -17,7 +17,7 @@ import os
 import shutil
 import signal
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import aiohttp
 import pytest
@@ -54,15 +54,27 @@ async def reaped(event_log):
 
 
 def start_agent(agents, tmp_path, nats_server, layout, domain="a"):
-    cfg = write_config(tmp_path / f"agent-{domain}.json", nats_server.url, tmp_path, domain=domain, layout=layout,
-                       fleet=FLEET, role="active")
+    cfg = write_config(
+        tmp_path / f"agent-{domain}.json",
+        nats_server.url,
+        tmp_path,
+        domain=domain,
+        layout=layout,
+        fleet=FLEET,
+        role="active",
+    )
     return agents(cfg, tmp_path / f"agent-{domain}.log")
 
 
 def one_domain(tmp_path, model, **policy):
     """Domains a and b declared (a fleet has two); the tests run a's agent alone, pinned active."""
-    return real_layout(tmp_path / "layout.json", tmp_path, {d: [model] for d in ("a", "b")},
-                       policy={"probe_timeout_ms": 30000, **policy}, fleet=FLEET)
+    return real_layout(
+        tmp_path / "layout.json",
+        tmp_path,
+        {d: [model] for d in ("a", "b")},
+        policy={"probe_timeout_ms": 30000, **policy},
+        fleet=FLEET,
+    )
 
 
 async def complete(s: aiohttp.ClientSession, base: str, model: str) -> str:
@@ -87,11 +99,11 @@ def proc_env(pid: int) -> dict[str, str]:
         return dict(kv.decode().split("=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
 
 
-async def test_real_vllm_flags_residency_adapter_greedy_answers_kill_9_and_restart(tmp_path, nats_server, event_log,
-                                                                                  reaped, agents, vllm, hf):
+async def test_real_vllm_flags_residency_adapter_greedy_answers_kill_9_and_restart(
+    tmp_path, nats_server, event_log, reaped, agents, vllm, hf
+):
     model_dir, lora = hf
-    layout = one_domain(tmp_path, vllm_model(MODEL, model_dir, adapters={ADAPTER: str(lora)}),
-                        restart_backoff_ms=1000)
+    layout = one_domain(tmp_path, vllm_model(MODEL, model_dir, adapters={ADAPTER: str(lora)}), restart_backoff_ms=1000)
     agent = start_agent(agents, tmp_path, nats_server, layout)
     subject = subjects.model(FLEET, "a", MODEL)
 
@@ -109,10 +121,16 @@ async def test_real_vllm_flags_residency_adapter_greedy_answers_kill_9_and_resta
 
     # Every flag Haru derived is on the real process (and vLLM accepted it: it serves).
     argv, env = started_argv(tmp_path, loading.pid), proc_env(loading.pid)
-    assert argv[:len(vllm) + 2] == [*vllm, "--model", str(model_dir)], argv  # the api_server form
-    for flag, value in (("--model", str(model_dir)), ("--served-model-name", MODEL), ("--max-model-len", "512"),
-                        ("--gpu-memory-utilization", "0.041"), ("--max-loras", "1"),
-                        ("--lora-modules", f"{ADAPTER}={lora}"), ("--host", "127.0.0.1")):
+    assert argv[: len(vllm) + 2] == [*vllm, "--model", str(model_dir)], argv  # the api_server form
+    for flag, value in (
+        ("--model", str(model_dir)),
+        ("--served-model-name", MODEL),
+        ("--max-model-len", "512"),
+        ("--gpu-memory-utilization", "0.041"),
+        ("--max-loras", "1"),
+        ("--lora-modules", f"{ADAPTER}={lora}"),
+        ("--host", "127.0.0.1"),
+    ):
         assert argv[argv.index(flag) + 1] == value, (flag, argv)
     assert "--enable-lora" in argv and "--enable-sleep-mode" not in argv
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # from the plan's 1 GiB
@@ -135,7 +153,7 @@ async def test_real_vllm_flags_residency_adapter_greedy_answers_kill_9_and_resta
         assert adapted[0] != base[0]
 
     # kill -9: lost{process_exited}, seen from the exit itself; then restarted and resident again.
-    killed_at = datetime.now(timezone.utc)
+    killed_at = datetime.now(UTC)
     os.kill(loading.pid, signal.SIGKILL)
     lost = await wait_event(event_log, subject, is_("model_lost"), agent=agent, timeout=30)
     assert lost.event.reason == "process_exited" and lost.event.exit_code == -9, lost.event
@@ -150,8 +168,9 @@ async def test_real_vllm_flags_residency_adapter_greedy_answers_kill_9_and_resta
         await asyncio.sleep(0.1)
     else:
         pytest.fail(f"the killed vLLM's process group {loading.pid} still has members")
-    again = await wait_event(event_log, subject, lambda r: tag(r) == "model_resident" and r.seq > lost.seq,
-                             agent=agent, timeout=START_S)
+    again = await wait_event(
+        event_log, subject, lambda r: tag(r) == "model_resident" and r.seq > lost.seq, agent=agent, timeout=START_S
+    )
     reload = next(r for r in await event_log.history(subject) if r.seq > lost.seq)
     assert tag(reload) == "model_loading" and reload.event.attempt == 2 and reload.event.pid not in (0, loading.pid)
     print(f"restart after kill -9: {again.event.warmup_ms / 1000:.1f} s")
@@ -160,9 +179,9 @@ async def test_real_vllm_flags_residency_adapter_greedy_answers_kill_9_and_resta
         assert await complete(s, again.event.endpoint, ADAPTER) == adapted[0]
 
 
-async def test_a_model_vllm_cannot_load_is_failed_in_vllms_words_without_a_tight_loop(tmp_path, nats_server,
-                                                                                     event_log, reaped, agents, vllm,
-                                                                                     hf):
+async def test_a_model_vllm_cannot_load_is_failed_in_vllms_words_without_a_tight_loop(
+    tmp_path, nats_server, event_log, reaped, agents, vllm, hf
+):
     model_dir, _ = hf
     bad = tmp_path / "bad-model"
     shutil.copytree(model_dir, bad)
@@ -178,8 +197,13 @@ async def test_a_model_vllm_cannot_load_is_failed_in_vllms_words_without_a_tight
     assert said.startswith("exited with code 1 while loading:"), said
     assert "NoSuchLlamaForCausalLM" in said, said  # vLLM's own words name the architecture it does not know
     # Retried after the backoff, not at once.
-    retry = await wait_event(event_log, subject, lambda r: tag(r) == "model_loading" and r.seq > failed.seq,
-                             agent=agent, timeout=backoff_ms / 1000 + 30)
+    retry = await wait_event(
+        event_log,
+        subject,
+        lambda r: tag(r) == "model_loading" and r.seq > failed.seq,
+        agent=agent,
+        timeout=backoff_ms / 1000 + 30,
+    )
     assert retry.event.attempt == 2
     assert (retry.event.at - failed.event.at).total_seconds() >= backoff_ms / 1000
 

@@ -10,9 +10,9 @@ import signal
 import aiohttp
 import pytest
 
-from haru.log.bus import send
 from haru.core import subjects
 from haru.core.commands import Command
+from haru.log.bus import send
 from tests.support.agent_harness import get_json, is_, sim_fault, tag, wait_event, write_config, write_layout
 
 pytestmark = pytest.mark.timeout(90)
@@ -41,7 +41,8 @@ async def completion(endpoint: str, model: str) -> str:
 
 
 async def test_a_wake_that_answers_other_text_fails_with_its_own_code_and_the_model_is_reloaded(
-        tmp_path, nats_server, event_log, agents):
+    tmp_path, nats_server, event_log, agents
+):
     agent, endpoint = await start_active(tmp_path, nats_server, event_log, agents)
     before = await completion(endpoint, "m1")
     pid = (await wait_event(event_log, MODEL, is_("model_loading"))).event.pid
@@ -57,10 +58,12 @@ async def test_a_wake_that_answers_other_text_fails_with_its_own_code_and_the_mo
     assert tags[waking + 1] == "model_lost", tags
     lost = history[waking + 1].event
     assert lost.reason == "unhealthy" and lost.detail.startswith("wake_answer_changed:"), lost
-    again = await wait_event(event_log, MODEL, lambda r: tag(r) == "model_resident" and r.seq > history[waking].seq,
-                             agent=agent, timeout=30)
-    reload = next(r.event for r in await event_log.history(MODEL) if r.seq > history[waking + 1].seq
-                  and tag(r) == "model_loading")
+    again = await wait_event(
+        event_log, MODEL, lambda r: tag(r) == "model_resident" and r.seq > history[waking].seq, agent=agent, timeout=30
+    )
+    reload = next(
+        r.event for r in await event_log.history(MODEL) if r.seq > history[waking + 1].seq and tag(r) == "model_loading"
+    )
     assert reload.pid not in (0, pid)
     assert await completion(again.event.endpoint, "m1") == before  # the reloaded runtime answers as before
 
@@ -75,8 +78,9 @@ async def test_an_adapter_a_wake_stopped_applying_fails_the_wake(tmp_path, nats_
     assert not wake.ok and wake.error.code == "wake_answer_changed", wake
     assert "m1-sql" in wake.error.message and "'m1:" not in wake.error.message  # the base model still answered right
     lost = await wait_event(event_log, MODEL, is_("model_lost"), agent=agent, timeout=10)
-    again = await wait_event(event_log, MODEL, lambda r: tag(r) == "model_resident" and r.seq > lost.seq, agent=agent,
-                             timeout=30)
+    again = await wait_event(
+        event_log, MODEL, lambda r: tag(r) == "model_resident" and r.seq > lost.seq, agent=agent, timeout=30
+    )
     assert await completion(again.event.endpoint, "m1-sql") == adapter  # reloaded: the adapter applies again
 
 
@@ -115,7 +119,9 @@ async def test_a_sleep_records_what_measured_it(tmp_path, nats_server, event_log
     assert last.event.measured_by == "process" and "held" in last.event.detail  # the runtime's own processes
 
 
-async def test_an_agent_restarted_while_its_runtime_sleeps_still_checks_the_wake(tmp_path, nats_server, event_log, agents):
+async def test_an_agent_restarted_while_its_runtime_sleeps_still_checks_the_wake(
+    tmp_path, nats_server, event_log, agents
+):
     """The answers recorded before the sleep are kept with the runtime's identity (its file in the state
     directory), so the agent that adopts it asleep compares the wake's answers too."""
     agent, endpoint = await start_active(tmp_path, nats_server, event_log, agents, adapters={"m1-sql": "/loras/sql"})
@@ -128,8 +134,9 @@ async def test_an_agent_restarted_while_its_runtime_sleeps_still_checks_the_wake
     assert tag(sleeping) == "model_sleeping"
     cfg = tmp_path / "agent-a.json"
     again = agents(cfg, tmp_path / "agent-a2.log")
-    adopted = await wait_event(event_log, MODEL, lambda r: tag(r) == "model_adopted" and r.seq > sleeping.seq,
-                               agent=again, timeout=30)
+    adopted = await wait_event(
+        event_log, MODEL, lambda r: tag(r) == "model_adopted" and r.seq > sleeping.seq, agent=again, timeout=30
+    )
     assert adopted.event.asleep is True and adopted.event.endpoint == endpoint
     await sim_fault(endpoint, "corrupt_wake")
     wake = await send(event_log.bus, "f", "a", "wake", Command(op_id="w4"), timeout=20)
@@ -150,7 +157,8 @@ async def test_a_checked_wake_leaves_no_answers_behind(tmp_path, nats_server, ev
 
 
 async def test_a_runtime_woken_by_an_agent_that_died_before_the_check_is_checked_on_adoption(
-        tmp_path, nats_server, event_log, agents):
+    tmp_path, nats_server, event_log, agents
+):
     """The agent sent /wake_up and died before it compared the answers: the runtime is awake, its identity
     file still holds the answers from before the sleep, and the agent that adopts it checks them."""
     agent, endpoint = await start_active(tmp_path, nats_server, event_log, agents)
@@ -163,11 +171,13 @@ async def test_a_runtime_woken_by_an_agent_that_died_before_the_check_is_checked
             assert r.status == 200, await r.text()
     last = await event_log.last(MODEL)
     again = agents(tmp_path / "agent-a.json", tmp_path / "agent-a2.log")
-    lost = await wait_event(event_log, MODEL, lambda r: tag(r) == "model_lost" and r.seq > last.seq, agent=again,
-                            timeout=30)
+    lost = await wait_event(
+        event_log, MODEL, lambda r: tag(r) == "model_lost" and r.seq > last.seq, agent=again, timeout=30
+    )
     assert lost.event.reason == "unhealthy" and lost.event.detail.startswith("wake_answer_changed:"), lost.event
     # never adopted (nor resident) on the wrong answers: lost, then reloaded from its files
-    back = await wait_event(event_log, MODEL, lambda r: tag(r) == "model_resident" and r.seq > lost.seq, agent=again,
-                            timeout=30)
+    back = await wait_event(
+        event_log, MODEL, lambda r: tag(r) == "model_resident" and r.seq > lost.seq, agent=again, timeout=30
+    )
     since = [tag(r) for r in await event_log.history(MODEL) if last.seq < r.seq < back.seq]
     assert "model_adopted" not in since and "model_resident" not in since and "model_loading" in since, since

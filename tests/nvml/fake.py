@@ -57,8 +57,12 @@ def build(fallback_dir: Path) -> Path:
             gcc = shutil.which("gcc") or shutil.which("cc")
             if gcc is None:
                 raise RuntimeError("no C compiler (gcc) to build the fake NVML library")
-            subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-Wall", "-o", str(tmp), str(SOURCE)], check=True,
-                           capture_output=True, timeout=60)
+            subprocess.run(
+                [gcc, "-shared", "-fPIC", "-O1", "-Wall", "-o", str(tmp), str(SOURCE)],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
             os.replace(tmp, lib)  # atomic: a concurrent session sees the whole library or none
             return target
         except OSError:
@@ -85,8 +89,15 @@ class Reader:
     """A child process holding one `agents.gpu.NvmlGpus` over the fake library; `read(i)` is one GpuReading."""
 
     def __init__(self, lib_dir: Path, state: Path) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _READER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env_with(lib_dir, state), cwd=str(REPO))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _READER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env_with(lib_dir, state),
+            cwd=str(REPO),
+        )
         self.unavailable = self._line()["unavailable"]
 
     def _line(self) -> dict:

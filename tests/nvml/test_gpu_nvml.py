@@ -22,9 +22,17 @@ def gpu0(used: int = 30 * GiB) -> str:
 def test_no_driver_means_present_none_and_says_why(nvml_reader):
     reader, _ = nvml_reader(None)  # no state file: nvmlInit answers NVML_ERROR_DRIVER_NOT_LOADED
     assert "Driver Not Loaded" in reader.unavailable
-    assert reader.read(0) == {"index": 0, "present": None, "name": "", "memory_total_bytes": 0,
-                              "memory_used_bytes": 0, "memory_free_bytes": 0, "processes": [], "mig": False,
-                              "accounted": False}
+    assert reader.read(0) == {
+        "index": 0,
+        "present": None,
+        "name": "",
+        "memory_total_bytes": 0,
+        "memory_used_bytes": 0,
+        "memory_free_bytes": 0,
+        "processes": [],
+        "mig": False,
+        "accounted": False,
+    }
 
 
 def test_a_present_gpu_with_its_memory_and_processes(nvml_reader):
@@ -50,8 +58,16 @@ def test_detach_is_gpu_is_lost_and_an_unknown_index_is_absent(nvml_reader):
 
 
 def test_mig_memory_and_processes_are_summed_over_the_instances(nvml_reader):
-    reader, _ = nvml_reader([gpu0(used=0), "mig 0 0 21474836480 10737418240", "mig 0 2 42949672960 5368709120",
-                             "proc 0 0 100 10737418240", "proc 0 2 200 5368709120", "proc 0 -1 300 1"])
+    reader, _ = nvml_reader(
+        [
+            gpu0(used=0),
+            "mig 0 0 21474836480 10737418240",
+            "mig 0 2 42949672960 5368709120",
+            "proc 0 0 100 10737418240",
+            "proc 0 2 200 5368709120",
+            "proc 0 -1 300 1",
+        ]
+    )
     r = reader.read(0)
     assert r["mig"] is True and r["present"] is True
     assert r["memory_total_bytes"] == 80 * GiB  # the parent's total

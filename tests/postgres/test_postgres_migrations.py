@@ -34,8 +34,17 @@ async def test_a_fresh_database_gets_every_migration_in_order(pg):
     assert await schema_version(pg) == S.LATEST
     rows = await pg.fetch("SELECT version, name FROM haru.schema_migrations ORDER BY version")
     assert [(r["version"], r["name"]) for r in rows] == [(m.version, m.name) for m in S.MIGRATIONS]
-    assert {"residency_transitions", "incidents", "operations", "operation_steps", "domains",
-            "gpu_observations", "sink_position", "skipped_events", "schema_migrations"} <= await tables(pg)
+    assert {
+        "residency_transitions",
+        "incidents",
+        "operations",
+        "operation_steps",
+        "domains",
+        "gpu_observations",
+        "sink_position",
+        "skipped_events",
+        "schema_migrations",
+    } <= await tables(pg)
 
 
 async def test_rerunning_migrations_is_a_no_op(pg):
@@ -75,22 +84,27 @@ async def test_a_newer_sink_on_an_older_schema_applies_only_the_missing_migratio
 
 async def test_the_pulling_migration_keeps_older_rows_and_takes_pulling_ones(pg):
     assert await migrate(pg, upto=3) == [1, 2, 3]
-    insert = ("INSERT INTO haru.residency_transitions (seq, fleet, domain, model, state, observed_at, recorded_at) "
-              "VALUES ($1, 'default', 'a', 'm', $2, now(), now())")
+    insert = (
+        "INSERT INTO haru.residency_transitions (seq, fleet, domain, model, state, observed_at, recorded_at) "
+        "VALUES ($1, 'default', 'a', 'm', $2, now(), now())"
+    )
     await pg.execute(insert, 1, "resident")
     with pytest.raises(asyncpg.CheckViolationError):
         await pg.execute(insert, 2, "pulling")
     assert await migrate(pg, upto=4) == [4]
     await pg.execute(insert, 2, "pulling")
-    assert [tuple(r) for r in await pg.fetch("SELECT seq, state, done_bytes FROM haru.residency_transitions "
-                                             "ORDER BY seq")] == [(1, "resident", None), (2, "pulling", None)]
+    assert [
+        tuple(r) for r in await pg.fetch("SELECT seq, state, done_bytes FROM haru.residency_transitions ORDER BY seq")
+    ] == [(1, "resident", None), (2, "pulling", None)]
     with pytest.raises(asyncpg.CheckViolationError):
         await pg.execute(insert, 3, "dreaming")
 
 
 async def test_the_cascade_migration_keeps_older_operations_with_nothing_tried(pg):
     assert await migrate(pg, upto=4) == [1, 2, 3, 4]
-    await pg.execute("INSERT INTO haru.operations (fleet, op_id, kind, target) VALUES ('default', 'op-1', 'promotion', 'b')")
+    await pg.execute(
+        "INSERT INTO haru.operations (fleet, op_id, kind, target) VALUES ('default', 'op-1', 'promotion', 'b')"
+    )
     assert await migrate(pg) == [5]
     assert list(await pg.fetchval("SELECT tried FROM haru.operations WHERE op_id = 'op-1'")) == []
 

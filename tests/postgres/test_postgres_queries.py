@@ -6,7 +6,7 @@ worked out by hand from it.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.postgres
 F = "default"
 M = "qwen3.6:27b"
 M2 = "mistral-small"
-NOW = datetime.now(timezone.utc).replace(microsecond=0)
+NOW = datetime.now(UTC).replace(microsecond=0)
 
 
 def ago(days: float = 0, seconds: float = 0) -> datetime:
@@ -58,10 +58,14 @@ def test_the_docs_show_every_query_verbatim():
 async def test_gpu_detachments_per_domain_and_provider_over_30_days(event_log, nats_server, pg_dsn):
     history = [
         (subjects.decl(F), ev.DomainDeclared(at=ago(60), spec=DomainSpec(name="a", provider="static", region="fra1"))),
-        (subjects.decl(F), ev.DomainDeclared(at=ago(60), spec=DomainSpec(name="b", provider="skypilot",
-                                                                         region="us-east-1"))),
+        (
+            subjects.decl(F),
+            ev.DomainDeclared(at=ago(60), spec=DomainSpec(name="b", provider="skypilot", region="us-east-1")),
+        ),
         # domain a, GPU 0: detached 40 days ago (outside the window), then twice in it
-        gpu("a", 0, True, ago(45)), gpu("a", 0, False, ago(40)), gpu("a", 0, True, ago(39)),
+        gpu("a", 0, True, ago(45)),
+        gpu("a", 0, False, ago(40)),
+        gpu("a", 0, True, ago(39)),
         gpu("a", 0, False, ago(20)),
         model("a", ev.ModelLost(at=ago(20), domain="a", model=M, reason="gpu_detached")),
         model("a", ev.ModelLost(at=ago(20), domain="a", model=M2, reason="gpu_detached")),
@@ -73,10 +77,13 @@ async def test_gpu_detachments_per_domain_and_provider_over_30_days(event_log, n
         # an eviction is not a detachment (and not the provider's doing)
         model("a", ev.ModelLost(at=ago(3), domain="a", model=M2, reason="evicted")),
         # domain b, GPU 1: absent at first sight (never seen attached), then attached and detached once
-        gpu("b", 1, False, ago(10)), gpu("b", 1, True, ago(9)), gpu("b", 1, False, ago(5)),
+        gpu("b", 1, False, ago(10)),
+        gpu("b", 1, True, ago(9)),
+        gpu("b", 1, False, ago(5)),
         model("b", ev.ModelLost(at=ago(5), domain="b", model=M, reason="gpu_detached")),
         # no NVML: presence unknown is never a detachment
-        gpu("b", 0, None, ago(4)), gpu("b", 0, None, ago(3)),
+        gpu("b", 0, None, ago(4)),
+        gpu("b", 0, None, ago(3)),
     ]
     conn = await fill(event_log, nats_server.url, pg_dsn, history)
     try:
@@ -137,8 +144,17 @@ async def test_failover_durations_per_step(event_log, nats_server, pg_dsn):
         return out
 
     history = [
-        *steps("op1", 1000, [("stop_training", 1.0, True), ("verify_gpu", 0.2, True), ("wake", 3.0, True),
-                             ("probe", 0.5, True), ("flip", 0.01, True)]),
+        *steps(
+            "op1",
+            1000,
+            [
+                ("stop_training", 1.0, True),
+                ("verify_gpu", 0.2, True),
+                ("wake", 3.0, True),
+                ("probe", 0.5, True),
+                ("flip", 0.01, True),
+            ],
+        ),
         *steps("op2", 500, [("stop_training", 3.0, True), ("verify_gpu", 0.4, True), ("wake", 5.0, False)]),
         *steps("op3", 100, [("stop_training", 2.0, True)]),
         (op, ev.DemotionRequested(at=ago(seconds=50), op_id="op4", target="a")),
@@ -185,7 +201,7 @@ async def test_open_incidents_and_incidents_per_domain(event_log, nats_server, p
     ]
     open_for = [r["open_for_s"] for r in open_rows]
     # now() is the database's; NOW was fixed when this module was imported, maybe minutes ago
-    since_import = (datetime.now(timezone.utc) - NOW).total_seconds()
+    since_import = (datetime.now(UTC) - NOW).total_seconds()
     assert abs(open_for[1] - 3600 - since_import) < 120 and abs(open_for[2] - 600 - since_import) < 120
     # fleet, domain, provider, reason, incidents, still open, total s, longest s (open ones up to now)
     assert per_domain[0][:6] == (F, "b", "skypilot", "gpu_detached", 1, 1)
@@ -197,8 +213,12 @@ async def test_open_incidents_and_incidents_per_domain(event_log, nats_server, p
 async def test_a_cascading_promotion_is_one_operation_row_naming_the_standbys_it_tried(event_log, nats_server, pg_dsn):
     op = subjects.op(F)
     history = [
-        (op, ev.PromotionRequested(at=ago(seconds=60), op_id="op-c", target="b", source="a",
-                                   reason="domain_unreachable", cascade=True)),
+        (
+            op,
+            ev.PromotionRequested(
+                at=ago(seconds=60), op_id="op-c", target="b", source="a", reason="domain_unreachable", cascade=True
+            ),
+        ),
         (op, ev.StepStarted(at=ago(seconds=59), op_id="op-c", step="wake")),
         (op, ev.StepFailed(at=ago(seconds=58), op_id="op-c", step="wake", error="out of memory")),
         (op, ev.PromotionRetargeted(at=ago(seconds=58), op_id="op-c", target="c", previous="b", step="wake")),

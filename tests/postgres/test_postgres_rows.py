@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from haru.core import events as ev
 from haru.core import subjects
-from haru.log.eventlog import Record
 from haru.core.specs import DomainSpec, GpuSpec
+from haru.log.eventlog import Record
 from haru.projections import pg_schema as S
 from haru.projections.pg_rows import Carry, OpenSpan, carry_from_rows, plan
 
-T0 = datetime(2026, 11, 1, 12, 0, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 1, 12, 0, 0, tzinfo=UTC)
 F = "default"
 
 
@@ -46,8 +46,10 @@ def test_each_residency_event_is_one_transition_row_with_both_times():
         model_rec(2, ev.ModelResident(at=at(47_100), domain="a", model=m, warmup_ms=812)),
         model_rec(3, ev.ModelSleeping(at=at(50_000), domain="a", model=m)),
         model_rec(4, ev.ModelWaking(at=at(51_000), domain="a", model=m)),
-        model_rec(5, ev.ModelLost(at=at(52_000), domain="a", model=m, reason="process_exited", detail="signal 9",
-                                  exit_code=137)),
+        model_rec(
+            5,
+            ev.ModelLost(at=at(52_000), domain="a", model=m, reason="process_exited", detail="signal 9", exit_code=137),
+        ),
         model_rec(6, ev.ModelFailed(at=at(53_000), domain="a", model=m, runtime_said="CUDA out of memory")),
         model_rec(7, ev.ModelStopped(at=at(54_000), domain="a", model=m, detail="retired")),
     ]
@@ -77,8 +79,18 @@ def test_a_loss_opens_an_incident_and_the_next_resident_closes_it_with_its_durat
     ]
     writes, carry = plan(Carry(), records)
     assert rows("incidents", writes) == [
-        dict(opened_seq=11, fleet=F, domain="a", model=m, reason="gpu_detached", detail="GPU 0 gone",
-             opened_at=at(1_000), closed_seq=15, closed_at=at(61_500), duration_ms=60_500)
+        dict(
+            opened_seq=11,
+            fleet=F,
+            domain="a",
+            model=m,
+            reason="gpu_detached",
+            detail="GPU 0 gone",
+            opened_at=at(1_000),
+            closed_seq=15,
+            closed_at=at(61_500),
+            duration_ms=60_500,
+        )
     ]
     assert writes.close_incidents == [] and carry.incidents == {}
 
@@ -99,10 +111,13 @@ def test_an_incident_open_at_the_end_of_a_batch_is_carried_and_closed_by_an_upda
 def test_closing_then_reopening_in_one_batch_closes_the_carried_one_and_opens_a_new_one():
     m = "gemma-3-12b"
     carry = Carry(incidents={(F, "a", m): OpenSpan(5, at(0))})
-    writes, carry = plan(carry, [
-        model_rec(30, ev.ModelResident(at=at(1_000), domain="a", model=m), model=m),
-        model_rec(31, ev.ModelLost(at=at(2_000), domain="a", model=m, reason="unhealthy"), model=m),
-    ])
+    writes, carry = plan(
+        carry,
+        [
+            model_rec(30, ev.ModelResident(at=at(1_000), domain="a", model=m), model=m),
+            model_rec(31, ev.ModelLost(at=at(2_000), domain="a", model=m, reason="unhealthy"), model=m),
+        ],
+    )
     assert writes.close_incidents == [(5, 30, at(1_000), 1_000)]
     assert [(r["opened_seq"], r["closed_seq"]) for r in rows("incidents", writes)] == [(31, None)]
     assert carry.incidents == {(F, "a", m): OpenSpan(31, at(2_000))}
@@ -117,15 +132,30 @@ def test_plan_does_not_mutate_the_carry_it_was_given():
 
 def test_gpu_observations_keep_presence_including_unknown():
     records = [
-        rec(40, subjects.gpu(F, "a", 1), ev.GpuObserved(at=at(1), domain="a", index=1, present=True, name="H100",
-                                                         memory_total_bytes=80, memory_used_bytes=10,
-                                                         processes=[ev.GpuProcess(pid=1), ev.GpuProcess(pid=2)])),
+        rec(
+            40,
+            subjects.gpu(F, "a", 1),
+            ev.GpuObserved(
+                at=at(1),
+                domain="a",
+                index=1,
+                present=True,
+                name="H100",
+                memory_total_bytes=80,
+                memory_used_bytes=10,
+                processes=[ev.GpuProcess(pid=1), ev.GpuProcess(pid=2)],
+            ),
+        ),
         rec(41, subjects.gpu(F, "a", 1), ev.GpuObserved(at=at(2), domain="a", index=1, present=False)),
         rec(42, subjects.gpu(F, "b", 0), ev.GpuObserved(at=at(3), domain="b", index=0, present=None)),
     ]
     writes, _ = plan(Carry(), records)
     got = rows("gpu_observations", writes)
-    assert [(r["domain"], r["gpu_index"], r["present"]) for r in got] == [("a", 1, True), ("a", 1, False), ("b", 0, None)]
+    assert [(r["domain"], r["gpu_index"], r["present"]) for r in got] == [
+        ("a", 1, True),
+        ("a", 1, False),
+        ("b", 0, None),
+    ]
     assert got[0]["processes"] == 2 and got[0]["memory_used_bytes"] == 10 and got[0]["name"] == "H100"
 
 
@@ -136,8 +166,11 @@ def test_a_promotion_with_its_steps_in_one_batch_is_rows_with_timing_and_outcome
         rec(51, s, ev.StepStarted(at=at(10), op_id="op1", step="stop_training")),
         rec(52, s, ev.StepCompleted(at=at(1_510), op_id="op1", step="stop_training", took_ms=1_490, detail="SIGTERM")),
         rec(53, s, ev.StepStarted(at=at(1_600), op_id="op1", step="wake")),
-        rec(54, s, ev.StepFailed(at=at(4_600), op_id="op1", step="wake", error_code="oom", error="CUDA OOM",
-                                 took_ms=2_999)),
+        rec(
+            54,
+            s,
+            ev.StepFailed(at=at(4_600), op_id="op1", step="wake", error_code="oom", error="CUDA OOM", took_ms=2_999),
+        ),
         rec(55, s, ev.OperationAborted(at=at(4_700), op_id="op1", step="wake", error="CUDA OOM")),
     ]
     writes, carry = plan(Carry(), records)
@@ -157,19 +190,25 @@ def test_a_promotion_with_its_steps_in_one_batch_is_rows_with_timing_and_outcome
 
 def test_steps_and_operations_spanning_batches_are_finished_by_updates():
     s = subjects.op(F)
-    _, carry = plan(Carry(), [
-        rec(60, s, ev.DemotionRequested(at=at(0), op_id="op2", target="a")),
-        rec(61, s, ev.StepStarted(at=at(100), op_id="op2", step="sleep")),
-    ])
+    _, carry = plan(
+        Carry(),
+        [
+            rec(60, s, ev.DemotionRequested(at=at(0), op_id="op2", target="a")),
+            rec(61, s, ev.StepStarted(at=at(100), op_id="op2", step="sleep")),
+        ],
+    )
     assert carry.steps == {(F, "op2", "sleep"): OpenSpan(61, at(100))}
     # a resumed promoter starts the step again: the abandoned attempt is closed as restarted
     w2, carry = plan(carry, [rec(62, s, ev.StepStarted(at=at(900), op_id="op2", step="sleep", attempt=2))])
     assert w2.finish_steps == [(61, "restarted", 62, at(900), 800, None, "", "", "")]
     assert [r["attempt"] for r in rows("operation_steps", w2)] == [2]
-    w3, carry = plan(carry, [
-        rec(63, s, ev.StepCompleted(at=at(1_000), op_id="op2", step="sleep", took_ms=90)),
-        rec(64, s, ev.OperationCompleted(at=at(1_100), op_id="op2")),
-    ])
+    w3, carry = plan(
+        carry,
+        [
+            rec(63, s, ev.StepCompleted(at=at(1_000), op_id="op2", step="sleep", took_ms=90)),
+            rec(64, s, ev.OperationCompleted(at=at(1_100), op_id="op2")),
+        ],
+    )
     assert w3.finish_steps == [(62, "completed", 63, at(1_000), 100, 90, "", "", "")]
     assert w3.finish_operations == [(F, "op2", "completed", 64, at(1_100), 1_100, "", "")]
     assert carry == Carry()
@@ -177,12 +216,20 @@ def test_steps_and_operations_spanning_batches_are_finished_by_updates():
 
 def test_domain_declarations_carry_provider_and_region_and_retirement():
     spec = DomainSpec(name="b", provider="skypilot", region="us-east-1", gpus=[GpuSpec(index=0, memory_bytes=1)])
-    writes, _ = plan(Carry(), [
-        rec(70, subjects.decl(F), ev.DomainDeclared(at=at(0), spec=spec)),
-        rec(71, subjects.decl(F), ev.DomainRetired(at=at(5), domain="b")),
-    ])
+    writes, _ = plan(
+        Carry(),
+        [
+            rec(70, subjects.decl(F), ev.DomainDeclared(at=at(0), spec=spec)),
+            rec(71, subjects.decl(F), ev.DomainRetired(at=at(5), domain="b")),
+        ],
+    )
     got = [dict(zip(S.DOMAIN_COLUMNS, r)) for r in writes.upsert_domains]
-    assert (got[0]["provider"], got[0]["region"], got[0]["gpus"], got[0]["retired_at"]) == ("skypilot", "us-east-1", 1, None)
+    assert (got[0]["provider"], got[0]["region"], got[0]["gpus"], got[0]["retired_at"]) == (
+        "skypilot",
+        "us-east-1",
+        1,
+        None,
+    )
     assert (got[1]["provider"], got[1]["retired_at"]) == (None, at(5))
 
 
@@ -217,8 +264,10 @@ _kinds = st.sampled_from(["loading", "resident", "lost", "sleeping", "waking"])
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["m1", "m2"]), _kinds), max_size=60),
-       st.integers(min_value=1, max_value=10))
+@given(
+    st.lists(st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["m1", "m2"]), _kinds), max_size=60),
+    st.integers(min_value=1, max_value=10),
+)
 def test_batching_does_not_change_the_incidents(steps, batch):
     """Planning the history in batches of any size ends with the same incidents as all at once."""
     records = []
@@ -262,11 +311,14 @@ def test_batching_does_not_change_the_incidents(steps, batch):
 
 def test_a_request_repeated_for_an_operation_already_recorded_in_the_batch_changes_nothing():
     s = subjects.op(F)
-    writes, carry = plan(Carry(), [
-        rec(1, s, ev.PromotionRequested(at=at(0), op_id="op", target="b")),
-        rec(2, s, ev.OperationCompleted(at=at(10), op_id="op")),
-        rec(3, s, ev.PromotionRequested(at=at(20), op_id="op", target="a")),
-    ])
+    writes, carry = plan(
+        Carry(),
+        [
+            rec(1, s, ev.PromotionRequested(at=at(0), op_id="op", target="b")),
+            rec(2, s, ev.OperationCompleted(at=at(10), op_id="op")),
+            rec(3, s, ev.PromotionRequested(at=at(20), op_id="op", target="a")),
+        ],
+    )
     ops = [dict(zip(S.OPERATION_COLUMNS, r)) for r in writes.insert_operations]
     assert [(o["target"], o["outcome"], o["duration_ms"]) for o in ops] == [("b", "completed", 10)]
     assert carry.operations == {}
@@ -287,8 +339,10 @@ def test_a_misplaced_event_makes_no_row_but_a_skipped_one_naming_it():
     assert writes.insert_operations == [] and writes.upsert_domains == []
     skipped = rows("skipped_events", writes)
     assert [r["seq"] for r in skipped] == [1, 2, 3, 4]
-    assert skipped[0]["error"] == (f"misplaced: seq 1: model_lost on {subjects.model(F, 'a', 'qwen3.6:27b')} by {forger} "
-                                   "not applied: its body says domain 'b', its subject says 'a'")
+    assert skipped[0]["error"] == (
+        f"misplaced: seq 1: model_lost on {subjects.model(F, 'a', 'qwen3.6:27b')} by {forger} "
+        "not applied: its body says domain 'b', its subject says 'a'"
+    )
     assert "route_moved belongs on haru.evt.<fleet>.route" in skipped[1]["error"]
     assert skipped[3]["body"] == ev.encode(records[3].event)
     assert [s[0] for s in writes.skipped] == [1, 2, 3, 4]
@@ -308,12 +362,22 @@ def test_the_named_rows_are_their_tables_columns_in_order():
 def test_a_cascading_promotion_records_the_standbys_it_tried_and_its_final_target():
     s = subjects.op(F)
     records = [
-        rec(70, s, ev.PromotionRequested(at=at(0), op_id="op3", target="b", source="a", reason="domain_unreachable",
-                                         cascade=True)),
+        rec(
+            70,
+            s,
+            ev.PromotionRequested(
+                at=at(0), op_id="op3", target="b", source="a", reason="domain_unreachable", cascade=True
+            ),
+        ),
         rec(71, s, ev.StepStarted(at=at(10), op_id="op3", step="wake")),
         rec(72, s, ev.StepFailed(at=at(20), op_id="op3", step="wake", error="out of memory")),
-        rec(73, s, ev.PromotionRetargeted(at=at(21), op_id="op3", target="c", previous="b", step="wake",
-                                          error="out of memory")),
+        rec(
+            73,
+            s,
+            ev.PromotionRetargeted(
+                at=at(21), op_id="op3", target="c", previous="b", step="wake", error="out of memory"
+            ),
+        ),
     ]
     writes, carry = plan(Carry(), records)
     [op] = [dict(zip(S.OPERATION_COLUMNS, r)) for r in writes.insert_operations]

@@ -8,30 +8,33 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import asyncpg
 import pytest
 
-from tests.support import pgdata
 from haru.core import events as ev
 from haru.core import subjects
-from haru.log.eventlog import EventLog
 from haru.core.specs import DomainSpec
 from haru.host.tasks import cancel_and_wait
+from haru.log.eventlog import EventLog
 from haru.projections import pg_schema as S
 from haru.projections.postgres import PostgresSink
+from tests.support import pgdata
 
 pytestmark = pytest.mark.postgres
 
 ROOT = Path(__file__).resolve().parents[2]
-HARU = [str(ROOT / ".venv" / "bin" / "haru")] if (ROOT / ".venv" / "bin" / "haru").exists() else [
-    sys.executable, "-m", "haru.cli"]
+HARU = (
+    [str(ROOT / ".venv" / "bin" / "haru")]
+    if (ROOT / ".venv" / "bin" / "haru").exists()
+    else [sys.executable, "-m", "haru.cli"]
+)
 F = "default"
 M = "qwen3.6:27b"
 M2 = "meta-llama/Llama-3.1-8B-Instruct"
-T0 = datetime(2026, 11, 20, 8, 0, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 20, 8, 0, 0, tzinfo=UTC)
 
 
 def t(seconds: float) -> datetime:
@@ -72,19 +75,43 @@ async def test_incidents_match_the_events_and_survive_a_restart(event_log, nats_
     try:
         rows = await conn.fetch("SELECT * FROM haru.incidents ORDER BY opened_seq")
         assert [dict(r) for r in rows] == [
-            dict(opened_seq=opened, fleet=F, domain="a", model=M, reason="gpu_detached", detail="GPU 0 gone",
-                 opened_at=t(100), closed_seq=closed, closed_at=t(195.5), duration_ms=95_500),
-            dict(opened_seq=open_seq, fleet=F, domain="b", model=M2, reason="evicted", detail="OOM killer",
-                 opened_at=t(200), closed_seq=None, closed_at=None, duration_ms=None),
+            dict(
+                opened_seq=opened,
+                fleet=F,
+                domain="a",
+                model=M,
+                reason="gpu_detached",
+                detail="GPU 0 gone",
+                opened_at=t(100),
+                closed_seq=closed,
+                closed_at=t(195.5),
+                duration_ms=95_500,
+            ),
+            dict(
+                opened_seq=open_seq,
+                fleet=F,
+                domain="b",
+                model=M2,
+                reason="evicted",
+                detail="OOM killer",
+                opened_at=t(200),
+                closed_seq=None,
+                closed_at=None,
+                duration_ms=None,
+            ),
         ]
-        states = await conn.fetch("SELECT seq, state, reason, observed_at, recorded_at FROM haru.residency_transitions "
-                                  "WHERE domain = 'a' ORDER BY seq")
+        states = await conn.fetch(
+            "SELECT seq, state, reason, observed_at, recorded_at FROM haru.residency_transitions "
+            "WHERE domain = 'a' ORDER BY seq"
+        )
         assert [r["state"] for r in states] == ["loading", "resident", "lost", "loading", "lost", "loading", "resident"]
         assert all(r["recorded_at"] > r["observed_at"] for r in states)  # JetStream time is now; `at` is 2026-11-20
         skipped = await conn.fetchrow("SELECT * FROM haru.skipped_events")
         assert skipped["seq"] == bad.seq and "at" in skipped["error"]
         assert (await conn.fetchrow("SELECT provider, region FROM haru.domains WHERE domain = 'b'"))[:] == (
-            "skypilot", "us-east-1")
+            "skypilot",
+            "us-east-1",
+        )
     finally:
         await conn.close()
 
@@ -110,14 +137,27 @@ async def test_a_pull_is_stored_with_its_progress_and_where_the_files_came_from(
     ref = "hf:Qwen/Qwen3-0.6B-GGUF:Q4_K_M"
     await put(log, a, ev.ModelPulling(at=t(1), domain="a", model=M, reference=ref, total_bytes=4096))
     await put(log, a, ev.ModelPulling(at=t(6), domain="a", model=M, reference=ref, done_bytes=1024, total_bytes=4096))
-    await put(log, a, ev.ModelPulling(at=t(9), domain="a", model=M, reference=ref, done_bytes=4096, total_bytes=4096,
-                                      origin="https://huggingface.co/Qwen/Qwen3-0.6B-GGUF@abc123"))
+    await put(
+        log,
+        a,
+        ev.ModelPulling(
+            at=t(9),
+            domain="a",
+            model=M,
+            reference=ref,
+            done_bytes=4096,
+            total_bytes=4096,
+            origin="https://huggingface.co/Qwen/Qwen3-0.6B-GGUF@abc123",
+        ),
+    )
     await put(log, a, ev.ModelLoading(at=t(10), domain="a", model=M))
     await once(pg_dsn, nats_server.url)
     conn = await asyncpg.connect(pg_dsn)
     try:
-        rows = await conn.fetch("SELECT state, reference, done_bytes, total_bytes, detail FROM haru.residency_transitions "
-                                "WHERE domain = 'a' ORDER BY seq")
+        rows = await conn.fetch(
+            "SELECT state, reference, done_bytes, total_bytes, detail FROM haru.residency_transitions "
+            "WHERE domain = 'a' ORDER BY seq"
+        )
         assert [tuple(r) for r in rows] == [
             ("pulling", ref, 0, 4096, ""),
             ("pulling", ref, 1024, 4096, ""),
@@ -241,7 +281,9 @@ async def test_cli_migrate_only_reports_the_schema_version(pg_dsn):
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert first.returncode == 0, first.stderr
     assert first.stdout.strip() == '{"applied":[%s],"version":%d}' % (
-        ",".join(str(m.version) for m in S.MIGRATIONS), S.LATEST)
+        ",".join(str(m.version) for m in S.MIGRATIONS),
+        S.LATEST,
+    )
     assert second.stdout.strip() == '{"applied":[],"version":%d}' % S.LATEST
 
 
@@ -303,8 +345,18 @@ def _expected_event_rows(items: list[tuple[str, bytes]]) -> dict[str, int]:
             opened += 1
         elif isinstance(e, ev.ModelResident):
             open_.discard((e.domain, e.model))
-    residency = sum(tags[t] for t in ("model_loading", "model_resident", "model_sleeping", "model_waking",
-                                      "model_lost", "model_failed", "model_stopped"))
+    residency = sum(
+        tags[t]
+        for t in (
+            "model_loading",
+            "model_resident",
+            "model_sleeping",
+            "model_waking",
+            "model_lost",
+            "model_failed",
+            "model_stopped",
+        )
+    )
     return {
         "residency_transitions": residency,
         "gpu_observations": tags["gpu_observed"],
@@ -373,8 +425,16 @@ async def _wait_position(dsn: str, target: int, task: asyncio.Task, timeout: flo
 @pytest.mark.timeout(120)
 async def test_a_following_sink_rides_out_a_nats_restart(event_log, nats_server, pg_dsn):
     first = await pgdata.store(event_log, pgdata.fleet_history(1000, seed=5))
-    sink = PostgresSink(pg_dsn, [nats_server.url], batch_size=300, flush_interval=0.05, retry=True, retry_max=0.5,
-                        stall_interval=0.3, stall_checks=2)
+    sink = PostgresSink(
+        pg_dsn,
+        [nats_server.url],
+        batch_size=300,
+        flush_interval=0.05,
+        retry=True,
+        retry_max=0.5,
+        stall_interval=0.3,
+        stall_checks=2,
+    )
     task = asyncio.create_task(sink.run(follow=True))
     try:
         await _wait_position(pg_dsn, first, task)
@@ -405,15 +465,23 @@ async def test_a_following_sink_rides_out_a_nats_restart(event_log, nats_server,
 
 
 async def test_cli_with_a_malformed_dsn_says_what_a_dsn_looks_like():
-    out = subprocess.run([*HARU, "sink", "postgres", "--dsn", "db.internal/haru", "--migrate-only"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*HARU, "sink", "postgres", "--dsn", "db.internal/haru", "--migrate-only"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1, out.stderr
     assert "not a usable PostgreSQL URL" in out.stderr and "postgresql://" in out.stderr
 
 
 async def test_cli_once_before_the_stream_exists_says_to_start_haru(nats_server, pg_dsn):
-    out = subprocess.run([*HARU, "sink", "postgres", "--dsn", pg_dsn, "--once", "--nats-url", nats_server.url],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*HARU, "sink", "postgres", "--dsn", pg_dsn, "--once", "--nats-url", nats_server.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 6, out.stderr
     assert "HARU_EVENTS does not exist yet" in out.stderr
 

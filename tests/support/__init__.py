@@ -7,8 +7,9 @@ import subprocess
 import sys
 
 
-def haru(*args: str, nats_url: str | None = None, timeout: float = 30, env: dict | None = None,
-         check: bool = False) -> subprocess.CompletedProcess[str]:
+def haru(
+    *args: str, nats_url: str | None = None, timeout: float = 30, env: dict | None = None, check: bool = False
+) -> subprocess.CompletedProcess[str]:
     """Run the real `haru` CLI in a child process (python -m haru.cli ...)."""
     argv = [sys.executable, "-m", "haru.cli", *args]
     if nats_url is not None:

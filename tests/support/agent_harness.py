@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 import asyncio
 import json
 import os
@@ -14,6 +12,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
@@ -34,25 +33,45 @@ FAST_POLICY = {
 
 
 def sim_model(name: str, sim_dir: Path, domain: str, *, vram: str = "4GiB", load_ms: int = 200, **env: str) -> dict:
-    e = {"HARU_SIM_DIR": str(sim_dir), "HARU_SIM_DOMAIN": domain, "HARU_SIM_VRAM": vram,
-         "HARU_SIM_LOAD_MS": str(load_ms), "HARU_SIM_WAKE_MS": "50", "HARU_SIM_SLEEP_MS": "20",
-         "HARU_SIM_TOKENS_PER_S": "2000", "HARU_SIM_GPU_INDEX": "0"}
+    e = {
+        "HARU_SIM_DIR": str(sim_dir),
+        "HARU_SIM_DOMAIN": domain,
+        "HARU_SIM_VRAM": vram,
+        "HARU_SIM_LOAD_MS": str(load_ms),
+        "HARU_SIM_WAKE_MS": "50",
+        "HARU_SIM_SLEEP_MS": "20",
+        "HARU_SIM_TOKENS_PER_S": "2000",
+        "HARU_SIM_GPU_INDEX": "0",
+    }
     e.update(env)
     return {"name": name, "runtime": "vllm", "vram": vram, "source": f"sim/{name}", "binary": SIM_VLLM, "env": e}
 
 
-def trainer_slot(sim_dir: Path, ckpt: Path, *, vram: str = "8GiB", extra: list[str] | None = None,
-                 grace_ms: int = 0) -> dict:
-    slot = {"name": "lora", "kind": "training", "gpu": 0,
-            "command": [PY, "-m", "haru.agents.sim.trainer", "--vram", vram, "--sim-dir", str(sim_dir), *(extra or [])],
-            "checkpoint_dir": str(ckpt), "vram": vram}
+def trainer_slot(
+    sim_dir: Path, ckpt: Path, *, vram: str = "8GiB", extra: list[str] | None = None, grace_ms: int = 0
+) -> dict:
+    slot = {
+        "name": "lora",
+        "kind": "training",
+        "gpu": 0,
+        "command": [PY, "-m", "haru.agents.sim.trainer", "--vram", vram, "--sim-dir", str(sim_dir), *(extra or [])],
+        "checkpoint_dir": str(ckpt),
+        "vram": vram,
+    }
     if grace_ms:
         slot["grace_ms"] = grace_ms
     return slot
 
 
-def write_layout(path: Path, tmp: Path, *, models: dict[str, dict] | None = None, training: dict | None = None,
-                 policy: dict | None = None, fleet: str = "f") -> Path:
+def write_layout(
+    path: Path,
+    tmp: Path,
+    *,
+    models: dict[str, dict] | None = None,
+    training: dict | None = None,
+    policy: dict | None = None,
+    fleet: str = "f",
+) -> Path:
     """Two mirrored domains a and b, one 24 GiB GPU each, the sim host of domain d at tmp/sim/d."""
     domains = []
     for d in ("a", "b"):
@@ -69,10 +88,18 @@ def write_layout(path: Path, tmp: Path, *, models: dict[str, dict] | None = None
     return path
 
 
-def write_config(path: Path, nats_url: str, tmp: Path, *, domain: str = "a", layout: Path | None = None,
-                 fleet: str = "f", **extra) -> Path:
-    cfg = {"nats_url": nats_url, "fleet": fleet, "domain": domain, "gpus": "sim", "sim_dir": str(tmp / "sim" / domain),
-           "serving": {"host": "127.0.0.1", "port": 0}, "state_dir": str(tmp / "state" / domain)}
+def write_config(
+    path: Path, nats_url: str, tmp: Path, *, domain: str = "a", layout: Path | None = None, fleet: str = "f", **extra
+) -> Path:
+    cfg = {
+        "nats_url": nats_url,
+        "fleet": fleet,
+        "domain": domain,
+        "gpus": "sim",
+        "sim_dir": str(tmp / "sim" / domain),
+        "serving": {"host": "127.0.0.1", "port": 0},
+        "state_dir": str(tmp / "state" / domain),
+    }
     if layout is not None:
         cfg["layout"] = str(layout)
     cfg.update(extra)
@@ -86,9 +113,14 @@ class AgentProcess:
         self.log_path = log_path
         self.env = env
         self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen([PY, "-m", "haru.cli", "agent", "--config", str(config), "--log-format", "json"],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [PY, "-m", "haru.cli", "agent", "--config", str(config), "--log-format", "json"],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(REPO),
+            start_new_session=True,
+        )
 
     @property
     def pid(self) -> int:
@@ -132,7 +164,6 @@ class AgentProcess:
         return Path(state_dir) if state_dir else None
 
 
-
 def kill_agents(procs: list[AgentProcess]) -> None:
     """`kill` each agent of a test's fleet (its runtimes and port holder too), whatever happens to the others."""
     for p in procs:
@@ -140,6 +171,7 @@ def kill_agents(procs: list[AgentProcess]) -> None:
             p.kill()
         except Exception:  # noqa: BLE001 - one agent's teardown must not leave the next one running
             pass
+
 
 def kill_runtimes(state_dir: Path) -> list[int]:
     """SIGKILL the process group of every runtime an agent left in `state_dir` (its identity files,
@@ -186,8 +218,10 @@ async def wait_event(log, subject_filter: str, pred, *, timeout: float = 20.0, a
             if rec.event is not None and pred(rec):
                 return rec
         if time.monotonic() > deadline:
-            tags = [(r.seq, r.subject, type(r.event).__struct_config__.tag if r.event else r.error)
-                    for r in await log.history(subject_filter)]
+            tags = [
+                (r.seq, r.subject, type(r.event).__struct_config__.tag if r.event else r.error)
+                for r in await log.history(subject_filter)
+            ]
             out = agent.output()[-6000:] if agent else ""
             raise AssertionError(f"no matching event on {subject_filter} in {timeout}s; saw {tags}\n{out}")
         if agent is not None and agent.proc.poll() is not None:

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-SCRIPT = r'''#!{python}
+SCRIPT = r"""#!{python}
 import hashlib, json, os, re, subprocess, sys, time
 from pathlib import Path
 HOME = Path({home!r})
@@ -210,7 +210,7 @@ elif cmd == "serve":
 else:
     print(f"fake sky: unknown command {{argv}}", file=sys.stderr)
     sys.exit(2)
-'''
+"""
 
 
 class FakeSky:
@@ -222,8 +222,16 @@ class FakeSky:
         self.path = self.home / "sky"
         self.path.write_text(SCRIPT.format(python=sys.executable, home=str(self.home)))
         self.path.chmod(self.path.stat().st_mode | stat.S_IXUSR)
-        self.write_state({"clusters": {}, "services": {}, "launch_script": [], "down_script": [],
-                          "serve_script": [], "watch_env": list(watch_env)})
+        self.write_state(
+            {
+                "clusters": {},
+                "services": {},
+                "launch_script": [],
+                "down_script": [],
+                "serve_script": [],
+                "watch_env": list(watch_env),
+            }
+        )
 
     def state(self) -> dict:
         return json.loads((self.home / "state.json").read_text())
@@ -259,12 +267,25 @@ class FakeSky:
             out.append(" ".join(argv[:2]) if argv and argv[0] == "serve" else (argv[0] if argv else ""))
         return out
 
-    def add_host(self, base: str, argv: list[str], log: Path, *, env: dict | None = None, cwd: str | None = None,
-                 sim_dir: str = "") -> None:
+    def add_host(
+        self,
+        base: str,
+        argv: list[str],
+        log: Path,
+        *,
+        env: dict | None = None,
+        cwd: str | None = None,
+        sim_dir: str = "",
+    ) -> None:
         """A launch of `base` (or a replacement of it) starts `argv` as the launched host."""
         state = self.state()
-        state.setdefault("hosts", {})[base] = {"argv": argv, "log": str(log), "env": env or {}, "cwd": cwd,
-                                               "sim_dir": sim_dir}
+        state.setdefault("hosts", {})[base] = {
+            "argv": argv,
+            "log": str(log),
+            "env": env or {},
+            "cwd": cwd,
+            "sim_dir": sim_dir,
+        }
         self.write_state(state)
 
     def launched(self) -> list[dict]:

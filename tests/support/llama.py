@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import json
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -48,8 +48,10 @@ def llama_binary() -> Path:
         path = ensure_binary(build=True)
     if path is not None:
         return path
-    how = ("no llama-server binary: build it once with `python -m haru.agents.runtimes.llama_build` (~10 min on 2 "
-           "cores, cached per machine) or point HARU_LLAMA_SERVER at one")
+    how = (
+        "no llama-server binary: build it once with `python -m haru.agents.runtimes.llama_build` (~10 min on 2 "
+        "cores, cached per machine) or point HARU_LLAMA_SERVER at one"
+    )
     if os.environ.get("HARU_REQUIRE_LLAMA") == "1":
         pytest.fail(f"HARU_REQUIRE_LLAMA=1 and {how}")
     pytest.skip(how)
@@ -57,17 +59,34 @@ def llama_binary() -> Path:
 
 def tiny_models(root: Path, seeds: dict[str, int]) -> dict[str, Path]:
     """One GGUF per name, each from its own seed (so two domains' answers can be told apart)."""
-    return {name: write_tiny_model(root / f"{name.replace('/', '_').replace(':', '_')}.gguf", seed=seed)
-            for name, seed in seeds.items()}
+    return {
+        name: write_tiny_model(root / f"{name.replace('/', '_').replace(':', '_')}.gguf", seed=seed)
+        for name, seed in seeds.items()
+    }
 
 
 def llama_model(name: str, binary: Path, gguf: Path, **extra) -> dict:
-    return {"name": name, "runtime": "llama_server", "vram": "64MiB", "context_length": 2048,
-            "source": str(gguf), "binary": [str(binary)], "args": list(LLAMA_ARGS), **extra}
+    return {
+        "name": name,
+        "runtime": "llama_server",
+        "vram": "64MiB",
+        "context_length": 2048,
+        "source": str(gguf),
+        "binary": [str(binary)],
+        "args": list(LLAMA_ARGS),
+        **extra,
+    }
 
 
-def real_layout(path: Path, tmp: Path, domains: dict[str, list[dict]], *, policy: dict | None = None,
-                fleet: str = "default", training: bool = False) -> Path:
+def real_layout(
+    path: Path,
+    tmp: Path,
+    domains: dict[str, list[dict]],
+    *,
+    policy: dict | None = None,
+    fleet: str = "default",
+    training: bool = False,
+) -> Path:
     """Domains of llama-server models, each on one simulated 24 GiB GPU (the GPU is simulated; the
     runtimes are not: llama-server runs on the CPU)."""
     import sys
@@ -82,11 +101,32 @@ def real_layout(path: Path, tmp: Path, domains: dict[str, list[dict]], *, policy
         SimGpuState(sim_dir, 0).ensure(24 * GiB)
         slots = [{"name": "chat", "gpu": 0, "models": models}]
         if training:
-            slots.append({"name": "lora", "kind": "training", "gpu": 0,
-                          "command": [sys.executable, "-m", "haru.agents.sim.trainer", "--vram", "2GiB", "--sim-dir", str(sim_dir)],
-                          "checkpoint_dir": str(tmp / "ckpt" / d), "vram": "2GiB"})
-        doc_domains.append({"name": d, "gpus": [{"index": 0, "memory": "24GiB", "reserve": "1GiB"}], "slots": slots,
-                            "serving_url": f"http://127.0.0.1:{free_port()}"})
+            slots.append(
+                {
+                    "name": "lora",
+                    "kind": "training",
+                    "gpu": 0,
+                    "command": [
+                        sys.executable,
+                        "-m",
+                        "haru.agents.sim.trainer",
+                        "--vram",
+                        "2GiB",
+                        "--sim-dir",
+                        str(sim_dir),
+                    ],
+                    "checkpoint_dir": str(tmp / "ckpt" / d),
+                    "vram": "2GiB",
+                }
+            )
+        doc_domains.append(
+            {
+                "name": d,
+                "gpus": [{"index": 0, "memory": "24GiB", "reserve": "1GiB"}],
+                "slots": slots,
+                "serving_url": f"http://127.0.0.1:{free_port()}",
+            }
+        )
     path.write_text(json.dumps({"fleet": fleet, "policy": {**REAL_POLICY, **(policy or {})}, "domains": doc_domains}))
     return path
 
@@ -95,24 +135,31 @@ def real_layout(path: Path, tmp: Path, domains: dict[str, list[dict]], *, policy
 async def real_fleet(tmp_path: Path, nats_server, event_log, layout: Path, *, fleet: str = "default"):
     """The layout applied, one agent per domain (real subprocesses), and in this process a projector,
     a promoter and a gateway. Yields the gateway."""
-    from haru.gateway.config import GatewayConfig
-    from haru.gateway.server import Gateway
     from haru.core.apply import apply
     from haru.core.layout import load_layout
+    from haru.gateway.config import GatewayConfig
+    from haru.gateway.server import Gateway
     from haru.host.tasks import cancel_and_wait
     from haru.projections.projector import Projector
     from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, write_config
     from tests.support.promoter import promoters
 
     spec = load_layout(layout)
-    await apply(event_log, spec, datetime.now(timezone.utc))
+    await apply(event_log, spec, datetime.now(UTC))
     procs: list[AgentProcess] = []
     projector = asyncio.create_task(Projector(event_log).run(), name="projector")
     try:
         for d in spec.domains:
             name = d.spec.name
-            cfg = write_config(tmp_path / f"agent-{name}.json", nats_server.url, tmp_path, domain=name, layout=layout,
-                               fleet=fleet, serving={"host": "127.0.0.1", "port": 0})  # the serving_url's port
+            cfg = write_config(
+                tmp_path / f"agent-{name}.json",
+                nats_server.url,
+                tmp_path,
+                domain=name,
+                layout=layout,
+                fleet=fleet,
+                serving={"host": "127.0.0.1", "port": 0},
+            )  # the serving_url's port
             procs.append(AgentProcess(cfg, tmp_path / f"agent-{name}.log", agent_env()))
         async with promoters(nats_server.url):
             async with Gateway(GatewayConfig(port=0), event_log) as gw:

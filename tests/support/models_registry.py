@@ -71,18 +71,23 @@ class Registry:
         cfg = self.root / f"{name.replace('/', '_')}-{tag}.config.json"
         cfg.write_text(json.dumps({"model_format": "gguf", "model_family": "llama", "file_type": "F32"}))
         layers = []
-        for path, media in ((gguf, "application/vnd.ollama.image.model"),
-                            (tpl, "application/vnd.ollama.image.template")):
+        for path, media in (
+            (gguf, "application/vnd.ollama.image.model"),
+            (tpl, "application/vnd.ollama.image.template"),
+        ):
             d, n = self.add_blob(path)
             layers.append({"mediaType": media, "digest": d, "size": n})
         cd, cn = self.add_blob(cfg)
         self.doc["ollama"][f"{name}:{tag}"] = {
-            "schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
             "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "digest": cd, "size": cn},
-            "layers": layers}
+            "layers": layers,
+        }
 
-    def add_hf(self, repo: str, files: dict[str, Path], *, lfs_suffixes=(".gguf", ".safetensors"),
-               commit: str = "") -> str:
+    def add_hf(
+        self, repo: str, files: dict[str, Path], *, lfs_suffixes=(".gguf", ".safetensors"), commit: str = ""
+    ) -> str:
         commit = commit or hashlib.sha1(repo.encode() + b"".join(sorted(f.encode() for f in files))).hexdigest()
         entries = {}
         for name, path in files.items():
@@ -126,9 +131,18 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
     def note(request: web.Request, **extra) -> None:
         if log is not None:
             with open(log, "a") as f:
-                f.write(json.dumps({"method": request.method, "path": request.path,
-                                    "range": request.headers.get("Range", ""),
-                                    "auth": "Authorization" in request.headers, **extra}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "method": request.method,
+                            "path": request.path,
+                            "range": request.headers.get("Range", ""),
+                            "auth": "Authorization" in request.headers,
+                            **extra,
+                        }
+                    )
+                    + "\n"
+                )
 
     def authorized(request: web.Request, d: dict) -> bool:
         token = d["faults"].get("token")
@@ -138,13 +152,15 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
         d = doc()
         note(request)
         if not authorized(request, d):
-            return web.json_response({"errors": [{"code": "UNAUTHORIZED", "message": "authentication required"}]},
-                                     status=401)
+            return web.json_response(
+                {"errors": [{"code": "UNAUTHORIZED", "message": "authentication required"}]}, status=401
+            )
         key = f"{request.match_info['ns']}/{request.match_info['name']}:{request.match_info['tag']}"
         m = d["ollama"].get(key)
         if m is None:
-            return web.json_response({"errors": [{"code": "MANIFEST_UNKNOWN", "message": "manifest unknown"}]},
-                                     status=404)
+            return web.json_response(
+                {"errors": [{"code": "MANIFEST_UNKNOWN", "message": "manifest unknown"}]}, status=404
+            )
         return web.json_response(m, content_type="application/vnd.docker.distribution.manifest.v2+json")
 
     async def ollama_blob(request: web.Request) -> web.StreamResponse:
@@ -161,8 +177,9 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
             return web.json_response({"error": "Invalid credentials in Authorization header"}, status=401)
         repo = f"{request.match_info['org']}/{request.match_info['repo']}"
         if repo in d.get("aliases", {}):  # a renamed repository: the Hub answers with a relative redirect
-            raise web.HTTPTemporaryRedirect(f"/api/models/{d['aliases'][repo]}/revision/{request.match_info['rev']}"
-                                            f"?{request.query_string}")
+            raise web.HTTPTemporaryRedirect(
+                f"/api/models/{d['aliases'][repo]}/revision/{request.match_info['rev']}?{request.query_string}"
+            )
         r = d["hf"].get(repo)
         if r is None:
             return web.json_response({"error": "Repository not found"}, status=404)
@@ -182,21 +199,32 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
             return web.Response(status=401, text="Invalid credentials")
         repo = f"{request.match_info['org']}/{request.match_info['repo']}"
         if repo in d.get("aliases", {}):
-            raise web.HTTPTemporaryRedirect(f"/{d['aliases'][repo]}/resolve/{request.match_info['rev']}/"
-                                            f"{request.match_info['file']}")
+            raise web.HTTPTemporaryRedirect(
+                f"/{d['aliases'][repo]}/resolve/{request.match_info['rev']}/{request.match_info['file']}"
+            )
         r = d["hf"].get(repo)
         name = request.match_info["file"]
         e = (r or {}).get("files", {}).get(name)
         if r is None or e is None or request.match_info["rev"] not in (r["sha"], "main"):
             return web.Response(status=404, text="Entry not found", headers={"X-Error-Code": "EntryNotFound"})
         if e["lfs"]:
-            headers = {"X-Linked-Etag": f'"{e["sha256"]}"', "X-Linked-Size": str(e["size"]),
-                       "ETag": f'"{e["blob_id"]}"', "X-Repo-Commit": r["sha"], "Location": f"/cdn/sha256:{e['sha256']}"}
+            headers = {
+                "X-Linked-Etag": f'"{e["sha256"]}"',
+                "X-Linked-Size": str(e["size"]),
+                "ETag": f'"{e["blob_id"]}"',
+                "X-Repo-Commit": r["sha"],
+                "Location": f"/cdn/sha256:{e['sha256']}",
+            }
             # absolute, to "another host" (the real Hub sends its CDN's URL): a resolver stops here and reads X-Linked-*
             headers["Location"] = f"{d.get('cdn') or request.url.origin()}/cdn/sha256:{e['sha256']}"
             return web.Response(status=302, headers=headers)
-        return await _body(request, Path(e["path"]), f"gitsha1:{e['blob_id']}", d,
-                           {"ETag": f'"{e["blob_id"]}"', "X-Repo-Commit": r["sha"]})
+        return await _body(
+            request,
+            Path(e["path"]),
+            f"gitsha1:{e['blob_id']}",
+            d,
+            {"ETag": f'"{e["blob_id"]}"', "X-Repo-Commit": r["sha"]},
+        )
 
     async def cdn(request: web.Request) -> web.StreamResponse:
         d = doc()
@@ -223,7 +251,7 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
         corrupt = d["faults"].get("corrupt", {})
         if digest in corrupt:
             at = int(corrupt[digest])
-            data = data[:at] + bytes(b ^ 0xFF for b in data[at:at + 64]) + data[at + 64:]
+            data = data[:at] + bytes(b ^ 0xFF for b in data[at : at + 64]) + data[at + 64 :]
         total = len(data)
         if request.method == "HEAD":
             return web.Response(status=200, headers={**headers, "Content-Length": str(total)})
@@ -244,8 +272,9 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
         cut = int(short[digest]) if digest in short else None
         stall = d["faults"].get("stall", {})
         hold = int(stall[digest]) if digest in stall else None
-        resp = web.StreamResponse(status=status, headers={**headers, "Content-Length": str(len(body)),
-                                                          "Accept-Ranges": "bytes"})
+        resp = web.StreamResponse(
+            status=status, headers={**headers, "Content-Length": str(len(body)), "Accept-Ranges": "bytes"}
+        )
         if digest in faults.get("chunked", []):
             del resp.headers["Content-Length"]
             resp.enable_chunked_encoding()  # no length: the client learns the size at the last chunk
@@ -253,7 +282,7 @@ def app(root: Path, *, rate: int = 0, log: Path | None = None) -> web.Applicatio
         step = 65536
         sent = 0
         while sent < len(body):
-            chunk = body[sent:sent + step]
+            chunk = body[sent : sent + step]
             if cut is not None and sent + len(chunk) > cut:
                 await resp.write(chunk[: cut - sent])
                 request.transport.close()  # the connection drops mid-body
@@ -287,7 +316,7 @@ class Server:
         self.root, self.rate, self.log = root, rate, log
         self.url = ""
 
-    async def __aenter__(self) -> "Server":
+    async def __aenter__(self) -> Server:
         self.runner = web.AppRunner(app(self.root, rate=self.rate, log=self.log), access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -300,7 +329,7 @@ class Server:
         await self.runner.cleanup()
 
 
-def write_safetensors(path: Path, tensors: dict[str, "object"]) -> Path:
+def write_safetensors(path: Path, tensors: dict[str, object]) -> Path:
     """A safetensors file from numpy arrays (the format: u64 header length, JSON header, raw data)."""
     import numpy as np
 
@@ -327,8 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=int, default=0)
     p.add_argument("--log", default=None)
     args = p.parse_args(argv)
-    web.run_app(app(Path(args.root), rate=args.rate, log=Path(args.log) if args.log else None),
-                host="127.0.0.1", port=args.port, print=lambda *_: print("ready", flush=True), access_log=None)
+    web.run_app(
+        app(Path(args.root), rate=args.rate, log=Path(args.log) if args.log else None),
+        host="127.0.0.1",
+        port=args.port,
+        print=lambda *_: print("ready", flush=True),
+        access_log=None,
+    )
     return 0
 
 

@@ -126,7 +126,7 @@ class LocalPostgres:
                 f"{Path(argv[0]).name} failed ({out.returncode}): {out.stderr.strip() or out.stdout.strip()}\n{tail}"
             )
 
-    def start(self) -> "LocalPostgres":
+    def start(self) -> LocalPostgres:
         as_root = os.geteuid() == 0
         self.root = Path(tempfile.mkdtemp(prefix="haru-pg-", dir=_traversable_tmp() if as_root else None))
         if as_root:
@@ -208,7 +208,7 @@ class LocalPostgres:
             shutil.rmtree(self.root, ignore_errors=True)
             self.root = None
 
-    def __enter__(self) -> "LocalPostgres":
+    def __enter__(self) -> LocalPostgres:
         try:
             return self.start()
         except BaseException:

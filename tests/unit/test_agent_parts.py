@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-
 from types import SimpleNamespace as NS
 
 from haru.agents.gpu import GpuReading
@@ -51,7 +50,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
         path.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == 1:
-                return path[path.index(dep):] + [dep]
+                return path[path.index(dep) :] + [dep]
             if dep not in state and (found := dfs(dep)):
                 return found
         path.pop()
@@ -76,15 +75,25 @@ def test_the_cycle_finder_finds_one():
 
 def test_the_outer_units_do_not_import_the_agent():
     graph = _imports()
-    for unit in ("haru.agents.commands", "haru.agents.serving", "haru.agents.supervisor", "haru.agents.recorder", "haru.agents.training_slots",
-                 "haru.agents.gpu_watch", "haru.agents.heartbeat", "haru.agents.observe", "haru.agents.pulling"):
+    for unit in (
+        "haru.agents.commands",
+        "haru.agents.serving",
+        "haru.agents.supervisor",
+        "haru.agents.recorder",
+        "haru.agents.training_slots",
+        "haru.agents.gpu_watch",
+        "haru.agents.heartbeat",
+        "haru.agents.observe",
+        "haru.agents.pulling",
+    ):
         assert "haru.agents.agent" not in graph[unit], unit
     assert graph["haru.agents.observe"] <= {"haru.agents.errors"}  # the pure table: nothing of the shell
 
 
 def test_docs_carry_the_decision_table_as_the_code_has_it():
-    assert decision_table_markdown() in (ROOT / "docs" / "agent.md").read_text(), \
+    assert decision_table_markdown() in (ROOT / "docs" / "agent.md").read_text(), (
         "docs/agent.md must carry agents.observe.decision_table_markdown() as it prints"
+    )
 
 
 def test_the_gpu_verdict_from_readings_passed_in():
@@ -92,14 +101,21 @@ def test_the_gpu_verdict_from_readings_passed_in():
     from haru.core.residency import Resident
 
     def model(name, gpu, state, kind="vllm"):
-        return NS(name=name, state_tag=state, spec=NS(gpu_index=gpu, gpu_indexes=[], vram_bytes=10 * GiB),
-                  runtime=NS(kind=kind, can_sleep=kind == "vllm"), state=Resident())
+        return NS(
+            name=name,
+            state_tag=state,
+            spec=NS(gpu_index=gpu, gpu_indexes=[], vram_bytes=10 * GiB),
+            runtime=NS(kind=kind, can_sleep=kind == "vllm"),
+            state=Resident(),
+        )
 
     idle = NS(group_pids=lambda: set(), ended=None, running=lambda: False)
     models = [model("a", 0, "sleeping"), model("b", 1, "sleeping"), model("x", 2, "resident", kind="external")]
     assert gpus_of(models) == [0, 1]
-    readings = {0: GpuReading(index=0, present=True, memory_free_bytes=4 * GiB, memory_total_bytes=24 * GiB),
-                1: GpuReading(index=1, present=None)}
+    readings = {
+        0: GpuReading(index=0, present=True, memory_free_bytes=4 * GiB, memory_total_bytes=24 * GiB),
+        1: GpuReading(index=1, present=None),
+    }
     verdict = judge_gpus(models, {"lora": idle}, readings, residual_bytes=GiB, pid_alive=lambda pid: False)
     assert not verdict.ok and verdict.error.code == "gpu_busy"
     assert "GPU 0 has 4294967296 bytes free; its sleeping models need 9663676416 to wake" in verdict.error.message

@@ -20,8 +20,16 @@ EVENT_TYPES: tuple[type, ...] = ev.AnyEvent.__args__  # type: ignore[attr-define
 KINDS = ("decl", "route", "checkpoint", "weights", "op", "agent", "liveness", "model", "gpu", "training")
 
 
-def build(cls: type, *, fleet: str = "default", domain: str = "a", model: str = "qwen3.6:27b", index: int = 0,
-          slot: str = "lora", by: str = "") -> ev.Event:
+def build(
+    cls: type,
+    *,
+    fleet: str = "default",
+    domain: str = "a",
+    model: str = "qwen3.6:27b",
+    index: int = 0,
+    slot: str = "lora",
+    by: str = "",
+) -> ev.Event:
     """An event of type `cls` whose identity fields (where it has them) are the ones given."""
     spec: dict = {}
     if cls in (ev.DomainDeclared, ev.DomainChanged):
@@ -40,8 +48,15 @@ def build(cls: type, *, fleet: str = "default", domain: str = "a", model: str = 
     return msgspec.convert(fields, cls)
 
 
-def subject_of(kind: str, *, fleet: str = "default", domain: str = "a", model: str = "qwen3.6:27b", index: int = 0,
-               slot: str = "lora") -> str:
+def subject_of(
+    kind: str,
+    *,
+    fleet: str = "default",
+    domain: str = "a",
+    model: str = "qwen3.6:27b",
+    index: int = 0,
+    slot: str = "lora",
+) -> str:
     """The subject of `kind` for these names, built by `haru.core.subjects` (the production builders)."""
     return {
         "decl": lambda: sj.decl(fleet),
@@ -71,8 +86,13 @@ def test_every_event_type_has_exactly_one_place():
 def test_the_table_names_the_subjects_the_builders_make():
     for place in authority.PLACES:
         built = subject_of(place.kind, fleet="f", domain="d", model="m", index=3, slot="s")
-        pattern = (place.subject.replace("<fleet>", "f").replace("<domain>", "d").replace("<model>", "m")
-                   .replace("<index>", "3").replace("<slot>", "s"))
+        pattern = (
+            place.subject.replace("<fleet>", "f")
+            .replace("<domain>", "d")
+            .replace("<model>", "m")
+            .replace("<index>", "3")
+            .replace("<slot>", "s")
+        )
         assert built == pattern
         assert sj.parse(built).kind == place.kind
 
@@ -143,13 +163,22 @@ def test_something_that_is_not_an_event_subject_holds_no_event():
 
 # ----------------------------------------------------------------------------------- properties
 
-names = st.from_regex(r"[a-z0-9_-]{1,12}", fullmatch=True).filter(lambda n: n not in ("decl", "route", "op", "checkpoint", "weights"))
+names = st.from_regex(r"[a-z0-9_-]{1,12}", fullmatch=True).filter(
+    lambda n: n not in ("decl", "route", "op", "checkpoint", "weights")
+)
 model_ids = st.text(st.characters(blacklist_categories=("Cs", "Zs", "Zl", "Zp", "Cc")), min_size=1, max_size=20)
 
 
 @settings(max_examples=300, deadline=None)
-@given(cls=st.sampled_from(EVENT_TYPES), kind=st.sampled_from(KINDS), fleet=names, domain=names, model=model_ids,
-       index=st.integers(0, 16), slot=names)
+@given(
+    cls=st.sampled_from(EVENT_TYPES),
+    kind=st.sampled_from(KINDS),
+    fleet=names,
+    domain=names,
+    model=model_ids,
+    index=st.integers(0, 16),
+    slot=names,
+)
 def test_an_event_built_for_a_subject_stands_exactly_on_its_kind(cls, kind, fleet, domain, model, index, slot):
     names_ = dict(fleet=fleet, domain=domain, model=model, index=index, slot=slot)
     event = build(cls, **names_)
@@ -163,10 +192,24 @@ def test_an_event_built_for_a_subject_stands_exactly_on_its_kind(cls, kind, flee
 def test_a_body_that_names_anything_else_than_its_subject_is_misplaced(cls, data):
     kind = authority.ALLOWED[cls]
     mine = dict(fleet="f", domain="d", model="m", index=1, slot="s")
-    carried = [k for k in ("fleet", "domain", "model", "index", "slot") if k in cls.__struct_fields__
-               and k in {"decl": ("fleet",), "route": ("fleet",), "checkpoint": ("fleet",), "weights": ("fleet",), "op": ("fleet",), "agent": ("fleet", "domain"),
-                         "liveness": ("fleet", "domain"), "model": ("fleet", "domain", "model"),
-                         "gpu": ("fleet", "domain", "index"), "training": ("fleet", "domain", "slot")}[kind]]
+    carried = [
+        k
+        for k in ("fleet", "domain", "model", "index", "slot")
+        if k in cls.__struct_fields__
+        and k
+        in {
+            "decl": ("fleet",),
+            "route": ("fleet",),
+            "checkpoint": ("fleet",),
+            "weights": ("fleet",),
+            "op": ("fleet",),
+            "agent": ("fleet", "domain"),
+            "liveness": ("fleet", "domain"),
+            "model": ("fleet", "domain", "model"),
+            "gpu": ("fleet", "domain", "index"),
+            "training": ("fleet", "domain", "slot"),
+        }[kind]
+    ]
     subject = subject_of(kind, **mine)
     assert authority.misplaced(subject, build(cls, **mine)) == ""
     if carried:
@@ -186,7 +229,9 @@ def test_the_authority_and_the_fold_are_pure():
     import subprocess
     import sys
 
-    code = ("import sys, haru.core.authority, haru.core.fold; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'asyncio', 'aiohttp', 'structlog', 'logging'}))")
+    code = (
+        "import sys, haru.core.authority, haru.core.fold; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'asyncio', 'aiohttp', 'structlog', 'logging'}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"

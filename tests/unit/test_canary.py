@@ -7,7 +7,13 @@ from datetime import timedelta
 
 from haru.core import subjects
 from haru.core.events import (
-    DemotionRequested, ModelLost, ModelResident, StepCompleted, StepStarted, WeightingRequested, WeightsSet,
+    DemotionRequested,
+    ModelLost,
+    ModelResident,
+    StepCompleted,
+    StepStarted,
+    WeightingRequested,
+    WeightsSet,
 )
 from haru.core.fold import evolve
 from haru.core.weights import CanaryReport, Count, Tally
@@ -24,19 +30,28 @@ OP = subjects.op(F)
 def canary_fleet(*more, weights=None, model=""):
     """a active, b awake with a share (b 10 unless `weights` says otherwise)."""
     split = weights if weights is not None else {"a": 90, "b": 10}
-    return given(reachable("a"), reachable("b"), resident("a", "m1"), resident("a", "m2"), resident("b", "m1"),
-                 resident("b", "m2"), routed("a"), (W, WeightsSet(at=at(10), model=model, weights=split, op_id="op-w")),
-                 *more)
+    return given(
+        reachable("a"),
+        reachable("b"),
+        resident("a", "m1"),
+        resident("a", "m2"),
+        resident("b", "m1"),
+        resident("b", "m2"),
+        routed("a"),
+        (W, WeightsSet(at=at(10), model=model, weights=split, op_id="op-w")),
+        *more,
+    )
 
 
 def facts(ms: int = 100, **kw) -> Facts:
-    return Facts(now=at(ms), new_op_id="op-new", listening_ms=10_000,
-                 silent_ms={"a": 0, "b": 0}, **kw)
+    return Facts(now=at(ms), new_op_id="op-new", listening_ms=10_000, silent_ms={"a": 0, "b": 0}, **kw)
 
 
 def tallies(b=(100, 0), a=(900, 0), model="m1") -> dict:
-    return {"b": {model: Tally(requests=b[0], errors=b[1], gateways=["gw1"], last_error="HTTP 500" if b[1] else "")},
-            "a": {model: Tally(requests=a[0], errors=a[1], gateways=["gw1"])}}
+    return {
+        "b": {model: Tally(requests=b[0], errors=b[1], gateways=["gw1"], last_error="HTTP 500" if b[1] else "")},
+        "a": {model: Tally(requests=a[0], errors=a[1], gateways=["gw1"])},
+    }
 
 
 # ------------------------------------------------------------------------------------------- rollback
@@ -73,8 +88,16 @@ def test_an_unreachable_canary_is_rolled_back():
 
 
 def test_rolling_back_one_of_two_canaries_gives_its_share_to_the_active():
-    view = given(reachable("a"), reachable("b"), resident("a", "m1"), resident("a", "m2"), resident("b", "m1"),
-                 resident("b", "m2"), routed("a"), (W, WeightsSet(at=at(10), weights={"a": 80, "b": 20})))
+    view = given(
+        reachable("a"),
+        reachable("b"),
+        resident("a", "m1"),
+        resident("a", "m2"),
+        resident("b", "m1"),
+        resident("b", "m2"),
+        routed("a"),
+        (W, WeightsSet(at=at(10), weights={"a": 80, "b": 20})),
+    )
     # a third domain is not declared in this fixture: a split of a and b is enough to show the arithmetic
     got = rollback(view, tallies(b=(100, 50)), at(100))
     assert got is not None and got.event.weights == {}  # type: ignore[attr-defined]
@@ -137,8 +160,15 @@ def test_a_request_names_what_is_wrong_and_the_fix():
 
 
 def test_a_standby_that_cannot_be_woken_is_refused_with_why():
-    view = given(reachable("a"), unreachable("b"), resident("a", "m1"), resident("a", "m2"), sleeping("b", "m1"),
-                 sleeping("b", "m2"), routed("a"))
+    view = given(
+        reachable("a"),
+        unreachable("b"),
+        resident("a", "m1"),
+        resident("a", "m2"),
+        sleeping("b", "m1"),
+        sleeping("b", "m2"),
+        routed("a"),
+    )
     j = judge(view, {"b": 10})
     assert j.status == "refused" and "unreachable" in j.message and "start it" in j.message
 

@@ -7,11 +7,11 @@ from datetime import UTC, datetime
 import msgspec
 
 from haru.core import causes, subjects
-from haru.log import history
 from haru.core import events as ev
-from haru.log.eventlog import Record
 from haru.core.residency import to_state
 from haru.core.views import DomainView, FleetView, ModelView, OperationView, StepView
+from haru.log import history
+from haru.log.eventlog import Record
 
 T = datetime(2026, 11, 30, tzinfo=UTC)
 
@@ -57,8 +57,13 @@ def test_the_promoter_cites_the_loss_the_step_before_and_the_probe():
     assert causes.decided_cause(view, unreachable, {subjects.liveness("f", "a"): 55}) == 55
     manual = ev.PromotionRequested(at=T, op_id="o", target="b", source="a", reason="manual")
     assert causes.decided_cause(view, manual, {}) == 0
-    op = OperationView(op_id="o", kind="promotion", target="b", seq=63,
-                       steps=[StepView(step="wake", state="completed", seq=74), StepView(step="probe", state="completed", seq=76)])
+    op = OperationView(
+        op_id="o",
+        kind="promotion",
+        target="b",
+        seq=63,
+        steps=[StepView(step="wake", state="completed", seq=74), StepView(step="probe", state="completed", seq=76)],
+    )
     running = _view(operation=op)
     assert causes.decided_cause(running, ev.StepStarted(at=T, op_id="o", step="flip"), {}) == 76
     assert causes.decided_cause(running, ev.OperationCompleted(at=T, op_id="o"), {}) == 76
@@ -68,7 +73,9 @@ def test_the_promoter_cites_the_loss_the_step_before_and_the_probe():
     declined = ev.FailoverDeclined(at=T, domain="a", candidate="b", why="GPU 0 of a detached; standby b is lost")
     assert causes.decided_cause(view, declined, {}) == 61
     silent = _view().domains["a"]
-    away = msgspec.structs.replace(view, domains={**view.domains, "a": msgspec.structs.replace(silent, reachable=False)})
+    away = msgspec.structs.replace(
+        view, domains={**view.domains, "a": msgspec.structs.replace(silent, reachable=False)}
+    )
     declined_silent = ev.FailoverDeclined(at=T, domain="a", candidate="b", why="a unreachable; standby b is lost")
     assert causes.decided_cause(away, declined_silent, {subjects.liveness("f", "a"): 55}) == 55
     back = ev.DomainReachable(at=T, domain="a")
@@ -81,7 +88,9 @@ def rec(seq: int, subject: str, e: ev.Event) -> Record:
 
 def test_the_tree_hangs_each_event_under_its_cause_and_says_where_a_link_is_missing():
     gpu = rec(10, subjects.gpu("f", "a", 0), ev.GpuObserved(at=T, domain="a", index=0, present=False))
-    lost = rec(11, subjects.model("f", "a", "m"), ev.ModelLost(at=T, domain="a", model="m", reason="gpu_detached", cause=10))
+    lost = rec(
+        11, subjects.model("f", "a", "m"), ev.ModelLost(at=T, domain="a", model="m", reason="gpu_detached", cause=10)
+    )
     unlinked = rec(12, subjects.model("f", "b", "m"), ev.ModelWaking(at=T, domain="b", model="m"))
     wrong = rec(13, subjects.op("f"), ev.StepCompleted(at=T, op_id="o", step="wake", cause=11))
     gone = rec(14, subjects.op("f"), ev.StepFailed(at=T, op_id="o", step="wake", cause=9))

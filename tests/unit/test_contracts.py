@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import uuid
-from pathlib import Path
+from datetime import UTC
 
 import pytest
 
@@ -35,7 +35,8 @@ def test_hearths_serve_flags_are_a_spelling_of_the_model_syntax(tmp_path):
     (st / "config.json").write_text("{}")
     (st / "model.safetensors").write_bytes(b"\0" * (GiB // 2))
     assert model_values(_args(model=["imagine-v8"], safetensors=str(st)), tmp_path) == [
-        f"imagine-v8=safetensors:{st}:0.7"]
+        f"imagine-v8=safetensors:{st}:0.7"
+    ]
 
 
 def test_hearths_spelling_says_what_is_wrong(tmp_path):
@@ -49,11 +50,15 @@ def test_hearths_spelling_says_what_is_wrong(tmp_path):
 
 def test_a_fleet_conf_is_hearths_one_line_per_model(tmp_path):
     conf = tmp_path / "fleet.conf"
-    conf.write_text("# the box's models, most important first\n\n"
-                    "model muse=/models/muse.gguf:20\n"
-                    "model imagine-v8=safetensors:/models/Interchained_imagine-v8:3@16384\n")
+    conf.write_text(
+        "# the box's models, most important first\n\n"
+        "model muse=/models/muse.gguf:20\n"
+        "model imagine-v8=safetensors:/models/Interchained_imagine-v8:3@16384\n"
+    )
     assert parse_fleet_conf(conf.read_text()) == [
-        "muse=/models/muse.gguf:20", "imagine-v8=safetensors:/models/Interchained_imagine-v8:3@16384"]
+        "muse=/models/muse.gguf:20",
+        "imagine-v8=safetensors:/models/Interchained_imagine-v8:3@16384",
+    ]
     assert model_values(_args(fleet_conf=str(conf)), tmp_path / "elsewhere") == parse_fleet_conf(conf.read_text())
     # With no --model, $HARU_HOME/fleet.conf is read (hearth reads $HEARTH_HOME/fleet.conf)
     assert model_values(_args(), tmp_path) == parse_fleet_conf(conf.read_text())
@@ -89,8 +94,13 @@ def test_a_fleet_uuid_is_derived_from_its_name_or_declared():
 
     assert fleet_uuid("default") == fleet_uuid("default") != fleet_uuid("other")
     assert uuid.UUID(fleet_uuid("default")).version == 5
-    one = [{"name": "a", "gpus": [{"index": 0, "memory": "24GiB"}],
-            "slots": [{"name": "chat", "gpu": 0, "models": [{"name": "m", "source": "/m.gguf", "vram": "1GiB"}]}]}]
+    one = [
+        {
+            "name": "a",
+            "gpus": [{"index": 0, "memory": "24GiB"}],
+            "slots": [{"name": "chat", "gpu": 0, "models": [{"name": "m", "source": "/m.gguf", "vram": "1GiB"}]}],
+        }
+    ]
     assert parse_layout({"fleet": "f", "domains": one}).uuid == ""  # none declared: derived where recorded
     declared = "6F1C9D2E-1B7A-4C3E-9F00-2A5D8C7B6E41"
     assert parse_layout({"fleet": "f", "uuid": declared, "domains": one}).uuid == declared.lower()
@@ -109,7 +119,7 @@ def test_projector_replicas_default_is_the_clusters_as_readme_says(monkeypatch):
 
 
 def test_a_recorded_fleet_uuid_never_changes():
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from haru.core.apply import diff, fold_declarations
     from haru.core.errors import LayoutError
@@ -118,9 +128,14 @@ def test_a_recorded_fleet_uuid_never_changes():
     from haru.core.planner import plan
     from haru.core.specs import Policy, fleet_uuid
 
-    one = [{"name": "a", "gpus": [{"index": 0, "memory": "24GiB"}],
-            "slots": [{"name": "chat", "gpu": 0, "models": [{"name": "m", "source": "/m.gguf", "vram": "1GiB"}]}]}]
-    now = datetime.now(timezone.utc)
+    one = [
+        {
+            "name": "a",
+            "gpus": [{"index": 0, "memory": "24GiB"}],
+            "slots": [{"name": "chat", "gpu": 0, "models": [{"name": "m", "source": "/m.gguf", "vram": "1GiB"}]}],
+        }
+    ]
+    now = datetime.now(UTC)
     layout = parse_layout({"fleet": "f", "domains": one})
     first = diff(fold_declarations([]), layout, plan(layout), now)
     assert isinstance(first[0], FleetDeclared) and first[0].uuid == fleet_uuid("f")  # recorded

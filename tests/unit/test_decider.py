@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -30,6 +30,8 @@ from haru.core.events import (
     StepFailed,
     StepStarted,
 )
+from haru.core.fold import evolve
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.promoter.decider import (
     ABORT,
     COMPLETE,
@@ -44,15 +46,19 @@ from haru.promoter.decider import (
     retry_ms,
 )
 from haru.promoter.decisions import Facts
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
-from haru.core.fold import evolve
 
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 F = "default"
 OP = subjects.op(F)
 ROUTE = subjects.route(F)
-POLICY = Policy(heartbeat_timeout_ms=1000, degraded_grace_ms=5000, command_timeout_ms=2000, wake_timeout_ms=4000,
-                probe_timeout_ms=3000, training_grace_ms=1000)
+POLICY = Policy(
+    heartbeat_timeout_ms=1000,
+    degraded_grace_ms=5000,
+    command_timeout_ms=2000,
+    wake_timeout_ms=4000,
+    probe_timeout_ms=3000,
+    training_grace_ms=1000,
+)
 
 
 def at(ms: int) -> datetime:
@@ -70,11 +76,22 @@ def given(*events_on: tuple[str, object], policy: Policy = POLICY, models=("m1",
     if declare:
         base.append((subjects.decl(F), FleetDeclared(at=T0, fleet=F, policy=policy)))
         for d in ("a", "b"):
-            base.append((subjects.decl(F), DomainDeclared(at=T0, spec=DomainSpec(
-                name=d, gpus=[GpuSpec(index=0, memory_bytes=24 << 30)]))))
+            base.append(
+                (
+                    subjects.decl(F),
+                    DomainDeclared(at=T0, spec=DomainSpec(name=d, gpus=[GpuSpec(index=0, memory_bytes=24 << 30)])),
+                )
+            )
             for m in models:
-                base.append((subjects.decl(F), ModelDeclared(at=T0, domain=d, spec=ModelSpec(name=m, slot="chat", gpu_index=0))))
-                base.append((subjects.decl(F), AdmissionDecided(at=T0, domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=1)))
+                base.append(
+                    (subjects.decl(F), ModelDeclared(at=T0, domain=d, spec=ModelSpec(name=m, slot="chat", gpu_index=0)))
+                )
+                base.append(
+                    (
+                        subjects.decl(F),
+                        AdmissionDecided(at=T0, domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=1),
+                    )
+                )
     for subject, event in [*base, *events_on]:
         seq += 1
         view = evolve(view, event, seq=seq, subject=subject)
@@ -105,9 +122,12 @@ def healthy_fleet(active: str = "a"):
     """a active and resident, b standby and asleep, both reachable."""
     standby = "b" if active == "a" else "a"
     return [
-        reachable("a"), reachable("b"),
-        resident(active, "m1"), resident(active, "m2"),
-        sleeping(standby, "m1"), sleeping(standby, "m2"),
+        reachable("a"),
+        reachable("b"),
+        resident(active, "m1"),
+        resident(active, "m2"),
+        sleeping(standby, "m1"),
+        sleeping(standby, "m2"),
         routed(active),
     ]
 
@@ -132,8 +152,12 @@ def only(view, f: Facts | None = None):
 
 
 def requested(target="b", source="a", op_id="op-1", revision=None, ms=1):
-    return (OP, PromotionRequested(at=at(ms), op_id=op_id, target=target, source=source,
-                                   route_revision=revision if revision is not None else 0))
+    return (
+        OP,
+        PromotionRequested(
+            at=at(ms), op_id=op_id, target=target, source=source, route_revision=revision if revision is not None else 0
+        ),
+    )
 
 
 # --------------------------------------------------------------------------------------- tables
@@ -183,7 +207,10 @@ def test_each_completed_step_starts_the_next(done):
     steps = flow("promotion")
     history = []
     for s in steps[: steps.index(done) + 1]:
-        history += [(OP, StepStarted(at=at(2), op_id="op-1", step=s)), (OP, StepCompleted(at=at(3), op_id="op-1", step=s))]
+        history += [
+            (OP, StepStarted(at=at(2), op_id="op-1", step=s)),
+            (OP, StepCompleted(at=at(3), op_id="op-1", step=s)),
+        ]
     base = given(*healthy_fleet())
     view = given(*healthy_fleet(), requested(revision=base.route_revision), *history)
     event = only(view)
@@ -196,9 +223,14 @@ def test_a_failed_step_before_the_flip_aborts_with_the_step_and_error(failed):
     steps = flow("promotion")
     history = []
     for s in steps[: steps.index(failed)]:
-        history += [(OP, StepStarted(at=at(2), op_id="op-1", step=s)), (OP, StepCompleted(at=at(3), op_id="op-1", step=s))]
-    history += [(OP, StepStarted(at=at(4), op_id="op-1", step=failed)),
-                (OP, StepFailed(at=at(5), op_id="op-1", step=failed, error_code="out_of_memory", error="wake: CUDA OOM"))]
+        history += [
+            (OP, StepStarted(at=at(2), op_id="op-1", step=s)),
+            (OP, StepCompleted(at=at(3), op_id="op-1", step=s)),
+        ]
+    history += [
+        (OP, StepStarted(at=at(4), op_id="op-1", step=failed)),
+        (OP, StepFailed(at=at(5), op_id="op-1", step=failed, error_code="out_of_memory", error="wake: CUDA OOM")),
+    ]
     view = given(*healthy_fleet(), requested(), *history)
     event = only(view)
     assert isinstance(event, OperationAborted)
@@ -223,24 +255,38 @@ def test_the_flip_is_refused_when_the_target_became_unreachable_after_its_probe(
 
 def test_a_flip_whose_runner_died_after_route_moved_is_completed_from_the_route():
     base = given(*healthy_fleet())
-    view = given(*healthy_fleet(), requested(revision=base.route_revision), *_through("flip"),
-                 (OP, StepStarted(at=at(5), op_id="op-1", step="flip")), routed("b", 6, op_id="op-1"))
+    view = given(
+        *healthy_fleet(),
+        requested(revision=base.route_revision),
+        *_through("flip"),
+        (OP, StepStarted(at=at(5), op_id="op-1", step="flip")),
+        routed("b", 6, op_id="op-1"),
+    )
     event = only(view)
     assert isinstance(event, StepCompleted) and event.step == "flip"
 
 
 def test_a_flip_whose_route_moved_elsewhere_fails():
     base = given(*healthy_fleet())
-    view = given(*healthy_fleet(), requested(revision=base.route_revision), *_through("flip"),
-                 (OP, StepStarted(at=at(5), op_id="op-1", step="flip")), routed("a", 6, op_id="op-other"))
+    view = given(
+        *healthy_fleet(),
+        requested(revision=base.route_revision),
+        *_through("flip"),
+        (OP, StepStarted(at=at(5), op_id="op-1", step="flip")),
+        routed("a", 6, op_id="op-other"),
+    )
     event = only(view)
     assert isinstance(event, StepFailed) and event.error_code == "route_moved_elsewhere"
 
 
 def _started_wake(by_ms=5):
     base = given(*healthy_fleet())
-    return given(*healthy_fleet(), requested(revision=base.route_revision), *_through("wake"),
-                 (OP, StepStarted(at=at(by_ms), op_id="op-1", step="wake")))
+    return given(
+        *healthy_fleet(),
+        requested(revision=base.route_revision),
+        *_through("wake"),
+        (OP, StepStarted(at=at(by_ms), op_id="op-1", step="wake")),
+    )
 
 
 def test_a_step_this_promoter_runs_is_left_alone():
@@ -266,16 +312,27 @@ def test_my_own_step_from_before_a_restart_is_restarted_at_once():
 
 
 def test_after_settle_the_operation_completes():
-    view = given(*healthy_fleet(), requested(), *_through("settle_old_active"),
-                 (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
-                 (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active")))
+    view = given(
+        *healthy_fleet(),
+        requested(),
+        *_through("settle_old_active"),
+        (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
+        (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active")),
+    )
     assert isinstance(only(view), OperationCompleted)
 
 
 def test_a_failed_settle_makes_the_old_active_ineligible_then_completes():
-    view = given(*healthy_fleet(), requested(), *_through("settle_old_active"),
-                 (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
-                 (OP, StepFailed(at=at(7), op_id="op-1", step="settle_old_active", error_code="agent_gone", error="sleep: gone")))
+    view = given(
+        *healthy_fleet(),
+        requested(),
+        *_through("settle_old_active"),
+        (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
+        (
+            OP,
+            StepFailed(at=at(7), op_id="op-1", step="settle_old_active", error_code="agent_gone", error="sleep: gone"),
+        ),
+    )
     event = only(view)
     assert isinstance(event, EligibilityChanged) and (event.domain, event.eligible) == ("a", False)
     view = evolve(view, event, seq=view.seq + 1, subject=OP)
@@ -284,9 +341,14 @@ def test_a_failed_settle_makes_the_old_active_ineligible_then_completes():
 
 def test_an_old_active_whose_gpu_is_gone_is_ineligible_even_when_settle_answered():
     gone = (subjects.gpu(F, "a", 0), GpuObserved(at=at(4), domain="a", index=0, present=False))
-    view = given(*healthy_fleet(), requested(), gone, *_through("settle_old_active"),
-                 (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
-                 (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active")))
+    view = given(
+        *healthy_fleet(),
+        requested(),
+        gone,
+        *_through("settle_old_active"),
+        (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
+        (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active")),
+    )
     event = only(view)
     assert isinstance(event, EligibilityChanged) and not event.eligible and "GPU 0" in event.why
 
@@ -296,13 +358,23 @@ def test_a_demotion_sleeps_then_starts_training_then_restores_eligibility():
     dem = (OP, DemotionRequested(at=at(2), op_id="op-d", target="b", reason="recovered"))
     view = given(*healthy_fleet(), ineligible, dem)
     assert only(view).step == "sleep"
-    view = given(*healthy_fleet(), ineligible, dem, (OP, StepStarted(at=at(3), op_id="op-d", step="sleep")),
-                 (OP, StepCompleted(at=at(4), op_id="op-d", step="sleep")))
+    view = given(
+        *healthy_fleet(),
+        ineligible,
+        dem,
+        (OP, StepStarted(at=at(3), op_id="op-d", step="sleep")),
+        (OP, StepCompleted(at=at(4), op_id="op-d", step="sleep")),
+    )
     assert only(view).step == "start_training"
-    view = given(*healthy_fleet(), ineligible, dem, (OP, StepStarted(at=at(3), op_id="op-d", step="sleep")),
-                 (OP, StepCompleted(at=at(4), op_id="op-d", step="sleep")),
-                 (OP, StepStarted(at=at(5), op_id="op-d", step="start_training")),
-                 (OP, StepCompleted(at=at(6), op_id="op-d", step="start_training")))
+    view = given(
+        *healthy_fleet(),
+        ineligible,
+        dem,
+        (OP, StepStarted(at=at(3), op_id="op-d", step="sleep")),
+        (OP, StepCompleted(at=at(4), op_id="op-d", step="sleep")),
+        (OP, StepStarted(at=at(5), op_id="op-d", step="start_training")),
+        (OP, StepCompleted(at=at(6), op_id="op-d", step="start_training")),
+    )
     event = only(view)
     assert isinstance(event, EligibilityChanged) and event.eligible and event.domain == "b"
 
@@ -367,15 +439,20 @@ def test_never_promote_onto_an_unfit_standby_say_why_once(standby_events, needle
 
 
 def test_a_standby_missing_an_admitted_model_is_not_promoted():
-    refused = (subjects.decl(F), AdmissionDecided(at=T0, domain="b", name="m2", gpu_index=0, admitted=False,
-                                                  vram_bytes=1, short_by_bytes=5))
+    refused = (
+        subjects.decl(F),
+        AdmissionDecided(at=T0, domain="b", name="m2", gpu_index=0, admitted=False, vram_bytes=1, short_by_bytes=5),
+    )
     view = given(refused, *healthy_fleet(), unreachable("a", 5))
     event = only(view, facts(silent_ms={"a": 3000, "b": 100}))
     assert isinstance(event, FailoverDeclined) and "m2" in event.why
 
 
 def test_an_aborted_auto_promotion_is_not_retried_before_the_retry_bound():
-    aborted = [requested(op_id="op-x", revision=0, ms=5), (OP, OperationAborted(at=at(6), op_id="op-x", step="probe", error="500"))]
+    aborted = [
+        requested(op_id="op-x", revision=0, ms=5),
+        (OP, OperationAborted(at=at(6), op_id="op-x", step="probe", error="500")),
+    ]
     view = given(*healthy_fleet(), unreachable("a", 5), *aborted)
     f = facts(ms=7, silent_ms={"a": 3000, "b": 100})
     assert isinstance(only(view, f), FailoverDeclined)
@@ -387,7 +464,14 @@ def test_an_aborted_auto_promotion_is_not_retried_before_the_retry_bound():
 
 
 def test_the_first_route_promotes_the_first_declared_domain_once_both_are_heard():
-    events = [reachable("a"), reachable("b"), resident("a", "m1"), resident("a", "m2"), resident("b", "m1"), resident("b", "m2")]
+    events = [
+        reachable("a"),
+        reachable("b"),
+        resident("a", "m1"),
+        resident("a", "m2"),
+        resident("b", "m1"),
+        resident("b", "m2"),
+    ]
     event = only(given(*events))
     assert isinstance(event, PromotionRequested)
     assert (event.target, event.reason, event.route_revision) == ("a", "initial", 0)
@@ -395,8 +479,12 @@ def test_the_first_route_promotes_the_first_declared_domain_once_both_are_heard(
 
 
 def test_no_first_route_while_the_first_domain_is_loading():
-    events = [reachable("a"), reachable("b"), (subjects.model(F, "a", "m1"), ModelLoading(at=at(0), domain="a", model="m1")),
-              resident("a", "m2")]
+    events = [
+        reachable("a"),
+        reachable("b"),
+        (subjects.model(F, "a", "m1"), ModelLoading(at=at(0), domain="a", model="m1")),
+        resident("a", "m2"),
+    ]
     assert only(given(*events)) is None
 
 
@@ -416,8 +504,11 @@ def test_a_recovered_ineligible_domain_is_demoted():
 
 
 def test_an_ineligible_domain_with_its_gpu_still_gone_is_not_demoted():
-    events = [*healthy_fleet(), (OP, EligibilityChanged(at=at(1), domain="b", eligible=False, why="GPU gone")),
-              (subjects.gpu(F, "b", 0), GpuObserved(at=at(2), domain="b", index=0, present=False))]
+    events = [
+        *healthy_fleet(),
+        (OP, EligibilityChanged(at=at(1), domain="b", eligible=False, why="GPU gone")),
+        (subjects.gpu(F, "b", 0), GpuObserved(at=at(2), domain="b", index=0, present=False)),
+    ]
     assert only(given(*events)) is None
 
 
@@ -472,10 +563,14 @@ def test_request_statuses():
 
 
 def test_promoting_an_ineligible_domain_by_hand_restores_its_eligibility_when_done():
-    events = [*healthy_fleet(), (OP, EligibilityChanged(at=at(1), domain="b", eligible=False, why="agent gone")),
-              requested(), *_through("settle_old_active"),
-              (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
-              (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active"))]
+    events = [
+        *healthy_fleet(),
+        (OP, EligibilityChanged(at=at(1), domain="b", eligible=False, why="agent gone")),
+        requested(),
+        *_through("settle_old_active"),
+        (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
+        (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active")),
+    ]
     event = only(given(*events))
     assert isinstance(event, EligibilityChanged) and (event.domain, event.eligible) == ("b", True)
 
@@ -509,8 +604,14 @@ def test_a_new_incident_with_the_same_unfit_standby_is_declined_again():
     declined = only(first, f)
     assert isinstance(declined, FailoverDeclined)
     # a came back, then failed again later: a new incident, said again
-    later = given(*healthy_fleet(), unreachable("b", 4), unreachable("a", 5), (OP, declined),
-                  reachable("a", 6), unreachable("a", 900))
+    later = given(
+        *healthy_fleet(),
+        unreachable("b", 4),
+        unreachable("a", 5),
+        (OP, declined),
+        reachable("a", 6),
+        unreachable("a", 900),
+    )
     again = only(later, facts(ms=1000, silent_ms={"a": 3000, "b": 3000}))
     assert isinstance(again, FailoverDeclined) and again.why != declined.why
 
@@ -519,8 +620,10 @@ def test_the_decider_and_liveness_are_pure():
     import subprocess
     import sys
 
-    code = ("import sys, haru.promoter.decider, haru.promoter.liveness; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'asyncio', 'aiohttp', 'structlog'}))")
+    code = (
+        "import sys, haru.promoter.decider, haru.promoter.liveness; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'asyncio', 'aiohttp', 'structlog'}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
 
@@ -529,8 +632,12 @@ def test_settle_commands_carry_the_route_revision_after_the_flip():
     from haru.promoter.decider import command_for
 
     base = given(*healthy_fleet())
-    view = given(*healthy_fleet(), requested(revision=base.route_revision), *_through("settle_old_active"),
-                 routed("b", 6, op_id="op-1"))
+    view = given(
+        *healthy_fleet(),
+        requested(revision=base.route_revision),
+        *_through("settle_old_active"),
+        routed("b", 6, op_id="op-1"),
+    )
     domain, commands = command_for(view, view.operation, "settle_old_active")
     assert domain == "a" and [v for v, _, _ in commands] == ["sleep", "start_training"]
     assert all(c.route_revision == view.route_revision > base.route_revision for _, c, _ in commands)
@@ -539,12 +646,12 @@ def test_settle_commands_carry_the_route_revision_after_the_flip():
 
 
 def test_a_runner_is_gone_when_silent_past_the_timeout_or_never_heard_while_we_listened_that_long():
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from haru.promoter.decider import runner_gone
     from haru.promoter.decisions import Facts
 
-    base = dict(now=datetime(2026, 1, 1, tzinfo=timezone.utc), me="promoter:two", step_by="promoter:one", runner_timeout_ms=3500)
+    base = dict(now=datetime(2026, 1, 1, tzinfo=UTC), me="promoter:two", step_by="promoter:one", runner_timeout_ms=3500)
     assert not runner_gone(Facts(**base, runner_silent_ms=1000, listening_ms=10_000))
     assert runner_gone(Facts(**base, runner_silent_ms=3500, listening_ms=10_000))
     assert not runner_gone(Facts(**base, runner_silent_ms=None, listening_ms=1000))  # too early to say

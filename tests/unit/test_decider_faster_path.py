@@ -8,7 +8,7 @@ from msgspec.structs import replace
 from haru.core import subjects
 from haru.core.events import ModelLoading, ModelLost, ModelResident, ModelSleeping, ModelWaking, PromotionRequested
 from haru.promoter.decider import active_health, faster_path, standby_serves_in
-from tests.unit.test_decider import F, POLICY, at, facts, given, only, reachable, routed
+from tests.unit.test_decider import POLICY, F, at, facts, given, only, reachable, routed
 
 
 def ev(domain: str, model: str, event):
@@ -54,8 +54,10 @@ def test_a_restart_under_way_is_still_a_cold_reload():
     restarting = ev("a", "m1", ModelLoading(at=at(6), domain="a", model="m1", attempt=2))
     view = given(*measured_fleet(load_ms=40_000, wake_ms=900), crash(), restarting)
     assert active_health(view, at(7)).reason == "faster_path"
-    first_load = given(*measured_fleet(load_ms=40_000, wake_ms=900),
-                       ev("a", "m1", ModelLoading(at=at(6), domain="a", model="m1", attempt=1)))
+    first_load = given(
+        *measured_fleet(load_ms=40_000, wake_ms=900),
+        ev("a", "m1", ModelLoading(at=at(6), domain="a", model="m1", attempt=1)),
+    )
     assert faster_path(first_load) is None
 
 
@@ -74,10 +76,12 @@ def fresh_fleet(load_ms: int, standby: str = "sleeping"):
     with no sleep mode, llama-server), but never woke: no wake of it was ever measured."""
     out = [reachable("a"), reachable("b")]
     for m in ("m1", "m2"):
-        out += [ev("a", m, ModelLoading(at=at(0), domain="a", model=m)),
-                ev("a", m, ModelResident(at=at(0), domain="a", model=m, warmup_ms=load_ms)),
-                ev("b", m, ModelLoading(at=at(0), domain="b", model=m)),
-                ev("b", m, ModelResident(at=at(0), domain="b", model=m, warmup_ms=load_ms))]
+        out += [
+            ev("a", m, ModelLoading(at=at(0), domain="a", model=m)),
+            ev("a", m, ModelResident(at=at(0), domain="a", model=m, warmup_ms=load_ms)),
+            ev("b", m, ModelLoading(at=at(0), domain="b", model=m)),
+            ev("b", m, ModelResident(at=at(0), domain="b", model=m, warmup_ms=load_ms)),
+        ]
         if standby == "sleeping":
             out.append(ev("b", m, ModelSleeping(at=at(0), domain="b", model=m)))
     return [*out, routed("a")]
@@ -139,8 +143,11 @@ def test_the_restart_backoff_counts_while_the_model_is_lost_and_not_once_it_relo
     health = faster_path(lost)
     assert health is not None and "800 ms (measured warm-up) after the 1000 ms restart backoff" in health.why
     # once it loads again (attempt 2) the backoff is behind it: its warm-up alone, and a is the quicker
-    reloading = given(*measured_fleet(load_ms=800, wake_ms=900), crash(),
-                      ev("a", "m1", ModelLoading(at=at(6), domain="a", model="m1", attempt=2)))
+    reloading = given(
+        *measured_fleet(load_ms=800, wake_ms=900),
+        crash(),
+        ev("a", "m1", ModelLoading(at=at(6), domain="a", model="m1", attempt=2)),
+    )
     assert faster_path(reloading) is None
     no_backoff = given(*measured_fleet(load_ms=800, wake_ms=900), crash(), policy=replace(POLICY, restart_backoff_ms=0))
     assert faster_path(no_backoff) is None

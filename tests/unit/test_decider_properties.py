@@ -10,9 +10,10 @@ only after this operation's probe completed; an aborted promotion leaves the poi
 
 from __future__ import annotations
 
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_decider import OP, POLICY, ROUTE, at, healthy_fleet
+from test_decider import given as given_view
 
 from haru.core.events import (
     PromotionRequested,
@@ -21,10 +22,9 @@ from haru.core.events import (
     StepFailed,
     StepStarted,
 )
+from haru.core.fold import evolve
 from haru.promoter.decider import decide, lease_ms
 from haru.promoter.decisions import Facts
-from haru.core.fold import evolve
-from test_decider import OP, POLICY, ROUTE, at, given as given_view, healthy_fleet
 
 OUTCOMES = st.sampled_from(["complete", "complete", "complete", "fail", "crash", "crash_after_flip"])
 
@@ -35,8 +35,12 @@ def test_any_outcomes_and_crashes_keep_the_pointer_probed_and_end_the_operation(
     view = given_view(*healthy_fleet())
     start_active, start_revision = view.active, view.route_revision
     seq = view.seq
-    view = evolve(view, PromotionRequested(at=at(1), op_id="op-1", target="b", source="a",
-                                           route_revision=start_revision), seq=seq + 1, subject=OP)
+    view = evolve(
+        view,
+        PromotionRequested(at=at(1), op_id="op-1", target="b", source="a", route_revision=start_revision),
+        seq=seq + 1,
+        subject=OP,
+    )
     seq += 1
     now_ms = 10
     moves: list[tuple[str, bool]] = []
@@ -49,8 +53,14 @@ def test_any_outcomes_and_crashes_keep_the_pointer_probed_and_end_the_operation(
         view = evolve(view, event, seq=seq, subject=subject)
 
     for _ in range(200):
-        facts = Facts(now=at(now_ms), me="promoter:me", new_op_id="op-x", silent_ms={"a": 10, "b": 10},
-                      listening_ms=60_000, step_by="promoter:other")
+        facts = Facts(
+            now=at(now_ms),
+            me="promoter:me",
+            new_op_id="op-x",
+            silent_ms={"a": 10, "b": 10},
+            listening_ms=60_000,
+            step_by="promoter:other",
+        )
         appends = [a for a in decide(view, facts) if a.subject in (OP, ROUTE)]
         if view.operation is None:
             ended = view.last_operation

@@ -4,23 +4,44 @@ asked again rather than forgotten. Given events folded by the real fold, when de
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from haru.core import subjects
-from haru.core.events import (AdmissionDecided, DomainDeclared, DomainReachable, DomainUnreachable, EligibilityChanged, FleetDeclared,
-                         ModelDeclared, ModelResident, ModelSleeping, OperationAborted, OperationCompleted,
-                         ReplaceRequested, RouteMoved, StepCompleted, StepFailed, StepStarted, TeardownRequested)
+from haru.core.events import (
+    AdmissionDecided,
+    DomainDeclared,
+    DomainReachable,
+    DomainUnreachable,
+    EligibilityChanged,
+    FleetDeclared,
+    ModelDeclared,
+    ModelResident,
+    ModelSleeping,
+    OperationAborted,
+    OperationCompleted,
+    ReplaceRequested,
+    RouteMoved,
+    StepCompleted,
+    StepFailed,
+    StepStarted,
+    TeardownRequested,
+)
+from haru.core.fold import empty, evolve
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, ProvisionSpec
 from haru.promoter.decider import ABORT, COMPLETE, TRANSITIONS, decide, flow, judge_request, retry_ms
 from haru.promoter.decisions import Facts
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, ProvisionSpec
-from haru.core.fold import empty, evolve
 
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 F = "default"
 OP = subjects.op(F)
 OFF = Policy(heartbeat_timeout_ms=1000, degraded_grace_ms=5000)
-ON = Policy(heartbeat_timeout_ms=1000, degraded_grace_ms=5000, auto_replace=True, max_launches_per_hour=2,
-            launch_cooldown_ms=60_000)
+ON = Policy(
+    heartbeat_timeout_ms=1000,
+    degraded_grace_ms=5000,
+    auto_replace=True,
+    max_launches_per_hour=2,
+    launch_cooldown_ms=60_000,
+)
 
 
 def at(ms: int) -> datetime:
@@ -33,10 +54,23 @@ def given(*events, policy: Policy = ON, provider_a: str = "skypilot"):
     base = [(subjects.decl(F), FleetDeclared(at=T0, fleet=F, policy=policy))]
     for d, provider in (("a", provider_a), ("b", "skyserve")):
         provision = ProvisionSpec(nats_url="nats://cp:4222") if provider != "static" else None
-        base.append((subjects.decl(F), DomainDeclared(at=T0, spec=DomainSpec(
-            name=d, provider=provider, gpus=[GpuSpec(index=0, memory_bytes=24 << 30)], provision=provision))))
-        base.append((subjects.decl(F), ModelDeclared(at=T0, domain=d, spec=ModelSpec(name="m", slot="chat", gpu_index=0))))
-        base.append((subjects.decl(F), AdmissionDecided(at=T0, domain=d, name="m", gpu_index=0, admitted=True, vram_bytes=1)))
+        base.append(
+            (
+                subjects.decl(F),
+                DomainDeclared(
+                    at=T0,
+                    spec=DomainSpec(
+                        name=d, provider=provider, gpus=[GpuSpec(index=0, memory_bytes=24 << 30)], provision=provision
+                    ),
+                ),
+            )
+        )
+        base.append(
+            (subjects.decl(F), ModelDeclared(at=T0, domain=d, spec=ModelSpec(name="m", slot="chat", gpu_index=0)))
+        )
+        base.append(
+            (subjects.decl(F), AdmissionDecided(at=T0, domain=d, name="m", gpu_index=0, admitted=True, vram_bytes=1))
+        )
     base += [
         (subjects.liveness(F, "a"), DomainReachable(at=T0, domain="a")),
         (subjects.liveness(F, "b"), DomainReachable(at=T0, domain="b")),
@@ -133,8 +167,10 @@ def test_a_replace_runs_its_steps_in_order_and_ends_with_the_domain_eligible():
     assert isinstance(started, StepStarted) and started.step == "down"
     events = [(OP, ReplaceRequested(at=at(0), op_id="op-r", target="a"))]
     for i, step in enumerate(flow("replace")):
-        events += [(OP, StepStarted(at=at(i * 10 + 1), op_id="op-r", step=step)),
-                   (OP, StepCompleted(at=at(i * 10 + 2), op_id="op-r", step=step))]
+        events += [
+            (OP, StepStarted(at=at(i * 10 + 1), op_id="op-r", step=step)),
+            (OP, StepCompleted(at=at(i * 10 + 2), op_id="op-r", step=step)),
+        ]
         nxt = appended(given(*events))
         if i + 1 < len(flow("replace")):
             assert isinstance(nxt, StepStarted) and nxt.step == flow("replace")[i + 1]
@@ -151,10 +187,12 @@ def test_a_domain_the_operator_tore_down_is_not_replaced_automatically():
 
 
 def test_a_teardown_leaves_the_domain_ineligible():
-    events = [(OP, EligibilityChanged(at=at(0), domain="a", eligible=True, why="x")),
-              (OP, TeardownRequested(at=at(1), op_id="op-t", target="a")),
-              (OP, StepStarted(at=at(2), op_id="op-t", step="down")),
-              (OP, StepCompleted(at=at(3), op_id="op-t", step="down", detail="tore down haru-default-a"))]
+    events = [
+        (OP, EligibilityChanged(at=at(0), domain="a", eligible=True, why="x")),
+        (OP, TeardownRequested(at=at(1), op_id="op-t", target="a")),
+        (OP, StepStarted(at=at(2), op_id="op-t", step="down")),
+        (OP, StepCompleted(at=at(3), op_id="op-t", step="down", detail="tore down haru-default-a")),
+    ]
     nxt = appended(given(*events, policy=OFF))
     assert isinstance(nxt, EligibilityChanged) and nxt.eligible is False and "torn down" in nxt.why
 

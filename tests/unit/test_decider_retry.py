@@ -9,8 +9,12 @@ from tests.unit.test_decider import OP, POLICY, at, facts, given, healthy_fleet,
 
 
 def auto(op_id: str, ms: int, attempt: int = 1):
-    return (OP, PromotionRequested(at=at(ms), op_id=op_id, target="b", source="a", reason="domain_unreachable",
-                                   attempt=attempt))
+    return (
+        OP,
+        PromotionRequested(
+            at=at(ms), op_id=op_id, target="b", source="a", reason="domain_unreachable", attempt=attempt
+        ),
+    )
 
 
 def aborted(op_id: str, ms: int, error: str = "GPU 0 has 2 GiB free; its sleeping models need 8 GiB to wake"):
@@ -31,8 +35,14 @@ def test_an_aborted_automatic_failover_is_retried_after_the_short_backoff_each_a
     again = only(view, facts(ms=20 + 500, silent_ms=SILENT))
     assert isinstance(again, PromotionRequested) and again.attempt == 2 and again.reason == "domain_unreachable"
     # the second attempt aborts too: the third waits twice as long
-    view = given(*healthy_fleet(), unreachable("a", 5), auto("op-1", 10), aborted("op-1", 20), auto("op-2", 520, 2),
-                 aborted("op-2", 600))
+    view = given(
+        *healthy_fleet(),
+        unreachable("a", 5),
+        auto("op-1", 10),
+        aborted("op-1", 20),
+        auto("op-2", 520, 2),
+        aborted("op-2", 600),
+    )
     assert only(view, facts(ms=600 + 999, silent_ms=SILENT)) is None
     third = only(view, facts(ms=600 + 1000, silent_ms=SILENT))
     assert isinstance(third, PromotionRequested) and third.attempt == 3
@@ -40,7 +50,9 @@ def test_an_aborted_automatic_failover_is_retried_after_the_short_backoff_each_a
 
 def test_past_the_cap_it_gives_up_says_why_once_and_falls_back_to_the_usual_backoff():
     cap = POLICY.failover_retry_attempts
-    view = given(*healthy_fleet(), unreachable("a", 5), auto("op-5", 10, cap), aborted("op-5", 20, "wake: out of memory"))
+    view = given(
+        *healthy_fleet(), unreachable("a", 5), auto("op-5", 10, cap), aborted("op-5", 20, "wake: out of memory")
+    )
     declined = only(view, facts(ms=20 + 100, silent_ms=SILENT))
     assert isinstance(declined, FailoverDeclined)
     assert f"gave up retrying the failover onto b after {cap} attempts" in declined.why

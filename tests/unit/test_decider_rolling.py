@@ -17,21 +17,47 @@ from haru.core.events import (
 from haru.promoter.decider import ABORT, KINDS, STEPS, TRANSITIONS, command_for, flow, judge_abort, judge_request
 from tests.unit.test_decider import OP, ROUTE, at, facts, given, healthy_fleet, only
 
-ROLL_FLOW = ["stop_training", "apply_standby", "verify_gpu", "wake", "probe", "canary", "flip", "apply_old_active",
-             "settle_old_active"]
+ROLL_FLOW = [
+    "stop_training",
+    "apply_standby",
+    "verify_gpu",
+    "wake",
+    "probe",
+    "canary",
+    "flip",
+    "apply_old_active",
+    "settle_old_active",
+]
 
 
 def rolling(op_id="op-r", decl_seq=7, ms=1):
-    return (OP, RollingRequested(at=at(ms), op_id=op_id, target="b", source="a", reason="layout_changed",
-                                 detail="changed on the active domain: a/m2", decl_seq=decl_seq))
+    return (
+        OP,
+        RollingRequested(
+            at=at(ms),
+            op_id=op_id,
+            target="b",
+            source="a",
+            reason="layout_changed",
+            detail="changed on the active domain: a/m2",
+            decl_seq=decl_seq,
+        ),
+    )
 
 
 def done(step: str, op_id="op-r", ms=2):
-    return [(OP, StepStarted(at=at(ms), op_id=op_id, step=step)), (OP, StepCompleted(at=at(ms), op_id=op_id, step=step))]
+    return [
+        (OP, StepStarted(at=at(ms), op_id=op_id, step=step)),
+        (OP, StepCompleted(at=at(ms), op_id=op_id, step=step)),
+    ]
 
 
 def test_every_kind_has_a_request_event_and_both_outcomes_of_every_step():
-    assert set(KINDS) == set(OPERATION_REQUESTS) == {"promotion", "demotion", "rolling", "weighting", "provision", "teardown", "replace"}
+    assert (
+        set(KINDS)
+        == set(OPERATION_REQUESTS)
+        == {"promotion", "demotion", "rolling", "weighting", "provision", "teardown", "replace"}
+    )
     for kind, spec in KINDS.items():
         assert OPERATION_REQUESTS[kind] is spec.request
         for step in flow(kind):
@@ -52,7 +78,9 @@ def test_a_rolling_change_applies_to_the_standby_first_and_to_the_old_active_aft
     domain, commands = command_for(view, view.operation, "apply_standby")
     assert domain == "b" and [(verb, cmd.decl_seq) for verb, cmd, _ in commands] == [("apply_layout", 7)]
     before_apply_old = [e for s in ROLL_FLOW[: ROLL_FLOW.index("flip") + 1] for e in done(s)]
-    view = given(*healthy_fleet(), rolling(), *before_apply_old, (ROUTE, RouteMoved(at=at(3), active="b", op_id="op-r")))
+    view = given(
+        *healthy_fleet(), rolling(), *before_apply_old, (ROUTE, RouteMoved(at=at(3), active="b", op_id="op-r"))
+    )
     nxt = only(view)
     assert isinstance(nxt, StepStarted) and nxt.step == "apply_old_active"
     domain, commands = command_for(view, view.operation, "apply_old_active")
@@ -60,23 +88,51 @@ def test_a_rolling_change_applies_to_the_standby_first_and_to_the_old_active_aft
 
 
 def test_a_failed_apply_on_the_standby_aborts_before_anything_moves():
-    view = given(*healthy_fleet(), rolling(), (OP, StepStarted(at=at(2), op_id="op-r", step="apply_standby")),
-                 (OP, StepFailed(at=at(3), op_id="op-r", step="apply_standby", error_code="model_not_ready",
-                                 error="apply_layout: m2 failed")))
+    view = given(
+        *healthy_fleet(),
+        rolling(),
+        (OP, StepStarted(at=at(2), op_id="op-r", step="apply_standby")),
+        (
+            OP,
+            StepFailed(
+                at=at(3),
+                op_id="op-r",
+                step="apply_standby",
+                error_code="model_not_ready",
+                error="apply_layout: m2 failed",
+            ),
+        ),
+    )
     out = only(view)
     assert isinstance(out, OperationAborted) and out.step == "apply_standby" and "m2 failed" in out.error
 
 
 def test_an_old_active_that_could_not_apply_is_settled_then_recorded_not_eligible():
     steps = [e for s in ROLL_FLOW[: ROLL_FLOW.index("flip") + 1] for e in done(s)]
-    failed = [(OP, StepStarted(at=at(4), op_id="op-r", step="apply_old_active")),
-              (OP, StepFailed(at=at(4), op_id="op-r", step="apply_old_active", error_code="model_not_ready",
-                              error="apply_layout: m2 failed"))]
+    failed = [
+        (OP, StepStarted(at=at(4), op_id="op-r", step="apply_old_active")),
+        (
+            OP,
+            StepFailed(
+                at=at(4),
+                op_id="op-r",
+                step="apply_old_active",
+                error_code="model_not_ready",
+                error="apply_layout: m2 failed",
+            ),
+        ),
+    ]
     view = given(*healthy_fleet(), rolling(), *steps, (ROUTE, RouteMoved(at=at(3), active="b", op_id="op-r")), *failed)
     nxt = only(view)
     assert isinstance(nxt, StepStarted) and nxt.step == "settle_old_active"
-    view = given(*healthy_fleet(), rolling(), *steps, (ROUTE, RouteMoved(at=at(3), active="b", op_id="op-r")), *failed,
-                 *done("settle_old_active", ms=5))
+    view = given(
+        *healthy_fleet(),
+        rolling(),
+        *steps,
+        (ROUTE, RouteMoved(at=at(3), active="b", op_id="op-r")),
+        *failed,
+        *done("settle_old_active", ms=5),
+    )
     out = only(view)
     assert isinstance(out, EligibilityChanged) and out.domain == "a" and not out.eligible
     assert "could not apply the layout change" in out.why
@@ -100,7 +156,12 @@ def test_a_rolling_change_is_requested_through_the_standby_only():
 
 
 def test_abort_before_the_flip_is_an_operation_aborted_naming_who_and_the_step():
-    view = given(*healthy_fleet(), rolling(), *done("stop_training"), (OP, StepStarted(at=at(3), op_id="op-r", step="apply_standby")))
+    view = given(
+        *healthy_fleet(),
+        rolling(),
+        *done("stop_training"),
+        (OP, StepStarted(at=at(3), op_id="op-r", step="apply_standby")),
+    )
     verdict = judge_abort(view, "", by="cli:alice", now=at(4), why="wrong context length")
     assert verdict.status == "accepted" and isinstance(verdict.event, OperationAborted)
     assert verdict.event.op_id == "op-r" and verdict.event.step == "apply_standby"
@@ -115,9 +176,15 @@ def test_abort_is_refused_once_the_flip_has_started():
     view = given(*healthy_fleet(), rolling(), *steps, (OP, StepStarted(at=at(3), op_id="op-r", step="flip")))
     verdict = judge_abort(view, "op-r", by="cli:alice", now=at(4))
     assert verdict.status == "refused" and verdict.event is None and "flip" in verdict.message
-    promotion = given(*healthy_fleet(), (OP, PromotionRequested(at=at(1), op_id="op-p", target="b", source="a")),
-                      *done("stop_training", op_id="op-p"), *done("verify_gpu", op_id="op-p"),
-                      *done("wake", op_id="op-p"), *done("probe", op_id="op-p"), *done("flip", op_id="op-p"))
+    promotion = given(
+        *healthy_fleet(),
+        (OP, PromotionRequested(at=at(1), op_id="op-p", target="b", source="a")),
+        *done("stop_training", op_id="op-p"),
+        *done("verify_gpu", op_id="op-p"),
+        *done("wake", op_id="op-p"),
+        *done("probe", op_id="op-p"),
+        *done("flip", op_id="op-p"),
+    )
     assert judge_abort(promotion, "", by="cli:alice", now=at(4)).status == "refused"
     assert judge_abort(given(*healthy_fleet()), "", by="cli:alice", now=at(4)).status == "not_found"
 
@@ -125,8 +192,12 @@ def test_abort_is_refused_once_the_flip_has_started():
 def test_a_demotion_is_abortable_until_it_ends():
     from haru.core.events import DemotionRequested
 
-    view = given(*healthy_fleet(), (OP, DemotionRequested(at=at(1), op_id="op-d", target="b")),
-                 *done("sleep", op_id="op-d"), (OP, StepStarted(at=at(3), op_id="op-d", step="start_training")))
+    view = given(
+        *healthy_fleet(),
+        (OP, DemotionRequested(at=at(1), op_id="op-d", target="b")),
+        *done("sleep", op_id="op-d"),
+        (OP, StepStarted(at=at(3), op_id="op-d", step="start_training")),
+    )
     assert judge_abort(view, "op-d", by="cli:alice", now=at(4)).status == "accepted"
 
 
@@ -148,7 +219,12 @@ def test_a_failed_active_abandons_a_rolling_change_before_its_flip_so_failover_c
     assert isinstance(nxt, PromotionRequested) and nxt.target == "b" and nxt.reason == "domain_unreachable"
     # past the flip it goes on: the route already moved to b
     flipped = [e for s in ROLL_FLOW[: ROLL_FLOW.index("flip") + 1] for e in done(s)]
-    view = given(*healthy_fleet(), rolling(), *flipped, (ROUTE, RouteMoved(at=at(3), active="b", op_id="op-r")),
-                 unreachable("a", ms=4))
+    view = given(
+        *healthy_fleet(),
+        rolling(),
+        *flipped,
+        (ROUTE, RouteMoved(at=at(3), active="b", op_id="op-r")),
+        unreachable("a", ms=4),
+    )
     nxt = only(view, facts(ms=5, silent_ms={"a": 5000, "b": 100}))
     assert isinstance(nxt, StepStarted) and nxt.step == "apply_old_active"

@@ -6,13 +6,14 @@ from __future__ import annotations
 from haru.core import subjects
 from haru.core.causes import decided_cause
 from haru.core.events import AgentStarted, EligibilityChanged, FailoverDeclined, FailureSignalled, PromotionRequested
+from haru.core.specs import Policy
 from haru.promoter.decider import standby_unfit
 from tests.unit.test_decider import POLICY, F, at, facts, given, healthy_fleet, only
-from haru.core.specs import Policy
 
 
-def signal(domain: str = "a", source: str = "preemption_notice", detail: str = "spot instance-action: terminate",
-           ms: int = 5):
+def signal(
+    domain: str = "a", source: str = "preemption_notice", detail: str = "spot instance-action: terminate", ms: int = 5
+):
     return (subjects.agent(F, domain), FailureSignalled(at=at(ms), domain=domain, source=source, detail=detail))
 
 
@@ -57,13 +58,18 @@ def test_the_old_active_stays_out_of_the_standby_role_while_signalled():
 
     steps = []
     for i, step in enumerate(("stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active")):
-        steps += [(OP, StepStarted(at=at(10 + i), op_id="op-1", step=step)),
-                  (OP, StepCompleted(at=at(10 + i), op_id="op-1", step=step))]
+        steps += [
+            (OP, StepStarted(at=at(10 + i), op_id="op-1", step=step)),
+            (OP, StepCompleted(at=at(10 + i), op_id="op-1", step=step)),
+        ]
         if step == "flip":
             steps.append((ROUTE, RouteMoved(at=at(10 + i), active="b", op_id="op-1")))
-    view = given(*healthy_fleet(), signal(),
-                 (OP, PromotionRequested(at=at(6), op_id="op-1", target="b", source="a", reason="preemption_notice")),
-                 *steps)
+    view = given(
+        *healthy_fleet(),
+        signal(),
+        (OP, PromotionRequested(at=at(6), op_id="op-1", target="b", source="a", reason="preemption_notice")),
+        *steps,
+    )
     event = only(view, facts(ms=30))
     assert isinstance(event, EligibilityChanged) and (event.domain, event.eligible) == ("a", False)
     assert "about to go" in event.why

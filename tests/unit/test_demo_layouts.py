@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_shipped_demo_layout_is_the_operators_example(shipped):
     assert shipped.is_relative_to(ROOT / "haru"), f"{shipped} must be inside the haru package (package data)"
     example = ROOT / "deploy" / "examples" / shipped.name
-    assert shipped.read_bytes() == example.read_bytes(), \
+    assert shipped.read_bytes() == example.read_bytes(), (
         f"{shipped.relative_to(ROOT)} and {example.relative_to(ROOT)} differ: copy the one you changed over the other"
+    )
     assert load_layout(shipped).domains
 
 

@@ -10,14 +10,34 @@ import textwrap
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from haru.log import nats_headers
 from nats.aio.client import Client
 
-PIECES = [b"\r\n", b":", b": ", b" ", b"\t", b"\x0b", b"\x0c", b"\x1c", b"\x1f", b"\x85", b"\xa0",
-          "é".encode(), "\u2028".encode(), b"\xff", b"Nats-Msg-Id", b"Nats-Expected-Last-Subject-Sequence", b"a", b"1"]
+from haru.log import nats_headers
 
-WRITTEN_FOR = importlib.metadata.version("nats-py") == nats_headers.FOR_NATS_PY and "fast_mail_parser" not in sys.modules
+PIECES = [
+    b"\r\n",
+    b":",
+    b": ",
+    b" ",
+    b"\t",
+    b"\x0b",
+    b"\x0c",
+    b"\x1c",
+    b"\x1f",
+    b"\x85",
+    b"\xa0",
+    "é".encode(),
+    "\u2028".encode(),
+    b"\xff",
+    b"Nats-Msg-Id",
+    b"Nats-Expected-Last-Subject-Sequence",
+    b"a",
+    b"1",
+]
+
+WRITTEN_FOR = (
+    importlib.metadata.version("nats-py") == nats_headers.FOR_NATS_PY and "fast_mail_parser" not in sys.modules
+)
 
 
 def original(raw: bytes) -> dict[str, str]:
@@ -61,7 +81,10 @@ def test_enabling_it_replaces_the_parser_on_the_nats_py_it_was_written_for() -> 
 
 def test_the_headers_append_writes() -> None:
     raw = b"Nats-Expected-Last-Subject-Sequence: 12345\r\nNats-Msg-Id: 0123456789abcdef0123456789abcdef01234567\r\n\r\n"
-    expected = {"Nats-Expected-Last-Subject-Sequence": "12345", "Nats-Msg-Id": "0123456789abcdef0123456789abcdef01234567"}
+    expected = {
+        "Nats-Expected-Last-Subject-Sequence": "12345",
+        "Nats-Msg-Id": "0123456789abcdef0123456789abcdef01234567",
+    }
     assert nats_headers._parse_header_lines_fast(raw) == original(raw) == expected
 
 

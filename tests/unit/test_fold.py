@@ -9,13 +9,14 @@ import msgspec
 from haru.core import events as ev
 from haru.core import residency
 from haru.core import subjects as sj
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
-from haru.core.sizes import GiB
-from haru.core.views import FleetView, view_decoder, view_encoder
 from haru.core.fold import HANDLED, empty, evolve, fold
+from haru.core.sizes import GiB
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.views import FleetView, view_decoder, view_encoder
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 F = "default"
+
 
 def at(s: float) -> datetime:
     return T0 + timedelta(seconds=s)
@@ -33,14 +34,70 @@ def declarations() -> list[tuple[str, ev.Event]]:
         out.append((sj.decl(F), ev.DomainDeclared(at=at(0), spec=spec)))
         for name, vram in (("qwen3.6:27b", 30 * GiB), ("llama-8b", 20 * GiB)):
             out.append(
-                (sj.decl(F), ev.ModelDeclared(at=at(0), domain=d, spec=ModelSpec(name=name, slot=name.replace(":", "-").replace(".", "-"), gpu_index=0, vram_bytes=vram, port=8000)))
+                (
+                    sj.decl(F),
+                    ev.ModelDeclared(
+                        at=at(0),
+                        domain=d,
+                        spec=ModelSpec(
+                            name=name,
+                            slot=name.replace(":", "-").replace(".", "-"),
+                            gpu_index=0,
+                            vram_bytes=vram,
+                            port=8000,
+                        ),
+                    ),
+                )
             )
         out.append(
-            (sj.decl(F), ev.TrainingDeclared(at=at(0), domain=d, spec=TrainingSpec(slot="lora", gpu_index=0, command=["train"], checkpoint_dir="/ck", vram_bytes=10 * GiB)))
+            (
+                sj.decl(F),
+                ev.TrainingDeclared(
+                    at=at(0),
+                    domain=d,
+                    spec=TrainingSpec(
+                        slot="lora", gpu_index=0, command=["train"], checkpoint_dir="/ck", vram_bytes=10 * GiB
+                    ),
+                ),
+            )
         )
-        out.append((sj.decl(F), ev.AdmissionDecided(at=at(0), domain=d, name="qwen3.6:27b", gpu_index=0, admitted=True, vram_bytes=30 * GiB, capacity_bytes=46 * GiB)))
-        out.append((sj.decl(F), ev.AdmissionDecided(at=at(0), domain=d, name="llama-8b", gpu_index=0, admitted=False, vram_bytes=20 * GiB, short_by_bytes=4 * GiB, capacity_bytes=46 * GiB)))
-        out.append((sj.decl(F), ev.AdmissionDecided(at=at(0), domain=d, kind="training", name="lora", gpu_index=0, admitted=True, vram_bytes=10 * GiB)))
+        out.append(
+            (
+                sj.decl(F),
+                ev.AdmissionDecided(
+                    at=at(0),
+                    domain=d,
+                    name="qwen3.6:27b",
+                    gpu_index=0,
+                    admitted=True,
+                    vram_bytes=30 * GiB,
+                    capacity_bytes=46 * GiB,
+                ),
+            )
+        )
+        out.append(
+            (
+                sj.decl(F),
+                ev.AdmissionDecided(
+                    at=at(0),
+                    domain=d,
+                    name="llama-8b",
+                    gpu_index=0,
+                    admitted=False,
+                    vram_bytes=20 * GiB,
+                    short_by_bytes=4 * GiB,
+                    capacity_bytes=46 * GiB,
+                ),
+            )
+        )
+        out.append(
+            (
+                sj.decl(F),
+                ev.AdmissionDecided(
+                    at=at(0), domain=d, kind="training", name="lora", gpu_index=0, admitted=True, vram_bytes=10 * GiB
+                ),
+            )
+        )
     return out
 
 
@@ -71,8 +128,22 @@ def test_declarations_keep_declaration_order_and_admission():
 
 def test_redeclaring_a_domain_keeps_models_and_observations():
     items = declarations()
-    items.append((sj.gpu(F, "a", 0), ev.GpuObserved(at=at(1), domain="a", index=0, present=True, memory_total_bytes=48 * GiB, memory_used_bytes=GiB)))
-    items.append((sj.decl(F), ev.DomainChanged(at=at(2), spec=DomainSpec(name="a", region="eu", gpus=[GpuSpec(index=0, memory_bytes=40 * GiB)]))))
+    items.append(
+        (
+            sj.gpu(F, "a", 0),
+            ev.GpuObserved(
+                at=at(1), domain="a", index=0, present=True, memory_total_bytes=48 * GiB, memory_used_bytes=GiB
+            ),
+        )
+    )
+    items.append(
+        (
+            sj.decl(F),
+            ev.DomainChanged(
+                at=at(2), spec=DomainSpec(name="a", region="eu", gpus=[GpuSpec(index=0, memory_bytes=40 * GiB)])
+            ),
+        )
+    )
     a = run(items).domains["a"]
     assert a.region == "eu" and a.serving_url == ""
     assert list(a.models) == ["qwen3.6:27b", "llama-8b"]
@@ -83,7 +154,12 @@ def test_gpu_training_agent_liveness_eligibility():
     items = declarations()
     items += [
         (sj.gpu(F, "b", 0), ev.GpuObserved(at=at(1), domain="b", index=0, present=False, name="A6000")),
-        (sj.gpu(F, "b", 1), ev.GpuObserved(at=at(1), domain="b", index=1, present=True, memory_total_bytes=GiB, processes=[ev.GpuProcess(pid=7)])),
+        (
+            sj.gpu(F, "b", 1),
+            ev.GpuObserved(
+                at=at(1), domain="b", index=1, present=True, memory_total_bytes=GiB, processes=[ev.GpuProcess(pid=7)]
+            ),
+        ),
         (sj.training(F, "b", "lora"), ev.TrainingStarted(at=at(2), domain="b", slot="lora", pid=42, gpu_index=0)),
         (sj.agent(F, "b"), ev.AgentStarted(at=at(3), domain="b", host="gpu-b", pid=9, serving_url="http://b:9000")),
         (sj.liveness(F, "b"), ev.DomainUnreachable(at=at(4), domain="b", silent_ms=6000)),
@@ -98,7 +174,10 @@ def test_gpu_training_agent_liveness_eligibility():
     assert b.reachable is False and b.reachability_since == at(4)
     assert not b.eligible and b.ineligible_why == "GPU 0 detached"
     items += [
-        (sj.training(F, "b", "lora"), ev.TrainingStopped(at=at(6), domain="b", slot="lora", how="killed", exit_code=-9)),
+        (
+            sj.training(F, "b", "lora"),
+            ev.TrainingStopped(at=at(6), domain="b", slot="lora", how="killed", exit_code=-9),
+        ),
         (sj.agent(F, "b"), ev.AgentStopping(at=at(7), domain="b", reason="sigterm")),
         (sj.liveness(F, "b"), ev.DomainReachable(at=at(8), domain="b")),
         (sj.op(F), ev.EligibilityChanged(at=at(9), domain="b", eligible=True)),
@@ -115,7 +194,12 @@ def test_operation_steps_then_route_then_completion():
     n = len(items)
     items += [
         (sj.route(F), ev.RouteMoved(at=at(1), active="a")),
-        (sj.op(F), ev.PromotionRequested(at=at(2), op_id="op1", target="b", source="a", reason="gpu_detached", route_revision=n + 1)),
+        (
+            sj.op(F),
+            ev.PromotionRequested(
+                at=at(2), op_id="op1", target="b", source="a", reason="gpu_detached", route_revision=n + 1
+            ),
+        ),
         (sj.op(F), ev.StepStarted(at=at(3), op_id="op1", step="stop_training")),
         (sj.op(F), ev.StepCompleted(at=at(4), op_id="op1", step="stop_training", took_ms=900)),
         (sj.op(F), ev.StepStarted(at=at(5), op_id="op1", step="wake")),
@@ -187,7 +271,9 @@ def test_fold_skips_what_a_view_already_folded_and_separates_fleets():
     first = fold((i + 1, s, e) for i, (s, e) in enumerate(items))
     again = fold(((i + 1, s, e) for i, (s, e) in enumerate(items)), first)
     assert again == first
-    other = fold([(100, sj.decl("other"), ev.FleetDeclared(at=at(0), fleet="other", policy=Policy(auto_failover=False)))], first)
+    other = fold(
+        [(100, sj.decl("other"), ev.FleetDeclared(at=at(0), fleet="other", policy=Policy(auto_failover=False)))], first
+    )
     assert set(other) == {F, "other"} and other[F] == first[F]
     assert other["other"].policy.auto_failover is False and other["other"].seq == 100
     assert fold([(5, "not.a.subject", ev.RouteMoved(at=at(0), active="a"))]) == {}
@@ -230,7 +316,9 @@ def test_an_invalid_body_is_counted_and_moves_the_checkpoint():
     views = fold((i + 1, s, e) for i, (s, e) in enumerate(declarations()))
     n = len(declarations())
     folders = {F: Folder(views[F])}
-    folder = add_one(folders, None, seq=n + 1, subject=sj.model(F, "a", "x"), error="not a valid Haru event: Expected `object`")
+    folder = add_one(
+        folders, None, seq=n + 1, subject=sj.model(F, "a", "x"), error="not a valid Haru event: Expected `object`"
+    )
     assert folder is folders[F]
     out = folder.view()
     assert out.seq == n + 1 and out.anomalies == 1

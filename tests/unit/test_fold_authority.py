@@ -7,10 +7,10 @@ from datetime import UTC, datetime
 
 from haru.core import events as ev
 from haru.core import subjects as sj
+from haru.core.fold import Folder, add_one, empty, evolve, fold
+from haru.core.residency import Lost, Sleeping
 from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
-from haru.core.residency import Lost, Sleeping
-from haru.core.fold import Folder, add_one, empty, evolve, fold
 from tests.unit.test_fold import F, at, declarations
 
 FORGER = "agent:default/a@host-a"
@@ -65,7 +65,9 @@ def test_a_route_moved_on_an_agent_subject_moves_nothing_and_the_decider_keeps_t
     # The decider decides against the route subject's real sequence (what the flip will expect).
     b = view.domains["b"].models["qwen3.6:27b"].residency
     assert isinstance(b, Sleeping)
-    facts = Facts(now=at(6), me="promoter:p1", new_op_id="op-1", silent_ms={"a": 10_000_000, "b": 1}, listening_ms=10**9)
+    facts = Facts(
+        now=at(6), me="promoter:p1", new_op_id="op-1", silent_ms={"a": 10_000_000, "b": 1}, listening_ms=10**9
+    )
     lost = views(items + [(sj.liveness(F, "a"), ev.DomainUnreachable(at=at(6), domain="a"))])
     requested = [a.event for a in decide(lost, facts) if isinstance(a.event, ev.PromotionRequested)]
     assert requested and requested[0].route_revision == route_seq
@@ -103,6 +105,7 @@ def test_an_event_on_a_subject_that_is_no_event_subject_is_counted_for_its_fleet
 
 
 def test_at_is_not_taken_from_a_misplaced_body():
-    view = evolve(views(base()), ev.RouteMoved(at=datetime(2099, 1, 1, tzinfo=UTC), active="b"), seq=99,
-                  subject=sj.agent(F, "a"))
+    view = evolve(
+        views(base()), ev.RouteMoved(at=datetime(2099, 1, 1, tzinfo=UTC), active="b"), seq=99, subject=sj.agent(F, "a")
+    )
     assert view.updated_at == at(3)

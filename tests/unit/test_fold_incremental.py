@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from haru.core import events as ev
 from haru.core import subjects as sj
-from haru.core.views import FleetView, view_decoder, view_encoder
 from haru.core.fold import Folder, add_one, empty, evolve, fleet_of, fold, invalid
+from haru.core.views import FleetView, view_decoder, view_encoder
 from tests.unit.test_fold_properties import _RESIDENCY_EVENTS, DOMAINS, MODELS, histories
 
 T1 = datetime(2026, 11, 30, tzinfo=UTC)
@@ -35,8 +35,22 @@ def odd_histories(draw) -> list[tuple[int, str, ev.Event | None]]:
         d = draw(st.sampled_from([*DOMAINS, "zz"]))
         m = draw(st.sampled_from([*MODELS, "ghost"]))
         at = T1 + timedelta(seconds=draw(st.integers(0, 10**6)))
-        kind = draw(st.sampled_from(["residency", "residency", "residency", "invalid", "retire_model", "retire_domain",
-                                     "admission", "redeclare", "misplaced_route", "misplaced_residency"]))
+        kind = draw(
+            st.sampled_from(
+                [
+                    "residency",
+                    "residency",
+                    "residency",
+                    "invalid",
+                    "retire_model",
+                    "retire_domain",
+                    "admission",
+                    "redeclare",
+                    "misplaced_route",
+                    "misplaced_residency",
+                ]
+            )
+        )
         if kind == "misplaced_route":  # a route move anywhere but the route subject
             other = draw(st.sampled_from([sj.agent(fleet, d), sj.model(fleet, d, m), sj.op(fleet), sj.decl(fleet)]))
             item = (other, ev.RouteMoved(at=at, active=d, by="agent:forger"))
@@ -55,9 +69,25 @@ def odd_histories(draw) -> list[tuple[int, str, ev.Event | None]]:
             item = (sj.decl(fleet), ev.DomainRetired(at=at, domain=d))
         elif kind == "admission":
             admitted = draw(st.booleans())
-            item = (sj.decl(fleet), ev.AdmissionDecided(at=at, domain=d, name=m, gpu_index=0, admitted=admitted, vram_bytes=5, short_by_bytes=0 if admitted else 7))
+            item = (
+                sj.decl(fleet),
+                ev.AdmissionDecided(
+                    at=at,
+                    domain=d,
+                    name=m,
+                    gpu_index=0,
+                    admitted=admitted,
+                    vram_bytes=5,
+                    short_by_bytes=0 if admitted else 7,
+                ),
+            )
         else:
-            item = (sj.decl(fleet), ev.ModelChanged(at=at, domain=d, spec=ev.ModelSpec(name=m, slot="x", gpu_index=0, vram_bytes=1, port=1)))
+            item = (
+                sj.decl(fleet),
+                ev.ModelChanged(
+                    at=at, domain=d, spec=ev.ModelSpec(name=m, slot="x", gpu_index=0, vram_bytes=1, port=1)
+                ),
+            )
         items.insert(pos, item)
     return [(i + 1, s, e) for i, (s, e) in enumerate(items)]
 

@@ -6,7 +6,7 @@ error is raised. (Against JetStream: tests/integration/test_log_contract.py, and
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -17,15 +17,16 @@ from haru.log.follow import Follower
 from haru.log.memory import MemoryLog
 
 pytestmark = pytest.mark.timeout(30)
-T0 = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 3, 0, tzinfo=UTC)
 
 
 class StallingLog(MemoryLog):
     """A log whose first `stalls` follow-replays stop delivering after `deliver` records (as nats-py's
     ordered consumer does after a NATS restart, until it notices); later replays are healthy."""
 
-    def __init__(self, *, stalls: int = 1, deliver: int = 2, unreadable: set[int] | None = None,
-                 fail_first: int = 0) -> None:
+    def __init__(
+        self, *, stalls: int = 1, deliver: int = 2, unreadable: set[int] | None = None, fail_first: int = 0
+    ) -> None:
         super().__init__(writer="test")
         self.stalls, self.deliver = stalls, deliver
         self.unreadable = unreadable or set()
@@ -51,6 +52,7 @@ class StallingLog(MemoryLog):
             await super().replay(limited, from_seq=from_seq, follow=False, **kwargs)
             await asyncio.Event().wait()  # silent from now on
         if self.unreadable:
+
             def skip(rec):
                 return None if rec.seq in self.unreadable else handler(rec)
 

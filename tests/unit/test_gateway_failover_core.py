@@ -9,6 +9,9 @@ from datetime import UTC, datetime, timedelta
 import msgspec
 import pytest
 
+from haru.core.residency import Answer, Loading, Lost, Resident, Sleeping
+from haru.core.specs import Policy
+from haru.core.views import DomainView, FleetView, ModelView, OperationView, RouteIntent, Target
 from haru.gateway.hold import MARGIN_MS, back_since, hold_plan
 from haru.gateway.resume import (
     boundary,
@@ -20,26 +23,52 @@ from haru.gateway.resume import (
     transcript,
 )
 from haru.gateway.routing import compile_routes
-from haru.core.residency import Answer, Loading, Lost, Resident, Sleeping
-from haru.core.specs import Policy
-from haru.core.views import DomainView, FleetView, ModelView, OperationView, RouteIntent, Target
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 M = "m1"
 
 
-def routes(*, policy: Policy = Policy(), wake_ms: int = 400, standby=None, operation=None, last_operation=None,
-           b_reachable: bool | None = True, b_eligible: bool = True, a_reachable: bool | None = True,
-           reload_ms: int = 30_000):
-    a = DomainView(name="a", serving_url="http://a", reachable=a_reachable,
-                   models={M: ModelView(name=M, admitted=True, residency=Lost(reason="process_exited"), load_ms=reload_ms)})
-    b = DomainView(name="b", serving_url="http://b", reachable=b_reachable, eligible=b_eligible,
-                   models={M: ModelView(name=M, admitted=True, residency=standby or Sleeping(since=NOW),
-                                        wake_ms=wake_ms)})
-    view = FleetView(fleet="f", policy=policy, domains={"a": a, "b": b}, active="a", route_revision=1, seq=1,
-                     operation=operation, last_operation=last_operation)
-    intent = RouteIntent(fleet="f", revision=1, active=Target(domain="a", serving_url="http://a"),
-                         answers={M: Answer(answer="lost", reason="process_exited")})
+def routes(
+    *,
+    policy: Policy = Policy(),
+    wake_ms: int = 400,
+    standby=None,
+    operation=None,
+    last_operation=None,
+    b_reachable: bool | None = True,
+    b_eligible: bool = True,
+    a_reachable: bool | None = True,
+    reload_ms: int = 30_000,
+):
+    a = DomainView(
+        name="a",
+        serving_url="http://a",
+        reachable=a_reachable,
+        models={M: ModelView(name=M, admitted=True, residency=Lost(reason="process_exited"), load_ms=reload_ms)},
+    )
+    b = DomainView(
+        name="b",
+        serving_url="http://b",
+        reachable=b_reachable,
+        eligible=b_eligible,
+        models={M: ModelView(name=M, admitted=True, residency=standby or Sleeping(since=NOW), wake_ms=wake_ms)},
+    )
+    view = FleetView(
+        fleet="f",
+        policy=policy,
+        domains={"a": a, "b": b},
+        active="a",
+        route_revision=1,
+        seq=1,
+        operation=operation,
+        last_operation=last_operation,
+    )
+    intent = RouteIntent(
+        fleet="f",
+        revision=1,
+        active=Target(domain="a", serving_url="http://a"),
+        answers={M: Answer(answer="lost", reason="process_exited")},
+    )
     return compile_routes("f", view, intent, 1)
 
 
@@ -65,13 +94,16 @@ def test_the_hold_is_bounded_by_policy():
     assert hold_plan(routes(policy=Policy(hold_max_ms=0)), "model_lost", now=T) is None
 
 
-@pytest.mark.parametrize("kw", [
-    dict(policy=Policy(auto_failover=False)),
-    dict(standby=Lost(reason="evicted")),
-    dict(standby=Loading(since=NOW)),
-    dict(b_reachable=None),
-    dict(b_eligible=False),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(policy=Policy(auto_failover=False)),
+        dict(standby=Lost(reason="evicted")),
+        dict(standby=Loading(since=NOW)),
+        dict(b_reachable=None),
+        dict(b_eligible=False),
+    ],
+)
 def test_nothing_is_held_when_no_failover_is_coming(kw):
     assert hold_plan(routes(**kw), "model_lost", now=T) is None
 
@@ -90,8 +122,9 @@ def test_a_promotion_under_way_holds_warming_and_asleep_too():
 
 
 def test_a_promotion_that_just_aborted_means_nothing_is_about_to_start():
-    aborted = OperationView(op_id="o", kind="promotion", target="b", source="a", state="aborted",
-                            finished_at=NOW - timedelta(seconds=1))
+    aborted = OperationView(
+        op_id="o", kind="promotion", target="b", source="a", state="aborted", finished_at=NOW - timedelta(seconds=1)
+    )
     assert hold_plan(routes(last_operation=aborted), "model_lost", now=T) is None
     later = T + 61
     assert hold_plan(routes(last_operation=aborted), "model_lost", now=later) is not None
@@ -101,8 +134,13 @@ def test_a_promotion_that_just_aborted_means_nothing_is_about_to_start():
 
 
 def chunk(delta: dict, finish: str | None = None, cid: str = "c1", created: int = 7) -> bytes:
-    obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": M,
-           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    obj = {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": M,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
@@ -116,28 +154,50 @@ def test_boundary_is_the_end_of_the_last_whole_event():
 def test_the_transcript_is_what_the_client_received():
     sent = chunk({"role": "assistant", "content": ""}) + chunk({"content": "Hel"}) + chunk({"content": "lo"})
     t = transcript(sent)
-    assert (t.id, t.created, t.text, t.role_sent, t.finished, t.chunks, t.other) == ("c1", 7, "Hello", True, False, 2, "")
+    assert (t.id, t.created, t.text, t.role_sent, t.finished, t.chunks, t.other) == (
+        "c1",
+        7,
+        "Hello",
+        True,
+        False,
+        2,
+        "",
+    )
     assert transcript(sent + chunk({}, "stop")).finished
     assert transcript(sent + b"data: [DONE]\n\n").finished
     assert transcript(chunk({"tool_calls": [{"index": 0}]})).other
 
 
-@pytest.mark.parametrize("request_, why", [
-    ({"n": 2}, "n > 1"),
-    ({"tools": [{}]}, "tools"),
-    ({"tool_choice": "auto"}, "tools"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "json_schema"),
-    ({"guided_regex": "a+"}, "guided"),
-    ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 2}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "request_, why",
+    [
+        ({"n": 2}, "n > 1"),
+        ({"tools": [{}]}, "tools"),
+        ({"tool_choice": "auto"}, "tools"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "json_schema"),
+        ({"guided_regex": "a+"}, "guided"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "logprobs"),
+    ],
+)
 def test_what_cannot_be_continued_faithfully_says_why(request_, why):
     assert why in not_continuable({"model": M, "messages": [], **request_})
 
 
 def test_plain_requests_can_be_continued():
-    assert not_continuable({"model": M, "messages": [], "n": 1, "response_format": {"type": "text"},
-                            "tool_choice": "none", "temperature": 0.3}) == ""
+    assert (
+        not_continuable(
+            {
+                "model": M,
+                "messages": [],
+                "n": 1,
+                "response_format": {"type": "text"},
+                "tool_choice": "none",
+                "temperature": 0.3,
+            }
+        )
+        == ""
+    )
 
 
 def test_the_continuation_asks_vllm_to_continue_the_assistant_message():
@@ -149,7 +209,10 @@ def test_the_continuation_asks_vllm_to_continue_the_assistant_message():
     assert body["max_tokens"] == 8 and body["stream"] is True and req["messages"][-1]["role"] == "user"
     llama = json.loads(continuation_body(req, t, "llama_server"))
     assert llama["messages"][-1]["content"] == "Hello" and "continue_final_message" not in llama
-    prefilled = {"model": M, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: "}]}
+    prefilled = {
+        "model": M,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: "}],
+    }
     assert json.loads(continuation_body(prefilled, t, "vllm"))["messages"][-1]["content"] == "Sure: Hello"
 
 
@@ -166,8 +229,9 @@ def test_a_spliced_event_keeps_the_first_id_and_drops_the_second_role():
 
 def test_the_error_event_has_openais_shape():
     obj = json.loads(error_event("it broke")[6:])
-    assert obj == {"error": {"message": "it broke", "type": obj["error"]["type"], "param": None,
-                             "code": "stream_interrupted"}}
+    assert obj == {
+        "error": {"message": "it broke", "type": obj["error"]["type"], "param": None, "code": "stream_interrupted"}
+    }
 
 
 def test_measured_figures_in_the_view_are_kept():
@@ -236,9 +300,20 @@ def test_a_runtime_the_active_says_is_gone_is_waited_for_in_place_when_no_failov
     # The serving port answered X-Haru-Runtime-Gone: the runtime was killed, the agent restarts it. The
     # standby is not ready (or a promotion onto it just aborted): nothing moves the route, the reload does.
     backoff_max = Policy().restart_backoff_max_ms
-    for kw in (dict(standby=Loading(since=NOW)), dict(policy=Policy(auto_failover=False)),
-               dict(last_operation=OperationView(op_id="o", kind="promotion", target="b", source="a", state="aborted",
-                                                 finished_at=NOW - timedelta(seconds=1)))):
+    for kw in (
+        dict(standby=Loading(since=NOW)),
+        dict(policy=Policy(auto_failover=False)),
+        dict(
+            last_operation=OperationView(
+                op_id="o",
+                kind="promotion",
+                target="b",
+                source="a",
+                state="aborted",
+                finished_at=NOW - timedelta(seconds=1),
+            )
+        ),
+    ):
         quick = routes(reload_ms=300, **kw)
         assert hold_plan(quick, "upstream_unreachable", unreachable=True, now=T) is None, kw  # silence alone: no
         for code in ("model_lost", "model_warming"):  # lost, then restarting (loading again, attempt 2)
@@ -247,21 +322,27 @@ def test_a_runtime_the_active_says_is_gone_is_waited_for_in_place_when_no_failov
             assert plan.budget_ms == min(300 + backoff_max + MARGIN_MS, Policy().hold_max_ms)
         # the view a few events behind the agent: still resident there, but the agent said it is gone
         stale = _active_model(quick, Resident(since=NOW))
-        assert hold_plan(stale, "model_lost", unreachable=True, gone=M, now=T).budget_ms == \
-            min(300 + backoff_max + MARGIN_MS, Policy().hold_max_ms)
+        assert hold_plan(stale, "model_lost", unreachable=True, gone=M, now=T).budget_ms == min(
+            300 + backoff_max + MARGIN_MS, Policy().hold_max_ms
+        )
         restarting = _active_model(quick, Loading(since=NOW, attempt=2))
         assert hold_plan(restarting, "model_warming", unreachable=True, gone=M, now=T) is not None
     # a reload nobody measured is not waited for: the answer goes at once, as before
-    assert hold_plan(routes(reload_ms=0, standby=Loading(since=NOW)), "model_lost", unreachable=True, gone=M,
-                     now=T) is None
+    assert (
+        hold_plan(routes(reload_ms=0, standby=Loading(since=NOW)), "model_lost", unreachable=True, gone=M, now=T)
+        is None
+    )
 
 
 def test_a_gone_runtime_with_a_standby_ready_waits_for_whichever_serves_first():
     # b wakes in 400 ms; a reloads in 300 ms plus its restart backoff: the hold lasts the longer bound
     plan = hold_plan(routes(reload_ms=300), "model_lost", unreachable=True, gone=M, now=T)
     assert "auto-failover to b" in plan.why and "a reloading in place" in plan.why
-    assert plan.budget_ms == min(max(5_000 + 400 + MARGIN_MS, 300 + Policy().restart_backoff_max_ms + MARGIN_MS),
-                                 Policy().hold_max_ms)
+    assert plan.budget_ms == min(
+        max(5_000 + 400 + MARGIN_MS, 300 + Policy().restart_backoff_max_ms + MARGIN_MS), Policy().hold_max_ms
+    )
     short = Policy(restart_backoff_max_ms=1_000)
-    assert hold_plan(routes(reload_ms=300, policy=short), "model_lost", unreachable=True, gone=M,
-                     now=T).budget_ms == short.heartbeat_timeout_ms + 400 + MARGIN_MS
+    assert (
+        hold_plan(routes(reload_ms=300, policy=short), "model_lost", unreachable=True, gone=M, now=T).budget_ms
+        == short.heartbeat_timeout_ms + 400 + MARGIN_MS
+    )

@@ -39,7 +39,7 @@ def feed_split(raw: bytes, cuts: list[int], **kw) -> Sink:
     return sink
 
 
-SIZED = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}"
+SIZED = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
 CHUNKED = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
     b"d\r\ndata: hello\n\n\r\n"
@@ -65,7 +65,7 @@ def test_chunked_body_any_split(cuts):
 
 def test_chunks_are_handed_on_as_they_arrive():
     sink = Sink()
-    sink.parser.feed(CHUNKED[:CHUNKED.index(b"\r\n\r\n") + 4])
+    sink.parser.feed(CHUNKED[: CHUNKED.index(b"\r\n\r\n") + 4])
     assert sink.heads and not sink.data
     sink.parser.feed(b"d\r\ndata: hel")
     assert sink.data == [b"data: hel"] and sink.ends == 0
@@ -123,10 +123,14 @@ def test_no_body_statuses_and_empty_bodies_end_at_the_head():
         (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nhi", "Duplicate Content-Length"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nhi", "Content-Length"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\nhi", "Content-Length"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
-         "Transfer-Encoding can't be present with Content-Length"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
-         "Content-Length"),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+            "Transfer-Encoding can't be present with Content-Length",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+            "Content-Length",
+        ),
     ],
 )
 def test_malformed_responses_raise(raw, words):

@@ -11,16 +11,21 @@ VALUES = [0.0, 0.0004, 0.001, 0.0010001, 0.0025, 0.07, 1, 2.5, 299.9, 300, 301, 
 
 
 def _samples(registry: CollectorRegistry, name: str) -> dict:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for m in registry.collect() for s in m.samples if s.name.startswith(name) and not s.name.endswith("_created")}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for m in registry.collect()
+        for s in m.samples
+        if s.name.startswith(name) and not s.name.endswith("_created")
+    }
 
 
 def test_deferred_histograms_and_counts_read_as_direct_ones():
     metrics = GatewayMetrics()
     ttfb, latency = metrics.upstream("default", "a")
     reference = CollectorRegistry()
-    ref_ttfb = Histogram("haru_gateway_upstream_ttfb_seconds", "x", ["fleet", "domain"], buckets=_LATENCY_BUCKETS,
-                         registry=reference)
+    ref_ttfb = Histogram(
+        "haru_gateway_upstream_ttfb_seconds", "x", ["fleet", "domain"], buckets=_LATENCY_BUCKETS, registry=reference
+    )
     ref_requests = Counter("haru_gateway_requests", "x", ["fleet", "model", "status"], registry=reference)
     for rounds in range(2):  # collected in between: nothing is counted twice, nothing lost
         for v in VALUES:
@@ -34,5 +39,7 @@ def test_deferred_histograms_and_counts_read_as_direct_ones():
         assert got == _samples(reference, "haru_gateway_upstream_ttfb") and got
         got = _samples(metrics.registry, "haru_gateway_requests")
         assert got == _samples(reference, "haru_gateway_requests") and got
-    assert latency.n == 0 and b'haru_gateway_upstream_latency_seconds_count{domain="a",fleet="default"} 0.0' in \
-        metrics.render()
+    assert (
+        latency.n == 0
+        and b'haru_gateway_upstream_latency_seconds_count{domain="a",fleet="default"} 0.0' in metrics.render()
+    )

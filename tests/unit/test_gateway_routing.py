@@ -8,20 +8,20 @@ from datetime import UTC, datetime, timedelta
 import msgspec
 import pytest
 
-from haru.gateway.config import from_env
 from haru.core.errors import ConfigError
+from haru.core.openai_errors import ANSWER_STATUS, answer_status, error_body
+from haru.core.residency import Answer, Loading, Lost, NotAdmitted, Resident, Unknown
+from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target
+from haru.gateway.config import from_env
 from haru.gateway.routing import (
-    model_of,
     Forward,
     Refusal,
     RoutingTable,
     base_url,
+    model_of,
     retry_after_warming,
 )
-from haru.core.openai_errors import ANSWER_STATUS, answer_status, error_body
 from haru.gateway.truth import describe_state, models_list, truth_table
-from haru.core.residency import Answer, Loading, Lost, NotAdmitted, Resident, Unknown
-from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 NOW = T0.timestamp()
@@ -31,20 +31,36 @@ S = "small"
 
 def view(active: str = "a", *, seq: int = 1, models_b: tuple[str, ...] = (M, S)) -> FleetView:
     def dom(name: str, models: tuple[str, ...]) -> DomainView:
-        return DomainView(name=name, serving_url=f"http://{name}:8000",
-                          models={m: ModelView(name=m, residency=Resident(since=T0)) for m in models})
+        return DomainView(
+            name=name,
+            serving_url=f"http://{name}:8000",
+            models={m: ModelView(name=m, residency=Resident(since=T0)) for m in models},
+        )
 
-    return FleetView(fleet="f", domains={"a": dom("a", (M, S)), "b": dom("b", models_b)}, active=active,
-                     route_revision=seq, seq=seq)
+    return FleetView(
+        fleet="f", domains={"a": dom("a", (M, S)), "b": dom("b", models_b)}, active=active, route_revision=seq, seq=seq
+    )
 
 
-def intent(answers: dict[str, Answer], *, domain: str = "a", revision: int = 4, serve: str = "agent",
-           url: str | None = None, model_urls: dict[str, str] | None = None, operation: str = "") -> RouteIntent:
+def intent(
+    answers: dict[str, Answer],
+    *,
+    domain: str = "a",
+    revision: int = 4,
+    serve: str = "agent",
+    url: str | None = None,
+    model_urls: dict[str, str] | None = None,
+    operation: str = "",
+) -> RouteIntent:
     return RouteIntent(
         fleet="f",
         revision=revision,
-        active=Target(domain=domain, serving_url=f"http://{domain}:8000/" if url is None else url, serve=serve,
-                      model_urls=model_urls or {}),
+        active=Target(
+            domain=domain,
+            serving_url=f"http://{domain}:8000/" if url is None else url,
+            serve=serve,
+            model_urls=model_urls or {},
+        ),
         answers=answers,
         operation=operation,
     )
@@ -115,16 +131,24 @@ def test_warming_without_since_uses_the_intents_for_ms():
 
 
 def test_gpu_detached_says_it_is_the_providers_doing_and_lost_carries_reason_and_detail():
-    t = table(view(), intent({M: Answer(answer="lost", reason="gpu_detached"),
-                              S: Answer(answer="lost", reason="process_exited", detail="exit status -9")}))
+    t = table(
+        view(),
+        intent(
+            {
+                M: Answer(answer="lost", reason="gpu_detached"),
+                S: Answer(answer="lost", reason="process_exited", detail="exit status -9"),
+            }
+        ),
+    )
     detached, exited = t.resolve("f", M, NOW), t.resolve("f", S, NOW)
     assert "not the operator's doing" in detached.message and "provider" in detached.message
     assert "process_exited (exit status -9)" in exited.message
 
 
 def test_not_admitted_is_409_never_retryable_with_the_shortfall():
-    got = table(view(), intent({M: Answer(answer="not_admitted", short_by_bytes=int(14.8 * 2**30)), S: READY}))\
-        .resolve("f", M, NOW)
+    got = table(view(), intent({M: Answer(answer="not_admitted", short_by_bytes=int(14.8 * 2**30)), S: READY})).resolve(
+        "f", M, NOW
+    )
     assert got.status == 409 and not got.retryable and got.retry_after is None
     assert "short by 14.8 GiB" in got.message and "never fit" in got.message
 
@@ -208,11 +232,16 @@ def test_base_url():
 
 def test_error_body_is_openais_shape():
     body = msgspec.json.decode(error_body(409, "model_not_admitted", "no", "model"))
-    assert body == {"error": {"message": "no", "type": "conflict_error", "param": "model", "code": "model_not_admitted"}}
+    assert body == {
+        "error": {"message": "no", "type": "conflict_error", "param": "model", "code": "model_not_admitted"}
+    }
     assert msgspec.json.decode(error_body(503, "x", "m"))["error"]["type"] == "service_unavailable_error"
     assert msgspec.json.decode(error_body(504, "x", "m"))["error"]["type"] == "upstream_error"
     # a 404 is OpenAI's invalid_request_error (what api.openai.com says for an unknown model)
-    assert msgspec.json.decode(error_body(404, "model_not_found", "m", "model"))["error"]["type"] == "invalid_request_error"
+    assert (
+        msgspec.json.decode(error_body(404, "model_not_found", "m", "model"))["error"]["type"]
+        == "invalid_request_error"
+    )
 
 
 def test_every_residency_state_the_serving_port_refuses_reads_the_gateways_row():
@@ -250,11 +279,22 @@ def test_model_of_reads_only_model():
 
 def test_models_list_and_truth_table():
     since = T0 - timedelta(seconds=90)
-    v = FleetView(fleet="f", active="a", seq=3, domains={
-        "a": DomainView(name="a", serving_url="http://a", models={
-            M: ModelView(name=M, residency=Resident(since=since)),
-            S: ModelView(name=S, residency=Loading(since=since, attempt=2))}),
-        "b": DomainView(name="b", models={M: ModelView(name=M, residency=NotAdmitted(short_by_bytes=2**30))})})
+    v = FleetView(
+        fleet="f",
+        active="a",
+        seq=3,
+        domains={
+            "a": DomainView(
+                name="a",
+                serving_url="http://a",
+                models={
+                    M: ModelView(name=M, residency=Resident(since=since)),
+                    S: ModelView(name=S, residency=Loading(since=since, attempt=2)),
+                },
+            ),
+            "b": DomainView(name="b", models={M: ModelView(name=M, residency=NotAdmitted(short_by_bytes=2**30))}),
+        },
+    )
     t = table(v, intent({M: READY, S: Answer(answer="warming", since=since, reason="loading")}))
     listing = models_list(t.get("f"), NOW)
     assert [m["id"] for m in listing["data"]] == [M, S] and listing["object"] == "list"
@@ -273,9 +313,21 @@ def test_describe_state():
 
 
 def test_config_from_env():
-    c = from_env({"HARU_API_TOKEN": "t", "HARU_CHAT_MAX_BODY_BYTES": "10", "HARU_CHAT_HEADER_TIMEOUT_MS": "600000",
-                  "HARU_DEFAULT_FLEET": "prod"})
-    assert (c.host, c.port, c.max_body_bytes, c.header_timeout_ms, c.default_fleet) == ("0.0.0.0", 8700, 10, 600000, "prod")
+    c = from_env(
+        {
+            "HARU_API_TOKEN": "t",
+            "HARU_CHAT_MAX_BODY_BYTES": "10",
+            "HARU_CHAT_HEADER_TIMEOUT_MS": "600000",
+            "HARU_DEFAULT_FLEET": "prod",
+        }
+    )
+    assert (c.host, c.port, c.max_body_bytes, c.header_timeout_ms, c.default_fleet) == (
+        "0.0.0.0",
+        8700,
+        10,
+        600000,
+        "prod",
+    )
     assert c.bind_host() == "0.0.0.0"
     open_ = from_env({}, host="0.0.0.0", port=9)
     assert open_.open and open_.bind_host() == "127.0.0.1" and open_.port == 9
@@ -292,7 +344,8 @@ def test_a_lora_adapter_routes_as_its_model_does():
     models[M] = msgspec.structs.replace(models[M], adapters=["sql-lora"])
     v = msgspec.structs.replace(v, domains={**v.domains, "a": msgspec.structs.replace(a, models=models)})
     assert table(v, intent({M: READY, S: READY})).resolve("f", "sql-lora", NOW) == Forward(
-        "http://a:8000", "f", "a", M, 4)
+        "http://a:8000", "f", "a", M, 4
+    )
     refused = table(v, intent({M: Answer(answer="asleep"), S: READY})).resolve("f", "sql-lora", NOW)
     assert isinstance(refused, Refusal) and refused.code == "model_asleep"
     assert isinstance(table(v, intent({M: READY, S: READY})).resolve("f", "other-lora", NOW), Refusal)

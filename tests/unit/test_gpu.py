@@ -46,9 +46,16 @@ def test_nvml_errors_that_mean_the_gpu_is_gone():
 
 
 def test_reading_is_a_frozen_struct_that_round_trips():
-    reading = GpuReading(index=1, present=True, name="H100", memory_total_bytes=80 * GiB,
-                         memory_used_bytes=GiB, memory_free_bytes=79 * GiB,
-                         processes=[GpuProcess(pid=42, used_bytes=GiB)], mig=True)
+    reading = GpuReading(
+        index=1,
+        present=True,
+        name="H100",
+        memory_total_bytes=80 * GiB,
+        memory_used_bytes=GiB,
+        memory_free_bytes=79 * GiB,
+        processes=[GpuProcess(pid=42, used_bytes=GiB)],
+        mig=True,
+    )
     with pytest.raises(AttributeError):
         reading.present = False  # type: ignore[misc]
     assert msgspec.json.decode(msgspec.json.encode(reading), type=GpuReading) == reading
@@ -63,8 +70,15 @@ def test_open_gpus_refuses_what_it_cannot_build():
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("4GiB", 4 * GiB), ("512MiB", 512 * MiB), ("1.5GiB", int(1.5 * GiB)), ("1073741824", GiB),
-     ("2GB", 2 * 10**9), ("8 gib", 8 * GiB), (123, 123)],
+    [
+        ("4GiB", 4 * GiB),
+        ("512MiB", 512 * MiB),
+        ("1.5GiB", int(1.5 * GiB)),
+        ("1073741824", GiB),
+        ("2GB", 2 * 10**9),
+        ("8 gib", 8 * GiB),
+        (123, 123),
+    ],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected

@@ -20,7 +20,9 @@ def test_without_nvml_it_says_so_and_measures_nothing():
             pytest.skip("this host has NVML: run bench/gpu_host.py itself")
     finally:
         gpus.close()
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_host.py")], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_host.py")], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 3, done.stdout + done.stderr
     assert "no NVML here" in done.stderr and "Nothing was measured" in done.stderr, done.stderr
     assert "present=" not in done.stdout  # no reading was printed as if it were one

@@ -3,15 +3,15 @@ the fold and `haru status` all tell the same story, in hearth's words."""
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from haru.core import apply, planner, subjects
-from haru.core.layout import load_layout
 from haru.core import fold as fleet
+from haru.core.layout import load_layout
 from haru.projections import status
 
-NOW = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 29, 3, 0, tzinfo=UTC)
 HEARTH = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "hearth.json"
 LINE = "42.0 / 44.2 GiB held  (5 declared, 2 admitted)"
 

@@ -26,8 +26,9 @@ class Stream:
 
     def state(self) -> holes.StreamState:
         readable = [q for q in range(1, self.end + 1) if q not in self.damaged]
-        return holes.StreamState(first_seq=readable[0] if readable else self.end + 1, last_seq=self.end,
-                                 messages=len(readable))
+        return holes.StreamState(
+            first_seq=readable[0] if readable else self.end + 1, last_seq=self.end, messages=len(readable)
+        )
 
     def matching(self, subject: str | None, from_seq: int) -> list[int]:
         return [q for q in range(max(from_seq, 1), self.end + 1) if subject is None or self.subjects[q - 1] == subject]
@@ -117,10 +118,13 @@ def test_a_replay_that_stops_short_is_missing_its_tail():
     assert holes.missing_unfiltered([(3, 4)], last_handled=7, from_seq=1, end=10) == [3, 4, 8, 9, 10]
 
 
-@pytest.mark.parametrize("reply, pending, cseq", [
-    ("$JS.ACK.HARU_EVENTS.c1.1.42.7.1700000000000000000.3", 3, 7),
-    ("$JS.ACK.dom.acc.HARU_EVENTS.c1.1.42.7.1700000000000000000.0.tok", 0, 7),
-])
+@pytest.mark.parametrize(
+    "reply, pending, cseq",
+    [
+        ("$JS.ACK.HARU_EVENTS.c1.1.42.7.1700000000000000000.3", 3, 7),
+        ("$JS.ACK.dom.acc.HARU_EVENTS.c1.1.42.7.1700000000000000000.0.tok", 0, 7),
+    ],
+)
 def test_pending_and_consumer_sequence_read_both_reply_subject_forms(reply, pending, cseq):
     tokens = reply.split(".")
     assert holes.pending(tokens) == pending and holes.consumer_seq(tokens) == cseq

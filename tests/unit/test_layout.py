@@ -10,8 +10,7 @@ import pytest
 
 from haru.core.errors import LayoutError
 from haru.core.layout import load_layout, parse_layout
-from haru.core.sizes import parse_size
-from haru.core.sizes import GiB, MiB
+from haru.core.sizes import GiB, MiB, parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,17 +23,31 @@ def base() -> dict:
             "serving_url": f"http://127.0.0.1:{port}",
             "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB"}],
             "slots": [
-                {"name": "chat", "gpu": 0, "models": [
-                    {"name": "qwen3.6:27b", "vram": "10GiB", "port": port + 1},
-                    {"name": "Meta/Llama-3.1-8B", "vram": "8GiB", "port": port + 2},
-                ]},
-                {"name": "lora", "kind": "training", "gpu": 0, "command": ["python", "t.py"],
-                 "checkpoint_dir": "/tmp/ck", "vram": "4GiB"},
+                {
+                    "name": "chat",
+                    "gpu": 0,
+                    "models": [
+                        {"name": "qwen3.6:27b", "vram": "10GiB", "port": port + 1},
+                        {"name": "Meta/Llama-3.1-8B", "vram": "8GiB", "port": port + 2},
+                    ],
+                },
+                {
+                    "name": "lora",
+                    "kind": "training",
+                    "gpu": 0,
+                    "command": ["python", "t.py"],
+                    "checkpoint_dir": "/tmp/ck",
+                    "vram": "4GiB",
+                },
             ],
         }
 
-    return {"_comment": "test", "fleet": "f1", "policy": {"heartbeat_timeout_ms": 1000},
-            "domains": [domain("a", 18600), domain("b", 18700)]}
+    return {
+        "_comment": "test",
+        "fleet": "f1",
+        "policy": {"heartbeat_timeout_ms": 1000},
+        "domains": [domain("a", 18600), domain("b", 18700)],
+    }
 
 
 def error(doc) -> LayoutError:
@@ -104,78 +117,205 @@ def mutate(fn):
 
 CASES = [
     # (what, mutation, path, words in the message)
-    ("bad memory size", lambda d: d["domains"][1]["gpus"][0].__setitem__("memory", "lots"),
-     "$.domains[1].gpus[0].memory", "lots"),
-    ("memory wrong type", lambda d: d["domains"][1]["gpus"][0].__setitem__("memory", [1]),
-     "$.domains[1].gpus[0].memory", "Expected"),
-    ("index wrong type", lambda d: d["domains"][0]["gpus"][0].__setitem__("index", "0"),
-     "$.domains[0].gpus[0].index", "Expected `int`"),
-    ("reserve above memory", lambda d: d["domains"][0]["gpus"][0].__setitem__("reserve", "30GiB"),
-     "$.domains[0].gpus[0].reserve", "exceeds"),
-    ("duplicate model", lambda d: d["domains"][0]["slots"][0]["models"].append({"name": "qwen3.6:27b", "vram": "1GiB"}),
-     "$.domains[0].slots[0].models[2].name", "twice"),
-    ("model on a missing GPU", lambda d: d["domains"][1]["slots"][0].__setitem__("gpu", 3),
-     "$.domains[1].slots[0].gpu", "GPU 3"),
-    ("training on a missing GPU", lambda d: d["domains"][0]["slots"][1].__setitem__("gpu", 1),
-     "$.domains[0].slots[1].gpu", "GPU 1"),
-    ("domains do not mirror", lambda d: d["domains"][1]["slots"][0]["models"].pop(),
-     "$.domains[1].slots", "Meta/Llama-3.1-8B"),
-    ("third domain does not mirror", lambda d: (d["domains"].append(copy.deepcopy(d["domains"][0]) | {"name": "c"}),
-                                                d["domains"][2]["slots"][0]["models"].pop()),
-     "$.domains[2].slots", "domain 'c' does not mirror"),
+    (
+        "bad memory size",
+        lambda d: d["domains"][1]["gpus"][0].__setitem__("memory", "lots"),
+        "$.domains[1].gpus[0].memory",
+        "lots",
+    ),
+    (
+        "memory wrong type",
+        lambda d: d["domains"][1]["gpus"][0].__setitem__("memory", [1]),
+        "$.domains[1].gpus[0].memory",
+        "Expected",
+    ),
+    (
+        "index wrong type",
+        lambda d: d["domains"][0]["gpus"][0].__setitem__("index", "0"),
+        "$.domains[0].gpus[0].index",
+        "Expected `int`",
+    ),
+    (
+        "reserve above memory",
+        lambda d: d["domains"][0]["gpus"][0].__setitem__("reserve", "30GiB"),
+        "$.domains[0].gpus[0].reserve",
+        "exceeds",
+    ),
+    (
+        "duplicate model",
+        lambda d: d["domains"][0]["slots"][0]["models"].append({"name": "qwen3.6:27b", "vram": "1GiB"}),
+        "$.domains[0].slots[0].models[2].name",
+        "twice",
+    ),
+    (
+        "model on a missing GPU",
+        lambda d: d["domains"][1]["slots"][0].__setitem__("gpu", 3),
+        "$.domains[1].slots[0].gpu",
+        "GPU 3",
+    ),
+    (
+        "training on a missing GPU",
+        lambda d: d["domains"][0]["slots"][1].__setitem__("gpu", 1),
+        "$.domains[0].slots[1].gpu",
+        "GPU 1",
+    ),
+    (
+        "domains do not mirror",
+        lambda d: d["domains"][1]["slots"][0]["models"].pop(),
+        "$.domains[1].slots",
+        "Meta/Llama-3.1-8B",
+    ),
+    (
+        "third domain does not mirror",
+        lambda d: (
+            d["domains"].append(copy.deepcopy(d["domains"][0]) | {"name": "c"}),
+            d["domains"][2]["slots"][0]["models"].pop(),
+        ),
+        "$.domains[2].slots",
+        "domain 'c' does not mirror",
+    ),
     ("no domain", lambda d: d["domains"].clear(), "$.domains", "at least one failure domain"),
     ("same domain name", lambda d: d["domains"][1].__setitem__("name", "a"), "$.domains[1].name", "both named"),
-    ("same name as the first, third", lambda d: d["domains"].append(copy.deepcopy(d["domains"][0])),
-     "$.domains[2].name", "domains 0 and 2 are both named 'a'"),
-    ("standby_order names an unknown domain", lambda d: d["policy"].__setitem__("standby_order", ["b", "z"]),
-     "$.policy.standby_order[1]", "'z', which is not a domain"),
-    ("standby_order names a domain twice", lambda d: d["policy"].__setitem__("standby_order", ["b", "b"]),
-     "$.policy.standby_order[1]", "twice"),
-    ("empty model id", lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("name", ""),
-     "$.domains[0].slots[0].models[0].name", "empty"),
-    ("whitespace model id", lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("name", "qwen 3"),
-     "$.domains[0].slots[0].models[0].name", "whitespace"),
+    (
+        "same name as the first, third",
+        lambda d: d["domains"].append(copy.deepcopy(d["domains"][0])),
+        "$.domains[2].name",
+        "domains 0 and 2 are both named 'a'",
+    ),
+    (
+        "standby_order names an unknown domain",
+        lambda d: d["policy"].__setitem__("standby_order", ["b", "z"]),
+        "$.policy.standby_order[1]",
+        "'z', which is not a domain",
+    ),
+    (
+        "standby_order names a domain twice",
+        lambda d: d["policy"].__setitem__("standby_order", ["b", "b"]),
+        "$.policy.standby_order[1]",
+        "twice",
+    ),
+    (
+        "empty model id",
+        lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("name", ""),
+        "$.domains[0].slots[0].models[0].name",
+        "empty",
+    ),
+    (
+        "whitespace model id",
+        lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("name", "qwen 3"),
+        "$.domains[0].slots[0].models[0].name",
+        "whitespace",
+    ),
     ("bad domain name", lambda d: d["domains"][0].__setitem__("name", "East"), "$.domains[0].name", "'east'"),
     ("reserved domain name", lambda d: d["domains"][0].__setitem__("name", "decl"), "$.domains[0].name", "reserved"),
     ("bad fleet name", lambda d: d.__setitem__("fleet", "my fleet"), "$.fleet", "fleet name"),
-    ("bad slot name", lambda d: d["domains"][0]["slots"][0].__setitem__("name", "Chat.1"),
-     "$.domains[0].slots[0].name", "slot name"),
+    (
+        "bad slot name",
+        lambda d: d["domains"][0]["slots"][0].__setitem__("name", "Chat.1"),
+        "$.domains[0].slots[0].name",
+        "slot name",
+    ),
     ("unknown top key", lambda d: d.__setitem__("domain", []), "$.domain", "fleet, uuid, policy, domains"),
-    ("unknown model key", lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("vram_gb", 3),
-     "$.domains[0].slots[0].models[0].vram_gb", "context_length"),
-    ("unknown policy key", lambda d: d["policy"].__setitem__("heartbeat_ms", 3),
-     "$.policy.heartbeat_ms", "heartbeat_timeout_ms"),
-    ("models key on a training slot", lambda d: d["domains"][0]["slots"][1].__setitem__("models", []),
-     "$.domains[0].slots[1].models", "checkpoint_dir"),
-    ("duplicate port", lambda d: d["domains"][1]["slots"][0]["models"][1].__setitem__("port", 18701),
-     "$.domains[1].slots[0].models[1].port", "18701"),
-    ("duplicate gpu index", lambda d: d["domains"][0]["gpus"].append({"index": 0, "memory": "8GiB"}),
-     "$.domains[0].gpus[1].index", "twice"),
-    ("duplicate slot", lambda d: d["domains"][0]["slots"][1].__setitem__("name", "chat"),
-     "$.domains[0].slots[1].name", "twice"),
-    ("no vram", lambda d: d["domains"][0]["slots"][0]["models"][0].pop("vram"),
-     "$.domains[0].slots[0].models[0].vram", "VRAM"),
-    ("training without command", lambda d: d["domains"][0]["slots"][1].__setitem__("command", []),
-     "$.domains[0].slots[1].command", "command"),
-    ("unknown runtime", lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("runtime", "ollama"),
-     "$.domains[0].slots[0].models[0].runtime", "ollama"),
+    (
+        "unknown model key",
+        lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("vram_gb", 3),
+        "$.domains[0].slots[0].models[0].vram_gb",
+        "context_length",
+    ),
+    (
+        "unknown policy key",
+        lambda d: d["policy"].__setitem__("heartbeat_ms", 3),
+        "$.policy.heartbeat_ms",
+        "heartbeat_timeout_ms",
+    ),
+    (
+        "models key on a training slot",
+        lambda d: d["domains"][0]["slots"][1].__setitem__("models", []),
+        "$.domains[0].slots[1].models",
+        "checkpoint_dir",
+    ),
+    (
+        "duplicate port",
+        lambda d: d["domains"][1]["slots"][0]["models"][1].__setitem__("port", 18701),
+        "$.domains[1].slots[0].models[1].port",
+        "18701",
+    ),
+    (
+        "duplicate gpu index",
+        lambda d: d["domains"][0]["gpus"].append({"index": 0, "memory": "8GiB"}),
+        "$.domains[0].gpus[1].index",
+        "twice",
+    ),
+    (
+        "duplicate slot",
+        lambda d: d["domains"][0]["slots"][1].__setitem__("name", "chat"),
+        "$.domains[0].slots[1].name",
+        "twice",
+    ),
+    (
+        "no vram",
+        lambda d: d["domains"][0]["slots"][0]["models"][0].pop("vram"),
+        "$.domains[0].slots[0].models[0].vram",
+        "VRAM",
+    ),
+    (
+        "training without command",
+        lambda d: d["domains"][0]["slots"][1].__setitem__("command", []),
+        "$.domains[0].slots[1].command",
+        "command",
+    ),
+    (
+        "unknown runtime",
+        lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("runtime", "ollama"),
+        "$.domains[0].slots[0].models[0].runtime",
+        "ollama",
+    ),
     ("no gpus", lambda d: d["domains"][0].__setitem__("gpus", []), "$.domains[0].gpus", "no GPUs"),
-    ("external without url", lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("runtime", "external"),
-     "$.domains[0].slots[0].models[0].url", "url"),
-    ("policy negative", lambda d: d["policy"].__setitem__("degraded_grace_ms", -1),
-     "$.policy.degraded_grace_ms", "Expected `int` >= 0"),
-    ("gpu index negative", lambda d: d["domains"][0]["gpus"][0].__setitem__("index", -1),
-     "$.domains[0].gpus[0].index", "Expected `int` >= 0"),
-    ("model port out of range", lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("port", 70000),
-     "$.domains[0].slots[0].models[0].port", "Expected `int` <= 65535"),
-    ("serving_url not a URL", lambda d: d["domains"][0].__setitem__("serving_url", "127.0.0.1:8600"),
-     "$.domains[0].serving_url", "http"),
-    ("direct serving needs ports", lambda d: (d["domains"][0].update(serve="direct", network="private",
-                                                                     expose_dev_endpoints=True),
-                                              d["domains"][0]["slots"][0]["models"][1].pop("port")),
-     "$.domains[0].slots[0].models[1].port", "direct"),
-    ("policy wrong type", lambda d: d["policy"].__setitem__("auto_failover", "yes"),
-     "$.policy.auto_failover", "Expected `bool`"),
+    (
+        "external without url",
+        lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("runtime", "external"),
+        "$.domains[0].slots[0].models[0].url",
+        "url",
+    ),
+    (
+        "policy negative",
+        lambda d: d["policy"].__setitem__("degraded_grace_ms", -1),
+        "$.policy.degraded_grace_ms",
+        "Expected `int` >= 0",
+    ),
+    (
+        "gpu index negative",
+        lambda d: d["domains"][0]["gpus"][0].__setitem__("index", -1),
+        "$.domains[0].gpus[0].index",
+        "Expected `int` >= 0",
+    ),
+    (
+        "model port out of range",
+        lambda d: d["domains"][0]["slots"][0]["models"][0].__setitem__("port", 70000),
+        "$.domains[0].slots[0].models[0].port",
+        "Expected `int` <= 65535",
+    ),
+    (
+        "serving_url not a URL",
+        lambda d: d["domains"][0].__setitem__("serving_url", "127.0.0.1:8600"),
+        "$.domains[0].serving_url",
+        "http",
+    ),
+    (
+        "direct serving needs ports",
+        lambda d: (
+            d["domains"][0].update(serve="direct", network="private", expose_dev_endpoints=True),
+            d["domains"][0]["slots"][0]["models"][1].pop("port"),
+        ),
+        "$.domains[0].slots[0].models[1].port",
+        "direct",
+    ),
+    (
+        "policy wrong type",
+        lambda d: d["policy"].__setitem__("auto_failover", "yes"),
+        "$.policy.auto_failover",
+        "Expected `bool`",
+    ),
 ]
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import msgspec
 
@@ -11,7 +11,7 @@ from haru.core import events as ev
 from haru.core.apply import change_paths, waits_on_active
 from haru.core.specs import ModelSpec
 
-T = datetime(2026, 11, 30, tzinfo=timezone.utc)
+T = datetime(2026, 11, 30, tzinfo=UTC)
 
 
 def spec(name: str, **kw) -> ModelSpec:
@@ -31,8 +31,10 @@ def test_diff_models_by_name_and_whole_spec():
 
 def test_change_paths_name_the_active_domain_as_the_one_that_waits():
     changed = [ev.ModelChanged(at=T, domain=d, spec=spec("m2")) for d in ("a", "b")]
-    lines = change_paths([ev.ModelDeclared(at=T, domain="a", spec=spec("m4")),
-                          ev.ModelRetired(at=T, domain="b", model="m3"), *changed], active="b")
+    lines = change_paths(
+        [ev.ModelDeclared(at=T, domain="a", spec=spec("m4")), ev.ModelRetired(at=T, domain="b", model="m3"), *changed],
+        active="b",
+    )
     by = {line.split(":", 1)[0]: line for line in lines}
     assert "started live" in by["a/m4"] and "stopped live" in by["b/m3"]
     assert "replaced live" in by["a/m2"]  # a is the standby here

@@ -59,7 +59,7 @@ def test_never_two_loads_on_one_gpu_and_never_ahead_of_one_declared_before(raw):
             assert not any(set(x.gpus) & set(y.gpus) for y in ahead)
     granted_sets = [set(x.gpus) for x in entries if x.name in granted]
     for i, a in enumerate(granted_sets):
-        for b in granted_sets[i + 1:]:
+        for b in granted_sets[i + 1 :]:
             assert not a & b
     assert len(after) >= len(held)
 

@@ -24,7 +24,7 @@ def stream() -> bytes:
         b"MSG haru.evt.default.model.a.m 7 $JS.ACK.HARU_EVENTS.c.1.1.1.17.9 5\r\nhello\r\n",
         b"MSG haru.evt.default.model.a.m 7 $JS.ACK.HARU_EVENTS.c.1.2.2.17.8 0\r\n\r\n",
         b"MSG _INBOX.abc.1 7 12\r\nMSG x\r\nabc d\r\n",
-        b"INFO {\"server_id\":\"x\",\"max_payload\":1048576}\r\n",
+        b'INFO {"server_id":"x","max_payload":1048576}\r\n',
         b"MSG other.subject 3 _INBOX.r 4\r\nabcd\r\n",
         b"PING\r\n",
         b"HMSG haru.evt.default.decl 7 $JS.ACK.HARU_EVENTS.c.1.3.3.17.7 18 21\r\nNATS/1.0\r\nA: b\r\n\r\nabc\r\n",
@@ -65,6 +65,7 @@ async def feed(chunks: list[bytes], direct: bool) -> list[tuple]:
     nc = FakeClient()
     nc._ps = Parser(nc)  # type: ignore[attr-defined]
     if direct:
+
         def on(s, r, d, h) -> None:
             FAST.append(1)
             nc.seen.append(("msg", DIRECT_SID, bytes(s), bytes(r), d, h))
@@ -113,7 +114,9 @@ async def test_a_reset_buffer_is_read_from_the_new_one():
     want = await feed([data], direct=False)
     nc = FakeClient()
     nc._ps = Parser(nc)  # type: ignore[attr-defined]
-    nats_direct._wrap_parser(nc._ps, {DIRECT_SID: lambda s, r, d, h: nc.seen.append(("msg", DIRECT_SID, bytes(s), bytes(r), d, h))})  # type: ignore[attr-defined]
+    nats_direct._wrap_parser(
+        nc._ps, {DIRECT_SID: lambda s, r, d, h: nc.seen.append(("msg", DIRECT_SID, bytes(s), bytes(r), d, h))}
+    )  # type: ignore[attr-defined]
     await nc._ps.parse(data[:50])  # type: ignore[attr-defined]
     nc._ps.reset()  # type: ignore[attr-defined]
     nc.seen.clear()

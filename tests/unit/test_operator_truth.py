@@ -24,16 +24,20 @@ from haru.core.events import (
     StepStarted,
 )
 from haru.core.fold import Folder, evolve
-from haru.promoter.decider import not_applicable
 from haru.projections.status import render
-from tests.unit.test_decider import F, OP, _through, at, given, healthy_fleet, only, requested, routed
+from haru.promoter.decider import not_applicable
+from tests.unit.test_decider import OP, F, _through, at, given, healthy_fleet, only, requested, routed
 
 GPU_A = subjects.gpu(F, "a", 0)
 
 
 def _decline(ms: int = 100):
-    return (OP, FailoverDeclined(at=at(ms), domain="a", candidate="b",
-                                 why="GPU 0 of a detached; standby b's GPU 0 is detached"))
+    return (
+        OP,
+        FailoverDeclined(
+            at=at(ms), domain="a", candidate="b", why="GPU 0 of a detached; standby b's GPU 0 is detached"
+        ),
+    )
 
 
 def _both_gpus_gone():
@@ -76,9 +80,13 @@ def test_a_declined_failover_clears_when_the_failed_active_is_healthy_again():
 
 
 def test_the_incremental_folder_clears_a_decline_as_evolve_does():
-    events = [*healthy_fleet(), *_both_gpus_gone(), _decline(100),
-              (GPU_A, GpuObserved(at=at(300), domain="a", index=0, present=True)),
-              (subjects.model(F, "a", "m1"), ModelResident(at=at(400), domain="a", model="m1"))]
+    events = [
+        *healthy_fleet(),
+        *_both_gpus_gone(),
+        _decline(100),
+        (GPU_A, GpuObserved(at=at(300), domain="a", index=0, present=True)),
+        (subjects.model(F, "a", "m1"), ModelResident(at=at(400), domain="a", model="m1")),
+    ]
     base = given()
     folder = Folder(base)
     for i, (subject, event) in enumerate(events, start=base.seq + 1):
@@ -94,16 +102,22 @@ def test_an_anomaly_shows_its_age_and_clears_at_the_models_next_legal_transition
     assert view.anomalies == 1 and view.anomaly_cleared_at is None
     text = _status(view, 61_000)
     assert "anomalies in the log: 1 (last, 60s ago: seq" in text
-    view = given(*healthy_fleet(), (model, ModelWaking(at=at(1_000), domain="a", model="m1")),
-                 (model, ModelResident(at=at(2_000), domain="a", model="m1")))
+    view = given(
+        *healthy_fleet(),
+        (model, ModelWaking(at=at(1_000), domain="a", model="m1")),
+        (model, ModelResident(at=at(2_000), domain="a", model="m1")),
+    )
     assert view.anomalies == 1, "the count is history: it never goes down"
     assert view.anomaly_cleared_at == at(2_000)
     assert "(none open: the last, 60s ago, about a/m1, cleared 59s ago:" in _status(view, 61_000)
 
 
 def test_an_anomaly_about_another_model_does_not_clear_it():
-    view = given(*healthy_fleet(), (subjects.model(F, "a", "m1"), ModelWaking(at=at(1_000), domain="a", model="m1")),
-                 (subjects.model(F, "a", "m2"), ModelLoading(at=at(2_000), domain="a", model="m2")))
+    view = given(
+        *healthy_fleet(),
+        (subjects.model(F, "a", "m1"), ModelWaking(at=at(1_000), domain="a", model="m1")),
+        (subjects.model(F, "a", "m2"), ModelLoading(at=at(2_000), domain="a", model="m2")),
+    )
     assert view.anomaly_cleared_at is None
 
 
@@ -114,10 +128,12 @@ def test_an_ineligibility_shows_its_age_and_clears_when_the_demotion_restores_it
     view = given(*healthy_fleet(), ineligible)
     assert "ineligible for 120s: GPU 0 of b detached" in _status(view, 121_000)
     dem = (OP, DemotionRequested(at=at(2_000), op_id="op-d", target="b", reason="recovered"))
-    steps = [(OP, StepStarted(at=at(3_000), op_id="op-d", step="sleep")),
-             (OP, StepCompleted(at=at(4_000), op_id="op-d", step="sleep")),
-             (OP, StepStarted(at=at(5_000), op_id="op-d", step="start_training")),
-             (OP, StepCompleted(at=at(6_000), op_id="op-d", step="start_training"))]
+    steps = [
+        (OP, StepStarted(at=at(3_000), op_id="op-d", step="sleep")),
+        (OP, StepCompleted(at=at(4_000), op_id="op-d", step="sleep")),
+        (OP, StepStarted(at=at(5_000), op_id="op-d", step="start_training")),
+        (OP, StepCompleted(at=at(6_000), op_id="op-d", step="start_training")),
+    ]
     view = given(*healthy_fleet(), ineligible, dem, *steps)
     restored = only(view)  # what the promoter appends: the clearing event
     assert isinstance(restored, EligibilityChanged) and restored.eligible
@@ -128,26 +144,43 @@ def test_an_ineligibility_shows_its_age_and_clears_when_the_demotion_restores_it
 
 def _failover_onto_b_with_a_gone():
     gone = (GPU_A, GpuObserved(at=at(4), domain="a", index=0, present=False))
-    req = (OP, PromotionRequested(at=at(1), op_id="op-1", target="b", source="a", reason="gpu_detached",
-                                  detail="GPU 0 of a detached"))
-    return [*healthy_fleet(), req, gone, *_through("settle_old_active"),
-            (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active"))]
+    req = (
+        OP,
+        PromotionRequested(
+            at=at(1), op_id="op-1", target="b", source="a", reason="gpu_detached", detail="GPU 0 of a detached"
+        ),
+    )
+    return [
+        *healthy_fleet(),
+        req,
+        gone,
+        *_through("settle_old_active"),
+        (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
+    ]
 
 
 def test_settle_on_an_old_active_whose_gpu_is_gone_is_skipped_with_why():
     view = given(*_failover_onto_b_with_a_gone())
     assert view.operation is not None
     why = not_applicable(view, view.operation, "settle_old_active")
-    assert why == ("skipped: GPU 0 of a is gone (the reason for this operation), so it cannot be put to sleep "
-                   "or given training")
+    assert why == (
+        "skipped: GPU 0 of a is gone (the reason for this operation), so it cannot be put to sleep or given training"
+    )
     # Fatal steps are never skipped: their failure is what aborts the operation.
     assert not_applicable(view, view.operation, "wake") == ""
 
 
 def test_a_skipped_step_reads_as_skipped_and_the_operation_completes():
-    skipped = (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active",
-                                 skipped="skipped: GPU 0 of a is gone (the reason for this operation), so it cannot "
-                                         "be put to sleep or given training"))
+    skipped = (
+        OP,
+        StepCompleted(
+            at=at(7),
+            op_id="op-1",
+            step="settle_old_active",
+            skipped="skipped: GPU 0 of a is gone (the reason for this operation), so it cannot "
+            "be put to sleep or given training",
+        ),
+    )
     view = given(*_failover_onto_b_with_a_gone(), skipped)
     steps = {s.step: s for s in view.operation.steps}
     assert steps["settle_old_active"].state == "skipped"
@@ -164,8 +197,12 @@ def test_an_unreachable_old_active_is_skipped_too():
     view = given(*_failover_onto_b_with_a_gone())
     from haru.core.events import DomainUnreachable
 
-    view = evolve(view, DomainUnreachable(at=at(8), domain="a", silent_ms=5000), seq=view.seq + 1,
-                  subject=subjects.liveness(F, "a"))
+    view = evolve(
+        view,
+        DomainUnreachable(at=at(8), domain="a", silent_ms=5000),
+        seq=view.seq + 1,
+        subject=subjects.liveness(F, "a"),
+    )
     assert "a is unreachable" in not_applicable(view, view.operation, "settle_old_active")
 
 
@@ -178,8 +215,9 @@ def test_the_dry_run_names_every_running_model_a_change_stops_or_leaves_unadmitt
 
     view = given(*healthy_fleet())  # a serves m1, m2 (resident); b keeps them asleep
     events = [
-        AdmissionDecided(at=at(1), domain="a", name="m2", gpu_index=0, admitted=False, vram_bytes=8 << 30,
-                         short_by_bytes=3 << 30),
+        AdmissionDecided(
+            at=at(1), domain="a", name="m2", gpu_index=0, admitted=False, vram_bytes=8 << 30, short_by_bytes=3 << 30
+        ),
         ModelRetired(at=at(1), domain="b", model="m1"),
     ]
     lines = running_at_risk(events, view, "a")
@@ -196,8 +234,14 @@ def test_a_model_the_planner_no_longer_admits_is_stopped_with_the_shortfall_as_i
     from haru.agents.config import HostSlots
     from haru.core.specs import Domain, DomainSpec, Policy
 
-    slots = HostSlots(fleet=F, domain=Domain(spec=DomainSpec(name="a")), policy=Policy(), admitted_models=[],
-                      admitted_training=[], not_admitted={"m2": 3 << 30})
+    slots = HostSlots(
+        fleet=F,
+        domain=Domain(spec=DomainSpec(name="a")),
+        policy=Policy(),
+        admitted_models=[],
+        admitted_training=[],
+        not_admitted={"m2": 3 << 30},
+    )
     assert slots.retire_why("m2") == "no longer admitted: short by 3.0 GiB (the layout still declares it)"
     assert slots.retire_why("gone") == "the layout no longer has this model"
 
@@ -211,9 +255,18 @@ def test_a_restarted_agent_stops_a_no_longer_admitted_runtime_with_the_shortfall
     from haru.agents.runtime_files import runtime_on_start, start_time
     from haru.core.specs import Domain, DomainSpec, Policy
 
-    slots = HostSlots(fleet=F, domain=Domain(spec=DomainSpec(name="a")), policy=Policy(), admitted_models=[],
-                      admitted_training=[], not_admitted={"m2": 3 << 30})
+    slots = HostSlots(
+        fleet=F,
+        domain=Domain(spec=DomainSpec(name="a")),
+        policy=Policy(),
+        admitted_models=[],
+        admitted_training=[],
+        not_admitted={"m2": 3 << 30},
+    )
     alive = {"pid": os.getpid(), "start": int(start_time(os.getpid())), "port": 9000, "runtime": "vllm", "argv": []}
     verdict = runtime_on_start(alive, None, None, slots.retire_why("m2"))
-    assert (verdict.action, verdict.why) == ("stop", "no longer admitted: short by 3.0 GiB (the layout still declares it)")
+    assert (verdict.action, verdict.why) == (
+        "stop",
+        "no longer admitted: short by 3.0 GiB (the layout still declares it)",
+    )
     assert runtime_on_start(alive, None, None, slots.retire_why("gone")).why == "the layout no longer has this model"

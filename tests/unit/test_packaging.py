@@ -29,11 +29,17 @@ def test_no_code_imports_a_service_by_its_top_level_name():
     offenders = []
     for top in ("haru", *SERVICES, "tests", "bench", "deploy"):
         for p in (REPO / top).rglob("*.py"):
-            if ".venv" in p.parts or p == Path(__file__) or (top == "haru" and p.relative_to(REPO / "haru").parts[0] in SERVICES):
+            if (
+                ".venv" in p.parts
+                or p == Path(__file__)
+                or (top == "haru" and p.relative_to(REPO / "haru").parts[0] in SERVICES)
+            ):
                 continue
             for m in OLD_IMPORT.finditer(p.read_text()):
                 offenders.append(f"{p.relative_to(REPO)}: {m.group(0).strip()}")
-    assert not offenders, "import the services as haru.agents / haru.gateway / haru.projections:\n" + "\n".join(offenders)
+    assert not offenders, "import the services as haru.agents / haru.gateway / haru.projections:\n" + "\n".join(
+        offenders
+    )
 
 
 def test_the_wheel_takes_only_the_haru_name():
@@ -46,11 +52,11 @@ def test_installed_haru_works_beside_another_package_named_agents(tmp_path):
     """The installed tree (links followed, as the wheel holds it) with a stand-in for the Agents SDK on
     the same path: both import, and the demo layout ships inside the package."""
     site = tmp_path / "site"
-    shutil.copytree(REPO / "haru", site / "haru", symlinks=False,
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(REPO / "haru", site / "haru", symlinks=False, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (site / "agents").mkdir()
     (site / "agents" / "__init__.py").write_text("class Agent:\n    SDK = True\n")
-    probe = textwrap.dedent("""
+    probe = textwrap.dedent(
+        """
         from agents import Agent
         assert Agent.SDK
         import haru.agents.agent, haru.gateway.server, haru.projections.projector, haru.cli, haru.up.compose
@@ -61,12 +67,20 @@ def test_installed_haru_works_beside_another_package_named_agents(tmp_path):
         assert all(body for body, _ in Console(RoutingTable(), None)._static.values())
         assert haru.agents.agent.__file__.startswith(%r), haru.agents.agent.__file__
         print("ok")
-    """ % str(site))
+    """
+        % str(site)
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(site)
     # -S: no .pth files, so the editable install's finder cannot hand out the repository's haru; the
     # dependencies come from the same site-packages, appended after the installed tree
     deps = [p for p in sys.path if p.endswith("site-packages")]
-    out = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path += {deps!r}\n" + probe],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", f"import sys; sys.path += {deps!r}\n" + probe],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

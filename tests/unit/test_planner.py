@@ -9,9 +9,8 @@ from hypothesis import strategies as st
 
 from haru.core.layout import load_layout
 from haru.core.planner import first_fit, gpu_summary_line, plan, verdict_line
-from haru.core.sizes import format_gib
+from haru.core.sizes import GiB, MiB, format_gib
 from haru.core.specs import Domain, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
-from haru.core.sizes import GiB, MiB
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,9 +18,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def domain(memory: int, reserve: int, sizes: list[int], training: list[int] = (), runtime: str = "vllm") -> Domain:
     return Domain(
         spec=DomainSpec(name="a", gpus=[GpuSpec(index=0, memory_bytes=memory, reserve_bytes=reserve)]),
-        models=[ModelSpec(name=f"m{i}", slot="s", gpu_index=0, vram_bytes=s, runtime=runtime) for i, s in enumerate(sizes)],
-        training=[TrainingSpec(slot=f"t{i}", gpu_index=0, command=["x"], checkpoint_dir="/c", vram_bytes=v)
-                  for i, v in enumerate(training)],
+        models=[
+            ModelSpec(name=f"m{i}", slot="s", gpu_index=0, vram_bytes=s, runtime=runtime) for i, s in enumerate(sizes)
+        ],
+        training=[
+            TrainingSpec(slot=f"t{i}", gpu_index=0, command=["x"], checkpoint_dir="/c", vram_bytes=v)
+            for i, v in enumerate(training)
+        ],
     )
 
 
@@ -88,8 +91,10 @@ def test_training_slots_first_fit_among_themselves():
 
 
 def test_model_on_an_undeclared_gpu_is_never_admitted():
-    d = Domain(spec=DomainSpec(name="a", gpus=[GpuSpec(index=0, memory_bytes=8 * GiB)]),
-               models=[ModelSpec(name="m", slot="s", gpu_index=2, vram_bytes=GiB)])
+    d = Domain(
+        spec=DomainSpec(name="a", gpus=[GpuSpec(index=0, memory_bytes=8 * GiB)]),
+        models=[ModelSpec(name="m", slot="s", gpu_index=2, vram_bytes=GiB)],
+    )
     v = plan(d).verdict("a", "m")
     assert v is not None and not v.admitted and v.short_by_bytes == GiB and v.capacity_bytes == 0
 
@@ -140,8 +145,12 @@ def test_priority_prefix_is_stable(sizes, capacity):
 
 
 @settings(max_examples=200, deadline=None)
-@given(sizes=sizes, train=st.lists(st.integers(0, 64 * GiB), max_size=4),
-       residual=st.integers(0, 2 * GiB), memory=st.integers(1, 96 * GiB))
+@given(
+    sizes=sizes,
+    train=st.lists(st.integers(0, 64 * GiB), max_size=4),
+    residual=st.integers(0, 2 * GiB),
+    memory=st.integers(1, 96 * GiB),
+)
 def test_training_never_exceeds_room_beside_residuals(sizes, train, residual, memory):
     reserve = memory // 10
     (g,) = plan(domain(memory, reserve, sizes, train), Policy(sleep_residual_bytes=residual)).domains[0].gpus

@@ -12,21 +12,34 @@ from haru.core.errors import LayoutError
 from haru.core.launch import launch
 from haru.core.layout import load_layout, parse_layout
 from haru.core.planner import plan, sleeping_host_ram, verdict_line
-from haru.core.specs import GiB, Domain, DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.specs import Domain, DomainSpec, GiB, GpuSpec, ModelSpec, Policy, TrainingSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def host(ram: int, reserve: int, models: list[ModelSpec], training: list[TrainingSpec] = (), gpus: int = 1) -> Domain:
-    return Domain(spec=DomainSpec(name="a", gpus=[GpuSpec(index=i, memory_bytes=48 * GiB, reserve_bytes=2 * GiB)
-                                                  for i in range(gpus)],
-                                  host_ram_bytes=ram, host_ram_reserve_bytes=reserve),
-                  models=models, training=list(training))
+    return Domain(
+        spec=DomainSpec(
+            name="a",
+            gpus=[GpuSpec(index=i, memory_bytes=48 * GiB, reserve_bytes=2 * GiB) for i in range(gpus)],
+            host_ram_bytes=ram,
+            host_ram_reserve_bytes=reserve,
+        ),
+        models=models,
+        training=list(training),
+    )
 
 
 def model(name: str, vram: int, *, ram: int = 0, runtime: str = "vllm", gpus: list[int] = ()) -> ModelSpec:
-    return ModelSpec(name=name, slot="s", gpu_index=(list(gpus) or [0])[0], vram_bytes=vram, runtime=runtime,  # type: ignore[arg-type]
-                     host_ram_bytes=ram, gpu_indexes=list(gpus))
+    return ModelSpec(
+        name=name,
+        slot="s",
+        gpu_index=(list(gpus) or [0])[0],
+        vram_bytes=vram,
+        runtime=runtime,  # type: ignore[arg-type]
+        host_ram_bytes=ram,
+        gpu_indexes=list(gpus),
+    )
 
 
 def trainer(slot: str, vram: int, ram: int) -> TrainingSpec:
@@ -45,9 +58,17 @@ def test_sleeping_weights_are_declared_or_bounded_by_the_vram():
 
 def test_host_ram_refuses_what_cannot_fit_with_the_exact_shortfall_in_the_same_words():
     # 64 GiB of host RAM, 8 reserved: 56 to plan. 20 + 20 fit; the third model's 20 is 4 short.
-    d = host(64 * GiB, 8 * GiB, [model("m1", 10 * GiB, ram=20 * GiB), model("m2", 10 * GiB, ram=20 * GiB),
-                                 model("m3", 10 * GiB, ram=20 * GiB), model("m4", 10 * GiB, ram=10 * GiB)],
-             [trainer("lora", 4 * GiB, 8 * GiB)])
+    d = host(
+        64 * GiB,
+        8 * GiB,
+        [
+            model("m1", 10 * GiB, ram=20 * GiB),
+            model("m2", 10 * GiB, ram=20 * GiB),
+            model("m3", 10 * GiB, ram=20 * GiB),
+            model("m4", 10 * GiB, ram=10 * GiB),
+        ],
+        [trainer("lora", 4 * GiB, 8 * GiB)],
+    )
     (dp,) = plan(d, Policy()).domains
     v = {x.name: x for x in dp.verdicts()}
     assert [v[n].admitted for n in ("m1", "m2", "m3", "m4")] == [True, True, False, True]  # first fit, in order
@@ -93,10 +114,13 @@ def test_host_ram_is_never_planned_into_the_reserve(ram_gib, reserve_gib, items)
 
 def test_a_model_across_gpus_is_booked_on_each_and_they_are_taken_for_the_rest():
     tp = model("llama-70b", 40 * GiB, gpus=[0, 1])  # then "small" on GPU 1 alone: 46 - 40 = 6 left there
-    d = Domain(spec=DomainSpec(name="a", gpus=[GpuSpec(index=i, memory_bytes=48 * GiB, reserve_bytes=2 * GiB)
-                                               for i in (0, 1)]),
-               models=[tp, ModelSpec(name="small", slot="s1", gpu_index=1, vram_bytes=8 * GiB)],
-               training=[TrainingSpec(slot="t", gpu_index=1, command=["x"], checkpoint_dir="/c", vram_bytes=46 * GiB)])
+    d = Domain(
+        spec=DomainSpec(
+            name="a", gpus=[GpuSpec(index=i, memory_bytes=48 * GiB, reserve_bytes=2 * GiB) for i in (0, 1)]
+        ),
+        models=[tp, ModelSpec(name="small", slot="s1", gpu_index=1, vram_bytes=8 * GiB)],
+        training=[TrainingSpec(slot="t", gpu_index=1, command=["x"], checkpoint_dir="/c", vram_bytes=46 * GiB)],
+    )
     (dp,) = plan(d, Policy()).domains
     g0, g1 = dp.gpus
     assert g0.held_bytes == 40 * GiB and g1.held_bytes == 40 * GiB and g1.spanned == ["llama-70b"]
@@ -111,37 +135,79 @@ def test_a_model_across_gpus_is_booked_on_each_and_they_are_taken_for_the_rest()
 
 
 def test_a_model_across_gpus_is_refused_when_any_of_them_is_short():
-    d = Domain(spec=DomainSpec(name="a", gpus=[GpuSpec(index=0, memory_bytes=48 * GiB),
-                                               GpuSpec(index=1, memory_bytes=24 * GiB)]),
-               models=[model("tp", 30 * GiB, gpus=[0, 1])])
+    d = Domain(
+        spec=DomainSpec(
+            name="a", gpus=[GpuSpec(index=0, memory_bytes=48 * GiB), GpuSpec(index=1, memory_bytes=24 * GiB)]
+        ),
+        models=[model("tp", 30 * GiB, gpus=[0, 1])],
+    )
     (v,) = plan(d, Policy()).verdicts()
     assert not v.admitted and v.short_by_bytes == 6 * GiB and v.capacity_bytes == 24 * GiB
 
 
 def test_vllm_and_llama_server_are_launched_across_the_gpus():
-    vllm = launch(ModelSpec(name="tp", slot="s", gpu_index=2, vram_bytes=40 * GiB, source="meta/llama",
-                            gpu_indexes=[2, 3]), gpu_memory_bytes=48 * GiB, port=8000)
+    vllm = launch(
+        ModelSpec(name="tp", slot="s", gpu_index=2, vram_bytes=40 * GiB, source="meta/llama", gpu_indexes=[2, 3]),
+        gpu_memory_bytes=48 * GiB,
+        port=8000,
+    )
     assert vllm.env["CUDA_VISIBLE_DEVICES"] == "2,3"
     argv = vllm.argv
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.833"  # 40 of 48 GiB, on each GPU
-    llama = launch(ModelSpec(name="tp", slot="s", gpu_index=0, runtime="llama_server", vram_bytes=20 * GiB,
-                             source="/m.gguf", gpu_indexes=[0, 1]), gpu_memory_bytes=24 * GiB, port=8000)
+    llama = launch(
+        ModelSpec(
+            name="tp",
+            slot="s",
+            gpu_index=0,
+            runtime="llama_server",
+            vram_bytes=20 * GiB,
+            source="/m.gguf",
+            gpu_indexes=[0, 1],
+        ),
+        gpu_memory_bytes=24 * GiB,
+        port=8000,
+    )
     assert llama.env["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert llama.argv[llama.argv.index("--split-mode") + 1] == "layer"
     assert llama.argv[llama.argv.index("--tensor-split") + 1] == "1,1"
-    one = launch(ModelSpec(name="m", slot="s", gpu_index=1, vram_bytes=4 * GiB, source="org/m"),
-                 gpu_memory_bytes=48 * GiB, port=1)
+    one = launch(
+        ModelSpec(name="m", slot="s", gpu_index=1, vram_bytes=4 * GiB, source="org/m"),
+        gpu_memory_bytes=48 * GiB,
+        port=1,
+    )
     assert "--tensor-parallel-size" not in one.argv and one.env["CUDA_VISIBLE_DEVICES"] == "1"
 
 
-LAYOUT = {"fleet": "f", "domains": [{"name": "a", "host_ram": "64GiB", "host_ram_reserve": "8GiB",
-                                     "gpus": [{"index": 0, "memory": "48GiB"}, {"index": 1, "memory": "48GiB"}],
-                                     "slots": [{"name": "big", "gpu": 0, "models": [
-                                         {"name": "llama", "source": "meta/llama", "vram": "40GiB", "gpus": [0, 1],
-                                          "host_ram": "35GiB"}]},
-                                               {"name": "lora", "kind": "training", "gpu": 1, "command": ["t"],
-                                                "checkpoint_dir": "/c", "vram": "4GiB", "host_ram": "24GiB"}]}]}
+LAYOUT = {
+    "fleet": "f",
+    "domains": [
+        {
+            "name": "a",
+            "host_ram": "64GiB",
+            "host_ram_reserve": "8GiB",
+            "gpus": [{"index": 0, "memory": "48GiB"}, {"index": 1, "memory": "48GiB"}],
+            "slots": [
+                {
+                    "name": "big",
+                    "gpu": 0,
+                    "models": [
+                        {"name": "llama", "source": "meta/llama", "vram": "40GiB", "gpus": [0, 1], "host_ram": "35GiB"}
+                    ],
+                },
+                {
+                    "name": "lora",
+                    "kind": "training",
+                    "gpu": 1,
+                    "command": ["t"],
+                    "checkpoint_dir": "/c",
+                    "vram": "4GiB",
+                    "host_ram": "24GiB",
+                },
+            ],
+        }
+    ],
+}
 
 
 def test_the_layout_declares_host_ram_and_gpus():
@@ -156,14 +222,17 @@ def test_the_layout_declares_host_ram_and_gpus():
     assert lora.resource == "host_ram" and lora.short_by_bytes == 3 * GiB
 
 
-@pytest.mark.parametrize("change, path", [
-    (lambda d: d["slots"][0]["models"][0].update(gpus=[0, 5]), "$.domains[0].slots[0].models[0].gpus[1]"),
-    (lambda d: d["slots"][0]["models"][0].update(gpus=[1, 1]), "$.domains[0].slots[0].models[0].gpus[1]"),
-    (lambda d: d["slots"][0]["models"][0].update(gpus=[1]), "$.domains[0].slots[0].models[0].gpus"),
-    (lambda d: d.update(host_ram_reserve="128GiB"), "$.domains[0].host_ram_reserve"),
-    (lambda d: d.update(host_ram="lots"), "$.domains[0].host_ram"),
-    (lambda d: d["slots"][0]["models"][0].update(args=["-tp", "4"]), "$.domains[0].slots[0].models[0].args[0]"),
-])
+@pytest.mark.parametrize(
+    "change, path",
+    [
+        (lambda d: d["slots"][0]["models"][0].update(gpus=[0, 5]), "$.domains[0].slots[0].models[0].gpus[1]"),
+        (lambda d: d["slots"][0]["models"][0].update(gpus=[1, 1]), "$.domains[0].slots[0].models[0].gpus[1]"),
+        (lambda d: d["slots"][0]["models"][0].update(gpus=[1]), "$.domains[0].slots[0].models[0].gpus"),
+        (lambda d: d.update(host_ram_reserve="128GiB"), "$.domains[0].host_ram_reserve"),
+        (lambda d: d.update(host_ram="lots"), "$.domains[0].host_ram"),
+        (lambda d: d["slots"][0]["models"][0].update(args=["-tp", "4"]), "$.domains[0].slots[0].models[0].args[0]"),
+    ],
+)
 def test_the_layout_refuses_a_bad_declaration_where_it_is(change, path):
     import copy
 
@@ -204,15 +273,29 @@ def test_apply_records_the_host_ram_verdict_and_haru_status_shows_host_ram_held_
     refused = [e for e in events if isinstance(e, ev.AdmissionDecided) and not e.admitted]
     assert [(e.name, e.resource, e.short_by_bytes) for e in refused] == [("lora", "host_ram", 3 * GiB)]
     assert describe(refused[0]) == "= admission_decided a/lora (training): not admitted, short by 3.0 GiB of host RAM"
-    info = parse_meminfo("MemTotal:       67108864 kB\nMemFree:  1 kB\nMemAvailable:   50331648 kB\nHugePages_Total: 0\n")
+    info = parse_meminfo(
+        "MemTotal:       67108864 kB\nMemFree:  1 kB\nMemAvailable:   50331648 kB\nHugePages_Total: 0\n"
+    )
     assert info["MemTotal"] == 64 * GiB and info["MemAvailable"] == 48 * GiB and info["HugePages_Total"] == 0
     entries = [(i + 1, sj.decl("f"), e) for i, e in enumerate(events)]
-    entries.append((len(entries) + 1, sj.agent("f", "a"), ev.AgentStarted(
-        at=now, domain="a", host="h", host_ram_total_bytes=info["MemTotal"], host_ram_available_bytes=info["MemAvailable"])))
+    entries.append(
+        (
+            len(entries) + 1,
+            sj.agent("f", "a"),
+            ev.AgentStarted(
+                at=now,
+                domain="a",
+                host="h",
+                host_ram_total_bytes=info["MemTotal"],
+                host_ram_available_bytes=info["MemAvailable"],
+            ),
+        )
+    )
     text = render(fold(entries)["f"], now)
     lines = text.splitlines()
-    assert ("  host RAM 35.0 / 56.0 GiB held  (1 sleeping model, 0 training slots)  · 16.0 of 64.0 GiB used at agent "
-            "start") in lines, text
+    assert (
+        "  host RAM 35.0 / 56.0 GiB held  (1 sleeping model, 0 training slots)  · 16.0 of 64.0 GiB used at agent start"
+    ) in lines, text
     assert "  training lora (GPU 1)          not admitted — short by 3.0 GiB of host RAM" in lines, text
     # GPU 1 holds the model across GPUs too
     assert any(line.startswith("  GPU 1: 40.0 / 48.0 GiB held") and "llama across GPUs" in line for line in lines), text

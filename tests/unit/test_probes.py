@@ -19,8 +19,15 @@ class Spec:
 class FakeRuntime:
     spec = Spec()
 
-    def __init__(self, *, listed=("m1",), completion_error: str = "", models_error: str = "", sleeping=False,
-                 completion_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        listed=("m1",),
+        completion_error: str = "",
+        models_error: str = "",
+        sleeping=False,
+        completion_s: float = 0.0,
+    ) -> None:
         self.listed, self.completion_error, self.models_error = list(listed), completion_error, models_error
         self.sleeping, self.completion_s = sleeping, completion_s
         self.asked: list[str] = []
@@ -63,8 +70,9 @@ async def test_a_model_not_listed_is_reported_as_such_even_when_its_completion_f
     p = await probes.ready(rt, timeout_s=1, check_sleep=check_sleep)  # type: ignore[arg-type]
     assert (p.ok, p.step) == (False, "listed") and "does not list 'm1'" in p.detail
     assert ("completion" in rt.asked) is (not check_sleep)  # asked together only while loading
-    p = await probes.ready(FakeRuntime(models_error="no answer", completion_error="x"), timeout_s=1,
-                           check_sleep=check_sleep)  # type: ignore[arg-type]
+    p = await probes.ready(
+        FakeRuntime(models_error="no answer", completion_error="x"), timeout_s=1, check_sleep=check_sleep
+    )  # type: ignore[arg-type]
     assert (p.ok, p.step, p.detail) == (False, "models", "no answer")
 
 

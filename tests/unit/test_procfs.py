@@ -39,6 +39,7 @@ def test_an_exited_child_is_gone_while_a_zombie_and_after_it_is_reaped():
 def test_a_task_inside_its_exit_is_dying_before_it_is_a_zombie():
     """Field 9 (flags) with PF_EXITING: a SIGKILLed process the kernel is still tearing down (its sockets
     closed already) is dying, though its state is not Z yet; one without the flag is not."""
+
     def line(state: str, flags: int) -> str:
         fields = [state, "41", "42", "0", "0", "0", str(flags)] + ["0"] * 12 + ["987654"]
         return f"7 (vllm) {' '.join(fields)} 1 2 3"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import UTC
 
 import pytest
 
@@ -56,7 +57,7 @@ async def test_an_append_decided_before_another_replicas_record_was_folded_confl
     view without that record), not pass on top of it: with the expected sequence read when the task
     ran, two promoters sharing 100 fleets started the same step twice (bench/scale.py: 21 and 52
     steps in two runs)."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from haru.core.events import PromotionRequested, StepStarted
     from haru.promoter.decisions import Append
@@ -64,17 +65,28 @@ async def test_an_append_decided_before_another_replicas_record_was_folded_confl
     log = MemoryLog(writer="promoter:test")
     p = Promoter(log, identity="promoter:a", tick_s=0.1)
     subject = "haru.evt.f1.op"
-    at = datetime(2026, 12, 2, tzinfo=timezone.utc)
-    requested = await log.append(subject, PromotionRequested(at=at, op_id="op-1", target="b", by="promoter:b"), expect=0)
+    at = datetime(2026, 12, 2, tzinfo=UTC)
+    requested = await log.append(
+        subject, PromotionRequested(at=at, op_id="op-1", target="b", by="promoter:b"), expect=0
+    )
     rec = await log.last(subject)
     assert rec is not None and rec.seq == requested
     p.on_record(rec)
     st = p.fleets["f1"]
     # the other replica starts the first step; this one has not folded it yet
-    theirs = await log.append(subject, StepStarted(at=at, op_id="op-1", step="wake", attempt=1, by="promoter:b"),
-                              expect=requested)
-    p._start_making(st, [Append(subject=subject, event=StepStarted(at=at, op_id="op-1", step="wake", attempt=1),
-                                why="decided on the view that ends at the request")])
+    theirs = await log.append(
+        subject, StepStarted(at=at, op_id="op-1", step="wake", attempt=1, by="promoter:b"), expect=requested
+    )
+    p._start_making(
+        st,
+        [
+            Append(
+                subject=subject,
+                event=StepStarted(at=at, op_id="op-1", step="wake", attempt=1),
+                why="decided on the view that ends at the request",
+            )
+        ],
+    )
     other = await log.last(subject)
     assert other is not None and other.seq == theirs
     p.on_record(other)  # folded before the task makes the append

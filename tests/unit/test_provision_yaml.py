@@ -18,17 +18,23 @@ from sky.utils import common_utils, schemas
 
 from haru.core.errors import LayoutError
 from haru.core.layout import load_layout, parse_layout
-from haru.provision import (NotProvisionable, placements, service_config, service_yaml, submitted_yaml,
-                            task_config, task_yaml)
-from haru.provision import yamltext
+from haru.provision import (
+    NotProvisionable,
+    placements,
+    service_config,
+    service_yaml,
+    submitted_yaml,
+    task_config,
+    task_yaml,
+    yamltext,
+)
 from haru.provision.skypilot import DEFAULT_RUN, agent_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "examples" / "cloud-fleet.json"
 
 
-
-def sky_validates_task(config: dict) -> "sky.Task":
+def sky_validates_task(config: dict) -> sky.Task:
     common_utils.validate_schema(config, schemas.get_task_schema(), "Invalid task YAML: ")
     return sky.Task.from_yaml_config(copy.deepcopy(config))
 
@@ -56,9 +62,15 @@ def test_the_examples_yaml_is_what_skypilot_accepts():
     assert res.ports == ["8600"]
     assert task.run == DEFAULT_RUN
     assert json.loads(task.envs["HARU_AGENT_CONFIG"]) == {
-        "fleet": "cloud", "domain": "a", "nats_url": "tls://nats.cloud.example:4222", "gpus": "nvml",
-        "serving": {"host": "0.0.0.0", "port": 8600}, "role": "auto", "state_dir": "__HOME__/.haru/state",
-        "nats_creds": "__HOME__/.haru/agent.creds"}
+        "fleet": "cloud",
+        "domain": "a",
+        "nats_url": "tls://nats.cloud.example:4222",
+        "gpus": "nvml",
+        "serving": {"host": "0.0.0.0", "port": 8600},
+        "role": "auto",
+        "state_dir": "__HOME__/.haru/state",
+        "nats_creds": "__HOME__/.haru/agent.creds",
+    }
     # secrets are named, never valued, in what Haru writes
     assert yaml.safe_load(text)["secrets"] == {"HARU_AGENT_NATS_CREDS": None, "HF_TOKEN": None}
 
@@ -90,8 +102,10 @@ def test_regions_zones_and_any_of_are_what_skypilot_accepts():
     raw["domains"][1]["provision"]["regions"] = ["europe-west4", "us-central1"]
     b = domain(raw, 1)
     config = service_config("cloud", b)
-    assert config["resources"]["any_of"] == [{"cloud": "gcp", "region": "europe-west4"},
-                                             {"cloud": "gcp", "region": "us-central1"}]
+    assert config["resources"]["any_of"] == [
+        {"cloud": "gcp", "region": "europe-west4"},
+        {"cloud": "gcp", "region": "us-central1"},
+    ]
     task = sky_validates_task(yaml.safe_load(yamltext.dump(config)))
     assert {r.region for r in task.resources} == {"europe-west4", "us-central1"}
 
@@ -109,6 +123,7 @@ def test_a_generation_names_a_replacement_cluster():
     a = domain(example(), 0)
     assert task_config("cloud", a, generation="0a1b2c")["name"] == "haru-cloud-a-r0a1b2c"
     from haru.provision.skypilot import owns
+
     assert owns("cloud", a, "haru-cloud-a") and owns("cloud", a, "haru-cloud-a-r0a1b2c")
     assert not owns("cloud", a, "haru-cloud-a-b") and not owns("cloud", a, "haru-cloud-ab")
 
@@ -140,21 +155,24 @@ def test_static_and_undeclared_domains_are_not_provisionable():
         task_config("cloud", domain(raw, 0))
 
 
-@pytest.mark.parametrize("where, value, path, words", [
-    ("accelerators", "L4 x1", "$.domains[0].provision.accelerators", "NAME[:COUNT]"),
-    ("regions", ["us east"], "$.domains[0].provision.regions[0]", "not a region"),
-    ("regions", ["eu-west-1"], "$.domains[0].provision.regions", "not among provision.regions"),
-    ("zones", ["us-east-1a"], "$.domains[0].provision.zones", "both regions and zones"),
-    ("ports", [70000], "$.domains[0].provision.ports[0]", "Expected `int` <= 65535"),
-    ("launch_timeout_s", 0, "$.domains[0].provision.launch_timeout_s", "Expected `int` >= 1"),
-    ("envs", {"HARU_AGENT_CONFIG": "{}"}, "$.domains[0].provision.envs.HARU_AGENT_CONFIG", "cannot be used"),
-    ("secrets", ["HF_HOME"], "$.domains[0].provision.secrets[0]", "both an env and a secret"),
-    ("cluster", "My_Cluster", "$.domains[0].provision.cluster", "not a valid SkyPilot cluster name"),
-    ("nats_url", "", "$.domains[0].provision.nats_url", "no NATS URL"),
-    ("service", {"replicas": 2}, "$.domains[0].provision.service", "provider is skypilot"),
-    ("use_spot", "yes", "$.domains[0].provision.use_spot", "Expected `bool`"),
-    ("bogus", 1, "$.domains[0].provision.bogus", "unknown key"),
-])
+@pytest.mark.parametrize(
+    "where, value, path, words",
+    [
+        ("accelerators", "L4 x1", "$.domains[0].provision.accelerators", "NAME[:COUNT]"),
+        ("regions", ["us east"], "$.domains[0].provision.regions[0]", "not a region"),
+        ("regions", ["eu-west-1"], "$.domains[0].provision.regions", "not among provision.regions"),
+        ("zones", ["us-east-1a"], "$.domains[0].provision.zones", "both regions and zones"),
+        ("ports", [70000], "$.domains[0].provision.ports[0]", "Expected `int` <= 65535"),
+        ("launch_timeout_s", 0, "$.domains[0].provision.launch_timeout_s", "Expected `int` >= 1"),
+        ("envs", {"HARU_AGENT_CONFIG": "{}"}, "$.domains[0].provision.envs.HARU_AGENT_CONFIG", "cannot be used"),
+        ("secrets", ["HF_HOME"], "$.domains[0].provision.secrets[0]", "both an env and a secret"),
+        ("cluster", "My_Cluster", "$.domains[0].provision.cluster", "not a valid SkyPilot cluster name"),
+        ("nats_url", "", "$.domains[0].provision.nats_url", "no NATS URL"),
+        ("service", {"replicas": 2}, "$.domains[0].provision.service", "provider is skypilot"),
+        ("use_spot", "yes", "$.domains[0].provision.use_spot", "Expected `bool`"),
+        ("bogus", 1, "$.domains[0].provision.bogus", "unknown key"),
+    ],
+)
 def test_a_bad_provision_block_is_refused_with_its_path(where, value, path, words):
     raw = example()
     raw["domains"][0]["provision"][where] = value
@@ -165,9 +183,20 @@ def test_a_bad_provision_block_is_refused_with_its_path(where, value, path, word
 
 
 def test_the_yaml_writer_round_trips_awkward_strings():
-    value = {"a": "x: y # not a comment", "b": "multi\nline\n", "c": " leading\nspace", "d": "tab\there\nz",
-             "e": ["", "yes", "null", "0123", "é"], "f": {}, "g": [], "h": None, "i": [{"k": 1}, {"k": [True]}],
-             "j": "two\nnewlines\n\n", "k": "no newline\nat end", "weird key": 1.5}
+    value = {
+        "a": "x: y # not a comment",
+        "b": "multi\nline\n",
+        "c": " leading\nspace",
+        "d": "tab\there\nz",
+        "e": ["", "yes", "null", "0123", "é"],
+        "f": {},
+        "g": [],
+        "h": None,
+        "i": [{"k": 1}, {"k": [True]}],
+        "j": "two\nnewlines\n\n",
+        "k": "no newline\nat end",
+        "weird key": 1.5,
+    }
     assert yaml.safe_load(yamltext.dump(value)) == value
 
 
@@ -177,5 +206,6 @@ def test_the_docs_show_the_yaml_the_examples_produce():
     doc = (ROOT / "docs" / "provisioning.md").read_text()
     layout = load_layout(EXAMPLE)
     for d in layout.domains:
-        assert dry_run_text("provision", layout.fleet, d.spec).rstrip("\n") in doc, \
+        assert dry_run_text("provision", layout.fleet, d.spec).rstrip("\n") in doc, (
             f"regenerate docs/provisioning.md's YAML with `haru provision {d.spec.name} --dry-run --layout {EXAMPLE.name}`"
+        )

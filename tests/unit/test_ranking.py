@@ -3,13 +3,14 @@ it, auto-failover onto the best fit standby, the cascade within one operation, a
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from haru.core import ranking, subjects
 from haru.core.events import (
     AdmissionDecided,
+    DemotionRequested,
     DomainDeclared,
     DomainReachable,
     DomainUnreachable,
@@ -27,7 +28,6 @@ from haru.core.events import (
     RouteMoved,
     StepFailed,
     StepStarted,
-    DemotionRequested,
 )
 from haru.core.fold import empty, evolve
 from haru.core.intents import intent
@@ -38,7 +38,7 @@ from haru.projections.status import render, render_intent
 from haru.promoter.decider import decide, judge_request
 from haru.promoter.decisions import Facts
 
-T0 = datetime(2026, 12, 2, 1, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 12, 2, 1, 0, tzinfo=UTC)
 F = "default"
 OP = subjects.op(F)
 POLICY = Policy(heartbeat_timeout_ms=1000, degraded_grace_ms=5000, command_timeout_ms=2000)
@@ -56,10 +56,18 @@ class World:
         self.seq = 0
         self.add(subjects.decl(F), FleetDeclared(at=T0, fleet=F, policy=policy))
         for d in names:
-            self.add(subjects.decl(F), DomainDeclared(at=T0, spec=DomainSpec(name=d, gpus=[GpuSpec(index=0, memory_bytes=24 << 30)])))
+            self.add(
+                subjects.decl(F),
+                DomainDeclared(at=T0, spec=DomainSpec(name=d, gpus=[GpuSpec(index=0, memory_bytes=24 << 30)])),
+            )
             for m in ("m1", "m2"):
-                self.add(subjects.decl(F), ModelDeclared(at=T0, domain=d, spec=ModelSpec(name=m, slot="chat", gpu_index=0)))
-                self.add(subjects.decl(F), AdmissionDecided(at=T0, domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=1))
+                self.add(
+                    subjects.decl(F), ModelDeclared(at=T0, domain=d, spec=ModelSpec(name=m, slot="chat", gpu_index=0))
+                )
+                self.add(
+                    subjects.decl(F),
+                    AdmissionDecided(at=T0, domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=1),
+                )
 
     def add(self, subject: str, event) -> int:
         self.seq += 1
@@ -88,7 +96,9 @@ class World:
             self.add(subjects.model(F, d, m), ModelSleeping(at=at(ms), domain=d, model=m))
             if wake_ms:
                 self.add(subjects.model(F, d, m), ModelWaking(at=at(ms), domain=d, model=m))
-                self.add(subjects.model(F, d, m), ModelResident(at=at(ms + wake_ms), domain=d, model=m, warmup_ms=wake_ms))
+                self.add(
+                    subjects.model(F, d, m), ModelResident(at=at(ms + wake_ms), domain=d, model=m, warmup_ms=wake_ms)
+                )
                 self.add(subjects.model(F, d, m), ModelSleeping(at=at(ms + wake_ms), domain=d, model=m))
         return self
 
@@ -213,8 +223,12 @@ def test_with_no_fit_standby_the_failover_is_declined_naming_the_unprotected_fle
 
 def _promotion_running(names: str, target: str, *, cascade: bool) -> World:
     w = healthy(names)
-    w.add(OP, PromotionRequested(at=at(10), op_id="op-1", target=target, source="a", reason="domain_unreachable",
-                                 cascade=cascade))
+    w.add(
+        OP,
+        PromotionRequested(
+            at=at(10), op_id="op-1", target=target, source="a", reason="domain_unreachable", cascade=cascade
+        ),
+    )
     return w
 
 
@@ -318,7 +332,8 @@ def test_first_unready_names_the_first_model_a_domain_cannot_use_and_why() -> No
     assert ranking.first_unready(b, ["m1", "m2"], (Resident,)) == ranking.Unready("m1", "state", "sleeping")
     assert ranking.first_unready(b, ["m3"], (Sleeping,)) == ranking.Unready("m3", "undeclared", "")
     w.add(subjects.model(F, "b", "m2"), ModelLost(at=at(1), domain="b", model="m2", reason="process_exited"))
-    assert ranking.first_unready(w.view.domains["b"], ["m1", "m2"], (Sleeping,)) == \
-        ranking.Unready("m2", "lost", "lost", "process_exited")
+    assert ranking.first_unready(w.view.domains["b"], ["m1", "m2"], (Sleeping,)) == ranking.Unready(
+        "m2", "lost", "lost", "process_exited"
+    )
     w.add(subjects.decl(F), AdmissionDecided(at=T0, domain="b", name="m1", gpu_index=0, admitted=False, vram_bytes=1))
     assert ranking.first_unready(w.view.domains["b"], ["m1"], (Sleeping,)).why == "not_admitted"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -21,8 +21,8 @@ from haru.core.residency import (
     Failed,
     Loading,
     Lost,
-    Pulling,
     NotAdmitted,
+    Pulling,
     Resident,
     Sleeping,
     Stopped,
@@ -37,15 +37,16 @@ from haru.core.residency import (
     transition_table_markdown,
 )
 
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 T1 = T0 + timedelta(seconds=47)
 
 
 def make_event(key: str, at: datetime = T1) -> ev.Event:
     common = dict(at=at, domain="a", model="qwen3.6:27b")
     return {
-        "model_pulling": lambda: ev.ModelPulling(**common, reference="hf:Qwen/Qwen3-0.6B-GGUF", done_bytes=5,
-                                                 total_bytes=10),
+        "model_pulling": lambda: ev.ModelPulling(
+            **common, reference="hf:Qwen/Qwen3-0.6B-GGUF", done_bytes=5, total_bytes=10
+        ),
         "model_loading": lambda: ev.ModelLoading(**common, pid=10, attempt=2, endpoint="127.0.0.1:18080"),
         "model_resident": lambda: ev.ModelResident(**common, warmup_ms=256, endpoint="127.0.0.1:18080"),
         "model_sleeping": lambda: ev.ModelSleeping(**common, level=1),
@@ -55,10 +56,12 @@ def make_event(key: str, at: datetime = T1) -> ev.Event:
         "model_stopped": lambda: ev.ModelStopped(**common, detail="agent stopping"),
         ADOPTED_AWAKE: lambda: ev.ModelAdopted(**common, pid=10, endpoint="127.0.0.1:18080"),
         ADOPTED_ASLEEP: lambda: ev.ModelAdopted(**common, pid=10, endpoint="127.0.0.1:18080", asleep=True, level=1),
-        ADMITTED: lambda: ev.AdmissionDecided(at=at, domain="a", name="qwen3.6:27b", gpu_index=0, admitted=True,
-                                              vram_bytes=1),
-        REFUSED: lambda: ev.AdmissionDecided(at=at, domain="a", name="qwen3.6:27b", gpu_index=0, admitted=False,
-                                             vram_bytes=9, short_by_bytes=7),
+        ADMITTED: lambda: ev.AdmissionDecided(
+            at=at, domain="a", name="qwen3.6:27b", gpu_index=0, admitted=True, vram_bytes=1
+        ),
+        REFUSED: lambda: ev.AdmissionDecided(
+            at=at, domain="a", name="qwen3.6:27b", gpu_index=0, admitted=False, vram_bytes=9, short_by_bytes=7
+        ),
     }[key]()
 
 
@@ -108,8 +111,14 @@ def test_every_illegal_transition_raises_naming_state_event_subject(state, key):
 
 
 def test_a_sample_of_illegal_transitions_the_operator_would_expect():
-    for state, key in [("unknown", "model_waking"), ("resident", "model_loading"), ("stopped", "model_resident"),
-                       ("failed", "model_resident"), ("not_admitted", "model_loading"), ("resident", "model_waking")]:
+    for state, key in [
+        ("unknown", "model_waking"),
+        ("resident", "model_loading"),
+        ("stopped", "model_resident"),
+        ("failed", "model_resident"),
+        ("not_admitted", "model_loading"),
+        ("resident", "model_waking"),
+    ]:
         assert (state, key) not in TRANSITIONS
 
 
@@ -144,7 +153,9 @@ def test_to_state_is_lenient():
         state = to_state(make_event(key), seq=9)
         assert state.seq == 9 and state.since == T1
     assert state_name(to_state(make_event(ADMITTED))) == "unknown"
-    assert to_state(ev.ModelDeclared(at=T0, domain="a", spec=ev.ModelSpec(name="m", slot="s", gpu_index=0))) == Unknown(since=T0)
+    assert to_state(ev.ModelDeclared(at=T0, domain="a", spec=ev.ModelSpec(name="m", slot="s", gpu_index=0))) == Unknown(
+        since=T0
+    )
     with pytest.raises(IllegalTransition):
         to_state(ev.RouteMoved(at=T0, active="a"))
 

@@ -6,12 +6,12 @@ from datetime import UTC, datetime, timedelta
 
 from haru.core import events as ev
 from haru.core import subjects as sj
-from haru.core.residency import Answer
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
-from haru.core.sizes import GiB
-from haru.core.views import intent_decoder, view_encoder
 from haru.core.fold import fold
 from haru.core.intents import at, changed, intent
+from haru.core.residency import Answer
+from haru.core.sizes import GiB
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.views import intent_decoder, view_encoder
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 F = "default"
@@ -27,16 +27,45 @@ def t(s: float) -> datetime:
 def base(serve_b: str = "agent") -> list[tuple[str, ev.Event]]:
     out: list[tuple[str, ev.Event]] = [(sj.decl(F), ev.FleetDeclared(at=t(0), fleet=F, policy=Policy()))]
     for d in ("a", "b"):
-        spec = DomainSpec(name=d, serving_url=f"http://10.0.0.{ 1 if d == 'a' else 2}:9000" if d == "a" or serve_b == "agent" else "",
-                          serve="direct" if d == "b" else "agent",
-                          gpus=[GpuSpec(index=0, memory_bytes=48 * GiB, reserve_bytes=2 * GiB)])
+        spec = DomainSpec(
+            name=d,
+            serving_url=f"http://10.0.0.{1 if d == 'a' else 2}:9000" if d == "a" or serve_b == "agent" else "",
+            serve="direct" if d == "b" else "agent",
+            gpus=[GpuSpec(index=0, memory_bytes=48 * GiB, reserve_bytes=2 * GiB)],
+        )
         out.append((sj.decl(F), ev.DomainDeclared(at=t(0), spec=spec)))
         for name, vram, port in ((Q, 20 * GiB, 8001), (L, 10 * GiB, 8002), (BIG, 30 * GiB, 8003)):
-            out.append((sj.decl(F), ev.ModelDeclared(at=t(0), domain=d, spec=ModelSpec(name=name, slot=f"s{port}", gpu_index=0, vram_bytes=vram, port=port))))
+            out.append(
+                (
+                    sj.decl(F),
+                    ev.ModelDeclared(
+                        at=t(0),
+                        domain=d,
+                        spec=ModelSpec(name=name, slot=f"s{port}", gpu_index=0, vram_bytes=vram, port=port),
+                    ),
+                )
+            )
         out += [
-            (sj.decl(F), ev.AdmissionDecided(at=t(0), domain=d, name=Q, gpu_index=0, admitted=True, vram_bytes=20 * GiB)),
-            (sj.decl(F), ev.AdmissionDecided(at=t(0), domain=d, name=L, gpu_index=0, admitted=True, vram_bytes=10 * GiB)),
-            (sj.decl(F), ev.AdmissionDecided(at=t(0), domain=d, name=BIG, gpu_index=0, admitted=False, vram_bytes=30 * GiB, short_by_bytes=14 * GiB)),
+            (
+                sj.decl(F),
+                ev.AdmissionDecided(at=t(0), domain=d, name=Q, gpu_index=0, admitted=True, vram_bytes=20 * GiB),
+            ),
+            (
+                sj.decl(F),
+                ev.AdmissionDecided(at=t(0), domain=d, name=L, gpu_index=0, admitted=True, vram_bytes=10 * GiB),
+            ),
+            (
+                sj.decl(F),
+                ev.AdmissionDecided(
+                    at=t(0),
+                    domain=d,
+                    name=BIG,
+                    gpu_index=0,
+                    admitted=False,
+                    vram_bytes=30 * GiB,
+                    short_by_bytes=14 * GiB,
+                ),
+            ),
         ]
     return out
 

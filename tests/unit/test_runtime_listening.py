@@ -15,8 +15,11 @@ from haru.host.natsd import free_port
 async def test_a_port_listens_only_once_something_accepts_on_it(tmp_path: Path):
     port = free_port()
     async with aiohttp.ClientSession() as session:
-        rt = ProcessRuntime(ModelSpec(name="m", slot="s", gpu_index=0, runtime="vllm", vram_bytes=1, port=port),
-                            session=session, log_dir=tmp_path)
+        rt = ProcessRuntime(
+            ModelSpec(name="m", slot="s", gpu_index=0, runtime="vllm", vram_bytes=1, port=port),
+            session=session,
+            log_dir=tmp_path,
+        )
         assert await rt.listening() is False  # nothing there
         server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
         try:

@@ -38,8 +38,11 @@ def test_a_maker_that_waited_for_another_uses_what_the_other_made(tmp_path, caps
     with open(lock_path, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # another maker is at work
         result: list[str] = []
-        waiter = threading.Thread(target=lambda: result.append(cached.made_once(
-            "test", lock_path, lambda: made[0] if made else None, lambda: "made twice")))
+        waiter = threading.Thread(
+            target=lambda: result.append(
+                cached.made_once("test", lock_path, lambda: made[0] if made else None, lambda: "made twice")
+            )
+        )
         waiter.start()
         time.sleep(0.2)
         assert waiter.is_alive()  # it waits for the lock

@@ -4,19 +4,34 @@ promoter says there is nothing to fail over to, once, instead of promoting or st
 from __future__ import annotations
 
 from haru.core import subjects
-from haru.core.events import (AdmissionDecided, DomainDeclared, FailoverDeclined, FleetDeclared, GpuObserved, ModelDeclared,
-                         PromotionRequested)
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec
+from haru.core.events import (
+    AdmissionDecided,
+    DomainDeclared,
+    FailoverDeclined,
+    FleetDeclared,
+    GpuObserved,
+    ModelDeclared,
+    PromotionRequested,
+)
 from haru.core.fold import empty, evolve
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec
 from tests.unit.test_decider import POLICY, T0, F, at, facts, only, reachable, resident, routed
 
 
 def single(*events):
     view = empty(F)
-    base = [(subjects.decl(F), FleetDeclared(at=T0, fleet=F, policy=POLICY)),
-            (subjects.decl(F), DomainDeclared(at=T0, spec=DomainSpec(name="local", gpus=[GpuSpec(index=0, memory_bytes=24 << 30)]))),
-            (subjects.decl(F), ModelDeclared(at=T0, domain="local", spec=ModelSpec(name="m1", slot="chat", gpu_index=0))),
-            (subjects.decl(F), AdmissionDecided(at=T0, domain="local", name="m1", gpu_index=0, admitted=True, vram_bytes=1))]
+    base = [
+        (subjects.decl(F), FleetDeclared(at=T0, fleet=F, policy=POLICY)),
+        (
+            subjects.decl(F),
+            DomainDeclared(at=T0, spec=DomainSpec(name="local", gpus=[GpuSpec(index=0, memory_bytes=24 << 30)])),
+        ),
+        (subjects.decl(F), ModelDeclared(at=T0, domain="local", spec=ModelSpec(name="m1", slot="chat", gpu_index=0))),
+        (
+            subjects.decl(F),
+            AdmissionDecided(at=T0, domain="local", name="m1", gpu_index=0, admitted=True, vram_bytes=1),
+        ),
+    ]
     for seq, (subject, event) in enumerate([*base, *events], start=1):
         view = evolve(view, event, seq=seq, subject=subject)
     return view

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_decider import OP, POLICY, ROUTE, F, at, reachable, routed
 
 from haru.core import subjects
 from haru.core.events import (
@@ -27,11 +28,10 @@ from haru.core.events import (
     StepCompleted,
     StepStarted,
 )
+from haru.core.fold import empty, evolve
+from haru.core.specs import SLEEP_MODE, DomainSpec, GpuSpec, ModelSpec
 from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
-from haru.core.specs import SLEEP_MODE, DomainSpec, GpuSpec, ModelSpec
-from haru.core.fold import empty, evolve
-from test_decider import F, OP, POLICY, ROUTE, at, reachable, routed
 
 RUNTIMES = ("vllm", "llama_server")
 
@@ -44,18 +44,26 @@ class Fleet:
         self.seq = 0
         self.fold(subjects.decl(F), FleetDeclared(at=at(0), fleet=F, policy=POLICY))
         for d in ("a", "b"):
-            self.fold(subjects.decl(F), DomainDeclared(at=at(0), spec=DomainSpec(name=d, gpus=[GpuSpec(index=0, memory_bytes=24 << 30)])))
+            self.fold(
+                subjects.decl(F),
+                DomainDeclared(at=at(0), spec=DomainSpec(name=d, gpus=[GpuSpec(index=0, memory_bytes=24 << 30)])),
+            )
             for name, runtime in models.items():
                 spec = ModelSpec(name=name, slot="chat", gpu_index=0, runtime=runtime)  # type: ignore[arg-type]
                 self.fold(subjects.decl(F), ModelDeclared(at=at(0), domain=d, spec=spec))
-                self.fold(subjects.decl(F), AdmissionDecided(at=at(0), domain=d, name=name, gpu_index=0, admitted=True, vram_bytes=1))
+                self.fold(
+                    subjects.decl(F),
+                    AdmissionDecided(at=at(0), domain=d, name=name, gpu_index=0, admitted=True, vram_bytes=1),
+                )
 
     def fold(self, subject: str, event) -> None:
         self.seq += 1
         self.view = evolve(self.view, event, seq=self.seq, subject=subject)
 
     def ops(self, ms: int) -> list:
-        facts = Facts(now=at(ms), me="promoter:me", new_op_id=f"op-{ms}", silent_ms={"a": 10, "b": 10}, listening_ms=60_000)
+        facts = Facts(
+            now=at(ms), me="promoter:me", new_op_id=f"op-{ms}", silent_ms={"a": 10, "b": 10}, listening_ms=60_000
+        )
         return [a for a in decide(self.view, facts) if a.subject in (OP, ROUTE)]
 
 
@@ -142,8 +150,17 @@ def test_left_alone_the_promoter_settles_and_then_appends_nothing(runtimes, stan
     models = {f"m{i}": r for i, r in enumerate(runtimes)}
     fleet = routed_fleet(models, {m: standby[i] for i, m in enumerate(models)})
     if promote_first:
-        fleet.fold(OP, PromotionRequested(at=at(1), op_id="op-manual", target="b", source="a", reason="manual",
-                                          route_revision=fleet.view.route_revision))
+        fleet.fold(
+            OP,
+            PromotionRequested(
+                at=at(1),
+                op_id="op-manual",
+                target="b",
+                source="a",
+                reason="manual",
+                route_revision=fleet.view.route_revision,
+            ),
+        )
 
     def on_domain(op, step: str) -> str:
         other = "a" if op.target == "b" else "b"
@@ -173,7 +190,12 @@ def test_left_alone_the_promoter_settles_and_then_appends_nothing(runtimes, stan
         domain = on_domain(op, event.step)
         for name, runtime in models.items():
             state = type(fleet.view.domains[domain].models[name].residency).__name__
-            if event.step in ("sleep", "settle_old_active") and state == "Resident" and SLEEP_MODE[runtime] and sleep_works:
+            if (
+                event.step in ("sleep", "settle_old_active")
+                and state == "Resident"
+                and SLEEP_MODE[runtime]
+                and sleep_works
+            ):
                 asleep(fleet, domain, name, ms)
             if event.step == "wake" and state == "Sleeping":
                 resident(fleet, domain, name, ms)

@@ -6,9 +6,9 @@ from datetime import UTC, datetime, timedelta
 
 from haru.core import events as ev
 from haru.core import subjects as sj
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
-from haru.core.sizes import GiB
 from haru.core.fold import fold
+from haru.core.sizes import GiB
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
 from haru.projections.status import render
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
@@ -33,21 +33,56 @@ def hearth_fleet() -> list[tuple[str, ev.Event]]:
     items: list[tuple[str, ev.Event]] = [(d, ev.FleetDeclared(at=t(0), fleet=F, policy=Policy()))]
     for dom in ("a", "b"):
         gpu = GpuSpec(index=0, memory_bytes=48 * GiB, reserve_bytes=int(3.8 * GiB), name="RTX A6000")
-        items.append((d, ev.DomainDeclared(at=t(0), spec=DomainSpec(name=dom, serving_url=f"http://{dom}:9000", gpus=[gpu]))))
+        items.append(
+            (d, ev.DomainDeclared(at=t(0), spec=DomainSpec(name=dom, serving_url=f"http://{dom}:9000", gpus=[gpu])))
+        )
         for name, vram, ok, short in HEARTH:
-            items.append((d, ev.ModelDeclared(at=t(0), domain=dom, spec=ModelSpec(name=name, slot="s", gpu_index=0, vram_bytes=vram))))
-            items.append((d, ev.AdmissionDecided(at=t(0), domain=dom, name=name, gpu_index=0, admitted=ok, vram_bytes=vram, short_by_bytes=short)))
-        items.append((d, ev.TrainingDeclared(at=t(0), domain=dom, spec=TrainingSpec(slot="lora", gpu_index=0, command=["t"], checkpoint_dir="/c"))))
+            items.append(
+                (
+                    d,
+                    ev.ModelDeclared(
+                        at=t(0), domain=dom, spec=ModelSpec(name=name, slot="s", gpu_index=0, vram_bytes=vram)
+                    ),
+                )
+            )
+            items.append(
+                (
+                    d,
+                    ev.AdmissionDecided(
+                        at=t(0), domain=dom, name=name, gpu_index=0, admitted=ok, vram_bytes=vram, short_by_bytes=short
+                    ),
+                )
+            )
+        items.append(
+            (
+                d,
+                ev.TrainingDeclared(
+                    at=t(0), domain=dom, spec=TrainingSpec(slot="lora", gpu_index=0, command=["t"], checkpoint_dir="/c")
+                ),
+            )
+        )
     items += [
         (sj.route(F), ev.RouteMoved(at=t(1), active="a")),
         (sj.agent(F, "a"), ev.AgentStarted(at=t(1), domain="a", host="gpu-a")),
         (sj.liveness(F, "a"), ev.DomainReachable(at=t(1), domain="a")),
-        (sj.model(F, "a", "muse-local:latest"), ev.ModelResident(at=NOW - timedelta(seconds=14203), domain="a", model="muse-local:latest")),
-        (sj.model(F, "a", "deepseek-r1:32b"), ev.ModelLoading(at=NOW - timedelta(seconds=47), domain="a", model="deepseek-r1:32b")),
+        (
+            sj.model(F, "a", "muse-local:latest"),
+            ev.ModelResident(at=NOW - timedelta(seconds=14203), domain="a", model="muse-local:latest"),
+        ),
+        (
+            sj.model(F, "a", "deepseek-r1:32b"),
+            ev.ModelLoading(at=NOW - timedelta(seconds=47), domain="a", model="deepseek-r1:32b"),
+        ),
         (sj.model(F, "b", "muse-local:latest"), ev.ModelSleeping(at=t(5), domain="b", model="muse-local:latest")),
-        (sj.model(F, "b", "deepseek-r1:32b"), ev.ModelLost(at=t(6), domain="b", model="deepseek-r1:32b", reason="gpu_detached")),
+        (
+            sj.model(F, "b", "deepseek-r1:32b"),
+            ev.ModelLost(at=t(6), domain="b", model="deepseek-r1:32b", reason="gpu_detached"),
+        ),
         (sj.gpu(F, "b", 0), ev.GpuObserved(at=t(6), domain="b", index=0, present=False)),
-        (sj.training(F, "b", "lora"), ev.TrainingStarted(at=NOW - timedelta(seconds=300), domain="b", slot="lora", pid=4242, gpu_index=0)),
+        (
+            sj.training(F, "b", "lora"),
+            ev.TrainingStarted(at=NOW - timedelta(seconds=300), domain="b", slot="lora", pid=4242, gpu_index=0),
+        ),
     ]
     return items
 
@@ -87,12 +122,24 @@ def test_a_domains_failure_signal_shows_while_it_lasts():
         lines = render(fold((i + 1, s, e) for i, (s, e) in enumerate(items))[F], NOW).splitlines()
         return next(line for line in lines if line.startswith(f"{domain}  "))
 
-    signalled = [*hearth_fleet(), (sj.agent(F, "a"), ev.FailureSignalled(
-        at=NOW - timedelta(seconds=4), domain="a", source="preemption_notice", detail="terminate in 120 s"))]
+    signalled = [
+        *hearth_fleet(),
+        (
+            sj.agent(F, "a"),
+            ev.FailureSignalled(
+                at=NOW - timedelta(seconds=4), domain="a", source="preemption_notice", detail="terminate in 120 s"
+            ),
+        ),
+    ]
     assert "ABOUT TO GO (signalled 4s ago): preemption_notice: terminate in 120 s" in header(signalled)
     assert "ABOUT TO GO" not in header(signalled, "b")
-    xid = [*hearth_fleet(), (sj.agent(F, "a"), ev.FailureSignalled(at=NOW, domain="a", source="xid", gpu_index=0,
-                                                                   detail="GPU 0: critical XID 79"))]
+    xid = [
+        *hearth_fleet(),
+        (
+            sj.agent(F, "a"),
+            ev.FailureSignalled(at=NOW, domain="a", source="xid", gpu_index=0, detail="GPU 0: critical XID 79"),
+        ),
+    ]
     assert "ABOUT TO GO (signalled 0s ago): xid: GPU 0: critical XID 79" in header(xid)
     # it lasts until the agent starts again (an agent that still sees the sign records it again)
     restarted = [*signalled, (sj.agent(F, "a"), ev.AgentStarted(at=NOW, domain="a", host="gpu-a"))]
@@ -102,7 +149,12 @@ def test_a_domains_failure_signal_shows_while_it_lasts():
 
 def test_operation_in_flight_and_finished_and_anomalies():
     items = hearth_fleet() + [
-        (sj.op(F), ev.PromotionRequested(at=NOW - timedelta(seconds=3), op_id="op-1", target="b", source="a", reason="gpu_detached")),
+        (
+            sj.op(F),
+            ev.PromotionRequested(
+                at=NOW - timedelta(seconds=3), op_id="op-1", target="b", source="a", reason="gpu_detached"
+            ),
+        ),
         (sj.op(F), ev.StepStarted(at=NOW, op_id="op-1", step="stop_training")),
         (sj.model(F, "a", "ghost"), ev.ModelLoading(at=NOW, domain="a", model="ghost")),
     ]

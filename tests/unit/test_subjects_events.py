@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given
@@ -12,7 +12,7 @@ from haru.core import events as ev
 from haru.core import subjects
 from haru.core.errors import EventDecodeError, InvalidName
 
-NOW = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 29, 3, 0, tzinfo=UTC)
 
 
 @given(st.text(min_size=1, max_size=60).filter(lambda s: not any(c.isspace() for c in s)))
@@ -83,7 +83,6 @@ def test_every_subject_parses_back():
     assert subjects.parse(subjects.training("f", "a", "lora")).slot == "lora"
     with pytest.raises(InvalidName):
         subjects.parse("haru.route.f")
-
 
 
 def test_read_is_the_one_parser_and_keeps_the_fleet_of_a_malformed_event_subject():

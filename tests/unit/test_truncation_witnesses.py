@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from haru.core.errors import seq_ranges
-from haru.log.history import Witness, check_witnesses, intent_witnesses, view_witnesses
 from haru.core.views import FleetView, RouteIntent
+from haru.log.history import Witness, check_witnesses, intent_witnesses, view_witnesses
 
 T = datetime(2026, 11, 30, 22, 0, tzinfo=UTC)
 

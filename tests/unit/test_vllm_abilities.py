@@ -12,15 +12,16 @@ import pytest
 
 from haru.agents.gpu import GpuReading
 from haru.agents.runtimes.vllm import SLEEP_REFUSAL, VllmRuntime
-from haru.agents.runtimes.vllm_env import API_SERVER, STAMP, VERSION, PACKAGE
+from haru.agents.runtimes.vllm_env import API_SERVER, PACKAGE, STAMP, VERSION
 from haru.agents.supervisor import freed_by_sleep
 from haru.core.events import GpuProcess
 from haru.core.specs import GiB, ModelSpec
 
 
 def spec(binary: list[str]) -> ModelSpec:
-    return ModelSpec(name="tiny", slot="chat", gpu_index=0, runtime="vllm", source="/m/tiny", vram_bytes=3 * GiB,
-                     binary=binary)
+    return ModelSpec(
+        name="tiny", slot="chat", gpu_index=0, runtime="vllm", source="/m/tiny", vram_bytes=3 * GiB, binary=binary
+    )
 
 
 @pytest.fixture
@@ -34,9 +35,11 @@ async def test_a_refusal_of_sleep_mode_at_start_is_learned_and_remembered(tmp_pa
         rt = VllmRuntime(spec(["/opt/vllm/bin/vllm"]), session=s, log_dir=tmp_path, gpu_memory_bytes=24 * GiB)
         assert await rt.learn_abilities() == "on: assumed until this vLLM says otherwise"
         assert "--enable-sleep-mode" in rt.launch().argv
-        output = ("--- haru agent starting: vllm serve ...\n"
-                  "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
-                  f"  Value error, {SLEEP_REFUSAL}. [type=value_error]\n")
+        output = (
+            "--- haru agent starting: vllm serve ...\n"
+            "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+            f"  Value error, {SLEEP_REFUSAL}. [type=value_error]\n"
+        )
         learned = rt.learn_from_exit(output)
         assert "sleep mode is off" in learned and SLEEP_REFUSAL in learned
         assert rt.can_sleep is False and "--enable-sleep-mode" not in rt.launch().argv
@@ -61,7 +64,9 @@ async def test_an_interpreter_named_by_the_binary_is_asked(tmp_path, no_managed)
         assert said == "on: vLLM 0.9.9 on cuda said so (is_sleep_mode_available)"
         assert rt.launch().argv[:5] == [str(fake), "-m", API_SERVER, "--model", "/m/tiny"]
         assert "--enable-sleep-mode" in rt.launch().argv and "VLLM_CPU_KVCACHE_SPACE" not in rt.launch().env
-        assert json.loads((tmp_path / "vllm-abilities.json").read_text())[f"{fake} -m {API_SERVER}"]["sleep_mode"] is True
+        assert (
+            json.loads((tmp_path / "vllm-abilities.json").read_text())[f"{fake} -m {API_SERVER}"]["sleep_mode"] is True
+        )
 
 
 async def test_the_managed_vllm_says_what_it_is_and_a_layout_without_binary_gets_it(tmp_path, monkeypatch):
@@ -70,8 +75,11 @@ async def test_the_managed_vllm_says_what_it_is_and_a_layout_without_binary_gets
     venv = tmp_path / "cache" / "haru" / "vllm-venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
-    (venv / STAMP).write_text(json.dumps({"package": PACKAGE, "version": VERSION, "vllm_version": VERSION,
-                                          "platform": "cpu", "sleep_mode": False}))
+    (venv / STAMP).write_text(
+        json.dumps(
+            {"package": PACKAGE, "version": VERSION, "vllm_version": VERSION, "platform": "cpu", "sleep_mode": False}
+        )
+    )
     async with aiohttp.ClientSession() as s:
         rt = VllmRuntime(spec([]), session=s, log_dir=tmp_path, gpu_memory_bytes=24 * GiB)
         assert (await rt.learn_abilities()).startswith(f"off: the managed vLLM {VERSION} on cpu")
@@ -86,8 +94,14 @@ async def test_the_managed_vllm_says_what_it_is_and_a_layout_without_binary_gets
 
 
 def reading(used: int, processes: dict[int, int], *, present: bool | None = True, accounted: bool = True) -> GpuReading:
-    return GpuReading(index=0, present=present, memory_total_bytes=24 * GiB, memory_used_bytes=used,
-                      processes=[GpuProcess(pid=p, used_bytes=n) for p, n in processes.items()], accounted=accounted)
+    return GpuReading(
+        index=0,
+        present=present,
+        memory_total_bytes=24 * GiB,
+        memory_used_bytes=used,
+        processes=[GpuProcess(pid=p, used_bytes=n) for p, n in processes.items()],
+        accounted=accounted,
+    )
 
 
 def test_what_a_sleep_freed_is_the_runtimes_own_processes_when_nvml_tells_them_apart():
@@ -110,21 +124,25 @@ def test_without_per_process_figures_the_gpu_measures_and_without_a_gpu_reading_
 def test_what_vllm_said_is_its_exception_not_the_log_lines_that_mention_paths():
     from haru.agents.supervisor import runtime_said
 
-    output = "\n".join([
-        "--- haru agent starting: python -m vllm.entrypoints.openai.api_server --model /srv/cannot-load/m",
-        "(APIServer pid=1) INFO 12-01 21:49:49 [api_utils.py:347]   model   /srv/cannot-load/m",
-        "(APIServer pid=1) WARNING 12-01 21:49:49 [system_utils.py:255] failed to automatically increase ulimit",
-        "Traceback (most recent call last):",
-        '  File "/venv/vllm/engine/arg_utils.py", line 1955, in create_model_config',
-        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
-        "  Value error, Model architectures ['NoSuchForCausalLM'] are not supported for now. Supported "
-        "architectures: dict_keys([" + ", ".join(f"'Arch{i}ForCausalLM'" for i in range(400)) + "])",
-        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error",
-    ])
+    output = "\n".join(
+        [
+            "--- haru agent starting: python -m vllm.entrypoints.openai.api_server --model /srv/cannot-load/m",
+            "(APIServer pid=1) INFO 12-01 21:49:49 [api_utils.py:347]   model   /srv/cannot-load/m",
+            "(APIServer pid=1) WARNING 12-01 21:49:49 [system_utils.py:255] failed to automatically increase ulimit",
+            "Traceback (most recent call last):",
+            '  File "/venv/vllm/engine/arg_utils.py", line 1955, in create_model_config',
+            "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
+            "  Value error, Model architectures ['NoSuchForCausalLM'] are not supported for now. Supported "
+            "architectures: dict_keys([" + ", ".join(f"'Arch{i}ForCausalLM'" for i in range(400)) + "])",
+            "    For further information visit https://errors.pydantic.dev/2.14/v/value_error",
+        ]
+    )
     said = runtime_said(output, 1)
-    assert said.startswith("exited with code 1 while loading: pydantic_core._pydantic_core.ValidationError: 1 "
-                           "validation error for ModelConfig | Value error, Model architectures ['NoSuchForCausalLM'] "
-                           "are not supported for now."), said
+    assert said.startswith(
+        "exited with code 1 while loading: pydantic_core._pydantic_core.ValidationError: 1 "
+        "validation error for ModelConfig | Value error, Model architectures ['NoSuchForCausalLM'] "
+        "are not supported for now."
+    ), said
     assert "cannot-load" not in said and len(said) <= 1000
 
 

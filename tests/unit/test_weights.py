@@ -32,12 +32,15 @@ def test_parse_pairs_reads_domain_percent():
     assert parse_pairs(["b=10", " c = 5 "]) == {"b": 10, "c": 5}
 
 
-@pytest.mark.parametrize("item, says", [
-    ("b10", "is not DOMAIN=PERCENT"),
-    ("b=", "is not DOMAIN=PERCENT"),
-    ("b=ten", "is not a whole percent"),
-    ("B=10", "did you mean 'b'"),
-])
+@pytest.mark.parametrize(
+    "item, says",
+    [
+        ("b10", "is not DOMAIN=PERCENT"),
+        ("b=", "is not DOMAIN=PERCENT"),
+        ("b=ten", "is not a whole percent"),
+        ("B=10", "did you mean 'b'"),
+    ],
+)
 def test_parse_pairs_refuses_with_the_item_and_the_fix(item, says):
     with pytest.raises(InvalidWeights, match=says):
         parse_pairs([item])
@@ -60,15 +63,18 @@ def test_resolve_back_to_the_default_is_empty():
     assert resolve({}, domains=DOMAINS, active="a") == {}
 
 
-@pytest.mark.parametrize("given_, says", [
-    ({"z": 10}, "no domain 'z' in this fleet \\(declared: a, b, c\\)"),
-    ({"b": -1}, "between 0 and 100"),
-    ({"b": 101}, "between 0 and 100"),
-    ({"a": 80, "b": 10}, "add up to 90"),
-    ({"b": 60, "c": 50}, "over 100"),
-    ({"b": 100}, "promote the other domain \\(haru promote b\\)"),
-    ({"a": 0, "b": 100}, "leave nothing for the active"),
-])
+@pytest.mark.parametrize(
+    "given_, says",
+    [
+        ({"z": 10}, "no domain 'z' in this fleet \\(declared: a, b, c\\)"),
+        ({"b": -1}, "between 0 and 100"),
+        ({"b": 101}, "between 0 and 100"),
+        ({"a": 80, "b": 10}, "add up to 90"),
+        ({"b": 60, "c": 50}, "over 100"),
+        ({"b": 100}, "promote the other domain \\(haru promote b\\)"),
+        ({"a": 0, "b": 100}, "leave nothing for the active"),
+    ],
+)
 def test_resolve_refuses_what_cannot_be_applied(given_, says):
     with pytest.raises(InvalidWeights, match=says):
         resolve(given_, domains=DOMAINS, active="a")
@@ -120,12 +126,18 @@ def test_spread_interleaves():
 def _decl() -> list[tuple[int, str, ev.Event]]:
     from haru.core.specs import DomainSpec, ModelSpec, Policy
 
-    out: list[tuple[int, str, ev.Event]] = [(1, subjects.decl("f"), ev.FleetDeclared(at=T0, fleet="f", policy=Policy()))]
+    out: list[tuple[int, str, ev.Event]] = [
+        (1, subjects.decl("f"), ev.FleetDeclared(at=T0, fleet="f", policy=Policy()))
+    ]
     seq = 2
     for d in DOMAINS:
-        out.append((seq, subjects.decl("f"), ev.DomainDeclared(at=T0, spec=DomainSpec(name=d, serving_url=f"http://{d}:1"))))
+        out.append(
+            (seq, subjects.decl("f"), ev.DomainDeclared(at=T0, spec=DomainSpec(name=d, serving_url=f"http://{d}:1")))
+        )
         seq += 1
-        out.append((seq, subjects.decl("f"), ev.ModelDeclared(at=T0, domain=d, spec=ModelSpec(name=M, slot="s0", gpu_index=0))))
+        out.append(
+            (seq, subjects.decl("f"), ev.ModelDeclared(at=T0, domain=d, spec=ModelSpec(name=M, slot="s0", gpu_index=0)))
+        )
         seq += 1
     for d in DOMAINS:
         out.append((seq, subjects.model("f", d, M), ev.ModelResident(at=T0, domain=d, model=M)))
@@ -137,7 +149,9 @@ def _decl() -> list[tuple[int, str, ev.Event]]:
 def test_weights_set_folds_into_the_view_and_the_intent():
     entries = _decl()
     seq = entries[-1][0] + 1
-    entries.append((seq, subjects.weights("f"), ev.WeightsSet(at=T0, by="promoter:x", weights={"a": 90, "b": 10}, op_id="op-1")))
+    entries.append(
+        (seq, subjects.weights("f"), ev.WeightsSet(at=T0, by="promoter:x", weights={"a": 90, "b": 10}, op_id="op-1"))
+    )
     entries.append((seq + 1, subjects.weights("f"), ev.WeightsSet(at=T0, model=M, weights={"a": 80, "c": 20})))
     v = fold(entries)["f"]
     assert v.weights == {"a": 90, "b": 10}
@@ -189,13 +203,18 @@ def test_a_domain_cannot_be_called_weights():
 
 def _table(split: dict[str, int], *, b_answer: str = "ready", model_split: bool = False) -> RoutingTable:
     ri = RouteIntent(
-        fleet="f", revision=4,
+        fleet="f",
+        revision=4,
         active=Target(domain="a", serving_url="http://a:1"),
         answers={M: Answer(answer="ready"), N: Answer(answer="ready")},
         weights={} if model_split else split,
         model_weights={M: split} if model_split else {},
-        weighted={"b": Weighted(target=Target(domain="b", serving_url="http://b:1/v1"),
-                                answers={M: Answer(answer=b_answer), N: Answer(answer="ready")})},
+        weighted={
+            "b": Weighted(
+                target=Target(domain="b", serving_url="http://b:1/v1"),
+                answers={M: Answer(answer=b_answer), N: Answer(answer="ready")},
+            )
+        },
     )
     t = RoutingTable()
     t.set_intent("f", ri, 1)
@@ -223,9 +242,14 @@ def test_a_share_on_a_domain_not_ready_stays_with_the_active():
 
 def test_a_model_the_active_refuses_is_not_sent_to_the_canary_alone():
     ri = RouteIntent(
-        fleet="f", revision=4, active=Target(domain="a", serving_url="http://a:1"),
-        answers={M: Answer(answer="asleep")}, weights={"a": 50, "b": 50},
-        weighted={"b": Weighted(target=Target(domain="b", serving_url="http://b:1"), answers={M: Answer(answer="ready")})},
+        fleet="f",
+        revision=4,
+        active=Target(domain="a", serving_url="http://a:1"),
+        answers={M: Answer(answer="asleep")},
+        weights={"a": 50, "b": 50},
+        weighted={
+            "b": Weighted(target=Target(domain="b", serving_url="http://b:1"), answers={M: Answer(answer="ready")})
+        },
     )
     t = RoutingTable()
     t.set_intent("f", ri, 1)
@@ -233,7 +257,9 @@ def test_a_model_the_active_refuses_is_not_sent_to_the_canary_alone():
 
 
 def test_fleet_view_defaults_have_no_weights():
-    v = FleetView(fleet="f", domains={"a": DomainView(name="a", models={M: ModelView(name=M, residency=Sleeping(since=T0))})})
+    v = FleetView(
+        fleet="f", domains={"a": DomainView(name="a", models={M: ModelView(name=M, residency=Sleeping(since=T0))})}
+    )
     assert v.weights == {} and v.model_weights == {} and v.weights_change is None
     assert Resident  # used above in the fold fixtures
 

@@ -30,8 +30,9 @@ def main() -> None:
 
     async def health(request):
         if time.monotonic() < ready_at:
-            return web.json_response({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
-                                     status=503)
+            return web.json_response(
+                {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}, status=503
+            )
         return web.json_response({"status": "ok"})
 
     async def models(request):
@@ -45,8 +46,13 @@ def main() -> None:
         body = await request.json()
         if body.get("model") not in (args.alias, None):
             return web.json_response({"error": {"code": 404, "message": "model not found"}}, status=404)
-        return web.json_response({"object": "text_completion", "model": args.alias,
-                                  "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]})
+        return web.json_response(
+            {
+                "object": "text_completion",
+                "model": args.alias,
+                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+            }
+        )
 
     app = web.Application()
     app.router.add_get("/health", health)
