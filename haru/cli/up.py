@@ -81,7 +81,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 async def run(args: argparse.Namespace) -> ExitStatus | int:
-    from haru.up.compose import DEMO_LAYOUT, MAX_DEMO_DOMAINS, REAL_DEMO_LAYOUT, VLLM_DEMO_LAYOUT, UpOptions, haru_home
+    from haru.up.compose import UpOptions
+    from haru.up.demo_layout import DEMO_LAYOUT, MAX_DEMO_DOMAINS, REAL_DEMO_LAYOUT, VLLM_DEMO_LAYOUT
+    from haru.up.home import haru_home
 
     if args.model or args.fleet_conf:
         if args.demo or args.nats_url or args.layout:
@@ -98,7 +100,7 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
         return fail("--real goes with --demo: `haru up --demo --real`")
     if args.fresh:
         from haru.core.errors import ConfigError
-        from haru.up.compose import fresh_start
+        from haru.up.home import fresh_start
 
         if not args.demo or args.nats_url:
             return fail("--fresh goes with --demo (and the embedded NATS): `haru up --demo --fresh`")
