@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -14,6 +15,11 @@ from haru.cli.common import ExitStatus, add_log_options, add_model_options, conf
 
 if TYPE_CHECKING:
     from haru.up.compose import UpOptions
+
+# Tests only: `HARU_NO_PDEATHSIG=1` in the environment of `haru up` (or `haru serve`) starts its children
+# without the parent-death signal, so a test can leave real orphans behind and watch the next start find
+# and stop them. Read here, at the command, and passed down as `UpOptions.death_signals`.
+NO_DEATH_SIGNAL_ENV = "HARU_NO_PDEATHSIG"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -132,6 +138,9 @@ async def run_up(opts: UpOptions) -> ExitStatus:
     """`haru up` (and `haru serve`) until SIGINT or SIGTERM, its failures said in one line."""
     from haru.core.errors import AlreadyRunning
     from haru.up.compose import up
+
+    if os.environ.get(NO_DEATH_SIGNAL_ENV, "") == "1":
+        opts = dataclasses.replace(opts, death_signals=False)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

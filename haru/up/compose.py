@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -51,6 +52,7 @@ from haru.log.eventlog import EventLog
 from haru.up.demo_layout import DEMO_LAYOUT, demo_layout
 from haru.up.home import NATS_URL_FILE, HomeLock, redact, stop_leftovers
 from haru.up.supervise import (
+    DEATH_SIGNAL,
     SERVICE_STOP_S,
     Child,
     keep_running,
@@ -90,6 +92,10 @@ class UpOptions:
     layout: Layout | None = None
     agent_gpus: str = "sim"
     after_apply: Any = None
+    # Tests only (`HARU_NO_PDEATHSIG=1` in haru up's environment, read by the command): False starts the
+    # children without the parent-death signal, so a test can leave real orphans behind and watch the next
+    # start find and stop them.
+    death_signals: bool = True
 
 
 @dataclass
@@ -146,10 +152,12 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
         # Unwound in reverse: the restart loops stop first, then the agents, the gateway, the services.
         for kind in ("projector", "promoter"):
             if kind in opts.services:
-                running.services.append(start_service(kind, nats_url, opts.home, metrics_port=free_port()))
+                running.services.append(
+                    start_service(kind, nats_url, opts.home, metrics_port=free_port(), death_signal=_death(opts))
+                )
         if read_model_dsn(os.environ) and "projector" in opts.services:
             # DATABASE_URL (Haru's server required one) is honoured: the Postgres read model runs too.
-            running.services.append(start_service("sink", nats_url, opts.home))
+            running.services.append(start_service("sink", nats_url, opts.home, death_signal=_death(opts)))
         stack.push_async_callback(stop_children, running.services, SERVICE_STOP_S)
         if running.services:
             metrics = await stack.enter_async_context(_serve_metrics(opts, running))
@@ -163,7 +171,7 @@ async def _up(opts: UpOptions, stop: asyncio.Event, lock: HomeLock, from_env, Ga
         if layout is not None:
             for d in layout.domains:
                 running.agents.append(
-                    start_agent(layout, d.spec.name, nats_url, opts.home, free_port(), opts.agent_gpus)
+                    start_agent(layout, d.spec.name, nats_url, opts.home, free_port(), opts.agent_gpus, _death(opts))
                 )
         stack.push_async_callback(stop_agents, running.agents)
 
@@ -217,7 +225,7 @@ async def _start_nats(opts: UpOptions, stack: contextlib.AsyncExitStack, url_fil
             hint="another nats-server is using it; this one uses a free port",
         )
         port = chosen
-    server = NatsServer(opts.home / "nats", port=port)
+    server = NatsServer(opts.home / "nats", port=port, death_signal=signal.SIGTERM if opts.death_signals else None)
     await server.start()
     stack.push_async_callback(server.stop)
     url_file.write_text(server.url + "\n")
@@ -292,6 +300,11 @@ async def _serve_metrics(opts: UpOptions, running: Running):
             yield server
         finally:
             await server.__aexit__(None, None, None)
+
+
+def _death(opts: UpOptions) -> int | None:
+    """The signal the service and agent children get when haru up dies (None: none, tests only)."""
+    return DEATH_SIGNAL if opts.death_signals else None
 
 
 async def _cancel_all(tasks: list[asyncio.Task]) -> None:

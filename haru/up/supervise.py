@@ -38,6 +38,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 AGENT_STOP_S = 20.0
 SERVICE_STOP_S = 10.0
 POLL_S = 0.2
+# What each child gets when haru up dies (`haru.host.children`): SIGKILL, see `_spawn_python`. None: nothing
+# (`UpOptions.death_signals`, tests only), so a test can leave real orphans behind.
+DEATH_SIGNAL = signal.SIGKILL
 
 
 def port_free(port: int) -> bool:
@@ -79,7 +82,9 @@ class Child:
         return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else ""
 
 
-def _spawn_python(args: list[str], *, name: str, home: Path, log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+def _spawn_python(
+    args: list[str], *, name: str, home: Path, log_path: Path, env: dict[str, str], death_signal: int | None
+) -> subprocess.Popen:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     out = open(log_path, "ab")
     try:
@@ -88,7 +93,7 @@ def _spawn_python(args: list[str], *, name: str, home: Path, log_path: Path, env
         # SIGTERM would leave an agent retrying its last appends against a log that is gone.
         return children.spawn(
             [sys.executable, "-m", "haru.cli", *args],
-            death_signal=signal.SIGKILL,
+            death_signal=death_signal,
             pidfile=home / RUN_DIR / f"{name.replace(' ', '-')}.pid",
             what=name,
             stdout=out,
@@ -131,7 +136,13 @@ def _prepare_sim_host(layout: Layout, domain: str, home: Path) -> None:
 
 
 def start_agent(
-    layout: Layout, domain: str, nats_url: str, home: Path, metrics_port: int | None = None, gpus: str = "sim"
+    layout: Layout,
+    domain: str,
+    nats_url: str,
+    home: Path,
+    metrics_port: int | None = None,
+    gpus: str = "sim",
+    death_signal: int | None = DEATH_SIGNAL,
 ) -> Child:
     if gpus == "sim":
         _prepare_sim_host(layout, domain, home)
@@ -161,16 +172,28 @@ def start_agent(
         if child.metrics_port != written["port"]:  # moved off a port taken meanwhile; else the file is as it is
             write_conf(child.metrics_port)
         return _spawn_python(
-            ["agent", "--config", str(conf), "--log-format", "json"], name=name, home=home, log_path=log_path, env=env
+            ["agent", "--config", str(conf), "--log-format", "json"],
+            name=name,
+            home=home,
+            log_path=log_path,
+            env=env,
+            death_signal=death_signal,
         )
 
     proc = _spawn_python(
-        ["agent", "--config", str(conf), "--log-format", "json"], name=name, home=home, log_path=log_path, env=env
+        ["agent", "--config", str(conf), "--log-format", "json"],
+        name=name,
+        home=home,
+        log_path=log_path,
+        env=env,
+        death_signal=death_signal,
     )
     return Child(name, log_path, restart, proc, domain=domain, metrics_port=metrics_port)
 
 
-def start_service(kind: str, nats_url: str, home: Path, metrics_port: int | None = None) -> Child:
+def start_service(
+    kind: str, nats_url: str, home: Path, metrics_port: int | None = None, death_signal: int | None = DEATH_SIGNAL
+) -> Child:
     """The projector or the promoter, as `haru projector` / `haru promoter` children (each with its own
     metrics endpoint on `metrics_port`, which `haru up`'s own endpoint gathers)."""
     log_path = home / "logs" / f"{kind}.log"
@@ -188,13 +211,15 @@ def start_service(kind: str, nats_url: str, home: Path, metrics_port: int | None
     env.pop("HARU_METRICS_PORT", None)  # haru up's own port: the child's is on its command line
 
     async def restart(child: Child) -> subprocess.Popen:
-        return _spawn_python(argv(child.metrics_port), name=kind, home=home, log_path=log_path, env=env)
+        return _spawn_python(
+            argv(child.metrics_port), name=kind, home=home, log_path=log_path, env=env, death_signal=death_signal
+        )
 
     return Child(
         kind,
         log_path,
         restart,
-        _spawn_python(argv(metrics_port), name=kind, home=home, log_path=log_path, env=env),
+        _spawn_python(argv(metrics_port), name=kind, home=home, log_path=log_path, env=env, death_signal=death_signal),
         metrics_port=metrics_port,
     )
 
