@@ -138,7 +138,7 @@ async def run_service(args: argparse.Namespace) -> ExitStatus:
     configure_logging(args.log_format, args.log_level)
     enable_fast_header_parse()  # follows the whole log: the faster per-message header parse
     identity = args.id or default_identity()
-    metrics = metrics_address(args.metrics_port, args.metrics_host)
+    metrics = metrics_address(args.metrics_port, args.metrics_host, os.environ)
     try:
         async with EventLog.connect(_servers(args), writer=identity, creds=args.nats_creds) as log:
             await log.ensure()

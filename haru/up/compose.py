@@ -271,7 +271,7 @@ async def _serve_metrics(opts: UpOptions, running: Running):
 
     from haru.host.metrics import DOCUMENTED_PORTS, MetricsServer, metrics_address
 
-    address = metrics_address(opts.metrics_port, opts.metrics_host, default_port=DOCUMENTED_PORTS["up"])
+    address = metrics_address(opts.metrics_port, opts.metrics_host, os.environ, default_port=DOCUMENTED_PORTS["up"])
     assert address is not None
     host, port = address
     explicit = opts.metrics_port is not None or os.environ.get("HARU_METRICS_PORT", "").strip()
