@@ -419,11 +419,17 @@ def _domain(d: _Domain, i: int) -> Domain:
 
 
 def _notice(notice: PreemptionNotice | None, dp: str) -> PreemptionNotice | None:
-    if notice is not None and bool(notice.url) == bool(notice.command):
+    if notice is not None and sum((notice.provider is not None, bool(notice.url), bool(notice.command))) != 1:
         raise LayoutError(
-            "preemption_notice needs exactly one of `url` and `command`",
+            "preemption_notice needs exactly one of `provider`, `url` and `command`",
             path=f"{dp}.preemption_notice",
-            fix='e.g. {"url": "http://169.254.169.254/latest/meta-data/spot/instance-action"}',
+            fix='e.g. {"provider": "aws"} (or "gcp", "azure") to read the cloud\'s own metadata service',
+        )
+    if notice is not None and notice.endpoint and notice.provider is None:
+        raise LayoutError(
+            "preemption_notice.endpoint goes with `provider` (it overrides the metadata service's address)",
+            path=f"{dp}.preemption_notice.endpoint",
+            fix="remove `endpoint`, or name the `provider` whose metadata service it is",
         )
     if notice is not None and notice.interval_ms < 100:
         raise LayoutError(

@@ -210,13 +210,24 @@ class ProvisionSpec(msgspec.Struct, frozen=True, kw_only=True):
     service: ServiceSpec = ServiceSpec()
 
 
+NoticeProvider = Literal["aws", "gcp", "azure"]
+
+
 class PreemptionNotice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where a domain's provider announces that it takes the host back, polled by the agent every
-    `interval_ms`. `url`: a notice is an answer 200 with a body other than empty/`FALSE`/`false`/`none`
-    (AWS `.../spot/instance-action` answers 404 until there is one; GCP's `.../instance/preempted` says
-    `TRUE`; headers such as `Metadata-Flavor: Google` go in `headers`). `command`: a notice is exit status
-    0 with something on stdout (what it printed is the detail)."""
+    `interval_ms`. Exactly one of:
 
+    - `provider`: the provider's own metadata service, read with its documented protocol (AWS IMDSv2's
+      token, then `spot/instance-action` and the rebalance recommendation; GCP's `instance/preempted`
+      and `instance/maintenance-event` with `Metadata-Flavor: Google`; Azure's Scheduled Events with
+      `Metadata: true`, `Preempt` and `Terminate` events for this VM only). `endpoint` overrides the
+      metadata service's address (tests, proxies); empty means the provider's documented one.
+    - `url`: any other endpoint; a notice is an answer 200 with a body other than empty/`FALSE`/`false`/
+      `none` (headers go in `headers`). Not for Azure, whose answer is a JSON document even when empty.
+    - `command`: a notice is exit status 0 with something on stdout (what it printed is the detail)."""
+
+    provider: NoticeProvider | None = None
+    endpoint: str = ""
     url: str = ""
     headers: dict[str, str] = {}
     command: list[str] = []
