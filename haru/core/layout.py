@@ -613,6 +613,7 @@ _CLUSTER = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _PLACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # What the default run command reads (haru.provision.skypilot): an operator's env may not shadow it.
 RESERVED_ENVS = ("HARU_AGENT_CONFIG",)
+SERVING_TOKEN = "HARU_SERVING_TOKEN"  # the bearer token an agent's serving port needs beyond loopback
 
 
 def _provision(d: _Domain, name: str, dp: str) -> ProvisionSpec:
@@ -686,6 +687,16 @@ def _provision(d: _Domain, name: str, dp: str) -> ProvisionSpec:
             f"cluster name {p.cluster!r} is not a valid SkyPilot cluster name",
             path=f"{pp}.cluster",
             fix="use lowercase letters, digits and '-', starting with a letter",
+        )
+    if not p.run and SERVING_TOKEN not in p.secrets:
+        # The launched agent serves on every address (haru/provision's agent config), which it refuses to do
+        # without a serving token: refused here, before anything is launched or paid for.
+        raise LayoutError(
+            f"domain {name!r} launches an agent that serves on every address of its host, and "
+            f"{SERVING_TOKEN} is not among its secrets: the agent would refuse to start",
+            path=f"{pp}.secrets",
+            fix=f'add "{SERVING_TOKEN}" to provision.secrets, export it where `haru provision` or the promoter '
+            "runs, and give the gateway the same value (docs/security.md)",
         )
     if not p.run and not p.nats_url:
         raise LayoutError(

@@ -53,6 +53,7 @@ def cloud_layout(tmp, url: str, *, auto_replace: bool):
             "accelerators": "L4:1",
             "use_spot": True,
             "nats_url": url,
+            "secrets": ["HARU_SERVING_TOKEN"],  # the launched agent serves beyond loopback
             "launch_timeout_s": 60,
             "status_timeout_s": 30,
             "down_timeout_s": 60,
@@ -77,7 +78,7 @@ async def test_failover_then_auto_replace_with_a_promoter_killed_mid_launch(tmp_
             cwd=str(REPO),
             sim_dir=str(tmp_path / "sim" / d),
         )
-    env = {"HARU_SKY": str(fake.path)}
+    env = {"HARU_SKY": str(fake.path), "HARU_SERVING_TOKEN": "serving-token"}
     promoter = PromoterProcess(url, "promoter:p1", env=env, log_path=tmp_path / "promoter.log")
     promoter.start()
     try:
@@ -207,7 +208,7 @@ async def test_a_skyserve_domain_provisioned_and_torn_down_through_the_promoter(
         cwd=str(REPO),
         sim_dir=str(tmp_path / "sim" / "b"),
     )
-    promoter = PromoterProcess(url, "promoter:p1", env={"HARU_SKY": str(fake.path)}, log_path=tmp_path / "promoter.log")
+    promoter = PromoterProcess(url, "promoter:p1", env={"HARU_SKY": str(fake.path), "HARU_SERVING_TOKEN": "serving-token"}, log_path=tmp_path / "promoter.log")
     promoter.start()
     try:
         result = await request_operation(event_log, F, "provision", "b", by="test", now=now())
