@@ -208,7 +208,12 @@ async def test_a_skyserve_domain_provisioned_and_torn_down_through_the_promoter(
         cwd=str(REPO),
         sim_dir=str(tmp_path / "sim" / "b"),
     )
-    promoter = PromoterProcess(url, "promoter:p1", env={"HARU_SKY": str(fake.path), "HARU_SERVING_TOKEN": "serving-token"}, log_path=tmp_path / "promoter.log")
+    promoter = PromoterProcess(
+        url,
+        "promoter:p1",
+        env={"HARU_SKY": str(fake.path), "HARU_SERVING_TOKEN": "serving-token"},
+        log_path=tmp_path / "promoter.log",
+    )
     promoter.start()
     try:
         result = await request_operation(event_log, F, "provision", "b", by="test", now=now())

@@ -72,7 +72,11 @@ def test_the_examples_yaml_is_what_skypilot_accepts():
         "nats_creds": "__HOME__/.haru/agent.creds",
     }
     # secrets are named, never valued, in what Haru writes
-    assert yaml.safe_load(text)["secrets"] == {"HARU_AGENT_NATS_CREDS": None, "HARU_SERVING_TOKEN": None, "HF_TOKEN": None}
+    assert yaml.safe_load(text)["secrets"] == {
+        "HARU_AGENT_NATS_CREDS": None,
+        "HARU_SERVING_TOKEN": None,
+        "HF_TOKEN": None,
+    }
 
     text = service_yaml(layout.fleet, b)
     config = yaml.safe_load(text)
