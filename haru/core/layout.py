@@ -43,6 +43,7 @@ from haru.core.specs import (
     ModelSpec,
     NonNegative,
     Policy,
+    READY_PATH,
     PreemptionNotice,
     ProvisionSpec,
     ServiceSpec,
@@ -708,11 +709,13 @@ def _provision(d: _Domain, name: str, dp: str) -> ProvisionSpec:
         raise LayoutError(
             f"service replicas is {p.service.replicas}", path=f"{pp}.service.replicas", fix="use 1 or more"
         )
-    if not p.service.readiness_path.startswith("/"):
+    if p.service.readiness_path != READY_PATH:
         raise LayoutError(
-            f"readiness_path {p.service.readiness_path!r} is not a path",
+            f"readiness_path {p.service.readiness_path!r} is not the agent's readiness path: SkyServe's probe sends "
+            f"no token, and the agent's serving port answers only {READY_PATH} without one, so the replica would "
+            "never be ready and SkyServe would tear it down after initial_delay_s",
             path=f"{pp}.service.readiness_path",
-            fix='write it like "/health"',
+            fix=f'remove readiness_path, or write "{READY_PATH}"',
         )
     return p
 

@@ -171,11 +171,17 @@ class TrainingSpec(msgspec.Struct, frozen=True, kw_only=True):
     host_ram_bytes: NonNegative = 0  # host RAM it uses (declared; planned beside sleeping weights)
 
 
+# What an agent's serving port answers without the token, for a load balancer's readiness probe
+# (agents/serving.py, agents/portholder.py): 200 while the host is a fit member of its domain, else 503.
+READY_PATH = "/ready"
+
+
 class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):
     """SkyServe's part of a `provider: skyserve` domain: replicas and the readiness probe."""
 
     replicas: int = 1
-    readiness_path: str = "/health"
+    # SkyServe's probe sends no header, so it must be READY_PATH: every other path needs the token.
+    readiness_path: str = READY_PATH
     # How long SkyServe waits before probing a new replica: the agent's set-up and model loads.
     initial_delay_s: int = 1200
 

@@ -194,7 +194,9 @@ async def test_skyserve_up_status_down(layout, fake):
     assert submitted["service"]["replicas"] == 1 and submitted["resources"]["ports"] == 8600
 
     status = await serve.status("haru-cloud-b")
-    assert (status.status, status.endpoint) == ("READY", "34.1.2.3:30001")
+    # no replica has answered SkyServe's readiness probe (no host runs here): not READY, as SkyServe says
+    assert (status.status, status.endpoint) == ("REPLICA_INIT", "34.1.2.3:30001")
+    assert fake.state()["services"]["haru-cloud-b"]["probes"][-1] == ["/ready", False]
     again = await serve.up(layout.fleet, b)
     assert again.found is True
     assert [c for c in fake.commands() if c == "serve up"] == ["serve up"]

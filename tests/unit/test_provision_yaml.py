@@ -84,7 +84,7 @@ def test_the_examples_yaml_is_what_skypilot_accepts():
     common_utils.validate_schema(config["service"], schemas.get_service_schema(), "Invalid service YAML: ")
     task = sky_validates_task(config)
     assert task.service is not None
-    assert task.service.readiness_path == "/health"
+    assert task.service.readiness_path == "/ready"
     assert task.service.initial_delay_seconds == 1800
     assert task.service.min_replicas == 1
     (res,) = task.resources
