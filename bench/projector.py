@@ -38,12 +38,8 @@ from haru.core.sizes import GiB
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.host.natsd import NatsServer
 from haru.log.eventlog import EventLog
-from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
 from haru.log.route import RouteWatcher
 from haru.projections.projector import Projector
-
-if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
-    enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)
 
 FLEETS = ("default", "edge", "lab", "eu")
 DOMAINS = ("a", "b")
