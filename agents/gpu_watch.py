@@ -4,7 +4,8 @@ memory moved by at least GPU_USED_THRESHOLD, processes, MIG, per-process account
 
 It owns the last observation recorded per GPU and whether it ever saw each GPU present (`went_away`:
 the GPU was there and is not, so the provider took it). What to do about a GPU that just went away is
-the caller's (`on_gone(index)`); what Haru started on a GPU comes from `owners(index)`. The loop (`run`)
+the listeners' (`on_gone`, registered after construction: the model slots, which record through this
+watcher); what Haru started on a GPU comes from `owners(index)`. The loop (`run`)
 logs and counts a failing read or append (`LoopErrors["gpus"]`) and goes on.
 """
 
@@ -22,6 +23,7 @@ from haru.agents.loops import LoopErrors, survive
 from haru.core import subjects
 from haru.core.events import GpuObserved
 from haru.core.sizes import MiB
+from haru.log.seam import EventReader
 
 __all__ = ["GpuWatcher", "GPU_USED_THRESHOLD", "gpu_changed"]
 
@@ -51,7 +53,6 @@ class GpuWatcher:
         gpus: Gpus,
         append: Append,
         owners: Callable[[int], list[Owner]],
-        on_gone: Callable[[int], None],
         exclude_pid: int,
         logger: Any,
     ) -> None:
@@ -60,7 +61,7 @@ class GpuWatcher:
         self.gpus = gpus
         self.append = append
         self.owners = owners
-        self.on_gone = on_gone
+        self.on_gone: list[Callable[[int], None]] = []  # told of each GPU that just went away (registered after)
         self.exclude_pid = exclude_pid
         self.logger = logger
         self.seq: dict[int, int] = {}  # the GPU subject's last sequence
@@ -68,7 +69,7 @@ class GpuWatcher:
         self.seen: set[int] = set()  # GPUs this agent saw present
         self._lock = asyncio.Lock()  # the loop and verify_gpu both observe: one append per change
 
-    async def load_tips(self, log: Any, indexes: Iterable[int]) -> None:
+    async def load_tips(self, log: EventReader, indexes: Iterable[int]) -> None:
         """The tips of the GPU subjects: the watcher continues their chains."""
         for index in indexes:
             rec = await log.last(subjects.gpu(self.fleet, self.domain, index))
@@ -133,7 +134,8 @@ class GpuWatcher:
                 )
                 self.last[index] = event
                 if last is not None and last.present and not r.present:
-                    self.on_gone(index)
+                    for gone in self.on_gone:
+                        gone(index)
             return r
 
     async def run(

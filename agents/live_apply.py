@@ -16,6 +16,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from haru.agents.config import HostSlots, diff_models, fold_declarations
+from haru.agents.current import CurrentSlots
 from haru.agents.loops import LoopErrors
 from haru.agents.model_slots import ModelSlots
 from haru.agents.ports import Applied
@@ -23,6 +24,8 @@ from haru.agents.role import Role
 from haru.core import subjects
 from haru.core.events import tag_of
 from haru.host.tasks import cancel_and_wait
+from haru.log.record import Record
+from haru.log.seam import EventReader
 
 __all__ = ["LiveApply", "LIVE_STATES", "DECL_SETTLE_S"]
 
@@ -34,9 +37,9 @@ _OPERATION_OVER = ("operation_completed", "operation_aborted", "failover_decline
 class LiveApply:
     def __init__(
         self,
-        slots: HostSlots,
+        current: CurrentSlots,
         *,
-        log: Any,
+        log: EventReader,
         fleet: str,
         domain: str,
         models: ModelSlots,
@@ -46,7 +49,7 @@ class LiveApply:
         errors: LoopErrors,
         logger: Any,
     ) -> None:
-        self.slots = slots
+        self.current = current
         self.log = log
         self.fleet = fleet
         self.domain = domain
@@ -60,6 +63,11 @@ class LiveApply:
         self._lock = asyncio.Lock()
         role.on_moved.append(self._route_moved)
 
+    @property
+    def slots(self) -> HostSlots:
+        """The host's slots as they are now."""
+        return self.current.slots
+
     def _route_moved(self) -> None:
         if self.pending and self.role.now == "standby":
             self.spawn(self.apply_pending(), "apply-pending")
@@ -70,7 +78,7 @@ class LiveApply:
         events: list = []
         changed = asyncio.Event()
 
-        def on(rec: Any) -> None:
+        def on(rec: Record) -> None:
             if rec.event is not None:
                 events.append(rec.event)
                 changed.set()
@@ -108,7 +116,7 @@ class LiveApply:
             # still a change, and one changed back before it was applied is none.
             models = self.models.models
             diff = diff_models([m.spec for m in models.values()], new.admitted_models)
-            self.slots = new
+            self.current.slots = new
             done: dict[str, list[str]] = {"started": [], "stopped": [], "replaced": [], "pending": []}
             for name in diff.removed:
                 self.pending.pop(name, None)
@@ -136,6 +144,10 @@ class LiveApply:
                     models=done["pending"],
                 )
             return done
+
+    async def apply_layout(self, decl_seq: int) -> Applied:
+        """The `apply_layout` verb: `apply_declared` bounded by the policy's apply_timeout_ms."""
+        return await self.apply_declared(decl_seq, self.slots.policy.apply_timeout_ms / 1000)
 
     async def apply_declared(self, decl_seq: int, timeout_s: float) -> Applied:
         """The `apply_layout` verb (a rolling change's apply steps): bring this host to the declarations

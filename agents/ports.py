@@ -9,7 +9,16 @@ import msgspec
 
 from haru.core.commands import ErrorInfo
 
-__all__ = ["Outcome", "Applied", "GpuVerdict", "Selection"]
+__all__ = ["Outcome", "Applied", "GpuVerdict", "Selection", "Identity"]
+
+
+class Identity(msgspec.Struct, frozen=True, kw_only=True):
+    """Which agent this is: its fleet and domain, and the host and pid it runs as."""
+
+    fleet: str
+    domain: str
+    host: str
+    pid: int
 
 
 class Outcome(msgspec.Struct, frozen=True, kw_only=True):

@@ -154,6 +154,11 @@ class ServingProxy:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
         return f"http://{host}:{self.port}"
 
+    @property
+    def listening_url(self) -> str:
+        """The URL while the port listens ("" before `start`)."""
+        return self.url if self._site is not None else ""
+
     async def start(self) -> None:
         refusal = bind_refusal(self.host, self.token)
         if refusal:

@@ -22,7 +22,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from haru.agents import probes
 from haru.agents.adoption import Adoptable
@@ -70,6 +70,13 @@ def backoff_s(policy: Policy, failures: int) -> float:
     return Backoff(policy.restart_backoff_ms / 1000, policy.restart_backoff_max_ms / 1000).delay(failures)
 
 
+class RoleNow(Protocol):
+    @property
+    def now(self) -> str:
+        """`active` or `standby`, as the domain's role is now."""
+        ...
+
+
 @dataclass(frozen=True)
 class SupervisorContext:
     """What a model's supervisor may use of the agent around it."""
@@ -79,7 +86,7 @@ class SupervisorContext:
     about: Callable[[ModelSlot], dict]
     gpu: GpuWatcher
     files: RuntimeFiles
-    role: Callable[[], str]
+    role: RoleNow
     policy: Callable[[], Policy]
     stopping: Callable[[], bool]
     stop_event: asyncio.Event
@@ -207,7 +214,7 @@ class ModelSupervisor:
         if await self._wait_for_gpu():
             return True
         paused: list[str] = []
-        if self.ctx.role() == "standby" and not first:
+        if self.ctx.role.now == "standby" and not first:
             answering = COMMAND_CAUSE.set(m.seq)  # the loss this restart answers: what the pause cites
             try:
                 for index in self.gpus:  # a model across GPUs: the training on each of them
@@ -220,7 +227,7 @@ class ModelSupervisor:
             # The GPU's turn (taken in _load) covers the standby's sleep after the load: a sleep frees
             # memory, which a neighbour's start-up profiling must not see either.
             ready = await (self._adopt() if adopted else self._load())
-            if ready and self.ctx.role() == "standby" and m.runtime.can_sleep:
+            if ready and self.ctx.role.now == "standby" and m.runtime.can_sleep:
                 async with m.lock:
                     if m.state_tag == "resident":
                         try:
