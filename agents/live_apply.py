@@ -23,8 +23,8 @@ from haru.agents.ports import Applied
 from haru.agents.role import Role
 from haru.core import subjects
 from haru.core.events import tag_of
+from haru.core.record import Record
 from haru.host.tasks import cancel_and_wait
-from haru.log.record import Record
 from haru.log.seam import EventReader
 
 __all__ = ["LiveApply", "LIVE_STATES", "DECL_SETTLE_S"]

@@ -14,7 +14,7 @@ from typing import Any
 from haru.agents.loops import LoopErrors
 from haru.core import subjects
 from haru.core.events import RouteMoved
-from haru.log.record import Record
+from haru.core.record import Record
 from haru.log.seam import EventReader
 
 __all__ = ["Role"]
