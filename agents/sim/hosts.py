@@ -56,7 +56,6 @@ from haru.agents.ports import Applied, GpuVerdict, Identity, Outcome, Selection
 from haru.agents.recorder import Recorder
 from haru.agents.training import Ended
 from haru.core import subjects
-from haru.core.apply import apply as apply_layout
 from haru.core.commands import Command, ErrorInfo, Heartbeat
 from haru.core.errors import LogUnavailable
 from haru.core.events import AgentStarted, Event, GpuObserved
@@ -65,6 +64,7 @@ from haru.core.residency import Resident, Sleeping, Waking, state_name
 from haru.core.sizes import GiB
 from haru.core.specs import ModelSpec, Policy
 from haru.host.tasks import cancel_and_wait
+from haru.log.apply import apply as apply_layout
 from haru.log.seam import Log
 
 __all__ = ["SimHost", "SimHosts", "fleet_layout", "fleet_name"]

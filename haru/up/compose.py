@@ -43,7 +43,6 @@ from typing import Any
 
 import structlog
 
-from haru.core import apply as apply_mod
 from haru.core.errors import AlreadyRunning, ConfigError, StoreBusy
 from haru.core.layout import parse_layout
 from haru.core.restarts import POLICY, RestartPolicy, exit_reason, next_restart
@@ -51,6 +50,7 @@ from haru.core.specs import Layout
 from haru.host import children, natsd
 from haru.host.natsd import NatsServer, free_port
 from haru.host.tasks import cancel_and_wait
+from haru.log import apply as apply_mod
 from haru.log.eventlog import EventLog
 
 log = structlog.get_logger("haru.up.compose")

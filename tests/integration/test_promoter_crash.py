@@ -13,8 +13,8 @@ from datetime import UTC, datetime
 import pytest
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.events import OperationCompleted, PromotionRequested, RouteMoved, StepCompleted, StepStarted
+from haru.log.apply import apply
 from haru.log.eventlog import EventLog
 from haru.promoter import request_operation
 from haru.promoter.decider import flow

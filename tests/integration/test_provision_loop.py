@@ -18,10 +18,10 @@ from datetime import UTC, datetime
 import pytest
 
 from haru.agents.sim.gpu_state import SimGpuState
-from haru.core.apply import apply
 from haru.core.events import OperationCompleted, ReplaceRequested, StepCompleted, StepStarted
 from haru.core.layout import load_layout
 from haru.core.residency import Sleeping
+from haru.log.apply import apply
 from haru.promoter.requests import request_operation
 from tests.support import haru
 from tests.support.agent_harness import REPO, write_config, write_layout

@@ -68,8 +68,8 @@ def test_serve_direct_is_refused_unless_the_layout_says_the_network_is_private_a
 async def test_an_agent_that_would_listen_on_every_address_without_a_token_is_refused_before_it_claims(
     nats_server, event_log, tmp_path, monkeypatch
 ):
-    from haru.core.apply import apply
     from haru.core.layout import load_layout
+    from haru.log.apply import apply
 
     monkeypatch.delenv("HARU_SERVING_TOKEN", raising=False)
     await apply(event_log, load_layout(LAYOUT), datetime.now(UTC))
