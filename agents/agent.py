@@ -1,6 +1,6 @@
 """The agent: one per GPU host (= one domain). Supervises runtimes and training, and tells the truth.
 
-    async with Agent.start(config) as agent:     # claims the domain, loads, heartbeats, serves
+    async with Agent.start(config, serving_env=ServingEnv.from_env(os.environ)) as agent:   # claims, loads, serves
         await agent.stopped()                    # until SIGTERM/SIGINT (agent.request_stop())
 
 What it writes (each append with the subject's expected last sequence, so it extends the chain it
@@ -64,6 +64,7 @@ from haru.agents.role import Role
 from haru.agents.runtime_files import RuntimeFiles
 from haru.agents.runtime_for import RuntimeFor
 from haru.agents.serving import ServingProxy, check_serving
+from haru.agents.serving_env import ServingEnv
 from haru.agents.signals import SignalWatcher, open_signals
 from haru.agents.status import Status
 from haru.agents.supervisor import SupervisorContext
@@ -101,8 +102,16 @@ class Agent:
     live apply that the route moved (the live apply asks the role)."""
 
     def __init__(
-        self, config: AgentConfig, slots: HostSlots, log: Log, gpus: Gpus, session: aiohttp.ClientSession
+        self,
+        config: AgentConfig,
+        slots: HostSlots,
+        log: Log,
+        gpus: Gpus,
+        session: aiohttp.ClientSession,
+        serving_env: ServingEnv,
     ) -> None:
+        """`serving_env`: what the serving port takes from the environment, read by the command that
+        starts the agent (haru/cli/agent.py); nothing in the agent reads the environment itself."""
         self.config = config
         self.log = log
         self.gpus = gpus
@@ -245,6 +254,7 @@ class Agent:
                 host=config.serving.host,
                 port=config.serving.port,
                 declared_url=slots.domain.spec.serving_url,
+                env=serving_env,
             )
         self.status = status = Status(
             identity,
@@ -295,15 +305,16 @@ class Agent:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def start(cls, config: AgentConfig) -> AsyncIterator[Agent]:
+    async def start(cls, config: AgentConfig, *, serving_env: ServingEnv) -> AsyncIterator[Agent]:
         writer = f"agent:{config.fleet}/{config.domain}@{socket.gethostname()}"
         async with EventLog.connect(config.servers(), writer=writer, creds=config.nats_creds) as log:
             slots = await resolve_slots(config, log)
-            check_serving(config, slots)  # the serving port's rule, before anything is claimed or touched
+            # the serving port's rule, before anything is claimed or touched
+            check_serving(config, slots, serving_env.token)
             gpus = open_gpus(config.gpus, config.sim_dir or None)
             connector = aiohttp.TCPConnector(limit=0, force_close=False)
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-                agent = cls(config, slots, log, gpus, session)
+                agent = cls(config, slots, log, gpus, session, serving_env)
                 try:
                     await agent.claim.take(serving_url=slots.domain.spec.serving_url)
                     agent.logger.info(

@@ -36,10 +36,9 @@ def test_a_direct_domain_opens_no_serving_port_so_the_rule_does_not_apply_to_it(
     config = SimpleNamespace(serving=SimpleNamespace(enabled=True, host="0.0.0.0"))
     slots = lambda serve: SimpleNamespace(domain=SimpleNamespace(spec=SimpleNamespace(serve=serve)))  # noqa: E731
     with pytest.raises(ConfigError, match="HARU_SERVING_TOKEN"):
-        check_serving(config, slots("agent"))
-    check_serving(config, slots("direct"))
-    monkeypatch.setenv("HARU_SERVING_TOKEN", "s3cret")
-    check_serving(config, slots("agent"))
+        check_serving(config, slots("agent"), "")
+    check_serving(config, slots("direct"), "")
+    check_serving(config, slots("agent"), "s3cret")
 
 
 def _direct(**extra) -> bytes:
