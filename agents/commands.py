@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import structlog
@@ -105,7 +105,7 @@ class LayoutVerbs(Protocol):
 class StatusVerbs(Protocol):
     """What the agent says of itself: the `status` data and the GPUs' verdict."""
 
-    def data(self) -> dict: ...
+    def data(self) -> dict[str, Any]: ...
     async def verify_gpus(self, models: list[ModelSlot]) -> GpuVerdict: ...
 
 

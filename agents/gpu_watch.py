@@ -21,7 +21,7 @@ from haru.agents.appender import Append
 from haru.agents.gpu import GpuReading, Gpus, Owner, account
 from haru.agents.loops import LoopErrors, survive
 from haru.core import subjects
-from haru.core.events import GpuObserved
+from haru.core.events import GpuObserved, GpuProcess, GpuUsage
 from haru.core.sizes import MiB
 from haru.log.seam import EventReader
 
@@ -30,7 +30,9 @@ __all__ = ["GpuWatcher", "GPU_USED_THRESHOLD", "gpu_changed"]
 GPU_USED_THRESHOLD = 64 * MiB  # memory moves smaller than this are noise, not an observation
 
 
-def gpu_changed(last: GpuObserved, r: GpuReading, usage: list | None = None, foreign: list | None = None) -> bool:
+def gpu_changed(
+    last: GpuObserved, r: GpuReading, usage: list[GpuUsage] | None = None, foreign: list[GpuProcess] | None = None
+) -> bool:
     if last.present != r.present or last.memory_total_bytes != r.memory_total_bytes or last.mig != r.mig:
         return True
     if last.accounted != r.accounted:
@@ -91,7 +93,7 @@ class GpuWatcher:
         last = self.last.get(index)
         return self.seq.get(index, 0) if last is not None and last.present is False else 0
 
-    def accounting(self, r: GpuReading) -> tuple[list, list]:
+    def accounting(self, r: GpuReading) -> tuple[list[GpuUsage], list[GpuProcess]]:
         """(usage, foreign) for a reading: empty when it carries no per-process figures."""
         if not r.present or not r.accounted:
             return [], []

@@ -22,7 +22,7 @@ from haru.agents.model_slots import ModelSlots
 from haru.agents.ports import Applied
 from haru.agents.role import Role
 from haru.core import subjects
-from haru.core.events import tag_of
+from haru.core.events import Event, tag_of
 from haru.core.record import Record
 from haru.host.tasks import cancel_and_wait
 from haru.log.seam import EventReader
@@ -45,7 +45,7 @@ class LiveApply:
         models: ModelSlots,
         role: Role,
         stopping: Callable[[], bool],
-        spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task],
+        spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task[Any]],
         errors: LoopErrors,
         logger: Any,
     ) -> None:
@@ -75,7 +75,7 @@ class LiveApply:
     async def follow(self) -> None:
         """Follow `haru apply`'s declarations (the agent's slots came from them) and apply each changed
         layout to this host, once a batch of declarations has been written."""
-        events: list = []
+        events: list[Event] = []
         changed = asyncio.Event()
 
         def on(rec: Record) -> None:

@@ -33,7 +33,7 @@ from haru.log.seam import EventReader
 
 __all__ = ["ModelSlots"]
 
-Spawn = Callable[[Coroutine[Any, Any, Any], str], asyncio.Task]
+Spawn = Callable[[Coroutine[Any, Any, Any], str], asyncio.Task[Any]]
 
 
 class ModelSlots:
@@ -64,7 +64,7 @@ class ModelSlots:
         # parts that read the models as they are now (the owners, the training policy): only this adds and removes.
         self.models = models
         self.supervisors: dict[str, ModelSupervisor] = {}  # model -> its supervisor
-        self._tasks: dict[str, asyncio.Task] = {}  # model -> its supervisor's task
+        self._tasks: dict[str, asyncio.Task[Any]] = {}  # model -> its supervisor's task
         self.adoptable: dict[str, Adoptable] = {}  # model -> the identity of a live runtime found at boot
         self.away: dict[str, str] = {}  # model -> what is known of a runtime that died while no agent watched
 

@@ -71,7 +71,7 @@ class Status:
             at=_now(),
         )
 
-    def data(self) -> dict:
+    def data(self) -> dict[str, Any]:
         """The `status` verb's data: role, models and their states, training, GPUs."""
         slots = self.live.slots
         return {
@@ -93,7 +93,7 @@ class Status:
             "gpus": {str(index): self._gpu(self.gpu_watch.read(index)) for index in slots.gpu_indexes()},
         }
 
-    def _gpu(self, r: GpuReading) -> dict:
+    def _gpu(self, r: GpuReading) -> dict[str, Any]:
         usage, foreign = self.gpu_watch.accounting(r)
         return {
             "present": r.present,

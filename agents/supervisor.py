@@ -81,14 +81,14 @@ class SupervisorContext:
 
     domain: str
     record: Callable[[ModelSlot, Observation], Awaitable[Event | None]]
-    about: Callable[[ModelSlot], dict]
+    about: Callable[[ModelSlot], dict[str, Any]]
     gpu: GpuWatcher
     files: RuntimeFiles
     role: RoleNow
     policy: Callable[[], Policy]
     stopping: Callable[[], bool]
     stop_event: asyncio.Event
-    spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task]
+    spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task[Any]]
     make_room: Callable[[int], Awaitable[list[str]]]  # stop the training on a GPU; the slots stopped
     resume_training: Callable[[list[str]], Awaitable[None]]
     errors: LoopErrors
