@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
@@ -480,9 +481,11 @@ class SimHosts:
         for fleet in added:
             ports = {}
             for d in DOMAINS:
-                site = web.TCPSite(self._runner, "127.0.0.1", 0)  # type: ignore[arg-type]
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.bind(("127.0.0.1", 0))  # a free port, known before the site starts on it
+                ports[d] = sock.getsockname()[1]
+                site = web.SockSite(self._runner, sock)  # type: ignore[arg-type]
                 await site.start()
-                ports[d] = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
                 self._by_port[ports[d]] = (fleet, d)
             layout = parse_layout(fleet_layout(fleet, ports, heartbeat_timeout_ms=self.heartbeat_timeout_ms))
             await apply_layout(self.log, layout, _now())
