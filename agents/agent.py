@@ -250,6 +250,7 @@ class Agent:
                 gpu_watch,
                 policy=current.policy,
                 keep_runtimes=life.keeps_runtimes,
+                role=role,
                 state_dir=self.state_dir,
                 host=config.serving.host,
                 port=config.serving.port,
