@@ -1,7 +1,9 @@
 """The agent: one per GPU host (= one domain). Supervises runtimes and training, and tells the truth.
 
-    async with Agent.start(config, serving_env=ServingEnv.from_env(os.environ)) as agent:   # claims, loads, serves
-        await agent.stopped()                    # until SIGTERM/SIGINT (agent.request_stop())
+    async with Agent.start(config, serving_env=env) as agent:   # claims the domain, loads, heartbeats, serves
+        await agent.stopped()                                    # until SIGTERM/SIGINT (agent.request_stop())
+
+(`env`: agents/serving_env.py's ServingEnv, read from the environment by `haru agent`.)
 
 What it writes (each append with the subject's expected last sequence, so it extends the chain it
 found, after a crash too):
@@ -15,8 +17,8 @@ found, after a crash too):
 One agent per domain: `agent_started` is appended with the expected sequence, after checking that
 no live agent answers the domain's commands or heartbeats; a loser is refused (`AgentRefused`).
 
-This module only wires the agent's parts (docs/agent.md, "Architecture"), starts them, boots them and
-stops them:
+This module only wires the agent's parts (docs/agent.md, "Architecture"), bottom-up, each handed the
+parts it calls; starts them, boots them and stops them:
 
     agents/claim.py            claiming the domain (agent_started / agent_stopping)
     agents/role.py             the role: the route pointer, followed
@@ -24,9 +26,10 @@ stops them:
                                writes what it sees through the recorder (agents/recorder.py, agents/observe.py)
     agents/live_apply.py       layouts applied live
     agents/training_policy.py  when a training slot may start (agents/training_slots.py starts it)
-    agents/status.py           the status answer, the heartbeat, the GPUs' verdict and owners
-    agents/commands.py         the command service, handed the parts that answer each verb
+    agents/status.py           the status answer, the heartbeat, the GPUs' verdict (agents/owners.py: whose)
+    agents/commands.py         the command service on the log's bus, typed against what each verb asks
     agents/serving.py          the serving port
+    agents/lifecycle.py        stopping, the tasks; agents/current.py the slots as they are now
 
 and the GPU watcher, the heartbeat, the runtime files and adoption, each a unit of its own.
 """
