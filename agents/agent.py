@@ -218,6 +218,7 @@ class Agent:
             session=session,
             log_dir=self.state_dir,
             bind_host=config.serving.host if self.direct else "127.0.0.1",
+            real_gpus=config.gpus == "nvml",
         )
         self.models = models = ModelSlots(
             fleet=fleet,

@@ -15,12 +15,16 @@ __all__ = ["RuntimeFor"]
 
 
 class RuntimeFor:
-    def __init__(self, current: CurrentSlots, *, session: aiohttp.ClientSession, log_dir: Path, bind_host: str) -> None:
-        """`bind_host`: where runtimes listen (loopback, unless the domain is `serve: direct`)."""
+    def __init__(
+        self, current: CurrentSlots, *, session: aiohttp.ClientSession, log_dir: Path, bind_host: str, real_gpus: bool
+    ) -> None:
+        """`bind_host`: where runtimes listen (loopback, unless the domain is `serve: direct`); `real_gpus`:
+        the host's GPUs are NVML's (a llama-server must then have a GPU backend to offload)."""
         self.current = current
         self.session = session
         self.log_dir = log_dir
         self.bind_host = bind_host
+        self.real_gpus = real_gpus
 
     def __call__(self, spec: ModelSpec) -> Runtime:
         gpu_memory = self.current.gpu_memory_bytes()
@@ -30,4 +34,5 @@ class RuntimeFor:
             log_dir=self.log_dir,
             bind_host=self.bind_host,
             gpu_memory_bytes=max(gpu_memory.get(i, 0) for i in model_gpus(spec)),
+            real_gpus=self.real_gpus,
         )
