@@ -43,11 +43,13 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -315,13 +317,25 @@ def _continuation(
     return tokens, finish if not ignore_eos else "length"
 
 
+# The simulator's tokenizer: its own reply tokens ("[domain a]", " hello", " GPU", ".") are one token each,
+# so the text of N streamed chunks counts N; other text counts about a token a word. Its usage and its
+# POST /tokenize both count with it, so the two agree, as a real runtime's do.
+_TOKEN = re.compile(r"\[domain [^\]]*\]|\s*[^\s.]+(?:\.[^\s.]+)*|\s*\.|\s+")
+
+
+def split_tokens(text: str) -> list[str]:
+    """`text` in the simulator's tokens (joined, they give `text` back)."""
+    return _TOKEN.findall(text)
+
+
 def _prompt_tokens(body: dict) -> int:
+    """A request's prompt tokens: each message's content, or the prompt (at least 1)."""
     if "messages" in body:
-        text = " ".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+        n = sum(len(split_tokens(str(m.get("content", "")))) for m in body["messages"] if isinstance(m, dict))
     else:
         prompt = body.get("prompt", "")
-        text = " ".join(map(str, prompt)) if isinstance(prompt, list) else str(prompt)
-    return max(len(text.split()), 1)
+        n = sum(len(split_tokens(str(p))) for p in (prompt if isinstance(prompt, list) else [prompt]))
+    return max(n, 1)
 
 
 async def _read_json(request: web.Request) -> dict | web.Response:
@@ -497,6 +511,33 @@ async def embeddings(request: web.Request) -> web.Response:
             "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0},
         }
     )
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's POST /tokenize: {"model", "prompt"} or {"model", "messages", ...} → {"count", "tokens",
+    "max_model_len"}, counted as the simulator's usage counts (`_prompt_tokens`)."""
+    engine = request.app[ENGINE]
+    body = await _read_json(request)
+    if isinstance(body, web.Response):
+        return body
+    model = _check_engine(engine, body)
+    if isinstance(model, web.Response):
+        return model
+    if "messages" in body:
+        if not isinstance(body["messages"], list):
+            return error(400, "`messages` must be a list", "BadRequestError", "messages")
+        if body.get("continue_final_message") and body.get("add_generation_prompt", True):
+            return error(
+                400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", "BadRequestError"
+            )
+        texts = [str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict)]
+    elif isinstance(body.get("prompt"), str):
+        texts = [body["prompt"]]
+    else:
+        return error(400, "`prompt` (a string) or `messages` is required", "BadRequestError", "prompt")
+    pieces = [t for text in texts for t in split_tokens(text)] or [""]
+    ids = [zlib.crc32(p.encode()) % 32000 for p in pieces]
+    return web.json_response({"count": len(ids), "tokens": ids, "max_model_len": 4096})
 
 
 def _vector(text: str, dim: int = 16) -> list[float]:
@@ -701,6 +742,7 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/sleep", sleep)
     app.router.add_post("/wake_up", wake_up)
     app.router.add_get("/is_sleeping", is_sleeping)
