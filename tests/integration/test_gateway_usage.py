@@ -20,9 +20,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from haru.agents.runtimes import LlamaServerRuntime
+from haru.core.specs import ModelSpec
 from tests.integration.test_gateway import MODEL, _get_text, sdk
 from tests.integration.test_gateway_failover import TwoDomains, gw  # noqa: F401  (a fixture)
+from tests.integration.test_llama_real import gguf, llama  # noqa: F401  (fixtures)
 from tests.integration.test_sim_vllm import SimServer
+from tests.support.llama import LLAMA_ARGS
+from tests.support.promoter import wait_until
 
 
 class CuttingRelay:
@@ -34,6 +39,7 @@ class CuttingRelay:
         self.cut_after = cut_after
         self.cut = False
         self.paths: list[str] = []
+        self.usages: list[dict] = []
         self.runner: web.ServerRunner | None = None
         self.url = ""
         self.session: aiohttp.ClientSession | None = None
@@ -64,7 +70,10 @@ class CuttingRelay:
         ) as up:
             ctype = up.headers.get("Content-Type", "application/json")
             if not cutting:
-                return web.Response(status=up.status, body=await up.read(), headers={"Content-Type": ctype})
+                data = await up.read()
+                if ctype.startswith("text/event-stream"):  # the runtime's own usage, before the gateway's
+                    self.usages += [u for u in map(_usage, data.split(b"\n\n")) if u]
+                return web.Response(status=up.status, body=data, headers={"Content-Type": ctype})
             self.cut = True
             resp = web.StreamResponse(status=up.status, headers={"Content-Type": ctype})
             await resp.prepare(request)
@@ -82,6 +91,13 @@ class CuttingRelay:
                         request.transport.abort()  # the runtime died mid-generation
                         return resp
             raise AssertionError(f"the stream ended after {content} content events, before the cut")
+
+
+def _usage(event: bytes) -> dict | None:
+    data = event.strip().removeprefix(b"data: ")
+    if not data or data == b"[DONE]":
+        return None
+    return json.loads(data).get("usage")
 
 
 def _has_content(event: bytes) -> bool:
@@ -115,7 +131,14 @@ async def through_a_cut(event_log, gw, relays, base: str, runtime: str, request:
     two = TwoDomains(event_log, gw, a, b)
     await two.route_to_a(runtime=runtime)
     async with sdk(gw) as client:
-        stream = await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **request)
+        extra = {k: v for k, v in request.items() if k not in ("model", "messages")}
+        stream = await client.chat.completions.create(
+            model=request["model"],
+            messages=request["messages"],
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
         chunks = [c async for c in stream]
     assert a.cut and a.paths.count("/v1/chat/completions") == 2, a.paths  # cut, then continued on a
     return chunks, a
@@ -172,3 +195,54 @@ async def test_a_continued_stream_on_the_simulator_reports_every_token_the_clien
     assert whole.usage is not None
     assert tokens_counted(after, "completion") == usage.completion_tokens + whole.usage.completion_tokens
     assert tokens_counted(after, "prompt") == usage.prompt_tokens + whole.usage.prompt_tokens
+
+
+@pytest.mark.llama
+async def test_a_continued_stream_on_a_real_llama_server_reports_the_whole_requests_usage(
+    event_log,
+    gw,  # noqa: F811
+    relays,
+    tmp_path,
+    llama,  # noqa: F811
+    gguf,  # noqa: F811
+):
+    spec = ModelSpec(
+        name="tiny:chat",
+        slot="chat",
+        gpu_index=0,
+        runtime="llama_server",
+        source=str(gguf["a"]),
+        binary=[str(llama)],
+        args=list(LLAMA_ARGS),
+    )
+    async with aiohttp.ClientSession() as s:
+        rt = LlamaServerRuntime(spec, session=s, log_dir=tmp_path)
+        await rt.start()
+        try:
+            await wait_until(lambda: _healthy(rt), timeout=60, every=0.05, what="llama-server ready")
+            request = {"model": MODEL, "messages": CHAT, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+            async with s.post(rt.base_url + "/v1/chat/completions", json={**request, "max_tokens": 1}) as r:
+                uncut = (await r.json())["usage"]
+            chunks, a = await through_a_cut(
+                event_log, gw, relays, rt.base_url, "llama_server", {**request, "max_tokens": 40}, 5
+            )
+        finally:
+            await rt.stop(5)
+    assert a.paths.count("/apply-template") == 2 and "/tokenize" in a.paths
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    usage = chunks[-1].usage
+    assert usage is not None
+    # The runtime's own count of the continuation: its prompt is the original's and the text the client
+    # had, as the continuation sees it; what the client received is that text plus what it generated.
+    (own,) = a.usages
+    assert usage.prompt_tokens == uncut["prompt_tokens"]
+    assert usage.completion_tokens == own["prompt_tokens"] - uncut["prompt_tokens"] + own["completion_tokens"]
+    # asked for 40 tokens, ignoring the end of text: 40 in all, whatever the cut took
+    assert usage.completion_tokens == 40
+    metrics = await _get_text(gw, "/metrics")
+    assert (tokens_counted(metrics, "prompt"), tokens_counted(metrics, "completion")) == (usage.prompt_tokens, 40)
+
+
+async def _healthy(rt) -> bool:
+    return (await rt.health(timeout_s=2)).ok
