@@ -8,7 +8,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from haru.agents.sim.vllm import split_tokens
+from haru.agents.sim.vllm_completions import split_tokens
 from haru.gateway.resume import Transcript, continuation_request, splice_event
 from haru.gateway.usage import (
     Counted,
