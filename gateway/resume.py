@@ -16,7 +16,9 @@ upstream breaks off before the stream's end (the domain, its agent or its runtim
    runtime to continue the assistant message (`continuation_body`: vLLM `continue_final_message: true`
    with `add_generation_prompt: false`; llama-server treats a final assistant message as a prefill);
 4. splices the continuation into the same stream (`splice_event`): the original id and `created`, no
-   second role chunk, nothing else changed.
+   second role chunk, and a `usage` that counts the whole request: before the continuation is sent, the
+   runtime that serves it counts the original prompt and the continuation's through its tokenizer
+   endpoint (`Resumer._count`; gateway/usage.py has the calls and the rewrite, `spliced_usage`).
 
 None of this runs for a request that is not a streamed chat completion, and nothing of it but the
 event boundary and the keeping runs while a stream is healthy.
