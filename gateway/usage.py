@@ -59,6 +59,8 @@ class UsageTap:
         self.usage: Usage | None = None
 
     def feed(self, data: bytes) -> None:
+        if not self.pending and data.endswith(b"\n\n") and _USAGE not in data:
+            return  # whole events, none with usage: the common piece
         if self.pending:
             data = self.pending + data
         end = boundary(data)
