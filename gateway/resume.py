@@ -443,7 +443,8 @@ class Resumer:
     ) -> Counted | None:
         """The original prompt's tokens and the continuation's prompt's, counted by `target`'s runtime
         (its tokenizer endpoint, through the serving port); None when it cannot say (no such endpoint:
-        the usage is then approximate, docs/gateway.md)."""
+        the usage is then approximate, docs/gateway.md). A domain that does not answer raises
+        UpstreamError, as the continuation would: this try is over."""
         counts: list[int] = []
         try:
             for call_path, call in count_requests(runtime, original, cont):
@@ -455,9 +456,9 @@ class Resumer:
                         reply = await self._ask(target, headers, "/tokenize", tokenize)
                 count = count_of(reply)
                 if count is None:
-                    raise UpstreamError(f"{call_path} answered no token count")
+                    raise _Uncounted(f"{call_path} answered no token count")
                 counts.append(count)
-        except (UpstreamError, TimeoutError) as exc:
+        except _Uncounted as exc:
             log.warning(
                 "gateway.continuation_uncounted",
                 fleet=target.fleet,
@@ -483,12 +484,18 @@ class Resumer:
             data = await conn.read()
         finally:
             conn.release()
-        if conn.status != 200:
+        if conn.status in (502, 503):  # the domain cannot serve now (its runtime is gone or waking): nor continue
             raise UpstreamError(f"{path} answered {conn.status}: {data[:200].decode('utf-8', 'replace')}")
+        if conn.status != 200:
+            raise _Uncounted(f"{path} answered {conn.status}: {data[:200].decode('utf-8', 'replace')}")
         try:
             return _json.decode(data)
         except msgspec.DecodeError as exc:
-            raise UpstreamError(f"{path} answered something that is not JSON: {exc}") from None
+            raise _Uncounted(f"{path} answered something that is not JSON: {exc}") from None
+
+
+class _Uncounted(Exception):
+    """The runtime answered, but not with a token count (control flow inside the resumer)."""
 
 
 def _grow(now: Transcript, parts: list[str], payload: bytes) -> None:
