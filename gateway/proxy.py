@@ -43,6 +43,7 @@ from haru.gateway.routing import (
     model_of,
 )
 from haru.gateway.upstream import Connection, Pool
+from haru.gateway.usage import UsageTap, usage_of
 from haru.host.httpguard import BodyTimeout, BodyTooLarge, read_body
 
 log = structlog.get_logger("haru.gateway")
@@ -492,6 +493,8 @@ class Proxy:
                 return self._broke_off(fwd, exc)
             latency_hist.observe(time.perf_counter() - started)
             self.metrics.request(fwd.fleet, fwd.model, status)
+            if status == 200:
+                self.metrics.tokens(fwd.fleet, fwd.model, usage_of(data))
             if request.version == HttpVersion11 and 200 <= status and status not in (204, 304):
                 return _Whole(status, kept, defaults, fwd.domain, data, request.keep_alive)
             out_headers = CIMultiDict(kept)
@@ -510,6 +513,8 @@ class Proxy:
             data = await conn.read()
             latency_hist.observe(time.perf_counter() - started)
             self.metrics.request(fwd.fleet, fwd.model, status)
+            if status == 200:
+                self.metrics.tokens(fwd.fleet, fwd.model, _usage(data, sse))
             self.metrics.streams(fwd.fleet)  # the fleet's in-flight series exists, at 0: nothing is left to stream
             return _Whole(status, kept, defaults, fwd.domain, data, request.keep_alive, chunked=length is None)
 
@@ -540,8 +545,13 @@ class Proxy:
                 if await self.resumer.relay(request, response, conn, fwd, body, path):
                     latency_hist.observe(time.perf_counter() - started)
                 return response
-            if await _pump(request, response, conn, fwd):
-                latency_hist.observe(time.perf_counter() - started)
+            tap = UsageTap() if status == 200 else None
+            try:
+                if await _pump(request, response, conn, fwd, tap, sse):
+                    latency_hist.observe(time.perf_counter() - started)
+            finally:
+                if tap is not None:
+                    self.metrics.tokens(fwd.fleet, fwd.model, tap.usage)
             return response
         except ConnectionError:
             return response  # the client went away: release() in _forward closes the upstream
@@ -610,10 +620,28 @@ def _response_headers(headers: list[tuple[str, str]]) -> tuple[list[tuple[str, s
     return kept, length, sse, defaults
 
 
-async def _pump(request: web.BaseRequest, response: web.StreamResponse, conn: Connection, fwd: Forward) -> bool:
+def _usage(data: bytes, sse: bool):
+    """The `usage` of a whole response body, SSE or JSON."""
+    if not sse:
+        return usage_of(data)
+    tap = UsageTap()
+    tap.feed(data)
+    return tap.usage
+
+
+async def _pump(
+    request: web.BaseRequest,
+    response: web.StreamResponse,
+    conn: Connection,
+    fwd: Forward,
+    tap: UsageTap | None = None,
+    sse: bool = False,
+) -> bool:
     """Stream the upstream's body to the client until its end (True), or until the upstream breaks
     off (False: the client's connection is closed without the final chunk, a truncated stream rather
-    than a clean end, since the headers are gone already)."""
+    than a clean end, since the headers are gone already). `tap` reads the usage the body carries
+    (SSE events, or a JSON body gathered whole: an unsized one, rare)."""
+    whole: list[bytes] | None = [] if tap is not None and not sse else None
     while True:
         try:
             chunk = await conn.next()
@@ -624,10 +652,17 @@ async def _pump(request: web.BaseRequest, response: web.StreamResponse, conn: Co
             if request.transport is not None:
                 request.transport.close()
             return False
-        if not chunk:
-            await response.write_eof()
-            return True
-        if conn.complete and not conn.chunks:
-            await response.write_eof(chunk)  # the last bytes and the terminator in one write
+        if tap is not None:
+            if whole is None:
+                tap.feed(chunk)
+            elif chunk and sum(map(len, whole)) < 1 << 20:
+                whole.append(chunk)
+        if not chunk or (conn.complete and not conn.chunks):
+            if whole:
+                tap.usage = usage_of(b"".join(whole))  # type: ignore[union-attr]
+            if not chunk:
+                await response.write_eof()
+            else:
+                await response.write_eof(chunk)  # the last bytes and the terminator in one write
             return True
         await response.write(chunk)
