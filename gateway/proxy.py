@@ -37,11 +37,13 @@ from haru.gateway.hold import Holds, back_since, hold_plan
 from haru.gateway.metrics import UNKNOWN_FLEET, UNKNOWN_MODEL, GatewayMetrics
 from haru.gateway.resume import Resumer
 from haru.gateway.routing import (
+    FleetRoutes,
     Forward,
     Refusal,
     RoutingTable,
     model_of,
 )
+from haru.gateway.stranded import stranded
 from haru.gateway.upstream import Connection, Pool
 from haru.host.httpguard import BodyTimeout, BodyTooLarge, read_body
 
@@ -276,6 +278,7 @@ class Proxy:
         self.holds = Holds(table, metrics)
         self.canary = CanaryCounts()  # per (fleet, domain, model) requests and errors (gateway.canary)
         self.resumer = Resumer(self)
+        table.listeners.append(self._strand)
 
     async def __aenter__(self) -> Proxy:
         self.pool = Pool(max_idle_per_host=self.config.connector_limit)
@@ -286,6 +289,15 @@ class Proxy:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+    def _strand(self, old: FleetRoutes | None, new: FleetRoutes) -> None:
+        """A domain the view now calls unreachable: fail what is in flight to it (gateway/stranded.py)."""
+        if self.pool is None:
+            return
+        for url, domain in stranded(old, new).items():
+            n = self.pool.abandon(url, f"domain {domain!r} is unreachable (its heartbeats went silent)")
+            if n:
+                log.warning("gateway.stranded", fleet=new.fleet, domain=domain, url=url, requests=n)
 
     # ------------------------------------------------------------------------------ hot path
 
