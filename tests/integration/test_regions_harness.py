@@ -122,7 +122,7 @@ def reachable(host: str, port: int) -> bool:
 
 def test_partition_kill_and_close_leave_nothing_behind(tmp_path):
     require_netns()
-    rg = Regions(tmp_path / "rg", tag=f"hrk{os.getpid() % 100000}").open()
+    rg = Regions(tmp_path / "rg", tag=f"hrk{os.getpid()}").open()
     try:
         server = rg.spawn(3, "listener", [sys.executable, "-m", "http.server", "--bind", "0.0.0.0", "8000"])
         deadline = time.monotonic() + 20

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -78,6 +79,39 @@ def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if check and done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
     return done
+
+
+def remove_namespace(ns: str) -> None:
+    """SIGKILL whatever still runs in `ns` (what an agent leaves behind on purpose, its runtimes and
+    serving port holder, included), then delete it with its veth ends."""
+    for pid in sh("ip", "netns", "pids", ns, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    sh("ip", "netns", "del", ns, check=False)
+
+
+def reap_stale() -> None:
+    """Remove what a killed run left (its namespaces and its root-side link): names hr<pid>... whose
+    pid is gone. A run that dies before its `close()` (SIGKILL, a CI timeout) is cleaned up by the next."""
+    for line in sh("ip", "netns", "list", check=False).stdout.splitlines():
+        m = re.match(r"(hr[a-z]?(\d+))-(hub|r\d+)\b", line)
+        if m and not pid_alive(int(m.group(2))):
+            remove_namespace(line.split()[0])
+    for m in re.finditer(r"^\d+: (hr[a-z]?(\d+)c)[@:]", sh("ip", "-o", "link", check=False).stdout, re.M):
+        if not pid_alive(int(m.group(2))):
+            sh("ip", "link", "del", m.group(1), check=False)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def free_subnet() -> int:
@@ -138,7 +172,7 @@ class Regions:
 
     root: Path
     n: int = 3
-    tag: str = field(default_factory=lambda: f"hr{os.getpid() % 100000}")
+    tag: str = field(default_factory=lambda: f"hr{os.getpid()}")
     procs: list[Proc] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -183,6 +217,7 @@ class Regions:
         return self
 
     def _make(self) -> None:
+        reap_stale()
         self.subnet = free_subnet()
         prefix = f"/{24}"
         sh("ip", "netns", "add", self.hub)
@@ -253,7 +288,7 @@ class Regions:
             self.proxy.kill()
             self.proxy.wait(10)
         for ns in reversed(self.made_ns):
-            sh("ip", "netns", "del", ns, check=False)  # takes its veth ends (and their peers) with it
+            remove_namespace(ns)
         if self.made_root_link:
             sh("ip", "link", "del", f"{self.tag}c", check=False)
         self.made_ns.clear()

@@ -1,0 +1,108 @@
+"""Regions that fail for real: the fleet of tests/support/region_fleet.py on the three-region harness.
+
+a. the active's region partitioned from the other two, under client load through a surviving region's
+   gateway: the majority fails the fleet over, no client of that gateway sees it;
+e. the partition heals after the failover: the old active rejoins as the standby, its agent's buffered
+   observations appended in order, without a second flip.
+
+Each ends with the history checker (tests/support/region_fleet.check_history).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.support.region_fleet import ClientLoad, RegionFleet, check_history, view
+from tests.support.regions import Regions, require_netns
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def serving(v: dict | None, domain: str) -> bool:
+    return bool(v) and v.get("active") == domain
+
+
+@pytest.fixture(scope="module")
+def regions(tmp_path_factory):
+    require_netns()
+    with Regions(tmp_path_factory.mktemp("regions")) as rg:
+        rg.nats()
+        yield rg
+
+
+@pytest.fixture(scope="module")
+def fleet(regions, tmp_path_factory):
+    f = RegionFleet(regions, tmp_path_factory.mktemp("fleet"))
+    try:
+        asyncio.run(f.start())
+        yield f
+    finally:
+        f.kill_agents_runtimes()
+
+
+async def wait_for(check, timeout: float, what: str, fleet: RegionFleet):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = await check()
+        if got:
+            return got
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; exited: {fleet.dead()}")
+
+
+def state(v: dict, domain: str) -> str:
+    return v["domains"][domain]["models"]["m1"]["residency"]["state"]
+
+
+def steady(v: dict | None, active: str, standby: str) -> bool:
+    return (
+        bool(v)
+        and v["active"] == active
+        and v["operation"] is None
+        and state(v, active) == "resident"
+        and state(v, standby) == "sleeping"
+        and v["domains"][standby]["reachable"]
+    )
+
+
+async def test_a_the_actives_region_partitioned_fails_over_and_no_client_sees_it(fleet):
+    rg = fleet.rg
+    await wait_for(lambda: steady_in(3, rg, "a", "b"), 60, "a active, b asleep, seen by region 3's gateway", fleet)
+    async with ClientLoad(fleet.gateway_url(3)) as load:
+        await asyncio.sleep(2)
+        t_fault = time.monotonic()
+        rg.partition(1)
+        await wait_for(lambda: serving_in(3, rg, "b"), 60, "b active, seen by region 3's gateway", fleet)
+        t_moved = time.monotonic()
+        await asyncio.sleep(2)
+    print(f"partition to route moved, seen by the gateway: {t_moved - t_fault:.1f} s; {len(load.done)} requests")
+    assert load.since(t_fault), "no request ran through the failover"
+    assert load.bad() == [], load.bad()[:10]
+    history = await check_history(fleet)
+    assert [a for _, a in history.route] == ["a", "b"]
+
+
+async def steady_in(region: int, rg: Regions, active: str, standby: str):
+    v = await view(region, rg)
+    return v if steady(v, active, standby) else None
+
+
+async def serving_in(region: int, rg: Regions, active: str):
+    v = await view(region, rg)
+    return v if v and v["active"] == active and state(v, active) == "resident" and v["operation"] is None else None
+
+
+async def test_e_the_partition_heals_and_the_old_active_rejoins_as_the_standby(fleet):
+    rg = fleet.rg
+    assert 1 in rg.down, "runs after scenario a, with region 1 still partitioned"
+    async with ClientLoad(fleet.gateway_url(3)) as load:
+        rg.heal_partition(1)
+        v = await wait_for(lambda: steady_in(3, rg, "b", "a"), 60, "b active, a asleep again", fleet)
+        await asyncio.sleep(2)
+    assert load.bad() == [], load.bad()[:10]
+    history = await check_history(fleet)
+    assert [a for _, a in history.route] == ["a", "b"], "a second flip after the heal"
+    print(v["domains"]["a"])
