@@ -70,6 +70,7 @@ from haru.promoter.drive import not_applicable
 from haru.promoter.fleets import FleetState, StepRunner, utcnow
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
+from haru.promoter.quorum import Quorum
 from haru.promoter.runners import StepRunners
 
 log_ = structlog.get_logger("haru.promoter")
@@ -130,6 +131,7 @@ class Promoter:
         self.peers = alive.Heard()  # promoters heard on haru.alive.promoter.*, this one included
         self.log_ = log_.bind(promoter=self.identity)
         self.metrics = PromoterMetrics(self)  # counted from the records folded below (metrics.py)
+        self.quorum = Quorum(self.log_)  # majority | minority: whether our appends reach a quorum (quorum.py)
         self.provisioning = provisioning or Provisioning(sky=sky)
         # STEPS[step].run -> the coroutine that executes such a step and returns its outcome event
         # (haru.promoter.runners; a new kind of step work registers its runner there).
@@ -327,13 +329,17 @@ class Promoter:
         """Whether NATS is connected; after a reconnect, silence is measured afresh (we heard nothing)."""
         connected = self.log.connected
         if connected and not self._was_connected:
-            self._listening_since = time.monotonic()
-            for st in self.fleets.values():
-                st.heard.clear()
-            self.peers.last.clear()  # nor did we hear our peers while away
+            self._listen_afresh()
             self.log_.info("reconnected", detail="heartbeat silence is measured afresh (the follower replays afresh)")
         self._was_connected = connected
         return connected
+
+    def _listen_afresh(self) -> None:
+        """Forget what was heard: silence is measured from now (after a reconnect, in and out of minority)."""
+        self._listening_since = time.monotonic()
+        for st in self.fleets.values():
+            st.heard.clear()
+        self.peers.last.clear()  # nor did we hear our peers while away
 
     def facts(self, st: FleetState) -> Facts:
         now_m = time.monotonic()
@@ -387,10 +393,17 @@ class Promoter:
                 seq = await self.log.append(a.subject, event, expect=expect)
             except Conflict as exc:
                 log.debug("append_lost_race", expected=expect, current=exc.current)
+                if self.quorum.answered():
+                    self._listen_afresh()
                 return
             except LogError as exc:
-                log.warning("append_failed", error=str(exc))
+                if self.quorum.failed(exc):
+                    self._listen_afresh()
+                elif self.quorum.state == "majority":
+                    log.warning("append_failed", error=str(exc))
                 return
+            if self.quorum.answered():
+                self._listen_afresh()
             log.info("appended", seq=seq, why=a.why, **_context(event))
             expects[a.subject] = seq
             if isinstance(event, StepStarted):
