@@ -367,6 +367,14 @@ class Proxy:
         once more, to the new active (held until there is one) or, when the hold ends with the route
         unmoved, to whatever the fleet routes to then."""
         fleet, model = fwd.fleet, fwd.model
+        now_fwd = self.table.resolve(fleet, model, time.time())
+        if type(now_fwd) is Forward and (now_fwd.domain != fwd.domain or now_fwd.revision != fwd.revision):
+            # the route moved already (a domain failed after the flip it caused was seen): no hold needed
+            self.metrics.retried(fleet, why)
+            log.info("gateway.retried", fleet=fleet, model=model, first=fwd.domain, then=now_fwd.domain, why=why)
+            return await self._forward(
+                request, path, body, now_fwd, ((RETRIED_HEADER, f"{fwd.domain}; {why}"),), retry=False
+            )
         gone = why == "runtime_gone"  # the domain answered: its runtime is gone, and may come back in place
         plan = hold_plan(
             self.table.get(fleet), refusal.code, unreachable=True, gone=model if gone else "", now=time.time()

@@ -151,6 +151,8 @@ class Promoter:
     def on_record(self, rec: Record) -> None:
         if rec.seq <= self.folded:
             return  # a redelivery after the follower was restarted
+        if self.quorum.committed(rec.time_ns):  # committed after we lost the majority: it is back
+            self._listen_afresh()
         fleet = fleet_of(rec.subject)
         if fleet and (self.only is None or fleet in self.only):
             st = self._state(fleet)
@@ -347,6 +349,11 @@ class Promoter:
         for name in st.view.domains:
             seen = st.heard.get(name)
             silent[name] = None if seen is None else int((now_m - seen) * 1000)
+        if self.quorum.lapsed():
+            self._listen_afresh()
+        listening_ms = int((now_m - self._listening_since) * 1000)
+        if self.quorum.state == "minority":  # cut off: silence we measure is our own isolation (quorum.py)
+            silent, listening_ms = dict.fromkeys(silent), 0
         op = st.view.operation
         runner = st.step_by.get(op.op_id, "") if op is not None else ""
         runner_silent = self.peers.silent_s("promoter", runner) if runner else None
@@ -360,7 +367,7 @@ class Promoter:
             me=self.identity,
             new_op_id=new_op_id(),
             silent_ms=silent,
-            listening_ms=int((now_m - self._listening_since) * 1000),
+            listening_ms=listening_ms,
             running=frozenset(st.running),
             step_by=runner,
             runner_silent_ms=None if runner_silent is None else int(runner_silent * 1000),

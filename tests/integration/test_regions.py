@@ -105,4 +105,7 @@ async def test_e_the_partition_heals_and_the_old_active_rejoins_as_the_standby(f
     assert load.bad() == [], load.bad()[:10]
     history = await check_history(fleet)
     assert [a for _, a in history.route] == ["a", "b"], "a second flip after the heal"
-    print(v["domains"]["a"])
+    # the promoter left in region 1 could not act while cut off, and said so in its named state
+    said = fleet.procs["promoter-r1"].output(10**7)
+    assert '"quorum_lost"' in said and '"quorum_regained"' in said, said[-3000:]
+    del v

@@ -31,3 +31,12 @@ def test_a_refusal_for_another_reason_leaves_the_state_alone():
     q = Quorum(structlog.get_logger("test"))
     assert not q.failed(LogError("appending: JetStream refused: maximum payload exceeded (code 10054)"))
     assert q.state == "majority"
+
+
+def test_a_record_committed_after_entering_minority_ends_it_and_one_from_before_does_not():
+    q = Quorum(structlog.get_logger("test"))
+    q.failed(LogUnavailable("timed out waiting for NATS"))
+    assert not q.committed(q.entered_ns - 1)  # stored before we were cut off: proves nothing
+    assert q.state == "minority"
+    assert q.committed(q.entered_ns + 1)
+    assert q.state == "majority"
