@@ -34,6 +34,7 @@ from haru.core.openai_errors import error_body
 from haru.gateway.errors import UpstreamError
 from haru.gateway.hold import hold_plan
 from haru.gateway.routing import Forward
+from haru.gateway.stranded import judged_unreachable
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -298,7 +299,7 @@ class Resumer:
         last = why
         while attempts < MAX_RESUMES:
             target = self.proxy.table.resolve(fleet, model, time.time())
-            if type(target) is Forward:
+            if type(target) is Forward and not judged_unreachable(self.proxy.table.get(fleet), target.domain):
                 try:
                     outcome = await self._continue(request, response, target, original, path, sent)
                 except (UpstreamError, TimeoutError) as exc:

@@ -21,7 +21,16 @@ from haru.gateway.routing import base_url
 if TYPE_CHECKING:
     from haru.gateway.routing import FleetRoutes
 
-__all__ = ["stranded"]
+__all__ = ["judged_unreachable", "stranded"]
+
+
+def judged_unreachable(routes: FleetRoutes | None, domain: str) -> bool:
+    """Whether the view calls `domain` unreachable: a stream cut there is not continued there (a connection
+    to it would only wait), but on the new active once the route moves."""
+    if routes is None or routes.view is None:
+        return False
+    dv = routes.view.domains.get(domain)
+    return dv is not None and dv.reachable is False
 
 
 def stranded(old: FleetRoutes | None, new: FleetRoutes) -> dict[str, str]:

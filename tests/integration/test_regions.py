@@ -3,7 +3,10 @@
 a. the active's region partitioned from the other two, under client load through a surviving region's
    gateway: the majority fails the fleet over, no client of that gateway sees it;
 e. the partition heals after the failover: the old active rejoins as the standby, its agent's buffered
-   observations appended in order, without a second flip.
+   observations appended in order, without a second flip;
+b. then the region of the new active lost at once (its NATS node, promoter, projector, gateway and agent
+   SIGKILLed, its link down): the two left fail the fleet over back, no client of region 3 sees it.
+   (Which region leads JetStream's meta group and each stream at that moment is the cluster's choice.)
 
 Each ends with the history checker (tests/support/region_fleet.check_history).
 """
@@ -65,6 +68,7 @@ def steady(v: dict | None, active: str, standby: str) -> bool:
         and state(v, active) == "resident"
         and state(v, standby) == "sleeping"
         and v["domains"][standby]["reachable"]
+        and v["domains"][standby]["eligible"]
     )
 
 
@@ -109,3 +113,23 @@ async def test_e_the_partition_heals_and_the_old_active_rejoins_as_the_standby(f
     said = fleet.procs["promoter-r1"].output(10**7)
     assert '"quorum_lost"' in said and '"quorum_regained"' in said, said[-3000:]
     del v
+
+
+async def test_b_the_actives_region_lost_with_its_node_and_promoter_fails_over_to_the_other(fleet):
+    """Region 2 (the active b since scenario a, its NATS node, its promoter, projector and gateway) is
+    SIGKILLed and its link taken down: region 1 and 3 keep the majority and fail over to a."""
+    rg = fleet.rg
+    await wait_for(lambda: steady_in(3, rg, "b", "a"), 60, "b active, a asleep, seen by region 3's gateway", fleet)
+    async with ClientLoad(fleet.gateway_url(3)) as load:
+        await asyncio.sleep(1)
+        t_fault = time.monotonic()
+        killed = rg.kill_region(2)
+        assert {"nats-r2", "promoter-r2", "agent-b", "gateway-r2"} <= set(killed), killed
+        await wait_for(lambda: serving_in(3, rg, "a"), 60, "a active again, seen by region 3's gateway", fleet)
+        t_moved = time.monotonic()
+        await asyncio.sleep(2)
+    print(f"region lost to route moved, seen by the gateway: {t_moved - t_fault:.1f} s")
+    assert load.since(t_fault), "no request ran through the failover"
+    assert load.bad() == [], load.bad()[:10]
+    history = await check_history(fleet)
+    assert [a for _, a in history.route] == ["a", "b", "a"]

@@ -51,6 +51,9 @@ POLICY = {
     "training_grace_ms": 500,
     # a loaded 2-core machine has shown 2.7 s scheduling gaps: 4 s of silence is a lost host, not a slow one
     "heartbeat_timeout_ms": 4000,
+    # an aborted automatic operation (a standby's settling that met a leader election) is retried after
+    # max(degraded_grace_ms, heartbeat_timeout_ms): seconds here, not the default minute
+    "degraded_grace_ms": 3000,
     "probe_timeout_ms": 3000,
     "wake_timeout_ms": 10000,
     "command_timeout_ms": 10000,
