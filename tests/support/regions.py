@@ -47,10 +47,6 @@ REPO = Path(__file__).resolve().parents[2]
 NATS_PORT, CLUSTER_PORT, HTTP_PORT = 4222, 6222, 8222
 # The proxy's ports in the hub: routes from region a to b on ROUTE_BASE + 10a + b, clients on CLIENT_BASE + ...
 ROUTE_BASE, CLIENT_BASE = 16000, 17000
-# One route connection per pair of nodes, not nats-server's pool (3 by default, accounts pinned to a
-# connection each): with the pool, this harness saw the two surviving regions stop hearing each other's
-# core NATS subjects (heartbeats, commands, direct gets) for a minute while the third was partitioned.
-POOL_SIZE = int(os.environ.get("HARU_REGIONS_POOL_SIZE", "-1"))
 PING_INTERVAL = "1s"  # nats-server pings routes and clients this often; ping_max 3 (~3 s to call a peer gone)
 
 
@@ -395,7 +391,6 @@ cluster {{
   name: haru
   listen: 0.0.0.0:{CLUSTER_PORT}
   no_advertise: true
-  pool_size: {POOL_SIZE}
   routes: {json.dumps(routes)}
 }}
 """
