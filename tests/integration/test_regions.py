@@ -4,6 +4,8 @@ a. the active's region partitioned from the other two, under client load through
    gateway: the majority fails the fleet over, no client of that gateway sees it;
 e. the partition heals after the failover: the old active rejoins as the standby, its agent's buffered
    observations appended in order, without a second flip;
+c. then region 3's NATS node cut from the two others while its gateway, its clients and the active still
+   reach each other: the gateway routes by its last state, no client sees it, it catches up after;
 b. then the region of the new active lost at once (its NATS node, promoter, projector, gateway and agent
    SIGKILLed, its link down): the two left fail the fleet over back, no client of region 3 sees it.
    (Which region leads JetStream's meta group and each stream at that moment is the cluster's choice.)
@@ -113,6 +115,35 @@ async def test_e_the_partition_heals_and_the_old_active_rejoins_as_the_standby(f
     said = fleet.procs["promoter-r1"].output(10**7)
     assert '"quorum_lost"' in said and '"quorum_regained"' in said, said[-3000:]
     del v
+
+
+async def test_c_a_gateways_region_cut_from_nats_keeps_routing_and_catches_up(fleet):
+    """Region 3's NATS node loses its routes to both others (the proxy holds their bytes), while the
+    test's clients, region 3's gateway and the active b still reach each other: the gateway routes by
+    what it last saw, its clients see nothing, and after the heal it serves the majority's view again."""
+    rg = fleet.rg
+    await wait_for(lambda: steady_in(3, rg, "b", "a"), 60, "b active, a asleep, seen by region 3's gateway", fleet)
+    async with ClientLoad(fleet.gateway_url(3)) as load:
+        await asyncio.sleep(1)
+        t_fault = time.monotonic()
+        rg.cut(3, 1)
+        rg.cut(3, 2)
+        try:
+            await asyncio.sleep(8)  # past the route pings (3 s) and the heartbeat timeout (4 s)
+        finally:
+            rg.heal(3, 1)
+            rg.heal(3, 2)
+        await asyncio.sleep(1)
+    assert load.since(t_fault), "no request ran while region 3 was cut"
+    assert load.bad() == [], load.bad()[:10]
+
+    async def caught_up():
+        mine, theirs = await view(3, rg), await view(1, rg)
+        return mine and theirs and mine["seq"] >= theirs["seq"] and mine["active"] == "b"
+
+    await wait_for(caught_up, 60, "region 3's gateway to serve the majority's view again", fleet)
+    history = await check_history(fleet)
+    assert [a for _, a in history.route] == ["a", "b"]
 
 
 async def test_b_the_actives_region_lost_with_its_node_and_promoter_fails_over_to_the_other(fleet):

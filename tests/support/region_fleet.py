@@ -28,6 +28,7 @@ import aiohttp
 
 from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
+from haru.core.errors import LogError, LogUnavailable
 from haru.core.events import (
     FleetDeclared,
     OperationAborted,
@@ -109,7 +110,15 @@ class RegionFleet:
     async def start(self) -> None:
         layout = self.layout()
         async with EventLog.connect(self.rg.test_urls(), writer="test:setup") as log:
-            await log.ensure(replicas=3)
+            deadline = time.monotonic() + 30  # a cluster just formed may take a moment to place R3 streams
+            while True:
+                try:
+                    await log.ensure(replicas=3)
+                    break
+                except (LogUnavailable, LogError):
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
         subprocess.run(
             haru_cli("apply", "-f", str(layout), "--nats-url", ",".join(self.rg.test_urls())),
             check=True,
@@ -256,7 +265,20 @@ class History:
 
 
 async def check_history(fleet: RegionFleet) -> History:
-    """Read the whole history through the majority and assert what every scenario must leave behind."""
+    """Read the whole history through the majority and assert what every scenario must leave behind.
+    A heal right before makes leaders move (the cut-off side's higher Raft terms): reads are retried
+    for a bounded time while JetStream answers that it is unavailable."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return await _check_history(fleet)
+        except (LogUnavailable, LogError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+async def _check_history(fleet: RegionFleet) -> History:
     rg, problems = fleet.rg, []
     async with EventLog.connect(rg.test_urls(), writer="test:checker") as log:
         witnesses = {}
