@@ -27,6 +27,7 @@ HARU_REQUIRE_NETNS=1 (CI, `.ci/run`), where they fail.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -47,6 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 NATS_PORT, CLUSTER_PORT, HTTP_PORT = 4222, 6222, 8222
 # The proxy's ports in the hub: routes from region a to b on ROUTE_BASE + 10a + b, clients on CLIENT_BASE + ...
 ROUTE_BASE, CLIENT_BASE = 16000, 17000
+SETUP_LOCK = "/run/haru-regions.lock"
 PING_INTERVAL = "1s"  # nats-server pings routes and clients this often; ping_max 3 (~3 s to call a peer gone)
 
 
@@ -210,7 +212,10 @@ class Regions:
 
     def open(self) -> Regions:
         try:
-            self._make()
+            # two runs at once (pytest's workers) must not pick the same free /24: set-up is serialised
+            with open(SETUP_LOCK, "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                self._make()
         except BaseException:
             self.close()
             raise
