@@ -319,6 +319,8 @@ async def _check_history(fleet: RegionFleet) -> History:
         env=env(),
         timeout=60,
     )
+    if verify.returncode != 0 and "JetStream did not answer" in verify.stderr + verify.stdout:
+        raise LogUnavailable(f"haru verify could not read the log yet: {verify.stderr[-300:]}")
     if verify.returncode != 0:
         problems.append(f"haru verify failed: {verify.stdout[-1500:]} {verify.stderr[-1500:]}")
     assert not problems, "\n".join(problems)
