@@ -71,6 +71,10 @@ def env() -> dict[str, str]:
         HARU_SERVING_TOKEN=TOKEN,
         HARU_GATEWAY_HOST="0.0.0.0",
         HARU_DEFAULT_FLEET=FLEET,
+        # A request in flight to a lost region waits for the majority's verdict (heartbeat timeout plus,
+        # when the region led the streams, JetStream's elections: up to ~30 s seen on a loaded 2-core
+        # machine). The header timeout must exceed that or it answers 504 first (docs/deploy.md).
+        HARU_CHAT_HEADER_TIMEOUT_MS="90000",
     )
     return e
 
