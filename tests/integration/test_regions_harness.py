@@ -23,7 +23,7 @@ from haru.core.errors import LogError, LogUnavailable
 from haru.core.events import FleetDeclared
 from haru.core.specs import Policy
 from haru.log.eventlog import EventLog
-from tests.support.regions import Regions, require_netns
+from tests.support.regions import Regions, ensure_streams, require_netns
 
 pytestmark = pytest.mark.timeout(90)
 STREAMS = (subjects.EVENTS_STREAM, subjects.ROUTE_STREAM, "KV_" + subjects.VIEWS_BUCKET)
@@ -44,8 +44,8 @@ def declared(fleet: str, by: str) -> FleetDeclared:
 
 
 async def test_the_streams_and_the_views_bucket_hold_one_replica_in_each_region(regions):
+    await ensure_streams(regions.test_urls())  # as deploy/nats/ensure_streams.py makes them
     async with EventLog.connect(regions.test_urls(), writer="test") as log:
-        await log.ensure(replicas=3)  # as deploy/nats/ensure_streams.py makes them
         for stream in STREAMS:
             _leader, placed = await regions.placement(log.js, stream)
             assert placed == [1, 2, 3], f"{stream} replicas sit in regions {placed}"
@@ -81,7 +81,7 @@ async def test_a_region_cut_from_the_two_others_cannot_append_and_catches_up_aft
     majority = await EventLog.open([f"nats://{regions.ip(2)}:4222"], writer="test:r2", timeout=3)
     minority = await EventLog.open([f"nats://{regions.ip(1)}:4222"], writer="test:r1", timeout=3)
     try:
-        await majority.ensure(replicas=3)
+        await ensure_streams(regions.test_urls())
         regions.cut(1, 2)
         regions.cut(1, 3)
         # the two regions elect what they need (leaders that were in region 1 move) and keep appending

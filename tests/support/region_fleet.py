@@ -37,7 +37,7 @@ from haru.core.events import (
 )
 from haru.log.eventlog import EventLog
 from tests.support.agent_harness import sim_model
-from tests.support.regions import Proc, Regions
+from tests.support.regions import Proc, Regions, ensure_streams
 
 FLEET = "rf"
 MODEL = "m1"
@@ -113,16 +113,7 @@ class RegionFleet:
 
     async def start(self) -> None:
         layout = self.layout()
-        async with EventLog.connect(self.rg.test_urls(), writer="test:setup") as log:
-            deadline = time.monotonic() + 30  # a cluster just formed may take a moment to place R3 streams
-            while True:
-                try:
-                    await log.ensure(replicas=3)
-                    break
-                except (LogUnavailable, LogError):
-                    if time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(0.5)
+        await ensure_streams(self.rg.test_urls())
         subprocess.run(
             haru_cli("apply", "-f", str(layout), "--nats-url", ",".join(self.rg.test_urls())),
             check=True,

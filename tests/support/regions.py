@@ -455,6 +455,26 @@ def region_of(server_name: str) -> int:
     return int(server_name.rsplit("-r", 1)[1])
 
 
+async def ensure_streams(urls: list[str], timeout: float = 30.0) -> None:
+    """`EventLog.ensure(replicas=3)`, as deploy/nats/ensure_streams.py does it: retried while a cluster
+    that just formed (or just lost a node) cannot place three replicas yet."""
+    import asyncio
+
+    from haru.core.errors import LogError, LogUnavailable
+    from haru.log.eventlog import EventLog
+
+    deadline = time.monotonic() + timeout
+    async with EventLog.connect(urls, writer="test:ensure") as log:
+        while True:
+            try:
+                await log.ensure(replicas=3)
+                return
+            except (LogUnavailable, LogError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+
+
 def wait_port(host: str, port: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
