@@ -37,11 +37,13 @@ from haru.gateway.hold import Holds, back_since, hold_plan
 from haru.gateway.metrics import UNKNOWN_FLEET, UNKNOWN_MODEL, GatewayMetrics
 from haru.gateway.resume import Resumer
 from haru.gateway.routing import (
+    FleetRoutes,
     Forward,
     Refusal,
     RoutingTable,
     model_of,
 )
+from haru.gateway.stranded import stranded
 from haru.gateway.upstream import Connection, Pool
 from haru.gateway.usage import UsageTap, usage_of
 from haru.host.httpguard import BodyTimeout, BodyTooLarge, read_body
@@ -277,6 +279,7 @@ class Proxy:
         self.holds = Holds(table, metrics)
         self.canary = CanaryCounts()  # per (fleet, domain, model) requests and errors (gateway.canary)
         self.resumer = Resumer(self)
+        table.listeners.append(self._strand)
 
     async def __aenter__(self) -> Proxy:
         self.pool = Pool(max_idle_per_host=self.config.connector_limit)
@@ -287,6 +290,15 @@ class Proxy:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+    def _strand(self, old: FleetRoutes | None, new: FleetRoutes) -> None:
+        """A domain the view now calls unreachable: fail what is in flight to it (gateway/stranded.py)."""
+        if self.pool is None:
+            return
+        for url, domain in stranded(old, new).items():
+            n = self.pool.abandon(url, f"domain {domain!r} is unreachable (its heartbeats went silent)")
+            if n:
+                log.warning("gateway.stranded", fleet=new.fleet, domain=domain, url=url, requests=n)
 
     # ------------------------------------------------------------------------------ hot path
 
@@ -356,6 +368,14 @@ class Proxy:
         once more, to the new active (held until there is one) or, when the hold ends with the route
         unmoved, to whatever the fleet routes to then."""
         fleet, model = fwd.fleet, fwd.model
+        now_fwd = self.table.resolve(fleet, model, time.time())
+        if type(now_fwd) is Forward and (now_fwd.domain != fwd.domain or now_fwd.revision != fwd.revision):
+            # the route moved already (a domain failed after the flip it caused was seen): no hold needed
+            self.metrics.retried(fleet, why)
+            log.info("gateway.retried", fleet=fleet, model=model, first=fwd.domain, then=now_fwd.domain, why=why)
+            return await self._forward(
+                request, path, body, now_fwd, ((RETRIED_HEADER, f"{fwd.domain}; {why}"),), retry=False
+            )
         gone = why == "runtime_gone"  # the domain answered: its runtime is gone, and may come back in place
         plan = hold_plan(
             self.table.get(fleet), refusal.code, unreachable=True, gone=model if gone else "", now=time.time()

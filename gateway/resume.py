@@ -37,6 +37,7 @@ from haru.gateway.errors import UpstreamError
 from haru.gateway.hold import hold_plan
 from haru.gateway.routing import Forward
 from haru.gateway.sse import boundary, events
+from haru.gateway.stranded import judged_unreachable
 from haru.gateway.usage import (
     Counted,
     UsageTap,
@@ -327,7 +328,7 @@ class Resumer:
         last = why
         while attempts < MAX_RESUMES:
             target = self.proxy.table.resolve(fleet, model, time.time())
-            if type(target) is Forward:
+            if type(target) is Forward and not judged_unreachable(self.proxy.table.get(fleet), target.domain):
                 try:
                     outcome = await self._continue(request, response, target, original, path, sent, tap)
                 except (UpstreamError, TimeoutError) as exc:
