@@ -19,6 +19,7 @@ import nats.js.errors
 from haru.core import subjects
 from haru.core.errors import Conflict, LogDamaged
 from haru.core.events import Event, encode
+from haru.core.receipts import Receipt
 from haru.log.jetstream import JetStreamClient, translated
 from haru.log.js_replay import Replay
 from haru.log.record import MSG_ID, Record, body_hash, datetime_to_ns, decode_record, msg_id
@@ -69,11 +70,17 @@ class JetStreamEvents(JetStreamClient):
             # The subject moved past `expect`: ours (a retry after a lost ack) or someone else's?
             if (stored_last[2] or {}).get(MSG_ID) == mid:
                 self._tips[subject] = (stored_last[0], body_hash(stored_last[1]))
+                self._receipts[subject] = Receipt(stored_last[0], body_hash(stored_last[1]))
                 return stored_last[0]
             raise Conflict(subject, expect, stored_last[0])
         seq = await self._publish_checked(subjects.EVENTS_STREAM, subject, data, expect, mid)
         self._tips[subject] = (seq, body_hash(data))
+        self._receipts[subject] = Receipt(seq, body_hash(data))
         return seq
+
+    def receipts(self) -> dict[str, Receipt]:
+        """Per subject, the last event this writer was acknowledged (`haru.log.receipts.check`)."""
+        return dict(self._receipts)
 
     # ----------------------------------------------------------------------------------- reads
 

@@ -1,0 +1,146 @@
+"""Power loss under load, on the lazy filesystem (tests/support/lazyfs.py): does the event log keep what
+it acknowledged, and does Haru notice when it does not?
+
+The single embedded node, as `haru up` starts it, with nats-server's store on a filesystem that forgets
+every write not yet fsynced. Writers append sequence-checked events on their own subjects as fast as
+they can; the power goes mid-load (nats-server is SIGKILLed, then the unsynced writes are dropped);
+the server restarts on the same store. Every acknowledged event is then looked for by its sequence and
+body hash.
+
+- the shipped configuration (`sync_interval: always`): nothing acknowledged is lost, and the writers'
+  receipts agree with the log;
+- nats-server's default (fsync every 2 min): acknowledged events are lost, and every writer's receipt
+  check names each subject that lost some, with the range.
+
+The stream itself is created, then the kernel's writeback is simulated (`writeback()`), before the
+load: nats-server writes a stream's meta.inf/meta.sum without fsync even with `always`, and a real disk
+has them once the flusher ran (~30 s); what is measured here is the acknowledged events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import urllib.request
+from datetime import UTC, datetime
+
+import pytest
+
+from haru.core import subjects
+from haru.core.errors import LogError
+from haru.core.events import ModelResident
+from haru.host.natsd import NatsServer, free_port
+from haru.log.eventlog import EventLog
+from haru.log.receipts import check
+from tests.support.lazyfs import LazyFS, require_fuse
+
+FLEET = "pl"
+WRITERS = 4
+LOAD_ACKS = 160  # acknowledged appends (all writers together) before the power goes
+
+
+def test_the_embedded_server_fsyncs_every_write_unless_told_otherwise(tmp_path):
+    """What `haru up` and `haru serve` start (haru.up.compose: NatsServer(home / "nats", port=...))."""
+    for sync_interval, expected in (("always", True), (None, None)):
+        http_port = free_port()
+        server = NatsServer(
+            tmp_path / f"s-{sync_interval}", sync_interval=sync_interval, extra_args=["-m", str(http_port)]
+        )
+        server.start_sync()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/varz", timeout=5) as r:
+                config = json.loads(r.read())["jetstream"]["config"]
+            assert config.get("sync_always") is expected, (sync_interval, config)
+        finally:
+            server.stop_sync()
+    assert NatsServer(tmp_path / "x").sync_interval == "always"  # the default every caller gets
+
+
+async def load(log: EventLog, acked: list[tuple[str, int, int]], stop: asyncio.Event, w: int) -> None:
+    """One writer: sequential, sequence-checked appends on its own subject until the log goes away."""
+    subject = subjects.model(FLEET, "a", f"m{w}")
+    seq = 0
+    i = 0
+    while not stop.is_set():
+        event = ModelResident(at=datetime.now(UTC), domain="a", model=f"m{w}", endpoint="127.0.0.1:1", warmup_ms=i)
+        try:
+            seq = await log.append(subject, event, expect=seq)
+        except LogError:
+            return  # the power went
+        acked.append((subject, seq, i))  # acknowledged: sequence seq on subject, the event numbered i
+        i += 1
+
+
+async def power_loss_run(tmp_path, sync_interval: str | None):
+    require_fuse()
+    with LazyFS(tmp_path / "store") as fs:
+        server = NatsServer(fs.mountpoint, sync_interval=sync_interval, log_file=tmp_path / "nats.log")
+        await server.start()
+        try:
+            async with EventLog.connect([server.url], writer="writer", timeout=2.0) as log:
+                await log.ensure()
+                fs.writeback()  # the streams' definitions reached the disk long ago
+                acked: list[tuple[str, int, int]] = []
+                stop = asyncio.Event()
+                writers = [asyncio.create_task(load(log, acked, stop, w)) for w in range(WRITERS)]
+                async with asyncio.timeout(60):
+                    while len(acked) < LOAD_ACKS:
+                        await asyncio.sleep(0.01)
+                server.kill()  # the power goes: the process first, then what the disk had not been told to keep
+                dropped = fs.power_loss()
+                stop.set()
+                async with asyncio.timeout(30):
+                    await asyncio.gather(*writers)
+                await server.start()
+                async with asyncio.timeout(30):  # the writer's connection comes back by itself
+                    while True:
+                        with contextlib.suppress(LogError):
+                            await log.ensure()
+                            break
+                        await asyncio.sleep(0.1)
+                lost = []
+                for subject, seq, i in acked:
+                    rec = await log.read_seq(seq)
+                    event = rec.event if rec is not None and rec.subject == subject else None
+                    if not isinstance(event, ModelResident) or event.warmup_ms != i:
+                        lost.append((subject, seq))
+                regressions = await check(log, log.receipts())
+                return acked, lost, regressions, dropped
+        finally:
+            server.kill()
+
+
+async def test_shipped_config_loses_nothing_acknowledged_in_a_power_loss_under_load(tmp_path):
+    acked, lost, regressions, dropped = await power_loss_run(tmp_path, "always")
+    assert len(acked) >= LOAD_ACKS
+    assert lost == [], f"{len(lost)} of {len(acked)} acknowledged events lost with sync_interval always"
+    assert regressions == []
+
+
+async def test_default_config_loses_acknowledged_events_and_every_writer_s_receipts_say_which(tmp_path):
+    acked, lost, regressions, dropped = await power_loss_run(tmp_path, None)
+    assert dropped["bytes"] > 0
+    assert lost, "nats-server's default fsync interval kept everything: this test no longer shows the fault"
+    lost_subjects = {subject for subject, _ in lost}
+    # Every subject that lost an acknowledged event is named, with the range lost.
+    assert {r.subject for r in regressions} == lost_subjects
+    last_acked = {subject: max(seq for s, seq, _ in acked if s == subject) for subject in lost_subjects}
+    for r in regressions:
+        assert r.acknowledged == last_acked[r.subject]
+        assert r.held < min(seq for s, seq in lost if s == r.subject)
+        assert "lost acknowledged events" in r.describe()
+
+
+@pytest.mark.parametrize("held", [0, 3])
+def test_the_comparison_names_a_log_behind_a_receipt_and_a_rewritten_sequence(held):
+    from haru.core.receipts import Receipt, compare
+
+    receipt = Receipt(seq=7, hash="h7")
+    assert compare("s", receipt, last_seq=7, hash_at_receipt="h7") is None
+    assert compare("s", receipt, last_seq=9, hash_at_receipt="h7") is None  # others appended after us
+    behind = compare("s", receipt, last_seq=held, hash_at_receipt=None)
+    assert behind is not None and (behind.reason, behind.held, behind.acknowledged) == ("behind", held, 7)
+    rewritten = compare("s", receipt, last_seq=12, hash_at_receipt="other")
+    assert rewritten is not None and rewritten.reason == "rewritten"
+    assert compare("s", receipt, last_seq=12, hash_at_receipt=None).reason == "rewritten"  # another subject's now
