@@ -22,17 +22,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import urllib.request
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
+from haru.core import events as ev
 from haru.core import subjects
 from haru.core.errors import LogError
 from haru.core.events import ModelResident
+from haru.core.sizes import GiB
+from haru.core.specs import DomainSpec, GpuSpec, Policy
 from haru.host.natsd import NatsServer, free_port
 from haru.log.eventlog import EventLog
 from haru.log.receipts import check
+from haru.log.route import RouteWatcher
 from tests.support.lazyfs import LazyFS, require_fuse
 
 FLEET = "pl"
@@ -144,3 +154,90 @@ def test_the_comparison_names_a_log_behind_a_receipt_and_a_rewritten_sequence(he
     rewritten = compare("s", receipt, last_seq=12, hash_at_receipt="other")
     assert rewritten is not None and rewritten.reason == "rewritten"
     assert compare("s", receipt, last_seq=12, hash_at_receipt=None).reason == "rewritten"  # another subject's now
+
+
+# ------------------------------------------------ e: power loss between the flip's ack and the intent
+
+PROJECTOR = str(Path(sys.executable).parent / "haru")
+
+
+async def declare_fleet(log: EventLog) -> None:
+    s = subjects.decl(FLEET)
+    seq = await log.append(s, ev.FleetDeclared(at=datetime.now(UTC), fleet=FLEET, policy=Policy()), expect=0)
+    for d in ("a", "b"):
+        spec = DomainSpec(name=d, serving_url=f"http://{d}:9000", gpus=[GpuSpec(index=0, memory_bytes=48 * GiB)])
+        seq = await log.append(s, ev.DomainDeclared(at=datetime.now(UTC), spec=spec), expect=seq)
+
+
+def start_projector(url: str, path: Path) -> subprocess.Popen:
+    with open(path, "ab") as err:
+        return subprocess.Popen(
+            [PROJECTOR, "projector", "--nats-url", url, "--log-format", "json"], stdout=subprocess.DEVNULL, stderr=err
+        )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sync_interval", ["always", None], ids=["shipped", "default"])
+async def test_power_loss_after_the_flip_is_acknowledged_but_before_its_intent_reached_a_router(
+    tmp_path, sync_interval
+):
+    """The promoter's route_moved is acknowledged; the control-plane machine loses power before the
+    projector published the route intent for it. After the restart the route must be the
+    acknowledged one (shipped config), or the loss must be named by the writer's receipts (default)."""
+    require_fuse()
+    with LazyFS(tmp_path / "store") as fs:
+        server = NatsServer(fs.mountpoint, sync_interval=sync_interval, log_file=tmp_path / "nats.log")
+        await server.start()
+        procs: list[subprocess.Popen] = []
+        try:
+            async with EventLog.connect([server.url], writer="promoter", timeout=2.0) as log:
+                await log.ensure()
+                await declare_fleet(log)
+                procs.append(start_projector(server.url, tmp_path / "projector-1.log"))
+                async with RouteWatcher([server.url], FLEET) as router:
+                    await router.wait_for(lambda ri: ri is not None, 20)  # the never-routed intent
+                fs.writeback()  # the declaration and the first intent are long on disk
+                os.kill(procs[0].pid, signal.SIGSTOP)  # the projector has not run since the flip
+                flip = await log.append(
+                    subjects.route(FLEET), ev.RouteMoved(at=datetime.now(UTC), active="b"), expect=0
+                )
+                server.kill()  # the power goes: nats-server, the projector, the page cache
+                stop(procs[0])
+                fs.power_loss()
+                await server.start()
+                t = time.monotonic()
+                procs.append(start_projector(server.url, tmp_path / "projector-2.log"))
+                async with asyncio.timeout(30):
+                    while True:
+                        with contextlib.suppress(LogError):
+                            regressions = await check(log, log.receipts())
+                            break
+                        await asyncio.sleep(0.1)
+                async with RouteWatcher([server.url], FLEET) as router:
+                    if sync_interval == "always":
+                        assert regressions == []
+                        intent = await router.wait_for(
+                            lambda ri: ri is not None and ri.active is not None and ri.active.domain == "b", 20
+                        )
+                        took = time.monotonic() - t
+                        assert intent.revision == flip
+                        print(f"route true again {took:.2f} s after the restart")
+                    else:
+                        # The flip is gone and the writer that was acknowledged it says so.
+                        assert [(r.subject, r.acknowledged, r.held) for r in regressions] == [
+                            (subjects.route(FLEET), flip, 0)
+                        ]
+                        intent = await router.wait_for(lambda ri: ri is not None, 20)
+                        assert intent.active is None  # the log forgot the flip: nothing routes by it
+        finally:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
+                stop(p)
+            server.kill()
