@@ -246,3 +246,63 @@ async def test_power_loss_after_the_flip_is_acknowledged_but_before_its_intent_r
                     os.kill(p.pid, signal.SIGCONT)
                 stop(p)
             server.kill()
+
+
+# ----------------------------------------------------- b: all three cluster nodes lose power at once
+
+
+@pytest.mark.timeout(120)
+async def test_shipped_cluster_loses_nothing_acknowledged_when_all_three_nodes_lose_power(tmp_path):
+    """The shipped deploy/nats node configs (test_deploy_cluster's cluster), each node's store on its own
+    lazy filesystem; R3 appends under load; all three nodes SIGKILLed and their unsynced writes dropped
+    at once; the cluster restarted on the same stores."""
+    require_fuse()
+    from tests.integration.test_deploy_cluster import Cluster
+
+    cluster = Cluster(tmp_path / "cluster")
+    with contextlib.ExitStack() as mounts:
+        disks = [mounts.enter_context(LazyFS(node.dir / "js")) for node in cluster.nodes]
+        cluster.start()
+        try:
+            async with cluster.log("admin", writer="writer") as log:
+                async with asyncio.timeout(30):  # JetStream's meta leader on a fresh cluster
+                    while True:
+                        with contextlib.suppress(LogError):
+                            await log.ensure(replicas=3)
+                            break
+                        await asyncio.sleep(0.25)
+                for disk in disks:
+                    disk.writeback()  # the streams' definitions reached the disks long ago
+                acked: list[tuple[str, int, int]] = []
+                stop = asyncio.Event()
+                writers = [asyncio.create_task(load(log, acked, stop, w)) for w in range(WRITERS)]
+                async with asyncio.timeout(60):
+                    while len(acked) < LOAD_ACKS // 2:
+                        await asyncio.sleep(0.01)
+                for node in cluster.nodes:  # the power goes everywhere at once
+                    node.kill()
+                for disk in disks:
+                    disk.power_loss()
+                stop.set()
+                async with asyncio.timeout(30):
+                    await asyncio.gather(*writers)
+                cluster.start()
+                lost: list[tuple[str, int]] = []
+                async with asyncio.timeout(45):  # leaders elected, the stream answers again
+                    while True:
+                        try:
+                            lost = []
+                            for subject, seq, i in acked:
+                                rec = await log.read_seq(seq)
+                                event = rec.event if rec is not None and rec.subject == subject else None
+                                if not isinstance(event, ModelResident) or event.warmup_ms != i:
+                                    lost.append((subject, seq))
+                            break
+                        except LogError:
+                            await asyncio.sleep(0.25)
+                regressions = await check(log, log.receipts())
+        finally:
+            cluster.stop()
+    assert len(acked) >= LOAD_ACKS // 2
+    assert lost == [], f"{len(lost)} of {len(acked)} acknowledged events lost with sync_interval always on R3"
+    assert regressions == []
