@@ -8,7 +8,16 @@ import contextlib
 import os
 import socket
 
-from haru.cli.common import ExitStatus, add_log_options, add_nats_options, configure_logging, fail, nats_servers
+from haru.cli.common import (
+    ExitStatus,
+    add_log_options,
+    add_nats_options,
+    configure_logging,
+    env_count,
+    env_default,
+    fail,
+    nats_servers,
+)
 from haru.host.metrics import add_metrics_options
 from haru.host.tasks import run_until_signal
 
@@ -26,8 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_nats_options(p)
     p.add_argument(
         "--replicas",
-        type=int,
-        default=int(os.environ["HARU_REPLICAS"]) if os.environ.get("HARU_REPLICAS", "").strip() else None,
+        type=env_count("HARU_REPLICAS"),
+        default=env_default("HARU_REPLICAS"),
         help="replicas for the streams and bucket if this projector creates them (env HARU_REPLICAS; default: 3 "
         "on a cluster of three or more servers, else 1)",
     )
@@ -39,8 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--checkpoint-every",
-        type=int,
-        default=int(os.environ.get("HARU_CHECKPOINT_EVERY", "10000")),
+        type=env_count("HARU_CHECKPOINT_EVERY"),
+        default=env_default("HARU_CHECKPOINT_EVERY", "10000"),
         help="write a checkpoint every N events of a fleet (env HARU_CHECKPOINT_EVERY; default %(default)s)",
     )
     add_log_options(p)
@@ -56,12 +65,10 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     from haru.core.errors import LogUnavailable
     from haru.host.metrics import maybe_serve, metrics_address
     from haru.log.eventlog import EventLog
-    from haru.log.nats_headers import enable_fast_header_parse
     from haru.projections.metrics import register as register_metrics
     from haru.projections.projector import Projector
 
-    enable_fast_header_parse()  # a replay of the whole log: the faster per-message header parse
-    metrics = metrics_address(args.metrics_port, args.metrics_host)
+    metrics = metrics_address(args.metrics_port, args.metrics_host, os.environ)
     writer = f"projector:{socket.gethostname()}:{os.getpid()}"
     structlog.contextvars.bind_contextvars(projector=writer)
     try:

@@ -8,13 +8,23 @@ from datetime import UTC, datetime
 import pytest
 
 from haru.core.errors import ConfigError
-from haru.up.compose import HomeLock, fresh_start
+from haru.up.home import HomeLock, fresh_start
 from tests.support import haru
 
 
 def test_version():
     proc = haru("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("haru ") and proc.stdout.strip() != "haru"
+
+
+def test_a_bad_count_in_the_environment_is_one_line_for_the_command_that_reads_it():
+    env = {"HARU_REPLICAS": "three", "HARU_CHECKPOINT_EVERY": "0"}
+    assert haru("--version", env=env).returncode == 0  # every other command is unaffected
+    proc = haru("projector", "--nats-url", "nats://127.0.0.1:1", env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "'three' (from $HARU_REPLICAS) is not a whole number of 1 or more" in proc.stderr
+    proc = haru("projector", "--replicas", "3", "--nats-url", "nats://127.0.0.1:1", env=env)
+    assert "'0' (from $HARU_CHECKPOINT_EVERY) is not a whole number of 1 or more" in proc.stderr
 
 
 def test_fresh_moves_the_previous_demo_aside(tmp_path):
