@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["Receipt", "Regression", "compare"]
+__all__ = ["Receipt", "Regression", "compare", "reading"]
 
 
 class Receipt(msgspec.Struct, frozen=True):
@@ -59,3 +59,15 @@ def compare(subject: str, receipt: Receipt, *, last_seq: int, hash_at_receipt: s
         return Regression(subject, receipt.seq, last_seq, "behind")
     # The sequence is there again but is not ours: everything we knew on the subject is suspect.
     return Regression(subject, receipt.seq, 0, "rewritten")
+
+
+def reading(held_seq: int, held_body: bytes, seq: int, body: bytes) -> str:
+    """What a reader that holds (held_seq, held_body) does with a message at `seq`: "next" (newer:
+    take it), "same" (a redelivery of what it holds: nothing to do) or "reset" (the sequence went
+    backwards, or the one it holds now has other content: the log was rewound, so what the reader
+    holds may be something the log forgot; take this one and re-read, never ignore it as older)."""
+    if seq > held_seq:
+        return "next"
+    if seq == held_seq and body == held_body:
+        return "same"
+    return "reset"

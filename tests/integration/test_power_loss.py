@@ -39,6 +39,7 @@ from haru.core.errors import LogError
 from haru.core.events import ModelResident
 from haru.core.sizes import GiB
 from haru.core.specs import DomainSpec, GpuSpec, Policy
+from haru.core.views import RouteIntent, Target, view_encoder
 from haru.host.natsd import NatsServer, free_port
 from haru.log.eventlog import EventLog
 from haru.log.receipts import check
@@ -306,3 +307,56 @@ async def test_shipped_cluster_loses_nothing_acknowledged_when_all_three_nodes_l
     assert len(acked) >= LOAD_ACKS // 2
     assert lost == [], f"{len(lost)} of {len(acked)} acknowledged events lost with sync_interval always on R3"
     assert regressions == []
+
+
+# ------------------------------------------------------------ readers never follow a rewound pointer
+
+
+def intent(revision: int, active: str) -> bytes:
+    return view_encoder.encode(RouteIntent(fleet=FLEET, revision=revision, active=Target(domain=active)))
+
+
+@pytest.mark.timeout(90)
+async def test_a_router_follows_a_rewound_route_subject_instead_of_the_pointer_the_log_forgot(tmp_path):
+    """nats-server's default fsync: the route intent that moved routing to `b` is acknowledged and seen
+    by a router, then forgotten in a power loss. The projector, restarted, publishes what the log now
+    says (`a`) at the same stream sequence the forgotten one had. The router must take it: holding
+    on to `b` because `a` is "not newer" would route by a pointer the log no longer holds."""
+    require_fuse()
+    with LazyFS(tmp_path / "store") as fs:
+        server = NatsServer(fs.mountpoint, sync_interval=None, log_file=tmp_path / "nats.log")
+        await server.start()
+        try:
+            async with EventLog.connect([server.url], writer="projector", timeout=2.0) as log:
+                await log.ensure()
+                first = await log.publish_intent(FLEET, intent(1, "a"), expect=0)
+                fs.writeback()  # routing on `a` is long on disk
+                async with RouteWatcher([server.url], FLEET, stall_interval=0.5) as router:
+                    forgotten = await log.publish_intent(FLEET, intent(2, "b"), expect=first)
+                    await router.wait_for(lambda ri: ri.active is not None and ri.active.domain == "b", 10)
+                    server.kill()
+                    fs.power_loss()
+                    await server.start()
+                    async with asyncio.timeout(30):
+                        while True:
+                            with contextlib.suppress(LogError):
+                                await log.ensure()
+                                again = await log.publish_intent(FLEET, intent(1, "a"), expect=first)
+                                break
+                            await asyncio.sleep(0.1)
+                    assert again == forgotten  # the same stream sequence, other content
+                    t = time.monotonic()
+                    now = await router.wait_for(lambda ri: ri.active is not None and ri.active.domain == "a", 20)
+                    print(f"router true again {time.monotonic() - t:.2f} s after the rewound intent")
+                    assert now.revision == 1 and router.resets >= 1
+        finally:
+            server.kill()
+
+
+def test_a_reader_takes_a_lower_or_changed_sequence_as_a_reset_and_ignores_only_a_redelivery():
+    from haru.core.receipts import reading
+
+    assert reading(5, b"x", 6, b"y") == "next"
+    assert reading(5, b"x", 5, b"x") == "same"
+    assert reading(5, b"x", 5, b"y") == "reset"
+    assert reading(5, b"x", 3, b"x") == "reset"
