@@ -12,6 +12,7 @@ import pytest
 from haru.core import events as ev
 from haru.core import subjects
 from haru.core.errors import Conflict
+from haru.core.specs import Policy
 from haru.host.natsd import NatsServer
 from haru.log.eventlog import MSG_ID, EventLog, msg_id
 from tests.support import haru
@@ -88,7 +89,7 @@ async def test_append_builds_a_hash_chain_and_msg_ids(event_log):
 async def test_a_forged_event_makes_verify_fail_and_name_its_sequence(nats_server, event_log):
     s1 = await event_log.append(SUBJECT, loading(), expect=0)
     await event_log.append(
-        subjects.decl("default"), ev.FleetDeclared(at=T0, fleet="default", policy=ev.Policy()), expect=0
+        subjects.decl("default"), ev.FleetDeclared(at=T0, fleet="default", policy=Policy()), expect=0
     )
     ok = haru("verify", nats_url=nats_server.url)
     assert ok.returncode == 0, ok.stderr

@@ -9,6 +9,7 @@ from haru.core import events as ev
 from haru.core import subjects as sj
 from haru.core.fold import Folder, add_one, empty, evolve, fold
 from haru.core.residency import Lost, Sleeping
+from haru.core.specs import ModelSpec
 from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
 from tests.unit.test_fold import F, at, declarations
@@ -37,7 +38,7 @@ FORGERIES: list[tuple[str, ev.Event, str]] = [
     (sj.gpu(F, "a", 0), ev.GpuObserved(at=at(5), domain="b", index=0, present=False, by=FORGER), "domain 'b'"),
     (sj.agent(F, "a"), ev.DomainUnreachable(at=at(5), domain="b", by=FORGER), "domain_unreachable belongs on"),
     (sj.training(F, "a", "lora"), ev.PromotionRequested(at=at(5), op_id="op-x", target="b", by=FORGER), "promotion_requested belongs on"),
-    (sj.model(F, "a", "qwen3.6:27b"), ev.ModelDeclared(at=at(5), domain="a", spec=ev.ModelSpec(name="evil", slot="s", gpu_index=0), by=FORGER),
+    (sj.model(F, "a", "qwen3.6:27b"), ev.ModelDeclared(at=at(5), domain="a", spec=ModelSpec(name="evil", slot="s", gpu_index=0), by=FORGER),
      "model_declared belongs on"),
 ]  # fmt: skip
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from haru.core import events as ev
 from haru.core import subjects as sj
 from haru.core.fold import Folder, add_one, empty, evolve, fleet_of, fold, invalid
+from haru.core.specs import ModelSpec
 from haru.core.views import FleetView, view_decoder, view_encoder
 from tests.unit.test_fold_properties import _RESIDENCY_EVENTS, DOMAINS, MODELS, histories
 
@@ -84,9 +85,7 @@ def odd_histories(draw) -> list[tuple[int, str, ev.Event | None]]:
         else:
             item = (
                 sj.decl(fleet),
-                ev.ModelChanged(
-                    at=at, domain=d, spec=ev.ModelSpec(name=m, slot="x", gpu_index=0, vram_bytes=1, port=1)
-                ),
+                ev.ModelChanged(at=at, domain=d, spec=ModelSpec(name=m, slot="x", gpu_index=0, vram_bytes=1, port=1)),
             )
         items.insert(pos, item)
     return [(i + 1, s, e) for i, (s, e) in enumerate(items)]

@@ -36,6 +36,7 @@ from haru.core.residency import (
     to_state,
     transition_table_markdown,
 )
+from haru.core.specs import ModelSpec
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 T1 = T0 + timedelta(seconds=47)
@@ -153,7 +154,7 @@ def test_to_state_is_lenient():
         state = to_state(make_event(key), seq=9)
         assert state.seq == 9 and state.since == T1
     assert state_name(to_state(make_event(ADMITTED))) == "unknown"
-    assert to_state(ev.ModelDeclared(at=T0, domain="a", spec=ev.ModelSpec(name="m", slot="s", gpu_index=0))) == Unknown(
+    assert to_state(ev.ModelDeclared(at=T0, domain="a", spec=ModelSpec(name="m", slot="s", gpu_index=0))) == Unknown(
         since=T0
     )
     with pytest.raises(IllegalTransition):
