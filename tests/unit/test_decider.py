@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 import pytest
 
@@ -10,28 +10,20 @@ from haru.core import subjects
 from haru.core.events import (
     AdmissionDecided,
     DemotionRequested,
-    DomainDeclared,
-    DomainReachable,
-    DomainUnreachable,
     EligibilityChanged,
     FailoverDeclined,
-    FleetDeclared,
     GpuObserved,
-    ModelDeclared,
     ModelLoading,
     ModelLost,
-    ModelResident,
-    ModelSleeping,
     OperationAborted,
     OperationCompleted,
     PromotionRequested,
-    RouteMoved,
     StepCompleted,
     StepFailed,
     StepStarted,
 )
 from haru.core.fold import evolve
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.specs import Policy
 from haru.promoter.decider import (
     ABORT,
     COMPLETE,
@@ -46,119 +38,24 @@ from haru.promoter.decider import (
     retry_ms,
 )
 from haru.promoter.decisions import Facts
-
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
-F = "default"
-OP = subjects.op(F)
-ROUTE = subjects.route(F)
-POLICY = Policy(
-    heartbeat_timeout_ms=1000,
-    degraded_grace_ms=5000,
-    command_timeout_ms=2000,
-    wake_timeout_ms=4000,
-    probe_timeout_ms=3000,
-    training_grace_ms=1000,
+from tests.support.decider import (
+    OP,
+    POLICY,
+    T0,
+    F,
+    _through,
+    at,
+    facts,
+    given,
+    healthy_fleet,
+    only,
+    op_appends,
+    reachable,
+    requested,
+    resident,
+    routed,
+    unreachable,
 )
-
-
-def at(ms: int) -> datetime:
-    return T0 + timedelta(milliseconds=ms)
-
-
-def given(*events_on: tuple[str, object], policy: Policy = POLICY, models=("m1", "m2"), declare=True):
-    """A view folded from declarations (two domains a, b, each with models) plus `events_on`."""
-    seq = 0
-    view = None
-    from haru.core.fold import empty
-
-    view = empty(F)
-    base: list[tuple[str, object]] = []
-    if declare:
-        base.append((subjects.decl(F), FleetDeclared(at=T0, fleet=F, policy=policy)))
-        for d in ("a", "b"):
-            base.append(
-                (
-                    subjects.decl(F),
-                    DomainDeclared(at=T0, spec=DomainSpec(name=d, gpus=[GpuSpec(index=0, memory_bytes=24 << 30)])),
-                )
-            )
-            for m in models:
-                base.append(
-                    (subjects.decl(F), ModelDeclared(at=T0, domain=d, spec=ModelSpec(name=m, slot="chat", gpu_index=0)))
-                )
-                base.append(
-                    (
-                        subjects.decl(F),
-                        AdmissionDecided(at=T0, domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=1),
-                    )
-                )
-    for subject, event in [*base, *events_on]:
-        seq += 1
-        view = evolve(view, event, seq=seq, subject=subject)
-    return view
-
-
-def resident(domain: str, model: str, ms: int = 0):
-    return (subjects.model(F, domain, model), ModelResident(at=at(ms), domain=domain, model=model))
-
-
-def sleeping(domain: str, model: str, ms: int = 0):
-    return (subjects.model(F, domain, model), ModelSleeping(at=at(ms), domain=domain, model=model))
-
-
-def reachable(domain: str, ms: int = 0):
-    return (subjects.liveness(F, domain), DomainReachable(at=at(ms), domain=domain))
-
-
-def unreachable(domain: str, ms: int = 0):
-    return (subjects.liveness(F, domain), DomainUnreachable(at=at(ms), domain=domain, silent_ms=1500))
-
-
-def routed(active: str, ms: int = 0, op_id: str = "op-0"):
-    return (ROUTE, RouteMoved(at=at(ms), active=active, op_id=op_id))
-
-
-def healthy_fleet(active: str = "a"):
-    """a active and resident, b standby and asleep, both reachable."""
-    standby = "b" if active == "a" else "a"
-    return [
-        reachable("a"),
-        reachable("b"),
-        resident(active, "m1"),
-        resident(active, "m2"),
-        sleeping(standby, "m1"),
-        sleeping(standby, "m2"),
-        routed(active),
-    ]
-
-
-def facts(ms: int = 10, **kw) -> Facts:
-    kw.setdefault("silent_ms", {"a": 100, "b": 100})
-    kw.setdefault("listening_ms", 60_000)
-    kw.setdefault("me", "promoter:test")
-    kw.setdefault("new_op_id", "op-new")
-    return Facts(now=at(ms), **kw)
-
-
-def op_appends(view, f: Facts | None = None):
-    """The decisions on the op/route subjects (liveness verdicts left out)."""
-    return [a for a in decide(view, f or facts()) if "liveness" not in a.subject]
-
-
-def only(view, f: Facts | None = None):
-    out = op_appends(view, f)
-    assert len(out) <= 1
-    return out[0].event if out else None
-
-
-def requested(target="b", source="a", op_id="op-1", revision=None, ms=1):
-    return (
-        OP,
-        PromotionRequested(
-            at=at(ms), op_id=op_id, target=target, source=source, route_revision=revision if revision is not None else 0
-        ),
-    )
-
 
 # --------------------------------------------------------------------------------------- tables
 
@@ -235,14 +132,6 @@ def test_a_failed_step_before_the_flip_aborts_with_the_step_and_error(failed):
     event = only(view)
     assert isinstance(event, OperationAborted)
     assert (event.step, event.error) == (failed, "wake: CUDA OOM")
-
-
-def _through(step: str, op_id="op-1"):
-    steps = flow("promotion")
-    out = []
-    for s in steps[: steps.index(step)]:
-        out += [(OP, StepStarted(at=at(2), op_id=op_id, step=s)), (OP, StepCompleted(at=at(3), op_id=op_id, step=s))]
-    return out
 
 
 def test_the_flip_is_refused_when_the_target_became_unreachable_after_its_probe():
@@ -646,10 +535,8 @@ def test_settle_commands_carry_the_route_revision_after_the_flip():
 
 
 def test_a_runner_is_gone_when_silent_past_the_timeout_or_never_heard_while_we_listened_that_long():
-    from datetime import datetime
 
     from haru.promoter.decider import runner_gone
-    from haru.promoter.decisions import Facts
 
     base = dict(now=datetime(2026, 1, 1, tzinfo=UTC), me="promoter:two", step_by="promoter:one", runner_timeout_ms=3500)
     assert not runner_gone(Facts(**base, runner_silent_ms=1000, listening_ms=10_000))

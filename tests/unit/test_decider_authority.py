@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from haru.core.events import DemotionRequested, OperationAborted, StepCompleted, StepFailed, StepStarted
 from haru.promoter.decider import flip_refusal, lease_ms
-from tests.unit.test_decider import OP, POLICY, _through, at, facts, given, healthy_fleet, only, requested
+from tests.support.decider import OP, POLICY, _through, at, facts, given, healthy_fleet, only, requested
 
 
 def test_a_step_a_demotion_does_not_have_aborts_it_instead_of_wedging_the_fleet():

@@ -8,7 +8,7 @@ from msgspec.structs import replace
 from haru.core import subjects
 from haru.core.events import ModelLoading, ModelLost, ModelResident, ModelSleeping, ModelWaking, PromotionRequested
 from haru.promoter.decider import active_health, faster_path, standby_serves_in
-from tests.unit.test_decider import POLICY, F, at, facts, given, only, reachable, routed
+from tests.support.decider import POLICY, F, at, facts, given, only, reachable, routed
 
 
 def ev(domain: str, model: str, event):

@@ -11,7 +11,7 @@ from haru.core.fold import Folder, add_one, empty, evolve, fold
 from haru.core.residency import Lost, Sleeping
 from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
-from tests.unit.test_fold import F, at, declarations
+from tests.support.fold import F, at, declarations
 
 FORGER = "agent:default/a@host-a"
 

@@ -19,7 +19,7 @@ from haru.core import events as ev
 from haru.core import subjects as sj
 from haru.core.fold import Folder, add_one, empty, evolve, fleet_of, fold, invalid
 from haru.core.views import FleetView, view_decoder, view_encoder
-from tests.unit.test_fold_properties import _RESIDENCY_EVENTS, DOMAINS, MODELS, histories
+from tests.support.fold_histories import _RESIDENCY_EVENTS, DOMAINS, MODELS, histories
 
 T1 = datetime(2026, 11, 30, tzinfo=UTC)
 ERROR = "not a valid Haru event: Expected `object`"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import sky  # the skypilot package, a test dependency: SkyPilot's own schema and task parser
@@ -29,9 +28,7 @@ from haru.provision import (
     yamltext,
 )
 from haru.provision.skypilot import DEFAULT_RUN, agent_config
-
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "deploy" / "examples" / "cloud-fleet.json"
+from tests.support.provision import EXAMPLE, ROOT
 
 
 def sky_validates_task(config: dict) -> sky.Task:
