@@ -620,7 +620,7 @@ async def cluster_run(args) -> None:
     third into the window: every append the agents had acknowledged is in the stream afterwards, every
     failover due (an active's GPU detached) moved the route, and the figures during the election
     (the `--election-s` after the kill) are printed beside the rest of the window's."""
-    from tests.integration.test_deploy_cluster import ensure_r3, start_cluster
+    from tests.support.cluster import ensure_r3, start_cluster
 
     root = Path(tempfile.mkdtemp(prefix="haru-bench-scale-cluster-"))
     n = args.cluster_fleets

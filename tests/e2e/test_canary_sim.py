@@ -27,9 +27,9 @@ from haru.core.residency import Resident
 from haru.host.tasks import cancel_and_wait
 from haru.projections.projector import Projector
 from haru.promoter.weighting import request_weights
-from tests.e2e.test_failover_sim import steady
-from tests.integration.test_gateway import running_gateway, wait_for
 from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, sim_fault, write_config, write_layout
+from tests.support.failover_sim import steady
+from tests.support.gateway import running_gateway, wait_for
 from tests.support.promoter import promoters, wait_view
 
 pytestmark = pytest.mark.timeout(120)

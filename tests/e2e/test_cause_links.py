@@ -21,9 +21,9 @@ from haru.core import causes, subjects
 from haru.core import events as ev
 from haru.promoter.decider import STEPS
 from haru.promoter.requests import request_operation
-from tests.e2e.test_failover_sim import FLEET, _endpoint, serving, sim, sim_agents, steady
 from tests.support import haru
 from tests.support.agent_harness import sim_fault
+from tests.support.failover_sim import FLEET, _endpoint, serving, sim, sim_agents, steady
 from tests.support.promoter import op_events, promoters, view_of, wait_until, wait_view
 
 pytestmark = pytest.mark.timeout(240)

@@ -19,8 +19,8 @@ from openai import OpenAI
 
 from haru.host.natsd import free_port
 from haru.up.convert import env_python
-from tests.e2e.test_up_demo import REPO, stop_and_reap, wait_for
 from tests.support import haru
+from tests.support.demo import REPO, stop_and_reap, wait_for
 from tests.support.llama import llama_binary
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(240)]

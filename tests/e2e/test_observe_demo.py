@@ -23,35 +23,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from haru.host.natsd import free_port
-from tests.e2e.test_up_demo import REPO, demo_layout_with_free_ports, stop_and_reap, wait_for
 from tests.support import haru
+from tests.support.chromium import CHROMIUM, CHROMIUM_ARGS, need_chromium
+from tests.support.demo import REPO, demo_layout_with_free_ports, stop_and_reap, wait_for
 
 TOKEN = "console-test-token"
 FLEET = "default"
-CHROMIUM = os.environ.get("HARU_CHROMIUM", "/usr/bin/chromium")
-# Chromium as root in a container, with nothing reaching off the machine.
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-]
 # Where screenshots go (CI keeps this directory as the tests' artifacts; default: the test's tmp dir).
 ARTIFACTS = os.environ.get("HARU_TEST_ARTIFACTS", "")
-
-
-def need_chromium() -> None:
-    """Skip without Chromium, saying how to get it; with HARU_REQUIRE_BROWSER=1 (CI) fail instead."""
-    if os.access(CHROMIUM, os.X_OK):
-        return
-    reason = f"Chromium not found at {CHROMIUM}: apt-get install chromium (or set HARU_CHROMIUM)"
-    if os.environ.get("HARU_REQUIRE_BROWSER") == "1":
-        pytest.fail(reason + " [HARU_REQUIRE_BROWSER=1]")
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")

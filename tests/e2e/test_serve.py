@@ -14,10 +14,10 @@ import pytest
 from openai import OpenAI
 
 from haru.host.natsd import free_port
-from tests.e2e.test_up_demo import REPO, descendants, stop_and_reap, wait_for
-from tests.integration.test_models_pull import build_registry
 from tests.support import haru
+from tests.support.demo import REPO, descendants, stop_and_reap, wait_for
 from tests.support.llama import llama_binary
+from tests.support.models_registry import build_registry
 
 
 @pytest.fixture

@@ -26,8 +26,8 @@ from haru.core.events import AgentStopping
 from haru.host.children import alive, start_time
 from haru.host.natsd import free_port
 from haru.log.eventlog import EventLog
-from tests.e2e.test_up_demo import demo_layout_with_free_ports, descendants, stop_and_reap, wait_for
 from tests.support import haru
+from tests.support.demo import demo_layout_with_free_ports, descendants, stop_and_reap, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 LOAD_FLEET = "load"

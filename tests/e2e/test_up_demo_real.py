@@ -18,7 +18,8 @@ import pytest
 from openai import OpenAI
 
 from haru.host.natsd import free_port
-from tests.e2e.test_up_demo import (
+from tests.support import haru
+from tests.support.demo import (
     REPO,
     alive,
     demo_layout_with_free_ports,
@@ -27,7 +28,6 @@ from tests.e2e.test_up_demo import (
     stop_and_reap,
     wait_for,
 )
-from tests.support import haru
 from tests.support.llama import llama_binary
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(240)]

@@ -15,8 +15,8 @@ import pytest
 from openai import OpenAI
 
 from haru.host.children import alive, start_time
-from tests.e2e.test_up_demo import chat, demo, wait_for  # noqa: F401 - demo is a fixture
 from tests.support import haru
+from tests.support.demo import chat, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 

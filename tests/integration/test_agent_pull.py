@@ -11,9 +11,8 @@ import pytest
 
 from haru.core import subjects
 from haru.core.events import ModelFailed, ModelLoading, ModelPulling, ModelResident
-from tests.integration.test_models_pull import build_registry
 from tests.support.llama import llama_binary, llama_model, real_fleet, real_layout
-from tests.support.models_registry import Server
+from tests.support.models_registry import Server, build_registry
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(120)]
 

@@ -23,7 +23,6 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import pytest
-from test_deploy_cluster import REPO, cluster, haru_cli, now  # noqa: F401 - `cluster` is the module's fixture
 
 from haru.core import authority, subjects
 from haru.core.apply import apply
@@ -35,9 +34,10 @@ from haru.host.tasks import cancel_and_wait
 from haru.log.history import Verifier, misplaced_records
 from haru.projections.projector import Projector
 from haru.promoter import request_operation
+from tests.support.authority import build
+from tests.support.cluster import haru_cli, now
 from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view
 from tests.support.promoter_fake import FakeAgent, layout
-from tests.unit.test_authority import build
 
 pytestmark = pytest.mark.timeout(120)
 

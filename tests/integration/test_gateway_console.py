@@ -17,7 +17,7 @@ from haru.core.events import AgentStarted, FailureSignalled, ModelLoading, Model
 from haru.gateway import Gateway, GatewayConfig
 from haru.host.tasks import cancel_and_wait
 from haru.projections.projector import Projector
-from tests.integration.test_gateway_control import MODEL, echo_upstream, layout, wait_for
+from tests.support.control import MODEL, echo_upstream, layout, wait_for
 
 TOKEN = "console-token"
 
@@ -156,7 +156,7 @@ async def test_operations_why_and_verify(fleet):
 @pytest.mark.timeout(120)
 async def test_the_page_says_when_it_is_disconnected_and_reconnects_by_itself(fleet, tmp_path):
     """The second (and last) browser test: the gateway goes away under an open console and comes back."""
-    from tests.e2e.test_observe_demo import CHROMIUM, CHROMIUM_ARGS, need_chromium
+    from tests.support.chromium import CHROMIUM, CHROMIUM_ARGS, need_chromium
 
     need_chromium()
     from playwright.async_api import async_playwright, expect

@@ -20,18 +20,7 @@ from aiohttp import web
 from haru.core.residency import Answer, Loading, Lost, Resident, Sleeping
 from haru.core.specs import Policy
 from haru.core.views import FleetView, OperationView
-from tests.integration.test_gateway import (
-    CHAT,
-    MODEL,
-    Fleet,
-    _get_text,
-    intent_of,
-    running_gateway,
-    sdk,
-    upstreams,  # noqa: F401  (a fixture)
-    view_of,
-    wait_for,
-)
+from tests.support.gateway import CHAT, MODEL, Fleet, _get_text, intent_of, running_gateway, sdk, view_of, wait_for
 
 FAST = Policy(heartbeat_timeout_ms=500)
 

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.integration.test_gateway import MODEL, Fleet, intent_of, running_gateway, view_of
+from tests.support.gateway import MODEL, Fleet, intent_of, running_gateway, view_of
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -22,19 +22,7 @@ from haru.host.natsd import NatsServer
 from haru.host.tasks import cancel_and_wait
 from haru.projections.projector import Projector
 from haru.promoter.service import run_promoter
-from tests.integration.test_gateway import (  # noqa: F401 - fixtures
-    CHAT,
-    MODEL,
-    Fleet,
-    _get,
-    _raw,
-    gw,
-    intent_of,
-    now,
-    running_gateway,
-    upstreams,
-    view_of,
-)
+from tests.support.gateway import CHAT, MODEL, Fleet, _get, _raw, intent_of, now, running_gateway, view_of
 
 pytestmark = pytest.mark.timeout(90)
 CHAT_JSON = json.dumps(CHAT)

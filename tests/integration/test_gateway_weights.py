@@ -16,18 +16,7 @@ from haru.core import subjects
 from haru.core.residency import Answer
 from haru.core.views import RouteIntent, Target, Weighted
 from haru.core.weights import report_decoder
-from tests.integration.test_gateway import (  # noqa: F401 - fixtures
-    MODEL,
-    SMALL,
-    Fleet,
-    Upstream,
-    gw,
-    intent_of,
-    running_gateway,
-    upstreams,
-    view_of,
-    wait_for,
-)
+from tests.support.gateway import MODEL, SMALL, Fleet, Upstream, intent_of, running_gateway, view_of, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 N = 2000

@@ -15,7 +15,7 @@ from haru.core.apply import apply
 from haru.core.events import ProvisionRequested, TeardownRequested
 from haru.core.layout import load_layout
 from haru.gateway import Gateway, GatewayConfig
-from tests.unit.test_provision_yaml import EXAMPLE
+from tests.support.provision import EXAMPLE
 
 TOKEN = "s3cret-token"
 

@@ -18,7 +18,7 @@ from haru.core import subjects
 from haru.core.apply import apply
 from haru.core.events import RouteMoved
 from haru.host.natsd import free_port
-from tests.integration.test_gateway_control import layout
+from tests.support.control import layout
 
 
 def scrape(port: int) -> dict[str, list]:
