@@ -10,12 +10,8 @@ import sys
 import pytest
 
 from haru.host.natsd import free_port
-from tests.support.demo import (
-    REPO,
-    demo_layout_with_free_ports,
-    stop_and_reap,
-    wait_for,
-)
+from tests.support.demo import REPO, demo_layout_with_free_ports, stop_and_reap
+from tests.support.wait import wait_until_sync
 
 
 @pytest.fixture
@@ -51,7 +47,13 @@ def demo(tmp_path):
     )
     tree: set[int] = set()
     try:
-        info = wait_for("haru up to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 60)
+        info = wait_until_sync(
+            lambda: ready.exists() and json.loads(ready.read_text()),
+            60,
+            interval_s=0.25,
+            what="haru up to be ready",
+            retry_on=(Exception,),
+        )
         info["home"] = home
         info["env"] = env
         info["proc"] = proc

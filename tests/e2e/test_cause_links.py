@@ -24,7 +24,8 @@ from haru.promoter.requests import request_operation
 from tests.support import haru
 from tests.support.agent_harness import sim_fault
 from tests.support.failover_sim import FLEET, _endpoint, serving, sim, sim_agents, steady
-from tests.support.promoter import op_events, promoters, view_of, wait_until, wait_view
+from tests.support.promoter import op_events, promoters, view_of, wait_view
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -138,7 +139,7 @@ async def test_every_producer_cites_the_event_that_caused_it(tmp_path, nats_serv
             async def aborted():
                 return any(isinstance(e, ev.OperationAborted) for e in await op_events(event_log, FLEET, failing.op_id))
 
-            await wait_until(aborted, timeout=60, what="the abort")
+            await wait_until(aborted, 60, what="the abort")
             await wait_view(
                 event_log, lambda v: v.operation is None, timeout=60, fleet=FLEET, what="no operation in flight"
             )

@@ -18,7 +18,8 @@ from tests.support.failover_sim import (
     sim_agents,
     steady,
 )
-from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_until, wait_view
+from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_view
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,7 +80,7 @@ async def _inject_when_started(log, step: str, fault: str) -> None:
             isinstance(e, StepStarted) and e.step == step and e.op_id == failover[0] for e in events
         )
 
-    await wait_until(started, timeout=30, every=0.02, what=f"{step} started")
+    await wait_until(started, 30, interval_s=0.02, what=f"{step} started")
     await sim_fault(await _endpoint(log), fault)
 
 
@@ -92,7 +93,7 @@ async def test_a_standby_that_fails_before_the_flip_aborts_and_the_pointer_stays
     async def aborted():
         return next((e for e in await op_events(log, FLEET) if isinstance(e, OperationAborted)), None)
 
-    end = await wait_until(aborted, timeout=40, what="the aborted promotion")
+    end = await wait_until(aborted, 40, what="the aborted promotion")
     assert end.step == step, end
     failed = [e for e in await op_events(log, FLEET, end.op_id) if isinstance(e, StepFailed)]
     assert [f.step for f in failed] == [step]

@@ -15,13 +15,8 @@ import pytest
 from openai import OpenAI
 
 from tests.support import haru
-from tests.support.demo import (
-    alive,
-    chat,
-    descendants,
-    events_left_alone,
-    wait_for,
-)
+from tests.support.demo import alive, chat, descendants, events_left_alone
+from tests.support.wait import wait_until_sync
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,7 +26,9 @@ def test_demo_chats_fails_over_and_stops_cleanly(demo):
     client = OpenAI(base_url=demo["gateway_url"] + "/v1", api_key="unused", max_retries=0, timeout=20)
 
     # Within seconds the first domain is probed and routed: chat works, from domain a.
-    first = wait_for("chat through the gateway", lambda: chat(client, "qwen3-0.6b"), 60)
+    first = wait_until_sync(
+        lambda: chat(client, "qwen3-0.6b"), 60, interval_s=0.25, what="chat through the gateway", retry_on=(Exception,)
+    )
     assert first.startswith("[domain a]"), first
     assert chat(client, "Qwen/Qwen3-4B-Instruct").startswith("[domain a]")
 
@@ -44,7 +41,7 @@ def test_demo_chats_fails_over_and_stops_cleanly(demo):
         training = any(t["running"] for t in b["training"].values())
         return asleep and training and view["active"] == "a"
 
-    wait_for("the standby asleep and training", standby_settled, 60)
+    wait_until_sync(standby_settled, 60, interval_s=0.25, what="the standby asleep and training", retry_on=(Exception,))
     status = haru("status", nats_url=nats_url, env=env)
     assert status.returncode == 0, status.stderr
     assert "resident for" in status.stdout and "asleep" in status.stdout
@@ -53,11 +50,12 @@ def test_demo_chats_fails_over_and_stops_cleanly(demo):
     detach = haru("sim", "detach-gpu", "a", env=env)
     assert detach.returncode == 0, detach.stderr
 
-    answer = wait_for(
-        "chat answered by the other domain",
+    answer = wait_until_sync(
         lambda: (lambda a: a if a.startswith("[domain b]") else None)(chat(client, "qwen3-0.6b")),
         60,
-        0.5,
+        interval_s=0.5,
+        what="chat answered by the other domain",
+        retry_on=(Exception,),
     )
     assert answer.startswith("[domain b]")
 
@@ -123,7 +121,7 @@ def test_the_demo_left_alone_settles(demo):
             and any(t["running"] for t in b["training"].values())
         )
 
-    wait_for("the standby asleep and training", settled, 90)
+    wait_until_sync(settled, 90, interval_s=0.25, what="the standby asleep and training", retry_on=(Exception,))
     time.sleep(2)
     appended = events_left_alone(env, nats_url)
     print("appended while left alone:", appended)

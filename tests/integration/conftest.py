@@ -17,9 +17,10 @@ from haru.host.tasks import cancel_and_wait
 from haru.projections.projector import Projector
 from tests.support.agent_harness import AgentProcess, agent_env
 from tests.support.cluster import DEPLOY, REPO, start_cluster
-from tests.support.control import echo_upstream, layout, wait_for
+from tests.support.control import echo_upstream, layout
 from tests.support.gateway import Upstream, running_gateway
 from tests.support.log_world import log_kind, world  # noqa: F401 - fixtures: a scenario on either log
+from tests.support.wait import wait_until
 
 
 @pytest.fixture
@@ -98,7 +99,7 @@ async def ops(event_log):
     projector = asyncio.create_task(Projector(event_log).run())
     try:
         async with Gateway(GatewayConfig(port=0), event_log) as gw:
-            await wait_for(lambda: (r := gw.table.get("ops")) is not None and r.active == "a")
+            await wait_until(lambda: (r := gw.table.get("ops")) is not None and r.active == "a", 10.0, interval_s=0.01)
             yield gw, event_log
     finally:
         await cancel_and_wait(projector)

@@ -35,9 +35,11 @@ from haru.log.history import Verifier, misplaced_records
 from haru.projections.projector import Projector
 from haru.promoter import request_operation
 from tests.support.authority import build
-from tests.support.cluster import haru_cli, now
-from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view
+from tests.support.clock import now
+from tests.support.cluster import haru_cli
+from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_op_end, wait_view
 from tests.support.promoter_fake import FakeAgent, layout
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

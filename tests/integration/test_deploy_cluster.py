@@ -39,6 +39,7 @@ from haru.core.specs import Policy
 from haru.core.views import RouteIntent, Target, view_encoder
 from haru.host.natsd import find_binary, free_port
 from haru.log.eventlog import EventLog
+from tests.support.clock import now
 from tests.support.cluster import (
     DEPLOY,
     GEN_ARGS,
@@ -47,7 +48,6 @@ from tests.support.cluster import (
     Node,
     ensure_r3,
     haru_cli,
-    now,
     read_env,
     rewrite,
     start_cluster,

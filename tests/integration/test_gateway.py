@@ -19,6 +19,7 @@ import pytest
 from haru.core import subjects
 from haru.core.residency import Answer, Loading, Lost, NotAdmitted, Resident, Sleeping
 from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, view_encoder
+from tests.support.clock import now
 from tests.support.gateway import (
     CHAT,
     MODEL,
@@ -31,12 +32,11 @@ from tests.support.gateway import (
     _get_text,
     _raw,
     intent_of,
-    now,
     running_gateway,
     sdk,
     view_of,
-    wait_for,
 )
+from tests.support.wait import wait_until
 
 # ------------------------------------------------------------------------------------ upstream
 
@@ -334,7 +334,7 @@ async def test_promotion_during_traffic(gw, two_domains):
     # a long stream on a, in flight while the pointer moves
     body = json.dumps({"model": MODEL, "messages": CHAT, "stream": True, "chunks": 12, "gap": 0.05}).encode()
     old_stream = asyncio.create_task(_raw(gw.url + "/v1/chat/completions", body))
-    await wait_for(lambda: len(a.received) == 1)
+    await wait_until(lambda: len(a.received) == 1, 5.0, interval_s=0.005)
 
     seen: list[str] = []
     stop = asyncio.Event()
@@ -347,7 +347,7 @@ async def test_promotion_during_traffic(gw, two_domains):
                     seen.append(r.headers["X-Haru-Domain"])
 
     load = asyncio.create_task(traffic())
-    await wait_for(lambda: len(seen) >= 5)
+    await wait_until(lambda: len(seen) >= 5, 5.0, interval_s=0.005)
     await fleet.publish(intent_of("default", "b", b.url, revision=7))
     # the very next request goes to b
     status, data, _ = await _raw(
@@ -355,7 +355,7 @@ async def test_promotion_during_traffic(gw, two_domains):
     )
     assert status == 200 and b"[domain b]" in data
     n = len(seen)
-    await wait_for(lambda: len(seen) >= n + 5)
+    await wait_until(lambda: len(seen) >= n + 5, 5.0, interval_s=0.005)
     stop.set()
     await load
     # once b answered, a never did again
@@ -416,7 +416,8 @@ async def test_header_timeout_is_504_and_honored_exactly(event_log, upstreams):
         assert info.value.status_code == 504 and info.value.code == "upstream_timeout"
         assert "HARU_CHAT_HEADER_TIMEOUT_MS (300 ms)" in info.value.body["message"]
         assert 0.29 <= took < 4.5  # the bound, not the upstream's 5 s
-        await wait_for(lambda: up.cancelled == 1)  # the upstream request was dropped, not left running
+        # the upstream request was dropped, not left running
+        await wait_until(lambda: up.cancelled == 1, 5.0, interval_s=0.005)
         # a quiet stream is not cut: 1 s of silence mid-generation, well past the header timeout
         async with sdk(gw) as client:
             stream = await client.chat.completions.create(
@@ -425,7 +426,12 @@ async def test_header_timeout_is_504_and_honored_exactly(event_log, upstreams):
             texts = [c.choices[0].delta.content async for c in stream]
         assert texts == ["[domain a]", " tok1", " tok2"]
     async with running_gateway(event_log, header_timeout_ms=3000) as gw:
-        await wait_for(lambda: gw.table.get("default") is not None and gw.table.get("default").intent is not None)
+        # applied by the resync loop
+        await wait_until(
+            lambda: gw.table.get("default") is not None and gw.table.get("default").intent is not None,
+            5.0,
+            interval_s=0.005,
+        )
         async with sdk(gw) as client:  # headers after 1 s: within a 3 s bound, so served
             reply = await client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"header_delay": 1.0})
         assert reply.choices[0].message.content == "[domain a] hi"
@@ -452,11 +458,19 @@ async def test_client_disconnect_cancels_the_upstream_request(gw, two_domains):
         r = await s.post(gw.url + "/v1/chat/completions", data=body)
         first = await r.content.readany()
         assert b"[domain a]" in first
-        await wait_for(lambda: 'haru_gateway_inflight_streams{fleet="default"} 1.0' in gw.metrics.render().decode())
+        await wait_until(
+            lambda: 'haru_gateway_inflight_streams{fleet="default"} 1.0' in gw.metrics.render().decode(),
+            5.0,
+            interval_s=0.005,
+        )
         r.close()  # drop the connection mid-stream
-    await wait_for(lambda: a.cancelled == 1, timeout=3)
+    await wait_until(lambda: a.cancelled == 1, 3, interval_s=0.005)
     assert a.completed == 0
-    await wait_for(lambda: 'haru_gateway_inflight_streams{fleet="default"} 0.0' in gw.metrics.render().decode())
+    await wait_until(
+        lambda: 'haru_gateway_inflight_streams{fleet="default"} 0.0' in gw.metrics.render().decode(),
+        5.0,
+        interval_s=0.005,
+    )
 
 
 async def test_a_waiting_client_that_leaves_cancels_the_upstream(gw, two_domains):
@@ -464,11 +478,11 @@ async def test_a_waiting_client_that_leaves_cancels_the_upstream(gw, two_domains
     body = json.dumps({"model": MODEL, "messages": CHAT, "header_delay": 5}).encode()
     async with aiohttp.ClientSession() as s:
         task = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", data=body))
-        await wait_for(lambda: len(a.received) == 1)
+        await wait_until(lambda: len(a.received) == 1, 5.0, interval_s=0.005)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    await wait_for(lambda: a.cancelled == 1, timeout=3)
+    await wait_until(lambda: a.cancelled == 1, 3, interval_s=0.005)
 
 
 # ------------------------------------------------------------------------------------- auth
@@ -583,7 +597,11 @@ async def test_metrics_exposition(gw, two_domains):
 
 async def test_two_gateways_in_one_process_keep_their_own_metrics(event_log, gw, two_domains):
     async with running_gateway(event_log) as other:
-        await wait_for(lambda: other.table.get("default") is not None and other.table.get("default").intent is not None)
+        await wait_until(
+            lambda: other.table.get("default") is not None and other.table.get("default").intent is not None,
+            5.0,
+            interval_s=0.005,
+        )
         async with sdk(gw) as client:
             await client.chat.completions.create(model=MODEL, messages=CHAT)
         assert 'status="200"' in gw.metrics.render().decode()
@@ -597,7 +615,9 @@ async def test_gateway_started_after_the_projector_sees_current_state(event_log,
     )
     await event_log.publish_intent("late", view_encoder.encode(intent_of("late", "a", up.url, revision=3)), expect=0)
     async with running_gateway(event_log) as gw:
-        await wait_for(lambda: gw.table.get("late") is not None and gw.table.get("late").revision == 3)
+        await wait_until(
+            lambda: gw.table.get("late") is not None and gw.table.get("late").revision == 3, 5.0, interval_s=0.005
+        )
         async with sdk(gw, fleet="late") as client:
             reply = await client.chat.completions.create(model=MODEL, messages=CHAT)
         assert reply.choices[0].message.content == "[domain a] hi"
@@ -855,7 +875,7 @@ async def test_a_slow_reader_slows_the_upstream_instead_of_filling_memory(gw, tw
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body) + body
         )
-        await wait_for(lambda: a.written > 0)
+        await wait_until(lambda: a.written > 0, 5.0, interval_s=0.005)
         await asyncio.sleep(1.0)  # the client reads nothing meanwhile
         stalled = a.written
         # what is in flight is bounded by socket buffers and the gateway's high-water mark, not 96 MiB
@@ -899,7 +919,7 @@ async def test_routing_survives_a_nats_restart(event_log, nats_server, gw, two_d
             except Exception:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.2)
-        await wait_for(lambda: gw.table.get("default").active == "b", timeout=10)  # resync: every 2 s
+        await wait_until(lambda: gw.table.get("default").active == "b", 10, interval_s=0.005)  # resync: every 2 s
         status, data, _ = await _raw(
             gw.url + "/v1/chat/completions", json.dumps({"model": MODEL, "messages": CHAT}).encode()
         )
@@ -919,10 +939,10 @@ async def test_a_watch_that_stops_delivering_is_caught_up_and_restarted(event_lo
         fleet.intent_seq = await event_log.publish_intent(
             "default", view_encoder.encode(intent_of("default", "b", b.url, revision=5)), expect=fleet.intent_seq
         )
-        await wait_for(lambda: gw.table.get("default").active == "b")  # applied by the resync loop
-        await wait_for(lambda: gw.follower.restarts == 1)  # and the watch restarted
+        await wait_until(lambda: gw.table.get("default").active == "b", 5.0, interval_s=0.005)
+        await wait_until(lambda: gw.follower.restarts == 1, 5.0, interval_s=0.005)  # and the watch restarted
         fleet.intent_seq = await event_log.publish_intent(
             "default", view_encoder.encode(intent_of("default", "a", a.url, revision=6)), expect=fleet.intent_seq
         )
-        await wait_for(lambda: gw.table.get("default").active == "a")
+        await wait_until(lambda: gw.table.get("default").active == "a", 5.0, interval_s=0.005)
         assert gw.follower.restarts == 1

@@ -11,7 +11,8 @@ from datetime import UTC, datetime
 from haru.core import subjects
 from haru.core.events import ModelLoading, ModelLost, ModelResident
 from haru.gateway import Forward, Gateway
-from tests.support.control import MODEL, call, wait_for
+from tests.support.control import MODEL, call
+from tests.support.wait import wait_until
 
 
 def code_now(gw: Gateway) -> str:
@@ -37,15 +38,15 @@ async def test_routing_follows_residency_as_the_projector_folds_it(ops):
     subject = subjects.model("ops", "a", MODEL)
     now = datetime.now(UTC)
     seq = await log.append(subject, ModelLoading(at=now, domain="a", model=MODEL), expect=0)
-    await wait_for(lambda: code_now(gw) == "model_warming")
+    await wait_until(lambda: code_now(gw) == "model_warming", 10.0, interval_s=0.01)
     status, body = await chat(gw)
     assert status == 503 and body["error"]["code"] == "model_warming"
     seq = await log.append(subject, ModelResident(at=now, domain="a", model=MODEL, warmup_ms=5), expect=seq)
-    await wait_for(lambda: code_now(gw) == "")
+    await wait_until(lambda: code_now(gw) == "", 10.0, interval_s=0.01)
     status, body = await chat(gw)
     assert status == 200 and body["choices"][0]["message"]["content"] == "[domain a]"
     await log.append(subject, ModelLost(at=now, domain="a", model=MODEL, reason="gpu_detached"), expect=seq)
-    await wait_for(lambda: code_now(gw) == "gpu_detached")
+    await wait_until(lambda: code_now(gw) == "gpu_detached", 10.0, interval_s=0.01)
     status, body = await chat(gw)
     assert status == 503 and "not the operator's doing" in body["error"]["message"]
 
@@ -175,9 +176,10 @@ async def test_reconcile_answers_with_what_the_continuous_promoter_decided(ops):
         ),
         expect=(await log.last(subjects.op("ops"))).seq if await log.last(subjects.op("ops")) else 0,
     )
-    await wait_for(
-        lambda: (r := gw.table.get("ops")) is not None and r.view is not None and r.view.seq >= seq, timeout=30
-    )  # the projector folds it, then the gateway's watch sees the view: slow on a busy box
+    # the projector folds it, then the gateway's watch sees the view: slow on a busy box
+    await wait_until(
+        lambda: (r := gw.table.get("ops")) is not None and r.view is not None and r.view.seq >= seq, 30, interval_s=0.01
+    )
     status, body = await call(gw, "POST", "/v1/fleets/ops/reconcile")
     assert status == 200 and body["declined"]["why"].startswith("a unreachable") and body["declined"]["at"]
     status, body = await call(gw, "GET", "/v1/fleets/ops/reconcile")

@@ -20,7 +20,8 @@ from aiohttp import web
 from haru.core.residency import Answer, Loading, Lost, Resident, Sleeping
 from haru.core.specs import Policy
 from haru.core.views import FleetView, OperationView
-from tests.support.gateway import CHAT, MODEL, Fleet, _get_text, intent_of, running_gateway, sdk, view_of, wait_for
+from tests.support.gateway import CHAT, MODEL, Fleet, _get_text, intent_of, running_gateway, sdk, view_of
+from tests.support.wait import wait_until
 
 FAST = Policy(heartbeat_timeout_ms=500)
 
@@ -129,7 +130,7 @@ async def test_a_request_for_a_lost_model_is_held_and_sent_to_the_new_active(gw,
     await two.route_to_a(answers=LOST)
 
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     assert not pending.done()
     await two.move_to_b()
     status, headers, data = await pending
@@ -145,7 +146,7 @@ async def test_a_model_the_active_reloads_sooner_than_a_failover_is_waited_for_i
     quick = dict(wake_ms=40_000, reload_ms=300)
     await two.route_to_a(answers=LOST, **quick)
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     await two.view(seq=2, active_state=Resident(since=datetime.now(UTC)), **quick)  # back: the view first
     assert not pending.done()
     await two.fleet.publish(intent_of("default", "a", two.a.url, revision=1, models=(MODEL,)))  # then the intent
@@ -185,7 +186,7 @@ async def test_a_hold_ends_at_once_when_the_promotion_aborts(gw, two):
         answers=LOST, intent_op="op1", operation=op, policy=msgspec.structs.replace(FAST, hold_ms=20_000)
     )
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     aborted = msgspec.structs.replace(op, state="aborted", error="wake: out of memory", finished_at=datetime.now(UTC))
     await two.view(seq=2, last_operation=aborted, policy=msgspec.structs.replace(FAST, hold_ms=20_000))
     status, _, data = await asyncio.wait_for(pending, 5)
@@ -195,9 +196,9 @@ async def test_a_hold_ends_at_once_when_the_promotion_aborts(gw, two):
 async def test_a_held_request_whose_client_leaves_is_dropped_at_once(gw, two):
     await two.route_to_a(answers=LOST)
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     pending.cancel()
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 0)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 0, 5.0, interval_s=0.005)
     await two.move_to_b()
     await asyncio.sleep(0.2)
     assert two.b.received == []  # it never reached the new active
@@ -208,7 +209,7 @@ async def test_a_held_request_whose_client_leaves_is_dropped_at_once(gw, two):
 async def test_requests_beyond_the_hold_cap_are_answered_at_once(gw, two):
     await two.route_to_a(answers=LOST, policy=msgspec.structs.replace(FAST, hold_max_requests=1))
     first = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     status, _, _ = await post(gw, {"model": MODEL, "messages": CHAT}, timeout=2)
     assert status == 503
     await two.move_to_b()
@@ -223,7 +224,7 @@ async def test_a_request_to_a_dead_domain_is_sent_once_more_to_the_new_active(gw
     await two.a.stop()  # the host died: connection refused
 
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     await two.move_to_b()
     status, headers, data = await pending
     assert status == 200 and b"[domain b]" in data
@@ -293,7 +294,7 @@ async def test_a_runtime_gone_answer_is_sent_once_more_to_the_new_active(event_l
     two = TwoDomains(event_log, gw, await servers(GoneUpstream()), await upstreams("b"))
     await two.route_to_a()
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     await two.move_to_b()
     status, headers, data = await pending
     assert status == 200 and b"[domain b]" in data and headers["X-Haru-Retried"] == "a; runtime_gone"
@@ -309,7 +310,7 @@ async def test_a_request_whose_runtime_died_goes_once_more_where_it_is_back_with
     slow = dict(policy=msgspec.structs.replace(FAST, hold_ms=20_000))
     await two.route_to_a(active_state=Resident(since=datetime(2026, 1, 1, tzinfo=UTC)), **slow)
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}, timeout=5))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     two.a.back = True
     await two.view(seq=2, active_state=Resident(since=datetime.now(UTC)), **slow)
     status, headers, data = await pending
@@ -326,7 +327,7 @@ async def test_a_request_whose_runtime_died_waits_for_the_reload_when_the_standb
     two = TwoDomains(event_log, gw, await servers(GoneUpstream()), await upstreams("b"))
     await two.route_to_a(active_state=Resident(since=datetime(2026, 1, 1, tzinfo=UTC)), reload_ms=300)
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}, timeout=10))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     await two.view(
         seq=2,
         reload_ms=300,
@@ -458,7 +459,7 @@ async def test_a_stream_cut_mid_generation_is_continued_on_the_new_active(event_
     two = await _stream_fleet(event_log, gw, servers, a, b, runtime)
 
     async def move_when_cut() -> None:
-        await wait_for(lambda: len(a.bodies) == 1)
+        await wait_until(lambda: len(a.bodies) == 1, 5.0, interval_s=0.005)
         await asyncio.sleep(0.2)
         await two.move_to_b()
 
@@ -526,7 +527,7 @@ async def test_a_cut_with_nowhere_to_continue_ends_with_an_error_event_not_a_sil
     await b.stop()
 
     async def host_dies() -> None:  # after the cut, a refuses connections: nothing can continue it
-        await wait_for(lambda: len(a.bodies) == 1)
+        await wait_until(lambda: len(a.bodies) == 1, 5.0, interval_s=0.005)
         await a.stop()
 
     dying = asyncio.create_task(host_dies())

@@ -26,7 +26,8 @@ from haru.host.tasks import cancel_and_wait
 from haru.log.route import RouteWatcher
 from haru.log.seam import Log
 from haru.projections.projector import Projector
-from tests.support.projector import MODELS, F, Writer, declare, now, stored_view, wait_view_seq
+from tests.support.clock import now
+from tests.support.projector import MODELS, F, Writer, declare, stored_view, wait_view_seq
 
 HARU = str(Path(sys.executable).parent / "haru")
 

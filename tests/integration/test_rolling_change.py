@@ -19,9 +19,10 @@ from haru.core.events import OperationAborted, OperationCompleted, RollingReques
 from haru.log.bus import send
 from haru.promoter.decider import flow
 from tests.support import haru
-from tests.support.promoter import describe, op_events, wait_op_end, wait_until, wait_view
+from tests.support.promoter import describe, op_events, wait_op_end, wait_view
 from tests.support.rolling import apply_cli, context_4096, rolling_fleet, rolling_op_id
 from tests.support.sim_fleet import FLEET, ChatLoad, edit_layout, residency_tags, tags_become
+from tests.support.wait import wait_until
 
 
 async def started(event_log, op_id: str, step: str) -> StepStarted | None:
@@ -104,9 +105,7 @@ async def test_a_promoter_killed_in_the_middle_of_a_rolling_change_is_resumed_by
         assert out.returncode == 0, out.stderr
         op_id = await rolling_op_id(event_log)
         # killed while it runs the old active's apply: after the flip, so it can only go forward
-        await wait_until(
-            lambda: started(event_log, op_id, "apply_old_active"), timeout=90, what="apply_old_active started"
-        )
+        await wait_until(lambda: started(event_log, op_id, "apply_old_active"), 90, what="apply_old_active started")
         fleet.promoter.kill()
         await asyncio.sleep(1.5)
         assert (await wait_view(event_log, lambda v: True, fleet=FLEET)).operation is not None  # nobody drives it
@@ -129,7 +128,7 @@ async def test_a_rolling_change_is_one_in_flight_and_abortable_before_the_flip(t
         out = await apply_cli(nats_server.url, fleet.layout)
         assert out.returncode == 0, out.stderr
         op_id = await rolling_op_id(event_log)
-        await wait_until(lambda: started(event_log, op_id, "stop_training"), timeout=60, what="stop_training started")
+        await wait_until(lambda: started(event_log, op_id, "stop_training"), 60, what="stop_training started")
         # one operation in flight per fleet: another kind conflicts, the same one joins
         other = await asyncio.to_thread(haru, "promote", "a", "--fleet", FLEET, nats_url=nats_server.url)
         assert other.returncode == 4 and op_id in other.stdout and "in flight" in other.stderr, (

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -23,14 +22,11 @@ from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.core.views import view_encoder
 from haru.host.tasks import cancel_and_wait
 from haru.log.route import RouteWatcher
+from tests.support.clock import now
 
 F = "default"
 M = "qwen3.6:27b"
 HARU = str(Path(sys.executable).parent / "haru")
-
-
-def now() -> datetime:
-    return datetime.now(UTC)
 
 
 async def declare(log) -> dict[str, int]:

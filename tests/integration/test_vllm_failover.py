@@ -17,8 +17,9 @@ import pytest
 from haru.core import subjects
 from haru.core.residency import Resident
 from tests.support.llama import real_fleet, real_layout
-from tests.support.promoter import wait_until, wait_view
+from tests.support.promoter import wait_view
 from tests.support.vllm import START_S, kill_runtime_groups, tiny_hf_model, tiny_lora, vllm_binary, vllm_model
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3 * START_S)]
 FLEET = "default"
@@ -206,4 +207,4 @@ async def chat_and_failover(tmp_path, nats_server, event_log, layout) -> None:
                 status, raw, _ = await chat_json(s, gw.url)
                 return status == 200 and stable(json.loads(raw)) == stable(json.loads(from_b))
 
-            await wait_until(answered_by_b, timeout=60, every=0.5, what="chat answered by b's vLLM")
+            await wait_until(answered_by_b, 60, interval_s=0.5, what="chat answered by b's vLLM")

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from datetime import UTC, datetime
 from pathlib import Path
 
 import nats
@@ -31,10 +30,6 @@ DEPLOY = REPO / "deploy" / "nats"
 
 # How the shipped accounts.conf and nats.env.example were generated (their header says so too).
 GEN_ARGS = ["deploy/examples/demo-fleet.json", "deploy/examples/hearth.json", "--agent", "edge:box-1"]
-
-
-def now() -> datetime:
-    return datetime.now(UTC)
 
 
 def read_env(path: Path) -> dict[str, str]:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import aiohttp
 from aiohttp import web
 
@@ -35,13 +32,6 @@ async def echo_upstream(domain: str):
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-
-async def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def call(gw: Gateway, method: str, path: str, body: bytes | None = None, **headers: str) -> tuple[int, dict]:

@@ -34,20 +34,6 @@ def demo_layout_with_free_ports(dst: Path, src: str = "demo-fleet.json") -> Path
     return dst
 
 
-def wait_for(what: str, check, timeout: float = 60.0, every: float = 0.25):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-            if last:
-                return last
-        except Exception as exc:  # noqa: BLE001 - keep polling; report the last failure
-            last = exc
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
-
-
 def descendants(pid: int) -> set[int]:
     """Every process below `pid` (not `pid` itself), by the agents' own process-tree helper."""
     return set(process_tree({pid}, read_parents())) - {pid}

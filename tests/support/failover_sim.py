@@ -5,7 +5,6 @@ say it is steady or serving.
 from __future__ import annotations
 
 import contextlib
-from datetime import UTC, datetime
 
 from haru.core import subjects
 from haru.core.apply import apply
@@ -13,6 +12,7 @@ from haru.core.layout import load_layout
 from haru.core.residency import Resident, Sleeping
 from tests.support import haru
 from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, write_config, write_layout
+from tests.support.clock import now
 
 FLEET = "f"
 
@@ -27,10 +27,6 @@ POLICY = {
     "command_timeout_ms": 10000,
     "training_grace_ms": 500,
 }
-
-
-def now():
-    return datetime.now(UTC)
 
 
 def asleep_and_training(view, domain: str) -> bool:

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import time
-from datetime import UTC, datetime
 
 import aiohttp
 import openai
@@ -18,6 +17,8 @@ from haru.core import subjects
 from haru.core.residency import Answer, Resident
 from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target, view_encoder
 from haru.gateway import Gateway, GatewayConfig
+from tests.support.clock import now
+from tests.support.wait import wait_until
 
 MODEL = "qwen3.6:27b"
 
@@ -140,10 +141,6 @@ class Upstream:
             raise
 
 
-def now() -> datetime:
-    return datetime.now(UTC)
-
-
 def view_of(
     fleet: str, urls: dict[str, str], *, active: str, models=(MODEL, SMALL), seq: int = 1, residency=None
 ) -> FleetView:
@@ -197,22 +194,18 @@ class Fleet:
         self.view_rev = await self.log.put_view(
             subjects.view_key(self.name), view_encoder.encode(view), last=self.view_rev
         )
-        await wait_for(
-            lambda: (r := self.gw.table.get(self.name)) is not None and r.view is not None and r.view.seq == view.seq
+        await wait_until(
+            lambda: (r := self.gw.table.get(self.name)) is not None and r.view is not None and r.view.seq == view.seq,
+            5.0,
+            interval_s=0.005,
         )
 
     async def publish(self, intent: RouteIntent) -> None:
         self.intent_seq = await self.log.publish_intent(self.name, view_encoder.encode(intent), expect=self.intent_seq)
         seq = self.intent_seq
-        await wait_for(lambda: (r := self.gw.table.get(self.name)) is not None and r.intent_seq == seq)
-
-
-async def wait_for(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.005)
+        await wait_until(
+            lambda: (r := self.gw.table.get(self.name)) is not None and r.intent_seq == seq, 5.0, interval_s=0.005
+        )
 
 
 @contextlib.asynccontextmanager

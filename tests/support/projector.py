@@ -5,7 +5,6 @@ view, read back.
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
 
 from haru.core import events as ev
 from haru.core import subjects as sj
@@ -13,15 +12,12 @@ from haru.core.sizes import GiB
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.core.views import view_decoder
 from haru.log.seam import Log
+from tests.support.clock import now
 
 F = "default"
 
 
 MODELS = ("qwen3.6:27b", "llama-8b")
-
-
-def now() -> datetime:
-    return datetime.now(UTC)
 
 
 async def declare(log: Log, fleet: str = F) -> None:

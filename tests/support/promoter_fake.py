@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from datetime import UTC, datetime
 
 import msgspec
 from nats.micro import add_service
@@ -35,12 +34,9 @@ from haru.core.events import (
 from haru.core.layout import parse_layout
 from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import EventLog
+from tests.support.clock import now
 
 _pids = itertools.count(40_000)
-
-
-def now() -> datetime:
-    return datetime.now(UTC)
 
 
 def layout(
