@@ -387,7 +387,7 @@ class Holder:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.LimitOverrunError:
-            raise _Refused(400, "invalid_request", f"the request head is over {MAX_HEAD} bytes")
+            raise _Refused(400, "invalid_request", f"the request head is over {MAX_HEAD} bytes") from None
         lines = head.decode("latin-1").split("\r\n")
         try:
             method, target, _version = lines[0].split(" ", 2)

@@ -80,7 +80,7 @@ def _result_json(result: ApplyResult) -> dict:
         "last_seq": result.last_seq,
         "changes": [
             {"type": tag_of(e), **payload(e), "seq": s}
-            for e, s in zip(result.events, result.seqs or [0] * len(result.events))
+            for e, s in zip(result.events, result.seqs or [0] * len(result.events), strict=True)
         ],
         "admitted": [
             {"domain": v.domain, "kind": v.kind, "name": v.name, "gpu_index": v.gpu_index, "vram_bytes": v.vram_bytes}
@@ -222,7 +222,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
 
                 cause = next(
                     s
-                    for e, s in zip(result.events, result.seqs)
+                    for e, s in zip(result.events, result.seqs, strict=True)
                     if isinstance(e, ModelChanged) and f"{e.domain}/{e.spec.name}" in waiting
                 )
                 rolling = await request_operation(

@@ -168,7 +168,7 @@ async def fleet_by_uuid(nats_url: str, creds: str | None, wanted: str) -> str:
 
     wanted = as_uuid(wanted)
     async with EventLog.connect(nats_servers(nats_url), writer="cli:fleet-uuid", creds=creds) as log:
-        for key, raw in (await log.views()).items():
+        for raw in (await log.views()).values():
             try:
                 view = view_decoder.decode(raw)
             except msgspec.DecodeError:

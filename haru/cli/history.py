@@ -270,7 +270,7 @@ def _parse_point(point: str) -> tuple[int | None, datetime | None]:
                 f"{point!r} is neither a stream sequence nor an ISO-8601 time (e.g. 1234 or 2026-11-29T03:00:00Z)",
                 ExitStatus.USAGE,
             )
-        )
+        ) from None
     if t.tzinfo is None:
         t = t.replace(tzinfo=UTC)
     return None, t

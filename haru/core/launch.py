@@ -335,7 +335,7 @@ def _resolve(spec: ModelSpec, gpu_memory_bytes: int) -> tuple[list[str], str | N
     passthrough: list[str] = []
     lowered: str | None = None
     seen: set[str] = set()
-    for index, spelling, canonical, value, used in _split(list(spec.args), table):
+    for index, spelling, canonical, value, _used in _split(list(spec.args), table):
         if spelling is None:
             passthrough.append(spec.args[index])
             continue

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 
@@ -91,7 +91,7 @@ class NotAdmitted(State, frozen=True, kw_only=True, tag="not_admitted"):
     short_by_bytes: int = 0
 
 
-Residency = Union[Unknown, Pulling, Loading, Resident, Sleeping, Waking, Lost, Failed, Stopped, NotAdmitted]
+Residency = Unknown | Pulling | Loading | Resident | Sleeping | Waking | Lost | Failed | Stopped | NotAdmitted
 
 UNKNOWN = Unknown()
 
