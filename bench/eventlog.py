@@ -26,14 +26,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nats.js import api  # noqa: E402
+from nats.js import api
 
-from haru.core import events as ev  # noqa: E402
-from haru.core import subjects  # noqa: E402
-from haru.host.natsd import NatsServer  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
-from haru.log.jetstream import parse_ack_reply  # noqa: E402
-from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
+from haru.core import events as ev
+from haru.core import subjects
+from haru.host.natsd import NatsServer
+from haru.log.eventlog import EventLog
+from haru.log.jetstream import parse_ack_reply
+from haru.log.nats_headers import enable_fast_header_parse
 
 if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
     enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)

@@ -56,10 +56,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from haru.agents.sim.gpu_state import GiB, SimGpuState  # noqa: E402
-from haru.core import ranking, subjects  # noqa: E402
-from haru.core.apply import apply  # noqa: E402
-from haru.core.events import (  # noqa: E402
+from haru.agents.sim.gpu_state import GiB, SimGpuState
+from haru.core import ranking, subjects
+from haru.core.apply import apply
+from haru.core.events import (
     DomainUnreachable,
     GpuObserved,
     ModelLoading,
@@ -70,13 +70,13 @@ from haru.core.events import (  # noqa: E402
     StepCompleted,
     StepStarted,
 )
-from haru.core.fold import empty, fold  # noqa: E402
-from haru.core.layout import load_layout  # noqa: E402
-from haru.core.residency import Resident, Sleeping  # noqa: E402
-from haru.host.natsd import NatsServer  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
-from haru.promoter.service import Promoter  # noqa: E402
-from tests.support.agent_harness import kill_runtimes  # noqa: E402
+from haru.core.fold import empty, fold
+from haru.core.layout import load_layout
+from haru.core.residency import Resident, Sleeping
+from haru.host.natsd import NatsServer
+from haru.log.eventlog import EventLog
+from haru.promoter.service import Promoter
+from tests.support.agent_harness import kill_runtimes
 
 FLEET = "bench"
 PY = sys.executable
@@ -293,12 +293,14 @@ async def main(args) -> None:
                     start = await log.last_seq()
                     gpu = SimGpuState(root / "sim" / active, 0)
                     gpu.set_present(False)
-                    await wait_for(lambda: is_steady_route(log, standby), 30, f"run {i}: route to {standby}")
+                    await wait_for(
+                        lambda standby=standby: is_steady_route(log, standby), 30, f"run {i}: route to {standby}"
+                    )
                     m = await measure(log, start + 1, ModelLost)
                     runs.append(m)
                     print_run(i, active, standby, m)
                     gpu.set_present(True)
-                    await wait_for(lambda: is_steady(standby), 60, f"run {i}: {active} standby again")
+                    await wait_for(lambda standby=standby: is_steady(standby), 60, f"run {i}: {active} standby again")
                     active = standby
 
                 retried = await abort_then_retry(log, root, active)

@@ -29,10 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from chaos import demo_up  # noqa: E402
+from chaos import demo_up
 
-from haru.core import subjects  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
+from haru.core import subjects
+from haru.log.eventlog import EventLog
 
 
 async def census(nats_url: str) -> tuple[dict[str, int], int, int]:

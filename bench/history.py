@@ -41,16 +41,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from haru.core import events as ev  # noqa: E402
+from haru.core import events as ev
 from haru.core import subjects
 from haru.core.sizes import GiB
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy  # noqa: E402
-from haru.host.natsd import NatsServer  # noqa: E402
-from haru.host.tasks import cancel_and_wait  # noqa: E402
-from haru.log import history, reads  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
-from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
-from haru.projections.projector import Projector  # noqa: E402
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.host.natsd import NatsServer
+from haru.host.tasks import cancel_and_wait
+from haru.log import history, reads
+from haru.log.eventlog import EventLog
+from haru.log.nats_headers import enable_fast_header_parse
+from haru.projections.projector import Projector
 
 if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
     enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)

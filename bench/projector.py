@@ -38,7 +38,7 @@ from haru.core.sizes import GiB
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.host.natsd import NatsServer
 from haru.log.eventlog import EventLog
-from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
+from haru.log.nats_headers import enable_fast_header_parse
 from haru.log.route import RouteWatcher
 from haru.projections.projector import Projector
 
@@ -102,12 +102,12 @@ def history(n: int) -> list[tuple[str, bytes]]:
         else:
             s = sj.model(f, d, m)
             e = {
-                "loading": lambda: ev.ModelLoading(at=at(), domain=d, model=m),
-                "resident": lambda: ev.ModelResident(at=at(), domain=d, model=m, warmup_ms=100),
-                "sleeping": lambda: ev.ModelSleeping(at=at(), domain=d, model=m),
-                "waking": lambda: ev.ModelWaking(at=at(), domain=d, model=m),
-                "lost": lambda: ev.ModelLost(at=at(), domain=d, model=m, reason="unhealthy"),
-            }[step]()
+                "loading": lambda d, m: ev.ModelLoading(at=at(), domain=d, model=m),
+                "resident": lambda d, m: ev.ModelResident(at=at(), domain=d, model=m, warmup_ms=100),
+                "sleeping": lambda d, m: ev.ModelSleeping(at=at(), domain=d, model=m),
+                "waking": lambda d, m: ev.ModelWaking(at=at(), domain=d, model=m),
+                "lost": lambda d, m: ev.ModelLost(at=at(), domain=d, model=m, reason="unhealthy"),
+            }[step](d, m)
         out.append((s, ev.encode(e)))
         i += 1
     return out

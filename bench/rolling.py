@@ -42,11 +42,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-from haru.core import subjects  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
+from haru.core import subjects
+from haru.log.eventlog import EventLog
 
 sys.path.insert(0, str(REPO / "bench"))
-from chaos import MODEL, Load, chat_client, demo_layout, demo_up, steady, stop_load  # noqa: E402
+from chaos import MODEL, Load, chat_client, demo_layout, demo_up, steady, stop_load
 
 
 def pct(values: list[float], p: float) -> float:

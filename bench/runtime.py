@@ -51,13 +51,13 @@ from urllib.parse import urlsplit
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import aiohttp  # noqa: E402
+import aiohttp
 
-from bench.gateway import _pct, compare  # noqa: E402
-from haru.agents.runtimes.llama_build import ensure_binary  # noqa: E402
-from haru.core import subjects  # noqa: E402
-from haru.host.natsd import free_port  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
+from bench.gateway import _pct, compare
+from haru.agents.runtimes.llama_build import ensure_binary
+from haru.core import subjects
+from haru.host.natsd import free_port
+from haru.log.eventlog import EventLog
 
 FLEET = "default"
 MODEL = "tiny-chat"

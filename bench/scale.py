@@ -55,19 +55,19 @@ import msgspec
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from haru.agents.sim.hosts import SimHosts  # noqa: E402
-from haru.core import subjects  # noqa: E402
+from haru.agents.sim.hosts import SimHosts
+from haru.core import subjects
 from haru.core.events import (
     GpuObserved,
     ModelLost,
     PromotionRequested,
     RouteMoved,
-    StepCompleted,  # noqa: E402
+    StepCompleted,
     StepStarted,
 )
-from haru.core.views import FleetView, view_decoder  # noqa: E402
-from haru.host.natsd import NatsServer, free_port  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
+from haru.core.views import FleetView, view_decoder
+from haru.host.natsd import NatsServer, free_port
+from haru.log.eventlog import EventLog
 
 BEFORE_FLIP = ("stop_training", "verify_gpu", "wake", "probe")
 CLK = os.sysconf("SC_CLK_TCK")
@@ -688,7 +688,7 @@ async def cluster_run(args) -> None:
                 lost = [(subj, seq) for subj, seq in acked if (seq, subj) not in stored]
                 # 2. every failover due was decided: a route move of that fleet after its detach
                 moves = {}
-                for f, seq, ts in watch.moves:
+                for f, _seq, ts in watch.moves:
                     moves.setdefault(f, []).append(ts / 1e9)
                 late = [(f, t, a) for f, t, a in detached if not any(ts > t for ts in moves.get(f, []))]
                 # 3. the figures during the election and outside it
@@ -704,7 +704,7 @@ async def cluster_run(args) -> None:
                 _, rmissing = route_lags_ms(watch.moves, gateway_route_times(root / "gateway.log"))
                 gw = gateway_route_times(root / "gateway.log")
                 r_in, r_out = [], []
-                for f, seq, ts in watch.moves:
+                for f, _seq, ts in watch.moves:
                     seen = [t for rev, t in gw.get(f, []) if rev >= seq]
                     if seen:
                         (r_in if t_kill <= ts / 1e9 <= election_end else r_out).append((min(seen) - ts / 1e9) * 1000)

@@ -64,7 +64,7 @@ def test_each_child_killed_is_restarted_and_the_log_says_why(demo):
         demo["tree"].add(pid)
         os.kill(pid, signal.SIGKILL)
         new = wait_until_sync(
-            lambda: (p := children(home)[name]) != pid and alive(p, start_time(p)) and p,
+            lambda name=name, pid=pid: (p := children(home)[name]) != pid and alive(p, start_time(p)) and p,
             60,
             interval_s=0.25,
             what=f"{name} restarted",
@@ -72,7 +72,7 @@ def test_each_child_killed_is_restarted_and_the_log_says_why(demo):
         )
         demo["tree"].add(new)
         died = wait_until_sync(
-            lambda: logged(err_file(demo), "up.child_died", child=name),
+            lambda name=name: logged(err_file(demo), "up.child_died", child=name),
             10,
             interval_s=0.25,
             what=f"the log to say why {name} died",

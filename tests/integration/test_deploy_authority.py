@@ -119,7 +119,7 @@ async def may_publish(cluster, user: str, subject_list: list[str]) -> dict[str, 
                     return True
                 raise AssertionError(f"{user} stored a body on {subject} despite the expected sequence")
 
-        out = dict(zip(subject_list, await asyncio.gather(*(probe(s) for s in subject_list))))
+        out = dict(zip(subject_list, await asyncio.gather(*(probe(s) for s in subject_list)), strict=True))
         await nc.flush()
         deadline = time.monotonic() + 3
         refused = [s for s, ok in out.items() if not ok]
@@ -147,7 +147,7 @@ async def test_every_role_may_write_exactly_what_the_table_says_and_the_rest_is_
     users = {r: (f"agent.{fleet}.{own}" if r == "agent" else r) for r in ROLES}
     allowed: dict[str, list[str]] = {}
     probed = await asyncio.gather(*(may_publish(cluster, user, everything) for user in users.values()))
-    for (role, user), got in zip(users.items(), probed):
+    for (role, _user), got in zip(users.items(), probed, strict=True):
         want = {s: role_writes(role, subjects.where(s).kind, subjects.where(s).domain, own) for s in everything}
         assert got == want, {s: (got[s], want[s]) for s in everything if got[s] != want[s]}
         allowed[role] = [s for s in everything if got[s]]

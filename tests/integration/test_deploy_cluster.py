@@ -392,7 +392,7 @@ async def test_an_agent_cannot_delete_purge_or_update_the_log(cluster, admin):
                 "$JS.API.CONSUMER.DELETE.HARU_EVENTS": js.delete_consumer(subjects.EVENTS_STREAM, "anyone"),
             }
             outcomes = await asyncio.gather(*attempts.values(), return_exceptions=True)
-            for api_subject, outcome in zip(attempts, outcomes):
+            for api_subject, outcome in zip(attempts, outcomes, strict=True):
                 assert isinstance(outcome, nats.errors.TimeoutError), (user, api_subject, outcome)
                 await violation(errors, api_subject)
         finally:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import time
 from datetime import timedelta
+from itertools import pairwise
 
 import aiohttp
 import openai
@@ -85,7 +86,7 @@ async def test_sdk_streaming_chunks_arrive_as_produced(gw, two_domains):
     # bounds leave room for this process being descheduled a moment (two test workers, two cores).
     spread = arrivals[-1] - arrivals[0]
     assert spread >= 0.5, f"chunks arrived within {spread:.3f} s: buffered"
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in pairwise(arrivals)]
     assert sum(1 for g in gaps if g > 0.05) >= 3, gaps
 
 
@@ -298,8 +299,9 @@ async def test_request_and_response_bytes_are_identical_to_direct(gw, two_domain
     _, a, _ = two_domains
     # odd spacing, key order, unicode, vendor extensions: nothing may be re-encoded
     body = (
-        '{ "messages":[{"role":"user","content":"h\\u00e9llo ☃"}],  "model" : "%s", '
-        '"top_k": 7, "vendor_ext": {"x": [1.50, 2e3]} }' % MODEL
+        '{ "messages":[{"role":"user","content":"h\\u00e9llo ☃"}],  "model" : "'
+        + MODEL
+        + '", "top_k": 7, "vendor_ext": {"x": [1.50, 2e3]} }'
     ).encode()
     s1, via_gateway, _ = await _raw(gw.url + path, body)
     s2, direct, _ = await _raw(a.url + path, body)

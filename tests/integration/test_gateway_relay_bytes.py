@@ -34,7 +34,7 @@ def pieces(body: bytes) -> list[bytes]:
     escape = body.index(b"\\ude00") + 3
     crlf = body.index(b"\r\n\r\n") + 1
     cuts = sorted({17, crlf, euro, escape, len(body) - 5})
-    return [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
+    return [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]
 
 
 class RawUpstream:

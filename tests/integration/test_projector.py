@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import msgspec
@@ -191,7 +192,7 @@ async def test_two_racing_projectors_publish_each_move_once_and_agree_on_the_vie
         await asyncio.sleep(0.1)  # the watcher hears the last publish
         # every move has its intent, and no intent was published twice (by the two of them, or one)
         assert [ri.revision for ri in seen if ri.revision in moves and ri.view_seq == ri.revision] == moves
-        assert all(changed(a, b) for a, b in zip(seen, seen[1:])), [(ri.revision, ri.view_seq) for ri in seen]
+        assert all(changed(a, b) for a, b in pairwise(seen)), [(ri.revision, ri.view_seq) for ri in seen]
         assert len(seen) == await intents_published(log)  # the stream holds each intent once
         # A projector that publishes the intent the other just stored (the same position and body: one
         # message, the log's dedupe) counts it too, so their counts add up to at least what is stored.
@@ -338,7 +339,7 @@ async def test_two_projectors_racing_never_go_backwards(event_log, projector_pro
     intents: list[tuple[int, int, int]] = []  # (stream seq, view_seq, revision)
 
     async def watch_views():
-        async for key, value, rev in event_log.watch_views(sj.view_key(F)):
+        async for _key, value, rev in event_log.watch_views(sj.view_key(F)):
             if value is not None:
                 views.append((rev, view_decoder.decode(value).seq))
 
@@ -367,9 +368,9 @@ async def test_two_projectors_racing_never_go_backwards(event_log, projector_pro
 
     assert view == (await expected_views(event_log))[F]
     assert len(views) > 1
-    for (r0, s0), (r1, s1) in zip(views, views[1:]):
+    for (r0, s0), (r1, s1) in pairwise(views):
         assert r1 > r0 and s1 >= s0, f"view went backwards: {views}"
-    for (q0, v0, rev0), (q1, v1, rev1) in zip(intents, intents[1:]):
+    for (q0, v0, rev0), (q1, v1, rev1) in pairwise(intents):
         assert q1 > q0 and v1 > v0 and rev1 >= rev0, f"intent went backwards: {intents}"
     # Every pointer move was published, once.
     revisions = [rev for _, _, rev in intents]

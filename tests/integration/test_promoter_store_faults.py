@@ -56,8 +56,8 @@ async def test_an_operation_behind_a_failing_store_ends_once_the_store_answers(n
     )
     again: NatsServer | None = None
     async with (
-        FakeAgent(nats_server.url, "default", "a", MODELS) as a,
-        FakeAgent(nats_server.url, "default", "b", MODELS, start="sleeping") as b,
+        FakeAgent(nats_server.url, "default", "a", MODELS),
+        FakeAgent(nats_server.url, "default", "b", MODELS, start="sleeping"),
     ):
         await event_log.append(subjects.route("default"), RouteMoved(at=now(), active="a"), expect=0)
         promoter.start()

@@ -176,7 +176,7 @@ async def chat_and_failover(tmp_path, nats_server, event_log, layout) -> None:
             assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
             assert masked(sse) == masked(sse_direct), (
                 f"SSE through the gateway differs from vLLM's at byte "
-                f"{next(i for i, (x, y) in enumerate(zip(masked(sse) + b'~', masked(sse_direct) + b'#')) if x != y)}:\n"
+                f"{next(i for i, (x, y) in enumerate(zip(masked(sse) + b'~', masked(sse_direct) + b'#', strict=False)) if x != y)}:\n"
                 f"gateway: {sse!r}\nvLLM:    {sse_direct!r}"
             )
 

@@ -188,7 +188,7 @@ def kill_runtimes(state_dir: Path) -> list[int]:
         pid = int(doc["pid"])
         st = stat(pid)
         if st is not None and st.start == int(doc["start"]):
-            with_suppress(lambda: os.killpg(pid, signal.SIGKILL))
+            with_suppress(lambda pid=pid: os.killpg(pid, signal.SIGKILL))
             killed.append(pid)
     stop_holder(state_dir)
     return killed

@@ -208,14 +208,14 @@ def histories(draw) -> list[tuple[int, str, ev.Event]]:
             else:
                 step = draw(st.sampled_from(STEPS))
                 which = draw(st.sampled_from(["start", "done", "fail", "complete", "abort", "declined"]))
-                event = {
-                    "start": lambda: ev.StepStarted(at=at(), op_id=current, step=step),
-                    "done": lambda: ev.StepCompleted(at=at(), op_id=current, step=step, took_ms=5),
-                    "fail": lambda: ev.StepFailed(at=at(), op_id=current, step=step, error="x"),
-                    "complete": lambda: ev.OperationCompleted(at=at(), op_id=current),
-                    "abort": lambda: ev.OperationAborted(at=at(), op_id=current, step=step, error="x"),
-                    "declined": lambda: ev.FailoverDeclined(at=at(), domain=d, why="standby lost"),
-                }[which]()
+                event = {  # built lazily: only the chosen one takes a time from at()
+                    "start": lambda op, step, d: ev.StepStarted(at=at(), op_id=op, step=step),
+                    "done": lambda op, step, d: ev.StepCompleted(at=at(), op_id=op, step=step, took_ms=5),
+                    "fail": lambda op, step, d: ev.StepFailed(at=at(), op_id=op, step=step, error="x"),
+                    "complete": lambda op, step, d: ev.OperationCompleted(at=at(), op_id=op),
+                    "abort": lambda op, step, d: ev.OperationAborted(at=at(), op_id=op, step=step, error="x"),
+                    "declined": lambda op, step, d: ev.FailoverDeclined(at=at(), domain=d, why="standby lost"),
+                }[which](current, step, d)
                 if which in ("complete", "abort"):
                     del ops[fleet]
                 items.append((sj.op(fleet), event))
