@@ -149,10 +149,12 @@ def main(args: argparse.Namespace) -> None:
         rows.append((n, len(h), fold_s, status_s, intent_s, size, len(ri.standbys), ri.protection))
     base = rows[0]
     print(
-        f"fold, status and route intent per fleet size ({args.events_per_domain} events per domain; best of {args.repeat})"
+        "fold, status and route intent per fleet size "
+        f"({args.events_per_domain} events per domain; best of {args.repeat})"
     )
     print(
-        f"{'domains':>7} {'events':>7} {'fold ms':>9} {'µs/event':>9} {'status µs':>10} {'intent µs':>10} {'intent B':>9}  standbys"
+        f"{'domains':>7} {'events':>7} {'fold ms':>9} {'µs/event':>9} "
+        f"{'status µs':>10} {'intent µs':>10} {'intent B':>9}  standbys"
     )
     for n, events, fold_s, status_s, intent_s, size, standbys, protection in rows:
         print(

@@ -326,7 +326,8 @@ async def main(args) -> None:
                     agent = [r["steps"][step]["agent_ms"] for r in runs if step in r["steps"]]
                     if walls:
                         print(
-                            f"  {step:<14} wall {statistics.median(walls):7.1f} ms   agent {statistics.median(agent):7.1f} ms"
+                            f"  {step:<14} wall {statistics.median(walls):7.1f} "
+                            f"ms   agent {statistics.median(agent):7.1f} ms"
                         )
                 total = statistics.median(r["total_ms"] for r in runs)
                 work = statistics.median(r["work_ms"] for r in runs)
@@ -334,14 +335,16 @@ async def main(args) -> None:
                 decide = statistics.median(r["decide_ms"] for r in runs)
                 print(f"  loss -> route_moved      {total:7.1f} ms")
                 print(
-                    f"  simulated work (agents)  {work:7.1f} ms   (stop {args.stop_ms} + wake {args.wake_ms} + probe + verify)"
+                    f"  simulated work (agents)  {work:7.1f} ms   (stop "
+                    f"{args.stop_ms} + wake {args.wake_ms} + probe + verify)"
                 )
                 print(
                     f"  control-plane overhead   {over:7.1f} ms   target <= 50 ms: {'met' if over <= 50 else 'NOT met'}"
                 )
                 print(f"    of which loss -> promotion_requested {decide:.1f} ms")
                 print(
-                    f"  baseline: agent request/reply round trip {rtt:.2f} ms; overhead = {over / rtt:.1f} round trips; "
+                    f"  baseline: agent request/reply round trip {rtt:.2f} "
+                    f"ms; overhead = {over / rtt:.1f} round trips; "
                     f"total / work = {total / work:.3f}"
                 )
                 print()
@@ -362,7 +365,8 @@ async def main(args) -> None:
                 print("heartbeat silence (active's agent SIGKILLed):")
                 print(f"  last heartbeat -> domain_unreachable   {silent_ms:7.1f} ms   (heartbeat_timeout_ms 1500)")
                 print(
-                    f"  domain_unreachable -> route_moved       {hb['total_ms']:7.1f} ms   overhead {hb['overhead_ms']:.1f} ms"
+                    "  domain_unreachable -> route_moved       "
+                    f"{hb['total_ms']:7.1f} ms   overhead {hb['overhead_ms']:.1f} ms"
                 )
             finally:
                 await stop_world(task, plog, agents, root)

@@ -2,13 +2,13 @@
 
     .venv/bin/python bench/growth.py [--minutes 60] [--fault-every-s 120]
 
-One real `haru up --demo` (two simulated GPU hosts, `a` and `b`, the projector, the promoter, the
-gateway). Every `--fault-every-s` seconds one fault in turn, from the simulator's own set: detach the
-active host's GPU (and attach it 30 s later), kill a runtime on the standby, SIGKILL the standby's
-agent (`haru up` restarts it). Every 5 minutes, and at the end, it prints the events stored so far:
-per host (everything under `haru.evt.<fleet>.<domain>.`), fleet-level (decl, op, route, checkpoint),
-the stream's bytes, and the rates (from what was stored after a baseline taken once the demo is up) extrapolated to a day and a year per GPU host. The figures in
-docs/operations.md ("How big the log grows") come from this.
+One real `haru up --demo` (two simulated GPU hosts, `a` and `b`, the projector, the promoter, the gateway). Every
+`--fault-every-s` seconds one fault in turn, from the simulator's own set: detach the active host's GPU (and attach it
+30 s later), kill a runtime on the standby, SIGKILL the standby's agent (`haru up` restarts it). Every 5 minutes, and at
+the end, it prints the events stored so far: per host (everything under `haru.evt.<fleet>.<domain>.`), fleet-level
+(decl, op, route, checkpoint), the stream's bytes, and the rates (from what was stored after a baseline taken once the
+demo is up) extrapolated to a day and a year per GPU host. The figures in docs/operations.md ("How big the log grows")
+come from this.
 """
 
 from __future__ import annotations

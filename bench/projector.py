@@ -1,14 +1,13 @@
 """Projector benchmark, one run, figures measured side by side.
 
 1. Rebuild: fold 100k events into fleet views (and write them to KV, with intents) with
-   `haru.projector.Projector`, against a raw nats-py ordered-consumer drain of the same stream
-   (nats-py's fastest ordinary way to read it, doing nothing with the messages). Ratio = raw time /
-   rebuild time (goal >= 0.8x, issue 30; with the follower's catch-up, which reads what the stream holds
-   through a pull consumer handled from nats-py's read loop, 0.76-0.92x, median 0.86x, five runs of six
-   at or above the goal; docs/performance.md, "The follower's catch-up"). Also printed, to show where the time goes: `EventLog.replay` (not following: the
-   ordered consumer) with a no-op handler and with the fold, and a following replay (what the
-   projector's follower runs: the catch-up, then the ordered consumer) with a no-op handler and with
-   the fold.
+   `haru.projector.Projector`, against a raw nats-py ordered-consumer drain of the same stream (nats-py's fastest
+   ordinary way to read it, doing nothing with the messages). Ratio = raw time / rebuild time (goal >= 0.8x, issue 30;
+   with the follower's catch-up, which reads what the stream holds through a pull consumer handled from nats-py's read
+   loop, 0.76-0.92x, median 0.86x, five runs of six at or above the goal; docs/performance.md, "The follower's
+   catch-up"). Also printed, to show where the time goes: `EventLog.replay` (not following: the ordered consumer) with a
+   no-op handler and with the fold, and a following replay (what the projector's follower runs: the catch-up, then the
+   ordered consumer) with a no-op handler and with the fold.
 2. Route-intent propagation: from the ack of a `route_moved` append to a RouteWatcher receiving
    the intent with that revision, with `haru projector` running as a child process on an idle
    machine (p50 and p99; target p99 <= 10 ms).
@@ -301,13 +300,16 @@ async def main() -> None:
         print(f"  EventLog.replay, no-op        {noop:5.2f}s  {last / noop:9,.0f} ev/s   {raw / noop:.2f}x")
         print(f"  EventLog.replay + fold        {folded:5.2f}s  {last / folded:9,.0f} ev/s   {raw / folded:.2f}x")
         print(
-            f"  follow (catch-up), no-op      {best['follow']:5.2f}s  {last / best['follow']:9,.0f} ev/s   {raw / best['follow']:.2f}x"
+            f"  follow (catch-up), no-op      {best['follow']:5.2f}s  "
+            f"{last / best['follow']:9,.0f} ev/s   {raw / best['follow']:.2f}x"
         )
         print(
-            f"  follow (catch-up) + fold      {best['follow+fold']:5.2f}s  {last / best['follow+fold']:9,.0f} ev/s   {raw / best['follow+fold']:.2f}x"
+            f"  follow (catch-up) + fold      {best['follow+fold']:5.2f}s  "
+            f"{last / best['follow+fold']:9,.0f} ev/s   {raw / best['follow+fold']:.2f}x"
         )
         print(
-            f"  projector rebuild (KV+route)  {built:5.2f}s  {last / built:9,.0f} ev/s   {raw / built:.2f}x   (goal >= 0.8x)"
+            f"  projector rebuild (KV+route)  {built:5.2f}s  "
+            f"{last / built:9,.0f} ev/s   {raw / built:.2f}x   (goal >= 0.8x)"
         )
         print(
             f"    last round: view writes {s.view_writes}, intents published {s.intents_published}, flushes {s.flushes}"

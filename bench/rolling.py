@@ -175,7 +175,8 @@ async def main() -> None:
                 nats_url = info["nats_url"]
                 print(f"haru up --demo steady: {args.clients} chat clients", flush=True)
                 print(
-                    f"{'phase':<9} {'requests':>8} {'failed':>7} {'p50_ms':>7} {'p99_ms':>7} {'p99_x':>6} {'loading':>8} "
+                    f"{'phase':<9} {'requests':>8} {'failed':>7} "
+                    f"{'p50_ms':>7} {'p99_ms':>7} {'p99_x':>6} {'loading':>8} "
                     f"{'failovers':>9}"
                 )
                 base_p99 = None

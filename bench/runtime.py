@@ -258,7 +258,8 @@ async def kills(log: EventLog, n: int) -> tuple[list[float], list[float], list[f
                 listen_to_resident.append((resident.time.timestamp() - listening) * 1000)
             print(
                 f"  kill {i + 1:2}: kill -> exit {kill_to_exit[-1]:7.1f} ms; exit -> lost {exit_to_lost[-1]:7.1f} ms; "
-                f"port listens -> resident {listen_to_resident[-1] if listening else float('nan'):7.1f} ms; /health 200 -> "
+                "port listens -> resident "
+                f"{listen_to_resident[-1] if listening else float('nan'):7.1f} ms; /health 200 -> "
                 f"resident {health_to_resident[-1] if healthy else float('nan'):7.1f} ms",
                 flush=True,
             )

@@ -473,7 +473,8 @@ async def level(n: int, args, log: EventLog, hosts: SimHosts, plane: Plane, rng:
         f"[{n} fleets] window {window:.0f} s: {events} events ({events / window:.0f}/s), {heartbeats} heartbeats, "
         f"faults {counts}, {len(watch.moves)} route moves; projector lag p50 {out['proj_lag_p50']:.1f} "
         f"p99 {out['proj_lag_p99']:.1f} ms ({unwritten} unwritten); route->gateway p50 {out['route_gw_p50']:.1f} "
-        f"p99 {out['route_gw_p99']:.1f} ms ({rmissing} unseen); f000 failover overhead {out['failover_overhead']:.0f} ms "
+        f"p99 {out['route_gw_p99']:.1f} ms ({rmissing} unseen); "
+        f"f000 failover overhead {out['failover_overhead']:.0f} ms "
         f"({len(failovers)} runs); CPU share " + ", ".join(f"{k} {v:.0%}" for k, v in out["cpu_share"].items()),
         flush=True,
     )
@@ -535,7 +536,8 @@ async def takeover(args, log: EventLog, hosts: SimHosts, plane: Plane) -> None:
     views = await views_of(log)
     fleets = list(hosts.fleets)
     print(
-        f"\n[takeover] 2 promoters, {len(fleets)} fleets: detaching every active's GPU (wake {args.takeover_wake_ms} ms)",
+        f"\n[takeover] 2 promoters, {len(fleets)} fleets: detaching "
+        f"every active's GPU (wake {args.takeover_wake_ms} ms)",
         flush=True,
     )
     await asyncio.gather(*(hosts.host(f, views[f].active).detach_gpu() for f in fleets))
@@ -625,7 +627,8 @@ async def cluster_run(args) -> None:
     root = Path(tempfile.mkdtemp(prefix="haru-bench-scale-cluster-"))
     n = args.cluster_fleets
     print(
-        f"bench/scale.py --cluster: 3 nodes (deploy/nats), R3, {n} fleets, window {args.window_s:.0f} s, logs in {root}",
+        "bench/scale.py --cluster: 3 nodes (deploy/nats), R3, "
+        f"{n} fleets, window {args.window_s:.0f} s, logs in {root}",
         flush=True,
     )
     cluster = start_cluster(root / "cluster")
@@ -709,7 +712,8 @@ async def cluster_run(args) -> None:
                     if seen:
                         (r_in if t_kill <= ts / 1e9 <= election_end else r_out).append((min(seen) - ts / 1e9) * 1000)
                 print(
-                    f"[cluster] faults {counts}; agents' appends acknowledged in the window: {len(acked) - acked_before} "
+                    f"[cluster] faults {counts}; agents' appends "
+                    f"acknowledged in the window: {len(acked) - acked_before} "
                     f"(all runs: {len(acked)}); of them missing from the stream: {len(lost)}"
                     + (f" {lost[:5]}" if lost else "")
                 )
@@ -719,13 +723,17 @@ async def cluster_run(args) -> None:
                 )
                 print(
                     f"[cluster] projector lag  during the election ({args.election_s:.0f} s after the kill): "
-                    f"p50 {pct(lags_in, 50):.1f} p99 {pct(lags_in, 99):.1f} max {max(lags_in, default=float('nan')):.1f} ms "
-                    f"({len(lags_in)} events); rest of the window p50 {pct(lags_out, 50):.1f} p99 {pct(lags_out, 99):.1f} ms "
+                    f"p50 {pct(lags_in, 50):.1f} p99 {pct(lags_in, 99):.1f} "
+                    f"max {max(lags_in, default=float('nan')):.1f} ms "
+                    f"({len(lags_in)} events); rest of the window p50 "
+                    f"{pct(lags_out, 50):.1f} p99 {pct(lags_out, 99):.1f} ms "
                     f"({len(lags_out)} events)"
                 )
                 print(
-                    f"[cluster] route -> gateway during the election: p50 {pct(r_in, 50):.1f} p99 {pct(r_in, 99):.1f} ms "
-                    f"({len(r_in)} moves); rest: p50 {pct(r_out, 50):.1f} p99 {pct(r_out, 99):.1f} ms ({len(r_out)} moves); "
+                    "[cluster] route -> gateway during the election: "
+                    f"p50 {pct(r_in, 50):.1f} p99 {pct(r_in, 99):.1f} ms "
+                    f"({len(r_in)} moves); rest: p50 {pct(r_out, 50):.1f} "
+                    f"p99 {pct(r_out, 99):.1f} ms ({len(r_out)} moves); "
                     f"{rmissing} moves the gateway never logged"
                 )
     finally:

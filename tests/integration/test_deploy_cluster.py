@@ -1,10 +1,10 @@
 """The deploy cluster: three nats-servers on loopback, configured by the SHIPPED deploy/nats files.
 
-Each node runs its own `deploy/nats/nats-N.conf`, rewritten only where a laptop must differ from
-production (loopback ports instead of :4222/:6222/:8222, a temporary store directory, and the path of the `include ./haru-common.conf` line, which in turn includes the shipped
-`accounts.conf` unchanged). Every rewrite must match exactly once, so a change to the shipped files
-fails here instead of silently testing something else. Passwords are random per run and, with the
-route URLs, reach nats-server through the environment variables the shipped files reference.
+Each node runs its own `deploy/nats/nats-N.conf`, rewritten only where a laptop must differ from production (loopback
+ports instead of :4222/:6222/:8222, a temporary store directory, and the path of the `include ./haru-common.conf` line,
+which in turn includes the shipped `accounts.conf` unchanged). Every rewrite must match exactly once, so a change to the
+shipped files fails here instead of silently testing something else. Passwords are random per run and, with the route
+URLs, reach nats-server through the environment variables the shipped files reference.
 
 What is asserted is what an operator relies on: the cluster forms; `EventLog.ensure(replicas=3)`
 makes R3 streams; an agent's credentials cannot write another domain's (or the promoter's) events

@@ -20,8 +20,10 @@ BODY = (
     b'data: {"id":"chatcmpl-x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
     b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
     b": a comment line\n\n"
-    b'data: {"id": "chatcmpl-x", "choices": [{"index": 0, "delta": {"content": "\\u0001\\/ caf\\u00e9 \xc3\xa9\xe2\x82\xac"}}]}\r\n\r\n'
-    b'data: {"choices":[{"index":0,"delta":{"content":"\\ud83d\\ude00 \\"q\\" \\n"},"finish_reason":null}],"id":"chatcmpl-x"}\n\n'
+    b'data: {"id": "chatcmpl-x", "choices": [{"index": 0, "delta": '
+    b'{"content": "\\u0001\\/ caf\\u00e9 \xc3\xa9\xe2\x82\xac"}}]}\r\n\r\n'
+    b'data: {"choices":[{"index":0,"delta":{"content":"\\ud83d\\ude00 '
+    b'\\"q\\" \\n"},"finish_reason":null}],"id":"chatcmpl-x"}\n\n'
     b'data: {"id":"chatcmpl-x","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
     b"data: [DONE]\n\n"
 )

@@ -19,7 +19,8 @@ async def test_why_draws_the_causal_tree_and_says_where_a_link_is_missing(nats_s
         missing,
         f'● seq {seqs["loading"]:>7}  loading        a        {{"endpoint":"127.0.0.1:18080","pid":10121,"attempt":1}}',
         missing,
-        f'  └─ seq {seqs["resident"]:>7}  resident       a        {{"endpoint":"127.0.0.1:18080","warmup_ms":256,"sleeps":true}}',
+        f"  └─ seq {seqs['resident']:>7}  resident       a        "
+        '{"endpoint":"127.0.0.1:18080","warmup_ms":256,"sleeps":true}',
         f"● seq {seqs['model_declared']:>7}  declared       a        "
         '{"runtime":"llama_server","gpu_index":0,"vram_bytes":1073741824}',
         f'  └─ seq {seqs["declared"]:>7}  admitted       a        {{"admitted":true,"vram_bytes":1073741824}}',

@@ -216,8 +216,8 @@ def test_the_cli_dry_run_prints_what_it_would_submit_and_submits_nothing(fake):
     out = haru("provision", "a", "--dry-run", "--layout", str(EXAMPLE), env=env, check=True)
     head, _, body = out.stdout.partition("\n")
     assert (
-        head
-        == "# sky launch --yes --detach-run --cluster haru-cloud-a --secret HARU_AGENT_NATS_CREDS --secret HF_TOKEN <this file>"
+        head == "# sky launch --yes --detach-run --cluster haru-cloud-a "
+        "--secret HARU_AGENT_NATS_CREDS --secret HF_TOKEN <this file>"
     )
     assert yaml.safe_load(body)["resources"]["region"] == "us-east-1"
     out = haru("provision", "b", "--dry-run", "--layout", str(EXAMPLE), "--json", env=env, check=True)

@@ -37,6 +37,11 @@ VOLATILE = ("id", "created", "system_fingerprint")
 _VOLATILE_BYTES = re.compile(rb'"(id|created|system_fingerprint)":("[^"]*"|\d+|null)')
 
 
+def first_difference(a: bytes, b: bytes) -> int:
+    """Where two byte strings first differ (the shorter one's length when it is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def masked(raw: bytes) -> bytes:
     """The response bytes with the values vLLM makes up per request (its id, the second) replaced."""
     return _VOLATILE_BYTES.sub(lambda m: m.group(0).split(b":", 1)[0] + b":*", raw)
@@ -175,8 +180,8 @@ async def chat_and_failover(tmp_path, nats_server, event_log, layout) -> None:
             ]
             assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
             assert masked(sse) == masked(sse_direct), (
-                f"SSE through the gateway differs from vLLM's at byte "
-                f"{next(i for i, (x, y) in enumerate(zip(masked(sse) + b'~', masked(sse_direct) + b'#', strict=False)) if x != y)}:\n"
+                "SSE through the gateway differs from vLLM's at byte "
+                f"{first_difference(masked(sse), masked(sse_direct))}:\n"
                 f"gateway: {sse!r}\nvLLM:    {sse_direct!r}"
             )
 

@@ -38,7 +38,8 @@ state_path = HOME / "state.json"
 state = json.loads(state_path.read_text())
 argv = sys.argv[1:]
 with open(HOME / "calls.jsonl", "a") as fh:
-    seen = {{k: hashlib.sha256(os.environ[k].encode()).hexdigest()[:12] for k in state.get("watch_env", []) if k in os.environ}}
+    watched = [k for k in state.get("watch_env", []) if k in os.environ]
+    seen = {{k: hashlib.sha256(os.environ[k].encode()).hexdigest()[:12] for k in watched}}
     fh.write(json.dumps({{"argv": argv, "env": seen, "at": time.time()}}) + "\n")
 
 def save():
@@ -137,7 +138,8 @@ elif cmd == "launch":
     if outcome == "capacity":
         print(f"Launching on AWS {{region}}", flush=True)
         print("sky.exceptions.ResourcesUnavailableError: Failed to provision all possible launchable resources. "
-              f"Relax the task's resource requirements: 1x AWS([Spot], {{{{'L4': 1}}}}, region={{region}})", file=sys.stderr)
+              f"Relax the task's resource requirements: 1x AWS([Spot], {{{{'L4': 1}}}}, region={{region}})",
+              file=sys.stderr)
         sys.exit(1)
     if outcome == "hang":
         hang(name, "clusters")
@@ -154,7 +156,8 @@ elif cmd == "down":
     name = argv[-1]
     outcome = next_outcome("down_script")
     if outcome != "ok":
-        print(f"sky.exceptions.ClusterStatusFetchingError: failed to terminate {{name}}: cloud API error", file=sys.stderr)
+        print(f"sky.exceptions.ClusterStatusFetchingError: failed to terminate {{name}}: cloud API error",
+              file=sys.stderr)
         sys.exit(1)
     gone = state["clusters"].pop(name, None)
     save()

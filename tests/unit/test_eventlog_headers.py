@@ -55,7 +55,8 @@ def test_importing_the_event_log_leaves_nats_py_untouched() -> None:
     out = _in_a_fresh_interpreter("""
         from nats.aio.client import Client
         before = dict(Client.__dict__)
-        import haru.log.eventlog, haru.log.nats_headers, projections.projector, haru.promoter.service, projections.postgres
+        import haru.log.eventlog, haru.log.nats_headers, projections.projector
+        import haru.promoter.service, projections.postgres
         after = dict(Client.__dict__)
         print(before == after, haru.log.nats_headers.fast_header_parse_enabled())
     """)

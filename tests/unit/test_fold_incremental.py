@@ -1,5 +1,6 @@
 """Property: the incremental `Folder` (what every service folds with, and `fold` too) equals its
-specification, `evolve` (and `invalid` for a bad body) applied event by event, however often its view is materialized, and through the JSON round trip of stored views.
+specification, `evolve` (and `invalid` for a bad body) applied event by event, however often its view is materialized,
+and through the JSON round trip of stored views.
 
 Histories are the legal ones of test_fold_properties with odd events spliced in: illegal residency
 transitions, events about undeclared or retired models and domains, bodies that did not decode,

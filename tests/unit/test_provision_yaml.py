@@ -204,5 +204,6 @@ def test_the_docs_show_the_yaml_the_examples_produce():
     layout = load_layout(EXAMPLE)
     for d in layout.domains:
         assert dry_run_text("provision", layout.fleet, d.spec).rstrip("\n") in doc, (
-            f"regenerate docs/provisioning.md's YAML with `haru provision {d.spec.name} --dry-run --layout {EXAMPLE.name}`"
+            "regenerate docs/provisioning.md's YAML with `haru "
+            f"provision {d.spec.name} --dry-run --layout {EXAMPLE.name}`"
         )
