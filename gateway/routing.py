@@ -9,7 +9,8 @@ chat request costs two dict look-ups: `table.resolve(fleet, model, now)` returns
 
 The router answers (one per model on the active domain, computed by the projector into the route
 intent) map to HTTP exactly as docs/design.md's "What a client is told" table says; `ANSWER_STATUS` (in
-`haru.core.openai_errors`, shared with the agent's serving port) is that table, and the tests and docs/gateway.md read the same one:
+`haru.core.openai_errors`, shared with the agent's serving port) is that table, and the tests and docs/gateway.md
+read the same one:
 
     ready              proxied
     warming{for_ms}    503 model_warming       + Retry-After

@@ -313,7 +313,8 @@ def _print_result(
         else:
             print(
                 f"haru: the changes to {', '.join(waiting)} wait on the active domain {active}: the rolling change was "
-                f"not requested ({rolling.status}: {rolling.message}); request it with `haru roll --fleet {result.fleet}`",
+                f"not requested ({rolling.status}: {rolling.message}); "
+                f"request it with `haru roll --fleet {result.fleet}`",
                 file=sys.stderr,
             )
     elif waiting and not result.dry_run:

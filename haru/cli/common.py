@@ -97,7 +97,8 @@ def add_nats_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nats-url",
         default=default_nats_url(),
-        help="NATS server URL(s), comma-separated (env HARU_NATS_URL, else the one `haru up` runs; default %(default)s)",
+        help="NATS server URL(s), comma-separated "
+        "(env HARU_NATS_URL, else the one `haru up` runs; default %(default)s)",
     )
     parser.add_argument(
         "--nats-creds",

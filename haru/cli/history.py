@@ -30,7 +30,8 @@ from haru.log.seam import Log
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verify",
-        help="walk every subject's hash chain and check every event stands on a subject it may; say whether history is intact",
+        help="walk every subject's hash chain and check every event stands on a subject it may; "
+        "say whether history is intact",
     )
     add_nats_options(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
