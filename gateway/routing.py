@@ -226,11 +226,11 @@ class FleetRoutes(msgspec.Struct, frozen=True):
         entry = self.entries.get(model)
         if entry is None:
             return self._missing(model)
-        if type(entry) is _Warming:
+        if isinstance(entry, _Warming):
             return entry.at(now)
-        if type(entry) is Split:  # traffic weights (gateway.split): the next domain in the split's order
+        if isinstance(entry, Split):  # traffic weights (gateway.split): the next domain in the split's order
             return entry.pick()
-        return entry  # type: ignore[return-value]
+        return entry
 
     def _missing(self, model: str) -> Refusal:
         if not self.active and (self.view is None or not self.declared):
@@ -290,13 +290,13 @@ def compile_routes(fleet: str, view: FleetView | None, intent: RouteIntent | Non
     revision = intent.revision if intent is not None else (view.route_revision if view is not None else 0)
     active = target.domain if target is not None else ""
 
-    if target is None:
+    if target is None or intent is None:  # (no intent: no target)
         refusal = _no_active(fleet, view, intent)
         for mname in declared:
             entries[mname] = refusal
     else:
-        for mname, answer in intent.answers.items():  # type: ignore[union-attr]
-            refused = refusal_for(fleet, active, mname, answer, intent.operation)  # type: ignore[union-attr]
+        for mname, answer in intent.answers.items():
+            refused = refusal_for(fleet, active, mname, answer, intent.operation)
             if refused is not None:
                 entries[mname] = refused
                 continue
