@@ -29,6 +29,7 @@ from haru.log.seam import Log
 from haru.projections.projector import Projector
 from tests.support.clock import now
 from tests.support.projector import MODELS, F, Writer, declare, stored_view, wait_view_seq
+from tests.support.wait import wait_until
 
 HARU = str(Path(sys.executable).parent / "haru")
 
@@ -284,14 +285,13 @@ def events_named(p: ProjectorProcess, name: str) -> list[dict]:
 
 
 async def wait_for_log(p: ProjectorProcess, name: str, timeout: float = 20.0) -> dict:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        found = events_named(p, name)
-        if found:
-            return found[-1]
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"no {name} in the projector's log:\n{p.log_path.read_text()[-3000:]}")
-        await asyncio.sleep(0.05)
+    found = await wait_until(
+        lambda: events_named(p, name),
+        timeout,
+        interval_s=0.05,
+        what=lambda: f"{name} in the projector's log:\n{p.log_path.read_text()[-3000:]}",
+    )
+    return found[-1]
 
 
 @pytest.mark.timeout(90)

@@ -23,6 +23,7 @@ from haru.core.views import view_encoder
 from haru.host.tasks import cancel_and_wait
 from haru.log.route import RouteWatcher
 from tests.support.clock import now
+from tests.support.wait import wait_until
 
 F = "default"
 M = "qwen3.6:27b"
@@ -73,17 +74,20 @@ def start_projector(nats_server, tmp_path):
             p.wait(10)
 
 
+def logged(path: Path, name: str) -> bool:
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("event") == name:
+                return True
+        except ValueError:
+            pass
+    return False
+
+
 async def wait_logged(path: Path, name: str, timeout: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line).get("event") == name:
-                    return
-            except ValueError:
-                pass
-        assert asyncio.get_running_loop().time() < deadline, f"no {name} in {path.read_text()[-2000:]}"
-        await asyncio.sleep(0.05)
+    await wait_until(
+        lambda: logged(path, name), timeout, interval_s=0.05, what=lambda: f"{name} in {path.read_text()[-2000:]}"
+    )
 
 
 @pytest.mark.timeout(90)

@@ -5,8 +5,9 @@
 
 `check` returns something truthy once the behaviour is there; that value is returned. Past `timeout_s` the
 wait fails with an AssertionError naming `what` and the last value seen (or the last exception, where the
-test allows the check to fail for a while with `retry_on`). An async check that hangs fails the wait at the
-deadline rather than hanging the test.
+test allows the check to fail for a while with `retry_on`); `what` may be a function, called only then, for a
+message that shows the state at the deadline (a log's tail, a process's output). An async check that hangs fails
+the wait at the deadline rather than hanging the test.
 """
 
 from __future__ import annotations
@@ -20,8 +21,15 @@ from typing import Any
 Check = Callable[[], Any] | Callable[[], Awaitable[Any]]
 
 
-def _timed_out(what: str, check: object, timeout_s: float, last: object) -> AssertionError:
-    return AssertionError(f"timed out after {timeout_s} s waiting for {what or check}; last: {last!r}")
+What = str | Callable[[], str]
+
+
+def _said(what: What, check: object) -> str:
+    return (what() if callable(what) else what) or repr(check)
+
+
+def _timed_out(what: What, check: object, timeout_s: float, last: object) -> AssertionError:
+    return AssertionError(f"timed out after {timeout_s} s waiting for {_said(what, check)}; last: {last!r}")
 
 
 async def wait_until(
@@ -29,7 +37,7 @@ async def wait_until(
     timeout_s: float,
     interval_s: float = 0.05,
     *,
-    what: str = "",
+    what: What = "",
     retry_on: tuple[type[BaseException], ...] = (),
 ) -> Any:
     """Poll `check` (plain or async) every `interval_s` until it returns something truthy; return it."""
@@ -45,7 +53,7 @@ async def wait_until(
                 except TimeoutError:
                     raise _Hung() from None
         except _Hung:
-            raise AssertionError(f"a check hung while waiting for {what or check}") from None
+            raise AssertionError(f"a check hung while waiting for {_said(what, check)}") from None
         except retry_on as exc:
             last = exc
         else:
@@ -62,7 +70,7 @@ def wait_until_sync(
     timeout_s: float,
     interval_s: float = 0.05,
     *,
-    what: str = "",
+    what: What = "",
     retry_on: tuple[type[BaseException], ...] = (),
 ) -> Any:
     """Poll `check` every `interval_s` until it returns something truthy; return it. Blocks the thread."""
