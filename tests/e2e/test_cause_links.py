@@ -23,7 +23,7 @@ from haru.promoter.decider import STEPS
 from haru.promoter.requests import request_operation
 from tests.support import haru
 from tests.support.agent_harness import sim_fault
-from tests.support.failover_sim import FLEET, _endpoint, serving, sim, sim_agents, steady
+from tests.support.failover_sim import FLEET, endpoint_of_b, serving, sim, sim_agents, steady
 from tests.support.promoter import op_events, promoters, view_of, wait_view
 from tests.support.wait import wait_until
 
@@ -132,7 +132,7 @@ async def test_every_producer_cites_the_event_that_caused_it(tmp_path, nats_serv
                 what="b's m1 restarted and asleep again",
             )
             # a promotion that fails at the wake (CUDA out of memory) and is aborted
-            await sim_fault(await _endpoint(event_log), "oom_on_wake")
+            await sim_fault(await endpoint_of_b(event_log), "oom_on_wake")
             failing = await request_operation(event_log, FLEET, "promotion", "b", by="cli:test", now=datetime.now(UTC))
             assert failing.status == "accepted", failing
 

@@ -12,7 +12,7 @@ from haru.core.events import OperationAborted, PromotionRequested, StepFailed, S
 from tests.support.agent_harness import sim_fault
 from tests.support.failover_sim import (
     FLEET,
-    _endpoint,
+    endpoint_of_b,
     serving,
     sim,
     sim_agents,
@@ -81,7 +81,7 @@ async def _inject_when_started(log, step: str, fault: str) -> None:
         )
 
     await wait_until(started, 30, interval_s=0.02, what=f"{step} started")
-    await sim_fault(await _endpoint(log), fault)
+    await sim_fault(await endpoint_of_b(log), fault)
 
 
 @pytest.mark.parametrize("fault, step", [("fail_probe", "probe"), ("oom_on_wake", "wake")])

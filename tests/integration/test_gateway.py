@@ -29,10 +29,10 @@ from tests.support.gateway import (
     TOKEN,
     Fleet,
     RawUpstream,
-    _get,
-    _get_text,
-    _raw,
+    get_json,
+    get_text,
     intent_of,
+    post_raw,
     running_gateway,
     sdk,
     view_of,
@@ -197,7 +197,7 @@ async def test_not_admitted_is_never_retried_by_the_sdk(gw, two_domains):
     async with sdk(gw, retries=3) as client:
         with pytest.raises(openai.ConflictError):
             await client.chat.completions.create(model=MODEL, messages=CHAT)
-    text = await _get_text(gw, "/metrics")
+    text = await get_text(gw, "/metrics")
     assert f'haru_gateway_requests_total{{fleet="default",model="{MODEL}",status="409"}} 1.0' in text
 
 
@@ -303,8 +303,8 @@ async def test_request_and_response_bytes_are_identical_to_direct(gw, two_domain
         + MODEL
         + '", "top_k": 7, "vendor_ext": {"x": [1.50, 2e3]} }'
     ).encode()
-    s1, via_gateway, _ = await _raw(gw.url + path, body)
-    s2, direct, _ = await _raw(a.url + path, body)
+    s1, via_gateway, _ = await post_raw(gw.url + path, body)
+    s2, direct, _ = await post_raw(a.url + path, body)
     assert s1 == s2 == 200
     assert via_gateway == direct
     assert a.received[0][1] == body and a.received[1][1] == body
@@ -314,8 +314,8 @@ async def test_request_and_response_bytes_are_identical_to_direct(gw, two_domain
 async def test_sse_bytes_are_identical_to_direct(gw, two_domains):
     _, a, _ = two_domains
     body = json.dumps({"model": MODEL, "messages": CHAT, "stream": True, "chunks": 8}).encode()
-    s1, via_gateway, _ = await _raw(gw.url + "/v1/chat/completions", body)
-    s2, direct, _ = await _raw(a.url + "/v1/chat/completions", body)
+    s1, via_gateway, _ = await post_raw(gw.url + "/v1/chat/completions", body)
+    s2, direct, _ = await post_raw(a.url + "/v1/chat/completions", body)
     assert s1 == s2 == 200
     assert via_gateway == direct and via_gateway.endswith(b"data: [DONE]\n\n")
     assert a.received[0][1] == body
@@ -324,7 +324,7 @@ async def test_sse_bytes_are_identical_to_direct(gw, two_domains):
 async def test_upstream_errors_pass_through_untouched(gw, two_domains):
     _, a, _ = two_domains
     body = json.dumps({"model": MODEL, "messages": CHAT, "upstream_status": 422}).encode()
-    status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+    status, data, _ = await post_raw(gw.url + "/v1/chat/completions", body)
     assert status == 422 and data == b'{"error":{"message":"upstream says no","code":422}}'
 
 
@@ -335,7 +335,7 @@ async def test_promotion_during_traffic(gw, two_domains):
     fleet, a, b = two_domains
     # a long stream on a, in flight while the pointer moves
     body = json.dumps({"model": MODEL, "messages": CHAT, "stream": True, "chunks": 12, "gap": 0.05}).encode()
-    old_stream = asyncio.create_task(_raw(gw.url + "/v1/chat/completions", body))
+    old_stream = asyncio.create_task(post_raw(gw.url + "/v1/chat/completions", body))
     await wait_until(lambda: len(a.received) == 1, 5.0, interval_s=0.005)
 
     seen: list[str] = []
@@ -352,7 +352,7 @@ async def test_promotion_during_traffic(gw, two_domains):
     await wait_until(lambda: len(seen) >= 5, 5.0, interval_s=0.005)
     await fleet.publish(intent_of("default", "b", b.url, revision=7))
     # the very next request goes to b
-    status, data, _ = await _raw(
+    status, data, _ = await post_raw(
         gw.url + "/v1/chat/completions", json.dumps({"model": MODEL, "messages": CHAT}).encode()
     )
     assert status == 200 and b"[domain b]" in data
@@ -368,7 +368,7 @@ async def test_promotion_during_traffic(gw, two_domains):
     assert status == 200
     assert data.count(b"data: ") == 13 and b"[domain a]" in data and data.endswith(b"data: [DONE]\n\n")
     assert a.cancelled == 0
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_route_revision{fleet="default"} 7.0' in metrics
 
 
@@ -381,7 +381,7 @@ async def test_serve_direct_uses_the_models_own_url(event_log, gw, upstreams):
             "default", "a", a.url, revision=1, serve="direct", model_urls={MODEL: direct.url + "/v1", SMALL: a.url}
         )
     )
-    status, data, _ = await _raw(
+    status, data, _ = await post_raw(
         gw.url + "/v1/chat/completions", json.dumps({"model": MODEL, "messages": CHAT}).encode()
     )
     assert status == 200 and b"[domain a-direct]" in data
@@ -498,12 +498,12 @@ async def test_auth_on_guards_everything_but_healthz(event_log, upstreams):
         await fleet.put_view(view_of("default", {"a": up.url}, active="a"))
         await fleet.publish(intent_of("default", "a", up.url, revision=1))
         url = f"http://127.0.0.1:{gw.port}"
-        assert (await _get(url, "/healthz"))[0] == 200
+        assert (await get_json(url, "/healthz"))[0] == 200
         for path in ("/v1/models", "/residency", "/metrics", "/v1/fleets/default", "/v1/fleets/default/route-intent"):
-            status, body = await _get(url, path)
+            status, body = await get_json(url, path)
             assert status == 401 and body["error"]["code"] == "invalid_api_key", path
-            assert (await _get(url, path, "wrong"))[0] == 401
-        assert (await _get(url, "/v1/fleets/default", TOKEN))[0] == 200
+            assert (await get_json(url, path, "wrong"))[0] == 401
+        assert (await get_json(url, "/v1/fleets/default", TOKEN))[0] == 200
         gw_client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
         async with gw_client as client:
             with pytest.raises(openai.AuthenticationError):
@@ -517,7 +517,7 @@ async def test_auth_on_guards_everything_but_healthz(event_log, upstreams):
 async def test_auth_off_binds_loopback_whatever_host_says(event_log):
     async with running_gateway(event_log, host="0.0.0.0") as gw:
         assert gw.host == "127.0.0.1"
-        status, _ = await _get(gw.url, "/v1/fleets")
+        status, _ = await get_json(gw.url, "/v1/fleets")
         assert status == 200
 
 
@@ -543,7 +543,7 @@ async def test_residency_truth_table(event_log, gw, upstreams):
             answers={MODEL: Answer(answer="ready"), SMALL: Answer(answer="lost", reason="gpu_detached")},
         )
     )
-    status, table = await _get(gw.url, "/residency")
+    status, table = await get_json(gw.url, "/residency")
     assert status == 200
     f = table["fleets"]["default"]
     assert f["active"] == "a" and f["route_revision"] == 1
@@ -554,20 +554,20 @@ async def test_residency_truth_table(event_log, gw, upstreams):
     assert f["domains"]["b"]["models"][MODEL]["residency"]["summary"].startswith("sleeping (level 1) for 3")
     assert f["domains"]["b"]["models"][SMALL]["residency"]["summary"] == "not admitted — short by 2.0 GiB"
     assert "routable" not in f["domains"]["b"]["models"][MODEL]  # the standby is not routed to
-    status, one = await _get(gw.url, "/residency?fleet=nope")
+    status, one = await get_json(gw.url, "/residency?fleet=nope")
     assert status == 404 and one["error"]["code"] == "fleet_not_found"
 
 
 async def test_fleet_view_and_route_intent_endpoints(event_log, gw, two_domains):
-    status, view = await _get(gw.url, "/v1/fleets/default")
+    status, view = await get_json(gw.url, "/v1/fleets/default")
     assert status == 200 and view["fleet"] == "default" and set(view["domains"]) == {"a", "b"}
-    status, intent = await _get(gw.url, "/v1/fleets/default/route-intent")
+    status, intent = await get_json(gw.url, "/v1/fleets/default/route-intent")
     assert status == 200 and intent["active"]["domain"] == "a" and intent["revision"] == 1
-    status, err = await _get(gw.url, "/v1/fleets/nope")
+    status, err = await get_json(gw.url, "/v1/fleets/nope")
     assert status == 404 and err["error"]["code"] == "fleet_not_found"
-    status, err = await _get(gw.url, "/v1/fleets/Bad.Name")
+    status, err = await get_json(gw.url, "/v1/fleets/Bad.Name")
     assert status == 400 and "fleet name" in err["error"]["message"]
-    status, err = await _get(gw.url, "/v1/nothing-here")
+    status, err = await get_json(gw.url, "/v1/nothing-here")
     assert status == 404
     async with aiohttp.ClientSession() as s:
         async with s.get(gw.url + "/v1/chat/completions") as r:
@@ -582,13 +582,13 @@ async def test_metrics_exposition(gw, two_domains):
             pass
         with pytest.raises(openai.NotFoundError):
             await client.chat.completions.create(model="nope", messages=CHAT)
-    text = await _get_text(gw, "/metrics")
+    text = await get_text(gw, "/metrics")
     assert f'haru_gateway_requests_total{{fleet="default",model="{MODEL}",status="200"}} 2.0' in text
     assert 'haru_gateway_requests_total{fleet="default",model="(unknown)",status="404"} 1.0' in text
     async with sdk(gw, fleet="made-up-fleet") as client:
         with pytest.raises(openai.NotFoundError):
             await client.chat.completions.create(model=MODEL, messages=CHAT)
-    text = await _get_text(gw, "/metrics")
+    text = await get_text(gw, "/metrics")
     assert 'haru_gateway_requests_total{fleet="(unknown)",model="(unknown)",status="404"} 1.0' in text
     assert "made-up-fleet" not in text
     assert 'haru_gateway_upstream_ttfb_seconds_count{domain="a",fleet="default"} 2.0' in text
@@ -623,7 +623,7 @@ async def test_gateway_started_after_the_projector_sees_current_state(event_log,
         async with sdk(gw, fleet="late") as client:
             reply = await client.chat.completions.create(model=MODEL, messages=CHAT)
         assert reply.choices[0].message.content == "[domain a] hi"
-        status, health = await _get(gw.url, "/healthz")
+        status, health = await get_json(gw.url, "/healthz")
         assert status == 200 and health["fleets"]["late"] == {"active": "a", "route_revision": 3}
         assert health["nats_connected"] is True
 
@@ -640,11 +640,11 @@ async def _point_at(event_log, gw, url: str) -> None:
 async def test_upstream_connections_are_kept_alive_and_reused(event_log, gw, two_domains):
     body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
     for _ in range(5):
-        status, _, _ = await _raw(gw.url + "/v1/chat/completions", body)
+        status, _, _ = await post_raw(gw.url + "/v1/chat/completions", body)
         assert status == 200
     sse = json.dumps({"model": MODEL, "messages": CHAT, "stream": True}).encode()
     for _ in range(3):
-        status, _, _ = await _raw(gw.url + "/v1/chat/completions", sse)
+        status, _, _ = await post_raw(gw.url + "/v1/chat/completions", sse)
         assert status == 200
     assert gw.proxy.pool.opened == 1
 
@@ -655,7 +655,7 @@ async def test_a_kept_alive_connection_closed_by_the_upstream_is_retried_fresh(e
         await _point_at(event_log, gw, up.url)
         body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
         for _ in range(3):
-            status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+            status, data, _ = await post_raw(gw.url + "/v1/chat/completions", body)
             assert (status, data) == (200, b'{"ok":true}')
         assert up.connections == 3 and gw.proxy.pool.opened == 3
     finally:
@@ -669,10 +669,10 @@ async def test_the_retry_of_a_closed_kept_alive_connection_never_takes_another_i
     try:
         await _point_at(event_log, gw, up.url)
         body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
-        answers = await asyncio.gather(*(_raw(gw.url + "/v1/chat/completions", body) for _ in range(3)))
+        answers = await asyncio.gather(*(post_raw(gw.url + "/v1/chat/completions", body) for _ in range(3)))
         assert [(s, d) for s, d, _ in answers] == [(200, b'{"ok":true}')] * 3
         assert gw.proxy.pool.idle_count() == 3
-        status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+        status, data, _ = await post_raw(gw.url + "/v1/chat/completions", body)
         assert (status, data) == (200, b'{"ok":true}')
         assert up.connections == 4
     finally:
@@ -772,7 +772,7 @@ async def test_until_close_and_large_sized_bodies_stream_through(event_log, upst
         async with running_gateway(event_log, buffer_limit_bytes=1000) as gw:
             await _point_at(event_log, gw, up.url)
             body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
-            status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+            status, data, _ = await post_raw(gw.url + "/v1/chat/completions", body)
             assert (status, data) == (200, b"part one, part two")
             async with aiohttp.ClientSession() as s:
                 async with s.post(gw.url + "/v1/chat/completions", data=body) as r:
@@ -842,7 +842,7 @@ async def test_an_invalid_upstream_response_is_a_502(event_log, gw, raw):
     try:
         await _point_at(event_log, gw, up.url)
         body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
-        status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+        status, data, _ = await post_raw(gw.url + "/v1/chat/completions", body)
         assert status == 502, data
         error = json.loads(data)["error"]
         assert error["code"] == "upstream_unreachable" and "malformed response" in error["message"], error
@@ -897,7 +897,7 @@ async def test_routing_survives_a_nats_restart(event_log, nats_server, gw, two_d
     fleet, a, b = two_domains
     nats_server.kill()
     # NATS is gone: requests are still routed from memory, and the view is served stale
-    status, data, _ = await _raw(
+    status, data, _ = await post_raw(
         gw.url + "/v1/chat/completions", json.dumps({"model": MODEL, "messages": CHAT}).encode()
     )
     assert status == 200 and b"[domain a]" in data
@@ -922,7 +922,7 @@ async def test_routing_survives_a_nats_restart(event_log, nats_server, gw, two_d
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.2)
         await wait_until(lambda: gw.table.get("default").active == "b", 10, interval_s=0.005)  # resync: every 2 s
-        status, data, _ = await _raw(
+        status, data, _ = await post_raw(
             gw.url + "/v1/chat/completions", json.dumps({"model": MODEL, "messages": CHAT}).encode()
         )
         assert status == 200 and b"[domain b]" in data

@@ -20,7 +20,7 @@ from aiohttp import web
 from haru.core.residency import Answer, Loading, Lost, Resident, Sleeping
 from haru.core.specs import Policy
 from haru.core.views import FleetView, OperationView
-from tests.support.gateway import CHAT, MODEL, Fleet, _get_text, intent_of, running_gateway, sdk, view_of
+from tests.support.gateway import CHAT, MODEL, Fleet, get_text, intent_of, running_gateway, sdk, view_of
 from tests.support.wait import wait_until
 
 FAST = Policy(heartbeat_timeout_ms=500)
@@ -137,7 +137,7 @@ async def test_a_request_for_a_lost_model_is_held_and_sent_to_the_new_active(gw,
     assert status == 200 and b"[domain b]" in data
     assert headers["X-Haru-Domain"] == "b" and int(headers["X-Haru-Held-Ms"]) >= 0
     assert gw.proxy.holds.held["default"] == 0
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_held_total{fleet="default",outcome="released"} 1.0' in metrics
 
 
@@ -162,7 +162,7 @@ async def test_a_hold_ends_with_todays_answer_when_its_time_is_up(gw, two):
     status, _, data = await post(gw, {"model": MODEL, "messages": CHAT})
     assert status == 503 and json.loads(data)["error"]["code"] == "model_lost"
     assert loop.time() - started >= 0.3
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_held_total{fleet="default",outcome="expired"} 1.0' in metrics
 
 
@@ -202,7 +202,7 @@ async def test_a_held_request_whose_client_leaves_is_dropped_at_once(gw, two):
     await two.move_to_b()
     await asyncio.sleep(0.2)
     assert two.b.received == []  # it never reached the new active
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_held_total{fleet="default",outcome="dropped"} 1.0' in metrics
 
 
@@ -230,7 +230,7 @@ async def test_a_request_to_a_dead_domain_is_sent_once_more_to_the_new_active(gw
     assert status == 200 and b"[domain b]" in data
     assert headers["X-Haru-Retried"].startswith("a; unreachable")
     assert len(two.b.received) == 1
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_retried_total{fleet="default",why="unreachable"} 1.0' in metrics
 
 
@@ -355,7 +355,7 @@ async def test_a_retry_is_sent_once_only(gw, two):
     # the hold ends with the route unmoved: the one resend goes to a, dead still, and that is the answer
     status, headers, data = await post(gw, {"model": MODEL, "messages": CHAT})
     assert status == 502 and json.loads(data)["error"]["code"] == "upstream_unreachable"
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_retried_total{fleet="default",why="unreachable"} 1.0' in metrics
 
 
@@ -481,7 +481,7 @@ async def test_a_stream_cut_mid_generation_is_continued_on_the_new_active(event_
         assert cont["continue_final_message"] is True and cont["add_generation_prompt"] is False
     else:
         assert "continue_final_message" not in cont
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_stream_resumes_total{fleet="default",outcome="continued"} 1.0' in metrics
 
 
@@ -517,7 +517,7 @@ async def test_a_stream_that_cannot_be_continued_faithfully_ends_with_an_error_e
                 pass
     assert "cannot be continued faithfully" in str(info.value)
     assert b.bodies == []
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_stream_resumes_total{fleet="default",outcome="error_event"} 1.0' in metrics
 
 

@@ -22,7 +22,7 @@ from haru.host.tasks import cancel_and_wait
 from haru.projections.projector import Projector
 from haru.promoter.service import run_promoter
 from tests.support.clock import now
-from tests.support.gateway import CHAT, MODEL, Fleet, _get, _raw, intent_of, running_gateway, view_of
+from tests.support.gateway import CHAT, MODEL, Fleet, get_json, intent_of, post_raw, running_gateway, view_of
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -30,7 +30,7 @@ CHAT_JSON = json.dumps(CHAT)
 
 
 async def health(gw_url: str, strict: bool = False) -> tuple[int, dict]:
-    return await _get(gw_url, "/healthz?strict=1" if strict else "/healthz")
+    return await get_json(gw_url, "/healthz?strict=1" if strict else "/healthz")
 
 
 async def test_healthz_names_the_projector_promoter_and_nats_when_they_are_down(event_log, nats_server):
@@ -40,7 +40,7 @@ async def test_healthz_names_the_projector_promoter_and_nats_when_they_are_down(
         assert status == 200 and body["status"] == "degraded", body
         assert body["down"] == ["projector", "promoter"], body
         assert (await health(gw.url, strict=True))[0] == 503
-        assert (await _get(gw.url, "/healthz?strict"))[0] == 503  # the bare flag is strict too
+        assert (await get_json(gw.url, "/healthz?strict"))[0] == 503  # the bare flag is strict too
 
         projector = asyncio.create_task(Projector(event_log).run())
         promoter = asyncio.create_task(run_promoter(event_log, identity="promoter:test"))
@@ -98,7 +98,7 @@ async def test_a_route_move_reaches_clients_from_the_route_subject_with_the_proj
     fleet = Fleet(event_log, gw)
     await fleet.put_view(view_of("default", {"a": a.url, "b": b.url}, active="a", seq=first, residency=stale))
     await fleet.publish(intent_of("default", "a", a.url, revision=first))
-    status, data, _ = await _raw(
+    status, data, _ = await post_raw(
         gw.url + "/v1/chat/completions", f'{{"model": "{MODEL}", "messages": {CHAT_JSON}}}'.encode()
     )
     assert status == 200 and b"[domain a]" in data
@@ -107,7 +107,7 @@ async def test_a_route_move_reaches_clients_from_the_route_subject_with_the_proj
     moved = await event_log.append(route, RouteMoved(at=now(), active="b", previous="a", op_id="op-test"), expect=first)
 
     async def on_b():
-        s, d, _ = await _raw(
+        s, d, _ = await post_raw(
             gw.url + "/v1/chat/completions", f'{{"model": "{MODEL}", "messages": {CHAT_JSON}}}'.encode()
         )
         return (s, d) if s == 200 and b"[domain b]" in d else None

@@ -150,7 +150,7 @@ def requested(target="b", source="a", op_id="op-1", revision=None, ms=1):
     )
 
 
-def _through(step: str, op_id="op-1"):
+def through(step: str, op_id="op-1"):
     steps = flow("promotion")
     out = []
     for s in steps[: steps.index(step)]:

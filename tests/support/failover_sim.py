@@ -80,7 +80,7 @@ def sim(tmp_path, *args: str) -> None:
     haru("sim", *args, "--sim-root", str(tmp_path / "sim"), check=True)
 
 
-async def _endpoint(log):
+async def endpoint_of_b(log):
     for rec in reversed(await log.history(subjects.model(FLEET, "b", "m1"))):
         if getattr(rec.event, "endpoint", ""):
             return rec.event.endpoint

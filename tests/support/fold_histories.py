@@ -29,7 +29,7 @@ MODELS = ("qwen3.6:27b", "Llama-3.1-8B", "tiny")
 STEPS = ("stop_training", "verify_gpu", "wake", "probe", "flip")
 
 
-_RESIDENCY_EVENTS = {
+RESIDENCY_EVENTS = {
     "model_loading": lambda at, d, m, draw: ev.ModelLoading(at=at, domain=d, model=m, attempt=draw(st.integers(1, 3))),
     "model_resident": lambda at, d, m, draw: ev.ModelResident(
         at=at, domain=d, model=m, warmup_ms=draw(st.integers(0, 9000))
@@ -140,12 +140,12 @@ def histories(draw) -> list[tuple[int, str, ev.Event]]:
         if kind == "residency":
             m = draw(st.sampled_from([k[2] for k in states if k[0] == fleet and k[1] == d]))
             state = states[(fleet, d, m)]
-            legal = [e for (s, e), _ in residency.TRANSITIONS.items() if s == state and e in _RESIDENCY_EVENTS]
+            legal = [e for (s, e), _ in residency.TRANSITIONS.items() if s == state and e in RESIDENCY_EVENTS]
             if not legal:
                 continue
             tag = draw(st.sampled_from(sorted(legal)))
             states[(fleet, d, m)] = residency.TRANSITIONS[(state, tag)]
-            items.append((sj.model(fleet, d, m), _RESIDENCY_EVENTS[tag](at(), d, m, draw)))
+            items.append((sj.model(fleet, d, m), RESIDENCY_EVENTS[tag](at(), d, m, draw)))
         elif kind == "gpu":
             items.append(
                 (

@@ -223,7 +223,7 @@ def sdk(gw: Gateway, *, fleet: str | None = None, token: str = "unused", retries
 CHAT = [{"role": "user", "content": "hello"}]
 
 
-async def _raw(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes, list[bytes]]:
+async def post_raw(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes, list[bytes]]:
     chunks: list[bytes] = []
     async with aiohttp.ClientSession() as s:
         async with s.post(url, data=body, headers={"Content-Type": "application/json", **(headers or {})}) as r:
@@ -232,14 +232,14 @@ async def _raw(url: str, body: bytes, headers: dict[str, str] | None = None) -> 
             return r.status, b"".join(chunks), chunks
 
 
-async def _get(gw_url: str, path: str, token: str | None = None) -> tuple[int, dict]:
+async def get_json(gw_url: str, path: str, token: str | None = None) -> tuple[int, dict]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with aiohttp.ClientSession() as s:
         async with s.get(gw_url + path, headers=headers) as r:
             return r.status, await r.json(content_type=None)
 
 
-async def _get_text(gw: Gateway, path: str, token: str | None = None) -> str:
+async def get_text(gw: Gateway, path: str, token: str | None = None) -> str:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with aiohttp.ClientSession() as s:
         async with s.get(gw.url + path, headers=headers) as r:

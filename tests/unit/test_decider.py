@@ -43,7 +43,6 @@ from tests.support.decider import (
     POLICY,
     T0,
     F,
-    _through,
     at,
     facts,
     given,
@@ -54,6 +53,7 @@ from tests.support.decider import (
     requested,
     resident,
     routed,
+    through,
     unreachable,
 )
 
@@ -136,7 +136,7 @@ def test_a_failed_step_before_the_flip_aborts_with_the_step_and_error(failed):
 
 def test_the_flip_is_refused_when_the_target_became_unreachable_after_its_probe():
     base = given(*healthy_fleet())
-    view = given(*healthy_fleet(), requested(revision=base.route_revision), *_through("flip"), unreachable("b", 4))
+    view = given(*healthy_fleet(), requested(revision=base.route_revision), *through("flip"), unreachable("b", 4))
     event = only(view, facts(silent_ms={"a": 100, "b": 5000}))
     assert isinstance(event, OperationAborted) and event.step == "flip"
     assert "unreachable" in event.error
@@ -147,7 +147,7 @@ def test_a_flip_whose_runner_died_after_route_moved_is_completed_from_the_route(
     view = given(
         *healthy_fleet(),
         requested(revision=base.route_revision),
-        *_through("flip"),
+        *through("flip"),
         (OP, StepStarted(at=at(5), op_id="op-1", step="flip")),
         routed("b", 6, op_id="op-1"),
     )
@@ -160,7 +160,7 @@ def test_a_flip_whose_route_moved_elsewhere_fails():
     view = given(
         *healthy_fleet(),
         requested(revision=base.route_revision),
-        *_through("flip"),
+        *through("flip"),
         (OP, StepStarted(at=at(5), op_id="op-1", step="flip")),
         routed("a", 6, op_id="op-other"),
     )
@@ -173,7 +173,7 @@ def _started_wake(by_ms=5):
     return given(
         *healthy_fleet(),
         requested(revision=base.route_revision),
-        *_through("wake"),
+        *through("wake"),
         (OP, StepStarted(at=at(by_ms), op_id="op-1", step="wake")),
     )
 
@@ -204,7 +204,7 @@ def test_after_settle_the_operation_completes():
     view = given(
         *healthy_fleet(),
         requested(),
-        *_through("settle_old_active"),
+        *through("settle_old_active"),
         (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
         (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active")),
     )
@@ -215,7 +215,7 @@ def test_a_failed_settle_makes_the_old_active_ineligible_then_completes():
     view = given(
         *healthy_fleet(),
         requested(),
-        *_through("settle_old_active"),
+        *through("settle_old_active"),
         (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
         (
             OP,
@@ -234,7 +234,7 @@ def test_an_old_active_whose_gpu_is_gone_is_ineligible_even_when_settle_answered
         *healthy_fleet(),
         requested(),
         gone,
-        *_through("settle_old_active"),
+        *through("settle_old_active"),
         (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
         (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active")),
     )
@@ -456,7 +456,7 @@ def test_promoting_an_ineligible_domain_by_hand_restores_its_eligibility_when_do
         *healthy_fleet(),
         (OP, EligibilityChanged(at=at(1), domain="b", eligible=False, why="agent gone")),
         requested(),
-        *_through("settle_old_active"),
+        *through("settle_old_active"),
         (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
         (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active")),
     ]
@@ -524,7 +524,7 @@ def test_settle_commands_carry_the_route_revision_after_the_flip():
     view = given(
         *healthy_fleet(),
         requested(revision=base.route_revision),
-        *_through("settle_old_active"),
+        *through("settle_old_active"),
         routed("b", 6, op_id="op-1"),
     )
     domain, commands = command_for(view, view.operation, "settle_old_active")

@@ -20,7 +20,7 @@ from haru.core import events as ev
 from haru.core import subjects as sj
 from haru.core.fold import Folder, add_one, empty, evolve, fleet_of, fold, invalid
 from haru.core.views import FleetView, view_decoder, view_encoder
-from tests.support.fold_histories import _RESIDENCY_EVENTS, DOMAINS, MODELS, histories
+from tests.support.fold_histories import DOMAINS, MODELS, RESIDENCY_EVENTS, histories
 
 T1 = datetime(2026, 11, 30, tzinfo=UTC)
 ERROR = "not a valid Haru event: Expected `object`"
@@ -56,12 +56,12 @@ def odd_histories(draw) -> list[tuple[int, str, ev.Event | None]]:
             other = draw(st.sampled_from([sj.agent(fleet, d), sj.model(fleet, d, m), sj.op(fleet), sj.decl(fleet)]))
             item = (other, ev.RouteMoved(at=at, active=d, by="agent:forger"))
         elif kind == "misplaced_residency":  # a residency event whose body names another domain or model
-            tag = draw(st.sampled_from(sorted(_RESIDENCY_EVENTS)))
+            tag = draw(st.sampled_from(sorted(RESIDENCY_EVENTS)))
             body_d, body_m = draw(st.sampled_from([(d + "x", m), (d, m + "x")]))
-            item = (sj.model(fleet, d, m), _RESIDENCY_EVENTS[tag](at, body_d, body_m, draw))
+            item = (sj.model(fleet, d, m), RESIDENCY_EVENTS[tag](at, body_d, body_m, draw))
         elif kind == "residency":  # any residency event, legal in its place or not, declared or not
-            tag = draw(st.sampled_from(sorted(_RESIDENCY_EVENTS)))
-            item = (sj.model(fleet, d, m), _RESIDENCY_EVENTS[tag](at, d, m, draw))
+            tag = draw(st.sampled_from(sorted(RESIDENCY_EVENTS)))
+            item = (sj.model(fleet, d, m), RESIDENCY_EVENTS[tag](at, d, m, draw))
         elif kind == "invalid":
             item = (sj.model(fleet, d, m), None)
         elif kind == "retire_model":
