@@ -32,8 +32,8 @@ from haru.core.residency import Sleeping
 from haru.core.views import intent_decoder
 from haru.host.tasks import cancel_and_wait
 from haru.log.history import Verifier, misplaced_records
+from haru.log.requests import request_operation
 from haru.projections.projector import Projector
-from haru.promoter import request_operation
 from tests.support.authority import build
 from tests.support.clock import now
 from tests.support.cluster import haru_cli

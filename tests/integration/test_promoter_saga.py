@@ -27,7 +27,7 @@ from haru.core.events import (
     StepFailed,
     StepStarted,
 )
-from haru.promoter import request_operation
+from haru.log.requests import request_operation
 from tests.support.clock import now
 from tests.support.promoter import (
     asleep_and_training,

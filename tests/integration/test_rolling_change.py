@@ -16,8 +16,8 @@ import pytest
 
 from haru.core import subjects
 from haru.core.events import OperationAborted, OperationCompleted, RollingRequested, StepStarted
+from haru.core.saga import flow
 from haru.log.bus import send
-from haru.promoter.decider import flow
 from tests.support import haru
 from tests.support.promoter import describe, op_events, wait_op_end, wait_view
 from tests.support.rolling import apply_cli, context_4096, rolling_fleet, rolling_op_id

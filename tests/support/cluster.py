@@ -23,8 +23,6 @@ from haru.host.natsd import find_binary, free_port
 from haru.log.eventlog import EventLog
 
 REPO = Path(__file__).resolve().parents[2]
-
-
 DEPLOY = REPO / "deploy" / "nats"
 
 

@@ -22,25 +22,15 @@ from haru.core.events import (
     StepStarted,
 )
 from haru.core.fold import evolve
+from haru.core.saga import flow
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
-from haru.promoter.decider import (
-    decide,
-    flow,
-)
+from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
-
-
 F = "default"
-
-
 OP = subjects.op(F)
-
-
 ROUTE = subjects.route(F)
-
-
 POLICY = Policy(
     heartbeat_timeout_ms=1000,
     degraded_grace_ms=5000,

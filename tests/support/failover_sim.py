@@ -15,8 +15,6 @@ from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, wr
 from tests.support.clock import now
 
 FLEET = "f"
-
-
 POLICY = {
     # No test here silences an agent; a 2.5 s bound was crossed by a loaded 2-core machine's scheduling
     # alone (a 2.7 s gap), turning a GPU-detach failover into a heartbeat one.

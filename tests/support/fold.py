@@ -10,8 +10,6 @@ from haru.core.sizes import GiB
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
-
-
 F = "default"
 
 

@@ -15,20 +15,10 @@ from haru.core.sizes import GiB
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
-
-
 FLEETS = ("default", "edge")
-
-
 DOMAINS = ("a", "b")
-
-
 MODELS = ("qwen3.6:27b", "Llama-3.1-8B", "tiny")
-
-
 STEPS = ("stop_training", "verify_gpu", "wake", "probe", "flip")
-
-
 RESIDENCY_EVENTS = {
     "model_loading": lambda at, d, m, draw: ev.ModelLoading(at=at, domain=d, model=m, attempt=draw(st.integers(1, 3))),
     "model_resident": lambda at, d, m, draw: ev.ModelResident(

@@ -21,11 +21,7 @@ from tests.support.clock import now
 from tests.support.wait import wait_until
 
 MODEL = "qwen3.6:27b"
-
-
 SMALL = "meta-llama/Llama-3.1-8B-Instruct"
-
-
 TOKEN = "s3cret-token"
 
 

@@ -15,8 +15,6 @@ from haru.log.seam import Log
 from tests.support.clock import now
 
 F = "default"
-
-
 MODELS = ("qwen3.6:27b", "llama-8b")
 
 

@@ -24,11 +24,7 @@ from haru.host.natsd import free_port
 from tests.support.agent_harness import FAST_POLICY, REPO, AgentProcess, sim_model, tag, write_config
 
 FLEET = "default"
-
-
 MODELS = ("m1", "m2")
-
-
 POLICY = {**FAST_POLICY, "heartbeat_timeout_ms": 6000}
 
 

@@ -10,14 +10,8 @@ from haru.core.sizes import GiB
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
-
-
 F = "default"
-
-
 NOW = T0 + timedelta(seconds=20000)
-
-
 HEARTH = [
     ("muse-local:latest", 20 * GiB, True, 0),
     ("deepseek-r1:32b", 22 * GiB, True, 0),

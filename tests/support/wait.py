@@ -19,8 +19,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 Check = Callable[[], Any] | Callable[[], Awaitable[Any]]
-
-
 What = str | Callable[[], str]
 
 

@@ -21,7 +21,8 @@ from haru.core.events import (
     StepStarted,
 )
 from haru.core.fold import evolve
-from haru.promoter.decider import decide, lease_ms
+from haru.core.saga import lease_ms
+from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
 from tests.support.decider import OP, POLICY, ROUTE, at, healthy_fleet
 from tests.support.decider import given as given_view
