@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import statistics
 import sys
 import tempfile
@@ -49,11 +48,7 @@ from haru.host.natsd import NatsServer
 from haru.host.tasks import cancel_and_wait
 from haru.log import history, reads
 from haru.log.eventlog import EventLog
-from haru.log.nats_headers import enable_fast_header_parse
 from haru.projections.projector import Projector
-
-if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
-    enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)
 
 FLEET = "bench"
 FILLERS = 200

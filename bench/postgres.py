@@ -40,16 +40,11 @@ import structlog
 
 from haru.host.natsd import NatsServer
 from haru.log.eventlog import EventLog
-from haru.log.nats_headers import enable_fast_header_parse
 from haru.projections import pg_schema as S
 from haru.projections.pg_rows import Carry, plan
 from haru.projections.postgres import PostgresSink, migrate, tune_gc
 from tests.support import pgdata
 from tests.support.pg_local import LocalPostgres
-
-if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
-    enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)
-
 
 CPU: dict[str, list[float]] = {"sink": [], "copy": [], "replay": []}  # this process's CPU seconds
 
