@@ -58,7 +58,6 @@ sys.path.insert(0, str(REPO))
 
 from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import ranking, subjects
-from haru.core.apply import apply
 from haru.core.events import (
     DomainUnreachable,
     GpuObserved,
@@ -74,6 +73,7 @@ from haru.core.fold import empty, fold
 from haru.core.layout import load_layout
 from haru.core.residency import Resident, Sleeping
 from haru.host.natsd import NatsServer
+from haru.log.apply import apply
 from haru.log.eventlog import EventLog
 from haru.promoter.service import Promoter
 from tests.support.agent_harness import kill_runtimes

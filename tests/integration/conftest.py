@@ -10,10 +10,10 @@ from datetime import UTC, datetime
 import pytest
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.events import RouteMoved
 from haru.gateway import Gateway, GatewayConfig
 from haru.host.tasks import cancel_and_wait
+from haru.log.apply import apply
 from haru.projections.projector import Projector
 from tests.support.agent_harness import AgentProcess, agent_env
 from tests.support.cluster import DEPLOY, REPO, start_cluster

@@ -14,8 +14,8 @@ from datetime import UTC, datetime
 import pytest
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.layout import load_layout
+from haru.log.apply import apply
 from haru.log.bus import send
 from tests.support.agent_harness import sim_model
 from tests.support.promoter import wait_view

@@ -12,9 +12,9 @@ import asyncio
 import pytest
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.events import OperationCompleted, PromotionRequested, RouteMoved, StepCompleted, StepStarted
 from haru.core.saga import flow
+from haru.log.apply import apply
 from haru.log.eventlog import EventLog
 from haru.log.requests import request_operation
 from tests.support.clock import now

@@ -16,7 +16,6 @@ import asyncio
 import pytest
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.events import (
     EligibilityChanged,
     FailoverDeclined,
@@ -27,6 +26,7 @@ from haru.core.events import (
     StepFailed,
     StepStarted,
 )
+from haru.log.apply import apply
 from haru.log.requests import request_operation
 from tests.support.clock import now
 from tests.support.promoter import (

@@ -14,9 +14,9 @@ from datetime import UTC, datetime
 from prometheus_client.parser import text_string_to_metric_families
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.events import RouteMoved
 from haru.host.natsd import free_port
+from haru.log.apply import apply
 from tests.support.control import layout
 from tests.support.wait import wait_until
 

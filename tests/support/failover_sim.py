@@ -7,9 +7,9 @@ from __future__ import annotations
 import contextlib
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.layout import load_layout
 from haru.core.residency import Resident, Sleeping
+from haru.log.apply import apply
 from tests.support import haru
 from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, write_config, write_layout
 from tests.support.clock import now

@@ -17,10 +17,10 @@ import aiohttp
 
 from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.layout import load_layout
 from haru.host.children import alive as proc_alive
 from haru.host.natsd import free_port
+from haru.log.apply import apply
 from tests.support.agent_harness import FAST_POLICY, REPO, AgentProcess, sim_model, tag, write_config
 
 FLEET = "default"
