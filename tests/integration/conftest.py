@@ -19,6 +19,7 @@ from tests.support.agent_harness import AgentProcess, agent_env
 from tests.support.cluster import DEPLOY, REPO, start_cluster
 from tests.support.control import echo_upstream, layout
 from tests.support.gateway import Upstream, running_gateway
+from tests.support.llama import llama_binary, tiny_models
 from tests.support.log_world import log_kind, world  # noqa: F401 - fixtures: a scenario on either log
 from tests.support.wait import wait_until
 
@@ -105,3 +106,14 @@ async def ops(event_log):
         await cancel_and_wait(projector)
         for r in runners:
             await r.cleanup()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return llama_binary()
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory, llama):
+    root = tmp_path_factory.mktemp("gguf")
+    return tiny_models(root, {"a": 1, "b": 2})

@@ -17,81 +17,20 @@ import openai
 import pytest
 from aiohttp import web
 
-from haru.core.residency import Answer, Loading, Lost, Resident, Sleeping
-from haru.core.specs import Policy
-from haru.core.views import FleetView, OperationView
-from tests.support.gateway import CHAT, MODEL, Fleet, get_text, intent_of, running_gateway, sdk, view_of
+from haru.core.residency import Answer, Loading, Lost, Resident
+from haru.core.views import OperationView
+from tests.support.gateway import (
+    CHAT,
+    FAST,
+    MODEL,
+    TwoDomains,
+    get_text,
+    intent_of,
+    sdk,
+)
 from tests.support.wait import wait_until
 
-FAST = Policy(heartbeat_timeout_ms=500)
-
-
-def fleet_view(
-    urls: dict[str, str],
-    *,
-    active: str,
-    policy: Policy = FAST,
-    seq: int = 1,
-    wake_ms: int = 400,
-    operation: OperationView | None = None,
-    last_operation: OperationView | None = None,
-    runtime: str = "vllm",
-    standby_state=None,
-    reload_ms: int = 30_000,
-    active_state=None,
-) -> FleetView:
-    """Two domains: `active`, whose model was lost to a crash (a cold reload of `reload_ms`, 30 s,
-    measured), and the other a standby asleep whose measured wake is `wake_ms`: the promoter fails over
-    at once."""
-    standby_state = standby_state or Sleeping(since=datetime.now(UTC))
-    states = {(d, MODEL): standby_state for d in urls if d != active}
-    states[(active, MODEL)] = active_state or Lost(since=datetime.now(UTC), reason="process_exited")
-    view = view_of("default", urls, active=active, models=(MODEL,), seq=seq, residency=states)
-    domains = {}
-    for name, dv in view.domains.items():
-        models = {
-            m: msgspec.structs.replace(mv, wake_ms=wake_ms if name != active else 0, runtime=runtime, load_ms=reload_ms)
-            for m, mv in dv.models.items()
-        }
-        domains[name] = msgspec.structs.replace(dv, models=models)
-    return msgspec.structs.replace(
-        view, domains=domains, policy=policy, operation=operation, last_operation=last_operation
-    )
-
-
 LOST = {MODEL: Answer(answer="lost", reason="process_exited")}
-
-
-@pytest.fixture
-async def gw(event_log):
-    async with running_gateway(event_log) as gw:
-        yield gw
-
-
-class TwoDomains:
-    """The fleet of every test here: domains a (the active) and b, behind the real gateway."""
-
-    def __init__(self, event_log, gw, a, b) -> None:
-        self.a, self.b = a, b
-        self.fleet = Fleet(event_log, gw)
-
-    @property
-    def urls(self) -> dict[str, str]:
-        return {"a": self.a.url, "b": self.b.url}
-
-    async def view(self, **kw) -> None:
-        """Publish `fleet_view` of a and b with `kw`, a still the active."""
-        await self.fleet.put_view(fleet_view(self.urls, active="a", **kw))
-
-    async def route_to_a(self, *, answers: dict[str, Answer] | None = None, intent_op: str = "", **kw) -> None:
-        """The view (`kw`), then the route to a, whose model is answered `answers` (default: ready)."""
-        await self.view(**kw)
-        await self.fleet.publish(
-            intent_of("default", "a", self.a.url, revision=1, answers=answers, models=(MODEL,), operation=intent_op)
-        )
-
-    async def move_to_b(self) -> None:
-        await self.fleet.publish(intent_of("default", "b", self.b.url, revision=2, models=(MODEL,)))
 
 
 @pytest.fixture

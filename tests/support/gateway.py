@@ -8,14 +8,17 @@ import asyncio
 import contextlib
 import json
 import time
+from datetime import UTC, datetime
 
 import aiohttp
+import msgspec
 import openai
 from aiohttp import web
 
 from haru.core import subjects
-from haru.core.residency import Answer, Resident
-from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target, view_encoder
+from haru.core.residency import Answer, Lost, Resident, Sleeping
+from haru.core.specs import Policy
+from haru.core.views import DomainView, FleetView, ModelView, OperationView, RouteIntent, Target, view_encoder
 from haru.gateway import Gateway, GatewayConfig
 from tests.support.clock import now
 from tests.support.wait import wait_until
@@ -333,3 +336,65 @@ class Slowloris:
                 await writer.drain()
             except ConnectionError:
                 return
+
+
+FAST = Policy(heartbeat_timeout_ms=500)
+
+
+def fleet_view(
+    urls: dict[str, str],
+    *,
+    active: str,
+    policy: Policy = FAST,
+    seq: int = 1,
+    wake_ms: int = 400,
+    operation: OperationView | None = None,
+    last_operation: OperationView | None = None,
+    runtime: str = "vllm",
+    standby_state=None,
+    reload_ms: int = 30_000,
+    active_state=None,
+) -> FleetView:
+    """Two domains: `active`, whose model was lost to a crash (a cold reload of `reload_ms`, 30 s,
+    measured), and the other a standby asleep whose measured wake is `wake_ms`: the promoter fails over
+    at once."""
+    standby_state = standby_state or Sleeping(since=datetime.now(UTC))
+    states = {(d, MODEL): standby_state for d in urls if d != active}
+    states[(active, MODEL)] = active_state or Lost(since=datetime.now(UTC), reason="process_exited")
+    view = view_of("default", urls, active=active, models=(MODEL,), seq=seq, residency=states)
+    domains = {}
+    for name, dv in view.domains.items():
+        models = {
+            m: msgspec.structs.replace(mv, wake_ms=wake_ms if name != active else 0, runtime=runtime, load_ms=reload_ms)
+            for m, mv in dv.models.items()
+        }
+        domains[name] = msgspec.structs.replace(dv, models=models)
+    return msgspec.structs.replace(
+        view, domains=domains, policy=policy, operation=operation, last_operation=last_operation
+    )
+
+
+class TwoDomains:
+    """The fleet of every test here: domains a (the active) and b, behind the real gateway."""
+
+    def __init__(self, event_log, gw, a, b) -> None:
+        self.a, self.b = a, b
+        self.fleet = Fleet(event_log, gw)
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {"a": self.a.url, "b": self.b.url}
+
+    async def view(self, **kw) -> None:
+        """Publish `fleet_view` of a and b with `kw`, a still the active."""
+        await self.fleet.put_view(fleet_view(self.urls, active="a", **kw))
+
+    async def route_to_a(self, *, answers: dict[str, Answer] | None = None, intent_op: str = "", **kw) -> None:
+        """The view (`kw`), then the route to a, whose model is answered `answers` (default: ready)."""
+        await self.view(**kw)
+        await self.fleet.publish(
+            intent_of("default", "a", self.a.url, revision=1, answers=answers, models=(MODEL,), operation=intent_op)
+        )
+
+    async def move_to_b(self) -> None:
+        await self.fleet.publish(intent_of("default", "b", self.b.url, revision=2, models=(MODEL,)))
