@@ -7,6 +7,10 @@ Prints three ratios (higher is better; 1.0 = as fast as the raw baseline):
      target >= 0.9x
   2. pipelined appends across distinct subjects vs raw publish_async                     target >= 0.5x
   3. replay + decode of N events vs a raw ordered-consumer drain of the same stream       target >= 0.7x
+and what durability costs (no target: the price of `sync_interval: always`, the shipped setting, against
+nats-server's default 2 min fsync, two servers side by side on the same disk, alternating slices):
+  4. sequential appends, pipelined appends, and the ack latency p50/p99 of a sequential append
+    .venv/bin/python bench/eventlog.py --only durability
 The machine is noisy, so appends are compared in alternating slices (who goes first alternates
 too) and the median of the per-slice ratios is printed with the median rates; replay keeps the best
 of several rounds.
@@ -153,6 +157,58 @@ async def paired(a, b, log: EventLog, n: int, pairs: int, tag: str) -> tuple[flo
     return statistics.median(rates_a), statistics.median(rates_b), statistics.median(ratios)
 
 
+async def seq_timed(log: EventLog, n: int, tag: str) -> list[float]:
+    """n sequential appends on one subject; each one's ack latency in ms."""
+    subject = subjects.model("bench", "d", f"dur-{tag}")
+    seq, took = 0, []
+    for i in range(n):
+        t = time.perf_counter()
+        seq = await log.append(subject, event(i), expect=seq)
+        took.append((time.perf_counter() - t) * 1000)
+    return took
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def durability(n: int, pairs: int) -> None:
+    """The shipped `sync_interval: always` against nats-server's default, in one run on one disk."""
+    with tempfile.TemporaryDirectory(dir=os.environ.get("HARU_BENCH_DIR")) as tmp:
+        async with (
+            NatsServer(Path(tmp) / "always") as always_server,
+            NatsServer(Path(tmp) / "default", sync_interval=None) as default_server,
+            EventLog.connect([always_server.url], writer="bench") as always,
+            EventLog.connect([default_server.url], writer="bench") as default,
+        ):
+            await always.ensure()
+            await default.ensure()
+            lat: dict[str, list[float]] = {"always": [], "default": []}
+            seq_rates: dict[str, list[float]] = {"always": [], "default": []}
+            pipe_rates: dict[str, list[float]] = {"always": [], "default": []}
+            m = max(1, n // pairs)
+            for k in range(pairs):
+                order = [("always", always), ("default", default)]
+                for name, log in order if k % 2 == 0 else order[::-1]:
+                    t = time.perf_counter()
+                    lat[name] += await seq_timed(log, m, f"{name}-{k}")
+                    seq_rates[name].append(m / (time.perf_counter() - t))
+                    pipe_rates[name].append(await pipe_haru(log, m, f"{name}-{k}"))
+    med = {k: statistics.median(v) for k, v in seq_rates.items()}
+    pipe = {k: statistics.median(v) for k, v in pipe_rates.items()}
+    print(f"durability: sync_interval always (shipped) vs nats-server's default (2 min), single node, {pairs} slices")
+    rate_row("4a. sequential appends", med["always"], med["default"])
+    rate_row("4b. pipelined appends", pipe["always"], pipe["default"])
+    for q, label in ((0.5, "p50"), (0.99, "p99")):
+        a, d = pct(lat["always"], q), pct(lat["default"], q)
+        print(f"4c. ack latency {label:<8} always {a:>8.2f} ms vs default {d:>8.2f} ms  = {a / d:5.2f}x the default's")
+
+
+def rate_row(name: str, always: float, default: float) -> None:
+    print(f"{name:<24} always {always:>9,.0f}/s vs default {default:>9,.0f}/s  = {always / default:4.2f}x")
+
+
 async def main(n: int, n_replay: int, rounds: int, pairs: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         async with NatsServer(tmp) as server:
@@ -185,6 +241,7 @@ async def main(n: int, n_replay: int, rounds: int, pairs: int) -> None:
     )
     line("2. pipelined appends, distinct subjects vs publish_async", ph, pr, 0.5, pipe_ratio)
     line("3. replay + decode vs raw ordered-consumer drain", rh, rr, 0.7)
+    await durability(n // 2, pairs)
 
 
 if __name__ == "__main__":
@@ -193,5 +250,9 @@ if __name__ == "__main__":
     p.add_argument("--replay", type=int, default=100_000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pairs", type=int, default=20, help="alternating slices for the sequential comparison")
+    p.add_argument("--only", choices=["durability"], help="run only the durability comparison")
     a = p.parse_args()
-    asyncio.run(main(a.n, a.replay, a.rounds, a.pairs))
+    if a.only == "durability":
+        asyncio.run(durability(a.n // 2, a.pairs))
+    else:
+        asyncio.run(main(a.n, a.replay, a.rounds, a.pairs))

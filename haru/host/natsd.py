@@ -14,6 +14,13 @@ the lock lives exactly as long as that server does (the OS releases it when the 
 however it dies). A second start on a held store raises `StoreBusy` naming the holder's pid from
 `<store>/haru-nats.pid` (pid and /proc start time). The child runs in its own session and gets
 SIGTERM when the process that started it dies (`haru.host.children`).
+
+Durability. nats-server's own default fsyncs its store every two minutes (`sync_interval`), so a
+power cut can lose events it already acknowledged. The embedded server fsyncs every write instead
+(`sync_interval: always`, the default here): nats-server has no flag for it, so it is set in a
+small configuration file written beside the store (`<store>/haru-nats.conf`). `sync_interval=None`
+keeps nats-server's default (benchmarks and fault tests compare the two); a `config` of your own
+governs alone. docs/operations.md gives the measured cost.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from haru.host import children
 
 LOCK_FILE = "haru-nats.lock"
 PID_FILE = "haru-nats.pid"
+CONFIG_FILE = "haru-nats.conf"
+SYNC_ALWAYS = "always"
 
 
 def find_binary() -> str:
@@ -77,6 +86,7 @@ class NatsServer:
         start_timeout: float = 15.0,
         stop_timeout: float = 10.0,
         log_file: str | os.PathLike[str] | None = None,
+        sync_interval: str | None = SYNC_ALWAYS,
         death_signal: int | None = signal.SIGTERM,
     ) -> None:
         self.store_dir = Path(store_dir)
@@ -87,6 +97,7 @@ class NatsServer:
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
+        self.sync_interval = sync_interval
         self.death_signal = death_signal  # sent to the server when this process dies (None: not: haru.host.children)
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -98,6 +109,8 @@ class NatsServer:
         args = [find_binary()]
         if self.config:
             args += ["-c", str(self.config)]
+        elif self.sync_interval is not None:
+            args += ["-c", str(self.store_dir / CONFIG_FILE)]
         args += ["-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port)]
         return args + self.extra_args
 
@@ -109,10 +122,24 @@ class NatsServer:
         """The live nats-server recorded on this store (its pid file record), or None."""
         return children.holder(self.pid_file)
 
+    def config_text(self) -> str | None:
+        """The generated configuration (settings that have no nats-server flag), or None for none."""
+        if self.config or self.sync_interval is None:
+            return None
+        return (
+            "# Written by haru at each start of the embedded nats-server; edits are overwritten.\n"
+            "# sync_interval: fsync the store on every write, so an acknowledged event survives a power cut\n"
+            "# (nats-server's own default fsyncs every 2 minutes).\n"
+            f"jetstream {{\n  sync_interval: {self.sync_interval}\n}}\n"
+        )
+
     def spawn(self) -> None:
         """Lock the store and start the child (no wait). Call from a thread that lives as long as
         this process (the parent-death signal follows the thread that forked)."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        text = self.config_text()
+        if text is not None:
+            (self.store_dir / CONFIG_FILE).write_text(text)
         fd = os.open(self.store_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             self._lock(fd)

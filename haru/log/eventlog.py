@@ -35,6 +35,7 @@ from haru.log.jetstream import DEFAULT_REPLAY_TIMEOUT_S, Link, history_stream, t
 from haru.log.js_events import JetStreamEvents
 from haru.log.js_intents import JetStreamIntents
 from haru.log.js_views import JetStreamViews
+from haru.log.receipts import ReceiptGuard
 from haru.log.record import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, Record, body_hash, msg_id
 
 if TYPE_CHECKING:
@@ -73,6 +74,10 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
     ) -> None:
         super().__init__(nc, writer=writer, timeout=timeout, replay_timeout=replay_timeout, link=link)
         self._bus: NatsBus | None = None
+        # What this writer was acknowledged, checked against the log after each reconnect (a server
+        # that restarted on a store that forgot) and on a conflict below a receipt: haru.log.receipts.
+        self.receipt_guard = ReceiptGuard(self, self.receipts)
+        self.on_link_change(self.receipt_guard.link_changed)
 
     # ------------------------------------------------------------------------ connection state
 

@@ -22,6 +22,7 @@ import structlog
 from nats.js import api
 
 from haru.core.errors import Conflict, EventDecodeError, LogError, LogUnavailable
+from haru.core.receipts import Receipt
 from haru.log.record import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID
 
 __all__ = [
@@ -225,6 +226,9 @@ class JetStreamClient:
         self.timeout = timeout
         # subject -> (last seq, sha256 of its body): what this writer knows without a read.
         self._tips: dict[str, tuple[int, str]] = {}
+        # subject -> the last event this writer was acknowledged there (haru.core.receipts): unlike
+        # _tips, never taken from a read, so a log that went back behind it has lost an acknowledged write.
+        self._receipts: dict[str, Receipt] = {}
         self._kv: Any = None
         self._acks = AckInbox(nc)
         self._link = link if link is not None else Link()

@@ -19,8 +19,10 @@ import nats.js.errors
 from haru.core import subjects
 from haru.core.errors import Conflict, LogDamaged
 from haru.core.events import Event, encode
+from haru.core.receipts import Receipt
 from haru.log.jetstream import JetStreamClient, translated
 from haru.log.js_replay import Replay
+from haru.log.receipts import ReceiptGuard
 from haru.log.record import MSG_ID, Record, body_hash, datetime_to_ns, decode_record, msg_id
 from haru.log.seam import Handler
 
@@ -34,6 +36,8 @@ _SUBJECTS_PAGE = 100_000  # nats-server's limit on the subjects one stream-info 
 
 class JetStreamEvents(JetStreamClient):
     """The event stream HARU_EVENTS: appends and reads (`haru.log.seam.EventStore`)."""
+
+    receipt_guard: ReceiptGuard | None = None  # set by EventLog: checks receipts on reconnect and conflict
 
     # --------------------------------------------------------------------------------- append
 
@@ -53,12 +57,14 @@ class JetStreamEvents(JetStreamClient):
         else:
             stored_last = await self._last_raw(subjects.EVENTS_STREAM, subject)
             if stored_last is None:
+                self._conflicted_below_receipt(subject, 0)
                 raise Conflict(subject, expect, 0)
             if stored_last[0] == expect:
                 prev = body_hash(stored_last[1])
             else:
                 at_expect = await self._get_seq(subjects.EVENTS_STREAM, expect)
                 if at_expect is None or at_expect[0] != subject:
+                    self._conflicted_below_receipt(subject, stored_last[0])
                     raise Conflict(subject, expect, stored_last[0])
                 prev = body_hash(at_expect[1])
         if event.prev != prev or not event.by:
@@ -69,11 +75,28 @@ class JetStreamEvents(JetStreamClient):
             # The subject moved past `expect`: ours (a retry after a lost ack) or someone else's?
             if (stored_last[2] or {}).get(MSG_ID) == mid:
                 self._tips[subject] = (stored_last[0], body_hash(stored_last[1]))
+                self._receipts[subject] = Receipt(stored_last[0], body_hash(stored_last[1]))
                 return stored_last[0]
+            self._conflicted_below_receipt(subject, stored_last[0])
             raise Conflict(subject, expect, stored_last[0])
-        seq = await self._publish_checked(subjects.EVENTS_STREAM, subject, data, expect, mid)
+        try:
+            seq = await self._publish_checked(subjects.EVENTS_STREAM, subject, data, expect, mid)
+        except Conflict as exc:
+            self._conflicted_below_receipt(subject, exc.current if exc.current is not None else expect)
+            raise
         self._tips[subject] = (seq, body_hash(data))
+        self._receipts[subject] = Receipt(seq, body_hash(data))
         return seq
+
+    def _conflicted_below_receipt(self, subject: str, current: int) -> None:
+        """A conflict says the subject is at `current`: below this writer's receipt, the log forgot."""
+        receipt = self._receipts.get(subject)
+        if receipt is not None and current < receipt.seq and self.receipt_guard is not None:
+            self.receipt_guard.schedule()
+
+    def receipts(self) -> dict[str, Receipt]:
+        """Per subject, the last event this writer was acknowledged (`haru.log.receipts.check`)."""
+        return dict(self._receipts)
 
     # ----------------------------------------------------------------------------------- reads
 

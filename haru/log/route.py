@@ -32,14 +32,17 @@ from datetime import datetime
 from typing import Any
 
 import msgspec
+import structlog
 
-from haru.core import intents
+from haru.core import intents, receipts
 from haru.core.errors import HaruError
 from haru.core.subjects import check_name
 from haru.core.views import RouteIntent, intent_decoder
 from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import EventLog
 from haru.log.seam import Log
+
+_logger = structlog.get_logger("haru.log.route")
 
 __all__ = ["RouteWatcher"]
 
@@ -71,6 +74,8 @@ class RouteWatcher:
         self.seq = 0  # stream sequence of `current` on HARU_ROUTE
         self.invalid = 0  # bodies on the subject that were not route intents (skipped)
         self.resubscribed = 0  # times a stalled subscription was replaced (after a NATS restart)
+        self.resets = 0  # times the route subject went backwards or changed under us (a rewound log)
+        self._body = b""  # the body at `seq`
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
@@ -114,7 +119,9 @@ class RouteWatcher:
         After a NATS restart nats-py's ordered consumer takes ~20 s of missed heartbeats to
         resubscribe on its own; this notices in ~2 s. The new subscription starts at the newest
         intent: intents published in between, other than the newest, are not replayed (routing
-        follows the newest; `resubscribed` counts these events).
+        follows the newest; `resubscribed` counts these events). A subject whose newest intent is
+        below the one held, or at its sequence with other content, was rewound (a store that forgot):
+        that is followed at once (`resets`), never ignored as older.
         """
         assert self._log is not None
         seen, strikes = self.seq, 0
@@ -128,11 +135,12 @@ class RouteWatcher:
                     last = await self._log.last_intent(self.fleet)
             except (TimeoutError, HaruError):
                 continue  # NATS is away: nothing to conclude yet
-            if last is None or last[1] <= self.seq:
+            step = "same" if last is None else receipts.reading(self.seq, self._body, last[1], last[0])
+            if step == "same":
                 strikes = 0
                 continue
             strikes += 1
-            if strikes < 2:
+            if step == "next" and strikes < 2:  # a rewound subject ("reset") is followed at once
                 continue
             strikes = 0
             old = self._task
@@ -170,8 +178,13 @@ class RouteWatcher:
                 self._changed.notify_all()
 
     def _accept(self, body: bytes, seq: int) -> bool:
-        if seq <= self.seq:
+        step = receipts.reading(self.seq, self._body, seq, body)
+        if step == "same":
             return False
+        if step == "reset":  # the log was rewound (a store that forgot): follow it, never the forgotten pointer
+            self.resets += 1
+            _logger.warning("route_watcher.rewound", fleet=self.fleet, held_seq=self.seq, seq=seq)
+        self._body = body
         try:
             ri = intent_decoder.decode(body)
         except msgspec.DecodeError:

@@ -157,6 +157,8 @@ async def test_the_root_single_node_config_runs_haru(tmp_path):
         node = Node(0, tmp_path)
         node.port, node.proc = port, proc
         node.wait_ready(time.monotonic() + 15)
+        node.http_port = http_port
+        assert node.monitor("/varz")["jetstream"]["config"].get("sync_always") is True  # fsync per write
         async with EventLog.connect([f"nats://127.0.0.1:{port}"], writer="test") as log:
             await log.ensure()
             subject = subjects.agent(FLEET, "a")
@@ -229,6 +231,9 @@ async def test_three_nodes_form_a_cluster_and_the_streams_are_r3(cluster, admin)
     for node in cluster.nodes:
         routed = {r.get("remote_name") or r.get("remote_id") for r in node.monitor("/routez")["routes"]}
         assert names - {node.name} <= routed, (node.name, routed)
+        # every write fsynced before it is acknowledged: nats-server's default (2 min) loses acknowledged
+        # events when all three nodes lose power (tests/integration/test_power_loss.py)
+        assert node.monitor("/varz")["jetstream"]["config"].get("sync_always") is True, node.name
     deadline = time.monotonic() + 15
     for stream in STREAMS:
         while True:
