@@ -77,7 +77,8 @@ WALK = (
             r"completed +op-",
         ),
     ),
-    Step("haru route", (r"→ b", r"active +b +http", r"standby +a +http", r"qwen3-0\.6b +ready")),
+    # the projector publishes the new intent once it folds the flip: under load, a moment after `--wait` returns
+    Step("haru route", (r"→ b", r"active +b +http", r"standby +a +http", r"qwen3-0\.6b +ready"), until=True),
     Step("haru why qwen3-0.6b", (r"promotion_requested +b", r'"reason":"manual"', r"waking +b", r"route_moved +b")),
     Step("haru sim detach-gpu b", (r"sim GPU 0 of domain b detached",)),
     Step("haru op", (r"promotion b +manual +completed", r"promotion a +gpu_detached +completed"), until=True),
