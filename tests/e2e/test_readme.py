@@ -82,6 +82,11 @@ WALK = (
     Step("haru why qwen3-0.6b", (r"promotion_requested +b", r'"reason":"manual"', r"waking +b", r"route_moved +b")),
     Step("haru sim detach-gpu b", (r"sim GPU 0 of domain b detached",)),
     Step("haru op", (r"promotion b +manual +completed", r"promotion a +gpu_detached +completed"), until=True),
+    Step(
+        "haru route",
+        (r"→ a", r"standby +b +http\S+ +not eligible: GPU 0 of b detached", r"standbys: none of 1 fit: UNPROTECTED"),
+        until=True,
+    ),
     Step("haru sim attach-gpu b", (r"sim GPU 0 of domain b attached",)),
     Step(
         "haru status",
