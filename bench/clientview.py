@@ -56,8 +56,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from haru.agents.gpu import process_tree, read_parents  # noqa: E402  (the product's process-tree helper)
+from haru.core.standby import standby_serves_in  # noqa: E402
 from haru.core.views import FleetView  # noqa: E402
-from haru.promoter.decider import standby_serves_in  # noqa: E402
 
 PY = sys.executable
 CHAT = [{"role": "user", "content": "hello"}]

@@ -370,7 +370,7 @@ async def abort_then_retry(log, root: Path, active: str) -> dict:
     """Make the standby's next wake fail once, detach the active's GPU, and measure abort -> route_moved."""
     import aiohttp
 
-    from haru.promoter.decider import failover_retry_ms, retry_ms
+    from haru.promoter.failover import failover_retry_ms, retry_ms
 
     standby = "b" if active == "a" else "a"
     loads = [

@@ -15,7 +15,7 @@ this process (what the CLI and the control API call, without a process start):
     why          haru.log.reads.why_records + the causal tree
     as-of seq    haru.log.reads.model_records + history.as_of at a sequence
     as-of time   the same at a time
-    promote      haru.promoter.requests.request_operation until accepted (then the op is ended)
+    promote      haru.log.requests.request_operation until accepted (then the op is ended)
     promote read its read alone: the stored view plus the fleet's events after it
     verify full  every event through history.Verifier
     verify cp    haru.log.reads.checkpoint_start + the events after the newest checkpoint
@@ -214,7 +214,7 @@ SLOW = ("verify_cp", "rebuild_cp")  # hundreds of milliseconds: timed --repeat t
 async def prepared(size: int, after: int):
     """A store of `size` events (plus the story and `after` more), served by its own nats-server:
     yields (facts, reads), `reads` the timed reads by name, each one call."""
-    from haru.promoter.requests import current_view, request_operation
+    from haru.log.requests import current_view, request_operation
 
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="haru-bench-history-") as tmp:

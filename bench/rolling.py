@@ -77,7 +77,7 @@ async def settled(nats_url: str, fleet: str, timeout_s: float) -> str:
     """Wait (outside any timed phase) until no operation is in flight and the standby may take over: a
     SIGKILL phase can end in a failover whose old active is recovered and demoted only seconds later,
     and a rolling change through an ineligible standby is refused. Returns '' or what still waits."""
-    from haru.promoter.requests import current_view
+    from haru.log.requests import current_view
 
     deadline = time.monotonic() + timeout_s
     why = "no view"
@@ -104,7 +104,7 @@ async def roll_a_change(nats_url: str, home: Path, layout_path: Path, *, timeout
     import msgspec
 
     from haru.core.apply import apply, waits_on_active
-    from haru.promoter.requests import request_operation
+    from haru.log.requests import request_operation
     from haru.up.compose import demo_layout as runnable
 
     layout = runnable(home, layout_path)  # the layout as `haru up` applied it (interpreter, checkpoints)

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from haru.core.events import payload, tag_of
 from haru.core.operations import as_doc, fold_operations
-from haru.promoter.decider import KINDS, flow
+from haru.core.saga import KINDS, flow
 
 if TYPE_CHECKING:
     from haru.gateway.routing import FleetRoutes
     from haru.log.eventlog import Record  # the type only: this module reads records, it never reads the log
 
-# Each kind's steps in order, read from the promoter's transition table (the stepper's columns).
+# Each kind's steps in order, read from the sagas' transition table (haru.core.saga) (the stepper's columns).
 FLOWS: dict[str, list[str]] = {kind: flow(kind) for kind in KINDS}
 
 # The console says what a promote/demote answer means, not only its number.

@@ -47,6 +47,7 @@ from haru.gateway.routing import RoutingTable, fleet_not_found
 from haru.gateway.truth import models_list, truth_table
 from haru.host import alive
 from haru.host.httpguard import continue_if_expected
+from haru.log.requests import request_operation
 
 log = structlog.get_logger("haru.gateway")
 
@@ -397,8 +398,6 @@ class Control:
         events = self._need_log()
         if body.dry_run:
             return await self._dry_run(events, fleet, kind, target)
-        from haru.promoter.requests import request_operation  # the promoter's; imported when first used
-
         result = await requested(
             request_operation(events, fleet, kind, target, by=self.writer, now=datetime.now(UTC)),
             invalid="invalid_request",

@@ -42,10 +42,10 @@ from typing import Final
 import msgspec
 
 from haru.core.residency import Loading, Lost, Resident, Sleeping, Waking
+from haru.core.standby import reload_ms, standby_serves_in
 from haru.core.views import FleetView
 from haru.gateway.metrics import GatewayMetrics
 from haru.gateway.routing import FleetRoutes, Forward, Refusal, RoutingTable
-from haru.promoter.decider import reload_ms, standby_serves_in
 
 # Refusals a failover cures. `model_warming` / `model_asleep` only while a promotion is under way:
 # a cold reload with nothing coming to replace it is answered at once, as before.
@@ -90,7 +90,7 @@ _COLD_RELOAD: Final = frozenset({"process_exited", "evicted", "unhealthy"})
 
 def _fails_now(view: FleetView, active: str, target: str) -> bool:
     """Whether the promoter fails the active at once for what its models show (the decider's rule,
-    haru/promoter/decider.py `active_health` and `faster_path`): a GPU gone, a `gpu_detached` loss, or a
+    haru/promoter/health.py `active_health` and `faster_path`): a GPU gone, a `gpu_detached` loss, or a
     cold-reload loss that the standby's wake (measured, else estimated as the promoter estimates it)
     beats the active's reload (its restart backoff and measured warm-up, `reload_ms`)."""
     dv = view.domains.get(active)

@@ -3,7 +3,7 @@
     POST /v1/fleets/{fleet}/weights   {"weights": {"b": 10}, "model": "qwen3:0.6b"}   b gets 10%, the active the rest
                                       {"reset": true [, "model": ...]}                  the active takes everything again
 
-It asks for a `weighting` operation (haru.promoter.weighting), as `haru route weight` does: 202 accepted
+It asks for a `weighting` operation (haru.log.requests), as `haru route weight` does: 202 accepted
 (or joined) with the op_id (the domain given a new share is woken and probed first, then the promoter
 records the split), 200 when the split is already so, 400 `invalid_weights` for weights that cannot
 apply (an unknown domain, shares that do not add up, a model the active does not serve), 409 when
@@ -21,6 +21,7 @@ from aiohttp import web
 
 from haru.gateway.control import Control, json_response, request_body, requested
 from haru.gateway.errors import ApiError
+from haru.log.requests import request_weights
 
 log = structlog.get_logger("haru.gateway")
 
@@ -50,8 +51,6 @@ async def post_weights(control: Control, request: web.BaseRequest, fleet: str) -
         request, _decode, _WeightsBody(), param="weights", hint=' (send {"weights": {"b": 10}} or {"reset": true})'
     )
     events = control._need_log()
-    from haru.promoter.weighting import request_weights  # the promoter's; imported when first used
-
     result = await requested(
         request_weights(
             events, fleet, body.weights, model=body.model, reset=body.reset, by=control.writer, now=datetime.now(UTC)

@@ -24,7 +24,7 @@ from haru.core.sizes import format_gib
 from haru.core.subjects import decl
 
 if TYPE_CHECKING:
-    from haru.promoter.requests import RequestResult
+    from haru.log.requests import RequestResult
 
 
 def register(subparsers) -> None:
@@ -218,7 +218,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
             waiting = waits_on_active(result.events, active)
             if waiting and not args.dry_run and not args.no_roll and len(layout.domains) > 1:
                 from haru.core.events import ModelChanged
-                from haru.promoter.requests import request_operation
+                from haru.log.requests import request_operation
 
                 cause = next(
                     s

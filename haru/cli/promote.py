@@ -43,10 +43,9 @@ from haru.host.metrics import add_metrics_options
 from haru.host.tasks import cancel_and_wait, run_until_signal
 from haru.log.eventlog import EventLog
 from haru.log.record import Record
-from haru.promoter.errors import OperationNotFound
 
 if TYPE_CHECKING:
-    from haru.promoter.requests import RequestResult
+    from haru.log.requests import RequestResult
 
 _STATUS = {
     "noop": ExitStatus.OK,
@@ -133,16 +132,28 @@ def register(subparsers) -> None:
 async def run_service(args: argparse.Namespace) -> ExitStatus:
     from haru.host.metrics import metrics_address
     from haru.log.nats_headers import enable_fast_header_parse
-    from haru.promoter.service import default_identity, run_promoter
+    from haru.promoter import default_identity, run_promoter
 
     configure_logging(args.log_format, args.log_level)
     enable_fast_header_parse()  # follows the whole log: the faster per-message header parse
     identity = args.id or default_identity()
+    # the environment, read once here and passed down: the promoter itself reads none
+    step_delay_ms = _step_delay_ms(os.environ.get(STEP_DELAY_ENV, ""))
+    sky = os.environ.get("HARU_SKY") or "sky"
     metrics = metrics_address(args.metrics_port, args.metrics_host)
     try:
         async with EventLog.connect(_servers(args), writer=identity, creds=args.nats_creds) as log:
             await log.ensure()
-            service = asyncio.create_task(run_promoter(log, fleets=args.fleet, identity=identity, metrics=metrics))
+            service = asyncio.create_task(
+                run_promoter(
+                    log,
+                    fleets=args.fleet,
+                    identity=identity,
+                    metrics=metrics,
+                    step_delay_ms=step_delay_ms,
+                    sky=sky,
+                )
+            )
             # SIGTERM/SIGINT stop it cleanly: the step in flight is resumed by the next promoter.
             with contextlib.suppress(asyncio.CancelledError):
                 await run_until_signal(service)
@@ -151,6 +162,25 @@ async def run_service(args: argparse.Namespace) -> ExitStatus:
     except asyncio.CancelledError:
         return ExitStatus.INTERRUPTED
     return ExitStatus.OK
+
+
+# Tests and demos only: a pause after each step starts, so that a promoter can be killed in the middle of any step.
+STEP_DELAY_ENV = "HARU_PROMOTER_STEP_DELAY_MS"
+
+
+def _step_delay_ms(raw: str) -> int:
+    """`HARU_PROMOTER_STEP_DELAY_MS`, read once by `haru promoter` and passed down; empty = no pause."""
+    try:
+        delay = int(raw or 0)
+    except ValueError:
+        delay = -1
+    if delay < 0:
+        from haru.core.errors import ConfigError
+
+        raise ConfigError(
+            f"{STEP_DELAY_ENV}={raw!r} is not a whole number of milliseconds >= 0; unset it or set e.g. 300"
+        )
+    return delay
 
 
 def _servers(args: argparse.Namespace) -> list[str]:
@@ -171,7 +201,7 @@ def _by() -> str:
 
 
 async def run_request(args: argparse.Namespace) -> ExitStatus:
-    from haru.promoter.requests import request_operation
+    from haru.log.requests import request_operation
 
     kind = args.kind
     try:
@@ -275,6 +305,8 @@ async def run_op(args: argparse.Namespace) -> ExitStatus:
     if args.op_id:
         op = ops.get(args.op_id)
         if op is None:
+            from haru.promoter.errors import OperationNotFound
+
             return fail(str(OperationNotFound(args.fleet, args.op_id)), ExitStatus.NOT_FOUND)
         if args.json:
             emit_json(as_doc(op))
@@ -310,7 +342,7 @@ async def run_op(args: argparse.Namespace) -> ExitStatus:
 
 
 async def run_abort(args: argparse.Namespace, op_id: str) -> ExitStatus:
-    from haru.promoter.requests import abort_operation
+    from haru.log.requests import abort_operation
 
     try:
         async with EventLog.connect(_servers(args), writer=_by(), creds=args.nats_creds) as log:

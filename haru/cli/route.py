@@ -85,12 +85,12 @@ _WEIGHT_STATUS = {
 
 
 async def run_weight(args: argparse.Namespace, pairs: list[str]) -> ExitStatus:
-    """`haru route weight b=10 [--model M]` / `--reset`: a weighting operation (haru.promoter.weighting)."""
+    """`haru route weight b=10 [--model M]` / `--reset`: a weighting operation (haru.log.requests)."""
     from haru.cli.promote import _by, _servers, answer_request
     from haru.core.errors import InvalidWeights, LogUnavailable
     from haru.core.weights import parse_pairs
     from haru.log.eventlog import EventLog
-    from haru.promoter.weighting import request_weights
+    from haru.log.requests import request_weights
 
     try:
         given = parse_pairs(pairs)

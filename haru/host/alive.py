@@ -10,7 +10,7 @@ Like the agents' `haru.hb.<fleet>.<domain>`, this is not history: core NATS, `ha
 - the gateway's `/healthz`: a role with no replica heard for `SILENT_AFTER_S` is down, and the
   gateway says `degraded` naming it;
 - the promoters: a step whose runner is silent for `SILENT_AFTER_S` was left by a dead replica and
-  is taken over at once instead of after the step's lease (haru/promoter/decider.py).
+  is taken over at once instead of after the step's lease (haru/promoter/drive.py).
 
 A replica beats from a task of its own, so a replica whose event loop is wedged falls silent too.
 """

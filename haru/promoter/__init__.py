@@ -1,57 +1,36 @@
-"""The promoter: operations (promotions, demotions, ...), auto-failover, liveness.
+"""The promoter: a service that drives operations (promotions, demotions, rolling changes, weightings,
+provisioning), auto-failover and liveness.
 
-    haru.promoter.decider    pure: the steps table, the transitions table, `decide(view, facts)`
-    haru.promoter.liveness   pure: heartbeat silence -> domain_unreachable / domain_reachable
-    haru.promoter.service    the shell: follows the log, drives steps over request/reply (`run_promoter`)
-    haru.promoter.requests   `request_operation`, `abort_operation`: `haru promote/demote/op abort`, the control API
+    from haru.promoter import Promoter, run_promoter
+    await run_promoter(log, fleets=None, identity="promoter:host-a")
 
-The shell's names are imported lazily, so importing the pure decider loads no nats or asyncio.
-See docs/promoter.md.
+Its pure deciders: `decider` (`decide(view, facts)`: who decides what, in order), `drive` (the operation
+in flight), `health` (the active's health, the faster path), `failover` (auto-failover, its retries,
+the first route), `housekeeping` (teardown retries, auto-replace, demotions), `liveness` (heartbeat
+silence), `canary` (a canary's rollback). Its shell: `service` (follows the log, decides, appends),
+`runners` (what executes each step), `fleets` (what it knows of each fleet), `provisioning` (the `sky`
+runners), `metrics`.
+
+What others read of the sagas is in the core (haru.core.saga: the tables; haru.core.standby: how soon
+each side of a failover serves), and an operator's request is judged in the core (haru.core.requests,
+haru.core.weighing) and appended by the log (haru.log.requests): the control API and `haru promote`
+never import the promoter. See docs/promoter.md.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from haru.promoter.decider import KINDS, STEPS, TRANSITIONS, decide, flow
+from haru.promoter.decider import decide
 from haru.promoter.decisions import Append, Facts
 from haru.promoter.errors import OperationNotFound, PromoterError
-
-if TYPE_CHECKING:
-    from haru.promoter.requests import RequestResult, abort_operation, request_operation
-    from haru.promoter.service import Promoter, run_promoter
-
-_LAZY = {
-    "RequestResult": "haru.promoter.requests",
-    "request_operation": "haru.promoter.requests",
-    "abort_operation": "haru.promoter.requests",
-    "Promoter": "haru.promoter.service",
-    "run_promoter": "haru.promoter.service",
-}
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'haru.promoter' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
-
+from haru.promoter.service import Promoter, default_identity, run_promoter
 
 __all__ = [
-    "KINDS",
-    "STEPS",
-    "TRANSITIONS",
     "Append",
     "Facts",
     "OperationNotFound",
     "Promoter",
-    "abort_operation",
     "PromoterError",
-    "RequestResult",
     "decide",
-    "flow",
-    "request_operation",
+    "default_identity",
     "run_promoter",
 ]

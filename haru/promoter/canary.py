@@ -4,7 +4,7 @@
     append = rollback(view, tallies, now)  # a `weights_set` taking a failing canary's share back, or None
     tallies = tally(reports, since=..)     # the gateways' reports of a window, summed per domain and model
 
-A `weighting` operation (haru.promoter.decider: stop_training -> verify_gpu -> wake -> probe -> weigh)
+A `weighting` operation (haru.core.saga: stop_training -> verify_gpu -> wake -> probe -> weigh)
 sets its split in `weights_set` on haru.evt.<fleet>.weights once its `weigh` step found every domain of
 the split serving: reachable, eligible, each model of the split's scope resident (probed in this
 operation for the one domain it woke). A canary is rolled back, its share given to the active, when
@@ -22,27 +22,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime
+from typing import Any
 
 from haru.core import subjects
 from haru.core.events import WeightsSet
 from haru.core.ranking import first_unready
 from haru.core.residency import Resident
-from haru.core.views import DomainView, FleetView, OperationView
+from haru.core.views import FleetView, OperationView
+from haru.core.weighing import scope_models
 from haru.core.weights import CanaryReport, Tally, changed_shares, describe, scope_of
 from haru.promoter.decisions import Append
 
-__all__ = ["applied", "rollback", "scope_models", "tally", "weigh_refusal"]
-
-
-def scope_models(view: FleetView, domain: DomainView, model: str) -> list[str]:
-    """The models of a split's scope that `domain` serves: `model`, or every model the active serves there too."""
-    if model:
-        return [model]
-    active = view.domains.get(view.active)
-    served_there = [m for m, mv in domain.models.items() if mv.admitted is not False]
-    if active is None:
-        return served_there
-    return [m for m in served_there if m in active.models and active.models[m].admitted is not False]
+__all__ = ["applied", "rollback", "tally", "weigh_refusal"]
 
 
 def _unfit(view: FleetView, name: str, model: str) -> str:
@@ -117,7 +108,7 @@ def weights_set(view: FleetView, op: OperationView, now: datetime) -> Append:
 
 def tally(reports: Iterable[tuple[str, CanaryReport]], *, since: datetime | None = None) -> dict[str, dict[str, Tally]]:
     """(gateway, report) pairs summed per domain and model; reports from before `since` left out."""
-    sums: dict[str, dict[str, list]] = {}
+    sums: dict[str, dict[str, list[Any]]] = {}  # [requests, errors, gateways, last error]
     for gateway, report in reports:
         if since is not None and report.at < since:
             continue

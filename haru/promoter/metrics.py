@@ -192,7 +192,7 @@ class _ViewCollector:
         return []  # dynamic: no fixed families to check for clashes
 
     def collect(self):
-        from haru.promoter.decider import active_health
+        from haru.promoter.health import active_health
 
         promoter = self.metrics.promoter
         last = GaugeMetricFamily(

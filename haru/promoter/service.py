@@ -3,11 +3,12 @@
     await run_promoter(log, fleets=None, identity="promoter:host-a")
 
 It follows the log (`log.follower(...)`, haru/log/follow.py: catch-up, stall detection, reconnect and
-resume) and folds each fleet's events into its own
-`FleetView` with the one fold (`haru.core.fold.Folder`, whose specification is `evolve`), so every decision is made on exactly the events seen,
-with their sequences; it keeps the last sequence of every subject it folded, which is the `expect`
-of every append it makes. An event that may not stand on its subject (`haru.core.authority`) is not
-applied (the fold counts it as an anomaly) and is logged. It listens to heartbeats (`haru.hb.*.*`, on the bus: haru/log/bus.py) and measures silence.
+resume) and folds each fleet's events into its own `FleetView` with the one fold
+(`haru.core.fold.Folder`, whose specification is `evolve`), so every decision is made on exactly the
+events seen, with their sequences; it keeps the last sequence of every subject it folded, which is the
+`expect` of every append it makes. An event that may not stand on its subject (`haru.core.authority`)
+is not applied (the fold counts it as an anomaly) and is logged. It listens to heartbeats
+(`haru.hb.*.*`, on the bus: haru/log/bus.py) and measures silence.
 
 Each round, per fleet: `decide(view, facts)` -> appends, made in order with the expected sequence;
 after a successful append the promoter waits until its follower has folded it before deciding again.
@@ -18,12 +19,13 @@ revision), then `step_completed`/`step_failed` appended with
 expect = the `step_started`'s own sequence. A `Conflict` anywhere means another promoter wrote
 first: nothing is retried blindly; the follower catches up and the decider decides again.
 
-Provisioning steps (`launch`, `down`: haru.promoter.provisioning; `join`: here) run the `sky` CLI
-named by `HARU_SKY` (default `sky`) with the promoter's environment, where the secrets a domain's
-provision block names must be set.
+The steps themselves run in haru.promoter.runners; what the service knows of each fleet is a
+`FleetState` (haru.promoter.fleets). Provisioning steps (`launch`, `down`: haru.promoter.provisioning)
+run the `sky` CLI the command names (`haru promoter` reads `HARU_SKY`, default `sky`), with the
+promoter's environment, where the secrets a domain's provision block names must be set.
 
-`HARU_PROMOTER_STEP_DELAY_MS` (tests and demos only) sleeps that long after each `step_started`
-before the step runs, so a test can kill a promoter in the middle of any step.
+`step_delay_ms` (tests and demos only; `haru promoter` reads `HARU_PROMOTER_STEP_DELAY_MS`) sleeps that
+long after each `step_started` before the step runs, so a test can kill a promoter in the middle of any step.
 """
 
 from __future__ import annotations
@@ -33,51 +35,45 @@ import contextlib
 import os
 import socket
 import time
-import uuid
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from collections.abc import Iterable
+from datetime import timedelta
 
 import msgspec
 import structlog
 
 from haru.core import causes, subjects
-from haru.core.authority import misplaced
-from haru.core.commands import ErrorInfo, Reply
-from haru.core.errors import CommandError, Conflict, LogError
+from haru.core.errors import Conflict, LogError
 from haru.core.events import (
     DomainChanged,
     DomainDeclared,
     DomainRetired,
     Event,
-    RouteMoved,
     StepCompleted,
     StepFailed,
     StepStarted,
-    WeightsSet,
     tag_of,
 )
 from haru.core.fold import Folder, empty, fleet_of
-from haru.core.residency import Resident, Sleeping
-from haru.core.specs import DomainSpec
-from haru.core.views import FleetView, OperationView
-from haru.core.weights import CanaryReport, describe, report_decoder, scope_of
+from haru.core.saga import STEPS
+from haru.core.views import OperationView
+from haru.core.weights import report_decoder
 from haru.host import alive
 from haru.host.tasks import cancel_and_wait
-from haru.log.bus import Msg, send
+from haru.log.bus import Msg
 from haru.log.follow import Follower
 from haru.log.record import Record
+from haru.log.requests import new_op_id
 from haru.log.seam import Log
-from haru.promoter.canary import tally as canary_tally
-from haru.promoter.canary import weigh_refusal
-from haru.promoter.decider import STEPS, command_for, decide, flip_refusal, not_applicable, step_outcome, step_record
+from haru.promoter.decider import decide
 from haru.promoter.decisions import Append, Facts
+from haru.promoter.drive import not_applicable
+from haru.promoter.fleets import FleetState, StepRunner, utcnow
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
+from haru.promoter.runners import StepRunners
 
 log_ = structlog.get_logger("haru.promoter")
 
-STEP_DELAY_ENV = "HARU_PROMOTER_STEP_DELAY_MS"
 STALL_CHECK_S = 2.0
 
 
@@ -93,93 +89,8 @@ async def wait_event(event: asyncio.Event, timeout: float) -> None:
             await event.wait()
 
 
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
 def default_identity() -> str:
     return f"promoter:{socket.gethostname()}:{os.getpid()}"
-
-
-def new_op_id() -> str:
-    return f"op-{uuid.uuid4().hex[:12]}"
-
-
-StepRunner = Callable[["FleetState", OperationView, str, int], Awaitable[StepCompleted | StepFailed]]
-"""(fleet state, operation, step, seq of its step_started) -> the step's outcome, to be appended."""
-
-
-@dataclass
-class FleetState:
-    """What the promoter knows about one fleet: its folded view and the tips of its subjects."""
-
-    folder: Folder  # the fleet's view, folded incrementally (`view`)
-    last: dict[str, int] = field(default_factory=dict)  # subject -> last seq folded
-    step_by: dict[str, str] = field(default_factory=dict)  # op_id -> `by` of its latest step_started
-    heard: dict[str, float] = field(default_factory=dict)  # domain -> monotonic time of last heartbeat
-    running: set[tuple[str, str, int]] = field(default_factory=set)
-    specs: dict[str, DomainSpec] = field(default_factory=dict)  # domain -> its declaration (provision block included)
-    launches: list[datetime] = field(default_factory=list)  # `at` of every launch step started (the hourly budget)
-    reports: list[tuple[float, str, CanaryReport]] = field(
-        default_factory=list
-    )  # (monotonic, gateway, report) of the window
-
-    @property
-    def view(self) -> FleetView:
-        return self.folder.view()
-
-    def canary_window(self) -> dict:
-        """The window's reports, summed: since the split in force was set, within canary_window_ms."""
-        view = self.view
-        if not self.reports:
-            return {}
-        horizon = time.monotonic() - view.policy.canary_window_ms / 1000
-        self.reports = [r for r in self.reports if r[0] >= horizon]
-        if not (view.weights or view.model_weights):
-            return {}
-        since = view.weights_change.at if view.weights_change is not None else None
-        return canary_tally(((g, r) for _, g, r in self.reports), since=since)
-
-
-async def weigh_step(st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
-    """Runner `weigh`: the split may start when every domain it gives a share serves (haru.promoter.canary)."""
-    refusal = weigh_refusal(st.view, op)
-    if refusal:
-        return StepFailed(at=utcnow(), op_id=op.op_id, step="weigh", error_code="weights_refused", error=refusal)
-    return StepCompleted(
-        at=utcnow(),
-        op_id=op.op_id,
-        step="weigh",
-        detail=f"{describe(op.weights, st.view.active)} for {scope_of(op.model)}: every domain with a share serves",
-    )
-
-
-async def join_step(st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
-    """Runner `join`: until the target's agent started after the operation was requested, is heard, and
-    has every served model loaded (resident, or asleep); bounded by the policy's join_timeout_ms."""
-    t0 = time.monotonic()
-    bound_s = st.view.policy.join_timeout_ms / 1000
-    while True:
-        why = join_pending(st.view, op)
-        if not why:
-            dv = st.view.domains[op.target]
-            return StepCompleted(
-                at=utcnow(),
-                op_id=op.op_id,
-                step=step,  # type: ignore[arg-type]
-                detail=f"agent {dv.agent.host or '?'} (pid {dv.agent.pid}) joined with "
-                f"{len(dv.models)} model(s) loaded after {time.monotonic() - t0:.1f} s",
-            )
-        if time.monotonic() - t0 >= bound_s:
-            return StepFailed(
-                at=utcnow(),
-                op_id=op.op_id,
-                step=step,  # type: ignore[arg-type]
-                error_code="join_timeout",
-                error=f"{why} after join_timeout_ms ({st.view.policy.join_timeout_ms} ms)",
-            )
-        # polled: the view is folded by the follower; the main loop's wake-up event is not ours to clear
-        await asyncio.sleep(min(0.2, max(0.01, bound_s - (time.monotonic() - t0))))
 
 
 class Promoter:
@@ -192,7 +103,8 @@ class Promoter:
         fleets: Iterable[str] | None = None,
         identity: str | None = None,
         tick_s: float = 0.1,
-        step_delay_ms: int | None = None,
+        step_delay_ms: int = 0,
+        sky: str = "sky",
         provisioning: Provisioning | None = None,
     ) -> None:
         self.log = log
@@ -201,8 +113,6 @@ class Promoter:
         # recognises its own unfinished step and re-runs it at once.
         self.identity = identity or log.writer or default_identity()
         self.tick_s = tick_s
-        if step_delay_ms is None:
-            step_delay_ms = int(os.environ.get(STEP_DELAY_ENV, "0") or 0)
         self.step_delay_ms = step_delay_ms
         self.fleets: dict[str, FleetState] = {}
         self.folded = 0
@@ -220,22 +130,13 @@ class Promoter:
         self.peers = alive.Heard()  # promoters heard on haru.alive.promoter.*, this one included
         self.log_ = log_.bind(promoter=self.identity)
         self.metrics = PromoterMetrics(self)  # counted from the records folded below (metrics.py)
-        # STEPS[step].run -> the coroutine that executes such a step and returns its outcome event.
-        # A new kind of step work (e.g. provisioning) registers its runner here.
-        self.runners: dict[str, StepRunner] = {
-            "agent": self._agent_step,
-            "flip": self._flip_step,
-            "launch": self._launch_step,
-            "join": join_step,
-            "down": self._down_step,
-            "weigh": weigh_step,
-            "canary": self._canary_step,
-        }
-        self.provisioning = provisioning or Provisioning(sky=os.environ.get("HARU_SKY") or "sky")
-        # Sequences of the probe completions this process appended itself. The op subject also takes
-        # the gateway's and the operator's requests, so a `step_completed` for a probe there may be
-        # theirs: the flip trusts only a probe in this set, and probes again otherwise.
-        self._own_probes: set[int] = set()
+        self.provisioning = provisioning or Provisioning(sky=sky)
+        # STEPS[step].run -> the coroutine that executes such a step and returns its outcome event
+        # (haru.promoter.runners; a new kind of step work registers its runner there).
+        self.steps = StepRunners(
+            log, identity=self.identity, provisioning=self.provisioning, wait_folded=self.wait_folded, logger=self.log_
+        )
+        self.runners: dict[str, StepRunner] = self.steps.table()
 
     # ------------------------------------------------------------------------------- following
 
@@ -558,7 +459,7 @@ class Promoter:
                 )
                 return
             if step == "probe" and isinstance(event, StepCompleted):
-                self._own_probes.add(seq)
+                self.steps.own_probes.add(seq)
             log.info(
                 "step_" + ("completed" if isinstance(event, StepCompleted) else "failed"), seq=seq, **_context(event)
             )
@@ -570,217 +471,6 @@ class Promoter:
         finally:
             st.running.discard(key)
             self._touch(fleet)
-
-    async def _agent_step(
-        self, st: FleetState, op: OperationView, step: str, started_seq: int
-    ) -> StepCompleted | StepFailed:
-        """Runner `agent`: the step's verbs, in order, to the domain it acts on; stops at the first not ok."""
-        t0 = time.monotonic()
-        fleet = st.view.fleet
-        domain, commands = command_for(st.view, op, step)
-        if not domain:
-            return StepCompleted(at=utcnow(), op_id=op.op_id, step=step, detail="no other domain")  # type: ignore[arg-type]
-        replies: list[tuple[str, Reply]] = []
-        for verb, command, timeout_ms in commands:
-            command = msgspec.structs.replace(command, step=step, cause=started_seq)
-            try:
-                reply = await send(self.log.bus, fleet, domain, verb, command, timeout=timeout_ms / 1000)
-            except CommandError as exc:
-                reply = Reply(ok=False, error=ErrorInfo(code=exc.code, message=str(exc)))
-            replies.append((verb, reply))
-            if not reply.ok:
-                break
-        # took_ms is the agents' own measure of the work (their replies' took_ms); the
-        # promoter's wall time is in the step's started/completed `at`s.
-        agent_ms = sum(r.took_ms for _, r in replies)
-        wall_ms = int((time.monotonic() - t0) * 1000)
-        return step_outcome(op, step, replies, now=utcnow(), took_ms=agent_ms or wall_ms)
-
-    async def _canary_step(
-        self, st: FleetState, op: OperationView, step: str, started_seq: int
-    ) -> StepCompleted | StepFailed:
-        """Runner `canary` (a rolling change, before its flip): the standby takes policy rolling_canary_weight
-        percent of the fleet's traffic for rolling_canary_ms; the decider's rollback (haru.promoter.canary)
-        taking it back fails the step, so the change aborts with routing unmoved."""
-        view = st.view
-        share, hold_ms = view.policy.rolling_canary_weight, view.policy.rolling_canary_ms
-        if share <= 0 or not view.active or view.active == op.target:
-            return StepCompleted(
-                at=utcnow(), op_id=op.op_id, step="canary", detail="no canary step (policy rolling_canary_weight is 0)"
-            )
-        split = {view.active: 100 - share, op.target: share}
-        subject = subjects.weights(view.fleet)
-        event = WeightsSet(
-            at=utcnow(),
-            by=self.identity,
-            weights=split,
-            reason="rolling",
-            op_id=op.op_id,
-            route_revision=view.route_revision,
-            detail=f"rolling change {op.op_id}: {op.target} takes {share}% for {hold_ms} ms before the flip",
-        )
-        try:
-            set_seq = await self.log.append(subject, event, expect=st.last.get(subject, 0))
-        except (Conflict, LogError) as exc:
-            return StepFailed(
-                at=utcnow(),
-                op_id=op.op_id,
-                step="canary",
-                error_code="weights_unset",
-                error=f"could not give {op.target} its canary share: {exc}",
-            )
-        await self.wait_folded(set_seq)
-        deadline = time.monotonic() + hold_ms / 1000
-        while time.monotonic() < deadline:
-            change = st.view.weights_change
-            if change is not None and change.seq > set_seq and change.reason == "canary_rolled_back":
-                return StepFailed(
-                    at=utcnow(), op_id=op.op_id, step="canary", error_code="canary_rolled_back", error=change.detail
-                )
-            if st.view.route_revision != view.route_revision:
-                return StepFailed(
-                    at=utcnow(),
-                    op_id=op.op_id,
-                    step="canary",
-                    error_code="route_moved_elsewhere",
-                    error=f"the route moved to {st.view.active} during the canary",
-                )
-            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-        tallied = st.canary_window().get(op.target, {})
-        requests = sum(t.requests for t in tallied.values())
-        errors = sum(t.errors for t in tallied.values())
-        return StepCompleted(
-            at=utcnow(),
-            op_id=op.op_id,
-            step="canary",
-            detail=f"{op.target} took {share}% of the traffic for {hold_ms} ms: {requests} requests, "
-            f"{errors} errors reported by the gateways; the flip follows",
-        )
-
-    async def _launch_step(
-        self, st: FleetState, op: OperationView, step: str, started_seq: int
-    ) -> StepCompleted | StepFailed:
-        """Runner `launch`: the target's cluster or service, found when it is already up (haru.promoter.provisioning)."""
-        return await self.provisioning.launch(st.view.fleet, st.specs.get(op.target), op, step)
-
-    async def _down_step(
-        self, st: FleetState, op: OperationView, step: str, started_seq: int
-    ) -> StepCompleted | StepFailed:
-        """Runner `down`: every cluster or service of the target, with what each cost."""
-        return await self.provisioning.down(st.view.fleet, st.specs.get(op.target), op, step)
-
-    async def _flip_step(
-        self, st: FleetState, op: OperationView, step: str, started_seq: int
-    ) -> StepCompleted | StepFailed:
-        """Runner `flip`: the route's compare-and-swap, unless the flip's precondition does not hold."""
-        refusal = flip_refusal(st.view, op)
-        if refusal:  # a flip started by someone else, before the probe: never moves the route
-            return StepFailed(at=utcnow(), op_id=op.op_id, step="flip", error_code="flip_refused", error=refusal)
-        probe = step_record(op, "probe")
-        if probe is None or probe.seq not in self._own_probes:
-            # The probe's completion is not one this process appended: a promoter restarted since
-            # (SIGKILL, a replica taking over), or a record someone else wrote on the op subject. The
-            # route only moves to a domain this process has probed, so: probe again, now.
-            again = await self._agent_step(st, op, "probe", started_seq)
-            if isinstance(again, StepFailed):
-                return StepFailed(
-                    at=utcnow(),
-                    op_id=op.op_id,
-                    step="flip",
-                    error_code=again.error_code,
-                    error=f"probed again before the flip (the probe's completion at seq "
-                    f"{probe.seq if probe else 0} was not appended by this promoter) and it "
-                    f"failed: {again.error}",
-                )
-            self.log_.info(
-                "probed_again_before_flip",
-                fleet=st.view.fleet,
-                op_id=op.op_id,
-                probe_seq=probe.seq if probe else 0,
-                detail=again.detail,
-            )
-        return await self._flip(st, op)
-
-    async def _flip(self, st: FleetState, op: OperationView) -> StepCompleted | StepFailed:
-        """The one compare-and-swap that moves traffic: `route_moved` on the route subject.
-
-        The operation was decided against `op.route_revision`, the sequence of the last route move
-        the fold applied, which only a `route_moved` on the route subject can be
-        (`haru.core.authority`). If the view has applied a move since, the flip fails at once. The
-        append's `expect` is the route subject's REAL last sequence as followed (`st.last`): the
-        same number, unless something that is not a route move was stored there (a body that does
-        not decode, a misplaced event), which must not make every future flip abort. On Conflict the
-        route subject is re-read from there: a route move by someone else fails the flip (routing
-        stays as it is), our own stored move is success, anything else is stepped over.
-        """
-        fleet = st.view.fleet
-        route = subjects.route(fleet)
-        previous = st.view.active
-        if st.view.route_revision != op.route_revision:
-            return _moved_elsewhere(op, st.view.active, st.view.route_revision)
-        expect = max(st.last.get(route, 0), op.route_revision)
-        moved = RouteMoved(
-            at=utcnow(),
-            by=self.identity,
-            active=op.target,
-            previous=previous,
-            op_id=op.op_id,
-            cause=causes.flip_cause(op),
-        )
-        for _ in range(FLIP_TRIES):
-            try:
-                seq = await self.log.append(route, moved, expect=expect)
-                break
-            except Conflict as exc:
-                since = await self.log.history(route, from_seq=expect + 1)
-                moves = [r for r in since if isinstance(r.event, RouteMoved) and not misplaced(r.subject, r.event)]
-                if moves:
-                    last = moves[-1]
-                    ev = last.event
-                    assert isinstance(ev, RouteMoved)
-                    if ev.op_id == op.op_id and ev.active == op.target:
-                        seq = last.seq
-                        break
-                    return _moved_elsewhere(op, ev.active, last.seq)
-                skipped = since[-1].seq if since else (exc.current or expect)
-                self.log_.warning(
-                    "flip_steps_over",
-                    fleet=fleet,
-                    op_id=op.op_id,
-                    expected=expect,
-                    now=skipped,
-                    detail="the route subject holds something that is not a route move; expecting past it",
-                )
-                expect = skipped
-        else:
-            return StepFailed(
-                at=utcnow(),
-                op_id=op.op_id,
-                step="flip",
-                error_code="route_unsettled",
-                error=f"the route subject of {fleet} kept changing without a route move ({FLIP_TRIES} tries); "
-                f"routing left as it is",
-            )
-        return StepCompleted(
-            at=utcnow(),
-            op_id=op.op_id,
-            step="flip",
-            detail=f"route revision {seq}: {previous or '(none)'} -> {op.target}",
-        )
-
-
-FLIP_TRIES = 5
-
-
-def _moved_elsewhere(op: OperationView, active: str, revision: int) -> StepFailed:
-    return StepFailed(
-        at=utcnow(),
-        op_id=op.op_id,
-        step="flip",
-        error_code="route_moved_elsewhere",
-        error=f"the route moved to {active or 'nowhere'} (revision {revision}) since revision {op.route_revision}, "
-        f"which this operation was decided against; routing left as it is",
-    )
 
 
 def _context(event) -> dict:
@@ -800,6 +490,8 @@ async def run_promoter(
     ready: asyncio.Event | None = None,
     tick_s: float = 0.1,
     metrics: tuple[str, int] | None = None,
+    step_delay_ms: int = 0,
+    sky: str = "sky",
 ) -> None:
     """Run one promoter replica on a connected, ensured log (`haru.log.seam.Log`) until cancelled.
 
@@ -808,38 +500,11 @@ async def run_promoter(
     resumes its own unfinished step at once instead of waiting for the step's lease to run out.
     `ready` is set once the promoter has folded everything stored when it started. `metrics`:
     (host, port) to serve Prometheus metrics on (haru/promoter/metrics.py), None for none.
+    `step_delay_ms`: a pause after each step starts (tests and demos: kill a promoter mid-step).
+    `sky`: the `sky` CLI the provisioning steps run.
     """
     from haru.host.metrics import maybe_serve
 
-    promoter = Promoter(log, fleets=fleets, identity=identity, tick_s=tick_s)
+    promoter = Promoter(log, fleets=fleets, identity=identity, tick_s=tick_s, step_delay_ms=step_delay_ms, sky=sky)
     async with maybe_serve([promoter.metrics.registry], metrics):
         await promoter.run(ready)
-
-
-# An agent's `agent_started` carries its host's clock, the request the control plane's: a launched
-# host's clock a little behind must not keep its agent from counting as started since the request.
-JOIN_CLOCK_SKEW = timedelta(seconds=60)
-
-
-def join_pending(view: FleetView, op: OperationView) -> str:
-    """Why the launched host has not joined yet ('' = it has): its agent, heard, with its models loaded."""
-    dv = view.domains.get(op.target)
-    if dv is None:
-        return f"domain {op.target} is no longer declared"
-    started = dv.agent.since
-    if (
-        not dv.agent.running
-        or started is None
-        or (op.requested_at is not None and started < op.requested_at - JOIN_CLOCK_SKEW)
-    ):
-        return f"no agent of {op.target} has started since the operation was requested"
-    if dv.reachable is not True:
-        return f"the agent of {op.target} is not heard yet"
-    waiting = [
-        name
-        for name, mv in dv.models.items()
-        if mv.admitted is not False and not isinstance(mv.residency, (Resident, Sleeping))
-    ]
-    if waiting:
-        return f"{len(waiting)} model(s) of {op.target} not loaded yet ({', '.join(waiting[:3])})"
-    return ""

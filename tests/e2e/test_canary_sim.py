@@ -25,8 +25,8 @@ from haru.core.events import WeightsSet
 from haru.core.layout import load_layout
 from haru.core.residency import Resident
 from haru.host.tasks import cancel_and_wait
+from haru.log.requests import request_weights
 from haru.projections.projector import Projector
-from haru.promoter.weighting import request_weights
 from tests.e2e.test_failover_sim import steady
 from tests.integration.test_gateway import running_gateway, wait_for
 from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, sim_fault, write_config, write_layout

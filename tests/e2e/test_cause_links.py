@@ -19,8 +19,8 @@ import pytest
 
 from haru.core import causes, subjects
 from haru.core import events as ev
-from haru.promoter.decider import STEPS
-from haru.promoter.requests import request_operation
+from haru.core.saga import STEPS
+from haru.log.requests import request_operation
 from tests.e2e.test_failover_sim import FLEET, _endpoint, serving, sim, sim_agents, steady
 from tests.support import haru
 from tests.support.agent_harness import sim_fault

@@ -89,7 +89,7 @@ async def test_apply_reaches_running_agents_model_by_model(tmp_path, nats_server
         assert load.failed == [] and load.ok > 20, (load.ok, load.failed[:5])
 
         # Rolled by hand: promote b (its m2 is the new one), and a, now the standby, applies the change.
-        from haru.promoter.requests import request_operation
+        from haru.log.requests import request_operation
 
         since_a = len(await residency_tags(event_log, "a", "m2"))
         result = await request_operation(event_log, FLEET, "promotion", "b", by="test", now=datetime.now(UTC))

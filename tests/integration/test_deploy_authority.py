@@ -33,8 +33,8 @@ from haru.core.residency import Sleeping
 from haru.core.views import intent_decoder
 from haru.host.tasks import cancel_and_wait
 from haru.log.history import Verifier, misplaced_records
+from haru.log.requests import request_operation
 from haru.projections.projector import Projector
-from haru.promoter import request_operation
 from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view
 from tests.support.promoter_fake import FakeAgent, layout
 from tests.unit.test_authority import build

@@ -31,7 +31,7 @@ from haru.core.events import (
 )
 from haru.log.eventlog import EventLog
 from haru.log.history import misplaced_records
-from haru.promoter import request_operation
+from haru.log.requests import request_operation
 from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_op_end, wait_view
 from tests.support.promoter_fake import FakeAgent, layout
 

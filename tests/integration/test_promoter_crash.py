@@ -15,9 +15,9 @@ import pytest
 from haru.core import subjects
 from haru.core.apply import apply
 from haru.core.events import OperationCompleted, PromotionRequested, RouteMoved, StepCompleted, StepStarted
+from haru.core.saga import flow
 from haru.log.eventlog import EventLog
-from haru.promoter import request_operation
-from haru.promoter.decider import flow
+from haru.log.requests import request_operation
 from tests.support.promoter import PromoterProcess, describe, op_events, view_of, wait_op_end, wait_until
 from tests.support.promoter_fake import FakeAgent, layout
 
@@ -144,7 +144,7 @@ async def long_leased_fleet(nats_server, event_log):
 async def test_a_replica_takes_over_a_killed_runners_step_when_it_falls_silent_not_after_the_lease(
     long_leased_fleet, spawn, step
 ):
-    from haru.promoter.decider import lease_ms
+    from haru.core.saga import lease_ms
 
     log, a, b = long_leased_fleet
     lease_s = lease_ms(step, (await view_of(log)).policy) / 1000

@@ -160,7 +160,7 @@ async def test_four_domains_cascade_past_two_failed_standbys_to_the_third(world)
 async def test_haru_promote_without_a_target_takes_the_best_fit_standby_and_cascades(world):
     import asyncio
 
-    from haru.promoter import request_operation
+    from haru.log.requests import request_operation
     from tests.support import haru
 
     async with fleet_of(world, "abcd") as (log, agents), promoters(world):

@@ -28,7 +28,7 @@ from haru.core.events import (
     StepFailed,
     StepStarted,
 )
-from haru.promoter import request_operation
+from haru.log.requests import request_operation
 from tests.support.promoter import (
     asleep_and_training,
     assert_one_failover_each_step_once,

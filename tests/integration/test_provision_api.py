@@ -55,14 +55,12 @@ async def test_provisioning_through_the_control_api(event_log):
         assert not isinstance(rec.event, TeardownRequested)
 
 
-async def test_a_failed_teardown_is_reported_retried_and_finished_by_the_promoter(
-    tmp_path, nats_server, event_log, monkeypatch
-):
+async def test_a_failed_teardown_is_reported_retried_and_finished_by_the_promoter(tmp_path, nats_server, event_log):
     """`sky down` fails once: the operation aborts with the error (the cluster may still be billed), the
     promoter asks for the teardown again after its backoff, and the second one takes the cluster down."""
     from haru.core.events import OperationAborted, OperationCompleted
     from haru.core.layout import parse_layout
-    from haru.promoter.requests import request_operation
+    from haru.log.requests import request_operation
     from tests.support.fake_sky import FakeSky
     from tests.support.promoter import op_events, promoters, wait_until
 
@@ -72,8 +70,7 @@ async def test_a_failed_teardown_is_reported_retried_and_finished_by_the_promote
     fake = FakeSky(tmp_path / "sky")
     fake.add_cluster("haru-cloud-a", "UP", region="us-west-2")
     fake.script(down_script=["fail"])
-    monkeypatch.setenv("HARU_SKY", str(fake.path))
-    async with promoters(nats_server.url, fleets=["cloud"]):
+    async with promoters(nats_server.url, fleets=["cloud"], sky=str(fake.path)):
         first = await request_operation(event_log, "cloud", "teardown", "a", by="test", now=datetime.now(UTC))
         assert first.status == "accepted"
 

@@ -22,7 +22,7 @@ from haru.core.apply import apply
 from haru.core.events import OperationCompleted, ReplaceRequested, StepCompleted, StepStarted
 from haru.core.layout import load_layout
 from haru.core.residency import Sleeping
-from haru.promoter.requests import request_operation
+from haru.log.requests import request_operation
 from tests.support import haru
 from tests.support.agent_harness import REPO, write_config, write_layout
 from tests.support.fake_sky import FakeSky
@@ -186,8 +186,8 @@ async def _async(value):
 
 @pytest.mark.timeout(180)
 async def test_a_skyserve_domain_provisioned_and_torn_down_through_the_promoter(tmp_path, nats_server, event_log):
+    from haru.core.saga import TORN_DOWN
     from haru.host.procfs import pid_alive
-    from haru.promoter.decider import TORN_DOWN
 
     url = nats_server.url
     path = cloud_layout(tmp_path, url, auto_replace=True)

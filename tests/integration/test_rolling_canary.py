@@ -10,7 +10,7 @@ import pytest
 
 from haru.core import subjects
 from haru.core.events import OperationCompleted, StepCompleted, StepStarted, WeightsSet
-from haru.promoter.decider import flow
+from haru.core.saga import flow
 from tests.integration.test_agent_live_apply import edit_layout
 from tests.integration.test_agent_restart import FLEET
 from tests.integration.test_rolling_change import apply_cli, context_4096, rolling_fleet, rolling_op_id

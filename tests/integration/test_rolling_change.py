@@ -18,8 +18,8 @@ import pytest
 
 from haru.core import subjects
 from haru.core.events import OperationAborted, OperationCompleted, RollingRequested, StepStarted
+from haru.core.saga import flow
 from haru.log.bus import send
-from haru.promoter.decider import flow
 from tests.integration.test_agent_live_apply import edit_layout, tags_become
 from tests.integration.test_agent_restart import (
     FLEET,

@@ -76,10 +76,10 @@ def describe(events) -> list[str]:
 
 
 @contextlib.asynccontextmanager
-async def promoters(source, n: int = 1, *, fleets=None, step_delay_ms: int = 0):
+async def promoters(source, n: int = 1, *, fleets=None, step_delay_ms: int = 0, sky: str = "sky"):
     """n promoter replicas in this process, each its own client of the log with its own identity.
     `source` is a server URL or a `log_world.LogWorld` (either log). Yields the replicas; a replica
-    that died is an error at the end."""
+    that died is an error at the end. `sky`: the `sky` CLI the provisioning steps run."""
     from haru.promoter.service import Promoter
     from tests.support.log_world import LogWorld
 
@@ -92,7 +92,7 @@ async def promoters(source, n: int = 1, *, fleets=None, step_delay_ms: int = 0):
             else:
                 log = await EventLog.open([source], writer=writer)
                 logs.append(log)
-            p = Promoter(log, fleets=fleets, identity=writer, step_delay_ms=step_delay_ms, tick_s=0.05)
+            p = Promoter(log, fleets=fleets, identity=writer, step_delay_ms=step_delay_ms, sky=sky, tick_s=0.05)
             ready = asyncio.Event()
             replicas.append(p)
             tasks.append(asyncio.create_task(p.run(ready)))

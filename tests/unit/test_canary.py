@@ -16,11 +16,13 @@ from haru.core.events import (
     WeightsSet,
 )
 from haru.core.fold import evolve
+from haru.core.saga import TRANSITIONS, flow
+from haru.core.weighing import judge_weights
 from haru.core.weights import CanaryReport, Count, Tally
 from haru.promoter.canary import rollback, tally, weigh_refusal
-from haru.promoter.decider import TRANSITIONS, decide, flow, not_applicable
+from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
-from haru.promoter.weighting import judge_weights
+from haru.promoter.drive import not_applicable
 from tests.unit.test_decider import T0, F, at, given, healthy_fleet, reachable, resident, routed, sleeping, unreachable
 
 W = subjects.weights(F)

@@ -31,21 +31,13 @@ from haru.core.events import (
     StepStarted,
 )
 from haru.core.fold import evolve
+from haru.core.requests import judge_request
+from haru.core.saga import ABORT, COMPLETE, LEASE_MARGIN_MS, STEPS, TRANSITIONS, flow, lease_ms
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
-from haru.promoter.decider import (
-    ABORT,
-    COMPLETE,
-    LEASE_MARGIN_MS,
-    STEPS,
-    TRANSITIONS,
-    active_health,
-    decide,
-    flow,
-    judge_request,
-    lease_ms,
-    retry_ms,
-)
+from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
+from haru.promoter.failover import retry_ms
+from haru.promoter.health import active_health
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 F = "default"
@@ -578,10 +570,10 @@ def test_promoting_an_ineligible_domain_by_hand_restores_its_eligibility_when_do
 def test_the_docs_carry_the_steps_and_transitions_tables():
     from pathlib import Path
 
-    from haru.promoter.decider import tables_markdown
+    from haru.core.saga import tables_markdown
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "promoter.md").read_text()
-    assert tables_markdown() in doc, "regenerate the tables in docs/promoter.md from decider.tables_markdown()"
+    assert tables_markdown() in doc, "regenerate the tables in docs/promoter.md from haru.core.saga.tables_markdown()"
 
 
 def test_the_first_route_waits_for_the_other_domain_to_finish_loading_within_the_grace():
@@ -616,12 +608,14 @@ def test_a_new_incident_with_the_same_unfit_standby_is_declined_again():
     assert isinstance(again, FailoverDeclined) and again.why != declined.why
 
 
-def test_the_decider_and_liveness_are_pure():
+def test_the_saga_tables_and_the_request_verdicts_are_pure():
+    """What the gateway and the CLI read of the sagas loads no I/O library (the promoter's own deciders are
+    held to the same by the import contracts: `lint-imports`)."""
     import subprocess
     import sys
 
     code = (
-        "import sys, haru.promoter.decider, haru.promoter.liveness; "
+        "import sys, haru.core.saga, haru.core.standby, haru.core.requests, haru.core.weighing; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'asyncio', 'aiohttp', 'structlog'}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
@@ -629,7 +623,7 @@ def test_the_decider_and_liveness_are_pure():
 
 
 def test_settle_commands_carry_the_route_revision_after_the_flip():
-    from haru.promoter.decider import command_for
+    from haru.promoter.drive import command_for
 
     base = given(*healthy_fleet())
     view = given(
@@ -648,8 +642,8 @@ def test_settle_commands_carry_the_route_revision_after_the_flip():
 def test_a_runner_is_gone_when_silent_past_the_timeout_or_never_heard_while_we_listened_that_long():
     from datetime import datetime
 
-    from haru.promoter.decider import runner_gone
     from haru.promoter.decisions import Facts
+    from haru.promoter.drive import runner_gone
 
     base = dict(now=datetime(2026, 1, 1, tzinfo=UTC), me="promoter:two", step_by="promoter:one", runner_timeout_ms=3500)
     assert not runner_gone(Facts(**base, runner_silent_ms=1000, listening_ms=10_000))

@@ -5,7 +5,8 @@ events, when decide, then appends; no such record wedges the fleet or moves the 
 from __future__ import annotations
 
 from haru.core.events import DemotionRequested, OperationAborted, StepCompleted, StepFailed, StepStarted
-from haru.promoter.decider import flip_refusal, lease_ms
+from haru.core.saga import lease_ms
+from haru.promoter.drive import flip_refusal
 from tests.unit.test_decider import OP, POLICY, _through, at, facts, given, healthy_fleet, only, requested
 
 

@@ -7,7 +7,8 @@ from msgspec.structs import replace
 
 from haru.core import subjects
 from haru.core.events import ModelLoading, ModelLost, ModelResident, ModelSleeping, ModelWaking, PromotionRequested
-from haru.promoter.decider import active_health, faster_path, standby_serves_in
+from haru.core.standby import standby_serves_in
+from haru.promoter.health import active_health, faster_path
 from tests.unit.test_decider import POLICY, F, at, facts, given, only, reachable, routed
 
 

@@ -23,7 +23,8 @@ from haru.core.events import (
     StepStarted,
 )
 from haru.core.fold import evolve
-from haru.promoter.decider import decide, lease_ms
+from haru.core.saga import lease_ms
+from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
 
 OUTCOMES = st.sampled_from(["complete", "complete", "complete", "fail", "crash", "crash_after_flip"])

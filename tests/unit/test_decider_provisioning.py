@@ -27,9 +27,12 @@ from haru.core.events import (
     TeardownRequested,
 )
 from haru.core.fold import empty, evolve
+from haru.core.requests import judge_request
+from haru.core.saga import ABORT, COMPLETE, TRANSITIONS, flow
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, ProvisionSpec
-from haru.promoter.decider import ABORT, COMPLETE, TRANSITIONS, decide, flow, judge_request, retry_ms
+from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
+from haru.promoter.failover import retry_ms
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 F = "default"
@@ -180,7 +183,7 @@ def test_a_replace_runs_its_steps_in_order_and_ends_with_the_domain_eligible():
 
 
 def test_a_domain_the_operator_tore_down_is_not_replaced_automatically():
-    from haru.promoter.decider import TORN_DOWN
+    from haru.core.saga import TORN_DOWN
 
     view = given((OP, EligibilityChanged(at=at(1), domain="a", eligible=False, why=TORN_DOWN)))
     assert appended(view) is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from haru.core.events import FailoverDeclined, OperationAborted, PromotionRequested
 from haru.core.fold import evolve
-from haru.promoter.decider import failover_retry_ms, retry_ms
+from haru.promoter.failover import failover_retry_ms, retry_ms
 from tests.unit.test_decider import OP, POLICY, at, facts, given, healthy_fleet, only, unreachable
 
 

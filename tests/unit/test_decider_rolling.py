@@ -14,7 +14,9 @@ from haru.core.events import (
     StepFailed,
     StepStarted,
 )
-from haru.promoter.decider import ABORT, KINDS, STEPS, TRANSITIONS, command_for, flow, judge_abort, judge_request
+from haru.core.requests import judge_abort, judge_request
+from haru.core.saga import ABORT, KINDS, STEPS, TRANSITIONS, flow
+from haru.promoter.drive import command_for
 from tests.unit.test_decider import OP, ROUTE, at, facts, given, healthy_fleet, only
 
 ROLL_FLOW = [

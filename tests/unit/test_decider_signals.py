@@ -7,7 +7,7 @@ from haru.core import subjects
 from haru.core.causes import decided_cause
 from haru.core.events import AgentStarted, EligibilityChanged, FailoverDeclined, FailureSignalled, PromotionRequested
 from haru.core.specs import Policy
-from haru.promoter.decider import standby_unfit
+from haru.promoter.health import standby_unfit
 from tests.unit.test_decider import POLICY, F, at, facts, given, healthy_fleet, only
 
 

@@ -25,7 +25,7 @@ from haru.core.events import (
 )
 from haru.core.fold import Folder, evolve
 from haru.projections.status import render
-from haru.promoter.decider import not_applicable
+from haru.promoter.drive import not_applicable
 from tests.unit.test_decider import OP, F, _through, at, given, healthy_fleet, only, requested, routed
 
 GPU_A = subjects.gpu(F, "a", 0)

@@ -31,11 +31,12 @@ from haru.core.events import (
 )
 from haru.core.fold import empty, evolve
 from haru.core.intents import intent
+from haru.core.requests import judge_request
 from haru.core.residency import Resident, Sleeping
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.core.views import FleetView
 from haru.projections.status import render, render_intent
-from haru.promoter.decider import decide, judge_request
+from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
 
 T0 = datetime(2026, 12, 2, 1, 0, tzinfo=UTC)

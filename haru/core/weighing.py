@@ -1,13 +1,13 @@
-"""Operator requests for traffic weights: `haru route weight b=10 [--model M]`, `--reset`, and the
-control API's POST /v1/fleets/{fleet}/weights call `request_weights`.
+"""The verdict on an operator's request for traffic weights (`haru route weight b=10 [--model M]`,
+`--reset`, the control API's POST /v1/fleets/{fleet}/weights), and the models a split covers. Pure.
 
-    result = await request_weights(log, "default", {"b": 10}, model="", by="cli:alice", now=now)
-    result.status   # noop | accepted | joined | conflict | refused | invalid | not_found
+    verdict = judge_weights(view, {"b": 10}, model="", op_id=op_id, by="cli:alice", now=now)
+    verdict.status   # noop | accepted | joined | conflict | refused | invalid | not_found
 
-The verdict (`judge_weights`, pure) resolves the split (haru.core.weights.resolve: an unknown domain,
-shares that do not add up, a model the active does not serve are `invalid`, with the fix), and asks for
-a `weighting` operation on the op subject, like any other operation (one at a time per fleet). The
-domain it gives a share it did not have is its target: woken and probed first by the promoter (a
+The split is resolved by haru.core.weights.resolve (an unknown domain, shares that do not add up, a
+model the active does not serve are `invalid`, with the fix); an accepted one is a `weighting`
+operation on the op subject, like any other (one at a time per fleet; haru.log.requests appends it).
+The domain it gives a share it did not have is its target: woken and probed first by the promoter (a
 standby asleep is fine; one that cannot be woken now, unreachable, ineligible or with a model loading
 or lost, is `refused` with why and what to do). A split that gives no domain a new share targets the
 active and wakes nothing. Only the promoter records the split (`weights_set`), after its `weigh` step.
@@ -18,19 +18,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import datetime
 
-from haru.core import subjects
-from haru.core.errors import InvalidName, InvalidWeights
+from haru.core.errors import InvalidWeights
 from haru.core.events import WeightingRequested
 from haru.core.ranking import first_unready
+from haru.core.requests import Judgment
 from haru.core.residency import Resident, Sleeping, Waking
-from haru.core.views import FleetView
+from haru.core.views import DomainView, FleetView
 from haru.core.weights import describe, gaining, resolve, scope_of, split_of
-from haru.promoter.canary import scope_models
-from haru.promoter.decider import Judgment
-from haru.promoter.requests import RequestResult, _judged_append
-from haru.promoter.service import new_op_id
 
-__all__ = ["judge_weights", "request_weights"]
+__all__ = ["judge_weights", "scope_models"]
+
+
+def scope_models(view: FleetView, domain: DomainView, model: str) -> list[str]:
+    """The models of a split's scope that `domain` serves: `model`, or every model the active serves there too."""
+    if model:
+        return [model]
+    active = view.domains.get(view.active)
+    served_there = [m for m, mv in domain.models.items() if mv.admitted is not False]
+    if active is None:
+        return served_there
+    return [m for m in served_there if m in active.models and active.models[m].admitted is not False]
 
 
 def judge_weights(
@@ -151,19 +158,3 @@ def _cannot_wake(view: FleetView, name: str, model: str) -> str:
             return f"model {block.model!r} is lost there ({block.reason}): wait for it to come back (haru status)"
         case _:
             return f"model {block.model!r} is {block.state} there: wait until it is resident or asleep (haru status)"
-
-
-async def request_weights(
-    log, fleet: str, given: Mapping[str, int], *, model: str = "", reset: bool = False, by: str, now: datetime
-) -> RequestResult:
-    """Ask for new weights in `fleet` (see the module docstring); appended against the op subject's last sequence."""
-    try:
-        subjects.check_name("fleet", fleet)
-        if model:
-            subjects.check_model_id(model)
-    except InvalidName as exc:
-        return RequestResult(status="invalid", message=str(exc))
-    op_id = new_op_id()
-    return await _judged_append(
-        log, fleet, lambda view: judge_weights(view, given, model=model, reset=reset, op_id=op_id, by=by, now=now)
-    )
