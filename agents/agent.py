@@ -347,6 +347,7 @@ class Agent:
                 self.gpu_watch,
                 policy=lambda: self.live.slots.policy,
                 keep_runtimes=lambda: self.keep_runtimes,
+                role=self.role,
                 state_dir=self.state_dir,
                 host=self.config.serving.host,
                 port=self.config.serving.port,

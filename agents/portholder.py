@@ -56,6 +56,7 @@ import msgspec
 
 from haru.agents.errors import PortHolderError
 from haru.core.openai_errors import BadBody, error_body, model_of
+from haru.core.specs import READY_PATH
 
 __all__ = ["listening_socket", "bridge", "stop_holder", "holder_stats", "HOLDER_SOCKET"]
 
@@ -401,6 +402,8 @@ class Holder:
                     raise _Refused(400, "invalid_request", f"a request header line without a colon: {line[:80]!r}")
                 headers[k.strip().lower()] = v.strip()
         path = target.split("?", 1)[0]
+        if path == READY_PATH and method in ("GET", "HEAD"):  # a load balancer's probe: no token, no detail
+            raise _Refused(503, "not_ready", "the agent is restarting")
         if path == "/v1/models" and method == "GET":
             self._authorize(headers)
             return path, headers, b""

@@ -20,9 +20,9 @@ import hmac
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -37,12 +37,32 @@ from haru.agents.model_slots import ModelSlots
 from haru.core.errors import ConfigError
 from haru.core.openai_errors import BadBody, answer_status, error_body, model_of
 from haru.core.residency import ANSWERS
-from haru.core.specs import Policy
+from haru.core.specs import READY_PATH, Policy
 from haru.host.httpguard import BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
 
 __all__ = ["ServingProxy", "FORWARDED"]
 
 FORWARDED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+# READY_PATH is the one path a load balancer may read without the token (SkyServe's readiness probe sends no
+# header): 200 or 503, and a body that says nothing but that (the port holder answers 503 while it bridges).
+# Declared but not meant to run here: they neither make nor break readiness.
+_NOT_RUN = frozenset({"not_admitted", "stopped"})
+
+
+def ready_for_balancer(role: str, states: Iterable[str]) -> bool:
+    """Is this host a fit member of its domain, as a load balancer in front of it must know (pure)?
+
+    The active: every model it runs is resident. A standby: every model is asleep or resident, so it
+    can take over. Anything loading, waking, lost or failed is not ready. A standby must answer 200 as
+    well: SkyServe terminates a replica that is not ready past `initial_delay_seconds`, or not ready for
+    longer than its failure threshold after it was (sky/serve/replica_managers.py), so a readiness that
+    meant "active" would have SkyServe tear down every healthy standby. Traffic still reaches only the
+    active: each domain is its own service, and the gateway sends to the active's."""
+    run = [s for s in states if s not in _NOT_RUN]
+    allowed = ("resident",) if role == "active" else ("resident", "sleeping")
+    return bool(run) and all(s in allowed for s in run)
+
+
 MAX_BODY = int(os.environ.get("HARU_SERVING_MAX_BODY_BYTES", str(32 * 1024 * 1024)))
 # Request headers that describe the body or the client's wishes; the rest stay at the door.
 _PASS_REQUEST = ("content-type", "accept", "accept-encoding", "user-agent", "x-request-id", "openai-organization")
@@ -110,6 +130,13 @@ def check_serving(config: Any, slots: Any) -> None:
         raise ConfigError(refusal)
 
 
+class RoleNow(Protocol):
+    """The domain's role as it is now (agents/role.py's `Role`)."""
+
+    @property
+    def now(self) -> str: ...
+
+
 class ServingProxy:
     def __init__(
         self,
@@ -118,6 +145,7 @@ class ServingProxy:
         *,
         policy: Callable[[], Policy],
         keep_runtimes: Callable[[], bool],
+        role: RoleNow,
         state_dir: Path,
         host: str,
         port: int,
@@ -130,6 +158,7 @@ class ServingProxy:
         self.gpu = gpu
         self.policy = policy
         self.keep_runtimes = keep_runtimes
+        self.role = role
         self.state_dir = state_dir
         self.logger = structlog.get_logger("haru.agent.serving").bind(fleet=slots.fleet, domain=slots.domain)
         self.token = os.environ.get("HARU_SERVING_TOKEN", "")
@@ -227,6 +256,9 @@ class ServingProxy:
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.path
+        if path == READY_PATH and request.method in ("GET", "HEAD"):
+            ready = ready_for_balancer(self.role.now, (m.state_tag for m in self.slots.models.values()))
+            return web.json_response({"ready": ready}, status=200 if ready else 503)
         if path == "/v1/models" and request.method == "GET":
             if not self._authorized(request):
                 return error(401, "unauthorized", "missing or wrong bearer token (HARU_SERVING_TOKEN)")
@@ -236,7 +268,7 @@ class ServingProxy:
                 404,
                 "not_found",
                 f"{request.method} {path} is not served here; this port serves "
-                f"POST {', '.join(sorted(FORWARDED))} and GET /v1/models",
+                f"POST {', '.join(sorted(FORWARDED))}, GET /v1/models and GET {READY_PATH}",
             )
         if request.method != "POST":
             return error(405, "method_not_allowed", f"{path} takes POST", headers={"Allow": "POST"})

@@ -11,8 +11,9 @@ The signs:
   double-bit ECC, a GPU that stopped processing), read through an NVML event set without waiting;
 - `gpu_ecc`: uncorrected (double-bit) volatile ECC errors above zero, or retired pages pending (the
   GPU needs a reset to retire them); an NVML that does not support a query says nothing, never a guess;
-- `preemption_notice`: the domain's declared `preemption_notice` (a URL, such as a cloud's spot
-  interruption endpoint, or a command), polled every `interval_ms`.
+- `preemption_notice`: the domain's declared `preemption_notice`, polled every `interval_ms` in a loop
+  of its own (a provider's long poll never delays the GPUs' checks): a provider's metadata service read
+  with its own protocol (agents/notices.py: AWS, GCP, Azure), a URL, or a command.
 
 The simulator's GPUs (agents/sim/gpu_state.py) carry the same signs in their state file (`haru sim
 xid`, `haru sim ecc`), so the whole path runs without a GPU.
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from haru.agents.loops import LoopErrors, survive
+from haru.agents.notices import provider_notices
 from haru.core.events import FailureSignalled
 from haru.core.specs import PreemptionNotice
 
@@ -184,7 +186,7 @@ class SignalWatcher:
         self.logger = logger
         self.session = session
         self.recorded: set[tuple[str, int]] = set()
-        self._next_notice = 0.0
+        self.provider = provider_notices(notice) if notice is not None else None
 
     async def _signal(self, source: str, gpu_index: int, detail: str) -> None:
         key = (source, gpu_index)
@@ -200,24 +202,26 @@ class SignalWatcher:
             "failure signalled: the route moves off this domain", source=source, gpu=gpu_index, detail=detail
         )
 
-    async def check(self, indexes: Iterable[int]) -> None:
+    async def check_gpus(self, indexes: Iterable[int]) -> None:
         for index in indexes:
             for source, detail in await asyncio.to_thread(self.gpus.critical, index):
                 await self._signal(source, index, f"GPU {index}: {detail}")
-        notice = self.notice
-        if notice is not None and time.monotonic() >= self._next_notice:
-            self._next_notice = time.monotonic() + notice.interval_ms / 1000
-            said = await self.poll_notice(notice)
+
+    async def check_notice(self) -> None:
+        if self.notice is not None and ("preemption_notice", -1) not in self.recorded:
+            said = await self.poll_notice(self.notice)
             if said:
                 await self._signal("preemption_notice", -1, said)
 
     async def poll_notice(self, notice: PreemptionNotice) -> str:
         timeout = max(0.1, min(2.0, notice.interval_ms / 1000))
-        if notice.url:
+        if self.provider is not None or notice.url:
             session = self.session
             if session is None:
                 return ""
             try:
+                if self.provider is not None:
+                    return await self.provider.poll(session, wait_s=notice.interval_ms / 1000)
                 async with session.get(
                     notice.url, headers=notice.headers, timeout=aiohttp.ClientTimeout(total=timeout)
                 ) as r:
@@ -237,8 +241,19 @@ class SignalWatcher:
         return notice_from_command(proc.returncode or 0, out.decode(errors="replace"))
 
     async def run(self, indexes: Callable[[], Iterable[int]], errors: LoopErrors) -> None:
-        while True:
-            await survive(lambda: self.check(indexes()), name="signals", errors=errors, logger=self.logger)
-            await asyncio.sleep(
-                GPU_INTERVAL_S if self.notice is None else min(GPU_INTERVAL_S, self.notice.interval_ms / 1000)
-            )
+        async def gpus() -> None:
+            while True:
+                await survive(lambda: self.check_gpus(indexes()), name="signals", errors=errors, logger=self.logger)
+                await asyncio.sleep(GPU_INTERVAL_S)
+
+        async def notice(interval_s: float) -> None:
+            while True:
+                started = time.monotonic()
+                await survive(self.check_notice, name="preemption-notice", errors=errors, logger=self.logger)
+                # a long poll (GCP) already waited; a plain read waits out the rest of the interval
+                await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+
+        loops = [gpus()]
+        if self.notice is not None:
+            loops.append(notice(self.notice.interval_ms / 1000))
+        await asyncio.gather(*loops)

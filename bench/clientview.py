@@ -18,9 +18,13 @@ running:
     agent        SIGKILL of the active's agent only (`haru up` starts it again; its runtimes and
                  port holder live on)
     host         SIGKILL of the active's agent, its runtimes and its serving port holder at once
-    preempt      the provider's preemption notice for the active (its declared `preemption_notice`
-                 command starts answering); afterwards the notice is withdrawn and the old active's
-                 agent restarted, which clears the signal
+    preempt      the provider's preemption notice for the active: with `--notice command` (the
+                 default) its declared `preemption_notice` command starts answering; with `--notice aws`,
+                 `gcp` or `azure` each domain reads a local metadata service that answers as that provider
+                 documents (tests/support/fake_metadata.py), and the active's announces the interruption.
+                 Afterwards the notice is withdrawn and the old active's agent restarted, which clears the
+                 signal. The row's `flip s` is the time from the notice to the route moved; goal <= 30 s
+                 (the shortest provider window, GCP's and Azure's)
 
 Each window runs from the fault until the fleet is settled again (no operation in flight, the active's
 models resident) plus `--tail-s`. Per fault it prints the requests, the failed ones (a non-200, or an
@@ -58,6 +62,7 @@ sys.path.insert(0, str(REPO))
 from haru.agents.gpu import process_tree, read_parents  # noqa: E402  (the product's process-tree helper)
 from haru.core.standby import standby_serves_in  # noqa: E402
 from haru.core.views import FleetView  # noqa: E402
+from tests.support.fake_metadata import FakeMetadata  # noqa: E402  (the providers' metadata services, local)
 
 PY = sys.executable
 CHAT = [{"role": "user", "content": "hello"}]
@@ -82,14 +87,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def layout(dst: Path, mode: str = "sim") -> Path:
+def layout(dst: Path, mode: str = "sim", metadata: dict[str, FakeMetadata] | None = None) -> Path:
     doc = json.loads((REPO / "haru" / "up" / "demo" / MODES[mode][0]).read_text())
     for domain in doc["domains"]:
         domain["serving_url"] = f"http://127.0.0.1:{free_port()}"
-        domain["preemption_notice"] = {
-            "command": ["cat", str(dst.parent / f"notice-{domain['name']}")],
-            "interval_ms": 500,
-        }
+        md = (metadata or {}).get(domain["name"])
+        domain["preemption_notice"] = (
+            {"provider": md.provider, "endpoint": md.endpoint, "interval_ms": 500}
+            if md is not None
+            else {"command": ["cat", str(dst.parent / f"notice-{domain['name']}")], "interval_ms": 500}
+        )
         for slot in domain["slots"]:
             for model in slot.get("models", []):
                 model["port"] = free_port()
@@ -109,9 +116,10 @@ def cmdline(pid: int) -> str:
 
 
 class Demo:
-    def __init__(self, root: Path, mode: str = "sim") -> None:
+    def __init__(self, root: Path, mode: str = "sim", metadata: dict[str, FakeMetadata] | None = None) -> None:
         self.root = root
         self.mode = mode
+        self.metadata = metadata or {}  # per domain, with --notice aws|gcp|azure
         self.home = root / "home"
         self.env = {**os.environ, "HARU_HOME": str(self.home), "HARU_NO_UVLOOP": "1", "PYTHONPATH": str(REPO)}
         for name in ("HARU_NATS_URL", "HARU_API_TOKEN"):
@@ -136,7 +144,7 @@ class Demo:
                 "--port",
                 str(free_port()),
                 "--layout",
-                str(layout(self.root / "demo.json", self.mode)),
+                str(layout(self.root / "demo.json", self.mode, self.metadata)),
                 "--ready-file",
                 str(ready),
                 "--log-level",
@@ -388,6 +396,8 @@ async def fault(name: str, demo: Demo, s: aiohttp.ClientSession, active: str) ->
                 os.kill(pid, signal.SIGKILL)
     elif name == "agent":
         os.kill(active_agent(view, active), signal.SIGKILL)
+    elif name == "preempt" and active in demo.metadata:
+        demo.metadata[active].announce()
     elif name == "preempt":
         (demo.root / f"notice-{active}").write_text("spot instance-action: terminate in 120 s\n")
     elif name == "host":
@@ -409,7 +419,10 @@ async def recover(name: str, demo: Demo, s: aiohttp.ClientSession, old_active: s
     if name == "detach":
         await asyncio.to_thread(demo.haru, "sim", "attach-gpu", old_active)
     if name == "preempt":  # the notice withdrawn; the agent that starts again no longer sees it
-        (demo.root / f"notice-{old_active}").unlink()
+        if old_active in demo.metadata:
+            demo.metadata[old_active].withdraw()
+        else:
+            (demo.root / f"notice-{old_active}").unlink()
         view = await demo.view(s)
         os.kill(active_agent(view, old_active), signal.SIGKILL)
 
@@ -431,12 +444,35 @@ async def measure(
     tail_s: float = 6.0,
     keep: bool = False,
     mode: str = "sim",
+    notice: str = "command",
 ) -> list[tuple]:
     """Run the demo, the steady window and each fault; the rows (name, requests, failed, cut, continued,
-    held, retried, p99 s, route, window s, wake s, wake measured, failures by kind, what each kind said),
-    the steady window first."""
+    held, retried, p99 s, route, window s, wake s, wake measured, failures by kind, what each kind said,
+    seconds from the fault to the route moved), the steady window first."""
     root = Path(tempfile.mkdtemp(prefix="haru-clientview-"))
-    demo = Demo(root, mode)
+    async with contextlib.AsyncExitStack() as stack:
+        metadata = {}
+        if notice != "command":
+            names = [
+                d["name"] for d in json.loads((REPO / "haru" / "up" / "demo" / MODES[mode][0]).read_text())["domains"]
+            ]
+            metadata = {n: await stack.enter_async_context(FakeMetadata(notice)) for n in names}
+        return await _measure(
+            root, Demo(root, mode, metadata), faults, json_clients, sse_clients, steady_s, tail_s, keep, mode
+        )
+
+
+async def _measure(
+    root: Path,
+    demo: Demo,
+    faults: tuple[str, ...],
+    json_clients: int,
+    sse_clients: int,
+    steady_s: float,
+    tail_s: float,
+    keep: bool,
+    mode: str,
+) -> list[tuple]:
     rows: list[tuple] = []
     try:
         demo.start()
@@ -460,6 +496,9 @@ async def measure(
                         0.0,
                         0.0,
                         True,
+                        {},
+                        {},
+                        0.0,
                     )
                 )
                 for name in faults:
@@ -471,6 +510,7 @@ async def measure(
                         await wait_agent(demo, s, active, old_agent, 60)
                     else:
                         await wait_moved(demo, s, active, 180, old_agent)
+                    moved_s = time.monotonic() - start
                     await recover(name, demo, s, active)  # the old active back (a GPU attached again, ...)
                     new_active, took = await wait_settled(demo, s, 180)
                     await asyncio.sleep(tail_s)
@@ -500,6 +540,7 @@ async def measure(
                             wake_measured,
                             dict(collections.Counter(o.split(":", 1)[1] for o in failed)),
                             {why: load.said.get(why, "") for why in {o.split(":", 1)[1] for o in failed}},
+                            moved_s,
                         )
                     )
                     active = new_active
@@ -524,18 +565,18 @@ def table(rows: list[tuple], json_clients: int, sse_clients: int, mode: str = "s
         f"`haru up --demo{' --real ' + mode if mode != 'sim' else ''}` ({runtime})",
         "",
         f"{'fault':<9} {'requests':>8} {'failed':>6} {'cut':>4} {'continued':>9} {'held':>5} {'retried':>7} "
-        f"{'p99 ms':>7} {'vs steady':>9} {'bound ms':>9} {'met':>4}  route",
+        f"{'p99 ms':>7} {'vs steady':>9} {'bound ms':>9} {'met':>4} {'flip s':>6}  route",
     ]
     steady_p99 = rows[0][7]
     notes = NOTES.get(mode, {})
-    for name, n, failed, cut, cont, held, retried, q, route, _, wake_s, measured, *_ in rows:
+    for name, n, failed, cut, cont, held, retried, q, route, _, wake_s, measured, _f, _s, moved_s in rows:
         ratio = f"{q / steady_p99:.1f}x" if steady_p99 and name != "steady" else ""
         limit = f"{'' if measured else '~'}{bound(steady_p99, wake_s) * 1000:.0f}" if name != "steady" else ""
         met = ("yes" if q <= bound(steady_p99, wake_s) else "NO") if name != "steady" else ""
         note = f"  ({notes[name]})" if name in notes else ""
         out.append(
             f"{name:<9} {n:>8} {failed:>6} {cut:>4} {cont:>9} {held:>5} {retried:>7} {q * 1000:>7.0f} "
-            f"{ratio:>9} {limit:>9} {met:>4}  {route}{note}"
+            f"{ratio:>9} {limit:>9} {met:>4} {(f'{moved_s:.1f}' if name != 'steady' else ''):>6}  {route}{note}"
         )
     bad = [r[0] for r in rows if r[2] or r[3] or not r[1]]  # a row without requests measured nothing
     slow = [r[0] for r in rows[1:] if r[7] > bound(steady_p99, r[10])]
@@ -550,6 +591,9 @@ def table(rows: list[tuple], json_clients: int, sse_clients: int, mode: str = "s
             out.append(f"failed in {r[0]}: " + ", ".join(f"{n} x {why}" for why, n in sorted(r[12].items())))
             out.extend(f"  {why}: {said}" for why, said in sorted(r[13].items()) if said)
     out.append("p99 within its bound in every row: " + ("met" if not slow else f"NOT met ({', '.join(slow)})"))
+    late = [r[0] for r in rows if r[0] == "preempt" and r[14] > 30]
+    if any(r[0] == "preempt" for r in rows):
+        out.append("preempt: notice to flip within 30 s: " + ("met" if not late else "NOT met"))
     return "\n".join(out)
 
 
@@ -569,6 +613,12 @@ async def main() -> None:
         default=None,
         help="real llama-servers (`haru up --demo --real llama`) instead of the simulator",
     )
+    ap.add_argument(
+        "--notice",
+        choices=("command", "aws", "gcp", "azure"),
+        default="command",
+        help="where the preempt fault's notice comes from: the declared command, or a provider's metadata service",
+    )
     args = ap.parse_args()
     faults = FAULTS if args.faults == "all" else tuple(args.faults.split(","))
     rows = await measure(
@@ -579,8 +629,11 @@ async def main() -> None:
         tail_s=args.tail_s,
         keep=args.keep,
         mode=args.real or "sim",
+        notice=args.notice,
     )
     print()
+    if args.notice != "command":
+        print(f"preemption notices from a local {args.notice} metadata service (tests/support/fake_metadata.py)")
     print(table(rows, args.json_clients, args.sse_clients, args.real or "sim"))
 
 

@@ -14,8 +14,8 @@ intent) map to HTTP exactly as docs/design.md's "What a client is told" table sa
     ready              proxied
     warming{for_ms}    503 model_warming       + Retry-After
     asleep             503 model_asleep        + Retry-After
-    lost{gpu_detached} 503 gpu_detached        (the provider's doing, not the operator's)
-    lost{other}        503 model_lost          (with the reason)
+    lost{gpu_detached} 503 gpu_detached        + Retry-After (the provider's doing, not the operator's)
+    lost{other}        503 model_lost          + Retry-After (with the reason, in words)
     not_admitted       409 model_not_admitted  (with short_by; never retryable)
     unknown            503 residency_unknown
     no such fleet      404 fleet_not_found
@@ -60,6 +60,16 @@ from haru.gateway.split import Split, apply_splits, carry_rotation
 RETRY_MIN_S: Final = 1
 RETRY_MAX_S: Final = 30
 ASLEEP_RETRY_S: Final = 5
+# Lost: it comes back by a failover (a standby's wake and probe: seconds) or a reload in place (the restart
+# backoff and a warm-up: seconds to a minute); a client told when to come back neither hammers nor gives up.
+LOST_RETRY_S: Final = 10
+# What each loss means, in words an operator acts on (hearth's): the reason is the one bit of diagnosis.
+LOST_MEANS: Final = {
+    "evicted": "evicted: its runtime no longer holds it while the GPU is still there, so this box is "
+    "over-committed (something else took the VRAM)",
+    "process_exited": "process_exited: its runtime process is gone",
+    "unhealthy": "unhealthy: its runtime is up but did not answer the probe",
+}
 
 
 # ------------------------------------------------------------------------------------- outcomes
@@ -145,7 +155,7 @@ def refusal_for(fleet: str, domain: str, model: str, answer: Answer, operation: 
             domain,
         )
     if kind == "lost":
-        reason = answer.reason or "unknown reason"
+        reason = LOST_MEANS.get(answer.reason, answer.reason or "unknown reason")
         if answer.detail:
             reason = f"{reason} ({answer.detail})"
         if answer.reason == "gpu_detached":
@@ -154,13 +164,16 @@ def refusal_for(fleet: str, domain: str, model: str, answer: Answer, operation: 
                 status,
                 code,
                 f"{where} is lost: its GPU was detached by the provider (reclaimed or failed); "
-                f"this is not the operator's doing. Haru fails over to the standby when auto-failover is on",
-                None,
+                f"this is not the operator's doing. Haru fails over to the standby when auto-failover is on; "
+                f"retry in {LOST_RETRY_S} s",
+                LOST_RETRY_S,
                 "model",
                 domain,
             )
         status, code = ANSWER_STATUS["lost"]
-        return Refusal(status, code, f"{where} is lost: {reason}", None, "model", domain)
+        return Refusal(
+            status, code, f"{where} is lost: {reason}; retry in {LOST_RETRY_S} s", LOST_RETRY_S, "model", domain
+        )
     if kind == "not_admitted":
         status, code = ANSWER_STATUS["not_admitted"]
         short = answer.short_by_bytes

@@ -6,6 +6,7 @@ import argparse
 import enum
 import os
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import msgspec
@@ -30,6 +31,34 @@ def fail(message: str, status: ExitStatus = ExitStatus.ERROR) -> ExitStatus:
     """Print a one-line diagnostic to stderr and return the status."""
     print(f"haru: {message}", file=sys.stderr)
     return status
+
+
+def env_count(env: str) -> Callable[[str], int]:
+    """An argparse `type` for a count of one or more whose default comes from `$env`: give it the
+    environment's string as the default (argparse converts a string default only when that command
+    runs), so a bad value is one clear line for that command, naming the variable, and never breaks
+    `haru --version` or any other command."""
+
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            hint = f" (from ${env})" if os.environ.get(env, "").strip() == text.strip() else ""
+            raise argparse.ArgumentTypeError(
+                f"{text!r}{hint} is not a whole number of 1 or more: set {env} or the option to one, e.g. 3"
+            )
+        return value
+
+    count.__name__ = "count"
+    return count
+
+
+def env_default(env: str, fallback: str | None = None) -> str | None:
+    """`$env` if set and not blank, else `fallback`: a string default for an `env_count` option."""
+    value = os.environ.get(env, "").strip()
+    return value or fallback
 
 
 def emit_json(value: object) -> None:

@@ -15,14 +15,13 @@ from haru.cli.common import (
     add_replay_timeout_option,
     emit_json,
     fail,
-    nats_servers,
 )
+from haru.cli.stored import open_log
 from haru.core import events as ev
 from haru.core import subjects
 from haru.core.authority import misplaced
 from haru.core.errors import LogDamaged, seq_ranges
 from haru.log import history
-from haru.log.eventlog import EventLog
 from haru.log.reads import checkpoint_start, model_records, why_records
 from haru.log.seam import Log
 
@@ -73,9 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _connect(args: argparse.Namespace, who: str):
-    return EventLog.connect(
-        nats_servers(args.nats_url), writer=f"cli:{who}", creds=args.nats_creds, replay_timeout=args.timeout
-    )
+    """The running control plane's log, or a stopped home's read off its disk (haru.cli.stored)."""
+    return open_log(args, who, replay_timeout=args.timeout)
 
 
 async def _witnesses(log: Log) -> list[history.Witness]:

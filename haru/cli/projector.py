@@ -8,7 +8,16 @@ import contextlib
 import os
 import socket
 
-from haru.cli.common import ExitStatus, add_log_options, add_nats_options, configure_logging, fail, nats_servers
+from haru.cli.common import (
+    ExitStatus,
+    add_log_options,
+    add_nats_options,
+    configure_logging,
+    env_count,
+    env_default,
+    fail,
+    nats_servers,
+)
 from haru.host.metrics import add_metrics_options
 from haru.host.tasks import run_until_signal
 
@@ -26,8 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_nats_options(p)
     p.add_argument(
         "--replicas",
-        type=int,
-        default=int(os.environ["HARU_REPLICAS"]) if os.environ.get("HARU_REPLICAS", "").strip() else None,
+        type=env_count("HARU_REPLICAS"),
+        default=env_default("HARU_REPLICAS"),
         help="replicas for the streams and bucket if this projector creates them (env HARU_REPLICAS; default: 3 "
         "on a cluster of three or more servers, else 1)",
     )
@@ -39,8 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--checkpoint-every",
-        type=int,
-        default=int(os.environ.get("HARU_CHECKPOINT_EVERY", "10000")),
+        type=env_count("HARU_CHECKPOINT_EVERY"),
+        default=env_default("HARU_CHECKPOINT_EVERY", "10000"),
         help="write a checkpoint every N events of a fleet (env HARU_CHECKPOINT_EVERY; default %(default)s)",
     )
     add_log_options(p)

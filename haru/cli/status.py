@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from datetime import UTC, datetime
 
-from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail, nats_servers
+from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail
+from haru.cli.stored import open_log
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +29,6 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     from haru.core import subjects
     from haru.core.errors import InvalidName, LogUnavailable
     from haru.core.views import view_decoder
-    from haru.log.eventlog import EventLog
     from haru.projections.status import render
 
     try:
@@ -36,7 +36,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     except InvalidName as exc:
         return fail(str(exc), ExitStatus.USAGE)
     try:
-        async with EventLog.connect(nats_servers(args.nats_url), writer="cli:status", creds=args.nats_creds) as log:
+        async with open_log(args, "status") as log:
             got = await log.get_view(key)
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)

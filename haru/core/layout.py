@@ -43,6 +43,7 @@ from haru.core.specs import (
     ModelSpec,
     NonNegative,
     Policy,
+    READY_PATH,
     PreemptionNotice,
     ProvisionSpec,
     ServiceSpec,
@@ -419,11 +420,17 @@ def _domain(d: _Domain, i: int) -> Domain:
 
 
 def _notice(notice: PreemptionNotice | None, dp: str) -> PreemptionNotice | None:
-    if notice is not None and bool(notice.url) == bool(notice.command):
+    if notice is not None and sum((notice.provider is not None, bool(notice.url), bool(notice.command))) != 1:
         raise LayoutError(
-            "preemption_notice needs exactly one of `url` and `command`",
+            "preemption_notice needs exactly one of `provider`, `url` and `command`",
             path=f"{dp}.preemption_notice",
-            fix='e.g. {"url": "http://169.254.169.254/latest/meta-data/spot/instance-action"}',
+            fix='e.g. {"provider": "aws"} (or "gcp", "azure") to read the cloud\'s own metadata service',
+        )
+    if notice is not None and notice.endpoint and notice.provider is None:
+        raise LayoutError(
+            "preemption_notice.endpoint goes with `provider` (it overrides the metadata service's address)",
+            path=f"{dp}.preemption_notice.endpoint",
+            fix="remove `endpoint`, or name the `provider` whose metadata service it is",
         )
     if notice is not None and notice.interval_ms < 100:
         raise LayoutError(
@@ -607,6 +614,7 @@ _CLUSTER = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _PLACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # What the default run command reads (haru.provision.skypilot): an operator's env may not shadow it.
 RESERVED_ENVS = ("HARU_AGENT_CONFIG",)
+SERVING_TOKEN = "HARU_SERVING_TOKEN"  # the bearer token an agent's serving port needs beyond loopback
 
 
 def _provision(d: _Domain, name: str, dp: str) -> ProvisionSpec:
@@ -681,6 +689,16 @@ def _provision(d: _Domain, name: str, dp: str) -> ProvisionSpec:
             path=f"{pp}.cluster",
             fix="use lowercase letters, digits and '-', starting with a letter",
         )
+    if not p.run and SERVING_TOKEN not in p.secrets:
+        # The launched agent serves on every address (haru/provision's agent config), which it refuses to do
+        # without a serving token: refused here, before anything is launched or paid for.
+        raise LayoutError(
+            f"domain {name!r} launches an agent that serves on every address of its host, and "
+            f"{SERVING_TOKEN} is not among its secrets: the agent would refuse to start",
+            path=f"{pp}.secrets",
+            fix=f'add "{SERVING_TOKEN}" to provision.secrets, export it where `haru provision` or the promoter '
+            "runs, and give the gateway the same value (docs/security.md)",
+        )
     if not p.run and not p.nats_url:
         raise LayoutError(
             f"domain {name!r} launches an agent but gives no NATS URL for it",
@@ -691,11 +709,13 @@ def _provision(d: _Domain, name: str, dp: str) -> ProvisionSpec:
         raise LayoutError(
             f"service replicas is {p.service.replicas}", path=f"{pp}.service.replicas", fix="use 1 or more"
         )
-    if not p.service.readiness_path.startswith("/"):
+    if p.service.readiness_path != READY_PATH:
         raise LayoutError(
-            f"readiness_path {p.service.readiness_path!r} is not a path",
+            f"readiness_path {p.service.readiness_path!r} is not the agent's readiness path: SkyServe's probe sends "
+            f"no token, and the agent's serving port answers only {READY_PATH} without one, so the replica would "
+            "never be ready and SkyServe would tear it down after initial_delay_s",
             path=f"{pp}.service.readiness_path",
-            fix='write it like "/health"',
+            fix=f'remove readiness_path, or write "{READY_PATH}"',
         )
     return p
 

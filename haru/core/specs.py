@@ -171,11 +171,17 @@ class TrainingSpec(msgspec.Struct, frozen=True, kw_only=True):
     host_ram_bytes: NonNegative = 0  # host RAM it uses (declared; planned beside sleeping weights)
 
 
+# What an agent's serving port answers without the token, for a load balancer's readiness probe
+# (agents/serving.py, agents/portholder.py): 200 while the host is a fit member of its domain, else 503.
+READY_PATH = "/ready"
+
+
 class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):
     """SkyServe's part of a `provider: skyserve` domain: replicas and the readiness probe."""
 
     replicas: int = 1
-    readiness_path: str = "/health"
+    # SkyServe's probe sends no header, so it must be READY_PATH: every other path needs the token.
+    readiness_path: str = READY_PATH
     # How long SkyServe waits before probing a new replica: the agent's set-up and model loads.
     initial_delay_s: int = 1200
 
@@ -210,13 +216,24 @@ class ProvisionSpec(msgspec.Struct, frozen=True, kw_only=True):
     service: ServiceSpec = ServiceSpec()
 
 
+NoticeProvider = Literal["aws", "gcp", "azure"]
+
+
 class PreemptionNotice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where a domain's provider announces that it takes the host back, polled by the agent every
-    `interval_ms`. `url`: a notice is an answer 200 with a body other than empty/`FALSE`/`false`/`none`
-    (AWS `.../spot/instance-action` answers 404 until there is one; GCP's `.../instance/preempted` says
-    `TRUE`; headers such as `Metadata-Flavor: Google` go in `headers`). `command`: a notice is exit status
-    0 with something on stdout (what it printed is the detail)."""
+    `interval_ms`. Exactly one of:
 
+    - `provider`: the provider's own metadata service, read with its documented protocol (AWS IMDSv2's
+      token, then `spot/instance-action` and the rebalance recommendation; GCP's `instance/preempted`
+      and `instance/maintenance-event` with `Metadata-Flavor: Google`; Azure's Scheduled Events with
+      `Metadata: true`, `Preempt` and `Terminate` events for this VM only). `endpoint` overrides the
+      metadata service's address (tests, proxies); empty means the provider's documented one.
+    - `url`: any other endpoint; a notice is an answer 200 with a body other than empty/`FALSE`/`false`/
+      `none` (headers go in `headers`). Not for Azure, whose answer is a JSON document even when empty.
+    - `command`: a notice is exit status 0 with something on stdout (what it printed is the detail)."""
+
+    provider: NoticeProvider | None = None
+    endpoint: str = ""
     url: str = ""
     headers: dict[str, str] = {}
     command: list[str] = []

@@ -60,7 +60,7 @@ def test_what_counts_as_a_notice():
 def test_a_notice_needs_exactly_one_of_url_and_command(tmp_path):
     layout = json.loads(write_layout(tmp_path / "layout.json", tmp_path).read_text())
     layout["domains"][0]["preemption_notice"] = {"url": "http://x/notice", "command": ["true"]}
-    with pytest.raises(LayoutError, match="exactly one"):
+    with pytest.raises(LayoutError, match="exactly one of `provider`, `url` and `command`"):
         parse_layout(json.dumps(layout))
     layout["domains"][0]["preemption_notice"] = {"url": "http://169.254.169.254/latest/meta-data/spot/instance-action"}
     parsed = parse_layout(json.dumps(layout))

@@ -17,6 +17,16 @@ def test_version():
     assert proc.returncode == 0 and proc.stdout.startswith("haru ") and proc.stdout.strip() != "haru"
 
 
+def test_a_bad_count_in_the_environment_is_one_line_for_the_command_that_reads_it():
+    env = {"HARU_REPLICAS": "three", "HARU_CHECKPOINT_EVERY": "0"}
+    assert haru("--version", env=env).returncode == 0  # every other command is unaffected
+    proc = haru("projector", "--nats-url", "nats://127.0.0.1:1", env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "'three' (from $HARU_REPLICAS) is not a whole number of 1 or more" in proc.stderr
+    proc = haru("projector", "--replicas", "3", "--nats-url", "nats://127.0.0.1:1", env=env)
+    assert "'0' (from $HARU_CHECKPOINT_EVERY) is not a whole number of 1 or more" in proc.stderr
+
+
 def test_fresh_moves_the_previous_demo_aside(tmp_path):
     home = tmp_path / "home"
     for part in ("nats/jetstream", "sim/a", "demo/agents"):

@@ -28,7 +28,11 @@ from haru.provision.errors import TeardownFailed
 from tests.support.fake_sky import FakeSky, sha12
 from tests.unit.test_provision_yaml import EXAMPLE
 
-ENV = {"HARU_AGENT_NATS_CREDS": "-----BEGIN NATS USER JWT-----\nfake\n", "HF_TOKEN": "hf_fake"}
+ENV = {
+    "HARU_AGENT_NATS_CREDS": "-----BEGIN NATS USER JWT-----\nfake\n",
+    "HARU_SERVING_TOKEN": "serving-token-fake",
+    "HF_TOKEN": "hf_fake",
+}
 
 
 @pytest.fixture
@@ -38,7 +42,7 @@ def layout():
 
 @pytest.fixture
 def fake(tmp_path):
-    return FakeSky(tmp_path / "sky", watch_env=("HARU_AGENT_NATS_CREDS", "HF_TOKEN"))
+    return FakeSky(tmp_path / "sky", watch_env=("HARU_AGENT_NATS_CREDS", "HARU_SERVING_TOKEN", "HF_TOKEN"))
 
 
 def with_provision(spec, **changes):
@@ -154,7 +158,9 @@ async def test_a_stopped_cluster_is_taken_down_and_launched_afresh(layout, fake)
 
 async def test_a_missing_secret_is_named_before_anything_launches(layout, fake):
     with pytest.raises(SecretMissing, match="HF_TOKEN is not set"):
-        await driver(fake, env={"HARU_AGENT_NATS_CREDS": "x"}).launch(layout.fleet, layout.domains[0].spec)
+        await driver(fake, env={"HARU_AGENT_NATS_CREDS": "x", "HARU_SERVING_TOKEN": "y"}).launch(
+            layout.fleet, layout.domains[0].spec
+        )
     assert "launch" not in fake.commands()
 
 
@@ -188,7 +194,9 @@ async def test_skyserve_up_status_down(layout, fake):
     assert submitted["service"]["replicas"] == 1 and submitted["resources"]["ports"] == 8600
 
     status = await serve.status("haru-cloud-b")
-    assert (status.status, status.endpoint) == ("READY", "34.1.2.3:30001")
+    # no replica has answered SkyServe's readiness probe (no host runs here): not READY, as SkyServe says
+    assert (status.status, status.endpoint) == ("REPLICA_INIT", "34.1.2.3:30001")
+    assert fake.state()["services"]["haru-cloud-b"]["probes"][-1] == ["/ready", False]
     again = await serve.up(layout.fleet, b)
     assert again.found is True
     assert [c for c in fake.commands() if c == "serve up"] == ["serve up"]
@@ -216,8 +224,8 @@ def test_the_cli_dry_run_prints_what_it_would_submit_and_submits_nothing(fake):
     out = haru("provision", "a", "--dry-run", "--layout", str(EXAMPLE), env=env, check=True)
     head, _, body = out.stdout.partition("\n")
     assert (
-        head
-        == "# sky launch --yes --detach-run --cluster haru-cloud-a --secret HARU_AGENT_NATS_CREDS --secret HF_TOKEN <this file>"
+        head == "# sky launch --yes --detach-run --cluster haru-cloud-a --secret HARU_AGENT_NATS_CREDS "
+        "--secret HARU_SERVING_TOKEN --secret HF_TOKEN <this file>"
     )
     assert yaml.safe_load(body)["resources"]["region"] == "us-east-1"
     out = haru("provision", "b", "--dry-run", "--layout", str(EXAMPLE), "--json", env=env, check=True)
@@ -231,3 +239,22 @@ def test_the_cli_dry_run_prints_what_it_would_submit_and_submits_nothing(fake):
     static = haru("provision", "a6000-east", "--dry-run", "--layout", str(EXAMPLE.parent / "hearth.json"), env=env)
     assert static.returncode == ExitStatus.ERROR and "static host" in static.stderr
     assert fake.calls() == []  # nothing ran sky
+
+
+def test_a_launched_agent_without_a_serving_token_is_refused_before_launch(tmp_path, fake):
+    """The launched agent serves on every address, which it refuses to do without HARU_SERVING_TOKEN:
+    `haru provision --dry-run` and `haru apply` say so, naming the domain and the fix, before anything runs."""
+    from tests.support import haru
+
+    doc = json.loads(EXAMPLE.read_text())
+    doc["domains"][1]["provision"]["secrets"].remove("HARU_SERVING_TOKEN")
+    bad = tmp_path / "cloud-fleet.json"
+    bad.write_text(json.dumps(doc))
+    env = {"HARU_SKY": str(fake.path)}
+    apply = ["apply", "-f", str(bad), "--dry-run", "--nats-url", "nats://127.0.0.1:1"]
+    for argv in (["provision", "b", "--dry-run", "--layout", str(bad)], apply):
+        out = haru(*argv, env=env)
+        assert out.returncode != 0, argv
+        assert "domain 'b' launches an agent" in out.stderr and "HARU_SERVING_TOKEN" in out.stderr, out.stderr
+        assert 'add "HARU_SERVING_TOKEN" to provision.secrets' in out.stderr
+    assert fake.commands() == []  # nothing reached sky

@@ -22,7 +22,10 @@ from haru.core.apply import apply
 from haru.core.events import OperationCompleted, ReplaceRequested, StepCompleted, StepStarted
 from haru.core.layout import load_layout
 from haru.core.residency import Sleeping
+from haru.host.natsd import free_port
 from haru.log.requests import request_operation
+from haru.provision.execs import SubprocessExec
+from haru.provision.skyserve import SkyServe
 from tests.support import haru
 from tests.support.agent_harness import REPO, write_config, write_layout
 from tests.support.fake_sky import FakeSky
@@ -53,12 +56,18 @@ def cloud_layout(tmp, url: str, *, auto_replace: bool):
             "accelerators": "L4:1",
             "use_spot": True,
             "nats_url": url,
+            "secrets": ["HARU_SERVING_TOKEN"],  # the launched agent serves beyond loopback
             "launch_timeout_s": 60,
             "status_timeout_s": 30,
             "down_timeout_s": 60,
         }
     path.write_text(json.dumps(doc))
     return path
+
+
+async def _serve_ready(sky, name: str) -> bool:
+    status = await sky.status(name)
+    return status is not None and status.status == "READY"
 
 
 @pytest.mark.timeout(300)
@@ -77,7 +86,7 @@ async def test_failover_then_auto_replace_with_a_promoter_killed_mid_launch(tmp_
             cwd=str(REPO),
             sim_dir=str(tmp_path / "sim" / d),
         )
-    env = {"HARU_SKY": str(fake.path)}
+    env = {"HARU_SKY": str(fake.path), "HARU_SERVING_TOKEN": "serving-token"}
     promoter = PromoterProcess(url, "promoter:p1", env=env, log_path=tmp_path / "promoter.log")
     promoter.start()
     try:
@@ -194,20 +203,29 @@ async def test_a_skyserve_domain_provisioned_and_torn_down_through_the_promoter(
     doc = json.loads(path.read_text())
     b = doc["domains"][1]
     b["provider"] = "skyserve"
-    b["provision"]["service"] = {"replicas": 1, "readiness_path": "/health", "initial_delay_s": 600}
+    b["provision"]["service"] = {"replicas": 1, "readiness_path": "/ready", "initial_delay_s": 600}
     path.write_text(json.dumps(doc))
     await apply(event_log, load_layout(path), now())
     fake = FakeSky(tmp_path / "sky")
-    config = write_config(tmp_path / "agent-b.json", url, tmp_path, domain="b", fleet=F)
+    port = free_port()
+    config = write_config(
+        tmp_path / "agent-b.json", url, tmp_path, domain="b", fleet=F, serving={"host": "127.0.0.1", "port": port}
+    )
     fake.add_host(
         f"haru-{F}-b",
         [sys.executable, "-m", "haru.cli", "agent", "--config", str(config), "--log-format", "json"],
         tmp_path / "host-b.log",
-        env={"PYTHONPATH": str(REPO), "HARU_NO_UVLOOP": "1"},
+        env={"PYTHONPATH": str(REPO), "HARU_NO_UVLOOP": "1", "HARU_SERVING_TOKEN": "serving-token"},
         cwd=str(REPO),
         sim_dir=str(tmp_path / "sim" / "b"),
+        ready_url=f"http://127.0.0.1:{port}",  # where SkyServe's readiness probe reaches the replica
     )
-    promoter = PromoterProcess(url, "promoter:p1", env={"HARU_SKY": str(fake.path)}, log_path=tmp_path / "promoter.log")
+    promoter = PromoterProcess(
+        url,
+        "promoter:p1",
+        env={"HARU_SKY": str(fake.path), "HARU_SERVING_TOKEN": "serving-token"},
+        log_path=tmp_path / "promoter.log",
+    )
     promoter.start()
     try:
         result = await request_operation(event_log, F, "provision", "b", by="test", now=now())
@@ -223,6 +241,11 @@ async def test_a_skyserve_domain_provisioned_and_torn_down_through_the_promoter(
         assert view.domains["b"].agent.running and view.domains["b"].reachable is True
 
         await wait_view(event_log, lambda v: v.operation is None, timeout=30, what="no operation in flight", fleet=F)
+        # SkyServe reads the replica as ready (a fit standby, asleep, answers /ready without the token), so it
+        # neither withholds it nor tears it down after initial_delay_s
+        sky = SkyServe(SubprocessExec(), sky=str(fake.path), environ={})
+        await wait_until(lambda: _serve_ready(sky, f"haru-{F}-b"), timeout=30, every=0.5, what="SkyServe READY")
+        assert fake.state()["services"][f"haru-{F}-b"]["probes"][-1] == ["/ready", True]
         result = await request_operation(event_log, F, "teardown", "b", by="test", now=now())
         assert result.status == "accepted", result.message
         assert isinstance(await wait_op_end(event_log, result.op_id, timeout=60, fleet=F), OperationCompleted)

@@ -21,7 +21,14 @@ pytestmark = pytest.mark.timeout(30)
 async def _proxy(tmp_path) -> ServingProxy:
     slots = SimpleNamespace(fleet="f", domain="a", models={})
     proxy = ServingProxy(
-        slots, None, policy=lambda: None, keep_runtimes=lambda: False, state_dir=tmp_path, host="127.0.0.1", port=0
+        slots,
+        None,
+        policy=lambda: None,
+        keep_runtimes=lambda: False,
+        role=SimpleNamespace(now="active"),
+        state_dir=tmp_path,
+        host="127.0.0.1",
+        port=0,
     )
     # what start() makes, without the port holder: the two client sessions
     proxy._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))

@@ -2,7 +2,9 @@
 
 It is a small stateful cloud: `sky launch` creates a cluster (UP, in the region of the YAML it was
 given), `sky status -o json` lists it the way SkyPilot 0.14 does, `sky down` removes it; `sky serve
-up / status / down` do the same for services and print SkyServe's table. What the next launches,
+up / status / down` do the same for services and print SkyServe's table. A service is READY only once its
+replica answers SkyServe's readiness probe with a 200 (the probe `sky serve status` runs, without a header,
+on the host's `ready_url`), and a replica never ready past the probe's initial delay is torn down. What the next launches,
 downs and serve-ups do is scripted in its state file:
 
     "ok"        succeed
@@ -105,6 +107,36 @@ def stop_host(pid):
         if not alive(pid):
             return
 
+def probe_replica(name, svc):
+    # SkyServe's readiness probe, as sky/serve/replica_managers.py does it: GET the service's
+    # readiness_probe path on the replica, no header; ready only on a 200. A replica never ready past
+    # initial_delay_seconds is terminated (FAILED_INITIAL_DELAY); one ready before and failing since is
+    # NOT_READY (the service has no ready replica).
+    if svc["status"] in ("SHUTTING_DOWN", "FAILED", "NO_REPLICA_FAILED") or "up_at" not in svc:
+        return
+    import urllib.request, yaml
+    spec = (yaml.safe_load(svc["yaml"]) or {{}}).get("service", {{}})
+    probe = spec.get("readiness_probe", {{}})
+    path = probe if isinstance(probe, str) else probe.get("path", "/")
+    delay = probe.get("initial_delay_seconds", 1200) if isinstance(probe, dict) else 1200
+    host = host_for(name) or {{}}
+    ok = False
+    if host.get("ready_url"):
+        try:
+            with urllib.request.urlopen(host["ready_url"].rstrip("/") + path, timeout=2) as r:
+                ok = r.status == 200
+        except Exception:
+            ok = False
+    svc.setdefault("probes", []).append([path, ok])
+    if ok:
+        svc["status"], svc["first_ready"] = "READY", svc.get("first_ready") or time.time()
+    elif svc.get("first_ready"):
+        svc["status"] = "NO_REPLICA"
+    elif time.time() - svc["up_at"] > delay:
+        svc["status"] = "NO_REPLICA_FAILED"  # the replica was FAILED_INITIAL_DELAY and torn down
+        stop_host(svc.get("pid", 0))
+        svc["pid"] = 0
+
 def hang(name, kind):
     state[kind][name] = {{"status": "INIT", "region": "", "yaml": ""}}
     save()
@@ -170,6 +202,9 @@ elif cmd == "serve":
     if sub == "status":
         names = [a for a in argv[2:] if not a.startswith("-")]
         rows = [(n, s) for n, s in state["services"].items() if not names or n in names]
+        for n, s in rows:
+            probe_replica(n, s)
+        save()
         if not rows:
             print("Services\nNo existing services.")
         else:
@@ -190,8 +225,9 @@ elif cmd == "serve":
         if outcome != "ok":
             print("sky.exceptions.ResourcesUnavailableError: no capacity for the service", file=sys.stderr)
             sys.exit(1)
-        state["services"][name] = {{"status": "READY", "endpoint": "34.1.2.3:30001", "yaml": Path(argv[-1]).read_text(),
-                                   "pid": start_host(name)}}
+        state["services"][name] = {{"status": "REPLICA_INIT", "endpoint": "34.1.2.3:30001",
+                                   "yaml": Path(argv[-1]).read_text(), "pid": start_host(name),
+                                   "up_at": time.time(), "first_ready": None}}
         state.setdefault("launched", []).append({{"service": name}})
         save()
         print(f"Service {{name!r}} is spinning up.")
@@ -276,8 +312,10 @@ class FakeSky:
         env: dict | None = None,
         cwd: str | None = None,
         sim_dir: str = "",
+        ready_url: str = "",
     ) -> None:
-        """A launch of `base` (or a replacement of it) starts `argv` as the launched host."""
+        """A launch of `base` (or a replacement of it) starts `argv` as the launched host. `ready_url`: where
+        SkyServe reaches the replica's port for its readiness probe (a service is READY only after a 200)."""
         state = self.state()
         state.setdefault("hosts", {})[base] = {
             "argv": argv,
@@ -285,6 +323,7 @@ class FakeSky:
             "env": env or {},
             "cwd": cwd,
             "sim_dir": sim_dir,
+            "ready_url": ready_url,
         }
         self.write_state(state)
 

@@ -14,6 +14,7 @@ from haru.core.residency import Answer, Loading, Lost, NotAdmitted, Resident, Un
 from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target
 from haru.gateway.config import from_env
 from haru.gateway.routing import (
+    LOST_RETRY_S,
     Forward,
     Refusal,
     RoutingTable,
@@ -142,7 +143,14 @@ def test_gpu_detached_says_it_is_the_providers_doing_and_lost_carries_reason_and
     )
     detached, exited = t.resolve("f", M, NOW), t.resolve("f", S, NOW)
     assert "not the operator's doing" in detached.message and "provider" in detached.message
-    assert "process_exited (exit status -9)" in exited.message
+    assert "process_exited: its runtime process is gone (exit status -9)" in exited.message
+    assert detached.retry_after == exited.retry_after == LOST_RETRY_S  # a lost model comes back: say when to ask
+
+
+def test_evicted_says_the_box_is_over_committed():
+    got = table(view(), intent({M: Answer(answer="lost", reason="evicted"), S: READY})).resolve("f", M, NOW)
+    assert (got.status, got.code) == (503, "model_lost") and got.retry_after == LOST_RETRY_S
+    assert "this box is over-committed" in got.message and "evicted" in got.message
 
 
 def test_not_admitted_is_409_never_retryable_with_the_shortfall():

@@ -72,7 +72,11 @@ def test_the_examples_yaml_is_what_skypilot_accepts():
         "nats_creds": "__HOME__/.haru/agent.creds",
     }
     # secrets are named, never valued, in what Haru writes
-    assert yaml.safe_load(text)["secrets"] == {"HARU_AGENT_NATS_CREDS": None, "HF_TOKEN": None}
+    assert yaml.safe_load(text)["secrets"] == {
+        "HARU_AGENT_NATS_CREDS": None,
+        "HARU_SERVING_TOKEN": None,
+        "HF_TOKEN": None,
+    }
 
     text = service_yaml(layout.fleet, b)
     config = yaml.safe_load(text)
@@ -80,7 +84,7 @@ def test_the_examples_yaml_is_what_skypilot_accepts():
     common_utils.validate_schema(config["service"], schemas.get_service_schema(), "Invalid service YAML: ")
     task = sky_validates_task(config)
     assert task.service is not None
-    assert task.service.readiness_path == "/health"
+    assert task.service.readiness_path == "/ready"
     assert task.service.initial_delay_seconds == 1800
     assert task.service.min_replicas == 1
     (res,) = task.resources
