@@ -105,7 +105,7 @@ async def roll_a_change(nats_url: str, home: Path, layout_path: Path, *, timeout
 
     from haru.core.apply import apply, waits_on_active
     from haru.log.requests import request_operation
-    from haru.up.compose import demo_layout as runnable
+    from haru.up.demo_layout import demo_layout as runnable
 
     layout = runnable(home, layout_path)  # the layout as `haru up` applied it (interpreter, checkpoints)
     domains = []

@@ -82,6 +82,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         metrics = metrics_address(
             args.metrics_port if args.metrics_port is not None else config.metrics_port,
             args.metrics_host or config.metrics_host or None,
+            os.environ,
         )
         async with Agent.start(config) as agent:
             agent_box.append(agent)

@@ -70,7 +70,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     from haru.projections.projector import Projector
 
     enable_fast_header_parse()  # a replay of the whole log: the faster per-message header parse
-    metrics = metrics_address(args.metrics_port, args.metrics_host)
+    metrics = metrics_address(args.metrics_port, args.metrics_host, os.environ)
     writer = f"projector:{socket.gethostname()}:{os.getpid()}"
     structlog.contextvars.bind_contextvars(projector=writer)
     try:

@@ -140,7 +140,7 @@ async def run_service(args: argparse.Namespace) -> ExitStatus:
     # the environment, read once here and passed down: the promoter itself reads none
     step_delay_ms = _step_delay_ms(os.environ.get(STEP_DELAY_ENV, ""))
     sky = os.environ.get("HARU_SKY") or "sky"
-    metrics = metrics_address(args.metrics_port, args.metrics_host)
+    metrics = metrics_address(args.metrics_port, args.metrics_host, os.environ)
     try:
         async with EventLog.connect(_servers(args), writer=identity, creds=args.nats_creds) as log:
             await log.ensure()

@@ -40,7 +40,8 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
     from haru.core.model_errors import ModelsError
     from haru.core.planner import plan as plan_layout
     from haru.host.natsd import free_port
-    from haru.up.compose import UpOptions, haru_home
+    from haru.up.compose import UpOptions
+    from haru.up.home import haru_home
     from haru.up.serve import ServeError, fleet_layout, gpu_memory_from_nvml, parse_model_flag, prepare, split_args
 
     configure_logging(args.log_format, args.log_level)

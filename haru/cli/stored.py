@@ -26,7 +26,7 @@ from pathlib import Path
 from haru.cli.common import default_nats_url, nats_servers
 from haru.host import natsd
 from haru.log.eventlog import EventLog
-from haru.up.compose import haru_home
+from haru.up.home import haru_home
 
 __all__ = ["open_log", "stopped_store"]
 

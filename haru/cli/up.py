@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -14,6 +15,11 @@ from haru.cli.common import ExitStatus, add_log_options, add_model_options, conf
 
 if TYPE_CHECKING:
     from haru.up.compose import UpOptions
+
+# Tests only: `HARU_NO_PDEATHSIG=1` in the environment of `haru up` (or `haru serve`) starts its children
+# without the parent-death signal, so a test can leave real orphans behind and watch the next start find
+# and stop them. Read here, at the command, and passed down as `UpOptions.death_signals`.
+NO_DEATH_SIGNAL_ENV = "HARU_NO_PDEATHSIG"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -81,7 +87,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 async def run(args: argparse.Namespace) -> ExitStatus | int:
-    from haru.up.compose import DEMO_LAYOUT, MAX_DEMO_DOMAINS, REAL_DEMO_LAYOUT, VLLM_DEMO_LAYOUT, UpOptions, haru_home
+    from haru.up.compose import UpOptions
+    from haru.up.demo_layout import DEMO_LAYOUT, MAX_DEMO_DOMAINS, REAL_DEMO_LAYOUT, VLLM_DEMO_LAYOUT
+    from haru.up.home import haru_home
 
     if args.model or args.fleet_conf:
         if args.demo or args.nats_url or args.layout:
@@ -98,7 +106,7 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
         return fail("--real goes with --demo: `haru up --demo --real`")
     if args.fresh:
         from haru.core.errors import ConfigError
-        from haru.up.compose import fresh_start
+        from haru.up.home import fresh_start
 
         if not args.demo or args.nats_url:
             return fail("--fresh goes with --demo (and the embedded NATS): `haru up --demo --fresh`")
@@ -130,6 +138,9 @@ async def run_up(opts: UpOptions) -> ExitStatus:
     """`haru up` (and `haru serve`) until SIGINT or SIGTERM, its failures said in one line."""
     from haru.core.errors import AlreadyRunning
     from haru.up.compose import up
+
+    if os.environ.get(NO_DEATH_SIGNAL_ENV, "") == "1":
+        opts = dataclasses.replace(opts, death_signals=False)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

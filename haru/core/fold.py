@@ -25,6 +25,12 @@
     weights        weights_set -> `weights` (the fleet's split) or `model_weights[model]`, and
                    `weights_change` (why, by whom, a rollback's evidence); haru.core.weights
 
+This module is the fold's dispatch: the table of handlers, `evolve`, and the incremental `Folder`.
+The handlers live by kind: `haru.core.fold_declarations` (declarations, admission),
+`haru.core.fold_observations` (residency, GPUs, training, agent, liveness, eligibility) and
+`haru.core.fold_operations` (operations, decisions, route pointer, weights); `haru.core.fold_anomalies`
+keeps the count of what could not be folded as written.
+
 Every event sets `view.seq` (the last stream sequence folded) and `updated_at` (its `at`); events on
 the fleet-level subjects also set `decl_seq`, `op_seq` or `route_seq`.
 
@@ -62,21 +68,13 @@ import msgspec
 
 from haru.core import authority, residency, subjects
 from haru.core import events as ev
+from haru.core import fold_anomalies as anomalies
+from haru.core import fold_declarations as declarations
+from haru.core import fold_observations as observations
+from haru.core import fold_operations as operations
 from haru.core.errors import IllegalTransition
-from haru.core.specs import DomainSpec, ModelSpec, TrainingSpec, fleet_uuid
 from haru.core.subjects import fleet_of
-from haru.core.views import (
-    AgentView,
-    DomainView,
-    FleetView,
-    GpuView,
-    ModelView,
-    OperationView,
-    StepView,
-    TrainingView,
-    TriedView,
-    WeightsChange,
-)
+from haru.core.views import FleetView, ModelView
 
 __all__ = [
     "HANDLED",
@@ -103,565 +101,41 @@ def _kind(subject: str) -> str:
     return subjects.read(subject).level
 
 
-# ------------------------------------------------------------------------------------ helpers
-
-
-def _anomaly(view: FleetView, why: str, at: Any = None, about: str = "") -> FleetView:
-    """One more anomaly: `why` names it, `at` is when it was observed, `about` what can clear it
-    (`<domain>/<model>`; '' = nothing: a misplaced or undecodable body stays in the log)."""
-    return _replace(
-        view,
-        anomalies=view.anomalies + 1,
-        last_anomaly=why,
-        last_anomaly_at=at if at is not None else view.updated_at,
-        anomaly_about=about,
-        anomaly_cleared_at=None,
-    )
-
-
-def _anomaly_cleared(view: FleetView, about: str, at: Any) -> FleetView:
-    """The open anomaly about `about` (a model) is over: its next event folded legally."""
-    if view.anomaly_about != about or view.anomaly_cleared_at is not None:
-        return view
-    return _replace(view, anomaly_cleared_at=at)
-
-
-def _recovered(domain: DomainView) -> bool:
-    """The domain would be a healthy active: heard from, its hosting GPUs present, no served model
-    lost or failed (the promoter's `active_health` 'ok', without the clock)."""
-    if domain.reachable is False:
-        return False
-    served = [m for m in domain.models.values() if m.admitted is not False]
-    hosting = {m.gpu_index for m in served}
-    if any(g.present is False and g.index in hosting for g in domain.gpus):
-        return False
-    return not any(isinstance(m.residency, (residency.Lost, residency.Failed)) for m in served)
-
-
-def _decline_over(view: FleetView, event: Any) -> FleetView:
-    """A declined failover stays on screen while its cause lasts: an event about the declined domain
-    that leaves it healthy clears it."""
-    if not view.declined or getattr(event, "domain", None) != view.declined_domain:
-        return view
-    domain = view.domains.get(view.declined_domain)
-    if domain is not None and not _recovered(domain):
-        return view
-    return _replace(view, declined="", declined_at=None, declined_domain="")
-
-
-def _with_domain(view: FleetView, domain: DomainView) -> FleetView:
-    domains = dict(view.domains)
-    domains[domain.name] = domain
-    return _replace(view, domains=domains)
-
-
-def _missing(view: FleetView, seq: int, tag: str, what: str, at: Any = None, about: str = "") -> FleetView:
-    return _anomaly(view, f"seq {seq}: {tag} for {what}, which is not declared", at, about)
-
-
-def _gpus_from_spec(spec: DomainSpec, existing: list[GpuView]) -> list[GpuView]:
-    """Declared GPUs in declared order, keeping what was observed; observed-only GPUs are kept."""
-    by_index = {g.index: g for g in existing}
-    declared: list[GpuView] = []
-    for g in spec.gpus:
-        old = by_index.pop(g.index, None)
-        if old is None:
-            declared.append(
-                GpuView(index=g.index, memory_bytes=g.memory_bytes, reserve_bytes=g.reserve_bytes, name=g.name)
-            )
-        else:
-            declared.append(
-                _replace(old, memory_bytes=g.memory_bytes, reserve_bytes=g.reserve_bytes, name=g.name or old.name)
-            )
-    # GPUs that are observed but no longer (or never) declared: keep them, without declared sizes.
-    for old in sorted(by_index.values(), key=lambda g: g.index):
-        if old.present is not None or old.observed_at is not None:
-            declared.append(_replace(old, memory_bytes=0, reserve_bytes=0))
-    return declared
-
-
-def _model_from_spec(spec: ModelSpec, old: ModelView | None) -> ModelView:
-    fields: dict[str, Any] = dict(
-        name=spec.name,
-        slot=spec.slot,
-        gpu_index=spec.gpu_index,
-        runtime=spec.runtime,
-        vram_bytes=spec.vram_bytes,
-        port=spec.port,
-        url=spec.url,
-        adapters=sorted(spec.adapters),
-    )
-    if old is None:
-        return ModelView(**fields)
-    return _replace(old, **fields)
-
-
-def _training_from_spec(spec: TrainingSpec, old: TrainingView | None) -> TrainingView:
-    if old is None:
-        return TrainingView(slot=spec.slot, gpu_index=spec.gpu_index, vram_bytes=spec.vram_bytes)
-    return _replace(old, gpu_index=spec.gpu_index, vram_bytes=spec.vram_bytes)
-
-
-# ------------------------------------------------------------------------------ declarations
-
-
-def _fleet_declared(view: FleetView, e: ev.FleetDeclared, seq: int) -> FleetView:
-    return _replace(view, policy=e.policy, uuid=e.uuid or fleet_uuid(view.fleet))
-
-
-def _policy_changed(view: FleetView, e: ev.PolicyChanged, seq: int) -> FleetView:
-    return _replace(view, policy=e.policy)
-
-
-def _domain_declared(view: FleetView, e: ev.DomainDeclared | ev.DomainChanged, seq: int) -> FleetView:
-    spec = e.spec
-    old = view.domains.get(spec.name)
-    if old is None:
-        domain = DomainView(
-            name=spec.name,
-            provider=spec.provider,
-            region=spec.region,
-            serving_url=spec.serving_url,
-            serve=spec.serve,
-            gpus=_gpus_from_spec(spec, []),
-            host_ram_bytes=spec.host_ram_bytes,
-            host_ram_reserve_bytes=spec.host_ram_reserve_bytes,
-        )
-    else:
-        domain = _replace(
-            old,
-            provider=spec.provider,
-            region=spec.region,
-            serving_url=spec.serving_url,
-            serve=spec.serve,
-            gpus=_gpus_from_spec(spec, old.gpus),
-            host_ram_bytes=spec.host_ram_bytes,
-            host_ram_reserve_bytes=spec.host_ram_reserve_bytes,
-        )
-    return _with_domain(view, domain)
-
-
-def _domain_retired(view: FleetView, e: ev.DomainRetired, seq: int) -> FleetView:
-    if e.domain not in view.domains:
-        return _missing(view, seq, "domain_retired", f"domain {e.domain!r}")
-    domains = {k: d for k, d in view.domains.items() if k != e.domain}
-    return _replace(view, domains=domains)
-
-
-def _model_declared(view: FleetView, e: ev.ModelDeclared | ev.ModelChanged, seq: int) -> FleetView:
-    domain = view.domains.get(e.domain)
-    if domain is None:
-        return _missing(view, seq, ev.tag_of(e), f"model {e.spec.name!r} on domain {e.domain!r}")
-    models = dict(domain.models)
-    models[e.spec.name] = _model_from_spec(e.spec, models.get(e.spec.name))
-    return _with_domain(view, _replace(domain, models=models))
-
-
-def _model_retired(view: FleetView, e: ev.ModelRetired, seq: int) -> FleetView:
-    domain = view.domains.get(e.domain)
-    if domain is None or e.model not in domain.models:
-        return _missing(view, seq, "model_retired", f"model {e.model!r} on domain {e.domain!r}")
-    models = {k: m for k, m in domain.models.items() if k != e.model}
-    return _with_domain(view, _replace(domain, models=models))
-
-
-def _training_declared(view: FleetView, e: ev.TrainingDeclared | ev.TrainingChanged, seq: int) -> FleetView:
-    domain = view.domains.get(e.domain)
-    if domain is None:
-        return _missing(view, seq, ev.tag_of(e), f"training slot {e.spec.slot!r} on domain {e.domain!r}")
-    training = dict(domain.training)
-    training[e.spec.slot] = _training_from_spec(e.spec, training.get(e.spec.slot))
-    return _with_domain(view, _replace(domain, training=training))
-
-
-def _training_retired(view: FleetView, e: ev.TrainingRetired, seq: int) -> FleetView:
-    domain = view.domains.get(e.domain)
-    if domain is None or e.slot not in domain.training:
-        return _missing(view, seq, "training_retired", f"training slot {e.slot!r} on domain {e.domain!r}")
-    training = {k: t for k, t in domain.training.items() if k != e.slot}
-    return _with_domain(view, _replace(domain, training=training))
-
-
-def _admission_decided(view: FleetView, e: ev.AdmissionDecided, seq: int, subject: str) -> FleetView:
-    domain = view.domains.get(e.domain)
-    if domain is None:
-        return _missing(view, seq, "admission_decided", f"{e.kind} {e.name!r} on domain {e.domain!r}")
-    if e.kind == "training":
-        slot = domain.training.get(e.name)
-        if slot is None:
-            return _missing(view, seq, "admission_decided", f"training slot {e.name!r} on domain {e.domain!r}")
-        training = dict(domain.training)
-        training[e.name] = _replace(
-            slot,
-            gpu_index=e.gpu_index,
-            vram_bytes=e.vram_bytes,
-            admitted=e.admitted,
-            short_by_bytes=0 if e.admitted else e.short_by_bytes,
-            short_of=e.resource,
-            host_ram_bytes=e.host_ram_bytes,
-        )
-        return _with_domain(view, _replace(domain, training=training))
-    model = domain.models.get(e.name)
-    if model is None:
-        return _missing(view, seq, "admission_decided", f"model {e.name!r} on domain {e.domain!r}")
-    # The planner's verdict is part of the residency table: refused -> not_admitted (with the
-    # shortfall), admitted -> keeps what was observed (or unknown, after a refusal).
-    try:
-        state = residency.evolve(model.residency, e, seq=seq, subject=subject)
-    except IllegalTransition as exc:  # pragma: no cover - the table accepts a verdict in every state
-        state = residency.to_state(e, seq=seq)
-        view = _anomaly(view, f"seq {seq}: {exc}")
-    model = _replace(
-        model,
-        gpu_index=e.gpu_index,
-        vram_bytes=e.vram_bytes,
-        admitted=e.admitted,
-        short_by_bytes=0 if e.admitted else e.short_by_bytes,
-        residency=state,
-        short_of=e.resource,
-        host_ram_bytes=e.host_ram_bytes,
-        gpu_indexes=list(e.gpu_indexes),
-    )
-    models = dict(domain.models)
-    models[e.name] = model
-    return _with_domain(view, _replace(domain, models=models))
-
-
-# ---------------------------------------------------------------------------------- residency
-
-
-def _residency(view: FleetView, e: Any, seq: int, subject: str) -> FleetView:
-    # The hot path of a replay (most events are residency): one replace per level, seq included,
-    # and none below the view when the state did not change (a re-observed sleeping, a retried wake).
-    domains = view.domains
-    domain = domains.get(e.domain)
-    model = domain.models.get(e.model) if domain is not None else None
-    if domain is None or model is None:
-        return _replace(
-            _missing(
-                view, seq, ev.tag_of(e), f"model {e.model!r} on domain {e.domain!r}", e.at, f"{e.domain}/{e.model}"
-            ),
-            seq=seq,
-            updated_at=e.at,
-        )
-    old = model.residency
-    try:
-        state = residency.evolve(old, e, seq=seq, subject=subject)
-    except IllegalTransition as exc:
-        # The log is what the agent observed: take the state the event establishes, and say so.
-        state = residency.to_state(e, seq=seq)
-        view = _anomaly(view, f"seq {seq}: {exc}", e.at, f"{e.domain}/{e.model}")
-    else:
-        view = _anomaly_cleared(view, f"{e.domain}/{e.model}", e.at)
-    if state is old:
-        return _decline_over(_replace(view, seq=seq, updated_at=e.at), e)
-    models = dict(domain.models)
-    models[e.model] = _replace(model, residency=state, **_measured(old, e))
-    domains = dict(domains)
-    domains[domain.name] = _replace(domain, models=models)
-    return _decline_over(_replace(view, domains=domains, seq=seq, updated_at=e.at), e)
-
-
-def _measured(old: Any, e: Any) -> dict[str, int]:
-    """What a residency event measured: a `model_resident` after waking is the wake (and probe) time, after
-    loading the cold warm-up (`ModelView.wake_ms` / `load_ms`, read by the promoter's faster path and the
-    gateway's hold)."""
-    if type(e) is not ev.ModelResident:
-        return {}
-    kind = _MEASURES.get(type(old))
-    return {kind: e.warmup_ms} if kind is not None and e.warmup_ms else {}
-
-
-_MEASURES: dict[type, str] = {residency.Waking: "wake_ms", residency.Loading: "load_ms"}
-
-
-# ------------------------------------------------------------------------------- GPUs, training
-
-
-def _gpu_observed(view: FleetView, e: ev.GpuObserved, seq: int) -> FleetView:
-    domain = view.domains.get(e.domain)
-    if domain is None:
-        return _missing(view, seq, "gpu_observed", f"GPU {e.index} on domain {e.domain!r}")
-    gpus = list(domain.gpus)
-    fields: dict[str, Any] = dict(
-        present=e.present,
-        memory_total_bytes=e.memory_total_bytes,
-        memory_used_bytes=e.memory_used_bytes,
-        processes=[p.pid for p in e.processes],
-        mig=e.mig,
-        observed_at=e.at,
-        usage=list(e.usage),
-        foreign=list(e.foreign),
-        accounted=e.accounted,
-    )
-    for i, g in enumerate(gpus):
-        if g.index == e.index:
-            gpus[i] = _replace(g, name=g.name or e.name, **fields)
-            break
-    else:
-        gpus.append(GpuView(index=e.index, name=e.name, **fields))
-        gpus.sort(key=lambda g: g.index)
-    return _with_domain(view, _replace(domain, gpus=gpus))
-
-
-def _training_slot(view: FleetView, e: Any) -> tuple[DomainView, TrainingView] | None:
-    domain = view.domains.get(e.domain)
-    if domain is None:
-        return None
-    slot = domain.training.get(e.slot)
-    if slot is None:
-        return None
-    return domain, slot
-
-
-def _training_started(view: FleetView, e: ev.TrainingStarted, seq: int) -> FleetView:
-    found = _training_slot(view, e)
-    if found is None:
-        return _missing(view, seq, "training_started", f"training slot {e.slot!r} on domain {e.domain!r}")
-    domain, slot = found
-    training = dict(domain.training)
-    training[e.slot] = _replace(slot, running=True, pid=e.pid, gpu_index=e.gpu_index, since=e.at)
-    return _with_domain(view, _replace(domain, training=training))
-
-
-def _training_stopped(view: FleetView, e: ev.TrainingStopped, seq: int) -> FleetView:
-    found = _training_slot(view, e)
-    if found is None:
-        return _missing(view, seq, "training_stopped", f"training slot {e.slot!r} on domain {e.domain!r}")
-    domain, slot = found
-    training = dict(domain.training)
-    training[e.slot] = _replace(slot, running=False, pid=0, since=e.at, last_stop=e.how, last_exit_code=e.exit_code)
-    return _with_domain(view, _replace(domain, training=training))
-
-
-# ------------------------------------------------------------------------------ agent, liveness
-
-
-def _agent_started(view: FleetView, e: ev.AgentStarted, seq: int) -> FleetView:
-    domain = view.domains.get(e.domain)
-    if domain is None:
-        return _missing(view, seq, "agent_started", f"domain {e.domain!r}")
-    agent = AgentView(
-        running=True,
-        host=e.host,
-        pid=e.pid,
-        version=e.version,
-        serving_url=e.serving_url,
-        since=e.at,
-        host_ram_total_bytes=e.host_ram_total_bytes,
-        host_ram_available_bytes=e.host_ram_available_bytes,
-    )
-    return _with_domain(view, _replace(domain, agent=agent, signalled="", signalled_at=None, signalled_seq=0))
-
-
-def _failure_signalled(view: FleetView, e: ev.FailureSignalled, seq: int) -> FleetView:
-    domain = view.domains.get(e.domain)
-    if domain is None:
-        return _missing(view, seq, "failure_signalled", f"domain {e.domain!r}")
-    what = f"{e.source}: {e.detail}" if e.detail else e.source
-    return _with_domain(view, _replace(domain, signalled=what, signalled_at=e.at, signalled_seq=seq))
-
-
-def _agent_stopping(view: FleetView, e: ev.AgentStopping, seq: int) -> FleetView:
-    domain = view.domains.get(e.domain)
-    if domain is None:
-        return _missing(view, seq, "agent_stopping", f"domain {e.domain!r}")
-    return _with_domain(view, _replace(domain, agent=_replace(domain.agent, running=False, since=e.at)))
-
-
-def _reachability(view: FleetView, e: ev.DomainUnreachable | ev.DomainReachable, seq: int) -> FleetView:
-    domain = view.domains.get(e.domain)
-    if domain is None:
-        return _missing(view, seq, ev.tag_of(e), f"domain {e.domain!r}")
-    reachable = isinstance(e, ev.DomainReachable)
-    return _with_domain(view, _replace(domain, reachable=reachable, reachability_since=e.at))
-
-
-def _eligibility(view: FleetView, e: ev.EligibilityChanged, seq: int) -> FleetView:
-    domain = view.domains.get(e.domain)
-    if domain is None:
-        return _missing(view, seq, "eligibility_changed", f"domain {e.domain!r}")
-    return _with_domain(
-        view, _replace(domain, eligible=e.eligible, ineligible_why="" if e.eligible else e.why, eligibility_since=e.at)
-    )
-
-
-# ----------------------------------------------------------------------------------- operations
-
-
-def _operation_requested(view: FleetView, e: ev.OperationRequested, seq: int) -> FleetView:
-    """Any kind's request (`ev.OPERATION_REQUESTS`): the fields a kind does not have stay empty."""
-    op = OperationView(
-        op_id=e.op_id,
-        kind=e.kind,
-        target=e.target,
-        source=getattr(e, "source", ""),
-        reason=getattr(e, "reason", "manual"),
-        detail=getattr(e, "detail", ""),
-        requested_at=e.at,
-        seq=seq,
-        route_revision=getattr(e, "route_revision", 0),
-        decl_seq=getattr(e, "decl_seq", 0),
-        attempt=getattr(e, "attempt", 1),
-        cascade=getattr(e, "cascade", False),
-        model=getattr(e, "model", ""),
-        weights=dict(getattr(e, "weights", {})),
-    )
-    return _start_operation(view, op, seq)
-
-
-def _start_operation(view: FleetView, op: OperationView, seq: int) -> FleetView:
-    if view.operation is not None and view.operation.op_id != op.op_id:
-        # The promoter's sequence checks make this impossible; the newer request wins, and we say so.
-        view = _anomaly(view, f"seq {seq}: {op.kind} {op.op_id} requested while {view.operation.op_id} was in flight")
-    if op.kind == "promotion":  # the failover that was declined goes ahead: the operation says the rest
-        view = _replace(view, declined="", declined_at=None, declined_domain="")
-    return _replace(view, operation=op)
-
-
-def _current_op(view: FleetView, op_id: str) -> OperationView | None:
-    op = view.operation
-    if op is None or op.op_id != op_id:
-        return None
-    return op
-
-
-def _step_started(view: FleetView, e: ev.StepStarted, seq: int) -> FleetView:
-    op = _current_op(view, e.op_id)
-    if op is None:
-        return _missing(view, seq, "step_started", f"operation {e.op_id!r} (not in flight)")
-    step = StepView(step=e.step, state="started", attempt=e.attempt, at=e.at, seq=seq)
-    return _replace(view, operation=_replace(op, steps=[*op.steps, step]))
-
-
-def _step_ended(view: FleetView, e: ev.StepCompleted | ev.StepFailed, seq: int) -> FleetView:
-    tag = ev.tag_of(e)
-    op = _current_op(view, e.op_id)
-    if op is None:
-        return _missing(view, seq, tag, f"operation {e.op_id!r} (not in flight)")
-    if isinstance(e, ev.StepCompleted) and e.skipped:
-        fields: dict[str, Any] = dict(state="skipped", detail=e.skipped, took_ms=e.took_ms, at=e.at, seq=seq)
-    elif isinstance(e, ev.StepCompleted):
-        fields = dict(state="completed", detail=e.detail, took_ms=e.took_ms, at=e.at, seq=seq)
-    else:
-        fields = dict(state="failed", error_code=e.error_code, error=e.error, took_ms=e.took_ms, at=e.at, seq=seq)
-    steps = list(op.steps)
-    for i in range(len(steps) - 1, -1, -1):
-        if steps[i].step == e.step and steps[i].state == "started":
-            steps[i] = _replace(steps[i], **fields)
-            break
-    else:
-        steps.append(StepView(step=e.step, **fields))
-    return _replace(view, operation=_replace(op, steps=steps))
-
-
-def _promotion_retargeted(view: FleetView, e: ev.PromotionRetargeted, seq: int) -> FleetView:
-    """A cascading promotion moves on: the standby it leaves goes to `tried`, its steps start afresh."""
-    op = _current_op(view, e.op_id)
-    if op is None:
-        return _missing(view, seq, "promotion_retargeted", f"operation {e.op_id!r} (not in flight)")
-    attempt = op.steps[-1].attempt if op.steps else 0
-    tried = TriedView(target=op.target, step=e.step, attempt=attempt, error=e.error, at=e.at, seq=seq)
-    return _replace(view, operation=_replace(op, target=e.target, steps=[], tried=[*op.tried, tried]))
-
-
-def _operation_completed(view: FleetView, e: ev.OperationCompleted, seq: int) -> FleetView:
-    op = _current_op(view, e.op_id)
-    if op is None:
-        return _missing(view, seq, "operation_completed", f"operation {e.op_id!r} (not in flight)")
-    done = _replace(op, state="completed", finished_at=e.at)
-    return _replace(view, operation=None, last_operation=done)
-
-
-def _operation_aborted(view: FleetView, e: ev.OperationAborted, seq: int) -> FleetView:
-    op = _current_op(view, e.op_id)
-    if op is None:
-        return _missing(view, seq, "operation_aborted", f"operation {e.op_id!r} (not in flight)")
-    error = f"{e.step}: {e.error}" if e.step and e.error else (e.error or e.step)
-    done = _replace(op, state="aborted", finished_at=e.at, error=error)
-    return _replace(view, operation=None, last_operation=done)
-
-
-def _failover_declined(view: FleetView, e: ev.FailoverDeclined, seq: int) -> FleetView:
-    return _replace(view, declined=e.why, declined_at=e.at, declined_domain=e.domain)
-
-
-def _route_moved(view: FleetView, e: ev.RouteMoved, seq: int) -> FleetView:
-    # The route moved: whatever failover was declined before is history now. The domain it left
-    # remembers when (it then ranks after the standbys that never lost the role: haru.core.ranking).
-    old = view.domains.get(view.active) if view.active and view.active != e.active else None
-    if old is not None:
-        view = _with_domain(view, _replace(old, left_active_seq=seq))
-    # A canary's split ends with a move: the new active takes everything.
-    return _replace(
-        view,
-        active=e.active,
-        route_revision=seq,
-        route_moved_at=e.at,
-        declined="",
-        declined_at=None,
-        declined_domain="",
-        weights={},
-        model_weights={},
-    )
-
-
-def _weights_set(view: FleetView, e: ev.WeightsSet, seq: int) -> FleetView:
-    change = WeightsChange(
-        model=e.model,
-        weights=dict(e.weights),
-        reason=e.reason,
-        detail=e.detail,
-        op_id=e.op_id,
-        domain=e.domain,
-        requests=e.requests,
-        errors=e.errors,
-        by=e.by,
-        at=e.at,
-        seq=seq,
-    )
-    if e.model:
-        model_weights = {m: w for m, w in view.model_weights.items() if m != e.model}
-        if e.weights:
-            model_weights[e.model] = dict(e.weights)
-        return _replace(view, model_weights=model_weights, weights_change=change)
-    return _replace(view, weights=dict(e.weights), weights_change=change)
-
-
 # --------------------------------------------------------------------------------------- table
 
-# Event type -> how it changes the view. Residency events are handled by `_residency`.
+# Event type -> how it changes the view, by the module of its kind (fold_declarations, fold_observations,
+# fold_operations). Residency events are handled by `fold_observations.residency_observed`.
 _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
-    ev.FleetDeclared: _fleet_declared,
-    ev.PolicyChanged: _policy_changed,
-    ev.DomainDeclared: _domain_declared,
-    ev.DomainChanged: _domain_declared,
-    ev.DomainRetired: _domain_retired,
-    ev.ModelDeclared: _model_declared,
-    ev.ModelChanged: _model_declared,
-    ev.ModelRetired: _model_retired,
-    ev.TrainingDeclared: _training_declared,
-    ev.TrainingChanged: _training_declared,
-    ev.TrainingRetired: _training_retired,
-    ev.GpuObserved: _gpu_observed,
-    ev.TrainingStarted: _training_started,
-    ev.TrainingStopped: _training_stopped,
-    ev.AgentStarted: _agent_started,
-    ev.AgentStopping: _agent_stopping,
-    ev.FailureSignalled: _failure_signalled,
-    ev.DomainUnreachable: _reachability,
-    ev.DomainReachable: _reachability,
-    **{cls: _operation_requested for cls in ev.OPERATION_REQUESTS.values()},
-    ev.StepStarted: _step_started,
-    ev.StepCompleted: _step_ended,
-    ev.StepFailed: _step_ended,
-    ev.PromotionRetargeted: _promotion_retargeted,
-    ev.OperationCompleted: _operation_completed,
-    ev.OperationAborted: _operation_aborted,
-    ev.FailoverDeclined: _failover_declined,
-    ev.EligibilityChanged: _eligibility,
-    ev.RouteMoved: _route_moved,
-    ev.WeightsSet: _weights_set,
+    ev.FleetDeclared: declarations.fleet_declared,
+    ev.PolicyChanged: declarations.policy_changed,
+    ev.DomainDeclared: declarations.domain_declared,
+    ev.DomainChanged: declarations.domain_declared,
+    ev.DomainRetired: declarations.domain_retired,
+    ev.ModelDeclared: declarations.model_declared,
+    ev.ModelChanged: declarations.model_declared,
+    ev.ModelRetired: declarations.model_retired,
+    ev.TrainingDeclared: declarations.training_declared,
+    ev.TrainingChanged: declarations.training_declared,
+    ev.TrainingRetired: declarations.training_retired,
+    ev.GpuObserved: observations.gpu_observed,
+    ev.TrainingStarted: observations.training_started,
+    ev.TrainingStopped: observations.training_stopped,
+    ev.AgentStarted: observations.agent_started,
+    ev.AgentStopping: observations.agent_stopping,
+    ev.FailureSignalled: observations.failure_signalled,
+    ev.DomainUnreachable: observations.reachability,
+    ev.DomainReachable: observations.reachability,
+    **{cls: operations.operation_requested for cls in ev.OPERATION_REQUESTS.values()},
+    ev.StepStarted: operations.step_started,
+    ev.StepCompleted: operations.step_ended,
+    ev.StepFailed: operations.step_ended,
+    ev.PromotionRetargeted: operations.promotion_retargeted,
+    ev.OperationCompleted: operations.operation_completed,
+    ev.OperationAborted: operations.operation_aborted,
+    ev.FailoverDeclined: operations.failover_declined,
+    ev.EligibilityChanged: observations.eligibility,
+    ev.RouteMoved: operations.route_moved,
+    ev.WeightsSet: operations.weights_set,
     ev.ModelFetched: lambda view, e, seq: view,  # provenance of model files: history (`haru why`), not state
     ev.Checkpoint: lambda view, e, seq: view,  # a record of where history stood: it changes no fact
 }
@@ -685,22 +159,24 @@ def evolve(view: FleetView, event: ev.Event, *, seq: int, subject: str) -> Fleet
 def _evolve(view: FleetView, event: ev.Event, seq: int, subject: str, kind: str) -> FleetView:
     cls = type(event)
     if cls in _RESIDENCY:
-        return _residency(view, event, seq, subject)  # sets seq and updated_at itself
+        return observations.residency_observed(view, event, seq, subject)  # sets seq and updated_at itself
     if isinstance(event, ev.AdmissionDecided):
-        out = _admission_decided(view, event, seq, subject)
+        out = declarations.admission_decided(view, event, seq, subject)
     else:
         handler = _HANDLERS.get(cls)
         out = (
             handler(view, event, seq)
             if handler is not None
-            else _anomaly(view, f"seq {seq}: event type {cls.__name__} is not known to this projector", event.at)
+            else anomalies.anomaly(
+                view, f"seq {seq}: event type {cls.__name__} is not known to this projector", event.at
+            )
         )
         if out.anomalies != view.anomalies and out.last_anomaly_at is not event.at:
             out = _replace(out, last_anomaly_at=event.at)
         if cls in _RECOVERY:
-            out = _decline_over(out, event)
+            out = anomalies.decline_over(out, event)
         elif isinstance(event, (ev.ModelDeclared, ev.ModelChanged)):
-            out = _anomaly_cleared(out, f"{event.domain}/{event.spec.name}", event.at)
+            out = anomalies.anomaly_cleared(out, f"{event.domain}/{event.spec.name}", event.at)
     if kind == "decl":
         return _replace(out, seq=seq, updated_at=event.at, decl_seq=seq)
     if kind == "op":
@@ -729,13 +205,15 @@ def _stored_on(view: FleetView, seq: int, kind: str) -> FleetView:
 def invalid(view: FleetView, *, seq: int, subject: str, error: str) -> FleetView:
     """The view after a body on one of its subjects that is not a valid event: skipped, counted."""
     first = error.splitlines()[0] if error else "not a valid event"
-    return _stored_on(_anomaly(view, f"seq {seq}: body on {subject} skipped: {first}"), seq, _kind(subject))
+    return _stored_on(anomalies.anomaly(view, f"seq {seq}: body on {subject} skipped: {first}"), seq, _kind(subject))
 
 
 def misplaced(view: FleetView, event: ev.Event, *, seq: int, subject: str, why: str) -> FleetView:
     """The view after an event that may not stand on `subject` (`haru.core.authority.misplaced` said
     `why`): not applied, counted, and named in `last_anomaly` with its sequence, subject and writer."""
-    return _stored_on(_anomaly(view, authority.anomaly(seq, subject, event, why), event.at), seq, _kind(subject))
+    return _stored_on(
+        anomalies.anomaly(view, authority.anomaly(seq, subject, event, why), event.at), seq, _kind(subject)
+    )
 
 
 # ------------------------------------------------------------------------- incremental folding
@@ -774,7 +252,7 @@ class Folder:
 
     def _reset(self, view: FleetView) -> None:
         self._staged: dict[tuple[str, str], residency.Residency] = {}
-        self._measured: dict[tuple[str, str], dict[str, int]] = {}  # `_measured` figures staged with them
+        self._measured: dict[tuple[str, str], dict[str, int]] = {}  # `observations.measured` figures staged with them
         self._set(view)
 
     def _set(self, view: FleetView) -> None:
@@ -839,7 +317,8 @@ class Folder:
         self._set(invalid(self.view(), seq=seq, subject=subject, error=error))
 
     def _residency(self, e: Any, seq: int, subject: str) -> None:
-        # `_residency` without the copies: the model's current state is the staged one, else the view's.
+        # `fold_observations.residency_observed` without the copies: the model's current state is the staged
+        # one, else the view's.
         key = (e.domain, e.model)
         old = self._staged.get(key)
         if old is None:
@@ -869,7 +348,7 @@ class Folder:
         if state is not old:
             self._staged[key] = state
             if type(e) is ev.ModelResident:
-                measured = _measured(old, e)
+                measured = observations.measured(old, e)
                 if measured:
                     self._measured.setdefault(key, {}).update(measured)
         self.seq = seq

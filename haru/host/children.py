@@ -74,21 +74,12 @@ def spawn(
     **popen: Any,
 ) -> subprocess.Popen[Any]:
     """Popen in a new session, with a parent-death signal (None: none), recorded in `pidfile`."""
-    if death_signal is not None and not no_death_signal():
+    if death_signal is not None:
         popen["preexec_fn"] = die_with_parent(death_signal)
     proc = subprocess.Popen(argv, start_new_session=True, **popen)
     if pidfile is not None:
         write_pidfile(pidfile, proc.pid, what or Path(argv[0]).name)
     return proc
-
-
-NO_DEATH_SIGNAL_ENV = "HARU_NO_PDEATHSIG"
-
-
-def no_death_signal() -> bool:
-    """Tests only: `HARU_NO_PDEATHSIG=1` spawns children without the parent-death signal, so a test
-    can leave real orphans behind and watch the next start find and stop them."""
-    return os.environ.get(NO_DEATH_SIGNAL_ENV, "") == "1"
 
 
 def write_pidfile(path: Path, pid: int, what: str) -> None:

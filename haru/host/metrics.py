@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import structlog
@@ -61,11 +60,12 @@ def add_metrics_options(parser: argparse.ArgumentParser, *, default_port: int | 
 def metrics_address(
     flag_port: int | None,
     flag_host: str | None,
-    env: Mapping[str, str] = os.environ,
+    env: Mapping[str, str],
     *,
     default_port: int | None = None,
 ) -> tuple[str, int] | None:
-    """(host, port) to serve metrics on, or None for no endpoint. Flags win over the environment."""
+    """(host, port) to serve metrics on, or None for no endpoint. Flags win over the environment (`env`: the
+    command's, which it reads once and passes here)."""
     port: int | None = flag_port
     if port is None:
         raw = env.get(PORT_ENV, "").strip()

@@ -77,6 +77,7 @@ class NatsServer:
         start_timeout: float = 15.0,
         stop_timeout: float = 10.0,
         log_file: str | os.PathLike[str] | None = None,
+        death_signal: int | None = signal.SIGTERM,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
@@ -86,6 +87,7 @@ class NatsServer:
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
+        self.death_signal = death_signal  # sent to the server when this process dies (None: not: haru.host.children)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -120,6 +122,7 @@ class NatsServer:
                     self.argv(),
                     pidfile=self.pid_file,
                     what="nats-server",
+                    death_signal=self.death_signal,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,

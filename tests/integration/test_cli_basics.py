@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 import pytest
 
 from haru.core.errors import ConfigError
-from haru.up.compose import HomeLock, fresh_start
+from haru.up.home import HomeLock, fresh_start
 from tests.support import haru
 
 

@@ -212,7 +212,7 @@ def test_the_vllm_demo_layout_runs_on_the_managed_vllm_with_a_written_model(tmp_
     """`haru up --demo --real vllm`: each `./name` source is a tiny safetensors llama written under
     $HARU_HOME/demo/models (the same name, the same weights on both domains), the binary the managed
     vLLM's (bench/runtime.py --runtime vllm runs the whole demo)."""
-    from haru.up.compose import VLLM_DEMO_LAYOUT, demo_layout
+    from haru.up.demo_layout import VLLM_DEMO_LAYOUT, demo_layout
 
     layout = demo_layout(tmp_path, VLLM_DEMO_LAYOUT)
     models = [m for d in layout.domains for m in d.models]

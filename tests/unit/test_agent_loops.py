@@ -160,12 +160,14 @@ async def test_a_supervisor_survives_a_raising_append_counts_it_and_loads_on_the
     from haru.agents.recorder import Recorder
     from haru.agents.runtime_files import RuntimeFiles
     from haru.agents.runtimes import make_runtime
-    from haru.agents.sim import vllm as sim
+    from haru.agents.sim.vllm_app import build_app
+    from haru.agents.sim.vllm_config import SimConfig
+    from haru.agents.sim.vllm_engine import Engine
     from haru.agents.supervisor import ModelSupervisor, SupervisorContext
     from haru.core.specs import ModelSpec
 
     SimGpuState(tmp_path, 0).ensure(24 * GiB)
-    config = sim.SimConfig(
+    config = SimConfig(
         source="m",
         names=("m",),
         host="127.0.0.1",
@@ -183,7 +185,7 @@ async def test_a_supervisor_survives_a_raising_append_counts_it_and_loads_on_the
         sleep_ms=0,
         tokens_per_s=1000.0,
     )
-    runner = web.AppRunner(sim.build_app(sim.Engine(config=config, gpu=SimGpuState(tmp_path, 0))))
+    runner = web.AppRunner(build_app(Engine(config=config, gpu=SimGpuState(tmp_path, 0))))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

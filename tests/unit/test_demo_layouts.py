@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from haru.core.layout import load_layout
-from haru.up.compose import DEMO_LAYOUT, REAL_DEMO_LAYOUT, demo_layout, widen
+from haru.up.demo_layout import DEMO_LAYOUT, REAL_DEMO_LAYOUT, demo_layout, widen
 
 THREE_DOMAIN_LAYOUT = DEMO_LAYOUT.parent / "demo-fleet-3.json"
 

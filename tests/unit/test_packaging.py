@@ -60,7 +60,7 @@ def test_installed_haru_works_beside_another_package_named_agents(tmp_path):
         from agents import Agent
         assert Agent.SDK
         import haru.agents.agent, haru.gateway.server, haru.projections.projector, haru.cli, haru.up.compose
-        from haru.up.compose import DEMO_LAYOUT
+        from haru.up.demo_layout import DEMO_LAYOUT
         assert DEMO_LAYOUT.is_file(), DEMO_LAYOUT
         from haru.gateway.console import Console  # its page is package data, found through the package
         from haru.gateway.routing import RoutingTable
