@@ -254,6 +254,7 @@ class Agent:
             log_dir=self.state_dir,
             bind_host=self.config.serving.host if self.direct else "127.0.0.1",
             gpu_memory_bytes=max(gpu_memory.get(i, 0) for i in model_gpus(spec)),
+            real_gpus=self.config.gpus == "nvml",
         )
 
     # ------------------------------------------------------------------------------------ lifecycle

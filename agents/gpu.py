@@ -62,6 +62,21 @@ def _pynvml() -> Any:
     return pynvml
 
 
+def nvml_device_count() -> int | None:
+    """NVIDIA GPUs NVML sees; None where NVML cannot be read (no library, no driver), never a guess."""
+    nvml = _pynvml()
+    try:
+        nvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        return int(nvml.nvmlDeviceGetCount())
+    except nvml.NVMLError:
+        return None
+    finally:
+        nvml.nvmlShutdown()
+
+
 def presence_from_nvml_error(code: int) -> bool | None:
     """What an NVML error code says about presence: False = the GPU is gone, None = cannot tell."""
     nvml = _pynvml()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import tempfile
@@ -33,10 +32,6 @@ from haru.core import subjects  # noqa: E402
 from haru.host.natsd import NatsServer  # noqa: E402
 from haru.log.eventlog import EventLog  # noqa: E402
 from haru.log.jetstream import parse_ack_reply  # noqa: E402
-from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
-
-if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
-    enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)
 
 NOW = datetime.now(UTC)
 

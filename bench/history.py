@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import statistics
 import sys
 import tempfile
@@ -49,11 +48,7 @@ from haru.host.natsd import NatsServer  # noqa: E402
 from haru.host.tasks import cancel_and_wait  # noqa: E402
 from haru.log import history, reads  # noqa: E402
 from haru.log.eventlog import EventLog  # noqa: E402
-from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
 from haru.projections.projector import Projector  # noqa: E402
-
-if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
-    enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)
 
 FLEET = "bench"
 FILLERS = 200

@@ -40,16 +40,11 @@ import structlog  # noqa: E402
 
 from haru.host.natsd import NatsServer  # noqa: E402
 from haru.log.eventlog import EventLog  # noqa: E402
-from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
 from haru.projections import pg_schema as S  # noqa: E402
 from haru.projections.pg_rows import Carry, plan  # noqa: E402
 from haru.projections.postgres import PostgresSink, migrate, tune_gc  # noqa: E402
 from tests.support import pgdata  # noqa: E402
 from tests.support.pg_local import LocalPostgres  # noqa: E402
-
-if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
-    enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)
-
 
 CPU: dict[str, list[float]] = {"sink": [], "copy": [], "replay": []}  # this process's CPU seconds
 

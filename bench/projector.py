@@ -1,19 +1,22 @@
-"""Projector benchmark, one run, figures measured side by side.
+"""Projector benchmark: how soon each restarted reader is back with fresh views, one run, side by side.
 
-1. Rebuild: fold 100k events into fleet views (and write them to KV, with intents) with
-   `haru.projector.Projector`, against a raw nats-py ordered-consumer drain of the same stream
-   (nats-py's fastest ordinary way to read it, doing nothing with the messages). Ratio = raw time /
-   rebuild time (goal >= 0.8x, issue 30; with the follower's catch-up, which reads what the stream holds
-   through a pull consumer handled from nats-py's read loop, 0.76-0.92x, median 0.86x, five runs of six
-   at or above the goal; docs/performance.md, "The follower's catch-up"). Also printed, to show where the time goes: `EventLog.replay` (not following: the
-   ordered consumer) with a no-op handler and with the fold, and a following replay (what the
-   projector's follower runs: the catch-up, then the ordered consumer) with a no-op handler and with
-   the fold.
+1. Restart to fresh views, at each history length of `--events` (default 10k and 1M events, loaded with
+   `publish_async` in batches). The projector first folds the whole log (its first start: nothing in KV
+   yet; printed as "first start"), then stops; `--tail` more events are appended while it is down. Then,
+   one after the other on the same log:
+   - the projector restarts: until every fleet's view in KV covers the log's last event;
+   - a gateway's route follower (gateway/state.py) starts: until its routing table holds every fleet's
+     stored view and intent, and the last route move;
+   - a promoter starts: until it has folded everything stored when it started (`ready`).
+   The baseline, measured in the same run on the same log: one KV read of every fleet's view plus one
+   read of the events appended while the projector was down (what a resume cannot avoid). Each start is
+   printed as a ratio to it, and the projector's first start (a full fold) also as a multiple of its
+   restart. Goal: every reader has fresh views within 1 s of starting, at 1M events.
 2. Route-intent propagation: from the ack of a `route_moved` append to a RouteWatcher receiving
    the intent with that revision, with `haru projector` running as a child process on an idle
    machine (p50 and p99; target p99 <= 10 ms).
 
-    .venv/bin/python bench/projector.py [--events 100000] [--moves 200]
+    .venv/bin/python bench/projector.py [--events 10000,1000000] [--tail 1000] [--moves 200]
 """
 
 from __future__ import annotations
@@ -29,21 +32,19 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from nats.js import api
-
 from haru.core import events as ev
 from haru.core import subjects as sj
-from haru.core.fold import add_one
 from haru.core.sizes import GiB
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.views import view_decoder
+from haru.gateway.metrics import GatewayMetrics
+from haru.gateway.routing import RoutingTable
+from haru.gateway.state import RouteFollower
 from haru.host.natsd import NatsServer
 from haru.log.eventlog import EventLog
-from haru.log.nats_headers import enable_fast_header_parse  # noqa: E402
 from haru.log.route import RouteWatcher
 from haru.projections.projector import Projector
-
-if os.environ.get("HARU_BENCH_HEADERS") != "nats-py":  # HARU_BENCH_HEADERS=nats-py: nats-py's own parse
-    enable_fast_header_parse()  # as the services that replay the log do at start-up (the figures in docs/ are with it)
+from haru.promoter.service import Promoter
 
 FLEETS = ("default", "edge", "lab", "eu")
 DOMAINS = ("a", "b")
@@ -102,11 +103,11 @@ def history(n: int) -> list[tuple[str, bytes]]:
         else:
             s = sj.model(f, d, m)
             e = {
-                "loading": lambda: ev.ModelLoading(at=at(), domain=d, model=m),
-                "resident": lambda: ev.ModelResident(at=at(), domain=d, model=m, warmup_ms=100),
-                "sleeping": lambda: ev.ModelSleeping(at=at(), domain=d, model=m),
-                "waking": lambda: ev.ModelWaking(at=at(), domain=d, model=m),
-                "lost": lambda: ev.ModelLost(at=at(), domain=d, model=m, reason="unhealthy"),
+                "loading": lambda d=d, m=m: ev.ModelLoading(at=at(), domain=d, model=m),
+                "resident": lambda d=d, m=m: ev.ModelResident(at=at(), domain=d, model=m, warmup_ms=100),
+                "sleeping": lambda d=d, m=m: ev.ModelSleeping(at=at(), domain=d, model=m),
+                "waking": lambda d=d, m=m: ev.ModelWaking(at=at(), domain=d, model=m),
+                "lost": lambda d=d, m=m: ev.ModelLost(at=at(), domain=d, model=m, reason="unhealthy"),
             }[step]()
         out.append((s, ev.encode(e)))
         i += 1
@@ -123,103 +124,122 @@ async def load(log: EventLog, bodies: list[tuple[str, bytes]]) -> int:
     return await log.last_seq()
 
 
-async def raw_drain(log: EventLog, last: int) -> float:
-    done = asyncio.get_running_loop().create_future()
-    count = 0
-
-    async def cb(msg):
-        nonlocal count
-        count += 1
-        if count >= last and not done.done():
-            done.set_result(None)
-
-    t0 = time.perf_counter()
-    sub = await log.js.subscribe(
-        sj.ALL_EVENTS,
-        cb=cb,
-        stream=sj.EVENTS_STREAM,
-        ordered_consumer=True,
-        deliver_policy=api.DeliverPolicy.ALL,
-        pending_msgs_limit=-1,
-        pending_bytes_limit=-1,
-    )
-    await done
-    dt = time.perf_counter() - t0
-    await sub.unsubscribe()
-    return dt
+async def fleet_heads(log: EventLog) -> dict[str, int]:
+    """Each fleet's last event in the log: a view is fresh when it has folded it."""
+    return {f: await log.last_seq_matching(sj.fleet_events(f)) for f in FLEETS}
 
 
-async def replay_noop(log: EventLog) -> float:
-    t0 = time.perf_counter()
-    await log.replay(lambda rec: None)
-    return time.perf_counter() - t0
+async def stored_seqs(log: EventLog) -> dict[str, int]:
+    """The last event each fleet's view in KV has folded (0: none stored)."""
+    out = {}
+    for f in FLEETS:
+        got = await log.get_view(sj.view_key(f))
+        out[f] = 0 if got is None else view_decoder.decode(got[0]).seq
+    return out
 
 
-async def replay_fold(log: EventLog) -> float:
-    """The replay with the projector's fold (its `Folder`s), the views materialized at the end."""
-    folders: dict = {}
-
-    def handler(rec):
-        add_one(folders, rec.event, seq=rec.seq, subject=rec.subject, error=rec.error)
-
-    t0 = time.perf_counter()
-    await log.replay(handler)
-    views = {f: folder.view() for f, folder in folders.items()}
-    dt = time.perf_counter() - t0
-    assert len(views) == len(FLEETS)
-    return dt
-
-
-async def follow_until(log: EventLog, last: int, handler) -> float:
-    """A following replay (what a follower runs: the catch-up reader, then the ordered consumer) until
-    the handler has seen `last`."""
-    done = asyncio.get_running_loop().create_future()
-
-    def on(rec):
-        handler(rec)
-        if rec.seq >= last and not done.done():
-            done.set_result(None)
-
-    t0 = time.perf_counter()
-    task = asyncio.create_task(log.replay(on, follow=True))
-    try:
-        await asyncio.wait_for(asyncio.shield(done), 120)
-        dt = time.perf_counter() - t0
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-    return dt
-
-
-async def follow_noop(log: EventLog, last: int) -> float:
-    return await follow_until(log, last, lambda rec: None)
-
-
-async def follow_fold(log: EventLog, last: int) -> float:
-    folders: dict = {}
-    dt = await follow_until(
-        log, last, lambda rec: add_one(folders, rec.event, seq=rec.seq, subject=rec.subject, error=rec.error)
-    )
-    assert len(folders) == len(FLEETS)
-    return dt
-
-
-async def rebuild(log: EventLog, last: int) -> tuple[float, Projector]:
+async def projector_start(log: EventLog, last: int, limit: float) -> tuple[float, Projector]:
+    """Start a projector; the seconds until every fleet's view in KV has folded that fleet's last event
+    and nothing folded is left unwritten. The projector is stopped before returning."""
+    heads = await fleet_heads(log)
     projector = Projector(log)
     t0 = time.perf_counter()
     task = asyncio.create_task(projector.run())
     try:
-        while projector.stats.last_seq < last:
-            await asyncio.sleep(0.001)
-        await projector.wait_idle(60)
+        async with asyncio.timeout(limit):
+            while True:
+                if task.done():
+                    task.result()
+                if projector.stats.last_seq >= last:
+                    await projector.wait_idle()
+                    stored = await stored_seqs(log)
+                    if all(stored[f] >= heads[f] for f in FLEETS):
+                        break
+                await asyncio.sleep(0.001)
         dt = time.perf_counter() - t0
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+    return dt, projector
+
+
+async def baseline(log: EventLog, from_seq: int, last: int) -> float:
+    """One KV read of every fleet's view, then one read of the events from `from_seq` to `last`."""
+    t0 = time.perf_counter()
+    for f in FLEETS:
+        assert await log.get_view(sj.view_key(f)) is not None
+    seen = [0]
+
+    def on(rec) -> None:
+        seen[0] += 1
+
+    await log.replay(on, from_seq=from_seq)
+    dt = time.perf_counter() - t0
+    assert seen[0] >= last - from_seq + 1, (seen[0], from_seq, last)
+    return dt
+
+
+async def gateway_start(log: EventLog, last_route: int, limit: float) -> float:
+    """A gateway's route follower from nothing: until its table holds every fleet's stored view and an
+    intent, and it has handled the last route move."""
+    want = {}
     for f in FLEETS:
         got = await log.get_view(sj.view_key(f))
-        assert got is not None, f"no view for {f}"
-    return dt, projector
+        assert got is not None
+        want[f] = view_decoder.decode(got[0]).seq
+    table = RoutingTable()
+    t0 = time.perf_counter()
+    async with RouteFollower(log, table, GatewayMetrics()) as follower:
+        async with asyncio.timeout(limit):
+            while True:
+                fresh = all(
+                    (r := table.get(f)) is not None and r.view is not None and r.view.seq >= want[f] and r.intent
+                    for f in FLEETS
+                )
+                if fresh and follower.route_position >= last_route:
+                    break
+                await asyncio.sleep(0.001)
+        return time.perf_counter() - t0
+
+
+async def promoter_start(log: EventLog, limit: float) -> float:
+    """A promoter from nothing: until it has folded everything stored when it started (`ready`)."""
+    promoter = Promoter(log, identity="promoter:bench")
+    ready = asyncio.Event()
+    t0 = time.perf_counter()
+    task = asyncio.create_task(promoter.run(ready))
+    waiting = asyncio.create_task(ready.wait())
+    try:
+        async with asyncio.timeout(limit):
+            await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+        return time.perf_counter() - t0
+    finally:
+        task.cancel()
+        waiting.cancel()
+        await asyncio.gather(task, waiting, return_exceptions=True)
+
+
+async def restart_round(store: Path, n: int, tail: int, limit: float) -> dict[str, float]:
+    """One history length on a fresh server (the module docstring, 1)."""
+    bodies = history(n + tail)
+    async with NatsServer(store) as server:
+        async with EventLog.connect([server.url], writer="bench") as log:
+            await log.ensure()
+            t0 = time.perf_counter()
+            stored = await load(log, bodies[:n])
+            times = {"load": time.perf_counter() - t0}
+            times["first start"], _ = await projector_start(log, stored, limit)
+            last = await load(log, bodies[n:])  # appended while the projector is down
+            last_route = await log.last_seq_matching(f"{sj.EVT}.*.route")
+            times["baseline"] = await baseline(log, stored + 1, last)
+            times["projector"], projector = await projector_start(log, last, limit)
+            times["resumed from"] = projector.stats.resumed_from
+            times["gateway"] = await gateway_start(log, last_route, limit)
+            times["promoter"] = await promoter_start(log, limit)
+            times["events"] = last
+    return times
 
 
 async def propagation(url: str, log: EventLog, moves: int, store: Path) -> list[float]:
@@ -259,71 +279,43 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-async def rebuild_round(store: Path, bodies: list[tuple[str, bytes]]) -> tuple[int, dict[str, float], Projector]:
-    """One round on a fresh server: load, then each reader over the same stream."""
-    async with NatsServer(store) as server:
-        async with EventLog.connect([server.url], writer="bench") as log:
-            await log.ensure()
-            last = await load(log, bodies)
-            times = {
-                "raw": await raw_drain(log, last),
-                "noop": await replay_noop(log),
-                "fold": await replay_fold(log),
-                "follow": await follow_noop(log, last),
-                "follow+fold": await follow_fold(log, last),
-            }
-            times["rebuild"], projector = await rebuild(log, last)
-            # A second raw drain after, so a drifting machine load shows up in the baseline too.
-            times["raw"] = min(times["raw"], await raw_drain(log, last))
-    return last, times, projector
-
-
 async def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--events", type=int, default=100_000)
-    ap.add_argument("--moves", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=3, help="fresh-server rounds of the rebuild (best of)")
+    ap.add_argument("--events", default="10000,1000000", help="history lengths, comma-separated")
+    ap.add_argument("--tail", type=int, default=1000, help="events appended while the projector is down")
+    ap.add_argument("--moves", type=int, default=200, help="route moves for the propagation (0: skip it)")
+    ap.add_argument("--limit", type=float, default=600.0, help="seconds allowed for one start")
     args = ap.parse_args()
+    lengths = [int(x) for x in args.events.split(",") if x.strip()]
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp)
-        bodies = history(args.events)
-        best: dict[str, float] = {}
-        for r in range(args.rounds):
-            last, times, projector = await rebuild_round(store / f"round{r}", bodies)
-            for k, v in times.items():
-                best[k] = min(best.get(k, v), v)
-            print(f"round {r + 1}: " + "  ".join(f"{k} {v:.2f}s" for k, v in times.items()))
-        raw, noop, folded, built = best["raw"], best["noop"], best["fold"], best["rebuild"]
-        s = projector.stats
-        print()
-        print(f"rebuild of {last} events ({len(FLEETS)} fleets), best of {args.rounds} fresh-server rounds")
-        print(f"  raw ordered-consumer drain    {raw:5.2f}s  {last / raw:9,.0f} ev/s   1.00x (baseline)")
-        print(f"  EventLog.replay, no-op        {noop:5.2f}s  {last / noop:9,.0f} ev/s   {raw / noop:.2f}x")
-        print(f"  EventLog.replay + fold        {folded:5.2f}s  {last / folded:9,.0f} ev/s   {raw / folded:.2f}x")
-        print(
-            f"  follow (catch-up), no-op      {best['follow']:5.2f}s  {last / best['follow']:9,.0f} ev/s   {raw / best['follow']:.2f}x"
-        )
-        print(
-            f"  follow (catch-up) + fold      {best['follow+fold']:5.2f}s  {last / best['follow+fold']:9,.0f} ev/s   {raw / best['follow+fold']:.2f}x"
-        )
-        print(
-            f"  projector rebuild (KV+route)  {built:5.2f}s  {last / built:9,.0f} ev/s   {raw / built:.2f}x   (goal >= 0.8x)"
-        )
-        print(
-            f"    last round: view writes {s.view_writes}, intents published {s.intents_published}, flushes {s.flushes}"
-        )
-
-        async with NatsServer(store / "propagation") as server:
-            async with EventLog.connect([server.url], writer="bench") as log:
-                await log.ensure()
-                await load(log, bodies[: 4 * (1 + 2 + 2 * 2 * len(MODELS)) + 8])
-                lat = await propagation(server.url, log, args.moves, store)
-        print()
-        print(f"route-intent propagation, route_moved ack -> RouteWatcher, {len(lat)} moves, idle")
-        print(
-            f"  p50 {statistics.median(lat):.2f} ms   p90 {pct(lat, 90):.2f} ms   p99 {pct(lat, 99):.2f} ms   "
-            f"max {max(lat):.2f} ms   (target p99 <= 10 ms)"
-        )
+        print(f"restart to fresh views, {len(FLEETS)} fleets, {args.tail} events appended while the projector is down")
+        print("  baseline: one KV read of every view + one read of those events; ratio = start / baseline")
+        for n in lengths:
+            t = await restart_round(store / f"n{n}", n, args.tail, args.limit)
+            base = t["baseline"]
+            print(f"\n{int(t['events']):,} events (loaded in {t['load']:.1f} s)")
+            print(f"  baseline (KV reads + tail read)    {base * 1000:8.1f} ms   1.00x")
+            for k in ("projector", "gateway", "promoter"):
+                extra = f"   (resumed from seq {int(t['resumed from']):,})" if k == "projector" else ""
+                print(f"  {k + ' start':<34} {t[k] * 1000:8.1f} ms   {t[k] / base:5.2f}x{extra}")
+            first = t["first start"]
+            print(
+                f"  projector first start (full fold)  {first * 1000:8.1f} ms   {first / base:5.2f}x"
+                f"   ({first / t['projector']:.0f}x its restart)"
+            )
+        if args.moves:
+            async with NatsServer(store / "propagation") as server:
+                async with EventLog.connect([server.url], writer="bench") as log:
+                    await log.ensure()
+                    await load(log, history(4 * (1 + 2 + 2 * 2 * len(MODELS)) + 8))
+                    lat = await propagation(server.url, log, args.moves, store)
+            print()
+            print(f"route-intent propagation, route_moved ack -> RouteWatcher, {len(lat)} moves, idle")
+            print(
+                f"  p50 {statistics.median(lat):.2f} ms   p90 {pct(lat, 90):.2f} ms   p99 {pct(lat, 99):.2f} ms   "
+                f"max {max(lat):.2f} ms   (target p99 <= 10 ms)"
+            )
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ async def ordered(log, last):
 
 
 async def plain(log, last):
-    nc = log.js._nc
+    nc = log.nc
     done = asyncio.get_running_loop().create_future()
     n = 0
 

@@ -56,6 +56,7 @@ log = structlog.get_logger("haru.gateway")
 
 _BACKOFF = Backoff(first_s=0.2, max_s=5.0)
 _READY = Answer(answer="ready")
+_ROUTES = f"{subjects.EVT}.*.route"  # every fleet's route subject
 
 
 def route_fleet(subject: str) -> str:
@@ -277,13 +278,32 @@ class RouteFollower:
         self._changed(fleet, "view")
         self._apply_move(fleet)  # a view arriving after a move the intents have not caught up with
 
+    @property
+    def route_position(self) -> int:
+        """The last route-subject sequence handled (or known to hold nothing newer for any fleet)."""
+        return self._route_seq
+
     async def _routes(self) -> None:
+        if not self._route_seq:
+            self._route_seq = await self._last_moves()
         await self.events.follow(
             self.on_route_record,
             from_seq=self._route_seq + 1,
-            subject_filter=f"{subjects.EVT}.*.route",
+            subject_filter=_ROUTES,
             name="gateway-routes",
         )
+
+    async def _last_moves(self) -> int:
+        """At the first start: each fleet's last route record, instead of the route subjects' whole history
+        (only the newest move of a fleet matters). Returns the route subjects' last sequence as it was
+        before they were read: the follower goes on after it, so a move stored meanwhile is not missed
+        (one read here too is a no-op the second time)."""
+        head = await self.events.last_seq_matching(_ROUTES)
+        for subject in sorted(await self.events.subject_counts(_ROUTES)):
+            rec = await self.events.last(subject)
+            if rec is not None:
+                self.on_route_record(rec)
+        return head
 
     def on_route_record(self, rec: Record) -> None:
         """A record of a route subject: keep the newest `route_moved` per fleet and route by it if the

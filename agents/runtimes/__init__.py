@@ -22,14 +22,21 @@ def make_runtime(
     log_dir: Path,
     bind_host: str = "127.0.0.1",
     gpu_memory_bytes: int = 0,
+    real_gpus: bool = False,
 ) -> Runtime:
-    """The runtime for `spec`; `gpu_memory_bytes` is its GPU's declared memory (vLLM's fraction is of it)."""
+    """The runtime for `spec`; `gpu_memory_bytes` is its GPU's declared memory (vLLM's fraction is of it);
+    `real_gpus`: the host's GPUs are NVML's (a llama-server then must have a GPU backend to offload)."""
     if spec.runtime == "vllm":
         return VllmRuntime(
             spec, session=session, log_dir=log_dir, bind_host=bind_host, gpu_memory_bytes=gpu_memory_bytes
         )
     if spec.runtime == "llama_server":
         return LlamaServerRuntime(
-            spec, session=session, log_dir=log_dir, bind_host=bind_host, gpu_memory_bytes=gpu_memory_bytes
+            spec,
+            session=session,
+            log_dir=log_dir,
+            bind_host=bind_host,
+            gpu_memory_bytes=gpu_memory_bytes,
+            real_gpus=real_gpus,
         )
     return ExternalRuntime(spec, session=session)

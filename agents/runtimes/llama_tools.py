@@ -16,6 +16,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from haru.agents.runtimes import llama_backend
 from haru.agents.runtimes import llama_build as lb
 
 __all__ = ["TOOLS", "find_tool", "ensure_tool", "converter", "status"]
@@ -87,8 +88,18 @@ def status() -> dict:
             out["tools"][name] = {"path": None, "error": str(exc)}
             continue
         entry: dict = {"path": str(found) if found else None}
-        if found is not None and name == "llama-server" and os.environ.get(lb.ENV_BINARY):
-            entry["from"] = lb.ENV_BINARY
+        if name == "llama-server":
+            backend, why = lb.backend()
+            on_path, path_said = llama_backend.path_binary()
+            entry["host_backend"] = f"{backend} ({why})"
+            entry["on_path"] = path_said
+            if found is not None:
+                entry["from"] = (
+                    lb.ENV_BINARY if os.environ.get(lb.ENV_BINARY) else "PATH" if found == on_path else "cache"
+                )
+                gpus = llama_backend.devices(found)
+                entry["devices"] = gpus
+                entry["backend"] = f"GPU ({', '.join(gpus)})" if gpus else "CPU only (lists no GPU device)"
         if found is not None and name == "llama-server":
             try:
                 done = subprocess.run([str(found), "--version"], capture_output=True, text=True, timeout=10)

@@ -76,9 +76,7 @@ DESTRUCTIVE = [
 def read_stream(stream: str) -> list[str]:
     """Publish subjects a client needs to read `stream` the way nats-py does: stream info, last-by-subject
     and by-sequence gets (STREAM.MSG.GET and DIRECT.GET), ephemeral ordered push consumers
-    (CONSUMER.CREATE, with or without the name/filter suffix, their info, and flow-control replies); on
-    the event stream also the pull requests of a follower's catch-up (CONSUMER.MSG.NEXT to the ephemeral
-    pull consumer it creates the same way, haru/log/js_replay.py)."""
+    (CONSUMER.CREATE, with or without the name/filter suffix, their info, and flow-control replies)."""
     return [
         f"$JS.API.STREAM.INFO.{stream}",
         f"$JS.API.STREAM.MSG.GET.{stream}",
@@ -87,7 +85,6 @@ def read_stream(stream: str) -> list[str]:
         f"$JS.API.CONSUMER.CREATE.{stream}",
         f"$JS.API.CONSUMER.CREATE.{stream}.>",
         f"$JS.API.CONSUMER.INFO.{stream}.*",
-        *([f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*"] if stream == EVENTS else []),
         f"$JS.FC.{stream}.>",
     ]
 

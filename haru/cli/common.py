@@ -230,8 +230,11 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         "--binary",
         default="",
         metavar="PATH",
-        help="the runtime binary (llama-server for GGUF, vllm for safetensors) instead of the managed one",
+        help="the runtime binary when every model uses one runtime (llama-server for GGUF, vllm for "
+        "safetensors) instead of the managed one; a fleet of both takes --llama-binary and --vllm-binary",
     )
+    p.add_argument("--llama-binary", default="", metavar="PATH", help="the llama-server for the GGUF models")
+    p.add_argument("--vllm-binary", default="", metavar="PATH", help="the vllm for the safetensors models")
     p.add_argument(
         "--fleet-conf",
         default=None,

@@ -65,11 +65,9 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     from haru.core.errors import LogUnavailable
     from haru.host.metrics import maybe_serve, metrics_address
     from haru.log.eventlog import EventLog
-    from haru.log.nats_headers import enable_fast_header_parse
     from haru.projections.metrics import register as register_metrics
     from haru.projections.projector import Projector
 
-    enable_fast_header_parse()  # a replay of the whole log: the faster per-message header parse
     metrics = metrics_address(args.metrics_port, args.metrics_host, os.environ)
     writer = f"projector:{socket.gethostname()}:{os.getpid()}"
     structlog.contextvars.bind_contextvars(projector=writer)

@@ -131,11 +131,9 @@ def register(subparsers) -> None:
 
 async def run_service(args: argparse.Namespace) -> ExitStatus:
     from haru.host.metrics import metrics_address
-    from haru.log.nats_headers import enable_fast_header_parse
     from haru.promoter import default_identity, run_promoter
 
     configure_logging(args.log_format, args.log_level)
-    enable_fast_header_parse()  # follows the whole log: the faster per-message header parse
     identity = args.id or default_identity()
     # the environment, read once here and passed down: the promoter itself reads none
     step_delay_ms = _step_delay_ms(os.environ.get(STEP_DELAY_ENV, ""))

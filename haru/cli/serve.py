@@ -34,6 +34,27 @@ def _size(text: str, what: str) -> int:
         raise ServeError(f"{what} {text!r} is not a size; write GiB as a number (24) or with a unit (24GiB)") from None
 
 
+def runtime_binaries(args: argparse.Namespace, runtimes: set[str]) -> tuple[str, str] | str:
+    """(llama-server, vllm) binaries from --binary / --llama-binary / --vllm-binary ('' = the managed
+    one), or why the flags cannot be read: --binary names one runtime's executable, so a fleet of both
+    runtimes must say which binary is which."""
+    llama, vllm = args.llama_binary, args.vllm_binary
+    if args.binary:
+        if len(runtimes) > 1:
+            return (
+                f"--binary {args.binary} would be given to both llama-server and vLLM models; name each: "
+                f"--llama-binary PATH (GGUF models) and/or --vllm-binary PATH (safetensors models)"
+            )
+        if "llama_server" in runtimes:
+            llama = llama or args.binary
+        else:
+            vllm = vllm or args.binary
+    for flag, path in (("--binary", args.binary), ("--llama-binary", llama), ("--vllm-binary", vllm)):
+        if path and not Path(path).exists():
+            return f"{flag} {path} does not exist; give the runtime's executable"
+    return llama, vllm
+
+
 async def run(args: argparse.Namespace) -> ExitStatus | int:
     from haru.cli.apply import plan_lines
     from haru.cli.models import status_of
@@ -66,10 +87,11 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
         return fail(str(exc), ExitStatus.USAGE)
     except ModelsError as exc:
         return fail(str(exc), status_of(exc))
-    binary = args.binary
-    if args.binary and not Path(args.binary).exists():
-        return fail(f"--binary {args.binary} does not exist; give the runtime's executable", ExitStatus.USAGE)
-    if not binary and any(p.runtime == "llama_server" for p in prepared):
+    binaries = runtime_binaries(args, {p.runtime for p in prepared})
+    if isinstance(binaries, str):
+        return fail(binaries, ExitStatus.USAGE)
+    llama, vllm = binaries
+    if not llama and any(p.runtime == "llama_server" for p in prepared):
         from haru.agents.errors import RuntimeBuildFailed
         from haru.agents.runtimes.llama_build import find_binary
 
@@ -82,15 +104,15 @@ async def run(args: argparse.Namespace) -> ExitStatus | int:
                 "no llama-server for the GGUF models: `haru runtime llama` builds it (~10 min on 2 cores, "
                 "once) or set HARU_LLAMA_SERVER to one"
             )
-        binary = str(found)
+        llama = str(found)
     layout = fleet_layout(
         prepared,
         fleet=args.fleet_name,
         gpu_memory=memory,
         reserve=reserve,
         serving_url=f"http://127.0.0.1:{free_port()}",
-        llama_binary=binary,
-        vllm_binary=args.binary,
+        llama_binary=llama,
+        vllm_binary=vllm,
         runtime_args=split_args(args.runtime_args),
     )
     plan = plan_layout(layout)

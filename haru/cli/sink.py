@@ -101,9 +101,6 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         return ExitStatus.OK
 
     tune_gc()
-    from haru.log.nats_headers import enable_fast_header_parse
-
-    enable_fast_header_parse()  # a replay of the whole log: the faster per-message header parse
     sink = PostgresSink(
         args.dsn,
         nats_servers(args.nats_url),

@@ -53,6 +53,11 @@ def run_runtime(args: argparse.Namespace) -> ExitStatus:
             )
             extra = f"  ({t['reports']})" if t.get("reports") else ""
             out.write(f"  {name:<15} {where}{extra}\n")
+            if name == "llama-server":
+                if t.get("backend"):
+                    out.write(f"  {'':<15} from {t['from']}: {t['backend']}\n")
+                out.write(f"  {'':<15} this host builds: {t['host_backend']}\n")
+                out.write(f"  {'':<15} on PATH: {t['on_path']}\n")
         out.write(f"  {'converter':<15} {info['converter'] or 'not fetched'}\n")
     if info["tools"]["llama-server"]["path"] is None:
         return ExitStatus.NOT_FOUND

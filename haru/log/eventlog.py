@@ -188,11 +188,9 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
     # -------------------------------------------------------------------------------- streams
 
     def cluster_size(self) -> int:
-        """How many servers the connected one says its cluster has (1 when standalone)."""
-        info = getattr(self.nc, "_server_info", None) or {}
-        if not info.get("cluster"):
-            return 1
-        return max(1, len(set(info.get("connect_urls") or [])))
+        """How many servers this connection knows: the ones it was given and the ones the cluster
+        advertised to it (nats-py's server pool; 1 for a standalone server given once)."""
+        return max(1, len({u.netloc for u in self.nc.servers}))
 
     async def ensure(self, *, replicas: int | None = None) -> None:
         """Create (or check and update) HARU_EVENTS, HARU_ROUTE and the KV bucket haru_views.

@@ -8,8 +8,7 @@
 `handler(record)` (plain or async) is called once per stored message matching `subject_filter`, in
 sequence order, from `from_seq`, and then for every new one. The follower:
 
-- **catches up and follows** with one `replay(follow=True)` of the log (on JetStream a pull consumer
-  read from nats-py's read loop until caught up, when the handler is synchronous, then an ordered push
+- **catches up and follows** with one `replay(follow=True)` of the log (on JetStream an ordered push
   consumer: haru/log/js_replay.py);
 - **resumes** every new replay after `position`, the last sequence its handler returned from, and
   drops a redelivered record at or below it, so the handler sees each sequence once;

@@ -39,6 +39,7 @@ class FleetState:
     reports: list[tuple[float, str, CanaryReport]] = field(
         default_factory=list
     )  # (monotonic, gateway, report) of the window
+    resumed_at: int = 0  # the stream sequence its view was taken complete up to at start (records up to it skipped)
 
     @property
     def view(self) -> FleetView:

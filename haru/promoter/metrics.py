@@ -1,10 +1,11 @@
 """The promoter's Prometheus metrics: counted from the log it follows, and read from its views.
 
 Counters and histograms are fed by `PromoterMetrics.record(fleet, rec, view)`, called for every
-record the promoter folds. They are therefore the fleet's history, not this replica's deeds: every
-replica reports the same figures, a restarted one recounts them from the log (a counter never goes
-backwards across a restart), and they agree with `haru op` and the event log by construction.
-Aggregate replicas with `max`, not `sum`.
+record the promoter folds. They are therefore the fleet's history since the replica started, not
+this replica's deeds: replicas started together report the same figures. A replica starts from the
+views stored in KV, not from the first event (`Promoter.resume`), so a restarted one counts from
+zero again (a counter reset, which `rate()` and `increase()` allow for); `haru op` and the event log
+hold the whole history. Aggregate replicas with `max`, not `sum`.
 
     haru_promoter_operations_total{fleet, kind, reason, outcome}      finished operations
                                                                        (outcome: completed | aborted)

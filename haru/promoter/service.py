@@ -2,7 +2,8 @@
 
     await run_promoter(log, fleets=None, identity="promoter:host-a")
 
-It follows the log (`log.follower(...)`, haru/log/follow.py: catch-up, stall detection, reconnect and
+It starts from the fleets' views the projector stored in KV (`Promoter.resume`: no replay of history),
+then follows the log (`log.follower(...)`, haru/log/follow.py: catch-up, stall detection, reconnect and
 resume) and folds each fleet's events into its own `FleetView` with the one fold
 (`haru.core.fold.Folder`, whose specification is `evolve`), so every decision is made on exactly the
 events seen, with their sequences; it keeps the last sequence of every subject it folded, which is the
@@ -42,6 +43,7 @@ import msgspec
 import structlog
 
 from haru.core import causes, subjects
+from haru.core.authority import misplaced
 from haru.core.errors import Conflict, LogError
 from haru.core.events import (
     DomainChanged,
@@ -55,7 +57,7 @@ from haru.core.events import (
 )
 from haru.core.fold import Folder, empty, fleet_of
 from haru.core.saga import STEPS
-from haru.core.views import OperationView
+from haru.core.views import OperationView, view_decoder
 from haru.core.weights import report_decoder
 from haru.host import alive
 from haru.host.tasks import cancel_and_wait
@@ -152,24 +154,77 @@ class Promoter:
         fleet = fleet_of(rec.subject)
         if fleet and (self.only is None or fleet in self.only):
             st = self._state(fleet)
-            st.last[rec.subject] = rec.seq
-            if rec.event is not None:
-                st.folder.add(rec.event, seq=rec.seq, subject=rec.subject)
-                if st.folder.misplaced_seq == rec.seq:  # not applied (the subject is the authority): say so, once
-                    self.log_.warning("misplaced_event", fleet=fleet, anomaly=st.view.last_anomaly)
-                else:
-                    if isinstance(rec.event, StepStarted):
-                        st.step_by[rec.event.op_id] = rec.event.by
-                        if rec.event.step == "launch":
-                            st.launches.append(rec.event.at)
-                    elif isinstance(rec.event, (DomainDeclared, DomainChanged)):
-                        st.specs[rec.event.spec.name] = rec.event.spec
-                    elif isinstance(rec.event, DomainRetired):
-                        st.specs.pop(rec.event.domain, None)
-                    self.metrics.record(fleet, rec, st.view)  # a misplaced event counts for nothing
-            self._touch(fleet)
+            if rec.seq > st.resumed_at:  # else already in the view this fleet was resumed from
+                st.last[rec.subject] = rec.seq
+                if rec.event is not None:
+                    st.folder.add(rec.event, seq=rec.seq, subject=rec.subject)
+                    if st.folder.misplaced_seq == rec.seq:  # not applied (the subject is the authority): say so, once
+                        self.log_.warning("misplaced_event", fleet=fleet, anomaly=st.view.last_anomaly)
+                    else:
+                        self._note(st, rec.event)
+                        self.metrics.record(fleet, rec, st.view)  # a misplaced event counts for nothing
+                self._touch(fleet)
         self.folded = rec.seq
         self._advanced.set()
+
+    @staticmethod
+    def _note(st: FleetState, event: Event) -> None:
+        """What the promoter keeps beside the view from an applied event: who runs each step, the launches
+        (the hourly budget), the domains' declarations (their provision blocks)."""
+        if isinstance(event, StepStarted):
+            st.step_by[event.op_id] = event.by
+            if event.step == "launch":
+                st.launches.append(event.at)
+        elif isinstance(event, (DomainDeclared, DomainChanged)):
+            st.specs[event.spec.name] = event.spec
+        elif isinstance(event, DomainRetired):
+            st.specs.pop(event.domain, None)
+
+    async def resume(self) -> int:
+        """Start from what KV already holds instead of folding the whole log: each declared fleet's view as
+        the projector stored it (`haru_views`, complete up to max(seq, checkpoint), the one fold both run),
+        the last sequence of each of its subjects up to there (the `expect` of its appends), and what the
+        promoter keeps beside the view, read from the fleet's declaration and operation subjects alone.
+        Returns the last sequence folded: the follower goes on after it, and each fleet skips what its
+        view already holds. A fleet without a readable stored view, or with one ahead of the stream (a cut
+        store: `haru verify`), is folded from the start."""
+        head = await self.log.last_seq()
+        fleets = {fleet_of(subject) for subject in await self.log.subject_counts(f"{subjects.EVT}.*.decl")}
+        fleets.discard("")
+        resumed: dict[str, int] = {}
+        for fleet in sorted(fleets):
+            if self.only is not None and fleet not in self.only:
+                continue
+            got = await self.log.get_view(subjects.view_key(fleet))
+            if got is None:
+                resumed[fleet] = 0
+                continue
+            try:
+                view = view_decoder.decode(got[0])
+            except msgspec.DecodeError as exc:
+                self.log_.warning(
+                    "stored_view_unreadable", fleet=fleet, error=str(exc), detail="folding it from the start"
+                )
+                resumed[fleet] = 0
+                continue
+            upto = max(view.seq, view.checkpoint)
+            if view.fleet != fleet or upto > head:
+                self.log_.warning("stored_view_not_used", fleet=fleet, upto=upto, stream_last_seq=head)
+                resumed[fleet] = 0
+                continue
+            st = self.fleets[fleet] = FleetState(folder=Folder(view), resumed_at=upto)
+            for subject in await self.log.subject_counts(subjects.fleet_events(fleet)):
+                seq = await self.log.last_seq_of(subject)
+                if seq <= upto:  # a later one is in the tail the follower folds before any decision
+                    st.last[subject] = seq
+            for subject in (subjects.decl(fleet), subjects.op(fleet)):
+                for rec in await self.log.history(subject):
+                    if rec.seq <= upto and rec.event is not None and not misplaced(rec.subject, rec.event):
+                        self._note(st, rec.event)
+            resumed[fleet] = upto
+        self.folded = min(resumed.values(), default=0)
+        self.log_.info("promoter_resumed", from_seq=self.folded + 1, views=resumed, stream_last_seq=head)
+        return self.folded
 
     async def wait_folded(self, seq: int, timeout: float = 10.0) -> None:
         """Until the follower has folded `seq` (our own append) or the bound passes."""
@@ -252,6 +307,7 @@ class Promoter:
         # this replica's own heartbeat: a peer that hears it stop takes over its step (haru/host/alive.py)
         beating = asyncio.create_task(alive.beat(self.log.bus, "promoter", self.identity), name="promoter-alive")
         try:
+            await self.resume()
             target = await self.log.last_seq()
             follower = asyncio.create_task(self._follow(), name="promoter-follow")
             while self.folded < target:

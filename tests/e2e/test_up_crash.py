@@ -243,3 +243,48 @@ def test_a_second_haru_up_on_the_same_home_is_refused(tmp_path):
         assert status.returncode == 0, status.stderr
     finally:
         stop(first, tree)
+
+
+@pytest.mark.timeout(180)
+def test_history_is_read_off_the_disk_of_a_stopped_home_and_the_store_is_left_as_it_was(tmp_path):
+    """`haru up` stopped (SIGTERM, or the box turned off): why, as-of, history, verify and status read the
+    home's stored log through a private copy, say so, and a later `haru up` finds the store untouched."""
+    home = tmp_path / "home"
+    layout = demo_layout_with_free_ports(tmp_path / "demo.json")
+    env = up_env(home)
+    proc, ready = start_up(tmp_path, "up", env, layout)
+    tree: set[int] = set()
+    try:
+        wait_for("haru up to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 90)
+
+        def b_is_a_standby_asleep() -> bool:
+            out = haru("status", "--json", env=env)
+            view = json.loads(out.stdout) if out.returncode == 0 else {}
+            models = (view.get("domains", {}).get("b") or {}).get("models") or {}
+            return bool(models) and all(m.get("residency", {}).get("state") == "sleeping" for m in models.values())
+
+        wait_for("b to be a standby, asleep", b_is_a_standby_asleep, 90, every=1.0)
+        promoted = haru("promote", "b", "--wait", env=env, timeout=90)
+        assert promoted.returncode == 0, promoted.stdout + promoted.stderr
+        tree |= descendants(proc.pid)
+    finally:
+        stop(proc, tree)
+    store = home / "nats" / "jetstream"
+    before = {p: p.stat().st_mtime_ns for p in store.rglob("*") if p.is_file()}
+
+    said = "is not running: reading its stored log"
+    status = haru("status", "--json", env=env)
+    assert status.returncode == 0 and said in status.stderr, status.stderr
+    assert json.loads(status.stdout)["active"] == "b"  # the operator's promotion survived the stop
+    verify = haru("verify", env=env)
+    assert verify.returncode == 0 and "history intact" in verify.stdout and said in verify.stderr
+    why = haru("why", "qwen3-0.6b", "--domain", "a", env=env)
+    assert why.returncode == 0 and said in why.stderr, why.stderr
+    history = haru("history", "haru.evt.default.route", "--json", env=env)
+    assert history.returncode == 0 and "route_moved" in history.stdout
+    after = {p: p.stat().st_mtime_ns for p in store.rglob("*") if p.is_file()}
+    assert after == before, "the home's own store was written to"
+
+    # A URL the operator names is never second-guessed: nothing listens there, so the usual exit 6.
+    named = haru("status", "--nats-url", "nats://127.0.0.1:1", env=env)
+    assert named.returncode == 6 and said not in named.stderr
