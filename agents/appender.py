@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from haru.core.errors import Conflict, LogUnavailable
 from haru.core.events import Event
+from haru.log.seam import EventStore
 
 __all__ = ["Appender", "Append"]
 
@@ -18,13 +19,8 @@ __all__ = ["Appender", "Append"]
 Append = Callable[[str, Event, int], Awaitable[int]]
 
 
-class _Log(Protocol):
-    async def append(self, subject: str, event: Event, *, expect: int) -> int: ...
-    async def last_seq_of(self, subject: str) -> int: ...
-
-
 class Appender:
-    def __init__(self, log: _Log, *, stopping: Callable[[], bool], logger: Any) -> None:
+    def __init__(self, log: EventStore, *, stopping: Callable[[], bool], logger: Any) -> None:
         self.log = log
         self.stopping = stopping
         self.logger = logger

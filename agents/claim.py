@@ -22,8 +22,9 @@ from haru.agents.host_ram import read_host_ram
 from haru.core import subjects
 from haru.core.commands import heartbeat_decoder
 from haru.core.errors import Conflict, NoResponders, RequestTimeout
-from haru.core.events import AgentStarted, AgentStopping
-from haru.log.bus import Msg
+from haru.core.events import AgentStarted, AgentStopping, FailureSignalled
+from haru.log.bus import Bus, Msg
+from haru.log.seam import EventStore
 
 __all__ = ["Claim"]
 
@@ -34,9 +35,20 @@ def _now() -> datetime:
 
 class Claim:
     def __init__(
-        self, log: Any, *, fleet: str, domain: str, host: str, pid: int, heartbeat_ms: int, logger: Any
+        self,
+        log: EventStore,
+        bus: Bus,
+        *,
+        fleet: str,
+        domain: str,
+        host: str,
+        pid: int,
+        heartbeat_ms: int,
+        logger: Any,
     ) -> None:
+        """`log`: where the claim is appended; `bus`: where a live agent of the domain would answer."""
         self.log = log
+        self.bus = bus
         self.fleet = fleet
         self.domain = domain
         self.host = host
@@ -78,6 +90,14 @@ class Claim:
             ) from exc
         return self.seq
 
+    def tip(self) -> int:
+        """The agent subject's last sequence this agent wrote (0: not claimed): what its events cite."""
+        return self.seq
+
+    async def record_signal(self, event: FailureSignalled) -> None:
+        """A sign this domain is about to go (agents/signals.py), on the chain the claim began."""
+        self.seq = await self.log.append(self.subject, event, expect=self.seq)
+
     async def release(self, reason: str) -> None:
         """Append agent_stopping on the chain this agent's claim began."""
         self.seq = await self.log.append(
@@ -86,7 +106,7 @@ class Claim:
 
     async def someone_answers(self) -> bool:
         """Whether a live agent holds the domain: it answers `status`, or heartbeats (another pid)."""
-        bus = self.log.bus
+        bus = self.bus
         try:
             await bus.request(subjects.command(self.fleet, self.domain, "status"), b"{}", timeout=1.0)
             return True

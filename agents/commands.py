@@ -1,4 +1,4 @@
-"""The agent's command service: a `nats.micro` service, one endpoint per verb.
+"""The agent's command service: one endpoint per verb, served on the bus (a `nats.micro` service on NATS).
 
     haru.cmd.<fleet>.<domain>.<verb>      body: haru.core.commands.Command (JSON; empty = all defaults)
                                           reply: haru.core.commands.Reply {ok, detail, took_ms, error, data}
@@ -25,56 +25,116 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
 
 import msgspec
-import nats.micro
 import structlog
-from nats.micro.request import Request
 
 from haru.agents.cause import COMMAND_CAUSE, VERSION
-from haru.agents.live_apply import LiveApply
-from haru.agents.model_slots import ModelSlots
-from haru.agents.ports import Outcome
-from haru.agents.role import Role
-from haru.agents.status import Status
-from haru.agents.training_policy import TrainingPolicy
+from haru.agents.model_slot import ModelSlot
+from haru.agents.ports import Applied, GpuVerdict, Identity, Outcome, Selection
+from haru.agents.training import Ended
 from haru.core import subjects
 from haru.core.commands import Command, ErrorInfo, Reply, command_decoder
 from haru.core.errors import HaruError
-from haru.host.tasks import cancel_and_wait
+from haru.log.bus import Bus, Endpoint, Served, Service
 
-__all__ = ["CommandService", "SERVICE_NAME", "COMMAND_CAUSE"]
+__all__ = [
+    "CommandService",
+    "SERVICE_NAME",
+    "COMMAND_CAUSE",
+    "Drain",
+    "LayoutVerbs",
+    "ModelActions",
+    "ModelVerbs",
+    "RouteVerbs",
+    "StatusVerbs",
+    "TrainingVerbs",
+]
 
 SERVICE_NAME = "haru-agent"
 _encoder = msgspec.json.Encoder()
 
+# The serving port's requests in flight to these models finish (drain_ms at most); how many were cut.
+Drain = Callable[[list[str]], Awaitable[int]]
+
+
+# What the command service asks of the agent's parts, each verb's part declared here (agents/agent.py hands
+# the real parts in; agents/sim/hosts.py hands a simulated host in).
+
+
+class ModelActions(Protocol):
+    """One model's supervisor, as a verb sees it."""
+
+    async def sleep(self, level: int) -> Outcome: ...
+    async def wake(self) -> Outcome: ...
+    async def probe(self) -> Outcome: ...
+
+
+class ModelVerbs(Protocol):
+    """The host's model slots: sleep, wake and probe go to each named model's supervisor."""
+
+    @property
+    def models(self) -> Mapping[str, ModelSlot]: ...
+    def selected(self, command: Command) -> Selection: ...
+    def supervisor(self, m: ModelSlot) -> ModelActions: ...
+
+
+class TrainingVerbs(Protocol):
+    """The host's training slots, behind the policy of when one may start."""
+
+    def slot_names(self) -> list[str]: ...
+    def pid(self, slot: str) -> int | None: ...
+    async def start(self, slot: str) -> Outcome: ...
+    async def stop(self, slot: str) -> Ended | None: ...
+
+
+class RouteVerbs(Protocol):
+    """The domain's role: a command decided against a newer route makes it read the pointer first."""
+
+    async def refresh(self, revision: int) -> None: ...
+
+
+class LayoutVerbs(Protocol):
+    """Layouts applied live: `apply_layout` brings the host to the declarations now."""
+
+    async def apply_layout(self, decl_seq: int) -> Applied: ...
+
+
+class StatusVerbs(Protocol):
+    """What the agent says of itself: the `status` data and the GPUs' verdict."""
+
+    def data(self) -> dict[str, Any]: ...
+    async def verify_gpus(self, models: list[ModelSlot]) -> GpuVerdict: ...
+
 
 class CommandService:
     """Answers each verb with the agent's part that does it: the model slots (sleep, wake, probe), the
-    training policy, the role, the live apply and the status answer."""
+    training policy, the role, the live apply and the status answer; served on the bus (haru/log/bus.py)."""
 
     def __init__(
         self,
-        nc,
+        bus: Bus,
+        identity: Identity,
         *,
-        models: ModelSlots,
-        training: TrainingPolicy,
-        role: Role,
-        live: LiveApply,
-        status: Status,
-        drain: Callable[[list[str]], Awaitable[int]] | None = None,
+        models: ModelVerbs,
+        training: TrainingVerbs,
+        role: RouteVerbs,
+        live: LayoutVerbs,
+        status: StatusVerbs,
+        drain: Drain | None = None,
     ) -> None:
-        self.nc = nc  # the NATS connection the service answers on
+        self.bus = bus  # the bus the service answers on
+        self.identity = identity
         self.drain = drain  # the serving port's requests in flight to these models finish (drain_ms at most)
         self.models = models
         self.training = training
         self.role = role
         self.live = live
         self.answer = status
-        self.fleet, self.domain = status.fleet, status.domain
-        self._service: nats.micro.Service | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self.fleet, self.domain = identity.fleet, identity.domain
+        self._served: Served | None = None
         self.logger = structlog.get_logger("haru.agent.commands").bind(fleet=self.fleet, domain=self.domain)
         self.verbs: dict[str, Callable[[Command], Awaitable[Reply]]] = {
             "status": self.status,
@@ -88,9 +148,8 @@ class CommandService:
         }
 
     async def start(self) -> None:
-        a = self.answer
-        self._service = await nats.micro.add_service(
-            self.nc,
+        a = self.identity
+        service = Service(
             name=SERVICE_NAME,
             version=VERSION,
             description=f"Haru agent for {a.fleet}/{a.domain}",
@@ -98,28 +157,27 @@ class CommandService:
             # Each agent answers its own subjects; no queue sharing with a (refused) second agent.
             queue_group=f"haru-agent-{a.fleet}-{a.domain}",
         )
-        for verb in subjects.COMMAND_VERBS:
-            await self._service.add_endpoint(
-                name=verb, subject=subjects.command(a.fleet, a.domain, verb), handler=self._handler(verb)
-            )
+        endpoints = [
+            Endpoint(verb, subjects.command(a.fleet, a.domain, verb), self._answer(verb))
+            for verb in subjects.COMMAND_VERBS
+        ]
+        self._served = await self.bus.serve(service, endpoints)
 
     async def stop(self) -> None:
-        if self._service is not None:
-            await self._service.stop()
-        await cancel_and_wait(*self._tasks)
+        if self._served is not None:
+            await self._served.stop()
 
-    def _handler(self, verb: str):
-        async def handle(request: Request) -> None:
-            task = asyncio.ensure_future(self._run(verb, request))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+    def _answer(self, verb: str) -> Callable[[bytes], Awaitable[bytes]]:
+        async def answer(data: bytes) -> bytes:
+            return _encoder.encode(await self._run(verb, data))
 
-        return handle
+        return answer
 
-    async def _run(self, verb: str, request: Request) -> None:
+    async def _run(self, verb: str, data: bytes) -> Reply:
         started = time.monotonic()
+        op_id = ""
         try:
-            command = command_decoder.decode(request.data) if request.data.strip() else Command()
+            command = command_decoder.decode(data) if data.strip() else Command()
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             reply = Reply(
                 ok=False,
@@ -127,6 +185,7 @@ class CommandService:
                 error=ErrorInfo(code="invalid_command", message=f"not a haru.core.commands.Command: {exc}"),
             )
         else:
+            op_id = command.op_id
             COMMAND_CAUSE.set(command.cause)
             try:
                 reply = await self.verbs[verb](command)
@@ -142,17 +201,9 @@ class CommandService:
         took = int((time.monotonic() - started) * 1000)
         reply = msgspec.structs.replace(reply, took_ms=took)
         self.logger.info(
-            "command",
-            verb=verb,
-            op_id=command.op_id if "command" in locals() else "",
-            ok=reply.ok,
-            code=reply.error.code if reply.error else "",
-            took_ms=took,
+            "command", verb=verb, op_id=op_id, ok=reply.ok, code=reply.error.code if reply.error else "", took_ms=took
         )
-        try:
-            await request.respond(_encoder.encode(reply))
-        except Exception:  # the requester went away
-            pass
+        return reply
 
     # ------------------------------------------------------------------------------------- verbs
 
@@ -208,8 +259,8 @@ class CommandService:
         return reply
 
     def _slots(self, command: Command) -> tuple[list[str], list[str]]:
-        trainers = self.training.slots.trainers
-        names = command.slots or list(trainers)
+        trainers = self.training.slot_names()
+        names = command.slots or trainers
         return [s for s in names if s in trainers], [s for s in names if s not in trainers]
 
     async def stop_training(self, command: Command) -> Reply:
@@ -220,7 +271,7 @@ class CommandService:
             )
         out = {}
         for slot in slots:
-            ended = await self.training.slots.stop(slot)
+            ended = await self.training.stop(slot)
             out[slot] = (
                 {"how": ended.how, "exit_code": ended.exit_code, "ran_ms": ended.ran_ms, "was_running": True}
                 if ended
@@ -240,7 +291,7 @@ class CommandService:
         first_error: ErrorInfo | None = None
         for slot in slots:
             started = await self.training.start(slot)
-            out[slot] = {"ok": started.ok, "detail": started.detail, "pid": self.training.slots.trainers[slot].pid}
+            out[slot] = {"ok": started.ok, "detail": started.detail, "pid": self.training.pid(slot)}
             if not started.ok and first_error is None:
                 first_error = ErrorInfo(code=started.code, message=f"{slot}: {started.detail}")
         ok = first_error is None
@@ -273,7 +324,7 @@ class CommandService:
 
     async def apply_layout(self, command: Command) -> Reply:
         await self.role.refresh(command.route_revision)
-        applied = await self.live.apply_declared(command.decl_seq, self.live.slots.policy.apply_timeout_ms / 1000)
+        applied = await self.live.apply_layout(command.decl_seq)
         return Reply(
             ok=applied.ok,
             detail=applied.detail,
@@ -289,7 +340,7 @@ def _count(states: list[str]) -> dict[str, int]:
     return out
 
 
-def _combine(verb: str, per: dict[str, Outcome], slots: ModelSlots) -> Reply:
+def _combine(verb: str, per: dict[str, Outcome], slots: ModelVerbs) -> Reply:
     data = {
         "models": {
             name: {

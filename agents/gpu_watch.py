@@ -4,7 +4,8 @@ memory moved by at least GPU_USED_THRESHOLD, processes, MIG, per-process account
 
 It owns the last observation recorded per GPU and whether it ever saw each GPU present (`went_away`:
 the GPU was there and is not, so the provider took it). What to do about a GPU that just went away is
-the caller's (`on_gone(index)`); what Haru started on a GPU comes from `owners(index)`. The loop (`run`)
+the listeners' (`on_gone`, registered after construction: the model slots, which record through this
+watcher); what Haru started on a GPU comes from `owners(index)`. The loop (`run`)
 logs and counts a failing read or append (`LoopErrors["gpus"]`) and goes on.
 """
 
@@ -20,15 +21,18 @@ from haru.agents.appender import Append
 from haru.agents.gpu import GpuReading, Gpus, Owner, account
 from haru.agents.loops import LoopErrors, survive
 from haru.core import subjects
-from haru.core.events import GpuObserved
+from haru.core.events import GpuObserved, GpuProcess, GpuUsage
 from haru.core.sizes import MiB
+from haru.log.seam import EventReader
 
 __all__ = ["GpuWatcher", "GPU_USED_THRESHOLD", "gpu_changed"]
 
 GPU_USED_THRESHOLD = 64 * MiB  # memory moves smaller than this are noise, not an observation
 
 
-def gpu_changed(last: GpuObserved, r: GpuReading, usage: list | None = None, foreign: list | None = None) -> bool:
+def gpu_changed(
+    last: GpuObserved, r: GpuReading, usage: list[GpuUsage] | None = None, foreign: list[GpuProcess] | None = None
+) -> bool:
     if last.present != r.present or last.memory_total_bytes != r.memory_total_bytes or last.mig != r.mig:
         return True
     if last.accounted != r.accounted:
@@ -51,7 +55,6 @@ class GpuWatcher:
         gpus: Gpus,
         append: Append,
         owners: Callable[[int], list[Owner]],
-        on_gone: Callable[[int], None],
         exclude_pid: int,
         logger: Any,
     ) -> None:
@@ -60,7 +63,7 @@ class GpuWatcher:
         self.gpus = gpus
         self.append = append
         self.owners = owners
-        self.on_gone = on_gone
+        self.on_gone: list[Callable[[int], None]] = []  # told of each GPU that just went away (registered after)
         self.exclude_pid = exclude_pid
         self.logger = logger
         self.seq: dict[int, int] = {}  # the GPU subject's last sequence
@@ -68,7 +71,7 @@ class GpuWatcher:
         self.seen: set[int] = set()  # GPUs this agent saw present
         self._lock = asyncio.Lock()  # the loop and verify_gpu both observe: one append per change
 
-    async def load_tips(self, log: Any, indexes: Iterable[int]) -> None:
+    async def load_tips(self, log: EventReader, indexes: Iterable[int]) -> None:
         """The tips of the GPU subjects: the watcher continues their chains."""
         for index in indexes:
             rec = await log.last(subjects.gpu(self.fleet, self.domain, index))
@@ -90,7 +93,7 @@ class GpuWatcher:
         last = self.last.get(index)
         return self.seq.get(index, 0) if last is not None and last.present is False else 0
 
-    def accounting(self, r: GpuReading) -> tuple[list, list]:
+    def accounting(self, r: GpuReading) -> tuple[list[GpuUsage], list[GpuProcess]]:
         """(usage, foreign) for a reading: empty when it carries no per-process figures."""
         if not r.present or not r.accounted:
             return [], []
@@ -133,7 +136,8 @@ class GpuWatcher:
                 )
                 self.last[index] = event
                 if last is not None and last.present and not r.present:
-                    self.on_gone(index)
+                    for gone in self.on_gone:
+                        gone(index)
             return r
 
     async def run(

@@ -16,13 +16,16 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from haru.agents.config import HostSlots, diff_models, fold_declarations
+from haru.agents.current import CurrentSlots
 from haru.agents.loops import LoopErrors
 from haru.agents.model_slots import ModelSlots
 from haru.agents.ports import Applied
 from haru.agents.role import Role
 from haru.core import subjects
-from haru.core.events import tag_of
+from haru.core.events import Event, tag_of
+from haru.core.record import Record
 from haru.host.tasks import cancel_and_wait
+from haru.log.seam import EventReader
 
 __all__ = ["LiveApply", "LIVE_STATES", "DECL_SETTLE_S"]
 
@@ -34,19 +37,19 @@ _OPERATION_OVER = ("operation_completed", "operation_aborted", "failover_decline
 class LiveApply:
     def __init__(
         self,
-        slots: HostSlots,
+        current: CurrentSlots,
         *,
-        log: Any,
+        log: EventReader,
         fleet: str,
         domain: str,
         models: ModelSlots,
         role: Role,
         stopping: Callable[[], bool],
-        spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task],
+        spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task[Any]],
         errors: LoopErrors,
         logger: Any,
     ) -> None:
-        self.slots = slots
+        self.current = current
         self.log = log
         self.fleet = fleet
         self.domain = domain
@@ -60,6 +63,11 @@ class LiveApply:
         self._lock = asyncio.Lock()
         role.on_moved.append(self._route_moved)
 
+    @property
+    def slots(self) -> HostSlots:
+        """The host's slots as they are now."""
+        return self.current.slots
+
     def _route_moved(self) -> None:
         if self.pending and self.role.now == "standby":
             self.spawn(self.apply_pending(), "apply-pending")
@@ -67,10 +75,10 @@ class LiveApply:
     async def follow(self) -> None:
         """Follow `haru apply`'s declarations (the agent's slots came from them) and apply each changed
         layout to this host, once a batch of declarations has been written."""
-        events: list = []
+        events: list[Event] = []
         changed = asyncio.Event()
 
-        def on(rec: Any) -> None:
+        def on(rec: Record) -> None:
             if rec.event is not None:
                 events.append(rec.event)
                 changed.set()
@@ -108,7 +116,7 @@ class LiveApply:
             # still a change, and one changed back before it was applied is none.
             models = self.models.models
             diff = diff_models([m.spec for m in models.values()], new.admitted_models)
-            self.slots = new
+            self.current.slots = new
             done: dict[str, list[str]] = {"started": [], "stopped": [], "replaced": [], "pending": []}
             for name in diff.removed:
                 self.pending.pop(name, None)
@@ -136,6 +144,10 @@ class LiveApply:
                     models=done["pending"],
                 )
             return done
+
+    async def apply_layout(self, decl_seq: int) -> Applied:
+        """The `apply_layout` verb: `apply_declared` bounded by the policy's apply_timeout_ms."""
+        return await self.apply_declared(decl_seq, self.slots.policy.apply_timeout_ms / 1000)
 
     async def apply_declared(self, decl_seq: int, timeout_s: float) -> Applied:
         """The `apply_layout` verb (a rolling change's apply steps): bring this host to the declarations

@@ -5,11 +5,12 @@ the serving port read it."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 
 from haru.agents import probes
 from haru.agents.runtimes import Runtime
 from haru.core.residency import UNKNOWN, Residency, state_name
-from haru.core.specs import ModelSpec
+from haru.core.specs import ModelSpec, model_gpus
 from haru.host.procfs import dying
 
 __all__ = ["ModelSlot", "RUNTIME_STOP_GRACE_S"]
@@ -55,3 +56,12 @@ class ModelSlot:
             return False
         pid = self.runtime.pid
         return not (pid and dying(pid))
+
+
+def awake_on(models: Mapping[str, ModelSlot], gpu_index: int) -> list[str]:
+    """Models on GPU `gpu_index` that can sleep and are not asleep (training there would fight them for VRAM)."""
+    return [
+        m.name
+        for m in models.values()
+        if gpu_index in model_gpus(m.spec) and m.runtime.can_sleep and m.state_tag in ("resident", "loading", "waking")
+    ]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from haru.agents.adoption import Adoptable, find_runtimes
-from haru.agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot
+from haru.agents.model_slot import RUNTIME_STOP_GRACE_S, ModelSlot, awake_on
 from haru.agents.observe import Observation, PullInterrupted, Unloaded, observe
 from haru.agents.ports import Selection
 from haru.agents.recorder import Recorder
@@ -29,10 +29,11 @@ from haru.core.errors import IllegalTransition
 from haru.core.residency import to_state
 from haru.core.specs import ModelSpec, model_gpus
 from haru.host.tasks import cancel_and_wait
+from haru.log.seam import EventReader
 
 __all__ = ["ModelSlots"]
 
-Spawn = Callable[[Coroutine[Any, Any, Any], str], asyncio.Task]
+Spawn = Callable[[Coroutine[Any, Any, Any], str], asyncio.Task[Any]]
 
 
 class ModelSlots:
@@ -41,7 +42,8 @@ class ModelSlots:
         *,
         fleet: str,
         domain: str,
-        log: Any,
+        log: EventReader,
+        models: dict[str, ModelSlot],
         runtime_for: Callable[[ModelSpec], Runtime],
         recorder: Recorder,
         files: RuntimeFiles,
@@ -58,9 +60,11 @@ class ModelSlots:
         self.context = context
         self.spawn = spawn
         self.logger = logger
-        self.models: dict[str, ModelSlot] = {}  # model -> its slot (`new` makes one; the agent admits them)
+        # model -> its slot (`new` makes one; the agent admits them). The agent's one mapping, shared with the
+        # parts that read the models as they are now (the owners, the training policy): only this adds and removes.
+        self.models = models
         self.supervisors: dict[str, ModelSupervisor] = {}  # model -> its supervisor
-        self._tasks: dict[str, asyncio.Task] = {}  # model -> its supervisor's task
+        self._tasks: dict[str, asyncio.Task[Any]] = {}  # model -> its supervisor's task
         self.adoptable: dict[str, Adoptable] = {}  # model -> the identity of a live runtime found at boot
         self.away: dict[str, str] = {}  # model -> what is known of a runtime that died while no agent watched
 
@@ -138,13 +142,7 @@ class ModelSlots:
 
     def awake_on(self, gpu_index: int) -> list[str]:
         """Models on GPU `gpu_index` that can sleep and are not asleep (training there would fight them for VRAM)."""
-        return [
-            m.name
-            for m in self.models.values()
-            if gpu_index in model_gpus(m.spec)
-            and m.runtime.can_sleep
-            and m.state_tag in ("resident", "loading", "waking")
-        ]
+        return awake_on(self.models, gpu_index)
 
     def gpu_went_away(self, index: int) -> None:
         """The provider took GPU `index`: say so for every model on it now, not at each one's next probe,

@@ -55,6 +55,8 @@ from pathlib import Path
 import msgspec
 
 from haru.agents.errors import PortHolderError
+from haru.agents.serving_env import ServingEnv
+from haru.core.errors import ConfigError
 from haru.core.openai_errors import BadBody, error_body, model_of
 from haru.core.specs import READY_PATH
 
@@ -201,8 +203,6 @@ def _spawn(path: Path, host: str, port: int) -> None:
 
 FORWARDED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})  # agents/serving.py's
 MAX_HEAD = 64 * 1024
-MAX_BODY = int(os.environ.get("HARU_SERVING_MAX_BODY_BYTES", str(32 * 1024 * 1024)))
-_READ_TIMEOUT_S = int(os.environ.get("HARU_CLIENT_BODY_TIMEOUT_MS", "30000")) / 1000  # head and body, together
 _PASS_REQUEST = ("content-type", "accept", "accept-encoding", "user-agent", "x-request-id", "openai-organization")
 _REASONS = {
     200: "OK",
@@ -245,10 +245,13 @@ async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
 
 
 class Holder:
-    def __init__(self, path: Path, listener: socket.socket, answer: dict) -> None:
+    def __init__(self, path: Path, listener: socket.socket, answer: dict, env: ServingEnv) -> None:
+        """`env`: the serving port's settings, read by this process's `main` (the agent's environment)."""
         self.path, self.listener, self.answer = path, listener, answer
         self.state_dir = path.parent
-        self.token = os.environ.get("HARU_SERVING_TOKEN", "")
+        self.token = env.token
+        self.max_body = env.max_body
+        self.read_timeout_s = env.limits.body_timeout_s  # head and body, together
         self.leases = 0
         self.bridging = False
         self.stats = {"bridge_connections": 0, "bridged": 0, "bridge_refused": 0}
@@ -343,7 +346,7 @@ class Holder:
         reader, writer = await asyncio.open_connection(sock=conn, limit=MAX_HEAD)
         try:
             try:
-                path, headers, body = await asyncio.wait_for(self._read_request(reader), _READ_TIMEOUT_S)
+                path, headers, body = await asyncio.wait_for(self._read_request(reader), self.read_timeout_s)
                 port, name = self._route(path, headers, body)
             except _Refused as r:
                 self.stats["bridge_refused"] += 1
@@ -363,7 +366,7 @@ class Holder:
                         error_body(
                             408,
                             "request_timeout",
-                            f"the request did not arrive within {_READ_TIMEOUT_S:.0f} s (HARU_CLIENT_BODY_TIMEOUT_MS)",
+                            f"the request did not arrive within {self.read_timeout_s:.0f} s (HARU_CLIENT_BODY_TIMEOUT_MS)",
                         ),
                     )
                 )
@@ -431,8 +434,8 @@ class Holder:
             raise _Refused(
                 411, "length_required", "the request needs a Content-Length header with the body's size in bytes"
             ) from None
-        if length > MAX_BODY:
-            raise _Refused(413, "payload_too_large", f"the body is over {MAX_BODY} bytes")
+        if length > self.max_body:
+            raise _Refused(413, "payload_too_large", f"the body is over {self.max_body} bytes")
         return path, headers, await reader.readexactly(length)
 
     def _authorize(self, headers: dict[str, str]) -> None:
@@ -563,10 +566,10 @@ class Holder:
         return True
 
 
-async def _main(path: Path, listener: socket.socket, answer: dict, control: socket.socket) -> int:
+async def _main(path: Path, listener: socket.socket, answer: dict, control: socket.socket, env: ServingEnv) -> int:
     listener.setblocking(False)
     control.setblocking(False)
-    holder = Holder(path, listener, answer)
+    holder = Holder(path, listener, answer, env)
     served = asyncio.get_running_loop().create_task(holder.control(control))
     await holder.done.wait()
     served.cancel()
@@ -575,6 +578,11 @@ async def _main(path: Path, listener: socket.socket, answer: dict, control: sock
 
 def main(argv: list[str]) -> int:
     path, host, port = Path(argv[0]), argv[1], int(argv[2])
+    try:
+        env = ServingEnv.from_env(os.environ)  # this process's environment (the agent's), read once here
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the agent is not for the port
     try:
         listener = socket.create_server((host, port), backlog=BACKLOG)
@@ -588,7 +596,7 @@ def main(argv: list[str]) -> int:
         control.bind(addr)
     control.listen(64)
     os.replace(tmp, path)  # appears only once it answers
-    return asyncio.run(_main(path, listener, {"host": host, "port": bound, "pid": os.getpid()}, control))
+    return asyncio.run(_main(path, listener, {"host": host, "port": bound, "pid": os.getpid()}, control, env))
 
 
 if __name__ == "__main__":

@@ -5,11 +5,22 @@ service (agents/commands.py) that words the reply. What a verb does comes back a
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from haru.core.commands import ErrorInfo
 
-__all__ = ["Outcome", "Applied", "GpuVerdict", "Selection"]
+__all__ = ["Outcome", "Applied", "GpuVerdict", "Selection", "Identity"]
+
+
+class Identity(msgspec.Struct, frozen=True, kw_only=True):
+    """Which agent this is: its fleet and domain, and the host and pid it runs as."""
+
+    fleet: str
+    domain: str
+    host: str
+    pid: int
 
 
 class Outcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,7 +41,7 @@ class Applied(msgspec.Struct, frozen=True, kw_only=True):
     ok: bool
     code: str = ""
     detail: str = ""
-    data: dict = {}
+    data: dict[str, Any] = {}
 
 
 class GpuVerdict(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,11 +49,11 @@ class GpuVerdict(msgspec.Struct, frozen=True, kw_only=True):
 
     ok: bool
     error: ErrorInfo | None = None
-    data: dict = {}
+    data: dict[str, Any] = {}
 
 
 class Selection(msgspec.Struct, frozen=True, kw_only=True):
     """The models a command names (all admitted ones when it names none), and the names this domain lacks."""
 
-    models: list = []  # list[ModelSlot]
+    models: list[Any] = []  # list[ModelSlot]
     unknown: list[str] = []

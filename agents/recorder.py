@@ -48,7 +48,7 @@ class Recorder:
         self.stopping = stopping
         self.logger = logger
 
-    def about(self, m: ModelSlot) -> dict:
+    def about(self, m: ModelSlot) -> dict[str, Any]:
         """The fields every observation of `m` carries: when, which domain, which model."""
         return {"at": datetime.now(UTC), "domain": self.domain, "model": m.name}
 

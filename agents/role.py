@@ -14,6 +14,8 @@ from typing import Any
 from haru.agents.loops import LoopErrors
 from haru.core import subjects
 from haru.core.events import RouteMoved
+from haru.core.record import Record
+from haru.log.seam import EventReader
 
 __all__ = ["Role"]
 
@@ -21,7 +23,7 @@ __all__ = ["Role"]
 class Role:
     def __init__(
         self,
-        log: Any,
+        log: EventReader,
         *,
         fleet: str,
         domain: str,
@@ -70,7 +72,7 @@ class Role:
     async def follow(self) -> None:
         """Follow the route subject until the agent stops; the log going away keeps the last known role."""
 
-        def on(rec: Any) -> None:
+        def on(rec: Record) -> None:
             if isinstance(rec.event, RouteMoved) and rec.seq >= self.revision:
                 if rec.event.active != self.active_domain:
                     self.logger.info("route moved", active=rec.event.active, revision=rec.seq)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import os
 import socket
 import time
 from collections.abc import Callable, Iterable
@@ -34,15 +33,18 @@ from haru.agents import portholder, probes
 from haru.agents.errors import PortHolderError
 from haru.agents.gpu_watch import GpuWatcher
 from haru.agents.model_slots import ModelSlots
+from haru.agents.serving_env import ServingEnv
 from haru.core.errors import ConfigError
 from haru.core.openai_errors import BadBody, answer_status, error_body, model_of
 from haru.core.residency import ANSWERS
 from haru.core.specs import READY_PATH, Policy
-from haru.host.httpguard import BodyTimeout, BodyTooLarge, ClientLimits, GuardedServer, read_body
+from haru.host.httpguard import BodyTimeout, BodyTooLarge, GuardedServer, read_body
 
-__all__ = ["ServingProxy", "FORWARDED"]
+__all__ = ["ServingProxy", "FORWARDED", "bind_refusal", "check_serving"]
 
 FORWARDED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+
+
 # READY_PATH is the one path a load balancer may read without the token (SkyServe's readiness probe sends no
 # header): 200 or 503, and a body that says nothing but that (the port holder answers 503 while it bridges).
 # Declared but not meant to run here: they neither make nor break readiness.
@@ -63,7 +65,6 @@ def ready_for_balancer(role: str, states: Iterable[str]) -> bool:
     return bool(run) and all(s in allowed for s in run)
 
 
-MAX_BODY = int(os.environ.get("HARU_SERVING_MAX_BODY_BYTES", str(32 * 1024 * 1024)))
 # Request headers that describe the body or the client's wishes; the rest stay at the door.
 _PASS_REQUEST = ("content-type", "accept", "accept-encoding", "user-agent", "x-request-id", "openai-organization")
 _HOP = frozenset(
@@ -120,12 +121,13 @@ def bind_refusal(host: str, token: str) -> str:
     )
 
 
-def check_serving(config: Any, slots: Any) -> None:
+def check_serving(config: Any, slots: Any, token: str) -> None:
     """Refuse, before the agent claims its domain or touches a runtime, a serving port that would break
-    the rule (`bind_refusal`); a `serve: direct` domain opens none (its layout said its network is private)."""
+    the rule (`bind_refusal`, with the `token` the agent was given); a `serve: direct` domain opens none
+    (its layout said its network is private)."""
     if not config.serving.enabled or slots.domain.spec.serve == "direct":
         return
-    refusal = bind_refusal(config.serving.host, os.environ.get("HARU_SERVING_TOKEN", ""))
+    refusal = bind_refusal(config.serving.host, token)
     if refusal:
         raise ConfigError(refusal)
 
@@ -150,6 +152,7 @@ class ServingProxy:
         host: str,
         port: int,
         declared_url: str = "",
+        env: ServingEnv,
     ) -> None:
         """`slots`: the host's models (agents/model_slots.py); `gpu`: the GPU watcher (its last reading);
         `policy`, `keep_runtimes`: the agent's, as they are now. `host`/`port`: the agent config's `serving`;
@@ -161,8 +164,9 @@ class ServingProxy:
         self.role = role
         self.state_dir = state_dir
         self.logger = structlog.get_logger("haru.agent.serving").bind(fleet=slots.fleet, domain=slots.domain)
-        self.token = os.environ.get("HARU_SERVING_TOKEN", "")
-        self.limits = ClientLimits.from_env(os.environ)
+        self.token = env.token
+        self.max_body = env.max_body
+        self.limits = env.limits
         self._diagnosed: dict[str, tuple[float, str]] = {}  # model -> (when, reason) of the last diagnosis
         self.host = host
         if not port and declared_url:
@@ -182,6 +186,11 @@ class ServingProxy:
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
         return f"http://{host}:{self.port}"
+
+    @property
+    def listening_url(self) -> str:
+        """The URL while the port listens ("" before `start`)."""
+        return self.url if self._site is not None else ""
 
     async def start(self) -> None:
         refusal = bind_refusal(self.host, self.token)
@@ -275,10 +284,10 @@ class ServingProxy:
         if not self._authorized(request):
             return error(401, "unauthorized", "missing or wrong bearer token (HARU_SERVING_TOKEN)")
         try:
-            body = await read_body(request, self.limits.body_timeout_s, MAX_BODY)
+            body = await read_body(request, self.limits.body_timeout_s, self.max_body)
         except BodyTooLarge:
             return error(
-                413, "payload_too_large", f"the body is over {MAX_BODY} bytes", headers={"Connection": "close"}
+                413, "payload_too_large", f"the body is over {self.max_body} bytes", headers={"Connection": "close"}
             )
         except BodyTimeout:
             return error(

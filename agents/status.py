@@ -1,4 +1,4 @@
-"""What the agent says of itself: the `status` answer, the heartbeat, the GPUs' verdict and owners.
+"""What the agent says of itself: the `status` answer, the heartbeat and the GPUs' verdict.
 
 Read from the agent's parts as they are now; nothing here changes them. `verify_gpus` observes the
 models' GPUs first (recording what changed), then judges the readings (agents/gpu_verdict.py).
@@ -6,58 +6,59 @@ models' GPUs first (recording what changed), then judges the readings (agents/gp
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
-from haru.agents.gpu import GpuReading, Owner, process_tree, read_parents
+from haru.agents.gpu import GpuReading
 from haru.agents.gpu_verdict import gpus_of, judge_gpus, settled
 from haru.agents.gpu_watch import GpuWatcher
 from haru.agents.heartbeat import heartbeat_of
 from haru.agents.live_apply import LiveApply
 from haru.agents.model_slot import ModelSlot
 from haru.agents.model_slots import ModelSlots
-from haru.agents.ports import GpuVerdict
+from haru.agents.ports import GpuVerdict, Identity
 from haru.agents.role import Role
 from haru.agents.training_slots import TrainingSlots
 from haru.core.commands import Heartbeat
-from haru.core.specs import model_gpus
 from haru.host.procfs import pid_alive
 
-__all__ = ["Status"]
+__all__ = ["Status", "ServingPort"]
 
 
 def _now() -> datetime:
     return datetime.now(UTC)
 
 
+class ServingPort(Protocol):
+    @property
+    def listening_url(self) -> str:
+        """The serving port's URL ("" until it listens)."""
+        ...
+
+
 class Status:
     def __init__(
         self,
+        identity: Identity,
         *,
-        fleet: str,
-        domain: str,
-        host: str,
-        pid: int,
         role: Role,
         live: LiveApply,
         models: ModelSlots,
         training: TrainingSlots,
         gpu_watch: GpuWatcher,
-        serving_url: Callable[[], str],
+        serving: ServingPort | None,
     ) -> None:
-        self.fleet = fleet
-        self.domain = domain
-        self.host = host
-        self.pid = pid
+        """`serving`: the serving port (None when this host has none: `serve: direct`, or disabled)."""
+        self.identity = identity
+        self.fleet, self.domain, self.host, self.pid = identity.fleet, identity.domain, identity.host, identity.pid
         self.role = role
         self.live = live
         self.models = models
         self.training = training
         self.gpu_watch = gpu_watch
-        self.serving_url = serving_url
+        self.serving = serving
 
     def heartbeat(self) -> Heartbeat:
         return heartbeat_of(
@@ -70,7 +71,7 @@ class Status:
             at=_now(),
         )
 
-    def data(self) -> dict:
+    def data(self) -> dict[str, Any]:
         """The `status` verb's data: role, models and their states, training, GPUs."""
         slots = self.live.slots
         return {
@@ -81,7 +82,7 @@ class Status:
             "route_revision": self.role.revision,
             "pid": self.pid,
             "host": self.host,
-            "serving_url": self.serving_url(),
+            "serving_url": self.serving.listening_url if self.serving is not None else "",
             "source": slots.source,
             "models": {name: _model(m) for name, m in self.models.models.items()},
             # changes applied live that wait for this domain to be the standby (they would interrupt a model
@@ -92,7 +93,7 @@ class Status:
             "gpus": {str(index): self._gpu(self.gpu_watch.read(index)) for index in slots.gpu_indexes()},
         }
 
-    def _gpu(self, r: GpuReading) -> dict:
+    def _gpu(self, r: GpuReading) -> dict[str, Any]:
         usage, foreign = self.gpu_watch.accounting(r)
         return {
             "present": r.present,
@@ -126,36 +127,6 @@ class Status:
             )
 
         return await settled(observe, judge, settle_s=self.live.slots.policy.verify_settle_ms / 1000)
-
-    def owners(self, index: int) -> list[Owner]:
-        """What Haru started on GPU `index`: each runtime's and trainer's process tree, with its plan.
-
-        A sleeping runtime is planned at the policy's sleep residual (what sleep should leave behind)."""
-        parents = read_parents()
-        residual = self.live.slots.policy.sleep_residual_bytes
-        out: list[Owner] = []
-        for m in self.models.models.values():
-            if index not in model_gpus(m.spec) or m.runtime.kind == "external":
-                continue
-            pid = m.runtime.pid if m.runtime.alive() else None
-            asleep = m.runtime.can_sleep and m.state_tag == "sleeping"
-            planned = min(residual, m.spec.vram_bytes) if asleep else m.spec.vram_bytes
-            out.append(
-                Owner(
-                    name=m.name,
-                    kind="model",
-                    pids=process_tree({pid} if pid else set(), parents),
-                    planned_bytes=planned,
-                )
-            )
-        for slot, t in self.training.trainers.items():
-            if t.spec.gpu_index != index:
-                continue
-            roots = set(t.group_pids()) | ({t.pid} if t.running() and t.pid else set())
-            out.append(
-                Owner(name=slot, kind="training", pids=process_tree(roots, parents), planned_bytes=t.spec.vram_bytes)
-            )
-        return out
 
 
 def _model(m: ModelSlot) -> dict[str, Any]:

@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from haru.agents import probes
 from haru.agents.adoption import Adoptable
 from haru.agents.cause import COMMAND_CAUSE
-from haru.agents.errors import OutOfMemory, RuntimeProblem, SleepFreedNothing, WakeAnswerChanged
-from haru.agents.gpu import GpuReading, process_tree, read_parents
+from haru.agents.errors import RuntimeProblem
+from haru.agents.gpu import GpuReading
 from haru.agents.gpu_watch import GpuWatcher
 from haru.agents.load_queue import LoadQueue
 from haru.agents.loops import LoopErrors, survive
@@ -41,22 +40,21 @@ from haru.agents.observe import (
     Observation,
     ProbeFailed,
     Queued,
-    Slept,
     Spawned,
     SpawnRefused,
-    StillAsleep,
     Vanished,
-    WakeBegun,
 )
 from haru.agents.ports import Outcome
 from haru.agents.pulling import needs_pull, pull_for
 from haru.agents.runtime_files import RuntimeFiles
+from haru.agents.runtime_said import runtime_said
+from haru.agents.sleep_wake import SleepWake
 from haru.agents.wake_check import WakeCheck
 from haru.core.events import Event
 from haru.core.restarts import Backoff
 from haru.core.specs import Policy, model_gpus
 
-__all__ = ["ModelSupervisor", "SupervisorContext", "backoff_s", "runtime_said", "freed_by_sleep"]
+__all__ = ["ModelSupervisor", "SupervisorContext", "RoleNow", "backoff_s"]
 
 # While a model loads, its /health is asked this often (one loopback GET; a 503 or a refused
 # connection costs well under a millisecond), so `resident` is recorded within ~this of the runtime
@@ -70,20 +68,27 @@ def backoff_s(policy: Policy, failures: int) -> float:
     return Backoff(policy.restart_backoff_ms / 1000, policy.restart_backoff_max_ms / 1000).delay(failures)
 
 
+class RoleNow(Protocol):
+    @property
+    def now(self) -> str:
+        """`active` or `standby`, as the domain's role is now."""
+        ...
+
+
 @dataclass(frozen=True)
 class SupervisorContext:
     """What a model's supervisor may use of the agent around it."""
 
     domain: str
     record: Callable[[ModelSlot, Observation], Awaitable[Event | None]]
-    about: Callable[[ModelSlot], dict]
+    about: Callable[[ModelSlot], dict[str, Any]]
     gpu: GpuWatcher
     files: RuntimeFiles
-    role: Callable[[], str]
+    role: RoleNow
     policy: Callable[[], Policy]
     stopping: Callable[[], bool]
     stop_event: asyncio.Event
-    spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task]
+    spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task[Any]]
     make_room: Callable[[int], Awaitable[list[str]]]  # stop the training on a GPU; the slots stopped
     resume_training: Callable[[list[str]], Awaitable[None]]
     errors: LoopErrors
@@ -108,6 +113,7 @@ class ModelSupervisor:
             ctx.loads.enroll(m.name, self.gpus)
         # the greedy answers recorded before the runtime last slept: a wake must give the same ones (kept in
         # its identity file, so an agent that adopts it asleep checks its wake too)
+        self.verbs = SleepWake(self)  # what a command asks of this model: sleep, wake, probe
         self.wake_check = WakeCheck(
             found.wake_answers if found is not None else None,
             keep=lambda answers: ctx.files.write_wake_answers(m.name, answers),
@@ -127,13 +133,13 @@ class ModelSupervisor:
 
         self.ctx.spawn(run(), f"recheck:{self.m.name}")
 
-    def _read_gpu(self) -> GpuReading:
+    def read_gpu(self) -> GpuReading:
         """The model's GPU as it reads now; for a model across GPUs, the first one that is absent (a detach
         of any of them is the model's `gpu_detached`), else the first."""
         readings = [self.ctx.gpu.read(i) for i in self.gpus]
         return next((r for r in readings if r.present is False), readings[0])
 
-    def _gpu_went_away(self) -> bool:
+    def gpu_went_away(self) -> bool:
         return any(self.ctx.gpu.went_away(i) for i in self.gpus)
 
     async def _pause(self, seconds: float) -> bool:
@@ -207,7 +213,7 @@ class ModelSupervisor:
         if await self._wait_for_gpu():
             return True
         paused: list[str] = []
-        if self.ctx.role() == "standby" and not first:
+        if self.ctx.role.now == "standby" and not first:
             answering = COMMAND_CAUSE.set(m.seq)  # the loss this restart answers: what the pause cites
             try:
                 for index in self.gpus:  # a model across GPUs: the training on each of them
@@ -220,11 +226,11 @@ class ModelSupervisor:
             # The GPU's turn (taken in _load) covers the standby's sleep after the load: a sleep frees
             # memory, which a neighbour's start-up profiling must not see either.
             ready = await (self._adopt() if adopted else self._load())
-            if ready and self.ctx.role() == "standby" and m.runtime.can_sleep:
+            if ready and self.ctx.role.now == "standby" and m.runtime.can_sleep:
                 async with m.lock:
                     if m.state_tag == "resident":
                         try:
-                            await self._sleep_one(1)
+                            await self.verbs.sleep_one(1)
                         except RuntimeProblem as exc:
                             self.logger.warning(
                                 "could not put the standby runtime to sleep", model=m.name, error=str(exc)
@@ -244,7 +250,7 @@ class ModelSupervisor:
         m = self.m
         if m.runtime.kind == "external":
             return False
-        while self._gpu_went_away():
+        while self.gpu_went_away():
             m.settled.set()
             self.ctx.loads.release(m.name)  # it cannot load: it holds back nobody declared after it
             if await self._pause(self.ctx.policy().probe_interval_ms / 1000):
@@ -328,7 +334,7 @@ class ModelSupervisor:
             if not listening:
                 poll = LISTEN_POLL_S
             # the GPU is read no more often than before the bare connects (every LOADING_POLL_S)
-            if m.runtime.kind != "external" and (listening or polls % 4 == 0) and self._gpu_went_away():
+            if m.runtime.kind != "external" and (listening or polls % 4 == 0) and self.gpu_went_away():
                 async with m.lock:
                     await self.ctx.record(
                         m, GpuGone(**self.ctx.about(m), detail="the GPU went away while the model was loading")
@@ -412,16 +418,16 @@ class ModelSupervisor:
                 return False
             timeout = self.ctx.policy().probe_timeout_ms / 1000
             tag = m.state_tag
-            gpu = self._read_gpu() if m.runtime.kind != "external" else None
+            gpu = self.read_gpu() if m.runtime.kind != "external" else None
             if tag == "sleeping":
                 if gpu is not None and gpu.present is False:
-                    await self._gpu_gone("the GPU went away while the runtime slept")
+                    await self.gpu_gone("the GPU went away while the runtime slept")
                     return False
                 health = await m.runtime.health(timeout_s=min(timeout, 5.0))
                 if not health.ok:
                     alive = self.m.process_alive()
                     reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=True)
-                    await self._lost(reason, health.detail or f"/health answered {health.status} while asleep")
+                    await self.lost(reason, health.detail or f"/health answered {health.status} while asleep")
                     return False
                 try:
                     asleep = await m.runtime.is_sleeping(timeout_s=min(timeout, 5.0))
@@ -461,11 +467,11 @@ class ModelSupervisor:
             alive = self.m.process_alive()
             holds = await probes.holds_model(m.runtime, min(timeout, 5.0)) if probe.step != "listed" else False
             if gpu is None and m.runtime.kind != "external":
-                gpu = self._read_gpu()
+                gpu = self.read_gpu()
             reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=holds)
             if not alive:
                 return False  # the exit waiter records process_exited
-            await self._lost(reason, f"{probe.step}: {probe.detail}"[:500])  # the table: no news if already so
+            await self.lost(reason, f"{probe.step}: {probe.detail}"[:500])  # the table: no news if already so
             return reason == "evicted"
 
     async def _gpu_back(self) -> bool:
@@ -482,7 +488,7 @@ class ModelSupervisor:
         self.logger.info("the GPU came back: reloading the model lost with it", gpus=self.gpus)
         return True
 
-    async def _lost(self, reason: str, detail: str) -> None:
+    async def lost(self, reason: str, detail: str) -> None:
         """A probe's diagnosis: `lost{reason}`, unless the loss is recorded for that reason already (a
         loss for another reason is refined: unhealthy, then gpu_detached)."""
         m = self.m
@@ -490,7 +496,7 @@ class ModelSupervisor:
         if recorded is not None and reason == "gpu_detached":
             self._check_the_gpu()
 
-    async def _gpu_gone(self, detail: str) -> None:
+    async def gpu_gone(self, detail: str) -> None:
         """The GPU is gone: a live model is lost{gpu_detached}; one already lost (for any reason) stays so."""
         m = self.m
         if await self.ctx.record(m, GpuGone(**self.ctx.about(m), detail=detail)) is not None:
@@ -498,199 +504,22 @@ class ModelSupervisor:
 
     def _check_the_gpu(self) -> None:
         """Record the GPU's absence now: that checks the other models on it (GpuWatcher's on_gone)."""
-        index = self._read_gpu().index
+        index = self.read_gpu().index
         self.ctx.spawn(self.ctx.gpu.observe(index), f"gpu-check:{index}")
 
-    async def _sleep_one(self, level: int) -> None:
-        """Put a resident runtime to sleep (caller holds m.lock). Verified through /is_sleeping, then by
-        what it freed: a sleep that measurably freed nothing is a paused engine, not a sleeping one. It
-        is woken again (it stays resident), the runtime is known not to sleep from then on, and
-        SleepFreedNothing is raised. Before it sleeps, its greedy answers are recorded for the wake."""
-        m = self.m
-        await self.wake_check.record(m.runtime, (m.name, *m.spec.adapters), self.ctx.policy().probe_timeout_ms / 1000)
-        pid = m.runtime.pid
-        tree = process_tree({pid}, read_parents()) if pid else frozenset()
-        before = [self.ctx.gpu.read(i) for i in self.gpus]  # a tensor-parallel model: each of its GPUs
-        await m.runtime.sleep(level, self.ctx.policy().wake_timeout_ms / 1000)
-        after = [self.ctx.gpu.read(i) for i in self.gpus]
-        freed, measured_by, detail = freed_on_gpus(before, after, tree)
-        if measured_by and freed <= 0:
-            try:
-                await m.runtime.wake(self.ctx.policy().wake_timeout_ms / 1000)
-            except RuntimeProblem as exc:
-                self.logger.warning("a sleep that freed nothing could not be undone", error=str(exc))
-            never = getattr(m.runtime, "never_sleeps", None)
-            if never is not None:
-                never(f"a sleep freed nothing ({detail})")
-            raise SleepFreedNothing(
-                f"{m.name}: /is_sleeping said asleep but the sleep freed nothing ({detail}): the "
-                f"engine was paused, not asleep; it was woken again, stays resident, and is no "
-                f"longer put to sleep"
-            )
-        await self.ctx.record(
-            m, Slept(**self.ctx.about(m), level=level, freed_bytes=freed, measured_by=measured_by, detail=detail)
-        )
+    # The commands' verbs (agents/sleep_wake.py): sleep, wake and probe this model.
 
     async def sleep(self, level: int) -> Outcome:
         """Idempotent sleep."""
-        m = self.m
-        if not m.runtime.can_sleep:
-            return Outcome(ok=True, detail=f"a {m.runtime.kind} runtime has no sleep mode; it stays {m.state_tag}")
-        async with m.lock:
-            if self._gpu_went_away():
-                # A runtime may well answer /sleep on a GPU that is gone; its weights are not in VRAM to free.
-                await self._gpu_gone("the GPU went away; asked to sleep")  # the table: no news if already lost
-                return Outcome(
-                    ok=False,
-                    code="gpu_detached",
-                    detail=f"GPU {self._read_gpu().index} is gone (the provider took it): {m.name} is lost, not asleep",
-                )
-            tag = m.state_tag
-            if tag == "sleeping":
-                try:
-                    if await m.runtime.is_sleeping() is True:
-                        return Outcome(ok=True, detail="already asleep")
-                except RuntimeProblem as exc:
-                    return Outcome(ok=False, code=exc.code, detail=str(exc))
-            elif tag not in ("resident", "waking"):
-                return Outcome(
-                    ok=False,
-                    code="not_resident",
-                    detail=f"{m.name} is {tag}; only a resident model can be put to sleep",
-                )
-            try:
-                await self._sleep_one(level)
-            except RuntimeProblem as exc:
-                return Outcome(ok=False, code=exc.code, detail=str(exc))
-            return Outcome(ok=True, detail="asleep (verified by /is_sleeping)")
+        return await self.verbs.sleep(level)
 
     async def wake(self) -> Outcome:
         """Idempotent wake, verified by /is_sleeping and a real one-token completion (`took_ms`)."""
-        m = self.m
-        started = time.monotonic()
-        timeout = self.ctx.policy().probe_timeout_ms / 1000
-        async with m.lock:
-            tag = m.state_tag
-            if tag == "resident" or not m.runtime.can_sleep:
-                if tag != "resident":
-                    return Outcome(ok=False, code="not_resident", detail=f"{m.name} is {tag}", took_ms=0)
-                probe = await probes.ready(m.runtime, timeout_s=timeout)
-                if probe.ok:
-                    return Outcome(
-                        ok=True,
-                        detail="already awake; probe answered",
-                        took_ms=int((time.monotonic() - started) * 1000),
-                    )
-                return Outcome(
-                    ok=False,
-                    code="probe_failed",
-                    detail=f"awake but the probe failed at {probe.step}: {probe.detail}",
-                    took_ms=0,
-                )
-            if tag not in ("sleeping", "waking"):
-                return Outcome(
-                    ok=False, code="not_sleeping", detail=f"{m.name} is {tag}; there is nothing to wake", took_ms=0
-                )
-            await self.ctx.record(m, WakeBegun(**self.ctx.about(m)))  # sleeping -> waking; a retried wake: no news
-            gen = m.generation
-            try:
-                await m.runtime.wake(self.ctx.policy().wake_timeout_ms / 1000)
-            except OutOfMemory as exc:
-                await self._after_failed_wake(gen)
-                return Outcome(
-                    ok=False, code="out_of_memory", detail=str(exc), took_ms=int((time.monotonic() - started) * 1000)
-                )
-            except RuntimeProblem as exc:
-                await self._after_failed_wake(gen)
-                return Outcome(
-                    ok=False, code=exc.code, detail=str(exc), took_ms=int((time.monotonic() - started) * 1000)
-                )
-            probe = await probes.ready(m.runtime, timeout_s=timeout)
-            took = int((time.monotonic() - started) * 1000)
-            if gen != m.generation or m.exited.is_set():
-                return Outcome(
-                    ok=False, code="process_exited", detail=f"{m.name}'s runtime exited while waking", took_ms=took
-                )
-            if not probe.ok:
-                code = "out_of_memory" if "out of memory" in probe.detail.lower() else "probe_failed"
-                await self._after_failed_wake(gen, probe=probe)
-                return Outcome(
-                    ok=False,
-                    code=code,
-                    detail=f"woke but the probe failed at {probe.step}: {probe.detail}",
-                    took_ms=took,
-                )
-            checked = self.wake_check.armed
-            changed = await self.wake_check.changed(m.runtime, self.ctx.policy().probe_timeout_ms / 1000)
-            took = int((time.monotonic() - started) * 1000)
-            if changed:
-                await self._wrong_after_wake(gen, changed)
-                return Outcome(
-                    ok=False,
-                    code=WakeAnswerChanged.code,
-                    detail=f"woke and answers, but not as before it slept: {changed}; it is reloaded",
-                    took_ms=took,
-                )
-            m.last_probe = probe
-            await self.ctx.record(
-                m,
-                Answered(**self.ctx.about(m), endpoint=m.runtime.base_url, sleeps=m.runtime.can_sleep, warmup_ms=took),
-            )
-            m.resident_at = time.monotonic()
-            answers = (
-                "the greedy answers recorded before the sleep"
-                if checked
-                else "no greedy answer to compare: none was kept from before it slept"
-            )
-            return Outcome(
-                ok=True,
-                detail=f"awake (verified by /is_sleeping, a probe in {probe.latency_ms} ms and {answers})",
-                took_ms=took,
-            )
+        return await self.verbs.wake()
 
     async def probe(self) -> Outcome:
-        """A real one-token completion of a resident model (`latency_ms`); a failed one is news: the
-        supervisor's diagnosis records it now."""
-        m = self.m
-        if m.state_tag != "resident":
-            return Outcome(ok=False, code="not_resident", detail=f"{m.name} is {m.state_tag}")
-        p = await probes.ready(m.runtime, timeout_s=self.ctx.policy().probe_timeout_ms / 1000)
-        if p.ok:
-            return Outcome(ok=True, detail=f"answered in {p.latency_ms} ms", latency_ms=p.latency_ms)
-        await self.check()
-        return Outcome(ok=False, code="probe_failed", detail=f"{p.step}: {p.detail}")
-
-    async def _after_failed_wake(self, gen: int, probe: probes.Probe | None = None) -> None:
-        """Record the truth after a wake failed: still asleep, or lost (and why)."""
-        m = self.m
-        if gen != m.generation or m.exited.is_set() or m.state_tag != "waking":
-            return
-        try:
-            asleep = await m.runtime.is_sleeping()
-        except RuntimeProblem:
-            asleep = None
-        if asleep is True:
-            await self.ctx.record(m, StillAsleep(**self.ctx.about(m), level=1))
-            return
-        gpu = self._read_gpu()
-        holds = await probes.holds_model(m.runtime, min(self.ctx.policy().probe_timeout_ms / 1000, 5.0))
-        reason = probes.diagnose(process_alive=self.m.process_alive(), gpu=gpu, runtime_holds_model=holds)
-        if reason != "process_exited":
-            detail = f"wake failed: {probe.step}: {probe.detail}" if probe else "wake failed"
-            await self._lost(reason, detail[:500])
-
-    async def _wrong_after_wake(self, gen: int, changed: str) -> None:
-        """A woken runtime that answers differently from before its sleep (a LoRA adapter no longer
-        applied, a stale cache): lost{unhealthy} in those words, never resident, and stopped so the
-        supervisor reloads it from its files (caller holds m.lock)."""
-        m = self.m
-        self.wake_check.forget()
-        if gen != m.generation or m.exited.is_set():
-            return
-        await self._lost("unhealthy", f"{WakeAnswerChanged.code}: {changed}"[:500])
-        m.on_purpose = True
-        await m.runtime.stop(RUNTIME_STOP_GRACE_S)
-        m.exited.set()
+        """A real one-token completion of a resident model (`latency_ms`); a failed one is news."""
+        return await self.verbs.probe()
 
     async def _adopt(self) -> bool:
         """Take over the runtime `_find_runtimes` found: `model_adopted`, then watch it like one we loaded."""
@@ -711,7 +540,7 @@ class ModelSupervisor:
                         "sleep; not adopted, reloaded",
                         changed=changed,
                     )
-                    await self._wrong_after_wake(m.generation, changed)
+                    await self.verbs.wrong_after_wake(m.generation, changed)
                     return True  # stopped and `exited`: the supervisor reloads it
             level = getattr(m.state, "level", 1) or 1
             await self.ctx.record(
@@ -730,61 +559,3 @@ class ModelSupervisor:
             if not found.asleep:
                 m.resident_at = time.monotonic()
         return True
-
-
-LINE_LIMIT = 300  # one line of what a runtime said (vLLM lists every architecture it knows on one line)
-_LOG_PREFIX = re.compile(r"^[\d.:]+\s+[A-Z]\s+")
-_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)(: |$)|^Value error, ")
-_ERROR_MARKERS = ("error", "failed", "invalid", "cannot", "unable", "exception", "not found", "no such")
-
-
-def freed_by_sleep(before: GpuReading, after: GpuReading, tree: frozenset[int]) -> tuple[int, str, str]:
-    """What a sleep freed: (bytes, measured_by, detail). Pure.
-
-    "process": NVML's per-process memory of the runtime's process tree (vLLM's engine runs in a child
-    process), when the GPU accounted for every process and the tree held memory before; "gpu": the
-    whole GPU's used memory, when it answers but processes cannot be told apart; "": nothing could
-    measure (no NVML, a GPU that did not answer), and the detail says so."""
-    if before.present and after.present and before.accounted and after.accounted:
-        held = sum(p.used_bytes for p in before.processes if p.pid in tree)
-        if held > 0:
-            still = sum(p.used_bytes for p in after.processes if p.pid in tree)
-            return max(0, held - still), "process", f"its processes held {held} bytes before the sleep, {still} after"
-    if before.present and after.present:
-        return (
-            max(0, before.memory_used_bytes - after.memory_used_bytes),
-            "gpu",
-            f"the GPU's used memory went from {before.memory_used_bytes} to {after.memory_used_bytes} bytes",
-        )
-    return 0, "", "not measured: no GPU reading on this host (no NVML), so what the sleep freed is unknown"
-
-
-def freed_on_gpus(before: list[GpuReading], after: list[GpuReading], tree: frozenset[int]) -> tuple[int, str, str]:
-    """What a sleep freed across every GPU a model spans (one for most): the sum of `freed_by_sleep` on
-    each; measured only when every GPU was (else the detail says which could not be). Pure."""
-    each = [freed_by_sleep(b, a, tree) for b, a in zip(before, after)]
-    if len(each) == 1:
-        return each[0]
-    if any(not how for _, how, _ in each):
-        return 0, "", "; ".join(f"GPU {b.index}: {d}" for b, (_, _, d) in zip(before, each))
-    how = "process" if all(h == "process" for _, h, _ in each) else "gpu"
-    return (sum(f for f, _, _ in each), how, "; ".join(f"GPU {b.index}: {d}" for b, (_, _, d) in zip(before, each)))
-
-
-def runtime_said(output: str, code: int, limit: int = 1000) -> str:
-    """What a runtime that exited while loading said: its error lines from this attempt's output."""
-    attempt = output.rsplit("--- haru agent starting:", 1)[-1]
-    lines = [ln.strip() for ln in attempt.splitlines()[1:] if ln.strip()]
-    # A Python runtime (vLLM) ends in a traceback: its exception lines are what it said ("ValueError:
-    # ...", pydantic's "Value error, ..."); its log lines before them merely mention paths and args.
-    raised = [ln for ln in lines if _RAISED.search(ln)]
-    picked: list[str] = []
-    for ln in raised or (ln for ln in lines if any(m in ln.lower() for m in _ERROR_MARKERS)):
-        ln = _LOG_PREFIX.sub("", ln)[:LINE_LIMIT]  # llama.cpp's "0.00.002.891 E " timestamp and level
-        if ln not in picked:
-            picked.append(ln)
-    # The first errors say what went wrong, the last one how it ended.
-    said = " | ".join(picked[:2] + picked[-1:] if len(picked) > 3 else picked or lines[-3:])
-    return (
-        f"exited with code {code} while loading: {said}"[:limit] if said else f"exited with code {code} while loading"
-    )

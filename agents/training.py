@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ import msgspec
 from haru.agents.errors import TrainingProblem
 from haru.agents.runtimes.base import killpg
 from haru.core.events import StopHow
+from haru.core.launch import with_interpreter
 from haru.core.specs import TrainingSpec
 from haru.host import procfs
 from haru.host.children import die_with_parent
@@ -115,7 +117,7 @@ class Trainer:
         with open(self._log_path, "ab") as log:
             try:
                 self._proc = await asyncio.create_subprocess_exec(
-                    *self.spec.command,
+                    *with_interpreter(self.spec.command, sys.executable),
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=log,
                     stderr=asyncio.subprocess.STDOUT,

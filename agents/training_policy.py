@@ -9,12 +9,13 @@ record) are agents/training_slots.py's.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from haru.agents.model_slots import ModelSlots
+from haru.agents.model_slot import ModelSlot, awake_on
 from haru.agents.ports import Outcome
 from haru.agents.role import Role
+from haru.agents.training import Ended
 from haru.agents.training_slots import TrainingSlots
 from haru.core.specs import TrainingSpec
 
@@ -26,7 +27,7 @@ class TrainingPolicy:
         self,
         slots: TrainingSlots,
         *,
-        models: ModelSlots,
+        models: Mapping[str, ModelSlot],
         role: Role,
         auto: bool,
         stopping: Callable[[], bool],
@@ -39,6 +40,18 @@ class TrainingPolicy:
         self.auto = auto
         self.stopping = stopping
         self.logger = logger
+
+    def slot_names(self) -> list[str]:
+        """The admitted training slots."""
+        return list(self.slots.trainers)
+
+    def pid(self, slot: str) -> int | None:
+        """The pid of the slot's trainer (None when it never ran)."""
+        return self.slots.trainers[slot].pid
+
+    async def stop(self, slot: str) -> Ended | None:
+        """Stop the slot's trainer (always allowed: stopping training is what a failover does first)."""
+        return await self.slots.stop(slot)
 
     async def start(self, slot: str, *, force: bool = False) -> Outcome:
         """Start a slot's trainer, unless this domain is the active one or models on its GPU are awake
@@ -60,7 +73,7 @@ class TrainingPolicy:
                 detail=f"domain {self.role.domain!r} is the active domain "
                 f"(route revision {self.role.revision}); training runs only on a standby",
             )
-        busy = self.models.awake_on(spec.gpu_index)
+        busy = awake_on(self.models, spec.gpu_index)
         if busy:
             return Outcome(
                 ok=False,
@@ -82,7 +95,7 @@ class TrainingPolicy:
 
     async def initial(self) -> None:
         """A standby's own start: every slot, once every model's first load has come to rest."""
-        await asyncio.gather(*(m.settled.wait() for m in self.models.models.values()))
+        await asyncio.gather(*(m.settled.wait() for m in self.models.values()))
         if not self.auto or self.role.now != "standby" or self.stopping():
             return
         for slot in self.slots.trainers:

@@ -25,6 +25,7 @@ from haru.agents.training import Ended, Trainer
 from haru.core import causes, subjects
 from haru.core.events import Event, TrainingStarted, TrainingStopped
 from haru.core.specs import TrainingSpec
+from haru.log.seam import EventReader
 
 __all__ = ["TrainingSlots"]
 
@@ -67,7 +68,7 @@ class TrainingSlots:
     def running(self) -> list[str]:
         return [slot for slot, t in self.trainers.items() if t.running()]
 
-    async def load_tips(self, log: Any, swept: dict[str, str]) -> None:
+    async def load_tips(self, log: EventReader, swept: dict[str, str]) -> None:
         """Continue each slot's chain. A slot the log says is running is not (the previous agent died with
         it: it got SIGTERM then, its parent-death signal, and `swept` stopped whatever ignored that, with
         the slot's grace): say how it ended."""

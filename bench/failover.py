@@ -58,7 +58,6 @@ sys.path.insert(0, str(REPO))
 
 from haru.agents.sim.gpu_state import GiB, SimGpuState  # noqa: E402
 from haru.core import ranking, subjects  # noqa: E402
-from haru.core.apply import apply  # noqa: E402
 from haru.core.events import (  # noqa: E402
     DomainUnreachable,
     GpuObserved,
@@ -74,6 +73,7 @@ from haru.core.fold import empty, fold  # noqa: E402
 from haru.core.layout import load_layout  # noqa: E402
 from haru.core.residency import Resident, Sleeping  # noqa: E402
 from haru.host.natsd import NatsServer  # noqa: E402
+from haru.log.apply import apply  # noqa: E402
 from haru.log.eventlog import EventLog  # noqa: E402
 from haru.promoter.service import Promoter  # noqa: E402
 from tests.support.agent_harness import kill_runtimes  # noqa: E402

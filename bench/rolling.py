@@ -103,7 +103,8 @@ async def roll_a_change(nats_url: str, home: Path, layout_path: Path, *, timeout
     then the rolling operation it requests), and wait for the operation to end. Returns one line on it."""
     import msgspec
 
-    from haru.core.apply import apply, waits_on_active
+    from haru.core.apply import waits_on_active
+    from haru.log.apply import apply
     from haru.log.requests import request_operation
     from haru.up.demo_layout import demo_layout as runnable
 

@@ -15,8 +15,8 @@ from haru.core.operations import as_doc, fold_operations
 from haru.core.saga import KINDS, flow
 
 if TYPE_CHECKING:
+    from haru.core.record import Record  # the type only: this module reads records, it never reads the log
     from haru.gateway.routing import FleetRoutes
-    from haru.log.eventlog import Record  # the type only: this module reads records, it never reads the log
 
 # Each kind's steps in order, read from the sagas' transition table (haru.core.saga) (the stepper's columns).
 FLOWS: dict[str, list[str]] = {kind: flow(kind) for kind in KINDS}

@@ -42,6 +42,7 @@ from haru.core.authority import misplaced
 from haru.core.errors import HaruError
 from haru.core.events import RouteMoved
 from haru.core.intents import intent as intent_of_view
+from haru.core.record import Record
 from haru.core.residency import Answer
 from haru.core.restarts import Backoff
 from haru.core.views import FleetView, RouteIntent, intent_decoder, view_decoder
@@ -49,7 +50,6 @@ from haru.gateway.metrics import GatewayMetrics
 from haru.gateway.routing import RoutingTable
 from haru.host import alive
 from haru.host.tasks import cancel_and_wait
-from haru.log.record import Record
 from haru.log.seam import Log
 
 log = structlog.get_logger("haru.gateway")

@@ -64,12 +64,12 @@ from haru.core.errors import Conflict, LogError
 from haru.core.events import Checkpoint, RouteMoved
 from haru.core.fold import Folder, add_one, empty, fleet_of
 from haru.core.intents import changed, intent
+from haru.core.record import Record, body_hash
 from haru.core.restarts import Backoff
 from haru.core.views import FleetView, RouteIntent, intent_decoder, view_decoder, view_encoder
 from haru.host import alive
 from haru.host.tasks import cancel_and_wait
 from haru.log.follow import Follower
-from haru.log.record import Record, body_hash
 from haru.log.seam import Log
 
 log_ = structlog.get_logger("haru.projector")

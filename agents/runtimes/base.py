@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,7 +25,7 @@ import aiohttp
 import msgspec
 
 from haru.agents.errors import OutOfMemory, ProbeUnanswered, RuntimeRefused, RuntimeUnreachable
-from haru.core.launch import ArgConflict, Launch
+from haru.core.launch import ArgConflict, Launch, with_interpreter
 from haru.core.launch import launch as plan_launch
 from haru.core.specs import ModelSpec
 from haru.host.children import start_time
@@ -320,6 +321,8 @@ class ProcessRuntime(HttpRuntime):
             )
             if not spec.binary and (managed := self.managed_binary()):
                 spec = msgspec.structs.replace(spec, binary=managed)
+            if spec.binary[:1] == ["python"]:
+                spec = msgspec.structs.replace(spec, binary=with_interpreter(spec.binary, sys.executable))
             return plan_launch(
                 spec,
                 gpu_memory_bytes=self.gpu_memory_bytes,

@@ -37,8 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import haru.agents.runtimes.llama_backend as llama_backend
 from haru.agents.gpu import nvml_device_count
-from haru.agents.runtimes import llama_backend
 from haru.agents.runtimes.cached import BuildError, cache_root, made_once, maker_main, run_step, say
 
 __all__ = [

@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import haru.agents.runtimes.llama_backend as llama_backend
 from haru.agents.errors import RuntimeRefused
-from haru.agents.runtimes import llama_backend
 from haru.agents.runtimes.base import ProcessRuntime
 
 

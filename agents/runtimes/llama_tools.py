@@ -16,8 +16,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from haru.agents.runtimes import llama_backend
-from haru.agents.runtimes import llama_build as lb
+import haru.agents.runtimes.llama_backend as llama_backend
+import haru.agents.runtimes.llama_build as lb
 
 __all__ = ["TOOLS", "find_tool", "ensure_tool", "converter", "status"]
 

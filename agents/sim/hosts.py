@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
@@ -51,10 +53,10 @@ from haru.agents.heartbeat import Heartbeats, heartbeat_of
 from haru.agents.loops import LoopErrors
 from haru.agents.model_slot import ModelSlot
 from haru.agents.observe import Adopted, Answered, Exited, GpuGone, Observation, Slept, Spawned, WakeBegun
-from haru.agents.ports import Applied, GpuVerdict, Outcome, Selection
+from haru.agents.ports import Applied, GpuVerdict, Identity, Outcome, Selection
 from haru.agents.recorder import Recorder
+from haru.agents.training import Ended
 from haru.core import subjects
-from haru.core.apply import apply as apply_layout
 from haru.core.commands import Command, ErrorInfo, Heartbeat
 from haru.core.errors import LogUnavailable
 from haru.core.events import AgentStarted, Event, GpuObserved
@@ -63,7 +65,8 @@ from haru.core.residency import Resident, Sleeping, Waking, state_name
 from haru.core.sizes import GiB
 from haru.core.specs import ModelSpec, Policy
 from haru.host.tasks import cancel_and_wait
-from haru.log.eventlog import EventLog
+from haru.log.apply import apply as apply_layout
+from haru.log.seam import Log
 
 __all__ = ["SimHost", "SimHosts", "fleet_layout", "fleet_name"]
 
@@ -145,23 +148,20 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-class _Slots:
-    """What the command service reads of the host's slots: no training slot, the fleet's policy."""
+class _Training:
+    """The command service's training verbs on a host with no training slot."""
 
-    def __init__(self, policy: Policy) -> None:
-        self.trainers: dict[str, Any] = {}
-        self.policy = policy
+    def slot_names(self) -> list[str]:
+        return []
 
-    async def stop(self, slot: str) -> None:
+    def pid(self, slot: str) -> int | None:
         return None
 
-
-class _Training:
-    def __init__(self, slots: _Slots) -> None:
-        self.slots = slots
-
-    async def start(self, slot: str, *, force: bool = False) -> Outcome:
+    async def start(self, slot: str) -> Outcome:
         return Outcome(ok=True, detail="no training slot here")
+
+    async def stop(self, slot: str) -> Ended | None:
+        return None
 
 
 class _Supervisor:
@@ -181,13 +181,13 @@ class _Supervisor:
 
 
 class SimHost:
-    """One simulated agent. To the real command service (agents/commands.py) it is the agent's parts:
-    its model slots (`selected`, `supervisor`), its role (`refresh`), its live apply (`apply_declared`,
-    `slots`) and its status (`data`, `verify_gpus`); training is `_Training` over no slots."""
+    """One simulated agent. To the real command service (agents/commands.py) it is the agent's parts, typed
+    against the same Protocols: its model slots (`models`, `selected`, `supervisor`), its role (`refresh`),
+    its live apply (`apply_layout`) and its status (`data`, `verify_gpus`); training is `_Training`, no slots."""
 
     def __init__(
         self,
-        log: EventLog,
+        log: Log,
         fleet: str,
         domain: str,
         specs: list[ModelSpec],
@@ -209,7 +209,6 @@ class SimHost:
         self.writer = f"agent:{self.host}"
         self.serving_url = serving_url
         self._policy = policy
-        self._slots = _Slots(policy)
         self.heartbeat_ms = heartbeat_ms
         self.load_ms, self.wake_ms, self.sleep_ms, self.probe_ms = load_ms, wake_ms, sleep_ms, probe_ms
         self.logger = structlog.get_logger("haru.sim.hosts").bind(fleet=fleet, domain=domain)
@@ -248,10 +247,6 @@ class SimHost:
     @property
     def policy(self) -> Policy:
         return self._policy
-
-    @property
-    def slots(self) -> _Slots:
-        return self._slots
 
     def supervisor(self, m: ModelSlot) -> _Supervisor:
         return _Supervisor(self, m)
@@ -310,7 +305,7 @@ class SimHost:
             return GpuVerdict(ok=False, error=ErrorInfo(code="gpu_detached", message="GPU 0 is detached"))
         return GpuVerdict(ok=True, data={"gpus": {"0": {"free_bytes": 80 * GiB}}})
 
-    async def apply_declared(self, decl_seq: int, timeout_s: float) -> Applied:
+    async def apply_layout(self, decl_seq: int) -> Applied:
         return Applied(ok=True, detail="the simulated host runs the declarations it started with")
 
     # ---------------------------------------------------------------------------- life cycle
@@ -350,17 +345,17 @@ class SimHost:
             for m in self._models.values():
                 m.seq = await self.log.last_seq_of(m.subject)
         self.service = CommandService(
-            self.log.nc,
-            models=self,  # type: ignore[arg-type]
-            training=_Training(self._slots),  # type: ignore[arg-type]
-            role=self,  # type: ignore[arg-type]
-            live=self,  # type: ignore[arg-type]
-            status=self,  # type: ignore[arg-type]
+            self.log.bus,
+            Identity(fleet=self.fleet, domain=self.domain, host=self.host, pid=self.pid),
+            models=self,
+            training=_Training(),
+            role=self,
+            live=self,
+            status=self,
         )
         await self.service.start()
-        hb = subjects.heartbeat(self.fleet, self.domain)
         beats = Heartbeats(
-            lambda data: self.log.bus.publish(hb, data),
+            functools.partial(self.log.bus.publish, subjects.heartbeat(self.fleet, self.domain)),
             self.heartbeat,
             interval_s=self.heartbeat_ms / 1000,
             errors=self.loop_errors,
@@ -442,7 +437,7 @@ class SimHosts:
 
     def __init__(
         self,
-        log: EventLog,
+        log: Log,
         *,
         heartbeat_ms: int = 1000,
         heartbeat_timeout_ms: int = 3000,
@@ -486,9 +481,11 @@ class SimHosts:
         for fleet in added:
             ports = {}
             for d in DOMAINS:
-                site = web.TCPSite(self._runner, "127.0.0.1", 0)  # type: ignore[arg-type]
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.bind(("127.0.0.1", 0))  # a free port, known before the site starts on it
+                ports[d] = sock.getsockname()[1]
+                site = web.SockSite(self._runner, sock)  # type: ignore[arg-type]
                 await site.start()
-                ports[d] = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
                 self._by_port[ports[d]] = (fleet, d)
             layout = parse_layout(fleet_layout(fleet, ports, heartbeat_timeout_ms=self.heartbeat_timeout_ms))
             await apply_layout(self.log, layout, _now())

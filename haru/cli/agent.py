@@ -48,6 +48,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     from haru.agents.config import config_from_env, is_inline, load_config
     from haru.agents.errors import AgentRefused
     from haru.agents.metrics import registry_for
+    from haru.agents.serving_env import ServingEnv
     from haru.core.errors import ConfigError, LayoutError, LogUnavailable
     from haru.host.metrics import maybe_serve, metrics_address
 
@@ -63,6 +64,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         )
     try:
         config = load_config(source)
+        serving_env = ServingEnv.from_env(os.environ)  # the environment, read once here and handed down
     except ConfigError as exc:
         return fail(str(exc))
     if args.dry_run:
@@ -84,7 +86,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
             args.metrics_host or config.metrics_host or None,
             os.environ,
         )
-        async with Agent.start(config) as agent:
+        async with Agent.start(config, serving_env=serving_env) as agent:
             agent_box.append(agent)
             if stop_signal:
                 agent.request_stop(f"signal {stop_signal[0]}", keep_runtimes=stop_signal[0] == "SIGTERM")

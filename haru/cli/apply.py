@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from haru.cli.common import ExitStatus, add_nats_options, emit_json, fail, nats_servers
-from haru.core.apply import ApplyResult, apply, change_paths, describe, running_at_risk, waits_on_active
+from haru.core.apply import change_paths, describe, running_at_risk, waits_on_active
 from haru.core.errors import Conflict, LayoutError, LogError, LogUnavailable
 from haru.core.events import payload, tag_of
 from haru.core.layout import load_layout
@@ -22,6 +22,7 @@ from haru.core.planner import Plan, verdict_line
 from haru.core.planner import plan as plan_layout
 from haru.core.sizes import format_gib
 from haru.core.subjects import decl
+from haru.log.apply import ApplyResult, apply
 
 if TYPE_CHECKING:
     from haru.log.requests import RequestResult

@@ -39,10 +39,10 @@ from haru.core import subjects
 from haru.core.errors import LogUnavailable
 from haru.core.events import OperationAborted, OperationCompleted, payload, tag_of
 from haru.core.operations import as_doc, fold_operations, progress_line
+from haru.core.record import Record
 from haru.host.metrics import add_metrics_options
 from haru.host.tasks import cancel_and_wait, run_until_signal
 from haru.log.eventlog import EventLog
-from haru.log.record import Record
 
 if TYPE_CHECKING:
     from haru.log.requests import RequestResult

@@ -1,10 +1,9 @@
-"""`haru apply`: turn a layout into the declaration events that differ from what the log says.
+"""`haru apply`, its pure half: turn a layout into the declaration events that differ from what the log says.
 
-The core is pure: `fold_declarations(events)` reads the `haru.evt.<fleet>.decl` history into the
-current `Declarations`; `diff(current, layout, plan, now)` returns only the events that make the log
-say what the layout says (nothing, for a layout applied before). The shell, `apply(log, layout, now)`,
-reads the subject, diffs, and appends each event with the subject's expected last sequence; when
-another writer wins the race (`Conflict`) it re-reads and re-diffs, a bounded number of times.
+`fold_declarations(events)` reads the `haru.evt.<fleet>.decl` history into the current `Declarations`;
+`diff(current, layout, plan, now)` returns only the events that make the log say what the layout says
+(nothing, for a layout applied before). The shell that reads the subject and appends the difference is
+`haru.log.apply.apply`.
 """
 
 from __future__ import annotations
@@ -14,10 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from haru.core import subjects
-from haru.core.authority import misplaced
-from haru.core.causes import admission_cause, declaration_seqs, with_cause
-from haru.core.errors import Conflict, LayoutError
+from haru.core.errors import LayoutError
 from haru.core.events import (
     AdmissionDecided,
     DomainChanged,
@@ -35,27 +31,22 @@ from haru.core.events import (
     tag_of,
 )
 from haru.core.planner import Plan, Verdict
-from haru.core.planner import plan as plan_layout
 from haru.core.residency import state_name
 from haru.core.sizes import format_gib
 from haru.core.specs import DomainSpec, Layout, ModelSpec, Policy, TrainingSpec, fleet_uuid
 
 if TYPE_CHECKING:
     from haru.core.views import FleetView
-    from haru.log.seam import EventStore  # the type only: the shell hands the log in
 
 __all__ = [
     "Declarations",
     "fold_declarations",
     "diff",
-    "ApplyResult",
-    "apply",
     "describe",
     "running_at_risk",
-    "DEFAULT_RETRIES",
+    "waits_on_active",
+    "change_paths",
 ]
-
-DEFAULT_RETRIES = 5
 
 
 @dataclass
@@ -240,64 +231,6 @@ def describe(event: Event) -> str:
     else:  # pragma: no cover - diff emits only the above
         what = ""
     return f"{sign} {tag} {what}".rstrip()
-
-
-# ------------------------------------------------------------------------------------------- shell
-
-
-@dataclass
-class ApplyResult:
-    fleet: str
-    plan: Plan
-    events: list[Event]  # the differences (appended unless dry_run)
-    seqs: list[int]  # their stream sequences ([] for a dry run or no change)
-    last_seq: int  # the decl subject's last sequence after apply (before, for a dry run)
-    dry_run: bool = False
-    attempts: int = 1
-
-
-async def apply(
-    log: EventStore,
-    layout: Layout,
-    now: datetime,
-    *,
-    dry_run: bool = False,
-    retries: int = DEFAULT_RETRIES,
-    by: str = "",
-) -> ApplyResult:
-    """Append the differences between the log and `layout` to `haru.evt.<fleet>.decl`.
-
-    Each append carries the subject's expected last sequence. On Conflict (another writer appended),
-    re-read, re-diff, and try again, up to `retries` times; then the Conflict propagates.
-    """
-    subject = subjects.decl(layout.fleet)
-    the_plan = plan_layout(layout)
-    attempt = 0
-    while True:
-        attempt += 1
-        records = await log.history(subject)
-        last = records[-1].seq if records else 0
-        # The subject is the authority: an event that may not stand on the decl subject (a
-        # fleet_declared naming another fleet, anything but a declaration) is not a declaration.
-        current = fold_declarations(
-            r.event for r in records if r.event is not None and not misplaced(r.subject, r.event)
-        )
-        events = diff(current, layout, the_plan, now, by=by)
-        if dry_run or not events:
-            return ApplyResult(layout.fleet, the_plan, events, [], last, dry_run=dry_run, attempts=attempt)
-        seqs: list[int] = []
-        try:
-            declared = declaration_seqs((r.seq, r.event) for r in records if r.event is not None)
-            for e in events:
-                e = with_cause(e, admission_cause(e, declared))
-                last = await log.append(subject, e, expect=last)
-                declared.update(declaration_seqs([(last, e)]))
-                seqs.append(last)
-        except Conflict:
-            if attempt > retries:
-                raise
-            continue
-        return ApplyResult(layout.fleet, the_plan, events, seqs, last, attempts=attempt)
 
 
 def waits_on_active(events: list[Event], active: str) -> list[str]:

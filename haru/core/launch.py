@@ -396,6 +396,13 @@ def check_args(spec: ModelSpec, gpu_memory_bytes: int) -> None:
 # -------------------------------------------------------------------------------- launch
 
 
+def with_interpreter(argv: list[str], interpreter: str) -> list[str]:
+    """A leading `python` in a runtime's binary or a training command is the agent's own interpreter
+    (pure): the simulator and the example trainers run with Haru's installation, and the declaration
+    stays what the layout says on every host, so re-applying it is no change."""
+    return [interpreter, *argv[1:]] if argv[:1] == ["python"] else list(argv)
+
+
 def launch(
     spec: ModelSpec,
     *,

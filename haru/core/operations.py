@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import msgspec
 
@@ -28,15 +28,9 @@ from haru.core.events import (
     StepFailed,
     StepStarted,
 )
+from haru.core.record import Record
 
 __all__ = ["OpStep", "Operation", "fold_operations", "as_doc", "abort_words", "ms_between", "progress_line"]
-
-
-class _Record(Protocol):
-    @property
-    def seq(self) -> int: ...
-    @property
-    def event(self) -> Any: ...
 
 
 class OpStep(msgspec.Struct, frozen=True, kw_only=True):
@@ -86,7 +80,7 @@ def abort_words(step: str, error: str) -> str:
     return error if not step or error.startswith(step) else f"{step}: {error}"
 
 
-def fold_operations(records: Iterable[_Record]) -> list[Operation]:
+def fold_operations(records: Iterable[Record]) -> list[Operation]:
     """Every operation the records request, in the order requested, with its steps in order."""
     ops: dict[str, Operation] = {}
     for rec in records:

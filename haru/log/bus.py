@@ -6,6 +6,12 @@ liveness beats, commands to agents), behind one small interface.
     sub = await bus.subscribe(subjects.heartbeats("*"), on_msg)     # on_msg(Msg), plain or async
     msg = await bus.request(subject, body, timeout=5.0)              # NoResponders, RequestTimeout
     reply = await send(bus, "default", "b", "wake", Command(op_id=...), timeout=120.0)
+    served = await bus.serve(Service(name="haru-agent", ...), [Endpoint("status", subject, answer)])
+    await served.stop()                                              # answer(body) -> reply body
+
+`serve` answers requests: each endpoint's `answer` is called with a request's body in a task of its own
+(so a slow answer never delays another) and its return value is the reply. On NATS it is a `nats.micro`
+service, so `$SRV.PING.<name>` finds it; `stop()` stops answering and cancels the answers in flight.
 
 `NatsBus` is the real one; `haru.log.memory.MemoryBus` is the in-memory one, and
 tests/integration/test_log_contract.py runs one suite against both. nats-py errors never escape
@@ -22,19 +28,36 @@ this module: they become `haru.core.errors.BusError`s.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
 import nats.errors
+import nats.micro
+from nats.micro.request import Request
 
 from haru.core import subjects
 from haru.core.commands import Command, ErrorInfo, Reply, command_encoder, reply_decoder
 from haru.core.errors import AgentGone, BusError, CommandError, NoResponders, RequestTimeout
 
-__all__ = ["Bus", "Msg", "NatsBus", "Subscription", "send", "SERVICE_ERROR", "SERVICE_ERROR_CODE"]
+__all__ = [
+    "Answer",
+    "Answering",
+    "Bus",
+    "Endpoint",
+    "Msg",
+    "NatsBus",
+    "Served",
+    "Service",
+    "Subscription",
+    "send",
+    "SERVICE_ERROR",
+    "SERVICE_ERROR_CODE",
+]
 
 SERVICE_ERROR = "Nats-Service-Error"
 SERVICE_ERROR_CODE = "Nats-Service-Error-Code"
@@ -56,6 +79,62 @@ class Subscription(Protocol):
     async def unsubscribe(self) -> None: ...
 
 
+Answer = Callable[[bytes], Awaitable[bytes]]
+"""A served endpoint's answer: the request's body in, the reply's body out. It must not raise (a request
+whose answer raised gets no reply: its requester times out)."""
+
+
+@dataclass(frozen=True)
+class Service:
+    """What a served service says of itself (`$SRV.INFO` on NATS) and the queue group its endpoints share."""
+
+    name: str
+    version: str
+    description: str = ""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    queue_group: str = ""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One request subject a service answers, and how."""
+
+    name: str
+    subject: str
+    answer: Answer
+
+
+class Served(Protocol):
+    async def stop(self) -> None:
+        """Stop answering; the answers in flight are cancelled (their requesters get no reply)."""
+        ...
+
+
+class Answering:
+    """The answers in flight of one served service: each in its own task, all cancelled by `stop`. Both
+    buses serve through it, so a slow answer delays no other on either."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, answer: Answer, data: bytes, respond: Callable[[bytes], Awaitable[object]]) -> None:
+        task = asyncio.ensure_future(self._answer(answer, data, respond))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _answer(answer: Answer, data: bytes, respond: Callable[[bytes], Awaitable[object]]) -> None:
+        reply = await answer(data)
+        with contextlib.suppress(Exception):  # the requester went away, or the link did
+            await respond(reply)
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class Bus(Protocol):
     """Core NATS for Haru: what heartbeats and commands need, nothing more."""
 
@@ -71,6 +150,8 @@ class Bus(Protocol):
     async def request(
         self, subject: str, data: bytes, *, timeout: float, headers: dict[str, str] | None = None
     ) -> Msg: ...
+
+    async def serve(self, service: Service, endpoints: Sequence[Endpoint]) -> Served: ...
 
 
 class NatsBus:
@@ -117,6 +198,43 @@ class NatsBus:
         except nats.errors.Error as exc:
             raise BusError(f"requesting on {subject}: {exc or type(exc).__name__}") from exc
         return Msg(m.subject, m.data, m.headers, m.reply or "")
+
+    async def serve(self, service: Service, endpoints: Sequence[Endpoint]) -> Served:
+        """A `nats.micro` service (so `$SRV.PING.<name>` finds it), one endpoint per `Endpoint`."""
+        answering = Answering()
+        try:
+            micro = await nats.micro.add_service(
+                self.nc,
+                name=service.name,
+                version=service.version,
+                description=service.description,
+                metadata=dict(service.metadata),
+                queue_group=service.queue_group or None,
+            )
+            for ep in endpoints:
+                await micro.add_endpoint(name=ep.name, subject=ep.subject, handler=_micro_handler(answering, ep.answer))
+        except ValueError as exc:  # nats.micro's own checks: a name, version (semver) or subject it refuses
+            raise BusError(f"serving {service.name!r} version {service.version!r}: {exc}") from exc
+        except nats.errors.Error as exc:
+            raise BusError(f"serving {service.name}: {exc or type(exc).__name__}") from exc
+        return _MicroServed(micro, answering)
+
+
+def _micro_handler(answering: Answering, answer: Answer) -> Callable[[Request], Coroutine[Any, Any, None]]:
+    async def handle(request: Request) -> None:
+        answering.start(answer, request.data, request.respond)
+
+    return handle
+
+
+class _MicroServed:
+    def __init__(self, micro: nats.micro.Service, answering: Answering) -> None:
+        self.micro, self.answering = micro, answering
+
+    async def stop(self) -> None:
+        with contextlib.suppress(nats.errors.Error):  # the link is gone: nothing is served on it any more
+            await self.micro.stop()
+        await self.answering.stop()
 
 
 async def send(

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import itertools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Self
 
 import msgspec
@@ -35,7 +36,7 @@ import msgspec
 from haru.core import subjects
 from haru.core.errors import Conflict, LogUnavailable, NoResponders, RequestTimeout
 from haru.core.events import Event, encode
-from haru.log.bus import Handler, Msg
+from haru.log.bus import Answer, Answering, Endpoint, Handler, Msg, Service
 from haru.log.follow import Follower
 from haru.log.record import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, Record, body_hash, decode_record, msg_id
 
@@ -110,6 +111,30 @@ class MemoryBus:
             raise RequestTimeout(f"no reply on {subject} within {timeout:g} s") from None
         finally:
             await sub.unsubscribe()
+
+    async def serve(self, service: Service, endpoints: Sequence[Endpoint]) -> _MemoryServed:
+        """Each endpoint answers its subject (one answer at a time per service's queue group, as here there is
+        one process); nothing answers `$SRV` discovery."""
+        answering = Answering()
+        subs: list[_Sub] = []
+        for ep in endpoints:
+
+            def on_request(msg: Msg, answer: Answer = ep.answer) -> None:
+                if msg.reply:
+                    answering.start(answer, msg.data, functools.partial(self.publish, msg.reply))
+
+            subs.append(await self.subscribe(ep.subject, on_request))
+        return _MemoryServed(subs, answering)
+
+
+class _MemoryServed:
+    def __init__(self, subs: list[_Sub], answering: Answering) -> None:
+        self.subs, self.answering = subs, answering
+
+    async def stop(self) -> None:
+        for sub in self.subs:
+            await sub.unsubscribe()
+        await self.answering.stop()
 
 
 class _Stream:

@@ -1,72 +1,14 @@
-"""What the log stores and how an append is named: `Record` (one stored message), the body hash of the
-per-subject chain, and the deterministic `Nats-Msg-Id` of an append. Shared by the JetStream log
-(haru/log/eventlog.py) and the in-memory one (haru/log/memory.py), so the two name and chain events
-the same way. No I/O.
+"""JetStream's names for an append's headers: the expected last sequence of its subject and its
+deduplication id. The record itself and the chain arithmetic (`Record`, `body_hash`, `msg_id`,
+`decode_record`) are the core's (haru/core/record.py); they are named here too for the log's modules.
+No I/O.
 """
 
 from __future__ import annotations
 
-import hashlib
-from datetime import UTC, datetime
-
-import msgspec
-
-from haru.core.errors import EventDecodeError
-from haru.core.events import AnyEvent, decode
+from haru.core.record import Record, body_hash, datetime_to_ns, decode_record, msg_id
 
 __all__ = ["EXPECTED_LAST_SUBJECT_SEQ", "MSG_ID", "Record", "body_hash", "datetime_to_ns", "decode_record", "msg_id"]
 
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 MSG_ID = "Nats-Msg-Id"
-
-
-class Record(msgspec.Struct, frozen=True, gc=False):
-    """One stored message: its stream sequence, subject, recorded time, raw body and decoded event.
-
-    A frozen msgspec Struct rather than a frozen dataclass: a replay builds one per message, and
-    a frozen dataclass's __init__ (one object.__setattr__ per field) cost ~0.8 us of the ~10 us a
-    replayed message takes; this costs ~0.08 us. gc=False: a Record refers to no container that
-    could refer back to it, so the collector need not track 100k of them during a replay.
-    """
-
-    seq: int
-    subject: str
-    time_ns: int  # when JetStream recorded it, ns since the epoch (the event's `at` is when the writer observed it)
-    data: bytes
-    event: AnyEvent | None  # None when the body is not a valid event
-    error: str = ""  # why it is not, with msgspec's path
-    headers: dict[str, str] | None = None
-
-    @property
-    def time(self) -> datetime:
-        """When JetStream recorded it (computed on demand: replay hot paths rarely need it)."""
-        return datetime.fromtimestamp(self.time_ns / 1e9, UTC)
-
-
-def body_hash(data: bytes) -> str:
-    """The chain link: `prev` of the next event on the same subject is this body's sha256."""
-    return hashlib.sha256(data).hexdigest()
-
-
-def msg_id(subject: str, expect: int, data: bytes) -> str:
-    """The deterministic Nats-Msg-Id of an append: the same (subject, position, body) is the same event."""
-    h = hashlib.sha256()
-    h.update(subject.encode())
-    h.update(b"\n%d\n" % expect)
-    h.update(data)
-    return h.hexdigest()[:40]
-
-
-def decode_record(seq: int, subject: str, time_ns: int, data: bytes, headers: dict[str, str] | None) -> Record:
-    """A Record whose body is decoded, or carries the decoder's error (with msgspec's path) when invalid."""
-    try:
-        event = decode(data)
-    except EventDecodeError as exc:
-        return Record(seq, subject, time_ns, data, None, str(exc), headers)
-    except RecursionError:  # a body nested thousands deep: msgspec refuses it this way
-        return Record(seq, subject, time_ns, data, None, "not a valid Haru event: nested too deeply to decode", headers)
-    return Record(seq, subject, time_ns, data, event, "", headers)
-
-
-def datetime_to_ns(t: datetime) -> int:
-    return int(t.timestamp() * 1_000_000) * 1000

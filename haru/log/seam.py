@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from haru.core import subjects
-from haru.log.record import Record
+from haru.core.record import Record
 
 if TYPE_CHECKING:
     from haru.log.bus import Bus

@@ -43,11 +43,11 @@ from typing import Any
 
 import structlog
 
-from haru.core import apply as apply_mod
 from haru.core.errors import ConfigError
 from haru.core.specs import Layout
 from haru.host.natsd import NatsServer, free_port
 from haru.host.tasks import cancel_and_wait
+from haru.log import apply as apply_mod
 from haru.log.eventlog import EventLog
 from haru.up.demo_layout import DEMO_LAYOUT, demo_layout
 from haru.up.home import NATS_URL_FILE, HomeLock, redact, stop_leftovers

@@ -1,7 +1,7 @@
 """The demo fleets of `haru up --demo`: the layouts it ships, widened to N domains and made runnable here.
 
-    demo_layout(home, DEMO_LAYOUT, domains=0)   the layout, parsed: "python" is this interpreter, checkpoints
-                                                 and tiny generated models live under $HARU_HOME/demo
+    demo_layout(home, DEMO_LAYOUT, domains=0)   the layout, parsed: checkpoints and tiny generated models
+                                                 live under $HARU_HOME/demo
     widen(doc, domains)                          pure: the document with that many domains (c, d, ... copied
                                                  from the last, each with its own ports)
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +63,11 @@ def widen(doc: dict[str, Any], domains: int) -> dict[str, Any]:
 
 
 def demo_layout(home: Path, path: Path = DEMO_LAYOUT, domains: int = 0) -> Layout:
-    """The demo layout made runnable here: a leading "python" becomes this interpreter, and
-    checkpoints live under $HARU_HOME. `domains` (0 = as the file says): the fleet widened or narrowed
-    to that many domains (`widen`)."""
+    """The demo layout made runnable here: tiny generated models and the managed runtimes for the real
+    demos, and checkpoints under a home other than ~/.haru. A leading "python" in a binary or a training
+    command stays as the file says (each agent runs it with its own interpreter: haru.core.launch
+    `with_interpreter`), so re-applying the shipped file to the demo fleet is no change. `domains` (0 =
+    as the file says): the fleet widened or narrowed to that many domains (`widen`)."""
     try:
         doc = json.loads(path.read_text())
     except OSError as exc:
@@ -75,25 +76,20 @@ def demo_layout(home: Path, path: Path = DEMO_LAYOUT, domains: int = 0) -> Layou
             "package data), or pass --layout with a layout of your own"
         ) from None
     doc = widen(doc, domains)
-    py = sys.executable
+    default_home = Path("~/.haru").expanduser()
     for domain in doc.get("domains", []):
         for slot in domain.get("slots", []):
-            if slot.get("kind") == "training":
-                cmd = slot.get("command", [])
-                if cmd and cmd[0] == "python":
-                    slot["command"] = [py, *cmd[1:]]
+            if slot.get("kind") == "training" and Path(home).expanduser() != default_home:
+                # the shipped files say ~/.haru/demo/...: another home keeps its demo's checkpoints inside it
                 slot["checkpoint_dir"] = str(home / "demo" / "checkpoints" / domain["name"] / slot["name"])
             for model in slot.get("models", []):
-                binary = model.get("binary", [])
-                if binary and binary[0] == "python":
-                    model["binary"] = [py, *binary[1:]]
-                if "haru.agents.sim.vllm" in binary and "vram" in model:
-                    # the simulated runtime holds what the model declares, so the sim GPU's numbers
-                    # are the planner's: the standby cannot wake its models with training still running
-                    model["env"] = {"HARU_SIM_VRAM": str(model["vram"]), **model.get("env", {})}
                 if model.get("runtime") == "llama_server":
                     _real_llama_model(model, home)
-                if model.get("runtime") == "vllm" and not binary and str(model.get("source", "")).startswith("./"):
+                if (
+                    model.get("runtime") == "vllm"
+                    and not model.get("binary")
+                    and str(model.get("source", "")).startswith("./")
+                ):
                     _real_vllm_model(model, home)
     return parse_layout(doc)
 

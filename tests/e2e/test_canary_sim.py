@@ -20,11 +20,11 @@ import aiohttp
 import pytest
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.events import WeightsSet
 from haru.core.layout import load_layout
 from haru.core.residency import Resident
 from haru.host.tasks import cancel_and_wait
+from haru.log.apply import apply
 from haru.log.requests import request_weights
 from haru.projections.projector import Projector
 from tests.e2e.test_failover_sim import steady

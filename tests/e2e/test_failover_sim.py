@@ -12,10 +12,10 @@ from datetime import UTC, datetime
 import pytest
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.events import OperationAborted, PromotionRequested, StepFailed, StepStarted
 from haru.core.layout import load_layout
 from haru.core.residency import Resident, Sleeping
+from haru.log.apply import apply
 from tests.support import haru
 from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, sim_fault, write_config, write_layout
 from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_until, wait_view

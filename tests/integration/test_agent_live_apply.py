@@ -15,8 +15,8 @@ from datetime import UTC, datetime
 import pytest
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.layout import load_layout
+from haru.log.apply import apply
 from haru.log.bus import send
 from tests.integration.test_agent_restart import FLEET, MODELS, ChatLoad, residency_tags, sim_fleet, sim_layout, steady
 from tests.support.agent_harness import sim_model

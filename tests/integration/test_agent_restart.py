@@ -124,11 +124,11 @@ class Fleet:
 
 @contextlib.asynccontextmanager
 async def sim_fleet(tmp_path, nats_server, event_log, layout: Path, *, declared: bool = False):
-    from haru.core.apply import apply
     from haru.core.layout import load_layout
     from haru.gateway.config import GatewayConfig
     from haru.gateway.server import Gateway
     from haru.host.tasks import cancel_and_wait
+    from haru.log.apply import apply
     from haru.projections.projector import Projector
     from tests.support.promoter import promoters
 

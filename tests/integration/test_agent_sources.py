@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 import pytest
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.commands import Command
 from haru.core.layout import load_layout
+from haru.log.apply import apply
 from haru.log.bus import send
 from tests.support.agent_harness import (
     AgentProcess,

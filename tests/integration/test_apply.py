@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from haru.core import subjects
-from haru.core.apply import apply, diff, fold_declarations
+from haru.core.apply import diff, fold_declarations
 from haru.core.events import tag_of
 from haru.core.layout import load_layout, parse_layout
 from haru.core.planner import plan
 from haru.core.sizes import GiB, format_gib
+from haru.log.apply import apply
 from haru.log.eventlog import body_hash
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -175,8 +175,8 @@ async def test_what_is_not_there_is_not_found(nats_server, event_log, capsys):
     import asyncio
     from datetime import datetime
 
-    from haru.core.apply import apply
     from haru.core.layout import load_layout
+    from haru.log.apply import apply
 
     await apply(event_log, load_layout(LAYOUT), datetime.now(UTC))
     url = nats_server.url
@@ -206,11 +206,11 @@ async def test_every_fleet_option_takes_the_fleets_uuid(nats_server, event_log, 
     import asyncio
     from datetime import datetime
 
-    from haru.core.apply import apply
     from haru.core.fold import fold
     from haru.core.layout import load_layout
     from haru.core.specs import fleet_uuid
     from haru.core.views import view_encoder
+    from haru.log.apply import apply
 
     await apply(event_log, load_layout(LAYOUT), datetime.now(UTC))
     records = await event_log.history("haru.evt.default.>")

@@ -26,12 +26,12 @@ import pytest
 from test_deploy_cluster import REPO, cluster, haru_cli, now  # noqa: F401 - `cluster` is the module's fixture
 
 from haru.core import authority, subjects
-from haru.core.apply import apply
 from haru.core.events import AnyEvent, OperationCompleted, PromotionRequested, RouteMoved, StepCompleted
 from haru.core.fold import fold
 from haru.core.residency import Sleeping
 from haru.core.views import intent_decoder
 from haru.host.tasks import cancel_and_wait
+from haru.log.apply import apply
 from haru.log.history import Verifier, misplaced_records
 from haru.log.requests import request_operation
 from haru.projections.projector import Projector

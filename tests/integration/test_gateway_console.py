@@ -12,10 +12,10 @@ import aiohttp
 import pytest
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.events import AgentStarted, FailureSignalled, ModelLoading, ModelResident, RouteMoved
 from haru.gateway import Gateway, GatewayConfig
 from haru.host.tasks import cancel_and_wait
+from haru.log.apply import apply
 from haru.projections.projector import Projector
 from tests.integration.test_gateway_control import MODEL, echo_upstream, layout, wait_for
 

@@ -14,11 +14,11 @@ import pytest
 from aiohttp import web
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.events import ModelLoading, ModelLost, ModelResident, RouteMoved
 from haru.core.layout import parse_layout
 from haru.gateway import Forward, Gateway, GatewayConfig
 from haru.host.tasks import cancel_and_wait
+from haru.log.apply import apply
 from haru.projections.projector import Projector
 
 MODEL = "qwen3.6:27b"

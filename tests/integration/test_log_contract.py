@@ -20,7 +20,7 @@ from haru.core import subjects
 from haru.core.commands import Command, Reply, command_decoder
 from haru.core.commands import command_encoder as reply_encoder
 from haru.core.errors import AgentGone, Conflict, NoResponders, RequestTimeout
-from haru.log.bus import SERVICE_ERROR, SERVICE_ERROR_CODE, Msg, send
+from haru.log.bus import SERVICE_ERROR, SERVICE_ERROR_CODE, Endpoint, Msg, Service, send
 from haru.log.memory import subject_matches
 
 T0 = datetime(2026, 11, 29, 3, 0, tzinfo=UTC)
@@ -338,6 +338,55 @@ async def test_send_has_one_meaning_for_each_outcome(log):
     assert not bad.ok and bad.error.code == "bad_reply"
     with pytest.raises(AgentGone, match="nothing subscribed"):
         await send(bus, F, "c", "status", Command(), timeout=2)
+
+
+async def test_a_served_endpoint_answers_each_request_in_its_own_task_until_stopped(log):
+    bus = log.bus
+    release = asyncio.Event()
+    started: list[bytes] = []
+
+    async def slow(data: bytes) -> bytes:
+        started.append(data)
+        await release.wait()
+        return b"slow " + data
+
+    async def fast(data: bytes) -> bytes:
+        return data.upper()
+
+    served = await bus.serve(
+        Service(name="haru-test", version="1.0.0", metadata={"fleet": F}, queue_group="haru-test-q"),
+        [Endpoint("slow", "test.slow", slow), Endpoint("fast", "test.fast", fast)],
+    )
+    waiting = asyncio.ensure_future(bus.request("test.slow", b"one", timeout=10))
+    await eventually(lambda: started == [b"one"])
+    # the slow answer is still running: another request on the service is answered meanwhile
+    assert (await bus.request("test.fast", b"two", timeout=5)).data == b"TWO"
+    release.set()
+    assert (await waiting).data == b"slow one"
+    await served.stop()
+    with pytest.raises((NoResponders, RequestTimeout)):
+        await bus.request("test.fast", b"three", timeout=0.5)
+
+
+async def test_stopping_a_service_cancels_the_answers_in_flight(log):
+    bus = log.bus
+    cancelled = asyncio.Event()
+
+    async def forever(data: bytes) -> bytes:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return b""
+
+    served = await bus.serve(Service(name="haru-test", version="1.0.0"), [Endpoint("forever", "test.forever", forever)])
+    waiting = asyncio.ensure_future(bus.request("test.forever", b"", timeout=0.5))
+    await asyncio.sleep(0.1)
+    await served.stop()
+    assert cancelled.is_set()
+    with pytest.raises(RequestTimeout):
+        await waiting
 
 
 def test_subject_matching_is_nats_matching():

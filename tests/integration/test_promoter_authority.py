@@ -18,7 +18,6 @@ from datetime import UTC, datetime
 import pytest
 
 from haru.core import authority, subjects
-from haru.core.apply import apply
 from haru.core.errors import Conflict
 from haru.core.events import (
     ModelLost,
@@ -29,6 +28,7 @@ from haru.core.events import (
     StepFailed,
     StepStarted,
 )
+from haru.log.apply import apply
 from haru.log.eventlog import EventLog
 from haru.log.history import misplaced_records
 from haru.log.requests import request_operation

@@ -13,9 +13,9 @@ from datetime import UTC, datetime
 import pytest
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.events import OperationCompleted, PromotionRequested, RouteMoved, StepCompleted, StepStarted
 from haru.core.saga import flow
+from haru.log.apply import apply
 from haru.log.eventlog import EventLog
 from haru.log.requests import request_operation
 from tests.support.promoter import PromoterProcess, describe, op_events, view_of, wait_op_end, wait_until

@@ -12,10 +12,10 @@ from datetime import UTC, datetime
 import pytest
 
 from haru.core import ranking, subjects
-from haru.core.apply import apply
 from haru.core.events import OperationCompleted, PromotionRequested, PromotionRetargeted, StepFailed, StepStarted
 from haru.core.intents import intent
 from haru.core.operations import fold_operations
+from haru.log.apply import apply
 from tests.support.promoter import (
     asleep_and_training,
     fake_agent,

@@ -17,7 +17,6 @@ from datetime import UTC, datetime
 import pytest
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.events import (
     EligibilityChanged,
     FailoverDeclined,
@@ -28,6 +27,7 @@ from haru.core.events import (
     StepFailed,
     StepStarted,
 )
+from haru.log.apply import apply
 from haru.log.requests import request_operation
 from tests.support.promoter import (
     asleep_and_training,

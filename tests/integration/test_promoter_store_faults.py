@@ -17,9 +17,9 @@ import pytest
 from nats.js import api
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.events import OperationAborted, OperationCompleted, RouteMoved, StepStarted
 from haru.host.natsd import NatsServer
+from haru.log.apply import apply
 from haru.log.requests import request_operation
 from tests.support.promoter import PromoterProcess, describe, op_events, view_of, wait_op_end, wait_until
 from tests.support.promoter_fake import FakeAgent, layout

@@ -11,10 +11,10 @@ import aiohttp
 import yaml
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.events import ProvisionRequested, TeardownRequested
 from haru.core.layout import load_layout
 from haru.gateway import Gateway, GatewayConfig
+from haru.log.apply import apply
 from tests.unit.test_provision_yaml import EXAMPLE
 
 TOKEN = "s3cret-token"

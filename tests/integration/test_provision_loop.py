@@ -18,11 +18,11 @@ from datetime import UTC, datetime
 import pytest
 
 from haru.agents.sim.gpu_state import SimGpuState
-from haru.core.apply import apply
 from haru.core.events import OperationCompleted, ReplaceRequested, StepCompleted, StepStarted
 from haru.core.layout import load_layout
 from haru.core.residency import Sleeping
 from haru.host.natsd import free_port
+from haru.log.apply import apply
 from haru.log.requests import request_operation
 from haru.provision.execs import SubprocessExec
 from haru.provision.skyserve import SkyServe

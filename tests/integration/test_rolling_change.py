@@ -43,11 +43,11 @@ def context_4096(d, ms) -> None:
 async def rolling_fleet(tmp_path, nats_server, event_log, *, step_delay_ms: int = 0):
     """Two domains a (active) and b (standby) whose agents follow the declarations, a projector, a gateway,
     and one `haru promoter` child process (`fleet.promoter`, to kill and start again)."""
-    from haru.core.apply import apply
     from haru.core.layout import load_layout
     from haru.gateway.config import GatewayConfig
     from haru.gateway.server import Gateway
     from haru.host.tasks import cancel_and_wait
+    from haru.log.apply import apply
     from haru.projections.projector import Projector
 
     layout = sim_layout(tmp_path / "layout.json", tmp_path)

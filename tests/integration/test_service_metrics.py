@@ -15,9 +15,9 @@ from datetime import UTC, datetime
 from prometheus_client.parser import text_string_to_metric_families
 
 from haru.core import subjects
-from haru.core.apply import apply
 from haru.core.events import RouteMoved
 from haru.host.natsd import free_port
+from haru.log.apply import apply
 from tests.integration.test_gateway_control import layout
 
 

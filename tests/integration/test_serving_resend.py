@@ -13,6 +13,7 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from haru.agents.serving import ServingProxy
+from haru.agents.serving_env import ServingEnv
 from tests.integration.test_gateway import OK_JSON, RawUpstream
 
 pytestmark = pytest.mark.timeout(30)
@@ -29,6 +30,7 @@ async def _proxy(tmp_path) -> ServingProxy:
         state_dir=tmp_path,
         host="127.0.0.1",
         port=0,
+        env=ServingEnv(),
     )
     # what start() makes, without the port holder: the two client sessions
     proxy._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))

@@ -135,11 +135,11 @@ def real_layout(
 async def real_fleet(tmp_path: Path, nats_server, event_log, layout: Path, *, fleet: str = "default"):
     """The layout applied, one agent per domain (real subprocesses), and in this process a projector,
     a promoter and a gateway. Yields the gateway."""
-    from haru.core.apply import apply
     from haru.core.layout import load_layout
     from haru.gateway.config import GatewayConfig
     from haru.gateway.server import Gateway
     from haru.host.tasks import cancel_and_wait
+    from haru.log.apply import apply
     from haru.projections.projector import Projector
     from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, write_config
     from tests.support.promoter import promoters

@@ -106,7 +106,6 @@ async def test_the_gpu_loop_survives_a_raising_read_and_keeps_observing_the_othe
         gpus=gpus,
         append=append,
         owners=lambda index: [],
-        on_gone=lambda index: None,
         exclude_pid=0,
         logger=structlog.get_logger("test"),
     )
@@ -221,7 +220,6 @@ async def test_a_supervisor_survives_a_raising_append_counts_it_and_loads_on_the
         gpus=gpus,
         append=append,
         owners=lambda index: [],
-        on_gone=lambda index: None,
         exclude_pid=0,
         logger=logger,
     )
@@ -243,7 +241,7 @@ async def test_a_supervisor_survives_a_raising_append_counts_it_and_loads_on_the
             about=recorder.about,
             gpu=watcher,
             files=RuntimeFiles(tmp_path, logger=logger),
-            role=lambda: "active",
+            role=NS(now="active"),
             policy=lambda: policy,
             stopping=stop.is_set,
             stop_event=stop,

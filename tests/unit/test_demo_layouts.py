@@ -61,3 +61,19 @@ def test_domains_out_of_range_is_refused_with_the_range():
 
     with pytest.raises(ConfigError, match="1 to 9 domains"):
         widen({"domains": [{"name": "a"}]}, 10)
+
+
+def test_the_shipped_demo_file_re_applied_to_the_demo_fleet_is_no_change(monkeypatch, tmp_path):
+    """`haru up --demo` declares exactly what the shipped file says (the agents resolve a leading `python`
+    themselves), so `haru apply -f` of that file changes nothing and rolls no model."""
+    from haru.core.launch import with_interpreter
+    from haru.core.layout import parse_layout
+    from haru.up.demo_layout import demo_layout
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the default home, ~/.haru, inside this test
+    for name in ("demo-fleet.json", "demo-fleet-3.json"):
+        shipped = Path(__file__).resolve().parents[2] / "deploy" / "examples" / name
+        declared = demo_layout(tmp_path / ".haru", Path(__file__).resolve().parents[2] / "haru" / "up" / "demo" / name)
+        assert declared == parse_layout(shipped.read_bytes()), name
+    assert with_interpreter(["python", "-m", "x"], "/venv/bin/python3") == ["/venv/bin/python3", "-m", "x"]
+    assert with_interpreter(["/usr/bin/python", "t.py"], "/venv/bin/python3") == ["/usr/bin/python", "t.py"]

@@ -59,13 +59,16 @@ def test_demo_fleet_argv_and_env_are_pinned():
     for domain, base in (("a", 18610), ("b", 18620)):
         # 24 GiB simulated GPU: 2/24 = 0.0833 -> 0.083, 9/24 = 0.375, 10/24 = 0.4166 -> 0.416
         assert got[(domain, "qwen3-0.6b")] == Launch(
-            argv=vllm(SIM, "Qwen/Qwen3-0.6B", base + 1, "qwen3-0.6b", "0.083", 8192), env=VLLM_ENV
-        )  # `haru up --demo` adds the simulator's HARU_SIM_* variables to the model's env
+            argv=vllm(SIM, "Qwen/Qwen3-0.6B", base + 1, "qwen3-0.6b", "0.083", 8192),
+            env={**VLLM_ENV, "HARU_SIM_VRAM": "2GiB"},
+        )  # the shipped file gives the simulator its model's VRAM (HARU_SIM_VRAM) in the model's env
         assert got[(domain, "Qwen/Qwen3-4B-Instruct")] == Launch(
-            argv=vllm(SIM, "Qwen/Qwen3-4B-Instruct", base + 2, "Qwen/Qwen3-4B-Instruct", "0.375", 16384), env=VLLM_ENV
+            argv=vllm(SIM, "Qwen/Qwen3-4B-Instruct", base + 2, "Qwen/Qwen3-4B-Instruct", "0.375", 16384),
+            env={**VLLM_ENV, "HARU_SIM_VRAM": "9GiB"},
         )
         assert got[(domain, "qwen3.6:27b-sim")] == Launch(
-            argv=vllm(SIM, "Qwen/Qwen3-27B", base + 3, "qwen3.6:27b-sim", "0.416", 16384), env=VLLM_ENV
+            argv=vllm(SIM, "Qwen/Qwen3-27B", base + 3, "qwen3.6:27b-sim", "0.416", 16384),
+            env={**VLLM_ENV, "HARU_SIM_VRAM": "10GiB"},
         )
     assert len(got) == 6
 

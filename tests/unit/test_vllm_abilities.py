@@ -13,7 +13,7 @@ import pytest
 from haru.agents.gpu import GpuReading
 from haru.agents.runtimes.vllm import SLEEP_REFUSAL, VllmRuntime
 from haru.agents.runtimes.vllm_env import API_SERVER, PACKAGE, STAMP, VERSION
-from haru.agents.supervisor import freed_by_sleep
+from haru.agents.sleep_wake import freed_by_sleep
 from haru.core.events import GpuProcess
 from haru.core.specs import GiB, ModelSpec
 
@@ -122,7 +122,7 @@ def test_without_per_process_figures_the_gpu_measures_and_without_a_gpu_reading_
 
 
 def test_what_vllm_said_is_its_exception_not_the_log_lines_that_mention_paths():
-    from haru.agents.supervisor import runtime_said
+    from haru.agents.runtime_said import runtime_said
 
     output = "\n".join(
         [
