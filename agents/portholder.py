@@ -18,9 +18,9 @@ listening socket to whichever agent asks (over a unix socket in the agent's stat
 
 **The bridge.** While no agent accepts, the holder accepts and forwards, so a request never waits for an
 agent to start (1-2 s: Python, NATS, the claim, adoption). It forwards what the agent's serving port
-forwards (POST /v1/chat/completions, /v1/completions, /v1/embeddings) to the runtime named by the body's
-`model` in the agent's runtime identity files (`<state_dir>/runtimes/*.json`, agents/runtime_files.py),
-on 127.0.0.1:<port>, with `Connection: close`, and pipes the runtime's answer back byte for byte (its
+forwards (POST /v1/chat/completions, /v1/completions, /v1/embeddings, /tokenize, /apply-template) to the
+runtime named by the body's `model` in the agent's runtime identity files (`<state_dir>/runtimes/*.json`,
+agents/runtime_files.py), on 127.0.0.1:<port>, with `Connection: close`, and pipes the runtime's answer back byte for byte (its
 head gets `Connection: close`; the client connection closes after it). `GET /v1/models` lists the
 models of the identity files. What it does not do, on purpose: no residency answers (the agent knows
 whether a model is resident, asleep or lost; the bridge only knows a runtime was adopted or started by
@@ -201,7 +201,9 @@ def _spawn(path: Path, host: str, port: int) -> None:
 
 # ----------------------------------------------------------------------------- the holder process
 
-FORWARDED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})  # agents/serving.py's
+FORWARDED = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize", "/apply-template"}
+)  # agents/serving.py's
 MAX_HEAD = 64 * 1024
 _PASS_REQUEST = ("content-type", "accept", "accept-encoding", "user-agent", "x-request-id", "openai-organization")
 _REASONS = {

@@ -4,6 +4,7 @@ Only these are forwarded, to the runtime chosen by the body's `model` (only `mod
 body goes upstream byte-identical and the response, JSON or SSE, streams back unbuffered):
 
     POST /v1/chat/completions   POST /v1/completions   POST /v1/embeddings
+    POST /tokenize   POST /apply-template   (the runtime's tokenizer: vLLM has the first, llama-server both)
     GET  /v1/models             (answered here: this domain's admitted models and their residency)
 
 Everything else (vLLM's /sleep, /wake_up, /is_sleeping, /health, any other path) is 404, so the
@@ -42,7 +43,9 @@ from haru.host.httpguard import BodyTimeout, BodyTooLarge, GuardedServer, read_b
 
 __all__ = ["ServingProxy", "FORWARDED", "bind_refusal", "check_serving"]
 
-FORWARDED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+# The runtime's tokenizer endpoints too (vLLM /tokenize; llama-server /tokenize and /apply-template): the
+# gateway counts the tokens of a stream it continued (docs/gateway.md, "Continued streams").
+FORWARDED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize", "/apply-template"})
 
 
 # READY_PATH is the one path a load balancer may read without the token (SkyServe's readiness probe sends no

@@ -12,6 +12,8 @@
     haru_gateway_retried_total{fleet, why}                   requests sent a second time, none of whose
                                                              response had reached the client: unreachable | runtime_gone
     haru_gateway_stream_resumes_total{fleet, outcome}        streams cut mid-generation: continued | error_event
+    haru_gateway_tokens_total{fleet, model, kind}            tokens the responses' `usage` reported: prompt |
+                                                             completion (a continued stream's: the whole request's)
 
 `fleet` and `model` are labels only for fleets and models that exist; anything else a client sends
 counts as "(unknown)", so clients cannot grow the label set.
@@ -20,9 +22,13 @@ counts as "(unknown)", so clients cannot grow the label set.
 from __future__ import annotations
 
 from bisect import bisect_left
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from haru.gateway.usage import Usage
 
 UNKNOWN_MODEL = "(unknown)"
 UNKNOWN_FLEET = "(unknown)"
@@ -151,10 +157,17 @@ class GatewayMetrics:
             ["fleet", "outcome"],
             registry=self.registry,
         )
+        self.token_counts = Counter(
+            "haru_gateway_tokens",
+            "Tokens served, as the responses' usage reported them (a continued stream's: the whole request's).",
+            ["fleet", "model", "kind"],
+            registry=self.registry,
+        )
         # Label children resolved once, and the request counts and histogram observations of the hot
         # path kept in plain ints here until the registry is collected (`flush`): prometheus_client
         # takes a lock per increment and loops over the buckets in Python (issue 20).
         self._counts: dict[tuple[str, str, int], int] = {}
+        self._tokens: dict[tuple[str, str], list[int]] = {}
         self._upstream: dict[tuple[str, str], tuple] = {}
         self._deferred: list[_Deferred] = []
         self._inflight: dict[str, Gauge] = {}
@@ -163,6 +176,16 @@ class GatewayMetrics:
         key = (fleet, model, status)
         counts = self._counts
         counts[key] = counts.get(key, 0) + 1
+
+    def tokens(self, fleet: str, model: str, usage: Usage | None) -> None:
+        """Count a response's `usage` (None: it had none)."""
+        if usage is None:
+            return
+        pair = self._tokens.get((fleet, model))
+        if pair is None:
+            pair = self._tokens[(fleet, model)] = [0, 0]
+        pair[0] += usage.prompt_tokens
+        pair[1] += usage.completion_tokens
 
     def upstream(self, fleet: str, domain: str) -> tuple:
         """(ttfb, latency) for one upstream: objects with `observe(seconds)`."""
@@ -183,6 +206,12 @@ class GatewayMetrics:
         counts, self._counts = self._counts, {}
         for (fleet, model, status), n in counts.items():
             self.requests.labels(fleet, model, str(status)).inc(n)
+        tokens, self._tokens = self._tokens, {}
+        for (fleet, model), (prompt, completion) in tokens.items():
+            if prompt:
+                self.token_counts.labels(fleet, model, "prompt").inc(prompt)
+            if completion:
+                self.token_counts.labels(fleet, model, "completion").inc(completion)
         for d in self._deferred:
             d.flush()
 

@@ -37,12 +37,15 @@ from haru.gateway.hold import Holds, back_since, hold_plan
 from haru.gateway.metrics import UNKNOWN_FLEET, UNKNOWN_MODEL, GatewayMetrics
 from haru.gateway.resume import Resumer
 from haru.gateway.routing import (
+    FleetRoutes,
     Forward,
     Refusal,
     RoutingTable,
     model_of,
 )
+from haru.gateway.stranded import stranded
 from haru.gateway.upstream import Connection, Pool
+from haru.gateway.usage import UsageTap, usage_of
 from haru.host.httpguard import BodyTimeout, BodyTooLarge, read_body
 
 log = structlog.get_logger("haru.gateway")
@@ -276,6 +279,7 @@ class Proxy:
         self.holds = Holds(table, metrics)
         self.canary = CanaryCounts()  # per (fleet, domain, model) requests and errors (gateway.canary)
         self.resumer = Resumer(self)
+        table.listeners.append(self._strand)
 
     async def __aenter__(self) -> Proxy:
         self.pool = Pool(max_idle_per_host=self.config.connector_limit)
@@ -286,6 +290,15 @@ class Proxy:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+    def _strand(self, old: FleetRoutes | None, new: FleetRoutes) -> None:
+        """A domain the view now calls unreachable: fail what is in flight to it (gateway/stranded.py)."""
+        if self.pool is None:
+            return
+        for url, domain in stranded(old, new).items():
+            n = self.pool.abandon(url, f"domain {domain!r} is unreachable (its heartbeats went silent)")
+            if n:
+                log.warning("gateway.stranded", fleet=new.fleet, domain=domain, url=url, requests=n)
 
     # ------------------------------------------------------------------------------ hot path
 
@@ -355,6 +368,14 @@ class Proxy:
         once more, to the new active (held until there is one) or, when the hold ends with the route
         unmoved, to whatever the fleet routes to then."""
         fleet, model = fwd.fleet, fwd.model
+        now_fwd = self.table.resolve(fleet, model, time.time())
+        if type(now_fwd) is Forward and (now_fwd.domain != fwd.domain or now_fwd.revision != fwd.revision):
+            # the route moved already (a domain failed after the flip it caused was seen): no hold needed
+            self.metrics.retried(fleet, why)
+            log.info("gateway.retried", fleet=fleet, model=model, first=fwd.domain, then=now_fwd.domain, why=why)
+            return await self._forward(
+                request, path, body, now_fwd, ((RETRIED_HEADER, f"{fwd.domain}; {why}"),), retry=False
+            )
         gone = why == "runtime_gone"  # the domain answered: its runtime is gone, and may come back in place
         plan = hold_plan(
             self.table.get(fleet), refusal.code, unreachable=True, gone=model if gone else "", now=time.time()
@@ -492,6 +513,8 @@ class Proxy:
                 return self._broke_off(fwd, exc)
             latency_hist.observe(time.perf_counter() - started)
             self.metrics.request(fwd.fleet, fwd.model, status)
+            if status == 200:
+                self.metrics.tokens(fwd.fleet, fwd.model, usage_of(data))
             if request.version == HttpVersion11 and 200 <= status and status not in (204, 304):
                 return _Whole(status, kept, defaults, fwd.domain, data, request.keep_alive)
             out_headers = CIMultiDict(kept)
@@ -510,6 +533,8 @@ class Proxy:
             data = await conn.read()
             latency_hist.observe(time.perf_counter() - started)
             self.metrics.request(fwd.fleet, fwd.model, status)
+            if status == 200:
+                self.metrics.tokens(fwd.fleet, fwd.model, _usage(data, sse))
             self.metrics.streams(fwd.fleet)  # the fleet's in-flight series exists, at 0: nothing is left to stream
             return _Whole(status, kept, defaults, fwd.domain, data, request.keep_alive, chunked=length is None)
 
@@ -540,8 +565,13 @@ class Proxy:
                 if await self.resumer.relay(request, response, conn, fwd, body, path):
                     latency_hist.observe(time.perf_counter() - started)
                 return response
-            if await _pump(request, response, conn, fwd):
-                latency_hist.observe(time.perf_counter() - started)
+            tap = UsageTap() if status == 200 else None
+            try:
+                if await _pump(request, response, conn, fwd, tap, sse):
+                    latency_hist.observe(time.perf_counter() - started)
+            finally:
+                if tap is not None:
+                    self.metrics.tokens(fwd.fleet, fwd.model, tap.usage)
             return response
         except ConnectionError:
             return response  # the client went away: release() in _forward closes the upstream
@@ -610,10 +640,28 @@ def _response_headers(headers: list[tuple[str, str]]) -> tuple[list[tuple[str, s
     return kept, length, sse, defaults
 
 
-async def _pump(request: web.BaseRequest, response: web.StreamResponse, conn: Connection, fwd: Forward) -> bool:
+def _usage(data: bytes, sse: bool):
+    """The `usage` of a whole response body, SSE or JSON."""
+    if not sse:
+        return usage_of(data)
+    tap = UsageTap()
+    tap.feed(data)
+    return tap.usage
+
+
+async def _pump(
+    request: web.BaseRequest,
+    response: web.StreamResponse,
+    conn: Connection,
+    fwd: Forward,
+    tap: UsageTap | None = None,
+    sse: bool = False,
+) -> bool:
     """Stream the upstream's body to the client until its end (True), or until the upstream breaks
     off (False: the client's connection is closed without the final chunk, a truncated stream rather
-    than a clean end, since the headers are gone already)."""
+    than a clean end, since the headers are gone already). `tap` reads the usage the body carries
+    (SSE events, or a JSON body gathered whole: an unsized one, rare)."""
+    whole: list[bytes] | None = [] if tap is not None and not sse else None
     while True:
         try:
             chunk = await conn.next()
@@ -624,10 +672,17 @@ async def _pump(request: web.BaseRequest, response: web.StreamResponse, conn: Co
             if request.transport is not None:
                 request.transport.close()
             return False
-        if not chunk:
-            await response.write_eof()
-            return True
-        if conn.complete and not conn.chunks:
-            await response.write_eof(chunk)  # the last bytes and the terminator in one write
+        if tap is not None:
+            if whole is None:
+                tap.feed(chunk)
+            elif chunk and sum(map(len, whole)) < 1 << 20:
+                whole.append(chunk)
+        if not chunk or (conn.complete and not conn.chunks):
+            if whole:
+                tap.usage = usage_of(b"".join(whole))  # type: ignore[union-attr]
+            if not chunk:
+                await response.write_eof()
+            else:
+                await response.write_eof(chunk)  # the last bytes and the terminator in one write
             return True
         await response.write(chunk)

@@ -16,7 +16,9 @@ upstream breaks off before the stream's end (the domain, its agent or its runtim
    runtime to continue the assistant message (`continuation_body`: vLLM `continue_final_message: true`
    with `add_generation_prompt: false`; llama-server treats a final assistant message as a prefill);
 4. splices the continuation into the same stream (`splice_event`): the original id and `created`, no
-   second role chunk, nothing else changed.
+   second role chunk, and a `usage` that counts the whole request: before the continuation is sent, the
+   runtime that serves it counts the original prompt and the continuation's through its tokenizer
+   endpoint (`Resumer._count`; gateway/usage.py has the calls and the rewrite, `spliced_usage`).
 
 None of this runs for a request that is not a streamed chat completion, and nothing of it but the
 event boundary and the keeping runs while a stream is healthy.
@@ -34,6 +36,17 @@ from haru.core.openai_errors import error_body
 from haru.gateway.errors import UpstreamError
 from haru.gateway.hold import hold_plan
 from haru.gateway.routing import Forward
+from haru.gateway.sse import boundary, events
+from haru.gateway.stranded import judged_unreachable
+from haru.gateway.usage import (
+    Counted,
+    UsageTap,
+    count_of,
+    count_requests,
+    llama_tokenize_body,
+    prompt_of,
+    spliced_usage,
+)
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -49,23 +62,6 @@ MAX_RESUMES: Final = 4  # continuations of one stream (each after a cut)
 
 _json = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode
-
-
-def boundary(data: bytes) -> int:
-    """The end of the last whole SSE event in `data` (0 when none is whole yet)."""
-    lf = data.rfind(b"\n\n")
-    crlf = data.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-
-
-def events(data: bytes) -> list[bytes]:
-    """The `data:` payloads of whole SSE events (comments and other fields left out)."""
-    out = []
-    for block in data.replace(b"\r\n", b"\n").split(b"\n\n"):
-        lines = [line[5:].lstrip(b" ") for line in block.split(b"\n") if line.startswith(b"data:")]
-        if lines:
-            out.append(b"\n".join(lines))
-    return out
 
 
 class Transcript(msgspec.Struct):
@@ -139,6 +135,14 @@ def not_continuable(request: dict[str, Any]) -> str:
 
 def continuation_body(request: dict[str, Any], sent: Transcript, runtime: str) -> bytes:
     """The request that asks a runtime to continue the assistant message the client has so far."""
+    return _encode(continuation_request(request, sent, runtime))
+
+
+def continuation_request(
+    request: dict[str, Any], sent: Transcript, runtime: str, received: int | None = None
+) -> dict[str, Any]:
+    """`continuation_body` as a dict. `received`: the tokens the client has, as the runtime counted
+    them (`usage.Counted`); without it, its content chunks stand for them in `max_tokens`."""
     req = dict(request)
     messages = list(req.get("messages") or [])
     last = messages[-1] if messages else None
@@ -153,13 +157,14 @@ def continuation_body(request: dict[str, Any], sent: Transcript, runtime: str) -
     for key in ("max_tokens", "max_completion_tokens"):
         value = req.get(key)
         if isinstance(value, int) and value > 0:
-            req[key] = max(1, value - sent.chunks)
-    return _encode(req)
+            req[key] = max(1, value - (sent.chunks if received is None else received))
+    return req
 
 
-def splice_event(payload: bytes, sent: Transcript) -> bytes | None:
+def splice_event(payload: bytes, sent: Transcript, counted: Counted | None = None) -> bytes | None:
     """One event of a continuation as the client should see it: the original id and `created`, no
-    second role chunk. None: nothing left to send (a role-only chunk)."""
+    second role chunk, and a `usage` that counts what the client's request cost (`usage.spliced_usage`,
+    with the runtime's `counted`). None: nothing left to send (a role-only chunk)."""
     if payload.strip() == b"[DONE]":
         return b"data: [DONE]\n\n"
     try:
@@ -171,6 +176,9 @@ def splice_event(payload: bytes, sent: Transcript) -> bytes | None:
             obj["id"] = sent.id
         if sent.created:
             obj["created"] = sent.created
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            obj["usage"] = spliced_usage(usage, counted, sent.chunks)
         choices = obj.get("choices") or []
         if not sent.role_sent:  # the cut came before the role chunk: this one is the stream's first
             sent.role_sent = any("role" in (c.get("delta") or {}) for c in choices)
@@ -214,6 +222,22 @@ class Resumer:
     ) -> bool:
         """Relay the stream whole event by whole event; on a cut, continue it. True when it ended
         cleanly (the proxy then counts its latency)."""
+        tap = UsageTap()
+        try:
+            return await self._relay(request, response, conn, fwd, body, path, tap)
+        finally:
+            self.proxy.metrics.tokens(fwd.fleet, fwd.model, tap.usage)
+
+    async def _relay(
+        self,
+        request: web.BaseRequest,
+        response: web.StreamResponse,
+        conn: Connection,
+        fwd: Forward,
+        body: bytes,
+        path: str,
+        tap: UsageTap,
+    ) -> bool:
         kept: list[bytes] = []
         size = 0
         pending = b""
@@ -222,8 +246,11 @@ class Resumer:
                 chunk = await conn.next()
             except UpstreamError as exc:
                 sent = b"".join(kept) if size <= self.keep_bytes else b""
-                return await self.resume(request, response, fwd, body, path, sent, size > self.keep_bytes, str(exc))
+                return await self.resume(
+                    request, response, fwd, body, path, sent, size > self.keep_bytes, str(exc), tap
+                )
             if not chunk:
+                tap.feed(pending)
                 await response.write_eof(pending)
                 return True
             data = pending + chunk if pending else chunk
@@ -236,8 +263,10 @@ class Resumer:
                 kept.append(out)
                 size += len(out)
             if conn.complete and not conn.chunks:
+                tap.feed(data)
                 await response.write_eof(data)
                 return True
+            tap.feed(out)
             if out:
                 await response.write(out)
 
@@ -251,6 +280,7 @@ class Resumer:
         sent_bytes: bytes,
         overflowed: bool,
         why: str,
+        tap: UsageTap | None = None,
     ) -> bool:
         metrics = self.proxy.metrics
         fleet, model = fwd.fleet, fwd.model
@@ -298,9 +328,9 @@ class Resumer:
         last = why
         while attempts < MAX_RESUMES:
             target = self.proxy.table.resolve(fleet, model, time.time())
-            if type(target) is Forward:
+            if type(target) is Forward and not judged_unreachable(self.proxy.table.get(fleet), target.domain):
                 try:
-                    outcome = await self._continue(request, response, target, original, path, sent)
+                    outcome = await self._continue(request, response, target, original, path, sent, tap)
                 except (UpstreamError, TimeoutError) as exc:
                     outcome = f"domain {target.domain!r}: {exc or type(exc).__name__}"
                 if outcome is True:
@@ -341,6 +371,7 @@ class Resumer:
         original: dict[str, Any],
         path: str,
         sent: Transcript,
+        tap: UsageTap | None = None,
     ) -> bool | Transcript | str:
         """One try on `target`: True when the continuation ran to its end, a Transcript when it broke off
         after some of it went out, or why it could not start."""
@@ -353,9 +384,14 @@ class Resumer:
             dv = routes.view.domains.get(target.domain)
             mv = dv.models.get(target.model) if dv is not None else None
             runtime = mv.runtime if mv is not None else runtime
-        body = continuation_body(original, sent, runtime)
+        cont = continuation_request(original, sent, runtime)
+        headers = proxy._header_block(request)
+        counted = await self._count(target, headers, runtime, original, cont)
+        if counted is not None:
+            cont = continuation_request(original, sent, runtime, counted.received)
+        body = _encode(cont)
         tgt = pool.target(target.url)
-        head = pool.head(tgt, path, proxy._header_block(request))
+        head = pool.head(tgt, path, headers)
         conn = await pool.request(tgt, head, body, proxy._loop.time() + proxy.header_timeout)
         try:
             if conn.status != 200:
@@ -368,6 +404,8 @@ class Resumer:
                 model=target.model,
                 runtime=runtime,
                 sent_chars=len(sent.text),
+                sent_tokens=counted.received if counted is not None else None,
+                prompt_tokens=counted.prompt if counted is not None else None,
             )
             now = Transcript(
                 id=sent.id, created=sent.created, model=sent.model, text=sent.text, role_sent=True, chunks=sent.chunks
@@ -387,16 +425,78 @@ class Resumer:
                 pending = data[end:]
                 out = []
                 for payload in events(data[:end]):
-                    event = splice_event(payload, sent)
+                    event = splice_event(payload, sent, counted)
                     if event is not None:
                         out.append(event)
                         _grow(now, parts, payload)
                 if out:
-                    await response.write(b"".join(out))
+                    spliced = b"".join(out)
+                    if tap is not None:
+                        tap.feed(spliced)
+                    await response.write(spliced)
             await response.write_eof(pending)
             return True
         finally:
             conn.release()
+
+    async def _count(
+        self, target: Forward, headers: str, runtime: str, original: dict[str, Any], cont: dict[str, Any]
+    ) -> Counted | None:
+        """The original prompt's tokens and the continuation's prompt's, counted by `target`'s runtime
+        (its tokenizer endpoint, through the serving port); None when it cannot say (no such endpoint:
+        the usage is then approximate, docs/gateway.md). A domain that does not answer raises
+        UpstreamError, as the continuation would: this try is over."""
+        counts: list[int] = []
+        try:
+            for call_path, call in count_requests(runtime, original, cont):
+                reply = await self._ask(target, headers, call_path, call)
+                if call_path == "/apply-template":  # llama-server: the prompt text, then its tokens
+                    text = prompt_of(reply)
+                    if text is not None:
+                        tokenize = llama_tokenize_body(original.get("model"), text)
+                        reply = await self._ask(target, headers, "/tokenize", tokenize)
+                count = count_of(reply)
+                if count is None:
+                    raise _Uncounted(f"{call_path} answered no token count")
+                counts.append(count)
+        except _Uncounted as exc:
+            log.warning(
+                "gateway.continuation_uncounted",
+                fleet=target.fleet,
+                domain=target.domain,
+                model=target.model,
+                runtime=runtime,
+                error=str(exc) or type(exc).__name__,
+            )
+            return None
+        prompt, continued = counts
+        return Counted(prompt=prompt, received=max(continued - prompt, 0))
+
+    async def _ask(self, target: Forward, headers: str, path: str, body: dict[str, Any]) -> Any:
+        """One JSON call to `target`'s serving port; its decoded answer, or UpstreamError."""
+        proxy = self.proxy
+        pool = proxy.pool
+        assert pool is not None and proxy._loop is not None
+        tgt = pool.target(target.url)
+        conn = await pool.request(
+            tgt, pool.head(tgt, path, headers), _encode(body), proxy._loop.time() + proxy.header_timeout
+        )
+        try:
+            data = await conn.read()
+        finally:
+            conn.release()
+        if conn.status in (502, 503):  # the domain cannot serve now (its runtime is gone or waking): nor continue
+            raise UpstreamError(f"{path} answered {conn.status}: {data[:200].decode('utf-8', 'replace')}")
+        if conn.status != 200:
+            raise _Uncounted(f"{path} answered {conn.status}: {data[:200].decode('utf-8', 'replace')}")
+        try:
+            return _json.decode(data)
+        except msgspec.DecodeError as exc:
+            raise _Uncounted(f"{path} answered something that is not JSON: {exc}") from None
+
+
+class _Uncounted(Exception):
+    """The runtime answered, but not with a token count (control flow inside the resumer)."""
 
 
 def _grow(now: Transcript, parts: list[str], payload: bytes) -> None:

@@ -30,6 +30,7 @@ exists only on the standby is told apart from one that does not exist at all.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Final
 
 import msgspec
@@ -379,6 +380,8 @@ class RoutingTable:
 
     def __init__(self) -> None:
         self._fleets: dict[str, FleetRoutes] = {}
+        # called with (old, new) after each fleet's routes are replaced (gateway/stranded.py listens)
+        self.listeners: list[Callable[[FleetRoutes | None, FleetRoutes], None]] = []
 
     def resolve(self, fleet: str, model: str, now: float) -> Forward | Refusal:
         routes = self._fleets.get(fleet)
@@ -432,6 +435,8 @@ class RoutingTable:
             if old is not None:
                 carry_rotation(old.entries, routes.entries)  # type: ignore[arg-type]
             self._fleets[fleet] = routes
+            for listener in self.listeners:
+                listener(old, routes)
 
 
 def fleet_not_found(fleet: str, known: list[str]) -> Refusal:

@@ -216,6 +216,15 @@ class Connection(asyncio.Protocol):
                 self.transport.close()
             self.pool._forget(self)
 
+    def abandon(self, why: str) -> None:
+        """Fail the request in flight with UpstreamError(why) and drop the connection without flushing
+        (its peer is unreachable: a graceful close would wait on it)."""
+        self._fail(UpstreamError(why))
+        transport = self.transport
+        self.close()
+        if transport is not None:
+            transport.abort()
+
 
 class Pool:
     """Idle keep-alive connections per (ssl, host, port), most recently used first.
@@ -229,6 +238,7 @@ class Pool:
         self.max_idle_per_host = max_idle_per_host
         self._idle: dict[tuple, list[Connection]] = {}
         self._targets: dict[str, Address] = {}
+        self._open_by_key: dict[tuple, set[Connection]] = {}  # every open connection, for `abandon`
         self._ssl: ssl_module.SSLContext | None = None
         self.opened = 0  # connections opened, for tests and /healthz
 
@@ -298,6 +308,7 @@ class Pool:
         except OSError as exc:
             raise UpstreamError(f"cannot connect to {target.host_header}: {exc.strerror or exc}") from exc
         self.opened += 1
+        self._open_by_key.setdefault(target.key, set()).add(conn)
         return conn
 
     def _get(self, key: tuple) -> Connection | None:
@@ -327,6 +338,21 @@ class Pool:
         idle = self._idle.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
+        open_ = self._open_by_key.get(conn.key)
+        if open_ is not None:
+            open_.discard(conn)
+            if not open_:
+                del self._open_by_key[conn.key]
+
+    def abandon(self, base: str, why: str) -> int:
+        """Fail every request in flight to `base` (a serving URL) and drop its connections, idle ones
+        too; returns how many requests were failed."""
+        failed = 0
+        for conn in list(self._open_by_key.get(self.target(base).key, ())):
+            if conn.parser is not None and not conn.complete:
+                failed += 1
+            conn.abandon(why)
+        return failed
 
     def idle_count(self) -> int:
         return sum(len(v) for v in self._idle.values())

@@ -1,7 +1,7 @@
 """The simulated vLLM's HTTP API: vLLM's routes, its dev-mode sleep and wake, and fault injection.
 
 build_app(engine)   the aiohttp application: /health, /ping, /version, /v1/models, /v1/chat/completions,
-                    /v1/completions, /v1/embeddings, /sleep, /wake_up, /is_sleeping (dev mode only, as
+                    /v1/completions, /v1/embeddings, /tokenize, /sleep, /wake_up, /is_sleeping (dev mode only, as
                     vLLM's), and /_sim/state, /_sim/<fault> (loopback only)
 """
 
@@ -13,7 +13,7 @@ import time
 
 from aiohttp import web
 
-from haru.agents.sim.vllm_completions import embeddings, generate
+from haru.agents.sim.vllm_completions import embeddings, generate, tokenize
 from haru.agents.sim.vllm_engine import ENGINE, Engine, error
 
 VERSION = "0.0.0+haru.sim"
@@ -213,6 +213,7 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/sleep", sleep)
     app.router.add_post("/wake_up", wake_up)
     app.router.add_get("/is_sleeping", is_sleeping)

@@ -1,4 +1,4 @@
-"""The simulated vLLM's answers: chat and text completions (whole or streamed) and embeddings.
+"""The simulated vLLM's answers: chat and text completions (whole or streamed), embeddings, and /tokenize.
 
 A reply's first token names the domain that answered (`[domain a] hello from <model> on the simulated
 GPU.`), so a test sees which domain served it; a corrupted wake answers other text, a dropped adapter
@@ -11,8 +11,10 @@ import asyncio
 import hashlib
 import json
 import math
+import re
 import time
 import uuid
+import zlib
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -89,13 +91,52 @@ def _continuation(
     return tokens, finish if not ignore_eos else "length"
 
 
+# The simulator's tokenizer: its own reply tokens ("[domain a]", " hello", " GPU", ".") are one token each,
+# so the text of N streamed chunks counts N; other text counts about a token a word. Its usage and its
+# POST /tokenize both count with it, so the two agree, as a real runtime's do.
+_TOKEN = re.compile(r"\[domain [^\]]*\]|\s*[^\s.]+(?:\.[^\s.]+)*|\s*\.|\s+")
+
+
+def split_tokens(text: str) -> list[str]:
+    """`text` in the simulator's tokens (joined, they give `text` back)."""
+    return _TOKEN.findall(text)
+
+
 def _prompt_tokens(body: dict) -> int:
+    """A request's prompt tokens: each message's content, or the prompt (at least 1)."""
     if "messages" in body:
-        text = " ".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+        n = sum(len(split_tokens(str(m.get("content", "")))) for m in body["messages"] if isinstance(m, dict))
     else:
         prompt = body.get("prompt", "")
-        text = " ".join(map(str, prompt)) if isinstance(prompt, list) else str(prompt)
-    return max(len(text.split()), 1)
+        n = sum(len(split_tokens(str(p))) for p in (prompt if isinstance(prompt, list) else [prompt]))
+    return max(n, 1)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's POST /tokenize: {"model", "prompt"} or {"model", "messages", ...} → {"count", "tokens",
+    "max_model_len"}, counted as the simulator's usage counts (`_prompt_tokens`)."""
+    engine = request.app[ENGINE]
+    body = await read_json(request)
+    if isinstance(body, web.Response):
+        return body
+    model = check_engine(engine, body)
+    if isinstance(model, web.Response):
+        return model
+    if "messages" in body:
+        if not isinstance(body["messages"], list):
+            return error(400, "`messages` must be a list", "BadRequestError", "messages")
+        if body.get("continue_final_message") and body.get("add_generation_prompt", True):
+            return error(
+                400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", "BadRequestError"
+            )
+        texts = [str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict)]
+    elif isinstance(body.get("prompt"), str):
+        texts = [body["prompt"]]
+    else:
+        return error(400, "`prompt` (a string) or `messages` is required", "BadRequestError", "prompt")
+    pieces = [t for text in texts for t in split_tokens(text)] or [""]
+    ids = [zlib.crc32(p.encode()) % 32000 for p in pieces]
+    return web.json_response({"count": len(ids), "tokens": ids, "max_model_len": 4096})
 
 
 async def generate(request: web.Request) -> web.StreamResponse:

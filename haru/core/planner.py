@@ -50,7 +50,31 @@ __all__ = [
     "shortfall_text",
     "gpu_summary_line",
     "verdict_line",
+    "with_measured_host_ram",
 ]
+
+# A domain planned on the host RAM its agent measured keeps this much of it out of the plan unless it
+# declares its own reserve: the OS, the agent, the runtimes' processes and the page cache live there too.
+MEASURED_RESERVE_PERCENT = 10
+MEASURED_RESERVE_MIN = 2 * GiB
+
+
+def with_measured_host_ram(layout: Layout, measured: dict[str, int]) -> Layout:
+    """The layout to plan with (pure): a domain that declares no host RAM is planned against what its
+    agent measured at its last start (`measured`: domain -> /proc/meminfo's MemTotal, from the agent's
+    `agent_started`), less the declared reserve or else MEASURED_RESERVE_PERCENT of it (at least
+    MEASURED_RESERVE_MIN). A declared host RAM wins; a domain whose agent never started stays unplanned.
+    Only the plan reads this: the declaration stays what the layout says."""
+    domains = []
+    for d in layout.domains:
+        total = measured.get(d.spec.name, 0)
+        if d.spec.host_ram_bytes or total <= 0:
+            domains.append(d)
+            continue
+        reserve = d.spec.host_ram_reserve_bytes or max(MEASURED_RESERVE_MIN, total * MEASURED_RESERVE_PERCENT // 100)
+        spec = msgspec.structs.replace(d.spec, host_ram_bytes=total, host_ram_reserve_bytes=reserve)
+        domains.append(msgspec.structs.replace(d, spec=spec))
+    return msgspec.structs.replace(layout, domains=domains)
 
 
 def standby_residual(model: ModelSpec, policy: Policy) -> int:

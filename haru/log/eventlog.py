@@ -140,6 +140,9 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
             servers=servers,
             name=name or writer,
             connect_timeout=min(2.0, connect_timeout),
+            # The servers in the order given: a process's own region's node first, the others as
+            # fallbacks (nats-py shuffles them by default, which put clients on another region's node).
+            dont_randomize=True,
             allow_reconnect=True,
             max_reconnect_attempts=_FIRST_CONNECT_ATTEMPTS,
             reconnect_time_wait=_FIRST_CONNECT_WAIT_S,

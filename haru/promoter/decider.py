@@ -29,6 +29,7 @@ successful `step_started` append gave it. The sagas are data (haru.core.saga: `K
 
 from __future__ import annotations
 
+from haru.core.events import DomainReachable
 from haru.core.views import FleetView
 from haru.promoter import canary
 from haru.promoter.decisions import Append, Facts
@@ -48,6 +49,10 @@ def decide(view: FleetView, facts: Facts) -> list[Append]:
     """
     out: list[Append] = list(judge_liveness(view, facts.silent_ms, facts.listening_ms, facts.now))
     if not view.domains:
+        return out
+    if any(isinstance(a.event, DomainReachable) and a.event.domain == view.active for a in out):
+        # We hear the active whose silence the view records (another promoter's verdict, perhaps one
+        # held up by a partition): decide the rest on the view that has our verdict folded, next round.
         return out
     taken_back = canary.rollback(view, facts.canary, facts.now)  # its own subject: it races no operation
     if taken_back is not None:

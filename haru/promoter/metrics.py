@@ -269,3 +269,13 @@ class _ViewCollector:
         folded = GaugeMetricFamily("haru_promoter_events_folded", "The last HARU_EVENTS sequence folded.")
         folded.add_metric([], promoter.folded)
         yield folded
+        quorum = getattr(promoter, "quorum", None)
+        if quorum is not None:  # haru/promoter/quorum.py: 1 for the state this promoter is in
+            gauge = GaugeMetricFamily(
+                "haru_promoter_quorum",
+                "Whether this promoter's appends reach a majority (minority: it cannot act until they do).",
+                labels=["state"],
+            )
+            for state in ("majority", "minority"):
+                gauge.add_metric([state], 1 if quorum.state == state else 0)
+            yield gauge

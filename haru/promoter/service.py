@@ -72,6 +72,7 @@ from haru.promoter.drive import not_applicable
 from haru.promoter.fleets import FleetState, StepRunner, utcnow
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
+from haru.promoter.quorum import Quorum
 from haru.promoter.runners import StepRunners
 
 log_ = structlog.get_logger("haru.promoter")
@@ -132,6 +133,7 @@ class Promoter:
         self.peers = alive.Heard()  # promoters heard on haru.alive.promoter.*, this one included
         self.log_ = log_.bind(promoter=self.identity)
         self.metrics = PromoterMetrics(self)  # counted from the records folded below (metrics.py)
+        self.quorum = Quorum(self.log_)  # majority | minority: whether our appends reach a quorum (quorum.py)
         self.provisioning = provisioning or Provisioning(sky=sky)
         # STEPS[step].run -> the coroutine that executes such a step and returns its outcome event
         # (haru.promoter.runners; a new kind of step work registers its runner there).
@@ -151,6 +153,8 @@ class Promoter:
     def on_record(self, rec: Record) -> None:
         if rec.seq <= self.folded:
             return  # a redelivery after the follower was restarted
+        if self.quorum.committed(rec.time_ns):  # committed after we lost the majority: it is back
+            self._listen_afresh()
         fleet = fleet_of(rec.subject)
         if fleet and (self.only is None or fleet in self.only):
             st = self._state(fleet)
@@ -383,13 +387,17 @@ class Promoter:
         """Whether NATS is connected; after a reconnect, silence is measured afresh (we heard nothing)."""
         connected = self.log.connected
         if connected and not self._was_connected:
-            self._listening_since = time.monotonic()
-            for st in self.fleets.values():
-                st.heard.clear()
-            self.peers.last.clear()  # nor did we hear our peers while away
+            self._listen_afresh()
             self.log_.info("reconnected", detail="heartbeat silence is measured afresh (the follower replays afresh)")
         self._was_connected = connected
         return connected
+
+    def _listen_afresh(self) -> None:
+        """Forget what was heard: silence is measured from now (after a reconnect, in and out of minority)."""
+        self._listening_since = time.monotonic()
+        for st in self.fleets.values():
+            st.heard.clear()
+        self.peers.last.clear()  # nor did we hear our peers while away
 
     def facts(self, st: FleetState) -> Facts:
         now_m = time.monotonic()
@@ -397,6 +405,11 @@ class Promoter:
         for name in st.view.domains:
             seen = st.heard.get(name)
             silent[name] = None if seen is None else int((now_m - seen) * 1000)
+        if self.quorum.lapsed():
+            self._listen_afresh()
+        listening_ms = int((now_m - self._listening_since) * 1000)
+        if self.quorum.state == "minority":  # cut off: silence we measure is our own isolation (quorum.py)
+            silent, listening_ms = dict.fromkeys(silent), 0
         op = st.view.operation
         runner = st.step_by.get(op.op_id, "") if op is not None else ""
         runner_silent = self.peers.silent_s("promoter", runner) if runner else None
@@ -410,7 +423,7 @@ class Promoter:
             me=self.identity,
             new_op_id=new_op_id(),
             silent_ms=silent,
-            listening_ms=int((now_m - self._listening_since) * 1000),
+            listening_ms=listening_ms,
             running=frozenset(st.running),
             step_by=runner,
             runner_silent_ms=None if runner_silent is None else int(runner_silent * 1000),
@@ -443,10 +456,17 @@ class Promoter:
                 seq = await self.log.append(a.subject, event, expect=expect)
             except Conflict as exc:
                 log.debug("append_lost_race", expected=expect, current=exc.current)
+                if self.quorum.answered():
+                    self._listen_afresh()
                 return
             except LogError as exc:
-                log.warning("append_failed", error=str(exc))
+                if self.quorum.failed(exc):
+                    self._listen_afresh()
+                elif self.quorum.state == "majority":
+                    log.warning("append_failed", error=str(exc))
                 return
+            if self.quorum.answered():
+                self._listen_afresh()
             log.info("appended", seq=seq, why=a.why, **_context(event))
             expects[a.subject] = seq
             if isinstance(event, StepStarted):

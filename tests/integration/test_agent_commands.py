@@ -181,6 +181,12 @@ async def test_serving_port_forwards_byte_identically_and_refuses_the_rest(tmp_p
         async with s.get(serving + "/v1/models", headers=auth) as r:
             models = await r.json()
             assert [m["id"] for m in models["data"]] == ["m1"] and models["data"][0]["residency"] == "resident"
+        # the runtime's tokenizer too (the gateway counts a continued stream's tokens with it)
+        tokenize = {"model": "m1", "prompt": "hello there"}
+        async with s.post(serving + "/tokenize", headers=auth, json=tokenize) as r:
+            assert r.status == 200 and (await r.json())["count"] == 2
+        async with s.post(serving + "/tokenize", json=tokenize) as r:
+            assert r.status == 401
     # the runtime itself is still awake: nobody slept it through the serving port
     assert (await get_json(endpoint + "/is_sleeping"))[1] == {"is_sleeping": False}
 

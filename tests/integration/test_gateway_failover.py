@@ -412,6 +412,8 @@ class StreamingUpstream:
         return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.path != "/v1/chat/completions":  # no tokenizer endpoint: the usage is then approximate
+            return web.json_response({"error": {"message": "Not Found", "code": 404}}, status=404)
         body = json.loads(await request.read())
         self.bodies.append(body)
         if self.gone:  # the serving port of a domain whose runtime died

@@ -54,6 +54,7 @@ class Upstream:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.handle)
         app.router.add_post("/v1/embeddings", self.handle)
+        app.router.add_post("/tokenize", self.handle)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -126,6 +127,9 @@ async def test_the_bridge_forwards_by_model_streams_and_refuses_the_rest(tmp_pat
         assert path == "/v1/chat/completions" and json.loads(raw) == body
         assert headers["x-request-id"] == "r1" and "cookie" not in headers and headers["connection"] == "close"
 
+        async with s.post(url + "/tokenize", json={"model": "m1", "prompt": "hi"}) as r:  # the runtime's tokenizer
+            assert r.status == 200 and up.requests[-1][0] == "/tokenize"
+
         # SSE: the first event reaches the client while the runtime still holds the second
         async with s.post(url + "/v1/chat/completions", json={**body, "stream": True}) as r:
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
@@ -170,8 +174,8 @@ async def test_the_bridge_forwards_by_model_streams_and_refuses_the_rest(tmp_pat
         sent = len(up.requests)
 
         stats = await asyncio.to_thread(portholder.holder_stats, state)
-        # sent to a runtime: the JSON and the SSE request, once each; the rest answered by the bridge itself
-        assert stats["bridged"] == 2 and sent == 2 and stats["bridge_refused"] == 7, stats
+        # sent to a runtime: the JSON, the tokenize and the SSE request, once each; the rest answered by the bridge itself
+        assert stats["bridged"] == 3 and sent == 3 and stats["bridge_refused"] == 7, stats
 
 
 async def test_a_token_in_the_holders_environment_is_required_and_sizes_are_bounded(tmp_path, monkeypatch):

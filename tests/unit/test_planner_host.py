@@ -303,3 +303,46 @@ def test_apply_records_the_host_ram_verdict_and_haru_status_shows_host_ram_held_
     from haru.core.apply import fold_declarations
 
     assert diff(fold_declarations(events), layout, plan(layout), now) == []
+
+
+# ------------------------------------------------------------------- host RAM as the agent measured it
+
+
+def test_a_domain_without_declared_host_ram_is_planned_on_what_its_agent_measured():
+    from haru.core.planner import MEASURED_RESERVE_MIN, with_measured_host_ram
+    from haru.core.specs import Layout
+
+    layout = Layout(fleet="f", domains=[host(0, 0, [model("a", 20 * GiB), model("b", 20 * GiB)])])
+    assert plan(layout).domains[0].host_ram_bytes == 0  # nothing measured yet: host RAM not planned
+    measured = with_measured_host_ram(layout, {"a": 32 * GiB})
+    p = plan(measured).domains[0]
+    # 32 GiB measured, 10% of it reserved: 28.8 GiB to plan; 20 fits, the second 20 is short
+    assert (p.host_ram_bytes, p.host_ram_reserve_bytes) == (32 * GiB, 32 * GiB // 10)
+    refused = [v for v in p.verdicts() if not v.admitted]
+    assert [v.resource for v in refused] == ["host_ram"] and "host RAM" in verdict_line(refused[0])
+    small = plan(with_measured_host_ram(layout, {"a": 8 * GiB})).domains[0]
+    assert small.host_ram_reserve_bytes == MEASURED_RESERVE_MIN  # 10% of 8 GiB is under the floor
+    declared = Layout(fleet="f", domains=[host(64 * GiB, 4 * GiB, [model("a", 20 * GiB)])])
+    assert with_measured_host_ram(declared, {"a": 8 * GiB}) == declared  # what the layout declares wins
+    assert layout.domains[0].spec.host_ram_bytes == 0  # the declaration itself is left as written
+
+
+async def test_apply_plans_host_ram_from_the_agents_last_start():
+    from datetime import UTC, datetime
+
+    from haru.core import subjects
+    from haru.core.events import AgentStarted
+    from haru.core.specs import Layout
+    from haru.log.apply import apply
+    from haru.log.memory import MemoryLog
+
+    now = datetime(2026, 12, 6, tzinfo=UTC)
+    layout = Layout(fleet="f", domains=[host(0, 0, [model("a", 20 * GiB), model("b", 20 * GiB)])])
+    log = MemoryLog()
+    first = await apply(log, layout, now, dry_run=True)
+    assert all(v.admitted for v in first.plan.verdicts())  # no agent has started: not planned
+    await log.append(
+        subjects.agent("f", "a"), AgentStarted(at=now, domain="a", host_ram_total_bytes=32 * GiB), expect=0
+    )
+    second = await apply(log, layout, now, dry_run=True)
+    assert [v.admitted for v in second.plan.verdicts()] == [True, False]

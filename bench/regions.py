@@ -1,0 +1,162 @@
+"""A region lost under client load, at several inter-region round trips: what the failover costs.
+
+    sudo .venv/bin/python bench/regions.py [--rtt 0,40,120] [--tail-s 3]
+
+Needs root (network namespaces). For each round trip it builds the three-region harness of
+tests/support/regions.py (a NATS node, a promoter, a projector and a gateway in every region; domain a's
+agent in region 1, the active; b's in region 2, the standby; the simulated GPU and vLLM), sets the delay
+proxy to half the round trip one way on every inter-region NATS path, runs closed-loop JSON and SSE
+clients through region 3's gateway, measures a steady window, then partitions region 1 (scenario a) and
+waits until region 3's gateway routes to b. From the log (JetStream's own record times):
+
+    detect     the partition to `domain_unreachable` for a (the heartbeat timeout dominates)
+    decide     that to `promotion_requested`
+    flip       the partition to `route_moved`
+    cp share   flip - detect - the wake and probe steps' own durations: what the control plane itself
+               spends (appends, folds, commands), in ms and in inter-region round trips
+    failed/cut requests through region 3's gateway from the partition to the end of the tail
+    p99        of those requests, against the steady window's p99 (a ratio)
+
+The same run, the same machine: rows compare with each other, the 0 ms row is the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from haru.core import subjects  # noqa: E402
+from haru.core.events import DomainUnreachable, PromotionRequested, RouteMoved, StepCompleted  # noqa: E402
+from haru.log.eventlog import EventLog  # noqa: E402
+from tests.support.region_fleet import FLEET, ClientLoad, RegionFleet, p99, view  # noqa: E402
+from tests.support.regions import Regions, netns_problem  # noqa: E402
+
+
+async def wait(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await check():
+            return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+async def one(rtt_ms: int, root: Path, steady_s: float, tail_s: float) -> dict:
+    with Regions(root / "rg") as rg:
+        rg.nats()
+        rg.set_delay(rtt_ms / 2)
+        fleet = RegionFleet(rg, root / "fleet")
+        (root / "fleet").mkdir(parents=True, exist_ok=True)
+        try:
+            await fleet.start()
+
+            async def steady() -> bool:
+                v = await view(3, rg)
+                return bool(
+                    v
+                    and v["active"] == "a"
+                    and v["operation"] is None
+                    and v["domains"]["b"]["models"]["m1"]["residency"]["state"] == "sleeping"
+                )
+
+            await wait(steady, 120, "a active and b asleep")
+            async with ClientLoad(fleet.gateway_url(3)) as load:
+                await asyncio.sleep(steady_s)
+                t_fault = time.monotonic()
+                wall_fault = time.time()
+                rg.partition(1)
+
+                async def moved() -> bool:
+                    v = await view(3, rg)
+                    return bool(v and v["active"] == "b" and v["operation"] is None)
+
+                await wait(moved, 120, "b active")
+                await asyncio.sleep(tail_s)
+            async with EventLog.connect(rg.test_urls(), writer="bench") as log:
+                recs = await log.history(subjects.fleet_events(FLEET))
+        finally:
+            fleet.kill_agents_runtimes()
+
+    def first(kind, pred=lambda e: True) -> float | None:
+        for r in recs:
+            if isinstance(r.event, kind) and r.time_ns / 1e9 >= wall_fault and pred(r.event):
+                return r.time_ns / 1e9 - wall_fault
+        return None
+
+    detect = first(DomainUnreachable, lambda e: e.domain == "a")
+    decide = first(PromotionRequested)
+    flip = first(RouteMoved)
+    steps = {
+        r.event.step: r.event.took_ms
+        for r in recs
+        if isinstance(r.event, StepCompleted) and r.time_ns / 1e9 >= wall_fault and r.event.step in ("wake", "probe")
+    }
+    after = load.since(t_fault)
+    before = [d for d in load.done if d[0] < t_fault]
+    cp_ms = None
+    if flip is not None and detect is not None:
+        cp_ms = (flip - detect) * 1000 - steps.get("wake", 0) - steps.get("probe", 0)
+    return {
+        "rtt": rtt_ms,
+        "detect": detect,
+        "decide": None if decide is None or detect is None else decide - detect,
+        "flip": flip,
+        "cp_ms": cp_ms,
+        "cp_rtts": None if cp_ms is None or not rtt_ms else cp_ms / rtt_ms,
+        "requests": len(after),
+        "failed": sum(1 for d in after if d[3].startswith("failed")),
+        "cut": sum(1 for d in after if d[3] == "cut"),
+        "p99": p99([d[1] - d[0] for d in after]),
+        "p99_steady": p99([d[1] - d[0] for d in before]),
+    }
+
+
+def fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(rows: list[dict]) -> str:
+    out = [
+        "scenario a (active's region partitioned), through region 3's gateway",
+        f"{'rtt':>5} {'detect s':>9} {'decide s':>9} {'flip s':>7} {'cp ms':>7} {'cp rtts':>8} "
+        f"{'reqs':>5} {'failed':>6} {'cut':>4} {'p99 s':>6} {'x steady':>8}",
+    ]
+    for r in rows:
+        ratio = r["p99"] / r["p99_steady"] if r["p99_steady"] else None
+        out.append(
+            f"{r['rtt']:>5} {fmt(r['detect'], '9.2f')} {fmt(r['decide'], '9.2f')} {fmt(r['flip'], '7.2f')} "
+            f"{fmt(r['cp_ms'], '7.0f')} {fmt(r['cp_rtts'], '8.1f')} {r['requests']:>5} {r['failed']:>6} "
+            f"{r['cut']:>4} {r['p99']:>6.2f} {fmt(ratio, '8.1f')}"
+        )
+    return "\n".join(out)
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rtt", default="0,40,120", help="inter-region round trips to measure, ms, comma-separated")
+    p.add_argument("--steady-s", type=float, default=3.0)
+    p.add_argument("--tail-s", type=float, default=3.0)
+    args = p.parse_args()
+    why = netns_problem()
+    if why:
+        raise SystemExit(f"bench/regions.py: {why}")
+    rows = []
+    for rtt in [int(x) for x in args.rtt.split(",") if x.strip()]:
+        root = Path(tempfile.mkdtemp(prefix=f"haru-regions-{rtt}-"))
+        try:
+            rows.append(await one(rtt, root, args.steady_s, args.tail_s))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        print(table(rows), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

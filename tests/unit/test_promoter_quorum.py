@@ -1,0 +1,42 @@
+"""A promoter whose appends reach no majority says so: the named state `minority` (haru/promoter/quorum.py)."""
+
+from __future__ import annotations
+
+import structlog
+
+from haru.core.errors import LogError, LogUnavailable
+from haru.promoter.quorum import Quorum, no_quorum
+
+
+def test_only_failures_no_majority_answered_count_as_minority():
+    assert no_quorum(LogUnavailable("appending to x: no stream leader answered in time"))
+    assert no_quorum(LogError("appending: JetStream refused: JetStream system temporarily unavailable (code 10008)"))
+    assert not no_quorum(LogError("appending: JetStream refused: maximum payload exceeded (code 10054)"))
+
+
+def test_minority_is_entered_once_and_left_when_a_quorum_answers():
+    with structlog.testing.capture_logs() as logs:
+        q = Quorum(structlog.get_logger("test"))
+        assert q.state == "majority" and not q.answered()
+        assert q.failed(LogUnavailable("timed out waiting for NATS"))
+        assert q.state == "minority"
+        assert not q.failed(LogUnavailable("timed out waiting for NATS"))  # said once, not per retry
+        assert q.answered()
+        assert q.state == "majority" and q.entered == 1
+    assert [e["event"] for e in logs] == ["quorum_lost", "quorum_regained"]
+    assert logs[0]["state"] == "minority"
+
+
+def test_a_refusal_for_another_reason_leaves_the_state_alone():
+    q = Quorum(structlog.get_logger("test"))
+    assert not q.failed(LogError("appending: JetStream refused: maximum payload exceeded (code 10054)"))
+    assert q.state == "majority"
+
+
+def test_a_record_committed_after_entering_minority_ends_it_and_one_from_before_does_not():
+    q = Quorum(structlog.get_logger("test"))
+    q.failed(LogUnavailable("timed out waiting for NATS"))
+    assert not q.committed(q.entered_ns - 1)  # stored before we were cut off: proves nothing
+    assert q.state == "minority"
+    assert q.committed(q.entered_ns + 1)
+    assert q.state == "majority"
