@@ -234,7 +234,7 @@ class CommandService:
             if cut:
                 self.logger.warning("sleeping with requests still in flight after drain_ms", in_flight=cut)
         results = await asyncio.gather(*(self.models.supervisor(m).sleep(command.level or 1) for m in models))
-        return _combine("sleep", dict(zip((m.name for m in models), results)), self.models)
+        return _combine("sleep", dict(zip((m.name for m in models), results, strict=True)), self.models)
 
     async def wake(self, command: Command) -> Reply:
         selection = self.models.selected(command)
@@ -242,8 +242,8 @@ class CommandService:
         if selection.unknown:
             return self._unknown(selection.unknown)
         results = await asyncio.gather(*(self.models.supervisor(m).wake() for m in models))
-        reply = _combine("wake", dict(zip((m.name for m in models), results)), self.models)
-        for m, outcome in zip(models, results):
+        reply = _combine("wake", dict(zip((m.name for m in models), results, strict=True)), self.models)
+        for m, outcome in zip(models, results, strict=True):
             reply.data["models"][m.name]["took_ms"] = outcome.took_ms
         return reply
 
@@ -253,8 +253,8 @@ class CommandService:
         if selection.unknown:
             return self._unknown(selection.unknown)
         results = await asyncio.gather(*(self.models.supervisor(m).probe() for m in models))
-        reply = _combine("probe", dict(zip((m.name for m in models), results)), self.models)
-        for m, outcome in zip(models, results):
+        reply = _combine("probe", dict(zip((m.name for m in models), results, strict=True)), self.models)
+        for m, outcome in zip(models, results, strict=True):
             reply.data["models"][m.name]["latency_ms"] = outcome.latency_ms
         return reply
 

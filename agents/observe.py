@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -195,24 +195,24 @@ class Unloaded(Observation, frozen=True, kw_only=True, tag="unloaded"):
     detail: str = ""
 
 
-AnyObservation = Union[
-    PullProgressed,
-    PullRefused,
-    PullInterrupted,
-    Spawned,
-    Queued,
-    SpawnRefused,
-    Answered,
-    Exited,
-    ProbeFailed,
-    GpuGone,
-    Slept,
-    WakeBegun,
-    StillAsleep,
-    Adopted,
-    Vanished,
-    Unloaded,
-]
+AnyObservation = (
+    PullProgressed
+    | PullRefused
+    | PullInterrupted
+    | Spawned
+    | Queued
+    | SpawnRefused
+    | Answered
+    | Exited
+    | ProbeFailed
+    | GpuGone
+    | Slept
+    | WakeBegun
+    | StillAsleep
+    | Adopted
+    | Vanished
+    | Unloaded
+)
 
 NOTHING = ""  # the decision to write nothing: the log already says it, or the agent caused it
 

@@ -20,7 +20,8 @@ listening socket to whichever agent asks (over a unix socket in the agent's stat
 agent to start (1-2 s: Python, NATS, the claim, adoption). It forwards what the agent's serving port
 forwards (POST /v1/chat/completions, /v1/completions, /v1/embeddings, /tokenize, /apply-template) to the
 runtime named by the body's `model` in the agent's runtime identity files (`<state_dir>/runtimes/*.json`,
-agents/runtime_files.py), on 127.0.0.1:<port>, with `Connection: close`, and pipes the runtime's answer back byte for byte (its
+agents/runtime_files.py), on 127.0.0.1:<port>, with `Connection: close`, and pipes the runtime's answer back byte for
+byte (its
 head gets `Connection: close`; the client connection closes after it). `GET /v1/models` lists the
 models of the identity files. What it does not do, on purpose: no residency answers (the agent knows
 whether a model is resident, asleep or lost; the bridge only knows a runtime was adopted or started by
@@ -368,7 +369,8 @@ class Holder:
                         error_body(
                             408,
                             "request_timeout",
-                            f"the request did not arrive within {self.read_timeout_s:.0f} s (HARU_CLIENT_BODY_TIMEOUT_MS)",
+                            f"the request did not arrive within {self.read_timeout_s:.0f} s "
+                            "(HARU_CLIENT_BODY_TIMEOUT_MS)",
                         ),
                     )
                 )
@@ -393,7 +395,7 @@ class Holder:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.LimitOverrunError:
-            raise _Refused(400, "invalid_request", f"the request head is over {MAX_HEAD} bytes")
+            raise _Refused(400, "invalid_request", f"the request head is over {MAX_HEAD} bytes") from None
         lines = head.decode("latin-1").split("\r\n")
         try:
             method, target, _version = lines[0].split(" ", 2)

@@ -335,7 +335,7 @@ class ServingProxy:
         ones it is answering finish before its runtimes are put to sleep (the `sleep` command)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(timeout_s, 0.0)
-        while (left := self.in_flight(names)) and loop.time() < deadline:
+        while self.in_flight(names) and loop.time() < deadline:
             self._idle = asyncio.Event()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout_at(deadline):

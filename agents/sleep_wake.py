@@ -251,10 +251,14 @@ def freed_by_sleep(before: GpuReading, after: GpuReading, tree: frozenset[int]) 
 def freed_on_gpus(before: list[GpuReading], after: list[GpuReading], tree: frozenset[int]) -> tuple[int, str, str]:
     """What a sleep freed across every GPU a model spans (one for most): the sum of `freed_by_sleep` on
     each; measured only when every GPU was (else the detail says which could not be). Pure."""
-    each = [freed_by_sleep(b, a, tree) for b, a in zip(before, after)]
+    each = [freed_by_sleep(b, a, tree) for b, a in zip(before, after, strict=True)]
     if len(each) == 1:
         return each[0]
     if any(not how for _, how, _ in each):
-        return 0, "", "; ".join(f"GPU {b.index}: {d}" for b, (_, _, d) in zip(before, each))
+        return 0, "", "; ".join(f"GPU {b.index}: {d}" for b, (_, _, d) in zip(before, each, strict=True))
     how = "process" if all(h == "process" for _, h, _ in each) else "gpu"
-    return (sum(f for f, _, _ in each), how, "; ".join(f"GPU {b.index}: {d}" for b, (_, _, d) in zip(before, each)))
+    return (
+        sum(f for f, _, _ in each),
+        how,
+        "; ".join(f"GPU {b.index}: {d}" for b, (_, _, d) in zip(before, each, strict=True)),
+    )

@@ -7,8 +7,8 @@ The answers belong to the runtime process that gave them, so they are kept where
 identity is: its identity file in the agent's state directory (`wake_answers`, agents/runtime_files.py),
 written when they are recorded and cleared once the wake is checked. An agent restarted while the
 runtime sleeps adopts it with them, and still checks the wake; one restarted after the wake and
-before its check finds the runtime awake with them, and checks it before adopting it; a new process (a restart, a reload)
-gets a new identity file without them."""
+before its check finds the runtime awake with them, and checks it before adopting it; a new process (a restart, a
+reload) gets a new identity file without them."""
 
 from __future__ import annotations
 

@@ -35,13 +35,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import aiohttp  # noqa: E402
+import aiohttp
 
-from haru.core import subjects  # noqa: E402
-from haru.core.errors import LogError  # noqa: E402
-from haru.core.events import AgentStopping  # noqa: E402
-from haru.host.natsd import free_port  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
+from haru.core import subjects
+from haru.core.errors import LogError
+from haru.core.events import AgentStopping
+from haru.host.natsd import free_port
+from haru.log.eventlog import EventLog
 
 MODEL = "qwen3-0.6b"
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}).encode()

@@ -59,10 +59,10 @@ import msgspec
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from haru.agents.gpu import process_tree, read_parents  # noqa: E402  (the product's process-tree helper)
-from haru.core.standby import standby_serves_in  # noqa: E402
-from haru.core.views import FleetView  # noqa: E402
-from tests.support.fake_metadata import FakeMetadata  # noqa: E402  (the providers' metadata services, local)
+from haru.agents.gpu import process_tree, read_parents  # the product's process-tree helper
+from haru.core.standby import standby_serves_in
+from haru.core.views import FleetView
+from tests.support.fake_metadata import FakeMetadata  # the providers' metadata services, local
 
 PY = sys.executable
 CHAT = [{"role": "user", "content": "hello"}]

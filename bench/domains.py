@@ -27,13 +27,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from haru.core import events as ev  # noqa: E402
-from haru.core import subjects  # noqa: E402
-from haru.core.fold import fold  # noqa: E402
-from haru.core.intents import intent  # noqa: E402
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec  # noqa: E402
-from haru.core.views import view_encoder  # noqa: E402
-from haru.projections.status import render  # noqa: E402
+from haru.core import events as ev
+from haru.core import subjects
+from haru.core.fold import fold
+from haru.core.intents import intent
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy, TrainingSpec
+from haru.core.views import view_encoder
+from haru.projections.status import render
 
 F = "bench"
 T0 = datetime(2026, 12, 2, tzinfo=UTC)
@@ -136,23 +136,25 @@ def best(fn, repeat: int) -> float:
 def main(args: argparse.Namespace) -> None:
     sizes = (2, 4, 8)
     rows = []
+    inner = 500
     for n in sizes:
         h = history(n, args.events_per_domain)
         view = fold(h)[F]
         now = T0 + timedelta(days=1)
-        fold_s = best(lambda: fold(h), args.repeat)
-        inner = 500
-        status_s = best(lambda: [render(view, now) for _ in range(inner)], args.repeat) / inner
-        intent_s = best(lambda: [intent(view) for _ in range(inner)], args.repeat) / inner
+        fold_s = best(lambda h=h: fold(h), args.repeat)
+        status_s = best(lambda view=view, now=now: [render(view, now) for _ in range(inner)], args.repeat) / inner
+        intent_s = best(lambda view=view: [intent(view) for _ in range(inner)], args.repeat) / inner
         ri = intent(view)
         size = len(view_encoder.encode(ri))
         rows.append((n, len(h), fold_s, status_s, intent_s, size, len(ri.standbys), ri.protection))
     base = rows[0]
     print(
-        f"fold, status and route intent per fleet size ({args.events_per_domain} events per domain; best of {args.repeat})"
+        "fold, status and route intent per fleet size "
+        f"({args.events_per_domain} events per domain; best of {args.repeat})"
     )
     print(
-        f"{'domains':>7} {'events':>7} {'fold ms':>9} {'µs/event':>9} {'status µs':>10} {'intent µs':>10} {'intent B':>9}  standbys"
+        f"{'domains':>7} {'events':>7} {'fold ms':>9} {'µs/event':>9} "
+        f"{'status µs':>10} {'intent µs':>10} {'intent B':>9}  standbys"
     )
     for n, events, fold_s, status_s, intent_s, size, standbys, protection in rows:
         print(

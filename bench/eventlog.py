@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -29,13 +30,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nats.js import api  # noqa: E402
+from nats.js import api
 
-from haru.core import events as ev  # noqa: E402
-from haru.core import subjects  # noqa: E402
-from haru.host.natsd import NatsServer  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
-from haru.log.jetstream import parse_ack_reply  # noqa: E402
+from haru.core import events as ev
+from haru.core import subjects
+from haru.host.natsd import NatsServer
+from haru.log.eventlog import EventLog
+from haru.log.jetstream import parse_ack_reply
 
 NOW = datetime.now(UTC)
 

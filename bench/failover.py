@@ -56,9 +56,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from haru.agents.sim.gpu_state import GiB, SimGpuState  # noqa: E402
-from haru.core import ranking, subjects  # noqa: E402
-from haru.core.events import (  # noqa: E402
+from haru.agents.sim.gpu_state import GiB, SimGpuState
+from haru.core import ranking, subjects
+from haru.core.events import (
     DomainUnreachable,
     GpuObserved,
     ModelLoading,
@@ -69,14 +69,14 @@ from haru.core.events import (  # noqa: E402
     StepCompleted,
     StepStarted,
 )
-from haru.core.fold import empty, fold  # noqa: E402
-from haru.core.layout import load_layout  # noqa: E402
-from haru.core.residency import Resident, Sleeping  # noqa: E402
-from haru.host.natsd import NatsServer  # noqa: E402
-from haru.log.apply import apply  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
-from haru.promoter.service import Promoter  # noqa: E402
-from tests.support.agent_harness import kill_runtimes  # noqa: E402
+from haru.core.fold import empty, fold
+from haru.core.layout import load_layout
+from haru.core.residency import Resident, Sleeping
+from haru.host.natsd import NatsServer
+from haru.log.apply import apply
+from haru.log.eventlog import EventLog
+from haru.promoter.service import Promoter
+from tests.support.agent_harness import kill_runtimes
 
 FLEET = "bench"
 PY = sys.executable
@@ -293,12 +293,14 @@ async def main(args) -> None:
                     start = await log.last_seq()
                     gpu = SimGpuState(root / "sim" / active, 0)
                     gpu.set_present(False)
-                    await wait_for(lambda: is_steady_route(log, standby), 30, f"run {i}: route to {standby}")
+                    await wait_for(
+                        lambda standby=standby: is_steady_route(log, standby), 30, f"run {i}: route to {standby}"
+                    )
                     m = await measure(log, start + 1, ModelLost)
                     runs.append(m)
                     print_run(i, active, standby, m)
                     gpu.set_present(True)
-                    await wait_for(lambda: is_steady(standby), 60, f"run {i}: {active} standby again")
+                    await wait_for(lambda standby=standby: is_steady(standby), 60, f"run {i}: {active} standby again")
                     active = standby
 
                 retried = await abort_then_retry(log, root, active)
@@ -324,7 +326,8 @@ async def main(args) -> None:
                     agent = [r["steps"][step]["agent_ms"] for r in runs if step in r["steps"]]
                     if walls:
                         print(
-                            f"  {step:<14} wall {statistics.median(walls):7.1f} ms   agent {statistics.median(agent):7.1f} ms"
+                            f"  {step:<14} wall {statistics.median(walls):7.1f} "
+                            f"ms   agent {statistics.median(agent):7.1f} ms"
                         )
                 total = statistics.median(r["total_ms"] for r in runs)
                 work = statistics.median(r["work_ms"] for r in runs)
@@ -332,14 +335,16 @@ async def main(args) -> None:
                 decide = statistics.median(r["decide_ms"] for r in runs)
                 print(f"  loss -> route_moved      {total:7.1f} ms")
                 print(
-                    f"  simulated work (agents)  {work:7.1f} ms   (stop {args.stop_ms} + wake {args.wake_ms} + probe + verify)"
+                    f"  simulated work (agents)  {work:7.1f} ms   (stop "
+                    f"{args.stop_ms} + wake {args.wake_ms} + probe + verify)"
                 )
                 print(
                     f"  control-plane overhead   {over:7.1f} ms   target <= 50 ms: {'met' if over <= 50 else 'NOT met'}"
                 )
                 print(f"    of which loss -> promotion_requested {decide:.1f} ms")
                 print(
-                    f"  baseline: agent request/reply round trip {rtt:.2f} ms; overhead = {over / rtt:.1f} round trips; "
+                    f"  baseline: agent request/reply round trip {rtt:.2f} "
+                    f"ms; overhead = {over / rtt:.1f} round trips; "
                     f"total / work = {total / work:.3f}"
                 )
                 print()
@@ -360,7 +365,8 @@ async def main(args) -> None:
                 print("heartbeat silence (active's agent SIGKILLed):")
                 print(f"  last heartbeat -> domain_unreachable   {silent_ms:7.1f} ms   (heartbeat_timeout_ms 1500)")
                 print(
-                    f"  domain_unreachable -> route_moved       {hb['total_ms']:7.1f} ms   overhead {hb['overhead_ms']:.1f} ms"
+                    "  domain_unreachable -> route_moved       "
+                    f"{hb['total_ms']:7.1f} ms   overhead {hb['overhead_ms']:.1f} ms"
                 )
             finally:
                 await stop_world(task, plog, agents, root)

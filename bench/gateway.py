@@ -10,11 +10,11 @@ the stricter baseline since its own CPU per request is smallest); `haru gateway`
 (uvloop, as the CLI runs it); and the load generator (uvloop; `raw`: a minimal keep-alive HTTP/1.1
 client, so the client's own CPU distorts little; `aiohttp`: aiohttp's client).
 
-For JSON and SSE at 1 and 32 connections it measures direct and via the gateway in alternating
-slices (so both see the same background load on a shared machine) and prints: throughput ratio (gateway / direct), added p50 and p99 latency, and for SSE the
-time-to-first-token ratio. Targets (issue 7): added p50 <= 0.5 ms at 1 connection, throughput >=
-0.5x direct at 32 connections (>= 0.6x with the `fast` upstream, issue 20). Ratios, not absolute numbers, are the result: the machine is shared
-by every process here.
+For JSON and SSE at 1 and 32 connections it measures direct and via the gateway in alternating slices (so both see the
+same background load on a shared machine) and prints: throughput ratio (gateway / direct), added p50 and p99 latency,
+and for SSE the time-to-first-token ratio. Targets (issue 7): added p50 <= 0.5 ms at 1 connection, throughput >= 0.5x
+direct at 32 connections (>= 0.6x with the `fast` upstream, issue 20). Ratios, not absolute numbers, are the result: the
+machine is shared by every process here.
 
 `--consoles N` (issue 18) measures everything twice in the same run: first as above, then with N web
 consoles open on /ui/events (a process of their own) while the fleet's view changes `--churn-hz`

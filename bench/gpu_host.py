@@ -111,7 +111,8 @@ def gib(n: int) -> str:
 def show(r, label: str) -> None:
     procs = ", ".join(f"pid {p.pid} {gib(p.used_bytes)}" for p in r.processes) or "none"
     print(
-        f"{label}: present={r.present} name={r.name!r} total={gib(r.memory_total_bytes)} used={gib(r.memory_used_bytes)} "
+        f"{label}: present={r.present} name={r.name!r} "
+        f"total={gib(r.memory_total_bytes)} used={gib(r.memory_used_bytes)} "
         f"free={gib(r.memory_free_bytes)} mig={r.mig} accounted={r.accounted}"
     )
     print(f"    compute processes: {procs}")

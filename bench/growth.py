@@ -2,13 +2,13 @@
 
     .venv/bin/python bench/growth.py [--minutes 60] [--fault-every-s 120]
 
-One real `haru up --demo` (two simulated GPU hosts, `a` and `b`, the projector, the promoter, the
-gateway). Every `--fault-every-s` seconds one fault in turn, from the simulator's own set: detach the
-active host's GPU (and attach it 30 s later), kill a runtime on the standby, SIGKILL the standby's
-agent (`haru up` restarts it). Every 5 minutes, and at the end, it prints the events stored so far:
-per host (everything under `haru.evt.<fleet>.<domain>.`), fleet-level (decl, op, route, checkpoint),
-the stream's bytes, and the rates (from what was stored after a baseline taken once the demo is up) extrapolated to a day and a year per GPU host. The figures in
-docs/operations.md ("How big the log grows") come from this.
+One real `haru up --demo` (two simulated GPU hosts, `a` and `b`, the projector, the promoter, the gateway). Every
+`--fault-every-s` seconds one fault in turn, from the simulator's own set: detach the active host's GPU (and attach it
+30 s later), kill a runtime on the standby, SIGKILL the standby's agent (`haru up` restarts it). Every 5 minutes, and at
+the end, it prints the events stored so far: per host (everything under `haru.evt.<fleet>.<domain>.`), fleet-level
+(decl, op, route, checkpoint), the stream's bytes, and the rates (from what was stored after a baseline taken once the
+demo is up) extrapolated to a day and a year per GPU host. The figures in docs/operations.md ("How big the log grows")
+come from this.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from chaos import demo_up  # noqa: E402
+from chaos import demo_up
 
-from haru.core import subjects  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
+from haru.core import subjects
+from haru.log.eventlog import EventLog
 
 
 async def census(nats_url: str) -> tuple[dict[str, int], int, int]:

@@ -2,15 +2,15 @@
 
     .venv/bin/python bench/history.py [--sizes 10000,1000000] [--rounds 40] [--repeat 5]
 
-For each size, a fresh nats-server and store: one fleet (`bench`, domains `a` and `b`, model `m1`
-on both, 200 filler models on a third domain `c`), filled with pipelined appends (one in flight per
-subject, 200 subjects at once) up to the size, then a real story for `m1` appended last (the same
-~30 causally linked events at every size: a GPU detached on `a`, the loss, a failover promotion with
-its steps and its route move, the wake on `b`). A projector folds the log once (writing a checkpoint
-every 10,000 events of the fleet, as in production), then `--after` more filler events are appended
-(the same number at every size: what a verify or a rebuild from the checkpoint has to walk). Then, with every store kept open and the sizes
-timed in turn round after round (load drift weighs on all alike), each the median of `--rounds` calls (`--repeat` for verify and rebuild), in
-this process (what the CLI and the control API call, without a process start):
+For each size, a fresh nats-server and store: one fleet (`bench`, domains `a` and `b`, model `m1` on both, 200 filler
+models on a third domain `c`), filled with pipelined appends (one in flight per subject, 200 subjects at once) up to the
+size, then a real story for `m1` appended last (the same ~30 causally linked events at every size: a GPU detached on
+`a`, the loss, a failover promotion with its steps and its route move, the wake on `b`). A projector folds the log once
+(writing a checkpoint every 10,000 events of the fleet, as in production), then `--after` more filler events are
+appended (the same number at every size: what a verify or a rebuild from the checkpoint has to walk). Then, with every
+store kept open and the sizes timed in turn round after round (load drift weighs on all alike), each the median of
+`--rounds` calls (`--repeat` for verify and rebuild), in this process (what the CLI and the control API call, without a
+process start):
 
     why          haru.log.reads.why_records + the causal tree
     as-of seq    haru.log.reads.model_records + history.as_of at a sequence
@@ -40,15 +40,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from haru.core import events as ev  # noqa: E402
+from haru.core import events as ev
 from haru.core import subjects
 from haru.core.sizes import GiB
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy  # noqa: E402
-from haru.host.natsd import NatsServer  # noqa: E402
-from haru.host.tasks import cancel_and_wait  # noqa: E402
-from haru.log import history, reads  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
-from haru.projections.projector import Projector  # noqa: E402
+from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.host.natsd import NatsServer
+from haru.host.tasks import cancel_and_wait
+from haru.log import history, reads
+from haru.log.eventlog import EventLog
+from haru.projections.projector import Projector
 
 FLEET = "bench"
 FILLERS = 200
@@ -342,7 +342,8 @@ async def main(sizes: list[int], repeat: int, rounds: int, after: int) -> None:
     small, big = min(sizes), max(sizes)
     a, b = res[small], res[big]
     print(
-        f"\nhistory benchmark: {small:,} vs {big:,} events (medians of {rounds} calls, {repeat} for verify/rebuild; the sizes interleaved)"
+        f"\nhistory benchmark: {small:,} vs {big:,} events (medians of "
+        f"{rounds} calls, {repeat} for verify/rebuild; the sizes interleaved)"
     )
     print(f"{'read':<16}{small:>12,}{big:>14,}{'ratio':>9}  goal")
     for key, goal in (

@@ -35,16 +35,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import asyncpg  # noqa: E402
-import structlog  # noqa: E402
+import asyncpg
+import structlog
 
-from haru.host.natsd import NatsServer  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
-from haru.projections import pg_schema as S  # noqa: E402
-from haru.projections.pg_rows import Carry, plan  # noqa: E402
-from haru.projections.postgres import PostgresSink, migrate, tune_gc  # noqa: E402
-from tests.support import pgdata  # noqa: E402
-from tests.support.pg_local import LocalPostgres  # noqa: E402
+from haru.host.natsd import NatsServer
+from haru.log.eventlog import EventLog
+from haru.projections import pg_schema as S
+from haru.projections.pg_rows import Carry, plan
+from haru.projections.postgres import PostgresSink, migrate, tune_gc
+from tests.support import pgdata
+from tests.support.pg_local import LocalPostgres
 
 CPU: dict[str, list[float]] = {"sink": [], "copy": [], "replay": []}  # this process's CPU seconds
 

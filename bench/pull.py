@@ -26,11 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from haru.host.natsd import free_port  # noqa: E402
-from haru.models import resolve as R  # noqa: E402
-from haru.models.pull import pull  # noqa: E402
-from haru.models.store import Store  # noqa: E402
-from tests.support.models_registry import Registry  # noqa: E402
+from haru.host.natsd import free_port
+from haru.models import resolve as R
+from haru.models.pull import pull
+from haru.models.store import Store
+from tests.support.models_registry import Registry
 
 
 async def one_pull(url: str, root: Path) -> tuple[float, float]:

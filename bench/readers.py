@@ -100,7 +100,8 @@ async def main():
                         res[name].append(await f(log, last))
                 for k, v in res.items():
                     print(
-                        f"{k:8s} best {min(v):.3f} s ({min(v) / last * 1e6:.2f} us/event), all {' '.join(f'{x:.2f}' for x in v)}"
+                        f"{k:8s} best {min(v):.3f} s ({min(v) / last * 1e6:.2f} "
+                        f"us/event), all {' '.join(f'{x:.2f}' for x in v)}"
                     )
 
 

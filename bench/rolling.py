@@ -42,11 +42,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-from haru.core import subjects  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
+from haru.core import subjects
+from haru.log.eventlog import EventLog
 
 sys.path.insert(0, str(REPO / "bench"))
-from chaos import MODEL, Load, chat_client, demo_layout, demo_up, steady, stop_load  # noqa: E402
+from chaos import MODEL, Load, chat_client, demo_layout, demo_up, steady, stop_load
 
 
 def pct(values: list[float], p: float) -> float:
@@ -176,7 +176,8 @@ async def main() -> None:
                 nats_url = info["nats_url"]
                 print(f"haru up --demo steady: {args.clients} chat clients", flush=True)
                 print(
-                    f"{'phase':<9} {'requests':>8} {'failed':>7} {'p50_ms':>7} {'p99_ms':>7} {'p99_x':>6} {'loading':>8} "
+                    f"{'phase':<9} {'requests':>8} {'failed':>7} "
+                    f"{'p50_ms':>7} {'p99_ms':>7} {'p99_x':>6} {'loading':>8} "
                     f"{'failovers':>9}"
                 )
                 base_p99 = None

@@ -51,13 +51,13 @@ from urllib.parse import urlsplit
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import aiohttp  # noqa: E402
+import aiohttp
 
-from bench.gateway import _pct, compare  # noqa: E402
-from haru.agents.runtimes.llama_build import ensure_binary  # noqa: E402
-from haru.core import subjects  # noqa: E402
-from haru.host.natsd import free_port  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
+from bench.gateway import _pct, compare
+from haru.agents.runtimes.llama_build import ensure_binary
+from haru.core import subjects
+from haru.host.natsd import free_port
+from haru.log.eventlog import EventLog
 
 FLEET = "default"
 MODEL = "tiny-chat"
@@ -258,7 +258,8 @@ async def kills(log: EventLog, n: int) -> tuple[list[float], list[float], list[f
                 listen_to_resident.append((resident.time.timestamp() - listening) * 1000)
             print(
                 f"  kill {i + 1:2}: kill -> exit {kill_to_exit[-1]:7.1f} ms; exit -> lost {exit_to_lost[-1]:7.1f} ms; "
-                f"port listens -> resident {listen_to_resident[-1] if listening else float('nan'):7.1f} ms; /health 200 -> "
+                "port listens -> resident "
+                f"{listen_to_resident[-1] if listening else float('nan'):7.1f} ms; /health 200 -> "
                 f"resident {health_to_resident[-1] if healthy else float('nan'):7.1f} ms",
                 flush=True,
             )

@@ -55,19 +55,19 @@ import msgspec
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from haru.agents.sim.hosts import SimHosts  # noqa: E402
-from haru.core import subjects  # noqa: E402
+from haru.agents.sim.hosts import SimHosts
+from haru.core import subjects
 from haru.core.events import (
     GpuObserved,
     ModelLost,
     PromotionRequested,
     RouteMoved,
-    StepCompleted,  # noqa: E402
+    StepCompleted,
     StepStarted,
 )
-from haru.core.views import FleetView, view_decoder  # noqa: E402
-from haru.host.natsd import NatsServer, free_port  # noqa: E402
-from haru.log.eventlog import EventLog  # noqa: E402
+from haru.core.views import FleetView, view_decoder
+from haru.host.natsd import NatsServer, free_port
+from haru.log.eventlog import EventLog
 
 BEFORE_FLIP = ("stop_training", "verify_gpu", "wake", "probe")
 CLK = os.sysconf("SC_CLK_TCK")
@@ -473,7 +473,8 @@ async def level(n: int, args, log: EventLog, hosts: SimHosts, plane: Plane, rng:
         f"[{n} fleets] window {window:.0f} s: {events} events ({events / window:.0f}/s), {heartbeats} heartbeats, "
         f"faults {counts}, {len(watch.moves)} route moves; projector lag p50 {out['proj_lag_p50']:.1f} "
         f"p99 {out['proj_lag_p99']:.1f} ms ({unwritten} unwritten); route->gateway p50 {out['route_gw_p50']:.1f} "
-        f"p99 {out['route_gw_p99']:.1f} ms ({rmissing} unseen); f000 failover overhead {out['failover_overhead']:.0f} ms "
+        f"p99 {out['route_gw_p99']:.1f} ms ({rmissing} unseen); "
+        f"f000 failover overhead {out['failover_overhead']:.0f} ms "
         f"({len(failovers)} runs); CPU share " + ", ".join(f"{k} {v:.0%}" for k, v in out["cpu_share"].items()),
         flush=True,
     )
@@ -535,7 +536,8 @@ async def takeover(args, log: EventLog, hosts: SimHosts, plane: Plane) -> None:
     views = await views_of(log)
     fleets = list(hosts.fleets)
     print(
-        f"\n[takeover] 2 promoters, {len(fleets)} fleets: detaching every active's GPU (wake {args.takeover_wake_ms} ms)",
+        f"\n[takeover] 2 promoters, {len(fleets)} fleets: detaching "
+        f"every active's GPU (wake {args.takeover_wake_ms} ms)",
         flush=True,
     )
     await asyncio.gather(*(hosts.host(f, views[f].active).detach_gpu() for f in fleets))
@@ -620,12 +622,13 @@ async def cluster_run(args) -> None:
     third into the window: every append the agents had acknowledged is in the stream afterwards, every
     failover due (an active's GPU detached) moved the route, and the figures during the election
     (the `--election-s` after the kill) are printed beside the rest of the window's."""
-    from tests.integration.test_deploy_cluster import ensure_r3, start_cluster
+    from tests.support.cluster import ensure_r3, start_cluster
 
     root = Path(tempfile.mkdtemp(prefix="haru-bench-scale-cluster-"))
     n = args.cluster_fleets
     print(
-        f"bench/scale.py --cluster: 3 nodes (deploy/nats), R3, {n} fleets, window {args.window_s:.0f} s, logs in {root}",
+        "bench/scale.py --cluster: 3 nodes (deploy/nats), R3, "
+        f"{n} fleets, window {args.window_s:.0f} s, logs in {root}",
         flush=True,
     )
     cluster = start_cluster(root / "cluster")
@@ -688,7 +691,7 @@ async def cluster_run(args) -> None:
                 lost = [(subj, seq) for subj, seq in acked if (seq, subj) not in stored]
                 # 2. every failover due was decided: a route move of that fleet after its detach
                 moves = {}
-                for f, seq, ts in watch.moves:
+                for f, _seq, ts in watch.moves:
                     moves.setdefault(f, []).append(ts / 1e9)
                 late = [(f, t, a) for f, t, a in detached if not any(ts > t for ts in moves.get(f, []))]
                 # 3. the figures during the election and outside it
@@ -704,12 +707,13 @@ async def cluster_run(args) -> None:
                 _, rmissing = route_lags_ms(watch.moves, gateway_route_times(root / "gateway.log"))
                 gw = gateway_route_times(root / "gateway.log")
                 r_in, r_out = [], []
-                for f, seq, ts in watch.moves:
+                for f, _seq, ts in watch.moves:
                     seen = [t for rev, t in gw.get(f, []) if rev >= seq]
                     if seen:
                         (r_in if t_kill <= ts / 1e9 <= election_end else r_out).append((min(seen) - ts / 1e9) * 1000)
                 print(
-                    f"[cluster] faults {counts}; agents' appends acknowledged in the window: {len(acked) - acked_before} "
+                    f"[cluster] faults {counts}; agents' appends "
+                    f"acknowledged in the window: {len(acked) - acked_before} "
                     f"(all runs: {len(acked)}); of them missing from the stream: {len(lost)}"
                     + (f" {lost[:5]}" if lost else "")
                 )
@@ -719,13 +723,17 @@ async def cluster_run(args) -> None:
                 )
                 print(
                     f"[cluster] projector lag  during the election ({args.election_s:.0f} s after the kill): "
-                    f"p50 {pct(lags_in, 50):.1f} p99 {pct(lags_in, 99):.1f} max {max(lags_in, default=float('nan')):.1f} ms "
-                    f"({len(lags_in)} events); rest of the window p50 {pct(lags_out, 50):.1f} p99 {pct(lags_out, 99):.1f} ms "
+                    f"p50 {pct(lags_in, 50):.1f} p99 {pct(lags_in, 99):.1f} "
+                    f"max {max(lags_in, default=float('nan')):.1f} ms "
+                    f"({len(lags_in)} events); rest of the window p50 "
+                    f"{pct(lags_out, 50):.1f} p99 {pct(lags_out, 99):.1f} ms "
                     f"({len(lags_out)} events)"
                 )
                 print(
-                    f"[cluster] route -> gateway during the election: p50 {pct(r_in, 50):.1f} p99 {pct(r_in, 99):.1f} ms "
-                    f"({len(r_in)} moves); rest: p50 {pct(r_out, 50):.1f} p99 {pct(r_out, 99):.1f} ms ({len(r_out)} moves); "
+                    "[cluster] route -> gateway during the election: "
+                    f"p50 {pct(r_in, 50):.1f} p99 {pct(r_in, 99):.1f} ms "
+                    f"({len(r_in)} moves); rest: p50 {pct(r_out, 50):.1f} "
+                    f"p99 {pct(r_out, 99):.1f} ms ({len(r_out)} moves); "
                     f"{rmissing} moves the gateway never logged"
                 )
     finally:

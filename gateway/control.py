@@ -10,7 +10,8 @@
     POST /v1/fleets/{fleet}/reconcile           what the continuous promoter has decided (runs nothing)
     POST /v1/fleets/{fleet}/promote             {"domain": "<name>"}  (or Haru's "targetDomainId")
     POST /v1/fleets/{fleet}/demote              {"domain": "<name>"}
-    POST /v1/fleets/{fleet}/weights             {"weights": {"b": 10}, "model": ""} or {"reset": true} (gateway.weights_api)
+    POST /v1/fleets/{fleet}/weights             {"weights": {"b": 10}, "model": ""} or {"reset": true}
+                                                (gateway.weights_api)
     POST /v1/fleets/{fleet}/provision           {"domain": "<name>", "dry_run": false}  (skypilot/skyserve domains)
     POST /v1/fleets/{fleet}/teardown            {"domain": "<name>", "dry_run": false}
     POST /v1/fleets/{fleet}/replace             {"domain": "<name>", "dry_run": false}

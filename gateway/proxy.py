@@ -332,16 +332,16 @@ class Proxy:
             self.metrics.request(self._fleet_label(fleet), UNKNOWN_MODEL, status)
             return error_response(refusal, {"Connection": "close"})
         model = model_of(body)
-        if type(model) is not str:
-            self.metrics.request(self._fleet_label(fleet), UNKNOWN_MODEL, model.status)  # type: ignore[union-attr]
-            return error_response(model)  # type: ignore[arg-type]
+        if not isinstance(model, str):
+            self.metrics.request(self._fleet_label(fleet), UNKNOWN_MODEL, model.status)
+            return error_response(model)
         result = self.table.resolve(fleet, model, time.time())
-        if type(result) is not Forward:
-            if result.status == 503:  # type: ignore[union-attr]  # perhaps a failover cures it: hold
-                return await self._held(request, path, body, fleet, model, result)  # type: ignore[arg-type]
-            label = model if result.code != "model_not_found" and result.code != "fleet_not_found" else UNKNOWN_MODEL  # type: ignore[union-attr]
-            self.metrics.request(self._fleet_label(fleet), label, result.status)  # type: ignore[union-attr]
-            return error_response(result)  # type: ignore[arg-type]
+        if not isinstance(result, Forward):
+            if result.status == 503:  # perhaps a failover cures it: hold
+                return await self._held(request, path, body, fleet, model, result)
+            label = model if result.code != "model_not_found" and result.code != "fleet_not_found" else UNKNOWN_MODEL
+            self.metrics.request(self._fleet_label(fleet), label, result.status)
+            return error_response(result)
         return await self._forward(request, path, body, result)
 
     # ------------------------------------------------------------------ through a failover
@@ -354,10 +354,10 @@ class Proxy:
         if plan is not None:
             started = time.monotonic()
             outcome = await self.holds.hold(fleet, model, len(body), plan, refusal, _any)
-            if type(outcome) is Forward:
+            if isinstance(outcome, Forward):
                 held_ms = int((time.monotonic() - started) * 1000)
                 return await self._forward(request, path, body, outcome, ((HELD_HEADER, str(held_ms)),))
-            refusal = outcome  # type: ignore[assignment]
+            refusal = outcome
         self.metrics.request(self._fleet_label(fleet), model, refusal.status)
         return error_response(refusal)
 
@@ -394,11 +394,11 @@ class Proxy:
             )
 
         outcome = await self.holds.hold(fleet, model, len(body), plan, refusal, moved, unreachable=True, gone=gone)
-        if type(outcome) is not Forward:
+        if not isinstance(outcome, Forward):
             outcome = self.table.resolve(fleet, model, time.time())
-            if type(outcome) is not Forward:
-                self.metrics.request(fleet, model, outcome.status)  # type: ignore[union-attr]
-                return error_response(outcome)  # type: ignore[arg-type]
+            if not isinstance(outcome, Forward):
+                self.metrics.request(fleet, model, outcome.status)
+                return error_response(outcome)
         self.metrics.retried(fleet, why)
         log.info("gateway.retried", fleet=fleet, model=model, first=fwd.domain, then=outcome.domain, why=why)
         return await self._forward(

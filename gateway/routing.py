@@ -9,7 +9,8 @@ chat request costs two dict look-ups: `table.resolve(fleet, model, now)` returns
 
 The router answers (one per model on the active domain, computed by the projector into the route
 intent) map to HTTP exactly as docs/design.md's "What a client is told" table says; `ANSWER_STATUS` (in
-`haru.core.openai_errors`, shared with the agent's serving port) is that table, and the tests and docs/gateway.md read the same one:
+`haru.core.openai_errors`, shared with the agent's serving port) is that table, and the tests and docs/gateway.md
+read the same one:
 
     ready              proxied
     warming{for_ms}    503 model_warming       + Retry-After
@@ -239,11 +240,11 @@ class FleetRoutes(msgspec.Struct, frozen=True):
         entry = self.entries.get(model)
         if entry is None:
             return self._missing(model)
-        if type(entry) is _Warming:
+        if isinstance(entry, _Warming):
             return entry.at(now)
-        if type(entry) is Split:  # traffic weights (gateway.split): the next domain in the split's order
+        if isinstance(entry, Split):  # traffic weights (gateway.split): the next domain in the split's order
             return entry.pick()
-        return entry  # type: ignore[return-value]
+        return entry
 
     def _missing(self, model: str) -> Refusal:
         if not self.active and (self.view is None or not self.declared):
@@ -303,13 +304,13 @@ def compile_routes(fleet: str, view: FleetView | None, intent: RouteIntent | Non
     revision = intent.revision if intent is not None else (view.route_revision if view is not None else 0)
     active = target.domain if target is not None else ""
 
-    if target is None:
+    if target is None or intent is None:  # (no intent: no target)
         refusal = _no_active(fleet, view, intent)
         for mname in declared:
             entries[mname] = refusal
     else:
-        for mname, answer in intent.answers.items():  # type: ignore[union-attr]
-            refused = refusal_for(fleet, active, mname, answer, intent.operation)  # type: ignore[union-attr]
+        for mname, answer in intent.answers.items():
+            refused = refusal_for(fleet, active, mname, answer, intent.operation)
             if refused is not None:
                 entries[mname] = refused
                 continue

@@ -8,8 +8,8 @@ or, as `haru gateway` does it, `await run_gateway(servers, config)` (connects to
 SIGINT/SIGTERM).
 
 Why the low-level server: the router Application with its middleware chain costs measurable CPU
-per request at 32 connections (docs/design.md, "Facts the code relies on"); the gateway has a dozen fixed paths, so one dispatch
-function with a dict look-up for the chat paths does the same job. Handlers run with
+per request at 32 connections (docs/design.md, "Facts the code relies on"); the gateway has a dozen fixed paths, so one
+dispatch function with a dict look-up for the chat paths does the same job. Handlers run with
 `handler_cancellation`, so a client that disconnects cancels its handler and with it the upstream
 request.
 

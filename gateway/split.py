@@ -71,7 +71,7 @@ def apply_splits(
             w = intent.weighted.get(domain)
             answer = w.answers.get(model) if w is not None else None
             url = target_url(w.target, model) if w is not None else ""
-            if answer is None or answer.answer != "ready" or not url or not w.target.eligible:  # type: ignore[union-attr]
+            if w is None or answer is None or answer.answer != "ready" or not url or not w.target.eligible:
                 continue  # not ready there: its share stays with the active
             ways[domain] = forward(url, domain, model)
             effective[domain] = share

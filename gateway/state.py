@@ -193,7 +193,7 @@ class RouteFollower:
                 "intent",
                 intent,
                 self._intent_delivered,
-                lambda body, seq: self._apply_intent(fleet, intent_decoder.decode(body), seq),
+                lambda body, seq, fleet=fleet: self._apply_intent(fleet, intent_decoder.decode(body), seq),
             )
             view = await self.events.get_view(subjects.view_key(fleet))
             self._check(
@@ -203,7 +203,7 @@ class RouteFollower:
                 "view",
                 view,
                 self._view_delivered,
-                lambda body, rev: self._apply_view(fleet, view_decoder.decode(body), rev),
+                lambda body, rev, fleet=fleet: self._apply_view(fleet, view_decoder.decode(body), rev),
             )
             last_move = await self.events.last(subjects.route(fleet))
             if last_move is not None and last_move.seq > self._route_seq:

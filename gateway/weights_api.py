@@ -1,7 +1,7 @@
 """The control API's traffic weights: POST /v1/fleets/{fleet}/weights.
 
     POST /v1/fleets/{fleet}/weights   {"weights": {"b": 10}, "model": "qwen3:0.6b"}   b gets 10%, the active the rest
-                                      {"reset": true [, "model": ...]}                  the active takes everything again
+                                      {"reset": true [, "model": ...]}                  the active takes all again
 
 It asks for a `weighting` operation (haru.log.requests), as `haru route weight` does: 202 accepted
 (or joined) with the op_id (the domain given a new share is woken and probed first, then the promoter

@@ -76,8 +76,8 @@ LEFT JOIN haru.operations o USING (fleet, op_id)
 WHERE s.outcome IS NOT NULL AND s.duration_ms IS NOT NULL
 GROUP BY 1, s.step
 ORDER BY 1, array_position(
-    ARRAY['apply_standby', 'stop_training', 'verify_gpu', 'wake', 'probe', 'flip', 'apply_old_active', 'settle_old_active',
-     'sleep', 'start_training'],
+    ARRAY['apply_standby', 'stop_training', 'verify_gpu', 'wake', 'probe', 'flip', 'apply_old_active',
+     'settle_old_active', 'sleep', 'start_training'],
     s.step);
 """
 

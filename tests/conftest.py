@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from haru.host.natsd import NatsServer
+from tests.support.nvml_fake import build as build_fake_nvml
 
 pytest_plugins = ["tests.support.hangdump"]
 
@@ -30,3 +31,9 @@ async def event_log(nats_server):
     async with EventLog.connect([nats_server.url], writer="test") as log:
         await log.ensure()
         yield log
+
+
+@pytest.fixture(scope="session")
+def fake_nvml_dir(tmp_path_factory):
+    """The directory of the compiled fake `libnvidia-ml.so.1` (tests/nvml/fake_nvml.c; cached across sessions)."""
+    return build_fake_nvml(tmp_path_factory.mktemp("fake-nvml"))

@@ -6,9 +6,9 @@ tests, the real vLLM tests and `haru up --demo --real vllm`.
 A plain script (it imports nothing of Haru), run by the converter's or vLLM's managed interpreter.
 
 Run by the converter's own Python (the managed venv: it has sentencepiece, numpy and safetensors): the
-tokenizer is trained here on generated text, the weights are seeded random. byte fallback (every text tokenizes), 256-wide, 2 blocks, so
-every tensor row is a multiple of 256 (k-quants need that). The text it would generate is noise; what
-is real is that llama.cpp's converter and quantizer accept it and llama-server serves the result.
+tokenizer is trained here on generated text, the weights are seeded random. byte fallback (every text tokenizes),
+256-wide, 2 blocks, so every tensor row is a multiple of 256 (k-quants need that). The text it would generate is
+noise; what is real is that llama.cpp's converter and quantizer accept it and llama-server serves the result.
 """
 
 from __future__ import annotations

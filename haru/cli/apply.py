@@ -81,7 +81,7 @@ def _result_json(result: ApplyResult) -> dict:
         "last_seq": result.last_seq,
         "changes": [
             {"type": tag_of(e), **payload(e), "seq": s}
-            for e, s in zip(result.events, result.seqs or [0] * len(result.events))
+            for e, s in zip(result.events, result.seqs or [0] * len(result.events), strict=True)
         ],
         "admitted": [
             {"domain": v.domain, "kind": v.kind, "name": v.name, "gpu_index": v.gpu_index, "vram_bytes": v.vram_bytes}
@@ -223,7 +223,7 @@ async def run(args: argparse.Namespace) -> ExitStatus:
 
                 cause = next(
                     s
-                    for e, s in zip(result.events, result.seqs)
+                    for e, s in zip(result.events, result.seqs, strict=True)
                     if isinstance(e, ModelChanged) and f"{e.domain}/{e.spec.name}" in waiting
                 )
                 rolling = await request_operation(
@@ -314,7 +314,8 @@ def _print_result(
         else:
             print(
                 f"haru: the changes to {', '.join(waiting)} wait on the active domain {active}: the rolling change was "
-                f"not requested ({rolling.status}: {rolling.message}); request it with `haru roll --fleet {result.fleet}`",
+                f"not requested ({rolling.status}: {rolling.message}); "
+                f"request it with `haru roll --fleet {result.fleet}`",
                 file=sys.stderr,
             )
     elif waiting and not result.dry_run:

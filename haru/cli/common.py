@@ -126,7 +126,8 @@ def add_nats_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nats-url",
         default=default_nats_url(),
-        help="NATS server URL(s), comma-separated (env HARU_NATS_URL, else the one `haru up` runs; default %(default)s)",
+        help="NATS server URL(s), comma-separated "
+        "(env HARU_NATS_URL, else the one `haru up` runs; default %(default)s)",
     )
     parser.add_argument(
         "--nats-creds",
@@ -197,7 +198,7 @@ async def fleet_by_uuid(nats_url: str, creds: str | None, wanted: str) -> str:
 
     wanted = as_uuid(wanted)
     async with EventLog.connect(nats_servers(nats_url), writer="cli:fleet-uuid", creds=creds) as log:
-        for key, raw in (await log.views()).items():
+        for raw in (await log.views()).values():
             try:
                 view = view_decoder.decode(raw)
             except msgspec.DecodeError:

@@ -29,7 +29,8 @@ from haru.log.seam import Log
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verify",
-        help="walk every subject's hash chain and check every event stands on a subject it may; say whether history is intact",
+        help="walk every subject's hash chain and check every event stands on a subject it may; "
+        "say whether history is intact",
     )
     add_nats_options(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -268,7 +269,7 @@ def _parse_point(point: str) -> tuple[int | None, datetime | None]:
                 f"{point!r} is neither a stream sequence nor an ISO-8601 time (e.g. 1234 or 2026-11-29T03:00:00Z)",
                 ExitStatus.USAGE,
             )
-        )
+        ) from None
     if t.tzinfo is None:
         t = t.replace(tzinfo=UTC)
     return None, t

@@ -80,7 +80,9 @@ def register(subparsers) -> None:
     p.set_defaults(handler=run_service)
 
     helps = {
-        "promotion": "make a standby domain active (stop training, verify GPU, wake, probe, flip, settle the old active)",
+        "promotion": (
+            "make a standby domain active (stop training, verify GPU, wake, probe, flip, settle the old active)"
+        ),
         "demotion": "put a standby domain to sleep and start its training (the active cannot be demoted)",
         "rolling": "roll the declared layout through the standby: it applies the changes, is woken, probed and "
         "promoted, then the old active applies them (haru apply requests this itself for a change on the active)",
@@ -334,7 +336,8 @@ async def run_op(args: argparse.Namespace) -> ExitStatus:
     for op in ops.values():
         tail = f"  {op.error}" if op.error else ""
         print(
-            f"{op.op_id}  {op.requested_at.isoformat()[:23]}  {op.kind:<9} {op.target:<12} {op.reason:<18} {op.state}{tail}"
+            f"{op.op_id}  {op.requested_at.isoformat()[:23]}  "
+            f"{op.kind:<9} {op.target:<12} {op.reason:<18} {op.state}{tail}"
         )
     return ExitStatus.OK
 

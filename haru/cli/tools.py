@@ -70,7 +70,7 @@ def run_convert(args: argparse.Namespace) -> ExitStatus:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    if not Path(args.source).exists():  # a path that does not exist is a usage error (README's table)
+    if not Path(args.source).exists():  # a path that does not exist is a usage error (docs/cli.md's table)
         return fail(
             f"{args.source} does not exist; give a model directory (config.json + *.safetensors) or a "
             f".safetensors file beside its config.json",

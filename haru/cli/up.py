@@ -66,7 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--layout",
         default=None,
-        help="with --demo: the layout to apply (default: the demo layout haru ships, as in deploy/examples/demo-fleet.json)",
+        help="with --demo: the layout to apply "
+        "(default: the demo layout haru ships, as in deploy/examples/demo-fleet.json)",
     )
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     p.add_argument(

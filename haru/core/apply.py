@@ -245,7 +245,8 @@ def change_paths(events: list[Event], active: str) -> list[str]:
     Agents that read the declarations apply model changes live (docs/agent.md, "Layouts applied live"):
     a new model is started, a retired one stopped, a changed one replaced at once on the standby; on the
     `active` domain a changed model keeps serving its old spec until that domain is the standby: `haru
-    apply` requests a rolling change, which promotes the standby and then replaces it there. Everything else is read when an agent starts.
+    apply` requests a rolling change, which promotes the standby and then replaces it there. Everything else is read
+    when an agent starts.
     """
     lines = []
     for e in events:

@@ -162,7 +162,7 @@ def writers_of(kind: str) -> tuple[str, ...]:
 def misplaced_at(place: Where | None, event: object) -> str:
     """`misplaced` for a subject already parsed by `where` (None: not an event subject)."""
     rule = _RULES.get(type(event))
-    if rule is None:
+    if rule is None or not isinstance(event, ev.Event):
         return f"{type(event).__name__} is not a Haru event type"
     kind, checks = rule
     if place is None:
@@ -170,7 +170,7 @@ def misplaced_at(place: Where | None, event: object) -> str:
     if place.kind != kind:
         p = _BY_KIND[kind]
         here = _BY_KIND[place.kind].subject
-        return f"{ev.tag_of(event)} belongs on {p.subject} (written by {', '.join(p.writers)}), not on {here}"  # type: ignore[arg-type]
+        return f"{ev.tag_of(event)} belongs on {p.subject} (written by {', '.join(p.writers)}), not on {here}"
     for field, part in checks:
         said = getattr(event, field)
         if said != getattr(place, part):

@@ -6,7 +6,8 @@ and the tests read the same table (`EXPECTED`) to say where a link should exist 
 
 `cause` is the stream sequence of the event that made this one happen (0 = none). Some events are
 roots: an observation (a GPU reading, a runtime's exit, heartbeat silence, a runtime a restarted agent
-found and adopted, a pull it started), an operator's request, a declaration, an agent's start. Everything else names its cause:
+found and adopted, a pull it started), an operator's request, a declaration, an agent's start. Everything else names
+its cause:
 
 | event | cites |
 |---|---|

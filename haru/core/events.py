@@ -22,7 +22,7 @@ Which subject each event goes to is in `haru.core.subjects`; who writes it is in
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -165,56 +165,56 @@ __all__ = [
     "tag_of",
 ]
 
-AnyEvent = Union[
-    FleetDeclared,
-    PolicyChanged,
-    DomainDeclared,
-    DomainChanged,
-    DomainRetired,
-    ModelDeclared,
-    ModelChanged,
-    ModelRetired,
-    TrainingDeclared,
-    TrainingChanged,
-    TrainingRetired,
-    AdmissionDecided,
-    ModelFetched,
-    ModelPulling,
-    ModelLoading,
-    ModelResident,
-    ModelSleeping,
-    ModelWaking,
-    ModelLost,
-    ModelFailed,
-    ModelStopped,
-    ModelAdopted,
-    GpuObserved,
-    TrainingStarted,
-    TrainingStopped,
-    AgentStarted,
-    AgentStopping,
-    FailureSignalled,
-    DomainUnreachable,
-    DomainReachable,
-    PromotionRequested,
-    DemotionRequested,
-    RollingRequested,
-    WeightingRequested,
-    ProvisionRequested,
-    TeardownRequested,
-    ReplaceRequested,
-    StepStarted,
-    StepCompleted,
-    StepFailed,
-    PromotionRetargeted,
-    OperationCompleted,
-    OperationAborted,
-    FailoverDeclined,
-    EligibilityChanged,
-    RouteMoved,
-    WeightsSet,
-    Checkpoint,
-]
+AnyEvent = (
+    FleetDeclared
+    | PolicyChanged
+    | DomainDeclared
+    | DomainChanged
+    | DomainRetired
+    | ModelDeclared
+    | ModelChanged
+    | ModelRetired
+    | TrainingDeclared
+    | TrainingChanged
+    | TrainingRetired
+    | AdmissionDecided
+    | ModelFetched
+    | ModelPulling
+    | ModelLoading
+    | ModelResident
+    | ModelSleeping
+    | ModelWaking
+    | ModelLost
+    | ModelFailed
+    | ModelStopped
+    | ModelAdopted
+    | GpuObserved
+    | TrainingStarted
+    | TrainingStopped
+    | AgentStarted
+    | AgentStopping
+    | FailureSignalled
+    | DomainUnreachable
+    | DomainReachable
+    | PromotionRequested
+    | DemotionRequested
+    | RollingRequested
+    | WeightingRequested
+    | ProvisionRequested
+    | TeardownRequested
+    | ReplaceRequested
+    | StepStarted
+    | StepCompleted
+    | StepFailed
+    | PromotionRetargeted
+    | OperationCompleted
+    | OperationAborted
+    | FailoverDeclined
+    | EligibilityChanged
+    | RouteMoved
+    | WeightsSet
+    | Checkpoint
+)
 
 RESIDENCY_EVENTS = (
     ModelPulling,
@@ -260,11 +260,9 @@ def payload(event: Event) -> dict[str, Any]:
 
 
 OPERATION_REQUESTS: dict[str, type[OperationRequested]] = {
-    cls.kind: cls
-    for cls in AnyEvent.__args__  # type: ignore[attr-defined]
-    if issubclass(cls, OperationRequested)
+    cls.kind: cls for cls in AnyEvent.__args__ if issubclass(cls, OperationRequested)
 }
 """Operation kind -> its request event, read from `AnyEvent`."""
 
 
-ALL_TAGS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in AnyEvent.__args__)  # type: ignore[attr-defined]
+ALL_TAGS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in AnyEvent.__args__)

@@ -8,7 +8,8 @@
 An intent carries:
 
 - `revision`: the stream sequence of the last `route_moved` (0 = never routed),
-- `active` and `standby` Targets (the standby is the first-ranked one): serving URL (the declared one, else the one the agent announced),
+- `active` and `standby` Targets (the standby is the first-ranked one): serving URL (the declared one, else the one the
+  agent announced),
   reachability, eligibility with why, degraded flags, and for `serve: direct` domains the URL of
   each admitted model,
 - `answers`: one router answer per model declared on the active domain (`haru.core.residency.answer`),

@@ -283,14 +283,21 @@ LLAMA_OWNED: dict[str, tuple[str, bool, str]] = {
 }
 
 _FIXES = {
-    "vram": "remove it: Haru derives it from the model's vram and the GPU's memory; to give the model more, raise its vram",
+    "vram": (
+        "remove it: Haru derives it from the model's vram and the GPU's memory; to give the model more, raise its vram"
+    ),
     "context_length": "remove it and declare the length as the model's context_length",
     "name": "remove it: the runtime serves the model under its id (the model's name)",
     "gpu_layers": "remove it and declare the offload as the model's gpu_layers",
     "source": "remove it: the model's source is what the runtime loads",
     "sleep": "remove it",
-    "gpus": "remove it and declare the GPUs the model spans as its gpus (tensor parallel: the plan books its VRAM on each)",
-    "": "remove it: the agent chooses the runtime's host and port (the model's port field; 127.0.0.1 unless the domain serves direct)",
+    "gpus": (
+        "remove it and declare the GPUs the model spans as its gpus (tensor parallel: the plan books its VRAM on each)"
+    ),
+    "": (
+        "remove it: the agent chooses the runtime's host and port "
+        "(the model's port field; 127.0.0.1 unless the domain serves direct)"
+    ),
 }
 
 
@@ -335,7 +342,7 @@ def _resolve(spec: ModelSpec, gpu_memory_bytes: int) -> tuple[list[str], str | N
     passthrough: list[str] = []
     lowered: str | None = None
     seen: set[str] = set()
-    for index, spelling, canonical, value, used in _split(list(spec.args), table):
+    for index, spelling, canonical, value, _used in _split(list(spec.args), table):
         if spelling is None:
             passthrough.append(spec.args[index])
             continue

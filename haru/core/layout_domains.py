@@ -56,7 +56,8 @@ def domain_from(d: DomainDoc, i: int) -> Domain:
             raise LayoutError(
                 f"slot {slot!r} is on GPU {s.gpu}, which domain {name!r} does not declare",
                 path=f"{sp}.gpu",
-                fix=f"use one of the domain's GPU indexes ({', '.join(map(str, sorted(gpu_memory)))}) or declare GPU {s.gpu}",
+                fix=f"use one of the domain's GPU indexes ({', '.join(map(str, sorted(gpu_memory)))}) "
+                f"or declare GPU {s.gpu}",
             )
         if s.kind == "training":
             training.append(_training(s, slot, sp))

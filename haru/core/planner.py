@@ -7,8 +7,9 @@ the exact shortfall (`short_by_bytes = vram - left`). Nothing is evicted to make
 
 Training is planned for the standby, where the inference runtimes sleep: a sleeping `vllm` runtime
 keeps `policy.sleep_residual_bytes` on its GPU (CUDA context, allocator residue); a `llama_server`
-cannot sleep, so it is planned as keeping all its VRAM; an `external` runtime holds nothing of ours. Training slots on a GPU are admitted, again in declaration order and first fit, in
-capacity - residuals of the admitted runtimes; those that do not fit carry their shortfall.
+cannot sleep, so it is planned as keeping all its VRAM; an `external` runtime holds nothing of ours. Training slots on a
+GPU are admitted, again in declaration order and first fit, in capacity - residuals of the admitted runtimes; those
+that do not fit carry their shortfall.
 
 Models across GPUs (tensor parallel, `gpu_indexes`): the model's `vram_bytes` is booked on EACH GPU it
 spans; it is admitted only if it fits on all of them (the shortfall is the first GPU's that is short),
@@ -168,7 +169,8 @@ class DomainPlan(msgspec.Struct, frozen=True, kw_only=True):
         training = len(booked) - models
         return (
             f"host RAM {self.host_ram_held_bytes / GiB:.1f} / {format_gib(self.host_ram_capacity_bytes)} held  "
-            f"({models} sleeping model{'s' if models != 1 else ''}, {training} training slot{'s' if training != 1 else ''})"
+            f"({models} sleeping model{'s' if models != 1 else ''}, "
+            f"{training} training slot{'s' if training != 1 else ''})"
         )
 
 

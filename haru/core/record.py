@@ -46,7 +46,8 @@ def body_hash(data: bytes) -> str:
 
 
 def msg_id(subject: str, expect: int, data: bytes) -> str:
-    """The deterministic id of an append (its Nats-Msg-Id on JetStream): the same (subject, position, body) is the same event."""
+    """The deterministic id of an append (its Nats-Msg-Id on JetStream): the same (subject, position, body) is the
+    same event."""
     h = hashlib.sha256()
     h.update(subject.encode())
     h.update(b"\n%d\n" % expect)

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 
 from haru.core.errors import IllegalTransition
-from haru.core.events import LostReason
+from haru.core.events import AdmissionDecided, LostReason, ModelAdopted
 
 
 class State(msgspec.Struct, frozen=True, kw_only=True, tag_field="state"):
@@ -91,7 +91,7 @@ class NotAdmitted(State, frozen=True, kw_only=True, tag="not_admitted"):
     short_by_bytes: int = 0
 
 
-Residency = Union[Unknown, Pulling, Loading, Resident, Sleeping, Waking, Lost, Failed, Stopped, NotAdmitted]
+Residency = Unknown | Pulling | Loading | Resident | Sleeping | Waking | Lost | Failed | Stopped | NotAdmitted
 
 UNKNOWN = Unknown()
 
@@ -244,10 +244,10 @@ del _s
 def event_key(event: object) -> str:
     """The table's name for an event: its tag, or `admission_decided:admitted|not_admitted`."""
     tag = _tag(event)
-    if tag == "admission_decided":
-        return ADMITTED if event.admitted else REFUSED  # type: ignore[attr-defined]
-    if tag == "model_adopted":
-        return ADOPTED_ASLEEP if event.asleep else ADOPTED_AWAKE  # type: ignore[attr-defined]
+    if isinstance(event, AdmissionDecided):
+        return ADMITTED if event.admitted else REFUSED
+    if isinstance(event, ModelAdopted):
+        return ADOPTED_ASLEEP if event.asleep else ADOPTED_AWAKE
     return tag
 
 
@@ -314,10 +314,10 @@ def _evolve(state: Residency, event: object, seq: int, subject: str) -> Residenc
     # event_key and _tag inlined.
     current = _TAGS.get(type(state)) or _tag(state)
     key = _TAGS.get(type(event)) or _tag(event)
-    if key == "admission_decided":
-        key = ADMITTED if event.admitted else REFUSED  # type: ignore[attr-defined]
-    elif key == "model_adopted":
-        key = ADOPTED_ASLEEP if event.asleep else ADOPTED_AWAKE  # type: ignore[attr-defined]
+    if key == "admission_decided" and isinstance(event, AdmissionDecided):
+        key = ADMITTED if event.admitted else REFUSED
+    elif key == "model_adopted" and isinstance(event, ModelAdopted):
+        key = ADOPTED_ASLEEP if event.asleep else ADOPTED_AWAKE
     result = TRANSITIONS.get((current, key))
     if result is None:
         raise IllegalTransition(current, key, subject)

@@ -1,8 +1,8 @@
 """The projected read side: `FleetView` (stored in KV `haru_views`, key `fleet.<slug>`) and
 `RouteIntent` (published on `haru.route.<fleet>`, stream HARU_ROUTE).
 
-A FleetView is a fact sheet folded from the log by `haru.core.fold` (the `Folder`; `evolve` specifies it); it carries `seq`,
-the last HARU_EVENTS sequence it folded, so a stale projector cannot overwrite a newer view.
+A FleetView is a fact sheet folded from the log by `haru.core.fold` (the `Folder`; `evolve` specifies it); it carries
+`seq`, the last HARU_EVENTS sequence it folded, so a stale projector cannot overwrite a newer view.
 A RouteIntent is a pure function of a FleetView (`haru.core.intents.intent`): the provider-neutral
 answer that routers act on.
 

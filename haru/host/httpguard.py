@@ -3,7 +3,7 @@
     server = GuardedServer(handler, limits=ClientLimits.from_env(os.environ), handler_cancellation=True)
     body = await read_body(request, limits.body_timeout_s, max_bytes)   # raises BodyTimeout / BodyTooLarge
 
-Three bounds, each from configuration (README, "Configuration"):
+Three bounds, each from configuration (docs/configuration.md, "Environment variables"):
 
 - **header timeout** (`HARU_CLIENT_HEADER_TIMEOUT_MS`, default 15 s): a connection has this long to
   send a complete request head, when it opens and again after each response. It is aiohttp's

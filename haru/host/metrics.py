@@ -150,7 +150,7 @@ class MetricsServer:
         names = [name for name, _ in self.sources]
         texts = await asyncio.gather(*(fetch() for _, fetch in self.sources), return_exceptions=True)
         out = []
-        for name, text in zip(names, texts):
+        for name, text in zip(names, texts, strict=True):
             if isinstance(text, BaseException):
                 log.warning("metrics.source_failed", source=name, error=repr(text))
             elif text:

@@ -5,7 +5,8 @@
 It reads the decl subject, asks the core what differs (`haru.core.apply.diff` over the folded
 declarations and the planner's verdicts; a domain that declares no host RAM is planned against what
 its agent measured at its last start, `haru.core.planner.with_measured_host_ram`), and appends each
-event with the subject's expected last sequence; when another writer wins the race (`Conflict`) it re-reads and re-diffs, a bounded number of
+event with the subject's expected last sequence; when another writer wins the race (`Conflict`) it re-reads and
+re-diffs, a bounded number of
 times. It reaches the log only through the seam (`EventStore`): `haru apply`, `haru up` and the
 simulated hosts hand it whichever log they hold.
 """

@@ -119,7 +119,7 @@ class Follower:
             came_back = asyncio.Event()
             was_down = False
 
-            def on_link(up: bool) -> None:
+            def on_link(up: bool, came_back: asyncio.Event = came_back) -> None:
                 nonlocal was_down
                 if not up:
                     was_down = True

@@ -56,7 +56,8 @@ class Misplaced:
     why: str
 
     def __str__(self) -> str:
-        return f"seq {self.seq} on {self.subject}: {self.type} by {self.by or 'an unnamed writer'} is misplaced: {self.why}"
+        by = self.by or "an unnamed writer"
+        return f"seq {self.seq} on {self.subject}: {self.type} by {by} is misplaced: {self.why}"
 
 
 def misplaced_of(rec: Record) -> Misplaced | None:

@@ -44,7 +44,8 @@ _log = structlog.get_logger("haru.log.eventlog")
 
 
 class _PubAck(msgspec.Struct):
-    """A JetStream publish ack: `{"stream", "seq", "duplicate"}`, or `{"error": {"code", "err_code", "description"}}`."""
+    """A JetStream publish ack: `{"stream", "seq", "duplicate"}`, or
+    `{"error": {"code", "err_code", "description"}}`."""
 
     stream: str = ""
     seq: int = 0
@@ -268,7 +269,8 @@ class JetStreamClient:
         deadline = loop.time() + max(self.timeout * 2, 10.0)
         while True:
             attempts += 1
-            # nats-py writes into the headers dict it is given: a fresh one per attempt (docs/design.md, "Facts the code relies on").
+            # nats-py writes into the headers dict it is given: a fresh one per attempt
+            # (docs/design.md, "Facts the code relies on").
             headers = {EXPECTED_LAST_SUBJECT_SEQ: str(expect), MSG_ID: mid}
             try:
                 return await self._publish(subject, data, headers)

@@ -132,7 +132,8 @@ class Replay:
                 t = msg.reply.split(".")
                 if len(t) == 9:  # v1: $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
                     seq, ts, drained = int(t[5]), t[7], t[8] == "0"
-                else:  # v2: $JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>.<token>
+                else:
+                    # v2 $JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>.<token>
                     seq, ts, drained = int(t[7]), t[9], t[10] == "0"
                 last_handled = self.last_handled
                 if seq <= last_handled:

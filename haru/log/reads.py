@@ -54,8 +54,8 @@ async def why_records(
     """What `haru why` draws: the model's own events, every event they name as a cause (read one by
     one by sequence, up the chain), the operations and route moves those caused (the op and route
     subjects from the model's first event on), and the traffic weights that applied to the model (its
-    own split or the fleet's, a canary rollback with its evidence: the weights subject from then on). Reads grow with the model's and the fleet's operations'
-    history, never with the whole log."""
+    own split or the fleet's, a canary rollback with its evidence: the weights subject from then on). Reads grow with
+    the model's and the fleet's operations' history, never with the whole log."""
     mine = await model_records(log, fleet, model, domain, damage)
     if skipped is not None:
         skipped.extend(mine)

@@ -157,8 +157,9 @@ def rollback(view: FleetView, tallies: dict[str, dict[str, Tally]], now: datetim
             elif seen.requests >= max(1, policy.canary_min_requests) and seen.error_rate > policy.canary_max_error_rate:
                 base = _summed(tallies, active, models)
                 evidence = (
-                    f"error rate {seen.error_rate:.1%} ({seen.errors} of {seen.requests} requests since the split was set, "
-                    f"within canary_window_ms {policy.canary_window_ms} ms, reported by {', '.join(seen.gateways)}) is over "
+                    f"error rate {seen.error_rate:.1%} ({seen.errors} of {seen.requests} requests "
+                    f"since the split was set, within canary_window_ms {policy.canary_window_ms} ms, "
+                    f"reported by {', '.join(seen.gateways)}) is over "
                     f"canary_max_error_rate {policy.canary_max_error_rate:.1%}; the active {active}: "
                     f"{base.error_rate:.1%} of {base.requests}"
                     + (f"; last error: {seen.last_error}" if seen.last_error else "")

@@ -88,7 +88,7 @@ def parse_service_table(text: str) -> dict[str, ServiceStatus]:
             continue
         if header is None or len(cells) < 2:
             continue
-        row = dict(zip(header, cells))
+        row = dict(zip(header, cells, strict=False))
         name = row.get("NAME", "")
         if name:
             endpoint = row.get("ENDPOINT", "")

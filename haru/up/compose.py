@@ -329,8 +329,8 @@ def _banner(running: Running, opts: UpOptions, layout: Layout | None) -> None:
     if layout is not None:
         models = ", ".join(m.name for m in layout.domains[0].models)
         out.write(
-            f"haru up: {'demo ' if opts.demo else ''}fleet {layout.fleet!r}: domains {', '.join(d.spec.name for d in layout.domains)}; "
-            f"models {models}\n"
+            f"haru up: {'demo ' if opts.demo else ''}fleet {layout.fleet!r}: "
+            f"domains {', '.join(d.spec.name for d in layout.domains)}; models {models}\n"
         )
         out.write(f"haru up: agent logs in {opts.home / 'demo' / 'agents'}; try `haru status` in another terminal\n")
     if running.services:

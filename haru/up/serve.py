@@ -188,7 +188,7 @@ async def prepare(
             pulls.append((f, result))
             say(
                 f"haru serve: {f.name} = {result.path} ({res.format}, "
-                f"{'fetched ' + str(result.fetched_bytes) + ' bytes' if result.fetched_bytes else 'already in the store'})"
+                + (f"fetched {result.fetched_bytes} bytes)" if result.fetched_bytes else "already in the store)")
             )
             out.append(Prepared(flag=f, path=str(result.path), format=res.format, runtime=res.runtime))
         else:

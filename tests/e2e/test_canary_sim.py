@@ -14,7 +14,6 @@ import contextlib
 import json
 import socket
 from collections import Counter
-from datetime import UTC, datetime
 
 import aiohttp
 import pytest
@@ -27,10 +26,12 @@ from haru.host.tasks import cancel_and_wait
 from haru.log.apply import apply
 from haru.log.requests import request_weights
 from haru.projections.projector import Projector
-from tests.e2e.test_failover_sim import steady
-from tests.integration.test_gateway import running_gateway, wait_for
 from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, sim_fault, write_config, write_layout
+from tests.support.clock import now
+from tests.support.failover_sim import steady
+from tests.support.gateway import running_gateway
 from tests.support.promoter import promoters, wait_view
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 FLEET = "f"
@@ -50,10 +51,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def now():
-    return datetime.now(UTC)
 
 
 @contextlib.asynccontextmanager
@@ -124,13 +121,15 @@ async def test_a_failing_canary_is_rolled_back_with_its_evidence(tmp_path, nats_
         assert [s.step for s in op.steps] == ["stop_training", "verify_gpu", "wake", "probe", "weigh"]
         assert all(isinstance(m.residency, Resident) for m in view.domains["b"].models.values())
         # the gateway follows the intent: both domains answer
-        await wait_for(
+        await wait_until(
             lambda: (
                 (r := gw.table.get(FLEET)) is not None
                 and r.intent is not None
                 and r.intent.weights == {"a": 50, "b": 50}
                 and "b" in r.intent.weighted
-            )
+            ),
+            5.0,
+            interval_s=0.005,
         )
         healthy = await send(gw, "m1", 40)
         assert set(healthy) == {(200, "a"), (200, "b")} and abs(healthy[(200, "b")] - 20) <= 2, healthy
@@ -155,7 +154,11 @@ async def test_a_failing_canary_is_rolled_back_with_its_evidence(tmp_path, nats_
         assert change.by.startswith("promoter:")
         sets = [r.event for r in await event_log.history(subjects.weights(FLEET))]
         assert [(type(e), e.reason) for e in sets] == [(WeightsSet, "manual"), (WeightsSet, "canary_rolled_back")]
-        await wait_for(lambda: (r := gw.table.get(FLEET)) is not None and r.intent is not None and not r.intent.weights)
+        await wait_until(
+            lambda: (r := gw.table.get(FLEET)) is not None and r.intent is not None and not r.intent.weights,
+            5.0,
+            interval_s=0.005,
+        )
         after = await send(gw, "m1", 20)
         assert after == Counter({(200, "a"): 20}), after
         # no longer a canary: the awake standby is put back to sleep (and given training)

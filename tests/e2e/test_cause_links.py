@@ -21,10 +21,11 @@ from haru.core import causes, subjects
 from haru.core import events as ev
 from haru.core.saga import STEPS
 from haru.log.requests import request_operation
-from tests.e2e.test_failover_sim import FLEET, _endpoint, serving, sim, sim_agents, steady
 from tests.support import haru
 from tests.support.agent_harness import sim_fault
-from tests.support.promoter import op_events, promoters, view_of, wait_until, wait_view
+from tests.support.failover_sim import FLEET, endpoint_of_b, serving, sim, sim_agents, steady
+from tests.support.promoter import op_events, promoters, view_of, wait_view
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -131,14 +132,14 @@ async def test_every_producer_cites_the_event_that_caused_it(tmp_path, nats_serv
                 what="b's m1 restarted and asleep again",
             )
             # a promotion that fails at the wake (CUDA out of memory) and is aborted
-            await sim_fault(await _endpoint(event_log), "oom_on_wake")
+            await sim_fault(await endpoint_of_b(event_log), "oom_on_wake")
             failing = await request_operation(event_log, FLEET, "promotion", "b", by="cli:test", now=datetime.now(UTC))
             assert failing.status == "accepted", failing
 
             async def aborted():
                 return any(isinstance(e, ev.OperationAborted) for e in await op_events(event_log, FLEET, failing.op_id))
 
-            await wait_until(aborted, timeout=60, what="the abort")
+            await wait_until(aborted, 60, what="the abort")
             await wait_view(
                 event_log, lambda v: v.operation is None, timeout=60, fleet=FLEET, what="no operation in flight"
             )

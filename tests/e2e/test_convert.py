@@ -19,9 +19,10 @@ from openai import OpenAI
 
 from haru.host.natsd import free_port
 from haru.up.convert import env_python
-from tests.e2e.test_up_demo import REPO, stop_and_reap, wait_for
 from tests.support import haru
+from tests.support.demo import REPO, stop_and_reap
 from tests.support.llama import llama_binary
+from tests.support.wait import wait_until_sync
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(240)]
 
@@ -97,14 +98,22 @@ def test_convert_quantize_and_serve(tmp_path):
     )
     tree: set[int] = set()
     try:
-        info = wait_for("haru serve", lambda: ready.exists() and json.loads(ready.read_text()), 90)
+        info = wait_until_sync(
+            lambda: ready.exists() and json.loads(ready.read_text()),
+            90,
+            interval_s=0.25,
+            what="haru serve",
+            retry_on=(Exception,),
+        )
         client = OpenAI(base_url=info["gateway_url"] + "/v1", api_key="unused", max_retries=0, timeout=30)
-        reply = wait_for(
-            "chat",
+        reply = wait_until_sync(
             lambda: client.chat.completions.create(
                 model="converted", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0
             ),
             90,
+            interval_s=0.25,
+            what="chat",
+            retry_on=(Exception,),
         )
         assert reply.model == "converted" and reply.choices[0].finish_reason in ("length", "stop")
     finally:

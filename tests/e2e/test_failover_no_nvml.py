@@ -12,8 +12,9 @@ from haru.agents.gpu import NvmlGpus
 from haru.core.events import PromotionRequested, StepCompleted
 from haru.core.layout import load_layout
 from haru.log.apply import apply
-from tests.e2e.test_failover_sim import FLEET, POLICY, now, sim, steady
 from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, write_config, write_layout
+from tests.support.clock import now
+from tests.support.failover_sim import FLEET, POLICY, sim, steady
 from tests.support.promoter import op_events, promoters, route_moves, wait_view
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,86 +6,25 @@ oom-on-wake`), so what the promoter sees is what the agent really observed.
 
 from __future__ import annotations
 
-import contextlib
-from datetime import UTC, datetime
-
 import pytest
 
-from haru.core import subjects
 from haru.core.events import OperationAborted, PromotionRequested, StepFailed, StepStarted
-from haru.core.layout import load_layout
-from haru.core.residency import Resident, Sleeping
-from haru.log.apply import apply
-from tests.support import haru
-from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, sim_fault, write_config, write_layout
-from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_until, wait_view
+from tests.support.agent_harness import sim_fault
+from tests.support.failover_sim import (
+    FLEET,
+    endpoint_of_b,
+    serving,
+    sim,
+    sim_agents,
+    steady,
+)
+from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_view
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
-FLEET = "f"
-POLICY = {
-    # No test here silences an agent; a 2.5 s bound was crossed by a loaded 2-core machine's scheduling
-    # alone (a 2.7 s gap), turning a GPU-detach failover into a heartbeat one.
-    "heartbeat_timeout_ms": 6000,
-    "degraded_grace_ms": 300,
-    "restart_backoff_ms": 1500,
-    "restart_backoff_max_ms": 3000,
-    "command_timeout_ms": 10000,
-    "training_grace_ms": 500,
-}
 
 
 STEP_DELAY_MS = 300
-
-
-def now():
-    return datetime.now(UTC)
-
-
-def asleep_and_training(view, domain: str) -> bool:
-    dv = view.domains[domain]
-    return all(isinstance(m.residency, Sleeping) for m in dv.models.values()) and all(
-        t.running for t in dv.training.values()
-    )
-
-
-def serving(view, domain: str) -> bool:
-    return view.active == domain and all(
-        isinstance(m.residency, Resident) for m in view.domains[domain].models.values()
-    )
-
-
-def steady(view, active: str) -> bool:
-    standby = "b" if active == "a" else "a"
-    return (
-        view.operation is None
-        and serving(view, active)
-        and asleep_and_training(view, standby)
-        and view.domains[standby].eligible
-    )
-
-
-@contextlib.asynccontextmanager
-async def sim_agents(tmp_path, nats_server, event_log):
-    """Two sim domains, declared, each with its agent (a real subprocess)."""
-    layout_path = write_layout(
-        tmp_path / "layout.json",
-        tmp_path,
-        models={"m1": {}, "m2": {"vram": "2GiB"}},
-        training={"vram": "8GiB"},
-        policy=POLICY,
-        fleet=FLEET,
-    )
-    await apply(event_log, load_layout(layout_path), now())
-    procs = []
-    try:
-        for d in ("a", "b"):
-            cfg = write_config(
-                tmp_path / f"agent-{d}.json", nats_server.url, tmp_path, domain=d, layout=layout_path, fleet=FLEET
-            )
-            procs.append(AgentProcess(cfg, tmp_path / f"agent-{d}.log", agent_env()))
-        yield procs
-    finally:
-        kill_agents(procs)
 
 
 @pytest.fixture
@@ -96,10 +35,6 @@ async def sim_fleet(tmp_path, nats_server, event_log):
         async with promoters(nats_server.url, step_delay_ms=STEP_DELAY_MS):
             await wait_view(event_log, lambda v: steady(v, "a"), timeout=40, fleet=FLEET, what="first route, a active")
             yield event_log, tmp_path
-
-
-def sim(tmp_path, *args: str) -> None:
-    haru("sim", *args, "--sim-root", str(tmp_path / "sim"), check=True)
 
 
 async def test_killing_the_active_runtime_promotes_the_standby_and_the_old_active_rejoins(sim_fleet):
@@ -145,15 +80,8 @@ async def _inject_when_started(log, step: str, fault: str) -> None:
             isinstance(e, StepStarted) and e.step == step and e.op_id == failover[0] for e in events
         )
 
-    await wait_until(started, timeout=30, every=0.02, what=f"{step} started")
-    await sim_fault(await _endpoint(log), fault)
-
-
-async def _endpoint(log):
-    for rec in reversed(await log.history(subjects.model(FLEET, "b", "m1"))):
-        if getattr(rec.event, "endpoint", ""):
-            return rec.event.endpoint
-    raise AssertionError("no endpoint recorded for b/m1")
+    await wait_until(started, 30, interval_s=0.02, what=f"{step} started")
+    await sim_fault(await endpoint_of_b(log), fault)
 
 
 @pytest.mark.parametrize("fault, step", [("fail_probe", "probe"), ("oom_on_wake", "wake")])
@@ -165,7 +93,7 @@ async def test_a_standby_that_fails_before_the_flip_aborts_and_the_pointer_stays
     async def aborted():
         return next((e for e in await op_events(log, FLEET) if isinstance(e, OperationAborted)), None)
 
-    end = await wait_until(aborted, timeout=40, what="the aborted promotion")
+    end = await wait_until(aborted, 40, what="the aborted promotion")
     assert end.step == step, end
     failed = [e for e in await op_events(log, FLEET, end.op_id) if isinstance(e, StepFailed)]
     assert [f.step for f in failed] == [step]

@@ -23,35 +23,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from haru.host.natsd import free_port
-from tests.e2e.test_up_demo import REPO, demo_layout_with_free_ports, stop_and_reap, wait_for
 from tests.support import haru
+from tests.support.chromium import CHROMIUM, CHROMIUM_ARGS, need_chromium
+from tests.support.demo import REPO, demo_layout_with_free_ports, stop_and_reap
+from tests.support.wait import wait_until_sync
 
 TOKEN = "console-test-token"
 FLEET = "default"
-CHROMIUM = os.environ.get("HARU_CHROMIUM", "/usr/bin/chromium")
-# Chromium as root in a container, with nothing reaching off the machine.
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-]
 # Where screenshots go (CI keeps this directory as the tests' artifacts; default: the test's tmp dir).
 ARTIFACTS = os.environ.get("HARU_TEST_ARTIFACTS", "")
-
-
-def need_chromium() -> None:
-    """Skip without Chromium, saying how to get it; with HARU_REQUIRE_BROWSER=1 (CI) fail instead."""
-    if os.access(CHROMIUM, os.X_OK):
-        return
-    reason = f"Chromium not found at {CHROMIUM}: apt-get install chromium (or set HARU_CHROMIUM)"
-    if os.environ.get("HARU_REQUIRE_BROWSER") == "1":
-        pytest.fail(reason + " [HARU_REQUIRE_BROWSER=1]")
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +79,22 @@ def demo(tmp_path_factory):
     )
     tree: set[int] = set()
     try:
-        info = wait_for("haru up to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 90)
+        info = wait_until_sync(
+            lambda: ready.exists() and json.loads(ready.read_text()),
+            90,
+            interval_s=0.25,
+            what="haru up to be ready",
+            retry_on=(Exception,),
+        )
         info.update(home=home, env=env, proc=proc, tmp=tmp)
         # Routed onto a, with b asleep and training: the starting point every test expects.
-        wait_for("the first route and a settled standby", lambda: _settled(info), 90, 0.5)
+        wait_until_sync(
+            lambda: _settled(info),
+            90,
+            interval_s=0.5,
+            what="the first route and a settled standby",
+            retry_on=(Exception,),
+        )
         yield info
     finally:
         stop_and_reap(proc, tree, wait_s=60)
@@ -126,11 +118,12 @@ def detach_active_and_wait(demo) -> dict:
     view = _status(demo)
     if view["active"] == "a" and view["route_revision"] and not _failovers_in_log(demo):
         assert haru("sim", "detach-gpu", "a", env=demo["env"]).returncode == 0
-    return wait_for(
-        "the failover onto b to finish",
+    return wait_until_sync(
         lambda: (lambda v: v if v["active"] == "b" and not v.get("operation") else None)(_status(demo)),
         90,
-        0.5,
+        interval_s=0.5,
+        what="the failover onto b to finish",
+        retry_on=(Exception,),
     )
 
 
@@ -367,7 +360,9 @@ def test_every_process_metrics_agree_with_the_event_log_after_a_failover(demo):
                 return None
         return ops, up
 
-    ops, up = wait_for("the promoter's metrics to match the log", promoter_agrees, 30, 0.5)
+    ops, up = wait_until_sync(
+        promoter_agrees, 30, interval_s=0.5, what="the promoter's metrics to match the log", retry_on=(Exception,)
+    )
     failovers = [
         o
         for o in ops
@@ -414,7 +409,9 @@ def test_every_process_metrics_agree_with_the_event_log_after_a_failover(demo):
             return None
         return up, last_seq
 
-    up, last_seq = wait_for("the projector to be caught up", projector_caught_up, 30, 0.5)
+    up, last_seq = wait_until_sync(
+        projector_caught_up, 30, interval_s=0.5, what="the projector to be caught up", retry_on=(Exception,)
+    )
     assert value(up, "haru_projector_lag_events") == 0
     assert value(up, "haru_projector_lag_seconds") == 0
     assert value(up, "haru_projector_stream_last_seq") == last_seq
@@ -463,7 +460,9 @@ def test_every_process_metrics_agree_with_the_event_log_after_a_failover(demo):
         assert value(b, "haru_agent_route_revision", fleet=FLEET, domain="b") == view["route_revision"]
         return True
 
-    wait_for("the agents' metrics to match the fleet view", agents_agree, 30, 0.5)
+    wait_until_sync(
+        agents_agree, 30, interval_s=0.5, what="the agents' metrics to match the fleet view", retry_on=(Exception,)
+    )
 
 
 # ------------------------------------------------------------------------------- dashboards, alerts

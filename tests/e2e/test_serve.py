@@ -14,10 +14,11 @@ import pytest
 from openai import OpenAI
 
 from haru.host.natsd import free_port
-from tests.e2e.test_up_demo import REPO, descendants, stop_and_reap, wait_for
-from tests.integration.test_models_pull import build_registry
 from tests.support import haru
+from tests.support.demo import REPO, descendants, stop_and_reap
 from tests.support.llama import llama_binary
+from tests.support.models_registry import build_registry
+from tests.support.wait import wait_until_sync
 
 
 @pytest.fixture
@@ -83,18 +84,26 @@ def test_serve_pulls_a_reference_and_a_real_llama_server_answers(registry_url, t
     )
     tree: set[int] = set()
     try:
-        info = wait_for("haru serve to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 90)
+        info = wait_until_sync(
+            lambda: ready.exists() and json.loads(ready.read_text()),
+            90,
+            interval_s=0.25,
+            what="haru serve to be ready",
+            retry_on=(Exception,),
+        )
         out = (tmp_path / "serve.out").read_text()
         assert "haru serve: pulling tiny:1b for tiny" in out
         assert "tiny                         admitted (1.0 GiB)" in out
         assert "nothing to fail over to" in out
         client = OpenAI(base_url=info["gateway_url"] + "/v1", api_key="unused", max_retries=0, timeout=30)
-        reply = wait_for(
-            "chat through the gateway",
+        reply = wait_until_sync(
             lambda: client.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0
             ),
             90,
+            interval_s=0.25,
+            what="chat through the gateway",
+            retry_on=(Exception,),
         )
         assert reply.model == "tiny" and reply.choices[0].finish_reason in ("length", "stop")
         tree |= descendants(proc.pid)

@@ -26,8 +26,9 @@ from haru.core.events import AgentStopping
 from haru.host.children import alive, start_time
 from haru.host.natsd import free_port
 from haru.log.eventlog import EventLog
-from tests.e2e.test_up_demo import demo_layout_with_free_ports, descendants, stop_and_reap, wait_for
 from tests.support import haru
+from tests.support.demo import demo_layout_with_free_ports, descendants, stop_and_reap
+from tests.support.wait import wait_until_sync
 
 REPO = Path(__file__).resolve().parents[2]
 LOAD_FLEET = "load"
@@ -127,12 +128,22 @@ async def test_kill_9_under_load_then_restart_loses_nothing_and_leaves_no_orphan
     second = None
     try:
         info = await asyncio.to_thread(
-            wait_for, "haru up to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 90
+            wait_until_sync,
+            lambda: ready.exists() and json.loads(ready.read_text()),
+            90,
+            0.25,
+            what="haru up to be ready",
+            retry_on=(Exception,),
         )
         nats_url = info["nats_url"]
         # every agent's runtimes up too: the tree to account for is the whole demo
         await asyncio.to_thread(
-            wait_for, "the demo's runtimes", lambda: len(descendants(first.pid)) >= 2 + 2 + 1 + 6, 90
+            wait_until_sync,
+            lambda: len(descendants(first.pid)) >= 2 + 2 + 1 + 6,
+            90,
+            0.25,
+            what="the demo's runtimes",
+            retry_on=(Exception,),
         )
 
         acked: dict[int, tuple[str, bytes]] = {}
@@ -158,7 +169,12 @@ async def test_kill_9_under_load_then_restart_loses_nothing_and_leaves_no_orphan
             # their runtimes and port holders, and nothing else is left
             try:
                 await asyncio.to_thread(
-                    wait_for, "every other child to die with haru up", lambda: survivors() == outliving() or None, 60
+                    wait_until_sync,
+                    lambda: survivors() == outliving() or None,
+                    60,
+                    0.25,
+                    what="every other child to die with haru up",
+                    retry_on=(Exception,),
                 )
             except AssertionError:
                 raise AssertionError(f"still alive: {[(p, cmdline(p)[:120]) for p in survivors()]}") from None
@@ -167,7 +183,12 @@ async def test_kill_9_under_load_then_restart_loses_nothing_and_leaves_no_orphan
 
         second, ready2 = start_up(tmp_path, "second", up_env(home), layout)
         info2 = await asyncio.to_thread(
-            wait_for, "the second haru up to be ready", lambda: ready2.exists() and json.loads(ready2.read_text()), 90
+            wait_until_sync,
+            lambda: ready2.exists() and json.loads(ready2.read_text()),
+            90,
+            0.25,
+            what="the second haru up to be ready",
+            retry_on=(Exception,),
         )
         left = [p for p in survivors() if not _outlives_its_agent(p)]
         assert left == [], f"processes of the first run still alive: {[(p, cmdline(p)[:120]) for p in left]}"
@@ -203,7 +224,13 @@ def test_a_second_haru_up_on_the_same_home_is_refused(tmp_path):
     tree: set[int] = set()
     first, ready = start_up(tmp_path, "first", env, layout)
     try:
-        info = wait_for("haru up to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 90)
+        info = wait_until_sync(
+            lambda: ready.exists() and json.loads(ready.read_text()),
+            90,
+            interval_s=0.25,
+            what="haru up to be ready",
+            retry_on=(Exception,),
+        )
         servers_before = [p for p in descendants(first.pid) if "nats-server" in cmdline(p)]
         again = subprocess.run(
             [
@@ -255,7 +282,13 @@ def test_history_is_read_off_the_disk_of_a_stopped_home_and_the_store_is_left_as
     proc, ready = start_up(tmp_path, "up", env, layout)
     tree: set[int] = set()
     try:
-        wait_for("haru up to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 90)
+        wait_until_sync(
+            lambda: ready.exists() and json.loads(ready.read_text()),
+            90,
+            interval_s=0.25,
+            what="haru up to be ready",
+            retry_on=(Exception,),
+        )
 
         def b_is_a_standby_asleep() -> bool:
             out = haru("status", "--json", env=env)
@@ -263,7 +296,9 @@ def test_history_is_read_off_the_disk_of_a_stopped_home_and_the_store_is_left_as
             models = (view.get("domains", {}).get("b") or {}).get("models") or {}
             return bool(models) and all(m.get("residency", {}).get("state") == "sleeping" for m in models.values())
 
-        wait_for("b to be a standby, asleep", b_is_a_standby_asleep, 90, every=1.0)
+        wait_until_sync(
+            b_is_a_standby_asleep, 90, interval_s=1.0, what="b to be a standby, asleep", retry_on=(Exception,)
+        )
         promoted = haru("promote", "b", "--wait", env=env, timeout=90)
         assert promoted.returncode == 0, promoted.stdout + promoted.stderr
         tree |= descendants(proc.pid)

@@ -18,17 +18,10 @@ import pytest
 from openai import OpenAI
 
 from haru.host.natsd import free_port
-from tests.e2e.test_up_demo import (
-    REPO,
-    alive,
-    demo_layout_with_free_ports,
-    descendants,
-    events_left_alone,
-    stop_and_reap,
-    wait_for,
-)
 from tests.support import haru
+from tests.support.demo import REPO, alive, demo_layout_with_free_ports, descendants, events_left_alone, stop_and_reap
 from tests.support.llama import llama_binary
+from tests.support.wait import wait_until_sync
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(240)]
 
@@ -68,8 +61,12 @@ def real_demo(tmp_path):
     )
     tree: set[int] = set()
     try:
-        info = wait_for(
-            "haru up --demo --real to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 60
+        info = wait_until_sync(
+            lambda: ready.exists() and json.loads(ready.read_text()),
+            60,
+            interval_s=0.25,
+            what="haru up --demo --real to be ready",
+            retry_on=(Exception,),
         )
         yield {**info, "home": home, "env": env, "proc": proc, "tree": tree}
     finally:
@@ -92,7 +89,9 @@ def test_the_real_demo_chats_stays_quiet_and_stops_cleanly(real_demo):
             model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0, **kw
         )
 
-    first = wait_for("chat through the gateway", lambda: chat("tiny-chat"), 90)
+    first = wait_until_sync(
+        lambda: chat("tiny-chat"), 90, interval_s=0.25, what="chat through the gateway", retry_on=(Exception,)
+    )
     assert first.model == "tiny-chat" and first.choices[0].finish_reason in ("length", "stop")
     assert chat("tiny:story").choices[0].message.content is not None
     chunks = list(chat("tiny-chat", stream=True))
@@ -109,7 +108,7 @@ def test_the_real_demo_chats_stays_quiet_and_stops_cleanly(real_demo):
             and any(t["running"] for t in b["training"].values())
         )
 
-    wait_for("b a resident standby, training", settled, 90)
+    wait_until_sync(settled, 90, interval_s=0.25, what="b a resident standby, training", retry_on=(Exception,))
     tree = descendants(real_demo["proc"].pid)
     real_demo["tree"] |= tree
     servers = [pid for pid in tree if exe(pid) == "llama-server"]

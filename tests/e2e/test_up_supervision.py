@@ -15,8 +15,9 @@ import pytest
 from openai import OpenAI
 
 from haru.host.children import alive, start_time
-from tests.e2e.test_up_demo import chat, demo, wait_for  # noqa: F401 - demo is a fixture
 from tests.support import haru
+from tests.support.demo import chat
+from tests.support.wait import wait_until_sync
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -55,23 +56,41 @@ def err_file(demo) -> object:
 def test_each_child_killed_is_restarted_and_the_log_says_why(demo):
     home, env = demo["home"], demo["env"]
     client = OpenAI(base_url=demo["gateway_url"] + "/v1", api_key="unused", max_retries=0, timeout=20)
-    wait_for("chat through the gateway", lambda: chat(client, "qwen3-0.6b"), 90)
+    wait_until_sync(
+        lambda: chat(client, "qwen3-0.6b"), 90, interval_s=0.25, what="chat through the gateway", retry_on=(Exception,)
+    )
     for name in ("agent b", "projector", "promoter", "nats-server"):
         pid = children(home)[name]
         demo["tree"].add(pid)
         os.kill(pid, signal.SIGKILL)
-        new = wait_for(
-            f"{name} restarted", lambda: (p := children(home)[name]) != pid and alive(p, start_time(p)) and p, 60
+        new = wait_until_sync(
+            lambda name=name, pid=pid: (p := children(home)[name]) != pid and alive(p, start_time(p)) and p,
+            60,
+            interval_s=0.25,
+            what=f"{name} restarted",
+            retry_on=(Exception,),
         )
         demo["tree"].add(new)
-        died = wait_for(
-            f"the log to say why {name} died", lambda: logged(err_file(demo), "up.child_died", child=name), 10
+        died = wait_until_sync(
+            lambda name=name: logged(err_file(demo), "up.child_died", child=name),
+            10,
+            interval_s=0.25,
+            what=f"the log to say why {name} died",
+            retry_on=(Exception,),
         )
         assert died[-1]["why"] == "killed by SIGKILL", died
         assert logged(err_file(demo), "up.child_restarted", child=name, pid=new)
     # the whole demo works again: chat, a clean bill of health, and an intact history
-    wait_for("chat after the restarts", lambda: chat(client, "qwen3-0.6b"), 90)
-    status, body = wait_for("healthz ok", lambda: (r := healthz(demo["gateway_url"]))[0] == 200 and r, 60)
+    wait_until_sync(
+        lambda: chat(client, "qwen3-0.6b"), 90, interval_s=0.25, what="chat after the restarts", retry_on=(Exception,)
+    )
+    status, body = wait_until_sync(
+        lambda: (r := healthz(demo["gateway_url"]))[0] == 200 and r,
+        60,
+        interval_s=0.25,
+        what="healthz ok",
+        retry_on=(Exception,),
+    )
     assert body["status"] == "ok" and body["down"] == [], body
     verify = haru("verify", nats_url=demo["nats_url"], env=env)
     assert verify.returncode == 0, verify.stdout + verify.stderr
@@ -85,7 +104,13 @@ def test_a_crash_loop_is_backed_off_and_said_then_recovers(demo):
     pid = children(home)["agent b"]
     demo["tree"].add(pid)
     os.kill(pid, signal.SIGKILL)
-    loop = wait_for("the crash loop to be said", lambda: logged(err_file(demo), "up.crash_loop", child="agent b"), 90)
+    loop = wait_until_sync(
+        lambda: logged(err_file(demo), "up.crash_loop", child="agent b"),
+        90,
+        interval_s=0.25,
+        what="the crash loop to be said",
+        retry_on=(Exception,),
+    )
     assert loop[0]["failures_in_a_row"] >= 3 and "keeps dying" in loop[0]["message"], loop
     delays = [
         r["restart_in_s"]
@@ -103,30 +128,37 @@ def test_a_crash_loop_is_backed_off_and_said_then_recovers(demo):
         time.sleep(2.0)  # and stays up
         return alive(p, start_time(p)) and p
 
-    wait_for("agent b back for good", settled, 90)
+    wait_until_sync(settled, 90, interval_s=0.25, what="agent b back for good", retry_on=(Exception,))
 
 
 def test_a_failover_reaches_clients_with_the_projector_stopped(demo):
     home, env, gw = demo["home"], demo["env"], demo["gateway_url"]
     client = OpenAI(base_url=gw + "/v1", api_key="unused", max_retries=0, timeout=20)
-    first = wait_for("chat through the gateway", lambda: chat(client, "qwen3-0.6b"), 90)
+    first = wait_until_sync(
+        lambda: chat(client, "qwen3-0.6b"), 90, interval_s=0.25, what="chat through the gateway", retry_on=(Exception,)
+    )
     assert first.startswith("[domain a]"), first
     projector = children(home)["projector"]
     os.kill(projector, signal.SIGSTOP)  # hung, not dead: the supervisor sees nothing, the heartbeat stops
     try:
-        status, body = wait_for(
-            "healthz to name the projector", lambda: (r := healthz(gw))[1]["down"] == ["projector"] and r, 30
+        status, body = wait_until_sync(
+            lambda: (r := healthz(gw))[1]["down"] == ["projector"] and r,
+            30,
+            interval_s=0.25,
+            what="healthz to name the projector",
+            retry_on=(Exception,),
         )
         assert status == 503 and body["status"] == "degraded", body
         promote = haru("promote", "b", "--wait", "--timeout", "90", nats_url=demo["nats_url"], env=env, timeout=120)
         assert promote.returncode == 0, promote.stdout + promote.stderr
-        answer = wait_for(
-            "chat answered by b",
+        answer = wait_until_sync(
             lambda: (lambda a: a if a.startswith("[domain b]") else None)(chat(client, "qwen3-0.6b")),
             30,
-            0.2,
+            interval_s=0.2,
+            what="chat answered by b",
+            retry_on=(Exception,),
         )
         assert answer.startswith("[domain b]")
     finally:
         os.kill(projector, signal.SIGCONT)
-    wait_for("healthz ok again", lambda: healthz(gw)[0] == 200, 30)
+    wait_until_sync(lambda: healthz(gw)[0] == 200, 30, interval_s=0.25, what="healthz ok again", retry_on=(Exception,))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from datetime import UTC, datetime
 
 import pytest
@@ -18,26 +17,19 @@ from haru.core import subjects
 from haru.core.layout import load_layout
 from haru.log.apply import apply
 from haru.log.bus import send
-from tests.integration.test_agent_restart import FLEET, MODELS, ChatLoad, residency_tags, sim_fleet, sim_layout, steady
 from tests.support.agent_harness import sim_model
 from tests.support.promoter import wait_view
-
-
-def edit_layout(path, fn) -> None:
-    doc = json.loads(path.read_text())
-    for d in doc["domains"]:
-        fn(d["name"], d["slots"][0]["models"])
-    path.write_text(json.dumps(doc))
-
-
-async def tags_become(event_log, d: str, model: str, since: int, want: list[str], timeout: float = 30) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = (await residency_tags(event_log, d, model))[since:]
-        if got == want:
-            return got
-        assert time.monotonic() < deadline, f"{d}/{model}: {got}, wanted {want}"
-        await asyncio.sleep(0.1)
+from tests.support.sim_fleet import (
+    FLEET,
+    MODELS,
+    ChatLoad,
+    edit_layout,
+    residency_tags,
+    sim_fleet,
+    sim_layout,
+    steady,
+    tags_become,
+)
 
 
 @pytest.mark.timeout(150)

@@ -17,10 +17,7 @@ import pytest
 from haru.agents.load_queue import overlapping_loads
 from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
-from tests.support.agent_harness import (  # noqa: F401 - agents is a fixture
-    AgentProcess,
-    agent_env,
-    agents,
+from tests.support.agent_harness import (
     is_,
     tag,
     wait_event,

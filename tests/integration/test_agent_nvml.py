@@ -9,16 +9,11 @@ import sys
 import pytest
 
 from haru.core import subjects
-from tests.nvml.fake import build, env_with, write_state
 from tests.support.agent_harness import is_, wait_event, write_config, write_layout
+from tests.support.nvml_fake import env_with, write_state
 
 GiB = 1024**3
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture(scope="module")
-def fake_nvml_dir(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("fake-nvml"))
 
 
 async def test_an_agent_on_nvml_accounts_runtimes_and_foreign_usage_and_sees_a_detach(

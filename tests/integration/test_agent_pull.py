@@ -4,33 +4,21 @@ then a real llama-server loads the materialized file; a reference the registry d
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 import pytest
 
 from haru.core import subjects
 from haru.core.events import ModelFailed, ModelLoading, ModelPulling, ModelResident
-from tests.integration.test_models_pull import build_registry
 from tests.support.llama import llama_binary, llama_model, real_fleet, real_layout
-from tests.support.models_registry import Server
+from tests.support.models_registry import Server, build_registry
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(120)]
 
 
 async def events_of(log, fleet: str, domain: str, model: str):
     return [r.event for r in await log.history(subjects.model(fleet, domain, model)) if r.event is not None]
-
-
-async def wait_for(pred, timeout: float = 60.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        got = await pred()
-        if got:
-            return got
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out; last: {got!r}")
-        await asyncio.sleep(0.2)
 
 
 async def test_the_agent_pulls_a_reference_then_serves_it(tmp_path, nats_server, event_log, monkeypatch):
@@ -51,7 +39,7 @@ async def test_the_agent_pulls_a_reference_then_serves_it(tmp_path, nats_server,
                 evs = await events_of(event_log, "default", "solo", "tiny")
                 return evs if any(isinstance(e, ModelResident) for e in evs) else None
 
-            evs = await wait_for(resident)
+            evs = await wait_until(resident, 60.0, interval_s=0.2)
             kinds = [type(e).__name__ for e in evs]
             assert kinds[:1] == ["ModelPulling"] and "ModelLoading" in kinds, kinds
             pulls = [e for e in evs if isinstance(e, ModelPulling)]
@@ -66,7 +54,7 @@ async def test_the_agent_pulls_a_reference_then_serves_it(tmp_path, nats_server,
                 evs = await events_of(event_log, "default", "solo", "gone")
                 return [e for e in evs if isinstance(e, ModelFailed)]
 
-            why = (await wait_for(failed))[0].runtime_said
+            why = (await wait_until(failed, 60.0, interval_s=0.2))[0].runtime_said
             assert why.startswith("pull ollama:nothing-here:1b: Ollama model library/nothing-here:1b not found (404")
             evs = await events_of(event_log, "default", "solo", "gone")
             assert not any(isinstance(e, ModelLoading) for e in evs)  # nothing started for it
@@ -95,7 +83,7 @@ async def test_an_agent_stopped_mid_pull_records_stopped_and_keeps_the_partial(
                 evs = await events_of(event_log, "default", "solo", "tiny")
                 return [e for e in evs if isinstance(e, ModelPulling)]
 
-            await wait_for(started)
+            await wait_until(started, 60.0, interval_s=0.2)
             parts = home / "models" / "partial"
 
             def part_sizes() -> list[int]:
@@ -111,7 +99,7 @@ async def test_an_agent_stopped_mid_pull_records_stopped_and_keeps_the_partial(
                 # .part had a byte): the weights' .part has begun.
                 return any(size > 4096 for size in part_sizes())
 
-            await wait_for(some_bytes, 30)
+            await wait_until(some_bytes, 30, interval_s=0.2)
             agent = gw.agents[0]
             agent.signal(signal.SIGINT)  # stopping for good: the pull is interrupted and said so
             assert await agent.wait(30) == 0

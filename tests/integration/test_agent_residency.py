@@ -11,10 +11,7 @@ from haru.agents.sim.gpu_state import SimGpuState
 from haru.core import subjects
 from haru.core.commands import Command
 from haru.log.bus import send
-from tests.support.agent_harness import (  # noqa: F401 - agents is a fixture
-    AgentProcess,
-    agent_env,
-    agents,
+from tests.support.agent_harness import (
     is_,
     model_tags,
     sim_fault,

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from haru.host.children import alive as proc_alive
-from tests.integration.test_agent_restart import (
+from tests.support.promoter import wait_view
+from tests.support.sim_fleet import (
     FLEET,
     MODELS,
     identities,
@@ -25,7 +26,6 @@ from tests.integration.test_agent_restart import (
     steady,
     wait_adopted,
 )
-from tests.support.promoter import wait_view
 
 UNIT = Path(__file__).resolve().parents[2] / "deploy" / "systemd" / "haru-agent.service"
 

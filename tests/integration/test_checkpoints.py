@@ -16,8 +16,8 @@ from haru.core.fold import fold
 from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import body_hash
 from haru.projections.projector import Projector
-from tests.integration.test_projector import F, Writer, declare, stored_view, wait_view_seq
 from tests.support import haru
+from tests.support.projector import F, Writer, declare, stored_view, wait_view_seq
 
 
 async def project(log, **kwargs) -> Projector:

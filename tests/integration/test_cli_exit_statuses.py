@@ -1,4 +1,4 @@
-"""Every command exits as README's table says, for each failure class it can meet (issue 29).
+"""Every command exits as docs/cli.md's table says, for each failure class it can meet (issue 29).
 
 Each class is run for each command that can meet it, in process (`haru.cli.main`, the entry point the
 `haru` script calls), so the table is checked in seconds: usage (2: an unknown flag, a path that does

@@ -20,8 +20,9 @@ from haru.host.natsd import NatsServer
 from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import EventLog
 from haru.projections.projector import Projector
-from tests.integration.test_projector import MODELS, Writer, declare, now, wait_view_seq
 from tests.support import haru
+from tests.support.clock import now
+from tests.support.projector import MODELS, Writer, declare, wait_view_seq
 
 F = "default"
 LOG_DAMAGED, LOG_TRUNCATED = 10, 11

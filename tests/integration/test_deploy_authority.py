@@ -23,7 +23,6 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import pytest
-from test_deploy_cluster import REPO, cluster, haru_cli, now  # noqa: F401 - `cluster` is the module's fixture
 
 from haru.core import authority, subjects
 from haru.core.events import AnyEvent, OperationCompleted, PromotionRequested, RouteMoved, StepCompleted
@@ -35,9 +34,12 @@ from haru.log.apply import apply
 from haru.log.history import Verifier, misplaced_records
 from haru.log.requests import request_operation
 from haru.projections.projector import Projector
-from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_op_end, wait_until, wait_view
+from tests.support.authority import build
+from tests.support.clock import now
+from tests.support.cluster import haru_cli
+from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_op_end, wait_view
 from tests.support.promoter_fake import FakeAgent, layout
-from tests.unit.test_authority import build
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -117,7 +119,7 @@ async def may_publish(cluster, user: str, subject_list: list[str]) -> dict[str, 
                     return True
                 raise AssertionError(f"{user} stored a body on {subject} despite the expected sequence")
 
-        out = dict(zip(subject_list, await asyncio.gather(*(probe(s) for s in subject_list))))
+        out = dict(zip(subject_list, await asyncio.gather(*(probe(s) for s in subject_list)), strict=True))
         await nc.flush()
         deadline = time.monotonic() + 3
         refused = [s for s, ok in out.items() if not ok]
@@ -145,7 +147,7 @@ async def test_every_role_may_write_exactly_what_the_table_says_and_the_rest_is_
     users = {r: (f"agent.{fleet}.{own}" if r == "agent" else r) for r in ROLES}
     allowed: dict[str, list[str]] = {}
     probed = await asyncio.gather(*(may_publish(cluster, user, everything) for user in users.values()))
-    for (role, user), got in zip(users.items(), probed):
+    for (role, _user), got in zip(users.items(), probed, strict=True):
         want = {s: role_writes(role, subjects.where(s).kind, subjects.where(s).domain, own) for s in everything}
         assert got == want, {s: (got[s], want[s]) for s in everything if got[s] != want[s]}
         allowed[role] = [s for s in everything if got[s]]

@@ -267,5 +267,5 @@ async def test_many_appends_in_flight_on_distinct_subjects_each_get_their_own_se
     subjects_ = [subjects.model("default", "a", f"m{i}") for i in range(400)]
     seqs = await asyncio.gather(*(event_log.append(s, loading(), expect=0) for s in subjects_))
     assert len(set(seqs)) == 400
-    for s, seq in zip(subjects_[:20], seqs[:20]):
+    for s, seq in zip(subjects_[:20], seqs[:20], strict=True):
         assert (await event_log.last(s)).seq == seq

@@ -10,243 +10,39 @@ import asyncio
 import contextlib
 import json
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
+from itertools import pairwise
 
 import aiohttp
 import openai
 import pytest
-from aiohttp import web
 
 from haru.core import subjects
 from haru.core.residency import Answer, Loading, Lost, NotAdmitted, Resident, Sleeping
-from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target, view_encoder
-from haru.gateway import Gateway, GatewayConfig
-
-MODEL = "qwen3.6:27b"
-SMALL = "meta-llama/Llama-3.1-8B-Instruct"
-TOKEN = "s3cret-token"
-
+from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, view_encoder
+from tests.support.clock import now
+from tests.support.gateway import (
+    CHAT,
+    MODEL,
+    OK_JSON,
+    SMALL,
+    TOKEN,
+    Fleet,
+    RawUpstream,
+    get_json,
+    get_text,
+    intent_of,
+    post_raw,
+    running_gateway,
+    sdk,
+    view_of,
+)
+from tests.support.wait import wait_until
 
 # ------------------------------------------------------------------------------------ upstream
 
 
-class Upstream:
-    """A tiny vLLM-shaped server on a real socket. Deterministic bodies; records what it received.
-
-    Request body knobs: "stream": true -> SSE with `chunks` chunks `gap` seconds apart (and an
-    optional `pause` before chunk `pause_at`); "header_delay": seconds before the response headers.
-    """
-
-    def __init__(self, domain: str) -> None:
-        self.domain = domain
-        self.received: list[tuple[str, bytes, dict[str, str]]] = []
-        self.cancelled = 0
-        self.completed = 0
-        self.written = 0
-        self.runner: web.ServerRunner | None = None
-        self.port = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self) -> Upstream:
-        server = web.Server(self.handle, handler_cancellation=True, access_log=None)
-        self.runner = web.ServerRunner(server, handle_signals=False)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = self.runner.addresses[0][1]
-        return self
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-
-    def json_body(self, path: str, model: str) -> bytes:
-        return json.dumps(
-            {
-                "id": f"cmpl-{self.domain}",
-                "object": "chat.completion",
-                "model": model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": f"[domain {self.domain}] hi"},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
-                "path": path,
-            },
-            separators=(",", ":"),
-        ).encode()
-
-    @staticmethod
-    def chunk(domain: str, model: str, i: int, text: str) -> bytes:
-        obj = {
-            "id": f"chunk-{domain}",
-            "object": "chat.completion.chunk",
-            "created": 1,
-            "model": model,
-            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
-        }
-        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        body = await request.read()
-        self.received.append((request.path, body, dict(request.headers)))
-        if request.path == "/v1/models":
-            return web.json_response({"object": "list", "data": []})
-        try:
-            req = json.loads(body)
-        except ValueError:
-            return web.json_response({"error": {"message": "bad json upstream"}}, status=400)
-        model = req.get("model", "")
-        try:
-            if req.get("header_delay"):
-                await asyncio.sleep(req["header_delay"])
-            if req.get("upstream_status"):
-                return web.Response(
-                    body=b'{"error":{"message":"upstream says no","code":422}}',
-                    status=req["upstream_status"],
-                    content_type="application/json",
-                )
-            if not req.get("stream"):
-                self.completed += 1
-                return web.Response(body=self.json_body(request.path, model), content_type="application/json")
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-            await resp.prepare(request)
-            if req.get("blob_mib"):  # a flood: as fast as the reader takes it
-                piece = b"data: " + b"x" * (64 * 1024 - 8) + b"\n\n"
-                for _ in range(req["blob_mib"] * 16):
-                    await resp.write(piece)
-                    self.written += len(piece)
-                await resp.write_eof()
-                self.completed += 1
-                return resp
-            n, gap = int(req.get("chunks", 5)), float(req.get("gap", 0.0))
-            for i in range(n):
-                if i and gap:
-                    await asyncio.sleep(gap)
-                if req.get("pause") and i == req.get("pause_at", 1):
-                    await asyncio.sleep(req["pause"])
-                text = f"[domain {self.domain}]" if i == 0 else f" tok{i}"
-                await resp.write(self.chunk(self.domain, model, i, text))
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            self.completed += 1
-            return resp
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
-
-
-@pytest.fixture
-async def upstreams():
-    started: list[Upstream] = []
-
-    async def make(domain: str) -> Upstream:
-        up = await Upstream(domain).start()
-        started.append(up)
-        return up
-
-    try:
-        yield make
-    finally:
-        for up in started:
-            await up.stop()
-
-
 # ---------------------------------------------------------------------------------- fleet state
-
-
-def now() -> datetime:
-    return datetime.now(UTC)
-
-
-def view_of(
-    fleet: str, urls: dict[str, str], *, active: str, models=(MODEL, SMALL), seq: int = 1, residency=None
-) -> FleetView:
-    residency = residency or {}
-    domains = {}
-    for name, url in urls.items():
-        domains[name] = DomainView(
-            name=name,
-            serving_url=url,
-            reachable=True,
-            models={
-                m: ModelView(name=m, admitted=True, residency=residency.get((name, m), Resident(since=now())))
-                for m in models
-            },
-        )
-    return FleetView(fleet=fleet, domains=domains, active=active, route_revision=seq, seq=seq)
-
-
-def intent_of(
-    fleet: str,
-    domain: str,
-    url: str,
-    *,
-    revision: int,
-    answers: dict[str, Answer] | None = None,
-    models=(MODEL, SMALL),
-    serve: str = "agent",
-    model_urls: dict[str, str] | None = None,
-    operation: str = "",
-) -> RouteIntent:
-    if answers is None:
-        answers = {m: Answer(answer="ready") for m in models}
-    return RouteIntent(
-        fleet=fleet,
-        revision=revision,
-        active=Target(domain=domain, serving_url=url, serve=serve, reachable=True, model_urls=model_urls or {}),
-        answers=answers,
-        operation=operation,
-    )
-
-
-class Fleet:
-    """Publishes views and intents into the real log and waits until the gateway routes by them."""
-
-    def __init__(self, log, gw: Gateway, name: str = "default") -> None:
-        self.log, self.gw, self.name = log, gw, name
-        self.view_rev = 0
-        self.intent_seq = 0
-
-    async def put_view(self, view: FleetView) -> None:
-        self.view_rev = await self.log.put_view(
-            subjects.view_key(self.name), view_encoder.encode(view), last=self.view_rev
-        )
-        await wait_for(
-            lambda: (r := self.gw.table.get(self.name)) is not None and r.view is not None and r.view.seq == view.seq
-        )
-
-    async def publish(self, intent: RouteIntent) -> None:
-        self.intent_seq = await self.log.publish_intent(self.name, view_encoder.encode(intent), expect=self.intent_seq)
-        seq = self.intent_seq
-        await wait_for(lambda: (r := self.gw.table.get(self.name)) is not None and r.intent_seq == seq)
-
-
-async def wait_for(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.005)
-
-
-@contextlib.asynccontextmanager
-async def running_gateway(log, **config):
-    cfg = GatewayConfig(port=0, **config)
-    async with Gateway(cfg, log) as gw:
-        yield gw
-
-
-@pytest.fixture
-async def gw(event_log):
-    async with running_gateway(event_log) as gw:
-        yield gw
 
 
 @pytest.fixture
@@ -257,14 +53,6 @@ async def two_domains(event_log, gw, upstreams):
     await fleet.put_view(view_of("default", {"a": a.url, "b": b.url}, active="a", seq=1))
     await fleet.publish(intent_of("default", "a", a.url, revision=1))
     return fleet, a, b
-
-
-def sdk(gw: Gateway, *, fleet: str | None = None, token: str = "unused", retries: int = 0) -> openai.AsyncOpenAI:
-    headers = {"X-Haru-Fleet": fleet} if fleet else None
-    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=token, max_retries=retries, default_headers=headers)
-
-
-CHAT = [{"role": "user", "content": "hello"}]
 
 
 # ------------------------------------------------------------------------------ the SDK, happy
@@ -298,7 +86,7 @@ async def test_sdk_streaming_chunks_arrive_as_produced(gw, two_domains):
     # bounds leave room for this process being descheduled a moment (two test workers, two cores).
     spread = arrivals[-1] - arrivals[0]
     assert spread >= 0.5, f"chunks arrived within {spread:.3f} s: buffered"
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in pairwise(arrivals)]
     assert sum(1 for g in gaps if g > 0.05) >= 3, gaps
 
 
@@ -409,7 +197,7 @@ async def test_not_admitted_is_never_retried_by_the_sdk(gw, two_domains):
     async with sdk(gw, retries=3) as client:
         with pytest.raises(openai.ConflictError):
             await client.chat.completions.create(model=MODEL, messages=CHAT)
-    text = await _get_text(gw, "/metrics")
+    text = await get_text(gw, "/metrics")
     assert f'haru_gateway_requests_total{{fleet="default",model="{MODEL}",status="409"}} 1.0' in text
 
 
@@ -506,25 +294,17 @@ async def test_payload_too_large_by_header_and_while_reading(event_log, upstream
 # ------------------------------------------------------------------------------ byte identity
 
 
-async def _raw(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes, list[bytes]]:
-    chunks: list[bytes] = []
-    async with aiohttp.ClientSession() as s:
-        async with s.post(url, data=body, headers={"Content-Type": "application/json", **(headers or {})}) as r:
-            async for chunk in r.content.iter_any():
-                chunks.append(chunk)
-            return r.status, b"".join(chunks), chunks
-
-
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
 async def test_request_and_response_bytes_are_identical_to_direct(gw, two_domains, path):
     _, a, _ = two_domains
     # odd spacing, key order, unicode, vendor extensions: nothing may be re-encoded
     body = (
-        '{ "messages":[{"role":"user","content":"h\\u00e9llo ☃"}],  "model" : "%s", '
-        '"top_k": 7, "vendor_ext": {"x": [1.50, 2e3]} }' % MODEL
+        '{ "messages":[{"role":"user","content":"h\\u00e9llo ☃"}],  "model" : "'
+        + MODEL
+        + '", "top_k": 7, "vendor_ext": {"x": [1.50, 2e3]} }'
     ).encode()
-    s1, via_gateway, _ = await _raw(gw.url + path, body)
-    s2, direct, _ = await _raw(a.url + path, body)
+    s1, via_gateway, _ = await post_raw(gw.url + path, body)
+    s2, direct, _ = await post_raw(a.url + path, body)
     assert s1 == s2 == 200
     assert via_gateway == direct
     assert a.received[0][1] == body and a.received[1][1] == body
@@ -534,8 +314,8 @@ async def test_request_and_response_bytes_are_identical_to_direct(gw, two_domain
 async def test_sse_bytes_are_identical_to_direct(gw, two_domains):
     _, a, _ = two_domains
     body = json.dumps({"model": MODEL, "messages": CHAT, "stream": True, "chunks": 8}).encode()
-    s1, via_gateway, _ = await _raw(gw.url + "/v1/chat/completions", body)
-    s2, direct, _ = await _raw(a.url + "/v1/chat/completions", body)
+    s1, via_gateway, _ = await post_raw(gw.url + "/v1/chat/completions", body)
+    s2, direct, _ = await post_raw(a.url + "/v1/chat/completions", body)
     assert s1 == s2 == 200
     assert via_gateway == direct and via_gateway.endswith(b"data: [DONE]\n\n")
     assert a.received[0][1] == body
@@ -544,7 +324,7 @@ async def test_sse_bytes_are_identical_to_direct(gw, two_domains):
 async def test_upstream_errors_pass_through_untouched(gw, two_domains):
     _, a, _ = two_domains
     body = json.dumps({"model": MODEL, "messages": CHAT, "upstream_status": 422}).encode()
-    status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+    status, data, _ = await post_raw(gw.url + "/v1/chat/completions", body)
     assert status == 422 and data == b'{"error":{"message":"upstream says no","code":422}}'
 
 
@@ -555,8 +335,8 @@ async def test_promotion_during_traffic(gw, two_domains):
     fleet, a, b = two_domains
     # a long stream on a, in flight while the pointer moves
     body = json.dumps({"model": MODEL, "messages": CHAT, "stream": True, "chunks": 12, "gap": 0.05}).encode()
-    old_stream = asyncio.create_task(_raw(gw.url + "/v1/chat/completions", body))
-    await wait_for(lambda: len(a.received) == 1)
+    old_stream = asyncio.create_task(post_raw(gw.url + "/v1/chat/completions", body))
+    await wait_until(lambda: len(a.received) == 1, 5.0, interval_s=0.005)
 
     seen: list[str] = []
     stop = asyncio.Event()
@@ -569,15 +349,15 @@ async def test_promotion_during_traffic(gw, two_domains):
                     seen.append(r.headers["X-Haru-Domain"])
 
     load = asyncio.create_task(traffic())
-    await wait_for(lambda: len(seen) >= 5)
+    await wait_until(lambda: len(seen) >= 5, 5.0, interval_s=0.005)
     await fleet.publish(intent_of("default", "b", b.url, revision=7))
     # the very next request goes to b
-    status, data, _ = await _raw(
+    status, data, _ = await post_raw(
         gw.url + "/v1/chat/completions", json.dumps({"model": MODEL, "messages": CHAT}).encode()
     )
     assert status == 200 and b"[domain b]" in data
     n = len(seen)
-    await wait_for(lambda: len(seen) >= n + 5)
+    await wait_until(lambda: len(seen) >= n + 5, 5.0, interval_s=0.005)
     stop.set()
     await load
     # once b answered, a never did again
@@ -588,7 +368,7 @@ async def test_promotion_during_traffic(gw, two_domains):
     assert status == 200
     assert data.count(b"data: ") == 13 and b"[domain a]" in data and data.endswith(b"data: [DONE]\n\n")
     assert a.cancelled == 0
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_route_revision{fleet="default"} 7.0' in metrics
 
 
@@ -601,7 +381,7 @@ async def test_serve_direct_uses_the_models_own_url(event_log, gw, upstreams):
             "default", "a", a.url, revision=1, serve="direct", model_urls={MODEL: direct.url + "/v1", SMALL: a.url}
         )
     )
-    status, data, _ = await _raw(
+    status, data, _ = await post_raw(
         gw.url + "/v1/chat/completions", json.dumps({"model": MODEL, "messages": CHAT}).encode()
     )
     assert status == 200 and b"[domain a-direct]" in data
@@ -638,7 +418,8 @@ async def test_header_timeout_is_504_and_honored_exactly(event_log, upstreams):
         assert info.value.status_code == 504 and info.value.code == "upstream_timeout"
         assert "HARU_CHAT_HEADER_TIMEOUT_MS (300 ms)" in info.value.body["message"]
         assert 0.29 <= took < 4.5  # the bound, not the upstream's 5 s
-        await wait_for(lambda: up.cancelled == 1)  # the upstream request was dropped, not left running
+        # the upstream request was dropped, not left running
+        await wait_until(lambda: up.cancelled == 1, 5.0, interval_s=0.005)
         # a quiet stream is not cut: 1 s of silence mid-generation, well past the header timeout
         async with sdk(gw) as client:
             stream = await client.chat.completions.create(
@@ -647,7 +428,12 @@ async def test_header_timeout_is_504_and_honored_exactly(event_log, upstreams):
             texts = [c.choices[0].delta.content async for c in stream]
         assert texts == ["[domain a]", " tok1", " tok2"]
     async with running_gateway(event_log, header_timeout_ms=3000) as gw:
-        await wait_for(lambda: gw.table.get("default") is not None and gw.table.get("default").intent is not None)
+        # applied by the resync loop
+        await wait_until(
+            lambda: gw.table.get("default") is not None and gw.table.get("default").intent is not None,
+            5.0,
+            interval_s=0.005,
+        )
         async with sdk(gw) as client:  # headers after 1 s: within a 3 s bound, so served
             reply = await client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"header_delay": 1.0})
         assert reply.choices[0].message.content == "[domain a] hi"
@@ -674,11 +460,19 @@ async def test_client_disconnect_cancels_the_upstream_request(gw, two_domains):
         r = await s.post(gw.url + "/v1/chat/completions", data=body)
         first = await r.content.readany()
         assert b"[domain a]" in first
-        await wait_for(lambda: 'haru_gateway_inflight_streams{fleet="default"} 1.0' in gw.metrics.render().decode())
+        await wait_until(
+            lambda: 'haru_gateway_inflight_streams{fleet="default"} 1.0' in gw.metrics.render().decode(),
+            5.0,
+            interval_s=0.005,
+        )
         r.close()  # drop the connection mid-stream
-    await wait_for(lambda: a.cancelled == 1, timeout=3)
+    await wait_until(lambda: a.cancelled == 1, 3, interval_s=0.005)
     assert a.completed == 0
-    await wait_for(lambda: 'haru_gateway_inflight_streams{fleet="default"} 0.0' in gw.metrics.render().decode())
+    await wait_until(
+        lambda: 'haru_gateway_inflight_streams{fleet="default"} 0.0' in gw.metrics.render().decode(),
+        5.0,
+        interval_s=0.005,
+    )
 
 
 async def test_a_waiting_client_that_leaves_cancels_the_upstream(gw, two_domains):
@@ -686,28 +480,14 @@ async def test_a_waiting_client_that_leaves_cancels_the_upstream(gw, two_domains
     body = json.dumps({"model": MODEL, "messages": CHAT, "header_delay": 5}).encode()
     async with aiohttp.ClientSession() as s:
         task = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", data=body))
-        await wait_for(lambda: len(a.received) == 1)
+        await wait_until(lambda: len(a.received) == 1, 5.0, interval_s=0.005)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    await wait_for(lambda: a.cancelled == 1, timeout=3)
+    await wait_until(lambda: a.cancelled == 1, 3, interval_s=0.005)
 
 
 # ------------------------------------------------------------------------------------- auth
-
-
-async def _get(gw_url: str, path: str, token: str | None = None) -> tuple[int, dict]:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with aiohttp.ClientSession() as s:
-        async with s.get(gw_url + path, headers=headers) as r:
-            return r.status, await r.json(content_type=None)
-
-
-async def _get_text(gw: Gateway, path: str, token: str | None = None) -> str:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with aiohttp.ClientSession() as s:
-        async with s.get(gw.url + path, headers=headers) as r:
-            return await r.text()
 
 
 async def test_auth_on_guards_everything_but_healthz(event_log, upstreams):
@@ -718,12 +498,12 @@ async def test_auth_on_guards_everything_but_healthz(event_log, upstreams):
         await fleet.put_view(view_of("default", {"a": up.url}, active="a"))
         await fleet.publish(intent_of("default", "a", up.url, revision=1))
         url = f"http://127.0.0.1:{gw.port}"
-        assert (await _get(url, "/healthz"))[0] == 200
+        assert (await get_json(url, "/healthz"))[0] == 200
         for path in ("/v1/models", "/residency", "/metrics", "/v1/fleets/default", "/v1/fleets/default/route-intent"):
-            status, body = await _get(url, path)
+            status, body = await get_json(url, path)
             assert status == 401 and body["error"]["code"] == "invalid_api_key", path
-            assert (await _get(url, path, "wrong"))[0] == 401
-        assert (await _get(url, "/v1/fleets/default", TOKEN))[0] == 200
+            assert (await get_json(url, path, "wrong"))[0] == 401
+        assert (await get_json(url, "/v1/fleets/default", TOKEN))[0] == 200
         gw_client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
         async with gw_client as client:
             with pytest.raises(openai.AuthenticationError):
@@ -737,7 +517,7 @@ async def test_auth_on_guards_everything_but_healthz(event_log, upstreams):
 async def test_auth_off_binds_loopback_whatever_host_says(event_log):
     async with running_gateway(event_log, host="0.0.0.0") as gw:
         assert gw.host == "127.0.0.1"
-        status, _ = await _get(gw.url, "/v1/fleets")
+        status, _ = await get_json(gw.url, "/v1/fleets")
         assert status == 200
 
 
@@ -763,7 +543,7 @@ async def test_residency_truth_table(event_log, gw, upstreams):
             answers={MODEL: Answer(answer="ready"), SMALL: Answer(answer="lost", reason="gpu_detached")},
         )
     )
-    status, table = await _get(gw.url, "/residency")
+    status, table = await get_json(gw.url, "/residency")
     assert status == 200
     f = table["fleets"]["default"]
     assert f["active"] == "a" and f["route_revision"] == 1
@@ -774,20 +554,20 @@ async def test_residency_truth_table(event_log, gw, upstreams):
     assert f["domains"]["b"]["models"][MODEL]["residency"]["summary"].startswith("sleeping (level 1) for 3")
     assert f["domains"]["b"]["models"][SMALL]["residency"]["summary"] == "not admitted — short by 2.0 GiB"
     assert "routable" not in f["domains"]["b"]["models"][MODEL]  # the standby is not routed to
-    status, one = await _get(gw.url, "/residency?fleet=nope")
+    status, one = await get_json(gw.url, "/residency?fleet=nope")
     assert status == 404 and one["error"]["code"] == "fleet_not_found"
 
 
 async def test_fleet_view_and_route_intent_endpoints(event_log, gw, two_domains):
-    status, view = await _get(gw.url, "/v1/fleets/default")
+    status, view = await get_json(gw.url, "/v1/fleets/default")
     assert status == 200 and view["fleet"] == "default" and set(view["domains"]) == {"a", "b"}
-    status, intent = await _get(gw.url, "/v1/fleets/default/route-intent")
+    status, intent = await get_json(gw.url, "/v1/fleets/default/route-intent")
     assert status == 200 and intent["active"]["domain"] == "a" and intent["revision"] == 1
-    status, err = await _get(gw.url, "/v1/fleets/nope")
+    status, err = await get_json(gw.url, "/v1/fleets/nope")
     assert status == 404 and err["error"]["code"] == "fleet_not_found"
-    status, err = await _get(gw.url, "/v1/fleets/Bad.Name")
+    status, err = await get_json(gw.url, "/v1/fleets/Bad.Name")
     assert status == 400 and "fleet name" in err["error"]["message"]
-    status, err = await _get(gw.url, "/v1/nothing-here")
+    status, err = await get_json(gw.url, "/v1/nothing-here")
     assert status == 404
     async with aiohttp.ClientSession() as s:
         async with s.get(gw.url + "/v1/chat/completions") as r:
@@ -802,13 +582,13 @@ async def test_metrics_exposition(gw, two_domains):
             pass
         with pytest.raises(openai.NotFoundError):
             await client.chat.completions.create(model="nope", messages=CHAT)
-    text = await _get_text(gw, "/metrics")
+    text = await get_text(gw, "/metrics")
     assert f'haru_gateway_requests_total{{fleet="default",model="{MODEL}",status="200"}} 2.0' in text
     assert 'haru_gateway_requests_total{fleet="default",model="(unknown)",status="404"} 1.0' in text
     async with sdk(gw, fleet="made-up-fleet") as client:
         with pytest.raises(openai.NotFoundError):
             await client.chat.completions.create(model=MODEL, messages=CHAT)
-    text = await _get_text(gw, "/metrics")
+    text = await get_text(gw, "/metrics")
     assert 'haru_gateway_requests_total{fleet="(unknown)",model="(unknown)",status="404"} 1.0' in text
     assert "made-up-fleet" not in text
     assert 'haru_gateway_upstream_ttfb_seconds_count{domain="a",fleet="default"} 2.0' in text
@@ -819,7 +599,11 @@ async def test_metrics_exposition(gw, two_domains):
 
 async def test_two_gateways_in_one_process_keep_their_own_metrics(event_log, gw, two_domains):
     async with running_gateway(event_log) as other:
-        await wait_for(lambda: other.table.get("default") is not None and other.table.get("default").intent is not None)
+        await wait_until(
+            lambda: other.table.get("default") is not None and other.table.get("default").intent is not None,
+            5.0,
+            interval_s=0.005,
+        )
         async with sdk(gw) as client:
             await client.chat.completions.create(model=MODEL, messages=CHAT)
         assert 'status="200"' in gw.metrics.render().decode()
@@ -833,73 +617,18 @@ async def test_gateway_started_after_the_projector_sees_current_state(event_log,
     )
     await event_log.publish_intent("late", view_encoder.encode(intent_of("late", "a", up.url, revision=3)), expect=0)
     async with running_gateway(event_log) as gw:
-        await wait_for(lambda: gw.table.get("late") is not None and gw.table.get("late").revision == 3)
+        await wait_until(
+            lambda: gw.table.get("late") is not None and gw.table.get("late").revision == 3, 5.0, interval_s=0.005
+        )
         async with sdk(gw, fleet="late") as client:
             reply = await client.chat.completions.create(model=MODEL, messages=CHAT)
         assert reply.choices[0].message.content == "[domain a] hi"
-        status, health = await _get(gw.url, "/healthz")
+        status, health = await get_json(gw.url, "/healthz")
         assert status == 200 and health["fleets"]["late"] == {"active": "a", "route_revision": 3}
         assert health["nats_connected"] is True
 
 
 # ------------------------------------------------------------------------ the upstream pool
-
-
-class RawUpstream:
-    """An asyncio server speaking HTTP/1.1 by hand, to produce framings and closes on purpose.
-
-    Per connection it answers requests with `answer(n)` (n = the request's number on that
-    connection); `answer` returning None closes the connection without a byte.
-    """
-
-    def __init__(self, answer) -> None:
-        self.answer = answer
-        self.connections = 0
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> RawUpstream:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        n = 0
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = int(
-                    next(
-                        line.split(b":")[1]
-                        for line in head.split(b"\r\n")
-                        if line.lower().startswith(b"content-length")
-                    )
-                )
-                await reader.readexactly(length)
-                n += 1
-                parts = self.answer(n)
-                if parts is None:
-                    writer.close()
-                    return
-                for part in parts:
-                    writer.write(part)
-                    await writer.drain()
-                    await asyncio.sleep(0.02)
-                if parts and b"Connection: close" in parts[0]:
-                    writer.close()
-                    return
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            writer.close()
-
-    async def stop(self) -> None:
-        self.server.close()
-        await self.server.wait_closed()
-
-
-OK_JSON = [b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}']
 
 
 async def _point_at(event_log, gw, url: str) -> None:
@@ -911,11 +640,11 @@ async def _point_at(event_log, gw, url: str) -> None:
 async def test_upstream_connections_are_kept_alive_and_reused(event_log, gw, two_domains):
     body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
     for _ in range(5):
-        status, _, _ = await _raw(gw.url + "/v1/chat/completions", body)
+        status, _, _ = await post_raw(gw.url + "/v1/chat/completions", body)
         assert status == 200
     sse = json.dumps({"model": MODEL, "messages": CHAT, "stream": True}).encode()
     for _ in range(3):
-        status, _, _ = await _raw(gw.url + "/v1/chat/completions", sse)
+        status, _, _ = await post_raw(gw.url + "/v1/chat/completions", sse)
         assert status == 200
     assert gw.proxy.pool.opened == 1
 
@@ -926,7 +655,7 @@ async def test_a_kept_alive_connection_closed_by_the_upstream_is_retried_fresh(e
         await _point_at(event_log, gw, up.url)
         body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
         for _ in range(3):
-            status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+            status, data, _ = await post_raw(gw.url + "/v1/chat/completions", body)
             assert (status, data) == (200, b'{"ok":true}')
         assert up.connections == 3 and gw.proxy.pool.opened == 3
     finally:
@@ -940,10 +669,10 @@ async def test_the_retry_of_a_closed_kept_alive_connection_never_takes_another_i
     try:
         await _point_at(event_log, gw, up.url)
         body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
-        answers = await asyncio.gather(*(_raw(gw.url + "/v1/chat/completions", body) for _ in range(3)))
+        answers = await asyncio.gather(*(post_raw(gw.url + "/v1/chat/completions", body) for _ in range(3)))
         assert [(s, d) for s, d, _ in answers] == [(200, b'{"ok":true}')] * 3
         assert gw.proxy.pool.idle_count() == 3
-        status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+        status, data, _ = await post_raw(gw.url + "/v1/chat/completions", body)
         assert (status, data) == (200, b'{"ok":true}')
         assert up.connections == 4
     finally:
@@ -1043,7 +772,7 @@ async def test_until_close_and_large_sized_bodies_stream_through(event_log, upst
         async with running_gateway(event_log, buffer_limit_bytes=1000) as gw:
             await _point_at(event_log, gw, up.url)
             body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
-            status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+            status, data, _ = await post_raw(gw.url + "/v1/chat/completions", body)
             assert (status, data) == (200, b"part one, part two")
             async with aiohttp.ClientSession() as s:
                 async with s.post(gw.url + "/v1/chat/completions", data=body) as r:
@@ -1113,7 +842,7 @@ async def test_an_invalid_upstream_response_is_a_502(event_log, gw, raw):
     try:
         await _point_at(event_log, gw, up.url)
         body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
-        status, data, _ = await _raw(gw.url + "/v1/chat/completions", body)
+        status, data, _ = await post_raw(gw.url + "/v1/chat/completions", body)
         assert status == 502, data
         error = json.loads(data)["error"]
         assert error["code"] == "upstream_unreachable" and "malformed response" in error["message"], error
@@ -1148,7 +877,7 @@ async def test_a_slow_reader_slows_the_upstream_instead_of_filling_memory(gw, tw
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body) + body
         )
-        await wait_for(lambda: a.written > 0)
+        await wait_until(lambda: a.written > 0, 5.0, interval_s=0.005)
         await asyncio.sleep(1.0)  # the client reads nothing meanwhile
         stalled = a.written
         # what is in flight is bounded by socket buffers and the gateway's high-water mark, not 96 MiB
@@ -1168,7 +897,7 @@ async def test_routing_survives_a_nats_restart(event_log, nats_server, gw, two_d
     fleet, a, b = two_domains
     nats_server.kill()
     # NATS is gone: requests are still routed from memory, and the view is served stale
-    status, data, _ = await _raw(
+    status, data, _ = await post_raw(
         gw.url + "/v1/chat/completions", json.dumps({"model": MODEL, "messages": CHAT}).encode()
     )
     assert status == 200 and b"[domain a]" in data
@@ -1192,8 +921,8 @@ async def test_routing_survives_a_nats_restart(event_log, nats_server, gw, two_d
             except Exception:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.2)
-        await wait_for(lambda: gw.table.get("default").active == "b", timeout=10)  # resync: every 2 s
-        status, data, _ = await _raw(
+        await wait_until(lambda: gw.table.get("default").active == "b", 10, interval_s=0.005)  # resync: every 2 s
+        status, data, _ = await post_raw(
             gw.url + "/v1/chat/completions", json.dumps({"model": MODEL, "messages": CHAT}).encode()
         )
         assert status == 200 and b"[domain b]" in data
@@ -1212,10 +941,10 @@ async def test_a_watch_that_stops_delivering_is_caught_up_and_restarted(event_lo
         fleet.intent_seq = await event_log.publish_intent(
             "default", view_encoder.encode(intent_of("default", "b", b.url, revision=5)), expect=fleet.intent_seq
         )
-        await wait_for(lambda: gw.table.get("default").active == "b")  # applied by the resync loop
-        await wait_for(lambda: gw.follower.restarts == 1)  # and the watch restarted
+        await wait_until(lambda: gw.table.get("default").active == "b", 5.0, interval_s=0.005)
+        await wait_until(lambda: gw.follower.restarts == 1, 5.0, interval_s=0.005)  # and the watch restarted
         fleet.intent_seq = await event_log.publish_intent(
             "default", view_encoder.encode(intent_of("default", "a", a.url, revision=6)), expect=fleet.intent_seq
         )
-        await wait_for(lambda: gw.table.get("default").active == "a")
+        await wait_until(lambda: gw.table.get("default").active == "a", 5.0, interval_s=0.005)
         assert gw.follower.restarts == 1

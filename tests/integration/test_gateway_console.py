@@ -17,7 +17,8 @@ from haru.gateway import Gateway, GatewayConfig
 from haru.host.tasks import cancel_and_wait
 from haru.log.apply import apply
 from haru.projections.projector import Projector
-from tests.integration.test_gateway_control import MODEL, echo_upstream, layout, wait_for
+from tests.support.control import MODEL, echo_upstream, layout
+from tests.support.wait import wait_until
 
 TOKEN = "console-token"
 
@@ -32,7 +33,7 @@ async def fleet(event_log):
     projector = asyncio.create_task(Projector(event_log).run())
     try:
         async with Gateway(GatewayConfig(host="127.0.0.1", port=0, api_token=TOKEN), event_log) as gw:
-            await wait_for(lambda: (r := gw.table.get("ops")) is not None and r.active == "a")
+            await wait_until(lambda: (r := gw.table.get("ops")) is not None and r.active == "a", 10.0, interval_s=0.01)
             yield gw, event_log
     finally:
         await cancel_and_wait(projector)
@@ -94,7 +95,7 @@ async def test_the_stream_sends_every_fleet_then_each_change_to_every_console(fl
         finally:
             for r in streams:
                 r.close()
-    await wait_for(lambda: not gw.console.subscribers)  # closed streams leave the fan-out
+    await wait_until(lambda: not gw.console.subscribers, 10.0, interval_s=0.01)  # closed streams leave the fan-out
 
 
 async def test_the_page_is_public_its_data_needs_the_token(fleet):
@@ -156,7 +157,7 @@ async def test_operations_why_and_verify(fleet):
 @pytest.mark.timeout(120)
 async def test_the_page_says_when_it_is_disconnected_and_reconnects_by_itself(fleet, tmp_path):
     """The second (and last) browser test: the gateway goes away under an open console and comes back."""
-    from tests.e2e.test_observe_demo import CHROMIUM, CHROMIUM_ARGS, need_chromium
+    from tests.support.chromium import CHROMIUM, CHROMIUM_ARGS, need_chromium
 
     need_chromium()
     from playwright.async_api import async_playwright, expect

@@ -4,81 +4,15 @@ follows residency events as the projector folds them."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from datetime import UTC, datetime
 
-import aiohttp
-import pytest
-from aiohttp import web
-
 from haru.core import subjects
-from haru.core.events import ModelLoading, ModelLost, ModelResident, RouteMoved
-from haru.core.layout import parse_layout
-from haru.gateway import Forward, Gateway, GatewayConfig
-from haru.host.tasks import cancel_and_wait
-from haru.log.apply import apply
-from haru.projections.projector import Projector
-
-MODEL = "qwen3.6:27b"
-
-
-def layout(url_a: str, url_b: str):
-    def domain(name: str, url: str) -> dict:
-        return {
-            "name": name,
-            "serving_url": url,
-            "gpus": [{"index": 0, "memory": "24GiB", "reserve": "2GiB"}],
-            "slots": [{"name": "chat", "gpu": 0, "models": [{"name": MODEL, "vram": "10GiB", "port": 18100}]}],
-        }
-
-    return parse_layout({"fleet": "ops", "domains": [domain("a", url_a), domain("b", url_b)]})
-
-
-async def echo_upstream(domain: str):
-    async def handle(request: web.BaseRequest) -> web.Response:
-        await request.read()
-        return web.json_response({"choices": [{"message": {"content": f"[domain {domain}]"}}]})
-
-    runner = web.ServerRunner(web.Server(handle), handle_signals=False)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-
-@pytest.fixture
-async def ops(event_log):
-    """Fleet `ops` declared (a and b), a active, the real projector running, a gateway in front."""
-    runners = []
-    ra, url_a = await echo_upstream("a")
-    rb, url_b = await echo_upstream("b")
-    runners += [ra, rb]
-    now = datetime.now(UTC)
-    await apply(event_log, layout(url_a, url_b), now)
-    await event_log.append(subjects.route("ops"), RouteMoved(at=now, active="a"), expect=0)
-    projector = asyncio.create_task(Projector(event_log).run())
-    try:
-        async with Gateway(GatewayConfig(port=0), event_log) as gw:
-            await wait_for(lambda: (r := gw.table.get("ops")) is not None and r.active == "a")
-            yield gw, event_log
-    finally:
-        await cancel_and_wait(projector)
-        for r in runners:
-            await r.cleanup()
-
-
-async def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
-async def call(gw: Gateway, method: str, path: str, body: bytes | None = None, **headers: str) -> tuple[int, dict]:
-    async with aiohttp.ClientSession() as s:
-        async with s.request(method, gw.url + path, data=body, headers=headers) as r:
-            return r.status, await r.json(content_type=None)
+from haru.core.events import ModelLoading, ModelLost, ModelResident
+from haru.gateway import Forward, Gateway
+from tests.support.control import MODEL, call
+from tests.support.wait import wait_until
 
 
 def code_now(gw: Gateway) -> str:
@@ -104,15 +38,15 @@ async def test_routing_follows_residency_as_the_projector_folds_it(ops):
     subject = subjects.model("ops", "a", MODEL)
     now = datetime.now(UTC)
     seq = await log.append(subject, ModelLoading(at=now, domain="a", model=MODEL), expect=0)
-    await wait_for(lambda: code_now(gw) == "model_warming")
+    await wait_until(lambda: code_now(gw) == "model_warming", 10.0, interval_s=0.01)
     status, body = await chat(gw)
     assert status == 503 and body["error"]["code"] == "model_warming"
     seq = await log.append(subject, ModelResident(at=now, domain="a", model=MODEL, warmup_ms=5), expect=seq)
-    await wait_for(lambda: code_now(gw) == "")
+    await wait_until(lambda: code_now(gw) == "", 10.0, interval_s=0.01)
     status, body = await chat(gw)
     assert status == 200 and body["choices"][0]["message"]["content"] == "[domain a]"
     await log.append(subject, ModelLost(at=now, domain="a", model=MODEL, reason="gpu_detached"), expect=seq)
-    await wait_for(lambda: code_now(gw) == "gpu_detached")
+    await wait_until(lambda: code_now(gw) == "gpu_detached", 10.0, interval_s=0.01)
     status, body = await chat(gw)
     assert status == 503 and "not the operator's doing" in body["error"]["message"]
 
@@ -242,9 +176,10 @@ async def test_reconcile_answers_with_what_the_continuous_promoter_decided(ops):
         ),
         expect=(await log.last(subjects.op("ops"))).seq if await log.last(subjects.op("ops")) else 0,
     )
-    await wait_for(
-        lambda: (r := gw.table.get("ops")) is not None and r.view is not None and r.view.seq >= seq, timeout=30
-    )  # the projector folds it, then the gateway's watch sees the view: slow on a busy box
+    # the projector folds it, then the gateway's watch sees the view: slow on a busy box
+    await wait_until(
+        lambda: (r := gw.table.get("ops")) is not None and r.view is not None and r.view.seq >= seq, 30, interval_s=0.01
+    )
     status, body = await call(gw, "POST", "/v1/fleets/ops/reconcile")
     assert status == 200 and body["declined"]["why"].startswith("a unreachable") and body["declined"]["at"]
     status, body = await call(gw, "GET", "/v1/fleets/ops/reconcile")

@@ -17,91 +17,20 @@ import openai
 import pytest
 from aiohttp import web
 
-from haru.core.residency import Answer, Loading, Lost, Resident, Sleeping
-from haru.core.specs import Policy
-from haru.core.views import FleetView, OperationView
-from tests.integration.test_gateway import (
+from haru.core.residency import Answer, Loading, Lost, Resident
+from haru.core.views import OperationView
+from tests.support.gateway import (
     CHAT,
+    FAST,
     MODEL,
-    Fleet,
-    _get_text,
+    TwoDomains,
+    get_text,
     intent_of,
-    running_gateway,
     sdk,
-    upstreams,  # noqa: F401  (a fixture)
-    view_of,
-    wait_for,
 )
-
-FAST = Policy(heartbeat_timeout_ms=500)
-
-
-def fleet_view(
-    urls: dict[str, str],
-    *,
-    active: str,
-    policy: Policy = FAST,
-    seq: int = 1,
-    wake_ms: int = 400,
-    operation: OperationView | None = None,
-    last_operation: OperationView | None = None,
-    runtime: str = "vllm",
-    standby_state=None,
-    reload_ms: int = 30_000,
-    active_state=None,
-) -> FleetView:
-    """Two domains: `active`, whose model was lost to a crash (a cold reload of `reload_ms`, 30 s,
-    measured), and the other a standby asleep whose measured wake is `wake_ms`: the promoter fails over
-    at once."""
-    standby_state = standby_state or Sleeping(since=datetime.now(UTC))
-    states = {(d, MODEL): standby_state for d in urls if d != active}
-    states[(active, MODEL)] = active_state or Lost(since=datetime.now(UTC), reason="process_exited")
-    view = view_of("default", urls, active=active, models=(MODEL,), seq=seq, residency=states)
-    domains = {}
-    for name, dv in view.domains.items():
-        models = {
-            m: msgspec.structs.replace(mv, wake_ms=wake_ms if name != active else 0, runtime=runtime, load_ms=reload_ms)
-            for m, mv in dv.models.items()
-        }
-        domains[name] = msgspec.structs.replace(dv, models=models)
-    return msgspec.structs.replace(
-        view, domains=domains, policy=policy, operation=operation, last_operation=last_operation
-    )
-
+from tests.support.wait import wait_until
 
 LOST = {MODEL: Answer(answer="lost", reason="process_exited")}
-
-
-@pytest.fixture
-async def gw(event_log):
-    async with running_gateway(event_log) as gw:
-        yield gw
-
-
-class TwoDomains:
-    """The fleet of every test here: domains a (the active) and b, behind the real gateway."""
-
-    def __init__(self, event_log, gw, a, b) -> None:
-        self.a, self.b = a, b
-        self.fleet = Fleet(event_log, gw)
-
-    @property
-    def urls(self) -> dict[str, str]:
-        return {"a": self.a.url, "b": self.b.url}
-
-    async def view(self, **kw) -> None:
-        """Publish `fleet_view` of a and b with `kw`, a still the active."""
-        await self.fleet.put_view(fleet_view(self.urls, active="a", **kw))
-
-    async def route_to_a(self, *, answers: dict[str, Answer] | None = None, intent_op: str = "", **kw) -> None:
-        """The view (`kw`), then the route to a, whose model is answered `answers` (default: ready)."""
-        await self.view(**kw)
-        await self.fleet.publish(
-            intent_of("default", "a", self.a.url, revision=1, answers=answers, models=(MODEL,), operation=intent_op)
-        )
-
-    async def move_to_b(self) -> None:
-        await self.fleet.publish(intent_of("default", "b", self.b.url, revision=2, models=(MODEL,)))
 
 
 @pytest.fixture
@@ -140,14 +69,14 @@ async def test_a_request_for_a_lost_model_is_held_and_sent_to_the_new_active(gw,
     await two.route_to_a(answers=LOST)
 
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     assert not pending.done()
     await two.move_to_b()
     status, headers, data = await pending
     assert status == 200 and b"[domain b]" in data
     assert headers["X-Haru-Domain"] == "b" and int(headers["X-Haru-Held-Ms"]) >= 0
     assert gw.proxy.holds.held["default"] == 0
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_held_total{fleet="default",outcome="released"} 1.0' in metrics
 
 
@@ -156,7 +85,7 @@ async def test_a_model_the_active_reloads_sooner_than_a_failover_is_waited_for_i
     quick = dict(wake_ms=40_000, reload_ms=300)
     await two.route_to_a(answers=LOST, **quick)
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     await two.view(seq=2, active_state=Resident(since=datetime.now(UTC)), **quick)  # back: the view first
     assert not pending.done()
     await two.fleet.publish(intent_of("default", "a", two.a.url, revision=1, models=(MODEL,)))  # then the intent
@@ -172,7 +101,7 @@ async def test_a_hold_ends_with_todays_answer_when_its_time_is_up(gw, two):
     status, _, data = await post(gw, {"model": MODEL, "messages": CHAT})
     assert status == 503 and json.loads(data)["error"]["code"] == "model_lost"
     assert loop.time() - started >= 0.3
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_held_total{fleet="default",outcome="expired"} 1.0' in metrics
 
 
@@ -196,7 +125,7 @@ async def test_a_hold_ends_at_once_when_the_promotion_aborts(gw, two):
         answers=LOST, intent_op="op1", operation=op, policy=msgspec.structs.replace(FAST, hold_ms=20_000)
     )
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     aborted = msgspec.structs.replace(op, state="aborted", error="wake: out of memory", finished_at=datetime.now(UTC))
     await two.view(seq=2, last_operation=aborted, policy=msgspec.structs.replace(FAST, hold_ms=20_000))
     status, _, data = await asyncio.wait_for(pending, 5)
@@ -206,20 +135,20 @@ async def test_a_hold_ends_at_once_when_the_promotion_aborts(gw, two):
 async def test_a_held_request_whose_client_leaves_is_dropped_at_once(gw, two):
     await two.route_to_a(answers=LOST)
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     pending.cancel()
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 0)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 0, 5.0, interval_s=0.005)
     await two.move_to_b()
     await asyncio.sleep(0.2)
     assert two.b.received == []  # it never reached the new active
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_held_total{fleet="default",outcome="dropped"} 1.0' in metrics
 
 
 async def test_requests_beyond_the_hold_cap_are_answered_at_once(gw, two):
     await two.route_to_a(answers=LOST, policy=msgspec.structs.replace(FAST, hold_max_requests=1))
     first = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     status, _, _ = await post(gw, {"model": MODEL, "messages": CHAT}, timeout=2)
     assert status == 503
     await two.move_to_b()
@@ -234,13 +163,13 @@ async def test_a_request_to_a_dead_domain_is_sent_once_more_to_the_new_active(gw
     await two.a.stop()  # the host died: connection refused
 
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     await two.move_to_b()
     status, headers, data = await pending
     assert status == 200 and b"[domain b]" in data
     assert headers["X-Haru-Retried"].startswith("a; unreachable")
     assert len(two.b.received) == 1
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_retried_total{fleet="default",why="unreachable"} 1.0' in metrics
 
 
@@ -304,7 +233,7 @@ async def test_a_runtime_gone_answer_is_sent_once_more_to_the_new_active(event_l
     two = TwoDomains(event_log, gw, await servers(GoneUpstream()), await upstreams("b"))
     await two.route_to_a()
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     await two.move_to_b()
     status, headers, data = await pending
     assert status == 200 and b"[domain b]" in data and headers["X-Haru-Retried"] == "a; runtime_gone"
@@ -320,7 +249,7 @@ async def test_a_request_whose_runtime_died_goes_once_more_where_it_is_back_with
     slow = dict(policy=msgspec.structs.replace(FAST, hold_ms=20_000))
     await two.route_to_a(active_state=Resident(since=datetime(2026, 1, 1, tzinfo=UTC)), **slow)
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}, timeout=5))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     two.a.back = True
     await two.view(seq=2, active_state=Resident(since=datetime.now(UTC)), **slow)
     status, headers, data = await pending
@@ -337,7 +266,7 @@ async def test_a_request_whose_runtime_died_waits_for_the_reload_when_the_standb
     two = TwoDomains(event_log, gw, await servers(GoneUpstream()), await upstreams("b"))
     await two.route_to_a(active_state=Resident(since=datetime(2026, 1, 1, tzinfo=UTC)), reload_ms=300)
     pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}, timeout=10))
-    await wait_for(lambda: gw.proxy.holds.held.get("default") == 1)
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
     await two.view(
         seq=2,
         reload_ms=300,
@@ -365,7 +294,7 @@ async def test_a_retry_is_sent_once_only(gw, two):
     # the hold ends with the route unmoved: the one resend goes to a, dead still, and that is the answer
     status, headers, data = await post(gw, {"model": MODEL, "messages": CHAT})
     assert status == 502 and json.loads(data)["error"]["code"] == "upstream_unreachable"
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_retried_total{fleet="default",why="unreachable"} 1.0' in metrics
 
 
@@ -471,7 +400,7 @@ async def test_a_stream_cut_mid_generation_is_continued_on_the_new_active(event_
     two = await _stream_fleet(event_log, gw, servers, a, b, runtime)
 
     async def move_when_cut() -> None:
-        await wait_for(lambda: len(a.bodies) == 1)
+        await wait_until(lambda: len(a.bodies) == 1, 5.0, interval_s=0.005)
         await asyncio.sleep(0.2)
         await two.move_to_b()
 
@@ -493,7 +422,7 @@ async def test_a_stream_cut_mid_generation_is_continued_on_the_new_active(event_
         assert cont["continue_final_message"] is True and cont["add_generation_prompt"] is False
     else:
         assert "continue_final_message" not in cont
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_stream_resumes_total{fleet="default",outcome="continued"} 1.0' in metrics
 
 
@@ -529,7 +458,7 @@ async def test_a_stream_that_cannot_be_continued_faithfully_ends_with_an_error_e
                 pass
     assert "cannot be continued faithfully" in str(info.value)
     assert b.bodies == []
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_stream_resumes_total{fleet="default",outcome="error_event"} 1.0' in metrics
 
 
@@ -539,7 +468,7 @@ async def test_a_cut_with_nowhere_to_continue_ends_with_an_error_event_not_a_sil
     await b.stop()
 
     async def host_dies() -> None:  # after the cut, a refuses connections: nothing can continue it
-        await wait_for(lambda: len(a.bodies) == 1)
+        await wait_until(lambda: len(a.bodies) == 1, 5.0, interval_s=0.005)
         await a.stop()
 
     dying = asyncio.create_task(host_dies())

@@ -11,49 +11,13 @@ import aiohttp
 import openai
 import pytest
 
-from tests.integration.test_gateway import CHAT, MODEL, TOKEN, Fleet, intent_of, running_gateway, upstreams, view_of  # noqa: F401 - upstreams is a fixture
+from tests.support.gateway import CHAT, MODEL, TOKEN, Fleet, Slowloris, intent_of, running_gateway, view_of
 
 pytestmark = pytest.mark.timeout(120)
 
 SLOW = 48  # slowloris connections
 CAP = 8  # HARU_CLIENT_MAX_IDLE for these tests
 HEADER_TIMEOUT_MS = 1500
-
-
-class Slowloris:
-    """A connection that sends a request head one header line at a time, forever, and notes when
-    the server closes it."""
-
-    def __init__(self) -> None:
-        self.closed_at: float | None = None
-
-    async def run(self, port: int) -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n")
-            await writer.drain()
-            trickle = asyncio.create_task(self._trickle(writer))
-            try:
-                while await reader.read(4096):
-                    pass  # whatever it answers (a 400 for a broken head is also fine): wait for the close
-            except ConnectionError:
-                pass
-            self.closed_at = time.monotonic()
-            trickle.cancel()
-        finally:
-            writer.close()
-
-    @staticmethod
-    async def _trickle(writer: asyncio.StreamWriter) -> None:
-        i = 0
-        while True:
-            await asyncio.sleep(0.3)
-            i += 1
-            writer.write(b"X-Slow-%d: y\r\n" % i)
-            try:
-                await writer.drain()
-            except ConnectionError:
-                return
 
 
 async def test_slow_heads_are_bounded_in_count_and_time_and_others_get_in(event_log, upstreams):

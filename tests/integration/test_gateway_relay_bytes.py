@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.integration.test_gateway import MODEL, Fleet, intent_of, running_gateway, view_of
+from tests.support.gateway import MODEL, Fleet, intent_of, running_gateway, view_of
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -20,8 +20,10 @@ BODY = (
     b'data: {"id":"chatcmpl-x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
     b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
     b": a comment line\n\n"
-    b'data: {"id": "chatcmpl-x", "choices": [{"index": 0, "delta": {"content": "\\u0001\\/ caf\\u00e9 \xc3\xa9\xe2\x82\xac"}}]}\r\n\r\n'
-    b'data: {"choices":[{"index":0,"delta":{"content":"\\ud83d\\ude00 \\"q\\" \\n"},"finish_reason":null}],"id":"chatcmpl-x"}\n\n'
+    b'data: {"id": "chatcmpl-x", "choices": [{"index": 0, "delta": '
+    b'{"content": "\\u0001\\/ caf\\u00e9 \xc3\xa9\xe2\x82\xac"}}]}\r\n\r\n'
+    b'data: {"choices":[{"index":0,"delta":{"content":"\\ud83d\\ude00 '
+    b'\\"q\\" \\n"},"finish_reason":null}],"id":"chatcmpl-x"}\n\n'
     b'data: {"id":"chatcmpl-x","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
     b"data: [DONE]\n\n"
 )
@@ -34,7 +36,7 @@ def pieces(body: bytes) -> list[bytes]:
     escape = body.index(b"\\ude00") + 3
     crlf = body.index(b"\r\n\r\n") + 1
     cuts = sorted({17, crlf, euro, escape, len(body) - 5})
-    return [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
+    return [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]
 
 
 class RawUpstream:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 
@@ -22,37 +21,16 @@ from haru.host.natsd import NatsServer
 from haru.host.tasks import cancel_and_wait
 from haru.projections.projector import Projector
 from haru.promoter.service import run_promoter
-from tests.integration.test_gateway import (  # noqa: F401 - fixtures
-    CHAT,
-    MODEL,
-    Fleet,
-    _get,
-    _raw,
-    gw,
-    intent_of,
-    now,
-    running_gateway,
-    upstreams,
-    view_of,
-)
+from tests.support.clock import now
+from tests.support.gateway import CHAT, MODEL, Fleet, get_json, intent_of, post_raw, running_gateway, view_of
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 CHAT_JSON = json.dumps(CHAT)
 
 
-async def eventually(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
-
-
 async def health(gw_url: str, strict: bool = False) -> tuple[int, dict]:
-    return await _get(gw_url, "/healthz?strict=1" if strict else "/healthz")
+    return await get_json(gw_url, "/healthz?strict=1" if strict else "/healthz")
 
 
 async def test_healthz_names_the_projector_promoter_and_nats_when_they_are_down(event_log, nats_server):
@@ -62,7 +40,7 @@ async def test_healthz_names_the_projector_promoter_and_nats_when_they_are_down(
         assert status == 200 and body["status"] == "degraded", body
         assert body["down"] == ["projector", "promoter"], body
         assert (await health(gw.url, strict=True))[0] == 503
-        assert (await _get(gw.url, "/healthz?strict"))[0] == 503  # the bare flag is strict too
+        assert (await get_json(gw.url, "/healthz?strict"))[0] == 503  # the bare flag is strict too
 
         projector = asyncio.create_task(Projector(event_log).run())
         promoter = asyncio.create_task(run_promoter(event_log, identity="promoter:test"))
@@ -72,7 +50,9 @@ async def test_healthz_names_the_projector_promoter_and_nats_when_they_are_down(
                 s, b = await health(gw.url, strict=True)
                 return (s, b) if s == 200 and b["status"] == "ok" else None
 
-            _, body = await eventually(ok, 20, "healthz ok with a projector and a promoter beating")
+            _, body = await wait_until(
+                ok, 20, interval_s=0.1, what="healthz ok with a projector and a promoter beating"
+            )
             assert body["down"] == [] and body["control_plane"]["promoter"]["alive"] == 1, body
 
             # the promoter dies: named within a few seconds, the projector still fine
@@ -82,7 +62,7 @@ async def test_healthz_names_the_projector_promoter_and_nats_when_they_are_down(
                 s, b = await health(gw.url, strict=True)
                 return (s, b) if b["down"] == ["promoter"] else None
 
-            status, body = await eventually(promoter_down, 20, "healthz to name the promoter")
+            status, body = await wait_until(promoter_down, 20, interval_s=0.1, what="healthz to name the promoter")
             assert status == 503 and body["status"] == "degraded", body
 
             # NATS dies: named at once, whatever else is true
@@ -92,7 +72,7 @@ async def test_healthz_names_the_projector_promoter_and_nats_when_they_are_down(
                 s, b = await health(gw.url)
                 return (s, b) if "nats" in b["down"] else None
 
-            status, body = await eventually(nats_down, 20, "healthz to name nats")
+            status, body = await wait_until(nats_down, 20, interval_s=0.1, what="healthz to name nats")
             assert status == 200 and body["down"][0] == "nats" and body["control_plane"]["nats"]["connected"] is False
             again = NatsServer(nats_server.store_dir, port=nats_server.port)
             again.start_sync()
@@ -102,7 +82,7 @@ async def test_healthz_names_the_projector_promoter_and_nats_when_they_are_down(
                     s, b = await health(gw.url)
                     return b if b["down"] == ["promoter"] else None
 
-                await eventually(back, 30, "NATS back and the projector heard again")
+                await wait_until(back, 30, interval_s=0.1, what="NATS back and the projector heard again")
             finally:
                 again.stop_sync()
         finally:
@@ -118,7 +98,7 @@ async def test_a_route_move_reaches_clients_from_the_route_subject_with_the_proj
     fleet = Fleet(event_log, gw)
     await fleet.put_view(view_of("default", {"a": a.url, "b": b.url}, active="a", seq=first, residency=stale))
     await fleet.publish(intent_of("default", "a", a.url, revision=first))
-    status, data, _ = await _raw(
+    status, data, _ = await post_raw(
         gw.url + "/v1/chat/completions", f'{{"model": "{MODEL}", "messages": {CHAT_JSON}}}'.encode()
     )
     assert status == 200 and b"[domain a]" in data
@@ -127,12 +107,12 @@ async def test_a_route_move_reaches_clients_from_the_route_subject_with_the_proj
     moved = await event_log.append(route, RouteMoved(at=now(), active="b", previous="a", op_id="op-test"), expect=first)
 
     async def on_b():
-        s, d, _ = await _raw(
+        s, d, _ = await post_raw(
             gw.url + "/v1/chat/completions", f'{{"model": "{MODEL}", "messages": {CHAT_JSON}}}'.encode()
         )
         return (s, d) if s == 200 and b"[domain b]" in d else None
 
-    await eventually(on_b, 10, "chat answered by b")
+    await wait_until(on_b, 10, interval_s=0.1, what="chat answered by b")
     assert gw.table.get("default").revision == moved
 
     # A projector catching up publishes an intent from before the move: routing stays on b.

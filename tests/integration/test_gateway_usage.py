@@ -22,12 +22,10 @@ from aiohttp import web
 
 from haru.agents.runtimes import LlamaServerRuntime
 from haru.core.specs import ModelSpec
-from tests.integration.test_gateway import MODEL, _get_text, sdk
-from tests.integration.test_gateway_failover import TwoDomains, gw  # noqa: F401  (a fixture)
-from tests.integration.test_llama_real import gguf, llama  # noqa: F401  (fixtures)
-from tests.integration.test_sim_vllm import SimServer
+from tests.support.gateway import MODEL, TwoDomains, get_text, sdk
 from tests.support.llama import LLAMA_ARGS
-from tests.support.promoter import wait_until
+from tests.support.sim_vllm import SimServer
+from tests.support.wait import wait_until
 
 
 class CuttingRelay:
@@ -167,10 +165,10 @@ async def test_a_continued_stream_on_the_simulator_reports_every_token_the_clien
             async with s.post(sim.url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT}) as r:
                 uncut = (await r.json())["usage"]
         chunks, a = await through_a_cut(event_log, gw, relays, sim.url, "vllm", {"model": MODEL, "messages": CHAT}, 4)
-        before = await _get_text(gw, "/metrics")
+        before = await get_text(gw, "/metrics")
         async with sdk(gw) as client:  # an uncut JSON answer counts too, from its body's usage
             whole = await client.chat.completions.create(model=MODEL, messages=CHAT)
-        after = await _get_text(gw, "/metrics")
+        after = await get_text(gw, "/metrics")
     finally:
         await sim.stop()
     assert "/tokenize" in a.paths
@@ -219,7 +217,7 @@ async def test_a_continued_stream_on_a_real_llama_server_reports_the_whole_reque
         rt = LlamaServerRuntime(spec, session=s, log_dir=tmp_path)
         await rt.start()
         try:
-            await wait_until(lambda: _healthy(rt), timeout=60, every=0.05, what="llama-server ready")
+            await wait_until(lambda: _healthy(rt), 60, what="llama-server ready")
             request = {"model": MODEL, "messages": CHAT, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
             async with s.post(rt.base_url + "/v1/chat/completions", json={**request, "max_tokens": 1}) as r:
                 uncut = (await r.json())["usage"]
@@ -240,7 +238,7 @@ async def test_a_continued_stream_on_a_real_llama_server_reports_the_whole_reque
     assert usage.completion_tokens == own["prompt_tokens"] - uncut["prompt_tokens"] + own["completion_tokens"]
     # asked for 40 tokens, ignoring the end of text: 40 in all, whatever the cut took
     assert usage.completion_tokens == 40
-    metrics = await _get_text(gw, "/metrics")
+    metrics = await get_text(gw, "/metrics")
     assert (tokens_counted(metrics, "prompt"), tokens_counted(metrics, "completion")) == (usage.prompt_tokens, 40)
 
 

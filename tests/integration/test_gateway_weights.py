@@ -16,18 +16,8 @@ from haru.core import subjects
 from haru.core.residency import Answer
 from haru.core.views import RouteIntent, Target, Weighted
 from haru.core.weights import report_decoder
-from tests.integration.test_gateway import (  # noqa: F401 - fixtures
-    MODEL,
-    SMALL,
-    Fleet,
-    Upstream,
-    gw,
-    intent_of,
-    running_gateway,
-    upstreams,
-    view_of,
-    wait_for,
-)
+from tests.support.gateway import MODEL, SMALL, Fleet, Upstream, intent_of, running_gateway, view_of
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 N = 2000
@@ -145,8 +135,10 @@ async def test_the_gateway_reports_what_it_measured_of_a_split_fleet_on_its_own_
             await fleet.publish(split_intent(urls, weights={"a": 80, "b": 20}))
             got = await send(gw, MODEL, 100, concurrency=4)
             assert got == Counter({(200, "a"): 80, (500, "b"): 20})
-            await wait_for(
-                lambda: sum(c.requests for _, d in reports for c in report_decoder.decode(d).counts) >= 100, timeout=5
+            await wait_until(
+                lambda: sum(c.requests for _, d in reports for c in report_decoder.decode(d).counts) >= 100,
+                5,
+                interval_s=0.005,
             )
             subject = reports[0][0]
             assert subject == subjects.canary_report("default", gw.gateway_id())

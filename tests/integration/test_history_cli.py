@@ -4,64 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from haru.core import events as ev
-from haru.core import subjects
-from haru.core.specs import ModelSpec, Policy
 from tests.support import haru
-
-T0 = datetime(2026, 11, 29, 3, 0, tzinfo=UTC)
-
-
-async def script_stories(log) -> dict[str, int]:
-    """declared -> loading -> resident -> unloaded, as hearth's README shows for `stories`."""
-    decl = subjects.decl("default")
-    s = await log.append(decl, ev.FleetDeclared(at=T0, fleet="default", policy=Policy()), expect=0)
-    model_declared = s = await log.append(
-        decl,
-        ev.ModelDeclared(
-            at=T0,
-            domain="a",
-            spec=ModelSpec(name="stories", slot="main", gpu_index=0, runtime="llama_server", vram_bytes=1073741824),
-        ),
-        expect=s,
-    )
-    declared = s = await log.append(
-        decl,
-        ev.AdmissionDecided(
-            at=T0, domain="a", name="stories", gpu_index=0, admitted=True, vram_bytes=1073741824, cause=model_declared
-        ),
-        expect=s,
-    )
-    m = subjects.model("default", "a", "stories")
-    loading = await log.append(
-        m,
-        ev.ModelLoading(
-            at=T0 + timedelta(seconds=1), domain="a", model="stories", endpoint="127.0.0.1:18080", pid=10121
-        ),
-        expect=0,
-    )
-    resident = await log.append(
-        m,
-        ev.ModelResident(
-            at=T0 + timedelta(seconds=2),
-            domain="a",
-            model="stories",
-            endpoint="127.0.0.1:18080",
-            warmup_ms=256,
-            cause=loading,
-        ),
-        expect=loading,
-    )
-    unloaded = await log.append(
-        m, ev.ModelStopped(at=T0 + timedelta(seconds=3), domain="a", model="stories"), expect=resident
-    )
-    return {
-        "model_declared": model_declared,
-        "declared": declared,
-        "loading": loading,
-        "resident": resident,
-        "unloaded": unloaded,
-    }
+from tests.support.stories import script_stories
 
 
 async def test_why_draws_the_causal_tree_and_says_where_a_link_is_missing(nats_server, event_log):
@@ -75,7 +19,8 @@ async def test_why_draws_the_causal_tree_and_says_where_a_link_is_missing(nats_s
         missing,
         f'● seq {seqs["loading"]:>7}  loading        a        {{"endpoint":"127.0.0.1:18080","pid":10121,"attempt":1}}',
         missing,
-        f'  └─ seq {seqs["resident"]:>7}  resident       a        {{"endpoint":"127.0.0.1:18080","warmup_ms":256,"sleeps":true}}',
+        f"  └─ seq {seqs['resident']:>7}  resident       a        "
+        '{"endpoint":"127.0.0.1:18080","warmup_ms":256,"sleeps":true}',
         f"● seq {seqs['model_declared']:>7}  declared       a        "
         '{"runtime":"llama_server","gpu_index":0,"vram_bytes":1073741824}',
         f'  └─ seq {seqs["declared"]:>7}  admitted       a        {{"admitted":true,"vram_bytes":1073741824}}',

@@ -4,6 +4,7 @@ per GPU in declaration order, and a model across two GPUs launched with llama.cp
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import pytest
 
@@ -73,7 +74,7 @@ async def test_real_llama_servers_load_one_at_a_time_in_declaration_order(
         spawned = next(r for r in recs if tag(r) == "model_loading" and r.event.pid)
         windows.append((n, spawned.seq, resident.seq))
     # each spawn comes after the previous model answered, in declaration order (stream sequences)
-    for (_, _, done), (_, nxt, _) in zip(windows, windows[1:]):
+    for (_, _, done), (_, nxt, _) in pairwise(windows):
         assert done < nxt, windows
     waited = [
         r.event

@@ -23,23 +23,13 @@ from haru.agents.runtimes.tiny_model import corrupt_copy, write_tiny_model
 from haru.core import subjects
 from haru.core.specs import ModelSpec
 from tests.support.agent_harness import is_, model_tags, tag, wait_event, write_config
-from tests.support.llama import LLAMA_ARGS, llama_binary, llama_model, real_fleet, real_layout, tiny_models
-from tests.support.promoter import wait_until, wait_view
+from tests.support.llama import LLAMA_ARGS, llama_model, real_fleet, real_layout
+from tests.support.promoter import wait_view
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(150)]
 FLEET = "default"
 MODEL = "tiny:chat"
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return llama_binary()
-
-
-@pytest.fixture(scope="module")
-def gguf(tmp_path_factory, llama):
-    root = tmp_path_factory.mktemp("gguf")
-    return tiny_models(root, {"a": 1, "b": 2})
 
 
 def one_domain(tmp_path, llama, gguf_path, name=MODEL, **policy):
@@ -309,7 +299,7 @@ async def test_failover_between_two_domains_of_real_llama_servers(two_domains, e
             status, doc, _ = await chat_json(s, gw.url)
             return status == 200 and stable(doc) == stable(from_b)
 
-        await wait_until(answered_by_b, timeout=20, every=0.2, what="chat answered by b's llama-server")
+        await wait_until(answered_by_b, 20, interval_s=0.2, what="chat answered by b's llama-server")
     ops = [r.event for r in await event_log.history(subjects.op(FLEET))]
     promotions = [e for e in ops if type(e).__name__ == "PromotionRequested"]
     assert [p.reason for p in promotions] == ["initial", "domain_unreachable"]

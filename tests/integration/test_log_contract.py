@@ -22,6 +22,7 @@ from haru.core.commands import command_encoder as reply_encoder
 from haru.core.errors import AgentGone, Conflict, NoResponders, RequestTimeout
 from haru.log.bus import SERVICE_ERROR, SERVICE_ERROR_CODE, Endpoint, Msg, Service, send
 from haru.log.memory import subject_matches
+from tests.support.wait import wait_until
 
 T0 = datetime(2026, 11, 29, 3, 0, tzinfo=UTC)
 F = "default"
@@ -40,12 +41,6 @@ def resident(i: int = 0, domain: str = "a") -> ev.ModelResident:
 @pytest.fixture
 def log(world):
     return world.log
-
-
-async def eventually(check, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.02)
 
 
 # ------------------------------------------------------------------------------------------- appends
@@ -150,10 +145,10 @@ async def test_a_follower_catches_up_then_follows_each_sequence_once(log, is_asy
     follower = log.follower(handler, from_seq=1, name="contract")
     task = asyncio.create_task(follower.run())
     try:
-        await eventually(lambda: seen == [1])
+        await wait_until(lambda: seen == [1], 10.0, interval_s=0.02)
         s2 = await log.append(B, loading(domain="b"), expect=0)
         await log.append(A, resident(), expect=s1)
-        await eventually(lambda: seen == [1, s2, 3])
+        await wait_until(lambda: seen == [1, s2, 3], 10.0, interval_s=0.02)
         assert follower.position == 3
     finally:
         task.cancel()
@@ -169,9 +164,9 @@ async def test_a_filtered_follower_resumes_from_its_position(log):
     seen: list[int] = []
     task = asyncio.create_task(log.follow(lambda r: seen.append(r.seq), from_seq=s, subject_filter=A, name="contract"))
     try:
-        await eventually(lambda: seen == [s])
+        await wait_until(lambda: seen == [s], 10.0, interval_s=0.02)
         s2 = await log.append(A, resident(), expect=s)
-        await eventually(lambda: seen == [s, s2])
+        await wait_until(lambda: seen == [s, s2], 10.0, interval_s=0.02)
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -195,7 +190,7 @@ async def test_a_follower_replays_afresh_after_the_connection_comes_back(world, 
     )
     task = asyncio.create_task(follower.run())
     try:
-        await eventually(lambda: seen == [1])
+        await wait_until(lambda: seen == [1], 10.0, interval_s=0.02)
         assert log.connected
         await world.drop_link(0.5)
         async with asyncio.timeout(20):
@@ -205,7 +200,7 @@ async def test_a_follower_replays_afresh_after_the_connection_comes_back(world, 
                     break
                 except Exception:
                     await asyncio.sleep(0.2)
-        await eventually(lambda: seen == [1, last], timeout=15)  # without a fresh replay: ~20 s on JetStream
+        await wait_until(lambda: seen == [1, last], 15, interval_s=0.02)  # without a fresh replay: ~20 s on JetStream
         assert restarts, "the follower did not start a fresh replay"
         assert links[:1] == [False] and links[-1] is True and log.connected  # listeners heard down, then up
         forget()
@@ -270,10 +265,16 @@ async def test_watches_deliver_the_current_value_then_changes(log):
 
     tasks = [asyncio.create_task(watch_views()), asyncio.create_task(watch_intents())]
     try:
-        await eventually(lambda: views == [("fleet.x", b"one", r1)] and [i[:2] for i in intents] == [("x", b"i1")])
+        await wait_until(
+            lambda: views == [("fleet.x", b"one", r1)] and [i[:2] for i in intents] == [("x", b"i1")],
+            10.0,
+            interval_s=0.02,
+        )
         r2 = await log.put_view("fleet.x", b"two", last=r1)
         await log.publish_intent("x", b"i2", expect=intents[0][2])
-        await eventually(lambda: views[-1] == ("fleet.x", b"two", r2) and intents[-1][:2] == ("x", b"i2"))
+        await wait_until(
+            lambda: views[-1] == ("fleet.x", b"two", r2) and intents[-1][:2] == ("x", b"i2"), 10.0, interval_s=0.02
+        )
     finally:
         for t in tasks:
             t.cancel()
@@ -289,7 +290,7 @@ async def test_bus_publish_reaches_wildcard_subscribers(log):
     sub = await log.bus.subscribe(subjects.heartbeats("*"), got.append)
     await log.bus.publish(subjects.heartbeat(F, "a"), b"beat")
     await log.bus.publish("haru.other", b"no")
-    await eventually(lambda: len(got) == 1)
+    await wait_until(lambda: len(got) == 1, 10.0, interval_s=0.02)
     assert got[0].subject == subjects.heartbeat(F, "a") and got[0].data == b"beat"
     await sub.unsubscribe()
     await log.bus.publish(subjects.heartbeat(F, "a"), b"again")
@@ -358,7 +359,7 @@ async def test_a_served_endpoint_answers_each_request_in_its_own_task_until_stop
         [Endpoint("slow", "test.slow", slow), Endpoint("fast", "test.fast", fast)],
     )
     waiting = asyncio.ensure_future(bus.request("test.slow", b"one", timeout=10))
-    await eventually(lambda: started == [b"one"])
+    await wait_until(lambda: started == [b"one"], 10.0, interval_s=0.02)
     # the slow answer is still running: another request on the service is answered meanwhile
     assert (await bus.request("test.fast", b"two", timeout=5)).data == b"TWO"
     release.set()

@@ -11,8 +11,8 @@ from datetime import timedelta
 from haru.cli.common import ExitStatus
 from haru.core import events as ev
 from haru.core import subjects
-from tests.integration.test_history_cli import T0, script_stories
 from tests.support import haru
+from tests.support.stories import T0, script_stories
 
 FORGER = "agent:default/a@host-a"
 

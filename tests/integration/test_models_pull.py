@@ -14,10 +14,8 @@ import time
 from pathlib import Path
 
 import aiohttp
-import numpy as np
 import pytest
 
-from haru.agents.runtimes.tiny_model import write_tiny_model
 from haru.core import model_errors as E
 from haru.host.natsd import free_port
 from haru.models import resolve as R
@@ -25,44 +23,7 @@ from haru.models.download import WRITE_BEHIND
 from haru.models.pull import pull
 from haru.models.store import Store
 from tests.support import haru
-from tests.support.models_registry import Registry, Server, write_safetensors
-
-
-def build_registry(root: Path) -> Registry:
-    files = root / "files"
-    files.mkdir(parents=True)
-    reg = Registry(root)
-    reg.add_ollama("library/tiny", "1b", write_tiny_model(files / "tiny.gguf", seed=1))
-    reg.add_hf(
-        "acme/tiny-GGUF",
-        {
-            "tiny-Q8_0.gguf": write_tiny_model(files / "q8.gguf", seed=2),
-            "tiny-Q4_K_M.gguf": write_tiny_model(files / "q4.gguf", seed=3),
-            "README.md": _text(files / "README.md", "# tiny\n"),
-        },
-    )
-    rng = np.random.default_rng(7)
-    reg.add_hf(
-        "acme/tiny",
-        {
-            "config.json": _text(files / "config.json", json.dumps({"architectures": ["LlamaForCausalLM"]})),
-            "model.safetensors": write_safetensors(
-                files / "model.safetensors", {"w": rng.standard_normal((64, 64)).astype(np.float32)}
-            ),
-            "tokenizer.json": _text(files / "tokenizer.json", "{}"),
-            "tokenizer_config.json": _text(files / "tokenizer_config.json", "{}"),
-            "notes/extra.safetensors": files / "model.safetensors",  # not at the top: not part of the package
-        },
-    )
-    reg.add_hf("acme/empty", {"README.md": files / "README.md"})
-    reg.alias("acme/old-tiny-GGUF", "acme/tiny-GGUF")
-    reg.save()
-    return reg
-
-
-def _text(path: Path, text: str) -> Path:
-    path.write_text(text)
-    return path
+from tests.support.models_registry import Server, build_registry
 
 
 def settings_for(url: str, **kw) -> R.Settings:

@@ -174,7 +174,8 @@ async def test_the_bridge_forwards_by_model_streams_and_refuses_the_rest(tmp_pat
         sent = len(up.requests)
 
         stats = await asyncio.to_thread(portholder.holder_stats, state)
-        # sent to a runtime: the JSON, the tokenize and the SSE request, once each; the rest answered by the bridge itself
+        # sent to a runtime: the JSON, the tokenize and the SSE request, once each; the rest answered by the bridge
+        # itself
         assert stats["bridged"] == 3 and sent == 3 and stats["bridge_refused"] == 7, stats
 
 

@@ -258,7 +258,7 @@ async def test_shipped_cluster_loses_nothing_acknowledged_when_all_three_nodes_l
     lazy filesystem; R3 appends under load; all three nodes SIGKILLed and their unsynced writes dropped
     at once; the cluster restarted on the same stores."""
     require_fuse()
-    from tests.integration.test_deploy_cluster import Cluster
+    from tests.support.cluster import Cluster
 
     cluster = Cluster(tmp_path / "cluster")
     with contextlib.ExitStack() as mounts:

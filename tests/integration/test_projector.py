@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-from datetime import UTC, datetime
+from itertools import pairwise
 from pathlib import Path
 
 import msgspec
@@ -22,94 +22,22 @@ from haru.core import events as ev
 from haru.core import subjects as sj
 from haru.core.fold import fold
 from haru.core.intents import changed
-from haru.core.sizes import GiB
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.core.views import intent_decoder, view_decoder
 from haru.host.tasks import cancel_and_wait
 from haru.log.route import RouteWatcher
 from haru.log.seam import Log
 from haru.projections.projector import Projector
+from tests.support.clock import now
+from tests.support.projector import MODELS, F, Writer, declare, stored_view, wait_view_seq
+from tests.support.wait import wait_until
 
-F = "default"
-MODELS = ("qwen3.6:27b", "llama-8b")
 HARU = str(Path(sys.executable).parent / "haru")
 
 
-def now() -> datetime:
-    return datetime.now(UTC)
-
-
-async def declare(log: Log, fleet: str = F) -> None:
-    s = sj.decl(fleet)
-    seq = await log.last_seq_of(s)
-    seq = await log.append(s, ev.FleetDeclared(at=now(), fleet=fleet, policy=Policy()), expect=seq)
-    for d in ("a", "b"):
-        spec = DomainSpec(
-            name=d,
-            serving_url=f"http://{d}:9000",
-            gpus=[GpuSpec(index=0, memory_bytes=48 * GiB, reserve_bytes=2 * GiB)],
-        )
-        seq = await log.append(s, ev.DomainDeclared(at=now(), spec=spec), expect=seq)
-        for i, m in enumerate(MODELS):
-            spec_m = ModelSpec(name=m, slot=f"m{i}", gpu_index=0, vram_bytes=10 * GiB, port=8000 + i)
-            seq = await log.append(s, ev.ModelDeclared(at=now(), domain=d, spec=spec_m), expect=seq)
-            seq = await log.append(
-                s,
-                ev.AdmissionDecided(at=now(), domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=10 * GiB),
-                expect=seq,
-            )
-
-
-class Writer:
-    """Appends residency and route events with the right expected sequences."""
-
-    def __init__(self, log: Log, fleet: str = F) -> None:
-        self.log = log
-        self.fleet = fleet
-        self.tips: dict[str, int] = {}
-
-    async def put(self, subject: str, event: ev.Event) -> int:
-        if subject not in self.tips:
-            self.tips[subject] = await self.log.last_seq_of(subject)
-        seq = await self.log.append(subject, event, expect=self.tips[subject])
-        self.tips[subject] = seq
-        return seq
-
-    async def move(self, active: str) -> int:
-        return await self.put(sj.route(self.fleet), ev.RouteMoved(at=now(), active=active))
-
-    async def churn(self, n: int, domain: str = "b") -> int:
-        """n residency events on `domain`: loading/resident alternating (legal: loading->resident->... via lost)."""
-        seq = 0
-        cycle = ("model_loading", "model_resident", "model_lost")
-        for i in range(n):
-            m = MODELS[i % len(MODELS)]
-            tag = cycle[(i // len(MODELS)) % 3]
-            s = sj.model(self.fleet, domain, m)
-            if tag == "model_loading":
-                e = ev.ModelLoading(at=now(), domain=domain, model=m)
-            elif tag == "model_resident":
-                e = ev.ModelResident(at=now(), domain=domain, model=m)
-            else:
-                e = ev.ModelLost(at=now(), domain=domain, model=m, reason="unhealthy")
-            seq = await self.put(s, e)
-        return seq
-
-
-async def stored_view(log: Log, fleet: str = F):
-    got = await log.get_view(sj.view_key(fleet))
-    return None if got is None else view_decoder.decode(got[0])
-
-
-async def wait_view_seq(log: Log, seq: int, fleet: str = F, timeout: float = 20.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        view = await stored_view(log, fleet)
-        if view is not None and view.seq >= seq:
-            return view
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"view of {fleet} did not reach seq {seq} (at {None if view is None else view.seq})")
-        await asyncio.sleep(0.02)
+@pytest.fixture
+async def log(world):
+    await declare(world.log)
+    return world.log
 
 
 async def expected_views(log: Log):
@@ -183,12 +111,6 @@ def projector_processes(nats_server, tmp_path):
 
 
 # ------------------------------------------------------------------------------------- in process
-
-
-@pytest.fixture
-async def log(world):
-    await declare(world.log)
-    return world.log
 
 
 async def intents_published(log: Log) -> int:
@@ -271,7 +193,7 @@ async def test_two_racing_projectors_publish_each_move_once_and_agree_on_the_vie
         await asyncio.sleep(0.1)  # the watcher hears the last publish
         # every move has its intent, and no intent was published twice (by the two of them, or one)
         assert [ri.revision for ri in seen if ri.revision in moves and ri.view_seq == ri.revision] == moves
-        assert all(changed(a, b) for a, b in zip(seen, seen[1:])), [(ri.revision, ri.view_seq) for ri in seen]
+        assert all(changed(a, b) for a, b in pairwise(seen)), [(ri.revision, ri.view_seq) for ri in seen]
         assert len(seen) == await intents_published(log)  # the stream holds each intent once
         # A projector that publishes the intent the other just stored (the same position and body: one
         # message, the log's dedupe) counts it too, so their counts add up to at least what is stored.
@@ -363,14 +285,13 @@ def events_named(p: ProjectorProcess, name: str) -> list[dict]:
 
 
 async def wait_for_log(p: ProjectorProcess, name: str, timeout: float = 20.0) -> dict:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        found = events_named(p, name)
-        if found:
-            return found[-1]
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"no {name} in the projector's log:\n{p.log_path.read_text()[-3000:]}")
-        await asyncio.sleep(0.05)
+    found = await wait_until(
+        lambda: events_named(p, name),
+        timeout,
+        interval_s=0.05,
+        what=lambda: f"{name} in the projector's log:\n{p.log_path.read_text()[-3000:]}",
+    )
+    return found[-1]
 
 
 @pytest.mark.timeout(90)
@@ -418,7 +339,7 @@ async def test_two_projectors_racing_never_go_backwards(event_log, projector_pro
     intents: list[tuple[int, int, int]] = []  # (stream seq, view_seq, revision)
 
     async def watch_views():
-        async for key, value, rev in event_log.watch_views(sj.view_key(F)):
+        async for _key, value, rev in event_log.watch_views(sj.view_key(F)):
             if value is not None:
                 views.append((rev, view_decoder.decode(value).seq))
 
@@ -447,9 +368,9 @@ async def test_two_projectors_racing_never_go_backwards(event_log, projector_pro
 
     assert view == (await expected_views(event_log))[F]
     assert len(views) > 1
-    for (r0, s0), (r1, s1) in zip(views, views[1:]):
+    for (r0, s0), (r1, s1) in pairwise(views):
         assert r1 > r0 and s1 >= s0, f"view went backwards: {views}"
-    for (q0, v0, rev0), (q1, v1, rev1) in zip(intents, intents[1:]):
+    for (q0, v0, rev0), (q1, v1, rev1) in pairwise(intents):
         assert q1 > q0 and v1 > v0 and rev1 >= rev0, f"intent went backwards: {intents}"
     # Every pointer move was published, once.
     revisions = [rev for _, _, rev in intents]

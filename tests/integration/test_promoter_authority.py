@@ -13,7 +13,6 @@ promoters, in-test agents (promoter_fake).
 from __future__ import annotations
 
 import contextlib
-from datetime import UTC, datetime
 
 import pytest
 
@@ -32,15 +31,12 @@ from haru.log.apply import apply
 from haru.log.eventlog import EventLog
 from haru.log.history import misplaced_records
 from haru.log.requests import request_operation
+from tests.support.clock import now
 from tests.support.promoter import op_events, promoters, route_moves, view_of, wait_op_end, wait_view
 from tests.support.promoter_fake import FakeAgent, layout
 
 pytestmark = pytest.mark.timeout(60)
 MODELS = ["m1", "m2"]
-
-
-def now():
-    return datetime.now(UTC)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ pointer never points at a domain whose models were not probed in the operation t
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
 
 import pytest
 
@@ -18,16 +17,14 @@ from haru.core.saga import flow
 from haru.log.apply import apply
 from haru.log.eventlog import EventLog
 from haru.log.requests import request_operation
-from tests.support.promoter import PromoterProcess, describe, op_events, view_of, wait_op_end, wait_until
+from tests.support.clock import now
+from tests.support.promoter import PromoterProcess, describe, op_events, view_of, wait_op_end
 from tests.support.promoter_fake import FakeAgent, layout
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 MODELS = ["m1", "m2"]
 DELAY_MS = 400
-
-
-def now():
-    return datetime.now(UTC)
 
 
 async def assert_pointer_only_at_probed_domains(log: EventLog, fleet: str = "default") -> None:
@@ -92,7 +89,7 @@ async def test_sigkill_at_each_step_then_restart_finishes_cleanly(routed_fleet, 
     p.start()
     accepted = await request_operation(log, "default", "promotion", "b", by="test", now=now())
     assert accepted.status == "accepted"
-    await wait_until(lambda: _started(log, accepted.op_id, step), timeout=20, what=f"step {step} started")
+    await wait_until(lambda: _started(log, accepted.op_id, step), 20, what=f"step {step} started")
     p.kill()
     await assert_pointer_only_at_probed_domains(log)
     p.start()
@@ -116,7 +113,7 @@ async def test_another_replica_takes_over_a_dead_runners_step_after_its_lease(ro
     two.start()
     await asyncio.sleep(1.5)  # both caught up
     accepted = await request_operation(log, "default", "promotion", "b", by="test", now=now())
-    started = await wait_until(lambda: _started(log, accepted.op_id, "wake"), timeout=20, what="wake started")
+    started = await wait_until(lambda: _started(log, accepted.op_id, "wake"), 20, what="wake started")
     runner, other = (one, two) if started.by == "promoter:one" else (two, one)
     runner.kill()
     end = await wait_op_end(log, accepted.op_id, timeout=30)
@@ -154,7 +151,7 @@ async def test_a_replica_takes_over_a_killed_runners_step_when_it_falls_silent_n
     two.start()
     await asyncio.sleep(1.5)  # both caught up and heard each other
     accepted = await request_operation(log, "default", "promotion", "b", by="test", now=now())
-    started = await wait_until(lambda: _started(log, accepted.op_id, step), timeout=20, what=f"{step} started")
+    started = await wait_until(lambda: _started(log, accepted.op_id, step), 20, what=f"{step} started")
     runner, other = (one, two) if started.by == "promoter:one" else (two, one)
     runner.kill()
     end = await wait_op_end(log, accepted.op_id, timeout=60)

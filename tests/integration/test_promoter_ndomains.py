@@ -7,7 +7,6 @@ rejoining as the lowest-ranked standby with no operator."""
 from __future__ import annotations
 
 import contextlib
-from datetime import UTC, datetime
 
 import pytest
 
@@ -16,6 +15,7 @@ from haru.core.events import OperationCompleted, PromotionRequested, PromotionRe
 from haru.core.intents import intent
 from haru.core.operations import fold_operations
 from haru.log.apply import apply
+from tests.support.clock import now
 from tests.support.promoter import (
     asleep_and_training,
     fake_agent,
@@ -29,10 +29,6 @@ from tests.support.promoter_fake import layout
 
 pytestmark = pytest.mark.timeout(90)
 MODELS = ["m1", "m2"]
-
-
-def now():
-    return datetime.now(UTC)
 
 
 @contextlib.asynccontextmanager

@@ -12,7 +12,6 @@ test_promoter_store_faults.py and test_promoter_crash.py.
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
 
 import pytest
 
@@ -29,6 +28,7 @@ from haru.core.events import (
 )
 from haru.log.apply import apply
 from haru.log.requests import request_operation
+from tests.support.clock import now
 from tests.support.promoter import (
     asleep_and_training,
     assert_one_failover_each_step_once,
@@ -40,17 +40,13 @@ from tests.support.promoter import (
     serving,
     view_of,
     wait_op_end,
-    wait_until,
     wait_view,
 )
 from tests.support.promoter_fake import FakeAgent, layout
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 MODELS = ["m1", "m2"]
-
-
-def now():
-    return datetime.now(UTC)
 
 
 @pytest.fixture
@@ -141,7 +137,7 @@ async def test_gpu_detached_on_the_active_fails_over_and_attach_makes_it_standby
         assert view.last_operation.reason == "gpu_detached"
         assert "GPU 0" in view.domains["a"].ineligible_why or "gpu" in view.domains["a"].ineligible_why.lower()
         # still ineligible a moment later: nothing demotes a domain whose GPU is gone
-        await wait_until(lambda: _settled(log), timeout=5)
+        await wait_until(lambda: _settled(log), 5)
         assert not (await view_of(log)).domains["a"].eligible
         await a.attach_gpu()
         view = await wait_view(
@@ -182,7 +178,7 @@ async def test_a_failure_before_the_flip_aborts_and_routing_never_moves(fleet, w
         await routed_to_a(log)
         setattr(b, fault, True)
         await a.unserve()
-        aborted = await wait_until(lambda: _first(log, OperationAborted), what="the abort")
+        aborted = await wait_until(lambda: _first(log, OperationAborted), 15.0, what="the abort")
         view = await view_of(log)
     failed = [e for e in await op_events(log, op_id=aborted.op_id) if isinstance(e, StepFailed)]
     assert [(f.step, f.error_code) for f in failed] == [(step, code)]
@@ -204,9 +200,9 @@ async def test_an_unfit_standby_is_declined_once_with_the_reason(fleet, world):
         await routed_to_a(log)
         await b.lose("m2", "evicted")
         await a.unserve()
-        declined = await wait_until(lambda: _first(log, FailoverDeclined), what="failover_declined")
+        declined = await wait_until(lambda: _first(log, FailoverDeclined), 15.0, what="failover_declined")
         assert declined.candidate == "b" and "m2" in declined.why and "lost" in declined.why
-        await wait_until(lambda: _settled(log), timeout=2)
+        await wait_until(lambda: _settled(log), 2)
         await asyncio.sleep(0.5)
     declines = [e for e in await op_events(log) if isinstance(e, FailoverDeclined)]
     assert len(declines) == 1
@@ -341,13 +337,13 @@ async def test_a_lost_link_is_not_mistaken_for_dead_domains_and_the_promoter_act
         before, restarts = await log.last_seq(), promoter.follower.restarts
         await world.drop_link(1.5)  # longer than heartbeat_timeout_ms (800)
         await wait_until(
-            lambda: _value(promoter.follower.restarts > restarts), what="a fresh replay after the link came back"
+            lambda: _value(promoter.follower.restarts > restarts), 15.0, what="a fresh replay after the link came back"
         )
         await asyncio.sleep(1.0)
         view = await view_of(log)
         assert view.active == "a" and view.domains["a"].eligible
         # the promoter still works after the link came back: a manual promotion goes through
-        accepted = await wait_until(lambda: _request(log, "b"), timeout=10, what="a request after the link came back")
+        accepted = await wait_until(lambda: _request(log, "b"), 10, what="a request after the link came back")
         assert isinstance(await wait_op_end(log, accepted.op_id), OperationCompleted)
     recs = await log.history(subjects.fleet_events("default"), from_seq=before + 1)
     assert not [r for r in recs if type(r.event).__name__ == "DomainUnreachable"], [

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from datetime import UTC, datetime
 
 import pytest
 from nats.js import api
@@ -21,15 +20,13 @@ from haru.core.events import OperationAborted, OperationCompleted, RouteMoved, S
 from haru.host.natsd import NatsServer
 from haru.log.apply import apply
 from haru.log.requests import request_operation
-from tests.support.promoter import PromoterProcess, describe, op_events, view_of, wait_op_end, wait_until
+from tests.support.clock import now
+from tests.support.promoter import PromoterProcess, describe, op_events, view_of, wait_op_end
 from tests.support.promoter_fake import FakeAgent, layout
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(150)
 MODELS = ["m1", "m2"]
-
-
-def now():
-    return datetime.now(UTC)
 
 
 async def _started(log, op_id: str, step: str):
@@ -59,15 +56,15 @@ async def test_an_operation_behind_a_failing_store_ends_once_the_store_answers(n
     )
     again: NatsServer | None = None
     async with (
-        FakeAgent(nats_server.url, "default", "a", MODELS) as a,
-        FakeAgent(nats_server.url, "default", "b", MODELS, start="sleeping") as b,
+        FakeAgent(nats_server.url, "default", "a", MODELS),
+        FakeAgent(nats_server.url, "default", "b", MODELS, start="sleeping"),
     ):
         await event_log.append(subjects.route("default"), RouteMoved(at=now(), active="a"), expect=0)
         promoter.start()
         try:
             await asyncio.sleep(1.5)
             accepted = await request_operation(event_log, "default", "promotion", "b", by="test", now=now())
-            await wait_until(lambda: _started(event_log, accepted.op_id, "wake"), timeout=20, what="wake started")
+            await wait_until(lambda: _started(event_log, accepted.op_id, "wake"), 20, what="wake started")
             if fault == "frozen":
                 os.kill(nats_server.proc.pid, signal.SIGSTOP)  # every append (5 s bound) and command times out
                 await asyncio.sleep(6)

@@ -15,7 +15,8 @@ from haru.core.events import ProvisionRequested, TeardownRequested
 from haru.core.layout import load_layout
 from haru.gateway import Gateway, GatewayConfig
 from haru.log.apply import apply
-from tests.unit.test_provision_yaml import EXAMPLE
+from tests.support.provision import EXAMPLE
+from tests.support.wait import wait_until
 
 TOKEN = "s3cret-token"
 
@@ -62,7 +63,7 @@ async def test_a_failed_teardown_is_reported_retried_and_finished_by_the_promote
     from haru.core.layout import parse_layout
     from haru.log.requests import request_operation
     from tests.support.fake_sky import FakeSky
-    from tests.support.promoter import op_events, promoters, wait_until
+    from tests.support.promoter import op_events, promoters
 
     doc = json.loads(EXAMPLE.read_text())
     doc["policy"] = {"heartbeat_timeout_ms": 500, "degraded_grace_ms": 500}
@@ -79,7 +80,7 @@ async def test_a_failed_teardown_is_reported_retried_and_finished_by_the_promote
             ends = [e for e in events if isinstance(e, (OperationAborted, OperationCompleted))]
             return events if len(ends) >= 2 else None
 
-        events = await wait_until(teardowns, timeout=30, what="the teardown, then its retry")
+        events = await wait_until(teardowns, 30, what="the teardown, then its retry")
     aborted = next(e for e in events if isinstance(e, OperationAborted))
     assert aborted.op_id == first.op_id and "may still be running" in aborted.error
     retry = [e for e in events if isinstance(e, TeardownRequested) and e.op_id != first.op_id]

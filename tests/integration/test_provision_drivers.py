@@ -26,7 +26,7 @@ from haru.provision import (
 )
 from haru.provision.errors import TeardownFailed
 from tests.support.fake_sky import FakeSky, sha12
-from tests.unit.test_provision_yaml import EXAMPLE
+from tests.support.provision import EXAMPLE
 
 ENV = {
     "HARU_AGENT_NATS_CREDS": "-----BEGIN NATS USER JWT-----\nfake\n",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from datetime import UTC, datetime
 
 import pytest
 
@@ -28,14 +27,12 @@ from haru.provision.execs import SubprocessExec
 from haru.provision.skyserve import SkyServe
 from tests.support import haru
 from tests.support.agent_harness import REPO, write_config, write_layout
+from tests.support.clock import now
 from tests.support.fake_sky import FakeSky
-from tests.support.promoter import PromoterProcess, op_events, view_of, wait_op_end, wait_until, wait_view
+from tests.support.promoter import PromoterProcess, op_events, view_of, wait_op_end, wait_view
+from tests.support.wait import wait_until
 
 F = "f"
-
-
-def now() -> datetime:
-    return datetime.now(UTC)
 
 
 def cloud_layout(tmp, url: str, *, auto_replace: bool):
@@ -130,9 +127,9 @@ async def test_failover_then_auto_replace_with_a_promoter_killed_mid_launch(tmp_
                 return replace[0]
             return None
 
-        replace = await wait_until(replace_launch_started, timeout=90, what="the replace's launch step")
+        replace = await wait_until(replace_launch_started, 90, what="the replace's launch step")
         assert replace.target == "a" and replace.reason == "auto_replace"
-        await wait_until(lambda: _async(len(fake.launched()) == 3), timeout=30, what="the replacement's sky launch")
+        await wait_until(lambda: _async(len(fake.launched()) == 3), 30, what="the replacement's sky launch")
         promoter.kill()  # mid-launch: its `sky launch` child runs on (its own session), the cluster is UP
         promoter = PromoterProcess(url, "promoter:p1", env=env, log_path=tmp_path / "promoter.log")
         promoter.start()

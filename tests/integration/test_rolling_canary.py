@@ -11,10 +11,9 @@ import pytest
 from haru.core import subjects
 from haru.core.events import OperationCompleted, StepCompleted, StepStarted, WeightsSet
 from haru.core.saga import flow
-from tests.integration.test_agent_live_apply import edit_layout
-from tests.integration.test_agent_restart import FLEET
-from tests.integration.test_rolling_change import apply_cli, context_4096, rolling_fleet, rolling_op_id
 from tests.support.promoter import describe, op_events, wait_op_end, wait_view
+from tests.support.rolling import apply_cli, context_4096, rolling_fleet, rolling_op_id
+from tests.support.sim_fleet import FLEET, edit_layout
 
 
 @pytest.mark.timeout(240)

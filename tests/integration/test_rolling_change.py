@@ -10,9 +10,7 @@ aborts it before the flip; one operation is in flight per fleet.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from datetime import UTC, datetime
 
 import pytest
 
@@ -20,71 +18,11 @@ from haru.core import subjects
 from haru.core.events import OperationAborted, OperationCompleted, RollingRequested, StepStarted
 from haru.core.saga import flow
 from haru.log.bus import send
-from tests.integration.test_agent_live_apply import edit_layout, tags_become
-from tests.integration.test_agent_restart import (
-    FLEET,
-    ChatLoad,
-    Fleet,
-    residency_tags,
-    sim_layout,
-    steady,
-)
 from tests.support import haru
-from tests.support.promoter import PromoterProcess, describe, op_events, wait_op_end, wait_until, wait_view
-
-
-def context_4096(d, ms) -> None:
-    for m in ms:
-        if m["name"] == "m2":
-            m["context_length"] = 4096
-
-
-@contextlib.asynccontextmanager
-async def rolling_fleet(tmp_path, nats_server, event_log, *, step_delay_ms: int = 0):
-    """Two domains a (active) and b (standby) whose agents follow the declarations, a projector, a gateway,
-    and one `haru promoter` child process (`fleet.promoter`, to kill and start again)."""
-    from haru.core.layout import load_layout
-    from haru.gateway.config import GatewayConfig
-    from haru.gateway.server import Gateway
-    from haru.host.tasks import cancel_and_wait
-    from haru.log.apply import apply
-    from haru.projections.projector import Projector
-
-    layout = sim_layout(tmp_path / "layout.json", tmp_path)
-    await apply(event_log, load_layout(layout), datetime.now(UTC))
-    projector = asyncio.create_task(Projector(event_log).run(), name="projector")
-    promoter = PromoterProcess(
-        nats_server.url,
-        "promoter:rolling",
-        env={"HARU_PROMOTER_STEP_DELAY_MS": str(step_delay_ms)},
-        log_path=tmp_path / "promoter.log",
-    )
-    fleet = None
-    try:
-        promoter.start()
-        async with Gateway(GatewayConfig(port=0), event_log) as gw:
-            fleet = Fleet(tmp_path, nats_server.url, layout, gw, declared=True)
-            fleet.promoter = promoter  # type: ignore[attr-defined]
-            for d in ("a", "b"):
-                fleet.start(d)
-            await wait_view(event_log, steady, timeout=90, fleet=FLEET, what="a active and resident, b a standby")
-            yield fleet
-    finally:
-        promoter.kill()
-        if fleet is not None:
-            await fleet.stop()
-        await cancel_and_wait(projector)
-
-
-async def apply_cli(nats_url: str, layout, *extra: str):
-    return await asyncio.to_thread(haru, "apply", "-f", str(layout), *extra, nats_url=nats_url, timeout=60)
-
-
-async def rolling_op_id(event_log) -> str:
-    for rec in reversed(await event_log.history(subjects.op(FLEET))):
-        if isinstance(rec.event, RollingRequested):
-            return rec.event.op_id
-    raise AssertionError("no rolling_requested on the op subject")
+from tests.support.promoter import describe, op_events, wait_op_end, wait_view
+from tests.support.rolling import apply_cli, context_4096, rolling_fleet, rolling_op_id
+from tests.support.sim_fleet import FLEET, ChatLoad, edit_layout, residency_tags, tags_become
+from tests.support.wait import wait_until
 
 
 async def started(event_log, op_id: str, step: str) -> StepStarted | None:
@@ -167,9 +105,7 @@ async def test_a_promoter_killed_in_the_middle_of_a_rolling_change_is_resumed_by
         assert out.returncode == 0, out.stderr
         op_id = await rolling_op_id(event_log)
         # killed while it runs the old active's apply: after the flip, so it can only go forward
-        await wait_until(
-            lambda: started(event_log, op_id, "apply_old_active"), timeout=90, what="apply_old_active started"
-        )
+        await wait_until(lambda: started(event_log, op_id, "apply_old_active"), 90, what="apply_old_active started")
         fleet.promoter.kill()
         await asyncio.sleep(1.5)
         assert (await wait_view(event_log, lambda v: True, fleet=FLEET)).operation is not None  # nobody drives it
@@ -192,7 +128,7 @@ async def test_a_rolling_change_is_one_in_flight_and_abortable_before_the_flip(t
         out = await apply_cli(nats_server.url, fleet.layout)
         assert out.returncode == 0, out.stderr
         op_id = await rolling_op_id(event_log)
-        await wait_until(lambda: started(event_log, op_id, "stop_training"), timeout=60, what="stop_training started")
+        await wait_until(lambda: started(event_log, op_id, "stop_training"), 60, what="stop_training started")
         # one operation in flight per fleet: another kind conflicts, the same one joins
         other = await asyncio.to_thread(haru, "promote", "a", "--fleet", FLEET, nats_url=nats_server.url)
         assert other.returncode == 4 and op_id in other.stdout and "in flight" in other.stderr, (

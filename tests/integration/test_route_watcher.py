@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -23,14 +22,12 @@ from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
 from haru.core.views import view_encoder
 from haru.host.tasks import cancel_and_wait
 from haru.log.route import RouteWatcher
+from tests.support.clock import now
+from tests.support.wait import wait_until
 
 F = "default"
 M = "qwen3.6:27b"
 HARU = str(Path(sys.executable).parent / "haru")
-
-
-def now() -> datetime:
-    return datetime.now(UTC)
 
 
 async def declare(log) -> dict[str, int]:
@@ -77,17 +74,20 @@ def start_projector(nats_server, tmp_path):
             p.wait(10)
 
 
+def logged(path: Path, name: str) -> bool:
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("event") == name:
+                return True
+        except ValueError:
+            pass
+    return False
+
+
 async def wait_logged(path: Path, name: str, timeout: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line).get("event") == name:
-                    return
-            except ValueError:
-                pass
-        assert asyncio.get_running_loop().time() < deadline, f"no {name} in {path.read_text()[-2000:]}"
-        await asyncio.sleep(0.05)
+    await wait_until(
+        lambda: logged(path, name), timeout, interval_s=0.05, what=lambda: f"{name} in {path.read_text()[-2000:]}"
+    )
 
 
 @pytest.mark.timeout(90)

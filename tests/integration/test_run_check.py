@@ -13,7 +13,7 @@ import time
 import pytest
 
 from haru.core.residency import Answer
-from tests.integration.test_gateway_cli import MODEL, haru_gateway, publish, run_repl, sim_vllm
+from tests.support.gateway_cli import MODEL, haru_gateway, publish, run_repl, sim_vllm
 
 
 @pytest.mark.timeout(90)

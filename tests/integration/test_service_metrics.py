@@ -4,7 +4,6 @@ with a message naming the port and the fix."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -18,7 +17,8 @@ from haru.core import subjects
 from haru.core.events import RouteMoved
 from haru.host.natsd import free_port
 from haru.log.apply import apply
-from tests.integration.test_gateway_control import layout
+from tests.support.control import layout
+from tests.support.wait import wait_until
 
 
 def scrape(port: int) -> dict[str, list]:
@@ -39,20 +39,6 @@ def start(*argv: str, env: dict | None = None) -> subprocess.Popen:
         text=True,
         env={**os.environ, "HARU_NO_UVLOOP": "1", **(env or {})},
     )
-
-
-async def until(check, timeout: float = 30.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    last = None
-    while asyncio.get_running_loop().time() < deadline:
-        try:
-            last = check()
-            if last:
-                return last
-        except Exception as exc:  # noqa: BLE001 - not up yet; report the last failure
-            last = exc
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"not met in time; last: {last!r}")
 
 
 def stop(proc: subprocess.Popen) -> int:
@@ -79,7 +65,7 @@ async def test_projector_and_promoter_serve_metrics_that_match_the_log(nats_serv
             m = scrape(p_port)
             return m if m["haru_projector_last_seq"][0][1] == last else None
 
-        m = await until(projector_caught_up)
+        m = await wait_until(projector_caught_up, 30.0, interval_s=0.2, retry_on=(Exception,))
         assert m["haru_projector_events_folded_total"][0][1] == last
         assert m["haru_projector_lag_events"][0][1] == 0
         assert m["haru_projector_view_writes_total"][0][1] >= 1
@@ -88,7 +74,7 @@ async def test_projector_and_promoter_serve_metrics_that_match_the_log(nats_serv
             m = scrape(q_port)
             return m if m["haru_promoter_events_folded"][0][1] >= last else None
 
-        m = await until(promoter_folded)
+        m = await wait_until(promoter_folded, 30.0, interval_s=0.2, retry_on=(Exception,))
         assert m["haru_promoter_route_revision"] == [({"fleet": "ops"}, route_seq)]
         assert ({"fleet": "ops"}, 0.0) in m["haru_promoter_operation_running_seconds"]
 

@@ -139,7 +139,7 @@ async def test_deep_nesting_and_the_bearer_scheme_in_any_case(tmp_path, nats_ser
 async def test_slow_clients_cannot_hold_the_serving_port(tmp_path, nats_server, event_log, agents):
     from urllib.parse import urlsplit
 
-    from tests.integration.test_gateway_hostile import Slowloris
+    from tests.support.gateway import Slowloris
 
     env = agent_env(HARU_CLIENT_HEADER_TIMEOUT_MS="1000", HARU_CLIENT_MAX_IDLE="4")
     _agent, _endpoint, serving = await start(tmp_path, nats_server, event_log, agents, env=env)

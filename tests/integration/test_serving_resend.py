@@ -14,7 +14,7 @@ from aiohttp.test_utils import make_mocked_request
 
 from haru.agents.serving import ServingProxy
 from haru.agents.serving_env import ServingEnv
-from tests.integration.test_gateway import OK_JSON, RawUpstream
+from tests.support.gateway import OK_JSON, RawUpstream
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from haru.cli import sim as sim_cli
 from haru.cli.common import ExitStatus
 from haru.core.events import GpuProcess
 from haru.host.procfs import pid_alive
+from tests.support.wait import wait_until_sync
 
 
 @pytest.fixture
@@ -42,16 +42,6 @@ def children():
 
 def _sleeper(children) -> subprocess.Popen:
     return children([sys.executable, "-c", "import time; time.sleep(60)"])
-
-
-def _wait_for(predicate, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError("condition never became true")
 
 
 # ----------------------------------------------------------------------------------- GPU state file
@@ -83,7 +73,8 @@ def test_a_sigkilled_allocator_frees_its_memory(tmp_path, children):
     assert gpu.allocate(victim.pid, 8 * GiB)
     assert not gpu.allocate(os.getpid(), 4 * GiB)
     victim.send_signal(signal.SIGKILL)
-    _wait_for(lambda: not pid_alive(victim.pid))  # a zombie (not yet reaped) already holds nothing
+    # a zombie (not yet reaped) already holds nothing
+    wait_until_sync(lambda: not pid_alive(victim.pid), 10.0, interval_s=0.01)
     assert gpu.read()["memory_used_bytes"] == 0
     assert gpu.allocate(os.getpid(), 4 * GiB)
     victim.wait()
@@ -199,10 +190,10 @@ def _held_by(tmp_path: Path, pid: int, index: int = 0) -> int:
 def test_trainer_sees_the_two_variables_and_exits_on_sigterm_freeing_memory(tmp_path, children):
     SimGpuState(tmp_path / "sim", 2).ensure(24 * GiB)
     proc = _trainer(children, tmp_path, gpu_index=2)
-    _wait_for(lambda: _held_by(tmp_path, proc.pid, 2) == 8 * GiB)
+    wait_until_sync(lambda: _held_by(tmp_path, proc.pid, 2) == 8 * GiB, 10.0, interval_s=0.01)
     env = json.loads((tmp_path / "ckpt" / "env.json").read_text())
     assert env["HARU_CHECKPOINT_DIR"] == str(tmp_path / "ckpt") and env["HARU_GPU_INDEX"] == "2"
-    _wait_for(lambda: (tmp_path / "ckpt" / "checkpoint.json").exists())
+    wait_until_sync(lambda: (tmp_path / "ckpt" / "checkpoint.json").exists(), 10.0, interval_s=0.01)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0
     assert SimGpuState(tmp_path / "sim", 2).read()["allocations"] == {}
@@ -216,7 +207,7 @@ def test_trainer_sees_the_two_variables_and_exits_on_sigterm_freeing_memory(tmp_
 
 def test_trainer_that_ignores_sigterm_must_be_killed_and_its_memory_is_dropped(tmp_path, children):
     proc = _trainer(children, tmp_path, "--ignore-sigterm")
-    _wait_for(lambda: _held_by(tmp_path, proc.pid) == 8 * GiB)
+    wait_until_sync(lambda: _held_by(tmp_path, proc.pid) == 8 * GiB, 10.0, interval_s=0.01)
     proc.send_signal(signal.SIGTERM)
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(0.4)
@@ -238,7 +229,7 @@ def test_trainer_without_room_exits_with_cuda_oom(tmp_path, children):
 
 def test_trainer_dies_with_its_gpu(tmp_path, children):
     proc = _trainer(children, tmp_path)
-    _wait_for(lambda: _held_by(tmp_path, proc.pid) == 8 * GiB)
+    wait_until_sync(lambda: _held_by(tmp_path, proc.pid) == 8 * GiB, 10.0, interval_s=0.01)
     SimGpuState(tmp_path / "sim", 0).set_present(False)
     assert proc.wait(10) == 1
     assert "CUDA error" in (tmp_path / "trainer.err").read_text()
@@ -282,12 +273,14 @@ def _serve(children, root: Path, domain: str, model: str) -> tuple[subprocess.Po
     from haru.agents.sim.vllm import runtime_path
 
     rt_file = runtime_path(root / domain, model)
-    info = _wait_for(
+    info = wait_until_sync(
         lambda: (
             rt_file.exists()
             and json.loads(rt_file.read_text() or "{}").get("pid") == proc.pid
             and json.loads(rt_file.read_text())
-        )
+        ),
+        10.0,
+        interval_s=0.01,
     )
     return proc, info
 
@@ -317,7 +310,7 @@ def test_haru_sim_cli_injects_faults_by_hand(tmp_path, children, capsys):
     root = tmp_path / "simroot"
     assert haru_sim("add-gpu", "a", "--memory", "16GiB", "--sim-root", str(root)) == ExitStatus.OK
     proc, info = _serve(children, root, "a", "llama:8b")
-    _wait_for(lambda: _ready(info["port"]))
+    wait_until_sync(lambda: _ready(info["port"]), 10.0, interval_s=0.01)
     chat = json.dumps({"model": "llama:8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
 
     assert haru_sim("detach-gpu", "a", "--sim-root", str(root)) == ExitStatus.OK

@@ -10,11 +10,9 @@ commands), chat through the gateway reaches the active host, a detached GPU fail
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
@@ -26,6 +24,7 @@ from haru.core.events import DomainReachable, DomainUnreachable
 from haru.core.views import FleetView, view_decoder
 from haru.host.natsd import free_port
 from haru.log.eventlog import EventLog
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,16 +42,6 @@ def spawn(args: list[str], url: str, log: Path) -> subprocess.Popen:
 
 async def views(log: EventLog) -> dict[str, FleetView]:
     return {k.removeprefix("fleet."): view_decoder.decode(v) for k, v in (await log.views()).items()}
-
-
-async def until(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = await check()
-        if got:
-            return got
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 async def chat(session: aiohttp.ClientSession, port: int, fleet: str) -> tuple[int, str]:
@@ -82,7 +71,7 @@ async def test_three_fleets_first_route_failover_and_silence(nats_server, tmp_pa
                 async def all_steady():
                     return not hosts.steady(await views(log))
 
-                await until(all_steady, 60, "every fleet's first route, its standby asleep")
+                await wait_until(all_steady, 60, interval_s=0.1, what="every fleet's first route, its standby asleep")
                 got = await views(log)
                 assert {v.active for v in got.values()} == {"a"}
 
@@ -96,11 +85,15 @@ async def test_three_fleets_first_route_failover_and_silence(nats_server, tmp_pa
                         return status == 200 and who == f"{fleet}/{domain}"
 
                     for f in hosts.fleets:
-                        await until(lambda f=f: answers(f, "a"), 20, f"chat through the gateway to {f}/a")
+                        await wait_until(
+                            lambda f=f: answers(f, "a"), 20, interval_s=0.1, what=f"chat through the gateway to {f}/a"
+                        )
 
                     # The provider takes f001's active GPU: the promoter fails over to b (wake, probe, flip).
                     await hosts.host("f001", "a").detach_gpu()
-                    await until(lambda: answers("f001", "b"), 30, "chat to follow f001's failover to b")
+                    await wait_until(
+                        lambda: answers("f001", "b"), 30, interval_s=0.1, what="chat to follow f001's failover to b"
+                    )
                     assert (await views(log))["f001"].active == "b"
                     assert (await views(log))["f000"].active == "a"  # the others are untouched
 
@@ -114,7 +107,9 @@ async def test_three_fleets_first_route_failover_and_silence(nats_server, tmp_pa
                     kinds = [type(r.event) for r in recs]
                     return DomainUnreachable in kinds and kinds[-1] is DomainReachable
 
-                await until(found_silent_and_back, 30, "f002/b to be found unreachable, then reachable")
+                await wait_until(
+                    found_silent_and_back, 30, interval_s=0.1, what="f002/b to be found unreachable, then reachable"
+                )
                 assert hosts.host("f002", "b").heartbeats_sent > 0
         finally:
             for k in kids:

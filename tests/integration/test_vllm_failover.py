@@ -19,8 +19,9 @@ import pytest
 from haru.core import subjects
 from haru.core.residency import Resident
 from tests.support.llama import real_fleet, real_layout
-from tests.support.promoter import wait_until, wait_view
+from tests.support.promoter import wait_view
 from tests.support.vllm import START_S, kill_runtime_groups, tiny_hf_model, tiny_lora, vllm_binary, vllm_model
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3 * START_S)]
 FLEET = "default"
@@ -36,6 +37,11 @@ CHAT = {
 }
 VOLATILE = ("id", "created", "system_fingerprint")
 _VOLATILE_BYTES = re.compile(rb'"(id|created|system_fingerprint)":("[^"]*"|\d+|null)')
+
+
+def first_difference(a: bytes, b: bytes) -> int:
+    """Where two byte strings first differ (the shorter one's length when it is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def masked(raw: bytes) -> bytes:
@@ -219,8 +225,8 @@ async def chat_and_failover(tmp_path, nats_server, event_log, layout) -> None:
             ]
             assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
             assert masked(sse) == masked(sse_direct), (
-                f"SSE through the gateway differs from vLLM's at byte "
-                f"{next(i for i, (x, y) in enumerate(zip(masked(sse) + b'~', masked(sse_direct) + b'#')) if x != y)}:\n"
+                "SSE through the gateway differs from vLLM's at byte "
+                f"{first_difference(masked(sse), masked(sse_direct))}:\n"
                 f"gateway: {sse!r}\nvLLM:    {sse_direct!r}"
             )
 
@@ -255,7 +261,7 @@ async def chat_and_failover(tmp_path, nats_server, event_log, layout) -> None:
                 status, raw, _ = await chat_json(s, gw.url)
                 return status == 200 and stable(json.loads(raw)) == stable(json.loads(from_b))
 
-            await wait_until(answered_by_b, timeout=60, every=0.5, what="chat answered by b's vLLM")
+            await wait_until(answered_by_b, 60, interval_s=0.5, what="chat answered by b's vLLM")
             await asyncio.wait_for(cut, 120)
             # Its usage is what the request cost: the prompt an uncut request has, and as many completion
             # tokens as it asked for (ignore_eos), however they were split between a's vLLM and b's. The

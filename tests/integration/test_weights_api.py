@@ -11,8 +11,8 @@ import pytest
 
 from haru.core import subjects
 from haru.core.events import DomainReachable, ModelSleeping
-from tests.integration.test_gateway_control import MODEL, call, ops, wait_for  # noqa: F401 - the fixture
 from tests.support import haru
+from tests.support.control import MODEL, call
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,20 +2,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.nvml.fake import Reader, build
-
-
-@pytest.fixture(scope="session")
-def fake_nvml_dir(tmp_path_factory):
-    """The directory of the compiled fake `libnvidia-ml.so.1` (cached across sessions)."""
-    return build(tmp_path_factory.mktemp("fake-nvml"))
+from tests.support.nvml_fake import Reader, write_state
 
 
 @pytest.fixture
 def nvml_reader(fake_nvml_dir, tmp_path):
     """Start a reader over the fake NVML with the given state lines; every reader is stopped at the end."""
-    from tests.nvml.fake import write_state
-
     readers: list[Reader] = []
     state = tmp_path / "nvml-state"
 

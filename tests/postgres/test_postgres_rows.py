@@ -36,7 +36,7 @@ def model_rec(seq: int, event, domain: str = "a", model: str = "qwen3.6:27b") ->
 
 
 def rows(table: str, writes) -> list[dict]:
-    return [dict(zip(S.COPY_TABLES[table], r)) for r in writes.copies[table]]
+    return [dict(zip(S.COPY_TABLES[table], r, strict=True)) for r in writes.copies[table]]
 
 
 def test_each_residency_event_is_one_transition_row_with_both_times():
@@ -174,7 +174,7 @@ def test_a_promotion_with_its_steps_in_one_batch_is_rows_with_timing_and_outcome
         rec(55, s, ev.OperationAborted(at=at(4_700), op_id="op1", step="wake", error="CUDA OOM")),
     ]
     writes, carry = plan(Carry(), records)
-    ops = [dict(zip(S.OPERATION_COLUMNS, r)) for r in writes.insert_operations]
+    ops = [dict(zip(S.OPERATION_COLUMNS, r, strict=True)) for r in writes.insert_operations]
     assert len(ops) == 1
     op = ops[0]
     assert (op["kind"], op["target"], op["source"], op["reason"]) == ("promotion", "b", "a", "gpu_detached")
@@ -223,7 +223,7 @@ def test_domain_declarations_carry_provider_and_region_and_retirement():
             rec(71, subjects.decl(F), ev.DomainRetired(at=at(5), domain="b")),
         ],
     )
-    got = [dict(zip(S.DOMAIN_COLUMNS, r)) for r in writes.upsert_domains]
+    got = [dict(zip(S.DOMAIN_COLUMNS, r, strict=True)) for r in writes.upsert_domains]
     assert (got[0]["provider"], got[0]["region"], got[0]["gpus"], got[0]["retired_at"]) == (
         "skypilot",
         "us-east-1",
@@ -319,7 +319,7 @@ def test_a_request_repeated_for_an_operation_already_recorded_in_the_batch_chang
             rec(3, s, ev.PromotionRequested(at=at(20), op_id="op", target="a")),
         ],
     )
-    ops = [dict(zip(S.OPERATION_COLUMNS, r)) for r in writes.insert_operations]
+    ops = [dict(zip(S.OPERATION_COLUMNS, r, strict=True)) for r in writes.insert_operations]
     assert [(o["target"], o["outcome"], o["duration_ms"]) for o in ops] == [("b", "completed", 10)]
     assert carry.operations == {}
 
@@ -380,7 +380,7 @@ def test_a_cascading_promotion_records_the_standbys_it_tried_and_its_final_targe
         ),
     ]
     writes, carry = plan(Carry(), records)
-    [op] = [dict(zip(S.OPERATION_COLUMNS, r)) for r in writes.insert_operations]
+    [op] = [dict(zip(S.OPERATION_COLUMNS, r, strict=True)) for r in writes.insert_operations]
     assert (op["target"], op["tried"]) == ("c", ["b"])
     # the next move, in a later batch, updates the row written before
     w2, _ = plan(carry, [rec(74, s, ev.PromotionRetargeted(at=at(30), op_id="op3", target="d", previous="c"))])

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import aiohttp
-import pytest
 
 from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
@@ -189,7 +188,7 @@ def kill_runtimes(state_dir: Path) -> list[int]:
         pid = int(doc["pid"])
         st = stat(pid)
         if st is not None and st.start == int(doc["start"]):
-            with_suppress(lambda: os.killpg(pid, signal.SIGKILL))
+            with_suppress(lambda pid=pid: os.killpg(pid, signal.SIGKILL))
             killed.append(pid)
     stop_holder(state_dir)
     return killed
@@ -256,18 +255,3 @@ async def get_json(url: str, **kw):
     async with aiohttp.ClientSession() as s:
         async with s.get(url, **kw) as r:
             return r.status, await r.json(content_type=None)
-
-
-@pytest.fixture
-def agents():
-    """Start agent processes (`agents(config, log_path, **env)`); each is killed, runtimes and all, at the end."""
-    started: list[AgentProcess] = []
-
-    def start(config, log_path, **env):
-        a = AgentProcess(config, log_path, agent_env(**env))
-        started.append(a)
-        return a
-
-    yield start
-    for a in started:
-        a.kill()

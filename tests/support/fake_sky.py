@@ -4,8 +4,8 @@ It is a small stateful cloud: `sky launch` creates a cluster (UP, in the region 
 given), `sky status -o json` lists it the way SkyPilot 0.14 does, `sky down` removes it; `sky serve
 up / status / down` do the same for services and print SkyServe's table. A service is READY only once its
 replica answers SkyServe's readiness probe with a 200 (the probe `sky serve status` runs, without a header,
-on the host's `ready_url`), and a replica never ready past the probe's initial delay is torn down. What the next launches,
-downs and serve-ups do is scripted in its state file:
+on the host's `ready_url`), and a replica never ready past the probe's initial delay is torn down. What the next
+launches, downs and serve-ups do is scripted in its state file:
 
     "ok"        succeed
     "capacity"  fail as SkyPilot does when a region has no capacity (ResourcesUnavailableError)
@@ -40,7 +40,8 @@ state_path = HOME / "state.json"
 state = json.loads(state_path.read_text())
 argv = sys.argv[1:]
 with open(HOME / "calls.jsonl", "a") as fh:
-    seen = {{k: hashlib.sha256(os.environ[k].encode()).hexdigest()[:12] for k in state.get("watch_env", []) if k in os.environ}}
+    watched = [k for k in state.get("watch_env", []) if k in os.environ]
+    seen = {{k: hashlib.sha256(os.environ[k].encode()).hexdigest()[:12] for k in watched}}
     fh.write(json.dumps({{"argv": argv, "env": seen, "at": time.time()}}) + "\n")
 
 def save():
@@ -169,7 +170,8 @@ elif cmd == "launch":
     if outcome == "capacity":
         print(f"Launching on AWS {{region}}", flush=True)
         print("sky.exceptions.ResourcesUnavailableError: Failed to provision all possible launchable resources. "
-              f"Relax the task's resource requirements: 1x AWS([Spot], {{{{'L4': 1}}}}, region={{region}})", file=sys.stderr)
+              f"Relax the task's resource requirements: 1x AWS([Spot], {{{{'L4': 1}}}}, region={{region}})",
+              file=sys.stderr)
         sys.exit(1)
     if outcome == "hang":
         hang(name, "clusters")
@@ -186,7 +188,8 @@ elif cmd == "down":
     name = argv[-1]
     outcome = next_outcome("down_script")
     if outcome != "ok":
-        print(f"sky.exceptions.ClusterStatusFetchingError: failed to terminate {{name}}: cloud API error", file=sys.stderr)
+        print(f"sky.exceptions.ClusterStatusFetchingError: failed to terminate {{name}}: cloud API error",
+              file=sys.stderr)
         sys.exit(1)
     gone = state["clusters"].pop(name, None)
     save()

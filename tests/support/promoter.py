@@ -8,8 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable, Callable
 
 from haru.core import subjects
 from haru.core.events import OperationAborted, OperationCompleted, RouteMoved, tag_of
@@ -17,29 +15,13 @@ from haru.core.fold import empty, fold
 from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import EventLog
 from haru.log.seam import EventReader
+from tests.support.wait import wait_until
 
 
 async def view_of(log: EventReader, fleet: str = "default"):
     records = await log.history(subjects.fleet_events(fleet))
     view = fold((r.seq, r.subject, r.event) for r in records).get(fleet, empty(fleet))
     return view
-
-
-async def wait_until(
-    check: Callable[[], Awaitable[object]], timeout: float = 15.0, every: float = 0.05, what: str = ""
-):
-    """Poll `check` until it returns something truthy; fail with `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = await asyncio.wait_for(check(), max(0.5, deadline - time.monotonic()))
-        except TimeoutError:
-            raise AssertionError(f"a read of the log hung while waiting for {what or check}") from None
-        if last:
-            return last
-        await asyncio.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what or check}; last: {last!r}")
 
 
 async def wait_view(log: EventReader, predicate, timeout: float = 15.0, what: str = "", fleet: str = "default"):

@@ -1,9 +1,9 @@
 """A small in-test agent on nats.micro: the agent seam's contract as the promoter relies on it.
 
-It answers the eight verbs on `haru.cmd.<fleet>.<domain>.<verb>` with `haru.core.commands.Reply`
-(on nats.micro against a real server, as the real agent does; on the bus against an in-memory log,
-`FakeAgent(None, ..., log=memory_log.connect(...))`), publishes heartbeats on the bus, and appends the residency and training events a real agent would (sleeping,
-waking, resident; training started/stopped), each with the subject's expected sequence. Faults:
+It answers the eight verbs on `haru.cmd.<fleet>.<domain>.<verb>` with `haru.core.commands.Reply` (on nats.micro against
+a real server, as the real agent does; on the bus against an in-memory log, `FakeAgent(None, ...,
+log=memory_log.connect(...))`), publishes heartbeats on the bus, and appends the residency and training events a real
+agent would (sleeping, waking, resident; training started/stopped), each with the subject's expected sequence. Faults:
 `oom_on_wake`, `fail_probe`, `hang` (no heartbeats, no replies: the agent is gone), per-verb delays.
 
 The promoter is also tested against the real agent and simulator (tests/integration/test_promoter_sim.py);
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from datetime import UTC, datetime
 
 import msgspec
 from nats.micro import add_service
@@ -35,12 +34,9 @@ from haru.core.events import (
 from haru.core.layout import parse_layout
 from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import EventLog
+from tests.support.clock import now
 
 _pids = itertools.count(40_000)
-
-
-def now() -> datetime:
-    return datetime.now(UTC)
 
 
 def layout(

@@ -23,14 +23,9 @@ from haru.core.commands import Heartbeat
 from haru.core.events import GpuObserved
 from haru.core.sizes import GiB
 from haru.core.specs import Policy
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(30)
-
-
-async def until(predicate, timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 async def test_the_heartbeat_loop_survives_a_failing_publish_and_counts_each_failure():
@@ -61,7 +56,7 @@ async def test_the_heartbeat_loop_survives_a_failing_publish_and_counts_each_fai
             Heartbeats(publish, beat, interval_s=0.01, errors=errors, logger=structlog.get_logger("test")).run()
         )
         try:
-            await until(lambda: len(published) >= 2)
+            await wait_until(lambda: len(published) >= 2, 5.0, interval_s=0.005)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -112,9 +107,9 @@ async def test_the_gpu_loop_survives_a_raising_read_and_keeps_observing_the_othe
     with structlog.testing.capture_logs() as logs:
         task = asyncio.create_task(watcher.run(lambda: [0, 1], lambda: 0.01, errors))
         try:
-            await until(lambda: errors["gpus"] >= 3)
+            await wait_until(lambda: errors["gpus"] >= 3, 5.0, interval_s=0.005)
             SimGpuState(tmp_path, 1).allocate(os.getpid(), 2 * GiB)  # a change on the healthy GPU is still recorded
-            await until(lambda: len(appended) >= 2)
+            await wait_until(lambda: len(appended) >= 2, 5.0, interval_s=0.005)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -254,7 +249,7 @@ async def test_a_supervisor_survives_a_raising_append_counts_it_and_loads_on_the
         with structlog.testing.capture_logs() as logs:
             task = asyncio.create_task(ModelSupervisor(m, ctx).run())
             try:
-                await until(lambda: m.state_tag == "resident", timeout_s=15)
+                await wait_until(lambda: m.state_tag == "resident", 15, interval_s=0.005)
             finally:
                 stop.set()
                 task.cancel()

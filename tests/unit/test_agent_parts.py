@@ -25,7 +25,7 @@ def _imports() -> dict[str, set[str]]:
     for name, path in mods.items():
         found: set[str] = set()
 
-        def visit(node: ast.AST) -> None:
+        def visit(node: ast.AST, found: set[str] = found) -> None:
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
                 return
             if isinstance(node, ast.Import):

@@ -3,9 +3,6 @@ then placed or misplaced (and why). Pure, no I/O."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
-import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,39 +10,10 @@ from hypothesis import strategies as st
 from haru.core import authority
 from haru.core import events as ev
 from haru.core import subjects as sj
-from haru.core.specs import Policy
+from tests.support.authority import build
 
-T = datetime(2026, 11, 30, tzinfo=UTC)
 EVENT_TYPES: tuple[type, ...] = ev.AnyEvent.__args__  # type: ignore[attr-defined]
 KINDS = ("decl", "route", "checkpoint", "weights", "op", "agent", "liveness", "model", "gpu", "training")
-
-
-def build(
-    cls: type,
-    *,
-    fleet: str = "default",
-    domain: str = "a",
-    model: str = "qwen3.6:27b",
-    index: int = 0,
-    slot: str = "lora",
-    by: str = "",
-) -> ev.Event:
-    """An event of type `cls` whose identity fields (where it has them) are the ones given."""
-    spec: dict = {}
-    if cls in (ev.DomainDeclared, ev.DomainChanged):
-        spec = {"name": domain}
-    elif cls in (ev.ModelDeclared, ev.ModelChanged):
-        spec = {"name": model, "slot": slot, "gpu_index": index}
-    elif cls in (ev.TrainingDeclared, ev.TrainingChanged):
-        spec = {"slot": slot, "gpu_index": index, "command": ["train"], "checkpoint_dir": "/ck"}
-    fields = {
-        "type": cls.__struct_config__.tag, "at": T, "by": by, "fleet": fleet, "domain": domain, "model": model,
-        "index": index, "slot": slot, "policy": msgspec.to_builtins(Policy()), "spec": spec, "name": model,
-        "gpu_index": index, "admitted": True, "vram_bytes": 1, "reason": "unhealthy", "runtime_said": "no",
-        "present": True, "pid": 1, "how": "exited", "op_id": "op-1", "target": domain, "step": "wake", "why": "x",
-        "eligible": True, "active": domain, "reference": "ollama:library/qwen3:0.6b", "upto": 1, "source": domain,
-    }  # fmt: skip
-    return msgspec.convert(fields, cls)
 
 
 def subject_of(

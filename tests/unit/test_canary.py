@@ -23,7 +23,7 @@ from haru.promoter.canary import rollback, tally, weigh_refusal
 from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
 from haru.promoter.drive import not_applicable
-from tests.unit.test_decider import T0, F, at, given, healthy_fleet, reachable, resident, routed, sleeping, unreachable
+from tests.support.decider import T0, F, at, given, healthy_fleet, reachable, resident, routed, sleeping, unreachable
 
 W = subjects.weights(F)
 OP = subjects.op(F)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 import pytest
 
@@ -10,22 +10,14 @@ from haru.core import subjects
 from haru.core.events import (
     AdmissionDecided,
     DemotionRequested,
-    DomainDeclared,
-    DomainReachable,
-    DomainUnreachable,
     EligibilityChanged,
     FailoverDeclined,
-    FleetDeclared,
     GpuObserved,
-    ModelDeclared,
     ModelLoading,
     ModelLost,
-    ModelResident,
-    ModelSleeping,
     OperationAborted,
     OperationCompleted,
     PromotionRequested,
-    RouteMoved,
     StepCompleted,
     StepFailed,
     StepStarted,
@@ -33,124 +25,29 @@ from haru.core.events import (
 from haru.core.fold import evolve
 from haru.core.requests import judge_request
 from haru.core.saga import ABORT, COMPLETE, LEASE_MARGIN_MS, STEPS, TRANSITIONS, flow, lease_ms
-from haru.core.specs import DomainSpec, GpuSpec, ModelSpec, Policy
+from haru.core.specs import Policy
 from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
 from haru.promoter.failover import retry_ms
 from haru.promoter.health import active_health
-
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
-F = "default"
-OP = subjects.op(F)
-ROUTE = subjects.route(F)
-POLICY = Policy(
-    heartbeat_timeout_ms=1000,
-    degraded_grace_ms=5000,
-    command_timeout_ms=2000,
-    wake_timeout_ms=4000,
-    probe_timeout_ms=3000,
-    training_grace_ms=1000,
+from tests.support.decider import (
+    OP,
+    POLICY,
+    T0,
+    F,
+    at,
+    facts,
+    given,
+    healthy_fleet,
+    only,
+    op_appends,
+    reachable,
+    requested,
+    resident,
+    routed,
+    through,
+    unreachable,
 )
-
-
-def at(ms: int) -> datetime:
-    return T0 + timedelta(milliseconds=ms)
-
-
-def given(*events_on: tuple[str, object], policy: Policy = POLICY, models=("m1", "m2"), declare=True):
-    """A view folded from declarations (two domains a, b, each with models) plus `events_on`."""
-    seq = 0
-    view = None
-    from haru.core.fold import empty
-
-    view = empty(F)
-    base: list[tuple[str, object]] = []
-    if declare:
-        base.append((subjects.decl(F), FleetDeclared(at=T0, fleet=F, policy=policy)))
-        for d in ("a", "b"):
-            base.append(
-                (
-                    subjects.decl(F),
-                    DomainDeclared(at=T0, spec=DomainSpec(name=d, gpus=[GpuSpec(index=0, memory_bytes=24 << 30)])),
-                )
-            )
-            for m in models:
-                base.append(
-                    (subjects.decl(F), ModelDeclared(at=T0, domain=d, spec=ModelSpec(name=m, slot="chat", gpu_index=0)))
-                )
-                base.append(
-                    (
-                        subjects.decl(F),
-                        AdmissionDecided(at=T0, domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=1),
-                    )
-                )
-    for subject, event in [*base, *events_on]:
-        seq += 1
-        view = evolve(view, event, seq=seq, subject=subject)
-    return view
-
-
-def resident(domain: str, model: str, ms: int = 0):
-    return (subjects.model(F, domain, model), ModelResident(at=at(ms), domain=domain, model=model))
-
-
-def sleeping(domain: str, model: str, ms: int = 0):
-    return (subjects.model(F, domain, model), ModelSleeping(at=at(ms), domain=domain, model=model))
-
-
-def reachable(domain: str, ms: int = 0):
-    return (subjects.liveness(F, domain), DomainReachable(at=at(ms), domain=domain))
-
-
-def unreachable(domain: str, ms: int = 0):
-    return (subjects.liveness(F, domain), DomainUnreachable(at=at(ms), domain=domain, silent_ms=1500))
-
-
-def routed(active: str, ms: int = 0, op_id: str = "op-0"):
-    return (ROUTE, RouteMoved(at=at(ms), active=active, op_id=op_id))
-
-
-def healthy_fleet(active: str = "a"):
-    """a active and resident, b standby and asleep, both reachable."""
-    standby = "b" if active == "a" else "a"
-    return [
-        reachable("a"),
-        reachable("b"),
-        resident(active, "m1"),
-        resident(active, "m2"),
-        sleeping(standby, "m1"),
-        sleeping(standby, "m2"),
-        routed(active),
-    ]
-
-
-def facts(ms: int = 10, **kw) -> Facts:
-    kw.setdefault("silent_ms", {"a": 100, "b": 100})
-    kw.setdefault("listening_ms", 60_000)
-    kw.setdefault("me", "promoter:test")
-    kw.setdefault("new_op_id", "op-new")
-    return Facts(now=at(ms), **kw)
-
-
-def op_appends(view, f: Facts | None = None):
-    """The decisions on the op/route subjects (liveness verdicts left out)."""
-    return [a for a in decide(view, f or facts()) if "liveness" not in a.subject]
-
-
-def only(view, f: Facts | None = None):
-    out = op_appends(view, f)
-    assert len(out) <= 1
-    return out[0].event if out else None
-
-
-def requested(target="b", source="a", op_id="op-1", revision=None, ms=1):
-    return (
-        OP,
-        PromotionRequested(
-            at=at(ms), op_id=op_id, target=target, source=source, route_revision=revision if revision is not None else 0
-        ),
-    )
-
 
 # --------------------------------------------------------------------------------------- tables
 
@@ -229,17 +126,9 @@ def test_a_failed_step_before_the_flip_aborts_with_the_step_and_error(failed):
     assert (event.step, event.error) == (failed, "wake: CUDA OOM")
 
 
-def _through(step: str, op_id="op-1"):
-    steps = flow("promotion")
-    out = []
-    for s in steps[: steps.index(step)]:
-        out += [(OP, StepStarted(at=at(2), op_id=op_id, step=s)), (OP, StepCompleted(at=at(3), op_id=op_id, step=s))]
-    return out
-
-
 def test_the_flip_is_refused_when_the_target_became_unreachable_after_its_probe():
     base = given(*healthy_fleet())
-    view = given(*healthy_fleet(), requested(revision=base.route_revision), *_through("flip"), unreachable("b", 4))
+    view = given(*healthy_fleet(), requested(revision=base.route_revision), *through("flip"), unreachable("b", 4))
     event = only(view, facts(silent_ms={"a": 100, "b": 5000}))
     assert isinstance(event, OperationAborted) and event.step == "flip"
     assert "unreachable" in event.error
@@ -250,7 +139,7 @@ def test_a_flip_whose_runner_died_after_route_moved_is_completed_from_the_route(
     view = given(
         *healthy_fleet(),
         requested(revision=base.route_revision),
-        *_through("flip"),
+        *through("flip"),
         (OP, StepStarted(at=at(5), op_id="op-1", step="flip")),
         routed("b", 6, op_id="op-1"),
     )
@@ -263,7 +152,7 @@ def test_a_flip_whose_route_moved_elsewhere_fails():
     view = given(
         *healthy_fleet(),
         requested(revision=base.route_revision),
-        *_through("flip"),
+        *through("flip"),
         (OP, StepStarted(at=at(5), op_id="op-1", step="flip")),
         routed("a", 6, op_id="op-other"),
     )
@@ -276,7 +165,7 @@ def _started_wake(by_ms=5):
     return given(
         *healthy_fleet(),
         requested(revision=base.route_revision),
-        *_through("wake"),
+        *through("wake"),
         (OP, StepStarted(at=at(by_ms), op_id="op-1", step="wake")),
     )
 
@@ -307,7 +196,7 @@ def test_after_settle_the_operation_completes():
     view = given(
         *healthy_fleet(),
         requested(),
-        *_through("settle_old_active"),
+        *through("settle_old_active"),
         (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
         (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active")),
     )
@@ -318,7 +207,7 @@ def test_a_failed_settle_makes_the_old_active_ineligible_then_completes():
     view = given(
         *healthy_fleet(),
         requested(),
-        *_through("settle_old_active"),
+        *through("settle_old_active"),
         (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
         (
             OP,
@@ -337,7 +226,7 @@ def test_an_old_active_whose_gpu_is_gone_is_ineligible_even_when_settle_answered
         *healthy_fleet(),
         requested(),
         gone,
-        *_through("settle_old_active"),
+        *through("settle_old_active"),
         (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
         (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active")),
     )
@@ -559,7 +448,7 @@ def test_promoting_an_ineligible_domain_by_hand_restores_its_eligibility_when_do
         *healthy_fleet(),
         (OP, EligibilityChanged(at=at(1), domain="b", eligible=False, why="agent gone")),
         requested(),
-        *_through("settle_old_active"),
+        *through("settle_old_active"),
         (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
         (OP, StepCompleted(at=at(7), op_id="op-1", step="settle_old_active")),
     ]
@@ -629,7 +518,7 @@ def test_settle_commands_carry_the_route_revision_after_the_flip():
     view = given(
         *healthy_fleet(),
         requested(revision=base.route_revision),
-        *_through("settle_old_active"),
+        *through("settle_old_active"),
         routed("b", 6, op_id="op-1"),
     )
     domain, commands = command_for(view, view.operation, "settle_old_active")
@@ -640,9 +529,6 @@ def test_settle_commands_carry_the_route_revision_after_the_flip():
 
 
 def test_a_runner_is_gone_when_silent_past_the_timeout_or_never_heard_while_we_listened_that_long():
-    from datetime import datetime
-
-    from haru.promoter.decisions import Facts
     from haru.promoter.drive import runner_gone
 
     base = dict(now=datetime(2026, 1, 1, tzinfo=UTC), me="promoter:two", step_by="promoter:one", runner_timeout_ms=3500)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from haru.core.events import DemotionRequested, OperationAborted, StepCompleted, StepFailed, StepStarted
 from haru.core.saga import lease_ms
 from haru.promoter.drive import flip_refusal
-from tests.unit.test_decider import OP, POLICY, _through, at, facts, given, healthy_fleet, only, requested
+from tests.support.decider import OP, POLICY, at, facts, given, healthy_fleet, only, requested, through
 
 
 def test_a_step_a_demotion_does_not_have_aborts_it_instead_of_wedging_the_fleet():
@@ -37,7 +37,7 @@ def test_a_flip_started_before_the_probe_is_refused_when_it_is_run():
     view = given(
         *healthy_fleet(),
         requested(revision=base.route_revision),
-        *_through("wake"),
+        *through("wake"),
         (OP, StepStarted(at=at(5), op_id="op-1", step="flip")),
     )
     # The decider re-starts a started step whose lease ran out ...
@@ -45,7 +45,7 @@ def test_a_flip_started_before_the_probe_is_refused_when_it_is_run():
     assert isinstance(event, StepStarted) and event.step == "flip" and event.attempt == 2
     # ... and what runs it asks first: no probe completed in this operation, so no route move.
     assert flip_refusal(view, view.operation) == "b's models were not probed in this operation"
-    probed = given(*healthy_fleet(), requested(revision=base.route_revision), *_through("flip"))
+    probed = given(*healthy_fleet(), requested(revision=base.route_revision), *through("flip"))
     assert flip_refusal(probed, probed.operation) == ""
     demotion = given(*healthy_fleet(), (OP, DemotionRequested(at=at(1), op_id="op-d", target="b")))
     assert flip_refusal(demotion, demotion.operation) == "a demotion never moves the route"
@@ -56,7 +56,7 @@ def test_steps_of_the_operation_still_flow():
     view = given(
         *healthy_fleet(),
         requested(revision=base.route_revision),
-        *_through("probe"),
+        *through("probe"),
         (OP, StepStarted(at=at(4), op_id="op-1", step="probe")),
         (OP, StepCompleted(at=at(5), op_id="op-1", step="probe")),
     )

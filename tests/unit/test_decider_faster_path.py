@@ -9,7 +9,7 @@ from haru.core import subjects
 from haru.core.events import ModelLoading, ModelLost, ModelResident, ModelSleeping, ModelWaking, PromotionRequested
 from haru.core.standby import standby_serves_in
 from haru.promoter.health import active_health, faster_path
-from tests.unit.test_decider import POLICY, F, at, facts, given, only, reachable, routed
+from tests.support.decider import POLICY, F, at, facts, given, only, reachable, routed
 
 
 def ev(domain: str, model: str, event):

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_decider import OP, POLICY, ROUTE, at, healthy_fleet
-from test_decider import given as given_view
 
 from haru.core.events import (
     PromotionRequested,
@@ -26,6 +24,8 @@ from haru.core.fold import evolve
 from haru.core.saga import lease_ms
 from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
+from tests.support.decider import OP, POLICY, ROUTE, at, healthy_fleet
+from tests.support.decider import given as given_view
 
 OUTCOMES = st.sampled_from(["complete", "complete", "complete", "fail", "crash", "crash_after_flip"])
 

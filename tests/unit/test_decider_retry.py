@@ -5,7 +5,7 @@ from __future__ import annotations
 from haru.core.events import FailoverDeclined, OperationAborted, PromotionRequested
 from haru.core.fold import evolve
 from haru.promoter.failover import failover_retry_ms, retry_ms
-from tests.unit.test_decider import OP, POLICY, at, facts, given, healthy_fleet, only, unreachable
+from tests.support.decider import OP, POLICY, at, facts, given, healthy_fleet, only, unreachable
 
 
 def auto(op_id: str, ms: int, attempt: int = 1):

@@ -17,7 +17,7 @@ from haru.core.events import (
 from haru.core.requests import judge_abort, judge_request
 from haru.core.saga import ABORT, KINDS, STEPS, TRANSITIONS, flow
 from haru.promoter.drive import command_for
-from tests.unit.test_decider import OP, ROUTE, at, facts, given, healthy_fleet, only
+from tests.support.decider import OP, ROUTE, at, facts, given, healthy_fleet, only
 
 ROLL_FLOW = [
     "stop_training",
@@ -210,7 +210,7 @@ def test_a_completed_rolling_change_ends_with_operation_completed():
 
 
 def test_a_failed_active_abandons_a_rolling_change_before_its_flip_so_failover_can_go_on():
-    from tests.unit.test_decider import unreachable
+    from tests.support.decider import unreachable
 
     running = [*done("stop_training"), (OP, StepStarted(at=at(3), op_id="op-r", step="apply_standby"))]
     view = given(*healthy_fleet(), rolling(), *running, unreachable("a", ms=4))

@@ -8,7 +8,7 @@ from haru.core.causes import decided_cause
 from haru.core.events import AgentStarted, EligibilityChanged, FailoverDeclined, FailureSignalled, PromotionRequested
 from haru.core.specs import Policy
 from haru.promoter.health import standby_unfit
-from tests.unit.test_decider import POLICY, F, at, facts, given, healthy_fleet, only
+from tests.support.decider import POLICY, F, at, facts, given, healthy_fleet, only
 
 
 def signal(
@@ -54,7 +54,7 @@ def _fields(policy: Policy) -> dict:
 
 def test_the_old_active_stays_out_of_the_standby_role_while_signalled():
     from haru.core.events import RouteMoved, StepCompleted, StepStarted
-    from tests.unit.test_decider import OP, ROUTE
+    from tests.support.decider import OP, ROUTE
 
     steps = []
     for i, step in enumerate(("stop_training", "verify_gpu", "wake", "probe", "flip", "settle_old_active")):

@@ -12,7 +12,7 @@ from haru.core.residency import Lost, Sleeping
 from haru.core.specs import ModelSpec
 from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
-from tests.unit.test_fold import F, at, declarations
+from tests.support.fold import F, at, declarations
 
 FORGER = "agent:default/a@host-a"
 
@@ -33,12 +33,15 @@ def views(items: list[tuple[str, ev.Event]]):
 
 FORGERIES: list[tuple[str, ev.Event, str]] = [
     (sj.agent(F, "a"), ev.RouteMoved(at=at(5), active="b", by=FORGER), "route_moved belongs on haru.evt.<fleet>.route"),
-    (sj.model(F, "a", "qwen3.6:27b"), ev.ModelLost(at=at(5), domain="b", model="qwen3.6:27b", reason="gpu_detached", by=FORGER),
+    (sj.model(F, "a", "qwen3.6:27b"),
+     ev.ModelLost(at=at(5), domain="b", model="qwen3.6:27b", reason="gpu_detached", by=FORGER),
      "its body says domain 'b', its subject says 'a'"),
     (sj.gpu(F, "a", 0), ev.GpuObserved(at=at(5), domain="b", index=0, present=False, by=FORGER), "domain 'b'"),
     (sj.agent(F, "a"), ev.DomainUnreachable(at=at(5), domain="b", by=FORGER), "domain_unreachable belongs on"),
-    (sj.training(F, "a", "lora"), ev.PromotionRequested(at=at(5), op_id="op-x", target="b", by=FORGER), "promotion_requested belongs on"),
-    (sj.model(F, "a", "qwen3.6:27b"), ev.ModelDeclared(at=at(5), domain="a", spec=ModelSpec(name="evil", slot="s", gpu_index=0), by=FORGER),
+    (sj.training(F, "a", "lora"), ev.PromotionRequested(at=at(5), op_id="op-x", target="b", by=FORGER),
+     "promotion_requested belongs on"),
+    (sj.model(F, "a", "qwen3.6:27b"),
+     ev.ModelDeclared(at=at(5), domain="a", spec=ModelSpec(name="evil", slot="s", gpu_index=0), by=FORGER),
      "model_declared belongs on"),
 ]  # fmt: skip
 

@@ -1,5 +1,6 @@
 """Property: the incremental `Folder` (what every service folds with, and `fold` too) equals its
-specification, `evolve` (and `invalid` for a bad body) applied event by event, however often its view is materialized, and through the JSON round trip of stored views.
+specification, `evolve` (and `invalid` for a bad body) applied event by event, however often its view is materialized,
+and through the JSON round trip of stored views.
 
 Histories are the legal ones of test_fold_properties with odd events spliced in: illegal residency
 transitions, events about undeclared or retired models and domains, bodies that did not decode,
@@ -20,7 +21,7 @@ from haru.core import subjects as sj
 from haru.core.fold import Folder, add_one, empty, evolve, fleet_of, fold, invalid
 from haru.core.specs import ModelSpec
 from haru.core.views import FleetView, view_decoder, view_encoder
-from tests.unit.test_fold_properties import _RESIDENCY_EVENTS, DOMAINS, MODELS, histories
+from tests.support.fold_histories import DOMAINS, MODELS, RESIDENCY_EVENTS, histories
 
 T1 = datetime(2026, 11, 30, tzinfo=UTC)
 ERROR = "not a valid Haru event: Expected `object`"
@@ -56,12 +57,12 @@ def odd_histories(draw) -> list[tuple[int, str, ev.Event | None]]:
             other = draw(st.sampled_from([sj.agent(fleet, d), sj.model(fleet, d, m), sj.op(fleet), sj.decl(fleet)]))
             item = (other, ev.RouteMoved(at=at, active=d, by="agent:forger"))
         elif kind == "misplaced_residency":  # a residency event whose body names another domain or model
-            tag = draw(st.sampled_from(sorted(_RESIDENCY_EVENTS)))
+            tag = draw(st.sampled_from(sorted(RESIDENCY_EVENTS)))
             body_d, body_m = draw(st.sampled_from([(d + "x", m), (d, m + "x")]))
-            item = (sj.model(fleet, d, m), _RESIDENCY_EVENTS[tag](at, body_d, body_m, draw))
+            item = (sj.model(fleet, d, m), RESIDENCY_EVENTS[tag](at, body_d, body_m, draw))
         elif kind == "residency":  # any residency event, legal in its place or not, declared or not
-            tag = draw(st.sampled_from(sorted(_RESIDENCY_EVENTS)))
-            item = (sj.model(fleet, d, m), _RESIDENCY_EVENTS[tag](at, d, m, draw))
+            tag = draw(st.sampled_from(sorted(RESIDENCY_EVENTS)))
+            item = (sj.model(fleet, d, m), RESIDENCY_EVENTS[tag](at, d, m, draw))
         elif kind == "invalid":
             item = (sj.model(fleet, d, m), None)
         elif kind == "retire_model":

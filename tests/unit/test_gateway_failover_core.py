@@ -26,11 +26,12 @@ from haru.gateway.routing import compile_routes
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 M = "m1"
+DEFAULT_POLICY = Policy()  # frozen: one instance serves as every call's default
 
 
 def routes(
     *,
-    policy: Policy = Policy(),
+    policy: Policy = DEFAULT_POLICY,
     wake_ms: int = 400,
     standby=None,
     operation=None,

@@ -27,7 +27,7 @@ def test_deferred_histograms_and_counts_read_as_direct_ones():
         "haru_gateway_upstream_ttfb_seconds", "x", ["fleet", "domain"], buckets=_LATENCY_BUCKETS, registry=reference
     )
     ref_requests = Counter("haru_gateway_requests", "x", ["fleet", "model", "status"], registry=reference)
-    for rounds in range(2):  # collected in between: nothing is counted twice, nothing lost
+    for _rounds in range(2):  # collected in between: nothing is counted twice, nothing lost
         for v in VALUES:
             ttfb.observe(v)
             ref_ttfb.labels("default", "a").observe(v)

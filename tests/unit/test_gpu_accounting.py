@@ -11,7 +11,7 @@ from haru.core.events import GpuProcess, GpuUsage
 from haru.core.fold import fold
 from haru.core.sizes import GiB, MiB
 from haru.projections.status import render
-from tests.unit.test_status import NOW, F, hearth_fleet
+from tests.support.status import NOW, F, hearth_fleet
 
 
 def test_a_process_tree_is_the_roots_and_every_descendant():

@@ -26,7 +26,7 @@ from haru.core.events import (
 from haru.core.fold import Folder, evolve
 from haru.projections.status import render
 from haru.promoter.drive import not_applicable
-from tests.unit.test_decider import OP, F, _through, at, given, healthy_fleet, only, requested, routed
+from tests.support.decider import OP, F, at, given, healthy_fleet, only, requested, routed, through
 
 GPU_A = subjects.gpu(F, "a", 0)
 
@@ -154,7 +154,7 @@ def _failover_onto_b_with_a_gone():
         *healthy_fleet(),
         req,
         gone,
-        *_through("settle_old_active"),
+        *through("settle_old_active"),
         (OP, StepStarted(at=at(6), op_id="op-1", step="settle_old_active")),
     ]
 

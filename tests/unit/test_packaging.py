@@ -56,7 +56,7 @@ def test_installed_haru_works_beside_another_package_named_agents(tmp_path):
     (site / "agents").mkdir()
     (site / "agents" / "__init__.py").write_text("class Agent:\n    SDK = True\n")
     probe = textwrap.dedent(
-        """
+        f"""
         from agents import Agent
         assert Agent.SDK
         import haru.agents.agent, haru.gateway.server, haru.projections.projector, haru.cli, haru.up.compose
@@ -65,10 +65,9 @@ def test_installed_haru_works_beside_another_package_named_agents(tmp_path):
         from haru.gateway.console import Console  # its page is package data, found through the package
         from haru.gateway.routing import RoutingTable
         assert all(body for body, _ in Console(RoutingTable(), None)._static.values())
-        assert haru.agents.agent.__file__.startswith(%r), haru.agents.agent.__file__
+        assert haru.agents.agent.__file__.startswith({str(site)!r}), haru.agents.agent.__file__
         print("ok")
     """
-        % str(site)
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(site)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import sky  # the skypilot package, a test dependency: SkyPilot's own schema and task parser
@@ -29,9 +28,7 @@ from haru.provision import (
     yamltext,
 )
 from haru.provision.skypilot import DEFAULT_RUN, agent_config
-
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "deploy" / "examples" / "cloud-fleet.json"
+from tests.support.provision import EXAMPLE, ROOT
 
 
 def sky_validates_task(config: dict) -> sky.Task:
@@ -211,5 +208,6 @@ def test_the_docs_show_the_yaml_the_examples_produce():
     layout = load_layout(EXAMPLE)
     for d in layout.domains:
         assert dry_run_text("provision", layout.fleet, d.spec).rstrip("\n") in doc, (
-            f"regenerate docs/provisioning.md's YAML with `haru provision {d.spec.name} --dry-run --layout {EXAMPLE.name}`"
+            "regenerate docs/provisioning.md's YAML with `haru "
+            f"provision {d.spec.name} --dry-run --layout {EXAMPLE.name}`"
         )

@@ -91,7 +91,8 @@ class World:
         return self
 
     def asleep(self, d: str, wake_ms: int = 0, ms: int = 0) -> World:
-        """Resident, then asleep; with `wake_ms`, a measured wake (waking, then resident that much later), asleep again."""
+        """Resident, then asleep; with `wake_ms`, a measured wake (waking, then resident that much later), asleep
+        again."""
         for m in ("m1", "m2"):
             self.add(subjects.model(F, d, m), ModelResident(at=at(ms), domain=d, model=m))
             self.add(subjects.model(F, d, m), ModelSleeping(at=at(ms), domain=d, model=m))

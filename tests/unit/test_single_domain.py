@@ -15,7 +15,7 @@ from haru.core.events import (
 )
 from haru.core.fold import empty, evolve
 from haru.core.specs import DomainSpec, GpuSpec, ModelSpec
-from tests.unit.test_decider import POLICY, T0, F, at, facts, only, reachable, resident, routed
+from tests.support.decider import POLICY, T0, F, at, facts, only, reachable, resident, routed
 
 
 def single(*events):

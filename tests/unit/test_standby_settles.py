@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_decider import OP, POLICY, ROUTE, F, at, reachable, routed
 
 from haru.core import subjects
 from haru.core.events import (
@@ -32,6 +31,7 @@ from haru.core.fold import empty, evolve
 from haru.core.specs import SLEEP_MODE, DomainSpec, GpuSpec, ModelSpec
 from haru.promoter.decider import decide
 from haru.promoter.decisions import Facts
+from tests.support.decider import OP, POLICY, ROUTE, F, at, reachable, routed
 
 RUNTIMES = ("vllm", "llama_server")
 

@@ -16,9 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "fake_nvml.c"
-REPO = HERE.parents[1]
+REPO = Path(__file__).resolve().parents[2]
+SOURCE = REPO / "tests" / "nvml" / "fake_nvml.c"
 LIB_NAME = "libnvidia-ml.so.1"
 
 _READER = r"""
