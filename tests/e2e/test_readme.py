@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-# the fixture: `haru up --demo` in a home of its own, on free ports, stopped with its whole tree after the test
-from tests.e2e.test_up_demo import demo  # noqa: F401
+# the fixture `demo` (tests/e2e/conftest.py): `haru up --demo` in a home of its own, on free ports, stopped
+# with its whole tree after the test
 
 pytestmark = pytest.mark.timeout(240)
 

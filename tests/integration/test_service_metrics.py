@@ -62,13 +62,14 @@ async def test_projector_and_promoter_serve_metrics_that_match_the_log(nats_serv
     try:
 
         def projector_caught_up():
+            # the handler folds (last_seq) before the flusher writes the view: wait for both
             m = scrape(p_port)
-            return m if m["haru_projector_last_seq"][0][1] == last else None
+            done = m["haru_projector_last_seq"][0][1] == last and m["haru_projector_view_writes_total"][0][1] >= 1
+            return m if done else None
 
         m = await wait_until(projector_caught_up, 30.0, interval_s=0.2, retry_on=(Exception,))
         assert m["haru_projector_events_folded_total"][0][1] == last
         assert m["haru_projector_lag_events"][0][1] == 0
-        assert m["haru_projector_view_writes_total"][0][1] >= 1
 
         def promoter_folded():
             m = scrape(q_port)
