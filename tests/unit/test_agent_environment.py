@@ -12,6 +12,7 @@ import pytest
 from haru.agents.serving_env import DEFAULT_MAX_BODY, ServingEnv
 from haru.core.errors import ConfigError
 from tests.support import haru
+from tests.support.source import reads_environment
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,23 +27,11 @@ READERS = {
 }
 
 
-def _reads_environment(tree: ast.AST) -> list[int]:
-    """Lines that name `os.environ`, `os.getenv` or `environ` imported from os."""
-    lines = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
-            lines.append(node.lineno)
-        elif isinstance(node, ast.ImportFrom) and node.module == "os":
-            if any(a.name in ("environ", "getenv", "environb") for a in node.names):
-                lines.append(node.lineno)
-    return lines
-
-
 def test_the_agents_parts_read_no_environment():
     found = {
         path.name: lines
         for path in sorted(AGENTS.glob("*.py"))
-        if path.name not in READERS and (lines := _reads_environment(ast.parse(path.read_text())))
+        if path.name not in READERS and (lines := reads_environment(ast.parse(path.read_text())))
     }
     assert found == {}, f"read the environment in haru/cli/agent.py and pass the value down: {found}"
 

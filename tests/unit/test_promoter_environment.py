@@ -11,29 +11,18 @@ import pytest
 from haru.log.memory import MemoryLog
 from haru.promoter import Promoter
 from tests.support import haru
+from tests.support.source import reads_environment
 
 pytestmark = pytest.mark.timeout(60)
 
 PROMOTER = Path(__file__).resolve().parents[2] / "haru" / "promoter"
 
 
-def _reads_environment(tree: ast.AST) -> list[int]:
-    """Lines that name `os.environ`, `os.getenv` or `environ` imported from os."""
-    lines = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
-            lines.append(node.lineno)
-        elif isinstance(node, ast.ImportFrom) and node.module == "os":
-            if any(a.name in ("environ", "getenv", "environb") for a in node.names):
-                lines.append(node.lineno)
-    return lines
-
-
 def test_no_module_of_the_promoter_reads_the_environment():
     found = {
         path.name: lines
         for path in sorted(PROMOTER.glob("*.py"))
-        if (lines := _reads_environment(ast.parse(path.read_text())))
+        if (lines := reads_environment(ast.parse(path.read_text())))
     }
     assert found == {}, f"read the environment in haru/cli/promote.py and pass the value down: {found}"
 
