@@ -57,11 +57,14 @@ HELD_HEADER = "X-Haru-Held-Ms"
 
 
 class _Gone(Exception):
-    """The domain's serving port answered 502/503 for a runtime that is gone, before any byte reached
-    the client: the request may go once more to a live domain (control flow inside the proxy)."""
+    """The domain's serving port answered 502/503 for a runtime that is gone (`why` "runtime_gone"), or
+    the domain broke off a whole response while it was read ("unreachable": a connection dropped, or a
+    request failed because the view calls the domain unreachable), before any byte reached the client:
+    the request may go once more to a live domain (control flow inside the proxy)."""
 
-    def __init__(self, refusal: Refusal) -> None:
+    def __init__(self, refusal: Refusal, why: str = "runtime_gone") -> None:
         self.refusal = refusal
+        self.why = why
 
 
 # Request headers never forwarded: hop-by-hop, framing (set again for the upstream), the
@@ -309,10 +312,10 @@ class Proxy:
         try:
             return await self._respond(request, conn, fwd, started, latency_hist, path, body, extra, retry)
         except _Gone as gone:
-            refusal = gone.refusal
+            refusal, why = gone.refusal, gone.why
         finally:
             conn.release()  # back to the pool when read whole; otherwise closed, which stops the upstream
-        return await self._retry(request, path, body, fwd, "runtime_gone", refusal)
+        return await self._retry(request, path, body, fwd, why, refusal)
 
     async def _respond(
         self,
@@ -336,6 +339,8 @@ class Proxy:
             try:
                 data = await conn.read()
             except UpstreamError as exc:
+                if retry:  # nothing of the response reached the client: once more, to a live domain
+                    raise _Gone(self._broken(fwd, exc), why="unreachable") from exc
                 return self._broke_off(fwd, exc)
             latency_hist.observe(time.perf_counter() - started)
             self.metrics.request(fwd.fleet, fwd.model, status)
@@ -425,17 +430,20 @@ class Proxy:
         raise _Gone(Refusal(conn.status, code, message, None, "model", fwd.domain))
 
     def _broke_off(self, fwd: Forward, exc: BaseException) -> web.Response:
+        refusal = self._broken(fwd, exc)
+        self.metrics.request(fwd.fleet, fwd.model, refusal.status)
+        return error_response(refusal)
+
+    @staticmethod
+    def _broken(fwd: Forward, exc: BaseException) -> Refusal:
         status, code = UPSTREAM_UNREACHABLE
-        self.metrics.request(fwd.fleet, fwd.model, status)
-        return error_response(
-            Refusal(
-                status,
-                code,
-                f"domain {fwd.domain!r} broke off its response for model {fwd.model!r}: {exc}",
-                None,
-                None,
-                fwd.domain,
-            )
+        return Refusal(
+            status,
+            code,
+            f"domain {fwd.domain!r} broke off its response for model {fwd.model!r}: {exc}",
+            None,
+            None,
+            fwd.domain,
         )
 
 

@@ -23,6 +23,7 @@ from tests.support.gateway import (
     CHAT,
     FAST,
     MODEL,
+    RawUpstream,
     TwoDomains,
     get_text,
     intent_of,
@@ -481,3 +482,21 @@ async def test_a_cut_with_nowhere_to_continue_ends_with_an_error_event_not_a_sil
     last = data.rstrip(b"\n").split(b"\n\n")[-1]
     assert last.startswith(b'data: {"error":'), data
     assert json.loads(last[6:])["error"]["code"] == "stream_interrupted"
+
+
+async def test_a_whole_response_broken_off_before_any_byte_reached_the_client_is_sent_once_more(
+    event_log, gw, upstreams, servers
+):
+    """The head came, then the domain dropped the connection mid-body (its host died, or the gateway failed
+    what was in flight to a domain the view calls unreachable): nothing reached the client yet, so the
+    request goes once more, to the new active, rather than ending as a 502."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 400\r\nConnection: close\r\n\r\n"
+    a = await servers(RawUpstream(lambda n: [head, b'{"id": "half of it'] if n == 1 else None))
+    two = TwoDomains(event_log, gw, a, await upstreams("b"))
+    await two.route_to_a()
+    pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
+    await two.move_to_b()
+    status, headers, data = await pending
+    assert status == 200 and b"[domain b]" in data, data
+    assert headers["X-Haru-Retried"].startswith("a; unreachable")

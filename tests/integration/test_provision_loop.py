@@ -241,7 +241,7 @@ async def test_a_skyserve_domain_provisioned_and_torn_down_through_the_promoter(
         # SkyServe reads the replica as ready (a fit standby, asleep, answers /ready without the token), so it
         # neither withholds it nor tears it down after initial_delay_s
         sky = SkyServe(SubprocessExec(), sky=str(fake.path), environ={})
-        await wait_until(lambda: _serve_ready(sky, f"haru-{F}-b"), timeout=30, every=0.5, what="SkyServe READY")
+        await wait_until(lambda: _serve_ready(sky, f"haru-{F}-b"), 30, interval_s=0.5, what="SkyServe READY")
         assert fake.state()["services"][f"haru-{F}-b"]["probes"][-1] == ["/ready", True]
         result = await request_operation(event_log, F, "teardown", "b", by="test", now=now())
         assert result.status == "accepted", result.message
