@@ -89,6 +89,35 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
         """The NATS servers this connection knows (for messages that say where it is connected)."""
         return [u.geturl() for u in self.nc.servers]
 
+    def connected_url(self) -> str:
+        """The server this connection is on now ("" while it is not connected)."""
+        url = self.nc.connected_url
+        return url.geturl() if url is not None else ""
+
+    async def reaches_majority(self, timeout: float) -> bool:
+        """Whether the event stream has a leader backed by a majority of its replicas, as the server this
+        connection is on sees it. A node cut from the others first times out (its requests wait on a
+        leader it cannot reach), then answers with no leader; a cut-off leader answers with its replicas
+        not current. A stream without replicas (one server) has a majority whenever it answers."""
+        try:
+            info = await asyncio.wait_for(self.js.stream_info(subjects.EVENTS_STREAM), timeout)
+        except (TimeoutError, nats.errors.Error):
+            return False
+        cluster = info.cluster
+        if cluster is None:
+            return True
+        if not cluster.leader:
+            return False
+        replicas = cluster.replicas or []
+        current = 1 + sum(1 for r in replicas if r.current)
+        return current > (1 + len(replicas)) // 2
+
+    async def move_to_next_server(self) -> None:
+        """Leave this server for the next one in the list (nats-py's own reconnect: the subscriptions,
+        and the services on them, follow the connection)."""
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.force_reconnect()
+
     @property
     def bus(self) -> NatsBus:
         """Core NATS on this log's connection (heartbeats, liveness, commands): haru.log.bus."""

@@ -1,0 +1,84 @@
+"""The agent's NATS node must reach a stream majority: when it does not, the agent moves to the next server.
+
+    watch = MajorityWatch(log, interval_s=1.0, logger=logger)
+    life.spawn(watch.run(), "majority")
+
+A node cut from the other two keeps its clients connected: nothing closes, heartbeats published there
+reach nobody past it, and appends wait on a leader it cannot reach. nats-py reconnects only when the
+connection itself fails, so the agent asks: every `interval_s` it checks, through the server it is on,
+that the event stream has a leader backed by a majority (`EventLog.reaches_majority`). After `failures`
+checks in a row say no, it leaves that server for the next in its list (`move_to_next_server`, nats-py's
+own reconnect: subscriptions and the command service follow), logging `nats node has no majority` with
+the server left, and counts it (`moves`, the metric `haru_agent_nats_moves_total`). A move that lands on
+a server without a majority either (the agent's whole region is cut off) waits twice as long before the
+next, up to `max_backoff_s`; while the connection is down nats-py's reconnect does the moving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+__all__ = ["MajorityWatch"]
+
+
+class NodeLink(Protocol):
+    @property
+    def connected(self) -> bool: ...
+
+    def connected_url(self) -> str: ...
+
+    async def reaches_majority(self, timeout: float) -> bool: ...
+
+    async def move_to_next_server(self) -> None: ...
+
+
+class MajorityWatch:
+    def __init__(
+        self,
+        log: NodeLink,
+        *,
+        interval_s: float,
+        logger: Any,
+        failures: int = 2,
+        max_backoff_s: float = 30.0,
+    ) -> None:
+        self.log = log
+        self.interval_s = interval_s
+        self.logger = logger
+        self.failures = max(1, failures)
+        self.max_backoff_s = max_backoff_s
+        self.moves = 0  # moves made for want of a majority, since the start
+        self._missed = 0  # checks in a row that found no majority
+        self._fruitless = 0  # moves in a row that found no majority where they landed
+
+    async def check(self) -> bool:
+        """One check; moves when this is the `failures`-th in a row without a majority. True: a majority."""
+        if not self.log.connected:
+            self._missed = 0
+            return False
+        if await self.log.reaches_majority(timeout=max(0.5, self.interval_s)):
+            if self._fruitless or self._missed:
+                self.logger.info("nats node reaches a majority", server=self.log.connected_url(), moves=self.moves)
+            self._missed = self._fruitless = 0
+            return True
+        self._missed += 1
+        if self._missed >= self.failures:
+            left = self.log.connected_url()
+            self.moves += 1
+            self._fruitless += 1
+            self._missed = 0
+            self.logger.warning("nats node has no majority; moving to the next server", server=left, moves=self.moves)
+            await self.log.move_to_next_server()
+            await asyncio.sleep(min(self.max_backoff_s, self.interval_s * 2 ** (self._fruitless - 1)))
+        return False
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.check()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not stop the agent; it is logged and the watch goes on
+                self.logger.warning("majority check failed", exc_info=True)
+            await asyncio.sleep(self.interval_s)
