@@ -6,8 +6,9 @@
 A node cut from the other two keeps its clients connected: nothing closes, heartbeats published there
 reach nobody past it, and appends wait on a leader it cannot reach. nats-py reconnects only when the
 connection itself fails, so the agent asks: every `interval_s` it checks, through the server it is on,
-that the event stream has a leader backed by a majority (`EventLog.reaches_majority`). After `failures`
-checks in a row say no, it leaves that server for the next in its list (`move_to_next_server`, nats-py's
+that the event stream has a leader backed by a majority (`EventLog.reaches_majority`). When the node
+answers that it has none (no leader, or a leader that no longer hears its replicas), or after `failures`
+checks in a row got no answer, it leaves that server for the next in its list (`move_to_next_server`, nats-py's
 own reconnect: subscriptions and the command service follow), logging `nats node has no majority` with
 the server left, and counts it (`moves`, the metric `haru_agent_nats_moves_total`). A move that lands on
 a server without a majority either (the agent's whole region is cut off) waits twice as long before the
@@ -28,7 +29,7 @@ class NodeLink(Protocol):
 
     def connected_url(self) -> str: ...
 
-    async def reaches_majority(self, timeout: float) -> bool: ...
+    async def reaches_majority(self, timeout: float) -> bool | None: ...
 
     async def move_to_next_server(self) -> None: ...
 
@@ -57,12 +58,14 @@ class MajorityWatch:
         if not self.log.connected:
             self._missed = 0
             return False
-        if await self.log.reaches_majority(timeout=max(0.5, self.interval_s)):
+        verdict = await self.log.reaches_majority(timeout=max(0.5, self.interval_s))
+        if verdict:
             if self._fruitless or self._missed:
                 self.logger.info("nats node reaches a majority", server=self.log.connected_url(), moves=self.moves)
             self._missed = self._fruitless = 0
             return True
-        self._missed += 1
+        # the node said it has none: at once; it did not answer: after `failures` such checks in a row
+        self._missed = self.failures if verdict is False else self._missed + 1
         if self._missed >= self.failures:
             left = self.log.connected_url()
             self.moves += 1

@@ -94,23 +94,25 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
         url = self.nc.connected_url
         return url.geturl() if url is not None else ""
 
-    async def reaches_majority(self, timeout: float) -> bool:
+    async def reaches_majority(self, timeout: float, *, stale_s: float = 2.5) -> bool | None:
         """Whether the event stream has a leader backed by a majority of its replicas, as the server this
-        connection is on sees it. A node cut from the others first times out (its requests wait on a
-        leader it cannot reach), then answers with no leader; a cut-off leader answers with its replicas
-        not current. A stream without replicas (one server) has a majority whenever it answers."""
+        connection is on sees it: True, False (it answered: no leader, or a leader whose replicas it has
+        not heard from within `stale_s`), or None (no answer within `timeout`). A node cut from the
+        others first times out (its requests wait on a leader it cannot reach), then answers with no
+        leader; a cut-off leader answers with replicas it no longer hears. A stream without replicas
+        (one server) has a majority whenever it answers."""
         try:
             info = await asyncio.wait_for(self.js.stream_info(subjects.EVENTS_STREAM), timeout)
         except (TimeoutError, nats.errors.Error):
-            return False
+            return None
         cluster = info.cluster
         if cluster is None:
             return True
         if not cluster.leader:
             return False
         replicas = cluster.replicas or []
-        current = 1 + sum(1 for r in replicas if r.current)
-        return current > (1 + len(replicas)) // 2
+        heard = 1 + sum(1 for r in replicas if r.current and (r.active or 0) / 1e9 < stale_s)
+        return heard > (1 + len(replicas)) // 2
 
     async def move_to_next_server(self) -> None:
         """Leave this server for the next one in the list (nats-py's own reconnect: the subscriptions,
