@@ -283,9 +283,10 @@ class Agent:
             status=status,
             drain=self._drain if self.serving is not None else None,
         )
-        # Its NATS node must reach a stream majority, or the agent moves to the next server it was given.
+        # Its NATS node must reach a stream majority, or the agent moves to the next server it was given
+        # (given one server, there is nowhere to move).
         self.majority: MajorityWatch | None = None
-        if config.majority_check_ms and isinstance(log, EventLog):
+        if config.majority_check_ms and len(config.servers()) > 1 and isinstance(log, EventLog):
             self.majority = MajorityWatch(log, interval_s=config.majority_check_ms / 1000, logger=logger)
         self.heartbeats = Heartbeats(
             functools.partial(log.bus.publish, subjects.heartbeat(fleet, domain)),
