@@ -287,7 +287,9 @@ class Agent:
         # (given one server, there is nowhere to move).
         self.majority: MajorityWatch | None = None
         if config.majority_check_ms and len(config.servers()) > 1 and isinstance(log, EventLog):
-            self.majority = MajorityWatch(log, interval_s=config.majority_check_ms / 1000, logger=logger)
+            self.majority = MajorityWatch(
+                log, interval_s=config.majority_check_ms / 1000, logger=logger, home=config.servers()[0]
+            )
         self.heartbeats = Heartbeats(
             functools.partial(log.bus.publish, subjects.heartbeat(fleet, domain)),
             status.heartbeat,
@@ -320,7 +322,7 @@ class Agent:
     @contextlib.asynccontextmanager
     async def start(cls, config: AgentConfig, *, serving_env: ServingEnv) -> AsyncIterator[Agent]:
         writer = f"agent:{config.fleet}/{config.domain}@{socket.gethostname()}"
-        async with EventLog.connect(config.servers(), writer=writer, creds=config.nats_creds) as log:
+        async with EventLog.connect(config.servers(), writer=writer, creds=config.nats_creds, steer=True) as log:
             slots = await resolve_slots(config, log)
             # the serving port's rule, before anything is claimed or touched
             check_serving(config, slots, serving_env.token)
