@@ -31,7 +31,7 @@ parts it calls; starts them, boots them and stops them:
     agents/serving.py          the serving port
     agents/lifecycle.py        stopping, the tasks; agents/current.py the slots as they are now
     agents/appender.py         every append, buffered in order while the log is away (agents/backlog.py)
-    agents/majority.py         a NATS node without a stream majority is left for the next server
+    agents/majority.py         a NATS node without a stream majority is left for a server that has one
 
 and the GPU watcher, the heartbeat, the runtime files and adoption, each a unit of its own.
 """
@@ -283,12 +283,12 @@ class Agent:
             status=status,
             drain=self._drain if self.serving is not None else None,
         )
-        # Its NATS node must reach a stream majority, or the agent moves to the next server it was given
+        # Its NATS node must reach a stream majority, or the agent moves to a server of its list that has one
         # (given one server, there is nowhere to move).
         self.majority: MajorityWatch | None = None
         if config.majority_check_ms and len(config.servers()) > 1 and isinstance(log, EventLog):
             self.majority = MajorityWatch(
-                log, interval_s=config.majority_check_ms / 1000, logger=logger, home=config.servers()[0]
+                log, servers=config.servers(), interval_s=config.majority_check_ms / 1000, logger=logger
             )
         self.heartbeats = Heartbeats(
             functools.partial(log.bus.publish, subjects.heartbeat(fleet, domain)),

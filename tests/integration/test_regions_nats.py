@@ -109,7 +109,7 @@ async def test_d_an_agent_on_a_node_cut_from_the_others_moves_to_a_node_with_a_m
     active = (await view(3, rg))["active"]
     agent_a = f"agent:{FLEET}/a@"
     assert clients_of(rg, 1, agent_a), "agent a starts on its own region's node"
-    moved_before = len(agent_lines(fleet, "a", "nats node has no majority; moving to the next server"))
+    moved_before = len(agent_lines(fleet, "a", "nats node has no majority; moving to a server that has one"))
     async with ClientLoad(fleet.gateway_url(3)) as load:
         await asyncio.sleep(1)
         t_fault = time.monotonic()
@@ -117,7 +117,7 @@ async def test_d_an_agent_on_a_node_cut_from_the_others_moves_to_a_node_with_a_m
         try:
 
             async def moved():
-                lines = agent_lines(fleet, "a", "nats node has no majority; moving to the next server")
+                lines = agent_lines(fleet, "a", "nats node has no majority; moving to a server that has one")
                 if len(lines) <= moved_before:
                     return None
                 on = [r for r in (2, 3) if clients_of(rg, r, agent_a)]
