@@ -192,7 +192,7 @@ async def settled(rg: Regions) -> bool:
 
 def connected_to(rg: Regions, region: int, prefix: str) -> bool:
     conns = rg.monitor(region, "/connz?limit=1024").get("connections") or []
-    return any(c.get("name", "").startswith(prefix) for c in conns)
+    return any(c.get("name", "").startswith(prefix) and not c.get("name", "").endswith(":probe") for c in conns)
 
 
 async def faulted(rtt_ms: int, root: Path, steady_s: float, tail_s: float, scenario: str, fault) -> dict:

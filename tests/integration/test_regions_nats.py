@@ -94,7 +94,8 @@ def agent_lines(fleet: RegionFleet, domain: str, event: str) -> list[dict]:
 def clients_of(rg: Regions, region: int, prefix: str) -> list[str]:
     """The names of the clients connected to region's NATS node that start with `prefix`."""
     conns = rg.monitor(region, "/connz?limit=1024").get("connections") or []
-    return [c.get("name", "") for c in conns if c.get("name", "").startswith(prefix)]
+    names = [c.get("name", "") for c in conns]
+    return [n for n in names if n.startswith(prefix) and not n.endswith(":probe")]  # not its majority probes
 
 
 async def requests(fleet: RegionFleet) -> list[OperationRequested]:
