@@ -313,6 +313,8 @@ class Agent:
     async def start(cls, config: AgentConfig, *, serving_env: ServingEnv) -> AsyncIterator[Agent]:
         writer = f"agent:{config.fleet}/{config.domain}@{socket.gethostname()}"
         async with EventLog.connect(config.servers(), writer=writer, creds=config.nats_creds) as log:
+            if log.receipt_guard is not None:  # a log that forgot what we were acknowledged: domain_log_regressed
+                log.receipt_guard.record_as(domain=config.domain)
             slots = await resolve_slots(config, log)
             # the serving port's rule, before anything is claimed or touched
             check_serving(config, slots, serving_env.token)

@@ -30,6 +30,7 @@ from haru.core.errors import EventDecodeError
 from haru.core.events_base import (
     SCHEMA_VERSION,
     Event,
+    LostRange,
     LostReason,
     Step,
     StopHow,
@@ -54,6 +55,7 @@ from haru.core.events_domain import (
     SIGNAL_SOURCES,
     AgentStarted,
     AgentStopping,
+    DomainLogRegressed,
     DomainReachable,
     DomainUnreachable,
     FailureSignalled,
@@ -78,6 +80,7 @@ from haru.core.events_fleet import (
     DemotionRequested,
     EligibilityChanged,
     FailoverDeclined,
+    LogRegressed,
     OperationAborted,
     OperationCompleted,
     OperationRequested,
@@ -106,6 +109,7 @@ __all__ = [
     "DemotionRequested",
     "DomainChanged",
     "DomainDeclared",
+    "DomainLogRegressed",
     "DomainReachable",
     "DomainRetired",
     "DomainUnreachable",
@@ -118,6 +122,8 @@ __all__ = [
     "GpuObserved",
     "GpuProcess",
     "GpuUsage",
+    "LogRegressed",
+    "LostRange",
     "LostReason",
     "ModelAdopted",
     "ModelChanged",
@@ -214,6 +220,8 @@ AnyEvent = (
     | RouteMoved
     | WeightsSet
     | Checkpoint
+    | LogRegressed
+    | DomainLogRegressed
 )
 
 RESIDENCY_EVENTS = (
