@@ -5,20 +5,30 @@
     log.receipt_guard.record_as(domain="a")   # an agent: found regressions become domain_log_regressed
     log.receipt_guard.record_as()             # the promoter: log_regressed on each fleet's integrity subject
     registry.register(RegressionCollector(log.receipt_guard))   # haru_log_regressions_total on /metrics
+    log.receipt_guard.persist(state_dir / "receipts.json")   # an agent: receipts that outlive the process
 
 For each subject the writer was acknowledged on: one read of the subject's last message and, when
 that is not the receipt's own, one read of the receipt's sequence. Run on reconnect and when an
 append meets a conflict whose current sequence is below what this writer was acknowledged.
+
+A writer whose receipts must outlive its process (an agent: the log may lose power while the agent is
+down) keeps them in a file (`persist`): read at start and checked against the log at once, rewritten
+after appends (a temp file, fsync, rename, fsync of the directory: never half a file), at most every
+`SAVE_EVERY_S` and once more at close. A receipt whose loss was recorded is dropped (the writer
+re-establishes that subject), so a restart does not report the same loss again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import structlog
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
@@ -32,7 +42,15 @@ if TYPE_CHECKING:
     from haru.log.jetstream import JetStreamClient
     from haru.log.js_events import JetStreamEvents
 
-__all__ = ["RegressionCollector", "ReceiptGuard", "check", "record_regressions"]
+__all__ = [
+    "RECEIPTS_FILE",
+    "ReceiptGuard",
+    "RegressionCollector",
+    "check",
+    "load_receipts",
+    "record_regressions",
+    "save_receipts",
+]
 
 _log = structlog.get_logger("haru.log.receipts")
 
@@ -56,6 +74,58 @@ async def check(log: JetStreamClient, receipts: Mapping[str, Receipt]) -> list[R
     return found
 
 
+_FILE_VERSION = 1
+RECEIPTS_FILE = "receipts.json"  # an agent's, in its state_dir
+
+
+class _ReceiptFile(msgspec.Struct, frozen=True):
+    v: int
+    writer: str
+    receipts: dict[str, Receipt]
+
+
+_file_decoder = msgspec.json.Decoder(_ReceiptFile)
+_file_encoder = msgspec.json.Encoder()
+
+
+def load_receipts(path: Path) -> dict[str, Receipt]:
+    """The receipts a previous run kept at `path` ({} when there is none, or when it cannot be read:
+    logged, never fatal: without them the writer only checks what it appends from now on)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        _log.warning("eventlog.receipts_unreadable", path=str(path), error=str(exc))
+        return {}
+    try:
+        return dict(_file_decoder.decode(data).receipts)
+    except msgspec.DecodeError as exc:
+        _log.warning(
+            "eventlog.receipts_unreadable",
+            path=str(path),
+            error=str(exc),
+            hint="the file is rewritten at the next append; losses before it cannot be told",
+        )
+        return {}
+
+
+def save_receipts(path: Path, writer: str, receipts: Mapping[str, Receipt]) -> None:
+    """Write the receipts atomically and durably: temp file, fsync, rename, fsync of the directory."""
+    data = _file_encoder.encode(_ReceiptFile(_FILE_VERSION, writer, dict(receipts)))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class ReceiptGuard:
     """Checks a writer's receipts when its connection comes back (the server may have restarted on a
     store that forgot) and when an append conflict says the log is behind what it acknowledged.
@@ -67,6 +137,7 @@ class ReceiptGuard:
 
     RETRY_S = 0.25  # between checks while the restarted server's JetStream is not answering yet
     WITHIN_S = 30.0  # how long a check keeps trying after a reconnect
+    SAVE_EVERY_S = 0.05  # a persisted guard rewrites its file at most this often (appends in between share it)
 
     def __init__(self, log: JetStreamEvents, receipts: Callable[[], Mapping[str, Receipt]]) -> None:
         self._log = log
@@ -77,6 +148,53 @@ class ReceiptGuard:
         self._task: asyncio.Task[None] | None = None
         self._recorder: Callable[[list[Regression]], Awaitable[None]] | None = None
         self.recorded: list[int] = []  # stream sequences of the regression events this writer appended
+        self._path: Path | None = None
+        self._dirty: asyncio.Event | None = None
+        self._saver: asyncio.Task[None] | None = None
+
+    def persist(self, path: Path) -> None:
+        """Keep this writer's receipts in `path` across restarts: adopt the ones a previous run left
+        there (subjects this run has not appended to yet), check them against the log now, and keep the
+        file current from here on. Call from the running event loop, before the writer's first append."""
+        kept = load_receipts(path)
+        self._log.adopt_receipts(kept)
+        self._path = path
+        self._dirty = asyncio.Event()
+        self._saver = asyncio.get_running_loop().create_task(self._save_when_changed())
+        if kept:
+            _log.info("eventlog.receipts_loaded", writer=self._log.writer, path=str(path), subjects=len(kept))
+            self.schedule()
+
+    def changed(self) -> None:
+        """A receipt changed (an append was acknowledged): a persisted guard rewrites its file soon."""
+        if self._dirty is not None:
+            self._dirty.set()
+
+    async def _save_when_changed(self) -> None:
+        assert self._dirty is not None
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            await self._save()
+            await asyncio.sleep(self.SAVE_EVERY_S)
+
+    async def _save(self) -> None:
+        if self._path is None:
+            return
+        try:
+            await asyncio.to_thread(save_receipts, self._path, self._log.writer, self._receipts())
+        except OSError as exc:
+            _log.error("eventlog.receipts_unsaved", path=str(self._path), error=str(exc))
+
+    async def close(self) -> None:
+        """Stop checking; a persisted guard writes its file one last time."""
+        for task in (self._task, self._saver):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self._path is not None and self._dirty is not None and self._dirty.is_set():
+            await self._save()
 
     def record_as(self, *, domain: str = "") -> None:
         """Record what is found as events on a subject this writer owns (`record_regressions`): an
@@ -144,6 +262,11 @@ class ReceiptGuard:
                     _log.warning("eventlog.regression_listener_failed", error=str(exc))
         if new and self._recorder is not None:
             await self._recorder(new)
+            # Recorded: the writer re-establishes these subjects; their old receipts would only report
+            # the same loss again (after a restart, from the file).
+            for r in new:
+                self._log.forget_receipt(r.subject, r.acknowledged)
+            self.changed()
         return regressions
 
 

@@ -122,3 +122,65 @@ async def test_an_agent_and_the_promoter_record_what_the_log_forgot_and_verify_f
         assert f"{model} after {kept} up to {resident}" in done.stdout
         assert f"{route} after 0 up to {flip}" in done.stdout
         assert "lost events it had acknowledged" in done.stderr and "verify FAILED" in done.stdout
+
+
+async def test_an_agent_s_receipts_outlive_it_so_a_power_loss_while_it_was_down_is_still_noticed(tmp_path):
+    """The writer appends, stops (its receipts written to its state dir), the log loses power while it is
+    down, and the next run of the same writer, with the same file, notices and records the loss."""
+    require_fuse()
+    state = tmp_path / "agent-a" / "receipts.json"
+    state.parent.mkdir()
+    model = subjects.model(FLEET, "a", "m1")
+    with LazyFS(tmp_path / "store") as fs:
+        server = NatsServer(fs.mountpoint, sync_interval=None, log_file=tmp_path / "nats.log")
+        await server.start()
+        try:
+            async with EventLog.connect([server.url], writer=f"agent:{FLEET}/a@host", timeout=2.0) as first:
+                assert first.receipt_guard is not None
+                first.receipt_guard.record_as(domain="a")
+                first.receipt_guard.persist(state)
+                await first.ensure()
+                kept = await first.append(
+                    model, ev.ModelLoading(at=datetime.now(UTC), domain="a", model="m1"), expect=0
+                )
+                fs.writeback()
+                resident = await first.append(
+                    model, ev.ModelResident(at=datetime.now(UTC), domain="a", model="m1"), expect=kept
+                )
+            # the agent is down; its receipts are on its own disk (an fsynced file, renamed into place)
+            assert f'"{model}":{{"seq":{resident},' in state.read_text()
+            server.kill()
+            fs.power_loss()
+            await server.start()
+            async with EventLog.connect([server.url], writer=f"agent:{FLEET}/a@host", timeout=2.0) as second:
+                assert second.receipt_guard is not None
+                second.receipt_guard.record_as(domain="a")
+                second.receipt_guard.persist(state)
+                await until(lambda: second.receipt_guard.recorded, 30, "the loss recorded")
+                [found] = second.receipt_guard.found
+                assert (found.subject, found.held, found.acknowledged) == (model, kept, resident)
+                record = await second.read_seq(second.receipt_guard.recorded[0])
+                assert record is not None and isinstance(record.event, ev.DomainLogRegressed)
+                assert record.subject == subjects.domain_integrity(FLEET, "a")
+            # Recorded, so the receipt is dropped: a third run does not report the same loss again.
+            async with EventLog.connect([server.url], writer=f"agent:{FLEET}/a@host", timeout=2.0) as third:
+                assert third.receipt_guard is not None
+                third.receipt_guard.record_as(domain="a")
+                third.receipt_guard.persist(state)
+                assert await third.receipt_guard.check_now() == []
+        finally:
+            server.kill()
+
+
+def test_a_receipts_file_that_cannot_be_read_is_no_receipts_and_is_rewritten_whole(tmp_path):
+    from haru.core.receipts import Receipt
+    from haru.log.receipts import load_receipts, save_receipts
+
+    path = tmp_path / "receipts.json"
+    assert load_receipts(path) == {}
+    save_receipts(path, "agent:f/a@h", {"haru.evt.f.a.agent": Receipt(3, "h")})
+    assert load_receipts(path) == {"haru.evt.f.a.agent": Receipt(3, "h")}
+    path.write_bytes(b'{"v":1,"writer":"agent:f/a@h","rec')  # a torn write (never ours: we rename into place)
+    assert load_receipts(path) == {}
+    save_receipts(path, "agent:f/a@h", {})
+    assert load_receipts(path) == {} and [p.name for p in tmp_path.iterdir()] == ["receipts.json"]
