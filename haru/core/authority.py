@@ -107,7 +107,10 @@ PLACES: tuple[Place, ...] = (
     Place("model", "haru.evt.<fleet>.<domain>.model.<model>", ("agent",), ev.RESIDENCY_EVENTS),
     Place("gpu", "haru.evt.<fleet>.<domain>.gpu.<index>", ("agent",), (ev.GpuObserved,)),
     Place(
-        "training", "haru.evt.<fleet>.<domain>.training.<slot>", ("agent",), (ev.TrainingStarted, ev.TrainingStopped)
+        "training",
+        "haru.evt.<fleet>.<domain>.training.<slot>",
+        ("agent",),
+        (ev.TrainingStarted, ev.TrainingStopped, ev.AdapterPublished),
     ),
 )
 """The table. `agent` as a writer means the agent of the subject's own domain (NATS user

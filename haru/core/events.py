@@ -52,6 +52,7 @@ from haru.core.events_declarations import (
 )
 from haru.core.events_domain import (
     SIGNAL_SOURCES,
+    AdapterPublished,
     AgentStarted,
     AgentStopping,
     DomainReachable,
@@ -96,6 +97,7 @@ from haru.core.events_fleet import (
 )
 
 __all__ = [
+    "AdapterPublished",
     "ALL_TAGS",
     "AdmissionDecided",
     "AgentStarted",
@@ -191,6 +193,7 @@ AnyEvent = (
     | GpuObserved
     | TrainingStarted
     | TrainingStopped
+    | AdapterPublished
     | AgentStarted
     | AgentStopping
     | FailureSignalled
