@@ -109,7 +109,10 @@ PLACES: tuple[Place, ...] = (
     Place("model", "haru.evt.<fleet>.<domain>.model.<model>", ("agent",), ev.RESIDENCY_EVENTS),
     Place("gpu", "haru.evt.<fleet>.<domain>.gpu.<index>", ("agent",), (ev.GpuObserved,)),
     Place(
-        "training", "haru.evt.<fleet>.<domain>.training.<slot>", ("agent",), (ev.TrainingStarted, ev.TrainingStopped)
+        "training",
+        "haru.evt.<fleet>.<domain>.training.<slot>",
+        ("agent",),
+        (ev.TrainingStarted, ev.TrainingStopped, ev.AdapterPublished),
     ),
     Place("integrity", "haru.evt.<fleet>.integrity", ("promoter",), (ev.LogRegressed,)),
     Place("domain_integrity", "haru.evt.<fleet>.<domain>.integrity", ("agent",), (ev.DomainLogRegressed,)),

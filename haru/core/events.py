@@ -53,6 +53,7 @@ from haru.core.events_declarations import (
 )
 from haru.core.events_domain import (
     SIGNAL_SOURCES,
+    AdapterPublished,
     AgentStarted,
     AgentStopping,
     DomainLogRegressed,
@@ -99,6 +100,7 @@ from haru.core.events_fleet import (
 )
 
 __all__ = [
+    "AdapterPublished",
     "ALL_TAGS",
     "AdmissionDecided",
     "AgentStarted",
@@ -197,6 +199,7 @@ AnyEvent = (
     | GpuObserved
     | TrainingStarted
     | TrainingStopped
+    | AdapterPublished
     | AgentStarted
     | AgentStopping
     | FailureSignalled

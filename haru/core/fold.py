@@ -137,6 +137,7 @@ _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
     ev.RouteMoved: operations.route_moved,
     ev.WeightsSet: operations.weights_set,
     ev.ModelFetched: lambda view, e, seq: view,  # provenance of model files: history (`haru why`), not state
+    ev.AdapterPublished: lambda view, e, seq: view,  # a published adapter: what serves it folds it into the view
     ev.Checkpoint: lambda view, e, seq: view,  # a record of where history stood: it changes no fact
 }
 # Handlers that need the subject the event stood on (what it may claim depends on who wrote it).

@@ -43,6 +43,7 @@ from haru.core.errors import InvalidName
 EVENTS_STREAM = "HARU_EVENTS"
 ROUTE_STREAM = "HARU_ROUTE"
 VIEWS_BUCKET = "haru_views"
+ADAPTERS_BUCKET = "haru_adapters"  # JetStream object store: published LoRA adapters, one object each
 
 EVT = "haru.evt"
 ALL_EVENTS = "haru.evt.>"
