@@ -63,6 +63,7 @@ from haru.agents.model_slots import ModelSlots
 from haru.agents.owners import Owners
 from haru.agents.ports import Identity
 from haru.agents.recorder import Recorder
+from haru.agents.reestablish import Reestablish
 from haru.agents.role import Role
 from haru.agents.runtime_files import RuntimeFiles
 from haru.agents.runtime_for import RuntimeFor
@@ -325,6 +326,8 @@ class Agent:
             connector = aiohttp.TCPConnector(limit=0, force_close=False)
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
                 agent = cls(config, slots, log, gpus, session, serving_env)
+                if log.receipt_guard is not None:  # a recorded loss: re-report what is true now
+                    log.receipt_guard.after_recording(Reestablish.of(agent))
                 try:
                     await agent.claim.take(serving_url=slots.domain.spec.serving_url)
                     agent.logger.info(
