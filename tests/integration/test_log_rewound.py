@@ -15,6 +15,7 @@ import contextlib
 import time
 from datetime import UTC, datetime
 
+import msgspec
 import pytest
 
 from haru.core import events as ev
@@ -179,4 +180,68 @@ async def test_after_the_log_lost_power_the_writers_re_establish_and_the_views_a
         finally:
             if fleet is not None:
                 await fleet.stop()
+            server.kill()
+
+
+async def test_the_intents_watch_and_the_gateway_take_a_rewound_route_intent_at_a_lower_sequence(tmp_path):
+    """Two route intents (to `b`, then `c`) acknowledged and seen, then forgotten in a power loss; the
+    projector publishes what the log now says (`a`) at a lower sequence than the last one seen. A watch of
+    the intents and a gateway must both take it: holding on to `c` because `a` is "older" would route by a
+    pointer the log forgot."""
+    require_fuse()
+    from haru.core.views import RouteIntent, Target, view_encoder
+    from haru.gateway.config import GatewayConfig
+    from haru.gateway.server import Gateway
+
+    fleet = "rw"
+
+    def intent(revision: int, active: str) -> bytes:
+        return view_encoder.encode(RouteIntent(fleet=fleet, revision=revision, active=Target(domain=active)))
+
+    def gateway_routes(gw) -> str:
+        routes = gw.table.get(fleet)
+        return routes.intent.active.domain if routes is not None and routes.intent is not None else ""
+
+    with LazyFS(tmp_path / "store") as fs:
+        server = NatsServer(fs.mountpoint, sync_interval=None, log_file=tmp_path / "nats.log")
+        await server.start()
+        try:
+            async with EventLog.connect([server.url], writer="projector", timeout=2.0) as log:
+                await log.ensure()
+                first = await log.publish_intent(fleet, intent(1, "a"), expect=0)
+                fs.writeback()  # routing on `a` is long on disk
+                seen: list[tuple[int, str]] = []
+
+                async def watch() -> None:
+                    async for _, body, seq in log.watch_intents(fleet):
+                        seen.append((seq, msgspec.json.decode(body)["active"]["domain"]))
+
+                watching = asyncio.create_task(watch())
+                try:
+                    async with Gateway(GatewayConfig(port=0, resync_ms=250), log) as gw:
+                        second = await log.publish_intent(fleet, intent(2, "b"), expect=first)
+                        third = await log.publish_intent(fleet, intent(3, "c"), expect=second)
+                        async with asyncio.timeout(10):
+                            while (third, "c") not in seen or gateway_routes(gw) != "c":
+                                await asyncio.sleep(0.02)
+                        server.kill()
+                        fs.power_loss()
+                        await server.start()
+                        async with asyncio.timeout(30):
+                            while True:
+                                with contextlib.suppress(LogError):
+                                    await log.ensure()
+                                    again = await log.publish_intent(fleet, intent(1, "a"), expect=first)
+                                    break
+                                await asyncio.sleep(0.1)
+                        assert again == second < third  # a lower sequence than the last one seen
+                        t = time.monotonic()
+                        async with asyncio.timeout(10):
+                            while (again, "a") not in seen or gateway_routes(gw) != "a":
+                                await asyncio.sleep(0.02)
+                        print(f"watch and gateway true again {time.monotonic() - t:.2f} s after the rewound intent")
+                        assert seen[-1] == (again, "a") and gw.follower is not None and gw.follower.rewinds >= 1
+                finally:
+                    await cancel_and_wait(watching)
+        finally:
             server.kill()
