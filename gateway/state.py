@@ -196,7 +196,11 @@ class RouteFollower:
         """
         stuck: list[str] = []
         for fleet in self.table.fleets():
-            rewound = await self._rewound(fleet)
+            # Read once: what the log holds now, for the rewind check and the catch-up alike.
+            last_move = await self.events.last(subjects.route(fleet))
+            intent = await self.events.last_intent(fleet)
+            view = await self.events.get_view(subjects.view_key(fleet))
+            rewound = await self._rewound(fleet, last_move, intent, view)
             if rewound:
                 self.rewinds += 1
                 behind.clear()
@@ -208,7 +212,6 @@ class RouteFollower:
                 )
                 stuck += [f"{fleet} {what} (rewound)" for what in rewound]
                 continue
-            intent = await self.events.last_intent(fleet)
             self._check(
                 behind,
                 stuck,
@@ -220,7 +223,6 @@ class RouteFollower:
                     fleet, intent_decoder.decode(body), seq, body=(body, seq)
                 ),
             )
-            view = await self.events.get_view(subjects.view_key(fleet))
             self._check(
                 behind,
                 stuck,
@@ -230,18 +232,19 @@ class RouteFollower:
                 self._view_delivered,
                 lambda body, rev, fleet=fleet: self._apply_view(fleet, view_decoder.decode(body), rev, body=body),
             )
-            last_move = await self.events.last(subjects.route(fleet))
             if last_move is not None and last_move.seq > self._route_seq:
                 self.on_route_record(last_move)  # the follower will deliver it too: applying twice is a no-op
         return stuck
 
-    async def _rewound(self, fleet: str) -> list[str]:
+    async def _rewound(
+        self, fleet: str, last: Record | None, got: tuple[bytes, int] | None, view: tuple[bytes, int] | None
+    ) -> list[str]:
         """What of `fleet` the log went back behind (route, intent, view), each already reset to what the
-        log holds now. The route subject first: an intent is never patched by a move the log forgot."""
+        log holds now (`last` route record, last intent, stored view). The route subject first: an intent
+        is never patched by a move the log forgot."""
         found = []
         held = self._held.get((fleet, "route"))
         if held is not None:
-            last = await self.events.last(subjects.route(fleet))
             now = (last.seq, last.data) if last is not None else None
             if now is not None and now[0] > held[0]:
                 at = await self.events.read_seq(held[0])  # moved on: but is what we hold still there?
@@ -257,7 +260,6 @@ class RouteFollower:
                     self.on_route_record(last)
         held = self._held.get((fleet, "intent"))
         if held is not None:
-            got = await self.events.last_intent(fleet)
             if got is None or reading(held[0], held[1], got[1], got[0]) == "reset":
                 found.append("intent")
                 self._intent_delivered[fleet] = got[1] if got is not None else 0
@@ -266,13 +268,11 @@ class RouteFollower:
                     intent = intent_decoder.decode(got[0]) if got is not None else None
                     self._apply_intent(fleet, intent, got[1] if got is not None else 0, rewound=True, body=got)
         held = self._held.get((fleet, "view"))
-        if held is not None:
-            got = await self.events.get_view(subjects.view_key(fleet))
-            if got is not None and reading(held[0], held[1], got[1], got[0]) == "reset":
-                found.append("view")
-                self._view_delivered[fleet] = got[1]
-                with contextlib.suppress(msgspec.DecodeError):
-                    self._apply_view(fleet, view_decoder.decode(got[0]), got[1], rewound=True, body=got[0])
+        if held is not None and view is not None and reading(held[0], held[1], view[1], view[0]) == "reset":
+            found.append("view")
+            self._view_delivered[fleet] = view[1]
+            with contextlib.suppress(msgspec.DecodeError):
+                self._apply_view(fleet, view_decoder.decode(view[0]), view[1], rewound=True, body=view[0])
         return found
 
     @staticmethod
