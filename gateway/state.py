@@ -360,7 +360,17 @@ class RouteFollower:
             from_seq=self._route_seq + 1,
             subject_filter=_ROUTES,
             name="gateway-routes",
+            on_rewind=self._routes_rewound,
         )
+
+    def _routes_rewound(self, head: int) -> int:
+        """The route subjects went back behind what was followed (haru/log/follow.py): read them again from
+        the start (a few records a fleet), so each fleet's newest move is the one the log holds now."""
+        self._moves.clear()
+        for key in [k for k in self._held if k[1] == "route"]:
+            del self._held[key]
+        self._route_seq = 0
+        return 0
 
     async def _last_moves(self) -> int:
         """At the first start: each fleet's last route record, instead of the route subjects' whole history
