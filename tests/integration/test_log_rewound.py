@@ -245,3 +245,63 @@ async def test_the_intents_watch_and_the_gateway_take_a_rewound_route_intent_at_
                     await cancel_and_wait(watching)
         finally:
             server.kill()
+
+
+async def test_an_agent_that_was_down_when_the_log_lost_power_notices_it_when_it_comes_back(tmp_path):
+    """The real agent, stopped (SIGTERM: its runtimes keep serving, its receipts are in its state dir);
+    NATS loses power meanwhile; the agent started again says what the log lost and re-reports."""
+    require_fuse()
+    import signal
+
+    from haru.core.layout import load_layout
+    from haru.log.apply import apply
+    from haru.log.receipts import RECEIPTS_FILE
+    from tests.support.promoter import view_of
+    from tests.support.sim_fleet import FLEET, Fleet, sim_layout
+
+    layout = sim_layout(tmp_path / "layout.json", tmp_path)
+    with LazyFS(tmp_path / "store") as fs:
+        server = NatsServer(fs.mountpoint, sync_interval=None, log_file=tmp_path / "nats.log")
+        await server.start()
+        fleet = None
+        try:
+            async with EventLog.connect([server.url], writer="test", timeout=2.0) as log:
+                await log.ensure()
+                await apply(log, load_layout(layout), datetime.now(UTC))
+                fs.writeback()
+                fleet = Fleet(tmp_path, server.url, layout, gw=None)
+                agent = fleet.start("a")
+                model = subjects.model(FLEET, "a", "m1")
+
+                async def tags() -> list[str]:
+                    return [ev.tag_of(r.event) for r in await log.history(model) if r.event is not None]
+
+                async with asyncio.timeout(60):
+                    while "model_resident" not in await tags():
+                        await asyncio.sleep(0.1)
+                agent.signal(signal.SIGTERM)  # a restart: the runtimes outlive it
+                await agent.wait(60)
+                assert model in (fleet.state_dir("a") / RECEIPTS_FILE).read_text()
+                server.kill()  # the power goes while the agent is down
+                fs.power_loss()
+                await server.start()
+                await ensured(log)
+                assert "model_resident" not in await tags()  # the log forgot it
+                fleet.start("a")
+                integrity = subjects.domain_integrity(FLEET, "a")
+                async with asyncio.timeout(60):
+                    while not await log.history(integrity):
+                        await asyncio.sleep(0.1)
+                [record] = await log.history(integrity)
+                assert isinstance(record.event, ev.DomainLogRegressed)
+                assert model in {r.subject for r in record.event.lost}
+                async with asyncio.timeout(30):  # and it says again what is true: m1 serves (adopted)
+                    while True:
+                        view = await view_of(log, FLEET)
+                        if view.domains["a"].models["m1"].residency.__struct_config__.tag == "resident":
+                            break
+                        await asyncio.sleep(0.1)
+        finally:
+            if fleet is not None:
+                await fleet.stop()
+            server.kill()
