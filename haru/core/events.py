@@ -30,6 +30,7 @@ from haru.core.errors import EventDecodeError
 from haru.core.events_base import (
     SCHEMA_VERSION,
     Event,
+    LostRange,
     LostReason,
     Step,
     StopHow,
@@ -55,6 +56,7 @@ from haru.core.events_domain import (
     AdapterPublished,
     AgentStarted,
     AgentStopping,
+    DomainLogRegressed,
     DomainReachable,
     DomainUnreachable,
     FailureSignalled,
@@ -79,6 +81,7 @@ from haru.core.events_fleet import (
     DemotionRequested,
     EligibilityChanged,
     FailoverDeclined,
+    LogRegressed,
     OperationAborted,
     OperationCompleted,
     OperationRequested,
@@ -108,6 +111,7 @@ __all__ = [
     "DemotionRequested",
     "DomainChanged",
     "DomainDeclared",
+    "DomainLogRegressed",
     "DomainReachable",
     "DomainRetired",
     "DomainUnreachable",
@@ -120,6 +124,8 @@ __all__ = [
     "GpuObserved",
     "GpuProcess",
     "GpuUsage",
+    "LogRegressed",
+    "LostRange",
     "LostReason",
     "ModelAdopted",
     "ModelChanged",
@@ -217,6 +223,8 @@ AnyEvent = (
     | RouteMoved
     | WeightsSet
     | Checkpoint
+    | LogRegressed
+    | DomainLogRegressed
 )
 
 RESIDENCY_EVENTS = (
