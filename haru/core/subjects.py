@@ -44,6 +44,9 @@ EVENTS_STREAM = "HARU_EVENTS"
 ROUTE_STREAM = "HARU_ROUTE"
 VIEWS_BUCKET = "haru_views"
 ADAPTERS_BUCKET = "haru_adapters"  # JetStream object store: published LoRA adapters, one object each
+CHECKPOINTS_BUCKET = (
+    "haru_checkpoints"  # JetStream object store: each training slot's newest checkpoint, per fleet/slot
+)
 
 EVT = "haru.evt"
 ALL_EVENTS = "haru.evt.>"
