@@ -168,7 +168,7 @@ class Agent:
             domain=domain,
             objects=adapters,
             log=log,
-            models=lambda: list(hosted),
+            models=hosted.keys,
             logger=logger,
         )
         self.travel = CheckpointTravel(fleet=fleet, objects=checkpoints, interval_s=CHECKPOINT_POLL_S, logger=logger)
