@@ -43,6 +43,7 @@ from haru.agents.loops import LoopErrors
 from haru.core.planner import standby_residual
 from haru.core.residency import state_name
 from haru.core.specs import Policy
+from haru.log.receipts import RegressionCollector
 
 if TYPE_CHECKING:
     from haru.agents.appender import Appender
@@ -217,4 +218,7 @@ def registry_for(agent: Any) -> CollectorRegistry:
             agent.status, agent.loop_errors, getattr(agent, "append", None), getattr(agent, "majority", None)
         )
     )
+    guard = getattr(getattr(agent, "log", None), "receipt_guard", None)  # the JetStream log's only
+    if guard is not None:
+        registry.register(RegressionCollector(guard))  # haru_log_regressions_total
     return registry
