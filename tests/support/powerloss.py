@@ -52,8 +52,7 @@ class FaultCluster:
         self.cluster = Cluster(root)
         self.nodes = self.cluster.nodes
         if not sync_always:  # nats-server's default fsync interval, for the side-by-side rows
-            for node in self.nodes:
-                node.config = _without_sync(node.config)  # type: ignore[method-assign]
+            default_fsync(self.cluster)
         self.disks: list[LazyFS] = []
         self.proxy: subprocess.Popen[str] | None = None
         self.proxy_ports = {(a.index, b.index): free_port() for a in self.nodes for b in self.nodes if a is not b}
@@ -234,6 +233,14 @@ class FaultCluster:
             if info.cluster is not None and info.cluster.leader:
                 return int(info.cluster.leader.rsplit("-", 1)[1])
         return None
+
+
+def default_fsync(cluster: Cluster) -> Cluster:
+    """Make `cluster`'s nodes start with nats-server's default fsync interval instead of the shipped
+    `sync_interval: always` (the baseline of the side-by-side rows)."""
+    for node in cluster.nodes:
+        node.config = _without_sync(node.config)  # type: ignore[method-assign]
+    return cluster
 
 
 def _without_sync(config: Any) -> Any:
