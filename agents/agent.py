@@ -77,6 +77,7 @@ from haru.core import subjects
 from haru.core.errors import ConfigError
 from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import EventLog
+from haru.log.receipts import RECEIPTS_FILE
 from haru.log.seam import EventReader, Log
 
 __all__ = ["Agent", "resolve_slots"]
@@ -313,6 +314,10 @@ class Agent:
     async def start(cls, config: AgentConfig, *, serving_env: ServingEnv) -> AsyncIterator[Agent]:
         writer = f"agent:{config.fleet}/{config.domain}@{socket.gethostname()}"
         async with EventLog.connect(config.servers(), writer=writer, creds=config.nats_creds) as log:
+            if log.receipt_guard is not None:  # a log that forgot what we were acknowledged: domain_log_regressed
+                log.receipt_guard.record_as(domain=config.domain)
+                config.state_path().mkdir(parents=True, exist_ok=True)  # receipts outlive the agent (a restart)
+                log.receipt_guard.persist(config.state_path() / RECEIPTS_FILE)
             slots = await resolve_slots(config, log)
             # the serving port's rule, before anything is claimed or touched
             check_serving(config, slots, serving_env.token)

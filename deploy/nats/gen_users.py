@@ -14,12 +14,12 @@ to an environment variable (`password: $HARU_NATS_PASSWORD_...`): nats-server re
 starts and refuses to start when one is missing, so no secret lives in this file.
 
 The roles (docs/design.md, "Security in brief"):
-  agent.<fleet>.<domain>  publishes only its own domain's events (agent, model.*, gpu.*, training.*:
+  agent.<fleet>.<domain>  publishes only its own domain's events (agent, model.*, gpu.*, training.*, integrity:
                           not liveness, which the promoter writes) and heartbeat; answers only its own
                           commands (haru.cmd.<fleet>.<domain>.>, nats.micro's $SRV.>) and may ask its own
                           status (the duplicate-agent check); reads the event log through consumers and
                           message gets; appends use expected sequences.
-  promoter                writes op, route, weights and liveness events of any fleet; requests haru.cmd.>;
+  promoter                writes op, route, weights, integrity and liveness events of any fleet; requests haru.cmd.>;
                           reads events, views and intents; subscribes haru.hb.> and the gateways'
                           canary reports (haru.canary.>); beats on haru.alive.promoter.> and hears its
                           peers there.
@@ -113,6 +113,7 @@ def fixed_users() -> list[User]:
         "haru.evt.*.route",
         "haru.evt.*.weights",
         "haru.evt.*.*.liveness",
+        "haru.evt.*.integrity",  # log_regressed: the log lost what the promoter was acknowledged
         "haru.cmd.>",
         "$SRV.>",
         *events,
@@ -194,6 +195,7 @@ def agent_user(fleet: str, domain: str) -> User:
             f"{own}.model.*",
             f"{own}.gpu.*",
             f"{own}.training.*",
+            f"{own}.integrity",  # domain_log_regressed: the log lost what this agent was acknowledged
             f"haru.hb.{fleet}.{domain}",
             # At start an agent asks its own status command (and listens to its own heartbeat subject)
             # to refuse to run beside a second agent of the same domain.

@@ -188,6 +188,8 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
             await log.close()
 
     async def close(self) -> None:
+        if self.receipt_guard is not None:
+            await self.receipt_guard.close()  # a persisted guard's last write of its receipts
         with contextlib.suppress(Exception):
             await self.nc.drain()
         with contextlib.suppress(Exception):

@@ -63,6 +63,7 @@ from haru.host import alive
 from haru.host.tasks import cancel_and_wait
 from haru.log.bus import Msg
 from haru.log.follow import Follower
+from haru.log.receipts import RegressionCollector
 from haru.log.record import Record
 from haru.log.requests import new_op_id
 from haru.log.seam import Log
@@ -582,5 +583,9 @@ async def run_promoter(
     from haru.host.metrics import maybe_serve
 
     promoter = Promoter(log, fleets=fleets, identity=identity, tick_s=tick_s, step_delay_ms=step_delay_ms, sky=sky)
+    guard = getattr(log, "receipt_guard", None)  # the JetStream log's (an in-memory log never forgets)
+    if guard is not None:
+        guard.record_as()  # a log that forgot what the promoter was acknowledged: log_regressed per fleet
+        promoter.metrics.registry.register(RegressionCollector(guard))  # haru_log_regressions_total
     async with maybe_serve([promoter.metrics.registry], metrics):
         await promoter.run(ready)

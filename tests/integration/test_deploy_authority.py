@@ -64,6 +64,7 @@ def fleet_subjects(fleet: str, domains: tuple[str, ...], model: str = "m1", slot
         subjects.checkpoint(fleet),
         subjects.weights(fleet),
         subjects.op(fleet),
+        subjects.integrity(fleet),
     ]
     for d in domains:
         out += [
@@ -72,6 +73,7 @@ def fleet_subjects(fleet: str, domains: tuple[str, ...], model: str = "m1", slot
             subjects.model(fleet, d, model),
             subjects.gpu(fleet, d, 0),
             subjects.training(fleet, d, slot),
+            subjects.domain_integrity(fleet, d),
         ]
     return out
 
