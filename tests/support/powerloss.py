@@ -161,6 +161,14 @@ class FaultCluster:
         node.start(self.envs[index])
         node.wait_ready(time.monotonic() + 20)
 
+    def restart_all(self) -> None:
+        for node in self.nodes:
+            node.start(self.envs[node.index])
+        deadline = time.monotonic() + 20
+        for node in self.nodes:
+            node.wait_ready(deadline)
+        self.wait_routed(deadline)
+
     def partition(self, a: int, b: int) -> None:
         """The routes between nodes a and b stop (held, not closed)."""
         self._proxy(f"cut {a} {b}")
