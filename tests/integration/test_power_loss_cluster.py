@@ -34,10 +34,12 @@ from haru.core.views import view_decoder
 from haru.log.eventlog import EventLog
 from haru.log.route import RouteWatcher
 from tests.support.lazyfs import require_fuse
-from tests.support.powerloss import FaultCluster, Load, covered, haru_said
+from tests.support.powerloss import FaultCluster, Load, covered, documented, haru_said, run_documented
 
 FLEET = "pl"
 ROUTE_STREAM = subjects.ROUTE_STREAM
+RECOVERY_C = "After c: one node lost power and the network split"
+RECOVERY_D = "After d: bit flips or a truncation in one node's block files"
 
 
 @pytest.mark.timeout(120)
@@ -66,6 +68,8 @@ async def test_one_node_s_power_loss_during_a_partition_loses_nothing_acknowledg
             lost = await load.lost(log)
             said = await haru_said(log)
             states = await fc.converged(20)
+        # docs/operations.md, 'After c: one node lost power and the network split', as written
+        recovery = await asyncio.to_thread(run_documented, fc, documented(RECOVERY_C), leader)
     print(
         f"fault c: leader {leader} lost power ({dropped['bytes']} unsynced bytes dropped) while {x}|{y} were cut; "
         f"appends acknowledged again {t_back:.1f} s after; {len(load.acked)} acknowledged, {len(lost)} lost, "
@@ -78,6 +82,7 @@ async def test_one_node_s_power_loss_during_a_partition_loses_nothing_acknowledg
     assert len(set(states.values())) == 1 and None not in states.values(), f"the replicas differ: {states}"
     assert next(iter(states.values()))[1] >= max(a.seq for a in load.acked)  # type: ignore[index]
     assert load.flips >= 1
+    assert f'"last_seq":{states[leader][1]}' in recovery[1]  # type: ignore[index]
 
 
 # ------------------------------------------------------- d: bit flips and a truncation in one node's blocks
@@ -198,6 +203,13 @@ async def test_bit_flips_and_a_truncation_in_one_node_s_block_files_are_detected
                     following.cancel()
                     rewound = [s for s in seen if s.t >= t_back and not await held(log, s)]
                     leader_after = await fc.stream_leader(log)
+            # docs/operations.md, 'After d: bit flips or a truncation in one node's block files', as written:
+            # the damaged node gets an empty store and copies its peers'
+            recovery = await asyncio.to_thread(run_documented, fc, documented(RECOVERY_D), victim)
+            recovered = await fc.converged(20)
+            assert (fc.nodes[victim - 1].dir / "js" / "jetstream.damaged").is_dir()  # moved aside, kept
+            async with fc.log("admin", writer="reader") as reader:
+                lost_after = await load.lost(reader)
         finally:
             for p in procs:
                 p.kill()
@@ -214,3 +226,6 @@ async def test_bit_flips_and_a_truncation_in_one_node_s_block_files_are_detected
     assert all(r.subject in r.describe() for r in said)
     assert rewound == [], f"a router was given a route pointer the log no longer holds: {rewound}"
     assert router.current is not None and router.current.revision == truth[0]
+    assert len(set(recovered.values())) == 1 and None not in recovered.values(), f"after the recovery: {recovered}"
+    assert {a.seq for a in lost_after} <= {a.seq for a in lost}, "the documented recovery lost acknowledged events"
+    print(f"after the documented recovery of node {victim}: replicas {recovered}; {recovery[-1].strip()}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -397,4 +398,53 @@ def covered(lost: list[Acked], regressions: list[Regression]) -> list[Acked]:
         ranges = [r for r in regressions if r.subject == a.subject and r.held < a.seq <= r.acknowledged]
         if not ranges:
             out.append(a)
+    return out
+
+
+# ------------------------------------------------------------------------------ the documented recovery
+
+OPERATIONS = REPO / "docs" / "operations.md"
+
+
+def documented(heading: str) -> list[str]:
+    """The command lines of the first ```sh block under the `### <heading>` of docs/operations.md."""
+    text = OPERATIONS.read_text()
+    start = text.index(f"\n### {heading}\n")
+    block = text.index("```sh\n", start) + len("```sh\n")
+    return text[block : text.index("```", block)].splitlines()
+
+
+def run_documented(fc: FaultCluster, lines: list[str], n: int, user: str = "admin") -> list[str]:
+    """Run a documented recovery on node `n` as written: `N=...` takes the node the test chose,
+    `systemctl start|stop nats-server@N` starts or stops that node (start on a running node does
+    nothing, as systemd), the store path and `localhost:8222` become node n's, and every other line runs
+    as is in bash with HARU_NATS_URL set to the cluster (bounded: a wait that never ends fails).
+    Returns what the lines printed."""
+    node = fc.nodes[n - 1]
+    env = dict(
+        os.environ,
+        HARU_NATS_URL=",".join(fc.all_urls(user)),
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
+    out = []
+    for line in lines:
+        command = line.split("    #", 1)[0].strip()
+        if not command or command.startswith("#") or re.fullmatch(r"N=\d+", command):
+            continue
+        command = command.replace("$N", str(n))
+        if m := re.fullmatch(r"systemctl (start|stop) ((?:nats-server@\d+ ?)+)", command):
+            for unit in m.group(2).split():
+                target = fc.nodes[int(unit.split("@")[1]) - 1]
+                if m.group(1) == "stop":
+                    target.stop()
+                elif not target.alive:
+                    target.start(fc.envs[target.index])
+                    target.wait_ready(time.monotonic() + 20)
+            continue
+        assert "systemctl" not in command, f"a documented command the test cannot run: {command}"
+        command = command.replace("/var/lib/nats/jetstream", str(node.dir / "js"))
+        command = command.replace("localhost:8222", f"127.0.0.1:{node.http_port}")
+        done = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=90)
+        assert done.returncode == 0, f"{line!r} failed ({done.returncode}): {done.stdout[-2000:]} {done.stderr[-2000:]}"
+        out.append(done.stdout)
     return out
