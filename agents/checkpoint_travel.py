@@ -131,7 +131,7 @@ class CheckpointTravel:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            _unpack_flat(data, tmp)
+            await asyncio.to_thread(_unpack_flat, data, tmp)
         except (LogError, tarfile.TarError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             self.logger.warning("checkpoint_not_fetched", slot=spec.slot, problem=str(exc))
@@ -151,7 +151,7 @@ class CheckpointTravel:
         if name is None or (mark is not None and mark.name == name):
             return False
         try:
-            data = pack(root / CHECKPOINTS / name)
+            data = await asyncio.to_thread(pack, root / CHECKPOINTS / name)  # off the loop
         except OSError:
             return False  # the trainer replaced it while it was read: the next poll takes the new one
         stored = await self.objects.put(self.object_name(spec), data, note=name)
