@@ -96,6 +96,7 @@ class CheckpointTravel:
         self.objects = objects
         self.interval_s = interval_s
         self.logger = logger
+        self._problems: dict[str, str] = {}  # slot -> the upload problem last logged
 
     def object_name(self, spec: TrainingSpec) -> str:
         return f"{self.fleet}/{spec.slot}"
@@ -172,8 +173,13 @@ class CheckpointTravel:
             await asyncio.sleep(self.interval_s)
 
     async def sync(self, specs: Iterable[TrainingSpec]) -> None:
+        """One upload attempt per slot; a problem is logged when it first appears (not once a second)."""
         for spec in specs:
             try:
                 await self.upload(spec)
             except LogError as exc:
-                self.logger.warning("checkpoint_not_uploaded", slot=spec.slot, problem=str(exc))
+                if self._problems.get(spec.slot) != str(exc):
+                    self.logger.warning("checkpoint_not_uploaded", slot=spec.slot, problem=str(exc))
+                self._problems[spec.slot] = str(exc)
+            else:
+                self._problems.pop(spec.slot, None)
