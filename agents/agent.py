@@ -65,6 +65,7 @@ from haru.agents.owners import Owners
 from haru.agents.ports import Identity
 from haru.agents.publishing import Publisher
 from haru.agents.recorder import Recorder
+from haru.agents.reestablish import Reestablish
 from haru.agents.role import Role
 from haru.agents.runtime_files import RuntimeFiles
 from haru.agents.runtime_for import RuntimeFor
@@ -167,7 +168,7 @@ class Agent:
             domain=domain,
             objects=adapters,
             log=log,
-            models=lambda: list(hosted),
+            models=hosted.keys,
             logger=logger,
         )
         self.travel = CheckpointTravel(fleet=fleet, objects=checkpoints, interval_s=CHECKPOINT_POLL_S, logger=logger)
@@ -348,6 +349,8 @@ class Agent:
                 adapters = JsObjects(log.js, subjects.ADAPTERS_BUCKET)
                 checkpoints = JsObjects(log.js, subjects.CHECKPOINTS_BUCKET)
                 agent = cls(config, slots, log, gpus, session, serving_env, adapters=adapters, checkpoints=checkpoints)
+                if log.receipt_guard is not None:  # a recorded loss: re-report what is true now
+                    log.receipt_guard.after_recording(Reestablish.of(agent))
                 try:
                     await agent.claim.take(serving_url=slots.domain.spec.serving_url)
                     agent.logger.info(
