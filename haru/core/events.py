@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from haru.core.errors import EventDecodeError
+from haru.core.events_adapters import AdapterRouted, AdapterStateChanged
 from haru.core.events_base import (
     SCHEMA_VERSION,
     Event,
@@ -98,6 +99,8 @@ from haru.core.events_fleet import (
 
 __all__ = [
     "AdapterPublished",
+    "AdapterRouted",
+    "AdapterStateChanged",
     "ALL_TAGS",
     "AdmissionDecided",
     "AgentStarted",
@@ -217,6 +220,8 @@ AnyEvent = (
     | RouteMoved
     | WeightsSet
     | Checkpoint
+    | AdapterStateChanged
+    | AdapterRouted
 )
 
 RESIDENCY_EVENTS = (

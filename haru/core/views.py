@@ -17,6 +17,7 @@ from typing import Literal
 
 import msgspec
 
+from haru.core.adapters import AdapterView
 from haru.core.events import GpuProcess, GpuUsage
 from haru.core.residency import UNKNOWN, Answer, Residency
 from haru.core.specs import Policy
@@ -227,6 +228,9 @@ class FleetView(msgspec.Struct, frozen=True, kw_only=True):
     model_weights: dict[str, dict[str, int]] = {}
     weights_change: WeightsChange | None = None  # the last change (a canary rollback names its evidence)
     weights_seq: int = 0  # last sequence on haru.evt.<fleet>.weights
+    # LoRA adapters served at run time (haru.core.adapters): served id `<base>:<adapter>` -> its versions,
+    # which one serves, and what each domain's runtime holds.
+    adapters: dict[str, AdapterView] = {}
 
     def standby(self) -> str:
         """The first-ranked standby (`haru.core.ranking.rank`: fit first, then declared order, then
