@@ -29,6 +29,7 @@ parts it calls; starts them, boots them and stops them:
     agents/status.py           the status answer, the heartbeat, the GPUs' verdict (agents/owners.py: whose)
     agents/commands.py         the command service on the log's bus, typed against what each verb asks
     agents/serving.py          the serving port
+    agents/adapters.py         LoRA adapters loaded into the runtimes at run time, as the fleet view says
     agents/lifecycle.py        stopping, the tasks; agents/current.py the slots as they are now
 
 and the GPU watcher, the heartbeat, the runtime files and adoption, each a unit of its own.
@@ -46,6 +47,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import structlog
 
+from haru.agents.adapters import Adapters
 from haru.agents.appender import Appender
 from haru.agents.claim import Claim
 from haru.agents.commands import CommandService
@@ -196,6 +198,18 @@ class Agent:
         self.recorder = recorder = Recorder(
             domain=domain, append=append, gpu=gpu_watch, agent_seq=claim.tip, stopping=life.stopping, logger=logger
         )
+        self.adapters = adapters = Adapters(
+            fleet=fleet,
+            domain=domain,
+            log=log,
+            models=hosted,
+            append=append,
+            session=session,
+            store_dir=self.state_dir / "adapters",
+            policy=current.policy,
+            stopping=life.stopping,
+            logger=logger,
+        )
         context = SupervisorContext(
             domain=domain,
             record=recorder.record,
@@ -212,6 +226,7 @@ class Agent:
             errors=errors,
             logger=logger,
             loads=LoadQueue(order=current.model_order),
+            restore_adapters=adapters.restore,
         )
         runtime_for = RuntimeFor(
             current,
@@ -368,6 +383,8 @@ class Agent:
         for m in self.models.models.values():
             self.models.supervise(m)
         life.spawn(self.training_policy.initial(), "initial-training")
+        if any(m.spec.max_loras for m in self.models.models.values()):
+            life.spawn(self.adapters.run(), "adapters")
         if slots.source == "declared":
             life.spawn(self.live.follow(), "declarations")
 

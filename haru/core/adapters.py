@@ -56,6 +56,8 @@ class AdapterCopy(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""
     runtime_name: str = ""
     took_ms: int = 0
+    probe: str = ""  # its evaluation probe on load: passed | failed | '' (none declared)
+    probe_detail: str = ""
     at: datetime | None = None
     seq: int = 0
 

@@ -45,6 +45,10 @@ class AdapterStateChanged(Event, frozen=True, kw_only=True, tag="adapter_state_c
     detail: str = ""
     runtime_name: str = ""  # the name the runtime serves it under (`<base>:<adapter>@<version>`)
     took_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Its evaluation probe (the layout's adapter_probes), asked on load: 'passed', 'failed', or '' (none
+    # declared); `probe_detail` says which prompt answered what.
+    probe: str = ""
+    probe_detail: str = ""
 
 
 class AdapterRouted(Event, frozen=True, kw_only=True, tag="adapter_routed"):

@@ -54,6 +54,8 @@ def adapter_state_changed(view: FleetView, e: ev.AdapterStateChanged, seq: int) 
         detail=e.detail,
         runtime_name=e.runtime_name,
         took_ms=e.took_ms,
+        probe=e.probe,
+        probe_detail=e.probe_detail,
         at=e.at,
         seq=seq,
     )

@@ -20,7 +20,7 @@ import msgspec
 from haru.core.adapters import AdapterView
 from haru.core.events import GpuProcess, GpuUsage
 from haru.core.residency import UNKNOWN, Answer, Residency
-from haru.core.specs import Policy
+from haru.core.specs import AdapterProbe, Policy
 
 _EMPTY_POLICY = Policy()
 
@@ -62,6 +62,8 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     short_of: str = "vram"  # what a refused model was short of: vram | host_ram
     host_ram_bytes: int = 0  # what it books in host RAM asleep (its weights), as the planner said
     gpu_indexes: list[int] = []  # a model across GPUs: every GPU it spans
+    max_loras: int = 0  # adapters its runtime may hold at once, loaded at run time (0 = none)
+    adapter_probes: dict[str, list[AdapterProbe]] = {}  # adapter -> its evaluation probe (the promoter's gate)
 
 
 class TrainingView(msgspec.Struct, frozen=True, kw_only=True):
