@@ -41,3 +41,49 @@ def state(version: str, st: str, domain: str = "a", detail: str = "") -> tuple[s
             at=at(3), domain=domain, model=BASE, adapter="sql", version=version, state=st, detail=detail
         ),
     )
+
+
+# ---------------------------------------------------------------------------- publishing, as a trainer does
+
+
+def write_adapter(path, *, rank: int = 8, says: str = "") -> None:
+    """An adapter's directory as the simulated vLLM reads it (`haru_sim_says`: what it answers as)."""
+    import json
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    if says:
+        config["haru_sim_says"] = says
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    (path / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+
+
+async def publish(
+    log,
+    directory,
+    *,
+    base: str,
+    adapter: str,
+    version: str,
+    fleet: str = F,
+    domain: str = "b",
+    slot: str = "lora",
+    rank: int = 8,
+    digest: str = "",
+) -> int:
+    """Publish `directory` as the training contract says: one tar object in haru_adapters, then
+    `adapter_published` on the training slot's subject. Returns the event's sequence."""
+    from datetime import UTC, datetime
+
+    from haru.log.objects import AdapterObjects, pack
+
+    data = pack(directory)
+    name = f"{base}:{adapter}@{version}"
+    got = await AdapterObjects(log.js).put(name, data)
+    subject = sj.training(fleet, domain, slot)
+    event = ev.AdapterPublished(
+        at=datetime.now(UTC), domain=domain, slot=slot, base_model=base, adapter=adapter, version=version,
+        object_name=name, digest=digest or got, size_bytes=len(data), rank=rank, data="tests/data.jsonl",
+        metrics={"loss": 0.25},
+    )  # fmt: skip
+    return await log.append(subject, event, expect=await log.last_seq_of(subject))
