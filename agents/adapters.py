@@ -284,7 +284,9 @@ class Adapters:
     async def _say(
         self, m: ModelSlot, w: Want, state: str, detail: str, took_ms: int = 0, probe: str = "", probe_detail: str = ""
     ) -> None:
-        await self._record(m, w.adapter, w.version.version, w.name, state, detail, took_ms, probe, probe_detail)
+        await self._record(
+            m, w.adapter, w.version.version, w.name, state, detail, took_ms, probe, probe_detail, w.version.seq
+        )
 
     async def _record(
         self,
@@ -297,6 +299,7 @@ class Adapters:
         took_ms: int,
         probe: str = "",
         probe_detail: str = "",
+        cause: int = 0,
     ) -> None:
         if state == "failed":
             self.failed[(m.name, name)] = m.generation
@@ -316,6 +319,7 @@ class Adapters:
             took_ms=took_ms,
             probe=probe,
             probe_detail=probe_detail[:500],
+            cause=cause,  # its publication: the run that produced it (`haru why <base>:<adapter>`)
         )
         async with m.append_lock:
             m.seq = await self.append(m.subject, event, m.seq)

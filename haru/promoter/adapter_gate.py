@@ -50,12 +50,30 @@ def decide(view: FleetView, tallies: dict[str, dict[str, Tally]], now: datetime)
     return out
 
 
-def _routed(av: AdapterView, now: datetime, reason: str, version: str, detail: str, **fields: Any) -> AdapterRouted:
+def _routed(
+    av: AdapterView, now: datetime, reason: str, version: str, detail: str, cause: int = 0, **fields: Any
+) -> AdapterRouted:
     state: dict[str, Any] = {"current": av.current, "canary": av.canary, "percent": av.percent, "previous": av.previous}
     state.update(fields)
     return AdapterRouted(
-        at=now, model=av.model, adapter=av.adapter, reason=reason, version=version, detail=detail[:1000], **state
+        at=now,
+        model=av.model,
+        adapter=av.adapter,
+        reason=reason,
+        version=version,
+        detail=detail[:1000],
+        cause=cause,
+        **state,
     )
+
+
+def _cause(av: AdapterView, domain: str, version: str) -> int:
+    """The event a decision about `version` rests on: what `domain`'s runtime said of it, else its publication."""
+    copy = av.copy(domain, version)
+    if copy is not None and copy.seq:
+        return copy.seq
+    published = av.versions.get(version)
+    return published.seq if published is not None else 0
 
 
 def _runtime_says(av: AdapterView, domain: str, version: str) -> tuple[str, str]:
@@ -91,7 +109,16 @@ def _judge(
         says, evidence = _runtime_says(av, active, av.canary)
         bad = evidence if says == "failed" else _errors(view, tallies, active, av, av.canary)
         if bad:
-            return _routed(av, now, "rolled_back", av.canary, f"canary {av.canary}: {bad}", canary="", percent=0)
+            return _routed(
+                av,
+                now,
+                "rolled_back",
+                av.canary,
+                f"canary {av.canary}: {bad}",
+                _cause(av, active, av.canary),
+                canary="",
+                percent=0,
+            )
         since = av.change.at if av.change is not None else None
         if says == "ready" and since is not None and (now - since).total_seconds() * 1000 >= p.adapter_canary_ms:
             return _routed(
@@ -101,6 +128,7 @@ def _judge(
                 av.canary,
                 f"canary {av.canary} held {p.adapter_canary_ms} ms at {av.percent}% with no failed probe and an "
                 f"error rate within canary_max_error_rate; {evidence}",
+                _cause(av, active, av.canary),
                 current=av.canary,
                 canary="",
                 percent=0,
@@ -113,10 +141,12 @@ def _judge(
         if says == "wait":
             return None
         if says == "failed":
-            return _routed(av, now, "rolled_back", v, f"version {v} never served: {evidence}")
+            return _routed(av, now, "rolled_back", v, f"version {v} never served: {evidence}", _cause(av, active, v))
         if not av.current:
-            return _routed(av, now, "probe_passed", v, evidence, current=v)
-        return _routed(av, now, "canary_started", v, evidence, canary=v, percent=p.adapter_canary_percent)
+            return _routed(av, now, "probe_passed", v, evidence, _cause(av, active, v), current=v)
+        return _routed(
+            av, now, "canary_started", v, evidence, _cause(av, active, v), canary=v, percent=p.adapter_canary_percent
+        )
     if av.current and av.previous:
         says, evidence = _runtime_says(av, active, av.current)
         bad = evidence if says == "failed" else _errors(view, tallies, active, av, av.current)
@@ -127,6 +157,7 @@ def _judge(
                 "rolled_back",
                 av.current,
                 f"version {av.current}: {bad}; back to {av.previous}",
+                _cause(av, active, av.current),
                 current=av.previous,
                 previous="",
             )

@@ -16,6 +16,7 @@ import pytest
 
 from haru.core import subjects
 from haru.log.requests import request_operation
+from tests.support import haru
 from tests.support.adapters import publish, write_adapter
 from tests.support.agent_harness import tag
 from tests.support.promoter import wait_view
@@ -120,3 +121,24 @@ async def test_a_published_adapter_is_served_a_bad_version_is_rolled_back_and_a_
         seen = [(r.event.version, r.event.state) for r in recs if tag(r) == "adapter_state_changed"]
         assert ("run-2", "resident") in seen and ("run-2", "unloaded") in seen, seen  # loaded, probed, unloaded
         assert ("run-1", "unloaded") not in seen  # kept loaded: what a rollback returns to
+
+    # `haru why m1:sql`: the served version's decision rests on its probe, which rests on the run that made it
+    out = haru("why", SERVED, "--json", nats_url=nats_server.url)
+    assert out.returncode == 0, out.stderr
+    tree = json.loads(out.stdout)
+
+    def walk(nodes, depth=0):
+        for n in nodes:
+            yield depth, n
+            yield from walk(n["caused"], depth + 1)
+
+    found = {
+        (n["type"], n["event"].get("version"), n["event"].get("reason", n["event"].get("state"))): (d, n)
+        for d, n in walk(tree)
+    }
+    depth, run3 = found[("adapter_published", "run-3", None)]
+    assert run3["event"]["metrics"] == {"loss": 0.25} and run3["event"]["data"] == "tests/data.jsonl"
+    chains = [[c["type"] for c in [n, *n["caused"]]] for n in run3["caused"]]
+    assert ["adapter_state_changed", "adapter_routed", "adapter_routed"] in chains, chains  # canary, then promoted
+    _, rolled = found[("adapter_routed", "run-2", "rolled_back")]
+    assert "evaluation probe failed" in rolled["event"]["detail"]
