@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from haru.agents.adapter_files import fetch
 from haru.agents.appender import Append
 from haru.agents.errors import RuntimeProblem
 from haru.agents.model_slot import ModelSlot
@@ -38,8 +39,8 @@ from haru.core.adapters import AdapterVersion, AdapterView, runtime_name, split_
 from haru.core.events import AdapterStateChanged
 from haru.core.specs import Policy
 from haru.core.views import FleetView, view_decoder
-from haru.log.objects import AdapterObjects, unpack
 from haru.log.seam import Log
+from haru.log.training_objects import Objects
 
 __all__ = ["Adapters", "Want", "plan"]
 
@@ -90,6 +91,7 @@ class Adapters:
         fleet: str,
         domain: str,
         log: Log,
+        objects: Objects,
         models: dict[str, ModelSlot],
         append: Append,
         session: aiohttp.ClientSession,
@@ -101,7 +103,7 @@ class Adapters:
         self.fleet, self.domain, self.log, self.models = fleet, domain, log, models
         self.append, self.session, self.store_dir = append, session, store_dir
         self.policy, self.stopping, self.logger = policy, stopping, logger
-        self.objects = AdapterObjects(getattr(log, "js", None))
+        self.objects = objects
         self.view: FleetView | None = None
         self.changed = asyncio.Event()
         self.said: dict[tuple[str, str], tuple[str, str]] = {}  # (model, runtime name) -> last (state, detail)
@@ -201,15 +203,7 @@ class Adapters:
         return self.store_dir / v.digest.replace(":", "-")
 
     async def _fetch(self, v: AdapterVersion) -> Path:
-        where = self._dir(v)
-        if (where / "adapter_config.json").exists():
-            return where
-        data = await self.objects.get(v.object_name, v.digest)
-        tmp = where.with_name(where.name + ".part")
-        await asyncio.to_thread(_replace_dir, tmp)
-        await asyncio.to_thread(unpack, data, tmp)
-        tmp.rename(where)
-        return where
+        return await fetch(self.objects, v.object_name, v.digest, self._dir(v))
 
     async def _load(self, m: ModelSlot, w: Want) -> None:
         started = time.monotonic()
@@ -324,10 +318,3 @@ class Adapters:
         async with m.append_lock:
             m.seq = await self.append(m.subject, event, m.seq)
         self.logger.info("adapter_" + state, model=m.name, adapter=name, detail=detail, took_ms=took_ms)
-
-
-def _replace_dir(path: Path) -> None:
-    import shutil
-
-    if path.exists():
-        shutil.rmtree(path)

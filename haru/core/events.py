@@ -31,6 +31,7 @@ from haru.core.events_adapters import AdapterRouted, AdapterStateChanged
 from haru.core.events_base import (
     SCHEMA_VERSION,
     Event,
+    LostRange,
     LostReason,
     Step,
     StopHow,
@@ -56,6 +57,7 @@ from haru.core.events_domain import (
     AdapterPublished,
     AgentStarted,
     AgentStopping,
+    DomainLogRegressed,
     DomainReachable,
     DomainUnreachable,
     FailureSignalled,
@@ -80,6 +82,7 @@ from haru.core.events_fleet import (
     DemotionRequested,
     EligibilityChanged,
     FailoverDeclined,
+    LogRegressed,
     OperationAborted,
     OperationCompleted,
     OperationRequested,
@@ -111,6 +114,7 @@ __all__ = [
     "DemotionRequested",
     "DomainChanged",
     "DomainDeclared",
+    "DomainLogRegressed",
     "DomainReachable",
     "DomainRetired",
     "DomainUnreachable",
@@ -123,6 +127,8 @@ __all__ = [
     "GpuObserved",
     "GpuProcess",
     "GpuUsage",
+    "LogRegressed",
+    "LostRange",
     "LostReason",
     "ModelAdopted",
     "ModelChanged",
@@ -222,6 +228,8 @@ AnyEvent = (
     | Checkpoint
     | AdapterStateChanged
     | AdapterRouted
+    | LogRegressed
+    | DomainLogRegressed
 )
 
 RESIDENCY_EVENTS = (

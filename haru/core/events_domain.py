@@ -9,7 +9,7 @@ from typing import Literal
 
 import msgspec
 
-from haru.core.events_base import Event, LostReason, StopHow
+from haru.core.events_base import Event, LostRange, LostReason, StopHow
 from haru.core.events_declarations import FetchedFile
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "AgentStarted",
     "AgentStopping",
     "DomainReachable",
+    "DomainLogRegressed",
     "DomainUnreachable",
     "FailureSignalled",
     "GpuObserved",
@@ -272,3 +273,16 @@ class DomainUnreachable(Event, frozen=True, kw_only=True, tag="domain_unreachabl
 
 class DomainReachable(Event, frozen=True, kw_only=True, tag="domain_reachable"):
     domain: str
+
+
+# ----------------------------------------------------- integrity: haru.evt.<fleet>.<domain>.integrity
+
+
+class DomainLogRegressed(Event, frozen=True, kw_only=True, tag="domain_log_regressed"):
+    """The domain's agent found the event log behind what it was acknowledged on its own subjects (its
+    models' residency, GPUs, training, its life): `lost` names each subject and range (`LostRange`). The
+    agent then re-reports its models' and GPUs' current states. Folded as an anomaly; `haru verify`
+    fails on it."""
+
+    domain: str
+    lost: list[LostRange] = []

@@ -75,11 +75,12 @@ async def publish(
     `adapter_published` on the training slot's subject. Returns the event's sequence."""
     from datetime import UTC, datetime
 
-    from haru.log.objects import AdapterObjects, pack
+    from haru.agents.publishing import pack
+    from haru.log.training_objects import JsObjects
 
     data = pack(directory)
     name = f"{base}:{adapter}@{version}"
-    got = await AdapterObjects(log.js).put(name, data)
+    got = (await JsObjects(log.js, sj.ADAPTERS_BUCKET).put(name, data)).digest
     subject = sj.training(fleet, domain, slot)
     event = ev.AdapterPublished(
         at=datetime.now(UTC), domain=domain, slot=slot, base_model=base, adapter=adapter, version=version,
