@@ -22,6 +22,7 @@ from haru.core import subjects
 from haru.core.authority import misplaced
 from haru.core.errors import LogDamaged, seq_ranges
 from haru.log import history
+from haru.log.adapter_reads import adapter_records
 from haru.log.reads import checkpoint_start, model_records, why_records
 from haru.log.seam import Log
 
@@ -260,6 +261,8 @@ async def run_why(args: argparse.Namespace) -> ExitStatus:
     read: list = []
     async with _connect(args, "why") as log:
         have = await why_records(log, args.fleet, args.model, args.domain, damage, read)
+        if not have:  # a LoRA adapter served at run time, `<base>:<adapter>`: its versions, probes, routing
+            have = await adapter_records(log, args.fleet, args.model, args.domain, damage)
     _report_misplaced(read, args.fleet)
     damaged = damage[0] if damage else None
     if not have and damaged is not None:
