@@ -105,6 +105,7 @@ async def one(rtt_ms: int, root: Path, steady_s: float, tail_s: float) -> dict:
     if flip is not None and detect is not None:
         cp_ms = (flip - detect) * 1000 - steps.get("wake", 0) - steps.get("probe", 0)
     return {
+        "timeline": timeline(recs, wall_fault, rtt_ms),
         "rtt": rtt_ms,
         "detect": detect,
         "decide": None if decide is None or detect is None else decide - detect,
@@ -117,6 +118,28 @@ async def one(rtt_ms: int, root: Path, steady_s: float, tail_s: float) -> dict:
         "p99": p99([d[1] - d[0] for d in after]),
         "p99_steady": p99([d[1] - d[0] for d in before]),
     }
+
+
+def timeline(recs, wall_fault: float, rtt_ms: int) -> list[str]:
+    """Every record from the fault to the flip's completion, with the gap to the one before it (in ms and
+    in round trips): the control plane's critical path as the log saw it."""
+    out, prev = [], wall_fault
+    for r in recs:
+        t = r.time_ns / 1e9
+        if t < wall_fault or r.event is None:
+            continue
+        gap_ms = (t - prev) * 1000
+        what = getattr(r.event, "step", "") or getattr(r.event, "domain", "") or getattr(r.event, "active", "")
+        took = getattr(r.event, "took_ms", 0)
+        out.append(
+            f"  {(t - wall_fault) * 1000:8.0f} ms  +{gap_ms:6.0f} ms ({gap_ms / rtt_ms if rtt_ms else 0:4.1f} rtt)  "
+            f"{r.subject.rsplit('.', 1)[-1]:<9} {type(r.event).__name__:<20} {what:<18} "
+            f"{f'took {took} ms' if took else ''} by {r.event.by}"
+        )
+        prev = t
+        if isinstance(r.event, StepCompleted) and r.event.step == "flip":
+            break
+    return out
 
 
 def fmt(x, spec: str) -> str:
@@ -144,6 +167,7 @@ async def main() -> None:
     p.add_argument("--rtt", default="0,40,120", help="inter-region round trips to measure, ms, comma-separated")
     p.add_argument("--steady-s", type=float, default=3.0)
     p.add_argument("--tail-s", type=float, default=3.0)
+    p.add_argument("--timeline", action="store_true", help="print each run's records from the fault to the flip")
     args = p.parse_args()
     why = netns_problem()
     if why:
@@ -153,6 +177,8 @@ async def main() -> None:
         root = Path(tempfile.mkdtemp(prefix=f"haru-regions-{rtt}-"))
         try:
             rows.append(await one(rtt, root, args.steady_s, args.tail_s))
+            if args.timeline:
+                print(f"records after the fault at {rtt} ms:", *rows[-1]["timeline"], sep="\n", flush=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         print(table(rows), flush=True)

@@ -12,7 +12,10 @@ is not applied (the fold counts it as an anomaly) and is logged. It listens to h
 (`haru.hb.*.*`, on the bus: haru/log/bus.py) and measures silence.
 
 Each round, per fleet: `decide(view, facts)` -> appends, made in order with the expected sequence;
-after a successful append the promoter waits until its follower has folded it before deciding again.
+the next decision reads the view with the promoter's own acknowledged appends on it
+(`FleetState.acked`), so it never decides on a view that lacks its own append, and never waits for
+its follower to deliver what the acknowledgement already said (a round trip per decision at WAN
+latency: docs/deploy.md).
 A `step_started` it appended is a step it runs (in a task): the step's agent commands over
 request/reply (or, for the flip, `route_moved` on the route subject with the route subject's real
 last sequence as the expected one, provided the route has not moved since the operation's route
@@ -159,7 +162,7 @@ class Promoter:
         if fleet and (self.only is None or fleet in self.only):
             st = self._state(fleet)
             if rec.seq > st.resumed_at:  # else already in the view this fleet was resumed from
-                st.last[rec.subject] = rec.seq
+                st.folded(rec.subject, rec.seq)
                 if rec.event is not None:
                     st.folder.add(rec.event, seq=rec.seq, subject=rec.subject)
                     if st.folder.misplaced_seq == rec.seq:  # not applied (the subject is the authority): say so, once
@@ -442,7 +445,7 @@ class Promoter:
             return []
 
     async def _make(self, st: FleetState, appends: list[Append], expects: dict[str, int] | None = None) -> None:
-        """Make a round's appends, in order (each folded before the next); stop at the first that loses a race.
+        """Make a round's appends, in order (each acknowledged before the next); stop at the first that loses a race.
         `expects`: each subject's last sequence when the appends were decided (default: now); our own
         append moves it."""
         if expects is None:
@@ -469,11 +472,11 @@ class Promoter:
                 self._listen_afresh()
             log.info("appended", seq=seq, why=a.why, **_context(event))
             expects[a.subject] = seq
+            st.acked(seq, a.subject, event)  # decided on at once, not after the follower delivers it
             if isinstance(event, StepStarted):
                 op = st.view.operation
                 if op is not None and op.op_id == event.op_id:
                     self._spawn_step(st, op, event, seq)
-            await self.wait_folded(seq)
 
     # ----------------------------------------------------------------------------- the steps
 
@@ -521,12 +524,9 @@ class Promoter:
                         )
             if isinstance(event, (StepCompleted, StepFailed)) and not event.took_ms:
                 event = msgspec.structs.replace(event, took_ms=int((time.monotonic() - t0) * 1000))
+            event = msgspec.structs.replace(event, by=self.identity, cause=started_seq)
             try:
-                seq = await self.log.append(
-                    subjects.op(fleet),
-                    msgspec.structs.replace(event, by=self.identity, cause=started_seq),
-                    expect=started_seq,
-                )
+                seq = await self.log.append(subjects.op(fleet), event, expect=started_seq)
             except Conflict:
                 log.warning(
                     "step_taken_over",
@@ -539,7 +539,7 @@ class Promoter:
             log.info(
                 "step_" + ("completed" if isinstance(event, StepCompleted) else "failed"), seq=seq, **_context(event)
             )
-            await self.wait_folded(seq)
+            st.acked(seq, subjects.op(fleet), event)  # the next step is decided at once (FleetState.view)
         except asyncio.CancelledError:
             raise
         except Exception:
