@@ -75,12 +75,13 @@ from haru.promoter.drive import not_applicable
 from haru.promoter.fleets import FleetState, StepRunner, utcnow
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
-from haru.promoter.quorum import Quorum
+from haru.promoter.quorum import Quorum, reaches_most
 from haru.promoter.runners import StepRunners
 
 log_ = structlog.get_logger("haru.promoter")
 
 STALL_CHECK_S = 2.0
+KNOWN_PEERS_S = 60.0  # the promoters heard within this long are the ones a replica knows (reaches_most)
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> None:
@@ -156,7 +157,7 @@ class Promoter:
     def on_record(self, rec: Record) -> None:
         if rec.seq <= self.folded:
             return  # a redelivery after the follower was restarted
-        if self.quorum.committed(rec.time_ns):  # committed after we lost the majority: it is back
+        if self.quorum.committed(rec.time_ns) and self.quorum.cut_off:  # committed after we lost the majority
             self._listen_afresh()
         fleet = fleet_of(rec.subject)
         if fleet and (self.only is None or fleet in self.only):
@@ -395,6 +396,12 @@ class Promoter:
         self._was_connected = connected
         return connected
 
+    def _heard_most(self) -> bool:
+        """Whether this replica hears most of the promoters it heard within `KNOWN_PEERS_S` (quorum.py)."""
+        return reaches_most(
+            len(self.peers.alive("promoter")), len(self.peers.alive("promoter", within_s=KNOWN_PEERS_S))
+        )
+
     def _listen_afresh(self) -> None:
         """Forget what was heard: silence is measured from now (after a reconnect, in and out of minority)."""
         self._listening_since = time.monotonic()
@@ -408,7 +415,9 @@ class Promoter:
         for name in st.view.domains:
             seen = st.heard.get(name)
             silent[name] = None if seen is None else int((now_m - seen) * 1000)
-        if self.quorum.lapsed():
+        if self.quorum.state == "minority" and not self._heard_most():
+            self.quorum.alone()
+        if self.quorum.lapsed() and self.quorum.cut_off:
             self._listen_afresh()
         listening_ms = int((now_m - self._listening_since) * 1000)
         if self.quorum.state == "minority":  # cut off: silence we measure is our own isolation (quorum.py)
@@ -459,16 +468,16 @@ class Promoter:
                 seq = await self.log.append(a.subject, event, expect=expect)
             except Conflict as exc:
                 log.debug("append_lost_race", expected=expect, current=exc.current)
-                if self.quorum.answered():
+                if self.quorum.answered() and self.quorum.cut_off:
                     self._listen_afresh()
                 return
             except LogError as exc:
-                if self.quorum.failed(exc):
+                if self.quorum.failed(exc, heard_most=self._heard_most()) and self.quorum.cut_off:
                     self._listen_afresh()
                 elif self.quorum.state == "majority":
                     log.warning("append_failed", error=str(exc))
                 return
-            if self.quorum.answered():
+            if self.quorum.answered() and self.quorum.cut_off:
                 self._listen_afresh()
             log.info("appended", seq=seq, why=a.why, **_context(event))
             expects[a.subject] = seq
