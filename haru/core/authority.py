@@ -17,6 +17,7 @@ the subject's. Pure: no I/O.
     model      haru.evt.<fleet>.<domain>.model.<model>    that domain's agent             residency
     gpu        haru.evt.<fleet>.<domain>.gpu.<index>      that domain's agent             gpu_observed
     training   haru.evt.<fleet>.<domain>.training.<slot>  that domain's agent             training_started/stopped
+    usage      haru.evt.<fleet>.usage                     gateway                         tokens_counted
 
     why = misplaced(subject, event)     # '' when the event may stand there, else why not
     line = anomaly(seq, subject, event, why)   # "seq 12: route_moved on ... by ... not applied: ..."
@@ -79,6 +80,7 @@ PLACES: tuple[Place, ...] = (
             ev.TrainingRetired,
             ev.AdmissionDecided,
             ev.ModelFetched,
+            ev.PriceDeclared,
         ),
     ),  # fmt: skip
     Place("route", "haru.evt.<fleet>.route", ("promoter",), (ev.RouteMoved,)),
@@ -109,6 +111,7 @@ PLACES: tuple[Place, ...] = (
     Place(
         "training", "haru.evt.<fleet>.<domain>.training.<slot>", ("agent",), (ev.TrainingStarted, ev.TrainingStopped)
     ),
+    Place("usage", "haru.evt.<fleet>.usage", ("gateway",), (ev.TokensCounted,)),
 )
 """The table. `agent` as a writer means the agent of the subject's own domain (NATS user
 `agent.<fleet>.<domain>`); `admin` may write anything and is nobody's day-to-day identity."""
@@ -131,6 +134,7 @@ _PARTS: dict[str, tuple[str, ...]] = {
     "model": ("fleet", "domain", "model"),
     "gpu": ("fleet", "domain", "gpu_index"),
     "training": ("fleet", "domain", "slot"),
+    "usage": ("fleet",),
 }
 _BODY_FIELD = {"fleet": "fleet", "domain": "domain", "model": "model", "gpu_index": "index", "slot": "slot"}
 _NOUN = {"fleet": "fleet", "domain": "domain", "model": "model", "gpu_index": "GPU index", "slot": "slot"}

@@ -46,6 +46,7 @@ from haru.core.events_declarations import (
     ModelFetched,
     ModelRetired,
     PolicyChanged,
+    PriceDeclared,
     TrainingChanged,
     TrainingDeclared,
     TrainingRetired,
@@ -75,9 +76,11 @@ from haru.core.events_domain import (
 from haru.core.events_fleet import (
     ChainHead,
     Checkpoint,
+    ClusterCost,
     DemotionRequested,
     EligibilityChanged,
     FailoverDeclined,
+    ModelTokens,
     OperationAborted,
     OperationCompleted,
     OperationRequested,
@@ -91,6 +94,7 @@ from haru.core.events_fleet import (
     StepFailed,
     StepStarted,
     TeardownRequested,
+    TokensCounted,
     WeightingRequested,
     WeightsSet,
 )
@@ -103,6 +107,7 @@ __all__ = [
     "AnyEvent",
     "ChainHead",
     "Checkpoint",
+    "ClusterCost",
     "DemotionRequested",
     "DomainChanged",
     "DomainDeclared",
@@ -131,12 +136,14 @@ __all__ = [
     "ModelRetired",
     "ModelSleeping",
     "ModelStopped",
+    "ModelTokens",
     "ModelWaking",
     "OPERATION_REQUESTS",
     "OperationAborted",
     "OperationCompleted",
     "OperationRequested",
     "PolicyChanged",
+    "PriceDeclared",
     "PromotionRequested",
     "PromotionRetargeted",
     "ProvisionRequested",
@@ -152,6 +159,7 @@ __all__ = [
     "StepStarted",
     "StopHow",
     "TeardownRequested",
+    "TokensCounted",
     "TrainingChanged",
     "TrainingDeclared",
     "TrainingRetired",
@@ -214,6 +222,8 @@ AnyEvent = (
     | RouteMoved
     | WeightsSet
     | Checkpoint
+    | PriceDeclared
+    | TokensCounted
 )
 
 RESIDENCY_EVENTS = (

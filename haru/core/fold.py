@@ -138,6 +138,8 @@ _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
     ev.WeightsSet: operations.weights_set,
     ev.ModelFetched: lambda view, e, seq: view,  # provenance of model files: history (`haru why`), not state
     ev.Checkpoint: lambda view, e, seq: view,  # a record of where history stood: it changes no fact
+    ev.PriceDeclared: lambda view, e, seq: view,  # prices and tokens are the accounting's (haru.core.cost),
+    ev.TokensCounted: lambda view, e, seq: view,  # not the fleet view's
 }
 _RESIDENCY = frozenset(ev.RESIDENCY_EVENTS)
 # Events about a domain after which a declined failover of that domain may be over (it is healthy).

@@ -13,7 +13,7 @@ from haru.core import subjects as sj
 from tests.support.authority import build
 
 EVENT_TYPES: tuple[type, ...] = ev.AnyEvent.__args__  # type: ignore[attr-defined]
-KINDS = ("decl", "route", "checkpoint", "weights", "op", "agent", "liveness", "model", "gpu", "training")
+KINDS = ("decl", "route", "checkpoint", "weights", "op", "agent", "liveness", "model", "gpu", "training", "usage")
 
 
 def subject_of(
@@ -37,6 +37,7 @@ def subject_of(
         "model": lambda: sj.model(fleet, domain, model),
         "gpu": lambda: sj.gpu(fleet, domain, index),
         "training": lambda: sj.training(fleet, domain, slot),
+        "usage": lambda: sj.usage(fleet),
     }[kind]()
 
 
@@ -132,7 +133,7 @@ def test_something_that_is_not_an_event_subject_holds_no_event():
 # ----------------------------------------------------------------------------------- properties
 
 names = st.from_regex(r"[a-z0-9_-]{1,12}", fullmatch=True).filter(
-    lambda n: n not in ("decl", "route", "op", "checkpoint", "weights")
+    lambda n: n not in ("decl", "route", "op", "checkpoint", "weights", "usage")
 )
 model_ids = st.text(st.characters(blacklist_categories=("Cs", "Zs", "Zl", "Zp", "Cc")), min_size=1, max_size=20)
 
@@ -176,6 +177,7 @@ def test_a_body_that_names_anything_else_than_its_subject_is_misplaced(cls, data
             "model": ("fleet", "domain", "model"),
             "gpu": ("fleet", "domain", "index"),
             "training": ("fleet", "domain", "slot"),
+            "usage": ("fleet",),
         }[kind]
     ]
     subject = subject_of(kind, **mine)
