@@ -32,6 +32,7 @@ from aiohttp import web
 
 from haru.core.openai_errors import error_body
 from haru.gateway.canary import Reporter
+from haru.gateway.usage_log import Ledger, UsageWriter
 from haru.gateway.config import GatewayConfig
 from haru.gateway.console import Console
 from haru.gateway.control import Control
@@ -89,6 +90,7 @@ class Gateway:
             self.follower.on_change = self._changed
         self._stack: contextlib.AsyncExitStack | None = None
         self.reporter: Reporter | None = None
+        self.usage: UsageWriter | None = None
         self._runner: web.ServerRunner | None = None
         self._server: GuardedServer | None = None
         self.host = config.bind_host()
@@ -151,6 +153,12 @@ class Gateway:
                     interval_s=cfg.canary_report_ms / 1000,
                 )
                 await stack.enter_async_context(self.reporter)
+                # the tokens it serves, recorded in the log for the accounting (docs/cost.md)
+                self.metrics.ledger = Ledger()
+                self.usage = UsageWriter(
+                    self.events, self.metrics.ledger, self.gateway_id(), interval_s=cfg.usage_flush_ms / 1000
+                )
+                await stack.enter_async_context(self.usage)
             server = GuardedServer(
                 self.dispatch,
                 limits=cfg.client_limits,
