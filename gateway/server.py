@@ -32,7 +32,6 @@ from aiohttp import web
 
 from haru.core.openai_errors import error_body
 from haru.gateway.canary import Reporter
-from haru.gateway.usage_log import Ledger, UsageWriter
 from haru.gateway.config import GatewayConfig
 from haru.gateway.console import Console
 from haru.gateway.control import Control
@@ -41,6 +40,7 @@ from haru.gateway.metrics import GatewayMetrics
 from haru.gateway.proxy import CHAT_PATHS, Proxy
 from haru.gateway.routing import Refusal, RoutingTable
 from haru.gateway.state import RouteFollower
+from haru.gateway.usage_log import Ledger, UsageWriter
 from haru.gateway.weights_api import post_weights
 from haru.host.httpguard import GuardedServer
 from haru.log.seam import Log
