@@ -1,0 +1,157 @@
+"""`haru route follow` driving a real HAProxy and a real nginx (Debian's packages, children on free ports)
+from route intents published into a real nats-server, and `--exec` with a command that fails: each follows
+the route, and reports on haru.router.<fleet>.<router> the revision it applied."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+
+import aiohttp
+import msgspec
+import pytest
+
+from haru.core import subjects
+from haru.core.residency import Answer
+from haru.core.router_acks import report_decoder
+from haru.core.views import RouteIntent, Target, Weighted, view_encoder
+from haru.host.tasks import cancel_and_wait
+from haru.routers import Command, Follower
+from tests.support.gateway import Upstream
+from tests.support.routers import haproxy, nginx
+from tests.support.wait import wait_until
+
+FLEET = "default"
+
+
+def intent(active: str, url: str, revision: int, **kw) -> RouteIntent:
+    return RouteIntent(
+        fleet=FLEET,
+        revision=revision,
+        active=Target(domain=active, serving_url=url, reachable=True),
+        answers={"m": Answer(answer="ready")},
+        **kw,
+    )
+
+
+class Reports:
+    def __init__(self) -> None:
+        self.got: list = []
+
+    async def listen(self, log) -> None:
+        def on(msg) -> None:
+            self.got.append((msg.subject, report_decoder.decode(msg.data)))
+
+        await log.bus.subscribe(subjects.router_report(FLEET), on)
+
+    def last(self, router: str):
+        mine = [r for s, r in self.got if s == subjects.router_report(FLEET, router)]
+        return mine[-1] if mine else None
+
+
+@contextlib.asynccontextmanager
+async def following(event_log, router: str, target, **kw):
+    f = Follower(event_log, FLEET, router, target, interval_s=0.2, backoff_s=0.1, **kw)
+    task = asyncio.create_task(f.run())
+    try:
+        yield f
+    finally:
+        await cancel_and_wait(task)
+
+
+async def served_by(url: str) -> str:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/chat/completions", json={"model": "m", "messages": []}) as r:
+            return r.headers.get("X-Domain", f"status {r.status}")
+
+
+class Named(Upstream):
+    async def handle(self, request):
+        from aiohttp import web
+
+        await request.read()
+        return web.Response(text=self.domain, headers={"X-Domain": self.domain})
+
+
+@pytest.fixture
+async def two():
+    a, b = await Named("a").start(), await Named("b").start()
+    try:
+        yield a, b
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def publish(event_log, ri: RouteIntent, expect: int) -> int:
+    return await event_log.publish_intent(FLEET, view_encoder.encode(ri), expect=expect)
+
+
+@pytest.mark.parametrize("router", ["haproxy", "nginx"])
+async def test_a_router_follows_a_flip_and_reports_the_revision_it_applied(tmp_path, event_log, two, router):
+    a, b = two
+    reports = Reports()
+    await reports.listen(event_log)
+    seq = await publish(event_log, intent("a", a.url, 5), 0)
+    start = haproxy if router == "haproxy" else nginx
+    async with start(tmp_path) as proc, following(event_log, "edge", proc.target()):
+        await wait_until(lambda: (r := reports.last("edge")) is not None and r.revision == 5, 10, what="revision 5")
+        assert await served_by(proc.url) == "a"
+        await publish(event_log, intent("b", b.url, 9), seq)
+        await wait_until(lambda: (r := reports.last("edge")) is not None and r.revision == 9, 10, what="revision 9")
+        # applied means applied: every request from now on goes to b
+        assert [await served_by(proc.url) for _ in range(6)] == ["b"] * 6
+        r = reports.last("edge")
+        assert r.kind == router and r.active == "b" and r.wanted == 9 and r.error == ""
+
+
+async def test_haproxy_takes_a_split_as_weights_and_says_what_it_cannot_follow(tmp_path, event_log, two):
+    a, b = two
+    reports = Reports()
+    await reports.listen(event_log)
+    ri = intent(
+        "a",
+        a.url,
+        3,
+        weights={"b": 25},
+        model_weights={"m": {"b": 50}},
+        weighted={
+            "b": Weighted(
+                target=Target(domain="b", serving_url=b.url, reachable=True), answers={"m": Answer(answer="ready")}
+            )
+        },
+    )
+    await publish(event_log, ri, 0)
+    async with haproxy(tmp_path) as hp, following(event_log, "edge", hp.target()) as f:
+        await wait_until(lambda: (r := reports.last("edge")) is not None and r.revision == 3, 10)
+        weights = [await f.target.command(f"get weight haru_default/{s}") for s in ("haru1", "haru2")]
+        assert [w.split()[0] for w in weights] == ["75", "25"]
+        seen = [await served_by(hp.url) for _ in range(40)]
+        assert seen.count("b") == 10 and seen.count("a") == 30
+        assert any("model m has its own split" in n for n in reports.last("edge").notes)
+
+
+async def test_an_exec_command_that_fails_is_reported_and_tried_again(tmp_path, event_log):
+    reports = Reports()
+    await reports.listen(event_log)
+    got = tmp_path / "got.json"
+    allow = tmp_path / "allow"
+    script = tmp_path / "apply.py"
+    script.write_text(
+        "import os, sys\n"
+        f"data = sys.stdin.read()\n"
+        f"if not os.path.exists({str(allow)!r}):\n"
+        "    print('the router said no'); sys.exit(3)\n"
+        f"open({str(got)!r}, 'w').write(os.environ['HARU_ROUTE_REVISION'] + ' ' + data)\n"
+    )
+    await publish(event_log, intent("a", "http://127.0.0.1:8001", 4), 0)
+    async with following(event_log, "script", Command(f"{sys.executable} {script}")) as f:
+        await wait_until(lambda: (r := reports.last("script")) is not None and r.error, 10)
+        r = reports.last("script")
+        assert r.revision == 0 and r.wanted == 4 and "exited 3: the router said no" in r.error
+        allow.touch()
+        await wait_until(lambda: (r := reports.last("script")) is not None and r.revision == 4 and not r.error, 10)
+        assert f.failures >= 1
+    revision, body = got.read_text().split(" ", 1)
+    assert revision == "4" and msgspec.json.decode(body)["active"]["domain"] == "a"
