@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from datetime import UTC, datetime
 
@@ -176,7 +177,7 @@ class Follower:
             wait = max(0.0, next_try - time.monotonic()) if ri is not None else self.resync_s
             seen = w.seq
             again_wait = asyncio.create_task(self._again.wait())
-            changed = asyncio.create_task(w.wait_for(lambda _ri, seen=seen: w.seq != seen, wait + 1.0))
+            changed = asyncio.create_task(w.wait_for(functools.partial(_moved, w, seen), wait + 1.0))
             try:
                 await asyncio.wait({again_wait, changed}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if changed.done() and not changed.cancelled():
@@ -188,3 +189,7 @@ class Follower:
                     t.cancel()
                     with contextlib.suppress(BaseException):
                         await t
+
+
+def _moved(w: RouteWatcher, seen: int, _ri: RouteIntent) -> bool:
+    return w.seq != seen
