@@ -114,6 +114,10 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     # canary step) for `rolling_canary_ms`; rolled back, the change aborts with routing unmoved.
     rolling_canary_weight: Annotated[int, msgspec.Meta(ge=0, le=99)] = 0
     rolling_canary_ms: NonNegative = 30_000
+    # After a flip, the old active is put to sleep only once every router that follows the fleet
+    # (`haru route follow`, reporting on haru.router.<fleet>.<router>) applied the new route, or is gone,
+    # or this long has passed.
+    router_ack_timeout_ms: NonNegative = 10_000
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):
