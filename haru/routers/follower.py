@@ -76,6 +76,12 @@ class Follower:
         self._again = asyncio.Event()  # apply the current plan again (NATS came back)
         self.watcher: RouteWatcher | None = None
 
+    def state(self) -> str:
+        """One line: what it applied, what it has read, its last error (for logs and failed waits)."""
+        held = f"revision {self.applied.revision} (intent {self.applied_seq})" if self.applied else "nothing"
+        read = f"intent {self.watcher.seq}" if self.watcher is not None else "no intent"
+        return f"applied {held}; read {read} (revision {self.wanted}); {self.applies} applies, error {self.error!r}"
+
     # ---------------------------------------------------------------------------------- report
 
     def report(self) -> RouterReport:
@@ -175,7 +181,7 @@ class Follower:
             if ready is not None:
                 ready.set()
             wait = max(0.0, next_try - time.monotonic()) if ri is not None else self.resync_s
-            seen = w.seq
+            seen = seq  # what this pass read: an intent that arrived while it applied ends the wait at once
             again_wait = asyncio.create_task(self._again.wait())
             changed = asyncio.create_task(w.wait_for(functools.partial(_moved, w, seen), wait + 1.0))
             try:

@@ -155,3 +155,17 @@ async def test_an_exec_command_that_fails_is_reported_and_tried_again(tmp_path, 
         assert f.failures >= 1
     revision, body = got.read_text().split(" ", 1)
     assert revision == "4" and msgspec.json.decode(body)["active"]["domain"] == "a"
+
+
+async def test_an_intent_published_while_the_router_applies_the_last_one_is_applied_next(tmp_path, event_log):
+    reports = Reports()
+    await reports.listen(event_log)
+    started = tmp_path / "started"
+    script = tmp_path / "slow.sh"
+    script.write_text(f"#!/bin/sh\ncat > /dev/null\ntouch {started}\nsleep 0.5\n")
+    script.chmod(0o755)
+    seq = await publish(event_log, intent("a", "http://127.0.0.1:8001", 1), 0)
+    async with following(event_log, "slow", Command(str(script))) as f:
+        await wait_until(started.exists, 10, what="the first apply under way")
+        await publish(event_log, intent("b", "http://127.0.0.1:8002", 2), seq)  # while it applies revision 1
+        await wait_until(lambda: f.applied is not None and f.applied.revision == 2, 10, what=f.state)

@@ -103,7 +103,7 @@ backend {backend}
 
 
 class NginxProc:
-    def __init__(self, tmp: Path, upstream: str) -> None:
+    def __init__(self, tmp: Path, upstream: str, keepalive: str = "0") -> None:
         self.port = free_port()
         self.upstream = upstream
         self.prefix = tmp / "nginx"
@@ -129,6 +129,9 @@ http {{
     uwsgi_temp_path {self.prefix}/uwsgi;
     scgi_temp_path {self.prefix}/scgi;
     include {self.file};
+    # A graceful reload closes the old workers' idle client keep-alive connections: a client sending on
+    # one at that instant sees it closed before any byte of an answer. Off here, so a reload costs nothing.
+    keepalive_timeout {keepalive};
     server {{
         listen 127.0.0.1:{self.port};
         location / {{
@@ -181,9 +184,9 @@ async def haproxy(tmp: Path, backend: str = "haru_default"):
 
 
 @contextlib.asynccontextmanager
-async def nginx(tmp: Path, upstream: str = "haru_default"):
+async def nginx(tmp: Path, upstream: str = "haru_default", keepalive: str = "0"):
     need(NGINX)
-    ng = NginxProc(tmp, upstream)
+    ng = NginxProc(tmp, upstream, keepalive)
     try:
         yield await ng.start()
     finally:
