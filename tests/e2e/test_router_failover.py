@@ -67,7 +67,7 @@ async def followed_after(event_log, f: Follower, domain: str) -> tuple[int, floa
 @pytest.mark.parametrize("router", ["haproxy", "nginx"])
 async def test_a_planned_promotion_through_a_followed_router_loses_no_request(tmp_path, nats_server, event_log, router):
     layout = sim_layout(tmp_path / "layout.json", tmp_path)
-    async with sim_fleet(tmp_path, nats_server, event_log, layout) as fleet:
+    async with sim_fleet(tmp_path, nats_server, event_log, layout):
         view = await wait_view(event_log, steady, timeout=60, fleet=FLEET, what="a active, b a standby")
         async with followed(tmp_path, event_log, router) as (proc, f):
             await wait_until(lambda: f.applied is not None and f.applied.revision == view.route_revision, 10)
@@ -98,7 +98,7 @@ async def test_a_planned_promotion_through_a_followed_router_loses_no_request(tm
 @pytest.mark.parametrize("router", ["haproxy", "nginx"])
 async def test_a_detached_gpu_moves_a_followed_router_to_the_new_active(tmp_path, nats_server, event_log, router):
     layout = sim_layout(tmp_path / "layout.json", tmp_path)
-    async with sim_fleet(tmp_path, nats_server, event_log, layout) as fleet:  # noqa: F841
+    async with sim_fleet(tmp_path, nats_server, event_log, layout):
         view = await wait_view(event_log, steady, timeout=60, fleet=FLEET, what="a active, b a standby")
         async with followed(tmp_path, event_log, router) as (proc, f):
             await wait_until(lambda: f.applied is not None and f.applied.revision == view.route_revision, 10)
