@@ -169,7 +169,16 @@ def fixed_users() -> list[User]:
         User(
             "operator",
             "the haru CLI: apply (decl), promote/demote (op), agent commands, reads",
-            publish=["haru.evt.*.decl", "haru.evt.*.op", "haru.cmd.>", "$SRV.>", *events, *views, *route],
+            publish=[
+                "haru.evt.*.decl",
+                "haru.evt.*.op",
+                "haru.cmd.>",
+                "$SRV.>",
+                "haru.routers.ask.>",
+                *events,
+                *views,
+                *route,
+            ],
             subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", "haru.router.>", INBOX],
         ),
         User(
@@ -213,7 +222,7 @@ def router_user(fleet: str, name: str) -> User:
         f"router.{fleet}.{name}",
         f"the route follower {name!r} of fleet {fleet!r}: reads the route, reports only as itself",
         publish=[f"haru.router.{fleet}.{name}", *read_stream(ROUTE)],
-        subscribe=[f"haru.route.{fleet}", INBOX],
+        subscribe=[f"haru.route.{fleet}", f"haru.routers.ask.{fleet}", INBOX],
     )
 
 

@@ -23,6 +23,8 @@ __all__ = [
     "Lag",
     "RouterReport",
     "Waiting",
+    "describe",
+    "lines",
     "gone_after",
     "heard",
     "lag",
@@ -138,3 +140,30 @@ def describe(w: Waiting, waited_s: float, timeout: bool) -> str:
         return "no router follows this fleet"
     how = f"gave up after {waited_s:.2f} s (router_ack_timeout_ms)" if timeout else f"after {waited_s:.2f} s"
     return f"routers: {'; '.join(parts)}; {how}"
+
+
+def lines(rows: list[Lag], revision: int, active: str) -> list[str]:
+    """`haru status`'s routers section: each router's applied revision against the fleet's, and how long
+    since it was heard. Empty when no router reported."""
+    if not rows:
+        return []
+    behind = sum(1 for r in rows if r.state != "applied")
+    head = f"routers following the route (haru route follow): {len(rows)}"
+    head += f", {behind} not on revision {revision}" if behind else f", all on revision {revision} → {active}"
+    out = [head]
+    for r in rows:
+        if r.state == "applied":
+            what = f"applied revision {r.revision} → {r.active}"
+        elif r.state == "behind":
+            held = f"{r.revision} → {r.active or '(nothing)'}"
+            what = f"BEHIND: holds revision {held}, the route is at {revision} → {active}"
+        else:
+            what = (
+                f"GONE: not heard for {r.silent_s:.0f} s (last held revision {r.revision} → {r.active or '(nothing)'})"
+            )
+        line = f"  {r.router} ({r.kind or '?'}): {what}; heard {r.silent_s:.1f} s ago"
+        if r.error:
+            line += f"; not applied: {r.error}"
+        out.append(line)
+        out.extend(f"      cannot follow: {n}" for n in r.notes)
+    return out

@@ -23,6 +23,7 @@ share a token.
     haru.route.<fleet>                             route intents (stream HARU_ROUTE)
     haru.canary.<fleet>.<gateway>                  a gateway's per-domain request and error counts (core NATS)
     haru.router.<fleet>.<router>                   a router follower's report: the route revision it applied (core NATS)
+    haru.routers.ask.<fleet>                       asks a fleet's router followers to report now (`haru status`)
 
 Reading one back is done here too, once: `read(subject)` (memoized) says what an event subject
 names (`EventSubject`: its fleet token, its fleet-level kind, the whole `Where` or None), with
@@ -344,3 +345,8 @@ def router_report_of(subject: str) -> tuple[str, str] | None:
     if len(parts) != 4 or parts[0] != "haru" or parts[1] != "router":
         return None
     return parts[2], parts[3]
+
+
+def routers_ask(fleet: str) -> str:
+    """Where `haru status` asks a fleet's route followers to report at once, rather than at their next interval."""
+    return f"haru.routers.ask.{check_name('fleet', fleet)}"

@@ -33,6 +33,7 @@ from haru.core.router_acks import RouterReport
 from haru.core.router_plans import Plan, plan
 from haru.core.views import RouteIntent
 from haru.host.tasks import cancel_and_wait
+from haru.log.bus import Msg
 from haru.log.route import RouteWatcher
 from haru.log.seam import Log
 from haru.routers.errors import NotApplied
@@ -108,6 +109,9 @@ class Follower:
         except Exception as exc:  # NATS away: the next one goes when it is back
             _log.debug("router_report_not_sent", fleet=self.fleet, router=self.router, error=str(exc))
 
+    async def _asked(self, msg: Msg) -> None:
+        await self.publish_report()
+
     async def _reporting(self) -> None:
         while True:
             await self.publish_report()
@@ -156,12 +160,16 @@ class Follower:
 
         forget = self.log.on_link_change(on_link)
         reporting = asyncio.create_task(self._reporting(), name=f"router-report-{self.router}")
+        # `haru status` asks every follower of the fleet to report at once (haru.log.router_reports)
+        asked = await self.log.bus.subscribe(subjects.routers_ask(self.fleet), self._asked)
         try:
             async with RouteWatcher(self.log, self.fleet, writer=f"router:{self.router}") as w:
                 self.watcher = w
                 await self._loop(w, ready)
         finally:
             forget()
+            with contextlib.suppress(Exception):
+                await asked.unsubscribe()
             await cancel_and_wait(reporting)
 
     async def _loop(self, w: RouteWatcher, ready: asyncio.Event | None) -> None:

@@ -51,8 +51,8 @@ class Reports:
 
 
 @contextlib.asynccontextmanager
-async def following(event_log, router: str, target, **kw):
-    f = Follower(event_log, FLEET, router, target, interval_s=0.2, backoff_s=0.1, **kw)
+async def following(event_log, router: str, target, interval_s: float = 0.2, **kw):
+    f = Follower(event_log, FLEET, router, target, interval_s=interval_s, backoff_s=0.1, **kw)
     task = asyncio.create_task(f.run())
     try:
         yield f
@@ -169,3 +169,32 @@ async def test_an_intent_published_while_the_router_applies_the_last_one_is_appl
         await wait_until(started.exists, 10, what="the first apply under way")
         await publish(event_log, intent("b", "http://127.0.0.1:8002", 2), seq)  # while it applies revision 1
         await wait_until(lambda: f.applied is not None and f.applied.revision == 2, 10, what=f.state)
+
+
+async def test_haru_status_says_which_routers_are_behind_and_by_how_much(tmp_path, nats_server, event_log):
+    from haru.core.views import FleetView
+    from tests.support import haru
+
+    await event_log.put_view(
+        subjects.view_key(FLEET), view_encoder.encode(FleetView(fleet=FLEET, active="b", route_revision=9)), last=0
+    )
+    seq = await publish(event_log, intent("a", "http://127.0.0.1:8001", 5), 0)
+    no = tmp_path / "no.sh"
+    no.write_text('#!/bin/sh\ncat > /dev/null\n[ "$HARU_ROUTE_REVISION" = 5 ] || { echo refused; exit 1; }\n')
+    no.chmod(0o755)
+    # interval 60 s: what `haru status` shows is what it asked for, not a periodic report
+    async with (
+        following(event_log, "good", Command("cat"), interval_s=60) as good,
+        following(event_log, "stuck", Command(str(no)), interval_s=60) as stuck,
+    ):
+        await wait_until(lambda: good.applied is not None and stuck.applied is not None, 10)
+        await publish(event_log, intent("b", "http://127.0.0.1:8002", 9), seq)
+        await wait_until(lambda: good.applied.revision == 9 and stuck.error, 10)
+        await asyncio.sleep(0.5)
+        done = await asyncio.to_thread(haru, "status", "--fleet", FLEET, nats_url=nats_server.url)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "routers following the route (haru route follow): 2, 1 not on revision 9" in out, out
+    assert "good (exec): applied revision 9 → b" in out, out
+    assert "stuck (exec): BEHIND: holds revision 5 → a, the route is at 9 → b" in out, out
+    assert "not applied: the command" in out and "exited 1: refused" in out, out
