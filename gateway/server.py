@@ -42,6 +42,7 @@ from haru.gateway.routing import Refusal, RoutingTable
 from haru.gateway.state import RouteFollower
 from haru.gateway.weights_api import post_weights
 from haru.host.httpguard import GuardedServer
+from haru.log.router_reports import RouterReports
 from haru.log.seam import Log
 
 log = structlog.get_logger("haru.gateway")
@@ -151,6 +152,10 @@ class Gateway:
                     interval_s=cfg.canary_report_ms / 1000,
                 )
                 await stack.enter_async_context(self.reporter)
+                # the route followers' reports, for the console's routers panel (haru.log.router_reports)
+                self.console.routers = RouterReports()
+                routers = await self.console.routers.listen(self.events.bus)
+                stack.push_async_callback(routers.unsubscribe)
             server = GuardedServer(
                 self.dispatch,
                 limits=cfg.client_limits,

@@ -198,3 +198,24 @@ async def test_haru_status_says_which_routers_are_behind_and_by_how_much(tmp_pat
     assert "good (exec): applied revision 9 → b" in out, out
     assert "stuck (exec): BEHIND: holds revision 5 → a, the route is at 9 → b" in out, out
     assert "not applied: the command" in out and "exited 1: refused" in out, out
+
+
+async def test_the_console_lists_the_routers_and_which_are_behind(event_log):
+    from tests.support.gateway import Fleet, running_gateway
+
+    async with running_gateway(event_log) as gw:
+        fleet = Fleet(event_log, gw)
+        await fleet.publish(intent("a", "http://127.0.0.1:8001", 5))
+        async with following(event_log, "edge", Command("cat")) as f:
+            await wait_until(lambda: f.applied is not None, 10)
+
+            async def rows():
+                async with aiohttp.ClientSession() as s:
+                    async with s.get(gw.url + "/ui/api/routers?fleet=default") as r:
+                        assert r.status == 200
+                        return (await r.json())["routers"]
+
+            got = await wait_until(rows, 10, what="the router in the console")
+            assert [(r["router"], r["kind"], r["state"], r["revision"], r["active"]) for r in got] == [
+                ("edge", "exec", "applied", 5, "a")
+            ]
