@@ -216,8 +216,11 @@ async def main() -> None:
                     f"/{got['requests']:<5d} p99 {got['p99_ms']:7.1f} ms (steady {got['p99_steady_ms']:.1f} ms)",
                     flush=True,
                 )
-    base = {s: statistics.median(r["flip_to_serving_ms"] for r in results[f"gateway {s}"]) for s in ("planned", "detach")
-            if f"gateway {s}" in results}  # fmt: skip
+    base = {
+        s: statistics.median(r["flip_to_serving_ms"] for r in results[f"gateway {s}"])
+        for s in ("planned", "detach")
+        if f"gateway {s}" in results
+    }
     print(f"\nmedians of {args.runs} run(s), {args.clients} clients:")
     print(f"{'row':28s} {'flip->serving':>14s} {'vs gateway':>10s} {'failed':>8s} {'p99':>9s} {'p99/steady':>10s}")
     for name, rs in results.items():
