@@ -47,6 +47,7 @@ import aiohttp
 import structlog
 
 from haru.agents.appender import Appender
+from haru.agents.checkpoint_travel import CheckpointTravel
 from haru.agents.claim import Claim
 from haru.agents.commands import CommandService
 from haru.agents.config import AgentConfig, HostSlots, fold_declarations, load_layout_slots, slots_from_host_entry
@@ -62,7 +63,9 @@ from haru.agents.model_slot import ModelSlot
 from haru.agents.model_slots import ModelSlots
 from haru.agents.owners import Owners
 from haru.agents.ports import Identity
+from haru.agents.publishing import Publisher
 from haru.agents.recorder import Recorder
+from haru.agents.reestablish import Reestablish
 from haru.agents.role import Role
 from haru.agents.runtime_files import RuntimeFiles
 from haru.agents.runtime_for import RuntimeFor
@@ -77,7 +80,9 @@ from haru.core import subjects
 from haru.core.errors import ConfigError
 from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import EventLog
+from haru.log.receipts import RECEIPTS_FILE
 from haru.log.seam import EventReader, Log
+from haru.log.training_objects import JsObjects, Objects
 
 __all__ = ["Agent", "resolve_slots"]
 
@@ -98,6 +103,9 @@ async def resolve_slots(config: AgentConfig, log: EventReader) -> HostSlots:
     )
 
 
+CHECKPOINT_POLL_S = 1.0  # how often the agent looks for a checkpoint to upload: what a killed host may lose
+
+
 class Agent:
     """The agent's parts, built bottom-up: each is handed the parts it calls, all built before it. Two
     listeners close the loops that are real (registered once both ends exist): the GPU watcher tells the
@@ -112,9 +120,13 @@ class Agent:
         gpus: Gpus,
         session: aiohttp.ClientSession,
         serving_env: ServingEnv,
+        *,
+        adapters: Objects,
+        checkpoints: Objects,
     ) -> None:
         """`serving_env`: what the serving port takes from the environment, read by the command that
-        starts the agent (haru/cli/agent.py); nothing in the agent reads the environment itself."""
+        starts the agent (haru/cli/agent.py); nothing in the agent reads the environment itself. `adapters`: the
+        bucket finished training runs publish to; `checkpoints`: the one training slots' checkpoints travel through."""
         self.config = config
         self.log = log
         self.gpus = gpus
@@ -151,6 +163,15 @@ class Agent:
             logger=logger,
         )
 
+        self.publisher = Publisher(
+            fleet=fleet,
+            domain=domain,
+            objects=adapters,
+            log=log,
+            models=hosted.keys,
+            logger=logger,
+        )
+        self.travel = CheckpointTravel(fleet=fleet, objects=checkpoints, interval_s=CHECKPOINT_POLL_S, logger=logger)
         self.training = training = TrainingSlots(
             slots.admitted_training,
             fleet=fleet,
@@ -162,6 +183,8 @@ class Agent:
             agent_seq=claim.tip,
             stopping=life.stopping,
             logger=logger,
+            publisher=self.publisher,
+            travel=self.travel,
         )
         self.role = role = Role(
             log,
@@ -313,13 +336,21 @@ class Agent:
     async def start(cls, config: AgentConfig, *, serving_env: ServingEnv) -> AsyncIterator[Agent]:
         writer = f"agent:{config.fleet}/{config.domain}@{socket.gethostname()}"
         async with EventLog.connect(config.servers(), writer=writer, creds=config.nats_creds) as log:
+            if log.receipt_guard is not None:  # a log that forgot what we were acknowledged: domain_log_regressed
+                log.receipt_guard.record_as(domain=config.domain)
+                config.state_path().mkdir(parents=True, exist_ok=True)  # receipts outlive the agent (a restart)
+                log.receipt_guard.persist(config.state_path() / RECEIPTS_FILE)
             slots = await resolve_slots(config, log)
             # the serving port's rule, before anything is claimed or touched
             check_serving(config, slots, serving_env.token)
             gpus = open_gpus(config.gpus, config.sim_dir or None)
             connector = aiohttp.TCPConnector(limit=0, force_close=False)
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-                agent = cls(config, slots, log, gpus, session, serving_env)
+                adapters = JsObjects(log.js, subjects.ADAPTERS_BUCKET)
+                checkpoints = JsObjects(log.js, subjects.CHECKPOINTS_BUCKET)
+                agent = cls(config, slots, log, gpus, session, serving_env, adapters=adapters, checkpoints=checkpoints)
+                if log.receipt_guard is not None:  # a recorded loss: re-report what is true now
+                    log.receipt_guard.after_recording(Reestablish.of(agent))
                 try:
                     await agent.claim.take(serving_url=slots.domain.spec.serving_url)
                     agent.logger.info(
@@ -367,6 +398,7 @@ class Agent:
         life.spawn(self.signals.run(self.current.gpu_indexes, self.loop_errors), "signals")
         for m in self.models.models.values():
             self.models.supervise(m)
+        life.spawn(self.travel.run(t.spec for t in self.training.trainers.values()), "checkpoints")
         life.spawn(self.training_policy.initial(), "initial-training")
         if slots.source == "declared":
             life.spawn(self.live.follow(), "declarations")
@@ -385,6 +417,10 @@ class Agent:
         # Training first: it holds VRAM the runtimes may need, and it is the cheapest to lose.
         for slot in list(self.training.trainers):
             await on_the_way_out(f"training {slot}", self.training.stop(slot), logger=logger)
+        # what the trainers checkpointed on their way out goes to the bucket, for whichever domain trains next
+        await on_the_way_out(
+            "uploading checkpoints", self.travel.sync(t.spec for t in self.training.trainers.values()), logger=logger
+        )
         hb = [t for t in self.life.tasks if t.get_name() == "heartbeat"]
         await cancel_and_wait(*(t for t in self.life.tasks if t not in hb))
         if self.life.keep_runtimes:

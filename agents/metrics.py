@@ -39,6 +39,7 @@ from haru.agents.loops import LoopErrors
 from haru.core.planner import standby_residual
 from haru.core.residency import state_name
 from haru.core.specs import Policy
+from haru.log.receipts import RegressionCollector
 
 if TYPE_CHECKING:
     from haru.agents.status import Status
@@ -186,4 +187,7 @@ def registry_for(agent: Any) -> CollectorRegistry:
     """The registry a metrics endpoint serves for a running agent (agents/agent.py's `Agent`)."""
     registry = CollectorRegistry()
     registry.register(AgentCollector(agent.status, agent.loop_errors))
+    guard = getattr(getattr(agent, "log", None), "receipt_guard", None)  # the JetStream log's only
+    if guard is not None:
+        registry.register(RegressionCollector(guard))  # haru_log_regressions_total
     return registry

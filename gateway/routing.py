@@ -408,20 +408,22 @@ class RoutingTable:
     def fleets(self) -> list[str]:
         return sorted(self._fleets)
 
-    def set_view(self, fleet: str, view: FleetView | None) -> bool:
-        """Apply a view (None: the key was deleted). Returns False when it was older than the one held."""
+    def set_view(self, fleet: str, view: FleetView | None, *, rewound: bool = False) -> bool:
+        """Apply a view (None: the key was deleted). Returns False when it was older than the one held,
+        unless `rewound` (the log went back behind the one held: that one is what it forgot)."""
         old = self._fleets.get(fleet)
-        if view is not None and old is not None and old.view is not None and view.seq < old.view.seq:
+        if not rewound and view is not None and old is not None and old.view is not None and view.seq < old.view.seq:
             return False
         intent = old.intent if old is not None else None
         seq = old.intent_seq if old is not None else 0
         self._store(fleet, view, intent, seq)
         return True
 
-    def set_intent(self, fleet: str, intent: RouteIntent | None, seq: int = 0) -> bool:
-        """Apply a route intent published at stream sequence `seq`. Older ones are ignored."""
+    def set_intent(self, fleet: str, intent: RouteIntent | None, seq: int = 0, *, rewound: bool = False) -> bool:
+        """Apply a route intent published at stream sequence `seq`. Older ones are ignored, unless `rewound`
+        (the intents' stream went back behind the one held: never route by a pointer the log forgot)."""
         old = self._fleets.get(fleet)
-        if old is not None and old.intent is not None and seq and seq < old.intent_seq:
+        if not rewound and old is not None and old.intent is not None and seq and seq < old.intent_seq:
             return False
         view = old.view if old is not None else None
         self._store(fleet, view, intent, seq)

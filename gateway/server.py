@@ -42,6 +42,7 @@ from haru.gateway.routing import Refusal, RoutingTable
 from haru.gateway.state import RouteFollower
 from haru.gateway.weights_api import post_weights
 from haru.host.httpguard import GuardedServer
+from haru.log.receipts import RegressionCollector
 from haru.log.router_reports import RouterReports
 from haru.log.seam import Log
 
@@ -73,6 +74,9 @@ class Gateway:
         self.events = events
         self.table = RoutingTable()
         self.metrics = GatewayMetrics()
+        guard = getattr(events, "receipt_guard", None)  # the JetStream log's (an in-memory log never forgets)
+        if guard is not None:
+            self.metrics.registry.register(RegressionCollector(guard))  # haru_log_regressions_total
         self.proxy = Proxy(config, self.table, self.metrics)
         self.follower = (
             RouteFollower(events, self.table, self.metrics, resync_s=config.resync_ms / 1000)

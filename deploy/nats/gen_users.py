@@ -15,12 +15,14 @@ to an environment variable (`password: $HARU_NATS_PASSWORD_...`): nats-server re
 starts and refuses to start when one is missing, so no secret lives in this file.
 
 The roles (docs/design.md, "Security in brief"):
-  agent.<fleet>.<domain>  publishes only its own domain's events (agent, model.*, gpu.*, training.*:
-                          not liveness, which the promoter writes) and heartbeat; answers only its own
+  agent.<fleet>.<domain>  publishes only its own domain's events (agent, model.*, gpu.*, training.*, integrity:
+                          not liveness, which the promoter writes) and heartbeat; adds objects (published
+                          adapters) to the object store haru_adapters; replaces and deletes objects (its
+                          slots' checkpoints) in haru_checkpoints, the one stream it may purge; answers only its own
                           commands (haru.cmd.<fleet>.<domain>.>, nats.micro's $SRV.>) and may ask its own
                           status (the duplicate-agent check); reads the event log through consumers and
                           message gets; appends use expected sequences.
-  promoter                writes op, route, weights and liveness events of any fleet; requests haru.cmd.>;
+  promoter                writes op, route, weights, integrity and liveness events of any fleet; requests haru.cmd.>;
                           reads events, views and intents; subscribes haru.hb.> and the gateways'
                           canary reports (haru.canary.>); beats on haru.alive.promoter.> and hears its
                           peers there.
@@ -37,7 +39,8 @@ The roles (docs/design.md, "Security in brief"):
   router.<fleet>.<name>   a route follower (`haru route follow`): reads its fleet's route and reports only
                           as itself on haru.router.<fleet>.<name> (--router FLEET:NAME).
   admin                   everything, including creating streams (`ensure(replicas=3)`).
-Nobody but admin may use the stream/consumer DELETE, PURGE or UPDATE APIs, nor STREAM.MSG.DELETE.
+Nobody but admin may use the stream/consumer DELETE, PURGE or UPDATE APIs, nor STREAM.MSG.DELETE (but an agent
+may purge the checkpoints bucket).
 
 Standard library only, so it runs on a NATS host without Haru installed.
 """
@@ -56,6 +59,8 @@ from dataclasses import dataclass, field
 EVENTS = "HARU_EVENTS"
 ROUTE = "HARU_ROUTE"
 VIEWS = "KV_haru_views"  # the stream behind the KV bucket haru_views
+ADAPTERS_BUCKET = "haru_adapters"  # the object store of published LoRA adapters
+CHECKPOINTS_BUCKET = "haru_checkpoints"  # the object store of training slots' newest checkpoints
 NAME = re.compile(r"[a-z0-9_-]{1,64}")
 RESERVED_DOMAINS = {"decl", "route", "op"}
 ACCOUNT = "HARU"
@@ -92,6 +97,13 @@ def read_stream(stream: str) -> list[str]:
     ]
 
 
+def object_writes(bucket: str) -> list[str]:
+    """Publish subjects a client needs to add objects to the object store `bucket` and read them the way
+    nats-py does: the bucket's stream (info, an object's meta by direct get, its chunks through an ordered
+    consumer, which first looks the stream up by subject: STREAM.NAMES), then the chunks and the meta."""
+    return [*read_stream(f"OBJ_{bucket}"), "$JS.API.STREAM.NAMES", f"$O.{bucket}.C.>", f"$O.{bucket}.M.>"]
+
+
 @dataclass(frozen=True)
 class User:
     name: str
@@ -111,11 +123,15 @@ INBOX = "_INBOX.>"  # replies to this client's own requests and JetStream acks /
 
 def fixed_users() -> list[User]:
     events, route, views = read_stream(EVENTS), read_stream(ROUTE), read_stream(VIEWS)
+    # `EventLog.ensure`, which these roles' commands run at start, checks that the adapters bucket exists (only
+    # admin may create it): its stream's info, nothing more.
+    views = [*views, f"$JS.API.STREAM.INFO.OBJ_{ADAPTERS_BUCKET}", f"$JS.API.STREAM.INFO.OBJ_{CHECKPOINTS_BUCKET}"]
     promoter_pub = [
         "haru.evt.*.op",
         "haru.evt.*.route",
         "haru.evt.*.weights",
         "haru.evt.*.*.liveness",
+        "haru.evt.*.integrity",  # log_regressed: the log lost what the promoter was acknowledged
         "haru.cmd.>",
         "$SRV.>",
         *events,
@@ -201,17 +217,29 @@ def agent_user(fleet: str, domain: str) -> User:
     return User(
         f"agent.{fleet}.{domain}",
         f"the agent of fleet {fleet!r} domain {domain!r}: its own events, heartbeat and commands only",
-        publish=[
-            f"{own}.agent",
-            f"{own}.model.*",
-            f"{own}.gpu.*",
-            f"{own}.training.*",
-            f"haru.hb.{fleet}.{domain}",
-            # At start an agent asks its own status command (and listens to its own heartbeat subject)
-            # to refuse to run beside a second agent of the same domain.
-            f"haru.cmd.{fleet}.{domain}.status",
-            *read_stream(EVENTS),
-        ],
+        publish=_union(
+            [
+                f"{own}.agent",
+                f"{own}.model.*",
+                f"{own}.gpu.*",
+                f"{own}.training.*",
+                f"{own}.integrity",  # domain_log_regressed: the log lost what this agent was acknowledged
+                f"haru.hb.{fleet}.{domain}",
+                # At start an agent asks its own status command (and listens to its own heartbeat subject)
+                # to refuse to run beside a second agent of the same domain.
+                f"haru.cmd.{fleet}.{domain}.status",
+                *read_stream(EVENTS),
+                # A finished training run's adapter: a new object (its chunks, then its meta) in the adapters bucket,
+                # after reading whether that version is already there. No purge, so no object is ever replaced.
+                *object_writes(ADAPTERS_BUCKET),
+                # Its training slots' newest checkpoint, replaced at each upload (nats-py purges the old object's
+                # chunks) and deleted once the run is published: the one bucket it may purge.
+                *object_writes(CHECKPOINTS_BUCKET),
+                f"$JS.API.STREAM.PURGE.OBJ_{CHECKPOINTS_BUCKET}",
+            ]
+        ),
+        deny_publish=[d for d in DESTRUCTIVE if d != "$JS.API.STREAM.PURGE.>"]
+        + [f"$JS.API.STREAM.PURGE.{s}" for s in (EVENTS, ROUTE, VIEWS, f"OBJ_{ADAPTERS_BUCKET}")],
         subscribe=[f"haru.cmd.{fleet}.{domain}.>", f"haru.hb.{fleet}.{domain}", "$SRV.>", INBOX],
         allow_responses=True,
     )

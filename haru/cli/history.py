@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verify",
         help="walk every subject's hash chain and check every event stands on a subject it may; "
-        "say whether history is intact",
+        "say whether history is intact (it is not once a writer recorded that the log lost acknowledged events)",
     )
     add_nats_options(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -144,7 +144,7 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
     if args.json:
         emit_json(
             {
-                "ok": verifier.ok and damaged is None and not findings and not verifier.misplaced,
+                "ok": verifier.ok and damaged is None and not findings,
                 "events": verifier.events,
                 "subjects": verifier.subjects,
                 "stream_last_seq": stream_last,
@@ -152,6 +152,15 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
                 "misplaced": [
                     {"seq": m.seq, "subject": m.subject, "type": m.type, "by": m.by, "why": m.why}
                     for m in verifier.misplaced
+                ],
+                "regressed": [
+                    {
+                        "seq": r.seq,
+                        "subject": r.subject,
+                        "by": r.by,
+                        "lost": [msgspec.to_builtins(lost) for lost in r.lost],
+                    }
+                    for r in verifier.regressed
                 ],
                 "unreadable": missing,
                 "damage": str(damaged) if damaged is not None else None,
@@ -164,6 +173,8 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
             print(str(b))
         for m in verifier.misplaced:
             print(str(m))
+        for r in verifier.regressed:
+            print(str(r))
         for f in findings:
             print(str(f))
         if damaged is not None:
@@ -193,6 +204,14 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
         return fail(
             f"{findings[0]}. Acknowledged history is gone from this store: restore it from a backup or a "
             f"cluster peer (docs/operations.md, 'Damaged or truncated log')",
+            ExitStatus.LOG_TRUNCATED,
+        )
+    if verifier.regressed:
+        first = verifier.regressed[0]
+        return fail(
+            f"{first}. The event store lost events it had acknowledged (a power loss with lazy fsync, a damaged or "
+            f"restored store): history is not intact and stays so; restore the store from a cluster peer or a backup "
+            f"taken after those sequences, or keep it knowing what is gone (docs/operations.md, 'Power loss')",
             ExitStatus.LOG_TRUNCATED,
         )
     if verifier.breaks:

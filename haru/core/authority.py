@@ -17,6 +17,8 @@ the subject's. Pure: no I/O.
     model      haru.evt.<fleet>.<domain>.model.<model>    that domain's agent             residency
     gpu        haru.evt.<fleet>.<domain>.gpu.<index>      that domain's agent             gpu_observed
     training   haru.evt.<fleet>.<domain>.training.<slot>  that domain's agent             training_started/stopped
+    integrity  haru.evt.<fleet>.integrity                 promoter                        log_regressed
+    domain_integrity haru.evt.<fleet>.<domain>.integrity  that domain's agent             domain_log_regressed
 
     why = misplaced(subject, event)     # '' when the event may stand there, else why not
     line = anomaly(seq, subject, event, why)   # "seq 12: route_moved on ... by ... not applied: ..."
@@ -107,8 +109,13 @@ PLACES: tuple[Place, ...] = (
     Place("model", "haru.evt.<fleet>.<domain>.model.<model>", ("agent",), ev.RESIDENCY_EVENTS),
     Place("gpu", "haru.evt.<fleet>.<domain>.gpu.<index>", ("agent",), (ev.GpuObserved,)),
     Place(
-        "training", "haru.evt.<fleet>.<domain>.training.<slot>", ("agent",), (ev.TrainingStarted, ev.TrainingStopped)
+        "training",
+        "haru.evt.<fleet>.<domain>.training.<slot>",
+        ("agent",),
+        (ev.TrainingStarted, ev.TrainingStopped, ev.AdapterPublished),
     ),
+    Place("integrity", "haru.evt.<fleet>.integrity", ("promoter",), (ev.LogRegressed,)),
+    Place("domain_integrity", "haru.evt.<fleet>.<domain>.integrity", ("agent",), (ev.DomainLogRegressed,)),
 )
 """The table. `agent` as a writer means the agent of the subject's own domain (NATS user
 `agent.<fleet>.<domain>`); `admin` may write anything and is nobody's day-to-day identity."""
@@ -131,6 +138,8 @@ _PARTS: dict[str, tuple[str, ...]] = {
     "model": ("fleet", "domain", "model"),
     "gpu": ("fleet", "domain", "gpu_index"),
     "training": ("fleet", "domain", "slot"),
+    "integrity": ("fleet",),
+    "domain_integrity": ("fleet", "domain"),
 }
 _BODY_FIELD = {"fleet": "fleet", "domain": "domain", "model": "model", "gpu_index": "index", "slot": "slot"}
 _NOUN = {"fleet": "fleet", "domain": "domain", "model": "model", "gpu_index": "GPU index", "slot": "slot"}

@@ -30,6 +30,7 @@ from haru.core.errors import EventDecodeError
 from haru.core.events_base import (
     SCHEMA_VERSION,
     Event,
+    LostRange,
     LostReason,
     Step,
     StopHow,
@@ -52,8 +53,10 @@ from haru.core.events_declarations import (
 )
 from haru.core.events_domain import (
     SIGNAL_SOURCES,
+    AdapterPublished,
     AgentStarted,
     AgentStopping,
+    DomainLogRegressed,
     DomainReachable,
     DomainUnreachable,
     FailureSignalled,
@@ -78,6 +81,7 @@ from haru.core.events_fleet import (
     DemotionRequested,
     EligibilityChanged,
     FailoverDeclined,
+    LogRegressed,
     OperationAborted,
     OperationCompleted,
     OperationRequested,
@@ -96,6 +100,7 @@ from haru.core.events_fleet import (
 )
 
 __all__ = [
+    "AdapterPublished",
     "ALL_TAGS",
     "AdmissionDecided",
     "AgentStarted",
@@ -106,6 +111,7 @@ __all__ = [
     "DemotionRequested",
     "DomainChanged",
     "DomainDeclared",
+    "DomainLogRegressed",
     "DomainReachable",
     "DomainRetired",
     "DomainUnreachable",
@@ -118,6 +124,8 @@ __all__ = [
     "GpuObserved",
     "GpuProcess",
     "GpuUsage",
+    "LogRegressed",
+    "LostRange",
     "LostReason",
     "ModelAdopted",
     "ModelChanged",
@@ -191,6 +199,7 @@ AnyEvent = (
     | GpuObserved
     | TrainingStarted
     | TrainingStopped
+    | AdapterPublished
     | AgentStarted
     | AgentStopping
     | FailureSignalled
@@ -214,6 +223,8 @@ AnyEvent = (
     | RouteMoved
     | WeightsSet
     | Checkpoint
+    | LogRegressed
+    | DomainLogRegressed
 )
 
 RESIDENCY_EVENTS = (

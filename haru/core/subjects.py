@@ -12,11 +12,13 @@ share a token.
     haru.evt.<fleet>.op                            promotions and demotions, step by step
     haru.evt.<fleet>.weights                       weights_set: traffic weights and canary rollbacks (promoter)
     haru.evt.<fleet>.checkpoint                    checkpoints: chain heads and the folded view (projector)
+    haru.evt.<fleet>.integrity                     log_regressed: the log lost what the promoter was acknowledged
     haru.evt.<fleet>.<domain>.agent                agent started/stopping
     haru.evt.<fleet>.<domain>.liveness             domain unreachable/reachable
     haru.evt.<fleet>.<domain>.model.<model>        residency transitions
     haru.evt.<fleet>.<domain>.gpu.<index>          GPU presence and memory
     haru.evt.<fleet>.<domain>.training.<slot>      training started/stopped
+    haru.evt.<fleet>.<domain>.integrity            domain_log_regressed: the log lost what the agent was acknowledged
     haru.hb.<fleet>.<domain>                       heartbeats (core NATS, not history)
     haru.alive.<role>.<id>                         the control plane's own heartbeats (projector, promoter)
     haru.cmd.<fleet>.<domain>.<verb>               commands to an agent (request/reply)
@@ -43,6 +45,10 @@ from haru.core.errors import InvalidName
 EVENTS_STREAM = "HARU_EVENTS"
 ROUTE_STREAM = "HARU_ROUTE"
 VIEWS_BUCKET = "haru_views"
+ADAPTERS_BUCKET = "haru_adapters"  # JetStream object store: published LoRA adapters, one object each
+CHECKPOINTS_BUCKET = (
+    "haru_checkpoints"  # JetStream object store: each training slot's newest checkpoint, per fleet/slot
+)
 
 EVT = "haru.evt"
 ALL_EVENTS = "haru.evt.>"
@@ -54,7 +60,7 @@ _NAME = re.compile(r"[a-z0-9_-]+")
 _SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789_-")
 
 # Reserved words in the fourth token of a domain subject: a domain may not be called these.
-_FLEET_LEVEL = frozenset({"decl", "route", "op", "checkpoint", "weights"})
+_FLEET_LEVEL = frozenset({"decl", "route", "op", "checkpoint", "weights", "integrity"})
 
 
 def check_name(kind: str, value: str) -> str:
@@ -137,6 +143,11 @@ def checkpoint(fleet: str) -> str:
 ALL_CHECKPOINTS = "haru.evt.*.checkpoint"
 
 
+def integrity(fleet: str) -> str:
+    """Where the promoter records that the log lost events it was acknowledged on the fleet's subjects."""
+    return f"{EVT}.{check_name('fleet', fleet)}.integrity"
+
+
 def _domain(fleet: str, domain: str) -> str:
     return f"{EVT}.{check_name('fleet', fleet)}.{check_name('domain', domain)}"
 
@@ -147,6 +158,12 @@ def agent(fleet: str, domain: str) -> str:
 
 def liveness(fleet: str, domain: str) -> str:
     return f"{_domain(fleet, domain)}.liveness"
+
+
+def domain_integrity(fleet: str, domain: str) -> str:
+    """Where a domain's agent records that the log lost events it was acknowledged on its own subjects
+    (subject kind `domain_integrity`: the fleet-level `integrity` is the promoter's)."""
+    return f"{_domain(fleet, domain)}.integrity"
 
 
 def model(fleet: str, domain: str, model_id: str) -> str:
@@ -251,7 +268,8 @@ def view_key(fleet: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Where:
-    """What an event subject addresses. `kind` is decl|route|op|weights|checkpoint|agent|liveness|model|gpu|training."""
+    """What an event subject addresses. `kind` is decl|route|op|weights|checkpoint|integrity|agent|liveness|
+    model|gpu|training|domain_integrity (`haru.evt.<fleet>.<domain>.integrity`)."""
 
     fleet: str
     kind: str
@@ -272,6 +290,8 @@ def parse(subject: str) -> Where:
     domain = parts[3]
     if len(parts) == 5 and parts[4] in ("agent", "liveness"):
         return Where(fleet=fleet, kind=parts[4], domain=domain)
+    if len(parts) == 5 and parts[4] == "integrity":
+        return Where(fleet=fleet, kind="domain_integrity", domain=domain)
     if len(parts) == 6:
         kind, token = parts[4], parts[5]
         if kind == "model":

@@ -37,6 +37,7 @@ from haru.log.js_intents import JetStreamIntents
 from haru.log.js_views import JetStreamViews
 from haru.log.receipts import ReceiptGuard
 from haru.log.record import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, Record, body_hash, msg_id
+from haru.log.training_objects import ensure_bucket
 
 if TYPE_CHECKING:
     from haru.log.bus import NatsBus
@@ -188,6 +189,8 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
             await log.close()
 
     async def close(self) -> None:
+        if self.receipt_guard is not None:
+            await self.receipt_guard.close()  # a persisted guard's last write of its receipts
         with contextlib.suppress(Exception):
             await self.nc.drain()
         with contextlib.suppress(Exception):
@@ -201,7 +204,8 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
         return max(1, len({u.netloc for u in self.nc.servers}))
 
     async def ensure(self, *, replicas: int | None = None) -> None:
-        """Create (or check and update) HARU_EVENTS, HARU_ROUTE and the KV bucket haru_views.
+        """Create (or check and update) HARU_EVENTS, HARU_ROUTE and the KV bucket haru_views; create the object
+        stores haru_adapters and haru_checkpoints if they are missing.
 
         `replicas` defaults to 3 on a cluster of three or more servers, else 1: a stream created
         unreplicated on a cluster would quietly lose the point of the cluster. An existing stream
@@ -234,6 +238,18 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
                     storage=api.StorageType.FILE,
                     replicas=replicas,
                 )
+        await ensure_bucket(
+            self.js,
+            subjects.ADAPTERS_BUCKET,
+            replicas=replicas,
+            description="Haru: published LoRA adapters, one object per version (a tar of the adapter's folder)",
+        )
+        await ensure_bucket(
+            self.js,
+            subjects.CHECKPOINTS_BUCKET,
+            replicas=replicas,
+            description="Haru: each training slot's newest checkpoint, one object per fleet/slot, replaced",
+        )
 
     async def _ensure_stream(self, config: api.StreamConfig) -> None:
         with translated(f"ensuring stream {config.name}"):
