@@ -219,3 +219,30 @@ async def test_the_console_lists_the_routers_and_which_are_behind(event_log):
             assert [(r["router"], r["kind"], r["state"], r["revision"], r["active"]) for r in got] == [
                 ("edge", "exec", "applied", 5, "a")
             ]
+
+
+async def test_the_follower_applies_again_and_catches_up_after_a_nats_outage(tmp_path, nats_server, event_log):
+    from haru.log.eventlog import EventLog
+
+    got = tmp_path / "revisions"
+    seq = await publish(event_log, intent("a", "http://127.0.0.1:8001", 1), 0)
+    async with EventLog.connect([nats_server.url], writer="router:edge") as own:
+        cmd = Command(f"sh -c 'cat > /dev/null; echo $HARU_ROUTE_REVISION >> {got}'")
+        async with following(own, "edge", cmd, resync_s=120) as f:  # no periodic resync within the test
+            await wait_until(lambda: f.applied is not None and f.applied.revision == 1, 10)
+            applies = f.applies
+            await asyncio.to_thread(nats_server.stop_sync)
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(nats_server.start_sync)
+            # NATS is back: the follower applies the route it holds again (a router may have restarted too)
+            await wait_until(lambda: f.applies > applies, 30, what=f.state)
+
+            async def published():
+                try:
+                    return await publish(event_log, intent("b", "http://127.0.0.1:8002", 2), seq)
+                except Exception:
+                    return None
+
+            await wait_until(published, 30, interval_s=0.25, what="publishing after the restart")
+            await wait_until(lambda: f.applied.revision == 2, 30, what=f.state)
+    assert got.read_text().split()[-1] == "2"
