@@ -24,6 +24,7 @@ from haru.core import subjects
 from haru.core.events import StepCompleted, StepFailed
 from haru.core.views import OperationView
 from haru.log.bus import Bus, Msg, Subscription
+from haru.promoter.drive import command_for
 from haru.promoter.fleets import FleetState, StepRunner
 
 __all__ = ["RouterAcks"]
@@ -83,6 +84,8 @@ class RouterAcks:
         """The runner of `settle_old_active`: wait for the routers, then the step's agent verbs."""
 
         async def run(st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
+            if not command_for(st.view, op, step)[0]:  # no old active (the first route): nobody to spare
+                return await agent(st, op, step, started_seq)
             bound_s = st.view.policy.router_ack_timeout_ms / 1000
             said, waited = await self.wait(st.view.fleet, st.view.route_revision, bound_s)
             self.logger.info(
