@@ -246,3 +246,33 @@ async def test_the_follower_applies_again_and_catches_up_after_a_nats_outage(tmp
             await wait_until(published, 30, interval_s=0.25, what="publishing after the restart")
             await wait_until(lambda: f.applied.revision == 2, 30, what=f.state)
     assert got.read_text().split()[-1] == "2"
+
+
+async def test_haru_route_follow_as_a_command_drives_haproxy_and_stops_on_sigint(tmp_path, nats_server, event_log, two):
+    import os
+    import signal
+    import subprocess
+
+    from tests.support import haru
+
+    bad = await asyncio.to_thread(haru, "route", "follow", "haproxy", nats_url=nats_server.url)
+    assert bad.returncode == 2 and "haproxy needs --socket" in bad.stderr
+    bad = await asyncio.to_thread(haru, "route", "follow", "traefik", nats_url=nats_server.url)
+    assert bad.returncode == 2 and "one of haproxy, nginx, envoy or --exec CMD" in bad.stderr
+    a, _ = two
+    reports = Reports()
+    await reports.listen(event_log)
+    await publish(event_log, intent("a", a.url, 3), 0)
+    async with haproxy(tmp_path) as hp:
+        argv = [sys.executable, "-m", "haru.cli", "route", "follow", "haproxy", "--socket", hp.socket]
+        argv += ["--name", "cli-edge", "--nats-url", nats_server.url]
+        env = {**os.environ, "HARU_NO_UVLOOP": "1"}
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        try:
+            await wait_until(lambda: (r := reports.last("cli-edge")) is not None and r.revision == 3, 20)
+            assert await served_by(hp.url) == "a"
+        finally:
+            proc.send_signal(signal.SIGINT)
+            out, _ = await asyncio.to_thread(proc.communicate, timeout=20)
+        assert b"following fleet default's route as router cli-edge: HAProxy backend haru_default" in out, out
+        assert proc.returncode == 130, (proc.returncode, out[-2000:])
