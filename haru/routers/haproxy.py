@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import msgspec
+
 from haru.core.router_plans import Plan, haproxy_assign, haproxy_commands, is_ip
 from haru.routers.errors import NotApplied
 
@@ -65,8 +67,6 @@ class HAProxy:
         return data.decode(errors="replace").strip()
 
     async def _resolved(self, plan: Plan) -> Plan:
-        import msgspec
-
         ups = []
         loop = asyncio.get_running_loop()
         for u in plan.upstreams:
