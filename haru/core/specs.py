@@ -120,6 +120,10 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     # (the canary_* figures above); failing either, it is rolled back to the version before it.
     adapter_canary_percent: Annotated[int, msgspec.Meta(ge=1, le=100)] = 10
     adapter_canary_ms: NonNegative = 60_000
+    # After a flip, the old active is put to sleep only once every router that follows the fleet
+    # (`haru route follow`, reporting on haru.router.<fleet>.<router>) applied the new route, or is gone,
+    # or this long has passed.
+    router_ack_timeout_ms: NonNegative = 10_000
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):

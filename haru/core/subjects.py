@@ -25,6 +25,8 @@ share a token.
     haru.cmd.<fleet>.<domain>.<verb>               commands to an agent (request/reply)
     haru.route.<fleet>                             route intents (stream HARU_ROUTE)
     haru.canary.<fleet>.<gateway>                  a gateway's per-domain request and error counts (core NATS)
+    haru.router.<fleet>.<router>                   a router follower's report: the route revision it applied (core NATS)
+    haru.routers.ask.<fleet>                       asks a fleet's router followers to report now (`haru status`)
 
 Reading one back is done here too, once: `read(subject)` (memoized) says what an event subject
 names (`EventSubject`: its fleet token, its fleet-level kind, the whole `Where` or None), with
@@ -352,3 +354,24 @@ def where(subject: str) -> Where | None:
 def fleet_of(subject: str) -> str:
     """The fleet of an event subject `haru.evt.<fleet>.<...>` ('' for any other subject). Memoized."""
     return read(subject).fleet
+
+
+ALL_ROUTER_REPORTS = "haru.router.*.*"
+
+
+def router_report(fleet: str, router: str = "*") -> str:
+    """A route follower's report subject (`haru route follow`): the router's name is a Haru identifier."""
+    return f"haru.router.{check_name('fleet', fleet)}.{'*' if router == '*' else check_name('router', router)}"
+
+
+def router_report_of(subject: str) -> tuple[str, str] | None:
+    """(fleet, router) of `haru.router.<fleet>.<router>`; None for anything else."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[0] != "haru" or parts[1] != "router":
+        return None
+    return parts[2], parts[3]
+
+
+def routers_ask(fleet: str) -> str:
+    """Where `haru status` asks a fleet's route followers to report at once, rather than at their next interval."""
+    return f"haru.routers.ask.{check_name('fleet', fleet)}"

@@ -78,6 +78,7 @@ from haru.promoter.fleets import FleetState, StepRunner, utcnow
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
 from haru.promoter.quorum import Quorum, reaches_most
+from haru.promoter.router_acks import RouterAcks
 from haru.promoter.runners import StepRunners
 
 log_ = structlog.get_logger("haru.promoter")
@@ -153,6 +154,9 @@ class Promoter:
             log, identity=self.identity, provisioning=self.provisioning, wait_folded=self.wait_folded, logger=self.log_
         )
         self.runners: dict[str, StepRunner] = self.steps.table()
+        # settle_old_active waits for the routers that follow the fleet first (haru.promoter.router_acks)
+        self.router_acks = RouterAcks(self.log_)
+        self.runners["settle"] = self.router_acks.settle(self.steps.agent)
 
     # ------------------------------------------------------------------------------- following
 
@@ -317,6 +321,7 @@ class Promoter:
             self.on_canary_report(msg.subject, msg.data)
 
         reports = await self.log.bus.subscribe(subjects.ALL_CANARY_REPORTS, reported)
+        routers = await self.router_acks.listen(self.log.bus)
         await self.peers.listen(self.log.bus, subjects.alive("promoter"))
         self._listening_since = time.monotonic()
         follower: asyncio.Task | None = None
@@ -355,6 +360,8 @@ class Promoter:
                 await sub.unsubscribe()
             with contextlib.suppress(Exception):
                 await reports.unsubscribe()
+            with contextlib.suppress(Exception):
+                await routers.unsubscribe()
             await self.peers.stop()
             await cancel_and_wait(beating, follower, *self._tasks)
 
