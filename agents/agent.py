@@ -29,6 +29,7 @@ parts it calls; starts them, boots them and stops them:
     agents/status.py           the status answer, the heartbeat, the GPUs' verdict (agents/owners.py: whose)
     agents/commands.py         the command service on the log's bus, typed against what each verb asks
     agents/serving.py          the serving port
+    agents/adapters.py         LoRA adapters loaded into the runtimes at run time, as the fleet view says
     agents/lifecycle.py        stopping, the tasks; agents/current.py the slots as they are now
     agents/appender.py         every append, buffered in order while the log is away (agents/backlog.py)
     agents/majority.py         a NATS node without a stream majority is left for a server that has one
@@ -48,6 +49,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import structlog
 
+from haru.agents.adapters import Adapters
 from haru.agents.appender import Appender
 from haru.agents.checkpoint_travel import CheckpointTravel
 from haru.agents.claim import Claim
@@ -222,6 +224,19 @@ class Agent:
         self.recorder = recorder = Recorder(
             domain=domain, append=append, gpu=gpu_watch, agent_seq=claim.tip, stopping=life.stopping, logger=logger
         )
+        self.adapters = runtime_adapters = Adapters(
+            fleet=fleet,
+            domain=domain,
+            log=log,
+            objects=adapters,
+            models=hosted,
+            append=append,
+            session=session,
+            store_dir=self.state_dir / "adapters",
+            policy=current.policy,
+            stopping=life.stopping,
+            logger=logger,
+        )
         context = SupervisorContext(
             domain=domain,
             record=recorder.record,
@@ -238,6 +253,7 @@ class Agent:
             errors=errors,
             logger=logger,
             loads=LoadQueue(order=current.model_order),
+            restore_adapters=runtime_adapters.restore,
         )
         runtime_for = RuntimeFor(
             current,
@@ -413,6 +429,8 @@ class Agent:
             self.models.supervise(m)
         life.spawn(self.travel.run(t.spec for t in self.training.trainers.values()), "checkpoints")
         life.spawn(self.training_policy.initial(), "initial-training")
+        if any(m.spec.max_loras for m in self.models.models.values()):
+            life.spawn(self.adapters.run(), "adapters")
         if slots.source == "declared":
             life.spawn(self.live.follow(), "declarations")
 

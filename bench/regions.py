@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shutil
 import sys
 import tempfile
@@ -55,7 +56,49 @@ async def wait(check, timeout: float, what: str) -> None:
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-async def one(rtt_ms: int, root: Path, steady_s: float, tail_s: float) -> dict:
+STREAMS = (subjects.EVENTS_STREAM, subjects.ROUTE_STREAM, "KV_" + subjects.VIEWS_BUCKET)
+
+
+async def leaders(rg: Regions) -> str:
+    """Where JetStream's meta group and each stream are led now: 'meta r1 evt r2 route r2 views r3'."""
+    async with EventLog.connect(rg.test_urls(), writer="bench") as log:
+        out = [f"meta r{rg.meta_leader()}"]
+        for name, stream in zip(("evt", "route", "views"), STREAMS, strict=True):
+            leader, _ = await rg.placement(log.js, stream)
+            out.append(f"{name} r{leader}")
+    return " ".join(out)
+
+
+async def lead_from(rg: Regions, region: int, timeout: float = 30.0) -> None:
+    """Move every stream's leadership into `region` (JetStream's leader step-down with a placement), so
+    that losing that region loses the event, route and views streams' leaders at once. (The meta
+    group's step-down is an API of the system account, which the harness's clients are not: where the
+    meta leader sits is the cluster's choice, and the row says where.)"""
+    placement = json.dumps({"placement": {"tags": [f"region:r{region}"]}}).encode()
+    async with EventLog.connect(rg.test_urls(), writer="bench") as log:
+        deadline = time.monotonic() + timeout
+        said: list[str] = []
+        while time.monotonic() < deadline:
+            moved = True
+            for stream in STREAMS:
+                leader, _ = await rg.placement(log.js, stream)
+                if leader != region:
+                    moved = False
+                    said.append(await ask(log, f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", placement))
+            if moved:
+                return
+            await asyncio.sleep(2.0)
+    raise RuntimeError(f"could not move JetStream's leaders into region {region}: {said[-4:]}")
+
+
+async def ask(log: EventLog, subject: str, body: bytes) -> str:
+    try:
+        return (await log.nc.request(subject, body, timeout=5)).data.decode()[:200]
+    except Exception as exc:  # noqa: BLE001 - a bench reports what the server said and goes on
+        return f"{subject}: {exc!r}"
+
+
+async def one(rtt_ms: int, root: Path, steady_s: float, tail_s: float, lead: int = 0) -> dict:
     with Regions(root / "rg") as rg:
         rg.nats()
         rg.set_delay(rtt_ms / 2)
@@ -74,6 +117,10 @@ async def one(rtt_ms: int, root: Path, steady_s: float, tail_s: float) -> dict:
                 )
 
             await wait(steady, 120, "a active and b asleep")
+            if lead:
+                await lead_from(rg, lead)
+                await wait(steady, 60, "a active and b asleep after the leaders moved")
+            placed = await leaders(rg)
             async with ClientLoad(fleet.gateway_url(3)) as load:
                 await asyncio.sleep(steady_s)
                 t_fault = time.monotonic()
@@ -111,6 +158,8 @@ async def one(rtt_ms: int, root: Path, steady_s: float, tail_s: float) -> dict:
     if flip is not None and detect is not None:
         cp_ms = (flip - detect) * 1000 - steps.get("wake", 0) - steps.get("probe", 0)
     return {
+        "timeline": timeline(recs, wall_fault, rtt_ms),
+        "leaders": placed,
         "rtt": rtt_ms,
         "detect": detect,
         "decide": None if decide is None or detect is None else decide - detect,
@@ -123,6 +172,28 @@ async def one(rtt_ms: int, root: Path, steady_s: float, tail_s: float) -> dict:
         "p99": p99([d[1] - d[0] for d in after]),
         "p99_steady": p99([d[1] - d[0] for d in before]),
     }
+
+
+def timeline(recs, wall_fault: float, rtt_ms: int) -> list[str]:
+    """Every record from the fault to the flip's completion, with the gap to the one before it (in ms and
+    in round trips): the control plane's critical path as the log saw it."""
+    out, prev = [], wall_fault
+    for r in recs:
+        t = r.time_ns / 1e9
+        if t < wall_fault or r.event is None:
+            continue
+        gap_ms = (t - prev) * 1000
+        what = getattr(r.event, "step", "") or getattr(r.event, "domain", "") or getattr(r.event, "active", "")
+        took = getattr(r.event, "took_ms", 0)
+        out.append(
+            f"  {(t - wall_fault) * 1000:8.0f} ms  +{gap_ms:6.0f} ms ({gap_ms / rtt_ms if rtt_ms else 0:4.1f} rtt)  "
+            f"{r.subject.rsplit('.', 1)[-1]:<9} {type(r.event).__name__:<20} {what:<18} "
+            f"{f'took {took} ms' if took else ''} by {r.event.by}"
+        )
+        prev = t
+        if isinstance(r.event, StepCompleted) and r.event.step == "flip":
+            break
+    return out
 
 
 def fmt(x, spec: str) -> str:
@@ -153,6 +224,13 @@ async def main() -> None:
     p.add_argument("--rtt", default="0,40,120", help="inter-region round trips to measure, ms, comma-separated")
     p.add_argument("--steady-s", type=float, default=3.0)
     p.add_argument("--tail-s", type=float, default=3.0)
+    p.add_argument("--timeline", action="store_true", help="print each run's records from the fault to the flip")
+    p.add_argument("--keep-logs", metavar="DIR", help="copy every process's log there (DIR/rtt<ms>/<name>.log)")
+    p.add_argument(
+        "--lead-from-lost",
+        action="store_true",
+        help="move JetStream's meta and stream leaders into region 1 first: its partition then loses every leader",
+    )
     args = p.parse_args()
     why = netns_problem()
     if why:
@@ -161,7 +239,18 @@ async def main() -> None:
     for rtt in [int(x) for x in args.rtt.split(",") if x.strip()] if "a" in scenarios else []:
         root = Path(tempfile.mkdtemp(prefix=f"haru-regions-{rtt}-"))
         try:
-            rows.append(await one(rtt, root, args.steady_s, args.tail_s))
+            try:
+                rows.append(await one(rtt, root, args.steady_s, args.tail_s, lead=1 if args.lead_from_lost else 0))
+            finally:
+                if args.keep_logs:
+                    shutil.copytree(root / "rg" / "logs", Path(args.keep_logs) / f"rtt{rtt}", dirs_exist_ok=True)
+            if args.timeline:
+                print(
+                    f"records after the fault at {rtt} ms (leaders before it: {rows[-1]['leaders']}):",
+                    *rows[-1]["timeline"],
+                    sep="\n",
+                    flush=True,
+                )
         finally:
             shutil.rmtree(root, ignore_errors=True)
         print(table(rows), flush=True)
