@@ -85,7 +85,7 @@ PLACES: tuple[Place, ...] = (
     ),  # fmt: skip
     Place("route", "haru.evt.<fleet>.route", ("promoter",), (ev.RouteMoved,)),
     Place("checkpoint", "haru.evt.<fleet>.checkpoint", ("projector",), (ev.Checkpoint,)),
-    Place("weights", "haru.evt.<fleet>.weights", ("promoter",), (ev.WeightsSet,)),
+    Place("weights", "haru.evt.<fleet>.weights", ("promoter",), (ev.WeightsSet, ev.AdapterRouted)),
     Place(
         "op",
         "haru.evt.<fleet>.op",
@@ -106,7 +106,9 @@ PLACES: tuple[Place, ...] = (
         "agent", "haru.evt.<fleet>.<domain>.agent", ("agent",), (ev.AgentStarted, ev.AgentStopping, ev.FailureSignalled)
     ),
     Place("liveness", "haru.evt.<fleet>.<domain>.liveness", ("promoter",), (ev.DomainUnreachable, ev.DomainReachable)),
-    Place("model", "haru.evt.<fleet>.<domain>.model.<model>", ("agent",), ev.RESIDENCY_EVENTS),
+    Place(
+        "model", "haru.evt.<fleet>.<domain>.model.<model>", ("agent",), (*ev.RESIDENCY_EVENTS, ev.AdapterStateChanged)
+    ),
     Place("gpu", "haru.evt.<fleet>.<domain>.gpu.<index>", ("agent",), (ev.GpuObserved,)),
     Place(
         "training",

@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from haru.core.errors import EventDecodeError
+from haru.core.events_adapters import AdapterRouted, AdapterStateChanged
 from haru.core.events_base import (
     SCHEMA_VERSION,
     Event,
@@ -101,6 +102,8 @@ from haru.core.events_fleet import (
 
 __all__ = [
     "AdapterPublished",
+    "AdapterRouted",
+    "AdapterStateChanged",
     "ALL_TAGS",
     "AdmissionDecided",
     "AgentStarted",
@@ -223,6 +226,8 @@ AnyEvent = (
     | RouteMoved
     | WeightsSet
     | Checkpoint
+    | AdapterStateChanged
+    | AdapterRouted
     | LogRegressed
     | DomainLogRegressed
 )
