@@ -30,8 +30,8 @@ The roles (docs/design.md, "Security in brief"):
                           (haru.evt.*.checkpoint); beats on
                           haru.alive.projector.>.
   gateway                 reads views, intents and events; writes haru.evt.*.op (promote/demote/weighting
-                          requests); reports what it measured of weighted domains on haru.canary.>;
-                          hears haru.alive.> for /healthz.
+                          requests) and haru.evt.*.usage (tokens served, docs/cost.md); reports what
+                          it measured of weighted domains on haru.canary.>; hears haru.alive.> for /healthz.
   control                 projector + promoter + gateway in one process (`haru up --nats-url`).
   operator                the `haru` CLI: declarations (haru apply), op requests, commands; reads all.
   sink                    reads the event log (the Postgres read model).
@@ -62,7 +62,7 @@ VIEWS = "KV_haru_views"  # the stream behind the KV bucket haru_views
 ADAPTERS_BUCKET = "haru_adapters"  # the object store of published LoRA adapters
 CHECKPOINTS_BUCKET = "haru_checkpoints"  # the object store of training slots' newest checkpoints
 NAME = re.compile(r"[a-z0-9_-]{1,64}")
-RESERVED_DOMAINS = {"decl", "route", "op"}
+RESERVED_DOMAINS = {"decl", "route", "op", "usage"}
 ACCOUNT = "HARU"
 
 # The JetStream API subjects nobody but admin may publish to (deny beats allow in nats-server: this
@@ -149,7 +149,7 @@ def fixed_users() -> list[User]:
         *views,
         *route,
     ]
-    gateway_pub = ["haru.evt.*.op", "haru.canary.>", *events, *views, *route]
+    gateway_pub = ["haru.evt.*.op", "haru.evt.*.usage", "haru.canary.>", *events, *views, *route]
     return [
         User(
             "admin",

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from haru.core.prices import Price
 from haru.core.sizes import GiB, MiB
 
 # Ranges the decoder refuses with the value's path (`Expected `int` >= 0 - at `$.policy.wake_timeout_ms``).
@@ -316,6 +317,8 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
     uuid: str = ""  # declared ('' = none: the fleet's UUID is then fleet_uuid(fleet))
     policy: Policy = Policy()
     domains: list[Domain] = []
+    # Each domain's hourly price (haru.core.prices): recorded as `price_declared`; a domain not here is unpriced.
+    prices: dict[str, Price] = {}
 
     def domain(self, name: str) -> Domain | None:
         for d in self.domains:

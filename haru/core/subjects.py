@@ -13,6 +13,7 @@ share a token.
     haru.evt.<fleet>.weights                       weights_set: traffic weights and canary rollbacks (promoter)
     haru.evt.<fleet>.checkpoint                    checkpoints: chain heads and the folded view (projector)
     haru.evt.<fleet>.integrity                     log_regressed: the log lost what the promoter was acknowledged
+    haru.evt.<fleet>.usage                         tokens_counted: the tokens each gateway served (gateway)
     haru.evt.<fleet>.<domain>.agent                agent started/stopping
     haru.evt.<fleet>.<domain>.liveness             domain unreachable/reachable
     haru.evt.<fleet>.<domain>.model.<model>        residency transitions
@@ -60,7 +61,7 @@ _NAME = re.compile(r"[a-z0-9_-]+")
 _SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789_-")
 
 # Reserved words in the fourth token of a domain subject: a domain may not be called these.
-_FLEET_LEVEL = frozenset({"decl", "route", "op", "checkpoint", "weights", "integrity"})
+_FLEET_LEVEL = frozenset({"decl", "route", "op", "checkpoint", "weights", "integrity", "usage"})
 
 
 def check_name(kind: str, value: str) -> str:
@@ -134,6 +135,10 @@ def op(fleet: str) -> str:
 
 def weights(fleet: str) -> str:
     return f"{EVT}.{check_name('fleet', fleet)}.weights"
+
+
+def usage(fleet: str) -> str:
+    return f"{EVT}.{check_name('fleet', fleet)}.usage"
 
 
 def checkpoint(fleet: str) -> str:
