@@ -18,18 +18,39 @@ A writer records what it found as an event on a subject it owns: an agent `domai
 `haru.evt.<fleet>.<domain>.integrity`, the promoter `log_regressed` on `haru.evt.<fleet>.integrity`
 (one per fleet). `in_scope` is what a fold believes of such an event: only the ranges on subjects
 its writer (known from the subject it stands on) may write.
+
+    event = restated(model_state, domain="a", model="m", at=now)   # what an agent re-reports
+
+A writer then re-establishes what it still knows to be true instead of carrying on from the shorter
+log: an agent appends, on each model subject that lost events, the event that establishes the state
+the model is in now (`restated`; a resident model: `model_resident` again); the promoter, whose
+route pointer the log rewound to a revision it knew was superseded, moves it back to the domain it
+had decided (`route_to_restore`) through the normal sequence-checked append, when that domain is
+still fit to serve and no operation is in flight.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 import msgspec
 
-from haru.core import authority, subjects
+from haru.core import authority, fold_anomalies, residency, subjects
 from haru.core import events as ev
+from haru.core.views import FleetView
 
-__all__ = ["Receipt", "Regression", "compare", "describe", "in_scope", "reading", "regressed"]
+__all__ = [
+    "Receipt",
+    "Regression",
+    "compare",
+    "describe",
+    "in_scope",
+    "reading",
+    "regressed",
+    "restated",
+    "route_to_restore",
+]
 
 
 class Receipt(msgspec.Struct, frozen=True):
@@ -138,3 +159,42 @@ def describe(lost: list[ev.LostRange]) -> str:
         f"{r.subject} after {r.held} up to {r.acknowledged}" + (f" (expected {r.expected[:12]})" if r.expected else "")
         for r in lost
     )
+
+
+def restated(state: residency.Residency, *, domain: str, model: str, at: datetime) -> ev.Event | None:
+    """The residency event that establishes `state` again (None for `unknown` and `not_admitted`,
+    which no agent event states): what an agent re-reports on a model subject the log rewound."""
+    about: dict[str, Any] = {"at": at, "domain": domain, "model": model}
+    if isinstance(state, residency.Resident):
+        return ev.ModelResident(**about, endpoint=state.endpoint, warmup_ms=state.warmup_ms, sleeps=state.sleeps)
+    if isinstance(state, residency.Sleeping):
+        return ev.ModelSleeping(**about, level=state.level, detail="re-reported after the event log lost events")
+    if isinstance(state, residency.Loading):
+        return ev.ModelLoading(**about, endpoint=state.endpoint, attempt=state.attempt, waiting_for=state.waiting_for)
+    if isinstance(state, residency.Waking):
+        return ev.ModelWaking(**about)
+    if isinstance(state, residency.Lost):
+        return ev.ModelLost(**about, reason=state.reason, detail=state.detail)
+    if isinstance(state, residency.Failed):
+        return ev.ModelFailed(**about, runtime_said=state.runtime_said)
+    if isinstance(state, residency.Stopped):
+        return ev.ModelStopped(**about, detail=state.detail)
+    if isinstance(state, residency.Pulling):
+        return ev.ModelPulling(
+            **about, reference=state.reference, done_bytes=state.done_bytes, total_bytes=state.total_bytes
+        )
+    return None
+
+
+def route_to_restore(view: FleetView, known_active: str, *, at: datetime) -> ev.RouteMoved | None:
+    """The `route_moved` that puts the pointer back where the promoter had moved it before the log forgot
+    (`known_active`), folded into `view` from the shorter log; None when the log already says so, an
+    operation is in flight (its saga resumes from the log and flips by its own step), or that domain is
+    no longer declared or not fit to serve (unreachable, a GPU gone, a served model lost or failed: then
+    the ordinary decisions take over)."""
+    if not known_active or view.active == known_active or view.operation is not None:
+        return None
+    domain = view.domains.get(known_active)
+    if domain is None or not fold_anomalies.recovered(domain):
+        return None
+    return ev.RouteMoved(at=at, active=known_active, previous=view.active or "")

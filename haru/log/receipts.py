@@ -147,6 +147,7 @@ class ReceiptGuard:
         self._reported: set[tuple[str, int]] = set()
         self._task: asyncio.Task[None] | None = None
         self._recorder: Callable[[list[Regression]], Awaitable[None]] | None = None
+        self._then: list[Callable[[list[Regression]], Awaitable[None]]] = []
         self.recorded: list[int] = []  # stream sequences of the regression events this writer appended
         self._path: Path | None = None
         self._dirty: asyncio.Event | None = None
@@ -204,6 +205,11 @@ class ReceiptGuard:
             self.recorded += await record_regressions(self._log, found, domain=domain)
 
         self._recorder = record
+
+    def after_recording(self, then: Callable[[list[Regression]], Awaitable[None]]) -> None:
+        """Once what was found is recorded, `await then(found)`: the writer re-establishes what it knows
+        (an agent re-reports its models and GPUs on the subjects that lost events)."""
+        self._then.append(then)
 
     @property
     def role(self) -> str:
@@ -267,6 +273,11 @@ class ReceiptGuard:
             for r in new:
                 self._log.forget_receipt(r.subject, r.acknowledged)
             self.changed()
+            for then in list(self._then):
+                try:
+                    await then(new)
+                except LogError as exc:  # the log went away again: the next reconnect checks once more
+                    _log.warning("eventlog.reestablish_failed", writer=self._log.writer, error=str(exc))
         return regressions
 
 

@@ -53,3 +53,37 @@ def test_what_a_writer_found_becomes_one_record_per_fleet_on_its_own_subject():
     assert isinstance(e1, ev.DomainLogRegressed) and [r.expected for r in e1.lost] == ["h1", "h2"]
     [(s, e)] = regressed([Regression(sj.route("f"), 5, 0, "behind", "h")], at=T)
     assert s == sj.integrity("f") and isinstance(e, ev.LogRegressed) and e.fleet == "f"
+
+
+def test_an_agent_restates_the_state_a_model_is_in_and_nothing_for_what_no_agent_event_states():
+    from haru.core import residency as r
+    from haru.core.receipts import restated
+
+    resident = restated(r.Resident(warmup_ms=40, endpoint="e", sleeps=False), domain="a", model="m", at=T)
+    assert resident == ev.ModelResident(at=T, domain="a", model="m", endpoint="e", warmup_ms=40, sleeps=False)
+    assert isinstance(restated(r.Sleeping(level=1), domain="a", model="m", at=T), ev.ModelSleeping)
+    lost = restated(r.Lost(reason="gpu_detached", detail="gone"), domain="a", model="m", at=T)
+    assert isinstance(lost, ev.ModelLost) and lost.reason == "gpu_detached"
+    assert restated(r.UNKNOWN, domain="a", model="m", at=T) is None
+    assert restated(r.NotAdmitted(short_by_bytes=1), domain="a", model="m", at=T) is None
+
+
+def test_the_promoter_puts_a_rewound_route_back_only_on_a_fit_domain_with_no_operation_in_flight():
+    import msgspec
+
+    from haru.core.receipts import route_to_restore
+    from haru.core.residency import Lost
+    from haru.core.views import DomainView, ModelView, OperationView
+
+    def view(active: str, b_model=None, operation=None):
+        models = {"m": ModelView(name="m", admitted=True, residency=b_model)} if b_model is not None else {}
+        domains = {"a": DomainView(name="a"), "b": DomainView(name="b", models=models)}
+        return msgspec.structs.replace(empty("f"), active=active, domains=domains, operation=operation)
+
+    moved = route_to_restore(view("a"), "b", at=T)
+    assert moved is not None and (moved.active, moved.previous, moved.op_id) == ("b", "a", "")
+    assert route_to_restore(view("b"), "b", at=T) is None  # the log still says so
+    assert route_to_restore(view("a"), "c", at=T) is None  # no longer declared
+    assert route_to_restore(view("a", b_model=Lost(reason="evicted")), "b", at=T) is None  # not fit
+    op = OperationView(op_id="op-1", kind="promotion", target="b")
+    assert route_to_restore(view("a", operation=op), "b", at=T) is None  # its saga resumes from the log
