@@ -317,13 +317,20 @@ async def row(key: str, sync_interval: str | None, acks: int) -> dict[str, Any]:
                     truth = await route_truth(log)
                     took = None
                     deadline = time.monotonic() + 30
+                    # the log holds no route_moved any more: the truth is "never routed" (view: revision 0)
+                    viewed_truth = truth if truth is not None else (0, "")
+                    routed: tuple[int, str] | None = None
+                    viewed: tuple[int, str] | None = None
                     while time.monotonic() < deadline:
                         ri = router.current
                         routed = None if ri is None or ri.active is None else (ri.revision, ri.active.domain)
-                        if truth is not None and routed == truth and await view_route(log) == truth:
+                        viewed = await view_route(log)
+                        if routed == truth and viewed == viewed_truth:
                             took = time.monotonic() - t_quiet
                             break
                         await asyncio.sleep(0.05)
+                    if took is None:
+                        run.notes.append(f"the log's route {truth}, the router's {routed}, the view's {viewed}")
                     following.cancel()
                     rewound = 0
                     for t, revision, active in seen:
