@@ -22,6 +22,7 @@ from haru.core import subjects
 from haru.core.authority import misplaced
 from haru.core.errors import LogDamaged, seq_ranges
 from haru.log import history
+from haru.log.adapter_reads import adapter_records
 from haru.log.reads import checkpoint_start, model_records, why_records
 from haru.log.seam import Log
 
@@ -137,6 +138,12 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
 
         try:
             await log.replay(handler, from_seq=start)
+            if args.since_checkpoint:
+                # A record that the log lost acknowledged events stays a failed verify after a checkpoint.
+                for pattern in ("haru.evt.*.integrity", "haru.evt.*.*.integrity"):
+                    for rec in await log.history(pattern):
+                        verifier.note_regressed(rec)
+                verifier.regressed.sort(key=lambda r: r.seq)
         except LogDamaged as exc:
             damaged = exc
         stream_last, findings = await witnessed_findings(log)
@@ -254,6 +261,8 @@ async def run_why(args: argparse.Namespace) -> ExitStatus:
     read: list = []
     async with _connect(args, "why") as log:
         have = await why_records(log, args.fleet, args.model, args.domain, damage, read)
+        if not have:  # a LoRA adapter served at run time, `<base>:<adapter>`: its versions, probes, routing
+            have = await adapter_records(log, args.fleet, args.model, args.domain, damage)
     _report_misplaced(read, args.fleet)
     damaged = damage[0] if damage else None
     if not have and damaged is not None:

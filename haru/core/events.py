@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from haru.core.errors import EventDecodeError
+from haru.core.events_adapters import AdapterRouted, AdapterStateChanged
 from haru.core.events_base import (
     SCHEMA_VERSION,
     Event,
@@ -47,6 +48,7 @@ from haru.core.events_declarations import (
     ModelFetched,
     ModelRetired,
     PolicyChanged,
+    PriceDeclared,
     TrainingChanged,
     TrainingDeclared,
     TrainingRetired,
@@ -78,10 +80,12 @@ from haru.core.events_domain import (
 from haru.core.events_fleet import (
     ChainHead,
     Checkpoint,
+    ClusterCost,
     DemotionRequested,
     EligibilityChanged,
     FailoverDeclined,
     LogRegressed,
+    ModelTokens,
     OperationAborted,
     OperationCompleted,
     OperationRequested,
@@ -95,12 +99,15 @@ from haru.core.events_fleet import (
     StepFailed,
     StepStarted,
     TeardownRequested,
+    TokensCounted,
     WeightingRequested,
     WeightsSet,
 )
 
 __all__ = [
     "AdapterPublished",
+    "AdapterRouted",
+    "AdapterStateChanged",
     "ALL_TAGS",
     "AdmissionDecided",
     "AgentStarted",
@@ -108,6 +115,7 @@ __all__ = [
     "AnyEvent",
     "ChainHead",
     "Checkpoint",
+    "ClusterCost",
     "DemotionRequested",
     "DomainChanged",
     "DomainDeclared",
@@ -139,12 +147,14 @@ __all__ = [
     "ModelRetired",
     "ModelSleeping",
     "ModelStopped",
+    "ModelTokens",
     "ModelWaking",
     "OPERATION_REQUESTS",
     "OperationAborted",
     "OperationCompleted",
     "OperationRequested",
     "PolicyChanged",
+    "PriceDeclared",
     "PromotionRequested",
     "PromotionRetargeted",
     "ProvisionRequested",
@@ -160,6 +170,7 @@ __all__ = [
     "StepStarted",
     "StopHow",
     "TeardownRequested",
+    "TokensCounted",
     "TrainingChanged",
     "TrainingDeclared",
     "TrainingRetired",
@@ -223,8 +234,12 @@ AnyEvent = (
     | RouteMoved
     | WeightsSet
     | Checkpoint
+    | AdapterStateChanged
+    | AdapterRouted
     | LogRegressed
     | DomainLogRegressed
+    | PriceDeclared
+    | TokensCounted
 )
 
 RESIDENCY_EVENTS = (

@@ -66,7 +66,7 @@ from typing import Any
 
 import msgspec
 
-from haru.core import authority, residency, subjects
+from haru.core import authority, fold_adapters, residency, subjects
 from haru.core import events as ev
 from haru.core import fold_anomalies as anomalies
 from haru.core import fold_declarations as declarations
@@ -137,8 +137,12 @@ _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
     ev.RouteMoved: operations.route_moved,
     ev.WeightsSet: operations.weights_set,
     ev.ModelFetched: lambda view, e, seq: view,  # provenance of model files: history (`haru why`), not state
-    ev.AdapterPublished: lambda view, e, seq: view,  # a published adapter: what serves it folds it into the view
+    ev.AdapterPublished: fold_adapters.adapter_published,
     ev.Checkpoint: lambda view, e, seq: view,  # a record of where history stood: it changes no fact
+    ev.AdapterStateChanged: fold_adapters.adapter_state_changed,
+    ev.AdapterRouted: fold_adapters.adapter_routed,
+    ev.PriceDeclared: lambda view, e, seq: view,  # prices and tokens are the accounting's (haru.core.cost),
+    ev.TokensCounted: lambda view, e, seq: view,  # not the fleet view's
 }
 # Handlers that need the subject the event stood on (what it may claim depends on who wrote it).
 _BY_SUBJECT: dict[type, Callable[[FleetView, Any, int, str], FleetView]] = {
