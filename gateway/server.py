@@ -43,6 +43,8 @@ from haru.gateway.state import RouteFollower
 from haru.gateway.usage_log import Ledger, UsageWriter
 from haru.gateway.weights_api import post_weights
 from haru.host.httpguard import GuardedServer
+from haru.log.receipts import RegressionCollector
+from haru.log.router_reports import RouterReports
 from haru.log.seam import Log
 
 log = structlog.get_logger("haru.gateway")
@@ -73,6 +75,9 @@ class Gateway:
         self.events = events
         self.table = RoutingTable()
         self.metrics = GatewayMetrics()
+        guard = getattr(events, "receipt_guard", None)  # the JetStream log's (an in-memory log never forgets)
+        if guard is not None:
+            self.metrics.registry.register(RegressionCollector(guard))  # haru_log_regressions_total
         self.proxy = Proxy(config, self.table, self.metrics)
         self.follower = (
             RouteFollower(events, self.table, self.metrics, resync_s=config.resync_ms / 1000)
@@ -159,6 +164,10 @@ class Gateway:
                     self.events, self.metrics.ledger, self.gateway_id(), interval_s=cfg.usage_flush_ms / 1000
                 )
                 await stack.enter_async_context(self.usage)
+                # the route followers' reports, for the console's routers panel (haru.log.router_reports)
+                self.console.routers = RouterReports()
+                routers = await self.console.routers.listen(self.events.bus)
+                stack.push_async_callback(routers.unsubscribe)
             server = GuardedServer(
                 self.dispatch,
                 limits=cfg.client_limits,

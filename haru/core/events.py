@@ -27,9 +27,11 @@ from typing import Any
 import msgspec
 
 from haru.core.errors import EventDecodeError
+from haru.core.events_adapters import AdapterRouted, AdapterStateChanged
 from haru.core.events_base import (
     SCHEMA_VERSION,
     Event,
+    LostRange,
     LostReason,
     Step,
     StopHow,
@@ -53,8 +55,10 @@ from haru.core.events_declarations import (
 )
 from haru.core.events_domain import (
     SIGNAL_SOURCES,
+    AdapterPublished,
     AgentStarted,
     AgentStopping,
+    DomainLogRegressed,
     DomainReachable,
     DomainUnreachable,
     FailureSignalled,
@@ -80,6 +84,7 @@ from haru.core.events_fleet import (
     DemotionRequested,
     EligibilityChanged,
     FailoverDeclined,
+    LogRegressed,
     ModelTokens,
     OperationAborted,
     OperationCompleted,
@@ -100,6 +105,9 @@ from haru.core.events_fleet import (
 )
 
 __all__ = [
+    "AdapterPublished",
+    "AdapterRouted",
+    "AdapterStateChanged",
     "ALL_TAGS",
     "AdmissionDecided",
     "AgentStarted",
@@ -111,6 +119,7 @@ __all__ = [
     "DemotionRequested",
     "DomainChanged",
     "DomainDeclared",
+    "DomainLogRegressed",
     "DomainReachable",
     "DomainRetired",
     "DomainUnreachable",
@@ -123,6 +132,8 @@ __all__ = [
     "GpuObserved",
     "GpuProcess",
     "GpuUsage",
+    "LogRegressed",
+    "LostRange",
     "LostReason",
     "ModelAdopted",
     "ModelChanged",
@@ -199,6 +210,7 @@ AnyEvent = (
     | GpuObserved
     | TrainingStarted
     | TrainingStopped
+    | AdapterPublished
     | AgentStarted
     | AgentStopping
     | FailureSignalled
@@ -222,6 +234,10 @@ AnyEvent = (
     | RouteMoved
     | WeightsSet
     | Checkpoint
+    | AdapterStateChanged
+    | AdapterRouted
+    | LogRegressed
+    | DomainLogRegressed
     | PriceDeclared
     | TokensCounted
 )

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from haru.core.events_base import Event, Step
+from haru.core.events_base import Event, LostRange, Step
 
 __all__ = [
     "ChainHead",
@@ -18,6 +18,7 @@ __all__ = [
     "DemotionRequested",
     "EligibilityChanged",
     "FailoverDeclined",
+    "LogRegressed",
     "ModelTokens",
     "OperationAborted",
     "OperationCompleted",
@@ -259,6 +260,20 @@ class WeightsSet(Event, frozen=True, kw_only=True, tag="weights_set"):
     requests: int = 0  # the evidence of a rollback: requests and errors the gateways reported in the window
     errors: int = 0
     route_revision: int = 0  # the route revision the weights were decided against
+
+
+# -------------------------------------------------------------- integrity: haru.evt.<fleet>.integrity
+
+
+class LogRegressed(Event, frozen=True, kw_only=True, tag="log_regressed"):
+    """The promoter found the event log behind what it was acknowledged on the fleet's subjects it writes
+    (route, op, weights, liveness): each of `lost` names a subject, the sequence acknowledged, the hash
+    expected there and what the log holds now. The log forgot acknowledged events (a power loss with
+    lazy fsync, a damaged block file, a store restored from an old backup); the promoter then re-decides
+    what those events said. Folded as an anomaly; `haru verify` fails on it."""
+
+    fleet: str
+    lost: list[LostRange] = []
 
 
 # ------------------------------------------------------------------- usage: haru.evt.<fleet>.usage

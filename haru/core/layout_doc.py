@@ -14,7 +14,7 @@ import msgspec
 
 from haru.core.errors import InvalidName, LayoutError
 from haru.core.sizes import parse_size
-from haru.core.specs import NonNegative, Policy, PreemptionNotice, ProvisionSpec, ServiceSpec
+from haru.core.specs import AdapterProbe, NonNegative, Policy, PreemptionNotice, ProvisionSpec, ServiceSpec
 from haru.core.subjects import check_name
 
 __all__ = [
@@ -72,6 +72,9 @@ _MODEL_KEYS = (
     "gpu_layers",
     "gpus",
     "host_ram",
+    "max_loras",
+    "max_lora_rank",
+    "adapter_probes",
 )
 _POLICY_KEYS = tuple(Policy.__struct_fields__)
 
@@ -100,6 +103,9 @@ class ModelDoc(msgspec.Struct, forbid_unknown_fields=True):
     gpu_layers: int = -1
     gpus: list[NonNegative] = []  # tensor parallel: every GPU it spans, the slot's among them
     host_ram: Size = 0  # host RAM its sleep keeps (its weights); 0 = its VRAM per GPU, an upper bound
+    max_loras: NonNegative = 0  # adapters its runtime may hold at once, loaded at run time (0 = none)
+    max_lora_rank: Annotated[int, msgspec.Meta(ge=1, le=512)] = 16
+    adapter_probes: dict[str, list[AdapterProbe]] = {}  # adapter -> the cases its versions must pass
 
 
 class SlotDoc(msgspec.Struct, forbid_unknown_fields=True):

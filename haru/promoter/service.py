@@ -12,7 +12,10 @@ is not applied (the fold counts it as an anomaly) and is logged. It listens to h
 (`haru.hb.*.*`, on the bus: haru/log/bus.py) and measures silence.
 
 Each round, per fleet: `decide(view, facts)` -> appends, made in order with the expected sequence;
-after a successful append the promoter waits until its follower has folded it before deciding again.
+the next decision reads the view with the promoter's own acknowledged appends on it
+(`FleetState.acked`), so it never decides on a view that lacks its own append, and never waits for
+its follower to deliver what the acknowledgement already said (a round trip per decision at WAN
+latency: docs/deploy.md).
 A `step_started` it appended is a step it runs (in a task): the step's agent commands over
 request/reply (or, for the flip, `route_moved` on the route subject with the route subject's real
 last sequence as the expected one, provided the route has not moved since the operation's route
@@ -56,6 +59,7 @@ from haru.core.events import (
     tag_of,
 )
 from haru.core.fold import Folder, empty, fleet_of
+from haru.core.receipts import route_to_restore
 from haru.core.saga import STEPS
 from haru.core.views import OperationView, view_decoder
 from haru.core.weights import report_decoder
@@ -63,6 +67,7 @@ from haru.host import alive
 from haru.host.tasks import cancel_and_wait
 from haru.log.bus import Msg
 from haru.log.follow import Follower
+from haru.log.receipts import RegressionCollector
 from haru.log.record import Record
 from haru.log.requests import new_op_id
 from haru.log.seam import Log
@@ -72,12 +77,14 @@ from haru.promoter.drive import not_applicable
 from haru.promoter.fleets import FleetState, StepRunner, utcnow
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
-from haru.promoter.quorum import Quorum
+from haru.promoter.quorum import Quorum, reaches_most
+from haru.promoter.router_acks import RouterAcks
 from haru.promoter.runners import StepRunners
 
 log_ = structlog.get_logger("haru.promoter")
 
 STALL_CHECK_S = 2.0
+KNOWN_PEERS_S = 60.0  # the promoters heard within this long are the ones a replica knows (reaches_most)
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> None:
@@ -130,9 +137,15 @@ class Promoter:
         self._listening_since = 0.0
         self._was_connected = True
         self.follower: Follower | None = None
+        self._known_routes: dict[str, str] = {}  # fleet -> active domain, as folded before the log rewound
+        self._refold_until = 0  # the stream's head when it was found rewound: no decisions until folded again
         self.peers = alive.Heard()  # promoters heard on haru.alive.promoter.*, this one included
         self.log_ = log_.bind(promoter=self.identity)
         self.metrics = PromoterMetrics(self)  # counted from the records folded below (metrics.py)
+        guard = getattr(log, "receipt_guard", None)  # the JetStream log's (an in-memory log never forgets)
+        if guard is not None:
+            guard.record_as()  # a log that forgot what the promoter was acknowledged: log_regressed per fleet
+            self.metrics.registry.register(RegressionCollector(guard))  # haru_log_regressions_total
         self.quorum = Quorum(self.log_)  # majority | minority: whether our appends reach a quorum (quorum.py)
         self.provisioning = provisioning or Provisioning(sky=sky)
         # STEPS[step].run -> the coroutine that executes such a step and returns its outcome event
@@ -141,6 +154,9 @@ class Promoter:
             log, identity=self.identity, provisioning=self.provisioning, wait_folded=self.wait_folded, logger=self.log_
         )
         self.runners: dict[str, StepRunner] = self.steps.table()
+        # settle_old_active waits for the routers that follow the fleet first (haru.promoter.router_acks)
+        self.router_acks = RouterAcks(self.log_)
+        self.runners["settle"] = self.router_acks.settle(self.steps.agent)
 
     # ------------------------------------------------------------------------------- following
 
@@ -153,13 +169,13 @@ class Promoter:
     def on_record(self, rec: Record) -> None:
         if rec.seq <= self.folded:
             return  # a redelivery after the follower was restarted
-        if self.quorum.committed(rec.time_ns):  # committed after we lost the majority: it is back
+        if self.quorum.committed(rec.time_ns) and self.quorum.cut_off:  # committed after we lost the majority
             self._listen_afresh()
         fleet = fleet_of(rec.subject)
         if fleet and (self.only is None or fleet in self.only):
             st = self._state(fleet)
             if rec.seq > st.resumed_at:  # else already in the view this fleet was resumed from
-                st.last[rec.subject] = rec.seq
+                st.folded(rec.subject, rec.seq)
                 if rec.event is not None:
                     st.folder.add(rec.event, seq=rec.seq, subject=rec.subject)
                     if st.folder.misplaced_seq == rec.seq:  # not applied (the subject is the authority): say so, once
@@ -305,6 +321,7 @@ class Promoter:
             self.on_canary_report(msg.subject, msg.data)
 
         reports = await self.log.bus.subscribe(subjects.ALL_CANARY_REPORTS, reported)
+        routers = await self.router_acks.listen(self.log.bus)
         await self.peers.listen(self.log.bus, subjects.alive("promoter"))
         self._listening_since = time.monotonic()
         follower: asyncio.Task | None = None
@@ -343,6 +360,8 @@ class Promoter:
                 await sub.unsubscribe()
             with contextlib.suppress(Exception):
                 await reports.unsubscribe()
+            with contextlib.suppress(Exception):
+                await routers.unsubscribe()
             await self.peers.stop()
             await cancel_and_wait(beating, follower, *self._tasks)
 
@@ -379,7 +398,12 @@ class Promoter:
         server restarted) would otherwise leave every later append conflicting with what it has not
         folded, and the operation in flight `running` for ever."""
         self.follower = self.log.follower(
-            self.on_record, from_seq=self.folded + 1, name="promoter", stall_interval=STALL_CHECK_S, stall_checks=2
+            self.on_record,
+            from_seq=self.folded + 1,
+            name="promoter",
+            stall_interval=STALL_CHECK_S,
+            stall_checks=2,
+            on_rewind=self._rewound,
         )
         await self.follower.run()
 
@@ -391,6 +415,12 @@ class Promoter:
             self.log_.info("reconnected", detail="heartbeat silence is measured afresh (the follower replays afresh)")
         self._was_connected = connected
         return connected
+
+    def _heard_most(self) -> bool:
+        """Whether this replica hears most of the promoters it heard within `KNOWN_PEERS_S` (quorum.py)."""
+        return reaches_most(
+            len(self.peers.alive("promoter")), len(self.peers.alive("promoter", within_s=KNOWN_PEERS_S))
+        )
 
     def _listen_afresh(self) -> None:
         """Forget what was heard: silence is measured from now (after a reconnect, in and out of minority)."""
@@ -405,7 +435,9 @@ class Promoter:
         for name in st.view.domains:
             seen = st.heard.get(name)
             silent[name] = None if seen is None else int((now_m - seen) * 1000)
-        if self.quorum.lapsed():
+        if self.quorum.state == "minority" and not self._heard_most():
+            self.quorum.alone()
+        if self.quorum.lapsed() and self.quorum.cut_off:
             self._listen_afresh()
         listening_ms = int((now_m - self._listening_since) * 1000)
         if self.quorum.state == "minority":  # cut off: silence we measure is our own isolation (quorum.py)
@@ -434,7 +466,25 @@ class Promoter:
         """Decide once for a fleet and make the appends, in order; stop at the first that loses a race."""
         await self._make(st, self._decide(st))
 
+    def _rewound(self, head: int) -> int:
+        """The log went back behind what was folded (haru/log/follow.py): fold every fleet again from
+        sequence 1, decide nothing until that is done, and remember where each route pointer was, to
+        put it back if the shorter log rewound it (`haru.core.receipts.route_to_restore`)."""
+        self._known_routes.update({f: st.view.active for f, st in self.fleets.items() if st.view.active})
+        self.log_.warning("log_rewound", folded=self.folded, stream_last_seq=head, routes=self._known_routes)
+        self.fleets.clear()
+        self.folded = 0
+        self._refold_until = head
+        return 0
+
     def _decide(self, st: FleetState) -> list[Append]:
+        if self.folded < self._refold_until:
+            return []  # folding again after a rewind: no decision from half a log
+        known = self._known_routes.pop(st.view.fleet, "")
+        restore = route_to_restore(st.view, known, at=utcnow()) if known else None
+        if restore is not None:
+            why = f"the event log forgot the route_moved to {known}: the promoter re-decides it"
+            return [Append(subject=subjects.route(st.view.fleet), event=restore, why=why)]
         try:
             return decide(st.view, self.facts(st))
         except Exception:  # a bug in the core must not stop every fleet: say it loudly and go on
@@ -442,7 +492,7 @@ class Promoter:
             return []
 
     async def _make(self, st: FleetState, appends: list[Append], expects: dict[str, int] | None = None) -> None:
-        """Make a round's appends, in order (each folded before the next); stop at the first that loses a race.
+        """Make a round's appends, in order (each acknowledged before the next); stop at the first that loses a race.
         `expects`: each subject's last sequence when the appends were decided (default: now); our own
         append moves it."""
         if expects is None:
@@ -456,24 +506,24 @@ class Promoter:
                 seq = await self.log.append(a.subject, event, expect=expect)
             except Conflict as exc:
                 log.debug("append_lost_race", expected=expect, current=exc.current)
-                if self.quorum.answered():
+                if self.quorum.answered() and self.quorum.cut_off:
                     self._listen_afresh()
                 return
             except LogError as exc:
-                if self.quorum.failed(exc):
+                if self.quorum.failed(exc, heard_most=self._heard_most()) and self.quorum.cut_off:
                     self._listen_afresh()
                 elif self.quorum.state == "majority":
                     log.warning("append_failed", error=str(exc))
                 return
-            if self.quorum.answered():
+            if self.quorum.answered() and self.quorum.cut_off:
                 self._listen_afresh()
             log.info("appended", seq=seq, why=a.why, **_context(event))
             expects[a.subject] = seq
+            st.acked(seq, a.subject, event)  # decided on at once, not after the follower delivers it
             if isinstance(event, StepStarted):
                 op = st.view.operation
                 if op is not None and op.op_id == event.op_id:
                     self._spawn_step(st, op, event, seq)
-            await self.wait_folded(seq)
 
     # ----------------------------------------------------------------------------- the steps
 
@@ -521,12 +571,9 @@ class Promoter:
                         )
             if isinstance(event, (StepCompleted, StepFailed)) and not event.took_ms:
                 event = msgspec.structs.replace(event, took_ms=int((time.monotonic() - t0) * 1000))
+            event = msgspec.structs.replace(event, by=self.identity, cause=started_seq)
             try:
-                seq = await self.log.append(
-                    subjects.op(fleet),
-                    msgspec.structs.replace(event, by=self.identity, cause=started_seq),
-                    expect=started_seq,
-                )
+                seq = await self.log.append(subjects.op(fleet), event, expect=started_seq)
             except Conflict:
                 log.warning(
                     "step_taken_over",
@@ -539,7 +586,7 @@ class Promoter:
             log.info(
                 "step_" + ("completed" if isinstance(event, StepCompleted) else "failed"), seq=seq, **_context(event)
             )
-            await self.wait_folded(seq)
+            st.acked(seq, subjects.op(fleet), event)  # the next step is decided at once (FleetState.view)
         except asyncio.CancelledError:
             raise
         except Exception:
