@@ -29,7 +29,10 @@ parts it calls; starts them, boots them and stops them:
     agents/status.py           the status answer, the heartbeat, the GPUs' verdict (agents/owners.py: whose)
     agents/commands.py         the command service on the log's bus, typed against what each verb asks
     agents/serving.py          the serving port
+    agents/adapters.py         LoRA adapters loaded into the runtimes at run time, as the fleet view says
     agents/lifecycle.py        stopping, the tasks; agents/current.py the slots as they are now
+    agents/appender.py         every append, buffered in order while the log is away (agents/backlog.py)
+    agents/majority.py         a NATS node without a stream majority is left for a server that has one
 
 and the GPU watcher, the heartbeat, the runtime files and adoption, each a unit of its own.
 """
@@ -46,7 +49,9 @@ from collections.abc import AsyncIterator
 import aiohttp
 import structlog
 
+from haru.agents.adapters import Adapters
 from haru.agents.appender import Appender
+from haru.agents.checkpoint_travel import CheckpointTravel
 from haru.agents.claim import Claim
 from haru.agents.commands import CommandService
 from haru.agents.config import AgentConfig, HostSlots, fold_declarations, load_layout_slots, slots_from_host_entry
@@ -58,11 +63,14 @@ from haru.agents.lifecycle import Lifecycle
 from haru.agents.live_apply import LiveApply
 from haru.agents.load_queue import LoadQueue
 from haru.agents.loops import LoopErrors, on_the_way_out
+from haru.agents.majority import MajorityWatch
 from haru.agents.model_slot import ModelSlot
 from haru.agents.model_slots import ModelSlots
 from haru.agents.owners import Owners
 from haru.agents.ports import Identity
+from haru.agents.publishing import Publisher
 from haru.agents.recorder import Recorder
+from haru.agents.reestablish import Reestablish
 from haru.agents.role import Role
 from haru.agents.runtime_files import RuntimeFiles
 from haru.agents.runtime_for import RuntimeFor
@@ -77,7 +85,9 @@ from haru.core import subjects
 from haru.core.errors import ConfigError
 from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import EventLog
+from haru.log.receipts import RECEIPTS_FILE
 from haru.log.seam import EventReader, Log
+from haru.log.training_objects import JsObjects, Objects
 
 __all__ = ["Agent", "resolve_slots"]
 
@@ -98,6 +108,9 @@ async def resolve_slots(config: AgentConfig, log: EventReader) -> HostSlots:
     )
 
 
+CHECKPOINT_POLL_S = 1.0  # how often the agent looks for a checkpoint to upload: what a killed host may lose
+
+
 class Agent:
     """The agent's parts, built bottom-up: each is handed the parts it calls, all built before it. Two
     listeners close the loops that are real (registered once both ends exist): the GPU watcher tells the
@@ -112,9 +125,13 @@ class Agent:
         gpus: Gpus,
         session: aiohttp.ClientSession,
         serving_env: ServingEnv,
+        *,
+        adapters: Objects,
+        checkpoints: Objects,
     ) -> None:
         """`serving_env`: what the serving port takes from the environment, read by the command that
-        starts the agent (haru/cli/agent.py); nothing in the agent reads the environment itself."""
+        starts the agent (haru/cli/agent.py); nothing in the agent reads the environment itself. `adapters`: the
+        bucket finished training runs publish to; `checkpoints`: the one training slots' checkpoints travel through."""
         self.config = config
         self.log = log
         self.gpus = gpus
@@ -136,10 +153,10 @@ class Agent:
         self.files = files = RuntimeFiles(self.state_dir, logger=logger)
         self.loop_errors = errors = LoopErrors()  # haru_agent_loop_errors_total{loop}
 
-        # The writer's path: every append of the agent goes through `append` (expected sequence, retried while
-        # the log is away), except the claim's own (agent_started/agent_stopping, and the failure signals on
-        # the agent subject), which must fail rather than retry.
-        self.append = append = Appender(log, stopping=life.stopping, logger=logger)
+        # The writer's path: every append of the agent goes through `append` (expected sequence; buffered in
+        # order while the log is away, so the agent keeps observing), except the claim's own (agent_started/
+        # agent_stopping, and the failure signals on the agent subject), which must fail rather than wait.
+        self.append = append = Appender(log, stopping=life.stopping, logger=logger, buffer=config.backlog)
         self.claim = claim = Claim(
             log,
             log.bus,
@@ -151,6 +168,15 @@ class Agent:
             logger=logger,
         )
 
+        self.publisher = Publisher(
+            fleet=fleet,
+            domain=domain,
+            objects=adapters,
+            log=log,
+            models=hosted.keys,
+            logger=logger,
+        )
+        self.travel = CheckpointTravel(fleet=fleet, objects=checkpoints, interval_s=CHECKPOINT_POLL_S, logger=logger)
         self.training = training = TrainingSlots(
             slots.admitted_training,
             fleet=fleet,
@@ -162,6 +188,8 @@ class Agent:
             agent_seq=claim.tip,
             stopping=life.stopping,
             logger=logger,
+            publisher=self.publisher,
+            travel=self.travel,
         )
         self.role = role = Role(
             log,
@@ -196,6 +224,19 @@ class Agent:
         self.recorder = recorder = Recorder(
             domain=domain, append=append, gpu=gpu_watch, agent_seq=claim.tip, stopping=life.stopping, logger=logger
         )
+        self.adapters = runtime_adapters = Adapters(
+            fleet=fleet,
+            domain=domain,
+            log=log,
+            objects=adapters,
+            models=hosted,
+            append=append,
+            session=session,
+            store_dir=self.state_dir / "adapters",
+            policy=current.policy,
+            stopping=life.stopping,
+            logger=logger,
+        )
         context = SupervisorContext(
             domain=domain,
             record=recorder.record,
@@ -212,6 +253,7 @@ class Agent:
             errors=errors,
             logger=logger,
             loads=LoadQueue(order=current.model_order),
+            restore_adapters=runtime_adapters.restore,
         )
         runtime_for = RuntimeFor(
             current,
@@ -280,6 +322,13 @@ class Agent:
             status=status,
             drain=self._drain if self.serving is not None else None,
         )
+        # Its NATS node must reach a stream majority, or the agent moves to a server of its list that has one
+        # (given one server, there is nowhere to move).
+        self.majority: MajorityWatch | None = None
+        if config.majority_check_ms and len(config.servers()) > 1 and isinstance(log, EventLog):
+            self.majority = MajorityWatch(
+                log, servers=config.servers(), interval_s=config.majority_check_ms / 1000, logger=logger
+            )
         self.heartbeats = Heartbeats(
             functools.partial(log.bus.publish, subjects.heartbeat(fleet, domain)),
             status.heartbeat,
@@ -312,14 +361,22 @@ class Agent:
     @contextlib.asynccontextmanager
     async def start(cls, config: AgentConfig, *, serving_env: ServingEnv) -> AsyncIterator[Agent]:
         writer = f"agent:{config.fleet}/{config.domain}@{socket.gethostname()}"
-        async with EventLog.connect(config.servers(), writer=writer, creds=config.nats_creds) as log:
+        async with EventLog.connect(config.servers(), writer=writer, creds=config.nats_creds, steer=True) as log:
+            if log.receipt_guard is not None:  # a log that forgot what we were acknowledged: domain_log_regressed
+                log.receipt_guard.record_as(domain=config.domain)
+                config.state_path().mkdir(parents=True, exist_ok=True)  # receipts outlive the agent (a restart)
+                log.receipt_guard.persist(config.state_path() / RECEIPTS_FILE)
             slots = await resolve_slots(config, log)
             # the serving port's rule, before anything is claimed or touched
             check_serving(config, slots, serving_env.token)
             gpus = open_gpus(config.gpus, config.sim_dir or None)
             connector = aiohttp.TCPConnector(limit=0, force_close=False)
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-                agent = cls(config, slots, log, gpus, session, serving_env)
+                adapters = JsObjects(log.js, subjects.ADAPTERS_BUCKET)
+                checkpoints = JsObjects(log.js, subjects.CHECKPOINTS_BUCKET)
+                agent = cls(config, slots, log, gpus, session, serving_env, adapters=adapters, checkpoints=checkpoints)
+                if log.receipt_guard is not None:  # a recorded loss: re-report what is true now
+                    log.receipt_guard.after_recording(Reestablish.of(agent))
                 try:
                     await agent.claim.take(serving_url=slots.domain.spec.serving_url)
                     agent.logger.info(
@@ -348,6 +405,9 @@ class Agent:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         swept_training = await asyncio.to_thread(self.files.sweep_children, policy.training_grace_ms)
         life.spawn(self.heartbeats.run(), "heartbeat")
+        life.spawn(self.append.run(), "backlog")
+        if self.majority is not None:
+            life.spawn(self.majority.run(), "majority")
         await self.role.read()
         life.spawn(self.role.follow(), "route")
         # The tips of every subject this agent writes: it continues their chains.
@@ -367,7 +427,10 @@ class Agent:
         life.spawn(self.signals.run(self.current.gpu_indexes, self.loop_errors), "signals")
         for m in self.models.models.values():
             self.models.supervise(m)
+        life.spawn(self.travel.run(t.spec for t in self.training.trainers.values()), "checkpoints")
         life.spawn(self.training_policy.initial(), "initial-training")
+        if any(m.spec.max_loras for m in self.models.models.values()):
+            life.spawn(self.adapters.run(), "adapters")
         if slots.source == "declared":
             life.spawn(self.live.follow(), "declarations")
 
@@ -378,6 +441,8 @@ class Agent:
         reason = self.life.reason or "shutdown"
         # Each step is tried whatever the one before did: a failure is logged with its traceback.
         logger = self.logger
+        # What was observed while the log was away goes in before the agent says it stops.
+        await on_the_way_out("the backlog", self.append.flush(), logger=logger)
         await on_the_way_out("agent_stopping", self.claim.release(reason), logger=logger)
         await on_the_way_out("the command service", self.service.stop(), logger=logger)
         if self.serving is not None:
@@ -385,6 +450,10 @@ class Agent:
         # Training first: it holds VRAM the runtimes may need, and it is the cheapest to lose.
         for slot in list(self.training.trainers):
             await on_the_way_out(f"training {slot}", self.training.stop(slot), logger=logger)
+        # what the trainers checkpointed on their way out goes to the bucket, for whichever domain trains next
+        await on_the_way_out(
+            "uploading checkpoints", self.travel.sync(t.spec for t in self.training.trainers.values()), logger=logger
+        )
         hb = [t for t in self.life.tasks if t.get_name() == "heartbeat"]
         await cancel_and_wait(*(t for t in self.life.tasks if t not in hb))
         if self.life.keep_runtimes:

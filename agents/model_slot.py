@@ -39,6 +39,9 @@ class ModelSlot:
         self.settled = asyncio.Event()  # the first load attempt has come to rest
         self.probe_ms = 0
         self.last_probe: probes.Probe | None = None
+        # LoRA adapters loaded at run time (agents/adapters.py): runtime name -> its directory; the wake
+        # check asks each its own question.
+        self.runtime_adapters: dict[str, str] = {}
 
     @property
     def name(self) -> str:

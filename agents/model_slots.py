@@ -26,6 +26,7 @@ from haru.agents.supervisor import ModelSupervisor, SupervisorContext
 from haru.core import subjects
 from haru.core.commands import Command
 from haru.core.errors import IllegalTransition
+from haru.core.events import AdapterStateChanged
 from haru.core.residency import to_state
 from haru.core.specs import ModelSpec, model_gpus
 from haru.host.tasks import cancel_and_wait
@@ -77,7 +78,12 @@ class ModelSlots:
         rec = await self.log.last(m.subject)
         if rec is not None:
             m.seq = rec.seq
-            if rec.event is not None:
+            if isinstance(rec.event, AdapterStateChanged):
+                # the subject also carries its runtime's adapters (agents/adapters.py): the residency is the
+                # last residency event before them
+                recs = [r for r in await self.log.tail(m.subject, 256) if not isinstance(r.event, AdapterStateChanged)]
+                rec = recs[-1] if recs else None
+            if rec is not None and rec.event is not None:
                 with contextlib.suppress(IllegalTransition):
                     m.state = to_state(rec.event, rec.seq)
 

@@ -33,8 +33,10 @@ from aiohttp import web
 from haru.agents import portholder, probes
 from haru.agents.errors import PortHolderError
 from haru.agents.gpu_watch import GpuWatcher
+from haru.agents.model_slot import ModelSlot
 from haru.agents.model_slots import ModelSlots
 from haru.agents.serving_env import ServingEnv
+from haru.core.adapters import split_runtime_name
 from haru.core.errors import ConfigError
 from haru.core.openai_errors import BadBody, answer_status, error_body, model_of
 from haru.core.residency import ANSWERS
@@ -303,9 +305,11 @@ class ServingProxy:
         name = model_of(body)
         if isinstance(name, BadBody):
             return error(400, "invalid_request", name.message, param=name.param)
-        m = self.slots.models.get(name) or next(
-            (s for s in self.slots.models.values() if name in s.spec.adapters), None
-        )  # a LoRA adapter: its model's
+        m = (
+            self.slots.models.get(name)
+            or next((s for s in self.slots.models.values() if name in s.spec.adapters), None)  # a LoRA adapter
+            or self._adapter_base(name)  # a version of an adapter loaded at run time: its base model's runtime
+        )
         if m is None:
             return error(
                 404,
@@ -323,6 +327,11 @@ class ServingProxy:
             inflight[name] -= 1
             if not inflight[name] and self._idle is not None:
                 self._idle.set()
+
+    def _adapter_base(self, name: str) -> ModelSlot | None:
+        if split_runtime_name(name) is None:
+            return None
+        return next((m for m in self.slots.models.values() if name in m.runtime_adapters), None)
 
     def in_flight(self, names: list[str]) -> int:
         """Requests to `names` being answered now (streams until their last byte)."""

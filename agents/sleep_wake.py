@@ -37,7 +37,7 @@ class SleepWake:
         SleepFreedNothing is raised. Before it sleeps, its greedy answers are recorded for the wake."""
         m = self.s.m
         await self.s.wake_check.record(
-            m.runtime, (m.name, *m.spec.adapters), self.s.ctx.policy().probe_timeout_ms / 1000
+            m.runtime, (m.name, *m.spec.adapters, *m.runtime_adapters), self.s.ctx.policy().probe_timeout_ms / 1000
         )
         pid = m.runtime.pid
         tree = process_tree({pid}, read_parents()) if pid else frozenset()
@@ -152,6 +152,11 @@ class SleepWake:
                     detail=f"woke but the probe failed at {probe.step}: {probe.detail}",
                     took_ms=took,
                 )
+            if self.s.ctx.restore_adapters is not None and m.spec.max_loras:
+                # vLLM drops run-time adapters on a deep sleep (and may reload them lazily on first use): load
+                # what is missing now, so the check below asks each adapter its own question on a warm engine
+                held = await self.s.ctx.restore_adapters(m)
+                self.s.wake_check.keep_only({m.name, *m.spec.adapters, *held})
             checked = self.s.wake_check.armed
             changed = await self.s.wake_check.changed(m.runtime, self.s.ctx.policy().probe_timeout_ms / 1000)
             took = int((time.monotonic() - started) * 1000)

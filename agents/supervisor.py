@@ -95,6 +95,9 @@ class SupervisorContext:
     logger: Any
     # One cold load at a time per GPU, in declaration order (agents/load_queue.py): the agent's, shared.
     loads: LoadQueue = field(default_factory=LoadQueue)
+    # Adapters loaded at run time (agents/adapters.py): load what the runtime should hold and does not (a
+    # level-2 sleep drops them); returns the runtime names it holds. None: this host loads none.
+    restore_adapters: Callable[[ModelSlot], Awaitable[list[str]]] | None = None
 
 
 class ModelSupervisor:

@@ -1,11 +1,14 @@
 """The host's training slots: start and stop each slot's trainer, and record it.
 
-    haru.evt.<fleet>.<domain>.training.<slot>   training_started / training_stopped
+    haru.evt.<fleet>.<domain>.training.<slot>   training_started / training_stopped / adapter_published
 
 One lock for all slots (a start checks the GPU's models, a stop frees VRAM a reload waits for). Whether a
 slot may start now (the domain's role, awake models on its GPU) is the caller's policy, asked under that
-lock through `admit`. The running trainers' process groups are kept in the pid file (agents/runtime_files.py)
-so a crashed agent's successor stops them.
+lock through `admit`. A trainer that exits 0 leaving a finished run's manifest has its adapter published
+(agents/publishing.py) and recorded after its `training_stopped`. Before a slot starts, its newest checkpoint
+is fetched from the bucket when another domain trained it since (agents/checkpoint_travel.py). The running
+trainers' process groups are kept in the pid file (agents/runtime_files.py) so a crashed agent's successor
+stops them.
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ from typing import Any
 
 from haru.agents.appender import Append
 from haru.agents.cause import COMMAND_CAUSE
+from haru.agents.checkpoint_travel import CheckpointTravel
 from haru.agents.errors import TrainingProblem
 from haru.agents.ports import Outcome
+from haru.agents.publishing import Publisher
 from haru.agents.runtime_files import RuntimeFiles
 from haru.agents.training import Ended, Trainer
 from haru.core import causes, subjects
+from haru.core.errors import LogError
 from haru.core.events import Event, TrainingStarted, TrainingStopped
 from haru.core.specs import TrainingSpec
 from haru.log.seam import EventReader
@@ -51,8 +57,12 @@ class TrainingSlots:
         agent_seq: Callable[[], int],
         stopping: Callable[[], bool],
         logger: Any,
+        publisher: Publisher | None = None,
+        travel: CheckpointTravel | None = None,
     ) -> None:
         self.fleet = fleet
+        self.publisher = publisher
+        self.travel = travel
         self.domain = domain
         self.append = append
         self.files = files
@@ -96,6 +106,8 @@ class TrainingSlots:
             refused = await admit(t.spec)
             if refused is not None:
                 return refused
+            if self.travel is not None:  # the slot may have trained on another domain since it ran here
+                await self.travel.fetch(t.spec)
             try:
                 pid = await t.start()
             except TrainingProblem as exc:
@@ -129,8 +141,30 @@ class TrainingSlots:
         async def on_exit(ended: Ended) -> None:
             async with self._lock:
                 await self._stopped(slot, ended)
+            if ended.exit_code == 0 and self.publisher is not None:
+                await self._publish(slot)
 
         return on_exit
+
+    async def _publish(self, slot: str) -> None:
+        """Publish the run the slot's trainer finished (outside the lock: a stop for a failover never waits for an
+        upload), then record it under the lock."""
+        assert self.publisher is not None
+        ready = await self.publisher.publish(self.trainers[slot].spec)
+        if ready is None:
+            return
+        event, done = ready
+        async with self._lock:
+            await self._record(slot, event)
+        done()
+        if self.travel is not None:
+            try:
+                await self.travel.forget(self.trainers[slot].spec)
+            except LogError as exc:
+                self.logger.warning("checkpoint_not_forgotten", slot=slot, problem=str(exc))
+        self.logger.info(
+            "adapter_published", slot=slot, adapter=event.adapter, version=event.version, digest=event.digest
+        )
 
     async def _stopped(self, slot: str, ended: Ended) -> None:
         await self._record(

@@ -65,6 +65,11 @@ class WakeCheck:
             if now.get(name) != before[name]
         )
 
+    def keep_only(self, names: set[str]) -> None:
+        """Forget the answers of what is no longer served (an adapter version unloaded while it slept)."""
+        if any(n not in names for n in self.answers):
+            self._set({n: a for n, a in self.answers.items() if n in names})
+
     def forget(self) -> None:
         if self.answers:
             self._set({})

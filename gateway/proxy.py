@@ -27,6 +27,7 @@ from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict
 
 from haru.core.openai_errors import PAYLOAD_TOO_LARGE, REQUEST_TIMEOUT, UPSTREAM_TIMEOUT, UPSTREAM_UNREACHABLE
+from haru.gateway.adapters import with_model
 from haru.gateway.canary import CanaryCounts
 from haru.gateway.config import GatewayConfig
 from haru.gateway.errors import UpstreamError
@@ -265,6 +266,9 @@ class Proxy:
         retry: bool = True,
     ) -> web.StreamResponse:
         fleet, model = fwd.fleet, fwd.model
+        counted = model
+        if fwd.body_model:  # a LoRA adapter: the runtime is sent the version's name (gateway.adapters), and
+            body, counted = with_model(body, fwd.body_model), fwd.body_model  # a canary's errors count per version
         ttfb_hist, latency_hist = self.metrics.upstream(fleet, fwd.domain)
         pool = self.pool
         assert pool is not None and self._loop is not None, "the proxy is not started"
@@ -275,7 +279,7 @@ class Proxy:
             conn = await pool.request(target, head, body, self._loop.time() + self.header_timeout)
         except TimeoutError:
             status, code = UPSTREAM_TIMEOUT
-            self.canary.count(fleet, fwd.domain, model, "upstream_timeout")
+            self.canary.count(fleet, fwd.domain, counted, "upstream_timeout")
             self.metrics.request(fleet, model, status)
             return error_response(
                 Refusal(
@@ -291,7 +295,7 @@ class Proxy:
             )
         except UpstreamError as exc:
             status, code = UPSTREAM_UNREACHABLE
-            self.canary.count(fleet, fwd.domain, model, f"upstream_unreachable: {exc}")
+            self.canary.count(fleet, fwd.domain, counted, f"upstream_unreachable: {exc}")
             log.warning(
                 "gateway.upstream_unreachable", fleet=fleet, domain=fwd.domain, model=model, url=fwd.url, error=str(exc)
             )
@@ -308,7 +312,7 @@ class Proxy:
             self.metrics.request(fleet, model, status)
             return error_response(refusal)
         ttfb_hist.observe(time.perf_counter() - started)
-        self.canary.count(fleet, fwd.domain, model, f"HTTP {conn.status}" if conn.status >= 500 else "")
+        self.canary.count(fleet, fwd.domain, counted, f"HTTP {conn.status}" if conn.status >= 500 else "")
         try:
             return await self._respond(request, conn, fwd, started, latency_hist, path, body, extra, retry)
         except _Gone as gone:

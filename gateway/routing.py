@@ -52,6 +52,7 @@ from haru.core.residency import Answer
 from haru.core.sizes import format_gib
 from haru.core.specs import as_uuid, fleet_uuid
 from haru.core.views import FleetView, RouteIntent, Target
+from haru.gateway.adapters import ADAPTER_RETRY_S, AdapterRoute
 from haru.gateway.split import Split, apply_splits, carry_rotation
 
 # The status table (`ANSWER_STATUS`) and OpenAI's error shape are `haru.core.openai_errors`, shared with
@@ -85,6 +86,7 @@ class Forward(msgspec.Struct, frozen=True):
     domain: str
     model: str
     revision: int
+    body_model: str = ""  # a LoRA adapter's version (gateway.adapters): the `model` the runtime is sent
 
 
 class Refusal(msgspec.Struct, frozen=True):
@@ -233,7 +235,7 @@ class FleetRoutes(msgspec.Struct, frozen=True):
     intent_seq: int
     revision: int
     active: str
-    entries: dict[str, Forward | Refusal | _Warming | Split[Forward]]  # one per model known to the fleet
+    entries: dict[str, Forward | Refusal | _Warming | Split[Forward] | AdapterRoute]  # one per model known to the fleet
     declared: dict[str, list[str]]  # model -> domains it is declared on (view order)
 
     def resolve(self, model: str, now: float) -> Forward | Refusal:
@@ -244,7 +246,19 @@ class FleetRoutes(msgspec.Struct, frozen=True):
             return entry.at(now)
         if isinstance(entry, Split):  # traffic weights (gateway.split): the next domain in the split's order
             return entry.pick()
+        if isinstance(entry, AdapterRoute):  # a LoRA adapter: where its base model goes, as one of its versions
+            return self._adapter(entry, now)
         return entry
+
+    def _adapter(self, entry: AdapterRoute, now: float) -> Forward | Refusal:
+        base = self.resolve(entry.av.model, now)
+        if not isinstance(base, Forward):
+            return base
+        name, why = entry.version_for(base.domain)
+        if not name:
+            f = AdapterRoute.refusal_fields(why, base.domain)
+            return Refusal(f["status"], f["code"], f["message"], ADAPTER_RETRY_S, "model", base.domain)
+        return Forward(base.url, base.fleet, base.domain, entry.av.served, base.revision, name)
 
     def _missing(self, model: str) -> Refusal:
         if not self.active and (self.view is None or not self.declared):
@@ -299,7 +313,7 @@ def compile_routes(fleet: str, view: FleetView | None, intent: RouteIntent | Non
             for mname in view.domains[dname].models:
                 declared.setdefault(mname, []).append(dname)
 
-    entries: dict[str, Forward | Refusal | _Warming | Split[Forward]] = {}
+    entries: dict[str, Forward | Refusal | _Warming | Split[Forward] | AdapterRoute] = {}
     target = intent.active if intent is not None else None
     revision = intent.revision if intent is not None else (view.route_revision if view is not None else 0)
     active = target.domain if target is not None else ""
@@ -366,6 +380,11 @@ def compile_routes(fleet: str, view: FleetView | None, intent: RouteIntent | Non
                     if adapter not in declared and mname in entries:
                         entries[adapter] = entries[mname]
                         declared[adapter] = declared[mname]
+        # LoRA adapters loaded at run time (gateway.adapters): `<base>:<adapter>`, routed as its base model
+        for served, av in view.adapters.items():
+            if served not in declared and av.model in entries:
+                entries[served] = AdapterRoute(av)
+                declared[served] = declared[av.model]
     return FleetRoutes(fleet, view, intent, intent_seq, revision, active, entries, declared)
 
 
@@ -408,20 +427,22 @@ class RoutingTable:
     def fleets(self) -> list[str]:
         return sorted(self._fleets)
 
-    def set_view(self, fleet: str, view: FleetView | None) -> bool:
-        """Apply a view (None: the key was deleted). Returns False when it was older than the one held."""
+    def set_view(self, fleet: str, view: FleetView | None, *, rewound: bool = False) -> bool:
+        """Apply a view (None: the key was deleted). Returns False when it was older than the one held,
+        unless `rewound` (the log went back behind the one held: that one is what it forgot)."""
         old = self._fleets.get(fleet)
-        if view is not None and old is not None and old.view is not None and view.seq < old.view.seq:
+        if not rewound and view is not None and old is not None and old.view is not None and view.seq < old.view.seq:
             return False
         intent = old.intent if old is not None else None
         seq = old.intent_seq if old is not None else 0
         self._store(fleet, view, intent, seq)
         return True
 
-    def set_intent(self, fleet: str, intent: RouteIntent | None, seq: int = 0) -> bool:
-        """Apply a route intent published at stream sequence `seq`. Older ones are ignored."""
+    def set_intent(self, fleet: str, intent: RouteIntent | None, seq: int = 0, *, rewound: bool = False) -> bool:
+        """Apply a route intent published at stream sequence `seq`. Older ones are ignored, unless `rewound`
+        (the intents' stream went back behind the one held: never route by a pointer the log forgot)."""
         old = self._fleets.get(fleet)
-        if old is not None and old.intent is not None and seq and seq < old.intent_seq:
+        if not rewound and old is not None and old.intent is not None and seq and seq < old.intent_seq:
             return False
         view = old.view if old is not None else None
         self._store(fleet, view, intent, seq)

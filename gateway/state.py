@@ -26,6 +26,13 @@ when they try to recover. So a resync loop checks every `resync_s`: when the con
 after being down, both watches are restarted at once (they deliver the current values first); and
 for every known fleet the last intent and view are read, anything newer than what the watches
 delivered is applied, and if a watch is still behind on the next check it is restarted.
+
+The same check notices a log that went backwards (a store that lost power before it fsynced, or was
+restored from an old backup): a route subject, intent or view now at a lower sequence than the one
+the gateway holds, or at the same sequence with other content (`haru.core.receipts.reading`), is a
+reset, never "older, ignore": what the log holds now is applied over what the gateway held (the
+pointer it held is one the log forgot), the watches are restarted from the log's current state, and
+`gateway.log_rewound` is logged.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from haru.core.authority import misplaced
 from haru.core.errors import HaruError
 from haru.core.events import RouteMoved
 from haru.core.intents import intent as intent_of_view
+from haru.core.receipts import reading
 from haru.core.record import Record
 from haru.core.residency import Answer
 from haru.core.restarts import Backoff
@@ -112,6 +120,9 @@ class RouteFollower:
         self._view_delivered: dict[str, int] = {}  # by the watch, not by a resync
         self._intent_delivered: dict[str, int] = {}
         self._moves: dict[str, tuple[int, RouteMoved]] = {}  # fleet -> the newest route_moved in the log
+        # What the gateway holds, as (sequence or revision, body), to tell a log that went backwards.
+        self._held: dict[tuple[str, str], tuple[int, bytes]] = {}  # (fleet, "route" | "intent" | "view")
+        self.rewinds = 0
         self._route_seq = 0  # the last route-subject sequence handled
         self.moves_seen = 0
         self.alive = alive.Heard()
@@ -185,7 +196,22 @@ class RouteFollower:
         """
         stuck: list[str] = []
         for fleet in self.table.fleets():
+            # Read once: what the log holds now, for the rewind check and the catch-up alike.
+            last_move = await self.events.last(subjects.route(fleet))
             intent = await self.events.last_intent(fleet)
+            view = await self.events.get_view(subjects.view_key(fleet))
+            rewound = await self._rewound(fleet, last_move, intent, view)
+            if rewound:
+                self.rewinds += 1
+                behind.clear()
+                log.warning(
+                    "gateway.log_rewound",
+                    fleet=fleet,
+                    what=rewound,
+                    detail="the log went back behind what the gateway held: what it holds now is applied",
+                )
+                stuck += [f"{fleet} {what} (rewound)" for what in rewound]
+                continue
             self._check(
                 behind,
                 stuck,
@@ -193,9 +219,10 @@ class RouteFollower:
                 "intent",
                 intent,
                 self._intent_delivered,
-                lambda body, seq, fleet=fleet: self._apply_intent(fleet, intent_decoder.decode(body), seq),
+                lambda body, seq, fleet=fleet: self._apply_intent(
+                    fleet, intent_decoder.decode(body), seq, body=(body, seq)
+                ),
             )
-            view = await self.events.get_view(subjects.view_key(fleet))
             self._check(
                 behind,
                 stuck,
@@ -203,12 +230,50 @@ class RouteFollower:
                 "view",
                 view,
                 self._view_delivered,
-                lambda body, rev, fleet=fleet: self._apply_view(fleet, view_decoder.decode(body), rev),
+                lambda body, rev, fleet=fleet: self._apply_view(fleet, view_decoder.decode(body), rev, body=body),
             )
-            last_move = await self.events.last(subjects.route(fleet))
             if last_move is not None and last_move.seq > self._route_seq:
                 self.on_route_record(last_move)  # the follower will deliver it too: applying twice is a no-op
         return stuck
+
+    async def _rewound(
+        self, fleet: str, last: Record | None, got: tuple[bytes, int] | None, view: tuple[bytes, int] | None
+    ) -> list[str]:
+        """What of `fleet` the log went back behind (route, intent, view), each already reset to what the
+        log holds now (`last` route record, last intent, stored view). The route subject first: an intent
+        is never patched by a move the log forgot."""
+        found = []
+        held = self._held.get((fleet, "route"))
+        if held is not None:
+            now = (last.seq, last.data) if last is not None else None
+            if now is not None and now[0] > held[0]:
+                at = await self.events.read_seq(held[0])  # moved on: but is what we hold still there?
+                gone = at is None or at.data != held[1]
+            else:
+                gone = now is None or reading(held[0], held[1], now[0], now[1]) == "reset"
+            if gone:
+                found.append("route")
+                self._moves.pop(fleet, None)
+                self._held.pop((fleet, "route"), None)
+                self._route_seq = await self.events.last_seq_matching(_ROUTES)  # the follower starts after it
+                if last is not None:
+                    self.on_route_record(last)
+        held = self._held.get((fleet, "intent"))
+        if held is not None:
+            if got is None or reading(held[0], held[1], got[1], got[0]) == "reset":
+                found.append("intent")
+                self._intent_delivered[fleet] = got[1] if got is not None else 0
+                self._held.pop((fleet, "intent"), None)
+                with contextlib.suppress(msgspec.DecodeError):
+                    intent = intent_decoder.decode(got[0]) if got is not None else None
+                    self._apply_intent(fleet, intent, got[1] if got is not None else 0, rewound=True, body=got)
+        held = self._held.get((fleet, "view"))
+        if held is not None and view is not None and reading(held[0], held[1], view[1], view[0]) == "reset":
+            found.append("view")
+            self._view_delivered[fleet] = view[1]
+            with contextlib.suppress(msgspec.DecodeError):
+                self._apply_view(fleet, view_decoder.decode(view[0]), view[1], rewound=True, body=view[0])
+        return found
 
     @staticmethod
     def _check(
@@ -268,12 +333,16 @@ class RouteFollower:
                 self.errors += 1
                 log.error("gateway.bad_view", fleet=fleet, error=str(exc))
                 continue
-            self._apply_view(fleet, view, rev)
+            self._apply_view(fleet, view, rev, body=data)
 
-    def _apply_view(self, fleet: str, view, rev: int) -> None:
-        if rev < self._view_revs.get(fleet, 0) or not self.table.set_view(fleet, view):
+    def _apply_view(self, fleet: str, view, rev: int, *, rewound: bool = False, body: bytes | None = None) -> None:
+        if not rewound and rev < self._view_revs.get(fleet, 0):
+            return
+        if not self.table.set_view(fleet, view, rewound=rewound):
             return
         self._view_revs[fleet] = rev
+        if body is not None:
+            self._held[(fleet, "view")] = (rev, body)
         self.views_seen += 1
         self._changed(fleet, "view")
         self._apply_move(fleet)  # a view arriving after a move the intents have not caught up with
@@ -291,7 +360,17 @@ class RouteFollower:
             from_seq=self._route_seq + 1,
             subject_filter=_ROUTES,
             name="gateway-routes",
+            on_rewind=self._routes_rewound,
         )
+
+    def _routes_rewound(self, head: int) -> int:
+        """The route subjects went back behind what was followed (haru/log/follow.py): read them again from
+        the start (a few records a fleet), so each fleet's newest move is the one the log holds now."""
+        self._moves.clear()
+        for key in [k for k in self._held if k[1] == "route"]:
+            del self._held[key]
+        self._route_seq = 0
+        return 0
 
     async def _last_moves(self) -> int:
         """At the first start: each fleet's last route record, instead of the route subjects' whole history
@@ -316,6 +395,7 @@ class RouteFollower:
         if known is not None and known[0] >= rec.seq:
             return
         self._moves[fleet] = (rec.seq, rec.event)
+        self._held[(fleet, "route")] = (rec.seq, rec.data)
         self.moves_seen += 1
         self._apply_move(fleet)
 
@@ -354,9 +434,11 @@ class RouteFollower:
                 self.errors += 1
                 log.error("gateway.bad_intent", fleet=fleet, seq=seq, error=str(exc))
                 continue
-            self._apply_intent(fleet, intent, seq)
+            self._apply_intent(fleet, intent, seq, body=(data, seq))
 
-    def _apply_intent(self, fleet: str, intent, seq: int) -> None:
+    def _apply_intent(
+        self, fleet: str, intent, seq: int, *, rewound: bool = False, body: tuple[bytes, int] | None = None
+    ) -> None:
         routes = self.table.get(fleet)
         before = routes.active if routes is not None else None
         move = self._moves.get(fleet)
@@ -364,8 +446,10 @@ class RouteFollower:
             # an intent from before the newest move (a projector catching up): keep the move
             patched = intent_after_move(routes.view if routes is not None else None, intent, move[1], move[0])
             intent = patched if patched is not None else intent
-        if not self.table.set_intent(fleet, intent, seq):
+        if not self.table.set_intent(fleet, intent, seq, rewound=rewound):
             return
+        if body is not None:
+            self._held[(fleet, "intent")] = (body[1], body[0])
         self.intents_seen += 1
         after = self.table.get(fleet)
         if after is not None and after.active != before:

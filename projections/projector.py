@@ -146,6 +146,10 @@ class Projector:
         self._dirty: set[str] = set()
         self._pending: dict[str, list[RouteIntent]] = {}  # intents snapshotted at route moves
         self._intents: dict[str, tuple[RouteIntent | None, int]] = {}  # last known intent, its seq
+        # Fleets folded again after the log was rewound: their next view and intent replace what is stored,
+        # whatever position that claims (it was folded from events the log lost).
+        self._overwrite: set[str] = set()
+        self._refold_until = 0  # while folding again up to here, nothing is written (no view from half a log)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # set whenever everything folded is written
         self._idle.set()
@@ -312,9 +316,34 @@ class Projector:
             stall_interval=self.stall_interval,
             stall_checks=self.stall_checks,
             on_restart=self._replay_restarted,
+            on_rewind=self._rewound,
             headers=False,
         )
         await self.follower.run()
+
+    def _rewound(self, head: int) -> int:
+        """The log went back behind what was folded (haru/log/follow.py): every view is folded again from
+        sequence 1, and written over what KV and the intents' stream hold, even where those say they are
+        further along (they folded events the log no longer has)."""
+        log_.warning(
+            "projector.rewound",
+            folded_up_to=self.stats.last_seq,
+            stream_last_seq=head,
+            fleets=sorted(self._folders),
+            detail="the event log lost events it had; folding every fleet again from sequence 1",
+        )
+        self._overwrite |= set(self._folders)
+        for state in (self._folders, self._heads, self._cp_count, self._cp_events, self._cp_seq, self._stored):
+            state.clear()
+        self._heads_ok.clear()
+        self._scans = []
+        self._intents.clear()
+        self._pending.clear()
+        self._dirty.clear()
+        self.stats.resumed_from = 1
+        self.stats.last_seq = 0
+        self._refold_until = head
+        return 0
 
     def _replay_restarted(self, why: str) -> None:
         self.stats.replay_restarts += 1
@@ -349,7 +378,9 @@ class Projector:
                 stats.invalid += 1
                 log_.warning("projector.invalid_event", seq=seq, subject=subject, error=rec.error)
             stats.handled += 1
-            if fleet not in self._dirty:
+            if self._refold_until:
+                pass  # folding again after a rewind: written once the fold is back at the log's head
+            elif fleet not in self._dirty:
                 # Only when the fleet becomes dirty: while it is dirty the flusher has not taken it
                 # yet, so `_idle` is still clear and `_wake` still set (the flusher clears `_wake`
                 # before it takes the dirty fleets, with no await in between).
@@ -379,6 +410,17 @@ class Projector:
                 cp_count[fleet] = cp_count.get(fleet, 0) + 1
         if self._caught_up_at and seq >= self._caught_up_at:
             self._log_caught_up()
+        if self._refold_until and seq >= self._refold_until:
+            self._refolded()
+
+    def _refolded(self) -> None:
+        """Folded again up to where the log stood when it was found rewound: write every fleet now."""
+        self._refold_until = 0
+        self._dirty |= set(self._folders)
+        self.stats.fleets |= set(self._folders)
+        self._idle.clear()
+        self._wake.set()
+        log_.warning("projector.refolded", seq=self.stats.last_seq, fleets=sorted(self._folders))
 
     def _log_caught_up(self) -> None:
         self._caught_up_at = 0
@@ -448,6 +490,8 @@ class Projector:
             self._idle.set()
 
     async def _flush_fleet(self, fleet: str, pending: list[RouteIntent], view: FleetView) -> None:
+        if fleet in self._overwrite:
+            pending = []  # folded again after a rewind: only where the route is now, not each move on the way
         try:
             for ri in pending:
                 await self._publish(fleet, ri)
@@ -541,7 +585,11 @@ class Projector:
     async def _publish(self, fleet: str, ri: RouteIntent) -> None:
         last, seq = await self._last_intent(fleet)
         while True:
-            if last is not None and (last.view_seq >= ri.view_seq or not changed(last, ri)):
+            if (
+                last is not None
+                and fleet not in self._overwrite
+                and (last.view_seq >= ri.view_seq or not changed(last, ri))
+            ):
                 return
             data = view_encoder.encode(ri)
             try:
@@ -570,7 +618,7 @@ class Projector:
     async def _write_view(self, fleet: str, view: FleetView) -> None:
         key = subjects.view_key(fleet)
         pos = position(view)
-        if self._stored.get(fleet, 0) >= pos and self._revs.get(fleet, 0):
+        if self._stored.get(fleet, 0) >= pos and self._revs.get(fleet, 0) and fleet not in self._overwrite:
             return  # already stored (or a newer one was adopted)
         data = view_encoder.encode(view)
         rev = self._revs.get(fleet, 0)
@@ -578,6 +626,7 @@ class Projector:
             try:
                 self._revs[fleet] = await self.log.put_view(key, data, last=rev)
                 self._stored[fleet] = pos
+                self._overwrite.discard(fleet)
                 self.stats.view_writes += 1
                 return
             except Conflict:
@@ -594,6 +643,8 @@ class Projector:
                     continue
                 stored_pos = position(stored)
                 self._stored[fleet] = stored_pos
+                if fleet in self._overwrite:
+                    continue  # folded from events the log lost: ours replaces it
                 if stored_pos >= pos:
                     current = self._folders.get(fleet)
                     if current is None or stored_pos > position(current.view()):

@@ -2,19 +2,22 @@
 
 build_app(engine)   the aiohttp application: /health, /ping, /version, /v1/models, /v1/chat/completions,
                     /v1/completions, /v1/embeddings, /tokenize, /sleep, /wake_up, /is_sleeping (dev mode only, as
-                    vLLM's), and /_sim/state, /_sim/<fault> (loopback only)
+                    vLLM's), /v1/load_lora_adapter and /v1/unload_lora_adapter (with
+                    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as vLLM's), and /_sim/state, /_sim/<fault> (loopback only)
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
+from pathlib import Path
 
 from aiohttp import web
 
 from haru.agents.sim.vllm_completions import embeddings, generate, tokenize
-from haru.agents.sim.vllm_engine import ENGINE, Engine, error
+from haru.agents.sim.vllm_engine import ENGINE, Engine, error, read_json
 
 VERSION = "0.0.0+haru.sim"
 
@@ -51,7 +54,7 @@ async def models(request: web.Request) -> web.Response:
                 "max_model_len": 4096,
                 "permission": [],
             }
-            for name in engine.config.adapters
+            for name in (*engine.config.adapters, *engine.loras)
         ]
     return web.json_response({"object": "list", "data": data})
 
@@ -94,6 +97,8 @@ async def sleep(request: web.Request) -> web.Response:
             if not engine.evicted and not engine.frees_nothing:
                 engine.gpu.allocate(os.getpid(), min(engine.config.residual, engine.config.vram))
             engine.sleeping, engine.sleep_level = True, level
+        if level == 2:
+            engine.loras.clear()  # a level-2 sleep discards the adapters with the weights
     return web.Response(status=200)
 
 
@@ -124,6 +129,58 @@ async def is_sleeping(request: web.Request) -> web.Response:
     if (refused := _dev_only(engine)) is not None:
         return refused
     return web.json_response({"is_sleeping": engine.sleeping})
+
+
+# ------------------------------------------------------------------------- adapters at run time
+
+
+def _lora_off(engine: Engine) -> web.Response | None:
+    if not engine.config.runtime_lora:
+        return web.json_response({"detail": "Not Found"}, status=404)  # vLLM registers no such route
+    if not engine.config.enable_lora:
+        return error(400, "LoRA is not enabled. Please start the server with --enable-lora.", "BadRequestError")
+    return None
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if (refused := _lora_off(engine)) is not None:
+        return refused
+    body = await read_json(request)
+    if isinstance(body, web.Response):
+        return body
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        return error(400, "Both 'lora_name' and 'lora_path' must be provided.", "BadRequestError")
+    if name in engine.loras:
+        return error(400, f"The lora adapter '{name}' has already been loaded.", "BadRequestError")
+    try:
+        config = json.loads((Path(path) / "adapter_config.json").read_text())
+        rank = int(config.get("r", 0))
+    except (OSError, ValueError, TypeError) as exc:
+        return error(404, f"Loading lora {name} failed: No adapter found for {path}: {exc}", "NotFoundError")
+    if rank > engine.config.max_lora_rank:
+        return error(
+            400,
+            f"LoRA rank {rank} is greater than max_lora_rank {engine.config.max_lora_rank}.",
+            "BadRequestError",
+        )
+    engine.loras[name] = str(config.get("haru_sim_says") or name)
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if (refused := _lora_off(engine)) is not None:
+        return refused
+    body = await read_json(request)
+    if isinstance(body, web.Response):
+        return body
+    name = body.get("lora_name")
+    if name not in engine.loras:
+        return error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+    del engine.loras[name]
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 # ------------------------------------------------------------------------------- fault injection
@@ -191,6 +248,7 @@ async def sim_state(request: web.Request) -> web.Response:
             "corrupt_wake": engine.corrupt_wake,
             "corrupted": engine.corrupted,
             "adapters_dropped": engine.adapters_dropped,
+            "loras": dict(engine.loras),
         }
     )
 
@@ -217,6 +275,8 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_post("/sleep", sleep)
     app.router.add_post("/wake_up", wake_up)
     app.router.add_get("/is_sleeping", is_sleeping)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/_sim/state", sim_state)
     app.router.add_post("/_sim/{fault}", sim_fault)
     return app

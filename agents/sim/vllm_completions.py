@@ -160,6 +160,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return prefix
     # a dropped adapter answers as the base model; a corrupted wake answers other text
     answering = engine.config.name if model in engine.config.adapters and engine.adapters_dropped else model
+    answering = engine.loras.get(model, answering)  # an adapter loaded at run time answers as its files say
     if prefix is None:
         tokens, finish = _tokens(
             engine.config.domain, answering, max_tokens, bool(body.get("ignore_eos")), engine.corrupted

@@ -42,6 +42,13 @@ class SimConfig:
     profile: bool = True
     adapters: tuple[str, ...] = ()  # served under their names (--lora-modules NAME=PATH)
     prefill: bool = False  # HARU_SIM_PREFILL=1: a final assistant message is continued (llama-server's prefill)
+    # Adapters loaded at run time (POST /v1/load_lora_adapter), as vLLM: --enable-lora with
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, each of rank <= --max-lora-rank (more than --max-loras is not
+    # refused, as vLLM's LRU cache does not refuse: the agent's admission is what keeps to it).
+    enable_lora: bool = False
+    runtime_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     @property
     def name(self) -> str:
@@ -65,6 +72,9 @@ def parse_config(argv: list[str], env: dict[str, str]) -> SimConfig:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", nargs="+", default=None)
     serve.add_argument("--enable-sleep-mode", action="store_true")
+    serve.add_argument("--enable-lora", action="store_true")
+    serve.add_argument("--max-loras", type=int, default=1)
+    serve.add_argument("--max-lora-rank", type=int, default=16)
     args, _ignored = parser.parse_known_args(argv)
     sim_dir = env.get("HARU_SIM_DIR")
     if not sim_dir:
@@ -90,4 +100,8 @@ def parse_config(argv: list[str], env: dict[str, str]) -> SimConfig:
         weights=parse_size(env.get("HARU_SIM_WEIGHTS", "0")),
         profile=env.get("HARU_SIM_PROFILE", "1") != "0",
         prefill=env.get("HARU_SIM_PREFILL") == "1",
+        enable_lora=args.enable_lora or bool(args.lora_modules),
+        runtime_lora=env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("true", "1"),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )

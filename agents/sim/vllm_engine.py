@@ -40,6 +40,10 @@ class Engine:
     drop_adapter: bool = False  # armed: the next wake stops applying the adapters
     frees_nothing: bool = False  # a sleep keeps the memory (paused, not asleep)
     adapters_dropped: bool = False
+    # Adapters loaded at run time: name -> what it answers as (its adapter_config.json's `haru_sim_says`,
+    # else its name). A level-2 sleep drops them all (vLLM reloads lazily after such a wake; the simulator
+    # answers 404 until they are loaded again, so a test sees what was dropped).
+    loras: dict[str, str] = field(default_factory=dict)
     released: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -85,7 +89,7 @@ def check_engine(engine: Engine, body: dict) -> web.Response | str:
     model = body.get("model") or engine.config.name
     if not isinstance(model, str):
         return error(400, "`model` must be a string", "BadRequestError", "model")
-    if model not in engine.config.names + engine.config.adapters or engine.evicted:
+    if (model not in engine.config.names + engine.config.adapters and model not in engine.loras) or engine.evicted:
         return error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     if not engine.gpu_present():
         return error(

@@ -2,7 +2,8 @@
 """Write the NATS users and subject permissions of a Haru deployment (deploy/nats/accounts.conf).
 
     python deploy/nats/gen_users.py deploy/examples/demo-fleet.json deploy/examples/hearth.json \
-        --agent edge:box-1 -o deploy/nats/accounts.conf --env-example deploy/nats/nats.env.example
+        --agent edge:box-1 --router default:edge-1 -o deploy/nats/accounts.conf \
+        --env-example deploy/nats/nats.env.example
     python deploy/nats/gen_users.py fleet-prod.json fleet-lab.json --agent lab:gpu-9 -o accounts.conf
     python deploy/nats/gen_users.py fleet.json --env-secrets /etc/haru/nats.env   # random passwords, mode 0600
     python deploy/nats/gen_users.py fleet.json --nsc                              # nsc commands (JWT mode)
@@ -14,12 +15,14 @@ to an environment variable (`password: $HARU_NATS_PASSWORD_...`): nats-server re
 starts and refuses to start when one is missing, so no secret lives in this file.
 
 The roles (docs/design.md, "Security in brief"):
-  agent.<fleet>.<domain>  publishes only its own domain's events (agent, model.*, gpu.*, training.*:
-                          not liveness, which the promoter writes) and heartbeat; answers only its own
+  agent.<fleet>.<domain>  publishes only its own domain's events (agent, model.*, gpu.*, training.*, integrity:
+                          not liveness, which the promoter writes) and heartbeat; adds objects (published
+                          adapters) to the object store haru_adapters; replaces and deletes objects (its
+                          slots' checkpoints) in haru_checkpoints, the one stream it may purge; answers only its own
                           commands (haru.cmd.<fleet>.<domain>.>, nats.micro's $SRV.>) and may ask its own
                           status (the duplicate-agent check); reads the event log through consumers and
                           message gets; appends use expected sequences.
-  promoter                writes op, route, weights and liveness events of any fleet; requests haru.cmd.>;
+  promoter                writes op, route, weights, integrity and liveness events of any fleet; requests haru.cmd.>;
                           reads events, views and intents; subscribes haru.hb.> and the gateways'
                           canary reports (haru.canary.>); beats on haru.alive.promoter.> and hears its
                           peers there.
@@ -27,14 +30,17 @@ The roles (docs/design.md, "Security in brief"):
                           (haru.evt.*.checkpoint); beats on
                           haru.alive.projector.>.
   gateway                 reads views, intents and events; writes haru.evt.*.op (promote/demote/weighting
-                          requests); reports what it measured of weighted domains on haru.canary.>;
-                          hears haru.alive.> for /healthz.
+                          requests) and haru.evt.*.usage (tokens served, docs/cost.md); reports what
+                          it measured of weighted domains on haru.canary.>; hears haru.alive.> for /healthz.
   control                 projector + promoter + gateway in one process (`haru up --nats-url`).
   operator                the `haru` CLI: declarations (haru apply), op requests, commands; reads all.
   sink                    reads the event log (the Postgres read model).
   router                  may only subscribe haru.route.> and read stream HARU_ROUTE.
+  router.<fleet>.<name>   a route follower (`haru route follow`): reads its fleet's route and reports only
+                          as itself on haru.router.<fleet>.<name> (--router FLEET:NAME).
   admin                   everything, including creating streams (`ensure(replicas=3)`).
-Nobody but admin may use the stream/consumer DELETE, PURGE or UPDATE APIs, nor STREAM.MSG.DELETE.
+Nobody but admin may use the stream/consumer DELETE, PURGE or UPDATE APIs, nor STREAM.MSG.DELETE (but an agent
+may purge the checkpoints bucket).
 
 Standard library only, so it runs on a NATS host without Haru installed.
 """
@@ -53,8 +59,10 @@ from dataclasses import dataclass, field
 EVENTS = "HARU_EVENTS"
 ROUTE = "HARU_ROUTE"
 VIEWS = "KV_haru_views"  # the stream behind the KV bucket haru_views
+ADAPTERS_BUCKET = "haru_adapters"  # the object store of published LoRA adapters
+CHECKPOINTS_BUCKET = "haru_checkpoints"  # the object store of training slots' newest checkpoints
 NAME = re.compile(r"[a-z0-9_-]{1,64}")
-RESERVED_DOMAINS = {"decl", "route", "op"}
+RESERVED_DOMAINS = {"decl", "route", "op", "usage"}
 ACCOUNT = "HARU"
 
 # The JetStream API subjects nobody but admin may publish to (deny beats allow in nats-server: this
@@ -89,6 +97,13 @@ def read_stream(stream: str) -> list[str]:
     ]
 
 
+def object_writes(bucket: str) -> list[str]:
+    """Publish subjects a client needs to add objects to the object store `bucket` and read them the way
+    nats-py does: the bucket's stream (info, an object's meta by direct get, its chunks through an ordered
+    consumer, which first looks the stream up by subject: STREAM.NAMES), then the chunks and the meta."""
+    return [*read_stream(f"OBJ_{bucket}"), "$JS.API.STREAM.NAMES", f"$O.{bucket}.C.>", f"$O.{bucket}.M.>"]
+
+
 @dataclass(frozen=True)
 class User:
     name: str
@@ -108,11 +123,15 @@ INBOX = "_INBOX.>"  # replies to this client's own requests and JetStream acks /
 
 def fixed_users() -> list[User]:
     events, route, views = read_stream(EVENTS), read_stream(ROUTE), read_stream(VIEWS)
+    # `EventLog.ensure`, which these roles' commands run at start, checks that the adapters bucket exists (only
+    # admin may create it): its stream's info, nothing more.
+    views = [*views, f"$JS.API.STREAM.INFO.OBJ_{ADAPTERS_BUCKET}", f"$JS.API.STREAM.INFO.OBJ_{CHECKPOINTS_BUCKET}"]
     promoter_pub = [
         "haru.evt.*.op",
         "haru.evt.*.route",
         "haru.evt.*.weights",
         "haru.evt.*.*.liveness",
+        "haru.evt.*.integrity",  # log_regressed: the log lost what the promoter was acknowledged
         "haru.cmd.>",
         "$SRV.>",
         *events,
@@ -130,7 +149,7 @@ def fixed_users() -> list[User]:
         *views,
         *route,
     ]
-    gateway_pub = ["haru.evt.*.op", "haru.canary.>", *events, *views, *route]
+    gateway_pub = ["haru.evt.*.op", "haru.evt.*.usage", "haru.canary.>", *events, *views, *route]
     return [
         User(
             "admin",
@@ -143,7 +162,7 @@ def fixed_users() -> list[User]:
             "promoter",
             "the failover saga: op/route/liveness events, agent commands, heartbeats",
             publish=promoter_pub,
-            subscribe=["haru.hb.>", "haru.canary.>", "haru.alive.promoter.>", INBOX],
+            subscribe=["haru.hb.>", "haru.canary.>", "haru.alive.promoter.>", "haru.router.>", INBOX],
         ),
         User(
             "projector",
@@ -155,19 +174,28 @@ def fixed_users() -> list[User]:
             "gateway",
             "reads views, intents and history; requests promotions/demotions (op events)",
             publish=gateway_pub,
-            subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", INBOX],
+            subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", "haru.router.>", INBOX],
         ),
         User(
             "control",
             "projector + promoter + gateway in one process (`haru up --nats-url`)",
             publish=_union(promoter_pub, projector_pub, gateway_pub),
-            subscribe=["haru.hb.>", "haru.canary.>", "haru.route.>", "haru.alive.>", INBOX],
+            subscribe=["haru.hb.>", "haru.canary.>", "haru.route.>", "haru.alive.>", "haru.router.>", INBOX],
         ),
         User(
             "operator",
             "the haru CLI: apply (decl), promote/demote (op), agent commands, reads",
-            publish=["haru.evt.*.decl", "haru.evt.*.op", "haru.cmd.>", "$SRV.>", *events, *views, *route],
-            subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", INBOX],
+            publish=[
+                "haru.evt.*.decl",
+                "haru.evt.*.op",
+                "haru.cmd.>",
+                "$SRV.>",
+                "haru.routers.ask.>",
+                *events,
+                *views,
+                *route,
+            ],
+            subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", "haru.router.>", INBOX],
         ),
         User(
             "sink",
@@ -189,19 +217,40 @@ def agent_user(fleet: str, domain: str) -> User:
     return User(
         f"agent.{fleet}.{domain}",
         f"the agent of fleet {fleet!r} domain {domain!r}: its own events, heartbeat and commands only",
-        publish=[
-            f"{own}.agent",
-            f"{own}.model.*",
-            f"{own}.gpu.*",
-            f"{own}.training.*",
-            f"haru.hb.{fleet}.{domain}",
-            # At start an agent asks its own status command (and listens to its own heartbeat subject)
-            # to refuse to run beside a second agent of the same domain.
-            f"haru.cmd.{fleet}.{domain}.status",
-            *read_stream(EVENTS),
-        ],
+        publish=_union(
+            [
+                f"{own}.agent",
+                f"{own}.model.*",
+                f"{own}.gpu.*",
+                f"{own}.training.*",
+                f"{own}.integrity",  # domain_log_regressed: the log lost what this agent was acknowledged
+                f"haru.hb.{fleet}.{domain}",
+                # At start an agent asks its own status command (and listens to its own heartbeat subject)
+                # to refuse to run beside a second agent of the same domain.
+                f"haru.cmd.{fleet}.{domain}.status",
+                *read_stream(EVENTS),
+                # A finished training run's adapter: a new object (its chunks, then its meta) in the adapters bucket,
+                # after reading whether that version is already there. No purge, so no object is ever replaced.
+                *object_writes(ADAPTERS_BUCKET),
+                # Its training slots' newest checkpoint, replaced at each upload (nats-py purges the old object's
+                # chunks) and deleted once the run is published: the one bucket it may purge.
+                *object_writes(CHECKPOINTS_BUCKET),
+                f"$JS.API.STREAM.PURGE.OBJ_{CHECKPOINTS_BUCKET}",
+            ]
+        ),
+        deny_publish=[d for d in DESTRUCTIVE if d != "$JS.API.STREAM.PURGE.>"]
+        + [f"$JS.API.STREAM.PURGE.{s}" for s in (EVENTS, ROUTE, VIEWS, f"OBJ_{ADAPTERS_BUCKET}")],
         subscribe=[f"haru.cmd.{fleet}.{domain}.>", f"haru.hb.{fleet}.{domain}", "$SRV.>", INBOX],
         allow_responses=True,
+    )
+
+
+def router_user(fleet: str, name: str) -> User:
+    return User(
+        f"router.{fleet}.{name}",
+        f"the route follower {name!r} of fleet {fleet!r}: reads the route, reports only as itself",
+        publish=[f"haru.router.{fleet}.{name}", *read_stream(ROUTE)],
+        subscribe=[f"haru.route.{fleet}", f"haru.routers.ask.{fleet}", INBOX],
     )
 
 
@@ -342,7 +391,7 @@ def check(fleet: str, domain: str) -> None:
         raise SystemExit(f"domain name {domain!r} is reserved")
 
 
-def build(pairs: list[tuple[str, str]]) -> list[User]:
+def build(pairs: list[tuple[str, str]], routers: list[tuple[str, str]] | None = None) -> list[User]:
     users = fixed_users()
     seen: set[tuple[str, str]] = set()
     for fleet, domain in pairs:
@@ -350,6 +399,11 @@ def build(pairs: list[tuple[str, str]]) -> list[User]:
         if (fleet, domain) not in seen:
             seen.add((fleet, domain))
             users.append(agent_user(fleet, domain))
+    for fleet, name in routers or []:
+        for kind, v in (("fleet", fleet), ("router", name)):
+            if not NAME.fullmatch(v):
+                raise SystemExit(f"{kind} name {v!r} is not a Haru name (lowercase [a-z0-9_-], 1..64)")
+        users.append(router_user(fleet, name))
     envs: dict[str, str] = {}
     for u in users:
         if u.env in envs:
@@ -364,6 +418,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("layouts", nargs="*", help="layout JSON files (fleet + domains)")
     p.add_argument("--agent", action="append", default=[], metavar="FLEET:DOMAIN", help="an extra agent user")
+    p.add_argument(
+        "--router",
+        action="append",
+        default=[],
+        metavar="FLEET:NAME",
+        help="a route follower's user (haru route follow)",
+    )
     p.add_argument("-o", "--output", help="write the accounts file here (default: stdout)")
     p.add_argument("--env-example", metavar="FILE", help="write an EnvironmentFile with placeholder passwords")
     p.add_argument("--env-secrets", metavar="FILE", help="write an EnvironmentFile with random passwords (mode 0600)")
@@ -376,14 +437,16 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.agent:
         fleet, _, domain = item.partition(":")
         pairs.append((fleet, domain))
-    users = build(pairs)
+    users = build(pairs, [tuple(r.partition(":")[::2]) for r in args.router])  # type: ignore[misc]
 
     if args.nsc:
         sys.stdout.write(nsc_commands(users))
         return 0
     text = render(
         users,
-        [os.path.relpath(s) if os.path.isabs(s) else s for s in args.layouts] + [f"--agent {a}" for a in args.agent],
+        [os.path.relpath(s) if os.path.isabs(s) else s for s in args.layouts]
+        + [f"--agent {a}" for a in args.agent]
+        + [f"--router {r}" for r in args.router],
     )
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:

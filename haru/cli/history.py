@@ -22,6 +22,7 @@ from haru.core import subjects
 from haru.core.authority import misplaced
 from haru.core.errors import LogDamaged, seq_ranges
 from haru.log import history
+from haru.log.adapter_reads import adapter_records
 from haru.log.reads import checkpoint_start, model_records, why_records
 from haru.log.seam import Log
 
@@ -30,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verify",
         help="walk every subject's hash chain and check every event stands on a subject it may; "
-        "say whether history is intact",
+        "say whether history is intact (it is not once a writer recorded that the log lost acknowledged events)",
     )
     add_nats_options(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -137,6 +138,12 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
 
         try:
             await log.replay(handler, from_seq=start)
+            if args.since_checkpoint:
+                # A record that the log lost acknowledged events stays a failed verify after a checkpoint.
+                for pattern in ("haru.evt.*.integrity", "haru.evt.*.*.integrity"):
+                    for rec in await log.history(pattern):
+                        verifier.note_regressed(rec)
+                verifier.regressed.sort(key=lambda r: r.seq)
         except LogDamaged as exc:
             damaged = exc
         stream_last, findings = await witnessed_findings(log)
@@ -144,7 +151,7 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
     if args.json:
         emit_json(
             {
-                "ok": verifier.ok and damaged is None and not findings and not verifier.misplaced,
+                "ok": verifier.ok and damaged is None and not findings,
                 "events": verifier.events,
                 "subjects": verifier.subjects,
                 "stream_last_seq": stream_last,
@@ -152,6 +159,15 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
                 "misplaced": [
                     {"seq": m.seq, "subject": m.subject, "type": m.type, "by": m.by, "why": m.why}
                     for m in verifier.misplaced
+                ],
+                "regressed": [
+                    {
+                        "seq": r.seq,
+                        "subject": r.subject,
+                        "by": r.by,
+                        "lost": [msgspec.to_builtins(lost) for lost in r.lost],
+                    }
+                    for r in verifier.regressed
                 ],
                 "unreadable": missing,
                 "damage": str(damaged) if damaged is not None else None,
@@ -164,6 +180,8 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
             print(str(b))
         for m in verifier.misplaced:
             print(str(m))
+        for r in verifier.regressed:
+            print(str(r))
         for f in findings:
             print(str(f))
         if damaged is not None:
@@ -193,6 +211,14 @@ async def run_verify(args: argparse.Namespace) -> ExitStatus:
         return fail(
             f"{findings[0]}. Acknowledged history is gone from this store: restore it from a backup or a "
             f"cluster peer (docs/operations.md, 'Damaged or truncated log')",
+            ExitStatus.LOG_TRUNCATED,
+        )
+    if verifier.regressed:
+        first = verifier.regressed[0]
+        return fail(
+            f"{first}. The event store lost events it had acknowledged (a power loss with lazy fsync, a damaged or "
+            f"restored store): history is not intact and stays so; restore the store from a cluster peer or a backup "
+            f"taken after those sequences, or keep it knowing what is gone (docs/operations.md, 'Power loss')",
             ExitStatus.LOG_TRUNCATED,
         )
     if verifier.breaks:
@@ -235,6 +261,8 @@ async def run_why(args: argparse.Namespace) -> ExitStatus:
     read: list = []
     async with _connect(args, "why") as log:
         have = await why_records(log, args.fleet, args.model, args.domain, damage, read)
+        if not have:  # a LoRA adapter served at run time, `<base>:<adapter>`: its versions, probes, routing
+            have = await adapter_records(log, args.fleet, args.model, args.domain, damage)
     _report_misplaced(read, args.fleet)
     damaged = damage[0] if damage else None
     if not have and damaged is not None:

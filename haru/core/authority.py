@@ -17,6 +17,9 @@ the subject's. Pure: no I/O.
     model      haru.evt.<fleet>.<domain>.model.<model>    that domain's agent             residency
     gpu        haru.evt.<fleet>.<domain>.gpu.<index>      that domain's agent             gpu_observed
     training   haru.evt.<fleet>.<domain>.training.<slot>  that domain's agent             training_started/stopped
+    integrity  haru.evt.<fleet>.integrity                 promoter                        log_regressed
+    domain_integrity haru.evt.<fleet>.<domain>.integrity  that domain's agent             domain_log_regressed
+    usage      haru.evt.<fleet>.usage                     gateway                         tokens_counted
 
     why = misplaced(subject, event)     # '' when the event may stand there, else why not
     line = anomaly(seq, subject, event, why)   # "seq 12: route_moved on ... by ... not applied: ..."
@@ -79,11 +82,12 @@ PLACES: tuple[Place, ...] = (
             ev.TrainingRetired,
             ev.AdmissionDecided,
             ev.ModelFetched,
+            ev.PriceDeclared,
         ),
     ),  # fmt: skip
     Place("route", "haru.evt.<fleet>.route", ("promoter",), (ev.RouteMoved,)),
     Place("checkpoint", "haru.evt.<fleet>.checkpoint", ("projector",), (ev.Checkpoint,)),
-    Place("weights", "haru.evt.<fleet>.weights", ("promoter",), (ev.WeightsSet,)),
+    Place("weights", "haru.evt.<fleet>.weights", ("promoter",), (ev.WeightsSet, ev.AdapterRouted)),
     Place(
         "op",
         "haru.evt.<fleet>.op",
@@ -104,11 +108,19 @@ PLACES: tuple[Place, ...] = (
         "agent", "haru.evt.<fleet>.<domain>.agent", ("agent",), (ev.AgentStarted, ev.AgentStopping, ev.FailureSignalled)
     ),
     Place("liveness", "haru.evt.<fleet>.<domain>.liveness", ("promoter",), (ev.DomainUnreachable, ev.DomainReachable)),
-    Place("model", "haru.evt.<fleet>.<domain>.model.<model>", ("agent",), ev.RESIDENCY_EVENTS),
+    Place(
+        "model", "haru.evt.<fleet>.<domain>.model.<model>", ("agent",), (*ev.RESIDENCY_EVENTS, ev.AdapterStateChanged)
+    ),
     Place("gpu", "haru.evt.<fleet>.<domain>.gpu.<index>", ("agent",), (ev.GpuObserved,)),
     Place(
-        "training", "haru.evt.<fleet>.<domain>.training.<slot>", ("agent",), (ev.TrainingStarted, ev.TrainingStopped)
+        "training",
+        "haru.evt.<fleet>.<domain>.training.<slot>",
+        ("agent",),
+        (ev.TrainingStarted, ev.TrainingStopped, ev.AdapterPublished),
     ),
+    Place("integrity", "haru.evt.<fleet>.integrity", ("promoter",), (ev.LogRegressed,)),
+    Place("domain_integrity", "haru.evt.<fleet>.<domain>.integrity", ("agent",), (ev.DomainLogRegressed,)),
+    Place("usage", "haru.evt.<fleet>.usage", ("gateway",), (ev.TokensCounted,)),
 )
 """The table. `agent` as a writer means the agent of the subject's own domain (NATS user
 `agent.<fleet>.<domain>`); `admin` may write anything and is nobody's day-to-day identity."""
@@ -131,6 +143,9 @@ _PARTS: dict[str, tuple[str, ...]] = {
     "model": ("fleet", "domain", "model"),
     "gpu": ("fleet", "domain", "gpu_index"),
     "training": ("fleet", "domain", "slot"),
+    "integrity": ("fleet",),
+    "domain_integrity": ("fleet", "domain"),
+    "usage": ("fleet",),
 }
 _BODY_FIELD = {"fleet": "fleet", "domain": "domain", "model": "model", "gpu_index": "index", "slot": "slot"}
 _NOUN = {"fleet": "fleet", "domain": "domain", "model": "model", "gpu_index": "GPU index", "slot": "slot"}

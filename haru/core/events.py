@@ -27,9 +27,11 @@ from typing import Any
 import msgspec
 
 from haru.core.errors import EventDecodeError
+from haru.core.events_adapters import AdapterRouted, AdapterStateChanged
 from haru.core.events_base import (
     SCHEMA_VERSION,
     Event,
+    LostRange,
     LostReason,
     Step,
     StopHow,
@@ -46,14 +48,17 @@ from haru.core.events_declarations import (
     ModelFetched,
     ModelRetired,
     PolicyChanged,
+    PriceDeclared,
     TrainingChanged,
     TrainingDeclared,
     TrainingRetired,
 )
 from haru.core.events_domain import (
     SIGNAL_SOURCES,
+    AdapterPublished,
     AgentStarted,
     AgentStopping,
+    DomainLogRegressed,
     DomainReachable,
     DomainUnreachable,
     FailureSignalled,
@@ -75,9 +80,12 @@ from haru.core.events_domain import (
 from haru.core.events_fleet import (
     ChainHead,
     Checkpoint,
+    ClusterCost,
     DemotionRequested,
     EligibilityChanged,
     FailoverDeclined,
+    LogRegressed,
+    ModelTokens,
     OperationAborted,
     OperationCompleted,
     OperationRequested,
@@ -91,11 +99,15 @@ from haru.core.events_fleet import (
     StepFailed,
     StepStarted,
     TeardownRequested,
+    TokensCounted,
     WeightingRequested,
     WeightsSet,
 )
 
 __all__ = [
+    "AdapterPublished",
+    "AdapterRouted",
+    "AdapterStateChanged",
     "ALL_TAGS",
     "AdmissionDecided",
     "AgentStarted",
@@ -103,9 +115,11 @@ __all__ = [
     "AnyEvent",
     "ChainHead",
     "Checkpoint",
+    "ClusterCost",
     "DemotionRequested",
     "DomainChanged",
     "DomainDeclared",
+    "DomainLogRegressed",
     "DomainReachable",
     "DomainRetired",
     "DomainUnreachable",
@@ -118,6 +132,8 @@ __all__ = [
     "GpuObserved",
     "GpuProcess",
     "GpuUsage",
+    "LogRegressed",
+    "LostRange",
     "LostReason",
     "ModelAdopted",
     "ModelChanged",
@@ -131,12 +147,14 @@ __all__ = [
     "ModelRetired",
     "ModelSleeping",
     "ModelStopped",
+    "ModelTokens",
     "ModelWaking",
     "OPERATION_REQUESTS",
     "OperationAborted",
     "OperationCompleted",
     "OperationRequested",
     "PolicyChanged",
+    "PriceDeclared",
     "PromotionRequested",
     "PromotionRetargeted",
     "ProvisionRequested",
@@ -152,6 +170,7 @@ __all__ = [
     "StepStarted",
     "StopHow",
     "TeardownRequested",
+    "TokensCounted",
     "TrainingChanged",
     "TrainingDeclared",
     "TrainingRetired",
@@ -191,6 +210,7 @@ AnyEvent = (
     | GpuObserved
     | TrainingStarted
     | TrainingStopped
+    | AdapterPublished
     | AgentStarted
     | AgentStopping
     | FailureSignalled
@@ -214,6 +234,12 @@ AnyEvent = (
     | RouteMoved
     | WeightsSet
     | Checkpoint
+    | AdapterStateChanged
+    | AdapterRouted
+    | LogRegressed
+    | DomainLogRegressed
+    | PriceDeclared
+    | TokensCounted
 )
 
 RESIDENCY_EVENTS = (

@@ -9,7 +9,7 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["Event", "LostReason", "SCHEMA_VERSION", "Step", "StopHow"]
+__all__ = ["Event", "LostRange", "LostReason", "SCHEMA_VERSION", "Step", "StopHow"]
 
 
 SCHEMA_VERSION = 1
@@ -44,3 +44,17 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     by: str = ""
     cause: int = 0
     prev: str = ""
+
+
+class LostRange(msgspec.Struct, frozen=True, kw_only=True):
+    """Acknowledged events the log no longer holds on one subject (`log_regressed`,
+    `domain_log_regressed`): the writer was acknowledged stream sequence `acknowledged` there, whose
+    body hashed to `expected` (sha256 hex); the log now holds the subject only up to `held` (0: none of
+    what the writer knew). `reason`: behind (the subject ends earlier) or rewritten (the sequence
+    holds another body or another subject's event)."""
+
+    subject: str
+    acknowledged: int
+    held: int
+    reason: Literal["behind", "rewritten"]
+    expected: str = ""

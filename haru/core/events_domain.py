@@ -9,13 +9,15 @@ from typing import Literal
 
 import msgspec
 
-from haru.core.events_base import Event, LostReason, StopHow
+from haru.core.events_base import Event, LostRange, LostReason, StopHow
 from haru.core.events_declarations import FetchedFile
 
 __all__ = [
+    "AdapterPublished",
     "AgentStarted",
     "AgentStopping",
     "DomainReachable",
+    "DomainLogRegressed",
     "DomainUnreachable",
     "FailureSignalled",
     "GpuObserved",
@@ -204,6 +206,29 @@ class TrainingStopped(Event, frozen=True, kw_only=True, tag="training_stopped"):
     ran_ms: int = 0
 
 
+class AdapterPublished(Event, frozen=True, kw_only=True, tag="adapter_published"):
+    """A training run finished and published a LoRA adapter for one of the fleet's declared models.
+
+    Its files are one object, `object_name`, in the `haru_adapters` JetStream object store (a tar of the
+    adapter's directory: `adapter_config.json`, `adapter_model.safetensors`), checked by `digest` (sha256
+    of the object's bytes) so every domain in every region can fetch the same bytes. Appended by the agent
+    of the domain whose training slot ran it, on that slot's subject: the subject says who trained it.
+    Served as the OpenAI model id `<base_model>:<adapter>`; `version` is the run that produced it.
+    """
+
+    domain: str
+    slot: str
+    base_model: str  # the declared model id it was trained on
+    adapter: str  # its name; the served id is `<base_model>:<adapter>`
+    version: str  # the run's id, unique per adapter
+    object_name: str  # in the haru_adapters object store
+    digest: str  # sha256:<hex> of the object's bytes
+    size_bytes: int
+    rank: int  # the LoRA rank (what vLLM's --max-lora-rank must admit)
+    data: str = ""  # what it trained on: a path or dataset id, with its digest
+    metrics: dict[str, float] = {}  # the trainer's final metrics (loss, held-out loss, steps)
+
+
 # ------------------------------------------------------------- agent: haru.evt.<fleet>.<domain>.agent
 
 
@@ -248,3 +273,16 @@ class DomainUnreachable(Event, frozen=True, kw_only=True, tag="domain_unreachabl
 
 class DomainReachable(Event, frozen=True, kw_only=True, tag="domain_reachable"):
     domain: str
+
+
+# ----------------------------------------------------- integrity: haru.evt.<fleet>.<domain>.integrity
+
+
+class DomainLogRegressed(Event, frozen=True, kw_only=True, tag="domain_log_regressed"):
+    """The domain's agent found the event log behind what it was acknowledged on its own subjects (its
+    models' residency, GPUs, training, its life): `lost` names each subject and range (`LostRange`). The
+    agent then re-reports its models' and GPUs' current states. Folded as an anomaly; `haru verify`
+    fails on it."""
+
+    domain: str
+    lost: list[LostRange] = []

@@ -66,7 +66,7 @@ from typing import Any
 
 import msgspec
 
-from haru.core import authority, residency, subjects
+from haru.core import authority, fold_adapters, residency, subjects
 from haru.core import events as ev
 from haru.core import fold_anomalies as anomalies
 from haru.core import fold_declarations as declarations
@@ -137,13 +137,23 @@ _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
     ev.RouteMoved: operations.route_moved,
     ev.WeightsSet: operations.weights_set,
     ev.ModelFetched: lambda view, e, seq: view,  # provenance of model files: history (`haru why`), not state
+    ev.AdapterPublished: fold_adapters.adapter_published,
     ev.Checkpoint: lambda view, e, seq: view,  # a record of where history stood: it changes no fact
+    ev.AdapterStateChanged: fold_adapters.adapter_state_changed,
+    ev.AdapterRouted: fold_adapters.adapter_routed,
+    ev.PriceDeclared: lambda view, e, seq: view,  # prices and tokens are the accounting's (haru.core.cost),
+    ev.TokensCounted: lambda view, e, seq: view,  # not the fleet view's
+}
+# Handlers that need the subject the event stood on (what it may claim depends on who wrote it).
+_BY_SUBJECT: dict[type, Callable[[FleetView, Any, int, str], FleetView]] = {
+    ev.LogRegressed: anomalies.log_regressed,
+    ev.DomainLogRegressed: anomalies.log_regressed,
 }
 _RESIDENCY = frozenset(ev.RESIDENCY_EVENTS)
 # Events about a domain after which a declined failover of that domain may be over (it is healthy).
 _RECOVERY = frozenset({ev.DomainReachable, ev.GpuObserved, ev.AgentStarted})
 
-HANDLED: frozenset[type] = frozenset(_HANDLERS) | _RESIDENCY | {ev.AdmissionDecided}
+HANDLED: frozenset[type] = frozenset(_HANDLERS) | frozenset(_BY_SUBJECT) | _RESIDENCY | {ev.AdmissionDecided}
 """Every event type the fold understands (the tests check this is all of `AnyEvent`)."""
 
 
@@ -162,6 +172,8 @@ def _evolve(view: FleetView, event: ev.Event, seq: int, subject: str, kind: str)
         return observations.residency_observed(view, event, seq, subject)  # sets seq and updated_at itself
     if isinstance(event, ev.AdmissionDecided):
         out = declarations.admission_decided(view, event, seq, subject)
+    elif cls in _BY_SUBJECT:
+        out = _BY_SUBJECT[cls](view, event, seq, subject)
     else:
         handler = _HANDLERS.get(cls)
         out = (

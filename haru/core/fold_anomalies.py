@@ -14,7 +14,8 @@ from typing import Any
 
 import msgspec
 
-from haru.core import residency
+from haru.core import events as ev
+from haru.core import receipts, residency
 from haru.core.views import DomainView, FleetView
 
 _replace = msgspec.structs.replace
@@ -65,3 +66,17 @@ def decline_over(view: FleetView, event: Any) -> FleetView:
 
 def missing(view: FleetView, seq: int, tag: str, what: str, at: Any = None, about: str = "") -> FleetView:
     return anomaly(view, f"seq {seq}: {tag} for {what}, which is not declared", at, about)
+
+
+def log_regressed(view: FleetView, event: ev.LogRegressed | ev.DomainLogRegressed, seq: int, subject: str) -> FleetView:
+    """A writer found the log behind what it was acknowledged (`log_regressed` by the promoter,
+    `domain_log_regressed` by a domain's agent): an anomaly naming the subjects and ranges lost. Only
+    the ranges on subjects that writer may write are believed (`haru.core.receipts.in_scope`); the
+    anomaly stays (nothing clears it: the events are gone)."""
+    mine = [r for r in event.lost if receipts.in_scope(subject, r)]
+    who = f"the agent of {event.domain}" if isinstance(event, ev.DomainLogRegressed) else "the promoter"
+    if not mine:
+        why = f"seq {seq}: {ev.tag_of(event)} by {who} names no subject it writes: not believed"
+    else:
+        why = f"seq {seq}: the event log lost acknowledged events ({who} noticed): {receipts.describe(mine)}"
+    return anomaly(view, why, event.at)

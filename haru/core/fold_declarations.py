@@ -64,6 +64,8 @@ def _model_from_spec(spec: ModelSpec, old: ModelView | None) -> ModelView:
         port=spec.port,
         url=spec.url,
         adapters=sorted(spec.adapters),
+        max_loras=spec.max_loras,
+        adapter_probes=dict(spec.adapter_probes),
     )
     if old is None:
         return ModelView(**fields)

@@ -450,14 +450,15 @@ def launch(
             argv += ["--max-model-len", str(spec.context_length)]
         if _tp(spec) > 1:
             argv += ["--tensor-parallel-size", str(_tp(spec))]
+        if spec.adapters or spec.max_loras:
+            # adapters declared on the model are loaded at start; `max_loras` more may be loaded at run time
+            argv += ["--enable-lora", "--max-loras", str(len(spec.adapters) + spec.max_loras)]
+        if spec.max_loras:
+            argv += ["--max-lora-rank", str(spec.max_lora_rank)]
         if spec.adapters:
-            argv += [
-                "--enable-lora",
-                "--max-loras",
-                str(len(spec.adapters)),
-                "--lora-modules",
-                *(f"{name}={path}" for name, path in spec.adapters.items()),
-            ]
+            argv += ["--lora-modules", *(f"{name}={path}" for name, path in spec.adapters.items())]
+        if spec.max_loras:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if sleep_mode:
             argv.append("--enable-sleep-mode")
         env["VLLM_SERVER_DEV_MODE"] = "1"

@@ -14,7 +14,7 @@ import msgspec
 
 from haru.core.errors import InvalidName, LayoutError
 from haru.core.sizes import parse_size
-from haru.core.specs import NonNegative, Policy, PreemptionNotice, ProvisionSpec, ServiceSpec
+from haru.core.specs import AdapterProbe, NonNegative, Policy, PreemptionNotice, ProvisionSpec, ServiceSpec
 from haru.core.subjects import check_name
 
 __all__ = [
@@ -35,7 +35,7 @@ _T = TypeVar("_T")
 
 # ----------------------------------------------------------------------------- allowed keys
 
-_TOP_KEYS = ("fleet", "uuid", "policy", "domains")
+_TOP_KEYS = ("fleet", "uuid", "policy", "domains", "gpu_prices")
 _DOMAIN_KEYS = (
     "name",
     "provider",
@@ -50,6 +50,7 @@ _DOMAIN_KEYS = (
     "preemption_notice",
     "host_ram",
     "host_ram_reserve",
+    "price",
 )
 _PROVISION_KEYS = tuple(ProvisionSpec.__struct_fields__)
 _SERVICE_KEYS = tuple(ServiceSpec.__struct_fields__)
@@ -71,6 +72,9 @@ _MODEL_KEYS = (
     "gpu_layers",
     "gpus",
     "host_ram",
+    "max_loras",
+    "max_lora_rank",
+    "adapter_probes",
 )
 _POLICY_KEYS = tuple(Policy.__struct_fields__)
 
@@ -99,6 +103,9 @@ class ModelDoc(msgspec.Struct, forbid_unknown_fields=True):
     gpu_layers: int = -1
     gpus: list[NonNegative] = []  # tensor parallel: every GPU it spans, the slot's among them
     host_ram: Size = 0  # host RAM its sleep keeps (its weights); 0 = its VRAM per GPU, an upper bound
+    max_loras: NonNegative = 0  # adapters its runtime may hold at once, loaded at run time (0 = none)
+    max_lora_rank: Annotated[int, msgspec.Meta(ge=1, le=512)] = 16
+    adapter_probes: dict[str, list[AdapterProbe]] = {}  # adapter -> the cases its versions must pass
 
 
 class SlotDoc(msgspec.Struct, forbid_unknown_fields=True):
@@ -129,6 +136,7 @@ class DomainDoc(msgspec.Struct, forbid_unknown_fields=True):
     preemption_notice: PreemptionNotice | None = None
     host_ram: Size = 0  # 0 = not declared: host RAM is not planned
     host_ram_reserve: Size = 0
+    price: dict[str, Any] | None = None  # {"per_hour": 2.49, "currency": "USD"} (haru.core.prices)
 
 
 class LayoutDoc(msgspec.Struct, forbid_unknown_fields=True):
@@ -136,6 +144,7 @@ class LayoutDoc(msgspec.Struct, forbid_unknown_fields=True):
     uuid: str = ""
     policy: dict[str, Any] = {}
     domains: list[DomainDoc] = []
+    gpu_prices: dict[str, Any] = {}  # GPU name -> a price (haru.core.prices)
 
 
 # ---------------------------------------------------------------------------------- sizes

@@ -91,6 +91,9 @@ def model_from(m: ModelDoc, slot: str, gpu: int, mp: str, *, direct: bool, domai
         env=dict(m.env),
         adapters=dict(m.adapters),
         gpu_layers=m.gpu_layers,
+        max_loras=m.max_loras,
+        max_lora_rank=m.max_lora_rank,
+        adapter_probes={k: list(v) for k, v in m.adapter_probes.items()},
     )
 
 
@@ -135,6 +138,25 @@ def check_launch(spec: ModelSpec, named: str, mp: str, gpu_memory_bytes: int) ->
                 f"adapter {adapter!r} -> {path!r} needs a name without spaces or '=' and a path",
                 path=f"{mp}.adapters",
                 fix='write "adapters": {"sql-lora": "/srv/loras/sql"}',
+            )
+    if spec.max_loras and spec.runtime != "vllm":
+        raise LayoutError(
+            f"max_loras loads adapters at run time, which only vLLM can; model {spec.name!r} runs on "
+            f"{spec.runtime}"
+            + (
+                " (llama-server scales the adapters it loaded at start, --lora, and cannot load one later)"
+                if spec.runtime == "llama_server"
+                else ""
+            ),
+            path=f"{mp}.max_loras",
+            fix='remove it, or declare the adapters at start: "adapters": {"sql": "/srv/loras/sql.gguf"}',
+        )
+    for name in spec.adapter_probes:
+        if not spec.max_loras:
+            raise LayoutError(
+                f"adapter_probes names {name!r}, but model {spec.name!r} loads no adapter at run time",
+                path=f"{mp}.adapter_probes",
+                fix="set max_loras (how many adapter versions its runtime may hold at once)",
             )
     visible = spec.env.get("CUDA_VISIBLE_DEVICES")
     listed = [v.strip() for v in visible.split(",")] if visible is not None else []

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from haru.core.prices import Price
 from haru.core.sizes import GiB, MiB
 
 # Ranges the decoder refuses with the value's path (`Expected `int` >= 0 - at `$.policy.wake_timeout_ms``).
@@ -114,6 +115,15 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     # canary step) for `rolling_canary_ms`; rolled back, the change aborts with routing unmoved.
     rolling_canary_weight: Annotated[int, msgspec.Meta(ge=0, le=99)] = 0
     rolling_canary_ms: NonNegative = 30_000
+    # A new version of a LoRA adapter (docs/adapters.md): once its evaluation probe passed it takes this share
+    # of the adapter's requests for `adapter_canary_ms`, then all of them while its probe and error rate hold
+    # (the canary_* figures above); failing either, it is rolled back to the version before it.
+    adapter_canary_percent: Annotated[int, msgspec.Meta(ge=1, le=100)] = 10
+    adapter_canary_ms: NonNegative = 60_000
+    # After a flip, the old active is put to sleep only once every router that follows the fleet
+    # (`haru route follow`, reporting on haru.router.<fleet>.<router>) applied the new route, or is gone,
+    # or this long has passed.
+    router_ack_timeout_ms: NonNegative = 10_000
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,6 +131,14 @@ class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):
     memory_bytes: int
     reserve_bytes: int = 0
     name: str = ""
+
+
+class AdapterProbe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One case of an adapter's evaluation probe: a greedy, fixed-seed answer to `prompt` must contain `expect`."""
+
+    prompt: str
+    expect: str
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -152,6 +170,13 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     # Host RAM its level-1 sleep keeps (the weights, offloaded to CPU RAM); 0 = its `vram_bytes`, an
     # upper bound (the weights are never more than the VRAM it holds). Runtimes that cannot sleep keep none.
     host_ram_bytes: NonNegative = 0
+    # LoRA adapters loaded at run time (docs/adapters.md): how many versions its runtime may hold at once
+    # (vLLM's --max-loras; 0 = none are loaded at run time) and the highest rank it admits (--max-lora-rank).
+    max_loras: NonNegative = 0
+    max_lora_rank: Annotated[int, msgspec.Meta(ge=1, le=512)] = 16
+    # An adapter's evaluation probe (adapter name -> its cases): every case must pass before a version of
+    # it takes traffic, and again while it is a canary.
+    adapter_probes: dict[str, list[AdapterProbe]] = {}
 
 
 def model_gpus(spec: ModelSpec) -> list[int]:
@@ -292,6 +317,8 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
     uuid: str = ""  # declared ('' = none: the fleet's UUID is then fleet_uuid(fleet))
     policy: Policy = Policy()
     domains: list[Domain] = []
+    # Each domain's hourly price (haru.core.prices): recorded as `price_declared`; a domain not here is unpriced.
+    prices: dict[str, Price] = {}
 
     def domain(self, name: str) -> Domain | None:
         for d in self.domains:

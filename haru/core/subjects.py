@@ -12,16 +12,21 @@ share a token.
     haru.evt.<fleet>.op                            promotions and demotions, step by step
     haru.evt.<fleet>.weights                       weights_set: traffic weights and canary rollbacks (promoter)
     haru.evt.<fleet>.checkpoint                    checkpoints: chain heads and the folded view (projector)
+    haru.evt.<fleet>.integrity                     log_regressed: the log lost what the promoter was acknowledged
+    haru.evt.<fleet>.usage                         tokens_counted: the tokens each gateway served (gateway)
     haru.evt.<fleet>.<domain>.agent                agent started/stopping
     haru.evt.<fleet>.<domain>.liveness             domain unreachable/reachable
     haru.evt.<fleet>.<domain>.model.<model>        residency transitions
     haru.evt.<fleet>.<domain>.gpu.<index>          GPU presence and memory
     haru.evt.<fleet>.<domain>.training.<slot>      training started/stopped
+    haru.evt.<fleet>.<domain>.integrity            domain_log_regressed: the log lost what the agent was acknowledged
     haru.hb.<fleet>.<domain>                       heartbeats (core NATS, not history)
     haru.alive.<role>.<id>                         the control plane's own heartbeats (projector, promoter)
     haru.cmd.<fleet>.<domain>.<verb>               commands to an agent (request/reply)
     haru.route.<fleet>                             route intents (stream HARU_ROUTE)
     haru.canary.<fleet>.<gateway>                  a gateway's per-domain request and error counts (core NATS)
+    haru.router.<fleet>.<router>                   a router follower's report: the route revision it applied (core NATS)
+    haru.routers.ask.<fleet>                       asks a fleet's router followers to report now (`haru status`)
 
 Reading one back is done here too, once: `read(subject)` (memoized) says what an event subject
 names (`EventSubject`: its fleet token, its fleet-level kind, the whole `Where` or None), with
@@ -41,6 +46,10 @@ from haru.core.errors import InvalidName
 EVENTS_STREAM = "HARU_EVENTS"
 ROUTE_STREAM = "HARU_ROUTE"
 VIEWS_BUCKET = "haru_views"
+ADAPTERS_BUCKET = "haru_adapters"  # JetStream object store: published LoRA adapters, one object each
+CHECKPOINTS_BUCKET = (
+    "haru_checkpoints"  # JetStream object store: each training slot's newest checkpoint, per fleet/slot
+)
 
 EVT = "haru.evt"
 ALL_EVENTS = "haru.evt.>"
@@ -52,7 +61,7 @@ _NAME = re.compile(r"[a-z0-9_-]+")
 _SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789_-")
 
 # Reserved words in the fourth token of a domain subject: a domain may not be called these.
-_FLEET_LEVEL = frozenset({"decl", "route", "op", "checkpoint", "weights"})
+_FLEET_LEVEL = frozenset({"decl", "route", "op", "checkpoint", "weights", "integrity", "usage"})
 
 
 def check_name(kind: str, value: str) -> str:
@@ -128,11 +137,20 @@ def weights(fleet: str) -> str:
     return f"{EVT}.{check_name('fleet', fleet)}.weights"
 
 
+def usage(fleet: str) -> str:
+    return f"{EVT}.{check_name('fleet', fleet)}.usage"
+
+
 def checkpoint(fleet: str) -> str:
     return f"{EVT}.{check_name('fleet', fleet)}.checkpoint"
 
 
 ALL_CHECKPOINTS = "haru.evt.*.checkpoint"
+
+
+def integrity(fleet: str) -> str:
+    """Where the promoter records that the log lost events it was acknowledged on the fleet's subjects."""
+    return f"{EVT}.{check_name('fleet', fleet)}.integrity"
 
 
 def _domain(fleet: str, domain: str) -> str:
@@ -145,6 +163,12 @@ def agent(fleet: str, domain: str) -> str:
 
 def liveness(fleet: str, domain: str) -> str:
     return f"{_domain(fleet, domain)}.liveness"
+
+
+def domain_integrity(fleet: str, domain: str) -> str:
+    """Where a domain's agent records that the log lost events it was acknowledged on its own subjects
+    (subject kind `domain_integrity`: the fleet-level `integrity` is the promoter's)."""
+    return f"{_domain(fleet, domain)}.integrity"
 
 
 def model(fleet: str, domain: str, model_id: str) -> str:
@@ -249,7 +273,8 @@ def view_key(fleet: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Where:
-    """What an event subject addresses. `kind` is decl|route|op|weights|checkpoint|agent|liveness|model|gpu|training."""
+    """What an event subject addresses. `kind` is decl|route|op|weights|checkpoint|integrity|agent|liveness|
+    model|gpu|training|domain_integrity (`haru.evt.<fleet>.<domain>.integrity`)."""
 
     fleet: str
     kind: str
@@ -270,6 +295,8 @@ def parse(subject: str) -> Where:
     domain = parts[3]
     if len(parts) == 5 and parts[4] in ("agent", "liveness"):
         return Where(fleet=fleet, kind=parts[4], domain=domain)
+    if len(parts) == 5 and parts[4] == "integrity":
+        return Where(fleet=fleet, kind="domain_integrity", domain=domain)
     if len(parts) == 6:
         kind, token = parts[4], parts[5]
         if kind == "model":
@@ -327,3 +354,24 @@ def where(subject: str) -> Where | None:
 def fleet_of(subject: str) -> str:
     """The fleet of an event subject `haru.evt.<fleet>.<...>` ('' for any other subject). Memoized."""
     return read(subject).fleet
+
+
+ALL_ROUTER_REPORTS = "haru.router.*.*"
+
+
+def router_report(fleet: str, router: str = "*") -> str:
+    """A route follower's report subject (`haru route follow`): the router's name is a Haru identifier."""
+    return f"haru.router.{check_name('fleet', fleet)}.{'*' if router == '*' else check_name('router', router)}"
+
+
+def router_report_of(subject: str) -> tuple[str, str] | None:
+    """(fleet, router) of `haru.router.<fleet>.<router>`; None for anything else."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[0] != "haru" or parts[1] != "router":
+        return None
+    return parts[2], parts[3]
+
+
+def routers_ask(fleet: str) -> str:
+    """Where `haru status` asks a fleet's route followers to report at once, rather than at their next interval."""
+    return f"haru.routers.ask.{check_name('fleet', fleet)}"

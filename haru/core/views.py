@@ -17,9 +17,10 @@ from typing import Literal
 
 import msgspec
 
+from haru.core.adapters import AdapterView
 from haru.core.events import GpuProcess, GpuUsage
 from haru.core.residency import UNKNOWN, Answer, Residency
-from haru.core.specs import Policy
+from haru.core.specs import AdapterProbe, Policy
 
 _EMPTY_POLICY = Policy()
 
@@ -61,6 +62,8 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     short_of: str = "vram"  # what a refused model was short of: vram | host_ram
     host_ram_bytes: int = 0  # what it books in host RAM asleep (its weights), as the planner said
     gpu_indexes: list[int] = []  # a model across GPUs: every GPU it spans
+    max_loras: int = 0  # adapters its runtime may hold at once, loaded at run time (0 = none)
+    adapter_probes: dict[str, list[AdapterProbe]] = {}  # adapter -> its evaluation probe (the promoter's gate)
 
 
 class TrainingView(msgspec.Struct, frozen=True, kw_only=True):
@@ -227,6 +230,9 @@ class FleetView(msgspec.Struct, frozen=True, kw_only=True):
     model_weights: dict[str, dict[str, int]] = {}
     weights_change: WeightsChange | None = None  # the last change (a canary rollback names its evidence)
     weights_seq: int = 0  # last sequence on haru.evt.<fleet>.weights
+    # LoRA adapters served at run time (haru.core.adapters): served id `<base>:<adapter>` -> its versions,
+    # which one serves, and what each domain's runtime holds.
+    adapters: dict[str, AdapterView] = {}
 
     def standby(self) -> str:
         """The first-ranked standby (`haru.core.ranking.rank`: fit first, then declared order, then

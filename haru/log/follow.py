@@ -20,6 +20,13 @@ sequence order, from `from_seq`, and then for every new one. The follower:
   running, or `busy()` true: a full queue is a writer's backpressure, not a stall), the replay is
   restarted. When the sequences past `position` are only ones the store cannot serve (a damaged
   tail, unfiltered followers), that is logged once and not restarted for;
+- **resets on a rewind**: a log that went backwards (its last matching sequence now below
+  `position`: a store that lost power before it fsynced, or was restored from an old backup) or whose
+  record at `position` now has other content (the stream refilled the forgotten sequences with other
+  events) is never treated as "older, ignore": `on_rewind(head)` tells the owner, which drops what it
+  folded and returns the position to follow from (0: read everything again); without `on_rewind` the
+  follower goes on after the log's current head and logs an error. Checked before each new replay
+  (after a reconnect the store may be another) and whenever the follower is idle;
 - **survives the log going away**: a replay that fails with a `LogError` is started again after
   `retry_s` (doubling to `retry_max_s` while nothing is handled); any other exception is the
   handler's or a bug and is raised from `run()`.
@@ -69,6 +76,7 @@ class Follower:
         busy: Callable[[], bool] | None = None,
         on_gap: Callable[[list[int]], Any] | None = None,
         on_restart: Callable[[str], Any] | None = None,
+        on_rewind: Callable[[int], int] | None = None,
     ) -> None:
         self.log = log
         self.handler = handler
@@ -81,7 +89,10 @@ class Follower:
         self.retry_max_s = retry_max_s
         self.busy = busy
         self.on_gap = on_gap
-        self.on_restart = on_restart  # called with "stalled", "reconnected", "interrupted" or "ended"
+        self.on_restart = on_restart  # called with "stalled", "reconnected", "interrupted", "rewound" or "ended"
+        self.on_rewind = on_rewind  # (the log's head) -> the position to follow from, after the owner reset
+        self.rewinds = 0  # of the restarts: the log went backwards or changed under the position
+        self._held: tuple[int, bytes] | None = None  # the last record handled: (seq, body)
         self.position = from_seq - 1  # the last sequence handled
         self.restarts = 0  # replays started again (stalled, reconnected, interrupted)
         self.stalls = 0  # of which: stalled
@@ -97,6 +108,7 @@ class Follower:
             return  # redelivered (a restarted replay, an ordered-consumer reset)
         self.handler(rec)
         self.position = rec.seq
+        self._held = (rec.seq, rec.data)
 
     async def _async_on(self, rec: Any) -> None:
         if rec.seq <= self.position:
@@ -107,6 +119,7 @@ class Follower:
         finally:
             self._in_handler = False
         self.position = rec.seq
+        self._held = (rec.seq, rec.data)
 
     # ----------------------------------------------------------------------------------- run
 
@@ -114,7 +127,13 @@ class Follower:
         """Follow until cancelled; raises what the handler raised (anything but a LogError of the log)."""
         backoff, failures = Backoff(self.retry_s, self.retry_max_s), 0  # interrupted replays in a row
         log = _log.bind(follower=self.name, filter=self.subject_filter)
+        first = True
         while True:
+            if not first:
+                head = await self._rewound_to()
+                if head is not None:
+                    self._reset(head, log)
+            first = False
             started_at = self.position
             came_back = asyncio.Event()
             was_down = False
@@ -157,6 +176,9 @@ class Follower:
                 log.warning(
                     "follow.interrupted", error=str(exc), position=self.position, retry_in_s=backoff.delay(failures)
                 )
+            elif (rewound_head := self._result(stalled)) is not None:
+                why = "rewound"
+                self._reset(rewound_head, log)
             elif stalled.done() and not stalled.cancelled():
                 why = "stalled"
                 self.stalls += 1
@@ -181,7 +203,58 @@ class Follower:
             return await self.log.last_seq()
         return await self.log.last_seq_matching(self.subject_filter)
 
-    async def _until_stalled(self) -> None:
+    @staticmethod
+    def _result(task: asyncio.Task[int | None]) -> int | None:
+        return task.result() if task.done() and not task.cancelled() else None
+
+    async def _rewound_to(self, *, within_s: float = 10.0) -> int | None:
+        """The log's head when it went back behind `position` or holds other content there; else None.
+        Asked until the log answers (a restarted server's JetStream takes a moment), for `within_s`."""
+        deadline = asyncio.get_running_loop().time() + within_s
+        while True:
+            try:
+                async with asyncio.timeout(max(self.stall_interval, 1.0)):
+                    return await self._rewound(await self._head())
+            except (LogError, TimeoutError):
+                if asyncio.get_running_loop().time() > deadline:
+                    return None
+                await asyncio.sleep(0.1)
+
+    async def _rewound(self, head: int) -> int | None:
+        if head < self.position:
+            return head
+        held = self._held
+        if held is None or held[0] != self.position:
+            return None
+        rec = await self.log.read_seq(held[0])
+        if rec is not None and rec.data != held[1]:
+            return head
+        return None
+
+    def _reset(self, head: int, log: Any) -> None:
+        self.rewinds += 1
+        before = self.position
+        if self.on_rewind is not None:
+            self.position = self.on_rewind(head)
+            log.warning(
+                "follow.rewound",
+                position=before,
+                head=head,
+                follow_from=self.position + 1,
+                detail="the log went back behind what was handled (or changed there): read again, not ignored",
+            )
+        else:
+            self.position = head
+            log.error(
+                "follow.rewound",
+                position=before,
+                head=head,
+                detail="the log went back behind what was handled; nothing re-reads it here: going on after its head",
+            )
+        self._held = None
+
+    async def _until_stalled(self) -> int | None:
+        """Returns when the follower is stalled (None) or the log was rewound under it (its head)."""
         seen, strikes = self.position, 0
         while True:
             await asyncio.sleep(self.stall_interval)
@@ -192,8 +265,11 @@ class Follower:
             try:
                 async with asyncio.timeout(self.stall_interval):
                     head = await self._head()
+                    rewound = await self._rewound(head)
             except (LogError, TimeoutError):
                 continue  # the log is away: nothing to conclude yet
+            if rewound is not None:
+                return rewound
             if head <= now:
                 strikes = 0
                 continue
@@ -202,7 +278,7 @@ class Follower:
                 continue
             strikes += 1
             if strikes >= self.stall_checks:
-                return
+                return None
 
     async def _damaged_tail(self, position: int, head: int) -> bool:
         """True when every sequence after `position` up to `head` is one the store cannot serve (a

@@ -8,7 +8,9 @@ Pure: these functions take `Record`s (already read from the log) and return valu
   It also reports every event that may not stand on its subject (`haru.core.authority`: a
   `route_moved` on an agent's subject, a body naming another domain than its subject) as
   `misplaced`, with its sequence, subject and writer: intact chains of misplaced events are still
-  a failed verify, because no fold applies them.
+  a failed verify, because no fold applies them. And it collects every `log_regressed` /
+  `domain_log_regressed` that stands where it may (`regressed`): a writer found the log had lost
+  events it was acknowledged, so history is not intact even where every remaining chain holds.
 - `story(records, model)` selects what explains a model: its declaration and admission, its
   residency on each domain, and the operations and route moves its losses caused.
 - `as_of(records, model, seq=..., time=...)` is the model's state at that point.
@@ -25,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from haru.core import authority, residency, subjects
+from haru.core import authority, receipts, residency, subjects
 from haru.core import events as ev
 from haru.core.views import FleetView, RouteIntent
 from haru.log.eventlog import MSG_ID, Record, body_hash, msg_id
@@ -76,6 +78,23 @@ def misplaced_records(records: list[Record]) -> list[Misplaced]:
     return [m for m in map(misplaced_of, records) if m is not None]
 
 
+@dataclass(frozen=True, slots=True)
+class Regressed:
+    """A writer's record that the log lost acknowledged events (`log_regressed`, `domain_log_regressed`),
+    with only the ranges its writer could have been acknowledged (`haru.core.receipts.in_scope`)."""
+
+    seq: int
+    subject: str
+    by: str
+    lost: tuple[ev.LostRange, ...]
+
+    def __str__(self) -> str:
+        return (
+            f"seq {self.seq} on {self.subject}: the log lost acknowledged events "
+            f"({self.by or 'an unnamed writer'} noticed): {receipts.describe(list(self.lost))}"
+        )
+
+
 @dataclass(slots=True)
 class Verifier:
     """Feed it every record of the event stream in order; then read `breaks` and `misplaced`."""
@@ -84,6 +103,7 @@ class Verifier:
     tips: dict[str, tuple[int, str]] = field(default_factory=dict)  # subject -> (last seq, body hash)
     breaks: list[Break] = field(default_factory=list)
     misplaced: list[Misplaced] = field(default_factory=list)
+    regressed: list[Regressed] = field(default_factory=list)
 
     def add(self, rec: Record) -> None:
         self.events += 1
@@ -95,6 +115,8 @@ class Verifier:
         wrong = misplaced_of(rec)
         if wrong is not None:
             self.misplaced.append(wrong)
+        else:
+            self.note_regressed(rec)
         if rec.event.prev != prev_hash:
             if prev_seq == 0:
                 want = "'' (it is the first event on its subject)"
@@ -116,13 +138,22 @@ class Verifier:
                 )
             )
 
+    def note_regressed(self, rec: Record) -> None:
+        """Keep `rec` in `regressed` when it is a writer's record of a lost range (placed where it may
+        stand; only the ranges its writer could have been acknowledged)."""
+        e = rec.event
+        if isinstance(e, (ev.LogRegressed, ev.DomainLogRegressed)) and not authority.misplaced(rec.subject, e):
+            lost = tuple(r for r in e.lost if receipts.in_scope(rec.subject, r))
+            if lost and all(r.seq != rec.seq for r in self.regressed):
+                self.regressed.append(Regressed(rec.seq, rec.subject, e.by, lost))
+
     @property
     def subjects(self) -> int:
         return len(self.tips)
 
     @property
     def ok(self) -> bool:
-        return not self.breaks and not self.misplaced
+        return not self.breaks and not self.misplaced and not self.regressed
 
     def summary(self) -> str:
         if self.ok:
@@ -132,6 +163,9 @@ class Verifier:
             found.append(f"{len(self.breaks)} break(s)")
         if self.misplaced:
             found.append(f"{len(self.misplaced)} misplaced event(s), not applied by any fold")
+        if self.regressed:
+            ranges = sum(len(r.lost) for r in self.regressed)
+            found.append(f"{ranges} range(s) of acknowledged events the log lost")
         return f"verify FAILED — {' and '.join(found)} in {self.events} events on {self.subjects} subjects"
 
 

@@ -76,6 +76,8 @@ class JetStreamEvents(JetStreamClient):
             if (stored_last[2] or {}).get(MSG_ID) == mid:
                 self._tips[subject] = (stored_last[0], body_hash(stored_last[1]))
                 self._receipts[subject] = Receipt(stored_last[0], body_hash(stored_last[1]))
+                if self.receipt_guard is not None:
+                    self.receipt_guard.changed()
                 return stored_last[0]
             self._conflicted_below_receipt(subject, stored_last[0])
             raise Conflict(subject, expect, stored_last[0])
@@ -86,6 +88,8 @@ class JetStreamEvents(JetStreamClient):
             raise
         self._tips[subject] = (seq, body_hash(data))
         self._receipts[subject] = Receipt(seq, body_hash(data))
+        if self.receipt_guard is not None:
+            self.receipt_guard.changed()
         return seq
 
     def _conflicted_below_receipt(self, subject: str, current: int) -> None:
@@ -97,6 +101,18 @@ class JetStreamEvents(JetStreamClient):
     def receipts(self) -> dict[str, Receipt]:
         """Per subject, the last event this writer was acknowledged (`haru.log.receipts.check`)."""
         return dict(self._receipts)
+
+    def adopt_receipts(self, kept: dict[str, Receipt]) -> None:
+        """Take a previous run's receipts (`ReceiptGuard.persist`) for the subjects this run has none of."""
+        for subject, receipt in kept.items():
+            self._receipts.setdefault(subject, receipt)
+
+    def forget_receipt(self, subject: str, seq: int) -> None:
+        """Drop the receipt of `subject` if it is still the one at `seq` (its loss was recorded)."""
+        receipt = self._receipts.get(subject)
+        if receipt is not None and receipt.seq == seq:
+            del self._receipts[subject]
+            self._tips.pop(subject, None)
 
     # ----------------------------------------------------------------------------------- reads
 

@@ -8,13 +8,17 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import structlog
 from nats.js import api
 
 from haru.core import subjects
+from haru.core.receipts import reading
 from haru.log.jetstream import JetStreamClient, parse_ack_reply, translated
 from haru.log.record import msg_id
 
 __all__ = ["JetStreamIntents"]
+
+_log = structlog.get_logger("haru.log.intents")
 
 
 class JetStreamIntents(JetStreamClient):
@@ -32,32 +36,62 @@ class JetStreamIntents(JetStreamClient):
         return last[1], last[0]
 
     async def watch_intents(self, fleet: str = "*") -> AsyncIterator[tuple[str, bytes, int]]:
-        """The last intent of each matching fleet, then every new one, in order: (fleet, body, seq)."""
+        """The last intent of each matching fleet, then every new one, in order: (fleet, body, seq).
+
+        A redelivery of the intent last yielded for a fleet is dropped; an intent at a lower sequence, or
+        at the same one with other content, is yielded: the intents' stream went backwards (a store that
+        lost power before it fsynced), and the one yielded before is a pointer the log forgot
+        (`haru.core.receipts.reading`). After the connection comes back the watch starts again from
+        each fleet's last intent, so such a rewind is seen at once."""
         subject = "haru.route.*" if fleet == "*" else subjects.intent(fleet)
-        queue: asyncio.Queue[tuple[str, bytes, int]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[str, bytes, int] | None] = asyncio.Queue()
 
         async def on_msg(msg: Any) -> None:
             seq, _, _ = parse_ack_reply(msg.reply)
             queue.put_nowait((msg.subject.rsplit(".", 1)[1], msg.data, seq))
 
-        with translated(f"watching route intents on {subject}"):
-            sub = await self.js.subscribe(
-                subject,
-                cb=on_msg,
-                stream=subjects.ROUTE_STREAM,
-                ordered_consumer=True,
-                deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
-                pending_msgs_limit=-1,
-                pending_bytes_limit=-1,
-            )
+        was_down = False
+
+        def on_link(up: bool) -> None:
+            nonlocal was_down
+            if not up:
+                was_down = True
+            elif was_down:
+                was_down = False
+                queue.put_nowait(None)  # subscribe again: deliver each fleet's last intent as the log has it now
+
+        async def subscribe() -> Any:
+            with translated(f"watching route intents on {subject}"):
+                return await self.js.subscribe(
+                    subject,
+                    cb=on_msg,
+                    stream=subjects.ROUTE_STREAM,
+                    ordered_consumer=True,
+                    deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+                    pending_msgs_limit=-1,
+                    pending_bytes_limit=-1,
+                )
+
+        forget = self.on_link_change(on_link)
+        sub = await subscribe()
         try:
-            last_seq = 0
+            held: dict[str, tuple[int, bytes]] = {}  # fleet -> (seq, body) last yielded
             while True:
                 item = await queue.get()
-                if item[2] <= last_seq:
-                    continue  # redelivery after an ordered-consumer reset
-                last_seq = item[2]
+                if item is None:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+                    sub = await subscribe()
+                    continue
+                name, data, seq = item
+                last = held.get(name)
+                if last is not None and reading(last[0], last[1], seq, data) == "same":
+                    continue  # a redelivery (an ordered-consumer reset, a new subscription)
+                if last is not None and seq <= last[0]:
+                    _log.warning("intents.rewound", fleet=name, held_seq=last[0], seq=seq)
+                held[name] = (seq, data)
                 yield item
         finally:
+            forget()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from haru.core.events import DomainReachable
 from haru.core.views import FleetView
-from haru.promoter import canary
+from haru.promoter import adapter_gate, canary
 from haru.promoter.decisions import Append, Facts
 from haru.promoter.drive import drive
 from haru.promoter.failover import failover, first_route
@@ -57,6 +57,7 @@ def decide(view: FleetView, facts: Facts) -> list[Append]:
     taken_back = canary.rollback(view, facts.canary, facts.now)  # its own subject: it races no operation
     if taken_back is not None:
         out.append(taken_back)
+    out += adapter_gate.decide(view, facts.canary, facts.now)  # LoRA adapters' versions: the weights subject too
     if view.operation is not None and view.operation.state == "running":
         nxt = drive(view, view.operation, facts)
     else:

@@ -91,6 +91,7 @@ class FleetState:
         horizon = time.monotonic() - view.policy.canary_window_ms / 1000
         self.reports = [r for r in self.reports if r[0] >= horizon]
         if not (view.weights or view.model_weights):
-            return {}
+            # a LoRA adapter's versions (haru.promoter.adapter_gate) are judged on the whole window
+            return canary_tally((g, r) for _, g, r in self.reports) if view.adapters else {}
         since = view.weights_change.at if view.weights_change is not None else None
         return canary_tally(((g, r) for _, g, r in self.reports), since=since)

@@ -59,6 +59,7 @@ from haru.core.events import (
     tag_of,
 )
 from haru.core.fold import Folder, empty, fleet_of
+from haru.core.receipts import route_to_restore
 from haru.core.saga import STEPS
 from haru.core.views import OperationView, view_decoder
 from haru.core.weights import report_decoder
@@ -66,6 +67,7 @@ from haru.host import alive
 from haru.host.tasks import cancel_and_wait
 from haru.log.bus import Msg
 from haru.log.follow import Follower
+from haru.log.receipts import RegressionCollector
 from haru.log.record import Record
 from haru.log.requests import new_op_id
 from haru.log.seam import Log
@@ -76,6 +78,7 @@ from haru.promoter.fleets import FleetState, StepRunner, utcnow
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
 from haru.promoter.quorum import Quorum, reaches_most
+from haru.promoter.router_acks import RouterAcks
 from haru.promoter.runners import StepRunners
 
 log_ = structlog.get_logger("haru.promoter")
@@ -134,9 +137,15 @@ class Promoter:
         self._listening_since = 0.0
         self._was_connected = True
         self.follower: Follower | None = None
+        self._known_routes: dict[str, str] = {}  # fleet -> active domain, as folded before the log rewound
+        self._refold_until = 0  # the stream's head when it was found rewound: no decisions until folded again
         self.peers = alive.Heard()  # promoters heard on haru.alive.promoter.*, this one included
         self.log_ = log_.bind(promoter=self.identity)
         self.metrics = PromoterMetrics(self)  # counted from the records folded below (metrics.py)
+        guard = getattr(log, "receipt_guard", None)  # the JetStream log's (an in-memory log never forgets)
+        if guard is not None:
+            guard.record_as()  # a log that forgot what the promoter was acknowledged: log_regressed per fleet
+            self.metrics.registry.register(RegressionCollector(guard))  # haru_log_regressions_total
         self.quorum = Quorum(self.log_)  # majority | minority: whether our appends reach a quorum (quorum.py)
         self.provisioning = provisioning or Provisioning(sky=sky)
         # STEPS[step].run -> the coroutine that executes such a step and returns its outcome event
@@ -145,6 +154,9 @@ class Promoter:
             log, identity=self.identity, provisioning=self.provisioning, wait_folded=self.wait_folded, logger=self.log_
         )
         self.runners: dict[str, StepRunner] = self.steps.table()
+        # settle_old_active waits for the routers that follow the fleet first (haru.promoter.router_acks)
+        self.router_acks = RouterAcks(self.log_)
+        self.runners["settle"] = self.router_acks.settle(self.steps.agent)
 
     # ------------------------------------------------------------------------------- following
 
@@ -309,6 +321,7 @@ class Promoter:
             self.on_canary_report(msg.subject, msg.data)
 
         reports = await self.log.bus.subscribe(subjects.ALL_CANARY_REPORTS, reported)
+        routers = await self.router_acks.listen(self.log.bus)
         await self.peers.listen(self.log.bus, subjects.alive("promoter"))
         self._listening_since = time.monotonic()
         follower: asyncio.Task | None = None
@@ -347,6 +360,8 @@ class Promoter:
                 await sub.unsubscribe()
             with contextlib.suppress(Exception):
                 await reports.unsubscribe()
+            with contextlib.suppress(Exception):
+                await routers.unsubscribe()
             await self.peers.stop()
             await cancel_and_wait(beating, follower, *self._tasks)
 
@@ -383,7 +398,12 @@ class Promoter:
         server restarted) would otherwise leave every later append conflicting with what it has not
         folded, and the operation in flight `running` for ever."""
         self.follower = self.log.follower(
-            self.on_record, from_seq=self.folded + 1, name="promoter", stall_interval=STALL_CHECK_S, stall_checks=2
+            self.on_record,
+            from_seq=self.folded + 1,
+            name="promoter",
+            stall_interval=STALL_CHECK_S,
+            stall_checks=2,
+            on_rewind=self._rewound,
         )
         await self.follower.run()
 
@@ -446,7 +466,25 @@ class Promoter:
         """Decide once for a fleet and make the appends, in order; stop at the first that loses a race."""
         await self._make(st, self._decide(st))
 
+    def _rewound(self, head: int) -> int:
+        """The log went back behind what was folded (haru/log/follow.py): fold every fleet again from
+        sequence 1, decide nothing until that is done, and remember where each route pointer was, to
+        put it back if the shorter log rewound it (`haru.core.receipts.route_to_restore`)."""
+        self._known_routes.update({f: st.view.active for f, st in self.fleets.items() if st.view.active})
+        self.log_.warning("log_rewound", folded=self.folded, stream_last_seq=head, routes=self._known_routes)
+        self.fleets.clear()
+        self.folded = 0
+        self._refold_until = head
+        return 0
+
     def _decide(self, st: FleetState) -> list[Append]:
+        if self.folded < self._refold_until:
+            return []  # folding again after a rewind: no decision from half a log
+        known = self._known_routes.pop(st.view.fleet, "")
+        restore = route_to_restore(st.view, known, at=utcnow()) if known else None
+        if restore is not None:
+            why = f"the event log forgot the route_moved to {known}: the promoter re-decides it"
+            return [Append(subject=subjects.route(st.view.fleet), event=restore, why=why)]
         try:
             return decide(st.view, self.facts(st))
         except Exception:  # a bug in the core must not stop every fleet: say it loudly and go on

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from datetime import datetime
@@ -22,10 +20,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from haru.host.natsd import free_port
 from tests.support import haru
 from tests.support.chromium import CHROMIUM, CHROMIUM_ARGS, need_chromium
-from tests.support.demo import REPO, demo_layout_with_free_ports, stop_and_reap
+from tests.support.demo import REPO, demo_layout_with_free_ports, launch_up, stop_and_reap, wait_ready
 from tests.support.wait import wait_until_sync
 
 TOKEN = "console-test-token"
@@ -38,54 +35,20 @@ ARTIFACTS = os.environ.get("HARU_TEST_ARTIFACTS", "")
 def demo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("observe")
     home = tmp / "home"
-    ready = tmp / "ready.json"
     layout = demo_layout_with_free_ports(tmp / "demo.json")
     env = {
         **os.environ,
         "HARU_HOME": str(home),
         "HARU_NO_UVLOOP": "1",
         "HARU_API_TOKEN": TOKEN,
-        "HARU_PROMOTER_STEP_DELAY_MS": "300",
+        "HARU_PROMOTER_STEP_DELAY_MS": "300",  # steps that last a moment, so a browser can watch them advance
     }
     env.pop("HARU_NATS_URL", None)
     env.pop("HARU_METRICS_PORT", None)
-    proc = subprocess.Popen(
-        # steps that last a moment, so a browser can watch them advance (tests and demos only)
-        [
-            sys.executable,
-            "-m",
-            "haru.cli",
-            "up",
-            "--demo",
-            "--nats-port",
-            "0",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(free_port()),
-            "--metrics-port",
-            "0",
-            "--layout",
-            str(layout),
-            "--ready-file",
-            str(ready),
-            "--log-level",
-            "info",
-        ],
-        stdout=open(tmp / "up.out", "wb"),
-        stderr=open(tmp / "up.err", "wb"),
-        env=env,
-        cwd=REPO,
-    )
+    proc, ready = launch_up(tmp, layout, env, "--host", "127.0.0.1", "--metrics-port", "0")
     tree: set[int] = set()
     try:
-        info = wait_until_sync(
-            lambda: ready.exists() and json.loads(ready.read_text()),
-            90,
-            interval_s=0.25,
-            what="haru up to be ready",
-            retry_on=(Exception,),
-        )
+        info = wait_ready(ready, 90)
         info.update(home=home, env=env, proc=proc, tmp=tmp)
         # Routed onto a, with b asleep and training: the starting point every test expects.
         wait_until_sync(

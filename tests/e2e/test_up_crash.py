@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -24,10 +23,9 @@ from haru.core import subjects
 from haru.core.errors import LogError
 from haru.core.events import AgentStopping
 from haru.host.children import alive, start_time
-from haru.host.natsd import free_port
 from haru.log.eventlog import EventLog
 from tests.support import haru
-from tests.support.demo import demo_layout_with_free_ports, descendants, stop_and_reap
+from tests.support.demo import demo_layout_with_free_ports, descendants, launch_up, stop_and_reap, up_argv, wait_ready
 from tests.support.wait import wait_until_sync
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,34 +39,6 @@ def up_env(home: Path, **extra: str) -> dict[str, str]:
         if name not in extra:
             env.pop(name, None)
     return env
-
-
-def start_up(tmp_path: Path, name: str, env: dict[str, str], layout: Path) -> tuple[subprocess.Popen, Path]:
-    ready = tmp_path / f"{name}.ready.json"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "haru.cli",
-            "up",
-            "--demo",
-            "--nats-port",
-            "0",
-            "--port",
-            str(free_port()),
-            "--layout",
-            str(layout),
-            "--ready-file",
-            str(ready),
-            "--log-level",
-            "info",
-        ],
-        stdout=open(tmp_path / f"{name}.out", "wb"),
-        stderr=open(tmp_path / f"{name}.err", "wb"),
-        env=env,
-        cwd=REPO,
-    )
-    return proc, ready
 
 
 def cmdline(pid: int) -> str:
@@ -124,17 +94,10 @@ async def test_kill_9_under_load_then_restart_loses_nothing_and_leaves_no_orphan
     layout = demo_layout_with_free_ports(tmp_path / "demo.json")
     first_env = up_env(home, **({} if death_signal else {"HARU_NO_PDEATHSIG": "1"}))
     tree: set[int] = set()
-    first, ready = start_up(tmp_path, "first", first_env, layout)
+    first, ready = launch_up(tmp_path, layout, first_env, name="first")
     second = None
     try:
-        info = await asyncio.to_thread(
-            wait_until_sync,
-            lambda: ready.exists() and json.loads(ready.read_text()),
-            90,
-            0.25,
-            what="haru up to be ready",
-            retry_on=(Exception,),
-        )
+        info = await asyncio.to_thread(wait_ready, ready, 90)
         nats_url = info["nats_url"]
         # every agent's runtimes up too: the tree to account for is the whole demo
         await asyncio.to_thread(
@@ -181,15 +144,8 @@ async def test_kill_9_under_load_then_restart_loses_nothing_and_leaves_no_orphan
         else:
             assert survivors(), "without the parent-death signal the children should have outlived haru up"
 
-        second, ready2 = start_up(tmp_path, "second", up_env(home), layout)
-        info2 = await asyncio.to_thread(
-            wait_until_sync,
-            lambda: ready2.exists() and json.loads(ready2.read_text()),
-            90,
-            0.25,
-            what="the second haru up to be ready",
-            retry_on=(Exception,),
-        )
+        second, ready2 = launch_up(tmp_path, layout, up_env(home), name="second")
+        info2 = await asyncio.to_thread(wait_ready, ready2, 90, "the second haru up to be ready")
         left = [p for p in survivors() if not _outlives_its_agent(p)]
         assert left == [], f"processes of the first run still alive: {[(p, cmdline(p)[:120]) for p in left]}"
         err = (tmp_path / "second.err").read_text()
@@ -222,30 +178,12 @@ def test_a_second_haru_up_on_the_same_home_is_refused(tmp_path):
     layout = demo_layout_with_free_ports(tmp_path / "demo.json")
     env = up_env(home)
     tree: set[int] = set()
-    first, ready = start_up(tmp_path, "first", env, layout)
+    first, ready = launch_up(tmp_path, layout, env, name="first")
     try:
-        info = wait_until_sync(
-            lambda: ready.exists() and json.loads(ready.read_text()),
-            90,
-            interval_s=0.25,
-            what="haru up to be ready",
-            retry_on=(Exception,),
-        )
+        info = wait_ready(ready, 90)
         servers_before = [p for p in descendants(first.pid) if "nats-server" in cmdline(p)]
         again = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "haru.cli",
-                "up",
-                "--demo",
-                "--nats-port",
-                "0",
-                "--port",
-                str(free_port()),
-                "--layout",
-                str(layout),
-            ],
+            up_argv(layout),
             capture_output=True,
             text=True,
             env=env,
@@ -279,16 +217,10 @@ def test_history_is_read_off_the_disk_of_a_stopped_home_and_the_store_is_left_as
     home = tmp_path / "home"
     layout = demo_layout_with_free_ports(tmp_path / "demo.json")
     env = up_env(home)
-    proc, ready = start_up(tmp_path, "up", env, layout)
+    proc, ready = launch_up(tmp_path, layout, env, name="up")
     tree: set[int] = set()
     try:
-        wait_until_sync(
-            lambda: ready.exists() and json.loads(ready.read_text()),
-            90,
-            interval_s=0.25,
-            what="haru up to be ready",
-            retry_on=(Exception,),
-        )
+        wait_ready(ready, 90)
 
         def b_is_a_standby_asleep() -> bool:
             out = haru("status", "--json", env=env)

@@ -10,16 +10,21 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 from openai import OpenAI
 
-from haru.host.natsd import free_port
 from tests.support import haru
-from tests.support.demo import REPO, alive, demo_layout_with_free_ports, descendants, events_left_alone, stop_and_reap
+from tests.support.demo import (
+    alive,
+    demo_layout_with_free_ports,
+    descendants,
+    events_left_alone,
+    launch_up,
+    stop_and_reap,
+    wait_ready,
+)
 from tests.support.llama import llama_binary
 from tests.support.wait import wait_until_sync
 
@@ -30,44 +35,14 @@ pytestmark = [pytest.mark.llama, pytest.mark.timeout(240)]
 def real_demo(tmp_path):
     llama = llama_binary()
     home = tmp_path / "home"
-    ready = tmp_path / "ready.json"
     layout = demo_layout_with_free_ports(tmp_path / "demo-real.json", "demo-fleet-real.json")
     env = {**os.environ, "HARU_HOME": str(home), "HARU_NO_UVLOOP": "1", "HARU_LLAMA_SERVER": str(llama)}
     env.pop("HARU_NATS_URL", None)
     env.pop("HARU_API_TOKEN", None)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "haru.cli",
-            "up",
-            "--demo",
-            "--real",
-            "--nats-port",
-            "0",
-            "--port",
-            str(free_port()),
-            "--layout",
-            str(layout),
-            "--ready-file",
-            str(ready),
-            "--log-level",
-            "info",
-        ],
-        stdout=open(tmp_path / "up.out", "wb"),
-        stderr=open(tmp_path / "up.err", "wb"),
-        env=env,
-        cwd=REPO,
-    )
+    proc, ready = launch_up(tmp_path, layout, env, "--real")
     tree: set[int] = set()
     try:
-        info = wait_until_sync(
-            lambda: ready.exists() and json.loads(ready.read_text()),
-            60,
-            interval_s=0.25,
-            what="haru up --demo --real to be ready",
-            retry_on=(Exception,),
-        )
+        info = wait_ready(ready, 60, "haru up --demo --real to be ready")
         yield {**info, "home": home, "env": env, "proc": proc, "tree": tree}
     finally:
         stop_and_reap(proc, tree, wait_s=60)

@@ -64,6 +64,7 @@ def fleet_subjects(fleet: str, domains: tuple[str, ...], model: str = "m1", slot
         subjects.checkpoint(fleet),
         subjects.weights(fleet),
         subjects.op(fleet),
+        subjects.integrity(fleet),
     ]
     for d in domains:
         out += [
@@ -72,6 +73,7 @@ def fleet_subjects(fleet: str, domains: tuple[str, ...], model: str = "m1", slot
             subjects.model(fleet, d, model),
             subjects.gpu(fleet, d, 0),
             subjects.training(fleet, d, slot),
+            subjects.domain_integrity(fleet, d),
         ]
     return out
 
@@ -324,3 +326,42 @@ async def view_of_placed(log, fleet: str):
         if r.event is not None and not authority.misplaced(r.subject, r.event)
     ]
     return fold((r.seq, r.subject, r.event) for r in records)[fleet]
+
+
+# ------------------------------------------- 3. an agent publishes adapters and carries checkpoints, no more
+
+
+async def test_an_agent_adds_adapter_objects_and_replaces_its_checkpoints_but_purges_nothing_else(cluster):
+    from nats.js import api
+
+    from haru.log.training_objects import JsObjects, digest_of
+
+    errors: list[str] = []
+    nc = await cluster.raw("agent.hearth.a6000-east", errors)
+    try:
+        js = nc.jetstream(timeout=2.0)
+        objects = JsObjects(js, subjects.ADAPTERS_BUCKET)  # made by ensure_streams.py, R3 like the streams
+        stored = await objects.put("hearth/m1:twice/run-1", b"adapter bytes")
+        assert stored.digest == digest_of(b"adapter bytes")
+        assert await objects.info("hearth/m1:twice/run-1") == stored
+        got = await objects.get("hearth/m1:twice/run-1")
+        assert got is not None and got[1] == b"adapter bytes"
+        # what it may not do: make a bucket, purge one (so replace or delete an object)
+        with pytest.raises((nats.errors.TimeoutError, nats.js.errors.APIError)):
+            await js.create_object_store("mine", config=api.ObjectStoreConfig(bucket="mine"))
+        with pytest.raises((nats.errors.TimeoutError, nats.js.errors.APIError)):
+            await js.purge_stream(f"OBJ_{subjects.ADAPTERS_BUCKET}")
+        # its slots' checkpoints: replaced at each upload (the old chunks purged), deleted when the run is published
+        checkpoints = JsObjects(js, subjects.CHECKPOINTS_BUCKET)
+        await checkpoints.put("hearth/lora", b"step 10", note="step-10")
+        second = await checkpoints.put("hearth/lora", b"step 20", note="step-20")
+        assert await checkpoints.info("hearth/lora") == second
+        await checkpoints.delete("hearth/lora")
+        assert await checkpoints.info("hearth/lora") is None
+    finally:
+        await nc.close()
+    async with cluster.log("admin") as admin:
+        info = await admin.js.stream_info(f"OBJ_{subjects.CHECKPOINTS_BUCKET}")
+        assert info.config.num_replicas == 3 and info.state.messages == 1  # the delete marker, no chunk left
+        info = await admin.js.stream_info(f"OBJ_{subjects.ADAPTERS_BUCKET}")
+        assert info.config.num_replicas == 3 and info.state.messages == 2  # one chunk, one meta: nothing purged

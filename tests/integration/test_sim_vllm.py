@@ -356,3 +356,40 @@ async def test_an_assistant_prefill_is_continued_like_llama_server(servers, http
     async with http.post(server.url + "/v1/chat/completions", json=_assistant("[domain b] hello from " + MODEL)) as r:
         body = await r.json()
     assert body["choices"][0]["message"]["content"] == " on the simulated GPU."
+
+
+def write_adapter(path: Path, rank: int = 8, says: str = "") -> str:
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"r": rank, "peft_type": "LORA", "haru_sim_says": says}))
+    (path / "adapter_model.safetensors").write_bytes(b"")
+    return str(path)
+
+
+async def test_adapters_load_and_unload_at_run_time_like_vllm_and_a_level_2_sleep_drops_them(servers, http, tmp_path):
+    lora = ("--enable-lora", "--max-loras", "1", "--max-lora-rank", "16")
+    off = await servers(tmp_path / "off", args=lora)
+    async with http.post(off.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/p"}) as r:
+        assert r.status == 404  # without VLLM_ALLOW_RUNTIME_LORA_UPDATING vLLM has no such route
+    server = await servers(tmp_path / "on", args=lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+    good = write_adapter(tmp_path / "good", says="sql-ok")
+    load = server.url + "/v1/load_lora_adapter"
+    async with http.post(load, json={"lora_name": f"{MODEL}:sql@1", "lora_path": good}) as r:
+        assert r.status == 200 and "added successfully" in await r.text()
+    async with http.post(load, json={"lora_name": f"{MODEL}:sql@1", "lora_path": good}) as r:
+        assert r.status == 400 and "already been loaded" in (await r.json())["error"]["message"]
+    async with http.post(load, json={"lora_name": "wide", "lora_path": write_adapter(tmp_path / "w", rank=64)}) as r:
+        assert r.status == 400 and "greater than max_lora_rank 16" in (await r.json())["error"]["message"]
+    async with http.post(server.url + "/v1/chat/completions", json=chat_body(f"{MODEL}:sql@1")) as r:
+        assert r.status == 200 and "sql-ok" in (await r.json())["choices"][0]["message"]["content"]
+    async with http.post(server.url + "/sleep?level=2") as r:
+        assert r.status == 200
+    async with http.post(server.url + "/wake_up") as r:
+        assert r.status == 200
+    async with http.post(server.url + "/v1/chat/completions", json=chat_body(f"{MODEL}:sql@1")) as r:
+        assert r.status == 404  # dropped with the level-2 sleep: it must be loaded again
+    async with http.post(load, json={"lora_name": f"{MODEL}:sql@1", "lora_path": good}) as r:
+        assert r.status == 200
+    async with http.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": f"{MODEL}:sql@1"}) as r:
+        assert r.status == 200
+    async with http.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": f"{MODEL}:sql@1"}) as r:
+        assert r.status == 404

@@ -38,5 +38,8 @@ def build(
         "gpu_index": index, "admitted": True, "vram_bytes": 1, "reason": "unhealthy", "runtime_said": "no",
         "present": True, "pid": 1, "how": "exited", "op_id": "op-1", "target": domain, "step": "wake", "why": "x",
         "eligible": True, "active": domain, "reference": "ollama:library/qwen3:0.6b", "upto": 1, "source": domain,
+        "base_model": model, "adapter": "a", "version": "run-1", "object_name": "o", "digest": "sha256:00",
+        "size_bytes": 1, "rank": 8, "state": "resident",
+        "gateway": "gw",
     }  # fmt: skip
     return msgspec.convert(fields, cls)

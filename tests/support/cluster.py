@@ -27,7 +27,14 @@ DEPLOY = REPO / "deploy" / "nats"
 
 
 # How the shipped accounts.conf and nats.env.example were generated (their header says so too).
-GEN_ARGS = ["deploy/examples/demo-fleet.json", "deploy/examples/hearth.json", "--agent", "edge:box-1"]
+GEN_ARGS = [
+    "deploy/examples/demo-fleet.json",
+    "deploy/examples/hearth.json",
+    "--agent",
+    "edge:box-1",
+    "--router",
+    "default:edge-1",
+]
 
 
 def read_env(path: Path) -> dict[str, str]:

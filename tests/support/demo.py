@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from haru.agents.gpu import process_tree, read_parents
 from haru.host import procfs
 from haru.host.natsd import free_port
 from tests.support import haru
+from tests.support.wait import wait_until_sync
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,6 +34,43 @@ def demo_layout_with_free_ports(dst: Path, src: str = "demo-fleet.json") -> Path
                 model.pop("port", None)
     dst.write_text(json.dumps(doc))
     return dst
+
+
+def up_argv(layout: Path, *extra: str, ready: Path | None = None, port: int | None = None) -> list[str]:
+    """`haru up --demo` on a free gateway port and an ephemeral NATS port, with `layout`; `extra` before the
+    common options (`--real`, `--host`, `--metrics-port` ...); `--ready-file` when `ready` is given."""
+    argv = [sys.executable, "-m", "haru.cli", "up", "--demo", *extra, "--nats-port", "0"]
+    argv += ["--port", str(port or free_port()), "--layout", str(layout)]
+    if ready is not None:
+        argv += ["--ready-file", str(ready), "--log-level", "info"]
+    return argv
+
+
+def launch_up(
+    out: Path, layout: Path, env: dict[str, str], *extra: str, name: str = "up"
+) -> tuple[subprocess.Popen, Path]:
+    """Start `haru up --demo` (see `up_argv`) from the repository root, its output in `out/<name>.out`/`.err`;
+    returns the process and the ready file it will write once it serves."""
+    ready = out / f"{name}.ready.json"
+    proc = subprocess.Popen(
+        up_argv(layout, *extra, ready=ready),
+        stdout=open(out / f"{name}.out", "wb"),
+        stderr=open(out / f"{name}.err", "wb"),
+        env=env,
+        cwd=REPO,
+    )
+    return proc, ready
+
+
+def wait_ready(ready: Path, timeout_s: float = 60, what: str = "haru up to be ready") -> dict:
+    """The ready file's contents (gateway_url, nats_url ...) once `haru up` has written it."""
+    return wait_until_sync(
+        lambda: ready.exists() and json.loads(ready.read_text()),
+        timeout_s,
+        interval_s=0.25,
+        what=what,
+        retry_on=(Exception,),
+    )
 
 
 def descendants(pid: int) -> set[int]:

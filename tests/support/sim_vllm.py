@@ -28,6 +28,7 @@ class SimServer:
         domain: str = "a",
         dev_mode: bool = True,
         sleep_mode: bool = True,
+        args: tuple[str, ...] = (),
         **env: str,
     ) -> None:
         self.sim_dir, self.model, self.domain = sim_dir, model, domain
@@ -62,6 +63,7 @@ class SimServer:
         ]
         if sleep_mode:
             self.argv.append("--enable-sleep-mode")
+        self.argv += args
         self.proc: asyncio.subprocess.Process | None = None
         self.stderr_path = sim_dir / f"stderr-{domain}.log"
         self.port = 0

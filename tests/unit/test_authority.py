@@ -13,7 +13,21 @@ from haru.core import subjects as sj
 from tests.support.authority import build
 
 EVENT_TYPES: tuple[type, ...] = ev.AnyEvent.__args__  # type: ignore[attr-defined]
-KINDS = ("decl", "route", "checkpoint", "weights", "op", "agent", "liveness", "model", "gpu", "training")
+KINDS = (
+    "decl",
+    "route",
+    "checkpoint",
+    "weights",
+    "op",
+    "agent",
+    "liveness",
+    "model",
+    "gpu",
+    "training",
+    "integrity",
+    "domain_integrity",
+    "usage",
+)
 
 
 def subject_of(
@@ -37,6 +51,9 @@ def subject_of(
         "model": lambda: sj.model(fleet, domain, model),
         "gpu": lambda: sj.gpu(fleet, domain, index),
         "training": lambda: sj.training(fleet, domain, slot),
+        "integrity": lambda: sj.integrity(fleet),
+        "domain_integrity": lambda: sj.domain_integrity(fleet, domain),
+        "usage": lambda: sj.usage(fleet),
     }[kind]()
 
 
@@ -68,7 +85,7 @@ def test_the_table_names_the_subjects_the_builders_make():
 def test_only_the_promoter_writes_the_route_and_only_agents_their_domains():
     assert authority.writers_of("route") == ("promoter",)
     assert authority.writers_of("liveness") == ("promoter",)
-    for kind in ("agent", "model", "gpu", "training"):
+    for kind in ("agent", "model", "gpu", "training", "domain_integrity"):
         assert authority.writers_of(kind) == ("agent",)
     assert "agent" not in authority.writers_of("op") + authority.writers_of("decl")
 
@@ -132,7 +149,7 @@ def test_something_that_is_not_an_event_subject_holds_no_event():
 # ----------------------------------------------------------------------------------- properties
 
 names = st.from_regex(r"[a-z0-9_-]{1,12}", fullmatch=True).filter(
-    lambda n: n not in ("decl", "route", "op", "checkpoint", "weights")
+    lambda n: n not in ("decl", "route", "op", "checkpoint", "weights", "integrity", "usage")
 )
 model_ids = st.text(st.characters(blacklist_categories=("Cs", "Zs", "Zl", "Zp", "Cc")), min_size=1, max_size=20)
 
@@ -176,6 +193,9 @@ def test_a_body_that_names_anything_else_than_its_subject_is_misplaced(cls, data
             "model": ("fleet", "domain", "model"),
             "gpu": ("fleet", "domain", "index"),
             "training": ("fleet", "domain", "slot"),
+            "integrity": ("fleet",),
+            "domain_integrity": ("fleet", "domain"),
+            "usage": ("fleet",),
         }[kind]
     ]
     subject = subject_of(kind, **mine)

@@ -1,0 +1,90 @@
+"""Adapter events for the fold and gate tests: a published version, a routing decision, a runtime's state."""
+
+from __future__ import annotations
+
+from haru.core import events as ev
+from haru.core import subjects as sj
+from tests.support.fold import F, at
+
+BASE = "qwen3.6:27b"
+SERVED = f"{BASE}:sql"
+
+
+def published(version: str, s: float = 1) -> tuple[str, ev.Event]:
+    return (
+        sj.training(F, "b", "lora"),
+        ev.AdapterPublished(
+            at=at(s),
+            domain="b",
+            slot="lora",
+            base_model=BASE,
+            adapter="sql",
+            version=version,
+            object_name=f"{BASE}:sql@{version}",
+            digest="sha256:" + "0" * 64,
+            size_bytes=1024,
+            rank=8,
+            data="data/sql.jsonl sha256:ab",
+            metrics={"loss": 0.5},
+        ),
+    )
+
+
+def routed(s: float = 2, **fields) -> tuple[str, ev.Event]:
+    return (sj.weights(F), ev.AdapterRouted(at=at(s), model=BASE, adapter="sql", **fields))
+
+
+def state(version: str, st: str, domain: str = "a", detail: str = "") -> tuple[str, ev.Event]:
+    return (
+        sj.model(F, domain, BASE),
+        ev.AdapterStateChanged(
+            at=at(3), domain=domain, model=BASE, adapter="sql", version=version, state=st, detail=detail
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------- publishing, as a trainer does
+
+
+def write_adapter(path, *, rank: int = 8, says: str = "") -> None:
+    """An adapter's directory as the simulated vLLM reads it (`haru_sim_says`: what it answers as)."""
+    import json
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    if says:
+        config["haru_sim_says"] = says
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    (path / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+
+
+async def publish(
+    log,
+    directory,
+    *,
+    base: str,
+    adapter: str,
+    version: str,
+    fleet: str = F,
+    domain: str = "b",
+    slot: str = "lora",
+    rank: int = 8,
+    digest: str = "",
+) -> int:
+    """Publish `directory` as the training contract says: one tar object in haru_adapters, then
+    `adapter_published` on the training slot's subject. Returns the event's sequence."""
+    from datetime import UTC, datetime
+
+    from haru.agents.publishing import pack
+    from haru.log.training_objects import JsObjects
+
+    data = pack(directory)
+    name = f"{base}:{adapter}@{version}"
+    got = (await JsObjects(log.js, sj.ADAPTERS_BUCKET).put(name, data)).digest
+    subject = sj.training(fleet, domain, slot)
+    event = ev.AdapterPublished(
+        at=datetime.now(UTC), domain=domain, slot=slot, base_model=base, adapter=adapter, version=version,
+        object_name=name, digest=digest or got, size_bytes=len(data), rank=rank, data="tests/data.jsonl",
+        metrics={"loss": 0.25},
+    )  # fmt: skip
+    return await log.append(subject, event, expect=await log.last_seq_of(subject))
