@@ -73,6 +73,7 @@ class Transcript(msgspec.Struct):
     text: str = ""
     role_sent: bool = False
     finished: bool = False  # a finish_reason or [DONE] went out: nothing is left to continue
+    done: bool = False  # the [DONE] that ends the stream went out
     chunks: int = 0  # chunks that carried content (about one token each from vLLM and llama-server)
     other: str = ""  # why the stream cannot be continued from the transcript ('' = it can)
 
@@ -83,7 +84,7 @@ def transcript(sent: bytes) -> Transcript:
     parts: list[str] = []
     for payload in events(sent):
         if payload.strip() == b"[DONE]":
-            t.finished = True
+            t.finished = t.done = True
             continue
         try:
             obj = _json.decode(payload)
@@ -286,7 +287,9 @@ class Resumer:
         fleet, model = fwd.fleet, fwd.model
         sent = transcript(sent_bytes)
         if sent.finished:
-            await response.write_eof()  # everything the client needs went out; only the framing was cut
+            # everything the client needs went out; only the framing was cut (the upstream's [DONE] can be
+            # the segment a lost link never delivered): close the stream as the upstream would have
+            await response.write_eof(b"" if sent.done else b"data: [DONE]\n\n")
             return True
         try:
             original = _json.decode(body)

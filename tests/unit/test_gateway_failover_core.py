@@ -165,7 +165,8 @@ def test_the_transcript_is_what_the_client_received():
         "",
     )
     assert transcript(sent + chunk({}, "stop")).finished
-    assert transcript(sent + b"data: [DONE]\n\n").finished
+    assert not transcript(sent + chunk({}, "stop")).done  # the gateway still owes the client the [DONE]
+    assert transcript(sent + b"data: [DONE]\n\n").finished and transcript(sent + b"data: [DONE]\n\n").done
     assert transcript(chunk({"tool_calls": [{"index": 0}]})).other
 
 
