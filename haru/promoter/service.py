@@ -139,6 +139,9 @@ class Promoter:
         self.follower: Follower | None = None
         self._known_routes: dict[str, str] = {}  # fleet -> active domain, as folded before the log rewound
         self._refold_until = 0  # the stream's head when it was found rewound: no decisions until folded again
+        # fleet -> the heartbeats heard (domain -> monotonic time), kept while a rewound log is folded again:
+        # the fleets' states are made anew, what was heard on core NATS is still true
+        self._heard_kept: dict[str, dict[str, float]] = {}
         self.peers = alive.Heard()  # promoters heard on haru.alive.promoter.*, this one included
         self.log_ = log_.bind(promoter=self.identity)
         self.metrics = PromoterMetrics(self)  # counted from the records folded below (metrics.py)
@@ -163,7 +166,7 @@ class Promoter:
     def _state(self, fleet: str) -> FleetState:
         st = self.fleets.get(fleet)
         if st is None:
-            st = self.fleets[fleet] = FleetState(folder=Folder(empty(fleet)))
+            st = self.fleets[fleet] = FleetState(folder=Folder(empty(fleet)), heard=self._heard_kept.pop(fleet, {}))
         return st
 
     def on_record(self, rec: Record) -> None:
@@ -263,6 +266,8 @@ class Promoter:
         fleet, domain = heard
         st = self.fleets.get(fleet)
         if st is None:
+            if fleet in self._heard_kept:  # folding again after a rewind: heard all the same
+                self._heard_kept[fleet][domain] = time.monotonic()
             return
         first = domain not in st.heard or time.monotonic() - st.heard[domain] > 0.5
         st.heard[domain] = time.monotonic()
@@ -427,6 +432,7 @@ class Promoter:
         self._listening_since = time.monotonic()
         for st in self.fleets.values():
             st.heard.clear()
+        self._heard_kept.clear()
         self.peers.last.clear()  # nor did we hear our peers while away
 
     def facts(self, st: FleetState) -> Facts:
@@ -472,6 +478,10 @@ class Promoter:
         put it back if the shorter log rewound it (`haru.core.receipts.route_to_restore`)."""
         self._known_routes.update({f: st.view.active for f, st in self.fleets.items() if st.view.active})
         self.log_.warning("log_rewound", folded=self.folded, stream_last_seq=head, routes=self._known_routes)
+        # Heartbeats are not in the log: what was heard stays heard. Forgotten, every domain would count as
+        # silent since this promoter started listening, and the first decision after the fold would fail
+        # over a fleet whose domains are beating (a second flip after a partition healed).
+        self._heard_kept = {f: st.heard for f, st in self.fleets.items()}
         self.fleets.clear()
         self.folded = 0
         self._refold_until = head
