@@ -25,6 +25,8 @@ from datetime import datetime
 from pathlib import Path
 
 import aiohttp
+import nats
+import nats.errors
 
 from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
@@ -37,7 +39,7 @@ from haru.core.events import (
 )
 from haru.log.eventlog import EventLog
 from tests.support.agent_harness import sim_model
-from tests.support.regions import Proc, Regions, ensure_streams
+from tests.support.regions import Proc, Regions, ensure_streams, region_of
 
 FLEET = "rf"
 MODEL = "m1"
@@ -273,13 +275,44 @@ async def check_history(fleet: RegionFleet) -> History:
             await asyncio.sleep(0.5)
 
 
+async def replicas_current(urls: list[str], down: set[int], stream: str = subjects.EVENTS_STREAM) -> str:
+    """Why `stream` cannot be read whole from every reachable node yet ('' = it can): its leader must
+    be known and each replica in a region that is not down must be current with no lag. A read is served
+    by the node it lands on; a node just healed from a partition answers with what it has until it has
+    caught up, so a checker that reads before then finds acknowledged appends missing that are not lost."""
+    nc = await nats.connect(servers=urls, connect_timeout=2, max_reconnect_attempts=0)
+    try:
+        info = await nc.jetstream(timeout=2).stream_info(stream)
+    except (nats.errors.Error, TimeoutError) as exc:
+        return f"{stream}: no stream info ({type(exc).__name__})"
+    finally:
+        await nc.close()
+    cluster = info.cluster
+    if cluster is None or not cluster.leader:
+        return f"{stream}: no leader"
+    behind = [
+        f"{p.name} (current={p.current}, lag={p.lag}, offline={p.offline})"
+        for p in cluster.replicas or []
+        if region_of(p.name) not in down and (p.offline or not p.current or (p.lag or 0) > 0)
+    ]
+    return f"{stream}: replicas behind the leader {cluster.leader}: {', '.join(behind)}" if behind else ""
+
+
 async def _check_history(fleet: RegionFleet) -> History:
     rg, problems = fleet.rg, []
+    # Every acknowledged append read below was acknowledged before this wait: once each reachable replica
+    # is current, whichever node serves the reads holds them all.
+    acked = {f"witness-r{r}": (fleet.root / f"witness-r{r}.acks").read_text().split() for r in (1, 3)}
+    deadline = time.monotonic() + 30
+    while why := await replicas_current(rg.test_urls(), set(rg.down)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the event stream's replicas did not catch up within 30 s: {why}")
+        await asyncio.sleep(0.2)
     async with EventLog.connect(rg.test_urls(), writer="test:checker") as log:
         witnesses = {}
         for r in (1, 3):
             name = f"witness-r{r}"
-            acks = (fleet.root / f"{name}.acks").read_text().split()
+            acks = acked[name]
             stored = {rec.seq: rec for rec in await log.history(subjects.decl(name))}
             for seq_s, at_s in zip(acks[::2], acks[1::2], strict=True):
                 rec = stored.get(int(seq_s))
@@ -287,7 +320,9 @@ async def _check_history(fleet: RegionFleet) -> History:
                     problems.append(f"{name}: acknowledged append {seq_s} is not in the log")
                 elif rec.event.at != datetime.fromisoformat(at_s):
                     problems.append(f"{name}: sequence {seq_s} holds another event than the one acknowledged")
-            extra = set(stored) - {int(s) for s in acks[::2]}
+            # read again after the history: acknowledgements that came in since the first read count too
+            later = (fleet.root / f"{name}.acks").read_text().split()
+            extra = set(stored) - {int(s) for s in later[::2]}
             # an append the witness sent but whose ack it never got (the region was cut) may be stored once
             if len(extra) > 1:
                 problems.append(f"{name}: {len(extra)} stored appends were never acknowledged")
