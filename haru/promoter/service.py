@@ -135,6 +135,7 @@ class Promoter:
             set()
         )  # fleets whose decided appends are being made (a task each): not decided again until done
         self._listening_since = 0.0
+        self._isolated_since = 0.0  # when most known promoters fell silent (`_check_isolation`); 0: heard
         self._was_connected = True
         self.follower: Follower | None = None
         self._known_routes: dict[str, str] = {}  # fleet -> active domain, as folded before the log rewound
@@ -435,7 +436,32 @@ class Promoter:
         self._heard_kept.clear()
         self.peers.last.clear()  # nor did we hear our peers while away
 
+    def _isolated(self) -> bool:
+        """Whether this replica no longer hears most of the three or more promoters it knows: it may be the
+        one cut off, and then the silence it measures is its own (`reaches_most`; with fewer known it
+        cannot tell, and is not called isolated)."""
+        known = len(self.peers.alive("promoter", within_s=KNOWN_PEERS_S))
+        return known >= 3 and not reaches_most(len(self.peers.alive("promoter")), known)
+
+    def _check_isolation(self) -> bool:
+        """True while isolated (no domain is judged silent then). Found and left once each, said once
+        each; leaving it measures silence afresh, as after a reconnect: a cut that no append of ours met
+        (nothing to decide while it lasted) must not turn into verdicts the moment the peers are back."""
+        isolated = self._isolated()
+        if isolated and not self._isolated_since:
+            self._isolated_since = time.monotonic()
+            self.log_.warning("peers_unheard", detail="most promoters are not heard: no domain is judged silent")
+        elif not isolated and self._isolated_since:
+            took = time.monotonic() - self._isolated_since
+            self._isolated_since = 0.0
+            self._listen_afresh()
+            self.log_.info(
+                "peers_heard_again", isolated_s=round(took, 1), detail="heartbeat silence is measured afresh"
+            )
+        return isolated
+
     def facts(self, st: FleetState) -> Facts:
+        isolated = self._check_isolation()
         now_m = time.monotonic()
         silent: dict[str, int | None] = {}
         for name in st.view.domains:
@@ -446,7 +472,7 @@ class Promoter:
         if self.quorum.lapsed() and self.quorum.cut_off:
             self._listen_afresh()
         listening_ms = int((now_m - self._listening_since) * 1000)
-        if self.quorum.state == "minority":  # cut off: silence we measure is our own isolation (quorum.py)
+        if self.quorum.state == "minority" or isolated:  # cut off: silence we measure is our own isolation
             silent, listening_ms = dict.fromkeys(silent), 0
         op = st.view.operation
         runner = st.step_by.get(op.op_id, "") if op is not None else ""
