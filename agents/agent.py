@@ -31,6 +31,8 @@ parts it calls; starts them, boots them and stops them:
     agents/serving.py          the serving port
     agents/adapters.py         LoRA adapters loaded into the runtimes at run time, as the fleet view says
     agents/lifecycle.py        stopping, the tasks; agents/current.py the slots as they are now
+    agents/appender.py         every append, buffered in order while the log is away (agents/backlog.py)
+    agents/majority.py         a NATS node without a stream majority is left for a server that has one
 
 and the GPU watcher, the heartbeat, the runtime files and adoption, each a unit of its own.
 """
@@ -61,6 +63,7 @@ from haru.agents.lifecycle import Lifecycle
 from haru.agents.live_apply import LiveApply
 from haru.agents.load_queue import LoadQueue
 from haru.agents.loops import LoopErrors, on_the_way_out
+from haru.agents.majority import MajorityWatch
 from haru.agents.model_slot import ModelSlot
 from haru.agents.model_slots import ModelSlots
 from haru.agents.owners import Owners
@@ -150,10 +153,10 @@ class Agent:
         self.files = files = RuntimeFiles(self.state_dir, logger=logger)
         self.loop_errors = errors = LoopErrors()  # haru_agent_loop_errors_total{loop}
 
-        # The writer's path: every append of the agent goes through `append` (expected sequence, retried while
-        # the log is away), except the claim's own (agent_started/agent_stopping, and the failure signals on
-        # the agent subject), which must fail rather than retry.
-        self.append = append = Appender(log, stopping=life.stopping, logger=logger)
+        # The writer's path: every append of the agent goes through `append` (expected sequence; buffered in
+        # order while the log is away, so the agent keeps observing), except the claim's own (agent_started/
+        # agent_stopping, and the failure signals on the agent subject), which must fail rather than wait.
+        self.append = append = Appender(log, stopping=life.stopping, logger=logger, buffer=config.backlog)
         self.claim = claim = Claim(
             log,
             log.bus,
@@ -319,6 +322,13 @@ class Agent:
             status=status,
             drain=self._drain if self.serving is not None else None,
         )
+        # Its NATS node must reach a stream majority, or the agent moves to a server of its list that has one
+        # (given one server, there is nowhere to move).
+        self.majority: MajorityWatch | None = None
+        if config.majority_check_ms and len(config.servers()) > 1 and isinstance(log, EventLog):
+            self.majority = MajorityWatch(
+                log, servers=config.servers(), interval_s=config.majority_check_ms / 1000, logger=logger
+            )
         self.heartbeats = Heartbeats(
             functools.partial(log.bus.publish, subjects.heartbeat(fleet, domain)),
             status.heartbeat,
@@ -351,7 +361,7 @@ class Agent:
     @contextlib.asynccontextmanager
     async def start(cls, config: AgentConfig, *, serving_env: ServingEnv) -> AsyncIterator[Agent]:
         writer = f"agent:{config.fleet}/{config.domain}@{socket.gethostname()}"
-        async with EventLog.connect(config.servers(), writer=writer, creds=config.nats_creds) as log:
+        async with EventLog.connect(config.servers(), writer=writer, creds=config.nats_creds, steer=True) as log:
             if log.receipt_guard is not None:  # a log that forgot what we were acknowledged: domain_log_regressed
                 log.receipt_guard.record_as(domain=config.domain)
                 config.state_path().mkdir(parents=True, exist_ok=True)  # receipts outlive the agent (a restart)
@@ -395,6 +405,9 @@ class Agent:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         swept_training = await asyncio.to_thread(self.files.sweep_children, policy.training_grace_ms)
         life.spawn(self.heartbeats.run(), "heartbeat")
+        life.spawn(self.append.run(), "backlog")
+        if self.majority is not None:
+            life.spawn(self.majority.run(), "majority")
         await self.role.read()
         life.spawn(self.role.follow(), "route")
         # The tips of every subject this agent writes: it continues their chains.
@@ -428,6 +441,8 @@ class Agent:
         reason = self.life.reason or "shutdown"
         # Each step is tried whatever the one before did: a failure is logged with its traceback.
         logger = self.logger
+        # What was observed while the log was away goes in before the agent says it stops.
+        await on_the_way_out("the backlog", self.append.flush(), logger=logger)
         await on_the_way_out("agent_stopping", self.claim.release(reason), logger=logger)
         await on_the_way_out("the command service", self.service.stop(), logger=logger)
         if self.serving is not None:

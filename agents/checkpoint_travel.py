@@ -96,6 +96,7 @@ class CheckpointTravel:
         self.objects = objects
         self.interval_s = interval_s
         self.logger = logger
+        self._problems: dict[str, str] = {}  # slot -> the upload problem last logged
 
     def object_name(self, spec: TrainingSpec) -> str:
         return f"{self.fleet}/{spec.slot}"
@@ -131,7 +132,7 @@ class CheckpointTravel:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            _unpack_flat(data, tmp)
+            await asyncio.to_thread(_unpack_flat, data, tmp)
         except (LogError, tarfile.TarError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             self.logger.warning("checkpoint_not_fetched", slot=spec.slot, problem=str(exc))
@@ -151,7 +152,7 @@ class CheckpointTravel:
         if name is None or (mark is not None and mark.name == name):
             return False
         try:
-            data = pack(root / CHECKPOINTS / name)
+            data = await asyncio.to_thread(pack, root / CHECKPOINTS / name)  # off the loop
         except OSError:
             return False  # the trainer replaced it while it was read: the next poll takes the new one
         stored = await self.objects.put(self.object_name(spec), data, note=name)
@@ -172,8 +173,13 @@ class CheckpointTravel:
             await asyncio.sleep(self.interval_s)
 
     async def sync(self, specs: Iterable[TrainingSpec]) -> None:
+        """One upload attempt per slot; a problem is logged when it first appears (not once a second)."""
         for spec in specs:
             try:
                 await self.upload(spec)
             except LogError as exc:
-                self.logger.warning("checkpoint_not_uploaded", slot=spec.slot, problem=str(exc))
+                if self._problems.get(spec.slot) != str(exc):
+                    self.logger.warning("checkpoint_not_uploaded", slot=spec.slot, problem=str(exc))
+                self._problems[spec.slot] = str(exc)
+            else:
+                self._problems.pop(spec.slot, None)

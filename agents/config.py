@@ -14,7 +14,9 @@
       "role": "auto",                            ("auto" | "active" | "standby")
       "state_dir": "/var/lib/haru/agent-a",      (runtime/trainer logs and the child pid file)
       "heartbeat_ms": 1000,
-      "auto_training": true                      (a standby starts its training slots by itself)
+      "auto_training": true,                     (a standby starts its training slots by itself)
+      "backlog": 1000,                           (appends kept while the log is away; agents/appender.py)
+      "majority_check_ms": 1000                  (how often the agent checks its NATS node has a majority; 0 = off)
     }
 
 Where the slots come from, in order: the `layout` file when given; else the fleet's declarations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -75,6 +77,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     state_dir: str = ""
     heartbeat_ms: int = 1000
     auto_training: bool = True
+    # What the agent keeps of its own appends while the log does not take them (agents/backlog.py), in events.
+    backlog: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    # How often the agent checks that its NATS node reaches a stream majority (agents/majority.py); 0 = never.
+    majority_check_ms: Annotated[int, msgspec.Meta(ge=0)] = 1000
     # Prometheus metrics at http://<metrics_host>:<metrics_port>/metrics (agents/metrics.py); None = off
     # unless --metrics-port / HARU_METRICS_PORT say otherwise, 0 = a free port.
     metrics_port: int | None = None

@@ -23,6 +23,10 @@ count nothing for it.
     haru_agent_loop_errors_total{loop}                steps of a long-running loop (heartbeat, gpus, supervise,
                                                       route, declarations) that raised: logged with the
                                                       traceback, and the loop went on
+    haru_agent_backlog_events                         appends waiting for the log (agents/appender.py)
+    haru_agent_backlog_buffered_total                 appends that went through the backlog
+    haru_agent_backlog_coalesced_total                waiting appends dropped by coalescing (a full backlog)
+    haru_agent_nats_moves_total                       moves to another NATS server for want of a majority
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from haru.core.specs import Policy
 from haru.log.receipts import RegressionCollector
 
 if TYPE_CHECKING:
+    from haru.agents.appender import Appender
     from haru.agents.status import Status
 
 # Every residency state, so a dashboard can show 0 for the states a model is not in.
@@ -76,11 +81,13 @@ def foreign_of(observed) -> int | None:
 
 
 class AgentCollector:
-    def __init__(self, status: Status, errors: LoopErrors) -> None:
+    def __init__(self, status: Status, errors: LoopErrors, appender: Appender | None = None, moves: Any = None) -> None:
         """`status`: the agent's status part (agents/status.py: its role, models, training, GPUs);
         `errors`: the agent's loop errors."""
         self.status = status
         self.errors = errors
+        self.appender = appender
+        self.moves = moves  # agents/majority.py's MajorityWatch (its `moves`), when the agent runs one
 
     def collect(self):
         status = self.status
@@ -179,6 +186,26 @@ class AgentCollector:
             errors.add_metric(base + [loop], self.errors[loop])
         yield errors
 
+        backlog = self.appender.backlog if self.appender is not None else None
+        if backlog is not None and self.appender is not None:
+            waiting = GaugeMetricFamily("haru_agent_backlog_events", "Appends waiting for the log.", labels=labels)
+            waiting.add_metric(base, len(backlog))
+            buffered = CounterMetricFamily(
+                "haru_agent_backlog_buffered", "Appends that went through the backlog.", labels=labels
+            )
+            buffered.add_metric(base, self.appender.buffered_total)
+            coalesced = CounterMetricFamily(
+                "haru_agent_backlog_coalesced", "Waiting appends dropped by coalescing.", labels=labels
+            )
+            coalesced.add_metric(base, backlog.coalesced)
+            yield from (waiting, buffered, coalesced)
+        if self.moves is not None:
+            moves = CounterMetricFamily(
+                "haru_agent_nats_moves", "Moves to another NATS server for want of a majority.", labels=labels
+            )
+            moves.add_metric(base, self.moves.moves)
+            yield moves
+
 
 _STARTED = time.time()
 
@@ -186,7 +213,11 @@ _STARTED = time.time()
 def registry_for(agent: Any) -> CollectorRegistry:
     """The registry a metrics endpoint serves for a running agent (agents/agent.py's `Agent`)."""
     registry = CollectorRegistry()
-    registry.register(AgentCollector(agent.status, agent.loop_errors))
+    registry.register(
+        AgentCollector(
+            agent.status, agent.loop_errors, getattr(agent, "append", None), getattr(agent, "majority", None)
+        )
+    )
     guard = getattr(getattr(agent, "log", None), "receipt_guard", None)  # the JetStream log's only
     if guard is not None:
         registry.register(RegressionCollector(guard))  # haru_log_regressions_total

@@ -12,6 +12,7 @@ move) finds the object with the same bytes and the event already on the subject:
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -99,7 +100,7 @@ class Publisher:
         if found:
             self._refuse(spec, path, found)
             return None
-        data = pack(folder)
+        data = await asyncio.to_thread(pack, folder)  # off the loop: the heartbeat goes on while it reads
         digest, name = digest_of(data), pm.object_name(self.fleet, manifest)
         try:
             stored = await self.objects.info(name)

@@ -10,6 +10,7 @@ Prints three ratios (higher is better; 1.0 = as fast as the raw baseline):
 and what durability costs (no target: the price of `sync_interval: always`, the shipped setting, against
 nats-server's default 2 min fsync, two servers side by side on the same disk, alternating slices):
   4. sequential appends, pipelined appends, and the ack latency p50/p99 of a sequential append
+  5. the same on two of the shipped three-node clusters (deploy/nats, R3 streams), side by side
     .venv/bin/python bench/eventlog.py --only durability
 The machine is noisy, so appends are compared in alternating slices (who goes first alternates
 too) and the median of the per-slice ratios is printed with the median rates; replay keeps the best
@@ -185,25 +186,53 @@ async def durability(n: int, pairs: int) -> None:
         ):
             await always.ensure()
             await default.ensure()
-            lat: dict[str, list[float]] = {"always": [], "default": []}
-            seq_rates: dict[str, list[float]] = {"always": [], "default": []}
-            pipe_rates: dict[str, list[float]] = {"always": [], "default": []}
-            m = max(1, n // pairs)
-            for k in range(pairs):
-                order = [("always", always), ("default", default)]
-                for name, log in order if k % 2 == 0 else order[::-1]:
-                    t = time.perf_counter()
-                    lat[name] += await seq_timed(log, m, f"{name}-{k}")
-                    seq_rates[name].append(m / (time.perf_counter() - t))
-                    pipe_rates[name].append(await pipe_haru(log, m, f"{name}-{k}"))
+            await compare_durability(always, default, n, pairs, "single node", "4")
+
+
+async def durability_r3(n: int, pairs: int) -> None:
+    """The same on two of the shipped three-node clusters (deploy/nats, R3 streams), one with the shipped
+    setting and one with the default, six nats-servers on one disk side by side."""
+    from tests.support.cluster import Cluster, ensure_r3
+    from tests.support.powerloss import default_fsync
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("HARU_BENCH_DIR")) as tmp:
+        clusters = {"always": Cluster(Path(tmp) / "always"), "default": default_fsync(Cluster(Path(tmp) / "default"))}
+        try:
+            for c in clusters.values():
+                c.start()
+                await ensure_r3(c)
+            async with (
+                clusters["always"].log("admin", "bench") as always,
+                clusters["default"].log("admin", "bench") as default,
+            ):
+                await compare_durability(always, default, n, pairs, "3-node cluster, R3", "5")
+        finally:
+            for c in clusters.values():
+                c.stop()
+
+
+async def compare_durability(always: EventLog, default: EventLog, n: int, pairs: int, what: str, row: str) -> None:
+    lat: dict[str, list[float]] = {"always": [], "default": []}
+    seq_rates: dict[str, list[float]] = {"always": [], "default": []}
+    pipe_rates: dict[str, list[float]] = {"always": [], "default": []}
+    m = max(1, n // pairs)
+    for k in range(pairs):
+        order = [("always", always), ("default", default)]
+        for name, log in order if k % 2 == 0 else order[::-1]:
+            t = time.perf_counter()
+            lat[name] += await seq_timed(log, m, f"{name}-{k}")
+            seq_rates[name].append(m / (time.perf_counter() - t))
+            pipe_rates[name].append(await pipe_haru(log, m, f"{name}-{k}"))
     med = {k: statistics.median(v) for k, v in seq_rates.items()}
     pipe = {k: statistics.median(v) for k, v in pipe_rates.items()}
-    print(f"durability: sync_interval always (shipped) vs nats-server's default (2 min), single node, {pairs} slices")
-    rate_row("4a. sequential appends", med["always"], med["default"])
-    rate_row("4b. pipelined appends", pipe["always"], pipe["default"])
+    print(f"durability: sync_interval always (shipped) vs nats-server's default (2 min), {what}, {pairs} slices")
+    rate_row(f"{row}a. sequential appends", med["always"], med["default"])
+    rate_row(f"{row}b. pipelined appends", pipe["always"], pipe["default"])
     for q, label in ((0.5, "p50"), (0.99, "p99")):
         a, d = pct(lat["always"], q), pct(lat["default"], q)
-        print(f"4c. ack latency {label:<8} always {a:>8.2f} ms vs default {d:>8.2f} ms  = {a / d:5.2f}x the default's")
+        print(
+            f"{row}c. ack latency {label:<8} always {a:>8.2f} ms vs default {d:>8.2f} ms  = {a / d:5.2f}x the default's"
+        )
 
 
 def rate_row(name: str, always: float, default: float) -> None:
@@ -243,6 +272,7 @@ async def main(n: int, n_replay: int, rounds: int, pairs: int) -> None:
     line("2. pipelined appends, distinct subjects vs publish_async", ph, pr, 0.5, pipe_ratio)
     line("3. replay + decode vs raw ordered-consumer drain", rh, rr, 0.7)
     await durability(n // 2, pairs)
+    await durability_r3(n // 4, pairs)
 
 
 if __name__ == "__main__":
@@ -254,6 +284,11 @@ if __name__ == "__main__":
     p.add_argument("--only", choices=["durability"], help="run only the durability comparison")
     a = p.parse_args()
     if a.only == "durability":
-        asyncio.run(durability(a.n // 2, a.pairs))
+
+        async def both() -> None:
+            await durability(a.n // 2, a.pairs)
+            await durability_r3(a.n // 4, a.pairs)
+
+        asyncio.run(both())
     else:
         asyncio.run(main(a.n, a.replay, a.rounds, a.pairs))

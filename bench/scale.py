@@ -1,6 +1,7 @@
 """How the control plane's costs grow with fleets: 1, 10, 50, 100 fleets in one run, each figure against N = 1.
 
     .venv/bin/python bench/scale.py [--levels 1,10,50,100] [--window-s 60] [--quick] [--no-takeover]
+    .venv/bin/python bench/scale.py --durability --levels 100 --window-s 30   (always vs the default)
 
 One real nats-server; `haru projector`, `haru promoter` and `haru gateway` as child processes (what is
 measured is Haru); the agents are `agents.sim.hosts.SimHosts`: two simulated hosts per fleet (domains
@@ -746,16 +747,27 @@ async def cluster_run(args) -> None:
 
 
 async def main(args) -> None:
+    if args.durability:
+        await durability(args)
+        return
+    results, root = await run_levels(args, "always")
+    if not args.takeover:  # else printed before the takeover
+        table(results)
+    print(f"\nlogs: {root}")
+
+
+async def run_levels(args, sync_interval: str | None, takeover_after: bool = True) -> tuple[list[dict], Path]:
+    """The levels on one embedded nats-server with this `sync_interval` (None = nats-server's default)."""
     levels = [int(x) for x in args.levels.split(",")]
     rng = random.Random(30)
     root = Path(tempfile.mkdtemp(prefix="haru-bench-scale-"))
     print(
         f"bench/scale.py: levels {levels}, window {args.window_s:.0f} s, faults every {args.fault_every_s:.0f} s per "
-        f"fleet, logs in {root}",
+        f"fleet, sync_interval {sync_interval or 'default (2 min)'}, logs in {root}",
         flush=True,
     )
     results = []
-    async with NatsServer(root / "nats") as server:
+    async with NatsServer(root / "nats", sync_interval=sync_interval) as server:
         async with EventLog.connect([server.url], writer="sim:hosts") as log:
             await log.ensure()
             plane = Plane(server.url, root, free_port(), src=args.plane_src)
@@ -769,12 +781,29 @@ async def main(args) -> None:
                     plane.start("gateway", ["gateway", "--port", str(plane.gateway_port)])
                     for n in levels:
                         results.append(await level(n, args, log, hosts, plane, rng))
-                    table(results)
-                    if args.takeover:
+                    if args.takeover and takeover_after:
+                        table(results)
                         await takeover(args, log, hosts, plane)
             finally:
                 plane.stop()
-    print(f"\nlogs: {root}")
+    return results, root
+
+
+async def durability(args) -> None:
+    """The same levels twice, on the shipped `sync_interval: always` and on nats-server's default, and
+    the last level's figures side by side: the control plane's per-fleet costs under the fsync."""
+    runs = {}
+    for name, sync in (("always", "always"), ("default", None)):
+        runs[name], _ = await run_levels(args, sync, takeover_after=False)
+    a, d = runs["always"][-1], runs["default"][-1]
+    print(f"\ndurability at N={a['fleets']}: sync_interval always (shipped) vs nats-server's default, per-fleet costs")
+    print(f"{'figure':<34}{'always':>12}{'default':>12}{'ratio':>9}")
+    for name, key, fmt in ROWS:
+        v, b = a[key], d[key]
+        ratio = v / b if b and b == b and v == v else float("nan")
+        verdict = "" if ratio != ratio else ("  (<= 1.5x: meets)" if ratio <= 1.5 else "  (> 1.5x: BELOW)")
+        print(f"{name:<34}{fmt.format(v):>12}{fmt.format(b):>12}{ratio:>8.2f}x{verdict}")
+    print(f"{'events appended per s':<34}{a['events_per_s']:>12.0f}{d['events_per_s']:>12.0f}")
 
 
 if __name__ == "__main__":
@@ -798,6 +827,12 @@ if __name__ == "__main__":
     )
     ap.add_argument(
         "--cluster", action="store_true", help="the second mode: the 3-node cluster, its stream leader killed"
+    )
+    ap.add_argument(
+        "--durability",
+        action="store_true",
+        help="run the levels twice, sync_interval always (shipped) and nats-server's default, and print the "
+        "last level's per-fleet costs side by side with their ratio",
     )
     ap.add_argument("--cluster-fleets", type=int, default=50)
     ap.add_argument(

@@ -48,6 +48,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     resync_ms: int = 2_000
     # How often it reports what it measured of weighted domains (gateway.canary), HARU_CANARY_REPORT_MS.
     canary_report_ms: int = 1_000
+    # How often it records the tokens it served in the log (gateway.usage_log), HARU_USAGE_FLUSH_MS.
+    usage_flush_ms: int = 10_000
     # Slow and idle clients (haru/host/httpguard.py)
     client_header_timeout_ms: int = DEFAULT_CLIENT_HEADER_TIMEOUT_MS
     client_body_timeout_ms: int = DEFAULT_BODY_TIMEOUT_MS
@@ -97,6 +99,7 @@ def from_env(
         client_body_timeout_ms=env_int(env, "HARU_CLIENT_BODY_TIMEOUT_MS", DEFAULT_BODY_TIMEOUT_MS, 1),
         client_max_idle=env_int(env, "HARU_CLIENT_MAX_IDLE", DEFAULT_MAX_IDLE, 1),
         canary_report_ms=env_int(env, "HARU_CANARY_REPORT_MS", 1_000, 50),
+        usage_flush_ms=env_int(env, "HARU_USAGE_FLUSH_MS", 10_000, 50),
     )
     values.update({k: v for k, v in overrides.items() if v is not None})
     return GatewayConfig(**values)  # type: ignore[arg-type]

@@ -33,6 +33,7 @@ from haru.core import subjects
 from haru.core.errors import InvalidName, LogUnavailable
 from haru.gateway.console_core import hello, operations, snapshot, story_items
 from haru.gateway.errors import ApiError
+from haru.log.router_reports import RouterReports
 from haru.log.seam import Log
 
 log = structlog.get_logger("haru.gateway")
@@ -74,6 +75,7 @@ class Console:
         self._flush: asyncio.TimerHandle | None = None
         self._closing = False
         self._static: dict[str, tuple[bytes, str]] = {}
+        self.routers: RouterReports | None = None  # the route followers' reports, heard by the gateway
         ui = resources.files(__package__ or "haru.gateway") / "ui"
         for path, (name, ctype) in _STATIC.items():
             self._static[path] = ((ui / name).read_bytes(), ctype)
@@ -139,6 +141,8 @@ class Console:
             return await self.why(request)
         if path == "/ui/api/verify":
             return await self.verify(request)
+        if path == "/ui/api/routers":
+            return self.routers_behind(request)
         raise ApiError(404, "not_found", f"no such console endpoint: {path} (the console is at /ui)")
 
     async def stream(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -196,6 +200,14 @@ class Console:
         fleet = self._fleet(request)
         records = await self._records(subjects.op(fleet))
         return _json_response({"fleet": fleet, "operations": operations(records)})
+
+    def routers_behind(self, request: web.BaseRequest) -> web.Response:
+        """The routers that follow the fleet (`haru route follow`): what each applied against the route."""
+        fleet = self._fleet(request)
+        routes = self.table.get(fleet)
+        revision = routes.revision if routes is not None else 0
+        rows = self.routers.lag(fleet, revision) if self.routers is not None else []
+        return _json_response({"fleet": fleet, "revision": revision, "routers": rows})
 
     async def why(self, request: web.BaseRequest) -> web.Response:
 

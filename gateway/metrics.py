@@ -29,6 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
     from haru.gateway.usage import Usage
+    from haru.gateway.usage_log import Ledger
 
 UNKNOWN_MODEL = "(unknown)"
 UNKNOWN_FLEET = "(unknown)"
@@ -168,6 +169,7 @@ class GatewayMetrics:
         # takes a lock per increment and loops over the buckets in Python (issue 20).
         self._counts: dict[tuple[str, str, int], int] = {}
         self._tokens: dict[tuple[str, str], list[int]] = {}
+        self.ledger: Ledger | None = None  # the tokens to record in the log, when the gateway has one
         self._upstream: dict[tuple[str, str], tuple] = {}
         self._deferred: list[_Deferred] = []
         self._inflight: dict[str, Gauge] = {}
@@ -181,6 +183,8 @@ class GatewayMetrics:
         """Count a response's `usage` (None: it had none)."""
         if usage is None:
             return
+        if self.ledger is not None:  # recorded in the log too (gateway.usage_log)
+            self.ledger.count(fleet, model, usage.prompt_tokens, usage.completion_tokens)
         pair = self._tokens.get((fleet, model))
         if pair is None:
             pair = self._tokens[(fleet, model)] = [0, 0]

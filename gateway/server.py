@@ -40,9 +40,11 @@ from haru.gateway.metrics import GatewayMetrics
 from haru.gateway.proxy import CHAT_PATHS, Proxy
 from haru.gateway.routing import Refusal, RoutingTable
 from haru.gateway.state import RouteFollower
+from haru.gateway.usage_log import Ledger, UsageWriter
 from haru.gateway.weights_api import post_weights
 from haru.host.httpguard import GuardedServer
 from haru.log.receipts import RegressionCollector
+from haru.log.router_reports import RouterReports
 from haru.log.seam import Log
 
 log = structlog.get_logger("haru.gateway")
@@ -93,6 +95,7 @@ class Gateway:
             self.follower.on_change = self._changed
         self._stack: contextlib.AsyncExitStack | None = None
         self.reporter: Reporter | None = None
+        self.usage: UsageWriter | None = None
         self._runner: web.ServerRunner | None = None
         self._server: GuardedServer | None = None
         self.host = config.bind_host()
@@ -155,6 +158,16 @@ class Gateway:
                     interval_s=cfg.canary_report_ms / 1000,
                 )
                 await stack.enter_async_context(self.reporter)
+                # the tokens it serves, recorded in the log for the accounting (docs/cost.md)
+                self.metrics.ledger = Ledger()
+                self.usage = UsageWriter(
+                    self.events, self.metrics.ledger, self.gateway_id(), interval_s=cfg.usage_flush_ms / 1000
+                )
+                await stack.enter_async_context(self.usage)
+                # the route followers' reports, for the console's routers panel (haru.log.router_reports)
+                self.console.routers = RouterReports()
+                routers = await self.console.routers.listen(self.events.bus)
+                stack.push_async_callback(routers.unsubscribe)
             server = GuardedServer(
                 self.dispatch,
                 limits=cfg.client_limits,

@@ -4,11 +4,12 @@
     python deploy/nats/ensure_streams.py --nats-url nats://admin:PASSWORD@nats-1:4222,nats://admin:PASSWORD@nats-2:4222,...
 
 The control-plane users may not create, update, purge or delete streams (deploy/nats/accounts.conf), so
-an admin creates HARU_EVENTS, HARU_ROUTE and the KV bucket haru_views before the first service starts:
+an admin creates HARU_EVENTS, HARU_ROUTE, the KV bucket haru_views and the object stores haru_adapters and
+haru_checkpoints (trained adapters, training checkpoints) before the first service starts:
 this is `EventLog.ensure(replicas=3)`. Run it before anything else on a new cluster: `haru apply`
 and `haru up` also ensure the streams, with replicas 1, when their user is allowed to create them.
 It waits (bounded by --wait) for the cluster to elect its JetStream meta leader, and exits 0 when
-the three exist with the requested replicas, 1 otherwise.
+all of them exist with the requested replicas, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -37,7 +38,13 @@ async def ensure(urls: list[str], replicas: int, wait: float, creds: str | None)
                     return 1
                 await asyncio.sleep(0.5)
         status = 0
-        for stream in (subjects.EVENTS_STREAM, subjects.ROUTE_STREAM, "KV_" + subjects.VIEWS_BUCKET):
+        for stream in (
+            subjects.EVENTS_STREAM,
+            subjects.ROUTE_STREAM,
+            "KV_" + subjects.VIEWS_BUCKET,
+            "OBJ_" + subjects.ADAPTERS_BUCKET,
+            "OBJ_" + subjects.CHECKPOINTS_BUCKET,
+        ):
             info = await log.js.stream_info(stream)
             have = info.config.num_replicas or 1
             peers = [info.cluster.leader] + [p.name for p in (info.cluster.replicas or [])] if info.cluster else []

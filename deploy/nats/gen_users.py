@@ -2,7 +2,8 @@
 """Write the NATS users and subject permissions of a Haru deployment (deploy/nats/accounts.conf).
 
     python deploy/nats/gen_users.py deploy/examples/demo-fleet.json deploy/examples/hearth.json \
-        --agent edge:box-1 -o deploy/nats/accounts.conf --env-example deploy/nats/nats.env.example
+        --agent edge:box-1 --router default:edge-1 -o deploy/nats/accounts.conf \
+        --env-example deploy/nats/nats.env.example
     python deploy/nats/gen_users.py fleet-prod.json fleet-lab.json --agent lab:gpu-9 -o accounts.conf
     python deploy/nats/gen_users.py fleet.json --env-secrets /etc/haru/nats.env   # random passwords, mode 0600
     python deploy/nats/gen_users.py fleet.json --nsc                              # nsc commands (JWT mode)
@@ -29,12 +30,14 @@ The roles (docs/design.md, "Security in brief"):
                           (haru.evt.*.checkpoint); beats on
                           haru.alive.projector.>.
   gateway                 reads views, intents and events; writes haru.evt.*.op (promote/demote/weighting
-                          requests); reports what it measured of weighted domains on haru.canary.>;
-                          hears haru.alive.> for /healthz.
+                          requests) and haru.evt.*.usage (tokens served, docs/cost.md); reports what
+                          it measured of weighted domains on haru.canary.>; hears haru.alive.> for /healthz.
   control                 projector + promoter + gateway in one process (`haru up --nats-url`).
   operator                the `haru` CLI: declarations (haru apply), op requests, commands; reads all.
   sink                    reads the event log (the Postgres read model).
   router                  may only subscribe haru.route.> and read stream HARU_ROUTE.
+  router.<fleet>.<name>   a route follower (`haru route follow`): reads its fleet's route and reports only
+                          as itself on haru.router.<fleet>.<name> (--router FLEET:NAME).
   admin                   everything, including creating streams (`ensure(replicas=3)`).
 Nobody but admin may use the stream/consumer DELETE, PURGE or UPDATE APIs, nor STREAM.MSG.DELETE (but an agent
 may purge the checkpoints bucket).
@@ -59,7 +62,7 @@ VIEWS = "KV_haru_views"  # the stream behind the KV bucket haru_views
 ADAPTERS_BUCKET = "haru_adapters"  # the object store of published LoRA adapters
 CHECKPOINTS_BUCKET = "haru_checkpoints"  # the object store of training slots' newest checkpoints
 NAME = re.compile(r"[a-z0-9_-]{1,64}")
-RESERVED_DOMAINS = {"decl", "route", "op"}
+RESERVED_DOMAINS = {"decl", "route", "op", "usage"}
 ACCOUNT = "HARU"
 
 # The JetStream API subjects nobody but admin may publish to (deny beats allow in nats-server: this
@@ -146,7 +149,7 @@ def fixed_users() -> list[User]:
         *views,
         *route,
     ]
-    gateway_pub = ["haru.evt.*.op", "haru.canary.>", *events, *views, *route]
+    gateway_pub = ["haru.evt.*.op", "haru.evt.*.usage", "haru.canary.>", *events, *views, *route]
     return [
         User(
             "admin",
@@ -159,7 +162,7 @@ def fixed_users() -> list[User]:
             "promoter",
             "the failover saga: op/route/liveness events, agent commands, heartbeats",
             publish=promoter_pub,
-            subscribe=["haru.hb.>", "haru.canary.>", "haru.alive.promoter.>", INBOX],
+            subscribe=["haru.hb.>", "haru.canary.>", "haru.alive.promoter.>", "haru.router.>", INBOX],
         ),
         User(
             "projector",
@@ -171,19 +174,28 @@ def fixed_users() -> list[User]:
             "gateway",
             "reads views, intents and history; requests promotions/demotions (op events)",
             publish=gateway_pub,
-            subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", INBOX],
+            subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", "haru.router.>", INBOX],
         ),
         User(
             "control",
             "projector + promoter + gateway in one process (`haru up --nats-url`)",
             publish=_union(promoter_pub, projector_pub, gateway_pub),
-            subscribe=["haru.hb.>", "haru.canary.>", "haru.route.>", "haru.alive.>", INBOX],
+            subscribe=["haru.hb.>", "haru.canary.>", "haru.route.>", "haru.alive.>", "haru.router.>", INBOX],
         ),
         User(
             "operator",
             "the haru CLI: apply (decl), promote/demote (op), agent commands, reads",
-            publish=["haru.evt.*.decl", "haru.evt.*.op", "haru.cmd.>", "$SRV.>", *events, *views, *route],
-            subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", INBOX],
+            publish=[
+                "haru.evt.*.decl",
+                "haru.evt.*.op",
+                "haru.cmd.>",
+                "$SRV.>",
+                "haru.routers.ask.>",
+                *events,
+                *views,
+                *route,
+            ],
+            subscribe=["haru.hb.>", "haru.route.>", "haru.alive.>", "haru.router.>", INBOX],
         ),
         User(
             "sink",
@@ -230,6 +242,15 @@ def agent_user(fleet: str, domain: str) -> User:
         + [f"$JS.API.STREAM.PURGE.{s}" for s in (EVENTS, ROUTE, VIEWS, f"OBJ_{ADAPTERS_BUCKET}")],
         subscribe=[f"haru.cmd.{fleet}.{domain}.>", f"haru.hb.{fleet}.{domain}", "$SRV.>", INBOX],
         allow_responses=True,
+    )
+
+
+def router_user(fleet: str, name: str) -> User:
+    return User(
+        f"router.{fleet}.{name}",
+        f"the route follower {name!r} of fleet {fleet!r}: reads the route, reports only as itself",
+        publish=[f"haru.router.{fleet}.{name}", *read_stream(ROUTE)],
+        subscribe=[f"haru.route.{fleet}", f"haru.routers.ask.{fleet}", INBOX],
     )
 
 
@@ -370,7 +391,7 @@ def check(fleet: str, domain: str) -> None:
         raise SystemExit(f"domain name {domain!r} is reserved")
 
 
-def build(pairs: list[tuple[str, str]]) -> list[User]:
+def build(pairs: list[tuple[str, str]], routers: list[tuple[str, str]] | None = None) -> list[User]:
     users = fixed_users()
     seen: set[tuple[str, str]] = set()
     for fleet, domain in pairs:
@@ -378,6 +399,11 @@ def build(pairs: list[tuple[str, str]]) -> list[User]:
         if (fleet, domain) not in seen:
             seen.add((fleet, domain))
             users.append(agent_user(fleet, domain))
+    for fleet, name in routers or []:
+        for kind, v in (("fleet", fleet), ("router", name)):
+            if not NAME.fullmatch(v):
+                raise SystemExit(f"{kind} name {v!r} is not a Haru name (lowercase [a-z0-9_-], 1..64)")
+        users.append(router_user(fleet, name))
     envs: dict[str, str] = {}
     for u in users:
         if u.env in envs:
@@ -392,6 +418,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("layouts", nargs="*", help="layout JSON files (fleet + domains)")
     p.add_argument("--agent", action="append", default=[], metavar="FLEET:DOMAIN", help="an extra agent user")
+    p.add_argument(
+        "--router",
+        action="append",
+        default=[],
+        metavar="FLEET:NAME",
+        help="a route follower's user (haru route follow)",
+    )
     p.add_argument("-o", "--output", help="write the accounts file here (default: stdout)")
     p.add_argument("--env-example", metavar="FILE", help="write an EnvironmentFile with placeholder passwords")
     p.add_argument("--env-secrets", metavar="FILE", help="write an EnvironmentFile with random passwords (mode 0600)")
@@ -404,14 +437,16 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.agent:
         fleet, _, domain = item.partition(":")
         pairs.append((fleet, domain))
-    users = build(pairs)
+    users = build(pairs, [tuple(r.partition(":")[::2]) for r in args.router])  # type: ignore[misc]
 
     if args.nsc:
         sys.stdout.write(nsc_commands(users))
         return 0
     text = render(
         users,
-        [os.path.relpath(s) if os.path.isabs(s) else s for s in args.layouts] + [f"--agent {a}" for a in args.agent],
+        [os.path.relpath(s) if os.path.isabs(s) else s for s in args.layouts]
+        + [f"--agent {a}" for a in args.agent]
+        + [f"--router {r}" for r in args.router],
     )
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:

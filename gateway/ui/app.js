@@ -388,6 +388,30 @@ function renderPastOp(op) {
         h("td", { class: "mono" }, ms(s.duration_ms)), h("td", { class: "mono" }, ms(s.took_ms)))))));
 }
 
+// -------------------------------------------------------------------------------------- routers
+
+async function loadRouters() {
+  const fleet = state.fleet;
+  if (!fleet) return;
+  try {
+    const resp = await fetch("/ui/api/routers?fleet=" + encodeURIComponent(fleet), { headers: authHeaders() });
+    if (!resp.ok) throw new Error("HTTP " + resp.status);
+    const data = await resp.json();
+    if (fleet !== state.fleet) return;
+    $("routers").replaceChildren(...(data.routers.length ? [h("table", {},
+      h("thead", {}, h("tr", {}, h("th", {}, "router"), h("th", {}, "kind"), h("th", {}, "state"), h("th", {}, "holds"), h("th", {}, "heard"))),
+      h("tbody", {}, data.routers.map((r) => h("tr", { dataset: { testid: "router-" + r.router } },
+        h("td", {}, r.router), h("td", {}, r.kind),
+        h("td", { class: r.state === "applied" ? "" : "error" }, r.state + (r.state === "behind" ? " (route at " + data.revision + ")" : "") + (r.error ? ": " + r.error : "")),
+        h("td", { class: "mono" }, "revision " + r.revision + (r.active ? " → " + r.active : "")),
+        h("td", { class: "mono" }, r.silent_s.toFixed(1) + " s ago")))))]
+      : [h("p", { class: "muted" }, "None reported (haru route follow).")]));
+  } catch (err) {
+    $("routers").replaceChildren(h("p", { class: "error" }, "Could not load routers: " + err.message));
+  }
+}
+setInterval(loadRouters, 2000);
+
 // -------------------------------------------------------------------------------------- timeline
 
 function openTimeline(model) {

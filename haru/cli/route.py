@@ -5,7 +5,10 @@
 b is woken and probed first when it sleeps (a `weighting` operation). `haru route weight --reset
 [--model M]` gives the active everything again. Exit statuses: accepted/joined/noop 0, invalid 2
 (bad weights: the message names the fix), not_found 3, conflict 4 (another operation in flight),
-refused 1 (the domain cannot be woken now); with --wait an aborted operation exits 1."""
+refused 1 (the domain cannot be woken now); with --wait an aborted operation exits 1.
+
+`haru route follow haproxy|nginx|envoy ...` or `haru route follow --exec CMD` keeps a router's upstreams on
+the route and reports what it applied (haru.cli.follow)."""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "words",
         nargs="*",
-        metavar="[weight DOMAIN=PERCENT ...]",
+        metavar="[weight DOMAIN=PERCENT ... | follow TARGET]",
         help="weight b=10 [c=5]: send that share of traffic to those domains (the active takes the rest); "
         "weight --reset: the active takes everything again",
     )
@@ -45,6 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="with weight --wait: give up after this many seconds")
     p.add_argument("--watch", action="store_true", help="keep printing every new intent, in order")
     p.add_argument("--json", action="store_true", help="one JSON RouteIntent per line (for_ms as of printing)")
+    from haru.cli.follow import add_options
+
+    add_options(p)
     p.set_defaults(handler=run)
 
 
@@ -64,9 +70,15 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     words = list(args.words)
     if words and words[0] == "weight":
         return await run_weight(args, words[1:])
+    if words and words[0] == "follow":
+        from haru.cli.follow import run_follow
+
+        return await run_follow(args, words[1:])
     if words:
         return fail(
-            f"haru route takes no arguments but `weight DOMAIN=PERCENT ...`, got {' '.join(words)!r}", ExitStatus.USAGE
+            f"haru route takes no arguments but `weight DOMAIN=PERCENT ...` or `follow TARGET`, "
+            f"got {' '.join(words)!r}",
+            ExitStatus.USAGE,
         )
     if args.model or args.reset:
         return fail("--model and --reset go with `haru route weight`", ExitStatus.USAGE)

@@ -6,7 +6,7 @@ import argparse
 from datetime import UTC, datetime
 
 from haru.cli.common import ExitStatus, add_fleet_option, add_nats_options, emit_json, fail
-from haru.cli.stored import open_log
+from haru.cli.stored import open_log, stopped_store
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,6 +22,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_nats_options(p)
     add_fleet_option(p)
     p.add_argument("--json", action="store_true", help="print the FleetView as JSON")
+    p.add_argument(
+        "--routers-wait",
+        type=float,
+        default=0.3,
+        help="seconds to hear the routers that follow the fleet (haru route follow) report; 0: do not ask",
+    )
     p.set_defaults(handler=run)
 
 
@@ -36,8 +42,13 @@ async def run(args: argparse.Namespace) -> ExitStatus:
     except InvalidName as exc:
         return fail(str(exc), ExitStatus.USAGE)
     try:
+        routers = None
         async with open_log(args, "status") as log:
             got = await log.get_view(key)
+            if got is not None and not args.json and args.routers_wait > 0 and stopped_store(args) is None:
+                from haru.log.router_reports import ask_routers
+
+                routers = await ask_routers(log.bus, args.fleet, args.routers_wait)
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
     if got is None:
@@ -54,4 +65,9 @@ async def run(args: argparse.Namespace) -> ExitStatus:
         emit_json(view)
     else:
         print(render(view, datetime.now(UTC)))
+        if routers is not None:
+            from haru.core.router_acks import lines
+
+            for line in lines(routers.lag(args.fleet, view.route_revision), view.route_revision, view.active):
+                print(line)
     return ExitStatus.OK

@@ -25,12 +25,14 @@ from haru.core.events import (
     ModelDeclared,
     ModelRetired,
     PolicyChanged,
+    PriceDeclared,
     TrainingChanged,
     TrainingDeclared,
     TrainingRetired,
     tag_of,
 )
 from haru.core.planner import Plan, Verdict
+from haru.core.prices import Price
 from haru.core.residency import state_name
 from haru.core.sizes import format_gib
 from haru.core.specs import DomainSpec, Layout, ModelSpec, Policy, TrainingSpec, fleet_uuid
@@ -60,6 +62,7 @@ class Declarations:
     models: dict[tuple[str, str], ModelSpec] = field(default_factory=dict)  # (domain, model id)
     training: dict[tuple[str, str], TrainingSpec] = field(default_factory=dict)  # (domain, slot)
     admissions: dict[tuple[str, str, str], AdmissionDecided] = field(default_factory=dict)  # (domain, kind, name)
+    prices: dict[str, Price] = field(default_factory=dict)  # domain -> its price now (haru.core.prices)
 
 
 def fold_declarations(events: Iterable[Event | None]) -> Declarations:
@@ -79,6 +82,7 @@ def fold_declarations(events: Iterable[Event | None]) -> Declarations:
                     del table[key]
             for verdict in [k for k in d.admissions if k[0] == e.domain]:
                 del d.admissions[verdict]
+            d.prices.pop(e.domain, None)
         elif isinstance(e, (ModelDeclared, ModelChanged)):
             d.models[(e.domain, e.spec.name)] = e.spec
         elif isinstance(e, ModelRetired):
@@ -91,6 +95,11 @@ def fold_declarations(events: Iterable[Event | None]) -> Declarations:
             d.admissions.pop((e.domain, "training", e.slot), None)
         elif isinstance(e, AdmissionDecided):
             d.admissions[(e.domain, e.kind, e.name)] = e
+        elif isinstance(e, PriceDeclared):
+            if e.price is None:
+                d.prices.pop(e.domain, None)
+            else:
+                d.prices[e.domain] = e.price
     return d
 
 
@@ -138,6 +147,9 @@ def diff(current: Declarations, layout: Layout, plan: Plan, now: datetime, *, by
             out.append(DomainDeclared(at=now, by=by, spec=dom.spec))
         elif old != dom.spec:
             out.append(DomainChanged(at=now, by=by, spec=dom.spec))
+        price = layout.prices.get(name)
+        if current.prices.get(name) != price:
+            out.append(PriceDeclared(at=now, by=by, domain=name, price=price))
         wanted_models = {m.name for m in dom.models}
         wanted_slots = {t.slot for t in dom.training}
         for dname, model in current.models:
@@ -220,6 +232,10 @@ def describe(event: Event) -> str:
         what = f"{event.domain}/{event.spec.slot}"
     elif isinstance(event, TrainingRetired):
         what = f"{event.domain}/{event.slot}"
+    elif isinstance(event, PriceDeclared):
+        p = event.price
+        what = f"{event.domain}: " + (f"{p.per_hour} {p.currency}/h" if p is not None else "unpriced")
+        sign = "="
     elif isinstance(event, AdmissionDecided):
         from haru.core.planner import shortfall_text
 

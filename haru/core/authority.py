@@ -19,6 +19,7 @@ the subject's. Pure: no I/O.
     training   haru.evt.<fleet>.<domain>.training.<slot>  that domain's agent             training_started/stopped
     integrity  haru.evt.<fleet>.integrity                 promoter                        log_regressed
     domain_integrity haru.evt.<fleet>.<domain>.integrity  that domain's agent             domain_log_regressed
+    usage      haru.evt.<fleet>.usage                     gateway                         tokens_counted
 
     why = misplaced(subject, event)     # '' when the event may stand there, else why not
     line = anomaly(seq, subject, event, why)   # "seq 12: route_moved on ... by ... not applied: ..."
@@ -81,6 +82,7 @@ PLACES: tuple[Place, ...] = (
             ev.TrainingRetired,
             ev.AdmissionDecided,
             ev.ModelFetched,
+            ev.PriceDeclared,
         ),
     ),  # fmt: skip
     Place("route", "haru.evt.<fleet>.route", ("promoter",), (ev.RouteMoved,)),
@@ -118,6 +120,7 @@ PLACES: tuple[Place, ...] = (
     ),
     Place("integrity", "haru.evt.<fleet>.integrity", ("promoter",), (ev.LogRegressed,)),
     Place("domain_integrity", "haru.evt.<fleet>.<domain>.integrity", ("agent",), (ev.DomainLogRegressed,)),
+    Place("usage", "haru.evt.<fleet>.usage", ("gateway",), (ev.TokensCounted,)),
 )
 """The table. `agent` as a writer means the agent of the subject's own domain (NATS user
 `agent.<fleet>.<domain>`); `admin` may write anything and is nobody's day-to-day identity."""
@@ -142,6 +145,7 @@ _PARTS: dict[str, tuple[str, ...]] = {
     "training": ("fleet", "domain", "slot"),
     "integrity": ("fleet",),
     "domain_integrity": ("fleet", "domain"),
+    "usage": ("fleet",),
 }
 _BODY_FIELD = {"fleet": "fleet", "domain": "domain", "model": "model", "gpu_index": "index", "slot": "slot"}
 _NOUN = {"fleet": "fleet", "domain": "domain", "model": "model", "gpu_index": "GPU index", "slot": "slot"}

@@ -48,6 +48,7 @@ from haru.core.events_declarations import (
     ModelFetched,
     ModelRetired,
     PolicyChanged,
+    PriceDeclared,
     TrainingChanged,
     TrainingDeclared,
     TrainingRetired,
@@ -79,10 +80,12 @@ from haru.core.events_domain import (
 from haru.core.events_fleet import (
     ChainHead,
     Checkpoint,
+    ClusterCost,
     DemotionRequested,
     EligibilityChanged,
     FailoverDeclined,
     LogRegressed,
+    ModelTokens,
     OperationAborted,
     OperationCompleted,
     OperationRequested,
@@ -96,6 +99,7 @@ from haru.core.events_fleet import (
     StepFailed,
     StepStarted,
     TeardownRequested,
+    TokensCounted,
     WeightingRequested,
     WeightsSet,
 )
@@ -111,6 +115,7 @@ __all__ = [
     "AnyEvent",
     "ChainHead",
     "Checkpoint",
+    "ClusterCost",
     "DemotionRequested",
     "DomainChanged",
     "DomainDeclared",
@@ -142,12 +147,14 @@ __all__ = [
     "ModelRetired",
     "ModelSleeping",
     "ModelStopped",
+    "ModelTokens",
     "ModelWaking",
     "OPERATION_REQUESTS",
     "OperationAborted",
     "OperationCompleted",
     "OperationRequested",
     "PolicyChanged",
+    "PriceDeclared",
     "PromotionRequested",
     "PromotionRetargeted",
     "ProvisionRequested",
@@ -163,6 +170,7 @@ __all__ = [
     "StepStarted",
     "StopHow",
     "TeardownRequested",
+    "TokensCounted",
     "TrainingChanged",
     "TrainingDeclared",
     "TrainingRetired",
@@ -230,6 +238,8 @@ AnyEvent = (
     | AdapterRouted
     | LogRegressed
     | DomainLogRegressed
+    | PriceDeclared
+    | TokensCounted
 )
 
 RESIDENCY_EVENTS = (

@@ -10,6 +10,7 @@ from typing import Literal
 import msgspec
 
 from haru.core.events_base import Event
+from haru.core.prices import Price
 from haru.core.specs import DomainSpec, ModelSpec, Policy, TrainingSpec
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "ModelFetched",
     "ModelRetired",
     "PolicyChanged",
+    "PriceDeclared",
     "TrainingChanged",
     "TrainingDeclared",
     "TrainingRetired",
@@ -131,3 +133,14 @@ class ModelFetched(Event, frozen=True, kw_only=True, tag="model_fetched"):
     reused_bytes: int = 0
     healed: list[str] = []  # digests found corrupt in the store and fetched again
     took_ms: int = 0
+
+
+# ------------------------------------------------------- prices: haru.evt.<fleet>.decl (haru.core.prices)
+
+
+class PriceDeclared(Event, frozen=True, kw_only=True, tag="price_declared"):
+    """A domain's hourly price from `at` on (`haru apply` writes it when the layout's price differs from the
+    recorded one); `price` None: the domain is unpriced from then on. docs/cost.md."""
+
+    domain: str
+    price: Price | None = None

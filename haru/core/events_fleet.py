@@ -4,6 +4,7 @@ weights. Import them from `haru.core.events`, whose union and codecs they belong
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, ClassVar
 
 import msgspec
@@ -13,10 +14,12 @@ from haru.core.events_base import Event, LostRange, Step
 __all__ = [
     "ChainHead",
     "Checkpoint",
+    "ClusterCost",
     "DemotionRequested",
     "EligibilityChanged",
     "FailoverDeclined",
     "LogRegressed",
+    "ModelTokens",
     "OperationAborted",
     "OperationCompleted",
     "OperationRequested",
@@ -30,6 +33,7 @@ __all__ = [
     "StepFailed",
     "StepStarted",
     "TeardownRequested",
+    "TokensCounted",
     "WeightingRequested",
     "WeightsSet",
 ]
@@ -124,6 +128,16 @@ class WeightingRequested(OperationRequested, frozen=True, kw_only=True, tag="wei
     route_revision: int = 0
 
 
+class ClusterCost(msgspec.Struct, frozen=True, kw_only=True):
+    """One cluster's line of SkyPilot's cost report, read before it was torn down: `total` (a decimal
+    string) over `seconds` of life, in `currency` (SkyPilot reports USD)."""
+
+    cluster: str
+    total: str
+    seconds: float = 0.0  # 0: the report gave no duration (no hourly price can be made of it)
+    currency: str = "USD"
+
+
 class StepStarted(Event, frozen=True, kw_only=True, tag="step_started"):
     op_id: str
     step: Step
@@ -138,6 +152,8 @@ class StepCompleted(Event, frozen=True, kw_only=True, tag="step_completed"):
     # A best-effort step that did not apply, and why (the old active's GPU is gone: the reason for
     # the failover). Shown as skipped, not as a failure; what follows is what follows a completion.
     skipped: str = ""
+    # A `down` step: what SkyPilot's cost report said each torn-down cluster cost (docs/cost.md).
+    costs: list[ClusterCost] = []
 
 
 class StepFailed(Event, frozen=True, kw_only=True, tag="step_failed"):
@@ -258,3 +274,26 @@ class LogRegressed(Event, frozen=True, kw_only=True, tag="log_regressed"):
 
     fleet: str
     lost: list[LostRange] = []
+
+
+# ------------------------------------------------------------------- usage: haru.evt.<fleet>.usage
+
+
+class ModelTokens(msgspec.Struct, frozen=True, kw_only=True):
+    """One model's tokens, as the responses' `usage` reported them, and how many responses carried one."""
+
+    model: str
+    prompt: int = 0
+    completion: int = 0
+    responses: int = 0
+
+
+class TokensCounted(Event, frozen=True, kw_only=True, tag="tokens_counted"):
+    """What one gateway served a fleet since its previous `tokens_counted` (a delta, never a total):
+    appended every `usage_flush_ms` while there is something to count, and when the gateway stops.
+    Summing a period's deltas gives its tokens (docs/cost.md)."""
+
+    fleet: str
+    gateway: str
+    since: datetime | None = None  # the start of what this delta counts (None: the gateway's start)
+    models: list[ModelTokens] = []

@@ -141,6 +141,8 @@ _HANDLERS: dict[type, Callable[[FleetView, Any, int], FleetView]] = {
     ev.Checkpoint: lambda view, e, seq: view,  # a record of where history stood: it changes no fact
     ev.AdapterStateChanged: fold_adapters.adapter_state_changed,
     ev.AdapterRouted: fold_adapters.adapter_routed,
+    ev.PriceDeclared: lambda view, e, seq: view,  # prices and tokens are the accounting's (haru.core.cost),
+    ev.TokensCounted: lambda view, e, seq: view,  # not the fleet view's
 }
 # Handlers that need the subject the event stood on (what it may claim depends on who wrote it).
 _BY_SUBJECT: dict[type, Callable[[FleetView, Any, int, str], FleetView]] = {

@@ -37,6 +37,7 @@ import msgspec
 from haru.core.errors import InvalidName, LayoutError
 from haru.core.layout_doc import LayoutDoc, clean, convert_at, size_at
 from haru.core.layout_domains import domain_from
+from haru.core.prices import layout_prices
 from haru.core.specs import Domain, Layout, Policy, as_uuid
 from haru.core.subjects import check_name
 
@@ -76,7 +77,16 @@ def parse_layout(data: bytes | str | dict[str, Any]) -> Layout:
     policy = _policy(doc.policy)
     domains = [domain_from(d, i) for i, d in enumerate(doc.domains)]
     _check_fleet(domains, policy)
-    return Layout(fleet=fleet, uuid=fleet_id, policy=policy, domains=domains)
+    prices = layout_prices(
+        {
+            d.spec.name: (doc.domains[i].price, f"$.domains[{i}].price")
+            for i, d in enumerate(domains)
+            if doc.domains[i].price is not None
+        },
+        {k: v for k, v in doc.gpu_prices.items() if not k.startswith("_")},
+        {d.spec.name: [g.name for g in d.spec.gpus] for d in domains},
+    )
+    return Layout(fleet=fleet, uuid=fleet_id, policy=policy, domains=domains, prices=prices)
 
 
 def load_layout(path: str | os.PathLike[str]) -> Layout:

@@ -35,7 +35,7 @@ _T = TypeVar("_T")
 
 # ----------------------------------------------------------------------------- allowed keys
 
-_TOP_KEYS = ("fleet", "uuid", "policy", "domains")
+_TOP_KEYS = ("fleet", "uuid", "policy", "domains", "gpu_prices")
 _DOMAIN_KEYS = (
     "name",
     "provider",
@@ -50,6 +50,7 @@ _DOMAIN_KEYS = (
     "preemption_notice",
     "host_ram",
     "host_ram_reserve",
+    "price",
 )
 _PROVISION_KEYS = tuple(ProvisionSpec.__struct_fields__)
 _SERVICE_KEYS = tuple(ServiceSpec.__struct_fields__)
@@ -135,6 +136,7 @@ class DomainDoc(msgspec.Struct, forbid_unknown_fields=True):
     preemption_notice: PreemptionNotice | None = None
     host_ram: Size = 0  # 0 = not declared: host RAM is not planned
     host_ram_reserve: Size = 0
+    price: dict[str, Any] | None = None  # {"per_hour": 2.49, "currency": "USD"} (haru.core.prices)
 
 
 class LayoutDoc(msgspec.Struct, forbid_unknown_fields=True):
@@ -142,6 +144,7 @@ class LayoutDoc(msgspec.Struct, forbid_unknown_fields=True):
     uuid: str = ""
     policy: dict[str, Any] = {}
     domains: list[DomainDoc] = []
+    gpu_prices: dict[str, Any] = {}  # GPU name -> a price (haru.core.prices)
 
 
 # ---------------------------------------------------------------------------------- sizes

@@ -120,10 +120,11 @@ STEPS: dict[str, StepSpec] = {
     "settle_old_active": StepSpec(
         on="other",
         verbs=("sleep", "start_training"),
-        bound=("drain_ms", "command_timeout_ms", "command_timeout_ms"),
+        bound=("router_ack_timeout_ms", "drain_ms", "command_timeout_ms", "command_timeout_ms"),
         fatal=False,
-        what="best effort: let the old active's requests in flight finish (drain_ms), put it to sleep, start its "
-        "training",
+        run="settle",
+        what="best effort: wait until the routers that follow the fleet applied the new route (router_ack_timeout_ms), "
+        "let the old active's requests in flight finish (drain_ms), put it to sleep, start its training",
     ),
     "apply_standby": StepSpec(
         on="target",

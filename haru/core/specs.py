@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from haru.core.prices import Price
 from haru.core.sizes import GiB, MiB
 
 # Ranges the decoder refuses with the value's path (`Expected `int` >= 0 - at `$.policy.wake_timeout_ms``).
@@ -119,6 +120,10 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     # (the canary_* figures above); failing either, it is rolled back to the version before it.
     adapter_canary_percent: Annotated[int, msgspec.Meta(ge=1, le=100)] = 10
     adapter_canary_ms: NonNegative = 60_000
+    # After a flip, the old active is put to sleep only once every router that follows the fleet
+    # (`haru route follow`, reporting on haru.router.<fleet>.<router>) applied the new route, or is gone,
+    # or this long has passed.
+    router_ack_timeout_ms: NonNegative = 10_000
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -312,6 +317,8 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
     uuid: str = ""  # declared ('' = none: the fleet's UUID is then fleet_uuid(fleet))
     policy: Policy = Policy()
     domains: list[Domain] = []
+    # Each domain's hourly price (haru.core.prices): recorded as `price_declared`; a domain not here is unpriced.
+    prices: dict[str, Price] = {}
 
     def domain(self, name: str) -> Domain | None:
         for d in self.domains:

@@ -13,6 +13,7 @@ share a token.
     haru.evt.<fleet>.weights                       weights_set: traffic weights and canary rollbacks (promoter)
     haru.evt.<fleet>.checkpoint                    checkpoints: chain heads and the folded view (projector)
     haru.evt.<fleet>.integrity                     log_regressed: the log lost what the promoter was acknowledged
+    haru.evt.<fleet>.usage                         tokens_counted: the tokens each gateway served (gateway)
     haru.evt.<fleet>.<domain>.agent                agent started/stopping
     haru.evt.<fleet>.<domain>.liveness             domain unreachable/reachable
     haru.evt.<fleet>.<domain>.model.<model>        residency transitions
@@ -24,6 +25,8 @@ share a token.
     haru.cmd.<fleet>.<domain>.<verb>               commands to an agent (request/reply)
     haru.route.<fleet>                             route intents (stream HARU_ROUTE)
     haru.canary.<fleet>.<gateway>                  a gateway's per-domain request and error counts (core NATS)
+    haru.router.<fleet>.<router>                   a router follower's report: the route revision it applied (core NATS)
+    haru.routers.ask.<fleet>                       asks a fleet's router followers to report now (`haru status`)
 
 Reading one back is done here too, once: `read(subject)` (memoized) says what an event subject
 names (`EventSubject`: its fleet token, its fleet-level kind, the whole `Where` or None), with
@@ -58,7 +61,7 @@ _NAME = re.compile(r"[a-z0-9_-]+")
 _SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789_-")
 
 # Reserved words in the fourth token of a domain subject: a domain may not be called these.
-_FLEET_LEVEL = frozenset({"decl", "route", "op", "checkpoint", "weights", "integrity"})
+_FLEET_LEVEL = frozenset({"decl", "route", "op", "checkpoint", "weights", "integrity", "usage"})
 
 
 def check_name(kind: str, value: str) -> str:
@@ -132,6 +135,10 @@ def op(fleet: str) -> str:
 
 def weights(fleet: str) -> str:
     return f"{EVT}.{check_name('fleet', fleet)}.weights"
+
+
+def usage(fleet: str) -> str:
+    return f"{EVT}.{check_name('fleet', fleet)}.usage"
 
 
 def checkpoint(fleet: str) -> str:
@@ -347,3 +354,24 @@ def where(subject: str) -> Where | None:
 def fleet_of(subject: str) -> str:
     """The fleet of an event subject `haru.evt.<fleet>.<...>` ('' for any other subject). Memoized."""
     return read(subject).fleet
+
+
+ALL_ROUTER_REPORTS = "haru.router.*.*"
+
+
+def router_report(fleet: str, router: str = "*") -> str:
+    """A route follower's report subject (`haru route follow`): the router's name is a Haru identifier."""
+    return f"haru.router.{check_name('fleet', fleet)}.{'*' if router == '*' else check_name('router', router)}"
+
+
+def router_report_of(subject: str) -> tuple[str, str] | None:
+    """(fleet, router) of `haru.router.<fleet>.<router>`; None for anything else."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[0] != "haru" or parts[1] != "router":
+        return None
+    return parts[2], parts[3]
+
+
+def routers_ask(fleet: str) -> str:
+    """Where `haru status` asks a fleet's route followers to report at once, rather than at their next interval."""
+    return f"haru.routers.ask.{check_name('fleet', fleet)}"

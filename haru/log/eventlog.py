@@ -22,11 +22,13 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
 
 import nats
 import nats.errors
 import nats.js.errors
 import structlog
+from nats.aio.client import Server
 from nats.js import api
 
 from haru.core import subjects
@@ -60,6 +62,35 @@ _RECONNECT_WAIT_S = 0.5  # between reconnect attempts once connected
 _log = structlog.get_logger("haru.log.eventlog")
 
 
+class ServerSteer:
+    """Which server a reconnect goes to (nats-py's `reconnect_to_server_handler`): the one asked for by
+    `go(url)` when it is in the pool, else the next one in the order the servers were given, round and
+    round, waiting `wait_s` before each new round. (nats-py's own choice, without a handler, is the same
+    round without the asked-for server.)"""
+
+    def __init__(self, servers: list[str], wait_s: float) -> None:
+        self.order = [urlparse(u if "://" in u else f"nats://{u}").netloc for u in servers]
+        self.wait_s = wait_s
+        self.wanted = ""
+        self._next = 1  # the first connection went to the first server
+
+    def go(self, url: str) -> None:
+        self.wanted = urlparse(url).netloc
+
+    def __call__(self, servers: list[Server], info: dict[str, Any]) -> tuple[Server | None, float]:
+        pool = {srv.uri.netloc: srv for srv in servers}
+        if self.wanted in pool:
+            chosen, self.wanted = pool[self.wanted], ""
+            self._next = self.order.index(chosen.uri.netloc) + 1 if chosen.uri.netloc in self.order else self._next
+            return chosen, 0.0
+        for _ in range(len(self.order)):
+            i = self._next % len(self.order)
+            self._next = i + 1
+            if self.order[i] in pool:
+                return pool[self.order[i]], (self.wait_s if i == 0 else 0.0)
+        return None, self.wait_s
+
+
 class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
     """A connection to the log (`haru.log.seam.Log`). Create with `EventLog.connect(...)` (async
     context) or `EventLog.open`."""
@@ -75,6 +106,8 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
     ) -> None:
         super().__init__(nc, writer=writer, timeout=timeout, replay_timeout=replay_timeout, link=link)
         self._bus: NatsBus | None = None
+        self._steer: ServerSteer | None = None  # set by `open(steer=True)`
+        self._creds: str | None = None  # the credentials `open` was given (for `server_reaches_majority`)
         # What this writer was acknowledged, checked against the log after each reconnect (a server
         # that restarted on a store that forgot) and on a conflict below a receipt: haru.log.receipts.
         self.receipt_guard = ReceiptGuard(self, self.receipts)
@@ -89,6 +122,54 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
     def server_urls(self) -> list[str]:
         """The NATS servers this connection knows (for messages that say where it is connected)."""
         return [u.geturl() for u in self.nc.servers]
+
+    def connected_url(self) -> str:
+        """The server this connection is on now ("" while it is not connected)."""
+        url = self.nc.connected_url
+        return url.geturl() if url is not None else ""
+
+    async def reaches_majority(self, timeout: float, *, stale_s: float = 2.5) -> bool | None:
+        """Whether the event stream has a leader backed by a majority of its replicas, as the server this
+        connection is on sees it: True, False (it answered: no leader, or a leader whose replicas it has
+        not heard from within `stale_s`), or None (no answer within `timeout`). A node cut from the
+        others first times out (its requests wait on a leader it cannot reach), then answers with no
+        leader; a cut-off leader answers with replicas it no longer hears. A stream without replicas
+        (one server) has a majority whenever it answers."""
+        return await _majority(self.js, timeout, stale_s)
+
+    async def server_reaches_majority(self, url: str, timeout: float, *, stale_s: float = 2.5) -> bool | None:
+        """`reaches_majority` as another server sees it, on a connection of its own opened and closed here
+        (None also when that server cannot be reached within `timeout`)."""
+
+        async def quiet(exc: Exception) -> None:
+            return None
+
+        kwargs: dict[str, Any] = dict(
+            servers=[url], allow_reconnect=False, connect_timeout=timeout, error_cb=quiet, name=f"{self.writer}:probe"
+        )
+        if self._creds:
+            kwargs["user_credentials"] = self._creds
+        try:
+            nc = await asyncio.wait_for(nats.connect(**kwargs), timeout)
+        except (TimeoutError, OSError, nats.errors.Error):
+            return None
+        try:
+            return await _majority(nc.jetstream(timeout=timeout), timeout, stale_s)
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+    async def move_to_next_server(self) -> None:
+        """Leave this server for the next one in the list (nats-py's own reconnect: the subscriptions,
+        and the services on them, follow the connection)."""
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.force_reconnect()
+
+    async def move_to(self, url: str) -> None:
+        """Leave this server for `url` (one of the servers the log was opened with, `steer=True`)."""
+        if self._steer is not None:
+            self._steer.go(url)
+        await self.move_to_next_server()
 
     @property
     def bus(self) -> NatsBus:
@@ -112,7 +193,10 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
         timeout: float = 5.0,
         connect_timeout: float = 5.0,
         replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S,
+        steer: bool = False,
     ) -> EventLog:
+        """`steer`: reconnects go where `move_to` asks, else round the servers in the order given (an
+        agent, which leaves a node without a majority and comes back to its own region's node)."""
         if isinstance(servers, str):
             servers = [s.strip() for s in servers.split(",") if s.strip()]
 
@@ -158,6 +242,9 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
         )
         if creds:
             kwargs["user_credentials"] = creds
+        chooser = ServerSteer(servers, _RECONNECT_WAIT_S) if steer else None
+        if chooser is not None:
+            kwargs["reconnect_to_server_handler"] = chooser
         try:
             async with asyncio.timeout(connect_timeout):
                 nc = await nats.connect(**kwargs)
@@ -177,7 +264,9 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
             raise LogUnavailable(f"cannot connect to NATS at {', '.join(servers)}: {exc}") from exc
         nc.options["max_reconnect_attempts"] = -1
         nc.options["reconnect_time_wait"] = _RECONNECT_WAIT_S
-        return cls(nc, writer=writer, timeout=timeout, replay_timeout=replay_timeout, link=link)
+        log = cls(nc, writer=writer, timeout=timeout, replay_timeout=replay_timeout, link=link)
+        log._steer, log._creds = chooser, creds
+        return log
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -279,3 +368,19 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
                         f"stream {config.name} exists with settings Haru cannot accept ({exc.description}); "
                         f"an admin must fix it with `nats stream edit {config.name}`"
                     ) from exc
+
+
+async def _majority(js: Any, timeout: float, stale_s: float) -> bool | None:
+    """`EventLog.reaches_majority` on a JetStream context."""
+    try:
+        info = await asyncio.wait_for(js.stream_info(subjects.EVENTS_STREAM), timeout)
+    except (TimeoutError, nats.errors.Error):
+        return None
+    cluster = info.cluster
+    if cluster is None:
+        return True
+    if not cluster.leader:
+        return False
+    replicas = cluster.replicas or []
+    heard = 1 + sum(1 for r in replicas if r.current and (r.active or 0) / 1e9 < stale_s)
+    return heard > (1 + len(replicas)) // 2

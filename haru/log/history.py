@@ -115,10 +115,8 @@ class Verifier:
         wrong = misplaced_of(rec)
         if wrong is not None:
             self.misplaced.append(wrong)
-        elif isinstance(rec.event, (ev.LogRegressed, ev.DomainLogRegressed)):
-            lost = tuple(r for r in rec.event.lost if receipts.in_scope(rec.subject, r))
-            if lost:
-                self.regressed.append(Regressed(rec.seq, rec.subject, rec.event.by, lost))
+        else:
+            self.note_regressed(rec)
         if rec.event.prev != prev_hash:
             if prev_seq == 0:
                 want = "'' (it is the first event on its subject)"
@@ -139,6 +137,15 @@ class Verifier:
                     + ")",
                 )
             )
+
+    def note_regressed(self, rec: Record) -> None:
+        """Keep `rec` in `regressed` when it is a writer's record of a lost range (placed where it may
+        stand; only the ranges its writer could have been acknowledged)."""
+        e = rec.event
+        if isinstance(e, (ev.LogRegressed, ev.DomainLogRegressed)) and not authority.misplaced(rec.subject, e):
+            lost = tuple(r for r in e.lost if receipts.in_scope(rec.subject, r))
+            if lost and all(r.seq != rec.seq for r in self.regressed):
+                self.regressed.append(Regressed(rec.seq, rec.subject, e.by, lost))
 
     @property
     def subjects(self) -> int:

@@ -1,6 +1,11 @@
 """What one promoter replica knows about each fleet it decides for, kept by the service and read by
 the step runners: the folded view, the tips of the fleet's subjects, heartbeats heard, the steps this
-replica runs, the declarations (provision blocks included), launches of the hour and canary reports."""
+replica runs, the declarations (provision blocks included), launches of the hour and canary reports.
+
+The view a decision reads is the follower's fold plus this replica's own appends that a quorum has
+acknowledged and the follower has not delivered yet (`acked`, `view`): the acknowledgement already says
+what the log holds at that sequence, so the next step is decided at once instead of after the
+delivery (one round trip to where the consumer lives, per decision, at WAN latency)."""
 
 from __future__ import annotations
 
@@ -9,8 +14,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from haru.core.events import StepCompleted, StepFailed
-from haru.core.fold import Folder
+from haru.core.events import Event, StepCompleted, StepFailed
+from haru.core.fold import Folder, evolve
 from haru.core.specs import DomainSpec
 from haru.core.views import FleetView, OperationView
 from haru.core.weights import CanaryReport, Tally
@@ -40,10 +45,43 @@ class FleetState:
         default_factory=list
     )  # (monotonic, gateway, report) of the window
     resumed_at: int = 0  # the stream sequence its view was taken complete up to at start (records up to it skipped)
+    # (seq, subject, event) of this replica's own acknowledged appends the follower has not folded yet
+    ahead: list[tuple[int, str, Event]] = field(default_factory=list)
+    _overlay: tuple[FleetView, int, FleetView] | None = None  # (folded view, len(ahead), view with ahead on it)
 
     @property
     def view(self) -> FleetView:
-        return self.folder.view()
+        """The folded view, with this replica's acknowledged appends the follower has not delivered yet
+        applied on top, in their order (`acked`)."""
+        base = self.folder.view()
+        if not self.ahead:
+            return base
+        if self.ahead[0][0] <= self.folder.seq:  # delivered and folded: the fold has them now
+            self.ahead = [a for a in self.ahead if a[0] > self.folder.seq]
+            if not self.ahead:
+                return base
+        cached = self._overlay
+        if cached is not None and cached[0] is base and cached[1] == len(self.ahead):
+            return cached[2]
+        out = base
+        for seq, subject, event in self.ahead:
+            out = evolve(out, event, seq=seq, subject=subject)
+        self._overlay = (base, len(self.ahead), out)
+        return out
+
+    def acked(self, seq: int, subject: str, event: Event) -> None:
+        """Our own append, acknowledged at `seq`: the next decision reads it (`view`) and expects it
+        (`last`) without waiting for the follower to deliver it."""
+        if seq > self.last.get(subject, 0):
+            self.last[subject] = seq
+        if seq > self.folder.seq:
+            self.ahead.append((seq, subject, event))
+
+    def folded(self, subject: str, seq: int) -> None:
+        """The follower folded `seq` on `subject`: the subject's tip, unless an acknowledged append of ours
+        on it is still on its way (the tip stays ours: the log holds it)."""
+        mine = max((s for s, subj, _ in self.ahead if subj == subject and s > seq), default=0)
+        self.last[subject] = mine or seq
 
     def canary_window(self) -> dict[str, dict[str, Tally]]:
         """The window's reports, summed: since the split in force was set, within canary_window_ms."""

@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
-from haru.core.events import StepCompleted, StepFailed
+from haru.core.events import ClusterCost, StepCompleted, StepFailed
 from haru.core.specs import DomainSpec
 from haru.core.views import OperationView
 from haru.provision import ProvisionError, SkyPilot, SkyServe
@@ -112,6 +112,7 @@ class Provisioning:
         try:
             p = provision_of(spec)
             done: list[str] = []
+            costs: list[ClusterCost] = []  # what each cluster cost: the accounting's prices (docs/cost.md)
             if spec.provider == "skyserve":
                 for s in await self.skyserve.services(timeout_s=p.status_timeout_s):
                     if owns(fleet, spec, s.name):
@@ -123,10 +124,16 @@ class Provisioning:
                 for c in await self.skypilot.clusters(timeout_s=p.status_timeout_s):
                     if not owns(fleet, spec, c.name):
                         continue
-                    cost = await self.skypilot.cost(c.name, timeout_s=p.status_timeout_s)
+                    report = await self.skypilot.cost_report(c.name, timeout_s=p.status_timeout_s)
                     await self.skypilot.down(c.name, timeout_s=p.down_timeout_s, status_timeout_s=p.status_timeout_s)
                     where = f"region {c.region}, " if c.region else ""
-                    spent = f"cost ${cost:.2f} per SkyPilot's cost report" if cost is not None else "cost not reported"
+                    if report is not None:
+                        costs.append(report)
+                    spent = (
+                        f"cost ${float(report.total):.2f} per SkyPilot's cost report"
+                        if report is not None
+                        else "cost not reported"
+                    )
                     done.append(f"{c.name} ({where}{spent})")
         except ProvisionError as exc:  # TeardownFailed, a timeout, sky missing...
             return StepFailed(
@@ -148,4 +155,5 @@ class Provisioning:
             op_id=op.op_id,
             step=step,  # type: ignore[arg-type]
             detail="tore down " + "; ".join(done),
+            costs=costs,
         )

@@ -14,6 +14,14 @@ answers one of its appends, or when it folds a record the log committed after it
 is back within reach; measured on this machine's clock against JetStream's record time), or after
 `RECHECK_S` without either, to try again. So a promoter back from a partition never appends a verdict of
 silence heard only from its own side of the cut.
+
+A stream that stops answering is not always a cut: when the region that led it is lost, the stream has
+no leader until JetStream elects one (4-9 s of Raft election timeout in nats-server), and the promoters
+of the surviving regions are not cut off at all. A promoter that still hears most of the promoters it
+knows on core NATS (`reaches_most`: three or more known, one per region as docs/deploy.md places them)
+is on the majority's side of any cut, so the silence it measured is evidence: it enters `minority` all
+the same (it cannot append), but does not forget what it heard, and judges at once when the stream
+answers again (`cut_off` says which kind of episode this is).
 """
 
 from __future__ import annotations
@@ -23,13 +31,20 @@ from typing import Any, Literal
 
 from haru.core.errors import LogError, LogUnavailable
 
-__all__ = ["Quorum", "QuorumState", "no_quorum"]
+__all__ = ["Quorum", "QuorumState", "no_quorum", "reaches_most"]
 
 QuorumState = Literal["majority", "minority"]
 
 # JetStream's own words when the meta group or a stream has no leader (a majority is missing)
 RECHECK_S = 30.0  # in minority with nothing committed seen: try to act again after this long
 _NO_LEADER = ("code 10008", "temporarily unavailable", "no stream leader", "no suitable peers")
+
+
+def reaches_most(heard: int, known: int) -> bool:
+    """Whether a promoter that hears `heard` of the `known` promoters (itself included) on core NATS is on
+    the majority's side of any cut: with three or more known, a strict majority heard; with fewer it
+    cannot tell (False)."""
+    return known >= 3 and 2 * heard > known
 
 
 def no_quorum(exc: LogError) -> bool:
@@ -47,23 +62,39 @@ class Quorum:
         self.why = ""
         self.entered = 0  # times this promoter found itself in the minority
         self.entered_ns = 0  # wall clock when it last did
+        # whether the last episode may have been this promoter's own isolation (its silence is then no
+        # evidence), rather than a stream electing a leader while most promoters were still heard
+        self.cut_off = True
         self._log = logger
 
-    def failed(self, exc: LogError) -> bool:
-        """An append failed with `exc`; True when that moved this promoter into `minority`."""
+    def failed(self, exc: LogError, *, heard_most: bool = False) -> bool:
+        """An append failed with `exc`; True when that moved this promoter into `minority`. `heard_most`:
+        it still hears most of the promoters it knows (`reaches_most`)."""
         if not no_quorum(exc) or self.state == "minority":
             return False
         self.state, self.since, self.why = "minority", time.monotonic(), str(exc)
         self.entered += 1
         self.entered_ns = time.time_ns()
+        self.cut_off = not heard_most
         self._log.warning(
             "quorum_lost",
             state="minority",
             why=self.why,
             detail="no majority acknowledges this promoter's appends: it cannot start an operation or move "
-            "the route until one does; heartbeat silence is measured afresh",
+            "the route until one does; "
+            + (
+                "heartbeat silence is measured afresh"
+                if self.cut_off
+                else "most promoters are still heard (a stream electing its leader): what was heard is kept"
+            ),
         )
         return True
+
+    def alone(self) -> None:
+        """In `minority`, most of the known promoters are no longer heard: this episode may be our own
+        isolation after all."""
+        if self.state == "minority":
+            self.cut_off = True
 
     def committed(self, time_ns: int) -> bool:
         """A record JetStream stored at `time_ns` was folded; True when that ended `minority` (it was

@@ -12,7 +12,10 @@ is not applied (the fold counts it as an anomaly) and is logged. It listens to h
 (`haru.hb.*.*`, on the bus: haru/log/bus.py) and measures silence.
 
 Each round, per fleet: `decide(view, facts)` -> appends, made in order with the expected sequence;
-after a successful append the promoter waits until its follower has folded it before deciding again.
+the next decision reads the view with the promoter's own acknowledged appends on it
+(`FleetState.acked`), so it never decides on a view that lacks its own append, and never waits for
+its follower to deliver what the acknowledgement already said (a round trip per decision at WAN
+latency: docs/deploy.md).
 A `step_started` it appended is a step it runs (in a task): the step's agent commands over
 request/reply (or, for the flip, `route_moved` on the route subject with the route subject's real
 last sequence as the expected one, provided the route has not moved since the operation's route
@@ -74,12 +77,14 @@ from haru.promoter.drive import not_applicable
 from haru.promoter.fleets import FleetState, StepRunner, utcnow
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
-from haru.promoter.quorum import Quorum
+from haru.promoter.quorum import Quorum, reaches_most
+from haru.promoter.router_acks import RouterAcks
 from haru.promoter.runners import StepRunners
 
 log_ = structlog.get_logger("haru.promoter")
 
 STALL_CHECK_S = 2.0
+KNOWN_PEERS_S = 60.0  # the promoters heard within this long are the ones a replica knows (reaches_most)
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> None:
@@ -149,6 +154,9 @@ class Promoter:
             log, identity=self.identity, provisioning=self.provisioning, wait_folded=self.wait_folded, logger=self.log_
         )
         self.runners: dict[str, StepRunner] = self.steps.table()
+        # settle_old_active waits for the routers that follow the fleet first (haru.promoter.router_acks)
+        self.router_acks = RouterAcks(self.log_)
+        self.runners["settle"] = self.router_acks.settle(self.steps.agent)
 
     # ------------------------------------------------------------------------------- following
 
@@ -161,13 +169,13 @@ class Promoter:
     def on_record(self, rec: Record) -> None:
         if rec.seq <= self.folded:
             return  # a redelivery after the follower was restarted
-        if self.quorum.committed(rec.time_ns):  # committed after we lost the majority: it is back
+        if self.quorum.committed(rec.time_ns) and self.quorum.cut_off:  # committed after we lost the majority
             self._listen_afresh()
         fleet = fleet_of(rec.subject)
         if fleet and (self.only is None or fleet in self.only):
             st = self._state(fleet)
             if rec.seq > st.resumed_at:  # else already in the view this fleet was resumed from
-                st.last[rec.subject] = rec.seq
+                st.folded(rec.subject, rec.seq)
                 if rec.event is not None:
                     st.folder.add(rec.event, seq=rec.seq, subject=rec.subject)
                     if st.folder.misplaced_seq == rec.seq:  # not applied (the subject is the authority): say so, once
@@ -313,6 +321,7 @@ class Promoter:
             self.on_canary_report(msg.subject, msg.data)
 
         reports = await self.log.bus.subscribe(subjects.ALL_CANARY_REPORTS, reported)
+        routers = await self.router_acks.listen(self.log.bus)
         await self.peers.listen(self.log.bus, subjects.alive("promoter"))
         self._listening_since = time.monotonic()
         follower: asyncio.Task | None = None
@@ -351,6 +360,8 @@ class Promoter:
                 await sub.unsubscribe()
             with contextlib.suppress(Exception):
                 await reports.unsubscribe()
+            with contextlib.suppress(Exception):
+                await routers.unsubscribe()
             await self.peers.stop()
             await cancel_and_wait(beating, follower, *self._tasks)
 
@@ -405,6 +416,12 @@ class Promoter:
         self._was_connected = connected
         return connected
 
+    def _heard_most(self) -> bool:
+        """Whether this replica hears most of the promoters it heard within `KNOWN_PEERS_S` (quorum.py)."""
+        return reaches_most(
+            len(self.peers.alive("promoter")), len(self.peers.alive("promoter", within_s=KNOWN_PEERS_S))
+        )
+
     def _listen_afresh(self) -> None:
         """Forget what was heard: silence is measured from now (after a reconnect, in and out of minority)."""
         self._listening_since = time.monotonic()
@@ -418,7 +435,9 @@ class Promoter:
         for name in st.view.domains:
             seen = st.heard.get(name)
             silent[name] = None if seen is None else int((now_m - seen) * 1000)
-        if self.quorum.lapsed():
+        if self.quorum.state == "minority" and not self._heard_most():
+            self.quorum.alone()
+        if self.quorum.lapsed() and self.quorum.cut_off:
             self._listen_afresh()
         listening_ms = int((now_m - self._listening_since) * 1000)
         if self.quorum.state == "minority":  # cut off: silence we measure is our own isolation (quorum.py)
@@ -473,7 +492,7 @@ class Promoter:
             return []
 
     async def _make(self, st: FleetState, appends: list[Append], expects: dict[str, int] | None = None) -> None:
-        """Make a round's appends, in order (each folded before the next); stop at the first that loses a race.
+        """Make a round's appends, in order (each acknowledged before the next); stop at the first that loses a race.
         `expects`: each subject's last sequence when the appends were decided (default: now); our own
         append moves it."""
         if expects is None:
@@ -487,24 +506,24 @@ class Promoter:
                 seq = await self.log.append(a.subject, event, expect=expect)
             except Conflict as exc:
                 log.debug("append_lost_race", expected=expect, current=exc.current)
-                if self.quorum.answered():
+                if self.quorum.answered() and self.quorum.cut_off:
                     self._listen_afresh()
                 return
             except LogError as exc:
-                if self.quorum.failed(exc):
+                if self.quorum.failed(exc, heard_most=self._heard_most()) and self.quorum.cut_off:
                     self._listen_afresh()
                 elif self.quorum.state == "majority":
                     log.warning("append_failed", error=str(exc))
                 return
-            if self.quorum.answered():
+            if self.quorum.answered() and self.quorum.cut_off:
                 self._listen_afresh()
             log.info("appended", seq=seq, why=a.why, **_context(event))
             expects[a.subject] = seq
+            st.acked(seq, a.subject, event)  # decided on at once, not after the follower delivers it
             if isinstance(event, StepStarted):
                 op = st.view.operation
                 if op is not None and op.op_id == event.op_id:
                     self._spawn_step(st, op, event, seq)
-            await self.wait_folded(seq)
 
     # ----------------------------------------------------------------------------- the steps
 
@@ -552,12 +571,9 @@ class Promoter:
                         )
             if isinstance(event, (StepCompleted, StepFailed)) and not event.took_ms:
                 event = msgspec.structs.replace(event, took_ms=int((time.monotonic() - t0) * 1000))
+            event = msgspec.structs.replace(event, by=self.identity, cause=started_seq)
             try:
-                seq = await self.log.append(
-                    subjects.op(fleet),
-                    msgspec.structs.replace(event, by=self.identity, cause=started_seq),
-                    expect=started_seq,
-                )
+                seq = await self.log.append(subjects.op(fleet), event, expect=started_seq)
             except Conflict:
                 log.warning(
                     "step_taken_over",
@@ -570,7 +586,7 @@ class Promoter:
             log.info(
                 "step_" + ("completed" if isinstance(event, StepCompleted) else "failed"), seq=seq, **_context(event)
             )
-            await self.wait_folded(seq)
+            st.acked(seq, subjects.op(fleet), event)  # the next step is decided at once (FleetState.view)
         except asyncio.CancelledError:
             raise
         except Exception:

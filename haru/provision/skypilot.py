@@ -13,7 +13,7 @@ CLI, one bounded command at a time:
   stops. Every attempt is returned, with its duration.
 - `status` reads `sky status -o json` (SkyPilot's machine-readable output).
 - `down` is idempotent: a cluster SkyPilot no longer knows is already down.
-- `cost` reads `sky cost-report -o json`.
+- `cost_report` (and `cost`, its total) reads `sky cost-report -o json`: a cluster's `total_cost` and `duration`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from haru.core.events import ClusterCost
 from haru.core.specs import DomainSpec, ProvisionSpec
 from haru.provision import yamltext
 from haru.provision.errors import (
@@ -444,6 +445,12 @@ class SkyPilot:
 
     async def cost(self, cluster: str, *, timeout_s: float = 120) -> float | None:
         """What SkyPilot's cost report says the cluster has cost so far (USD), or None when it does not say."""
+        report = await self.cost_report(cluster, timeout_s=timeout_s)
+        return float(report.total) if report is not None else None
+
+    async def cost_report(self, cluster: str, *, timeout_s: float = 120) -> ClusterCost | None:
+        """The cluster's line of SkyPilot's cost report: `total_cost` (USD) over `duration` (seconds; 0 when
+        the report gives none), or None when the report does not list the cluster with a cost."""
         argv = [*self.sky, "cost-report", "-o", "json"]
         result = await self.exec(argv, timeout_s=timeout_s)
         if result.returncode != 0:
@@ -454,9 +461,18 @@ class SkyPilot:
             return None
         for r in records if isinstance(records, list) else []:
             if isinstance(r, dict) and r.get("name") == cluster:
-                value = r.get("total_cost")
-                return float(value) if isinstance(value, (int, float)) else None
+                return cost_of_record(r)
         return None
+
+
+def cost_of_record(record: dict) -> ClusterCost | None:
+    """One cost-report record as a `ClusterCost` (None without a numeric, non-negative `total_cost`)."""
+    value = record.get("total_cost")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        return None
+    duration = record.get("duration")
+    seconds = float(duration) if isinstance(duration, (int, float)) and not isinstance(duration, bool) else 0.0
+    return ClusterCost(cluster=str(record.get("name", "")), total=repr(float(value)), seconds=max(seconds, 0.0))
 
 
 def _region_of(record: dict) -> str:

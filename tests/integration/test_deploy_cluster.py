@@ -38,6 +38,7 @@ from haru.core.events import AgentStarted, AgentStopping, FleetDeclared, ModelLo
 from haru.core.specs import Policy
 from haru.core.views import RouteIntent, Target, view_encoder
 from haru.host.natsd import find_binary, free_port
+from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import EventLog
 from tests.support.clock import now
 from tests.support.cluster import (
@@ -730,6 +731,48 @@ async def test_a_router_can_only_read_route_intents(cluster, admin):
         assert (await admin.js.get_msg(subjects.ROUTE_STREAM, subject=subjects.intent(FLEET))).seq == second_seq
     finally:
         await router.close()
+
+
+async def test_a_route_follower_reads_its_fleets_route_and_reports_only_as_itself(cluster, admin):
+    from haru.core.router_acks import report_decoder
+    from haru.routers import Command, Follower
+
+    async with cluster.log("projector", "projector:test") as projector:
+        last = await projector.last_intent(FLEET)
+        await projector.publish_intent(FLEET, intent_body(7, "a"), expect=0 if last is None else last[1])
+    errors: list[str] = []
+    promoter = await cluster.raw("promoter")
+    follower_nc = await cluster.raw("router.default.edge-1", errors)
+    try:
+        heard: asyncio.Queue = asyncio.Queue()
+
+        async def on_report(msg) -> None:
+            heard.put_nowait((msg.subject, msg.data))
+
+        await promoter.subscribe("haru.router.>", cb=on_report)
+        await promoter.flush()
+        # The follower, with its own user: it follows the route and its reports reach the promoter.
+        async with cluster.log("router.default.edge-1", "router:edge-1") as log:
+            task = asyncio.create_task(Follower(log, FLEET, "edge-1", Command("true"), interval_s=0.2).run())
+            try:
+                while True:
+                    subject, data = await asyncio.wait_for(heard.get(), 10)
+                    report = report_decoder.decode(data)
+                    if report.revision == 7:
+                        break
+                assert subject == subjects.router_report(FLEET, "edge-1")
+            finally:
+                await cancel_and_wait(task)
+        # It cannot report for another router, nor for another fleet, nor read another fleet's route.
+        for subject in ("haru.router.default.edge-2", "haru.router.edge.edge-1", subjects.route(FLEET)):
+            await follower_nc.publish(subject, b"{}")
+        await follower_nc.subscribe("haru.route.edge", cb=on_report)
+        await follower_nc.flush()
+        for what in ('"haru.router.default.edge-2"', '"haru.router.edge.edge-1"', '"haru.route.edge"'):
+            await violation(errors, what)
+    finally:
+        await follower_nc.close()
+        await promoter.close()
 
 
 # ------------------------------------------------------------------------------ losing a node

@@ -86,6 +86,16 @@ async def test_an_agent_and_the_promoter_record_what_the_log_forgot_and_verify_f
                 registry.register(RegressionCollector(promoter.receipt_guard))
                 metrics = generate_latest(registry).decode()
             done = await asyncio.to_thread(haru_cli, ["verify", "--nats-url", server.url], dict(os.environ))
+            # Starting from a checkpoint after the records does not hide them.
+            async with EventLog.connect([server.url], writer="projector:test", timeout=2.0) as projector:
+                await projector.append(
+                    subjects.checkpoint(FLEET),
+                    ev.Checkpoint(at=datetime.now(UTC), fleet=FLEET, upto=await projector.last_seq()),
+                    expect=0,
+                )
+            since = await asyncio.to_thread(
+                haru_cli, ["verify", "--since-checkpoint", "--nats-url", server.url], dict(os.environ)
+            )
         finally:
             server.kill()
         # What the log holds now: the loading, and the two writers' records of what it forgot.
@@ -122,6 +132,8 @@ async def test_an_agent_and_the_promoter_record_what_the_log_forgot_and_verify_f
         assert f"{model} after {kept} up to {resident}" in done.stdout
         assert f"{route} after 0 up to {flip}" in done.stdout
         assert "lost events it had acknowledged" in done.stderr and "verify FAILED" in done.stdout
+        assert since.returncode == 11, since.stdout + since.stderr
+        assert f"{route} after 0 up to {flip}" in since.stdout
 
 
 async def test_an_agent_s_receipts_outlive_it_so_a_power_loss_while_it_was_down_is_still_noticed(tmp_path):

@@ -87,3 +87,8 @@ async def test_a_failed_teardown_is_reported_retried_and_finished_by_the_promote
     assert len(retry) == 1 and retry[0].reason == "teardown_failed" and retry[0].target == "a"
     assert any(isinstance(e, OperationCompleted) and e.op_id == retry[0].op_id for e in events)
     assert fake.state()["clusters"] == {} and fake.commands().count("down") == 2
+    # what the cluster cost, as SkyPilot's cost report said it, is on the down step: the accounting's price
+    from haru.core.events import ClusterCost, StepCompleted
+
+    (down,) = [e for e in events if isinstance(e, StepCompleted) and e.step == "down" and e.op_id == retry[0].op_id]
+    assert down.costs == [ClusterCost(cluster="haru-cloud-a", total="1.25", seconds=3600.0)]

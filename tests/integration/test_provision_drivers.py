@@ -73,6 +73,8 @@ async def test_launch_status_cost_down(layout, fake):
     status = await sky.status("haru-cloud-a")
     assert (status.status, status.region) == ("UP", "us-east-1")
     assert await sky.cost("haru-cloud-a") == 1.25
+    report = await sky.cost_report("haru-cloud-a")
+    assert report is not None and (report.total, report.seconds) == ("1.25", 3600.0)
     assert await sky.down("haru-cloud-a") is True
     assert await sky.status("haru-cloud-a") is None
     calls = len(fake.calls())

@@ -27,12 +27,12 @@ def base(tmp_path_factory) -> tuple[Path, Path]:
     return tiny_model(root / "model"), tiny_data(root / "data.jsonl")
 
 
-def start(base, ckpt: Path, out: Path, **env) -> subprocess.Popen:
+def start(base, ckpt: Path, out: Path, steps: int = STEPS, **env) -> subprocess.Popen:
     model, data = base
     full = dict(os.environ, **TRAINER_ENV, HARU_CHECKPOINT_DIR=str(ckpt), HARU_GPU_INDEX="0", **env)
     with open(out, "ab") as f:
         return subprocess.Popen(
-            train_command(model, data, steps=STEPS, every=EVERY), stdout=f, stderr=subprocess.STDOUT, env=full
+            train_command(model, data, steps=steps, every=EVERY), stdout=f, stderr=subprocess.STDOUT, env=full
         )
 
 
@@ -40,8 +40,8 @@ def said(out: Path) -> str:
     return out.read_text() if out.exists() else ""
 
 
-def run_through(base, ckpt: Path, out: Path) -> str:
-    proc = start(base, ckpt, out)
+def run_through(base, ckpt: Path, out: Path, steps: int = STEPS) -> str:
+    proc = start(base, ckpt, out, steps)
     assert proc.wait(timeout=150) == 0, said(out)[-2000:]
     return said(out)
 
@@ -53,34 +53,34 @@ def complete_checkpoints(ckpt: Path) -> list[Path]:
 
 
 def test_sigkill_at_random_moments_loses_at_most_the_steps_since_the_last_checkpoint(base, tmp_path):
-    ckpt, rnd = tmp_path / "ckpt", random.Random()
+    ckpt, rnd, steps = tmp_path / "ckpt", random.Random(), 3 * STEPS
     losses = []
     for attempt in range(3):
         out = tmp_path / f"run-{attempt}.log"
         before = latest_step(ckpt)
-        proc = start(base, ckpt, out)
+        proc = start(base, ckpt, out, steps)
         # once it trains (past the resume), a random moment: mid-step, mid-checkpoint, between
         wait_until_sync(lambda: steps_said(said(out)) > before, 120, what=lambda: said(out)[-1500:])  # noqa: B023
         time.sleep(rnd.uniform(0, 0.6))
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
+        if before:  # it went on from the checkpoint the last kill left
+            assert f"at step {before} " in said(out) and "resumed from" in said(out), said(out)[:1500]
+        if (ckpt / "publish.json").exists():
+            break  # (a loaded machine is slow, a quiet one fast: it may have finished before the kill)
         done, kept = steps_said(said(out)), latest_step(ckpt)
-        if done >= STEPS:
-            break
         assert done - kept <= EVERY, f"killed after step {done}, the last checkpoint is step {kept}"
         losses.append(done - kept)
         for c in complete_checkpoints(ckpt):  # never a half-written checkpoint in place
             assert {"state.json", "optimizer.pt", "adapter_model.safetensors", "adapter_config.json"} <= {
                 f.name for f in c.iterdir()
             }, c
-        # the next start resumes exactly where the latest checkpoint is
-        if kept:
-            assert latest_step(ckpt) == kept
-    final = run_through(base, ckpt, tmp_path / "final.log")
-    assert not (ckpt / "latest").exists()  # a finished run leaves no checkpoint behind
+    if not (ckpt / "publish.json").exists():
+        before = latest_step(ckpt)
+        final = run_through(base, ckpt, tmp_path / "final.log", steps)
+        assert not before or f"at step {before} " in final, final[:1500]
     manifest = json.loads((ckpt / "publish.json").read_text())
-    assert manifest["metrics"]["steps"] == STEPS
-    assert "resumed from" in final or not any(losses), final[-1500:]
+    assert manifest["metrics"]["steps"] == steps
     print(f"steps lost per SIGKILL: {losses} (checkpoint every {EVERY})")
 
 

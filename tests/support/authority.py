@@ -40,5 +40,6 @@ def build(
         "eligible": True, "active": domain, "reference": "ollama:library/qwen3:0.6b", "upto": 1, "source": domain,
         "base_model": model, "adapter": "a", "version": "run-1", "object_name": "o", "digest": "sha256:00",
         "size_bytes": 1, "rank": 8, "state": "resident",
+        "gateway": "gw",
     }  # fmt: skip
     return msgspec.convert(fields, cls)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import nats.errors
 import nats.js.errors
 
 from haru.core.errors import LogError, LogUnavailable
-from haru.host.natsd import find_binary, free_port
+from haru.host.natsd import find_binary
 from haru.log.eventlog import EventLog
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,7 +28,14 @@ DEPLOY = REPO / "deploy" / "nats"
 
 
 # How the shipped accounts.conf and nats.env.example were generated (their header says so too).
-GEN_ARGS = ["deploy/examples/demo-fleet.json", "deploy/examples/hearth.json", "--agent", "edge:box-1"]
+GEN_ARGS = [
+    "deploy/examples/demo-fleet.json",
+    "deploy/examples/hearth.json",
+    "--agent",
+    "edge:box-1",
+    "--router",
+    "default:edge-1",
+]
 
 
 def read_env(path: Path) -> dict[str, str]:
@@ -53,6 +61,32 @@ def generated_secrets(root: Path) -> dict[str, str]:
     return env
 
 
+def lasting_port() -> int:
+    """A free loopback port below the kernel's ephemeral range, for a node that is stopped and started again on
+    the same ports (a power loss, a restart). A port the kernel handed out (`bind(0)`) can be taken again, while
+    the node is down, as the local end of any outgoing connection on the machine, and the restarted node then
+    fails with "address already in use"; the kernel never hands out a port below its ephemeral range, so only
+    another explicit choice could collide there."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12_000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free loopback port found below {low}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def rewrite(text: str, old: str, new: str) -> str:
     assert text.count(old) == 1, f"the shipped node config no longer has exactly one {old!r}; update this test"
     return text.replace(old, new)
@@ -63,7 +97,7 @@ class Node:
         self.index = index
         self.name = f"haru-nats-{index}"
         self.dir = root / f"node-{index}"
-        self.port, self.http_port, self.cluster_port = free_port(), free_port(), free_port()
+        self.port, self.http_port, self.cluster_port = lasting_port(), lasting_port(), lasting_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     def config(self) -> Path:
@@ -184,7 +218,7 @@ class Cluster:
 
 
 def start_cluster(root: Path, attempts: int = 3) -> Cluster:
-    """Three nodes on free loopback ports. `free_port` only says a port was free a moment ago: when
+    """Three nodes on free loopback ports. `lasting_port` only says a port was free a moment ago: when
     another process took one before the node bound it ("address already in use"), start again on
     fresh ports (bounded); any other failure is the test's."""
     for attempt in range(1, attempts + 1):

@@ -12,6 +12,8 @@ of 2d on top of the path's own. Commands arrive one per line on stdin, each answ
                          A-B and B-A (data is held, not dropped, as TCP over a downed link would
                          retransmit it); new connections are accepted and held unconnected
     heal A B             the link is up again: held data flows, held connections connect
+    cut-routes A B       only the NATS routes between A and B stop (pairs named A-Br / B-Ar): the two
+    heal-routes A B      nodes lose each other while clients still reach both
     quit                 stop
 
 A cut holds bytes instead of closing sockets on purpose: a real partition closes nothing, and what
@@ -40,10 +42,18 @@ class Proxy:
         self.links: dict[frozenset[str], Link] = {}
         self.tasks: set[asyncio.Task] = set()
 
-    def link(self, a: str, b: str) -> Link:
-        return self.links.setdefault(frozenset((a, b)), Link())
+    def link(self, a: str, b: str, kind: str = "") -> Link:
+        return self.links.setdefault(frozenset((a, b, kind)) if kind else frozenset((a, b)), Link())
 
-    async def pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Link) -> None:
+    def links_of(self, pair: str) -> tuple[Link, ...]:
+        """The links a pair's bytes wait on: the regions' link, and the routes' own for a route pair (A-Br)."""
+        a, b = pair.split("-")
+        if b.endswith("r"):
+            b = b[:-1]
+            return (self.link(a, b), self.link(a, b, "routes"))
+        return (self.link(a, b),)
+
+    async def pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, links: tuple[Link, ...]) -> None:
         queue: deque[tuple[float, bytes]] = deque()
         arrived = asyncio.Event()
         done = False
@@ -72,7 +82,9 @@ class Proxy:
                 wait = due - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
-                await link.up.wait()
+                while not all(link.up.is_set() for link in links):
+                    for link in links:
+                        await link.up.wait()
                 queue.popleft()
                 writer.write(data)
                 await writer.drain()
@@ -83,17 +95,17 @@ class Proxy:
             writer.close()
 
     async def serve(self, pair: str, port: int, host: str, target: tuple[str, int]) -> asyncio.Server:
-        a, b = pair.split("-")
-
         async def accept(down_r: asyncio.StreamReader, down_w: asyncio.StreamWriter) -> None:
-            link = self.link(a, b)
-            await link.up.wait()
+            links = self.links_of(pair)
+            while not all(link.up.is_set() for link in links):
+                for link in links:
+                    await link.up.wait()
             try:
                 up_r, up_w = await asyncio.open_connection(*target)
             except OSError:
                 down_w.close()
                 return
-            await asyncio.gather(self.pump(down_r, up_w, link), self.pump(up_r, down_w, link))
+            await asyncio.gather(self.pump(down_r, up_w, links), self.pump(up_r, down_w, links))
 
         return await asyncio.start_server(accept, host, port, reuse_address=True)
 
@@ -109,6 +121,10 @@ class Proxy:
                 self.link(words[1], words[2]).up.clear()
             elif words[0] == "heal":
                 self.link(words[1], words[2]).up.set()
+            elif words[0] == "cut-routes":
+                self.link(words[1], words[2], "routes").up.clear()
+            elif words[0] == "heal-routes":
+                self.link(words[1], words[2], "routes").up.set()
             elif words[0] == "quit":
                 break
             print("ok", flush=True)

@@ -198,7 +198,8 @@ elif cmd == "down":
     save()
     print(f"Terminating cluster {{name}}...done.")
 elif cmd == "cost-report":
-    print(json.dumps([{{"name": n, "total_cost": state.get("cost_per_cluster", 1.25), "status": c["status"]}}
+    print(json.dumps([{{"name": n, "total_cost": state.get("cost_per_cluster", 1.25), "status": c["status"],
+                        "duration": state.get("duration_per_cluster", 3600)}}
                       for n, c in state["clusters"].items()]))
 elif cmd == "serve":
     sub = argv[1]

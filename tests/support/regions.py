@@ -15,6 +15,8 @@ hub, so a one-way delay d there is an inter-region round trip of 2d. Faults:
   other regions and from the test, and nothing is closed; whoever waits for an answer notices.
 - `cut(a, b)` / `heal(a, b)`: only the NATS paths between two regions stop (the proxy holds their bytes);
   chat traffic and the other paths stay up.
+- `isolate_node(r)` / `rejoin_node(r)`: only region r's NATS node loses its routes to the others
+  (`cut_routes`); every client, r's own included, still reaches every node.
 - `kill_region(r)`: SIGKILL of every process started in r (their process groups) and its link down.
 
 Nothing leaves these namespaces: no forwarding, no NAT, no route to the outside; the root namespace
@@ -262,7 +264,7 @@ class Regions:
         for a in self.regions():
             for b in self.regions():
                 if a != b:
-                    pairs.append(f"{a}-{b}={self.route_port(a, b)}:{self.ip(b)}:{CLUSTER_PORT}")
+                    pairs.append(f"{a}-{b}r={self.route_port(a, b)}:{self.ip(b)}:{CLUSTER_PORT}")
                     pairs.append(f"{a}-{b}={self.client_port(a, b)}:{self.ip(b)}:{NATS_PORT}")
         log = open(self.root / "delay-proxy.log", "ab")
         self.proxy = subprocess.Popen(
@@ -344,6 +346,25 @@ class Regions:
 
     def heal(self, a: int, b: int) -> None:
         self._proxy(f"heal {a} {b}")
+
+    def cut_routes(self, a: int, b: int) -> None:
+        """Only the NATS routes between a and b stop: the two nodes lose each other, clients reach both."""
+        self._proxy(f"cut-routes {a} {b}")
+
+    def heal_routes(self, a: int, b: int) -> None:
+        self._proxy(f"heal-routes {a} {b}")
+
+    def isolate_node(self, region: int) -> None:
+        """Region's NATS node loses its routes to every other node (scenario d); its clients, in the region
+        and elsewhere, still reach every node."""
+        for b in self.regions():
+            if b != region:
+                self.cut_routes(region, b)
+
+    def rejoin_node(self, region: int) -> None:
+        for b in self.regions():
+            if b != region:
+                self.heal_routes(region, b)
 
     def partition(self, region: int) -> None:
         """Region's only link goes down: cut from the other regions and from the test."""

@@ -26,6 +26,7 @@ KINDS = (
     "training",
     "integrity",
     "domain_integrity",
+    "usage",
 )
 
 
@@ -52,6 +53,7 @@ def subject_of(
         "training": lambda: sj.training(fleet, domain, slot),
         "integrity": lambda: sj.integrity(fleet),
         "domain_integrity": lambda: sj.domain_integrity(fleet, domain),
+        "usage": lambda: sj.usage(fleet),
     }[kind]()
 
 
@@ -147,7 +149,7 @@ def test_something_that_is_not_an_event_subject_holds_no_event():
 # ----------------------------------------------------------------------------------- properties
 
 names = st.from_regex(r"[a-z0-9_-]{1,12}", fullmatch=True).filter(
-    lambda n: n not in ("decl", "route", "op", "checkpoint", "weights")
+    lambda n: n not in ("decl", "route", "op", "checkpoint", "weights", "integrity", "usage")
 )
 model_ids = st.text(st.characters(blacklist_categories=("Cs", "Zs", "Zl", "Zp", "Cc")), min_size=1, max_size=20)
 
@@ -193,6 +195,7 @@ def test_a_body_that_names_anything_else_than_its_subject_is_misplaced(cls, data
             "training": ("fleet", "domain", "slot"),
             "integrity": ("fleet",),
             "domain_integrity": ("fleet", "domain"),
+            "usage": ("fleet",),
         }[kind]
     ]
     subject = subject_of(kind, **mine)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import structlog
 
 from haru.core.errors import LogError, LogUnavailable
-from haru.promoter.quorum import Quorum, no_quorum
+from haru.promoter.quorum import Quorum, no_quorum, reaches_most
 
 
 def test_only_failures_no_majority_answered_count_as_minority():
@@ -40,3 +40,25 @@ def test_a_record_committed_after_entering_minority_ends_it_and_one_from_before_
     assert q.state == "minority"
     assert q.committed(q.entered_ns + 1)
     assert q.state == "majority"
+
+
+def test_a_promoter_hearing_most_of_the_promoters_it_knows_is_on_the_majoritys_side():
+    assert reaches_most(heard=2, known=3)  # a lost region's promoter is missed; ours and one more are heard
+    assert reaches_most(heard=3, known=3)
+    assert not reaches_most(heard=1, known=3)  # only itself: it may be the one cut off
+    assert not reaches_most(heard=2, known=4)  # half is not most
+    assert not reaches_most(heard=2, known=2)  # too few known to tell a cut from an election
+    assert not reaches_most(heard=1, known=1)
+
+
+def test_an_episode_while_most_promoters_are_heard_keeps_what_was_heard_unless_they_fall_silent():
+    q = Quorum(structlog.get_logger("test"))
+    assert q.failed(LogUnavailable("appending: no stream leader answered in time"), heard_most=True)
+    assert q.state == "minority" and not q.cut_off  # a stream electing its leader: silence stays evidence
+    q.alone()  # then the other promoters fall silent too: this may be our own isolation after all
+    assert q.cut_off
+    assert q.answered() and q.cut_off  # the episode ends as one whose silence is measured afresh
+
+    q2 = Quorum(structlog.get_logger("test"))
+    assert q2.failed(LogUnavailable("timed out waiting for NATS"))  # not told: assumed cut off
+    assert q2.cut_off

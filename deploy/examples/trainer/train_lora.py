@@ -2,7 +2,7 @@
 """An example LoRA trainer that keeps Haru's training contract. Copy it and change the model and the data.
 
     python train_lora.py --base MODEL_DIR --base-model NAME --adapter NAME --data data.jsonl \
-        [--steps 200] [--checkpoint-every 20] [--rank 8] [--batch 4] [--lr 1e-3] [--seed 0]
+        [--steps 200] [--checkpoint-every 20] [--rank 8] [--batch 4] [--lr 1e-3] [--seed 0] [--dtype bfloat16]
 
 The contract (the agent adds exactly these to the environment of the slot's command):
 
@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the base's weights")
     args = p.parse_args(argv)
 
     root = Path(os.environ.get("HARU_CHECKPOINT_DIR") or "")
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     # the fast tokenizer where the model ships one (tokenizer.json), else the sentencepiece one as it is
     tokenizer = AutoTokenizer.from_pretrained(args.base, use_fast=(Path(args.base) / "tokenizer.json").exists())
-    base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32).to(device)
+    base = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, args.dtype)).to(device)
 
     ckpt = latest_checkpoint(root)
     if ckpt is not None:
