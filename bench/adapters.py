@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 
+from haru.core import subjects  # noqa: E402
 from haru.core.layout import load_layout  # noqa: E402
 from haru.gateway.config import GatewayConfig  # noqa: E402
 from haru.gateway.server import Gateway  # noqa: E402
@@ -233,7 +234,7 @@ async def rollback(log, url: str, base: str, root: Path, load: Load) -> dict:
     await publish(log, root / "sql-2", base=base, adapter="sql", version="run-2")
     view = await wait_view(log, lambda v: v.adapters[served].canary == "run-2", timeout=60, what="run-2 a canary")
     endpoint = ""
-    for rec in await log.history("haru.evt.default.a.model.*"):
+    for rec in await log.history(subjects.model("default", "a", base)):  # the base model's runtime
         endpoint = getattr(rec.event, "endpoint", "") or endpoint
     name = f"{served}@run-2"
     async with aiohttp.ClientSession() as s, s.post(f"{endpoint}/_sim/fail_lora", params={"name": name}) as r:
