@@ -451,6 +451,7 @@ class Promoter:
         if isolated and not self._isolated_since:
             self._isolated_since = time.monotonic()
             self.log_.warning("peers_unheard", detail="most promoters are not heard: no domain is judged silent")
+            self.quorum.unheard()  # the named state `minority`, left when the majority is back within reach
         elif not isolated and self._isolated_since:
             took = time.monotonic() - self._isolated_since
             self._isolated_since = 0.0

@@ -62,3 +62,12 @@ def test_an_episode_while_most_promoters_are_heard_keeps_what_was_heard_unless_t
     q2 = Quorum(structlog.get_logger("test"))
     assert q2.failed(LogUnavailable("timed out waiting for NATS"))  # not told: assumed cut off
     assert q2.cut_off
+
+
+def test_most_promoters_unheard_is_minority_as_a_cut_said_once():
+    with structlog.testing.capture_logs() as logs:
+        q = Quorum(structlog.get_logger("test"))
+        assert q.unheard() and q.state == "minority" and q.cut_off
+        assert not q.unheard()  # said once
+        assert q.committed(q.entered_ns + 1) and q.state == "majority"
+    assert [e["event"] for e in logs] == ["quorum_lost", "quorum_regained"]

@@ -76,6 +76,7 @@ async def test_a_promoter_that_no_longer_hears_most_promoters_judges_no_silence_
         p.peers.last[("promoter", n)] = now - 10
     isolated = p.facts(st)
     assert isolated.silent_ms == {"a": None, "b": None} and isolated.listening_ms == 0
+    assert p.quorum.state == "minority"  # said in the named state, as a cut
 
     for n in ("promoter:r1", "promoter:r2"):  # the heal: heard again
         p.peers.last[("promoter", n)] = time.monotonic()
