@@ -429,6 +429,77 @@ async def test_a_router_is_never_handed_the_surviving_intent_of_a_route_move_the
             server.kill()
 
 
+@pytest.mark.timeout(90)
+async def test_the_gateway_never_routes_by_the_surviving_intent_of_a_route_move_the_damaged_log_lost(tmp_path):
+    """The same damage as above, the gateway following: after the log is back it routes by no pointer the
+    log no longer holds (here: by none, the log holds no route_moved), then by the projector's new intent."""
+    from haru.core.views import DomainView, FleetView
+    from tests.support.gateway import running_gateway
+
+    require_fuse()
+    with LazyFS(tmp_path / "store") as fs:
+        server = NatsServer(fs.mountpoint, sync_interval="always", log_file=tmp_path / "nats.log")
+        await server.start()
+        try:
+            async with EventLog.connect([server.url], writer="promoter", timeout=2.0) as log:
+                await log.ensure()
+                await declare_fleet(log)
+                domains = {d: DomainView(name=d) for d in ("a", "b")}
+                await log.put_view(
+                    subjects.view_key(FLEET), view_encoder.encode(FleetView(fleet=FLEET, domains=domains)), last=0
+                )
+                fs.writeback()
+                events_kept = (fs.mountpoint / block_files(fs, subjects.EVENTS_STREAM)[0]).stat().st_size
+                move = subjects.route(FLEET)
+                to_a = await log.append(move, ev.RouteMoved(at=datetime.now(UTC), active="a"), expect=0)
+                first = await log.publish_intent(FLEET, intent(to_a, "a"), expect=0)
+                route_kept = (fs.mountpoint / block_files(fs, subjects.ROUTE_STREAM)[0]).stat().st_size
+                to_b = await log.append(move, ev.RouteMoved(at=datetime.now(UTC), active="b"), expect=to_a)
+                await log.publish_intent(FLEET, intent(to_b, "b"), expect=first)
+                async with EventLog.connect([server.url], writer="gateway", timeout=2.0) as gw_log:
+                    async with running_gateway(gw_log, resync_ms=200) as gw:
+
+                        def routed() -> tuple[int, str] | None:
+                            routes = gw.table.get(FLEET)
+                            return None if routes is None or not routes.active else (routes.revision, routes.active)
+
+                        await wait_until(lambda: routed() == (to_b, "b"), 10, what="the gateway routing on b")
+                        server.kill()
+                        fs.truncate(block_files(fs, subjects.EVENTS_STREAM)[0], events_kept)
+                        fs.truncate(block_files(fs, subjects.ROUTE_STREAM)[0], route_kept)
+                        await server.start()
+                        async with asyncio.timeout(30):
+                            while True:
+                                with contextlib.suppress(LogError):
+                                    survivor = await log.last_intent(FLEET)
+                                    break
+                                await asyncio.sleep(0.1)
+                        t_back = time.monotonic()
+                        assert survivor is not None and survivor[1] == first
+                        seen: list[tuple[int, str]] = []
+                        # the gateway has seen the log rewound and applied what it holds now
+                        while time.monotonic() - t_back < 3 or (routed() or (0, ""))[1] == "b":
+                            if (now := routed()) is not None:
+                                seen.append(now)
+                            assert time.monotonic() - t_back < 30, f"the gateway still routes by {routed()}"
+                            await asyncio.sleep(0.01)
+                        again = await log.append(move, ev.RouteMoved(at=datetime.now(UTC), active="b"), expect=0)
+                        await log.publish_intent(FLEET, intent(again, "b"), expect=first)
+                        await wait_until(lambda: routed() == (again, "b"), 20, what="the gateway following the log")
+                    # what it was handed after the log was back (before it read the log it still holds b)
+                    handed = [r for i, r in enumerate(seen) if r != (seen[i - 1] if i else (to_b, "b"))]
+                    rewound = []
+                    for revision, active in handed:
+                        rec = await log.read_seq(revision)
+                        if not (
+                            rec is not None and isinstance(rec.event, ev.RouteMoved) and rec.event.active == active
+                        ):
+                            rewound.append((revision, active))
+                    assert rewound == [], f"the gateway routed by pointers the log no longer holds: {rewound}"
+        finally:
+            server.kill()
+
+
 def test_a_reader_takes_a_lower_or_changed_sequence_as_a_reset_and_ignores_only_a_redelivery():
     from haru.core.receipts import reading
 
