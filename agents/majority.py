@@ -8,7 +8,8 @@ reach nobody past it, and appends wait on a leader it cannot reach. nats-py reco
 connection itself fails, so the agent asks: every `interval_s` it checks, through the server it is on,
 that the event stream has a leader backed by a majority (`EventLog.reaches_majority`: no leader, a
 leader that no longer hears its replicas, or no answer all say no). After `failures` such checks in a
-row it asks its other servers, each on a connection of its own, in its order, and moves to the first
+row (one, by default: a move needs another server that says yes, so a slow answer costs a probe, not a
+move) it asks its other servers, each on a connection of its own, in its order, and moves to the first
 that reaches a majority (`move_to`, nats-py's own reconnect steered there: subscriptions and the command
 service follow), logging `nats node has no majority; moving to a server that has one` with both servers.
 When none does (an election, which leaves every node without a leader for a few seconds; or the agent's
@@ -48,7 +49,7 @@ class MajorityWatch:
         servers: list[str],
         interval_s: float,
         logger: Any,
-        failures: int = 2,
+        failures: int = 1,
         home_every_s: float = 5.0,
     ) -> None:
         """`servers`: the agent's servers in its order, its own region's node (its home) first."""

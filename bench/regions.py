@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from haru.core import subjects  # noqa: E402
+from haru.core.errors import LogError, LogUnavailable  # noqa: E402
 from haru.core.events import DomainUnreachable, PromotionRequested, RouteMoved, StepCompleted  # noqa: E402
 from haru.log.eventlog import EventLog  # noqa: E402
 from tests.support.region_fleet import FLEET, ClientLoad, RegionFleet, p99, view  # noqa: E402
@@ -147,11 +148,10 @@ async def one(rtt_ms: int, root: Path, steady_s: float, tail_s: float, lead: int
     detect = first(DomainUnreachable, lambda e: e.domain == "a")
     decide = first(PromotionRequested)
     flip = first(RouteMoved)
-    steps = {
-        r.event.step: r.event.took_ms
-        for r in recs
-        if isinstance(r.event, StepCompleted) and r.time_ns / 1e9 >= wall_fault and r.event.step in ("wake", "probe")
-    }
+    steps: dict[str, int] = {}  # the failover's own wake and probe: the first after the fault (a later
+    for r in recs:  # operation, a demotion settling the old active, has steps of the same names)
+        if isinstance(r.event, StepCompleted) and r.time_ns / 1e9 >= wall_fault and r.event.step in ("wake", "probe"):
+            steps.setdefault(r.event.step, r.event.took_ms)
     after = load.since(t_fault)
     before = [d for d in load.done if d[0] < t_fault]
     cp_ms = None
@@ -301,8 +301,7 @@ async def faulted(rtt_ms: int, root: Path, steady_s: float, tail_s: float, scena
                 note = await fault(rg, t_fault)
                 await wait(lambda: settled(rg), 120, "a settled fleet after the fault")
                 await asyncio.sleep(tail_s)
-            async with EventLog.connect(rg.test_urls(), writer="bench") as log:
-                recs = await log.history(subjects.fleet_events(FLEET))
+            recs = await fleet_history(rg)
         finally:
             fleet.kill_agents_runtimes()
     after = [r for r in recs if r.time_ns / 1e9 >= wall_fault and r.event is not None]
@@ -321,6 +320,9 @@ async def faulted(rtt_ms: int, root: Path, steady_s: float, tail_s: float, scena
     flips = sum(1 for r in after if isinstance(r.event, RouteMoved))
     done = load.since(t_fault)
     before = [d for d in load.done if d[0] < t_fault]
+    failures = sorted({d[3][:60] for d in done if d[3] != "ok"})
+    if failures:
+        note += f"; failures: {failures[:3]}"
     return {
         "scenario": scenario,
         "rtt": rtt_ms,
@@ -336,6 +338,19 @@ async def faulted(rtt_ms: int, root: Path, steady_s: float, tail_s: float, scena
         "p99_steady": p99([d[1] - d[0] for d in before]),
         "note": f"{note}; {ops} operations, {flips} flips",
     }
+
+
+async def fleet_history(rg: Regions, within_s: float = 30.0) -> list:
+    """The fleet's events, read through the majority: retried while JetStream elects after a heal."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            async with EventLog.connect(rg.test_urls(), writer="bench") as log:
+                return await log.history(subjects.fleet_events(FLEET))
+        except (LogUnavailable, LogError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
 
 
 async def one_node_cut(rtt_ms: int, root: Path, steady_s: float, tail_s: float) -> dict:

@@ -7,6 +7,7 @@
     GET /ui/api/operations?fleet=          past and running operations with their steps and durations
     GET /ui/api/why?fleet=&model=          a model's story (haru why), newest first
     GET /ui/api/verify?fleet=              haru verify over the fleet's subjects
+    GET /ui/api/cost?fleet=&hours=24       the accounting of the last `hours` (haru cost --json, docs/cost.md)
 
 Everything but the static files sits behind the same bearer token as the control API (the page asks
 for it and keeps it in the tab's sessionStorage); promote/demote go through the control API itself.
@@ -143,6 +144,8 @@ class Console:
             return await self.verify(request)
         if path == "/ui/api/routers":
             return self.routers_behind(request)
+        if path == "/ui/api/cost":
+            return await self.cost(request)
         raise ApiError(404, "not_found", f"no such console endpoint: {path} (the console is at /ui)")
 
     async def stream(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -228,6 +231,26 @@ class Console:
             raise ApiError(503, "log_unavailable", f"the event log is unreachable: {exc}") from None
         picked = [have[seq] for seq in sorted(have)]
         return _json_response({"fleet": fleet, "model": model, "events": story_items(picked)})
+
+    async def cost(self, request: web.BaseRequest) -> web.Response:
+        """The fleet's accounting over the last `hours` (24 by default), as `haru cost --json` prints it."""
+        from datetime import UTC, datetime, timedelta
+
+        from haru.core.cost import account
+
+        fleet = self._fleet(request)
+        try:
+            hours = float(request.query.get("hours", "24"))
+        except ValueError:
+            hours = -1.0
+        if not 0 < hours <= 24 * 366:
+            raise ApiError(
+                400, "invalid_request", "hours must be a number of hours, above 0, a year at most", param="hours"
+            )
+        records = await self._records(subjects.fleet_events(fleet))
+        until = datetime.now(UTC)
+        acct = account(records, fleet, since=until - timedelta(hours=hours), until=until)
+        return _json_response(acct.to_builtins())
 
     async def verify(self, request: web.BaseRequest) -> web.Response:
         from haru.log.history import Verifier

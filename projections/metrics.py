@@ -17,6 +17,7 @@ haru_projector_lag_seconds                     0 when caught up; otherwise how l
                                                handled event was recorded (an upper bound on the
                                                age of the oldest event not yet folded)
 haru_projector_fleets                          fleets this projector folds
+haru_cost_*                                    each fleet's accounting over a window (cost_metrics.py)
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import time
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from haru.projections.cost_metrics import CostCollector, register_cost
 
 _COUNTERS = (
     # (metric name without _total, Stats field, help)
@@ -63,9 +66,12 @@ class ProjectorCollector:
     def __init__(self, projector) -> None:
         self.projector = projector
         self.stream_last_seq = 0
+        self.cost: CostCollector | None = None  # the haru_cost_* gauges (projections/cost_metrics.py)
 
     async def refresh(self) -> None:
         self.stream_last_seq = await self.projector.log.last_seq()
+        if self.cost is not None:
+            await self.cost.refresh()  # starts a recomputation in the background when due
 
     def collect(self):
         stats = self.projector.stats
@@ -100,4 +106,5 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 def register(registry: CollectorRegistry, projector) -> ProjectorCollector:
     collector = ProjectorCollector(projector)
     registry.register(collector)
+    collector.cost = register_cost(registry, projector)
     return collector

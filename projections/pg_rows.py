@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any, Protocol
 
 from haru.core import authority, subjects
@@ -267,6 +268,8 @@ class _Batch:
     finish_steps: list[tuple[Any, ...]] = field(default_factory=list)
     domains: list[tuple[Any, ...]] = field(default_factory=list)
     retargets: list[tuple[Any, ...]] = field(default_factory=list)
+    prices: list[tuple[Any, ...]] = field(default_factory=list)
+    tokens: list[tuple[Any, ...]] = field(default_factory=list)
 
     def skip(self, rec: LogRecord, error: str) -> None:
         self.skipped.append((rec.seq, rec.subject, error))
@@ -304,6 +307,15 @@ class _Batch:
         elif kind is ev.DomainRetired:
             at = utc(e.at)
             self.domains.append((fleet, e.domain, None, None, None, None, None, seq, at, at))
+        elif kind is ev.PriceDeclared:
+            p = e.price
+            self.prices.append(
+                (seq, fleet, e.domain, Decimal(p.per_hour) if p else None, p.currency if p else None,
+                 p.source if p else "", p.basis if p else "", utc(e.at))
+            )  # fmt: skip
+        elif kind is ev.TokensCounted:
+            for m in e.models:
+                self.tokens.append((seq, m.model, fleet, e.gateway, m.prompt, m.completion, m.responses, utc(e.at)))
 
     def incident_opened(self, seq: int, fleet: str, e: ev.ModelLost) -> None:
         key = (fleet, e.domain, e.model)
@@ -436,6 +448,8 @@ class _Batch:
                 "incidents": [r.row() for r in self.new_incidents.values()],
                 "operation_steps": [r.row() for r in self.new_steps.values()],
                 "skipped_events": self.skipped_rows,
+                "prices": self.prices,
+                "tokens": self.tokens,
             },
             close_incidents=self.close_incidents,
             insert_operations=[r.row() for r in self.new_operations.values()],

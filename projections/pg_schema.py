@@ -17,6 +17,8 @@ Everything lives in the `haru` schema, so the read model can share a database wi
     haru.operations          promotions and demotions: requested -> completed | aborted       (v2)
     haru.operation_steps     each step of an operation: started -> completed | failed | restarted (v2)
     haru.domains             each domain's provider and region, from domain_declared/changed/retired (v3)
+    haru.prices, haru.tokens price_declared and tokens_counted rows; views haru.price_periods,
+                             haru.tokens_per_day, haru.failover_costs (v6, docs/cost.md)
 """
 
 from __future__ import annotations
@@ -196,6 +198,53 @@ ALTER TABLE haru.operations
     ADD COLUMN tried  text[] NOT NULL DEFAULT '{}';   -- promotion_retargeted: the standbys left, in order
 """,
     ),
+    Migration(
+        6,
+        "cost: prices, tokens served, and views over them (docs/cost.md)",
+        """
+CREATE TABLE haru.prices (
+    seq          bigint PRIMARY KEY,       -- price_declared
+    fleet        text NOT NULL,
+    domain       text NOT NULL,
+    per_hour     numeric,                  -- NULL: unpriced from then on
+    currency     text,
+    source       text NOT NULL DEFAULT '',
+    basis        text NOT NULL DEFAULT '',
+    declared_at  timestamptz NOT NULL
+);
+CREATE TABLE haru.tokens (
+    seq          bigint NOT NULL,          -- tokens_counted: one row per model it counted
+    model        text NOT NULL,
+    fleet        text NOT NULL,
+    gateway      text NOT NULL,
+    prompt       bigint NOT NULL,
+    completion   bigint NOT NULL,
+    responses    bigint NOT NULL,
+    counted_at   timestamptz NOT NULL,
+    PRIMARY KEY (seq, model)
+);
+-- Each declared price with the period it was in force: [valid_from, valid_until), NULL = still.
+CREATE VIEW haru.price_periods AS
+SELECT fleet, domain, per_hour, currency, source, basis, declared_at AS valid_from,
+       LEAD(declared_at) OVER (PARTITION BY fleet, domain ORDER BY declared_at, seq) AS valid_until
+FROM haru.prices;
+-- Tokens served per fleet, model and UTC day, from the gateways' tokens_counted deltas.
+CREATE VIEW haru.tokens_per_day AS
+SELECT fleet, model, date_trunc('day', counted_at AT TIME ZONE 'UTC') AS day,
+       sum(prompt) AS prompt, sum(completion) AS completion, sum(prompt + completion) AS tokens,
+       sum(responses) AS responses
+FROM haru.tokens GROUP BY fleet, model, date_trunc('day', counted_at AT TIME ZONE 'UTC');
+-- Each promotion with the seconds from its request to its end, and what its target cost an hour then.
+CREATE VIEW haru.failover_costs AS
+SELECT o.fleet, o.op_id, o.source, o.target, o.reason, o.requested_at, o.outcome,
+       o.duration_ms / 1000.0 AS seconds, p.per_hour AS target_per_hour, p.currency
+FROM haru.operations o
+LEFT JOIN haru.price_periods p
+  ON p.fleet = o.fleet AND p.domain = o.target AND p.valid_from <= o.requested_at
+ AND (p.valid_until IS NULL OR o.requested_at < p.valid_until)
+WHERE o.kind = 'promotion';
+""",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version
@@ -238,6 +287,9 @@ DOMAIN_COLUMNS = (
     "retired_at",
 )  # fmt: skip
 
+PRICE_COLUMNS = ("seq", "fleet", "domain", "per_hour", "currency", "source", "basis", "declared_at")
+TOKEN_COLUMNS = ("seq", "model", "fleet", "gateway", "prompt", "completion", "responses", "counted_at")
+
 # Rows appended by COPY (their keys are new by construction: the stream sequence).
 COPY_TABLES = {
     "residency_transitions": TRANSITION_COLUMNS,
@@ -245,6 +297,8 @@ COPY_TABLES = {
     "incidents": INCIDENT_COLUMNS,
     "operation_steps": STEP_COLUMNS,
     "skipped_events": SKIPPED_COLUMNS,
+    "prices": PRICE_COLUMNS,
+    "tokens": TOKEN_COLUMNS,
 }
 
 # Statements run with executemany, in this order, after the COPYs of a batch.

@@ -183,6 +183,7 @@ function render() {
   const opsKey = state.fleet + "|" + (view.operation ? view.operation.op_id + ":" + (view.operation.steps || []).length : "") +
     "|" + (view.last_operation ? view.last_operation.op_id + ":" + view.last_operation.state : "");
   if (opsKey !== state.lastOps) { state.lastOps = opsKey; loadOperations(); }
+  if (state.fleet !== state.costFleet) { state.costFleet = state.fleet; loadCost(); }
   if (state.timelineModel && !$("timeline").hidden) refreshTimeline();
 }
 
@@ -411,6 +412,69 @@ async function loadRouters() {
   }
 }
 setInterval(loadRouters, 2000);
+
+// ------------------------------------------------------------------------------------------ cost
+
+const CLASSES = ["active", "standby_training", "standby_idle", "waking", "lost", "unreachable"];
+const CLASS_WORDS = { active: "active", standby_training: "training", standby_idle: "idle", waking: "waking",
+  lost: "lost", unreachable: "unreachable" };
+const SVG = "http://www.w3.org/2000/svg";
+function svg(tag, attrs, ...children) {
+  const el = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs || {})) el.setAttribute(k, v);
+  for (const c of children) el.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return el;
+}
+function hours(s) { return s < 60 ? s.toFixed(0) + " s" : s < 3600 ? (s / 60).toFixed(1) + " min" : (s / 3600).toFixed(s < 36000 ? 2 : 1) + " h"; }
+
+async function loadCost() {
+  const fleet = state.fleet;
+  if (!fleet) return;
+  try {
+    const resp = await fetch("/ui/api/cost?fleet=" + encodeURIComponent(fleet) + "&hours=24", { headers: authHeaders() });
+    if (!resp.ok) throw new Error("HTTP " + resp.status);
+    const data = await resp.json();
+    if (fleet !== state.fleet) return;
+    renderCost(data);
+  } catch (err) {
+    $("cost").replaceChildren(h("p", { class: "error" }, "Could not load the cost: " + err.message));
+  }
+}
+setInterval(loadCost, 30000);
+
+function renderCost(data) {
+  // each domain's seconds by class, drawn over the whole window (a gap: no host, not billed)
+  const span = (Date.parse(data.until) - Date.parse(data.since)) / 1000;
+  const cur = data.currency || "";
+  const rows = Object.entries(data.domains).map(([name, d]) => {
+    let x = 0;
+    const segs = [];
+    for (const c of CLASSES) {
+      const s = d.seconds[c];
+      if (!s) continue;
+      const w = (1000 * s) / span;
+      segs.push(svg("rect", { x: x.toFixed(2), y: "0", width: w.toFixed(2), height: "16", class: "seg-" + c, "data-class": c },
+        svg("title", {}, CLASS_WORDS[c] + " " + hours(s) + (cur && d.cost[c] !== null ? ", " + d.cost[c] + " " + cur : ""))));
+      x += w;
+    }
+    const unpriced = Object.values(d.unpriced_seconds).reduce((a, b) => a + b, 0);
+    const money = (cur ? d.total_cost + " " + cur : "") + (unpriced > 0 ? (cur ? " · " : "") + "unpriced " + hours(unpriced) : "");
+    return h("div", { class: "cost-row", dataset: { testid: "cost-" + name } },
+      h("b", {}, name),
+      svg("svg", { class: "cost-bar", viewBox: "0 0 1000 16", preserveAspectRatio: "none", role: "img",
+        "aria-label": name + ": " + CLASSES.filter((c) => d.seconds[c]).map((c) => CLASS_WORDS[c] + " " + hours(d.seconds[c])).join(", ") }, ...segs),
+      h("span", { class: "mono", dataset: { testid: "cost-money-" + name } }, money));
+  });
+  const legend = h("div", { class: "cost-legend" }, CLASSES.map((c) =>
+    h("span", {}, svg("svg", { width: "10", height: "10" }, svg("rect", { width: "10", height: "10", class: "seg-" + c })), CLASS_WORDS[c])));
+  const perM = data.per_million_tokens.with_ha;
+  const sums = cur ? h("p", { class: "cost-sums", dataset: { testid: "cost-sums" } },
+    "fleet " + data.cost + " " + cur + " · HA premium " + data.ha_premium + " · harvested by training " + data.harvested +
+    " · " + data.total_tokens.toLocaleString() + " tokens" + (perM ? " · " + perM + " " + cur + " per million with HA, " +
+    data.per_million_tokens.without_ha + " without" : "") + (data.complete ? "" : " · some hours unpriced"))
+    : h("p", { class: "muted", dataset: { testid: "cost-sums" } }, "No price declared: hours only (docs/cost.md).");
+  $("cost").replaceChildren(...(rows.length ? [legend, ...rows, sums] : [h("p", { class: "muted" }, "No domain yet.")]));
+}
 
 // -------------------------------------------------------------------------------------- timeline
 

@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 
 from haru.core import subjects
-from haru.core.events import AgentStarted, FailureSignalled, ModelLoading, ModelResident, RouteMoved
+from haru.core.events import AgentStarted, FailureSignalled, ModelLoading, ModelResident, PriceDeclared, RouteMoved
+from haru.core.prices import Price
 from haru.gateway import Gateway, GatewayConfig
 from haru.host.tasks import cancel_and_wait
 from haru.log.apply import apply
@@ -164,6 +165,10 @@ async def test_the_page_says_when_it_is_disconnected_and_reconnects_by_itself(fl
 
     gw, log = fleet
     port = gw.port
+    # a price for a (b has none): the cost panel draws both, and says b's hours are unpriced
+    decl = subjects.decl("ops")
+    price = PriceDeclared(at=datetime.now(UTC), domain="a", price=Price(per_hour="2.40", currency="USD"))
+    await log.append(decl, price, expect=await log.last_seq_of(decl))
     async with async_playwright() as pw:
         browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
@@ -172,6 +177,12 @@ async def test_the_page_says_when_it_is_disconnected_and_reconnects_by_itself(fl
             await expect(page.locator("#conn")).to_have_attribute("data-state", "live", timeout=30_000)
             await expect(page.locator('[data-testid="domain-a"] .badge.active')).to_be_visible(timeout=30_000)
             await page.evaluate("window.__notReloaded = true")
+            # the cost panel: a stacked bar a domain (its models have said nothing yet: waking), the money beside
+            await expect(page.locator('[data-testid="cost-a"] rect.seg-waking')).to_have_count(1, timeout=30_000)
+            await expect(page.locator('[data-testid="cost-money-a"]')).to_contain_text("USD")
+            await expect(page.locator('[data-testid="cost-money-b"]')).to_contain_text("unpriced")
+            await expect(page.locator('[data-testid="cost-sums"]')).to_contain_text("some hours unpriced")
+            await page.locator('[aria-label="cost"]').screenshot(path=str(tmp_path / "cost.png"))
 
             await gw.stop()  # the gateway goes away: the page says so, with the time
             await expect(page.locator("#conn")).to_have_attribute("data-state", "disconnected", timeout=30_000)

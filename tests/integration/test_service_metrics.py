@@ -71,6 +71,14 @@ async def test_projector_and_promoter_serve_metrics_that_match_the_log(nats_serv
         assert m["haru_projector_events_folded_total"][0][1] == last
         assert m["haru_projector_lag_events"][0][1] == 0
 
+        def costed():  # the accounting's gauges, computed in the background after a scrape asked
+            m = scrape(p_port)
+            return m if m.get("haru_cost_seconds") else None
+
+        m = await wait_until(costed, 30.0, interval_s=0.2, retry_on=(Exception,))
+        assert {s[0]["domain"] for s in m["haru_cost_seconds"] if s[0]["fleet"] == "ops"} == {"a", "b"}
+        assert m["haru_cost_window_seconds"] == [({}, 86400.0)]
+
         def promoter_folded():
             m = scrape(q_port)
             return m if m["haru_promoter_events_folded"][0][1] >= last else None
