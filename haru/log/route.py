@@ -19,6 +19,11 @@ published in the milliseconds before the subscription is live, only the second i
 projector publishes an intent for each fleet as soon as it folds its declaration, so this only
 concerns a watcher started before the fleet was ever projected.
 
+After a lost link or a rewound intents' stream the next intent is checked against the event log (one
+read of the record its `revision` names): an intent whose `route_moved` the log no longer holds (the last
+survivor of a store that forgot) is held back, never followed (`withheld`), until the projector publishes
+the intent of the route the log holds now.
+
 A watcher may be given a log (`haru.log.seam.Log`) it shares (not closed on exit) or server URLs (it connects
 and closes its own). Several iterators over one watcher are not supported: one consumer a watcher.
 """
