@@ -148,11 +148,10 @@ async def one(rtt_ms: int, root: Path, steady_s: float, tail_s: float, lead: int
     detect = first(DomainUnreachable, lambda e: e.domain == "a")
     decide = first(PromotionRequested)
     flip = first(RouteMoved)
-    steps = {
-        r.event.step: r.event.took_ms
-        for r in recs
-        if isinstance(r.event, StepCompleted) and r.time_ns / 1e9 >= wall_fault and r.event.step in ("wake", "probe")
-    }
+    steps: dict[str, int] = {}  # the failover's own wake and probe: the first after the fault (a later
+    for r in recs:  # operation, a demotion settling the old active, has steps of the same names)
+        if isinstance(r.event, StepCompleted) and r.time_ns / 1e9 >= wall_fault and r.event.step in ("wake", "probe"):
+            steps.setdefault(r.event.step, r.event.took_ms)
     after = load.since(t_fault)
     before = [d for d in load.done if d[0] < t_fault]
     cp_ms = None

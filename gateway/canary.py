@@ -85,10 +85,10 @@ class Reporter:
             ri = routes.intent if routes is not None else None
             if ri is not None and (ri.weights or ri.model_weights):
                 out.add(fleet)
-            elif (
-                routes is not None and routes.view is not None and any(a.canary for a in routes.view.adapters.values())
-            ):
-                out.add(fleet)  # a LoRA adapter's canary: counted per version (gateway.adapters)
+            elif routes is not None and routes.view is not None and routes.view.adapters:
+                out.add(
+                    fleet
+                )  # LoRA adapters: a canary, or a promoted version, is judged per version (gateway.adapters)
         return out
 
     async def report(self, interval_ms: int) -> None:

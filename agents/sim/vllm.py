@@ -31,7 +31,8 @@ name the adapter). Fault injection (loopback only): POST /_sim/crash | evict | h
 fail_probe | sleep_frees_nothing (a sleep pauses the engine and keeps its memory, as vLLM does on a
 platform without sleep mode) | corrupt_wake (every wake after it answers other text, like a wake with stale or wrong
 weights) | drop_adapter (after the next wake, an adapter's requests answer as the base model: the
-adapter silently stops applying) | reset, GET /_sim/state.
+adapter silently stops applying) | fail_lora?name=N (an adapter loaded at run time answers 500) | reset,
+GET /_sim/state.
 
 This module is the process (bind, profile, listen, stop); the parts live beside it: `vllm_config`
 (argv and environment, read once), `vllm_profile` (the start-up profiling), `vllm_engine` (the

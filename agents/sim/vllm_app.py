@@ -213,10 +213,13 @@ async def sim_fault(request: web.Request) -> web.Response:
         engine.frees_nothing = True
     elif fault == "drop_adapter":
         engine.drop_adapter = True
+    elif fault == "fail_lora":
+        engine.failing_loras.add(request.query.get("name", ""))
     elif fault == "reset":
         engine.hung = engine.fail_probe = engine.oom_on_wake = False
         engine.corrupt_wake = engine.corrupted = engine.drop_adapter = engine.adapters_dropped = False
         engine.frees_nothing = False
+        engine.failing_loras.clear()
         engine.released.set()
     else:
         return web.json_response({"detail": f"no fault {fault!r}"}, status=404)

@@ -44,6 +44,7 @@ class Engine:
     # else its name). A level-2 sleep drops them all (vLLM reloads lazily after such a wake; the simulator
     # answers 404 until they are loaded again, so a test sees what was dropped).
     loras: dict[str, str] = field(default_factory=dict)
+    failing_loras: set[str] = field(default_factory=set)  # /_sim/fail_lora: its requests answer 500
     released: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -105,4 +106,6 @@ def check_engine(engine: Engine, body: dict) -> web.Response | str:
         )
     if engine.fail_probe:
         return error(500, "simulated engine failure (fail_probe injected)", "InternalServerError")
+    if model in engine.failing_loras:
+        return error(500, f"simulated failure of adapter {model} (fail_lora injected)", "InternalServerError")
     return model
