@@ -91,7 +91,8 @@ _HOP = frozenset(
 
 SERVING_DRAIN_S = 60.0  # an agent stopping lets the requests in flight (streams too) finish, this long at most
 # On a 502/503 that says the runtime behind this port is gone (lost, or not answering) or asleep (the domain
-# was demoted while a gateway still routed here): what the gateway reads to send the request, which no runtime acted on, once more to a live domain (gateway/proxy.py).
+# was demoted while a gateway still routed here): what the gateway reads to send the request, which no
+# runtime acted on, once more to a live domain (gateway/proxy.py).
 GONE_HEADER = "X-Haru-Runtime-Gone"
 _DIAGNOSIS_REUSE_S = 0.25  # how long one diagnosis of a failing runtime answers for the next failures
 
