@@ -13,7 +13,8 @@ this unit makes each of this host's vLLM runtimes that declares `max_loras` hold
     unload   POST /v1/unload_lora_adapter for what is no longer wanted (a rolled-back canary): `unloaded`
 
 Each step is an `adapter_state_changed` on the base model's residency subject (which only this agent writes),
-with the runtime's own words when it refused. It runs on every change of the view and every `RECHECK_S`,
+with the runtime's own words when it refused. It runs on every change of the view and every `RECHECK_S`
+(which is also how soon it notices a model that a live apply gave `max_loras`),
 so a runtime that restarted or slept at level 2 (vLLM drops its adapters) gets them back; the wake path asks
 `restore` first, so a wake is proven with every adapter's own answer (agents/sleep_wake.py).
 """
@@ -115,10 +116,14 @@ class Adapters:
     # ------------------------------------------------------------------------------ following the view
 
     async def run(self) -> None:
-        """Follow the fleet's view and keep every runtime holding what it says, until the agent stops."""
-        watch = asyncio.ensure_future(self._watch())
+        """Follow the fleet's view and keep every runtime holding what it says, until the agent stops. The view
+        is watched from the first model that declares `max_loras`, whether the agent started with it or a live
+        apply added it (agents/live_apply.py replaces that model: its runtime restarts with --enable-lora)."""
+        watch: asyncio.Future[None] | None = None
         try:
             while not self.stopping():
+                if watch is None and any(m.spec.max_loras for m in list(self.models.values())):
+                    watch = asyncio.ensure_future(self._watch())
                 try:
                     await asyncio.wait_for(self.changed.wait(), RECHECK_S)
                 except TimeoutError:
@@ -133,8 +138,9 @@ class Adapters:
                         except Exception:
                             self.logger.exception("adapters: reconciling failed", model=m.name)
         finally:
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
+            if watch is not None:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
 
     async def _watch(self) -> None:
         key = subjects.view_key(self.fleet)

@@ -429,8 +429,7 @@ class Agent:
             self.models.supervise(m)
         life.spawn(self.travel.run(t.spec for t in self.training.trainers.values()), "checkpoints")
         life.spawn(self.training_policy.initial(), "initial-training")
-        if any(m.spec.max_loras for m in self.models.models.values()):
-            life.spawn(self.adapters.run(), "adapters")
+        life.spawn(self.adapters.run(), "adapters")  # idle until a model declares max_loras (now or by a live apply)
         if slots.source == "declared":
             life.spawn(self.live.follow(), "declarations")
 

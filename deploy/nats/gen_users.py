@@ -20,8 +20,9 @@ The roles (docs/design.md, "Security in brief"):
                           adapters) to the object store haru_adapters; replaces and deletes objects (its
                           slots' checkpoints) in haru_checkpoints, the one stream it may purge; answers only its own
                           commands (haru.cmd.<fleet>.<domain>.>, nats.micro's $SRV.>) and may ask its own
-                          status (the duplicate-agent check); reads the event log through consumers and
-                          message gets; appends use expected sequences.
+                          status (the duplicate-agent check); reads the event log and the views (haru_views,
+                          read only: the adapters to load) through consumers and message gets; appends use
+                          expected sequences.
   promoter                writes op, route, weights, integrity and liveness events of any fleet; requests haru.cmd.>;
                           reads events, views and intents; subscribes haru.hb.> and the gateways'
                           canary reports (haru.canary.>); beats on haru.alive.promoter.> and hears its
@@ -229,6 +230,12 @@ def agent_user(fleet: str, domain: str) -> User:
                 # to refuse to run beside a second agent of the same domain.
                 f"haru.cmd.{fleet}.{domain}.status",
                 *read_stream(EVENTS),
+                # The fleet views (KV bucket haru_views), read only: the adapter watcher (agents/adapters.py) watches
+                # its fleet's view for the adapter versions to load. A KV watch is an ordered consumer on the
+                # bucket's stream (CONSUMER.CREATE with the key in the body, its info, flow control) and a get a
+                # DIRECT.GET: no $KV.haru_views.> publish, so no put, delete or purge of a key. The views are folded
+                # from the event log it reads already, so this tells it nothing new.
+                *read_stream(VIEWS),
                 # A finished training run's adapter: a new object (its chunks, then its meta) in the adapters bucket,
                 # after reading whether that version is already there. No purge, so no object is ever replaced.
                 *object_writes(ADAPTERS_BUCKET),

@@ -15,12 +15,14 @@ import aiohttp
 import pytest
 
 from haru.core import subjects
+from haru.core.layout import load_layout
+from haru.log.apply import apply
 from haru.log.requests import request_operation
 from tests.support import haru
 from tests.support.adapters import publish, write_adapter
 from tests.support.agent_harness import tag
 from tests.support.promoter import wait_view
-from tests.support.sim_fleet import FLEET, ChatLoad, sim_fleet, sim_layout, steady
+from tests.support.sim_fleet import FLEET, ChatLoad, residency_tags, sim_fleet, sim_layout, steady, tags_become
 
 pytestmark = pytest.mark.timeout(150)
 SERVED = "m1:sql"
@@ -142,3 +144,39 @@ async def test_a_published_adapter_is_served_a_bad_version_is_rolled_back_and_a_
     assert ["adapter_state_changed", "adapter_routed", "adapter_routed"] in chains, chains  # canary, then promoted
     _, rolled = found[("adapter_routed", "run-2", "rolled_back")]
     assert "evaluation probe failed" in rolled["event"]["detail"]
+
+
+async def test_max_loras_added_by_a_live_apply_restarts_the_runtime_and_serves_adapters(
+    tmp_path, nats_server, event_log
+):
+    """No model takes adapters when the agents start; `haru apply` then gives m1 `max_loras`: the standby
+    replaces m1 at once (its runtime restarts with --enable-lora) and starts following the adapters, the
+    active's change waits for a failover, and after it the published adapter serves, without restarting an agent."""
+    layout = sim_layout(tmp_path / "layout.json", tmp_path)
+    async with sim_fleet(tmp_path, nats_server, event_log, layout, declared=True) as f:
+        await wait_view(event_log, steady, timeout=60, fleet=FLEET, what="a active and resident, b a standby")
+        pids = {d: p.proc.pid for d, p in f.agents.items()}
+        since = len(await residency_tags(event_log, "b", "m1"))
+        await apply(event_log, load_layout(with_adapters(layout)), datetime.now(UTC))
+        await tags_become(
+            event_log, "b", "m1", since, ["model_stopped", "model_loading", "model_resident", "model_sleeping"]
+        )
+
+        write_adapter(tmp_path / "v1", says="sql-ok v1")
+        await publish(event_log, tmp_path / "v1", base="m1", adapter="sql", version="run-1")
+        asked = await request_operation(event_log, FLEET, "promotion", "b", by="test", now=datetime.now(UTC))
+        assert asked.status == "accepted", asked
+        await wait_view(
+            event_log, lambda v: v.active == "b" and v.operation is None, timeout=60, fleet=FLEET, what="b active"
+        )
+        await answers(f.gw.url, SERVED, "sql-ok v1")  # loaded by b's woken runtime, probed, routed
+        view = await wait_view(
+            event_log,
+            lambda v: SERVED in v.adapters and v.adapters[SERVED].current == "run-1",
+            timeout=30,
+            fleet=FLEET,
+            what="run-1 served",
+        )
+        copy = view.adapters[SERVED].copy("b", "run-1")
+        assert copy is not None and copy.state == "resident" and copy.probe == "passed", copy
+        assert {d: p.proc.pid for d, p in f.agents.items()} == pids  # no agent restarted

@@ -397,6 +397,57 @@ async def test_an_agent_cannot_delete_purge_or_update_the_log(cluster, admin):
         await admin.js.purge_stream(subjects.EVENTS_STREAM)
 
 
+async def test_an_agent_reads_its_fleets_view_as_the_adapter_watcher_does_but_cannot_write_it(cluster, admin):
+    """The adapter watcher (agents/adapters.py) follows its fleet's view in haru_views: an agent user may
+    watch and get it (a view of its own fleet, edge, no other test writes) and put, delete or purge nothing."""
+    key = subjects.view_key("edge")
+    current = await admin.get_view(key)
+    first = await admin.put_view(key, b"view 1", last=0 if current is None else current[1])
+
+    async with cluster.log("agent.edge.box-1") as agent:
+        assert await agent.get_view(key) == (b"view 1", first)
+        seen: list[tuple[bytes | None, int]] = []
+
+        async def watch() -> None:
+            async for got_key, value, rev in agent.watch_views(key):
+                assert got_key == key
+                seen.append((value, rev))
+
+        task = asyncio.create_task(watch())
+        try:
+            deadline = time.monotonic() + 10
+            while seen != [(b"view 1", first)]:
+                assert time.monotonic() < deadline, seen
+                await asyncio.sleep(0.05)
+            second = await admin.put_view(key, b"view 2", last=first)
+            while seen[-1:] != [(b"view 2", second)]:  # every change, as it happens
+                assert time.monotonic() < deadline, seen
+                await asyncio.sleep(0.05)
+        finally:
+            await cancel_and_wait(task)
+
+    errors: list[str] = []
+    nc = await cluster.raw("agent.edge.box-1", errors)
+    try:
+        kv = await nc.jetstream(timeout=1.0).key_value(subjects.VIEWS_BUCKET)
+        attempts = {
+            "put": kv.put("fleet.edge", b"forged"),
+            "update": kv.update("fleet.edge", b"forged", last=second),
+            "delete": kv.delete("fleet.edge"),
+            "purge": kv.purge("fleet.edge"),
+            "another key": kv.create("fleet.mine", b"forged"),
+        }
+        outcomes = await asyncio.gather(*attempts.values(), return_exceptions=True)
+        for what, outcome in zip(attempts, outcomes, strict=True):
+            assert isinstance(outcome, nats.errors.TimeoutError), (what, outcome)
+        await violation(errors, "$KV.haru_views.fleet.edge")
+        await violation(errors, "$KV.haru_views.fleet.mine")
+    finally:
+        await nc.close()
+    assert await admin.get_view(key) == (b"view 2", second)
+    assert await admin.get_view("fleet.mine") is None
+
+
 async def test_an_agent_answers_only_its_own_commands(cluster, admin):
     errors_a: list[str] = []
     agent_a = await cluster.raw("agent.default.a", errors_a)
