@@ -77,7 +77,7 @@ from haru.promoter.drive import not_applicable
 from haru.promoter.fleets import FleetState, StepRunner, utcnow
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
-from haru.promoter.quorum import Quorum, reaches_most
+from haru.promoter.quorum import Isolation, Quorum, reaches_most
 from haru.promoter.router_acks import RouterAcks
 from haru.promoter.runners import StepRunners
 
@@ -136,6 +136,7 @@ class Promoter:
         )  # fleets whose decided appends are being made (a task each): not decided again until done
         self._listening_since = 0.0
         self._was_connected = True
+        self.isolation = Isolation()
         self.follower: Follower | None = None
         self._known_routes: dict[str, str] = {}  # fleet -> active domain, as folded before the log rewound
         self._refold_until = 0  # the stream's head when it was found rewound: no decisions until folded again
@@ -422,6 +423,26 @@ class Promoter:
             len(self.peers.alive("promoter")), len(self.peers.alive("promoter", within_s=KNOWN_PEERS_S))
         )
 
+    def _cut_off(self) -> bool:
+        """Whether this replica is alone on its side of a cut (quorum.Isolation). It may have attempted no append
+        (so never entered `minority`), yet the silence it measures is its own isolation all the same: it judges
+        none until it hears most of the promoters it knew at the cut again, then measures silence afresh."""
+        heard = len(self.peers.alive("promoter"))
+        known = len(self.peers.alive("promoter", within_s=KNOWN_PEERS_S))
+        verdict = self.isolation.judge(heard, known)
+        if verdict == "cut":
+            self.log_.warning(
+                "promoters_unheard",
+                heard=heard,
+                known=known,
+                detail="this promoter hears too few of the promoters it knows: it may be the one cut off, so "
+                "it judges no heartbeat silence until it hears most of them again",
+            )
+        elif verdict == "back":
+            self._listen_afresh()
+            self.log_.info("promoters_heard_again", detail="heartbeat silence is measured afresh")
+        return verdict in ("cut", "still")
+
     def _listen_afresh(self) -> None:
         """Forget what was heard: silence is measured from now (after a reconnect, in and out of minority)."""
         self._listening_since = time.monotonic()
@@ -440,7 +461,8 @@ class Promoter:
         if self.quorum.lapsed() and self.quorum.cut_off:
             self._listen_afresh()
         listening_ms = int((now_m - self._listening_since) * 1000)
-        if self.quorum.state == "minority":  # cut off: silence we measure is our own isolation (quorum.py)
+        cut_off = self._cut_off()
+        if self.quorum.state == "minority" or cut_off:  # silence we measure is our own isolation (quorum.py)
             silent, listening_ms = dict.fromkeys(silent), 0
         op = st.view.operation
         runner = st.step_by.get(op.op_id, "") if op is not None else ""
