@@ -31,7 +31,7 @@ import structlog
 from aiohttp import web
 
 from haru.agents import portholder, probes
-from haru.agents.errors import PortHolderError
+from haru.agents.errors import PortHolderError, RuntimeProblem
 from haru.agents.gpu_watch import GpuWatcher
 from haru.agents.model_slot import ModelSlot
 from haru.agents.model_slots import ModelSlots
@@ -90,8 +90,9 @@ _HOP = frozenset(
 
 
 SERVING_DRAIN_S = 60.0  # an agent stopping lets the requests in flight (streams too) finish, this long at most
-# On a 502/503 that says the runtime behind this port is gone (lost, or not answering): what the gateway
-# reads to send the request, which no runtime acted on, once more to a live domain (gateway/proxy.py).
+# On a 502/503 that says the runtime behind this port is gone (lost, or not answering) or asleep (the domain
+# was demoted while a gateway still routed here): what the gateway reads to send the request, which no
+# runtime acted on, once more to a live domain (gateway/proxy.py).
 GONE_HEADER = "X-Haru-Runtime-Gone"
 _DIAGNOSIS_REUSE_S = 0.25  # how long one diagnosis of a failing runtime answers for the next failures
 
@@ -351,8 +352,11 @@ class ServingProxy:
                     await self._idle.wait()
         return self.in_flight(names)
 
-    def _not_serving(self, m, reason: str = "", detail: str = "") -> web.Response:
-        state = m.state_tag if not reason else "lost"
+    def _not_serving(self, m, reason: str = "", detail: str = "", asleep: bool = False) -> web.Response:
+        """The residency answer for a model this port cannot serve now (`asleep`: its runtime said it sleeps,
+        before the agent recorded it). A sleeping model's answer is marked like a lost one's: no runtime
+        acted on the request, so a gateway that still routed here sends it to the active instead."""
+        state = "sleeping" if asleep else m.state_tag if not reason else "lost"
         reason = reason or getattr(m.state, "reason", "")
         status, code = _not_serving_status(state, reason)
         headers = {"Retry-After": "1"} if code in ("model_warming", "model_asleep") else None
@@ -369,6 +373,8 @@ class ServingProxy:
         said = f" ({reason})" if state == "lost" and reason else ""
         if state == "lost":
             headers = {GONE_HEADER: reason or "lost"}
+        elif state == "sleeping":
+            headers = {**(headers or {}), GONE_HEADER: "asleep"}
         elif state == "loading" and getattr(m.state, "attempt", 1) > 1:  # restarting after a loss: gone too
             headers = {**(headers or {}), GONE_HEADER: "restarting"}
         return error(
@@ -385,6 +391,8 @@ class ServingProxy:
         The one-bit diagnosis, now: the residency answer when the model is gone, None otherwise."""
         if m.state_tag != "resident":
             return self._not_serving(m)  # the agent recorded the change while the request ran
+        if status == 503 and m.runtime.can_sleep and await self._asleep(m):
+            return self._not_serving(m, asleep=True, detail="put to sleep while the request came in")
         now = time.monotonic()
         cached = self._diagnosed.get(m.name)
         if cached is not None and now - cached[0] < _DIAGNOSIS_REUSE_S:
@@ -403,6 +411,18 @@ class ServingProxy:
         self.slots.recheck(m)  # record it now, not at the next probe
         self.logger.info("runtime error translated", model=m.name, runtime_status=status, reason=reason)
         return self._not_serving(m, reason, f"the runtime answered {status}")
+
+    async def _asleep(self, m) -> bool:
+        """Whether the runtime says it sleeps (a `sleep` command under way: the agent records it once done)."""
+        try:
+            return await m.runtime.is_sleeping(timeout_s=min(2.0, self.policy().probe_timeout_ms / 1000)) is True
+        except (
+            RuntimeProblem,
+            TimeoutError,
+            aiohttp.ClientError,
+            OSError,
+        ):  # no answer is no evidence: the runtime's own 503 goes through as before
+            return False
 
     def _models(self) -> web.Response:
         created = int(time.time())

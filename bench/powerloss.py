@@ -332,6 +332,8 @@ async def row(key: str, sync_interval: str | None, acks: int) -> dict[str, Any]:
                     if took is None:
                         run.notes.append(f"the log's route {truth}, the router's {routed}, the view's {viewed}")
                     following.cancel()
+                    if router.withheld:
+                        run.notes.append(f"the router held back {router.withheld} intent(s) naming a lost route_moved")
                     rewound = 0
                     for t, revision, active in seen:
                         if t < t_back or revision == 0 or active is None:  # not a pointer (never routed)

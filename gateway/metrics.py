@@ -10,7 +10,8 @@
                                                              released | expired | aborted | dropped | full
     haru_gateway_held_seconds{fleet}                         how long they were held
     haru_gateway_retried_total{fleet, why}                   requests sent a second time, none of whose
-                                                             response had reached the client: unreachable | runtime_gone
+                                                             response had reached the client: unreachable |
+                                                             runtime_gone | asleep
     haru_gateway_stream_resumes_total{fleet, outcome}        streams cut mid-generation: continued | error_event
     haru_gateway_tokens_total{fleet, model, kind}            tokens the responses' `usage` reported: prompt |
                                                              completion (a continued stream's: the whole request's)

@@ -431,7 +431,9 @@ class Proxy:
         with contextlib.suppress(msgspec.DecodeError, TypeError, AttributeError, KeyError):
             err = msgspec.json.decode(data)["error"]
             code, message = str(err.get("code") or code), str(err.get("message") or message)
-        raise _Gone(Refusal(conn.status, code, message, None, "model", fwd.domain))
+        # "asleep": the domain was put to sleep (a standby now) while this gateway still routed to it
+        why = "asleep" if reason == "asleep" else "runtime_gone"
+        raise _Gone(Refusal(conn.status, code, message, None, "model", fwd.domain), why)
 
     def _broke_off(self, fwd: Forward, exc: BaseException) -> web.Response:
         refusal = self._broken(fwd, exc)

@@ -49,6 +49,7 @@ from haru.core.authority import misplaced
 from haru.core.errors import HaruError
 from haru.core.events import RouteMoved
 from haru.core.intents import intent as intent_of_view
+from haru.core.intents import pointer_held
 from haru.core.receipts import reading
 from haru.core.record import Record
 from haru.core.residency import Answer
@@ -95,6 +96,17 @@ def intent_after_move(
     return out
 
 
+def names_forgotten_move(intent: RouteIntent, route_subject: str, last: Record | None) -> bool:
+    """Whether `intent` points by a `route_moved` the log no longer holds, judged by `last`, the route
+    subject's last record as the log has it now: the intent is ahead of it, or at its sequence with
+    another move. An older intent is not: the newer move in the log patches it (`intent_after_move`)."""
+    if intent.revision == 0 or intent.active is None:
+        return False
+    if last is None or intent.revision > last.seq:
+        return True
+    return intent.revision == last.seq and not pointer_held(intent, route_subject, last.subject, last.event)
+
+
 class RouteFollower:
     """Two tasks (views, intents) applying what they see to `table`. An async context manager."""
 
@@ -122,6 +134,7 @@ class RouteFollower:
         self._moves: dict[str, tuple[int, RouteMoved]] = {}  # fleet -> the newest route_moved in the log
         # What the gateway holds, as (sequence or revision, body), to tell a log that went backwards.
         self._held: dict[tuple[str, str], tuple[int, bytes]] = {}  # (fleet, "route" | "intent" | "view")
+        self._forgotten: dict[str, tuple[int, bytes]] = {}  # fleet -> the surviving intent that names a lost move
         self.rewinds = 0
         self._route_seq = 0  # the last route-subject sequence handled
         self.moves_seen = 0
@@ -266,6 +279,19 @@ class RouteFollower:
                 self._held.pop((fleet, "intent"), None)
                 with contextlib.suppress(msgspec.DecodeError):
                     intent = intent_decoder.decode(got[0]) if got is not None else None
+                    if intent is not None and names_forgotten_move(intent, subjects.route(fleet), last):
+                        # the intent that survived names a move the log lost: route by the log's last move
+                        # (none: no route) until the projector publishes the intent of the route it holds now
+                        log.warning("gateway.intent_forgotten", fleet=fleet, revision=intent.revision)
+                        if got is not None:
+                            self._forgotten[fleet] = (got[1], got[0])
+                        routes = self.table.get(fleet)
+                        moved = last.event if last is not None and isinstance(last.event, RouteMoved) else None
+                        intent = (
+                            None
+                            if moved is None or last is None
+                            else intent_after_move(routes.view if routes else None, None, moved, last.seq)
+                        )
                     self._apply_intent(fleet, intent, got[1] if got is not None else 0, rewound=True, body=got)
         held = self._held.get((fleet, "view"))
         if held is not None and view is not None and reading(held[0], held[1], view[1], view[0]) == "reset":
@@ -427,6 +453,8 @@ class RouteFollower:
 
     async def _intents(self) -> None:
         async for fleet, data, seq in self.events.watch_intents("*"):
+            if self._forgotten.get(fleet) == (seq, data):
+                continue  # judged on the rewind: it names a move the log lost
             self._intent_delivered[fleet] = max(seq, self._intent_delivered.get(fleet, 0))
             try:
                 intent = intent_decoder.decode(data)

@@ -49,6 +49,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from haru.core import ranking, residency
+from haru.core.events import RouteMoved
 from haru.core.residency import Answer, Failed, Loading, Lost, NotAdmitted, Resident
 from haru.core.views import DomainView, FleetView, ModelView, RankedStandby, RouteIntent, Target, Weighted
 
@@ -195,3 +196,14 @@ def _fresh(answers: dict[str, Answer], now: datetime) -> dict[str, Answer]:
             a = _replace(a, for_ms=max(0, int((now - a.since).total_seconds() * 1000)))
         fresh[name] = a
     return fresh
+
+
+def pointer_held(ri: RouteIntent, route_subject: str, subject: str | None, event: object) -> bool:
+    """Whether the log still holds the route pointer `ri` names: the record now at stream sequence
+    `ri.revision` (its `subject` and decoded `event`, None when the log holds nothing there) is a
+    `route_moved` on the fleet's `route_subject` to `ri.active`. An intent that never routed (revision
+    0, or no active domain) names no pointer. After a store forgot, the last surviving intent may name
+    a `route_moved` the log lost or whose sequence now holds another event: a reader must not act on it."""
+    if ri.revision == 0 or ri.active is None:
+        return True
+    return subject == route_subject and isinstance(event, RouteMoved) and event.active == ri.active.domain

@@ -19,6 +19,11 @@ published in the milliseconds before the subscription is live, only the second i
 projector publishes an intent for each fleet as soon as it folds its declaration, so this only
 concerns a watcher started before the fleet was ever projected.
 
+After a lost link or a rewound intents' stream the next intent is checked against the event log (one
+read of the record its `revision` names): an intent whose `route_moved` the log no longer holds (the last
+survivor of a store that forgot) is held back, never followed (`withheld`), until the projector publishes
+the intent of the route the log holds now.
+
 A watcher may be given a log (`haru.log.seam.Log`) it shares (not closed on exit) or server URLs (it connects
 and closes its own). Several iterators over one watcher are not supported: one consumer a watcher.
 """
@@ -34,7 +39,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from haru.core import intents, receipts
+from haru.core import intents, receipts, subjects
 from haru.core.errors import HaruError
 from haru.core.subjects import check_name
 from haru.core.views import RouteIntent, intent_decoder
@@ -75,6 +80,9 @@ class RouteWatcher:
         self.invalid = 0  # bodies on the subject that were not route intents (skipped)
         self.resubscribed = 0  # times a stalled subscription was replaced (after a NATS restart)
         self.resets = 0  # times the route subject went backwards or changed under us (a rewound log)
+        self.withheld = 0  # intents not followed: the log no longer holds the route_moved they name
+        self._doubt = False  # the link dropped or the intents went back: check the next intent against the log
+        self._forget_link: Callable[[], None] | None = None
         self._body = b""  # the body at `seq`
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._changed = asyncio.Condition()
@@ -88,6 +96,7 @@ class RouteWatcher:
             assert isinstance(self._source, (list, str))
             self._log = await EventLog.open(self._source, writer=self._writer, creds=self._creds)
         try:
+            self._forget_link = self._log.on_link_change(self._on_link)
             last = await self._log.last_intent(self.fleet)
             self._task = asyncio.create_task(
                 self._follow(self._log.watch_intents(self.fleet)), name=f"route-watcher-{self.fleet}"
@@ -99,7 +108,8 @@ class RouteWatcher:
                     async with asyncio.timeout(self.timeout):
                         await self._first.wait()
                 except TimeoutError:
-                    self._accept(last[0], last[1])
+                    if await self._pointer_held(last[0]):
+                        self._accept(last[0], last[1])
                 if self._error is not None:
                     raise self._error
             if self.stall_interval > 0:
@@ -111,7 +121,14 @@ class RouteWatcher:
 
     async def __aexit__(self, *exc: object) -> None:
         await cancel_and_wait(self._watchdog, self._task)
+        if self._forget_link is not None:
+            self._forget_link()
+            self._forget_link = None
         await self._close_log()
+
+    def _on_link(self, up: bool) -> None:
+        if not up:
+            self._doubt = True
 
     async def _watch_for_stalls(self) -> None:
         """Replace the subscription when the subject holds a newer intent and nothing arrives.
@@ -172,6 +189,21 @@ class RouteWatcher:
                 await stream.aclose()  # type: ignore[attr-defined]
 
     async def _deliver(self, body: bytes, seq: int) -> None:
+        step = receipts.reading(self.seq, self._body, seq, body)
+        if step != "same" and (self._doubt or step == "reset"):
+            # After a lost link or a rewound intents' stream the intent may be the last survivor of a
+            # store that forgot: follow it only if the log still holds the route_moved it names (one
+            # read, only then). Otherwise hold it unfollowed until the projector publishes the route
+            # the log holds now.
+            self._doubt = True
+            if not await self._pointer_held(body):
+                self.withheld += 1
+                self.resets += step == "reset"
+                self.seq, self._body = seq, body
+                _logger.warning("route_watcher.pointer_forgotten", fleet=self.fleet, seq=seq)
+                self._first.set()
+                return
+            self._doubt = False
         self._first.set()
         if self._accept(body, seq):
             async with self._changed:
@@ -195,6 +227,27 @@ class RouteWatcher:
         self.seq = seq
         self._queue.put_nowait(ri)
         return True
+
+    async def _pointer_held(self, body: bytes) -> bool:
+        """Whether the log holds the route_moved the intent `body` names (True for a body that is not an
+        intent: `_accept` counts it). Waits for the log to answer."""
+        assert self._log is not None
+        try:
+            ri = intent_decoder.decode(body)
+        except msgspec.DecodeError:
+            return True
+        if ri.revision == 0 or ri.active is None:
+            return True
+        while True:
+            try:
+                async with asyncio.timeout(self.timeout):
+                    rec = await self._log.read_seq(ri.revision)
+                break
+            except (TimeoutError, HaruError):
+                await asyncio.sleep(0.1)  # NATS is away: nothing to conclude yet
+        return intents.pointer_held(
+            ri, subjects.route(self.fleet), rec.subject if rec else None, rec.event if rec else None
+        )
 
     @property
     def log(self) -> Log | None:

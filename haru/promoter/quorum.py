@@ -22,6 +22,11 @@ knows on core NATS (`reaches_most`: three or more known, one per region as docs/
 is on the majority's side of any cut, so the silence it measured is evidence: it enters `minority` all
 the same (it cannot append), but does not forget what it heard, and judges at once when the stream
 answers again (`cut_off` says which kind of episode this is).
+
+A promoter cut off on its own side may attempt no append at all (it is not the one acting), so it never
+enters `minority`; the service watches the other side of the same rule for it: one that knew three or more
+promoters and hears no longer most of them judges no silence (`promoters_unheard`) until it hears most of
+them again, and then measures silence afresh (`promoters_heard_again`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any, Literal
 
 from haru.core.errors import LogError, LogUnavailable
 
-__all__ = ["Quorum", "QuorumState", "no_quorum", "reaches_most"]
+__all__ = ["Isolation", "Quorum", "QuorumState", "no_quorum", "reaches_most"]
 
 QuorumState = Literal["majority", "minority"]
 
@@ -90,26 +95,6 @@ class Quorum:
         )
         return True
 
-    def unheard(self) -> bool:
-        """Most of the promoters this one knows fell silent on core NATS: it may be the one cut off, before
-        any append of its own failed to say so. `minority` as a cut (what it heard is no evidence); True
-        when that moved it there."""
-        if self.state == "minority":
-            self.cut_off = True
-            return False
-        self.state, self.since, self.why = "minority", time.monotonic(), "most promoters are not heard"
-        self.entered += 1
-        self.entered_ns = time.time_ns()
-        self.cut_off = True
-        self._log.warning(
-            "quorum_lost",
-            state="minority",
-            why=self.why,
-            detail="this promoter may be the one cut off: no domain is judged silent until a majority is "
-            "back within reach; heartbeat silence is then measured afresh",
-        )
-        return True
-
     def alone(self) -> None:
         """In `minority`, most of the known promoters are no longer heard: this episode may be our own
         isolation after all."""
@@ -138,3 +123,25 @@ class Quorum:
         self.state, self.since, self.why = "majority", time.monotonic(), ""
         self._log.info("quorum_regained", state="majority", minority_s=round(took, 1))
         return True
+
+
+class Isolation:
+    """Whether this promoter is alone on its side of a cut, by the promoters it hears on core NATS: it knew
+    three or more and hears no longer most of them. Sticky: it ends only when most of those known at the cut
+    are heard again (the ones known fade from memory while cut off, and must not end it by fading)."""
+
+    def __init__(self) -> None:
+        self.known_at_cut = 0  # 0: not cut off
+
+    def judge(self, heard: int, known: int) -> Literal["", "cut", "still", "back"]:
+        """'' (not cut off), 'cut' (just stopped hearing most), 'still' (cut off), 'back' (most heard again:
+        measure silence afresh)."""
+        if self.known_at_cut:
+            if 2 * heard > self.known_at_cut:
+                self.known_at_cut = 0
+                return "back"
+            return "still"
+        if known >= 3 and not reaches_most(heard, known):
+            self.known_at_cut = known
+            return "cut"
+        return ""

@@ -77,7 +77,7 @@ from haru.promoter.drive import not_applicable
 from haru.promoter.fleets import FleetState, StepRunner, utcnow
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
-from haru.promoter.quorum import Quorum, reaches_most
+from haru.promoter.quorum import Isolation, Quorum, reaches_most
 from haru.promoter.router_acks import RouterAcks
 from haru.promoter.runners import StepRunners
 
@@ -135,8 +135,8 @@ class Promoter:
             set()
         )  # fleets whose decided appends are being made (a task each): not decided again until done
         self._listening_since = 0.0
-        self._isolated_since = 0.0  # when most known promoters fell silent (`_check_isolation`); 0: heard
         self._was_connected = True
+        self.isolation = Isolation()
         self.follower: Follower | None = None
         self._known_routes: dict[str, str] = {}  # fleet -> active domain, as folded before the log rewound
         self._refold_until = 0  # the stream's head when it was found rewound: no decisions until folded again
@@ -428,6 +428,26 @@ class Promoter:
             len(self.peers.alive("promoter")), len(self.peers.alive("promoter", within_s=KNOWN_PEERS_S))
         )
 
+    def _cut_off(self) -> bool:
+        """Whether this replica is alone on its side of a cut (quorum.Isolation). It may have attempted no append
+        (so never entered `minority`), yet the silence it measures is its own isolation all the same: it judges
+        none until it hears most of the promoters it knew at the cut again, then measures silence afresh."""
+        heard = len(self.peers.alive("promoter"))
+        known = len(self.peers.alive("promoter", within_s=KNOWN_PEERS_S))
+        verdict = self.isolation.judge(heard, known)
+        if verdict == "cut":
+            self.log_.warning(
+                "promoters_unheard",
+                heard=heard,
+                known=known,
+                detail="this promoter hears too few of the promoters it knows: it may be the one cut off, so "
+                "it judges no heartbeat silence until it hears most of them again",
+            )
+        elif verdict == "back":
+            self._listen_afresh()
+            self.log_.info("promoters_heard_again", detail="heartbeat silence is measured afresh")
+        return verdict in ("cut", "still")
+
     def _listen_afresh(self) -> None:
         """Forget what was heard: silence is measured from now (after a reconnect, in and out of minority)."""
         self._listening_since = time.monotonic()
@@ -436,33 +456,9 @@ class Promoter:
         self._heard_kept.clear()
         self.peers.last.clear()  # nor did we hear our peers while away
 
-    def _isolated(self) -> bool:
-        """Whether this replica no longer hears most of the three or more promoters it knows: it may be the
-        one cut off, and then the silence it measures is its own (`reaches_most`; with fewer known it
-        cannot tell, and is not called isolated)."""
-        known = len(self.peers.alive("promoter", within_s=KNOWN_PEERS_S))
-        return known >= 3 and not reaches_most(len(self.peers.alive("promoter")), known)
-
-    def _check_isolation(self) -> bool:
-        """True while isolated (no domain is judged silent then). Found and left once each, said once
-        each; leaving it measures silence afresh, as after a reconnect: a cut that no append of ours met
-        (nothing to decide while it lasted) must not turn into verdicts the moment the peers are back."""
-        isolated = self._isolated()
-        if isolated and not self._isolated_since:
-            self._isolated_since = time.monotonic()
-            self.log_.warning("peers_unheard", detail="most promoters are not heard: no domain is judged silent")
-            self.quorum.unheard()  # the named state `minority`, left when the majority is back within reach
-        elif not isolated and self._isolated_since:
-            took = time.monotonic() - self._isolated_since
-            self._isolated_since = 0.0
-            self._listen_afresh()
-            self.log_.info(
-                "peers_heard_again", isolated_s=round(took, 1), detail="heartbeat silence is measured afresh"
-            )
-        return isolated
-
     def facts(self, st: FleetState) -> Facts:
-        isolated = self._check_isolation()
+        # first: coming back from a cut measures silence afresh, and this decision must already see that
+        cut_off = self._cut_off()
         now_m = time.monotonic()
         silent: dict[str, int | None] = {}
         for name in st.view.domains:
@@ -473,7 +469,7 @@ class Promoter:
         if self.quorum.lapsed() and self.quorum.cut_off:
             self._listen_afresh()
         listening_ms = int((now_m - self._listening_since) * 1000)
-        if self.quorum.state == "minority" or isolated:  # cut off: silence we measure is our own isolation
+        if self.quorum.state == "minority" or cut_off:  # silence we measure is our own isolation (quorum.py)
             silent, listening_ms = dict.fromkeys(silent), 0
         op = st.view.operation
         runner = st.step_by.get(op.op_id, "") if op is not None else ""

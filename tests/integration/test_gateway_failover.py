@@ -177,7 +177,8 @@ async def test_a_request_to_a_dead_domain_is_sent_once_more_to_the_new_active(gw
 class GoneUpstream:
     """A serving port whose runtime is gone: 503 model_lost with the runtime-gone mark."""
 
-    def __init__(self) -> None:
+    def __init__(self, code: str = "model_lost", mark: str = "process_exited") -> None:
+        self.code, self.mark = code, mark  # the refusal's code and its runtime-gone mark
         self.received = 0
         self.back = False  # True: the runtime was restarted and answers again
         self.runner: web.AppRunner | None = None
@@ -206,14 +207,14 @@ class GoneUpstream:
             return web.json_response(
                 {
                     "error": {
-                        "message": "the model is lost (process_exited)",
+                        "message": f"the model is not serving here ({self.mark})",
                         "type": "server_error",
                         "param": "model",
-                        "code": "model_lost",
+                        "code": self.code,
                     }
                 },
                 status=503,
-                headers={"X-Haru-Runtime-Gone": "process_exited"},
+                headers={"X-Haru-Runtime-Gone": self.mark},
             )
 
         app = web.Application()
@@ -238,6 +239,20 @@ async def test_a_runtime_gone_answer_is_sent_once_more_to_the_new_active(event_l
     await two.move_to_b()
     status, headers, data = await pending
     assert status == 200 and b"[domain b]" in data and headers["X-Haru-Retried"] == "a; runtime_gone"
+    assert two.a.received == 1
+
+
+async def test_an_asleep_answer_from_a_domain_put_to_sleep_is_sent_once_more_to_the_new_active(
+    event_log, gw, upstreams, servers
+):
+    # the old active was demoted (asleep) before this gateway saw the route move away from it
+    two = TwoDomains(event_log, gw, await servers(GoneUpstream("model_asleep", "asleep")), await upstreams("b"))
+    await two.route_to_a()
+    pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
+    await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
+    await two.move_to_b()
+    status, headers, data = await pending
+    assert status == 200 and b"[domain b]" in data and headers["X-Haru-Retried"] == "a; asleep"
     assert two.a.received == 1
 
 
@@ -350,14 +365,14 @@ class StreamingUpstream:
             return web.json_response(
                 {
                     "error": {
-                        "message": "the model is lost (process_exited)",
+                        "message": f"the model is not serving here ({self.mark})",
                         "type": "server_error",
                         "param": "model",
-                        "code": "model_lost",
+                        "code": self.code,
                     }
                 },
                 status=503,
-                headers={"X-Haru-Runtime-Gone": "process_exited"},
+                headers={"X-Haru-Runtime-Gone": self.mark},
             )
         last = body["messages"][-1]
         done = last["content"] if last["role"] == "assistant" else ""

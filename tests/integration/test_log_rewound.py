@@ -208,7 +208,11 @@ async def test_the_intents_watch_and_the_gateway_take_a_rewound_route_intent_at_
         try:
             async with EventLog.connect([server.url], writer="projector", timeout=2.0) as log:
                 await log.ensure()
-                first = await log.publish_intent(fleet, intent(1, "a"), expect=0)
+                # the move the intent names is in the log (a reader checks a reset intent against it)
+                to_a = await log.append(
+                    subjects.route(fleet), ev.RouteMoved(at=datetime.now(UTC), active="a"), expect=0
+                )
+                first = await log.publish_intent(fleet, intent(to_a, "a"), expect=0)
                 fs.writeback()  # routing on `a` is long on disk
                 seen: list[tuple[int, str]] = []
 
@@ -231,7 +235,7 @@ async def test_the_intents_watch_and_the_gateway_take_a_rewound_route_intent_at_
                             while True:
                                 with contextlib.suppress(LogError):
                                     await log.ensure()
-                                    again = await log.publish_intent(fleet, intent(1, "a"), expect=first)
+                                    again = await log.publish_intent(fleet, intent(to_a, "a"), expect=first)
                                     break
                                 await asyncio.sleep(0.1)
                         assert again == second < third  # a lower sequence than the last one seen

@@ -45,6 +45,7 @@ from haru.log.eventlog import EventLog
 from haru.log.receipts import check
 from haru.log.route import RouteWatcher
 from tests.support.lazyfs import LazyFS, require_fuse
+from tests.support.wait import wait_until
 
 FLEET = "pl"
 WRITERS = 4
@@ -329,10 +330,13 @@ async def test_a_router_follows_a_rewound_route_subject_instead_of_the_pointer_t
         try:
             async with EventLog.connect([server.url], writer="projector", timeout=2.0) as log:
                 await log.ensure()
-                first = await log.publish_intent(FLEET, intent(1, "a"), expect=0)
+                move = subjects.route(FLEET)
+                to_a = await log.append(move, ev.RouteMoved(at=datetime.now(UTC), active="a"), expect=0)
+                first = await log.publish_intent(FLEET, intent(to_a, "a"), expect=0)
                 fs.writeback()  # routing on `a` is long on disk
                 async with RouteWatcher([server.url], FLEET, stall_interval=0.5) as router:
-                    forgotten = await log.publish_intent(FLEET, intent(2, "b"), expect=first)
+                    to_b = await log.append(move, ev.RouteMoved(at=datetime.now(UTC), active="b"), expect=to_a)
+                    forgotten = await log.publish_intent(FLEET, intent(to_b, "b"), expect=first)
                     await router.wait_for(lambda ri: ri.active is not None and ri.active.domain == "b", 10)
                     server.kill()
                     fs.power_loss()
@@ -341,14 +345,157 @@ async def test_a_router_follows_a_rewound_route_subject_instead_of_the_pointer_t
                         while True:
                             with contextlib.suppress(LogError):
                                 await log.ensure()
-                                again = await log.publish_intent(FLEET, intent(1, "a"), expect=first)
+                                again = await log.publish_intent(FLEET, intent(to_a, "a"), expect=first)
                                 break
                             await asyncio.sleep(0.1)
                     assert again == forgotten  # the same stream sequence, other content
                     t = time.monotonic()
                     now = await router.wait_for(lambda ri: ri.active is not None and ri.active.domain == "a", 20)
                     print(f"router true again {time.monotonic() - t:.2f} s after the rewound intent")
-                    assert now.revision == 1 and router.resets >= 1
+                    assert now.revision == to_a and router.resets >= 1
+        finally:
+            server.kill()
+
+
+def block_files(fs: LazyFS, stream: str) -> list[str]:
+    mount = fs.mountpoint
+    return [str(p.relative_to(mount)) for p in sorted(mount.glob(f"**/{stream}/msgs/*.blk"))]
+
+
+@pytest.mark.timeout(90)
+async def test_a_router_is_never_handed_the_surviving_intent_of_a_route_move_the_damaged_log_lost(tmp_path):
+    """Fault d on the single node, made exact: the block files lose their tails (HARU_EVENTS back to before
+    both route moves, HARU_ROUTE back to the intent for the first). The intent that survives names a
+    `route_moved` the log no longer holds. A router following the route through the restart must not be
+    handed it: it waits for the intent of the route the log holds now (here the projector's part is played
+    by the test, after a pause in which the router has seen the survivor)."""
+    require_fuse()
+    with LazyFS(tmp_path / "store") as fs:
+        server = NatsServer(fs.mountpoint, sync_interval="always", log_file=tmp_path / "nats.log")
+        await server.start()
+        try:
+            async with EventLog.connect([server.url], writer="promoter", timeout=2.0) as log:
+                await log.ensure()
+                await declare_fleet(log)
+                fs.writeback()
+                events_kept = (fs.mountpoint / block_files(fs, subjects.EVENTS_STREAM)[0]).stat().st_size
+                move = subjects.route(FLEET)
+                to_a = await log.append(move, ev.RouteMoved(at=datetime.now(UTC), active="a"), expect=0)
+                first = await log.publish_intent(FLEET, intent(to_a, "a"), expect=0)
+                route_kept = (fs.mountpoint / block_files(fs, subjects.ROUTE_STREAM)[0]).stat().st_size
+                to_b = await log.append(move, ev.RouteMoved(at=datetime.now(UTC), active="b"), expect=to_a)
+                await log.publish_intent(FLEET, intent(to_b, "b"), expect=first)
+                seen: list[tuple[float, int, str]] = []
+                async with RouteWatcher([server.url], FLEET, stall_interval=0.5) as router:
+
+                    async def follow() -> None:
+                        async for ri in router:
+                            seen.append((time.monotonic(), ri.revision, ri.active.domain if ri.active else ""))
+
+                    following = asyncio.create_task(follow())
+                    await router.wait_for(lambda ri: ri.revision == to_b, 10)
+                    server.kill()
+                    fs.truncate(block_files(fs, subjects.EVENTS_STREAM)[0], events_kept)
+                    fs.truncate(block_files(fs, subjects.ROUTE_STREAM)[0], route_kept)
+                    await server.start()
+                    async with asyncio.timeout(30):
+                        while True:
+                            with contextlib.suppress(LogError):
+                                survivor = await log.last_intent(FLEET)
+                                break
+                            await asyncio.sleep(0.1)
+                    t_back = time.monotonic()
+                    assert survivor is not None and survivor[1] == first  # the damage is what the test says
+                    assert await log.read_seq(to_a) is None
+                    # the router has had the survivor delivered (followed, or withheld) before the projector
+                    await wait_until(lambda: router.seq == first, 20, what="the router reading the survivor")
+                    await asyncio.sleep(0.5)
+                    again = await log.append(move, ev.RouteMoved(at=datetime.now(UTC), active="b"), expect=0)
+                    await log.publish_intent(FLEET, intent(again, "b"), expect=first)
+                    await router.wait_for(lambda ri: ri.revision == again and ri.active.domain == "b", 20)
+                    following.cancel()
+                    rewound = []
+                    for t, revision, active in seen:
+                        if t < t_back:
+                            continue
+                        rec = await log.read_seq(revision)
+                        if not (
+                            rec is not None and isinstance(rec.event, ev.RouteMoved) and rec.event.active == active
+                        ):
+                            rewound.append((revision, active))
+                    assert rewound == [], f"the router was handed pointers the log no longer holds: {rewound}"
+                    assert router.withheld >= 1
+        finally:
+            server.kill()
+
+
+@pytest.mark.timeout(90)
+async def test_the_gateway_never_routes_by_the_surviving_intent_of_a_route_move_the_damaged_log_lost(tmp_path):
+    """The same damage as above, the gateway following: after the log is back it routes by no pointer the
+    log no longer holds (here: by none, the log holds no route_moved), then by the projector's new intent."""
+    from haru.core.views import DomainView, FleetView
+    from tests.support.gateway import running_gateway
+
+    require_fuse()
+    with LazyFS(tmp_path / "store") as fs:
+        server = NatsServer(fs.mountpoint, sync_interval="always", log_file=tmp_path / "nats.log")
+        await server.start()
+        try:
+            async with EventLog.connect([server.url], writer="promoter", timeout=2.0) as log:
+                await log.ensure()
+                await declare_fleet(log)
+                domains = {d: DomainView(name=d) for d in ("a", "b")}
+                await log.put_view(
+                    subjects.view_key(FLEET), view_encoder.encode(FleetView(fleet=FLEET, domains=domains)), last=0
+                )
+                fs.writeback()
+                events_kept = (fs.mountpoint / block_files(fs, subjects.EVENTS_STREAM)[0]).stat().st_size
+                move = subjects.route(FLEET)
+                to_a = await log.append(move, ev.RouteMoved(at=datetime.now(UTC), active="a"), expect=0)
+                first = await log.publish_intent(FLEET, intent(to_a, "a"), expect=0)
+                route_kept = (fs.mountpoint / block_files(fs, subjects.ROUTE_STREAM)[0]).stat().st_size
+                to_b = await log.append(move, ev.RouteMoved(at=datetime.now(UTC), active="b"), expect=to_a)
+                await log.publish_intent(FLEET, intent(to_b, "b"), expect=first)
+                async with EventLog.connect([server.url], writer="gateway", timeout=2.0) as gw_log:
+                    async with running_gateway(gw_log, resync_ms=200) as gw:
+
+                        def routed() -> tuple[int, str] | None:
+                            routes = gw.table.get(FLEET)
+                            return None if routes is None or not routes.active else (routes.revision, routes.active)
+
+                        await wait_until(lambda: routed() == (to_b, "b"), 10, what="the gateway routing on b")
+                        server.kill()
+                        fs.truncate(block_files(fs, subjects.EVENTS_STREAM)[0], events_kept)
+                        fs.truncate(block_files(fs, subjects.ROUTE_STREAM)[0], route_kept)
+                        await server.start()
+                        async with asyncio.timeout(30):
+                            while True:
+                                with contextlib.suppress(LogError):
+                                    survivor = await log.last_intent(FLEET)
+                                    break
+                                await asyncio.sleep(0.1)
+                        t_back = time.monotonic()
+                        assert survivor is not None and survivor[1] == first
+                        seen: list[tuple[int, str]] = []
+                        # the gateway has seen the log rewound and applied what it holds now
+                        while time.monotonic() - t_back < 3 or (routed() or (0, ""))[1] == "b":
+                            if (now := routed()) is not None:
+                                seen.append(now)
+                            assert time.monotonic() - t_back < 30, f"the gateway still routes by {routed()}"
+                            await asyncio.sleep(0.01)
+                        again = await log.append(move, ev.RouteMoved(at=datetime.now(UTC), active="b"), expect=0)
+                        await log.publish_intent(FLEET, intent(again, "b"), expect=first)
+                        await wait_until(lambda: routed() == (again, "b"), 20, what="the gateway following the log")
+                    # what it was handed after the log was back (before it read the log it still holds b)
+                    handed = [r for i, r in enumerate(seen) if r != (seen[i - 1] if i else (to_b, "b"))]
+                    rewound = []
+                    for revision, active in handed:
+                        rec = await log.read_seq(revision)
+                        if not (
+                            rec is not None and isinstance(rec.event, ev.RouteMoved) and rec.event.active == active
+                        ):
+                            rewound.append((revision, active))
+                    assert rewound == [], f"the gateway routed by pointers the log no longer holds: {rewound}"
         finally:
             server.kill()
 

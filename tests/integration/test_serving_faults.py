@@ -27,8 +27,8 @@ SLOW_PROBE = {"probe_interval_ms": 3000}
 CHAT = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
 
 
-async def start(tmp_path, nats_server, event_log, agents, env=None):
-    layout = write_layout(tmp_path / "layout.json", tmp_path, policy=SLOW_PROBE)
+async def start(tmp_path, nats_server, event_log, agents, env=None, policy=SLOW_PROBE):
+    layout = write_layout(tmp_path / "layout.json", tmp_path, policy=policy)
     cfg = write_config(tmp_path / "agent-a.json", nats_server.url, tmp_path, domain="a", layout=layout)
     agent = agents(cfg, tmp_path / "agent-a.log", env)
     res = await wait_event(event_log, subjects.model("f", "a", "m1"), is_("model_resident"), agent=agent)
@@ -155,3 +155,22 @@ async def test_slow_clients_cannot_hold_the_serving_port(tmp_path, nats_server, 
     async with asyncio.timeout(30):
         await asyncio.gather(*tasks)
     assert all(s.closed_at is not None for s in slow)
+
+
+async def test_a_model_put_to_sleep_under_load_is_answered_asleep_and_marked_for_the_gateway(
+    tmp_path, nats_server, event_log, agents
+):
+    # a demotion of a domain a gateway still routes to (it has yet to see the route move): every request
+    # refused from the moment the runtime sleeps, the sleep command still under way included, says so
+    # with the mark that makes the gateway send it to the active, never with the runtime's own 503
+    policy = {**SLOW_PROBE, "drain_ms": 300}  # the load never lets the drain find the port idle
+    _agent, _endpoint, serving = await start(tmp_path, nats_server, event_log, agents, policy=policy)
+    async with Load(serving) as load:
+        await load.wait_answers(20)
+        before = len(load.answers)
+        assert (await send(event_log.bus, "f", "a", "sleep", Command(op_id="demote"), timeout=10)).ok
+        await load.wait_answers(len(load.answers) + 20)
+    after = load.answers[before:]
+    assert all(status == 200 or (status, code) == (503, "model_asleep") for status, code, _ in after), after
+    assert after[-1][:2] == (503, "model_asleep")
+    assert set(load.gone) == {("model_asleep", "asleep")}, load.gone

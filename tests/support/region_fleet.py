@@ -90,6 +90,7 @@ class RegionFleet:
     rg: Regions
     root: Path
     procs: dict[str, Proc] = field(default_factory=dict)
+    agent_config: dict[str, dict] = field(default_factory=dict)  # domain -> settings added to its agent's config
 
     def layout(self) -> Path:
         domains, slots = [], []
@@ -137,6 +138,7 @@ class RegionFleet:
                 "serving": {"host": "0.0.0.0", "port": SERVING_PORT},
                 "state_dir": str(self.root / "state" / d),
                 "layout": str(layout),
+                **self.agent_config.get(d, {}),
             }
             path = self.root / f"agent-{d}.json"
             path.write_text(json.dumps(cfg))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import structlog
 
 from haru.core.errors import LogError, LogUnavailable
-from haru.promoter.quorum import Quorum, no_quorum, reaches_most
+from haru.promoter.quorum import Isolation, Quorum, no_quorum, reaches_most
 
 
 def test_only_failures_no_majority_answered_count_as_minority():
@@ -64,10 +64,12 @@ def test_an_episode_while_most_promoters_are_heard_keeps_what_was_heard_unless_t
     assert q2.cut_off
 
 
-def test_most_promoters_unheard_is_minority_as_a_cut_said_once():
-    with structlog.testing.capture_logs() as logs:
-        q = Quorum(structlog.get_logger("test"))
-        assert q.unheard() and q.state == "minority" and q.cut_off
-        assert not q.unheard()  # said once
-        assert q.committed(q.entered_ns + 1) and q.state == "majority"
-    assert [e["event"] for e in logs] == ["quorum_lost", "quorum_regained"]
+def test_a_promoter_that_stops_hearing_most_promoters_is_cut_off_until_it_hears_most_of_those_again():
+    iso = Isolation()
+    assert iso.judge(heard=2, known=2) == ""  # fewer than three known: it cannot tell
+    assert iso.judge(heard=3, known=3) == ""
+    assert iso.judge(heard=1, known=3) == "cut"  # alone of three: no verdict of silence from here
+    # the others fade from what it knows while it is cut off: that must not end the episode
+    assert iso.judge(heard=1, known=1) == "still"
+    assert iso.judge(heard=2, known=2) == "back"  # most of the three known at the cut: measure afresh
+    assert iso.judge(heard=2, known=2) == ""
