@@ -127,21 +127,26 @@ class Quorum:
 
 class Isolation:
     """Whether this promoter is alone on its side of a cut, by the promoters it hears on core NATS: it knew
-    three or more and hears no longer most of them. Sticky: it ends only when most of those known at the cut
-    are heard again (the ones known fade from memory while cut off, and must not end it by fading)."""
+    three or more and hears no longer most of them. It ends when most of those known at the cut are heard
+    again ('back'), or after `RECHECK_S` ('lapsed'): the others may have died rather than been cut away, and
+    the service then forgets whom it knew and what it heard, and measures afresh; if it is cut off after all,
+    its next verdict's append finds no quorum and it is in `minority` (above), so nothing measured from its
+    side of a cut is ever appended."""
 
     def __init__(self) -> None:
         self.known_at_cut = 0  # 0: not cut off
+        self.since = 0.0  # monotonic time the episode began
 
-    def judge(self, heard: int, known: int) -> Literal["", "cut", "still", "back"]:
-        """'' (not cut off), 'cut' (just stopped hearing most), 'still' (cut off), 'back' (most heard again:
-        measure silence afresh)."""
+    def judge(self, heard: int, known: int, now: float) -> Literal["", "cut", "still", "back", "lapsed"]:
+        """'' (not cut off), 'cut' (just stopped hearing most), 'still' (cut off), 'back' (most heard again),
+        'lapsed' (cut off for RECHECK_S): after 'back' and 'lapsed', measure silence afresh."""
         if self.known_at_cut:
-            if 2 * heard > self.known_at_cut:
+            if 2 * heard > self.known_at_cut or now - self.since > RECHECK_S:
+                back = 2 * heard > self.known_at_cut
                 self.known_at_cut = 0
-                return "back"
+                return "back" if back else "lapsed"
             return "still"
         if known >= 3 and not reaches_most(heard, known):
-            self.known_at_cut = known
+            self.known_at_cut, self.since = known, now
             return "cut"
         return ""

@@ -77,7 +77,7 @@ from haru.promoter.drive import not_applicable
 from haru.promoter.fleets import FleetState, StepRunner, utcnow
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
-from haru.promoter.quorum import Isolation, Quorum, reaches_most
+from haru.promoter.quorum import RECHECK_S, Isolation, Quorum, reaches_most
 from haru.promoter.router_acks import RouterAcks
 from haru.promoter.runners import StepRunners
 
@@ -434,7 +434,7 @@ class Promoter:
         none until it hears most of the promoters it knew at the cut again, then measures silence afresh."""
         heard = len(self.peers.alive("promoter"))
         known = len(self.peers.alive("promoter", within_s=KNOWN_PEERS_S))
-        verdict = self.isolation.judge(heard, known)
+        verdict = self.isolation.judge(heard, known, time.monotonic())
         if verdict == "cut":
             self.log_.warning(
                 "promoters_unheard",
@@ -443,9 +443,17 @@ class Promoter:
                 detail="this promoter hears too few of the promoters it knows: it may be the one cut off, so "
                 "it judges no heartbeat silence until it hears most of them again",
             )
-        elif verdict == "back":
+        elif verdict in ("back", "lapsed"):
             self._listen_afresh()
-            self.log_.info("promoters_heard_again", detail="heartbeat silence is measured afresh")
+            self.log_.info(
+                "promoters_heard_again" if verdict == "back" else "promoters_unheard_lapsed",
+                detail="heartbeat silence is measured afresh"
+                + (
+                    ""
+                    if verdict == "back"
+                    else f" after {RECHECK_S:.0f} s without most promoters heard: they may be gone"
+                ),
+            )
         return verdict in ("cut", "still")
 
     def _listen_afresh(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import structlog
 
 from haru.core.errors import LogError, LogUnavailable
-from haru.promoter.quorum import Isolation, Quorum, no_quorum, reaches_most
+from haru.promoter.quorum import RECHECK_S, Isolation, Quorum, no_quorum, reaches_most
 
 
 def test_only_failures_no_majority_answered_count_as_minority():
@@ -66,10 +66,18 @@ def test_an_episode_while_most_promoters_are_heard_keeps_what_was_heard_unless_t
 
 def test_a_promoter_that_stops_hearing_most_promoters_is_cut_off_until_it_hears_most_of_those_again():
     iso = Isolation()
-    assert iso.judge(heard=2, known=2) == ""  # fewer than three known: it cannot tell
-    assert iso.judge(heard=3, known=3) == ""
-    assert iso.judge(heard=1, known=3) == "cut"  # alone of three: no verdict of silence from here
+    assert iso.judge(heard=2, known=2, now=0) == ""  # fewer than three known: it cannot tell
+    assert iso.judge(heard=3, known=3, now=1) == ""
+    assert iso.judge(heard=1, known=3, now=2) == "cut"  # alone of three: no verdict of silence from here
     # the others fade from what it knows while it is cut off: that must not end the episode
-    assert iso.judge(heard=1, known=1) == "still"
-    assert iso.judge(heard=2, known=2) == "back"  # most of the three known at the cut: measure afresh
-    assert iso.judge(heard=2, known=2) == ""
+    assert iso.judge(heard=1, known=1, now=3) == "still"
+    assert iso.judge(heard=2, known=2, now=4) == "back"  # most of the three known at the cut: measure afresh
+    assert iso.judge(heard=2, known=2, now=5) == ""
+
+
+def test_an_episode_with_the_others_never_heard_again_lapses_they_may_be_gone():
+    iso = Isolation()
+    assert iso.judge(heard=1, known=3, now=0) == "cut"
+    assert iso.judge(heard=1, known=1, now=RECHECK_S) == "still"
+    assert iso.judge(heard=1, known=1, now=RECHECK_S + 1) == "lapsed"
+    assert iso.judge(heard=1, known=1, now=RECHECK_S + 2) == ""  # whom it knew was forgotten with the lapse
