@@ -17,8 +17,7 @@ import nats
 import pytest
 
 from haru.core import subjects
-from tests.integration.test_regions_nats import serving_in, settled_in, wait_for
-from tests.support.region_fleet import ClientLoad, RegionFleet, check_history, view
+from tests.support.region_fleet import ClientLoad, RegionFleet, check_history, serving_in, settled_in, view, wait_for
 from tests.support.regions import Regions, require_netns
 
 pytestmark = pytest.mark.timeout(180)

@@ -25,7 +25,17 @@ from haru.core import subjects
 from haru.core.events import OperationRequested
 from haru.log.eventlog import EventLog
 from tests.support.agent_harness import kill_runtimes
-from tests.support.region_fleet import DOMAINS, FLEET, ClientLoad, RegionFleet, check_history, view
+from tests.support.region_fleet import (
+    DOMAINS,
+    FLEET,
+    ClientLoad,
+    RegionFleet,
+    check_history,
+    serving_in,
+    settled_in,
+    view,
+    wait_for,
+)
 from tests.support.regions import Regions, require_netns
 
 pytestmark = pytest.mark.timeout(180)
@@ -47,36 +57,6 @@ def fleet(regions, tmp_path_factory):
         yield f
     finally:
         f.kill_agents_runtimes()
-
-
-async def wait_for(check, timeout: float, what: str, fleet: RegionFleet):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = await check()
-        if got:
-            return got
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; exited: {fleet.dead()}")
-
-
-def state(v: dict, domain: str) -> str:
-    return v["domains"][domain]["models"]["m1"]["residency"]["state"]
-
-
-async def settled_in(region: int, rg: Regions) -> dict | None:
-    """One domain active and resident, the other asleep, reachable and eligible, no operation: whichever."""
-    v = await view(region, rg)
-    if not v or v["operation"] is not None or v["active"] not in ("a", "b"):
-        return None
-    active = v["active"]
-    standby = "b" if active == "a" else "a"
-    ok = (
-        state(v, active) == "resident"
-        and state(v, standby) == "sleeping"
-        and v["domains"][standby]["reachable"]
-        and v["domains"][active]["reachable"]
-    )
-    return v if ok else None
 
 
 def agent_lines(fleet: RegionFleet, domain: str, event: str) -> list[dict]:
@@ -196,8 +176,3 @@ async def test_f_a_flapping_link_makes_a_bounded_number_of_operations_and_no_cli
         tags = [type(r.event).__name__ for r in await log.history(model) if r.seq not in seen_before]
     assert tags[:3] == ["ModelLost", "ModelLoading", "ModelResident"], tags
     assert tags[-1] == "ModelSleeping", tags
-
-
-async def serving_in(region: int, rg: Regions, active: str):
-    v = await view(region, rg)
-    return v if v and v["active"] == active and state(v, active) == "resident" and v["operation"] is None else None

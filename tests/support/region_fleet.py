@@ -357,3 +357,41 @@ async def _check_history(fleet: RegionFleet) -> History:
         problems.append(f"haru verify failed: {verify.stdout[-1500:]} {verify.stderr[-1500:]}")
     assert not problems, "\n".join(problems)
     return History(route, ops, witnesses)
+
+
+# ------------------------------------------------------------ waiting on the fleet, as the scenarios do
+
+
+async def wait_for(check, timeout: float, what: str, fleet: RegionFleet):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = await check()
+        if got:
+            return got
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; exited: {fleet.dead()}")
+
+
+def state(v: dict, domain: str) -> str:
+    return v["domains"][domain]["models"]["m1"]["residency"]["state"]
+
+
+async def settled_in(region: int, rg: Regions) -> dict | None:
+    """One domain active and resident, the other asleep, reachable and eligible, no operation: whichever."""
+    v = await view(region, rg)
+    if not v or v["operation"] is not None or v["active"] not in ("a", "b"):
+        return None
+    active = v["active"]
+    standby = "b" if active == "a" else "a"
+    ok = (
+        state(v, active) == "resident"
+        and state(v, standby) == "sleeping"
+        and v["domains"][standby]["reachable"]
+        and v["domains"][active]["reachable"]
+    )
+    return v if ok else None
+
+
+async def serving_in(region: int, rg: Regions, active: str):
+    v = await view(region, rg)
+    return v if v and v["active"] == active and state(v, active) == "resident" and v["operation"] is None else None
