@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.support.region_fleet import ClientLoad, RegionFleet, check_history, view
+from tests.support.region_fleet import ClientLoad, RegionFleet, check_history, state, view, wait_for
 from tests.support.regions import Regions, require_netns
 
 pytestmark = pytest.mark.timeout(180)
@@ -46,20 +46,6 @@ def fleet(regions, tmp_path_factory):
         yield f
     finally:
         f.kill_agents_runtimes()
-
-
-async def wait_for(check, timeout: float, what: str, fleet: RegionFleet):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = await check()
-        if got:
-            return got
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; exited: {fleet.dead()}")
-
-
-def state(v: dict, domain: str) -> str:
-    return v["domains"][domain]["models"]["m1"]["residency"]["state"]
 
 
 def steady(v: dict | None, active: str, standby: str) -> bool:
