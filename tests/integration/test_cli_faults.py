@@ -9,10 +9,13 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import UTC, datetime
 
 import pytest
 
+from haru.core import subjects
 from haru.core.errors import LogUnavailable
+from haru.core.events import RouteMoved
 from haru.core.views import RouteIntent, Target, view_encoder
 from haru.host.natsd import NatsServer, free_port
 from haru.log.eventlog import EventLog
@@ -89,13 +92,19 @@ async def test_route_watch_says_when_the_control_plane_went_away_and_came_back(n
         try:
             back = await asyncio.to_thread(err.wait_for, "control plane reachable again", 30)
             assert "away " in back
-            # And it is live again: a new intent is printed.
+            # And it is live again: a new intent is printed (after an outage a watcher follows an intent only
+            # if the log holds its route move, so the move is appended first and the intent names it).
             async with EventLog.connect([again.url], writer="test") as log:
-                nxt = RouteIntent(fleet="default", revision=9, active=Target(domain="b", serving_url="http://b:9000"))
+                revision = await log.append(
+                    subjects.route("default"), RouteMoved(at=datetime.now(UTC), active="b"), expect=0
+                )
+                nxt = RouteIntent(
+                    fleet="default", revision=revision, active=Target(domain="b", serving_url="http://b:9000")
+                )
                 await log.publish_intent(
                     "default", view_encoder.encode(nxt), expect=(await log.last_intent("default"))[1]
                 )
-            await asyncio.to_thread(out.wait_for, "route revision 9", 30)
+            await asyncio.to_thread(out.wait_for, f"route revision {revision}", 30)
         finally:
             await asyncio.to_thread(again.stop_sync)
     finally:
