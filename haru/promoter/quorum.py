@@ -95,6 +95,26 @@ class Quorum:
         )
         return True
 
+    def unheard(self) -> bool:
+        """Most of the promoters this one knows fell silent on core NATS (`Isolation`): it may be the one cut
+        off, before any append of its own failed to say so. `minority` as a cut (what it heard is no evidence);
+        True when that moved it there."""
+        if self.state == "minority":
+            self.cut_off = True
+            return False
+        self.state, self.since, self.why = "minority", time.monotonic(), "most promoters are not heard"
+        self.entered += 1
+        self.entered_ns = time.time_ns()
+        self.cut_off = True
+        self._log.warning(
+            "quorum_lost",
+            state="minority",
+            why=self.why,
+            detail="this promoter may be the one cut off: it cannot start an operation or move the route, and "
+            "judges no domain silent, until most promoters are heard or a majority answers again",
+        )
+        return True
+
     def alone(self) -> None:
         """In `minority`, most of the known promoters are no longer heard: this episode may be our own
         isolation after all."""

@@ -436,6 +436,7 @@ class Promoter:
         known = len(self.peers.alive("promoter", within_s=KNOWN_PEERS_S))
         verdict = self.isolation.judge(heard, known, time.monotonic())
         if verdict == "cut":
+            self.quorum.unheard()
             self.log_.warning(
                 "promoters_unheard",
                 heard=heard,
@@ -444,6 +445,8 @@ class Promoter:
                 "it judges no heartbeat silence until it hears most of them again",
             )
         elif verdict in ("back", "lapsed"):
+            if verdict == "back":
+                self.quorum.answered()  # most promoters heard again: a majority is within reach
             self._listen_afresh()
             self.log_.info(
                 "promoters_heard_again" if verdict == "back" else "promoters_unheard_lapsed",
