@@ -469,7 +469,9 @@ class ModelSupervisor:
                 return True
             alive = self.m.process_alive()
             holds = await probes.holds_model(m.runtime, min(timeout, 5.0)) if probe.step != "listed" else False
-            if gpu is None and m.runtime.kind != "external":
+            if m.runtime.kind != "external":
+                # read again: a GPU that fell off the bus during the probe is why it failed, and the reading
+                # taken before the probe would blame the runtime (`unhealthy`) for the provider's doing
                 gpu = self.read_gpu()
             reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=holds)
             if not alive:

@@ -42,7 +42,7 @@ RECOVERY_C = "After c: one node lost power and the network split"
 RECOVERY_D = "After d: bit flips or a truncation in one node's block files"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 async def test_one_node_s_power_loss_during_a_partition_loses_nothing_acknowledged_and_leaves_no_split_brain(
     tmp_path,
 ):
@@ -68,13 +68,21 @@ async def test_one_node_s_power_loss_during_a_partition_loses_nothing_acknowledg
             lost = await load.lost(log)
             said = await haru_said(log)
             states = await fc.converged(20)
-        # docs/operations.md, 'After c: one node lost power and the network split', as written
-        recovery = await asyncio.to_thread(run_documented, fc, documented(RECOVERY_C), leader)
+        # docs/operations.md, 'After c: one node lost power and the network split', as written; and, as it
+        # says, a node whose /healthz never turns 200 is treated as a damaged disk: the block after it
+        try:
+            recovery = await asyncio.to_thread(run_documented, fc, documented(RECOVERY_C), leader, wait_s=45)
+            branch = "c"
+        except subprocess.TimeoutExpired:
+            said_healthz = await asyncio.to_thread(fc.healthz, leader)
+            print(f"node {leader}'s /healthz stayed {said_healthz}: recovered as a damaged disk, as documented")
+            recovery = await asyncio.to_thread(run_documented, fc, documented(RECOVERY_D), leader)
+            branch = "c then d"
     print(
         f"fault c: leader {leader} lost power ({dropped['bytes']} unsynced bytes dropped) while {x}|{y} were cut; "
         f"appends acknowledged again {t_back:.1f} s after; {len(load.acked)} acknowledged, {len(lost)} lost, "
         f"{load.flips} route flips, {load.errors} failed appends; receipts: {said or 'nothing regressed'}; "
-        f"replicas {states}"
+        f"replicas {states}; recovered by the documented {branch}"
     )
     assert acked_without_majority <= load.writers + 1, "appends were acknowledged without a majority"
     assert lost == [], f"{len(lost)} of {len(load.acked)} acknowledged events lost: {lost[:5]}"
@@ -82,7 +90,7 @@ async def test_one_node_s_power_loss_during_a_partition_loses_nothing_acknowledg
     assert len(set(states.values())) == 1 and None not in states.values(), f"the replicas differ: {states}"
     assert next(iter(states.values()))[1] >= max(a.seq for a in load.acked)  # type: ignore[index]
     assert load.flips >= 1
-    assert f'"last_seq":{states[leader][1]}' in recovery[1]  # type: ignore[index]
+    assert any(f'"last_seq":{states[leader][1]}' in said for said in recovery), recovery  # type: ignore[index]
 
 
 # ------------------------------------------------------- d: bit flips and a truncation in one node's blocks

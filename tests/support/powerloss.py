@@ -27,6 +27,8 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -88,6 +90,17 @@ class FaultCluster:
                     return
             time.sleep(0.05)
         raise AssertionError("the nodes did not route to each other in time")
+
+    def healthz(self, n: int) -> str:
+        """What node n's /healthz says now, status and body (a node that is not current answers 503)."""
+        node = self.nodes[n - 1]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/healthz", timeout=2) as r:
+                return f"{r.status} {r.read().decode(errors='replace')[:500]}"
+        except urllib.error.HTTPError as exc:
+            return f"{exc.code} {exc.read().decode(errors='replace')[:500]}"
+        except OSError as exc:
+            return f"unanswered ({exc})"
 
     def _start_proxy(self) -> None:
         pairs = [
@@ -414,12 +427,12 @@ def documented(heading: str) -> list[str]:
     return text[block : text.index("```", block)].splitlines()
 
 
-def run_documented(fc: FaultCluster, lines: list[str], n: int, user: str = "admin") -> list[str]:
+def run_documented(fc: FaultCluster, lines: list[str], n: int, user: str = "admin", wait_s: float = 90) -> list[str]:
     """Run a documented recovery on node `n` as written: `N=...` takes the node the test chose,
     `systemctl start|stop nats-server@N` starts or stops that node (start on a running node does
     nothing, as systemd), the store path and `localhost:8222` become node n's, and every other line runs
-    as is in bash with HARU_NATS_URL set to the cluster (bounded: a wait that never ends fails).
-    Returns what the lines printed."""
+    as is in bash with HARU_NATS_URL set to the cluster (bounded: a line still running after `wait_s`
+    raises subprocess.TimeoutExpired). Returns what the lines printed."""
     node = fc.nodes[n - 1]
     env = dict(
         os.environ,
@@ -444,7 +457,7 @@ def run_documented(fc: FaultCluster, lines: list[str], n: int, user: str = "admi
         assert "systemctl" not in command, f"a documented command the test cannot run: {command}"
         command = command.replace("/var/lib/nats/jetstream", str(node.dir / "js"))
         command = command.replace("localhost:8222", f"127.0.0.1:{node.http_port}")
-        done = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=90)
+        done = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=wait_s)
         assert done.returncode == 0, f"{line!r} failed ({done.returncode}): {done.stdout[-2000:]} {done.stderr[-2000:]}"
         out.append(done.stdout)
     return out

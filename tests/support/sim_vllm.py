@@ -84,7 +84,7 @@ class SimServer:
         deadline = time.monotonic() + 20
         while True:
             if rt.exists():
-                with contextlib.suppress(ValueError):
+                with contextlib.suppress(ValueError, OSError):  # OSError: removed by a server that just exited
                     info = json.loads(rt.read_text())
                     if info["pid"] == self.proc.pid:
                         self.port = info["port"]
