@@ -36,7 +36,8 @@ The roles (docs/design.md, "Security in brief"):
   control                 projector + promoter + gateway in one process (`haru up --nats-url`).
   operator                the `haru` CLI: declarations (haru apply), op requests, commands; reads all.
   sink                    reads the event log (the Postgres read model).
-  router                  may only subscribe haru.route.> and read stream HARU_ROUTE.
+  router                  may only subscribe haru.route.>, read stream HARU_ROUTE and each fleet's last
+                          route_moved (a direct get of haru.evt.<fleet>.route).
   router.<fleet>.<name>   a route follower (`haru route follow`): reads its fleet's route and reports only
                           as itself on haru.router.<fleet>.<name> (--router FLEET:NAME).
   admin                   everything, including creating streams (`ensure(replicas=3)`).
@@ -206,8 +207,8 @@ def fixed_users() -> list[User]:
         ),
         User(
             "router",
-            "may only subscribe haru.route.> and read stream HARU_ROUTE",
-            publish=read_stream(ROUTE),
+            "may only subscribe haru.route.>, read stream HARU_ROUTE and each fleet's last route_moved",
+            publish=[*read_stream(ROUTE), route_tip("*")],
             subscribe=["haru.route.>", INBOX],
         ),
     ]
@@ -252,11 +253,18 @@ def agent_user(fleet: str, domain: str) -> User:
     )
 
 
+def route_tip(fleet: str) -> str:
+    """A direct get of the fleet's last route_moved, the one event a route follower reads: after a lost link it
+    checks an intent names the log's newest route move (haru/log/route.py). The request's subject names the
+    subject read, so the permission reaches no other event."""
+    return f"$JS.API.DIRECT.GET.{EVENTS}.haru.evt.{fleet}.route"
+
+
 def router_user(fleet: str, name: str) -> User:
     return User(
         f"router.{fleet}.{name}",
         f"the route follower {name!r} of fleet {fleet!r}: reads the route, reports only as itself",
-        publish=[f"haru.router.{fleet}.{name}", *read_stream(ROUTE)],
+        publish=[f"haru.router.{fleet}.{name}", *read_stream(ROUTE), route_tip(fleet)],
         subscribe=[f"haru.route.{fleet}", f"haru.routers.ask.{fleet}", INBOX],
     )
 

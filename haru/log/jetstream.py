@@ -306,10 +306,14 @@ class JetStreamClient:
 
     # ----------------------------------------------------------------------------------- reads
 
-    async def _last_raw(self, stream: str, subject: str) -> tuple[int, bytes, dict[str, str] | None, datetime] | None:
+    async def _last_raw(
+        self, stream: str, subject: str, *, direct: bool = False
+    ) -> tuple[int, bytes, dict[str, str] | None, datetime] | None:
+        """The last message on `subject`: from the stream's leader, or with `direct` by a direct get whose
+        request subject names `subject` ($JS.API.DIRECT.GET.<stream>.<subject>: permitted per subject)."""
         with translated(f"reading the last message on {subject}"):
             try:
-                raw = await self.js.get_msg(stream, subject=subject)
+                raw = await self.js.get_msg(stream, subject=subject, direct=direct)
             except nats.js.errors.NotFoundError:
                 return None
         time = raw.time if isinstance(raw.time, datetime) else datetime.now(UTC)

@@ -160,13 +160,14 @@ class JetStreamEvents(JetStreamClient):
         await self.replay(count, subject_filter=subject_filter, headers=False)
         return counts
 
-    async def last(self, subject: str) -> Record | None:
-        """The last event on `subject`, or None when the subject is empty."""
-        last = await self._last_raw(subjects.EVENTS_STREAM, subject)
+    async def last(self, subject: str, *, direct: bool = False) -> Record | None:
+        """The last event on `subject`, or None when the subject is empty (`direct`: haru.log.seam)."""
+        last = await self._last_raw(subjects.EVENTS_STREAM, subject, direct=direct)
         if last is None:
             return None
         seq, data, headers, time = last
-        self._tips[subject] = (seq, body_hash(data))
+        if not direct:  # a replica's answer is no tip to append after
+            self._tips[subject] = (seq, body_hash(data))
         return decode_record(seq, subject, datetime_to_ns(time), data, headers)
 
     async def last_seq_of(self, subject: str) -> int:

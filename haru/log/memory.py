@@ -275,7 +275,7 @@ class MemoryEvents(_MemoryClient):
                 return rec.seq
         return 0
 
-    async def last(self, subject: str) -> Record | None:
+    async def last(self, subject: str, *, direct: bool = False) -> Record | None:
         self._up(f"reading the last message on {subject}")
         return self._events.last_of(subject)
 

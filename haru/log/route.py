@@ -20,9 +20,10 @@ projector publishes an intent for each fleet as soon as it folds its declaration
 concerns a watcher started before the fleet was ever projected.
 
 After a lost link or a rewound intents' stream the next intent is checked against the event log (one
-read of the record its `revision` names): an intent whose `route_moved` the log no longer holds (the last
-survivor of a store that forgot) is held back, never followed (`withheld`), until the projector publishes
-the intent of the route the log holds now.
+read of the fleet's route subject's last event, a direct get a route follower's user may make): an intent
+whose `route_moved` is not the newest the log holds (the last survivor of a store that forgot, or one the
+log has already moved past) is held back, never followed (`withheld`), until the projector publishes the
+intent of the route the log holds now.
 
 A watcher may be given a log (`haru.log.seam.Log`) it shares (not closed on exit) or server URLs (it connects
 and closes its own). Several iterators over one watcher are not supported: one consumer a watcher.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from typing import Any
@@ -84,6 +86,7 @@ class RouteWatcher:
         self._doubt = False  # the link dropped or the intents went back: check the next intent against the log
         self._forget_link: Callable[[], None] | None = None
         self._body = b""  # the body at `seq`
+        self._withheld: bytes | None = None  # the newest intent, when held back: asked about again (`_recheck`)
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
@@ -144,6 +147,8 @@ class RouteWatcher:
         seen, strikes = self.seq, 0
         while True:
             await asyncio.sleep(self.stall_interval)
+            if self._withheld is not None:
+                await self._recheck()
             if self.seq != seen:
                 seen, strikes = self.seq, 0
                 continue
@@ -199,7 +204,7 @@ class RouteWatcher:
             if not await self._pointer_held(body):
                 self.withheld += 1
                 self.resets += step == "reset"
-                self.seq, self._body = seq, body
+                self.seq, self._body, self._withheld = seq, body, body
                 _logger.warning("route_watcher.pointer_forgotten", fleet=self.fleet, seq=seq)
                 self._first.set()
                 return
@@ -225,12 +230,17 @@ class RouteWatcher:
             return False
         self.current = ri
         self.seq = seq
+        self._withheld = None
         self._queue.put_nowait(ri)
         return True
 
     async def _pointer_held(self, body: bytes) -> bool:
-        """Whether the log holds the route_moved the intent `body` names (True for a body that is not an
-        intent: `_accept` counts it). Waits for the log to answer."""
+        """Whether the log holds the route_moved the intent `body` names as the fleet's newest (True for a
+        body that is not an intent: `_accept` counts it). Read as the fleet's route subject's last event by
+        a direct get, the one read of the events a route follower's NATS user may make (deploy/nats); an
+        intent behind that newest move is held back too: the projector publishes the newer one. Any replica
+        may answer a direct get, one a moment behind its leader too: the watchdog asks again about an
+        intent held back (`_recheck`). Waits while the log does not answer."""
         assert self._log is not None
         try:
             ri = intent_decoder.decode(body)
@@ -238,16 +248,37 @@ class RouteWatcher:
             return True
         if ri.revision == 0 or ri.active is None:
             return True
+        route = subjects.route(self.fleet)
+        warn_at = time.monotonic() + self.timeout
         while True:
             try:
                 async with asyncio.timeout(self.timeout):
-                    rec = await self._log.read_seq(ri.revision)
+                    rec = await self._log.last(route, direct=True)
                 break
-            except (TimeoutError, HaruError):
+            except (TimeoutError, HaruError) as exc:
+                if self._log.connected and time.monotonic() > warn_at:  # not for want of a link: say why
+                    warn_at = time.monotonic() + 60
+                    _logger.warning(
+                        "route_watcher.route_unread",
+                        fleet=self.fleet,
+                        error=str(exc) or type(exc).__name__,
+                        detail=f"cannot read the last event on {route} to check an intent against it; the "
+                        f"NATS user needs $JS.API.DIRECT.GET.{subjects.EVENTS_STREAM}.{route} (deploy/nats)",
+                    )
                 await asyncio.sleep(0.1)  # NATS is away: nothing to conclude yet
-        return intents.pointer_held(
-            ri, subjects.route(self.fleet), rec.subject if rec else None, rec.event if rec else None
-        )
+        return rec is not None and rec.seq == ri.revision and intents.pointer_held(ri, route, rec.subject, rec.event)
+
+    async def _recheck(self) -> None:
+        """Ask again about the intent held back, the newest delivered: a replica that answered from behind has
+        caught up by now, or the log still does not hold its route_moved and it stays held back."""
+        body = self._withheld
+        if body is None or not await self._pointer_held(body) or self._withheld is not body:
+            return
+        self._withheld, self._doubt = None, False
+        self.current = intent_decoder.decode(body)
+        self._queue.put_nowait(self.current)
+        async with self._changed:
+            self._changed.notify_all()
 
     @property
     def log(self) -> Log | None:

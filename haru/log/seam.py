@@ -86,8 +86,10 @@ class Followable(Protocol):
 class EventReader(Followable, Protocol):
     """Reading the event log: single subjects, history, counts and following."""
 
-    async def last(self, subject: str) -> Record | None:
-        """The last record on `subject` (None when the subject is empty)."""
+    async def last(self, subject: str, *, direct: bool = False) -> Record | None:
+        """The last record on `subject` (None when the subject is empty). `direct`: asked as JetStream's
+        direct get with the subject in the request's own subject, which a user allowed to read only that
+        subject may send (a route follower); any replica answers it, so it may be a moment behind."""
         ...
 
     async def last_seq_of(self, subject: str) -> int:

@@ -776,6 +776,15 @@ async def test_a_router_can_only_read_route_intents(cluster, admin):
         with pytest.raises(nats.errors.TimeoutError):
             await js.get_msg(subjects.EVENTS_STREAM, subject=op)
         await violation(errors, "$JS.API.STREAM.MSG.GET.HARU_EVENTS")
+        # One event it may read: its fleet's last route_moved, by a direct get naming that subject (a watcher
+        # checks an intent against it after a lost link); the same get of any other subject is refused.
+        route = subjects.route(FLEET)
+        await admin.append(route, RouteMoved(at=now(), active="b"), expect=await admin.last_seq_of(route))
+        tip = await js.get_msg(subjects.EVENTS_STREAM, subject=subjects.route(FLEET), direct=True)
+        assert tip.subject == subjects.route(FLEET) and tip.seq == await admin.last_seq_of(subjects.route(FLEET))
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.get_msg(subjects.EVENTS_STREAM, subject=op, direct=True)
+        await violation(errors, f"$JS.API.DIRECT.GET.HARU_EVENTS.{op}")
         with pytest.raises(nats.errors.TimeoutError):
             await js.key_value(subjects.VIEWS_BUCKET)
         await violation(errors, "$JS.API.STREAM.INFO.KV_haru_views")
