@@ -10,6 +10,8 @@ haru_projector_views_adopted_total             newer views written by another pr
 haru_projector_intents_published_total         route intents published on haru.route.<fleet>
 haru_projector_intent_conflicts_total          intent publishes that lost the expected-sequence check
 haru_projector_replay_restarts_total           replays started again (stalled, reconnected, interrupted)
+haru_projector_log_rewinds_total               the log found behind what was folded (it lost events):
+                                               every fleet folded again from sequence 1
 haru_projector_last_seq                        the last HARU_EVENTS sequence handled
 haru_projector_stream_last_seq                 the stream's last sequence, read at scrape time
 haru_projector_lag_events                      stream_last_seq - last_seq
@@ -56,6 +58,11 @@ _COUNTERS = (
         "haru_projector_replay_restarts",
         "replay_restarts",
         "Replays started again (stalled, after a NATS reconnect, or interrupted).",
+    ),
+    (
+        "haru_projector_log_rewinds",
+        "log_rewinds",
+        "The event log found behind what was folded (it lost events): every fleet folded again from sequence 1.",
     ),
 )
 

@@ -106,6 +106,7 @@ class Stats:
     flushes: int = 0
     failures: int = 0  # records the fold raised on (a bug): logged and skipped
     replay_restarts: int = 0  # replays started again (stalled, after a NATS reconnect, interrupted)
+    log_rewinds: int = 0  # the log found behind what was folded (it lost events): every fleet folded again
     fleets: set[str] = field(default_factory=set)
 
 
@@ -332,6 +333,7 @@ class Projector:
             fleets=sorted(self._folders),
             detail="the event log lost events it had; folding every fleet again from sequence 1",
         )
+        self.stats.log_rewinds += 1
         self._overwrite |= set(self._folders)
         for state in (self._folders, self._heads, self._cp_count, self._cp_events, self._cp_seq, self._stored):
             state.clear()
@@ -447,6 +449,7 @@ class Projector:
             intent_conflicts=s.intent_conflicts,
             flushes=s.flushes,
             replay_restarts=s.replay_restarts,
+            log_rewinds=s.log_rewinds,
         )
 
     # ------------------------------------------------------------------------------- write

@@ -14,11 +14,13 @@ from datetime import timedelta
 from itertools import pairwise
 
 import aiohttp
+import msgspec
 import openai
 import pytest
 
 from haru.core import subjects
 from haru.core.residency import Answer, Loading, Lost, NotAdmitted, Resident, Sleeping
+from haru.core.specs import Policy
 from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, view_encoder
 from tests.support.clock import now
 from tests.support.gateway import (
@@ -794,7 +796,10 @@ async def test_an_upstream_that_always_breaks_off_mid_stream_ends_with_an_sse_er
 
     up = await RawUpstream(answer).start()
     try:
-        await _point_at(event_log, gw, up.url)
+        fleet = Fleet(event_log, gw)  # a 3 s hold, not the default 30 s: the giving up is what is tested
+        view = view_of("default", {"a": up.url}, active="a")
+        await fleet.put_view(msgspec.structs.replace(view, policy=Policy(hold_max_ms=3_000)))
+        await fleet.publish(intent_of("default", "a", up.url, revision=1))
         body = json.dumps({"model": MODEL, "messages": CHAT, "stream": True}).encode()
         async with aiohttp.ClientSession() as s:
             async with s.post(gw.url + "/v1/chat/completions", data=body) as r:

@@ -101,6 +101,7 @@ async def test_after_the_log_lost_power_the_writers_re_establish_and_the_views_a
     from haru.core.views import view_decoder
     from haru.log.apply import apply
     from haru.log.requests import request_operation
+    from haru.projections.metrics import ProjectorCollector
     from haru.projections.projector import Projector
     from tests.support.promoter import promoters, view_of
     from tests.support.sim_fleet import FLEET, Fleet, sim_layout
@@ -173,6 +174,11 @@ async def test_after_the_log_lost_power_the_writers_re_establish_and_the_views_a
                         assert moves[-1].by == promoter.identity
                         # ...and the projector and the promoter folded it all again.
                         assert projector.follower is not None and projector.follower.rewinds >= 1
+                        # (and says so on /metrics: haru_projector_log_rewinds_total, alert HaruLogRewound)
+                        rewinds = {
+                            m.name: m.samples[0].value for m in ProjectorCollector(projector).collect() if m.samples
+                        }["haru_projector_log_rewinds"]
+                        assert rewinds == projector.stats.log_rewinds >= 1
                         assert promoter.follower is not None and promoter.follower.rewinds >= 1
                         assert took < 5.0, f"views true again only after {took:.2f} s"
                 finally:

@@ -45,10 +45,15 @@ from haru.log.eventlog import EventLog
 from haru.log.receipts import check
 from haru.log.route import RouteWatcher
 from tests.support.lazyfs import LazyFS, require_fuse
+from tests.support.powerloss import documented, run_documented_everywhere, run_documented_on
 from tests.support.wait import wait_until
 
 FLEET = "pl"
 WRITERS = 4
+RECOVERY_A = "After a: the single node lost power"
+RECOVERY_B = "After b: all three nodes lost power"
+RECOVERY_D = "After d: bit flips or a truncation in one node's block files"
+RECOVERY_E = "After e: power lost between a flip's acknowledgement and its route intent"
 LOAD_ACKS = 160  # acknowledged appends (all writers together) before the power goes
 
 
@@ -90,7 +95,8 @@ async def power_loss_run(tmp_path, sync_interval: str | None):
         server = NatsServer(fs.mountpoint, sync_interval=sync_interval, log_file=tmp_path / "nats.log")
         await server.start()
         try:
-            async with EventLog.connect([server.url], writer="writer", timeout=2.0) as log:
+            async with EventLog.connect([server.url], writer="agent:pl/a@host", timeout=2.0) as log:
+                log.receipt_guard.record_as(domain="a")  # as an agent: what it finds becomes domain_log_regressed
                 await log.ensure()
                 fs.writeback()  # the streams' definitions reached the disk long ago
                 acked: list[tuple[str, int, int]] = []
@@ -104,6 +110,9 @@ async def power_loss_run(tmp_path, sync_interval: str | None):
                 stop.set()
                 async with asyncio.timeout(30):
                     await asyncio.gather(*writers)
+                receipts = (
+                    log.receipts()
+                )  # what it was acknowledged (the guard drops a receipt once it recorded a loss)
                 await server.start()
                 async with asyncio.timeout(30):  # the writer's connection comes back by itself
                     while True:
@@ -117,24 +126,30 @@ async def power_loss_run(tmp_path, sync_interval: str | None):
                     event = rec.event if rec is not None and rec.subject == subject else None
                     if not isinstance(event, ModelResident) or event.warmup_ms != i:
                         lost.append((subject, seq))
-                regressions = await check(log, log.receipts())
-                async with asyncio.timeout(20):  # the guard's own check after the reconnect
-                    while regressions and len(log.receipt_guard.found) < len(regressions):
+                regressions = await check(log, receipts)
+                async with asyncio.timeout(20):  # the guard's own check after the reconnect, and its record
+                    while regressions and (
+                        len(log.receipt_guard.found) < len(regressions) or not log.receipt_guard.recorded
+                    ):
                         await asyncio.sleep(0.05)
-                return acked, lost, regressions, dropped, list(log.receipt_guard.found)
+                # docs/operations.md, 'After a: the single node lost power', as written
+                recovery = await asyncio.to_thread(run_documented_on, server.url, documented(RECOVERY_A))
+                return acked, lost, regressions, dropped, list(log.receipt_guard.found), recovery
         finally:
             server.kill()
 
 
 async def test_shipped_config_loses_nothing_acknowledged_in_a_power_loss_under_load(tmp_path):
-    acked, lost, regressions, dropped, found = await power_loss_run(tmp_path, "always")
+    acked, lost, regressions, dropped, found, recovery = await power_loss_run(tmp_path, "always")
     assert len(acked) >= LOAD_ACKS
     assert lost == [], f"{len(lost)} of {len(acked)} acknowledged events lost with sync_interval always"
     assert regressions == [] and found == []
+    [verify] = recovery
+    assert verify.returncode == 0 and "verify ok" in verify.stdout, (verify.stdout, verify.stderr)
 
 
 async def test_default_config_loses_acknowledged_events_and_every_writer_s_receipts_say_which(tmp_path):
-    acked, lost, regressions, dropped, found = await power_loss_run(tmp_path, None)
+    acked, lost, regressions, dropped, found, recovery = await power_loss_run(tmp_path, None)
     assert dropped["bytes"] > 0
     # The writer's own log noticed by itself when its connection came back (eventlog.log_regressed).
     assert sorted(found, key=lambda r: r.subject) == regressions
@@ -147,6 +162,11 @@ async def test_default_config_loses_acknowledged_events_and_every_writer_s_recei
         assert r.acknowledged == last_acked[r.subject]
         assert r.held < min(seq for s, seq in lost if s == r.subject)
         assert "lost acknowledged events" in r.describe()
+    # The documented recovery: `haru verify` exits 11 and names every range the writer recorded.
+    [verify] = recovery
+    assert verify.returncode == 11, (verify.returncode, verify.stdout, verify.stderr)
+    for r in regressions:
+        assert r.subject in verify.stdout and "lost acknowledged events" in verify.stdout, verify.stdout
 
 
 @pytest.mark.parametrize("held", [0, 3])
@@ -203,7 +223,8 @@ async def test_power_loss_after_the_flip_is_acknowledged_but_before_its_intent_r
         await server.start()
         procs: list[subprocess.Popen] = []
         try:
-            async with EventLog.connect([server.url], writer="promoter", timeout=2.0) as log:
+            async with EventLog.connect([server.url], writer="promoter:p1", timeout=2.0) as log:
+                log.receipt_guard.record_as()  # as the promoter: what it finds becomes log_regressed
                 await log.ensure()
                 await declare_fleet(log)
                 procs.append(start_projector(server.url, tmp_path / "projector-1.log"))
@@ -242,6 +263,21 @@ async def test_power_loss_after_the_flip_is_acknowledged_but_before_its_intent_r
                         ]
                         intent = await router.wait_for(lambda ri: ri is not None, 20)
                         assert intent.active is None  # the log forgot the flip: nothing routes by it
+                        async with asyncio.timeout(20):  # the guard's record of what it found
+                            while not log.receipt_guard.recorded:
+                                await asyncio.sleep(0.05)
+                # docs/operations.md, 'After e', as written
+                verify, route = await asyncio.to_thread(
+                    run_documented_on, server.url, documented(RECOVERY_E), fleet=FLEET
+                )
+                assert route.returncode == 0, (route.stdout, route.stderr)
+                if sync_interval == "always":
+                    assert verify.returncode == 0, (verify.stdout, verify.stderr)
+                    assert f"route revision {flip} → b" in route.stdout, route.stdout
+                else:
+                    assert verify.returncode == 11 and subjects.route(FLEET) in verify.stdout, verify.stdout
+                    assert "no active domain" in route.stdout, route.stdout
+                print(f"haru route after the restart:\n{route.stdout}")
         finally:
             for p in procs:
                 with contextlib.suppress(ProcessLookupError):
@@ -253,7 +289,7 @@ async def test_power_loss_after_the_flip_is_acknowledged_but_before_its_intent_r
 # ----------------------------------------------------- b: all three cluster nodes lose power at once
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 async def test_shipped_cluster_loses_nothing_acknowledged_when_all_three_nodes_lose_power(tmp_path):
     """The shipped deploy/nats node configs (test_deploy_cluster's cluster), each node's store on its own
     lazy filesystem; R3 appends under load; all three nodes SIGKILLed and their unsynced writes dropped
@@ -303,8 +339,13 @@ async def test_shipped_cluster_loses_nothing_acknowledged_when_all_three_nodes_l
                         except LogError:
                             await asyncio.sleep(0.25)
                 regressions = await check(log, log.receipts())
+            # docs/operations.md, 'After b: all three nodes lost power', as written
+            recovery = await asyncio.to_thread(
+                run_documented_everywhere, cluster, documented(RECOVERY_B), documented(RECOVERY_D)
+            )
         finally:
             cluster.stop()
+    assert "verify ok" in recovery[-1], recovery
     assert len(acked) >= LOAD_ACKS // 2
     assert lost == [], f"{len(lost)} of {len(acked)} acknowledged events lost with sync_interval always on R3"
     assert regressions == []
@@ -374,7 +415,8 @@ async def test_a_router_is_never_handed_the_surviving_intent_of_a_route_move_the
         server = NatsServer(fs.mountpoint, sync_interval="always", log_file=tmp_path / "nats.log")
         await server.start()
         try:
-            async with EventLog.connect([server.url], writer="promoter", timeout=2.0) as log:
+            async with EventLog.connect([server.url], writer="promoter:p1", timeout=2.0) as log:
+                log.receipt_guard.record_as()  # as the promoter: what it finds becomes log_regressed
                 await log.ensure()
                 await declare_fleet(log)
                 fs.writeback()
@@ -441,7 +483,8 @@ async def test_the_gateway_never_routes_by_the_surviving_intent_of_a_route_move_
         server = NatsServer(fs.mountpoint, sync_interval="always", log_file=tmp_path / "nats.log")
         await server.start()
         try:
-            async with EventLog.connect([server.url], writer="promoter", timeout=2.0) as log:
+            async with EventLog.connect([server.url], writer="promoter:p1", timeout=2.0) as log:
+                log.receipt_guard.record_as()  # as the promoter: what it finds becomes log_regressed
                 await log.ensure()
                 await declare_fleet(log)
                 domains = {d: DomainView(name=d) for d in ("a", "b")}

@@ -171,6 +171,7 @@ class Cluster:
         root.mkdir(parents=True, exist_ok=True)
         self.passwords = generated_secrets(root)
         self.nodes = [Node(i, root) for i in (1, 2, 3)]
+        self.envs: dict[int, dict[str, str]] = {}  # node index -> the environment it was started with
 
     def start(self) -> None:
         env = dict(os.environ, **self.passwords)
@@ -179,6 +180,7 @@ class Cluster:
                 f"nats-route://route:{self.passwords['HARU_NATS_ROUTE_PASSWORD']}@127.0.0.1:{node.cluster_port}"
             )
         for node in self.nodes:
+            self.envs[node.index] = env
             node.start(env)
         deadline = time.monotonic() + 20
         for node in self.nodes:
@@ -199,6 +201,10 @@ class Cluster:
     def urls(self, user: str | None) -> list[str]:
         auth = "" if user is None else f"{user}:{self.password(user)}@"
         return [f"nats://{auth}127.0.0.1:{n.port}" for n in self.nodes if n.alive]
+
+    def all_urls(self, user: str) -> list[str]:
+        """Every node's URL, running or not (`urls` gives the running ones)."""
+        return [f"nats://{user}:{self.password(user)}@127.0.0.1:{n.port}" for n in self.nodes]
 
     def log(self, user: str, writer: str | None = None):
         return EventLog.connect(self.urls(user), writer=writer or user)

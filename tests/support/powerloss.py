@@ -93,14 +93,7 @@ class FaultCluster:
 
     def healthz(self, n: int) -> str:
         """What node n's /healthz says now, status and body (a node that is not current answers 503)."""
-        node = self.nodes[n - 1]
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/healthz", timeout=2) as r:
-                return f"{r.status} {r.read().decode(errors='replace')[:500]}"
-        except urllib.error.HTTPError as exc:
-            return f"{exc.code} {exc.read().decode(errors='replace')[:500]}"
-        except OSError as exc:
-            return f"unanswered ({exc})"
+        return healthz(self.nodes[n - 1].http_port)
 
     def _start_proxy(self) -> None:
         pairs = [
@@ -161,7 +154,7 @@ class FaultCluster:
         return EventLog.connect(self.all_urls(user), writer=writer or user, timeout=2.0)
 
     def all_urls(self, user: str) -> list[str]:
-        return [f"nats://{user}:{self.cluster.password(user)}@127.0.0.1:{n.port}" for n in self.nodes]
+        return self.cluster.all_urls(user)
 
     # ------------------------------------------------------------------------------ faults
 
@@ -416,6 +409,18 @@ def covered(lost: list[Acked], regressions: list[Regression]) -> list[Acked]:
 
 # ------------------------------------------------------------------------------ the documented recovery
 
+
+def healthz(http_port: int) -> str:
+    """What a node's /healthz says now, status and body (a node that is not current answers 503)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=2) as r:
+            return f"{r.status} {r.read().decode(errors='replace')[:500]}"
+    except urllib.error.HTTPError as exc:
+        return f"{exc.code} {exc.read().decode(errors='replace')[:500]}"
+    except OSError as exc:
+        return f"unanswered ({exc})"
+
+
 OPERATIONS = REPO / "docs" / "operations.md"
 
 
@@ -427,7 +432,9 @@ def documented(heading: str) -> list[str]:
     return text[block : text.index("```", block)].splitlines()
 
 
-def run_documented(fc: FaultCluster, lines: list[str], n: int, user: str = "admin", wait_s: float = 90) -> list[str]:
+def run_documented(
+    fc: FaultCluster | Cluster, lines: list[str], n: int, user: str = "admin", wait_s: float = 90
+) -> list[str]:
     """Run a documented recovery on node `n` as written: `N=...` takes the node the test chose,
     `systemctl start|stop nats-server@N` starts or stops that node (start on a running node does
     nothing, as systemd), the store path and `localhost:8222` become node n's, and every other line runs
@@ -460,4 +467,60 @@ def run_documented(fc: FaultCluster, lines: list[str], n: int, user: str = "admi
         done = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=wait_s)
         assert done.returncode == 0, f"{line!r} failed ({done.returncode}): {done.stdout[-2000:]} {done.stderr[-2000:]}"
         out.append(done.stdout)
+    return out
+
+
+def run_documented_on(url: str, lines: list[str], **fill: str) -> list[subprocess.CompletedProcess[str]]:
+    """A single node's documented recovery: every command line as written, in bash with HARU_NATS_URL set
+    to `url` and each `<key>` put by `fill`'s value (`fleet="pl"` for `<fleet>`). What each line did is
+    returned, not asserted: `haru verify` exits 11 where the log forgot, as documented."""
+    env = dict(os.environ, HARU_NATS_URL=url, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    done = []
+    for line in lines:
+        command = line.split("    #", 1)[0].strip()
+        if not command or command.startswith("#"):
+            continue
+        for key, value in fill.items():
+            command = command.replace(f"<{key}>", value)
+        assert "<" not in command, f"a documented placeholder the test did not fill: {command}"
+        done.append(subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=60))
+    return done
+
+
+def run_documented_everywhere(
+    cluster: Cluster, lines: list[str], damaged: list[str], user: str = "admin", wait_s: float = 15
+) -> list[str]:
+    """A whole cluster's documented recovery (after b): `systemctl start` of nodes the test already started
+    is checked, not repeated; a line for `localhost:8222` runs on each node ("on each host") with that
+    node's port, and a node whose wait there does not end within `wait_s` is recovered as a damaged disk,
+    as the docs then say (the block `damaged`, on that node alone), its /healthz first printed; every other
+    line runs once, in bash with HARU_NATS_URL set to the cluster. Each must succeed; returns what they
+    printed."""
+    env = dict(
+        os.environ,
+        HARU_NATS_URL=",".join(cluster.urls(user)),
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
+    out = []
+    for line in lines:
+        command = line.split("    #", 1)[0].strip()
+        if not command or command.startswith("#"):
+            continue
+        if m := re.fullmatch(r"systemctl start ((?:nats-server@\d+ ?)+)", command):
+            for unit in m.group(1).split():
+                assert cluster.nodes[int(unit.split("@")[1]) - 1].alive, f"{unit} is not running"
+            continue
+        assert "systemctl" not in command, f"a documented command the test cannot run: {command}"
+        for node in cluster.nodes if "localhost:8222" in command else cluster.nodes[:1]:
+            here = command.replace("localhost:8222", f"127.0.0.1:{node.http_port}")
+            try:
+                done = subprocess.run(["bash", "-c", here], env=env, capture_output=True, text=True, timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                print(f"node {node.index}'s /healthz: {healthz(node.http_port)}: recovered as a damaged disk")
+                out += run_documented(cluster, damaged, node.index, user)
+                continue
+            assert done.returncode == 0, (
+                f"{line!r} failed ({done.returncode}): {done.stdout[-2000:]} {done.stderr[-2000:]}"
+            )
+            out.append(done.stdout)
     return out
