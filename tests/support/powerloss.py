@@ -30,6 +30,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -434,6 +435,19 @@ def documented(heading: str) -> list[str]:
     return text[block : text.index("```", block)].splitlines()
 
 
+def _env(urls: list[str]) -> dict[str, str]:
+    """The environment a documented line runs in: HARU_NATS_URL set, this venv's `haru` first on PATH."""
+    return dict(os.environ, HARU_NATS_URL=",".join(urls), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+
+
+def _commands(lines: list[str]) -> Iterator[str]:
+    """A documented block's commands: each line without its trailing comment; blank and comment lines skipped."""
+    for line in lines:
+        command = line.split("    #", 1)[0].strip()
+        if command and not command.startswith("#"):
+            yield command
+
+
 def run_documented(
     fc: FaultCluster | Cluster, lines: list[str], n: int, user: str = "admin", wait_s: float = 90
 ) -> list[str]:
@@ -443,15 +457,10 @@ def run_documented(
     as is in bash with HARU_NATS_URL set to the cluster (bounded: a line still running after `wait_s`
     raises subprocess.TimeoutExpired). Returns what the lines printed."""
     node = fc.nodes[n - 1]
-    env = dict(
-        os.environ,
-        HARU_NATS_URL=",".join(fc.all_urls(user)),
-        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    )
+    env = _env(fc.all_urls(user))
     out = []
-    for line in lines:
-        command = line.split("    #", 1)[0].strip()
-        if not command or command.startswith("#") or re.fullmatch(r"N=\d+", command):
+    for command in _commands(lines):
+        if re.fullmatch(r"N=\d+", command):
             continue
         command = command.replace("$N", str(n))
         if m := re.fullmatch(r"systemctl (start|stop) ((?:nats-server@\d+ ?)+)", command):
@@ -467,7 +476,9 @@ def run_documented(
         command = command.replace("/var/lib/nats/jetstream", str(node.dir / "js"))
         command = command.replace("localhost:8222", f"127.0.0.1:{node.http_port}")
         done = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=wait_s)
-        assert done.returncode == 0, f"{line!r} failed ({done.returncode}): {done.stdout[-2000:]} {done.stderr[-2000:]}"
+        assert done.returncode == 0, (
+            f"{command!r} failed ({done.returncode}): {done.stdout[-2000:]} {done.stderr[-2000:]}"
+        )
         out.append(done.stdout)
     return out
 
@@ -476,12 +487,9 @@ def run_documented_on(url: str, lines: list[str], **fill: str) -> list[subproces
     """A single node's documented recovery: every command line as written, in bash with HARU_NATS_URL set
     to `url` and each `<key>` put by `fill`'s value (`fleet="pl"` for `<fleet>`). What each line did is
     returned, not asserted: `haru verify` exits 11 where the log forgot, as documented."""
-    env = dict(os.environ, HARU_NATS_URL=url, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env = _env([url])
     done = []
-    for line in lines:
-        command = line.split("    #", 1)[0].strip()
-        if not command or command.startswith("#"):
-            continue
+    for command in _commands(lines):
         for key, value in fill.items():
             command = command.replace(f"<{key}>", value)
         assert "<" not in command, f"a documented placeholder the test did not fill: {command}"
@@ -498,16 +506,9 @@ def run_documented_everywhere(
     as the docs then say (the block `damaged`, on that node alone), its /healthz first printed; every other
     line runs once, in bash with HARU_NATS_URL set to the cluster. Each must succeed; returns what they
     printed."""
-    env = dict(
-        os.environ,
-        HARU_NATS_URL=",".join(cluster.urls(user)),
-        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    )
+    env = _env(cluster.urls(user))
     out = []
-    for line in lines:
-        command = line.split("    #", 1)[0].strip()
-        if not command or command.startswith("#"):
-            continue
+    for command in _commands(lines):
         if m := re.fullmatch(r"systemctl start ((?:nats-server@\d+ ?)+)", command):
             for unit in m.group(1).split():
                 assert cluster.nodes[int(unit.split("@")[1]) - 1].alive, f"{unit} is not running"
@@ -521,7 +522,7 @@ def run_documented_everywhere(
                 out += run_documented(cluster, damaged, node.index, user)
                 continue
             assert done.returncode == 0, (
-                f"{line!r} failed ({done.returncode}): {done.stdout[-2000:]} {done.stderr[-2000:]}"
+                f"{command!r} failed ({done.returncode}): {done.stdout[-2000:]} {done.stderr[-2000:]}"
             )
             out.append(done.stdout)
     return out
