@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from collections import Counter
 
 import aiohttp
@@ -30,6 +29,7 @@ from tests.support.agent_harness import AgentProcess, agent_env, kill_agents, si
 from tests.support.clock import now
 from tests.support.failover_sim import steady
 from tests.support.gateway import running_gateway
+from tests.support.ports import lasting_port
 from tests.support.promoter import promoters, wait_view
 from tests.support.wait import wait_until
 
@@ -47,12 +47,6 @@ POLICY = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.asynccontextmanager
 async def fleet(tmp_path, nats_server, event_log):
     layout = write_layout(
@@ -65,7 +59,7 @@ async def fleet(tmp_path, nats_server, event_log):
     )
     doc = json.loads(layout.read_text())
     for d in doc["domains"]:  # a serving URL the gateway can reach: the agent serves on its port
-        d["serving_url"] = f"http://127.0.0.1:{free_port()}"
+        d["serving_url"] = f"http://127.0.0.1:{lasting_port()}"
     layout.write_text(json.dumps(doc))
     await apply(event_log, load_layout(layout), now())
     procs = []

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from haru.host.natsd import free_port
 from haru.up.convert import env_python
 from tests.support import haru
 from tests.support.demo import REPO, stop_and_reap
 from tests.support.llama import llama_binary
+from tests.support.ports import lasting_port
 from tests.support.wait import wait_until_sync
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(240)]
@@ -87,7 +87,7 @@ def test_convert_quantize_and_serve(tmp_path):
             "--nats-port",
             "0",
             "--port",
-            str(free_port()),
+            str(lasting_port()),
             "--ready-file",
             str(ready),
         ],

@@ -13,18 +13,18 @@ import sys
 import pytest
 from openai import OpenAI
 
-from haru.host.natsd import free_port
 from tests.support import haru
 from tests.support.demo import REPO, descendants, stop_and_reap
 from tests.support.llama import llama_binary
 from tests.support.models_registry import build_registry
+from tests.support.ports import lasting_port
 from tests.support.wait import wait_until_sync
 
 
 @pytest.fixture
 def registry_url(tmp_path):
     reg = build_registry(tmp_path / "reg")
-    port = free_port()
+    port = lasting_port()
     p = subprocess.Popen(
         [sys.executable, "-m", "tests.support.models_registry", "--root", str(reg.root), "--port", str(port)],
         stdout=subprocess.PIPE,
@@ -71,7 +71,7 @@ def test_serve_pulls_a_reference_and_a_real_llama_server_answers(registry_url, t
             "--nats-port",
             "0",
             "--port",
-            str(free_port()),
+            str(lasting_port()),
             "--ready-file",
             str(ready),
             "--log-level",

@@ -188,10 +188,10 @@ async def test_truth_is_recorded_late_rather_than_never_across_a_nats_outage(tmp
 
 
 async def test_nats_unreachable_exits_6(tmp_path, agents):
-    from haru.host.natsd import free_port
+    from tests.support.ports import lasting_port
 
     layout = write_layout(tmp_path / "layout.json", tmp_path)
-    cfg = write_config(tmp_path / "agent.json", f"nats://127.0.0.1:{free_port()}", tmp_path, layout=layout)
+    cfg = write_config(tmp_path / "agent.json", f"nats://127.0.0.1:{lasting_port()}", tmp_path, layout=layout)
     agent = agents(cfg, tmp_path / "agent.log")
     assert await agent.wait(20) == 6
     assert "cannot reach NATS" in agent.output()

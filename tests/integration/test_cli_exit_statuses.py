@@ -16,9 +16,9 @@ import pytest
 
 from haru.cli import main
 from haru.cli.common import ExitStatus
-from haru.host.natsd import free_port
+from tests.support.ports import lasting_port
 
-REFUSED = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+REFUSED = f"nats://127.0.0.1:{lasting_port()}"  # nothing listens there
 LAYOUT = "deploy/examples/demo-fleet.json"
 
 # Every command, with the arguments that make it otherwise valid.
@@ -149,7 +149,7 @@ def test_a_simulated_domain_that_is_not_there_is_not_found(capsys, monkeypatch, 
 
 
 def test_a_refused_gateway_or_registry_is_unavailable(capsys, monkeypatch, tmp_path):
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{lasting_port()}"
     rc, _, err = cli(capsys, "run", "m", "--url", dead)
     assert rc == ExitStatus.UNAVAILABLE and dead in err
     monkeypatch.setenv("HARU_OLLAMA_REGISTRY", dead)

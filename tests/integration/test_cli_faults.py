@@ -17,13 +17,14 @@ from haru.core import subjects
 from haru.core.errors import LogUnavailable
 from haru.core.events import RouteMoved
 from haru.core.views import RouteIntent, Target, view_encoder
-from haru.host.natsd import NatsServer, free_port
+from haru.host.natsd import NatsServer
 from haru.log.eventlog import EventLog
 from tests.support import haru
+from tests.support.ports import lasting_port
 
 
 async def test_a_refused_connection_fails_before_the_connect_timeout():
-    url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    url = f"nats://127.0.0.1:{lasting_port()}"  # nothing listens there
     # connect_timeout is 30 s: the old client retried the refused server until it ran out.
     async with asyncio.timeout(10):
         with pytest.raises(LogUnavailable) as caught:
@@ -33,7 +34,7 @@ async def test_a_refused_connection_fails_before_the_connect_timeout():
 
 
 def test_every_cli_command_says_nats_is_refused_in_one_line():
-    url = f"nats://127.0.0.1:{free_port()}"
+    url = f"nats://127.0.0.1:{lasting_port()}"
     for argv in (("history",), ("verify",), ("status",), ("route",)):
         out = haru(*argv, nats_url=url, timeout=30)
         assert out.returncode == 6, (argv, out.stderr)

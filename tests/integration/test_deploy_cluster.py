@@ -37,7 +37,7 @@ from haru.core.errors import Conflict, LogUnavailable
 from haru.core.events import AgentStarted, AgentStopping, FleetDeclared, ModelLoading, PromotionRequested, RouteMoved
 from haru.core.specs import Policy
 from haru.core.views import RouteIntent, Target, view_encoder
-from haru.host.natsd import find_binary, free_port
+from haru.host.natsd import find_binary
 from haru.host.tasks import cancel_and_wait
 from haru.log.eventlog import EventLog
 from tests.support.clock import now
@@ -53,6 +53,7 @@ from tests.support.cluster import (
     rewrite,
     start_cluster,
 )
+from tests.support.ports import lasting_port
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -144,7 +145,7 @@ def test_accounts_file_is_what_gen_users_writes_for_the_example_fleet(tmp_path):
 
 async def test_the_root_single_node_config_runs_haru(tmp_path):
     """nats.conf at the repository root, for `haru up --nats-url` users: loopback, JetStream, R1 log."""
-    port, http_port = free_port(), free_port()
+    port, http_port = lasting_port(), lasting_port()
     text = (REPO / "nats.conf").read_text()
     text = rewrite(text, "listen: 127.0.0.1:4222", f"listen: 127.0.0.1:{port}")
     text = rewrite(text, "http: 127.0.0.1:8222", f"http: 127.0.0.1:{http_port}")
@@ -500,7 +501,7 @@ async def test_the_control_plane_and_the_cli_run_under_their_own_users(cluster, 
         return dict(base, HARU_NATS_URL=",".join(cluster.urls(user)))
 
     mark = log_marks(cluster)  # other tests provoke violations on purpose in this cluster
-    port = free_port()
+    port = lasting_port()
     if shape == "together":
         commands = {
             "control": [
@@ -600,14 +601,14 @@ async def test_a_real_agent_runs_under_its_domain_user(tmp_path):
         # The demo layout, runnable here (this interpreter, free ports), applied as `operator`.
         doc = json.loads((REPO / "deploy/examples/demo-fleet.json").read_text())
         for domain in doc["domains"]:
-            domain["serving_url"] = f"http://127.0.0.1:{free_port()}"
+            domain["serving_url"] = f"http://127.0.0.1:{lasting_port()}"
             for slot in domain["slots"]:
                 if slot.get("kind") == "training":
                     slot["command"] = [sys.executable, *slot["command"][1:]]
                     slot["checkpoint_dir"] = str(tmp_path / "ckpt" / domain["name"])
                 for model in slot.get("models", []):
                     model["binary"] = [sys.executable, *model["binary"][1:]]
-                    model["port"] = free_port()
+                    model["port"] = lasting_port()
         (tmp_path / "layout.json").write_text(json.dumps(doc))
         operator = dict(os.environ, HARU_NATS_URL=",".join(c.urls("operator")))
         done = await asyncio.to_thread(haru_cli, ["apply", "-f", str(tmp_path / "layout.json")], operator)
@@ -626,7 +627,7 @@ async def test_a_real_agent_runs_under_its_domain_user(tmp_path):
             "gpus": "sim",
             "sim_dir": str(sim_dir),
             "state_dir": str(tmp_path / "state-b"),
-            "serving": {"host": "127.0.0.1", "port": free_port()},
+            "serving": {"host": "127.0.0.1", "port": lasting_port()},
         }
         (tmp_path / "agent.json").write_text(json.dumps(config))
         env = dict(os.environ, HARU_SIM_DIR=str(sim_dir), HARU_SIM_DOMAIN="b", HARU_SIM_LOAD_MS="200")

@@ -17,13 +17,13 @@ import aiohttp
 import pytest
 
 from haru.core import model_errors as E
-from haru.host.natsd import free_port
 from haru.models import resolve as R
 from haru.models.download import WRITE_BEHIND
 from haru.models.pull import pull
 from haru.models.store import Store
 from tests.support import haru
 from tests.support.models_registry import Server, build_registry
+from tests.support.ports import lasting_port
 
 
 def settings_for(url: str, **kw) -> R.Settings:
@@ -154,7 +154,7 @@ def test_haru_resolve_json_and_text(registry_proc):
     assert bad.returncode == 3 and "not found (404" in bad.stderr
     usage = haru("resolve", "Not A Ref", env=env)
     assert usage.returncode == 2 and "hf:ORG/REPO[:QUANT][@REVISION]" in usage.stderr
-    closed = f"http://127.0.0.1:{free_port()}"
+    closed = f"http://127.0.0.1:{lasting_port()}"
     gone = haru("resolve", "tiny:1b", env={"HARU_OLLAMA_REGISTRY": closed})
     assert gone.returncode == 6 and "cannot reach the registry" in gone.stderr
 
@@ -399,7 +399,7 @@ async def test_a_cancelled_pull_stops_its_threads_and_keeps_the_partial_to_resum
 @pytest.fixture
 def registry_proc(tmp_path):
     reg = build_registry(tmp_path / "reg")
-    port = free_port()
+    port = lasting_port()
     log = tmp_path / "requests.jsonl"
     procs = []
 
@@ -448,7 +448,7 @@ def test_kill_the_registry_mid_download_then_resume(registry_proc, tmp_path):
         "HARU_OLLAMA_REGISTRY": url,
         "HARU_HOME": str(home),
         "HARU_NO_UVLOOP": "1",
-        "HARU_NATS_URL": f"nats://127.0.0.1:{free_port()}",
+        "HARU_NATS_URL": f"nats://127.0.0.1:{lasting_port()}",
     }
     puller = subprocess.Popen(
         [sys.executable, "-m", "haru.cli", "pull", "tiny:1b"],

@@ -40,11 +40,12 @@ from haru.core.events import ModelResident
 from haru.core.sizes import GiB
 from haru.core.specs import DomainSpec, GpuSpec, Policy
 from haru.core.views import RouteIntent, Target, view_encoder
-from haru.host.natsd import NatsServer, free_port
+from haru.host.natsd import NatsServer
 from haru.log.eventlog import EventLog
 from haru.log.receipts import check
 from haru.log.route import RouteWatcher
 from tests.support.lazyfs import LazyFS, require_fuse
+from tests.support.ports import lasting_port
 from tests.support.powerloss import documented, run_documented_everywhere, run_documented_on
 from tests.support.wait import wait_until
 
@@ -60,7 +61,7 @@ LOAD_ACKS = 160  # acknowledged appends (all writers together) before the power 
 def test_the_embedded_server_fsyncs_every_write_unless_told_otherwise(tmp_path):
     """What `haru up` and `haru serve` start (haru.up.compose: NatsServer(home / "nats", port=...))."""
     for sync_interval, expected in (("always", True), (None, None)):
-        http_port = free_port()
+        http_port = lasting_port()
         server = NatsServer(
             tmp_path / f"s-{sync_interval}", sync_interval=sync_interval, extra_args=["-m", str(http_port)]
         )

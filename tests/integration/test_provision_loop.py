@@ -20,7 +20,6 @@ from haru.agents.sim.gpu_state import SimGpuState
 from haru.core.events import OperationCompleted, ReplaceRequested, StepCompleted, StepStarted
 from haru.core.layout import load_layout
 from haru.core.residency import Sleeping
-from haru.host.natsd import free_port
 from haru.log.apply import apply
 from haru.log.requests import request_operation
 from haru.provision.execs import SubprocessExec
@@ -29,6 +28,7 @@ from tests.support import haru
 from tests.support.agent_harness import REPO, write_config, write_layout
 from tests.support.clock import now
 from tests.support.fake_sky import FakeSky
+from tests.support.ports import lasting_port
 from tests.support.promoter import PromoterProcess, op_events, view_of, wait_op_end, wait_view
 from tests.support.wait import wait_until
 
@@ -204,7 +204,7 @@ async def test_a_skyserve_domain_provisioned_and_torn_down_through_the_promoter(
     path.write_text(json.dumps(doc))
     await apply(event_log, load_layout(path), now())
     fake = FakeSky(tmp_path / "sky")
-    port = free_port()
+    port = lasting_port()
     config = write_config(
         tmp_path / "agent-b.json", url, tmp_path, domain="b", fleet=F, serving={"host": "127.0.0.1", "port": port}
     )

@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from haru.core import subjects
 from haru.core.events import RouteMoved
-from haru.host.natsd import free_port
 from haru.log.apply import apply
 from tests.support.control import layout
+from tests.support.ports import lasting_port
 from tests.support.wait import wait_until
 
 
@@ -55,7 +55,7 @@ async def test_projector_and_promoter_serve_metrics_that_match_the_log(nats_serv
     await apply(event_log, layout("http://127.0.0.1:1", "http://127.0.0.1:2"), datetime.now(UTC))
     route_seq = await event_log.append(subjects.route("ops"), RouteMoved(at=datetime.now(UTC), active="a"), expect=0)
     last = await event_log.last_seq()
-    p_port, q_port = free_port(), free_port()
+    p_port, q_port = lasting_port(), lasting_port()
     projector = start("projector", "--nats-url", nats_server.url, "--metrics-port", str(p_port))
     # the environment works as well as the flag
     promoter = start("promoter", "--nats-url", nats_server.url, env={"HARU_METRICS_PORT": str(q_port)})

@@ -22,8 +22,8 @@ from haru.agents.sim.hosts import SimHosts
 from haru.core import subjects
 from haru.core.events import DomainReachable, DomainUnreachable
 from haru.core.views import FleetView, view_decoder
-from haru.host.natsd import free_port
 from haru.log.eventlog import EventLog
+from tests.support.ports import lasting_port
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,7 +55,7 @@ async def chat(session: aiohttp.ClientSession, port: int, fleet: str) -> tuple[i
 
 
 async def test_three_fleets_first_route_failover_and_silence(nats_server, tmp_path):
-    port = free_port()
+    port = lasting_port()
     kids = []
     async with EventLog.connect([nats_server.url], writer="sim:hosts") as log:
         await log.ensure()

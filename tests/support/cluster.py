@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import nats.js.errors
 from haru.core.errors import LogError, LogUnavailable
 from haru.host.natsd import find_binary
 from haru.log.eventlog import EventLog
+from tests.support.ports import lasting_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "nats"
@@ -59,32 +59,6 @@ def generated_secrets(root: Path) -> dict[str, str]:
     env = read_env(path)
     assert env.keys() == read_env(DEPLOY / "nats.env.example").keys()
     return env
-
-
-def lasting_port() -> int:
-    """A free loopback port below the kernel's ephemeral range, for a node that is stopped and started again on
-    the same ports (a power loss, a restart). A port the kernel handed out (`bind(0)`) can be taken again, while
-    the node is down, as the local end of any outgoing connection on the machine, and the restarted node then
-    fails with "address already in use"; the kernel never hands out a port below its ephemeral range, so only
-    another explicit choice could collide there."""
-    low = _ephemeral_low()
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12_000), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError(f"no free loopback port found below {low}")
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
 
 
 def rewrite(text: str, old: str, new: str) -> str:

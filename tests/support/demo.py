@@ -16,8 +16,8 @@ from openai import OpenAI
 
 from haru.agents.gpu import process_tree, read_parents
 from haru.host import procfs
-from haru.host.natsd import free_port
 from tests.support import haru
+from tests.support.ports import lasting_port
 from tests.support.wait import wait_until_sync
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 def demo_layout_with_free_ports(dst: Path, src: str = "demo-fleet.json") -> Path:
     doc = json.loads((REPO / "deploy" / "examples" / src).read_text())
     for domain in doc["domains"]:
-        domain["serving_url"] = f"http://127.0.0.1:{free_port()}"
+        domain["serving_url"] = f"http://127.0.0.1:{lasting_port()}"
         for slot in domain["slots"]:
             for model in slot.get("models", []):
                 # no fixed port: each runtime takes a free one as it starts, and a new one on each restart,
@@ -40,7 +40,7 @@ def up_argv(layout: Path, *extra: str, ready: Path | None = None, port: int | No
     """`haru up --demo` on a free gateway port and an ephemeral NATS port, with `layout`; `extra` before the
     common options (`--real`, `--host`, `--metrics-port` ...); `--ready-file` when `ready` is given."""
     argv = [sys.executable, "-m", "haru.cli", "up", "--demo", *extra, "--nats-port", "0"]
-    argv += ["--port", str(port or free_port()), "--layout", str(layout)]
+    argv += ["--port", str(port or lasting_port()), "--layout", str(layout)]
     if ready is not None:
         argv += ["--ready-file", str(ready), "--log-level", "info"]
     return argv

@@ -92,7 +92,7 @@ def real_layout(
     import sys
 
     from haru.agents.sim.gpu_state import GiB, SimGpuState
-    from haru.host.natsd import free_port
+    from tests.support.ports import lasting_port
 
     doc_domains = []
     for d, models in domains.items():
@@ -124,7 +124,7 @@ def real_layout(
                 "name": d,
                 "gpus": [{"index": 0, "memory": "24GiB", "reserve": "1GiB"}],
                 "slots": slots,
-                "serving_url": f"http://127.0.0.1:{free_port()}",
+                "serving_url": f"http://127.0.0.1:{lasting_port()}",
             }
         )
     path.write_text(json.dumps({"fleet": fleet, "policy": {**REAL_POLICY, **(policy or {})}, "domains": doc_domains}))

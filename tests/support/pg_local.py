@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from haru.core.errors import ConfigError
-from haru.host.natsd import free_port
+from tests.support.ports import lasting_port
 
 _TOOLS = ("initdb", "pg_ctl", "postgres")
 
@@ -90,7 +90,7 @@ class LocalPostgres:
                 "(apt-get install postgresql) or set HARU_PG_BINDIR to their directory"
             )
         self.bindir = found
-        self.port = port or free_port()
+        self.port = port or lasting_port()
         self.durable = durable
         self.settings = settings or {}
         self.root: Path | None = None

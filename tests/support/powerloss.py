@@ -41,11 +41,11 @@ from haru.core import events as ev
 from haru.core import subjects
 from haru.core.errors import Conflict, LogError
 from haru.core.receipts import Regression
-from haru.host.natsd import free_port
 from haru.log.eventlog import EventLog
 from haru.log.receipts import check
 from tests.support.cluster import REPO, Cluster
 from tests.support.lazyfs import LazyFS
+from tests.support.ports import lasting_port
 
 WRITERS = 4
 
@@ -61,7 +61,7 @@ class FaultCluster:
             default_fsync(self.cluster)
         self.disks: list[LazyFS] = []
         self.proxy: subprocess.Popen[str] | None = None
-        self.proxy_ports = {(a.index, b.index): free_port() for a in self.nodes for b in self.nodes if a is not b}
+        self.proxy_ports = {(a.index, b.index): lasting_port() for a in self.nodes for b in self.nodes if a is not b}
         self.envs: dict[int, dict[str, str]] = {}
 
     # ------------------------------------------------------------------------------ set-up

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from haru.host.natsd import free_port
+from tests.support.ports import lasting_port
 
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
@@ -53,8 +53,8 @@ async def _wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: floa
 
 class HAProxyProc:
     def __init__(self, tmp: Path, backend: str) -> None:
-        self.port = free_port()
-        self.admin_port = free_port()
+        self.port = lasting_port()
+        self.admin_port = lasting_port()
         self.backend = backend
         self.socket = f"127.0.0.1:{self.admin_port}"
         self.url = f"http://127.0.0.1:{self.port}"
@@ -104,7 +104,7 @@ backend {backend}
 
 class NginxProc:
     def __init__(self, tmp: Path, upstream: str, keepalive: str = "0") -> None:
-        self.port = free_port()
+        self.port = lasting_port()
         self.upstream = upstream
         self.prefix = tmp / "nginx"
         (self.prefix / "logs").mkdir(parents=True, exist_ok=True)

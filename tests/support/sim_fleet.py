@@ -19,9 +19,9 @@ from haru.agents.sim.gpu_state import GiB, SimGpuState
 from haru.core import subjects
 from haru.core.layout import load_layout
 from haru.host.children import alive as proc_alive
-from haru.host.natsd import free_port
 from haru.log.apply import apply
 from tests.support.agent_harness import FAST_POLICY, REPO, AgentProcess, sim_model, tag, write_config
+from tests.support.ports import lasting_port
 
 FLEET = "default"
 MODELS = ("m1", "m2")
@@ -47,7 +47,7 @@ def sim_layout(path: Path, tmp: Path) -> Path:
                 "name": d,
                 "gpus": [{"index": 0, "memory": "24GiB", "reserve": "1GiB"}],
                 "slots": [{"name": "chat", "gpu": 0, "models": ms}],
-                "serving_url": f"http://127.0.0.1:{free_port()}",
+                "serving_url": f"http://127.0.0.1:{lasting_port()}",
             }
         )
     path.write_text(json.dumps({"fleet": FLEET, "policy": POLICY, "domains": domains}))

@@ -9,11 +9,11 @@ import aiohttp
 
 from haru.agents.runtimes.base import ProcessRuntime
 from haru.core.specs import ModelSpec
-from haru.host.natsd import free_port
+from tests.support.ports import lasting_port
 
 
 async def test_a_port_listens_only_once_something_accepts_on_it(tmp_path: Path):
-    port = free_port()
+    port = lasting_port()
     async with aiohttp.ClientSession() as session:
         rt = ProcessRuntime(
             ModelSpec(name="m", slot="s", gpu_index=0, runtime="vllm", vram_bytes=1, port=port),
