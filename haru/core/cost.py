@@ -361,102 +361,165 @@ def account(records: Iterable[Record], fleet: str, *, since: datetime, until: da
             continue
         items.append((stored.at, rec.seq, stored))
     items.sort(key=lambda x: (x[0], x[1]))
+    fold = _Fold(out, _price_pass(items, out))
+    for at, _seq, e in items:
+        if at >= until:
+            break
+        fold.advance(at)
+        fold.apply(at, e)
+    return fold.close()
 
-    prices = _price_pass(items, out)
-    domains: dict[str, _Domain] = {}
-    ops: dict[str, tuple[str, str]] = {}  # op id -> (kind, target)
-    failovers: dict[str, Failover] = {}
-    active = ""
-    last: datetime | None = None
 
-    def spend(a: datetime, b: datetime) -> None:
-        a, b = max(a, since), min(b, until)
+class _Fold:
+    """The accounting's state between two events: each domain's class of billing, the operations in flight
+    (to tell a failover's stopped training), the failovers seen and the active domain. `advance` bills the
+    seconds since the last event at the classes they had; `apply` then takes the event."""
+
+    def __init__(self, out: Accounting, prices: dict[str, _Prices]) -> None:
+        self.out, self.prices = out, prices
+        self.since, self.until = out.since, out.until
+        self.domains: dict[str, _Domain] = {}
+        self.ops: dict[str, tuple[str, str]] = {}  # op id -> (kind, target)
+        self.failovers: dict[str, Failover] = {}
+        self.active = ""
+        self.last: datetime | None = None
+
+    def advance(self, at: datetime) -> None:
+        if self.last is not None:
+            self._spend(self.last, at)
+        self.last = at
+
+    def close(self) -> Accounting:
+        out, until = self.out, self.until
+        if self.last is not None:
+            self._spend(self.last, until)
+        for name, dom in self.domains.items():  # training still running at the end of the period
+            if name in out.domains:
+                for started in dom.running.values():
+                    out.domains[name].training_us += _us(max(started, self.since), until)
+        for name, acct in out.domains.items():
+            book = self.prices.get(name)
+            if book is not None:
+                acct.prices = _prices_in(book, self.since, until)
+        out.failovers = sorted(self.failovers.values(), key=lambda f: f.requested_at)
+        return out
+
+    def _spend(self, a: datetime, b: datetime) -> None:
+        """Bill [a, b) (clipped to the period) to each domain with a host, at its class and its prices."""
+        out = self.out
+        a, b = max(a, self.since), min(b, self.until)
         if a >= b:
             return
-        for name, dom in domains.items():
+        for name, dom in self.domains.items():
             if not dom.host:
                 continue
-            acct = out.domains[name]
-            cls = dom.klass(name == active)
-            book = prices.get(name) or _Prices()
+            acct, serving = out.domains[name], name == self.active
+            cls = dom.klass(serving)
+            book = self.prices.get(name) or _Prices()
             cuts = book.cuts(a, b)
             for x, y in zip(cuts, cuts[1:], strict=False):
                 us = _us(x, y)
                 price = book.at(x)
                 acct.us[cls] += us
-                if name == active:
+                if serving:
                     acct.serving_us += us
                 if price is None or price.currency != out.currency:
                     acct.unpriced_us[cls] += us
-                    if name == active:
+                    if serving:
                         acct.serving_unpriced_us += us
                     continue
                 money = money_of(us, price)
                 acct.cost[cls] += money
-                if name == active:
+                if serving:
                     acct.serving_cost += money
 
-    def promotion_of(domain: str) -> bool:
-        return any(kind == "promotion" and target == domain for kind, target in ops.values())
+    def _domain(self, name: str) -> _Domain:
+        return self.domains.setdefault(name, _Domain())
 
-    for at, _seq, e in items:
-        if at >= until:
-            break
-        if last is not None:
-            spend(last, at)
-        last = at
-        dom_name = getattr(e, "domain", "")
-        if isinstance(e, (ev.DomainDeclared, ev.DomainChanged)):
-            name = e.spec.name
-            dom = domains.setdefault(name, _Domain())
-            dom.spec, dom.declared = e.spec, True
-            if e.spec.provider not in _CLOUD:
-                dom.host = True
-            acct = out.domains.setdefault(name, DomainAccount(domain=name))
-            acct.region, acct.provider, acct.gpu_type = e.spec.region, e.spec.provider, _gpu_type(e.spec)
-        elif isinstance(e, ev.DomainRetired):
-            if e.domain in domains:
-                domains[e.domain].host = False
-                domains[e.domain].declared = False
-        elif isinstance(e, ev.ModelDeclared):
-            domains.setdefault(e.domain, _Domain()).models.add(e.spec.name)
-        elif isinstance(e, ev.ModelRetired):
-            domains.setdefault(e.domain, _Domain()).models.discard(e.model)
+    def apply(self, at: datetime, e: ev.Event) -> None:
+        if isinstance(e, (ev.DomainDeclared, ev.DomainChanged, ev.DomainRetired, ev.ModelDeclared, ev.ModelRetired)):
+            self._declared(e)
         elif isinstance(e, ev.RESIDENCY_EVENTS):
-            dom = domains.setdefault(dom_name, _Domain())
+            dom = self._domain(getattr(e, "domain", ""))
             if isinstance(e, _WAKING):
                 dom.state[e.model] = "waking"
             elif isinstance(e, _LOST):
                 dom.state[e.model] = "lost"
             elif isinstance(e, _UP):
                 dom.state[e.model] = "up"
-        elif isinstance(e, ev.DomainUnreachable):
-            domains.setdefault(e.domain, _Domain()).unreachable = True
-        elif isinstance(e, ev.DomainReachable):
-            domains.setdefault(e.domain, _Domain()).unreachable = False
+        elif isinstance(e, (ev.DomainUnreachable, ev.DomainReachable)):
+            self._domain(e.domain).unreachable = isinstance(e, ev.DomainUnreachable)
         elif isinstance(e, ev.AgentStarted):
-            dom = domains.setdefault(e.domain, _Domain())
+            dom = self._domain(e.domain)
             dom.unreachable = False
             if dom.declared:
                 dom.host = True
-        elif isinstance(e, ev.TrainingStarted):
-            dom = domains.setdefault(e.domain, _Domain())
+        elif isinstance(e, (ev.TrainingStarted, ev.TrainingStopped)):
+            self._training(at, e)
+        elif isinstance(e, (ev.OperationRequested, ev.PromotionRetargeted, ev.OperationCompleted, ev.OperationAborted)):
+            self._operation(at, e)
+        elif isinstance(e, ev.StepCompleted) and e.step in ("launch", "down") and e.op_id in self.ops:
+            dom = self._domain(self.ops[e.op_id][1])  # a provisioned host: billed from its launch to its down
+            if e.step == "launch":
+                dom.host = dom.declared
+            else:
+                dom.host, dom.unreachable, dom.state, dom.running = False, False, {}, {}
+        elif isinstance(e, ev.RouteMoved):
+            self.active = e.active
+            if e.op_id in self.failovers and self.failovers[e.op_id].moved_at is None:
+                self.failovers[e.op_id].moved_at = at
+        elif isinstance(e, ev.TokensCounted) and self.since <= at:
+            for m in e.models:
+                t = self.out.tokens.setdefault(m.model, {"prompt": 0, "completion": 0, "responses": 0})
+                t["prompt"] += m.prompt
+                t["completion"] += m.completion
+                t["responses"] += m.responses
+
+    def _declared(self, e: ev.Event) -> None:
+        if isinstance(e, (ev.DomainDeclared, ev.DomainChanged)):
+            name = e.spec.name
+            dom = self._domain(name)
+            dom.spec, dom.declared = e.spec, True
+            if e.spec.provider not in _CLOUD:
+                dom.host = True
+            acct = self.out.domains.setdefault(name, DomainAccount(domain=name))
+            acct.region, acct.provider, acct.gpu_type = e.spec.region, e.spec.provider, _gpu_type(e.spec)
+        elif isinstance(e, ev.DomainRetired):
+            if e.domain in self.domains:
+                self.domains[e.domain].host = False
+                self.domains[e.domain].declared = False
+        elif isinstance(e, ev.ModelDeclared):
+            self._domain(e.domain).models.add(e.spec.name)
+        elif isinstance(e, ev.ModelRetired):
+            self._domain(e.domain).models.discard(e.model)
+
+    def _training(self, at: datetime, e: ev.TrainingStarted | ev.TrainingStopped) -> None:
+        dom, accounted = self._domain(e.domain), e.domain in self.out.domains
+        if isinstance(e, ev.TrainingStarted):
             dom.running[e.slot] = at
-            if since <= at and e.domain in out.domains:
-                out.domains[e.domain].training_runs += 1
-        elif isinstance(e, ev.TrainingStopped):
-            dom = domains.setdefault(e.domain, _Domain())
-            started = dom.running.pop(e.slot, None)
-            if started is not None and e.domain in out.domains:
-                ran = _us(max(started, since), min(at, until))
-                acct = out.domains[e.domain]
-                acct.training_us += ran
-                if promotion_of(e.domain) and since <= at:
-                    acct.stopped_by_failover += 1
-                    acct.stopped_by_failover_us += ran
-        elif isinstance(e, ev.OperationRequested):
+            if self.since <= at and accounted:
+                self.out.domains[e.domain].training_runs += 1
+            return
+        started = dom.running.pop(e.slot, None)
+        if started is None or not accounted:
+            return
+        ran = _us(max(started, self.since), min(at, self.until))
+        acct = self.out.domains[e.domain]
+        acct.training_us += ran
+        promoting = any(kind == "promotion" and target == e.domain for kind, target in self.ops.values())
+        if promoting and self.since <= at:  # stopped to give its GPU to a promotion of its domain
+            acct.stopped_by_failover += 1
+            acct.stopped_by_failover_us += ran
+
+    def _operation(
+        self,
+        at: datetime,
+        e: ev.OperationRequested | ev.PromotionRetargeted | ev.OperationCompleted | ev.OperationAborted,
+    ) -> None:
+        ops, failovers = self.ops, self.failovers
+        if isinstance(e, ev.OperationRequested):
             ops[e.op_id] = (e.kind, e.target)
-            if isinstance(e, ev.PromotionRequested) and since <= at:
+            if isinstance(e, ev.PromotionRequested) and self.since <= at:
                 failovers[e.op_id] = Failover(
                     op_id=e.op_id, source=e.source, target=e.target, reason=e.reason, requested_at=at
                 )
@@ -465,41 +528,12 @@ def account(records: Iterable[Record], fleet: str, *, since: datetime, until: da
                 ops[e.op_id] = (ops[e.op_id][0], e.target)
             if e.op_id in failovers:
                 failovers[e.op_id].target = e.target
-        elif isinstance(e, (ev.OperationCompleted, ev.OperationAborted)):
+        else:
             ops.pop(e.op_id, None)
             if e.op_id in failovers:
                 f = failovers[e.op_id]
                 f.outcome = "completed" if isinstance(e, ev.OperationCompleted) else "aborted"
                 f.ended_at = at
-        elif isinstance(e, ev.StepCompleted) and e.step in ("launch", "down") and e.op_id in ops:
-            target = ops[e.op_id][1]
-            dom = domains.setdefault(target, _Domain())
-            if e.step == "launch":
-                dom.host = dom.declared
-            else:
-                dom.host, dom.unreachable, dom.state, dom.running = False, False, {}, {}
-        elif isinstance(e, ev.RouteMoved):
-            active = e.active
-            if e.op_id in failovers and failovers[e.op_id].moved_at is None:
-                failovers[e.op_id].moved_at = at
-        elif isinstance(e, ev.TokensCounted) and since <= at:
-            for m in e.models:
-                t = out.tokens.setdefault(m.model, {"prompt": 0, "completion": 0, "responses": 0})
-                t["prompt"] += m.prompt
-                t["completion"] += m.completion
-                t["responses"] += m.responses
-    if last is not None:
-        spend(last, until)
-    for name, dom in domains.items():  # training still running at the end of the period
-        if name in out.domains:
-            for started in dom.running.values():
-                out.domains[name].training_us += _us(max(started, since), until)
-    for name, acct in out.domains.items():
-        book = prices.get(name)
-        if book is not None:
-            acct.prices = _prices_in(book, since, until)
-    out.failovers = sorted(failovers.values(), key=lambda f: f.requested_at)
-    return out
 
 
 def _price_pass(items: list[tuple[datetime, int, ev.Event]], out: Accounting) -> dict[str, _Prices]:
