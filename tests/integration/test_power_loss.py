@@ -111,9 +111,8 @@ async def power_loss_run(tmp_path, sync_interval: str | None):
                 stop.set()
                 async with asyncio.timeout(30):
                     await asyncio.gather(*writers)
-                receipts = (
-                    log.receipts()
-                )  # what it was acknowledged (the guard drops a receipt once it recorded a loss)
+                # what it was acknowledged (the guard drops a receipt once it has recorded its loss)
+                receipts = log.receipts()
                 await server.start()
                 async with asyncio.timeout(30):  # the writer's connection comes back by itself
                     while True:
