@@ -94,7 +94,13 @@ async def test_three_fleets_first_route_failover_and_silence(nats_server, tmp_pa
                     await wait_until(
                         lambda: answers("f001", "b"), 30, interval_s=0.1, what="chat to follow f001's failover to b"
                     )
-                    assert (await views(log))["f001"].active == "b"
+
+                    # the gateway follows the route subject itself, so it may serve b before the projector's view
+                    # of f001 says so: wait for that view too
+                    async def f001_on_b():
+                        return (await views(log))["f001"].active == "b"
+
+                    await wait_until(f001_on_b, 10, interval_s=0.1, what="f001's view to say b is active")
                     assert (await views(log))["f000"].active == "a"  # the others are untouched
 
                 # f002's standby agent is SIGKILLed and comes back: silent, then heard again.
