@@ -308,7 +308,7 @@ class StepRunners:
                     ev = last.event
                     assert isinstance(ev, RouteMoved)
                     if ev.op_id == op.op_id and ev.active == op.target:
-                        seq, moved = last.seq, ev
+                        seq = last.seq
                         break
                     return _moved_elsewhere(op, ev.active, last.seq)
                 skipped = since[-1].seq if since else (exc.current or expect)
@@ -330,10 +330,6 @@ class StepRunners:
                 error=f"the route subject of {fleet} kept changing without a route move ({FLIP_TRIES} tries); "
                 f"routing left as it is",
             )
-        # decided on at once (FleetState.acked): the step's completion and the operation's end, appended next,
-        # must not be folded onto a view in which the route has not moved (that view would see the old active
-        # still failed and start the same failover again)
-        st.acked(seq, route, moved)
         return StepCompleted(
             at=utcnow(),
             op_id=op.op_id,

@@ -12,7 +12,6 @@ from haru.core.events import (
     DomainDeclared,
     DomainReachable,
     DomainUnreachable,
-    Event,
     FleetDeclared,
     ModelDeclared,
     ModelResident,
@@ -53,25 +52,30 @@ def given(*events_on: tuple[str, object], policy: Policy = POLICY, models=("m1",
     from haru.core.fold import empty
 
     view = empty(F)
-    base = declarations(policy, models) if declare else []
+    base: list[tuple[str, object]] = []
+    if declare:
+        base.append((subjects.decl(F), FleetDeclared(at=T0, fleet=F, policy=policy)))
+        for d in ("a", "b"):
+            base.append(
+                (
+                    subjects.decl(F),
+                    DomainDeclared(at=T0, spec=DomainSpec(name=d, gpus=[GpuSpec(index=0, memory_bytes=24 << 30)])),
+                )
+            )
+            for m in models:
+                base.append(
+                    (subjects.decl(F), ModelDeclared(at=T0, domain=d, spec=ModelSpec(name=m, slot="chat", gpu_index=0)))
+                )
+                base.append(
+                    (
+                        subjects.decl(F),
+                        AdmissionDecided(at=T0, domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=1),
+                    )
+                )
     for subject, event in [*base, *events_on]:
         seq += 1
         view = evolve(view, event, seq=seq, subject=subject)
     return view
-
-
-def declarations(policy: Policy = POLICY, models=("m1", "m2")) -> list[tuple[str, Event]]:
-    """What `given` folds first: the fleet, domains a and b, each with `models` admitted."""
-    base: list[tuple[str, Event]] = [(subjects.decl(F), FleetDeclared(at=T0, fleet=F, policy=policy))]
-    for d in ("a", "b"):
-        spec = DomainSpec(name=d, gpus=[GpuSpec(index=0, memory_bytes=24 << 30)])
-        base.append((subjects.decl(F), DomainDeclared(at=T0, spec=spec)))
-        for m in models:
-            model = ModelSpec(name=m, slot="chat", gpu_index=0)
-            base.append((subjects.decl(F), ModelDeclared(at=T0, domain=d, spec=model)))
-            admitted = AdmissionDecided(at=T0, domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=1)
-            base.append((subjects.decl(F), admitted))
-    return base
 
 
 def resident(domain: str, model: str, ms: int = 0):

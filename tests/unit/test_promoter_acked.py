@@ -8,28 +8,10 @@ and once the follower has folded it the view is the fold's alone, equal to the s
 
 from __future__ import annotations
 
-import asyncio
-
-import structlog
-
 from haru.core.events import StepCompleted, StepStarted
 from haru.core.fold import Folder
-from haru.log.memory import MemoryLog
 from haru.promoter.fleets import FleetState
-from haru.promoter.runners import StepRunners
-from tests.support.decider import (
-    OP,
-    ROUTE,
-    at,
-    declarations,
-    facts,
-    given,
-    healthy_fleet,
-    op_appends,
-    requested,
-    through,
-    unreachable,
-)
+from tests.support.decider import OP, at, facts, given, healthy_fleet, op_appends, requested, through, unreachable
 
 RUNNING = facts(silent_ms={"a": None, "b": 100}, running=frozenset({("op-1", "probe", 1)}))
 
@@ -90,39 +72,3 @@ def test_a_record_of_ours_folded_late_never_moves_the_tip_back():
     assert st.last[OP] == seq + 2  # the next append expects our second, not the first the follower just gave
     op = st.view.operation
     assert op is not None and op.steps[-1].step == "flip" and op.steps[-1].state == "started"
-
-
-async def test_the_flips_route_move_is_decided_on_before_the_follower_delivers_it():
-    """The flip's `route_moved` is an acknowledged append of the promoter's too. Without it on the view, the
-    flip's completion and the operation's end (acknowledged next) leave a view where the old active is still
-    the active and still failed, and the promoter starts the same failover again (seen in scenario f)."""
-    log = MemoryLog(writer="promoter:test")
-    before = [*declarations(), *healthy_fleet(), unreachable("a")]
-    for subject, event in before:
-        await log.append(subject, event, expect=await log.last_seq_of(subject))
-    events = [*before[len(declarations()) :], requested(revision=await log.last_seq_of(ROUTE)), *through("flip")]
-    events.append((OP, StepStarted(at=at(4), op_id="op-1", step="flip")))
-    for subject, event in events[len(before) - len(declarations()) :]:
-        await log.append(subject, event, expect=await log.last_seq_of(subject))
-    view = given(*events)
-    assert view.seq == await log.last_seq()
-    st = FleetState(folder=Folder(view))
-    st.last[ROUTE] = await log.last_seq_of(ROUTE)
-    runners = StepRunners(
-        log,
-        identity="promoter:test",
-        provisioning=None,  # type: ignore[arg-type]  # a flip provisions nothing
-        wait_folded=lambda seq: asyncio.sleep(0),
-        logger=structlog.get_logger(),
-    )
-    probed = [r.seq for r in await log.history(OP) if isinstance(r.event, StepCompleted) and r.event.step == "probe"]
-    runners.own_probes.update(probed)  # its own probe: the flip does not probe again
-    op = st.view.operation
-    assert op is not None and st.view.active == "a"
-
-    outcome = await runners.flip(st, op, "flip", view.seq)
-
-    assert isinstance(outcome, StepCompleted), outcome
-    moved = await log.last(ROUTE)
-    assert moved is not None and st.last[ROUTE] == moved.seq  # the next flip expects it
-    assert st.view.active == "b" and st.view.route_revision == moved.seq  # before the follower delivered it
