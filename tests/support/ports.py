@@ -11,6 +11,7 @@ the suite side by side made it happen.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -23,9 +24,16 @@ def lasting_port() -> int:
     another process binds later, or binds again after a restart. The kernel never hands out a port below its
     ephemeral range, so only another explicit choice could collide there (1 in ~12,000)."""
     low = _ephemeral_low()
+    base = max(1024, low - 12_000)
+    # each pytest-xdist worker draws from its own share of the range, so two workers' tests never choose the
+    # same port (a node of one, down for a restart, had its port chosen by another's test)
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) % workers if worker[2:].isdigit() else 0
+    share = (low - base) // workers
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(max(1024, low - 12_000), low)
+        port = rng.randrange(base + index * share, base + (index + 1) * share)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
