@@ -398,6 +398,20 @@ async def test_a_router_follows_a_rewound_route_subject_instead_of_the_pointer_t
             server.kill()
 
 
+async def cut_tails_and_restart(fs: LazyFS, server: NatsServer, log: EventLog, events_kept: int, route_kept: int):
+    """The server stopped, its HARU_EVENTS and HARU_ROUTE block files cut back to the sizes given, restarted; the
+    intent that survived, once the log answers again."""
+    server.kill()
+    fs.truncate(block_files(fs, subjects.EVENTS_STREAM)[0], events_kept)
+    fs.truncate(block_files(fs, subjects.ROUTE_STREAM)[0], route_kept)
+    await server.start()
+    async with asyncio.timeout(30):
+        while True:
+            with contextlib.suppress(LogError):
+                return await log.last_intent(FLEET)
+            await asyncio.sleep(0.1)
+
+
 def block_files(fs: LazyFS, stream: str) -> list[str]:
     mount = fs.mountpoint
     return [str(p.relative_to(mount)) for p in sorted(mount.glob(f"**/{stream}/msgs/*.blk"))]
@@ -436,16 +450,7 @@ async def test_a_router_is_never_handed_the_surviving_intent_of_a_route_move_the
 
                     following = asyncio.create_task(follow())
                     await router.wait_for(lambda ri: ri.revision == to_b, 10)
-                    server.kill()
-                    fs.truncate(block_files(fs, subjects.EVENTS_STREAM)[0], events_kept)
-                    fs.truncate(block_files(fs, subjects.ROUTE_STREAM)[0], route_kept)
-                    await server.start()
-                    async with asyncio.timeout(30):
-                        while True:
-                            with contextlib.suppress(LogError):
-                                survivor = await log.last_intent(FLEET)
-                                break
-                            await asyncio.sleep(0.1)
+                    survivor = await cut_tails_and_restart(fs, server, log, events_kept, route_kept)
                     t_back = time.monotonic()
                     assert survivor is not None and survivor[1] == first  # the damage is what the test says
                     assert await log.read_seq(to_a) is None
@@ -507,16 +512,7 @@ async def test_the_gateway_never_routes_by_the_surviving_intent_of_a_route_move_
                             return None if routes is None or not routes.active else (routes.revision, routes.active)
 
                         await wait_until(lambda: routed() == (to_b, "b"), 10, what="the gateway routing on b")
-                        server.kill()
-                        fs.truncate(block_files(fs, subjects.EVENTS_STREAM)[0], events_kept)
-                        fs.truncate(block_files(fs, subjects.ROUTE_STREAM)[0], route_kept)
-                        await server.start()
-                        async with asyncio.timeout(30):
-                            while True:
-                                with contextlib.suppress(LogError):
-                                    survivor = await log.last_intent(FLEET)
-                                    break
-                                await asyncio.sleep(0.1)
+                        survivor = await cut_tails_and_restart(fs, server, log, events_kept, route_kept)
                         t_back = time.monotonic()
                         assert survivor is not None and survivor[1] == first
                         seen: list[tuple[int, str]] = []
