@@ -71,6 +71,7 @@ from haru.host import alive
 from haru.host.tasks import cancel_and_wait
 from haru.log.follow import Follower
 from haru.log.seam import Log
+from haru.log.waiting import until_available
 
 log_ = structlog.get_logger("haru.projector")
 
@@ -164,6 +165,9 @@ class Projector:
         return {fleet: folder.view() for fleet, folder in self._folders.items()}
 
     # ------------------------------------------------------------------------------- start
+
+    def _load_retried(self, exc: Exception) -> None:
+        log_.warning("projector.load_retried", error=str(exc), detail="the log is between leaders: asking again")
 
     async def load(self) -> int:
         """Read the stored views of every declared fleet; return the sequence to replay from."""
@@ -262,7 +266,7 @@ class Projector:
         """Load, replay from the checkpoint and follow the log until cancelled."""
         self._started = time.monotonic()
         if from_seq is None:
-            from_seq = await self.load()
+            from_seq = await until_available(self.load, on_retry=self._load_retried)  # each try reads it all again
         else:
             self.stats.resumed_from = from_seq
         self._caught_up_at = await self.log.last_seq()

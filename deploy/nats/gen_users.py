@@ -142,6 +142,8 @@ def fixed_users() -> list[User]:
     ]
     # haru.alive.<role>.<id>: the control plane's own heartbeats (haru/host/alive.py), read by gateways and promoters
     promoter_pub.append("haru.alive.promoter.>")
+    # `haru promoter --stream-leaders`: a step-down naming the preferred server (haru/log/leaders.py)
+    promoter_pub += [f"$JS.API.STREAM.LEADER.STEPDOWN.{s}" for s in (EVENTS, ROUTE, VIEWS)]
     projector_pub = [
         "haru.evt.*.checkpoint",
         "$KV.haru_views.>",

@@ -106,7 +106,7 @@ async def dry_run(config, *, as_json: bool) -> ExitStatus:
     from haru.agents.agent import resolve_slots
     from haru.cli.common import emit_json
     from haru.core import subjects
-    from haru.core.errors import ConfigError, LayoutError, LogUnavailable
+    from haru.core.errors import ConfigError, LayoutError, LogUnavailable, StreamUnknown
     from haru.core.events import RouteMoved
     from haru.log.eventlog import EventLog
 
@@ -115,7 +115,10 @@ async def dry_run(config, *, as_json: bool) -> ExitStatus:
             config.servers(), writer=f"agent-dry-run:{config.fleet}/{config.domain}", creds=config.nats_creds
         ) as log:
             slots = await resolve_slots(config, log)
-            route = await log.last(subjects.route(config.fleet))
+            try:
+                route = await log.last(subjects.route(config.fleet))
+            except StreamUnknown:
+                route = None  # no event stream here yet (`haru up` creates it): no route either
     except LogUnavailable as exc:
         return fail(str(exc), ExitStatus.UNAVAILABLE)
     except (ConfigError, LayoutError) as exc:

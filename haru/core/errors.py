@@ -113,8 +113,19 @@ class Conflict(LogError):
         )
 
 
+class BatchUnsupported(LogError):
+    """The log cannot store a batch of appends atomically (a stream without `allow_atomic`, a server
+    older than nats-server 2.12): the caller appends one at a time."""
+
+
 class LogUnavailable(LogError):
     """No server, no stream leader, or a timeout talking to JetStream."""
+
+
+class StreamUnknown(LogUnavailable):
+    """The server that answered knows no such stream (JetStream's 10059): not created yet (`haru up` creates
+    it), or a new meta leader still catching up after an election. Never "nothing stored": a caller for
+    whom a stream not created yet is normal (a dry run before `haru up`) catches this."""
 
 
 class ReplayTimeout(LogUnavailable):

@@ -6,7 +6,9 @@ Every event carries the envelope:
 - `at`    when the writer observed it (JetStream's own timestamp is when it was recorded:
           together they make history bi-temporal),
 - `by`    the writer's id (`agent:<fleet>/<domain>@<host>`, `promoter:<host>:<pid>`, `cli:<user>`),
-- `cause` the stream sequence of the event that caused this one (0 = none),
+- `cause` the stream sequence of the event that caused this one (0 = none); written negative, relative,
+          when that event is an earlier one of the same atomic batch (haru.core.record.with_absolute_cause),
+          and resolved to the sequence by every read,
 - `prev`  sha256 hex of the previous message body on the same subject ('' for the first);
           filled in by `EventLog.append`, so each subject is a hash chain.
 

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import hashlib
 from datetime import UTC, datetime
+from typing import TypeVar
 
 import msgspec
 
 from haru.core.errors import EventDecodeError
-from haru.core.events import AnyEvent, decode
+from haru.core.events import AnyEvent, Event, decode
 
-__all__ = ["Record", "body_hash", "datetime_to_ns", "decode_record", "msg_id"]
+E = TypeVar("E", bound=Event)
+
+__all__ = ["Record", "body_hash", "datetime_to_ns", "decode_record", "msg_id", "with_absolute_cause"]
 
 
 class Record(msgspec.Struct, frozen=True, gc=False):
@@ -63,7 +66,19 @@ def decode_record(seq: int, subject: str, time_ns: int, data: bytes, headers: di
         return Record(seq, subject, time_ns, data, None, str(exc), headers)
     except RecursionError:  # a body nested thousands deep: msgspec refuses it this way
         return Record(seq, subject, time_ns, data, None, "not a valid Haru event: nested too deeply to decode", headers)
-    return Record(seq, subject, time_ns, data, event, "", headers)
+    return Record(seq, subject, time_ns, data, with_absolute_cause(event, seq), "", headers)
+
+
+def with_absolute_cause(event: E, seq: int) -> E:
+    """The event stored at `seq` with its `cause` as an absolute sequence.
+
+    A writer appending an atomic batch (`haru.log.seam.EventWriter.append_batch`) cannot know the
+    sequence of an earlier record of the same batch, only that the batch is stored contiguously: it
+    writes that record's position relative to its own, negative (-1: the record just before). Every
+    read resolves it here, so no reader ever sees a relative cause."""
+    if event.cause >= 0:
+        return event
+    return msgspec.structs.replace(event, cause=max(0, seq + event.cause))
 
 
 def datetime_to_ns(t: datetime) -> int:

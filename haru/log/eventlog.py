@@ -307,6 +307,7 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
             subjects.ALL_EVENTS,
             replicas,
             "Haru event log: every fact, hash-chained per subject. Never deleted, never purged.",
+            atomic=True,  # the promoter appends a step's outcome and the next step's start as one batch
         )
         route = history_stream(
             subjects.ROUTE_STREAM,
@@ -352,6 +353,7 @@ class EventLog(JetStreamEvents, JetStreamViews, JetStreamIntents):
                 have.subjects != config.subjects
                 or have.duplicate_window != config.duplicate_window
                 or have.allow_direct != config.allow_direct
+                or bool(have.allow_atomic) != bool(config.allow_atomic)
                 or bool(have.deny_delete) != bool(config.deny_delete)
                 or bool(have.deny_purge) != bool(config.deny_purge)
                 or (have.max_age or 0) != 0

@@ -31,6 +31,7 @@ from haru.core import authority, receipts, residency, subjects
 from haru.core import events as ev
 from haru.core.views import FleetView, RouteIntent
 from haru.log.eventlog import MSG_ID, Record, body_hash, msg_id
+from haru.log.record import BATCH_ID
 
 # ------------------------------------------------------------------------------------------ verify
 
@@ -104,11 +105,23 @@ class Verifier:
     breaks: list[Break] = field(default_factory=list)
     misplaced: list[Misplaced] = field(default_factory=list)
     regressed: list[Regressed] = field(default_factory=list)
+    # subject -> (atomic batch id, the subject's last sequence before that batch): a message after another of
+    # its own batch on the same subject is named by the position the batch checked (haru.log.js_events)
+    batched: dict[str, tuple[str, int]] = field(default_factory=dict)
 
     def add(self, rec: Record) -> None:
         self.events += 1
         prev_seq, prev_hash = self.tips.get(rec.subject, (0, ""))
         self.tips[rec.subject] = (rec.seq, body_hash(rec.data))
+        position = prev_seq
+        batch = (rec.headers or {}).get(BATCH_ID, "")
+        held = self.batched.get(rec.subject)
+        if batch and held is not None and held[0] == batch:
+            position = held[1]
+        elif batch:
+            self.batched[rec.subject] = (batch, prev_seq)
+        elif held is not None:
+            del self.batched[rec.subject]
         if rec.event is None:
             self.breaks.append(Break(rec.seq, rec.subject, f"the body is not a valid event ({rec.error})"))
             return
@@ -125,7 +138,7 @@ class Verifier:
             got = rec.event.prev[:16] + "…" if rec.event.prev else "''"
             self.breaks.append(Break(rec.seq, rec.subject, f"prev is {got}, expected {want}: the chain is broken here"))
             return
-        expected_id = msg_id(rec.subject, prev_seq, rec.data)
+        expected_id = msg_id(rec.subject, position, rec.data)
         got_id = (rec.headers or {}).get(MSG_ID, "")
         if got_id != expected_id:
             self.breaks.append(

@@ -21,7 +21,7 @@ import nats.js.errors
 import structlog
 from nats.js import api
 
-from haru.core.errors import Conflict, EventDecodeError, LogError, LogUnavailable
+from haru.core.errors import Conflict, EventDecodeError, LogError, LogUnavailable, StreamUnknown
 from haru.core.receipts import Receipt
 from haru.log.record import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID
 
@@ -40,6 +40,37 @@ __all__ = [
 DUPLICATE_WINDOW_S = 120.0
 CONFLICT_CODES = (10071, 10164)
 DEFAULT_REPLAY_TIMEOUT_S = 300.0  # a non-follow replay's deadline unless the caller gives one
+NO_MESSAGE_FOUND = 10037  # JetStream's JSNoMessageFoundErr: the stream holds no such message
+
+
+def holds_nothing(exc: BaseException) -> bool:
+    """Whether nats-py's 404 says the stream holds no such message (JetStream's code 10037, or a direct
+    get's 404 status, which has no code), and not that the server that answered knows no such stream
+    (10059: never created, or a meta leader whose assignments lag after an election): only the first is
+    an answer about the data. nats-py's KV get raises KeyNotFoundError for both; the API error it replaced is its
+    __context__."""
+    code = getattr(_answered(exc), "err_code", None)
+    return code is None or code == NO_MESSAGE_FOUND
+
+
+def _answered(exc: BaseException) -> BaseException:
+    """The API error JetStream answered: `exc`, or the one nats-py's KV get replaced by KeyNotFoundError
+    (only there: any other exception's __context__ is whatever its raiser was handling, e.g. a Conflict)."""
+    if isinstance(exc, nats.js.errors.KeyNotFoundError) and isinstance(exc.__context__, nats.js.errors.APIError):
+        return exc.__context__
+    return exc
+
+
+def not_an_answer(what: str, exc: BaseException) -> StreamUnknown:
+    """The error for a 404 that is not "no such message" (`holds_nothing` False): never read as empty."""
+    err = _answered(exc)
+    said = f"{getattr(err, 'description', '')} (code {getattr(err, 'err_code', '?')})"
+    return StreamUnknown(
+        f"{what}: JetStream answered {said}: the server that answered does not know the stream: it was never "
+        f"created (`haru up` creates it), or a new meta leader is catching up (it passes)"
+    )
+
+
 _log = structlog.get_logger("haru.log.eventlog")
 
 
@@ -96,9 +127,12 @@ def translated(what: str) -> Iterator[None]:
         raise LogError(f"{what}: {exc}") from exc
 
 
-def history_stream(name: str, subject: str, replicas: int, description: str) -> api.StreamConfig:
+def history_stream(
+    name: str, subject: str, replicas: int, description: str, *, atomic: bool = False
+) -> api.StreamConfig:
     """A stream that keeps everything: file storage, no limit that drops history, no delete, no purge,
-    no rollups, a 2-minute duplicate window, and direct gets for fast reads of a subject's last message."""
+    no rollups, a 2-minute duplicate window, and direct gets for fast reads of a subject's last message;
+    with `atomic`, atomic batch appends (nats-server >= 2.12: `append_batch`)."""
     return api.StreamConfig(
         name=name,
         subjects=[subject],
@@ -114,6 +148,7 @@ def history_stream(name: str, subject: str, replicas: int, description: str) -> 
         deny_purge=True,
         allow_rollup_hdrs=False,
         allow_direct=True,
+        allow_atomic=atomic or None,
         num_replicas=replicas,
         description=description,
     )
@@ -254,11 +289,15 @@ class JetStreamClient:
             nats.js.errors.APIError.from_error(ack.error)  # raises the matching APIError subclass
         return ack.seq
 
-    async def _get_seq(self, stream: str, seq: int) -> tuple[str, bytes] | None:
+    async def _get_seq(self, stream: str, seq: int, *, direct: bool = False) -> tuple[str, bytes] | None:
+        """(subject, body) of the message at `seq`, None when there is none: from the stream's leader, or with
+        `direct` from any replica (a stored message never changes, so any replica that holds it is right)."""
         with translated(f"reading sequence {seq}"):
             try:
-                raw = await self.js.get_msg(stream, seq=seq)
-            except nats.js.errors.NotFoundError:
+                raw = await self.js.get_msg(stream, seq=seq, direct=direct)
+            except nats.js.errors.NotFoundError as exc:
+                if not holds_nothing(exc):
+                    raise not_an_answer(f"reading sequence {seq}", exc) from exc
                 return None
         return raw.subject or "", raw.data or b""
 
@@ -314,7 +353,9 @@ class JetStreamClient:
         with translated(f"reading the last message on {subject}"):
             try:
                 raw = await self.js.get_msg(stream, subject=subject, direct=direct)
-            except nats.js.errors.NotFoundError:
+            except nats.js.errors.NotFoundError as exc:
+                if not holds_nothing(exc):
+                    raise not_an_answer(f"reading the last message on {subject}", exc) from exc
                 return None
         time = raw.time if isinstance(raw.time, datetime) else datetime.now(UTC)
         return raw.seq or 0, raw.data or b"", raw.headers, time

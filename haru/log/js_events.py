@@ -9,21 +9,37 @@ body on the subject). A lost race raises `Conflict` with the subject's current s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import nats.errors
 import nats.js.errors
 
 from haru.core import subjects
-from haru.core.errors import Conflict, LogDamaged
+from haru.core.errors import BatchUnsupported, Conflict, LogDamaged, LogError, LogUnavailable
 from haru.core.events import Event, encode
 from haru.core.receipts import Receipt
-from haru.log.jetstream import JetStreamClient, translated
+from haru.log.jetstream import CONFLICT_CODES, JetStreamClient, holds_nothing, not_an_answer, translated
 from haru.log.js_replay import Replay
 from haru.log.receipts import ReceiptGuard
-from haru.log.record import MSG_ID, Record, body_hash, datetime_to_ns, decode_record, msg_id
+from haru.log.record import (
+    BATCH_COMMIT,
+    BATCH_ID,
+    BATCH_SEQ,
+    EXPECTED_LAST_SUBJECT_SEQ,
+    MSG_ID,
+    Record,
+    body_hash,
+    datetime_to_ns,
+    decode_record,
+    msg_id,
+    stage_batch,
+)
 from haru.log.seam import Handler
 
 if TYPE_CHECKING:
@@ -31,6 +47,9 @@ if TYPE_CHECKING:
 
 __all__ = ["JetStreamEvents"]
 
+# nats-server's codes for an atomic batch it refuses: atomic publish off for the stream, a batch it no longer
+# holds all of (a leader changed between its messages), a message id it already stored (a retried batch)
+BATCH_DISABLED, BATCH_INCOMPLETE, BATCH_DUPLICATE = 10174, 10176, 10201
 _SUBJECTS_PAGE = 100_000  # nats-server's limit on the subjects one stream-info answer lists
 
 
@@ -38,6 +57,7 @@ class JetStreamEvents(JetStreamClient):
     """The event stream HARU_EVENTS: appends and reads (`haru.log.seam.EventStore`)."""
 
     receipt_guard: ReceiptGuard | None = None  # set by EventLog: checks receipts on reconnect and conflict
+    _takes_batches: bool | None = None  # whether HARU_EVENTS takes atomic batches (`_atomic`)
 
     # --------------------------------------------------------------------------------- append
 
@@ -48,25 +68,7 @@ class JetStreamEvents(JetStreamClient):
         Raises Conflict(current) when another writer got there first. Retrying an append whose
         ack was lost returns the stored message's sequence instead of writing a second event.
         """
-        tip = self._tips.get(subject)
-        stored_last: tuple[int, bytes, dict[str, str] | None, datetime] | None = None
-        if expect == 0:
-            prev = ""
-        elif tip is not None and tip[0] == expect:
-            prev = tip[1]
-        else:
-            stored_last = await self._last_raw(subjects.EVENTS_STREAM, subject)
-            if stored_last is None:
-                self._conflicted_below_receipt(subject, 0)
-                raise Conflict(subject, expect, 0)
-            if stored_last[0] == expect:
-                prev = body_hash(stored_last[1])
-            else:
-                at_expect = await self._get_seq(subjects.EVENTS_STREAM, expect)
-                if at_expect is None or at_expect[0] != subject:
-                    self._conflicted_below_receipt(subject, stored_last[0])
-                    raise Conflict(subject, expect, stored_last[0])
-                prev = body_hash(at_expect[1])
+        prev, stored_last = await self._prev_at(subject, expect)
         if event.prev != prev or not event.by:
             event = msgspec.structs.replace(event, prev=prev, by=event.by or self.writer)
         data = encode(event)
@@ -91,6 +93,148 @@ class JetStreamEvents(JetStreamClient):
         if self.receipt_guard is not None:
             self.receipt_guard.changed()
         return seq
+
+    async def _prev_at(
+        self, subject: str, expect: int
+    ) -> tuple[str, tuple[int, bytes, dict[str, str] | None, datetime] | None]:
+        """The `prev` of an append to `subject` after `expect`: the hash of the body stored there, from this
+        writer's tip or read; with the subject's last message when it had to be read. Raises Conflict when
+        `expect` is not a message on `subject`."""
+        tip = self._tips.get(subject)
+        if expect == 0:
+            return "", None
+        if tip is not None and tip[0] == expect:
+            return tip[1], None
+        # The body at `expect` from the nearest replica: after a region loss the leader may be the one gone,
+        # and a read from it waits out its timeout while the two regions left elect a new one. A replica
+        # without it yet, or none answering, leaves the read to the leader. (The server checks `expect`.)
+        with contextlib.suppress(LogError):
+            at_expect = await self._get_seq(subjects.EVENTS_STREAM, expect, direct=True)
+            if at_expect is not None and at_expect[0] == subject:
+                return body_hash(at_expect[1]), None
+        stored_last = await self._last_raw(subjects.EVENTS_STREAM, subject)
+        if stored_last is None:
+            self._conflicted_below_receipt(subject, 0)
+            raise Conflict(subject, expect, 0)
+        if stored_last[0] == expect:
+            return body_hash(stored_last[1]), stored_last
+        at_expect = await self._get_seq(subjects.EVENTS_STREAM, expect)
+        if at_expect is None or at_expect[0] != subject:
+            self._conflicted_below_receipt(subject, stored_last[0])
+            raise Conflict(subject, expect, stored_last[0])
+        return body_hash(at_expect[1]), stored_last
+
+    async def append_batch(self, appends: Sequence[tuple[str, Event]], *, expect: Mapping[str, int]) -> list[int]:
+        """Append each (subject, event) in order as one atomic batch (`haru.log.seam.EventWriter`).
+
+        Each message carries its deterministic `Nats-Msg-Id`; the first one on each subject carries the
+        subject's expected last sequence, which the server checks for every subject before it stores any
+        (the later ones on a subject chain to the earlier: nothing can come between them). Returns the
+        sequences: the ack names the last, the batch is stored contiguously before it.
+        """
+        if not appends:
+            return []
+        missing = sorted({s for s, _ in appends} - set(expect))
+        if missing:
+            raise ValueError(f"append_batch: no expected sequence for {', '.join(missing)}")
+        if not await self._atomic():
+            raise BatchUnsupported(
+                f"{subjects.EVENTS_STREAM} does not take atomic batches (allow_atomic off, or nats-server "
+                f"older than 2.12): Haru's services turn allow_atomic on as they start (EventLog.ensure); on an "
+                f"older server, upgrade nats-server to 2.12 or later"
+            )
+        prevs = {s: (expect[s], (await self._prev_at(s, expect[s]))[0]) for s in dict.fromkeys(s for s, _ in appends)}
+        messages = [(subject, data, headers) for subject, data, headers, _ in stage_batch(appends, prevs, self.writer)]
+        try:
+            last = await self._publish_batch(messages)
+        except Conflict as exc:
+            self._conflicted_below_receipt(exc.subject, exc.current if exc.current is not None else exc.expected)
+            raise
+        seqs = list(range(last - len(messages) + 1, last + 1))
+        for seq, (subject, data, _) in zip(seqs, messages, strict=True):
+            self._tips[subject] = (seq, body_hash(data))
+            self._receipts[subject] = Receipt(seq, body_hash(data))
+        if self.receipt_guard is not None:
+            self.receipt_guard.changed()
+        return seqs
+
+    async def _atomic(self) -> bool:
+        """Whether HARU_EVENTS takes atomic batches (asked once per connection)."""
+        if self._takes_batches is None:
+            with translated(f"reading {subjects.EVENTS_STREAM}'s configuration"):
+                info = await self.js.stream_info(subjects.EVENTS_STREAM)
+            self._takes_batches = bool(info.config.allow_atomic)
+        return self._takes_batches
+
+    async def _publish_batch(self, messages: list[tuple[str, bytes, dict[str, str]]]) -> int:
+        """Publish `messages` as one atomic batch and return the last one's sequence. Every message but the
+        last goes without a reply subject (no round trip each); the last commits and is acked. A batch the
+        server lost (a leader change between its messages) or whose ack was lost is sent again under a new
+        id: its messages' ids make a stored batch's retry a duplicate, which is read back as success."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(self.timeout * 2, 10.0)
+        attempts = 0
+        what = f"appending a batch of {len(messages)} to {messages[0][0]}"
+        while True:
+            attempts += 1
+            batch = uuid.uuid4().hex
+            try:
+                with translated(what):
+                    for i, (subject, data, headers) in enumerate(messages[:-1], 1):
+                        await self.nc.publish(subject, data, headers={**headers, BATCH_ID: batch, BATCH_SEQ: str(i)})
+                subject, data, headers = messages[-1]
+                commit = {**headers, BATCH_ID: batch, BATCH_SEQ: str(len(messages)), BATCH_COMMIT: "1"}
+                return await self._publish(subject, data, commit)
+            except nats.js.errors.APIError as exc:
+                if exc.err_code in CONFLICT_CODES or exc.err_code == BATCH_DUPLICATE:
+                    stored = await self._stored_batch(messages)
+                    if stored:
+                        return stored
+                    raise await self._batch_conflict(messages) from exc
+                if exc.err_code == BATCH_DISABLED:
+                    self._takes_batches = False
+                    raise BatchUnsupported(f"{what}: JetStream refused: {exc.description}") from exc
+                retry = exc.err_code == BATCH_INCOMPLETE or isinstance(exc, nats.js.errors.ServiceUnavailableError)
+                if not retry:
+                    raise LogError(f"{what}: JetStream refused: {exc.description} (code {exc.err_code})") from exc
+            except (
+                TimeoutError,
+                nats.errors.TimeoutError,
+                nats.js.errors.NoStreamResponseError,  # the 503 while a stream leader is elected
+                nats.errors.ConnectionClosedError,
+                nats.errors.ConnectionReconnectingError,
+                LogUnavailable,
+            ):
+                if self.nc.is_closed:
+                    raise LogUnavailable(f"{what}: the NATS connection is closed") from None
+                stored = await self._stored_batch(messages)
+                if stored:
+                    return stored
+            if loop.time() >= deadline:
+                raise LogUnavailable(f"{what}: no stream leader stored it in time")
+            await asyncio.sleep(min(0.25 * attempts, 1.0))
+
+    async def _stored_batch(self, messages: list[tuple[str, bytes, dict[str, str]]]) -> int:
+        """The last sequence of this batch if the log holds it (its last message, by its id), else 0."""
+        subject, _, headers = messages[-1]
+        try:
+            last = await self._last_raw(subjects.EVENTS_STREAM, subject)
+        except LogError:
+            return 0
+        return last[0] if last is not None and (last[2] or {}).get(MSG_ID) == headers[MSG_ID] else 0
+
+    async def _batch_conflict(self, messages: list[tuple[str, bytes, dict[str, str]]]) -> Conflict:
+        """The Conflict of a refused batch: the first subject no longer at its expected sequence."""
+        for subject, _, headers in messages:
+            if EXPECTED_LAST_SUBJECT_SEQ not in headers:
+                continue
+            want = int(headers[EXPECTED_LAST_SUBJECT_SEQ])
+            last = await self._last_raw(subjects.EVENTS_STREAM, subject)
+            current = 0 if last is None else last[0]
+            if current != want:
+                return Conflict(subject, want, current)
+        subject, _, headers = messages[0]
+        return Conflict(subject, int(headers.get(EXPECTED_LAST_SUBJECT_SEQ, 0)), None)
 
     def _conflicted_below_receipt(self, subject: str, current: int) -> None:
         """A conflict says the subject is at `current`: below this writer's receipt, the log forgot."""
@@ -215,7 +359,9 @@ class JetStreamEvents(JetStreamClient):
         with translated(f"reading sequence {seq}"):
             try:
                 raw = await self.js.get_msg(subjects.EVENTS_STREAM, seq=seq)
-            except nats.js.errors.NotFoundError:
+            except nats.js.errors.NotFoundError as exc:
+                if not holds_nothing(exc):
+                    raise not_an_answer(f"reading sequence {seq}", exc) from exc
                 return None
         time = raw.time if isinstance(raw.time, datetime) else datetime.now(UTC)
         return decode_record(raw.seq or 0, raw.subject or "", datetime_to_ns(time), raw.data or b"", raw.headers)

@@ -32,7 +32,7 @@ from haru.core.errors import LogDamaged, ReplayTimeout, seq_ranges
 from haru.core.events import AnyEvent
 from haru.log import holes
 from haru.log.jetstream import translated
-from haru.log.record import Record, decode_record
+from haru.log.record import Record, decode_record, with_absolute_cause
 from haru.log.seam import Handler
 
 __all__ = ["Replay"]
@@ -142,9 +142,10 @@ class Replay:
                     self._gap(last_handled, seq)
                 data = msg.data
                 try:
-                    rec = Record(
-                        seq, msg.subject, int(ts), data, decode_event(data), "", msg.headers if headers else None
-                    )
+                    event = decode_event(data)
+                    if event.cause < 0:  # relative, written in an atomic batch (haru.core.record)
+                        event = with_absolute_cause(event, seq)
+                    rec = Record(seq, msg.subject, int(ts), data, event, "", msg.headers if headers else None)
                 except invalid:  # not a valid event: the slow path, for haru.core.events.decode's error text
                     rec = decode_record(seq, msg.subject, int(ts), data, msg.headers if headers else None)
                 if is_async:

@@ -11,7 +11,7 @@ import nats.js.errors
 
 from haru.core import subjects
 from haru.core.errors import Conflict, LogUnavailable
-from haru.log.jetstream import CONFLICT_CODES, JetStreamClient, translated
+from haru.log.jetstream import CONFLICT_CODES, JetStreamClient, holds_nothing, not_an_answer, translated
 
 __all__ = ["JetStreamViews"]
 
@@ -35,7 +35,9 @@ class JetStreamViews(JetStreamClient):
         with translated(f"reading view {key}"):
             try:
                 entry = await kv.get(key)
-            except nats.js.errors.KeyNotFoundError:
+            except nats.js.errors.KeyNotFoundError as exc:
+                if not holds_nothing(exc):
+                    raise not_an_answer(f"reading view {key}", exc) from exc
                 return None
         if entry.value is None:
             return None

@@ -28,7 +28,8 @@ import functools
 import inspect
 import itertools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Self
 
 import msgspec
@@ -38,7 +39,18 @@ from haru.core.errors import Conflict, LogUnavailable, NoResponders, RequestTime
 from haru.core.events import Event, encode
 from haru.log.bus import Answer, Answering, Endpoint, Handler, Msg, Service
 from haru.log.follow import Follower
-from haru.log.record import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, Record, body_hash, decode_record, msg_id
+from haru.log.record import (
+    BATCH_ID,
+    BATCH_SEQ,
+    EXPECTED_LAST_SUBJECT_SEQ,
+    MSG_ID,
+    Record,
+    body_hash,
+    decode_record,
+    msg_id,
+    stage_batch,
+    with_absolute_cause,
+)
 
 __all__ = ["MemoryBus", "MemoryLog", "subject_matches"]
 
@@ -163,9 +175,10 @@ class _Stream:
 
     async def add(self, subject: str, data: bytes, headers: dict[str, str], event: Any) -> Record:
         seq = len(self.records) + 1
-        rec = Record(seq, subject, time.time_ns(), data, event, "", headers)
         if event is None:
-            rec = decode_record(seq, subject, rec.time_ns, data, headers)
+            rec = decode_record(seq, subject, time.time_ns(), data, headers)
+        else:
+            rec = Record(seq, subject, time.time_ns(), data, with_absolute_cause(event, seq), "", headers)
         self.records.append(rec)
         self.by_subject.setdefault(subject, []).append(seq)
         self.poke()
@@ -256,6 +269,38 @@ class MemoryEvents(_MemoryClient):
         headers = {EXPECTED_LAST_SUBJECT_SEQ: str(expect), MSG_ID: mid}
         rec = await self._events.add(subject, data, headers, event)
         return rec.seq
+
+    async def append_batch(self, appends: Sequence[tuple[str, Event]], *, expect: Mapping[str, int]) -> list[int]:
+        self._up(f"appending a batch of {len(appends)}")
+        if not appends:
+            return []
+        missing = sorted({s for s, _ in appends} - set(expect))
+        if missing:
+            raise ValueError(f"append_batch: no expected sequence for {', '.join(missing)}")
+        tips: dict[str, tuple[int, str]] = {}  # subject -> (the sequence the batch expects, prev for the next)
+        for subject in dict.fromkeys(s for s, _ in appends):
+            want = expect[subject]
+            at_expect = None if want == 0 or want > self._events.last_seq else self._events.records[want - 1]
+            if want != 0 and (at_expect is None or at_expect.subject != subject):
+                last = self._events.last_of(subject)
+                raise Conflict(subject, want, 0 if last is None else last.seq)
+            tips[subject] = (want, "" if at_expect is None else body_hash(at_expect.data))
+        batch = uuid.uuid4().hex  # the headers JetStream stores with a batch's messages (haru.log.history reads them)
+        staged = stage_batch(appends, tips, self.writer)
+        for i, (_, _, headers, _) in enumerate(staged, 1):
+            headers.update({BATCH_ID: batch, BATCH_SEQ: str(i)})
+        for subject in tips:
+            last = self._events.last_of(subject)
+            current = 0 if last is None else last.seq
+            if current != expect[subject]:
+                # a retry of a batch that was stored before its ack was lost, or someone else's append
+                subject_n, _, headers_n, _ = staged[-1]
+                stored = self._events.last_of(subject_n)
+                if stored is not None and (stored.headers or {}).get(MSG_ID) == headers_n[MSG_ID]:
+                    return list(range(stored.seq - len(staged) + 1, stored.seq + 1))
+                raise Conflict(subject, expect[subject], current)
+        # no await between the adds: nothing else is stored in between, and a reader sees all or none
+        return [(await self._events.add(subject, data, headers, event)).seq for subject, data, headers, event in staged]
 
     async def append_raw(self, subject: str, data: bytes) -> int:
         """Store a body as it is, unchecked (a forged or invalid event, for tests of what readers do)."""

@@ -29,7 +29,7 @@ order and, with `follow`, goes on until cancelled or until the link drops (`LogU
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from haru.core import subjects
@@ -137,6 +137,17 @@ class EventWriter(Protocol):
     async def append(self, subject: str, event: Any, *, expect: int) -> int:
         """Append `event` to `subject` if the subject's last sequence is `expect` (0 = empty); fills
         `prev` and `by`; returns the new sequence; raises `Conflict` when another writer got there."""
+        ...
+
+    async def append_batch(self, appends: Sequence[tuple[str, Any]], *, expect: Mapping[str, int]) -> list[int]:
+        """Append each (subject, event) in order, atomically: all of them, at consecutive sequences, or none.
+
+        `expect`: each subject's last sequence before the batch (0 = empty), checked for all before any is
+        stored. Fills `prev` (an event after another on the same subject in the batch chains to it) and
+        `by`. An event may cite an earlier one of the batch by a negative, relative `cause`
+        (haru.core.record.with_absolute_cause): its sequence is not known until the batch is stored.
+        Returns the sequences; raises `Conflict` when a subject moved past its `expect` (nothing is
+        stored) and `BatchUnsupported` when the log cannot store a batch atomically."""
         ...
 
 

@@ -854,6 +854,35 @@ async def keep_trying(call, *, within: float = 40.0, retry: tuple[type[Exception
             await asyncio.sleep(0.25)
 
 
+async def test_the_promoter_keeps_the_streams_leaders_on_the_named_server(cluster, admin):
+    """`haru promoter --stream-leaders` under the promoter's own user: each failover stream's leader is
+    handed to the named server by a planned step-down, then left there; a name that is no replica moves
+    nothing."""
+    from haru.log.leaders import STREAMS, LeaderKeeper
+
+    async with cluster.log("promoter", "promoter:test") as log:
+
+        async def leaders() -> dict[str, str]:
+            out = {}
+            for stream in STREAMS:
+                info = await log.js.stream_info(stream)
+                out[stream] = info.cluster.leader if info.cluster else ""
+            return out
+
+        before = await leaders()
+        target = next(n for n in ("haru-nats-1", "haru-nats-2", "haru-nats-3") if n != before[subjects.EVENTS_STREAM])
+        keeper = LeaderKeeper(log.nc, [target], interval_s=0.5)
+        deadline = time.monotonic() + 45
+        while (now_leaders := await leaders()) != dict.fromkeys(STREAMS, target):
+            assert time.monotonic() < deadline, f"leaders still {now_leaders} (wanted {target}); before {before}"
+            await keeper.check()  # a replica not caught up yet is not handed the lead: the next pass
+            await asyncio.sleep(0.5)
+        assert keeper.moves >= 1
+        assert await keeper.check() == []  # in place: nothing to do
+        assert await LeaderKeeper(log.nc, ["no-such-server"]).check() == []
+        assert await leaders() == dict.fromkeys(STREAMS, target)
+
+
 async def test_killing_the_stream_leader_keeps_appends_and_failover_working(tmp_path):
     c = start_cluster(tmp_path / "kill")
     try:
