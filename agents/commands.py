@@ -278,7 +278,13 @@ class CommandService:
                 else {"was_running": False}
             )
         detail = ", ".join(f"{s} {v['how']}" if v["was_running"] else f"{s} not running" for s, v in out.items())
-        return Reply(ok=True, detail=detail or "no training slots", data={"slots": out})
+        data: dict[str, Any] = {"slots": out}
+        if command.then_verify:  # the GPUs read once training is gone: the promoter's verify_gpu step
+            t0 = time.monotonic()
+            verified = await self.verify_gpu(command)
+            took = verified.took_ms or int((time.monotonic() - t0) * 1000)
+            data["verify_gpu"] = msgspec.to_builtins(msgspec.structs.replace(verified, took_ms=took))
+        return Reply(ok=True, detail=detail or "no training slots", data=data)
 
     async def start_training(self, command: Command) -> Reply:
         await self.role.refresh(command.route_revision)

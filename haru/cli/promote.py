@@ -22,6 +22,7 @@ import getpass
 import os
 import socket
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,7 @@ def register(subparsers) -> None:
         help="this replica's writer id, stable across restarts and unique per replica "
         "(env HARU_PROMOTER_ID; default promoter:<host>:<pid>)",
     )
+    _add_stream_leaders(p)
     add_nats_options(p)
     add_log_options(p)
     add_metrics_options(p)
@@ -131,8 +133,21 @@ def register(subparsers) -> None:
     o.set_defaults(handler=run_op)
 
 
+def _add_stream_leaders(p) -> None:
+    p.add_argument(
+        "--stream-leaders",
+        default=os.environ.get("HARU_STREAM_LEADERS", ""),
+        metavar="[DOMAIN=]SERVER[,...]",
+        help="keep the event, route and views streams' leaders on these NATS servers (nats.conf's server_name, "
+        "most preferred first; DOMAIN=SERVER: beside that domain while it is its fleet's first standby), so that "
+        "losing an active's region costs no leader election (docs/deploy.md, 'Where the streams' leaders are'; "
+        "env HARU_STREAM_LEADERS; default: wherever JetStream elects them)",
+    )
+
+
 async def run_service(args: argparse.Namespace) -> ExitStatus:
     from haru.host.metrics import metrics_address
+    from haru.log.leaders import LeaderKeeper, parse_servers
     from haru.promoter import default_identity, run_promoter
 
     configure_logging(args.log_format, args.log_level)
@@ -141,9 +156,14 @@ async def run_service(args: argparse.Namespace) -> ExitStatus:
     step_delay_ms = _step_delay_ms(os.environ.get(STEP_DELAY_ENV, ""))
     sky = os.environ.get("HARU_SKY") or "sky"
     metrics = metrics_address(args.metrics_port, args.metrics_host, os.environ)
+    placement = parse_servers(args.stream_leaders or "")
     try:
         async with EventLog.connect(_servers(args), writer=identity, creds=args.nats_creds) as log:
             await log.ensure()
+
+            async def keep_leaders(standbys: Callable[[], list[str]]) -> None:
+                await LeaderKeeper(log.nc, lambda: placement.wanted(standbys())).run()
+
             service = asyncio.create_task(
                 run_promoter(
                     log,
@@ -152,6 +172,7 @@ async def run_service(args: argparse.Namespace) -> ExitStatus:
                     metrics=metrics,
                     step_delay_ms=step_delay_ms,
                     sky=sky,
+                    beside_standbys=keep_leaders if placement.beside or placement.fixed else None,
                 )
             )
             # SIGTERM/SIGINT stop it cleanly: the step in flight is resumed by the next promoter.

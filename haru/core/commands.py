@@ -26,6 +26,9 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     step: str = ""  # the operation's step this command carries out
     cause: int = 0  # the stream sequence of that step's `step_started`: what the agent's events cite
     decl_seq: int = 0  # apply_layout: the declarations (haru.evt.<fleet>.decl) up to this sequence, at least
+    # stop_training: once training stopped, read the GPUs as verify_gpu does and answer that reply too, in
+    # data["verify_gpu"] (the promoter records it as the verify_gpu step that follows: one trip, not two)
+    then_verify: bool = False
 
 
 class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):

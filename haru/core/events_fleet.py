@@ -148,7 +148,10 @@ class StepCompleted(Event, frozen=True, kw_only=True, tag="step_completed"):
     op_id: str
     step: Step
     detail: str = ""
-    took_ms: int = 0
+    took_ms: int = 0  # the agents' own measure of the work (their replies' took_ms), else the promoter's wall time
+    # The promoter's wall time from the step's first command to its last reply: the work and the round
+    # trips to the agent (0: no command, or a record from before this field)
+    wall_ms: int = 0
     # A best-effort step that did not apply, and why (the old active's GPU is gone: the reason for
     # the failover). Shown as skipped, not as a failure; what follows is what follows a completion.
     skipped: str = ""
@@ -233,11 +236,17 @@ class Checkpoint(Event, frozen=True, kw_only=True, tag="checkpoint"):
 
 
 class RouteMoved(Event, frozen=True, kw_only=True, tag="route_moved"):
-    """The routing pointer. The revision of the route is this event's stream sequence."""
+    """The routing pointer. The revision of the route is this event's stream sequence.
+
+    `previous_silent`: the promoter had judged the previous active unreachable (`domain_unreachable`,
+    its heartbeats went silent) when it moved the route off it. A router that follows the route subject
+    learns it with the move, before any view says so, and fails what it has in flight there (a partition
+    closes no connection)."""
 
     active: str
     previous: str = ""
     op_id: str = ""
+    previous_silent: bool = False
 
 
 # ----------------------------------------------------------------- weights: haru.evt.<fleet>.weights

@@ -7,7 +7,8 @@ provisioning), auto-failover and liveness.
 Its pure deciders: `decider` (`decide(view, facts)`: who decides what, in order), `drive` (the operation
 in flight), `health` (the active's health, the faster path), `failover` (auto-failover, its retries,
 the first route), `housekeeping` (teardown retries, auto-replace, demotions), `liveness` (heartbeat
-silence), `canary` (a canary's rollback). Its shell: `service` (follows the log, decides, appends),
+silence), `canary` (a canary's rollback), `chain` (what it would decide right after an append, chained into the
+same atomic batch). Its shell: `service` (follows the log, decides, appends),
 `runners` (what executes each step), `fleets` (what it knows of each fleet), `provisioning` (the `sky`
 runners), `metrics`.
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from haru.core import ranking, subjects
+from haru.core import causes, ranking, subjects
 from haru.core.commands import Command, Reply
 from haru.core.events import (
     EligibilityChanged,
     OperationAborted,
     OperationCompleted,
     PromotionRetargeted,
+    RouteMoved,
     StepCompleted,
     StepFailed,
     StepStarted,
@@ -252,6 +253,21 @@ def runner_gone(facts: Facts) -> bool:
     return facts.runner_silent_ms >= timeout
 
 
+def flip_event(view: FleetView, op: OperationView, by: str, now: datetime) -> RouteMoved:
+    """The flip's `route_moved`: onto the operation's target, off the view's active, saying whether
+    the promoter had judged that one unreachable (a router fails its requests in flight there)."""
+    old = view.domains.get(view.active) if view.active else None
+    return RouteMoved(
+        at=now,
+        by=by,
+        active=op.target,
+        previous=view.active,
+        op_id=op.op_id,
+        cause=causes.flip_cause(op),
+        previous_silent=old is not None and old.reachable is False,
+    )
+
+
 def flip_refusal(view: FleetView, op: OperationView) -> str:
     """Why the pointer must not move to the target now ('' = it may). The decider asks before it
     starts the flip, and the promoter asks again before it appends `route_moved`: a `step_started`
@@ -340,7 +356,7 @@ def command_for(view: FleetView, op: OperationView, step: str) -> tuple[str, lis
 
 
 def step_outcome(
-    op: OperationView, step: str, replies: list[tuple[str, Reply]], *, now: datetime, took_ms: int
+    op: OperationView, step: str, replies: list[tuple[str, Reply]], *, now: datetime, took_ms: int, wall_ms: int = 0
 ) -> StepCompleted | StepFailed:
     """The record of a step from its agents' replies (stops at the first reply that is not ok)."""
     details: list[str] = []
@@ -358,4 +374,11 @@ def step_outcome(
             )
         if reply.detail:
             details.append(reply.detail if len(replies) == 1 else f"{verb}: {reply.detail}")
-    return StepCompleted(at=now, op_id=op.op_id, step=step, detail="; ".join(details), took_ms=took_ms)  # type: ignore[arg-type]
+    return StepCompleted(
+        at=now,
+        op_id=op.op_id,
+        step=step,  # type: ignore[arg-type]
+        detail="; ".join(details),
+        took_ms=took_ms,
+        wall_ms=wall_ms,
+    )

@@ -10,11 +10,20 @@ delivery (one round trip to where the consumer lives, per decision, at WAN laten
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from haru.core.events import Event, StepCompleted, StepFailed
+from haru.core import ranking
+from haru.core.events import (
+    DomainChanged,
+    DomainDeclared,
+    DomainRetired,
+    Event,
+    StepCompleted,
+    StepFailed,
+    StepStarted,
+)
 from haru.core.fold import Folder, evolve
 from haru.core.specs import DomainSpec
 from haru.core.views import FleetView, OperationView
@@ -69,6 +78,18 @@ class FleetState:
         self._overlay = (base, len(self.ahead), out)
         return out
 
+    def note(self, event: Event) -> None:
+        """What the promoter keeps beside the view from an applied event: who runs each step, the launches
+        (the hourly budget), the domains' declarations (their provision blocks)."""
+        if isinstance(event, StepStarted):
+            self.step_by[event.op_id] = event.by
+            if event.step == "launch":
+                self.launches.append(event.at)
+        elif isinstance(event, (DomainDeclared, DomainChanged)):
+            self.specs[event.spec.name] = event.spec
+        elif isinstance(event, DomainRetired):
+            self.specs.pop(event.domain, None)
+
     def acked(self, seq: int, subject: str, event: Event) -> None:
         """Our own append, acknowledged at `seq`: the next decision reads it (`view`) and expects it
         (`last`) without waiting for the follower to deliver it."""
@@ -95,3 +116,15 @@ class FleetState:
             return canary_tally((g, r) for _, g, r in self.reports) if view.adapters else {}
         since = view.weights_change.at if view.weights_change is not None else None
         return canary_tally(((g, r) for _, g, r in self.reports), since=since)
+
+
+def first_standbys(fleets: Mapping[str, FleetState]) -> list[str]:
+    """Each fleet's first-ranked standby now, when it is fit to be promoted (haru.core.ranking), fleets in
+    name order: where a failover would go next (`haru promoter --stream-leaders` keeps the leaders there)."""
+    out = []
+    for fleet in sorted(fleets):
+        view = fleets[fleet].view
+        ranked = ranking.rank(view) if view.active else []
+        if ranked and ranked[0].fit:
+            out.append(ranked[0].domain)
+    return out

@@ -103,7 +103,7 @@ def auto_replace(view: FleetView, facts: Facts) -> Append | None:
 
 def demotion_reason(view: FleetView, dv: DomainView) -> str:
     """Why a non-active domain should be put to sleep and given training now ('' = it should not)."""
-    if dv.reachable is not True:
+    if dv.reachable is not True or dv.signalled:  # a domain about to go (a notice) is no standby to keep
         return ""
     states = [dv.models[m].residency for m in served(dv)]
     hosting = {dv.models[m].gpu_index for m in served(dv)}

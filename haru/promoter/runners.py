@@ -24,19 +24,19 @@ from datetime import timedelta
 import msgspec
 import structlog
 
-from haru.core import causes, subjects
+from haru.core import subjects
 from haru.core.authority import misplaced
 from haru.core.commands import ErrorInfo, Reply
 from haru.core.errors import CommandError, Conflict, LogError
 from haru.core.events import RouteMoved, StepCompleted, StepFailed, WeightsSet
 from haru.core.residency import Resident, Sleeping
-from haru.core.saga import step_record
+from haru.core.saga import TRANSITIONS, step_record
 from haru.core.views import FleetView, OperationView
 from haru.core.weights import describe, scope_of
 from haru.log.bus import send
 from haru.log.seam import Log
 from haru.promoter.canary import weigh_refusal
-from haru.promoter.drive import command_for, flip_refusal, step_outcome
+from haru.promoter.drive import command_for, flip_event, flip_refusal, step_outcome
 from haru.promoter.fleets import FleetState, StepRunner, utcnow
 from haru.promoter.provisioning import Provisioning
 
@@ -132,6 +132,12 @@ class StepRunners:
         # the gateway's and the operator's requests, so a `step_completed` for a probe there may be
         # theirs: the flip trusts only a probe in this set, and probes again otherwise.
         self.own_probes: set[int] = set()
+        # op_id -> (seq, previous active) of a route move this process appended in the batch that started
+        # the operation's flip (haru.promoter.chain): the flip runner completes the step with it.
+        self.own_moves: dict[str, tuple[int, str]] = {}
+        # op_id -> the verify_gpu reply the agent answered with its stop_training (`then_verify`): the verify_gpu
+        # step that follows is recorded from it when chained in the same batch (haru.promoter.chain)
+        self.verdicts: dict[str, Reply] = {}
 
     def table(self) -> dict[str, StepRunner]:
         """`STEPS[step].run` -> the coroutine that executes such a step and returns its outcome event."""
@@ -153,8 +159,12 @@ class StepRunners:
         if not domain:
             return StepCompleted(at=utcnow(), op_id=op.op_id, step=step, detail="no other domain")  # type: ignore[arg-type]
         replies: list[tuple[str, Reply]] = []
+        # stop_training followed by verify_gpu: the agent reads the GPUs as training stops, in the same trip
+        then_verify = step == "stop_training" and TRANSITIONS.get((op.kind, step, "completed")) == "verify_gpu"
         for verb, command, timeout_ms in commands:
-            command = msgspec.structs.replace(command, step=step, cause=started_seq)
+            command = msgspec.structs.replace(
+                command, step=step, cause=started_seq, then_verify=then_verify and verb == "stop_training"
+            )
             try:
                 reply = await send(self.log.bus, fleet, domain, verb, command, timeout=timeout_ms / 1000)
             except CommandError as exc:
@@ -166,7 +176,13 @@ class StepRunners:
         # promoter's wall time is in the step's started/completed `at`s.
         agent_ms = sum(r.took_ms for _, r in replies)
         wall_ms = int((time.monotonic() - t0) * 1000)
-        return step_outcome(op, step, replies, now=utcnow(), took_ms=agent_ms or wall_ms)
+        verified = next((r.data.get("verify_gpu") for v, r in replies if v == "stop_training" and r.ok), None)
+        if then_verify and isinstance(verified, dict):
+            try:
+                self.verdicts[op.op_id] = msgspec.convert(verified, Reply)
+            except msgspec.ValidationError as exc:  # an agent's answer we cannot read: verify_gpu asks again
+                self.logger.warning("verify_gpu_unreadable", op_id=op.op_id, error=str(exc))
+        return step_outcome(op, step, replies, now=utcnow(), took_ms=agent_ms or wall_ms, wall_ms=wall_ms)
 
     async def canary(
         self, st: FleetState, op: OperationView, step: str, started_seq: int
@@ -242,6 +258,15 @@ class StepRunners:
 
     async def flip(self, st: FleetState, op: OperationView, step: str, started_seq: int) -> StepCompleted | StepFailed:
         """Runner `flip`: the route's compare-and-swap, unless the flip's precondition does not hold."""
+        made = self.own_moves.pop(op.op_id, None)
+        if made is not None:  # moved in the batch that started this step, on the checks made then
+            seq, previous = made
+            return StepCompleted(
+                at=utcnow(),
+                op_id=op.op_id,
+                step="flip",
+                detail=f"route revision {seq}: {previous or '(none)'} -> {op.target} (with the flip's start)",
+            )
         refusal = flip_refusal(st.view, op)
         if refusal:  # a flip started by someone else, before the probe: never moves the route
             return StepFailed(at=utcnow(), op_id=op.op_id, step="flip", error_code="flip_refused", error=refusal)
@@ -288,14 +313,7 @@ class StepRunners:
         if st.view.route_revision != op.route_revision:
             return _moved_elsewhere(op, st.view.active, st.view.route_revision)
         expect = max(st.last.get(route, 0), op.route_revision)
-        moved = RouteMoved(
-            at=utcnow(),
-            by=self.identity,
-            active=op.target,
-            previous=previous,
-            op_id=op.op_id,
-            cause=causes.flip_cause(op),
-        )
+        moved = flip_event(st.view, op, self.identity, utcnow())
         for _ in range(FLIP_TRIES):
             try:
                 seq = await self.log.append(route, moved, expect=expect)

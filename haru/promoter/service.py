@@ -15,7 +15,10 @@ Each round, per fleet: `decide(view, facts)` -> appends, made in order with the 
 the next decision reads the view with the promoter's own acknowledged appends on it
 (`FleetState.acked`), so it never decides on a view that lacks its own append, and never waits for
 its follower to deliver what the acknowledgement already said (a round trip per decision at WAN
-latency: docs/deploy.md).
+latency: docs/deploy.md). What it would decide right after an append is decided at once, on the view
+with that append applied, and appended with it as one atomic batch (haru.promoter.chain): a step's
+outcome with the next step's start, a promotion with its first step, a flip's start with its
+route move.
 A `step_started` it appended is a step it runs (in a task): the step's agent commands over
 request/reply (or, for the flip, `route_moved` on the route subject with the route subject's real
 last sequence as the expected one, provided the route has not moved since the operation's route
@@ -39,20 +42,21 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from datetime import timedelta
+from functools import partial
+from typing import Any, Literal
 
 import msgspec
 import structlog
 
 from haru.core import causes, subjects
 from haru.core.authority import misplaced
-from haru.core.errors import Conflict, LogError
+from haru.core.commands import Reply
+from haru.core.errors import BatchUnsupported, Conflict, LogError
 from haru.core.events import (
-    DomainChanged,
-    DomainDeclared,
-    DomainRetired,
     Event,
+    RouteMoved,
     StepCompleted,
     StepFailed,
     StepStarted,
@@ -68,13 +72,15 @@ from haru.host.tasks import cancel_and_wait
 from haru.log.bus import Msg
 from haru.log.follow import Follower
 from haru.log.receipts import RegressionCollector
-from haru.log.record import Record
+from haru.log.record import Record, with_absolute_cause
 from haru.log.requests import new_op_id
 from haru.log.seam import Log
+from haru.log.waiting import until_available
+from haru.promoter.chain import Chain, extend
 from haru.promoter.decider import decide
 from haru.promoter.decisions import Append, Facts
 from haru.promoter.drive import not_applicable
-from haru.promoter.fleets import FleetState, StepRunner, utcnow
+from haru.promoter.fleets import FleetState, StepRunner, first_standbys, utcnow
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
 from haru.promoter.quorum import RECHECK_S, Isolation, Quorum, reaches_most
@@ -137,6 +143,9 @@ class Promoter:
         self._listening_since = 0.0
         self._was_connected = True
         self.isolation = Isolation()
+        # Whether to chain appends into atomic batches (haru.promoter.chain); off for good once the log
+        # says it takes none (a stream without allow_atomic, a server older than 2.12).
+        self.batches = True
         self.follower: Follower | None = None
         self._known_routes: dict[str, str] = {}  # fleet -> active domain, as folded before the log rewound
         self._refold_until = 0  # the stream's head when it was found rewound: no decisions until folded again
@@ -185,24 +194,11 @@ class Promoter:
                     if st.folder.misplaced_seq == rec.seq:  # not applied (the subject is the authority): say so, once
                         self.log_.warning("misplaced_event", fleet=fleet, anomaly=st.view.last_anomaly)
                     else:
-                        self._note(st, rec.event)
+                        st.note(rec.event)
                         self.metrics.record(fleet, rec, st.view)  # a misplaced event counts for nothing
                 self._touch(fleet)
         self.folded = rec.seq
         self._advanced.set()
-
-    @staticmethod
-    def _note(st: FleetState, event: Event) -> None:
-        """What the promoter keeps beside the view from an applied event: who runs each step, the launches
-        (the hourly budget), the domains' declarations (their provision blocks)."""
-        if isinstance(event, StepStarted):
-            st.step_by[event.op_id] = event.by
-            if event.step == "launch":
-                st.launches.append(event.at)
-        elif isinstance(event, (DomainDeclared, DomainChanged)):
-            st.specs[event.spec.name] = event.spec
-        elif isinstance(event, DomainRetired):
-            st.specs.pop(event.domain, None)
 
     async def resume(self) -> int:
         """Start from what KV already holds instead of folding the whole log: each declared fleet's view as
@@ -244,7 +240,7 @@ class Promoter:
             for subject in (subjects.decl(fleet), subjects.op(fleet)):
                 for rec in await self.log.history(subject):
                     if rec.seq <= upto and rec.event is not None and not misplaced(rec.subject, rec.event):
-                        self._note(st, rec.event)
+                        st.note(rec.event)
             resumed[fleet] = upto
         self.folded = min(resumed.values(), default=0)
         self.log_.info("promoter_resumed", from_seq=self.folded + 1, views=resumed, stream_last_seq=head)
@@ -334,8 +330,16 @@ class Promoter:
         # this replica's own heartbeat: a peer that hears it stop takes over its step (haru/host/alive.py)
         beating = asyncio.create_task(alive.beat(self.log.bus, "promoter", self.identity), name="promoter-alive")
         try:
-            await self.resume()
-            target = await self.log.last_seq()
+
+            async def resumed() -> int:  # `resume`, then the head the catch-up folds up to; anew on each try
+                self.fleets.clear()
+                await self.resume()
+                return await self.log.last_seq()
+
+            target = await until_available(
+                resumed,
+                on_retry=lambda exc: self.log_.warning("resume_retried", error=str(exc), detail="asking again"),
+            )
             follower = asyncio.create_task(self._follow(), name="promoter-follow")
             while self.folded < target:
                 self._advanced.clear()
@@ -379,8 +383,9 @@ class Promoter:
         twice)."""
         fleet = st.view.fleet
         expects = {a.subject: st.last.get(a.subject, 0) for a in appends}
+        chain = self._chained(st, appends)
         self._making.add(fleet)
-        task = asyncio.create_task(self._make_guarded(st, appends, expects), name=f"make-{fleet}")
+        task = asyncio.create_task(self._make_guarded(st, appends, expects, chain), name=f"make-{fleet}")
         self._tasks.add(task)
 
         def done(t: asyncio.Task, fleet: str = fleet) -> None:
@@ -390,8 +395,12 @@ class Promoter:
 
         task.add_done_callback(done)
 
-    async def _make_guarded(self, st: FleetState, appends: list[Append], expects: dict[str, int] | None = None) -> None:
+    async def _make_guarded(
+        self, st: FleetState, appends: list[Append], expects: dict[str, int] | None = None, chain: Chain | None = None
+    ) -> None:
         try:
+            if chain is not None and len(chain) > len(appends) and await self._make_chain(st, chain) != "refused":
+                return
             await self._make(st, appends, expects)
         except asyncio.CancelledError:
             raise
@@ -502,10 +511,6 @@ class Promoter:
             runner_timeout_ms=int(alive.SILENT_AFTER_S * 1000),
         )
 
-    async def round(self, st: FleetState) -> None:
-        """Decide once for a fleet and make the appends, in order; stop at the first that loses a race."""
-        await self._make(st, self._decide(st))
-
     def _rewound(self, head: int) -> int:
         """The log went back behind what was folded (haru/log/follow.py): fold every fleet again from
         sequence 1, decide nothing until that is done, and remember where each route pointer was, to
@@ -534,6 +539,76 @@ class Promoter:
         except Exception:  # a bug in the core must not stop every fleet: say it loudly and go on
             self.log_.exception("decide_failed", fleet=st.view.fleet)
             return []
+
+    # ----------------------------------------------------------------------------- chained appends
+
+    def _chained(
+        self, st: FleetState, appends: list[Append], *, expect: int | None = None, verdict: Reply | None = None
+    ) -> Chain:
+        """`appends`, and what the decider would append right after them, decided now on the view with them
+        applied (haru.promoter.chain): one batch instead of one round trip each. `expect`: the first
+        append's expected sequence when it is not its subject's folded tip (a step's own `step_started`).
+        `verdict`: the verify_gpu reply the agent gave with the stop_training whose outcome is `appends`."""
+        chain = Chain(st.view, st.last, me=self.identity)
+        for i, a in enumerate(appends):
+            chain.add(a.subject, a.event, a.why, expect=expect if i == 0 else None)
+        if self.batches and self.folded >= self._refold_until:
+            try:
+                extend(chain, self.facts(st), own_probes=self.steps.own_probes, verdict=verdict, new_op_id=new_op_id)
+            except Exception:  # a bug in the core: the chain stops where it is, its appends are still made
+                self.log_.exception("decide_failed", fleet=st.view.fleet, detail="while chaining")
+        return chain
+
+    async def _make_chain(self, st: FleetState, chain: Chain) -> Literal["stored", "refused", "failed"]:
+        """Append the chain as one atomic batch and run the steps it starts. `refused` when the log takes no
+        batches or a subject moved (the caller makes its own appends one at a time, as before chaining);
+        `failed` when the log did not answer (nothing was stored; the quorum's state is updated)."""
+        fleet = st.view.fleet
+        # The steps the batch starts count as running from now: the follower may deliver the batch before
+        # its ack, and a started step of ours that is not running would be started again (drive._resume).
+        st.running |= chain.started
+        try:
+            seqs = await self.log.append_batch(chain.appends(), expect=chain.expect)
+        except (BatchUnsupported, Conflict, LogError, asyncio.CancelledError) as exc:
+            st.running -= chain.started
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            if isinstance(exc, BatchUnsupported):
+                self.batches = False
+                self.log_.warning("batches_unsupported", error=str(exc), detail="appending one event at a time")
+                return "refused"
+            if isinstance(exc, Conflict):
+                self.log_.debug(
+                    "batch_lost_race", fleet=fleet, subject=exc.subject, expected=exc.expected, current=exc.current
+                )
+                return "refused"
+            if self.quorum.failed(exc, heard_most=self._heard_most()) and self.quorum.cut_off:
+                self._listen_afresh()
+            elif self.quorum.state == "majority":
+                self.log_.warning("append_failed", fleet=fleet, error=str(exc), batch=len(chain))
+            return "failed"
+        if self.quorum.answered() and self.quorum.cut_off:
+            self._listen_afresh()
+        stored = []
+        for seq, link in zip(seqs, chain.links, strict=True):
+            event = with_absolute_cause(link.event, seq)
+            self.log_.bind(fleet=fleet, event=tag_of(event), subject=link.subject).info(
+                "appended", seq=seq, why=link.why, batch=len(chain), **_context(event)
+            )
+            st.acked(seq, link.subject, event)
+            if isinstance(event, StepCompleted) and event.step == "probe":
+                self.steps.own_probes.add(seq)
+            elif isinstance(event, RouteMoved):
+                self.steps.own_moves[event.op_id] = (seq, event.previous)
+            stored.append(event)
+        op = st.view.operation
+        st.running -= chain.started  # each step to run is running again from its spawn, the others not at all
+        for i in chain.to_run():
+            started = stored[i]
+            assert isinstance(started, StepStarted)
+            if op is not None and op.op_id == started.op_id:
+                self._spawn_step(st, op, started, seqs[i])
+        return "stored"
 
     async def _make(self, st: FleetState, appends: list[Append], expects: dict[str, int] | None = None) -> None:
         """Make a round's appends, in order (each acknowledged before the next); stop at the first that loses a race.
@@ -616,6 +691,23 @@ class Promoter:
             if isinstance(event, (StepCompleted, StepFailed)) and not event.took_ms:
                 event = msgspec.structs.replace(event, took_ms=int((time.monotonic() - t0) * 1000))
             event = msgspec.structs.replace(event, by=self.identity, cause=started_seq)
+            outcome = Append(subject=subjects.op(fleet), event=event, why="the step's outcome")
+            made: Literal["stored", "refused", "failed"] = "refused"
+            verdict = self.steps.verdicts.pop(op.op_id, None)
+            if fleet not in self._making:  # else a round's appends are being made: they and a chain would race
+                chain = self._chained(st, [outcome], expect=started_seq, verdict=verdict)
+                if len(chain) > 1:
+                    self._making.add(fleet)
+                    try:
+                        made = await self._make_chain(st, chain)
+                    finally:
+                        self._making.discard(fleet)
+            if made == "stored":
+                log.info("step_" + ("completed" if isinstance(event, StepCompleted) else "failed"), batched=True)
+                return
+            if made == "failed":  # nothing stored: the step is ours and not running, so it is started again
+                log.warning("step_outcome_unrecorded", outcome=tag_of(event), detail="the log did not answer")
+                return
             try:
                 seq = await self.log.append(subjects.op(fleet), event, expect=started_seq)
             except Conflict:
@@ -659,6 +751,7 @@ async def run_promoter(
     metrics: tuple[str, int] | None = None,
     step_delay_ms: int = 0,
     sky: str = "sky",
+    beside_standbys: Callable[[Callable[[], list[str]]], Coroutine[Any, Any, None]] | None = None,
 ) -> None:
     """Run one promoter replica on a connected, ensured log (`haru.log.seam.Log`) until cancelled.
 
@@ -668,10 +761,18 @@ async def run_promoter(
     `ready` is set once the promoter has folded everything stored when it started. `metrics`:
     (host, port) to serve Prometheus metrics on (haru/promoter/metrics.py), None for none.
     `step_delay_ms`: a pause after each step starts (tests and demos: kill a promoter mid-step).
-    `sky`: the `sky` CLI the provisioning steps run.
+    `sky`: the `sky` CLI the provisioning steps run. `beside_standbys`: run beside the promoter with its
+    `first_standbys` (`haru promoter --stream-leaders` keeps the streams' leaders there: haru/log/leaders.py).
     """
     from haru.host.metrics import maybe_serve
 
     promoter = Promoter(log, fleets=fleets, identity=identity, tick_s=tick_s, step_delay_ms=step_delay_ms, sky=sky)
-    async with maybe_serve([promoter.metrics.registry], metrics):
-        await promoter.run(ready)
+    beside: asyncio.Task[None] | None = None
+    if beside_standbys is not None:
+        standbys = partial(first_standbys, promoter.fleets)
+        beside = asyncio.create_task(beside_standbys(standbys), name="beside-standbys")
+    try:
+        async with maybe_serve([promoter.metrics.registry], metrics):
+            await promoter.run(ready)
+    finally:
+        await cancel_and_wait(beside)

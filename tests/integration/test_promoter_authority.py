@@ -147,7 +147,7 @@ ROLE_OF_WRITER = {"promoter": "promoter", "cli": "operator", "gateway": "gateway
 
 
 async def test_production_writers_append_only_what_the_table_allows(fleet, nats_server, monkeypatch):
-    """Every `EventLog.append` made by apply, the promoter and the control API's request path in a
+    """Every `EventLog.append` (and `append_batch`) made by apply, the promoter and the control API's request path in a
     first route, a manual promotion, a demotion and an auto-failover: placed, and written by a role
     the table names for its subject kind."""
     log, a, b = fleet
@@ -158,7 +158,14 @@ async def test_production_writers_append_only_what_the_table_allows(fleet, nats_
         appended.append((self.writer, subject, event))
         return await original(self, subject, event, expect=expect)
 
+    original_batch = EventLog.append_batch
+
+    async def recording_batch(self, appends, *, expect):
+        appended.extend((self.writer, subject, event) for subject, event in appends)
+        return await original_batch(self, appends, expect=expect)
+
     monkeypatch.setattr(EventLog, "append", recording)
+    monkeypatch.setattr(EventLog, "append_batch", recording_batch)
     async with (
         EventLog.connect([nats_server.url], writer="cli:apply") as operator,
         EventLog.connect([nats_server.url], writer="gateway:127.0.0.1:0") as gateway,

@@ -98,7 +98,14 @@ async def test_sigkill_at_each_step_then_restart_finishes_cleanly(routed_fleet, 
     assert isinstance(end, OperationCompleted), describe(events)
     # the killed step was re-run with the next attempt, every other step ran once
     restarted = [e for e in events if isinstance(e, StepStarted) and e.step == step]
-    assert [e.attempt for e in restarted] == [1, 2], describe(events)
+    if step == "flip":
+        # The route moved in the batch that started the flip (haru.promoter.chain): killed after it, the
+        # restarted promoter reads the flip's outcome from the route, it does not move it again.
+        assert [e.attempt for e in restarted] == [1], describe(events)
+        flip = next(e for e in events if isinstance(e, StepCompleted) and e.step == "flip")
+        assert "route moved to b" in flip.detail or "-> b" in flip.detail, describe(events)
+    else:
+        assert [e.attempt for e in restarted] == [1, 2], describe(events)
     await assert_pointer_only_at_probed_domains(log)
     moves = [r.event for r in await log.history(subjects.route("default"))]
     assert [m.active for m in moves] == ["a", "b"]

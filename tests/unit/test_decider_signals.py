@@ -53,7 +53,7 @@ def _fields(policy: Policy) -> dict:
 
 
 def test_the_old_active_stays_out_of_the_standby_role_while_signalled():
-    from haru.core.events import RouteMoved, StepCompleted, StepStarted
+    from haru.core.events import OperationCompleted, RouteMoved, StepCompleted, StepStarted
     from tests.support.decider import OP, ROUTE
 
     steps = []
@@ -73,3 +73,14 @@ def test_the_old_active_stays_out_of_the_standby_role_while_signalled():
     event = only(view, facts(ms=30))
     assert isinstance(event, EligibilityChanged) and (event.domain, event.eligible) == ("a", False)
     assert "about to go" in event.why
+    # and is not taken back as a "recovered" standby while the notice stands (it was, a moment after)
+    later = given(
+        *healthy_fleet(),
+        signal(),
+        (OP, PromotionRequested(at=at(6), op_id="op-1", target="b", source="a", reason="preemption_notice")),
+        *steps,
+        (OP, event),
+        (OP, OperationCompleted(at=at(31), op_id="op-1")),
+    )
+    assert later.domains["a"].eligible is False and later.operation is None
+    assert only(later, facts(ms=32)) is None

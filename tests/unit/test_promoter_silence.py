@@ -18,6 +18,7 @@ from haru.core import subjects
 from haru.core.events import DomainDeclared, FleetDeclared
 from haru.core.specs import DomainSpec, GpuSpec
 from haru.log.memory import MemoryLog
+from haru.promoter.fleets import first_standbys
 from haru.promoter.service import Promoter
 from tests.support.decider import POLICY, T0, F, healthy_fleet
 
@@ -82,3 +83,13 @@ async def test_a_promoter_that_no_longer_hears_most_promoters_judges_no_silence_
     healed = p.facts(st)
     assert healed.silent_ms == {"a": None, "b": None}, "silence from before the heal judged"
     assert healed.listening_ms < 1000  # measured from the heal, not from before the cut
+
+
+async def test_the_standbys_are_each_fleets_first_ranked_fit_one_where_the_stream_leaders_follow():
+    """`first_standbys`: what `haru promoter --stream-leaders domain=server` keeps the leaders beside."""
+    log = await fleet_log()
+    p = Promoter(log, identity="promoter:test", tick_s=0.1)
+    assert first_standbys(p.fleets) == []  # nothing folded yet
+    for rec in await log.history(subjects.fleet_events(F)):
+        p.on_record(rec)
+    assert first_standbys(p.fleets) == ["b"]  # a active and resident, b asleep and reachable
