@@ -27,6 +27,16 @@ restart backoff and a margin, within `hold_max_ms`), a request for a model it lo
 to be resident there again: the same domain, no route move. Any other loss the promoter waits out
 (`degraded_grace_ms`) is answered at once, as before: holding it would only delay the 503.
 
+A request that died on an active the view calls unreachable (its heartbeats went silent: the proxy
+failed it as stranded, gateway/stranded.py) with no failover coming waits for that active to be heard
+again, within `hold_max_ms`: silence may be a cut NATS link or a loaded host while serving goes on.
+
+An estimate counts the standby's wake and probe, not the log: where the lost domain's region held the
+JetStream leaders, the promoter's writes wait for an election first. So a hold whose estimated time is
+up waits on, a second at a time up to `hold_max_ms`, while its failover is still coming and a promoter
+is heard on the bus (`haru.alive.promoter.*`) to drive it (`goes_on`); a `hold_ms` the operator set is
+kept as set.
+
 A held request leaves with today's diagnostic answer when its time is up, or at once when the hold
 no longer applies (the promotion aborted and no other is coming). A client that disconnects cancels
 its handler (the server runs with handler_cancellation), which drops the held request at once.
@@ -56,13 +66,18 @@ _CURED_IN_PLACE: Final = frozenset({"model_lost", "model_warming"})
 _MOVING_KINDS: Final = frozenset({"promotion", "rolling"})
 _READY_TO_PROMOTE = (Sleeping, Resident, Waking)
 MARGIN_MS: Final = 1_000  # the flip and the route reaching this gateway, beyond wake and probe
+WAIT_ON_S: Final = 1.0  # past its estimate, a hold looks again this often whether its failover is still coming
 
 
 class HoldPlan(msgspec.Struct, frozen=True):
-    """Hold for at most `budget_ms`: `why` says what the request waits for."""
+    """Hold for at most `budget_ms`: `why` says what the request waits for. `target`: the domain a failover
+    (under way, or about to start) moves the route to; `estimated`: `budget_ms` is Haru's estimate of that
+    failover (`hold_ms` 0), not a wait the operator set."""
 
     budget_ms: int
     why: str
+    target: str = ""
+    estimated: bool = False
 
 
 def _under_way(view: FleetView, active: str) -> str:
@@ -161,6 +176,29 @@ def back_since(routes: FleetRoutes | None, domain: str, model: str, since: float
     return isinstance(state, Resident) and state.since is not None and state.since.timestamp() >= since
 
 
+def _judged_silent(view: FleetView, domain: str) -> bool:
+    dv = view.domains.get(domain)
+    return dv is not None and dv.reachable is False
+
+
+def heard_again(routes: FleetRoutes | None, domain: str, judged: list[bool]) -> bool:
+    """Whether `domain`, judged unreachable at some point of a hold (`judged`, a flag the caller keeps for
+    the hold's length), is reachable again in the view, with no promotion away from it under way: a
+    request that died on it may go to it once more without the route moving. (While a promotion runs the
+    request waits for its end: what the domain did while cut off, a runtime lost, may not be in the view
+    yet.) Pure but for the flag."""
+    view = routes.view if routes is not None else None
+    if view is None:
+        return False
+    if _judged_silent(view, domain):
+        judged[0] = True
+        return False
+    if _under_way(view, domain):
+        return False
+    dv = view.domains.get(domain)
+    return judged[0] and dv is not None and dv.reachable is True
+
+
 def _backing_off(view: FleetView, target: str, now: float) -> bool:
     """A promotion onto `target` aborted a moment ago: the promoter waits before it tries again, so
     nothing is about to start (the promoter's own wait is at least this long)."""
@@ -206,19 +244,35 @@ def hold_plan(
                     min(policy.hold_ms or in_place, policy.hold_max_ms),
                     f"{active} reloads its lost models in place (about {in_place} ms)",
                 )
+            if unreachable and _judged_silent(view, active):
+                # the active's heartbeats went silent and no standby can take over: its serving link may well
+                # be fine (a cut NATS link, a loaded host), so wait for it to be heard again
+                why = f"{active} heard again (its heartbeats went silent)"
+                return HoldPlan(policy.hold_ms or policy.hold_max_ms, why)
             return None  # a loss the promoter waits out (degraded_grace_ms): holding would only delay the answer
         why = f"auto-failover to {target} about to start"
         if in_place:  # or the active's own reload, whichever serves first: the longer of the two bounds it
             why += f", or {active} reloading in place (about {in_place} ms)"
     if policy.hold_ms:
-        return HoldPlan(min(policy.hold_ms, policy.hold_max_ms), why)
+        return HoldPlan(min(policy.hold_ms, policy.hold_max_ms), why, target)
     wakes = [mv.wake_ms for mv in view.domains[target].models.values() if mv.admitted is not False]
     if not wakes or not all(wakes):
-        return HoldPlan(policy.hold_max_ms, why)  # never measured: the ceiling
+        return HoldPlan(policy.hold_max_ms, why, target)  # never measured: the ceiling
     dv = view.domains.get(active)
     # The promoter fails a silent domain only once its heartbeats have been missing this long.
     detect = policy.heartbeat_timeout_ms if unreachable and (dv is None or dv.reachable is not False) else 0
-    return HoldPlan(min(max(detect + max(wakes) + MARGIN_MS, in_place), policy.hold_max_ms), why)
+    budget = min(max(detect + max(wakes) + MARGIN_MS, in_place), policy.hold_max_ms)
+    return HoldPlan(budget, why, target, estimated=True)
+
+
+def goes_on(plan: HoldPlan | None, promoter_heard: bool) -> bool:
+    """Whether a hold whose estimated time is up may wait on (a little longer, up to `hold_max_ms` from its
+    start): `plan`, made again now, is still a failover whose budget was Haru's estimate, and a promoter is
+    heard on the bus to drive it. An estimate counts the standby's wake and probe, not the log: when the
+    lost domain's region held the JetStream leaders, the promoter's writes wait for an election first (a
+    few seconds), and the request waits with them. With no promoter heard nothing will move the route, and
+    a wait the operator set (`hold_ms`) is kept as set. Pure."""
+    return plan is not None and bool(plan.target) and plan.estimated and promoter_heard
 
 
 class Holds:
@@ -226,9 +280,12 @@ class Holds:
 
     `changed(fleet)` is called by the route follower on every view, intent and route move."""
 
-    def __init__(self, table: RoutingTable, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, table: RoutingTable, metrics: GatewayMetrics, promoter_heard: Callable[[], bool] = lambda: False
+    ) -> None:
         self.table = table
         self.metrics = metrics
+        self.promoter_heard = promoter_heard  # a promoter beat on haru.alive.promoter.* a moment ago
         self._changes: dict[str, asyncio.Event] = {}
         self.held: dict[str, int] = {}  # fleet -> requests held now
         self.held_bytes: dict[str, int] = {}
@@ -237,6 +294,16 @@ class Holds:
         event = self._changes.pop(fleet, None)
         if event is not None:
             event.set()
+
+    def later(self, fleet: str, plan: HoldPlan | None, started: float, now: float) -> float:
+        """The new deadline (monotonic) of a hold begun at `started` whose time is up at `now` (`plan`
+        made again now): a step further while the failover it waits for `goes_on`, never beyond
+        `hold_max_ms` from `started`; `now` when it ends."""
+        routes = self.table.get(fleet)
+        policy = routes.view.policy if routes is not None and routes.view is not None else None
+        if policy is None or not goes_on(plan, self.promoter_heard()):
+            return now
+        return max(now, min(now + WAIT_ON_S, started + policy.hold_max_ms / 1000))
 
     async def next_change(self, fleet: str, timeout: float) -> bool:
         """Wait until the fleet's routes change (True) or `timeout` seconds pass (False)."""
@@ -295,21 +362,22 @@ class Holds:
                         return result
                 else:
                     answer = result
-                if (
-                    hold_plan(
-                        self.table.get(fleet),
-                        first.code,
-                        unreachable=unreachable,
-                        gone=model if gone else "",
-                        now=time.time(),
-                    )
-                    is None
-                ):
+                now_plan = hold_plan(
+                    self.table.get(fleet),
+                    first.code,
+                    unreachable=unreachable,
+                    gone=model if gone else "",
+                    now=time.time(),
+                )
+                if now_plan is None:
                     outcome = "aborted"  # the promotion aborted, or nothing is coming to cure it any more
                     return answer
-                left = deadline - time.monotonic()
-                if left <= 0 or not await self.next_change(fleet, left):
-                    return answer
+                now = time.monotonic()
+                if now >= deadline:
+                    deadline = self.later(fleet, now_plan, started, now)
+                    if deadline <= now:
+                        return answer
+                await self.next_change(fleet, deadline - now)
         except asyncio.CancelledError:
             outcome = "dropped"  # the client went away: the request is dropped at once
             raise

@@ -31,7 +31,7 @@ from haru.gateway.adapters import with_model
 from haru.gateway.canary import CanaryCounts
 from haru.gateway.config import GatewayConfig
 from haru.gateway.errors import UpstreamError
-from haru.gateway.hold import Holds, back_since, hold_plan
+from haru.gateway.hold import Holds, back_since, heard_again, hold_plan
 from haru.gateway.metrics import UNKNOWN_FLEET, UNKNOWN_MODEL, GatewayMetrics
 from haru.gateway.responses import Stream, Whole, error_response, pump, response_headers, usage_in
 from haru.gateway.resume import Resumer
@@ -215,13 +215,20 @@ class Proxy:
             return error_response(refusal)
 
         since = time.time()
+        judged = [False]  # whether the view called fwd's domain unreachable during the hold
 
-        def moved(f: Forward) -> bool:  # the route moved, or the model came back where it died (a restart)
+        def moved(f: Forward) -> bool:
+            """The route moved, or the model came back where it died (a restart), or the domain it died on
+            was heard again after its heartbeats went silent (its serving link may never have broken)."""
+            routes = self.table.get(fleet)
             return (
                 f.domain != fwd.domain
                 or f.revision != fwd.revision
-                or back_since(self.table.get(fleet), f.domain, f.model, since)
+                or back_since(routes, f.domain, f.model, since)
+                or heard_again(routes, f.domain, judged)
             )
+
+        heard_again(self.table.get(fleet), fwd.domain, judged)  # stranded: judged unreachable already
 
         outcome = await self.holds.hold(fleet, model, len(body), plan, refusal, moved, unreachable=True, gone=gone)
         if not isinstance(outcome, Forward):

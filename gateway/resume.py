@@ -326,7 +326,8 @@ class Resumer:
         plan = hold_plan(routes, "upstream_unreachable", unreachable=True, now=time.time())
         policy = routes.view.policy if routes is not None and routes.view is not None else None
         budget_ms = plan.budget_ms if plan is not None else (policy.hold_max_ms if policy is not None else 0)
-        deadline = time.monotonic() + budget_ms / 1000
+        started = time.monotonic()
+        deadline = started + budget_ms / 1000
         attempts = 0
         last = why
         while attempts < MAX_RESUMES:
@@ -346,19 +347,26 @@ class Resumer:
                         return True
                     sent = outcome
                     attempts += 1
-                    deadline = time.monotonic() + budget_ms / 1000
+                    started = time.monotonic()
+                    deadline = started + budget_ms / 1000
                     last = f"the continuation on {target.domain!r} broke off too"
                     continue
                 last = str(outcome)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            await self.proxy.holds.next_change(fleet, min(ATTEMPT_GAP_S, left))
+            now = time.monotonic()
+            if now >= deadline:  # past the estimate: on while the failover is still coming (gateway/hold.py)
+                now_plan = hold_plan(
+                    self.proxy.table.get(fleet), "upstream_unreachable", unreachable=True, now=time.time()
+                )
+                deadline = self.proxy.holds.later(fleet, now_plan, started, now)
+                if deadline <= now:
+                    break
+            await self.proxy.holds.next_change(fleet, min(ATTEMPT_GAP_S, deadline - now))
+        waited_ms = int((time.monotonic() - started) * 1000)
         return await self._end_with_error(
             response,
             fleet,
             f"the stream from domain {fwd.domain!r} broke off ({why}) and no domain could "
-            f"continue it within {budget_ms} ms (last: {last}); send the request again",
+            f"continue it within {waited_ms} ms (last: {last}); send the request again",
         )
 
     async def _end_with_error(self, response: web.StreamResponse, fleet: str, message: str) -> bool:

@@ -93,6 +93,8 @@ class Gateway:
         self.console = Console(self.table, events)
         if self.follower is not None:
             self.follower.on_change = self._changed
+            heard = self.follower.alive
+            self.proxy.holds.promoter_heard = lambda: bool(heard.alive("promoter"))
         self._stack: contextlib.AsyncExitStack | None = None
         self.reporter: Reporter | None = None
         self.usage: UsageWriter | None = None

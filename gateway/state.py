@@ -449,7 +449,23 @@ class RouteFollower:
             revision=seq,
             source="route subject (the intents are behind)",
         )
+        if moved.previous_silent:
+            self._silence(fleet, moved.previous)
         self._changed(fleet, "route")
+
+    def _silence(self, fleet: str, domain: str) -> None:
+        """The move says the promoter had judged `domain` (the previous active) unreachable. The view that
+        says so may come seconds later (the views have their own stream and leader, and a lost region may
+        have led it), so the routes call it unreachable now: what is in flight there fails at the move
+        (gateway/stranded.py) and is sent to the new active, instead of waiting on a cut link meanwhile."""
+        routes = self.table.get(fleet)
+        view = routes.view if routes is not None else None
+        dv = view.domains.get(domain) if view is not None and domain else None
+        if view is None or dv is None or dv.reachable is False:
+            return
+        silent = msgspec.structs.replace(dv, reachable=False)
+        self.table.set_view(fleet, msgspec.structs.replace(view, domains={**view.domains, domain: silent}))
+        log.info("gateway.silenced", fleet=fleet, domain=domain, by="the route move (ahead of the view)")
 
     async def _intents(self) -> None:
         async for fleet, data, seq in self.events.watch_intents("*"):

@@ -228,6 +228,17 @@ def alive(role: str, identity: str = "*") -> str:
     return f"haru.alive.{role}.{'*' if identity == '*' else model_token(identity)}"
 
 
+def alive_of(subject: str) -> tuple[str, str] | None:
+    """(role, id) of a control-plane heartbeat subject `haru.alive.<role>.<token>`; None for anything else."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[:2] != ["haru", "alive"] or parts[2] not in CONTROL_ROLES:
+        return None
+    try:
+        return parts[2], model_from_token(parts[3])
+    except (InvalidName, UnicodeDecodeError):
+        return None
+
+
 COMMAND_VERBS = ("status", "sleep", "wake", "probe", "stop_training", "start_training", "verify_gpu", "apply_layout")
 
 

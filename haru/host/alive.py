@@ -5,10 +5,13 @@
     heard.silent_s("promoter", "promoter:host-a")                   # None: never heard
 
 Like the agents' `haru.hb.<fleet>.<domain>`, this is not history: core NATS, `haru.alive.<role>.<id>`
-(the id escaped like a model id), body `{"role", "id", "pid"}`. Who reads it:
+(the id escaped like a model id), body `{"role", "id", "pid"}`. Who beat is read from the subject, which
+NATS permissions vouch for; the body is for people reading the bus. Who reads it:
 
 - the gateway's `/healthz`: a role with no replica heard for `SILENT_AFTER_S` is down, and the
   gateway says `degraded` naming it;
+- the gateway's holds: a hold whose estimate ran out waits on while a promoter is heard to drive the
+  failover it waits for (haru/gateway/hold.py);
 - the promoters: a step whose runner is silent for `SILENT_AFTER_S` was left by a dead replica and
   is taken over at once instead of after the step's lease (haru/promoter/drive.py).
 
@@ -40,7 +43,6 @@ class Beat(msgspec.Struct, frozen=True):
 
 
 _encode = msgspec.json.Encoder().encode
-_decode = msgspec.json.Decoder(Beat).decode
 _log = structlog.get_logger("haru.host.alive")
 
 
@@ -69,7 +71,7 @@ class Heard:
 
     async def listen(self, bus: Bus, subject: str = subjects.ALL_ALIVE) -> None:
         def on_msg(msg: Msg) -> None:
-            self.heard_body(msg.data)
+            self.heard(msg.subject)
 
         self.since = time.monotonic()
         self._sub = await bus.subscribe(subject, on_msg)
@@ -83,12 +85,12 @@ class Heard:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    def heard_body(self, data: bytes) -> None:
-        try:
-            b = _decode(data)
-        except msgspec.DecodeError:
-            return
-        self.last[(b.role, b.id)] = time.monotonic()
+    def heard(self, subject: str) -> None:
+        """A beat on `subject`: who beat is read from the subject (what NATS permissions vouch for), never
+        from the body."""
+        who = subjects.alive_of(subject)
+        if who is not None:
+            self.last[who] = time.monotonic()
 
     def silent_s(self, role: str, identity: str) -> float | None:
         """Seconds since `identity` was last heard; None if never heard since listening began."""

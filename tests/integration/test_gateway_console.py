@@ -34,7 +34,13 @@ async def fleet(event_log):
     projector = asyncio.create_task(Projector(event_log).run())
     try:
         async with Gateway(GatewayConfig(host="127.0.0.1", port=0, api_token=TOKEN), event_log) as gw:
-            await wait_until(lambda: (r := gw.table.get("ops")) is not None and r.active == "a", 10.0, interval_s=0.01)
+            # The route subject may reach the gateway before the projector's view of it: wait for both, since the
+            # tests read the view's residency from the first snapshot a console is sent.
+            await wait_until(
+                lambda: (r := gw.table.get("ops")) is not None and r.active == "a" and r.view is not None,
+                10.0,
+                interval_s=0.01,
+            )
             yield gw, event_log
     finally:
         await cancel_and_wait(projector)

@@ -19,6 +19,8 @@ from aiohttp import web
 
 from haru.core.residency import Answer, Loading, Lost, Resident
 from haru.core.views import OperationView
+from haru.host import alive
+from haru.host.tasks import cancel_and_wait
 from tests.support.gateway import (
     CHAT,
     FAST,
@@ -104,6 +106,24 @@ async def test_a_hold_ends_with_todays_answer_when_its_time_is_up(gw, two):
     assert loop.time() - started >= 0.3
     metrics = await get_text(gw, "/metrics")
     assert 'haru_gateway_held_total{fleet="default",outcome="expired"} 1.0' in metrics
+
+
+async def test_a_hold_waits_past_its_estimate_while_a_promoter_is_heard(gw, two, event_log):
+    # the estimate is b's 400 ms wake and a 1 s margin; the route moves at 2.5 s (the log was electing a
+    # leader, say): a promoter beating on the bus keeps the request waiting for it
+    beating = asyncio.create_task(alive.beat(event_log.bus, "promoter", "promoter-test", interval=0.3))
+    try:
+        await wait_until(lambda: gw.follower.alive.alive("promoter"), 5.0)
+        await two.route_to_a(answers=LOST)
+        pending = asyncio.create_task(post(gw, {"model": MODEL, "messages": CHAT}))
+        await wait_until(lambda: gw.proxy.holds.held.get("default") == 1, 5.0, interval_s=0.005)
+        await asyncio.sleep(2.5)
+        assert not pending.done()
+        await two.move_to_b()
+        status, headers, data = await pending
+    finally:
+        await cancel_and_wait(beating)
+    assert status == 200 and b"[domain b]" in data and int(headers["X-Haru-Held-Ms"]) >= 2_500
 
 
 async def test_nothing_is_held_without_a_standby_to_fail_over_to(gw, two):

@@ -3,7 +3,9 @@ and how a cut stream is read, continued and spliced (gateway/resume.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from datetime import UTC, datetime, timedelta
 
 import msgspec
@@ -12,7 +14,8 @@ import pytest
 from haru.core.residency import Answer, Loading, Lost, Resident, Sleeping
 from haru.core.specs import Policy
 from haru.core.views import DomainView, FleetView, ModelView, OperationView, RouteIntent, Target
-from haru.gateway.hold import MARGIN_MS, back_since, hold_plan
+from haru.gateway.hold import MARGIN_MS, Holds, back_since, goes_on, heard_again, hold_plan
+from haru.gateway.metrics import GatewayMetrics
 from haru.gateway.resume import (
     boundary,
     continuation_body,
@@ -22,7 +25,7 @@ from haru.gateway.resume import (
     splice_event,
     transcript,
 )
-from haru.gateway.routing import compile_routes
+from haru.gateway.routing import Forward, Refusal, compile_routes
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 M = "m1"
@@ -129,6 +132,70 @@ def test_a_promotion_that_just_aborted_means_nothing_is_about_to_start():
     assert hold_plan(routes(last_operation=aborted), "model_lost", now=T) is None
     later = T + 61
     assert hold_plan(routes(last_operation=aborted), "model_lost", now=later) is not None
+
+
+def test_only_an_estimated_failover_waits_on_past_its_estimate_and_only_with_a_promoter_heard():
+    silent = routes(a_reachable=False)
+    plan = hold_plan(silent, "upstream_unreachable", unreachable=True, now=T)
+    assert plan.target == "b" and plan.estimated
+    assert goes_on(plan, promoter_heard=True)
+    assert not goes_on(plan, promoter_heard=False)  # nobody to move the route
+    assert not goes_on(None, promoter_heard=True)  # the failover is no longer coming
+    set_by_operator = hold_plan(routes(a_reachable=False, policy=Policy(hold_ms=700)), "model_lost", now=T)
+    assert set_by_operator.target == "b" and not goes_on(set_by_operator, promoter_heard=True)
+    # waiting for the silent active to be heard again (no standby) is bounded by hold_max_ms already
+    heard = hold_plan(routes(a_reachable=False, b_reachable=None), "upstream_unreachable", unreachable=True, now=T)
+    assert heard.target == "" and not goes_on(heard, promoter_heard=True)
+
+
+class _Table:
+    """A routing table of one fleet whose route the test moves to b."""
+
+    def __init__(self, fleet_routes) -> None:
+        self.routes = fleet_routes
+        self.moved = False
+
+    def get(self, fleet: str):
+        return self.routes
+
+    def resolve(self, fleet: str, model: str, now: float) -> Forward | Refusal:
+        if self.moved:
+            return Forward(url="http://b", fleet="f", domain="b", model=model, revision=2)
+        return Refusal(503, "upstream_unreachable", "a is unreachable")
+
+
+FIRST = Refusal(503, "upstream_unreachable", "a is unreachable")
+QUICK = Policy(hold_max_ms=4_000)  # the estimate: a's silence noticed already, b wakes in 50 ms, a 1 s margin
+
+
+async def held(promoter_heard: bool, move_after_s: float | None = None) -> tuple[Forward | Refusal, float]:
+    """A request held on an unreachable active whose silence was noticed (the estimate: b's 50 ms wake and the
+    1 s margin), the route moved to b after `move_after_s` (None: never); what the hold gave, and when."""
+    table = _Table(routes(a_reachable=False, wake_ms=50, policy=QUICK))
+    holds = Holds(table, GatewayMetrics(), promoter_heard=lambda: promoter_heard)  # type: ignore[arg-type]
+    if move_after_s is not None:
+        asyncio.get_running_loop().call_later(move_after_s, lambda: (setattr(table, "moved", True), holds.changed("f")))
+    started = time.monotonic()
+    plan = hold_plan(table.routes, FIRST.code, unreachable=True, now=T)
+    out = await holds.hold("f", M, 10, plan, FIRST, lambda f: True, unreachable=True)
+    return out, time.monotonic() - started
+
+
+@pytest.mark.timeout(20)
+async def test_a_hold_whose_estimate_ran_out_waits_on_for_a_failover_a_promoter_drives():
+    out, waited = await held(True, move_after_s=1.6)  # the log's election ends late
+    assert isinstance(out, Forward) and out.domain == "b" and waited >= 1.5
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("heard", [False, True])
+async def test_a_hold_ends_at_its_estimate_with_no_promoter_heard_and_at_hold_max_ms_with_one(heard):
+    out, waited = await held(heard)
+    assert out == FIRST
+    if heard:
+        assert 3.9 <= waited < 8.0  # on to hold_max_ms (4 s), no further
+    else:
+        assert 1.0 <= waited < 3.0  # the estimate: 50 ms wake and the margin
 
 
 # ------------------------------------------------------------------------------------- streams
@@ -288,6 +355,33 @@ def test_a_model_is_back_once_resident_again_after_the_request_died():
     assert not back_since(back, "b", M, NOW.timestamp() + 1)  # resident since before it died: the old runtime
     assert not back_since(back, "a", M, 0)  # lost
     assert not back_since(back, "c", M, 0) and not back_since(back, "b", "other", 0) and not back_since(None, "b", M, 0)
+
+
+def test_a_silent_active_with_no_standby_to_take_over_is_waited_for_until_heard_again():
+    """Its requests were failed as stranded (the view called it unreachable), but its serving link may be
+    fine: with no failover to wait for, a request waits for its heartbeats, within the ceiling."""
+    alone = routes(a_reachable=False, b_reachable=False)
+    plan = hold_plan(alone, "upstream_unreachable", unreachable=True, now=T)
+    assert plan is not None and plan.budget_ms == 30_000 and "a heard again" in plan.why
+    assert (
+        hold_plan(
+            routes(a_reachable=False, b_reachable=False, policy=Policy(hold_ms=700)), "x", unreachable=True, now=T
+        ).budget_ms
+        == 700
+    )
+    # a refused connection to an active the view still calls reachable is answered at once, as before
+    assert hold_plan(routes(b_reachable=False), "upstream_unreachable", unreachable=True, now=T) is None
+
+
+def test_a_domain_is_heard_again_only_after_the_view_called_it_unreachable():
+    judged = [False]
+    assert not heard_again(routes(), "a", judged)  # reachable all along: nothing came back
+    assert not heard_again(routes(a_reachable=False), "a", judged) and judged == [True]
+    op = OperationView(op_id="o", kind="promotion", target="b", source="a")
+    assert not heard_again(routes(operation=op), "a", judged)  # a failover under way: wait for its end
+    assert heard_again(routes(), "a", judged)
+    assert not heard_again(routes(a_reachable=None), "a", [True])  # unknown is not heard
+    assert not heard_again(None, "a", [True])
 
 
 def _active_model(r, residency):

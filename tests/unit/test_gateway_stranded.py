@@ -6,9 +6,13 @@ from datetime import UTC, datetime
 
 import msgspec
 
-from haru.core.residency import Resident
-from haru.core.views import DomainView, FleetView, ModelView
-from haru.gateway.routing import compile_routes
+from haru.core.events import RouteMoved
+from haru.core.record import Record
+from haru.core.residency import Answer, Resident
+from haru.core.views import DomainView, FleetView, ModelView, RouteIntent, Target
+from haru.gateway.metrics import GatewayMetrics
+from haru.gateway.routing import RoutingTable, compile_routes
+from haru.gateway.state import RouteFollower
 from haru.gateway.stranded import stranded
 
 
@@ -51,3 +55,35 @@ def test_direct_model_urls_are_stranded_with_the_domain():
     before = routes(view({"a": True}, direct_url="http://10.0.0.9:8001/v1"))
     after = routes(view({"a": False}, direct_url="http://10.0.0.9:8001/v1"))
     assert stranded(before, after) == {"http://10.0.0.1:9100": "a", "http://10.0.0.9:8001": "a"}
+
+
+def test_a_move_off_a_silent_active_strands_it_before_any_view_says_so():
+    """The views' stream may elect its leader seconds after the events' (a lost region led both): the route
+    move itself says the promoter had judged the old active unreachable, and the gateway acts on it."""
+    table = RoutingTable()
+    seen: list[dict[str, str]] = []
+    table.listeners.append(lambda old, new: seen.append(stranded(old, new)))
+    follower = RouteFollower(None, table, GatewayMetrics())  # type: ignore[arg-type]  # no task runs
+    intent = RouteIntent(
+        fleet="f",
+        revision=1,
+        active=Target(domain="a", serving_url="http://10.0.0.1:9100/v1/"),
+        answers={"m": Answer(answer="ready")},
+    )
+    table.set_intent("f", intent, 1)
+    follower._apply_view("f", view({"a": True, "b": True}), 1)
+
+    def moved(seq: int, **kw) -> Record:
+        return Record(
+            seq, "haru.evt.f.route", 0, b"%d" % seq, RouteMoved(at=datetime.now(UTC), active="b", previous="a", **kw)
+        )
+
+    follower.on_route_record(moved(5, previous_silent=True))
+    routes = table.get("f")
+    assert routes.active == "b" and routes.view.domains["a"].reachable is False
+    assert {"http://10.0.0.1:9100": "a"} in seen
+    # a planned move (the old active was heard) strands nothing: its requests finish there
+    seen.clear()
+    follower._apply_view("f", view({"a": True, "b": True}), 2)
+    follower.on_route_record(moved(9))
+    assert table.get("f").view.domains["a"].reachable is True and all(s == {} for s in seen)

@@ -106,6 +106,20 @@ def test_heartbeat_of_reads_fleet_and_domain_back():
         assert subjects.heartbeat_of(other) is None, other
 
 
+def test_alive_of_reads_role_and_id_back_from_the_subject():
+    assert subjects.alive_of(subjects.alive("promoter", "promoter:host-a.eu")) == ("promoter", "promoter:host-a.eu")
+    for other in ("haru.alive.promoter", "haru.alive.gateway.x", "haru.alive.promoter.~zz", "haru.hb.f.a"):
+        assert subjects.alive_of(other) is None, other
+
+
+def test_a_beat_counts_for_whom_its_subject_names_whatever_its_body_says():
+    from haru.host.alive import Heard
+
+    heard = Heard()
+    heard.heard(subjects.alive("projector", "p1"))  # a body claiming to be a promoter is not read
+    assert heard.alive("promoter") == [] and heard.alive("projector") == ["p1"]
+
+
 def test_events_round_trip_with_stable_tags():
     e = ev.ModelLost(at=NOW, domain="a", model="qwen3.6:27b", reason="gpu_detached", detail="nvml: gpu lost")
     body = ev.encode(e)
