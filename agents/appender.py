@@ -12,11 +12,15 @@ conflict is a stale tip of the agent's own), and never holding the observer up w
 made while anything waits, so each subject keeps its order. `run()` appends the backlog oldest first,
 each entry with its subject's expected sequence and its causes resolved, retrying the same event (same
 body, same `Nats-Msg-Id`) until acknowledged: an attempt whose outcome was unknown (timed out, cut) is
-recognised by the log as already stored, never written twice. Lines: `appends buffered` when the first
+recognised by the log as already stored, never written twice. Such an entry is never coalesced away:
+nats-py keeps what it could not send in its reconnect buffer and sends it once the connection is back,
+so only that event's own retry keeps the subject's sequence (a later event of the same state would be
+stored beside it, and the next append would find the subject moved). Lines: `appends buffered` when the first
 waits, `buffered appends recorded` when the last is in. When the backlog is full it coalesces (a loop
 of states on a subject, older GPU snapshots) and says so (`backlog coalesced`, with how many); when
-nothing coalesces, the writer waits for room. Metrics: `haru_agent_backlog_events`,
-`haru_agent_backlog_buffered_total`, `haru_agent_backlog_coalesced_total`.
+nothing coalesces, the writer waits for room (unless its event closes a loop, which makes room).
+Metrics: `haru_agent_backlog_events`, `haru_agent_backlog_buffered_total`,
+`haru_agent_backlog_coalesced_total`.
 
 With `buffer=0` there is no backlog: an append retries in place while the log is away (the simulated
 hosts, whose callers keep every sequence they were given). Once the agent is stopping, what waits is
@@ -83,18 +87,22 @@ class Appender:
         except (LogUnavailable, TimeoutError) as exc:
             # Not acknowledged in time: maybe stored, maybe not; the backlog's retry is the same event,
             # which the log recognises if it was.
-            self.logger.warning("appends buffered: the event log does not acknowledge", subject=subject, error=str(exc))
-            return await self._buffer(subject, event, expect)
+            self.logger.warning(
+                "appends buffered: the event log does not acknowledge",
+                subject=subject,
+                error=str(exc) or type(exc).__name__,
+            )
+            return await self._buffer(subject, event, expect, sent=True)
 
-    async def _buffer(self, subject: str, event: Event, expect: int) -> int:
+    async def _buffer(self, subject: str, event: Event, expect: int, *, sent: bool = False) -> int:
         backlog = self.backlog
         assert backlog is not None
-        while backlog.full:
+        while backlog.full and not backlog.absorbs(subject, event):
             self.logger.warning("backlog full: the observer waits for room", events=len(backlog))
             self._room.clear()
             await self._room.wait()
         before = backlog.coalesced
-        ref = backlog.add(subject, event, expect)
+        ref = backlog.add(subject, event, expect, sent=sent)
         self.buffered_total += 1
         if backlog.coalesced > before:
             self.logger.warning(

@@ -16,10 +16,14 @@ comes back to a state it was already in (the same state key: `model_lost` ... `m
 `model_lost`), the events of the loop are dropped and the later event takes the place of the first,
 so the subject keeps going from its stored state to its latest one through legal transitions (each
 kept event's transition is one the table allowed before). A GPU observation is a whole snapshot: only
-the latest waiting one per GPU is kept. What was dropped is counted (`coalesced`); a ref of a dropped
-event resolves to the stored sequence of the kept event of the same state (the loss a restart cites
-is the loss that was kept). When nothing coalesces the backlog
-is `full`, and the writer waits (nothing is ever dropped unseen).
+the latest waiting one per GPU is kept. An entry that may be in the log already is never dropped: the
+head (being appended) and any whose append was attempted and not acknowledged (`sent`: its bytes may
+be stored, or flushed from the client's reconnect buffer once the connection is back, so only its own
+retry, recognised by its Nats-Msg-Id, keeps the subject's sequence). What was dropped is counted
+(`coalesced`); a ref of a dropped event resolves to the stored sequence of the kept event of the same
+state (the loss a restart cites is the loss that was kept). When nothing coalesces the backlog is
+`full`: it still takes an event that closes a loop (`absorbs`: it coalesces at once, making room),
+and for anything else the writer waits (nothing is ever dropped unseen).
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ class Pending:
     subject: str
     event: ev.Event
     expect: int  # the expected last sequence the writer gave (a sequence or a ref)
+    # an append of it was attempted and not acknowledged: its bytes may be stored, or still sit in the
+    # client's reconnect buffer and be stored when the connection is back; never dropped, so its retry
+    # (the same body and Nats-Msg-Id) is what the log recognises, not a later event it would store twice
+    sent: bool = False
 
 
 def state_key(event: ev.Event) -> str | None:
@@ -69,10 +77,10 @@ class Backlog:
     def full(self) -> bool:
         return len(self.entries) >= self.limit
 
-    def add(self, subject: str, event: ev.Event, expect: int) -> int:
+    def add(self, subject: str, event: ev.Event, expect: int, *, sent: bool = False) -> int:
         ref = self._next
         self._next -= 1
-        self.entries.append(Pending(ref, subject, event, expect))
+        self.entries.append(Pending(ref, subject, event, expect, sent))
         if self.full:
             self.coalesce()
         return ref
@@ -95,15 +103,31 @@ class Backlog:
             return seq
         return self._stored.get(seq)
 
+    def absorbs(self, subject: str, event: ev.Event) -> bool:
+        """Whether adding `event` closes a loop on `subject`, so that a full backlog takes it and coalesces
+        (it makes room rather than taking it)."""
+        key = state_key(event)
+        if key is None:
+            return False
+        run = [p for p in self.entries if p.subject == subject]
+        return self._loop_at(run, key, self.head()) is not None
+
+    @staticmethod
+    def _loop_at(run: list[Pending], key: str | None, head: Pending | None) -> int | None:
+        """Where in a subject's waiting `run` an event of state `key` closes a loop (None: it does not).
+        A loop starts after the last entry that may be in the log already (the head, or one `sent`)."""
+        if key is None:
+            return None
+        start = next((i + 1 for i in range(len(run) - 1, -1, -1) if run[i].sent or run[i] is head), 0)
+        return next((i for i in range(start, len(run)) if state_key(run[i].event) == key), None)
+
     def coalesce(self) -> int:
         """Drop the loops of each subject's waiting run (see the module docstring); returns how many."""
         runs: dict[str, list[Pending]] = {}
         head = self.entries[0] if self.entries else None  # may be being appended: never dropped
         for p in self.entries:
             run = runs.setdefault(p.subject, [])
-            key = state_key(p.event)
-            start = 1 if run and run[0] is head else 0
-            at = next((i for i in range(start, len(run)) if key is not None and state_key(run[i].event) == key), None)
+            at = self._loop_at(run, state_key(p.event), head)
             if at is not None:
                 dropped = run[at:]
                 del run[at:]

@@ -76,3 +76,39 @@ def test_a_full_backlog_that_nothing_coalesces_says_so():
     for i in range(3):
         b.add(f"haru.evt.f.a.model.m{i}", lost(i), 0)
     assert b.full and len(b) == 3 and b.coalesced == 0
+
+
+def test_an_append_that_went_out_unacknowledged_is_never_dropped():
+    # two appends attempted at once while the link broke (a GPU snapshot, then a loss): both may be stored,
+    # or sent from the client's reconnect buffer later; neither is coalesced away, head or not
+    b = Backlog(limit=5)
+    g = "haru.evt.f.a.gpu.0"
+    b.add(g, gpu(0), 3, sent=True)
+    first = b.add(S, lost(1), 5, sent=True)
+    refs = [first]
+    for i in range(2, 10):
+        make = (loading, resident, lost)[(i - 2) % 3]
+        refs.append(b.add(S, make(i), refs[-1]))
+    model = [p for p in b.entries if p.subject == S]
+    assert model[0].ref == first and b.coalesced > 0
+    assert [ev.tag_of(p.event) for p in model] == ["model_lost", "model_loading", "model_resident"]
+    assert b.resolve(model[1].expect) is None  # it continues from the kept loss once that is stored
+    b.done(b.head().ref, 4)
+    b.done(first, 6)
+    assert b.resolve(model[1].expect) == 6 and b.resolve(refs[3]) == 6  # a dropped loss resolves to the sent one
+
+
+def test_a_full_backlog_takes_an_event_that_closes_a_loop():
+    b = Backlog(limit=6)
+    g = "haru.evt.f.a.gpu.0"
+    b.add(S, lost(1), 5, sent=True)
+    b.add(g, gpu(1), 3, sent=True)
+    refs = [b.add(S, loading(2), -1), b.add(S, resident(3), -1), b.add(S, lost(4), -1), b.add(g, gpu(5), -2)]
+    assert b.full and b.coalesced == 0  # nothing coalesces yet: the sent ones stay
+    assert (
+        b.absorbs(S, loading(6))
+        and b.absorbs(g, gpu(7))
+        and not b.absorbs(S, ev.ModelSleeping(at=T0, domain="a", model="m1"))
+    )
+    b.add(S, loading(6), refs[-2])
+    assert len(b) < 6 and [ev.tag_of(p.event) for p in b.entries if p.subject == S] == ["model_lost", "model_loading"]
