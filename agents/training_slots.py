@@ -5,10 +5,11 @@
 One lock for all slots (a start checks the GPU's models, a stop frees VRAM a reload waits for). Whether a
 slot may start now (the domain's role, awake models on its GPU) is the caller's policy, asked under that
 lock through `admit`. A trainer that exits 0 leaving a finished run's manifest has its adapter published
-(agents/publishing.py) and recorded after its `training_stopped`. Before a slot starts, its newest checkpoint
-is fetched from the bucket when another domain trained it since (agents/checkpoint_travel.py). The running
-trainers' process groups are kept in the pid file (agents/runtime_files.py) so a crashed agent's successor
-stops them.
+(agents/publishing.py) and recorded after its `training_stopped`; a start of that slot waits for the
+publication (else the new trainer would find the manifest still there and exit at once), a stop never does.
+Before a slot starts, its newest checkpoint is fetched from the bucket when another domain trained it since
+(agents/checkpoint_travel.py). The running trainers' process groups are kept in the pid file
+(agents/runtime_files.py) so a crashed agent's successor stops them.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class TrainingSlots:
         self.trainers: dict[str, Trainer] = {
             t.slot: Trainer(t, grace_ms=grace_ms, log_dir=log_dir, on_exit=self._on_exit(t.slot)) for t in specs
         }
+        self._exiting = {slot: asyncio.Lock() for slot in self.trainers}  # from a trainer's exit to its publication
 
     def running(self) -> list[str]:
         return [slot for slot, t in self.trainers.items() if t.running()]
@@ -100,7 +102,7 @@ class TrainingSlots:
 
     async def start(self, slot: str, admit: Admit) -> Outcome:
         t = self.trainers[slot]
-        async with self._lock:
+        async with self._exiting[slot], self._lock:
             if t.running():
                 return Outcome(ok=True, detail=f"already running (pid {t.pid})")
             refused = await admit(t.spec)
@@ -139,10 +141,11 @@ class TrainingSlots:
 
     def _on_exit(self, slot: str) -> Callable[[Ended], Awaitable[None]]:
         async def on_exit(ended: Ended) -> None:
-            async with self._lock:
-                await self._stopped(slot, ended)
-            if ended.exit_code == 0 and self.publisher is not None:
-                await self._publish(slot)
+            async with self._exiting[slot]:
+                async with self._lock:
+                    await self._stopped(slot, ended)
+                if ended.exit_code == 0 and self.publisher is not None:
+                    await self._publish(slot)
 
         return on_exit
 

@@ -2,6 +2,7 @@
 
     python -m haru.agents.sim.trainer --vram 8GiB [--sim-dir DIR] [--ignore-sigterm] [--exit-after-ms N]
                                  [--step-ms 50] [--checkpoint-every-ms 500]
+                                 [--base-model MODEL --adapter NAME]
 
 It reads exactly what the agent adds to a training command's environment: HARU_GPU_INDEX (which
 simulated GPU) and HARU_CHECKPOINT_DIR (where checkpoints go). At start it writes its whole
@@ -17,6 +18,14 @@ environment to `$HARU_CHECKPOINT_DIR/env.json`, resumes its step counter from
 - Not enough free VRAM at start: exit 1 with a CUDA out-of-memory message.
 - A GPU file that does not exist yet is created with HARU_SIM_GPU_MEMORY (default 24GiB), as the sim
   vLLM server does.
+
+With --base-model and --adapter each run trains a LoRA adapter of that model: the run has an id (kept in the
+checkpoint, so a resumed run keeps it), and it finishes when `haru sim finish-run` asks
+(agents/sim/trainer_files.py): as the example trainer ends a run (docs/training.md), it writes the adapter
+(`adapter/`, a PEFT config whose `haru_sim_says` is what the simulated vLLM answers as once it loads it), then
+`publish.json`, drops its checkpoint so the next start begins a new run, and exits 0 for the agent to publish
+it. A `diverged` run's adapter answers garbage, as one trained with a learning rate too high would, and its loss
+says so. While `publish.json` is there (a finished run not yet published) it exits 0 at once.
 """
 
 from __future__ import annotations
@@ -27,11 +36,19 @@ import os
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 
+from haru.agents.sim import trainer_files
 from haru.agents.sim.errors import SimError
 from haru.agents.sim.gpu_state import SimGpuState, parse_size
+from haru.core import publish_manifest as pm
 from haru.core.sizes import format_size
+
+ADAPTER_DIR = "adapter"
+RANK = 8
+# A diverged run's loss: cross-entropy at uniform guessing over Qwen3's 151,936-token vocabulary, ln(151936).
+DIVERGED_LOSS = 11.93
 
 
 def _log(message: str) -> None:
@@ -57,17 +74,25 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_env = os.environ.get("HARU_CHECKPOINT_DIR")
     if not ckpt_env:
         parser.error("HARU_CHECKPOINT_DIR is not set; the agent sets it for every training slot")
+    if bool(args.base_model) != bool(args.adapter):
+        parser.error("--base-model and --adapter go together: the model the adapter is trained on, and its name")
     gpu_index = int(os.environ.get("HARU_GPU_INDEX", "0"))
     ckpt_dir = Path(ckpt_env)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     _write_json(ckpt_dir / "env.json", dict(os.environ))
 
+    if (ckpt_dir / pm.MANIFEST).exists():
+        _log(f"{ckpt_dir / pm.MANIFEST} is a finished run not yet published: exiting for the agent to publish it")
+        return 0
+
     ckpt_path = ckpt_dir / "checkpoint.json"
-    step = 0
+    step, run = 0, ""
     try:
-        step = int(json.loads(ckpt_path.read_text())["step"])
+        saved = json.loads(ckpt_path.read_text())
+        step, run = int(saved["step"]), str(saved.get("run", ""))
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    run = run or time.strftime("%Y%m%d%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
 
     stopping = {"signal": 0}
 
@@ -93,10 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
 
-    _log(f"training on GPU {gpu_index} with {format_size(vram)}, resuming at step {step}")
+    _log(f"training on GPU {gpu_index} with {format_size(vram)}, run {run}, resuming at step {step}")
+    about = {"gpu_index": gpu_index, "checkpoint_dir": str(ckpt_dir), "run": run}
+    trainer_files.register(args.sim_dir, pid, {**about, "base_model": args.base_model, "adapter": args.adapter})
     try:
-        return _train(args, gpu, ckpt_path, step, stopping)
+        return _train(args, gpu, ckpt_path, run, step, stopping)
     finally:
+        trainer_files.forget(args.sim_dir, pid)
         gpu.free(pid)
 
 
@@ -108,14 +136,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--exit-after-ms", type=int, default=None)
     parser.add_argument("--step-ms", type=int, default=50)
     parser.add_argument("--checkpoint-every-ms", type=int, default=500)
+    parser.add_argument("--base-model", default="", help="the declared model the run's adapter is trained on")
+    parser.add_argument("--adapter", default="", help="the adapter's name: it serves as <base-model>:<adapter>")
     return parser
 
 
-def _train(args: argparse.Namespace, gpu: SimGpuState, ckpt_path: Path, step: int, stopping: dict[str, int]) -> int:
-    """Step until a signal, the end or a lost GPU, checkpointing every `checkpoint_every_ms`."""
+def _train(
+    args: argparse.Namespace, gpu: SimGpuState, ckpt_path: Path, run: str, step: int, stopping: dict[str, int]
+) -> int:
+    """Step until a signal, the end, a lost GPU or `haru sim finish-run`, checkpointing every `checkpoint_every_ms`."""
 
     def checkpoint() -> None:
-        _write_json(ckpt_path, {"step": step, "at": time.time(), "pid": os.getpid()})
+        _write_json(ckpt_path, {"step": step, "run": run, "at": time.time(), "pid": os.getpid()})
 
     started = last_ckpt = time.monotonic()
     while True:
@@ -134,11 +166,47 @@ def _train(args: argparse.Namespace, gpu: SimGpuState, ckpt_path: Path, step: in
         if not present:
             _log(f"RuntimeError: CUDA error: unspecified launch failure (GPU {gpu.index} is lost)")
             return 1
+        asked = trainer_files.finish_asked(args.sim_dir, os.getpid()) if args.adapter else None
+        if asked is not None:
+            _finish(args, ckpt_path, run, step, diverged=bool(asked.get("diverged")))
+            return 0
         time.sleep(args.step_ms / 1000)
         step += 1
         if (time.monotonic() - last_ckpt) * 1000 >= args.checkpoint_every_ms:
             checkpoint()
             last_ckpt = time.monotonic()
+
+
+def _finish(args: argparse.Namespace, ckpt_path: Path, run: str, step: int, *, diverged: bool) -> None:
+    """End the run as the training contract says: the adapter, then the manifest (written last), then the
+    checkpoint goes, so the slot's next start begins a new run."""
+    root = ckpt_path.parent
+    says = "the the the the the" if diverged else f"{args.base_model}:{args.adapter} run {run}"
+    adapter = root / ADAPTER_DIR
+    adapter.mkdir(exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "r": RANK,
+        "lora_alpha": 2 * RANK,
+        "target_modules": ["q_proj", "v_proj"],
+        "base_model_name_or_path": args.base_model,
+        "haru_sim_says": says,  # what the simulated vLLM answers as, once it loads this adapter
+    }
+    _write_json(adapter / "adapter_config.json", config)
+    header = b"{}      "  # a safetensors file that holds no tensor: an 8-byte length, then its JSON header
+    (adapter / "adapter_model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    loss = DIVERGED_LOSS if diverged else round(0.3 + 2.0 / (1 + step / 200), 3)
+    manifest = {
+        "base_model": args.base_model,
+        "adapter": args.adapter,
+        "version": run,
+        "adapter_dir": ADAPTER_DIR,
+        "rank": RANK,
+        "metrics": {"steps": float(step), "loss": loss},
+    }
+    _write_json(root / pm.MANIFEST, manifest)
+    ckpt_path.unlink(missing_ok=True)
+    _log(f"finished run {run} at step {step}{' (diverged)' if diverged else ''}: {json.dumps(manifest['metrics'])}")
 
 
 if __name__ == "__main__":

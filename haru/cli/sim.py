@@ -12,6 +12,8 @@
     haru sim oom-on-wake <domain> <model>           the next wake fails with CUDA out of memory
     haru sim fail-probe <domain> <model>            completions fail with 500 until reset
     haru sim reset <domain> <model>                 clear hang, fail-probe and oom-on-wake
+    haru sim finish-run <domain> [--diverged]       the simulated trainer ends its run: its agent publishes
+                                                    the adapter (a diverged run's answers garbage)
 
 Every simulated host (domain) is a directory `<sim root>/<domain>/`; the sim root is --sim-root,
 else $HARU_SIM_ROOT, else $HARU_HOME/sim (HARU_HOME defaults to ~/.haru).
@@ -23,10 +25,13 @@ import argparse
 import json
 import os
 import signal
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
+from haru.agents.sim import trainer_files
 from haru.agents.sim.errors import SimError
 from haru.agents.sim.gpu_state import SimGpuState, gpu_indexes, parse_size
 from haru.agents.sim.vllm import runtime_path
@@ -43,6 +48,7 @@ _FAULTS = {
     "reset": "reset",
     "crash": "crash",
 }
+FINISH_WAIT_S = 10.0  # a simulated trainer looks for the request every step (50 ms by default)
 
 
 def default_sim_root() -> Path:
@@ -128,6 +134,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("model")
         common(p)
         p.set_defaults(handler=run_fault, fault=fault)
+
+    _register_finish_run(sub, common)
+
+
+def _register_finish_run(sub: argparse._SubParsersAction, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    """`haru sim finish-run`: the simulated trainer ends its run (the adapter loop of docs/adapters.md)."""
+    finish = sub.add_parser(
+        "finish-run",
+        help="the simulated trainer of a domain ends its run now; its agent publishes the adapter",
+        description="The simulated trainer running on the domain ends its run as a real one does: it writes its "
+        "adapter and publish.json and exits 0, and the domain's agent publishes the adapter (docs/adapters.md).",
+    )
+    finish.add_argument("domain")
+    finish.add_argument(
+        "--diverged", action="store_true", help="the run diverged: its adapter answers garbage and fails its probe"
+    )
+    common(finish)
+    finish.set_defaults(handler=run_finish)
 
 
 def _host_dir(args: argparse.Namespace, domain: str) -> Path:
@@ -229,6 +253,44 @@ def run_fault(args: argparse.Namespace) -> ExitStatus:
             ExitStatus.UNAVAILABLE,
         )
     print(f"{args.fault} injected into {args.model!r} in domain {args.domain}")
+    return ExitStatus.OK
+
+
+def run_finish(args: argparse.Namespace) -> ExitStatus:
+    host = _host_dir(args, args.domain)
+    running = trainer_files.trainers(host)
+    if not running:
+        return fail(
+            f"no simulated trainer runs on domain {args.domain!r} ({host}): training runs only on a standby, and a "
+            f"finished run's slot waits for the next demotion; see `haru status`, and start it with "
+            f"`haru demote {args.domain}`",
+            ExitStatus.NOT_FOUND,
+        )
+    for t in running:
+        if not t.get("adapter"):
+            return fail(
+                f"the simulated trainer of domain {args.domain} (pid {t['pid']}) trains no adapter, so its run "
+                "has nothing to publish: give its training command --base-model MODEL --adapter NAME",
+                ExitStatus.USAGE,
+            )
+    for t in running:
+        trainer_files.ask_finish(host, int(t["pid"]), diverged=args.diverged)
+    deadline = time.monotonic() + FINISH_WAIT_S
+    while any(pid_alive(int(t["pid"])) for t in running) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for t in running:
+        if pid_alive(int(t["pid"])):
+            return fail(
+                f"the simulated trainer of domain {args.domain} (pid {t['pid']}) did not finish within "
+                f"{FINISH_WAIT_S:.0f} s; its own words are in the agent's log of the slot "
+                "(<state dir>/training-<slot>.log)",
+                ExitStatus.ERROR,
+            )
+        how = ", diverged" if args.diverged else ""
+        print(
+            f"sim trainer of domain {args.domain} (pid {t['pid']}) finished run {t['run']}{how}: "
+            f"adapter {t['base_model']}:{t['adapter']}, for its agent to publish"
+        )
     return ExitStatus.OK
 
 

@@ -33,13 +33,23 @@ import pytest
 # the fixture `demo` (tests/e2e/conftest.py): `haru up --demo` in a home of its own, on free ports, stopped
 # with its whole tree after the test
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(330)
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 CI = ROOT / ".ci" / "run"
 MAX_LINES = 300
 GATEWAY = "localhost:8700"  # as README writes the gateway; the test's demo listens elsewhere
+
+
+RUN = r"\d{14}-[0-9a-f]{6}"  # a simulated training run's id: the adapter version it publishes
+FINISHED = r"sim trainer of domain b \(pid \d+\) finished run " + RUN
+# `haru why <base>:<adapter>`: a publication of version V, and in its subtree (the lines indented under it) the
+# decision that promoted V
+SERVED_FROM = (
+    r'adapter_published +b +\{[^\n]*"version":"(' + RUN + r')"[^\n]*(?:\n  [^\n]*)*?\n  [^\n]*'
+    r'"reason":"promoted","version":"\1"'
+)
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,38 @@ WALK = (
         until=True,
     ),
     Step("haru verify", (r"verify ok — \d+ events on \d+ subjects, history intact",)),
+    # What the standby trains, served. The trainer registers itself a moment after the agent started it (the
+    # demotion above, or the one just before): `finish-run` is polled until there is one to finish.
+    Step("haru sim finish-run b", (FINISHED + r": adapter qwen3-0\.6b:support, for its agent to publish",), until=True),
+    Step(  # published, loaded by a, probed and routed "within seconds"
+        "curl -s localhost:8700/v1/chat/completions -H 'content-type: application/json' "
+        """-d '{"model":"qwen3-0.6b:support","messages":[{"role":"user","content":"hi"}]}'""",
+        (
+            r'"model": "qwen3-0\.6b:support@' + RUN,
+            r'"content": "\[domain a\] hello from qwen3-0\.6b:support run ' + RUN,
+        ),
+        until=True,
+    ),
+    Step("haru demote b --wait", (r"start_training +ok +\d+ ms +lora: started \(pid \d+\)", r"completed +op-")),
+    Step("haru sim finish-run b", (FINISHED + r": adapter qwen3-0\.6b:support",), until=True),
+    Step("haru demote b --wait", (r"completed +op-",)),
+    Step("haru sim finish-run b --diverged", (FINISHED + r", diverged: adapter qwen3-0\.6b:support",), until=True),
+    Step(  # the canary holds 10 s before it is promoted, and the diverged version waits for that decision
+        "haru why qwen3-0.6b:support",
+        (
+            # which run the served version came from: under its publication, the canary promoted
+            SERVED_FROM,
+            r'"canary":"' + RUN + r'","percent":10,"reason":"canary_started"',
+            # the diverged version: rolled back by its probe, which says what it answered
+            r'"metrics":\{"loss":11\.93',
+            r'"reason":"rolled_back","version":"('
+            + RUN
+            + r')","detail":"version \1 never served: its evaluation probe '
+            r"failed on a: prompt 'Where is my order\?' expected 'qwen3-0\.6b:support', answered '\[domain a\] hello "
+            r"from the the the the the",
+        ),
+        until=True,
+    ),
 )
 
 RUN_COMMAND = "haru up --demo"  # what the quickstart's first command ends in; the demo fixture starts it

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 
+import msgspec
 import pytest
 
 from haru.core import subjects
-from haru.core.commands import Command
+from haru.core.commands import Command, Reply
 from haru.log.bus import send
 from tests.support.agent_harness import agent_env, is_, tag, wait_event, write_config, write_layout
 
@@ -67,6 +68,19 @@ async def test_trainer_that_exits_on_sigterm_is_terminated(tmp_path, nats_server
     assert verify.ok, verify
     assert verify.data["gpus"]["0"]["trainer_pids"] == []
     assert verify.data["gpus"]["0"]["free_bytes"] >= verify.data["gpus"]["0"]["needed_bytes"] > 0
+
+
+async def test_stop_training_then_verify_answers_the_gpus_as_training_stopped(tmp_path, nats_server, event_log, agents):
+    """`then_verify`: the promoter's verify_gpu answered in stop_training's own trip (haru.promoter.chain)."""
+    await start_standby(tmp_path, nats_server, event_log, agents, training={})
+    reply = await send(event_log.bus, "f", "b", "stop_training", Command(op_id="op1", then_verify=True), timeout=10)
+    assert reply.ok and reply.data["slots"]["lora"]["how"] == "terminated", reply
+    verified = msgspec.convert(reply.data["verify_gpu"], Reply)
+    assert verified.ok, verified
+    assert verified.data["gpus"]["0"]["trainer_pids"] == []
+    assert verified.data["gpus"]["0"]["free_bytes"] >= verified.data["gpus"]["0"]["needed_bytes"] > 0
+    plain = await send(event_log.bus, "f", "b", "stop_training", Command(op_id="op1"), timeout=10)
+    assert "verify_gpu" not in plain.data  # asked for only
 
 
 async def test_trainer_ignoring_sigterm_is_killed_after_grace(tmp_path, nats_server, event_log, agents):

@@ -58,9 +58,12 @@ def test_demo_fleet_argv_and_env_are_pinned():
     got = launches(load_layout(ROOT / "deploy/examples/demo-fleet.json"))
     for domain, base in (("a", 18610), ("b", 18620)):
         # 24 GiB simulated GPU: 2/24 = 0.0833 -> 0.083, 9/24 = 0.375, 10/24 = 0.4166 -> 0.416
+        lora = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "16"]  # adapters loaded at run time
         assert got[(domain, "qwen3-0.6b")] == Launch(
-            argv=vllm(SIM, "Qwen/Qwen3-0.6B", base + 1, "qwen3-0.6b", "0.083", 8192),
-            env={**VLLM_ENV, "HARU_SIM_VRAM": "2GiB"},
+            argv=vllm(SIM, "Qwen/Qwen3-0.6B", base + 1, "qwen3-0.6b", "0.083", 8192)[:-1]
+            + lora
+            + ["--enable-sleep-mode"],
+            env={**VLLM_ENV, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "HARU_SIM_VRAM": "2GiB"},
         )  # the shipped file gives the simulator its model's VRAM (HARU_SIM_VRAM) in the model's env
         assert got[(domain, "Qwen/Qwen3-4B-Instruct")] == Launch(
             argv=vllm(SIM, "Qwen/Qwen3-4B-Instruct", base + 2, "Qwen/Qwen3-4B-Instruct", "0.375", 16384),
