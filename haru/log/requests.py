@@ -29,6 +29,7 @@ import msgspec
 
 from haru.core import ranking, subjects
 from haru.core.errors import Conflict, InvalidName
+from haru.core.events_fleet import OperationAborted, OperationCompleted
 from haru.core.fold import Folder, empty
 from haru.core.requests import Judgment, judge_abort, judge_request
 from haru.core.views import FleetView, view_decoder
@@ -125,7 +126,25 @@ async def abort_operation(
         subjects.check_name("fleet", fleet)
     except InvalidName as exc:
         return RequestResult(status="not_found", message=str(exc))
-    return await _judged_append(log, fleet, lambda view: judge_abort(view, op_id, by=by, now=now, why=why))
+    result = await _judged_append(log, fleet, lambda view: judge_abort(view, op_id, by=by, now=now, why=why))
+    if result.status == "not_found" and op_id:
+        # neither in flight nor the last to end (the promoter may have started another since): its own end
+        ended = await _how_it_ended(log, fleet, op_id)
+        if ended:
+            return RequestResult(status="noop", op_id=op_id, message=f"{op_id} already {ended}")
+    return result
+
+
+async def _how_it_ended(log: RequestLog, fleet: str, op_id: str) -> str:
+    """'aborted' or 'completed' for an operation of `fleet` that ended, '' for one the op subject never saw
+    end. Reads the op subject: the error path of an abort only."""
+    for record in reversed(await log.history(subjects.op(fleet))):
+        event = record.event
+        if getattr(event, "op_id", None) == op_id:
+            if isinstance(event, OperationAborted):
+                return "aborted"
+            return "completed" if isinstance(event, OperationCompleted) else ""
+    return ""
 
 
 async def _judged_append(log: RequestLog, fleet: str, judge: Callable[[FleetView | None], Judgment]) -> RequestResult:

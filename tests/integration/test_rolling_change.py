@@ -151,7 +151,14 @@ async def test_a_rolling_change_is_one_in_flight_and_abortable_before_the_flip(t
         reply = await send(event_log.nc, FLEET, "a", "status", timeout=10)
         assert reply.data["pending_layout"] == ["m2"], reply.data  # the change still waits on the active
         again = await asyncio.to_thread(haru, "op", "abort", op_id, nats_url=nats_server.url)
-        assert again.returncode == 0 and "already aborted" in again.stdout, (again.stdout, again.stderr)
+        assert again.returncode == 0 and "already aborted" in again.stdout, (
+            again.stdout,
+            again.stderr,
+            [
+                f"{type(e).__name__}:{getattr(e, 'op_id', '')}:{getattr(e, 'step', '')}"
+                for e in await op_events(event_log, FLEET)
+            ],
+        )
         # requested again, it rolls through
         rolled = await asyncio.to_thread(
             haru, "roll", "--fleet", FLEET, "--wait", "--timeout", "120", nats_url=nats_server.url, timeout=150

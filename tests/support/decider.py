@@ -45,6 +45,29 @@ def at(ms: int) -> datetime:
     return T0 + timedelta(milliseconds=ms)
 
 
+def declarations(policy: Policy = POLICY, models=("m1", "m2")) -> list[tuple[str, object]]:
+    """The fleet's declarations: two domains a, b, each with `models`, admitted."""
+    base: list[tuple[str, object]] = [(subjects.decl(F), FleetDeclared(at=T0, fleet=F, policy=policy))]
+    for d in ("a", "b"):
+        base.append(
+            (
+                subjects.decl(F),
+                DomainDeclared(at=T0, spec=DomainSpec(name=d, gpus=[GpuSpec(index=0, memory_bytes=24 << 30)])),
+            )
+        )
+        for m in models:
+            base.append(
+                (subjects.decl(F), ModelDeclared(at=T0, domain=d, spec=ModelSpec(name=m, slot="chat", gpu_index=0)))
+            )
+            base.append(
+                (
+                    subjects.decl(F),
+                    AdmissionDecided(at=T0, domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=1),
+                )
+            )
+    return base
+
+
 def given(*events_on: tuple[str, object], policy: Policy = POLICY, models=("m1", "m2"), declare=True):
     """A view folded from declarations (two domains a, b, each with models) plus `events_on`."""
     seq = 0
@@ -52,26 +75,7 @@ def given(*events_on: tuple[str, object], policy: Policy = POLICY, models=("m1",
     from haru.core.fold import empty
 
     view = empty(F)
-    base: list[tuple[str, object]] = []
-    if declare:
-        base.append((subjects.decl(F), FleetDeclared(at=T0, fleet=F, policy=policy)))
-        for d in ("a", "b"):
-            base.append(
-                (
-                    subjects.decl(F),
-                    DomainDeclared(at=T0, spec=DomainSpec(name=d, gpus=[GpuSpec(index=0, memory_bytes=24 << 30)])),
-                )
-            )
-            for m in models:
-                base.append(
-                    (subjects.decl(F), ModelDeclared(at=T0, domain=d, spec=ModelSpec(name=m, slot="chat", gpu_index=0)))
-                )
-                base.append(
-                    (
-                        subjects.decl(F),
-                        AdmissionDecided(at=T0, domain=d, name=m, gpu_index=0, admitted=True, vram_bytes=1),
-                    )
-                )
+    base = declarations(policy, models) if declare else []
     for subject, event in [*base, *events_on]:
         seq += 1
         view = evolve(view, event, seq=seq, subject=subject)

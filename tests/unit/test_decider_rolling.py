@@ -17,7 +17,7 @@ from haru.core.events import (
 from haru.core.requests import judge_abort, judge_request
 from haru.core.saga import ABORT, KINDS, STEPS, TRANSITIONS, flow
 from haru.promoter.drive import command_for
-from tests.support.decider import OP, ROUTE, at, facts, given, healthy_fleet, only
+from tests.support.decider import OP, ROUTE, F, at, declarations, facts, given, healthy_fleet, only
 
 ROLL_FLOW = [
     "stop_training",
@@ -171,6 +171,26 @@ def test_abort_before_the_flip_is_an_operation_aborted_naming_who_and_the_step()
     folded = given(*healthy_fleet(), rolling(), *done("stop_training"), (OP, verdict.event))
     assert folded.operation is None and folded.last_operation.state == "aborted"
     assert judge_abort(folded, "op-r", by="cli:alice", now=at(5)).status == "noop"
+
+
+async def test_an_abort_of_an_operation_that_ended_before_the_last_one_says_how_it_ended():
+    from haru.core.events import DemotionRequested
+    from haru.log.memory import MemoryLog
+    from haru.log.requests import abort_operation
+
+    log = MemoryLog()
+    aborted = OperationAborted(at=at(3), op_id="op-r", step="apply_standby", error="aborted by cli:alice")
+    # the abort left b awake and without its training: the promoter demotes it again at once, so op-r is no longer the
+    # last operation to end
+    demoted = DemotionRequested(at=at(4), op_id="op-d", target="b", reason="standby_awake")
+    ended = OperationCompleted(at=at(5), op_id="op-d")
+    history = [*declarations(), *healthy_fleet(), rolling(), *done("stop_training"), (OP, aborted), (OP, demoted)]
+    for subject, event in [*history, *done("sleep", op_id="op-d"), *done("start_training", op_id="op-d"), (OP, ended)]:
+        await log.append(subject, event, expect=await log.last_seq_of(subject))
+    again = await abort_operation(log, F, "op-r", by="cli:alice", now=at(5))
+    assert (again.status, again.message) == ("noop", "op-r already aborted")
+    never = await abort_operation(log, F, "op-x", by="cli:alice", now=at(5))
+    assert never.status == "not_found" and "not in flight" in never.message
 
 
 def test_abort_is_refused_once_the_flip_has_started():
