@@ -132,9 +132,11 @@ def real_layout(
 
 
 @contextlib.asynccontextmanager
-async def real_fleet(tmp_path: Path, nats_server, event_log, layout: Path, *, fleet: str = "default"):
-    """The layout applied, one agent per domain (real subprocesses), and in this process a projector,
-    a promoter and a gateway. Yields the gateway."""
+async def real_fleet(
+    tmp_path: Path, nats_server, event_log, layout: Path, *, fleet: str = "default", env: dict[str, str] | None = None
+):
+    """The layout applied, one agent per domain (real subprocesses, `env` added to theirs), and in this process
+    a projector, a promoter and a gateway. Yields the gateway."""
     from haru.core.layout import load_layout
     from haru.gateway.config import GatewayConfig
     from haru.gateway.server import Gateway
@@ -160,7 +162,7 @@ async def real_fleet(tmp_path: Path, nats_server, event_log, layout: Path, *, fl
                 fleet=fleet,
                 serving={"host": "127.0.0.1", "port": 0},
             )  # the serving_url's port
-            procs.append(AgentProcess(cfg, tmp_path / f"agent-{name}.log", agent_env()))
+            procs.append(AgentProcess(cfg, tmp_path / f"agent-{name}.log", agent_env(**(env or {}))))
         async with promoters(nats_server.url):
             async with Gateway(GatewayConfig(port=0), event_log) as gw:
                 gw.agents = procs  # for the tests: the agent processes, in domain order

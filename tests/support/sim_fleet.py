@@ -145,8 +145,18 @@ def steady(view) -> bool:
 class ChatLoad:
     """`clients` concurrent clients asking the gateway, each in a loop, until stopped. Counts answers."""
 
-    def __init__(self, url: str, clients: int = 8, stream_every: int = 4, models: tuple[str, ...] = MODELS) -> None:
+    def __init__(
+        self,
+        url: str,
+        clients: int = 8,
+        stream_every: int = 4,
+        models: tuple[str, ...] = MODELS,
+        pause_s: float = 0.0,
+    ) -> None:
+        """`pause_s`: each client's wait between two requests (a real runtime on a shared CPU: load enough to see
+        every moment of a failover, without taking the CPU from everything else)."""
         self.url, self.clients, self.stream_every, self.models = url, clients, stream_every, models
+        self.pause_s = pause_s
         self.ok = 0
         self.failed: list[tuple[float, str]] = []  # (monotonic time, what)
         self.killed_at = float("inf")  # the first SIGKILL of an agent
@@ -175,6 +185,8 @@ class ChatLoad:
                             self.ok += 1
                 except (TimeoutError, aiohttp.ClientError) as exc:
                     self.failed.append((time.monotonic(), f"{model} {exc!r}"))
+                if self.pause_s:
+                    await asyncio.sleep(self.pause_s)
 
     async def __aenter__(self) -> ChatLoad:
         self._tasks = [asyncio.create_task(self._client(i)) for i in range(self.clients)]

