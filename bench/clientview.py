@@ -214,7 +214,8 @@ class Demo:
 
 def settled(view: dict) -> str:
     """The active domain when the fleet is settled (nothing in flight, active resident, standby asleep, or
-    resident where its runtime cannot sleep), else ''."""
+    resident where its runtime cannot sleep, and heard: a standby whose agent just restarted is not one a
+    failover can take yet), else ''."""
     active = view.get("active", "")
     if not active or view.get("operation"):
         return ""
@@ -222,7 +223,9 @@ def settled(view: dict) -> str:
         states = {m["residency"]["state"] for m in d["models"].values()}
         if name == active and states != {"resident"}:
             return ""
-        if name != active and (states not in ({"sleeping"}, {"resident"}) or not d.get("eligible", True)):
+        if name != active and (
+            states not in ({"sleeping"}, {"resident"}) or not d.get("eligible", True) or d.get("reachable") is not True
+        ):
             return ""
     return active
 

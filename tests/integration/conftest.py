@@ -101,7 +101,12 @@ async def ops(event_log):
     projector = asyncio.create_task(Projector(event_log).run())
     try:
         async with Gateway(GatewayConfig(port=0), event_log) as gw:
-            await wait_until(lambda: (r := gw.table.get("ops")) is not None and r.active == "a", 10.0, interval_s=0.01)
+            # the route intent and the view arrive apart: the control API answers from the view
+            await wait_until(
+                lambda: (r := gw.table.get("ops")) is not None and r.active == "a" and r.view is not None,
+                10.0,
+                interval_s=0.01,
+            )
             yield gw, event_log
     finally:
         await cancel_and_wait(projector)

@@ -32,12 +32,12 @@ async def _agent(tmp_path, nats_server, event_log, agents, drain_ms: int):
     return status.data["serving_url"]
 
 
-async def _stream(url: str) -> tuple[bytes, float]:
+async def _stream(url: str, tokens: int = 16) -> tuple[bytes, float]:
     body = {
         "model": "m1",
         "messages": [{"role": "user", "content": "hi"}],
         "stream": True,
-        "max_tokens": 16,
+        "max_tokens": tokens,
         "ignore_eos": True,
     }
     async with aiohttp.ClientSession() as s:
@@ -61,9 +61,10 @@ async def test_sleep_lets_the_requests_in_flight_finish_first(tmp_path, nats_ser
 
 async def test_the_drain_is_bounded_by_policy(tmp_path, nats_server, event_log, agents):
     url = await _agent(tmp_path, nats_server, event_log, agents, drain_ms=100)
-    stream = asyncio.create_task(_stream(url))
-    await asyncio.sleep(0.2)
+    stream = asyncio.create_task(_stream(url, tokens=200))  # ~10 s at 20 tokens/s
+    await asyncio.sleep(0.3)
     started = time.monotonic()
     reply = await send(event_log.bus, "f", "a", "sleep", Command(level=1), timeout=30)
-    assert reply.ok and time.monotonic() - started < 0.7  # did not wait for the stream's ~0.8 s
+    # the sleep did not wait for the stream's ~10 s (a generous bound: a loaded box is slow, not 50x slow)
+    assert reply.ok and time.monotonic() - started < 5
     stream.cancel()

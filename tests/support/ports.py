@@ -11,12 +11,19 @@ the suite side by side made it happen.
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import socket
 from pathlib import Path
 
 __all__ = ["lasting_port"]
+
+
+# The ports this process chose lately: two choices before either is bound would both find the port free (a demo
+# layout's two serving ports drew the same one, and the second agent could never open it). Only the recent ones:
+# a port chosen long ago was bound, or given up, by then, and a worker's share must not run out.
+_handed_out: collections.deque[int] = collections.deque(maxlen=512)
 
 
 def lasting_port() -> int:
@@ -34,11 +41,14 @@ def lasting_port() -> int:
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(base + index * share, base + (index + 1) * share)
+        if port in _handed_out:  # free now, but chosen already for a process that has not bound it yet
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _handed_out.append(port)
             return port
     raise AssertionError(f"no free loopback port found below {low}")
 
