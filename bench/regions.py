@@ -13,7 +13,11 @@ waits until region 3's gateway routes to b. From the log (JetStream's own record
     decide     that to `promotion_requested`
     flip       the partition to `route_moved`
     cp share   flip - detect - the wake and probe steps' own durations: what the control plane itself
-               spends (appends, folds, commands), in ms and in inter-region round trips
+               spends (appends, folds, commands), in ms and in inter-region round trips. Two readings:
+               `cp` takes the wake and the probe as the agent measured them (its took_ms: the work
+               alone, so the round trips to the agent count as the control plane's); `cp|wall` takes
+               them as the promoter saw them (their wall_ms: a wake of a host in another region
+               includes the trip there and back)
     failed/cut requests through region 3's gateway from the partition to the end of the tail
     p99        of those requests, against the steady window's p99 (a ratio)
 
@@ -99,11 +103,29 @@ async def ask(log: EventLog, subject: str, body: bytes) -> str:
         return f"{subject}: {exc!r}"
 
 
-async def one(rtt_ms: int, root: Path, steady_s: float, tail_s: float, lead: int = 0) -> dict:
+async def kept_in(rg: Regions, region: int, timeout: float = 60.0) -> None:
+    """Wait until the promoters' `--stream-leaders` has every stream led from `region`."""
+    deadline = time.monotonic() + timeout
+    async with EventLog.connect(rg.test_urls(), writer="bench") as log:
+        while time.monotonic() < deadline:
+            if all([(await rg.placement(log.js, stream))[0] == region for stream in STREAMS]):
+                return
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"the promoters did not move the streams' leaders into region {region}: {await leaders(rg)}")
+
+
+# --keep-leaders: the promoters' --stream-leaders, and the region the leaders are in before the fault
+KEEP = {
+    "witness": ("haru-nats-r3", 3),  # region 3 hosts no domain
+    "standby": ("a=haru-nats-r1,b=haru-nats-r2,haru-nats-r3", 2),  # beside the standby (b, region 2 first)
+}
+
+
+async def one(rtt_ms: int, root: Path, steady_s: float, tail_s: float, lead: int = 0, keep: str = "") -> dict:
     with Regions(root / "rg") as rg:
         rg.nats()
         rg.set_delay(rtt_ms / 2)
-        fleet = RegionFleet(rg, root / "fleet")
+        fleet = RegionFleet(rg, root / "fleet", stream_leaders=KEEP[keep][0] if keep else "")
         (root / "fleet").mkdir(parents=True, exist_ok=True)
         try:
             await fleet.start()
@@ -121,6 +143,8 @@ async def one(rtt_ms: int, root: Path, steady_s: float, tail_s: float, lead: int
             if lead:
                 await lead_from(rg, lead)
                 await wait(steady, 60, "a active and b asleep after the leaders moved")
+            if keep:
+                await kept_in(rg, KEEP[keep][1])
             placed = await leaders(rg)
             async with ClientLoad(fleet.gateway_url(3)) as load:
                 await asyncio.sleep(steady_s)
@@ -148,15 +172,13 @@ async def one(rtt_ms: int, root: Path, steady_s: float, tail_s: float, lead: int
     detect = first(DomainUnreachable, lambda e: e.domain == "a")
     decide = first(PromotionRequested)
     flip = first(RouteMoved)
-    steps: dict[str, int] = {}  # the failover's own wake and probe: the first after the fault (a later
-    for r in recs:  # operation, a demotion settling the old active, has steps of the same names)
+    steps: dict[str, StepCompleted] = {}  # the failover's own wake and probe: the first after the fault (a
+    for r in recs:  # later operation, a demotion settling the old active, has steps of the same names)
         if isinstance(r.event, StepCompleted) and r.time_ns / 1e9 >= wall_fault and r.event.step in ("wake", "probe"):
-            steps.setdefault(r.event.step, r.event.took_ms)
+            steps.setdefault(r.event.step, r.event)
     after = load.since(t_fault)
     before = [d for d in load.done if d[0] < t_fault]
-    cp_ms = None
-    if flip is not None and detect is not None:
-        cp_ms = (flip - detect) * 1000 - steps.get("wake", 0) - steps.get("probe", 0)
+    cp_ms, cp_wall = control_plane(detect, flip, steps)
     return {
         "timeline": timeline(recs, wall_fault, rtt_ms),
         "leaders": placed,
@@ -166,12 +188,26 @@ async def one(rtt_ms: int, root: Path, steady_s: float, tail_s: float, lead: int
         "flip": flip,
         "cp_ms": cp_ms,
         "cp_rtts": None if cp_ms is None or not rtt_ms else cp_ms / rtt_ms,
+        "cp_wall_rtts": None if cp_wall is None or not rtt_ms else cp_wall / rtt_ms,
         "requests": len(after),
         "failed": sum(1 for d in after if d[3].startswith("failed")),
         "cut": sum(1 for d in after if d[3] == "cut"),
         "p99": p99([d[1] - d[0] for d in after]),
         "p99_steady": p99([d[1] - d[0] for d in before]),
     }
+
+
+def control_plane(
+    detect: float | None, flip: float | None, steps: dict[str, StepCompleted]
+) -> tuple[float | None, float | None]:
+    """(cp ms, cp|wall ms): the failover from detection to the route move, less its wake and probe as the
+    agent measured them (took_ms), and as the promoter saw them (wall_ms, the round trips included)."""
+    if flip is None or detect is None:
+        return None, None
+    total = (flip - detect) * 1000
+    took = sum(s.took_ms for s in steps.values())
+    wall = sum(s.wall_ms or s.took_ms for s in steps.values())
+    return total - took, total - wall
 
 
 def timeline(recs, wall_fault: float, rtt_ms: int) -> list[str]:
@@ -205,14 +241,15 @@ def table(rows: list[dict]) -> str:
         "a: the active's region partitioned; d: one NATS node cut under its agents; f: a flapping link. "
         "Through region 3's gateway",
         f"{'sc':>2} {'rtt':>5} {'detect s':>9} {'decide s':>9} {'flip s':>7} {'cp ms':>7} {'cp rtts':>8} "
-        f"{'reqs':>5} {'failed':>6} {'cut':>4} {'p99 s':>6} {'x steady':>8}",
+        f"{'cp|wall':>8} {'reqs':>5} {'failed':>6} {'cut':>4} {'p99 s':>6} {'x steady':>8}",
     ]
     for r in rows:
         ratio = r["p99"] / r["p99_steady"] if r["p99_steady"] else None
         out.append(
             f"{r.get('scenario', 'a'):>2} "
             f"{r['rtt']:>5} {fmt(r['detect'], '9.2f')} {fmt(r['decide'], '9.2f')} {fmt(r['flip'], '7.2f')} "
-            f"{fmt(r['cp_ms'], '7.0f')} {fmt(r['cp_rtts'], '8.1f')} {r['requests']:>5} {r['failed']:>6} "
+            f"{fmt(r['cp_ms'], '7.0f')} {fmt(r['cp_rtts'], '8.1f')} {fmt(r.get('cp_wall_rtts'), '8.1f')} "
+            f"{r['requests']:>5} {r['failed']:>6} "
             f"{r['cut']:>4} {r['p99']:>6.2f} {fmt(ratio, '8.1f')}  {r.get('note', '')}".rstrip()
         )
     return "\n".join(out)
@@ -231,7 +268,16 @@ async def main() -> None:
         action="store_true",
         help="move JetStream's meta and stream leaders into region 1 first: its partition then loses every leader",
     )
+    p.add_argument(
+        "--keep-leaders",
+        choices=sorted(KEEP),
+        default="",
+        help="run the promoters with --stream-leaders: on region 3's node (witness: it hosts no domain), or "
+        "beside the fleet's standby, region 3's node when that cannot lead (standby)",
+    )
     args = p.parse_args()
+    if args.keep_leaders and args.lead_from_lost:
+        raise SystemExit("bench/regions.py: --lead-from-lost and --keep-leaders place the leaders both: choose one")
     why = netns_problem()
     if why:
         raise SystemExit(f"bench/regions.py: {why}")
@@ -240,7 +286,16 @@ async def main() -> None:
         root = Path(tempfile.mkdtemp(prefix=f"haru-regions-{rtt}-"))
         try:
             try:
-                rows.append(await one(rtt, root, args.steady_s, args.tail_s, lead=1 if args.lead_from_lost else 0))
+                rows.append(
+                    await one(
+                        rtt,
+                        root,
+                        args.steady_s,
+                        args.tail_s,
+                        lead=1 if args.lead_from_lost else 0,
+                        keep=args.keep_leaders,
+                    )
+                )
             finally:
                 if args.keep_logs:
                     shutil.copytree(root / "rg" / "logs", Path(args.keep_logs) / f"rtt{rtt}", dirs_exist_ok=True)
@@ -312,10 +367,11 @@ async def faulted(rtt_ms: int, root: Path, steady_s: float, tail_s: float, scena
     detect = first(DomainUnreachable, lambda e: e.domain == "a")
     decide = first(PromotionRequested)
     flip = first(RouteMoved)
-    steps = {r.event.step: r.event.took_ms for r in after if isinstance(r.event, StepCompleted)}
-    cp_ms = None
-    if flip is not None and detect is not None:
-        cp_ms = (flip - detect) * 1000 - steps.get("wake", 0) - steps.get("probe", 0)
+    steps: dict[str, StepCompleted] = {}
+    for r in after:
+        if isinstance(r.event, StepCompleted) and r.event.step in ("wake", "probe"):
+            steps.setdefault(r.event.step, r.event)
+    cp_ms, cp_wall = control_plane(detect, flip, steps)
     ops = sum(1 for r in after if isinstance(r.event, PromotionRequested))
     flips = sum(1 for r in after if isinstance(r.event, RouteMoved))
     done = load.since(t_fault)
@@ -331,6 +387,7 @@ async def faulted(rtt_ms: int, root: Path, steady_s: float, tail_s: float, scena
         "flip": flip,
         "cp_ms": cp_ms,
         "cp_rtts": None if cp_ms is None or not rtt_ms else cp_ms / rtt_ms,
+        "cp_wall_rtts": None if cp_wall is None or not rtt_ms else cp_wall / rtt_ms,
         "requests": len(done),
         "failed": sum(1 for d in done if d[3].startswith("failed")),
         "cut": sum(1 for d in done if d[3] == "cut"),

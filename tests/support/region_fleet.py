@@ -91,6 +91,8 @@ class RegionFleet:
     root: Path
     procs: dict[str, Proc] = field(default_factory=dict)
     agent_config: dict[str, dict] = field(default_factory=dict)  # domain -> settings added to its agent's config
+    # `haru promoter --stream-leaders` ('': the streams' leaders where JetStream elects them)
+    stream_leaders: str = ""
 
     def layout(self) -> Path:
         domains, slots = [], []
@@ -125,7 +127,9 @@ class RegionFleet:
             timeout=60,
         )
         for r in self.rg.regions():
-            self.spawn(r, f"promoter-r{r}", haru_cli("promoter", "--id", f"promoter-r{r}", "--nats-url", self.urls(r)))
+            keep = ["--stream-leaders", self.stream_leaders] if self.stream_leaders else []
+            argv = haru_cli("promoter", "--id", f"promoter-r{r}", "--nats-url", self.urls(r), *keep)
+            self.spawn(r, f"promoter-r{r}", argv)
             self.spawn(r, f"projector-r{r}", haru_cli("projector", "--nats-url", self.urls(r)))
             self.spawn(r, f"gateway-r{r}", haru_cli("gateway", "--port", str(GATEWAY_PORT), "--nats-url", self.urls(r)))
         for d, r in DOMAINS.items():
@@ -369,7 +373,22 @@ async def wait_for(check, timeout: float, what: str, fleet: RegionFleet):
         if got:
             return got
         await asyncio.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; exited: {fleet.dead()}")
+    seen = {r: brief(await view(r, fleet.rg)) for r in fleet.rg.regions() if r not in fleet.rg.down}
+    promoters = {n: p.output(1200) for n, p in fleet.procs.items() if n.startswith("promoter")}
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}; exited: {fleet.dead()}; views: {seen}; promoters: {promoters}"
+    )
+
+
+def brief(v: dict | None) -> str:
+    """A view in one line: the active, the operation, and each domain's state, reachability and eligibility."""
+    if not v:
+        return "no view"
+    doms = {
+        d: (state(v, d), "reachable" if dv.get("reachable") else "unreachable", dv.get("ineligible_why") or "eligible")
+        for d, dv in v["domains"].items()
+    }
+    return f"active={v.get('active')} operation={v.get('operation')} domains={doms}"
 
 
 def state(v: dict, domain: str) -> str:
