@@ -8,6 +8,7 @@ nats-server on the copy. Nothing is mocked: the damage is bytes in a `.blk` file
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from haru.projections.projector import Projector
 from tests.support import haru
 from tests.support.clock import now
 from tests.support.projector import MODELS, Writer, declare, wait_view_seq
+from tests.support.wait import wait_until
 
 F = "default"
 LOG_DAMAGED, LOG_TRUNCATED = 10, 11
@@ -200,6 +202,15 @@ async def test_a_body_nested_10000_deep_is_an_invalid_event_not_the_end_of_the_r
     assert out.returncode == 5 and f"seq {deep.seq} on {sj.decl(F)}: the body is not a valid event" in out.stdout
 
 
+def all_stopped(pid: int) -> bool:
+    """Every thread of `pid` is stopped by a signal ('T' in /proc)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
+    return bool(states) and all(s in ("T", "t") for s in states)
+
+
 async def test_a_replay_against_a_server_that_stopped_answering_ends_at_its_deadline(nats_server, event_log):
     import os
     import signal
@@ -209,6 +220,9 @@ async def test_a_replay_against_a_server_that_stopped_answering_ends_at_its_dead
     await declare(event_log)
     os.kill(nats_server.proc.pid, signal.SIGSTOP)  # the server hangs: no answer, no refusal
     try:
+        # every thread of it stopped before the replay asks (on a loaded machine a thread still running on the
+        # other core answered a tiny replay in time, once)
+        await wait_until(lambda: all_stopped(nats_server.proc.pid), 10.0, interval_s=0.01, what="the server stopped")
         with pytest.raises(ReplayTimeout) as caught:
             async with asyncio.timeout(BOUND_S):  # a replay without a deadline would hit this instead
                 await event_log.history(timeout=1.0)
