@@ -7,16 +7,19 @@ evaluation probe and serves through the gateway as `<base>:<adapter>`; the same 
 as a canary and take over; a bad version (random weights) fails its probe and is rolled back before it serves.
 Clients chat through the gateway throughout, and no request fails.
 
-The model is the same tiny llama on both domains (random weights); the trainer teaches it one answer ("It
-ships today.") to support tickets, which its base never gives, so the probe tells the trained adapter from a
-random one. Two vLLM starts and a trainer run of 80 steps: ~2 min on 2 quiet cores, and ~3 min more of the
-suite's run on CI's 2 cores, past its 15-minute budget: so `pytest` leaves it out (marker `loop`) and
-`pytest -m loop tests/e2e/test_loop_vllm.py` runs it. tests/integration/test_adapters_vllm.py and
-tests/e2e/test_training_travels.py run its two halves in every run.
+On the way it proves the gateway in front of real vLLM: chat and SSE through it are vLLM's own bytes, a vLLM
+that cannot sleep is a resident standby never asked to sleep, and a stream under way when the active dies is
+continued on b with a usage that counts the whole request.
+
+The model is the same tiny llama on both domains (random weights), so which domain answered is read from the
+gateway's `X-Haru-Domain`; the trainer teaches it one answer ("It ships today.") to support tickets, which its
+base never gives, so the probe tells the trained adapter from a random one. Two vLLM starts and a trainer run
+of 80 steps: ~2 min on 2 quiet cores.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
@@ -39,9 +42,20 @@ from tests.support.promoter import wait_view
 from tests.support.sim_fleet import ChatLoad
 from tests.support.trainer import TRAINER_ENV, latest_step, train_command
 from tests.support.vllm import START_S, kill_runtime_groups, tiny_hf_model, tiny_lora, vllm_binary, vllm_model
+from tests.support.vllm_relay import (
+    CHAT,
+    CUT_TOKENS,
+    Streaming,
+    chat_json,
+    chat_sse,
+    first_difference,
+    masked,
+    same_generation,
+    stable,
+)
 from tests.support.wait import wait_until
 
-pytestmark = [pytest.mark.vllm, pytest.mark.loop, pytest.mark.timeout(2 * START_S)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2 * START_S)]
 FLEET = "default"
 MODEL = "tiny-vllm"
 ADAPTER = "support"
@@ -107,6 +121,54 @@ def steady(view) -> bool:
     )
 
 
+async def relayed_as_vllm_sent(s: aiohttp.ClientSession, gateway: str, direct: str) -> dict:
+    """Chat and SSE through the gateway are the bytes vLLM sent (an uncut stream is relayed untouched; only a
+    continued one is re-encoded: tests/integration/test_gateway_relay_bytes.py pins the relay with awkward
+    pieces and escapes). Returns the JSON answer, whose usage is what an uncut request costs."""
+    (status, proxied, ctype), (d_status, straight, d_ctype) = await same_generation(
+        lambda base: chat_json(s, base, MODEL), gateway, direct
+    )
+    assert (status, ctype) == (d_status, d_ctype) == (200, d_ctype) and d_ctype.startswith("application/json")
+    doc = json.loads(proxied)
+    assert doc["object"] == "chat.completion" and doc["choices"][0]["message"]["content"]
+    assert stable(doc) == stable(json.loads(straight))
+    assert masked(proxied) == masked(straight) and proxied != masked(proxied)  # vLLM's bytes, its own id
+    (_, sse, ctype), (_, sse_direct, d_ctype) = await same_generation(
+        lambda base: chat_sse(s, base, MODEL), gateway, direct
+    )
+    assert ctype == d_ctype and ctype.startswith("text/event-stream")
+    assert sse.rstrip().endswith(b"data: [DONE]") and sse.count(b"data: ") > 3
+    first = json.loads(sse.decode().split("\n\n")[0].removeprefix("data: "))
+    assert first["choices"][0]["delta"].get("role") == "assistant"
+    assert masked(sse) == masked(sse_direct), (
+        f"SSE through the gateway differs from vLLM's at byte {first_difference(masked(sse), masked(sse_direct))}:\n"
+        f"gateway: {sse!r}\nvLLM:    {sse_direct!r}"
+    )
+    return doc
+
+
+async def continued(streaming: Streaming, cut: asyncio.Task, uncut: dict, s: aiohttp.ClientSession, gateway: str):
+    """The stream under way when the active died ended as an uncut one would: every token it asked for
+    (ignore_eos), the prompt counted once, no error event. It was continued on b once, or never cut when a's
+    vLLM (which outlives its agent) finished it through the held serving port before the route moved."""
+    await asyncio.wait_for(cut, 240)
+    usage, finishes = streaming.outcome()
+    assert finishes == ["length"], streaming.events[-3:]
+    assert usage["completion_tokens"] == CUT_TOKENS and usage["prompt_tokens"] == uncut["prompt_tokens"], (usage, uncut)
+    metrics = await (await s.get(gateway + "/metrics")).text()
+    resumes = dict(
+        re.findall(rf'haru_gateway_stream_resumes_total\{{fleet="{FLEET}",outcome="(\w+)"\}} (\S+)', metrics)
+    )
+    assert set(resumes) <= {"continued"} and float(resumes.get("continued", 0)) <= 1, resumes
+    return resumes
+
+
+async def answered_by(s: aiohttp.ClientSession, gateway: str, domain: str) -> bool:
+    async with s.post(gateway + "/v1/chat/completions", json={**CHAT, "model": MODEL, "max_tokens": 2}) as r:
+        await r.read()
+        return r.status == 200 and r.headers.get("X-Haru-Domain") == domain
+
+
 async def complete(url: str, model: str) -> tuple[int, str]:
     body = {"model": model, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "seed": 0}
     async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
@@ -128,9 +190,19 @@ async def test_trained_on_the_standby_carried_through_a_failover_published_canar
     bucket = JsObjects(event_log.js, subjects.CHECKPOINTS_BUCKET)
     trainer_log = {d: tmp_path / "state" / d / "training-lora.log" for d in ("a", "b")}
     try:
-        async with real_fleet(tmp_path, nats_server, event_log, layout, env=TRAINER_ENV) as gw:
-            await wait_view(event_log, steady, timeout=START_S, fleet=FLEET, what="a active, b a resident standby")
+        async with (
+            real_fleet(tmp_path, nats_server, event_log, layout, env=TRAINER_ENV) as gw,
+            aiohttp.ClientSession() as session,
+        ):
+            view = await wait_view(
+                event_log, steady, timeout=START_S, fleet=FLEET, what="a active, b a resident standby"
+            )
             phase("steady: a active, b a resident standby")
+            # b's vLLM cannot sleep on this platform: a standby that stays resident, never asked to sleep
+            assert view.domains["b"].models[MODEL].residency.sleeps is False
+            uncut = (await relayed_as_vllm_sent(session, gw.url, view.domains["a"].models[MODEL].residency.endpoint))[
+                "usage"
+            ]
             base = await complete(gw.url, MODEL)
             assert base[0] == 200 and EXPECT not in base[1], base  # the base model never says it
             async with ChatLoad(gw.url, clients=1, models=(MODEL,), pause_s=0.2) as load:
@@ -141,16 +213,22 @@ async def test_trained_on_the_standby_carried_through_a_failover_published_canar
                 # the failover: a's agent dies (its vLLM lives on behind the serving port), b is promoted and its
                 # training stopped first
                 phase("b's first checkpoint in the bucket")
+                streaming = Streaming(MODEL)  # under way on a when a dies
+                cut = asyncio.create_task(streaming.run(session, gw.url))
+                await asyncio.wait_for(streaming.begun.wait(), 120)
                 a_agent = gw.agents[0]
                 a_agent.signal(signal.SIGKILL)
                 await wait_view(
                     event_log, lambda v: v.active == "b" and v.operation is None, timeout=120, fleet=FLEET, what="b"
                 )
                 phase("b promoted")
+                await wait_until(lambda: answered_by(session, gw.url, "b"), 60, interval_s=0.5, what="chat on b")
+                resumes = await continued(streaming, cut, uncut, session, gw.url)
+                phase(f"the cut stream ended whole (resumes: {resumes or 'none, never cut'})")
                 stopped = await wait_event(
                     event_log, subjects.training(FLEET, "b", "lora"), is_("training_stopped"), timeout=60
                 )
-                assert stopped.event.how == "terminated", stopped.event
+                assert stopped.event.how == "terminated" and stopped.event.exit_code == 0, stopped.event
                 b_done = latest_step(tmp_path / "ckpt" / "b")
                 assert 0 < b_done < STEPS, b_done
                 # a's agent back: it adopts its vLLM, is the standby now, and finishes b's run from the bucket
@@ -178,6 +256,7 @@ async def test_trained_on_the_standby_carried_through_a_failover_published_canar
                 for d in ("a", "b"):
                     copy = view.adapters[SERVED].copy(d, run)
                     assert copy is not None and copy.state == "resident" and copy.probe == "passed", (d, copy)
+                    assert copy.runtime_name == f"{SERVED}@{run}", copy  # the name vLLM loaded it under
                 phase("the run served")
                 status, said = await complete(gw.url, SERVED)
                 assert status == 200 and EXPECT in said, said  # served by b's vLLM, through the gateway
@@ -234,7 +313,13 @@ async def test_trained_on_the_standby_carried_through_a_failover_published_canar
     first = next(line for line in a_said[resumed.start() :].splitlines() if line.startswith("step "))
     assert first.startswith(f"step {a_from + 1} "), first
     assert run == resumed.group(2) and published.event.metrics["steps"] == STEPS and published.event.domain == "a"
+    assert not (tmp_path / "ckpt" / "a" / "latest").exists()
     assert await bucket.info(f"{FLEET}/lora") is None  # the run is over: nothing left to resume anywhere
+    ops = [r.event for r in await event_log.history(subjects.op(FLEET))]
+    print("operations:", [(type(e).__name__, getattr(e, "target", ""), getattr(e, "reason", "")) for e in ops])
+    assert [e.reason for e in ops if type(e).__name__ == "PromotionRequested"] == ["initial", "domain_unreachable"]
+    # b, a standby whose vLLM cannot sleep, was never asked to (the old active a is, once it is back: settled)
+    assert not any(type(e).__name__ == "DemotionRequested" and e.target == "b" for e in ops), ops
     # `haru why`: the served version rests on the run that made it; the bad one on its failed probe
     out = haru("why", SERVED, "--json", nats_url=nats_server.url)
     assert out.returncode == 0, out.stderr

@@ -1,6 +1,6 @@
 """A continued stream's usage tells what the client's request cost, through real cuts, on the simulator
-and on a real llama-server (a real vLLM: tests/integration/test_vllm_failover.py, where the active's
-agent is killed mid-stream).
+and on a real llama-server (a real vLLM: tests/e2e/test_loop_vllm.py, where the active's agent is
+killed mid-stream).
 
 Each runtime is one real process; the gateway reaches it through a relay that breaks off the first
 streamed chat completion after a few content events (as a runtime that dies does) and passes everything
