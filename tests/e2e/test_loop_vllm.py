@@ -35,7 +35,7 @@ from haru.core import subjects
 from haru.core.residency import Resident
 from haru.log.training_objects import JsObjects
 from tests.support import haru
-from tests.support.adapters import publish
+from tests.support.adapters import canaried_then_promoted, publish
 from tests.support.agent_harness import AgentProcess, agent_env, is_, wait_event
 from tests.support.llama import real_fleet, real_layout
 from tests.support.promoter import wait_view
@@ -268,20 +268,7 @@ async def test_trained_on_the_standby_carried_through_a_failover_published_canar
                 async with ChatLoad(gw.url, clients=1, models=(SERVED,), pause_s=0.2) as adapted:
                     # the same weights again, as a new version: a canary, then it takes over
                     await publish(event_log, trained, base=MODEL, adapter=ADAPTER, version="again", fleet=FLEET, rank=4)
-                    await wait_view(
-                        event_log,
-                        lambda v: v.adapters[SERVED].canary == "again" or v.adapters[SERVED].current == "again",
-                        timeout=120,
-                        fleet=FLEET,
-                        what="the new version a canary",
-                    )
-                    view = await wait_view(
-                        event_log,
-                        lambda v: v.adapters[SERVED].current == "again",
-                        timeout=120,
-                        fleet=FLEET,
-                        what="the canary promoted",
-                    )
+                    view = await canaried_then_promoted(event_log, SERVED, "again", fleet=FLEET, timeout=240)
                     assert view.adapters[SERVED].previous == run
                     phase("the canary promoted")
                     # a bad version (random weights): its probe fails on every runtime, it never serves

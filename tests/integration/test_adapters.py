@@ -19,7 +19,7 @@ from haru.core.layout import load_layout
 from haru.log.apply import apply
 from haru.log.requests import request_operation
 from tests.support import haru
-from tests.support.adapters import publish, write_adapter
+from tests.support.adapters import canaried_then_promoted, publish, write_adapter
 from tests.support.agent_harness import tag
 from tests.support.promoter import wait_view
 from tests.support.sim_fleet import FLEET, ChatLoad, residency_tags, sim_fleet, sim_layout, steady, tags_become
@@ -89,20 +89,7 @@ async def test_a_published_adapter_is_served_a_bad_version_is_rolled_back_and_a_
 
             write_adapter(tmp_path / "v3", says="sql-ok v3")
             await publish(event_log, tmp_path / "v3", base="m1", adapter="sql", version="run-3")
-            await wait_view(
-                event_log,
-                lambda v: SERVED in v.adapters and v.adapters[SERVED].canary == "run-3",
-                timeout=30,
-                fleet=FLEET,
-                what="run-3 a canary",
-            )
-            view = await wait_view(
-                event_log,
-                lambda v: v.adapters[SERVED].current == "run-3",
-                timeout=30,
-                fleet=FLEET,
-                what="run-3 promoted",
-            )
+            view = await canaried_then_promoted(event_log, SERVED, "run-3", fleet=FLEET, timeout=60)
             assert view.adapters[SERVED].previous == "run-1"
             await answers(url, SERVED, "sql-ok v3")
 

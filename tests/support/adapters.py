@@ -88,3 +88,28 @@ async def publish(
         metrics={"loss": 0.25},
     )  # fmt: skip
     return await log.append(subject, event, expect=await log.last_seq_of(subject))
+
+
+async def canaried_then_promoted(log, served: str, version: str, *, fleet: str = F, timeout: float = 30.0):
+    """Wait until `version` of `served` (`<base>:<adapter>`) takes all its traffic, and check that it got there
+    as a canary first: the promoter's `adapter_routed` on the fleet's weights subject says `canary_started`
+    for it before `promoted` (the history, not the view: a short canary may be over before a poll sees it).
+    Returns the view."""
+    from tests.support.promoter import wait_view
+
+    view = await wait_view(
+        log,
+        lambda v: served in v.adapters and v.adapters[served].current == version,
+        timeout=timeout,
+        fleet=fleet,
+        what=f"{version} of {served} promoted",
+    )
+    adapter = served.split(":", 1)[1]
+    reasons = [
+        e.reason
+        for r in await log.history(sj.weights(fleet))
+        if isinstance(e := r.event, ev.AdapterRouted) and e.adapter == adapter and version in (e.version, e.canary)
+    ]
+    assert "canary_started" in reasons and "promoted" in reasons, reasons
+    assert reasons.index("canary_started") < reasons.index("promoted"), reasons
+    return view
