@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 
 from haru.agents.backlog import Backlog, Pending
-from haru.core.errors import Conflict, LogUnavailable
+from haru.core.errors import Conflict, LogError, LogUnavailable
 from haru.core.events import Event
 from haru.log.seam import EventStore
 
@@ -174,6 +174,18 @@ class Appender:
                     tries += 1
                     if tries == 1 or tries % 20 == 0:
                         self.logger.info("backlog waits for the event log", events=len(backlog), error=str(exc))
+                    wait = min(0.25 * tries, 2.0)
+                except LogError as exc:
+                    # A refusal this agent does not expect. The entry stays at the head and is asked again: ending
+                    # the task would leave everything after it unrecorded while the agent went on as if it were.
+                    tries += 1
+                    if tries == 1 or tries % 20 == 0:
+                        self.logger.error(
+                            "backlog append refused; asking again",
+                            subject=head.subject,
+                            events=len(backlog),
+                            error=str(exc),
+                        )
                     wait = min(0.25 * tries, 2.0)
                 else:
                     tries, wait = 0, 0.0

@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_REPLAY_TIMEOUT_S",
     "DUPLICATE_WINDOW_S",
     "CONFLICT_CODES",
+    "IN_PROCESS",
     "JetStreamClient",
     "Link",
     "history_stream",
@@ -39,6 +40,10 @@ __all__ = [
 
 DUPLICATE_WINDOW_S = 120.0
 CONFLICT_CODES = (10071, 10164)
+# JSStreamDuplicateMessageConflict, "duplicate message id is in process": a retry of an append whose first copy
+# (same Msg-Id) the stream leader is still proposing. Not a refusal: that copy may yet be stored, and asking again
+# gets its acknowledgement (or, if it was dropped, stores this one) once the proposal is settled.
+IN_PROCESS = 10158
 DEFAULT_REPLAY_TIMEOUT_S = 300.0  # a non-follow replay's deadline unless the caller gives one
 NO_MESSAGE_FOUND = 10037  # JetStream's JSNoMessageFoundErr: the stream holds no such message
 
@@ -328,6 +333,14 @@ class JetStreamClient:
                 if isinstance(exc, nats.js.errors.ServiceUnavailableError):
                     if loop.time() >= deadline:
                         raise LogUnavailable(f"appending to {subject}: no stream leader answered in time") from exc
+                    await asyncio.sleep(min(0.25 * attempts, 1.0))
+                    continue
+                if exc.err_code == IN_PROCESS:
+                    if loop.time() >= deadline:
+                        raise LogUnavailable(
+                            f"appending to {subject}: the stream leader still holds an earlier try of this append "
+                            f"in process (JetStream {IN_PROCESS}); asking again later"
+                        ) from exc
                     await asyncio.sleep(min(0.25 * attempts, 1.0))
                     continue
                 raise LogError(

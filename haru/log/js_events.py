@@ -24,7 +24,14 @@ from haru.core import subjects
 from haru.core.errors import BatchUnsupported, Conflict, LogDamaged, LogError, LogUnavailable
 from haru.core.events import Event, encode
 from haru.core.receipts import Receipt
-from haru.log.jetstream import CONFLICT_CODES, JetStreamClient, holds_nothing, not_an_answer, translated
+from haru.log.jetstream import (
+    CONFLICT_CODES,
+    IN_PROCESS,
+    JetStreamClient,
+    holds_nothing,
+    not_an_answer,
+    translated,
+)
 from haru.log.js_replay import Replay
 from haru.log.receipts import ReceiptGuard
 from haru.log.record import (
@@ -194,7 +201,9 @@ class JetStreamEvents(JetStreamClient):
                 if exc.err_code == BATCH_DISABLED:
                     self._takes_batches = False
                     raise BatchUnsupported(f"{what}: JetStream refused: {exc.description}") from exc
-                retry = exc.err_code == BATCH_INCOMPLETE or isinstance(exc, nats.js.errors.ServiceUnavailableError)
+                retry = exc.err_code in (BATCH_INCOMPLETE, IN_PROCESS) or isinstance(
+                    exc, nats.js.errors.ServiceUnavailableError
+                )
                 if not retry:
                     raise LogError(f"{what}: JetStream refused: {exc.description} (code {exc.err_code})") from exc
             except (
