@@ -115,10 +115,12 @@ async def serve(config: SimConfig) -> int:
         if not engine.gpu_present():
             _log(f"RuntimeError: CUDA error: no CUDA-capable device is detected (GPU {config.gpu_index} is absent)")
             return 1
+        # vLLM takes its baseline of the GPU's memory before it loads its own weights: another process that
+        # allocates from then until its profiling ends mis-sizes it, however close together the two began
+        began, before = time.time(), others_held(gpu, pid)
         if not gpu.allocate(pid, config.vram):
             _log(f"torch.OutOfMemoryError: CUDA out of memory. {engine.oom_message(config.vram)}")
             return 1
-        began, before = time.time(), others_held(gpu, pid)
         with contextlib.suppress(asyncio.TimeoutError):
             async with asyncio.timeout(config.load_ms / 1000):
                 await stop.wait()

@@ -77,7 +77,9 @@ async def test_the_simulator_mis_sizes_or_fails_two_that_start_together_as_vllm_
             await asyncio.sleep(0.05)
         seen = profiles(sim)
         assert len(seen) == 2, seen
-        assert all(p["mis_sized"] or p["error"] for p in seen), seen
+        # the one whose baseline came first saw the other's allocation arrive (the other may have seen it in
+        # its baseline already, as a real vLLM starting a moment later would)
+        assert any(p["mis_sized"] or p["error"] for p in seen), seen
         assert any(
             "No available memory for the cache blocks" in p["error"] or "Error in memory profiling" in p["error"]
             for p in seen
