@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 
 import msgspec
@@ -89,8 +90,10 @@ async def test_a_router_that_caught_up_releases_the_old_active_and_one_behind_ho
     finally:
         await cancel_and_wait(follower)
     detail = (await settle_of(log, op_id)).detail
-    assert "routers: applied by quick; still behind: stuck; gave up after 1.5" in detail, detail
-    assert took >= 1.5
+    said = re.search(r"routers: applied by quick; still behind: stuck; gave up after (\d+\.\d+) s", detail)
+    assert said, detail
+    # held to the bound, not released before it (how far past it is the machine's load, not the promoter's)
+    assert float(said.group(1)) >= 1.5 and took >= 1.5, detail
 
 
 async def test_routers_on_the_new_revision_or_gone_are_not_waited_for(fleet):
