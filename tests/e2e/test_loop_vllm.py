@@ -251,11 +251,14 @@ async def test_trained_on_the_standby_carried_through_a_failover_published_canar
                     lambda v: (
                         SERVED in v.adapters
                         and v.adapters[SERVED].current == run
-                        and all(v.adapters[SERVED].copy(d, run) is not None for d in ("a", "b"))
+                        and all(
+                            (c := v.adapters[SERVED].copy(d, run)) is not None and c.state == "resident" and c.probe
+                            for d in ("a", "b")
+                        )
                     ),
                     timeout=120,
                     fleet=FLEET,
-                    what=f"{run} served, loaded by both vLLMs",
+                    what=f"{run} served, loaded and probed by both vLLMs (one serves it as soon as its probe passed)",
                 )
                 for d in ("a", "b"):
                     copy = view.adapters[SERVED].copy(d, run)
