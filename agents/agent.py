@@ -405,6 +405,9 @@ class Agent:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         swept_training = await asyncio.to_thread(self.files.sweep_children, policy.training_grace_ms)
         life.spawn(self.heartbeats.run(), "heartbeat")
+        # Commands are answered from the first heartbeat on (a promoter hearing it may ask at once); each waits
+        # for the end of the boot (`service.ready`), so it is never 'no agent answers' for a booting agent.
+        await self.service.start(booting=True)
         life.spawn(self.append.run(), "backlog")
         if self.majority is not None:
             life.spawn(self.majority.run(), "majority")
@@ -418,7 +421,7 @@ class Agent:
         )
         await self.training.load_tips(self.log, swept_training)
         await self.gpu_watch.load_tips(self.log, slots.gpu_indexes())
-        await self.service.start()
+        self.service.ready.set()
         if self.serving is not None:
             await self.serving.start()
         life.spawn(

@@ -18,7 +18,9 @@ Verbs (all idempotent; `models`/`slots` in the command restrict them, empty = al
                     come to rest (a rolling change's apply steps); policy apply_timeout_ms bounds it
 
 The service is named `haru-agent` with metadata fleet/domain, so `$SRV.PING.haru-agent` finds every
-agent. Each request runs in its own task, so a long wake never delays a `status`.
+agent. Each request runs in its own task, so a long wake never delays a `status`. The service starts
+with the heartbeat, before the agent has adopted its runtimes: a command that comes that early (the
+promoter heard the beat) waits for the boot to end (`ready`) rather than finding nobody to answer it.
 """
 
 from __future__ import annotations
@@ -135,6 +137,9 @@ class CommandService:
         self.answer = status
         self.fleet, self.domain = identity.fleet, identity.domain
         self._served: Served | None = None
+        # Set once the agent has booted (adopted its runtimes, read its tips): a command that came sooner waits
+        # for it rather than finding nothing to answer it (the heartbeat starts first, so the promoter may ask).
+        self.ready = asyncio.Event()
         self.logger = structlog.get_logger("haru.agent.commands").bind(fleet=self.fleet, domain=self.domain)
         self.verbs: dict[str, Callable[[Command], Awaitable[Reply]]] = {
             "status": self.status,
@@ -147,7 +152,10 @@ class CommandService:
             "apply_layout": self.apply_layout,
         }
 
-    async def start(self) -> None:
+    async def start(self, *, booting: bool = False) -> None:
+        """Serve every verb. `booting`: the agent is still booting, and commands wait until it sets `ready`."""
+        if not booting:
+            self.ready.set()
         a = self.identity
         service = Service(
             name=SERVICE_NAME,
@@ -188,6 +196,7 @@ class CommandService:
             op_id = command.op_id
             COMMAND_CAUSE.set(command.cause)
             try:
+                await self.ready.wait()  # a boot that never ends: `stop` cancels this answer with the others
                 reply = await self.verbs[verb](command)
             except asyncio.CancelledError:
                 raise
