@@ -200,10 +200,21 @@ def heard_again(routes: FleetRoutes | None, domain: str, judged: list[bool]) -> 
 
 
 def _backing_off(view: FleetView, target: str, now: float) -> bool:
-    """A promotion onto `target` aborted a moment ago: the promoter waits before it tries again, so
-    nothing is about to start (the promoter's own wait is at least this long)."""
+    """A promotion onto `target` aborted a moment ago and the promoter waits before it tries again, so
+    nothing is about to start (the promoter's rule, haru/promoter/failover.py `retry_after_abort`): a manual
+    promotion, or an automatic one past its fast retries (`failover_retry_attempts`). An automatic one
+    within them is tried again in `failover_retry_ms` (doubled per attempt), so a request holds for it;
+    another kind of operation that aborted (a demotion of `target` itself) holds nothing back."""
     last = view.last_operation
-    if last is None or last.state != "aborted" or last.target != target or last.finished_at is None:
+    if (
+        last is None
+        or last.state != "aborted"
+        or last.kind != "promotion"
+        or last.target != target
+        or last.finished_at is None
+    ):
+        return False
+    if last.reason != "manual" and last.attempt < view.policy.failover_retry_attempts:
         return False
     wait_ms = max(view.policy.degraded_grace_ms, view.policy.heartbeat_timeout_ms)
     return now - last.finished_at.timestamp() < wait_ms / 1000

@@ -134,6 +134,34 @@ def test_a_promotion_that_just_aborted_means_nothing_is_about_to_start():
     assert hold_plan(routes(last_operation=aborted), "model_lost", now=later) is not None
 
 
+def test_what_aborted_holds_back_a_failover_as_the_promoter_does():
+    """The promoter's rule (retry_after_abort): an automatic promotion that aborted within its fast retries is
+    tried again in failover_retry_ms, so a request holds for it; past them it waits retry_ms, as a manual
+    one does; an aborted demotion of the standby holds nothing back (the promoter fails over at once)."""
+    ago = NOW - timedelta(seconds=1)
+
+    def aborted(kind: str, reason: str, attempt: int = 1) -> OperationView:
+        return OperationView(
+            op_id="o",
+            kind=kind,
+            target="b",
+            source="a",
+            state="aborted",
+            finished_at=ago,
+            reason=reason,
+            attempt=attempt,
+        )
+
+    retries = Policy().failover_retry_attempts
+    assert hold_plan(routes(last_operation=aborted("promotion", "domain_unreachable")), "model_lost", now=T)
+    tired = aborted("promotion", "domain_unreachable", attempt=retries)
+    assert hold_plan(routes(last_operation=tired), "model_lost", now=T) is None
+    for reason in ("manual", "domain_unreachable"):
+        demotion = aborted("demotion", reason)
+        plan = hold_plan(routes(last_operation=demotion), "upstream_unreachable", unreachable=True, now=T)
+        assert plan is not None and plan.target == "b", reason
+
+
 def test_only_an_estimated_failover_waits_on_past_its_estimate_and_only_with_a_promoter_heard():
     silent = routes(a_reachable=False)
     plan = hold_plan(silent, "upstream_unreachable", unreachable=True, now=T)
