@@ -153,8 +153,9 @@ async def continued(
     """The stream under way when the active died ended as an uncut one would: every token it asked for
     (ignore_eos), the prompt counted once, no error event. It was continued on b once, or never cut when a's
     vLLM (which outlives its agent) finished it through the held serving port before the route moved. The
-    gateway's count of continued streams is at most one per stream `in_flight` at the kill (this one and the
-    clients' under load), and no stream had another outcome (none ended with an error event)."""
+    gateway continues a stream at most once: its count of continued streams is at most the streams that could
+    have been cut (`in_flight`: this one, and the clients' under way at the kill or begun since), and no
+    stream had another outcome (none ended with an error event)."""
     await asyncio.wait_for(cut, 240)
     usage, finishes = streaming.outcome()
     assert finishes == ["length"], streaming.events[-3:]
@@ -221,13 +222,16 @@ async def test_trained_on_the_standby_carried_through_a_failover_published_canar
                 cut = asyncio.create_task(streaming.run(session, gw.url))
                 await asyncio.wait_for(streaming.begun.wait(), 120)
                 a_agent = gw.agents[0]
+                killed = time.monotonic()
                 a_agent.signal(signal.SIGKILL)
                 await wait_view(
                     event_log, lambda v: v.active == "b" and v.operation is None, timeout=120, fleet=FLEET, what="b"
                 )
                 phase("b promoted")
                 await wait_until(lambda: answered_by(session, gw.url, "b"), 60, interval_s=0.5, what="chat on b")
-                resumes = await continued(streaming, cut, uncut, session, gw.url, in_flight=1 + load.clients)
+                resumes = await continued(
+                    streaming, cut, uncut, session, gw.url, in_flight=1 + load.streams_open_since(killed)
+                )
                 phase(f"the cut stream ended whole (resumes: {resumes or 'none, never cut'})")
                 stopped = await wait_event(
                     event_log, subjects.training(FLEET, "b", "lora"), is_("training_stopped"), timeout=60

@@ -160,6 +160,7 @@ class ChatLoad:
         self.ok = 0
         self.failed: list[tuple[float, str]] = []  # (monotonic time, what)
         self.killed_at = float("inf")  # the first SIGKILL of an agent
+        self.streams: list[list[float]] = []  # [began, ended] (monotonic; ended inf while it runs) per stream
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -176,6 +177,9 @@ class ChatLoad:
                     "max_tokens": 16,
                     "stream": stream,
                 }
+                span = [time.monotonic(), float("inf")]
+                if stream:
+                    self.streams.append(span)
                 try:
                     async with s.post(self.url + "/v1/chat/completions", json=body) as r:
                         raw = await r.read()
@@ -185,8 +189,14 @@ class ChatLoad:
                             self.ok += 1
                 except (TimeoutError, aiohttp.ClientError) as exc:
                     self.failed.append((time.monotonic(), f"{model} {exc!r}"))
+                finally:
+                    span[1] = time.monotonic()
                 if self.pause_s:
                     await asyncio.sleep(self.pause_s)
+
+    def streams_open_since(self, moment: float) -> int:
+        """How many of the clients' streams were under way at `moment` (monotonic) or began after it."""
+        return sum(1 for _, ended in self.streams if ended >= moment)
 
     async def __aenter__(self) -> ChatLoad:
         self._tasks = [asyncio.create_task(self._client(i)) for i in range(self.clients)]
