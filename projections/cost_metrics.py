@@ -65,9 +65,13 @@ class CostCollector:
         self._task: asyncio.Task[None] | None = None
 
     async def refresh(self) -> None:
-        """Start a recomputation when the figures are older than `refresh_s` and none is running."""
+        """Start a recomputation when the figures are older than `refresh_s`, or a fleet has none yet (one the
+        projector folded since: a scrape that came before its first fold would otherwise leave it uncosted for
+        `refresh_s`), and none is running."""
         now = self.clock()
-        if now - self._last < self.refresh_s or (self._task is not None and not self._task.done()):
+        if self._task is not None and not self._task.done():
+            return
+        if now - self._last < self.refresh_s and set(self.fleets()) <= set(self.accounts):
             return
         self._last = now
         self._task = asyncio.create_task(self.compute(now), name="projector-cost")

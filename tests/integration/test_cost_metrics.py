@@ -44,3 +44,24 @@ async def test_the_cost_gauges_carry_the_day_s_figures_with_joinable_labels(even
     assert m["haru_cost_tokens"] == [({"fleet": "day"}, float(day.TOKENS))]
     await cost.refresh()  # within refresh_s: no second computation
     assert cost._task is not None and cost._task.done()
+
+
+@pytest.mark.timeout(60)
+async def test_a_fleet_folded_after_the_first_scrape_is_costed_at_the_next_one_not_a_refresh_later(event_log):
+    """A scrape that came before the projector folded any fleet computed nothing; the fleet it folds next is
+    costed at the following scrape, not `refresh_s` later (a service-metrics test waited 30 s for it)."""
+    await day.append_script(event_log)
+    fleets: list[str] = []
+    registry = CollectorRegistry()
+    cost = CostCollector(event_log, lambda: fleets, window_s=86_400, clock=lambda: day.UNTIL.timestamp())
+    registry.register(cost)
+    await cost.refresh()
+    await cost.wait()
+    assert "haru_cost_seconds" not in samples(registry)
+    fleets.append(day.FLEET)  # folded now
+    await cost.refresh()  # the same instant: within refresh_s, but this fleet has no figures yet
+    await cost.wait()
+    assert {s[0]["domain"] for s in samples(registry)["haru_cost_seconds"]} == {"a", "b"}
+    first = cost._task
+    await cost.refresh()  # every fleet costed, within refresh_s: nothing recomputed
+    assert cost._task is first
