@@ -28,6 +28,7 @@ from tests.support.promoter import wait_view
 from tests.support.sim_fleet import (
     FLEET,
     MODELS,
+    RESTART_HEARTBEAT_TIMEOUT_MS,
     ChatLoad,
     identities,
     outliving_env,
@@ -214,7 +215,7 @@ async def test_real_llama_servers_survive_agent_restarts_under_load(tmp_path, na
         tmp_path / "layout.json",
         tmp_path,
         {d: [llama_model(model, binary, gguf[d])] for d in ("a", "b")},
-        policy={"heartbeat_timeout_ms": 6000},
+        policy={"heartbeat_timeout_ms": RESTART_HEARTBEAT_TIMEOUT_MS},
         fleet=FLEET,
     )
     async with sim_fleet(tmp_path, nats_server, event_log, layout) as f:
