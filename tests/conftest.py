@@ -37,20 +37,3 @@ async def event_log(nats_server):
 def fake_nvml_dir(tmp_path_factory):
     """The directory of the compiled fake `libnvidia-ml.so.1` (tests/nvml/fake_nvml.c; cached across sessions)."""
     return build_fake_nvml(tmp_path_factory.mktemp("fake-nvml"))
-
-
-# The order the workers take the test files in (pyproject.toml runs `--dist loadfile --no-loadscope-reorder`,
-# so xdist hands files out in this order, whole): the files that run a real vLLM first, then those that run a
-# real llama-server, then the rest as collected. Those few files are each minutes long; started last (xdist's
-# own order is the files with the most tests first, which puts a one-test file like the adapter loop at the
-# very end) they ran alone for the last three minutes of the suite while the other workers idled.
-_HEAVY = {"vllm": 2, "llama": 1}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    weight: dict[str, int] = {}
-    for item in items:
-        heavy = max((_HEAVY.get(mark.name, 0) for mark in item.iter_markers()), default=0)
-        weight[item.path.as_posix()] = max(weight.get(item.path.as_posix(), 0), heavy)
-    first_seen = {path: i for i, path in reversed(list(enumerate(item.path.as_posix() for item in items)))}
-    items.sort(key=lambda item: (-weight[item.path.as_posix()], first_seen[item.path.as_posix()]))
