@@ -45,13 +45,15 @@ class JetStreamViews(JetStreamClient):
 
     async def views(self) -> dict[str, bytes]:
         """Every view stored now, by key (empty when there is none)."""
-        kv = await self._views()
+        await self._views()
         out: dict[str, bytes] = {}
+        # The bucket's subjects, counted by the server in one answer. nats-py's kv.keys() reads them through a
+        # last-per-subject consumer and stops at its first "nothing pending", so a key rewritten while it
+        # reads (a view during a failover) can come after that marker and be missed.
+        prefix = f"$KV.{subjects.VIEWS_BUCKET}."
         with translated("listing views"):
-            try:
-                keys = await kv.keys()
-            except nats.js.errors.NoKeysError:
-                return out
+            info = await self.js.stream_info(f"KV_{subjects.VIEWS_BUCKET}", subjects_filter=f"{prefix}>")
+        keys = sorted(s.removeprefix(prefix) for s in (info.state.subjects or {}))
         for key in keys:
             got = await self.get_view(key)
             if got is not None:

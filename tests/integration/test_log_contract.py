@@ -288,6 +288,32 @@ async def test_views_are_compare_and_swap(log):
     assert await log.views() == {"fleet.default": b"two"}
 
 
+@pytest.mark.timeout(60)
+async def test_every_view_is_listed_while_others_are_rewritten(log):
+    """A view rewritten while the views are listed (a fleet failing over while `haru status` reads) is
+    still listed: every key, every time, with a value that was stored."""
+    revs = {f"fleet.f{i}": await log.put_view(f"fleet.f{i}", b"0", last=0) for i in range(6)}
+    stop = asyncio.Event()
+
+    async def rewrite() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            for key in ("fleet.f0", "fleet.f3", "fleet.f5"):
+                revs[key] = await log.put_view(key, str(n).encode(), last=revs[key])
+            await asyncio.sleep(0)
+
+    writer = asyncio.create_task(rewrite())
+    try:
+        for _ in range(40):
+            got = await log.views()
+            assert sorted(got) == sorted(revs), got
+            assert all(v.isdigit() for v in got.values()), got
+    finally:
+        stop.set()
+        await writer
+
+
 async def test_intents_are_appended_against_the_last_one(log):
     assert await log.last_intent(F) is None
     i1 = await log.publish_intent(F, b"{}", expect=0)
