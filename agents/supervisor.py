@@ -429,6 +429,8 @@ class ModelSupervisor:
                 health = await m.runtime.health(timeout_s=min(timeout, 5.0))
                 if not health.ok:
                     alive = self.m.process_alive()
+                    if not alive or m.exited.is_set():
+                        return False  # the exit waiter records process_exited, with the exit status
                     reason = probes.diagnose(process_alive=alive, gpu=gpu, runtime_holds_model=True)
                     await self.lost(reason, health.detail or f"/health answered {health.status} while asleep")
                     return False
