@@ -35,6 +35,7 @@ __all__ = [
     "Link",
     "history_stream",
     "parse_ack_reply",
+    "stream_state",
     "translated",
 ]
 
@@ -45,6 +46,8 @@ CONFLICT_CODES = (10071, 10164)
 # gets its acknowledgement (or, if it was dropped, stores this one) once the proposal is settled.
 IN_PROCESS = 10158
 DEFAULT_REPLAY_TIMEOUT_S = 300.0  # a non-follow replay's deadline unless the caller gives one
+# how long a STREAM.INFO answered by a replica that knows no leader is asked again (stream_state)
+LEADERLESS_RETRY_S = 2.0
 NO_MESSAGE_FOUND = 10037  # JetStream's JSNoMessageFoundErr: the stream holds no such message
 
 
@@ -130,6 +133,28 @@ def translated(what: str) -> Iterator[None]:
         raise LogError(f"{what}: JetStream refused: {exc.description} (code {exc.err_code})") from exc
     except nats.errors.Error as exc:
         raise LogError(f"{what}: {exc}") from exc
+
+
+async def stream_state(
+    js: Any, stream: str, *, subjects_filter: str | None = None, within_s: float = LEADERLESS_RETRY_S
+) -> api.StreamInfo:
+    """STREAM.INFO as the stream's leader answers it. JetStream lets every replica that knows no leader for
+    its group answer this request with its own state (nats-server's jsStreamInfoRequest: a leaderless group),
+    and the first answer wins: a replica back from a partition, still behind and not yet told who leads, says
+    the stream ends where its copy ends, and a follower takes that for the log gone back. Such an answer
+    (no leader in its cluster part) is no reading of the stream: asked again for `within_s`, then
+    LogUnavailable, which callers retry as they do an election. Call inside `translated`."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while True:
+        info = await js.stream_info(stream, subjects_filter=subjects_filter)
+        if info.cluster is None or info.cluster.leader:
+            return info
+        if asyncio.get_running_loop().time() >= deadline:
+            raise LogUnavailable(
+                f"{stream}: the server that answered knows no leader for it (an election, or a replica back from "
+                f"a partition and still catching up), so its state may be behind the stream's: not read; retry"
+            )
+        await asyncio.sleep(0.2)
 
 
 def history_stream(

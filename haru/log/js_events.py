@@ -30,6 +30,7 @@ from haru.log.jetstream import (
     JetStreamClient,
     holds_nothing,
     not_an_answer,
+    stream_state,
     translated,
 )
 from haru.log.js_replay import Replay
@@ -272,7 +273,7 @@ class JetStreamEvents(JetStreamClient):
     async def last_seq(self) -> int:
         """The event stream's last sequence (0 when empty)."""
         with translated("reading the event stream's state"):
-            info = await self.js.stream_info(subjects.EVENTS_STREAM)
+            info = await stream_state(self.js, subjects.EVENTS_STREAM)
         return info.state.last_seq
 
     async def last_seq_matching(self, subject_filter: str) -> int:
@@ -301,7 +302,7 @@ class JetStreamEvents(JetStreamClient):
         answer and nats-py cannot ask for the next page: a list that long is counted from a replay.
         """
         with translated(f"listing the subjects {subject_filter}"):
-            info = await self.js.stream_info(subjects.EVENTS_STREAM, subjects_filter=subject_filter)
+            info = await stream_state(self.js, subjects.EVENTS_STREAM, subjects_filter=subject_filter)
         found = dict(info.state.subjects or {})
         if len(found) < _SUBJECTS_PAGE:
             return found

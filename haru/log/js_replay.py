@@ -31,7 +31,7 @@ from haru.core import subjects
 from haru.core.errors import LogDamaged, ReplayTimeout, seq_ranges
 from haru.core.events import AnyEvent
 from haru.log import holes
-from haru.log.jetstream import translated
+from haru.log.jetstream import stream_state, translated
 from haru.log.record import Record, decode_record, with_absolute_cause
 from haru.log.seam import Handler
 
@@ -106,7 +106,7 @@ class Replay:
             try:
                 async with asyncio.timeout_at(self.deadline):
                     with translated("reading the event stream's state"):
-                        s = (await self.js.stream_info(subjects.EVENTS_STREAM)).state
+                        s = (await stream_state(self.js, subjects.EVENTS_STREAM)).state
             except TimeoutError:
                 raise self._too_late() from None
             self.state = holes.StreamState(first_seq=s.first_seq, last_seq=s.last_seq, messages=s.messages)

@@ -11,7 +11,14 @@ import nats.js.errors
 
 from haru.core import subjects
 from haru.core.errors import Conflict, LogUnavailable
-from haru.log.jetstream import CONFLICT_CODES, JetStreamClient, holds_nothing, not_an_answer, translated
+from haru.log.jetstream import (
+    CONFLICT_CODES,
+    JetStreamClient,
+    holds_nothing,
+    not_an_answer,
+    stream_state,
+    translated,
+)
 
 __all__ = ["JetStreamViews"]
 
@@ -52,7 +59,7 @@ class JetStreamViews(JetStreamClient):
         # reads (a view during a failover) can come after that marker and be missed.
         prefix = f"$KV.{subjects.VIEWS_BUCKET}."
         with translated("listing views"):
-            info = await self.js.stream_info(f"KV_{subjects.VIEWS_BUCKET}", subjects_filter=f"{prefix}>")
+            info = await stream_state(self.js, f"KV_{subjects.VIEWS_BUCKET}", subjects_filter=f"{prefix}>")
         keys = sorted(s.removeprefix(prefix) for s in (info.state.subjects or {}))
         for key in keys:
             got = await self.get_view(key)

@@ -74,7 +74,7 @@ async def test_a_the_actives_region_partitioned_fails_over_and_no_client_sees_it
     assert load.since(t_fault), "no request ran through the failover"
     assert load.bad() == [], load.bad()[:10]
     history = await check_history(fleet)
-    assert [a for _, a in history.route] == ["a", "b"]
+    assert [a for _, a in history.route] == ["a", "b"], history.told()
 
 
 async def steady_in(region: int, rg: Regions, active: str, standby: str):
@@ -96,7 +96,7 @@ async def test_e_the_partition_heals_and_the_old_active_rejoins_as_the_standby(f
         await asyncio.sleep(2)
     assert load.bad() == [], load.bad()[:10]
     history = await check_history(fleet)
-    assert [a for _, a in history.route] == ["a", "b"], "a second flip after the heal"
+    assert [a for _, a in history.route] == ["a", "b"], "a second flip after the heal; " + history.told()
     # the promoter left in region 1 could not act while cut off, and said so in its named state
     said = fleet.procs["promoter-r1"].output(10**7)
     assert '"quorum_lost"' in said and '"quorum_regained"' in said, said[-3000:]
@@ -129,7 +129,7 @@ async def test_c_a_gateways_region_cut_from_nats_keeps_routing_and_catches_up(fl
 
     await wait_for(caught_up, 60, "region 3's gateway to serve the majority's view again", fleet)
     history = await check_history(fleet)
-    assert [a for _, a in history.route] == ["a", "b"]
+    assert [a for _, a in history.route] == ["a", "b"], history.told()
 
 
 async def test_b_the_actives_region_lost_with_its_node_and_promoter_fails_over_to_the_other(fleet):
@@ -149,4 +149,4 @@ async def test_b_the_actives_region_lost_with_its_node_and_promoter_fails_over_t
     assert load.since(t_fault), "no request ran through the failover"
     assert load.bad() == [], load.bad()[:10]
     history = await check_history(fleet)
-    assert [a for _, a in history.route] == ["a", "b", "a"]
+    assert [a for _, a in history.route] == ["a", "b", "a"], history.told()

@@ -80,4 +80,4 @@ async def test_d_late_move_fails_over_and_the_old_active_sleeps_with_no_client_s
     assert load.since(t_fault), "no request ran while the node was cut"
     assert load.bad() == [], (len(load.bad()), load.bad()[:10])
     history = await check_history(fleet)
-    assert [to for _, to in history.route][-1:] == ["b"], history.route
+    assert [to for _, to in history.route][-1:] == ["b"], history.told()

@@ -116,7 +116,7 @@ async def test_d_an_agent_on_a_node_cut_from_the_others_moves_to_a_node_with_a_m
     assert load.since(t_fault), "no request ran while the node was cut"
     assert load.bad() == [], load.bad()[:10]
     history = await check_history(fleet)
-    assert len(history.route) <= 2, f"a flip storm: {history.route}"
+    assert len(history.route) <= 2, f"a flip storm: {history.route}; " + history.told()
     del active
 
 
@@ -167,7 +167,7 @@ async def test_f_a_flapping_link_makes_a_bounded_number_of_operations_and_no_cli
     told = [(type(o).__name__, o.target, getattr(o, "reason", ""), history.ops.get(o.op_id, ["?"])[-1]) for o in ops]
     print(f"flapping: {len(ops)} operations over {heals} heals ({told}), flips {flips}")
     # one failover, and no flip back and forth with the flaps
-    assert [a for _, a in flips] == [new], f"a flip storm: {history.route}"
+    assert [a for _, a in flips] == [new], f"a flip storm: {history.route}; " + history.told()
     # bounded by the flaps, not by time: the failover, and at most one operation per heal (the rejoining old
     # active demoted, or an operation a flap cut short ended and asked again), never a storm
     assert len(ops) <= 1 + heals, told

@@ -25,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import nats
 import nats.errors
 
@@ -265,6 +266,11 @@ class History:
     route: list[tuple[int, str]]  # (sequence, active) of each route_moved, in order
     ops: dict[str, list[str]]  # op id -> the types of its events, in order
     witnesses: dict[str, int]  # witness -> acknowledged appends checked
+    story: str = ""  # the fleet's operations, route moves and liveness verdicts, one line each, in order
+
+    def told(self) -> str:
+        """For an assertion's message: what the log says happened, so a failure explains itself."""
+        return "the log says:\n" + self.story
 
 
 async def check_history(fleet: RegionFleet) -> History:
@@ -343,6 +349,13 @@ async def _check_history(fleet: RegionFleet) -> History:
             op_id = getattr(rec.event, "op_id", None)
             if op_id:
                 ops.setdefault(op_id, []).append(type(rec.event).__name__)
+        told = await log.history(subjects.op(FLEET)) + await log.history(subjects.route(FLEET))
+        for d in DOMAINS:
+            told += await log.history(subjects.liveness(FLEET, d))
+        story = "\n".join(
+            f"  {rec.seq} {rec.subject.rsplit('.', 2)[-1]} {msgspec.json.encode(rec.event).decode()[:400]}"
+            for rec in sorted(told, key=lambda r: r.seq)
+        )
         for op_id, kinds in ops.items():
             if kinds[0].endswith("Requested") and not (
                 OperationCompleted.__name__ in kinds or OperationAborted.__name__ in kinds
@@ -359,8 +372,8 @@ async def _check_history(fleet: RegionFleet) -> History:
         raise LogUnavailable(f"haru verify could not read the log yet: {verify.stderr[-300:]}")
     if verify.returncode != 0:
         problems.append(f"haru verify failed: {verify.stdout[-1500:]} {verify.stderr[-1500:]}")
-    assert not problems, "\n".join(problems)
-    return History(route, ops, witnesses)
+    assert not problems, "\n".join(problems) + "\nthe log says:\n" + story
+    return History(route, ops, witnesses, story)
 
 
 # ------------------------------------------------------------ waiting on the fleet, as the scenarios do
