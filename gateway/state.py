@@ -209,11 +209,14 @@ class RouteFollower:
         """
         stuck: list[str] = []
         for fleet in self.table.fleets():
-            # Read once: what the log holds now, for the rewind check and the catch-up alike.
+            # Read once: what the log holds now, for the rewind check and the catch-up alike. What the gateway
+            # held when the reads began is what they are checked against: a watch that delivers something
+            # newer while they wait has not been rewound (a view rewritten every second was "rewound" so).
+            held_before = {kind: self._held.get((fleet, kind)) for kind in ("route", "intent", "view")}
             last_move = await self.events.last(subjects.route(fleet))
             intent = await self.events.last_intent(fleet)
             view = await self.events.get_view(subjects.view_key(fleet))
-            rewound = await self._rewound(fleet, last_move, intent, view)
+            rewound = await self._rewound(fleet, last_move, intent, view, held_before)
             if rewound:
                 self.rewinds += 1
                 behind.clear()
@@ -250,13 +253,24 @@ class RouteFollower:
         return stuck
 
     async def _rewound(
-        self, fleet: str, last: Record | None, got: tuple[bytes, int] | None, view: tuple[bytes, int] | None
+        self,
+        fleet: str,
+        last: Record | None,
+        got: tuple[bytes, int] | None,
+        view: tuple[bytes, int] | None,
+        held_before: dict[str, tuple[int, bytes] | None],
     ) -> list[str]:
         """What of `fleet` the log went back behind (route, intent, view), each already reset to what the
         log holds now (`last` route record, last intent, stored view). The route subject first: an intent
-        is never patched by a move the log forgot."""
+        is never patched by a move the log forgot. A kind whose held value changed since the reads began
+        (`held_before`) is not judged: a watch delivered it after the read, and the next pass checks it."""
+
+        def held_now(kind: str) -> tuple[int, bytes] | None:
+            held = self._held.get((fleet, kind))
+            return held if held == held_before.get(kind) else None
+
         found = []
-        held = self._held.get((fleet, "route"))
+        held = held_now("route")
         if held is not None:
             now = (last.seq, last.data) if last is not None else None
             if now is not None and now[0] > held[0]:
@@ -271,7 +285,7 @@ class RouteFollower:
                 self._route_seq = await self.events.last_seq_matching(_ROUTES)  # the follower starts after it
                 if last is not None:
                     self.on_route_record(last)
-        held = self._held.get((fleet, "intent"))
+        held = held_now("intent")
         if held is not None:
             if got is None or reading(held[0], held[1], got[1], got[0]) == "reset":
                 found.append("intent")
@@ -293,7 +307,7 @@ class RouteFollower:
                             else intent_after_move(routes.view if routes else None, None, moved, last.seq)
                         )
                     self._apply_intent(fleet, intent, got[1] if got is not None else 0, rewound=True, body=got)
-        held = self._held.get((fleet, "view"))
+        held = held_now("view")
         if held is not None and view is not None and reading(held[0], held[1], view[1], view[0]) == "reset":
             found.append("view")
             self._view_delivered[fleet] = view[1]

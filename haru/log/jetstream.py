@@ -146,7 +146,7 @@ async def stream_state(
     LogUnavailable, which callers retry as they do an election. Call inside `translated`."""
     deadline = asyncio.get_running_loop().time() + within_s
     while True:
-        info = await js.stream_info(stream, subjects_filter=subjects_filter)
+        info: api.StreamInfo = await js.stream_info(stream, subjects_filter=subjects_filter)
         if info.cluster is None or info.cluster.leader:
             return info
         if asyncio.get_running_loop().time() >= deadline:
