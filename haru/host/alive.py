@@ -105,6 +105,11 @@ class Heard:
         now = time.monotonic()
         return sorted(i for (r, i), t in self.last.items() if r == role and now - t <= within_s)
 
+    def ages(self, role: str, within_s: float = SILENT_AFTER_S) -> list[float]:
+        """Seconds since each replica of `role` heard within `within_s` was last heard."""
+        now = time.monotonic()
+        return [now - t for (r, _), t in self.last.items() if r == role and now - t <= within_s]
+
     def last_heard_s(self, role: str) -> float | None:
         """Seconds since any replica of `role` was heard (None: never)."""
         times = [t for (r, _), t in self.last.items() if r == role]

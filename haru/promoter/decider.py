@@ -47,7 +47,9 @@ def decide(view: FleetView, facts: Facts) -> list[Append]:
 
     The service appends them in order and decides again after its view has folded its own appends.
     """
-    out: list[Append] = list(judge_liveness(view, facts.silent_ms, facts.listening_ms, facts.now))
+    out: list[Append] = list(
+        judge_liveness(view, facts.silent_ms, facts.listening_ms, facts.now, most_heard_ms=facts.most_heard_ms)
+    )
     if not view.domains:
         return out
     if any(isinstance(a.event, DomainReachable) and a.event.domain == view.active for a in out):

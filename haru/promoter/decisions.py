@@ -27,6 +27,9 @@ class Facts(msgspec.Struct, frozen=True, kw_only=True):
     `silent_ms`:     per domain, ms since its last heartbeat; None = not heard since listening began.
     `listening_ms`:  how long this promoter has listened to heartbeats (no verdict of silence before
                      one heartbeat timeout has passed).
+    `most_heard_ms`: ms since this promoter last heard most of the promoters it knows (itself included);
+                     None = it cannot tell (fewer than three known). Silence it measured after that
+                     moment may be its own isolation, not the domain's: it is no evidence.
     `running`:       (op_id, step, attempt) this process is executing now.
     `step_by`:       who appended the operation's latest `step_started` (the service keeps it).
     `me`:            this promoter's writer id. A started step written by `me` that `me` is not running
@@ -45,6 +48,7 @@ class Facts(msgspec.Struct, frozen=True, kw_only=True):
     new_op_id: str = ""
     silent_ms: dict[str, int | None] = {}
     listening_ms: int = 0
+    most_heard_ms: int | None = None
     running: frozenset[tuple[str, str, int]] = frozenset()
     step_by: str = ""
     runner_silent_ms: int | None = None

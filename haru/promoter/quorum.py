@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from haru.core.errors import LogError, LogUnavailable
 
-__all__ = ["Isolation", "Quorum", "QuorumState", "no_quorum", "reaches_most"]
+__all__ = ["Isolation", "Quorum", "QuorumState", "most_heard_ago", "no_quorum", "reaches_most"]
 
 QuorumState = Literal["majority", "minority"]
 
@@ -50,6 +50,15 @@ def reaches_most(heard: int, known: int) -> bool:
     the majority's side of any cut: with three or more known, a strict majority heard; with fewer it
     cannot tell (False)."""
     return known >= 3 and 2 * heard > known
+
+
+def most_heard_ago(ages: list[float]) -> float | None:
+    """How long ago a promoter last heard most of the promoters it knows, given how long ago it heard each
+    (`ages`, itself included): the age of the one that makes a strict majority, freshest first. None with
+    fewer than three known: it cannot tell (`reaches_most`)."""
+    if len(ages) < 3:
+        return None
+    return sorted(ages)[len(ages) // 2]
 
 
 def no_quorum(exc: LogError) -> bool:

@@ -83,7 +83,7 @@ from haru.promoter.drive import not_applicable
 from haru.promoter.fleets import FleetState, StepRunner, first_standbys, utcnow
 from haru.promoter.metrics import PromoterMetrics
 from haru.promoter.provisioning import Provisioning
-from haru.promoter.quorum import RECHECK_S, Isolation, Quorum, reaches_most
+from haru.promoter.quorum import RECHECK_S, Isolation, Quorum, most_heard_ago, reaches_most
 from haru.promoter.router_acks import RouterAcks
 from haru.promoter.runners import StepRunners
 
@@ -91,6 +91,9 @@ log_ = structlog.get_logger("haru.promoter")
 
 STALL_CHECK_S = 2.0
 KNOWN_PEERS_S = 60.0  # the promoters heard within this long are the ones a replica knows (reaches_most)
+# Promoters beat twice as often as the other roles: a verdict of silence waits for a beat of most of them
+# after the silence began (promoter/liveness.py), so their interval is added to a failover's detection.
+PEER_BEAT_S = 0.5
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> None:
@@ -328,7 +331,9 @@ class Promoter:
         self._listening_since = time.monotonic()
         follower: asyncio.Task | None = None
         # this replica's own heartbeat: a peer that hears it stop takes over its step (haru/host/alive.py)
-        beating = asyncio.create_task(alive.beat(self.log.bus, "promoter", self.identity), name="promoter-alive")
+        beating = asyncio.create_task(
+            alive.beat(self.log.bus, "promoter", self.identity, interval=PEER_BEAT_S), name="promoter-alive"
+        )
         try:
 
             async def resumed() -> int:  # `resume`, then the head the catch-up folds up to; anew on each try
@@ -491,6 +496,8 @@ class Promoter:
         listening_ms = int((now_m - self._listening_since) * 1000)
         if self.quorum.state == "minority" or cut_off:  # silence we measure is our own isolation (quorum.py)
             silent, listening_ms = dict.fromkeys(silent), 0
+        # silence measured since most promoters were last heard may be our own isolation (promoter/liveness.py)
+        most_heard = most_heard_ago(self.peers.ages("promoter", within_s=KNOWN_PEERS_S))
         op = st.view.operation
         runner = st.step_by.get(op.op_id, "") if op is not None else ""
         runner_silent = self.peers.silent_s("promoter", runner) if runner else None
@@ -505,6 +512,7 @@ class Promoter:
             new_op_id=new_op_id(),
             silent_ms=silent,
             listening_ms=listening_ms,
+            most_heard_ms=None if most_heard is None else int(most_heard * 1000),
             running=frozenset(st.running),
             step_by=runner,
             runner_silent_ms=None if runner_silent is None else int(runner_silent * 1000),

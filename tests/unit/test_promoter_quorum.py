@@ -5,7 +5,9 @@ from __future__ import annotations
 import structlog
 
 from haru.core.errors import LogError, LogUnavailable
-from haru.promoter.quorum import RECHECK_S, Isolation, Quorum, no_quorum, reaches_most
+from haru.promoter.liveness import judge_liveness
+from haru.promoter.quorum import RECHECK_S, Isolation, Quorum, most_heard_ago, no_quorum, reaches_most
+from tests.support.decider import at, given, healthy_fleet
 
 
 def test_only_failures_no_majority_answered_count_as_minority():
@@ -81,3 +83,27 @@ def test_an_episode_with_the_others_never_heard_again_lapses_they_may_be_gone():
     assert iso.judge(heard=1, known=1, now=RECHECK_S) == "still"
     assert iso.judge(heard=1, known=1, now=RECHECK_S + 1) == "lapsed"
     assert iso.judge(heard=1, known=1, now=RECHECK_S + 2) == ""  # whom it knew was forgotten with the lapse
+
+
+def test_most_heard_is_the_age_of_the_promoter_that_makes_a_majority():
+    assert most_heard_ago([0.0, 0.4, 7.5]) == 0.4  # itself now, one peer 0.4 s ago, one silent: 2 of 3
+    assert most_heard_ago([0.0, 4.2, 4.3]) == 4.2  # cut off 4.2 s ago: most were last heard then
+    assert most_heard_ago([0.1, 0.2, 9.0, 9.5, 0.3]) == 0.3  # 3 of 5
+    assert most_heard_ago([0.0, 0.1]) is None  # two known: it cannot tell
+
+
+def test_silence_measured_after_most_promoters_were_last_heard_is_no_verdict():
+    """The cut-off side's race: a promoter cut off with its region stops hearing the active and its peers at
+    once, and may reach the heartbeat timeout before it finds the peers silent. Its verdict, appended after
+    the heal, failed over a fleet whose active had served throughout (the region tests saw it)."""
+    view = given(*healthy_fleet())  # heartbeat_timeout_ms 1000 (tests/support/decider.py)
+    silent = {"a": 1100, "b": 1100}
+
+    def verdicts(most_heard_ms):
+        return [a.event.domain for a in judge_liveness(view, silent, 60_000, at(5), most_heard_ms=most_heard_ms)]
+
+    assert verdicts(None) == ["a", "b"]  # fewer than three promoters known: silence is judged as measured
+    assert verdicts(50) == ["a", "b"]  # most promoters heard 50 ms ago: 1050 ms of silence vouched for
+    assert verdicts(900) == []  # cut off 900 ms ago: only 200 ms of the silence was heard with the others
+    never = judge_liveness(view, {"a": None, "b": 1100}, 1100, at(5), most_heard_ms=900)
+    assert never == []  # never heard: the listening counts the same way
