@@ -269,7 +269,7 @@ class Projector:
             from_seq = await until_available(self.load, on_retry=self._load_retried)  # each try reads it all again
         else:
             self.stats.resumed_from = from_seq
-        self._caught_up_at = await self.log.last_seq()
+        self._caught_up_at = await until_available(self.log.last_seq)
         log_.info(
             "projector.resume",
             from_seq=from_seq,
