@@ -123,19 +123,23 @@ async def test_a_promoter_killed_in_the_middle_of_a_rolling_change_is_resumed_by
 
 @pytest.mark.timeout(240)
 async def test_a_rolling_change_is_one_in_flight_and_abortable_before_the_flip(tmp_path, nats_server, event_log):
-    async with rolling_fleet(tmp_path, nats_server, event_log, step_delay_ms=1500) as fleet:
+    # Each step pauses 2.5 s, so the flip is ~10 s after stop_training starts: room for three CLI runs (a
+    # loaded CI machine took over 6 s for them, one after another, with 1.5 s steps).
+    async with rolling_fleet(tmp_path, nats_server, event_log, step_delay_ms=2500) as fleet:
         edit_layout(fleet.layout, context_4096)
         out = await apply_cli(nats_server.url, fleet.layout)
         assert out.returncode == 0, out.stderr
         op_id = await rolling_op_id(event_log)
         await wait_until(lambda: started(event_log, op_id, "stop_training"), 60, what="stop_training started")
-        # one operation in flight per fleet: another kind conflicts, the same one joins
-        other = await asyncio.to_thread(haru, "promote", "a", "--fleet", FLEET, nats_url=nats_server.url)
+        # one operation in flight per fleet: another kind conflicts, the same one joins (asked at once)
+        other, same = await asyncio.gather(
+            asyncio.to_thread(haru, "promote", "a", "--fleet", FLEET, nats_url=nats_server.url),
+            asyncio.to_thread(haru, "roll", "--fleet", FLEET, nats_url=nats_server.url),
+        )
         assert other.returncode == 4 and op_id in other.stdout and "in flight" in other.stderr, (
             other.stdout,
             other.stderr,
         )
-        same = await asyncio.to_thread(haru, "roll", "--fleet", FLEET, nats_url=nats_server.url)
         assert same.returncode == 0 and same.stdout.strip() == op_id, (same.stdout, same.stderr)
         aborted = await asyncio.to_thread(
             haru, "op", "abort", op_id, "--why", "wrong context", nats_url=nats_server.url
