@@ -10,11 +10,12 @@ cannot tell a silent domain from one it has not had time to hear.
 
 Nor does one count silence it cannot vouch for. A promoter cut off with its region stops hearing the
 domains and its peers in the same moment, and may reach a heartbeat timeout before it finds its peers
-silent (beats arrive once a second, in their own phases; a loaded machine's event loop lags): its verdict,
-appended once the cut heals, failed over a fleet whose active had served throughout. So the silence that
-counts is the part heard while the promoter still heard most of the promoters it knows (`most_heard_ms`:
-how long ago it last did; None when it knows fewer than three and cannot tell): a silent domain is judged
-once its silence up to that moment reaches the timeout, a beat of the peers later than before.
+silent (heartbeats and the peers' beats come in their own phases; a loaded machine's event loop lags):
+its verdict, appended once the cut heals, failed over a fleet whose active had served throughout. So the
+silence that counts is the part heard while the promoter still heard most of the promoters it knows
+(`most_heard_ms`: how long ago it last did; None when it knows fewer than three and cannot tell): a silent
+domain is judged once its silence up to that moment reaches the timeout, a beat of the peers later than
+before.
 """
 
 from __future__ import annotations
